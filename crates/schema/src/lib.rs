@@ -1,0 +1,45 @@
+//! TrustGraph-compatible wire types of the agent service.
+//!
+//! Every message is plain UTF-8 JSON with every field present and `null` for None, exactly as
+//! TrustGraph serialises it, so that this service is a drop-in on the same topics. The types derive
+//! `JsonSchema`; `schemas/` holds the generated schemas and a test fails when they drift.
+
+mod request;
+mod response;
+mod triples;
+
+pub use request::{AgentRequest, AgentStep, PlanStep, StepType};
+pub use response::{AgentResponse, ErrorInfo, MessageType};
+pub use triples::{Metadata, Term, Triple, Triples};
+
+/// The message property that correlates a request with its responses and `next` requests.
+pub const ID_PROPERTY: &str = "id";
+
+/// Why a payload could not be decoded.
+pub type DecodeError = serde_json::Error;
+
+/// Decodes a wire payload.
+pub fn decode<T: serde::de::DeserializeOwned>(bytes: &[u8]) -> Result<T, DecodeError> {
+    serde_json::from_slice(bytes)
+}
+
+/// Encodes a wire payload.
+pub fn encode<T: serde::Serialize>(value: &T) -> Vec<u8> {
+    // Serialising these plain data types cannot fail: every map key is a string.
+    serde_json::to_vec(value).unwrap_or_default()
+}
+
+/// JSON Schemas of every wire message, by file name, as written into `schemas/`.
+pub fn json_schemas() -> Vec<(&'static str, String)> {
+    fn pretty<T: schemars::JsonSchema>() -> String {
+        let schema = schemars::schema_for!(T);
+        let mut text = serde_json::to_string_pretty(&schema).unwrap_or_default();
+        text.push('\n');
+        text
+    }
+    vec![
+        ("agent-request.schema.json", pretty::<AgentRequest>()),
+        ("agent-response.schema.json", pretty::<AgentResponse>()),
+        ("triples.schema.json", pretty::<Triples>()),
+    ]
+}
