@@ -1,1 +1,8 @@
-//! placeholder
+//! Agent logic with no I/O: the ReACT protocol parser, tool scoping, prompts, config and provenance
+//! builders. The orchestrator drives these; unit tests drive them directly.
+
+pub mod config;
+pub mod prompt;
+pub mod provenance;
+pub mod react;
+pub mod tools;

@@ -1,0 +1,152 @@
+//! Prompt templates and the rendering of the ReACT prompt from a request, its tools and its history.
+
+use std::collections::BTreeMap;
+
+use agent_schema::AgentStep;
+
+use crate::tools::ToolDef;
+
+/// The ReACT system prompt used when config gives none.
+pub const DEFAULT_REACT_SYSTEM: &str = "You are a careful assistant that answers questions by reasoning step by step and using tools when they help.";
+
+/// The ReACT user prompt used when config gives none. `{{name}}` placeholders are filled in.
+pub const DEFAULT_REACT_TEMPLATE: &str = "{{framing}}Answer the question below. You may use these tools:\n\n{{tools}}\n\nRespond in exactly one of these two forms.\n\nTo use a tool:\nThought: <your reasoning>\nAction: <one of: {{tool_names}}>\nArgs: <a JSON object with the tool's arguments>\n\nTo answer:\nThought: <your reasoning>\nFinal Answer: <the answer>\n\nQuestion: {{question}}\n{{history}}";
+
+/// A system and user prompt pair.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct PromptTemplate {
+    pub system: String,
+    pub template: String,
+}
+
+impl Default for PromptTemplate {
+    fn default() -> Self {
+        PromptTemplate {
+            system: DEFAULT_REACT_SYSTEM.to_owned(),
+            template: DEFAULT_REACT_TEMPLATE.to_owned(),
+        }
+    }
+}
+
+/// Fills `{{name}}` placeholders in one pass, so a value that itself contains `{{...}}` (user text)
+/// is never expanded again. Unknown placeholders are left as they are.
+///
+/// ```
+/// let vars = [("q", "{{q}}".to_owned())].into_iter().collect();
+/// assert_eq!(agent_core::prompt::render("Q: {{q}} {{x}}", &vars), "Q: {{q}} {{x}}");
+/// ```
+pub fn render(template: &str, vars: &BTreeMap<&str, String>) -> String {
+    let mut out = String::with_capacity(template.len());
+    let mut rest = template;
+    while let Some(start) = rest.find("{{") {
+        out.push_str(&rest[..start]);
+        let after = &rest[start + 2..];
+        match after.find("}}") {
+            Some(end) => {
+                let name = after[..end].trim();
+                match vars.get(name) {
+                    Some(value) => out.push_str(value),
+                    None => out.push_str(&rest[start..start + 2 + end + 2]),
+                }
+                rest = &after[end + 2..];
+            }
+            None => {
+                out.push_str(&rest[start..]);
+                rest = "";
+            }
+        }
+    }
+    out.push_str(rest);
+    out
+}
+
+/// The tools as the LLM sees them: one line per tool with its arguments.
+pub fn describe_tools(tools: &[&ToolDef]) -> String {
+    if tools.is_empty() {
+        return "(no tools are available: answer directly)".to_owned();
+    }
+    tools
+        .iter()
+        .map(|t| {
+            let args: Vec<String> = t
+                .arguments
+                .iter()
+                .map(|a| format!("{} ({}): {}", a.name, a.kind, a.description))
+                .collect();
+            if args.is_empty() {
+                format!("- {}: {}", t.name, t.description)
+            } else {
+                format!("- {}: {}\n  arguments: {}", t.name, t.description, args.join("; "))
+            }
+        })
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+/// The history as a continued ReACT transcript.
+pub fn render_history(history: &[AgentStep]) -> String {
+    let mut out = String::new();
+    for step in history {
+        if !step.thought.is_empty() {
+            out.push_str(&format!("Thought: {}\n", step.thought));
+        }
+        if !step.action.is_empty() {
+            out.push_str(&format!("Action: {}\n", step.action));
+            let args = serde_json::to_string(&step.arguments).unwrap_or_default();
+            out.push_str(&format!("Args: {args}\n"));
+        }
+        out.push_str(&format!("Observation: {}\n", step.observation));
+    }
+    out
+}
+
+/// Renders the ReACT prompt for one iteration.
+pub fn react_prompt(
+    template: &PromptTemplate,
+    question: &str,
+    framing: &str,
+    tools: &[&ToolDef],
+    history: &[AgentStep],
+) -> (String, String) {
+    let framing = if framing.is_empty() {
+        String::new()
+    } else {
+        format!("{framing}\n\n")
+    };
+    let names: Vec<&str> = tools.iter().map(|t| t.name.as_str()).collect();
+    let vars: BTreeMap<&str, String> = [
+        ("question", question.to_owned()),
+        ("framing", framing),
+        ("tools", describe_tools(tools)),
+        ("tool_names", names.join(", ")),
+        ("history", render_history(history)),
+    ]
+    .into_iter()
+    .collect();
+    (template.system.clone(), render(&template.template, &vars))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn history_is_rendered_as_a_transcript() {
+        let step = AgentStep {
+            thought: "look it up".into(),
+            action: "llm".into(),
+            arguments: [("question".to_owned(), "x?".to_owned())].into(),
+            observation: "42".into(),
+            ..AgentStep::default()
+        };
+        let (_, prompt) = react_prompt(&PromptTemplate::default(), "Q?", "", &[], &[step]);
+        assert!(prompt.contains("Question: Q?\nThought: look it up\nAction: llm\nArgs: {\"question\":\"x?\"}\nObservation: 42\n"));
+        assert!(prompt.contains("no tools are available"));
+    }
+
+    #[test]
+    fn user_text_is_not_expanded_as_a_placeholder() {
+        let (_, prompt) = react_prompt(&PromptTemplate::default(), "{{tools}}", "", &[], &[]);
+        assert!(prompt.contains("Question: {{tools}}"));
+    }
+}
