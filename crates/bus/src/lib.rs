@@ -1,1 +1,45 @@
-//! placeholder
+//! Pulsar transport for the agent services: topic names, typed publishing that waits for the
+//! broker's receipt, and a bounded consumer loop that acks only after the handler's effects are
+//! published, nacks transient failures and dead-letters payloads that do not decode.
+
+mod consumer;
+mod error;
+mod publisher;
+mod topics;
+
+pub use consumer::{run_consumer, ConsumerStats, Delivery, Disposition, SubscriptionConfig};
+pub use error::BusError;
+pub use publisher::Publisher;
+pub use topics::Topics;
+
+use std::collections::BTreeMap;
+
+use pulsar::{Authentication, Pulsar, TokioExecutor};
+
+/// Message properties.
+pub type Properties = BTreeMap<String, String>;
+
+/// A connection to the broker shared by every producer and consumer of a process.
+#[derive(Clone)]
+pub struct Bus {
+    client: Pulsar<TokioExecutor>,
+}
+
+impl Bus {
+    /// Connects to `url` (`pulsar://` or `pulsar+ssl://`), with token authentication when a token is given.
+    pub async fn connect(url: &str, token: Option<&str>) -> Result<Bus, BusError> {
+        let mut builder = Pulsar::builder(url, TokioExecutor);
+        if let Some(token) = token.filter(|t| !t.is_empty()) {
+            builder = builder.with_auth(Authentication {
+                name: "token".to_owned(),
+                data: token.as_bytes().to_vec(),
+            });
+        }
+        let client = builder.build().await.map_err(BusError::connect)?;
+        Ok(Bus { client })
+    }
+
+    pub fn client(&self) -> &Pulsar<TokioExecutor> {
+        &self.client
+    }
+}

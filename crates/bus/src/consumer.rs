@@ -1,0 +1,260 @@
+//! The consumer loop: one `select!` over shutdown, finished work and the next message, with a bound
+//! on messages in flight. A message is acked only after its handler returned, and a handler returns
+//! only after everything the message caused has been published.
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::StreamExt;
+use pulsar::consumer::{ConsumerOptions, DeadLetterPolicy, InitialPosition, Message};
+use pulsar::{Consumer, SubType, TokioExecutor};
+use serde::de::DeserializeOwned;
+use tokio::task::{Id, JoinSet};
+use tokio_util::sync::CancellationToken;
+
+use crate::{Bus, BusError, Properties, Publisher};
+
+/// Where and how to consume.
+#[derive(Debug, Clone)]
+pub struct SubscriptionConfig {
+    pub topic: String,
+    /// Every replica uses the same name: a Shared subscription spreads messages across them.
+    pub subscription: String,
+    /// Messages handled at once; also the receiver queue, so a crashed consumer holds few messages.
+    pub max_in_flight: usize,
+    /// Deliveries of one message before the broker-side count moves it to the dead-letter topic.
+    pub max_redeliveries: usize,
+    pub dead_letter_topic: String,
+    /// How long in-flight work may take to finish after shutdown is requested.
+    pub drain_deadline: Duration,
+}
+
+/// A decoded message handed to the handler.
+#[derive(Debug, Clone)]
+pub struct Delivery<T> {
+    pub payload: T,
+    pub properties: Properties,
+}
+
+/// What to do with a message once its handler finished.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Disposition {
+    /// Its effects are published.
+    Ack,
+    /// A transient failure: deliver it again.
+    Nack(String),
+    /// It can never succeed: move it to the dead-letter topic.
+    DeadLetter(String),
+}
+
+/// Counters of one consumer, for logs, metrics and tests.
+#[derive(Debug, Default)]
+pub struct ConsumerStats {
+    pub received: AtomicU64,
+    pub acked: AtomicU64,
+    pub nacked: AtomicU64,
+    pub dead_lettered: AtomicU64,
+}
+
+impl ConsumerStats {
+    pub fn get(counter: &AtomicU64) -> u64 {
+        counter.load(Ordering::Relaxed)
+    }
+}
+
+/// The property that says why a message was dead-lettered.
+pub const DEAD_LETTER_REASON: &str = "dead-letter-reason";
+/// The property naming the topic a dead-lettered message came from.
+pub const DEAD_LETTER_ORIGIN: &str = "dead-letter-origin-topic";
+
+/// Consumes `config.topic` until `shutdown`, handing each decoded message to `handler`.
+///
+/// Payloads that do not decode as `T` go to the dead-letter topic with the reason in a property, are
+/// logged and counted, and the loop goes on.
+pub async fn run_consumer<T, F, Fut>(
+    bus: &Bus,
+    config: SubscriptionConfig,
+    stats: Arc<ConsumerStats>,
+    shutdown: CancellationToken,
+    handler: F,
+) -> Result<(), BusError>
+where
+    T: DeserializeOwned + Send + 'static,
+    F: Fn(Delivery<T>) -> Fut + Send + Sync + 'static,
+    Fut: Future<Output = Disposition> + Send + 'static,
+{
+    let max_in_flight = config.max_in_flight.max(1);
+    let dead_letters = Publisher::new(bus, &config.dead_letter_topic).await?;
+    let mut consumer: Consumer<Vec<u8>, TokioExecutor> = bus
+        .client()
+        .consumer()
+        .with_topic(&config.topic)
+        .with_subscription(&config.subscription)
+        .with_subscription_type(SubType::Shared)
+        // Consumer ids must be unique per subscription across processes (pulsar-lite refuses a
+        // second "consumer 0"), and each process numbers its own from 0.
+        .with_consumer_id(rand::random::<u64>() >> 1)
+        .with_batch_size(max_in_flight as u32)
+        .with_options(ConsumerOptions {
+            receiver_queue_size: Some(max_in_flight as u32),
+            // A request published before the first replica subscribed must still be served.
+            initial_position: InitialPosition::Earliest,
+            ..ConsumerOptions::default()
+        })
+        .with_dead_letter_policy(DeadLetterPolicy {
+            max_redeliver_count: config.max_redeliveries,
+            dead_letter_topic: config.dead_letter_topic.clone(),
+        })
+        .build()
+        .await
+        .map_err(|e| BusError::Subscribe {
+            topic: config.topic.clone(),
+            message: e.to_string(),
+        })?;
+    tracing::info!(topic = %config.topic, subscription = %config.subscription, "consuming");
+
+    let handler = Arc::new(handler);
+    let mut tasks: JoinSet<Disposition> = JoinSet::new();
+    let mut in_flight: HashMap<Id, Message<Vec<u8>>> = HashMap::new();
+    let mut result = Ok(());
+    loop {
+        tokio::select! {
+            biased;
+            _ = shutdown.cancelled() => break,
+            Some(done) = tasks.join_next_with_id(), if !tasks.is_empty() => {
+                settle(&mut consumer, &dead_letters, &stats, &mut in_flight, done).await;
+            }
+            next = consumer.next(), if tasks.len() < max_in_flight => match next {
+                Some(Ok(message)) => {
+                    stats.received.fetch_add(1, Ordering::Relaxed);
+                    let properties: Properties = message
+                        .payload
+                        .metadata
+                        .properties
+                        .iter()
+                        .map(|kv| (kv.key.clone(), kv.value.clone()))
+                        .collect();
+                    match serde_json::from_slice::<T>(&message.payload.data) {
+                        Ok(payload) => {
+                            let work = handler(Delivery { payload, properties });
+                            let handle = tasks.spawn(work);
+                            in_flight.insert(handle.id(), message);
+                        }
+                        Err(e) => {
+                            let reason = format!("payload does not decode: {e}");
+                            dead_letter(&mut consumer, &dead_letters, &stats, &message, &reason).await;
+                        }
+                    }
+                }
+                Some(Err(e)) => {
+                    tracing::warn!(topic = %config.topic, error = %e, "receive failed");
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+                None => {
+                    result = Err(BusError::ConsumerStopped {
+                        topic: config.topic.clone(),
+                        message: "the message stream ended".into(),
+                    });
+                    break;
+                }
+            }
+        }
+    }
+
+    // Drain: finish what is in flight so its effects are published and acked; whatever misses the
+    // deadline stays un-acked and is redelivered to another replica.
+    let deadline = tokio::time::sleep(config.drain_deadline);
+    tokio::pin!(deadline);
+    while !tasks.is_empty() {
+        tokio::select! {
+            _ = &mut deadline => {
+                tracing::warn!(left = tasks.len(), "drain deadline passed; leaving messages un-acked");
+                tasks.abort_all();
+                break;
+            }
+            Some(done) = tasks.join_next_with_id() => {
+                settle(&mut consumer, &dead_letters, &stats, &mut in_flight, done).await;
+            }
+        }
+    }
+    if let Err(e) = consumer.close().await {
+        tracing::debug!(error = %e, "closing the consumer");
+    }
+    result
+}
+
+async fn settle(
+    consumer: &mut Consumer<Vec<u8>, TokioExecutor>,
+    dead_letters: &Publisher,
+    stats: &ConsumerStats,
+    in_flight: &mut HashMap<Id, Message<Vec<u8>>>,
+    done: Result<(Id, Disposition), tokio::task::JoinError>,
+) {
+    let (id, disposition) = match done {
+        Ok(pair) => pair,
+        // A handler that died is a transient failure: another attempt may succeed.
+        Err(e) => (e.id(), Disposition::Nack(format!("handler failed: {e}"))),
+    };
+    let Some(message) = in_flight.remove(&id) else {
+        return;
+    };
+    match disposition {
+        Disposition::Ack => {
+            if let Err(e) = consumer.ack(&message).await {
+                tracing::warn!(error = %e, "ack failed; the message will be redelivered");
+            } else {
+                stats.acked.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+        Disposition::Nack(reason) => {
+            tracing::warn!(%reason, "nack");
+            stats.nacked.fetch_add(1, Ordering::Relaxed);
+            if let Err(e) = consumer.nack(&message).await {
+                tracing::warn!(error = %e, "nack failed");
+            }
+        }
+        Disposition::DeadLetter(reason) => {
+            dead_letter(consumer, dead_letters, stats, &message, &reason).await;
+        }
+    }
+}
+
+async fn dead_letter(
+    consumer: &mut Consumer<Vec<u8>, TokioExecutor>,
+    dead_letters: &Publisher,
+    stats: &ConsumerStats,
+    message: &Message<Vec<u8>>,
+    reason: &str,
+) {
+    tracing::warn!(topic = %message.topic, %reason, "dead-lettering a message");
+    let mut properties: Properties = message
+        .payload
+        .metadata
+        .properties
+        .iter()
+        .map(|kv| (kv.key.clone(), kv.value.clone()))
+        .collect();
+    properties.insert(DEAD_LETTER_REASON.to_owned(), reason.to_owned());
+    properties.insert(DEAD_LETTER_ORIGIN.to_owned(), message.topic.clone());
+    match dead_letters
+        .send(message.payload.data.clone(), &properties)
+        .await
+    {
+        Ok(()) => {
+            stats.dead_lettered.fetch_add(1, Ordering::Relaxed);
+            if let Err(e) = consumer.ack(message).await {
+                tracing::warn!(error = %e, "ack after dead-lettering failed");
+            }
+        }
+        // Not acked: it comes back and we try again rather than lose it.
+        Err(e) => {
+            tracing::error!(error = %e, "dead-letter publish failed");
+            if let Err(e) = consumer.nack(message).await {
+                tracing::warn!(error = %e, "nack failed");
+            }
+        }
+    }
+}
