@@ -1,1 +1,393 @@
-//! placeholder
+//! Client for OpenAI-compatible `/v1/chat/completions` endpoints: whole or streamed (SSE) answers,
+//! retries with exponential backoff and jitter on 429, 5xx and timeouts (honouring `Retry-After`), a
+//! bound on concurrent calls, and token usage carried back to the caller.
+
+use std::fmt;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use futures::StreamExt;
+use rand::Rng;
+use serde::{Deserialize, Serialize};
+use serde_json::{json, Value};
+use tokio::sync::{mpsc, Semaphore};
+
+/// A secret that never shows in logs or debug output.
+#[derive(Clone, Default)]
+pub struct Secret(String);
+
+impl Secret {
+    pub fn new(value: impl Into<String>) -> Secret {
+        Secret(value.into())
+    }
+    pub fn expose(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Debug for Secret {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("Secret(***)")
+    }
+}
+
+/// Where and how to call the LLM.
+#[derive(Debug, Clone)]
+pub struct LlmConfig {
+    /// e.g. `http://127.0.0.1:8080/v1`; `/chat/completions` is appended.
+    pub base_url: String,
+    pub api_key: Option<Secret>,
+    pub model: String,
+    pub temperature: Option<f32>,
+    /// Calls in flight at once across the process.
+    pub max_concurrency: usize,
+    /// Attempts after the first one.
+    pub max_retries: u32,
+    pub initial_backoff: Duration,
+    pub max_backoff: Duration,
+    /// Longest wait for the response headers, and between two streamed chunks.
+    pub idle_timeout: Duration,
+    /// Longest a whole call may take.
+    pub request_timeout: Duration,
+}
+
+impl Default for LlmConfig {
+    fn default() -> Self {
+        LlmConfig {
+            base_url: "http://127.0.0.1:8080/v1".to_owned(),
+            api_key: None,
+            model: "default".to_owned(),
+            temperature: None,
+            max_concurrency: 16,
+            max_retries: 4,
+            initial_backoff: Duration::from_millis(250),
+            max_backoff: Duration::from_secs(20),
+            idle_timeout: Duration::from_secs(60),
+            request_timeout: Duration::from_secs(300),
+        }
+    }
+}
+
+/// One chat message.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ChatMessage {
+    pub role: String,
+    pub content: String,
+}
+
+impl ChatMessage {
+    pub fn system(content: impl Into<String>) -> ChatMessage {
+        ChatMessage {
+            role: "system".to_owned(),
+            content: content.into(),
+        }
+    }
+    pub fn user(content: impl Into<String>) -> ChatMessage {
+        ChatMessage {
+            role: "user".to_owned(),
+            content: content.into(),
+        }
+    }
+}
+
+/// A finished completion.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Completion {
+    pub text: String,
+    pub in_token: u64,
+    pub out_token: u64,
+    pub model: String,
+    /// Wall time of the successful attempt plus the retries before it.
+    pub duration: Duration,
+    /// Attempts that failed before this one succeeded.
+    pub retries: u32,
+}
+
+/// Why a call failed. `retryable()` decides between another attempt and giving up.
+#[derive(Debug, Clone, thiserror::Error)]
+#[non_exhaustive]
+pub enum LlmError {
+    #[error("the LLM answered HTTP {status}: {body}")]
+    Status {
+        status: u16,
+        retry_after: Option<Duration>,
+        body: String,
+    },
+    #[error("the LLM did not answer within {0:?}")]
+    Timeout(Duration),
+    #[error("cannot reach the LLM: {0}")]
+    Transport(String),
+    #[error("the LLM's answer is malformed: {0}")]
+    Malformed(String),
+    /// The stream broke after some text had been passed on; retrying would repeat it.
+    #[error("the LLM's stream ended early: {0}")]
+    Truncated(String),
+    #[error("giving up after {attempts} attempts: {last}")]
+    Exhausted { attempts: u32, last: Box<LlmError> },
+}
+
+impl LlmError {
+    pub fn retryable(&self) -> bool {
+        match self {
+            LlmError::Status { status, .. } => *status == 429 || *status >= 500,
+            LlmError::Timeout(_) | LlmError::Transport(_) | LlmError::Malformed(_) => true,
+            LlmError::Truncated(_) | LlmError::Exhausted { .. } => false,
+        }
+    }
+}
+
+/// The client. Cloning shares the connection pool and the concurrency bound.
+#[derive(Debug, Clone)]
+pub struct LlmClient {
+    http: reqwest::Client,
+    config: Arc<LlmConfig>,
+    permits: Arc<Semaphore>,
+}
+
+impl LlmClient {
+    pub fn new(config: LlmConfig) -> Result<LlmClient, LlmError> {
+        let http = reqwest::Client::builder()
+            .connect_timeout(Duration::from_secs(10))
+            .build()
+            .map_err(|e| LlmError::Transport(e.to_string()))?;
+        let permits = Arc::new(Semaphore::new(config.max_concurrency.max(1)));
+        Ok(LlmClient {
+            http,
+            config: Arc::new(config),
+            permits,
+        })
+    }
+
+    pub fn model(&self) -> &str {
+        &self.config.model
+    }
+
+    /// A whole answer.
+    pub async fn complete(&self, messages: &[ChatMessage]) -> Result<Completion, LlmError> {
+        self.with_retries(messages, None).await
+    }
+
+    /// A streamed answer: each text delta goes to `deltas` as it arrives; the whole text is returned.
+    /// An attempt that fails before any delta was passed on is retried; one that fails after is not,
+    /// because the receiver already has part of it.
+    pub async fn stream(
+        &self,
+        messages: &[ChatMessage],
+        deltas: mpsc::Sender<String>,
+    ) -> Result<Completion, LlmError> {
+        self.with_retries(messages, Some(deltas)).await
+    }
+
+    async fn with_retries(
+        &self,
+        messages: &[ChatMessage],
+        deltas: Option<mpsc::Sender<String>>,
+    ) -> Result<Completion, LlmError> {
+        let started = Instant::now();
+        let mut attempt = 0u32;
+        loop {
+            let result = {
+                // Bound the calls in flight; the permit is released during backoff.
+                let _permit = self
+                    .permits
+                    .acquire()
+                    .await
+                    .map_err(|e| LlmError::Transport(e.to_string()))?;
+                let call = self.attempt(messages, deltas.as_ref());
+                match tokio::time::timeout(self.config.request_timeout, call).await {
+                    Ok(r) => r,
+                    Err(_) => Err(LlmError::Timeout(self.config.request_timeout)),
+                }
+            };
+            match result {
+                Ok(mut completion) => {
+                    completion.duration = started.elapsed();
+                    completion.retries = attempt;
+                    return Ok(completion);
+                }
+                Err(e) if e.retryable() && attempt < self.config.max_retries => {
+                    let wait = self.backoff(attempt, &e);
+                    tracing::warn!(error = %e, attempt, wait_ms = wait.as_millis() as u64, "LLM call failed; retrying");
+                    tokio::time::sleep(wait).await;
+                    attempt += 1;
+                }
+                Err(e) if e.retryable() => {
+                    return Err(LlmError::Exhausted {
+                        attempts: attempt + 1,
+                        last: Box::new(e),
+                    })
+                }
+                Err(e) => return Err(e),
+            }
+        }
+    }
+
+    /// Exponential backoff with full jitter, or the server's `Retry-After` when it gave one.
+    fn backoff(&self, attempt: u32, error: &LlmError) -> Duration {
+        if let LlmError::Status {
+            retry_after: Some(after),
+            ..
+        } = error
+        {
+            return (*after).min(self.config.max_backoff);
+        }
+        let ceiling = self
+            .config
+            .initial_backoff
+            .saturating_mul(1u32 << attempt.min(16))
+            .min(self.config.max_backoff);
+        let millis = ceiling.as_millis().max(1) as u64;
+        Duration::from_millis(rand::thread_rng().gen_range(millis / 2..=millis))
+    }
+
+    async fn attempt(
+        &self,
+        messages: &[ChatMessage],
+        deltas: Option<&mpsc::Sender<String>>,
+    ) -> Result<Completion, LlmError> {
+        let url = format!(
+            "{}/chat/completions",
+            self.config.base_url.trim_end_matches('/')
+        );
+        let mut body = json!({
+            "model": self.config.model,
+            "messages": messages,
+            "stream": deltas.is_some(),
+        });
+        if deltas.is_some() {
+            body["stream_options"] = json!({"include_usage": true});
+        }
+        if let Some(t) = self.config.temperature {
+            body["temperature"] = json!(t);
+        }
+        let mut request = self.http.post(&url).json(&body);
+        if let Some(key) = &self.config.api_key {
+            request = request.bearer_auth(key.expose());
+        }
+        let idle = self.config.idle_timeout;
+        let response = tokio::time::timeout(idle, request.send())
+            .await
+            .map_err(|_| LlmError::Timeout(idle))?
+            .map_err(|e| LlmError::Transport(e.to_string()))?;
+        let status = response.status();
+        if !status.is_success() {
+            let retry_after = response
+                .headers()
+                .get(reqwest::header::RETRY_AFTER)
+                .and_then(|v| v.to_str().ok())
+                .and_then(|v| v.trim().parse::<u64>().ok())
+                .map(Duration::from_secs);
+            let text = tokio::time::timeout(idle, response.text())
+                .await
+                .ok()
+                .and_then(Result::ok)
+                .unwrap_or_default();
+            return Err(LlmError::Status {
+                status: status.as_u16(),
+                retry_after,
+                body: text.chars().take(500).collect(),
+            });
+        }
+        match deltas {
+            None => {
+                let text = tokio::time::timeout(idle, response.text())
+                    .await
+                    .map_err(|_| LlmError::Timeout(idle))?
+                    .map_err(|e| LlmError::Transport(e.to_string()))?;
+                let value: Value = serde_json::from_str(&text)
+                    .map_err(|e| LlmError::Malformed(format!("{e}: {}", preview(&text))))?;
+                let content = value["choices"][0]["message"]["content"]
+                    .as_str()
+                    .ok_or_else(|| LlmError::Malformed(format!("no message content: {}", preview(&text))))?
+                    .to_owned();
+                Ok(self.completion(content, &value))
+            }
+            Some(deltas) => self.read_stream(response, deltas).await,
+        }
+    }
+
+    async fn read_stream(
+        &self,
+        response: reqwest::Response,
+        deltas: &mpsc::Sender<String>,
+    ) -> Result<Completion, LlmError> {
+        let idle = self.config.idle_timeout;
+        let mut bytes = response.bytes_stream();
+        let mut pending: Vec<u8> = Vec::new();
+        let mut text = String::new();
+        let mut usage = Value::Null;
+        let mut sent_any = false;
+        // Before anything was passed on, a failure is an ordinary retryable one.
+        let fail = |sent_any: bool, e: LlmError| {
+            if sent_any {
+                LlmError::Truncated(e.to_string())
+            } else {
+                e
+            }
+        };
+        loop {
+            let next = tokio::time::timeout(idle, bytes.next())
+                .await
+                .map_err(|_| fail(sent_any, LlmError::Timeout(idle)))?;
+            let Some(chunk) = next else {
+                return Err(fail(
+                    sent_any,
+                    LlmError::Malformed("the stream ended without [DONE]".into()),
+                ));
+            };
+            let chunk = chunk.map_err(|e| fail(sent_any, LlmError::Transport(e.to_string())))?;
+            pending.extend_from_slice(&chunk);
+            while let Some(end) = pending.iter().position(|b| *b == b'\n') {
+                let line: Vec<u8> = pending.drain(..=end).collect();
+                let line = String::from_utf8_lossy(&line);
+                let line = line.trim();
+                let Some(data) = line.strip_prefix("data:") else {
+                    continue;
+                };
+                let data = data.trim();
+                if data == "[DONE]" {
+                    let value = json!({"usage": usage, "model": self.config.model});
+                    return Ok(self.completion(text, &value));
+                }
+                let event: Value = serde_json::from_str(data).map_err(|e| {
+                    fail(sent_any, LlmError::Malformed(format!("{e}: {}", preview(data))))
+                })?;
+                if !event["usage"].is_null() {
+                    usage = event["usage"].clone();
+                }
+                if let Some(delta) = event["choices"][0]["delta"]["content"].as_str() {
+                    if !delta.is_empty() {
+                        text.push_str(delta);
+                        sent_any = true;
+                        // A receiver that went away only means nobody listens to the deltas.
+                        let _ = deltas.send(delta.to_owned()).await;
+                    }
+                }
+            }
+        }
+    }
+
+    fn completion(&self, text: String, value: &Value) -> Completion {
+        let usage = &value["usage"];
+        // Servers that report no usage get an estimate (about four bytes a token) so budgets still count.
+        let in_token = usage["prompt_tokens"].as_u64().unwrap_or(0);
+        let out_token = usage["completion_tokens"]
+            .as_u64()
+            .unwrap_or((text.len() as u64).div_ceil(4));
+        Completion {
+            model: value["model"]
+                .as_str()
+                .unwrap_or(&self.config.model)
+                .to_owned(),
+            text,
+            in_token,
+            out_token,
+            duration: Duration::ZERO,
+            retries: 0,
+        }
+    }
+}
+
+fn preview(text: &str) -> String {
+    text.chars().take(200).collect()
+}

@@ -1,1 +1,310 @@
-//! placeholder
+//! An OpenAI-compatible `/v1/chat/completions` server that answers from a script, for tests, benchmarks
+//! and offline demos. It streams (SSE) or answers whole, and injects faults on demand: HTTP errors
+//! with `Retry-After`, stalls, malformed bodies and truncated streams.
+//!
+//! A script is JSON: `{"rules": [Rule...], "default_reply": "..."}`. The first rule whose `match` is
+//! found in the last user message (or equals it, with `"exact": true`) answers. The n-th request a
+//! rule answers suffers `faults[n]` when there is one: `"429"`, `"500"` (any status), `"stall"`,
+//! `"malformed"` or `"truncate"`; later requests get the reply.
+
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use axum::body::Body;
+use axum::extract::State;
+use axum::http::{header, HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use serde::Deserialize;
+use serde_json::{json, Value};
+use tokio_util::sync::CancellationToken;
+
+/// A whole script.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Script {
+    #[serde(default)]
+    pub rules: Vec<Rule>,
+    /// The reply when no rule matches; without one such a request gets HTTP 400.
+    #[serde(default)]
+    pub default_reply: Option<String>,
+}
+
+/// One scripted answer.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Rule {
+    /// Text looked for in the last user message; empty matches everything.
+    #[serde(rename = "match", default)]
+    pub pattern: String,
+    /// Match the whole last user message instead of a part of it.
+    #[serde(default)]
+    pub exact: bool,
+    pub reply: String,
+    /// Faults for the first requests this rule answers, in order.
+    #[serde(default)]
+    pub faults: Vec<String>,
+    /// Bytes per streamed chunk (default 8).
+    #[serde(default)]
+    pub chunk_size: Option<usize>,
+    /// Delay before answering, in milliseconds.
+    #[serde(default)]
+    pub delay_ms: u64,
+    /// How long a `stall` fault holds the request before dropping it (default 60 s).
+    #[serde(default)]
+    pub stall_ms: Option<u64>,
+    /// `Retry-After` seconds sent with a 429 or 503 fault.
+    #[serde(default)]
+    pub retry_after: Option<u64>,
+}
+
+impl Script {
+    pub fn from_json(text: &str) -> Result<Script, serde_json::Error> {
+        serde_json::from_str(text)
+    }
+}
+
+/// What the server saw, for tests to assert on.
+#[derive(Debug, Clone)]
+pub struct Call {
+    pub last_user: String,
+    pub stream: bool,
+    /// The matched rule, if any.
+    pub rule: Option<usize>,
+}
+
+struct Shared {
+    script: Script,
+    hits: Vec<AtomicUsize>,
+    calls: Mutex<Vec<Call>>,
+}
+
+/// A running server; stops when dropped or on [`ScriptedLlm::stop`].
+pub struct ScriptedLlm {
+    addr: SocketAddr,
+    shared: Arc<Shared>,
+    stop: CancellationToken,
+}
+
+impl ScriptedLlm {
+    /// Serves `script` on `addr` (port 0 picks a free port).
+    pub async fn start(script: Script, addr: SocketAddr) -> std::io::Result<ScriptedLlm> {
+        let hits = script.rules.iter().map(|_| AtomicUsize::new(0)).collect();
+        let shared = Arc::new(Shared {
+            script,
+            hits,
+            calls: Mutex::new(Vec::new()),
+        });
+        let app = Router::new()
+            .route("/v1/chat/completions", post(chat))
+            .route("/chat/completions", post(chat))
+            .route("/v1/models", get(models))
+            .with_state(shared.clone());
+        let listener = tokio::net::TcpListener::bind(addr).await?;
+        let addr = listener.local_addr()?;
+        let stop = CancellationToken::new();
+        let until = stop.clone();
+        tokio::spawn(async move {
+            let served = axum::serve(listener, app)
+                .with_graceful_shutdown(async move { until.cancelled().await })
+                .await;
+            if let Err(e) = served {
+                tracing::error!(error = %e, "scripted LLM server failed");
+            }
+        });
+        Ok(ScriptedLlm { addr, shared, stop })
+    }
+
+    /// The base URL clients use (`http://127.0.0.1:PORT/v1`).
+    pub fn base_url(&self) -> String {
+        format!("http://{}/v1", self.addr)
+    }
+
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// Every request served so far.
+    pub fn calls(&self) -> Vec<Call> {
+        self.shared
+            .calls
+            .lock()
+            .map(|c| c.clone())
+            .unwrap_or_default()
+    }
+
+    pub fn stop(&self) {
+        self.stop.cancel();
+    }
+}
+
+impl Drop for ScriptedLlm {
+    fn drop(&mut self) {
+        self.stop.cancel();
+    }
+}
+
+async fn models() -> Json<Value> {
+    Json(json!({"object": "list", "data": [{"id": "scripted", "object": "model"}]}))
+}
+
+fn last_user_message(body: &Value) -> String {
+    body["messages"]
+        .as_array()
+        .and_then(|m| m.iter().rev().find(|m| m["role"] == "user"))
+        .and_then(|m| m["content"].as_str())
+        .unwrap_or_default()
+        .to_owned()
+}
+
+async fn chat(State(shared): State<Arc<Shared>>, Json(body): Json<Value>) -> Response {
+    let last_user = last_user_message(&body);
+    let stream = body["stream"].as_bool().unwrap_or(false);
+    let model = body["model"].as_str().unwrap_or("scripted").to_owned();
+    let rule_index = shared.script.rules.iter().position(|r| {
+        if r.exact {
+            last_user == r.pattern
+        } else {
+            last_user.contains(&r.pattern)
+        }
+    });
+    if let Ok(mut calls) = shared.calls.lock() {
+        calls.push(Call {
+            last_user: last_user.clone(),
+            stream,
+            rule: rule_index,
+        });
+    }
+    let (reply, fault, rule) = match rule_index {
+        Some(i) => {
+            let rule = &shared.script.rules[i];
+            let n = shared.hits[i].fetch_add(1, Ordering::SeqCst);
+            (rule.reply.clone(), rule.faults.get(n).cloned(), Some(rule.clone()))
+        }
+        None => match &shared.script.default_reply {
+            Some(reply) => (reply.clone(), None, None),
+            None => {
+                let error = json!({"error": {"message": "no scripted reply matches", "type": "invalid_request_error"}});
+                return (StatusCode::BAD_REQUEST, Json(error)).into_response();
+            }
+        },
+    };
+    let rule = rule.unwrap_or_default();
+    if rule.delay_ms > 0 {
+        tokio::time::sleep(Duration::from_millis(rule.delay_ms)).await;
+    }
+    let prompt_tokens = (body["messages"].to_string().len() / 4).max(1) as u64;
+    let completion_tokens = (reply.len() / 4).max(1) as u64;
+    let usage = json!({"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens});
+    match fault.as_deref() {
+        Some("stall") => {
+            tokio::time::sleep(Duration::from_millis(rule.stall_ms.unwrap_or(60_000))).await;
+            return StatusCode::GATEWAY_TIMEOUT.into_response();
+        }
+        Some("malformed") if !stream => {
+            return (
+                [(header::CONTENT_TYPE, "application/json")],
+                "{\"choices\": [{\"message\": ",
+            )
+                .into_response();
+        }
+        Some(code) if code.parse::<u16>().is_ok() => {
+            let status = code
+                .parse::<u16>()
+                .ok()
+                .and_then(|c| StatusCode::from_u16(c).ok())
+                .unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+            let mut response = (
+                status,
+                Json(json!({"error": {"message": format!("scripted fault {code}"), "type": "server_error"}})),
+            )
+                .into_response();
+            if let Some(secs) = rule.retry_after {
+                if let Ok(v) = HeaderValue::from_str(&secs.to_string()) {
+                    response.headers_mut().insert(header::RETRY_AFTER, v);
+                }
+            }
+            return response;
+        }
+        _ => {}
+    }
+    if !stream {
+        return Json(json!({
+            "id": "chatcmpl-scripted",
+            "object": "chat.completion",
+            "model": model,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": reply}, "finish_reason": "stop"}],
+            "usage": usage,
+        }))
+        .into_response();
+    }
+    let chunks = split_chunks(&reply, rule.chunk_size.unwrap_or(8));
+    let mut events: Vec<String> = Vec::with_capacity(chunks.len() + 3);
+    let truncate = fault.as_deref() == Some("truncate");
+    let malformed = fault.as_deref() == Some("malformed");
+    let keep = if truncate { chunks.len() / 2 } else { chunks.len() };
+    for chunk in chunks.iter().take(keep) {
+        let event = json!({"id": "chatcmpl-scripted", "object": "chat.completion.chunk", "model": model,
+            "choices": [{"index": 0, "delta": {"content": chunk}, "finish_reason": null}]});
+        events.push(format!("data: {event}\n\n"));
+    }
+    if malformed {
+        events.push("data: {\"choices\": [{\"delta\": \n\n".to_owned());
+    }
+    if !truncate && !malformed {
+        let last = json!({"id": "chatcmpl-scripted", "object": "chat.completion.chunk", "model": model,
+            "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}], "usage": usage});
+        events.push(format!("data: {last}\n\n"));
+        events.push("data: [DONE]\n\n".to_owned());
+    }
+    let body = futures::stream::iter(
+        events
+            .into_iter()
+            .map(|e| Ok::<_, std::convert::Infallible>(bytes::Bytes::from(e))),
+    );
+    (
+        [
+            (header::CONTENT_TYPE, "text/event-stream"),
+            (header::CACHE_CONTROL, "no-cache"),
+        ],
+        Body::from_stream(body),
+    )
+        .into_response()
+}
+
+/// Splits on character boundaries into pieces of about `size` bytes.
+fn split_chunks(text: &str, size: usize) -> Vec<String> {
+    let size = size.max(1);
+    let mut out = Vec::new();
+    let mut current = String::new();
+    for c in text.chars() {
+        current.push(c);
+        if current.len() >= size {
+            out.push(std::mem::take(&mut current));
+        }
+    }
+    if !current.is_empty() {
+        out.push(current);
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn chunks_respect_char_boundaries() {
+        let chunks = split_chunks("héllo wörld", 3);
+        assert_eq!(chunks.concat(), "héllo wörld");
+        assert!(chunks.iter().all(|c| c.len() >= 3 || c == chunks.last().unwrap()));
+    }
+
+    #[test]
+    fn scripts_reject_unknown_fields() {
+        assert!(Script::from_json(r#"{"rules": [{"reply": "x", "fualts": []}]}"#).is_err());
+    }
+}
