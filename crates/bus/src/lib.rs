@@ -2,11 +2,13 @@
 //! broker's receipt, and a bounded consumer loop that acks only after the handler's effects are
 //! published, nacks transient failures and dead-letters payloads that do not decode.
 
+mod client;
 mod consumer;
 mod error;
 mod publisher;
 mod topics;
 
+pub use client::AgentClient;
 pub use consumer::{run_consumer, ConsumerStats, Delivery, Disposition, SubscriptionConfig};
 pub use error::BusError;
 pub use publisher::Publisher;

@@ -1,1 +1,224 @@
-//! placeholder
+//! The agent orchestrator: consumes `AgentRequest`s on a Shared subscription, runs one iteration of
+//! the request's pattern per message, and publishes responses, provenance and the `next` request
+//! before acking. No dialog state lives in the process, so any replica can take any iteration.
+
+pub mod output;
+pub mod react;
+pub mod settings;
+pub mod tool_exec;
+
+use std::sync::Arc;
+
+use agent_bus::{run_consumer, Bus, ConsumerStats, Delivery, Disposition, Publisher, SubscriptionConfig};
+use agent_core::config::AgentConfig;
+use agent_core::provenance::{self, SessionUris};
+use agent_llm::LlmClient;
+use agent_schema::{AgentRequest, AgentResponse, ID_PROPERTY};
+use tokio_util::sync::CancellationToken;
+use tracing::Instrument;
+
+use crate::output::{DialogOutput, Outputs, IN_TOKEN_PROPERTY, OUT_TOKEN_PROPERTY};
+pub use crate::settings::{load_config_dir, Settings};
+
+/// What an iteration needs, shared by every in-flight message.
+pub struct Engine {
+    pub config: Arc<AgentConfig>,
+    pub llm: LlmClient,
+    pub outputs: Outputs,
+}
+
+impl Engine {
+    /// Handles one delivered request; the returned disposition decides ack or nack.
+    pub async fn handle(&self, delivery: Delivery<AgentRequest>) -> Disposition {
+        match self.handle_inner(delivery).await {
+            Ok(()) => Disposition::Ack,
+            Err(e) => Disposition::Nack(e.to_string()),
+        }
+    }
+
+    async fn handle_inner(&self, delivery: Delivery<AgentRequest>) -> Result<(), agent_bus::BusError> {
+        let Delivery {
+            payload: request,
+            properties,
+        } = delivery;
+        let id = properties.get(ID_PROPERTY).map(String::as_str);
+        let token = |key: &str| {
+            properties
+                .get(key)
+                .and_then(|v| v.parse::<u64>().ok())
+                .unwrap_or(0)
+        };
+        let tokens_before = (token(IN_TOKEN_PROPERTY), token(OUT_TOKEN_PROPERTY));
+        let session_id = session_id_for(&request, id);
+        let uris = SessionUris::new(&session_id);
+        let out = DialogOutput::new(&self.outputs, id, &request.collection, &uris.session());
+
+        if let Err(problem) = validate(&request, &self.config) {
+            tracing::warn!(session = %session_id, %problem, "refusing an invalid request");
+            return out.respond(&AgentResponse::error(problem)).await;
+        }
+        let n = request.history.len() + 1;
+        let span = tracing::info_span!("iteration", session = %session_id, iteration = n, id = id.unwrap_or(""));
+        async {
+            if request.history.is_empty() {
+                let started = chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Micros, true);
+                out.explain(
+                    &uris.session(),
+                    provenance::session(&uris, &request.question, &started),
+                )
+                .await?;
+            }
+            react::iterate(react::Turn {
+                request: &request,
+                session_id: &session_id,
+                uris: &uris,
+                out: &out,
+                config: &self.config,
+                llm: &self.llm,
+                tokens_before,
+            })
+            .await
+        }
+        .instrument(span)
+        .await
+    }
+}
+
+/// The session of a dialog. A first request gets one derived from its `id` property, so that a
+/// redelivered first message names the same provenance nodes instead of starting a second session.
+fn session_id_for(request: &AgentRequest, id: Option<&str>) -> String {
+    if !request.session_id.is_empty() {
+        return request.session_id.clone();
+    }
+    match id {
+        Some(id) if !id.is_empty() => uuid::Uuid::new_v5(&uuid::Uuid::NAMESPACE_URL, id.as_bytes()).to_string(),
+        _ => uuid::Uuid::new_v4().to_string(),
+    }
+}
+
+/// Checks a request before any work; the message is the error the client gets.
+fn validate(request: &AgentRequest, config: &AgentConfig) -> Result<(), String> {
+    if request.question.trim().is_empty() {
+        return Err("the request has an empty question".to_owned());
+    }
+    let max = config.limits.max_question_bytes;
+    if request.question.len() > max {
+        return Err(format!(
+            "the question is {} bytes, more than the limit of {max} (max_question_bytes)",
+            request.question.len()
+        ));
+    }
+    let safe = |c: char| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.' | ':');
+    if !request.session_id.chars().all(safe) || request.session_id.len() > 200 {
+        return Err("session_id may only hold letters, digits, '-', '_', '.' and ':'".to_owned());
+    }
+    match request.pattern.as_str() {
+        "" | "react" => {}
+        other => {
+            return Err(format!(
+                "the pattern '{other}' is not available; this orchestrator runs: react"
+            ))
+        }
+    }
+    // One more than the limit is the iteration that reports reaching it; anything longer was not
+    // produced by this service.
+    if request.history.len() > config.limits.max_iterations {
+        return Err(format!(
+            "the history has {} steps, more than max_iterations ({})",
+            request.history.len(),
+            config.limits.max_iterations
+        ));
+    }
+    Ok(())
+}
+
+/// Runs the orchestrator until `shutdown`; in-flight iterations finish (or are left for redelivery)
+/// within the drain deadline.
+pub async fn run(settings: Settings, shutdown: CancellationToken) -> anyhow::Result<()> {
+    let config = load_config_dir(&settings.config_dir)?;
+    let llm = LlmClient::new(settings.llm_config())?;
+    let topics = settings.topics();
+    let bus = Bus::connect(&settings.pulsar_url, settings.pulsar_token.as_deref()).await?;
+    let outputs = Outputs {
+        responses: Publisher::new(&bus, &topics.response).await?,
+        requests: Publisher::new(&bus, &topics.request).await?,
+        explainability: Publisher::new(&bus, &topics.explainability).await?,
+    };
+    let engine = Arc::new(Engine {
+        config: Arc::new(config),
+        llm,
+        outputs,
+    });
+    let stats = Arc::new(ConsumerStats::default());
+    let subscription = SubscriptionConfig {
+        topic: topics.request.clone(),
+        subscription: settings.subscription.clone(),
+        max_in_flight: settings.max_in_flight,
+        max_redeliveries: settings.max_redeliveries,
+        dead_letter_topic: topics.dead_letter.clone(),
+        drain_deadline: std::time::Duration::from_secs(settings.drain_secs),
+    };
+    tracing::info!(request = %topics.request, response = %topics.response, "agent-orchestrator ready");
+    run_consumer(&bus, subscription, stats, shutdown, move |delivery| {
+        let engine = engine.clone();
+        async move { engine.handle(delivery).await }
+    })
+    .await?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn first_requests_get_a_stable_session_per_id() {
+        let req = AgentRequest::default();
+        assert_eq!(session_id_for(&req, Some("abc")), session_id_for(&req, Some("abc")));
+        assert_ne!(session_id_for(&req, Some("abc")), session_id_for(&req, Some("abd")));
+        let later = AgentRequest {
+            session_id: "s-1".into(),
+            ..AgentRequest::default()
+        };
+        assert_eq!(session_id_for(&later, Some("abc")), "s-1");
+    }
+
+    #[test]
+    fn invalid_requests_are_refused_with_a_reason() {
+        let config = AgentConfig::default();
+        let ok = AgentRequest {
+            question: "Why?".into(),
+            ..AgentRequest::default()
+        };
+        assert!(validate(&ok, &config).is_ok());
+        let empty = AgentRequest::default();
+        assert!(validate(&empty, &config).unwrap_err().contains("empty question"));
+        let huge = AgentRequest {
+            question: "x".repeat(config.limits.max_question_bytes + 1),
+            ..AgentRequest::default()
+        };
+        assert!(validate(&huge, &config).unwrap_err().contains("max_question_bytes"));
+        let injected = AgentRequest {
+            session_id: "x> <y".into(),
+            ..ok.clone()
+        };
+        assert!(validate(&injected, &config).is_err());
+        let pattern = AgentRequest {
+            pattern: "telepathy".into(),
+            ..ok
+        };
+        assert!(validate(&pattern, &config).unwrap_err().contains("telepathy"));
+    }
+}
+
+#[cfg(test)]
+mod seed_tests {
+    /// Every file in `config-seed/` loads into a valid config.
+    #[test]
+    fn the_seed_directory_loads() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../config-seed");
+        let config = crate::load_config_dir(&dir).unwrap();
+        assert!(config.tool_by_name("llm").is_some());
+        assert_eq!(config.react_prompt, agent_core::prompt::PromptTemplate::default());
+    }
+}

@@ -1,0 +1,97 @@
+//! Everything an iteration publishes: responses to the client, the `next` request, provenance.
+//! Every send waits for the broker's receipt, so once an iteration's sends returned, its input may be acked.
+
+use agent_bus::{BusError, Properties, Publisher};
+use agent_core::provenance::GRAPH;
+use agent_schema::{AgentRequest, AgentResponse, Metadata, MessageType, Triple, Triples, ID_PROPERTY};
+
+/// Message property carrying the tokens the dialog used before this iteration (input side).
+pub const IN_TOKEN_PROPERTY: &str = "agent-in-token";
+/// Message property carrying the tokens the dialog used before this iteration (output side).
+pub const OUT_TOKEN_PROPERTY: &str = "agent-out-token";
+
+/// The three publishers of the orchestrator.
+#[derive(Clone)]
+pub struct Outputs {
+    pub responses: Publisher,
+    pub requests: Publisher,
+    pub explainability: Publisher,
+}
+
+/// The outputs bound to one dialog: its `id` property and collection.
+pub struct DialogOutput<'a> {
+    outputs: &'a Outputs,
+    properties: Properties,
+    collection: String,
+    root: String,
+}
+
+impl<'a> DialogOutput<'a> {
+    pub fn new(outputs: &'a Outputs, id: Option<&str>, collection: &str, root: &str) -> Self {
+        let mut properties = Properties::new();
+        if let Some(id) = id {
+            properties.insert(ID_PROPERTY.to_owned(), id.to_owned());
+        }
+        DialogOutput {
+            outputs,
+            properties,
+            collection: collection.to_owned(),
+            root: root.to_owned(),
+        }
+    }
+
+    pub async fn respond(&self, response: &AgentResponse) -> Result<(), BusError> {
+        self.outputs
+            .responses
+            .send(agent_schema::encode(response), &self.properties)
+            .await
+    }
+
+    /// Sends a chunk of a message.
+    pub async fn chunk(
+        &self,
+        kind: MessageType,
+        content: &str,
+        message_id: &str,
+        end_of_message: bool,
+    ) -> Result<(), BusError> {
+        let mut r = AgentResponse::new(kind, content);
+        r.message_id = message_id.to_owned();
+        r.end_of_message = end_of_message;
+        self.respond(&r).await
+    }
+
+    /// Records provenance about `node`: inline to the client as an `explain` response, and on the
+    /// explainability topic for the graph store, as TrustGraph does.
+    pub async fn explain(&self, node: &str, triples: Vec<Triple>) -> Result<(), BusError> {
+        let message = Triples {
+            metadata: Metadata {
+                id: node.to_owned(),
+                root: self.root.clone(),
+                collection: self.collection.clone(),
+            },
+            triples,
+        };
+        // The graph copy goes first: if the process dies between the two, the record survives.
+        self.outputs
+            .explainability
+            .send(agent_schema::encode(&message), &Properties::new())
+            .await?;
+        let mut r = AgentResponse::new(MessageType::Explain, "");
+        r.explain_id = Some(node.to_owned());
+        r.explain_graph = Some(GRAPH.to_owned());
+        r.explain_triples = message.triples;
+        self.respond(&r).await
+    }
+
+    /// Queues the next iteration of this dialog, carrying the tokens used so far.
+    pub async fn next(&self, request: &AgentRequest, tokens: (u64, u64)) -> Result<(), BusError> {
+        let mut properties = self.properties.clone();
+        properties.insert(IN_TOKEN_PROPERTY.to_owned(), tokens.0.to_string());
+        properties.insert(OUT_TOKEN_PROPERTY.to_owned(), tokens.1.to_string());
+        self.outputs
+            .requests
+            .send(agent_schema::encode(request), &properties)
+            .await
+    }
+}

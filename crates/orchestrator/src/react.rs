@@ -1,0 +1,364 @@
+//! One ReACT iteration: prompt the LLM with the question, the visible tools and the history; stream its
+//! thought (and answer); then either answer and close the dialog, or run the chosen tool and queue the
+//! next iteration with the grown history.
+
+use std::time::Duration;
+
+use agent_bus::BusError;
+use agent_core::config::AgentConfig;
+use agent_core::provenance::{self, CallStats, SessionUris, Termination};
+use agent_core::react::{parse, ReactDelta, ReactStream, ReactTurn};
+use agent_core::tools::Scope;
+use agent_llm::{ChatMessage, Completion, LlmClient, LlmError};
+use agent_schema::{AgentRequest, AgentResponse, AgentStep, MessageType, StepType};
+use tokio::sync::mpsc;
+
+use crate::output::DialogOutput;
+use crate::tool_exec::run_tool;
+
+/// The inputs of one iteration.
+pub struct Turn<'a> {
+    pub request: &'a AgentRequest,
+    pub session_id: &'a str,
+    pub uris: &'a SessionUris,
+    pub out: &'a DialogOutput<'a>,
+    pub config: &'a AgentConfig,
+    pub llm: &'a LlmClient,
+    /// Tokens the dialog used before this iteration.
+    pub tokens_before: (u64, u64),
+}
+
+/// Runs the iteration. `Err` only for publish failures: the message is then nacked and redone.
+pub async fn iterate(turn: Turn<'_>) -> Result<(), BusError> {
+    let Turn {
+        request,
+        uris,
+        out,
+        config,
+        llm,
+        ..
+    } = &turn;
+    let n = request.history.len() + 1;
+    if request.history.len() >= config.limits.max_iterations {
+        return conclude_at_limit(&turn).await;
+    }
+    let scope = Scope::new(request.group.as_deref(), request.state.as_deref());
+    let visible = scope.visible(&config.tools);
+    let candidates: Vec<&str> = visible.iter().map(|t| t.name.as_str()).collect();
+    let (system, user) = agent_core::prompt::react_prompt(
+        &config.react_prompt,
+        &request.question,
+        &request.framing,
+        &visible,
+        &request.history,
+    );
+    let messages = [ChatMessage::system(system), ChatMessage::user(user)];
+
+    let completion = if request.streaming {
+        stream_turn(llm, &messages, out, uris, n).await?
+    } else {
+        llm.complete(&messages).await
+    };
+    let completion = match completion {
+        Ok(c) => c,
+        Err(e) => return fail(&turn, n, &format!("the LLM call failed: {e}")).await,
+    };
+    let stats = CallStats {
+        duration_ms: completion.duration.as_millis() as u64,
+        in_token: completion.in_token,
+        out_token: completion.out_token,
+        model: completion.model.clone(),
+    };
+    let tokens = (
+        turn.tokens_before.0 + completion.in_token,
+        turn.tokens_before.1 + completion.out_token,
+    );
+
+    match parse(&completion.text) {
+        Ok(ReactTurn::Final { thought, answer }) => {
+            if !request.streaming && !thought.is_empty() {
+                out.chunk(MessageType::Thought, &thought, &uris.thought(n), true)
+                    .await?;
+            }
+            let triples = provenance::conclusion(
+                uris,
+                n,
+                &thought,
+                &answer,
+                Termination::Answer,
+                &candidates,
+                &stats,
+            );
+            out.explain(&uris.conclusion(), triples).await?;
+            let content = if request.streaming { "" } else { answer.as_str() };
+            out.respond(&closing_answer(content, uris, tokens, &completion.model))
+                .await
+        }
+        Ok(ReactTurn::Action {
+            thought,
+            action,
+            arguments,
+        }) => {
+            if !request.streaming && !thought.is_empty() {
+                out.chunk(MessageType::Thought, &thought, &uris.thought(n), true)
+                    .await?;
+            }
+            let limits = &config.limits;
+            // Scoping is enforced here, not only in the prompt: a tool the request may not see is
+            // refused even when the LLM names it.
+            let (run, next_state) = match config.tool_by_name(&action) {
+                Some(tool) if scope.allows(tool) => {
+                    let run = run_tool(
+                        llm,
+                        tool,
+                        &arguments,
+                        Duration::from_secs(limits.tool_timeout_secs),
+                        limits.max_observation_bytes,
+                    )
+                    .await;
+                    (run, scope.next_state(tool))
+                }
+                found => {
+                    let why = if found.is_some() {
+                        format!("Error: the tool '{action}' is not available to this request (group or state)")
+                    } else {
+                        format!("Error: there is no tool named '{action}'")
+                    };
+                    let run = crate::tool_exec::ToolRun {
+                        observation: format!("{why}; available tools: {}", list(&candidates)),
+                        duration: Duration::ZERO,
+                        in_token: 0,
+                        out_token: 0,
+                    };
+                    (run, scope.state().to_owned())
+                }
+            };
+            let arguments_json = serde_json::to_string(&arguments).unwrap_or_default();
+            let step = AgentStep {
+                thought,
+                action,
+                arguments,
+                observation: run.observation,
+                step_type: StepType::React.as_str().to_owned(),
+                plan: None,
+                subagent_results: None,
+            };
+            let tokens = (tokens.0 + run.in_token, tokens.1 + run.out_token);
+            record_step(&turn, n, step, &arguments_json, &candidates, &stats, run.duration, next_state, tokens).await
+        }
+        Err(e) => {
+            let observation = format!(
+                "Error: your response could not be parsed ({e}). Reply with 'Thought:' followed by either 'Action:' and 'Args:', or 'Final Answer:'."
+            );
+            if !request.streaming {
+                out.chunk(MessageType::Thought, completion.text.trim(), &uris.thought(n), true)
+                    .await?;
+            }
+            let step = AgentStep {
+                thought: completion.text.trim().chars().take(4000).collect(),
+                observation,
+                step_type: StepType::React.as_str().to_owned(),
+                ..AgentStep::default()
+            };
+            let state = Scope::new(request.group.as_deref(), request.state.as_deref())
+                .state()
+                .to_owned();
+            record_step(&turn, n, step, "{}", &candidates, &stats, Duration::ZERO, state, tokens).await
+        }
+    }
+}
+
+/// Publishes the iteration's provenance and observation, then queues the next iteration.
+#[allow(clippy::too_many_arguments)]
+async fn record_step(
+    turn: &Turn<'_>,
+    n: usize,
+    step: AgentStep,
+    arguments_json: &str,
+    candidates: &[&str],
+    stats: &CallStats,
+    tool_duration: Duration,
+    next_state: String,
+    tokens: (u64, u64),
+) -> Result<(), BusError> {
+    let Turn {
+        request, uris, out, ..
+    } = turn;
+    let triples = provenance::tool_iteration(
+        uris,
+        n,
+        &step.thought,
+        &step.action,
+        arguments_json,
+        candidates,
+        stats,
+    );
+    out.explain(&uris.iteration(n), triples).await?;
+    out.chunk(
+        MessageType::Observation,
+        &step.observation,
+        &uris.observation(n),
+        true,
+    )
+    .await?;
+    let triples = provenance::observation(
+        uris,
+        n,
+        &step.observation,
+        tool_duration.as_millis() as u64,
+    );
+    out.explain(&uris.observation(n), triples).await?;
+    let mut next = (*request).clone();
+    next.history.push(step);
+    next.state = Some(next_state);
+    next.session_id = turn.session_id.to_owned();
+    out.next(&next, tokens).await
+}
+
+/// Streams the LLM's answer, passing thought and answer text to the client as soon as it is certain.
+/// The last thought chunk is held back so it can carry `end_of_message`.
+async fn stream_turn(
+    llm: &LlmClient,
+    messages: &[ChatMessage],
+    out: &DialogOutput<'_>,
+    uris: &SessionUris,
+    n: usize,
+) -> Result<Result<Completion, LlmError>, BusError> {
+    let (tx, mut rx) = mpsc::channel::<String>(64);
+    let call = llm.stream(messages, tx);
+    tokio::pin!(call);
+    let mut parser = ReactStream::default();
+    let mut held_thought: Option<String> = None;
+    let thought_id = uris.thought(n);
+    let answer_id = uris.conclusion();
+    let mut result = None;
+    // Publish while the LLM is still writing: deltas flow through a bounded channel.
+    loop {
+        tokio::select! {
+            r = &mut call, if result.is_none() => result = Some(r),
+            delta = rx.recv() => match delta {
+                Some(text) => {
+                    for d in parser.push(&text) {
+                        publish_delta(out, d, &mut held_thought, &thought_id, &answer_id).await?;
+                    }
+                }
+                None => break,
+            },
+        }
+    }
+    let result = match result {
+        Some(r) => r,
+        None => call.await,
+    };
+    if result.is_ok() {
+        for d in parser.finish() {
+            publish_delta(out, d, &mut held_thought, &thought_id, &answer_id).await?;
+        }
+    }
+    if let Some(last) = held_thought.take() {
+        out.chunk(MessageType::Thought, &last, &thought_id, true).await?;
+    }
+    Ok(result)
+}
+
+async fn publish_delta(
+    out: &DialogOutput<'_>,
+    delta: ReactDelta,
+    held_thought: &mut Option<String>,
+    thought_id: &str,
+    answer_id: &str,
+) -> Result<(), BusError> {
+    match delta {
+        ReactDelta::Thought(text) => {
+            if let Some(previous) = held_thought.replace(text) {
+                out.chunk(MessageType::Thought, &previous, thought_id, false)
+                    .await?;
+            }
+        }
+        ReactDelta::Answer(text) => {
+            if let Some(last) = held_thought.take() {
+                out.chunk(MessageType::Thought, &last, thought_id, true).await?;
+            }
+            out.chunk(MessageType::Answer, &text, answer_id, false).await?;
+        }
+    }
+    Ok(())
+}
+
+fn closing_answer(content: &str, uris: &SessionUris, tokens: (u64, u64), model: &str) -> AgentResponse {
+    let mut r = AgentResponse::new(MessageType::Answer, content);
+    r.end_of_message = true;
+    r.end_of_dialog = true;
+    r.message_id = uris.conclusion();
+    r.in_token = Some(tokens.0);
+    r.out_token = Some(tokens.1);
+    r.model = Some(model.to_owned());
+    r
+}
+
+/// Ends a dialog that used all its iterations with a clear answer and a provenance record.
+async fn conclude_at_limit(turn: &Turn<'_>) -> Result<(), BusError> {
+    let Turn {
+        request,
+        uris,
+        out,
+        config,
+        llm,
+        ..
+    } = turn;
+    let max = config.limits.max_iterations;
+    let last = request
+        .history
+        .last()
+        .map(|s| s.observation.as_str())
+        .unwrap_or("");
+    let answer = format!(
+        "I could not reach a final answer within the limit of {max} iterations (max_iterations). The last observation was: {last}"
+    );
+    let n = request.history.len() + 1;
+    let triples = provenance::conclusion(
+        uris,
+        n,
+        "",
+        &answer,
+        Termination::MaxIterations,
+        &[],
+        &CallStats::default(),
+    );
+    out.explain(&uris.conclusion(), triples).await?;
+    if request.streaming {
+        out.chunk(MessageType::Answer, &answer, &uris.conclusion(), false)
+            .await?;
+    }
+    let content = if request.streaming { "" } else { answer.as_str() };
+    out.respond(&closing_answer(content, uris, turn.tokens_before, llm.model()))
+        .await
+}
+
+/// Ends the dialog with an error response and records why.
+pub async fn fail(turn: &Turn<'_>, n: usize, message: &str) -> Result<(), BusError> {
+    let Turn { uris, out, .. } = turn;
+    let triples = provenance::conclusion(
+        uris,
+        n,
+        "",
+        message,
+        Termination::Error,
+        &[],
+        &CallStats::default(),
+    );
+    out.explain(&uris.conclusion(), triples).await?;
+    let mut r = AgentResponse::error(message);
+    r.message_id = uris.conclusion();
+    r.in_token = Some(turn.tokens_before.0);
+    r.out_token = Some(turn.tokens_before.1);
+    out.respond(&r).await
+}
+
+fn list(names: &[&str]) -> String {
+    if names.is_empty() {
+        "none".to_owned()
+    } else {
+        names.join(", ")
+    }
+}

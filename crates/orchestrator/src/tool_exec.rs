@@ -1,0 +1,116 @@
+//! Runs a tool the LLM chose. Every failure becomes an `Error: ...` observation so the loop goes on.
+
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+use agent_core::prompt::render;
+use agent_core::tools::ToolDef;
+use agent_llm::{ChatMessage, LlmClient};
+
+/// What a tool run produced.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ToolRun {
+    pub observation: String,
+    pub duration: Duration,
+    pub in_token: u64,
+    pub out_token: u64,
+}
+
+const TOOL_SYSTEM_PROMPT: &str = "You are a helpful assistant.";
+
+/// Runs `tool` with `arguments`, bounded by `timeout`, and cuts the observation to `max_bytes`.
+pub async fn run_tool(
+    llm: &LlmClient,
+    tool: &ToolDef,
+    arguments: &BTreeMap<String, String>,
+    timeout: Duration,
+    max_bytes: usize,
+) -> ToolRun {
+    let started = Instant::now();
+    let outcome = tokio::time::timeout(timeout, call(llm, tool, arguments)).await;
+    let (observation, in_token, out_token) = match outcome {
+        Ok(Ok((text, i, o))) => (text, i, o),
+        Ok(Err(message)) => (format!("Error: {message}"), 0, 0),
+        Err(_) => (
+            format!("Error: the tool '{}' timed out after {timeout:?}", tool.name),
+            0,
+            0,
+        ),
+    };
+    ToolRun {
+        observation: truncate(observation, max_bytes),
+        duration: started.elapsed(),
+        in_token,
+        out_token,
+    }
+}
+
+async fn call(
+    llm: &LlmClient,
+    tool: &ToolDef,
+    arguments: &BTreeMap<String, String>,
+) -> Result<(String, u64, u64), String> {
+    let prompt = match tool.kind.as_str() {
+        // TrustGraph's text-completion tool passes its one argument to the LLM as the prompt.
+        "text-completion" => arguments
+            .get("question")
+            .or_else(|| arguments.values().next())
+            .cloned()
+            .ok_or_else(|| format!("the tool '{}' needs a 'question' argument", tool.name))?,
+        "prompt" => {
+            let template = tool
+                .settings
+                .get("template")
+                .and_then(|t| t.as_str())
+                .ok_or_else(|| format!("the prompt tool '{}' has no template", tool.name))?;
+            let vars = arguments
+                .iter()
+                .map(|(k, v)| (k.as_str(), v.clone()))
+                .collect();
+            render(template, &vars)
+        }
+        other => {
+            return Err(format!(
+                "the tool '{}' has type '{other}', which this orchestrator cannot run yet",
+                tool.name
+            ))
+        }
+    };
+    let messages = [
+        ChatMessage::system(TOOL_SYSTEM_PROMPT),
+        ChatMessage::user(prompt),
+    ];
+    let completion = llm
+        .complete(&messages)
+        .await
+        .map_err(|e| format!("the tool '{}' failed: {e}", tool.name))?;
+    Ok((completion.text, completion.in_token, completion.out_token))
+}
+
+/// Cuts `text` to at most `max_bytes` on a character boundary and says so.
+pub fn truncate(text: String, max_bytes: usize) -> String {
+    if text.len() <= max_bytes {
+        return text;
+    }
+    let mut end = max_bytes;
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!(
+        "{}\n[output cut at {max_bytes} of {} bytes]",
+        &text[..end],
+        text.len()
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn truncation_keeps_char_boundaries() {
+        let cut = truncate("ééé".to_owned(), 3);
+        assert!(cut.starts_with('é') && cut.contains("cut at 3 of 6"));
+        assert_eq!(truncate("abc".to_owned(), 3), "abc");
+    }
+}
