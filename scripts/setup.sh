@@ -12,9 +12,5 @@ if [ ${#need_apt[@]} -gt 0 ]; then
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${need_apt[@]}" >/dev/null
 fi
 
-if ! command -v pulsar-lite >/dev/null 2>&1; then
-  echo "setup: installing pulsar-lite from PyPI" >&2
-  python3 -m pip install -q --disable-pip-version-check 'pulsar-lite==0.2.*' >/dev/null
-fi
-
+scripts/pulsar-lite.sh path >/dev/null
 scripts/patch-pulsar.sh

@@ -1,1 +1,239 @@
-//! placeholder
+//! Test harness for end-to-end tests: a real `pulsar-lite` broker on a free loopback port, the
+//! scripted LLM, and the real `agent-orchestrator` binary as a child process that tests can SIGKILL.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use std::net::TcpListener;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use agent_bus::{AgentClient, Bus, Topics};
+use agent_schema::{AgentRequest, AgentResponse};
+use anyhow::{bail, Context};
+use scripted_llm::{Script, ScriptedLlm};
+
+/// The repository root.
+pub fn repo_root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
+}
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .unwrap()
+}
+
+/// A pulsar-lite broker with its own data folder; killed and removed on drop.
+pub struct Broker {
+    pub port: u16,
+    data: PathBuf,
+    child: Option<Child>,
+}
+
+impl Broker {
+    pub fn start() -> anyhow::Result<Broker> {
+        let port = free_port();
+        let data = std::env::temp_dir().join(format!("agent-e2e-broker-{}-{port}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&data);
+        std::fs::create_dir_all(&data)?;
+        let mut broker = Broker {
+            port,
+            data,
+            child: None,
+        };
+        broker.launch()?;
+        Ok(broker)
+    }
+
+    fn launch(&mut self) -> anyhow::Result<()> {
+        let path = Command::new(repo_root().join("scripts/pulsar-lite.sh"))
+            .arg("path")
+            .output()
+            .context("running scripts/pulsar-lite.sh path")?;
+        let binary = String::from_utf8(path.stdout)?.trim().to_owned();
+        if binary.is_empty() {
+            bail!("pulsar-lite is not installed: run scripts/setup.sh");
+        }
+        let config = self.data.join("broker.toml");
+        std::fs::write(&config, "[metrics]\nenabled = false\n")?;
+        let log = std::fs::File::create(self.data.join("broker.log"))?;
+        let child = Command::new(binary)
+            .arg("--config")
+            .arg(&config)
+            .arg("--addr")
+            .arg(format!("127.0.0.1:{}", self.port))
+            .arg("--db-path")
+            .arg(self.data.join("broker"))
+            .arg("--log-level")
+            .arg("warn")
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .context("starting pulsar-lite")?;
+        self.child = Some(child);
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while std::net::TcpStream::connect(("127.0.0.1", self.port)).is_err() {
+            if Instant::now() > deadline {
+                bail!("pulsar-lite did not listen on {}", self.port);
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        Ok(())
+    }
+
+    pub fn url(&self) -> String {
+        format!("pulsar://127.0.0.1:{}", self.port)
+    }
+}
+
+impl Drop for Broker {
+    fn drop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+        let _ = std::fs::remove_dir_all(&self.data);
+    }
+}
+
+/// Where cargo put the binaries of this workspace (next to the test executable's `deps/`).
+pub fn binary(name: &str) -> PathBuf {
+    let exe = std::env::current_exe().unwrap();
+    let dir = exe.parent().and_then(|d| d.parent()).unwrap();
+    let path = dir.join(name);
+    assert!(
+        path.exists(),
+        "{} is missing: build the binaries first (cargo build --workspace --bins)",
+        path.display()
+    );
+    path
+}
+
+/// An `agent-orchestrator` child process; SIGKILLed on drop.
+pub struct Orchestrator {
+    child: Child,
+}
+
+impl Orchestrator {
+    pub fn spawn(broker: &Broker, llm: &ScriptedLlm, config_dir: &std::path::Path, extra: &[&str]) -> Orchestrator {
+        let child = Command::new(binary("agent-orchestrator"))
+            .arg("--pulsar-url")
+            .arg(broker.url())
+            .arg("--llm-base-url")
+            .arg(llm.base_url())
+            .arg("--llm-model")
+            .arg("scripted")
+            .arg("--config-dir")
+            .arg(config_dir)
+            .args(extra)
+            .env("RUST_LOG", std::env::var("RUST_LOG").unwrap_or_else(|_| "warn".into()))
+            .stdout(Stdio::null())
+            .spawn()
+            .unwrap();
+        Orchestrator { child }
+    }
+
+    /// SIGKILL: no drain, no goodbye to the broker.
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    pub fn is_running(&mut self) -> bool {
+        matches!(self.child.try_wait(), Ok(None))
+    }
+}
+
+impl Drop for Orchestrator {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// A scripted LLM on a free port.
+pub async fn scripted_llm(script: &str) -> ScriptedLlm {
+    ScriptedLlm::start(
+        Script::from_json(script).unwrap(),
+        "127.0.0.1:0".parse().unwrap(),
+    )
+    .await
+    .unwrap()
+}
+
+/// A config directory holding `files` (`(type, json)`), for tests that need their own tools or limits.
+pub fn config_dir(name: &str, files: &[(&str, &str)]) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("agent-e2e-config-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    for (kind, json) in files {
+        std::fs::write(dir.join(format!("{kind}.json")), json).unwrap();
+    }
+    dir
+}
+
+/// The seeded config directory of the repository.
+pub fn seed_dir() -> PathBuf {
+    repo_root().join("config-seed")
+}
+
+/// A client on the default topics.
+pub async fn client(broker: &Broker) -> AgentClient {
+    let bus = Bus::connect(&broker.url(), None).await.unwrap();
+    AgentClient::connect(&bus, &Topics::trustgraph("default", "default"))
+        .await
+        .unwrap()
+}
+
+pub fn request(question: &str, streaming: bool) -> AgentRequest {
+    AgentRequest {
+        question: question.into(),
+        collection: "default".into(),
+        streaming,
+        ..AgentRequest::default()
+    }
+}
+
+/// Reads responses of dialog `id` until `end_of_dialog`, failing after `timeout`.
+pub async fn collect_dialog(
+    client: &mut AgentClient,
+    id: &str,
+    timeout: Duration,
+) -> anyhow::Result<Vec<AgentResponse>> {
+    let mut out = Vec::new();
+    let deadline = tokio::time::Instant::now() + timeout;
+    loop {
+        let (rid, response) = tokio::time::timeout_at(deadline, client.next())
+            .await
+            .with_context(|| format!("dialog {id} did not end; got {out:#?}"))??;
+        if rid != id {
+            continue;
+        }
+        let done = response.end_of_dialog;
+        out.push(response);
+        if done {
+            return Ok(out);
+        }
+    }
+}
+
+/// Reads responses of dialog `id` for `quiet` and returns them (to check nothing more arrives).
+pub async fn drain_for(client: &mut AgentClient, id: &str, quiet: Duration) -> Vec<AgentResponse> {
+    let mut out = Vec::new();
+    let deadline = tokio::time::Instant::now() + quiet;
+    while let Ok(Ok((rid, response))) = tokio::time::timeout_at(deadline, client.next()).await {
+        if rid == id {
+            out.push(response);
+        }
+    }
+    out
+}
+
+/// Concatenated content of the messages of one type.
+pub fn text_of(responses: &[AgentResponse], kind: &str) -> String {
+    responses
+        .iter()
+        .filter(|r| r.message_type == kind)
+        .map(|r| r.content.as_str())
+        .collect()
+}

@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# The embedded broker: `pulsar-lite.sh start PORT DATA_DIR`, `stop DATA_DIR`, `path` (the binary).
+# Installs pulsar-lite from PyPI when it is missing. Metrics are off so parallel brokers do not collide.
+set -euo pipefail
+
+binary() {
+  python3 - <<'PY' 2>/dev/null
+import os, pulsar_lite
+print(os.path.join(os.path.dirname(pulsar_lite.__file__), "bin", "pulsar-lite"))
+PY
+}
+
+ensure_installed() {
+  if ! bin=$(binary) || [ ! -x "$bin" ]; then
+    echo "pulsar-lite: installing from PyPI" >&2
+    python3 -m pip install -q --disable-pip-version-check 'pulsar-lite==0.2.*' >/dev/null 2>&1 \
+      || python3 -m pip install -q --disable-pip-version-check --break-system-packages 'pulsar-lite==0.2.*' >/dev/null
+    bin=$(binary)
+  fi
+  echo "$bin"
+}
+
+cmd=${1:-}
+case "$cmd" in
+  path)
+    ensure_installed
+    ;;
+  start)
+    port=${2:?usage: pulsar-lite.sh start PORT DATA_DIR}
+    data=${3:?usage: pulsar-lite.sh start PORT DATA_DIR}
+    bin=$(ensure_installed)
+    mkdir -p "$data"
+    data=$(cd "$data" && pwd)
+    if [ -f "$data/pid" ] && kill -0 "$(cat "$data/pid")" 2>/dev/null; then
+      echo "pulsar-lite already running (pid $(cat "$data/pid"))" >&2
+      exit 0
+    fi
+    printf '[metrics]\nenabled = false\n' > "$data/broker.toml"
+    nohup "$bin" --config "$data/broker.toml" --addr "127.0.0.1:$port" --db-path "$data/broker" \
+      --log-level warn > "$data/broker.log" 2>&1 &
+    echo $! > "$data/pid"
+    for _ in $(seq 1 100); do
+      if (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null; then
+        echo "pulsar-lite listening on pulsar://127.0.0.1:$port (pid $(cat "$data/pid"), log $data/broker.log)" >&2
+        exit 0
+      fi
+      sleep 0.1
+    done
+    echo "pulsar-lite did not start; see $data/broker.log" >&2
+    exit 1
+    ;;
+  stop)
+    data=${2:?usage: pulsar-lite.sh stop DATA_DIR}
+    if [ -f "$data/pid" ]; then
+      pid=$(cat "$data/pid")
+      kill "$pid" 2>/dev/null || true
+      for _ in $(seq 1 50); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
+      kill -9 "$pid" 2>/dev/null || true
+      rm -f "$data/pid"
+    fi
+    ;;
+  *)
+    echo "usage: pulsar-lite.sh start PORT DATA_DIR | stop DATA_DIR | path" >&2
+    exit 2
+    ;;
+esac

@@ -1,0 +1,237 @@
+//! End-to-end ReACT dialogs over a real pulsar-lite broker, the scripted LLM and the real
+//! `agent-orchestrator` binary.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use std::time::Duration;
+
+use agent_e2e::*;
+use agent_schema::AgentResponse;
+
+const DIALOG_TIMEOUT: Duration = Duration::from_secs(60);
+
+fn kinds(responses: &[AgentResponse]) -> Vec<&str> {
+    responses.iter().map(|r| r.message_type.as_str()).collect()
+}
+
+/// The dialog ends exactly once, with the closing message last.
+fn assert_closed_once(responses: &[AgentResponse]) {
+    let ends = responses.iter().filter(|r| r.end_of_dialog).count();
+    assert_eq!(ends, 1, "{responses:#?}");
+    assert!(responses.last().unwrap().end_of_dialog);
+}
+
+#[tokio::test]
+async fn one_iteration_answer_without_streaming() {
+    let broker = Broker::start().unwrap();
+    let llm = scripted_llm(
+        r#"{"rules": [{"match": "Question: What is six times seven?", "reply": "Thought: I know this one.\nFinal Answer: 42."}]}"#,
+    )
+    .await;
+    let _orchestrator = Orchestrator::spawn(&broker, &llm, &seed_dir(), &[]);
+    let mut client = client(&broker).await;
+    client
+        .send("q-1", &request("What is six times seven?", false))
+        .await
+        .unwrap();
+    let responses = collect_dialog(&mut client, "q-1", DIALOG_TIMEOUT).await.unwrap();
+
+    assert_eq!(kinds(&responses), ["explain", "thought", "explain", "answer"]);
+    assert_closed_once(&responses);
+    let session = responses[0].explain_id.clone().unwrap();
+    assert!(session.starts_with("urn:trustgraph:agent:"));
+    assert_eq!(responses[1].content, "I know this one.");
+    assert!(responses[1].end_of_message);
+    assert_eq!(responses[1].message_id, format!("{session}/i1/thought"));
+    assert_eq!(responses[2].explain_id.as_deref(), Some(format!("{session}/final").as_str()));
+    let answer = &responses[3];
+    assert_eq!(answer.content, "42.");
+    assert!(answer.end_of_message);
+    assert_eq!(answer.message_id, format!("{session}/final"));
+    assert!(answer.in_token.unwrap() > 0 && answer.out_token.unwrap() > 0);
+    assert_eq!(answer.model.as_deref(), Some("scripted"));
+    assert_eq!(llm.calls().len(), 1);
+    assert!(!llm.calls()[0].stream);
+}
+
+const THREE_STEPS: &str = r#"{"rules": [
+  {"match": "Observation: beta-result", "reply": "Thought: I have both parts now.\nFinal Answer: alpha and beta, combined at last.", "chunk_size": 4},
+  {"match": "Observation: alpha-result", "reply": "Thought: Now the second part.\nAction: llm\nArgs: {\"question\": \"fetch beta\"}", "chunk_size": 4},
+  {"match": "fetch alpha", "exact": true, "reply": "alpha-result"},
+  {"match": "fetch beta", "exact": true, "reply": "beta-result"},
+  {"match": "Question: combine", "reply": "Thought: Start with the first part.\nAction: llm\nArgs: {\n  \"question\": \"fetch alpha\"\n}", "chunk_size": 4}
+]}"#;
+
+/// Three iterations, two tool calls, streamed with TrustGraph's chunk semantics: thought chunks with
+/// the last one marked `end_of_message`, observations whole, answer chunks unmarked, and a closing
+/// empty answer with `end_of_dialog` and the dialog's token counts.
+#[tokio::test]
+async fn three_iteration_dialog_with_tools_streams_chunks() {
+    let broker = Broker::start().unwrap();
+    let llm = scripted_llm(THREE_STEPS).await;
+    let _orchestrator = Orchestrator::spawn(&broker, &llm, &seed_dir(), &[]);
+    let mut client = client(&broker).await;
+    client.send("q-3", &request("combine alpha and beta", true)).await.unwrap();
+    let responses = collect_dialog(&mut client, "q-3", DIALOG_TIMEOUT).await.unwrap();
+    assert_closed_once(&responses);
+
+    let session = responses[0].explain_id.clone().unwrap();
+    let observations: Vec<&AgentResponse> = responses.iter().filter(|r| r.message_type == "observation").collect();
+    assert_eq!(observations.len(), 2);
+    assert_eq!(observations[0].content, "alpha-result");
+    assert_eq!(observations[0].message_id, format!("{session}/i1/observation"));
+    assert!(observations.iter().all(|o| o.end_of_message));
+    assert_eq!(observations[1].content, "beta-result");
+
+    for (i, expected) in [
+        (1, "Start with the first part."),
+        (2, "Now the second part."),
+        (3, "I have both parts now."),
+    ] {
+        let id = format!("{session}/i{i}/thought");
+        let chunks: Vec<&AgentResponse> = responses
+            .iter()
+            .filter(|r| r.message_type == "thought" && r.message_id == id)
+            .collect();
+        assert!(chunks.len() > 1, "thought {i} was not streamed in chunks");
+        let text: String = chunks.iter().map(|c| c.content.as_str()).collect();
+        assert_eq!(text, expected);
+        assert!(chunks.last().unwrap().end_of_message);
+        assert!(chunks[..chunks.len() - 1].iter().all(|c| !c.end_of_message));
+    }
+
+    let answers: Vec<&AgentResponse> = responses.iter().filter(|r| r.message_type == "answer").collect();
+    assert!(answers.len() > 2, "the answer was not streamed");
+    assert!(answers[..answers.len() - 1].iter().all(|a| !a.end_of_message && !a.end_of_dialog));
+    assert_eq!(text_of(&responses, "answer"), "alpha and beta, combined at last.");
+    let closing = answers.last().unwrap();
+    assert_eq!(closing.content, "");
+    assert!(closing.end_of_message && closing.end_of_dialog);
+    assert_eq!(closing.message_id, format!("{session}/final"));
+    // Three agent turns plus two tool calls, all counted.
+    let calls = llm.calls();
+    assert_eq!(calls.len(), 5);
+    assert!(closing.in_token.unwrap() >= 5 && closing.out_token.unwrap() >= 5);
+
+    // Provenance arrived inline: session, two iterations with observations, the conclusion.
+    let explained: Vec<String> = responses.iter().filter_map(|r| r.explain_id.clone()).collect();
+    for node in ["", "/i1", "/i1/observation", "/i2", "/i2/observation", "/final"] {
+        assert!(explained.contains(&format!("{session}{node}")), "no explain for {node}: {explained:?}");
+    }
+    let i2 = responses.iter().find(|r| r.explain_id.as_deref() == Some(&format!("{session}/i2"))).unwrap();
+    assert!(i2.explain_triples.iter().any(|t| t.p.iri.ends_with("wasDerivedFrom") && t.o.iri == format!("{session}/i1/observation")));
+}
+
+/// A response that breaks the protocol and a tool that does not exist both become `Error: ...`
+/// observations, and the dialog goes on to an answer.
+#[tokio::test]
+async fn parse_errors_and_unknown_tools_become_observations() {
+    let broker = Broker::start().unwrap();
+    let llm = scripted_llm(
+        r#"{"rules": [
+      {"match": "Observation: Error: there is no tool named 'teleport'", "reply": "Thought: fine.\nFinal Answer: recovered"},
+      {"match": "Observation: Error: your response could not be parsed", "reply": "Thought: use a tool\nAction: teleport\nArgs: {\"to\": \"mars\"}"},
+      {"match": "Question: broken", "reply": "I refuse to follow the format."}
+    ]}"#,
+    )
+    .await;
+    let _orchestrator = Orchestrator::spawn(&broker, &llm, &seed_dir(), &[]);
+    let mut client = client(&broker).await;
+    client.send("q-e", &request("broken please", false)).await.unwrap();
+    let responses = collect_dialog(&mut client, "q-e", DIALOG_TIMEOUT).await.unwrap();
+    assert_closed_once(&responses);
+    let observations: Vec<&str> = responses
+        .iter()
+        .filter(|r| r.message_type == "observation")
+        .map(|r| r.content.as_str())
+        .collect();
+    assert_eq!(observations.len(), 2, "{observations:?}");
+    assert!(observations[0].starts_with("Error: your response could not be parsed"));
+    assert!(observations[1].starts_with("Error: there is no tool named 'teleport'"));
+    assert!(observations[1].contains("available tools: llm"));
+    assert_eq!(responses.last().unwrap().content, "recovered");
+}
+
+/// A tool outside the request's group is refused when the LLM names it anyway.
+#[tokio::test]
+async fn tools_outside_the_requests_group_are_refused_at_execution() {
+    let broker = Broker::start().unwrap();
+    let config = config_dir(
+        "scoped",
+        &[(
+            "tool",
+            r#"{"ops-only": {"name": "restart", "description": "restart a service", "type": "text-completion", "group": ["ops"]},
+                "llm": {"name": "llm", "description": "ask", "type": "text-completion"}}"#,
+        )],
+    );
+    let llm = scripted_llm(
+        r#"{"rules": [
+      {"match": "Observation: Error: the tool 'restart' is not available", "reply": "Thought: not allowed.\nFinal Answer: refused"},
+      {"match": "restart it", "exact": true, "reply": "restarted!"},
+      {"match": "Question: restart", "reply": "Thought: do it\nAction: restart\nArgs: {\"question\": \"restart it\"}"}
+    ]}"#,
+    )
+    .await;
+    let _orchestrator = Orchestrator::spawn(&broker, &llm, &config, &[]);
+    let mut client = client(&broker).await;
+    client.send("q-s", &request("restart the database", false)).await.unwrap();
+    let responses = collect_dialog(&mut client, "q-s", DIALOG_TIMEOUT).await.unwrap();
+    assert_eq!(responses.last().unwrap().content, "refused");
+    let observation = text_of(&responses, "observation");
+    assert!(observation.contains("not available to this request"), "{observation}");
+    assert!(!observation.contains("restarted!"));
+    // The prompt never offered the tool either.
+    assert!(llm.calls().iter().all(|c| c.last_user != "restart it"));
+    assert!(!llm.calls()[0].last_user.contains("restart a service"));
+}
+
+/// `max_iterations` ends a dialog that never answers with a clear answer, not a crash.
+#[tokio::test]
+async fn max_iterations_ends_the_dialog_with_a_clear_answer() {
+    let broker = Broker::start().unwrap();
+    let config = config_dir(
+        "limits",
+        &[
+            ("agent-limits", r#"{"default": {"max_iterations": 2}}"#),
+            ("tool", r#"{"llm": {"name": "llm", "description": "ask", "type": "text-completion"}}"#),
+        ],
+    );
+    let llm = scripted_llm(
+        r#"{"rules": [
+      {"match": "again", "exact": true, "reply": "more"},
+      {"match": "Question: loop", "reply": "Thought: once more\nAction: llm\nArgs: {\"question\": \"again\"}"}
+    ]}"#,
+    )
+    .await;
+    let _orchestrator = Orchestrator::spawn(&broker, &llm, &config, &[]);
+    let mut client = client(&broker).await;
+    client.send("q-m", &request("loop forever", true)).await.unwrap();
+    let responses = collect_dialog(&mut client, "q-m", DIALOG_TIMEOUT).await.unwrap();
+    assert_closed_once(&responses);
+    assert_eq!(responses.iter().filter(|r| r.message_type == "observation").count(), 2);
+    let answer = text_of(&responses, "answer");
+    assert!(answer.contains("within the limit of 2 iterations"), "{answer}");
+    let conclusion = responses.iter().rev().find(|r| r.message_type == "explain").unwrap();
+    assert!(conclusion
+        .explain_triples
+        .iter()
+        .any(|t| t.p.iri.ends_with("terminationReason") && t.o.value == "max-iterations"));
+    // Two agent turns and two tool calls: the limit stopped a third turn.
+    assert_eq!(llm.calls().len(), 4);
+}
+
+/// Requests with invalid fields get an `error` response that ends the dialog.
+#[tokio::test]
+async fn invalid_requests_get_an_error_response() {
+    let broker = Broker::start().unwrap();
+    let llm = scripted_llm(r#"{"rules": []}"#).await;
+    let _orchestrator = Orchestrator::spawn(&broker, &llm, &seed_dir(), &[]);
+    let mut client = client(&broker).await;
+    client.send("q-empty", &request("   ", false)).await.unwrap();
+    let responses = collect_dialog(&mut client, "q-empty", DIALOG_TIMEOUT).await.unwrap();
+    assert_eq!(kinds(&responses), ["error"]);
+    let error = responses[0].error.as_ref().unwrap();
+    assert_eq!(error.kind, "agent-error");
+    assert!(error.message.contains("empty question"));
+    assert!(responses[0].end_of_dialog);
+    assert!(llm.calls().is_empty());
+}
