@@ -5,7 +5,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 version=6.9.1
-patch_file=patches/pulsar-${version}-optional-payload-checksum.patch
+patch_file=patches/pulsar-${version}-pulsar-lite.patch
 dest=.vendor/pulsar
 stamp="$version $(sha256sum "$patch_file" | cut -d' ' -f1)"
 if [ -f "$dest/.patched" ] && [ "$(cat "$dest/.patched")" = "$stamp" ]; then

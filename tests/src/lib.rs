@@ -2,14 +2,14 @@
 //! scripted LLM, and the real `agent-orchestrator` binary as a child process that tests can SIGKILL.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
-use std::net::TcpListener;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
+use agent_bus::embedded::EmbeddedBroker;
 use agent_bus::{AgentClient, Bus, Topics};
 use agent_schema::{AgentRequest, AgentResponse};
-use anyhow::{bail, Context};
+use anyhow::Context;
 use scripted_llm::{Script, ScriptedLlm};
 
 /// The repository root.
@@ -17,83 +17,21 @@ pub fn repo_root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
 }
 
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .unwrap()
-}
-
-/// A pulsar-lite broker with its own data folder; killed and removed on drop.
-pub struct Broker {
-    pub port: u16,
-    data: PathBuf,
-    child: Option<Child>,
-}
+/// The broker of one test: a pulsar-lite on a free loopback port with a temporary data folder.
+pub struct Broker(EmbeddedBroker);
 
 impl Broker {
     pub fn start() -> anyhow::Result<Broker> {
-        let port = free_port();
-        let data = std::env::temp_dir().join(format!("agent-e2e-broker-{}-{port}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&data);
-        std::fs::create_dir_all(&data)?;
-        let mut broker = Broker {
-            port,
-            data,
-            child: None,
-        };
-        broker.launch()?;
-        Ok(broker)
-    }
-
-    fn launch(&mut self) -> anyhow::Result<()> {
-        let path = Command::new(repo_root().join("scripts/pulsar-lite.sh"))
-            .arg("path")
-            .output()
-            .context("running scripts/pulsar-lite.sh path")?;
-        let binary = String::from_utf8(path.stdout)?.trim().to_owned();
-        if binary.is_empty() {
-            bail!("pulsar-lite is not installed: run scripts/setup.sh");
-        }
-        let config = self.data.join("broker.toml");
-        std::fs::write(&config, "[metrics]\nenabled = false\n")?;
-        let log = std::fs::File::create(self.data.join("broker.log"))?;
-        let child = Command::new(binary)
-            .arg("--config")
-            .arg(&config)
-            .arg("--addr")
-            .arg(format!("127.0.0.1:{}", self.port))
-            .arg("--db-path")
-            .arg(self.data.join("broker"))
-            .arg("--log-level")
-            .arg("warn")
-            .stdout(Stdio::null())
-            .stderr(log)
-            .spawn()
-            .context("starting pulsar-lite")?;
-        self.child = Some(child);
-        let deadline = Instant::now() + Duration::from_secs(20);
-        while std::net::TcpStream::connect(("127.0.0.1", self.port)).is_err() {
-            if Instant::now() > deadline {
-                bail!("pulsar-lite did not listen on {}", self.port);
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        Ok(())
+        Ok(Broker(EmbeddedBroker::start(0, None)?))
     }
 
     pub fn url(&self) -> String {
-        format!("pulsar://127.0.0.1:{}", self.port)
+        self.0.url()
     }
-}
 
-impl Drop for Broker {
-    fn drop(&mut self) {
-        if let Some(mut child) = self.child.take() {
-            let _ = child.kill();
-            let _ = child.wait();
-        }
-        let _ = std::fs::remove_dir_all(&self.data);
+    /// SIGKILL and start again on the same data.
+    pub fn restart(&mut self) -> anyhow::Result<()> {
+        Ok(self.0.restart()?)
     }
 }
 
@@ -116,7 +54,12 @@ pub struct Orchestrator {
 }
 
 impl Orchestrator {
-    pub fn spawn(broker: &Broker, llm: &ScriptedLlm, config_dir: &std::path::Path, extra: &[&str]) -> Orchestrator {
+    pub fn spawn(
+        broker: &Broker,
+        llm: &ScriptedLlm,
+        config_dir: &std::path::Path,
+        extra: &[&str],
+    ) -> Orchestrator {
         let child = Command::new(binary("agent-orchestrator"))
             .arg("--pulsar-url")
             .arg(broker.url())
@@ -127,7 +70,10 @@ impl Orchestrator {
             .arg("--config-dir")
             .arg(config_dir)
             .args(extra)
-            .env("RUST_LOG", std::env::var("RUST_LOG").unwrap_or_else(|_| "warn".into()))
+            .env(
+                "RUST_LOG",
+                std::env::var("RUST_LOG").unwrap_or_else(|_| "warn".into()),
+            )
             .stdout(Stdio::null())
             .spawn()
             .unwrap();

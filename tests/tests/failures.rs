@@ -16,22 +16,47 @@ const DIALOG_TIMEOUT: Duration = Duration::from_secs(60);
 #[tokio::test]
 async fn malformed_payloads_go_to_the_dead_letter_topic_and_service_continues() {
     let broker = Broker::start().unwrap();
-    let llm = scripted_llm(r#"{"rules": [{"match": "Question: ping", "reply": "Thought: easy\nFinal Answer: pong"}]}"#).await;
+    let llm = scripted_llm(
+        r#"{"rules": [{"match": "Question: ping", "reply": "Thought: easy\nFinal Answer: pong"}]}"#,
+    )
+    .await;
     let mut orchestrator = Orchestrator::spawn(&broker, &llm, &seed_dir(), &[]);
     let mut client = client(&broker).await;
 
-    client.send("ok-1", &request("ping 1", false)).await.unwrap();
-    for (i, bad) in ["{not json", "[1, 2, 3]", "{\"question\": 7}", "\u{0}\u{1}binary"].iter().enumerate() {
-        client.send_raw(&format!("bad-{i}"), bad.as_bytes().to_vec()).await.unwrap();
+    client
+        .send("ok-1", &request("ping 1", false))
+        .await
+        .unwrap();
+    for (i, bad) in [
+        "{not json",
+        "[1, 2, 3]",
+        "{\"question\": 7}",
+        "\u{0}\u{1}binary",
+    ]
+    .iter()
+    .enumerate()
+    {
+        client
+            .send_raw(&format!("bad-{i}"), bad.as_bytes().to_vec())
+            .await
+            .unwrap();
     }
-    client.send("ok-2", &request("ping 2", false)).await.unwrap();
+    client
+        .send("ok-2", &request("ping 2", false))
+        .await
+        .unwrap();
     for id in ["ok-1", "ok-2"] {
-        let responses = collect_dialog(&mut client, id, DIALOG_TIMEOUT).await.unwrap();
+        let responses = collect_dialog(&mut client, id, DIALOG_TIMEOUT)
+            .await
+            .unwrap();
         assert_eq!(responses.last().unwrap().content, "pong");
     }
     assert!(orchestrator.is_running());
 
-    let pulsar: Pulsar<TokioExecutor> = Pulsar::builder(broker.url(), TokioExecutor).build().await.unwrap();
+    let pulsar: Pulsar<TokioExecutor> = Pulsar::builder(broker.url(), TokioExecutor)
+        .build()
+        .await
+        .unwrap();
     let mut dlq: Consumer<Vec<u8>, TokioExecutor> = pulsar
         .consumer()
         .with_topic("persistent://tg/dead-letter/agent:default:default")
@@ -52,8 +77,15 @@ async fn malformed_payloads_go_to_the_dead_letter_topic_and_service_continues() 
             .unwrap()
             .unwrap();
         let props = &message.payload.metadata.properties;
-        let prop = |k: &str| props.iter().find(|kv| kv.key == k).map(|kv| kv.value.clone());
-        assert!(prop("dead-letter-reason").unwrap().contains("does not decode"));
+        let prop = |k: &str| {
+            props
+                .iter()
+                .find(|kv| kv.key == k)
+                .map(|kv| kv.value.clone())
+        };
+        assert!(prop("dead-letter-reason")
+            .unwrap()
+            .contains("does not decode"));
         ids.push(prop("id").unwrap());
         dlq.ack(&message).await.unwrap();
     }
@@ -61,7 +93,9 @@ async fn malformed_payloads_go_to_the_dead_letter_topic_and_service_continues() 
     assert_eq!(ids, ["bad-0", "bad-1", "bad-2", "bad-3"]);
     // None of the poison messages reached the LLM or produced a response.
     assert_eq!(llm.calls().len(), 2);
-    assert!(drain_for(&mut client, "bad-0", Duration::from_millis(500)).await.is_empty());
+    assert!(drain_for(&mut client, "bad-0", Duration::from_millis(500))
+        .await
+        .is_empty());
 }
 
 /// Invariant 1: an orchestrator killed with SIGKILL while an iteration is in flight loses nothing:
@@ -83,24 +117,47 @@ async fn dialog_survives_a_sigkilled_orchestrator() {
     .await;
     let mut first = Orchestrator::spawn(&broker, &llm, &seed_dir(), &[]);
     let mut client = client(&broker).await;
-    client.send("q-k", &request("crash test", true)).await.unwrap();
+    client
+        .send("q-k", &request("crash test", true))
+        .await
+        .unwrap();
 
     // Wait until the second turn is stuck in the LLM call, then kill the process.
     let deadline = tokio::time::Instant::now() + DIALOG_TIMEOUT;
-    while !llm.calls().iter().any(|c| c.last_user.contains("Observation: alpha-result")) {
-        assert!(tokio::time::Instant::now() < deadline, "the second turn never started");
+    while !llm
+        .calls()
+        .iter()
+        .any(|c| c.last_user.contains("Observation: alpha-result"))
+    {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the second turn never started"
+        );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     tokio::time::sleep(Duration::from_millis(200)).await;
     first.kill();
     let _second = Orchestrator::spawn(&broker, &llm, &seed_dir(), &[]);
 
-    let responses = collect_dialog(&mut client, "q-k", DIALOG_TIMEOUT).await.unwrap();
+    let responses = collect_dialog(&mut client, "q-k", DIALOG_TIMEOUT)
+        .await
+        .unwrap();
     assert_eq!(text_of(&responses, "answer"), "survived");
     let later = drain_for(&mut client, "q-k", Duration::from_secs(2)).await;
-    let ends = responses.iter().chain(later.iter()).filter(|r| r.end_of_dialog).count();
+    let ends = responses
+        .iter()
+        .chain(later.iter())
+        .filter(|r| r.end_of_dialog)
+        .count();
     assert_eq!(ends, 1, "expected exactly one end of dialog");
     // The stalled turn was asked again after the restart.
-    let second_turns = llm.calls().iter().filter(|c| c.last_user.contains("Observation: alpha-result") && !c.last_user.contains("beta-result")).count();
+    let second_turns = llm
+        .calls()
+        .iter()
+        .filter(|c| {
+            c.last_user.contains("Observation: alpha-result")
+                && !c.last_user.contains("beta-result")
+        })
+        .count();
     assert_eq!(second_turns, 2);
 }

@@ -33,16 +33,24 @@ async fn one_iteration_answer_without_streaming() {
         .send("q-1", &request("What is six times seven?", false))
         .await
         .unwrap();
-    let responses = collect_dialog(&mut client, "q-1", DIALOG_TIMEOUT).await.unwrap();
+    let responses = collect_dialog(&mut client, "q-1", DIALOG_TIMEOUT)
+        .await
+        .unwrap();
 
-    assert_eq!(kinds(&responses), ["explain", "thought", "explain", "answer"]);
+    assert_eq!(
+        kinds(&responses),
+        ["explain", "thought", "explain", "answer"]
+    );
     assert_closed_once(&responses);
     let session = responses[0].explain_id.clone().unwrap();
     assert!(session.starts_with("urn:trustgraph:agent:"));
     assert_eq!(responses[1].content, "I know this one.");
     assert!(responses[1].end_of_message);
     assert_eq!(responses[1].message_id, format!("{session}/i1/thought"));
-    assert_eq!(responses[2].explain_id.as_deref(), Some(format!("{session}/final").as_str()));
+    assert_eq!(
+        responses[2].explain_id.as_deref(),
+        Some(format!("{session}/final").as_str())
+    );
     let answer = &responses[3];
     assert_eq!(answer.content, "42.");
     assert!(answer.end_of_message);
@@ -70,15 +78,26 @@ async fn three_iteration_dialog_with_tools_streams_chunks() {
     let llm = scripted_llm(THREE_STEPS).await;
     let _orchestrator = Orchestrator::spawn(&broker, &llm, &seed_dir(), &[]);
     let mut client = client(&broker).await;
-    client.send("q-3", &request("combine alpha and beta", true)).await.unwrap();
-    let responses = collect_dialog(&mut client, "q-3", DIALOG_TIMEOUT).await.unwrap();
+    client
+        .send("q-3", &request("combine alpha and beta", true))
+        .await
+        .unwrap();
+    let responses = collect_dialog(&mut client, "q-3", DIALOG_TIMEOUT)
+        .await
+        .unwrap();
     assert_closed_once(&responses);
 
     let session = responses[0].explain_id.clone().unwrap();
-    let observations: Vec<&AgentResponse> = responses.iter().filter(|r| r.message_type == "observation").collect();
+    let observations: Vec<&AgentResponse> = responses
+        .iter()
+        .filter(|r| r.message_type == "observation")
+        .collect();
     assert_eq!(observations.len(), 2);
     assert_eq!(observations[0].content, "alpha-result");
-    assert_eq!(observations[0].message_id, format!("{session}/i1/observation"));
+    assert_eq!(
+        observations[0].message_id,
+        format!("{session}/i1/observation")
+    );
     assert!(observations.iter().all(|o| o.end_of_message));
     assert_eq!(observations[1].content, "beta-result");
 
@@ -99,10 +118,18 @@ async fn three_iteration_dialog_with_tools_streams_chunks() {
         assert!(chunks[..chunks.len() - 1].iter().all(|c| !c.end_of_message));
     }
 
-    let answers: Vec<&AgentResponse> = responses.iter().filter(|r| r.message_type == "answer").collect();
+    let answers: Vec<&AgentResponse> = responses
+        .iter()
+        .filter(|r| r.message_type == "answer")
+        .collect();
     assert!(answers.len() > 2, "the answer was not streamed");
-    assert!(answers[..answers.len() - 1].iter().all(|a| !a.end_of_message && !a.end_of_dialog));
-    assert_eq!(text_of(&responses, "answer"), "alpha and beta, combined at last.");
+    assert!(answers[..answers.len() - 1]
+        .iter()
+        .all(|a| !a.end_of_message && !a.end_of_dialog));
+    assert_eq!(
+        text_of(&responses, "answer"),
+        "alpha and beta, combined at last."
+    );
     let closing = answers.last().unwrap();
     assert_eq!(closing.content, "");
     assert!(closing.end_of_message && closing.end_of_dialog);
@@ -113,12 +140,32 @@ async fn three_iteration_dialog_with_tools_streams_chunks() {
     assert!(closing.in_token.unwrap() >= 5 && closing.out_token.unwrap() >= 5);
 
     // Provenance arrived inline: session, two iterations with observations, the conclusion.
-    let explained: Vec<String> = responses.iter().filter_map(|r| r.explain_id.clone()).collect();
-    for node in ["", "/i1", "/i1/observation", "/i2", "/i2/observation", "/final"] {
-        assert!(explained.contains(&format!("{session}{node}")), "no explain for {node}: {explained:?}");
+    let explained: Vec<String> = responses
+        .iter()
+        .filter_map(|r| r.explain_id.clone())
+        .collect();
+    for node in [
+        "",
+        "/i1",
+        "/i1/observation",
+        "/i2",
+        "/i2/observation",
+        "/final",
+    ] {
+        assert!(
+            explained.contains(&format!("{session}{node}")),
+            "no explain for {node}: {explained:?}"
+        );
     }
-    let i2 = responses.iter().find(|r| r.explain_id.as_deref() == Some(&format!("{session}/i2"))).unwrap();
-    assert!(i2.explain_triples.iter().any(|t| t.p.iri.ends_with("wasDerivedFrom") && t.o.iri == format!("{session}/i1/observation")));
+    let i2 = responses
+        .iter()
+        .find(|r| r.explain_id.as_deref() == Some(&format!("{session}/i2")))
+        .unwrap();
+    assert!(i2
+        .explain_triples
+        .iter()
+        .any(|t| t.p.iri.ends_with("wasDerivedFrom")
+            && t.o.iri == format!("{session}/i1/observation")));
 }
 
 /// A response that breaks the protocol and a tool that does not exist both become `Error: ...`
@@ -136,8 +183,13 @@ async fn parse_errors_and_unknown_tools_become_observations() {
     .await;
     let _orchestrator = Orchestrator::spawn(&broker, &llm, &seed_dir(), &[]);
     let mut client = client(&broker).await;
-    client.send("q-e", &request("broken please", false)).await.unwrap();
-    let responses = collect_dialog(&mut client, "q-e", DIALOG_TIMEOUT).await.unwrap();
+    client
+        .send("q-e", &request("broken please", false))
+        .await
+        .unwrap();
+    let responses = collect_dialog(&mut client, "q-e", DIALOG_TIMEOUT)
+        .await
+        .unwrap();
     assert_closed_once(&responses);
     let observations: Vec<&str> = responses
         .iter()
@@ -173,11 +225,19 @@ async fn tools_outside_the_requests_group_are_refused_at_execution() {
     .await;
     let _orchestrator = Orchestrator::spawn(&broker, &llm, &config, &[]);
     let mut client = client(&broker).await;
-    client.send("q-s", &request("restart the database", false)).await.unwrap();
-    let responses = collect_dialog(&mut client, "q-s", DIALOG_TIMEOUT).await.unwrap();
+    client
+        .send("q-s", &request("restart the database", false))
+        .await
+        .unwrap();
+    let responses = collect_dialog(&mut client, "q-s", DIALOG_TIMEOUT)
+        .await
+        .unwrap();
     assert_eq!(responses.last().unwrap().content, "refused");
     let observation = text_of(&responses, "observation");
-    assert!(observation.contains("not available to this request"), "{observation}");
+    assert!(
+        observation.contains("not available to this request"),
+        "{observation}"
+    );
     assert!(!observation.contains("restarted!"));
     // The prompt never offered the tool either.
     assert!(llm.calls().iter().all(|c| c.last_user != "restart it"));
@@ -192,7 +252,10 @@ async fn max_iterations_ends_the_dialog_with_a_clear_answer() {
         "limits",
         &[
             ("agent-limits", r#"{"default": {"max_iterations": 2}}"#),
-            ("tool", r#"{"llm": {"name": "llm", "description": "ask", "type": "text-completion"}}"#),
+            (
+                "tool",
+                r#"{"llm": {"name": "llm", "description": "ask", "type": "text-completion"}}"#,
+            ),
         ],
     );
     let llm = scripted_llm(
@@ -204,13 +267,31 @@ async fn max_iterations_ends_the_dialog_with_a_clear_answer() {
     .await;
     let _orchestrator = Orchestrator::spawn(&broker, &llm, &config, &[]);
     let mut client = client(&broker).await;
-    client.send("q-m", &request("loop forever", true)).await.unwrap();
-    let responses = collect_dialog(&mut client, "q-m", DIALOG_TIMEOUT).await.unwrap();
+    client
+        .send("q-m", &request("loop forever", true))
+        .await
+        .unwrap();
+    let responses = collect_dialog(&mut client, "q-m", DIALOG_TIMEOUT)
+        .await
+        .unwrap();
     assert_closed_once(&responses);
-    assert_eq!(responses.iter().filter(|r| r.message_type == "observation").count(), 2);
+    assert_eq!(
+        responses
+            .iter()
+            .filter(|r| r.message_type == "observation")
+            .count(),
+        2
+    );
     let answer = text_of(&responses, "answer");
-    assert!(answer.contains("within the limit of 2 iterations"), "{answer}");
-    let conclusion = responses.iter().rev().find(|r| r.message_type == "explain").unwrap();
+    assert!(
+        answer.contains("within the limit of 2 iterations"),
+        "{answer}"
+    );
+    let conclusion = responses
+        .iter()
+        .rev()
+        .find(|r| r.message_type == "explain")
+        .unwrap();
     assert!(conclusion
         .explain_triples
         .iter()
@@ -226,8 +307,13 @@ async fn invalid_requests_get_an_error_response() {
     let llm = scripted_llm(r#"{"rules": []}"#).await;
     let _orchestrator = Orchestrator::spawn(&broker, &llm, &seed_dir(), &[]);
     let mut client = client(&broker).await;
-    client.send("q-empty", &request("   ", false)).await.unwrap();
-    let responses = collect_dialog(&mut client, "q-empty", DIALOG_TIMEOUT).await.unwrap();
+    client
+        .send("q-empty", &request("   ", false))
+        .await
+        .unwrap();
+    let responses = collect_dialog(&mut client, "q-empty", DIALOG_TIMEOUT)
+        .await
+        .unwrap();
     assert_eq!(kinds(&responses), ["error"]);
     let error = responses[0].error.as_ref().unwrap();
     assert_eq!(error.kind, "agent-error");

@@ -1,1 +1,47 @@
-fn main() {}
+//! `agentctl`: the command line of the agent service.
+
+mod bench;
+mod invoke;
+mod up;
+
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(version, about = "Invoke agents, run the local stack, benchmark")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Publish a request and print the dialog as it streams.
+    Invoke(invoke::InvokeArgs),
+    /// Run the whole stack in this process on embedded defaults (pulsar-lite, scripted or real LLM).
+    Up(up::UpArgs),
+    /// Measure latency and throughput on an embedded broker with an instant scripted LLM.
+    Bench(bench::BenchArgs),
+}
+
+#[tokio::main]
+async fn main() {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn,pulsar=error")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let result = match Cli::parse().command {
+        Command::Invoke(args) => invoke::run(args).await,
+        Command::Up(args) => up::run(args).await,
+        Command::Bench(args) => bench::run(args).await,
+    };
+    match result {
+        Ok(code) => std::process::exit(code),
+        Err(e) => {
+            eprintln!("agentctl: {e:#}");
+            std::process::exit(1);
+        }
+    }
+}

@@ -4,6 +4,7 @@
 
 mod client;
 mod consumer;
+pub mod embedded;
 mod error;
 mod publisher;
 mod topics;
@@ -11,7 +12,7 @@ mod topics;
 pub use client::AgentClient;
 pub use consumer::{run_consumer, ConsumerStats, Delivery, Disposition, SubscriptionConfig};
 pub use error::BusError;
-pub use publisher::Publisher;
+pub use publisher::{Publisher, Receipt};
 pub use topics::Topics;
 
 use std::collections::BTreeMap;

@@ -3,7 +3,7 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use pulsar::producer::{Message, ProducerOptions};
+use pulsar::producer::{Message, ProducerOptions, SendFuture};
 use pulsar::{Producer, TokioExecutor};
 use tokio::sync::Mutex;
 
@@ -45,6 +45,16 @@ impl Publisher {
 
     /// Sends and waits for the broker's receipt: only then may the input that caused it be acked.
     pub async fn send(&self, payload: Vec<u8>, properties: &Properties) -> Result<(), BusError> {
+        self.enqueue(payload, properties).await?.wait().await
+    }
+
+    /// Hands the message to the producer and returns its receipt without waiting for it, so one
+    /// iteration's messages travel pipelined. Messages enqueued in order reach the broker in order.
+    pub async fn enqueue(
+        &self,
+        payload: Vec<u8>,
+        properties: &Properties,
+    ) -> Result<Receipt, BusError> {
         let message = Message {
             payload,
             properties: properties
@@ -53,17 +63,41 @@ impl Publisher {
                 .collect::<HashMap<_, _>>(),
             ..Message::default()
         };
-        let err = |e: pulsar::Error| BusError::Publish {
-            topic: self.topic.clone(),
-            message: e.to_string(),
-        };
-        // The lock is held only to enqueue, so sends from many tasks pipeline; the receipt is awaited
-        // outside it. Enqueue order under the lock is the order the broker sees.
-        let receipt = {
+        // The lock is held only to enqueue, so sends from many tasks pipeline; enqueue order under
+        // the lock is the order the broker sees.
+        let future = {
             let mut producer = self.producer.lock().await;
-            producer.send_non_blocking(message).await.map_err(err)?
+            producer
+                .send_non_blocking(message)
+                .await
+                .map_err(|e| publish_error(&self.topic, e))?
         };
-        receipt.await.map_err(err)?;
-        Ok(())
+        Ok(Receipt {
+            topic: self.topic.clone(),
+            future,
+        })
+    }
+}
+
+fn publish_error(topic: &str, e: pulsar::Error) -> BusError {
+    BusError::Publish {
+        topic: topic.to_owned(),
+        message: e.to_string(),
+    }
+}
+
+/// The broker's pending confirmation of one message.
+pub struct Receipt {
+    topic: String,
+    future: SendFuture,
+}
+
+impl Receipt {
+    /// Resolves once the broker has the message.
+    pub async fn wait(self) -> Result<(), BusError> {
+        self.future
+            .await
+            .map(|_| ())
+            .map_err(|e| publish_error(&self.topic, e))
     }
 }

@@ -1,5 +1,6 @@
 //! Guards our patch of the `pulsar` crate (patches/): payload frames decode with and without the
 //! optional `[MAGIC 0x0e01][CRC32C]` prefix, and a wrong checksum is still rejected when one is sent.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use bytes::{Buf, BufMut, BytesMut};
 use pulsar::message::proto::{base_command, BaseCommand, CommandMessage, MessageIdData};
@@ -58,7 +59,10 @@ fn decoded_data(mut frame: BytesMut) -> Result<Vec<u8>, String> {
 
 #[test]
 fn decodes_frames_with_the_checksum_prefix() {
-    assert_eq!(decoded_data(framed_message()).unwrap(), b"{\"question\": \"hi\"}");
+    assert_eq!(
+        decoded_data(framed_message()).unwrap(),
+        b"{\"question\": \"hi\"}"
+    );
 }
 
 #[test]

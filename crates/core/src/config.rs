@@ -133,13 +133,22 @@ mod tests {
             (
                 "tool".to_owned(),
                 [
-                    ("a".to_owned(), json!({"name": "x", "description": "", "type": "text-completion"})),
-                    ("b".to_owned(), json!({"name": "x", "description": "", "type": "text-completion"})),
+                    (
+                        "a".to_owned(),
+                        json!({"name": "x", "description": "", "type": "text-completion"}),
+                    ),
+                    (
+                        "b".to_owned(),
+                        json!({"name": "x", "description": "", "type": "text-completion"}),
+                    ),
                     ("c".to_owned(), json!({"description": 3})),
                 ]
                 .into(),
             ),
-            ("agent-limits".to_owned(), [("default".to_owned(), json!({"max_iteration": 3}))].into()),
+            (
+                "agent-limits".to_owned(),
+                [("default".to_owned(), json!({"max_iteration": 3}))].into(),
+            ),
         ]
         .into();
         let errors = AgentConfig::from_values(&values).unwrap_err();
@@ -148,8 +157,11 @@ mod tests {
 
     #[test]
     fn partial_limits_keep_defaults() {
-        let values: ConfigValues =
-            [("agent-limits".to_owned(), [("default".to_owned(), json!({"max_iterations": 3}))].into())].into();
+        let values: ConfigValues = [(
+            "agent-limits".to_owned(),
+            [("default".to_owned(), json!({"max_iterations": 3}))].into(),
+        )]
+        .into();
         let config = AgentConfig::from_values(&values).unwrap();
         assert_eq!(config.limits.max_iterations, 3);
         assert_eq!(config.limits.tool_timeout_secs, 60);

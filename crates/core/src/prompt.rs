@@ -76,7 +76,12 @@ pub fn describe_tools(tools: &[&ToolDef]) -> String {
             if args.is_empty() {
                 format!("- {}: {}", t.name, t.description)
             } else {
-                format!("- {}: {}\n  arguments: {}", t.name, t.description, args.join("; "))
+                format!(
+                    "- {}: {}\n  arguments: {}",
+                    t.name,
+                    t.description,
+                    args.join("; ")
+                )
             }
         })
         .collect::<Vec<_>>()

@@ -290,11 +290,22 @@ mod tests {
     #[test]
     fn iteration_derives_from_the_previous_observation_and_keeps_user_text_literal() {
         let u = SessionUris::new("s");
-        let triples = tool_iteration(&u, 2, "\"> DROP", "llm", "{}", &["llm"], &CallStats::default());
+        let triples = tool_iteration(
+            &u,
+            2,
+            "\"> DROP",
+            "llm",
+            "{}",
+            &["llm"],
+            &CallStats::default(),
+        );
         assert!(triples.iter().any(|t| t.p.iri.ends_with("wasDerivedFrom")
             && t.s.iri == u.iteration(2)
             && t.o.iri == u.observation(1)));
-        let content = triples.iter().find(|t| t.p.iri == format!("{TG}content")).unwrap();
+        let content = triples
+            .iter()
+            .find(|t| t.p.iri == format!("{TG}content"))
+            .unwrap();
         assert_eq!(content.o.kind, "l");
         assert_eq!(content.o.value, "\"> DROP");
         assert!(triples.iter().all(|t| t.g.as_deref() == Some(GRAPH)));
@@ -302,7 +313,11 @@ mod tests {
 
     #[test]
     fn describe_shortens_known_prefixes() {
-        let lines = describe(&session(&SessionUris::new("s"), "Q", "2026-01-01T00:00:00Z"));
+        let lines = describe(&session(
+            &SessionUris::new("s"),
+            "Q",
+            "2026-01-01T00:00:00Z",
+        ));
         assert!(lines.contains(&"<urn:trustgraph:agent:s> a tg:Question".to_owned()));
         assert!(lines.contains(&"<urn:trustgraph:agent:s> tg:query \"Q\"".to_owned()));
     }

@@ -163,7 +163,9 @@ fn parse_args(text: &str) -> Result<BTreeMap<String, String>, ReactParseError> {
     let value: serde_json::Value =
         serde_json::from_str(text).map_err(|e| ReactParseError::BadArgs(e.to_string()))?;
     let serde_json::Value::Object(map) = value else {
-        return Err(ReactParseError::BadArgs(format!("expected an object, got {value}")));
+        return Err(ReactParseError::BadArgs(format!(
+            "expected an object, got {value}"
+        )));
     };
     Ok(map
         .into_iter()
@@ -311,8 +313,14 @@ mod tests {
 
     #[test]
     fn rejects_text_without_decision_and_bad_args() {
-        assert_eq!(parse("I am just chatting"), Err(ReactParseError::NoDecision));
-        assert_eq!(parse("Thought: x\nAction:   \n"), Err(ReactParseError::EmptyAction));
+        assert_eq!(
+            parse("I am just chatting"),
+            Err(ReactParseError::NoDecision)
+        );
+        assert_eq!(
+            parse("Thought: x\nAction:   \n"),
+            Err(ReactParseError::EmptyAction)
+        );
         assert!(matches!(
             parse("Action: t\nArgs: {not json"),
             Err(ReactParseError::BadArgs(_))
@@ -325,7 +333,8 @@ mod tests {
 
     #[test]
     fn streaming_splits_anywhere_give_the_same_text() {
-        let text = "Thought: I should look\nthis up carefully\nFinal Answer: It is\n42: the answer.\n";
+        let text =
+            "Thought: I should look\nthis up carefully\nFinal Answer: It is\n42: the answer.\n";
         let expected_thought = "I should look\nthis up carefully";
         let expected_answer = "It is\n42: the answer.";
         for size in 1..text.len() {
@@ -335,7 +344,11 @@ mod tests {
                 .map(|c| std::str::from_utf8(c).unwrap())
                 .collect();
             let (deltas, _) = stream_all(&chunks);
-            assert_eq!(joined(&deltas, false), expected_thought, "chunk size {size}");
+            assert_eq!(
+                joined(&deltas, false),
+                expected_thought,
+                "chunk size {size}"
+            );
             assert_eq!(joined(&deltas, true), expected_answer, "chunk size {size}");
         }
     }
@@ -349,7 +362,10 @@ mod tests {
     #[test]
     fn thought_streams_before_the_line_ends() {
         let mut s = ReactStream::default();
-        assert_eq!(s.push("Thought: thinking hard"), vec![ReactDelta::Thought("thinking hard".into())]);
+        assert_eq!(
+            s.push("Thought: thinking hard"),
+            vec![ReactDelta::Thought("thinking hard".into())]
+        );
         assert_eq!(s.push(" still"), vec![ReactDelta::Thought(" still".into())]);
     }
 }

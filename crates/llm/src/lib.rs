@@ -298,7 +298,9 @@ impl LlmClient {
                     .map_err(|e| LlmError::Malformed(format!("{e}: {}", preview(&text))))?;
                 let content = value["choices"][0]["message"]["content"]
                     .as_str()
-                    .ok_or_else(|| LlmError::Malformed(format!("no message content: {}", preview(&text))))?
+                    .ok_or_else(|| {
+                        LlmError::Malformed(format!("no message content: {}", preview(&text)))
+                    })?
                     .to_owned();
                 Ok(self.completion(content, &value))
             }
@@ -350,7 +352,10 @@ impl LlmClient {
                     return Ok(self.completion(text, &value));
                 }
                 let event: Value = serde_json::from_str(data).map_err(|e| {
-                    fail(sent_any, LlmError::Malformed(format!("{e}: {}", preview(data))))
+                    fail(
+                        sent_any,
+                        LlmError::Malformed(format!("{e}: {}", preview(data))),
+                    )
                 })?;
                 if !event["usage"].is_null() {
                     usage = event["usage"].clone();

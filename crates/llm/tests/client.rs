@@ -1,5 +1,6 @@
 //! The LLM client against the scripted OpenAI-compatible server: streaming, usage, and every fault
 //! the server can inject.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use std::time::Duration;
 
@@ -8,9 +9,12 @@ use scripted_llm::{Script, ScriptedLlm};
 use tokio::sync::mpsc;
 
 async fn server(script: &str) -> ScriptedLlm {
-    ScriptedLlm::start(Script::from_json(script).unwrap(), "127.0.0.1:0".parse().unwrap())
-        .await
-        .unwrap()
+    ScriptedLlm::start(
+        Script::from_json(script).unwrap(),
+        "127.0.0.1:0".parse().unwrap(),
+    )
+    .await
+    .unwrap()
 }
 
 fn client(server: &ScriptedLlm) -> LlmClient {
@@ -29,7 +33,10 @@ fn ask(q: &str) -> Vec<ChatMessage> {
     vec![ChatMessage::system("sys"), ChatMessage::user(q)]
 }
 
-async fn stream(client: &LlmClient, q: &str) -> (Result<agent_llm::Completion, LlmError>, Vec<String>) {
+async fn stream(
+    client: &LlmClient,
+    q: &str,
+) -> (Result<agent_llm::Completion, LlmError>, Vec<String>) {
     let (tx, mut rx) = mpsc::channel(1024);
     let result = client.stream(&ask(q), tx).await;
     let mut deltas = Vec::new();
@@ -70,7 +77,9 @@ async fn retries_429_and_500_then_succeeds() {
 
 #[tokio::test]
 async fn honours_retry_after() {
-    let s = server(r#"{"rules": [{"match": "", "reply": "ok", "faults": ["429"], "retry_after": 1}]}"#).await;
+    let s =
+        server(r#"{"rules": [{"match": "", "reply": "ok", "faults": ["429"], "retry_after": 1}]}"#)
+            .await;
     let started = std::time::Instant::now();
     client(&s).complete(&ask("q")).await.unwrap();
     assert!(started.elapsed() >= Duration::from_millis(950));
@@ -78,14 +87,20 @@ async fn honours_retry_after() {
 
 #[tokio::test]
 async fn stall_times_out_and_is_retried() {
-    let s = server(r#"{"rules": [{"match": "", "reply": "ok", "faults": ["stall"], "stall_ms": 3000}]}"#).await;
+    let s = server(
+        r#"{"rules": [{"match": "", "reply": "ok", "faults": ["stall"], "stall_ms": 3000}]}"#,
+    )
+    .await;
     let (result, _) = stream(&client(&s), "q").await;
     assert_eq!(result.unwrap().retries, 1);
 }
 
 #[tokio::test]
 async fn malformed_answers_are_retried() {
-    let s = server(r#"{"rules": [{"match": "", "reply": "ok", "faults": ["malformed", "malformed"]}]}"#).await;
+    let s = server(
+        r#"{"rules": [{"match": "", "reply": "ok", "faults": ["malformed", "malformed"]}]}"#,
+    )
+    .await;
     let c = client(&s).complete(&ask("q")).await.unwrap();
     assert_eq!((c.text.as_str(), c.retries), ("ok", 2));
     let (result, _) = stream(&client(&s), "q").await;
@@ -106,7 +121,13 @@ async fn client_errors_are_not_retried_and_persistent_faults_exhaust() {
     let s = server(r#"{"rules": [{"match": "known", "reply": "x", "faults": ["500","500","500","500","500"]}]}"#).await;
     let c = client(&s);
     let err = c.complete(&ask("something else")).await.unwrap_err();
-    assert!(matches!(err, LlmError::Status { status: 400, .. }), "{err:?}");
+    assert!(
+        matches!(err, LlmError::Status { status: 400, .. }),
+        "{err:?}"
+    );
     let err = c.complete(&ask("known")).await.unwrap_err();
-    assert!(matches!(err, LlmError::Exhausted { attempts: 4, .. }), "{err:?}");
+    assert!(
+        matches!(err, LlmError::Exhausted { attempts: 4, .. }),
+        "{err:?}"
+    );
 }

@@ -9,7 +9,9 @@ pub mod tool_exec;
 
 use std::sync::Arc;
 
-use agent_bus::{run_consumer, Bus, ConsumerStats, Delivery, Disposition, Publisher, SubscriptionConfig};
+use agent_bus::{
+    run_consumer, Bus, ConsumerStats, Delivery, Disposition, Publisher, SubscriptionConfig,
+};
 use agent_core::config::AgentConfig;
 use agent_core::provenance::{self, SessionUris};
 use agent_llm::LlmClient;
@@ -36,7 +38,10 @@ impl Engine {
         }
     }
 
-    async fn handle_inner(&self, delivery: Delivery<AgentRequest>) -> Result<(), agent_bus::BusError> {
+    async fn handle_inner(
+        &self,
+        delivery: Delivery<AgentRequest>,
+    ) -> Result<(), agent_bus::BusError> {
         let Delivery {
             payload: request,
             properties,
@@ -55,13 +60,15 @@ impl Engine {
 
         if let Err(problem) = validate(&request, &self.config) {
             tracing::warn!(session = %session_id, %problem, "refusing an invalid request");
-            return out.respond(&AgentResponse::error(problem)).await;
+            out.respond(&AgentResponse::error(problem)).await?;
+            return out.flush().await;
         }
         let n = request.history.len() + 1;
         let span = tracing::info_span!("iteration", session = %session_id, iteration = n, id = id.unwrap_or(""));
         async {
             if request.history.is_empty() {
-                let started = chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Micros, true);
+                let started =
+                    chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Micros, true);
                 out.explain(
                     &uris.session(),
                     provenance::session(&uris, &request.question, &started),
@@ -80,7 +87,9 @@ impl Engine {
             .await
         }
         .instrument(span)
-        .await
+        .await?;
+        // Everything this message caused must be on the broker before it is acked.
+        out.flush().await
     }
 }
 
@@ -91,7 +100,9 @@ fn session_id_for(request: &AgentRequest, id: Option<&str>) -> String {
         return request.session_id.clone();
     }
     match id {
-        Some(id) if !id.is_empty() => uuid::Uuid::new_v5(&uuid::Uuid::NAMESPACE_URL, id.as_bytes()).to_string(),
+        Some(id) if !id.is_empty() => {
+            uuid::Uuid::new_v5(&uuid::Uuid::NAMESPACE_URL, id.as_bytes()).to_string()
+        }
         _ => uuid::Uuid::new_v4().to_string(),
     }
 }
@@ -174,8 +185,14 @@ mod tests {
     #[test]
     fn first_requests_get_a_stable_session_per_id() {
         let req = AgentRequest::default();
-        assert_eq!(session_id_for(&req, Some("abc")), session_id_for(&req, Some("abc")));
-        assert_ne!(session_id_for(&req, Some("abc")), session_id_for(&req, Some("abd")));
+        assert_eq!(
+            session_id_for(&req, Some("abc")),
+            session_id_for(&req, Some("abc"))
+        );
+        assert_ne!(
+            session_id_for(&req, Some("abc")),
+            session_id_for(&req, Some("abd"))
+        );
         let later = AgentRequest {
             session_id: "s-1".into(),
             ..AgentRequest::default()
@@ -192,12 +209,16 @@ mod tests {
         };
         assert!(validate(&ok, &config).is_ok());
         let empty = AgentRequest::default();
-        assert!(validate(&empty, &config).unwrap_err().contains("empty question"));
+        assert!(validate(&empty, &config)
+            .unwrap_err()
+            .contains("empty question"));
         let huge = AgentRequest {
             question: "x".repeat(config.limits.max_question_bytes + 1),
             ..AgentRequest::default()
         };
-        assert!(validate(&huge, &config).unwrap_err().contains("max_question_bytes"));
+        assert!(validate(&huge, &config)
+            .unwrap_err()
+            .contains("max_question_bytes"));
         let injected = AgentRequest {
             session_id: "x> <y".into(),
             ..ok.clone()
@@ -207,7 +228,9 @@ mod tests {
             pattern: "telepathy".into(),
             ..ok
         };
-        assert!(validate(&pattern, &config).unwrap_err().contains("telepathy"));
+        assert!(validate(&pattern, &config)
+            .unwrap_err()
+            .contains("telepathy"));
     }
 }
 
@@ -219,6 +242,9 @@ mod seed_tests {
         let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../config-seed");
         let config = crate::load_config_dir(&dir).unwrap();
         assert!(config.tool_by_name("llm").is_some());
-        assert_eq!(config.react_prompt, agent_core::prompt::PromptTemplate::default());
+        assert_eq!(
+            config.react_prompt,
+            agent_core::prompt::PromptTemplate::default()
+        );
     }
 }

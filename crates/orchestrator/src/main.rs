@@ -4,7 +4,10 @@ use clap::Parser;
 use tokio_util::sync::CancellationToken;
 
 #[derive(Parser)]
-#[command(version, about = "Stateless agent orchestrator over Pulsar (TrustGraph-compatible)")]
+#[command(
+    version,
+    about = "Stateless agent orchestrator over Pulsar (TrustGraph-compatible)"
+)]
 struct Args {
     #[command(flatten)]
     settings: agent_orchestrator::Settings,
@@ -14,8 +17,9 @@ struct Args {
 async fn main() -> anyhow::Result<()> {
     tracing_subscriber::fmt()
         .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| {
+                tracing_subscriber::EnvFilter::new("info,pulsar::retry_op=error")
+            }),
         )
         .init();
     let args = Args::parse();

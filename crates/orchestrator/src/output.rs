@@ -1,9 +1,14 @@
 //! Everything an iteration publishes: responses to the client, the `next` request, provenance.
-//! Every send waits for the broker's receipt, so once an iteration's sends returned, its input may be acked.
+//! Sends are pipelined; [`DialogOutput::flush`] waits for every receipt, and only then may the
+//! iteration's input be acked.
 
-use agent_bus::{BusError, Properties, Publisher};
+use std::sync::Mutex;
+
+use agent_bus::{BusError, Properties, Publisher, Receipt};
 use agent_core::provenance::GRAPH;
-use agent_schema::{AgentRequest, AgentResponse, Metadata, MessageType, Triple, Triples, ID_PROPERTY};
+use agent_schema::{
+    AgentRequest, AgentResponse, MessageType, Metadata, Triple, Triples, ID_PROPERTY,
+};
 
 /// Message property carrying the tokens the dialog used before this iteration (input side).
 pub const IN_TOKEN_PROPERTY: &str = "agent-in-token";
@@ -24,6 +29,7 @@ pub struct DialogOutput<'a> {
     properties: Properties,
     collection: String,
     root: String,
+    pending: Mutex<Vec<Receipt>>,
 }
 
 impl<'a> DialogOutput<'a> {
@@ -37,14 +43,42 @@ impl<'a> DialogOutput<'a> {
             properties,
             collection: collection.to_owned(),
             root: root.to_owned(),
+            pending: Mutex::new(Vec::new()),
         }
     }
 
+    async fn send(
+        &self,
+        to: &Publisher,
+        payload: Vec<u8>,
+        properties: &Properties,
+    ) -> Result<(), BusError> {
+        let receipt = to.enqueue(payload, properties).await?;
+        if let Ok(mut pending) = self.pending.lock() {
+            pending.push(receipt);
+        }
+        Ok(())
+    }
+
+    /// Waits until the broker has every message sent so far.
+    pub async fn flush(&self) -> Result<(), BusError> {
+        let receipts = match self.pending.lock() {
+            Ok(mut pending) => std::mem::take(&mut *pending),
+            Err(_) => Vec::new(),
+        };
+        for receipt in receipts {
+            receipt.wait().await?;
+        }
+        Ok(())
+    }
+
     pub async fn respond(&self, response: &AgentResponse) -> Result<(), BusError> {
-        self.outputs
-            .responses
-            .send(agent_schema::encode(response), &self.properties)
-            .await
+        self.send(
+            &self.outputs.responses,
+            agent_schema::encode(response),
+            &self.properties,
+        )
+        .await
     }
 
     /// Sends a chunk of a message.
@@ -72,11 +106,13 @@ impl<'a> DialogOutput<'a> {
             },
             triples,
         };
-        // The graph copy goes first: if the process dies between the two, the record survives.
-        self.outputs
-            .explainability
-            .send(agent_schema::encode(&message), &Properties::new())
-            .await?;
+        // The graph copy is enqueued before the client's, so a client that saw a node can find it.
+        self.send(
+            &self.outputs.explainability,
+            agent_schema::encode(&message),
+            &Properties::new(),
+        )
+        .await?;
         let mut r = AgentResponse::new(MessageType::Explain, "");
         r.explain_id = Some(node.to_owned());
         r.explain_graph = Some(GRAPH.to_owned());
@@ -89,9 +125,11 @@ impl<'a> DialogOutput<'a> {
         let mut properties = self.properties.clone();
         properties.insert(IN_TOKEN_PROPERTY.to_owned(), tokens.0.to_string());
         properties.insert(OUT_TOKEN_PROPERTY.to_owned(), tokens.1.to_string());
-        self.outputs
-            .requests
-            .send(agent_schema::encode(request), &properties)
-            .await
+        self.send(
+            &self.outputs.requests,
+            agent_schema::encode(request),
+            &properties,
+        )
+        .await
     }
 }

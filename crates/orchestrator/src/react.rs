@@ -90,7 +90,11 @@ pub async fn iterate(turn: Turn<'_>) -> Result<(), BusError> {
                 &stats,
             );
             out.explain(&uris.conclusion(), triples).await?;
-            let content = if request.streaming { "" } else { answer.as_str() };
+            let content = if request.streaming {
+                ""
+            } else {
+                answer.as_str()
+            };
             out.respond(&closing_answer(content, uris, tokens, &completion.model))
                 .await
         }
@@ -144,15 +148,31 @@ pub async fn iterate(turn: Turn<'_>) -> Result<(), BusError> {
                 subagent_results: None,
             };
             let tokens = (tokens.0 + run.in_token, tokens.1 + run.out_token);
-            record_step(&turn, n, step, &arguments_json, &candidates, &stats, run.duration, next_state, tokens).await
+            record_step(
+                &turn,
+                n,
+                step,
+                &arguments_json,
+                &candidates,
+                &stats,
+                run.duration,
+                next_state,
+                tokens,
+            )
+            .await
         }
         Err(e) => {
             let observation = format!(
                 "Error: your response could not be parsed ({e}). Reply with 'Thought:' followed by either 'Action:' and 'Args:', or 'Final Answer:'."
             );
             if !request.streaming {
-                out.chunk(MessageType::Thought, completion.text.trim(), &uris.thought(n), true)
-                    .await?;
+                out.chunk(
+                    MessageType::Thought,
+                    completion.text.trim(),
+                    &uris.thought(n),
+                    true,
+                )
+                .await?;
             }
             let step = AgentStep {
                 thought: completion.text.trim().chars().take(4000).collect(),
@@ -163,7 +183,18 @@ pub async fn iterate(turn: Turn<'_>) -> Result<(), BusError> {
             let state = Scope::new(request.group.as_deref(), request.state.as_deref())
                 .state()
                 .to_owned();
-            record_step(&turn, n, step, "{}", &candidates, &stats, Duration::ZERO, state, tokens).await
+            record_step(
+                &turn,
+                n,
+                step,
+                "{}",
+                &candidates,
+                &stats,
+                Duration::ZERO,
+                state,
+                tokens,
+            )
+            .await
         }
     }
 }
@@ -201,12 +232,8 @@ async fn record_step(
         true,
     )
     .await?;
-    let triples = provenance::observation(
-        uris,
-        n,
-        &step.observation,
-        tool_duration.as_millis() as u64,
-    );
+    let triples =
+        provenance::observation(uris, n, &step.observation, tool_duration.as_millis() as u64);
     out.explain(&uris.observation(n), triples).await?;
     let mut next = (*request).clone();
     next.history.push(step);
@@ -256,7 +283,8 @@ async fn stream_turn(
         }
     }
     if let Some(last) = held_thought.take() {
-        out.chunk(MessageType::Thought, &last, &thought_id, true).await?;
+        out.chunk(MessageType::Thought, &last, &thought_id, true)
+            .await?;
     }
     Ok(result)
 }
@@ -277,15 +305,22 @@ async fn publish_delta(
         }
         ReactDelta::Answer(text) => {
             if let Some(last) = held_thought.take() {
-                out.chunk(MessageType::Thought, &last, thought_id, true).await?;
+                out.chunk(MessageType::Thought, &last, thought_id, true)
+                    .await?;
             }
-            out.chunk(MessageType::Answer, &text, answer_id, false).await?;
+            out.chunk(MessageType::Answer, &text, answer_id, false)
+                .await?;
         }
     }
     Ok(())
 }
 
-fn closing_answer(content: &str, uris: &SessionUris, tokens: (u64, u64), model: &str) -> AgentResponse {
+fn closing_answer(
+    content: &str,
+    uris: &SessionUris,
+    tokens: (u64, u64),
+    model: &str,
+) -> AgentResponse {
     let mut r = AgentResponse::new(MessageType::Answer, content);
     r.end_of_message = true;
     r.end_of_dialog = true;
@@ -330,9 +365,18 @@ async fn conclude_at_limit(turn: &Turn<'_>) -> Result<(), BusError> {
         out.chunk(MessageType::Answer, &answer, &uris.conclusion(), false)
             .await?;
     }
-    let content = if request.streaming { "" } else { answer.as_str() };
-    out.respond(&closing_answer(content, uris, turn.tokens_before, llm.model()))
-        .await
+    let content = if request.streaming {
+        ""
+    } else {
+        answer.as_str()
+    };
+    out.respond(&closing_answer(
+        content,
+        uris,
+        turn.tokens_before,
+        llm.model(),
+    ))
+    .await
 }
 
 /// Ends the dialog with an error response and records why.

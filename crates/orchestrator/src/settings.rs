@@ -18,7 +18,11 @@ pub struct Settings {
     #[arg(long, env = "PULSAR_TOKEN", hide_env_values = true)]
     pub pulsar_token: Option<String>,
     /// OpenAI-compatible endpoint, up to and including `/v1`.
-    #[arg(long, env = "OPENAI_BASE_URL", default_value = "http://127.0.0.1:8080/v1")]
+    #[arg(
+        long,
+        env = "OPENAI_BASE_URL",
+        default_value = "http://127.0.0.1:8080/v1"
+    )]
     pub llm_base_url: String,
     #[arg(long, env = "OPENAI_API_KEY", hide_env_values = true)]
     pub llm_api_key: Option<String>,
@@ -76,7 +80,11 @@ impl Settings {
     pub fn llm_config(&self) -> LlmConfig {
         LlmConfig {
             base_url: self.llm_base_url.clone(),
-            api_key: self.llm_api_key.clone().filter(|k| !k.is_empty()).map(Secret::new),
+            api_key: self
+                .llm_api_key
+                .clone()
+                .filter(|k| !k.is_empty())
+                .map(Secret::new),
             model: self.llm_model.clone(),
             max_concurrency: self.llm_max_concurrency,
             idle_timeout: Duration::from_secs(self.llm_idle_timeout_secs),

@@ -32,7 +32,10 @@ pub async fn run_tool(
         Ok(Ok((text, i, o))) => (text, i, o),
         Ok(Err(message)) => (format!("Error: {message}"), 0, 0),
         Err(_) => (
-            format!("Error: the tool '{}' timed out after {timeout:?}", tool.name),
+            format!(
+                "Error: the tool '{}' timed out after {timeout:?}",
+                tool.name
+            ),
             0,
             0,
         ),

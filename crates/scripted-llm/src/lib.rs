@@ -18,6 +18,7 @@ use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
+use futures::StreamExt;
 use serde::Deserialize;
 use serde_json::{json, Value};
 use tokio_util::sync::CancellationToken;
@@ -53,6 +54,9 @@ pub struct Rule {
     /// Delay before answering, in milliseconds.
     #[serde(default)]
     pub delay_ms: u64,
+    /// Delay between streamed chunks, in milliseconds (a slow model).
+    #[serde(default)]
+    pub chunk_delay_ms: u64,
     /// How long a `stall` fault holds the request before dropping it (default 60 s).
     #[serde(default)]
     pub stall_ms: Option<u64>,
@@ -182,7 +186,11 @@ async fn chat(State(shared): State<Arc<Shared>>, Json(body): Json<Value>) -> Res
         Some(i) => {
             let rule = &shared.script.rules[i];
             let n = shared.hits[i].fetch_add(1, Ordering::SeqCst);
-            (rule.reply.clone(), rule.faults.get(n).cloned(), Some(rule.clone()))
+            (
+                rule.reply.clone(),
+                rule.faults.get(n).cloned(),
+                Some(rule.clone()),
+            )
         }
         None => match &shared.script.default_reply {
             Some(reply) => (reply.clone(), None, None),
@@ -245,7 +253,11 @@ async fn chat(State(shared): State<Arc<Shared>>, Json(body): Json<Value>) -> Res
     let mut events: Vec<String> = Vec::with_capacity(chunks.len() + 3);
     let truncate = fault.as_deref() == Some("truncate");
     let malformed = fault.as_deref() == Some("malformed");
-    let keep = if truncate { chunks.len() / 2 } else { chunks.len() };
+    let keep = if truncate {
+        chunks.len() / 2
+    } else {
+        chunks.len()
+    };
     for chunk in chunks.iter().take(keep) {
         let event = json!({"id": "chatcmpl-scripted", "object": "chat.completion.chunk", "model": model,
             "choices": [{"index": 0, "delta": {"content": chunk}, "finish_reason": null}]});
@@ -260,11 +272,13 @@ async fn chat(State(shared): State<Arc<Shared>>, Json(body): Json<Value>) -> Res
         events.push(format!("data: {last}\n\n"));
         events.push("data: [DONE]\n\n".to_owned());
     }
-    let body = futures::stream::iter(
-        events
-            .into_iter()
-            .map(|e| Ok::<_, std::convert::Infallible>(bytes::Bytes::from(e))),
-    );
+    let pause = Duration::from_millis(rule.chunk_delay_ms);
+    let body = futures::stream::iter(events).then(move |e| async move {
+        if !pause.is_zero() {
+            tokio::time::sleep(pause).await;
+        }
+        Ok::<_, std::convert::Infallible>(bytes::Bytes::from(e))
+    });
     (
         [
             (header::CONTENT_TYPE, "text/event-stream"),
@@ -300,7 +314,9 @@ mod tests {
     fn chunks_respect_char_boundaries() {
         let chunks = split_chunks("héllo wörld", 3);
         assert_eq!(chunks.concat(), "héllo wörld");
-        assert!(chunks.iter().all(|c| c.len() >= 3 || c == chunks.last().unwrap()));
+        assert!(chunks
+            .iter()
+            .all(|c| c.len() >= 3 || c == chunks.last().unwrap()));
     }
 
     #[test]

@@ -25,7 +25,8 @@ async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     let text = std::fs::read_to_string(&args.script)
         .with_context(|| format!("reading {}", args.script.display()))?;
-    let script = Script::from_json(&text).with_context(|| format!("parsing {}", args.script.display()))?;
+    let script =
+        Script::from_json(&text).with_context(|| format!("parsing {}", args.script.display()))?;
     let server = ScriptedLlm::start(script, args.addr).await?;
     println!("{}", server.base_url());
     tokio::signal::ctrl_c().await?;

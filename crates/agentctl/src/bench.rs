@@ -1,0 +1,242 @@
+//! `agentctl bench`: end-to-end latency and throughput of the orchestrator on an embedded broker with
+//! an instantly answering scripted LLM, next to the broker's own produce-to-consume round trip measured
+//! in the same run, so the orchestrator's cost per iteration reads as a multiple of the broker's.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use agent_bus::embedded::EmbeddedBroker;
+use agent_bus::{AgentClient, Bus, Properties, Publisher};
+use agent_orchestrator::Settings;
+use agent_schema::{AgentRequest, ID_PROPERTY};
+use anyhow::Context;
+use futures::StreamExt;
+use pulsar::consumer::{ConsumerOptions, InitialPosition};
+use pulsar::{Consumer, SubType, TokioExecutor};
+use scripted_llm::{Script, ScriptedLlm};
+use tokio::sync::Semaphore;
+use tokio_util::sync::CancellationToken;
+
+#[derive(clap::Args, Debug)]
+pub struct BenchArgs {
+    /// Broker round trips to time.
+    #[arg(long, default_value_t = 2000)]
+    round_trips: usize,
+    /// Sequential one-iteration dialogs to time.
+    #[arg(long, default_value_t = 200)]
+    one_iteration: usize,
+    /// Sequential three-iteration dialogs to time.
+    #[arg(long, default_value_t = 100)]
+    three_iteration: usize,
+    /// Three-iteration dialogs for the throughput run.
+    #[arg(long, default_value_t = 300)]
+    dialogs: usize,
+    /// Dialogs kept open at once in the throughput run.
+    #[arg(long, default_value_t = 64)]
+    concurrency: usize,
+    #[command(flatten)]
+    settings: Settings,
+}
+
+const SCRIPT: &str = r#"{"rules": [
+  {"match": "Observation: r2", "reply": "Thought: both known\nFinal Answer: done"},
+  {"match": "Observation: r1", "reply": "Thought: step two\nAction: llm\nArgs: {\"question\": \"b\"}"},
+  {"match": "a", "exact": true, "reply": "r1"},
+  {"match": "b", "exact": true, "reply": "r2"},
+  {"match": "Question: three", "reply": "Thought: step one\nAction: llm\nArgs: {\"question\": \"a\"}"},
+  {"match": "Question: one", "reply": "Thought: known\nFinal Answer: done"}
+]}"#;
+
+pub async fn run(args: BenchArgs) -> anyhow::Result<i32> {
+    let broker = EmbeddedBroker::start(0, None).context("starting pulsar-lite")?;
+    let llm = ScriptedLlm::start(Script::from_json(SCRIPT)?, "127.0.0.1:0".parse()?).await?;
+    let mut settings = args.settings.clone();
+    settings.pulsar_url = broker.url();
+    settings.llm_base_url = llm.base_url();
+    settings.llm_model = "scripted".into();
+    let topics = settings.topics();
+    let shutdown = CancellationToken::new();
+    let orchestrator = tokio::spawn(agent_orchestrator::run(settings.clone(), shutdown.clone()));
+    let bus = Bus::connect(&broker.url(), None).await?;
+
+    println!(
+        "agentctl bench: pulsar-lite {}, scripted LLM answering instantly, max_in_flight {}",
+        broker.url(),
+        settings.max_in_flight
+    );
+    let rtt = broker_round_trip(&bus, args.round_trips).await?;
+    let rtt_p50 = percentile(&rtt, 50.0);
+    println!(
+        "broker round trip  (produce+receipt -> consume, 1 KiB, n={}): p50 {:.3} ms  p99 {:.3} ms",
+        rtt.len(),
+        rtt_p50,
+        percentile(&rtt, 99.0)
+    );
+
+    let mut client = AgentClient::connect(&bus, &topics).await?;
+    // Warm up connections, producers and the subscription.
+    sequential(&mut client, "one", 5).await?;
+    let one = sequential(&mut client, "one", args.one_iteration).await?;
+    report("one-iteration dialog  ", &one, 1, rtt_p50);
+    let three = sequential(&mut client, "three", args.three_iteration).await?;
+    report("three-iteration dialog", &three, 3, rtt_p50);
+
+    let requests = Publisher::new(&bus, &topics.request).await?;
+    let (elapsed, latencies) = concurrent(client, requests, args.dialogs, args.concurrency).await?;
+    let iterations = (args.dialogs * 3) as f64;
+    println!(
+        "throughput: {} three-iteration dialogs, {} open at once: {:.0} iterations/s, {:.1} dialogs/s; dialog p50 {:.1} ms p99 {:.1} ms",
+        args.dialogs,
+        args.concurrency,
+        iterations / elapsed.as_secs_f64(),
+        args.dialogs as f64 / elapsed.as_secs_f64(),
+        percentile(&latencies, 50.0),
+        percentile(&latencies, 99.0),
+    );
+    println!("LLM calls served: {}", llm.calls().len());
+    shutdown.cancel();
+    orchestrator.await??;
+    Ok(0)
+}
+
+fn report(label: &str, times: &[f64], iterations: usize, rtt_p50: f64) {
+    let p50 = percentile(times, 50.0);
+    println!(
+        "{label} (n={}, sequential, not streamed): p50 {:.2} ms  p99 {:.2} ms  per iteration {:.2} ms = {:.1} x broker round trip",
+        times.len(),
+        p50,
+        percentile(times, 99.0),
+        p50 / iterations as f64,
+        p50 / iterations as f64 / rtt_p50
+    );
+}
+
+fn percentile(values: &[f64], p: f64) -> f64 {
+    if values.is_empty() {
+        return f64::NAN;
+    }
+    let mut sorted = values.to_vec();
+    sorted.sort_by(|a, b| a.total_cmp(b));
+    let rank = ((p / 100.0) * (sorted.len() - 1) as f64).round() as usize;
+    sorted[rank.min(sorted.len() - 1)]
+}
+
+async fn broker_round_trip(bus: &Bus, n: usize) -> anyhow::Result<Vec<f64>> {
+    let topic = format!(
+        "persistent://public/default/bench-rtt-{:08x}",
+        rand::random::<u32>()
+    );
+    let mut consumer: Consumer<Vec<u8>, TokioExecutor> = bus
+        .client()
+        .consumer()
+        .with_topic(&topic)
+        .with_subscription("bench")
+        .with_subscription_type(SubType::Exclusive)
+        .with_consumer_id(rand::random::<u64>() >> 1)
+        .with_options(ConsumerOptions {
+            initial_position: InitialPosition::Earliest,
+            ..ConsumerOptions::default()
+        })
+        .build()
+        .await?;
+    let producer = Publisher::new(bus, &topic).await?;
+    let payload = vec![b'x'; 1024];
+    let mut times = Vec::with_capacity(n);
+    for i in 0..n + 20 {
+        let started = Instant::now();
+        producer.send(payload.clone(), &Properties::new()).await?;
+        let message = consumer
+            .next()
+            .await
+            .context("the round-trip consumer stopped")??;
+        consumer.ack(&message).await?;
+        // The first few warm the connection.
+        if i >= 20 {
+            times.push(started.elapsed().as_secs_f64() * 1000.0);
+        }
+    }
+    Ok(times)
+}
+
+fn bench_request(kind: &str, i: usize) -> AgentRequest {
+    AgentRequest {
+        question: format!("{kind} #{i}"),
+        collection: "default".into(),
+        streaming: false,
+        ..AgentRequest::default()
+    }
+}
+
+async fn sequential(client: &mut AgentClient, kind: &str, n: usize) -> anyhow::Result<Vec<f64>> {
+    let mut times = Vec::with_capacity(n);
+    for i in 0..n {
+        let id = format!("bench-{kind}-{i}-{:08x}", rand::random::<u32>());
+        let started = Instant::now();
+        client.send(&id, &bench_request(kind, i)).await?;
+        loop {
+            let (rid, response) = tokio::time::timeout(Duration::from_secs(60), client.next())
+                .await
+                .context("a benchmark dialog did not finish within 60 s")??;
+            if rid == id && response.end_of_dialog {
+                anyhow::ensure!(
+                    response.message_type == "answer",
+                    "dialog failed: {}",
+                    response.content
+                );
+                break;
+            }
+        }
+        times.push(started.elapsed().as_secs_f64() * 1000.0);
+    }
+    Ok(times)
+}
+
+async fn concurrent(
+    mut client: AgentClient,
+    requests: Publisher,
+    n: usize,
+    concurrency: usize,
+) -> anyhow::Result<(Duration, Vec<f64>)> {
+    let open: Arc<Mutex<HashMap<String, Instant>>> = Arc::new(Mutex::new(HashMap::new()));
+    let permits = Arc::new(Semaphore::new(concurrency.max(1)));
+    let started = Instant::now();
+    let reader = {
+        let open = open.clone();
+        let permits = permits.clone();
+        tokio::spawn(async move {
+            let mut latencies = Vec::with_capacity(n);
+            while latencies.len() < n {
+                let (id, response) = tokio::time::timeout(Duration::from_secs(120), client.next())
+                    .await
+                    .context("the throughput run stalled")??;
+                if !response.end_of_dialog {
+                    continue;
+                }
+                let begun = open.lock().ok().and_then(|mut m| m.remove(&id));
+                if let Some(begun) = begun {
+                    latencies.push(begun.elapsed().as_secs_f64() * 1000.0);
+                    permits.add_permits(1);
+                }
+            }
+            anyhow::Ok(latencies)
+        })
+    };
+    for i in 0..n {
+        permits.acquire().await?.forget();
+        let id = format!("bench-c-{i}-{:08x}", rand::random::<u32>());
+        if let Ok(mut m) = open.lock() {
+            m.insert(id.clone(), Instant::now());
+        }
+        let mut properties = Properties::new();
+        properties.insert(ID_PROPERTY.to_owned(), id);
+        requests
+            .send(
+                agent_schema::encode(&bench_request("three", i)),
+                &properties,
+            )
+            .await?;
+    }
+    let latencies = reader.await??;
+    Ok((started.elapsed(), latencies))
+}

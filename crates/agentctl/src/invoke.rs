@@ -1,0 +1,235 @@
+//! `agentctl invoke`: sends one request and renders its response stream for a person (or as JSON lines).
+
+use std::io::{IsTerminal, Write};
+use std::time::{Duration, Instant};
+
+use agent_bus::{AgentClient, Bus, Topics};
+use agent_core::provenance::describe;
+use agent_schema::{AgentRequest, AgentResponse, MessageType, Triple};
+use anyhow::Context;
+
+#[derive(clap::Args, Debug, Clone)]
+pub struct InvokeArgs {
+    /// The question.
+    #[arg(short, long)]
+    pub question: String,
+    /// The pattern to run (default: chosen by the service).
+    #[arg(long, default_value = "")]
+    pub pattern: String,
+    /// Tool groups the agent may use (repeat for several; `*` for all).
+    #[arg(long = "group")]
+    pub groups: Vec<String>,
+    /// The initial tool state.
+    #[arg(long)]
+    pub state: Option<String>,
+    /// Ask for whole messages instead of streamed chunks.
+    #[arg(long)]
+    pub no_streaming: bool,
+    /// Print every response as one JSON line.
+    #[arg(long)]
+    pub json: bool,
+    /// Print the provenance triples as they arrive.
+    #[arg(long)]
+    pub explain: bool,
+    /// Give up after this many seconds.
+    #[arg(long, default_value_t = 300)]
+    pub timeout: u64,
+    #[arg(long, env = "PULSAR_URL", default_value = "pulsar://127.0.0.1:6650")]
+    pub pulsar_url: String,
+    #[arg(long, env = "PULSAR_TOKEN", hide_env_values = true)]
+    pub pulsar_token: Option<String>,
+    #[arg(long, env = "AGENT_WORKSPACE", default_value = "default")]
+    pub workspace: String,
+    #[arg(long, env = "AGENT_FLOW", default_value = "default")]
+    pub flow: String,
+}
+
+impl InvokeArgs {
+    pub fn request(&self) -> AgentRequest {
+        AgentRequest {
+            question: self.question.clone(),
+            state: self.state.clone(),
+            group: (!self.groups.is_empty()).then(|| self.groups.clone()),
+            collection: "default".to_owned(),
+            streaming: !self.no_streaming,
+            pattern: self.pattern.clone(),
+            ..AgentRequest::default()
+        }
+    }
+}
+
+pub async fn run(args: InvokeArgs) -> anyhow::Result<i32> {
+    let bus = Bus::connect(&args.pulsar_url, args.pulsar_token.as_deref())
+        .await
+        .with_context(|| format!("connecting to {}", args.pulsar_url))?;
+    let topics = Topics::trustgraph(&args.workspace, &args.flow);
+    let mut client = AgentClient::connect(&bus, &topics).await?;
+    let outcome = invoke(
+        &mut client,
+        &args,
+        &mut Renderer::new(args.json, args.explain),
+    )
+    .await?;
+    Ok(outcome.exit_code())
+}
+
+/// How a dialog ended, for the exit status and the provenance summary.
+pub struct Outcome {
+    pub failed: bool,
+    pub provenance: Vec<(String, Vec<Triple>)>,
+}
+
+impl Outcome {
+    pub fn exit_code(&self) -> i32 {
+        if self.failed {
+            2
+        } else {
+            0
+        }
+    }
+}
+
+/// Sends the request and renders responses until the end of the dialog.
+pub async fn invoke(
+    client: &mut AgentClient,
+    args: &InvokeArgs,
+    renderer: &mut Renderer,
+) -> anyhow::Result<Outcome> {
+    let id = uuid::Uuid::new_v4().to_string();
+    let started = Instant::now();
+    client.send(&id, &args.request()).await?;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(args.timeout);
+    let mut outcome = Outcome {
+        failed: false,
+        provenance: Vec::new(),
+    };
+    loop {
+        let (rid, response) = tokio::time::timeout_at(deadline, client.next())
+            .await
+            .map_err(|_| anyhow::anyhow!("no end of dialog within {} s", args.timeout))??;
+        if rid != id {
+            continue;
+        }
+        renderer.show(&response);
+        if let (Some(node), MessageType::Explain) = (&response.explain_id, kind(&response)) {
+            outcome
+                .provenance
+                .push((node.clone(), response.explain_triples.clone()));
+        }
+        if kind(&response) == MessageType::Error {
+            outcome.failed = true;
+        }
+        if response.end_of_dialog {
+            renderer.finish(&response, started.elapsed());
+            return Ok(outcome);
+        }
+    }
+}
+
+fn kind(r: &AgentResponse) -> MessageType {
+    r.kind().unwrap_or(MessageType::Observation)
+}
+
+/// Turns response chunks into readable terminal output.
+pub struct Renderer {
+    json: bool,
+    explain: bool,
+    color: bool,
+    open: Option<(String, String)>,
+}
+
+impl Renderer {
+    pub fn new(json: bool, explain: bool) -> Renderer {
+        Renderer {
+            json,
+            explain,
+            color: std::io::stdout().is_terminal(),
+            open: None,
+        }
+    }
+
+    fn paint(&self, code: &str, text: &str) -> String {
+        if self.color {
+            format!("\x1b[{code}m{text}\x1b[0m")
+        } else {
+            text.to_owned()
+        }
+    }
+
+    fn close_line(&mut self, out: &mut impl Write) {
+        if self.open.take().is_some() {
+            let _ = writeln!(out);
+        }
+    }
+
+    pub fn show(&mut self, r: &AgentResponse) {
+        let mut out = std::io::stdout().lock();
+        if self.json {
+            let _ = writeln!(out, "{}", String::from_utf8_lossy(&agent_schema::encode(r)));
+            return;
+        }
+        let key = (r.message_type.clone(), r.message_id.clone());
+        match kind(r) {
+            MessageType::Thought | MessageType::Answer => {
+                if r.content.is_empty() && self.open.as_ref() != Some(&key) {
+                    return;
+                }
+                if self.open.as_ref() != Some(&key) {
+                    self.close_line(&mut out);
+                    let label = if kind(r) == MessageType::Thought {
+                        self.paint("36", "Thought:")
+                    } else {
+                        self.paint("1;32", "Answer:")
+                    };
+                    let _ = write!(out, "{label} ");
+                    self.open = Some(key);
+                }
+                let _ = write!(out, "{}", r.content);
+                if r.end_of_message {
+                    self.close_line(&mut out);
+                }
+            }
+            MessageType::Observation => {
+                self.close_line(&mut out);
+                let text: String = r.content.chars().take(600).collect();
+                let _ = writeln!(out, "{} {text}", self.paint("33", "Observation:"));
+            }
+            MessageType::Error => {
+                self.close_line(&mut out);
+                let message = r
+                    .error
+                    .as_ref()
+                    .map(|e| e.message.as_str())
+                    .unwrap_or(&r.content);
+                let _ = writeln!(out, "{} {message}", self.paint("1;31", "Error:"));
+            }
+            MessageType::Explain => {
+                if self.explain {
+                    self.close_line(&mut out);
+                    let node = r.explain_id.clone().unwrap_or_default();
+                    let _ = writeln!(out, "{}", self.paint("2", &format!("  provenance {node}")));
+                    for line in describe(&r.explain_triples) {
+                        let _ = writeln!(out, "{}", self.paint("2", &format!("    {line}")));
+                    }
+                }
+            }
+        }
+        let _ = out.flush();
+    }
+
+    pub fn finish(&mut self, last: &AgentResponse, elapsed: Duration) {
+        if self.json {
+            return;
+        }
+        let mut out = std::io::stdout().lock();
+        self.close_line(&mut out);
+        let summary = format!(
+            "(tokens in/out: {}/{}, model: {}, {:.2} s)",
+            last.in_token.unwrap_or(0),
+            last.out_token.unwrap_or(0),
+            last.model.as_deref().unwrap_or("-"),
+            elapsed.as_secs_f64()
+        );
+        let _ = writeln!(out, "{}", self.paint("2", &summary));
+    }
+}

@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# Installs what is needed, builds, and runs one real agent dialog end to end on embedded defaults:
+# a pulsar-lite broker, the orchestrator, and the scripted LLM (or your own endpoint when
+# OPENAI_BASE_URL is set). The dialog streams, then its provenance is printed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+scripts/setup.sh
+. scripts/env.sh
+cargo build --bin agentctl
+question=${1:-"How many hours are in a leap year?"}
+exec "$CARGO_TARGET_DIR/debug/agentctl" up --port 0 --data-dir .data/demo-broker --question "$question"

@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# The whole test suite: formatting, lints, unit, contract and end-to-end tests (the latter against a
+# real pulsar-lite broker started by the test harness). `.ci/run` calls exactly this.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+scripts/setup.sh
+. scripts/env.sh
+echo "== cargo fmt --check"
+cargo fmt --all -- --check
+echo "== cargo clippy"
+cargo clippy --workspace --all-targets -- -D warnings
+echo "== build binaries (the end-to-end tests run them)"
+cargo build --workspace --bins
+echo "== cargo test"
+cargo test --workspace --no-fail-fast 2>&1 | tee "${TMPDIR:-/tmp}/pulsar-agents-test.log" | grep -vE '^\s*$'
+status=${PIPESTATUS[0]}
+passed=$(grep -Eo '[0-9]+ passed' "${TMPDIR:-/tmp}/pulsar-agents-test.log" | awk '{s+=$1} END {print s+0}')
+failed=$(grep -Eo '[0-9]+ failed' "${TMPDIR:-/tmp}/pulsar-agents-test.log" | awk '{s+=$1} END {print s+0}')
+echo "$passed passed, $failed failed"
+exit "$status"
