@@ -131,3 +131,27 @@ async fn client_errors_are_not_retried_and_persistent_faults_exhaust() {
         "{err:?}"
     );
 }
+
+#[tokio::test]
+async fn concurrent_calls_are_bounded() {
+    let s = server(r#"{"rules": [{"match": "", "reply": "ok", "delay_ms": 150}]}"#).await;
+    let c = LlmClient::new(LlmConfig {
+        base_url: s.base_url(),
+        max_concurrency: 2,
+        ..LlmConfig::default()
+    })
+    .unwrap();
+    let calls = (0..6).map(|_| {
+        let c = c.clone();
+        async move { c.complete(&ask("q")).await }
+    });
+    for result in futures::future::join_all(calls).await {
+        result.unwrap();
+    }
+    assert_eq!(s.calls().len(), 6);
+    assert!(
+        s.max_concurrent() <= 2,
+        "{} calls ran at once",
+        s.max_concurrent()
+    );
+}

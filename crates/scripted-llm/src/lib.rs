@@ -84,6 +84,25 @@ struct Shared {
     script: Script,
     hits: Vec<AtomicUsize>,
     calls: Mutex<Vec<Call>>,
+    in_flight: AtomicUsize,
+    max_in_flight: AtomicUsize,
+}
+
+/// Counts a request as in flight until dropped.
+struct InFlight<'a>(&'a Shared);
+
+impl<'a> InFlight<'a> {
+    fn enter(shared: &'a Shared) -> InFlight<'a> {
+        let now = shared.in_flight.fetch_add(1, Ordering::SeqCst) + 1;
+        shared.max_in_flight.fetch_max(now, Ordering::SeqCst);
+        InFlight(shared)
+    }
+}
+
+impl Drop for InFlight<'_> {
+    fn drop(&mut self) {
+        self.0.in_flight.fetch_sub(1, Ordering::SeqCst);
+    }
 }
 
 /// A running server; stops when dropped or on [`ScriptedLlm::stop`].
@@ -101,6 +120,8 @@ impl ScriptedLlm {
             script,
             hits,
             calls: Mutex::new(Vec::new()),
+            in_flight: AtomicUsize::new(0),
+            max_in_flight: AtomicUsize::new(0),
         });
         let app = Router::new()
             .route("/v1/chat/completions", post(chat))
@@ -140,6 +161,12 @@ impl ScriptedLlm {
             .unwrap_or_default()
     }
 
+    /// The most requests that were being answered at the same moment (whole answers and the
+    /// preparation of streamed ones).
+    pub fn max_concurrent(&self) -> usize {
+        self.shared.max_in_flight.load(Ordering::SeqCst)
+    }
+
     pub fn stop(&self) {
         self.stop.cancel();
     }
@@ -165,6 +192,7 @@ fn last_user_message(body: &Value) -> String {
 }
 
 async fn chat(State(shared): State<Arc<Shared>>, Json(body): Json<Value>) -> Response {
+    let _in_flight = InFlight::enter(&shared);
     let last_user = last_user_message(&body);
     let stream = body["stream"].as_bool().unwrap_or(false);
     let model = body["model"].as_str().unwrap_or("scripted").to_owned();
