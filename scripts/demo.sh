@@ -6,6 +6,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
 . scripts/env.sh
-cargo build --bin agentctl
+cargo build --locked --workspace --all-targets
 question=${1:-"How many hours are in a leap year?"}
-exec "$CARGO_TARGET_DIR/debug/agentctl" up --port 0 --data-dir .data/demo-broker --question "$question"
+"$CARGO_TARGET_DIR/debug/agentctl" up --port 0 --sparql-port 0 --data-dir .data/demo-broker --question "$question"
+echo
+echo "Look again at this run: $CARGO_TARGET_DIR/debug/agentctl explain --last   (or --format mermaid)"

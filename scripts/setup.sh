@@ -5,7 +5,8 @@ cd "$(dirname "$0")/.."
 
 need_apt=()
 command -v protoc >/dev/null 2>&1 || need_apt+=(protobuf-compiler)
-for pkg in pkg-config libssl-dev; do
+# libclang-dev: oxigraph's RocksDB build needs bindgen.
+for pkg in pkg-config libssl-dev libclang-dev; do
   dpkg -s "$pkg" >/dev/null 2>&1 || need_apt+=("$pkg")
 done
 if [ ${#need_apt[@]} -gt 0 ]; then

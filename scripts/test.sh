@@ -8,11 +8,11 @@ scripts/setup.sh
 echo "== cargo fmt --check"
 cargo fmt --all -- --check
 echo "== cargo clippy"
-cargo clippy --workspace --all-targets -- -D warnings
+cargo clippy --locked --workspace --all-targets -- -D warnings
 echo "== build binaries (the end-to-end tests run them)"
-cargo build --workspace --bins
+cargo build --locked --workspace --all-targets
 echo "== cargo test"
-cargo test --workspace --no-fail-fast 2>&1 | tee "${TMPDIR:-/tmp}/pulsar-agents-test.log" | grep -vE '^\s*$'
+cargo test --locked --workspace --no-fail-fast 2>&1 | tee "${TMPDIR:-/tmp}/pulsar-agents-test.log" | grep -vE '^\s*$'
 status=${PIPESTATUS[0]}
 passed=$(grep -Eo '[0-9]+ passed' "${TMPDIR:-/tmp}/pulsar-agents-test.log" | awk '{s+=$1} END {print s+0}')
 failed=$(grep -Eo '[0-9]+ failed' "${TMPDIR:-/tmp}/pulsar-agents-test.log" | awk '{s+=$1} END {print s+0}')

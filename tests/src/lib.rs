@@ -97,6 +97,87 @@ impl Drop for Orchestrator {
     }
 }
 
+/// An `agent-aggregator` child process with its own store directory and SPARQL endpoint.
+pub struct Aggregator {
+    child: Child,
+    pub endpoint: String,
+    store_dir: PathBuf,
+    broker_url: String,
+    addr: String,
+}
+
+impl Aggregator {
+    pub fn spawn(broker: &Broker) -> Aggregator {
+        let port = agent_bus::embedded::free_port().unwrap();
+        let store_dir =
+            std::env::temp_dir().join(format!("agent-e2e-graph-{}-{port}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&store_dir);
+        let addr = format!("127.0.0.1:{port}");
+        let child = Self::launch(&broker.url(), &store_dir, &addr);
+        let aggregator = Aggregator {
+            child,
+            endpoint: format!("http://{addr}"),
+            store_dir,
+            broker_url: broker.url(),
+            addr,
+        };
+        aggregator.wait_ready();
+        aggregator
+    }
+
+    fn launch(broker_url: &str, store_dir: &std::path::Path, addr: &str) -> Child {
+        Command::new(binary("agent-aggregator"))
+            .arg("--pulsar-url")
+            .arg(broker_url)
+            .arg("--graph-store")
+            .arg(store_dir)
+            .arg("--http-addr")
+            .arg(addr)
+            .env(
+                "RUST_LOG",
+                std::env::var("RUST_LOG").unwrap_or_else(|_| "warn".into()),
+            )
+            .stdout(Stdio::null())
+            .spawn()
+            .unwrap()
+    }
+
+    fn wait_ready(&self) {
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        while std::net::TcpStream::connect(&self.addr).is_err() {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the aggregator never listened"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// SIGKILL, then start again on the same store.
+    pub fn kill_and_restart(&mut self) {
+        self.kill();
+        self.child = Self::launch(&self.broker_url, &self.store_dir, &self.addr);
+        self.wait_ready();
+    }
+
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    /// A client of its SPARQL endpoint.
+    pub fn store(&self) -> agent_graph::GraphStore {
+        agent_graph::GraphStore::open(&self.endpoint, None).unwrap()
+    }
+}
+
+impl Drop for Aggregator {
+    fn drop(&mut self) {
+        self.kill();
+        let _ = std::fs::remove_dir_all(&self.store_dir);
+    }
+}
+
 /// A scripted LLM on a free port.
 pub async fn scripted_llm(script: &str) -> ScriptedLlm {
     ScriptedLlm::start(

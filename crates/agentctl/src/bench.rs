@@ -52,7 +52,7 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<i32> {
     let broker = EmbeddedBroker::start(0, None).context("starting pulsar-lite")?;
     let llm = ScriptedLlm::start(Script::from_json(SCRIPT)?, "127.0.0.1:0".parse()?).await?;
     let mut settings = args.settings.clone();
-    settings.pulsar_url = broker.url();
+    settings.broker.pulsar_url = broker.url();
     settings.llm_base_url = llm.base_url();
     settings.llm_model = "scripted".into();
     let topics = settings.topics();

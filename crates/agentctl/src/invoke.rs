@@ -3,7 +3,7 @@
 use std::io::{IsTerminal, Write};
 use std::time::{Duration, Instant};
 
-use agent_bus::{AgentClient, Bus, Topics};
+use agent_bus::{AgentClient, BrokerArgs};
 use agent_core::provenance::describe;
 use agent_schema::{AgentRequest, AgentResponse, MessageType, Triple};
 use anyhow::Context;
@@ -34,14 +34,8 @@ pub struct InvokeArgs {
     /// Give up after this many seconds.
     #[arg(long, default_value_t = 300)]
     pub timeout: u64,
-    #[arg(long, env = "PULSAR_URL", default_value = "pulsar://127.0.0.1:6650")]
-    pub pulsar_url: String,
-    #[arg(long, env = "PULSAR_TOKEN", hide_env_values = true)]
-    pub pulsar_token: Option<String>,
-    #[arg(long, env = "AGENT_WORKSPACE", default_value = "default")]
-    pub workspace: String,
-    #[arg(long, env = "AGENT_FLOW", default_value = "default")]
-    pub flow: String,
+    #[command(flatten)]
+    pub broker: BrokerArgs,
 }
 
 impl InvokeArgs {
@@ -59,10 +53,12 @@ impl InvokeArgs {
 }
 
 pub async fn run(args: InvokeArgs) -> anyhow::Result<i32> {
-    let bus = Bus::connect(&args.pulsar_url, args.pulsar_token.as_deref())
+    let bus = args
+        .broker
+        .connect()
         .await
-        .with_context(|| format!("connecting to {}", args.pulsar_url))?;
-    let topics = Topics::trustgraph(&args.workspace, &args.flow);
+        .with_context(|| format!("connecting to {}", args.broker.pulsar_url))?;
+    let topics = args.broker.topics();
     let mut client = AgentClient::connect(&bus, &topics).await?;
     let outcome = invoke(
         &mut client,

@@ -1,6 +1,8 @@
 //! `agentctl`: the command line of the agent service.
 
 mod bench;
+mod bench_graph;
+mod graph;
 mod invoke;
 mod up;
 
@@ -19,6 +21,12 @@ enum Command {
     Invoke(invoke::InvokeArgs),
     /// Run the whole stack in this process on embedded defaults (pulsar-lite, scripted or real LLM).
     Up(up::UpArgs),
+    /// Measure the aggregator's write throughput and the explain query's latency as the graph grows.
+    BenchGraph(bench_graph::GraphBenchArgs),
+    /// Show a session's provenance as a tree, JSON, DOT or Mermaid.
+    Explain(graph::ExplainArgs),
+    /// Run a SPARQL query against the graph store.
+    Sparql(graph::SparqlArgs),
     /// Measure latency and throughput on an embedded broker with an instant scripted LLM.
     Bench(bench::BenchArgs),
 }
@@ -36,6 +44,9 @@ async fn main() {
         Command::Invoke(args) => invoke::run(args).await,
         Command::Up(args) => up::run(args).await,
         Command::Bench(args) => bench::run(args).await,
+        Command::BenchGraph(args) => bench_graph::run(args).await,
+        Command::Explain(args) => graph::explain(args).await,
+        Command::Sparql(args) => graph::sparql(args).await,
     };
     match result {
         Ok(code) => std::process::exit(code),

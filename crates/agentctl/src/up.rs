@@ -1,11 +1,16 @@
 //! `agentctl up`: the whole stack in one process on embedded defaults — a pulsar-lite broker, the
-//! orchestrator, and the scripted LLM unless `OPENAI_BASE_URL` points at a real one.
+//! orchestrator, the aggregator with an embedded graph store and its SPARQL endpoint, and the scripted
+//! LLM unless `OPENAI_BASE_URL` points at a real one.
 
+use std::net::SocketAddr;
 use std::path::PathBuf;
+use std::time::Duration;
 
-use agent_bus::embedded::EmbeddedBroker;
-use agent_bus::{AgentClient, Bus};
-use agent_core::provenance::describe;
+use agent_aggregator::AggregatorSettings;
+use agent_bus::embedded::{free_port, EmbeddedBroker};
+use agent_bus::AgentClient;
+use agent_graph::explain::render_tree;
+use agent_graph::{queries, GraphStore, QueryAnswer};
 use agent_orchestrator::Settings;
 use anyhow::Context;
 use scripted_llm::{Script, ScriptedLlm};
@@ -21,6 +26,12 @@ pub struct UpArgs {
     /// Where the embedded broker keeps its data.
     #[arg(long, default_value = ".data/broker")]
     data_dir: PathBuf,
+    /// Where the embedded graph store keeps the provenance.
+    #[arg(long, default_value = ".data/graph")]
+    graph_dir: PathBuf,
+    /// Port of the aggregator's SPARQL endpoint on 127.0.0.1 (0 picks a free one).
+    #[arg(long, default_value_t = 7878)]
+    sparql_port: u16,
     /// The scripted LLM's script, used when OPENAI_BASE_URL is not set.
     #[arg(long, default_value = "examples/demo-script.json")]
     script: PathBuf,
@@ -38,6 +49,8 @@ pub async fn run(args: UpArgs) -> anyhow::Result<i32> {
     let UpArgs {
         port,
         data_dir,
+        graph_dir,
+        sparql_port,
         script,
         question,
         stay,
@@ -45,7 +58,7 @@ pub async fn run(args: UpArgs) -> anyhow::Result<i32> {
     } = args;
     let broker = EmbeddedBroker::start(port, Some(&data_dir))
         .with_context(|| format!("starting pulsar-lite on port {port}"))?;
-    settings.pulsar_url = broker.url();
+    settings.broker.pulsar_url = broker.url();
     eprintln!(
         "broker        {} (pulsar-lite, data in {})",
         broker.url(),
@@ -73,8 +86,23 @@ pub async fn run(args: UpArgs) -> anyhow::Result<i32> {
         Some(server)
     };
 
-    let topics = settings.topics();
     let shutdown = CancellationToken::new();
+    let sparql_port = if sparql_port == 0 {
+        free_port()?
+    } else {
+        sparql_port
+    };
+    let sparql_addr: SocketAddr = ([127, 0, 0, 1], sparql_port).into();
+    let mut aggregator = tokio::spawn(agent_aggregator::run(
+        AggregatorSettings::embedded(settings.broker.clone(), graph_dir.clone(), sparql_addr),
+        shutdown.clone(),
+    ));
+    let endpoint = format!("http://{sparql_addr}");
+    eprintln!(
+        "graph store   {} (oxigraph), SPARQL at {endpoint}/query",
+        graph_dir.display()
+    );
+    let topics = settings.topics();
     let mut orchestrator =
         tokio::spawn(agent_orchestrator::run(settings.clone(), shutdown.clone()));
     eprintln!("orchestrator  requests on {}", topics.request);
@@ -82,7 +110,7 @@ pub async fn run(args: UpArgs) -> anyhow::Result<i32> {
 
     let mut code = 0;
     if let Some(question) = question {
-        let bus = Bus::connect(&settings.pulsar_url, None).await?;
+        let bus = settings.broker.connect().await?;
         let mut client = AgentClient::connect(&bus, &topics).await?;
         let invoke_args = InvokeArgs {
             question: question.clone(),
@@ -93,25 +121,12 @@ pub async fn run(args: UpArgs) -> anyhow::Result<i32> {
             json: false,
             explain: false,
             timeout: 300,
-            pulsar_url: settings.pulsar_url.clone(),
-            pulsar_token: None,
-            workspace: settings.workspace.clone(),
-            flow: settings.flow.clone(),
+            broker: settings.broker.clone(),
         };
         println!("\nQuestion: {question}\n");
         let outcome = invoke(&mut client, &invoke_args, &mut Renderer::new(false, false)).await?;
-        // Node URIs all start with the session URI; show them relative to it so the lines stay short.
-        let session = outcome
-            .provenance
-            .first()
-            .map(|(n, _)| n.clone())
-            .unwrap_or_default();
-        println!("\nProvenance (PROV-O + tg:, named graph urn:graph:retrieval), S = <{session}>:");
-        for (node, triples) in &outcome.provenance {
-            println!("  {}", node.replace(&session, "S"));
-            for line in describe(triples) {
-                println!("    {}", line.replace(&format!("<{session}"), "<S"));
-            }
+        if let Some((session, _)) = outcome.provenance.first() {
+            show_provenance(&endpoint, session).await?;
         }
         code = outcome.exit_code();
         if !stay {
@@ -121,11 +136,38 @@ pub async fn run(args: UpArgs) -> anyhow::Result<i32> {
     if !shutdown.is_cancelled() {
         eprintln!("\nready; Ctrl-C stops (try: agentctl invoke -q \"How many hours are in a leap year?\")");
         tokio::select! {
-            _ = agent_orchestrator::settings::shutdown_signal() => shutdown.cancel(),
-            finished = &mut orchestrator => return finished?.map(|()| code),
+            _ = agent_bus::shutdown_signal() => {}
+            finished = &mut orchestrator => finished??,
+            finished = &mut aggregator => finished??,
         }
     }
     shutdown.cancel();
-    orchestrator.await??;
+    if !orchestrator.is_finished() {
+        orchestrator.await??;
+    }
+    if !aggregator.is_finished() {
+        aggregator.await??;
+    }
     Ok(code)
+}
+
+/// Reads the run back from the graph store, as an auditor would. The aggregator writes
+/// asynchronously, so this first waits for the conclusion to land.
+async fn show_provenance(endpoint: &str, session: &str) -> anyhow::Result<()> {
+    let store = GraphStore::open(endpoint, None)?;
+    let conclusion = queries::session_node(&format!("{session}/final"))?;
+    for _ in 0..200 {
+        if let Ok(QueryAnswer::Boolean(true)) = store.query(queries::node_exists(&conclusion)).await
+        {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let view = crate::graph::load_session(&store, session).await?;
+    println!("\nProvenance, read back from the graph store:\n");
+    print!("{}", render_tree(&view));
+    println!(
+        "\nMore: agentctl explain --last [--format json|dot|mermaid], agentctl sparql 'SELECT ...'"
+    );
+    Ok(())
 }

@@ -30,6 +30,9 @@ pub struct SubscriptionConfig {
     pub dead_letter_topic: String,
     /// How long in-flight work may take to finish after shutdown is requested.
     pub drain_deadline: Duration,
+    /// How long a failed message waits before it is nacked: brokers redeliver a nack at once, and a
+    /// transient failure (a store restarting) needs a moment, not ten attempts in a millisecond.
+    pub nack_delay: Duration,
 }
 
 /// A decoded message handed to the handler.
@@ -140,7 +143,14 @@ where
                     match serde_json::from_slice::<T>(&message.payload.data) {
                         Ok(payload) => {
                             let work = handler(Delivery { payload, properties });
-                            let handle = tasks.spawn(work);
+                            let nack_delay = config.nack_delay;
+                            let handle = tasks.spawn(async move {
+                                let disposition = work.await;
+                                if matches!(disposition, Disposition::Nack(_)) {
+                                    tokio::time::sleep(nack_delay).await;
+                                }
+                                disposition
+                            });
                             in_flight.insert(handle.id(), message);
                         }
                         Err(e) => {

@@ -2,6 +2,7 @@
 //! broker's receipt, and a bounded consumer loop that acks only after the handler's effects are
 //! published, nacks transient failures and dead-letters payloads that do not decode.
 
+mod args;
 mod client;
 mod consumer;
 pub mod embedded;
@@ -9,6 +10,7 @@ mod error;
 mod publisher;
 mod topics;
 
+pub use args::{shutdown_signal, BrokerArgs};
 pub use client::AgentClient;
 pub use consumer::{run_consumer, ConsumerStats, Delivery, Disposition, SubscriptionConfig};
 pub use error::BusError;

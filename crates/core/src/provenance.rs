@@ -174,18 +174,26 @@ fn iteration_facts(b: &mut NodeBuilder, s: &str, n: usize, candidates: &[&str], 
     }
 }
 
-/// The observation of iteration `n`: what the tool returned (or the error).
-pub fn observation(uris: &SessionUris, n: usize, text: &str, tool_duration_ms: u64) -> Vec<Triple> {
+/// What a tool run cost: its duration and the tokens of any LLM call it made.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ToolStats {
+    pub duration_ms: u64,
+    pub in_token: u64,
+    pub out_token: u64,
+}
+
+/// The observation of iteration `n`: what the tool returned (or the error) and what it cost, so the
+/// tokens in the graph add up to the dialog's.
+pub fn observation(uris: &SessionUris, n: usize, text: &str, tool: ToolStats) -> Vec<Triple> {
     let s = uris.observation(n);
+    let integer = |v: u64| Term::typed_literal(v.to_string(), XSD_INTEGER);
     let mut b = NodeBuilder::default();
     b.types(&s, &["Observation"])
         .label(&s, "Observation")
         .derived(&s, &uris.iteration(n))
-        .tg(
-            &s,
-            "toolDurationMs",
-            Term::typed_literal(tool_duration_ms.to_string(), XSD_INTEGER),
-        )
+        .tg(&s, "toolDurationMs", integer(tool.duration_ms))
+        .tg(&s, "inToken", integer(tool.in_token))
+        .tg(&s, "outToken", integer(tool.out_token))
         .document(&s, &s, text);
     b.build()
 }

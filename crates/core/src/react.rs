@@ -160,8 +160,12 @@ fn parse_args(text: &str) -> Result<BTreeMap<String, String>, ReactParseError> {
     if text.is_empty() {
         return Ok(BTreeMap::new());
     }
-    let value: serde_json::Value =
-        serde_json::from_str(text).map_err(|e| ReactParseError::BadArgs(e.to_string()))?;
+    // Models often go on writing after the object; only the first JSON value counts.
+    let value: serde_json::Value = serde_json::Deserializer::from_str(text)
+        .into_iter::<serde_json::Value>()
+        .next()
+        .ok_or_else(|| ReactParseError::BadArgs("no JSON object".into()))?
+        .map_err(|e| ReactParseError::BadArgs(e.to_string()))?;
     let serde_json::Value::Object(map) = value else {
         return Err(ReactParseError::BadArgs(format!(
             "expected an object, got {value}"
@@ -309,6 +313,18 @@ mod tests {
         };
         assert_eq!(arguments["n"], "3");
         assert_eq!(arguments["deep"], "[1]");
+    }
+
+    #[test]
+    fn text_after_the_args_object_is_ignored() {
+        let turn = parse(
+            "Action: llm\nArgs: {\"question\": \"x\"} and then I will see\nObservation: made up",
+        )
+        .unwrap();
+        let ReactTurn::Action { arguments, .. } = turn else {
+            panic!("expected action")
+        };
+        assert_eq!(arguments["question"], "x");
     }
 
     #[test]

@@ -119,6 +119,9 @@ pub enum LlmError {
     Transport(String),
     #[error("the LLM's answer is malformed: {0}")]
     Malformed(String),
+    /// A well-formed answer without text (tool calls, a content filter): asking again gives the same.
+    #[error("the LLM's answer has no text: {0}")]
+    NoContent(String),
     /// The stream broke after some text had been passed on; retrying would repeat it.
     #[error("the LLM's stream ended early: {0}")]
     Truncated(String),
@@ -131,7 +134,7 @@ impl LlmError {
         match self {
             LlmError::Status { status, .. } => *status == 429 || *status >= 500,
             LlmError::Timeout(_) | LlmError::Transport(_) | LlmError::Malformed(_) => true,
-            LlmError::Truncated(_) | LlmError::Exhausted { .. } => false,
+            LlmError::Truncated(_) | LlmError::NoContent(_) | LlmError::Exhausted { .. } => false,
         }
     }
 }
@@ -194,9 +197,15 @@ impl LlmClient {
                     .await
                     .map_err(|e| LlmError::Transport(e.to_string()))?;
                 let call = self.attempt(messages, deltas.as_ref());
-                match tokio::time::timeout(self.config.request_timeout, call).await {
-                    Ok(r) => r,
-                    Err(_) => Err(LlmError::Timeout(self.config.request_timeout)),
+                // A streamed call enforces the whole-call limit itself, so that a timeout after text
+                // was passed on is not retried (the receiver would get the text twice).
+                if deltas.is_some() {
+                    call.await
+                } else {
+                    match tokio::time::timeout(self.config.request_timeout, call).await {
+                        Ok(r) => r,
+                        Err(_) => Err(LlmError::Timeout(self.config.request_timeout)),
+                    }
                 }
             };
             match result {
@@ -314,6 +323,8 @@ impl LlmClient {
         deltas: &mpsc::Sender<String>,
     ) -> Result<Completion, LlmError> {
         let idle = self.config.idle_timeout;
+        let deadline = tokio::time::Instant::now() + self.config.request_timeout;
+        let mut finished = false;
         let mut bytes = response.bytes_stream();
         let mut pending: Vec<u8> = Vec::new();
         let mut text = String::new();
@@ -328,17 +339,23 @@ impl LlmClient {
             }
         };
         loop {
-            let next = tokio::time::timeout(idle, bytes.next())
+            let wait_until = deadline.min(tokio::time::Instant::now() + idle);
+            let next = tokio::time::timeout_at(wait_until, bytes.next())
                 .await
                 .map_err(|_| fail(sent_any, LlmError::Timeout(idle)))?;
-            let Some(chunk) = next else {
-                return Err(fail(
-                    sent_any,
-                    LlmError::Malformed("the stream ended without [DONE]".into()),
-                ));
+            let at_end = match next {
+                Some(chunk) => {
+                    let chunk =
+                        chunk.map_err(|e| fail(sent_any, LlmError::Transport(e.to_string())))?;
+                    pending.extend_from_slice(&chunk);
+                    false
+                }
+                // A last line without its newline still counts.
+                None => {
+                    pending.push(b'\n');
+                    true
+                }
             };
-            let chunk = chunk.map_err(|e| fail(sent_any, LlmError::Transport(e.to_string())))?;
-            pending.extend_from_slice(&chunk);
             while let Some(end) = pending.iter().position(|b| *b == b'\n') {
                 let line: Vec<u8> = pending.drain(..=end).collect();
                 let line = String::from_utf8_lossy(&line);
@@ -357,8 +374,21 @@ impl LlmClient {
                         LlmError::Malformed(format!("{e}: {}", preview(data))),
                     )
                 })?;
+                // Servers report a failure inside the stream as an error event.
+                if !event["error"].is_null() {
+                    return Err(fail(
+                        sent_any,
+                        LlmError::Malformed(format!(
+                            "error event: {}",
+                            preview(&event["error"].to_string())
+                        )),
+                    ));
+                }
                 if !event["usage"].is_null() {
                     usage = event["usage"].clone();
+                }
+                if event["choices"][0]["finish_reason"].is_string() {
+                    finished = true;
                 }
                 if let Some(delta) = event["choices"][0]["delta"]["content"].as_str() {
                     if !delta.is_empty() {
@@ -368,6 +398,17 @@ impl LlmClient {
                         let _ = deltas.send(delta.to_owned()).await;
                     }
                 }
+            }
+            if at_end {
+                // Some servers end a complete answer without `[DONE]`; a finish reason is enough.
+                if finished {
+                    let value = json!({"usage": usage, "model": self.config.model});
+                    return Ok(self.completion(text, &value));
+                }
+                return Err(fail(
+                    sent_any,
+                    LlmError::Malformed("the stream ended without [DONE]".into()),
+                ));
             }
         }
     }

@@ -10,7 +10,7 @@ pub mod tool_exec;
 use std::sync::Arc;
 
 use agent_bus::{
-    run_consumer, Bus, ConsumerStats, Delivery, Disposition, Publisher, SubscriptionConfig,
+    run_consumer, ConsumerStats, Delivery, Disposition, Publisher, SubscriptionConfig,
 };
 use agent_core::config::AgentConfig;
 use agent_core::provenance::{self, SessionUris};
@@ -149,7 +149,7 @@ pub async fn run(settings: Settings, shutdown: CancellationToken) -> anyhow::Res
     let config = load_config_dir(&settings.config_dir)?;
     let llm = LlmClient::new(settings.llm_config())?;
     let topics = settings.topics();
-    let bus = Bus::connect(&settings.pulsar_url, settings.pulsar_token.as_deref()).await?;
+    let bus = settings.broker.connect().await?;
     let outputs = Outputs {
         responses: Publisher::new(&bus, &topics.response).await?,
         requests: Publisher::new(&bus, &topics.request).await?,
@@ -168,6 +168,7 @@ pub async fn run(settings: Settings, shutdown: CancellationToken) -> anyhow::Res
         max_redeliveries: settings.max_redeliveries,
         dead_letter_topic: topics.dead_letter.clone(),
         drain_deadline: std::time::Duration::from_secs(settings.drain_secs),
+        nack_delay: std::time::Duration::from_secs(1),
     };
     tracing::info!(request = %topics.request, response = %topics.response, "agent-orchestrator ready");
     run_consumer(&bus, subscription, stats, shutdown, move |delivery| {

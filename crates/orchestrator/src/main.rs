@@ -26,7 +26,7 @@ async fn main() -> anyhow::Result<()> {
     let shutdown = CancellationToken::new();
     let trigger = shutdown.clone();
     tokio::spawn(async move {
-        agent_orchestrator::settings::shutdown_signal().await;
+        agent_bus::shutdown_signal().await;
         tracing::info!("shutting down");
         trigger.cancel();
     });

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use agent_bus::BusError;
 use agent_core::config::AgentConfig;
-use agent_core::provenance::{self, CallStats, SessionUris, Termination};
+use agent_core::provenance::{self, CallStats, SessionUris, Termination, ToolStats};
 use agent_core::react::{parse, ReactDelta, ReactStream, ReactTurn};
 use agent_core::tools::Scope;
 use agent_llm::{ChatMessage, Completion, LlmClient, LlmError};
@@ -147,6 +147,11 @@ pub async fn iterate(turn: Turn<'_>) -> Result<(), BusError> {
                 plan: None,
                 subagent_results: None,
             };
+            let tool = ToolStats {
+                duration_ms: run.duration.as_millis() as u64,
+                in_token: run.in_token,
+                out_token: run.out_token,
+            };
             let tokens = (tokens.0 + run.in_token, tokens.1 + run.out_token);
             record_step(
                 &turn,
@@ -155,7 +160,7 @@ pub async fn iterate(turn: Turn<'_>) -> Result<(), BusError> {
                 &arguments_json,
                 &candidates,
                 &stats,
-                run.duration,
+                tool,
                 next_state,
                 tokens,
             )
@@ -190,7 +195,7 @@ pub async fn iterate(turn: Turn<'_>) -> Result<(), BusError> {
                 "{}",
                 &candidates,
                 &stats,
-                Duration::ZERO,
+                ToolStats::default(),
                 state,
                 tokens,
             )
@@ -208,7 +213,7 @@ async fn record_step(
     arguments_json: &str,
     candidates: &[&str],
     stats: &CallStats,
-    tool_duration: Duration,
+    tool: ToolStats,
     next_state: String,
     tokens: (u64, u64),
 ) -> Result<(), BusError> {
@@ -232,9 +237,11 @@ async fn record_step(
         true,
     )
     .await?;
-    let triples =
-        provenance::observation(uris, n, &step.observation, tool_duration.as_millis() as u64);
+    let triples = provenance::observation(uris, n, &step.observation, tool);
     out.explain(&uris.observation(n), triples).await?;
+    // Everything else must be on the broker before the next iteration exists: if a receipt fails
+    // the message is redone, and no second `next` may be out there by then.
+    out.flush().await?;
     let mut next = (*request).clone();
     next.history.push(step);
     next.state = Some(next_state);

@@ -4,19 +4,15 @@
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use agent_bus::Topics;
+use agent_bus::{BrokerArgs, Topics};
 use agent_core::config::{AgentConfig, ConfigValues};
 use agent_llm::{LlmConfig, Secret};
 use anyhow::Context;
 
 #[derive(clap::Args, Debug, Clone)]
 pub struct Settings {
-    /// Broker URL (`pulsar://` or `pulsar+ssl://`).
-    #[arg(long, env = "PULSAR_URL", default_value = "pulsar://127.0.0.1:6650")]
-    pub pulsar_url: String,
-    /// Broker token for token authentication.
-    #[arg(long, env = "PULSAR_TOKEN", hide_env_values = true)]
-    pub pulsar_token: Option<String>,
+    #[command(flatten)]
+    pub broker: BrokerArgs,
     /// OpenAI-compatible endpoint, up to and including `/v1`.
     #[arg(
         long,
@@ -34,10 +30,6 @@ pub struct Settings {
     /// Seconds to wait for the LLM's first byte, and between streamed chunks.
     #[arg(long, env = "LLM_IDLE_TIMEOUT_SECS", default_value_t = 60)]
     pub llm_idle_timeout_secs: u64,
-    #[arg(long, env = "AGENT_WORKSPACE", default_value = "default")]
-    pub workspace: String,
-    #[arg(long, env = "AGENT_FLOW", default_value = "default")]
-    pub flow: String,
     /// Directory of `<config type>.json` files (`tool.json`, `prompt.json`, `agent-limits.json`).
     #[arg(long, env = "AGENT_CONFIG_DIR", default_value = "config-seed")]
     pub config_dir: PathBuf,
@@ -64,7 +56,7 @@ pub struct Settings {
 
 impl Settings {
     pub fn topics(&self) -> Topics {
-        let mut t = Topics::trustgraph(&self.workspace, &self.flow);
+        let mut t = self.broker.topics();
         let pick = |slot: &mut String, over: &Option<String>| {
             if let Some(o) = over {
                 slot.clone_from(o);
@@ -141,27 +133,4 @@ pub fn read_config_values(dir: &Path) -> anyhow::Result<ConfigValues> {
         anyhow::bail!("invalid config files:\n{}", errors.join("\n"));
     }
     Ok(values)
-}
-
-/// Resolves on SIGINT or SIGTERM.
-pub async fn shutdown_signal() {
-    #[cfg(unix)]
-    {
-        use tokio::signal::unix::{signal, SignalKind};
-        match signal(SignalKind::terminate()) {
-            Ok(mut term) => {
-                tokio::select! {
-                    _ = tokio::signal::ctrl_c() => {}
-                    _ = term.recv() => {}
-                }
-            }
-            Err(_) => {
-                let _ = tokio::signal::ctrl_c().await;
-            }
-        }
-    }
-    #[cfg(not(unix))]
-    {
-        let _ = tokio::signal::ctrl_c().await;
-    }
 }

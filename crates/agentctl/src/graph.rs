@@ -1,0 +1,179 @@
+//! `agentctl explain` and `agentctl sparql`: read the provenance graph, from the aggregator's SPARQL
+//! endpoint or from a store directory that no running process owns.
+
+use std::path::Path;
+
+use agent_graph::explain::{render_dot, render_mermaid, render_tree, session_view, SessionView};
+use agent_graph::model::Term;
+use agent_graph::{queries, GraphStore, QueryAnswer};
+use anyhow::{bail, Context};
+
+#[derive(clap::Args, Debug, Clone)]
+pub struct StoreArgs {
+    /// The graph store: the aggregator's endpoint (`http://127.0.0.1:7878`) or a store directory.
+    #[arg(long = "store", env = "GRAPH_STORE", default_value = ".data/graph")]
+    pub store: String,
+    #[arg(long, env = "CONFIG_TOKEN", hide_env_values = true)]
+    pub token: Option<String>,
+}
+
+impl StoreArgs {
+    pub fn open(&self) -> anyhow::Result<GraphStore> {
+        if self.store.starts_with("http://") || self.store.starts_with("https://") {
+            return Ok(GraphStore::open(&self.store, self.token.clone())?);
+        }
+        let dir = Path::new(&self.store);
+        if !dir.is_dir() {
+            bail!(
+                "no graph store at {}: run a dialog first (scripts/demo.sh), or point GRAPH_STORE at the aggregator's endpoint",
+                dir.display()
+            );
+        }
+        // A directory is read only when no process owns it; a running stack is read through its endpoint.
+        GraphStore::open_read_only(dir).with_context(|| {
+            format!(
+                "opening {} (if `agentctl up` or an aggregator is running, use GRAPH_STORE=http://127.0.0.1:7878)",
+                dir.display()
+            )
+        })
+    }
+}
+
+#[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Format {
+    Tree,
+    Json,
+    Dot,
+    Mermaid,
+}
+
+#[derive(clap::Args, Debug)]
+pub struct ExplainArgs {
+    /// The session id (or its `urn:trustgraph:agent:...` URI).
+    session: Option<String>,
+    /// Explain the most recently started session.
+    #[arg(long)]
+    last: bool,
+    #[arg(long, value_enum, default_value = "tree")]
+    format: Format,
+    #[command(flatten)]
+    store: StoreArgs,
+}
+
+/// Reads one session's view from the store.
+pub async fn load_session(store: &GraphStore, session: &str) -> anyhow::Result<SessionView> {
+    let node = queries::session_node(session)?;
+    let rows = store.query(queries::session_triples(&node)).await?.rows();
+    if rows.rows.is_empty() {
+        bail!("the graph holds nothing about {node}");
+    }
+    Ok(session_view(node.as_str(), &rows))
+}
+
+pub async fn last_session(store: &GraphStore) -> anyhow::Result<String> {
+    let rows = store.query(queries::last_session()).await?.rows();
+    match rows.column("s").first().copied().flatten() {
+        Some(Term::NamedNode(n)) => Ok(n.as_str().to_owned()),
+        _ => bail!("the graph holds no session yet"),
+    }
+}
+
+pub fn render(view: &SessionView, format: Format) -> anyhow::Result<String> {
+    Ok(match format {
+        Format::Tree => render_tree(view),
+        Format::Json => serde_json::to_string_pretty(view)? + "\n",
+        Format::Dot => render_dot(view),
+        Format::Mermaid => render_mermaid(view),
+    })
+}
+
+pub async fn explain(args: ExplainArgs) -> anyhow::Result<i32> {
+    let store = args.store.open()?;
+    let session = match (&args.session, args.last) {
+        (Some(s), _) => s.clone(),
+        (None, true) => last_session(&store).await?,
+        (None, false) => bail!("name a session id, or use --last"),
+    };
+    let view = load_session(&store, &session).await?;
+    print!("{}", render(&view, args.format)?);
+    Ok(0)
+}
+
+#[derive(clap::Args, Debug)]
+pub struct SparqlArgs {
+    /// The SPARQL query.
+    query: String,
+    /// Print the SPARQL JSON results instead of a table.
+    #[arg(long)]
+    json: bool,
+    #[command(flatten)]
+    store: StoreArgs,
+}
+
+fn cell(term: Option<&Term>) -> String {
+    match term {
+        None => String::new(),
+        Some(Term::Literal(l)) => l.value().replace('\n', "\\n"),
+        Some(Term::NamedNode(n)) => n.as_str().to_owned(),
+        Some(other) => other.to_string(),
+    }
+}
+
+pub async fn sparql(args: SparqlArgs) -> anyhow::Result<i32> {
+    let store = args.store.open()?;
+    let answer = store.query(args.query.clone()).await?;
+    if args.json {
+        let (body, _) = agent_graph::serialize_answer(&answer)?;
+        println!("{}", String::from_utf8_lossy(&body));
+        return Ok(0);
+    }
+    match answer {
+        QueryAnswer::Boolean(b) => println!("{b}"),
+        QueryAnswer::Graph(triples) => {
+            for t in triples {
+                println!("{t} .");
+            }
+        }
+        QueryAnswer::Rows(rows) => {
+            let cells: Vec<Vec<String>> = rows
+                .rows
+                .iter()
+                .map(|r| r.iter().map(|t| cell(t.as_ref())).collect())
+                .collect();
+            let mut widths: Vec<usize> = rows.variables.iter().map(|v| v.len() + 1).collect();
+            for row in &cells {
+                for (w, c) in widths.iter_mut().zip(row) {
+                    *w = (*w).max(c.chars().count()).min(80);
+                }
+            }
+            let line = |values: Vec<String>| {
+                values
+                    .iter()
+                    .zip(&widths)
+                    .map(|(v, w)| {
+                        let v: String = v.chars().take(*w).collect();
+                        format!("{v:<w$}")
+                    })
+                    .collect::<Vec<_>>()
+                    .join(" | ")
+            };
+            println!(
+                "{}",
+                line(rows.variables.iter().map(|v| format!("?{v}")).collect())
+            );
+            println!(
+                "{}",
+                widths
+                    .iter()
+                    .map(|w| "-".repeat(*w))
+                    .collect::<Vec<_>>()
+                    .join("-+-")
+            );
+            for row in cells {
+                println!("{}", line(row));
+            }
+            println!("({} rows)", rows.rows.len());
+        }
+    }
+    Ok(0)
+}

@@ -1,0 +1,200 @@
+//! The SPARQL 1.1 Protocol over the embedded store: `/query` (open), `/update` and the Graph Store
+//! Protocol's `POST /store` (bearer token), and `/healthz`, `/readyz`.
+
+use std::collections::HashMap;
+
+use agent_graph::{serialize_answer, GraphError, GraphStore};
+use axum::body::Bytes;
+use axum::extract::{Query, State};
+use axum::http::{header, HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::Router;
+
+#[derive(Clone)]
+struct AppState {
+    store: GraphStore,
+    token: Option<String>,
+}
+
+/// The routes; `token` guards writes (no token configured: writes are refused).
+pub fn router(store: GraphStore, token: Option<String>) -> Router {
+    Router::new()
+        .route("/query", get(query_get).post(query_post))
+        .route("/sparql", get(query_get).post(query_post))
+        .route("/update", post(update))
+        .route("/store", post(store_post))
+        .route("/healthz", get(|| async { "ok" }))
+        .route("/readyz", get(ready))
+        .with_state(AppState { store, token })
+}
+
+fn error_response(e: GraphError) -> Response {
+    let status = match &e {
+        GraphError::Syntax(_) => StatusCode::BAD_REQUEST,
+        GraphError::ReadOnly => StatusCode::FORBIDDEN,
+        GraphError::Evaluation(_) => StatusCode::BAD_REQUEST,
+        _ => StatusCode::INTERNAL_SERVER_ERROR,
+    };
+    (status, e.to_string()).into_response()
+}
+
+async fn run_query(state: &AppState, sparql: String) -> Response {
+    match state.store.query(sparql).await {
+        Ok(answer) => match serialize_answer(&answer) {
+            Ok((body, content_type)) => {
+                ([(header::CONTENT_TYPE, content_type)], body).into_response()
+            }
+            Err(e) => error_response(e),
+        },
+        Err(e) => error_response(e),
+    }
+}
+
+async fn query_get(
+    State(state): State<AppState>,
+    Query(params): Query<HashMap<String, String>>,
+) -> Response {
+    match params.get("query") {
+        Some(q) => run_query(&state, q.clone()).await,
+        None => (StatusCode::BAD_REQUEST, "missing the 'query' parameter").into_response(),
+    }
+}
+
+/// The text of a POSTed operation: the body itself, or the `name` field of a form.
+fn operation_text(headers: &HeaderMap, body: &Bytes, name: &str) -> Option<String> {
+    let content_type = headers
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or_default();
+    if content_type.starts_with("application/x-www-form-urlencoded") {
+        form_urlencoded_field(body, name)
+    } else {
+        String::from_utf8(body.to_vec()).ok()
+    }
+}
+
+fn form_urlencoded_field(body: &[u8], name: &str) -> Option<String> {
+    let text = std::str::from_utf8(body).ok()?;
+    text.split('&').find_map(|pair| {
+        let (k, v) = pair.split_once('=')?;
+        (k == name).then(|| percent_decode(v))
+    })
+}
+
+fn percent_decode(text: &str) -> String {
+    let bytes = text.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        match bytes[i] {
+            b'+' => out.push(b' '),
+            b'%' if i + 2 < bytes.len() => {
+                let hex = std::str::from_utf8(&bytes[i + 1..i + 3]).ok();
+                match hex.and_then(|h| u8::from_str_radix(h, 16).ok()) {
+                    Some(b) => {
+                        out.push(b);
+                        i += 2;
+                    }
+                    None => out.push(b'%'),
+                }
+            }
+            b => out.push(b),
+        }
+        i += 1;
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+async fn query_post(State(state): State<AppState>, headers: HeaderMap, body: Bytes) -> Response {
+    match operation_text(&headers, &body, "query") {
+        Some(q) => run_query(&state, q).await,
+        None => (StatusCode::BAD_REQUEST, "no query in the request").into_response(),
+    }
+}
+
+/// `Some(denial)` when the request may not write.
+fn denied(state: &AppState, headers: &HeaderMap) -> Option<Response> {
+    let Some(expected) = &state.token else {
+        return Some(
+            (
+                StatusCode::FORBIDDEN,
+                "writes are disabled: no CONFIG_TOKEN is configured",
+            )
+                .into_response(),
+        );
+    };
+    let given = headers
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "));
+    if given == Some(expected.as_str()) {
+        None
+    } else {
+        Some((StatusCode::UNAUTHORIZED, "a valid bearer token is required").into_response())
+    }
+}
+
+async fn update(State(state): State<AppState>, headers: HeaderMap, body: Bytes) -> Response {
+    if let Some(denied) = denied(&state, &headers) {
+        return denied;
+    }
+    let Some(text) = operation_text(&headers, &body, "update") else {
+        return (StatusCode::BAD_REQUEST, "no update in the request").into_response();
+    };
+    match state.store.update(text).await {
+        Ok(()) => StatusCode::NO_CONTENT.into_response(),
+        Err(e) => error_response(e),
+    }
+}
+
+async fn store_post(
+    State(state): State<AppState>,
+    Query(params): Query<HashMap<String, String>>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    if let Some(denied) = denied(&state, &headers) {
+        return denied;
+    }
+    let format = headers
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("application/n-triples")
+        .split(';')
+        .next()
+        .unwrap_or_default()
+        .trim()
+        .to_owned();
+    match state
+        .store
+        .load(body.to_vec(), &format, params.get("graph").cloned())
+        .await
+    {
+        Ok(()) => StatusCode::NO_CONTENT.into_response(),
+        Err(e) => error_response(e),
+    }
+}
+
+async fn ready(State(state): State<AppState>) -> Response {
+    match state.store.query("ASK { }".to_owned()).await {
+        Ok(_) => "ready".into_response(),
+        Err(e) => (StatusCode::SERVICE_UNAVAILABLE, e.to_string()).into_response(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn form_fields_are_decoded() {
+        let body = b"query=SELECT+%3Fs+WHERE+%7B%7D&x=1";
+        assert_eq!(
+            form_urlencoded_field(body, "query").unwrap(),
+            "SELECT ?s WHERE {}"
+        );
+        assert_eq!(percent_decode("100%"), "100%");
+        assert_eq!(percent_decode("%zz"), "%zz");
+    }
+}

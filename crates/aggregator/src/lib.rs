@@ -1,0 +1,110 @@
+//! The aggregator: consumes the explainability topic, writes every triple to the graph store
+//! (idempotently, acking only after the write committed), and serves the store over the SPARQL 1.1
+//! Protocol so orchestrator replicas and the CLI can read it. The graph is its only state.
+
+pub mod http;
+pub mod writer;
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use agent_bus::{run_consumer, BrokerArgs, ConsumerStats, SubscriptionConfig};
+use agent_graph::GraphStore;
+use anyhow::Context;
+use tokio_util::sync::CancellationToken;
+
+#[derive(clap::Args, Debug, Clone)]
+pub struct AggregatorSettings {
+    #[command(flatten)]
+    pub broker: BrokerArgs,
+    /// The graph store: a directory for the embedded store, or an `http(s)://` SPARQL endpoint.
+    #[arg(long, env = "GRAPH_STORE", default_value = ".data/graph")]
+    pub graph_store: String,
+    /// Where to serve the SPARQL 1.1 Protocol (`/query`, `/update`, `/store`); only for an embedded store.
+    #[arg(long, env = "AGGREGATOR_HTTP_ADDR", default_value = "127.0.0.1:7878")]
+    pub http_addr: SocketAddr,
+    /// Bearer token that SPARQL updates and loads must carry; without one they are refused.
+    #[arg(long, env = "CONFIG_TOKEN", hide_env_values = true)]
+    pub config_token: Option<String>,
+    /// Messages written at once.
+    #[arg(long, default_value_t = 16)]
+    pub max_in_flight: usize,
+    #[arg(long, default_value = "agent-aggregator")]
+    pub subscription: String,
+    #[arg(long, env = "AGENT_EXPLAIN_TOPIC")]
+    pub explain_topic: Option<String>,
+}
+
+impl AggregatorSettings {
+    /// Settings for an embedded store in `dir`, served on `http_addr` (used by `agentctl up`).
+    pub fn embedded(broker: BrokerArgs, dir: PathBuf, http_addr: SocketAddr) -> AggregatorSettings {
+        AggregatorSettings {
+            broker,
+            graph_store: dir.display().to_string(),
+            http_addr,
+            config_token: None,
+            max_in_flight: 16,
+            subscription: "agent-aggregator".to_owned(),
+            explain_topic: None,
+        }
+    }
+}
+
+/// Runs until `shutdown`: the consumer and, for an embedded store, the SPARQL endpoint.
+pub async fn run(settings: AggregatorSettings, shutdown: CancellationToken) -> anyhow::Result<()> {
+    let token = settings.config_token.clone().filter(|t| !t.is_empty());
+    let store = GraphStore::open(&settings.graph_store, token.clone())
+        .with_context(|| format!("opening the graph store {}", settings.graph_store))?;
+    let server = if store.is_embedded() {
+        let listener = tokio::net::TcpListener::bind(settings.http_addr)
+            .await
+            .with_context(|| format!("binding {}", settings.http_addr))?;
+        tracing::info!(addr = %listener.local_addr()?, "serving SPARQL");
+        let app = http::router(store.clone(), token);
+        let stop = shutdown.clone();
+        Some(tokio::spawn(async move {
+            axum::serve(listener, app)
+                .with_graceful_shutdown(async move { stop.cancelled().await })
+                .await
+        }))
+    } else {
+        None
+    };
+
+    let bus = settings.broker.connect().await?;
+    let topics = settings.broker.topics();
+    let topic = settings
+        .explain_topic
+        .clone()
+        .unwrap_or(topics.explainability.clone());
+    let subscription = SubscriptionConfig {
+        dead_letter_topic: format!("{topic}-dead-letter"),
+        topic,
+        subscription: settings.subscription.clone(),
+        max_in_flight: settings.max_in_flight,
+        max_redeliveries: 10,
+        drain_deadline: Duration::from_secs(10),
+        nack_delay: Duration::from_secs(1),
+    };
+    let writer = Arc::new(writer::Writer::new(store));
+    let stats = Arc::new(ConsumerStats::default());
+    let consumed = run_consumer(
+        &bus,
+        subscription,
+        stats,
+        shutdown.clone(),
+        move |delivery| {
+            let writer = writer.clone();
+            async move { writer.handle(delivery).await }
+        },
+    )
+    .await;
+    shutdown.cancel();
+    if let Some(server) = server {
+        server.await??;
+    }
+    consumed?;
+    Ok(())
+}

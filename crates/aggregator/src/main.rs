@@ -1,0 +1,34 @@
+//! `agent-aggregator`: parses settings and runs the aggregator until SIGINT or SIGTERM.
+
+use clap::Parser;
+use tokio_util::sync::CancellationToken;
+
+#[derive(Parser)]
+#[command(
+    version,
+    about = "Writes agent provenance into the graph store and serves it over SPARQL"
+)]
+struct Args {
+    #[command(flatten)]
+    settings: agent_aggregator::AggregatorSettings,
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| {
+                tracing_subscriber::EnvFilter::new("info,pulsar::retry_op=error")
+            }),
+        )
+        .init();
+    let args = Args::parse();
+    let shutdown = CancellationToken::new();
+    let trigger = shutdown.clone();
+    tokio::spawn(async move {
+        agent_bus::shutdown_signal().await;
+        tracing::info!("shutting down");
+        trigger.cancel();
+    });
+    agent_aggregator::run(args.settings, shutdown).await
+}

@@ -1,0 +1,53 @@
+//! Broker settings every binary shares: flags with the environment fallbacks of DESIGN section 7.
+
+use crate::{Bus, BusError, Topics};
+
+#[derive(clap::Args, Debug, Clone)]
+pub struct BrokerArgs {
+    /// Broker URL (`pulsar://` or `pulsar+ssl://`).
+    #[arg(long, env = "PULSAR_URL", default_value = "pulsar://127.0.0.1:6650")]
+    pub pulsar_url: String,
+    /// Broker token for token authentication.
+    #[arg(long, env = "PULSAR_TOKEN", hide_env_values = true)]
+    pub pulsar_token: Option<String>,
+    /// Workspace part of the topic names.
+    #[arg(long, env = "AGENT_WORKSPACE", default_value = "default")]
+    pub workspace: String,
+    /// Flow part of the topic names.
+    #[arg(long, env = "AGENT_FLOW", default_value = "default")]
+    pub flow: String,
+}
+
+impl BrokerArgs {
+    pub async fn connect(&self) -> Result<Bus, BusError> {
+        Bus::connect(&self.pulsar_url, self.pulsar_token.as_deref()).await
+    }
+
+    /// TrustGraph's topic names for this workspace and flow.
+    pub fn topics(&self) -> Topics {
+        Topics::trustgraph(&self.workspace, &self.flow)
+    }
+}
+
+/// Resolves on SIGINT or SIGTERM.
+pub async fn shutdown_signal() {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{signal, SignalKind};
+        match signal(SignalKind::terminate()) {
+            Ok(mut term) => {
+                tokio::select! {
+                    _ = tokio::signal::ctrl_c() => {}
+                    _ = term.recv() => {}
+                }
+            }
+            Err(_) => {
+                let _ = tokio::signal::ctrl_c().await;
+            }
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = tokio::signal::ctrl_c().await;
+    }
+}

@@ -1,0 +1,329 @@
+//! A session's provenance as a tree people can read: question, each iteration's thought, action,
+//! arguments and observation, the conclusion, tokens and durations; and the same DAG as JSON,
+//! Graphviz DOT or Mermaid.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use oxigraph::model::Term;
+use serde::Serialize;
+
+use crate::queries::{PROV, TG};
+use crate::Rows;
+
+const RDF_TYPE: &str = "http://www.w3.org/1999/02/22-rdf-syntax-ns#type";
+
+/// One session, read back from the graph.
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+pub struct SessionView {
+    pub session: String,
+    pub question: String,
+    pub started_at: String,
+    pub iterations: Vec<IterationView>,
+    pub conclusion: Option<ConclusionView>,
+    /// Derivation edges (node, derived from), for the graph formats.
+    pub edges: Vec<(String, String)>,
+    pub in_token: u64,
+    pub out_token: u64,
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+pub struct IterationView {
+    pub node: String,
+    pub step: u64,
+    pub thought: String,
+    pub action: String,
+    pub arguments: String,
+    pub candidates: Vec<String>,
+    pub observation: String,
+    pub model: String,
+    pub llm_ms: u64,
+    pub tool_ms: u64,
+    pub in_token: u64,
+    pub out_token: u64,
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+pub struct ConclusionView {
+    pub node: String,
+    pub step: u64,
+    pub thought: String,
+    pub answer: String,
+    pub termination: String,
+    pub llm_ms: u64,
+    pub in_token: u64,
+    pub out_token: u64,
+}
+
+/// Subject -> predicate -> objects.
+struct Index(BTreeMap<String, BTreeMap<String, Vec<Term>>>);
+
+fn text(t: &Term) -> String {
+    match t {
+        Term::NamedNode(n) => n.as_str().to_owned(),
+        Term::BlankNode(b) => b.as_str().to_owned(),
+        Term::Literal(l) => l.value().to_owned(),
+        #[allow(unreachable_patterns)]
+        _ => t.to_string(),
+    }
+}
+
+impl Index {
+    fn from_rows(rows: &Rows) -> Index {
+        let mut map: BTreeMap<String, BTreeMap<String, Vec<Term>>> = BTreeMap::new();
+        let (s, p, o) = (rows.column("s"), rows.column("p"), rows.column("o"));
+        for i in 0..rows.rows.len() {
+            if let (Some(Some(s)), Some(Some(p)), Some(Some(o))) = (s.get(i), p.get(i), o.get(i)) {
+                map.entry(text(s))
+                    .or_default()
+                    .entry(text(p))
+                    .or_default()
+                    .push((*o).clone());
+            }
+        }
+        Index(map)
+    }
+
+    fn all(&self, node: &str, predicate: &str) -> Vec<String> {
+        self.0
+            .get(node)
+            .and_then(|m| m.get(predicate))
+            .map(|v| v.iter().map(text).collect())
+            .unwrap_or_default()
+    }
+
+    fn one(&self, node: &str, predicate: &str) -> String {
+        self.all(node, predicate)
+            .into_iter()
+            .next()
+            .unwrap_or_default()
+    }
+
+    fn number(&self, node: &str, predicate: &str) -> u64 {
+        self.one(node, predicate).parse().unwrap_or(0)
+    }
+
+    fn has_type(&self, node: &str, class: &str) -> bool {
+        self.all(node, RDF_TYPE).iter().any(|t| t == class)
+    }
+
+    /// The text a node stands for, through its `tg:document`.
+    fn document_text(&self, node: &str) -> String {
+        let doc = self.one(node, &format!("{TG}document"));
+        self.one(&doc, &format!("{TG}content"))
+    }
+
+    fn derived_from(&self, predicate_target: &str) -> Vec<String> {
+        let derived = format!("{PROV}wasDerivedFrom");
+        self.0
+            .iter()
+            .filter(|(_, preds)| {
+                preds
+                    .get(&derived)
+                    .is_some_and(|v| v.iter().any(|o| text(o) == predicate_target))
+            })
+            .map(|(s, _)| s.clone())
+            .collect()
+    }
+}
+
+/// Builds the view of `session` from the rows of [`crate::queries::session_triples`].
+pub fn session_view(session: &str, rows: &Rows) -> SessionView {
+    let index = Index::from_rows(rows);
+    let tg = |p: &str| format!("{TG}{p}");
+    let mut view = SessionView {
+        session: session.to_owned(),
+        question: index.one(session, &tg("query")),
+        started_at: index.one(session, &format!("{PROV}startedAtTime")),
+        ..SessionView::default()
+    };
+    let derived = format!("{PROV}wasDerivedFrom");
+    let mut nodes: BTreeSet<&String> = BTreeSet::new();
+    for (node, preds) in &index.0 {
+        for source in preds.get(&derived).into_iter().flatten() {
+            view.edges.push((node.clone(), text(source)));
+        }
+        nodes.insert(node);
+    }
+    for node in nodes {
+        if index.has_type(node, &tg("Analysis")) {
+            let thought_node = index.one(node, &tg("thought"));
+            let observation = index
+                .derived_from(node)
+                .into_iter()
+                .find(|n| index.has_type(n, &tg("Observation")))
+                .unwrap_or_default();
+            let iteration = IterationView {
+                node: node.clone(),
+                step: index.number(node, &tg("step")),
+                thought: index.document_text(&thought_node),
+                action: index.one(node, &tg("action")),
+                arguments: index.one(node, &tg("arguments")),
+                candidates: index.all(node, &tg("toolCandidate")),
+                observation: index.document_text(&observation),
+                model: index.one(node, &tg("model")),
+                llm_ms: index.number(node, &tg("llmDurationMs")),
+                tool_ms: index.number(&observation, &tg("toolDurationMs")),
+                in_token: index.number(node, &tg("inToken"))
+                    + index.number(&observation, &tg("inToken")),
+                out_token: index.number(node, &tg("outToken"))
+                    + index.number(&observation, &tg("outToken")),
+            };
+            view.in_token += iteration.in_token;
+            view.out_token += iteration.out_token;
+            view.iterations.push(iteration);
+        } else if index.has_type(node, &tg("Conclusion")) {
+            let conclusion = ConclusionView {
+                node: node.clone(),
+                step: index.number(node, &tg("step")),
+                thought: index.document_text(&index.one(node, &tg("thought"))),
+                answer: index.document_text(node),
+                termination: index.one(node, &tg("terminationReason")),
+                llm_ms: index.number(node, &tg("llmDurationMs")),
+                in_token: index.number(node, &tg("inToken")),
+                out_token: index.number(node, &tg("outToken")),
+            };
+            view.in_token += conclusion.in_token;
+            view.out_token += conclusion.out_token;
+            view.conclusion = Some(conclusion);
+        }
+    }
+    view.iterations.sort_by_key(|i| i.step);
+    // A graph is a set: candidates come back in store order, so give them a stable one.
+    for it in &mut view.iterations {
+        it.candidates.sort();
+    }
+    view.edges.sort();
+    view
+}
+
+fn trim(text: &str, max: usize) -> String {
+    let one_line = text.replace('\n', " ");
+    if one_line.chars().count() <= max {
+        one_line
+    } else {
+        one_line.chars().take(max).collect::<String>() + "..."
+    }
+}
+
+/// The session as an indented tree for a terminal.
+pub fn render_tree(view: &SessionView) -> String {
+    let mut out = format!("{}\n", view.session);
+    out.push_str(&format!("├─ question: {}\n", trim(&view.question, 200)));
+    out.push_str(&format!("├─ started:  {}\n", view.started_at));
+    for it in &view.iterations {
+        out.push_str(&format!(
+            "├─ iteration {} ({} ms LLM, {} ms tool, tokens {}/{}, {})\n",
+            it.step, it.llm_ms, it.tool_ms, it.in_token, it.out_token, it.model
+        ));
+        out.push_str(&format!("│  ├─ thought:     {}\n", trim(&it.thought, 200)));
+        out.push_str(&format!(
+            "│  ├─ could use:   {}\n",
+            it.candidates.join(", ")
+        ));
+        out.push_str(&format!(
+            "│  ├─ action:      {} {}\n",
+            it.action,
+            trim(&it.arguments, 160)
+        ));
+        out.push_str(&format!(
+            "│  └─ observation: {}\n",
+            trim(&it.observation, 200)
+        ));
+    }
+    match &view.conclusion {
+        Some(c) => {
+            out.push_str(&format!(
+                "└─ conclusion ({}; step {}, {} ms LLM, tokens {}/{})\n",
+                c.termination, c.step, c.llm_ms, c.in_token, c.out_token
+            ));
+            if !c.thought.is_empty() {
+                out.push_str(&format!("   ├─ thought: {}\n", trim(&c.thought, 200)));
+            }
+            out.push_str(&format!("   └─ answer:  {}\n", trim(&c.answer, 400)));
+        }
+        None => out.push_str("└─ (no conclusion yet)\n"),
+    }
+    out.push_str(&format!(
+        "tokens in/out for the session: {}/{}\n",
+        view.in_token, view.out_token
+    ));
+    out
+}
+
+/// Short labels for the graph formats.
+fn labels(view: &SessionView) -> Vec<(String, String)> {
+    let mut labels = vec![(
+        view.session.clone(),
+        format!("Question: {}", trim(&view.question, 60)),
+    )];
+    for it in &view.iterations {
+        labels.push((
+            it.node.clone(),
+            format!("i{}: {} {}", it.step, it.action, trim(&it.arguments, 40)),
+        ));
+        labels.push((
+            format!("{}/observation", it.node),
+            format!("Observation: {}", trim(&it.observation, 50)),
+        ));
+    }
+    if let Some(c) = &view.conclusion {
+        labels.push((
+            c.node.clone(),
+            format!("Conclusion ({}): {}", c.termination, trim(&c.answer, 60)),
+        ));
+    }
+    labels
+}
+
+fn keep_edge(view: &SessionView, from: &str, to: &str) -> bool {
+    let known: BTreeSet<String> = labels(view).into_iter().map(|(n, _)| n).collect();
+    known.contains(from) && known.contains(to)
+}
+
+/// Graphviz DOT of the derivation DAG.
+pub fn render_dot(view: &SessionView) -> String {
+    let mut out = String::from(
+        "digraph provenance {\n  rankdir=BT;\n  node [shape=box, fontname=\"Helvetica\"];\n",
+    );
+    for (node, label) in labels(view) {
+        out.push_str(&format!("  {:?} [label={:?}];\n", node, label));
+    }
+    for (from, to) in &view.edges {
+        if keep_edge(view, from, to) {
+            out.push_str(&format!(
+                "  {:?} -> {:?} [label=\"wasDerivedFrom\"];\n",
+                from, to
+            ));
+        }
+    }
+    out.push_str("}\n");
+    out
+}
+
+/// Mermaid flowchart of the derivation DAG.
+pub fn render_mermaid(view: &SessionView) -> String {
+    let all = labels(view);
+    let id = |node: &str| {
+        all.iter()
+            .position(|(n, _)| n == node)
+            .map(|i| format!("n{i}"))
+    };
+    let mut out = String::from("flowchart BT\n");
+    for (i, (_, label)) in all.iter().enumerate() {
+        let safe: String = label
+            .chars()
+            .map(|c| match c {
+                '"' => '\'',
+                '[' | ']' | '{' | '}' | '<' | '>' | '|' => ' ',
+                c => c,
+            })
+            .collect();
+        out.push_str(&format!("  n{i}[\"{safe}\"]\n"));
+    }
+    for (from, to) in &view.edges {
+        if let (Some(a), Some(b)) = (id(from), id(to)) {
+            out.push_str(&format!("  {a} -->|wasDerivedFrom| {b}\n"));
+        }
+    }
+    out
+}

@@ -1,0 +1,367 @@
+//! The graph store behind one small interface: embedded `oxigraph` (RocksDB on disk, or in memory for
+//! tests) or any SPARQL 1.1 endpoint over HTTP. Embedded calls run on the blocking pool so they never
+//! stall the async workers. The queries the system needs live in [`queries`], built from typed terms.
+
+pub mod convert;
+pub mod explain;
+pub mod queries;
+mod remote;
+
+use std::path::Path;
+use std::sync::Arc;
+
+use oxigraph::model::{Quad, Term};
+use oxigraph::sparql::{QueryResults, SparqlEvaluator};
+use oxigraph::store::Store;
+
+pub use oxigraph::model;
+pub use remote::RemoteSparql;
+
+/// Why a store operation failed.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum GraphError {
+    #[error("the graph store failed: {0}")]
+    Storage(String),
+    #[error("invalid SPARQL: {0}")]
+    Syntax(String),
+    #[error("the query failed: {0}")]
+    Evaluation(String),
+    #[error("the SPARQL endpoint answered HTTP {status}: {body}")]
+    Http { status: u16, body: String },
+    #[error("cannot reach the SPARQL endpoint: {0}")]
+    Transport(String),
+    #[error("the SPARQL endpoint's answer is malformed: {0}")]
+    Malformed(String),
+    #[error("the store is read-only")]
+    ReadOnly,
+}
+
+impl GraphError {
+    /// Transient failures are worth another delivery; the others never succeed.
+    pub fn retryable(&self) -> bool {
+        match self {
+            GraphError::Storage(_) | GraphError::Transport(_) => true,
+            GraphError::Http { status, .. } => *status == 429 || *status >= 500,
+            _ => false,
+        }
+    }
+}
+
+/// The answer to a query, the same whichever backend ran it.
+#[derive(Debug, Clone, PartialEq)]
+pub enum QueryAnswer {
+    Rows(Rows),
+    Boolean(bool),
+    Graph(Vec<oxigraph::model::Triple>),
+}
+
+/// SELECT results: variable names and one row of optional bindings per solution.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Rows {
+    pub variables: Vec<String>,
+    pub rows: Vec<Vec<Option<Term>>>,
+}
+
+impl Rows {
+    /// The bindings of `variable`, one per row.
+    pub fn column(&self, variable: &str) -> Vec<Option<&Term>> {
+        match self.variables.iter().position(|v| v == variable) {
+            Some(i) => self
+                .rows
+                .iter()
+                .map(|r| r.get(i).and_then(Option::as_ref))
+                .collect(),
+            None => Vec::new(),
+        }
+    }
+}
+
+impl QueryAnswer {
+    pub fn rows(self) -> Rows {
+        match self {
+            QueryAnswer::Rows(rows) => rows,
+            _ => Rows::default(),
+        }
+    }
+}
+
+/// Where the graph lives.
+#[derive(Clone)]
+pub struct GraphStore {
+    backend: Backend,
+}
+
+#[derive(Clone)]
+enum Backend {
+    Embedded { store: Store, read_only: bool },
+    Remote(Arc<RemoteSparql>),
+}
+
+impl GraphStore {
+    /// Opens `spec`: an `http(s)://` SPARQL endpoint base (serving `/query`, `/update`, `/store`) or a
+    /// directory for the embedded store. One process owns a directory at a time.
+    pub fn open(spec: &str, token: Option<String>) -> Result<GraphStore, GraphError> {
+        if spec.starts_with("http://") || spec.starts_with("https://") {
+            return Ok(GraphStore {
+                backend: Backend::Remote(Arc::new(RemoteSparql::new(spec, token)?)),
+            });
+        }
+        let store = Store::open(Path::new(spec)).map_err(|e| GraphError::Storage(e.to_string()))?;
+        Ok(GraphStore {
+            backend: Backend::Embedded {
+                store,
+                read_only: false,
+            },
+        })
+    }
+
+    /// Opens a directory that no running process writes to, for reading.
+    pub fn open_read_only(dir: &Path) -> Result<GraphStore, GraphError> {
+        let store = Store::open_read_only(dir).map_err(|e| GraphError::Storage(e.to_string()))?;
+        Ok(GraphStore {
+            backend: Backend::Embedded {
+                store,
+                read_only: true,
+            },
+        })
+    }
+
+    /// An in-memory store (tests and benchmarks).
+    pub fn in_memory() -> Result<GraphStore, GraphError> {
+        let store = Store::new().map_err(|e| GraphError::Storage(e.to_string()))?;
+        Ok(GraphStore {
+            backend: Backend::Embedded {
+                store,
+                read_only: false,
+            },
+        })
+    }
+
+    pub fn is_embedded(&self) -> bool {
+        matches!(self.backend, Backend::Embedded { .. })
+    }
+
+    /// Adds quads in one transaction. RDF graphs are sets, so adding what is there changes nothing:
+    /// a redelivered message is harmless.
+    pub async fn insert(&self, quads: Vec<Quad>) -> Result<(), GraphError> {
+        match &self.backend {
+            Backend::Embedded {
+                read_only: true, ..
+            } => Err(GraphError::ReadOnly),
+            Backend::Embedded { store, .. } => {
+                let store = store.clone();
+                blocking(move || {
+                    store
+                        .extend(quads)
+                        .map_err(|e| GraphError::Storage(e.to_string()))
+                })
+                .await
+            }
+            Backend::Remote(remote) => remote.insert(&quads).await,
+        }
+    }
+
+    /// Runs a SPARQL query.
+    pub async fn query(&self, sparql: String) -> Result<QueryAnswer, GraphError> {
+        match &self.backend {
+            Backend::Embedded { store, .. } => {
+                let store = store.clone();
+                blocking(move || query_embedded(&store, &sparql)).await
+            }
+            Backend::Remote(remote) => remote.query(&sparql).await,
+        }
+    }
+
+    /// Runs a SPARQL update.
+    pub async fn update(&self, sparql: String) -> Result<(), GraphError> {
+        match &self.backend {
+            Backend::Embedded {
+                read_only: true, ..
+            } => Err(GraphError::ReadOnly),
+            Backend::Embedded { store, .. } => {
+                let store = store.clone();
+                blocking(move || {
+                    SparqlEvaluator::new()
+                        .parse_update(&sparql)
+                        .map_err(|e| GraphError::Syntax(e.to_string()))?
+                        .on_store(&store)
+                        .execute()
+                        .map_err(|e| GraphError::Evaluation(e.to_string()))
+                })
+                .await
+            }
+            Backend::Remote(remote) => remote.update(&sparql).await,
+        }
+    }
+
+    /// Loads RDF text (`format` a MIME type: N-Triples, N-Quads, Turtle, TriG) into `graph` (None =
+    /// the default graph, or the graphs the data names).
+    pub async fn load(
+        &self,
+        data: Vec<u8>,
+        format: &str,
+        graph: Option<String>,
+    ) -> Result<(), GraphError> {
+        match &self.backend {
+            Backend::Embedded {
+                read_only: true, ..
+            } => Err(GraphError::ReadOnly),
+            Backend::Embedded { store, .. } => {
+                let store = store.clone();
+                let format = oxigraph::io::RdfFormat::from_media_type(format).ok_or_else(|| {
+                    GraphError::Syntax(format!("unsupported RDF format {format}"))
+                })?;
+                blocking(move || {
+                    let mut parser = oxigraph::io::RdfParser::from_format(format);
+                    if let Some(g) = graph {
+                        let g = oxigraph::model::NamedNode::new(g)
+                            .map_err(|e| GraphError::Syntax(e.to_string()))?;
+                        parser = parser.with_default_graph(g);
+                    }
+                    store
+                        .load_from_slice(parser, &data)
+                        .map_err(|e| GraphError::Syntax(e.to_string()))
+                })
+                .await
+            }
+            Backend::Remote(remote) => remote.load(data, format, graph.as_deref()).await,
+        }
+    }
+
+    /// Loads many quads fast, without one big transaction (embedded stores only; benchmarks and
+    /// imports, where atomicity is not needed).
+    pub async fn bulk_load(&self, quads: Vec<Quad>) -> Result<(), GraphError> {
+        match &self.backend {
+            Backend::Embedded {
+                read_only: true, ..
+            } => Err(GraphError::ReadOnly),
+            Backend::Embedded { store, .. } => {
+                let store = store.clone();
+                blocking(move || {
+                    store
+                        .bulk_loader()
+                        .load_quads(quads)
+                        .map_err(|e| GraphError::Storage(e.to_string()))
+                })
+                .await
+            }
+            Backend::Remote(remote) => remote.insert(&quads).await,
+        }
+    }
+
+    /// Number of quads, for tests and benchmarks.
+    pub async fn count(&self) -> Result<usize, GraphError> {
+        let rows = self
+            .query(
+                "SELECT (COUNT(*) AS ?n) WHERE { { ?s ?p ?o } UNION { GRAPH ?g { ?s ?p ?o } } }"
+                    .into(),
+            )
+            .await?
+            .rows();
+        let n = rows
+            .column("n")
+            .first()
+            .copied()
+            .flatten()
+            .and_then(|t| match t {
+                Term::Literal(l) => l.value().parse::<usize>().ok(),
+                _ => None,
+            })
+            .unwrap_or(0);
+        Ok(n)
+    }
+}
+
+async fn blocking<T: Send + 'static>(
+    work: impl FnOnce() -> Result<T, GraphError> + Send + 'static,
+) -> Result<T, GraphError> {
+    tokio::task::spawn_blocking(work)
+        .await
+        .map_err(|e| GraphError::Storage(format!("store task failed: {e}")))?
+}
+
+fn query_embedded(store: &Store, sparql: &str) -> Result<QueryAnswer, GraphError> {
+    let results = SparqlEvaluator::new()
+        .parse_query(sparql)
+        .map_err(|e| GraphError::Syntax(e.to_string()))?
+        .on_store(store)
+        .execute()
+        .map_err(|e| GraphError::Evaluation(e.to_string()))?;
+    collect(results)
+}
+
+/// Materialises results so they can cross the blocking-pool boundary.
+pub(crate) fn collect(results: QueryResults<'_>) -> Result<QueryAnswer, GraphError> {
+    match results {
+        QueryResults::Boolean(b) => Ok(QueryAnswer::Boolean(b)),
+        QueryResults::Solutions(solutions) => {
+            let variables: Vec<String> = solutions
+                .variables()
+                .iter()
+                .map(|v| v.as_str().to_owned())
+                .collect();
+            let mut rows = Vec::new();
+            for solution in solutions {
+                let solution = solution.map_err(|e| GraphError::Evaluation(e.to_string()))?;
+                rows.push(
+                    variables
+                        .iter()
+                        .map(|v| solution.get(v.as_str()).cloned())
+                        .collect(),
+                );
+            }
+            Ok(QueryAnswer::Rows(Rows { variables, rows }))
+        }
+        QueryResults::Graph(triples) => {
+            let triples = triples
+                .collect::<Result<Vec<_>, _>>()
+                .map_err(|e| GraphError::Evaluation(e.to_string()))?;
+            Ok(QueryAnswer::Graph(triples))
+        }
+    }
+}
+
+/// Serialises an answer in the SPARQL 1.1 Query Results JSON format (or N-Triples for a graph).
+pub fn serialize_answer(answer: &QueryAnswer) -> Result<(Vec<u8>, &'static str), GraphError> {
+    use oxigraph::sparql::results::{QueryResultsFormat, QueryResultsSerializer};
+    let io = |e: std::io::Error| GraphError::Malformed(e.to_string());
+    let serializer = QueryResultsSerializer::from_format(QueryResultsFormat::Json);
+    match answer {
+        QueryAnswer::Boolean(b) => Ok((
+            serializer
+                .serialize_boolean_to_writer(Vec::new(), *b)
+                .map_err(io)?,
+            "application/sparql-results+json",
+        )),
+        QueryAnswer::Rows(rows) => {
+            let variables = rows
+                .variables
+                .iter()
+                .map(|v| oxigraph::sparql::Variable::new(v.as_str()))
+                .collect::<Result<Vec<_>, _>>()
+                .map_err(|e| GraphError::Malformed(e.to_string()))?;
+            let mut writer = serializer
+                .serialize_solutions_to_writer(Vec::new(), variables.clone())
+                .map_err(io)?;
+            for row in &rows.rows {
+                let bindings = variables
+                    .iter()
+                    .zip(row)
+                    .filter_map(|(v, t)| t.as_ref().map(|t| (v.as_ref(), t.as_ref())));
+                writer.serialize(bindings).map_err(io)?;
+            }
+            Ok((
+                writer.finish().map_err(io)?,
+                "application/sparql-results+json",
+            ))
+        }
+        QueryAnswer::Graph(triples) => {
+            let mut out = String::new();
+            for t in triples {
+                out.push_str(&format!("{t} .\n"));
+            }
+            Ok((out.into_bytes(), "application/n-triples"))
+        }
+    }
+}

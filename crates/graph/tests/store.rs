@@ -1,0 +1,110 @@
+//! The graph store on both embedded backends (memory and RocksDB on disk): idempotent writes, hostile
+//! literals, the session query and the explain view.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use agent_core::provenance::{self, CallStats, SessionUris, Termination, ToolStats};
+use agent_graph::convert::to_quads;
+use agent_graph::explain::{render_mermaid, render_tree, session_view};
+use agent_graph::{queries, GraphStore, QueryAnswer};
+
+fn session_triples(session: &str, question: &str) -> Vec<agent_schema::Triple> {
+    let uris = SessionUris::new(session);
+    let stats = CallStats {
+        duration_ms: 10,
+        in_token: 100,
+        out_token: 20,
+        model: "m".into(),
+    };
+    let mut t = provenance::session(&uris, question, "2026-01-01T00:00:00Z");
+    t.extend(provenance::tool_iteration(
+        &uris,
+        1,
+        "look it up",
+        "llm",
+        "{\"question\":\"x\"}",
+        &["llm", "calc"],
+        &stats,
+    ));
+    t.extend(provenance::observation(
+        &uris,
+        1,
+        "366",
+        ToolStats {
+            duration_ms: 5,
+            in_token: 7,
+            out_token: 3,
+        },
+    ));
+    t.extend(provenance::conclusion(
+        &uris,
+        2,
+        "done",
+        "8784",
+        Termination::Answer,
+        &["llm"],
+        &stats,
+    ));
+    t
+}
+
+async fn scenario(store: GraphStore) {
+    let hostile = "a \"quote\" <tag> \n new line \"} ; DROP ALL ; {\"";
+    let triples = session_triples("s1", hostile);
+    store.insert(to_quads(&triples).unwrap()).await.unwrap();
+    store
+        .insert(to_quads(&session_triples("s2", "other")).unwrap())
+        .await
+        .unwrap();
+    let total = store.count().await.unwrap();
+
+    // Writing the same message again changes nothing.
+    store.insert(to_quads(&triples).unwrap()).await.unwrap();
+    assert_eq!(store.count().await.unwrap(), total);
+
+    let node = queries::session_node("s1").unwrap();
+    let rows = store
+        .query(queries::session_triples(&node))
+        .await
+        .unwrap()
+        .rows();
+    assert_eq!(
+        rows.rows.len(),
+        triples.len(),
+        "exactly the session's triples, not s2's"
+    );
+    let view = session_view(node.as_str(), &rows);
+    assert_eq!(view.question, hostile);
+    assert_eq!(view.iterations.len(), 1);
+    assert_eq!(view.iterations[0].observation, "366");
+    assert_eq!(view.iterations[0].candidates, ["calc", "llm"]);
+    assert_eq!((view.in_token, view.out_token), (207, 43));
+    assert_eq!(view.conclusion.as_ref().unwrap().answer, "8784");
+    assert!(render_tree(&view).contains("iteration 1"));
+    assert!(render_mermaid(&view).contains("-->|wasDerivedFrom|"));
+
+    let last = store.query(queries::last_session()).await.unwrap().rows();
+    assert_eq!(last.rows.len(), 1);
+    assert!(matches!(
+        store.query(queries::node_exists(&node)).await.unwrap(),
+        QueryAnswer::Boolean(true)
+    ));
+    // The hostile text is a literal and did not drop anything.
+    assert_eq!(store.count().await.unwrap(), total);
+}
+
+#[tokio::test]
+async fn in_memory() {
+    scenario(GraphStore::in_memory().unwrap()).await;
+}
+
+#[tokio::test]
+async fn on_disk() {
+    let dir = std::env::temp_dir().join(format!("agent-graph-test-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    scenario(GraphStore::open(dir.to_str().unwrap(), None).unwrap()).await;
+    let reopened = GraphStore::open_read_only(&dir).unwrap();
+    assert!(reopened.count().await.unwrap() > 0);
+    assert!(reopened.insert(vec![]).await.is_err());
+    drop(reopened);
+    let _ = std::fs::remove_dir_all(&dir);
+}

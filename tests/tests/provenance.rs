@@ -1,0 +1,345 @@
+//! Provenance end to end: the orchestrator's explainability stream, written by the aggregator into
+//! the graph store and read back over its SPARQL endpoint.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use std::collections::BTreeSet;
+use std::time::Duration;
+
+use agent_e2e::*;
+use agent_graph::convert::to_quads;
+use agent_graph::explain::session_view;
+use agent_graph::model::Term;
+use agent_graph::{queries, GraphStore, QueryAnswer};
+use agent_schema::{AgentResponse, Triples};
+use futures::StreamExt;
+use pulsar::consumer::{ConsumerOptions, InitialPosition};
+use pulsar::{Consumer, Pulsar, SubType, TokioExecutor};
+
+const DIALOG_TIMEOUT: Duration = Duration::from_secs(60);
+const EXPLAIN_TOPIC: &str = "persistent://tg/flow/triples-store:default:default";
+
+const THREE_STEPS: &str = r#"{"rules": [
+  {"match": "Observation: beta-result", "reply": "Thought: I have both parts now.\nFinal Answer: alpha and beta, combined."},
+  {"match": "Observation: alpha-result", "reply": "Thought: Now the second part.\nAction: llm\nArgs: {\"question\": \"fetch beta\"}"},
+  {"match": "fetch alpha", "exact": true, "reply": "alpha-result"},
+  {"match": "fetch beta", "exact": true, "reply": "beta-result"},
+  {"match": "", "reply": "Thought: Start with the first part.\nAction: llm\nArgs: {\"question\": \"fetch alpha\"}"}
+]}"#;
+
+/// Waits until the aggregator has written the node.
+async fn wait_for_node(store: &GraphStore, node: &str) {
+    let node = queries::session_node(node).unwrap();
+    for _ in 0..400 {
+        if let Ok(QueryAnswer::Boolean(true)) = store.query(queries::node_exists(&node)).await {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    panic!("{node} never reached the graph");
+}
+
+fn session_of(responses: &[AgentResponse]) -> String {
+    responses[0].explain_id.clone().unwrap()
+}
+
+fn iri(t: &Term) -> String {
+    match t {
+        Term::NamedNode(n) => n.as_str().to_owned(),
+        other => other.to_string(),
+    }
+}
+
+/// Every quad of the provenance graph, as N-Quads lines.
+async fn all_quads(store: &GraphStore) -> BTreeSet<String> {
+    let rows = store
+        .query(format!(
+            "SELECT ?s ?p ?o WHERE {{ GRAPH <{}> {{ ?s ?p ?o }} }}",
+            queries::PROVENANCE_GRAPH
+        ))
+        .await
+        .unwrap()
+        .rows();
+    rows.rows
+        .iter()
+        .map(|r| {
+            let t = |i: usize| r[i].as_ref().unwrap().to_string();
+            format!(
+                "{} {} {} <{}> .",
+                t(0),
+                t(1),
+                t(2),
+                queries::PROVENANCE_GRAPH
+            )
+        })
+        .collect()
+}
+
+/// After a three-iteration dialog, following `prov:wasDerivedFrom` (and `tg:thought`) from the
+/// conclusion reaches every iteration, thought, observation and the session; nothing points at a
+/// node that is not there; and the tokens in the graph add up to those of the final response.
+#[tokio::test]
+async fn the_graph_explains_a_three_iteration_dialog() {
+    let broker = Broker::start().unwrap();
+    let aggregator = Aggregator::spawn(&broker);
+    let llm = scripted_llm(THREE_STEPS).await;
+    let _orchestrator = Orchestrator::spawn(&broker, &llm, &seed_dir(), &[]);
+    let mut client = client(&broker).await;
+    client
+        .send("p-3", &request("combine alpha and beta", true))
+        .await
+        .unwrap();
+    let responses = collect_dialog(&mut client, "p-3", DIALOG_TIMEOUT)
+        .await
+        .unwrap();
+    let session = session_of(&responses);
+    let store = aggregator.store();
+    wait_for_node(&store, &format!("{session}/final")).await;
+
+    let conclusion = queries::session_node(&format!("{session}/final")).unwrap();
+    let reached: BTreeSet<String> = store
+        .query(queries::derivation_closure(&conclusion))
+        .await
+        .unwrap()
+        .rows()
+        .column("n")
+        .into_iter()
+        .map(|t| iri(t.unwrap()))
+        .collect();
+    for node in [
+        "",
+        "/i1",
+        "/i1/thought",
+        "/i1/observation",
+        "/i2",
+        "/i2/thought",
+        "/i2/observation",
+        "/i3/thought",
+        "/final",
+    ] {
+        assert!(
+            reached.contains(&format!("{session}{node}")),
+            "{node} not reached: {reached:#?}"
+        );
+    }
+
+    // No dangling node: every node an edge points at exists in the graph.
+    let rows = store
+        .query(queries::session_triples(
+            &queries::session_node(&session).unwrap(),
+        ))
+        .await
+        .unwrap()
+        .rows();
+    let subjects: BTreeSet<String> = rows
+        .column("s")
+        .into_iter()
+        .map(|t| iri(t.unwrap()))
+        .collect();
+    let linking = [
+        "http://www.w3.org/ns/prov#wasDerivedFrom",
+        "https://trustgraph.ai/ns/thought",
+        "https://trustgraph.ai/ns/document",
+    ];
+    for (p, o) in rows.column("p").into_iter().zip(rows.column("o")) {
+        if linking.contains(&iri(p.unwrap()).as_str()) {
+            let target = iri(o.unwrap());
+            assert!(subjects.contains(&target), "dangling link to {target}");
+        }
+    }
+
+    let view = session_view(&session, &rows);
+    assert_eq!(view.question, "combine alpha and beta");
+    assert_eq!(view.iterations.len(), 2);
+    assert_eq!(view.iterations[0].observation, "alpha-result");
+    assert_eq!(view.iterations[1].thought, "Now the second part.");
+    assert_eq!(view.iterations[0].candidates, ["llm", "summarise"]);
+    let conclusion = view.conclusion.as_ref().unwrap();
+    assert_eq!(conclusion.answer, "alpha and beta, combined.");
+    assert_eq!(conclusion.termination, "answer");
+    let closing = responses.last().unwrap();
+    assert_eq!(
+        (view.in_token, view.out_token),
+        (closing.in_token.unwrap(), closing.out_token.unwrap())
+    );
+}
+
+/// A question full of quotes, brackets, newlines and SPARQL is stored verbatim as a literal, and the
+/// same explainability message delivered twice leaves the graph unchanged.
+#[tokio::test]
+async fn hostile_text_is_stored_verbatim_and_duplicates_change_nothing() {
+    let broker = Broker::start().unwrap();
+    let aggregator = Aggregator::spawn(&broker);
+    let llm =
+        scripted_llm(r#"{"rules": [{"match": "", "reply": "Thought: ok\nFinal Answer: fine"}]}"#)
+            .await;
+    let _orchestrator = Orchestrator::spawn(&broker, &llm, &seed_dir(), &[]);
+    let mut client = client(&broker).await;
+    let hostile =
+        "He said \"hi\" <b>bold</b> 'single'\nsecond line \\ backslash \"} ; DROP ALL ; {\"";
+    client.send("p-h", &request(hostile, false)).await.unwrap();
+    let responses = collect_dialog(&mut client, "p-h", DIALOG_TIMEOUT)
+        .await
+        .unwrap();
+    let session = session_of(&responses);
+    let store = aggregator.store();
+    wait_for_node(&store, &format!("{session}/final")).await;
+    let rows = store
+        .query(queries::session_triples(
+            &queries::session_node(&session).unwrap(),
+        ))
+        .await
+        .unwrap()
+        .rows();
+    assert_eq!(session_view(&session, &rows).question, hostile);
+    let before = all_quads(&store).await;
+    assert!(before.len() > 20);
+
+    // Publish one of the session's messages again, as a redelivery would.
+    let explain = responses
+        .iter()
+        .find(|r| r.message_type == "explain")
+        .unwrap();
+    let duplicate = Triples {
+        metadata: agent_schema::Metadata {
+            id: explain.explain_id.clone().unwrap(),
+            root: session.clone(),
+            collection: "default".into(),
+        },
+        triples: explain.explain_triples.clone(),
+    };
+    let bus = agent_bus::Bus::connect(&broker.url(), None).await.unwrap();
+    let publisher = agent_bus::Publisher::new(&bus, EXPLAIN_TOPIC)
+        .await
+        .unwrap();
+    for _ in 0..2 {
+        publisher
+            .send(agent_schema::encode(&duplicate), &Default::default())
+            .await
+            .unwrap();
+    }
+    // A marker message after the duplicates: once it is in, the duplicates were processed too.
+    let marker = Triples {
+        metadata: Default::default(),
+        triples: vec![agent_schema::Triple {
+            s: agent_schema::Term::iri("urn:test:marker"),
+            p: agent_schema::Term::iri("urn:test:p"),
+            o: agent_schema::Term::literal("m"),
+            g: Some(queries::PROVENANCE_GRAPH.into()),
+        }],
+    };
+    publisher
+        .send(agent_schema::encode(&marker), &Default::default())
+        .await
+        .unwrap();
+    wait_for_node(&store, "urn:test:marker").await;
+    let mut after = all_quads(&store).await;
+    after.retain(|q| !q.contains("urn:test:marker"));
+    assert_eq!(before, after);
+}
+
+async fn explain_messages(broker_url: &str) -> Consumer<Vec<u8>, TokioExecutor> {
+    let pulsar: Pulsar<TokioExecutor> = Pulsar::builder(broker_url, TokioExecutor)
+        .build()
+        .await
+        .unwrap();
+    pulsar
+        .consumer()
+        .with_topic(EXPLAIN_TOPIC)
+        .with_subscription("test-ground-truth")
+        .with_subscription_type(SubType::Exclusive)
+        .with_options(ConsumerOptions {
+            initial_position: InitialPosition::Earliest,
+            ..ConsumerOptions::default()
+        })
+        .build()
+        .await
+        .unwrap()
+}
+
+/// An aggregator SIGKILLed while triples flow, then restarted, ends with exactly the triples that
+/// were published: the union of every explainability message (what a run without the kill writes).
+#[tokio::test]
+#[ignore = "FAILS today: after a SIGKILL mid-stream some messages the killed aggregator held are never written (suspected pulsar-lite ghost consumer, not yet proven); issue 3 stays open. Run with --ignored."]
+async fn a_killed_aggregator_loses_and_duplicates_nothing() {
+    let broker = Broker::start().unwrap();
+    let mut ground_truth = explain_messages(&broker.url()).await;
+    let mut aggregator = Aggregator::spawn(&broker);
+    let llm = scripted_llm(THREE_STEPS).await;
+    let _orchestrator = Orchestrator::spawn(&broker, &llm, &seed_dir(), &["--max-in-flight", "16"]);
+    let mut client = client(&broker).await;
+    let dialogs = 24;
+    for i in 0..dialogs {
+        client
+            .send(&format!("k-{i}"), &request(&format!("combine #{i}"), false))
+            .await
+            .unwrap();
+    }
+    // Kill while the stream is flowing.
+    let store = aggregator.store();
+    for _ in 0..400 {
+        if store.count().await.unwrap_or(0) > 100 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    aggregator.kill_and_restart();
+
+    let mut sessions = Vec::new();
+    let mut done = 0;
+    while done < dialogs {
+        let (_, r) = tokio::time::timeout(DIALOG_TIMEOUT, client.next())
+            .await
+            .unwrap()
+            .unwrap();
+        if r.message_type == "explain"
+            && r.explain_id
+                .as_deref()
+                .is_some_and(|id| !id.contains("/i") && !id.ends_with("/final"))
+        {
+            sessions.push(r.explain_id.clone().unwrap());
+        }
+        if r.end_of_dialog {
+            done += 1;
+        }
+    }
+    let store = aggregator.store();
+    for s in &sessions {
+        wait_for_node(&store, &format!("{s}/final")).await;
+    }
+
+    let mut expected = BTreeSet::new();
+    while let Ok(Some(Ok(message))) =
+        tokio::time::timeout(Duration::from_secs(2), ground_truth.next()).await
+    {
+        let triples: Triples = agent_schema::decode(&message.payload.data).unwrap();
+        for q in to_quads(&triples.triples).unwrap() {
+            expected.insert(format!(
+                "{} {} {} <{}> .",
+                q.subject,
+                q.predicate,
+                q.object,
+                queries::PROVENANCE_GRAPH
+            ));
+        }
+    }
+    // Messages a killed consumer held come back to the new one, possibly after a while.
+    let mut stored = all_quads(&store).await;
+    for _ in 0..120 {
+        if expected.is_subset(&stored) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        stored = all_quads(&store).await;
+    }
+    assert!(
+        expected.len() > dialogs * 40,
+        "{} quads expected",
+        expected.len()
+    );
+    let missing: Vec<_> = expected.difference(&stored).take(5).collect();
+    let extra: Vec<_> = stored.difference(&expected).take(5).collect();
+    assert!(
+        missing.is_empty() && extra.is_empty(),
+        "missing {missing:#?}\nextra {extra:#?}"
+    );
+}
