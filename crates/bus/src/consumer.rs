@@ -133,13 +133,7 @@ where
             next = consumer.next(), if tasks.len() < max_in_flight => match next {
                 Some(Ok(message)) => {
                     stats.received.fetch_add(1, Ordering::Relaxed);
-                    let properties: Properties = message
-                        .payload
-                        .metadata
-                        .properties
-                        .iter()
-                        .map(|kv| (kv.key.clone(), kv.value.clone()))
-                        .collect();
+                    let properties = properties_of(&message);
                     match serde_json::from_slice::<T>(&message.payload.data) {
                         Ok(payload) => {
                             let work = handler(Delivery { payload, properties });
@@ -240,13 +234,7 @@ async fn dead_letter(
     reason: &str,
 ) {
     tracing::warn!(topic = %message.topic, %reason, "dead-lettering a message");
-    let mut properties: Properties = message
-        .payload
-        .metadata
-        .properties
-        .iter()
-        .map(|kv| (kv.key.clone(), kv.value.clone()))
-        .collect();
+    let mut properties = properties_of(message);
     properties.insert(DEAD_LETTER_REASON.to_owned(), reason.to_owned());
     properties.insert(DEAD_LETTER_ORIGIN.to_owned(), message.topic.clone());
     match dead_letters
@@ -267,4 +255,14 @@ async fn dead_letter(
             }
         }
     }
+}
+
+fn properties_of(message: &Message<Vec<u8>>) -> Properties {
+    message
+        .payload
+        .metadata
+        .properties
+        .iter()
+        .map(|kv| (kv.key.clone(), kv.value.clone()))
+        .collect()
 }
