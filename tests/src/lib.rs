@@ -33,6 +33,12 @@ impl Broker {
     pub fn restart(&mut self) -> anyhow::Result<()> {
         Ok(self.0.restart()?)
     }
+
+    /// Evidence of pulsar-lite's ghost-consumer bug: connections it dropped on a reset without
+    /// removing their consumers (see [`EmbeddedBroker::reset_connections`]).
+    pub fn reset_connections(&self) -> Vec<String> {
+        self.0.reset_connections()
+    }
 }
 
 /// Where cargo put the binaries of this workspace (next to the test executable's `deps/`).

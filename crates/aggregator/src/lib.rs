@@ -84,7 +84,12 @@ pub async fn run(settings: AggregatorSettings, shutdown: CancellationToken) -> a
         topic,
         subscription: settings.subscription.clone(),
         max_in_flight: settings.max_in_flight,
-        max_redeliveries: 10,
+        // A message that decodes is never given up on: writes are idempotent, so a failure is a
+        // store outage to wait out, and provenance must not be discarded for it. Poison (not
+        // JSON, not RDF) is dead-lettered by the writer itself. A broker-side count would also
+        // misfire on pulsar-lite, which raises it each time it tries a dead consumer's
+        // connection (seen in the kill test: a valid message dead-lettered after a SIGKILL).
+        max_redeliveries: None,
         drain_deadline: Duration::from_secs(10),
         nack_delay: Duration::from_secs(1),
     };

@@ -32,8 +32,12 @@ impl Writer {
         if quads.is_empty() {
             return Disposition::Ack;
         }
+        let count = quads.len();
         match self.store.insert(quads).await {
-            Ok(()) => Disposition::Ack,
+            Ok(()) => {
+                tracing::debug!(id = %message.metadata.id, quads = count, "written");
+                Disposition::Ack
+            }
             Err(e) if e.retryable() => Disposition::Nack(e.to_string()),
             Err(e) => Disposition::DeadLetter(e.to_string()),
         }

@@ -25,8 +25,9 @@ pub struct SubscriptionConfig {
     pub subscription: String,
     /// Messages handled at once; also the receiver queue, so a crashed consumer holds few messages.
     pub max_in_flight: usize,
-    /// Deliveries of one message before the broker-side count moves it to the dead-letter topic.
-    pub max_redeliveries: usize,
+    /// Deliveries of one message before the broker-side count moves it to the dead-letter topic;
+    /// `None` never gives up on a message that decodes (its handler decides what is poison).
+    pub max_redeliveries: Option<usize>,
     pub dead_letter_topic: String,
     /// How long in-flight work may take to finish after shutdown is requested.
     pub drain_deadline: Duration,
@@ -91,7 +92,7 @@ where
 {
     let max_in_flight = config.max_in_flight.max(1);
     let dead_letters = Publisher::new(bus, &config.dead_letter_topic).await?;
-    let mut consumer: Consumer<Vec<u8>, TokioExecutor> = bus
+    let mut builder = bus
         .client()
         .consumer()
         .with_topic(&config.topic)
@@ -106,14 +107,15 @@ where
             // A request published before the first replica subscribed must still be served.
             initial_position: InitialPosition::Earliest,
             ..ConsumerOptions::default()
-        })
-        .with_dead_letter_policy(DeadLetterPolicy {
-            max_redeliver_count: config.max_redeliveries,
+        });
+    if let Some(max_redeliver_count) = config.max_redeliveries {
+        builder = builder.with_dead_letter_policy(DeadLetterPolicy {
+            max_redeliver_count,
             dead_letter_topic: config.dead_letter_topic.clone(),
-        })
-        .build()
-        .await
-        .map_err(|e| BusError::Subscribe {
+        });
+    }
+    let mut consumer: Consumer<Vec<u8>, TokioExecutor> =
+        builder.build().await.map_err(|e| BusError::Subscribe {
             topic: config.topic.clone(),
             message: e.to_string(),
         })?;
@@ -207,6 +209,7 @@ async fn settle(
     };
     match disposition {
         Disposition::Ack => {
+            tracing::debug!(message_id = ?message.message_id.id, "ack");
             if let Err(e) = consumer.ack(&message).await {
                 tracing::warn!(error = %e, "ack failed; the message will be redelivered");
             } else {

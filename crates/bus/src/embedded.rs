@@ -93,7 +93,7 @@ impl EmbeddedBroker {
         // Metrics would bind 0.0.0.0:8080 and collide between brokers: switch them off.
         let config = self.data.join("broker.toml");
         std::fs::write(&config, "[metrics]\nenabled = false\n")?;
-        let log_path = self.data.join("broker.log");
+        let log_path = self.log_path();
         let log = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
@@ -106,7 +106,8 @@ impl EmbeddedBroker {
             .arg("--db-path")
             .arg(self.data.join("broker"))
             .arg("--log-level")
-            .arg("warn")
+            // PULSAR_LITE_LOG_LEVEL=debug keeps the broker's view of a failing test in broker.log.
+            .arg(std::env::var("PULSAR_LITE_LOG_LEVEL").unwrap_or_else(|_| "warn".into()))
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(log)
@@ -135,6 +136,26 @@ impl EmbeddedBroker {
         format!("pulsar://127.0.0.1:{}", self.port)
     }
 
+    /// The broker's own log (stderr), kept in its data folder.
+    pub fn log_path(&self) -> PathBuf {
+        self.data.join("broker.log")
+    }
+
+    /// Connections pulsar-lite dropped on a read error (a peer killed with data in flight resets
+    /// the connection). pulsar-lite 0.2.0 skips its consumer cleanup on that path, so every
+    /// consumer of such a connection stays registered as a ghost that keeps its un-acked messages
+    /// until the broker restarts: these lines are the evidence. Apache Pulsar has no such path.
+    pub fn reset_connections(&self) -> Vec<String> {
+        std::fs::read_to_string(self.log_path())
+            .map(|log| {
+                log.lines()
+                    .filter(|l| l.contains("Connection error from"))
+                    .map(str::to_owned)
+                    .collect()
+            })
+            .unwrap_or_default()
+    }
+
     /// SIGKILLs the broker and starts it again on the same port and data (messages survive).
     pub fn restart(&mut self) -> Result<(), EmbeddedError> {
         self.stop();
@@ -153,7 +174,8 @@ impl EmbeddedBroker {
 impl Drop for EmbeddedBroker {
     fn drop(&mut self) {
         self.stop();
-        if self.temporary {
+        // PULSAR_LITE_KEEP_DATA=1 keeps the folder (and its broker.log) for a post-mortem.
+        if self.temporary && std::env::var_os("PULSAR_LITE_KEEP_DATA").is_none() {
             let _ = std::fs::remove_dir_all(&self.data);
         }
     }

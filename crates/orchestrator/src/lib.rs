@@ -165,7 +165,7 @@ pub async fn run(settings: Settings, shutdown: CancellationToken) -> anyhow::Res
         topic: topics.request.clone(),
         subscription: settings.subscription.clone(),
         max_in_flight: settings.max_in_flight,
-        max_redeliveries: settings.max_redeliveries,
+        max_redeliveries: Some(settings.max_redeliveries).filter(|&n| n > 0),
         dead_letter_topic: topics.dead_letter.clone(),
         drain_deadline: std::time::Duration::from_secs(settings.drain_secs),
         nack_delay: std::time::Duration::from_secs(1),

@@ -36,7 +36,7 @@ pub struct Settings {
     /// Request messages handled at once by this process.
     #[arg(long, env = "AGENT_MAX_IN_FLIGHT", default_value_t = 8)]
     pub max_in_flight: usize,
-    /// Deliveries of one request before it is moved to the dead-letter topic.
+    /// Deliveries of one request before it is moved to the dead-letter topic (0: no bound).
     #[arg(long, default_value_t = 5)]
     pub max_redeliveries: usize,
     /// Seconds in-flight iterations get to finish on shutdown.
