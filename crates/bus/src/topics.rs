@@ -8,6 +8,11 @@ pub struct Topics {
     pub response: String,
     pub explainability: String,
     pub dead_letter: String,
+    /// The config service's protocol (one per deployment, as in TrustGraph, not per flow).
+    pub config_request: String,
+    pub config_response: String,
+    /// Change notifications after every config write.
+    pub config_push: String,
 }
 
 impl Topics {
@@ -24,6 +29,9 @@ impl Topics {
             response: format!("non-persistent://tg/response/agent:{workspace}:{flow}"),
             explainability: format!("persistent://tg/flow/triples-store:{workspace}:{flow}"),
             dead_letter: format!("persistent://tg/dead-letter/agent:{workspace}:{flow}"),
+            config_request: "non-persistent://tg/request/config".to_owned(),
+            config_response: "non-persistent://tg/response/config".to_owned(),
+            config_push: "persistent://tg/config/config".to_owned(),
         }
     }
 }

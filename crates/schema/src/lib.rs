@@ -1,13 +1,15 @@
-//! TrustGraph-compatible wire types of the agent service.
+//! TrustGraph-compatible wire types of the agent service and its config service.
 //!
 //! Every message is plain UTF-8 JSON with every field present and `null` for None, exactly as
 //! TrustGraph serialises it, so that this service is a drop-in on the same topics. The types derive
 //! `JsonSchema`; `schemas/` holds the generated schemas and a test fails when they drift.
 
+mod config;
 mod request;
 mod response;
 mod triples;
 
+pub use config::{operation, ConfigKey, ConfigPush, ConfigRequest, ConfigResponse, ConfigValue};
 pub use request::{AgentRequest, AgentStep, PlanStep, StepType};
 pub use response::{AgentResponse, ErrorInfo, MessageType};
 pub use triples::{Metadata, Term, Triple, Triples};
@@ -41,5 +43,8 @@ pub fn json_schemas() -> Vec<(&'static str, String)> {
         ("agent-request.schema.json", pretty::<AgentRequest>()),
         ("agent-response.schema.json", pretty::<AgentResponse>()),
         ("triples.schema.json", pretty::<Triples>()),
+        ("config-request.schema.json", pretty::<ConfigRequest>()),
+        ("config-response.schema.json", pretty::<ConfigResponse>()),
+        ("config-push.schema.json", pretty::<ConfigPush>()),
     ]
 }

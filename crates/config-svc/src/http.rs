@@ -1,0 +1,155 @@
+//! The REST API for people: `GET /api/v1/config` (everything), `GET /api/v1/config/{type}` (the
+//! type's keys and values), `GET|PUT|DELETE /api/v1/config/{type}/{key}`; writes need the bearer
+//! token. Every write goes through the same store and push as the Pulsar protocol.
+
+use std::sync::Arc;
+
+use axum::body::Bytes;
+use axum::extract::{Path, State};
+use axum::http::{header, HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::get;
+use axum::{Json, Router};
+use serde_json::{json, Value};
+
+use crate::store::{ConfigStore, StoreError, Written};
+use crate::Pusher;
+
+#[derive(Clone)]
+struct AppState {
+    store: Arc<ConfigStore>,
+    token: Option<String>,
+    pusher: Pusher,
+}
+
+pub fn router(store: Arc<ConfigStore>, token: Option<String>, pusher: Pusher) -> Router {
+    Router::new()
+        .route("/api/v1/config", get(dump))
+        .route("/api/v1/config/{kind}", get(of_type))
+        .route(
+            "/api/v1/config/{kind}/{key}",
+            get(get_one).put(put_one).delete(delete_one),
+        )
+        .route("/healthz", get(|| async { "ok" }))
+        .route("/readyz", get(|| async { "ok" }))
+        .with_state(AppState {
+            store,
+            token,
+            pusher,
+        })
+}
+
+fn store_error(e: StoreError) -> Response {
+    let status = match e {
+        StoreError::NotJson { .. } | StoreError::EmptyName => StatusCode::BAD_REQUEST,
+        _ => StatusCode::INTERNAL_SERVER_ERROR,
+    };
+    (status, e.to_string()).into_response()
+}
+
+/// Stored text back to JSON for people (a value that somehow is not JSON is shown as a string).
+fn as_json(text: &str) -> Value {
+    serde_json::from_str(text).unwrap_or_else(|_| Value::String(text.to_owned()))
+}
+
+async fn dump(State(state): State<AppState>) -> Response {
+    match state.store.dump() {
+        Ok((version, values)) => {
+            let config: serde_json::Map<String, Value> = values
+                .iter()
+                .map(|(kind, entries)| {
+                    let entries: serde_json::Map<String, Value> = entries
+                        .iter()
+                        .map(|(k, v)| (k.clone(), as_json(v)))
+                        .collect();
+                    (kind.clone(), Value::Object(entries))
+                })
+                .collect();
+            Json(json!({"version": version, "config": config})).into_response()
+        }
+        Err(e) => store_error(e),
+    }
+}
+
+async fn of_type(State(state): State<AppState>, Path(kind): Path<String>) -> Response {
+    match (state.store.values_of(&kind), state.store.version()) {
+        (Ok(values), Ok(version)) => {
+            let values: serde_json::Map<String, Value> = values
+                .iter()
+                .map(|(k, v)| (k.clone(), as_json(v)))
+                .collect();
+            Json(json!({"version": version, "type": kind, "values": values})).into_response()
+        }
+        (Err(e), _) | (_, Err(e)) => store_error(e),
+    }
+}
+
+async fn get_one(
+    State(state): State<AppState>,
+    Path((kind, key)): Path<(String, String)>,
+) -> Response {
+    match state.store.get(&[(kind.clone(), key.clone())]) {
+        Ok(found) => match found.first() {
+            Some((_, _, value)) => Json(as_json(value)).into_response(),
+            None => (StatusCode::NOT_FOUND, format!("no config {kind}/{key}")).into_response(),
+        },
+        Err(e) => store_error(e),
+    }
+}
+
+fn denied(state: &AppState, headers: &HeaderMap) -> Option<Response> {
+    let Some(expected) = &state.token else {
+        return Some(
+            (
+                StatusCode::UNAUTHORIZED,
+                "config writes are disabled: no CONFIG_TOKEN is configured",
+            )
+                .into_response(),
+        );
+    };
+    let given = headers
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "));
+    (given != Some(expected.as_str()))
+        .then(|| (StatusCode::UNAUTHORIZED, "a valid bearer token is required").into_response())
+}
+
+async fn after_write(state: &AppState, written: Result<Written, StoreError>) -> Response {
+    match written {
+        Ok(written) => {
+            let version = written.version;
+            state.pusher.push(written).await;
+            Json(json!({"version": version})).into_response()
+        }
+        Err(e) => store_error(e),
+    }
+}
+
+async fn put_one(
+    State(state): State<AppState>,
+    Path((kind, key)): Path<(String, String)>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    if let Some(denied) = denied(&state, &headers) {
+        return denied;
+    }
+    let Ok(text) = String::from_utf8(body.to_vec()) else {
+        return (StatusCode::BAD_REQUEST, "the body is not UTF-8").into_response();
+    };
+    let written = state.store.put(&[(kind, key, text)]);
+    after_write(&state, written).await
+}
+
+async fn delete_one(
+    State(state): State<AppState>,
+    Path((kind, key)): Path<(String, String)>,
+    headers: HeaderMap,
+) -> Response {
+    if let Some(denied) = denied(&state, &headers) {
+        return denied;
+    }
+    let written = state.store.delete(&[(kind, key)]);
+    after_write(&state, written).await
+}

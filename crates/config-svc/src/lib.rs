@@ -1,0 +1,169 @@
+//! config-svc: the config API. TrustGraph's config protocol over Pulsar (`get`, `list`,
+//! `getvalues`, `put`, `delete`, `config`), a REST API for people with bearer-token writes, a
+//! `ConfigPush` after every write that changed something, and an embedded durable store.
+//! One process owns a store directory.
+
+pub mod http;
+pub mod protocol;
+pub mod seed;
+pub mod store;
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use agent_bus::{
+    run_consumer, BrokerArgs, ConsumerStats, Delivery, Disposition, Properties, Publisher,
+    SubscriptionConfig,
+};
+use agent_schema::{ConfigPush, ConfigRequest, ID_PROPERTY};
+use anyhow::Context;
+use tokio_util::sync::CancellationToken;
+
+use crate::store::{ConfigStore, Written};
+
+#[derive(clap::Args, Debug, Clone)]
+pub struct ConfigSvcSettings {
+    #[command(flatten)]
+    pub broker: BrokerArgs,
+    /// Where the store lives (`config.json` inside).
+    #[arg(long, env = "CONFIG_DATA", default_value = ".data/config")]
+    pub data_dir: PathBuf,
+    /// Where to serve the REST API.
+    #[arg(long, env = "CONFIG_HTTP_ADDR", default_value = "127.0.0.1:8088")]
+    pub http_addr: SocketAddr,
+    /// Bearer token that REST writes must carry; without one they are refused.
+    #[arg(long, env = "CONFIG_TOKEN", hide_env_values = true)]
+    pub config_token: Option<String>,
+    /// A directory of `<type>.json` files whose missing keys are added at start (never overwriting).
+    #[arg(long)]
+    pub seed: Option<PathBuf>,
+}
+
+/// Publishes a [`ConfigPush`] for a write that changed something. A push that cannot be published
+/// is logged: the write stands, and readers see it on their next full read.
+#[derive(Clone)]
+pub struct Pusher {
+    publisher: Publisher,
+}
+
+impl Pusher {
+    pub async fn push(&self, written: Written) {
+        if written.changes.is_empty() {
+            return;
+        }
+        let push = ConfigPush {
+            version: written.version,
+            changes: written.changes,
+        };
+        if let Err(e) = self
+            .publisher
+            .send(agent_schema::encode(&push), &Properties::new())
+            .await
+        {
+            tracing::error!(error = %e, version = push.version, "config push not published");
+        }
+    }
+}
+
+/// Runs until `shutdown`: seeding, the REST API and the Pulsar protocol.
+pub async fn run(settings: ConfigSvcSettings, shutdown: CancellationToken) -> anyhow::Result<()> {
+    let store = Arc::new(ConfigStore::open(&settings.data_dir).with_context(|| {
+        format!(
+            "opening the config store in {}",
+            settings.data_dir.display()
+        )
+    })?);
+    let bus = settings.broker.connect().await?;
+    let topics = settings.broker.topics();
+    let pusher = Pusher {
+        publisher: Publisher::new(&bus, &topics.config_push).await?,
+    };
+    if let Some(dir) = &settings.seed {
+        let values = seed::read_dir(dir).map_err(|errors| {
+            let lines: Vec<String> = errors.iter().map(|e| format!("  {e}")).collect();
+            anyhow::anyhow!("invalid seed files:\n{}", lines.join("\n"))
+        })?;
+        let written = store.put_missing(&seed::entries(&values))?;
+        let added: usize = written.changes.values().map(Vec::len).sum();
+        tracing::info!(dir = %dir.display(), added, version = written.version, "seeded");
+        pusher.push(written).await;
+    }
+
+    let token = settings.config_token.clone().filter(|t| !t.is_empty());
+    let listener = tokio::net::TcpListener::bind(settings.http_addr)
+        .await
+        .with_context(|| format!("binding {}", settings.http_addr))?;
+    tracing::info!(addr = %listener.local_addr()?, "serving the config REST API");
+    let app = http::router(store.clone(), token, pusher.clone());
+    let stop = shutdown.clone();
+    let server = tokio::spawn(async move {
+        axum::serve(listener, app)
+            .with_graceful_shutdown(async move { stop.cancelled().await })
+            .await
+    });
+
+    let responses = Publisher::new(&bus, &topics.config_response).await?;
+    let subscription = SubscriptionConfig {
+        topic: topics.config_request.clone(),
+        subscription: "config-svc".to_owned(),
+        max_in_flight: 1,
+        max_redeliveries: Some(5),
+        dead_letter_topic: format!("{}-dead-letter", topics.config_request),
+        drain_deadline: Duration::from_secs(5),
+        nack_delay: Duration::from_millis(200),
+    };
+    let handler_store = store.clone();
+    let consumed = run_consumer(
+        &bus,
+        subscription,
+        Arc::new(ConsumerStats::default()),
+        shutdown.clone(),
+        move |delivery: Delivery<ConfigRequest>| {
+            let store = handler_store.clone();
+            let responses = responses.clone();
+            let pusher = pusher.clone();
+            async move { answer(store, responses, pusher, delivery).await }
+        },
+    )
+    .await;
+    shutdown.cancel();
+    server.await??;
+    consumed?;
+    Ok(())
+}
+
+async fn answer(
+    store: Arc<ConfigStore>,
+    responses: Publisher,
+    pusher: Pusher,
+    delivery: Delivery<ConfigRequest>,
+) -> Disposition {
+    let request = delivery.payload;
+    // The store fsyncs on writes: keep that off the async workers.
+    let handled = tokio::task::spawn_blocking(move || protocol::handle(&store, &request)).await;
+    let (response, push) = match handled {
+        Ok(pair) => pair,
+        Err(e) => return Disposition::Nack(format!("config handler failed: {e}")),
+    };
+    let mut properties = Properties::new();
+    if let Some(id) = delivery.properties.get(ID_PROPERTY) {
+        properties.insert(ID_PROPERTY.to_owned(), id.clone());
+    }
+    if let Some(push) = push {
+        pusher
+            .push(Written {
+                version: push.version,
+                changes: push.changes,
+            })
+            .await;
+    }
+    match responses
+        .send(agent_schema::encode(&response), &properties)
+        .await
+    {
+        Ok(()) => Disposition::Ack,
+        Err(e) => Disposition::Nack(e.to_string()),
+    }
+}

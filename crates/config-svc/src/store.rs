@@ -1,0 +1,311 @@
+//! The config store: type -> key -> JSON value plus a version, kept in one file that is replaced
+//! atomically and fsynced before a write is acknowledged, so a SIGKILL after an acknowledged write
+//! loses nothing and a SIGKILL during one leaves the previous state.
+
+use std::collections::BTreeMap;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+
+use serde::{Deserialize, Serialize};
+
+/// type -> key -> value (JSON text, as TrustGraph keeps it).
+pub type Values = BTreeMap<String, BTreeMap<String, String>>;
+
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    #[error("config store {path}: {source}")]
+    Io {
+        path: String,
+        source: std::io::Error,
+    },
+    #[error("config store {path} is corrupt: {message}")]
+    Corrupt { path: String, message: String },
+    #[error("{kind}/{key}: the value is not JSON: {message}")]
+    NotJson {
+        kind: String,
+        key: String,
+        message: String,
+    },
+    #[error("a config type and key must not be empty")]
+    EmptyName,
+    #[error("the config store lock was poisoned")]
+    Poisoned,
+}
+
+#[derive(Debug, Default, Clone, Serialize, Deserialize)]
+struct Snapshot {
+    version: u64,
+    values: Values,
+}
+
+/// The result of a write: the new version and the types it touched (for the change push).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Written {
+    pub version: u64,
+    /// type -> keys changed, in order.
+    pub changes: BTreeMap<String, Vec<String>>,
+}
+
+/// One owning process per file; every call is short (the file is small), so a mutex is enough.
+pub struct ConfigStore {
+    path: PathBuf,
+    state: Mutex<Snapshot>,
+}
+
+impl ConfigStore {
+    /// Opens (or creates) the store kept in `dir/config.json`.
+    pub fn open(dir: &Path) -> Result<ConfigStore, StoreError> {
+        let io = |source| StoreError::Io {
+            path: dir.display().to_string(),
+            source,
+        };
+        std::fs::create_dir_all(dir).map_err(io)?;
+        let path = dir.join("config.json");
+        let state = match std::fs::read(&path) {
+            Ok(bytes) => serde_json::from_slice(&bytes).map_err(|e| StoreError::Corrupt {
+                path: path.display().to_string(),
+                message: e.to_string(),
+            })?,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Snapshot::default(),
+            Err(e) => return Err(io(e)),
+        };
+        Ok(ConfigStore {
+            path,
+            state: Mutex::new(state),
+        })
+    }
+
+    fn lock(&self) -> Result<std::sync::MutexGuard<'_, Snapshot>, StoreError> {
+        self.state.lock().map_err(|_| StoreError::Poisoned)
+    }
+
+    pub fn version(&self) -> Result<u64, StoreError> {
+        Ok(self.lock()?.version)
+    }
+
+    /// The value of each `(type, key)` that exists, in the order asked.
+    pub fn get(
+        &self,
+        keys: &[(String, String)],
+    ) -> Result<Vec<(String, String, String)>, StoreError> {
+        let state = self.lock()?;
+        Ok(keys
+            .iter()
+            .filter_map(|(kind, key)| {
+                let value = state.values.get(kind)?.get(key)?;
+                Some((kind.clone(), key.clone(), value.clone()))
+            })
+            .collect())
+    }
+
+    /// The keys of one type.
+    pub fn list(&self, kind: &str) -> Result<Vec<String>, StoreError> {
+        Ok(self
+            .lock()?
+            .values
+            .get(kind)
+            .map(|m| m.keys().cloned().collect())
+            .unwrap_or_default())
+    }
+
+    /// Every key and value of one type.
+    pub fn values_of(&self, kind: &str) -> Result<BTreeMap<String, String>, StoreError> {
+        Ok(self.lock()?.values.get(kind).cloned().unwrap_or_default())
+    }
+
+    /// Everything, with its version.
+    pub fn dump(&self) -> Result<(u64, Values), StoreError> {
+        let state = self.lock()?;
+        Ok((state.version, state.values.clone()))
+    }
+
+    /// Sets every `(type, key, value)` at once (values must be JSON); one version bump.
+    pub fn put(&self, entries: &[(String, String, String)]) -> Result<Written, StoreError> {
+        for (kind, key, value) in entries {
+            if kind.is_empty() || key.is_empty() {
+                return Err(StoreError::EmptyName);
+            }
+            if let Err(e) = serde_json::from_str::<serde_json::Value>(value) {
+                return Err(StoreError::NotJson {
+                    kind: kind.clone(),
+                    key: key.clone(),
+                    message: e.to_string(),
+                });
+            }
+        }
+        self.write(|values, changes| {
+            for (kind, key, value) in entries {
+                values
+                    .entry(kind.clone())
+                    .or_default()
+                    .insert(key.clone(), value.clone());
+                changes.entry(kind.clone()).or_default().push(key.clone());
+            }
+        })
+    }
+
+    /// Sets only the keys that do not exist yet (seeding never overwrites a user's change).
+    pub fn put_missing(&self, entries: &[(String, String, String)]) -> Result<Written, StoreError> {
+        let missing: Vec<_> = {
+            let state = self.lock()?;
+            entries
+                .iter()
+                .filter(|(kind, key, _)| {
+                    !state.values.get(kind).is_some_and(|m| m.contains_key(key))
+                })
+                .cloned()
+                .collect()
+        };
+        if missing.is_empty() {
+            return Ok(Written {
+                version: self.version()?,
+                changes: BTreeMap::new(),
+            });
+        }
+        self.put(&missing)
+    }
+
+    /// Removes every `(type, key)`; deleting a missing key is not an error. One version bump when
+    /// anything was removed.
+    pub fn delete(&self, keys: &[(String, String)]) -> Result<Written, StoreError> {
+        self.write(|values, changes| {
+            for (kind, key) in keys {
+                if let Some(map) = values.get_mut(kind) {
+                    if map.remove(key).is_some() {
+                        changes.entry(kind.clone()).or_default().push(key.clone());
+                    }
+                    if map.is_empty() {
+                        values.remove(kind);
+                    }
+                }
+            }
+        })
+    }
+
+    /// Applies `change` to a copy, persists it, and only then makes it the state: a failed write
+    /// leaves memory and disk as they were.
+    fn write(
+        &self,
+        change: impl FnOnce(&mut Values, &mut BTreeMap<String, Vec<String>>),
+    ) -> Result<Written, StoreError> {
+        let mut state = self.lock()?;
+        let mut next = state.clone();
+        let mut changes = BTreeMap::new();
+        change(&mut next.values, &mut changes);
+        if changes.is_empty() {
+            return Ok(Written {
+                version: state.version,
+                changes,
+            });
+        }
+        next.version += 1;
+        self.persist(&next)?;
+        *state = next;
+        Ok(Written {
+            version: state.version,
+            changes,
+        })
+    }
+
+    fn persist(&self, snapshot: &Snapshot) -> Result<(), StoreError> {
+        let io = |source| StoreError::Io {
+            path: self.path.display().to_string(),
+            source,
+        };
+        let bytes = serde_json::to_vec_pretty(snapshot).map_err(|e| StoreError::Corrupt {
+            path: self.path.display().to_string(),
+            message: e.to_string(),
+        })?;
+        let temporary = self.path.with_extension("json.tmp");
+        let mut file = std::fs::File::create(&temporary).map_err(io)?;
+        file.write_all(&bytes).map_err(io)?;
+        file.sync_all().map_err(io)?;
+        drop(file);
+        std::fs::rename(&temporary, &self.path).map_err(io)?;
+        // The rename itself must reach the disk before the write is acknowledged.
+        if let Some(dir) = self.path.parent() {
+            std::fs::File::open(dir)
+                .and_then(|d| d.sync_all())
+                .map_err(io)?;
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn temp_dir() -> PathBuf {
+        std::env::temp_dir().join(format!("config-store-{:016x}", rand::random::<u64>()))
+    }
+
+    fn entry(kind: &str, key: &str, value: &str) -> (String, String, String) {
+        (kind.into(), key.into(), value.into())
+    }
+
+    #[test]
+    fn writes_bump_the_version_and_survive_a_reopen() {
+        let dir = temp_dir();
+        let store = ConfigStore::open(&dir).unwrap();
+        assert_eq!(store.version().unwrap(), 0);
+        let w = store
+            .put(&[
+                entry("tool", "a", r#"{"name":"a"}"#),
+                entry("tool", "b", "{}"),
+            ])
+            .unwrap();
+        assert_eq!(w.version, 1);
+        assert_eq!(w.changes["tool"], vec!["a", "b"]);
+        store.delete(&[("tool".into(), "b".into())]).unwrap();
+        drop(store);
+        let store = ConfigStore::open(&dir).unwrap();
+        assert_eq!(store.version().unwrap(), 2);
+        assert_eq!(store.list("tool").unwrap(), vec!["a"]);
+        let _ = std::fs::remove_dir_all(dir);
+    }
+
+    #[test]
+    fn refuses_values_that_are_not_json_and_changes_nothing() {
+        let dir = temp_dir();
+        let store = ConfigStore::open(&dir).unwrap();
+        let e = store
+            .put(&[entry("tool", "a", "{}"), entry("tool", "b", "{not json")])
+            .unwrap_err();
+        assert!(e.to_string().contains("tool/b"));
+        assert_eq!(store.version().unwrap(), 0);
+        assert!(store.list("tool").unwrap().is_empty());
+        let _ = std::fs::remove_dir_all(dir);
+    }
+
+    #[test]
+    fn seeding_never_overwrites() {
+        let dir = temp_dir();
+        let store = ConfigStore::open(&dir).unwrap();
+        store.put(&[entry("prompt", "react", r#""mine""#)]).unwrap();
+        let w = store
+            .put_missing(&[
+                entry("prompt", "react", r#""seed""#),
+                entry("prompt", "plan", r#""seed""#),
+            ])
+            .unwrap();
+        assert_eq!(w.changes["prompt"], vec!["plan"]);
+        let got = store.get(&[("prompt".into(), "react".into())]).unwrap();
+        assert_eq!(got[0].2, r#""mine""#);
+        // Nothing missing: no version bump.
+        let again = store.put_missing(&[entry("prompt", "plan", "1")]).unwrap();
+        assert_eq!(again.version, w.version);
+        assert!(again.changes.is_empty());
+        let _ = std::fs::remove_dir_all(dir);
+    }
+
+    #[test]
+    fn deleting_nothing_is_not_a_write() {
+        let dir = temp_dir();
+        let store = ConfigStore::open(&dir).unwrap();
+        let w = store.delete(&[("tool".into(), "nope".into())]).unwrap();
+        assert_eq!(w.version, 0);
+        let _ = std::fs::remove_dir_all(dir);
+    }
+}

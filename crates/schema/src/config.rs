@@ -1,0 +1,72 @@
+//! The config service's messages: TrustGraph's config request/response protocol and its change push.
+
+use std::collections::BTreeMap;
+
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+use crate::ErrorInfo;
+
+/// Operations of [`ConfigRequest`].
+pub mod operation {
+    pub const GET: &str = "get";
+    pub const LIST: &str = "list";
+    pub const GET_VALUES: &str = "getvalues";
+    pub const PUT: &str = "put";
+    pub const DELETE: &str = "delete";
+    pub const CONFIG: &str = "config";
+}
+
+/// One entry to read or delete.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(default)]
+pub struct ConfigKey {
+    #[serde(rename = "type")]
+    pub kind: String,
+    pub key: String,
+}
+
+/// One entry with its value: JSON text, as TrustGraph stores it.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(default)]
+pub struct ConfigValue {
+    #[serde(rename = "type")]
+    pub kind: String,
+    pub key: String,
+    pub value: String,
+    pub workspace: Option<String>,
+}
+
+/// `get` reads `keys`; `list` and `getvalues` read `type`; `put` writes `values`; `delete` removes
+/// `keys`; `config` returns everything.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(default)]
+pub struct ConfigRequest {
+    pub operation: String,
+    pub workspace: Option<String>,
+    pub keys: Vec<ConfigKey>,
+    #[serde(rename = "type")]
+    pub kind: Option<String>,
+    pub values: Vec<ConfigValue>,
+}
+
+/// The answer to a [`ConfigRequest`], correlated by the `id` property.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(default)]
+pub struct ConfigResponse {
+    pub version: Option<u64>,
+    pub values: Option<Vec<ConfigValue>>,
+    pub directory: Option<Vec<String>>,
+    /// type -> key -> value (JSON text).
+    pub config: Option<BTreeMap<String, BTreeMap<String, String>>>,
+    pub error: Option<ErrorInfo>,
+}
+
+/// Sent on the push topic after every write that changed something.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(default)]
+pub struct ConfigPush {
+    pub version: u64,
+    /// type -> keys written or deleted.
+    pub changes: BTreeMap<String, Vec<String>>,
+}
