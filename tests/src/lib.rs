@@ -270,3 +270,83 @@ pub fn text_of(responses: &[AgentResponse], kind: &str) -> String {
         .map(|r| r.content.as_str())
         .collect()
 }
+
+/// A `config-svc` child process with its own store directory, REST API and token.
+pub struct ConfigSvc {
+    child: Child,
+    pub url: String,
+    pub token: String,
+    data_dir: PathBuf,
+    broker_url: String,
+    addr: String,
+    seed: Option<PathBuf>,
+}
+
+impl ConfigSvc {
+    pub fn spawn(broker: &Broker, seed: Option<&std::path::Path>) -> ConfigSvc {
+        let port = agent_bus::embedded::free_port().unwrap();
+        let data_dir =
+            std::env::temp_dir().join(format!("agent-e2e-config-{}-{port}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&data_dir);
+        let addr = format!("127.0.0.1:{port}");
+        let mut svc = ConfigSvc {
+            child: Command::new("true").spawn().unwrap(),
+            url: format!("http://{addr}"),
+            token: format!("{:032x}", uuid::Uuid::new_v4().as_u128()),
+            data_dir,
+            broker_url: broker.url(),
+            addr,
+            seed: seed.map(|s| s.to_path_buf()),
+        };
+        svc.launch();
+        svc
+    }
+
+    fn launch(&mut self) {
+        let mut command = Command::new(binary("config-svc"));
+        command
+            .arg("--pulsar-url")
+            .arg(&self.broker_url)
+            .arg("--data-dir")
+            .arg(&self.data_dir)
+            .arg("--http-addr")
+            .arg(&self.addr)
+            .env("CONFIG_TOKEN", &self.token)
+            .env(
+                "RUST_LOG",
+                std::env::var("RUST_LOG").unwrap_or_else(|_| "warn".into()),
+            )
+            .stdout(Stdio::null());
+        if let Some(seed) = &self.seed {
+            command.arg("--seed").arg(seed);
+        }
+        let _ = self.child.wait();
+        self.child = command.spawn().unwrap();
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        while std::net::TcpStream::connect(&self.addr).is_err() {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "config-svc never listened"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// SIGKILL, then start again on the same store.
+    pub fn kill_and_restart(&mut self) {
+        self.kill();
+        self.launch();
+    }
+
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for ConfigSvc {
+    fn drop(&mut self) {
+        self.kill();
+        let _ = std::fs::remove_dir_all(&self.data_dir);
+    }
+}

@@ -15,6 +15,11 @@ pub enum BusError {
     Publish { topic: String, message: String },
     #[error("the consumer of {topic} stopped: {message}")]
     ConsumerStopped { topic: String, message: String },
+    #[error("no answer from {what} within {after:?}")]
+    Timeout {
+        what: String,
+        after: std::time::Duration,
+    },
 }
 
 impl BusError {

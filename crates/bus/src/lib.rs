@@ -4,6 +4,7 @@
 
 mod args;
 mod client;
+mod config_client;
 mod consumer;
 pub mod embedded;
 mod error;
@@ -12,6 +13,7 @@ mod topics;
 
 pub use args::{shutdown_signal, BrokerArgs};
 pub use client::AgentClient;
+pub use config_client::{ConfigClient, ConfigPushes};
 pub use consumer::{run_consumer, ConsumerStats, Delivery, Disposition, SubscriptionConfig};
 pub use error::BusError;
 pub use publisher::{Publisher, Receipt};

@@ -11,7 +11,7 @@ pub struct Topics {
     /// The config service's protocol (one per deployment, as in TrustGraph, not per flow).
     pub config_request: String,
     pub config_response: String,
-    /// Change notifications after every config write.
+    /// Change notifications after every config write (TrustGraph 2.x: `notify:tg:config`).
     pub config_push: String,
 }
 
@@ -31,7 +31,7 @@ impl Topics {
             dead_letter: format!("persistent://tg/dead-letter/agent:{workspace}:{flow}"),
             config_request: "non-persistent://tg/request/config".to_owned(),
             config_response: "non-persistent://tg/response/config".to_owned(),
-            config_push: "persistent://tg/config/config".to_owned(),
+            config_push: "non-persistent://tg/notify/config".to_owned(),
         }
     }
 }

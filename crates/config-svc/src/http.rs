@@ -119,7 +119,7 @@ async fn after_write(state: &AppState, written: Result<Written, StoreError>) -> 
     match written {
         Ok(written) => {
             let version = written.version;
-            state.pusher.push(written).await;
+            state.pusher.push(written, crate::DEFAULT_WORKSPACE).await;
             Json(json!({"version": version})).into_response()
         }
         Err(e) => store_error(e),

@@ -48,15 +48,36 @@ pub struct Pusher {
     publisher: Publisher,
 }
 
+/// The workspace of a request that names none.
+pub const DEFAULT_WORKSPACE: &str = "default";
+
 impl Pusher {
-    pub async fn push(&self, written: Written) {
+    /// Announces `written` (in `workspace`) when it changed something.
+    pub async fn push(&self, written: Written, workspace: &str) {
         if written.changes.is_empty() {
             return;
         }
-        let push = ConfigPush {
+        self.send(ConfigPush {
             version: written.version,
-            changes: written.changes,
-        };
+            changes: written
+                .changes
+                .into_keys()
+                .map(|kind| (kind, vec![workspace.to_owned()]))
+                .collect(),
+        })
+        .await;
+    }
+
+    /// "Everything may have changed": sent at start, as TrustGraph does.
+    pub async fn push_all(&self, version: u64) {
+        self.send(ConfigPush {
+            version,
+            changes: Default::default(),
+        })
+        .await;
+    }
+
+    async fn send(&self, push: ConfigPush) {
         if let Err(e) = self
             .publisher
             .send(agent_schema::encode(&push), &Properties::new())
@@ -88,8 +109,9 @@ pub async fn run(settings: ConfigSvcSettings, shutdown: CancellationToken) -> an
         let written = store.put_missing(&seed::entries(&values))?;
         let added: usize = written.changes.values().map(Vec::len).sum();
         tracing::info!(dir = %dir.display(), added, version = written.version, "seeded");
-        pusher.push(written).await;
+        pusher.push(written, DEFAULT_WORKSPACE).await;
     }
+    pusher.push_all(store.version()?).await;
 
     let token = settings.config_token.clone().filter(|t| !t.is_empty());
     let listener = tokio::net::TcpListener::bind(settings.http_addr)
@@ -141,9 +163,14 @@ async fn answer(
     delivery: Delivery<ConfigRequest>,
 ) -> Disposition {
     let request = delivery.payload;
+    let workspace = request
+        .workspace
+        .clone()
+        .filter(|w| !w.is_empty())
+        .unwrap_or_else(|| DEFAULT_WORKSPACE.to_owned());
     // The store fsyncs on writes: keep that off the async workers.
     let handled = tokio::task::spawn_blocking(move || protocol::handle(&store, &request)).await;
-    let (response, push) = match handled {
+    let (response, written) = match handled {
         Ok(pair) => pair,
         Err(e) => return Disposition::Nack(format!("config handler failed: {e}")),
     };
@@ -151,13 +178,8 @@ async fn answer(
     if let Some(id) = delivery.properties.get(ID_PROPERTY) {
         properties.insert(ID_PROPERTY.to_owned(), id.clone());
     }
-    if let Some(push) = push {
-        pusher
-            .push(Written {
-                version: push.version,
-                changes: push.changes,
-            })
-            .await;
+    if let Some(written) = written {
+        pusher.push(written, &workspace).await;
     }
     match responses
         .send(agent_schema::encode(&response), &properties)

@@ -1,24 +1,22 @@
-//! TrustGraph's config operations on the store: one request in, one response out, and the change
-//! to push when a write changed something.
+//! TrustGraph's config operations on the store: one request in, one response out, and the write
+//! to announce when it changed something.
 
-use agent_schema::{operation, ConfigPush, ConfigRequest, ConfigResponse, ConfigValue, ErrorInfo};
+use agent_schema::{operation, ConfigRequest, ConfigResponse, ConfigValue, ErrorInfo};
 
 use crate::store::{ConfigStore, StoreError, Written};
 
-/// The error type TrustGraph clients see for config failures.
+/// The error types TrustGraph clients see.
 pub const CONFIG_ERROR: &str = "config-error";
+pub const BAD_OPERATION: &str = "bad-operation";
 
-/// Answers `request`; a write that changed something also returns its push.
-pub fn handle(
-    store: &ConfigStore,
-    request: &ConfigRequest,
-) -> (ConfigResponse, Option<ConfigPush>) {
+/// Answers `request`; a write that changed something also returns what it wrote.
+pub fn handle(store: &ConfigStore, request: &ConfigRequest) -> (ConfigResponse, Option<Written>) {
     match answer(store, request) {
         Ok(pair) => pair,
-        Err(message) => (
+        Err((kind, message)) => (
             ConfigResponse {
                 error: Some(ErrorInfo {
-                    kind: CONFIG_ERROR.to_owned(),
+                    kind: kind.to_owned(),
                     message,
                 }),
                 ..ConfigResponse::default()
@@ -28,17 +26,25 @@ pub fn handle(
     }
 }
 
+type Failure = (&'static str, String);
+
 fn answer(
     store: &ConfigStore,
     request: &ConfigRequest,
-) -> Result<(ConfigResponse, Option<ConfigPush>), String> {
-    let version = || store.version().map_err(|e| e.to_string());
+) -> Result<(ConfigResponse, Option<Written>), Failure> {
+    let failed = |e: StoreError| (CONFIG_ERROR, e.to_string());
+    let version = || store.version().map_err(failed);
     let kind = || {
         request
             .kind
             .clone()
             .filter(|k| !k.is_empty())
-            .ok_or_else(|| format!("operation '{}' needs a type", request.operation))
+            .ok_or_else(|| {
+                (
+                    CONFIG_ERROR,
+                    format!("operation '{}' needs a type", request.operation),
+                )
+            })
     };
     let keys = || {
         request
@@ -56,12 +62,12 @@ fn answer(
     let response = match request.operation.as_str() {
         operation::GET => {
             let wanted = keys();
-            let found = store.get(&wanted).map_err(|e| e.to_string())?;
+            let found = store.get(&wanted).map_err(failed)?;
             if let Some((kind, key)) = wanted
                 .iter()
                 .find(|(kind, key)| !found.iter().any(|(k, n, _)| k == kind && n == key))
             {
-                return Err(format!("key not found: {kind}/{key}"));
+                return Err((CONFIG_ERROR, format!("key not found: {kind}/{key}")));
             }
             ConfigResponse {
                 version: Some(version()?),
@@ -71,12 +77,12 @@ fn answer(
         }
         operation::LIST => ConfigResponse {
             version: Some(version()?),
-            directory: Some(store.list(&kind()?).map_err(|e| e.to_string())?),
+            directory: Some(store.list(&kind()?).map_err(failed)?),
             ..ConfigResponse::default()
         },
         operation::GET_VALUES => {
             let kind = kind()?;
-            let values = store.values_of(&kind).map_err(|e| e.to_string())?;
+            let values = store.values_of(&kind).map_err(failed)?;
             ConfigResponse {
                 version: Some(version()?),
                 values: Some(
@@ -89,7 +95,7 @@ fn answer(
             }
         }
         operation::CONFIG => {
-            let (version, config) = store.dump().map_err(|e| e.to_string())?;
+            let (version, config) = store.dump().map_err(failed)?;
             ConfigResponse {
                 version: Some(version),
                 config: Some(config),
@@ -105,25 +111,21 @@ fn answer(
             return written(store.put(&entries));
         }
         operation::DELETE => return written(store.delete(&keys())),
-        other => return Err(format!("unknown operation '{other}'")),
+        other => return Err((BAD_OPERATION, format!("Bad operation '{other}'"))),
     };
     Ok((response, None))
 }
 
 fn written(
     result: Result<Written, StoreError>,
-) -> Result<(ConfigResponse, Option<ConfigPush>), String> {
-    let written = result.map_err(|e| e.to_string())?;
-    let push = (!written.changes.is_empty()).then_some(ConfigPush {
-        version: written.version,
-        changes: written.changes,
-    });
+) -> Result<(ConfigResponse, Option<Written>), Failure> {
+    let written = result.map_err(|e| (CONFIG_ERROR, e.to_string()))?;
     Ok((
         ConfigResponse {
             version: Some(written.version),
             ..ConfigResponse::default()
         },
-        push,
+        (!written.changes.is_empty()).then_some(written),
     ))
 }
 

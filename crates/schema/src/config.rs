@@ -62,11 +62,12 @@ pub struct ConfigResponse {
     pub error: Option<ErrorInfo>,
 }
 
-/// Sent on the push topic after every write that changed something.
+/// Sent on the push topic at start and after every write that changed something (TrustGraph 2.x):
+/// readers fetch what they need again. An empty `changes` means "everything".
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(default)]
 pub struct ConfigPush {
     pub version: u64,
-    /// type -> keys written or deleted.
+    /// config type -> workspaces whose values of that type changed.
     pub changes: BTreeMap<String, Vec<String>>,
 }
