@@ -5,7 +5,10 @@
 use std::time::Duration;
 
 use agent_bus::{Bus, ConfigClient, ConfigPushes, Topics};
-use agent_e2e::{seed_dir, Broker, ConfigSvc};
+use agent_e2e::{
+    client, collect_dialog, request as agent_request, scripted_llm, seed_dir, Broker, ConfigSvc,
+    Orchestrator,
+};
 use agent_schema::{operation, ConfigKey, ConfigRequest};
 use serde_json::{json, Value};
 
@@ -193,4 +196,77 @@ async fn the_trustgraph_protocol_over_pulsar() {
         .unwrap();
     assert_eq!(all.version, Some(2));
     assert!(all.config.unwrap()["tool"].contains_key("llm"));
+}
+
+/// Sends `question` as dialog `id` and returns the error it ended with, if any.
+async fn dialog_error(
+    client: &mut agent_bus::AgentClient,
+    id: &str,
+    question: &str,
+) -> Option<String> {
+    client
+        .send(id, &agent_request(question, false))
+        .await
+        .unwrap();
+    let responses = collect_dialog(client, id, Duration::from_secs(30))
+        .await
+        .unwrap();
+    responses
+        .iter()
+        .find_map(|r| r.error.as_ref().map(|e| e.message.clone()))
+}
+
+/// The orchestrator follows the config service: a change through the REST API applies to the next
+/// request without a restart, and an invalid config is refused while the last good one stays.
+#[tokio::test]
+async fn the_orchestrator_applies_config_changes_without_a_restart() {
+    let broker = Broker::start().unwrap();
+    let svc = ConfigSvc::spawn(&broker, Some(&seed_dir()));
+    let llm = scripted_llm(
+        r#"{"rules": [{"match": "", "reply": "Thought: easy.\nFinal Answer: done"}]}"#,
+    )
+    .await;
+    let _orchestrator = Orchestrator::spawn(&broker, &llm, &seed_dir(), &[]);
+    let mut client = client(&broker).await;
+    let question = "Is this question longer than forty bytes? It is.";
+    assert_eq!(dialog_error(&mut client, "before", question).await, None);
+
+    let http = reqwest::Client::new();
+    let limits = format!("{}/api/v1/config/agent-limits/default", svc.url);
+    let small = json!({"max_question_bytes": 40});
+    let put = http
+        .put(&limits)
+        .bearer_auth(&svc.token)
+        .json(&small)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(put.status(), 200);
+    let mut refused = None;
+    for attempt in 0..50 {
+        refused = dialog_error(&mut client, &format!("after-{attempt}"), question).await;
+        if refused.is_some() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let refused = refused.expect("the new limit never applied");
+    assert!(refused.contains("40"), "{refused}");
+
+    // Invalid (max_iterations 0): refused by the orchestrator, the previous limits stay.
+    let invalid = json!({"max_question_bytes": 4000, "max_iterations": 0});
+    let put = http
+        .put(&limits)
+        .bearer_auth(&svc.token)
+        .json(&invalid)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(put.status(), 200);
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let still = dialog_error(&mut client, "after-invalid", question).await;
+    assert!(
+        still.is_some_and(|e| e.contains("40")),
+        "the invalid config was applied"
+    );
 }

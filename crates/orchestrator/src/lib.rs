@@ -2,6 +2,7 @@
 //! the request's pattern per message, and publishes responses, provenance and the `next` request
 //! before acking. No dialog state lives in the process, so any replica can take any iteration.
 
+pub mod live_config;
 pub mod output;
 pub mod react;
 pub mod settings;
@@ -19,12 +20,13 @@ use agent_schema::{AgentRequest, AgentResponse, ID_PROPERTY};
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
+use crate::live_config::LiveConfig;
 use crate::output::{DialogOutput, Outputs, IN_TOKEN_PROPERTY, OUT_TOKEN_PROPERTY};
 pub use crate::settings::{load_config_dir, Settings};
 
 /// What an iteration needs, shared by every in-flight message.
 pub struct Engine {
-    pub config: Arc<AgentConfig>,
+    pub config: Arc<LiveConfig>,
     pub llm: LlmClient,
     pub outputs: Outputs,
 }
@@ -57,8 +59,9 @@ impl Engine {
         let session_id = session_id_for(&request, id);
         let uris = SessionUris::new(&session_id);
         let out = DialogOutput::new(&self.outputs, id, &request.collection, &uris.session());
+        let config = self.config.current();
 
-        if let Err(problem) = validate(&request, &self.config) {
+        if let Err(problem) = validate(&request, &config) {
             tracing::warn!(session = %session_id, %problem, "refusing an invalid request");
             out.respond(&AgentResponse::error(problem)).await?;
             return out.flush().await;
@@ -80,7 +83,7 @@ impl Engine {
                 session_id: &session_id,
                 uris: &uris,
                 out: &out,
-                config: &self.config,
+                config: &config,
                 llm: &self.llm,
                 tokens_before,
             })
@@ -155,8 +158,15 @@ pub async fn run(settings: Settings, shutdown: CancellationToken) -> anyhow::Res
         requests: Publisher::new(&bus, &topics.request).await?,
         explainability: Publisher::new(&bus, &topics.explainability).await?,
     };
+    let live = Arc::new(LiveConfig::new(config));
+    tokio::spawn(live_config::follow(
+        live.clone(),
+        bus.clone(),
+        topics.clone(),
+        shutdown.clone(),
+    ));
     let engine = Arc::new(Engine {
-        config: Arc::new(config),
+        config: live,
         llm,
         outputs,
     });

@@ -1,0 +1,204 @@
+//! The config in force. It starts from the config directory, then follows the config service: a
+//! full read at start, after every push and once a minute (pushes are not persistent). A config
+//! that does not validate is refused with a logged error and the last good one stays in force;
+//! iterations read a snapshot, so a change never lands in the middle of one.
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, RwLock};
+use std::time::Duration;
+
+use agent_bus::{Bus, ConfigClient, ConfigPushes, Topics};
+use agent_core::config::{AgentConfig, ConfigError, ConfigValues};
+use agent_schema::{operation, ConfigRequest};
+use tokio_util::sync::CancellationToken;
+
+const ANSWER_TIMEOUT: Duration = Duration::from_secs(5);
+const REREAD_EVERY: Duration = Duration::from_secs(60);
+
+pub struct LiveConfig {
+    current: RwLock<Arc<AgentConfig>>,
+    /// The config service's version in force (0: none yet).
+    version: AtomicU64,
+}
+
+impl LiveConfig {
+    pub fn new(initial: AgentConfig) -> LiveConfig {
+        LiveConfig {
+            current: RwLock::new(Arc::new(initial)),
+            version: AtomicU64::new(0),
+        }
+    }
+
+    /// A snapshot for one iteration.
+    pub fn current(&self) -> Arc<AgentConfig> {
+        match self.current.read() {
+            Ok(guard) => guard.clone(),
+            // A writer never panics while holding the lock; if one did, the value is still whole.
+            Err(poisoned) => poisoned.into_inner().clone(),
+        }
+    }
+
+    pub fn version(&self) -> u64 {
+        self.version.load(Ordering::Relaxed)
+    }
+
+    /// Validates `values` (type -> key -> JSON text, as the service keeps them) and puts them in
+    /// force, or leaves the current config and returns every problem.
+    pub fn apply(
+        &self,
+        version: u64,
+        values: &BTreeMap<String, BTreeMap<String, String>>,
+    ) -> Result<(), Vec<ConfigError>> {
+        let mut parsed = ConfigValues::new();
+        let mut errors = Vec::new();
+        for (kind, entries) in values {
+            for (key, text) in entries {
+                match serde_json::from_str(text) {
+                    Ok(value) => {
+                        parsed
+                            .entry(kind.clone())
+                            .or_default()
+                            .insert(key.clone(), value);
+                    }
+                    Err(e) => errors.push(ConfigError {
+                        kind: kind.clone(),
+                        key: key.clone(),
+                        message: format!("not JSON: {e}"),
+                    }),
+                }
+            }
+        }
+        if !errors.is_empty() {
+            return Err(errors);
+        }
+        let config = AgentConfig::from_values(&parsed)?;
+        match self.current.write() {
+            Ok(mut guard) => *guard = Arc::new(config),
+            Err(poisoned) => *poisoned.into_inner() = Arc::new(config),
+        }
+        self.version.store(version, Ordering::Relaxed);
+        Ok(())
+    }
+}
+
+/// Follows the config service until `shutdown`. Without a config service nothing changes: the
+/// directory's config (or the built-in defaults) stays in force.
+pub async fn follow(live: Arc<LiveConfig>, bus: Bus, topics: Topics, shutdown: CancellationToken) {
+    let mut pushes = match ConfigPushes::subscribe(&bus, &topics).await {
+        Ok(p) => Some(p),
+        Err(e) => {
+            tracing::warn!(error = %e, "cannot follow config pushes; re-reading the config every minute");
+            None
+        }
+    };
+    let mut client = match ConfigClient::connect(&bus, &topics).await {
+        Ok(c) => c,
+        Err(e) => {
+            tracing::error!(error = %e, "cannot reach the config service topics; keeping the local config");
+            return;
+        }
+    };
+    let mut announced_absence = false;
+    loop {
+        match client
+            .call(
+                &ConfigRequest {
+                    operation: operation::CONFIG.to_owned(),
+                    ..ConfigRequest::default()
+                },
+                ANSWER_TIMEOUT,
+            )
+            .await
+        {
+            Ok(response) if response.error.is_none() => {
+                let version = response.version.unwrap_or(0);
+                if version != live.version() || live.version() == 0 {
+                    let values = response.config.unwrap_or_default();
+                    match live.apply(version, &values) {
+                        Ok(()) => tracing::info!(version, "config in force"),
+                        Err(errors) => {
+                            let lines: Vec<String> = errors.iter().map(|e| e.to_string()).collect();
+                            tracing::error!(
+                                version,
+                                kept = live.version(),
+                                problems = %lines.join("; "),
+                                "refusing an invalid config; the last good one stays in force"
+                            );
+                        }
+                    }
+                }
+            }
+            Ok(response) => {
+                tracing::warn!(error = ?response.error, "the config service refused to answer");
+            }
+            Err(e) => {
+                if !announced_absence {
+                    tracing::info!(error = %e, "no config service answered; using the local config");
+                    announced_absence = true;
+                }
+            }
+        }
+        let push = async {
+            match pushes.as_mut() {
+                Some(p) => p.next().await.map(|_| ()),
+                None => std::future::pending().await,
+            }
+        };
+        tokio::select! {
+            _ = shutdown.cancelled() => return,
+            result = push => {
+                if let Err(e) = result {
+                    tracing::warn!(error = %e, "config pushes stopped; re-reading every minute");
+                    pushes = None;
+                }
+            }
+            _ = tokio::time::sleep(REREAD_EVERY) => {}
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn values(entries: &[(&str, &str, &str)]) -> BTreeMap<String, BTreeMap<String, String>> {
+        let mut map: BTreeMap<String, BTreeMap<String, String>> = BTreeMap::new();
+        for (kind, key, value) in entries {
+            map.entry((*kind).into())
+                .or_default()
+                .insert((*key).into(), (*value).into());
+        }
+        map
+    }
+
+    #[test]
+    fn a_bad_config_is_refused_and_the_last_good_one_stays() {
+        let live = LiveConfig::new(AgentConfig::default());
+        live.apply(
+            3,
+            &values(&[("agent-limits", "default", r#"{"max_iterations": 4}"#)]),
+        )
+        .unwrap();
+        assert_eq!(live.current().limits.max_iterations, 4);
+        let errors = live
+            .apply(
+                4,
+                &values(&[
+                    ("agent-limits", "default", r#"{"max_iterations": 0}"#),
+                    ("tool", "x", "{not json"),
+                ]),
+            )
+            .unwrap_err();
+        assert_eq!(errors.len(), 1, "{errors:?}");
+        let errors = live
+            .apply(
+                5,
+                &values(&[("agent-limits", "default", r#"{"max_iterations": 0}"#)]),
+            )
+            .unwrap_err();
+        assert!(errors[0].to_string().contains("max_iterations"));
+        assert_eq!(live.current().limits.max_iterations, 4);
+        assert_eq!(live.version(), 3);
+    }
+}
