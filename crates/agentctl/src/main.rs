@@ -2,6 +2,7 @@
 
 mod bench;
 mod bench_graph;
+mod config;
 mod graph;
 mod invoke;
 mod up;
@@ -29,6 +30,8 @@ enum Command {
     Sparql(graph::SparqlArgs),
     /// Measure latency and throughput on an embedded broker with an instant scripted LLM.
     Bench(bench::BenchArgs),
+    /// Read and change the agent config through config-svc's REST API; seed and validate files.
+    Config(config::ConfigArgs),
 }
 
 #[tokio::main]
@@ -39,7 +42,6 @@ async fn main() {
             tracing_subscriber::EnvFilter::try_from_default_env()
                 .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn,pulsar=error")),
         )
-        .with_writer(std::io::stderr)
         .init();
     let result = match Cli::parse().command {
         Command::Invoke(args) => invoke::run(args).await,
@@ -48,6 +50,7 @@ async fn main() {
         Command::BenchGraph(args) => bench_graph::run(args).await,
         Command::Explain(args) => graph::explain(args).await,
         Command::Sparql(args) => graph::sparql(args).await,
+        Command::Config(args) => config::run(args).await,
     };
     match result {
         Ok(code) => std::process::exit(code),

@@ -18,6 +18,16 @@ pub struct FileError {
 
 /// Reads every `*.json` in `dir`; every unreadable or malformed file is reported, all at once.
 pub fn read_dir(dir: &Path) -> Result<ConfigValues, Vec<FileError>> {
+    let (values, errors) = read_dir_all(dir);
+    if errors.is_empty() {
+        Ok(values)
+    } else {
+        Err(errors)
+    }
+}
+
+/// What could be read, and every file that could not (so a validator can check the rest too).
+pub fn read_dir_all(dir: &Path) -> (ConfigValues, Vec<FileError>) {
     let mut values = ConfigValues::new();
     let mut entries: Vec<PathBuf> = match std::fs::read_dir(dir) {
         Ok(entries) => entries
@@ -25,10 +35,11 @@ pub fn read_dir(dir: &Path) -> Result<ConfigValues, Vec<FileError>> {
             .filter(|p| p.extension().is_some_and(|x| x == "json"))
             .collect(),
         Err(e) => {
-            return Err(vec![FileError {
+            let error = FileError {
                 path: dir.display().to_string(),
                 message: e.to_string(),
-            }])
+            };
+            return (values, vec![error]);
         }
     };
     entries.sort();
@@ -54,11 +65,7 @@ pub fn read_dir(dir: &Path) -> Result<ConfigValues, Vec<FileError>> {
             }),
         }
     }
-    if errors.is_empty() {
-        Ok(values)
-    } else {
-        Err(errors)
-    }
+    (values, errors)
 }
 
 /// The values as store entries `(type, key, JSON text)`.

@@ -1,0 +1,136 @@
+//! `agentctl config`: list, get, put and delete through config-svc's REST API (writes carry
+//! `CONFIG_TOKEN`), seed a directory's missing keys, and validate a directory locally, reporting
+//! every problem at once with its file and key.
+
+use std::path::{Path, PathBuf};
+
+use agent_core::config::AgentConfig;
+use anyhow::Context;
+use config_svc::seed;
+use serde_json::Value;
+
+#[derive(clap::Args, Debug)]
+pub struct ConfigArgs {
+    /// config-svc's REST API.
+    #[arg(long, env = "CONFIG_URL", default_value = "http://127.0.0.1:8088")]
+    url: String,
+    /// Bearer token for writes.
+    #[arg(long, env = "CONFIG_TOKEN", hide_env_values = true)]
+    token: Option<String>,
+    #[command(subcommand)]
+    command: ConfigCommand,
+}
+
+#[derive(clap::Subcommand, Debug)]
+enum ConfigCommand {
+    /// The keys and values of one type.
+    List { kind: String },
+    /// One value.
+    Get { kind: String, key: String },
+    /// Set one value: JSON text, or @FILE.
+    Put {
+        kind: String,
+        key: String,
+        value: String,
+    },
+    /// Remove one value.
+    Delete { kind: String, key: String },
+    /// Add the keys of DIR's `<type>.json` files that the service does not have (never overwrites).
+    Seed { dir: PathBuf },
+    /// Check DIR's files without a service: bad JSON, missing fields, unknown references.
+    Validate { dir: PathBuf },
+}
+
+pub async fn run(args: ConfigArgs) -> anyhow::Result<i32> {
+    let http = reqwest::Client::new();
+    let base = format!("{}/api/v1/config", args.url.trim_end_matches('/'));
+    let token = args.token.clone().filter(|t| !t.is_empty());
+    let write = |request: reqwest::RequestBuilder| match &token {
+        Some(t) => request.bearer_auth(t),
+        None => request,
+    };
+    match args.command {
+        ConfigCommand::List { kind } => print(http.get(format!("{base}/{kind}"))).await,
+        ConfigCommand::Get { kind, key } => print(http.get(format!("{base}/{kind}/{key}"))).await,
+        ConfigCommand::Put { kind, key, value } => {
+            let text = match value.strip_prefix('@') {
+                Some(file) => {
+                    std::fs::read_to_string(file).with_context(|| format!("reading {file}"))?
+                }
+                None => value,
+            };
+            serde_json::from_str::<Value>(&text).context("the value is not JSON")?;
+            print(write(http.put(format!("{base}/{kind}/{key}"))).body(text)).await
+        }
+        ConfigCommand::Delete { kind, key } => {
+            print(write(http.delete(format!("{base}/{kind}/{key}")))).await
+        }
+        ConfigCommand::Validate { dir } => Ok(if report(&dir) { 0 } else { 1 }),
+        ConfigCommand::Seed { dir } => {
+            if !report(&dir) {
+                return Ok(1);
+            }
+            let values = seed::read_dir(&dir).map_err(|e| anyhow::anyhow!("{e:?}"))?;
+            let current: Value = http
+                .get(&base)
+                .send()
+                .await?
+                .error_for_status()?
+                .json()
+                .await?;
+            let mut added = 0;
+            for (kind, key, text) in seed::entries(&values) {
+                if current["config"][&kind].get(&key).is_some() {
+                    continue;
+                }
+                let response = write(http.put(format!("{base}/{kind}/{key}")))
+                    .body(text)
+                    .send()
+                    .await?;
+                if !response.status().is_success() {
+                    anyhow::bail!(
+                        "{kind}/{key}: {} {}",
+                        response.status(),
+                        response.text().await.unwrap_or_default()
+                    );
+                }
+                added += 1;
+            }
+            println!("added {added} missing keys from {}", dir.display());
+            Ok(0)
+        }
+    }
+}
+
+async fn print(request: reqwest::RequestBuilder) -> anyhow::Result<i32> {
+    let response = request.send().await?;
+    let status = response.status();
+    let text = response.text().await?;
+    if status.is_success() {
+        match serde_json::from_str::<Value>(&text) {
+            Ok(v) => println!("{}", serde_json::to_string_pretty(&v)?),
+            Err(_) => println!("{text}"),
+        }
+        Ok(0)
+    } else {
+        eprintln!("agentctl: {status}: {text}");
+        Ok(1)
+    }
+}
+
+/// Prints every problem of `dir` with its file and key; true when there is none.
+fn report(dir: &Path) -> bool {
+    let (values, file_errors) = seed::read_dir_all(dir);
+    for e in &file_errors {
+        eprintln!("{e}");
+    }
+    let entry_errors = AgentConfig::from_values(&values).err().unwrap_or_default();
+    for e in &entry_errors {
+        eprintln!("{}/{}.json: {e}", dir.display(), e.kind);
+    }
+    let valid = file_errors.is_empty() && entry_errors.is_empty();
+    if valid {
+        println!("{}: valid", dir.display());
+    }
+    valid
+}
