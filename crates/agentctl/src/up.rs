@@ -148,6 +148,9 @@ pub async fn run(args: UpArgs) -> anyhow::Result<i32> {
     if !aggregator.is_finished() {
         aggregator.await??;
     }
+    // Producers and consumers close in background tasks when dropped; give them a moment before
+    // the broker goes, or each logs a "could not close ... Disconnected" error.
+    tokio::time::sleep(Duration::from_millis(300)).await;
     Ok(code)
 }
 

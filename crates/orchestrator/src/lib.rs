@@ -159,7 +159,7 @@ pub async fn run(settings: Settings, shutdown: CancellationToken) -> anyhow::Res
         explainability: Publisher::new(&bus, &topics.explainability).await?,
     };
     let live = Arc::new(LiveConfig::new(config));
-    tokio::spawn(live_config::follow(
+    let follower = tokio::spawn(live_config::follow(
         live.clone(),
         bus.clone(),
         topics.clone(),
@@ -181,11 +181,21 @@ pub async fn run(settings: Settings, shutdown: CancellationToken) -> anyhow::Res
         nack_delay: std::time::Duration::from_secs(1),
     };
     tracing::info!(request = %topics.request, response = %topics.response, "agent-orchestrator ready");
-    run_consumer(&bus, subscription, stats, shutdown, move |delivery| {
-        let engine = engine.clone();
-        async move { engine.handle(delivery).await }
-    })
-    .await?;
+    let consumed = run_consumer(
+        &bus,
+        subscription,
+        stats,
+        shutdown.clone(),
+        move |delivery| {
+            let engine = engine.clone();
+            async move { engine.handle(delivery).await }
+        },
+    )
+    .await;
+    // The follower stops with the consumer, so its subscriptions close before the process ends.
+    shutdown.cancel();
+    let _ = follower.await;
+    consumed?;
     Ok(())
 }
 
