@@ -36,13 +36,7 @@ enum Command {
 
 #[tokio::main]
 async fn main() {
-    tracing_subscriber::fmt()
-        .with_writer(std::io::stderr)
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn,pulsar=error")),
-        )
-        .init();
+    agent_bus::init_logging("warn,pulsar=error");
     let result = match Cli::parse().command {
         Command::Invoke(args) => invoke::run(args).await,
         Command::Up(args) => up::run(args).await,

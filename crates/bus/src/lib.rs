@@ -9,6 +9,7 @@ mod consumer;
 pub mod embedded;
 mod error;
 mod publisher;
+mod service;
 mod topics;
 
 pub use args::{shutdown_signal, BrokerArgs};
@@ -17,6 +18,7 @@ pub use config_client::{ConfigClient, ConfigPushes};
 pub use consumer::{run_consumer, ConsumerStats, Delivery, Disposition, SubscriptionConfig};
 pub use error::BusError;
 pub use publisher::{Publisher, Receipt};
+pub use service::{init_logging, stop_on_signal, SERVICE_LOG_FILTER};
 pub use topics::Topics;
 
 use std::collections::BTreeMap;

@@ -2,7 +2,6 @@
 
 use clap::Parser;
 use config_svc::ConfigSvcSettings;
-use tokio_util::sync::CancellationToken;
 
 #[derive(Parser)]
 #[command(
@@ -16,20 +15,8 @@ struct Cli {
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    tracing_subscriber::fmt()
-        .with_writer(std::io::stderr)
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| {
-                tracing_subscriber::EnvFilter::new("info,pulsar::retry_op=error")
-            }),
-        )
-        .init();
+    agent_bus::init_logging(agent_bus::SERVICE_LOG_FILTER);
     let cli = Cli::parse();
-    let shutdown = CancellationToken::new();
-    let stop = shutdown.clone();
-    tokio::spawn(async move {
-        agent_bus::shutdown_signal().await;
-        stop.cancel();
-    });
+    let shutdown = agent_bus::stop_on_signal();
     config_svc::run(cli.settings, shutdown).await
 }

@@ -1,7 +1,6 @@
 //! `agent-orchestrator`: parses settings and runs the orchestrator until SIGINT or SIGTERM.
 
 use clap::Parser;
-use tokio_util::sync::CancellationToken;
 
 #[derive(Parser)]
 #[command(
@@ -15,21 +14,8 @@ struct Args {
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    tracing_subscriber::fmt()
-        .with_writer(std::io::stderr)
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| {
-                tracing_subscriber::EnvFilter::new("info,pulsar::retry_op=error")
-            }),
-        )
-        .init();
+    agent_bus::init_logging(agent_bus::SERVICE_LOG_FILTER);
     let args = Args::parse();
-    let shutdown = CancellationToken::new();
-    let trigger = shutdown.clone();
-    tokio::spawn(async move {
-        agent_bus::shutdown_signal().await;
-        tracing::info!("shutting down");
-        trigger.cancel();
-    });
+    let shutdown = agent_bus::stop_on_signal();
     agent_orchestrator::run(args.settings, shutdown).await
 }

@@ -1,0 +1,32 @@
+//! What every long-running process of the service does before its real work: logs on stderr
+//! filtered by `RUST_LOG`, and a cancellation token that SIGINT or SIGTERM trips.
+
+use tokio_util::sync::CancellationToken;
+
+use crate::shutdown_signal;
+
+/// The filter when `RUST_LOG` is unset: our info, without the crate's retry chatter.
+pub const SERVICE_LOG_FILTER: &str = "info,pulsar::retry_op=error";
+
+/// Logs to stderr (stdout is for a command's output), filtered by `RUST_LOG` or `default_filter`.
+pub fn init_logging(default_filter: &str) {
+    tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default_filter)),
+        )
+        .init();
+}
+
+/// A token cancelled on SIGINT or SIGTERM: the process then drains and stops.
+pub fn stop_on_signal() -> CancellationToken {
+    let shutdown = CancellationToken::new();
+    let trigger = shutdown.clone();
+    tokio::spawn(async move {
+        shutdown_signal().await;
+        tracing::info!("shutting down");
+        trigger.cancel();
+    });
+    shutdown
+}
