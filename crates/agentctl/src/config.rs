@@ -4,7 +4,7 @@
 
 use std::path::{Path, PathBuf};
 
-use agent_core::config::AgentConfig;
+use agent_orchestrator::check_config_dir;
 use anyhow::Context;
 use config_svc::seed;
 use serde_json::Value;
@@ -120,17 +120,16 @@ async fn print(request: reqwest::RequestBuilder) -> anyhow::Result<i32> {
 
 /// Prints every problem of `dir` with its file and key; true when there is none.
 fn report(dir: &Path) -> bool {
-    let (values, file_errors) = seed::read_dir_all(dir);
-    for e in &file_errors {
-        eprintln!("{e}");
+    match check_config_dir(dir) {
+        Ok(_) => {
+            println!("{}: valid", dir.display());
+            true
+        }
+        Err(problems) => {
+            for p in problems {
+                eprintln!("{p}");
+            }
+            false
+        }
     }
-    let entry_errors = AgentConfig::from_values(&values).err().unwrap_or_default();
-    for e in &entry_errors {
-        eprintln!("{}/{}.json: {e}", dir.display(), e.kind);
-    }
-    let valid = file_errors.is_empty() && entry_errors.is_empty();
-    if valid {
-        println!("{}: valid", dir.display());
-    }
-    valid
 }

@@ -5,8 +5,7 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-/// type -> key -> value.
-pub type ConfigValues = BTreeMap<String, BTreeMap<String, serde_json::Value>>;
+pub use agent_core::config::ConfigValues;
 
 /// One problem with a file, located by path.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]

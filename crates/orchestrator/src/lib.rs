@@ -22,7 +22,7 @@ use tracing::Instrument;
 
 use crate::live_config::LiveConfig;
 use crate::output::{DialogOutput, Outputs, IN_TOKEN_PROPERTY, OUT_TOKEN_PROPERTY};
-pub use crate::settings::{load_config_dir, Settings};
+pub use crate::settings::{check_config_dir, load_config_dir, Settings};
 
 /// What an iteration needs, shared by every in-flight message.
 pub struct Engine {

@@ -5,9 +5,8 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use agent_bus::{BrokerArgs, Topics};
-use agent_core::config::{AgentConfig, ConfigValues};
+use agent_core::config::AgentConfig;
 use agent_llm::{LlmConfig, Secret};
-use anyhow::Context;
 
 #[derive(clap::Args, Debug, Clone)]
 pub struct Settings {
@@ -85,52 +84,31 @@ impl Settings {
     }
 }
 
-/// Reads `<type>.json` files (each an object of key -> value) from `dir`. A missing directory gives
-/// the defaults; an invalid file or entry is an error naming the file and key, all reported at once.
-pub fn load_config_dir(dir: &Path) -> anyhow::Result<AgentConfig> {
-    let values = read_config_values(dir)?;
-    AgentConfig::from_values(&values).map_err(|errors| {
-        let lines: Vec<String> = errors
-            .iter()
-            .map(|e| format!("  {}/{}.json: {e}", dir.display(), e.kind))
-            .collect();
-        anyhow::anyhow!("invalid agent config:\n{}", lines.join("\n"))
-    })
-}
-
-pub fn read_config_values(dir: &Path) -> anyhow::Result<ConfigValues> {
-    let mut values = ConfigValues::new();
-    if !dir.is_dir() {
-        tracing::warn!(dir = %dir.display(), "no config directory; using built-in defaults and no tools");
-        return Ok(values);
-    }
-    let mut errors = Vec::new();
-    let mut entries: Vec<PathBuf> = std::fs::read_dir(dir)
-        .with_context(|| format!("reading {}", dir.display()))?
-        .filter_map(|e| e.ok().map(|e| e.path()))
-        .filter(|p| p.extension().is_some_and(|x| x == "json"))
-        .collect();
-    entries.sort();
-    for path in entries {
-        let kind = path
-            .file_stem()
-            .map(|s| s.to_string_lossy().into_owned())
-            .unwrap_or_default();
-        let parsed = std::fs::read_to_string(&path)
-            .map_err(|e| e.to_string())
-            .and_then(|text| {
-                serde_json::from_str::<std::collections::BTreeMap<String, serde_json::Value>>(&text)
-                    .map_err(|e| e.to_string())
-            });
-        match parsed {
-            Ok(map) => {
-                values.insert(kind, map);
-            }
-            Err(e) => errors.push(format!("  {}: {e}", path.display())),
+/// The config made by the `<type>.json` files in `dir`, or every problem with them at once, each
+/// naming its file (and key).
+pub fn check_config_dir(dir: &Path) -> Result<AgentConfig, Vec<String>> {
+    let (values, file_errors) = config_svc::seed::read_dir_all(dir);
+    let mut problems: Vec<String> = file_errors.iter().map(ToString::to_string).collect();
+    match AgentConfig::from_values(&values) {
+        Ok(config) if problems.is_empty() => Ok(config),
+        Ok(_) => Err(problems),
+        Err(errors) => {
+            problems.extend(
+                errors
+                    .iter()
+                    .map(|e| format!("{}/{}.json: {e}", dir.display(), e.kind)),
+            );
+            Err(problems)
         }
     }
-    if !errors.is_empty() {
-        anyhow::bail!("invalid config files:\n{}", errors.join("\n"));
+}
+
+/// Loads the config from `dir`; a missing directory gives the built-in defaults.
+pub fn load_config_dir(dir: &Path) -> anyhow::Result<AgentConfig> {
+    if !dir.is_dir() {
+        tracing::warn!(dir = %dir.display(), "no config directory; using built-in defaults and no tools");
+        return Ok(AgentConfig::default());
     }
-    Ok(values)
+    check_config_dir(dir)
+        .map_err(|problems| anyhow::anyhow!("invalid agent config:\n  {}", problems.join("\n  ")))
 }
