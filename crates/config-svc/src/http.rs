@@ -115,14 +115,19 @@ fn denied(state: &AppState, headers: &HeaderMap) -> Option<Response> {
         .then(|| (StatusCode::UNAUTHORIZED, "a valid bearer token is required").into_response())
 }
 
-async fn after_write(state: &AppState, written: Result<Written, StoreError>) -> Response {
-    match written {
-        Ok(written) => {
+/// Runs a write off the async workers, then announces it.
+async fn write(
+    state: &AppState,
+    call: impl FnOnce(&ConfigStore) -> Result<Written, StoreError> + Send + 'static,
+) -> Response {
+    match crate::off_thread(&state.store, call).await {
+        Ok(Ok(written)) => {
             let version = written.version;
             state.pusher.push(written, crate::DEFAULT_WORKSPACE).await;
             Json(json!({"version": version})).into_response()
         }
-        Err(e) => store_error(e),
+        Ok(Err(e)) => store_error(e),
+        Err(e) => (StatusCode::INTERNAL_SERVER_ERROR, e.to_string()).into_response(),
     }
 }
 
@@ -138,8 +143,7 @@ async fn put_one(
     let Ok(text) = String::from_utf8(body.to_vec()) else {
         return (StatusCode::BAD_REQUEST, "the body is not UTF-8").into_response();
     };
-    let written = state.store.put(&[(kind, key, text)]);
-    after_write(&state, written).await
+    write(&state, move |store| store.put(&[(kind, key, text)])).await
 }
 
 async fn delete_one(
@@ -150,6 +154,5 @@ async fn delete_one(
     if let Some(denied) = denied(&state, &headers) {
         return denied;
     }
-    let written = state.store.delete(&[(kind, key)]);
-    after_write(&state, written).await
+    write(&state, move |store| store.delete(&[(kind, key)])).await
 }

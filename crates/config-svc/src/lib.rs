@@ -88,6 +88,15 @@ impl Pusher {
     }
 }
 
+/// Runs a store call on the blocking pool: writes fsync, which must not hold up async workers.
+pub(crate) async fn off_thread<T: Send + 'static>(
+    store: &Arc<ConfigStore>,
+    call: impl FnOnce(&ConfigStore) -> T + Send + 'static,
+) -> Result<T, tokio::task::JoinError> {
+    let store = store.clone();
+    tokio::task::spawn_blocking(move || call(&store)).await
+}
+
 /// Runs until `shutdown`: seeding, the REST API and the Pulsar protocol.
 pub async fn run(settings: ConfigSvcSettings, shutdown: CancellationToken) -> anyhow::Result<()> {
     let store = Arc::new(ConfigStore::open(&settings.data_dir).with_context(|| {
@@ -168,8 +177,7 @@ async fn answer(
         .clone()
         .filter(|w| !w.is_empty())
         .unwrap_or_else(|| DEFAULT_WORKSPACE.to_owned());
-    // The store fsyncs on writes: keep that off the async workers.
-    let handled = tokio::task::spawn_blocking(move || protocol::handle(&store, &request)).await;
+    let handled = off_thread(&store, move |store| protocol::handle(store, &request)).await;
     let (response, written) = match handled {
         Ok(pair) => pair,
         Err(e) => return Disposition::Nack(format!("config handler failed: {e}")),
