@@ -98,6 +98,12 @@ enum Backend {
     Remote(Arc<RemoteSparql>),
 }
 
+/// A backend that accepts writes (the embedded store is a cheap handle, cloned into blocking tasks).
+enum Writable<'a> {
+    Embedded(Store),
+    Remote(&'a RemoteSparql),
+}
+
 impl GraphStore {
     /// Opens `spec`: an `http(s)://` SPARQL endpoint base (serving `/query`, `/update`, `/store`) or a
     /// directory for the embedded store. One process owns a directory at a time.
@@ -138,6 +144,17 @@ impl GraphStore {
         })
     }
 
+    /// Where a write goes; an embedded store opened read-only refuses every write here.
+    fn writable(&self) -> Result<Writable<'_>, GraphError> {
+        match &self.backend {
+            Backend::Embedded {
+                read_only: true, ..
+            } => Err(GraphError::ReadOnly),
+            Backend::Embedded { store, .. } => Ok(Writable::Embedded(store.clone())),
+            Backend::Remote(remote) => Ok(Writable::Remote(remote)),
+        }
+    }
+
     pub fn is_embedded(&self) -> bool {
         matches!(self.backend, Backend::Embedded { .. })
     }
@@ -145,12 +162,8 @@ impl GraphStore {
     /// Adds quads in one transaction. RDF graphs are sets, so adding what is there changes nothing:
     /// a redelivered message is harmless.
     pub async fn insert(&self, quads: Vec<Quad>) -> Result<(), GraphError> {
-        match &self.backend {
-            Backend::Embedded {
-                read_only: true, ..
-            } => Err(GraphError::ReadOnly),
-            Backend::Embedded { store, .. } => {
-                let store = store.clone();
+        match self.writable()? {
+            Writable::Embedded(store) => {
                 blocking(move || {
                     store
                         .extend(quads)
@@ -158,7 +171,7 @@ impl GraphStore {
                 })
                 .await
             }
-            Backend::Remote(remote) => remote.insert(&quads).await,
+            Writable::Remote(remote) => remote.insert(&quads).await,
         }
     }
 
@@ -175,12 +188,8 @@ impl GraphStore {
 
     /// Runs a SPARQL update.
     pub async fn update(&self, sparql: String) -> Result<(), GraphError> {
-        match &self.backend {
-            Backend::Embedded {
-                read_only: true, ..
-            } => Err(GraphError::ReadOnly),
-            Backend::Embedded { store, .. } => {
-                let store = store.clone();
+        match self.writable()? {
+            Writable::Embedded(store) => {
                 blocking(move || {
                     SparqlEvaluator::new()
                         .parse_update(&sparql)
@@ -191,7 +200,7 @@ impl GraphStore {
                 })
                 .await
             }
-            Backend::Remote(remote) => remote.update(&sparql).await,
+            Writable::Remote(remote) => remote.update(&sparql).await,
         }
     }
 
@@ -203,12 +212,8 @@ impl GraphStore {
         format: &str,
         graph: Option<String>,
     ) -> Result<(), GraphError> {
-        match &self.backend {
-            Backend::Embedded {
-                read_only: true, ..
-            } => Err(GraphError::ReadOnly),
-            Backend::Embedded { store, .. } => {
-                let store = store.clone();
+        match self.writable()? {
+            Writable::Embedded(store) => {
                 let format = oxigraph::io::RdfFormat::from_media_type(format).ok_or_else(|| {
                     GraphError::Syntax(format!("unsupported RDF format {format}"))
                 })?;
@@ -225,19 +230,15 @@ impl GraphStore {
                 })
                 .await
             }
-            Backend::Remote(remote) => remote.load(data, format, graph.as_deref()).await,
+            Writable::Remote(remote) => remote.load(data, format, graph.as_deref()).await,
         }
     }
 
     /// Loads many quads fast, without one big transaction (embedded stores only; benchmarks and
     /// imports, where atomicity is not needed).
     pub async fn bulk_load(&self, quads: Vec<Quad>) -> Result<(), GraphError> {
-        match &self.backend {
-            Backend::Embedded {
-                read_only: true, ..
-            } => Err(GraphError::ReadOnly),
-            Backend::Embedded { store, .. } => {
-                let store = store.clone();
+        match self.writable()? {
+            Writable::Embedded(store) => {
                 blocking(move || {
                     store
                         .bulk_loader()
@@ -246,7 +247,7 @@ impl GraphStore {
                 })
                 .await
             }
-            Backend::Remote(remote) => remote.insert(&quads).await,
+            Writable::Remote(remote) => remote.insert(&quads).await,
         }
     }
 

@@ -105,6 +105,16 @@ async fn on_disk() {
     let reopened = GraphStore::open_read_only(&dir).unwrap();
     assert!(reopened.count().await.unwrap() > 0);
     assert!(reopened.insert(vec![]).await.is_err());
+    let read_only = |r: Result<(), agent_graph::GraphError>| {
+        matches!(r, Err(agent_graph::GraphError::ReadOnly))
+    };
+    assert!(read_only(reopened.update("CLEAR ALL".into()).await));
+    assert!(read_only(reopened.bulk_load(vec![]).await));
+    assert!(read_only(
+        reopened
+            .load(b"".to_vec(), "application/n-triples", None)
+            .await
+    ));
     drop(reopened);
     let _ = std::fs::remove_dir_all(&dir);
 }
