@@ -149,14 +149,7 @@ impl Aggregator {
     }
 
     fn wait_ready(&self) {
-        let deadline = std::time::Instant::now() + Duration::from_secs(30);
-        while std::net::TcpStream::connect(&self.addr).is_err() {
-            assert!(
-                std::time::Instant::now() < deadline,
-                "the aggregator never listened"
-            );
-            std::thread::sleep(Duration::from_millis(50));
-        }
+        wait_listening(&self.addr, "the aggregator");
     }
 
     /// SIGKILL, then start again on the same store.
@@ -322,14 +315,7 @@ impl ConfigSvc {
         }
         let _ = self.child.wait();
         self.child = command.spawn().unwrap();
-        let deadline = std::time::Instant::now() + Duration::from_secs(30);
-        while std::net::TcpStream::connect(&self.addr).is_err() {
-            assert!(
-                std::time::Instant::now() < deadline,
-                "config-svc never listened"
-            );
-            std::thread::sleep(Duration::from_millis(50));
-        }
+        wait_listening(&self.addr, "config-svc");
     }
 
     /// SIGKILL, then start again on the same store.
@@ -349,4 +335,41 @@ impl Drop for ConfigSvc {
         self.kill();
         let _ = std::fs::remove_dir_all(&self.data_dir);
     }
+}
+
+/// Waits up to 30 s for something to accept connections on `addr`.
+pub fn wait_listening(addr: &str, what: &str) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while std::net::TcpStream::connect(addr).is_err() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{what} never listened on {addr}"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// Every message of `topic` from its first one, on a subscription of the test's own.
+pub async fn read_from_start(
+    broker: &Broker,
+    topic: &str,
+    subscription: &str,
+) -> pulsar::Consumer<Vec<u8>, pulsar::TokioExecutor> {
+    let pulsar: pulsar::Pulsar<pulsar::TokioExecutor> =
+        pulsar::Pulsar::builder(broker.url(), pulsar::TokioExecutor)
+            .build()
+            .await
+            .unwrap();
+    pulsar
+        .consumer()
+        .with_topic(topic)
+        .with_subscription(subscription)
+        .with_subscription_type(pulsar::SubType::Exclusive)
+        .with_options(pulsar::consumer::ConsumerOptions {
+            initial_position: pulsar::consumer::InitialPosition::Earliest,
+            ..pulsar::consumer::ConsumerOptions::default()
+        })
+        .build()
+        .await
+        .unwrap()
 }

@@ -14,6 +14,10 @@ use serde_json::{json, Value};
 
 const ANSWER: Duration = Duration::from_secs(10);
 
+async fn get_json(http: &reqwest::Client, url: &str) -> Value {
+    http.get(url).send().await.unwrap().json().await.unwrap()
+}
+
 fn request(op: &str) -> ConfigRequest {
     ConfigRequest {
         operation: op.into(),
@@ -31,17 +35,10 @@ async fn rest_writes_need_the_token_survive_a_kill_and_are_pushed() {
     let mut pushes = ConfigPushes::subscribe(&bus, &topics).await.unwrap();
     let url = format!("{}/api/v1/config/agent-limits/default", svc.url);
 
-    let seeded: Value = http.get(&url).send().await.unwrap().json().await.unwrap();
+    let seeded: Value = get_json(&http, &url).await;
     assert!(seeded["max_iterations"].is_number(), "{seeded}");
     let version = |v: &Value| v["version"].as_u64().unwrap();
-    let before: Value = http
-        .get(format!("{}/api/v1/config", svc.url))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let before: Value = get_json(&http, &format!("{}/api/v1/config", svc.url)).await;
 
     // Without the token, or with a wrong one: 401 and nothing changes.
     let changed = json!({"max_iterations": 3});
@@ -57,14 +54,7 @@ async fn rest_writes_need_the_token_survive_a_kill_and_are_pushed() {
     assert_eq!(wrong.status(), 401);
     let deleted = http.delete(&url).send().await.unwrap();
     assert_eq!(deleted.status(), 401);
-    let after: Value = http
-        .get(format!("{}/api/v1/config", svc.url))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let after: Value = get_json(&http, &format!("{}/api/v1/config", svc.url)).await;
     assert_eq!(before, after);
 
     // Not JSON: refused.
@@ -99,16 +89,9 @@ async fn rest_writes_need_the_token_survive_a_kill_and_are_pushed() {
     svc.kill_and_restart();
     // The old client's pooled connection died with the process.
     let http = reqwest::Client::new();
-    let kept: Value = http.get(&url).send().await.unwrap().json().await.unwrap();
+    let kept: Value = get_json(&http, &url).await;
     assert_eq!(kept, changed);
-    let all: Value = http
-        .get(format!("{}/api/v1/config", svc.url))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let all: Value = get_json(&http, &format!("{}/api/v1/config", svc.url)).await;
     assert_eq!(version(&all), version(&written));
 }
 

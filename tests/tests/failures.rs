@@ -6,8 +6,6 @@ use std::time::Duration;
 
 use agent_e2e::*;
 use futures::StreamExt;
-use pulsar::consumer::{ConsumerOptions, InitialPosition};
-use pulsar::{Consumer, Pulsar, SubType, TokioExecutor};
 
 const DIALOG_TIMEOUT: Duration = Duration::from_secs(60);
 
@@ -53,22 +51,12 @@ async fn malformed_payloads_go_to_the_dead_letter_topic_and_service_continues() 
     }
     assert!(orchestrator.is_running());
 
-    let pulsar: Pulsar<TokioExecutor> = Pulsar::builder(broker.url(), TokioExecutor)
-        .build()
-        .await
-        .unwrap();
-    let mut dlq: Consumer<Vec<u8>, TokioExecutor> = pulsar
-        .consumer()
-        .with_topic("persistent://tg/dead-letter/agent:default:default")
-        .with_subscription("test-dlq")
-        .with_subscription_type(SubType::Exclusive)
-        .with_options(ConsumerOptions {
-            initial_position: InitialPosition::Earliest,
-            ..ConsumerOptions::default()
-        })
-        .build()
-        .await
-        .unwrap();
+    let mut dlq = read_from_start(
+        &broker,
+        "persistent://tg/dead-letter/agent:default:default",
+        "test-dlq",
+    )
+    .await;
     let mut ids = Vec::new();
     for _ in 0..4 {
         let message = tokio::time::timeout(Duration::from_secs(20), dlq.next())

@@ -12,8 +12,6 @@ use agent_graph::model::Term;
 use agent_graph::{queries, GraphStore, QueryAnswer};
 use agent_schema::{AgentResponse, Triples};
 use futures::StreamExt;
-use pulsar::consumer::{ConsumerOptions, InitialPosition};
-use pulsar::{Consumer, Pulsar, SubType, TokioExecutor};
 
 const DIALOG_TIMEOUT: Duration = Duration::from_secs(60);
 const EXPLAIN_TOPIC: &str = "persistent://tg/flow/triples-store:default:default";
@@ -36,6 +34,17 @@ async fn wait_for_node(store: &GraphStore, node: &str) {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     panic!("{node} never reached the graph");
+}
+
+/// Every triple of one session, read from its root.
+async fn session_rows(store: &GraphStore, session: &str) -> agent_graph::Rows {
+    store
+        .query(queries::session_triples(
+            &queries::session_node(session).unwrap(),
+        ))
+        .await
+        .unwrap()
+        .rows()
 }
 
 fn session_of(responses: &[AgentResponse]) -> String {
@@ -123,13 +132,7 @@ async fn the_graph_explains_a_three_iteration_dialog() {
     }
 
     // No dangling node: every node an edge points at exists in the graph.
-    let rows = store
-        .query(queries::session_triples(
-            &queries::session_node(&session).unwrap(),
-        ))
-        .await
-        .unwrap()
-        .rows();
+    let rows = session_rows(&store, &session).await;
     let subjects: BTreeSet<String> = rows
         .column("s")
         .into_iter()
@@ -183,13 +186,7 @@ async fn hostile_text_is_stored_verbatim_and_duplicates_change_nothing() {
     let session = session_of(&responses);
     let store = aggregator.store();
     wait_for_node(&store, &format!("{session}/final")).await;
-    let rows = store
-        .query(queries::session_triples(
-            &queries::session_node(&session).unwrap(),
-        ))
-        .await
-        .unwrap()
-        .rows();
+    let rows = session_rows(&store, &session).await;
     assert_eq!(session_view(&session, &rows).question, hostile);
     let before = all_quads(&store).await;
     assert!(before.len() > 20);
@@ -237,25 +234,6 @@ async fn hostile_text_is_stored_verbatim_and_duplicates_change_nothing() {
     assert_eq!(before, after);
 }
 
-async fn explain_messages(broker_url: &str) -> Consumer<Vec<u8>, TokioExecutor> {
-    let pulsar: Pulsar<TokioExecutor> = Pulsar::builder(broker_url, TokioExecutor)
-        .build()
-        .await
-        .unwrap();
-    pulsar
-        .consumer()
-        .with_topic(EXPLAIN_TOPIC)
-        .with_subscription("test-ground-truth")
-        .with_subscription_type(SubType::Exclusive)
-        .with_options(ConsumerOptions {
-            initial_position: InitialPosition::Earliest,
-            ..ConsumerOptions::default()
-        })
-        .build()
-        .await
-        .unwrap()
-}
-
 /// Waits until every expected quad is stored (or `patience` passes) and returns what is stored.
 async fn stored_when_complete(
     store: &GraphStore,
@@ -284,7 +262,7 @@ async fn stored_when_complete(
 #[tokio::test]
 async fn a_killed_aggregator_loses_and_duplicates_nothing() {
     let mut broker = Broker::start().unwrap();
-    let mut ground_truth = explain_messages(&broker.url()).await;
+    let mut ground_truth = read_from_start(&broker, EXPLAIN_TOPIC, "test-ground-truth").await;
     let mut aggregator = Aggregator::spawn(&broker);
     let llm = scripted_llm(THREE_STEPS).await;
     let mut orchestrator =
