@@ -126,9 +126,8 @@ fn denied(state: &AppState, headers: &HeaderMap) -> Option<Response> {
     };
     let given = headers
         .get(header::AUTHORIZATION)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "));
-    if given == Some(expected.as_str()) {
+        .and_then(|v| v.to_str().ok());
+    if agent_bus::bearer_matches(given, expected) {
         None
     } else {
         Some((StatusCode::UNAUTHORIZED, "a valid bearer token is required").into_response())

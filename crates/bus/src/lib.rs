@@ -18,7 +18,7 @@ pub use config_client::{ConfigClient, ConfigPushes};
 pub use consumer::{run_consumer, ConsumerStats, Delivery, Disposition, SubscriptionConfig};
 pub use error::BusError;
 pub use publisher::{Publisher, Receipt};
-pub use service::{init_logging, stop_on_signal, SERVICE_LOG_FILTER};
+pub use service::{bearer_matches, init_logging, stop_on_signal, SERVICE_LOG_FILTER};
 pub use topics::Topics;
 
 use std::collections::BTreeMap;

@@ -30,3 +30,31 @@ pub fn stop_on_signal() -> CancellationToken {
     });
     shutdown
 }
+
+/// Whether an `Authorization` header value carries `Bearer {expected}`. The comparison takes the
+/// same time wherever the first difference is, so response times do not leak the token.
+pub fn bearer_matches(authorization: Option<&str>, expected: &str) -> bool {
+    let Some(given) = authorization.and_then(|v| v.strip_prefix("Bearer ")) else {
+        return false;
+    };
+    given.len() == expected.len()
+        && given
+            .bytes()
+            .zip(expected.bytes())
+            .fold(0u8, |diff, (a, b)| diff | (a ^ b))
+            == 0
+}
+
+#[cfg(test)]
+mod tests {
+    use super::bearer_matches;
+
+    #[test]
+    fn bearer_tokens() {
+        assert!(bearer_matches(Some("Bearer s3cret"), "s3cret"));
+        assert!(!bearer_matches(Some("Bearer s3cres"), "s3cret"));
+        assert!(!bearer_matches(Some("Bearer s3cre"), "s3cret"));
+        assert!(!bearer_matches(Some("s3cret"), "s3cret"));
+        assert!(!bearer_matches(None, "s3cret"));
+    }
+}
