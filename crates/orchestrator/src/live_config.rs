@@ -4,7 +4,6 @@
 //! iterations read a snapshot, so a change never lands in the middle of one.
 
 use std::collections::BTreeMap;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
@@ -17,30 +16,41 @@ const ANSWER_TIMEOUT: Duration = Duration::from_secs(5);
 const REREAD_EVERY: Duration = Duration::from_secs(60);
 
 pub struct LiveConfig {
-    current: RwLock<Arc<AgentConfig>>,
-    /// The config service's version in force (0: none yet).
-    version: AtomicU64,
+    in_force: RwLock<InForce>,
+}
+
+/// The config and the config service's version it came from (None: the local config).
+struct InForce {
+    version: Option<u64>,
+    config: Arc<AgentConfig>,
 }
 
 impl LiveConfig {
     pub fn new(initial: AgentConfig) -> LiveConfig {
         LiveConfig {
-            current: RwLock::new(Arc::new(initial)),
-            version: AtomicU64::new(0),
+            in_force: RwLock::new(InForce {
+                version: None,
+                config: Arc::new(initial),
+            }),
+        }
+    }
+
+    fn read<T>(&self, f: impl FnOnce(&InForce) -> T) -> T {
+        match self.in_force.read() {
+            Ok(guard) => f(&guard),
+            // A writer never panics while holding the lock; if one did, the value is still whole.
+            Err(poisoned) => f(&poisoned.into_inner()),
         }
     }
 
     /// A snapshot for one iteration.
     pub fn current(&self) -> Arc<AgentConfig> {
-        match self.current.read() {
-            Ok(guard) => guard.clone(),
-            // A writer never panics while holding the lock; if one did, the value is still whole.
-            Err(poisoned) => poisoned.into_inner().clone(),
-        }
+        self.read(|in_force| in_force.config.clone())
     }
 
-    pub fn version(&self) -> u64 {
-        self.version.load(Ordering::Relaxed)
+    /// The config service's version in force, if any.
+    pub fn version(&self) -> Option<u64> {
+        self.read(|in_force| in_force.version)
     }
 
     /// Validates `values` (type -> key -> JSON text, as the service keeps them) and puts them in
@@ -72,12 +82,14 @@ impl LiveConfig {
         if !errors.is_empty() {
             return Err(errors);
         }
-        let config = AgentConfig::from_values(&parsed)?;
-        match self.current.write() {
-            Ok(mut guard) => *guard = Arc::new(config),
-            Err(poisoned) => *poisoned.into_inner() = Arc::new(config),
+        let in_force = InForce {
+            version: Some(version),
+            config: Arc::new(AgentConfig::from_values(&parsed)?),
+        };
+        match self.in_force.write() {
+            Ok(mut guard) => *guard = in_force,
+            Err(poisoned) => *poisoned.into_inner() = in_force,
         }
-        self.version.store(version, Ordering::Relaxed);
         Ok(())
     }
 }
@@ -113,7 +125,7 @@ pub async fn follow(live: Arc<LiveConfig>, bus: Bus, topics: Topics, shutdown: C
         {
             Ok(response) if response.error.is_none() => {
                 let version = response.version.unwrap_or(0);
-                if version != live.version() || live.version() == 0 {
+                if live.version() != Some(version) {
                     let values = response.config.unwrap_or_default();
                     match live.apply(version, &values) {
                         Ok(()) => tracing::info!(version, "config in force"),
@@ -121,7 +133,7 @@ pub async fn follow(live: Arc<LiveConfig>, bus: Bus, topics: Topics, shutdown: C
                             let lines: Vec<String> = errors.iter().map(|e| e.to_string()).collect();
                             tracing::error!(
                                 version,
-                                kept = live.version(),
+                                kept = ?live.version(),
                                 problems = %lines.join("; "),
                                 "refusing an invalid config; the last good one stays in force"
                             );
@@ -199,6 +211,6 @@ mod tests {
             .unwrap_err();
         assert!(errors[0].to_string().contains("max_iterations"));
         assert_eq!(live.current().limits.max_iterations, 4);
-        assert_eq!(live.version(), 3);
+        assert_eq!(live.version(), Some(3));
     }
 }
