@@ -6,10 +6,11 @@ use std::time::Duration;
 
 use agent_bus::{Bus, ConfigClient, ConfigPushes, Topics};
 use agent_e2e::{
-    client, collect_dialog, request as agent_request, scripted_llm, seed_dir, Broker, ConfigSvc,
-    Orchestrator,
+    binary, client, collect_dialog, config_dir, request as agent_request, scripted_llm, seed_dir,
+    Broker, ConfigSvc, Orchestrator,
 };
 use agent_schema::{operation, ConfigKey, ConfigRequest};
+use config_svc::seed;
 use serde_json::{json, Value};
 
 const ANSWER: Duration = Duration::from_secs(10);
@@ -252,4 +253,151 @@ async fn the_orchestrator_applies_config_changes_without_a_restart() {
         still.is_some_and(|e| e.contains("40")),
         "the invalid config was applied"
     );
+}
+
+/// Runs `agentctl` with `args`; returns its exit code, stdout and stderr.
+fn agentctl(args: &[&str], token: Option<&str>) -> (i32, String, String) {
+    let mut command = std::process::Command::new(binary("agentctl"));
+    command.args(args).env_remove("CONFIG_TOKEN");
+    if let Some(t) = token {
+        command.env("CONFIG_TOKEN", t);
+    }
+    let out = command.output().unwrap();
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+/// `agentctl config validate` reports every problem of a directory at once, each with its file and
+/// key: bad JSON, a missing field, an unknown pattern in `valid_patterns`, a limit that cannot work.
+#[test]
+fn validate_reports_every_problem_with_file_and_key() {
+    let dir = config_dir(
+        "invalid",
+        &[
+            ("tool", "{\"broken\": "),
+            (
+                "agent-task-type",
+                r#"{"research": {"description": "d", "valid_patterns": ["react", "telepathy"]},
+                    "vague": {"valid_patterns": ["react"]}}"#,
+            ),
+            ("agent-limits", r#"{"default": {"max_iterations": 0}}"#),
+            ("prompt", r#"{"reactt": {"system": "s", "template": "t"}}"#),
+        ],
+    );
+    let (code, _, stderr) = agentctl(&["config", "validate", dir.to_str().unwrap()], None);
+    assert_eq!(code, 1, "{stderr}");
+    for expected in [
+        "tool.json: not an object",
+        "agent-task-type.json: agent-task-type/research: valid_patterns names the unknown pattern 'telepathy'",
+        "agent-task-type.json: agent-task-type/vague: missing field `description`",
+        "agent-limits.json: agent-limits/default: max_iterations must be at least 1",
+        "prompt.json: prompt/reactt: no LLM call uses this prompt",
+    ] {
+        assert!(stderr.contains(expected), "missing '{expected}' in:\n{stderr}");
+    }
+    let (code, stdout, _) = agentctl(&["config", "validate", seed_dir().to_str().unwrap()], None);
+    assert_eq!(code, 0);
+    assert!(stdout.contains("valid"));
+}
+
+/// `agentctl config seed` adds only missing keys (a changed value survives a second seed); `put`
+/// takes JSON or @file, `get` and `list` read, `delete` removes, and writes without the token fail.
+#[tokio::test]
+async fn agentctl_config_seeds_missing_keys_and_edits_values() {
+    let broker = Broker::start().unwrap();
+    let svc = ConfigSvc::spawn(&broker, None);
+    let url = svc.url.clone();
+    let token = svc.token.clone();
+    let seed = seed_dir();
+    let run = move |args: Vec<String>, token: Option<String>| {
+        let url = url.clone();
+        tokio::task::spawn_blocking(move || {
+            let mut all = vec!["config".to_owned(), "--url".to_owned(), url];
+            all.extend(args);
+            let refs: Vec<&str> = all.iter().map(String::as_str).collect();
+            agentctl(&refs, token.as_deref())
+        })
+    };
+    let args = |list: &[&str]| list.iter().map(|s| (*s).to_owned()).collect::<Vec<_>>();
+    let seed_arg = seed.to_str().unwrap();
+
+    let (code, _, stderr) = run(args(&["seed", seed_arg]), None).await.unwrap();
+    assert_ne!(code, 0, "seeding without the token must fail");
+    assert!(stderr.contains("401"), "{stderr}");
+
+    let (code, stdout, stderr) = run(args(&["seed", seed_arg]), Some(token.clone()))
+        .await
+        .unwrap();
+    assert_eq!(code, 0, "{stderr}");
+    let seeded: usize = seed::entries(&seed::read_dir(&seed).unwrap()).len();
+    assert!(
+        stdout.contains(&format!("added {seeded} missing keys")),
+        "{stdout}"
+    );
+
+    let file = std::env::temp_dir().join(format!("agentctl-put-{}.json", std::process::id()));
+    std::fs::write(
+        &file,
+        r#"{"description": "Mine.", "valid_patterns": ["react"]}"#,
+    )
+    .unwrap();
+    let at_file = format!("@{}", file.display());
+    let (code, _, stderr) = run(
+        args(&["put", "agent-task-type", "general", &at_file]),
+        Some(token.clone()),
+    )
+    .await
+    .unwrap();
+    assert_eq!(code, 0, "{stderr}");
+    let (_, stdout, _) = run(args(&["seed", seed_arg]), Some(token.clone()))
+        .await
+        .unwrap();
+    assert!(stdout.contains("added 0 missing keys"), "{stdout}");
+    let (code, stdout, _) = run(args(&["get", "agent-task-type", "general"]), None)
+        .await
+        .unwrap();
+    assert_eq!(code, 0);
+    assert!(
+        stdout.contains("Mine."),
+        "the seed overwrote a changed value: {stdout}"
+    );
+
+    let (code, _, _) = run(
+        args(&[
+            "put",
+            "agent-task-type",
+            "extra",
+            r#"{"description": "x", "valid_patterns": ["react"]}"#,
+        ]),
+        Some(token.clone()),
+    )
+    .await
+    .unwrap();
+    assert_eq!(code, 0);
+    let (_, stdout, _) = run(args(&["list", "agent-task-type"]), None).await.unwrap();
+    for name in [
+        "extra",
+        "general",
+        "research",
+        "risk-assessment",
+        "summarisation",
+    ] {
+        assert!(stdout.contains(name), "{name} missing from {stdout}");
+    }
+    let (code, _, _) = run(args(&["delete", "agent-task-type", "extra"]), None)
+        .await
+        .unwrap();
+    assert_ne!(code, 0, "a delete without the token must fail");
+    let (code, _, _) = run(args(&["delete", "agent-task-type", "extra"]), Some(token))
+        .await
+        .unwrap();
+    assert_eq!(code, 0);
+    let (code, _, _) = run(args(&["get", "agent-task-type", "extra"]), None)
+        .await
+        .unwrap();
+    assert_ne!(code, 0, "the deleted key is still there");
+    let _ = std::fs::remove_file(file);
 }

@@ -24,7 +24,10 @@ fn assert_closed_once(responses: &[AgentResponse]) {
 async fn one_iteration_answer_without_streaming() {
     let broker = Broker::start().unwrap();
     let llm = scripted_llm(
-        r#"{"rules": [{"match": "Question: What is six times seven?", "reply": "Thought: I know this one.\nFinal Answer: 42."}]}"#,
+        r#"{"rules": [
+      {"match": "Request to classify: What is six times seven?", "reply": "{\"choice\": \"general\", \"rationale\": \"arithmetic\"}"},
+      {"match": "Question: What is six times seven?", "reply": "Thought: I know this one.\nFinal Answer: 42."}
+    ]}"#,
     )
     .await;
     let _orchestrator = Orchestrator::spawn(&broker, &llm, &seed_dir(), &[]);
@@ -37,28 +40,34 @@ async fn one_iteration_answer_without_streaming() {
         .await
         .unwrap();
 
+    // The question, the routing decision, the thought, the conclusion, the answer.
     assert_eq!(
         kinds(&responses),
-        ["explain", "thought", "explain", "answer"]
+        ["explain", "explain", "thought", "explain", "answer"]
     );
     assert_closed_once(&responses);
     let session = responses[0].explain_id.clone().unwrap();
     assert!(session.starts_with("urn:trustgraph:agent:"));
-    assert_eq!(responses[1].content, "I know this one.");
-    assert!(responses[1].end_of_message);
-    assert_eq!(responses[1].message_id, format!("{session}/i1/thought"));
     assert_eq!(
-        responses[2].explain_id.as_deref(),
+        responses[1].explain_id.as_deref(),
+        Some(format!("{session}/pattern-decision").as_str())
+    );
+    assert_eq!(responses[2].content, "I know this one.");
+    assert!(responses[2].end_of_message);
+    assert_eq!(responses[2].message_id, format!("{session}/i1/thought"));
+    assert_eq!(
+        responses[3].explain_id.as_deref(),
         Some(format!("{session}/final").as_str())
     );
-    let answer = &responses[3];
+    let answer = &responses[4];
     assert_eq!(answer.content, "42.");
     assert!(answer.end_of_message);
     assert_eq!(answer.message_id, format!("{session}/final"));
     assert!(answer.in_token.unwrap() > 0 && answer.out_token.unwrap() > 0);
     assert_eq!(answer.model.as_deref(), Some("scripted"));
-    assert_eq!(llm.calls().len(), 1);
-    assert!(!llm.calls()[0].stream);
+    // Routing, then one agent turn; neither streamed.
+    assert_eq!(llm.calls().len(), 2);
+    assert!(llm.calls().iter().all(|c| !c.stream));
 }
 
 const THREE_STEPS: &str = r#"{"rules": [
@@ -134,9 +143,9 @@ async fn three_iteration_dialog_with_tools_streams_chunks() {
     assert_eq!(closing.content, "");
     assert!(closing.end_of_message && closing.end_of_dialog);
     assert_eq!(closing.message_id, format!("{session}/final"));
-    // Three agent turns plus two tool calls, all counted.
+    // Routing (unscripted here, so it fell back), three agent turns and two tool calls.
     let calls = llm.calls();
-    assert_eq!(calls.len(), 5);
+    assert_eq!(calls.len(), 6);
     assert!(closing.in_token.unwrap() >= 5 && closing.out_token.unwrap() >= 5);
 
     // Provenance arrived inline: session, two iterations with observations, the conclusion.
@@ -298,6 +307,59 @@ async fn max_iterations_ends_the_dialog_with_a_clear_answer() {
         .any(|t| t.p.iri.ends_with("terminationReason") && t.o.value == "max-iterations"));
     // Two agent turns and two tool calls: the limit stopped a third turn.
     assert_eq!(llm.calls().len(), 4);
+}
+
+/// A token budget (`max_tokens`) counted across iterations ends the dialog with a clear answer and
+/// a `budget` termination once it is used up, before another LLM call.
+#[tokio::test]
+async fn a_spent_token_budget_ends_the_dialog() {
+    let broker = Broker::start().unwrap();
+    let config = config_dir(
+        "budget",
+        &[
+            ("agent-limits", r#"{"default": {"max_tokens": 1}}"#),
+            (
+                "tool",
+                r#"{"llm": {"name": "llm", "description": "ask", "type": "text-completion"}}"#,
+            ),
+        ],
+    );
+    let llm = scripted_llm(
+        r#"{"rules": [
+      {"match": "again", "exact": true, "reply": "more"},
+      {"match": "Question: spend", "reply": "Thought: once more\nAction: llm\nArgs: {\"question\": \"again\"}"}
+    ]}"#,
+    )
+    .await;
+    let _orchestrator = Orchestrator::spawn(&broker, &llm, &config, &[]);
+    let mut client = client(&broker).await;
+    client
+        .send("q-b", &request("spend tokens", false))
+        .await
+        .unwrap();
+    let responses = collect_dialog(&mut client, "q-b", DIALOG_TIMEOUT)
+        .await
+        .unwrap();
+    assert_closed_once(&responses);
+    let closing = responses.last().unwrap();
+    assert!(closing.error.is_none());
+    assert!(
+        closing.content.contains("(max_tokens)"),
+        "{}",
+        closing.content
+    );
+    assert!(closing.content.contains("The last observation was: more"));
+    let conclusion = responses
+        .iter()
+        .rev()
+        .find(|r| r.message_type == "explain")
+        .unwrap();
+    assert!(conclusion
+        .explain_triples
+        .iter()
+        .any(|t| t.p.iri.ends_with("terminationReason") && t.o.value == "budget"));
+    // One agent turn and its tool call; the budget stopped the second turn before the LLM.
+    assert_eq!(llm.calls().len(), 2);
 }
 
 /// Requests with invalid fields get an `error` response that ends the dialog.

@@ -121,8 +121,19 @@ async fn print(request: reqwest::RequestBuilder) -> anyhow::Result<i32> {
 /// Prints every problem of `dir` with its file and key; true when there is none.
 fn report(dir: &Path) -> bool {
     match check_config_dir(dir) {
-        Ok(_) => {
+        Ok(config) => {
             println!("{}: valid", dir.display());
+            // Valid, but worth knowing: routing to such a task type falls back to react.
+            for task in config.task_types.values() {
+                let (runnable, unavailable) = agent_core::router::pattern_candidates(&config, task);
+                if runnable.is_empty() {
+                    eprintln!(
+                        "warning: agent-task-type/{}: none of its patterns ({}) runs in this orchestrator; it will run as react",
+                        task.name,
+                        unavailable.join(", ")
+                    );
+                }
+            }
             true
         }
         Err(problems) => {

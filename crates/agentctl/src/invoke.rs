@@ -4,7 +4,7 @@ use std::io::{IsTerminal, Write};
 use std::time::{Duration, Instant};
 
 use agent_bus::{AgentClient, BrokerArgs};
-use agent_core::provenance::describe;
+use agent_core::provenance::{describe, TG};
 use agent_schema::{AgentRequest, AgentResponse, MessageType, Triple};
 use anyhow::Context;
 
@@ -126,6 +126,36 @@ fn kind(r: &AgentResponse) -> MessageType {
     r.kind().unwrap_or(MessageType::Observation)
 }
 
+/// One line on how the dialog was routed, from its pattern decision's triples.
+fn routing_line(triples: &[Triple]) -> String {
+    let fact = |name: &str| {
+        triples
+            .iter()
+            .find(|t| t.p.iri == format!("{TG}{name}"))
+            .map(|t| t.o.value.as_str())
+            .unwrap_or("")
+    };
+    let task_type = match fact("taskType") {
+        "" => String::new(),
+        t => format!("task type {t} ({}), ", fact("taskTypeMethod")),
+    };
+    let mut line = format!(
+        "{task_type}pattern {} ({})",
+        fact("pattern"),
+        fact("patternMethod")
+    );
+    for why in [
+        fact("rationale"),
+        fact("taskTypeFallbackReason"),
+        fact("patternFallbackReason"),
+    ] {
+        if !why.is_empty() {
+            line.push_str(&format!("; {why}"));
+        }
+    }
+    line
+}
+
 /// Turns response chunks into readable terminal output.
 pub struct Renderer {
     json: bool,
@@ -200,6 +230,12 @@ impl Renderer {
                 let _ = writeln!(out, "{} {message}", self.paint("1;31", "Error:"));
             }
             MessageType::Explain => {
+                let node = r.explain_id.as_deref().unwrap_or_default();
+                if node.ends_with("/pattern-decision") {
+                    self.close_line(&mut out);
+                    let line = routing_line(&r.explain_triples);
+                    let _ = writeln!(out, "{} {line}", self.paint("35", "Routed:"));
+                }
                 if self.explain {
                     self.close_line(&mut out);
                     let node = r.explain_id.clone().unwrap_or_default();

@@ -1,19 +1,27 @@
-//! The agent configuration the orchestrator works from: tools, limits and prompts, in the shape of
-//! TrustGraph's config store (type -> key -> JSON value), validated with every error reported at once.
+//! The agent configuration the orchestrator works from: tools, MCP servers, patterns, task types,
+//! limits and prompts, in the shape of TrustGraph's config store (type -> key -> JSON value),
+//! validated with every error reported at once.
 
 use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
-use crate::prompt::PromptTemplate;
+use crate::prompt::Prompts;
+use crate::router::{self, IMPLEMENTED_PATTERNS};
 use crate::tools::ToolDef;
 
 /// Config type of tool definitions.
 pub const TOOL_TYPE: &str = "tool";
-/// Config type of prompt templates; key `react` is the ReACT prompt.
+/// Config type of MCP servers that `mcp-tool` tools call.
+pub const MCP_TYPE: &str = "mcp";
+/// Config type of prompt templates; see [`Prompts::KEYS`].
 pub const PROMPT_TYPE: &str = "prompt";
 /// Config type of agent limits; key `default` holds them.
 pub const LIMITS_TYPE: &str = "agent-limits";
+/// Config type of the patterns a request can be worked with (key = pattern name).
+pub const PATTERN_TYPE: &str = "agent-pattern";
+/// Config type of the task types the meta-router classifies requests into (key = task type name).
+pub const TASK_TYPE_TYPE: &str = "agent-task-type";
 
 /// Bounds on a dialog. Every field has a default so a partial config is valid.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -27,6 +35,18 @@ pub struct Limits {
     pub max_observation_bytes: usize,
     /// Tool call timeout, in seconds.
     pub tool_timeout_secs: u64,
+    /// Times a Plan-then-Execute plan may be revised.
+    pub max_replan_depth: usize,
+    /// Goals a supervisor may fan out at once.
+    pub max_subagents: usize,
+    /// How deep subagents may fan out again.
+    pub max_fanout_depth: usize,
+    /// Retries of a step the critic rejected.
+    pub max_retries: usize,
+    /// Tokens (input plus output) a root request may use; 0 means no bound.
+    pub max_tokens: u64,
+    /// Wall-clock seconds a root request may run; 0 means no bound.
+    pub max_wall_secs: u64,
 }
 
 impl Default for Limits {
@@ -36,8 +56,100 @@ impl Default for Limits {
             max_question_bytes: 64 * 1024,
             max_observation_bytes: 16 * 1024,
             tool_timeout_secs: 60,
+            max_replan_depth: 2,
+            max_subagents: 5,
+            max_fanout_depth: 2,
+            max_retries: 5,
+            max_tokens: 200_000,
+            max_wall_secs: 600,
         }
     }
+}
+
+impl Limits {
+    /// The budget a dialog has used up, having spent `tokens` (input plus output) over `elapsed`, as
+    /// the sentence that ends it; `None` while it may go on.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// let limits = agent_core::config::Limits { max_tokens: 100, max_wall_secs: 60, ..Default::default() };
+    /// assert!(limits.spent_budget(99, Duration::from_secs(59)).is_none());
+    /// assert!(limits.spent_budget(100, Duration::ZERO).unwrap().contains("max_tokens"));
+    /// assert!(limits.spent_budget(0, Duration::from_secs(60)).unwrap().contains("max_wall_secs"));
+    /// ```
+    pub fn spent_budget(&self, tokens: u64, elapsed: std::time::Duration) -> Option<String> {
+        if self.max_tokens > 0 && tokens >= self.max_tokens {
+            return Some(format!(
+                "the dialog used {tokens} tokens, its budget is {} (max_tokens)",
+                self.max_tokens
+            ));
+        }
+        if self.max_wall_secs > 0 && elapsed.as_secs() >= self.max_wall_secs {
+            return Some(format!(
+                "the dialog has run for {} s, its budget is {} s (max_wall_secs)",
+                elapsed.as_secs(),
+                self.max_wall_secs
+            ));
+        }
+        None
+    }
+
+    /// Values that cannot work, each as a message.
+    fn problems(&self) -> Vec<String> {
+        let mut out = Vec::new();
+        for (name, value) in [
+            ("max_iterations", self.max_iterations),
+            ("max_question_bytes", self.max_question_bytes),
+            ("max_observation_bytes", self.max_observation_bytes),
+            ("max_subagents", self.max_subagents),
+        ] {
+            if value == 0 {
+                out.push(format!("{name} must be at least 1"));
+            }
+        }
+        if self.tool_timeout_secs == 0 {
+            out.push("tool_timeout_secs must be at least 1".to_owned());
+        }
+        out
+    }
+}
+
+/// A way of working on a request (config type `agent-pattern`, key = its name).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PatternDef {
+    /// Defaults to the key; when given it must equal the key.
+    #[serde(default)]
+    pub name: String,
+    /// What the pattern is good for; the meta-router shows it to the LLM.
+    pub description: String,
+}
+
+/// A kind of request (config type `agent-task-type`, key = its name).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TaskTypeDef {
+    /// Defaults to the key; when given it must equal the key.
+    #[serde(default)]
+    pub name: String,
+    /// What requests of this type look like; the meta-router shows it to the LLM.
+    pub description: String,
+    /// Put before the pattern's prompt, to frame the work.
+    #[serde(default)]
+    pub framing: String,
+    /// The patterns a request of this type may be worked with, the preferred fallback first.
+    pub valid_patterns: Vec<String>,
+}
+
+/// An MCP server (config type `mcp`, key = the id `mcp-tool` tools refer to).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct McpServer {
+    /// The server's streamable-HTTP endpoint.
+    pub url: String,
+    /// The tool's name on the server, when it differs from the key.
+    #[serde(default, rename = "remote-name")]
+    pub remote_name: Option<String>,
+    /// Other settings (`auth-token`, ...), kept as given.
+    #[serde(flatten)]
+    pub settings: BTreeMap<String, serde_json::Value>,
 }
 
 /// Everything an iteration needs from config.
@@ -45,8 +157,15 @@ impl Default for Limits {
 pub struct AgentConfig {
     /// Tools by tool id.
     pub tools: BTreeMap<String, ToolDef>,
+    /// MCP servers by id.
+    pub mcp: BTreeMap<String, McpServer>,
+    /// Patterns by name, as configured (which of them this orchestrator runs is
+    /// [`IMPLEMENTED_PATTERNS`]).
+    pub patterns: BTreeMap<String, PatternDef>,
+    /// Task types by name; empty means the built-in `general` task type.
+    pub task_types: BTreeMap<String, TaskTypeDef>,
     pub limits: Limits,
-    pub react_prompt: PromptTemplate,
+    pub prompts: Prompts,
 }
 
 /// One problem in a config set, located by type and key.
@@ -61,64 +180,181 @@ pub struct ConfigError {
 /// Raw config values: type -> key -> JSON value.
 pub type ConfigValues = BTreeMap<String, BTreeMap<String, serde_json::Value>>;
 
+/// Collects the problems of one config set.
+#[derive(Default)]
+struct Problems(Vec<ConfigError>);
+
+impl Problems {
+    fn push(&mut self, kind: &str, key: &str, message: impl Into<String>) {
+        self.0.push(ConfigError {
+            kind: kind.to_owned(),
+            key: key.to_owned(),
+            message: message.into(),
+        });
+    }
+
+    /// Decodes every entry of `kind`, recording those that do not decode.
+    fn decode<T: serde::de::DeserializeOwned>(
+        &mut self,
+        values: &ConfigValues,
+        kind: &str,
+    ) -> BTreeMap<String, T> {
+        let mut out = BTreeMap::new();
+        for (key, value) in values.get(kind).into_iter().flatten() {
+            match serde_json::from_value::<T>(value.clone()) {
+                Ok(v) => {
+                    out.insert(key.clone(), v);
+                }
+                Err(e) => self.push(kind, key, e.to_string()),
+            }
+        }
+        out
+    }
+
+    /// A `name` field must be empty (then it becomes the key) or equal the key.
+    fn name_matches_key(&mut self, kind: &str, key: &str, name: &mut String) {
+        if name.is_empty() {
+            key.clone_into(name);
+        } else if name != key {
+            self.push(
+                kind,
+                key,
+                format!("the name '{name}' differs from the key '{key}'"),
+            );
+        }
+    }
+}
+
 impl AgentConfig {
     /// Builds the config from raw values, reporting every invalid entry at once.
     pub fn from_values(values: &ConfigValues) -> Result<AgentConfig, Vec<ConfigError>> {
-        let mut errors = Vec::new();
-        let mut config = AgentConfig::default();
-        let error = |kind: &str, key: &str, message: String| ConfigError {
-            kind: kind.to_owned(),
-            key: key.to_owned(),
-            message,
+        let mut problems = Problems::default();
+        let mut config = AgentConfig {
+            tools: problems.decode(values, TOOL_TYPE),
+            mcp: problems.decode(values, MCP_TYPE),
+            patterns: problems.decode(values, PATTERN_TYPE),
+            task_types: problems.decode(values, TASK_TYPE_TYPE),
+            ..AgentConfig::default()
         };
-        for (key, value) in values.get(TOOL_TYPE).into_iter().flatten() {
-            match serde_json::from_value::<ToolDef>(value.clone()) {
-                Ok(tool) if tool.name.trim().is_empty() => {
-                    errors.push(error(TOOL_TYPE, key, "the tool has an empty name".into()))
-                }
-                Ok(tool) => {
-                    config.tools.insert(key.clone(), tool);
-                }
-                Err(e) => errors.push(error(TOOL_TYPE, key, e.to_string())),
+        check_tools(&config, &mut problems);
+        for (key, server) in &config.mcp {
+            if !(server.url.starts_with("http://") || server.url.starts_with("https://")) {
+                problems.push(
+                    MCP_TYPE,
+                    key,
+                    format!("the url '{}' is not http(s)", server.url),
+                );
             }
         }
-        let mut names: BTreeMap<&str, &str> = BTreeMap::new();
-        for (key, tool) in &config.tools {
-            if let Some(other) = names.insert(&tool.name, key) {
-                errors.push(error(
-                    TOOL_TYPE,
-                    key,
-                    format!("tool name '{}' is also used by '{other}'", tool.name),
-                ));
+        for (key, pattern) in config.patterns.iter_mut() {
+            problems.name_matches_key(PATTERN_TYPE, key, &mut pattern.name);
+        }
+        let known =
+            |name: &str| config.patterns.contains_key(name) || IMPLEMENTED_PATTERNS.contains(&name);
+        let mut task_problems = Vec::new();
+        for (key, task) in &config.task_types {
+            if task.valid_patterns.is_empty() {
+                task_problems.push((key.clone(), "valid_patterns is empty".to_owned()));
             }
+            for pattern in &task.valid_patterns {
+                if !known(pattern) {
+                    task_problems.push((
+                        key.clone(),
+                        format!("valid_patterns names the unknown pattern '{pattern}' (no agent-pattern/{pattern})"),
+                    ));
+                }
+            }
+        }
+        for (key, message) in task_problems {
+            problems.push(TASK_TYPE_TYPE, &key, message);
+        }
+        for (key, task) in config.task_types.iter_mut() {
+            problems.name_matches_key(TASK_TYPE_TYPE, key, &mut task.name);
         }
         if let Some(value) = values.get(LIMITS_TYPE).and_then(|m| m.get("default")) {
             match serde_json::from_value::<Limits>(value.clone()) {
-                Ok(limits) if limits.max_iterations == 0 => errors.push(error(
-                    LIMITS_TYPE,
-                    "default",
-                    "max_iterations must be at least 1".into(),
-                )),
-                Ok(limits) => config.limits = limits,
-                Err(e) => errors.push(error(LIMITS_TYPE, "default", e.to_string())),
+                Ok(limits) => {
+                    let found = limits.problems();
+                    for message in &found {
+                        problems.push(LIMITS_TYPE, "default", message.clone());
+                    }
+                    if found.is_empty() {
+                        config.limits = limits;
+                    }
+                }
+                Err(e) => problems.push(LIMITS_TYPE, "default", e.to_string()),
             }
         }
-        if let Some(value) = values.get(PROMPT_TYPE).and_then(|m| m.get("react")) {
-            match serde_json::from_value::<PromptTemplate>(value.clone()) {
-                Ok(p) => config.react_prompt = p,
-                Err(e) => errors.push(error(PROMPT_TYPE, "react", e.to_string())),
+        for key in values.get(LIMITS_TYPE).into_iter().flat_map(|m| m.keys()) {
+            if key != "default" {
+                problems.push(LIMITS_TYPE, key, "only the key 'default' is read");
             }
         }
-        if errors.is_empty() {
+        for (key, value) in values.get(PROMPT_TYPE).into_iter().flatten() {
+            let Some(slot) = config.prompts.slot(key) else {
+                problems.push(
+                    PROMPT_TYPE,
+                    key,
+                    format!(
+                        "no LLM call uses this prompt; the prompts are: {}",
+                        Prompts::KEYS.join(", ")
+                    ),
+                );
+                continue;
+            };
+            match serde_json::from_value(value.clone()) {
+                Ok(p) => *slot = p,
+                Err(e) => problems.push(PROMPT_TYPE, key, e.to_string()),
+            }
+        }
+        if problems.0.is_empty() {
             Ok(config)
         } else {
-            Err(errors)
+            Err(problems.0)
         }
     }
 
     /// The tool the LLM named, by its `name`.
     pub fn tool_by_name(&self, name: &str) -> Option<&ToolDef> {
         self.tools.values().find(|t| t.name == name)
+    }
+
+    /// The task types the meta-router chooses from: the configured ones, or the built-in `general`.
+    pub fn task_types_or_general(&self) -> Vec<TaskTypeDef> {
+        if self.task_types.is_empty() {
+            vec![router::general_task_type()]
+        } else {
+            self.task_types.values().cloned().collect()
+        }
+    }
+}
+
+fn check_tools(config: &AgentConfig, problems: &mut Problems) {
+    let mut names: BTreeMap<&str, &str> = BTreeMap::new();
+    for (key, tool) in &config.tools {
+        if tool.name.trim().is_empty() {
+            problems.push(TOOL_TYPE, key, "the tool has an empty name");
+        } else if let Some(other) = names.insert(&tool.name, key) {
+            problems.push(
+                TOOL_TYPE,
+                key,
+                format!("tool name '{}' is also used by '{other}'", tool.name),
+            );
+        }
+        if tool.kind == "mcp-tool" {
+            let server = tool
+                .settings
+                .get("mcp-tool")
+                .and_then(|v| v.as_str())
+                .unwrap_or(key.as_str());
+            if !config.mcp.contains_key(server) {
+                problems.push(
+                    TOOL_TYPE,
+                    key,
+                    format!("the mcp-tool refers to '{server}', which is not in the mcp config"),
+                );
+            }
+        }
     }
 }
 

@@ -1,8 +1,10 @@
-//! Agent logic with no I/O: the ReACT protocol parser, tool scoping, prompts, config and provenance
-//! builders. The orchestrator drives these; unit tests drive them directly.
+//! Agent logic with no I/O: the meta-router's choices, the ReACT protocol parser, tool scoping,
+//! prompts, config and provenance builders. The orchestrator drives these; unit tests drive them
+//! directly.
 
 pub mod config;
 pub mod prompt;
 pub mod provenance;
 pub mod react;
+pub mod router;
 pub mod tools;

@@ -6,26 +6,99 @@ use agent_schema::AgentStep;
 
 use crate::tools::ToolDef;
 
+/// Config key (type `prompt`) of the ReACT prompt.
+pub const REACT_KEY: &str = "react";
+/// Config key of the meta-router's first question: which task type a request is (TrustGraph's
+/// prompt id).
+pub const TASK_TYPE_SELECTION_KEY: &str = "task-type-classify";
+/// Config key of the meta-router's second question: which pattern to work on a task type with
+/// (TrustGraph's prompt id).
+pub const PATTERN_SELECTION_KEY: &str = "pattern-select";
+/// Config key of the prompt around a tool's LLM call (`text-completion` and `prompt` tools).
+pub const TOOL_CALL_KEY: &str = "tool-call";
+
 /// The ReACT system prompt used when config gives none.
 pub const DEFAULT_REACT_SYSTEM: &str = "You are a careful assistant that answers questions by reasoning step by step and using tools when they help.";
 
 /// The ReACT user prompt used when config gives none. `{{name}}` placeholders are filled in.
 pub const DEFAULT_REACT_TEMPLATE: &str = "{{framing}}Answer the question below. You may use these tools:\n\n{{tools}}\n\nRespond in exactly one of these two forms.\n\nTo use a tool:\nThought: <your reasoning>\nAction: <one of: {{tool_names}}>\nArgs: <a JSON object with the tool's arguments>\n\nTo answer:\nThought: <your reasoning>\nFinal Answer: <the answer>\n\nQuestion: {{question}}\n{{history}}";
 
+/// The routing system prompt used when config gives none (both routing questions share it).
+pub const DEFAULT_ROUTING_SYSTEM: &str = "You route requests to the way of working that suits them best. You choose only among the options you are given and you explain your choice in one sentence.";
+
+/// Which task type a request is. Placeholders: `question`, `candidates` (one line per option with
+/// its description), `candidate_names`.
+pub const DEFAULT_TASK_TYPE_TEMPLATE: &str = "Classify the request below as exactly one of these task types:\n\n{{candidates}}\n\nReply with only a JSON object: {\"choice\": \"<one of: {{candidate_names}}>\", \"rationale\": \"<one sentence: which signals in the request led to the choice>\"}\n\nRequest to classify: {{question}}";
+
+/// Which pattern to work with. Placeholders: `question`, `task_type`, `task_type_description`,
+/// `candidates`, `candidate_names`.
+pub const DEFAULT_PATTERN_TEMPLATE: &str = "The request below is a '{{task_type}}' task ({{task_type_description}}). Choose how to work on it, exactly one of these patterns:\n\n{{candidates}}\n\nReply with only a JSON object: {\"choice\": \"<one of: {{candidate_names}}>\", \"rationale\": \"<one sentence: which signals in the request led to the choice>\"}\n\nRequest to plan: {{question}}";
+
+/// The system prompt of a tool's LLM call; its user prompt is the tool's own (`{{prompt}}`).
+pub const DEFAULT_TOOL_CALL_SYSTEM: &str = "You are a helpful assistant.";
+
 /// A system and user prompt pair.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct PromptTemplate {
     pub system: String,
     pub template: String,
 }
 
-impl Default for PromptTemplate {
-    fn default() -> Self {
+impl PromptTemplate {
+    fn new(system: &str, template: &str) -> PromptTemplate {
         PromptTemplate {
-            system: DEFAULT_REACT_SYSTEM.to_owned(),
-            template: DEFAULT_REACT_TEMPLATE.to_owned(),
+            system: system.to_owned(),
+            template: template.to_owned(),
         }
     }
+}
+
+/// The prompt of every LLM call the orchestrator makes, so wording changes need no rebuild.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Prompts {
+    pub react: PromptTemplate,
+    pub task_type_selection: PromptTemplate,
+    pub pattern_selection: PromptTemplate,
+    pub tool_call: PromptTemplate,
+}
+
+impl Default for Prompts {
+    fn default() -> Self {
+        Prompts {
+            react: PromptTemplate::new(DEFAULT_REACT_SYSTEM, DEFAULT_REACT_TEMPLATE),
+            task_type_selection: PromptTemplate::new(
+                DEFAULT_ROUTING_SYSTEM,
+                DEFAULT_TASK_TYPE_TEMPLATE,
+            ),
+            pattern_selection: PromptTemplate::new(
+                DEFAULT_ROUTING_SYSTEM,
+                DEFAULT_PATTERN_TEMPLATE,
+            ),
+            tool_call: PromptTemplate::new(DEFAULT_TOOL_CALL_SYSTEM, "{{prompt}}"),
+        }
+    }
+}
+
+impl Prompts {
+    /// The prompt stored under config key `key`, if the orchestrator makes such a call.
+    pub fn slot(&mut self, key: &str) -> Option<&mut PromptTemplate> {
+        match key {
+            REACT_KEY => Some(&mut self.react),
+            TASK_TYPE_SELECTION_KEY => Some(&mut self.task_type_selection),
+            PATTERN_SELECTION_KEY => Some(&mut self.pattern_selection),
+            TOOL_CALL_KEY => Some(&mut self.tool_call),
+            _ => None,
+        }
+    }
+
+    /// The config keys of every prompt.
+    pub const KEYS: [&'static str; 4] = [
+        REACT_KEY,
+        TASK_TYPE_SELECTION_KEY,
+        PATTERN_SELECTION_KEY,
+        TOOL_CALL_KEY,
+    ];
 }
 
 /// Fills `{{name}}` placeholders in one pass, so a value that itself contains `{{...}}` (user text)
@@ -144,14 +217,14 @@ mod tests {
             observation: "42".into(),
             ..AgentStep::default()
         };
-        let (_, prompt) = react_prompt(&PromptTemplate::default(), "Q?", "", &[], &[step]);
+        let (_, prompt) = react_prompt(&Prompts::default().react, "Q?", "", &[], &[step]);
         assert!(prompt.contains("Question: Q?\nThought: look it up\nAction: llm\nArgs: {\"question\":\"x?\"}\nObservation: 42\n"));
         assert!(prompt.contains("no tools are available"));
     }
 
     #[test]
     fn user_text_is_not_expanded_as_a_placeholder() {
-        let (_, prompt) = react_prompt(&PromptTemplate::default(), "{{tools}}", "", &[], &[]);
+        let (_, prompt) = react_prompt(&Prompts::default().react, "{{tools}}", "", &[], &[]);
         assert!(prompt.contains("Question: {{tools}}"));
     }
 }

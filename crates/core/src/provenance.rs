@@ -6,12 +6,15 @@
 
 use agent_schema::{Term, Triple};
 
+use crate::router::{Choice, Decision, Method};
+
 pub const TG: &str = "https://trustgraph.ai/ns/";
 pub const PROV: &str = "http://www.w3.org/ns/prov#";
 pub const RDF_TYPE: &str = "http://www.w3.org/1999/02/22-rdf-syntax-ns#type";
 pub const RDFS_LABEL: &str = "http://www.w3.org/2000/01/rdf-schema#label";
 pub const XSD_INTEGER: &str = "http://www.w3.org/2001/XMLSchema#integer";
 pub const XSD_DECIMAL: &str = "http://www.w3.org/2001/XMLSchema#decimal";
+pub const XSD_BOOLEAN: &str = "http://www.w3.org/2001/XMLSchema#boolean";
 pub const XSD_DATETIME: &str = "http://www.w3.org/2001/XMLSchema#dateTime";
 /// The named graph that holds provenance.
 pub const GRAPH: &str = "urn:graph:retrieval";
@@ -28,6 +31,7 @@ impl SessionUris {
             base: format!("urn:trustgraph:agent:{session_id}"),
         }
     }
+
     pub fn session(&self) -> String {
         self.base.clone()
     }
@@ -40,18 +44,21 @@ impl SessionUris {
     pub fn observation(&self, n: usize) -> String {
         format!("{}/i{n}/observation", self.base)
     }
+    pub fn pattern_decision(&self) -> String {
+        format!("{}/pattern-decision", self.base)
+    }
     pub fn conclusion(&self) -> String {
         format!("{}/final", self.base)
     }
     pub fn answer_document(&self) -> String {
         format!("{}/answer", self.base)
     }
-    /// The node the next node derives from, after `completed` iterations.
+    /// The node the next node derives from, after `completed` iterations. Every dialog has a
+    /// pattern decision (routed or requested), and its first iteration derives from it.
     pub fn previous(&self, completed: usize) -> String {
-        if completed == 0 {
-            self.session()
-        } else {
-            self.observation(completed)
+        match completed {
+            0 => self.pattern_decision(),
+            n => self.observation(n),
         }
     }
 }
@@ -203,6 +210,8 @@ pub fn observation(uris: &SessionUris, n: usize, text: &str, tool: ToolStats) ->
 pub enum Termination {
     Answer,
     MaxIterations,
+    /// A token or wall-time budget was used up.
+    Budget,
     Error,
 }
 
@@ -211,6 +220,7 @@ impl Termination {
         match self {
             Termination::Answer => "answer",
             Termination::MaxIterations => "max-iterations",
+            Termination::Budget => "budget",
             Termination::Error => "error",
         }
     }
@@ -244,6 +254,77 @@ pub fn conclusion(
     }
     iteration_facts(&mut b, &s, n, candidates, stats);
     b.build()
+}
+
+/// The meta-router's decision: the task type and pattern chosen, what they were chosen among, how
+/// (LLM, only candidate, requested, or fallback with its reason) and the LLM's rationale.
+pub fn pattern_decision(uris: &SessionUris, decision: &Decision, stats: &CallStats) -> Vec<Triple> {
+    let s = uris.pattern_decision();
+    let mut b = NodeBuilder::default();
+    b.types(&s, &["PatternDecision"])
+        .label(&s, &format!("Pattern: {}", decision.pattern.selected))
+        .derived(&s, &uris.session())
+        .tg(&s, "pattern", Term::literal(&decision.pattern.selected));
+    if !decision.task_type.selected.is_empty() {
+        b.tg(&s, "taskType", Term::literal(&decision.task_type.selected));
+    }
+    choice_facts(&mut b, &s, "taskType", &decision.task_type);
+    choice_facts(&mut b, &s, "pattern", &decision.pattern);
+    for name in &decision.unavailable_patterns {
+        b.tg(&s, "patternUnavailable", Term::literal(name));
+    }
+    let rationale: Vec<&str> = [&decision.task_type, &decision.pattern]
+        .iter()
+        .map(|c| c.rationale.as_str())
+        .filter(|r| !r.is_empty())
+        .collect();
+    if !rationale.is_empty() {
+        b.tg(&s, "rationale", Term::literal(rationale.join(" ")));
+    }
+    let fallback = matches!(decision.task_type.method, Method::Fallback(_))
+        || matches!(decision.pattern.method, Method::Fallback(_));
+    b.tg(
+        &s,
+        "fallback",
+        Term::typed_literal(fallback.to_string(), XSD_BOOLEAN),
+    );
+    if !decision.framing.is_empty() {
+        b.tg(&s, "framing", Term::literal(&decision.framing));
+    }
+    let integer = |v: u64| Term::typed_literal(v.to_string(), XSD_INTEGER);
+    b.tg(&s, "llmDurationMs", integer(stats.duration_ms))
+        .tg(&s, "inToken", integer(stats.in_token))
+        .tg(&s, "outToken", integer(stats.out_token));
+    if !stats.model.is_empty() {
+        b.tg(&s, "model", Term::literal(&stats.model));
+    }
+    b.build()
+}
+
+/// The facts of one choice, under predicates named after what was chosen (`taskType...`,
+/// `pattern...`).
+fn choice_facts(b: &mut NodeBuilder, s: &str, what: &str, choice: &Choice) {
+    for c in &choice.candidates {
+        b.tg(s, &format!("{what}Candidate"), Term::literal(c));
+    }
+    b.tg(
+        s,
+        &format!("{what}Method"),
+        Term::literal(choice.method.as_str()),
+    );
+    if !choice.rationale.is_empty() {
+        b.tg(
+            s,
+            &format!("{what}Rationale"),
+            Term::literal(&choice.rationale),
+        );
+    }
+    if let Method::Fallback(reason) = &choice.method {
+        b.tg(s, &format!("{what}FallbackReason"), Term::literal(reason));
+    }
+    if let Some(raw) = &choice.raw_answer {
+        b.tg(s, &format!("{what}Answer"), Term::literal(raw));
+    }
 }
 
 /// Renders a triple list as N-Triples-like lines for people (the CLI's provenance view).
@@ -291,7 +372,7 @@ mod tests {
         let u = SessionUris::new("abc");
         assert_eq!(u.iteration(2), "urn:trustgraph:agent:abc/i2");
         assert_eq!(u.thought(2), "urn:trustgraph:agent:abc/i2/thought");
-        assert_eq!(u.previous(0), "urn:trustgraph:agent:abc");
+        assert_eq!(u.previous(0), "urn:trustgraph:agent:abc/pattern-decision");
         assert_eq!(u.previous(1), "urn:trustgraph:agent:abc/i1/observation");
     }
 

@@ -1,6 +1,6 @@
-//! A session's provenance as a tree people can read: question, each iteration's thought, action,
-//! arguments and observation, the conclusion, tokens and durations; and the same DAG as JSON,
-//! Graphviz DOT or Mermaid.
+//! A session's provenance as a tree people can read: question, the pattern decision, each
+//! iteration's thought, action, arguments and observation, the conclusion, tokens and durations;
+//! and the same DAG as JSON, Graphviz DOT or Mermaid.
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -18,10 +18,30 @@ pub struct SessionView {
     pub session: String,
     pub question: String,
     pub started_at: String,
+    pub decision: Option<DecisionView>,
     pub iterations: Vec<IterationView>,
     pub conclusion: Option<ConclusionView>,
     /// Derivation edges (node, derived from), for the graph formats.
     pub edges: Vec<(String, String)>,
+    pub in_token: u64,
+    pub out_token: u64,
+}
+
+/// The meta-router's decision (or the pattern the request named).
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+pub struct DecisionView {
+    pub node: String,
+    pub task_type: String,
+    pub task_type_candidates: Vec<String>,
+    pub task_type_method: String,
+    pub pattern: String,
+    pub pattern_candidates: Vec<String>,
+    pub pattern_unavailable: Vec<String>,
+    pub pattern_method: String,
+    pub rationale: String,
+    /// Why a fallback was taken, for the task type and the pattern.
+    pub fallback_reasons: Vec<String>,
+    pub framing: String,
     pub in_token: u64,
     pub out_token: u64,
 }
@@ -171,6 +191,34 @@ pub fn session_view(session: &str, rows: &Rows) -> SessionView {
             view.in_token += iteration.in_token;
             view.out_token += iteration.out_token;
             view.iterations.push(iteration);
+        } else if index.has_type(node, &tg("PatternDecision")) {
+            let sorted = |p: &str| {
+                let mut v = index.all(node, &tg(p));
+                v.sort();
+                v
+            };
+            let decision = DecisionView {
+                node: node.clone(),
+                task_type: index.one(node, &tg("taskType")),
+                task_type_candidates: sorted("taskTypeCandidate"),
+                task_type_method: index.one(node, &tg("taskTypeMethod")),
+                pattern: index.one(node, &tg("pattern")),
+                pattern_candidates: sorted("patternCandidate"),
+                pattern_unavailable: sorted("patternUnavailable"),
+                pattern_method: index.one(node, &tg("patternMethod")),
+                rationale: index.one(node, &tg("rationale")),
+                fallback_reasons: ["taskTypeFallbackReason", "patternFallbackReason"]
+                    .iter()
+                    .map(|p| index.one(node, &tg(p)))
+                    .filter(|r| !r.is_empty())
+                    .collect(),
+                framing: index.one(node, &tg("framing")),
+                in_token: index.number(node, &tg("inToken")),
+                out_token: index.number(node, &tg("outToken")),
+            };
+            view.in_token += decision.in_token;
+            view.out_token += decision.out_token;
+            view.decision = Some(decision);
         } else if index.has_type(node, &tg("Conclusion")) {
             let conclusion = ConclusionView {
                 node: node.clone(),
@@ -196,6 +244,14 @@ pub fn session_view(session: &str, rows: &Rows) -> SessionView {
     view
 }
 
+fn or_none(text: &str) -> &str {
+    if text.is_empty() {
+        "(none)"
+    } else {
+        text
+    }
+}
+
 fn trim(text: &str, max: usize) -> String {
     let one_line = text.replace('\n', " ");
     if one_line.chars().count() <= max {
@@ -210,6 +266,42 @@ pub fn render_tree(view: &SessionView) -> String {
     let mut out = format!("{}\n", view.session);
     out.push_str(&format!("├─ question: {}\n", trim(&view.question, 200)));
     out.push_str(&format!("├─ started:  {}\n", view.started_at));
+    if let Some(d) = &view.decision {
+        out.push_str(&format!(
+            "├─ routed: task type {} ({}), pattern {} ({}), tokens {}/{}\n",
+            or_none(&d.task_type),
+            d.task_type_method,
+            d.pattern,
+            d.pattern_method,
+            d.in_token,
+            d.out_token
+        ));
+        if !d.task_type_candidates.is_empty() {
+            out.push_str(&format!(
+                "│  ├─ task types offered: {}\n",
+                d.task_type_candidates.join(", ")
+            ));
+        }
+        out.push_str(&format!(
+            "│  ├─ patterns offered:   {}{}\n",
+            or_none(&d.pattern_candidates.join(", ")),
+            if d.pattern_unavailable.is_empty() {
+                String::new()
+            } else {
+                format!(" (not run here: {})", d.pattern_unavailable.join(", "))
+            }
+        ));
+        for reason in &d.fallback_reasons {
+            out.push_str(&format!("│  ├─ fallback: {}\n", trim(reason, 200)));
+        }
+        if !d.framing.is_empty() {
+            out.push_str(&format!("│  ├─ framing: {}\n", trim(&d.framing, 200)));
+        }
+        out.push_str(&format!(
+            "│  └─ rationale: {}\n",
+            or_none(&trim(&d.rationale, 300))
+        ));
+    }
     for it in &view.iterations {
         out.push_str(&format!(
             "├─ iteration {} ({} ms LLM, {} ms tool, tokens {}/{}, {})\n",
@@ -256,6 +348,12 @@ fn labels(view: &SessionView) -> Vec<(String, String)> {
         view.session.clone(),
         format!("Question: {}", trim(&view.question, 60)),
     )];
+    if let Some(d) = &view.decision {
+        labels.push((
+            d.node.clone(),
+            format!("Pattern: {} ({})", d.pattern, or_none(&d.task_type)),
+        ));
+    }
     for it in &view.iterations {
         labels.push((
             it.node.clone(),

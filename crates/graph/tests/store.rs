@@ -3,6 +3,7 @@
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use agent_core::provenance::{self, CallStats, SessionUris, Termination, ToolStats};
+use agent_core::router::{Choice, Decision, Method};
 use agent_graph::convert::to_quads;
 use agent_graph::explain::{render_mermaid, render_tree, session_view};
 use agent_graph::{queries, GraphStore, QueryAnswer};
@@ -16,6 +17,31 @@ fn session_triples(session: &str, question: &str) -> Vec<agent_schema::Triple> {
         model: "m".into(),
     };
     let mut t = provenance::session(&uris, question, "2026-01-01T00:00:00Z");
+    let decision = Decision {
+        task_type: Choice {
+            candidates: vec!["general".into(), "research".into()],
+            selected: "research".into(),
+            method: Method::Llm,
+            rationale: "asks for sources".into(),
+            raw_answer: None,
+        },
+        pattern: Choice {
+            candidates: vec!["react".into()],
+            selected: "react".into(),
+            method: Method::OnlyCandidate,
+            rationale: String::new(),
+            raw_answer: None,
+        },
+        unavailable_patterns: vec!["plan-then-execute".into()],
+        framing: "Research it.".into(),
+    };
+    let routing = CallStats {
+        duration_ms: 3,
+        in_token: 30,
+        out_token: 4,
+        model: "m".into(),
+    };
+    t.extend(provenance::pattern_decision(&uris, &decision, &routing));
     t.extend(provenance::tool_iteration(
         &uris,
         1,
@@ -77,7 +103,19 @@ async fn scenario(store: GraphStore) {
     assert_eq!(view.iterations.len(), 1);
     assert_eq!(view.iterations[0].observation, "366");
     assert_eq!(view.iterations[0].candidates, ["calc", "llm"]);
-    assert_eq!((view.in_token, view.out_token), (207, 43));
+    // The routing call's tokens count too.
+    assert_eq!((view.in_token, view.out_token), (237, 47));
+    let decision = view.decision.as_ref().unwrap();
+    assert_eq!(decision.task_type, "research");
+    assert_eq!(decision.task_type_candidates, ["general", "research"]);
+    assert_eq!(decision.pattern, "react");
+    assert_eq!(decision.pattern_unavailable, ["plan-then-execute"]);
+    assert_eq!(decision.rationale, "asks for sources");
+    let tree = render_tree(&view);
+    assert!(
+        tree.contains("routed: task type research (llm), pattern react (only-candidate)"),
+        "{tree}"
+    );
     assert_eq!(view.conclusion.as_ref().unwrap().answer, "8784");
     assert!(render_tree(&view).contains("iteration 1"));
     assert!(render_mermaid(&view).contains("-->|wasDerivedFrom|"));

@@ -1,10 +1,12 @@
-//! The agent orchestrator: consumes `AgentRequest`s on a Shared subscription, runs one iteration of
-//! the request's pattern per message, and publishes responses, provenance and the `next` request
-//! before acking. No dialog state lives in the process, so any replica can take any iteration.
+//! The agent orchestrator: consumes `AgentRequest`s on a Shared subscription, runs one step per
+//! message (routing a new dialog, or one iteration of its pattern), and publishes responses,
+//! provenance and the `next` request before acking. No dialog state lives in the process, so any
+//! replica can take any step.
 
 pub mod live_config;
 pub mod output;
 pub mod react;
+pub mod router;
 pub mod settings;
 pub mod tool_exec;
 
@@ -14,15 +16,32 @@ use agent_bus::{
     run_consumer, ConsumerStats, Delivery, Disposition, Publisher, SubscriptionConfig,
 };
 use agent_core::config::AgentConfig;
-use agent_core::provenance::{self, SessionUris};
+use agent_core::provenance::{self, CallStats, SessionUris};
+use agent_core::router::IMPLEMENTED_PATTERNS;
 use agent_llm::LlmClient;
 use agent_schema::{AgentRequest, AgentResponse, ID_PROPERTY};
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
 use crate::live_config::LiveConfig;
-use crate::output::{DialogOutput, Outputs, IN_TOKEN_PROPERTY, OUT_TOKEN_PROPERTY};
+use crate::output::{
+    DialogOutput, Outputs, IN_TOKEN_PROPERTY, OUT_TOKEN_PROPERTY, STARTED_PROPERTY,
+};
 pub use crate::settings::{check_config_dir, load_config_dir, Settings};
+
+/// The inputs of one step of a dialog.
+pub struct Turn<'a> {
+    pub request: &'a AgentRequest,
+    pub session_id: &'a str,
+    pub uris: &'a SessionUris,
+    pub out: &'a DialogOutput<'a>,
+    pub config: &'a AgentConfig,
+    pub llm: &'a LlmClient,
+    /// Tokens the dialog used before this step.
+    pub tokens_before: (u64, u64),
+    /// Time since the dialog's first message was taken up.
+    pub elapsed: std::time::Duration,
+}
 
 /// What an iteration needs, shared by every in-flight message.
 pub struct Engine {
@@ -56,9 +75,21 @@ impl Engine {
                 .unwrap_or(0)
         };
         let tokens_before = (token(IN_TOKEN_PROPERTY), token(OUT_TOKEN_PROPERTY));
+        let now_ms = chrono::Utc::now().timestamp_millis().max(0) as u64;
+        let started_ms = match token(STARTED_PROPERTY) {
+            0 => now_ms,
+            started => started,
+        };
+        let elapsed = std::time::Duration::from_millis(now_ms.saturating_sub(started_ms));
         let session_id = session_id_for(&request, id);
         let uris = SessionUris::new(&session_id);
-        let out = DialogOutput::new(&self.outputs, id, &request.collection, &uris.session());
+        let out = DialogOutput::new(
+            &self.outputs,
+            id,
+            &request.collection,
+            &uris.session(),
+            started_ms,
+        );
         let config = self.config.current();
 
         if let Err(problem) = validate(&request, &config) {
@@ -68,8 +99,20 @@ impl Engine {
         }
         let n = request.history.len() + 1;
         let span = tracing::info_span!("iteration", session = %session_id, iteration = n, id = id.unwrap_or(""));
+        let turn = Turn {
+            request: &request,
+            session_id: &session_id,
+            uris: &uris,
+            out: &out,
+            config: &config,
+            llm: &self.llm,
+            tokens_before,
+            elapsed,
+        };
+        let routed = properties.contains_key(router::ROUTED_PROPERTY);
         async {
-            if request.history.is_empty() {
+            let first = request.history.is_empty();
+            if first && !routed {
                 let started =
                     chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Micros, true);
                 out.explain(
@@ -77,17 +120,17 @@ impl Engine {
                     provenance::session(&uris, &request.question, &started),
                 )
                 .await?;
+                if request.pattern.is_empty() {
+                    return router::route(&turn).await;
+                }
+                let decision = router::requested(&request);
+                out.explain(
+                    &uris.pattern_decision(),
+                    provenance::pattern_decision(&uris, &decision, &CallStats::default()),
+                )
+                .await?;
             }
-            react::iterate(react::Turn {
-                request: &request,
-                session_id: &session_id,
-                uris: &uris,
-                out: &out,
-                config: &config,
-                llm: &self.llm,
-                tokens_before,
-            })
-            .await
+            react::iterate(&turn).await
         }
         .instrument(span)
         .await?;
@@ -126,12 +169,23 @@ fn validate(request: &AgentRequest, config: &AgentConfig) -> Result<(), String> 
     if !request.session_id.chars().all(safe) || request.session_id.len() > 200 {
         return Err("session_id may only hold letters, digits, '-', '_', '.' and ':'".to_owned());
     }
-    match request.pattern.as_str() {
-        "" | "react" => {}
-        other => {
+    let pattern = request.pattern.as_str();
+    if !pattern.is_empty() && !IMPLEMENTED_PATTERNS.contains(&pattern) {
+        return Err(format!(
+            "the pattern '{pattern}' is not available; this orchestrator runs: {}",
+            IMPLEMENTED_PATTERNS.join(", ")
+        ));
+    }
+    // A task type only matters to routing; once routed, the dialog keeps it even if config changes.
+    if pattern.is_empty() && !request.task_type.is_empty() {
+        let task_types = config.task_types_or_general();
+        if !task_types.iter().any(|t| t.name == request.task_type) {
+            let names: Vec<&str> = task_types.iter().map(|t| t.name.as_str()).collect();
             return Err(format!(
-                "the pattern '{other}' is not available; this orchestrator runs: react"
-            ))
+                "the task type '{}' is not configured; the task types are: {}",
+                request.task_type,
+                names.join(", ")
+            ));
         }
     }
     // One more than the limit is the iteration that reports reaching it; anything longer was not
@@ -247,11 +301,23 @@ mod tests {
         assert!(validate(&injected, &config).is_err());
         let pattern = AgentRequest {
             pattern: "telepathy".into(),
-            ..ok
+            ..ok.clone()
         };
         assert!(validate(&pattern, &config)
             .unwrap_err()
             .contains("telepathy"));
+        let task_type = AgentRequest {
+            task_type: "astrology".into(),
+            ..ok.clone()
+        };
+        assert!(validate(&task_type, &config)
+            .unwrap_err()
+            .contains("'astrology' is not configured"));
+        let general = AgentRequest {
+            task_type: "general".into(),
+            ..ok
+        };
+        assert!(validate(&general, &config).is_ok());
     }
 }
 
@@ -263,9 +329,21 @@ mod seed_tests {
         let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../config-seed");
         let config = crate::load_config_dir(&dir).unwrap();
         assert!(config.tool_by_name("llm").is_some());
-        assert_eq!(
-            config.react_prompt,
-            agent_core::prompt::PromptTemplate::default()
-        );
+        assert_eq!(config.prompts, agent_core::prompt::Prompts::default());
+        for task in config.task_types.values() {
+            let (runnable, _) = agent_core::router::pattern_candidates(&config, task);
+            assert!(
+                !runnable.is_empty(),
+                "{} has no runnable pattern",
+                task.name
+            );
+        }
+        for name in ["general", "research", "risk-assessment", "summarisation"] {
+            assert!(config.task_types.contains_key(name), "{name} is not seeded");
+        }
+        for name in ["react", "plan-then-execute", "supervisor"] {
+            assert!(config.patterns.contains_key(name), "{name} is not seeded");
+        }
+        assert_eq!(config.limits, agent_core::config::Limits::default());
     }
 }

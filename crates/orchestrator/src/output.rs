@@ -15,6 +15,10 @@ pub const IN_TOKEN_PROPERTY: &str = "agent-in-token";
 /// Message property carrying the tokens the dialog used before this iteration (output side).
 pub const OUT_TOKEN_PROPERTY: &str = "agent-out-token";
 
+/// Message property carrying when the dialog's first message was taken up (Unix milliseconds), for
+/// the wall-time budget.
+pub const STARTED_PROPERTY: &str = "agent-started-ms";
+
 /// The three publishers of the orchestrator.
 #[derive(Clone)]
 pub struct Outputs {
@@ -29,11 +33,18 @@ pub struct DialogOutput<'a> {
     properties: Properties,
     collection: String,
     root: String,
+    started_ms: u64,
     pending: Mutex<Vec<Receipt>>,
 }
 
 impl<'a> DialogOutput<'a> {
-    pub fn new(outputs: &'a Outputs, id: Option<&str>, collection: &str, root: &str) -> Self {
+    pub fn new(
+        outputs: &'a Outputs,
+        id: Option<&str>,
+        collection: &str,
+        root: &str,
+        started_ms: u64,
+    ) -> Self {
         let mut properties = Properties::new();
         if let Some(id) = id {
             properties.insert(ID_PROPERTY.to_owned(), id.to_owned());
@@ -43,6 +54,7 @@ impl<'a> DialogOutput<'a> {
             properties,
             collection: collection.to_owned(),
             root: root.to_owned(),
+            started_ms,
             pending: Mutex::new(Vec::new()),
         }
     }
@@ -120,11 +132,21 @@ impl<'a> DialogOutput<'a> {
         self.respond(&r).await
     }
 
-    /// Queues the next iteration of this dialog, carrying the tokens used so far.
-    pub async fn next(&self, request: &AgentRequest, tokens: (u64, u64)) -> Result<(), BusError> {
+    /// Queues the next iteration of this dialog, carrying the tokens used so far, when it started,
+    /// and any `extra` properties.
+    pub async fn next(
+        &self,
+        request: &AgentRequest,
+        tokens: (u64, u64),
+        extra: &[(&str, &str)],
+    ) -> Result<(), BusError> {
         let mut properties = self.properties.clone();
+        for (key, value) in extra {
+            properties.insert((*key).to_owned(), (*value).to_owned());
+        }
         properties.insert(IN_TOKEN_PROPERTY.to_owned(), tokens.0.to_string());
         properties.insert(OUT_TOKEN_PROPERTY.to_owned(), tokens.1.to_string());
+        properties.insert(STARTED_PROPERTY.to_owned(), self.started_ms.to_string());
         self.send(
             &self.outputs.requests,
             agent_schema::encode(request),

@@ -5,31 +5,19 @@
 use std::time::Duration;
 
 use agent_bus::BusError;
-use agent_core::config::AgentConfig;
 use agent_core::provenance::{self, CallStats, SessionUris, Termination, ToolStats};
 use agent_core::react::{parse, ReactDelta, ReactStream, ReactTurn};
 use agent_core::tools::Scope;
 use agent_llm::{ChatMessage, Completion, LlmClient, LlmError};
-use agent_schema::{AgentRequest, AgentResponse, AgentStep, MessageType, StepType};
+use agent_schema::{AgentResponse, AgentStep, MessageType, StepType};
 use tokio::sync::mpsc;
 
 use crate::output::DialogOutput;
 use crate::tool_exec::run_tool;
-
-/// The inputs of one iteration.
-pub struct Turn<'a> {
-    pub request: &'a AgentRequest,
-    pub session_id: &'a str,
-    pub uris: &'a SessionUris,
-    pub out: &'a DialogOutput<'a>,
-    pub config: &'a AgentConfig,
-    pub llm: &'a LlmClient,
-    /// Tokens the dialog used before this iteration.
-    pub tokens_before: (u64, u64),
-}
+use crate::Turn;
 
 /// Runs the iteration. `Err` only for publish failures: the message is then nacked and redone.
-pub async fn iterate(turn: Turn<'_>) -> Result<(), BusError> {
+pub async fn iterate(turn: &Turn<'_>) -> Result<(), BusError> {
     let Turn {
         request,
         uris,
@@ -37,16 +25,23 @@ pub async fn iterate(turn: Turn<'_>) -> Result<(), BusError> {
         config,
         llm,
         ..
-    } = &turn;
+    } = turn;
     let n = request.history.len() + 1;
     if request.history.len() >= config.limits.max_iterations {
-        return conclude_at_limit(&turn).await;
+        let max = config.limits.max_iterations;
+        let why = format!("I could not reach a final answer within the limit of {max} iterations (max_iterations).");
+        return conclude_at_limit(turn, Termination::MaxIterations, &why).await;
+    }
+    let used = turn.tokens_before.0 + turn.tokens_before.1;
+    if let Some(spent) = config.limits.spent_budget(used, turn.elapsed) {
+        let why = format!("I stopped before reaching a final answer: {spent}.");
+        return conclude_at_limit(turn, Termination::Budget, &why).await;
     }
     let scope = Scope::new(request.group.as_deref(), request.state.as_deref());
     let visible = scope.visible(&config.tools);
     let candidates: Vec<&str> = visible.iter().map(|t| t.name.as_str()).collect();
     let (system, user) = agent_core::prompt::react_prompt(
-        &config.react_prompt,
+        &config.prompts.react,
         &request.question,
         &request.framing,
         &visible,
@@ -61,7 +56,7 @@ pub async fn iterate(turn: Turn<'_>) -> Result<(), BusError> {
     };
     let completion = match completion {
         Ok(c) => c,
-        Err(e) => return fail(&turn, n, &format!("the LLM call failed: {e}")).await,
+        Err(e) => return fail(turn, n, &format!("the LLM call failed: {e}")).await,
     };
     let stats = CallStats {
         duration_ms: completion.duration.as_millis() as u64,
@@ -114,6 +109,7 @@ pub async fn iterate(turn: Turn<'_>) -> Result<(), BusError> {
                 Some(tool) if scope.allows(tool) => {
                     let run = run_tool(
                         llm,
+                        &config.prompts.tool_call,
                         tool,
                         &arguments,
                         Duration::from_secs(limits.tool_timeout_secs),
@@ -154,7 +150,7 @@ pub async fn iterate(turn: Turn<'_>) -> Result<(), BusError> {
             };
             let tokens = (tokens.0 + run.in_token, tokens.1 + run.out_token);
             record_step(
-                &turn,
+                turn,
                 n,
                 step,
                 &arguments_json,
@@ -189,7 +185,7 @@ pub async fn iterate(turn: Turn<'_>) -> Result<(), BusError> {
                 .state()
                 .to_owned();
             record_step(
-                &turn,
+                turn,
                 n,
                 step,
                 "{}",
@@ -246,7 +242,7 @@ async fn record_step(
     next.history.push(step);
     next.state = Some(next_state);
     next.session_id = turn.session_id.to_owned();
-    out.next(&next, tokens).await
+    out.next(&next, tokens, &[]).await
 }
 
 /// Streams the LLM's answer, passing thought and answer text to the client as soon as it is certain.
@@ -338,32 +334,31 @@ fn closing_answer(
     r
 }
 
-/// Ends a dialog that used all its iterations with a clear answer and a provenance record.
-async fn conclude_at_limit(turn: &Turn<'_>) -> Result<(), BusError> {
+/// Ends a dialog that reached a limit (`why`) with a clear answer, what it knew last, and a
+/// provenance record of the reason.
+async fn conclude_at_limit(
+    turn: &Turn<'_>,
+    termination: Termination,
+    why: &str,
+) -> Result<(), BusError> {
     let Turn {
         request,
         uris,
         out,
-        config,
         llm,
         ..
     } = turn;
-    let max = config.limits.max_iterations;
-    let last = request
-        .history
-        .last()
-        .map(|s| s.observation.as_str())
-        .unwrap_or("");
-    let answer = format!(
-        "I could not reach a final answer within the limit of {max} iterations (max_iterations). The last observation was: {last}"
-    );
+    let answer = match request.history.last() {
+        Some(step) => format!("{why} The last observation was: {}", step.observation),
+        None => why.to_owned(),
+    };
     let n = request.history.len() + 1;
     let triples = provenance::conclusion(
         uris,
         n,
         "",
         &answer,
-        Termination::MaxIterations,
+        termination,
         &[],
         &CallStats::default(),
     );

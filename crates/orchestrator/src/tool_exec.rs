@@ -3,7 +3,7 @@
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
-use agent_core::prompt::render;
+use agent_core::prompt::{render, PromptTemplate};
 use agent_core::tools::ToolDef;
 use agent_llm::{ChatMessage, LlmClient};
 
@@ -16,18 +16,17 @@ pub struct ToolRun {
     pub out_token: u64,
 }
 
-const TOOL_SYSTEM_PROMPT: &str = "You are a helpful assistant.";
-
 /// Runs `tool` with `arguments`, bounded by `timeout`, and cuts the observation to `max_bytes`.
 pub async fn run_tool(
     llm: &LlmClient,
+    prompt: &PromptTemplate,
     tool: &ToolDef,
     arguments: &BTreeMap<String, String>,
     timeout: Duration,
     max_bytes: usize,
 ) -> ToolRun {
     let started = Instant::now();
-    let outcome = tokio::time::timeout(timeout, call(llm, tool, arguments)).await;
+    let outcome = tokio::time::timeout(timeout, call(llm, prompt, tool, arguments)).await;
     let (observation, in_token, out_token) = match outcome {
         Ok(Ok((text, i, o))) => (text, i, o),
         Ok(Err(message)) => (format!("Error: {message}"), 0, 0),
@@ -50,6 +49,7 @@ pub async fn run_tool(
 
 async fn call(
     llm: &LlmClient,
+    wrapper: &PromptTemplate,
     tool: &ToolDef,
     arguments: &BTreeMap<String, String>,
 ) -> Result<(String, u64, u64), String> {
@@ -79,9 +79,10 @@ async fn call(
             ))
         }
     };
+    let vars = [("prompt", prompt)].into_iter().collect();
     let messages = [
-        ChatMessage::system(TOOL_SYSTEM_PROMPT),
-        ChatMessage::user(prompt),
+        ChatMessage::system(wrapper.system.clone()),
+        ChatMessage::user(render(&wrapper.template, &vars)),
     ];
     let completion = llm
         .complete(&messages)

@@ -3,7 +3,8 @@
 //! with `Retry-After`, stalls, malformed bodies and truncated streams.
 //!
 //! A script is JSON: `{"rules": [Rule...], "default_reply": "..."}`. The first rule whose `match` is
-//! found in the last user message (or equals it, with `"exact": true`) answers. The n-th request a
+//! found in the last user message (or equals it, with `"exact": true`), along with every text of its
+//! `and`, answers. The n-th request a
 //! rule answers suffers `faults[n]` when there is one: `"429"`, `"500"` (any status), `"stall"`,
 //! `"malformed"` or `"truncate"`; later requests get the reply.
 
@@ -44,6 +45,9 @@ pub struct Rule {
     /// Match the whole last user message instead of a part of it.
     #[serde(default)]
     pub exact: bool,
+    /// More texts that must all be found in the last user message too.
+    #[serde(default)]
+    pub and: Vec<String>,
     pub reply: String,
     /// Faults for the first requests this rule answers, in order.
     #[serde(default)]
@@ -197,11 +201,12 @@ async fn chat(State(shared): State<Arc<Shared>>, Json(body): Json<Value>) -> Res
     let stream = body["stream"].as_bool().unwrap_or(false);
     let model = body["model"].as_str().unwrap_or("scripted").to_owned();
     let rule_index = shared.script.rules.iter().position(|r| {
-        if r.exact {
+        let first = if r.exact {
             last_user == r.pattern
         } else {
             last_user.contains(&r.pattern)
-        }
+        };
+        first && r.and.iter().all(|text| last_user.contains(text.as_str()))
     });
     if let Ok(mut calls) = shared.calls.lock() {
         calls.push(Call {

@@ -1,0 +1,395 @@
+//! The meta-router's decision logic: which task type a request is, then which pattern works on it.
+//! The LLM only ever chooses among candidates that config defines; anything else it says is
+//! rejected and a recorded fallback is used, so a run is never steered outside configuration.
+
+use std::collections::BTreeMap;
+
+use crate::config::{AgentConfig, TaskTypeDef};
+use crate::prompt::{render, PromptTemplate};
+
+/// The patterns this orchestrator can run, in no particular order.
+pub const IMPLEMENTED_PATTERNS: &[&str] = &[REACT];
+/// The pattern every dialog can fall back to.
+pub const REACT: &str = "react";
+/// The task type used when config defines none, and the preferred fallback task type.
+pub const GENERAL: &str = "general";
+
+/// Longest LLM text kept in a decision record (the rationale and the raw answer).
+const MAX_RECORDED_CHARS: usize = 2000;
+
+/// The built-in task type of a service without task type config.
+pub fn general_task_type() -> TaskTypeDef {
+    TaskTypeDef {
+        name: GENERAL.to_owned(),
+        description: "Any request".to_owned(),
+        framing: String::new(),
+        valid_patterns: vec![REACT.to_owned()],
+    }
+}
+
+/// One option put to the LLM.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Candidate {
+    pub name: String,
+    pub description: String,
+}
+
+/// How a choice was made.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Method {
+    /// The LLM chose a candidate.
+    Llm,
+    /// There was one candidate, so no LLM call was made.
+    OnlyCandidate,
+    /// The request named it.
+    Requested,
+    /// The LLM's answer was unusable; the reason says why, and the fallback was taken.
+    Fallback(String),
+}
+
+impl Method {
+    /// The method as recorded in provenance.
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            Method::Llm => "llm",
+            Method::OnlyCandidate => "only-candidate",
+            Method::Requested => "requested",
+            Method::Fallback(_) => "fallback",
+        }
+    }
+}
+
+/// One constrained choice and everything needed to audit it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Choice {
+    /// The names the choice was made among, in the order they were offered.
+    pub candidates: Vec<String>,
+    pub selected: String,
+    pub method: Method,
+    /// The LLM's reason (empty when no LLM chose).
+    pub rationale: String,
+    /// What the LLM said, kept when it was not a usable choice.
+    pub raw_answer: Option<String>,
+}
+
+/// The meta-router's whole decision for one request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Decision {
+    pub task_type: Choice,
+    pub pattern: Choice,
+    /// Patterns the task type allows that this orchestrator cannot run, so were not offered.
+    pub unavailable_patterns: Vec<String>,
+    /// The framing the dialog runs with.
+    pub framing: String,
+}
+
+/// The task types offered for a request, by name with their descriptions.
+pub fn task_type_candidates(task_types: &[TaskTypeDef]) -> Vec<Candidate> {
+    task_types
+        .iter()
+        .map(|t| Candidate {
+            name: t.name.clone(),
+            description: t.description.clone(),
+        })
+        .collect()
+}
+
+/// The fallback among task types: `general` when offered, else the first.
+pub fn fallback_task_type(candidates: &[Candidate]) -> String {
+    candidates
+        .iter()
+        .find(|c| c.name == GENERAL)
+        .or_else(|| candidates.first())
+        .map(|c| c.name.clone())
+        .unwrap_or_else(|| GENERAL.to_owned())
+}
+
+/// The patterns offered for `task_type`: its `valid_patterns` that this orchestrator runs, in the
+/// task type's order, and separately those it cannot run.
+pub fn pattern_candidates(
+    config: &AgentConfig,
+    task_type: &TaskTypeDef,
+) -> (Vec<Candidate>, Vec<String>) {
+    let mut runnable = Vec::new();
+    let mut unavailable = Vec::new();
+    for name in &task_type.valid_patterns {
+        if IMPLEMENTED_PATTERNS.contains(&name.as_str()) {
+            let description = config
+                .patterns
+                .get(name)
+                .map(|p| p.description.clone())
+                .unwrap_or_else(|| builtin_description(name).to_owned());
+            runnable.push(Candidate {
+                name: name.clone(),
+                description,
+            });
+        } else {
+            unavailable.push(name.clone());
+        }
+    }
+    (runnable, unavailable)
+}
+
+fn builtin_description(pattern: &str) -> &'static str {
+    match pattern {
+        REACT => "Reason step by step, calling one tool at a time, until the answer is known",
+        _ => "",
+    }
+}
+
+/// The prompt asking which task type `question` is.
+pub fn task_type_prompt(
+    template: &PromptTemplate,
+    question: &str,
+    candidates: &[Candidate],
+) -> (String, String) {
+    let vars = choice_vars(question, candidates);
+    (template.system.clone(), render(&template.template, &vars))
+}
+
+/// The prompt asking which pattern to work on `question` with, as a task of `task_type`.
+pub fn pattern_prompt(
+    template: &PromptTemplate,
+    question: &str,
+    task_type: &TaskTypeDef,
+    candidates: &[Candidate],
+) -> (String, String) {
+    let mut vars = choice_vars(question, candidates);
+    vars.insert("task_type", task_type.name.clone());
+    vars.insert("task_type_description", task_type.description.clone());
+    (template.system.clone(), render(&template.template, &vars))
+}
+
+fn choice_vars<'a>(question: &str, candidates: &[Candidate]) -> BTreeMap<&'a str, String> {
+    let lines: Vec<String> = candidates
+        .iter()
+        .map(|c| {
+            if c.description.is_empty() {
+                format!("- {}", c.name)
+            } else {
+                format!("- {}: {}", c.name, c.description)
+            }
+        })
+        .collect();
+    let names: Vec<&str> = candidates.iter().map(|c| c.name.as_str()).collect();
+    [
+        ("question", question.to_owned()),
+        ("candidates", lines.join("\n")),
+        ("candidate_names", names.join(", ")),
+    ]
+    .into_iter()
+    .collect()
+}
+
+/// A choice made without the LLM: the only candidate, or the one the request named.
+pub fn without_llm(candidates: &[Candidate], selected: &str, method: Method) -> Choice {
+    Choice {
+        candidates: names(candidates),
+        selected: selected.to_owned(),
+        method,
+        rationale: String::new(),
+        raw_answer: None,
+    }
+}
+
+/// Reads the LLM's answer (`Err` when the call itself failed) and keeps its choice only when it is
+/// one of `candidates`; otherwise `fallback` is selected and the reason recorded.
+pub fn decide(answer: Result<&str, String>, candidates: &[Candidate], fallback: &str) -> Choice {
+    let fallback_choice = |reason: String, raw: Option<&str>| Choice {
+        candidates: names(candidates),
+        selected: fallback.to_owned(),
+        method: Method::Fallback(reason),
+        rationale: String::new(),
+        raw_answer: raw.map(clip),
+    };
+    let text = match answer {
+        Ok(text) => text,
+        Err(e) => return fallback_choice(format!("the LLM call failed: {e}"), None),
+    };
+    let (said, rationale) = read_answer(text);
+    let Some(said) = said else {
+        return fallback_choice("the answer names no choice".to_owned(), Some(text));
+    };
+    let normalised = normalise(&said);
+    match candidates.iter().find(|c| normalise(&c.name) == normalised) {
+        Some(c) => Choice {
+            candidates: names(candidates),
+            selected: c.name.clone(),
+            method: Method::Llm,
+            rationale: clip(&rationale),
+            raw_answer: None,
+        },
+        None => fallback_choice(
+            format!("'{}' is not one of the candidates", clip(&said)),
+            Some(text),
+        ),
+    }
+}
+
+fn names(candidates: &[Candidate]) -> Vec<String> {
+    candidates.iter().map(|c| c.name.clone()).collect()
+}
+
+fn clip(text: &str) -> String {
+    text.trim().chars().take(MAX_RECORDED_CHARS).collect()
+}
+
+/// Compares names the way a person would: case, surrounding quotes, markup and a final full stop
+/// do not matter; `_` and spaces read as `-`.
+fn normalise(name: &str) -> String {
+    name.trim()
+        .trim_matches(|c: char| matches!(c, '"' | '\'' | '`' | '*' | '.' | '<' | '>'))
+        .trim()
+        .to_lowercase()
+        .replace(['_', ' '], "-")
+}
+
+/// The choice and the rationale in an answer: a JSON object (`choice`, `rationale`, possibly in a
+/// code fence or with text around it), `Choice:`/`Rationale:` lines, or a bare name.
+fn read_answer(text: &str) -> (Option<String>, String) {
+    if let Some(found) = json_answer(text) {
+        return found;
+    }
+    let mut choice = None;
+    let mut rationale = String::new();
+    for line in text.lines() {
+        let Some((key, value)) = line.split_once(':') else {
+            continue;
+        };
+        let value = value.trim();
+        match key.trim().trim_matches('*').to_lowercase().as_str() {
+            "choice" | "task type" | "task_type" | "pattern" => {
+                choice.get_or_insert_with(|| value.to_owned());
+            }
+            "rationale" | "reason" => value.clone_into(&mut rationale),
+            _ => {}
+        }
+    }
+    if choice.is_some() {
+        return (choice, rationale);
+    }
+    let mut lines = text.lines().map(str::trim).filter(|l| !l.is_empty());
+    let first = lines.next().map(str::to_owned);
+    // A bare name is one short line; prose is not a choice.
+    let bare = first.filter(|l| l.split_whitespace().count() <= 3);
+    (bare, lines.collect::<Vec<_>>().join(" "))
+}
+
+fn json_answer(text: &str) -> Option<(Option<String>, String)> {
+    let start = text.find('{')?;
+    let end = text.rfind('}')?;
+    if end <= start {
+        return None;
+    }
+    let value: serde_json::Value = serde_json::from_str(&text[start..=end]).ok()?;
+    let object = value.as_object()?;
+    let field = |keys: &[&str]| {
+        keys.iter()
+            .find_map(|k| object.get(*k).and_then(|v| v.as_str()))
+            .map(str::to_owned)
+    };
+    let choice = field(&["choice", "task_type", "pattern", "name"]);
+    let rationale = field(&["rationale", "reason", "why"]).unwrap_or_default();
+    Some((choice, rationale))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn candidates(names: &[&str]) -> Vec<Candidate> {
+        names
+            .iter()
+            .map(|n| Candidate {
+                name: (*n).to_owned(),
+                description: format!("about {n}"),
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_json_answer_among_the_candidates_is_taken_with_its_rationale() {
+        let c = candidates(&["general", "research"]);
+        let choice = decide(
+            Ok("```json\n{\"choice\": \"Research\", \"rationale\": \"asks for sources\"}\n```"),
+            &c,
+            "general",
+        );
+        assert_eq!(choice.selected, "research");
+        assert_eq!(choice.method, Method::Llm);
+        assert_eq!(choice.rationale, "asks for sources");
+        assert_eq!(choice.candidates, ["general", "research"]);
+    }
+
+    #[test]
+    fn line_and_bare_answers_are_read() {
+        let c = candidates(&["risk-assessment", "general"]);
+        let lines = decide(
+            Ok("Choice: risk assessment\nRationale: names a hazard"),
+            &c,
+            "general",
+        );
+        assert_eq!(lines.selected, "risk-assessment");
+        assert_eq!(lines.rationale, "names a hazard");
+        let bare = decide(Ok("`risk_assessment`."), &c, "general");
+        assert_eq!(bare.selected, "risk-assessment");
+    }
+
+    #[test]
+    fn anything_outside_the_candidates_falls_back_and_says_why() {
+        let c = candidates(&["react"]);
+        for (answer, why) in [
+            (
+                Ok("{\"choice\": \"supervisor\"}"),
+                "not one of the candidates",
+            ),
+            (Ok("I think you should just answer it."), "names no choice"),
+            (Ok("{\"rationale\": \"no choice here\"}"), "names no choice"),
+            (Ok(""), "names no choice"),
+            (Err("HTTP 500".to_owned()), "the LLM call failed"),
+        ] {
+            let choice = decide(answer.as_deref().map_err(Clone::clone), &c, "react");
+            assert_eq!(choice.selected, "react");
+            match &choice.method {
+                Method::Fallback(reason) => assert!(reason.contains(why), "{reason}"),
+                other => panic!("expected a fallback, got {other:?}"),
+            }
+        }
+    }
+
+    #[test]
+    fn general_is_the_preferred_task_type_fallback() {
+        assert_eq!(
+            fallback_task_type(&candidates(&["a", "general"])),
+            "general"
+        );
+        assert_eq!(fallback_task_type(&candidates(&["a", "b"])), "a");
+        assert_eq!(fallback_task_type(&[]), "general");
+    }
+
+    #[test]
+    fn only_implemented_patterns_are_offered() {
+        let task = TaskTypeDef {
+            name: "research".into(),
+            description: "d".into(),
+            framing: String::new(),
+            valid_patterns: vec!["supervisor".into(), "react".into()],
+        };
+        let (runnable, unavailable) = pattern_candidates(&AgentConfig::default(), &task);
+        assert_eq!(names(&runnable), ["react"]);
+        assert_eq!(unavailable, ["supervisor"]);
+    }
+
+    #[test]
+    fn prompts_list_the_candidates_and_keep_user_text_literal() {
+        let prompts = crate::prompt::Prompts::default();
+        let (_, user) = task_type_prompt(
+            &prompts.task_type_selection,
+            "{{candidates}}?",
+            &candidates(&["general", "research"]),
+        );
+        assert!(user.contains("- general: about general\n- research: about research"));
+        assert!(user.contains("one of: general, research"));
+        assert!(user.ends_with("{{candidates}}?"));
+    }
+}

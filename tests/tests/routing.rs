@@ -1,0 +1,434 @@
+//! The meta-router end to end on a real broker: seeded task types route to a pattern in their valid
+//! set with the decision recorded; bad LLM answers get a recorded fallback; no config still answers
+//! as general/react; a requested pattern bypasses routing; config changes through the REST API
+//! change the next request's routing with no restart.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::time::Duration;
+
+use agent_bus::AgentClient;
+use agent_e2e::*;
+use agent_schema::{AgentRequest, AgentResponse};
+use serde_json::json;
+
+const DIALOG_TIMEOUT: Duration = Duration::from_secs(60);
+const TG: &str = "https://trustgraph.ai/ns/";
+
+/// The pattern decision of a dialog as predicate (without the `tg:` prefix) -> values.
+type DecisionFacts = BTreeMap<String, BTreeSet<String>>;
+
+/// Runs one dialog and returns its responses and its pattern decision.
+async fn routed(
+    client: &mut AgentClient,
+    id: &str,
+    request: &AgentRequest,
+) -> (Vec<AgentResponse>, DecisionFacts) {
+    client.send(id, request).await.unwrap();
+    let responses = collect_dialog(client, id, DIALOG_TIMEOUT).await.unwrap();
+    let decision = responses
+        .iter()
+        .find(|r| {
+            r.explain_id
+                .as_deref()
+                .is_some_and(|e| e.ends_with("/pattern-decision"))
+        })
+        .unwrap_or_else(|| panic!("no pattern decision in {responses:#?}"));
+    let mut facts = DecisionFacts::new();
+    for t in &decision.explain_triples {
+        let value = if t.o.kind == "i" {
+            t.o.iri.clone()
+        } else {
+            t.o.value.clone()
+        };
+        let key = t.p.iri.strip_prefix(TG).unwrap_or(&t.p.iri).to_owned();
+        facts.entry(key).or_default().insert(value);
+    }
+    (responses, facts)
+}
+
+fn one(facts: &DecisionFacts, key: &str) -> String {
+    let values = facts.get(key).cloned().unwrap_or_default();
+    assert!(values.len() <= 1, "{key}: {values:?}");
+    values.into_iter().next().unwrap_or_default()
+}
+
+fn set(facts: &DecisionFacts, key: &str) -> BTreeSet<String> {
+    facts.get(key).cloned().unwrap_or_default()
+}
+
+fn names(list: &[&str]) -> BTreeSet<String> {
+    list.iter().map(|s| (*s).to_owned()).collect()
+}
+
+fn answer(responses: &[AgentResponse]) -> String {
+    let closing = responses.last().unwrap();
+    assert!(closing.end_of_dialog, "{responses:#?}");
+    assert!(closing.error.is_none(), "{responses:#?}");
+    text_of(responses, "answer")
+}
+
+const SEEDED_TASK_TYPES: [&str; 4] = ["general", "research", "risk-assessment", "summarisation"];
+
+/// Each seeded task type, from the LLM answering in a different accepted form (JSON, JSON in a
+/// code fence, `Choice:` lines, TrustGraph's bare name), routes to a pattern of its valid set; the
+/// decision records candidates, choice, method and rationale; the framing reaches the ReACT prompt;
+/// the first iteration derives from the decision.
+#[tokio::test]
+async fn seeded_task_types_route_within_their_valid_patterns() {
+    let broker = Broker::start().unwrap();
+    let llm = scripted_llm(
+        r#"{"rules": [
+      {"match": "Request to classify: ", "and": ["capital of France"], "reply": "{\"choice\": \"general\", \"rationale\": \"a single plain fact\"}"},
+      {"match": "Request to classify: ", "and": ["sources on the history"], "reply": "```json\n{\"choice\": \"research\", \"rationale\": \"asks for sources\"}\n```"},
+      {"match": "Request to classify: ", "and": ["could go wrong"], "reply": "Choice: risk assessment\nRationale: asks what could go wrong"},
+      {"match": "Request to classify: ", "and": ["Summarise"], "reply": "summarisation"},
+      {"match": "This is a research request", "and": ["Question: Find sources"], "reply": "Thought: framed as research.\nFinal Answer: research framing seen"},
+      {"match": "This is a risk assessment", "and": ["Question: What could go wrong"], "reply": "Thought: framed as risk.\nFinal Answer: risk framing seen"},
+      {"match": "This is a summarisation request", "and": ["Question: Summarise"], "reply": "Thought: framed as summary.\nFinal Answer: summary framing seen"},
+      {"match": "Question: What is the capital of France?", "reply": "Thought: known.\nFinal Answer: Paris"}
+    ]}"#,
+    )
+    .await;
+    let _orchestrator = Orchestrator::spawn(&broker, &llm, &seed_dir(), &[]);
+    let mut client = client(&broker).await;
+    let seed: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(seed_dir().join("agent-task-type.json")).unwrap(),
+    )
+    .unwrap();
+
+    for (id, question, task_type, rationale, expected_answer) in [
+        (
+            "r-general",
+            "What is the capital of France?",
+            "general",
+            "a single plain fact",
+            "Paris",
+        ),
+        (
+            "r-research",
+            "Find sources on the history of Apache Pulsar.",
+            "research",
+            "asks for sources",
+            "research framing seen",
+        ),
+        (
+            "r-risk",
+            "What could go wrong if we run one broker?",
+            "risk-assessment",
+            "asks what could go wrong",
+            "risk framing seen",
+        ),
+        (
+            "r-summary",
+            "Summarise the plot of Hamlet.",
+            "summarisation",
+            "",
+            "summary framing seen",
+        ),
+    ] {
+        let (responses, facts) = routed(&mut client, id, &request(question, false)).await;
+        assert_eq!(answer(&responses), expected_answer, "{id}");
+        assert_eq!(one(&facts, "taskType"), task_type, "{id}");
+        assert_eq!(
+            set(&facts, "taskTypeCandidate"),
+            names(&SEEDED_TASK_TYPES),
+            "{id}"
+        );
+        assert_eq!(one(&facts, "taskTypeMethod"), "llm", "{id}");
+        assert_eq!(one(&facts, "taskTypeRationale"), rationale, "{id}");
+        assert_eq!(one(&facts, "fallback"), "false", "{id}");
+        let valid: BTreeSet<String> = seed[task_type]["valid_patterns"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|p| p.as_str().unwrap().to_owned())
+            .collect();
+        let pattern = one(&facts, "pattern");
+        assert!(valid.contains(&pattern), "{id}: {pattern} not in {valid:?}");
+        // Offered: the valid patterns this orchestrator runs; the others are recorded as such.
+        let offered = set(&facts, "patternCandidate");
+        let unavailable = set(&facts, "patternUnavailable");
+        assert!(offered.contains(&pattern));
+        assert_eq!(
+            offered
+                .union(&unavailable)
+                .cloned()
+                .collect::<BTreeSet<_>>(),
+            valid,
+            "{id}"
+        );
+        let framing = seed[task_type]["framing"].as_str().unwrap();
+        assert_eq!(one(&facts, "framing"), framing, "{id}");
+
+        let session = responses[0].explain_id.clone().unwrap();
+        assert_eq!(
+            one(&facts, "http://www.w3.org/ns/prov#wasDerivedFrom"),
+            session
+        );
+        let first = responses
+            .iter()
+            .find(|r| r.explain_id.as_deref() == Some(&format!("{session}/final")))
+            .unwrap();
+        assert!(
+            first
+                .explain_triples
+                .iter()
+                .any(|t| t.p.iri.ends_with("wasDerivedFrom")
+                    && t.o.iri == format!("{session}/pattern-decision")),
+            "{id}: the first iteration does not derive from the decision"
+        );
+    }
+    // Routing asked the LLM once per dialog (one runnable pattern needs no second question).
+    let classify = llm
+        .calls()
+        .iter()
+        .filter(|c| c.last_user.contains("Request to classify: "))
+        .count();
+    assert_eq!(classify, 4);
+    assert!(!llm
+        .calls()
+        .iter()
+        .any(|c| c.last_user.contains("Request to plan: ")));
+}
+
+/// A task type outside the candidates, prose, and a failing LLM each get the recorded fallback to
+/// `general`, and the dialog still answers.
+#[tokio::test]
+async fn bad_routing_answers_fall_back_and_are_recorded() {
+    let broker = Broker::start().unwrap();
+    let llm = scripted_llm(
+        r#"{"rules": [
+      {"match": "Request to classify: ", "and": ["stars"], "reply": "{\"choice\": \"astrology\", \"rationale\": \"it is about stars\"}"},
+      {"match": "Request to classify: ", "and": ["prose"], "reply": "Well, I would say this is a rather interesting question to think about."},
+      {"match": "Request to classify: ", "and": ["broken"], "reply": "unused", "faults": ["500", "500", "500", "500", "500"]},
+      {"match": "Question: ", "reply": "Thought: fine.\nFinal Answer: answered anyway"}
+    ]}"#,
+    )
+    .await;
+    let _orchestrator = Orchestrator::spawn(&broker, &llm, &seed_dir(), &[]);
+    let mut client = client(&broker).await;
+    for (id, question, reason, raw) in [
+        (
+            "f-outside",
+            "What do the stars say?",
+            "'astrology' is not one of the candidates",
+            Some("astrology"),
+        ),
+        (
+            "f-prose",
+            "Answer this in prose",
+            "the answer names no choice",
+            Some("rather interesting"),
+        ),
+        (
+            "f-broken",
+            "The LLM is broken for this",
+            "the LLM call failed",
+            None,
+        ),
+    ] {
+        let (responses, facts) = routed(&mut client, id, &request(question, false)).await;
+        assert_eq!(answer(&responses), "answered anyway", "{id}");
+        assert_eq!(one(&facts, "taskType"), "general", "{id}");
+        assert_eq!(one(&facts, "pattern"), "react", "{id}");
+        assert_eq!(one(&facts, "taskTypeMethod"), "fallback", "{id}");
+        assert_eq!(one(&facts, "fallback"), "true", "{id}");
+        let why = one(&facts, "taskTypeFallbackReason");
+        assert!(why.contains(reason), "{id}: {why}");
+        match raw {
+            Some(text) => assert!(one(&facts, "taskTypeAnswer").contains(text), "{id}"),
+            None => assert!(!facts.contains_key("taskTypeAnswer"), "{id}"),
+        }
+        assert_eq!(
+            set(&facts, "taskTypeCandidate"),
+            names(&SEEDED_TASK_TYPES),
+            "{id}"
+        );
+    }
+}
+
+/// With no config at all the service answers, as `general` / `react`, without a routing LLM call.
+#[tokio::test]
+async fn without_config_the_service_answers_as_general_react() {
+    let broker = Broker::start().unwrap();
+    let llm = scripted_llm(
+        r#"{"rules": [{"match": "Question: Hello?", "reply": "Thought: greet.\nFinal Answer: Hello."}]}"#,
+    )
+    .await;
+    let empty = config_dir("none", &[]);
+    let _orchestrator = Orchestrator::spawn(&broker, &llm, &empty, &[]);
+    let mut client = client(&broker).await;
+    let (responses, facts) = routed(&mut client, "n-1", &request("Hello?", true)).await;
+    assert_eq!(answer(&responses), "Hello.");
+    assert_eq!(one(&facts, "taskType"), "general");
+    assert_eq!(one(&facts, "pattern"), "react");
+    assert_eq!(one(&facts, "taskTypeMethod"), "only-candidate");
+    assert_eq!(one(&facts, "patternMethod"), "only-candidate");
+    assert_eq!(one(&facts, "fallback"), "false");
+    assert_eq!(llm.calls().len(), 1, "only the ReACT turn asked the LLM");
+}
+
+/// A request that names its pattern is not routed (its decision says so); one that names its task
+/// type skips classification but gets the framing; an unknown task type is refused clearly.
+#[tokio::test]
+async fn requested_patterns_and_task_types_bypass_routing() {
+    let broker = Broker::start().unwrap();
+    let llm = scripted_llm(
+        r#"{"rules": [
+      {"match": "This is a research request", "reply": "Thought: framed.\nFinal Answer: framed"},
+      {"match": "Question: ", "reply": "Thought: plain.\nFinal Answer: plain"}
+    ]}"#,
+    )
+    .await;
+    let _orchestrator = Orchestrator::spawn(&broker, &llm, &seed_dir(), &[]);
+    let mut client = client(&broker).await;
+
+    let with_pattern = AgentRequest {
+        pattern: "react".into(),
+        ..request("Just answer.", false)
+    };
+    let (responses, facts) = routed(&mut client, "b-pattern", &with_pattern).await;
+    assert_eq!(answer(&responses), "plain");
+    assert_eq!(one(&facts, "pattern"), "react");
+    assert_eq!(one(&facts, "patternMethod"), "requested");
+    assert!(!facts.contains_key("taskType"));
+
+    let with_task_type = AgentRequest {
+        task_type: "research".into(),
+        ..request("Look into it.", true)
+    };
+    let (responses, facts) = routed(&mut client, "b-task", &with_task_type).await;
+    assert_eq!(answer(&responses), "framed");
+    assert_eq!(one(&facts, "taskType"), "research");
+    assert_eq!(one(&facts, "taskTypeMethod"), "requested");
+    assert_eq!(one(&facts, "pattern"), "react");
+
+    assert!(!llm
+        .calls()
+        .iter()
+        .any(|c| c.last_user.contains("Request to classify: ")));
+
+    let unknown = AgentRequest {
+        task_type: "astrology".into(),
+        ..request("Read my stars.", false)
+    };
+    client.send("b-unknown", &unknown).await.unwrap();
+    let responses = collect_dialog(&mut client, "b-unknown", DIALOG_TIMEOUT)
+        .await
+        .unwrap();
+    let error = responses.last().unwrap().error.clone().unwrap();
+    assert!(
+        error.message.contains("'astrology' is not configured"),
+        "{error:?}"
+    );
+}
+
+/// Task types and their `valid_patterns` changed through config-svc's REST API change the routing
+/// of the next requests with no restart; a task type naming an unknown pattern is refused and the
+/// last good config stays in force.
+#[tokio::test]
+async fn routing_follows_config_changes_without_a_restart() {
+    let broker = Broker::start().unwrap();
+    let svc = ConfigSvc::spawn(&broker, Some(&seed_dir()));
+    let llm = scripted_llm(
+        r#"{"rules": [
+      {"match": "Request to classify: ", "and": ["pager"], "reply": "{\"choice\": \"incident-response\", \"rationale\": \"an outage is under way\"}"},
+      {"match": "Request to classify: ", "reply": "{\"choice\": \"general\", \"rationale\": \"nothing special\"}"},
+      {"match": "This is an incident", "reply": "Thought: incident.\nFinal Answer: incident handled"},
+      {"match": "Question: ", "reply": "Thought: plain.\nFinal Answer: plain"}
+    ]}"#,
+    )
+    .await;
+    let _orchestrator = Orchestrator::spawn(&broker, &llm, &seed_dir(), &[]);
+    let mut client = client(&broker).await;
+    let pager = "The pager went off: the API is down.";
+
+    let (_, before) = routed(&mut client, "c-before", &request(pager, false)).await;
+    assert_eq!(one(&before, "taskType"), "general");
+    assert!(one(&before, "taskTypeFallbackReason").contains("'incident-response' is not one"));
+
+    let http = reqwest::Client::new();
+    let put = |kind: &str, key: &str, value: serde_json::Value| {
+        http.put(format!("{}/api/v1/config/{kind}/{key}", svc.url))
+            .bearer_auth(&svc.token)
+            .json(&value)
+            .send()
+    };
+    let incident = json!({
+        "description": "Something is broken in production right now.",
+        "framing": "This is an incident: restore service first, explain later.",
+        "valid_patterns": ["react"]
+    });
+    assert_eq!(
+        put("agent-task-type", "incident-response", incident)
+            .await
+            .unwrap()
+            .status(),
+        200
+    );
+    let mut after = None;
+    for attempt in 0..50 {
+        let (responses, facts) = routed(
+            &mut client,
+            &format!("c-after-{attempt}"),
+            &request(pager, false),
+        )
+        .await;
+        if one(&facts, "taskType") == "incident-response" {
+            assert_eq!(answer(&responses), "incident handled");
+            after = Some(facts);
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let after = after.expect("the new task type never became a candidate");
+    assert!(set(&after, "taskTypeCandidate").contains("incident-response"));
+    assert_eq!(one(&after, "taskTypeMethod"), "llm");
+
+    // `general` may now only be worked on by a pattern this orchestrator does not run: the
+    // decision falls back to react and says why.
+    let general_only_supervisor = json!({
+        "description": "Anything else.",
+        "valid_patterns": ["supervisor"]
+    });
+    assert_eq!(
+        put("agent-task-type", "general", general_only_supervisor)
+            .await
+            .unwrap()
+            .status(),
+        200
+    );
+    let mut changed = None;
+    for attempt in 0..50 {
+        let (_, facts) = routed(
+            &mut client,
+            &format!("c-general-{attempt}"),
+            &request("Anything at all?", false),
+        )
+        .await;
+        if set(&facts, "patternUnavailable") == names(&["supervisor"]) {
+            changed = Some(facts);
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let changed = changed.expect("the new valid_patterns never applied");
+    assert_eq!(one(&changed, "pattern"), "react");
+    assert_eq!(one(&changed, "patternMethod"), "fallback");
+    assert!(one(&changed, "patternFallbackReason").contains("supervisor"));
+
+    // A task type naming an unknown pattern: the whole config is refused, routing stays as it was.
+    let bad = json!({"description": "x", "valid_patterns": ["telepathy"]});
+    assert_eq!(
+        put("agent-task-type", "incident-response", bad)
+            .await
+            .unwrap()
+            .status(),
+        200
+    );
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let (responses, facts) = routed(&mut client, "c-refused", &request(pager, false)).await;
+    assert_eq!(one(&facts, "taskType"), "incident-response");
+    assert_eq!(answer(&responses), "incident handled");
+}
