@@ -360,13 +360,12 @@ async fn routing_follows_config_changes_without_a_restart() {
         "framing": "This is an incident: restore service first, explain later.",
         "valid_patterns": ["react"]
     });
-    assert_eq!(
-        put("agent-task-type", "incident-response", incident)
-            .await
-            .unwrap()
-            .status(),
-        200
-    );
+    let written = put("agent-task-type", "incident-response", incident)
+        .await
+        .unwrap();
+    assert_eq!(written.status(), 200);
+    let written: serde_json::Value = written.json().await.unwrap();
+    assert!(written.get("agent_config_problems").is_none(), "{written}");
     let mut after = None;
     for attempt in 0..50 {
         let (responses, facts) = routed(
@@ -419,13 +418,17 @@ async fn routing_follows_config_changes_without_a_restart() {
     assert!(one(&changed, "patternFallbackReason").contains("supervisor"));
 
     // A task type naming an unknown pattern: the whole config is refused, routing stays as it was.
+    // config-svc stores it (it is a general config store) but says at once what is wrong.
     let bad = json!({"description": "x", "valid_patterns": ["telepathy"]});
-    assert_eq!(
-        put("agent-task-type", "incident-response", bad)
-            .await
-            .unwrap()
-            .status(),
-        200
+    let written = put("agent-task-type", "incident-response", bad)
+        .await
+        .unwrap();
+    assert_eq!(written.status(), 200);
+    let written: serde_json::Value = written.json().await.unwrap();
+    let problems = written["agent_config_problems"].to_string();
+    assert!(
+        problems.contains("agent-task-type/incident-response: valid_patterns names the unknown pattern 'telepathy'"),
+        "{written}"
     );
     tokio::time::sleep(Duration::from_secs(2)).await;
     let (responses, facts) = routed(&mut client, "c-refused", &request(pager, false)).await;

@@ -12,6 +12,8 @@ use axum::routing::get;
 use axum::{Json, Router};
 use serde_json::{json, Value};
 
+use agent_core::config::AgentConfig;
+
 use crate::store::{ConfigStore, StoreError, Written};
 use crate::Pusher;
 
@@ -123,10 +125,28 @@ async fn write(
         Ok(Ok(written)) => {
             let version = written.version;
             state.pusher.push(written, crate::DEFAULT_WORKSPACE).await;
-            Json(json!({"version": version})).into_response()
+            // The store takes any JSON (it is TrustGraph's general config store), but whoever
+            // changes the agent config should learn at once that orchestrators will refuse it.
+            let problems = agent_config_problems(&state.store);
+            if problems.is_empty() {
+                Json(json!({"version": version})).into_response()
+            } else {
+                Json(json!({"version": version, "agent_config_problems": problems})).into_response()
+            }
         }
         Ok(Err(e)) => store_error(e),
         Err(e) => (StatusCode::INTERNAL_SERVER_ERROR, e.to_string()).into_response(),
+    }
+}
+
+/// What the orchestrators will find wrong with the agent config now in the store.
+fn agent_config_problems(store: &ConfigStore) -> Vec<String> {
+    match store.dump() {
+        Ok((_, values)) => match AgentConfig::from_texts(&values) {
+            Ok(_) => Vec::new(),
+            Err(problems) => problems.iter().map(ToString::to_string).collect(),
+        },
+        Err(e) => vec![format!("cannot read the store back: {e}")],
     }
 }
 

@@ -314,6 +314,36 @@ impl AgentConfig {
         }
     }
 
+    /// Builds the config from values as a config store keeps them (type -> key -> JSON text),
+    /// reporting text that is not JSON along with every other problem.
+    pub fn from_texts(
+        texts: &BTreeMap<String, BTreeMap<String, String>>,
+    ) -> Result<AgentConfig, Vec<ConfigError>> {
+        let mut values = ConfigValues::new();
+        let mut problems = Problems::default();
+        for (kind, entries) in texts {
+            for (key, text) in entries {
+                match serde_json::from_str(text) {
+                    Ok(value) => {
+                        values
+                            .entry(kind.clone())
+                            .or_default()
+                            .insert(key.clone(), value);
+                    }
+                    Err(e) => problems.push(kind, key, format!("not JSON: {e}")),
+                }
+            }
+        }
+        match AgentConfig::from_values(&values) {
+            Ok(config) if problems.0.is_empty() => Ok(config),
+            Ok(_) => Err(problems.0),
+            Err(more) => {
+                problems.0.extend(more);
+                Err(problems.0)
+            }
+        }
+    }
+
     /// The tool the LLM named, by its `name`.
     pub fn tool_by_name(&self, name: &str) -> Option<&ToolDef> {
         self.tools.values().find(|t| t.name == name)

@@ -8,7 +8,7 @@ use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
 use agent_bus::{Bus, ConfigClient, ConfigPushes, Topics};
-use agent_core::config::{AgentConfig, ConfigError, ConfigValues};
+use agent_core::config::{AgentConfig, ConfigError};
 use agent_schema::{operation, ConfigRequest};
 use tokio_util::sync::CancellationToken;
 
@@ -60,31 +60,9 @@ impl LiveConfig {
         version: u64,
         values: &BTreeMap<String, BTreeMap<String, String>>,
     ) -> Result<(), Vec<ConfigError>> {
-        let mut parsed = ConfigValues::new();
-        let mut errors = Vec::new();
-        for (kind, entries) in values {
-            for (key, text) in entries {
-                match serde_json::from_str(text) {
-                    Ok(value) => {
-                        parsed
-                            .entry(kind.clone())
-                            .or_default()
-                            .insert(key.clone(), value);
-                    }
-                    Err(e) => errors.push(ConfigError {
-                        kind: kind.clone(),
-                        key: key.clone(),
-                        message: format!("not JSON: {e}"),
-                    }),
-                }
-            }
-        }
-        if !errors.is_empty() {
-            return Err(errors);
-        }
         let in_force = InForce {
             version: Some(version),
-            config: Arc::new(AgentConfig::from_values(&parsed)?),
+            config: Arc::new(AgentConfig::from_texts(values)?),
         };
         match self.in_force.write() {
             Ok(mut guard) => *guard = in_force,
@@ -202,7 +180,9 @@ mod tests {
                 ]),
             )
             .unwrap_err();
-        assert_eq!(errors.len(), 1, "{errors:?}");
+        // Every problem at once: the text that is not JSON and the limit that cannot work.
+        assert_eq!(errors.len(), 2, "{errors:?}");
+        assert!(errors.iter().any(|e| e.message.starts_with("not JSON")));
         let errors = live
             .apply(
                 5,
