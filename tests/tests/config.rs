@@ -284,17 +284,21 @@ fn validate_reports_every_problem_with_file_and_key() {
                     "vague": {"valid_patterns": ["react"]}}"#,
             ),
             ("agent-limits", r#"{"default": {"max_iterations": 0}}"#),
-            ("prompt", r#"{"reactt": {"system": "s", "template": "t"}}"#),
+            (
+                "prompt",
+                r#"{"reactt": {"system": "s", "template": "t"}, "template.agent-react": {"prompt": "TrustGraph's own"}}"#,
+            ),
         ],
     );
     let (code, _, stderr) = agentctl(&["config", "validate", dir.to_str().unwrap()], None);
     assert_eq!(code, 1, "{stderr}");
+    assert!(!stderr.contains("template.agent-react"), "{stderr}");
     for expected in [
         "tool.json: not an object",
         "agent-task-type.json: agent-task-type/research: valid_patterns names the unknown pattern 'telepathy'",
         "agent-task-type.json: agent-task-type/vague: missing field `description`",
         "agent-limits.json: agent-limits/default: max_iterations must be at least 1",
-        "prompt.json: prompt/reactt: no LLM call uses this prompt",
+        "prompt.json: prompt/reactt is ignored: no LLM call of the orchestrator uses it",
     ] {
         assert!(stderr.contains(expected), "missing '{expected}' in:\n{stderr}");
     }

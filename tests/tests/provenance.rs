@@ -116,6 +116,7 @@ async fn the_graph_explains_a_three_iteration_dialog() {
         .collect();
     for node in [
         "",
+        "/pattern-decision",
         "/i1",
         "/i1/thought",
         "/i1/observation",

@@ -293,6 +293,19 @@ async fn requested_patterns_and_task_types_bypass_routing() {
     assert_eq!(one(&facts, "pattern"), "react");
     assert_eq!(one(&facts, "patternMethod"), "requested");
     assert!(!facts.contains_key("taskType"));
+    assert!(!facts.contains_key("taskTypeMethod"));
+
+    // Pattern and task type both named: no routing, but the task type's framing applies.
+    let both = AgentRequest {
+        pattern: "react".into(),
+        task_type: "research".into(),
+        ..request("Look into it as research.", false)
+    };
+    let (responses, facts) = routed(&mut client, "b-both", &both).await;
+    assert_eq!(answer(&responses), "framed");
+    assert_eq!(one(&facts, "taskType"), "research");
+    assert_eq!(one(&facts, "taskTypeMethod"), "requested");
+    assert!(one(&facts, "framing").starts_with("This is a research request"));
 
     let with_task_type = AgentRequest {
         task_type: "research".into(),
@@ -309,24 +322,28 @@ async fn requested_patterns_and_task_types_bypass_routing() {
         .iter()
         .any(|c| c.last_user.contains("Request to classify: ")));
 
-    let unknown = AgentRequest {
-        task_type: "astrology".into(),
-        ..request("Read my stars.", false)
-    };
-    client.send("b-unknown", &unknown).await.unwrap();
-    let responses = collect_dialog(&mut client, "b-unknown", DIALOG_TIMEOUT)
-        .await
-        .unwrap();
-    let error = responses.last().unwrap().error.clone().unwrap();
-    assert!(
-        error.message.contains("'astrology' is not configured"),
-        "{error:?}"
-    );
+    // An unknown task type is refused, with or without a pattern.
+    for (id, pattern) in [("b-unknown", ""), ("b-unknown-pattern", "react")] {
+        let unknown = AgentRequest {
+            task_type: "astrology".into(),
+            pattern: pattern.into(),
+            ..request("Read my stars.", false)
+        };
+        client.send(id, &unknown).await.unwrap();
+        let responses = collect_dialog(&mut client, id, DIALOG_TIMEOUT)
+            .await
+            .unwrap();
+        let error = responses.last().unwrap().error.clone().unwrap();
+        assert!(
+            error.message.contains("'astrology' is not configured"),
+            "{id}: {error:?}"
+        );
+    }
 }
 
 /// Task types and their `valid_patterns` changed through config-svc's REST API change the routing
-/// of the next requests with no restart; a task type naming an unknown pattern is refused and the
-/// last good config stays in force.
+/// of the next requests with no restart; a task type naming an unknown pattern, or only patterns
+/// that do not run here, is refused and the last good config stays in force.
 #[tokio::test]
 async fn routing_follows_config_changes_without_a_restart() {
     let broker = Broker::start().unwrap();
@@ -385,19 +402,14 @@ async fn routing_follows_config_changes_without_a_restart() {
     assert!(set(&after, "taskTypeCandidate").contains("incident-response"));
     assert_eq!(one(&after, "taskTypeMethod"), "llm");
 
-    // `general` may now only be worked on by a pattern this orchestrator does not run: the
-    // decision falls back to react and says why.
-    let general_only_supervisor = json!({
+    // `general` now allows supervisor (which does not run here) and react: the next decision
+    // offers react only and records supervisor as unavailable.
+    let general = json!({
         "description": "Anything else.",
-        "valid_patterns": ["supervisor"]
+        "valid_patterns": ["supervisor", "react"]
     });
-    assert_eq!(
-        put("agent-task-type", "general", general_only_supervisor)
-            .await
-            .unwrap()
-            .status(),
-        200
-    );
+    let written = put("agent-task-type", "general", general).await.unwrap();
+    assert_eq!(written.status(), 200);
     let mut changed = None;
     for attempt in 0..50 {
         let (_, facts) = routed(
@@ -413,25 +425,47 @@ async fn routing_follows_config_changes_without_a_restart() {
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
     let changed = changed.expect("the new valid_patterns never applied");
+    assert_eq!(one(&changed, "taskType"), "general");
+    assert_eq!(set(&changed, "patternCandidate"), names(&["react"]));
     assert_eq!(one(&changed, "pattern"), "react");
-    assert_eq!(one(&changed, "patternMethod"), "fallback");
-    assert!(one(&changed, "patternFallbackReason").contains("supervisor"));
 
-    // A task type naming an unknown pattern: the whole config is refused, routing stays as it was.
-    // config-svc stores it (it is a general config store) but says at once what is wrong.
-    let bad = json!({"description": "x", "valid_patterns": ["telepathy"]});
-    let written = put("agent-task-type", "incident-response", bad)
+    // A task type naming an unknown pattern, and one none of whose patterns runs here: config-svc
+    // stores them (it is a general config store) but says at once what is wrong, and the
+    // orchestrator refuses the whole config, so routing stays as it was.
+    let unknown = json!({"description": "x", "valid_patterns": ["telepathy"]});
+    let written = put("agent-task-type", "incident-response", unknown)
         .await
         .unwrap();
     assert_eq!(written.status(), 200);
+    let unrunnable = json!({"description": "x", "valid_patterns": ["supervisor"]});
+    let written = put("agent-task-type", "general", unrunnable).await.unwrap();
+    assert_eq!(written.status(), 200);
     let written: serde_json::Value = written.json().await.unwrap();
     let problems = written["agent_config_problems"].to_string();
-    assert!(
-        problems.contains("agent-task-type/incident-response: valid_patterns names the unknown pattern 'telepathy'"),
-        "{written}"
-    );
-    tokio::time::sleep(Duration::from_secs(2)).await;
-    let (responses, facts) = routed(&mut client, "c-refused", &request(pager, false)).await;
-    assert_eq!(one(&facts, "taskType"), "incident-response");
-    assert_eq!(answer(&responses), "incident handled");
+    for expected in [
+        "agent-task-type/incident-response: valid_patterns names the unknown pattern 'telepathy'",
+        "agent-task-type/general: none of valid_patterns (supervisor) runs in this orchestrator",
+    ] {
+        assert!(problems.contains(expected), "{written}");
+    }
+    // As long as the good change above took to apply, every request keeps the last good config.
+    for attempt in 0..10 {
+        let (responses, facts) = routed(
+            &mut client,
+            &format!("c-refused-{attempt}"),
+            &request(pager, false),
+        )
+        .await;
+        assert_eq!(one(&facts, "taskType"), "incident-response");
+        assert_eq!(answer(&responses), "incident handled");
+        let (_, facts) = routed(
+            &mut client,
+            &format!("c-kept-{attempt}"),
+            &request("Anything at all?", false),
+        )
+        .await;
+        assert_eq!(set(&facts, "patternCandidate"), names(&["react"]));
+        assert_eq!(set(&facts, "patternUnavailable"), names(&["supervisor"]));
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
 }

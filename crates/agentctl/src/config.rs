@@ -4,6 +4,8 @@
 
 use std::path::{Path, PathBuf};
 
+use agent_core::config::AgentConfig;
+use agent_core::prompt::Prompts;
 use agent_orchestrator::check_config_dir;
 use anyhow::Context;
 use config_svc::seed;
@@ -120,20 +122,17 @@ async fn print(request: reqwest::RequestBuilder) -> anyhow::Result<i32> {
 
 /// Prints every problem of `dir` with its file and key; true when there is none.
 fn report(dir: &Path) -> bool {
+    let (values, _) = seed::read_dir_all(dir);
+    for key in AgentConfig::unread_prompt_keys(&values) {
+        eprintln!(
+            "warning: {}/prompt.json: prompt/{key} is ignored: no LLM call of the orchestrator uses it (they use {}) and it is not one of TrustGraph's prompt entries",
+            dir.display(),
+            Prompts::KEYS.join(", ")
+        );
+    }
     match check_config_dir(dir) {
-        Ok(config) => {
+        Ok(_) => {
             println!("{}: valid", dir.display());
-            // Valid, but worth knowing: routing to such a task type falls back to react.
-            for task in config.task_types.values() {
-                let (runnable, unavailable) = agent_core::router::pattern_candidates(&config, task);
-                if runnable.is_empty() {
-                    eprintln!(
-                        "warning: agent-task-type/{}: none of its patterns ({}) runs in this orchestrator; it will run as react",
-                        task.name,
-                        unavailable.join(", ")
-                    );
-                }
-            }
             true
         }
         Err(problems) => {

@@ -249,20 +249,34 @@ impl AgentConfig {
         for (key, pattern) in config.patterns.iter_mut() {
             problems.name_matches_key(PATTERN_TYPE, key, &mut pattern.name);
         }
-        let known =
-            |name: &str| config.patterns.contains_key(name) || IMPLEMENTED_PATTERNS.contains(&name);
+        let known = |name: &String| {
+            config.patterns.contains_key(name) || IMPLEMENTED_PATTERNS.contains(&name.as_str())
+        };
         let mut task_problems = Vec::new();
         for (key, task) in &config.task_types {
+            let mut say = |message: String| task_problems.push((key.clone(), message));
             if task.valid_patterns.is_empty() {
-                task_problems.push((key.clone(), "valid_patterns is empty".to_owned()));
+                say("valid_patterns is empty".to_owned());
             }
+            let mut seen = std::collections::BTreeSet::new();
             for pattern in &task.valid_patterns {
                 if !known(pattern) {
-                    task_problems.push((
-                        key.clone(),
-                        format!("valid_patterns names the unknown pattern '{pattern}' (no agent-pattern/{pattern})"),
-                    ));
+                    say(format!("valid_patterns names the unknown pattern '{pattern}' (no agent-pattern/{pattern})"));
+                } else if !seen.insert(pattern.as_str()) {
+                    say(format!("valid_patterns names '{pattern}' twice"));
                 }
+            }
+            // The router only ever runs a pattern the task type allows, so one of them must run.
+            let runs = |p: &String| IMPLEMENTED_PATTERNS.contains(&p.as_str());
+            if !task.valid_patterns.is_empty()
+                && task.valid_patterns.iter().all(known)
+                && !task.valid_patterns.iter().any(runs)
+            {
+                say(format!(
+                    "none of valid_patterns ({}) runs in this orchestrator, which runs: {}",
+                    task.valid_patterns.join(", "),
+                    IMPLEMENTED_PATTERNS.join(", ")
+                ));
             }
         }
         for (key, message) in task_problems {
@@ -290,21 +304,14 @@ impl AgentConfig {
                 problems.push(LIMITS_TYPE, key, "only the key 'default' is read");
             }
         }
+        // TrustGraph's prompt service keeps its own entries under this type too (`system`,
+        // `template-index`, `template.<id>`), so keys that are not ours are left alone.
         for (key, value) in values.get(PROMPT_TYPE).into_iter().flatten() {
-            let Some(slot) = config.prompts.slot(key) else {
-                problems.push(
-                    PROMPT_TYPE,
-                    key,
-                    format!(
-                        "no LLM call uses this prompt; the prompts are: {}",
-                        Prompts::KEYS.join(", ")
-                    ),
-                );
-                continue;
-            };
-            match serde_json::from_value(value.clone()) {
-                Ok(p) => *slot = p,
-                Err(e) => problems.push(PROMPT_TYPE, key, e.to_string()),
+            if let Some(slot) = config.prompts.slot(key) {
+                match serde_json::from_value(value.clone()) {
+                    Ok(p) => *slot = p,
+                    Err(e) => problems.push(PROMPT_TYPE, key, e.to_string()),
+                }
             }
         }
         if problems.0.is_empty() {
@@ -342,6 +349,20 @@ impl AgentConfig {
                 Err(problems.0)
             }
         }
+    }
+
+    /// Keys under type `prompt` that neither this orchestrator nor TrustGraph's prompt service
+    /// reads: likely typos, which validation warns about.
+    pub fn unread_prompt_keys(values: &ConfigValues) -> Vec<String> {
+        let trustgraph =
+            |k: &str| k == "system" || k == "template-index" || k.starts_with("template.");
+        values
+            .get(PROMPT_TYPE)
+            .into_iter()
+            .flat_map(|m| m.keys())
+            .filter(|k| !Prompts::KEYS.contains(&k.as_str()) && !trustgraph(k))
+            .cloned()
+            .collect()
     }
 
     /// The tool the LLM named, by its `name`.
@@ -419,6 +440,79 @@ mod tests {
         .into();
         let errors = AgentConfig::from_values(&values).unwrap_err();
         assert_eq!(errors.len(), 3, "{errors:?}");
+    }
+
+    #[test]
+    fn task_types_must_name_known_distinct_patterns_one_of_which_runs() {
+        let values: ConfigValues = [
+            (
+                "agent-pattern".to_owned(),
+                [(
+                    "supervisor".to_owned(),
+                    json!({"description": "fan out", "max_subagents": 5}),
+                )]
+                .into(),
+            ),
+            (
+                "agent-task-type".to_owned(),
+                [
+                    (
+                        "a".to_owned(),
+                        json!({"description": "", "valid_patterns": ["react", "telepathy"]}),
+                    ),
+                    (
+                        "b".to_owned(),
+                        json!({"description": "", "valid_patterns": ["react", "react"]}),
+                    ),
+                    (
+                        "c".to_owned(),
+                        json!({"description": "", "valid_patterns": ["supervisor"]}),
+                    ),
+                    (
+                        "d".to_owned(),
+                        json!({"description": "", "valid_patterns": []}),
+                    ),
+                    (
+                        "e".to_owned(),
+                        json!({"name": "f", "description": "", "valid_patterns": ["react"]}),
+                    ),
+                    (
+                        "ok".to_owned(),
+                        json!({"description": "", "valid_patterns": ["supervisor", "react"]}),
+                    ),
+                ]
+                .into(),
+            ),
+        ]
+        .into();
+        let errors = AgentConfig::from_values(&values).unwrap_err();
+        let keys: Vec<&str> = errors.iter().map(|e| e.key.as_str()).collect();
+        assert_eq!(keys, ["a", "b", "c", "d", "e"], "{errors:?}");
+        assert!(errors[0].message.contains("unknown pattern 'telepathy'"));
+        assert!(errors[1].message.contains("'react' twice"));
+        assert!(errors[2].message.contains("runs in this orchestrator"));
+    }
+
+    #[test]
+    fn trustgraph_prompt_entries_are_left_alone() {
+        let values: ConfigValues = [(
+            "prompt".to_owned(),
+            [
+                ("system".to_owned(), json!("You are helpful.")),
+                ("template-index".to_owned(), json!(["agent-react"])),
+                ("template.agent-react".to_owned(), json!({"prompt": "x"})),
+                ("reactt".to_owned(), json!({"prompt": "x"})),
+                (
+                    "task-type-classify".to_owned(),
+                    json!({"system": "S", "template": "T {{question}}"}),
+                ),
+            ]
+            .into(),
+        )]
+        .into();
+        let config = AgentConfig::from_values(&values).unwrap();
+        assert_eq!(config.prompts.task_type_selection.system, "S");
+        assert_eq!(AgentConfig::unread_prompt_keys(&values), ["reactt"]);
     }
 
     #[test]

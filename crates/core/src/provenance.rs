@@ -268,7 +268,10 @@ pub fn pattern_decision(uris: &SessionUris, decision: &Decision, stats: &CallSta
     if !decision.task_type.selected.is_empty() {
         b.tg(&s, "taskType", Term::literal(&decision.task_type.selected));
     }
-    choice_facts(&mut b, &s, "taskType", &decision.task_type);
+    // A request that named its pattern but no task type has no task type facts.
+    if !decision.task_type.selected.is_empty() {
+        choice_facts(&mut b, &s, "taskType", &decision.task_type);
+    }
     choice_facts(&mut b, &s, "pattern", &decision.pattern);
     for name in &decision.unavailable_patterns {
         b.tg(&s, "patternUnavailable", Term::literal(name));

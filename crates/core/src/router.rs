@@ -288,7 +288,7 @@ fn json_answer(text: &str) -> Option<(Option<String>, String)> {
             .find_map(|k| object.get(*k).and_then(|v| v.as_str()))
             .map(str::to_owned)
     };
-    let choice = field(&["choice", "task_type", "pattern", "name"]);
+    let choice = field(&["choice", "task_type", "pattern"]);
     let rationale = field(&["rationale", "reason", "why"]).unwrap_or_default();
     Some((choice, rationale))
 }

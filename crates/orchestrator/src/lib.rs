@@ -64,7 +64,7 @@ impl Engine {
         delivery: Delivery<AgentRequest>,
     ) -> Result<(), agent_bus::BusError> {
         let Delivery {
-            payload: request,
+            payload: mut request,
             properties,
         } = delivery;
         let id = properties.get(ID_PROPERTY).map(String::as_str);
@@ -91,11 +91,24 @@ impl Engine {
             started_ms,
         );
         let config = self.config.current();
+        // The router's mark is honoured only on what the router queues: a first iteration with its
+        // pattern and session set. Anything else without history is a new dialog.
+        let routed = properties.contains_key(router::ROUTED_PROPERTY)
+            && request.history.is_empty()
+            && !request.pattern.is_empty()
+            && !request.session_id.is_empty();
+        let new_dialog = request.history.is_empty() && !routed;
 
-        if let Err(problem) = validate(&request, &config) {
+        if let Err(problem) = validate(&request, &config, new_dialog) {
             tracing::warn!(session = %session_id, %problem, "refusing an invalid request");
             out.respond(&AgentResponse::error(problem)).await?;
             return out.flush().await;
+        }
+        // A request that names its pattern is not routed, but gets its task type's framing.
+        let requested = (new_dialog && !request.pattern.is_empty())
+            .then(|| router::requested(&request, &config));
+        if let Some(decision) = &requested {
+            request.framing.clone_from(&decision.framing);
         }
         let n = request.history.len() + 1;
         let span = tracing::info_span!("iteration", session = %session_id, iteration = n, id = id.unwrap_or(""));
@@ -109,10 +122,8 @@ impl Engine {
             tokens_before,
             elapsed,
         };
-        let routed = properties.contains_key(router::ROUTED_PROPERTY);
         async {
-            let first = request.history.is_empty();
-            if first && !routed {
+            if new_dialog {
                 let started =
                     chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Micros, true);
                 out.explain(
@@ -120,13 +131,12 @@ impl Engine {
                     provenance::session(&uris, &request.question, &started),
                 )
                 .await?;
-                if request.pattern.is_empty() {
+                let Some(decision) = &requested else {
                     return router::route(&turn).await;
-                }
-                let decision = router::requested(&request);
+                };
                 out.explain(
                     &uris.pattern_decision(),
-                    provenance::pattern_decision(&uris, &decision, &CallStats::default()),
+                    provenance::pattern_decision(&uris, decision, &CallStats::default()),
                 )
                 .await?;
             }
@@ -153,8 +163,9 @@ fn session_id_for(request: &AgentRequest, id: Option<&str>) -> String {
     }
 }
 
-/// Checks a request before any work; the message is the error the client gets.
-fn validate(request: &AgentRequest, config: &AgentConfig) -> Result<(), String> {
+/// Checks a request before any work; the message is the error the client gets. `new_dialog`: the
+/// first message of a dialog, not one the router queued.
+fn validate(request: &AgentRequest, config: &AgentConfig, new_dialog: bool) -> Result<(), String> {
     if request.question.trim().is_empty() {
         return Err("the request has an empty question".to_owned());
     }
@@ -176,8 +187,9 @@ fn validate(request: &AgentRequest, config: &AgentConfig) -> Result<(), String> 
             IMPLEMENTED_PATTERNS.join(", ")
         ));
     }
-    // A task type only matters to routing; once routed, the dialog keeps it even if config changes.
-    if pattern.is_empty() && !request.task_type.is_empty() {
+    // A task type is checked where a dialog starts; once routed, the dialog keeps it even if config
+    // changes.
+    if new_dialog && !request.task_type.is_empty() {
         let task_types = config.task_types_or_general();
         if !task_types.iter().any(|t| t.name == request.task_type) {
             let names: Vec<&str> = task_types.iter().map(|t| t.name.as_str()).collect();
@@ -282,42 +294,49 @@ mod tests {
             question: "Why?".into(),
             ..AgentRequest::default()
         };
-        assert!(validate(&ok, &config).is_ok());
+        assert!(validate(&ok, &config, true).is_ok());
         let empty = AgentRequest::default();
-        assert!(validate(&empty, &config)
+        assert!(validate(&empty, &config, true)
             .unwrap_err()
             .contains("empty question"));
         let huge = AgentRequest {
             question: "x".repeat(config.limits.max_question_bytes + 1),
             ..AgentRequest::default()
         };
-        assert!(validate(&huge, &config)
+        assert!(validate(&huge, &config, true)
             .unwrap_err()
             .contains("max_question_bytes"));
         let injected = AgentRequest {
             session_id: "x> <y".into(),
             ..ok.clone()
         };
-        assert!(validate(&injected, &config).is_err());
+        assert!(validate(&injected, &config, true).is_err());
         let pattern = AgentRequest {
             pattern: "telepathy".into(),
             ..ok.clone()
         };
-        assert!(validate(&pattern, &config)
+        assert!(validate(&pattern, &config, true)
             .unwrap_err()
             .contains("telepathy"));
         let task_type = AgentRequest {
             task_type: "astrology".into(),
             ..ok.clone()
         };
-        assert!(validate(&task_type, &config)
+        assert!(validate(&task_type, &config, true)
             .unwrap_err()
             .contains("'astrology' is not configured"));
         let general = AgentRequest {
             task_type: "general".into(),
             ..ok
         };
-        assert!(validate(&general, &config).is_ok());
+        assert!(validate(&general, &config, true).is_ok());
+        // A routed dialog keeps its task type even if config no longer has it.
+        let routed = AgentRequest {
+            task_type: "astrology".into(),
+            pattern: "react".into(),
+            ..general
+        };
+        assert!(validate(&routed, &config, false).is_ok());
     }
 }
 

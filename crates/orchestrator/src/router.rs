@@ -2,10 +2,12 @@
 //! the configured task types the question is, then which of that task type's patterns to work with,
 //! records the decision as a `tg:PatternDecision` node, and queues the dialog's first iteration with
 //! `pattern`, `task_type` and `framing` set. Routing is its own message so the decision is on the
-//! broker before any work starts: a later crash redoes the iteration, never the choice.
+//! broker before any work starts: once the routing message is acked, a crash redoes iterations,
+//! never the choice. A crash before that ack routes again, and the LLM may choose differently;
+//! first-writer-wins on the decision node is the effectively-once work of issue 7.
 
 use agent_bus::BusError;
-use agent_core::config::TaskTypeDef;
+use agent_core::config::{AgentConfig, TaskTypeDef};
 use agent_core::provenance::{self, CallStats};
 use agent_core::router::{self, Candidate, Choice, Decision, Method};
 use agent_llm::{ChatMessage, LlmClient};
@@ -105,9 +107,9 @@ pub async fn route(turn: &Turn<'_>) -> Result<(), BusError> {
     out.next(&next, tokens, &[(ROUTED_PROPERTY, "true")]).await
 }
 
-/// Records the decision for a request that named its pattern: nothing was chosen, but the audit
-/// trail still says which pattern ran and why.
-pub fn requested(request: &AgentRequest) -> Decision {
+/// The decision for a request that named its pattern (and perhaps its task type, which `validate`
+/// checked): nothing was chosen, but the audit trail still says what ran and with which framing.
+pub fn requested(request: &AgentRequest, config: &AgentConfig) -> Decision {
     let requested = |name: &str| Choice {
         candidates: Vec::new(),
         selected: name.to_owned(),
@@ -115,11 +117,18 @@ pub fn requested(request: &AgentRequest) -> Decision {
         rationale: String::new(),
         raw_answer: None,
     };
+    let task_type = config
+        .task_types_or_general()
+        .into_iter()
+        .find(|t| !request.task_type.is_empty() && t.name == request.task_type);
     Decision {
         task_type: requested(&request.task_type),
         pattern: requested(&request.pattern),
         unavailable_patterns: Vec::new(),
-        framing: request.framing.clone(),
+        framing: match &task_type {
+            Some(t) => framing(t, &request.framing),
+            None => request.framing.clone(),
+        },
     }
 }
 
