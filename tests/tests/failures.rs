@@ -80,8 +80,8 @@ async fn malformed_payloads_go_to_the_dead_letter_topic_and_service_continues() 
     ids.sort();
     assert_eq!(ids, ["bad-0", "bad-1", "bad-2", "bad-3"]);
     // None of the poison messages reached the LLM or produced a response: the calls are the two
-    // valid dialogs' routing and agent turns.
-    assert_eq!(llm.calls().len(), 4);
+    // valid dialogs' routing (task type and pattern) and agent turns.
+    assert_eq!(llm.calls().len(), 6);
     assert!(drain_for(&mut client, "bad-0", Duration::from_millis(500))
         .await
         .is_empty());

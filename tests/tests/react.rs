@@ -65,8 +65,9 @@ async fn one_iteration_answer_without_streaming() {
     assert_eq!(answer.message_id, format!("{session}/final"));
     assert!(answer.in_token.unwrap() > 0 && answer.out_token.unwrap() > 0);
     assert_eq!(answer.model.as_deref(), Some("scripted"));
-    // Routing, then one agent turn; neither streamed.
-    assert_eq!(llm.calls().len(), 2);
+    // Routing (task type, then pattern: unscripted here, so it fell back to react), then one
+    // agent turn; none streamed.
+    assert_eq!(llm.calls().len(), 3);
     assert!(llm.calls().iter().all(|c| !c.stream));
 }
 
@@ -143,9 +144,10 @@ async fn three_iteration_dialog_with_tools_streams_chunks() {
     assert_eq!(closing.content, "");
     assert!(closing.end_of_message && closing.end_of_dialog);
     assert_eq!(closing.message_id, format!("{session}/final"));
-    // Routing (unscripted here, so it fell back), three agent turns and two tool calls.
+    // Routing (two questions, unscripted here, so it fell back), three agent turns and two tool
+    // calls.
     let calls = llm.calls();
-    assert_eq!(calls.len(), 6);
+    assert_eq!(calls.len(), 7);
     assert!(closing.in_token.unwrap() >= 5 && closing.out_token.unwrap() >= 5);
 
     // Provenance arrived inline: session, two iterations with observations, the conclusion.

@@ -83,6 +83,9 @@ async fn seeded_task_types_route_within_their_valid_patterns() {
       {"match": "Request to classify: ", "and": ["sources on the history"], "reply": "```json\n{\"choice\": \"research\", \"rationale\": \"asks for sources\"}\n```"},
       {"match": "Request to classify: ", "and": ["could go wrong"], "reply": "Choice: risk assessment\nRationale: asks what could go wrong"},
       {"match": "Request to classify: ", "and": ["Summarise"], "reply": "summarisation"},
+      {"match": "Request to work on: ", "and": ["capital of France"], "reply": "{\"choice\": \"react\", \"rationale\": \"one lookup at most\"}"},
+      {"match": "Request to work on: ", "and": ["sources on the history"], "reply": "{\"choice\": \"supervisor\", \"rationale\": \"fan out\"}"},
+      {"match": "Request to work on: ", "and": ["could go wrong"], "reply": "react"},
       {"match": "This is a research request", "and": ["Question: Find sources"], "reply": "Thought: framed as research.\nFinal Answer: research framing seen"},
       {"match": "This is a risk assessment", "and": ["Question: What could go wrong"], "reply": "Thought: framed as risk.\nFinal Answer: risk framing seen"},
       {"match": "This is a summarisation request", "and": ["Question: Summarise"], "reply": "Thought: framed as summary.\nFinal Answer: summary framing seen"},
@@ -97,13 +100,17 @@ async fn seeded_task_types_route_within_their_valid_patterns() {
     )
     .unwrap();
 
-    for (id, question, task_type, rationale, expected_answer) in [
+    // The pattern is asked for too where a task type allows two patterns that run here: an
+    // answer with a rationale, an answer outside the candidates (a recorded fallback to the first
+    // runnable valid pattern), a bare name, and no question at all for one candidate.
+    for (id, question, task_type, rationale, expected_answer, pattern_method) in [
         (
             "r-general",
             "What is the capital of France?",
             "general",
             "a single plain fact",
             "Paris",
+            "llm",
         ),
         (
             "r-research",
@@ -111,6 +118,7 @@ async fn seeded_task_types_route_within_their_valid_patterns() {
             "research",
             "asks for sources",
             "research framing seen",
+            "fallback",
         ),
         (
             "r-risk",
@@ -118,6 +126,7 @@ async fn seeded_task_types_route_within_their_valid_patterns() {
             "risk-assessment",
             "asks what could go wrong",
             "risk framing seen",
+            "llm",
         ),
         (
             "r-summary",
@@ -125,6 +134,7 @@ async fn seeded_task_types_route_within_their_valid_patterns() {
             "summarisation",
             "",
             "summary framing seen",
+            "only-candidate",
         ),
     ] {
         let (responses, facts) = routed(&mut client, id, &request(question, false)).await;
@@ -137,7 +147,12 @@ async fn seeded_task_types_route_within_their_valid_patterns() {
         );
         assert_eq!(one(&facts, "taskTypeMethod"), "llm", "{id}");
         assert_eq!(one(&facts, "taskTypeRationale"), rationale, "{id}");
-        assert_eq!(one(&facts, "fallback"), "false", "{id}");
+        assert_eq!(one(&facts, "patternMethod"), pattern_method, "{id}");
+        assert_eq!(
+            one(&facts, "fallback"),
+            (pattern_method == "fallback").to_string(),
+            "{id}"
+        );
         let valid: BTreeSet<String> = seed[task_type]["valid_patterns"]
             .as_array()
             .unwrap()
@@ -179,17 +194,55 @@ async fn seeded_task_types_route_within_their_valid_patterns() {
             "{id}: the first iteration does not derive from the decision"
         );
     }
-    // Routing asked the LLM once per dialog (one runnable pattern needs no second question).
-    let classify = llm
-        .calls()
-        .iter()
-        .filter(|c| c.last_user.contains("Request to classify: "))
-        .count();
-    assert_eq!(classify, 4);
-    assert!(!llm
-        .calls()
-        .iter()
-        .any(|c| c.last_user.contains("Request to plan: ")));
+    // Research's fallback names the answer it refused; general's pattern rationale is kept.
+    let calls = llm.calls();
+    let asked = |marker: &str| {
+        calls
+            .iter()
+            .filter(|c| c.last_user.contains(marker))
+            .count()
+    };
+    assert_eq!(asked("Request to classify: "), 4);
+    // Summarisation allows one pattern only, so it was not asked about.
+    assert_eq!(asked("Request to work on: "), 3);
+}
+
+/// The pattern choice's own record: rationale when the LLM chose, the refused answer and the
+/// reason when it fell back.
+#[tokio::test]
+async fn pattern_choices_record_their_rationale_or_fallback() {
+    let broker = Broker::start().unwrap();
+    let llm = scripted_llm(
+        r#"{"rules": [
+      {"match": "Request to classify: ", "reply": "{\"choice\": \"research\", \"rationale\": \"sources\"}"},
+      {"match": "Request to work on: ", "and": ["nonsense"], "reply": "{\"choice\": \"telepathy\"}"},
+      {"match": "Request to work on: ", "reply": "{\"choice\": \"react\", \"rationale\": \"a quick lookup\"}"},
+      {"match": "Question: ", "reply": "Thought: ok.\nFinal Answer: done"}
+    ]}"#,
+    )
+    .await;
+    let _orchestrator = Orchestrator::spawn(&broker, &llm, &seed_dir(), &[]);
+    let mut client = client(&broker).await;
+    let (_, chose) = routed(&mut client, "p-llm", &request("Look this up.", false)).await;
+    assert_eq!(one(&chose, "pattern"), "react");
+    assert_eq!(one(&chose, "patternMethod"), "llm");
+    assert_eq!(one(&chose, "patternRationale"), "a quick lookup");
+    assert_eq!(
+        set(&chose, "patternCandidate"),
+        names(&["react", "plan-then-execute"])
+    );
+    assert_eq!(one(&chose, "rationale"), "sources a quick lookup");
+    let (_, refused) = routed(&mut client, "p-bad", &request("Do nonsense.", false)).await;
+    assert_eq!(
+        one(&refused, "pattern"),
+        "react",
+        "the first runnable valid pattern"
+    );
+    assert_eq!(one(&refused, "patternMethod"), "fallback");
+    assert!(
+        one(&refused, "patternFallbackReason").contains("'telepathy' is not one of the candidates")
+    );
+    assert!(one(&refused, "patternAnswer").contains("telepathy"));
 }
 
 /// A task type outside the candidates, prose, and a failing LLM each get the recorded fallback to
@@ -363,6 +416,10 @@ async fn routing_follows_config_changes_without_a_restart() {
 
     let (_, before) = routed(&mut client, "c-before", &request(pager, false)).await;
     assert_eq!(one(&before, "taskType"), "general");
+    assert_eq!(
+        set(&before, "patternCandidate"),
+        names(&["react", "plan-then-execute"])
+    );
     assert!(one(&before, "taskTypeFallbackReason").contains("'incident-response' is not one"));
 
     let http = reqwest::Client::new();
@@ -402,8 +459,8 @@ async fn routing_follows_config_changes_without_a_restart() {
     assert!(set(&after, "taskTypeCandidate").contains("incident-response"));
     assert_eq!(one(&after, "taskTypeMethod"), "llm");
 
-    // `general` now allows supervisor (which does not run here) and react: the next decision
-    // offers react only and records supervisor as unavailable.
+    // `general` allowed react, plan-then-execute and supervisor; now it allows supervisor (which
+    // does not run here) and react: the next decision offers react only.
     let general = json!({
         "description": "Anything else.",
         "valid_patterns": ["supervisor", "react"]
@@ -418,7 +475,7 @@ async fn routing_follows_config_changes_without_a_restart() {
             &request("Anything at all?", false),
         )
         .await;
-        if set(&facts, "patternUnavailable") == names(&["supervisor"]) {
+        if set(&facts, "patternCandidate") == names(&["react"]) {
             changed = Some(facts);
             break;
         }
@@ -426,8 +483,9 @@ async fn routing_follows_config_changes_without_a_restart() {
     }
     let changed = changed.expect("the new valid_patterns never applied");
     assert_eq!(one(&changed, "taskType"), "general");
-    assert_eq!(set(&changed, "patternCandidate"), names(&["react"]));
+    assert_eq!(set(&changed, "patternUnavailable"), names(&["supervisor"]));
     assert_eq!(one(&changed, "pattern"), "react");
+    assert_eq!(one(&changed, "patternMethod"), "only-candidate");
 
     // A task type naming an unknown pattern, and one none of whose patterns runs here: config-svc
     // stores them (it is a general config store) but says at once what is wrong, and the

@@ -1,8 +1,9 @@
-//! Agent logic with no I/O: the meta-router's choices, the ReACT protocol parser, tool scoping,
-//! prompts, config and provenance builders. The orchestrator drives these; unit tests drive them
-//! directly.
+//! Agent logic with no I/O: the meta-router's choices, the ReACT protocol parser, plan DAGs, tool
+//! scoping, prompts, config and provenance builders. The orchestrator drives these; unit tests
+//! drive them directly.
 
 pub mod config;
+pub mod plan;
 pub mod prompt;
 pub mod provenance;
 pub mod react;

@@ -14,6 +14,14 @@ pub const TASK_TYPE_SELECTION_KEY: &str = "task-type-classify";
 /// Config key of the meta-router's second question: which pattern to work on a task type with
 /// (TrustGraph's prompt id).
 pub const PATTERN_SELECTION_KEY: &str = "pattern-select";
+/// Config key of the Plan-then-Execute planning prompt (TrustGraph's prompt id).
+pub const PLAN_CREATE_KEY: &str = "plan-create";
+/// Config key of the prompt that carries out one plan step.
+pub const PLAN_STEP_KEY: &str = "plan-step";
+/// Config key of the prompt that revises the rest of a plan after a failure.
+pub const PLAN_REVISE_KEY: &str = "plan-revise";
+/// Config key of the prompt that answers from the plan's results (TrustGraph's prompt id).
+pub const PLAN_SYNTHESISE_KEY: &str = "plan-synthesise";
 /// Config key of the prompt around a tool's LLM call (`text-completion` and `prompt` tools).
 pub const TOOL_CALL_KEY: &str = "tool-call";
 
@@ -32,7 +40,24 @@ pub const DEFAULT_TASK_TYPE_TEMPLATE: &str = "Classify the request below as exac
 
 /// Which pattern to work with. Placeholders: `question`, `task_type`, `task_type_description`,
 /// `candidates`, `candidate_names`.
-pub const DEFAULT_PATTERN_TEMPLATE: &str = "The request below is a '{{task_type}}' task ({{task_type_description}}). Choose how to work on it, exactly one of these patterns:\n\n{{candidates}}\n\nReply with only a JSON object: {\"choice\": \"<one of: {{candidate_names}}>\", \"rationale\": \"<one sentence: which signals in the request led to the choice>\"}\n\nRequest to plan: {{question}}";
+pub const DEFAULT_PATTERN_TEMPLATE: &str = "The request below is a '{{task_type}}' task ({{task_type_description}}). Choose how to work on it, exactly one of these patterns:\n\n{{candidates}}\n\nReply with only a JSON object: {\"choice\": \"<one of: {{candidate_names}}>\", \"rationale\": \"<one sentence: which signals in the request led to the choice>\"}\n\nRequest to work on: {{question}}";
+
+/// The planning system prompt used when config gives none (every Plan-then-Execute call shares it).
+pub const DEFAULT_PLAN_SYSTEM: &str = "You are a careful planner and executor. You break work into small steps that each need at most one tool, and you report only what the steps found.";
+
+/// Planning. Placeholders: `framing`, `question`, `tools`, `max_steps`.
+pub const DEFAULT_PLAN_CREATE_TEMPLATE: &str = "{{framing}}Make a plan to answer the request below. Each step has a goal, an optional tool hint, and the numbers of the other steps whose results it needs (steps are numbered from 0; no step may depend on itself, and the dependencies must not go round in a circle). Use at most {{max_steps}} steps.\n\nTools the steps can use:\n{{tools}}\n\nReply with only a JSON object: {\"rationale\": \"<one sentence>\", \"steps\": [{\"goal\": \"...\", \"tool_hint\": \"...\", \"depends_on\": []}]}\n\nRequest to plan: {{question}}";
+
+/// One step. Placeholders: `framing`, `question`, `step`, `goal`, `tool_hint`, `dependencies`,
+/// `tools`, `tool_names`.
+pub const DEFAULT_PLAN_STEP_TEMPLATE: &str = "{{framing}}You are carrying out step {{step}} of a plan for the request: {{question}}\n\nResults of the steps it depends on:\n{{dependencies}}\n\nYou may use these tools:\n{{tools}}\n\nRespond in exactly one of these two forms.\n\nTo use a tool:\nThought: <your reasoning>\nAction: <one of: {{tool_names}}>\nArgs: <a JSON object with the tool's arguments>\n\nTo give the step's result directly:\nThought: <your reasoning>\nFinal Answer: <the result>\n\nStep goal: {{goal}}\nSuggested tool: {{tool_hint}}";
+
+/// Revising. Placeholders: `framing`, `question`, `plan`, `completed`, `problem`, `first_new`,
+/// `tools`.
+pub const DEFAULT_PLAN_REVISE_TEMPLATE: &str = "{{framing}}A plan for the request below ran into a problem: {{problem}}\n\nThe plan so far:\n{{plan}}\n\nThe completed steps are kept and renumbered as follows:\n{{completed}}\n\nWrite the remaining steps only. Number them from {{first_new}}; depends_on may name kept steps and earlier new steps.\n\nTools the steps can use:\n{{tools}}\n\nReply with only a JSON object: {\"rationale\": \"<what changed and why>\", \"steps\": [{\"goal\": \"...\", \"tool_hint\": \"...\", \"depends_on\": []}]}\n\nRequest to re-plan: {{question}}";
+
+/// Synthesis. Placeholders: `framing`, `question`, `results`, `caveat`.
+pub const DEFAULT_PLAN_SYNTHESISE_TEMPLATE: &str = "{{framing}}Answer the request below from the results of the plan's steps. Use only these results; say so if they are not enough.{{caveat}}\n\nResults:\n{{results}}\n\nRequest to answer: {{question}}";
 
 /// The system prompt of a tool's LLM call; its user prompt is the tool's own (`{{prompt}}`).
 pub const DEFAULT_TOOL_CALL_SYSTEM: &str = "You are a helpful assistant.";
@@ -60,6 +85,10 @@ pub struct Prompts {
     pub react: PromptTemplate,
     pub task_type_selection: PromptTemplate,
     pub pattern_selection: PromptTemplate,
+    pub plan_create: PromptTemplate,
+    pub plan_step: PromptTemplate,
+    pub plan_revise: PromptTemplate,
+    pub plan_synthesise: PromptTemplate,
     pub tool_call: PromptTemplate,
 }
 
@@ -75,6 +104,13 @@ impl Default for Prompts {
                 DEFAULT_ROUTING_SYSTEM,
                 DEFAULT_PATTERN_TEMPLATE,
             ),
+            plan_create: PromptTemplate::new(DEFAULT_PLAN_SYSTEM, DEFAULT_PLAN_CREATE_TEMPLATE),
+            plan_step: PromptTemplate::new(DEFAULT_PLAN_SYSTEM, DEFAULT_PLAN_STEP_TEMPLATE),
+            plan_revise: PromptTemplate::new(DEFAULT_PLAN_SYSTEM, DEFAULT_PLAN_REVISE_TEMPLATE),
+            plan_synthesise: PromptTemplate::new(
+                DEFAULT_PLAN_SYSTEM,
+                DEFAULT_PLAN_SYNTHESISE_TEMPLATE,
+            ),
             tool_call: PromptTemplate::new(DEFAULT_TOOL_CALL_SYSTEM, "{{prompt}}"),
         }
     }
@@ -87,16 +123,24 @@ impl Prompts {
             REACT_KEY => Some(&mut self.react),
             TASK_TYPE_SELECTION_KEY => Some(&mut self.task_type_selection),
             PATTERN_SELECTION_KEY => Some(&mut self.pattern_selection),
+            PLAN_CREATE_KEY => Some(&mut self.plan_create),
+            PLAN_STEP_KEY => Some(&mut self.plan_step),
+            PLAN_REVISE_KEY => Some(&mut self.plan_revise),
+            PLAN_SYNTHESISE_KEY => Some(&mut self.plan_synthesise),
             TOOL_CALL_KEY => Some(&mut self.tool_call),
             _ => None,
         }
     }
 
     /// The config keys of every prompt.
-    pub const KEYS: [&'static str; 4] = [
+    pub const KEYS: [&'static str; 8] = [
         REACT_KEY,
         TASK_TYPE_SELECTION_KEY,
         PATTERN_SELECTION_KEY,
+        PLAN_CREATE_KEY,
+        PLAN_STEP_KEY,
+        PLAN_REVISE_KEY,
+        PLAN_SYNTHESISE_KEY,
         TOOL_CALL_KEY,
     ];
 }
@@ -178,6 +222,15 @@ pub fn render_history(history: &[AgentStep]) -> String {
     out
 }
 
+/// The framing as it opens a prompt: nothing, or the framing and a blank line.
+pub fn framing_block(framing: &str) -> String {
+    if framing.trim().is_empty() {
+        String::new()
+    } else {
+        format!("{}\n\n", framing.trim())
+    }
+}
+
 /// Renders the ReACT prompt for one iteration.
 pub fn react_prompt(
     template: &PromptTemplate,
@@ -186,11 +239,7 @@ pub fn react_prompt(
     tools: &[&ToolDef],
     history: &[AgentStep],
 ) -> (String, String) {
-    let framing = if framing.is_empty() {
-        String::new()
-    } else {
-        format!("{framing}\n\n")
-    };
+    let framing = framing_block(framing);
     let names: Vec<&str> = tools.iter().map(|t| t.name.as_str()).collect();
     let vars: BTreeMap<&str, String> = [
         ("question", question.to_owned()),

@@ -44,6 +44,10 @@ impl SessionUris {
     pub fn observation(&self, n: usize) -> String {
         format!("{}/i{n}/observation", self.base)
     }
+    /// Step `index` of the plan made at iteration `n`.
+    pub fn plan_step(&self, n: usize, index: usize) -> String {
+        format!("{}/i{n}/step/{index}", self.base)
+    }
     pub fn pattern_decision(&self) -> String {
         format!("{}/pattern-decision", self.base)
     }
@@ -181,6 +185,127 @@ fn iteration_facts(b: &mut NodeBuilder, s: &str, n: usize, candidates: &[&str], 
     }
 }
 
+/// A plan a Plan-then-Execute iteration made or revised.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct PlanRecord<'a> {
+    /// 0 for the first plan, then one more per revision.
+    pub version: usize,
+    pub steps: &'a [agent_schema::PlanStep],
+    /// The LLM's reason for the plan, or for the revision.
+    pub rationale: &'a str,
+    /// Plans the LLM gave that were refused, each with why, before this one.
+    pub rejected: &'a [(String, String)],
+    /// For a revision: what went wrong, and the old step numbers it dropped.
+    pub revision_of: Option<(&'a str, &'a [usize])>,
+    /// Why the LLM's plan was not used and a one-step plan stands in, if so.
+    pub fallback: Option<&'a str>,
+}
+
+/// A planning iteration: the plan (each step a node with its goal, tool hint and dependencies),
+/// the refused attempts, and for a revision what changed and why.
+pub fn plan_iteration(
+    uris: &SessionUris,
+    n: usize,
+    plan: &PlanRecord<'_>,
+    candidates: &[&str],
+    stats: &CallStats,
+) -> Vec<Triple> {
+    let s = uris.iteration(n);
+    let integer = |v: usize| Term::typed_literal(v.to_string(), XSD_INTEGER);
+    let mut b = NodeBuilder::default();
+    let (action, types): (&str, &[&str]) = match plan.revision_of {
+        Some(_) => ("replan", &["Analysis", "Plan", "PlanRevision"]),
+        None => ("plan", &["Analysis", "Plan"]),
+    };
+    b.types(&s, types)
+        .label(
+            &s,
+            &format!("Plan v{}: {} steps", plan.version, plan.steps.len()),
+        )
+        .tg(&s, "action", Term::literal(action))
+        .tg(&s, "planVersion", integer(plan.version))
+        .derived(&s, &uris.previous(n - 1));
+    if !plan.rationale.is_empty() {
+        b.tg(&s, "rationale", Term::literal(plan.rationale));
+    }
+    if let Some((problem, dropped)) = plan.revision_of {
+        b.tg(&s, "revisionReason", Term::literal(problem));
+        for d in dropped {
+            b.tg(&s, "droppedStep", integer(*d));
+        }
+    }
+    if let Some(why) = plan.fallback {
+        b.tg(&s, "planFallbackReason", Term::literal(why));
+    }
+    for (answer, why) in plan.rejected {
+        b.tg(&s, "rejectedPlan", Term::literal(answer)).tg(
+            &s,
+            "rejectionReason",
+            Term::literal(why),
+        );
+    }
+    for (i, step) in plan.steps.iter().enumerate() {
+        let node = uris.plan_step(n, i);
+        b.tg(&s, "hasStep", Term::iri(&node));
+        b.types(&node, &["PlanStep"])
+            .label(&node, &format!("Step {i}: {}", step.goal))
+            .tg(&node, "stepIndex", integer(i))
+            .tg(&node, "goal", Term::literal(&step.goal))
+            .tg(&node, "stepStatus", Term::literal(&step.status))
+            .derived(&node, &s);
+        if !step.tool_hint.is_empty() {
+            b.tg(&node, "toolHint", Term::literal(&step.tool_hint));
+        }
+        if !step.result.is_empty() {
+            b.tg(&node, "result", Term::literal(&step.result));
+        }
+        for d in &step.depends_on {
+            b.tg(
+                &node,
+                "dependsOn",
+                Term::typed_literal(d.to_string(), XSD_INTEGER),
+            );
+        }
+    }
+    iteration_facts(&mut b, &s, n, candidates, stats);
+    b.build()
+}
+
+/// An iteration that carried out one plan step: like a tool iteration, plus which step of which
+/// plan it executed. `plan_step` is that step's node.
+#[allow(clippy::too_many_arguments)]
+pub fn step_execution(
+    uris: &SessionUris,
+    n: usize,
+    plan_step: &str,
+    index: usize,
+    thought: &str,
+    action: &str,
+    arguments_json: &str,
+    candidates: &[&str],
+    stats: &CallStats,
+) -> Vec<Triple> {
+    let s = uris.iteration(n);
+    let mut triples = tool_iteration(uris, n, thought, action, arguments_json, candidates, stats);
+    let mut b = NodeBuilder::default();
+    b.types(&s, &["StepExecution"])
+        .tg(&s, "executesStep", Term::iri(plan_step))
+        .tg(
+            &s,
+            "stepIndex",
+            Term::typed_literal(index.to_string(), XSD_INTEGER),
+        );
+    triples.extend(b.build());
+    triples
+}
+
+/// The outcome of a plan step on its observation node: `completed` or `failed`.
+pub fn step_status(uris: &SessionUris, n: usize, status: &str) -> Vec<Triple> {
+    let mut b = NodeBuilder::default();
+    b.tg(&uris.observation(n), "stepStatus", Term::literal(status));
+    b.build()
+}
+
 /// What a tool run cost: its duration and the tokens of any LLM call it made.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct ToolStats {
@@ -209,6 +334,9 @@ pub fn observation(uris: &SessionUris, n: usize, text: &str, tool: ToolStats) ->
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Termination {
     Answer,
+    /// The plan could not be finished within `max_replan_depth` revisions; answered from what
+    /// completed.
+    ReplanLimit,
     MaxIterations,
     /// A token or wall-time budget was used up.
     Budget,
@@ -219,6 +347,7 @@ impl Termination {
     pub fn as_str(self) -> &'static str {
         match self {
             Termination::Answer => "answer",
+            Termination::ReplanLimit => "max-replan-depth",
             Termination::MaxIterations => "max-iterations",
             Termination::Budget => "budget",
             Termination::Error => "error",

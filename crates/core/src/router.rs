@@ -5,10 +5,11 @@
 use std::collections::BTreeMap;
 
 use crate::config::{AgentConfig, TaskTypeDef};
+use crate::plan::PLAN_THEN_EXECUTE;
 use crate::prompt::{render, PromptTemplate};
 
 /// The patterns this orchestrator can run, in no particular order.
-pub const IMPLEMENTED_PATTERNS: &[&str] = &[REACT];
+pub const IMPLEMENTED_PATTERNS: &[&str] = &[REACT, PLAN_THEN_EXECUTE];
 /// The pattern every dialog can fall back to.
 pub const REACT: &str = "react";
 /// The task type used when config defines none, and the preferred fallback task type.
@@ -133,6 +134,7 @@ pub fn pattern_candidates(
 fn builtin_description(pattern: &str) -> &'static str {
     match pattern {
         REACT => "Reason step by step, calling one tool at a time, until the answer is known",
+        PLAN_THEN_EXECUTE => "Write a plan of dependent steps first, then carry them out one at a time, revising the rest of the plan when a step fails",
         _ => "",
     }
 }
@@ -378,6 +380,12 @@ mod tests {
         let (runnable, unavailable) = pattern_candidates(&AgentConfig::default(), &task);
         assert_eq!(names(&runnable), ["react"]);
         assert_eq!(unavailable, ["supervisor"]);
+        let task = TaskTypeDef {
+            valid_patterns: vec!["plan-then-execute".into(), "react".into()],
+            ..task
+        };
+        let (runnable, _) = pattern_candidates(&AgentConfig::default(), &task);
+        assert_eq!(names(&runnable), ["plan-then-execute", "react"]);
     }
 
     #[test]

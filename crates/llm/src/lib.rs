@@ -88,6 +88,13 @@ impl ChatMessage {
             content: content.into(),
         }
     }
+    /// What the LLM said earlier in the conversation, for a follow-up question about it.
+    pub fn assistant(content: impl Into<String>) -> ChatMessage {
+        ChatMessage {
+            role: "assistant".to_owned(),
+            content: content.into(),
+        }
+    }
 }
 
 /// A finished completion.

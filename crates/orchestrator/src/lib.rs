@@ -5,6 +5,7 @@
 
 pub mod live_config;
 pub mod output;
+pub mod plan;
 pub mod react;
 pub mod router;
 pub mod settings;
@@ -140,7 +141,10 @@ impl Engine {
                 )
                 .await?;
             }
-            react::iterate(&turn).await
+            match request.pattern.as_str() {
+                agent_core::plan::PLAN_THEN_EXECUTE => plan::iterate(&turn).await,
+                _ => react::iterate(&turn).await,
+            }
         }
         .instrument(span)
         .await?;

@@ -2,8 +2,6 @@
 //! thought (and answer); then either answer and close the dialog, or run the chosen tool and queue the
 //! next iteration with the grown history.
 
-use std::time::Duration;
-
 use agent_bus::BusError;
 use agent_core::provenance::{self, CallStats, SessionUris, Termination, ToolStats};
 use agent_core::react::{parse, ReactDelta, ReactStream, ReactTurn};
@@ -13,7 +11,7 @@ use agent_schema::{AgentResponse, AgentStep, MessageType, StepType};
 use tokio::sync::mpsc;
 
 use crate::output::DialogOutput;
-use crate::tool_exec::run_tool;
+use crate::tool_exec::run_scoped_tool;
 use crate::Turn;
 
 /// Runs the iteration. `Err` only for publish failures: the message is then nacked and redone.
@@ -27,15 +25,8 @@ pub async fn iterate(turn: &Turn<'_>) -> Result<(), BusError> {
         ..
     } = turn;
     let n = request.history.len() + 1;
-    if request.history.len() >= config.limits.max_iterations {
-        let max = config.limits.max_iterations;
-        let why = format!("I could not reach a final answer within the limit of {max} iterations (max_iterations).");
-        return conclude_at_limit(turn, Termination::MaxIterations, &why).await;
-    }
-    let used = turn.tokens_before.0 + turn.tokens_before.1;
-    if let Some(spent) = config.limits.spent_budget(used, turn.elapsed) {
-        let why = format!("I stopped before reaching a final answer: {spent}.");
-        return conclude_at_limit(turn, Termination::Budget, &why).await;
+    if let Some(done) = conclude_if_limited(turn).await {
+        return done;
     }
     let scope = Scope::new(request.group.as_deref(), request.state.as_deref());
     let visible = scope.visible(&config.tools);
@@ -102,37 +93,8 @@ pub async fn iterate(turn: &Turn<'_>) -> Result<(), BusError> {
                 out.chunk(MessageType::Thought, &thought, &uris.thought(n), true)
                     .await?;
             }
-            let limits = &config.limits;
-            // Scoping is enforced here, not only in the prompt: a tool the request may not see is
-            // refused even when the LLM names it.
-            let (run, next_state) = match config.tool_by_name(&action) {
-                Some(tool) if scope.allows(tool) => {
-                    let run = run_tool(
-                        llm,
-                        &config.prompts.tool_call,
-                        tool,
-                        &arguments,
-                        Duration::from_secs(limits.tool_timeout_secs),
-                        limits.max_observation_bytes,
-                    )
-                    .await;
-                    (run, scope.next_state(tool))
-                }
-                found => {
-                    let why = if found.is_some() {
-                        format!("Error: the tool '{action}' is not available to this request (group or state)")
-                    } else {
-                        format!("Error: there is no tool named '{action}'")
-                    };
-                    let run = crate::tool_exec::ToolRun {
-                        observation: format!("{why}; available tools: {}", list(&candidates)),
-                        duration: Duration::ZERO,
-                        in_token: 0,
-                        out_token: 0,
-                    };
-                    (run, scope.state().to_owned())
-                }
-            };
+            let (run, next_state) =
+                run_scoped_tool(config, llm, &scope, &action, &arguments, &candidates).await;
             let arguments_json = serde_json::to_string(&arguments).unwrap_or_default();
             let step = AgentStep {
                 thought,
@@ -318,7 +280,7 @@ async fn publish_delta(
     Ok(())
 }
 
-fn closing_answer(
+pub fn closing_answer(
     content: &str,
     uris: &SessionUris,
     tokens: (u64, u64),
@@ -332,6 +294,23 @@ fn closing_answer(
     r.out_token = Some(tokens.1);
     r.model = Some(model.to_owned());
     r
+}
+
+/// Ends the dialog when it has used all its iterations or a budget, before any LLM call; `None`
+/// when it may go on. Every pattern checks this first.
+pub async fn conclude_if_limited(turn: &Turn<'_>) -> Option<Result<(), BusError>> {
+    let limits = &turn.config.limits;
+    if turn.request.history.len() >= limits.max_iterations {
+        let max = limits.max_iterations;
+        let why = format!(
+            "I could not reach a final answer within the limit of {max} iterations (max_iterations)."
+        );
+        return Some(conclude_at_limit(turn, Termination::MaxIterations, &why).await);
+    }
+    let used = turn.tokens_before.0 + turn.tokens_before.1;
+    let spent = limits.spent_budget(used, turn.elapsed)?;
+    let why = format!("I stopped before reaching a final answer: {spent}.");
+    Some(conclude_at_limit(turn, Termination::Budget, &why).await)
 }
 
 /// Ends a dialog that reached a limit (`why`) with a clear answer, what it knew last, and a
@@ -399,12 +378,4 @@ pub async fn fail(turn: &Turn<'_>, n: usize, message: &str) -> Result<(), BusErr
     r.in_token = Some(turn.tokens_before.0);
     r.out_token = Some(turn.tokens_before.1);
     out.respond(&r).await
-}
-
-fn list(names: &[&str]) -> String {
-    if names.is_empty() {
-        "none".to_owned()
-    } else {
-        names.join(", ")
-    }
 }

@@ -3,8 +3,9 @@
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
+use agent_core::config::AgentConfig;
 use agent_core::prompt::{render, PromptTemplate};
-use agent_core::tools::ToolDef;
+use agent_core::tools::{Scope, ToolDef};
 use agent_llm::{ChatMessage, LlmClient};
 
 /// What a tool run produced.
@@ -14,6 +15,55 @@ pub struct ToolRun {
     pub duration: Duration,
     pub in_token: u64,
     pub out_token: u64,
+}
+
+/// Runs the tool the LLM named, if the request may use it, and returns what it produced and the
+/// dialog's state after it. Scoping is enforced here, not only in the prompt: a tool the request may
+/// not see is refused even when the LLM names it. `visible` names the tools the request could see.
+pub async fn run_scoped_tool(
+    config: &AgentConfig,
+    llm: &LlmClient,
+    scope: &Scope,
+    action: &str,
+    arguments: &BTreeMap<String, String>,
+    visible: &[&str],
+) -> (ToolRun, String) {
+    let limits = &config.limits;
+    match config.tool_by_name(action) {
+        Some(tool) if scope.allows(tool) => {
+            let run = run_tool(
+                llm,
+                &config.prompts.tool_call,
+                tool,
+                arguments,
+                Duration::from_secs(limits.tool_timeout_secs),
+                limits.max_observation_bytes,
+            )
+            .await;
+            (run, scope.next_state(tool))
+        }
+        found => {
+            let why = if found.is_some() {
+                format!(
+                    "Error: the tool '{action}' is not available to this request (group or state)"
+                )
+            } else {
+                format!("Error: there is no tool named '{action}'")
+            };
+            let available = if visible.is_empty() {
+                "none".to_owned()
+            } else {
+                visible.join(", ")
+            };
+            let run = ToolRun {
+                observation: format!("{why}; available tools: {available}"),
+                duration: Duration::ZERO,
+                in_token: 0,
+                out_token: 0,
+            };
+            (run, scope.state().to_owned())
+        }
+    }
 }
 
 /// Runs `tool` with `arguments`, bounded by `timeout`, and cuts the observation to `max_bytes`.

@@ -1,0 +1,460 @@
+//! Plan-then-Execute decision logic: reading a plan from the LLM, checking that it is a DAG, picking
+//! the next step whose dependencies are done, deciding when to re-plan or synthesise, and merging a
+//! revision into what was already done. The plan lives in the history (`plan` and `execute` steps),
+//! so every function here is a pure function of the request.
+
+use std::collections::BTreeMap;
+
+use agent_schema::{AgentStep, PlanStep, StepType};
+
+/// The pattern's name in config and on the wire.
+pub const PLAN_THEN_EXECUTE: &str = "plan-then-execute";
+
+pub const PENDING: &str = "pending";
+pub const COMPLETED: &str = "completed";
+pub const FAILED: &str = "failed";
+
+/// The most steps a plan may have, whatever `max_iterations` allows.
+pub const MAX_PLAN_STEPS: usize = 20;
+
+/// What the next iteration of a Plan-then-Execute dialog does.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Next {
+    /// No plan yet: make one.
+    MakePlan,
+    /// Run the step at this index.
+    RunStep(usize),
+    /// Revise the rest of the plan, for this reason.
+    Replan(String),
+    /// Answer from the results; `Some(reason)` when the plan could not be finished.
+    Synthesise(Option<String>),
+}
+
+/// The plan in force: the one on the latest history step that carries a plan.
+pub fn current_plan(history: &[AgentStep]) -> Option<&[PlanStep]> {
+    history.iter().rev().find_map(|s| s.plan.as_deref())
+}
+
+/// Revisions made so far (plan steps after the first).
+pub fn replans_used(history: &[AgentStep]) -> usize {
+    history
+        .iter()
+        .filter(|s| StepType::parse(&s.step_type) == Some(StepType::Plan))
+        .count()
+        .saturating_sub(1)
+}
+
+/// Decides the next iteration from the history.
+pub fn next(history: &[AgentStep], max_replan_depth: usize) -> Next {
+    let Some(plan) = current_plan(history) else {
+        return Next::MakePlan;
+    };
+    let trouble = plan.iter().enumerate().find_map(|(i, s)| {
+        if s.status == FAILED {
+            Some(format!("step {i} ('{}') failed: {}", s.goal, s.result))
+        } else {
+            None
+        }
+    });
+    if let Some(reason) = trouble {
+        let used = replans_used(history);
+        if used < max_replan_depth {
+            return Next::Replan(reason);
+        }
+        return Next::Synthesise(Some(format!(
+            "{reason}; the plan was already revised {used} times (max_replan_depth {max_replan_depth})"
+        )));
+    }
+    match ready_step(plan) {
+        Some(i) => Next::RunStep(i),
+        None if plan.iter().any(|s| s.status == PENDING) => Next::Synthesise(Some(
+            "the remaining steps wait on each other and cannot run".to_owned(),
+        )),
+        None => Next::Synthesise(None),
+    }
+}
+
+/// The first pending step whose dependencies are all completed.
+pub fn ready_step(plan: &[PlanStep]) -> Option<usize> {
+    plan.iter().position(|s| {
+        s.status == PENDING
+            && s.depends_on.iter().all(|d| {
+                usize::try_from(*d)
+                    .ok()
+                    .and_then(|d| plan.get(d))
+                    .is_some_and(|dep| dep.status == COMPLETED)
+            })
+    })
+}
+
+/// Checks that `plan` is a usable DAG: not empty, not too long, goals present, every dependency an
+/// earlier-or-later existing step other than itself, and no cycle.
+pub fn validate(plan: &[PlanStep]) -> Result<(), String> {
+    if plan.is_empty() {
+        return Err("the plan has no steps".to_owned());
+    }
+    if plan.len() > MAX_PLAN_STEPS {
+        return Err(format!(
+            "the plan has {} steps, more than {MAX_PLAN_STEPS}",
+            plan.len()
+        ));
+    }
+    for (i, step) in plan.iter().enumerate() {
+        if step.goal.trim().is_empty() {
+            return Err(format!("step {i} has no goal"));
+        }
+        for d in &step.depends_on {
+            match usize::try_from(*d) {
+                Ok(d) if d == i => return Err(format!("step {i} depends on itself")),
+                Ok(d) if d < plan.len() => {}
+                _ => {
+                    return Err(format!(
+                        "step {i} depends on step {d}, which does not exist (steps are numbered 0 to {})",
+                        plan.len() - 1
+                    ))
+                }
+            }
+        }
+    }
+    if let Some(cycle) = find_cycle(plan) {
+        let path: Vec<String> = cycle.iter().map(usize::to_string).collect();
+        return Err(format!(
+            "the steps depend on each other in a cycle: {}",
+            path.join(" -> ")
+        ));
+    }
+    Ok(())
+}
+
+/// A dependency cycle, as the step indices around it, if there is one.
+fn find_cycle(plan: &[PlanStep]) -> Option<Vec<usize>> {
+    #[derive(Clone, Copy, PartialEq)]
+    enum Mark {
+        New,
+        Open,
+        Done,
+    }
+    let deps = |i: usize| -> Vec<usize> {
+        plan.get(i)
+            .map(|s| {
+                s.depends_on
+                    .iter()
+                    .filter_map(|d| usize::try_from(*d).ok())
+                    .collect()
+            })
+            .unwrap_or_default()
+    };
+    let mut marks = vec![Mark::New; plan.len()];
+    for start in 0..plan.len() {
+        if marks[start] != Mark::New {
+            continue;
+        }
+        // Iterative depth-first search; `path` holds the open steps.
+        let mut path: Vec<(usize, Vec<usize>)> = vec![(start, deps(start))];
+        marks[start] = Mark::Open;
+        while let Some((node, pending)) = path.last_mut() {
+            let node = *node;
+            match pending.pop() {
+                Some(d) => match marks.get(d).copied() {
+                    Some(Mark::Open) => {
+                        let from = path.iter().position(|(n, _)| *n == d).unwrap_or(0);
+                        let mut cycle: Vec<usize> = path[from..].iter().map(|(n, _)| *n).collect();
+                        cycle.push(d);
+                        return Some(cycle);
+                    }
+                    Some(Mark::New) => {
+                        marks[d] = Mark::Open;
+                        path.push((d, deps(d)));
+                    }
+                    _ => {}
+                },
+                None => {
+                    marks[node] = Mark::Done;
+                    path.pop();
+                }
+            }
+        }
+    }
+    None
+}
+
+/// Reads a plan from the LLM: a JSON array of steps, or an object with a `steps` array (and
+/// perhaps a `rationale`), possibly in a code fence or with prose around it. Statuses and results
+/// are reset: a new plan starts pending.
+pub fn parse(text: &str) -> Result<(Vec<PlanStep>, String), String> {
+    #[derive(serde::Deserialize)]
+    struct Draft {
+        #[serde(default)]
+        goal: String,
+        #[serde(default)]
+        tool_hint: String,
+        #[serde(default)]
+        depends_on: Vec<i64>,
+    }
+    let start = text
+        .find(['[', '{'])
+        .ok_or("the answer holds no JSON plan")?;
+    let end = text
+        .rfind([']', '}'])
+        .filter(|e| *e >= start)
+        .ok_or("the answer holds no JSON plan")?;
+    let value: serde_json::Value = serde_json::from_str(&text[start..=end])
+        .map_err(|e| format!("the plan is not valid JSON: {e}"))?;
+    let (steps, rationale) = match value {
+        serde_json::Value::Array(_) => (value, String::new()),
+        serde_json::Value::Object(mut o) => {
+            let rationale = o
+                .get("rationale")
+                .and_then(|r| r.as_str())
+                .unwrap_or_default()
+                .to_owned();
+            (
+                o.remove("steps").ok_or("the plan object has no 'steps'")?,
+                rationale,
+            )
+        }
+        _ => return Err("the plan is neither a list of steps nor an object with 'steps'".into()),
+    };
+    let drafts: Vec<Draft> = serde_json::from_value(steps)
+        .map_err(|e| format!("a step is not {{goal, tool_hint, depends_on}}: {e}"))?;
+    let plan = drafts
+        .into_iter()
+        .map(|d| PlanStep {
+            goal: d.goal,
+            tool_hint: d.tool_hint,
+            depends_on: d.depends_on,
+            status: PENDING.to_owned(),
+            result: String::new(),
+        })
+        .collect();
+    Ok((plan, rationale))
+}
+
+/// The plan after a revision: the completed steps, renumbered from 0 in their order, then the new
+/// steps, whose `depends_on` already refer to that numbering. Returns the merged plan and the old
+/// indices of the steps that were dropped.
+pub fn merge_revision(old: &[PlanStep], new_steps: Vec<PlanStep>) -> (Vec<PlanStep>, Vec<usize>) {
+    let renumber: BTreeMap<usize, i64> = old
+        .iter()
+        .enumerate()
+        .filter(|(_, s)| s.status == COMPLETED)
+        .enumerate()
+        .map(|(new, (old, _))| (old, new as i64))
+        .collect();
+    let mut merged: Vec<PlanStep> = old
+        .iter()
+        .enumerate()
+        .filter(|(_, s)| s.status == COMPLETED)
+        .map(|(_, s)| PlanStep {
+            depends_on: s
+                .depends_on
+                .iter()
+                .filter_map(|d| {
+                    usize::try_from(*d)
+                        .ok()
+                        .and_then(|d| renumber.get(&d))
+                        .copied()
+                })
+                .collect(),
+            ..s.clone()
+        })
+        .collect();
+    let dropped = (0..old.len())
+        .filter(|i| !renumber.contains_key(i))
+        .collect();
+    merged.extend(new_steps);
+    (merged, dropped)
+}
+
+/// The completed steps of a plan as the LLM sees them: number, goal and result.
+pub fn describe_completed(plan: &[PlanStep]) -> String {
+    let done: Vec<String> = plan
+        .iter()
+        .enumerate()
+        .filter(|(_, s)| s.status == COMPLETED)
+        .map(|(i, s)| format!("{i}. {}\n   result: {}", s.goal, s.result))
+        .collect();
+    if done.is_empty() {
+        "(none)".to_owned()
+    } else {
+        done.join("\n")
+    }
+}
+
+/// The whole plan with statuses, for prompts and the client.
+pub fn describe(plan: &[PlanStep]) -> String {
+    plan.iter()
+        .enumerate()
+        .map(|(i, s)| {
+            let deps: Vec<String> = s.depends_on.iter().map(i64::to_string).collect();
+            let mut line = format!("{i}. [{}] {}", s.status, s.goal);
+            if !s.tool_hint.is_empty() {
+                line.push_str(&format!(" (tool: {})", s.tool_hint));
+            }
+            if !deps.is_empty() {
+                line.push_str(&format!(" after {}", deps.join(", ")));
+            }
+            if !s.result.is_empty() {
+                line.push_str(&format!("\n   result: {}", s.result));
+            }
+            line
+        })
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+/// The results of step `index`'s dependencies, for its prompt.
+pub fn dependency_results(plan: &[PlanStep], index: usize) -> String {
+    let Some(step) = plan.get(index) else {
+        return String::new();
+    };
+    let lines: Vec<String> = step
+        .depends_on
+        .iter()
+        .filter_map(|d| usize::try_from(*d).ok())
+        .filter_map(|d| {
+            plan.get(d)
+                .map(|s| format!("- step {d} ({}): {}", s.goal, s.result))
+        })
+        .collect();
+    if lines.is_empty() {
+        "(this step depends on no other step)".to_owned()
+    } else {
+        lines.join("\n")
+    }
+}
+
+/// The one-step plan used when the LLM cannot produce a valid one: do the whole request.
+pub fn single_step(question: &str) -> Vec<PlanStep> {
+    vec![PlanStep {
+        goal: question.to_owned(),
+        tool_hint: String::new(),
+        depends_on: Vec::new(),
+        status: PENDING.to_owned(),
+        result: String::new(),
+    }]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn step(goal: &str, deps: &[i64], status: &str) -> PlanStep {
+        PlanStep {
+            goal: goal.into(),
+            tool_hint: String::new(),
+            depends_on: deps.to_vec(),
+            status: status.into(),
+            result: if status == COMPLETED {
+                format!("{goal}-result")
+            } else {
+                String::new()
+            },
+        }
+    }
+
+    fn with_plan(kind: StepType, plan: Vec<PlanStep>) -> AgentStep {
+        AgentStep {
+            step_type: kind.as_str().into(),
+            plan: Some(plan),
+            ..AgentStep::default()
+        }
+    }
+
+    #[test]
+    fn a_diamond_runs_in_dependency_order() {
+        let mut plan = vec![
+            step("a", &[], PENDING),
+            step("b", &[0], PENDING),
+            step("c", &[0], PENDING),
+            step("d", &[1, 2], PENDING),
+        ];
+        assert!(validate(&plan).is_ok());
+        let mut order = Vec::new();
+        while let Some(i) = ready_step(&plan) {
+            order.push(i);
+            plan[i].status = COMPLETED.into();
+        }
+        assert_eq!(order, [0, 1, 2, 3]);
+    }
+
+    #[test]
+    fn cycles_self_and_dangling_dependencies_are_rejected() {
+        let cycle = [
+            step("a", &[2], PENDING),
+            step("b", &[0], PENDING),
+            step("c", &[1], PENDING),
+        ];
+        let why = validate(&cycle).unwrap_err();
+        assert!(why.contains("cycle"), "{why}");
+        assert!(validate(&[step("a", &[0], PENDING)])
+            .unwrap_err()
+            .contains("itself"));
+        assert!(validate(&[step("a", &[3], PENDING)])
+            .unwrap_err()
+            .contains("does not exist"));
+        assert!(validate(&[step("a", &[-1], PENDING)])
+            .unwrap_err()
+            .contains("does not exist"));
+        assert!(validate(&[]).is_err());
+        assert!(validate(&[step(" ", &[], PENDING)]).is_err());
+    }
+
+    #[test]
+    fn plans_are_read_from_arrays_objects_and_fences() {
+        let (plan, _) = parse(
+            "Here:\n```json\n[{\"goal\": \"a\"}, {\"goal\": \"b\", \"depends_on\": [0]}]\n```",
+        )
+        .unwrap();
+        assert_eq!(plan.len(), 2);
+        assert_eq!(plan[1].depends_on, [0]);
+        assert!(plan.iter().all(|s| s.status == PENDING));
+        let (plan, why) =
+            parse("{\"rationale\": \"two parts\", \"steps\": [{\"goal\": \"x\", \"tool_hint\": \"llm\"}]}").unwrap();
+        assert_eq!(
+            (plan[0].tool_hint.as_str(), why.as_str()),
+            ("llm", "two parts")
+        );
+        assert!(parse("no plan here").is_err());
+        assert!(parse("[{\"goal\": 3}]").is_err());
+    }
+
+    #[test]
+    fn failures_replan_until_the_bound_then_synthesise() {
+        let failed = vec![step("a", &[], COMPLETED), step("b", &[0], FAILED)];
+        let first = vec![with_plan(StepType::Plan, failed.clone())];
+        assert!(matches!(next(&first, 2), Next::Replan(r) if r.contains("step 1 ('b') failed")));
+        let twice = vec![
+            with_plan(StepType::Plan, failed.clone()),
+            with_plan(StepType::Plan, failed.clone()),
+            with_plan(StepType::Plan, failed),
+        ];
+        assert_eq!(replans_used(&twice), 2);
+        assert!(
+            matches!(next(&twice, 2), Next::Synthesise(Some(r)) if r.contains("max_replan_depth 2"))
+        );
+        assert_eq!(next(&[], 2), Next::MakePlan);
+        let done = vec![with_plan(
+            StepType::Execute,
+            vec![step("a", &[], COMPLETED)],
+        )];
+        assert_eq!(next(&done, 2), Next::Synthesise(None));
+    }
+
+    #[test]
+    fn a_revision_keeps_completed_steps_renumbered() {
+        let old = vec![
+            step("a", &[], COMPLETED),
+            step("b", &[0], FAILED),
+            step("c", &[0], COMPLETED),
+            step("d", &[1, 2], PENDING),
+        ];
+        let (merged, dropped) = merge_revision(&old, vec![step("e", &[0, 1], PENDING)]);
+        let goals: Vec<&str> = merged.iter().map(|s| s.goal.as_str()).collect();
+        assert_eq!(goals, ["a", "c", "e"]);
+        assert_eq!(merged[1].depends_on, [0]);
+        assert_eq!(merged[1].result, "c-result");
+        assert_eq!(dropped, [1, 3]);
+        assert!(validate(&merged).is_ok());
+    }
+}

@@ -1,0 +1,447 @@
+//! One Plan-then-Execute iteration. The history decides which: make the plan (the LLM's plan is
+//! checked as a DAG and asked for again with the reason, a bounded number of times), run the next
+//! step whose dependencies are done, revise the rest of the plan after a failed step (at most
+//! `max_replan_depth` times), or answer from the results. Each queues the next iteration with the
+//! plan, its statuses and results carried in the history.
+
+use agent_bus::BusError;
+use agent_core::plan::{self as planning, Next, COMPLETED, FAILED, MAX_PLAN_STEPS};
+use agent_core::prompt::{describe_tools, framing_block, render};
+use agent_core::provenance::{self, CallStats, PlanRecord, Termination, ToolStats};
+use agent_core::react::{parse, ReactTurn};
+use agent_core::tools::Scope;
+use agent_llm::{ChatMessage, Completion, LlmError};
+use agent_schema::{AgentStep, MessageType, PlanStep, StepType};
+use tokio::sync::mpsc;
+
+use crate::react::{closing_answer, conclude_if_limited, fail};
+use crate::tool_exec::run_scoped_tool;
+use crate::Turn;
+
+/// Times the LLM is asked for a plan in one iteration before a one-step plan stands in.
+const PLAN_ATTEMPTS: usize = 3;
+
+/// Runs the iteration. `Err` only for publish failures: the message is then nacked and redone.
+pub async fn iterate(turn: &Turn<'_>) -> Result<(), BusError> {
+    if let Some(done) = conclude_if_limited(turn).await {
+        return done;
+    }
+    let n = turn.request.history.len() + 1;
+    match planning::next(&turn.request.history, turn.config.limits.max_replan_depth) {
+        Next::MakePlan => make_plan(turn, n, None).await,
+        Next::Replan(problem) => make_plan(turn, n, Some(problem)).await,
+        Next::RunStep(index) => run_step(turn, n, index).await,
+        Next::Synthesise(caveat) => synthesise(turn, n, caveat).await,
+    }
+}
+
+/// Adds a call's cost to `stats`.
+fn count(stats: &mut CallStats, completion: &Completion) {
+    stats.duration_ms += completion.duration.as_millis() as u64;
+    stats.in_token += completion.in_token;
+    stats.out_token += completion.out_token;
+    stats.model.clone_from(&completion.model);
+}
+
+fn tokens_after(turn: &Turn<'_>, stats: &CallStats, tool: &ToolStats) -> (u64, u64) {
+    (
+        turn.tokens_before.0 + stats.in_token + tool.in_token,
+        turn.tokens_before.1 + stats.out_token + tool.out_token,
+    )
+}
+
+/// Makes the first plan, or (with `problem`) revises the rest of the current one.
+async fn make_plan(turn: &Turn<'_>, n: usize, problem: Option<String>) -> Result<(), BusError> {
+    let Turn {
+        request,
+        uris,
+        out,
+        config,
+        llm,
+        ..
+    } = turn;
+    let scope = Scope::new(request.group.as_deref(), request.state.as_deref());
+    let visible = scope.visible(&config.tools);
+    let candidates: Vec<&str> = visible.iter().map(|t| t.name.as_str()).collect();
+    let old_plan = planning::current_plan(&request.history)
+        .map(<[PlanStep]>::to_vec)
+        .unwrap_or_default();
+    let kept = old_plan.iter().filter(|s| s.status == COMPLETED).count();
+    let template = if problem.is_some() {
+        &config.prompts.plan_revise
+    } else {
+        &config.prompts.plan_create
+    };
+    let vars = [
+        ("framing", framing_block(&request.framing)),
+        ("question", request.question.clone()),
+        ("tools", describe_tools(&visible)),
+        ("max_steps", MAX_PLAN_STEPS.to_string()),
+        ("plan", planning::describe(&old_plan)),
+        ("completed", renumbered_completed(&old_plan)),
+        ("problem", problem.clone().unwrap_or_default()),
+        ("first_new", kept.to_string()),
+    ]
+    .into_iter()
+    .collect();
+    let mut messages = vec![
+        ChatMessage::system(template.system.clone()),
+        ChatMessage::user(render(&template.template, &vars)),
+    ];
+
+    let mut stats = CallStats::default();
+    let mut rejected: Vec<(String, String)> = Vec::new();
+    let mut chosen: Option<(Vec<PlanStep>, Vec<usize>, String)> = None;
+    for _ in 0..PLAN_ATTEMPTS {
+        let completion = match llm.complete(&messages).await {
+            Ok(c) => c,
+            Err(e) => return fail(turn, n, &format!("the LLM call failed: {e}")).await,
+        };
+        count(&mut stats, &completion);
+        let checked = planning::parse(&completion.text).and_then(|(steps, rationale)| {
+            let (merged, dropped) = if problem.is_some() {
+                planning::merge_revision(&old_plan, steps)
+            } else {
+                (steps, Vec::new())
+            };
+            planning::validate(&merged).map(|()| (merged, dropped, rationale))
+        });
+        match checked {
+            Ok(plan) => {
+                chosen = Some(plan);
+                break;
+            }
+            Err(why) => {
+                tracing::info!(iteration = n, %why, "refusing the LLM's plan and asking again");
+                let answer: String = completion.text.chars().take(4000).collect();
+                messages.push(ChatMessage::assistant(completion.text));
+                messages.push(ChatMessage::user(format!(
+                    "That plan was rejected: {why}. Reply again with only the corrected JSON object."
+                )));
+                rejected.push((answer, why));
+            }
+        }
+    }
+    let fallback = chosen.is_none().then(|| {
+        format!("no valid plan after {PLAN_ATTEMPTS} attempts; the whole request became one step")
+    });
+    let (plan, dropped, rationale) = chosen.unwrap_or_else(|| {
+        let (merged, dropped) =
+            planning::merge_revision(&old_plan, planning::single_step(&request.question));
+        (merged, dropped, String::new())
+    });
+
+    let version = if problem.is_some() {
+        planning::replans_used(&request.history) + 1
+    } else {
+        0
+    };
+    let record = PlanRecord {
+        version,
+        steps: &plan,
+        rationale: &rationale,
+        rejected: &rejected,
+        revision_of: problem.as_deref().map(|p| (p, dropped.as_slice())),
+        fallback: fallback.as_deref(),
+    };
+    let thought = match (&problem, rationale.is_empty()) {
+        (Some(p), true) => format!("Revising the plan: {p}"),
+        (Some(p), false) => format!("Revising the plan: {p}. {rationale}"),
+        (None, true) => format!("A plan of {} steps.", plan.len()),
+        (None, false) => rationale.clone(),
+    };
+    let shown = planning::describe(&plan);
+    out.chunk(MessageType::Thought, &thought, &uris.thought(n), true)
+        .await?;
+    out.explain(
+        &uris.iteration(n),
+        provenance::plan_iteration(uris, n, &record, &candidates, &stats),
+    )
+    .await?;
+    let step = AgentStep {
+        thought,
+        action: if problem.is_some() { "replan" } else { "plan" }.to_owned(),
+        observation: shown,
+        step_type: StepType::Plan.as_str().to_owned(),
+        plan: Some(plan),
+        ..AgentStep::default()
+    };
+    record_and_queue(turn, n, step, &stats, &ToolStats::default(), None, None).await
+}
+
+/// The completed steps under the numbers they keep after a revision.
+fn renumbered_completed(plan: &[PlanStep]) -> String {
+    let kept: Vec<String> = plan
+        .iter()
+        .enumerate()
+        .filter(|(_, s)| s.status == COMPLETED)
+        .enumerate()
+        .map(|(new, (old, s))| format!("{new}. (was {old}) {}\n   result: {}", s.goal, s.result))
+        .collect();
+    if kept.is_empty() {
+        "(none: every step starts again)".to_owned()
+    } else {
+        kept.join("\n")
+    }
+}
+
+/// Carries out step `index`: one LLM call that either answers the step or names a tool to run.
+async fn run_step(turn: &Turn<'_>, n: usize, index: usize) -> Result<(), BusError> {
+    let Turn {
+        request,
+        uris,
+        out,
+        config,
+        llm,
+        ..
+    } = turn;
+    let Some((plan_at, plan)) = plan_in_force(&request.history) else {
+        return fail(turn, n, "the history has no plan to execute").await;
+    };
+    let Some(goal) = plan.get(index).cloned() else {
+        return fail(turn, n, &format!("the plan has no step {index}")).await;
+    };
+    let scope = Scope::new(request.group.as_deref(), request.state.as_deref());
+    let visible = scope.visible(&config.tools);
+    let candidates: Vec<&str> = visible.iter().map(|t| t.name.as_str()).collect();
+    let template = &config.prompts.plan_step;
+    let vars = [
+        ("framing", framing_block(&request.framing)),
+        ("question", request.question.clone()),
+        ("step", index.to_string()),
+        ("goal", goal.goal.clone()),
+        (
+            "tool_hint",
+            if goal.tool_hint.is_empty() {
+                "(none)".to_owned()
+            } else {
+                goal.tool_hint.clone()
+            },
+        ),
+        ("dependencies", planning::dependency_results(&plan, index)),
+        ("tools", describe_tools(&visible)),
+        ("tool_names", candidates.join(", ")),
+    ]
+    .into_iter()
+    .collect();
+    let messages = [
+        ChatMessage::system(template.system.clone()),
+        ChatMessage::user(render(&template.template, &vars)),
+    ];
+    let mut stats = CallStats::default();
+    let completion = match llm.complete(&messages).await {
+        Ok(c) => c,
+        Err(e) => return fail(turn, n, &format!("the LLM call failed: {e}")).await,
+    };
+    count(&mut stats, &completion);
+
+    let mut tool = ToolStats::default();
+    let mut next_state = scope.state().to_owned();
+    let (thought, action, arguments, result) = match parse(&completion.text) {
+        Ok(ReactTurn::Final { thought, answer }) => {
+            (thought, String::new(), Default::default(), answer)
+        }
+        Ok(ReactTurn::Action {
+            thought,
+            action,
+            arguments,
+        }) => {
+            let (run, state) =
+                run_scoped_tool(config, llm, &scope, &action, &arguments, &candidates).await;
+            next_state = state;
+            tool = ToolStats {
+                duration_ms: run.duration.as_millis() as u64,
+                in_token: run.in_token,
+                out_token: run.out_token,
+            };
+            (thought, action, arguments, run.observation)
+        }
+        Err(e) => (
+            completion.text.trim().chars().take(4000).collect(),
+            String::new(),
+            Default::default(),
+            format!("Error: the step's response could not be parsed ({e})"),
+        ),
+    };
+    let status = if result.starts_with("Error:") {
+        FAILED
+    } else {
+        COMPLETED
+    };
+    let mut updated = plan;
+    if let Some(step) = updated.get_mut(index) {
+        step.status = status.to_owned();
+        step.result.clone_from(&result);
+    }
+    if !thought.is_empty() {
+        out.chunk(MessageType::Thought, &thought, &uris.thought(n), true)
+            .await?;
+    }
+    let arguments_json = serde_json::to_string(&arguments).unwrap_or_default();
+    out.explain(
+        &uris.iteration(n),
+        provenance::step_execution(
+            uris,
+            n,
+            &uris.plan_step(plan_at, index),
+            index,
+            &thought,
+            &action,
+            &arguments_json,
+            &candidates,
+            &stats,
+        ),
+    )
+    .await?;
+    let step = AgentStep {
+        thought,
+        action,
+        arguments,
+        observation: result,
+        step_type: StepType::Execute.as_str().to_owned(),
+        plan: Some(updated),
+        subagent_results: None,
+    };
+    record_and_queue(turn, n, step, &stats, &tool, Some(status), Some(next_state)).await
+}
+
+/// The plan in force and the iteration that made it (whose step nodes it names).
+fn plan_in_force(history: &[AgentStep]) -> Option<(usize, Vec<PlanStep>)> {
+    let made_at = history
+        .iter()
+        .rposition(|s| StepType::parse(&s.step_type) == Some(StepType::Plan))?
+        + 1;
+    let plan = planning::current_plan(history)?.to_vec();
+    Some((made_at, plan))
+}
+
+/// Publishes the iteration's observation (to the client and the graph), then queues the next
+/// iteration with `step` added to the history.
+async fn record_and_queue(
+    turn: &Turn<'_>,
+    n: usize,
+    step: AgentStep,
+    stats: &CallStats,
+    tool: &ToolStats,
+    status: Option<&str>,
+    next_state: Option<String>,
+) -> Result<(), BusError> {
+    let Turn {
+        request, uris, out, ..
+    } = turn;
+    out.chunk(
+        MessageType::Observation,
+        &step.observation,
+        &uris.observation(n),
+        true,
+    )
+    .await?;
+    let mut triples = provenance::observation(uris, n, &step.observation, *tool);
+    if let Some(status) = status {
+        triples.extend(provenance::step_status(uris, n, status));
+    }
+    out.explain(&uris.observation(n), triples).await?;
+    // Everything else must be on the broker before the next iteration exists.
+    out.flush().await?;
+    let mut next = (*request).clone();
+    next.history.push(step);
+    if let Some(state) = next_state {
+        next.state = Some(state);
+    }
+    next.session_id = turn.session_id.to_owned();
+    out.next(&next, tokens_after(turn, stats, tool), &[]).await
+}
+
+/// Answers from the completed steps' results; with a `caveat` the answer says the plan could not
+/// be finished and why.
+async fn synthesise(turn: &Turn<'_>, n: usize, caveat: Option<String>) -> Result<(), BusError> {
+    let Turn {
+        request,
+        uris,
+        out,
+        config,
+        llm,
+        ..
+    } = turn;
+    let plan = planning::current_plan(&request.history).unwrap_or_default();
+    let template = &config.prompts.plan_synthesise;
+    let vars = [
+        ("framing", framing_block(&request.framing)),
+        ("question", request.question.clone()),
+        ("results", planning::describe_completed(plan)),
+        (
+            "caveat",
+            caveat
+                .as_ref()
+                .map(|c| format!(" The plan could not be finished ({c}): say what is missing."))
+                .unwrap_or_default(),
+        ),
+    ]
+    .into_iter()
+    .collect();
+    let messages = [
+        ChatMessage::system(template.system.clone()),
+        ChatMessage::user(render(&template.template, &vars)),
+    ];
+    let answer_id = uris.conclusion();
+    let completion = if request.streaming {
+        stream_answer(turn, &messages, &answer_id).await?
+    } else {
+        llm.complete(&messages).await
+    };
+    let completion = match completion {
+        Ok(c) => c,
+        Err(e) => return fail(turn, n, &format!("the LLM call failed: {e}")).await,
+    };
+    let mut stats = CallStats::default();
+    count(&mut stats, &completion);
+    // The statement that the plan was not finished does not depend on the LLM saying so.
+    let note = caveat
+        .as_ref()
+        .map(|c| format!("\n\n(This answer rests on the steps that completed: {c}.)"))
+        .unwrap_or_default();
+    let answer = format!("{}{note}", completion.text.trim());
+    if request.streaming && !note.is_empty() {
+        out.chunk(MessageType::Answer, &note, &answer_id, false)
+            .await?;
+    }
+    let termination = if caveat.is_some() {
+        Termination::ReplanLimit
+    } else {
+        Termination::Answer
+    };
+    out.explain(
+        &answer_id,
+        provenance::conclusion(uris, n, "", &answer, termination, &[], &stats),
+    )
+    .await?;
+    let tokens = tokens_after(turn, &stats, &ToolStats::default());
+    let content = if request.streaming { "" } else { &answer };
+    out.respond(&closing_answer(content, uris, tokens, &completion.model))
+        .await
+}
+
+/// Streams the synthesis to the client as answer chunks while the LLM writes it.
+async fn stream_answer(
+    turn: &Turn<'_>,
+    messages: &[ChatMessage],
+    answer_id: &str,
+) -> Result<Result<Completion, LlmError>, BusError> {
+    let (tx, mut rx) = mpsc::channel::<String>(64);
+    let call = turn.llm.stream(messages, tx);
+    tokio::pin!(call);
+    let mut result = None;
+    loop {
+        tokio::select! {
+            r = &mut call, if result.is_none() => result = Some(r),
+            delta = rx.recv() => match delta {
+                Some(text) => turn.out.chunk(MessageType::Answer, &text, answer_id, false).await?,
+                None => break,
+            },
+        }
+    }
+    Ok(match result {
+        Some(r) => r,
+        None => call.await,
+    })
+}

@@ -1,0 +1,355 @@
+//! Plan-then-Execute end to end on a real broker: a diamond plan runs in dependency order with the
+//! results of each step's dependencies in its prompt; a plan with a cycle is refused and asked for
+//! again; a failed step leads to a revision; failures past `max_replan_depth` end with an answer
+//! that says so; the router can choose the pattern. The history carried in the messages and the
+//! provenance agree.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use agent_e2e::*;
+use agent_schema::{AgentRequest, AgentResponse, Triple};
+use futures::StreamExt;
+
+const DIALOG_TIMEOUT: Duration = Duration::from_secs(60);
+const TG: &str = "https://trustgraph.ai/ns/";
+
+fn planned(question: &str, streaming: bool) -> AgentRequest {
+    AgentRequest {
+        pattern: "plan-then-execute".into(),
+        ..request(question, streaming)
+    }
+}
+
+/// Every explain triple of a dialog.
+fn triples(responses: &[AgentResponse]) -> Vec<Triple> {
+    responses
+        .iter()
+        .flat_map(|r| r.explain_triples.iter().cloned())
+        .collect()
+}
+
+/// The values of `predicate` (a `tg:` name) on `node`.
+fn values(triples: &[Triple], node: &str, predicate: &str) -> Vec<String> {
+    triples
+        .iter()
+        .filter(|t| t.s.iri == node && t.p.iri == format!("{TG}{predicate}"))
+        .map(|t| {
+            if t.o.kind == "i" {
+                t.o.iri.clone()
+            } else {
+                t.o.value.clone()
+            }
+        })
+        .collect()
+}
+
+fn has_type(triples: &[Triple], node: &str, class: &str) -> bool {
+    triples
+        .iter()
+        .any(|t| t.s.iri == node && t.p.iri.ends_with("#type") && t.o.iri == format!("{TG}{class}"))
+}
+
+fn closing(responses: &[AgentResponse]) -> &AgentResponse {
+    let last = responses.last().unwrap();
+    assert!(last.end_of_dialog, "{responses:#?}");
+    assert!(last.error.is_none(), "{responses:#?}");
+    last
+}
+
+const DIAMOND: &str = r#"{"rules": [
+  {"match": "Request to plan: Combine", "reply": "{\"rationale\": \"alpha first, then beta and gamma from it, then join\", \"steps\": [{\"goal\": \"find alpha\", \"tool_hint\": \"llm\", \"depends_on\": []}, {\"goal\": \"find beta\", \"depends_on\": [0]}, {\"goal\": \"find gamma\", \"depends_on\": [0]}, {\"goal\": \"join them\", \"depends_on\": [1, 2]}]}"},
+  {"match": "Step goal: find alpha", "reply": "Thought: ask the LLM tool.\nAction: llm\nArgs: {\"question\": \"alpha?\"}"},
+  {"match": "alpha?", "exact": true, "reply": "ALPHA"},
+  {"match": "Step goal: find beta", "and": ["- step 0 (find alpha): ALPHA"], "reply": "Thought: from alpha.\nFinal Answer: BETA"},
+  {"match": "Step goal: find gamma", "and": ["- step 0 (find alpha): ALPHA"], "reply": "Thought: from alpha too.\nFinal Answer: GAMMA"},
+  {"match": "Step goal: join them", "and": ["BETA", "GAMMA"], "reply": "Thought: both ready.\nFinal Answer: JOINED"},
+  {"match": "Request to answer: Combine", "and": ["JOINED"], "reply": "All combined: JOINED", "chunk_size": 5}
+]}"#;
+
+/// A diamond (0 -> 1, 0 -> 2, 1 + 2 -> 3) runs in a valid order, each step with its dependencies'
+/// results in its prompt; the last request's history holds the plan with every step completed,
+/// and the graph records the plan's steps and which iteration executed each.
+#[tokio::test]
+async fn a_diamond_plan_runs_in_dependency_order() {
+    let broker = Broker::start().unwrap();
+    let llm = scripted_llm(DIAMOND).await;
+    let _orchestrator = Orchestrator::spawn(&broker, &llm, &seed_dir(), &[]);
+    let mut requests = read_from_start(
+        &broker,
+        "persistent://tg/request/agent:default:default",
+        "plan-test-reader",
+    )
+    .await;
+    let mut client = client(&broker).await;
+    client
+        .send("d-1", &planned("Combine alpha, beta and gamma.", true))
+        .await
+        .unwrap();
+    let responses = collect_dialog(&mut client, "d-1", DIALOG_TIMEOUT)
+        .await
+        .unwrap();
+    closing(&responses);
+    assert_eq!(text_of(&responses, "answer"), "All combined: JOINED");
+
+    // Order: the plan, alpha, then beta and gamma (either order), then the join.
+    let order: Vec<String> = llm
+        .calls()
+        .iter()
+        .filter_map(|c| {
+            c.last_user
+                .split("Step goal: ")
+                .nth(1)
+                .map(|g| g.lines().next().unwrap_or("").to_owned())
+        })
+        .collect();
+    assert_eq!(order.len(), 4, "{order:?}");
+    assert_eq!(order[0], "find alpha");
+    assert_eq!(order[3], "join them");
+
+    // The history in the last request on the broker matches the graph.
+    let mut last: Option<AgentRequest> = None;
+    while let Ok(Some(Ok(message))) =
+        tokio::time::timeout(Duration::from_secs(2), requests.next()).await
+    {
+        requests.ack(&message).await.unwrap();
+        last = Some(serde_json::from_slice(&message.payload.data).unwrap());
+    }
+    let last = last.unwrap();
+    let kinds: Vec<&str> = last.history.iter().map(|s| s.step_type.as_str()).collect();
+    assert_eq!(kinds, ["plan", "execute", "execute", "execute", "execute"]);
+    let plan = last.history.last().unwrap().plan.clone().unwrap();
+    let results: Vec<(&str, &str)> = plan
+        .iter()
+        .map(|s| (s.status.as_str(), s.result.as_str()))
+        .collect();
+    assert_eq!(
+        results,
+        [
+            ("completed", "ALPHA"),
+            ("completed", "BETA"),
+            ("completed", "GAMMA"),
+            ("completed", "JOINED")
+        ]
+    );
+
+    let session = responses[0].explain_id.clone().unwrap();
+    let t = triples(&responses);
+    let plan_node = format!("{session}/i1");
+    assert!(has_type(&t, &plan_node, "Plan"));
+    assert_eq!(values(&t, &plan_node, "hasStep").len(), 4);
+    assert_eq!(
+        values(&t, &format!("{plan_node}/step/3"), "dependsOn"),
+        ["1", "2"]
+    );
+    assert_eq!(
+        values(&t, &plan_node, "rationale"),
+        ["alpha first, then beta and gamma from it, then join"]
+    );
+    // Iterations 2 to 5 executed the steps; each observation says completed and holds the result.
+    let mut executed = BTreeMap::new();
+    for n in 2..=5 {
+        let node = format!("{session}/i{n}");
+        assert!(has_type(&t, &node, "StepExecution"), "i{n}");
+        let step = values(&t, &node, "executesStep").pop().unwrap();
+        let status = values(&t, &format!("{node}/observation"), "stepStatus");
+        assert_eq!(status, ["completed"], "i{n}");
+        executed.insert(step, n);
+        let observation = format!("{node}/observation");
+        let content = values(&t, &observation, "content");
+        let index: usize = values(&t, &node, "stepIndex")[0].parse().unwrap();
+        assert_eq!(content, [plan[index].result.clone()], "i{n}");
+    }
+    assert_eq!(executed.len(), 4, "each step executed once: {executed:?}");
+    assert_eq!(executed[&format!("{plan_node}/step/0")], 2);
+    assert_eq!(executed[&format!("{plan_node}/step/3")], 5);
+    assert_eq!(
+        values(&t, &format!("{session}/final"), "terminationReason"),
+        ["answer"]
+    );
+}
+
+/// A plan with a cycle is refused with the reason and asked for again; the graph keeps the refused
+/// plan and why.
+#[tokio::test]
+async fn a_plan_with_a_cycle_is_refused_and_asked_again() {
+    let broker = Broker::start().unwrap();
+    let llm = scripted_llm(
+        r#"{"rules": [
+      {"match": "That plan was rejected", "and": ["cycle"], "reply": "[{\"goal\": \"just answer\", \"depends_on\": []}]"},
+      {"match": "Request to plan: Loop", "reply": "[{\"goal\": \"a\", \"depends_on\": [1]}, {\"goal\": \"b\", \"depends_on\": [0]}]"},
+      {"match": "Step goal: just answer", "reply": "Thought: easy.\nFinal Answer: DONE"},
+      {"match": "Request to answer: Loop", "reply": "Answered: DONE"}
+    ]}"#,
+    )
+    .await;
+    let _orchestrator = Orchestrator::spawn(&broker, &llm, &seed_dir(), &[]);
+    let mut client = client(&broker).await;
+    client
+        .send("c-1", &planned("Loop around.", false))
+        .await
+        .unwrap();
+    let responses = collect_dialog(&mut client, "c-1", DIALOG_TIMEOUT)
+        .await
+        .unwrap();
+    assert_eq!(closing(&responses).content, "Answered: DONE");
+    let session = responses[0].explain_id.clone().unwrap();
+    let t = triples(&responses);
+    let plan_node = format!("{session}/i1");
+    let reasons = values(&t, &plan_node, "rejectionReason");
+    assert_eq!(reasons.len(), 1, "{reasons:?}");
+    assert!(
+        reasons[0].contains("cycle: 0 -> 1 -> 0") || reasons[0].contains("cycle: 1 -> 0 -> 1"),
+        "{reasons:?}"
+    );
+    assert!(values(&t, &plan_node, "rejectedPlan")[0].contains("\"depends_on\": [1]"));
+    assert_eq!(values(&t, &plan_node, "hasStep").len(), 1);
+    assert!(llm.calls().iter().any(|c| c
+        .last_user
+        .starts_with("That plan was rejected: the steps depend on each other in a cycle")));
+}
+
+/// A step that fails (its tool does not exist) leads to one revision: the completed step is kept,
+/// the failed one dropped, new steps run, and the answer follows.
+#[tokio::test]
+async fn a_failed_step_is_replanned_once() {
+    let broker = Broker::start().unwrap();
+    let llm = scripted_llm(
+        r#"{"rules": [
+      {"match": "Request to re-plan: Fetch", "and": ["step 1 ('teleport there') failed"], "reply": "{\"rationale\": \"walk instead\", \"steps\": [{\"goal\": \"walk there\", \"depends_on\": [0]}]}"},
+      {"match": "Request to plan: Fetch", "reply": "[{\"goal\": \"pack\"}, {\"goal\": \"teleport there\", \"depends_on\": [0]}]"},
+      {"match": "Step goal: pack", "reply": "Thought: packing.\nFinal Answer: PACKED"},
+      {"match": "Step goal: teleport there", "reply": "Thought: beam me.\nAction: teleport\nArgs: {\"to\": \"there\"}"},
+      {"match": "Step goal: walk there", "and": ["PACKED"], "reply": "Thought: walking.\nFinal Answer: ARRIVED"},
+      {"match": "Request to answer: Fetch", "and": ["ARRIVED"], "reply": "Got there on foot."}
+    ]}"#,
+    )
+    .await;
+    let _orchestrator = Orchestrator::spawn(&broker, &llm, &seed_dir(), &[]);
+    let mut client = client(&broker).await;
+    client
+        .send("f-1", &planned("Fetch the parcel.", false))
+        .await
+        .unwrap();
+    let responses = collect_dialog(&mut client, "f-1", DIALOG_TIMEOUT)
+        .await
+        .unwrap();
+    assert_eq!(closing(&responses).content, "Got there on foot.");
+    let session = responses[0].explain_id.clone().unwrap();
+    let t = triples(&responses);
+    // i1 plan, i2 pack, i3 teleport (failed), i4 revision, i5 walk, final.
+    assert_eq!(
+        values(&t, &format!("{session}/i3/observation"), "stepStatus"),
+        ["failed"]
+    );
+    let revision = format!("{session}/i4");
+    assert!(has_type(&t, &revision, "PlanRevision"));
+    assert_eq!(values(&t, &revision, "planVersion"), ["1"]);
+    assert!(
+        values(&t, &revision, "revisionReason")[0].contains("there is no tool named 'teleport'")
+    );
+    assert_eq!(values(&t, &revision, "droppedStep"), ["1"]);
+    assert_eq!(values(&t, &revision, "rationale"), ["walk instead"]);
+    let kept = format!("{revision}/step/0");
+    assert_eq!(values(&t, &kept, "stepStatus"), ["completed"]);
+    assert_eq!(values(&t, &kept, "result"), ["PACKED"]);
+    assert_eq!(
+        values(&t, &format!("{session}/i5"), "executesStep"),
+        [format!("{revision}/step/1")]
+    );
+}
+
+/// With `max_replan_depth` 1, a second failure is not revised again: the dialog answers from what
+/// completed, says the plan could not be finished, and records why.
+#[tokio::test]
+async fn failures_past_max_replan_depth_end_gracefully() {
+    let broker = Broker::start().unwrap();
+    let config = config_dir(
+        "replan",
+        &[
+            ("agent-limits", r#"{"default": {"max_replan_depth": 1}}"#),
+            (
+                "tool",
+                r#"{"llm": {"name": "llm", "description": "ask", "type": "text-completion"}}"#,
+            ),
+        ],
+    );
+    let llm = scripted_llm(
+        r#"{"rules": [
+      {"match": "Request to re-plan: Break", "reply": "[{\"goal\": \"break again\"}]"},
+      {"match": "Request to plan: Break", "reply": "[{\"goal\": \"break it\"}]"},
+      {"match": "Step goal: break", "reply": "Thought: try.\nAction: hammer\nArgs: {}"},
+      {"match": "Request to answer: Break", "and": ["could not be finished"], "reply": "Nothing worked."}
+    ]}"#,
+    )
+    .await;
+    let _orchestrator = Orchestrator::spawn(&broker, &llm, &config, &[]);
+    let mut client = client(&broker).await;
+    client
+        .send("m-1", &planned("Break the thing.", true))
+        .await
+        .unwrap();
+    let responses = collect_dialog(&mut client, "m-1", DIALOG_TIMEOUT)
+        .await
+        .unwrap();
+    closing(&responses);
+    let answer = text_of(&responses, "answer");
+    assert!(answer.starts_with("Nothing worked."), "{answer}");
+    assert!(
+        answer.contains(
+            "(This answer rests on the steps that completed: step 0 ('break again') failed"
+        ),
+        "{answer}"
+    );
+    assert!(answer.contains("max_replan_depth 1"), "{answer}");
+    let session = responses[0].explain_id.clone().unwrap();
+    let t = triples(&responses);
+    assert_eq!(
+        values(&t, &format!("{session}/final"), "terminationReason"),
+        ["max-replan-depth"]
+    );
+    // One revision only: plans at i1 and i3.
+    let revisions = t
+        .iter()
+        .filter(|x| x.o.iri == format!("{TG}PlanRevision"))
+        .count();
+    assert_eq!(revisions, 1);
+}
+
+/// The router picks plan-then-execute for a research question when the LLM says so, and the plan
+/// runs with the task type's framing in its prompt.
+#[tokio::test]
+async fn the_router_can_choose_plan_then_execute() {
+    let broker = Broker::start().unwrap();
+    let llm = scripted_llm(
+        r#"{"rules": [
+      {"match": "Request to classify: ", "reply": "{\"choice\": \"research\", \"rationale\": \"asks for evidence\"}"},
+      {"match": "Request to work on: ", "reply": "{\"choice\": \"plan-then-execute\", \"rationale\": \"several dependent lookups\"}"},
+      {"match": "This is a research request", "and": ["Request to plan: Research"], "reply": "[{\"goal\": \"look it up\"}]"},
+      {"match": "Step goal: look it up", "reply": "Thought: known.\nFinal Answer: FOUND"},
+      {"match": "Request to answer: Research", "and": ["FOUND"], "reply": "The evidence: FOUND"}
+    ]}"#,
+    )
+    .await;
+    let _orchestrator = Orchestrator::spawn(&broker, &llm, &seed_dir(), &[]);
+    let mut client = client(&broker).await;
+    client
+        .send("r-1", &request("Research the evidence.", false))
+        .await
+        .unwrap();
+    let responses = collect_dialog(&mut client, "r-1", DIALOG_TIMEOUT)
+        .await
+        .unwrap();
+    assert_eq!(closing(&responses).content, "The evidence: FOUND");
+    let session = responses[0].explain_id.clone().unwrap();
+    let t = triples(&responses);
+    let decision = format!("{session}/pattern-decision");
+    assert_eq!(values(&t, &decision, "pattern"), ["plan-then-execute"]);
+    assert_eq!(values(&t, &decision, "patternMethod"), ["llm"]);
+    assert_eq!(
+        values(&t, &decision, "patternRationale"),
+        ["several dependent lookups"]
+    );
+    assert!(has_type(&t, &format!("{session}/i1"), "Plan"));
+}
