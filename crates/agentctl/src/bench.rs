@@ -41,6 +41,7 @@ pub struct BenchArgs {
 
 const SCRIPT: &str = r#"{"rules": [
   {"match": "Request to classify: ", "reply": "{\"choice\": \"general\", \"rationale\": \"bench\"}"},
+  {"match": "Request to work on: ", "reply": "{\"choice\": \"react\", \"rationale\": \"bench\"}"},
   {"match": "Observation: r2", "reply": "Thought: both known\nFinal Answer: done"},
   {"match": "Observation: r1", "reply": "Thought: step two\nAction: llm\nArgs: {\"question\": \"b\"}"},
   {"match": "a", "exact": true, "reply": "r1"},
@@ -79,8 +80,8 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<i32> {
     // Warm up connections, producers and the subscription.
     sequential(&mut client, "one", 5).await?;
     let one = sequential(&mut client, "one", args.one_iteration).await?;
-    // Every dialog is routed first (one LLM call, one message), so it takes one step more than
-    // it has ReACT iterations.
+    // Every dialog is routed first (two LLM calls: task type and pattern; one message), so it
+    // takes one step more than it has ReACT iterations.
     report("one-iteration dialog  ", &one, 2, rtt_p50);
     let three = sequential(&mut client, "three", args.three_iteration).await?;
     report("three-iteration dialog", &three, 4, rtt_p50);
