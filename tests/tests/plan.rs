@@ -147,6 +147,29 @@ async fn a_diamond_plan_runs_in_dependency_order() {
         values(&t, &plan_node, "rationale"),
         ["alpha first, then beta and gamma from it, then join"]
     );
+    assert_eq!(
+        values(&t, &plan_node, "thought"),
+        [format!("{plan_node}/thought")]
+    );
+    // No link points at a node the dialog did not describe.
+    let subjects: std::collections::BTreeSet<&str> = t.iter().map(|x| x.s.iri.as_str()).collect();
+    for x in &t {
+        let linking = [
+            "wasDerivedFrom",
+            "thought",
+            "document",
+            "hasStep",
+            "executesStep",
+        ];
+        if linking.iter().any(|p| x.p.iri.ends_with(p)) {
+            assert!(
+                subjects.contains(x.o.iri.as_str()),
+                "dangling {} -> {}",
+                x.p.iri,
+                x.o.iri
+            );
+        }
+    }
     // Iterations 2 to 5 executed the steps; each observation says completed and holds the result.
     let mut executed = BTreeMap::new();
     for n in 2..=5 {

@@ -193,6 +193,8 @@ pub struct PlanRecord<'a> {
     pub steps: &'a [agent_schema::PlanStep],
     /// The LLM's reason for the plan, or for the revision.
     pub rationale: &'a str,
+    /// What the client was shown as the iteration's thought.
+    pub thought: &'a str,
     /// Plans the LLM gave that were refused, each with why, before this one.
     pub rejected: &'a [(String, String)],
     /// For a revision: what went wrong, and the old step numbers it dropped.
@@ -236,6 +238,14 @@ pub fn plan_iteration(
     }
     if let Some(why) = plan.fallback {
         b.tg(&s, "planFallbackReason", Term::literal(why));
+    }
+    if !plan.thought.is_empty() {
+        let t = uris.thought(n);
+        b.tg(&s, "thought", Term::iri(&t));
+        b.types(&t, &["Reflection", "Thought"])
+            .label(&t, "Thought")
+            .derived(&t, &s)
+            .document(&t, &t, plan.thought);
     }
     for (answer, why) in plan.rejected {
         b.tg(&s, "rejectedPlan", Term::literal(answer)).tg(

@@ -136,19 +136,20 @@ async fn make_plan(turn: &Turn<'_>, n: usize, problem: Option<String>) -> Result
     } else {
         0
     };
-    let record = PlanRecord {
-        version,
-        steps: &plan,
-        rationale: &rationale,
-        rejected: &rejected,
-        revision_of: problem.as_deref().map(|p| (p, dropped.as_slice())),
-        fallback: fallback.as_deref(),
-    };
     let thought = match (&problem, rationale.is_empty()) {
         (Some(p), true) => format!("Revising the plan: {p}"),
         (Some(p), false) => format!("Revising the plan: {p}. {rationale}"),
         (None, true) => format!("A plan of {} steps.", plan.len()),
         (None, false) => rationale.clone(),
+    };
+    let record = PlanRecord {
+        version,
+        steps: &plan,
+        rationale: &rationale,
+        thought: &thought,
+        rejected: &rejected,
+        revision_of: problem.as_deref().map(|p| (p, dropped.as_slice())),
+        fallback: fallback.as_deref(),
     };
     let shown = planning::describe(&plan);
     out.chunk(MessageType::Thought, &thought, &uris.thought(n), true)
