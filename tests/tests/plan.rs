@@ -51,6 +51,28 @@ fn has_type(triples: &[Triple], node: &str, class: &str) -> bool {
         .any(|t| t.s.iri == node && t.p.iri.ends_with("#type") && t.o.iri == format!("{TG}{class}"))
 }
 
+/// No link points at a node the dialog did not describe.
+fn assert_no_dangling_links(t: &[Triple]) {
+    let subjects: std::collections::BTreeSet<&str> = t.iter().map(|x| x.s.iri.as_str()).collect();
+    for x in t {
+        let linking = [
+            "wasDerivedFrom",
+            "thought",
+            "document",
+            "hasStep",
+            "executesStep",
+        ];
+        if linking.iter().any(|p| x.p.iri.ends_with(p)) {
+            assert!(
+                subjects.contains(x.o.iri.as_str()),
+                "dangling {} -> {}",
+                x.p.iri,
+                x.o.iri
+            );
+        }
+    }
+}
+
 fn closing(responses: &[AgentResponse]) -> &AgentResponse {
     let last = responses.last().unwrap();
     assert!(last.end_of_dialog, "{responses:#?}");
@@ -151,25 +173,7 @@ async fn a_diamond_plan_runs_in_dependency_order() {
         values(&t, &plan_node, "thought"),
         [format!("{plan_node}/thought")]
     );
-    // No link points at a node the dialog did not describe.
-    let subjects: std::collections::BTreeSet<&str> = t.iter().map(|x| x.s.iri.as_str()).collect();
-    for x in &t {
-        let linking = [
-            "wasDerivedFrom",
-            "thought",
-            "document",
-            "hasStep",
-            "executesStep",
-        ];
-        if linking.iter().any(|p| x.p.iri.ends_with(p)) {
-            assert!(
-                subjects.contains(x.o.iri.as_str()),
-                "dangling {} -> {}",
-                x.p.iri,
-                x.o.iri
-            );
-        }
-    }
+    assert_no_dangling_links(&t);
     // Iterations 2 to 5 executed the steps; each observation says completed and holds the result.
     let mut executed = BTreeMap::new();
     for n in 2..=5 {
@@ -216,9 +220,21 @@ async fn a_plan_with_a_cycle_is_refused_and_asked_again() {
     let responses = collect_dialog(&mut client, "c-1", DIALOG_TIMEOUT)
         .await
         .unwrap();
-    assert_eq!(closing(&responses).content, "Answered: DONE");
+    let last = closing(&responses);
+    assert_eq!(last.content, "Answered: DONE");
     let session = responses[0].explain_id.clone().unwrap();
     let t = triples(&responses);
+    // Every call is counted, the refused attempt's too: the graph adds up to the closing totals.
+    let total = |p: &str| -> u64 {
+        t.iter()
+            .filter(|x| x.p.iri == format!("{TG}{p}"))
+            .map(|x| x.o.value.parse::<u64>().unwrap())
+            .sum()
+    };
+    assert_eq!(
+        (total("inToken"), total("outToken")),
+        (last.in_token.unwrap(), last.out_token.unwrap())
+    );
     let plan_node = format!("{session}/i1");
     let reasons = values(&t, &plan_node, "rejectionReason");
     assert_eq!(reasons.len(), 1, "{reasons:?}");
@@ -280,6 +296,43 @@ async fn a_failed_step_is_replanned_once() {
     assert_eq!(
         values(&t, &format!("{session}/i5"), "executesStep"),
         [format!("{revision}/step/1")]
+    );
+    assert_no_dangling_links(&t);
+}
+
+/// An LLM that never gives a valid plan: after three refused attempts the whole request becomes
+/// one step, and the graph says why.
+#[tokio::test]
+async fn without_a_valid_plan_the_request_becomes_one_step() {
+    let broker = Broker::start().unwrap();
+    let llm = scripted_llm(
+        r#"{"rules": [
+      {"match": "Step goal: Just do it.", "reply": "Thought: doing.\nFinal Answer: DONE"},
+      {"match": "Request to answer: Just", "reply": "Done in one go."},
+      {"match": "", "reply": "I would rather not plan."}
+    ]}"#,
+    )
+    .await;
+    let _orchestrator = Orchestrator::spawn(&broker, &llm, &seed_dir(), &[]);
+    let mut client = client(&broker).await;
+    client
+        .send("o-1", &planned("Just do it.", false))
+        .await
+        .unwrap();
+    let responses = collect_dialog(&mut client, "o-1", DIALOG_TIMEOUT)
+        .await
+        .unwrap();
+    assert_eq!(closing(&responses).content, "Done in one go.");
+    let session = responses[0].explain_id.clone().unwrap();
+    let t = triples(&responses);
+    let plan_node = format!("{session}/i1");
+    assert_eq!(values(&t, &plan_node, "rejectionReason").len(), 3);
+    assert!(
+        values(&t, &plan_node, "planFallbackReason")[0].contains("no valid plan after 3 attempts")
+    );
+    assert_eq!(
+        values(&t, &format!("{plan_node}/step/0"), "goal"),
+        ["Just do it."]
     );
 }
 

@@ -41,8 +41,10 @@ pub struct Limits {
     pub max_subagents: usize,
     /// How deep subagents may fan out again.
     pub max_fanout_depth: usize,
-    /// Retries of a step the critic rejected.
+    /// Verdicts other than `SUCCESS` the critic may give in one request.
     pub max_retries: usize,
+    /// How many times one plan step (and the sub-steps it was split into) may be split.
+    pub step_life_cycle: usize,
     /// Tokens (input plus output) a root request may use; 0 means no bound.
     pub max_tokens: u64,
     /// Wall-clock seconds a root request may run; 0 means no bound.
@@ -60,6 +62,7 @@ impl Default for Limits {
             max_subagents: 5,
             max_fanout_depth: 2,
             max_retries: 5,
+            step_life_cycle: 3,
             max_tokens: 200_000,
             max_wall_secs: 600,
         }
@@ -122,6 +125,9 @@ pub struct PatternDef {
     pub name: String,
     /// What the pattern is good for; the meta-router shows it to the LLM.
     pub description: String,
+    /// Critic stages switched on for every dialog of this pattern (see [`crate::critic::STAGES`]).
+    #[serde(default)]
+    pub critic: Vec<String>,
 }
 
 /// A kind of request (config type `agent-task-type`, key = its name).
@@ -137,6 +143,9 @@ pub struct TaskTypeDef {
     pub framing: String,
     /// The patterns a request of this type may be worked with, the preferred fallback first.
     pub valid_patterns: Vec<String>,
+    /// Critic stages switched on for every dialog of this task type.
+    #[serde(default)]
+    pub critic: Vec<String>,
 }
 
 /// An MCP server (config type `mcp`, key = the id `mcp-tool` tools refer to).
@@ -248,6 +257,14 @@ impl AgentConfig {
         }
         for (key, pattern) in config.patterns.iter_mut() {
             problems.name_matches_key(PATTERN_TYPE, key, &mut pattern.name);
+            for stage in unknown_stages(&pattern.critic) {
+                problems.push(PATTERN_TYPE, key, stage);
+            }
+        }
+        for (key, task) in &config.task_types {
+            for stage in unknown_stages(&task.critic) {
+                problems.push(TASK_TYPE_TYPE, key, stage);
+            }
         }
         let known = |name: &String| {
             config.patterns.contains_key(name) || IMPLEMENTED_PATTERNS.contains(&name.as_str())
@@ -377,6 +394,32 @@ impl AgentConfig {
         } else {
             self.task_types.values().cloned().collect()
         }
+    }
+}
+
+fn unknown_stages(stages: &[String]) -> Vec<String> {
+    stages
+        .iter()
+        .filter(|s| !crate::critic::STAGES.contains(&s.as_str()))
+        .map(|s| {
+            format!(
+                "critic names the unknown stage '{s}'; the stages are: {}",
+                crate::critic::STAGES.join(", ")
+            )
+        })
+        .collect()
+}
+
+impl AgentConfig {
+    /// Whether the critic evaluates the steps of a dialog of this pattern and task type: switched on
+    /// by either.
+    pub fn critic_on(&self, pattern: &str, task_type: &str, stage: &str) -> bool {
+        let on = |stages: &[String]| stages.iter().any(|s| s == stage);
+        self.patterns.get(pattern).is_some_and(|p| on(&p.critic))
+            || self
+                .task_types
+                .get(task_type)
+                .is_some_and(|t| on(&t.critic))
     }
 }
 

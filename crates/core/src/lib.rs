@@ -3,6 +3,7 @@
 //! drive them directly.
 
 pub mod config;
+pub mod critic;
 pub mod plan;
 pub mod prompt;
 pub mod provenance;

@@ -7,6 +7,8 @@ use std::collections::BTreeMap;
 
 use agent_schema::{AgentStep, PlanStep, StepType};
 
+use crate::provenance::Termination;
+
 /// The pattern's name in config and on the wire.
 pub const PLAN_THEN_EXECUTE: &str = "plan-then-execute";
 
@@ -26,8 +28,61 @@ pub enum Next {
     RunStep(usize),
     /// Revise the rest of the plan, for this reason.
     Replan(String),
-    /// Answer from the results; `Some(reason)` when the plan could not be finished.
-    Synthesise(Option<String>),
+    /// Ask the critic about the step at this index, which just completed.
+    Evaluate(usize),
+    /// Answer from the results; `Some` when the plan could not be finished.
+    Synthesise(Option<Unfinished>),
+}
+
+/// Why a plan ends before all its steps are done: the termination recorded and the reason given.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Unfinished {
+    pub termination: Termination,
+    pub reason: String,
+}
+
+impl Unfinished {
+    fn new(termination: Termination, reason: String) -> Option<Unfinished> {
+        Some(Unfinished {
+            termination,
+            reason,
+        })
+    }
+}
+
+/// A step still to do: anything neither completed nor failed (`pending`, `running`, or a status
+/// this service does not know) waits to run.
+fn is_open(step: &PlanStep) -> bool {
+    step.status != COMPLETED && step.status != FAILED
+}
+
+/// Whether this history step fixed the plan's shape, so its iteration names the step nodes: a plan
+/// or revision, or a verdict that split a step.
+pub fn defines_structure(step: &AgentStep) -> bool {
+    match StepType::parse(&step.step_type) {
+        Some(StepType::Plan) => true,
+        Some(StepType::Evaluate) => step.arguments.contains_key(crate::critic::SUB_GOALS_KEY),
+        _ => false,
+    }
+}
+
+/// The plan in force and the iteration whose step nodes describe it, or `None` when the history
+/// holds no plan or names its steps inconsistently.
+pub fn plan_in_force(history: &[AgentStep]) -> Option<(usize, Vec<PlanStep>)> {
+    let carrying = history.iter().rposition(|s| s.plan.is_some())?;
+    let defining = history[..=carrying].iter().rposition(defines_structure)?;
+    let plan = history[carrying].plan.clone()?;
+    let defined = history[defining].plan.as_ref()?;
+    (defined.len() == plan.len()).then_some((defining + 1, plan))
+}
+
+/// How many steps a new plan may have: what the remaining iterations allow (each step takes one,
+/// two with the critic, and the answer one), within [`MAX_PLAN_STEPS`], at least one.
+pub fn step_budget(history_len: usize, max_iterations: usize, critic_steps: bool) -> usize {
+    // This iteration plans; the answer must come by iteration `max_iterations`.
+    let left = max_iterations.saturating_sub(history_len + 2);
+    let per_step = if critic_steps { 2 } else { 1 };
+    (left / per_step).clamp(1, MAX_PLAN_STEPS)
 }
 
 /// The plan in force: the one on the latest history step that carries a plan.
@@ -44,11 +99,36 @@ pub fn replans_used(history: &[AgentStep]) -> usize {
         .saturating_sub(1)
 }
 
+/// The bounds and switches that shape a Plan-then-Execute dialog.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Policy {
+    pub max_replan_depth: usize,
+    /// Verdicts other than `SUCCESS` a request may get.
+    pub max_retries: usize,
+    /// Whether the critic evaluates each completed step.
+    pub critic_steps: bool,
+}
+
 /// Decides the next iteration from the history.
-pub fn next(history: &[AgentStep], max_replan_depth: usize) -> Next {
-    let Some(plan) = current_plan(history) else {
+pub fn next(history: &[AgentStep], policy: Policy) -> Next {
+    let Some(plan) = current_plan(history).filter(|p| !p.is_empty()) else {
         return Next::MakePlan;
     };
+    if policy.critic_steps {
+        if let Some(i) = crate::critic::awaiting_evaluation(history) {
+            return Next::Evaluate(i);
+        }
+        let retries = crate::critic::retries_used(history);
+        if retries > 0 && retries >= policy.max_retries {
+            return Next::Synthesise(Unfinished::new(
+                Termination::RetryLimit,
+                format!(
+                    "the evaluator rejected work {retries} times (max_retries {}), so the answer could not be verified",
+                    policy.max_retries
+                ),
+            ));
+        }
+    }
     let trouble = plan.iter().enumerate().find_map(|(i, s)| {
         if s.status == FAILED {
             Some(format!("step {i} ('{}') failed: {}", s.goal, s.result))
@@ -58,16 +138,21 @@ pub fn next(history: &[AgentStep], max_replan_depth: usize) -> Next {
     });
     if let Some(reason) = trouble {
         let used = replans_used(history);
+        let max_replan_depth = policy.max_replan_depth;
         if used < max_replan_depth {
             return Next::Replan(reason);
         }
-        return Next::Synthesise(Some(format!(
-            "{reason}; the plan was already revised {used} times (max_replan_depth {max_replan_depth})"
-        )));
+        return Next::Synthesise(Unfinished::new(
+            Termination::ReplanLimit,
+            format!(
+                "{reason}; the plan was already revised {used} times (max_replan_depth {max_replan_depth})"
+            ),
+        ));
     }
     match ready_step(plan) {
         Some(i) => Next::RunStep(i),
-        None if plan.iter().any(|s| s.status == PENDING) => Next::Synthesise(Some(
+        None if plan.iter().any(is_open) => Next::Synthesise(Unfinished::new(
+            Termination::Blocked,
             "the remaining steps wait on each other and cannot run".to_owned(),
         )),
         None => Next::Synthesise(None),
@@ -77,7 +162,7 @@ pub fn next(history: &[AgentStep], max_replan_depth: usize) -> Next {
 /// The first pending step whose dependencies are all completed.
 pub fn ready_step(plan: &[PlanStep]) -> Option<usize> {
     plan.iter().position(|s| {
-        s.status == PENDING
+        is_open(s)
             && s.depends_on.iter().all(|d| {
                 usize::try_from(*d)
                     .ok()
@@ -87,15 +172,16 @@ pub fn ready_step(plan: &[PlanStep]) -> Option<usize> {
     })
 }
 
-/// Checks that `plan` is a usable DAG: not empty, not too long, goals present, every dependency an
+/// Checks that `plan` is a usable DAG: not empty, at most `max_steps` long, goals present, every dependency an
 /// earlier-or-later existing step other than itself, and no cycle.
-pub fn validate(plan: &[PlanStep]) -> Result<(), String> {
+pub fn validate(plan: &[PlanStep], max_steps: usize) -> Result<(), String> {
     if plan.is_empty() {
         return Err("the plan has no steps".to_owned());
     }
-    if plan.len() > MAX_PLAN_STEPS {
+    let max_steps = max_steps.min(MAX_PLAN_STEPS);
+    if plan.len() > max_steps {
         return Err(format!(
-            "the plan has {} steps, more than {MAX_PLAN_STEPS}",
+            "the plan has {} steps; the iterations left allow at most {max_steps}",
             plan.len()
         ));
     }
@@ -194,11 +280,11 @@ pub fn parse(text: &str) -> Result<(Vec<PlanStep>, String), String> {
     let start = text
         .find(['[', '{'])
         .ok_or("the answer holds no JSON plan")?;
-    let end = text
-        .rfind([']', '}'])
-        .filter(|e| *e >= start)
-        .ok_or("the answer holds no JSON plan")?;
-    let value: serde_json::Value = serde_json::from_str(&text[start..=end])
+    // The first JSON value, whatever prose follows it.
+    let value: serde_json::Value = serde_json::Deserializer::from_str(&text[start..])
+        .into_iter::<serde_json::Value>()
+        .next()
+        .ok_or("the answer holds no JSON plan")?
         .map_err(|e| format!("the plan is not valid JSON: {e}"))?;
     let (steps, rationale) = match value {
         serde_json::Value::Array(_) => (value, String::new()),
@@ -324,12 +410,13 @@ pub fn dependency_results(plan: &[PlanStep], index: usize) -> String {
     }
 }
 
-/// The one-step plan used when the LLM cannot produce a valid one: do the whole request.
-pub fn single_step(question: &str) -> Vec<PlanStep> {
+/// The one-step plan used when the LLM cannot produce a valid one: do the whole request, on the
+/// results of the first `kept` steps (those a revision keeps).
+pub fn single_step(question: &str, kept: usize) -> Vec<PlanStep> {
     vec![PlanStep {
         goal: question.to_owned(),
         tool_hint: String::new(),
-        depends_on: Vec::new(),
+        depends_on: (0..kept as i64).collect(),
         status: PENDING.to_owned(),
         result: String::new(),
     }]
@@ -369,7 +456,7 @@ mod tests {
             step("c", &[0], PENDING),
             step("d", &[1, 2], PENDING),
         ];
-        assert!(validate(&plan).is_ok());
+        assert!(validate(&plan, MAX_PLAN_STEPS).is_ok());
         let mut order = Vec::new();
         while let Some(i) = ready_step(&plan) {
             order.push(i);
@@ -385,19 +472,21 @@ mod tests {
             step("b", &[0], PENDING),
             step("c", &[1], PENDING),
         ];
-        let why = validate(&cycle).unwrap_err();
+        let why = validate(&cycle, MAX_PLAN_STEPS).unwrap_err();
         assert!(why.contains("cycle"), "{why}");
-        assert!(validate(&[step("a", &[0], PENDING)])
+        assert!(validate(&[step("a", &[0], PENDING)], 5)
             .unwrap_err()
             .contains("itself"));
-        assert!(validate(&[step("a", &[3], PENDING)])
+        assert!(validate(&[step("a", &[3], PENDING)], 5)
             .unwrap_err()
             .contains("does not exist"));
-        assert!(validate(&[step("a", &[-1], PENDING)])
+        assert!(validate(&[step("a", &[-1], PENDING)], 5)
             .unwrap_err()
             .contains("does not exist"));
-        assert!(validate(&[]).is_err());
-        assert!(validate(&[step(" ", &[], PENDING)]).is_err());
+        assert!(validate(&[], 5).is_err());
+        let two = [step("a", &[], PENDING), step("b", &[], PENDING)];
+        assert!(validate(&two, 1).unwrap_err().contains("at most 1"));
+        assert!(validate(&[step(" ", &[], PENDING)], 5).is_err());
     }
 
     #[test]
@@ -423,7 +512,14 @@ mod tests {
     fn failures_replan_until_the_bound_then_synthesise() {
         let failed = vec![step("a", &[], COMPLETED), step("b", &[0], FAILED)];
         let first = vec![with_plan(StepType::Plan, failed.clone())];
-        assert!(matches!(next(&first, 2), Next::Replan(r) if r.contains("step 1 ('b') failed")));
+        let policy = |max_replan_depth| Policy {
+            max_replan_depth,
+            max_retries: 5,
+            critic_steps: false,
+        };
+        assert!(
+            matches!(next(&first, policy(2)), Next::Replan(r) if r.contains("step 1 ('b') failed"))
+        );
         let twice = vec![
             with_plan(StepType::Plan, failed.clone()),
             with_plan(StepType::Plan, failed.clone()),
@@ -431,14 +527,51 @@ mod tests {
         ];
         assert_eq!(replans_used(&twice), 2);
         assert!(
-            matches!(next(&twice, 2), Next::Synthesise(Some(r)) if r.contains("max_replan_depth 2"))
+            matches!(next(&twice, policy(2)), Next::Synthesise(Some(u)) if u.reason.contains("max_replan_depth 2") && u.termination == Termination::ReplanLimit)
         );
-        assert_eq!(next(&[], 2), Next::MakePlan);
+        assert_eq!(next(&[], policy(2)), Next::MakePlan);
         let done = vec![with_plan(
             StepType::Execute,
             vec![step("a", &[], COMPLETED)],
         )];
-        assert_eq!(next(&done, 2), Next::Synthesise(None));
+        assert_eq!(next(&done, policy(2)), Next::Synthesise(None));
+    }
+
+    #[test]
+    fn odd_statuses_wait_and_empty_plans_are_made_again() {
+        let odd = vec![with_plan(
+            StepType::Plan,
+            vec![step("a", &[], "running"), step("b", &[0], "")],
+        )];
+        let policy = Policy {
+            max_replan_depth: 2,
+            max_retries: 5,
+            critic_steps: false,
+        };
+        assert_eq!(next(&odd, policy), Next::RunStep(0));
+        let stuck = vec![with_plan(
+            StepType::Plan,
+            vec![step("a", &[1], PENDING), step("b", &[0], PENDING)],
+        )];
+        assert!(
+            matches!(next(&stuck, policy), Next::Synthesise(Some(u)) if u.termination == Termination::Blocked)
+        );
+        assert_eq!(
+            next(&[with_plan(StepType::Plan, vec![])], policy),
+            Next::MakePlan
+        );
+        assert!(
+            plan_in_force(&[with_plan(StepType::Execute, vec![step("a", &[], PENDING)])]).is_none()
+        );
+        assert_eq!(step_budget(0, 10, false), 8);
+        assert_eq!(step_budget(0, 10, true), 4);
+        assert_eq!(step_budget(9, 10, false), 1);
+    }
+
+    #[test]
+    fn prose_after_the_plan_does_not_spoil_it() {
+        let (plan, _) = parse("[{\"goal\": \"a\"}] as in [1].").unwrap();
+        assert_eq!(plan.len(), 1);
     }
 
     #[test]
@@ -455,6 +588,6 @@ mod tests {
         assert_eq!(merged[1].depends_on, [0]);
         assert_eq!(merged[1].result, "c-result");
         assert_eq!(dropped, [1, 3]);
-        assert!(validate(&merged).is_ok());
+        assert!(validate(&merged, MAX_PLAN_STEPS).is_ok());
     }
 }

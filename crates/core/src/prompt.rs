@@ -20,6 +20,8 @@ pub const PLAN_CREATE_KEY: &str = "plan-create";
 pub const PLAN_STEP_KEY: &str = "plan-step";
 /// Config key of the prompt that revises the rest of a plan after a failure.
 pub const PLAN_REVISE_KEY: &str = "plan-revise";
+/// Config key of the critic's prompt on a plan step.
+pub const PLAN_EVALUATE_KEY: &str = "plan-evaluate";
 /// Config key of the prompt that answers from the plan's results (TrustGraph's prompt id).
 pub const PLAN_SYNTHESISE_KEY: &str = "plan-synthesise";
 /// Config key of the prompt around a tool's LLM call (`text-completion` and `prompt` tools).
@@ -49,12 +51,19 @@ pub const DEFAULT_PLAN_SYSTEM: &str = "You are a careful planner and executor. Y
 pub const DEFAULT_PLAN_CREATE_TEMPLATE: &str = "{{framing}}Make a plan to answer the request below. Each step has a goal, an optional tool hint, and the numbers of the other steps whose results it needs (steps are numbered from 0; no step may depend on itself, and the dependencies must not go round in a circle). Use at most {{max_steps}} steps.\n\nTools the steps can use:\n{{tools}}\n\nReply with only a JSON object: {\"rationale\": \"<one sentence>\", \"steps\": [{\"goal\": \"...\", \"tool_hint\": \"...\", \"depends_on\": []}]}\n\nRequest to plan: {{question}}";
 
 /// One step. Placeholders: `framing`, `question`, `step`, `goal`, `tool_hint`, `dependencies`,
-/// `tools`, `tool_names`.
-pub const DEFAULT_PLAN_STEP_TEMPLATE: &str = "{{framing}}You are carrying out step {{step}} of a plan for the request: {{question}}\n\nResults of the steps it depends on:\n{{dependencies}}\n\nYou may use these tools:\n{{tools}}\n\nRespond in exactly one of these two forms.\n\nTo use a tool:\nThought: <your reasoning>\nAction: <one of: {{tool_names}}>\nArgs: <a JSON object with the tool's arguments>\n\nTo give the step's result directly:\nThought: <your reasoning>\nFinal Answer: <the result>\n\nStep goal: {{goal}}\nSuggested tool: {{tool_hint}}";
+/// `lessons`, `tools`, `tool_names`.
+pub const DEFAULT_PLAN_STEP_TEMPLATE: &str = "{{framing}}You are carrying out step {{step}} of a plan for the request: {{question}}\n\nResults of the steps it depends on:\n{{dependencies}}\n\nLessons from earlier attempts at this step:\n{{lessons}}\n\nYou may use these tools:\n{{tools}}\n\nRespond in exactly one of these two forms.\n\nTo use a tool:\nThought: <your reasoning>\nAction: <one of: {{tool_names}}>\nArgs: <a JSON object with the tool's arguments>\n\nTo give the step's result directly:\nThought: <your reasoning>\nFinal Answer: <the result>\n\nStep goal: {{goal}}\nSuggested tool: {{tool_hint}}";
 
 /// Revising. Placeholders: `framing`, `question`, `plan`, `completed`, `problem`, `first_new`,
 /// `tools`.
 pub const DEFAULT_PLAN_REVISE_TEMPLATE: &str = "{{framing}}A plan for the request below ran into a problem: {{problem}}\n\nThe plan so far:\n{{plan}}\n\nThe completed steps are kept and renumbered as follows:\n{{completed}}\n\nWrite the remaining steps only. Number them from {{first_new}}; depends_on may name kept steps and earlier new steps.\n\nTools the steps can use:\n{{tools}}\n\nReply with only a JSON object: {\"rationale\": \"<what changed and why>\", \"steps\": [{\"goal\": \"...\", \"tool_hint\": \"...\", \"depends_on\": []}]}\n\nRequest to re-plan: {{question}}";
+
+/// The critic's system prompt used when config gives none.
+pub const DEFAULT_CRITIC_SYSTEM: &str = "You are a strict reviewer. You judge whether work achieves its goal, and when it does not you say what went wrong and what to do differently.";
+
+/// The critic on one step. Placeholders: `framing`, `question`, `step`, `goal`, `dependencies`,
+/// `result`.
+pub const DEFAULT_PLAN_EVALUATE_TEMPLATE: &str = "{{framing}}Evaluate the result of one step of a plan for the request: {{question}}\n\nStep {{step}}: {{goal}}\n\nResults of the steps it depends on:\n{{dependencies}}\n\nResult to evaluate: {{result}}\n\nSUCCESS: the result achieves the goal. EXECUTION_ERROR: the step was done badly and doing it again better would work. INPUT_DATA_ERROR: the results it was given were wrong. JOB_TOO_COMPLICATED_ERROR: the step is too big to do in one go. When several apply, give the first in that order.\n\nReply with only a JSON object: {\"status\": \"<one of the four>\", \"evaluation\": \"<what is right or wrong>\", \"lesson\": \"<what to do differently>\", \"culprits\": [<for INPUT_DATA_ERROR: the numbers of the steps whose results were wrong>], \"sub_steps\": [<for JOB_TOO_COMPLICATED_ERROR: objects with goal and tool_hint>]}";
 
 /// Synthesis. Placeholders: `framing`, `question`, `results`, `caveat`.
 pub const DEFAULT_PLAN_SYNTHESISE_TEMPLATE: &str = "{{framing}}Answer the request below from the results of the plan's steps. Use only these results; say so if they are not enough.{{caveat}}\n\nResults:\n{{results}}\n\nRequest to answer: {{question}}";
@@ -88,6 +97,7 @@ pub struct Prompts {
     pub plan_create: PromptTemplate,
     pub plan_step: PromptTemplate,
     pub plan_revise: PromptTemplate,
+    pub plan_evaluate: PromptTemplate,
     pub plan_synthesise: PromptTemplate,
     pub tool_call: PromptTemplate,
 }
@@ -107,6 +117,10 @@ impl Default for Prompts {
             plan_create: PromptTemplate::new(DEFAULT_PLAN_SYSTEM, DEFAULT_PLAN_CREATE_TEMPLATE),
             plan_step: PromptTemplate::new(DEFAULT_PLAN_SYSTEM, DEFAULT_PLAN_STEP_TEMPLATE),
             plan_revise: PromptTemplate::new(DEFAULT_PLAN_SYSTEM, DEFAULT_PLAN_REVISE_TEMPLATE),
+            plan_evaluate: PromptTemplate::new(
+                DEFAULT_CRITIC_SYSTEM,
+                DEFAULT_PLAN_EVALUATE_TEMPLATE,
+            ),
             plan_synthesise: PromptTemplate::new(
                 DEFAULT_PLAN_SYSTEM,
                 DEFAULT_PLAN_SYNTHESISE_TEMPLATE,
@@ -126,6 +140,7 @@ impl Prompts {
             PLAN_CREATE_KEY => Some(&mut self.plan_create),
             PLAN_STEP_KEY => Some(&mut self.plan_step),
             PLAN_REVISE_KEY => Some(&mut self.plan_revise),
+            PLAN_EVALUATE_KEY => Some(&mut self.plan_evaluate),
             PLAN_SYNTHESISE_KEY => Some(&mut self.plan_synthesise),
             TOOL_CALL_KEY => Some(&mut self.tool_call),
             _ => None,
@@ -133,13 +148,14 @@ impl Prompts {
     }
 
     /// The config keys of every prompt.
-    pub const KEYS: [&'static str; 8] = [
+    pub const KEYS: [&'static str; 9] = [
         REACT_KEY,
         TASK_TYPE_SELECTION_KEY,
         PATTERN_SELECTION_KEY,
         PLAN_CREATE_KEY,
         PLAN_STEP_KEY,
         PLAN_REVISE_KEY,
+        PLAN_EVALUATE_KEY,
         PLAN_SYNTHESISE_KEY,
         TOOL_CALL_KEY,
     ];

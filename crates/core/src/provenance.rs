@@ -254,15 +254,29 @@ pub fn plan_iteration(
             Term::literal(why),
         );
     }
-    for (i, step) in plan.steps.iter().enumerate() {
+    plan_step_nodes(&mut b, uris, n, &s, plan.steps);
+    iteration_facts(&mut b, &s, n, candidates, stats);
+    b.build()
+}
+
+/// The nodes of a plan's steps, named after iteration `n` (whose node `s` has them).
+fn plan_step_nodes(
+    b: &mut NodeBuilder,
+    uris: &SessionUris,
+    n: usize,
+    s: &str,
+    steps: &[agent_schema::PlanStep],
+) {
+    let integer = |v: usize| Term::typed_literal(v.to_string(), XSD_INTEGER);
+    for (i, step) in steps.iter().enumerate() {
         let node = uris.plan_step(n, i);
-        b.tg(&s, "hasStep", Term::iri(&node));
+        b.tg(s, "hasStep", Term::iri(&node));
         b.types(&node, &["PlanStep"])
             .label(&node, &format!("Step {i}: {}", step.goal))
             .tg(&node, "stepIndex", integer(i))
             .tg(&node, "goal", Term::literal(&step.goal))
             .tg(&node, "stepStatus", Term::literal(&step.status))
-            .derived(&node, &s);
+            .derived(&node, s);
         if !step.tool_hint.is_empty() {
             b.tg(&node, "toolHint", Term::literal(&step.tool_hint));
         }
@@ -277,8 +291,6 @@ pub fn plan_iteration(
             );
         }
     }
-    iteration_facts(&mut b, &s, n, candidates, stats);
-    b.build()
 }
 
 /// An iteration that carried out one plan step: like a tool iteration, plus which step of which
@@ -316,6 +328,68 @@ pub fn step_status(uris: &SessionUris, n: usize, status: &str) -> Vec<Triple> {
     b.build()
 }
 
+/// The critic's verdict on a plan step, recorded on iteration `n`: which execution it judged, the
+/// status, evaluation and lesson, what it caused (steps run again, sub-steps, a used-up life
+/// cycle), and the request's retries after it.
+#[allow(clippy::too_many_arguments)]
+pub fn evaluation(
+    uris: &SessionUris,
+    n: usize,
+    judged: &str,
+    index: usize,
+    verdict: &crate::critic::Evaluation,
+    applied: &crate::critic::Applied,
+    retries: usize,
+    stats: &CallStats,
+) -> Vec<Triple> {
+    let s = uris.iteration(n);
+    let integer = |v: usize| Term::typed_literal(v.to_string(), XSD_INTEGER);
+    let mut b = NodeBuilder::default();
+    b.types(&s, &["Analysis", "Evaluation"])
+        .label(
+            &s,
+            &format!("Evaluation of step {index}: {}", verdict.status.as_str()),
+        )
+        .tg(&s, "action", Term::literal("evaluate"))
+        .tg(&s, "evaluates", Term::iri(judged))
+        .tg(&s, "stepIndex", integer(index))
+        .tg(
+            &s,
+            "evaluationStatus",
+            Term::literal(verdict.status.as_str()),
+        )
+        .tg(&s, "retryCount", integer(retries))
+        .derived(&s, &uris.previous(n - 1));
+    if !verdict.evaluation.is_empty() {
+        b.tg(&s, "evaluation", Term::literal(&verdict.evaluation));
+    }
+    if !verdict.lesson.is_empty() {
+        b.tg(&s, "lesson", Term::literal(&verdict.lesson));
+    }
+    if let Some(why) = &verdict.unreadable {
+        b.tg(&s, "evaluationUnreadable", Term::literal(why));
+    }
+    for i in &applied.rerun {
+        b.tg(&s, "rerunStep", integer(*i));
+    }
+    for goal in &applied.sub_goals {
+        b.tg(&s, "subStep", Term::literal(goal));
+    }
+    if !applied.sub_goals.is_empty() {
+        // A split changes the plan's shape: this iteration names its steps from now on.
+        plan_step_nodes(&mut b, uris, n, &s, &applied.plan);
+    }
+    if applied.life_cycle_exhausted {
+        b.tg(
+            &s,
+            "lifeCycleExhausted",
+            Term::typed_literal("true", XSD_BOOLEAN),
+        );
+    }
+    iteration_facts(&mut b, &s, n, &[], stats);
+    b.build()
+}
+
 /// What a tool run cost: its duration and the tokens of any LLM call it made.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct ToolStats {
@@ -347,6 +421,10 @@ pub enum Termination {
     /// The plan could not be finished within `max_replan_depth` revisions; answered from what
     /// completed.
     ReplanLimit,
+    /// The critic rejected work `max_retries` times; answered from what completed, unverified.
+    RetryLimit,
+    /// The plan's remaining steps could not run; answered from what completed.
+    Blocked,
     MaxIterations,
     /// A token or wall-time budget was used up.
     Budget,
@@ -358,6 +436,8 @@ impl Termination {
         match self {
             Termination::Answer => "answer",
             Termination::ReplanLimit => "max-replan-depth",
+            Termination::RetryLimit => "max-retries",
+            Termination::Blocked => "blocked",
             Termination::MaxIterations => "max-iterations",
             Termination::Budget => "budget",
             Termination::Error => "error",

@@ -25,6 +25,7 @@ pub fn general_task_type() -> TaskTypeDef {
         description: "Any request".to_owned(),
         framing: String::new(),
         valid_patterns: vec![REACT.to_owned()],
+        critic: Vec::new(),
     }
 }
 
@@ -376,6 +377,7 @@ mod tests {
             description: "d".into(),
             framing: String::new(),
             valid_patterns: vec!["supervisor".into(), "react".into()],
+            critic: Vec::new(),
         };
         let (runnable, unavailable) = pattern_candidates(&AgentConfig::default(), &task);
         assert_eq!(names(&runnable), ["react"]);

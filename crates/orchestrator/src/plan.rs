@@ -5,7 +5,8 @@
 //! plan, its statuses and results carried in the history.
 
 use agent_bus::BusError;
-use agent_core::plan::{self as planning, Next, COMPLETED, FAILED, MAX_PLAN_STEPS};
+use agent_core::critic;
+use agent_core::plan::{self as planning, plan_in_force, Next, Unfinished, COMPLETED, FAILED};
 use agent_core::prompt::{describe_tools, framing_block, render};
 use agent_core::provenance::{self, CallStats, PlanRecord, Termination, ToolStats};
 use agent_core::react::{parse, ReactTurn};
@@ -15,7 +16,7 @@ use agent_schema::{AgentStep, MessageType, PlanStep, StepType};
 use tokio::sync::mpsc;
 
 use crate::react::{closing_answer, conclude_if_limited, fail};
-use crate::tool_exec::run_scoped_tool;
+use crate::tool_exec::{run_scoped_tool, truncate};
 use crate::Turn;
 
 /// Times the LLM is asked for a plan in one iteration before a one-step plan stands in.
@@ -23,15 +24,41 @@ const PLAN_ATTEMPTS: usize = 3;
 
 /// Runs the iteration. `Err` only for publish failures: the message is then nacked and redone.
 pub async fn iterate(turn: &Turn<'_>) -> Result<(), BusError> {
+    let n = turn.request.history.len() + 1;
+    let config = turn.config;
+    let policy = planning::Policy {
+        max_replan_depth: config.limits.max_replan_depth,
+        max_retries: config.limits.max_retries,
+        critic_steps: config.critic_on(
+            &turn.request.pattern,
+            &turn.request.task_type,
+            critic::STAGE_STEP,
+        ),
+    };
+    let next = planning::next(&turn.request.history, policy);
+    // A plan that used its iterations still answers from what it found.
+    let max_iterations = config.limits.max_iterations;
+    if turn.request.history.len() >= max_iterations
+        && planning::current_plan(&turn.request.history).is_some()
+    {
+        let unfinished = match next {
+            Next::Synthesise(unfinished) => unfinished,
+            _ => Some(Unfinished {
+                termination: Termination::MaxIterations,
+                reason: format!("the dialog used its {max_iterations} iterations (max_iterations)"),
+            }),
+        };
+        return synthesise(turn, n, unfinished).await;
+    }
     if let Some(done) = conclude_if_limited(turn).await {
         return done;
     }
-    let n = turn.request.history.len() + 1;
-    match planning::next(&turn.request.history, turn.config.limits.max_replan_depth) {
+    match next {
         Next::MakePlan => make_plan(turn, n, None).await,
+        Next::Evaluate(index) => evaluate(turn, n, index).await,
         Next::Replan(problem) => make_plan(turn, n, Some(problem)).await,
         Next::RunStep(index) => run_step(turn, n, index).await,
-        Next::Synthesise(caveat) => synthesise(turn, n, caveat).await,
+        Next::Synthesise(unfinished) => synthesise(turn, n, unfinished).await,
     }
 }
 
@@ -67,6 +94,12 @@ async fn make_plan(turn: &Turn<'_>, n: usize, problem: Option<String>) -> Result
         .map(<[PlanStep]>::to_vec)
         .unwrap_or_default();
     let kept = old_plan.iter().filter(|s| s.status == COMPLETED).count();
+    let critic_steps = config.critic_on(&request.pattern, &request.task_type, critic::STAGE_STEP);
+    let budget = planning::step_budget(
+        request.history.len(),
+        config.limits.max_iterations,
+        critic_steps,
+    );
     let template = if problem.is_some() {
         &config.prompts.plan_revise
     } else {
@@ -76,7 +109,7 @@ async fn make_plan(turn: &Turn<'_>, n: usize, problem: Option<String>) -> Result
         ("framing", framing_block(&request.framing)),
         ("question", request.question.clone()),
         ("tools", describe_tools(&visible)),
-        ("max_steps", MAX_PLAN_STEPS.to_string()),
+        ("max_steps", budget.to_string()),
         ("plan", planning::describe(&old_plan)),
         ("completed", renumbered_completed(&old_plan)),
         ("problem", problem.clone().unwrap_or_default()),
@@ -92,10 +125,19 @@ async fn make_plan(turn: &Turn<'_>, n: usize, problem: Option<String>) -> Result
     let mut stats = CallStats::default();
     let mut rejected: Vec<(String, String)> = Vec::new();
     let mut chosen: Option<(Vec<PlanStep>, Vec<usize>, String)> = None;
+    let mut call_error = None;
     for _ in 0..PLAN_ATTEMPTS {
         let completion = match llm.complete(&messages).await {
             Ok(c) => c,
-            Err(e) => return fail(turn, n, &format!("the LLM call failed: {e}")).await,
+            // With nothing asked yet there is nothing to go on; after refused attempts, their cost
+            // and record are kept and the one-step plan stands in.
+            Err(e) if rejected.is_empty() => {
+                return fail(turn, n, &format!("the LLM call failed: {e}")).await
+            }
+            Err(e) => {
+                call_error = Some(e.to_string());
+                break;
+            }
         };
         count(&mut stats, &completion);
         let checked = planning::parse(&completion.text).and_then(|(steps, rationale)| {
@@ -104,7 +146,7 @@ async fn make_plan(turn: &Turn<'_>, n: usize, problem: Option<String>) -> Result
             } else {
                 (steps, Vec::new())
             };
-            planning::validate(&merged).map(|()| (merged, dropped, rationale))
+            planning::validate(&merged, kept + budget).map(|()| (merged, dropped, rationale))
         });
         match checked {
             Ok(plan) => {
@@ -122,12 +164,18 @@ async fn make_plan(turn: &Turn<'_>, n: usize, problem: Option<String>) -> Result
             }
         }
     }
-    let fallback = chosen.is_none().then(|| {
-        format!("no valid plan after {PLAN_ATTEMPTS} attempts; the whole request became one step")
+    let fallback = chosen.is_none().then(|| match &call_error {
+        Some(e) => format!(
+            "no valid plan after {} attempts, then the LLM call failed ({e}); the whole request became one step",
+            rejected.len()
+        ),
+        None => format!(
+            "no valid plan after {PLAN_ATTEMPTS} attempts; the whole request became one step"
+        ),
     });
     let (plan, dropped, rationale) = chosen.unwrap_or_else(|| {
         let (merged, dropped) =
-            planning::merge_revision(&old_plan, planning::single_step(&request.question));
+            planning::merge_revision(&old_plan, planning::single_step(&request.question, kept));
         (merged, dropped, String::new())
     });
 
@@ -197,7 +245,7 @@ async fn run_step(turn: &Turn<'_>, n: usize, index: usize) -> Result<(), BusErro
         ..
     } = turn;
     let Some((plan_at, plan)) = plan_in_force(&request.history) else {
-        return fail(turn, n, "the history has no plan to execute").await;
+        return fail(turn, n, "the history has no consistent plan to execute").await;
     };
     let Some(goal) = plan.get(index).cloned() else {
         return fail(turn, n, &format!("the plan has no step {index}")).await;
@@ -220,6 +268,7 @@ async fn run_step(turn: &Turn<'_>, n: usize, index: usize) -> Result<(), BusErro
             },
         ),
         ("dependencies", planning::dependency_results(&plan, index)),
+        ("lessons", lessons_block(&request.history, &goal.goal)),
         ("tools", describe_tools(&visible)),
         ("tool_names", candidates.join(", ")),
     ]
@@ -239,9 +288,12 @@ async fn run_step(turn: &Turn<'_>, n: usize, index: usize) -> Result<(), BusErro
     let mut tool = ToolStats::default();
     let mut next_state = scope.state().to_owned();
     let (thought, action, arguments, result) = match parse(&completion.text) {
-        Ok(ReactTurn::Final { thought, answer }) => {
-            (thought, String::new(), Default::default(), answer)
-        }
+        Ok(ReactTurn::Final { thought, answer }) => (
+            thought,
+            String::new(),
+            Default::default(),
+            truncate(answer, config.limits.max_observation_bytes),
+        ),
         Ok(ReactTurn::Action {
             thought,
             action,
@@ -306,14 +358,100 @@ async fn run_step(turn: &Turn<'_>, n: usize, index: usize) -> Result<(), BusErro
     record_and_queue(turn, n, step, &stats, &tool, Some(status), Some(next_state)).await
 }
 
-/// The plan in force and the iteration that made it (whose step nodes it names).
-fn plan_in_force(history: &[AgentStep]) -> Option<(usize, Vec<PlanStep>)> {
-    let made_at = history
-        .iter()
-        .rposition(|s| StepType::parse(&s.step_type) == Some(StepType::Plan))?
-        + 1;
-    let plan = planning::current_plan(history)?.to_vec();
-    Some((made_at, plan))
+/// The lessons the critic gave about a step, as lines for its prompt.
+fn lessons_block(history: &[AgentStep], goal: &str) -> String {
+    let lessons = critic::all_lessons(history, goal);
+    if lessons.is_empty() {
+        "(none)".to_owned()
+    } else {
+        lessons
+            .iter()
+            .map(|l| format!("- {l}"))
+            .collect::<Vec<_>>()
+            .join("\n")
+    }
+}
+
+/// Asks the critic about step `index`, which the previous iteration completed, and applies its
+/// verdict: accept, run the step (or its input's step) again with the lesson, or split it.
+async fn evaluate(turn: &Turn<'_>, n: usize, index: usize) -> Result<(), BusError> {
+    let Turn {
+        request,
+        uris,
+        out,
+        config,
+        llm,
+        ..
+    } = turn;
+    let Some((_, plan)) = plan_in_force(&request.history) else {
+        return fail(turn, n, "the history has no plan to evaluate").await;
+    };
+    let Some(step) = plan.get(index).cloned() else {
+        return fail(turn, n, &format!("the plan has no step {index}")).await;
+    };
+    let template = &config.prompts.plan_evaluate;
+    let vars = [
+        ("framing", framing_block(&request.framing)),
+        ("question", request.question.clone()),
+        ("step", index.to_string()),
+        ("goal", step.goal.clone()),
+        ("dependencies", planning::dependency_results(&plan, index)),
+        ("result", step.result.clone()),
+    ]
+    .into_iter()
+    .collect();
+    let messages = [
+        ChatMessage::system(template.system.clone()),
+        ChatMessage::user(render(&template.template, &vars)),
+    ];
+    let mut stats = CallStats::default();
+    let completion = match llm.complete(&messages).await {
+        Ok(c) => c,
+        Err(e) => return fail(turn, n, &format!("the LLM call failed: {e}")).await,
+    };
+    count(&mut stats, &completion);
+    let verdict = critic::parse(&completion.text);
+    if let Some(why) = &verdict.unreadable {
+        tracing::warn!(iteration = n, %why, "the critic's answer could not be read; the step stands");
+    }
+    let applied = critic::apply(
+        &request.history,
+        &plan,
+        index,
+        &verdict,
+        config.limits.step_life_cycle,
+    );
+    let retries = critic::retries_used(&request.history)
+        + usize::from(verdict.status != critic::Status::Success);
+    let thought = match verdict.evaluation.as_str() {
+        "" => format!("Evaluation of step {index}: {}", verdict.status.as_str()),
+        text => format!(
+            "Evaluation of step {index}: {} — {text}",
+            verdict.status.as_str()
+        ),
+    };
+    out.chunk(MessageType::Thought, &thought, &uris.thought(n), true)
+        .await?;
+    // The execution judged is the previous iteration.
+    out.explain(
+        &uris.iteration(n),
+        provenance::evaluation(
+            uris,
+            n,
+            &uris.iteration(n - 1),
+            index,
+            &verdict,
+            &applied,
+            retries,
+            &stats,
+        ),
+    )
+    .await?;
+    let mut step = applied.step;
+    if !verdict.lesson.is_empty() {
+        step.observation = format!("{} Lesson: {}", applied.effect, verdict.lesson);
+    }
+    record_and_queue(turn, n, step, &stats, &ToolStats::default(), None, None).await
 }
 
 /// Publishes the iteration's observation (to the client and the graph), then queues the next
@@ -355,7 +493,12 @@ async fn record_and_queue(
 
 /// Answers from the completed steps' results; with a `caveat` the answer says the plan could not
 /// be finished and why.
-async fn synthesise(turn: &Turn<'_>, n: usize, caveat: Option<String>) -> Result<(), BusError> {
+async fn synthesise(
+    turn: &Turn<'_>,
+    n: usize,
+    unfinished: Option<Unfinished>,
+) -> Result<(), BusError> {
+    let caveat = unfinished.as_ref().map(|u| u.reason.clone());
     let Turn {
         request,
         uris,
@@ -406,11 +549,7 @@ async fn synthesise(turn: &Turn<'_>, n: usize, caveat: Option<String>) -> Result
         out.chunk(MessageType::Answer, &note, &answer_id, false)
             .await?;
     }
-    let termination = if caveat.is_some() {
-        Termination::ReplanLimit
-    } else {
-        Termination::Answer
-    };
+    let termination = unfinished.map_or(Termination::Answer, |u| u.termination);
     out.explain(
         &answer_id,
         provenance::conclusion(uris, n, "", &answer, termination, &[], &stats),

@@ -59,6 +59,8 @@ pub enum StepType {
     Decompose,
     Synthesise,
     SubagentCompletion,
+    /// Our extension: the critic's verdict on a plan step (`action` holds the status).
+    Evaluate,
 }
 
 impl StepType {
@@ -70,6 +72,7 @@ impl StepType {
             StepType::Decompose => "decompose",
             StepType::Synthesise => "synthesise",
             StepType::SubagentCompletion => "subagent-completion",
+            StepType::Evaluate => "evaluate",
         }
     }
 
@@ -82,6 +85,7 @@ impl StepType {
             "decompose" => StepType::Decompose,
             "synthesise" => StepType::Synthesise,
             "subagent-completion" => StepType::SubagentCompletion,
+            "evaluate" => StepType::Evaluate,
             _ => return None,
         })
     }

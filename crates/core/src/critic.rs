@@ -1,0 +1,428 @@
+//! The critic (evaluator) of plan steps: reading its verdict, and applying it to the plan. A
+//! verdict is `SUCCESS`, `EXECUTION_ERROR` (run the step again with the lesson),
+//! `INPUT_DATA_ERROR` (run the step that produced its input again with the lesson, then what
+//! depends on it) or `JOB_TOO_COMPLICATED_ERROR` (split the step into sub-steps, within its life
+//! cycle). Verdicts travel in the history as `evaluate` steps, so the retry count, the lessons and
+//! how often a step was split are all read back from the request.
+
+use std::collections::BTreeSet;
+
+use agent_schema::{AgentStep, PlanStep, StepType};
+
+use crate::plan::{COMPLETED, FAILED, PENDING};
+
+/// The critic stage that evaluates each completed plan step.
+pub const STAGE_STEP: &str = "step";
+/// The critic stages a task type or pattern may switch on.
+pub const STAGES: &[&str] = &[STAGE_STEP];
+
+/// `arguments` keys of an `evaluate` history step.
+const STEP_KEY: &str = "step";
+const GOAL_KEY: &str = "goal";
+const LESSON_KEY: &str = "lesson";
+/// Present on a verdict that split a step: the sub-steps' goals as a JSON list.
+pub const SUB_GOALS_KEY: &str = "sub_goals";
+const DEPTH_KEY: &str = "depth";
+
+/// A verdict, in order of priority: when an evaluator gives several, the first in this order counts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Status {
+    Success,
+    ExecutionError,
+    InputDataError,
+    JobTooComplicated,
+}
+
+impl Status {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Status::Success => "SUCCESS",
+            Status::ExecutionError => "EXECUTION_ERROR",
+            Status::InputDataError => "INPUT_DATA_ERROR",
+            Status::JobTooComplicated => "JOB_TOO_COMPLICATED_ERROR",
+        }
+    }
+
+    fn parse(text: &str) -> Option<Status> {
+        let t = text
+            .trim()
+            .trim_matches(|c: char| !c.is_ascii_alphabetic())
+            .to_ascii_uppercase();
+        Some(match t.as_str() {
+            "SUCCESS" => Status::Success,
+            "EXECUTION_ERROR" => Status::ExecutionError,
+            "INPUT_DATA_ERROR" => Status::InputDataError,
+            "JOB_TOO_COMPLICATED_ERROR" | "JOB_TOO_COMPLICATED" => Status::JobTooComplicated,
+            _ => return None,
+        })
+    }
+}
+
+/// What the evaluator said.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Evaluation {
+    pub status: Status,
+    pub evaluation: String,
+    pub lesson: String,
+    /// For `INPUT_DATA_ERROR`: the steps whose results were bad, if the evaluator named them.
+    pub culprits: Vec<usize>,
+    /// For `JOB_TOO_COMPLICATED_ERROR`: the sub-steps' goals and tool hints.
+    pub sub_steps: Vec<(String, String)>,
+    /// Why the answer could not be read, when it could not (the step then stands).
+    pub unreadable: Option<String>,
+}
+
+/// Reads the evaluator's JSON (`status` a string or a list, `evaluation`, `lesson`, `culprits`,
+/// `sub_steps`). An answer that cannot be read lets the step stand, and says so.
+pub fn parse(text: &str) -> Evaluation {
+    let unreadable = |why: &str| Evaluation {
+        status: Status::Success,
+        evaluation: String::new(),
+        lesson: String::new(),
+        culprits: Vec::new(),
+        sub_steps: Vec::new(),
+        unreadable: Some(why.to_owned()),
+    };
+    let (Some(start), Some(end)) = (text.find('{'), text.rfind('}')) else {
+        return unreadable("the evaluation holds no JSON object");
+    };
+    if end < start {
+        return unreadable("the evaluation holds no JSON object");
+    }
+    let Ok(serde_json::Value::Object(o)) = serde_json::from_str(&text[start..=end]) else {
+        return unreadable("the evaluation is not a JSON object");
+    };
+    let text_of = |k: &str| {
+        o.get(k)
+            .and_then(|v| v.as_str())
+            .unwrap_or_default()
+            .to_owned()
+    };
+    let statuses: Vec<Status> = match o.get("status") {
+        Some(serde_json::Value::String(s)) => {
+            s.split([',', '|']).filter_map(Status::parse).collect()
+        }
+        Some(serde_json::Value::Array(list)) => list
+            .iter()
+            .filter_map(|v| v.as_str().and_then(Status::parse))
+            .collect(),
+        _ => Vec::new(),
+    };
+    let Some(status) = statuses.into_iter().min() else {
+        return unreadable("the evaluation names no known status");
+    };
+    let culprits = o
+        .get("culprits")
+        .or_else(|| o.get("culprit"))
+        .map(|v| match v {
+            serde_json::Value::Array(list) => {
+                list.iter().filter_map(|x| x.as_u64()).collect::<Vec<_>>()
+            }
+            other => other.as_u64().into_iter().collect(),
+        })
+        .unwrap_or_default()
+        .into_iter()
+        .filter_map(|x| usize::try_from(x).ok())
+        .collect();
+    let sub_steps = o
+        .get("sub_steps")
+        .and_then(|v| v.as_array())
+        .map(|list| {
+            list.iter()
+                .filter_map(|s| {
+                    let goal = s.get("goal").and_then(|g| g.as_str())?.trim().to_owned();
+                    let hint = s
+                        .get("tool_hint")
+                        .and_then(|g| g.as_str())
+                        .unwrap_or_default();
+                    (!goal.is_empty()).then(|| (goal, hint.to_owned()))
+                })
+                .collect()
+        })
+        .unwrap_or_default();
+    Evaluation {
+        status,
+        evaluation: text_of("evaluation"),
+        lesson: text_of("lesson"),
+        culprits,
+        sub_steps,
+        unreadable: None,
+    }
+}
+
+fn evaluations(history: &[AgentStep]) -> impl Iterator<Item = &AgentStep> {
+    history
+        .iter()
+        .filter(|s| StepType::parse(&s.step_type) == Some(StepType::Evaluate))
+}
+
+/// Verdicts other than `SUCCESS` so far: the request's retries.
+pub fn retries_used(history: &[AgentStep]) -> usize {
+    evaluations(history)
+        .filter(|s| s.action != Status::Success.as_str())
+        .count()
+}
+
+/// The lessons recorded on verdicts about the step with this goal, oldest first.
+pub fn lessons_for(history: &[AgentStep], goal: &str) -> Vec<String> {
+    evaluations(history)
+        .filter(|s| s.arguments.get(GOAL_KEY).map(String::as_str) == Some(goal))
+        .filter_map(|s| s.arguments.get(LESSON_KEY))
+        .filter(|l| !l.is_empty())
+        .cloned()
+        .collect()
+}
+
+/// How many splits lie behind the step with this goal: the depth it was created at plus the times
+/// it was split itself.
+pub fn splits_behind(history: &[AgentStep], goal: &str) -> usize {
+    let created_at = evaluations(history)
+        .filter(|s| {
+            s.arguments
+                .get(SUB_GOALS_KEY)
+                .and_then(|g| serde_json::from_str::<Vec<String>>(g).ok())
+                .is_some_and(|goals| goals.iter().any(|g| g == goal))
+        })
+        .filter_map(|s| {
+            s.arguments
+                .get(DEPTH_KEY)
+                .and_then(|d| d.parse::<usize>().ok())
+        })
+        .max()
+        .unwrap_or(0);
+    let split_itself = evaluations(history)
+        .filter(|s| {
+            s.arguments.get(GOAL_KEY).map(String::as_str) == Some(goal)
+                && s.arguments.contains_key(SUB_GOALS_KEY)
+        })
+        .count();
+    created_at + split_itself
+}
+
+/// The step the last history step executed and completed, when it waits for the critic.
+pub fn awaiting_evaluation(history: &[AgentStep]) -> Option<usize> {
+    let (last, before) = history.split_last()?;
+    if StepType::parse(&last.step_type) != Some(StepType::Execute) {
+        return None;
+    }
+    let now = last.plan.as_deref()?;
+    let earlier = crate::plan::current_plan(before).unwrap_or_default();
+    now.iter().enumerate().find_map(|(i, s)| {
+        let changed = earlier
+            .get(i)
+            .is_none_or(|e| e.status != s.status || e.result != s.result);
+        (changed && s.status == COMPLETED).then_some(i)
+    })
+}
+
+/// What a verdict did to the plan, for the history, the client and the graph.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Applied {
+    pub plan: Vec<PlanStep>,
+    /// One sentence on what happens next.
+    pub effect: String,
+    /// The history step that records the verdict.
+    pub step: AgentStep,
+    /// Steps sent back to run again (with the lesson).
+    pub rerun: Vec<usize>,
+    /// Goals of the sub-steps a split added.
+    pub sub_goals: Vec<String>,
+    /// The split was refused because the step's life cycle is used up.
+    pub life_cycle_exhausted: bool,
+}
+
+/// Applies `verdict` on step `index` of `plan`. `life_cycle` bounds how many splits may lie behind
+/// one step.
+pub fn apply(
+    history: &[AgentStep],
+    plan: &[PlanStep],
+    index: usize,
+    verdict: &Evaluation,
+    life_cycle: usize,
+) -> Applied {
+    let mut plan = plan.to_vec();
+    let goal = plan.get(index).map(|s| s.goal.clone()).unwrap_or_default();
+    let mut arguments = std::collections::BTreeMap::new();
+    arguments.insert(STEP_KEY.to_owned(), index.to_string());
+    arguments.insert(GOAL_KEY.to_owned(), goal.clone());
+    let mut rerun = Vec::new();
+    let mut sub_goals = Vec::new();
+    let mut life_cycle_exhausted = false;
+    let reset = |plan: &mut Vec<PlanStep>, i: usize| {
+        if let Some(s) = plan.get_mut(i) {
+            s.status = PENDING.to_owned();
+            s.result.clear();
+        }
+    };
+    let effect = match verdict.status {
+        Status::Success => format!("step {index} ('{goal}') is accepted"),
+        Status::ExecutionError => {
+            arguments.insert(LESSON_KEY.to_owned(), verdict.lesson.clone());
+            reset(&mut plan, index);
+            rerun.push(index);
+            format!("step {index} ('{goal}') runs again with the lesson")
+        }
+        Status::InputDataError => {
+            let deps: BTreeSet<usize> = plan
+                .get(index)
+                .map(|s| {
+                    s.depends_on
+                        .iter()
+                        .filter_map(|d| usize::try_from(*d).ok())
+                        .collect()
+                })
+                .unwrap_or_default();
+            let named: BTreeSet<usize> = verdict
+                .culprits
+                .iter()
+                .copied()
+                .filter(|c| deps.contains(c))
+                .collect();
+            let culprits = if named.is_empty() { deps } else { named };
+            if culprits.is_empty() {
+                // No step produced its input: the step itself runs again.
+                arguments.insert(LESSON_KEY.to_owned(), verdict.lesson.clone());
+                reset(&mut plan, index);
+                rerun.push(index);
+                format!("step {index} ('{goal}') has no earlier step to blame and runs again with the lesson")
+            } else {
+                // The lesson belongs to the culprits; it is recorded under each of their goals.
+                let names: Vec<String> = culprits.iter().map(usize::to_string).collect();
+                arguments.insert("culprits".to_owned(), names.join(","));
+                arguments.insert(LESSON_KEY.to_owned(), verdict.lesson.clone());
+                let affected = dependents_closure(&plan, &culprits);
+                for i in &affected {
+                    reset(&mut plan, *i);
+                }
+                rerun = affected.into_iter().collect();
+                format!(
+                    "step {index} ('{goal}') got bad input: step(s) {} run again with the lesson, then what depends on them",
+                    names.join(", ")
+                )
+            }
+        }
+        Status::JobTooComplicated => {
+            let behind = splits_behind(history, &goal);
+            if verdict.sub_steps.is_empty() {
+                arguments.insert(LESSON_KEY.to_owned(), verdict.lesson.clone());
+                reset(&mut plan, index);
+                rerun.push(index);
+                format!("step {index} ('{goal}') was too complicated but no sub-steps were given; it runs again with the lesson")
+            } else if behind >= life_cycle {
+                life_cycle_exhausted = true;
+                if let Some(s) = plan.get_mut(index) {
+                    s.status = FAILED.to_owned();
+                    s.result = format!("Error: split {behind} times already (step life cycle {life_cycle}); not split again");
+                }
+                format!("step {index} ('{goal}') may not be split again (life cycle {life_cycle}); it failed")
+            } else {
+                let inputs = plan
+                    .get(index)
+                    .map(|s| s.depends_on.clone())
+                    .unwrap_or_default();
+                let first_new = plan.len();
+                for (sub_goal, hint) in &verdict.sub_steps {
+                    plan.push(PlanStep {
+                        goal: sub_goal.clone(),
+                        tool_hint: hint.clone(),
+                        depends_on: inputs.clone(),
+                        status: PENDING.to_owned(),
+                        result: String::new(),
+                    });
+                    sub_goals.push(sub_goal.clone());
+                }
+                reset(&mut plan, index);
+                let added = first_new..plan.len();
+                if let Some(s) = plan.get_mut(index) {
+                    s.depends_on.extend(added.map(|i| i as i64));
+                }
+                arguments.insert(LESSON_KEY.to_owned(), verdict.lesson.clone());
+                arguments.insert(
+                    SUB_GOALS_KEY.to_owned(),
+                    serde_json::to_string(&sub_goals).unwrap_or_default(),
+                );
+                arguments.insert(DEPTH_KEY.to_owned(), (behind + 1).to_string());
+                rerun.push(index);
+                format!(
+                    "step {index} ('{goal}') is split into {} sub-steps; it runs again on their results",
+                    sub_goals.len()
+                )
+            }
+        }
+    };
+    let step = AgentStep {
+        thought: verdict.evaluation.clone(),
+        action: verdict.status.as_str().to_owned(),
+        arguments,
+        observation: effect.clone(),
+        step_type: StepType::Evaluate.as_str().to_owned(),
+        plan: Some(plan.clone()),
+        subagent_results: None,
+    };
+    Applied {
+        plan,
+        effect,
+        step,
+        rerun,
+        sub_goals,
+        life_cycle_exhausted,
+    }
+}
+
+/// Lessons from `INPUT_DATA_ERROR` verdicts that blamed the step with this goal for bad input.
+pub fn culprit_lessons(history: &[AgentStep], goal: &str) -> Vec<String> {
+    evaluations(history)
+        .filter(|s| s.action == Status::InputDataError.as_str())
+        .filter(|s| {
+            let Some(plan) = s.plan.as_deref() else {
+                return false;
+            };
+            s.arguments
+                .get("culprits")
+                .map(|c| {
+                    c.split(',')
+                        .filter_map(|i| i.parse::<usize>().ok())
+                        .any(|i| plan.get(i).is_some_and(|p| p.goal == goal))
+                })
+                .unwrap_or(false)
+        })
+        .filter_map(|s| s.arguments.get(LESSON_KEY))
+        .filter(|l| !l.is_empty())
+        .cloned()
+        .collect()
+}
+
+/// Every lesson for the step with this goal: from verdicts on it and from verdicts that blamed it.
+pub fn all_lessons(history: &[AgentStep], goal: &str) -> Vec<String> {
+    let mut out = lessons_for(history, goal);
+    for lesson in culprit_lessons(history, goal) {
+        if !out.contains(&lesson) {
+            out.push(lesson);
+        }
+    }
+    out
+}
+
+/// `roots` and every completed step that depends on them, directly or not.
+fn dependents_closure(plan: &[PlanStep], roots: &BTreeSet<usize>) -> BTreeSet<usize> {
+    let mut out = roots.clone();
+    loop {
+        let before = out.len();
+        for (i, s) in plan.iter().enumerate() {
+            if out.contains(&i) {
+                continue;
+            }
+            let hit = s
+                .depends_on
+                .iter()
+                .filter_map(|d| usize::try_from(*d).ok())
+                .any(|d| out.contains(&d));
+            if hit && s.status == COMPLETED {
+                out.insert(i);
+            }
+        }
+        if out.len() == before {
+            return out;
+        }
+    }
+}

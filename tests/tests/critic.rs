@@ -1,0 +1,339 @@
+//! The critic on Plan-then-Execute steps, end to end on a real broker: each verdict leads to its
+//! own recovery (`EXECUTION_ERROR` reruns the step with the lesson, `INPUT_DATA_ERROR` reruns the
+//! step that produced the bad input and then its dependents, `JOB_TOO_COMPLICATED_ERROR` splits the
+//! step), the retry limit ends the dialog with an answer that says it is unverified, and the life
+//! cycle stops repeated splitting. The graph records every verdict, lesson and rerun.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use std::collections::BTreeSet;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use agent_e2e::*;
+use agent_schema::{AgentRequest, AgentResponse, Triple};
+
+const DIALOG_TIMEOUT: Duration = Duration::from_secs(60);
+const TG: &str = "https://trustgraph.ai/ns/";
+
+/// A config with the critic switched on for plan-then-execute and the given limits.
+fn critic_config(name: &str, limits: &str) -> PathBuf {
+    config_dir(
+        name,
+        &[
+            (
+                "agent-pattern",
+                r#"{"plan-then-execute": {"description": "plan first", "critic": ["step"]}}"#,
+            ),
+            ("agent-limits", limits),
+            (
+                "tool",
+                r#"{"llm": {"name": "llm", "description": "ask", "type": "text-completion"}}"#,
+            ),
+        ],
+    )
+}
+
+async fn run(
+    script: &str,
+    config: &std::path::Path,
+    question: &str,
+) -> (Vec<AgentResponse>, Vec<String>) {
+    let broker = Broker::start().unwrap();
+    let llm = scripted_llm(script).await;
+    let _orchestrator = Orchestrator::spawn(&broker, &llm, config, &[]);
+    let mut client = client(&broker).await;
+    let request = AgentRequest {
+        pattern: "plan-then-execute".into(),
+        ..request(question, false)
+    };
+    client.send("c", &request).await.unwrap();
+    let responses = collect_dialog(&mut client, "c", DIALOG_TIMEOUT)
+        .await
+        .unwrap();
+    let last = responses.last().unwrap();
+    assert!(last.end_of_dialog && last.error.is_none(), "{responses:#?}");
+    let prompts = llm.calls().into_iter().map(|c| c.last_user).collect();
+    (responses, prompts)
+}
+
+fn triples(responses: &[AgentResponse]) -> Vec<Triple> {
+    responses
+        .iter()
+        .flat_map(|r| r.explain_triples.iter().cloned())
+        .collect()
+}
+
+fn values(t: &[Triple], node: &str, predicate: &str) -> Vec<String> {
+    t.iter()
+        .filter(|x| x.s.iri == node && x.p.iri == format!("{TG}{predicate}"))
+        .map(|x| {
+            if x.o.kind == "i" {
+                x.o.iri.clone()
+            } else {
+                x.o.value.clone()
+            }
+        })
+        .collect()
+}
+
+/// The verdicts in iteration order: (iteration node, status, retry count).
+fn verdicts(t: &[Triple], session: &str) -> Vec<(usize, String, String)> {
+    (1..40)
+        .filter_map(|n| {
+            let node = format!("{session}/i{n}");
+            let status = values(t, &node, "evaluationStatus").pop()?;
+            Some((
+                n,
+                status,
+                values(t, &node, "retryCount").pop().unwrap_or_default(),
+            ))
+        })
+        .collect()
+}
+
+/// No link points at a node the dialog did not describe.
+fn assert_no_dangling_links(t: &[Triple]) {
+    let subjects: BTreeSet<&str> = t.iter().map(|x| x.s.iri.as_str()).collect();
+    for x in t {
+        let linking = [
+            "wasDerivedFrom",
+            "thought",
+            "document",
+            "hasStep",
+            "executesStep",
+            "evaluates",
+        ];
+        if linking.iter().any(|p| x.p.iri.ends_with(p)) {
+            assert!(
+                subjects.contains(x.o.iri.as_str()),
+                "dangling {} -> {}",
+                x.p.iri,
+                x.o.iri
+            );
+        }
+    }
+}
+
+#[tokio::test]
+async fn an_execution_error_reruns_the_step_with_the_lesson() {
+    let config = critic_config("exec", r#"{"default": {"max_iterations": 20}}"#);
+    let (responses, prompts) = run(
+        r#"{"rules": [
+      {"match": "Request to plan: Count", "reply": "[{\"goal\": \"count the sheep\"}]"},
+      {"match": "Step goal: count the sheep", "and": ["- count twice"], "reply": "Thought: carefully.\nFinal Answer: 42 sheep"},
+      {"match": "Step goal: count the sheep", "reply": "Thought: quickly.\nFinal Answer: about 40"},
+      {"match": "Result to evaluate: about 40", "reply": "{\"status\": \"EXECUTION_ERROR\", \"evaluation\": \"not an exact count\", \"lesson\": \"count twice\"}"},
+      {"match": "Result to evaluate: 42 sheep", "reply": "{\"status\": \"SUCCESS\", \"evaluation\": \"exact\"}"},
+      {"match": "Request to answer: Count", "and": ["42 sheep"], "reply": "There are 42 sheep."}
+    ]}"#,
+        &config,
+        "Count the sheep.",
+    )
+    .await;
+    assert_eq!(responses.last().unwrap().content, "There are 42 sheep.");
+    let session = responses[0].explain_id.clone().unwrap();
+    let t = triples(&responses);
+    assert_eq!(
+        verdicts(&t, &session),
+        [
+            (3, "EXECUTION_ERROR".to_owned(), "1".to_owned()),
+            (5, "SUCCESS".to_owned(), "1".to_owned())
+        ]
+    );
+    let rejected = format!("{session}/i3");
+    assert_eq!(values(&t, &rejected, "lesson"), ["count twice"]);
+    assert_eq!(values(&t, &rejected, "evaluation"), ["not an exact count"]);
+    assert_eq!(values(&t, &rejected, "rerunStep"), ["0"]);
+    assert_eq!(
+        values(&t, &rejected, "evaluates"),
+        [format!("{session}/i2")]
+    );
+    // The rerun's prompt carried the lesson; the first did not.
+    let runs: Vec<&String> = prompts
+        .iter()
+        .filter(|p| p.contains("Step goal: count the sheep"))
+        .collect();
+    assert_eq!(runs.len(), 2);
+    assert!(!runs[0].contains("- count twice") && runs[1].contains("- count twice"));
+    assert_no_dangling_links(&t);
+}
+
+#[tokio::test]
+async fn an_input_data_error_reruns_the_culprit_then_its_dependents() {
+    let config = critic_config("input", r#"{"default": {"max_iterations": 20}}"#);
+    let (responses, prompts) = run(
+        r#"{"rules": [
+      {"match": "Request to plan: Carpet", "reply": "[{\"goal\": \"measure the room\"}, {\"goal\": \"order carpet\", \"depends_on\": [0]}]"},
+      {"match": "Step goal: measure the room", "and": ["- give metres"], "reply": "Thought: metric.\nFinal Answer: 20 m2"},
+      {"match": "Step goal: measure the room", "reply": "Thought: imperial.\nFinal Answer: 200 sq ft"},
+      {"match": "Step goal: order carpet", "and": ["20 m2"], "reply": "Thought: ok.\nFinal Answer: ordered 20 m2"},
+      {"match": "Step goal: order carpet", "reply": "Thought: hmm.\nFinal Answer: ordered 200"},
+      {"match": "Result to evaluate: ordered 200", "reply": "{\"status\": [\"JOB_TOO_COMPLICATED_ERROR\", \"INPUT_DATA_ERROR\"], \"evaluation\": \"the area is in the wrong unit\", \"lesson\": \"give metres\", \"culprits\": [0]}"},
+      {"match": "Result to evaluate: ", "reply": "{\"status\": \"SUCCESS\"}"},
+      {"match": "Request to answer: Carpet", "and": ["ordered 20 m2"], "reply": "Carpet ordered: 20 m2."}
+    ]}"#,
+        &config,
+        "Carpet the room.",
+    )
+    .await;
+    assert_eq!(responses.last().unwrap().content, "Carpet ordered: 20 m2.");
+    let session = responses[0].explain_id.clone().unwrap();
+    let t = triples(&responses);
+    // Two statuses given: INPUT_DATA_ERROR comes before JOB_TOO_COMPLICATED_ERROR.
+    let statuses: Vec<String> = verdicts(&t, &session).into_iter().map(|v| v.1).collect();
+    assert_eq!(
+        statuses,
+        ["SUCCESS", "INPUT_DATA_ERROR", "SUCCESS", "SUCCESS"]
+    );
+    let rejected = format!("{session}/i5");
+    let rerun: BTreeSet<String> = values(&t, &rejected, "rerunStep").into_iter().collect();
+    assert_eq!(rerun, ["0".to_owned(), "1".to_owned()].into());
+    // The culprit ran again with the lesson, before its dependent ran again on its new result.
+    let order: Vec<&str> = prompts
+        .iter()
+        .filter_map(|p| {
+            if p.contains("Step goal: measure the room") {
+                Some(if p.contains("- give metres") {
+                    "measure+lesson"
+                } else {
+                    "measure"
+                })
+            } else if p.contains("Step goal: order carpet") {
+                Some(if p.contains("20 m2") {
+                    "order(20 m2)"
+                } else {
+                    "order"
+                })
+            } else {
+                None
+            }
+        })
+        .collect();
+    assert_eq!(
+        order,
+        ["measure", "order", "measure+lesson", "order(20 m2)"]
+    );
+    assert_no_dangling_links(&t);
+}
+
+#[tokio::test]
+async fn a_job_too_complicated_is_split_into_sub_steps() {
+    let config = critic_config("split", r#"{"default": {"max_iterations": 20}}"#);
+    let (responses, _) = run(
+        r#"{"rules": [
+      {"match": "Request to plan: Report", "reply": "[{\"goal\": \"write the report\"}]"},
+      {"match": "Step goal: write the report", "and": ["INTRO", "BODY"], "reply": "Thought: assemble.\nFinal Answer: REPORT"},
+      {"match": "Step goal: write the report", "reply": "Thought: all at once.\nFinal Answer: draft"},
+      {"match": "Step goal: write the intro", "reply": "Thought: intro.\nFinal Answer: INTRO"},
+      {"match": "Step goal: write the body", "reply": "Thought: body.\nFinal Answer: BODY"},
+      {"match": "Result to evaluate: draft", "reply": "{\"status\": \"JOB_TOO_COMPLICATED_ERROR\", \"evaluation\": \"too much at once\", \"lesson\": \"split it\", \"sub_steps\": [{\"goal\": \"write the intro\"}, {\"goal\": \"write the body\"}]}"},
+      {"match": "Result to evaluate: ", "reply": "{\"status\": \"SUCCESS\"}"},
+      {"match": "Request to answer: Report", "and": ["REPORT"], "reply": "The report is written."}
+    ]}"#,
+        &config,
+        "Report on it.",
+    )
+    .await;
+    assert_eq!(responses.last().unwrap().content, "The report is written.");
+    let session = responses[0].explain_id.clone().unwrap();
+    let t = triples(&responses);
+    let split = format!("{session}/i3");
+    assert_eq!(
+        values(&t, &split, "evaluationStatus"),
+        ["JOB_TOO_COMPLICATED_ERROR"]
+    );
+    let subs: BTreeSet<String> = values(&t, &split, "subStep").into_iter().collect();
+    assert_eq!(
+        subs,
+        ["write the body".to_owned(), "write the intro".to_owned()].into()
+    );
+    // The split names the new plan's steps; the sub-steps' executions point at them.
+    assert_eq!(values(&t, &split, "hasStep").len(), 3);
+    assert_eq!(
+        values(&t, &format!("{split}/step/0"), "dependsOn"),
+        ["1", "2"]
+    );
+    assert_eq!(
+        values(&t, &format!("{session}/i4"), "executesStep"),
+        [format!("{split}/step/1")]
+    );
+    // The split step ran again last, on its sub-steps' results.
+    assert_eq!(
+        values(&t, &format!("{session}/i8"), "executesStep"),
+        [format!("{split}/step/0")]
+    );
+    assert_no_dangling_links(&t);
+}
+
+#[tokio::test]
+async fn the_retry_limit_ends_with_an_unverified_answer() {
+    let config = critic_config(
+        "retries",
+        r#"{"default": {"max_iterations": 20, "max_retries": 2}}"#,
+    );
+    let (responses, _) = run(
+        r#"{"rules": [
+      {"match": "Request to plan: Guess", "reply": "[{\"goal\": \"guess the number\"}]"},
+      {"match": "Step goal: guess the number", "reply": "Thought: guess.\nFinal Answer: 7"},
+      {"match": "Result to evaluate: ", "reply": "{\"status\": \"EXECUTION_ERROR\", \"lesson\": \"guess better\"}"},
+      {"match": "Request to answer: Guess", "and": ["could not be verified"], "reply": "Perhaps 7."}
+    ]}"#,
+        &config,
+        "Guess the number.",
+    )
+    .await;
+    let answer = responses.last().unwrap().content.clone();
+    assert!(answer.starts_with("Perhaps 7."), "{answer}");
+    assert!(
+        answer.contains("the evaluator rejected work 2 times (max_retries 2), so the answer could not be verified"),
+        "{answer}"
+    );
+    let session = responses[0].explain_id.clone().unwrap();
+    let t = triples(&responses);
+    assert_eq!(verdicts(&t, &session).len(), 2);
+    assert_eq!(
+        values(&t, &format!("{session}/final"), "terminationReason"),
+        ["max-retries"]
+    );
+}
+
+#[tokio::test]
+async fn the_life_cycle_stops_repeated_splitting() {
+    let config = critic_config(
+        "lifecycle",
+        r#"{"default": {"max_iterations": 30, "step_life_cycle": 1, "max_replan_depth": 0}}"#,
+    );
+    let (responses, _) = run(
+        r#"{"rules": [
+      {"match": "Request to plan: Solve", "reply": "[{\"goal\": \"solve it\"}]"},
+      {"match": "Step goal: ", "reply": "Thought: try.\nFinal Answer: partial"},
+      {"match": "Result to evaluate: ", "reply": "{\"status\": \"JOB_TOO_COMPLICATED_ERROR\", \"sub_steps\": [{\"goal\": \"a smaller piece\"}]}"},
+      {"match": "Request to answer: Solve", "reply": "Only partly solved."}
+    ]}"#,
+        &config,
+        "Solve everything.",
+    )
+    .await;
+    let answer = responses.last().unwrap().content.clone();
+    assert!(answer.starts_with("Only partly solved."), "{answer}");
+    assert!(answer.contains("step life cycle 1"), "{answer}");
+    let session = responses[0].explain_id.clone().unwrap();
+    let t = triples(&responses);
+    // One split allowed: the sub-step's own split is refused and it fails.
+    let splits: Vec<usize> = verdicts(&t, &session).into_iter().map(|v| v.0).collect();
+    assert_eq!(splits, [3, 5]);
+    assert_eq!(
+        values(&t, &format!("{session}/i3"), "subStep"),
+        ["a smaller piece"]
+    );
+    assert_eq!(
+        values(&t, &format!("{session}/i5"), "lifeCycleExhausted"),
+        ["true"]
+    );
+    assert!(values(&t, &format!("{session}/i5"), "subStep").is_empty());
+    assert_eq!(
+        values(&t, &format!("{session}/final"), "terminationReason"),
+        ["max-replan-depth"]
+    );
+    assert_no_dangling_links(&t);
+}
