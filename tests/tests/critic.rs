@@ -337,3 +337,55 @@ async fn the_life_cycle_stops_repeated_splitting() {
     );
     assert_no_dangling_links(&t);
 }
+
+/// With the critic on plans, a rejected plan is revised with the lesson in the revision's prompt;
+/// the revision is reviewed again, accepted, and runs.
+#[tokio::test]
+async fn a_rejected_plan_is_revised_with_the_lesson() {
+    let config = config_dir(
+        "review",
+        &[
+            (
+                "agent-pattern",
+                r#"{"plan-then-execute": {"description": "plan first", "critic": ["plan"]}}"#,
+            ),
+            ("agent-limits", r#"{"default": {"max_iterations": 20}}"#),
+        ],
+    );
+    let (responses, prompts) = run(
+        r#"{"rules": [
+      {"match": "Request to plan: Ship", "reply": "[{\"goal\": \"ship it\"}]"},
+      {"match": "Request to re-plan: Ship", "and": ["Lesson: test before shipping"], "reply": "{\"rationale\": \"test first\", \"steps\": [{\"goal\": \"test it\"}, {\"goal\": \"ship it\", \"depends_on\": [0]}]}"},
+      {"match": "Plan to review for: Ship", "and": ["0. [pending] ship it"], "reply": "{\"status\": \"EXECUTION_ERROR\", \"evaluation\": \"nothing is tested\", \"lesson\": \"test before shipping\"}"},
+      {"match": "Plan to review for: Ship", "reply": "{\"status\": \"SUCCESS\", \"evaluation\": \"tested first\"}"},
+      {"match": "Step goal: test it", "reply": "Thought: testing.\nFinal Answer: TESTED"},
+      {"match": "Step goal: ship it", "and": ["TESTED"], "reply": "Thought: shipping.\nFinal Answer: SHIPPED"},
+      {"match": "Request to answer: Ship", "and": ["SHIPPED"], "reply": "Shipped after testing."}
+    ]}"#,
+        &config,
+        "Ship the release.",
+    )
+    .await;
+    assert_eq!(responses.last().unwrap().content, "Shipped after testing.");
+    let session = responses[0].explain_id.clone().unwrap();
+    let t = triples(&responses);
+    let statuses: Vec<(usize, String)> = verdicts(&t, &session)
+        .into_iter()
+        .map(|v| (v.0, v.1))
+        .collect();
+    assert_eq!(
+        statuses,
+        [(2, "EXECUTION_ERROR".to_owned()), (4, "SUCCESS".to_owned())]
+    );
+    assert_eq!(
+        values(&t, &format!("{session}/i2"), "evaluates"),
+        [format!("{session}/i1")]
+    );
+    let revision = format!("{session}/i3");
+    assert!(values(&t, &revision, "revisionReason")[0].contains("Lesson: test before shipping"));
+    assert_eq!(values(&t, &revision, "hasStep").len(), 2);
+    assert!(prompts
+        .iter()
+        .any(|p| p.contains("Request to re-plan: Ship")));
+    assert_no_dangling_links(&t);
+}

@@ -13,8 +13,13 @@ use crate::plan::{COMPLETED, FAILED, PENDING};
 
 /// The critic stage that evaluates each completed plan step.
 pub const STAGE_STEP: &str = "step";
+/// The critic stage that reviews each plan (and revision) before it runs.
+pub const STAGE_PLAN: &str = "plan";
 /// The critic stages a task type or pattern may switch on.
-pub const STAGES: &[&str] = &[STAGE_STEP];
+pub const STAGES: &[&str] = &[STAGE_STEP, STAGE_PLAN];
+
+/// `arguments` key naming the stage a verdict is about.
+const STAGE_KEY: &str = "stage";
 
 /// `arguments` keys of an `evaluate` history step.
 const STEP_KEY: &str = "step";
@@ -243,6 +248,7 @@ pub fn apply(
     let mut plan = plan.to_vec();
     let goal = plan.get(index).map(|s| s.goal.clone()).unwrap_or_default();
     let mut arguments = std::collections::BTreeMap::new();
+    arguments.insert(STAGE_KEY.to_owned(), STAGE_STEP.to_owned());
     arguments.insert(STEP_KEY.to_owned(), index.to_string());
     arguments.insert(GOAL_KEY.to_owned(), goal.clone());
     let mut rerun = Vec::new();
@@ -367,6 +373,55 @@ pub fn apply(
         sub_goals,
         life_cycle_exhausted,
     }
+}
+
+/// Applies a verdict on a whole plan. Any rejection sends the plan back to be revised with the
+/// lesson (for a plan, bad input and too big a job both call for a better plan), unless
+/// `may_revise` is false: then the plan stands and runs, and that is recorded.
+pub fn apply_to_plan(plan: &[PlanStep], verdict: &Evaluation, may_revise: bool) -> Applied {
+    let mut arguments = std::collections::BTreeMap::new();
+    arguments.insert(STAGE_KEY.to_owned(), STAGE_PLAN.to_owned());
+    arguments.insert(LESSON_KEY.to_owned(), verdict.lesson.clone());
+    let effect = match (verdict.status, may_revise) {
+        (Status::Success, _) => "the plan is accepted".to_owned(),
+        (_, true) => "the plan is sent back to be revised with the lesson".to_owned(),
+        (_, false) => {
+            "the plan may not be revised again (max_replan_depth), so it runs as it is".to_owned()
+        }
+    };
+    let step = AgentStep {
+        thought: verdict.evaluation.clone(),
+        action: verdict.status.as_str().to_owned(),
+        arguments,
+        observation: effect.clone(),
+        step_type: StepType::Evaluate.as_str().to_owned(),
+        plan: Some(plan.to_vec()),
+        subagent_results: None,
+    };
+    Applied {
+        plan: plan.to_vec(),
+        effect,
+        step,
+        rerun: Vec::new(),
+        sub_goals: Vec::new(),
+        life_cycle_exhausted: false,
+    }
+}
+
+/// When the last history step is a rejected plan review: why, with its lesson, for the revision.
+pub fn rejected_plan(history: &[AgentStep]) -> Option<String> {
+    let last = history.last()?;
+    let rejected = StepType::parse(&last.step_type) == Some(StepType::Evaluate)
+        && last.arguments.get(STAGE_KEY).map(String::as_str) == Some(STAGE_PLAN)
+        && last.action != Status::Success.as_str();
+    if !rejected {
+        return None;
+    }
+    let lesson = last.arguments.get(LESSON_KEY).cloned().unwrap_or_default();
+    Some(format!(
+        "the critic rejected the plan ({}): {}. Lesson: {lesson}",
+        last.action, last.thought
+    ))
 }
 
 /// Lessons from `INPUT_DATA_ERROR` verdicts that blamed the step with this goal for bad input.

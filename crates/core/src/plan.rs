@@ -30,6 +30,8 @@ pub enum Next {
     Replan(String),
     /// Ask the critic about the step at this index, which just completed.
     Evaluate(usize),
+    /// Ask the critic about the plan just made.
+    ReviewPlan,
     /// Answer from the results; `Some` when the plan could not be finished.
     Synthesise(Option<Unfinished>),
 }
@@ -107,6 +109,8 @@ pub struct Policy {
     pub max_retries: usize,
     /// Whether the critic evaluates each completed step.
     pub critic_steps: bool,
+    /// Whether the critic reviews each plan before it runs.
+    pub critic_plan: bool,
 }
 
 /// Decides the next iteration from the history.
@@ -114,10 +118,18 @@ pub fn next(history: &[AgentStep], policy: Policy) -> Next {
     let Some(plan) = current_plan(history).filter(|p| !p.is_empty()) else {
         return Next::MakePlan;
     };
+    let last_is_plan = history
+        .last()
+        .is_some_and(|s| StepType::parse(&s.step_type) == Some(StepType::Plan));
+    if policy.critic_plan && last_is_plan {
+        return Next::ReviewPlan;
+    }
     if policy.critic_steps {
         if let Some(i) = crate::critic::awaiting_evaluation(history) {
             return Next::Evaluate(i);
         }
+    }
+    if policy.critic_steps || policy.critic_plan {
         let retries = crate::critic::retries_used(history);
         if retries > 0 && retries >= policy.max_retries {
             return Next::Synthesise(Unfinished::new(
@@ -127,6 +139,11 @@ pub fn next(history: &[AgentStep], policy: Policy) -> Next {
                     policy.max_retries
                 ),
             ));
+        }
+    }
+    if let Some(rejection) = crate::critic::rejected_plan(history) {
+        if replans_used(history) < policy.max_replan_depth {
+            return Next::Replan(rejection);
         }
     }
     let trouble = plan.iter().enumerate().find_map(|(i, s)| {
@@ -516,6 +533,7 @@ mod tests {
             max_replan_depth,
             max_retries: 5,
             critic_steps: false,
+            critic_plan: false,
         };
         assert!(
             matches!(next(&first, policy(2)), Next::Replan(r) if r.contains("step 1 ('b') failed"))
@@ -547,6 +565,7 @@ mod tests {
             max_replan_depth: 2,
             max_retries: 5,
             critic_steps: false,
+            critic_plan: false,
         };
         assert_eq!(next(&odd, policy), Next::RunStep(0));
         let stuck = vec![with_plan(

@@ -22,6 +22,8 @@ pub const PLAN_STEP_KEY: &str = "plan-step";
 pub const PLAN_REVISE_KEY: &str = "plan-revise";
 /// Config key of the critic's prompt on a plan step.
 pub const PLAN_EVALUATE_KEY: &str = "plan-evaluate";
+/// Config key of the critic's prompt on a whole plan.
+pub const PLAN_REVIEW_KEY: &str = "plan-review";
 /// Config key of the prompt that answers from the plan's results (TrustGraph's prompt id).
 pub const PLAN_SYNTHESISE_KEY: &str = "plan-synthesise";
 /// Config key of the prompt around a tool's LLM call (`text-completion` and `prompt` tools).
@@ -65,6 +67,9 @@ pub const DEFAULT_CRITIC_SYSTEM: &str = "You are a strict reviewer. You judge wh
 /// `result`.
 pub const DEFAULT_PLAN_EVALUATE_TEMPLATE: &str = "{{framing}}Evaluate the result of one step of a plan for the request: {{question}}\n\nStep {{step}}: {{goal}}\n\nResults of the steps it depends on:\n{{dependencies}}\n\nResult to evaluate: {{result}}\n\nSUCCESS: the result achieves the goal. EXECUTION_ERROR: the step was done badly and doing it again better would work. INPUT_DATA_ERROR: the results it was given were wrong. JOB_TOO_COMPLICATED_ERROR: the step is too big to do in one go. When several apply, give the first in that order.\n\nReply with only a JSON object: {\"status\": \"<one of the four>\", \"evaluation\": \"<what is right or wrong>\", \"lesson\": \"<what to do differently>\", \"culprits\": [<for INPUT_DATA_ERROR: the numbers of the steps whose results were wrong>], \"sub_steps\": [<for JOB_TOO_COMPLICATED_ERROR: objects with goal and tool_hint>]}";
 
+/// The critic on a whole plan. Placeholders: `framing`, `question`, `plan`, `tools`.
+pub const DEFAULT_PLAN_REVIEW_TEMPLATE: &str = "{{framing}}Review the plan below, made to answer a request.\n\nThe plan:\n{{plan}}\n\nTools the steps can use:\n{{tools}}\n\nSUCCESS: carrying out the plan will answer the request. EXECUTION_ERROR: the plan is badly made and a better one would work. INPUT_DATA_ERROR: the request lacks what the plan needs. JOB_TOO_COMPLICATED_ERROR: the plan's steps are too big. When several apply, give the first in that order.\n\nReply with only a JSON object: {\"status\": \"<one of the four>\", \"evaluation\": \"<what is right or wrong>\", \"lesson\": \"<what the next plan should do differently>\"}\n\nPlan to review for: {{question}}";
+
 /// Synthesis. Placeholders: `framing`, `question`, `results`, `caveat`.
 pub const DEFAULT_PLAN_SYNTHESISE_TEMPLATE: &str = "{{framing}}Answer the request below from the results of the plan's steps. Use only these results; say so if they are not enough.{{caveat}}\n\nResults:\n{{results}}\n\nRequest to answer: {{question}}";
 
@@ -98,6 +103,7 @@ pub struct Prompts {
     pub plan_step: PromptTemplate,
     pub plan_revise: PromptTemplate,
     pub plan_evaluate: PromptTemplate,
+    pub plan_review: PromptTemplate,
     pub plan_synthesise: PromptTemplate,
     pub tool_call: PromptTemplate,
 }
@@ -121,6 +127,7 @@ impl Default for Prompts {
                 DEFAULT_CRITIC_SYSTEM,
                 DEFAULT_PLAN_EVALUATE_TEMPLATE,
             ),
+            plan_review: PromptTemplate::new(DEFAULT_CRITIC_SYSTEM, DEFAULT_PLAN_REVIEW_TEMPLATE),
             plan_synthesise: PromptTemplate::new(
                 DEFAULT_PLAN_SYSTEM,
                 DEFAULT_PLAN_SYNTHESISE_TEMPLATE,
@@ -141,6 +148,7 @@ impl Prompts {
             PLAN_STEP_KEY => Some(&mut self.plan_step),
             PLAN_REVISE_KEY => Some(&mut self.plan_revise),
             PLAN_EVALUATE_KEY => Some(&mut self.plan_evaluate),
+            PLAN_REVIEW_KEY => Some(&mut self.plan_review),
             PLAN_SYNTHESISE_KEY => Some(&mut self.plan_synthesise),
             TOOL_CALL_KEY => Some(&mut self.tool_call),
             _ => None,
@@ -148,7 +156,7 @@ impl Prompts {
     }
 
     /// The config keys of every prompt.
-    pub const KEYS: [&'static str; 9] = [
+    pub const KEYS: [&'static str; 10] = [
         REACT_KEY,
         TASK_TYPE_SELECTION_KEY,
         PATTERN_SELECTION_KEY,
@@ -156,6 +164,7 @@ impl Prompts {
         PLAN_STEP_KEY,
         PLAN_REVISE_KEY,
         PLAN_EVALUATE_KEY,
+        PLAN_REVIEW_KEY,
         PLAN_SYNTHESISE_KEY,
         TOOL_CALL_KEY,
     ];

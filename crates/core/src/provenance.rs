@@ -336,7 +336,7 @@ pub fn evaluation(
     uris: &SessionUris,
     n: usize,
     judged: &str,
-    index: usize,
+    index: Option<usize>,
     verdict: &crate::critic::Evaluation,
     applied: &crate::critic::Applied,
     retries: usize,
@@ -345,14 +345,17 @@ pub fn evaluation(
     let s = uris.iteration(n);
     let integer = |v: usize| Term::typed_literal(v.to_string(), XSD_INTEGER);
     let mut b = NodeBuilder::default();
+    let what = match index {
+        Some(i) => format!("step {i}"),
+        None => "the plan".to_owned(),
+    };
     b.types(&s, &["Analysis", "Evaluation"])
         .label(
             &s,
-            &format!("Evaluation of step {index}: {}", verdict.status.as_str()),
+            &format!("Evaluation of {what}: {}", verdict.status.as_str()),
         )
         .tg(&s, "action", Term::literal("evaluate"))
         .tg(&s, "evaluates", Term::iri(judged))
-        .tg(&s, "stepIndex", integer(index))
         .tg(
             &s,
             "evaluationStatus",
@@ -360,6 +363,9 @@ pub fn evaluation(
         )
         .tg(&s, "retryCount", integer(retries))
         .derived(&s, &uris.previous(n - 1));
+    if let Some(i) = index {
+        b.tg(&s, "stepIndex", integer(i));
+    }
     if !verdict.evaluation.is_empty() {
         b.tg(&s, "evaluation", Term::literal(&verdict.evaluation));
     }

@@ -34,6 +34,11 @@ pub async fn iterate(turn: &Turn<'_>) -> Result<(), BusError> {
             &turn.request.task_type,
             critic::STAGE_STEP,
         ),
+        critic_plan: config.critic_on(
+            &turn.request.pattern,
+            &turn.request.task_type,
+            critic::STAGE_PLAN,
+        ),
     };
     let next = planning::next(&turn.request.history, policy);
     // A plan that used its iterations still answers from what it found.
@@ -56,6 +61,7 @@ pub async fn iterate(turn: &Turn<'_>) -> Result<(), BusError> {
     match next {
         Next::MakePlan => make_plan(turn, n, None).await,
         Next::Evaluate(index) => evaluate(turn, n, index).await,
+        Next::ReviewPlan => review_plan(turn, n).await,
         Next::Replan(problem) => make_plan(turn, n, Some(problem)).await,
         Next::RunStep(index) => run_step(turn, n, index).await,
         Next::Synthesise(unfinished) => synthesise(turn, n, unfinished).await,
@@ -439,7 +445,74 @@ async fn evaluate(turn: &Turn<'_>, n: usize, index: usize) -> Result<(), BusErro
             uris,
             n,
             &uris.iteration(n - 1),
-            index,
+            Some(index),
+            &verdict,
+            &applied,
+            retries,
+            &stats,
+        ),
+    )
+    .await?;
+    let mut step = applied.step;
+    if !verdict.lesson.is_empty() {
+        step.observation = format!("{} Lesson: {}", applied.effect, verdict.lesson);
+    }
+    record_and_queue(turn, n, step, &stats, &ToolStats::default(), None, None).await
+}
+
+/// Asks the critic about the plan the previous iteration made. A rejection sends it back to be
+/// revised with the lesson while revisions are left; otherwise the plan runs as it is.
+async fn review_plan(turn: &Turn<'_>, n: usize) -> Result<(), BusError> {
+    let Turn {
+        request,
+        uris,
+        out,
+        config,
+        llm,
+        ..
+    } = turn;
+    let plan = planning::current_plan(&request.history)
+        .map(<[PlanStep]>::to_vec)
+        .unwrap_or_default();
+    let scope = Scope::new(request.group.as_deref(), request.state.as_deref());
+    let visible = scope.visible(&config.tools);
+    let template = &config.prompts.plan_review;
+    let vars = [
+        ("framing", framing_block(&request.framing)),
+        ("question", request.question.clone()),
+        ("plan", planning::describe(&plan)),
+        ("tools", describe_tools(&visible)),
+    ]
+    .into_iter()
+    .collect();
+    let messages = [
+        ChatMessage::system(template.system.clone()),
+        ChatMessage::user(render(&template.template, &vars)),
+    ];
+    let mut stats = CallStats::default();
+    let completion = match llm.complete(&messages).await {
+        Ok(c) => c,
+        Err(e) => return fail(turn, n, &format!("the LLM call failed: {e}")).await,
+    };
+    count(&mut stats, &completion);
+    let verdict = critic::parse(&completion.text);
+    let may_revise = planning::replans_used(&request.history) < config.limits.max_replan_depth;
+    let applied = critic::apply_to_plan(&plan, &verdict, may_revise);
+    let retries = critic::retries_used(&request.history)
+        + usize::from(verdict.status != critic::Status::Success);
+    let thought = match verdict.evaluation.as_str() {
+        "" => format!("Review of the plan: {}", verdict.status.as_str()),
+        text => format!("Review of the plan: {} — {text}", verdict.status.as_str()),
+    };
+    out.chunk(MessageType::Thought, &thought, &uris.thought(n), true)
+        .await?;
+    out.explain(
+        &uris.iteration(n),
+        provenance::evaluation(
+            uris,
+            n,
+            &uris.iteration(n - 1),
+            None,
             &verdict,
             &applied,
             retries,
