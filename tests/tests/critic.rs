@@ -91,6 +91,18 @@ fn verdicts(t: &[Triple], session: &str) -> Vec<(usize, String, String)> {
         .collect()
 }
 
+/// Every thought the client was sent names a node the graph holds.
+fn assert_thoughts_explained(responses: &[AgentResponse], t: &[Triple]) {
+    let subjects: BTreeSet<&str> = t.iter().map(|x| x.s.iri.as_str()).collect();
+    for r in responses.iter().filter(|r| r.message_type == "thought") {
+        assert!(
+            subjects.contains(r.message_id.as_str()),
+            "no node for {}",
+            r.message_id
+        );
+    }
+}
+
 /// No link points at a node the dialog did not describe.
 fn assert_no_dangling_links(t: &[Triple]) {
     let subjects: BTreeSet<&str> = t.iter().map(|x| x.s.iri.as_str()).collect();
@@ -156,6 +168,7 @@ async fn an_execution_error_reruns_the_step_with_the_lesson() {
     assert_eq!(runs.len(), 2);
     assert!(!runs[0].contains("- count twice") && runs[1].contains("- count twice"));
     assert_no_dangling_links(&t);
+    assert_thoughts_explained(&responses, &t);
 }
 
 #[tokio::test]
@@ -213,7 +226,14 @@ async fn an_input_data_error_reruns_the_culprit_then_its_dependents() {
         order,
         ["measure", "order", "measure+lesson", "order(20 m2)"]
     );
+    // The lesson was for the culprit: the judged step's rerun does not carry it.
+    let last_order = prompts
+        .iter()
+        .rfind(|p| p.contains("Step goal: order carpet"))
+        .unwrap();
+    assert!(!last_order.contains("- give metres"), "{last_order}");
     assert_no_dangling_links(&t);
+    assert_thoughts_explained(&responses, &t);
 }
 
 #[tokio::test]
@@ -263,6 +283,7 @@ async fn a_job_too_complicated_is_split_into_sub_steps() {
         [format!("{split}/step/0")]
     );
     assert_no_dangling_links(&t);
+    assert_thoughts_explained(&responses, &t);
 }
 
 #[tokio::test]
@@ -276,7 +297,7 @@ async fn the_retry_limit_ends_with_an_unverified_answer() {
       {"match": "Request to plan: Guess", "reply": "[{\"goal\": \"guess the number\"}]"},
       {"match": "Step goal: guess the number", "reply": "Thought: guess.\nFinal Answer: 7"},
       {"match": "Result to evaluate: ", "reply": "{\"status\": \"EXECUTION_ERROR\", \"lesson\": \"guess better\"}"},
-      {"match": "Request to answer: Guess", "and": ["could not be verified"], "reply": "Perhaps 7."}
+      {"match": "Request to answer: Guess", "and": ["could not be verified", "result (not accepted by the evaluator): 7"], "reply": "Perhaps 7."}
     ]}"#,
         &config,
         "Guess the number.",
@@ -285,12 +306,13 @@ async fn the_retry_limit_ends_with_an_unverified_answer() {
     let answer = responses.last().unwrap().content.clone();
     assert!(answer.starts_with("Perhaps 7."), "{answer}");
     assert!(
-        answer.contains("the evaluator rejected work 2 times (max_retries 2), so the answer could not be verified"),
+        answer.contains("the evaluator rejected work 3 times, more than max_retries 2, so the answer could not be verified"),
         "{answer}"
     );
     let session = responses[0].explain_id.clone().unwrap();
     let t = triples(&responses);
-    assert_eq!(verdicts(&t, &session).len(), 2);
+    // Two reruns allowed; the third rejection ends the dialog.
+    assert_eq!(verdicts(&t, &session).len(), 3);
     assert_eq!(
         values(&t, &format!("{session}/final"), "terminationReason"),
         ["max-retries"]
@@ -336,6 +358,7 @@ async fn the_life_cycle_stops_repeated_splitting() {
         ["max-replan-depth"]
     );
     assert_no_dangling_links(&t);
+    assert_thoughts_explained(&responses, &t);
 }
 
 /// With the critic on plans, a rejected plan is revised with the lesson in the revision's prompt;
@@ -388,4 +411,5 @@ async fn a_rejected_plan_is_revised_with_the_lesson() {
         .iter()
         .any(|p| p.contains("Request to re-plan: Ship")));
     assert_no_dangling_links(&t);
+    assert_thoughts_explained(&responses, &t);
 }

@@ -25,6 +25,8 @@ const STAGE_KEY: &str = "stage";
 const STEP_KEY: &str = "step";
 const GOAL_KEY: &str = "goal";
 const LESSON_KEY: &str = "lesson";
+const CULPRITS_KEY: &str = "culprits";
+const UNREADABLE_KEY: &str = "unreadable";
 /// Present on a verdict that split a step: the sub-steps' goals as a JSON list.
 pub const SUB_GOALS_KEY: &str = "sub_goals";
 const DEPTH_KEY: &str = "depth";
@@ -88,13 +90,14 @@ pub fn parse(text: &str) -> Evaluation {
         sub_steps: Vec::new(),
         unreadable: Some(why.to_owned()),
     };
-    let (Some(start), Some(end)) = (text.find('{'), text.rfind('}')) else {
+    let Some(start) = text.find('{') else {
         return unreadable("the evaluation holds no JSON object");
     };
-    if end < start {
-        return unreadable("the evaluation holds no JSON object");
-    }
-    let Ok(serde_json::Value::Object(o)) = serde_json::from_str(&text[start..=end]) else {
+    // The first JSON value, whatever prose follows it.
+    let first = serde_json::Deserializer::from_str(&text[start..])
+        .into_iter::<serde_json::Value>()
+        .next();
+    let Some(Ok(serde_json::Value::Object(o))) = first else {
         return unreadable("the evaluation is not a JSON object");
     };
     let text_of = |k: &str| {
@@ -172,6 +175,8 @@ pub fn retries_used(history: &[AgentStep]) -> usize {
 pub fn lessons_for(history: &[AgentStep], goal: &str) -> Vec<String> {
     evaluations(history)
         .filter(|s| s.arguments.get(GOAL_KEY).map(String::as_str) == Some(goal))
+        // An `INPUT_DATA_ERROR` lesson is for the culprits, not the step that was judged.
+        .filter(|s| !s.arguments.contains_key(CULPRITS_KEY))
         .filter_map(|s| s.arguments.get(LESSON_KEY))
         .filter(|l| !l.is_empty())
         .cloned()
@@ -201,7 +206,7 @@ pub fn splits_behind(history: &[AgentStep], goal: &str) -> usize {
                 && s.arguments.contains_key(SUB_GOALS_KEY)
         })
         .count();
-    created_at + split_itself
+    created_at.saturating_add(split_itself)
 }
 
 /// The step the last history step executed and completed, when it waits for the critic.
@@ -254,10 +259,11 @@ pub fn apply(
     let mut rerun = Vec::new();
     let mut sub_goals = Vec::new();
     let mut life_cycle_exhausted = false;
+    // A step sent back keeps its last result: should the dialog end before it runs again (retry
+    // limit, iterations), the answer can still use it, marked as not accepted.
     let reset = |plan: &mut Vec<PlanStep>, i: usize| {
         if let Some(s) = plan.get_mut(i) {
             s.status = PENDING.to_owned();
-            s.result.clear();
         }
     };
     let effect = match verdict.status {
@@ -294,7 +300,7 @@ pub fn apply(
             } else {
                 // The lesson belongs to the culprits; it is recorded under each of their goals.
                 let names: Vec<String> = culprits.iter().map(usize::to_string).collect();
-                arguments.insert("culprits".to_owned(), names.join(","));
+                arguments.insert(CULPRITS_KEY.to_owned(), names.join(","));
                 arguments.insert(LESSON_KEY.to_owned(), verdict.lesson.clone());
                 let affected = dependents_closure(&plan, &culprits);
                 for i in &affected {
@@ -314,20 +320,26 @@ pub fn apply(
                 reset(&mut plan, index);
                 rerun.push(index);
                 format!("step {index} ('{goal}') was too complicated but no sub-steps were given; it runs again with the lesson")
-            } else if behind >= life_cycle {
+            } else if behind >= life_cycle || plan.len() >= crate::plan::MAX_PLAN_STEPS {
                 life_cycle_exhausted = true;
+                let steps = plan.len();
                 if let Some(s) = plan.get_mut(index) {
                     s.status = FAILED.to_owned();
-                    s.result = format!("Error: split {behind} times already (step life cycle {life_cycle}); not split again");
+                    s.result = if behind >= life_cycle {
+                        format!("Error: split {behind} times already (step life cycle {life_cycle}); not split again")
+                    } else {
+                        format!("Error: the plan already has {steps} steps, no room to split")
+                    };
                 }
-                format!("step {index} ('{goal}') may not be split again (life cycle {life_cycle}); it failed")
+                format!("step {index} ('{goal}') may not be split again (life cycle {life_cycle}, at most {} plan steps); it failed", crate::plan::MAX_PLAN_STEPS)
             } else {
                 let inputs = plan
                     .get(index)
                     .map(|s| s.depends_on.clone())
                     .unwrap_or_default();
                 let first_new = plan.len();
-                for (sub_goal, hint) in &verdict.sub_steps {
+                let room = crate::plan::MAX_PLAN_STEPS.saturating_sub(plan.len());
+                for (sub_goal, hint) in verdict.sub_steps.iter().take(room) {
                     plan.push(PlanStep {
                         goal: sub_goal.clone(),
                         tool_hint: hint.clone(),
@@ -342,7 +354,6 @@ pub fn apply(
                 if let Some(s) = plan.get_mut(index) {
                     s.depends_on.extend(added.map(|i| i as i64));
                 }
-                arguments.insert(LESSON_KEY.to_owned(), verdict.lesson.clone());
                 arguments.insert(
                     SUB_GOALS_KEY.to_owned(),
                     serde_json::to_string(&sub_goals).unwrap_or_default(),
@@ -356,6 +367,9 @@ pub fn apply(
             }
         }
     };
+    if let Some(why) = &verdict.unreadable {
+        arguments.insert(UNREADABLE_KEY.to_owned(), why.clone());
+    }
     let step = AgentStep {
         thought: verdict.evaluation.clone(),
         action: verdict.status.as_str().to_owned(),
@@ -382,6 +396,9 @@ pub fn apply_to_plan(plan: &[PlanStep], verdict: &Evaluation, may_revise: bool) 
     let mut arguments = std::collections::BTreeMap::new();
     arguments.insert(STAGE_KEY.to_owned(), STAGE_PLAN.to_owned());
     arguments.insert(LESSON_KEY.to_owned(), verdict.lesson.clone());
+    if let Some(why) = &verdict.unreadable {
+        arguments.insert(UNREADABLE_KEY.to_owned(), why.clone());
+    }
     let effect = match (verdict.status, may_revise) {
         (Status::Success, _) => "the plan is accepted".to_owned(),
         (_, true) => "the plan is sent back to be revised with the lesson".to_owned(),
@@ -406,6 +423,11 @@ pub fn apply_to_plan(plan: &[PlanStep], verdict: &Evaluation, may_revise: bool) 
         sub_goals: Vec::new(),
         life_cycle_exhausted: false,
     }
+}
+
+/// Whether any verdict in the history could not be read (the work it judged stood unchecked).
+pub fn any_unreadable(history: &[AgentStep]) -> bool {
+    evaluations(history).any(|s| s.arguments.contains_key(UNREADABLE_KEY))
 }
 
 /// When the last history step is a rejected plan review: why, with its lesson, for the revision.
@@ -433,7 +455,7 @@ pub fn culprit_lessons(history: &[AgentStep], goal: &str) -> Vec<String> {
                 return false;
             };
             s.arguments
-                .get("culprits")
+                .get(CULPRITS_KEY)
                 .map(|c| {
                     c.split(',')
                         .filter_map(|i| i.parse::<usize>().ok())
@@ -479,5 +501,109 @@ fn dependents_closure(plan: &[PlanStep], roots: &BTreeSet<usize>) -> BTreeSet<us
         if out.len() == before {
             return out;
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn step(goal: &str, deps: &[i64], status: &str, result: &str) -> PlanStep {
+        PlanStep {
+            goal: goal.into(),
+            tool_hint: String::new(),
+            depends_on: deps.to_vec(),
+            status: status.into(),
+            result: result.into(),
+        }
+    }
+
+    fn verdict(text: &str) -> Evaluation {
+        parse(text)
+    }
+
+    #[test]
+    fn statuses_follow_their_priority_and_prose_after_the_json_is_ignored() {
+        let v = verdict(r#"{"status": ["JOB_TOO_COMPLICATED_ERROR", "INPUT_DATA_ERROR"]} see {x}"#);
+        assert_eq!(v.status, Status::InputDataError);
+        assert!(v.unreadable.is_none());
+        let v = verdict(r#"{"status": "EXECUTION_ERROR, SUCCESS"}"#);
+        assert_eq!(v.status, Status::Success);
+        let v = verdict("no idea");
+        assert_eq!(v.status, Status::Success);
+        assert!(v.unreadable.is_some());
+        assert!(verdict(r#"{"status": "MAYBE"}"#).unreadable.is_some());
+    }
+
+    #[test]
+    fn an_input_data_error_sends_back_the_culprit_and_its_completed_dependents() {
+        let plan = [
+            step("a", &[], COMPLETED, "A"),
+            step("b", &[0], COMPLETED, "B"),
+            step("c", &[1], COMPLETED, "C"),
+            step("d", &[], COMPLETED, "D"),
+        ];
+        let v = verdict(r#"{"status": "INPUT_DATA_ERROR", "lesson": "fix a", "culprits": [0, 3]}"#);
+        let applied = apply(&[], &plan, 1, &v, 3);
+        // Step 3 is not an input of step 1, so only step 0 is blamed; step 2 depends on step 1.
+        assert_eq!(applied.rerun, [0, 1, 2]);
+        assert_eq!(applied.plan[0].status, PENDING);
+        assert_eq!(applied.plan[0].result, "A", "the last result is kept");
+        assert_eq!(applied.plan[3].status, COMPLETED);
+        let history = [applied.step];
+        assert_eq!(culprit_lessons(&history, "a"), ["fix a"]);
+        assert!(
+            lessons_for(&history, "c").is_empty(),
+            "the judged step does not get the culprit's lesson"
+        );
+        assert_eq!(retries_used(&history), 1);
+    }
+
+    #[test]
+    fn splits_are_bounded_by_the_life_cycle_and_hostile_depths_do_not_overflow() {
+        let plan = [step("big", &[], COMPLETED, "draft")];
+        let v =
+            verdict(r#"{"status": "JOB_TOO_COMPLICATED_ERROR", "sub_steps": [{"goal": "small"}]}"#);
+        let first = apply(&[], &plan, 0, &v, 1);
+        assert_eq!(first.sub_goals, ["small"]);
+        assert_eq!(first.plan[0].depends_on, [1]);
+        let history = [first.step.clone()];
+        assert_eq!(splits_behind(&history, "small"), 1);
+        let refused = apply(&history, &first.plan, 1, &v, 1);
+        assert!(refused.life_cycle_exhausted);
+        assert_eq!(refused.plan[1].status, FAILED);
+        let mut hostile = first.step;
+        hostile
+            .arguments
+            .insert(DEPTH_KEY.into(), usize::MAX.to_string());
+        hostile.arguments.insert(GOAL_KEY.into(), "small".into());
+        assert_eq!(splits_behind(&[hostile], "small"), usize::MAX);
+    }
+
+    #[test]
+    fn each_completed_execution_is_evaluated_once() {
+        let planned = AgentStep {
+            step_type: "plan".into(),
+            plan: Some(vec![step("a", &[], PENDING, "")]),
+            ..AgentStep::default()
+        };
+        let executed = AgentStep {
+            step_type: "execute".into(),
+            plan: Some(vec![step("a", &[], COMPLETED, "A")]),
+            ..AgentStep::default()
+        };
+        assert_eq!(
+            awaiting_evaluation(&[planned.clone(), executed.clone()]),
+            Some(0)
+        );
+        let judged = apply(
+            &[],
+            executed.plan.as_deref().unwrap_or_default(),
+            0,
+            &verdict(r#"{"status": "SUCCESS"}"#),
+            3,
+        )
+        .step;
+        assert_eq!(awaiting_evaluation(&[planned, executed, judged]), None);
     }
 }

@@ -72,7 +72,9 @@ pub fn defines_structure(step: &AgentStep) -> bool {
 /// holds no plan or names its steps inconsistently.
 pub fn plan_in_force(history: &[AgentStep]) -> Option<(usize, Vec<PlanStep>)> {
     let carrying = history.iter().rposition(|s| s.plan.is_some())?;
-    let defining = history[..=carrying].iter().rposition(defines_structure)?;
+    let defining = history[..=carrying]
+        .iter()
+        .rposition(|s| defines_structure(s) && s.plan.is_some())?;
     let plan = history[carrying].plan.clone()?;
     let defined = history[defining].plan.as_ref()?;
     (defined.len() == plan.len()).then_some((defining + 1, plan))
@@ -131,11 +133,12 @@ pub fn next(history: &[AgentStep], policy: Policy) -> Next {
     }
     if policy.critic_steps || policy.critic_plan {
         let retries = crate::critic::retries_used(history);
-        if retries > 0 && retries >= policy.max_retries {
+        // `max_retries` reruns are allowed; the rejection past them ends the dialog.
+        if retries > policy.max_retries {
             return Next::Synthesise(Unfinished::new(
                 Termination::RetryLimit,
                 format!(
-                    "the evaluator rejected work {retries} times (max_retries {}), so the answer could not be verified",
+                    "the evaluator rejected work {retries} times, more than max_retries {}, so the answer could not be verified",
                     policy.max_retries
                 ),
             ));
@@ -381,6 +384,32 @@ pub fn describe_completed(plan: &[PlanStep]) -> String {
         "(none)".to_owned()
     } else {
         done.join("\n")
+    }
+}
+
+/// What the plan found, for the answer: completed steps, and steps sent back by the critic whose
+/// last result was not accepted, marked as such.
+pub fn describe_results(plan: &[PlanStep]) -> String {
+    let lines: Vec<String> = plan
+        .iter()
+        .enumerate()
+        .filter_map(|(i, s)| {
+            if s.status == COMPLETED {
+                Some(format!("{i}. {}\n   result: {}", s.goal, s.result))
+            } else if !s.result.is_empty() && !s.result.starts_with("Error:") {
+                Some(format!(
+                    "{i}. {}\n   result (not accepted by the evaluator): {}",
+                    s.goal, s.result
+                ))
+            } else {
+                None
+            }
+        })
+        .collect();
+    if lines.is_empty() {
+        "(none)".to_owned()
+    } else {
+        lines.join("\n")
     }
 }
 

@@ -337,6 +337,7 @@ pub fn evaluation(
     n: usize,
     judged: &str,
     index: Option<usize>,
+    thought: &str,
     verdict: &crate::critic::Evaluation,
     applied: &crate::critic::Applied,
     retries: usize,
@@ -365,6 +366,14 @@ pub fn evaluation(
         .derived(&s, &uris.previous(n - 1));
     if let Some(i) = index {
         b.tg(&s, "stepIndex", integer(i));
+    }
+    if !thought.is_empty() {
+        let t = uris.thought(n);
+        b.tg(&s, "thought", Term::iri(&t));
+        b.types(&t, &["Reflection", "Thought"])
+            .label(&t, "Thought")
+            .derived(&t, &s)
+            .document(&t, &t, thought);
     }
     if !verdict.evaluation.is_empty() {
         b.tg(&s, "evaluation", Term::literal(&verdict.evaluation));

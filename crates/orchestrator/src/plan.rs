@@ -446,6 +446,7 @@ async fn evaluate(turn: &Turn<'_>, n: usize, index: usize) -> Result<(), BusErro
             n,
             &uris.iteration(n - 1),
             Some(index),
+            &thought,
             &verdict,
             &applied,
             retries,
@@ -513,6 +514,7 @@ async fn review_plan(turn: &Turn<'_>, n: usize) -> Result<(), BusError> {
             n,
             &uris.iteration(n - 1),
             None,
+            &thought,
             &verdict,
             &applied,
             retries,
@@ -585,7 +587,7 @@ async fn synthesise(
     let vars = [
         ("framing", framing_block(&request.framing)),
         ("question", request.question.clone()),
-        ("results", planning::describe_completed(plan)),
+        ("results", planning::describe_results(plan)),
         (
             "caveat",
             caveat
@@ -613,10 +615,15 @@ async fn synthesise(
     let mut stats = CallStats::default();
     count(&mut stats, &completion);
     // The statement that the plan was not finished does not depend on the LLM saying so.
-    let note = caveat
+    let mut note = caveat
         .as_ref()
         .map(|c| format!("\n\n(This answer rests on the steps that completed: {c}.)"))
         .unwrap_or_default();
+    if critic::any_unreadable(&request.history) {
+        note.push_str(
+            "\n\n(Some results were not checked: the evaluator's answer could not be read.)",
+        );
+    }
     let answer = format!("{}{note}", completion.text.trim());
     if request.streaming && !note.is_empty() {
         out.chunk(MessageType::Answer, &note, &answer_id, false)
