@@ -413,3 +413,70 @@ async fn a_rejected_plan_is_revised_with_the_lesson() {
     assert_no_dangling_links(&t);
     assert_thoughts_explained(&responses, &t);
 }
+
+/// With the critic on answers, a draft answer is reviewed before it is given: a rejected draft is
+/// written again with the lesson, and only the accepted one reaches the client.
+#[tokio::test]
+async fn a_rejected_answer_is_written_again_with_the_lesson() {
+    let config = config_dir(
+        "answer",
+        &[
+            (
+                "agent-pattern",
+                r#"{"plan-then-execute": {"description": "plan first", "critic": ["answer"]}}"#,
+            ),
+            ("agent-limits", r#"{"default": {"max_iterations": 20}}"#),
+        ],
+    );
+    let (responses, prompts) = run(
+        r#"{"rules": [
+      {"match": "Request to plan: Sum", "reply": "[{\"goal\": \"add them\"}]"},
+      {"match": "Step goal: add them", "reply": "Thought: adding.\nFinal Answer: 12"},
+      {"match": "Request to answer: Sum", "and": ["lessons: give the number"], "reply": "The sum is 12."},
+      {"match": "Request to answer: Sum", "reply": "It is a number."},
+      {"match": "Draft answer to review: It is a number.", "reply": "{\"status\": \"EXECUTION_ERROR\", \"evaluation\": \"vague\", \"lesson\": \"give the number\"}"},
+      {"match": "Draft answer to review: The sum is 12.", "reply": "{\"status\": \"SUCCESS\"}"}
+    ]}"#,
+        &config,
+        "Sum the numbers.",
+    )
+    .await;
+    assert_eq!(responses.last().unwrap().content, "The sum is 12.");
+    assert!(
+        !responses
+            .iter()
+            .any(|r| r.message_type == "answer" && r.content.contains("It is a number")),
+        "the rejected draft reached the client as an answer"
+    );
+    let session = responses[0].explain_id.clone().unwrap();
+    let t = triples(&responses);
+    // i1 plan, i2 step, i3 draft, i4 review (rejected), i5 draft, i6 review (accepted), final.
+    let statuses: Vec<(usize, String)> = verdicts(&t, &session)
+        .into_iter()
+        .map(|v| (v.0, v.1))
+        .collect();
+    assert_eq!(
+        statuses,
+        [(4, "EXECUTION_ERROR".to_owned()), (6, "SUCCESS".to_owned())]
+    );
+    assert_eq!(
+        values(&t, &format!("{session}/i4"), "evaluates"),
+        [format!("{session}/i3")]
+    );
+    assert_eq!(
+        values(&t, &format!("{session}/i3/observation"), "content"),
+        ["It is a number."]
+    );
+    assert!(t.iter().any(|x| x.s.iri == format!("{session}/final")
+        && x.p.iri.ends_with("wasDerivedFrom")
+        && x.o.iri == format!("{session}/i6/observation")));
+    assert_eq!(
+        prompts
+            .iter()
+            .filter(|p| p.contains("Request to answer: Sum"))
+            .count(),
+        2
+    );
+    assert_no_dangling_links(&t);
+    assert_thoughts_explained(&responses, &t);
+}

@@ -336,20 +336,17 @@ async fn without_a_valid_plan_the_request_becomes_one_step() {
     );
 }
 
-/// With `max_replan_depth` 1, a second failure is not revised again: the dialog answers from what
-/// completed, says the plan could not be finished, and records why.
+/// With the default `max_replan_depth` of 2, the third failure is not revised again: the dialog
+/// answers from what completed, says the plan could not be finished, and records why.
 #[tokio::test]
 async fn failures_past_max_replan_depth_end_gracefully() {
     let broker = Broker::start().unwrap();
     let config = config_dir(
         "replan",
-        &[
-            ("agent-limits", r#"{"default": {"max_replan_depth": 1}}"#),
-            (
-                "tool",
-                r#"{"llm": {"name": "llm", "description": "ask", "type": "text-completion"}}"#,
-            ),
-        ],
+        &[(
+            "tool",
+            r#"{"llm": {"name": "llm", "description": "ask", "type": "text-completion"}}"#,
+        )],
     );
     let llm = scripted_llm(
         r#"{"rules": [
@@ -378,19 +375,22 @@ async fn failures_past_max_replan_depth_end_gracefully() {
         ),
         "{answer}"
     );
-    assert!(answer.contains("max_replan_depth 1"), "{answer}");
+    assert!(
+        answer.contains("revised 2 times (max_replan_depth 2)"),
+        "{answer}"
+    );
     let session = responses[0].explain_id.clone().unwrap();
     let t = triples(&responses);
     assert_eq!(
         values(&t, &format!("{session}/final"), "terminationReason"),
         ["max-replan-depth"]
     );
-    // One revision only: plans at i1 and i3.
+    // Two revisions: plans at i1, i3 and i5; failures at i2, i4 and i6.
     let revisions = t
         .iter()
         .filter(|x| x.o.iri == format!("{TG}PlanRevision"))
         .count();
-    assert_eq!(revisions, 1);
+    assert_eq!(revisions, 2);
 }
 
 /// The router picks plan-then-execute for a research question when the LLM says so, and the plan

@@ -15,8 +15,10 @@ use crate::plan::{COMPLETED, FAILED, PENDING};
 pub const STAGE_STEP: &str = "step";
 /// The critic stage that reviews each plan (and revision) before it runs.
 pub const STAGE_PLAN: &str = "plan";
+/// The critic stage that reviews the answer before it is given.
+pub const STAGE_ANSWER: &str = "answer";
 /// The critic stages a task type or pattern may switch on.
-pub const STAGES: &[&str] = &[STAGE_STEP, STAGE_PLAN];
+pub const STAGES: &[&str] = &[STAGE_STEP, STAGE_PLAN, STAGE_ANSWER];
 
 /// `arguments` key naming the stage a verdict is about.
 const STAGE_KEY: &str = "stage";
@@ -423,6 +425,72 @@ pub fn apply_to_plan(plan: &[PlanStep], verdict: &Evaluation, may_revise: bool) 
         sub_goals: Vec::new(),
         life_cycle_exhausted: false,
     }
+}
+
+/// Applies a verdict on a draft answer. `INPUT_DATA_ERROR` sends the steps the evaluator names
+/// (and what depends on them) back to run again with the lesson; any other rejection asks for the
+/// answer again with the lesson.
+pub fn apply_to_answer(plan: &[PlanStep], verdict: &Evaluation) -> Applied {
+    let mut plan = plan.to_vec();
+    let mut arguments = std::collections::BTreeMap::new();
+    arguments.insert(STAGE_KEY.to_owned(), STAGE_ANSWER.to_owned());
+    arguments.insert(LESSON_KEY.to_owned(), verdict.lesson.clone());
+    if let Some(why) = &verdict.unreadable {
+        arguments.insert(UNREADABLE_KEY.to_owned(), why.clone());
+    }
+    let culprits: BTreeSet<usize> = verdict
+        .culprits
+        .iter()
+        .copied()
+        .filter(|c| *c < plan.len())
+        .collect();
+    let mut rerun = Vec::new();
+    let effect = match verdict.status {
+        Status::Success => "the answer is accepted".to_owned(),
+        Status::InputDataError if !culprits.is_empty() => {
+            let names: Vec<String> = culprits.iter().map(usize::to_string).collect();
+            arguments.insert(CULPRITS_KEY.to_owned(), names.join(","));
+            for i in dependents_closure(&plan, &culprits) {
+                if let Some(s) = plan.get_mut(i) {
+                    s.status = PENDING.to_owned();
+                }
+                rerun.push(i);
+            }
+            format!(
+                "step(s) {} run again with the lesson, then the answer is written again",
+                names.join(", ")
+            )
+        }
+        _ => "the answer is written again with the lesson".to_owned(),
+    };
+    let step = AgentStep {
+        thought: verdict.evaluation.clone(),
+        action: verdict.status.as_str().to_owned(),
+        arguments,
+        observation: effect.clone(),
+        step_type: StepType::Evaluate.as_str().to_owned(),
+        plan: Some(plan.clone()),
+        subagent_results: None,
+    };
+    Applied {
+        plan,
+        effect,
+        step,
+        rerun,
+        sub_goals: Vec::new(),
+        life_cycle_exhausted: false,
+    }
+}
+
+/// Lessons from reviews of earlier answers, oldest first.
+pub fn answer_lessons(history: &[AgentStep]) -> Vec<String> {
+    evaluations(history)
+        .filter(|s| s.arguments.get(STAGE_KEY).map(String::as_str) == Some(STAGE_ANSWER))
+        .filter(|s| s.action != Status::Success.as_str())
+        .filter_map(|s| s.arguments.get(LESSON_KEY))
+        .filter(|l| !l.is_empty())
+        .cloned()
+        .collect()
 }
 
 /// Whether any verdict in the history could not be read (the work it judged stood unchecked).

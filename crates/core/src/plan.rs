@@ -32,6 +32,8 @@ pub enum Next {
     Evaluate(usize),
     /// Ask the critic about the plan just made.
     ReviewPlan,
+    /// Ask the critic about the draft answer just written.
+    ReviewAnswer,
     /// Answer from the results; `Some` when the plan could not be finished.
     Synthesise(Option<Unfinished>),
 }
@@ -113,6 +115,8 @@ pub struct Policy {
     pub critic_steps: bool,
     /// Whether the critic reviews each plan before it runs.
     pub critic_plan: bool,
+    /// Whether the critic reviews the answer before it is given.
+    pub critic_answer: bool,
 }
 
 /// Decides the next iteration from the history.
@@ -126,12 +130,18 @@ pub fn next(history: &[AgentStep], policy: Policy) -> Next {
     if policy.critic_plan && last_is_plan {
         return Next::ReviewPlan;
     }
+    let last_is_draft = history
+        .last()
+        .is_some_and(|s| StepType::parse(&s.step_type) == Some(StepType::Synthesise));
+    if last_is_draft {
+        return Next::ReviewAnswer;
+    }
     if policy.critic_steps {
         if let Some(i) = crate::critic::awaiting_evaluation(history) {
             return Next::Evaluate(i);
         }
     }
-    if policy.critic_steps || policy.critic_plan {
+    if policy.critic_steps || policy.critic_plan || policy.critic_answer {
         let retries = crate::critic::retries_used(history);
         // `max_retries` reruns are allowed; the rejection past them ends the dialog.
         if retries > policy.max_retries {
@@ -563,6 +573,7 @@ mod tests {
             max_retries: 5,
             critic_steps: false,
             critic_plan: false,
+            critic_answer: false,
         };
         assert!(
             matches!(next(&first, policy(2)), Next::Replan(r) if r.contains("step 1 ('b') failed"))
@@ -595,6 +606,7 @@ mod tests {
             max_retries: 5,
             critic_steps: false,
             critic_plan: false,
+            critic_answer: false,
         };
         assert_eq!(next(&odd, policy), Next::RunStep(0));
         let stuck = vec![with_plan(

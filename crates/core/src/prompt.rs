@@ -24,6 +24,8 @@ pub const PLAN_REVISE_KEY: &str = "plan-revise";
 pub const PLAN_EVALUATE_KEY: &str = "plan-evaluate";
 /// Config key of the critic's prompt on a whole plan.
 pub const PLAN_REVIEW_KEY: &str = "plan-review";
+/// Config key of the critic's prompt on a draft answer.
+pub const ANSWER_REVIEW_KEY: &str = "answer-review";
 /// Config key of the prompt that answers from the plan's results (TrustGraph's prompt id).
 pub const PLAN_SYNTHESISE_KEY: &str = "plan-synthesise";
 /// Config key of the prompt around a tool's LLM call (`text-completion` and `prompt` tools).
@@ -70,6 +72,9 @@ pub const DEFAULT_PLAN_EVALUATE_TEMPLATE: &str = "{{framing}}Evaluate the result
 /// The critic on a whole plan. Placeholders: `framing`, `question`, `plan`, `tools`.
 pub const DEFAULT_PLAN_REVIEW_TEMPLATE: &str = "{{framing}}Review the plan below, made to answer a request.\n\nThe plan:\n{{plan}}\n\nTools the steps can use:\n{{tools}}\n\nSUCCESS: carrying out the plan will answer the request. EXECUTION_ERROR: the plan is badly made and a better one would work. INPUT_DATA_ERROR: the request lacks what the plan needs. JOB_TOO_COMPLICATED_ERROR: the plan's steps are too big. When several apply, give the first in that order.\n\nReply with only a JSON object: {\"status\": \"<one of the four>\", \"evaluation\": \"<what is right or wrong>\", \"lesson\": \"<what the next plan should do differently>\"}\n\nPlan to review for: {{question}}";
 
+/// The critic on a draft answer. Placeholders: `framing`, `question`, `results`, `answer`.
+pub const DEFAULT_ANSWER_REVIEW_TEMPLATE: &str = "{{framing}}Review a draft answer to a request, written from the results of a plan's steps.\n\nThe steps' results:\n{{results}}\n\nSUCCESS: the answer is right and answers the request. EXECUTION_ERROR: the answer is badly written from good results. INPUT_DATA_ERROR: results it rests on are wrong (name their step numbers in culprits). JOB_TOO_COMPLICATED_ERROR: the answer tries to do too much at once. When several apply, give the first in that order.\n\nReply with only a JSON object: {\"status\": \"<one of the four>\", \"evaluation\": \"<what is right or wrong>\", \"lesson\": \"<what to do differently>\", \"culprits\": [<step numbers>]}\n\nDraft answer to review: {{answer}}\n\nRequest it answers: {{question}}";
+
 /// Synthesis. Placeholders: `framing`, `question`, `results`, `caveat`.
 pub const DEFAULT_PLAN_SYNTHESISE_TEMPLATE: &str = "{{framing}}Answer the request below from the results of the plan's steps. Use only these results; say so if they are not enough.{{caveat}}\n\nResults:\n{{results}}\n\nRequest to answer: {{question}}";
 
@@ -104,6 +109,7 @@ pub struct Prompts {
     pub plan_revise: PromptTemplate,
     pub plan_evaluate: PromptTemplate,
     pub plan_review: PromptTemplate,
+    pub answer_review: PromptTemplate,
     pub plan_synthesise: PromptTemplate,
     pub tool_call: PromptTemplate,
 }
@@ -128,6 +134,10 @@ impl Default for Prompts {
                 DEFAULT_PLAN_EVALUATE_TEMPLATE,
             ),
             plan_review: PromptTemplate::new(DEFAULT_CRITIC_SYSTEM, DEFAULT_PLAN_REVIEW_TEMPLATE),
+            answer_review: PromptTemplate::new(
+                DEFAULT_CRITIC_SYSTEM,
+                DEFAULT_ANSWER_REVIEW_TEMPLATE,
+            ),
             plan_synthesise: PromptTemplate::new(
                 DEFAULT_PLAN_SYSTEM,
                 DEFAULT_PLAN_SYNTHESISE_TEMPLATE,
@@ -149,6 +159,7 @@ impl Prompts {
             PLAN_REVISE_KEY => Some(&mut self.plan_revise),
             PLAN_EVALUATE_KEY => Some(&mut self.plan_evaluate),
             PLAN_REVIEW_KEY => Some(&mut self.plan_review),
+            ANSWER_REVIEW_KEY => Some(&mut self.answer_review),
             PLAN_SYNTHESISE_KEY => Some(&mut self.plan_synthesise),
             TOOL_CALL_KEY => Some(&mut self.tool_call),
             _ => None,
@@ -156,7 +167,7 @@ impl Prompts {
     }
 
     /// The config keys of every prompt.
-    pub const KEYS: [&'static str; 10] = [
+    pub const KEYS: [&'static str; 11] = [
         REACT_KEY,
         TASK_TYPE_SELECTION_KEY,
         PATTERN_SELECTION_KEY,
@@ -165,6 +176,7 @@ impl Prompts {
         PLAN_REVISE_KEY,
         PLAN_EVALUATE_KEY,
         PLAN_REVIEW_KEY,
+        ANSWER_REVIEW_KEY,
         PLAN_SYNTHESISE_KEY,
         TOOL_CALL_KEY,
     ];

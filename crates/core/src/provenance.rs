@@ -321,6 +321,19 @@ pub fn step_execution(
     triples
 }
 
+/// An iteration that wrote a draft answer for the critic to review (its text is the iteration's
+/// observation).
+pub fn draft_answer(uris: &SessionUris, n: usize, stats: &CallStats) -> Vec<Triple> {
+    let s = uris.iteration(n);
+    let mut b = NodeBuilder::default();
+    b.types(&s, &["Analysis", "Synthesis"])
+        .label(&s, "Draft answer")
+        .tg(&s, "action", Term::literal("synthesise"))
+        .derived(&s, &uris.previous(n - 1));
+    iteration_facts(&mut b, &s, n, &[], stats);
+    b.build()
+}
+
 /// The outcome of a plan step on its observation node: `completed` or `failed`.
 pub fn step_status(uris: &SessionUris, n: usize, status: &str) -> Vec<Triple> {
     let mut b = NodeBuilder::default();

@@ -39,6 +39,11 @@ pub async fn iterate(turn: &Turn<'_>) -> Result<(), BusError> {
             &turn.request.task_type,
             critic::STAGE_PLAN,
         ),
+        critic_answer: config.critic_on(
+            &turn.request.pattern,
+            &turn.request.task_type,
+            critic::STAGE_ANSWER,
+        ),
     };
     let next = planning::next(&turn.request.history, policy);
     // A plan that used its iterations still answers from what it found.
@@ -62,6 +67,7 @@ pub async fn iterate(turn: &Turn<'_>) -> Result<(), BusError> {
         Next::MakePlan => make_plan(turn, n, None).await,
         Next::Evaluate(index) => evaluate(turn, n, index).await,
         Next::ReviewPlan => review_plan(turn, n).await,
+        Next::ReviewAnswer => review_answer(turn, n).await,
         Next::Replan(problem) => make_plan(turn, n, Some(problem)).await,
         Next::RunStep(index) => run_step(turn, n, index).await,
         Next::Synthesise(unfinished) => synthesise(turn, n, unfinished).await,
@@ -529,6 +535,114 @@ async fn review_plan(turn: &Turn<'_>, n: usize) -> Result<(), BusError> {
     record_and_queue(turn, n, step, &stats, &ToolStats::default(), None, None).await
 }
 
+/// Asks the critic about the draft answer the previous iteration wrote. Accepted, it is given to
+/// the client and the dialog ends; rejected, it is written again with the lesson (after the steps
+/// it blamed ran again, for bad input).
+async fn review_answer(turn: &Turn<'_>, n: usize) -> Result<(), BusError> {
+    let Turn {
+        request,
+        uris,
+        out,
+        config,
+        llm,
+        ..
+    } = turn;
+    let draft = request
+        .history
+        .last()
+        .map(|s| s.observation.clone())
+        .unwrap_or_default();
+    let plan = planning::current_plan(&request.history)
+        .map(<[PlanStep]>::to_vec)
+        .unwrap_or_default();
+    let template = &config.prompts.answer_review;
+    let vars = [
+        ("framing", framing_block(&request.framing)),
+        ("question", request.question.clone()),
+        ("results", planning::describe_results(&plan)),
+        ("answer", draft.clone()),
+    ]
+    .into_iter()
+    .collect();
+    let messages = [
+        ChatMessage::system(template.system.clone()),
+        ChatMessage::user(render(&template.template, &vars)),
+    ];
+    let mut stats = CallStats::default();
+    let completion = match llm.complete(&messages).await {
+        Ok(c) => c,
+        Err(e) => return fail(turn, n, &format!("the LLM call failed: {e}")).await,
+    };
+    count(&mut stats, &completion);
+    let verdict = critic::parse(&completion.text);
+    let applied = critic::apply_to_answer(&plan, &verdict);
+    let retries = critic::retries_used(&request.history)
+        + usize::from(verdict.status != critic::Status::Success);
+    let thought = match verdict.evaluation.as_str() {
+        "" => format!("Review of the answer: {}", verdict.status.as_str()),
+        text => format!("Review of the answer: {} — {text}", verdict.status.as_str()),
+    };
+    out.chunk(MessageType::Thought, &thought, &uris.thought(n), true)
+        .await?;
+    out.explain(
+        &uris.iteration(n),
+        provenance::evaluation(
+            uris,
+            n,
+            &uris.iteration(n - 1),
+            None,
+            &thought,
+            &verdict,
+            &applied,
+            retries,
+            &stats,
+        ),
+    )
+    .await?;
+    if verdict.status != critic::Status::Success {
+        let mut step = applied.step;
+        if !verdict.lesson.is_empty() {
+            step.observation = format!("{} Lesson: {}", applied.effect, verdict.lesson);
+        }
+        return record_and_queue(turn, n, step, &stats, &ToolStats::default(), None, None).await;
+    }
+    // Accepted: the review's observation, then the conclusion that derives from it.
+    let mut note = String::new();
+    if verdict.unreadable.is_some() || critic::any_unreadable(&request.history) {
+        note.push_str(
+            "\n\n(Some results were not checked: the evaluator's answer could not be read.)",
+        );
+    }
+    let answer = format!("{draft}{note}");
+    out.explain(
+        &uris.observation(n),
+        provenance::observation(uris, n, &applied.effect, ToolStats::default()),
+    )
+    .await?;
+    let answer_id = uris.conclusion();
+    if request.streaming {
+        out.chunk(MessageType::Answer, &answer, &answer_id, false)
+            .await?;
+    }
+    out.explain(
+        &answer_id,
+        provenance::conclusion(
+            uris,
+            n + 1,
+            "",
+            &answer,
+            Termination::Answer,
+            &[],
+            &CallStats::default(),
+        ),
+    )
+    .await?;
+    let tokens = tokens_after(turn, &stats, &ToolStats::default());
+    let content = if request.streaming { "" } else { &answer };
+    out.respond(&closing_answer(content, uris, tokens, &completion.model))
+        .await
+}
+
 /// Publishes the iteration's observation (to the client and the graph), then queues the next
 /// iteration with `step` added to the history.
 async fn record_and_queue(
@@ -584,17 +698,22 @@ async fn synthesise(
     } = turn;
     let plan = planning::current_plan(&request.history).unwrap_or_default();
     let template = &config.prompts.plan_synthesise;
+    let mut guidance = caveat
+        .as_ref()
+        .map(|c| format!(" The plan could not be finished ({c}): say what is missing."))
+        .unwrap_or_default();
+    let lessons = critic::answer_lessons(&request.history);
+    if !lessons.is_empty() {
+        guidance.push_str(&format!(
+            " A reviewer rejected an earlier answer; lessons: {}.",
+            lessons.join("; ")
+        ));
+    }
     let vars = [
         ("framing", framing_block(&request.framing)),
         ("question", request.question.clone()),
         ("results", planning::describe_results(plan)),
-        (
-            "caveat",
-            caveat
-                .as_ref()
-                .map(|c| format!(" The plan could not be finished ({c}): say what is missing."))
-                .unwrap_or_default(),
-        ),
+        ("caveat", guidance),
     ]
     .into_iter()
     .collect();
@@ -602,6 +721,30 @@ async fn synthesise(
         ChatMessage::system(template.system.clone()),
         ChatMessage::user(render(&template.template, &vars)),
     ];
+    // With the answer critic on, a complete plan's answer is a draft until the critic accepts it;
+    // a plan that could not be finished answers at once (its caveat is the verdict).
+    let review = unfinished.is_none()
+        && config.critic_on(&request.pattern, &request.task_type, critic::STAGE_ANSWER);
+    if review {
+        let mut stats = CallStats::default();
+        let completion = match llm.complete(&messages).await {
+            Ok(c) => c,
+            Err(e) => return fail(turn, n, &format!("the LLM call failed: {e}")).await,
+        };
+        count(&mut stats, &completion);
+        out.explain(
+            &uris.iteration(n),
+            provenance::draft_answer(uris, n, &stats),
+        )
+        .await?;
+        let step = AgentStep {
+            observation: completion.text.trim().to_owned(),
+            step_type: StepType::Synthesise.as_str().to_owned(),
+            plan: Some(plan.to_vec()),
+            ..AgentStep::default()
+        };
+        return record_and_queue(turn, n, step, &stats, &ToolStats::default(), None, None).await;
+    }
     let answer_id = uris.conclusion();
     let completion = if request.streaming {
         stream_answer(turn, &messages, &answer_id).await?
