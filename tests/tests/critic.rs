@@ -11,6 +11,7 @@ use std::time::Duration;
 
 use agent_e2e::*;
 use agent_schema::{AgentRequest, AgentResponse, Triple};
+use futures::StreamExt;
 
 const DIALOG_TIMEOUT: Duration = Duration::from_secs(60);
 const TG: &str = "https://trustgraph.ai/ns/";
@@ -41,6 +42,12 @@ async fn run(
     let broker = Broker::start().unwrap();
     let llm = scripted_llm(script).await;
     let _orchestrator = Orchestrator::spawn(&broker, &llm, config, &[]);
+    let mut requests = read_from_start(
+        &broker,
+        "persistent://tg/request/agent:default:default",
+        "critic-test-reader",
+    )
+    .await;
     let mut client = client(&broker).await;
     let request = AgentRequest {
         pattern: "plan-then-execute".into(),
@@ -53,6 +60,38 @@ async fn run(
     let last = responses.last().unwrap();
     assert!(last.end_of_dialog && last.error.is_none(), "{responses:#?}");
     let prompts = llm.calls().into_iter().map(|c| c.last_user).collect();
+    // The history the last message carried matches the graph, step by step.
+    let mut carried: Option<AgentRequest> = None;
+    while let Ok(Some(Ok(message))) =
+        tokio::time::timeout(Duration::from_secs(2), requests.next()).await
+    {
+        requests.ack(&message).await.unwrap();
+        carried = Some(serde_json::from_slice(&message.payload.data).unwrap());
+    }
+    let history = carried.unwrap().history;
+    let session = responses[0].explain_id.clone().unwrap();
+    let t = triples(&responses);
+    for (k, step) in history.iter().enumerate() {
+        let node = format!("{session}/i{}", k + 1);
+        match step.step_type.as_str() {
+            "evaluate" => assert_eq!(
+                values(&t, &node, "evaluationStatus"),
+                std::slice::from_ref(&step.action),
+                "{node}"
+            ),
+            "plan" => assert_eq!(
+                values(&t, &node, "hasStep").len(),
+                step.plan.as_ref().unwrap().len(),
+                "{node}"
+            ),
+            _ => {}
+        }
+        assert_eq!(
+            values(&t, &format!("{node}/observation"), "content"),
+            std::slice::from_ref(&step.observation),
+            "{node}"
+        );
+    }
     (responses, prompts)
 }
 
@@ -156,6 +195,12 @@ async fn an_execution_error_reruns_the_step_with_the_lesson() {
     assert_eq!(values(&t, &rejected, "lesson"), ["count twice"]);
     assert_eq!(values(&t, &rejected, "evaluation"), ["not an exact count"]);
     assert_eq!(values(&t, &rejected, "rerunStep"), ["0"]);
+    // The rerun records the lesson it was given.
+    assert_eq!(
+        values(&t, &format!("{session}/i4"), "lessonApplied"),
+        ["count twice"]
+    );
+    assert!(values(&t, &format!("{session}/i2"), "lessonApplied").is_empty());
     assert_eq!(
         values(&t, &rejected, "evaluates"),
         [format!("{session}/i2")]

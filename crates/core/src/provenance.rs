@@ -301,6 +301,7 @@ pub fn step_execution(
     n: usize,
     plan_step: &str,
     index: usize,
+    lessons: &[String],
     thought: &str,
     action: &str,
     arguments_json: &str,
@@ -317,6 +318,10 @@ pub fn step_execution(
             "stepIndex",
             Term::typed_literal(index.to_string(), XSD_INTEGER),
         );
+    // A rerun says which of the critic's lessons it was given.
+    for lesson in lessons {
+        b.tg(&s, "lessonApplied", Term::literal(lesson));
+    }
     triples.extend(b.build());
     triples
 }

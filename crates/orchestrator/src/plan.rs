@@ -350,6 +350,7 @@ async fn run_step(turn: &Turn<'_>, n: usize, index: usize) -> Result<(), BusErro
             n,
             &uris.plan_step(plan_at, index),
             index,
+            &critic::all_lessons(&request.history, &goal.goal),
             &thought,
             &action,
             &arguments_json,
