@@ -267,14 +267,14 @@ pub fn render_tree(view: &SessionView) -> String {
     out.push_str(&format!("├─ question: {}\n", trim(&view.question, 200)));
     out.push_str(&format!("├─ started:  {}\n", view.started_at));
     if let Some(d) = &view.decision {
+        let task_type = if d.task_type.is_empty() {
+            String::new()
+        } else {
+            format!("task type {} ({}), ", d.task_type, d.task_type_method)
+        };
         out.push_str(&format!(
-            "├─ routed: task type {} ({}), pattern {} ({}), tokens {}/{}\n",
-            or_none(&d.task_type),
-            d.task_type_method,
-            d.pattern,
-            d.pattern_method,
-            d.in_token,
-            d.out_token
+            "├─ routed: {task_type}pattern {} ({}), tokens {}/{}\n",
+            d.pattern, d.pattern_method, d.in_token, d.out_token
         ));
         if !d.task_type_candidates.is_empty() {
             out.push_str(&format!(

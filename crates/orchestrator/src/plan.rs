@@ -199,6 +199,7 @@ async fn make_plan(turn: &Turn<'_>, n: usize, problem: Option<String>) -> Result
     let thought = match (&problem, rationale.is_empty()) {
         (Some(p), true) => format!("Revising the plan: {p}"),
         (Some(p), false) => format!("Revising the plan: {p}. {rationale}"),
+        (None, true) if plan.len() == 1 => "A plan of one step.".to_owned(),
         (None, true) => format!("A plan of {} steps.", plan.len()),
         (None, false) => rationale.clone(),
     };
