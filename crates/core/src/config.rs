@@ -41,7 +41,7 @@ pub struct Limits {
     pub max_subagents: usize,
     /// How deep subagents may fan out again.
     pub max_fanout_depth: usize,
-    /// Verdicts other than `SUCCESS` the critic may give in one request.
+    /// Reruns the critic may ask for in one request; the rejection past them ends the dialog.
     pub max_retries: usize,
     /// How many times one plan step (and the sub-steps it was split into) may be split.
     pub step_life_cycle: usize,

@@ -109,7 +109,7 @@ pub fn replans_used(history: &[AgentStep]) -> usize {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Policy {
     pub max_replan_depth: usize,
-    /// Verdicts other than `SUCCESS` a request may get.
+    /// Reruns the critic may ask for; the rejection past them ends the dialog.
     pub max_retries: usize,
     /// Whether the critic evaluates each completed step.
     pub critic_steps: bool,
