@@ -429,3 +429,91 @@ async fn the_router_can_choose_plan_then_execute() {
     );
     assert!(has_type(&t, &format!("{session}/i1"), "Plan"));
 }
+
+/// Histories a client made up (a plan with nonsense dependencies and statuses, an execute step with
+/// no plan behind it, an evaluate step with odd arguments) each end with a response, never a crash,
+/// and the service goes on answering.
+#[tokio::test]
+async fn made_up_histories_end_cleanly() {
+    let broker = Broker::start().unwrap();
+    let llm = scripted_llm(
+        r#"{"rules": [
+      {"match": "Step goal: ", "reply": "Thought: ok.\nFinal Answer: R"},
+      {"match": "Request to plan: ", "reply": "[{\"goal\": \"one\"}]"},
+      {"match": "Request to re-plan: ", "reply": "[{\"goal\": \"again\"}]"},
+      {"match": "Request to answer: ", "reply": "Answered."}
+    ]}"#,
+    )
+    .await;
+    let mut orchestrator = Orchestrator::spawn(&broker, &llm, &seed_dir(), &[]);
+    let mut client = client(&broker).await;
+    let step = |goal: &str, deps: Vec<i64>, status: &str| agent_schema::PlanStep {
+        goal: goal.into(),
+        tool_hint: String::new(),
+        depends_on: deps,
+        status: status.into(),
+        result: String::new(),
+    };
+    let with =
+        |kind: &str, plan: Option<Vec<agent_schema::PlanStep>>, arguments: &[(&str, &str)]| {
+            agent_schema::AgentStep {
+                step_type: kind.into(),
+                plan,
+                arguments: arguments
+                    .iter()
+                    .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+                    .collect(),
+                ..agent_schema::AgentStep::default()
+            }
+        };
+    let histories = vec![
+        vec![with(
+            "plan",
+            Some(vec![
+                step("a", vec![-5, 99, 0], "running"),
+                step("b", vec![i64::MAX], "??"),
+            ]),
+            &[],
+        )],
+        vec![with(
+            "execute",
+            Some(vec![step("a", vec![], "completed")]),
+            &[],
+        )],
+        vec![
+            with("plan", Some(vec![step("a", vec![], "completed")]), &[]),
+            with(
+                "evaluate",
+                Some(vec![]),
+                &[
+                    ("depth", "18446744073709551615"),
+                    ("sub_goals", "not json"),
+                    ("culprits", "x,9"),
+                ],
+            ),
+        ],
+        vec![with("plan", Some(vec![]), &[])],
+    ];
+    for (i, history) in histories.into_iter().enumerate() {
+        let id = format!("h-{i}");
+        let request = AgentRequest {
+            history,
+            session_id: format!("made-up-{i}"),
+            ..planned("Made up.", false)
+        };
+        client.send(&id, &request).await.unwrap();
+        let responses = collect_dialog(&mut client, &id, DIALOG_TIMEOUT)
+            .await
+            .unwrap();
+        assert!(responses.last().unwrap().end_of_dialog, "{id}");
+    }
+    assert!(orchestrator.is_running());
+    client
+        .send("after", &planned("Still there?", false))
+        .await
+        .unwrap();
+    let responses = collect_dialog(&mut client, "after", DIALOG_TIMEOUT)
+        .await
+        .unwrap();
+    assert_eq!(closing(&responses).content, "Answered.");
+}
