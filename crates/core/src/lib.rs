@@ -9,4 +9,5 @@ pub mod prompt;
 pub mod provenance;
 pub mod react;
 pub mod router;
+pub mod supervisor;
 pub mod tools;

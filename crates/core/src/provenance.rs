@@ -48,6 +48,15 @@ impl SessionUris {
     pub fn plan_step(&self, n: usize, index: usize) -> String {
         format!("{}/i{n}/step/{index}", self.base)
     }
+    pub fn fanout(&self, correlation_id: &str) -> String {
+        format!("{}/fanout/{correlation_id}", self.base)
+    }
+    pub fn completion(&self) -> String {
+        format!("{}/completion", self.base)
+    }
+    pub fn synthesis(&self, correlation_id: &str) -> String {
+        format!("{}/synthesis/{correlation_id}", self.base)
+    }
     pub fn pattern_decision(&self) -> String {
         format!("{}/pattern-decision", self.base)
     }
@@ -488,12 +497,36 @@ pub fn conclusion(
     candidates: &[&str],
     stats: &CallStats,
 ) -> Vec<Triple> {
+    conclusion_from(
+        uris,
+        &uris.previous(n - 1),
+        n,
+        thought,
+        answer,
+        termination,
+        candidates,
+        stats,
+    )
+}
+
+/// The conclusion, derived from `from` (a synthesis, rather than the previous observation).
+#[allow(clippy::too_many_arguments)]
+pub fn conclusion_from(
+    uris: &SessionUris,
+    from: &str,
+    n: usize,
+    thought: &str,
+    answer: &str,
+    termination: Termination,
+    candidates: &[&str],
+    stats: &CallStats,
+) -> Vec<Triple> {
     let s = uris.conclusion();
     let doc = uris.answer_document();
     let mut b = NodeBuilder::default();
     b.types(&s, &["Conclusion", "Answer"])
         .label(&s, "Conclusion")
-        .derived(&s, &uris.previous(n - 1))
+        .derived(&s, from)
         .tg(&s, "terminationReason", Term::literal(termination.as_str()))
         .document(&s, &doc, answer);
     if !thought.is_empty() {
@@ -580,6 +613,98 @@ fn choice_facts(b: &mut NodeBuilder, s: &str, what: &str, choice: &Choice) {
     if let Some(raw) = &choice.raw_answer {
         b.tg(s, &format!("{what}Answer"), Term::literal(raw));
     }
+}
+
+/// A supervisor's fan-out: the goals, the subagents' sessions, how many completions make it whole,
+/// and what the aggregator needs to resume the supervisor (its request as JSON and the client's
+/// `id`).
+#[allow(clippy::too_many_arguments)]
+pub fn fanout(
+    uris: &SessionUris,
+    n: usize,
+    correlation_id: &str,
+    goals: &[(String, String)],
+    continuation_json: &str,
+    client_id: &str,
+    stats: &CallStats,
+) -> Vec<Triple> {
+    let s = uris.fanout(correlation_id);
+    let integer = |v: usize| Term::typed_literal(v.to_string(), XSD_INTEGER);
+    let mut b = NodeBuilder::default();
+    b.types(&s, &["FanOut"])
+        .label(&s, &format!("Fan-out to {} subagents", goals.len()))
+        .tg(&s, "correlationId", Term::literal(correlation_id))
+        .tg(&s, "expectedSiblings", integer(goals.len()))
+        .tg(&s, "continuation", Term::literal(continuation_json))
+        .tg(&s, "clientId", Term::literal(client_id))
+        .tg(&s, "step", integer(n))
+        .derived(&s, &uris.previous(n - 1));
+    for (goal, session) in goals {
+        b.tg(&s, "subagentGoal", Term::literal(goal)).tg(
+            &s,
+            "subagentSession",
+            Term::iri(SessionUris::new(session).session()),
+        );
+    }
+    let integer64 = |v: u64| Term::typed_literal(v.to_string(), XSD_INTEGER);
+    b.tg(&s, "llmDurationMs", integer64(stats.duration_ms))
+        .tg(&s, "inToken", integer64(stats.in_token))
+        .tg(&s, "outToken", integer64(stats.out_token));
+    b.build()
+}
+
+/// A subagent's end, for its supervisor's fan-in: which fan-out, which goal, whether it answered
+/// or failed, and the result. Derived from the subagent's conclusion.
+pub fn completion(
+    uris: &SessionUris,
+    correlation_id: &str,
+    parent_session: &str,
+    goal: &str,
+    status: &str,
+    result: &str,
+) -> Vec<Triple> {
+    let s = uris.completion();
+    let doc = format!("{s}/result");
+    let mut b = NodeBuilder::default();
+    b.types(&s, &["SubagentCompletion"])
+        .label(&s, &format!("Completion ({status}): {goal}"))
+        .tg(&s, "correlationId", Term::literal(correlation_id))
+        .tg(
+            &s,
+            "parentSession",
+            Term::iri(SessionUris::new(parent_session).session()),
+        )
+        .tg(&s, "goal", Term::literal(goal))
+        .tg(&s, "completionStatus", Term::literal(status))
+        .derived(&s, &uris.conclusion())
+        .document(&s, &doc, result);
+    b.build()
+}
+
+/// The supervisor's synthesis of a fan-out: derived from every completion, and from the fan-out.
+pub fn synthesis(
+    uris: &SessionUris,
+    correlation_id: &str,
+    completions: &[String],
+    stats: &CallStats,
+) -> Vec<Triple> {
+    let s = uris.synthesis(correlation_id);
+    let mut b = NodeBuilder::default();
+    b.types(&s, &["Synthesis"])
+        .label(&s, "Synthesis")
+        .tg(&s, "correlationId", Term::literal(correlation_id))
+        .derived(&s, &uris.fanout(correlation_id));
+    for c in completions {
+        b.derived(&s, c);
+    }
+    let integer64 = |v: u64| Term::typed_literal(v.to_string(), XSD_INTEGER);
+    b.tg(&s, "llmDurationMs", integer64(stats.duration_ms))
+        .tg(&s, "inToken", integer64(stats.in_token))
+        .tg(&s, "outToken", integer64(stats.out_token));
+    if !stats.model.is_empty() {
+        b.tg(&s, "model", Term::literal(&stats.model));
+    }
+    b.build()
 }
 
 /// Renders a triple list as N-Triples-like lines for people (the CLI's provenance view).
