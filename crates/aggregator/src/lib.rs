@@ -1,7 +1,9 @@
 //! The aggregator: consumes the explainability topic, writes every triple to the graph store
-//! (idempotently, acking only after the write committed), and serves the store over the SPARQL 1.1
-//! Protocol so orchestrator replicas and the CLI can read it. The graph is its only state.
+//! (idempotently, acking only after the write committed), completes fan-ins by querying the graph,
+//! and serves the store over the SPARQL 1.1 Protocol so orchestrator replicas and the CLI can read
+//! it. The graph is its only state.
 
+pub mod fanin;
 pub mod http;
 pub mod writer;
 
@@ -93,7 +95,8 @@ pub async fn run(settings: AggregatorSettings, shutdown: CancellationToken) -> a
         drain_deadline: Duration::from_secs(10),
         nack_delay: Duration::from_secs(1),
     };
-    let writer = Arc::new(writer::Writer::new(store));
+    let requests = agent_bus::Publisher::new(&bus, &topics.request).await?;
+    let writer = Arc::new(writer::Writer::new(store, Some(requests)));
     let stats = Arc::new(ConsumerStats::default());
     let consumed = run_consumer(
         &bus,

@@ -1,20 +1,21 @@
 //! Turns explainability messages into graph writes. Every message is written in one transaction and
 //! acked only after it committed; RDF set semantics make a redelivered message change nothing.
 
-use agent_bus::{Delivery, Disposition};
+use agent_bus::{Delivery, Disposition, Publisher};
 use agent_graph::convert::to_quads;
 use agent_graph::GraphStore;
 use agent_schema::Triples;
 
-/// The consumer's handler. New event kinds (fan-in completions, sweeps) hook in at [`Writer::handle`]
-/// after the write, where the graph already holds the event.
+/// The consumer's handler. Fan-in runs after the write, when the graph already holds the event.
 pub struct Writer {
     store: GraphStore,
+    /// Where synthesis requests go (the agent request topic); `None` writes only.
+    requests: Option<Publisher>,
 }
 
 impl Writer {
-    pub fn new(store: GraphStore) -> Writer {
-        Writer { store }
+    pub fn new(store: GraphStore, requests: Option<Publisher>) -> Writer {
+        Writer { store, requests }
     }
 
     pub async fn handle(&self, delivery: Delivery<Triples>) -> Disposition {
@@ -36,10 +37,23 @@ impl Writer {
         match self.store.insert(quads).await {
             Ok(()) => {
                 tracing::debug!(id = %message.metadata.id, quads = count, "written");
-                Disposition::Ack
+                self.fan_in(&message).await
             }
             Err(e) if e.retryable() => Disposition::Nack(e.to_string()),
             Err(e) => Disposition::DeadLetter(e.to_string()),
+        }
+    }
+
+    /// After a completion or fan-out was written: the fan-in check. A failure is retried by
+    /// redelivery; the write before it and the claim are idempotent for the same message.
+    async fn fan_in(&self, message: &Triples) -> Disposition {
+        let (Some(requests), Some(cid)) = (&self.requests, crate::fanin::correlation_of(message))
+        else {
+            return Disposition::Ack;
+        };
+        match crate::fanin::check(&self.store, requests, &cid, &message.metadata.id).await {
+            Ok(()) => Disposition::Ack,
+            Err(e) => Disposition::Nack(format!("fan-in of {cid}: {e}")),
         }
     }
 }

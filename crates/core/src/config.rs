@@ -491,8 +491,8 @@ mod tests {
             (
                 "agent-pattern".to_owned(),
                 [(
-                    "supervisor".to_owned(),
-                    json!({"description": "fan out", "max_subagents": 5}),
+                    "negotiator".to_owned(),
+                    json!({"description": "not built here", "max_rounds": 5}),
                 )]
                 .into(),
             ),
@@ -509,7 +509,7 @@ mod tests {
                     ),
                     (
                         "c".to_owned(),
-                        json!({"description": "", "valid_patterns": ["supervisor"]}),
+                        json!({"description": "", "valid_patterns": ["negotiator"]}),
                     ),
                     (
                         "d".to_owned(),
@@ -521,7 +521,7 @@ mod tests {
                     ),
                     (
                         "ok".to_owned(),
-                        json!({"description": "", "valid_patterns": ["supervisor", "react"]}),
+                        json!({"description": "", "valid_patterns": ["negotiator", "react"]}),
                     ),
                 ]
                 .into(),

@@ -28,6 +28,10 @@ pub const PLAN_REVIEW_KEY: &str = "plan-review";
 pub const ANSWER_REVIEW_KEY: &str = "answer-review";
 /// Config key of the prompt that answers from the plan's results (TrustGraph's prompt id).
 pub const PLAN_SYNTHESISE_KEY: &str = "plan-synthesise";
+/// Config key of the supervisor's prompt that splits a request into goals (TrustGraph's prompt id).
+pub const SUPERVISOR_DECOMPOSE_KEY: &str = "supervisor-decompose";
+/// Config key of the supervisor's prompt that answers from its subagents' results (TrustGraph's id).
+pub const SUPERVISOR_SYNTHESISE_KEY: &str = "supervisor-synthesise";
 /// Config key of the prompt around a tool's LLM call (`text-completion` and `prompt` tools).
 pub const TOOL_CALL_KEY: &str = "tool-call";
 
@@ -78,6 +82,16 @@ pub const DEFAULT_ANSWER_REVIEW_TEMPLATE: &str = "{{framing}}Review a draft answ
 /// Synthesis. Placeholders: `framing`, `question`, `results`, `caveat`.
 pub const DEFAULT_PLAN_SYNTHESISE_TEMPLATE: &str = "{{framing}}Answer the request below from the results of the plan's steps. Use only these results; say so if they are not enough.{{caveat}}\n\nResults:\n{{results}}\n\nRequest to answer: {{question}}";
 
+/// The supervisor's system prompt used when config gives none.
+pub const DEFAULT_SUPERVISOR_SYSTEM: &str =
+    "You coordinate subagents: you split work into independent goals and combine what they find.";
+
+/// Splitting. Placeholders: `framing`, `question`, `max_subagents`, `tools`.
+pub const DEFAULT_SUPERVISOR_DECOMPOSE_TEMPLATE: &str = "{{framing}}Split the request below into at most {{max_subagents}} independent goals, each of which a subagent can pursue on its own, in parallel with the others. A subagent works step by step with tools (pattern react) or by a plan (pattern plan-then-execute).\n\nTools the subagents can use:\n{{tools}}\n\nReply with only a JSON list: [{\"goal\": \"...\", \"pattern\": \"react\"}]\n\nRequest to split: {{question}}";
+
+/// Combining. Placeholders: `framing`, `question`, `results`.
+pub const DEFAULT_SUPERVISOR_SYNTHESISE_TEMPLATE: &str = "{{framing}}Answer the request below from what the subagents found. Use only their results, say which goals failed, and do not invent what is missing.\n\nResults by goal:\n{{results}}\n\nRequest to answer from the subagents: {{question}}";
+
 /// The system prompt of a tool's LLM call; its user prompt is the tool's own (`{{prompt}}`).
 pub const DEFAULT_TOOL_CALL_SYSTEM: &str = "You are a helpful assistant.";
 
@@ -111,6 +125,8 @@ pub struct Prompts {
     pub plan_review: PromptTemplate,
     pub answer_review: PromptTemplate,
     pub plan_synthesise: PromptTemplate,
+    pub supervisor_decompose: PromptTemplate,
+    pub supervisor_synthesise: PromptTemplate,
     pub tool_call: PromptTemplate,
 }
 
@@ -142,6 +158,14 @@ impl Default for Prompts {
                 DEFAULT_PLAN_SYSTEM,
                 DEFAULT_PLAN_SYNTHESISE_TEMPLATE,
             ),
+            supervisor_decompose: PromptTemplate::new(
+                DEFAULT_SUPERVISOR_SYSTEM,
+                DEFAULT_SUPERVISOR_DECOMPOSE_TEMPLATE,
+            ),
+            supervisor_synthesise: PromptTemplate::new(
+                DEFAULT_SUPERVISOR_SYSTEM,
+                DEFAULT_SUPERVISOR_SYNTHESISE_TEMPLATE,
+            ),
             tool_call: PromptTemplate::new(DEFAULT_TOOL_CALL_SYSTEM, "{{prompt}}"),
         }
     }
@@ -161,13 +185,15 @@ impl Prompts {
             PLAN_REVIEW_KEY => Some(&mut self.plan_review),
             ANSWER_REVIEW_KEY => Some(&mut self.answer_review),
             PLAN_SYNTHESISE_KEY => Some(&mut self.plan_synthesise),
+            SUPERVISOR_DECOMPOSE_KEY => Some(&mut self.supervisor_decompose),
+            SUPERVISOR_SYNTHESISE_KEY => Some(&mut self.supervisor_synthesise),
             TOOL_CALL_KEY => Some(&mut self.tool_call),
             _ => None,
         }
     }
 
     /// The config keys of every prompt.
-    pub const KEYS: [&'static str; 11] = [
+    pub const KEYS: [&'static str; 13] = [
         REACT_KEY,
         TASK_TYPE_SELECTION_KEY,
         PATTERN_SELECTION_KEY,
@@ -178,6 +204,8 @@ impl Prompts {
         PLAN_REVIEW_KEY,
         ANSWER_REVIEW_KEY,
         PLAN_SYNTHESISE_KEY,
+        SUPERVISOR_DECOMPOSE_KEY,
+        SUPERVISOR_SYNTHESISE_KEY,
         TOOL_CALL_KEY,
     ];
 }

@@ -7,9 +7,10 @@ use std::collections::BTreeMap;
 use crate::config::{AgentConfig, TaskTypeDef};
 use crate::plan::PLAN_THEN_EXECUTE;
 use crate::prompt::{render, PromptTemplate};
+use crate::supervisor::SUPERVISOR;
 
 /// The patterns this orchestrator can run, in no particular order.
-pub const IMPLEMENTED_PATTERNS: &[&str] = &[REACT, PLAN_THEN_EXECUTE];
+pub const IMPLEMENTED_PATTERNS: &[&str] = &[REACT, PLAN_THEN_EXECUTE, SUPERVISOR];
 /// The pattern every dialog can fall back to.
 pub const REACT: &str = "react";
 /// The task type used when config defines none, and the preferred fallback task type.
@@ -136,6 +137,7 @@ fn builtin_description(pattern: &str) -> &'static str {
     match pattern {
         REACT => "Reason step by step, calling one tool at a time, until the answer is known",
         PLAN_THEN_EXECUTE => "Write a plan of dependent steps first, then carry them out one at a time, revising the rest of the plan when a step fails",
+        SUPERVISOR => "Split the request into independent goals, give each to its own subagent in parallel, then combine their findings",
         _ => "",
     }
 }
@@ -376,12 +378,12 @@ mod tests {
             name: "research".into(),
             description: "d".into(),
             framing: String::new(),
-            valid_patterns: vec!["supervisor".into(), "react".into()],
+            valid_patterns: vec!["negotiator".into(), "react".into()],
             critic: Vec::new(),
         };
         let (runnable, unavailable) = pattern_candidates(&AgentConfig::default(), &task);
         assert_eq!(names(&runnable), ["react"]);
-        assert_eq!(unavailable, ["supervisor"]);
+        assert_eq!(unavailable, ["negotiator"]);
         let task = TaskTypeDef {
             valid_patterns: vec!["plan-then-execute".into(), "react".into()],
             ..task

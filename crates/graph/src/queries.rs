@@ -61,3 +61,50 @@ pub fn derivation_closure(start: &NamedNode) -> String {
         "{PREFIXES}SELECT DISTINCT ?n WHERE {{ GRAPH {g} {{ {start} (prov:wasDerivedFrom|tg:thought)* ?n }} }}"
     )
 }
+
+/// The fan-out `correlation_id` names, while no synthesis was requested for it: its node, expected
+/// count, the supervisor's continuation and the client's id.
+pub fn open_fanout(correlation_id: &str) -> String {
+    let g = graph();
+    let cid = oxigraph::model::Literal::new_simple_literal(correlation_id);
+    format!(
+        "{PREFIXES}SELECT ?f ?expected ?continuation ?client WHERE {{ GRAPH {g} {{
+  ?f a tg:FanOut ; tg:correlationId {cid} ; tg:expectedSiblings ?expected ;
+     tg:continuation ?continuation ; tg:clientId ?client .
+  FILTER NOT EXISTS {{ ?f tg:synthesisRequested ?done }} }} }}"
+    )
+}
+
+/// The completions of a fan-out: goal, status and result of each.
+pub fn completions(correlation_id: &str) -> String {
+    let g = graph();
+    let cid = oxigraph::model::Literal::new_simple_literal(correlation_id);
+    format!(
+        "{PREFIXES}SELECT DISTINCT ?c ?goal ?status ?result WHERE {{ GRAPH {g} {{
+  ?c a tg:SubagentCompletion ; tg:correlationId {cid} ; tg:goal ?goal ;
+     tg:completionStatus ?status ; tg:document ?d . ?d tg:content ?result }} }}"
+    )
+}
+
+/// Claims a fan-out's synthesis for `claimer` unless someone claimed it already (first writer
+/// wins: the check and the write are one update).
+pub fn claim_synthesis(fanout: &NamedNode, claimer: &str) -> String {
+    let g = graph();
+    let who = oxigraph::model::Literal::new_simple_literal(claimer);
+    format!(
+        "{PREFIXES}INSERT {{ GRAPH {g} {{ {fanout} tg:synthesisClaim {who} }} }} WHERE {{ GRAPH {g} {{
+  {fanout} a tg:FanOut . FILTER NOT EXISTS {{ {fanout} tg:synthesisClaim ?any }} }} }}"
+    )
+}
+
+/// Who holds a fan-out's synthesis claim.
+pub fn synthesis_claim(fanout: &NamedNode) -> String {
+    let g = graph();
+    format!("{PREFIXES}SELECT ?who WHERE {{ GRAPH {g} {{ {fanout} tg:synthesisClaim ?who }} }}")
+}
+
+/// Marks a fan-out's synthesis request as published.
+pub fn synthesis_requested(fanout: &NamedNode) -> String {
+    let g = graph();
+    format!("{PREFIXES}INSERT DATA {{ GRAPH {g} {{ {fanout} tg:synthesisRequested true }} }}")
+}

@@ -3,12 +3,14 @@
 //! provenance and the `next` request before acking. No dialog state lives in the process, so any
 //! replica can take any step.
 
+pub mod finish;
 pub mod live_config;
 pub mod output;
 pub mod plan;
 pub mod react;
 pub mod router;
 pub mod settings;
+pub mod supervisor;
 pub mod tool_exec;
 
 use std::sync::Arc;
@@ -143,6 +145,7 @@ impl Engine {
             }
             match request.pattern.as_str() {
                 agent_core::plan::PLAN_THEN_EXECUTE => plan::iterate(&turn).await,
+                agent_core::supervisor::SUPERVISOR => supervisor::iterate(&turn).await,
                 _ => react::iterate(&turn).await,
             }
         }

@@ -132,6 +132,24 @@ impl<'a> DialogOutput<'a> {
         self.respond(&r).await
     }
 
+    /// Starts a subagent's dialog under the caller's `id`, so its messages reach the same client.
+    pub async fn spawn(&self, request: &AgentRequest) -> Result<(), BusError> {
+        self.send(
+            &self.outputs.requests,
+            agent_schema::encode(request),
+            &self.properties,
+        )
+        .await
+    }
+
+    /// The caller's `id`, which a fan-out records so its synthesis reaches the same client.
+    pub fn client_id(&self) -> &str {
+        self.properties
+            .get(ID_PROPERTY)
+            .map(String::as_str)
+            .unwrap_or_default()
+    }
+
     /// Queues the next iteration of this dialog, carrying the tokens used so far, when it started,
     /// and any `extra` properties.
     pub async fn next(

@@ -15,7 +15,7 @@ use agent_llm::{ChatMessage, Completion, LlmError};
 use agent_schema::{AgentStep, MessageType, PlanStep, StepType};
 use tokio::sync::mpsc;
 
-use crate::react::{closing_answer, conclude_if_limited, fail};
+use crate::react::{conclude_if_limited, fail};
 use crate::tool_exec::{run_scoped_tool, truncate};
 use crate::Turn;
 
@@ -640,9 +640,7 @@ async fn review_answer(turn: &Turn<'_>, n: usize) -> Result<(), BusError> {
     )
     .await?;
     let tokens = tokens_after(turn, &stats, &ToolStats::default());
-    let content = if request.streaming { "" } else { &answer };
-    out.respond(&closing_answer(content, uris, tokens, &completion.model))
-        .await
+    crate::finish::answer(turn, &answer, tokens, &completion.model).await
 }
 
 /// Publishes the iteration's observation (to the client and the graph), then queues the next
@@ -781,9 +779,7 @@ async fn synthesise(
     )
     .await?;
     let tokens = tokens_after(turn, &stats, &ToolStats::default());
-    let content = if request.streaming { "" } else { &answer };
-    out.respond(&closing_answer(content, uris, tokens, &completion.model))
-        .await
+    crate::finish::answer(turn, &answer, tokens, &completion.model).await
 }
 
 /// Streams the synthesis to the client as answer chunks while the LLM writes it.

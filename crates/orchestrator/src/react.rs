@@ -7,7 +7,7 @@ use agent_core::provenance::{self, CallStats, SessionUris, Termination, ToolStat
 use agent_core::react::{parse, ReactDelta, ReactStream, ReactTurn};
 use agent_core::tools::Scope;
 use agent_llm::{ChatMessage, Completion, LlmClient, LlmError};
-use agent_schema::{AgentResponse, AgentStep, MessageType, StepType};
+use agent_schema::{AgentStep, MessageType, StepType};
 use tokio::sync::mpsc;
 
 use crate::output::DialogOutput;
@@ -76,13 +76,7 @@ pub async fn iterate(turn: &Turn<'_>) -> Result<(), BusError> {
                 &stats,
             );
             out.explain(&uris.conclusion(), triples).await?;
-            let content = if request.streaming {
-                ""
-            } else {
-                answer.as_str()
-            };
-            out.respond(&closing_answer(content, uris, tokens, &completion.model))
-                .await
+            crate::finish::answer(turn, &answer, tokens, &completion.model).await
         }
         Ok(ReactTurn::Action {
             thought,
@@ -280,22 +274,6 @@ async fn publish_delta(
     Ok(())
 }
 
-pub fn closing_answer(
-    content: &str,
-    uris: &SessionUris,
-    tokens: (u64, u64),
-    model: &str,
-) -> AgentResponse {
-    let mut r = AgentResponse::new(MessageType::Answer, content);
-    r.end_of_message = true;
-    r.end_of_dialog = true;
-    r.message_id = uris.conclusion();
-    r.in_token = Some(tokens.0);
-    r.out_token = Some(tokens.1);
-    r.model = Some(model.to_owned());
-    r
-}
-
 /// Ends the dialog when it has used all its iterations or a budget, before any LLM call; `None`
 /// when it may go on. Every pattern checks this first.
 pub async fn conclude_if_limited(turn: &Turn<'_>) -> Option<Result<(), BusError>> {
@@ -346,18 +324,7 @@ async fn conclude_at_limit(
         out.chunk(MessageType::Answer, &answer, &uris.conclusion(), false)
             .await?;
     }
-    let content = if request.streaming {
-        ""
-    } else {
-        answer.as_str()
-    };
-    out.respond(&closing_answer(
-        content,
-        uris,
-        turn.tokens_before,
-        llm.model(),
-    ))
-    .await
+    crate::finish::answer(turn, &answer, turn.tokens_before, llm.model()).await
 }
 
 /// Ends the dialog with an error response and records why.
@@ -373,9 +340,5 @@ pub async fn fail(turn: &Turn<'_>, n: usize, message: &str) -> Result<(), BusErr
         &CallStats::default(),
     );
     out.explain(&uris.conclusion(), triples).await?;
-    let mut r = AgentResponse::error(message);
-    r.message_id = uris.conclusion();
-    r.in_token = Some(turn.tokens_before.0);
-    r.out_token = Some(turn.tokens_before.1);
-    out.respond(&r).await
+    crate::finish::error(turn, message).await
 }

@@ -1,0 +1,136 @@
+//! Fan-in as a query, not a counter: after a completion (or a fan-out) is written, the graph is
+//! asked how many completions the fan-out has; when they are all there, the synthesis is claimed in
+//! the graph (first writer wins, so several aggregators and redeliveries give one synthesis), the
+//! supervisor's synthesis request is published, and the fan-out is marked as done.
+
+use std::collections::BTreeMap;
+
+use agent_bus::{BusError, Properties, Publisher};
+use agent_core::supervisor::synthesis_request;
+use agent_graph::{queries, GraphError, GraphStore, QueryAnswer, Rows};
+use agent_schema::{AgentRequest, Triples, ID_PROPERTY};
+use oxigraph::model::{NamedNode, Term};
+
+const TG: &str = "https://trustgraph.ai/ns/";
+
+#[derive(Debug, thiserror::Error)]
+pub enum FanInError {
+    #[error("graph: {0}")]
+    Graph(#[from] GraphError),
+    #[error("broker: {0}")]
+    Bus(#[from] BusError),
+}
+
+/// The correlation id of a fan-out or completion in `message`, if it holds one.
+pub fn correlation_of(message: &Triples) -> Option<String> {
+    let typed = |class: &str| {
+        message
+            .triples
+            .iter()
+            .any(|t| t.p.iri.ends_with("#type") && t.o.iri == format!("{TG}{class}"))
+    };
+    if !typed("SubagentCompletion") && !typed("FanOut") {
+        return None;
+    }
+    message
+        .triples
+        .iter()
+        .find(|t| t.p.iri == format!("{TG}correlationId"))
+        .map(|t| t.o.value.clone())
+}
+
+fn text(t: Option<&Term>) -> String {
+    match t {
+        Some(Term::Literal(l)) => l.value().to_owned(),
+        Some(Term::NamedNode(n)) => n.as_str().to_owned(),
+        _ => String::new(),
+    }
+}
+
+async fn rows(store: &GraphStore, sparql: String) -> Result<Rows, GraphError> {
+    Ok(match store.query(sparql).await? {
+        QueryAnswer::Rows(rows) => rows,
+        _ => Rows::default(),
+    })
+}
+
+/// Checks the fan-out `correlation_id` after `message_id` was written, and publishes its synthesis
+/// request when it is complete and this message wins the claim.
+pub async fn check(
+    store: &GraphStore,
+    requests: &Publisher,
+    correlation_id: &str,
+    message_id: &str,
+) -> Result<(), FanInError> {
+    let open = rows(store, queries::open_fanout(correlation_id)).await?;
+    let Some(row) = open.rows.first() else {
+        // Not recorded yet (its completions came first), or already synthesised.
+        return Ok(());
+    };
+    let column = |name: &str| {
+        open.variables
+            .iter()
+            .position(|v| v == name)
+            .and_then(|i| row.get(i).cloned().flatten())
+    };
+    let fanout = text(column("f").as_ref());
+    let expected: usize = text(column("expected").as_ref())
+        .parse()
+        .unwrap_or(usize::MAX);
+    let continuation = text(column("continuation").as_ref());
+    let client = text(column("client").as_ref());
+    let done = rows(store, queries::completions(correlation_id)).await?;
+    let mut results = BTreeMap::new();
+    let mut seen = std::collections::BTreeSet::new();
+    let (c, goal, status, result) = (
+        done.column("c"),
+        done.column("goal"),
+        done.column("status"),
+        done.column("result"),
+    );
+    for i in 0..done.rows.len() {
+        seen.insert(text(c.get(i).copied().flatten()));
+        let goal = text(goal.get(i).copied().flatten());
+        let status = text(status.get(i).copied().flatten());
+        let result = text(result.get(i).copied().flatten());
+        let shown = if status == "answer" {
+            result
+        } else {
+            format!("Error: the subagent failed: {result}")
+        };
+        results.insert(goal, shown);
+    }
+    if seen.len() < expected {
+        tracing::debug!(correlation_id, have = seen.len(), expected, "fan-in waits");
+        return Ok(());
+    }
+    let Ok(node) = NamedNode::new(fanout) else {
+        return Ok(());
+    };
+    store
+        .update(queries::claim_synthesis(&node, message_id))
+        .await?;
+    let claim = rows(store, queries::synthesis_claim(&node)).await?;
+    let holder = text(claim.column("who").first().copied().flatten());
+    if holder != message_id {
+        return Ok(());
+    }
+    let Ok(continuation) = serde_json::from_str::<AgentRequest>(&continuation) else {
+        tracing::error!(
+            correlation_id,
+            "the fan-out's continuation is not a request; no synthesis"
+        );
+        return Ok(());
+    };
+    let next = synthesis_request(&continuation, results);
+    let mut properties = Properties::new();
+    properties.insert(ID_PROPERTY.to_owned(), client);
+    requests
+        .enqueue(agent_schema::encode(&next), &properties)
+        .await?
+        .wait()
+        .await?;
+    store.update(queries::synthesis_requested(&node)).await?;
+    tracing::info!(correlation_id, "fan-in complete; synthesis requested");
+    Ok(())
+}

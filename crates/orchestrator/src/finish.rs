@@ -1,0 +1,68 @@
+//! How a dialog ends. A client's dialog ends with the closing answer (or an error) carrying
+//! `end_of_dialog`; a subagent's ends with a `tg:SubagentCompletion` for its supervisor's fan-in,
+//! and the client only sees it as an observation: a failing subagent never ends the client's dialog.
+
+use agent_bus::BusError;
+use agent_core::provenance;
+use agent_core::supervisor::is_subagent;
+use agent_schema::{AgentResponse, MessageType};
+
+use crate::Turn;
+
+/// Ends the dialog with `answer`; `tokens` are the dialog's totals.
+pub async fn answer(
+    turn: &Turn<'_>,
+    answer: &str,
+    tokens: (u64, u64),
+    model: &str,
+) -> Result<(), BusError> {
+    if is_subagent(turn.request) {
+        return complete(turn, "answer", answer).await;
+    }
+    let content = if turn.request.streaming { "" } else { answer };
+    let mut r = AgentResponse::new(MessageType::Answer, content);
+    r.end_of_message = true;
+    r.end_of_dialog = true;
+    r.message_id = turn.uris.conclusion();
+    r.in_token = Some(tokens.0);
+    r.out_token = Some(tokens.1);
+    r.model = Some(model.to_owned());
+    turn.out.respond(&r).await
+}
+
+/// Ends the dialog with an error.
+pub async fn error(turn: &Turn<'_>, message: &str) -> Result<(), BusError> {
+    if is_subagent(turn.request) {
+        return complete(turn, "error", message).await;
+    }
+    let mut r = AgentResponse::error(message);
+    r.message_id = turn.uris.conclusion();
+    r.in_token = Some(turn.tokens_before.0);
+    r.out_token = Some(turn.tokens_before.1);
+    turn.out.respond(&r).await
+}
+
+async fn complete(turn: &Turn<'_>, status: &str, result: &str) -> Result<(), BusError> {
+    let request = turn.request;
+    turn.out
+        .chunk(
+            MessageType::Observation,
+            result,
+            &turn.uris.conclusion(),
+            true,
+        )
+        .await?;
+    turn.out
+        .explain(
+            &turn.uris.completion(),
+            provenance::completion(
+                turn.uris,
+                &request.correlation_id,
+                &request.parent_session_id,
+                &request.subagent_goal,
+                status,
+                result,
+            ),
+        )
+        .await
+}

@@ -1,0 +1,124 @@
+//! Supervisor/Subagent end to end on a real broker, with the aggregator doing fan-in by querying the
+//! graph: subagents run concurrently and the synthesis cites every result; a failing subagent is a
+//! completion the synthesis sees, not the end of the client's dialog; a completion delivered twice
+//! still gives one synthesis and one final answer.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use std::time::Duration;
+
+use agent_bus::Publisher;
+use agent_e2e::*;
+use agent_schema::{AgentRequest, AgentResponse, Metadata, Triples};
+
+const DIALOG_TIMEOUT: Duration = Duration::from_secs(60);
+
+fn supervised(question: &str) -> AgentRequest {
+    AgentRequest {
+        pattern: "supervisor".into(),
+        ..request(question, false)
+    }
+}
+
+const FOUR: &str = r#"{"rules": [
+  {"match": "Request to split: Compare", "reply": "[{\"goal\": \"price of alpha\"}, {\"goal\": \"price of beta\"}, {\"goal\": \"price of gamma\"}, {\"goal\": \"price of delta\"}]"},
+  {"match": "Question: price of alpha", "reply": "Thought: known.\nFinal Answer: alpha costs 1", "delay_ms": 400},
+  {"match": "Question: price of beta", "reply": "Thought: known.\nFinal Answer: beta costs 2", "delay_ms": 400},
+  {"match": "Question: price of gamma", "reply": "Thought: known.\nFinal Answer: gamma costs 3", "delay_ms": 400},
+  {"match": "Question: price of delta", "reply": "unused", "faults": ["500", "500", "500", "500", "500"]},
+  {"match": "Request to answer from the subagents: Compare", "and": ["alpha costs 1", "beta costs 2", "gamma costs 3", "price of delta: Error: the subagent failed"], "reply": "Alpha 1, beta 2, gamma 3; delta unknown."}
+]}"#;
+
+fn closings(responses: &[AgentResponse]) -> usize {
+    responses.iter().filter(|r| r.end_of_dialog).count()
+}
+
+/// Four subagents, one of which fails: they run at once, the synthesis cites the three results and
+/// the failure, exactly one message ends the dialog, and a completion delivered again changes
+/// nothing.
+#[tokio::test]
+async fn a_four_way_fan_out_is_synthesised_once() {
+    let broker = Broker::start().unwrap();
+    let aggregator = Aggregator::spawn(&broker);
+    let llm = scripted_llm(FOUR).await;
+    let _orchestrator = Orchestrator::spawn(&broker, &llm, &seed_dir(), &[]);
+    let mut client = client(&broker).await;
+    client
+        .send("s-1", &supervised("Compare the four prices."))
+        .await
+        .unwrap();
+    let responses = collect_dialog(&mut client, "s-1", DIALOG_TIMEOUT)
+        .await
+        .unwrap();
+    let last = responses.last().unwrap();
+    assert!(last.error.is_none(), "{responses:#?}");
+    assert_eq!(last.content, "Alpha 1, beta 2, gamma 3; delta unknown.");
+    assert_eq!(closings(&responses), 1);
+    // The subagents' LLM calls overlapped.
+    assert!(llm.max_concurrent() >= 2, "subagents ran one after another");
+    // Their ends reached the client as observations under their own message ids.
+    let subagent_ends: Vec<&AgentResponse> = responses
+        .iter()
+        .filter(|r| {
+            r.message_type == "observation"
+                && r.message_id.contains("-s")
+                && r.message_id.ends_with("/final")
+        })
+        .collect();
+    assert_eq!(subagent_ends.len(), 4, "{responses:#?}");
+
+    // A completion published again: no second synthesis, no second answer.
+    let completion = responses
+        .iter()
+        .find(|r| {
+            r.explain_id
+                .as_deref()
+                .is_some_and(|e| e.ends_with("/completion"))
+        })
+        .unwrap();
+    let bus = agent_bus::Bus::connect(&broker.url(), None).await.unwrap();
+    let topics = agent_bus::Topics::trustgraph("default", "default");
+    let explain = Publisher::new(&bus, &topics.explainability).await.unwrap();
+    let again = Triples {
+        metadata: Metadata {
+            id: completion.explain_id.clone().unwrap(),
+            root: String::new(),
+            collection: "default".into(),
+        },
+        triples: completion.explain_triples.clone(),
+    };
+    explain
+        .enqueue(agent_schema::encode(&again), &Default::default())
+        .await
+        .unwrap()
+        .wait()
+        .await
+        .unwrap();
+    let more = drain_for(&mut client, "s-1", Duration::from_secs(3)).await;
+    assert_eq!(closings(&more), 0, "{more:#?}");
+    let synthesis_calls = llm
+        .calls()
+        .iter()
+        .filter(|c| c.last_user.contains("Request to answer from the subagents"))
+        .count();
+    assert_eq!(synthesis_calls, 1);
+
+    // The graph: the fan-out, four completions and the synthesis derived from all of them.
+    let session = responses[0].explain_id.clone().unwrap();
+    let store = aggregator.store();
+    let ask = |q: String| {
+        let store = store.clone();
+        async move {
+            match store.query(q).await.unwrap() {
+                agent_graph::QueryAnswer::Rows(rows) => rows.rows.len(),
+                _ => 0,
+            }
+        }
+    };
+    let derived = format!(
+        "PREFIX tg: <https://trustgraph.ai/ns/> PREFIX prov: <http://www.w3.org/ns/prov#>
+         SELECT DISTINCT ?c WHERE {{ GRAPH <urn:graph:retrieval> {{
+           ?s a tg:Synthesis ; prov:wasDerivedFrom ?c . ?c a tg:SubagentCompletion .
+           ?s prov:wasDerivedFrom ?f . ?f a tg:FanOut ; prov:wasDerivedFrom+ <{session}> }} }}"
+    );
+    assert_eq!(ask(derived).await, 4);
+}
