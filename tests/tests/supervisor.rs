@@ -121,4 +121,12 @@ async fn a_four_way_fan_out_is_synthesised_once() {
            ?s prov:wasDerivedFrom ?f . ?f a tg:FanOut ; prov:wasDerivedFrom+ <{session}> }} }}"
     );
     assert_eq!(ask(derived).await, 4);
+    // Each subagent's run hangs off the fan-out, so the whole run is one DAG from the root.
+    let subagent_roots = format!(
+        "PREFIX tg: <https://trustgraph.ai/ns/> PREFIX prov: <http://www.w3.org/ns/prov#>
+         SELECT DISTINCT ?q WHERE {{ GRAPH <urn:graph:retrieval> {{
+           ?q a tg:AgentQuestion ; prov:wasDerivedFrom ?f . ?f a tg:FanOut ;
+              prov:wasDerivedFrom+ <{session}> }} }}"
+    );
+    assert_eq!(ask(subagent_roots).await, 4);
 }

@@ -615,6 +615,13 @@ fn choice_facts(b: &mut NodeBuilder, s: &str, what: &str, choice: &Choice) {
     }
 }
 
+/// One `prov:wasDerivedFrom` link.
+pub fn derived_from(node: &str, source: &str) -> Vec<Triple> {
+    let mut b = NodeBuilder::default();
+    b.derived(node, source);
+    b.build()
+}
+
 /// A supervisor's fan-out: the goals, the subagents' sessions, how many completions make it whole,
 /// and what the aggregator needs to resume the supervisor (its request as JSON and the client's
 /// `id`).

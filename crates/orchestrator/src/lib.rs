@@ -129,11 +129,16 @@ impl Engine {
             if new_dialog {
                 let started =
                     chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Micros, true);
-                out.explain(
-                    &uris.session(),
-                    provenance::session(&uris, &request.question, &started),
-                )
-                .await?;
+                let mut question = provenance::session(&uris, &request.question, &started);
+                // A subagent's run hangs off its supervisor's fan-out: one DAG from the root.
+                if agent_core::supervisor::is_subagent(&request) {
+                    question.extend(provenance::derived_from(
+                        &uris.session(),
+                        &SessionUris::new(&request.parent_session_id)
+                            .fanout(&request.correlation_id),
+                    ));
+                }
+                out.explain(&uris.session(), question).await?;
                 let Some(decision) = &requested else {
                     return router::route(&turn).await;
                 };
