@@ -110,28 +110,41 @@ pub struct Aggregator {
     store_dir: PathBuf,
     broker_url: String,
     addr: String,
+    extra: Vec<String>,
 }
 
 impl Aggregator {
     pub fn spawn(broker: &Broker) -> Aggregator {
+        Self::spawn_with(broker, &[])
+    }
+
+    /// An aggregator with extra flags (such as `--fanout-timeout-secs`).
+    pub fn spawn_with(broker: &Broker, extra: &[&str]) -> Aggregator {
         let port = agent_bus::embedded::free_port().unwrap();
         let store_dir =
             std::env::temp_dir().join(format!("agent-e2e-graph-{}-{port}", std::process::id()));
         let _ = std::fs::remove_dir_all(&store_dir);
         let addr = format!("127.0.0.1:{port}");
-        let child = Self::launch(&broker.url(), &store_dir, &addr);
+        let extra: Vec<String> = extra.iter().map(|s| (*s).to_owned()).collect();
+        let child = Self::launch(&broker.url(), &store_dir, &addr, &extra);
         let aggregator = Aggregator {
             child,
             endpoint: format!("http://{addr}"),
             store_dir,
             broker_url: broker.url(),
             addr,
+            extra,
         };
         aggregator.wait_ready();
         aggregator
     }
 
-    fn launch(broker_url: &str, store_dir: &std::path::Path, addr: &str) -> Child {
+    fn launch(
+        broker_url: &str,
+        store_dir: &std::path::Path,
+        addr: &str,
+        extra: &[String],
+    ) -> Child {
         Command::new(binary("agent-aggregator"))
             .arg("--pulsar-url")
             .arg(broker_url)
@@ -139,6 +152,7 @@ impl Aggregator {
             .arg(store_dir)
             .arg("--http-addr")
             .arg(addr)
+            .args(extra)
             .env(
                 "RUST_LOG",
                 std::env::var("RUST_LOG").unwrap_or_else(|_| "warn".into()),
@@ -155,7 +169,7 @@ impl Aggregator {
     /// SIGKILL, then start again on the same store.
     pub fn kill_and_restart(&mut self) {
         self.kill();
-        self.child = Self::launch(&self.broker_url, &self.store_dir, &self.addr);
+        self.child = Self::launch(&self.broker_url, &self.store_dir, &self.addr, &self.extra);
         self.wait_ready();
     }
 

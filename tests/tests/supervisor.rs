@@ -130,3 +130,38 @@ async fn a_four_way_fan_out_is_synthesised_once() {
     );
     assert_eq!(ask(subagent_roots).await, 4);
 }
+
+/// A subagent that never finishes: after the fan-out timeout the aggregator's sweep gives the
+/// supervisor a partial synthesis that names it, and the dialog ends once.
+#[tokio::test]
+async fn a_stalled_subagent_gets_a_partial_synthesis_after_the_timeout() {
+    let broker = Broker::start().unwrap();
+    let _aggregator = Aggregator::spawn_with(&broker, &["--fanout-timeout-secs", "3"]);
+    let llm = scripted_llm(
+        r#"{"rules": [
+      {"match": "Request to split: Survey", "reply": "[{\"goal\": \"ask the quick one\"}, {\"goal\": \"ask the slow one\"}]"},
+      {"match": "Question: ask the quick one", "reply": "Thought: quick.\nFinal Answer: QUICK"},
+      {"match": "Question: ask the slow one", "reply": "unused", "faults": ["stall"], "stall_ms": 120000},
+      {"match": "Request to answer from the subagents: Survey", "and": ["QUICK", "ask the slow one: Error: no result within 3 s (the subagent timed out)"], "reply": "Only the quick one answered."}
+    ]}"#,
+    )
+    .await;
+    let _orchestrator = Orchestrator::spawn(
+        &broker,
+        &llm,
+        &seed_dir(),
+        &["--llm-idle-timeout-secs", "300"],
+    );
+    let mut client = client(&broker).await;
+    client
+        .send("t-1", &supervised("Survey both."))
+        .await
+        .unwrap();
+    let responses = collect_dialog(&mut client, "t-1", DIALOG_TIMEOUT)
+        .await
+        .unwrap();
+    let last = responses.last().unwrap();
+    assert!(last.error.is_none(), "{responses:#?}");
+    assert_eq!(last.content, "Only the quick one answered.");
+    assert_eq!(closings(&responses), 1);
+}

@@ -21,6 +21,41 @@ pub enum FanInError {
     Bus(#[from] BusError),
 }
 
+/// Runs the timeout sweep until `shutdown`: every `every`, fan-outs older than `timeout` that are
+/// still waiting get a partial synthesis. Its only state is the graph, so it survives restarts.
+pub async fn sweep(
+    store: GraphStore,
+    requests: Publisher,
+    timeout: std::time::Duration,
+    every: std::time::Duration,
+    shutdown: tokio_util::sync::CancellationToken,
+) {
+    loop {
+        tokio::select! {
+            _ = shutdown.cancelled() => return,
+            _ = tokio::time::sleep(every) => {}
+        }
+        let cutoff = chrono::Utc::now() - chrono::Duration::from_std(timeout).unwrap_or_default();
+        let cutoff = cutoff.to_rfc3339_opts(chrono::SecondsFormat::Micros, true);
+        let overdue = match rows(&store, queries::overdue_fanouts(&cutoff)).await {
+            Ok(rows) => rows,
+            Err(e) => {
+                tracing::warn!(error = %e, "timeout sweep could not query the graph");
+                continue;
+            }
+        };
+        for cid in overdue.column("cid") {
+            let cid = text(cid);
+            // The sweep's claim is the same on every aggregator and after a restart.
+            let claimer = format!("sweep:{cid}");
+            if let Err(e) = check(&store, &requests, &cid, &claimer, Some(timeout.as_secs())).await
+            {
+                tracing::warn!(correlation_id = %cid, error = %e, "timeout sweep failed; retrying later");
+            }
+        }
+    }
+}
+
 /// The correlation id of a fan-out or completion in `message`, if it holds one.
 pub fn correlation_of(message: &Triples) -> Option<String> {
     let typed = |class: &str| {
@@ -55,12 +90,14 @@ async fn rows(store: &GraphStore, sparql: String) -> Result<Rows, GraphError> {
 }
 
 /// Checks the fan-out `correlation_id` after `message_id` was written, and publishes its synthesis
-/// request when it is complete and this message wins the claim.
+/// request when it is complete and this message wins the claim. With `timed_out` (the sweep), the
+/// synthesis goes ahead with what arrived, naming the goals that did not.
 pub async fn check(
     store: &GraphStore,
     requests: &Publisher,
     correlation_id: &str,
     message_id: &str,
+    timed_out: Option<u64>,
 ) -> Result<(), FanInError> {
     let open = rows(store, queries::open_fanout(correlation_id)).await?;
     let Some(row) = open.rows.first() else {
@@ -100,13 +137,28 @@ pub async fn check(
         };
         results.insert(goal, shown);
     }
-    if seen.len() < expected {
-        tracing::debug!(correlation_id, have = seen.len(), expected, "fan-in waits");
-        return Ok(());
-    }
     let Ok(node) = NamedNode::new(fanout) else {
         return Ok(());
     };
+    if seen.len() < expected {
+        let Some(secs) = timed_out else {
+            tracing::debug!(correlation_id, have = seen.len(), expected, "fan-in waits");
+            return Ok(());
+        };
+        let goals = rows(store, queries::fanout_goals(&node)).await?;
+        for goal in goals.column("goal") {
+            let goal = text(goal);
+            results.entry(goal).or_insert_with(|| {
+                format!("Error: no result within {secs} s (the subagent timed out)")
+            });
+        }
+        tracing::warn!(
+            correlation_id,
+            have = seen.len(),
+            expected,
+            "fan-out timed out; partial synthesis"
+        );
+    }
     store
         .update(queries::claim_synthesis(&node, message_id))
         .await?;

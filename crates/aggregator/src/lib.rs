@@ -37,6 +37,9 @@ pub struct AggregatorSettings {
     pub subscription: String,
     #[arg(long, env = "AGENT_EXPLAIN_TOPIC")]
     pub explain_topic: Option<String>,
+    /// Seconds a fan-out waits for all its subagents before a partial synthesis.
+    #[arg(long, env = "FANOUT_TIMEOUT_SECS", default_value_t = 300)]
+    pub fanout_timeout_secs: u64,
 }
 
 impl AggregatorSettings {
@@ -50,6 +53,7 @@ impl AggregatorSettings {
             max_in_flight: 16,
             subscription: "agent-aggregator".to_owned(),
             explain_topic: None,
+            fanout_timeout_secs: 300,
         }
     }
 }
@@ -96,6 +100,14 @@ pub async fn run(settings: AggregatorSettings, shutdown: CancellationToken) -> a
         nack_delay: Duration::from_secs(1),
     };
     let requests = agent_bus::Publisher::new(&bus, &topics.request).await?;
+    let timeout = Duration::from_secs(settings.fanout_timeout_secs.max(1));
+    let sweeper = tokio::spawn(fanin::sweep(
+        store.clone(),
+        requests.clone(),
+        timeout,
+        (timeout / 4).clamp(Duration::from_millis(500), Duration::from_secs(30)),
+        shutdown.clone(),
+    ));
     let writer = Arc::new(writer::Writer::new(store, Some(requests)));
     let stats = Arc::new(ConsumerStats::default());
     let consumed = run_consumer(
@@ -110,6 +122,7 @@ pub async fn run(settings: AggregatorSettings, shutdown: CancellationToken) -> a
     )
     .await;
     shutdown.cancel();
+    let _ = sweeper.await;
     if let Some(server) = server {
         server.await??;
     }

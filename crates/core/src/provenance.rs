@@ -633,6 +633,7 @@ pub fn fanout(
     goals: &[(String, String)],
     continuation_json: &str,
     client_id: &str,
+    started_at: &str,
     stats: &CallStats,
 ) -> Vec<Triple> {
     let s = uris.fanout(correlation_id);
@@ -644,6 +645,11 @@ pub fn fanout(
         .tg(&s, "expectedSiblings", integer(goals.len()))
         .tg(&s, "continuation", Term::literal(continuation_json))
         .tg(&s, "clientId", Term::literal(client_id))
+        .add(
+            &s,
+            &format!("{PROV}startedAtTime"),
+            Term::typed_literal(started_at, XSD_DATETIME),
+        )
         .tg(&s, "step", integer(n))
         .derived(&s, &uris.previous(n - 1));
     for (goal, session) in goals {

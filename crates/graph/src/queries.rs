@@ -108,3 +108,24 @@ pub fn synthesis_requested(fanout: &NamedNode) -> String {
     let g = graph();
     format!("{PREFIXES}INSERT DATA {{ GRAPH {g} {{ {fanout} tg:synthesisRequested true }} }}")
 }
+
+/// Fan-outs still waiting for their synthesis that started before `cutoff` (an xsd:dateTime).
+pub fn overdue_fanouts(cutoff: &str) -> String {
+    let g = graph();
+    let cutoff = oxigraph::model::Literal::new_typed_literal(
+        cutoff,
+        NamedNode::new_unchecked("http://www.w3.org/2001/XMLSchema#dateTime"),
+    );
+    format!(
+        "{PREFIXES}SELECT ?cid WHERE {{ GRAPH {g} {{
+  ?f a tg:FanOut ; tg:correlationId ?cid ; prov:startedAtTime ?t .
+  FILTER NOT EXISTS {{ ?f tg:synthesisRequested ?done }}
+  FILTER (?t < {cutoff}) }} }}"
+    )
+}
+
+/// The goals a fan-out gave its subagents.
+pub fn fanout_goals(fanout: &NamedNode) -> String {
+    let g = graph();
+    format!("{PREFIXES}SELECT ?goal WHERE {{ GRAPH {g} {{ {fanout} tg:subagentGoal ?goal }} }}")
+}

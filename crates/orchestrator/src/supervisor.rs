@@ -112,6 +112,7 @@ async fn decompose(turn: &Turn<'_>, n: usize) -> Result<(), BusError> {
             &sessions,
             &String::from_utf8_lossy(&agent_schema::encode(&continuation)),
             out.client_id(),
+            &chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Micros, true),
             &stats,
         ),
     )
