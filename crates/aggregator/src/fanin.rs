@@ -46,10 +46,7 @@ pub async fn sweep(
         };
         for cid in overdue.column("cid") {
             let cid = text(cid);
-            // The sweep's claim is the same on every aggregator and after a restart.
-            let claimer = format!("sweep:{cid}");
-            if let Err(e) = check(&store, &requests, &cid, &claimer, Some(timeout.as_secs())).await
-            {
+            if let Err(e) = check(&store, &requests, &cid, Some(timeout.as_secs())).await {
                 tracing::warn!(correlation_id = %cid, error = %e, "timeout sweep failed; retrying later");
             }
         }
@@ -89,16 +86,22 @@ async fn rows(store: &GraphStore, sparql: String) -> Result<Rows, GraphError> {
     })
 }
 
-/// Checks the fan-out `correlation_id` after `message_id` was written, and publishes its synthesis
-/// request when it is complete and this message wins the claim. With `timed_out` (the sweep), the
-/// synthesis goes ahead with what arrived, naming the goals that did not.
+/// How long a claim protects a synthesis that is being published; a claim older than this whose
+/// holder never marked the synthesis requested (it died) is taken over.
+const CLAIM_LEASE: std::time::Duration = std::time::Duration::from_secs(30);
+
+/// Checks the fan-out `correlation_id` after a completion or fan-out was written, and publishes its
+/// synthesis request when it is complete and this check wins the claim (every check claims under
+/// its own name, so two checks never both win). With `timed_out` (the sweep), the synthesis goes
+/// ahead with what arrived, naming the goals that did not.
 pub async fn check(
     store: &GraphStore,
     requests: &Publisher,
     correlation_id: &str,
-    message_id: &str,
     timed_out: Option<u64>,
 ) -> Result<(), FanInError> {
+    // Random, so no two checks (on any aggregator, before or after a restart) share a name.
+    let claimer = format!("{:032x}", uuid::Uuid::new_v4().as_u128());
     let open = rows(store, queries::open_fanout(correlation_id)).await?;
     let Some(row) = open.rows.first() else {
         // Not recorded yet (its completions came first), or already synthesised.
@@ -159,12 +162,21 @@ pub async fn check(
             "fan-out timed out; partial synthesis"
         );
     }
+    let now = chrono::Utc::now();
+    let stale = now - chrono::Duration::from_std(CLAIM_LEASE).unwrap_or_default();
+    let stamp =
+        |t: chrono::DateTime<chrono::Utc>| t.to_rfc3339_opts(chrono::SecondsFormat::Micros, true);
     store
-        .update(queries::claim_synthesis(&node, message_id))
+        .update(queries::claim_synthesis(
+            &node,
+            &claimer,
+            &stamp(now),
+            &stamp(stale),
+        ))
         .await?;
     let claim = rows(store, queries::synthesis_claim(&node)).await?;
-    let holder = text(claim.column("who").first().copied().flatten());
-    if holder != message_id {
+    let holders: Vec<String> = claim.column("who").into_iter().map(text).collect();
+    if holders != [claimer.clone()] {
         return Ok(());
     }
     let Ok(continuation) = serde_json::from_str::<AgentRequest>(&continuation) else {

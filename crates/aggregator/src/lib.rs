@@ -37,6 +37,9 @@ pub struct AggregatorSettings {
     pub subscription: String,
     #[arg(long, env = "AGENT_EXPLAIN_TOPIC")]
     pub explain_topic: Option<String>,
+    /// Where synthesis requests go: the orchestrators' request topic.
+    #[arg(long, env = "AGENT_REQUEST_TOPIC")]
+    pub request_topic: Option<String>,
     /// Seconds a fan-out waits for all its subagents before a partial synthesis.
     #[arg(long, env = "FANOUT_TIMEOUT_SECS", default_value_t = 300)]
     pub fanout_timeout_secs: u64,
@@ -53,6 +56,7 @@ impl AggregatorSettings {
             max_in_flight: 16,
             subscription: "agent-aggregator".to_owned(),
             explain_topic: None,
+            request_topic: None,
             fanout_timeout_secs: 300,
         }
     }
@@ -99,7 +103,11 @@ pub async fn run(settings: AggregatorSettings, shutdown: CancellationToken) -> a
         drain_deadline: Duration::from_secs(10),
         nack_delay: Duration::from_secs(1),
     };
-    let requests = agent_bus::Publisher::new(&bus, &topics.request).await?;
+    let request_topic = settings
+        .request_topic
+        .clone()
+        .unwrap_or(topics.request.clone());
+    let requests = agent_bus::Publisher::new(&bus, &request_topic).await?;
     let timeout = Duration::from_secs(settings.fanout_timeout_secs.max(1));
     let sweeper = tokio::spawn(fanin::sweep(
         store.clone(),

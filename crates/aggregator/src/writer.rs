@@ -51,7 +51,7 @@ impl Writer {
         else {
             return Disposition::Ack;
         };
-        match crate::fanin::check(&self.store, requests, &cid, &message.metadata.id, None).await {
+        match crate::fanin::check(&self.store, requests, &cid, None).await {
             Ok(()) => Disposition::Ack,
             Err(e) => Disposition::Nack(format!("fan-in of {cid}: {e}")),
         }

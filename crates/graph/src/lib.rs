@@ -86,6 +86,9 @@ impl QueryAnswer {
     }
 }
 
+/// Serialises SPARQL updates on embedded stores (see [`GraphStore::update`]).
+static SERIAL_UPDATES: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 /// Where the graph lives.
 #[derive(Clone)]
 pub struct GraphStore {
@@ -186,11 +189,17 @@ impl GraphStore {
         }
     }
 
-    /// Runs a SPARQL update.
+    /// Runs a SPARQL update. Updates to an embedded store run one at a time: oxigraph evaluates an
+    /// update on a snapshot and then writes, so two conditional inserts (`INSERT ... WHERE FILTER
+    /// NOT EXISTS`) running at once could both see nothing and both write. Serialised, such an
+    /// update is a compare-and-set, for this process and for every client of its endpoint.
     pub async fn update(&self, sparql: String) -> Result<(), GraphError> {
         match self.writable()? {
             Writable::Embedded(store) => {
                 blocking(move || {
+                    let _one_at_a_time = SERIAL_UPDATES
+                        .lock()
+                        .unwrap_or_else(std::sync::PoisonError::into_inner);
                     SparqlEvaluator::new()
                         .parse_update(&sparql)
                         .map_err(|e| GraphError::Syntax(e.to_string()))?

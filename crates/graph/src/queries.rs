@@ -86,14 +86,26 @@ pub fn completions(correlation_id: &str) -> String {
     )
 }
 
-/// Claims a fan-out's synthesis for `claimer` unless someone claimed it already (first writer
-/// wins: the check and the write are one update).
-pub fn claim_synthesis(fanout: &NamedNode, claimer: &str) -> String {
+/// Claims a fan-out's synthesis for `claimer` at time `now` (an xsd:dateTime), unless someone
+/// holds a claim made after `stale_before`: a claim whose holder died before publishing is taken
+/// over once it is stale. Check and write are one update (see `GraphStore::update`).
+pub fn claim_synthesis(fanout: &NamedNode, claimer: &str, now: &str, stale_before: &str) -> String {
     let g = graph();
     let who = oxigraph::model::Literal::new_simple_literal(claimer);
+    let datetime = |v: &str| {
+        oxigraph::model::Literal::new_typed_literal(
+            v,
+            NamedNode::new_unchecked("http://www.w3.org/2001/XMLSchema#dateTime"),
+        )
+    };
+    let (now, stale) = (datetime(now), datetime(stale_before));
     format!(
-        "{PREFIXES}INSERT {{ GRAPH {g} {{ {fanout} tg:synthesisClaim {who} }} }} WHERE {{ GRAPH {g} {{
-  {fanout} a tg:FanOut . FILTER NOT EXISTS {{ {fanout} tg:synthesisClaim ?any }} }} }}"
+        "{PREFIXES}DELETE {{ GRAPH {g} {{ {fanout} tg:synthesisClaim ?old ; tg:claimedAt ?at }} }}
+INSERT {{ GRAPH {g} {{ {fanout} tg:synthesisClaim {who} ; tg:claimedAt {now} }} }}
+WHERE {{ GRAPH {g} {{ {fanout} a tg:FanOut .
+  FILTER NOT EXISTS {{ {fanout} tg:synthesisRequested ?done }}
+  OPTIONAL {{ {fanout} tg:synthesisClaim ?old ; tg:claimedAt ?at }}
+  FILTER (!BOUND(?at) || ?at < {stale}) }} }}"
     )
 }
 

@@ -156,3 +156,78 @@ async fn on_disk() {
     drop(reopened);
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// Claims on a fan-out's synthesis are a compare-and-set: of many claims made at once exactly one
+/// holds, a fresh claim is not taken over, and a stale one (its holder died) is.
+#[tokio::test]
+async fn synthesis_claims_have_one_winner() {
+    let store = GraphStore::in_memory().unwrap();
+    let fanout = oxigraph::model::NamedNode::new("urn:trustgraph:agent:s/fanout/s-f1").unwrap();
+    store
+        .update(format!(
+            "INSERT DATA {{ GRAPH <urn:graph:retrieval> {{ {fanout} a <https://trustgraph.ai/ns/FanOut> }} }}"
+        ))
+        .await
+        .unwrap();
+    let claims = (0..16).map(|i| {
+        let store = store.clone();
+        let fanout = fanout.clone();
+        tokio::spawn(async move {
+            store
+                .update(queries::claim_synthesis(
+                    &fanout,
+                    &format!("claimer-{i}"),
+                    "2026-01-01T00:00:10Z",
+                    "2026-01-01T00:00:00Z",
+                ))
+                .await
+                .unwrap();
+        })
+    });
+    for claim in claims.collect::<Vec<_>>() {
+        claim.await.unwrap();
+    }
+    let holders = |store: GraphStore, fanout: oxigraph::model::NamedNode| async move {
+        match store
+            .query(queries::synthesis_claim(&fanout))
+            .await
+            .unwrap()
+        {
+            QueryAnswer::Rows(rows) => rows.rows.len(),
+            _ => 0,
+        }
+    };
+    assert_eq!(holders(store.clone(), fanout.clone()).await, 1);
+    // A fresh claim stands; a stale one is taken over.
+    store
+        .update(queries::claim_synthesis(
+            &fanout,
+            "late",
+            "2026-01-01T00:00:20Z",
+            "2026-01-01T00:00:05Z",
+        ))
+        .await
+        .unwrap();
+    let who = |store: GraphStore, fanout: oxigraph::model::NamedNode| async move {
+        match store
+            .query(queries::synthesis_claim(&fanout))
+            .await
+            .unwrap()
+        {
+            QueryAnswer::Rows(rows) => rows.rows[0][0].as_ref().unwrap().to_string(),
+            _ => String::new(),
+        }
+    };
+    assert_ne!(who(store.clone(), fanout.clone()).await, "\"late\"");
+    store
+        .update(queries::claim_synthesis(
+            &fanout,
+            "takeover",
+            "2026-01-01T00:01:00Z",
+            "2026-01-01T00:00:30Z",
+        ))
+        .await
+        .unwrap();
+    assert_eq!(who(store.clone(), fanout.clone()).await, "\"takeover\"");
+    assert_eq!(holders(store, fanout).await, 1);
+}

@@ -104,7 +104,23 @@ impl Engine {
 
         if let Err(problem) = validate(&request, &config, new_dialog) {
             tracing::warn!(session = %session_id, %problem, "refusing an invalid request");
-            out.respond(&AgentResponse::error(problem)).await?;
+            if agent_core::supervisor::is_subagent(&request) {
+                // A refused subagent is a failed completion for its supervisor, not the end of
+                // the client's dialog.
+                let turn = Turn {
+                    request: &request,
+                    session_id: &session_id,
+                    uris: &uris,
+                    out: &out,
+                    config: &config,
+                    llm: &self.llm,
+                    tokens_before,
+                    elapsed,
+                };
+                finish::error(&turn, &problem).await?;
+            } else {
+                out.respond(&AgentResponse::error(problem)).await?;
+            }
             return out.flush().await;
         }
         // A request that names its pattern is not routed, but gets its task type's framing.
@@ -189,8 +205,17 @@ fn validate(request: &AgentRequest, config: &AgentConfig, new_dialog: bool) -> R
         ));
     }
     let safe = |c: char| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.' | ':');
-    if !request.session_id.chars().all(safe) || request.session_id.len() > 200 {
-        return Err("session_id may only hold letters, digits, '-', '_', '.' and ':'".to_owned());
+    // These name provenance nodes; a supervisor's ids grow by a short suffix per fan-out.
+    for (field, value) in [
+        ("session_id", &request.session_id),
+        ("correlation_id", &request.correlation_id),
+        ("parent_session_id", &request.parent_session_id),
+    ] {
+        if !value.chars().all(safe) || value.len() > 240 {
+            return Err(format!(
+                "{field} may only hold letters, digits, '-', '_', '.' and ':' (at most 240)"
+            ));
+        }
     }
     let pattern = request.pattern.as_str();
     if !pattern.is_empty() && !IMPLEMENTED_PATTERNS.contains(&pattern) {

@@ -17,14 +17,15 @@ use crate::Turn;
 const CORRELATION_KEY: &str = "correlation_id";
 
 pub async fn iterate(turn: &Turn<'_>) -> Result<(), BusError> {
+    let n = turn.request.history.len() + 1;
+    // Subagents' results are answered from whatever the limits say: their work is already done.
+    if let Some(results) = supervising::pending_synthesis(&turn.request.history) {
+        return synthesise(turn, n, results.clone()).await;
+    }
     if let Some(done) = conclude_if_limited(turn).await {
         return done;
     }
-    let n = turn.request.history.len() + 1;
-    match supervising::pending_synthesis(&turn.request.history) {
-        Some(results) => synthesise(turn, n, results.clone()).await,
-        None => decompose(turn, n).await,
-    }
+    decompose(turn, n).await
 }
 
 async fn decompose(turn: &Turn<'_>, n: usize) -> Result<(), BusError> {
