@@ -108,7 +108,8 @@ pub async fn run(settings: AggregatorSettings, shutdown: CancellationToken) -> a
         .clone()
         .unwrap_or(topics.request.clone());
     let requests = agent_bus::Publisher::new(&bus, &request_topic).await?;
-    let timeout = Duration::from_secs(settings.fanout_timeout_secs.max(1));
+    // Within a year, so the sweep's date arithmetic cannot overflow.
+    let timeout = Duration::from_secs(settings.fanout_timeout_secs.clamp(1, 365 * 24 * 3600));
     let sweeper = tokio::spawn(fanin::sweep(
         store.clone(),
         requests.clone(),

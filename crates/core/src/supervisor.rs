@@ -106,8 +106,8 @@ pub fn subagent_request(
 ) -> AgentRequest {
     AgentRequest {
         question: goal.goal.clone(),
-        state: None,
-        group: goal.group.clone().or_else(|| supervisor.group.clone()),
+        state: supervisor.state.clone(),
+        group: narrowed_group(supervisor.group.as_deref(), goal.group.as_deref()),
         history: Vec::new(),
         collection: supervisor.collection.clone(),
         streaming: false,
@@ -120,6 +120,30 @@ pub fn subagent_request(
         parent_session_id: supervisor_session.to_owned(),
         subagent_goal: goal.goal.clone(),
         expected_siblings: expected as i64,
+    }
+}
+
+/// A subagent's tool groups: the goal's, but only those the supervisor itself may use (the LLM
+/// that chose them cannot widen the request's scope); the supervisor's when none remain.
+fn narrowed_group(supervisor: Option<&[String]>, goal: Option<&[String]>) -> Option<Vec<String>> {
+    let allowed: Vec<String> = supervisor
+        .map(<[String]>::to_vec)
+        .unwrap_or_else(|| vec![crate::tools::DEFAULT_GROUP.to_owned()]);
+    let Some(wanted) = goal else {
+        return supervisor.map(<[String]>::to_vec);
+    };
+    if allowed.iter().any(|g| g == "*") {
+        return Some(wanted.to_vec());
+    }
+    let kept: Vec<String> = wanted
+        .iter()
+        .filter(|g| *g != "*" && allowed.contains(g))
+        .cloned()
+        .collect();
+    if kept.is_empty() {
+        supervisor.map(<[String]>::to_vec)
+    } else {
+        Some(kept)
     }
 }
 
@@ -196,6 +220,19 @@ mod tests {
         assert_eq!((sub.expected_siblings, sub.streaming), (4, false));
         assert_eq!(sub.framing, "F");
         assert!(is_subagent(&sub) && !is_subagent(&parent));
+        // A goal cannot widen the supervisor's tool scope.
+        let greedy = Goal {
+            group: Some(vec!["*".into(), "admin".into(), "web".into()]),
+            ..goal.clone()
+        };
+        let scoped = AgentRequest {
+            group: Some(vec!["web".into(), "default".into()]),
+            ..parent.clone()
+        };
+        let sub = subagent_request(&scoped, "s", &cid, 0, &greedy, 1);
+        assert_eq!(sub.group, Some(vec!["web".to_owned()]));
+        let sub = subagent_request(&parent, "s", &cid, 0, &greedy, 1);
+        assert_eq!(sub.group, None, "the default group only");
         let resumed = synthesis_request(&parent, [("g".to_owned(), "r".to_owned())].into());
         assert_eq!(pending_synthesis(&resumed.history).unwrap()["g"], "r");
     }

@@ -155,11 +155,13 @@ async fn ask(
     }
 }
 
-/// The task type's framing, then any framing the request brought.
+/// The task type's framing, then any framing the request brought (which a subagent inherits with
+/// its task type's framing already in it).
 fn framing(task_type: &TaskTypeDef, requested: &str) -> String {
     match (task_type.framing.trim(), requested.trim()) {
         ("", r) => r.to_owned(),
         (t, "") => t.to_owned(),
+        (t, r) if r.contains(t) => r.to_owned(),
         (t, r) => format!("{t}\n\n{r}"),
     }
 }

@@ -15,6 +15,8 @@ use crate::Turn;
 
 /// `arguments` key of the decompose step that names its fan-out.
 const CORRELATION_KEY: &str = "correlation_id";
+/// `arguments` key of the decompose step that says how many subagents it started.
+const EXPECTED_KEY: &str = "expected";
 
 pub async fn iterate(turn: &Turn<'_>) -> Result<(), BusError> {
     let n = turn.request.history.len() + 1;
@@ -84,7 +86,11 @@ async fn decompose(turn: &Turn<'_>, n: usize) -> Result<(), BusError> {
     continuation.history.push(AgentStep {
         thought: thought.clone(),
         action: "decompose".to_owned(),
-        arguments: [(CORRELATION_KEY.to_owned(), cid.clone())].into(),
+        arguments: [
+            (CORRELATION_KEY.to_owned(), cid.clone()),
+            (EXPECTED_KEY.to_owned(), goals.len().to_string()),
+        ]
+        .into(),
         observation: listing.join("\n"),
         step_type: StepType::Decompose.as_str().to_owned(),
         ..AgentStep::default()
@@ -178,8 +184,10 @@ async fn synthesise(
         .iter()
         .rev()
         .find(|s| StepType::parse(&s.step_type) == Some(StepType::Decompose))
-        .map(|s| s.observation.lines().count())
-        .unwrap_or(results.len());
+        .and_then(|s| s.arguments.get(EXPECTED_KEY))
+        .and_then(|e| e.parse::<usize>().ok())
+        .unwrap_or(results.len())
+        .min(agent_core::plan::MAX_PLAN_STEPS.max(config.limits.max_subagents));
     let completions: Vec<String> = (0..expected)
         .map(|i| SessionUris::new(&supervising::subagent_session(&cid, i)).completion())
         .collect();
