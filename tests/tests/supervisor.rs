@@ -9,6 +9,7 @@ use std::time::Duration;
 use agent_bus::Publisher;
 use agent_e2e::*;
 use agent_schema::{AgentRequest, AgentResponse, Metadata, Triples};
+use futures::StreamExt;
 
 const DIALOG_TIMEOUT: Duration = Duration::from_secs(60);
 
@@ -165,4 +166,106 @@ async fn a_stalled_subagent_gets_a_partial_synthesis_after_the_timeout() {
     // No second synthesis from a later sweep.
     let more = drain_for(&mut client, "t-1", Duration::from_secs(5)).await;
     assert_eq!(closings(&more), 0, "{more:#?}");
+}
+
+/// Fan-in straight from the explainability topic: completions that arrive before their fan-out,
+/// each delivered twice, give exactly one synthesis request, carrying every result, sent to the
+/// client's id once the fan-out is known.
+#[tokio::test]
+async fn completions_before_their_fan_out_and_twice_give_one_synthesis() {
+    use agent_core::provenance::{self, CallStats, SessionUris};
+    let broker = Broker::start().unwrap();
+    let _aggregator = Aggregator::spawn(&broker);
+    let bus = agent_bus::Bus::connect(&broker.url(), None).await.unwrap();
+    let topics = agent_bus::Topics::trustgraph("default", "default");
+    let explain = Publisher::new(&bus, &topics.explainability).await.unwrap();
+    let mut requests = read_from_start(&broker, &topics.request, "fan-in-reader").await;
+    let publish = |node: String, triples: Vec<agent_schema::Triple>| {
+        let message = Triples {
+            metadata: Metadata {
+                id: node,
+                root: String::new(),
+                collection: "default".into(),
+            },
+            triples,
+        };
+        let explain = explain.clone();
+        async move {
+            explain
+                .enqueue(agent_schema::encode(&message), &Default::default())
+                .await
+                .unwrap()
+                .wait()
+                .await
+                .unwrap();
+        }
+    };
+    let supervisor = SessionUris::new("sup");
+    let cid = "sup-f1";
+    let goals = ["one", "two", "three"];
+    for (i, goal) in goals.iter().enumerate() {
+        let sub = SessionUris::new(&format!("{cid}-s{i}"));
+        let triples = provenance::completion(&sub, cid, "sup", goal, "answer", &format!("R{i}"));
+        publish(sub.completion(), triples.clone()).await;
+        publish(sub.completion(), triples).await;
+    }
+    // Nothing can be synthesised yet: the fan-out is unknown.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let continuation = AgentRequest {
+        question: "Q".into(),
+        session_id: "sup".into(),
+        pattern: "supervisor".into(),
+        ..AgentRequest::default()
+    };
+    let sessions: Vec<(String, String)> = goals
+        .iter()
+        .enumerate()
+        .map(|(i, g)| ((*g).to_owned(), format!("{cid}-s{i}")))
+        .collect();
+    let fanout = provenance::fanout(
+        &supervisor,
+        1,
+        cid,
+        &sessions,
+        &String::from_utf8_lossy(&agent_schema::encode(&continuation)),
+        "client-7",
+        "2026-01-01T00:00:00Z",
+        &CallStats::default(),
+    );
+    publish(supervisor.fanout(cid), fanout.clone()).await;
+    publish(supervisor.fanout(cid), fanout).await;
+
+    let mut syntheses = Vec::new();
+    while let Ok(Some(Ok(message))) =
+        tokio::time::timeout(Duration::from_secs(4), requests.next()).await
+    {
+        requests.ack(&message).await.unwrap();
+        let id = message
+            .metadata()
+            .properties
+            .iter()
+            .find(|p| p.key == "id")
+            .map(|p| p.value.clone());
+        let request: AgentRequest = serde_json::from_slice(&message.payload.data).unwrap();
+        syntheses.push((id, request));
+    }
+    assert_eq!(syntheses.len(), 1, "{syntheses:#?}");
+    let (id, request) = &syntheses[0];
+    assert_eq!(id.as_deref(), Some("client-7"));
+    let results = request
+        .history
+        .last()
+        .unwrap()
+        .subagent_results
+        .clone()
+        .unwrap();
+    assert_eq!(
+        results,
+        [
+            ("one".to_owned(), "R0".to_owned()),
+            ("three".to_owned(), "R2".to_owned()),
+            ("two".to_owned(), "R1".to_owned())
+        ]
+        .into()
+    );
 }
