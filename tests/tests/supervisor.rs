@@ -205,7 +205,8 @@ async fn completions_before_their_fan_out_and_twice_give_one_synthesis() {
     let goals = ["one", "two", "three"];
     for (i, goal) in goals.iter().enumerate() {
         let sub = SessionUris::new(&format!("{cid}-s{i}"));
-        let triples = provenance::completion(&sub, cid, "sup", goal, "answer", &format!("R{i}"));
+        let triples =
+            provenance::completion(&sub, cid, "sup", goal, "answer", &format!("R{i}"), (10, 1));
         publish(sub.completion(), triples.clone()).await;
         publish(sub.completion(), triples).await;
     }
@@ -230,6 +231,11 @@ async fn completions_before_their_fan_out_and_twice_give_one_synthesis() {
         &String::from_utf8_lossy(&agent_schema::encode(&continuation)),
         "client-7",
         "2026-01-01T00:00:00Z",
+        provenance::DialogSoFar {
+            in_token: 100,
+            out_token: 20,
+            started_ms: 1_700_000_000_000,
+        },
         &CallStats::default(),
     );
     publish(supervisor.fanout(cid), fanout.clone()).await;
@@ -246,6 +252,21 @@ async fn completions_before_their_fan_out_and_twice_give_one_synthesis() {
             .iter()
             .find(|p| p.key == "id")
             .map(|p| p.value.clone());
+        let property = |key: &str| {
+            message
+                .metadata()
+                .properties
+                .iter()
+                .find(|p| p.key == key)
+                .map(|p| p.value.clone())
+        };
+        // The supervisor's tokens plus each completion's, once.
+        assert_eq!(property("agent-in-token").as_deref(), Some("130"));
+        assert_eq!(property("agent-out-token").as_deref(), Some("23"));
+        assert_eq!(
+            property("agent-started-ms").as_deref(),
+            Some("1700000000000")
+        );
         let request: AgentRequest = serde_json::from_slice(&message.payload.data).unwrap();
         syntheses.push((id, request));
     }

@@ -8,7 +8,9 @@ use std::collections::BTreeMap;
 use agent_bus::{BusError, Properties, Publisher};
 use agent_core::supervisor::synthesis_request;
 use agent_graph::{queries, GraphError, GraphStore, QueryAnswer, Rows};
-use agent_schema::{AgentRequest, Triples, ID_PROPERTY};
+use agent_schema::{
+    AgentRequest, Triples, ID_PROPERTY, IN_TOKEN_PROPERTY, OUT_TOKEN_PROPERTY, STARTED_PROPERTY,
+};
 use oxigraph::model::{NamedNode, Term};
 
 const TG: &str = "https://trustgraph.ai/ns/";
@@ -119,6 +121,9 @@ pub async fn check(
         .unwrap_or(usize::MAX);
     let continuation = text(column("continuation").as_ref());
     let client = text(column("client").as_ref());
+    let number = |t: Option<Term>| text(t.as_ref()).parse::<u64>().unwrap_or(0);
+    let mut tokens = (number(column("in")), number(column("out")));
+    let started = number(column("started"));
     let done = rows(store, queries::completions(correlation_id)).await?;
     let mut results = BTreeMap::new();
     let mut seen = std::collections::BTreeSet::new();
@@ -128,8 +133,18 @@ pub async fn check(
         done.column("status"),
         done.column("result"),
     );
+    let (used_in, used_out) = (done.column("in"), done.column("out"));
     for i in 0..done.rows.len() {
-        seen.insert(text(c.get(i).copied().flatten()));
+        // A completion counts once, its tokens too, however often it was delivered.
+        if seen.insert(text(c.get(i).copied().flatten())) {
+            let count = |col: &[Option<&Term>]| {
+                text(col.get(i).copied().flatten())
+                    .parse::<u64>()
+                    .unwrap_or(0)
+            };
+            tokens.0 += count(&used_in);
+            tokens.1 += count(&used_out);
+        }
         let goal = text(goal.get(i).copied().flatten());
         let status = text(status.get(i).copied().flatten());
         let result = text(result.get(i).copied().flatten());
@@ -187,8 +202,14 @@ pub async fn check(
         return Ok(());
     };
     let next = synthesis_request(&continuation, results);
+    // The supervisor goes on with its subagents' tokens counted and its own start time.
     let mut properties = Properties::new();
     properties.insert(ID_PROPERTY.to_owned(), client);
+    properties.insert(IN_TOKEN_PROPERTY.to_owned(), tokens.0.to_string());
+    properties.insert(OUT_TOKEN_PROPERTY.to_owned(), tokens.1.to_string());
+    if started > 0 {
+        properties.insert(STARTED_PROPERTY.to_owned(), started.to_string());
+    }
     requests
         .enqueue(agent_schema::encode(&next), &properties)
         .await?

@@ -634,6 +634,7 @@ pub fn fanout(
     continuation_json: &str,
     client_id: &str,
     started_at: &str,
+    dialog: DialogSoFar,
     stats: &CallStats,
 ) -> Vec<Triple> {
     let s = uris.fanout(correlation_id);
@@ -662,8 +663,20 @@ pub fn fanout(
     let integer64 = |v: u64| Term::typed_literal(v.to_string(), XSD_INTEGER);
     b.tg(&s, "llmDurationMs", integer64(stats.duration_ms))
         .tg(&s, "inToken", integer64(stats.in_token))
-        .tg(&s, "outToken", integer64(stats.out_token));
+        .tg(&s, "outToken", integer64(stats.out_token))
+        .tg(&s, "dialogInToken", integer64(dialog.in_token))
+        .tg(&s, "dialogOutToken", integer64(dialog.out_token))
+        .tg(&s, "dialogStartedMs", integer64(dialog.started_ms));
     b.build()
+}
+
+/// Where a dialog stands when it fans out: its tokens so far (this iteration's included) and when
+/// it started, which the synthesis request carries on with the subagents' tokens added.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct DialogSoFar {
+    pub in_token: u64,
+    pub out_token: u64,
+    pub started_ms: u64,
 }
 
 /// A subagent's end, for its supervisor's fan-in: which fan-out, which goal, whether it answered
@@ -675,8 +688,10 @@ pub fn completion(
     goal: &str,
     status: &str,
     result: &str,
+    tokens: (u64, u64),
 ) -> Vec<Triple> {
     let s = uris.completion();
+    let integer64 = |v: u64| Term::typed_literal(v.to_string(), XSD_INTEGER);
     let doc = format!("{s}/result");
     let mut b = NodeBuilder::default();
     b.types(&s, &["SubagentCompletion"])
@@ -690,6 +705,8 @@ pub fn completion(
         .tg(&s, "goal", Term::literal(goal))
         .tg(&s, "completionStatus", Term::literal(status))
         .derived(&s, &uris.conclusion())
+        .tg(&s, "dialogInToken", integer64(tokens.0))
+        .tg(&s, "dialogOutToken", integer64(tokens.1))
         .document(&s, &doc, result);
     b.build()
 }

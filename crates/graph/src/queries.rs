@@ -68,9 +68,10 @@ pub fn open_fanout(correlation_id: &str) -> String {
     let g = graph();
     let cid = oxigraph::model::Literal::new_simple_literal(correlation_id);
     format!(
-        "{PREFIXES}SELECT ?f ?expected ?continuation ?client WHERE {{ GRAPH {g} {{
+        "{PREFIXES}SELECT ?f ?expected ?continuation ?client ?in ?out ?started WHERE {{ GRAPH {g} {{
   ?f a tg:FanOut ; tg:correlationId {cid} ; tg:expectedSiblings ?expected ;
      tg:continuation ?continuation ; tg:clientId ?client .
+  OPTIONAL {{ ?f tg:dialogInToken ?in ; tg:dialogOutToken ?out ; tg:dialogStartedMs ?started }}
   FILTER NOT EXISTS {{ ?f tg:synthesisRequested ?done }} }} }}"
     )
 }
@@ -80,9 +81,10 @@ pub fn completions(correlation_id: &str) -> String {
     let g = graph();
     let cid = oxigraph::model::Literal::new_simple_literal(correlation_id);
     format!(
-        "{PREFIXES}SELECT DISTINCT ?c ?goal ?status ?result WHERE {{ GRAPH {g} {{
+        "{PREFIXES}SELECT DISTINCT ?c ?goal ?status ?result ?in ?out WHERE {{ GRAPH {g} {{
   ?c a tg:SubagentCompletion ; tg:correlationId {cid} ; tg:goal ?goal ;
-     tg:completionStatus ?status ; tg:document ?d . ?d tg:content ?result }} }}"
+     tg:completionStatus ?status ; tg:document ?d . ?d tg:content ?result .
+  OPTIONAL {{ ?c tg:dialogInToken ?in ; tg:dialogOutToken ?out }} }} }}"
     )
 }
 

@@ -17,7 +17,7 @@ pub async fn answer(
     model: &str,
 ) -> Result<(), BusError> {
     if is_subagent(turn.request) {
-        return complete(turn, "answer", answer).await;
+        return complete(turn, "answer", answer, tokens).await;
     }
     let content = if turn.request.streaming { "" } else { answer };
     let mut r = AgentResponse::new(MessageType::Answer, content);
@@ -33,7 +33,7 @@ pub async fn answer(
 /// Ends the dialog with an error.
 pub async fn error(turn: &Turn<'_>, message: &str) -> Result<(), BusError> {
     if is_subagent(turn.request) {
-        return complete(turn, "error", message).await;
+        return complete(turn, "error", message, turn.tokens_before).await;
     }
     let mut r = AgentResponse::error(message);
     r.message_id = turn.uris.conclusion();
@@ -42,7 +42,13 @@ pub async fn error(turn: &Turn<'_>, message: &str) -> Result<(), BusError> {
     turn.out.respond(&r).await
 }
 
-async fn complete(turn: &Turn<'_>, status: &str, result: &str) -> Result<(), BusError> {
+/// The subagent's end: its result and the tokens its dialog used, for the supervisor's totals.
+async fn complete(
+    turn: &Turn<'_>,
+    status: &str,
+    result: &str,
+    tokens: (u64, u64),
+) -> Result<(), BusError> {
     let request = turn.request;
     turn.out
         .chunk(
@@ -62,6 +68,7 @@ async fn complete(turn: &Turn<'_>, status: &str, result: &str) -> Result<(), Bus
                 &request.subagent_goal,
                 status,
                 result,
+                tokens,
             ),
         )
         .await

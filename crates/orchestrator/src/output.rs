@@ -10,14 +10,7 @@ use agent_schema::{
     AgentRequest, AgentResponse, MessageType, Metadata, Triple, Triples, ID_PROPERTY,
 };
 
-/// Message property carrying the tokens the dialog used before this iteration (input side).
-pub const IN_TOKEN_PROPERTY: &str = "agent-in-token";
-/// Message property carrying the tokens the dialog used before this iteration (output side).
-pub const OUT_TOKEN_PROPERTY: &str = "agent-out-token";
-
-/// Message property carrying when the dialog's first message was taken up (Unix milliseconds), for
-/// the wall-time budget.
-pub const STARTED_PROPERTY: &str = "agent-started-ms";
+pub use agent_schema::{IN_TOKEN_PROPERTY, OUT_TOKEN_PROPERTY, STARTED_PROPERTY};
 
 /// The three publishers of the orchestrator.
 #[derive(Clone)]
@@ -140,6 +133,11 @@ impl<'a> DialogOutput<'a> {
             &self.properties,
         )
         .await
+    }
+
+    /// When the dialog's first message was taken up (Unix milliseconds).
+    pub fn started_ms(&self) -> u64 {
+        self.started_ms
     }
 
     /// The caller's `id`, which a fan-out records so its synthesis reaches the same client.

@@ -120,6 +120,11 @@ async fn decompose(turn: &Turn<'_>, n: usize) -> Result<(), BusError> {
             &String::from_utf8_lossy(&agent_schema::encode(&continuation)),
             out.client_id(),
             &chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Micros, true),
+            provenance::DialogSoFar {
+                in_token: turn.tokens_before.0 + stats.in_token,
+                out_token: turn.tokens_before.1 + stats.out_token,
+                started_ms: out.started_ms(),
+            },
             &stats,
         ),
     )

@@ -16,6 +16,13 @@ pub use triples::{Metadata, Term, Triple, Triples};
 
 /// The message property that correlates a request with its responses and `next` requests.
 pub const ID_PROPERTY: &str = "id";
+/// Our message property on `next` requests: input tokens the dialog used so far.
+pub const IN_TOKEN_PROPERTY: &str = "agent-in-token";
+/// Our message property on `next` requests: output tokens the dialog used so far.
+pub const OUT_TOKEN_PROPERTY: &str = "agent-out-token";
+/// Our message property on `next` requests: when the dialog's first message was taken up (Unix
+/// milliseconds), for the wall-time budget.
+pub const STARTED_PROPERTY: &str = "agent-started-ms";
 
 /// Why a payload could not be decoded.
 pub type DecodeError = serde_json::Error;
