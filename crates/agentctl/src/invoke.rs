@@ -156,6 +156,25 @@ fn routing_line(triples: &[Triple]) -> String {
     line
 }
 
+/// `[subagent i] ` when the message comes from a supervisor's subagent (its session is
+/// `{supervisor}-f{n}-s{i}`), so parallel streams can be told apart.
+fn subagent_prefix(message_id: &str) -> String {
+    let session = message_id
+        .strip_prefix("urn:trustgraph:agent:")
+        .and_then(|rest| rest.split('/').next())
+        .unwrap_or_default();
+    match session.rsplit_once("-s") {
+        Some((fanout, index))
+            if fanout.contains("-f")
+                && !index.is_empty()
+                && index.bytes().all(|b| b.is_ascii_digit()) =>
+        {
+            format!("[subagent {index}] ")
+        }
+        _ => String::new(),
+    }
+}
+
 /// Turns response chunks into readable terminal output.
 pub struct Renderer {
     json: bool,
@@ -207,7 +226,7 @@ impl Renderer {
                     } else {
                         self.paint("1;32", "Answer:")
                     };
-                    let _ = write!(out, "{label} ");
+                    let _ = write!(out, "{}{label} ", subagent_prefix(&r.message_id));
                     self.open = Some(key);
                 }
                 let _ = write!(out, "{}", r.content);
@@ -218,7 +237,12 @@ impl Renderer {
             MessageType::Observation => {
                 self.close_line(&mut out);
                 let text: String = r.content.chars().take(600).collect();
-                let _ = writeln!(out, "{} {text}", self.paint("33", "Observation:"));
+                let _ = writeln!(
+                    out,
+                    "{}{} {text}",
+                    subagent_prefix(&r.message_id),
+                    self.paint("33", "Observation:")
+                );
             }
             MessageType::Error => {
                 self.close_line(&mut out);
@@ -263,5 +287,27 @@ impl Renderer {
             elapsed.as_secs_f64()
         );
         let _ = writeln!(out, "{}", self.paint("2", &summary));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::subagent_prefix;
+
+    #[test]
+    fn subagent_messages_are_labelled_by_index() {
+        assert_eq!(
+            subagent_prefix("urn:trustgraph:agent:abc-f1-s2/i1/thought"),
+            "[subagent 2] "
+        );
+        assert_eq!(
+            subagent_prefix("urn:trustgraph:agent:abc-f1-s10/final"),
+            "[subagent 10] "
+        );
+        assert_eq!(
+            subagent_prefix("urn:trustgraph:agent:my-session/i1/thought"),
+            ""
+        );
+        assert_eq!(subagent_prefix("urn:trustgraph:agent:abc-f1/final"), "");
     }
 }
