@@ -13,15 +13,17 @@ pub mod settings;
 pub mod supervisor;
 pub mod tool_exec;
 
+use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use agent_bus::{
     run_consumer, ConsumerStats, Delivery, Disposition, Publisher, SubscriptionConfig,
 };
 use agent_core::config::AgentConfig;
+use agent_core::prompt::{render, PromptTemplate};
 use agent_core::provenance::{self, CallStats, SessionUris};
 use agent_core::router::IMPLEMENTED_PATTERNS;
-use agent_llm::LlmClient;
+use agent_llm::{ChatMessage, Completion, LlmClient};
 use agent_schema::{AgentRequest, AgentResponse, ID_PROPERTY};
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
@@ -44,6 +46,47 @@ pub struct Turn<'a> {
     pub tokens_before: (u64, u64),
     /// Time since the dialog's first message was taken up.
     pub elapsed: std::time::Duration,
+}
+
+impl Turn<'_> {
+    /// One LLM call on a configured prompt filled with `vars`, and what it cost. `None` when the
+    /// call failed: the dialog has then ended (iteration `n`) with that error.
+    pub async fn ask(
+        &self,
+        n: usize,
+        template: &PromptTemplate,
+        vars: &BTreeMap<&str, String>,
+    ) -> Result<Option<(Completion, CallStats)>, agent_bus::BusError> {
+        let messages = [
+            ChatMessage::system(template.system.clone()),
+            ChatMessage::user(render(&template.template, vars)),
+        ];
+        match self.llm.complete(&messages).await {
+            Ok(completion) => {
+                let stats = call_stats(&completion);
+                Ok(Some((completion, stats)))
+            }
+            Err(e) => {
+                react::fail(self, n, &format!("the LLM call failed: {e}")).await?;
+                Ok(None)
+            }
+        }
+    }
+}
+
+/// What an LLM call cost, for provenance.
+pub fn call_stats(completion: &Completion) -> CallStats {
+    let mut stats = CallStats::default();
+    add_call(&mut stats, completion);
+    stats
+}
+
+/// Adds an LLM call's cost to `stats` (an iteration that asks more than once).
+pub fn add_call(stats: &mut CallStats, completion: &Completion) {
+    stats.duration_ms += completion.duration.as_millis() as u64;
+    stats.in_token += completion.in_token;
+    stats.out_token += completion.out_token;
+    stats.model.clone_from(&completion.model);
 }
 
 /// What an iteration needs, shared by every in-flight message.

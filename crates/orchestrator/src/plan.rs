@@ -17,7 +17,7 @@ use tokio::sync::mpsc;
 
 use crate::react::{conclude_if_limited, fail};
 use crate::tool_exec::{run_scoped_tool, truncate};
-use crate::Turn;
+use crate::{add_call, Turn};
 
 /// Times the LLM is asked for a plan in one iteration before a one-step plan stands in.
 const PLAN_ATTEMPTS: usize = 3;
@@ -72,14 +72,6 @@ pub async fn iterate(turn: &Turn<'_>) -> Result<(), BusError> {
         Next::RunStep(index) => run_step(turn, n, index).await,
         Next::Synthesise(unfinished) => synthesise(turn, n, unfinished).await,
     }
-}
-
-/// Adds a call's cost to `stats`.
-fn count(stats: &mut CallStats, completion: &Completion) {
-    stats.duration_ms += completion.duration.as_millis() as u64;
-    stats.in_token += completion.in_token;
-    stats.out_token += completion.out_token;
-    stats.model.clone_from(&completion.model);
 }
 
 fn tokens_after(turn: &Turn<'_>, stats: &CallStats, tool: &ToolStats) -> (u64, u64) {
@@ -151,7 +143,7 @@ async fn make_plan(turn: &Turn<'_>, n: usize, problem: Option<String>) -> Result
                 break;
             }
         };
-        count(&mut stats, &completion);
+        add_call(&mut stats, &completion);
         let checked = planning::parse(&completion.text).and_then(|(steps, rationale)| {
             let (merged, dropped) = if problem.is_some() {
                 planning::merge_revision(&old_plan, steps)
@@ -287,16 +279,9 @@ async fn run_step(turn: &Turn<'_>, n: usize, index: usize) -> Result<(), BusErro
     ]
     .into_iter()
     .collect();
-    let messages = [
-        ChatMessage::system(template.system.clone()),
-        ChatMessage::user(render(&template.template, &vars)),
-    ];
-    let mut stats = CallStats::default();
-    let completion = match llm.complete(&messages).await {
-        Ok(c) => c,
-        Err(e) => return fail(turn, n, &format!("the LLM call failed: {e}")).await,
+    let Some((completion, stats)) = turn.ask(n, template, &vars).await? else {
+        return Ok(());
     };
-    count(&mut stats, &completion);
 
     let mut tool = ToolStats::default();
     let mut next_state = scope.state().to_owned();
@@ -390,12 +375,7 @@ fn lessons_block(history: &[AgentStep], goal: &str) -> String {
 /// verdict: accept, run the step (or its input's step) again with the lesson, or split it.
 async fn evaluate(turn: &Turn<'_>, n: usize, index: usize) -> Result<(), BusError> {
     let Turn {
-        request,
-        uris,
-        out,
-        config,
-        llm,
-        ..
+        request, config, ..
     } = turn;
     let Some((_, plan)) = plan_in_force(&request.history) else {
         return fail(turn, n, "the history has no plan to evaluate").await;
@@ -414,16 +394,9 @@ async fn evaluate(turn: &Turn<'_>, n: usize, index: usize) -> Result<(), BusErro
     ]
     .into_iter()
     .collect();
-    let messages = [
-        ChatMessage::system(template.system.clone()),
-        ChatMessage::user(render(&template.template, &vars)),
-    ];
-    let mut stats = CallStats::default();
-    let completion = match llm.complete(&messages).await {
-        Ok(c) => c,
-        Err(e) => return fail(turn, n, &format!("the LLM call failed: {e}")).await,
+    let Some((completion, stats)) = turn.ask(n, template, &vars).await? else {
+        return Ok(());
     };
-    count(&mut stats, &completion);
     let verdict = critic::parse(&completion.text);
     if let Some(why) = &verdict.unreadable {
         tracing::warn!(iteration = n, %why, "the critic's answer could not be read; the step stands");
@@ -435,50 +408,70 @@ async fn evaluate(turn: &Turn<'_>, n: usize, index: usize) -> Result<(), BusErro
         &verdict,
         config.limits.step_life_cycle,
     );
+    let subject = format!("Evaluation of step {index}");
+    announce_verdict(turn, n, &subject, Some(index), &verdict, &applied, &stats).await?;
+    queue_verdict(turn, n, applied, &verdict, &stats).await
+}
+
+/// Tells the client the critic's verdict on what the previous iteration did (`subject`, and the
+/// step `index` when it judged a step) and records it in the graph.
+async fn announce_verdict(
+    turn: &Turn<'_>,
+    n: usize,
+    subject: &str,
+    index: Option<usize>,
+    verdict: &critic::Evaluation,
+    applied: &critic::Applied,
+    stats: &CallStats,
+) -> Result<(), BusError> {
+    let Turn {
+        request, uris, out, ..
+    } = turn;
     let retries = critic::retries_used(&request.history)
         + usize::from(verdict.status != critic::Status::Success);
     let thought = match verdict.evaluation.as_str() {
-        "" => format!("Evaluation of step {index}: {}", verdict.status.as_str()),
-        text => format!(
-            "Evaluation of step {index}: {} — {text}",
-            verdict.status.as_str()
-        ),
+        "" => format!("{subject}: {}", verdict.status.as_str()),
+        text => format!("{subject}: {} — {text}", verdict.status.as_str()),
     };
     out.chunk(MessageType::Thought, &thought, &uris.thought(n), true)
         .await?;
-    // The execution judged is the previous iteration.
     out.explain(
         &uris.iteration(n),
         provenance::evaluation(
             uris,
             n,
             &uris.iteration(n - 1),
-            Some(index),
+            index,
             &thought,
-            &verdict,
-            &applied,
+            verdict,
+            applied,
             retries,
-            &stats,
+            stats,
         ),
     )
-    .await?;
+    .await
+}
+
+/// Queues the next iteration with the verdict in the history (its lesson in the observation).
+async fn queue_verdict(
+    turn: &Turn<'_>,
+    n: usize,
+    applied: critic::Applied,
+    verdict: &critic::Evaluation,
+    stats: &CallStats,
+) -> Result<(), BusError> {
     let mut step = applied.step;
     if !verdict.lesson.is_empty() {
         step.observation = format!("{} Lesson: {}", applied.effect, verdict.lesson);
     }
-    record_and_queue(turn, n, step, &stats, &ToolStats::default(), None, None).await
+    record_and_queue(turn, n, step, stats, &ToolStats::default(), None, None).await
 }
 
 /// Asks the critic about the plan the previous iteration made. A rejection sends it back to be
 /// revised with the lesson while revisions are left; otherwise the plan runs as it is.
 async fn review_plan(turn: &Turn<'_>, n: usize) -> Result<(), BusError> {
     let Turn {
-        request,
-        uris,
-        out,
-        config,
-        llm,
-        ..
+        request, config, ..
     } = turn;
     let plan = planning::current_plan(&request.history)
         .map(<[PlanStep]>::to_vec)
@@ -494,47 +487,23 @@ async fn review_plan(turn: &Turn<'_>, n: usize) -> Result<(), BusError> {
     ]
     .into_iter()
     .collect();
-    let messages = [
-        ChatMessage::system(template.system.clone()),
-        ChatMessage::user(render(&template.template, &vars)),
-    ];
-    let mut stats = CallStats::default();
-    let completion = match llm.complete(&messages).await {
-        Ok(c) => c,
-        Err(e) => return fail(turn, n, &format!("the LLM call failed: {e}")).await,
+    let Some((completion, stats)) = turn.ask(n, template, &vars).await? else {
+        return Ok(());
     };
-    count(&mut stats, &completion);
     let verdict = critic::parse(&completion.text);
     let may_revise = planning::replans_used(&request.history) < config.limits.max_replan_depth;
     let applied = critic::apply_to_plan(&plan, &verdict, may_revise);
-    let retries = critic::retries_used(&request.history)
-        + usize::from(verdict.status != critic::Status::Success);
-    let thought = match verdict.evaluation.as_str() {
-        "" => format!("Review of the plan: {}", verdict.status.as_str()),
-        text => format!("Review of the plan: {} — {text}", verdict.status.as_str()),
-    };
-    out.chunk(MessageType::Thought, &thought, &uris.thought(n), true)
-        .await?;
-    out.explain(
-        &uris.iteration(n),
-        provenance::evaluation(
-            uris,
-            n,
-            &uris.iteration(n - 1),
-            None,
-            &thought,
-            &verdict,
-            &applied,
-            retries,
-            &stats,
-        ),
+    announce_verdict(
+        turn,
+        n,
+        "Review of the plan",
+        None,
+        &verdict,
+        &applied,
+        &stats,
     )
     .await?;
-    let mut step = applied.step;
-    if !verdict.lesson.is_empty() {
-        step.observation = format!("{} Lesson: {}", applied.effect, verdict.lesson);
-    }
-    record_and_queue(turn, n, step, &stats, &ToolStats::default(), None, None).await
+    queue_verdict(turn, n, applied, &verdict, &stats).await
 }
 
 /// Asks the critic about the draft answer the previous iteration wrote. Accepted, it is given to
@@ -546,7 +515,6 @@ async fn review_answer(turn: &Turn<'_>, n: usize) -> Result<(), BusError> {
         uris,
         out,
         config,
-        llm,
         ..
     } = turn;
     let draft = request
@@ -566,47 +534,23 @@ async fn review_answer(turn: &Turn<'_>, n: usize) -> Result<(), BusError> {
     ]
     .into_iter()
     .collect();
-    let messages = [
-        ChatMessage::system(template.system.clone()),
-        ChatMessage::user(render(&template.template, &vars)),
-    ];
-    let mut stats = CallStats::default();
-    let completion = match llm.complete(&messages).await {
-        Ok(c) => c,
-        Err(e) => return fail(turn, n, &format!("the LLM call failed: {e}")).await,
+    let Some((completion, stats)) = turn.ask(n, template, &vars).await? else {
+        return Ok(());
     };
-    count(&mut stats, &completion);
     let verdict = critic::parse(&completion.text);
     let applied = critic::apply_to_answer(&plan, &verdict);
-    let retries = critic::retries_used(&request.history)
-        + usize::from(verdict.status != critic::Status::Success);
-    let thought = match verdict.evaluation.as_str() {
-        "" => format!("Review of the answer: {}", verdict.status.as_str()),
-        text => format!("Review of the answer: {} — {text}", verdict.status.as_str()),
-    };
-    out.chunk(MessageType::Thought, &thought, &uris.thought(n), true)
-        .await?;
-    out.explain(
-        &uris.iteration(n),
-        provenance::evaluation(
-            uris,
-            n,
-            &uris.iteration(n - 1),
-            None,
-            &thought,
-            &verdict,
-            &applied,
-            retries,
-            &stats,
-        ),
+    announce_verdict(
+        turn,
+        n,
+        "Review of the answer",
+        None,
+        &verdict,
+        &applied,
+        &stats,
     )
     .await?;
     if verdict.status != critic::Status::Success {
-        let mut step = applied.step;
-        if !verdict.lesson.is_empty() {
-            step.observation = format!("{} Lesson: {}", applied.effect, verdict.lesson);
-        }
-        return record_and_queue(turn, n, step, &stats, &ToolStats::default(), None, None).await;
+        return queue_verdict(turn, n, applied, &verdict, &stats).await;
     }
     // Accepted: the review's observation, then the conclusion that derives from it.
     let mut note = String::new();
@@ -731,7 +675,7 @@ async fn synthesise(
             Ok(c) => c,
             Err(e) => return fail(turn, n, &format!("the LLM call failed: {e}")).await,
         };
-        count(&mut stats, &completion);
+        add_call(&mut stats, &completion);
         out.explain(
             &uris.iteration(n),
             provenance::draft_answer(uris, n, &stats),
@@ -756,7 +700,7 @@ async fn synthesise(
         Err(e) => return fail(turn, n, &format!("the LLM call failed: {e}")).await,
     };
     let mut stats = CallStats::default();
-    count(&mut stats, &completion);
+    add_call(&mut stats, &completion);
     // The statement that the plan was not finished does not depend on the LLM saying so.
     let mut note = caveat
         .as_ref()

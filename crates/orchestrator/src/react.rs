@@ -49,12 +49,7 @@ pub async fn iterate(turn: &Turn<'_>) -> Result<(), BusError> {
         Ok(c) => c,
         Err(e) => return fail(turn, n, &format!("the LLM call failed: {e}")).await,
     };
-    let stats = CallStats {
-        duration_ms: completion.duration.as_millis() as u64,
-        in_token: completion.in_token,
-        out_token: completion.out_token,
-        model: completion.model.clone(),
-    };
+    let stats = crate::call_stats(&completion);
     let tokens = (
         turn.tokens_before.0 + completion.in_token,
         turn.tokens_before.1 + completion.out_token,

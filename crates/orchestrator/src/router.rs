@@ -145,10 +145,7 @@ async fn ask(
     let messages = [ChatMessage::system(system), ChatMessage::user(user)];
     match llm.complete(&messages).await {
         Ok(completion) => {
-            cost.duration_ms += completion.duration.as_millis() as u64;
-            cost.in_token += completion.in_token;
-            cost.out_token += completion.out_token;
-            cost.model.clone_from(&completion.model);
+            crate::add_call(cost, &completion);
             router::decide(Ok(&completion.text), candidates, fallback)
         }
         Err(e) => router::decide(Err(e.to_string()), candidates, fallback),

@@ -3,14 +3,13 @@
 //! the subagents' results, answer from them.
 
 use agent_bus::BusError;
-use agent_core::prompt::{describe_tools, framing_block, render};
+use agent_core::prompt::{describe_tools, framing_block};
 use agent_core::provenance::{self, CallStats, SessionUris, Termination};
 use agent_core::supervisor::{self as supervising, Goal};
 use agent_core::tools::Scope;
-use agent_llm::ChatMessage;
 use agent_schema::{AgentStep, MessageType, StepType};
 
-use crate::react::{conclude_if_limited, fail};
+use crate::react::conclude_if_limited;
 use crate::Turn;
 
 /// `arguments` key of the decompose step that names its fan-out.
@@ -36,7 +35,6 @@ async fn decompose(turn: &Turn<'_>, n: usize) -> Result<(), BusError> {
         uris,
         out,
         config,
-        llm,
         session_id,
         ..
     } = turn;
@@ -52,19 +50,8 @@ async fn decompose(turn: &Turn<'_>, n: usize) -> Result<(), BusError> {
     ]
     .into_iter()
     .collect();
-    let messages = [
-        ChatMessage::system(template.system.clone()),
-        ChatMessage::user(render(&template.template, &vars)),
-    ];
-    let completion = match llm.complete(&messages).await {
-        Ok(c) => c,
-        Err(e) => return fail(turn, n, &format!("the LLM call failed: {e}")).await,
-    };
-    let stats = CallStats {
-        duration_ms: completion.duration.as_millis() as u64,
-        in_token: completion.in_token,
-        out_token: completion.out_token,
-        model: completion.model.clone(),
+    let Some((completion, stats)) = turn.ask(n, template, &vars).await? else {
+        return Ok(());
     };
     let goals = supervising::parse_goals(&completion.text, max).unwrap_or_else(|why| {
         tracing::info!(%why, "no usable goals; the whole request goes to one subagent");
@@ -147,7 +134,6 @@ async fn synthesise(
         uris,
         out,
         config,
-        llm,
         ..
     } = turn;
     let cid = request
@@ -169,19 +155,8 @@ async fn synthesise(
     ]
     .into_iter()
     .collect();
-    let messages = [
-        ChatMessage::system(template.system.clone()),
-        ChatMessage::user(render(&template.template, &vars)),
-    ];
-    let completion = match llm.complete(&messages).await {
-        Ok(c) => c,
-        Err(e) => return fail(turn, n, &format!("the LLM call failed: {e}")).await,
-    };
-    let stats = CallStats {
-        duration_ms: completion.duration.as_millis() as u64,
-        in_token: completion.in_token,
-        out_token: completion.out_token,
-        model: completion.model.clone(),
+    let Some((completion, stats)) = turn.ask(n, template, &vars).await? else {
+        return Ok(());
     };
     let answer = completion.text.trim().to_owned();
     let expected = request
