@@ -369,6 +369,22 @@ pub fn apply(
             }
         }
     };
+    Applied {
+        rerun,
+        sub_goals,
+        life_cycle_exhausted,
+        ..recorded(verdict, arguments, plan, effect)
+    }
+}
+
+/// A verdict as the history keeps it: an `evaluate` step (the status as its action, `arguments`
+/// plus why the answer was unreadable if it was) carrying the plan as it now stands.
+fn recorded(
+    verdict: &Evaluation,
+    mut arguments: std::collections::BTreeMap<String, String>,
+    plan: Vec<PlanStep>,
+    effect: String,
+) -> Applied {
     if let Some(why) = &verdict.unreadable {
         arguments.insert(UNREADABLE_KEY.to_owned(), why.clone());
     }
@@ -385,9 +401,9 @@ pub fn apply(
         plan,
         effect,
         step,
-        rerun,
-        sub_goals,
-        life_cycle_exhausted,
+        rerun: Vec::new(),
+        sub_goals: Vec::new(),
+        life_cycle_exhausted: false,
     }
 }
 
@@ -398,9 +414,6 @@ pub fn apply_to_plan(plan: &[PlanStep], verdict: &Evaluation, may_revise: bool) 
     let mut arguments = std::collections::BTreeMap::new();
     arguments.insert(STAGE_KEY.to_owned(), STAGE_PLAN.to_owned());
     arguments.insert(LESSON_KEY.to_owned(), verdict.lesson.clone());
-    if let Some(why) = &verdict.unreadable {
-        arguments.insert(UNREADABLE_KEY.to_owned(), why.clone());
-    }
     let effect = match (verdict.status, may_revise) {
         (Status::Success, _) => "the plan is accepted".to_owned(),
         (_, true) => "the plan is sent back to be revised with the lesson".to_owned(),
@@ -408,23 +421,7 @@ pub fn apply_to_plan(plan: &[PlanStep], verdict: &Evaluation, may_revise: bool) 
             "the plan may not be revised again (max_replan_depth), so it runs as it is".to_owned()
         }
     };
-    let step = AgentStep {
-        thought: verdict.evaluation.clone(),
-        action: verdict.status.as_str().to_owned(),
-        arguments,
-        observation: effect.clone(),
-        step_type: StepType::Evaluate.as_str().to_owned(),
-        plan: Some(plan.to_vec()),
-        subagent_results: None,
-    };
-    Applied {
-        plan: plan.to_vec(),
-        effect,
-        step,
-        rerun: Vec::new(),
-        sub_goals: Vec::new(),
-        life_cycle_exhausted: false,
-    }
+    recorded(verdict, arguments, plan.to_vec(), effect)
 }
 
 /// Applies a verdict on a draft answer. `INPUT_DATA_ERROR` sends the steps the evaluator names
@@ -435,9 +432,6 @@ pub fn apply_to_answer(plan: &[PlanStep], verdict: &Evaluation) -> Applied {
     let mut arguments = std::collections::BTreeMap::new();
     arguments.insert(STAGE_KEY.to_owned(), STAGE_ANSWER.to_owned());
     arguments.insert(LESSON_KEY.to_owned(), verdict.lesson.clone());
-    if let Some(why) = &verdict.unreadable {
-        arguments.insert(UNREADABLE_KEY.to_owned(), why.clone());
-    }
     let culprits: BTreeSet<usize> = verdict
         .culprits
         .iter()
@@ -463,22 +457,9 @@ pub fn apply_to_answer(plan: &[PlanStep], verdict: &Evaluation) -> Applied {
         }
         _ => "the answer is written again with the lesson".to_owned(),
     };
-    let step = AgentStep {
-        thought: verdict.evaluation.clone(),
-        action: verdict.status.as_str().to_owned(),
-        arguments,
-        observation: effect.clone(),
-        step_type: StepType::Evaluate.as_str().to_owned(),
-        plan: Some(plan.clone()),
-        subagent_results: None,
-    };
     Applied {
-        plan,
-        effect,
-        step,
         rerun,
-        sub_goals: Vec::new(),
-        life_cycle_exhausted: false,
+        ..recorded(verdict, arguments, plan, effect)
     }
 }
 
