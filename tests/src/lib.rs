@@ -387,3 +387,88 @@ pub async fn read_from_start(
         .await
         .unwrap()
 }
+
+/// The `tg:` namespace, for reading explain triples.
+pub const TG: &str = "https://trustgraph.ai/ns/";
+
+/// Every explain triple a dialog's responses carried.
+pub fn explained(responses: &[AgentResponse]) -> Vec<agent_schema::Triple> {
+    responses
+        .iter()
+        .flat_map(|r| r.explain_triples.iter().cloned())
+        .collect()
+}
+
+/// The values (IRIs or literal texts) of `predicate`, a `tg:` name, on `node`.
+pub fn values(triples: &[agent_schema::Triple], node: &str, predicate: &str) -> Vec<String> {
+    triples
+        .iter()
+        .filter(|t| t.s.iri == node && t.p.iri == format!("{TG}{predicate}"))
+        .map(|t| {
+            if t.o.kind == "i" {
+                t.o.iri.clone()
+            } else {
+                t.o.value.clone()
+            }
+        })
+        .collect()
+}
+
+/// Whether `node` has the `tg:` type `class`.
+pub fn has_type(triples: &[agent_schema::Triple], node: &str, class: &str) -> bool {
+    triples
+        .iter()
+        .any(|t| t.s.iri == node && t.p.iri.ends_with("#type") && t.o.iri == format!("{TG}{class}"))
+}
+
+/// No link points at a node the dialog did not describe.
+pub fn assert_no_dangling_links(triples: &[agent_schema::Triple]) {
+    let subjects: std::collections::BTreeSet<&str> =
+        triples.iter().map(|x| x.s.iri.as_str()).collect();
+    let linking = [
+        "wasDerivedFrom",
+        "thought",
+        "document",
+        "hasStep",
+        "executesStep",
+        "evaluates",
+    ];
+    for x in triples {
+        if linking.iter().any(|p| x.p.iri.ends_with(p)) {
+            assert!(
+                subjects.contains(x.o.iri.as_str()),
+                "dangling {} -> {}",
+                x.p.iri,
+                x.o.iri
+            );
+        }
+    }
+}
+
+/// Every thought the client was sent names a node the graph holds.
+pub fn assert_thoughts_explained(responses: &[AgentResponse], triples: &[agent_schema::Triple]) {
+    let subjects: std::collections::BTreeSet<&str> =
+        triples.iter().map(|x| x.s.iri.as_str()).collect();
+    for r in responses.iter().filter(|r| r.message_type == "thought") {
+        assert!(
+            subjects.contains(r.message_id.as_str()),
+            "no node for {}",
+            r.message_id
+        );
+    }
+}
+
+/// The last request on a topic read from its start, once nothing more arrives for two seconds.
+pub async fn last_request(
+    requests: &mut pulsar::Consumer<Vec<u8>, pulsar::TokioExecutor>,
+) -> Option<AgentRequest> {
+    use futures::StreamExt;
+    let mut last = None;
+    while let Ok(Some(Ok(message))) =
+        tokio::time::timeout(Duration::from_secs(2), requests.next()).await
+    {
+        requests.ack(&message).await.unwrap();
+        last = Some(serde_json::from_slice(&message.payload.data).unwrap());
+    }
+    last
+}

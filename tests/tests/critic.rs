@@ -11,10 +11,8 @@ use std::time::Duration;
 
 use agent_e2e::*;
 use agent_schema::{AgentRequest, AgentResponse, Triple};
-use futures::StreamExt;
 
 const DIALOG_TIMEOUT: Duration = Duration::from_secs(60);
-const TG: &str = "https://trustgraph.ai/ns/";
 
 /// A config with the critic switched on for plan-then-execute and the given limits.
 fn critic_config(name: &str, limits: &str) -> PathBuf {
@@ -61,16 +59,9 @@ async fn run(
     assert!(last.end_of_dialog && last.error.is_none(), "{responses:#?}");
     let prompts = llm.calls().into_iter().map(|c| c.last_user).collect();
     // The history the last message carried matches the graph, step by step.
-    let mut carried: Option<AgentRequest> = None;
-    while let Ok(Some(Ok(message))) =
-        tokio::time::timeout(Duration::from_secs(2), requests.next()).await
-    {
-        requests.ack(&message).await.unwrap();
-        carried = Some(serde_json::from_slice(&message.payload.data).unwrap());
-    }
-    let history = carried.unwrap().history;
+    let history = last_request(&mut requests).await.unwrap().history;
     let session = responses[0].explain_id.clone().unwrap();
-    let t = triples(&responses);
+    let t = explained(&responses);
     for (k, step) in history.iter().enumerate() {
         let node = format!("{session}/i{}", k + 1);
         match step.step_type.as_str() {
@@ -95,26 +86,6 @@ async fn run(
     (responses, prompts)
 }
 
-fn triples(responses: &[AgentResponse]) -> Vec<Triple> {
-    responses
-        .iter()
-        .flat_map(|r| r.explain_triples.iter().cloned())
-        .collect()
-}
-
-fn values(t: &[Triple], node: &str, predicate: &str) -> Vec<String> {
-    t.iter()
-        .filter(|x| x.s.iri == node && x.p.iri == format!("{TG}{predicate}"))
-        .map(|x| {
-            if x.o.kind == "i" {
-                x.o.iri.clone()
-            } else {
-                x.o.value.clone()
-            }
-        })
-        .collect()
-}
-
 /// The verdicts in iteration order: (iteration node, status, retry count).
 fn verdicts(t: &[Triple], session: &str) -> Vec<(usize, String, String)> {
     (1..40)
@@ -128,41 +99,6 @@ fn verdicts(t: &[Triple], session: &str) -> Vec<(usize, String, String)> {
             ))
         })
         .collect()
-}
-
-/// Every thought the client was sent names a node the graph holds.
-fn assert_thoughts_explained(responses: &[AgentResponse], t: &[Triple]) {
-    let subjects: BTreeSet<&str> = t.iter().map(|x| x.s.iri.as_str()).collect();
-    for r in responses.iter().filter(|r| r.message_type == "thought") {
-        assert!(
-            subjects.contains(r.message_id.as_str()),
-            "no node for {}",
-            r.message_id
-        );
-    }
-}
-
-/// No link points at a node the dialog did not describe.
-fn assert_no_dangling_links(t: &[Triple]) {
-    let subjects: BTreeSet<&str> = t.iter().map(|x| x.s.iri.as_str()).collect();
-    for x in t {
-        let linking = [
-            "wasDerivedFrom",
-            "thought",
-            "document",
-            "hasStep",
-            "executesStep",
-            "evaluates",
-        ];
-        if linking.iter().any(|p| x.p.iri.ends_with(p)) {
-            assert!(
-                subjects.contains(x.o.iri.as_str()),
-                "dangling {} -> {}",
-                x.p.iri,
-                x.o.iri
-            );
-        }
-    }
 }
 
 #[tokio::test]
@@ -183,7 +119,7 @@ async fn an_execution_error_reruns_the_step_with_the_lesson() {
     .await;
     assert_eq!(responses.last().unwrap().content, "There are 42 sheep.");
     let session = responses[0].explain_id.clone().unwrap();
-    let t = triples(&responses);
+    let t = explained(&responses);
     assert_eq!(
         verdicts(&t, &session),
         [
@@ -236,7 +172,7 @@ async fn an_input_data_error_reruns_the_culprit_then_its_dependents() {
     .await;
     assert_eq!(responses.last().unwrap().content, "Carpet ordered: 20 m2.");
     let session = responses[0].explain_id.clone().unwrap();
-    let t = triples(&responses);
+    let t = explained(&responses);
     // Two statuses given: INPUT_DATA_ERROR comes before JOB_TOO_COMPLICATED_ERROR.
     let statuses: Vec<String> = verdicts(&t, &session).into_iter().map(|v| v.1).collect();
     assert_eq!(
@@ -301,7 +237,7 @@ async fn a_job_too_complicated_is_split_into_sub_steps() {
     .await;
     assert_eq!(responses.last().unwrap().content, "The report is written.");
     let session = responses[0].explain_id.clone().unwrap();
-    let t = triples(&responses);
+    let t = explained(&responses);
     let split = format!("{session}/i3");
     assert_eq!(
         values(&t, &split, "evaluationStatus"),
@@ -355,7 +291,7 @@ async fn the_retry_limit_ends_with_an_unverified_answer() {
         "{answer}"
     );
     let session = responses[0].explain_id.clone().unwrap();
-    let t = triples(&responses);
+    let t = explained(&responses);
     // Two reruns allowed; the third rejection ends the dialog.
     assert_eq!(verdicts(&t, &session).len(), 3);
     assert_eq!(
@@ -385,7 +321,7 @@ async fn the_life_cycle_stops_repeated_splitting() {
     assert!(answer.starts_with("Only partly solved."), "{answer}");
     assert!(answer.contains("step life cycle 1"), "{answer}");
     let session = responses[0].explain_id.clone().unwrap();
-    let t = triples(&responses);
+    let t = explained(&responses);
     // One split allowed: the sub-step's own split is refused and it fails.
     let splits: Vec<usize> = verdicts(&t, &session).into_iter().map(|v| v.0).collect();
     assert_eq!(splits, [3, 5]);
@@ -436,7 +372,7 @@ async fn a_rejected_plan_is_revised_with_the_lesson() {
     .await;
     assert_eq!(responses.last().unwrap().content, "Shipped after testing.");
     let session = responses[0].explain_id.clone().unwrap();
-    let t = triples(&responses);
+    let t = explained(&responses);
     let statuses: Vec<(usize, String)> = verdicts(&t, &session)
         .into_iter()
         .map(|v| (v.0, v.1))
@@ -494,7 +430,7 @@ async fn a_rejected_answer_is_written_again_with_the_lesson() {
         "the rejected draft reached the client as an answer"
     );
     let session = responses[0].explain_id.clone().unwrap();
-    let t = triples(&responses);
+    let t = explained(&responses);
     // i1 plan, i2 step, i3 draft, i4 review (rejected), i5 draft, i6 review (accepted), final.
     let statuses: Vec<(usize, String)> = verdicts(&t, &session)
         .into_iter()

@@ -9,67 +9,14 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use agent_e2e::*;
-use agent_schema::{AgentRequest, AgentResponse, Triple};
-use futures::StreamExt;
+use agent_schema::{AgentRequest, AgentResponse};
 
 const DIALOG_TIMEOUT: Duration = Duration::from_secs(60);
-const TG: &str = "https://trustgraph.ai/ns/";
 
 fn planned(question: &str, streaming: bool) -> AgentRequest {
     AgentRequest {
         pattern: "plan-then-execute".into(),
         ..request(question, streaming)
-    }
-}
-
-/// Every explain triple of a dialog.
-fn triples(responses: &[AgentResponse]) -> Vec<Triple> {
-    responses
-        .iter()
-        .flat_map(|r| r.explain_triples.iter().cloned())
-        .collect()
-}
-
-/// The values of `predicate` (a `tg:` name) on `node`.
-fn values(triples: &[Triple], node: &str, predicate: &str) -> Vec<String> {
-    triples
-        .iter()
-        .filter(|t| t.s.iri == node && t.p.iri == format!("{TG}{predicate}"))
-        .map(|t| {
-            if t.o.kind == "i" {
-                t.o.iri.clone()
-            } else {
-                t.o.value.clone()
-            }
-        })
-        .collect()
-}
-
-fn has_type(triples: &[Triple], node: &str, class: &str) -> bool {
-    triples
-        .iter()
-        .any(|t| t.s.iri == node && t.p.iri.ends_with("#type") && t.o.iri == format!("{TG}{class}"))
-}
-
-/// No link points at a node the dialog did not describe.
-fn assert_no_dangling_links(t: &[Triple]) {
-    let subjects: std::collections::BTreeSet<&str> = t.iter().map(|x| x.s.iri.as_str()).collect();
-    for x in t {
-        let linking = [
-            "wasDerivedFrom",
-            "thought",
-            "document",
-            "hasStep",
-            "executesStep",
-        ];
-        if linking.iter().any(|p| x.p.iri.ends_with(p)) {
-            assert!(
-                subjects.contains(x.o.iri.as_str()),
-                "dangling {} -> {}",
-                x.p.iri,
-                x.o.iri
-            );
-        }
     }
 }
 
@@ -131,14 +78,7 @@ async fn a_diamond_plan_runs_in_dependency_order() {
     assert_eq!(order[3], "join them");
 
     // The history in the last request on the broker matches the graph.
-    let mut last: Option<AgentRequest> = None;
-    while let Ok(Some(Ok(message))) =
-        tokio::time::timeout(Duration::from_secs(2), requests.next()).await
-    {
-        requests.ack(&message).await.unwrap();
-        last = Some(serde_json::from_slice(&message.payload.data).unwrap());
-    }
-    let last = last.unwrap();
+    let last = last_request(&mut requests).await.unwrap();
     let kinds: Vec<&str> = last.history.iter().map(|s| s.step_type.as_str()).collect();
     assert_eq!(kinds, ["plan", "execute", "execute", "execute", "execute"]);
     let plan = last.history.last().unwrap().plan.clone().unwrap();
@@ -157,7 +97,7 @@ async fn a_diamond_plan_runs_in_dependency_order() {
     );
 
     let session = responses[0].explain_id.clone().unwrap();
-    let t = triples(&responses);
+    let t = explained(&responses);
     let plan_node = format!("{session}/i1");
     assert!(has_type(&t, &plan_node, "Plan"));
     assert_eq!(values(&t, &plan_node, "hasStep").len(), 4);
@@ -223,7 +163,7 @@ async fn a_plan_with_a_cycle_is_refused_and_asked_again() {
     let last = closing(&responses);
     assert_eq!(last.content, "Answered: DONE");
     let session = responses[0].explain_id.clone().unwrap();
-    let t = triples(&responses);
+    let t = explained(&responses);
     // Every call is counted, the refused attempt's too: the graph adds up to the closing totals.
     let total = |p: &str| -> u64 {
         t.iter()
@@ -276,7 +216,7 @@ async fn a_failed_step_is_replanned_once() {
         .unwrap();
     assert_eq!(closing(&responses).content, "Got there on foot.");
     let session = responses[0].explain_id.clone().unwrap();
-    let t = triples(&responses);
+    let t = explained(&responses);
     // i1 plan, i2 pack, i3 teleport (failed), i4 revision, i5 walk, final.
     assert_eq!(
         values(&t, &format!("{session}/i3/observation"), "stepStatus"),
@@ -324,7 +264,7 @@ async fn without_a_valid_plan_the_request_becomes_one_step() {
         .unwrap();
     assert_eq!(closing(&responses).content, "Done in one go.");
     let session = responses[0].explain_id.clone().unwrap();
-    let t = triples(&responses);
+    let t = explained(&responses);
     let plan_node = format!("{session}/i1");
     assert_eq!(values(&t, &plan_node, "rejectionReason").len(), 3);
     assert!(
@@ -380,7 +320,7 @@ async fn failures_past_max_replan_depth_end_gracefully() {
         "{answer}"
     );
     let session = responses[0].explain_id.clone().unwrap();
-    let t = triples(&responses);
+    let t = explained(&responses);
     assert_eq!(
         values(&t, &format!("{session}/final"), "terminationReason"),
         ["max-replan-depth"]
@@ -419,7 +359,7 @@ async fn the_router_can_choose_plan_then_execute() {
         .unwrap();
     assert_eq!(closing(&responses).content, "The evidence: FOUND");
     let session = responses[0].explain_id.clone().unwrap();
-    let t = triples(&responses);
+    let t = explained(&responses);
     let decision = format!("{session}/pattern-decision");
     assert_eq!(values(&t, &decision, "pattern"), ["plan-then-execute"]);
     assert_eq!(values(&t, &decision, "patternMethod"), ["llm"]);
