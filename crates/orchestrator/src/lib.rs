@@ -144,28 +144,6 @@ impl Engine {
             && !request.pattern.is_empty()
             && !request.session_id.is_empty();
         let new_dialog = request.history.is_empty() && !routed;
-
-        if let Err(problem) = validate(&request, &config, new_dialog) {
-            tracing::warn!(session = %session_id, %problem, "refusing an invalid request");
-            if agent_core::supervisor::is_subagent(&request) {
-                // A refused subagent is a failed completion for its supervisor, not the end of
-                // the client's dialog.
-                let turn = Turn {
-                    request: &request,
-                    session_id: &session_id,
-                    uris: &uris,
-                    out: &out,
-                    config: &config,
-                    llm: &self.llm,
-                    tokens_before,
-                    elapsed,
-                };
-                finish::error(&turn, &problem).await?;
-            } else {
-                out.respond(&AgentResponse::error(problem)).await?;
-            }
-            return out.flush().await;
-        }
         // A request that names its pattern is not routed, but gets its task type's framing.
         let requested = (new_dialog && !request.pattern.is_empty())
             .then(|| router::requested(&request, &config));
@@ -184,6 +162,17 @@ impl Engine {
             tokens_before,
             elapsed,
         };
+        if let Err(problem) = validate(&request, &config, new_dialog) {
+            tracing::warn!(session = %session_id, %problem, "refusing an invalid request");
+            if agent_core::supervisor::is_subagent(&request) {
+                // A refused subagent is a failed completion for its supervisor, not the end of
+                // the client's dialog.
+                finish::error(&turn, &problem).await?;
+            } else {
+                out.respond(&AgentResponse::error(problem)).await?;
+            }
+            return out.flush().await;
+        }
         async {
             if new_dialog {
                 let started =
