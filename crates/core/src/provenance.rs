@@ -113,6 +113,17 @@ impl NodeBuilder {
         self.tg(s, "document", Term::iri(doc));
         self.tg(doc, "content", Term::literal(text))
     }
+    /// What the LLM calls behind a node cost: duration, tokens and the model, if known.
+    fn cost(&mut self, s: &str, stats: &CallStats) -> &mut Self {
+        let integer = |v: u64| Term::typed_literal(v.to_string(), XSD_INTEGER);
+        self.tg(s, "llmDurationMs", integer(stats.duration_ms))
+            .tg(s, "inToken", integer(stats.in_token))
+            .tg(s, "outToken", integer(stats.out_token));
+        if !stats.model.is_empty() {
+            self.tg(s, "model", Term::literal(&stats.model));
+        }
+        self
+    }
     pub fn build(self) -> Vec<Triple> {
         self.triples
     }
@@ -171,24 +182,7 @@ pub fn tool_iteration(
 
 fn iteration_facts(b: &mut NodeBuilder, s: &str, n: usize, candidates: &[&str], stats: &CallStats) {
     b.tg(s, "step", Term::typed_literal(n.to_string(), XSD_INTEGER))
-        .tg(
-            s,
-            "llmDurationMs",
-            Term::typed_literal(stats.duration_ms.to_string(), XSD_INTEGER),
-        )
-        .tg(
-            s,
-            "inToken",
-            Term::typed_literal(stats.in_token.to_string(), XSD_INTEGER),
-        )
-        .tg(
-            s,
-            "outToken",
-            Term::typed_literal(stats.out_token.to_string(), XSD_INTEGER),
-        );
-    if !stats.model.is_empty() {
-        b.tg(s, "model", Term::literal(&stats.model));
-    }
+        .cost(s, stats);
     for c in candidates {
         b.tg(s, "toolCandidate", Term::literal(*c));
     }
@@ -579,13 +573,7 @@ pub fn pattern_decision(uris: &SessionUris, decision: &Decision, stats: &CallSta
     if !decision.framing.is_empty() {
         b.tg(&s, "framing", Term::literal(&decision.framing));
     }
-    let integer = |v: u64| Term::typed_literal(v.to_string(), XSD_INTEGER);
-    b.tg(&s, "llmDurationMs", integer(stats.duration_ms))
-        .tg(&s, "inToken", integer(stats.in_token))
-        .tg(&s, "outToken", integer(stats.out_token));
-    if !stats.model.is_empty() {
-        b.tg(&s, "model", Term::literal(&stats.model));
-    }
+    b.cost(&s, stats);
     b.build()
 }
 
@@ -727,13 +715,7 @@ pub fn synthesis(
     for c in completions {
         b.derived(&s, c);
     }
-    let integer64 = |v: u64| Term::typed_literal(v.to_string(), XSD_INTEGER);
-    b.tg(&s, "llmDurationMs", integer64(stats.duration_ms))
-        .tg(&s, "inToken", integer64(stats.in_token))
-        .tg(&s, "outToken", integer64(stats.out_token));
-    if !stats.model.is_empty() {
-        b.tg(&s, "model", Term::literal(&stats.model));
-    }
+    b.cost(&s, stats);
     b.build()
 }
 
