@@ -95,11 +95,8 @@ pub fn parse(text: &str) -> Evaluation {
     let Some(start) = text.find('{') else {
         return unreadable("the evaluation holds no JSON object");
     };
-    // The first JSON value, whatever prose follows it.
-    let first = serde_json::Deserializer::from_str(&text[start..])
-        .into_iter::<serde_json::Value>()
-        .next();
-    let Some(Ok(serde_json::Value::Object(o))) = first else {
+    let Some(Ok(serde_json::Value::Object(o))) = crate::react::first_json_value(&text[start..])
+    else {
         return unreadable("the evaluation is not a JSON object");
     };
     let text_of = |k: &str| {

@@ -310,10 +310,7 @@ pub fn parse(text: &str) -> Result<(Vec<PlanStep>, String), String> {
     let start = text
         .find(['[', '{'])
         .ok_or("the answer holds no JSON plan")?;
-    // The first JSON value, whatever prose follows it.
-    let value: serde_json::Value = serde_json::Deserializer::from_str(&text[start..])
-        .into_iter::<serde_json::Value>()
-        .next()
+    let value = crate::react::first_json_value(&text[start..])
         .ok_or("the answer holds no JSON plan")?
         .map_err(|e| format!("the plan is not valid JSON: {e}"))?;
     let (steps, rationale) = match value {

@@ -160,10 +160,7 @@ fn parse_args(text: &str) -> Result<BTreeMap<String, String>, ReactParseError> {
     if text.is_empty() {
         return Ok(BTreeMap::new());
     }
-    // Models often go on writing after the object; only the first JSON value counts.
-    let value: serde_json::Value = serde_json::Deserializer::from_str(text)
-        .into_iter::<serde_json::Value>()
-        .next()
+    let value = first_json_value(text)
         .ok_or_else(|| ReactParseError::BadArgs("no JSON object".into()))?
         .map_err(|e| ReactParseError::BadArgs(e.to_string()))?;
     let serde_json::Value::Object(map) = value else {
@@ -181,6 +178,14 @@ fn parse_args(text: &str) -> Result<BTreeMap<String, String>, ReactParseError> {
             (k, v)
         })
         .collect())
+}
+
+/// The first JSON value in `text` from its start: models often go on writing after it, and only it
+/// counts. `None` when `text` holds no value at all.
+pub(crate) fn first_json_value(text: &str) -> Option<Result<serde_json::Value, serde_json::Error>> {
+    serde_json::Deserializer::from_str(text)
+        .into_iter::<serde_json::Value>()
+        .next()
 }
 
 fn strip_code_fence(text: &str) -> &str {

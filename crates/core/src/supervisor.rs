@@ -29,9 +29,7 @@ pub fn parse_goals(text: &str, max: usize) -> Result<Vec<Goal>, String> {
     let start = text
         .find(['[', '{'])
         .ok_or("the answer holds no JSON list of goals")?;
-    let value: serde_json::Value = serde_json::Deserializer::from_str(&text[start..])
-        .into_iter::<serde_json::Value>()
-        .next()
+    let value = crate::react::first_json_value(&text[start..])
         .ok_or("the answer holds no JSON list of goals")?
         .map_err(|e| format!("the goals are not valid JSON: {e}"))?;
     let list = match value {
