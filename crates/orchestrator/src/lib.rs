@@ -21,7 +21,7 @@ use agent_bus::{
 };
 use agent_core::config::AgentConfig;
 use agent_core::prompt::{render, PromptTemplate};
-use agent_core::provenance::{self, CallStats, SessionUris};
+use agent_core::provenance::{self, CallStats, SessionUris, ToolStats};
 use agent_core::router::IMPLEMENTED_PATTERNS;
 use agent_llm::{ChatMessage, Completion, LlmClient};
 use agent_schema::{AgentRequest, AgentResponse, ID_PROPERTY};
@@ -79,6 +79,14 @@ pub fn call_stats(completion: &Completion) -> CallStats {
     let mut stats = CallStats::default();
     add_call(&mut stats, completion);
     stats
+}
+
+/// The dialog's tokens after this iteration's LLM calls (`stats`) and tool run (`tool`).
+pub fn tokens_after(turn: &Turn<'_>, stats: &CallStats, tool: &ToolStats) -> (u64, u64) {
+    (
+        turn.tokens_before.0 + stats.in_token + tool.in_token,
+        turn.tokens_before.1 + stats.out_token + tool.out_token,
+    )
 }
 
 /// Adds an LLM call's cost to `stats` (an iteration that asks more than once).

@@ -17,7 +17,7 @@ use tokio::sync::mpsc;
 
 use crate::react::{conclude_if_limited, fail};
 use crate::tool_exec::{run_scoped_tool, truncate};
-use crate::{add_call, Turn};
+use crate::{add_call, tokens_after, Turn};
 
 /// Times the LLM is asked for a plan in one iteration before a one-step plan stands in.
 const PLAN_ATTEMPTS: usize = 3;
@@ -72,13 +72,6 @@ pub async fn iterate(turn: &Turn<'_>) -> Result<(), BusError> {
         Next::RunStep(index) => run_step(turn, n, index).await,
         Next::Synthesise(unfinished) => synthesise(turn, n, unfinished).await,
     }
-}
-
-fn tokens_after(turn: &Turn<'_>, stats: &CallStats, tool: &ToolStats) -> (u64, u64) {
-    (
-        turn.tokens_before.0 + stats.in_token + tool.in_token,
-        turn.tokens_before.1 + stats.out_token + tool.out_token,
-    )
 }
 
 /// Makes the first plan, or (with `problem`) revises the rest of the current one.

@@ -4,7 +4,7 @@
 
 use agent_bus::BusError;
 use agent_core::prompt::{describe_tools, framing_block};
-use agent_core::provenance::{self, CallStats, SessionUris, Termination};
+use agent_core::provenance::{self, CallStats, SessionUris, Termination, ToolStats};
 use agent_core::supervisor::{self as supervising, Goal};
 use agent_core::tools::Scope;
 use agent_schema::{AgentStep, MessageType, StepType};
@@ -136,13 +136,14 @@ async fn synthesise(
         config,
         ..
     } = turn;
-    let cid = request
+    // The fan-out being answered: the last decompose step names it and its size.
+    let decompose = request
         .history
         .iter()
         .rev()
-        .find(|s| StepType::parse(&s.step_type) == Some(StepType::Decompose))
-        .and_then(|s| s.arguments.get(CORRELATION_KEY).cloned())
-        .unwrap_or_default();
+        .find(|s| StepType::parse(&s.step_type) == Some(StepType::Decompose));
+    let argument = |key: &str| decompose.and_then(|s| s.arguments.get(key)).cloned();
+    let cid = argument(CORRELATION_KEY).unwrap_or_default();
     let lines: Vec<String> = results
         .iter()
         .map(|(goal, result)| format!("- {goal}: {result}"))
@@ -159,12 +160,7 @@ async fn synthesise(
         return Ok(());
     };
     let answer = completion.text.trim().to_owned();
-    let expected = request
-        .history
-        .iter()
-        .rev()
-        .find(|s| StepType::parse(&s.step_type) == Some(StepType::Decompose))
-        .and_then(|s| s.arguments.get(EXPECTED_KEY))
+    let expected = argument(EXPECTED_KEY)
         .and_then(|e| e.parse::<usize>().ok())
         .unwrap_or(results.len())
         .min(agent_core::plan::MAX_PLAN_STEPS.max(config.limits.max_subagents));
@@ -194,9 +190,6 @@ async fn synthesise(
         ),
     )
     .await?;
-    let tokens = (
-        turn.tokens_before.0 + stats.in_token,
-        turn.tokens_before.1 + stats.out_token,
-    );
+    let tokens = crate::tokens_after(turn, &stats, &ToolStats::default());
     crate::finish::answer(turn, &answer, tokens, &completion.model).await
 }
