@@ -227,6 +227,7 @@ async fn completions_before_their_fan_out_and_twice_give_one_synthesis() {
         &supervisor,
         1,
         cid,
+        &supervisor.pattern_decision(),
         &sessions,
         &String::from_utf8_lossy(&agent_schema::encode(&continuation)),
         "client-7",
@@ -289,4 +290,168 @@ async fn completions_before_their_fan_out_and_twice_give_one_synthesis() {
         ]
         .into()
     );
+}
+
+/// Rows a SPARQL query over the aggregator's store returns.
+async fn count(store: &agent_graph::GraphStore, sparql: String) -> usize {
+    match store.query(sparql).await.unwrap() {
+        agent_graph::QueryAnswer::Rows(rows) => rows.rows.len(),
+        _ => 0,
+    }
+}
+
+/// The synthesis may send subagents out again under a new correlation id; the second round's
+/// synthesis sees both rounds, and the new fan-out hangs off the synthesis that asked for it. An LLM
+/// that always wants one more round is stopped by `max_iterations` with an answer naming what the
+/// subagents found.
+#[tokio::test]
+async fn a_synthesis_fans_out_again_within_the_iteration_limit() {
+    let broker = Broker::start().unwrap();
+    let aggregator = Aggregator::spawn(&broker);
+    let config = config_dir(
+        "refanout",
+        &[("agent-limits", r#"{"default": {"max_iterations": 6}}"#)],
+    );
+    let llm = scripted_llm(
+        r#"{"rules": [
+      {"match": "Request to split: Investigate", "reply": "[{\"goal\": \"find the suspect\"}, {\"goal\": \"find the motive\"}]"},
+      {"match": "Question: find the suspect", "reply": "Thought: seen.\nFinal Answer: the butler"},
+      {"match": "Question: find the motive in the will", "reply": "Thought: read it.\nFinal Answer: an inheritance"},
+      {"match": "Question: find the motive", "reply": "Thought: unclear.\nFinal Answer: unknown"},
+      {"match": "Request to answer from the subagents: Investigate", "and": ["Round 2:", "the butler", "an inheritance"], "reply": "The butler, for an inheritance."},
+      {"match": "Request to answer from the subagents: Investigate", "and": ["new goals for another round"], "reply": "{\"goals\": [{\"goal\": \"find the motive in the will\"}]}"},
+      {"match": "Request to split: Dig", "reply": "[\"dig here\"]"},
+      {"match": "Question: dig", "reply": "Thought: dug.\nFinal Answer: a layer of clay"},
+      {"match": "Request to answer from the subagents: Dig", "reply": "{\"goals\": [\"dig deeper\"]}"}
+    ]}"#,
+    )
+    .await;
+    let _orchestrator = Orchestrator::spawn(&broker, &llm, &config, &[]);
+    let mut client = client(&broker).await;
+    client
+        .send("r-1", &supervised("Investigate the theft."))
+        .await
+        .unwrap();
+    client
+        .send("r-2", &supervised("Dig for the treasure."))
+        .await
+        .unwrap();
+    let investigated = collect_dialog(&mut client, "r-1", DIALOG_TIMEOUT)
+        .await
+        .unwrap();
+    let dug = collect_dialog(&mut client, "r-2", DIALOG_TIMEOUT)
+        .await
+        .unwrap();
+    let answer = investigated.last().unwrap();
+    assert!(answer.error.is_none(), "{investigated:#?}");
+    assert_eq!(answer.content, "The butler, for an inheritance.");
+    assert_eq!(closings(&investigated), 1);
+
+    // Two rounds, then the limit: the second synthesis is not offered a third round, and the
+    // answer says so and carries what both rounds found.
+    let last = dug.last().unwrap();
+    assert!(last.error.is_none(), "{dug:#?}");
+    assert!(
+        last.content.contains("could not run another round")
+            && last
+                .content
+                .contains("Round 1:\n- dig here: a layer of clay")
+            && last
+                .content
+                .contains("Round 2:\n- dig deeper: a layer of clay"),
+        "{}",
+        last.content
+    );
+    let digs: Vec<String> = llm
+        .calls()
+        .iter()
+        .filter(|c| {
+            c.last_user
+                .contains("Request to answer from the subagents: Dig")
+        })
+        .map(|c| c.last_user.clone())
+        .collect();
+    assert_eq!(digs.len(), 2, "{digs:#?}");
+    assert!(digs[0].contains("another round") && !digs[1].contains("another round"));
+    let more = drain_for(&mut client, "r-2", Duration::from_secs(2)).await;
+    assert_eq!(closings(&more), 0, "{more:#?}");
+
+    // The second fan-out derives from the first synthesis, and the answer from the second.
+    let session = investigated[0].explain_id.clone().unwrap();
+    let store = aggregator.store();
+    let chain = format!(
+        "PREFIX tg: <https://trustgraph.ai/ns/> PREFIX prov: <http://www.w3.org/ns/prov#>
+         SELECT ?f2 WHERE {{ GRAPH <urn:graph:retrieval> {{
+           ?final a tg:Conclusion ; prov:wasDerivedFrom ?s2 .
+           ?s2 a tg:Synthesis ; prov:wasDerivedFrom ?f2 . ?f2 a tg:FanOut ; prov:wasDerivedFrom ?s1 .
+           ?s1 a tg:Synthesis ; prov:wasDerivedFrom ?f1 . ?f1 a tg:FanOut ;
+               prov:wasDerivedFrom+ <{session}> }} }}"
+    );
+    assert_eq!(count(&store, chain).await, 1);
+}
+
+/// A subagent may itself be a supervisor, one level down under the default `max_fanout_depth` of
+/// 2: the nested supervisor fans out, its synthesis becomes its completion, and its own subagents
+/// are not offered (nor given) the supervisor pattern. The whole run is one DAG from the root.
+#[tokio::test]
+async fn a_nested_fan_out_stops_at_the_depth_limit() {
+    let broker = Broker::start().unwrap();
+    let aggregator = Aggregator::spawn(&broker);
+    let llm = scripted_llm(
+        r#"{"rules": [
+      {"match": "Request to split: Plan the trip", "reply": "[{\"goal\": \"Organise travel\", \"pattern\": \"supervisor\"}, {\"goal\": \"book the hotel\"}]"},
+      {"match": "Request to split: Organise travel", "reply": "[{\"goal\": \"book the train\"}, {\"goal\": \"Organise tickets\", \"pattern\": \"supervisor\"}]"},
+      {"match": "Request to split: Organise tickets", "reply": "[\"never\"]"},
+      {"match": "Question: book the hotel", "reply": "Thought: done.\nFinal Answer: hotel booked"},
+      {"match": "Question: book the train", "reply": "Thought: done.\nFinal Answer: train booked"},
+      {"match": "Question: Organise tickets", "reply": "Thought: done.\nFinal Answer: tickets printed"},
+      {"match": "Request to answer from the subagents: Organise travel", "and": ["train booked", "tickets printed"], "reply": "Travel sorted: train and tickets."},
+      {"match": "Request to answer from the subagents: Plan the trip", "and": ["Travel sorted: train and tickets.", "hotel booked"], "reply": "Trip planned."}
+    ]}"#,
+    )
+    .await;
+    let _orchestrator = Orchestrator::spawn(&broker, &llm, &seed_dir(), &[]);
+    let mut client = client(&broker).await;
+    client
+        .send("n-1", &supervised("Plan the trip to Rome."))
+        .await
+        .unwrap();
+    let responses = collect_dialog(&mut client, "n-1", DIALOG_TIMEOUT)
+        .await
+        .unwrap();
+    let last = responses.last().unwrap();
+    assert!(last.error.is_none(), "{responses:#?}");
+    assert_eq!(last.content, "Trip planned.");
+    assert_eq!(closings(&responses), 1);
+    let calls = llm.calls();
+    let split = |what: &str| {
+        calls
+            .iter()
+            .filter(|c| c.last_user.contains(&format!("Request to split: {what}")))
+            .map(|c| c.last_user.clone())
+            .collect::<Vec<_>>()
+    };
+    let (root, nested) = (split("Plan the trip"), split("Organise travel"));
+    assert_eq!((root.len(), nested.len()), (1, 1));
+    assert!(root[0].contains("pattern supervisor"), "{}", root[0]);
+    assert!(!nested[0].contains("pattern supervisor"), "{}", nested[0]);
+    assert!(
+        split("Organise tickets").is_empty(),
+        "the depth limit was passed"
+    );
+
+    let session = responses[0].explain_id.clone().unwrap();
+    let store = aggregator.store();
+    let fanouts = format!(
+        "PREFIX tg: <https://trustgraph.ai/ns/> PREFIX prov: <http://www.w3.org/ns/prov#>
+         SELECT DISTINCT ?f WHERE {{ GRAPH <urn:graph:retrieval> {{
+           ?f a tg:FanOut ; prov:wasDerivedFrom+ <{session}> }} }}"
+    );
+    assert_eq!(count(&store, fanouts).await, 2);
+    let syntheses = format!(
+        "PREFIX tg: <https://trustgraph.ai/ns/> PREFIX prov: <http://www.w3.org/ns/prov#>
+         SELECT DISTINCT ?s WHERE {{ GRAPH <urn:graph:retrieval> {{
+           ?s a tg:Synthesis ; prov:wasDerivedFrom+ <{session}> }} }}"
+    );
+    assert_eq!(count(&store, syntheses).await, 2);
 }

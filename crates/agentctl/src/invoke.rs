@@ -1,5 +1,6 @@
 //! `agentctl invoke`: sends one request and renders its response stream for a person (or as JSON lines).
 
+use std::collections::HashMap;
 use std::io::{IsTerminal, Write};
 use std::time::{Duration, Instant};
 
@@ -156,23 +157,46 @@ fn routing_line(triples: &[Triple]) -> String {
     line
 }
 
-/// `[subagent i] ` when the message comes from a supervisor's subagent (its session is
-/// `{supervisor}-f{n}-s{i}`), so parallel streams can be told apart.
-fn subagent_prefix(message_id: &str) -> String {
-    let session = message_id
+/// The session a message id belongs to (`urn:trustgraph:agent:{session}/...`).
+fn session_of(message_id: &str) -> &str {
+    message_id
         .strip_prefix("urn:trustgraph:agent:")
         .and_then(|rest| rest.split('/').next())
-        .unwrap_or_default();
-    match session.rsplit_once("-s") {
-        Some((fanout, index))
-            if fanout.contains("-f")
-                && !index.is_empty()
-                && index.bytes().all(|b| b.is_ascii_digit()) =>
-        {
-            format!("[subagent {index}] ")
-        }
-        _ => String::new(),
+        .unwrap_or_default()
+}
+
+/// The subagents a fan-out observation lists (`{i}. {goal} ({pattern})` lines under the message id
+/// `.../fanout/{correlation id}`), as subagent session -> goal.
+fn fanout_goals(message_id: &str, listing: &str) -> Vec<(String, String)> {
+    let Some((_, cid)) = message_id.rsplit_once("/fanout/") else {
+        return Vec::new();
+    };
+    listing
+        .lines()
+        .filter_map(|line| {
+            let (index, rest) = line.split_once(". ")?;
+            let index: usize = index.trim().parse().ok()?;
+            let goal = rest.rsplit_once(" (").map_or(rest, |(goal, _)| goal);
+            Some((format!("{cid}-s{index}"), goal.to_owned()))
+        })
+        .collect()
+}
+
+/// `[goal] ` when the message comes from a supervisor's subagent whose fan-out was seen, else
+/// `[subagent 2.0] ` (its place in each fan-out, outermost first); empty for the supervisor's own.
+fn subagent_prefix(message_id: &str, goals: &HashMap<String, String>) -> String {
+    let session = session_of(message_id);
+    if let Some(goal) = goals.get(session) {
+        let short: String = goal.chars().take(48).collect();
+        let cut = if short.len() < goal.len() { "..." } else { "" };
+        return format!("[{short}{cut}] ");
     }
+    let path = agent_core::supervisor::subagent_path(session);
+    if path.is_empty() {
+        return String::new();
+    }
+    let path: Vec<String> = path.iter().map(usize::to_string).collect();
+    format!("[subagent {}] ", path.join("."))
 }
 
 /// Turns response chunks into readable terminal output.
@@ -181,6 +205,8 @@ pub struct Renderer {
     explain: bool,
     color: bool,
     open: Option<(String, String)>,
+    /// Subagent session -> goal, from the fan-outs seen so far.
+    goals: HashMap<String, String>,
 }
 
 impl Renderer {
@@ -190,6 +216,7 @@ impl Renderer {
             explain,
             color: std::io::stdout().is_terminal(),
             open: None,
+            goals: HashMap::new(),
         }
     }
 
@@ -226,7 +253,8 @@ impl Renderer {
                     } else {
                         self.paint("1;32", "Answer:")
                     };
-                    let _ = write!(out, "{}{label} ", subagent_prefix(&r.message_id));
+                    let prefix = subagent_prefix(&r.message_id, &self.goals);
+                    let _ = write!(out, "{prefix}{label} ");
                     self.open = Some(key);
                 }
                 let _ = write!(out, "{}", r.content);
@@ -236,11 +264,12 @@ impl Renderer {
             }
             MessageType::Observation => {
                 self.close_line(&mut out);
+                self.goals.extend(fanout_goals(&r.message_id, &r.content));
                 let text: String = r.content.chars().take(600).collect();
                 let _ = writeln!(
                     out,
                     "{}{} {text}",
-                    subagent_prefix(&r.message_id),
+                    subagent_prefix(&r.message_id, &self.goals),
                     self.paint("33", "Observation:")
                 );
             }
@@ -292,22 +321,39 @@ impl Renderer {
 
 #[cfg(test)]
 mod tests {
-    use super::subagent_prefix;
+    use super::*;
 
     #[test]
-    fn subagent_messages_are_labelled_by_index() {
+    fn subagent_messages_are_labelled_by_goal_or_place() {
+        let mut goals = HashMap::new();
+        let none = HashMap::new();
         assert_eq!(
-            subagent_prefix("urn:trustgraph:agent:abc-f1-s2/i1/thought"),
+            subagent_prefix("urn:trustgraph:agent:abc-f1-s2/i1/thought", &none),
             "[subagent 2] "
         );
         assert_eq!(
-            subagent_prefix("urn:trustgraph:agent:abc-f1-s10/final"),
-            "[subagent 10] "
+            subagent_prefix("urn:trustgraph:agent:abc-f1-s10-f3-s0/final", &none),
+            "[subagent 10.0] "
         );
         assert_eq!(
-            subagent_prefix("urn:trustgraph:agent:my-session/i1/thought"),
+            subagent_prefix("urn:trustgraph:agent:my-session/i1/thought", &none),
             ""
         );
-        assert_eq!(subagent_prefix("urn:trustgraph:agent:abc-f1/final"), "");
+        assert_eq!(
+            subagent_prefix("urn:trustgraph:agent:abc-f1/final", &none),
+            ""
+        );
+        goals.extend(fanout_goals(
+            "urn:trustgraph:agent:abc/fanout/abc-f1",
+            "0. price of alpha (react)\n1. price (in euros) of beta (plan-then-execute)",
+        ));
+        assert_eq!(
+            subagent_prefix("urn:trustgraph:agent:abc-f1-s1/i1/thought", &goals),
+            "[price (in euros) of beta] "
+        );
+        assert_eq!(
+            subagent_prefix("urn:trustgraph:agent:abc-f1-s0/final", &goals),
+            "[price of alpha] "
+        );
     }
 }

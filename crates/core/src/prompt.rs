@@ -86,11 +86,13 @@ pub const DEFAULT_PLAN_SYNTHESISE_TEMPLATE: &str = "{{framing}}Answer the reques
 pub const DEFAULT_SUPERVISOR_SYSTEM: &str =
     "You coordinate subagents: you split work into independent goals and combine what they find.";
 
-/// Splitting. Placeholders: `framing`, `question`, `max_subagents`, `tools`.
-pub const DEFAULT_SUPERVISOR_DECOMPOSE_TEMPLATE: &str = "{{framing}}Split the request below into at most {{max_subagents}} independent goals, each of which a subagent can pursue on its own, in parallel with the others. A subagent works step by step with tools (pattern react) or by a plan (pattern plan-then-execute).\n\nTools the subagents can use:\n{{tools}}\n\nReply with only a JSON list: [{\"goal\": \"...\", \"pattern\": \"react\"}]\n\nRequest to split: {{question}}";
+/// Splitting. Placeholders: `framing`, `question`, `max_subagents`, `tools`, `patterns` (the ways a
+/// subagent may work, a sentence).
+pub const DEFAULT_SUPERVISOR_DECOMPOSE_TEMPLATE: &str = "{{framing}}Split the request below into at most {{max_subagents}} independent goals, each of which a subagent can pursue on its own, in parallel with the others. {{patterns}}\n\nTools the subagents can use:\n{{tools}}\n\nReply with only a JSON list: [{\"goal\": \"...\", \"pattern\": \"react\"}]\n\nRequest to split: {{question}}";
 
-/// Combining. Placeholders: `framing`, `question`, `results`.
-pub const DEFAULT_SUPERVISOR_SYNTHESISE_TEMPLATE: &str = "{{framing}}Answer the request below from what the subagents found. Use only their results, say which goals failed, and do not invent what is missing.\n\nResults by goal:\n{{results}}\n\nRequest to answer from the subagents: {{question}}";
+/// Combining. Placeholders: `framing`, `question`, `results`, `again` (the offer of another round of
+/// subagents, empty when the limits leave no room for one).
+pub const DEFAULT_SUPERVISOR_SYNTHESISE_TEMPLATE: &str = "{{framing}}Answer the request below from what the subagents found. Use only their results, say which goals failed, and do not invent what is missing.{{again}}\n\nResults by goal:\n{{results}}\n\nRequest to answer from the subagents: {{question}}";
 
 /// The system prompt of a tool's LLM call; its user prompt is the tool's own (`{{prompt}}`).
 pub const DEFAULT_TOOL_CALL_SYSTEM: &str = "You are a helpful assistant.";

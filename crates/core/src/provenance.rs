@@ -612,12 +612,14 @@ pub fn derived_from(node: &str, source: &str) -> Vec<Triple> {
 
 /// A supervisor's fan-out: the goals, the subagents' sessions, how many completions make it whole,
 /// and what the aggregator needs to resume the supervisor (its request as JSON and the client's
-/// `id`).
+/// `id`). It derives from `after`: the iteration before it, or the synthesis that asked for another
+/// round.
 #[allow(clippy::too_many_arguments)]
 pub fn fanout(
     uris: &SessionUris,
     n: usize,
     correlation_id: &str,
+    after: &str,
     goals: &[(String, String)],
     continuation_json: &str,
     client_id: &str,
@@ -640,7 +642,7 @@ pub fn fanout(
             Term::typed_literal(started_at, XSD_DATETIME),
         )
         .tg(&s, "step", integer(n))
-        .derived(&s, &uris.previous(n - 1));
+        .derived(&s, after);
     for (goal, session) in goals {
         b.tg(&s, "subagentGoal", Term::literal(goal)).tg(
             &s,

@@ -116,7 +116,9 @@ pub fn pattern_candidates(
     let mut runnable = Vec::new();
     let mut unavailable = Vec::new();
     for name in &task_type.valid_patterns {
-        if IMPLEMENTED_PATTERNS.contains(&name.as_str()) {
+        // With no fan-out depth allowed, a supervisor could not do what its name says.
+        let fans_out_unallowed = name == SUPERVISOR && config.limits.max_fanout_depth == 0;
+        if IMPLEMENTED_PATTERNS.contains(&name.as_str()) && !fans_out_unallowed {
             let description = config
                 .patterns
                 .get(name)

@@ -1,6 +1,7 @@
 //! Supervisor/Subagent decision logic: reading the goals the LLM split a request into, building one
 //! subagent request per goal (deterministic session and correlation ids, so a redone fan-out names
-//! the same subagents), and the request that resumes the supervisor with its subagents' results.
+//! the same subagents), the request that resumes the supervisor with its subagents' results, what
+//! the synthesis decided (answer, or another round), and how deep fan-outs may nest.
 
 use std::collections::BTreeMap;
 
@@ -24,14 +25,18 @@ pub struct Goal {
 
 /// Reads the goals: a JSON list of `{goal, pattern?, group?}` (or of strings), or an object with a
 /// `goals` list, possibly with prose around it. At most `max` goals are kept; a pattern that is not
-/// a worker pattern here becomes `react`.
-pub fn parse_goals(text: &str, max: usize) -> Result<Vec<Goal>, String> {
+/// a worker pattern here becomes `react` (`supervisor` is one only when `nested` fan-out is allowed).
+pub fn parse_goals(text: &str, max: usize, nested: bool) -> Result<Vec<Goal>, String> {
     let start = text
         .find(['[', '{'])
         .ok_or("the answer holds no JSON list of goals")?;
     let value = crate::react::first_json_value(&text[start..])
         .ok_or("the answer holds no JSON list of goals")?
         .map_err(|e| format!("the goals are not valid JSON: {e}"))?;
+    goals_from(value, max, nested)
+}
+
+fn goals_from(value: serde_json::Value, max: usize, nested: bool) -> Result<Vec<Goal>, String> {
     let list = match value {
         serde_json::Value::Array(list) => list,
         serde_json::Value::Object(mut o) => match o.remove("goals") {
@@ -63,7 +68,7 @@ pub fn parse_goals(text: &str, max: usize) -> Result<Vec<Goal>, String> {
             if goal.is_empty() {
                 return None;
             }
-            let pattern = if pattern == PLAN_THEN_EXECUTE {
+            let pattern = if pattern == PLAN_THEN_EXECUTE || (nested && pattern == SUPERVISOR) {
                 pattern
             } else {
                 REACT.to_owned()
@@ -80,6 +85,109 @@ pub fn parse_goals(text: &str, max: usize) -> Result<Vec<Goal>, String> {
         return Err("no goals".to_owned());
     }
     Ok(goals)
+}
+
+/// What a synthesis iteration decided.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Synthesis {
+    Answer(String),
+    /// Another round: the results leave the request open and these goals would settle it.
+    Again(Vec<Goal>),
+}
+
+/// Reads a synthesis answer. It asks for another round only when the whole answer (a code fence
+/// aside) is a JSON object with a non-empty `goals` list; anything else is the answer, so an answer
+/// that merely quotes JSON is never mistaken for a request.
+pub fn parse_synthesis(text: &str, max: usize, nested: bool) -> Synthesis {
+    let answer = text.trim();
+    let bare = answer
+        .strip_prefix("```json")
+        .or_else(|| answer.strip_prefix("```"))
+        .and_then(|t| t.strip_suffix("```"))
+        .unwrap_or(answer)
+        .trim();
+    let again = serde_json::from_str::<serde_json::Value>(bare)
+        .ok()
+        .filter(|v| v.get("goals").is_some_and(serde_json::Value::is_array))
+        .and_then(|v| goals_from(v, max, nested).ok());
+    match again {
+        Some(goals) => Synthesis::Again(goals),
+        None => Synthesis::Answer(answer.to_owned()),
+    }
+}
+
+/// The results of every round so far, oldest first, as the synthesis prompt shows them: one
+/// `- goal: result` line each, under a round heading once there is more than one round.
+pub fn describe_rounds(history: &[AgentStep]) -> String {
+    let rounds: Vec<&BTreeMap<String, String>> = history
+        .iter()
+        .filter(|s| StepType::parse(&s.step_type) == Some(StepType::Synthesise))
+        .filter_map(|s| s.subagent_results.as_ref())
+        .collect();
+    let lines = |results: &BTreeMap<String, String>| {
+        results
+            .iter()
+            .map(|(goal, result)| format!("- {goal}: {result}"))
+            .collect::<Vec<_>>()
+            .join("\n")
+    };
+    match rounds.as_slice() {
+        [only] => lines(only),
+        _ => rounds
+            .iter()
+            .enumerate()
+            .map(|(i, r)| format!("Round {}:\n{}", i + 1, lines(r)))
+            .collect::<Vec<_>>()
+            .join("\n\n"),
+    }
+}
+
+/// Where a session sits among fan-outs: the subagent index in each fan-out from the outermost in,
+/// read from the `-f{n}-s{i}` suffixes `subagent_session` adds. Empty for a session named otherwise.
+pub fn subagent_path(session_id: &str) -> Vec<usize> {
+    let number = |t: &str| {
+        (!t.is_empty() && t.bytes().all(|b| b.is_ascii_digit()))
+            .then(|| t.parse::<usize>().ok())
+            .flatten()
+    };
+    let mut path = Vec::new();
+    let mut session = session_id;
+    while let Some((rest, index)) = session.rsplit_once("-s") {
+        let Some((parent, step)) = rest.rsplit_once("-f") else {
+            break;
+        };
+        let (Some(index), Some(_)) = (number(index), number(step)) else {
+            break;
+        };
+        if parent.is_empty() {
+            break;
+        }
+        path.push(index);
+        session = parent;
+    }
+    path.reverse();
+    path
+}
+
+/// How many fan-outs lie above a request: 0 for a client's, 1 for a subagent of a client's
+/// supervisor, and so on. Read from the session id, which grows by `-f{n}-s{i}` per fan-out (see
+/// `subagent_session`), so it needs no extra wire field and a subagent cannot reset it.
+pub fn fanout_depth(request: &AgentRequest) -> usize {
+    if !is_subagent(request) {
+        return 0;
+    }
+    subagent_path(&request.session_id).len().max(1)
+}
+
+/// Whether a supervisor at this request's depth may fan out (`max_fanout_depth` levels of fan-out
+/// in all, the client's supervisor's being the first).
+pub fn may_fan_out(request: &AgentRequest, max_fanout_depth: usize) -> bool {
+    fanout_depth(request) < max_fanout_depth
+}
+
+/// Whether the subagents a supervisor starts may themselves be supervisors.
+pub fn may_nest(request: &AgentRequest, max_fanout_depth: usize) -> bool {
+    fanout_depth(request) + 1 < max_fanout_depth
 }
 
 /// The correlation id of the fan-out a supervisor makes at iteration `n`.
@@ -167,6 +275,14 @@ pub fn synthesis_request(
     next
 }
 
+/// The decompose step of the fan-out being answered (the last one).
+pub fn last_decompose(history: &[AgentStep]) -> Option<&AgentStep> {
+    history
+        .iter()
+        .rev()
+        .find(|s| StepType::parse(&s.step_type) == Some(StepType::Decompose))
+}
+
 /// The subagent results the supervisor resumes with, if its last step carries them.
 pub fn pending_synthesis(history: &[AgentStep]) -> Option<&BTreeMap<String, String>> {
     let last = history.last()?;
@@ -184,6 +300,7 @@ mod tests {
         let goals = parse_goals(
             "Split:\n[{\"goal\": \"a\", \"pattern\": \"supervisor\"}, \"b\", {\"goal\": \"c\", \"pattern\": \"plan-then-execute\", \"group\": [\"web\"]}, {\"goal\": \"d\"}] done [x]",
             3,
+            false,
         )
         .unwrap();
         let names: Vec<(&str, &str)> = goals
@@ -195,8 +312,11 @@ mod tests {
             [("a", "react"), ("b", "react"), ("c", "plan-then-execute")]
         );
         assert_eq!(goals[2].group.as_deref(), Some(&["web".to_owned()][..]));
-        assert!(parse_goals("{\"goals\": []}", 3).is_err());
-        assert!(parse_goals("no", 3).is_err());
+        assert!(parse_goals("{\"goals\": []}", 3, false).is_err());
+        assert!(parse_goals("no", 3, false).is_err());
+        let nested =
+            parse_goals("[{\"goal\": \"a\", \"pattern\": \"supervisor\"}]", 3, true).unwrap();
+        assert_eq!(nested[0].pattern, "supervisor");
     }
 
     #[test]
@@ -233,5 +353,86 @@ mod tests {
         assert_eq!(sub.group, None, "the default group only");
         let resumed = synthesis_request(&parent, [("g".to_owned(), "r".to_owned())].into());
         assert_eq!(pending_synthesis(&resumed.history).unwrap()["g"], "r");
+    }
+
+    #[test]
+    fn a_synthesis_asks_for_another_round_only_with_a_bare_goals_object() {
+        let again = parse_synthesis(
+            "```json\n{\"goals\": [{\"goal\": \"check x\"}, \"check y\"]}\n```",
+            1,
+            false,
+        );
+        let Synthesis::Again(goals) = again else {
+            panic!("{again:?}")
+        };
+        assert_eq!(goals.len(), 1, "bounded by max_subagents");
+        for answer in [
+            "Alpha is 1.",
+            "The data was {\"goals\": [\"x\"]} in the log.",
+            "{\"goals\": []}",
+            "{\"answer\": 1}",
+        ] {
+            assert_eq!(
+                parse_synthesis(answer, 3, false),
+                Synthesis::Answer(answer.to_owned())
+            );
+        }
+    }
+
+    #[test]
+    fn rounds_are_described_oldest_first() {
+        let round = |g: &str, r: &str| AgentStep {
+            step_type: "synthesise".into(),
+            subagent_results: Some([(g.to_owned(), r.to_owned())].into()),
+            ..AgentStep::default()
+        };
+        assert_eq!(describe_rounds(&[round("a", "1")]), "- a: 1");
+        assert_eq!(
+            describe_rounds(&[round("a", "1"), AgentStep::default(), round("b", "2")]),
+            "Round 1:\n- a: 1\n\nRound 2:\n- b: 2"
+        );
+    }
+
+    #[test]
+    fn fan_out_depth_follows_the_session_ids() {
+        let root = AgentRequest {
+            session_id: "abc-f1-s0".into(),
+            ..AgentRequest::default()
+        };
+        assert_eq!(fanout_depth(&root), 0, "a client's request is a root");
+        let goal = Goal {
+            goal: "g".into(),
+            pattern: SUPERVISOR.into(),
+            group: None,
+        };
+        let child = subagent_request(
+            &root,
+            "abc-f1-s0",
+            &correlation_id("abc-f1-s0", 1),
+            0,
+            &goal,
+            1,
+        );
+        // The client's own id looked like a subagent's: it counts once more, never less.
+        assert_eq!(fanout_depth(&child), 2);
+        let plain = AgentRequest {
+            session_id: "u".into(),
+            ..AgentRequest::default()
+        };
+        let child = subagent_request(&plain, "u", &correlation_id("u", 1), 3, &goal, 4);
+        let grandchild = subagent_request(
+            &child,
+            &child.session_id,
+            &correlation_id(&child.session_id, 3),
+            0,
+            &goal,
+            1,
+        );
+        assert_eq!((fanout_depth(&child), fanout_depth(&grandchild)), (1, 2));
+        assert_eq!(subagent_path(&grandchild.session_id), [3, 0]);
+        assert!(subagent_path("plain-s1").is_empty() && subagent_path("-f1-s2").is_empty());
+        assert!(may_fan_out(&plain, 1) && !may_nest(&plain, 1));
+        assert!(may_nest(&plain, 2) && may_fan_out(&child, 2) && !may_nest(&child, 2));
+        assert!(!may_fan_out(&grandchild, 2));
     }
 }

@@ -157,6 +157,7 @@ impl Engine {
             .then(|| router::requested(&request, &config));
         if let Some(decision) = &requested {
             request.framing.clone_from(&decision.framing);
+            request.pattern.clone_from(&decision.pattern.selected);
         }
         let n = request.history.len() + 1;
         let span = tracing::info_span!("iteration", session = %session_id, iteration = n, id = id.unwrap_or(""));
@@ -206,7 +207,15 @@ impl Engine {
             }
             match request.pattern.as_str() {
                 agent_core::plan::PLAN_THEN_EXECUTE => plan::iterate(&turn).await,
-                agent_core::supervisor::SUPERVISOR => supervisor::iterate(&turn).await,
+                // Past the depth limit a supervisor works alone (see `router::requested`).
+                agent_core::supervisor::SUPERVISOR
+                    if agent_core::supervisor::may_fan_out(
+                        &request,
+                        config.limits.max_fanout_depth,
+                    ) =>
+                {
+                    supervisor::iterate(&turn).await
+                }
                 _ => react::iterate(&turn).await,
             }
         }

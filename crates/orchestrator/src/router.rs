@@ -121,9 +121,25 @@ pub fn requested(request: &AgentRequest, config: &AgentConfig) -> Decision {
         .task_types_or_general()
         .into_iter()
         .find(|t| !request.task_type.is_empty() && t.name == request.task_type);
+    let depth = agent_core::supervisor::fanout_depth(request);
+    let max_depth = config.limits.max_fanout_depth;
+    let pattern = if request.pattern == agent_core::supervisor::SUPERVISOR
+        && !agent_core::supervisor::may_fan_out(request, max_depth)
+    {
+        // Recorded, so the graph says why a requested supervisor worked alone.
+        Choice {
+            selected: agent_core::router::REACT.to_owned(),
+            rationale: format!(
+                "supervisor was asked for at fan-out depth {depth}, which max_fanout_depth ({max_depth}) does not allow to fan out again; it works as react"
+            ),
+            ..requested(&request.pattern)
+        }
+    } else {
+        requested(&request.pattern)
+    };
     Decision {
         task_type: requested(&request.task_type),
-        pattern: requested(&request.pattern),
+        pattern,
         unavailable_patterns: Vec::new(),
         framing: match &task_type {
             Some(t) => framing(t, &request.framing),

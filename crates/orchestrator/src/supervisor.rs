@@ -20,8 +20,8 @@ const EXPECTED_KEY: &str = "expected";
 pub async fn iterate(turn: &Turn<'_>) -> Result<(), BusError> {
     let n = turn.request.history.len() + 1;
     // Subagents' results are answered from whatever the limits say: their work is already done.
-    if let Some(results) = supervising::pending_synthesis(&turn.request.history) {
-        return synthesise(turn, n, results.clone()).await;
+    if supervising::pending_synthesis(&turn.request.history).is_some() {
+        return synthesise(turn, n).await;
     }
     if let Some(done) = conclude_if_limited(turn).await {
         return done;
@@ -29,31 +29,41 @@ pub async fn iterate(turn: &Turn<'_>) -> Result<(), BusError> {
     decompose(turn, n).await
 }
 
+/// The sentence that tells the LLM how subagents may work.
+fn subagent_patterns(nested: bool) -> String {
+    let mut ways = "A subagent works step by step with tools (pattern react) or by a plan (pattern plan-then-execute)".to_owned();
+    if nested {
+        ways.push_str(", or splits its goal again among subagents of its own (pattern supervisor; only for a goal that is itself several independent questions)");
+    }
+    ways.push('.');
+    ways
+}
+
 async fn decompose(turn: &Turn<'_>, n: usize) -> Result<(), BusError> {
     let Turn {
         request,
         uris,
-        out,
         config,
-        session_id,
         ..
     } = turn;
     let scope = Scope::new(request.group.as_deref(), request.state.as_deref());
     let visible = scope.visible(&config.tools);
     let max = config.limits.max_subagents;
+    let nested = supervising::may_nest(request, config.limits.max_fanout_depth);
     let template = &config.prompts.supervisor_decompose;
     let vars = [
         ("framing", framing_block(&request.framing)),
         ("question", request.question.clone()),
         ("max_subagents", max.to_string()),
         ("tools", describe_tools(&visible)),
+        ("patterns", subagent_patterns(nested)),
     ]
     .into_iter()
     .collect();
     let Some((completion, stats)) = turn.ask(n, template, &vars).await? else {
         return Ok(());
     };
-    let goals = supervising::parse_goals(&completion.text, max).unwrap_or_else(|why| {
+    let goals = supervising::parse_goals(&completion.text, max, nested).unwrap_or_else(|why| {
         tracing::info!(%why, "no usable goals; the whole request goes to one subagent");
         vec![Goal {
             goal: request.question.clone(),
@@ -61,17 +71,38 @@ async fn decompose(turn: &Turn<'_>, n: usize) -> Result<(), BusError> {
             group: None,
         }]
     });
+    let thought = format!("Splitting the request into {} goals.", goals.len());
+    let after = uris.previous(n - 1);
+    fan_out(turn, n, &goals, &thought, &after, &stats).await
+}
+
+/// Records the fan-out of iteration `n` (derived from `after`), then starts one subagent per goal
+/// and stops: the aggregator resumes the supervisor. `stats`: the LLM call that decided it.
+async fn fan_out(
+    turn: &Turn<'_>,
+    n: usize,
+    goals: &[Goal],
+    thought: &str,
+    after: &str,
+    stats: &CallStats,
+) -> Result<(), BusError> {
+    let Turn {
+        request,
+        uris,
+        out,
+        session_id,
+        ..
+    } = turn;
     let cid = supervising::correlation_id(session_id, n);
     let listing: Vec<String> = goals
         .iter()
         .enumerate()
         .map(|(i, g)| format!("{i}. {} ({})", g.goal, g.pattern))
         .collect();
-    let thought = format!("Splitting the request into {} goals.", goals.len());
     let mut continuation = (*request).clone();
     continuation.session_id = session_id.to_string();
     continuation.history.push(AgentStep {
-        thought: thought.clone(),
+        thought: thought.to_owned(),
         action: "decompose".to_owned(),
         arguments: [
             (CORRELATION_KEY.to_owned(), cid.clone()),
@@ -87,7 +118,7 @@ async fn decompose(turn: &Turn<'_>, n: usize) -> Result<(), BusError> {
         .enumerate()
         .map(|(i, g)| (g.goal.clone(), supervising::subagent_session(&cid, i)))
         .collect();
-    out.chunk(MessageType::Thought, &thought, &uris.thought(n), true)
+    out.chunk(MessageType::Thought, thought, &uris.thought(n), true)
         .await?;
     out.chunk(
         MessageType::Observation,
@@ -103,6 +134,7 @@ async fn decompose(turn: &Turn<'_>, n: usize) -> Result<(), BusError> {
             uris,
             n,
             &cid,
+            after,
             &sessions,
             &String::from_utf8_lossy(&agent_schema::encode(&continuation)),
             out.client_id(),
@@ -112,7 +144,7 @@ async fn decompose(turn: &Turn<'_>, n: usize) -> Result<(), BusError> {
                 out_token: turn.tokens_before.1 + stats.out_token,
                 started_ms: out.started_ms(),
             },
-            &stats,
+            stats,
         ),
     )
     .await?;
@@ -124,11 +156,16 @@ async fn decompose(turn: &Turn<'_>, n: usize) -> Result<(), BusError> {
     Ok(())
 }
 
-async fn synthesise(
-    turn: &Turn<'_>,
-    n: usize,
-    results: std::collections::BTreeMap<String, String>,
-) -> Result<(), BusError> {
+/// Whether the synthesis at iteration `n` may start another round: its fan-out (`n`), the
+/// aggregator's resume (`n + 1`) and the answering synthesis (`n + 2`) must fit in
+/// `max_iterations`, and the budget must not be spent.
+fn room_for_another_round(turn: &Turn<'_>, n: usize) -> bool {
+    let limits = &turn.config.limits;
+    let used = turn.tokens_before.0 + turn.tokens_before.1;
+    n + 2 <= limits.max_iterations && limits.spent_budget(used, turn.elapsed).is_none()
+}
+
+async fn synthesise(turn: &Turn<'_>, n: usize) -> Result<(), BusError> {
     let Turn {
         request,
         uris,
@@ -137,36 +174,58 @@ async fn synthesise(
         ..
     } = turn;
     // The fan-out being answered: the last decompose step names it and its size.
-    let decompose = request
-        .history
-        .iter()
-        .rev()
-        .find(|s| StepType::parse(&s.step_type) == Some(StepType::Decompose));
+    let decompose = supervising::last_decompose(&request.history);
     let argument = |key: &str| decompose.and_then(|s| s.arguments.get(key)).cloned();
     let cid = argument(CORRELATION_KEY).unwrap_or_default();
-    let lines: Vec<String> = results
-        .iter()
-        .map(|(goal, result)| format!("- {goal}: {result}"))
-        .collect();
+    let results = supervising::describe_rounds(&request.history);
+    let max = config.limits.max_subagents;
+    let room = room_for_another_round(turn, n);
+    let nested = supervising::may_nest(request, config.limits.max_fanout_depth);
+    let again = if room {
+        format!(" If the results leave part of the request open and more subagent work would settle it, reply instead with only a JSON object naming at most {max} new goals for another round: {{\"goals\": [{{\"goal\": \"...\", \"pattern\": \"react\"}}]}}. {}", subagent_patterns(nested))
+    } else {
+        String::new()
+    };
     let template = &config.prompts.supervisor_synthesise;
     let vars = [
         ("framing", framing_block(&request.framing)),
         ("question", request.question.clone()),
-        ("results", lines.join("\n")),
+        ("results", results.clone()),
+        ("again", again),
     ]
     .into_iter()
     .collect();
     let Some((completion, stats)) = turn.ask(n, template, &vars).await? else {
         return Ok(());
     };
-    let answer = completion.text.trim().to_owned();
     let expected = argument(EXPECTED_KEY)
         .and_then(|e| e.parse::<usize>().ok())
-        .unwrap_or(results.len())
-        .min(agent_core::plan::MAX_PLAN_STEPS.max(config.limits.max_subagents));
+        .unwrap_or_else(|| supervising::pending_synthesis(&request.history).map_or(0, |r| r.len()))
+        .min(agent_core::plan::MAX_PLAN_STEPS.max(max));
     let completions: Vec<String> = (0..expected)
         .map(|i| SessionUris::new(&supervising::subagent_session(&cid, i)).completion())
         .collect();
+    let (answer, termination) = match supervising::parse_synthesis(&completion.text, max, nested)
+    {
+        supervising::Synthesis::Again(goals) if room => {
+            out.explain(
+                &uris.synthesis(&cid),
+                provenance::synthesis(uris, &cid, &completions, &CallStats::default()),
+            )
+            .await?;
+            let thought = format!(
+                "The results leave the request open; another round of {} goals.",
+                goals.len()
+            );
+            let after = uris.synthesis(&cid);
+            return fan_out(turn, n, &goals, &thought, &after, &stats).await;
+        }
+        supervising::Synthesis::Again(_) => (
+            format!("I could not run another round of subagents within the limits (max_iterations, or the token and time budget). What the subagents found:\n{results}"),
+            Termination::MaxIterations,
+        ),
+        supervising::Synthesis::Answer(answer) => (answer, Termination::Answer),
+    };
     out.explain(
         &uris.synthesis(&cid),
         provenance::synthesis(uris, &cid, &completions, &stats),
@@ -184,7 +243,7 @@ async fn synthesise(
             n,
             "",
             &answer,
-            Termination::Answer,
+            termination,
             &[],
             &CallStats::default(),
         ),
