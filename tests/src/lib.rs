@@ -178,6 +178,10 @@ impl Aggregator {
         let _ = self.child.wait();
     }
 
+    pub fn is_running(&mut self) -> bool {
+        matches!(self.child.try_wait(), Ok(None))
+    }
+
     /// A client of its SPARQL endpoint.
     pub fn store(&self) -> agent_graph::GraphStore {
         agent_graph::GraphStore::open(&self.endpoint, None).unwrap()

@@ -1,5 +1,6 @@
 //! Failure paths over a real broker: poison messages go to the dead-letter topic while valid
-//! requests keep being served, and a SIGKILLed orchestrator's dialog finishes after a restart.
+//! requests keep being served, a SIGKILLed orchestrator's dialog finishes after a restart, and the
+//! services subscribe again when the broker restarts under them.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use std::time::Duration;
@@ -149,4 +150,58 @@ async fn dialog_survives_a_sigkilled_orchestrator() {
         })
         .count();
     assert_eq!(second_turns, 2);
+}
+
+/// The broker is SIGKILLed and restarted under a running orchestrator and aggregator: neither
+/// exits, both subscribe again, and a dialog sent afterwards finishes and reaches the graph.
+#[tokio::test]
+async fn services_subscribe_again_after_a_broker_restart() {
+    let mut broker = Broker::start().unwrap();
+    let mut aggregator = Aggregator::spawn(&broker);
+    let llm = scripted_llm(
+        r#"{"rules": [{"match": "Question: ping", "reply": "Thought: easy\nFinal Answer: pong"}]}"#,
+    )
+    .await;
+    let mut orchestrator = Orchestrator::spawn(&broker, &llm, &seed_dir(), &[]);
+    let mut before = client(&broker).await;
+    before
+        .send("b-1", &request("ping before", false))
+        .await
+        .unwrap();
+    let first = collect_dialog(&mut before, "b-1", DIALOG_TIMEOUT)
+        .await
+        .unwrap();
+    assert_eq!(first.last().unwrap().content, "pong");
+
+    broker.restart().unwrap();
+    let mut after = client(&broker).await;
+    after
+        .send("b-2", &request("ping after", false))
+        .await
+        .unwrap();
+    let second = collect_dialog(&mut after, "b-2", DIALOG_TIMEOUT)
+        .await
+        .unwrap();
+    let answer = second.last().unwrap();
+    assert_eq!(answer.content, "pong", "{second:#?}");
+    assert!(orchestrator.is_running() && aggregator.is_running());
+    // The aggregator consumes again: the new dialog's question reaches the store.
+    let session = second[0].explain_id.clone().unwrap();
+    let store = aggregator.store();
+    let asked = format!("ASK {{ GRAPH ?g {{ <{session}> ?p ?o }} }}");
+    let mut stored = false;
+    for _ in 0..200 {
+        if matches!(
+            store.query(asked.clone()).await,
+            Ok(agent_graph::QueryAnswer::Boolean(true))
+        ) {
+            stored = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(
+        stored,
+        "the aggregator did not store the dialog after the restart"
+    );
 }

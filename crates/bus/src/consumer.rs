@@ -92,39 +92,12 @@ where
 {
     let max_in_flight = config.max_in_flight.max(1);
     let dead_letters = Publisher::new(bus, &config.dead_letter_topic).await?;
-    let mut builder = bus
-        .client()
-        .consumer()
-        .with_topic(&config.topic)
-        .with_subscription(&config.subscription)
-        .with_subscription_type(SubType::Shared)
-        // Consumer ids must be unique per subscription across processes (pulsar-lite refuses a
-        // second "consumer 0"), and each process numbers its own from 0.
-        .with_consumer_id(rand::random::<u64>() >> 1)
-        .with_batch_size(max_in_flight as u32)
-        .with_options(ConsumerOptions {
-            receiver_queue_size: Some(max_in_flight as u32),
-            // A request published before the first replica subscribed must still be served.
-            initial_position: InitialPosition::Earliest,
-            ..ConsumerOptions::default()
-        });
-    if let Some(max_redeliver_count) = config.max_redeliveries {
-        builder = builder.with_dead_letter_policy(DeadLetterPolicy {
-            max_redeliver_count,
-            dead_letter_topic: config.dead_letter_topic.clone(),
-        });
-    }
-    let mut consumer: Consumer<Vec<u8>, TokioExecutor> =
-        builder.build().await.map_err(|e| BusError::Subscribe {
-            topic: config.topic.clone(),
-            message: e.to_string(),
-        })?;
+    let mut consumer = subscribe(bus, &config).await?;
     tracing::info!(topic = %config.topic, subscription = %config.subscription, "consuming");
 
     let handler = Arc::new(handler);
     let mut tasks: JoinSet<Disposition> = JoinSet::new();
     let mut in_flight: HashMap<Id, Message<Vec<u8>>> = HashMap::new();
-    let mut result = Ok(());
     loop {
         tokio::select! {
             biased;
@@ -160,11 +133,13 @@ where
                     tokio::time::sleep(Duration::from_millis(100)).await;
                 }
                 None => {
-                    result = Err(BusError::ConsumerStopped {
-                        topic: config.topic.clone(),
-                        message: "the message stream ended".into(),
-                    });
-                    break;
+                    // The broker dropped us (a restart, a reset connection). Messages in flight
+                    // stay un-acked and come back to the new subscription or another replica.
+                    tracing::warn!(topic = %config.topic, "the message stream ended; subscribing again");
+                    match resubscribe(bus, &config, &shutdown).await {
+                        Some(fresh) => consumer = fresh,
+                        None => break,
+                    }
                 }
             }
         }
@@ -189,7 +164,63 @@ where
     if let Err(e) = consumer.close().await {
         tracing::debug!(error = %e, "closing the consumer");
     }
-    result
+    Ok(())
+}
+
+async fn subscribe(
+    bus: &Bus,
+    config: &SubscriptionConfig,
+) -> Result<Consumer<Vec<u8>, TokioExecutor>, BusError> {
+    let max_in_flight = config.max_in_flight.max(1);
+    let mut builder = bus
+        .client()
+        .consumer()
+        .with_topic(&config.topic)
+        .with_subscription(&config.subscription)
+        .with_subscription_type(SubType::Shared)
+        // Consumer ids must be unique per subscription across processes (pulsar-lite refuses a
+        // second "consumer 0"), and each process numbers its own from 0.
+        .with_consumer_id(rand::random::<u64>() >> 1)
+        .with_batch_size(max_in_flight as u32)
+        .with_options(ConsumerOptions {
+            receiver_queue_size: Some(max_in_flight as u32),
+            // A request published before the first replica subscribed must still be served.
+            initial_position: InitialPosition::Earliest,
+            ..ConsumerOptions::default()
+        });
+    if let Some(max_redeliver_count) = config.max_redeliveries {
+        builder = builder.with_dead_letter_policy(DeadLetterPolicy {
+            max_redeliver_count,
+            dead_letter_topic: config.dead_letter_topic.clone(),
+        });
+    }
+    builder.build().await.map_err(|e| BusError::Subscribe {
+        topic: config.topic.clone(),
+        message: e.to_string(),
+    })
+}
+
+/// Subscribes again until it works (backing off up to 5 s between tries) or `shutdown`.
+async fn resubscribe(
+    bus: &Bus,
+    config: &SubscriptionConfig,
+    shutdown: &CancellationToken,
+) -> Option<Consumer<Vec<u8>, TokioExecutor>> {
+    let mut wait = Duration::from_millis(100);
+    loop {
+        match subscribe(bus, config).await {
+            Ok(consumer) => {
+                tracing::info!(topic = %config.topic, "subscribed again");
+                return Some(consumer);
+            }
+            Err(e) => tracing::warn!(topic = %config.topic, error = %e, "subscribing again failed"),
+        }
+        tokio::select! {
+            _ = shutdown.cancelled() => return None,
+            _ = tokio::time::sleep(wait) => {}
+        }
+        wait = (wait * 2).min(Duration::from_secs(5));
+    }
 }
 
 async fn settle(
