@@ -108,6 +108,8 @@ pub struct Aggregator {
     child: Child,
     pub endpoint: String,
     store_dir: PathBuf,
+    /// `--graph-store`: its own directory, or another aggregator's endpoint.
+    graph_store: String,
     broker_url: String,
     addr: String,
     extra: Vec<String>,
@@ -126,11 +128,13 @@ impl Aggregator {
         let _ = std::fs::remove_dir_all(&store_dir);
         let addr = format!("127.0.0.1:{port}");
         let extra: Vec<String> = extra.iter().map(|s| (*s).to_owned()).collect();
-        let child = Self::launch(&broker.url(), &store_dir, &addr, &extra);
+        let graph_store = store_dir.display().to_string();
+        let child = Self::launch(&broker.url(), &graph_store, &addr, &extra);
         let aggregator = Aggregator {
             child,
             endpoint: format!("http://{addr}"),
             store_dir,
+            graph_store,
             broker_url: broker.url(),
             addr,
             extra,
@@ -139,17 +143,33 @@ impl Aggregator {
         aggregator
     }
 
-    fn launch(
-        broker_url: &str,
-        store_dir: &std::path::Path,
-        addr: &str,
-        extra: &[String],
-    ) -> Child {
+    /// One more aggregator replica on the same subscriptions, writing to `store`'s graph over
+    /// SPARQL with `token` (which `store` must have been given as `--config-token`).
+    pub fn replica_on(broker: &Broker, store: &Aggregator, token: &str) -> Aggregator {
+        let port = agent_bus::embedded::free_port().unwrap();
+        let addr = format!("127.0.0.1:{port}");
+        let extra = vec!["--config-token".to_owned(), token.to_owned()];
+        let graph_store = store.endpoint.clone();
+        let child = Self::launch(&broker.url(), &graph_store, &addr, &extra);
+        let aggregator = Aggregator {
+            child,
+            endpoint: format!("http://{addr}"),
+            store_dir: std::env::temp_dir().join(format!("agent-e2e-unused-{port}")),
+            graph_store,
+            broker_url: broker.url(),
+            addr,
+            extra,
+        };
+        aggregator.wait_ready();
+        aggregator
+    }
+
+    fn launch(broker_url: &str, graph_store: &str, addr: &str, extra: &[String]) -> Child {
         Command::new(binary("agent-aggregator"))
             .arg("--pulsar-url")
             .arg(broker_url)
             .arg("--graph-store")
-            .arg(store_dir)
+            .arg(graph_store)
             .arg("--http-addr")
             .arg(addr)
             .args(extra)
@@ -169,7 +189,7 @@ impl Aggregator {
     /// SIGKILL, then start again on the same store.
     pub fn kill_and_restart(&mut self) {
         self.kill();
-        self.child = Self::launch(&self.broker_url, &self.store_dir, &self.addr, &self.extra);
+        self.child = Self::launch(&self.broker_url, &self.graph_store, &self.addr, &self.extra);
         self.wait_ready();
     }
 

@@ -328,15 +328,16 @@ async fn a_synthesis_fans_out_again_within_the_iteration_limit() {
     .await;
     let _orchestrator = Orchestrator::spawn(&broker, &llm, &config, &[]);
     let mut client = client(&broker).await;
+    // One after the other: `collect_dialog` drops other dialogs' responses.
     client
         .send("r-1", &supervised("Investigate the theft."))
         .await
         .unwrap();
-    client
-        .send("r-2", &supervised("Dig for the treasure."))
+    let investigated = collect_dialog(&mut client, "r-1", DIALOG_TIMEOUT)
         .await
         .unwrap();
-    let investigated = collect_dialog(&mut client, "r-1", DIALOG_TIMEOUT)
+    client
+        .send("r-2", &supervised("Dig for the treasure."))
         .await
         .unwrap();
     let dug = collect_dialog(&mut client, "r-2", DIALOG_TIMEOUT)
@@ -454,4 +455,79 @@ async fn a_nested_fan_out_stops_at_the_depth_limit() {
            ?s a tg:Synthesis ; prov:wasDerivedFrom+ <{session}> }} }}"
     );
     assert_eq!(count(&store, syntheses).await, 2);
+}
+
+/// Two orchestrators and two aggregators share the subscriptions (the aggregators one graph store,
+/// served by a third that consumes nothing of this dialog). One aggregator is SIGKILLed once three
+/// of the four completions are stored: the survivor (and the broker's redelivery of what the dead
+/// one held) completes the fan-in, with exactly one synthesis and one final answer.
+#[tokio::test]
+async fn two_replicas_each_and_a_killed_aggregator_give_one_synthesis() {
+    let broker = Broker::start().unwrap();
+    let token = "replica-test-token";
+    let store_host = Aggregator::spawn_with(
+        &broker,
+        &[
+            "--config-token",
+            token,
+            "--explain-topic",
+            "persistent://tg/flow/store-host-only",
+            "--subscription",
+            "store-host-only",
+        ],
+    );
+    let mut first = Aggregator::replica_on(&broker, &store_host, token);
+    let mut second = Aggregator::replica_on(&broker, &store_host, token);
+    let llm = scripted_llm(
+        r#"{"rules": [
+      {"match": "Request to split: Tally", "reply": "[\"count apples\", \"count pears\", \"count plums\", \"count figs\"]"},
+      {"match": "Question: count apples", "reply": "Thought: counted.\nFinal Answer: 3 apples", "delay_ms": 200},
+      {"match": "Question: count pears", "reply": "Thought: counted.\nFinal Answer: 5 pears", "delay_ms": 200},
+      {"match": "Question: count plums", "reply": "Thought: counted.\nFinal Answer: 7 plums", "delay_ms": 200},
+      {"match": "Question: count figs", "reply": "Thought: counted.\nFinal Answer: 11 figs", "delay_ms": 4000},
+      {"match": "Request to answer from the subagents: Tally", "and": ["3 apples", "5 pears", "7 plums", "11 figs"], "reply": "26 fruits."}
+    ]}"#,
+    )
+    .await;
+    let _one = Orchestrator::spawn(&broker, &llm, &seed_dir(), &[]);
+    let _two = Orchestrator::spawn(&broker, &llm, &seed_dir(), &[]);
+    let mut client = client(&broker).await;
+    client
+        .send("k-1", &supervised("Tally the fruit."))
+        .await
+        .unwrap();
+
+    let store = store_host.store();
+    let completions = "PREFIX tg: <https://trustgraph.ai/ns/>
+        SELECT DISTINCT ?c WHERE { GRAPH ?g { ?c a tg:SubagentCompletion } }";
+    let mut stored = 0;
+    for _ in 0..300 {
+        stored = count(&store, completions.to_owned()).await;
+        if stored >= 3 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(stored, 3, "the slow subagent finished too early to test");
+    first.kill();
+
+    let responses = collect_dialog(&mut client, "k-1", DIALOG_TIMEOUT)
+        .await
+        .unwrap();
+    let last = responses.last().unwrap();
+    assert!(last.error.is_none(), "{responses:#?}");
+    assert_eq!(last.content, "26 fruits.");
+    let more = drain_for(&mut client, "k-1", Duration::from_secs(3)).await;
+    assert_eq!(closings(&responses) + closings(&more), 1, "{more:#?}");
+    let syntheses = llm
+        .calls()
+        .iter()
+        .filter(|c| c.last_user.contains("Request to answer from the subagents"))
+        .count();
+    assert_eq!(syntheses, 1);
+    assert!(second.is_running());
+    assert_eq!(count(&store, completions.to_owned()).await, 4);
+    let marked = "PREFIX tg: <https://trustgraph.ai/ns/>
+        SELECT ?f WHERE { GRAPH ?g { ?f a tg:FanOut ; tg:synthesisRequested ?done } }";
+    assert_eq!(count(&store, marked.to_owned()).await, 1);
 }

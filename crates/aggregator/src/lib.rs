@@ -62,26 +62,24 @@ impl AggregatorSettings {
     }
 }
 
-/// Runs until `shutdown`: the consumer and, for an embedded store, the SPARQL endpoint.
+/// Runs until `shutdown`: the consumer and the SPARQL, health and readiness endpoint.
 pub async fn run(settings: AggregatorSettings, shutdown: CancellationToken) -> anyhow::Result<()> {
     let token = settings.config_token.clone().filter(|t| !t.is_empty());
     let store = GraphStore::open(&settings.graph_store, token.clone())
         .with_context(|| format!("opening the graph store {}", settings.graph_store))?;
-    let server = if store.is_embedded() {
-        let listener = tokio::net::TcpListener::bind(settings.http_addr)
+    // Served for a remote store too: health and readiness on every replica, and one SPARQL address
+    // per aggregator whatever the store is.
+    let listener = tokio::net::TcpListener::bind(settings.http_addr)
+        .await
+        .with_context(|| format!("binding {}", settings.http_addr))?;
+    tracing::info!(addr = %listener.local_addr()?, "serving SPARQL");
+    let app = http::router(store.clone(), token);
+    let stop = shutdown.clone();
+    let server = tokio::spawn(async move {
+        axum::serve(listener, app)
+            .with_graceful_shutdown(async move { stop.cancelled().await })
             .await
-            .with_context(|| format!("binding {}", settings.http_addr))?;
-        tracing::info!(addr = %listener.local_addr()?, "serving SPARQL");
-        let app = http::router(store.clone(), token);
-        let stop = shutdown.clone();
-        Some(tokio::spawn(async move {
-            axum::serve(listener, app)
-                .with_graceful_shutdown(async move { stop.cancelled().await })
-                .await
-        }))
-    } else {
-        None
-    };
+    });
 
     let bus = settings.broker.connect().await?;
     let topics = settings.broker.topics();
@@ -132,9 +130,7 @@ pub async fn run(settings: AggregatorSettings, shutdown: CancellationToken) -> a
     .await;
     shutdown.cancel();
     let _ = sweeper.await;
-    if let Some(server) = server {
-        server.await??;
-    }
+    server.await??;
     consumed?;
     Ok(())
 }
