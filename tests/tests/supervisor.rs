@@ -455,6 +455,49 @@ async fn a_nested_fan_out_stops_at_the_depth_limit() {
            ?s a tg:Synthesis ; prov:wasDerivedFrom+ <{session}> }} }}"
     );
     assert_eq!(count(&store, syntheses).await, 2);
+
+    // `agentctl explain` draws the run: each fan-out with its subagents' own runs inside, nested
+    // one level, and the supervisor's own conclusion.
+    let explain = |format: &str| {
+        let out = std::process::Command::new(binary("agentctl"))
+            .args([
+                "explain",
+                &session,
+                "--store",
+                &aggregator.endpoint,
+                "--format",
+                format,
+            ])
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8(out.stdout).unwrap()
+    };
+    let tree = explain("tree");
+    for expected in [
+        "subagent 0: Organise travel -> answer: Travel sorted: train and tickets.",
+        "subagent 1: book the hotel -> answer: hotel booked",
+        "│  │  ├─ fan-out ",
+        "subagent 0: book the train -> answer: train booked",
+        "subagent 1: Organise tickets -> answer: tickets printed",
+        "└─ conclusion (answer",
+        "   └─ answer:  Trip planned.",
+    ] {
+        assert!(tree.contains(expected), "{expected:?} not in:\n{tree}");
+    }
+    let mermaid = explain("mermaid");
+    assert!(
+        mermaid.matches("Fan-out").count() == 2 && mermaid.matches("[\"Synthesis\"]").count() == 2,
+        "{mermaid}"
+    );
+    assert!(
+        mermaid.contains("Completion (answer): tickets printed"),
+        "{mermaid}"
+    );
 }
 
 /// Two orchestrators and two aggregators share the subscriptions (the aggregators one graph store,

@@ -1,6 +1,7 @@
 //! A session's provenance as a tree people can read: question, the pattern decision, each
-//! iteration's thought, action, arguments and observation, the conclusion, tokens and durations;
-//! and the same DAG as JSON, Graphviz DOT or Mermaid.
+//! iteration's thought, action, arguments and observation, a supervisor's fan-outs with each
+//! subagent's own session, completion and the synthesis, the conclusion, tokens and durations; and
+//! the same DAG as JSON, Graphviz DOT or Mermaid.
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -21,7 +22,10 @@ pub struct SessionView {
     pub decision: Option<DecisionView>,
     pub iterations: Vec<IterationView>,
     pub conclusion: Option<ConclusionView>,
-    /// Derivation edges (node, derived from), for the graph formats.
+    /// A supervisor's fan-outs, in step order, each with its subagents' sessions.
+    pub fanouts: Vec<FanOutView>,
+    /// Derivation edges (node, derived from), for the graph formats; on the root view only, and
+    /// covering the subagents' nodes too.
     pub edges: Vec<(String, String)>,
     pub in_token: u64,
     pub out_token: u64,
@@ -60,6 +64,29 @@ pub struct IterationView {
     pub tool_ms: u64,
     pub in_token: u64,
     pub out_token: u64,
+}
+
+/// One fan-out of a supervisor.
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+pub struct FanOutView {
+    pub node: String,
+    pub step: u64,
+    pub correlation_id: String,
+    pub expected: u64,
+    pub subagents: Vec<SubagentView>,
+    /// The synthesis node that answered it (or asked for another round), once there is one.
+    pub synthesis: String,
+    pub in_token: u64,
+    pub out_token: u64,
+}
+
+/// One subagent of a fan-out: its completion, and its run as a session of its own.
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+pub struct SubagentView {
+    /// `answer`, `error`, or empty while it has not completed.
+    pub status: String,
+    pub result: String,
+    pub run: SessionView,
 }
 
 #[derive(Debug, Clone, Default, PartialEq, Serialize)]
@@ -149,6 +176,44 @@ impl Index {
 /// Builds the view of `session` from the rows of [`crate::queries::session_triples`].
 pub fn session_view(session: &str, rows: &Rows) -> SessionView {
     let index = Index::from_rows(rows);
+    // The rows hold every session the root's run reaches (a supervisor's subagents derive from its
+    // fan-outs); each node belongs to the session whose URI is its longest prefix.
+    let mut sessions: Vec<String> = index
+        .0
+        .keys()
+        .filter(|n| index.has_type(n, &format!("{TG}AgentQuestion")))
+        .cloned()
+        .collect();
+    if !sessions.iter().any(|s| s == session) {
+        sessions.push(session.to_owned());
+    }
+    let mut view = view_of(&index, session, &sessions, 0);
+    let derived = format!("{PROV}wasDerivedFrom");
+    for (node, preds) in &index.0 {
+        for source in preds.get(&derived).into_iter().flatten() {
+            view.edges.push((node.clone(), text(source)));
+        }
+    }
+    view.edges.sort();
+    view
+}
+
+/// The session among `sessions` that `node` belongs to.
+fn owner<'a>(node: &str, sessions: &'a [String]) -> Option<&'a str> {
+    sessions
+        .iter()
+        .filter(|s| {
+            node.strip_prefix(s.as_str())
+                .is_some_and(|rest| rest.is_empty() || rest.starts_with('/'))
+        })
+        .max_by_key(|s| s.len())
+        .map(String::as_str)
+}
+
+/// Fan-outs nest at most this deep in a view, whatever the graph says (it could hold a cycle).
+const MAX_VIEW_DEPTH: usize = 8;
+
+fn view_of(index: &Index, session: &str, sessions: &[String], depth: usize) -> SessionView {
     let tg = |p: &str| format!("{TG}{p}");
     let mut view = SessionView {
         session: session.to_owned(),
@@ -156,16 +221,17 @@ pub fn session_view(session: &str, rows: &Rows) -> SessionView {
         started_at: index.one(session, &format!("{PROV}startedAtTime")),
         ..SessionView::default()
     };
-    let derived = format!("{PROV}wasDerivedFrom");
-    let mut nodes: BTreeSet<&String> = BTreeSet::new();
-    for (node, preds) in &index.0 {
-        for source in preds.get(&derived).into_iter().flatten() {
-            view.edges.push((node.clone(), text(source)));
-        }
-        nodes.insert(node);
-    }
+    let nodes = index
+        .0
+        .keys()
+        .filter(|n| owner(n, sessions) == Some(session));
     for node in nodes {
-        if index.has_type(node, &tg("Analysis")) {
+        if index.has_type(node, &tg("FanOut")) && depth < MAX_VIEW_DEPTH {
+            let fanout = fanout_view(index, node, sessions, depth);
+            view.in_token += fanout.in_token;
+            view.out_token += fanout.out_token;
+            view.fanouts.push(fanout);
+        } else if index.has_type(node, &tg("Analysis")) {
             let thought_node = index.one(node, &tg("thought"));
             let observation = index
                 .derived_from(node)
@@ -236,12 +302,53 @@ pub fn session_view(session: &str, rows: &Rows) -> SessionView {
         }
     }
     view.iterations.sort_by_key(|i| i.step);
+    view.fanouts.sort_by_key(|f| f.step);
     // A graph is a set: candidates come back in store order, so give them a stable one.
     for it in &mut view.iterations {
         it.candidates.sort();
     }
-    view.edges.sort();
     view
+}
+
+fn fanout_view(index: &Index, node: &str, sessions: &[String], depth: usize) -> FanOutView {
+    let tg = |p: &str| format!("{TG}{p}");
+    let mut subagent_sessions = index.all(node, &tg("subagentSession"));
+    // In the order the supervisor listed them: `...-s{i}`.
+    subagent_sessions.sort_by_key(|s| {
+        s.rsplit_once("-s")
+            .and_then(|(_, i)| i.parse::<usize>().ok())
+            .unwrap_or(usize::MAX)
+    });
+    let subagents = subagent_sessions
+        .iter()
+        .map(|sub| {
+            let completion = format!("{sub}/completion");
+            let mut run = view_of(index, sub, sessions, depth + 1);
+            if run.question.is_empty() {
+                run.question = index.one(&completion, &tg("goal"));
+            }
+            SubagentView {
+                status: index.one(&completion, &tg("completionStatus")),
+                result: index.document_text(&completion),
+                run,
+            }
+        })
+        .collect();
+    let synthesis = index
+        .derived_from(node)
+        .into_iter()
+        .find(|n| index.has_type(n, &tg("Synthesis")))
+        .unwrap_or_default();
+    FanOutView {
+        node: node.to_owned(),
+        step: index.number(node, &tg("step")),
+        correlation_id: index.one(node, &tg("correlationId")),
+        expected: index.number(node, &tg("expectedSiblings")),
+        subagents,
+        in_token: index.number(node, &tg("inToken")) + index.number(&synthesis, &tg("inToken")),
+        out_token: index.number(node, &tg("outToken")) + index.number(&synthesis, &tg("outToken")),
+        synthesis,
+    }
 }
 
 fn or_none(text: &str) -> &str {
@@ -322,6 +429,32 @@ pub fn render_tree(view: &SessionView) -> String {
             trim(&it.observation, 200)
         ));
     }
+    for f in &view.fanouts {
+        out.push_str(&format!(
+            "├─ fan-out {} (step {}, {} subagents, tokens {}/{})\n",
+            f.correlation_id, f.step, f.expected, f.in_token, f.out_token
+        ));
+        for (i, sub) in f.subagents.iter().enumerate() {
+            let status = if sub.status.is_empty() {
+                "not completed".to_owned()
+            } else {
+                format!("{}: {}", sub.status, trim(&sub.result, 160))
+            };
+            out.push_str(&format!(
+                "│  ├─ subagent {i}: {} -> {status}\n",
+                trim(&sub.run.question, 120)
+            ));
+            for line in render_tree(&sub.run).lines().skip(1) {
+                out.push_str(&format!("│  │  {line}\n"));
+            }
+        }
+        let synthesis = if f.synthesis.is_empty() {
+            "(waiting for the subagents)"
+        } else {
+            "derived from every completion"
+        };
+        out.push_str(&format!("│  └─ synthesis: {synthesis}\n"));
+    }
     match &view.conclusion {
         Some(c) => {
             out.push_str(&format!(
@@ -344,33 +477,51 @@ pub fn render_tree(view: &SessionView) -> String {
 
 /// Short labels for the graph formats.
 fn labels(view: &SessionView) -> Vec<(String, String)> {
-    let mut labels = vec![(
+    let mut all = vec![(
         view.session.clone(),
         format!("Question: {}", trim(&view.question, 60)),
     )];
     if let Some(d) = &view.decision {
-        labels.push((
+        all.push((
             d.node.clone(),
             format!("Pattern: {} ({})", d.pattern, or_none(&d.task_type)),
         ));
     }
     for it in &view.iterations {
-        labels.push((
+        all.push((
             it.node.clone(),
             format!("i{}: {} {}", it.step, it.action, trim(&it.arguments, 40)),
         ));
-        labels.push((
+        all.push((
             format!("{}/observation", it.node),
             format!("Observation: {}", trim(&it.observation, 50)),
         ));
     }
     if let Some(c) = &view.conclusion {
-        labels.push((
+        all.push((
             c.node.clone(),
             format!("Conclusion ({}): {}", c.termination, trim(&c.answer, 60)),
         ));
     }
-    labels
+    for f in &view.fanouts {
+        all.push((
+            f.node.clone(),
+            format!("Fan-out {} to {} subagents", f.correlation_id, f.expected),
+        ));
+        if !f.synthesis.is_empty() {
+            all.push((f.synthesis.clone(), "Synthesis".to_owned()));
+        }
+        for sub in &f.subagents {
+            all.extend(labels(&sub.run));
+            if !sub.status.is_empty() {
+                all.push((
+                    format!("{}/completion", sub.run.session),
+                    format!("Completion ({}): {}", sub.status, trim(&sub.result, 50)),
+                ));
+            }
+        }
+    }
+    all
 }
 
 fn keep_edge(view: &SessionView, from: &str, to: &str) -> bool {
