@@ -568,6 +568,7 @@ async fn two_replicas_each_and_a_killed_aggregator_give_one_synthesis() {
         .filter(|c| c.last_user.contains("Request to answer from the subagents"))
         .count();
     assert_eq!(syntheses, 1);
+    assert!(llm.max_concurrent() >= 2, "subagents ran one after another");
     assert!(second.is_running());
     assert_eq!(count(&store, completions.to_owned()).await, 4);
     let marked = "PREFIX tg: <https://trustgraph.ai/ns/>
