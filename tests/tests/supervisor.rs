@@ -105,22 +105,13 @@ async fn a_four_way_fan_out_is_synthesised_once() {
     // The graph: the fan-out, four completions and the synthesis derived from all of them.
     let session = responses[0].explain_id.clone().unwrap();
     let store = aggregator.store();
-    let ask = |q: String| {
-        let store = store.clone();
-        async move {
-            match store.query(q).await.unwrap() {
-                agent_graph::QueryAnswer::Rows(rows) => rows.rows.len(),
-                _ => 0,
-            }
-        }
-    };
     let derived = format!(
         "PREFIX tg: <https://trustgraph.ai/ns/> PREFIX prov: <http://www.w3.org/ns/prov#>
          SELECT DISTINCT ?c WHERE {{ GRAPH <urn:graph:retrieval> {{
            ?s a tg:Synthesis ; prov:wasDerivedFrom ?c . ?c a tg:SubagentCompletion .
            ?s prov:wasDerivedFrom ?f . ?f a tg:FanOut ; prov:wasDerivedFrom+ <{session}> }} }}"
     );
-    assert_eq!(ask(derived).await, 4);
+    assert_eq!(count_reaching(&store, derived, 4).await, 4);
     // Each subagent's run hangs off the fan-out, so the whole run is one DAG from the root.
     let subagent_roots = format!(
         "PREFIX tg: <https://trustgraph.ai/ns/> PREFIX prov: <http://www.w3.org/ns/prov#>
@@ -128,7 +119,7 @@ async fn a_four_way_fan_out_is_synthesised_once() {
            ?q a tg:AgentQuestion ; prov:wasDerivedFrom ?f . ?f a tg:FanOut ;
               prov:wasDerivedFrom+ <{session}> }} }}"
     );
-    assert_eq!(ask(subagent_roots).await, 4);
+    assert_eq!(count_reaching(&store, subagent_roots, 4).await, 4);
 }
 
 /// A subagent that never finishes: after the fan-out timeout the aggregator's sweep gives the
@@ -300,6 +291,18 @@ async fn count(store: &agent_graph::GraphStore, sparql: String) -> usize {
     }
 }
 
+/// Rows the query returns once they reach `expected` (the aggregator writes what the client has
+/// already seen a moment later), or after 10 s whatever it returns then.
+async fn count_reaching(store: &agent_graph::GraphStore, sparql: String, expected: usize) -> usize {
+    for _ in 0..100 {
+        if count(store, sparql.clone()).await >= expected {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    count(store, sparql).await
+}
+
 /// The synthesis may send subagents out again under a new correlation id; the second round's
 /// synthesis sees both rounds, and the new fan-out hangs off the synthesis that asked for it. An LLM
 /// that always wants one more round is stopped by `max_iterations` with an answer naming what the
@@ -388,7 +391,7 @@ async fn a_synthesis_fans_out_again_within_the_iteration_limit() {
            ?s1 a tg:Synthesis ; prov:wasDerivedFrom ?f1 . ?f1 a tg:FanOut ;
                prov:wasDerivedFrom+ <{session}> }} }}"
     );
-    assert_eq!(count(&store, chain).await, 1);
+    assert_eq!(count_reaching(&store, chain, 1).await, 1);
 }
 
 /// A subagent may itself be a supervisor, one level down under the default `max_fanout_depth` of
@@ -448,13 +451,15 @@ async fn a_nested_fan_out_stops_at_the_depth_limit() {
          SELECT DISTINCT ?f WHERE {{ GRAPH <urn:graph:retrieval> {{
            ?f a tg:FanOut ; prov:wasDerivedFrom+ <{session}> }} }}"
     );
-    assert_eq!(count(&store, fanouts).await, 2);
+    assert_eq!(count_reaching(&store, fanouts, 2).await, 2);
     let syntheses = format!(
         "PREFIX tg: <https://trustgraph.ai/ns/> PREFIX prov: <http://www.w3.org/ns/prov#>
          SELECT DISTINCT ?s WHERE {{ GRAPH <urn:graph:retrieval> {{
            ?s a tg:Synthesis ; prov:wasDerivedFrom+ <{session}> }} }}"
     );
-    assert_eq!(count(&store, syntheses).await, 2);
+    assert_eq!(count_reaching(&store, syntheses, 2).await, 2);
+    let concluded = format!("SELECT ?a WHERE {{ GRAPH ?g {{ <{session}/final> ?p ?a }} }}");
+    assert!(count_reaching(&store, concluded, 1).await > 0);
 
     // `agentctl explain` draws the run: each fan-out with its subagents' own runs inside, nested
     // one level, and the supervisor's own conclusion.
@@ -570,8 +575,8 @@ async fn two_replicas_each_and_a_killed_aggregator_give_one_synthesis() {
     assert_eq!(syntheses, 1);
     assert!(llm.max_concurrent() >= 2, "subagents ran one after another");
     assert!(second.is_running());
-    assert_eq!(count(&store, completions.to_owned()).await, 4);
+    assert_eq!(count_reaching(&store, completions.to_owned(), 4).await, 4);
     let marked = "PREFIX tg: <https://trustgraph.ai/ns/>
         SELECT ?f WHERE { GRAPH ?g { ?f a tg:FanOut ; tg:synthesisRequested ?done } }";
-    assert_eq!(count(&store, marked.to_owned()).await, 1);
+    assert_eq!(count_reaching(&store, marked.to_owned(), 1).await, 1);
 }
