@@ -66,7 +66,39 @@ impl Orchestrator {
         config_dir: &std::path::Path,
         extra: &[&str],
     ) -> Orchestrator {
+        Self::spawn_with_env(broker, llm, config_dir, extra, &[])
+    }
+
+    /// An orchestrator that journals its iterations in `aggregator`'s store (which must have been
+    /// started with `--config-token token`), with extra environment (such as `AGENT_FAULT`).
+    pub fn spawn_journaled(
+        broker: &Broker,
+        llm: &ScriptedLlm,
+        aggregator: &Aggregator,
+        token: &str,
+        env: &[(&str, &str)],
+    ) -> Orchestrator {
+        let extra = [
+            "--graph-store",
+            &aggregator.endpoint,
+            "--config-token",
+            token,
+        ];
+        Self::spawn_with_env(broker, llm, &seed_dir(), &extra, env)
+    }
+
+    pub fn spawn_with_env(
+        broker: &Broker,
+        llm: &ScriptedLlm,
+        config_dir: &std::path::Path,
+        extra: &[&str],
+        env: &[(&str, &str)],
+    ) -> Orchestrator {
         let child = Command::new(binary("agent-orchestrator"))
+            // Only what the test asks for: no journal or fault from the caller's environment.
+            .env_remove("GRAPH_STORE")
+            .env_remove("AGENT_FAULT")
+            .envs(env.iter().copied())
             .arg("--pulsar-url")
             .arg(broker.url())
             .arg("--llm-base-url")
@@ -94,6 +126,19 @@ impl Orchestrator {
 
     pub fn is_running(&mut self) -> bool {
         matches!(self.child.try_wait(), Ok(None))
+    }
+
+    /// Waits up to `timeout` for the process to exit by itself; whether it did. Async, so the
+    /// test's in-process services (the scripted LLM) keep running meanwhile.
+    pub async fn exited_within(&mut self, timeout: std::time::Duration) -> bool {
+        let deadline = tokio::time::Instant::now() + timeout;
+        while tokio::time::Instant::now() < deadline {
+            if !self.is_running() {
+                return true;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        }
+        false
     }
 }
 
@@ -495,4 +540,17 @@ pub async fn last_request(
         last = Some(serde_json::from_slice(&message.payload.data).unwrap());
     }
     last
+}
+
+/// The root session of a dialog: the explained node that is a session (`urn:trustgraph:agent:{id}`,
+/// no path). Explain messages are published when an iteration commits, after its streamed chunks.
+pub fn session_of(responses: &[AgentResponse]) -> String {
+    responses
+        .iter()
+        .filter_map(|r| r.explain_id.clone())
+        .find(|e| {
+            e.strip_prefix("urn:trustgraph:agent:")
+                .is_some_and(|rest| !rest.contains('/'))
+        })
+        .unwrap_or_else(|| panic!("no session was explained: {responses:#?}"))
 }

@@ -60,7 +60,7 @@ async fn run(
     let prompts = llm.calls().into_iter().map(|c| c.last_user).collect();
     // The history the last message carried matches the graph, step by step.
     let history = last_request(&mut requests).await.unwrap().history;
-    let session = responses[0].explain_id.clone().unwrap();
+    let session = session_of(&responses);
     let t = explained(&responses);
     for (k, step) in history.iter().enumerate() {
         let node = format!("{session}/i{}", k + 1);
@@ -118,7 +118,7 @@ async fn an_execution_error_reruns_the_step_with_the_lesson() {
     )
     .await;
     assert_eq!(responses.last().unwrap().content, "There are 42 sheep.");
-    let session = responses[0].explain_id.clone().unwrap();
+    let session = session_of(&responses);
     let t = explained(&responses);
     assert_eq!(
         verdicts(&t, &session),
@@ -171,7 +171,7 @@ async fn an_input_data_error_reruns_the_culprit_then_its_dependents() {
     )
     .await;
     assert_eq!(responses.last().unwrap().content, "Carpet ordered: 20 m2.");
-    let session = responses[0].explain_id.clone().unwrap();
+    let session = session_of(&responses);
     let t = explained(&responses);
     // Two statuses given: INPUT_DATA_ERROR comes before JOB_TOO_COMPLICATED_ERROR.
     let statuses: Vec<String> = verdicts(&t, &session).into_iter().map(|v| v.1).collect();
@@ -236,7 +236,7 @@ async fn a_job_too_complicated_is_split_into_sub_steps() {
     )
     .await;
     assert_eq!(responses.last().unwrap().content, "The report is written.");
-    let session = responses[0].explain_id.clone().unwrap();
+    let session = session_of(&responses);
     let t = explained(&responses);
     let split = format!("{session}/i3");
     assert_eq!(
@@ -290,7 +290,7 @@ async fn the_retry_limit_ends_with_an_unverified_answer() {
         answer.contains("the evaluator rejected work 3 times, more than max_retries 2, so the answer could not be verified"),
         "{answer}"
     );
-    let session = responses[0].explain_id.clone().unwrap();
+    let session = session_of(&responses);
     let t = explained(&responses);
     // Two reruns allowed; the third rejection ends the dialog.
     assert_eq!(verdicts(&t, &session).len(), 3);
@@ -320,7 +320,7 @@ async fn the_life_cycle_stops_repeated_splitting() {
     let answer = responses.last().unwrap().content.clone();
     assert!(answer.starts_with("Only partly solved."), "{answer}");
     assert!(answer.contains("step life cycle 1"), "{answer}");
-    let session = responses[0].explain_id.clone().unwrap();
+    let session = session_of(&responses);
     let t = explained(&responses);
     // One split allowed: the sub-step's own split is refused and it fails.
     let splits: Vec<usize> = verdicts(&t, &session).into_iter().map(|v| v.0).collect();
@@ -371,7 +371,7 @@ async fn a_rejected_plan_is_revised_with_the_lesson() {
     )
     .await;
     assert_eq!(responses.last().unwrap().content, "Shipped after testing.");
-    let session = responses[0].explain_id.clone().unwrap();
+    let session = session_of(&responses);
     let t = explained(&responses);
     let statuses: Vec<(usize, String)> = verdicts(&t, &session)
         .into_iter()
@@ -429,7 +429,7 @@ async fn a_rejected_answer_is_written_again_with_the_lesson() {
             .any(|r| r.message_type == "answer" && r.content.contains("It is a number")),
         "the rejected draft reached the client as an answer"
     );
-    let session = responses[0].explain_id.clone().unwrap();
+    let session = session_of(&responses);
     let t = explained(&responses);
     // i1 plan, i2 step, i3 draft, i4 review (rejected), i5 draft, i6 review (accepted), final.
     let statuses: Vec<(usize, String)> = verdicts(&t, &session)

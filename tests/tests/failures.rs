@@ -186,7 +186,7 @@ async fn services_subscribe_again_after_a_broker_restart() {
     assert_eq!(answer.content, "pong", "{second:#?}");
     assert!(orchestrator.is_running() && aggregator.is_running());
     // The aggregator consumes again: the new dialog's question reaches the store.
-    let session = second[0].explain_id.clone().unwrap();
+    let session = session_of(&second);
     let store = aggregator.store();
     let asked = format!("ASK {{ GRAPH ?g {{ <{session}> ?p ?o }} }}");
     let mut stored = false;

@@ -96,7 +96,7 @@ async fn a_diamond_plan_runs_in_dependency_order() {
         ]
     );
 
-    let session = responses[0].explain_id.clone().unwrap();
+    let session = session_of(&responses);
     let t = explained(&responses);
     let plan_node = format!("{session}/i1");
     assert!(has_type(&t, &plan_node, "Plan"));
@@ -162,7 +162,7 @@ async fn a_plan_with_a_cycle_is_refused_and_asked_again() {
         .unwrap();
     let last = closing(&responses);
     assert_eq!(last.content, "Answered: DONE");
-    let session = responses[0].explain_id.clone().unwrap();
+    let session = session_of(&responses);
     let t = explained(&responses);
     // Every call is counted, the refused attempt's too: the graph adds up to the closing totals.
     let total = |p: &str| -> u64 {
@@ -215,7 +215,7 @@ async fn a_failed_step_is_replanned_once() {
         .await
         .unwrap();
     assert_eq!(closing(&responses).content, "Got there on foot.");
-    let session = responses[0].explain_id.clone().unwrap();
+    let session = session_of(&responses);
     let t = explained(&responses);
     // i1 plan, i2 pack, i3 teleport (failed), i4 revision, i5 walk, final.
     assert_eq!(
@@ -263,7 +263,7 @@ async fn without_a_valid_plan_the_request_becomes_one_step() {
         .await
         .unwrap();
     assert_eq!(closing(&responses).content, "Done in one go.");
-    let session = responses[0].explain_id.clone().unwrap();
+    let session = session_of(&responses);
     let t = explained(&responses);
     let plan_node = format!("{session}/i1");
     assert_eq!(values(&t, &plan_node, "rejectionReason").len(), 3);
@@ -319,7 +319,7 @@ async fn failures_past_max_replan_depth_end_gracefully() {
         answer.contains("revised 2 times (max_replan_depth 2)"),
         "{answer}"
     );
-    let session = responses[0].explain_id.clone().unwrap();
+    let session = session_of(&responses);
     let t = explained(&responses);
     assert_eq!(
         values(&t, &format!("{session}/final"), "terminationReason"),
@@ -358,7 +358,7 @@ async fn the_router_can_choose_plan_then_execute() {
         .await
         .unwrap();
     assert_eq!(closing(&responses).content, "The evidence: FOUND");
-    let session = responses[0].explain_id.clone().unwrap();
+    let session = session_of(&responses);
     let t = explained(&responses);
     let decision = format!("{session}/pattern-decision");
     assert_eq!(values(&t, &decision, "pattern"), ["plan-then-execute"]);

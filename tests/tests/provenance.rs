@@ -10,7 +10,7 @@ use agent_graph::convert::to_quads;
 use agent_graph::explain::session_view;
 use agent_graph::model::Term;
 use agent_graph::{queries, GraphStore, QueryAnswer};
-use agent_schema::{AgentResponse, Triples};
+use agent_schema::Triples;
 use futures::StreamExt;
 
 const DIALOG_TIMEOUT: Duration = Duration::from_secs(60);
@@ -45,10 +45,6 @@ async fn session_rows(store: &GraphStore, session: &str) -> agent_graph::Rows {
         .await
         .unwrap()
         .rows()
-}
-
-fn session_of(responses: &[AgentResponse]) -> String {
-    responses[0].explain_id.clone().unwrap()
 }
 
 fn iri(t: &Term) -> String {

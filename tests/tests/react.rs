@@ -46,7 +46,7 @@ async fn one_iteration_answer_without_streaming() {
         ["explain", "explain", "thought", "explain", "answer"]
     );
     assert_closed_once(&responses);
-    let session = responses[0].explain_id.clone().unwrap();
+    let session = session_of(&responses);
     assert!(session.starts_with("urn:trustgraph:agent:"));
     assert_eq!(
         responses[1].explain_id.as_deref(),
@@ -97,7 +97,7 @@ async fn three_iteration_dialog_with_tools_streams_chunks() {
         .unwrap();
     assert_closed_once(&responses);
 
-    let session = responses[0].explain_id.clone().unwrap();
+    let session = session_of(&responses);
     let observations: Vec<&AgentResponse> = responses
         .iter()
         .filter(|r| r.message_type == "observation")

@@ -176,7 +176,7 @@ async fn seeded_task_types_route_within_their_valid_patterns() {
         let framing = seed[task_type]["framing"].as_str().unwrap();
         assert_eq!(one(&facts, "framing"), framing, "{id}");
 
-        let session = responses[0].explain_id.clone().unwrap();
+        let session = session_of(&responses);
         assert_eq!(
             one(&facts, "http://www.w3.org/ns/prov#wasDerivedFrom"),
             session

@@ -103,7 +103,7 @@ async fn a_four_way_fan_out_is_synthesised_once() {
     assert_eq!(synthesis_calls, 1);
 
     // The graph: the fan-out, four completions and the synthesis derived from all of them.
-    let session = responses[0].explain_id.clone().unwrap();
+    let session = session_of(&responses);
     let store = aggregator.store();
     let derived = format!(
         "PREFIX tg: <https://trustgraph.ai/ns/> PREFIX prov: <http://www.w3.org/ns/prov#>
@@ -381,7 +381,7 @@ async fn a_synthesis_fans_out_again_within_the_iteration_limit() {
     assert_eq!(closings(&more), 0, "{more:#?}");
 
     // The second fan-out derives from the first synthesis, and the answer from the second.
-    let session = investigated[0].explain_id.clone().unwrap();
+    let session = session_of(&investigated);
     let store = aggregator.store();
     let chain = format!(
         "PREFIX tg: <https://trustgraph.ai/ns/> PREFIX prov: <http://www.w3.org/ns/prov#>
@@ -444,7 +444,7 @@ async fn a_nested_fan_out_stops_at_the_depth_limit() {
         "the depth limit was passed"
     );
 
-    let session = responses[0].explain_id.clone().unwrap();
+    let session = session_of(&responses);
     let store = aggregator.store();
     let fanouts = format!(
         "PREFIX tg: <https://trustgraph.ai/ns/> PREFIX prov: <http://www.w3.org/ns/prov#>

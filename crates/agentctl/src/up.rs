@@ -93,11 +93,15 @@ pub async fn run(args: UpArgs) -> anyhow::Result<i32> {
         sparql_port
     };
     let sparql_addr: SocketAddr = ([127, 0, 0, 1], sparql_port).into();
-    let mut aggregator = tokio::spawn(agent_aggregator::run(
-        AggregatorSettings::embedded(settings.broker.clone(), graph_dir.clone(), sparql_addr),
-        shutdown.clone(),
-    ));
+    // The orchestrator journals its iterations in the aggregator's store, through its endpoint.
+    let token = uuid::Uuid::new_v4().simple().to_string();
+    let mut aggregator_settings =
+        AggregatorSettings::embedded(settings.broker.clone(), graph_dir.clone(), sparql_addr);
+    aggregator_settings.config_token = Some(token.clone());
+    let mut aggregator = tokio::spawn(agent_aggregator::run(aggregator_settings, shutdown.clone()));
     let endpoint = format!("http://{sparql_addr}");
+    settings.graph_store = Some(endpoint.clone());
+    settings.config_token = Some(token);
     eprintln!(
         "graph store   {} (oxigraph), SPARQL at {endpoint}/query",
         graph_dir.display()

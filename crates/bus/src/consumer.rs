@@ -41,6 +41,9 @@ pub struct SubscriptionConfig {
 pub struct Delivery<T> {
     pub payload: T,
     pub properties: Properties,
+    /// The broker's id of the message (`topic/ledger:entry:batch`): the same on every redelivery,
+    /// different for a copy published again.
+    pub message_id: String,
 }
 
 /// What to do with a message once its handler finished.
@@ -111,7 +114,8 @@ where
                     let properties = properties_of(&message);
                     match serde_json::from_slice::<T>(&message.payload.data) {
                         Ok(payload) => {
-                            let work = handler(Delivery { payload, properties });
+                            let message_id = message_id_of(&message);
+                            let work = handler(Delivery { payload, properties, message_id });
                             let nack_delay = config.nack_delay;
                             let handle = tasks.spawn(async move {
                                 let disposition = work.await;
@@ -289,6 +293,17 @@ async fn dead_letter(
             }
         }
     }
+}
+
+fn message_id_of(message: &Message<Vec<u8>>) -> String {
+    let id = &message.message_id.id;
+    format!(
+        "{}/{}:{}:{}",
+        message.topic,
+        id.ledger_id,
+        id.entry_id,
+        id.batch_index.unwrap_or(-1)
+    )
 }
 
 fn properties_of(message: &Message<Vec<u8>>) -> Properties {

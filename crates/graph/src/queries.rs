@@ -9,6 +9,9 @@ pub const PROV: &str = "http://www.w3.org/ns/prov#";
 pub const TG: &str = "https://trustgraph.ai/ns/";
 /// The named graph holding provenance.
 pub const PROVENANCE_GRAPH: &str = "urn:graph:retrieval";
+/// Where the orchestrator journals iteration outcomes: kept apart from the provenance, which
+/// people query.
+pub const JOURNAL_GRAPH: &str = "urn:graph:agent-journal";
 
 const PREFIXES: &str = "PREFIX prov: <http://www.w3.org/ns/prov#>\nPREFIX tg: <https://trustgraph.ai/ns/>\nPREFIX rdfs: <http://www.w3.org/2000/01/rdf-schema#>\n";
 
@@ -142,4 +145,48 @@ pub fn overdue_fanouts(cutoff: &str) -> String {
 pub fn fanout_goals(fanout: &NamedNode) -> String {
     let g = graph();
     format!("{PREFIXES}SELECT ?goal WHERE {{ GRAPH {g} {{ {fanout} tg:subagentGoal ?goal }} }}")
+}
+
+fn journal_graph() -> NamedNode {
+    NamedNode::new_unchecked(JOURNAL_GRAPH)
+}
+
+/// An iteration's journal entry: its outcome (JSON), which delivery and attempt recorded it, and
+/// whether the outcome has been published.
+pub fn journal_entry(entry: &NamedNode) -> String {
+    let g = journal_graph();
+    format!(
+        "{PREFIXES}SELECT ?outcome ?delivery ?attempt ?published WHERE {{ GRAPH {g} {{
+  {entry} tg:outcome ?outcome ; tg:delivery ?delivery ; tg:attempt ?attempt .
+  OPTIONAL {{ {entry} tg:published ?published }} }} }}"
+    )
+}
+
+/// Records an iteration's outcome unless one is recorded already: first writer wins, and check and
+/// write are one update.
+pub fn journal_record(
+    entry: &NamedNode,
+    outcome: &str,
+    delivery: &str,
+    attempt: &str,
+    now: &str,
+) -> String {
+    let g = journal_graph();
+    let literal = oxigraph::model::Literal::new_simple_literal;
+    let (outcome, delivery, attempt) = (literal(outcome), literal(delivery), literal(attempt));
+    let now = oxigraph::model::Literal::new_typed_literal(
+        now,
+        NamedNode::new_unchecked("http://www.w3.org/2001/XMLSchema#dateTime"),
+    );
+    format!(
+        "{PREFIXES}INSERT {{ GRAPH {g} {{ {entry} tg:outcome {outcome} ; tg:delivery {delivery} ;
+  tg:attempt {attempt} ; tg:recordedAt {now} }} }}
+WHERE {{ FILTER NOT EXISTS {{ GRAPH {g} {{ {entry} tg:outcome ?any }} }} }}"
+    )
+}
+
+/// Marks an iteration's outcome as published.
+pub fn journal_published(entry: &NamedNode) -> String {
+    let g = journal_graph();
+    format!("{PREFIXES}INSERT DATA {{ GRAPH {g} {{ {entry} tg:published true }} }}")
 }

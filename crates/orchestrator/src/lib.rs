@@ -4,6 +4,7 @@
 //! replica can take any step.
 
 pub mod finish;
+pub mod journal;
 pub mod live_config;
 pub mod output;
 pub mod plan;
@@ -28,9 +29,10 @@ use agent_schema::{AgentRequest, AgentResponse, ID_PROPERTY};
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
+use crate::journal::Journal;
 use crate::live_config::LiveConfig;
 use crate::output::{
-    DialogOutput, Outputs, IN_TOKEN_PROPERTY, OUT_TOKEN_PROPERTY, STARTED_PROPERTY,
+    DialogOutput, JournalSlot, Outputs, IN_TOKEN_PROPERTY, OUT_TOKEN_PROPERTY, STARTED_PROPERTY,
 };
 pub use crate::settings::{check_config_dir, load_config_dir, Settings};
 
@@ -102,6 +104,8 @@ pub struct Engine {
     pub config: Arc<LiveConfig>,
     pub llm: LlmClient,
     pub outputs: Outputs,
+    /// Without one, iterations are at-least-once: a redelivery runs the step again.
+    pub journal: Option<Journal>,
 }
 
 impl Engine {
@@ -109,17 +113,15 @@ impl Engine {
     pub async fn handle(&self, delivery: Delivery<AgentRequest>) -> Disposition {
         match self.handle_inner(delivery).await {
             Ok(()) => Disposition::Ack,
-            Err(e) => Disposition::Nack(e.to_string()),
+            Err(e) => Disposition::Nack(format!("{e:#}")),
         }
     }
 
-    async fn handle_inner(
-        &self,
-        delivery: Delivery<AgentRequest>,
-    ) -> Result<(), agent_bus::BusError> {
+    async fn handle_inner(&self, delivery: Delivery<AgentRequest>) -> anyhow::Result<()> {
         let Delivery {
             payload: mut request,
             properties,
+            message_id,
         } = delivery;
         let id = properties.get(ID_PROPERTY).map(String::as_str);
         let token = |key: &str| {
@@ -152,6 +154,32 @@ impl Engine {
             && !request.pattern.is_empty()
             && !request.session_id.is_empty();
         let new_dialog = request.history.is_empty() && !routed;
+        let slot = match &self.journal {
+            Some(journal) => {
+                let key = journal::key(&request, new_dialog && request.pattern.is_empty());
+                Some(JournalSlot {
+                    journal,
+                    node: journal::entry_node(&uris.session(), &key)?,
+                    delivery: message_id,
+                })
+            }
+            None => None,
+        };
+        if let Some(slot) = &slot {
+            if let Some(entry) = slot.journal.entry(&slot.node).await? {
+                if entry.published {
+                    tracing::info!(session = %session_id, entry = %slot.node.as_str(), "this step's outcome is already published; dropping the message");
+                } else if entry.delivery == slot.delivery {
+                    // This delivery recorded the outcome and then died before publishing it all.
+                    tracing::info!(session = %session_id, entry = %slot.node.as_str(), "re-emitting this step's recorded outcome");
+                    out.publish(&entry.effects).await?;
+                    slot.journal.mark_published(&slot.node).await?;
+                } else {
+                    tracing::info!(session = %session_id, entry = %slot.node.as_str(), "another copy of this message recorded its outcome; dropping this one");
+                }
+                return Ok(());
+            }
+        }
         // A request that names its pattern is not routed, but gets its task type's framing.
         let requested = (new_dialog && !request.pattern.is_empty())
             .then(|| router::requested(&request, &config));
@@ -180,7 +208,7 @@ impl Engine {
             } else {
                 out.respond(&AgentResponse::error(problem)).await?;
             }
-            return out.flush().await;
+            return out.commit(slot.as_ref()).await;
         }
         async {
             if new_dialog {
@@ -222,7 +250,7 @@ impl Engine {
         .instrument(span)
         .await?;
         // Everything this message caused must be on the broker before it is acked.
-        out.flush().await
+        out.commit(slot.as_ref()).await
     }
 }
 
@@ -317,10 +345,15 @@ pub async fn run(settings: Settings, shutdown: CancellationToken) -> anyhow::Res
         topics.clone(),
         shutdown.clone(),
     ));
+    let journal = settings.journal()?;
+    if journal.is_none() {
+        tracing::warn!("no shared graph store (GRAPH_STORE as an http(s) SPARQL endpoint): iterations are at-least-once");
+    }
     let engine = Arc::new(Engine {
         config: live,
         llm,
         outputs,
+        journal,
     });
     let stats = Arc::new(ConsumerStats::default());
     let subscription = SubscriptionConfig {

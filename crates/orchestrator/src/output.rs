@@ -1,14 +1,19 @@
 //! Everything an iteration publishes: responses to the client, the `next` request, provenance.
-//! Sends are pipelined; [`DialogOutput::flush`] waits for every receipt, and only then may the
-//! iteration's input be acked.
+//! Streamed chunks go out at once (they are a view of the work in progress); everything durable
+//! (provenance, next requests, subagents, the closing response) is held until
+//! [`DialogOutput::commit`], which journals it (see `journal`), publishes it in order and waits for
+//! every receipt; only then may the iteration's input be acked.
 
 use std::sync::Mutex;
 
 use agent_bus::{BusError, Properties, Publisher, Receipt};
 use agent_core::provenance::GRAPH;
+use agent_graph::model::NamedNode;
 use agent_schema::{
     AgentRequest, AgentResponse, MessageType, Metadata, Triple, Triples, ID_PROPERTY,
 };
+
+use crate::journal::{Channel, Effect, Journal};
 
 pub use agent_schema::{IN_TOKEN_PROPERTY, OUT_TOKEN_PROPERTY, STARTED_PROPERTY};
 
@@ -28,6 +33,15 @@ pub struct DialogOutput<'a> {
     root: String,
     started_ms: u64,
     pending: Mutex<Vec<Receipt>>,
+    /// Durable effects waiting for the commit.
+    effects: Mutex<Vec<Effect>>,
+}
+
+/// Where a step's outcome is journaled: the entry node and the delivery it is for.
+pub struct JournalSlot<'a> {
+    pub journal: &'a Journal,
+    pub node: NamedNode,
+    pub delivery: String,
 }
 
 impl<'a> DialogOutput<'a> {
@@ -49,7 +63,71 @@ impl<'a> DialogOutput<'a> {
             root: root.to_owned(),
             started_ms,
             pending: Mutex::new(Vec::new()),
+            effects: Mutex::new(Vec::new()),
         }
+    }
+
+    /// Holds a durable effect for the commit.
+    fn hold(&self, channel: Channel, payload: Vec<u8>, properties: &Properties) {
+        let payload = String::from_utf8(payload)
+            .unwrap_or_else(|e| String::from_utf8_lossy(e.as_bytes()).into_owned());
+        if let Ok(mut effects) = self.effects.lock() {
+            effects.push(Effect {
+                channel,
+                payload,
+                properties: properties.clone(),
+            });
+        }
+    }
+
+    /// Journals the held effects (when there is a journal), publishes them unless another delivery
+    /// of the same message recorded its outcome first, and marks them published.
+    pub async fn commit(&self, slot: Option<&JournalSlot<'_>>) -> anyhow::Result<()> {
+        let effects = match self.effects.lock() {
+            Ok(mut effects) => std::mem::take(&mut *effects),
+            Err(_) => Vec::new(),
+        };
+        if let Some(slot) = slot {
+            let attempt = uuid::Uuid::new_v4().simple().to_string();
+            let standing = slot
+                .journal
+                .record(&slot.node, &effects, &slot.delivery, &attempt)
+                .await?;
+            if standing.attempt != attempt {
+                // That delivery is not acked before it has published, and comes back if it dies.
+                tracing::info!(entry = %slot.node.as_str(), "another delivery recorded this step first; dropping this outcome");
+                self.flush().await?;
+                return Ok(());
+            }
+        }
+        let commit = fault::next_commit();
+        fault::crash_if(fault::Stage::Recorded, commit);
+        self.publish(&effects).await?;
+        fault::crash_if(fault::Stage::Published, commit);
+        if let Some(slot) = slot {
+            slot.journal.mark_published(&slot.node).await?;
+        }
+        fault::crash_if(fault::Stage::Marked, commit);
+        Ok(())
+    }
+
+    /// Publishes effects in order and waits for them. What a request will act on is on the broker
+    /// before the request is (a fan-out's node before its subagents, an iteration's provenance
+    /// before the next iteration).
+    pub async fn publish(&self, effects: &[Effect]) -> Result<(), BusError> {
+        for effect in effects {
+            let to = match effect.channel {
+                Channel::Responses => &self.outputs.responses,
+                Channel::Requests => {
+                    self.flush().await?;
+                    &self.outputs.requests
+                }
+                Channel::Explainability => &self.outputs.explainability,
+            };
+            self.send(to, effect.payload.clone().into_bytes(), &effect.properties)
+                .await?;
+        }
+        self.flush().await
     }
 
     async fn send(
@@ -77,16 +155,17 @@ impl<'a> DialogOutput<'a> {
         Ok(())
     }
 
+    /// A durable response: the closing answer or an error.
     pub async fn respond(&self, response: &AgentResponse) -> Result<(), BusError> {
-        self.send(
-            &self.outputs.responses,
+        self.hold(
+            Channel::Responses,
             agent_schema::encode(response),
             &self.properties,
-        )
-        .await
+        );
+        Ok(())
     }
 
-    /// Sends a chunk of a message.
+    /// Sends a chunk of a message now.
     pub async fn chunk(
         &self,
         kind: MessageType,
@@ -97,7 +176,12 @@ impl<'a> DialogOutput<'a> {
         let mut r = AgentResponse::new(kind, content);
         r.message_id = message_id.to_owned();
         r.end_of_message = end_of_message;
-        self.respond(&r).await
+        self.send(
+            &self.outputs.responses,
+            agent_schema::encode(&r),
+            &self.properties,
+        )
+        .await
     }
 
     /// Records provenance about `node`: inline to the client as an `explain` response, and on the
@@ -111,13 +195,12 @@ impl<'a> DialogOutput<'a> {
             },
             triples,
         };
-        // The graph copy is enqueued before the client's, so a client that saw a node can find it.
-        self.send(
-            &self.outputs.explainability,
+        // The graph copy is published before the client's, so a client that saw a node can find it.
+        self.hold(
+            Channel::Explainability,
             agent_schema::encode(&message),
             &Properties::new(),
-        )
-        .await?;
+        );
         let mut r = AgentResponse::new(MessageType::Explain, "");
         r.explain_id = Some(node.to_owned());
         r.explain_graph = Some(GRAPH.to_owned());
@@ -127,12 +210,12 @@ impl<'a> DialogOutput<'a> {
 
     /// Starts a subagent's dialog under the caller's `id`, so its messages reach the same client.
     pub async fn spawn(&self, request: &AgentRequest) -> Result<(), BusError> {
-        self.send(
-            &self.outputs.requests,
+        self.hold(
+            Channel::Requests,
             agent_schema::encode(request),
             &self.properties,
-        )
-        .await
+        );
+        Ok(())
     }
 
     /// When the dialog's first message was taken up (Unix milliseconds).
@@ -163,11 +246,56 @@ impl<'a> DialogOutput<'a> {
         properties.insert(IN_TOKEN_PROPERTY.to_owned(), tokens.0.to_string());
         properties.insert(OUT_TOKEN_PROPERTY.to_owned(), tokens.1.to_string());
         properties.insert(STARTED_PROPERTY.to_owned(), self.started_ms.to_string());
-        self.send(
-            &self.outputs.requests,
+        self.hold(
+            Channel::Requests,
             agent_schema::encode(request),
             &properties,
-        )
-        .await
+        );
+        Ok(())
+    }
+}
+
+/// A chaos hook for crash tests and soaks: `AGENT_FAULT=<stage>:<n>` aborts the process (as a
+/// SIGKILL would: nothing acked, nothing flushed) at that stage of its `n`-th commit, counted from
+/// one. Stages: `after-record` (the outcome journaled, nothing published), `after-publish`
+/// (published, not marked), `before-ack` (marked, the message not yet acked). Unset, it costs one
+/// atomic add.
+mod fault {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::OnceLock;
+
+    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+    pub enum Stage {
+        Recorded,
+        Published,
+        Marked,
+    }
+
+    static COMMITS: AtomicUsize = AtomicUsize::new(0);
+
+    fn planned() -> Option<(Stage, usize)> {
+        static PLAN: OnceLock<Option<(Stage, usize)>> = OnceLock::new();
+        *PLAN.get_or_init(|| {
+            let value = std::env::var("AGENT_FAULT").ok()?;
+            let (stage, n) = value.split_once(':')?;
+            let stage = match stage {
+                "after-record" => Stage::Recorded,
+                "after-publish" => Stage::Published,
+                "before-ack" => Stage::Marked,
+                _ => return None,
+            };
+            Some((stage, n.parse().ok()?))
+        })
+    }
+
+    pub fn next_commit() -> usize {
+        COMMITS.fetch_add(1, Ordering::Relaxed) + 1
+    }
+
+    pub fn crash_if(stage: Stage, commit: usize) {
+        if planned() == Some((stage, commit)) {
+            tracing::error!(?stage, commit, "AGENT_FAULT: aborting");
+            std::process::abort();
+        }
     }
 }

@@ -6,7 +6,10 @@ use std::time::Duration;
 
 use agent_bus::{BrokerArgs, Topics};
 use agent_core::config::AgentConfig;
+use agent_graph::GraphStore;
 use agent_llm::{LlmConfig, Secret};
+
+use crate::journal::Journal;
 
 #[derive(clap::Args, Debug, Clone)]
 pub struct Settings {
@@ -51,9 +54,32 @@ pub struct Settings {
     pub explain_topic: Option<String>,
     #[arg(long, env = "AGENT_DEAD_LETTER_TOPIC")]
     pub dead_letter_topic: Option<String>,
+    /// The graph store shared with the aggregator, which holds the iteration journal that makes
+    /// iterations effectively-once: an `http(s)://` SPARQL endpoint. A directory is its
+    /// aggregator's own store and cannot be shared, so it means no journal.
+    #[arg(long, env = "GRAPH_STORE")]
+    pub graph_store: Option<String>,
+    /// Bearer token for the graph store's writes.
+    #[arg(long, env = "CONFIG_TOKEN", hide_env_values = true)]
+    pub config_token: Option<String>,
 }
 
 impl Settings {
+    /// The iteration journal, when a shared graph store is configured.
+    pub fn journal(&self) -> anyhow::Result<Option<Journal>> {
+        match self.graph_store.as_deref().filter(|s| !s.is_empty()) {
+            Some(url) if url.starts_with("http://") || url.starts_with("https://") => {
+                let token = self.config_token.clone().filter(|t| !t.is_empty());
+                Ok(Some(Journal::new(GraphStore::open(url, token)?)))
+            }
+            Some(dir) => {
+                tracing::warn!(%dir, "GRAPH_STORE is a directory, which only its aggregator may open; no journal");
+                Ok(None)
+            }
+            None => Ok(None),
+        }
+    }
+
     pub fn topics(&self) -> Topics {
         let mut t = self.broker.topics();
         let pick = |slot: &mut String, over: &Option<String>| {

@@ -148,7 +148,7 @@ async fn fan_out(
         ),
     )
     .await?;
-    out.flush().await?;
+    // Published after the fan-out node: the commit puts what a request acts on first.
     for (i, goal) in goals.iter().enumerate() {
         let sub = supervising::subagent_request(request, session_id, &cid, i, goal, goals.len());
         out.spawn(&sub).await?;

@@ -1,0 +1,189 @@
+//! Effectively-once iterations. An iteration's durable effects (provenance, the next request or
+//! subagents, the closing response) are recorded in the graph store under a key of the message
+//! that caused them, first writer wins, before any of them is published; then published; then the
+//! entry is marked published and the message acked. A message whose entry is published is dropped
+//! (its successor is out); one whose entry was recorded by this very delivery before a crash
+//! re-emits the recorded effects without calling the LLM; one whose entry another copy recorded is
+//! dropped, since that copy is not acked until it has published. So whatever happens, one outcome
+//! per message, the same content every time it is sent.
+
+use std::collections::BTreeMap;
+
+use agent_graph::model::{NamedNode, Term};
+use agent_graph::{queries, GraphError, GraphStore};
+use agent_schema::AgentRequest;
+use serde::{Deserialize, Serialize};
+
+/// Which publisher an effect goes to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Channel {
+    Responses,
+    Requests,
+    Explainability,
+}
+
+/// One message an iteration publishes.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Effect {
+    pub channel: Channel,
+    /// The JSON payload (every payload here is UTF-8 JSON).
+    pub payload: String,
+    pub properties: BTreeMap<String, String>,
+}
+
+/// A journal entry as the store holds it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Entry {
+    pub effects: Vec<Effect>,
+    /// The broker's id of the delivery that recorded it.
+    pub delivery: String,
+    /// Which attempt of that delivery recorded it.
+    pub attempt: String,
+    pub published: bool,
+}
+
+/// The key of the step a message asks for: the step (`route`, or `i{n}`) and a digest of the
+/// message, so a redelivery or a copy of it shares the key while a different request that happens
+/// to name the same session (a reused `id`) does not.
+pub fn key(request: &AgentRequest, routing: bool) -> String {
+    let step = if routing {
+        "route".to_owned()
+    } else {
+        format!("i{}", request.history.len() + 1)
+    };
+    let digest = uuid::Uuid::new_v5(&uuid::Uuid::NAMESPACE_OID, &agent_schema::encode(request));
+    format!("{step}-{}", digest.simple())
+}
+
+/// The journal entry node of step `key` of the session `session_uri`.
+pub fn entry_node(session_uri: &str, key: &str) -> Result<NamedNode, GraphError> {
+    NamedNode::new(format!("{session_uri}/journal/{key}"))
+        .map_err(|e| GraphError::Syntax(format!("not a journal node: {e}")))
+}
+
+/// The journal over a graph store shared by every orchestrator replica.
+#[derive(Clone)]
+pub struct Journal {
+    store: GraphStore,
+}
+
+fn text(term: Option<&Term>) -> String {
+    match term {
+        Some(Term::Literal(l)) => l.value().to_owned(),
+        Some(Term::NamedNode(n)) => n.as_str().to_owned(),
+        _ => String::new(),
+    }
+}
+
+impl Journal {
+    pub fn new(store: GraphStore) -> Journal {
+        Journal { store }
+    }
+
+    /// The entry of a step, if one was recorded.
+    pub async fn entry(&self, node: &NamedNode) -> Result<Option<Entry>, GraphError> {
+        let rows = self.store.query(queries::journal_entry(node)).await?.rows();
+        let Some(first) = rows.rows.first() else {
+            return Ok(None);
+        };
+        let column = |name: &str| {
+            rows.variables
+                .iter()
+                .position(|v| v == name)
+                .and_then(|i| first.get(i).cloned().flatten())
+        };
+        let outcome = text(column("outcome").as_ref());
+        // An entry this code cannot read was written by something else: treat it as published
+        // rather than re-emit what it cannot know.
+        let Ok(effects) = serde_json::from_str::<Vec<Effect>>(&outcome) else {
+            tracing::error!(node = %node.as_str(), "unreadable journal entry; dropping the message");
+            return Ok(Some(Entry {
+                effects: Vec::new(),
+                delivery: String::new(),
+                attempt: String::new(),
+                published: true,
+            }));
+        };
+        Ok(Some(Entry {
+            effects,
+            delivery: text(column("delivery").as_ref()),
+            attempt: text(column("attempt").as_ref()),
+            published: column("published").is_some(),
+        }))
+    }
+
+    /// Records `effects` as the step's outcome unless another is recorded; returns the entry that
+    /// stands (compare its `attempt` with `attempt` to know whose it is).
+    pub async fn record(
+        &self,
+        node: &NamedNode,
+        effects: &[Effect],
+        delivery: &str,
+        attempt: &str,
+    ) -> Result<Entry, GraphError> {
+        let outcome = serde_json::to_string(effects)
+            .map_err(|e| GraphError::Syntax(format!("cannot encode the outcome: {e}")))?;
+        let now = chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Micros, true);
+        self.store
+            .update(queries::journal_record(
+                node, &outcome, delivery, attempt, &now,
+            ))
+            .await?;
+        self.entry(node).await?.ok_or_else(|| {
+            GraphError::Transport("the journal entry just recorded is not there".to_owned())
+        })
+    }
+
+    /// Marks the step's outcome as published.
+    pub async fn mark_published(&self, node: &NamedNode) -> Result<(), GraphError> {
+        self.store.update(queries::journal_published(node)).await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn keys_follow_the_step_and_the_message() {
+        let first = AgentRequest {
+            question: "Q".into(),
+            ..AgentRequest::default()
+        };
+        assert!(key(&first, true).starts_with("route-"));
+        assert!(key(&first, false).starts_with("i1-"));
+        assert_eq!(key(&first, false), key(&first.clone(), false));
+        let other = AgentRequest {
+            question: "R".into(),
+            ..AgentRequest::default()
+        };
+        assert_ne!(key(&first, false), key(&other, false));
+        assert!(entry_node("urn:trustgraph:agent:s", &key(&first, false)).is_ok());
+    }
+
+    #[tokio::test]
+    async fn the_first_outcome_recorded_stands() {
+        let journal = Journal::new(GraphStore::in_memory().unwrap());
+        let node = entry_node("urn:trustgraph:agent:s", "i1-x").unwrap();
+        assert_eq!(journal.entry(&node).await.unwrap(), None);
+        let effect = |payload: &str| Effect {
+            channel: Channel::Requests,
+            payload: payload.to_owned(),
+            properties: [("id".to_owned(), "c".to_owned())].into(),
+        };
+        let first = journal
+            .record(&node, &[effect("{\"a\": 1}")], "m1", "a1")
+            .await
+            .unwrap();
+        assert_eq!((first.attempt.as_str(), first.published), ("a1", false));
+        let second = journal
+            .record(&node, &[effect("{\"b\": 2}")], "m2", "a2")
+            .await
+            .unwrap();
+        assert_eq!(second.attempt, "a1", "the first writer wins");
+        assert_eq!(second.effects, [effect("{\"a\": 1}")]);
+        journal.mark_published(&node).await.unwrap();
+        assert!(journal.entry(&node).await.unwrap().unwrap().published);
+    }
+}

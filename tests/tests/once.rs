@@ -1,0 +1,156 @@
+//! Effectively-once iterations on a real broker, with the journal in the aggregator's graph store:
+//! an orchestrator that dies at each point of publishing a step (outcome journaled, published,
+//! marked) is replaced, the step's message comes back, and the dialog still ends exactly once
+//! without the step's LLM call being made again; a copy of a request runs once.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use std::time::Duration;
+
+use agent_e2e::*;
+use agent_schema::AgentResponse;
+
+const DIALOG_TIMEOUT: Duration = Duration::from_secs(60);
+const TOKEN: &str = "once-test-token";
+
+/// Three ReACT iterations: two tool calls, then the answer.
+const THREE_STEPS: &str = r#"{"rules": [
+  {"match": "Observation: beta-result", "reply": "Thought: I have both parts now.\nFinal Answer: alpha and beta, combined."},
+  {"match": "Observation: alpha-result", "reply": "Thought: Now the second part.\nAction: llm\nArgs: {\"question\": \"fetch beta\"}"},
+  {"match": "fetch alpha", "exact": true, "reply": "alpha-result"},
+  {"match": "fetch beta", "exact": true, "reply": "beta-result"},
+  {"match": "", "reply": "Thought: Start with the first part.\nAction: llm\nArgs: {\"question\": \"fetch alpha\"}"}
+]}"#;
+
+fn closings(responses: &[AgentResponse]) -> usize {
+    responses.iter().filter(|r| r.end_of_dialog).count()
+}
+
+fn react(question: &str) -> agent_schema::AgentRequest {
+    agent_schema::AgentRequest {
+        pattern: "react".into(),
+        ..request(question, false)
+    }
+}
+
+/// LLM calls of the dialog about `question` that matched rule `rule` of `THREE_STEPS`.
+fn calls_of(llm: &scripted_llm::ScriptedLlm, question: &str, rule: usize) -> usize {
+    llm.calls()
+        .iter()
+        .filter(|c| c.rule == Some(rule) && c.last_user.contains(question))
+        .count()
+}
+
+/// The orchestrator dies at each point of committing the first iteration. The broker is then
+/// restarted too: pulsar-lite can leave the messages a killed consumer held with a ghost of its
+/// connection (see `Broker::reset_connections`), and a restart hands them out again, which is the
+/// redelivery under test.
+#[tokio::test]
+async fn a_crash_at_any_point_of_publishing_a_step_gives_one_outcome() {
+    let mut broker = Broker::start().unwrap();
+    let aggregator = Aggregator::spawn_with(&broker, &["--config-token", TOKEN]);
+    let llm = scripted_llm(THREE_STEPS).await;
+    for stage in ["after-record", "after-publish", "before-ack"] {
+        let question = format!("combine ({stage})");
+        let fault = format!("{stage}:1");
+        let mut doomed = Orchestrator::spawn_journaled(
+            &broker,
+            &llm,
+            &aggregator,
+            TOKEN,
+            &[("AGENT_FAULT", &fault)],
+        );
+        client(&broker)
+            .await
+            .send(stage, &react(&question))
+            .await
+            .unwrap();
+        assert!(
+            doomed.exited_within(Duration::from_secs(30)).await,
+            "the orchestrator did not crash {stage}"
+        );
+        broker.restart().unwrap();
+        let mut client = client(&broker).await;
+        let _replacement = Orchestrator::spawn_journaled(&broker, &llm, &aggregator, TOKEN, &[]);
+        let mut responses = collect_dialog(&mut client, stage, DIALOG_TIMEOUT)
+            .await
+            .unwrap();
+        responses.extend(drain_for(&mut client, stage, Duration::from_secs(2)).await);
+        let last = responses.iter().rfind(|r| r.end_of_dialog).unwrap();
+        assert_eq!(last.content, "alpha and beta, combined.", "{stage}");
+        assert_eq!(closings(&responses), 1, "{stage}: {responses:#?}");
+        // The first iteration's LLM call was made once: its redelivery re-emitted the journaled
+        // outcome or was dropped. After a crash between publishing and marking, the re-emitted
+        // next request is a copy of the one already out; copies that overlap may both ask the LLM
+        // (only one outcome stands).
+        assert_eq!(calls_of(&llm, &question, 4), 1, "{stage}: the first step");
+        // A step the doomed process had already taken up when it died is rightly asked again.
+        let copies = if stage == "after-record" { 1 } else { 2 };
+        for rule in [1, 0] {
+            let calls = calls_of(&llm, &question, rule);
+            assert!(
+                (1..=copies).contains(&calls),
+                "{stage}: rule {rule} ran {calls} times"
+            );
+        }
+        // The new client joined after the first commit: the session is in the message ids.
+        let session = last.message_id.split('/').next().unwrap().to_owned();
+        assert_one_chain(&aggregator, &session).await;
+    }
+}
+
+/// The same request published twice (a client retry, a duplicate from upstream) with two
+/// orchestrators: one dialog, one answer, one chain of iteration nodes in the graph.
+#[tokio::test]
+async fn a_copy_of_a_request_runs_once() {
+    let broker = Broker::start().unwrap();
+    let aggregator = Aggregator::spawn_with(&broker, &["--config-token", TOKEN]);
+    let llm = scripted_llm(THREE_STEPS).await;
+    let _one = Orchestrator::spawn_journaled(&broker, &llm, &aggregator, TOKEN, &[]);
+    let _two = Orchestrator::spawn_journaled(&broker, &llm, &aggregator, TOKEN, &[]);
+    let mut client = client(&broker).await;
+    let request = react("combine twice");
+    client.send("twice", &request).await.unwrap();
+    client.send("twice", &request).await.unwrap();
+    let mut responses = collect_dialog(&mut client, "twice", DIALOG_TIMEOUT)
+        .await
+        .unwrap();
+    responses.extend(drain_for(&mut client, "twice", Duration::from_secs(3)).await);
+    assert_eq!(closings(&responses), 1, "{responses:#?}");
+    // Copies that overlap may both ask the LLM, but only one outcome per step stands.
+    let session = session_of(&responses);
+    assert_one_chain(&aggregator, &session).await;
+}
+
+/// The graph holds one version of each iteration of the session: one thought, one set of
+/// arguments, one answer.
+async fn assert_one_chain(aggregator: &Aggregator, session: &str) {
+    let store = aggregator.store();
+    let distinct = |node: String, predicate: &str| {
+        let store = store.clone();
+        let query = format!(
+            "PREFIX tg: <https://trustgraph.ai/ns/> PREFIX prov: <http://www.w3.org/ns/prov#>
+             SELECT DISTINCT ?o WHERE {{ GRAPH ?g {{ <{node}> {predicate} ?o }} }}"
+        );
+        async move {
+            // The aggregator writes a moment after the client sees the answer.
+            let mut rows = 0;
+            for _ in 0..100 {
+                rows = match store.query(query.clone()).await.unwrap() {
+                    agent_graph::QueryAnswer::Rows(rows) => rows.rows.len(),
+                    _ => 0,
+                };
+                if rows > 0 {
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            rows
+        }
+    };
+    for step in 1..=2 {
+        let node = format!("{session}/i{step}");
+        assert_eq!(distinct(node.clone(), "tg:arguments").await, 1, "{node}");
+        assert_eq!(distinct(node.clone(), "tg:thought").await, 1, "{node}");
+    }
+    assert_eq!(distinct(format!("{session}/final"), "tg:document").await, 1);
+}
