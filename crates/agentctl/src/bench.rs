@@ -35,6 +35,10 @@ pub struct BenchArgs {
     /// Dialogs kept open at once in the throughput run.
     #[arg(long, default_value_t = 64)]
     concurrency: usize,
+    /// Journal iterations (effectively-once) in an aggregator's embedded store, as in production,
+    /// to measure what the journal costs.
+    #[arg(long)]
+    journal: bool,
     #[command(flatten)]
     settings: Settings,
 }
@@ -59,13 +63,35 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<i32> {
     settings.llm_model = "scripted".into();
     let topics = settings.topics();
     let shutdown = CancellationToken::new();
+    let store_dir = std::env::temp_dir().join(format!("agentctl-bench-{}", std::process::id()));
+    let aggregator = if args.journal {
+        let _ = std::fs::remove_dir_all(&store_dir);
+        let addr: std::net::SocketAddr = ([127, 0, 0, 1], agent_bus::embedded::free_port()?).into();
+        let token = uuid::Uuid::new_v4().simple().to_string();
+        let mut aggregator = agent_aggregator::AggregatorSettings::embedded(
+            settings.broker.clone(),
+            store_dir.clone(),
+            addr,
+        );
+        aggregator.config_token = Some(token.clone());
+        settings.graph_store = Some(format!("http://{addr}"));
+        settings.config_token = Some(token);
+        Some(tokio::spawn(agent_aggregator::run(
+            aggregator,
+            shutdown.clone(),
+        )))
+    } else {
+        settings.graph_store = None;
+        None
+    };
     let orchestrator = tokio::spawn(agent_orchestrator::run(settings.clone(), shutdown.clone()));
     let bus = Bus::connect(&broker.url(), None).await?;
 
     println!(
-        "agentctl bench: pulsar-lite {}, scripted LLM answering instantly, max_in_flight {}",
+        "agentctl bench: pulsar-lite {}, scripted LLM answering instantly, max_in_flight {}, journal {}",
         broker.url(),
-        settings.max_in_flight
+        settings.max_in_flight,
+        if args.journal { "on (aggregator's embedded store)" } else { "off" }
     );
     let rtt = broker_round_trip(&bus, args.round_trips).await?;
     let rtt_p50 = percentile(&rtt, 50.0);
@@ -101,6 +127,10 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<i32> {
     println!("LLM calls served: {}", llm.calls().len());
     shutdown.cancel();
     orchestrator.await??;
+    if let Some(aggregator) = aggregator {
+        aggregator.await??;
+        let _ = std::fs::remove_dir_all(&store_dir);
+    }
     Ok(0)
 }
 
