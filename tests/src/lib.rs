@@ -554,3 +554,14 @@ pub fn session_of(responses: &[AgentResponse]) -> String {
         })
         .unwrap_or_else(|| panic!("no session was explained: {responses:#?}"))
 }
+
+/// Three ReACT iterations through the seeded `llm` tool: two tool calls, then the answer
+/// "alpha and beta, combined.". The first iteration's call is rule 4, the second's rule 1, the
+/// answer's rule 0.
+pub const THREE_STEPS: &str = r#"{"rules": [
+  {"match": "Observation: beta-result", "reply": "Thought: I have both parts now.\nFinal Answer: alpha and beta, combined."},
+  {"match": "Observation: alpha-result", "reply": "Thought: Now the second part.\nAction: llm\nArgs: {\"question\": \"fetch beta\"}"},
+  {"match": "fetch alpha", "exact": true, "reply": "alpha-result"},
+  {"match": "fetch beta", "exact": true, "reply": "beta-result"},
+  {"match": "", "reply": "Thought: Start with the first part.\nAction: llm\nArgs: {\"question\": \"fetch alpha\"}"}
+]}"#;

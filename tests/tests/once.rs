@@ -12,15 +12,6 @@ use agent_schema::AgentResponse;
 const DIALOG_TIMEOUT: Duration = Duration::from_secs(60);
 const TOKEN: &str = "once-test-token";
 
-/// Three ReACT iterations: two tool calls, then the answer.
-const THREE_STEPS: &str = r#"{"rules": [
-  {"match": "Observation: beta-result", "reply": "Thought: I have both parts now.\nFinal Answer: alpha and beta, combined."},
-  {"match": "Observation: alpha-result", "reply": "Thought: Now the second part.\nAction: llm\nArgs: {\"question\": \"fetch beta\"}"},
-  {"match": "fetch alpha", "exact": true, "reply": "alpha-result"},
-  {"match": "fetch beta", "exact": true, "reply": "beta-result"},
-  {"match": "", "reply": "Thought: Start with the first part.\nAction: llm\nArgs: {\"question\": \"fetch alpha\"}"}
-]}"#;
-
 fn closings(responses: &[AgentResponse]) -> usize {
     responses.iter().filter(|r| r.end_of_dialog).count()
 }

@@ -16,14 +16,6 @@ use futures::StreamExt;
 const DIALOG_TIMEOUT: Duration = Duration::from_secs(60);
 const EXPLAIN_TOPIC: &str = "persistent://tg/flow/triples-store:default:default";
 
-const THREE_STEPS: &str = r#"{"rules": [
-  {"match": "Observation: beta-result", "reply": "Thought: I have both parts now.\nFinal Answer: alpha and beta, combined."},
-  {"match": "Observation: alpha-result", "reply": "Thought: Now the second part.\nAction: llm\nArgs: {\"question\": \"fetch beta\"}"},
-  {"match": "fetch alpha", "exact": true, "reply": "alpha-result"},
-  {"match": "fetch beta", "exact": true, "reply": "beta-result"},
-  {"match": "", "reply": "Thought: Start with the first part.\nAction: llm\nArgs: {\"question\": \"fetch alpha\"}"}
-]}"#;
-
 /// Waits until the aggregator has written the node.
 async fn wait_for_node(store: &GraphStore, node: &str) {
     let node = queries::session_node(node).unwrap();
