@@ -565,3 +565,27 @@ pub const THREE_STEPS: &str = r#"{"rules": [
   {"match": "fetch beta", "exact": true, "reply": "beta-result"},
   {"match": "", "reply": "Thought: Start with the first part.\nAction: llm\nArgs: {\"question\": \"fetch alpha\"}"}
 ]}"#;
+
+/// Rows a SPARQL query over the aggregator's store returns.
+pub async fn count(store: &agent_graph::GraphStore, sparql: String) -> usize {
+    match store.query(sparql).await.unwrap() {
+        agent_graph::QueryAnswer::Rows(rows) => rows.rows.len(),
+        _ => 0,
+    }
+}
+
+/// Rows the query returns once they reach `expected` (the aggregator writes what the client has
+/// already seen a moment later), or after 10 s whatever it returns then.
+pub async fn count_reaching(
+    store: &agent_graph::GraphStore,
+    sparql: String,
+    expected: usize,
+) -> usize {
+    for _ in 0..100 {
+        if count(store, sparql.clone()).await >= expected {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    count(store, sparql).await
+}

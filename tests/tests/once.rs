@@ -117,26 +117,12 @@ async fn a_copy_of_a_request_runs_once() {
 async fn assert_one_chain(aggregator: &Aggregator, session: &str) {
     let store = aggregator.store();
     let distinct = |node: String, predicate: &str| {
-        let store = store.clone();
         let query = format!(
             "PREFIX tg: <https://trustgraph.ai/ns/> PREFIX prov: <http://www.w3.org/ns/prov#>
              SELECT DISTINCT ?o WHERE {{ GRAPH ?g {{ <{node}> {predicate} ?o }} }}"
         );
-        async move {
-            // The aggregator writes a moment after the client sees the answer.
-            let mut rows = 0;
-            for _ in 0..100 {
-                rows = match store.query(query.clone()).await.unwrap() {
-                    agent_graph::QueryAnswer::Rows(rows) => rows.rows.len(),
-                    _ => 0,
-                };
-                if rows > 0 {
-                    break;
-                }
-                tokio::time::sleep(Duration::from_millis(100)).await;
-            }
-            rows
-        }
+        // The aggregator writes a moment after the client sees the answer.
+        count_reaching(&store, query, 1)
     };
     for step in 1..=2 {
         let node = format!("{session}/i{step}");

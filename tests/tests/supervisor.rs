@@ -283,26 +283,6 @@ async fn completions_before_their_fan_out_and_twice_give_one_synthesis() {
     );
 }
 
-/// Rows a SPARQL query over the aggregator's store returns.
-async fn count(store: &agent_graph::GraphStore, sparql: String) -> usize {
-    match store.query(sparql).await.unwrap() {
-        agent_graph::QueryAnswer::Rows(rows) => rows.rows.len(),
-        _ => 0,
-    }
-}
-
-/// Rows the query returns once they reach `expected` (the aggregator writes what the client has
-/// already seen a moment later), or after 10 s whatever it returns then.
-async fn count_reaching(store: &agent_graph::GraphStore, sparql: String, expected: usize) -> usize {
-    for _ in 0..100 {
-        if count(store, sparql.clone()).await >= expected {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    count(store, sparql).await
-}
-
 /// The synthesis may send subagents out again under a new correlation id; the second round's
 /// synthesis sees both rounds, and the new fan-out hangs off the synthesis that asked for it. An LLM
 /// that always wants one more round is stopped by `max_iterations` with an answer naming what the

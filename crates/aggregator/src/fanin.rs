@@ -105,23 +105,16 @@ pub async fn check(
     // Random, so no two checks (on any aggregator, before or after a restart) share a name.
     let claimer = format!("{:032x}", uuid::Uuid::new_v4().as_u128());
     let open = rows(store, queries::open_fanout(correlation_id)).await?;
-    let Some(row) = open.rows.first() else {
+    if open.rows.is_empty() {
         // Not recorded yet (its completions came first), or already synthesised.
         return Ok(());
-    };
-    let column = |name: &str| {
-        open.variables
-            .iter()
-            .position(|v| v == name)
-            .and_then(|i| row.get(i).cloned().flatten())
-    };
-    let fanout = text(column("f").as_ref());
-    let expected: usize = text(column("expected").as_ref())
-        .parse()
-        .unwrap_or(usize::MAX);
-    let continuation = text(column("continuation").as_ref());
-    let client = text(column("client").as_ref());
-    let number = |t: Option<Term>| text(t.as_ref()).parse::<u64>().unwrap_or(0);
+    }
+    let column = |name: &str| open.first(name);
+    let fanout = text(column("f"));
+    let expected: usize = text(column("expected")).parse().unwrap_or(usize::MAX);
+    let continuation = text(column("continuation"));
+    let client = text(column("client"));
+    let number = |t: Option<&Term>| text(t).parse::<u64>().unwrap_or(0);
     let mut tokens = (number(column("in")), number(column("out")));
     let started = number(column("started"));
     let done = rows(store, queries::completions(correlation_id)).await?;

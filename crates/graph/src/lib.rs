@@ -64,6 +64,12 @@ pub struct Rows {
 }
 
 impl Rows {
+    /// The binding of `variable` in the first row.
+    pub fn first(&self, variable: &str) -> Option<&Term> {
+        let i = self.variables.iter().position(|v| v == variable)?;
+        self.rows.first()?.get(i)?.as_ref()
+    }
+
     /// The bindings of `variable`, one per row.
     pub fn column(&self, variable: &str) -> Vec<Option<&Term>> {
         match self.variables.iter().position(|v| v == variable) {

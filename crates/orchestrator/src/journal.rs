@@ -84,16 +84,11 @@ impl Journal {
     /// The entry of a step, if one was recorded.
     pub async fn entry(&self, node: &NamedNode) -> Result<Option<Entry>, GraphError> {
         let rows = self.store.query(queries::journal_entry(node)).await?.rows();
-        let Some(first) = rows.rows.first() else {
+        if rows.rows.is_empty() {
             return Ok(None);
-        };
-        let column = |name: &str| {
-            rows.variables
-                .iter()
-                .position(|v| v == name)
-                .and_then(|i| first.get(i).cloned().flatten())
-        };
-        let outcome = text(column("outcome").as_ref());
+        }
+        let column = |name: &str| rows.first(name);
+        let outcome = text(column("outcome"));
         // An entry this code cannot read was written by something else: treat it as published
         // rather than re-emit what it cannot know.
         let Ok(effects) = serde_json::from_str::<Vec<Effect>>(&outcome) else {
@@ -107,8 +102,8 @@ impl Journal {
         };
         Ok(Some(Entry {
             effects,
-            delivery: text(column("delivery").as_ref()),
-            attempt: text(column("attempt").as_ref()),
+            delivery: text(column("delivery")),
+            attempt: text(column("attempt")),
             published: column("published").is_some(),
         }))
     }

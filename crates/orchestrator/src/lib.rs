@@ -51,6 +51,12 @@ pub struct Turn<'a> {
 }
 
 impl Turn<'_> {
+    /// Which budget (tokens or wall time) the dialog has used up before this step, if any.
+    pub fn spent_budget(&self) -> Option<String> {
+        let used = self.tokens_before.0 + self.tokens_before.1;
+        self.config.limits.spent_budget(used, self.elapsed)
+    }
+
     /// One LLM call on a configured prompt filled with `vars`, and what it cost. `None` when the
     /// call failed: the dialog has then ended (iteration `n`) with that error.
     pub async fn ask(

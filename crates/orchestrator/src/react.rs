@@ -280,8 +280,7 @@ pub async fn conclude_if_limited(turn: &Turn<'_>) -> Option<Result<(), BusError>
         );
         return Some(conclude_at_limit(turn, Termination::MaxIterations, &why).await);
     }
-    let used = turn.tokens_before.0 + turn.tokens_before.1;
-    let spent = limits.spent_budget(used, turn.elapsed)?;
+    let spent = turn.spent_budget()?;
     let why = format!("I stopped before reaching a final answer: {spent}.");
     Some(conclude_at_limit(turn, Termination::Budget, &why).await)
 }

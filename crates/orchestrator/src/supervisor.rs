@@ -160,9 +160,7 @@ async fn fan_out(
 /// aggregator's resume (`n + 1`) and the answering synthesis (`n + 2`) must fit in
 /// `max_iterations`, and the budget must not be spent.
 fn room_for_another_round(turn: &Turn<'_>, n: usize) -> bool {
-    let limits = &turn.config.limits;
-    let used = turn.tokens_before.0 + turn.tokens_before.1;
-    n + 2 <= limits.max_iterations && limits.spent_budget(used, turn.elapsed).is_none()
+    n + 2 <= turn.config.limits.max_iterations && turn.spent_budget().is_none()
 }
 
 async fn synthesise(turn: &Turn<'_>, n: usize) -> Result<(), BusError> {
