@@ -110,7 +110,7 @@ proptest! {
         text in llm_text(),
         cuts in prop::collection::vec(any::<prop::sample::Index>(), 0..12),
     ) {
-        let whole = streamed(&[text.clone()]);
+        let whole = streamed(std::slice::from_ref(&text));
         let pieces = chunks(&text, &cuts);
         prop_assert_eq!(pieces.concat(), text.clone());
         prop_assert_eq!(streamed(&pieces), whole);
