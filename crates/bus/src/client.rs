@@ -6,7 +6,9 @@ use futures::StreamExt;
 use pulsar::consumer::{ConsumerOptions, InitialPosition, Message};
 use pulsar::{Consumer, SubType, TokioExecutor};
 
-use agent_schema::{AgentRequest, AgentResponse, ID_PROPERTY};
+use std::collections::{HashSet, VecDeque};
+
+use agent_schema::{AgentRequest, AgentResponse, EFFECT_ID_PROPERTY, ID_PROPERTY};
 
 use crate::{Bus, BusError, Properties, Publisher, Topics};
 
@@ -77,6 +79,37 @@ pub(crate) fn property<'m>(message: &'m Message<Vec<u8>>, key: &str) -> Option<&
 pub struct AgentClient {
     requests: Publisher,
     responses: Listener,
+    seen: SeenEffects,
+}
+
+/// The effect ids of the latest responses, to drop a copy that an orchestrator re-emitted after a
+/// crash between publishing an iteration's outcome and marking it published.
+#[derive(Default)]
+struct SeenEffects {
+    ids: HashSet<String>,
+    order: VecDeque<String>,
+    copies: u64,
+}
+
+impl SeenEffects {
+    /// Re-emission follows the original within a redelivery, so a window this long is plenty.
+    const WINDOW: usize = 65_536;
+
+    /// Whether `id` is new; remembers it.
+    fn first_time(&mut self, id: &str) -> bool {
+        if self.ids.contains(id) {
+            self.copies += 1;
+            return false;
+        }
+        if self.order.len() >= Self::WINDOW {
+            if let Some(old) = self.order.pop_front() {
+                self.ids.remove(&old);
+            }
+        }
+        self.ids.insert(id.to_owned());
+        self.order.push_back(id.to_owned());
+        true
+    }
 }
 
 impl AgentClient {
@@ -87,6 +120,7 @@ impl AgentClient {
         Ok(AgentClient {
             requests,
             responses,
+            seen: SeenEffects::default(),
         })
     }
 
@@ -102,10 +136,22 @@ impl AgentClient {
         self.requests.send(payload, &properties).await
     }
 
-    /// The next response of any dialog, with its `id`; responses that do not decode are skipped.
+    /// Re-emitted copies of responses this client had already received, which it dropped.
+    pub fn copies_dropped(&self) -> u64 {
+        self.seen.copies
+    }
+
+    /// The next response of any dialog, with its `id`; responses that do not decode, and copies of
+    /// responses already received, are skipped.
     pub async fn next(&mut self) -> Result<(String, AgentResponse), BusError> {
         loop {
             let message = self.responses.next().await?;
+            if let Some(effect) = property(&message, EFFECT_ID_PROPERTY) {
+                if !self.seen.first_time(effect) {
+                    tracing::debug!(effect, "dropping a re-emitted copy of a response");
+                    continue;
+                }
+            }
             let id = property(&message, ID_PROPERTY)
                 .unwrap_or_default()
                 .to_owned();
@@ -114,5 +160,29 @@ impl AgentClient {
                 Err(e) => tracing::warn!(error = %e, "skipping a response that does not decode"),
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::SeenEffects;
+
+    #[test]
+    fn a_re_emitted_effect_is_dropped_once_seen() {
+        let mut seen = SeenEffects::default();
+        assert!(seen.first_time("s/journal/a#0"));
+        assert!(seen.first_time("s/journal/a#1"));
+        assert!(!seen.first_time("s/journal/a#0"));
+        assert_eq!(seen.copies, 1);
+    }
+
+    #[test]
+    fn the_window_forgets_the_oldest() {
+        let mut seen = SeenEffects::default();
+        for i in 0..=SeenEffects::WINDOW {
+            assert!(seen.first_time(&i.to_string()));
+        }
+        assert_eq!(seen.ids.len(), SeenEffects::WINDOW);
+        assert!(seen.first_time("0"));
     }
 }

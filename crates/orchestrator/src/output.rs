@@ -10,7 +10,8 @@ use agent_bus::{BusError, Properties, Publisher, Receipt};
 use agent_core::provenance::GRAPH;
 use agent_graph::model::NamedNode;
 use agent_schema::{
-    AgentRequest, AgentResponse, MessageType, Metadata, Triple, Triples, ID_PROPERTY,
+    AgentRequest, AgentResponse, MessageType, Metadata, Triple, Triples, EFFECT_ID_PROPERTY,
+    ID_PROPERTY,
 };
 
 use crate::journal::{Channel, Effect, Journal};
@@ -83,11 +84,19 @@ impl<'a> DialogOutput<'a> {
     /// Journals the held effects (when there is a journal), publishes them unless another delivery
     /// of the same message recorded its outcome first, and marks them published.
     pub async fn commit(&self, slot: Option<&JournalSlot<'_>>) -> anyhow::Result<()> {
-        let effects = match self.effects.lock() {
+        let mut effects = match self.effects.lock() {
             Ok(mut effects) => std::mem::take(&mut *effects),
             Err(_) => Vec::new(),
         };
         if let Some(slot) = slot {
+            // A crash between publishing and marking re-emits these same messages; their ids let
+            // consumers (the client, the journal) tell the copy from a new message.
+            for (i, effect) in effects.iter_mut().enumerate() {
+                effect.properties.insert(
+                    EFFECT_ID_PROPERTY.to_owned(),
+                    format!("{}#{i}", slot.node.as_str()),
+                );
+            }
             let attempt = uuid::Uuid::new_v4().simple().to_string();
             let standing = slot
                 .journal

@@ -24,6 +24,10 @@ pub const OUT_TOKEN_PROPERTY: &str = "agent-out-token";
 /// milliseconds), for the wall-time budget.
 pub const STARTED_PROPERTY: &str = "agent-started-ms";
 
+/// Our message property on every journaled message: the same on a re-emission of it after a crash
+/// (`{journal entry}#{index}`), so a consumer can drop the copy. A TrustGraph client ignores it.
+pub const EFFECT_ID_PROPERTY: &str = "agent-effect-id";
+
 /// Why a payload could not be decoded.
 pub type DecodeError = serde_json::Error;
 
