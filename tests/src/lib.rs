@@ -57,6 +57,9 @@ pub fn binary(name: &str) -> PathBuf {
 /// An `agent-orchestrator` child process; SIGKILLed on drop.
 pub struct Orchestrator {
     child: Child,
+    /// What it was started with, to start it again.
+    launch: Vec<std::ffi::OsString>,
+    env: Vec<(String, String)>,
 }
 
 impl Orchestrator {
@@ -94,28 +97,53 @@ impl Orchestrator {
         extra: &[&str],
         env: &[(&str, &str)],
     ) -> Orchestrator {
-        let child = Command::new(binary("agent-orchestrator"))
+        let mut launch: Vec<std::ffi::OsString> = vec![
+            "--pulsar-url".into(),
+            broker.url().into(),
+            "--llm-base-url".into(),
+            llm.base_url().into(),
+            "--llm-model".into(),
+            "scripted".into(),
+            "--config-dir".into(),
+            config_dir.into(),
+        ];
+        launch.extend(extra.iter().map(Into::into));
+        let env: Vec<(String, String)> = env
+            .iter()
+            .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+            .collect();
+        let child = Self::launch(&launch, &env);
+        Orchestrator { child, launch, env }
+    }
+
+    fn launch(args: &[std::ffi::OsString], env: &[(String, String)]) -> Child {
+        Command::new(binary("agent-orchestrator"))
             // Only what the test asks for: no journal or fault from the caller's environment.
             .env_remove("GRAPH_STORE")
             .env_remove("AGENT_FAULT")
-            .envs(env.iter().copied())
-            .arg("--pulsar-url")
-            .arg(broker.url())
-            .arg("--llm-base-url")
-            .arg(llm.base_url())
-            .arg("--llm-model")
-            .arg("scripted")
-            .arg("--config-dir")
-            .arg(config_dir)
-            .args(extra)
+            .envs(env.iter().map(|(k, v)| (k, v)))
+            .args(args)
             .env(
                 "RUST_LOG",
                 std::env::var("RUST_LOG").unwrap_or_else(|_| "warn".into()),
             )
             .stdout(Stdio::null())
             .spawn()
-            .unwrap();
-        Orchestrator { child }
+            .unwrap()
+    }
+
+    /// SIGKILL, then start again with the same settings.
+    pub fn kill_and_restart(&mut self) {
+        self.kill();
+        self.child = Self::launch(&self.launch, &self.env);
+    }
+
+    /// Sends SIGTERM (the orchestrator then drains and exits by itself).
+    pub fn terminate(&self) {
+        let _ = Command::new("kill")
+            .arg("-TERM")
+            .arg(self.child.id().to_string())
+            .status();
     }
 
     /// SIGKILL: no drain, no goodbye to the broker.

@@ -1,0 +1,498 @@
+//! The chaos soak: a broker, the graph store, config-svc, two journaled orchestrators and two
+//! aggregators run a few hundred dialogs that mix ReACT, Plan-then-Execute and Supervisor runs,
+//! while processes are SIGKILLed at random moments and started again (the broker once). Then every
+//! dialog is checked: one `end_of_dialog`, none lost, no conflicting provenance node, one synthesis
+//! per fan-out, a complete provenance DAG. It prints those counts.
+//!
+//! Short mode (the default, in CI): `cargo test -p agent-e2e --test soak -- --nocapture`.
+//! Long mode: `scripts/soak.sh` (500 dialogs, 50 kills), or set `SOAK_DIALOGS`, `SOAK_KILLS`,
+//! `SOAK_SEED` and `SOAK_IN_FLIGHT`.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use std::collections::{BTreeMap, HashSet};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use agent_bus::Topics;
+use agent_e2e::*;
+use agent_schema::{AgentRequest, AgentResponse, EFFECT_ID_PROPERTY, ID_PROPERTY};
+use futures::StreamExt;
+use rand::{Rng, SeedableRng};
+
+/// Every LLM answer waits this long, so that kills land in the middle of iterations.
+const SCRIPT: &str = r#"{"rules": [
+  {"match": "Request to classify: ", "reply": "{\"choice\": \"general\", \"rationale\": \"a soak dialog\"}", "delay_ms": 15},
+  {"match": "Request to work on: ", "reply": "{\"choice\": \"react\", \"rationale\": \"one lookup\"}", "delay_ms": 15},
+  {"match": "Observation: fetched", "reply": "Thought: got it.\nFinal Answer: react done", "delay_ms": 15},
+  {"match": "fetch it", "exact": true, "reply": "fetched", "delay_ms": 15},
+  {"match": "Question: soak react", "reply": "Thought: look it up.\nAction: llm\nArgs: {\"question\": \"fetch it\"}", "delay_ms": 15},
+  {"match": "Request to plan: soak plan", "reply": "{\"rationale\": \"two parts\", \"steps\": [{\"goal\": \"first part\"}, {\"goal\": \"second part\", \"depends_on\": [0]}]}", "delay_ms": 15},
+  {"match": "Step goal: first part", "reply": "Thought: one.\nFinal Answer: PART1", "delay_ms": 15},
+  {"match": "Step goal: second part", "and": ["PART1"], "reply": "Thought: two.\nFinal Answer: PART2", "delay_ms": 15},
+  {"match": "Request to answer: soak plan", "and": ["PART2"], "reply": "plan done", "delay_ms": 15},
+  {"match": "Request to split: soak supervise", "reply": "[{\"goal\": \"sub alpha\"}, {\"goal\": \"sub beta\"}]", "delay_ms": 15},
+  {"match": "Question: sub alpha", "reply": "Thought: a.\nFinal Answer: ALPHA", "delay_ms": 15},
+  {"match": "Question: sub beta", "reply": "Thought: b.\nFinal Answer: BETA", "delay_ms": 15},
+  {"match": "Request to answer from the subagents: soak supervise", "and": ["ALPHA", "BETA"], "reply": "supervise done", "delay_ms": 15}
+]}"#;
+
+const PREFIXES: &str = "PREFIX tg: <https://trustgraph.ai/ns/>
+    PREFIX prov: <http://www.w3.org/ns/prov#>";
+
+struct Settings {
+    dialogs: usize,
+    kills: usize,
+    seed: u64,
+    in_flight: usize,
+}
+
+impl Settings {
+    fn from_env() -> Settings {
+        let read = |name: &str, default: u64| {
+            std::env::var(name)
+                .ok()
+                .and_then(|v| v.parse().ok())
+                .unwrap_or(default)
+        };
+        Settings {
+            dialogs: read("SOAK_DIALOGS", 90) as usize,
+            kills: read("SOAK_KILLS", 10) as usize,
+            seed: read("SOAK_SEED", 7),
+            in_flight: read("SOAK_IN_FLIGHT", 12) as usize,
+        }
+    }
+}
+
+/// The three kinds of dialog, by dialog number.
+fn dialog(i: usize) -> (AgentRequest, &'static str) {
+    let (question, pattern, answer) = match i % 3 {
+        0 => (format!("soak react {i}"), "", "react done"),
+        1 => (format!("soak plan {i}"), "plan-then-execute", "plan done"),
+        _ => (
+            format!("soak supervise {i}"),
+            "supervisor",
+            "supervise done",
+        ),
+    };
+    let request = AgentRequest {
+        pattern: pattern.to_owned(),
+        ..request(&question, i % 2 == 0)
+    };
+    (request, answer)
+}
+
+/// What the client saw of every dialog.
+#[derive(Default)]
+struct Tally {
+    /// Closing responses of each dialog (copies with a seen effect id left out).
+    closings: BTreeMap<String, Vec<AgentResponse>>,
+    /// The answer text of each dialog: streamed chunks and the closing message's content.
+    answers: BTreeMap<String, String>,
+    /// Responses dropped because their effect id had been seen: re-emitted after a crash, or
+    /// delivered again to this reader after the broker restart.
+    copies: u64,
+    responses: u64,
+}
+
+impl Tally {
+    fn ended(&self) -> usize {
+        self.closings.len()
+    }
+}
+
+/// Reads the response topic from its start for the whole run, on a subscription of its own.
+async fn read_responses(broker_url: String, tally: Arc<Mutex<Tally>>) {
+    let pulsar: pulsar::Pulsar<pulsar::TokioExecutor> =
+        pulsar::Pulsar::builder(broker_url, pulsar::TokioExecutor)
+            .build()
+            .await
+            .unwrap();
+    let mut consumer: pulsar::Consumer<Vec<u8>, _> = pulsar
+        .consumer()
+        .with_topic(Topics::trustgraph("default", "default").response)
+        .with_subscription("soak-reader")
+        .with_subscription_type(pulsar::SubType::Exclusive)
+        .with_options(pulsar::consumer::ConsumerOptions {
+            initial_position: pulsar::consumer::InitialPosition::Earliest,
+            ..pulsar::consumer::ConsumerOptions::default()
+        })
+        .build()
+        .await
+        .unwrap();
+    let mut seen = HashSet::new();
+    while let Some(message) = consumer.next().await {
+        let Ok(message) = message else { continue };
+        let _ = consumer.ack(&message).await;
+        let prop = |key: &str| {
+            message
+                .payload
+                .metadata
+                .properties
+                .iter()
+                .find(|kv| kv.key == key)
+                .map(|kv| kv.value.clone())
+        };
+        let Ok(response) = agent_schema::decode::<AgentResponse>(&message.payload.data) else {
+            continue;
+        };
+        let mut tally = tally.lock().unwrap();
+        tally.responses += 1;
+        if let Some(effect) = prop(EFFECT_ID_PROPERTY) {
+            if !seen.insert(effect) {
+                tally.copies += 1;
+                continue;
+            }
+        }
+        let id = prop(ID_PROPERTY).unwrap_or_default();
+        if response.message_type == "answer" {
+            tally
+                .answers
+                .entry(id.clone())
+                .or_default()
+                .push_str(&response.content);
+        }
+        if response.end_of_dialog {
+            tally.closings.entry(id).or_default().push(response);
+        }
+    }
+}
+
+/// The processes the chaos picks from.
+struct Cluster {
+    broker: Broker,
+    config: ConfigSvc,
+    orchestrators: Vec<Orchestrator>,
+    aggregators: Vec<Aggregator>,
+    ghost_restarts: usize,
+}
+
+/// How long without a dialog ending counts as stuck.
+const STALL: Duration = Duration::from_secs(20);
+
+impl Cluster {
+    /// Waits until `target` dialogs have ended; false if they stopped ending.
+    ///
+    /// pulsar-lite keeps the un-acked messages of a consumer whose connection was reset (a process
+    /// SIGKILLed with data in flight) until it restarts; Apache Pulsar has no such ghost. A stall
+    /// with that evidence in the broker's log gets a broker restart, counted and reported.
+    async fn wait_for(&mut self, tally: &Mutex<Tally>, target: usize) -> bool {
+        let mut last = (0, Instant::now());
+        loop {
+            let ended = tally.lock().unwrap().ended();
+            if ended >= target {
+                return true;
+            }
+            if ended != last.0 {
+                last = (ended, Instant::now());
+            } else if last.1.elapsed() > STALL {
+                let evidence = self.broker.reset_connections();
+                if self.ghost_restarts >= 20 || evidence.is_empty() {
+                    eprintln!("soak: {} stuck at {ended} dialogs", clock());
+                    return false;
+                }
+                eprintln!(
+                    "soak: {} stuck at {ended} dialogs, pulsar-lite has reset connections ({}, last: {:?}); restarting the broker",
+                    clock(),
+                    evidence.len(),
+                    evidence.last()
+                );
+                self.broker.restart().unwrap();
+                self.ghost_restarts += 1;
+                last = (ended, Instant::now());
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    /// SIGKILLs one process and starts it again; what it was.
+    fn kill_one(&mut self, rng: &mut impl Rng) -> &'static str {
+        match rng.gen_range(0..10) {
+            0..=5 => {
+                let i = rng.gen_range(0..self.orchestrators.len());
+                self.orchestrators[i].kill_and_restart();
+                "orchestrator"
+            }
+            6..=8 => {
+                let i = rng.gen_range(0..self.aggregators.len());
+                self.aggregators[i].kill_and_restart();
+                "aggregator"
+            }
+            _ => {
+                self.config.kill_and_restart();
+                "config-svc"
+            }
+        }
+    }
+}
+
+/// The UTC time of day, to line kills up with the services' logs.
+fn clock() -> String {
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap_or_default();
+    let secs = now.as_secs() % 86_400;
+    format!(
+        "{:02}:{:02}:{:02}.{:03}",
+        secs / 3600,
+        secs / 60 % 60,
+        secs % 60,
+        now.subsec_millis()
+    )
+}
+
+fn session_uri(id: &str) -> String {
+    let session = uuid::Uuid::new_v5(&uuid::Uuid::NAMESPACE_URL, id.as_bytes());
+    format!("urn:trustgraph:agent:{session}")
+}
+
+async fn ask(store: &agent_graph::GraphStore, sparql: String) -> bool {
+    matches!(
+        store.query(sparql).await,
+        Ok(agent_graph::QueryAnswer::Boolean(true))
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn chaos_soak() {
+    let settings = Settings::from_env();
+    let started = Instant::now();
+    let broker = Broker::start().unwrap();
+    let token = "soak-token";
+    // The graph store: an aggregator that only serves its store (it consumes a topic of its own).
+    let store_host = Aggregator::spawn_with(
+        &broker,
+        &[
+            "--config-token",
+            token,
+            "--explain-topic",
+            "persistent://tg/flow/soak-store-only",
+            "--subscription",
+            "soak-store-only",
+        ],
+    );
+    let config = ConfigSvc::spawn(&broker, Some(&seed_dir()));
+    let aggregators = vec![
+        Aggregator::replica_on(&broker, &store_host, token),
+        Aggregator::replica_on(&broker, &store_host, token),
+    ];
+    let llm = scripted_llm(SCRIPT).await;
+    let orchestrators = vec![
+        Orchestrator::spawn_journaled(&broker, &llm, &store_host, token, &[]),
+        Orchestrator::spawn_journaled(&broker, &llm, &store_host, token, &[]),
+    ];
+    let mut cluster = Cluster {
+        broker,
+        config,
+        orchestrators,
+        aggregators,
+        ghost_restarts: 0,
+    };
+
+    let tally = Arc::new(Mutex::new(Tally::default()));
+    let reader = tokio::spawn(read_responses(cluster.broker.url(), tally.clone()));
+    // Give the reader's subscription a moment; it reads from the start anyway.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+
+    let sender = {
+        let client = client(&cluster.broker).await;
+        let tally = tally.clone();
+        let (dialogs, in_flight) = (settings.dialogs, settings.in_flight);
+        tokio::spawn(async move {
+            for i in 0..dialogs {
+                while i >= tally.lock().unwrap().ended() + in_flight {
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+                let (request, _) = dialog(i);
+                // The broker may be restarting: keep trying, the id makes a copy harmless.
+                while client.send(&format!("soak-{i}"), &request).await.is_err() {
+                    tokio::time::sleep(Duration::from_millis(200)).await;
+                }
+            }
+        })
+    };
+
+    // Kills spread over the run by progress, each at a random moment after its mark.
+    let mut rng = rand::rngs::StdRng::seed_from_u64(settings.seed);
+    let mut killed: BTreeMap<&'static str, usize> = BTreeMap::new();
+    let broker_at = settings.kills / 2;
+    for k in 0..settings.kills {
+        let mark = (k + 1) * settings.dialogs / (settings.kills + 1);
+        if !cluster.wait_for(&tally, mark).await {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(rng.gen_range(0..400))).await;
+        let what = if k == broker_at {
+            cluster.broker.restart().unwrap();
+            "broker"
+        } else {
+            cluster.kill_one(&mut rng)
+        };
+        *killed.entry(what).or_default() += 1;
+        if std::env::var_os("SOAK_VERBOSE").is_some() {
+            eprintln!("soak: {} killed {what}", clock());
+        }
+    }
+    sender.await.unwrap();
+
+    cluster.wait_for(&tally, settings.dialogs).await;
+    // Late copies would show up now.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+
+    let (lost, duplicated, wrong, restreamed, copies, responses) = {
+        let tally = tally.lock().unwrap();
+        let mut lost = Vec::new();
+        let mut duplicated = Vec::new();
+        let mut wrong = Vec::new();
+        // A streamed answer whose iteration was cut short by a kill is streamed again by the
+        // redelivery: its chunks are a live view, not journaled.
+        let mut restreamed = 0;
+        for i in 0..settings.dialogs {
+            let id = format!("soak-{i}");
+            match tally.closings.get(&id).map(Vec::as_slice) {
+                None | Some([]) => lost.push(id),
+                Some([closing]) => {
+                    let answer = tally.answers.get(&id).cloned().unwrap_or_default();
+                    let expected = dialog(i).1;
+                    if closing.error.is_some() || !answer.contains(expected) {
+                        wrong.push(format!("{id}: {answer:?} {closing:?}"));
+                    } else if answer != expected {
+                        restreamed += 1;
+                    }
+                }
+                Some(_) => duplicated.push(id),
+            }
+        }
+        (
+            lost,
+            duplicated,
+            wrong,
+            restreamed,
+            tally.copies,
+            tally.responses,
+        )
+    };
+    reader.abort();
+
+    // The provenance, once the aggregators have caught up with what the client saw.
+    let store = store_host.store();
+    let finished: Vec<usize> = (0..settings.dialogs)
+        .filter(|i| !lost.contains(&format!("soak-{i}")))
+        .collect();
+    let mut incomplete = Vec::new();
+    let catch_up = Instant::now() + Duration::from_secs(60);
+    for i in &finished {
+        let s = session_uri(&format!("soak-{i}"));
+        let reaches =
+            format!("{PREFIXES} ASK {{ GRAPH ?g {{ <{s}/final> prov:wasDerivedFrom+ <{s}> }} }}");
+        let mut ok = false;
+        loop {
+            if ask(&store, reaches.clone()).await {
+                ok = true;
+                break;
+            }
+            if Instant::now() > catch_up {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        if !ok {
+            incomplete.push(format!("soak-{i}"));
+        }
+    }
+    // A node that holds two different values of a property that has one: two diverging runs of
+    // the same iteration.
+    let conflicting = count(
+        &store,
+        format!(
+            "{PREFIXES} SELECT DISTINCT ?n ?p WHERE {{ GRAPH ?g {{ ?n ?p ?a, ?b }}
+             VALUES ?p {{ tg:content tg:action tg:arguments tg:thought tg:terminationReason
+                          tg:planVersion tg:completionStatus tg:query tg:pattern }}
+             FILTER(?a != ?b) }}"
+        ),
+    )
+    .await;
+    let dangling = count(
+        &store,
+        format!(
+            "{PREFIXES} SELECT DISTINCT ?b WHERE {{ GRAPH ?g {{ ?a prov:wasDerivedFrom ?b }}
+             FILTER NOT EXISTS {{ GRAPH ?h {{ ?b a ?type }} }} }}"
+        ),
+    )
+    .await;
+    let fanouts = count(
+        &store,
+        format!("{PREFIXES} SELECT DISTINCT ?f WHERE {{ GRAPH ?g {{ ?f a tg:FanOut }} }}"),
+    )
+    .await;
+    let with_one_synthesis = count(
+        &store,
+        format!(
+            "{PREFIXES} SELECT ?f WHERE {{ GRAPH ?g {{ ?f a tg:FanOut }}
+             {{ SELECT ?f (COUNT(DISTINCT ?s) AS ?n) WHERE {{
+                 GRAPH ?h {{ ?s a tg:Synthesis ; prov:wasDerivedFrom ?f }} }} GROUP BY ?f }}
+             FILTER(?n = 1) }}"
+        ),
+    )
+    .await;
+    let synthesis_calls = llm
+        .calls()
+        .iter()
+        .filter(|c| c.last_user.contains("Request to answer from the subagents"))
+        .count();
+    let still_running = cluster
+        .orchestrators
+        .iter_mut()
+        .all(Orchestrator::is_running)
+        && cluster.aggregators.iter_mut().all(Aggregator::is_running);
+
+    println!(
+        "soak: {} dialogs, seed {}, {} in flight, {:.1} s",
+        settings.dialogs,
+        settings.seed,
+        settings.in_flight,
+        started.elapsed().as_secs_f64()
+    );
+    println!(
+        "soak: kills {} ({}), broker restarts for pulsar-lite ghost consumers {}",
+        killed.values().sum::<usize>(),
+        killed
+            .iter()
+            .map(|(k, v)| format!("{k} {v}"))
+            .collect::<Vec<_>>()
+            .join(", "),
+        cluster.ghost_restarts
+    );
+    println!(
+        "soak: ended {} · lost {} · duplicated end_of_dialog {} · wrong answer {} · streamed answers repeated after a kill {restreamed} · re-emitted copies dropped by effect id {copies} of {responses} responses",
+        finished.len(),
+        lost.len(),
+        duplicated.len(),
+        wrong.len()
+    );
+    println!(
+        "soak: conflicting nodes {conflicting} · dangling links {dangling} · incomplete DAGs {} · fan-outs {fanouts}, with exactly one synthesis {with_one_synthesis} · synthesis LLM calls {synthesis_calls} · LLM calls {}",
+        incomplete.len(),
+        llm.calls().len()
+    );
+    for id in &lost {
+        let s = session_uri(id);
+        let rows = store
+            .query(format!(
+                "{PREFIXES} SELECT ?e ?delivery ?at ?published WHERE {{ GRAPH ?g {{
+                 ?e tg:delivery ?delivery ; tg:recordedAt ?at OPTIONAL {{ ?e tg:published ?published }}
+                 FILTER(STRSTARTS(STR(?e), \"{s}\")) }} }} ORDER BY ?at"
+            ))
+            .await;
+        eprintln!("soak: lost {id} ({s}), its journal: {rows:?}");
+    }
+    assert!(lost.is_empty(), "lost dialogs: {lost:?}");
+    assert!(duplicated.is_empty(), "duplicated: {duplicated:?}");
+    assert!(wrong.is_empty(), "wrong answers: {wrong:#?}");
+    assert_eq!(conflicting, 0, "conflicting provenance nodes");
+    assert_eq!(dangling, 0, "dangling provenance links");
+    assert!(incomplete.is_empty(), "incomplete DAGs: {incomplete:?}");
+    let supervised = (0..settings.dialogs).filter(|i| i % 3 == 2).count();
+    assert_eq!(fanouts, supervised, "one fan-out per supervisor dialog");
+    assert_eq!(with_one_synthesis, fanouts, "one synthesis per fan-out");
+    assert!(still_running, "a service exited during the soak");
+}
