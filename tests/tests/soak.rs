@@ -76,7 +76,7 @@ fn dialog(i: usize) -> (AgentRequest, &'static str) {
     };
     let request = AgentRequest {
         pattern: pattern.to_owned(),
-        ..request(&question, i % 2 == 0)
+        ..request(&question, i.is_multiple_of(2))
     };
     (request, answer)
 }
