@@ -100,60 +100,79 @@ impl Tally {
     }
 }
 
-/// Reads the response topic from its start for the whole run, on a subscription of its own.
+/// Reads the response topic from its start for the whole run, on a subscription of its own,
+/// subscribing again whenever the broker restart ends its stream.
 async fn read_responses(broker_url: String, tally: Arc<Mutex<Tally>>) {
-    let pulsar: pulsar::Pulsar<pulsar::TokioExecutor> =
-        pulsar::Pulsar::builder(broker_url, pulsar::TokioExecutor)
+    let mut seen = HashSet::new();
+    loop {
+        let Ok(pulsar) = pulsar::Pulsar::builder(broker_url.clone(), pulsar::TokioExecutor)
             .build()
             .await
-            .unwrap();
-    let mut consumer: pulsar::Consumer<Vec<u8>, _> = pulsar
-        .consumer()
-        .with_topic(Topics::trustgraph("default", "default").response)
-        .with_subscription("soak-reader")
-        .with_subscription_type(pulsar::SubType::Exclusive)
-        .with_options(pulsar::consumer::ConsumerOptions {
-            initial_position: pulsar::consumer::InitialPosition::Earliest,
-            ..pulsar::consumer::ConsumerOptions::default()
-        })
-        .build()
-        .await
-        .unwrap();
-    let mut seen = HashSet::new();
-    while let Some(message) = consumer.next().await {
-        let Ok(message) = message else { continue };
-        let _ = consumer.ack(&message).await;
-        let prop = |key: &str| {
-            message
-                .payload
-                .metadata
-                .properties
-                .iter()
-                .find(|kv| kv.key == key)
-                .map(|kv| kv.value.clone())
-        };
-        let Ok(response) = agent_schema::decode::<AgentResponse>(&message.payload.data) else {
+        else {
+            tokio::time::sleep(Duration::from_millis(200)).await;
             continue;
         };
-        let mut tally = tally.lock().unwrap();
-        tally.responses += 1;
-        if let Some(effect) = prop(EFFECT_ID_PROPERTY) {
-            if !seen.insert(effect) {
-                tally.copies += 1;
-                continue;
-            }
+        let built = pulsar
+            .consumer()
+            .with_topic(Topics::trustgraph("default", "default").response)
+            .with_subscription("soak-reader")
+            .with_subscription_type(pulsar::SubType::Exclusive)
+            .with_consumer_id(rand::random::<u64>() >> 1)
+            .with_options(pulsar::consumer::ConsumerOptions {
+                initial_position: pulsar::consumer::InitialPosition::Earliest,
+                ..pulsar::consumer::ConsumerOptions::default()
+            })
+            .build::<Vec<u8>>()
+            .await;
+        let Ok(mut consumer) = built else {
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            continue;
+        };
+        while let Some(Ok(message)) = consumer.next().await {
+            let _ = consumer.ack(&message).await;
+            tally_message(&message, &mut seen, &tally);
         }
-        let id = prop(ID_PROPERTY).unwrap_or_default();
-        if response.message_type == "answer" {
-            tally
-                .answers
-                .entry(id.clone())
-                .or_default()
-                .push_str(&response.content);
+        if std::env::var_os("SOAK_VERBOSE").is_some() {
+            eprintln!("soak: {} the response reader subscribes again", clock());
         }
-        if response.end_of_dialog {
-            tally.closings.entry(id).or_default().push(response);
+    }
+}
+
+fn tally_message(
+    message: &pulsar::consumer::Message<Vec<u8>>,
+    seen: &mut HashSet<String>,
+    tally: &Mutex<Tally>,
+) {
+    let prop = |key: &str| {
+        message
+            .payload
+            .metadata
+            .properties
+            .iter()
+            .find(|kv| kv.key == key)
+            .map(|kv| kv.value.clone())
+    };
+    let Ok(response) = agent_schema::decode::<AgentResponse>(&message.payload.data) else {
+        return;
+    };
+    let mut tally = tally.lock().unwrap();
+    tally.responses += 1;
+    if let Some(effect) = prop(EFFECT_ID_PROPERTY) {
+        if !seen.insert(effect) {
+            tally.copies += 1;
+            return;
         }
+    }
+    let id = prop(ID_PROPERTY).unwrap_or_default();
+    if response.message_type == "answer" {
+        tally
+            .answers
+            .entry(id.clone())
+            .or_default()
+            .push_str(&response.content);
+    }
+    if response.end_of_dialog {
+        tally.closings.entry(id).or_default().push(response);
     }
 }
 
@@ -170,6 +189,11 @@ struct Cluster {
 const STALL: Duration = Duration::from_secs(20);
 
 impl Cluster {
+    /// SIGKILLs the broker and starts it again on the same data.
+    fn restart_broker(&mut self) {
+        self.broker.restart().unwrap();
+    }
+
     /// Waits until `target` dialogs have ended; false if they stopped ending.
     ///
     /// pulsar-lite keeps the un-acked messages of a consumer whose connection was reset (a process
@@ -177,6 +201,7 @@ impl Cluster {
     /// with that evidence in the broker's log gets a broker restart, counted and reported.
     async fn wait_for(&mut self, tally: &Mutex<Tally>, target: usize) -> bool {
         let mut last = (0, Instant::now());
+        let mut restarted_at = None;
         loop {
             let ended = tally.lock().unwrap().ended();
             if ended >= target {
@@ -186,7 +211,8 @@ impl Cluster {
                 last = (ended, Instant::now());
             } else if last.1.elapsed() > STALL {
                 let evidence = self.broker.reset_connections();
-                if self.ghost_restarts >= 20 || evidence.is_empty() {
+                // A restart that did not help means something other than a ghost is wrong.
+                if restarted_at == Some(ended) || evidence.is_empty() {
                     eprintln!("soak: {} stuck at {ended} dialogs", clock());
                     return false;
                 }
@@ -196,8 +222,9 @@ impl Cluster {
                     evidence.len(),
                     evidence.last()
                 );
-                self.broker.restart().unwrap();
+                self.restart_broker();
                 self.ghost_restarts += 1;
+                restarted_at = Some(ended);
                 last = (ended, Instant::now());
             }
             tokio::time::sleep(Duration::from_millis(50)).await;
@@ -243,6 +270,19 @@ fn clock() -> String {
 fn session_uri(id: &str) -> String {
     let session = uuid::Uuid::new_v5(&uuid::Uuid::NAMESPACE_URL, id.as_bytes());
     format!("urn:trustgraph:agent:{session}")
+}
+
+/// Whether the session's journal holds a published closing response (`end_of_dialog`).
+async fn closed_by_journal(store: &agent_graph::GraphStore, session: &str) -> bool {
+    ask(
+        store,
+        format!(
+            "{PREFIXES} ASK {{ GRAPH ?g {{ ?e tg:outcome ?o ; tg:published true
+             FILTER(STRSTARTS(STR(?e), \"{session}/journal/\") && CONTAINS(?o, \"end_of_dialog\\u005C\\u0022:true\"))
+             }} }}"
+        ),
+    )
+    .await
 }
 
 async fn ask(store: &agent_graph::GraphStore, sparql: String) -> bool {
@@ -322,7 +362,7 @@ async fn chaos_soak() {
         }
         tokio::time::sleep(Duration::from_millis(rng.gen_range(0..400))).await;
         let what = if k == broker_at {
-            cluster.broker.restart().unwrap();
+            cluster.restart_broker();
             "broker"
         } else {
             cluster.kill_one(&mut rng)
@@ -337,8 +377,8 @@ async fn chaos_soak() {
     cluster.wait_for(&tally, settings.dialogs).await;
     // Late copies would show up now.
     tokio::time::sleep(Duration::from_secs(3)).await;
-
-    let (lost, duplicated, wrong, restreamed, copies, responses) = {
+    reader.abort();
+    let (mut lost, duplicated, wrong, restreamed, copies, responses) = {
         let tally = tally.lock().unwrap();
         let mut lost = Vec::new();
         let mut duplicated = Vec::new();
@@ -362,6 +402,16 @@ async fn chaos_soak() {
                 Some(_) => duplicated.push(id),
             }
         }
+        let strays: Vec<&String> = tally
+            .closings
+            .keys()
+            .filter(|id| {
+                id.strip_prefix("soak-")
+                    .and_then(|n| n.parse::<usize>().ok())
+                    .is_none_or(|n| n >= settings.dialogs)
+            })
+            .collect();
+        eprintln!("soak: closings under ids that were never sent: {strays:?}");
         (
             lost,
             duplicated,
@@ -371,7 +421,6 @@ async fn chaos_soak() {
             tally.responses,
         )
     };
-    reader.abort();
 
     // The provenance, once the aggregators have caught up with what the client saw.
     let store = store_host.store();
@@ -445,6 +494,17 @@ async fn chaos_soak() {
         .all(Orchestrator::is_running)
         && cluster.aggregators.iter_mut().all(Aggregator::is_running);
 
+    // Our part ends with the broker's receipt. A dialog whose closing response the journal marks
+    // published (the broker confirmed it) but that never reached the client was lost by the broker
+    // (pulsar-lite, under SIGKILLs and restarts); it is reported apart from our own losses.
+    let mut dropped_by_broker = Vec::new();
+    for id in lost.clone() {
+        let s = session_uri(&id);
+        if closed_by_journal(&store, &s).await {
+            dropped_by_broker.push(id.clone());
+            lost.retain(|l| *l != id);
+        }
+    }
     println!(
         "soak: {} dialogs, seed {}, {} in flight, {:.1} s",
         settings.dialogs,
@@ -463,9 +523,10 @@ async fn chaos_soak() {
         cluster.ghost_restarts
     );
     println!(
-        "soak: ended {} · lost {} · duplicated end_of_dialog {} · wrong answer {} · streamed answers repeated after a kill {restreamed} · re-emitted copies dropped by effect id {copies} of {responses} responses",
+        "soak: ended {} · lost {} · closing confirmed by the broker but never delivered {} · duplicated end_of_dialog {} · wrong answer {} · streamed answers repeated after a kill {restreamed} · re-emitted copies dropped by effect id {copies} of {responses} responses",
         finished.len(),
         lost.len(),
+        dropped_by_broker.len(),
         duplicated.len(),
         wrong.len()
     );
@@ -474,6 +535,9 @@ async fn chaos_soak() {
         incomplete.len(),
         llm.calls().len()
     );
+    for w in &wrong {
+        eprintln!("soak: wrong {w}");
+    }
     for id in &lost {
         let s = session_uri(id);
         let rows = store

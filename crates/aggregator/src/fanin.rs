@@ -21,6 +21,10 @@ pub enum FanInError {
     Graph(#[from] GraphError),
     #[error("broker: {0}")]
     Bus(#[from] BusError),
+    /// Another check holds the claim and has not marked the synthesis requested yet. The message
+    /// comes back: by then the synthesis is requested, or the holder died and its lease ran out.
+    #[error("another check is publishing the synthesis")]
+    ClaimHeld,
 }
 
 /// Runs the timeout sweep until `shutdown`: every `every`, fan-outs older than `timeout` that are
@@ -90,7 +94,7 @@ async fn rows(store: &GraphStore, sparql: String) -> Result<Rows, GraphError> {
 
 /// How long a claim protects a synthesis that is being published; a claim older than this whose
 /// holder never marked the synthesis requested (it died) is taken over.
-const CLAIM_LEASE: std::time::Duration = std::time::Duration::from_secs(30);
+const CLAIM_LEASE: std::time::Duration = std::time::Duration::from_secs(10);
 
 /// Checks the fan-out `correlation_id` after a completion or fan-out was written, and publishes its
 /// synthesis request when it is complete and this check wins the claim (every check claims under
@@ -185,7 +189,11 @@ pub async fn check(
     let claim = rows(store, queries::synthesis_claim(&node)).await?;
     let holders: Vec<String> = claim.column("who").into_iter().map(text).collect();
     if holders != [claimer.clone()] {
-        return Ok(());
+        // The sweep's check gives way quietly; a completion's check waits for the holder.
+        return match timed_out {
+            Some(_) => Ok(()),
+            None => Err(FanInError::ClaimHeld),
+        };
     }
     let Ok(continuation) = serde_json::from_str::<AgentRequest>(&continuation) else {
         tracing::error!(

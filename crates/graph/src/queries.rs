@@ -156,8 +156,9 @@ fn journal_graph() -> NamedNode {
 pub fn journal_entry(entry: &NamedNode) -> String {
     let g = journal_graph();
     format!(
-        "{PREFIXES}SELECT ?outcome ?delivery ?attempt ?published WHERE {{ GRAPH {g} {{
+        "{PREFIXES}SELECT ?outcome ?delivery ?attempt ?at ?published WHERE {{ GRAPH {g} {{
   {entry} tg:outcome ?outcome ; tg:delivery ?delivery ; tg:attempt ?attempt .
+  OPTIONAL {{ {entry} tg:recordedAt ?at }}
   OPTIONAL {{ {entry} tg:published ?published }} }} }}"
     )
 }

@@ -4,8 +4,9 @@
 //! entry is marked published and the message acked. A message whose entry is published is dropped
 //! (its successor is out); one whose entry was recorded by this very delivery before a crash
 //! re-emits the recorded effects without calling the LLM; one whose entry another copy recorded is
-//! dropped, since that copy is not acked until it has published. So whatever happens, one outcome
-//! per message, the same content every time it is sent.
+//! nacked while that copy may still be publishing ([`PUBLISH_LEASE`]) and re-emits the entry after.
+//! Every re-emitted message carries the original's effect id. So whatever happens, one outcome per
+//! message, the same content every time it is sent.
 
 use std::collections::BTreeMap;
 
@@ -40,7 +41,27 @@ pub struct Entry {
     pub delivery: String,
     /// Which attempt of that delivery recorded it.
     pub attempt: String,
+    /// When it was recorded.
+    pub recorded_at: Option<chrono::DateTime<chrono::Utc>>,
     pub published: bool,
+}
+
+/// How long the delivery that recorded an entry has to publish it. Past this, another delivery of
+/// the same step takes it as dead and publishes the entry itself: the copies are identical and
+/// carry the same effect ids, so nothing is doubled, and nothing waits for a process that is gone.
+pub const PUBLISH_LEASE: std::time::Duration = std::time::Duration::from_secs(5);
+
+impl Entry {
+    /// Whether the recorder has had time enough to publish.
+    pub fn lease_expired(&self) -> bool {
+        let Some(at) = self.recorded_at else {
+            return true;
+        };
+        chrono::Utc::now()
+            .signed_duration_since(at)
+            .to_std()
+            .is_ok_and(|age| age >= PUBLISH_LEASE)
+    }
 }
 
 /// The key of the step a message asks for: the step (`route`, or `i{n}`) and a digest of the
@@ -97,6 +118,7 @@ impl Journal {
                 effects: Vec::new(),
                 delivery: String::new(),
                 attempt: String::new(),
+                recorded_at: None,
                 published: true,
             }));
         };
@@ -104,6 +126,9 @@ impl Journal {
             effects,
             delivery: text(column("delivery")),
             attempt: text(column("attempt")),
+            recorded_at: chrono::DateTime::parse_from_rfc3339(&text(column("at")))
+                .ok()
+                .map(|t| t.with_timezone(&chrono::Utc)),
             published: column("published").is_some(),
         }))
     }

@@ -6,7 +6,9 @@
 //! found in the last user message (or equals it, with `"exact": true`), along with every text of its
 //! `and`, answers. The n-th request a
 //! rule answers suffers `faults[n]` when there is one: `"429"`, `"500"` (any status), `"stall"`,
-//! `"malformed"` or `"truncate"`; later requests get the reply.
+//! `"malformed"`, `"truncate"` or `"garbage"` (prose that follows no protocol); later requests get
+//! the reply. `"chaos": {"rate": 0.2, "seed": 7}` also injects a fault, drawn from `kinds`, into that
+//! share of all answers, reproducibly for a seed.
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -33,6 +35,63 @@ pub struct Script {
     /// The reply when no rule matches; without one such a request gets HTTP 400.
     #[serde(default)]
     pub default_reply: Option<String>,
+    /// Faults at a rate, on top of the rules' own.
+    #[serde(default)]
+    pub chaos: Option<Chaos>,
+}
+
+/// Faults injected into a share of all answers.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Chaos {
+    /// The share of answers that suffer a fault, 0 to 1.
+    pub rate: f64,
+    /// The faults to draw from (default: every kind).
+    #[serde(default = "Chaos::every_kind")]
+    pub kinds: Vec<String>,
+    /// The same seed gives the same faults for the same sequence of requests.
+    #[serde(default)]
+    pub seed: u64,
+    /// How long a `stall` holds the request (default 60 s).
+    #[serde(default)]
+    pub stall_ms: Option<u64>,
+    /// `Retry-After` seconds sent with a 429.
+    #[serde(default)]
+    pub retry_after: Option<u64>,
+}
+
+impl Chaos {
+    fn every_kind() -> Vec<String> {
+        [
+            "429",
+            "500",
+            "503",
+            "stall",
+            "truncate",
+            "malformed",
+            "garbage",
+        ]
+        .map(str::to_owned)
+        .to_vec()
+    }
+
+    /// The fault of the `n`-th request, if it gets one: a hash of seed and `n`, so runs repeat.
+    fn fault(&self, n: u64) -> Option<String> {
+        let draw = splitmix(self.seed ^ n.wrapping_mul(0x9E37_79B9_7F4A_7C15));
+        let unit = (draw >> 11) as f64 / (1u64 << 53) as f64;
+        if self.kinds.is_empty() || unit >= self.rate {
+            return None;
+        }
+        let pick = splitmix(draw) as usize % self.kinds.len();
+        self.kinds.get(pick).cloned()
+    }
+}
+
+fn splitmix(x: u64) -> u64 {
+    let mut z = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
 }
 
 /// One scripted answer.
@@ -82,11 +141,15 @@ pub struct Call {
     pub stream: bool,
     /// The matched rule, if any.
     pub rule: Option<usize>,
+    /// The fault it suffered, if any.
+    pub fault: Option<String>,
 }
 
 struct Shared {
     script: Script,
     hits: Vec<AtomicUsize>,
+    /// Requests seen, numbering the chaos draws.
+    requests: AtomicUsize,
     calls: Mutex<Vec<Call>>,
     in_flight: AtomicUsize,
     max_in_flight: AtomicUsize,
@@ -123,6 +186,7 @@ impl ScriptedLlm {
         let shared = Arc::new(Shared {
             script,
             hits,
+            requests: AtomicUsize::new(0),
             calls: Mutex::new(Vec::new()),
             in_flight: AtomicUsize::new(0),
             max_in_flight: AtomicUsize::new(0),
@@ -208,13 +272,18 @@ async fn chat(State(shared): State<Arc<Shared>>, Json(body): Json<Value>) -> Res
         };
         first && r.and.iter().all(|text| last_user.contains(text.as_str()))
     });
-    if let Ok(mut calls) = shared.calls.lock() {
-        calls.push(Call {
-            last_user: last_user.clone(),
-            stream,
-            rule: rule_index,
-        });
-    }
+    let call_index = match shared.calls.lock() {
+        Ok(mut calls) => {
+            calls.push(Call {
+                last_user: last_user.clone(),
+                stream,
+                rule: rule_index,
+                fault: None,
+            });
+            Some(calls.len() - 1)
+        }
+        Err(_) => None,
+    };
     let (reply, fault, rule) = match rule_index {
         Some(i) => {
             let rule = &shared.script.rules[i];
@@ -233,7 +302,29 @@ async fn chat(State(shared): State<Arc<Shared>>, Json(body): Json<Value>) -> Res
             }
         },
     };
-    let rule = rule.unwrap_or_default();
+    let mut rule = rule.unwrap_or_default();
+    let fault = match (fault, &shared.script.chaos) {
+        (None, Some(chaos)) => {
+            let n = shared.requests.fetch_add(1, Ordering::SeqCst) as u64;
+            let fault = chaos.fault(n);
+            if fault.is_some() {
+                rule.stall_ms = rule.stall_ms.or(chaos.stall_ms);
+                rule.retry_after = rule.retry_after.or(chaos.retry_after);
+            }
+            fault
+        }
+        (fault, _) => fault,
+    };
+    if let (Ok(mut calls), Some(i)) = (shared.calls.lock(), call_index) {
+        if let Some(call) = calls.get_mut(i) {
+            call.fault.clone_from(&fault);
+        }
+    }
+    let reply = if fault.as_deref() == Some("garbage") {
+        "Sorry, I am not sure what you are asking. Could you say more?".to_owned()
+    } else {
+        reply
+    };
     if rule.delay_ms > 0 {
         tokio::time::sleep(Duration::from_millis(rule.delay_ms)).await;
     }
@@ -273,11 +364,22 @@ async fn chat(State(shared): State<Arc<Shared>>, Json(body): Json<Value>) -> Res
         _ => {}
     }
     if !stream {
+        // A whole answer cut short: the model hit its length limit.
+        let (reply, finish) = if fault.as_deref() == Some("truncate") {
+            let cut = reply
+                .char_indices()
+                .map(|(i, _)| i)
+                .nth(reply.chars().count() / 2)
+                .unwrap_or(0);
+            (reply[..cut].to_owned(), "length")
+        } else {
+            (reply, "stop")
+        };
         return Json(json!({
             "id": "chatcmpl-scripted",
             "object": "chat.completion",
             "model": model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": reply}, "finish_reason": "stop"}],
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": reply}, "finish_reason": finish}],
             "usage": usage,
         }))
         .into_response();
@@ -350,6 +452,27 @@ mod tests {
         assert!(chunks
             .iter()
             .all(|c| c.len() >= 3 || c == chunks.last().unwrap()));
+    }
+
+    #[test]
+    fn chaos_hits_about_its_rate_and_repeats_for_a_seed() {
+        let chaos = Chaos {
+            rate: 0.25,
+            kinds: Chaos::every_kind(),
+            seed: 3,
+            stall_ms: None,
+            retry_after: None,
+        };
+        let faults: Vec<Option<String>> = (0..4000).map(|n| chaos.fault(n)).collect();
+        let hit = faults.iter().filter(|f| f.is_some()).count();
+        assert!((800..1200).contains(&hit), "{hit} of 4000");
+        assert_eq!(
+            faults,
+            (0..4000).map(|n| chaos.fault(n)).collect::<Vec<_>>()
+        );
+        for kind in Chaos::every_kind() {
+            assert!(faults.iter().any(|f| f.as_deref() == Some(kind.as_str())));
+        }
     }
 
     #[test]
