@@ -88,6 +88,9 @@ impl<'a> DialogOutput<'a> {
             Ok(mut effects) => std::mem::take(&mut *effects),
             Err(_) => Vec::new(),
         };
+        // The streamed chunks are not journaled: they must be on the broker before the outcome is
+        // recorded, or a crash after recording would re-emit a closing message without its text.
+        self.flush().await?;
         if let Some(slot) = slot {
             // A crash between publishing and marking re-emits these same messages; their ids let
             // consumers (the client, the journal) tell the copy from a new message.
