@@ -65,13 +65,7 @@ async fn malformed_payloads_go_to_the_dead_letter_topic_and_service_continues() 
             .expect("a dead-lettered message")
             .unwrap()
             .unwrap();
-        let props = &message.payload.metadata.properties;
-        let prop = |k: &str| {
-            props
-                .iter()
-                .find(|kv| kv.key == k)
-                .map(|kv| kv.value.clone())
-        };
+        let prop = |k: &str| agent_bus::message_property(&message, k).map(str::to_owned);
         assert!(prop("dead-letter-reason")
             .unwrap()
             .contains("does not decode"));

@@ -143,15 +143,7 @@ fn tally_message(
     seen: &mut HashSet<String>,
     tally: &Mutex<Tally>,
 ) {
-    let prop = |key: &str| {
-        message
-            .payload
-            .metadata
-            .properties
-            .iter()
-            .find(|kv| kv.key == key)
-            .map(|kv| kv.value.clone())
-    };
+    let prop = |key: &str| agent_bus::message_property(message, key).map(str::to_owned);
     let Ok(response) = agent_schema::decode::<AgentResponse>(&message.payload.data) else {
         return;
     };

@@ -65,7 +65,7 @@ impl Listener {
 }
 
 /// The value of a message property.
-pub(crate) fn property<'m>(message: &'m Message<Vec<u8>>, key: &str) -> Option<&'m str> {
+pub fn message_property<'m>(message: &'m Message<Vec<u8>>, key: &str) -> Option<&'m str> {
     message
         .payload
         .metadata
@@ -146,13 +146,13 @@ impl AgentClient {
     pub async fn next(&mut self) -> Result<(String, AgentResponse), BusError> {
         loop {
             let message = self.responses.next().await?;
-            if let Some(effect) = property(&message, EFFECT_ID_PROPERTY) {
+            if let Some(effect) = message_property(&message, EFFECT_ID_PROPERTY) {
                 if !self.seen.first_time(effect) {
                     tracing::debug!(effect, "dropping a re-emitted copy of a response");
                     continue;
                 }
             }
-            let id = property(&message, ID_PROPERTY)
+            let id = message_property(&message, ID_PROPERTY)
                 .unwrap_or_default()
                 .to_owned();
             match agent_schema::decode::<AgentResponse>(&message.payload.data) {

@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use agent_schema::{ConfigPush, ConfigRequest, ConfigResponse, ID_PROPERTY};
 
-use crate::client::{property, Listener};
+use crate::client::{message_property, Listener};
 use crate::{Bus, BusError, Properties, Publisher, Topics};
 
 /// Asks the config service; one request at a time.
@@ -39,7 +39,7 @@ impl ConfigClient {
         let wait = async {
             loop {
                 let message = self.responses.next().await?;
-                if property(&message, ID_PROPERTY) != Some(id.as_str()) {
+                if message_property(&message, ID_PROPERTY) != Some(id.as_str()) {
                     continue;
                 }
                 return agent_schema::decode::<ConfigResponse>(&message.payload.data).map_err(

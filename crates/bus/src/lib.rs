@@ -13,7 +13,7 @@ mod service;
 mod topics;
 
 pub use args::{shutdown_signal, BrokerArgs};
-pub use client::AgentClient;
+pub use client::{message_property, AgentClient};
 pub use config_client::{ConfigClient, ConfigPushes};
 pub use consumer::{run_consumer, ConsumerStats, Delivery, Disposition, SubscriptionConfig};
 pub use error::BusError;
