@@ -4,7 +4,8 @@
 //! entry is marked published and the message acked. A message whose entry is published is dropped
 //! (its successor is out); one whose entry was recorded by this very delivery before a crash
 //! re-emits the recorded effects without calling the LLM; one whose entry another copy recorded is
-//! nacked while that copy may still be publishing ([`PUBLISH_LEASE`]) and re-emits the entry after.
+//! held while that copy may still be publishing ([`PUBLISH_LEASE`]), then dropped if the entry got
+//! published or re-emitted if not.
 //! Every re-emitted message carries the original's effect id. So whatever happens, one outcome per
 //! message, the same content every time it is sent.
 

@@ -248,9 +248,7 @@ impl Engine {
         // Everything this message caused must be on the broker before it is acked.
         out.commit(slot.as_ref()).await
     }
-}
 
-impl Engine {
     /// A step whose outcome is already journaled: drop the message once the outcome is published;
     /// publish it when this delivery recorded it before a crash, or when the copy that recorded it
     /// had time enough ([`journal::PUBLISH_LEASE`]) and still has not. Waiting here rather than
