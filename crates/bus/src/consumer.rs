@@ -44,6 +44,8 @@ pub struct Delivery<T> {
     /// The broker's id of the message (`topic/ledger:entry:batch`): the same on every redelivery,
     /// different for a copy published again.
     pub message_id: String,
+    /// Size of the payload as it came off the wire, for limits on message size.
+    pub payload_bytes: usize,
 }
 
 /// What to do with a message once its handler finished.
@@ -115,7 +117,8 @@ where
                     match serde_json::from_slice::<T>(&message.payload.data) {
                         Ok(payload) => {
                             let message_id = message_id_of(&message);
-                            let work = handler(Delivery { payload, properties, message_id });
+                            let payload_bytes = message.payload.data.len();
+                            let work = handler(Delivery { payload, properties, message_id, payload_bytes });
                             let nack_delay = config.nack_delay;
                             let handle = tasks.spawn(async move {
                                 let disposition = work.await;

@@ -31,6 +31,9 @@ pub struct Limits {
     pub max_iterations: usize,
     /// Largest accepted question, in bytes.
     pub max_question_bytes: usize,
+    /// Largest accepted request message (question, history and all), in bytes; a dialog whose
+    /// history outgrows it ends with a clear error rather than growing without bound.
+    pub max_message_bytes: usize,
     /// Largest tool output kept as an observation, in bytes; longer output is cut and marked.
     pub max_observation_bytes: usize,
     /// Tool call timeout, in seconds.
@@ -56,6 +59,7 @@ impl Default for Limits {
         Limits {
             max_iterations: 10,
             max_question_bytes: 64 * 1024,
+            max_message_bytes: 1024 * 1024,
             max_observation_bytes: 16 * 1024,
             tool_timeout_secs: 60,
             max_replan_depth: 2,
@@ -103,6 +107,7 @@ impl Limits {
         for (name, value) in [
             ("max_iterations", self.max_iterations),
             ("max_question_bytes", self.max_question_bytes),
+            ("max_message_bytes", self.max_message_bytes),
             ("max_observation_bytes", self.max_observation_bytes),
             ("max_subagents", self.max_subagents),
         ] {

@@ -128,6 +128,7 @@ impl Engine {
             payload: mut request,
             properties,
             message_id,
+            payload_bytes,
         } = delivery;
         let id = properties.get(ID_PROPERTY).map(String::as_str);
         let token = |key: &str| {
@@ -195,7 +196,7 @@ impl Engine {
             tokens_before,
             elapsed,
         };
-        if let Err(problem) = validate(&request, &config, new_dialog) {
+        if let Err(problem) = validate(&request, &config, new_dialog, payload_bytes) {
             tracing::warn!(session = %session_id, %problem, "refusing an invalid request");
             if agent_core::supervisor::is_subagent(&request) {
                 // A refused subagent is a failed completion for its supervisor, not the end of
@@ -296,10 +297,26 @@ fn session_id_for(request: &AgentRequest, id: Option<&str>) -> String {
 }
 
 /// Checks a request before any work; the message is the error the client gets. `new_dialog`: the
-/// first message of a dialog, not one the router queued.
-fn validate(request: &AgentRequest, config: &AgentConfig, new_dialog: bool) -> Result<(), String> {
+/// first message of a dialog, not one the router queued; `payload_bytes`: the message's size.
+fn validate(
+    request: &AgentRequest,
+    config: &AgentConfig,
+    new_dialog: bool,
+    payload_bytes: usize,
+) -> Result<(), String> {
     if request.question.trim().is_empty() {
         return Err("the request has an empty question".to_owned());
+    }
+    let max = config.limits.max_message_bytes;
+    if payload_bytes > max {
+        let what = if request.history.is_empty() {
+            "the request message"
+        } else {
+            "the dialog's history"
+        };
+        return Err(format!(
+            "{what} is {payload_bytes} bytes, more than the limit of {max} (max_message_bytes)"
+        ));
     }
     let max = config.limits.max_question_bytes;
     if request.question.len() > max {
@@ -440,49 +457,60 @@ mod tests {
             question: "Why?".into(),
             ..AgentRequest::default()
         };
-        assert!(validate(&ok, &config, true).is_ok());
+        assert!(validate(&ok, &config, true, 100).is_ok());
         let empty = AgentRequest::default();
-        assert!(validate(&empty, &config, true)
+        assert!(validate(&empty, &config, true, 100)
             .unwrap_err()
             .contains("empty question"));
         let huge = AgentRequest {
             question: "x".repeat(config.limits.max_question_bytes + 1),
             ..AgentRequest::default()
         };
-        assert!(validate(&huge, &config, true)
+        assert!(validate(&huge, &config, true, 100)
             .unwrap_err()
             .contains("max_question_bytes"));
+        let big_message = config.limits.max_message_bytes + 1;
+        assert!(validate(&ok, &config, true, big_message)
+            .unwrap_err()
+            .contains("the request message is"));
+        let grown = AgentRequest {
+            history: vec![agent_schema::AgentStep::default()],
+            ..ok.clone()
+        };
+        assert!(validate(&grown, &config, false, big_message)
+            .unwrap_err()
+            .contains("the dialog's history is"));
         let injected = AgentRequest {
             session_id: "x> <y".into(),
             ..ok.clone()
         };
-        assert!(validate(&injected, &config, true).is_err());
+        assert!(validate(&injected, &config, true, 100).is_err());
         let pattern = AgentRequest {
             pattern: "telepathy".into(),
             ..ok.clone()
         };
-        assert!(validate(&pattern, &config, true)
+        assert!(validate(&pattern, &config, true, 100)
             .unwrap_err()
             .contains("telepathy"));
         let task_type = AgentRequest {
             task_type: "astrology".into(),
             ..ok.clone()
         };
-        assert!(validate(&task_type, &config, true)
+        assert!(validate(&task_type, &config, true, 100)
             .unwrap_err()
             .contains("'astrology' is not configured"));
         let general = AgentRequest {
             task_type: "general".into(),
             ..ok
         };
-        assert!(validate(&general, &config, true).is_ok());
+        assert!(validate(&general, &config, true, 100).is_ok());
         // A routed dialog keeps its task type even if config no longer has it.
         let routed = AgentRequest {
             task_type: "astrology".into(),
             pattern: "react".into(),
             ..general
         };
-        assert!(validate(&routed, &config, false).is_ok());
+        assert!(validate(&routed, &config, false, 100).is_ok());
     }
 }
 

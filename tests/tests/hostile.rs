@@ -1,0 +1,286 @@
+//! Hostile input over a real broker: a thousand malformed, oversized or invalid messages mixed
+//! with valid dialogs. Every bad one lands in the dead-letter topic or gets an `error` response,
+//! the orchestrator never restarts, and the valid dialogs keep finishing.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::time::Duration;
+
+use agent_e2e::*;
+use agent_schema::{AgentRequest, AgentStep};
+use futures::StreamExt;
+use rand::{Rng, SeedableRng};
+
+const BAD_MESSAGES: usize = 1000;
+/// A valid dialog is sent after every this many bad messages.
+const VALID_EVERY: usize = 40;
+const MAX_QUESTION_BYTES: usize = 4096;
+const MAX_MESSAGE_BYTES: usize = 64 * 1024;
+const DEADLINE: Duration = Duration::from_secs(180);
+
+/// Where a bad message must end up.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Fate {
+    /// It does not decode: the dead-letter topic, with the reason.
+    DeadLetter,
+    /// It decodes but breaks a rule: an `error` response naming the rule.
+    Refused(&'static str),
+}
+
+/// The `i`th bad message: its payload and where it must end up.
+fn bad_message(i: usize, rng: &mut impl Rng) -> (Vec<u8>, Fate) {
+    let valid = |question: String| AgentRequest {
+        question,
+        ..request("a fine question", false)
+    };
+    let encode = |r: &AgentRequest| serde_json::to_vec(r).unwrap();
+    match i % 12 {
+        0 => {
+            let len = rng.gen_range(1..2048);
+            let mut bytes: Vec<u8> = (0..len).map(|_| rng.gen()).collect();
+            // Never valid JSON by accident.
+            bytes[0] = b'#';
+            (bytes, Fate::DeadLetter)
+        }
+        1 => {
+            let whole = encode(&valid(format!("truncated {i}")));
+            let cut = rng.gen_range(1..whole.len() - 1);
+            (whole[..cut].to_vec(), Fate::DeadLetter)
+        }
+        2 => {
+            let wrong = [
+                r#"{"question": 7}"#,
+                r#"[1, 2, 3]"#,
+                "null",
+                "42",
+                r#""a string""#,
+                r#"{"question": "q", "history": {"not": "a list"}}"#,
+                r#"{"question": "q", "streaming": "yes"}"#,
+            ];
+            (wrong[i % wrong.len()].as_bytes().to_vec(), Fate::DeadLetter)
+        }
+        // Nesting far past the decoder's recursion limit.
+        3 => {
+            let depth = 10_000 + i;
+            let mut nested = "[".repeat(depth);
+            nested.push_str(&"]".repeat(depth));
+            (nested.into_bytes(), Fate::DeadLetter)
+        }
+        4 => {
+            let mut bytes = br#"{"question": "bad utf-8 "#.to_vec();
+            bytes.extend_from_slice(&[0xff, 0xfe, 0xc3]);
+            bytes.extend_from_slice(br#""}"#);
+            (bytes, Fate::DeadLetter)
+        }
+        // A megabyte of noise.
+        5 if i % 120 == 5 => {
+            let mut bytes = vec![b'x'; 1024 * 1024 + i];
+            bytes[0] = b'{';
+            (bytes, Fate::DeadLetter)
+        }
+        5 | 6 => (
+            encode(&valid("q".repeat(MAX_QUESTION_BYTES + 1 + i))),
+            Fate::Refused("max_question_bytes"),
+        ),
+        // A dialog whose history has outgrown the message limit.
+        7 => {
+            let step = AgentStep {
+                thought: "t".repeat(1000),
+                observation: "o".repeat(4000),
+                ..AgentStep::default()
+            };
+            let grown = AgentRequest {
+                history: vec![step; MAX_MESSAGE_BYTES / 5000 + 1],
+                pattern: "react".into(),
+                session_id: format!("grown-{i}"),
+                ..valid(format!("grown {i}"))
+            };
+            (encode(&grown), Fate::Refused("max_message_bytes"))
+        }
+        8 => (
+            encode(&valid("   ".into())),
+            Fate::Refused("empty question"),
+        ),
+        9 => {
+            let injected = AgentRequest {
+                session_id: format!("x> <y {i}"),
+                ..valid(format!("injected {i}"))
+            };
+            (encode(&injected), Fate::Refused("session_id"))
+        }
+        10 => {
+            let unknown = AgentRequest {
+                pattern: format!("telepathy-{i}"),
+                ..valid(format!("pattern {i}"))
+            };
+            (encode(&unknown), Fate::Refused("is not available"))
+        }
+        _ => {
+            let unknown = AgentRequest {
+                task_type: format!("astrology-{i}"),
+                ..valid(format!("task type {i}"))
+            };
+            (encode(&unknown), Fate::Refused("is not configured"))
+        }
+    }
+}
+
+/// The seed configuration with tight limits, so that oversized messages are cheap to make.
+fn tight_limits_config() -> std::path::PathBuf {
+    let mut files: Vec<(String, String)> = std::fs::read_dir(seed_dir())
+        .unwrap()
+        .map(|entry| {
+            let path = entry.unwrap().path();
+            let kind = path.file_stem().unwrap().to_string_lossy().into_owned();
+            (kind, std::fs::read_to_string(&path).unwrap())
+        })
+        .filter(|(kind, _)| kind != "agent-limits")
+        .collect();
+    files.push((
+        "agent-limits".into(),
+        format!(
+            r#"{{"default": {{"max_question_bytes": {MAX_QUESTION_BYTES}, "max_message_bytes": {MAX_MESSAGE_BYTES}}}}}"#
+        ),
+    ));
+    let borrowed: Vec<(&str, &str)> = files
+        .iter()
+        .map(|(k, v)| (k.as_str(), v.as_str()))
+        .collect();
+    config_dir("hostile", &borrowed)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_thousand_bad_messages_are_dead_lettered_or_refused_and_valid_dialogs_finish() {
+    let broker = Broker::start().unwrap();
+    let llm = scripted_llm(
+        r#"{"rules": [{"match": "Question: ping", "reply": "Thought: easy\nFinal Answer: pong"}]}"#,
+    )
+    .await;
+    let mut orchestrator = Orchestrator::spawn(&broker, &llm, &tight_limits_config(), &[]);
+    let mut client = client(&broker).await;
+    let mut rng = rand::rngs::StdRng::seed_from_u64(11);
+
+    let mut fates: BTreeMap<String, Fate> = BTreeMap::new();
+    let mut valid: BTreeSet<String> = BTreeSet::new();
+    for i in 0..BAD_MESSAGES {
+        if i % VALID_EVERY == 0 {
+            let id = format!("ok-{i}");
+            client
+                .send(&id, &request(&format!("ping {i}"), i % 80 == 0))
+                .await
+                .unwrap();
+            valid.insert(id);
+        }
+        let (payload, fate) = bad_message(i, &mut rng);
+        let id = format!("bad-{i}");
+        client.send_raw(&id, payload).await.unwrap();
+        fates.insert(id, fate);
+    }
+
+    // Every refused message gets one error response and nothing else; every valid dialog ends
+    // with "pong".
+    let mut refused: BTreeMap<String, String> = BTreeMap::new();
+    let mut answered: BTreeMap<String, Vec<agent_schema::AgentResponse>> = BTreeMap::new();
+    let expected_refusals = fates
+        .values()
+        .filter(|f| matches!(f, Fate::Refused(_)))
+        .count();
+    let deadline = tokio::time::Instant::now() + DEADLINE;
+    let ended = |answered: &BTreeMap<String, Vec<agent_schema::AgentResponse>>| {
+        answered
+            .values()
+            .filter(|r| r.iter().any(|r| r.end_of_dialog))
+            .count()
+    };
+    while refused.len() < expected_refusals || ended(&answered) < valid.len() {
+        let Ok(next) = tokio::time::timeout_at(deadline, client.next()).await else {
+            let missing: Vec<&String> = fates
+                .iter()
+                .filter(|(id, f)| matches!(f, Fate::Refused(_)) && !refused.contains_key(*id))
+                .map(|(id, _)| id)
+                .take(10)
+                .collect();
+            panic!(
+                "{} of {expected_refusals} refusals and {} of {} valid dialogs after {DEADLINE:?}; missing refusals include {missing:?}",
+                refused.len(),
+                ended(&answered),
+                valid.len()
+            );
+        };
+        let (id, response) = next.unwrap();
+        if valid.contains(&id) {
+            answered.entry(id).or_default().push(response);
+            continue;
+        }
+        let fate = fates.get(&id).copied();
+        let Some(Fate::Refused(rule)) = fate else {
+            panic!("{id} ({fate:?}) got a response: {response:?}");
+        };
+        assert!(response.end_of_dialog, "{id}: {response:?}");
+        let error = response.error.expect("an error response");
+        assert!(
+            error.message.contains(rule),
+            "{id} was refused for another reason than {rule}: {}",
+            error.message
+        );
+        assert!(
+            refused.insert(id.clone(), error.message).is_none(),
+            "{id} was refused twice"
+        );
+    }
+    for (id, responses) in &answered {
+        let last = responses.last().unwrap();
+        assert!(last.end_of_dialog && last.error.is_none(), "{id}: {last:?}");
+        assert_eq!(text_of(responses, "answer"), "pong", "{id}: {responses:#?}");
+        assert_eq!(responses.iter().filter(|r| r.end_of_dialog).count(), 1);
+    }
+
+    // Every message that does not decode is in the dead-letter topic, with the reason.
+    let expected_dead: BTreeSet<&String> = fates
+        .iter()
+        .filter(|(_, f)| **f == Fate::DeadLetter)
+        .map(|(id, _)| id)
+        .collect();
+    let mut dlq = read_from_start(
+        &broker,
+        "persistent://tg/dead-letter/agent:default:default",
+        "test-dlq",
+    )
+    .await;
+    let mut dead: BTreeSet<String> = BTreeSet::new();
+    while dead.len() < expected_dead.len() {
+        let message = tokio::time::timeout_at(deadline, dlq.next())
+            .await
+            .unwrap_or_else(|_| {
+                panic!(
+                    "{} of {} dead letters arrived",
+                    dead.len(),
+                    expected_dead.len()
+                )
+            })
+            .unwrap()
+            .unwrap();
+        let property = |k: &str| agent_bus::message_property(&message, k).unwrap_or_default();
+        let id = property("id").to_owned();
+        assert!(
+            property("dead-letter-reason").contains("does not decode"),
+            "{id}: {}",
+            property("dead-letter-reason")
+        );
+        assert!(expected_dead.contains(&id), "{id} was dead-lettered");
+        assert!(dead.insert(id.clone()), "{id} was dead-lettered twice");
+        dlq.ack(&message).await.unwrap();
+    }
+
+    // Nothing bad reached the LLM: the calls are the valid dialogs' routing (task type, pattern)
+    // and agent turns. The orchestrator never went down.
+    assert_eq!(llm.calls().len(), 3 * valid.len());
+    assert!(orchestrator.is_running(), "the orchestrator exited");
+    println!(
+        "hostile input: {} bad messages ({} dead-lettered, {} refused), {} valid dialogs answered",
+        fates.len(),
+        dead.len(),
+        refused.len(),
+        answered.len()
+    );
+}
