@@ -309,6 +309,29 @@ pub fn config_dir(name: &str, files: &[(&str, &str)]) -> PathBuf {
     dir
 }
 
+/// The seed configuration with some of its files replaced by `overrides` (`(type, json)`).
+pub fn seed_with(name: &str, overrides: &[(&str, &str)]) -> PathBuf {
+    let mut files: Vec<(String, String)> = std::fs::read_dir(seed_dir())
+        .unwrap()
+        .map(|entry| {
+            let path = entry.unwrap().path();
+            let kind = path.file_stem().unwrap().to_string_lossy().into_owned();
+            (kind, std::fs::read_to_string(&path).unwrap())
+        })
+        .filter(|(kind, _)| !overrides.iter().any(|(k, _)| k == kind))
+        .collect();
+    files.extend(
+        overrides
+            .iter()
+            .map(|(k, v)| ((*k).to_owned(), (*v).to_owned())),
+    );
+    let borrowed: Vec<(&str, &str)> = files
+        .iter()
+        .map(|(k, v)| (k.as_str(), v.as_str()))
+        .collect();
+    config_dir(name, &borrowed)
+}
+
 /// The seeded config directory of the repository.
 pub fn seed_dir() -> PathBuf {
     repo_root().join("config-seed")

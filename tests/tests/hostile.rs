@@ -127,26 +127,10 @@ fn bad_message(i: usize, rng: &mut impl Rng) -> (Vec<u8>, Fate) {
 
 /// The seed configuration with tight limits, so that oversized messages are cheap to make.
 fn tight_limits_config() -> std::path::PathBuf {
-    let mut files: Vec<(String, String)> = std::fs::read_dir(seed_dir())
-        .unwrap()
-        .map(|entry| {
-            let path = entry.unwrap().path();
-            let kind = path.file_stem().unwrap().to_string_lossy().into_owned();
-            (kind, std::fs::read_to_string(&path).unwrap())
-        })
-        .filter(|(kind, _)| kind != "agent-limits")
-        .collect();
-    files.push((
-        "agent-limits".into(),
-        format!(
-            r#"{{"default": {{"max_question_bytes": {MAX_QUESTION_BYTES}, "max_message_bytes": {MAX_MESSAGE_BYTES}}}}}"#
-        ),
-    ));
-    let borrowed: Vec<(&str, &str)> = files
-        .iter()
-        .map(|(k, v)| (k.as_str(), v.as_str()))
-        .collect();
-    config_dir("hostile", &borrowed)
+    let limits = format!(
+        r#"{{"default": {{"max_question_bytes": {MAX_QUESTION_BYTES}, "max_message_bytes": {MAX_MESSAGE_BYTES}}}}}"#
+    );
+    seed_with("hostile", &[("agent-limits", &limits)])
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -108,6 +108,9 @@ pub struct Completion {
     pub duration: Duration,
     /// Attempts that failed before this one succeeded.
     pub retries: u32,
+    /// The text is incomplete: the model stopped at its length limit (`finish_reason: length`), or
+    /// the caller kept what a broken stream had passed on.
+    pub cut_off: bool,
 }
 
 /// Why a call failed. `retryable()` decides between another attempt and giving up.
@@ -331,7 +334,7 @@ impl LlmClient {
     ) -> Result<Completion, LlmError> {
         let idle = self.config.idle_timeout;
         let deadline = tokio::time::Instant::now() + self.config.request_timeout;
-        let mut finished = false;
+        let mut finish_reason: Option<String> = None;
         let mut bytes = response.bytes_stream();
         let mut pending: Vec<u8> = Vec::new();
         let mut text = String::new();
@@ -372,8 +375,7 @@ impl LlmClient {
                 };
                 let data = data.trim();
                 if data == "[DONE]" {
-                    let value = json!({"usage": usage, "model": self.config.model});
-                    return Ok(self.completion(text, &value));
+                    return Ok(self.completion(text, &self.stream_summary(&usage, &finish_reason)));
                 }
                 let event: Value = serde_json::from_str(data).map_err(|e| {
                     fail(
@@ -394,8 +396,8 @@ impl LlmClient {
                 if !event["usage"].is_null() {
                     usage = event["usage"].clone();
                 }
-                if event["choices"][0]["finish_reason"].is_string() {
-                    finished = true;
+                if let Some(reason) = event["choices"][0]["finish_reason"].as_str() {
+                    finish_reason = Some(reason.to_owned());
                 }
                 if let Some(delta) = event["choices"][0]["delta"]["content"].as_str() {
                     if !delta.is_empty() {
@@ -408,9 +410,8 @@ impl LlmClient {
             }
             if at_end {
                 // Some servers end a complete answer without `[DONE]`; a finish reason is enough.
-                if finished {
-                    let value = json!({"usage": usage, "model": self.config.model});
-                    return Ok(self.completion(text, &value));
+                if finish_reason.is_some() {
+                    return Ok(self.completion(text, &self.stream_summary(&usage, &finish_reason)));
                 }
                 return Err(fail(
                     sent_any,
@@ -420,6 +421,12 @@ impl LlmClient {
         }
     }
 
+    /// What a whole (non-streamed) answer says besides its text, gathered from a stream's events.
+    fn stream_summary(&self, usage: &Value, finish_reason: &Option<String>) -> Value {
+        json!({"usage": usage, "model": self.config.model, "choices": [{"finish_reason": finish_reason}]})
+    }
+
+    /// A completion from an answer's text and its whole body (`usage`, `model`, `finish_reason`).
     fn completion(&self, text: String, value: &Value) -> Completion {
         let usage = &value["usage"];
         // Servers that report no usage get an estimate (about four bytes a token) so budgets still count.
@@ -437,6 +444,7 @@ impl LlmClient {
             out_token,
             duration: Duration::ZERO,
             retries: 0,
+            cut_off: value["choices"][0]["finish_reason"].as_str() == Some("length"),
         }
     }
 }

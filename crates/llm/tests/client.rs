@@ -54,6 +54,20 @@ async fn whole_answer_carries_usage_and_model() {
     assert_eq!(c.model, "test-model");
     assert!(c.in_token > 0 && c.out_token > 0);
     assert_eq!(c.retries, 0);
+    assert!(!c.cut_off);
+}
+
+#[tokio::test]
+async fn an_answer_stopped_at_the_length_limit_is_marked_cut_off() {
+    let s = server(r#"{"rules": [{"match": "", "reply": "Final Answer: a long answer", "faults": ["truncate"]}]}"#).await;
+    let c = client(&s).complete(&ask("q")).await.unwrap();
+    assert!(c.cut_off, "{c:?}");
+    assert!(c.text.len() < "Final Answer: a long answer".len());
+    assert_eq!(
+        s.calls().len(),
+        1,
+        "a cut-off answer is the model's, not a failure to retry"
+    );
 }
 
 #[tokio::test]

@@ -55,6 +55,21 @@ pub async fn iterate(turn: &Turn<'_>) -> Result<(), BusError> {
         turn.tokens_before.1 + completion.out_token,
     );
 
+    // A cut-off answer is never acted on: half a final answer or half an action's arguments would
+    // pass for whole ones.
+    if completion.cut_off {
+        let observation = "Error: your response was cut off before it ended. Reply again, more briefly, with 'Thought:' followed by either 'Action:' and 'Args:', or 'Final Answer:'.".to_owned();
+        return record_unusable(
+            turn,
+            n,
+            &completion,
+            observation,
+            &candidates,
+            &stats,
+            tokens,
+        )
+        .await;
+    }
     match parse(&completion.text) {
         Ok(ReactTurn::Final { thought, answer }) => {
             if !request.streaming && !thought.is_empty() {
@@ -117,38 +132,65 @@ pub async fn iterate(turn: &Turn<'_>) -> Result<(), BusError> {
             let observation = format!(
                 "Error: your response could not be parsed ({e}). Reply with 'Thought:' followed by either 'Action:' and 'Args:', or 'Final Answer:'."
             );
-            if !request.streaming {
-                out.chunk(
-                    MessageType::Thought,
-                    completion.text.trim(),
-                    &uris.thought(n),
-                    true,
-                )
-                .await?;
-            }
-            let step = AgentStep {
-                thought: completion.text.trim().chars().take(4000).collect(),
-                observation,
-                step_type: StepType::React.as_str().to_owned(),
-                ..AgentStep::default()
-            };
-            let state = Scope::new(request.group.as_deref(), request.state.as_deref())
-                .state()
-                .to_owned();
-            record_step(
+            record_unusable(
                 turn,
                 n,
-                step,
-                "{}",
+                &completion,
+                observation,
                 &candidates,
                 &stats,
-                ToolStats::default(),
-                state,
                 tokens,
             )
             .await
         }
     }
+}
+
+/// Records an answer the loop cannot act on (unparsable, or cut off) as an iteration whose
+/// observation tells the LLM what was wrong, and queues the next iteration: a bad answer costs an
+/// iteration, not the dialog.
+async fn record_unusable(
+    turn: &Turn<'_>,
+    n: usize,
+    completion: &Completion,
+    observation: String,
+    candidates: &[&str],
+    stats: &CallStats,
+    tokens: (u64, u64),
+) -> Result<(), BusError> {
+    let Turn {
+        request, uris, out, ..
+    } = turn;
+    if !request.streaming {
+        out.chunk(
+            MessageType::Thought,
+            completion.text.trim(),
+            &uris.thought(n),
+            true,
+        )
+        .await?;
+    }
+    let step = AgentStep {
+        thought: completion.text.trim().chars().take(4000).collect(),
+        observation,
+        step_type: StepType::React.as_str().to_owned(),
+        ..AgentStep::default()
+    };
+    let state = Scope::new(request.group.as_deref(), request.state.as_deref())
+        .state()
+        .to_owned();
+    record_step(
+        turn,
+        n,
+        step,
+        "{}",
+        candidates,
+        stats,
+        ToolStats::default(),
+        state,
+        tokens,
+    )
+    .await
 }
 
 /// Publishes the iteration's provenance and observation, then queues the next iteration.
@@ -197,7 +239,10 @@ async fn record_step(
 }
 
 /// Streams the LLM's answer, passing thought and answer text to the client as soon as it is certain.
-/// The last thought chunk is held back so it can carry `end_of_message`.
+/// The last thought chunk is held back so it can carry `end_of_message`. A stream that breaks off
+/// before any answer text went out becomes a cut-off completion of what arrived (the client saw a
+/// thought end early, and the next iteration says why); once answer text went out, the break is an
+/// error, since the client cannot be told to forget part of an answer.
 async fn stream_turn(
     llm: &LlmClient,
     messages: &[ChatMessage],
@@ -213,13 +258,17 @@ async fn stream_turn(
     let thought_id = uris.thought(n);
     let answer_id = uris.conclusion();
     let mut result = None;
+    let mut received = String::new();
+    let mut answer_started = false;
     // Publish while the LLM is still writing: deltas flow through a bounded channel.
     loop {
         tokio::select! {
             r = &mut call, if result.is_none() => result = Some(r),
             delta = rx.recv() => match delta {
                 Some(text) => {
+                    received.push_str(&text);
                     for d in parser.push(&text) {
+                        answer_started |= matches!(d, ReactDelta::Answer(_));
                         publish_delta(out, d, &mut held_thought, &thought_id, &answer_id).await?;
                     }
                 }
@@ -231,7 +280,20 @@ async fn stream_turn(
         Some(r) => r,
         None => call.await,
     };
-    if result.is_ok() {
+    let result = match result {
+        Err(LlmError::Truncated(why)) if !answer_started => {
+            tracing::warn!(%why, "the LLM's stream broke off in the thought; keeping it as a cut-off answer");
+            Ok(Completion {
+                out_token: (received.len() as u64).div_ceil(4),
+                text: received,
+                model: llm.model().to_owned(),
+                cut_off: true,
+                ..Completion::default()
+            })
+        }
+        other => other,
+    };
+    if matches!(&result, Ok(c) if !c.cut_off) {
         for d in parser.finish() {
             publish_delta(out, d, &mut held_thought, &thought_id, &answer_id).await?;
         }

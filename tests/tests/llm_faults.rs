@@ -1,0 +1,194 @@
+//! LLM faults over a real broker: an LLM that answers 429, 500 and 503, stalls, cuts answers
+//! short, sends malformed bodies and prose that follows no protocol. Dialogs still finish (retries
+//! with backoff, a cut-off or unparsable answer costs one iteration) or end with a clear error
+//! within their budget; none hangs.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use agent_e2e::*;
+use agent_schema::AgentResponse;
+
+/// Every dialog's budget; a dialog still open past it (plus slack) hangs.
+const MAX_WALL_SECS: u64 = 60;
+
+/// Reads responses until every dialog in `ids` has ended, then a little longer to catch any
+/// second ending; fails if one is still open after `deadline`.
+async fn collect_all(
+    client: &mut agent_bus::AgentClient,
+    ids: &[String],
+    deadline: Duration,
+) -> BTreeMap<String, Vec<AgentResponse>> {
+    let mut dialogs: BTreeMap<String, Vec<AgentResponse>> = BTreeMap::new();
+    let ended = |d: &BTreeMap<String, Vec<AgentResponse>>| {
+        ids.iter()
+            .filter(|id| {
+                d.get(*id)
+                    .is_some_and(|r| r.iter().any(|r| r.end_of_dialog))
+            })
+            .count()
+    };
+    let until = tokio::time::Instant::now() + deadline;
+    while ended(&dialogs) < ids.len() {
+        let Ok(next) = tokio::time::timeout_at(until, client.next()).await else {
+            let open: Vec<&String> = ids
+                .iter()
+                .filter(|id| {
+                    !dialogs
+                        .get(*id)
+                        .is_some_and(|r| r.iter().any(|r| r.end_of_dialog))
+                })
+                .collect();
+            panic!("dialogs still open after {deadline:?}: {open:?}");
+        };
+        let (id, response) = next.unwrap();
+        dialogs.entry(id).or_default().push(response);
+    }
+    let quiet = tokio::time::Instant::now() + Duration::from_secs(2);
+    while let Ok(Ok((id, response))) = tokio::time::timeout_at(quiet, client.next()).await {
+        dialogs.entry(id).or_default().push(response);
+    }
+    dialogs
+}
+
+/// The dialog's answer, or its error message prefixed with `error: `.
+fn outcome(responses: &[AgentResponse]) -> String {
+    let last = responses.last().unwrap();
+    match &last.error {
+        Some(error) => format!("error: {}", error.message),
+        None => text_of(responses, "answer"),
+    }
+}
+
+/// An answer cut off at the length limit (whole) or by a stream that broke off in the thought
+/// (streamed) is never taken for the answer: the next iteration says it was cut off, and the
+/// dialog finishes with the whole answer.
+#[tokio::test]
+async fn a_cut_off_answer_costs_an_iteration_not_the_dialog() {
+    let broker = Broker::start().unwrap();
+    let llm = scripted_llm(
+        r#"{"rules": [
+      {"match": "Observation: Error: your response was cut off", "reply": "Thought: shorter\nFinal Answer: whole"},
+      {"match": "Question: cut", "reply": "Thought: this thought goes on for quite a while before it ends\nFinal Answer: never seen", "chunk_size": 4, "faults": ["truncate", "truncate"]}
+    ]}"#,
+    )
+    .await;
+    let _orchestrator = Orchestrator::spawn(&broker, &llm, &seed_dir(), &[]);
+    let mut client = client(&broker).await;
+    for (id, streaming) in [("cut-whole", false), ("cut-streamed", true)] {
+        client
+            .send(id, &request("cut me", streaming))
+            .await
+            .unwrap();
+        let responses = collect_dialog(&mut client, id, Duration::from_secs(60))
+            .await
+            .unwrap();
+        assert_eq!(outcome(&responses), "whole", "{id}: {responses:#?}");
+        assert!(
+            text_of(&responses, "observation").contains("cut off"),
+            "{id}: {responses:#?}"
+        );
+        assert!(
+            !responses.iter().any(|r| r.content.contains("never seen")),
+            "{id}"
+        );
+        // The cut-off thought was ended for the client before the next one began.
+        let thoughts: Vec<&AgentResponse> = responses
+            .iter()
+            .filter(|r| r.message_type == "thought")
+            .collect();
+        assert!(
+            thoughts.iter().filter(|r| r.end_of_message).count() >= 2,
+            "{id}: {thoughts:#?}"
+        );
+    }
+    let truncated: Vec<bool> = llm
+        .calls()
+        .iter()
+        .filter(|c| c.fault.as_deref() == Some("truncate"))
+        .map(|c| c.stream)
+        .collect();
+    assert_eq!(truncated, [false, true]);
+}
+
+/// A quarter of all LLM answers suffer a fault of every kind, across streamed and whole dialogs
+/// that call a tool: each dialog ends exactly once, with the right answer or a clear error, within
+/// its budget.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dialogs_finish_or_fail_clearly_under_llm_chaos() {
+    const DIALOGS: usize = 24;
+    let broker = Broker::start().unwrap();
+    let llm = scripted_llm(
+        r#"{"rules": [
+      {"match": "Observation: looked-up", "reply": "Thought: I have it now\nFinal Answer: recovered"},
+      {"match": "look it up", "exact": true, "reply": "looked-up"},
+      {"match": "Question: chaos", "reply": "Thought: I should look this up first\nAction: llm\nArgs: {\"question\": \"look it up\"}", "chunk_size": 6}
+    ],
+    "chaos": {"rate": 0.3, "seed": 3, "stall_ms": 2500, "retry_after": 1}}"#,
+    )
+    .await;
+    let limits = format!(r#"{{"default": {{"max_wall_secs": {MAX_WALL_SECS}}}}}"#);
+    let config = seed_with("llm-chaos", &[("agent-limits", &limits)]);
+    let mut orchestrator = Orchestrator::spawn(
+        &broker,
+        &llm,
+        &config,
+        &["--llm-idle-timeout-secs", "1", "--max-in-flight", "12"],
+    );
+    let mut client = client(&broker).await;
+    let ids: Vec<String> = (0..DIALOGS).map(|i| format!("chaos-{i}")).collect();
+    for (i, id) in ids.iter().enumerate() {
+        client
+            .send(id, &request(&format!("chaos {i}"), i % 2 == 0))
+            .await
+            .unwrap();
+    }
+    let dialogs = collect_all(&mut client, &ids, Duration::from_secs(MAX_WALL_SECS + 60)).await;
+
+    let mut answered = 0;
+    let mut failed = Vec::new();
+    for id in &ids {
+        let responses = &dialogs[id];
+        let ends = responses.iter().filter(|r| r.end_of_dialog).count();
+        assert_eq!(ends, 1, "{id} ended {ends} times: {responses:#?}");
+        match outcome(responses).as_str() {
+            "recovered" => answered += 1,
+            error if error.starts_with("error: ") && error.contains("LLM") => {
+                failed.push(error.to_owned());
+            }
+            other => panic!("{id} ended with neither the answer nor a clear error: {other:?}"),
+        }
+    }
+    let calls = llm.calls();
+    let mut faults: BTreeMap<String, usize> = BTreeMap::new();
+    for fault in calls.iter().filter_map(|c| c.fault.clone()) {
+        *faults.entry(fault).or_default() += 1;
+    }
+    println!(
+        "LLM chaos: {DIALOGS} dialogs, {answered} answered, {} failed clearly, {} LLM calls, faults {faults:?}; errors: {failed:#?}",
+        failed.len(),
+        calls.len()
+    );
+    for kind in [
+        "429",
+        "500",
+        "503",
+        "stall",
+        "truncate",
+        "malformed",
+        "garbage",
+    ] {
+        assert!(
+            faults.contains_key(kind),
+            "no {kind} was injected: {faults:?}"
+        );
+    }
+    // Retries and the loop absorb nearly all faults; an error needs five failed attempts in a row
+    // or a stream that broke inside the final answer.
+    assert!(
+        answered * 4 >= DIALOGS * 3,
+        "only {answered} of {DIALOGS} answered"
+    );
+    assert!(orchestrator.is_running());
+}
