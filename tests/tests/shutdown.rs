@@ -1,0 +1,130 @@
+//! Graceful shutdown over a real broker: on SIGTERM the orchestrator stops taking messages,
+//! finishes what it has in flight (or, past its drain deadline, leaves it un-acked for another
+//! replica) and exits in time, and no message is lost.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use std::time::Duration;
+
+use agent_e2e::*;
+
+const DIALOG_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// Waits until the scripted LLM has been asked something containing `text`.
+async fn wait_for_call(llm: &scripted_llm::ScriptedLlm, text: &str) {
+    let deadline = tokio::time::Instant::now() + DIALOG_TIMEOUT;
+    while !llm.calls().iter().any(|c| c.last_user.contains(text)) {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "no call asked about {text}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+fn calls_about(llm: &scripted_llm::ScriptedLlm, text: &str) -> usize {
+    llm.calls()
+        .iter()
+        .filter(|c| c.last_user.contains(text))
+        .count()
+}
+
+/// An iteration in flight when SIGTERM arrives is finished and acked before the process exits; a
+/// dialog sent after the signal is left for the next replica. Each LLM turn runs exactly once.
+#[tokio::test]
+async fn sigterm_finishes_in_flight_iterations_and_takes_no_new_ones() {
+    let broker = Broker::start().unwrap();
+    let llm = scripted_llm(
+        r#"{"rules": [
+      {"match": "Question: slow", "reply": "Thought: this takes a while\nFinal Answer: finished in the drain", "delay_ms": 2500},
+      {"match": "Question: later", "reply": "Thought: quick\nFinal Answer: served by the next replica"}
+    ]}"#,
+    )
+    .await;
+    let mut first = Orchestrator::spawn(&broker, &llm, &seed_dir(), &["--drain-secs", "20"]);
+    let mut client = client(&broker).await;
+    client
+        .send("slow", &request("slow one", true))
+        .await
+        .unwrap();
+    wait_for_call(&llm, "Question: slow").await;
+    first.terminate();
+    // Give the signal a moment to land (the turn takes 2.5 s, so the drain is still going).
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    // Sent while the first process drains: it must not take this one.
+    client
+        .send("later", &request("later one", false))
+        .await
+        .unwrap();
+
+    let slow = collect_dialog(&mut client, "slow", DIALOG_TIMEOUT)
+        .await
+        .unwrap();
+    assert_eq!(text_of(&slow, "answer"), "finished in the drain");
+    assert!(
+        first.exited_within(Duration::from_secs(10)).await,
+        "the orchestrator did not exit after draining"
+    );
+    assert_eq!(
+        calls_about(&llm, "later one"),
+        0,
+        "a draining orchestrator took a new dialog"
+    );
+
+    let _second = Orchestrator::spawn(&broker, &llm, &seed_dir(), &[]);
+    let later = collect_dialog(&mut client, "later", DIALOG_TIMEOUT)
+        .await
+        .unwrap();
+    assert_eq!(later.last().unwrap().content, "served by the next replica");
+    let more = drain_for(&mut client, "slow", Duration::from_secs(2)).await;
+    assert!(more.is_empty(), "the drained dialog went on: {more:#?}");
+    // The slow turn was asked once: the drain finished it rather than leaving it to be redone.
+    assert_eq!(calls_about(&llm, "Question: slow"), 1);
+}
+
+/// An iteration that outlives the drain deadline is abandoned un-acked: the process still exits
+/// on time, and the message is redelivered to the next replica, which finishes the dialog once.
+#[tokio::test]
+async fn sigterm_past_the_drain_deadline_leaves_the_message_for_another_replica() {
+    let broker = Broker::start().unwrap();
+    let llm = scripted_llm(
+        r#"{"rules": [
+      {"match": "Question: stuck", "reply": "Thought: second try\nFinal Answer: redelivered", "faults": ["stall"], "stall_ms": 120000}
+    ]}"#,
+    )
+    .await;
+    let mut first = Orchestrator::spawn(&broker, &llm, &seed_dir(), &["--drain-secs", "2"]);
+    let mut client = client(&broker).await;
+    client
+        .send("stuck", &request("stuck one", false))
+        .await
+        .unwrap();
+    wait_for_call(&llm, "Question: stuck").await;
+    first.terminate();
+    assert!(
+        first.exited_within(Duration::from_secs(8)).await,
+        "the orchestrator did not exit at its drain deadline"
+    );
+
+    let _second = Orchestrator::spawn(&broker, &llm, &seed_dir(), &[]);
+    let responses = collect_dialog(&mut client, "stuck", DIALOG_TIMEOUT)
+        .await
+        .unwrap();
+    assert_eq!(responses.last().unwrap().content, "redelivered");
+    let more = drain_for(&mut client, "stuck", Duration::from_secs(2)).await;
+    assert!(
+        !responses
+            .iter()
+            .chain(more.iter())
+            .any(|r| r.error.is_some()),
+        "{responses:#?} {more:#?}"
+    );
+    assert_eq!(
+        responses
+            .iter()
+            .chain(more.iter())
+            .filter(|r| r.end_of_dialog)
+            .count(),
+        1
+    );
+    assert_eq!(calls_about(&llm, "Question: stuck"), 2);
+}
