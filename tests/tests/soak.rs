@@ -277,6 +277,28 @@ async fn closed_by_journal(store: &agent_graph::GraphStore, session: &str) -> bo
     .await
 }
 
+/// Every message in the agent's dead-letter topic, as `(id, reason)`: the soak sends only valid
+/// requests, so any of them here is a valid message the bound on redeliveries gave up on.
+async fn dead_letters(broker: &Broker) -> Vec<(String, String)> {
+    let mut dlq = read_from_start(
+        broker,
+        &Topics::trustgraph("default", "default").dead_letter,
+        "soak-dlq",
+    )
+    .await;
+    let mut out = Vec::new();
+    while let Ok(Some(Ok(message))) = tokio::time::timeout(Duration::from_secs(2), dlq.next()).await
+    {
+        let property = |k: &str| agent_bus::message_property(&message, k).unwrap_or_default();
+        out.push((
+            property(ID_PROPERTY).to_owned(),
+            property("dead-letter-reason").to_owned(),
+        ));
+        let _ = dlq.ack(&message).await;
+    }
+    out
+}
+
 async fn ask(store: &agent_graph::GraphStore, sparql: String) -> bool {
     matches!(
         store.query(sparql).await,
@@ -497,6 +519,7 @@ async fn chaos_soak() {
             lost.retain(|l| *l != id);
         }
     }
+    let dead = dead_letters(&cluster.broker).await;
     println!(
         "soak: {} dialogs, seed {}, {} in flight, {:.1} s",
         settings.dialogs,
@@ -515,12 +538,13 @@ async fn chaos_soak() {
         cluster.ghost_restarts
     );
     println!(
-        "soak: ended {} · lost {} · closing confirmed by the broker but never delivered {} · duplicated end_of_dialog {} · wrong answer {} · streamed answers repeated after a kill {restreamed} · re-emitted copies dropped by effect id {copies} of {responses} responses",
+        "soak: ended {} · lost {} · closing confirmed by the broker but never delivered {} · duplicated end_of_dialog {} · wrong answer {} · streamed answers repeated after a kill {restreamed} · re-emitted copies dropped by effect id {copies} of {responses} responses · dead-lettered {}",
         finished.len(),
         lost.len(),
         dropped_by_broker.len(),
         duplicated.len(),
-        wrong.len()
+        wrong.len(),
+        dead.len()
     );
     println!(
         "soak: conflicting nodes {conflicting} · dangling links {dangling} · incomplete DAGs {} · fan-outs {fanouts}, with exactly one synthesis {with_one_synthesis} · synthesis LLM calls {synthesis_calls} · LLM calls {}",
@@ -529,6 +553,9 @@ async fn chaos_soak() {
     );
     for w in &wrong {
         eprintln!("soak: wrong {w}");
+    }
+    for (id, reason) in &dead {
+        eprintln!("soak: dead-lettered a message of {id}: {reason}");
     }
     for id in &lost {
         let s = session_uri(id);
@@ -542,6 +569,7 @@ async fn chaos_soak() {
         eprintln!("soak: lost {id} ({s}), its journal: {rows:?}");
     }
     assert!(lost.is_empty(), "lost dialogs: {lost:?}");
+    assert!(dead.is_empty(), "valid messages dead-lettered: {dead:?}");
     assert!(duplicated.is_empty(), "duplicated: {duplicated:?}");
     assert!(wrong.is_empty(), "wrong answers: {wrong:#?}");
     assert_eq!(conflicting, 0, "conflicting provenance nodes");

@@ -32,7 +32,8 @@ use tracing::Instrument;
 use crate::journal::Journal;
 use crate::live_config::LiveConfig;
 use crate::output::{
-    DialogOutput, JournalSlot, Outputs, IN_TOKEN_PROPERTY, OUT_TOKEN_PROPERTY, STARTED_PROPERTY,
+    DialogOutput, JournalSlot, Outputs, Recorder, IN_TOKEN_PROPERTY, OUT_TOKEN_PROPERTY,
+    STARTED_PROPERTY,
 };
 pub use crate::settings::{check_config_dir, load_config_dir, Settings};
 
@@ -174,7 +175,7 @@ impl Engine {
         };
         if let Some(slot) = &slot {
             if let Some(entry) = slot.journal.entry(&slot.node).await? {
-                return self.settle_recorded(slot, entry, &out, &session_id).await;
+                return out.settle(slot, entry, Recorder::Unknown).await;
             }
         }
         // A request that names its pattern is not routed, but gets its task type's framing.
@@ -248,37 +249,6 @@ impl Engine {
         .await?;
         // Everything this message caused must be on the broker before it is acked.
         out.commit(slot.as_ref()).await
-    }
-
-    /// A step whose outcome is already journaled: drop the message once the outcome is published;
-    /// publish it when this delivery recorded it before a crash, or when the copy that recorded it
-    /// had time enough ([`journal::PUBLISH_LEASE`]) and still has not. Waiting here rather than
-    /// nacking keeps the redelivery count, and with it the dead-letter bound, out of it.
-    async fn settle_recorded(
-        &self,
-        slot: &JournalSlot<'_>,
-        mut entry: journal::Entry,
-        out: &DialogOutput<'_>,
-        session_id: &str,
-    ) -> anyhow::Result<()> {
-        let node = slot.node.as_str();
-        loop {
-            if entry.published {
-                tracing::info!(session = %session_id, entry = %node, "this step's outcome is already published; dropping the message");
-                return Ok(());
-            }
-            if entry.delivery == slot.delivery || entry.lease_expired() {
-                tracing::info!(session = %session_id, entry = %node, "re-emitting this step's recorded outcome");
-                out.publish(&entry.effects).await?;
-                slot.journal.mark_published(&slot.node).await?;
-                return Ok(());
-            }
-            tokio::time::sleep(std::time::Duration::from_millis(250)).await;
-            match slot.journal.entry(&slot.node).await? {
-                Some(now) => entry = now,
-                None => anyhow::bail!("the journal entry {node} went away"),
-            }
-        }
     }
 }
 

@@ -14,7 +14,7 @@ use agent_schema::{
     ID_PROPERTY,
 };
 
-use crate::journal::{Channel, Effect, Journal};
+use crate::journal::{self, Channel, Effect, Journal};
 
 pub use agent_schema::{IN_TOKEN_PROPERTY, OUT_TOKEN_PROPERTY, STARTED_PROPERTY};
 
@@ -36,6 +36,16 @@ pub struct DialogOutput<'a> {
     pending: Mutex<Vec<Receipt>>,
     /// Durable effects waiting for the commit.
     effects: Mutex<Vec<Effect>>,
+}
+
+/// Who recorded a journal entry that a delivery finds in its way.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Recorder {
+    /// Found before any work: if it was this very delivery (same broker message id), the process
+    /// that recorded it has died (the message came back), so its outcome can go out at once.
+    Unknown,
+    /// Recorded while this delivery was working: a copy that is alive, whatever its message id.
+    LiveCopy,
 }
 
 /// Where a step's outcome is journaled: the entry node and the delivery it is for.
@@ -106,10 +116,11 @@ impl<'a> DialogOutput<'a> {
                 .record(&slot.node, &effects, &slot.delivery, &attempt)
                 .await?;
             if standing.attempt != attempt {
-                // That delivery is not acked before it has published, and comes back if it dies.
-                tracing::info!(entry = %slot.node.as_str(), "another delivery recorded this step first; dropping this outcome");
-                self.flush().await?;
-                return Ok(());
+                // A live copy of this message (a redelivery overlapping a slow first delivery, or
+                // a broker handing one message to two consumers) got there first. Acking now would
+                // be wrong if that copy dies before publishing and its message is this one.
+                tracing::info!(entry = %slot.node.as_str(), "another delivery recorded this step first; settling its outcome");
+                return self.settle(slot, standing, Recorder::LiveCopy).await;
             }
         }
         let commit = fault::next_commit();
@@ -121,6 +132,37 @@ impl<'a> DialogOutput<'a> {
         }
         fault::crash_if(fault::Stage::Marked, commit);
         Ok(())
+    }
+
+    /// Settles a step whose outcome is already journaled: done once the entry is published;
+    /// published from the journal when this delivery recorded it before a crash, or when the
+    /// recorder had time enough ([`journal::PUBLISH_LEASE`]) and still has not. Waiting here rather
+    /// than nacking keeps the redelivery count, and with it the dead-letter bound, out of it.
+    pub async fn settle(
+        &self,
+        slot: &JournalSlot<'_>,
+        mut entry: journal::Entry,
+        recorder: Recorder,
+    ) -> anyhow::Result<()> {
+        let node = slot.node.as_str();
+        loop {
+            if entry.published {
+                tracing::info!(entry = %node, "this step's outcome is already published; dropping the message");
+                return Ok(());
+            }
+            let ours = recorder == Recorder::Unknown && entry.delivery == slot.delivery;
+            if ours || entry.lease_expired() {
+                tracing::info!(entry = %node, "re-emitting this step's recorded outcome");
+                self.publish(&entry.effects).await?;
+                slot.journal.mark_published(&slot.node).await?;
+                return Ok(());
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(250)).await;
+            match slot.journal.entry(&slot.node).await? {
+                Some(now) => entry = now,
+                None => anyhow::bail!("the journal entry {node} went away"),
+            }
+        }
     }
 
     /// Publishes effects in order and waits for them. What a request will act on is on the broker
