@@ -170,17 +170,9 @@ async fn dialogs_finish_or_fail_clearly_under_llm_chaos() {
         failed.len(),
         calls.len()
     );
-    for kind in [
-        "429",
-        "500",
-        "503",
-        "stall",
-        "truncate",
-        "malformed",
-        "garbage",
-    ] {
+    for kind in scripted_llm::Chaos::every_kind() {
         assert!(
-            faults.contains_key(kind),
+            faults.contains_key(&kind),
             "no {kind} was injected: {faults:?}"
         );
     }

@@ -61,7 +61,8 @@ pub struct Chaos {
 }
 
 impl Chaos {
-    fn every_kind() -> Vec<String> {
+    /// Every fault kind chaos can inject.
+    pub fn every_kind() -> Vec<String> {
         [
             "429",
             "500",
