@@ -177,3 +177,69 @@ pub async fn sparql(args: SparqlArgs) -> anyhow::Result<i32> {
     }
     Ok(0)
 }
+
+#[derive(clap::Args, Debug)]
+pub struct LoadArgs {
+    /// An RDF file: Turtle (`.ttl`), N-Triples (`.nt`) or RDF/XML (`.rdf`, `.owl`, `.xml`).
+    file: std::path::PathBuf,
+    /// The collection to load it into (the `collection` of `knowledge-query` and `sparql-query`
+    /// tools); its named graph is `urn:collection:NAME`.
+    #[arg(long)]
+    collection: String,
+    #[command(flatten)]
+    store: StoreArgs,
+}
+
+/// The RDF media type of a file a collection can hold (one graph: no quad formats).
+fn triple_format(file: &Path) -> anyhow::Result<&'static str> {
+    let extension = file
+        .extension()
+        .and_then(|e| e.to_str())
+        .unwrap_or_default()
+        .to_ascii_lowercase();
+    Ok(match extension.as_str() {
+        "ttl" => "text/turtle",
+        "nt" => "application/n-triples",
+        "rdf" | "owl" | "xml" => "application/rdf+xml",
+        "nq" | "trig" => bail!(
+            "{} holds quads; a collection is one graph: load Turtle, N-Triples or RDF/XML",
+            file.display()
+        ),
+        _ => bail!(
+            "cannot tell the RDF format of {} from its extension (.ttl, .nt, .rdf)",
+            file.display()
+        ),
+    })
+}
+
+/// Loads an RDF file into a collection, through the aggregator's endpoint or into a store
+/// directory no process owns.
+pub async fn load(args: LoadArgs) -> anyhow::Result<i32> {
+    let graph = agent_graph::knowledge::collection_graph(&args.collection)
+        .map_err(|e| anyhow::anyhow!(e))?;
+    let format = triple_format(&args.file)?;
+    let data =
+        std::fs::read(&args.file).with_context(|| format!("reading {}", args.file.display()))?;
+    let store = GraphStore::open(&args.store.store, args.store.token.clone())
+        .with_context(|| format!("opening the graph store {}", args.store.store))?;
+    store
+        .load(data, format, Some(graph.clone()))
+        .await
+        .with_context(|| format!("loading {}", args.file.display()))?;
+    let counted = store
+        .query(format!(
+            "SELECT (COUNT(*) AS ?n) WHERE {{ GRAPH <{graph}> {{ ?s ?p ?o }} }}"
+        ))
+        .await?
+        .rows();
+    let triples = match counted.first("n") {
+        Some(Term::Literal(l)) => l.value().to_owned(),
+        _ => "?".to_owned(),
+    };
+    println!(
+        "loaded {} into collection '{}' (<{graph}>, now {triples} triples)",
+        args.file.display(),
+        args.collection
+    );
+    Ok(0)
+}

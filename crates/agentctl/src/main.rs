@@ -28,6 +28,8 @@ enum Command {
     Explain(graph::ExplainArgs),
     /// Run a SPARQL query against the graph store.
     Sparql(graph::SparqlArgs),
+    /// Load an RDF file into a collection that knowledge tools read.
+    Load(graph::LoadArgs),
     /// Measure latency and throughput on an embedded broker with an instant scripted LLM.
     Bench(bench::BenchArgs),
     /// Read and change the agent config through config-svc's REST API; seed and validate files.
@@ -44,6 +46,7 @@ async fn main() {
         Command::BenchGraph(args) => bench_graph::run(args).await,
         Command::Explain(args) => graph::explain(args).await,
         Command::Sparql(args) => graph::sparql(args).await,
+        Command::Load(args) => graph::load(args).await,
         Command::Config(args) => config::run(args).await,
     };
     match result {

@@ -4,6 +4,7 @@
 
 pub mod convert;
 pub mod explain;
+pub mod knowledge;
 pub mod queries;
 mod remote;
 

@@ -45,6 +45,8 @@ pub struct Turn<'a> {
     pub out: &'a DialogOutput<'a>,
     pub config: &'a AgentConfig,
     pub llm: &'a LlmClient,
+    /// The graph store the knowledge tools read, when one is shared.
+    pub knowledge: Option<&'a agent_graph::GraphStore>,
     /// Tokens the dialog used before this step.
     pub tokens_before: (u64, u64),
     /// Time since the dialog's first message was taken up.
@@ -113,6 +115,8 @@ pub struct Engine {
     pub outputs: Outputs,
     /// Without one, iterations are at-least-once: a redelivery runs the step again.
     pub journal: Option<Journal>,
+    /// The shared graph store, for the knowledge tools.
+    pub knowledge: Option<agent_graph::GraphStore>,
 }
 
 impl Engine {
@@ -194,6 +198,7 @@ impl Engine {
             out: &out,
             config: &config,
             llm: &self.llm,
+            knowledge: self.knowledge.as_ref(),
             tokens_before,
             elapsed,
         };
@@ -359,7 +364,8 @@ pub async fn run(settings: Settings, shutdown: CancellationToken) -> anyhow::Res
         topics.clone(),
         shutdown.clone(),
     ));
-    let journal = settings.journal()?;
+    let knowledge = settings.shared_store()?;
+    let journal = knowledge.clone().map(Journal::new);
     if journal.is_none() {
         tracing::warn!("no shared graph store (GRAPH_STORE as an http(s) SPARQL endpoint): iterations are at-least-once");
     }
@@ -368,6 +374,7 @@ pub async fn run(settings: Settings, shutdown: CancellationToken) -> anyhow::Res
         llm,
         outputs,
         journal,
+        knowledge,
     });
     let stats = Arc::new(ConsumerStats::default());
     let subscription = SubscriptionConfig {

@@ -239,7 +239,6 @@ async fn run_step(turn: &Turn<'_>, n: usize, index: usize) -> Result<(), BusErro
         uris,
         out,
         config,
-        llm,
         ..
     } = turn;
     let Some((plan_at, plan)) = plan_in_force(&request.history) else {
@@ -291,7 +290,7 @@ async fn run_step(turn: &Turn<'_>, n: usize, index: usize) -> Result<(), BusErro
             arguments,
         }) => {
             let (run, state) =
-                run_scoped_tool(config, llm, &scope, &action, &arguments, &candidates).await;
+                run_scoped_tool(turn, &scope, &action, &arguments, &candidates).await;
             next_state = state;
             tool = ToolStats {
                 duration_ms: run.duration.as_millis() as u64,

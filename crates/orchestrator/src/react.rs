@@ -57,20 +57,14 @@ pub async fn iterate(turn: &Turn<'_>) -> Result<(), BusError> {
 
     // A cut-off answer is never acted on: half a final answer or half an action's arguments would
     // pass for whole ones.
-    if completion.cut_off {
-        let observation = "Error: your response was cut off before it ended. Reply again, more briefly, with 'Thought:' followed by either 'Action:' and 'Args:', or 'Final Answer:'.".to_owned();
-        return record_unusable(
-            turn,
-            n,
-            &completion,
-            observation,
-            &candidates,
-            &stats,
-            tokens,
-        )
-        .await;
-    }
-    match parse(&completion.text) {
+    let parsed = if completion.cut_off {
+        Err("Error: your response was cut off before it ended. Reply again, more briefly, with 'Thought:' followed by either 'Action:' and 'Args:', or 'Final Answer:'.".to_owned())
+    } else {
+        parse(&completion.text).map_err(|e| format!(
+            "Error: your response could not be parsed ({e}). Reply with 'Thought:' followed by either 'Action:' and 'Args:', or 'Final Answer:'."
+        ))
+    };
+    match parsed {
         Ok(ReactTurn::Final { thought, answer }) => {
             if !request.streaming && !thought.is_empty() {
                 out.chunk(MessageType::Thought, &thought, &uris.thought(n), true)
@@ -98,7 +92,7 @@ pub async fn iterate(turn: &Turn<'_>) -> Result<(), BusError> {
                     .await?;
             }
             let (run, next_state) =
-                run_scoped_tool(config, llm, &scope, &action, &arguments, &candidates).await;
+                run_scoped_tool(turn, &scope, &action, &arguments, &candidates).await;
             let arguments_json = serde_json::to_string(&arguments).unwrap_or_default();
             let step = AgentStep {
                 thought,
@@ -128,10 +122,7 @@ pub async fn iterate(turn: &Turn<'_>) -> Result<(), BusError> {
             )
             .await
         }
-        Err(e) => {
-            let observation = format!(
-                "Error: your response could not be parsed ({e}). Reply with 'Thought:' followed by either 'Action:' and 'Args:', or 'Final Answer:'."
-            );
+        Err(observation) => {
             record_unusable(
                 turn,
                 n,

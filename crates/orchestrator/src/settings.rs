@@ -9,8 +9,6 @@ use agent_core::config::AgentConfig;
 use agent_graph::GraphStore;
 use agent_llm::{LlmConfig, Secret};
 
-use crate::journal::Journal;
-
 #[derive(clap::Args, Debug, Clone)]
 pub struct Settings {
     #[command(flatten)]
@@ -55,8 +53,9 @@ pub struct Settings {
     #[arg(long, env = "AGENT_DEAD_LETTER_TOPIC")]
     pub dead_letter_topic: Option<String>,
     /// The graph store shared with the aggregator, which holds the iteration journal that makes
-    /// iterations effectively-once: an `http(s)://` SPARQL endpoint. A directory is its
-    /// aggregator's own store and cannot be shared, so it means no journal.
+    /// iterations effectively-once and the collections the knowledge tools read: an `http(s)://`
+    /// SPARQL endpoint. A directory is its aggregator's own store and cannot be shared, so it
+    /// means neither.
     #[arg(long, env = "GRAPH_STORE")]
     pub graph_store: Option<String>,
     /// Bearer token for the graph store's writes.
@@ -65,15 +64,16 @@ pub struct Settings {
 }
 
 impl Settings {
-    /// The iteration journal, when a shared graph store is configured.
-    pub fn journal(&self) -> anyhow::Result<Option<Journal>> {
+    /// The graph store shared with the aggregator (for the iteration journal and the knowledge
+    /// tools), when one is configured.
+    pub fn shared_store(&self) -> anyhow::Result<Option<GraphStore>> {
         match self.graph_store.as_deref().filter(|s| !s.is_empty()) {
             Some(url) if url.starts_with("http://") || url.starts_with("https://") => {
                 let token = self.config_token.clone().filter(|t| !t.is_empty());
-                Ok(Some(Journal::new(GraphStore::open(url, token)?)))
+                Ok(Some(GraphStore::open(url, token)?))
             }
             Some(dir) => {
-                tracing::warn!(%dir, "GRAPH_STORE is a directory, which only its aggregator may open; no journal");
+                tracing::warn!(%dir, "GRAPH_STORE is a directory, which only its aggregator may open; no journal and no knowledge tools");
                 Ok(None)
             }
             None => Ok(None),

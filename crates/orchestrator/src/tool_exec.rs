@@ -3,10 +3,23 @@
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
-use agent_core::config::AgentConfig;
 use agent_core::prompt::{render, PromptTemplate};
 use agent_core::tools::{Scope, ToolDef};
+use agent_graph::{knowledge, GraphStore};
 use agent_llm::{ChatMessage, LlmClient};
+
+use crate::Turn;
+
+/// What a tool may use besides its arguments.
+pub struct ToolContext<'a> {
+    pub llm: &'a LlmClient,
+    /// The prompt that wraps an LLM-backed tool's request.
+    pub wrapper: &'a PromptTemplate,
+    /// The graph store holding the collections `knowledge-query` and `sparql-query` read.
+    pub knowledge: Option<&'a GraphStore>,
+    /// Longest observation, in bytes.
+    pub max_bytes: usize,
+}
 
 /// What a tool run produced.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -21,23 +34,27 @@ pub struct ToolRun {
 /// dialog's state after it. Scoping is enforced here, not only in the prompt: a tool the request may
 /// not see is refused even when the LLM names it. `visible` names the tools the request could see.
 pub async fn run_scoped_tool(
-    config: &AgentConfig,
-    llm: &LlmClient,
+    turn: &Turn<'_>,
     scope: &Scope,
     action: &str,
     arguments: &BTreeMap<String, String>,
     visible: &[&str],
 ) -> (ToolRun, String) {
+    let config = turn.config;
     let limits = &config.limits;
     match config.tool_by_name(action) {
         Some(tool) if scope.allows(tool) => {
+            let context = ToolContext {
+                llm: turn.llm,
+                wrapper: &config.prompts.tool_call,
+                knowledge: turn.knowledge,
+                max_bytes: limits.max_observation_bytes,
+            };
             let run = run_tool(
-                llm,
-                &config.prompts.tool_call,
+                &context,
                 tool,
                 arguments,
                 Duration::from_secs(limits.tool_timeout_secs),
-                limits.max_observation_bytes,
             )
             .await;
             (run, scope.next_state(tool))
@@ -66,17 +83,16 @@ pub async fn run_scoped_tool(
     }
 }
 
-/// Runs `tool` with `arguments`, bounded by `timeout`, and cuts the observation to `max_bytes`.
+/// Runs `tool` with `arguments`, bounded by `timeout`, and cuts the observation to the context's
+/// `max_bytes`.
 pub async fn run_tool(
-    llm: &LlmClient,
-    prompt: &PromptTemplate,
+    context: &ToolContext<'_>,
     tool: &ToolDef,
     arguments: &BTreeMap<String, String>,
     timeout: Duration,
-    max_bytes: usize,
 ) -> ToolRun {
     let started = Instant::now();
-    let outcome = tokio::time::timeout(timeout, call(llm, prompt, tool, arguments)).await;
+    let outcome = tokio::time::timeout(timeout, call(context, tool, arguments)).await;
     let (observation, in_token, out_token) = match outcome {
         Ok(Ok((text, i, o))) => (text, i, o),
         Ok(Err(message)) => (format!("Error: {message}"), 0, 0),
@@ -90,26 +106,69 @@ pub async fn run_tool(
         ),
     };
     ToolRun {
-        observation: truncate(observation, max_bytes),
+        observation: truncate(observation, context.max_bytes),
         duration: started.elapsed(),
         in_token,
         out_token,
     }
 }
 
+/// The argument `name`, or the only one given (LLMs rename arguments).
+fn argument<'a>(
+    tool: &ToolDef,
+    arguments: &'a BTreeMap<String, String>,
+    name: &str,
+) -> Result<&'a String, String> {
+    arguments
+        .get(name)
+        .or_else(|| {
+            (arguments.len() == 1)
+                .then(|| arguments.values().next())
+                .flatten()
+        })
+        .ok_or_else(|| format!("the tool '{}' needs a '{name}' argument", tool.name))
+}
+
+/// The collection a knowledge tool reads (`collection` in its config, default `default`) and the
+/// store that holds it.
+fn collection<'a>(
+    context: &ToolContext<'a>,
+    tool: &'a ToolDef,
+) -> Result<(&'a GraphStore, &'a str), String> {
+    let store = context.knowledge.ok_or_else(|| {
+        format!(
+            "the tool '{}' reads the graph store, and this orchestrator has none (GRAPH_STORE as an http(s) SPARQL endpoint)",
+            tool.name
+        )
+    })?;
+    let name = tool
+        .settings
+        .get("collection")
+        .and_then(|c| c.as_str())
+        .unwrap_or("default");
+    Ok((store, name))
+}
+
 async fn call(
-    llm: &LlmClient,
-    wrapper: &PromptTemplate,
+    context: &ToolContext<'_>,
     tool: &ToolDef,
     arguments: &BTreeMap<String, String>,
 ) -> Result<(String, u64, u64), String> {
     let prompt = match tool.kind.as_str() {
+        "knowledge-query" => {
+            let (store, name) = collection(context, tool)?;
+            let question = argument(tool, arguments, "question")?;
+            let text = knowledge::knowledge_query(store, name, question, context.max_bytes).await?;
+            return Ok((text, 0, 0));
+        }
+        "sparql-query" => {
+            let (store, name) = collection(context, tool)?;
+            let query = argument(tool, arguments, "query")?;
+            let text = knowledge::sparql_query(store, name, query, context.max_bytes).await?;
+            return Ok((text, 0, 0));
+        }
         // TrustGraph's text-completion tool passes its one argument to the LLM as the prompt.
-        "text-completion" => arguments
-            .get("question")
-            .or_else(|| arguments.values().next())
-            .cloned()
-            .ok_or_else(|| format!("the tool '{}' needs a 'question' argument", tool.name))?,
+        "text-completion" => argument(tool, arguments, "question")?.clone(),
         "prompt" => {
             let template = tool
                 .settings
@@ -131,10 +190,11 @@ async fn call(
     };
     let vars = [("prompt", prompt)].into_iter().collect();
     let messages = [
-        ChatMessage::system(wrapper.system.clone()),
-        ChatMessage::user(render(&wrapper.template, &vars)),
+        ChatMessage::system(context.wrapper.system.clone()),
+        ChatMessage::user(render(&context.wrapper.template, &vars)),
     ];
-    let completion = llm
+    let completion = context
+        .llm
         .complete(&messages)
         .await
         .map_err(|e| format!("the tool '{}' failed: {e}", tool.name))?;
