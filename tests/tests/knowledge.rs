@@ -170,3 +170,46 @@ async fn knowledge_tools_answer_from_a_loaded_collection_and_every_tool_is_bound
     duration_ms(&triples, &bounded, 2);
     let _ = std::fs::remove_file(file);
 }
+
+/// `agentctl tools list` shows what a request with a group and state would see, and why the rest
+/// is hidden.
+#[test]
+fn tools_list_shows_what_a_group_and_state_would_see() {
+    let tools = r#"{
+      "facts": {"name": "facts", "description": "Look facts up", "type": "knowledge-query", "group": ["research"],
+                "arguments": [{"name": "question", "type": "string", "description": "What"}]},
+      "triage": {"name": "triage", "description": "Sort a ticket", "type": "text-completion", "group": ["ops"],
+                 "applicable-states": ["new"], "state": "sorted"}
+    }"#;
+    let config = seed_with("tools-list", &[("tool", tools)]);
+    let list = |extra: &[&str]| {
+        let out = Command::new(binary("agentctl"))
+            .args(["tools", "list", "--config-dir", config.to_str().unwrap()])
+            .args(extra)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    let research = list(&["--group", "research"]);
+    assert!(
+        research.contains("  facts (knowledge-query) [question: string]"),
+        "{research}"
+    );
+    assert!(
+        research.contains("hidden: triage (groups ops; states new)"),
+        "{research}"
+    );
+    let ops = list(&["--group", "ops,research", "--state", "new"]);
+    assert!(
+        ops.contains("  triage (text-completion) [] -> state 'sorted'"),
+        "{ops}"
+    );
+    assert!(ops.contains("  facts (knowledge-query)"), "{ops}");
+    let later = list(&["--group", "ops", "--state", "sorted"]);
+    assert!(later.contains("no tool"), "{later}");
+}

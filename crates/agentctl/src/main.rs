@@ -5,6 +5,7 @@ mod bench_graph;
 mod config;
 mod graph;
 mod invoke;
+mod tools;
 mod up;
 
 use clap::{Parser, Subcommand};
@@ -30,6 +31,8 @@ enum Command {
     Sparql(graph::SparqlArgs),
     /// Load an RDF file into a collection that knowledge tools read.
     Load(graph::LoadArgs),
+    /// Which tools a request with a given group and state would see.
+    Tools(tools::ToolsArgs),
     /// Measure latency and throughput on an embedded broker with an instant scripted LLM.
     Bench(bench::BenchArgs),
     /// Read and change the agent config through config-svc's REST API; seed and validate files.
@@ -47,6 +50,7 @@ async fn main() {
         Command::Explain(args) => graph::explain(args).await,
         Command::Sparql(args) => graph::sparql(args).await,
         Command::Load(args) => graph::load(args).await,
+        Command::Tools(args) => tools::run(args).await,
         Command::Config(args) => config::run(args).await,
     };
     match result {
