@@ -1,7 +1,8 @@
 //! Knowledge over a collection: a named graph that users load RDF into (`agentctl load FILE
 //! --collection NAME`), read by two tools. `knowledge-query` finds the entities whose literals
 //! match a question's words and returns their neighbourhood as compact text; `sparql-query` runs a
-//! read-only query the LLM wrote, confined to the collection. Both answers are bounded in size.
+//! read-only query the LLM wrote, confined to the collection. Neither builds much more text than
+//! the observation limit lets through.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt::Write;
@@ -62,7 +63,8 @@ pub fn confine_query(sparql: &str, graph: &str) -> Result<String, String> {
     Ok(query.to_string())
 }
 
-/// Runs `sparql` on collection `collection` and renders the answer as text of at most `max_bytes`.
+/// Runs `sparql` on collection `collection` and renders the answer as text, built up to about
+/// `max_bytes`.
 pub async fn sparql_query(
     store: &GraphStore,
     collection: &str,
@@ -97,7 +99,7 @@ pub fn keywords(question: &str) -> Vec<String> {
 }
 
 /// Answers `question` from collection `collection`: the entities whose literals match most of its
-/// words, each with its labelled neighbourhood, as text of at most `max_bytes`.
+/// words, each with its labelled neighbourhood, as text built up to about `max_bytes`.
 pub async fn knowledge_query(
     store: &GraphStore,
     collection: &str,
@@ -174,12 +176,18 @@ pub async fn knowledge_query(
         }
     }
     let mut text = format!("Facts from collection '{collection}':\n");
-    for entity in &entities {
-        for fact in facts.get(entity.as_str()).into_iter().flatten() {
-            let _ = writeln!(text, "- {fact}");
+    let all = entities
+        .iter()
+        .flat_map(|entity| facts.get(entity.as_str()).into_iter().flatten());
+    for fact in all {
+        // The caller cuts the text exactly; this only stops building what would be cut.
+        if text.len() > max_bytes {
+            text.push_str("[more facts not shown]");
+            break;
         }
+        let _ = writeln!(text, "- {fact}");
     }
-    Ok(cut(text, max_bytes))
+    Ok(text)
 }
 
 /// A term as the LLM should read it: its label when it has one, else its local name or value.
@@ -209,7 +217,7 @@ fn short(term: &Term) -> String {
 }
 
 /// A query answer as compact text: a header of variables and one tab-separated line per row, a
-/// boolean, or one line per triple.
+/// boolean, or one line per triple; building stops past `max_bytes` (the caller cuts exactly).
 pub fn render_answer(answer: &QueryAnswer, max_bytes: usize) -> String {
     let mut text = String::new();
     match answer {
@@ -217,6 +225,10 @@ pub fn render_answer(answer: &QueryAnswer, max_bytes: usize) -> String {
         QueryAnswer::Rows(rows) => {
             let _ = writeln!(text, "{}", rows.variables.join("\t"));
             for row in &rows.rows {
+                if text.len() > max_bytes {
+                    text.push_str("[more rows not shown]\n");
+                    break;
+                }
                 let cells: Vec<String> = row
                     .iter()
                     .map(|t| t.as_ref().map(short).unwrap_or_default())
@@ -227,6 +239,10 @@ pub fn render_answer(answer: &QueryAnswer, max_bytes: usize) -> String {
         }
         QueryAnswer::Graph(triples) => {
             for t in triples {
+                if text.len() > max_bytes {
+                    text.push_str("[more triples not shown]");
+                    break;
+                }
                 let _ = writeln!(
                     text,
                     "{} {} {}",
@@ -237,23 +253,7 @@ pub fn render_answer(answer: &QueryAnswer, max_bytes: usize) -> String {
             }
         }
     }
-    cut(text, max_bytes)
-}
-
-/// Cuts `text` to `max_bytes` on a character boundary, saying so.
-fn cut(text: String, max_bytes: usize) -> String {
-    if text.len() <= max_bytes {
-        return text;
-    }
-    let mut end = max_bytes;
-    while !text.is_char_boundary(end) {
-        end -= 1;
-    }
-    format!(
-        "{}\n[cut at {max_bytes} of {} bytes]",
-        &text[..end],
-        text.len()
-    )
+    text
 }
 
 #[cfg(test)]
@@ -335,7 +335,7 @@ mod tests {
         let small = knowledge_query(&store, "acme", "Who founded Zorblax?", 20)
             .await
             .unwrap();
-        assert!(small.contains("[cut at 20 of"), "{small}");
+        assert!(small.ends_with("[more facts not shown]"), "{small}");
 
         let rows = sparql_query(
             &store,
