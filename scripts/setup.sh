@@ -16,5 +16,22 @@ if [ ${#need_apt[@]} -gt 0 ]; then
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${need_apt[@]}" >/dev/null
 fi
 
+# Node.js runs the MCP servers the end-to-end tests call (written by others, pinned in
+# tests/mcp-servers/package-lock.json).
+if ! command -v npm >/dev/null 2>&1; then
+  echo "setup: installing nodejs npm" >&2
+  SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
+  $SUDO apt-get update -qq >/dev/null
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq nodejs npm >/dev/null
+fi
+mcp_dir=tests/mcp-servers
+mcp_stamp=$(sha256sum "$mcp_dir/package-lock.json" | cut -d' ' -f1)
+if [ "$(cat "$mcp_dir/node_modules/.installed" 2>/dev/null)" != "$mcp_stamp" ]; then
+  echo "setup: installing the MCP test servers (npm ci)" >&2
+  (cd "$mcp_dir" && npm ci --no-audit --no-fund --loglevel=error >/dev/null 2>&1) \
+    || { echo "setup: ERROR: npm ci failed in $mcp_dir" >&2; exit 1; }
+  echo "$mcp_stamp" >"$mcp_dir/node_modules/.installed"
+fi
+
 scripts/pulsar-lite.sh path >/dev/null
 scripts/patch-pulsar.sh

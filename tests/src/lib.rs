@@ -606,6 +606,23 @@ pub fn session_of(responses: &[AgentResponse]) -> String {
         .unwrap_or_else(|| panic!("no session was explained: {responses:#?}"))
 }
 
+/// The explain triples of a dialog and the recorded text of iteration `n`'s observation.
+pub fn observation(responses: &[AgentResponse], n: usize) -> (Vec<agent_schema::Triple>, String) {
+    let triples = explained(responses);
+    let node = format!("{}/i{n}/observation", session_of(responses));
+    let text = values(&triples, &node, "content").concat();
+    (triples, text)
+}
+
+/// How long iteration `n`'s tool ran, as its provenance records it.
+pub fn duration_ms(triples: &[agent_schema::Triple], responses: &[AgentResponse], n: usize) -> u64 {
+    let node = format!("{}/i{n}/observation", session_of(responses));
+    values(triples, &node, "toolDurationMs")
+        .first()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("no tool duration on {node}"))
+}
+
 /// Three ReACT iterations through the seeded `llm` tool: two tool calls, then the answer
 /// "alpha and beta, combined.". The first iteration's call is rule 4, the second's rule 1, the
 /// answer's rule 0.

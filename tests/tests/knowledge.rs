@@ -59,22 +59,6 @@ async fn ask(client: &mut agent_bus::AgentClient, id: &str, question: &str) -> V
     collect_dialog(client, id, DIALOG_TIMEOUT).await.unwrap()
 }
 
-/// The observation node of iteration `n` of the dialog, and its text.
-fn observation(responses: &[AgentResponse], n: usize) -> (Vec<agent_schema::Triple>, String) {
-    let triples = explained(responses);
-    let node = format!("{}/i{n}/observation", session_of(responses));
-    let text = values(&triples, &node, "content").concat();
-    (triples, text)
-}
-
-fn duration_ms(triples: &[agent_schema::Triple], responses: &[AgentResponse], n: usize) -> u64 {
-    let node = format!("{}/i{n}/observation", session_of(responses));
-    values(triples, &node, "toolDurationMs")
-        .first()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or_else(|| panic!("no tool duration on {node}"))
-}
-
 #[tokio::test]
 async fn knowledge_tools_answer_from_a_loaded_collection_and_every_tool_is_bounded() {
     let broker = Broker::start().unwrap();

@@ -153,17 +153,67 @@ pub struct TaskTypeDef {
     pub critic: Vec<String>,
 }
 
-/// An MCP server (config type `mcp`, key = the id `mcp-tool` tools refer to).
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+/// A tool on an MCP server (config type `mcp`, key = the id `mcp-tool` tools refer to). TrustGraph
+/// reaches servers over streamable HTTP (`url`, `auth-token`); `command` (with `args` and `env`)
+/// starts a local server as a stdio child process instead.
+#[derive(Clone, PartialEq, Serialize, Deserialize)]
 pub struct McpServer {
     /// The server's streamable-HTTP endpoint.
+    #[serde(default)]
     pub url: String,
     /// The tool's name on the server, when it differs from the key.
     #[serde(default, rename = "remote-name")]
     pub remote_name: Option<String>,
-    /// Other settings (`auth-token`, ...), kept as given.
+    /// Sent as `Authorization: Bearer <token>` on every HTTP request.
+    #[serde(default, rename = "auth-token")]
+    pub auth_token: Option<String>,
+    /// A program that serves MCP on its stdin and stdout.
+    #[serde(default)]
+    pub command: Option<String>,
+    #[serde(default)]
+    pub args: Vec<String>,
+    /// Environment variables the stdio server gets on top of the orchestrator's.
+    #[serde(default)]
+    pub env: BTreeMap<String, String>,
+    /// Other settings, kept as given.
     #[serde(flatten)]
     pub settings: BTreeMap<String, serde_json::Value>,
+}
+
+// Config is logged when it changes; a bearer token must not end up in the logs.
+impl std::fmt::Debug for McpServer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("McpServer")
+            .field("url", &self.url)
+            .field("remote_name", &self.remote_name)
+            .field(
+                "auth_token",
+                &self.auth_token.as_ref().map(|_| "<redacted>"),
+            )
+            .field("command", &self.command)
+            .field("args", &self.args)
+            .field("env", &self.env.keys().collect::<Vec<_>>())
+            .field("settings", &self.settings)
+            .finish()
+    }
+}
+
+impl McpServer {
+    /// What is wrong with how the server is reached, if anything.
+    pub fn problem(&self) -> Option<String> {
+        match &self.command {
+            Some(command) if command.trim().is_empty() => Some("the command is empty".to_owned()),
+            Some(_) if !self.url.is_empty() => {
+                Some("give either a url (HTTP) or a command (stdio), not both".to_owned())
+            }
+            Some(_) => None,
+            None if self.url.starts_with("http://") || self.url.starts_with("https://") => None,
+            None if self.url.is_empty() => {
+                Some("the server has neither a url (HTTP) nor a command (stdio)".to_owned())
+            }
+            None => Some(format!("the url '{}' is not http(s)", self.url)),
+        }
+    }
 }
 
 /// Everything an iteration needs from config.
@@ -252,12 +302,8 @@ impl AgentConfig {
         };
         check_tools(&config, &mut problems);
         for (key, server) in &config.mcp {
-            if !(server.url.starts_with("http://") || server.url.starts_with("https://")) {
-                problems.push(
-                    MCP_TYPE,
-                    key,
-                    format!("the url '{}' is not http(s)", server.url),
-                );
+            if let Some(problem) = server.problem() {
+                problems.push(MCP_TYPE, key, problem);
             }
         }
         for (key, pattern) in config.patterns.iter_mut() {
@@ -392,6 +438,22 @@ impl AgentConfig {
         self.tools.values().find(|t| t.name == name)
     }
 
+    /// The `mcp` entry an `mcp-tool` calls (its `mcp-tool` setting, else its own id) and that
+    /// entry's key.
+    pub fn mcp_server_for(&self, tool: &ToolDef) -> Option<(&str, &McpServer)> {
+        let id = match tool.settings.get("mcp-tool").and_then(|v| v.as_str()) {
+            Some(id) => id,
+            None => self
+                .tools
+                .iter()
+                .find(|(_, t)| t.name == tool.name)
+                .map(|(key, _)| key.as_str())?,
+        };
+        self.mcp
+            .get_key_value(id)
+            .map(|(key, server)| (key.as_str(), server))
+    }
+
     /// The task types the meta-router chooses from: the configured ones, or the built-in `general`.
     pub fn task_types_or_general(&self) -> Vec<TaskTypeDef> {
         if self.task_types.is_empty() {
@@ -461,6 +523,69 @@ fn check_tools(config: &AgentConfig, problems: &mut Problems) {
 mod tests {
     use super::*;
     use serde_json::json;
+
+    fn server(value: serde_json::Value) -> McpServer {
+        serde_json::from_value(value).unwrap_or_else(|_| McpServer {
+            url: "unreadable".into(),
+            remote_name: None,
+            auth_token: None,
+            command: None,
+            args: Vec::new(),
+            env: BTreeMap::new(),
+            settings: BTreeMap::new(),
+        })
+    }
+
+    #[test]
+    fn an_mcp_server_is_reached_over_http_or_stdio_and_its_token_is_not_logged() {
+        let http = server(
+            json!({"url": "https://mcp.example/mcp", "remote-name": "get-sum", "auth-token": "t0ken"}),
+        );
+        assert_eq!(http.problem(), None);
+        assert_eq!(http.auth_token.as_deref(), Some("t0ken"));
+        assert!(!format!("{http:?}").contains("t0ken"));
+        let stdio =
+            server(json!({"command": "node", "args": ["server.js", "stdio"], "env": {"K": "v"}}));
+        assert_eq!(stdio.problem(), None);
+        let neither = server(json!({}));
+        assert!(neither.problem().is_some_and(|p| p.contains("neither")));
+        let both = server(json!({"url": "http://x/mcp", "command": "node"}));
+        assert!(both.problem().is_some_and(|p| p.contains("not both")));
+        let ftp = server(json!({"url": "ftp://x"}));
+        assert!(ftp.problem().is_some_and(|p| p.contains("not http(s)")));
+    }
+
+    #[test]
+    fn an_mcp_tool_finds_its_server_by_setting_or_by_its_own_id() {
+        let values: ConfigValues = [
+            (
+                TOOL_TYPE.to_owned(),
+                [
+                    ("sum".to_owned(), json!({"name": "add", "description": "", "type": "mcp-tool", "mcp-tool": "remote"})),
+                    ("direct".to_owned(), json!({"name": "direct", "description": "", "type": "mcp-tool"})),
+                ]
+                .into(),
+            ),
+            (
+                MCP_TYPE.to_owned(),
+                [
+                    ("remote".to_owned(), json!({"url": "http://a/mcp"})),
+                    ("direct".to_owned(), json!({"command": "srv"})),
+                ]
+                .into(),
+            ),
+        ]
+        .into();
+        let config = AgentConfig::from_values(&values).unwrap_or_default();
+        let key = |name: &str| {
+            config
+                .tool_by_name(name)
+                .and_then(|t| config.mcp_server_for(t))
+                .map(|(key, _)| key.to_owned())
+        };
+        assert_eq!(key("add").as_deref(), Some("remote"));
+        assert_eq!(key("direct").as_deref(), Some("direct"));
+    }
 
     #[test]
     fn reports_every_error_at_once() {

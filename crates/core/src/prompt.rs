@@ -245,7 +245,7 @@ pub fn render(template: &str, vars: &BTreeMap<&str, String>) -> String {
 }
 
 /// The tools as the LLM sees them: one line per tool with its arguments.
-pub fn describe_tools(tools: &[&ToolDef]) -> String {
+pub fn describe_tools(tools: &[ToolDef]) -> String {
     if tools.is_empty() {
         return "(no tools are available: answer directly)".to_owned();
     }
@@ -303,7 +303,7 @@ pub fn react_prompt(
     template: &PromptTemplate,
     question: &str,
     framing: &str,
-    tools: &[&ToolDef],
+    tools: &[ToolDef],
     history: &[AgentStep],
 ) -> (String, String) {
     let framing = framing_block(framing);

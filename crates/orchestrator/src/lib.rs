@@ -16,6 +16,7 @@ pub mod tool_exec;
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
+use std::time::Duration;
 
 use agent_bus::{
     run_consumer, ConsumerStats, Delivery, Disposition, Publisher, SubscriptionConfig,
@@ -24,6 +25,7 @@ use agent_core::config::AgentConfig;
 use agent_core::prompt::{render, PromptTemplate};
 use agent_core::provenance::{self, CallStats, SessionUris, ToolStats};
 use agent_core::router::IMPLEMENTED_PATTERNS;
+use agent_core::tools::{Scope, ToolDef};
 use agent_llm::{ChatMessage, Completion, LlmClient};
 use agent_schema::{AgentRequest, AgentResponse, ID_PROPERTY};
 use tokio_util::sync::CancellationToken;
@@ -47,6 +49,8 @@ pub struct Turn<'a> {
     pub llm: &'a LlmClient,
     /// The graph store the knowledge tools read, when one is shared.
     pub knowledge: Option<&'a agent_graph::GraphStore>,
+    /// This process's MCP sessions.
+    pub mcp: &'a agent_mcp::McpPool,
     /// Tokens the dialog used before this step.
     pub tokens_before: (u64, u64),
     /// Time since the dialog's first message was taken up.
@@ -54,6 +58,29 @@ pub struct Turn<'a> {
 }
 
 impl Turn<'_> {
+    /// The tools this request may see, as its prompts describe them: an MCP tool configured
+    /// without arguments is shown with those its server lists.
+    pub async fn visible_tools(&self, scope: &Scope) -> Vec<ToolDef> {
+        let limit = Duration::from_secs(self.config.limits.tool_timeout_secs);
+        let mut tools = Vec::new();
+        for tool in scope.visible(&self.config.tools) {
+            let mut tool = tool.clone();
+            if tool.kind == tool_exec::MCP_TOOL && tool.arguments.is_empty() {
+                match tokio::time::timeout(limit, tool_exec::mcp_arguments(self, &tool)).await {
+                    Ok(Ok(arguments)) => tool.arguments = arguments,
+                    Ok(Err(e)) => {
+                        tracing::warn!(tool = %tool.name, error = %e, "the MCP tool's arguments are not known")
+                    }
+                    Err(_) => {
+                        tracing::warn!(tool = %tool.name, "the MCP server did not list its tools in time")
+                    }
+                }
+            }
+            tools.push(tool);
+        }
+        tools
+    }
+
     /// Which budget (tokens or wall time) the dialog has used up before this step, if any.
     pub fn spent_budget(&self) -> Option<String> {
         let used = self.tokens_before.0 + self.tokens_before.1;
@@ -117,6 +144,7 @@ pub struct Engine {
     pub journal: Option<Journal>,
     /// The shared graph store, for the knowledge tools.
     pub knowledge: Option<agent_graph::GraphStore>,
+    pub mcp: agent_mcp::McpPool,
 }
 
 impl Engine {
@@ -199,6 +227,7 @@ impl Engine {
             config: &config,
             llm: &self.llm,
             knowledge: self.knowledge.as_ref(),
+            mcp: &self.mcp,
             tokens_before,
             elapsed,
         };
@@ -375,6 +404,7 @@ pub async fn run(settings: Settings, shutdown: CancellationToken) -> anyhow::Res
         outputs,
         journal,
         knowledge,
+        mcp: agent_mcp::McpPool::new(),
     });
     let stats = Arc::new(ConsumerStats::default());
     let subscription = SubscriptionConfig {

@@ -85,7 +85,7 @@ async fn make_plan(turn: &Turn<'_>, n: usize, problem: Option<String>) -> Result
         ..
     } = turn;
     let scope = Scope::new(request.group.as_deref(), request.state.as_deref());
-    let visible = scope.visible(&config.tools);
+    let visible = turn.visible_tools(&scope).await;
     let candidates: Vec<&str> = visible.iter().map(|t| t.name.as_str()).collect();
     let old_plan = planning::current_plan(&request.history)
         .map(<[PlanStep]>::to_vec)
@@ -248,7 +248,7 @@ async fn run_step(turn: &Turn<'_>, n: usize, index: usize) -> Result<(), BusErro
         return fail(turn, n, &format!("the plan has no step {index}")).await;
     };
     let scope = Scope::new(request.group.as_deref(), request.state.as_deref());
-    let visible = scope.visible(&config.tools);
+    let visible = turn.visible_tools(&scope).await;
     let candidates: Vec<&str> = visible.iter().map(|t| t.name.as_str()).collect();
     let template = &config.prompts.plan_step;
     let vars = [
@@ -469,7 +469,7 @@ async fn review_plan(turn: &Turn<'_>, n: usize) -> Result<(), BusError> {
         .map(<[PlanStep]>::to_vec)
         .unwrap_or_default();
     let scope = Scope::new(request.group.as_deref(), request.state.as_deref());
-    let visible = scope.visible(&config.tools);
+    let visible = turn.visible_tools(&scope).await;
     let template = &config.prompts.plan_review;
     let vars = [
         ("framing", framing_block(&request.framing)),

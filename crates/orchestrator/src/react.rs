@@ -29,7 +29,7 @@ pub async fn iterate(turn: &Turn<'_>) -> Result<(), BusError> {
         return done;
     }
     let scope = Scope::new(request.group.as_deref(), request.state.as_deref());
-    let visible = scope.visible(&config.tools);
+    let visible = turn.visible_tools(&scope).await;
     let candidates: Vec<&str> = visible.iter().map(|t| t.name.as_str()).collect();
     let (system, user) = agent_core::prompt::react_prompt(
         &config.prompts.react,

@@ -47,7 +47,7 @@ async fn decompose(turn: &Turn<'_>, n: usize) -> Result<(), BusError> {
         ..
     } = turn;
     let scope = Scope::new(request.group.as_deref(), request.state.as_deref());
-    let visible = scope.visible(&config.tools);
+    let visible = turn.visible_tools(&scope).await;
     let max = config.limits.max_subagents;
     let nested = supervising::may_nest(request, config.limits.max_fanout_depth);
     let template = &config.prompts.supervisor_decompose;

@@ -3,20 +3,27 @@
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
+use agent_core::config::AgentConfig;
 use agent_core::prompt::{render, PromptTemplate};
-use agent_core::tools::{Scope, ToolDef};
+use agent_core::tools::{Scope, ToolArgument, ToolDef};
 use agent_graph::{knowledge, GraphStore};
 use agent_llm::{ChatMessage, LlmClient};
+use agent_mcp::{Endpoint, McpPool};
 
 use crate::Turn;
 
+/// The tool type that calls a tool on an MCP server.
+pub const MCP_TOOL: &str = "mcp-tool";
+
 /// What a tool may use besides its arguments.
 pub struct ToolContext<'a> {
+    pub config: &'a AgentConfig,
     pub llm: &'a LlmClient,
     /// The prompt that wraps an LLM-backed tool's request.
     pub wrapper: &'a PromptTemplate,
     /// The graph store holding the collections `knowledge-query` and `sparql-query` read.
     pub knowledge: Option<&'a GraphStore>,
+    pub mcp: &'a McpPool,
     /// Longest observation, in bytes.
     pub max_bytes: usize,
 }
@@ -45,9 +52,11 @@ pub async fn run_scoped_tool(
     match config.tool_by_name(action) {
         Some(tool) if scope.allows(tool) => {
             let context = ToolContext {
+                config,
                 llm: turn.llm,
                 wrapper: &config.prompts.tool_call,
                 knowledge: turn.knowledge,
+                mcp: turn.mcp,
                 max_bytes: limits.max_observation_bytes,
             };
             let run = run_tool(
@@ -149,12 +158,36 @@ fn collection<'a>(
     Ok((store, name))
 }
 
+/// The server an `mcp-tool` calls and the tool's name there (`remote-name`, else the `mcp` key).
+fn mcp_target<'a>(config: &'a AgentConfig, tool: &ToolDef) -> Result<(Endpoint, &'a str), String> {
+    let (key, server) = config.mcp_server_for(tool).ok_or_else(|| {
+        format!(
+            "the MCP tool '{}' names no server in the mcp config",
+            tool.name
+        )
+    })?;
+    let endpoint = Endpoint::of(server)
+        .map_err(|e| format!("the MCP server of '{}' is misconfigured: {e}", tool.name))?;
+    Ok((endpoint, server.remote_name.as_deref().unwrap_or(key)))
+}
+
+/// The arguments an MCP tool takes, as its server describes them.
+pub async fn mcp_arguments(turn: &Turn<'_>, tool: &ToolDef) -> Result<Vec<ToolArgument>, String> {
+    let (endpoint, remote) = mcp_target(turn.config, tool)?;
+    turn.mcp.arguments(&endpoint, remote).await
+}
+
 async fn call(
     context: &ToolContext<'_>,
     tool: &ToolDef,
     arguments: &BTreeMap<String, String>,
 ) -> Result<(String, u64, u64), String> {
     let prompt = match tool.kind.as_str() {
+        MCP_TOOL => {
+            let (endpoint, remote) = mcp_target(context.config, tool)?;
+            let text = context.mcp.call(&endpoint, remote, arguments).await?;
+            return Ok((text, 0, 0));
+        }
         "knowledge-query" => {
             let (store, name) = collection(context, tool)?;
             let question = argument(tool, arguments, "question")?;

@@ -1,0 +1,200 @@
+//! From an MCP tool's JSON Schema to the prompt's argument list, and from the LLM's string
+//! arguments to the JSON values the schema asks for (`"3"` is a number where the tool wants one).
+
+use std::collections::BTreeMap;
+
+use agent_core::tools::ToolArgument;
+use serde_json::{Map, Number, Value};
+
+/// The type a property declares: its `type`, or the first non-null one of a list.
+fn declared_type(property: &Value) -> Option<&str> {
+    match property.get("type")? {
+        Value::String(kind) => Some(kind.as_str()),
+        Value::Array(kinds) => kinds
+            .iter()
+            .filter_map(Value::as_str)
+            .find(|kind| *kind != "null"),
+        _ => None,
+    }
+}
+
+fn properties(schema: &Map<String, Value>) -> Option<&Map<String, Value>> {
+    schema.get("properties").and_then(Value::as_object)
+}
+
+/// The tool's arguments as the prompt lists them; optional ones say so.
+pub fn schema_arguments(schema: &Map<String, Value>) -> Vec<ToolArgument> {
+    let required: Vec<&str> = schema
+        .get("required")
+        .and_then(Value::as_array)
+        .map(|names| names.iter().filter_map(Value::as_str).collect())
+        .unwrap_or_default();
+    let Some(properties) = properties(schema) else {
+        return Vec::new();
+    };
+    properties
+        .iter()
+        .map(|(name, property)| {
+            let mut description = property
+                .get("description")
+                .and_then(Value::as_str)
+                .unwrap_or_default()
+                .to_owned();
+            if !required.contains(&name.as_str()) {
+                description = if description.is_empty() {
+                    "optional".to_owned()
+                } else {
+                    format!("{description} (optional)")
+                };
+            }
+            ToolArgument {
+                name: name.clone(),
+                kind: declared_type(property).unwrap_or("string").to_owned(),
+                description,
+            }
+        })
+        .collect()
+}
+
+/// The LLM's arguments typed as the schema declares them. An argument the schema does not know
+/// stays a string (the server decides whether it accepts it); one that cannot be read as its
+/// declared type is an error the LLM can act on.
+pub fn typed_arguments(
+    schema: &Map<String, Value>,
+    arguments: &BTreeMap<String, String>,
+) -> Result<Map<String, Value>, String> {
+    let properties = properties(schema);
+    arguments
+        .iter()
+        .map(|(name, text)| {
+            let kind = properties
+                .and_then(|p| p.get(name))
+                .and_then(declared_type)
+                .unwrap_or("string");
+            let value = typed(kind, text).ok_or_else(|| {
+                format!("the argument '{name}' must be of type {kind}, and '{text}' is not")
+            })?;
+            Ok((name.clone(), value))
+        })
+        .collect()
+}
+
+fn typed(kind: &str, text: &str) -> Option<Value> {
+    let trimmed = text.trim();
+    match kind {
+        "integer" => trimmed
+            .parse::<i64>()
+            .ok()
+            .map(Value::from)
+            .or_else(|| whole_number(trimmed)),
+        "number" => trimmed.parse::<i64>().ok().map(Value::from).or_else(|| {
+            trimmed
+                .parse::<f64>()
+                .ok()
+                .and_then(Number::from_f64)
+                .map(Value::Number)
+        }),
+        "boolean" => match trimmed.to_ascii_lowercase().as_str() {
+            "true" => Some(Value::Bool(true)),
+            "false" => Some(Value::Bool(false)),
+            _ => None,
+        },
+        "object" => serde_json::from_str::<Value>(trimmed)
+            .ok()
+            .filter(Value::is_object),
+        "array" => serde_json::from_str::<Value>(trimmed)
+            .ok()
+            .filter(Value::is_array),
+        "null" => Some(Value::Null),
+        _ => Some(Value::String(text.to_owned())),
+    }
+}
+
+/// `"3.0"` for an integer argument: LLMs write whole numbers that way.
+fn whole_number(text: &str) -> Option<Value> {
+    let number = text.parse::<f64>().ok()?;
+    (number.fract() == 0.0 && number.abs() < 9.0e15).then(|| Value::from(number as i64))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn schema() -> Map<String, Value> {
+        let schema = json!({
+            "type": "object",
+            "properties": {
+                "a": {"type": "number", "description": "First number"},
+                "n": {"type": "integer"},
+                "loud": {"type": ["boolean", "null"]},
+                "tags": {"type": "array"},
+                "filter": {"type": "object"},
+                "text": {"type": "string", "description": "Said back"}
+            },
+            "required": ["a", "text"]
+        });
+        match schema {
+            Value::Object(map) => map,
+            _ => Map::new(),
+        }
+    }
+
+    fn args(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {
+        pairs
+            .iter()
+            .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+            .collect()
+    }
+
+    #[test]
+    fn arguments_are_typed_as_the_schema_declares() {
+        let typed = typed_arguments(
+            &schema(),
+            &args(&[
+                ("a", "2.5"),
+                ("n", "3.0"),
+                ("loud", "TRUE"),
+                ("tags", "[1, 2]"),
+                ("filter", "{\"x\": 1}"),
+                ("text", "42"),
+                ("extra", "kept"),
+            ]),
+        )
+        .unwrap_or_default();
+        assert_eq!(
+            Value::Object(typed),
+            json!({"a": 2.5, "n": 3, "loud": true, "tags": [1, 2], "filter": {"x": 1}, "text": "42", "extra": "kept"})
+        );
+        let whole = typed_arguments(&schema(), &args(&[("a", "7")])).unwrap_or_default();
+        assert_eq!(whole.get("a"), Some(&json!(7)));
+    }
+
+    #[test]
+    fn an_argument_of_the_wrong_type_is_an_error_that_names_it() {
+        let wrong = typed_arguments(&schema(), &args(&[("a", "two")]));
+        assert_eq!(
+            wrong,
+            Err("the argument 'a' must be of type number, and 'two' is not".to_owned())
+        );
+        assert!(typed_arguments(&schema(), &args(&[("n", "1.5")])).is_err());
+        assert!(typed_arguments(&schema(), &args(&[("tags", "{}")])).is_err());
+    }
+
+    #[test]
+    fn the_prompt_lists_the_schema_with_optional_arguments_marked() {
+        let listed = schema_arguments(&schema());
+        let a = listed.iter().find(|a| a.name == "a");
+        assert_eq!(
+            a.map(|a| (a.kind.as_str(), a.description.as_str())),
+            Some(("number", "First number"))
+        );
+        let loud = listed.iter().find(|a| a.name == "loud");
+        assert_eq!(
+            loud.map(|a| (a.kind.as_str(), a.description.as_str())),
+            Some(("boolean", "optional"))
+        );
+        assert_eq!(listed.len(), 6);
+        assert!(schema_arguments(&Map::new()).is_empty());
+    }
+}

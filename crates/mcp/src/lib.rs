@@ -1,0 +1,407 @@
+//! MCP tool calls through `rmcp`: one session per server, reused across iterations and opened again
+//! after the server restarts; arguments typed from the server's own input schema.
+//!
+//! A server is reached over streamable HTTP (with the config's `auth-token` as a bearer header) or
+//! as a stdio child process. Sessions are shared by every in-flight iteration of this process: MCP
+//! multiplexes requests on one session, and opening one (a child process, an `initialize` round
+//! trip) costs far more than a call.
+
+mod arguments;
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use agent_core::config::McpServer;
+use agent_core::tools::ToolArgument;
+use rmcp::model::{CallToolRequestParams, CallToolResult, RawContent, ResourceContents, Tool};
+use rmcp::service::{Peer, RoleClient, RunningService, ServiceError};
+use rmcp::transport::streamable_http_client::StreamableHttpClientTransportConfig;
+use rmcp::transport::{StreamableHttpClientTransport, TokioChildProcess};
+use rmcp::ServiceExt;
+use tokio::io::AsyncBufReadExt;
+
+pub use arguments::{schema_arguments, typed_arguments};
+
+/// How a server is reached; sessions are keyed by it, so tools on one server share a session.
+#[derive(Clone, PartialEq, Eq, Hash)]
+pub enum Endpoint {
+    Http {
+        url: String,
+        auth_token: Option<String>,
+    },
+    Stdio {
+        command: String,
+        args: Vec<String>,
+        env: BTreeMap<String, String>,
+    },
+}
+
+impl Endpoint {
+    pub fn of(server: &McpServer) -> Result<Endpoint, String> {
+        if let Some(problem) = server.problem() {
+            return Err(problem);
+        }
+        Ok(match &server.command {
+            Some(command) => Endpoint::Stdio {
+                command: command.clone(),
+                args: server.args.clone(),
+                env: server.env.clone(),
+            },
+            None => Endpoint::Http {
+                url: server.url.clone(),
+                auth_token: server.auth_token.clone().filter(|t| !t.is_empty()),
+            },
+        })
+    }
+
+    /// Names the server in errors and logs, without its token or environment.
+    pub fn describe(&self) -> String {
+        match self {
+            Endpoint::Http { url, .. } => url.clone(),
+            Endpoint::Stdio { command, args, .. } => {
+                let mut line = command.clone();
+                for arg in args {
+                    line.push(' ');
+                    line.push_str(arg);
+                }
+                line
+            }
+        }
+    }
+}
+
+/// An open session and, once asked for, the server's tool list.
+struct Session {
+    peer: Peer<RoleClient>,
+    tools: tokio::sync::OnceCell<Vec<Tool>>,
+    // Dropping the service ends the session (and kills a stdio server).
+    _service: RunningService<RoleClient, ()>,
+}
+
+/// A server's slot: the session, if one is open. Its async lock makes concurrent callers of a dead
+/// server wait for one reconnection instead of each starting their own.
+type Slot = Arc<tokio::sync::Mutex<Option<Arc<Session>>>>;
+
+/// The sessions of this process, by endpoint.
+#[derive(Default)]
+pub struct McpPool {
+    slots: Mutex<HashMap<Endpoint, Slot>>,
+    /// Each tool's arguments as its server last listed them.
+    known: Mutex<HashMap<(Endpoint, String), Vec<ToolArgument>>>,
+}
+
+impl McpPool {
+    pub fn new() -> McpPool {
+        McpPool::default()
+    }
+
+    /// Calls the tool `name` on the server with the LLM's `arguments` (strings, typed here from the
+    /// tool's input schema) and returns its content as text. A result the server marks as an error
+    /// is an `Err` with its text.
+    ///
+    /// A call on a reused session that fails in the transport (the server restarted or died since)
+    /// is tried once more on a new session: the request did not reach a live session, so the tool
+    /// did not run. A failure on a fresh session is reported, and the session dropped, so the next
+    /// call connects again.
+    pub async fn call(
+        &self,
+        endpoint: &Endpoint,
+        name: &str,
+        arguments: &BTreeMap<String, String>,
+    ) -> Result<String, String> {
+        let (session, reused) = self.session(endpoint).await?;
+        match call_on(&session, endpoint, name, arguments).await {
+            Err(CallError::Transport(e)) if reused => {
+                tracing::info!(server = %endpoint.describe(), error = %e, "MCP session lost; connecting again");
+                self.forget(endpoint, &session).await;
+                let (session, _) = self.session(endpoint).await?;
+                match call_on(&session, endpoint, name, arguments).await {
+                    Err(e @ CallError::Transport(_)) => {
+                        self.forget(endpoint, &session).await;
+                        Err(e.to_string())
+                    }
+                    other => other.map_err(|e| e.to_string()),
+                }
+            }
+            Err(e @ CallError::Transport(_)) => {
+                self.forget(endpoint, &session).await;
+                Err(e.to_string())
+            }
+            other => other.map_err(|e| e.to_string()),
+        }
+    }
+
+    /// The arguments of the tool `name` as the server describes them, for the prompt.
+    pub async fn arguments(
+        &self,
+        endpoint: &Endpoint,
+        name: &str,
+    ) -> Result<Vec<ToolArgument>, String> {
+        let key = (endpoint.clone(), name.to_owned());
+        match self.fresh_arguments(endpoint, name).await {
+            Ok(listed) => {
+                let mut known = self.known.lock().unwrap_or_else(|p| p.into_inner());
+                known.insert(key, listed.clone());
+                Ok(listed)
+            }
+            // While the server is away the prompt keeps what it said last.
+            Err(e) => {
+                let known = self.known.lock().unwrap_or_else(|p| p.into_inner());
+                known.get(&key).cloned().ok_or(e)
+            }
+        }
+    }
+
+    async fn fresh_arguments(
+        &self,
+        endpoint: &Endpoint,
+        name: &str,
+    ) -> Result<Vec<ToolArgument>, String> {
+        let (session, _) = self.session(endpoint).await?;
+        match remote_tool(&session, endpoint, name).await {
+            Ok(tool) => Ok(schema_arguments(&tool.input_schema)),
+            Err(e) => {
+                if matches!(e, CallError::Transport(_)) {
+                    self.forget(endpoint, &session).await;
+                }
+                Err(e.to_string())
+            }
+        }
+    }
+
+    fn slot(&self, endpoint: &Endpoint) -> Slot {
+        let mut slots = self.slots.lock().unwrap_or_else(|p| p.into_inner());
+        slots.entry(endpoint.clone()).or_default().clone()
+    }
+
+    /// The open session, or a new one; `true` when it was already open.
+    async fn session(&self, endpoint: &Endpoint) -> Result<(Arc<Session>, bool), String> {
+        let slot = self.slot(endpoint);
+        let mut open = slot.lock().await;
+        if let Some(session) = open.as_ref() {
+            if !session.peer.is_transport_closed() {
+                return Ok((session.clone(), true));
+            }
+        }
+        let session = Arc::new(connect(endpoint).await?);
+        *open = Some(session.clone());
+        Ok((session, false))
+    }
+
+    /// Drops `session` from its slot, unless another caller has already replaced it.
+    async fn forget(&self, endpoint: &Endpoint, session: &Arc<Session>) {
+        let slot = self.slot(endpoint);
+        let mut open = slot.lock().await;
+        if open.as_ref().is_some_and(|s| Arc::ptr_eq(s, session)) {
+            *open = None;
+        }
+    }
+}
+
+/// Why a call failed: the transport (worth a new session) or anything else.
+#[derive(Debug)]
+enum CallError {
+    Transport(String),
+    Other(String),
+}
+
+impl std::fmt::Display for CallError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            CallError::Transport(e) | CallError::Other(e) => f.write_str(e),
+        }
+    }
+}
+
+fn service_error(endpoint: &Endpoint, what: &str, error: ServiceError) -> CallError {
+    let server = endpoint.describe();
+    match error {
+        ServiceError::TransportSend(_) | ServiceError::TransportClosed => CallError::Transport(
+            format!("the MCP server {server} could not be reached to {what} ({error})"),
+        ),
+        ServiceError::McpError(e) => CallError::Other(format!(
+            "the MCP server {server} refused to {what}: {}",
+            e.message
+        )),
+        other => CallError::Other(format!("the MCP server {server} failed to {what}: {other}")),
+    }
+}
+
+async fn connect(endpoint: &Endpoint) -> Result<Session, String> {
+    let server = endpoint.describe();
+    let service = match endpoint {
+        Endpoint::Http { url, auth_token } => {
+            let client = reqwest::Client::builder()
+                .connect_timeout(Duration::from_secs(5))
+                .build()
+                .map_err(|e| format!("no HTTP client for the MCP server {server}: {e}"))?;
+            let mut config = StreamableHttpClientTransportConfig::with_uri(url.as_str());
+            if let Some(token) = auth_token {
+                config = config.auth_header(token.clone());
+            }
+            let transport = StreamableHttpClientTransport::with_client(client.clone(), config);
+            match ().serve(transport).await {
+                Ok(service) => Ok(service),
+                Err(e) => {
+                    let status = http_refusal(&client, url, auth_token.as_deref()).await;
+                    return Err(format!(
+                        "the MCP server {server} did not open a session: {}",
+                        status.unwrap_or_else(|| e.to_string())
+                    ));
+                }
+            }
+        }
+        Endpoint::Stdio { command, args, env } => {
+            let mut child = tokio::process::Command::new(command);
+            child.args(args).envs(env).kill_on_drop(true);
+            let (transport, stderr) = TokioChildProcess::builder(child)
+                .stderr(std::process::Stdio::piped())
+                .spawn()
+                .map_err(|e| format!("the MCP server '{server}' could not be started: {e}"))?;
+            if let Some(stderr) = stderr {
+                tokio::spawn(log_stderr(server.clone(), stderr));
+            }
+            ().serve(transport).await
+        }
+    }
+    .map_err(|e| format!("the MCP server {server} did not open a session: {e}"))?;
+    tracing::info!(server = %server, "MCP session open");
+    Ok(Session {
+        peer: service.peer().clone(),
+        tools: tokio::sync::OnceCell::new(),
+        _service: service,
+    })
+}
+
+/// Why an HTTP server refused a session, when it said so with a status (a wrong token is a 401):
+/// rmcp reports only the body it could not read. One plain `initialize` POST asks again.
+async fn http_refusal(client: &reqwest::Client, url: &str, token: Option<&str>) -> Option<String> {
+    let initialize = serde_json::json!({
+        "jsonrpc": "2.0", "id": 0, "method": "initialize",
+        "params": {"protocolVersion": "2025-03-26", "capabilities": {},
+                   "clientInfo": {"name": "agent-orchestrator", "version": env!("CARGO_PKG_VERSION")}}
+    });
+    let mut probe = client
+        .post(url)
+        .header("accept", "application/json, text/event-stream")
+        .json(&initialize)
+        .timeout(Duration::from_secs(5));
+    if let Some(token) = token {
+        probe = probe.bearer_auth(token);
+    }
+    let response = probe.send().await.ok()?;
+    let status = response.status();
+    if status.is_success() {
+        return None;
+    }
+    let body = response.text().await.unwrap_or_default();
+    let body: String = body.chars().take(200).collect();
+    Some(format!("it answered HTTP {status}: {}", body.trim()))
+}
+
+/// A stdio server's own log lines go to ours, at debug level.
+async fn log_stderr(server: String, stderr: tokio::process::ChildStderr) {
+    let mut lines = tokio::io::BufReader::new(stderr).lines();
+    while let Ok(Some(line)) = lines.next_line().await {
+        tracing::debug!(server = %server, "{line}");
+    }
+}
+
+async fn remote_tool(
+    session: &Session,
+    endpoint: &Endpoint,
+    name: &str,
+) -> Result<Tool, CallError> {
+    let tools = session
+        .tools
+        .get_or_try_init(|| async {
+            session
+                .peer
+                .list_all_tools()
+                .await
+                .map_err(|e| service_error(endpoint, "list its tools", e))
+        })
+        .await?;
+    tools
+        .iter()
+        .find(|t| t.name == name)
+        .cloned()
+        .ok_or_else(|| {
+            let names: Vec<&str> = tools.iter().map(|t| t.name.as_ref()).collect();
+            CallError::Other(format!(
+                "the MCP server {} has no tool '{name}' (it has: {})",
+                endpoint.describe(),
+                names.join(", ")
+            ))
+        })
+}
+
+async fn call_on(
+    session: &Session,
+    endpoint: &Endpoint,
+    name: &str,
+    arguments: &BTreeMap<String, String>,
+) -> Result<String, CallError> {
+    let tool = remote_tool(session, endpoint, name).await?;
+    let typed = typed_arguments(&tool.input_schema, arguments).map_err(CallError::Other)?;
+    let params = CallToolRequestParams {
+        meta: None,
+        name: name.to_owned().into(),
+        arguments: Some(typed),
+        task: None,
+    };
+    let result = session
+        .peer
+        .call_tool(params)
+        .await
+        .map_err(|e| service_error(endpoint, &format!("run '{name}'"), e))?;
+    let text = result_text(&result);
+    if result.is_error == Some(true) {
+        return Err(CallError::Other(format!("'{name}' failed: {text}")));
+    }
+    Ok(text)
+}
+
+/// The result as the LLM reads it: text as given, structured content as JSON, and binary content
+/// named by its type and size rather than pasted in as base64.
+pub fn result_text(result: &CallToolResult) -> String {
+    let mut parts: Vec<String> = result
+        .content
+        .iter()
+        .map(|content| match &content.raw {
+            RawContent::Text(text) => text.text.clone(),
+            RawContent::Image(image) => {
+                format!(
+                    "[image {}, {} bytes of base64]",
+                    image.mime_type,
+                    image.data.len()
+                )
+            }
+            RawContent::Audio(audio) => {
+                format!(
+                    "[audio {}, {} bytes of base64]",
+                    audio.mime_type,
+                    audio.data.len()
+                )
+            }
+            RawContent::Resource(embedded) => match &embedded.resource {
+                ResourceContents::TextResourceContents { uri, text, .. } => {
+                    format!("[resource {uri}]\n{text}")
+                }
+                ResourceContents::BlobResourceContents { uri, blob, .. } => {
+                    format!("[resource {uri}, {} bytes of base64]", blob.len())
+                }
+            },
+            RawContent::ResourceLink(link) => {
+                format!("[resource link {} ({})]", link.uri, link.name)
+            }
+        })
+        .collect();
+    if parts.is_empty() {
+        if let Some(structured) = &result.structured_content {
+            parts.push(structured.to_string());
+        }
+    }
+    parts.join("\n")
+}

@@ -1,0 +1,355 @@
+//! MCP tools over a real broker, calling the reference "everything" MCP server from the npm registry
+//! (`tests/mcp-servers`, installed by `scripts/setup.sh`; not written by this project): over
+//! streamable HTTP behind a gate that checks the bearer token, and as a stdio child process. The
+//! tools are configured without arguments, so the prompt shows the server's schema; the LLM's
+//! string arguments reach the server as numbers. A server killed mid-dialog costs an error
+//! observation and the dialog goes on once it is back; one restarted between iterations, or a stdio
+//! server killed, costs nothing (the session is opened again).
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use agent_e2e::*;
+use agent_schema::AgentResponse;
+use axum::body::Body;
+use axum::extract::{Request, State};
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+
+const DIALOG_TIMEOUT: Duration = Duration::from_secs(90);
+const TOKEN: &str = "s3cret-mcp-token";
+
+/// The everything server's entry point.
+fn everything() -> PathBuf {
+    let path = repo_root().join(
+        "tests/mcp-servers/node_modules/@modelcontextprotocol/server-everything/dist/index.js",
+    );
+    assert!(
+        path.exists(),
+        "{} is missing: run scripts/setup.sh",
+        path.display()
+    );
+    path
+}
+
+/// The everything server over streamable HTTP on `port`; SIGKILLed on drop.
+struct HttpServer {
+    child: Child,
+    port: u16,
+}
+
+impl HttpServer {
+    fn start(port: u16) -> HttpServer {
+        let child = Command::new("node")
+            .arg(everything())
+            .arg("streamableHttp")
+            .env("PORT", port.to_string())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        wait_listening(&format!("127.0.0.1:{port}"), "the MCP everything server");
+        HttpServer { child, port }
+    }
+
+    fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    fn restart(&mut self) {
+        self.kill();
+        *self = HttpServer::start(self.port);
+    }
+}
+
+impl Drop for HttpServer {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// A reverse proxy in front of the HTTP server that lets in only requests bearing `TOKEN`, so the
+/// test sees the orchestrator send it (the everything server checks no token).
+#[derive(Clone)]
+struct Gate {
+    upstream: String,
+    http: reqwest::Client,
+    let_in: Arc<AtomicUsize>,
+    turned_away: Arc<AtomicUsize>,
+}
+
+async fn gate(State(gate): State<Gate>, request: Request) -> Response {
+    let bearer = request
+        .headers()
+        .get("authorization")
+        .and_then(|v| v.to_str().ok());
+    if bearer != Some(&format!("Bearer {TOKEN}")) {
+        gate.turned_away.fetch_add(1, Ordering::SeqCst);
+        return (StatusCode::UNAUTHORIZED, "wrong or missing bearer token").into_response();
+    }
+    gate.let_in.fetch_add(1, Ordering::SeqCst);
+    let (parts, body) = request.into_parts();
+    let body = axum::body::to_bytes(body, 16 << 20).await.unwrap();
+    let path = parts.uri.path_and_query().map_or("/", |p| p.as_str());
+    let mut headers = parts.headers.clone();
+    headers.remove("host");
+    headers.remove("content-length");
+    let upstream = gate
+        .http
+        .request(parts.method, format!("{}{path}", gate.upstream))
+        .headers(headers)
+        .body(body)
+        .send()
+        .await;
+    let upstream = match upstream {
+        Ok(u) => u,
+        Err(e) => return (StatusCode::BAD_GATEWAY, e.to_string()).into_response(),
+    };
+    let mut response = Response::builder().status(upstream.status());
+    for (name, value) in upstream.headers() {
+        if !["content-length", "transfer-encoding", "connection"].contains(&name.as_str()) {
+            response = response.header(name, value);
+        }
+    }
+    response
+        .body(Body::from_stream(upstream.bytes_stream()))
+        .unwrap()
+}
+
+async fn start_gate(upstream_port: u16) -> (String, Gate) {
+    let state = Gate {
+        upstream: format!("http://127.0.0.1:{upstream_port}"),
+        http: reqwest::Client::new(),
+        let_in: Arc::default(),
+        turned_away: Arc::default(),
+    };
+    let app = axum::Router::new().fallback(gate).with_state(state.clone());
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}/mcp", listener.local_addr().unwrap());
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    (url, state)
+}
+
+/// The stdio server's process id, found by the marker on its command line.
+fn stdio_server_pid(marker: &str) -> Option<u32> {
+    let out = Command::new("pgrep").args(["-f", marker]).output().unwrap();
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .next()
+        .and_then(|l| l.trim().parse().ok())
+}
+
+fn script() -> String {
+    let listed = |tool: &str, description: &str| {
+        format!("- {tool}: {description}\n  arguments: a (number): First number; b (number): Second number")
+    };
+    serde_json::json!({"rules": [
+        // Killed mid-dialog: the error, then the answer once the server is back.
+        {"match": "Observation: The sum of 3 and 4 is 7.", "reply": "Thought: it is back\nFinal Answer: recovered: 7"},
+        {"match": "Observation: Error:", "and": ["Question: add 17 and 25 over http"], "delay_ms": 1500,
+         "reply": "Thought: try again once it is back\nAction: add_http\nArgs: {\"a\": 3, \"b\": 4}"},
+        {"match": "Observation: The sum of 17 and 25 is 42.", "and": ["over http"], "delay_ms": 1500,
+         "reply": "Thought: another one\nAction: add_http\nArgs: {\"a\": \"3\", \"b\": 4}"},
+        {"match": "Question: add 17 and 25 over http", "and": [listed("add_http", "Add two numbers on the HTTP server")],
+         "reply": "Thought: the server adds\nAction: add_http\nArgs: {\"a\": 17, \"b\": \"25\"}"},
+        // Restarted between iterations: the stale session is replaced without an error.
+        {"match": "Observation: The sum of 2 and 2 is 4.", "reply": "Thought: done\nFinal Answer: 4 after a restart"},
+        {"match": "Observation: The sum of 1 and 2 is 3.", "and": ["twice over http"], "delay_ms": 3000,
+         "reply": "Thought: again\nAction: add_http\nArgs: {\"a\": 2, \"b\": 2}"},
+        {"match": "Question: add twice over http",
+         "reply": "Thought: first\nAction: add_http\nArgs: {\"a\": 1, \"b\": 2}"},
+        // stdio: the child killed between iterations is started again.
+        {"match": "Observation: The sum of 7 and 8 is 15.", "reply": "Thought: done\nFinal Answer: 15 after a respawn"},
+        {"match": "Observation: The sum of 5 and 6 is 11.", "delay_ms": 1500,
+         "reply": "Thought: again\nAction: add_stdio\nArgs: {\"a\": 7, \"b\": 8}"},
+        {"match": "Question: add 5 and 6 over stdio", "and": [listed("add_stdio", "Add two numbers on the stdio server")],
+         "reply": "Thought: the child adds\nAction: add_stdio\nArgs: {\"a\": 5, \"b\": 6}"},
+        // The wrong token is turned away, and a wrongly typed argument is refused before the call.
+        {"match": "Observation: Error:", "and": ["Question: add with the wrong token"], "reply": "Thought: refused\nFinal Answer: refused"},
+        {"match": "Question: add with the wrong token",
+         "reply": "Thought: try\nAction: add_intruder\nArgs: {\"a\": 1, \"b\": 1}"},
+        {"match": "Observation: Error:", "and": ["Question: add words for numbers"], "reply": "Thought: typed\nFinal Answer: numbers only"},
+        {"match": "Question: add words for numbers",
+         "reply": "Thought: try\nAction: add_stdio\nArgs: {\"a\": \"two\", \"b\": 1}"}
+    ]})
+    .to_string()
+}
+
+/// Reads dialog `id` until an observation containing `needle`, and returns what it read.
+async fn until_observation(
+    client: &mut agent_bus::AgentClient,
+    id: &str,
+    needle: &str,
+) -> Vec<AgentResponse> {
+    let mut seen = Vec::new();
+    let deadline = tokio::time::Instant::now() + DIALOG_TIMEOUT;
+    loop {
+        let (rid, response) = tokio::time::timeout_at(deadline, client.next())
+            .await
+            .unwrap_or_else(|_| panic!("no observation with '{needle}' in {id}: {seen:#?}"))
+            .unwrap();
+        if rid != id {
+            continue;
+        }
+        assert!(!response.end_of_dialog, "{id} ended early: {seen:#?}");
+        let found = response.message_type == "observation" && response.content.contains(needle);
+        seen.push(response);
+        if found {
+            return seen;
+        }
+    }
+}
+
+#[tokio::test]
+async fn mcp_tools_on_a_real_server_over_http_and_stdio_survive_its_restarts() {
+    let server_port = agent_bus::embedded::free_port().unwrap();
+    let mut server = HttpServer::start(server_port);
+    let (gate_url, gate) = start_gate(server_port).await;
+    let marker = format!("agent-e2e-mcp-{}", std::process::id());
+    let mcp = serde_json::json!({
+        "sum-http": {"remote-name": "get-sum", "url": gate_url, "auth-token": TOKEN},
+        "sum-intruder": {"remote-name": "get-sum", "url": gate_url, "auth-token": "not-the-token"},
+        // The marker is an argument the server ignores, so the test can find and kill it.
+        "sum-stdio": {"remote-name": "get-sum", "command": "node",
+                      "args": [everything().to_str().unwrap(), "stdio", marker]}
+    });
+    let tools = serde_json::json!({
+        "add-http": {"name": "add_http", "description": "Add two numbers on the HTTP server",
+                     "type": "mcp-tool", "mcp-tool": "sum-http"},
+        "add-stdio": {"name": "add_stdio", "description": "Add two numbers on the stdio server",
+                      "type": "mcp-tool", "mcp-tool": "sum-stdio"},
+        "add-intruder": {"name": "add_intruder", "description": "Add two numbers with the wrong token",
+                         "type": "mcp-tool", "mcp-tool": "sum-intruder",
+                         "arguments": [{"name": "a", "type": "number"}, {"name": "b", "type": "number"}]}
+    });
+    let limits = r#"{"default": {"tool_timeout_secs": 15}}"#;
+    let config = seed_with(
+        "mcp",
+        &[
+            ("mcp", &mcp.to_string()),
+            ("tool", &tools.to_string()),
+            ("agent-limits", limits),
+        ],
+    );
+    let broker = Broker::start().unwrap();
+    let llm = scripted_llm(&script()).await;
+    let _orchestrator = Orchestrator::spawn(&broker, &llm, &config, &[]);
+    let mut client = client(&broker).await;
+
+    // Over HTTP, with the schema from the server and the token sent; then the server is killed
+    // after the first call (an error observation) and started again (the dialog goes on).
+    client
+        .send("m-http", &request("add 17 and 25 over http", false))
+        .await
+        .unwrap();
+    let mut http = until_observation(&mut client, "m-http", "The sum of 17 and 25 is 42.").await;
+    server.kill();
+    http.extend(until_observation(&mut client, "m-http", "Error:").await);
+    server = HttpServer::start(server_port);
+    http.extend(
+        collect_dialog(&mut client, "m-http", DIALOG_TIMEOUT)
+            .await
+            .unwrap(),
+    );
+    assert_eq!(http.last().unwrap().content, "recovered: 7", "{http:#?}");
+    let (triples, first) = observation(&http, 1);
+    assert_eq!(first, "The sum of 17 and 25 is 42.");
+    let (_, lost) = observation(&http, 2);
+    assert!(lost.starts_with("Error: the MCP server"), "{lost}");
+    duration_ms(&explained(&http), &http, 2);
+    let (_, back) = observation(&http, 3);
+    assert_eq!(back, "The sum of 3 and 4 is 7.");
+    let iteration = format!("{}/i1", session_of(&http));
+    let candidates = values(&triples, &iteration, "toolCandidate");
+    for tool in ["add_http", "add_stdio", "add_intruder"] {
+        assert!(candidates.contains(&tool.to_owned()), "{candidates:?}");
+    }
+    assert!(gate.let_in.load(Ordering::SeqCst) > 0);
+    assert_eq!(gate.turned_away.load(Ordering::SeqCst), 0);
+
+    // Restarted between two calls: the second goes to a new session without an error.
+    client
+        .send("m-restart", &request("add twice over http", false))
+        .await
+        .unwrap();
+    let mut twice = until_observation(&mut client, "m-restart", "The sum of 1 and 2 is 3.").await;
+    server.restart();
+    twice.extend(
+        collect_dialog(&mut client, "m-restart", DIALOG_TIMEOUT)
+            .await
+            .unwrap(),
+    );
+    assert_eq!(
+        twice.last().unwrap().content,
+        "4 after a restart",
+        "{twice:#?}"
+    );
+    assert!(
+        !text_of(&twice, "observation").contains("Error"),
+        "{twice:#?}"
+    );
+
+    // Over stdio: the child is killed between two calls and started again for the second.
+    client
+        .send("m-stdio", &request("add 5 and 6 over stdio", false))
+        .await
+        .unwrap();
+    let mut stdio = until_observation(&mut client, "m-stdio", "The sum of 5 and 6 is 11.").await;
+    let first_child = stdio_server_pid(&marker).expect("the stdio server is running");
+    Command::new("pkill")
+        .args(["-KILL", "-f", &marker])
+        .status()
+        .unwrap();
+    stdio.extend(
+        collect_dialog(&mut client, "m-stdio", DIALOG_TIMEOUT)
+            .await
+            .unwrap(),
+    );
+    assert_eq!(
+        stdio.last().unwrap().content,
+        "15 after a respawn",
+        "{stdio:#?}"
+    );
+    assert!(
+        !text_of(&stdio, "observation").contains("Error"),
+        "{stdio:#?}"
+    );
+    let second_child = stdio_server_pid(&marker).expect("the stdio server runs again");
+    assert_ne!(first_child, second_child);
+
+    // A token the server's gate does not accept, and an argument that is not a number.
+    client
+        .send("m-intruder", &request("add with the wrong token", false))
+        .await
+        .unwrap();
+    let intruder = collect_dialog(&mut client, "m-intruder", DIALOG_TIMEOUT)
+        .await
+        .unwrap();
+    assert_eq!(intruder.last().unwrap().content, "refused", "{intruder:#?}");
+    let (_, turned_away) = observation(&intruder, 1);
+    assert!(turned_away.contains("401"), "{turned_away}");
+    assert!(gate.turned_away.load(Ordering::SeqCst) > 0);
+    client
+        .send("m-typed", &request("add words for numbers", false))
+        .await
+        .unwrap();
+    let typed = collect_dialog(&mut client, "m-typed", DIALOG_TIMEOUT)
+        .await
+        .unwrap();
+    assert_eq!(typed.last().unwrap().content, "numbers only", "{typed:#?}");
+    let (_, wrong) = observation(&typed, 1);
+    assert!(
+        wrong.contains("the argument 'a' must be of type number, and 'two' is not"),
+        "{wrong}"
+    );
+
+    drop(server);
+    let _ = Command::new("pkill")
+        .args(["-KILL", "-f", &marker])
+        .status();
+}
