@@ -25,6 +25,11 @@ impl Broker {
         Ok(Broker(EmbeddedBroker::start(0, None)?))
     }
 
+    /// A broker on `port`, for a test that starts a service before its broker.
+    pub fn start_on(port: u16) -> anyhow::Result<Broker> {
+        Ok(Broker(EmbeddedBroker::start(port, None)?))
+    }
+
     pub fn url(&self) -> String {
         self.0.url()
     }
@@ -97,9 +102,20 @@ impl Orchestrator {
         extra: &[&str],
         env: &[(&str, &str)],
     ) -> Orchestrator {
+        Self::spawn_on_url(&broker.url(), llm, config_dir, extra, env)
+    }
+
+    /// An orchestrator for a broker at `url` that may not be up yet.
+    pub fn spawn_on_url(
+        url: &str,
+        llm: &ScriptedLlm,
+        config_dir: &std::path::Path,
+        extra: &[&str],
+        env: &[(&str, &str)],
+    ) -> Orchestrator {
         let mut launch: Vec<std::ffi::OsString> = vec![
             "--pulsar-url".into(),
-            broker.url().into(),
+            url.into(),
             "--llm-base-url".into(),
             llm.base_url().into(),
             "--llm-model".into(),
@@ -121,6 +137,8 @@ impl Orchestrator {
             // Only what the test asks for: no journal or fault from the caller's environment.
             .env_remove("GRAPH_STORE")
             .env_remove("AGENT_FAULT")
+            // Many orchestrators run at once: each its own free port unless a test names one.
+            .env("AGENT_HTTP_ADDR", "127.0.0.1:0")
             .envs(env.iter().map(|(k, v)| (k, v)))
             .args(args)
             .env(

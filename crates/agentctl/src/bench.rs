@@ -84,6 +84,8 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<i32> {
         settings.graph_store = None;
         None
     };
+    // Embedded: its health and metrics endpoint on a free loopback port (it logs which).
+    settings.http_addr = ([127, 0, 0, 1], 0).into();
     let orchestrator = tokio::spawn(agent_orchestrator::run(settings.clone(), shutdown.clone()));
     let bus = Bus::connect(&broker.url(), None).await?;
 

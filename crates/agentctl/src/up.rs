@@ -106,6 +106,8 @@ pub async fn run(args: UpArgs) -> anyhow::Result<i32> {
         "graph store   {} (oxigraph), SPARQL at {endpoint}/query",
         graph_dir.display()
     );
+    // Embedded: its health and metrics endpoint on a free loopback port (it logs which).
+    settings.http_addr = ([127, 0, 0, 1], 0).into();
     let topics = settings.topics();
     let mut orchestrator =
         tokio::spawn(agent_orchestrator::run(settings.clone(), shutdown.clone()));

@@ -196,6 +196,16 @@ impl LlmClient {
         messages: &[ChatMessage],
         deltas: Option<mpsc::Sender<String>>,
     ) -> Result<Completion, LlmError> {
+        let result = self.retrying(messages, deltas).await;
+        record_call(&self.config.model, &result);
+        result
+    }
+
+    async fn retrying(
+        &self,
+        messages: &[ChatMessage],
+        deltas: Option<mpsc::Sender<String>>,
+    ) -> Result<Completion, LlmError> {
         let started = Instant::now();
         let mut attempt = 0u32;
         loop {
@@ -452,3 +462,57 @@ impl LlmClient {
 fn preview(text: &str) -> String {
     text.chars().take(200).collect()
 }
+
+/// Metric of answered LLM calls' latency (seconds, retries included), by model.
+pub const LLM_LATENCY: &str = "agent_llm_call_duration_seconds";
+/// Metric of tokens by model and direction (`in`, `out`).
+pub const LLM_TOKENS: &str = "agent_llm_tokens_total";
+
+/// Declares this crate's metrics in the process registry.
+pub fn describe_metrics() {
+    let registry = agent_metrics::global();
+    registry.describe(
+        LLM_LATENCY,
+        agent_metrics::Kind::Histogram,
+        "Answered LLM calls by model, their retries included.",
+    );
+    registry.describe(
+        LLM_LATENCY_ERRORS,
+        agent_metrics::Kind::Counter,
+        "LLM calls that failed after their retries, by model.",
+    );
+    registry.describe(
+        LLM_TOKENS,
+        agent_metrics::Kind::Counter,
+        "Tokens the LLM read (in) and wrote (out), by model.",
+    );
+}
+
+fn record_call(model: &str, result: &Result<Completion, LlmError>) {
+    let registry = agent_metrics::global();
+    match result {
+        Ok(completion) => {
+            // The model the server says answered, which may differ from the one asked for.
+            let model = if completion.model.is_empty() {
+                model
+            } else {
+                completion.model.as_str()
+            };
+            registry.observe(LLM_LATENCY, &[("model", model)], completion.duration);
+            registry.add(
+                LLM_TOKENS,
+                &[("model", model), ("direction", "in")],
+                completion.in_token as f64,
+            );
+            registry.add(
+                LLM_TOKENS,
+                &[("model", model), ("direction", "out")],
+                completion.out_token as f64,
+            );
+        }
+        Err(_) => registry.inc(LLM_LATENCY_ERRORS, &[("model", model)]),
+    }
+}
+
+/// Metric of LLM calls that failed after their retries, by model.
+pub const LLM_LATENCY_ERRORS: &str = "agent_llm_call_errors_total";

@@ -6,6 +6,8 @@
 pub mod finish;
 pub mod journal;
 pub mod live_config;
+pub mod metrics;
+pub mod ops;
 pub mod output;
 pub mod plan;
 pub mod react;
@@ -157,6 +159,7 @@ impl Engine {
     }
 
     async fn handle_inner(&self, delivery: Delivery<AgentRequest>) -> anyhow::Result<()> {
+        let taken = std::time::Instant::now();
         let Delivery {
             payload: mut request,
             properties,
@@ -240,7 +243,9 @@ impl Engine {
             } else {
                 out.respond(&AgentResponse::error(problem)).await?;
             }
-            return out.commit(slot.as_ref()).await;
+            out.commit(slot.as_ref()).await?;
+            metrics::step("refused", false, out.ended(), taken.elapsed());
+            return Ok(());
         }
         async {
             if new_dialog {
@@ -282,7 +287,25 @@ impl Engine {
         .instrument(span)
         .await?;
         // Everything this message caused must be on the broker before it is acked.
-        out.commit(slot.as_ref()).await
+        out.commit(slot.as_ref()).await?;
+        let routing = new_dialog && requested.is_none();
+        let pattern = match request.pattern.as_str() {
+            _ if routing => "router",
+            "" => agent_core::router::REACT,
+            named
+                if config.patterns.contains_key(named) || IMPLEMENTED_PATTERNS.contains(&named) =>
+            {
+                named
+            }
+            _ => "other",
+        };
+        metrics::step(
+            pattern,
+            !routing && request.history.is_empty(),
+            out.ended(),
+            taken.elapsed(),
+        );
+        Ok(())
     }
 }
 
@@ -380,7 +403,19 @@ pub async fn run(settings: Settings, shutdown: CancellationToken) -> anyhow::Res
     let config = load_config_dir(&settings.config_dir)?;
     let llm = LlmClient::new(settings.llm_config())?;
     let topics = settings.topics();
-    let bus = settings.broker.connect().await?;
+    metrics::describe();
+    let ops = Arc::new(ops::OpsState::default());
+    let listener = tokio::net::TcpListener::bind(settings.http_addr)
+        .await
+        .map_err(|e| {
+            anyhow::anyhow!("cannot listen on {} (--http-addr): {e}", settings.http_addr)
+        })?;
+    tracing::info!(addr = %listener.local_addr()?, "health and metrics endpoint listening");
+    let ops_server = tokio::spawn(ops::serve(listener, ops.clone()));
+    let Some(bus) = connect_until_up(&settings, &shutdown).await else {
+        ops_server.abort();
+        return Ok(());
+    };
     let outputs = Outputs {
         responses: Publisher::new(&bus, &topics.response).await?,
         requests: Publisher::new(&bus, &topics.request).await?,
@@ -394,6 +429,9 @@ pub async fn run(settings: Settings, shutdown: CancellationToken) -> anyhow::Res
         shutdown.clone(),
     ));
     let knowledge = settings.shared_store()?;
+    if let Some(store) = &knowledge {
+        ops.needs_store(store.clone());
+    }
     let journal = knowledge.clone().map(Journal::new);
     if journal.is_none() {
         tracing::warn!("no shared graph store (GRAPH_STORE as an http(s) SPARQL endpoint): iterations are at-least-once");
@@ -417,6 +455,7 @@ pub async fn run(settings: Settings, shutdown: CancellationToken) -> anyhow::Res
         nack_delay: std::time::Duration::from_secs(1),
     };
     tracing::info!(request = %topics.request, response = %topics.response, "agent-orchestrator ready");
+    ops.consuming(stats.clone());
     let consumed = run_consumer(
         &bus,
         subscription,
@@ -428,11 +467,35 @@ pub async fn run(settings: Settings, shutdown: CancellationToken) -> anyhow::Res
         },
     )
     .await;
+    ops.stopped();
     // The follower stops with the consumer, so its subscriptions close before the process ends.
     shutdown.cancel();
     let _ = follower.await;
+    ops_server.abort();
     consumed?;
     Ok(())
+}
+
+/// The broker connection, tried again with backoff until it is up (a pod may start before its
+/// broker); `None` when shut down first.
+async fn connect_until_up(
+    settings: &Settings,
+    shutdown: &CancellationToken,
+) -> Option<agent_bus::Bus> {
+    let mut wait = Duration::from_millis(250);
+    loop {
+        match settings.broker.connect().await {
+            Ok(bus) => return Some(bus),
+            Err(e) => {
+                tracing::warn!(error = %e, retry_in_ms = wait.as_millis() as u64, "the broker is not reachable yet");
+                tokio::select! {
+                    _ = shutdown.cancelled() => return None,
+                    _ = tokio::time::sleep(wait) => {}
+                }
+                wait = (wait * 2).min(Duration::from_secs(5));
+            }
+        }
+    }
 }
 
 #[cfg(test)]

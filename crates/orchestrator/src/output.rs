@@ -36,6 +36,8 @@ pub struct DialogOutput<'a> {
     pending: Mutex<Vec<Receipt>>,
     /// Durable effects waiting for the commit.
     effects: Mutex<Vec<Effect>>,
+    /// How the dialog ended in this step (`answer` or `error`), if it did: for the metrics.
+    ended: Mutex<Option<&'static str>>,
 }
 
 /// Who recorded a journal entry that a delivery finds in its way.
@@ -75,7 +77,13 @@ impl<'a> DialogOutput<'a> {
             started_ms,
             pending: Mutex::new(Vec::new()),
             effects: Mutex::new(Vec::new()),
+            ended: Mutex::new(None),
         }
+    }
+
+    /// How the dialog ended in this step, if it did.
+    pub fn ended(&self) -> Option<&'static str> {
+        self.ended.lock().map(|e| *e).unwrap_or(None)
     }
 
     /// Holds a durable effect for the commit.
@@ -211,6 +219,15 @@ impl<'a> DialogOutput<'a> {
 
     /// A durable response: the closing answer or an error.
     pub async fn respond(&self, response: &AgentResponse) -> Result<(), BusError> {
+        if response.end_of_dialog {
+            if let Ok(mut ended) = self.ended.lock() {
+                *ended = Some(if response.error.is_some() {
+                    "error"
+                } else {
+                    "answer"
+                });
+            }
+        }
         self.hold(
             Channel::Responses,
             agent_schema::encode(response),

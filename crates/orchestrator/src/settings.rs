@@ -61,6 +61,9 @@ pub struct Settings {
     /// Bearer token for the graph store's writes.
     #[arg(long, env = "CONFIG_TOKEN", hide_env_values = true)]
     pub config_token: Option<String>,
+    /// Where `/healthz`, `/readyz` and `/metrics` listen.
+    #[arg(long, env = "AGENT_HTTP_ADDR", default_value = "0.0.0.0:8080")]
+    pub http_addr: std::net::SocketAddr,
 }
 
 impl Settings {

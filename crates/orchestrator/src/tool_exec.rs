@@ -69,6 +69,9 @@ pub async fn run_scoped_tool(
             (run, scope.next_state(tool))
         }
         found => {
+            // The name the LLM wrote is not a label: only configured names are.
+            let label = found.map_or("unknown", |t| t.name.as_str());
+            crate::metrics::tool_call(label, "refused", Duration::ZERO);
             let why = if found.is_some() {
                 format!(
                     "Error: the tool '{action}' is not available to this request (group or state)"
@@ -102,6 +105,12 @@ pub async fn run_tool(
 ) -> ToolRun {
     let started = Instant::now();
     let outcome = tokio::time::timeout(timeout, call(context, tool, arguments)).await;
+    let fate = match &outcome {
+        Ok(Ok(_)) => "ok",
+        Ok(Err(_)) => "error",
+        Err(_) => "timeout",
+    };
+    crate::metrics::tool_call(&tool.name, fate, started.elapsed());
     let (observation, in_token, out_token) = match outcome {
         Ok(Ok((text, i, o))) => (text, i, o),
         Ok(Err(message)) => (format!("Error: {message}"), 0, 0),

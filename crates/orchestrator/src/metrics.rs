@@ -1,0 +1,89 @@
+//! The orchestrator's Prometheus metrics: dialogs, iterations, tool calls and the consumer's message
+//! fates. Label values come from config or from a fixed set, never from a request, so a client
+//! cannot grow the number of series.
+
+use std::time::Duration;
+
+use agent_bus::ConsumerStats;
+use agent_metrics::{global, Kind};
+
+pub const DIALOGS_STARTED: &str = "agent_dialogs_started_total";
+pub const DIALOGS_FINISHED: &str = "agent_dialogs_finished_total";
+pub const ITERATIONS: &str = "agent_iterations_total";
+pub const ITERATION_LATENCY: &str = "agent_iteration_duration_seconds";
+pub const TOOL_CALLS: &str = "agent_tool_calls_total";
+pub const TOOL_LATENCY: &str = "agent_tool_call_duration_seconds";
+pub const MESSAGES: &str = "agent_request_messages_total";
+
+/// Declares every family this process reports, so `/metrics` lists them from the start.
+pub fn describe() {
+    let registry = global();
+    registry.describe(
+        DIALOGS_STARTED,
+        Kind::Counter,
+        "Dialogs whose first pattern iteration ran, by pattern.",
+    );
+    registry.describe(
+        DIALOGS_FINISHED,
+        Kind::Counter,
+        "Dialogs that ended, by pattern and outcome (answer, error).",
+    );
+    registry.describe(ITERATIONS, Kind::Counter, "Steps run and committed, by pattern (router: the routing step; refused: an invalid request).");
+    registry.describe(
+        ITERATION_LATENCY,
+        Kind::Histogram,
+        "Time from taking a request message to committing its step, by pattern.",
+    );
+    registry.describe(
+        TOOL_CALLS,
+        Kind::Counter,
+        "Tool calls by tool and outcome (ok, error, timeout, refused).",
+    );
+    registry.describe(TOOL_LATENCY, Kind::Histogram, "Tool call duration by tool.");
+    registry.describe(
+        MESSAGES,
+        Kind::Counter,
+        "Request messages by fate: received, acked, nacked (to be redelivered), dead-lettered.",
+    );
+    agent_llm::describe_metrics();
+}
+
+/// A committed step.
+pub fn step(pattern: &str, first_iteration: bool, ended: Option<&str>, took: Duration) {
+    let registry = global();
+    registry.inc(ITERATIONS, &[("pattern", pattern)]);
+    registry.observe(ITERATION_LATENCY, &[("pattern", pattern)], took);
+    if first_iteration {
+        registry.inc(DIALOGS_STARTED, &[("pattern", pattern)]);
+    }
+    if let Some(outcome) = ended {
+        registry.inc(
+            DIALOGS_FINISHED,
+            &[("pattern", pattern), ("outcome", outcome)],
+        );
+    }
+}
+
+/// A tool run; `tool` is a configured tool's name (or `unknown`).
+pub fn tool_call(tool: &str, outcome: &str, took: Duration) {
+    let registry = global();
+    registry.inc(TOOL_CALLS, &[("tool", tool), ("outcome", outcome)]);
+    registry.observe(TOOL_LATENCY, &[("tool", tool)], took);
+}
+
+/// Copies the consumer's counters into the registry (at scrape time: they are kept by the bus).
+pub fn consumer(stats: &ConsumerStats) {
+    let registry = global();
+    for (fate, counter) in [
+        ("received", &stats.received),
+        ("acked", &stats.acked),
+        ("nacked", &stats.nacked),
+        ("dead_lettered", &stats.dead_lettered),
+    ] {
+        registry.set_total(
+            MESSAGES,
+            &[("fate", fate)],
+            ConsumerStats::get(counter) as f64,
+        );
+    }
+}

@@ -1,0 +1,104 @@
+//! The operator's endpoints: `/healthz` (the process serves), `/readyz` (it is consuming from the
+//! broker and, when it journals or reads knowledge, reaches the graph store) and Prometheus
+//! `/metrics`. They listen before the broker is reached, so a probe sees "not ready" rather than
+//! nothing while the broker is down.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use agent_bus::ConsumerStats;
+use agent_graph::GraphStore;
+use axum::extract::State;
+use axum::http::{header, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::get;
+use axum::Router;
+
+/// What the endpoints report on; shared with the service's run loop.
+#[derive(Default)]
+pub struct OpsState {
+    consuming: AtomicBool,
+    stats: Mutex<Option<Arc<ConsumerStats>>>,
+    store: Mutex<Option<GraphStore>>,
+}
+
+impl OpsState {
+    /// The consumer is subscribed: the broker is reachable.
+    pub fn consuming(&self, stats: Arc<ConsumerStats>) {
+        if let Ok(mut slot) = self.stats.lock() {
+            *slot = Some(stats);
+        }
+        self.consuming.store(true, Ordering::SeqCst);
+    }
+
+    /// Consuming has stopped (shutdown, or the broker is gone for good).
+    pub fn stopped(&self) {
+        self.consuming.store(false, Ordering::SeqCst);
+    }
+
+    pub fn needs_store(&self, store: GraphStore) {
+        if let Ok(mut slot) = self.store.lock() {
+            *slot = Some(store);
+        }
+    }
+}
+
+pub fn router(state: Arc<OpsState>) -> Router {
+    Router::new()
+        .route("/healthz", get(|| async { "ok" }))
+        .route("/readyz", get(ready))
+        .route("/metrics", get(metrics))
+        .with_state(state)
+}
+
+/// Serves the endpoints on `listener` until the process ends.
+pub async fn serve(listener: tokio::net::TcpListener, state: Arc<OpsState>) {
+    if let Err(e) = axum::serve(listener, router(state)).await {
+        tracing::error!(error = %e, "the health and metrics endpoint stopped");
+    }
+}
+
+async fn ready(State(state): State<Arc<OpsState>>) -> Response {
+    if !state.consuming.load(Ordering::SeqCst) {
+        return (
+            StatusCode::SERVICE_UNAVAILABLE,
+            "not consuming from the broker",
+        )
+            .into_response();
+    }
+    let store = state.store.lock().ok().and_then(|s| s.clone());
+    if let Some(store) = store {
+        let asked = tokio::time::timeout(Duration::from_secs(2), store.query("ASK { }".to_owned()));
+        match asked.await {
+            Ok(Ok(_)) => {}
+            Ok(Err(e)) => {
+                return (
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    format!("the graph store fails: {e}"),
+                )
+                    .into_response()
+            }
+            Err(_) => {
+                return (
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "the graph store does not answer",
+                )
+                    .into_response()
+            }
+        }
+    }
+    "ready".into_response()
+}
+
+async fn metrics(State(state): State<Arc<OpsState>>) -> Response {
+    let stats = state.stats.lock().ok().and_then(|s| s.clone());
+    if let Some(stats) = stats {
+        crate::metrics::consumer(&stats);
+    }
+    (
+        [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
+        agent_metrics::global().render(),
+    )
+        .into_response()
+}
