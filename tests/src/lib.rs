@@ -641,6 +641,29 @@ pub fn duration_ms(triples: &[agent_schema::Triple], responses: &[AgentResponse]
         .unwrap_or_else(|| panic!("no tool duration on {node}"))
 }
 
+/// Every sample of a Prometheus `/metrics` page under `base`: `name{labels}` -> value.
+pub async fn scrape(base: &str) -> std::collections::BTreeMap<String, f64> {
+    let text = reqwest::get(format!("{base}/metrics"))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    text.lines()
+        .filter(|l| !l.starts_with('#') && !l.is_empty())
+        .filter_map(|l| {
+            let (series, value) = l.rsplit_once(' ')?;
+            Some((series.to_owned(), value.parse().ok()?))
+        })
+        .collect()
+}
+
+/// One sample of a scrape, which must be there.
+pub fn sample(all: &std::collections::BTreeMap<String, f64>, series: &str) -> f64 {
+    *all.get(series)
+        .unwrap_or_else(|| panic!("no {series} in {all:#?}"))
+}
+
 /// Three ReACT iterations through the seeded `llm` tool: two tool calls, then the answer
 /// "alpha and beta, combined.". The first iteration's call is rule 4, the second's rule 1, the
 /// answer's rule 0.

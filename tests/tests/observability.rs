@@ -33,22 +33,6 @@ async fn get(url: &str) -> (u16, String) {
     }
 }
 
-/// `name{labels}` -> value, for every sample line.
-fn samples(text: &str) -> BTreeMap<String, f64> {
-    text.lines()
-        .filter(|l| !l.starts_with('#') && !l.is_empty())
-        .filter_map(|l| {
-            let (series, value) = l.rsplit_once(' ')?;
-            Some((series.to_owned(), value.parse().ok()?))
-        })
-        .collect()
-}
-
-fn sample(all: &BTreeMap<String, f64>, series: &str) -> f64 {
-    *all.get(series)
-        .unwrap_or_else(|| panic!("no {series} in {all:#?}"))
-}
-
 /// The sum of every series of `family` whose labels include `with`.
 fn sum(all: &BTreeMap<String, f64>, family: &str, with: &str) -> f64 {
     all.iter()
@@ -137,7 +121,7 @@ async fn readiness_follows_the_broker_and_metrics_count_the_dialogs() {
     // The counters are updated after each commit; give the dead letter a moment.
     let mut all = BTreeMap::new();
     for _ in 0..50 {
-        all = samples(&get(&format!("{base}/metrics")).await.1);
+        all = scrape(&base).await;
         if all.get("agent_request_messages_total{fate=\"dead_lettered\"}") == Some(&1.0) {
             break;
         }

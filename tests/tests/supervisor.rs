@@ -120,6 +120,18 @@ async fn a_four_way_fan_out_is_synthesised_once() {
               prov:wasDerivedFrom+ <{session}> }} }}"
     );
     assert_eq!(count_reaching(&store, subagent_roots, 4).await, 4);
+
+    // The operator's view: one fan-in done, none open, the explain messages written.
+    let metrics = scrape(&aggregator.endpoint).await;
+    assert_eq!(
+        sample(
+            &metrics,
+            "agent_fanin_duration_seconds_count{outcome=\"complete\"}"
+        ),
+        1.0
+    );
+    assert_eq!(sample(&metrics, "agent_fanouts_open"), 0.0);
+    assert!(sample(&metrics, "agent_explain_messages_total{fate=\"acked\"}") > 10.0);
 }
 
 /// A subagent that never finishes: after the fan-out timeout the aggregator's sweep gives the
@@ -127,7 +139,7 @@ async fn a_four_way_fan_out_is_synthesised_once() {
 #[tokio::test]
 async fn a_stalled_subagent_gets_a_partial_synthesis_after_the_timeout() {
     let broker = Broker::start().unwrap();
-    let _aggregator = Aggregator::spawn_with(&broker, &["--fanout-timeout-secs", "3"]);
+    let aggregator = Aggregator::spawn_with(&broker, &["--fanout-timeout-secs", "3"]);
     let llm = scripted_llm(
         r#"{"rules": [
       {"match": "Request to split: Survey", "reply": "[{\"goal\": \"ask the quick one\"}, {\"goal\": \"ask the slow one\"}]"},
@@ -157,6 +169,15 @@ async fn a_stalled_subagent_gets_a_partial_synthesis_after_the_timeout() {
     // No second synthesis from a later sweep.
     let more = drain_for(&mut client, "t-1", Duration::from_secs(5)).await;
     assert_eq!(closings(&more), 0, "{more:#?}");
+    let metrics = scrape(&aggregator.endpoint).await;
+    assert_eq!(
+        sample(
+            &metrics,
+            "agent_fanin_duration_seconds_count{outcome=\"timed_out\"}"
+        ),
+        1.0
+    );
+    assert_eq!(sample(&metrics, "agent_fanouts_open"), 0.0);
 }
 
 /// Fan-in straight from the explainability topic: completions that arrive before their fan-out,

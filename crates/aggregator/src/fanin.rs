@@ -121,6 +121,7 @@ pub async fn check(
     let number = |t: Option<&Term>| text(t).parse::<u64>().unwrap_or(0);
     let mut tokens = (number(column("in")), number(column("out")));
     let started = number(column("started"));
+    let recorded = chrono::DateTime::parse_from_rfc3339(&text(column("recorded"))).ok();
     let done = rows(store, queries::completions(correlation_id)).await?;
     let mut results = BTreeMap::new();
     let mut seen = std::collections::BTreeSet::new();
@@ -217,6 +218,12 @@ pub async fn check(
         .wait()
         .await?;
     store.update(queries::synthesis_requested(&node)).await?;
+    if let Some(recorded) = recorded {
+        let took = (chrono::Utc::now() - recorded.with_timezone(&chrono::Utc))
+            .to_std()
+            .unwrap_or_default();
+        crate::metrics::fan_in(timed_out.is_some(), took);
+    }
     tracing::info!(correlation_id, "fan-in complete; synthesis requested");
     Ok(())
 }

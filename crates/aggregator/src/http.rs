@@ -1,7 +1,10 @@
 //! The SPARQL 1.1 Protocol over the embedded store: `/query` (open), `/update` and the Graph Store
-//! Protocol's `POST /store` (bearer token), and `/healthz`, `/readyz`.
+//! Protocol's `POST /store` (bearer token), and `/healthz`, `/readyz`, `/metrics`.
 
 use std::collections::HashMap;
+use std::sync::Arc;
+
+use agent_bus::ConsumerStats;
 
 use agent_graph::{serialize_answer, GraphError, GraphStore};
 use axum::body::Bytes;
@@ -15,10 +18,12 @@ use axum::Router;
 struct AppState {
     store: GraphStore,
     token: Option<String>,
+    stats: Arc<ConsumerStats>,
 }
 
-/// The routes; `token` guards writes (no token configured: writes are refused).
-pub fn router(store: GraphStore, token: Option<String>) -> Router {
+/// The routes; `token` guards writes (no token configured: writes are refused); `stats` are the
+/// explainability consumer's, for `/metrics`.
+pub fn router(store: GraphStore, token: Option<String>, stats: Arc<ConsumerStats>) -> Router {
     Router::new()
         .route("/query", get(query_get).post(query_post))
         .route("/sparql", get(query_get).post(query_post))
@@ -26,7 +31,12 @@ pub fn router(store: GraphStore, token: Option<String>) -> Router {
         .route("/store", post(store_post))
         .route("/healthz", get(|| async { "ok" }))
         .route("/readyz", get(ready))
-        .with_state(AppState { store, token })
+        .route("/metrics", get(metrics))
+        .with_state(AppState {
+            store,
+            token,
+            stats,
+        })
 }
 
 fn error_response(e: GraphError) -> Response {
@@ -173,6 +183,15 @@ async fn store_post(
         Ok(()) => StatusCode::NO_CONTENT.into_response(),
         Err(e) => error_response(e),
     }
+}
+
+async fn metrics(State(state): State<AppState>) -> Response {
+    crate::metrics::refresh(&state.store, &state.stats).await;
+    (
+        [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
+        agent_metrics::global().render(),
+    )
+        .into_response()
 }
 
 async fn ready(State(state): State<AppState>) -> Response {

@@ -5,6 +5,7 @@
 
 pub mod fanin;
 pub mod http;
+pub mod metrics;
 pub mod writer;
 
 use std::net::SocketAddr;
@@ -73,7 +74,9 @@ pub async fn run(settings: AggregatorSettings, shutdown: CancellationToken) -> a
         .await
         .with_context(|| format!("binding {}", settings.http_addr))?;
     tracing::info!(addr = %listener.local_addr()?, "serving SPARQL");
-    let app = http::router(store.clone(), token);
+    metrics::describe();
+    let stats = Arc::new(ConsumerStats::default());
+    let app = http::router(store.clone(), token, stats.clone());
     let stop = shutdown.clone();
     let server = tokio::spawn(async move {
         axum::serve(listener, app)
@@ -116,7 +119,6 @@ pub async fn run(settings: AggregatorSettings, shutdown: CancellationToken) -> a
         shutdown.clone(),
     ));
     let writer = Arc::new(writer::Writer::new(store, Some(requests)));
-    let stats = Arc::new(ConsumerStats::default());
     let consumed = run_consumer(
         &bus,
         subscription,

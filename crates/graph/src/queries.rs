@@ -66,15 +66,16 @@ pub fn derivation_closure(start: &NamedNode) -> String {
 }
 
 /// The fan-out `correlation_id` names, while no synthesis was requested for it: its node, expected
-/// count, the supervisor's continuation and the client's id.
+/// count, the supervisor's continuation, the client's id and when it was recorded.
 pub fn open_fanout(correlation_id: &str) -> String {
     let g = graph();
     let cid = oxigraph::model::Literal::new_simple_literal(correlation_id);
     format!(
-        "{PREFIXES}SELECT ?f ?expected ?continuation ?client ?in ?out ?started WHERE {{ GRAPH {g} {{
+        "{PREFIXES}SELECT ?f ?expected ?continuation ?client ?in ?out ?started ?recorded WHERE {{ GRAPH {g} {{
   ?f a tg:FanOut ; tg:correlationId {cid} ; tg:expectedSiblings ?expected ;
      tg:continuation ?continuation ; tg:clientId ?client .
   OPTIONAL {{ ?f tg:dialogInToken ?in ; tg:dialogOutToken ?out ; tg:dialogStartedMs ?started }}
+  OPTIONAL {{ ?f prov:startedAtTime ?recorded }}
   FILTER NOT EXISTS {{ ?f tg:synthesisRequested ?done }} }} }}"
     )
 }
@@ -124,6 +125,16 @@ pub fn synthesis_claim(fanout: &NamedNode) -> String {
 pub fn synthesis_requested(fanout: &NamedNode) -> String {
     let g = graph();
     format!("{PREFIXES}INSERT DATA {{ GRAPH {g} {{ {fanout} tg:synthesisRequested true }} }}")
+}
+
+/// How many fan-outs are still waiting for their synthesis (`?n`).
+pub fn open_fanouts() -> String {
+    let g = graph();
+    format!(
+        "{PREFIXES}SELECT (COUNT(DISTINCT ?f) AS ?n) WHERE {{ GRAPH {g} {{
+  ?f a tg:FanOut .
+  FILTER NOT EXISTS {{ ?f tg:synthesisRequested ?done }} }} }}"
+    )
 }
 
 /// Fan-outs still waiting for their synthesis that started before `cutoff` (an xsd:dateTime).

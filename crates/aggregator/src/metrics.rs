@@ -1,0 +1,50 @@
+//! The aggregator's Prometheus metrics: supervisor fan-outs still open, how long fan-ins took, and
+//! the explainability consumer's message fates.
+
+use std::time::Duration;
+
+use agent_bus::ConsumerStats;
+use agent_graph::{GraphStore, QueryAnswer};
+use agent_metrics::{global, Kind};
+
+pub const FANOUTS_OPEN: &str = "agent_fanouts_open";
+pub const FANIN_LATENCY: &str = "agent_fanin_duration_seconds";
+pub const MESSAGES: &str = "agent_explain_messages_total";
+
+pub fn describe() {
+    let registry = global();
+    registry.describe(FANOUTS_OPEN, Kind::Gauge, "Supervisor fan-outs recorded in the graph store and not yet synthesised (all aggregators).");
+    registry.describe(FANIN_LATENCY, Kind::Histogram, "From a fan-out being recorded to its synthesis being requested, by outcome (complete, timed_out).");
+    registry.describe(MESSAGES, Kind::Counter, "Explainability messages by fate: received, acked, nacked (to be redelivered), dead-lettered.");
+}
+
+/// A fan-in this aggregator finished.
+pub fn fan_in(timed_out: bool, took: Duration) {
+    let outcome = if timed_out { "timed_out" } else { "complete" };
+    global().observe(FANIN_LATENCY, &[("outcome", outcome)], took);
+}
+
+/// Brings the scrape-time values up to date: the open fan-outs are read from the store (the truth
+/// every aggregator shares), the message counts from the consumer.
+pub async fn refresh(store: &GraphStore, stats: &ConsumerStats) {
+    let registry = global();
+    if let Ok(QueryAnswer::Rows(rows)) = store.query(agent_graph::queries::open_fanouts()).await {
+        let open = match rows.first("n") {
+            Some(agent_graph::model::Term::Literal(n)) => n.value().parse::<f64>().unwrap_or(0.0),
+            _ => 0.0,
+        };
+        registry.set(FANOUTS_OPEN, &[], open);
+    }
+    for (fate, counter) in [
+        ("received", &stats.received),
+        ("acked", &stats.acked),
+        ("nacked", &stats.nacked),
+        ("dead_lettered", &stats.dead_lettered),
+    ] {
+        registry.set_total(
+            MESSAGES,
+            &[("fate", fate)],
+            ConsumerStats::get(counter) as f64,
+        );
+    }
+}
