@@ -6,7 +6,8 @@ cd "$(dirname "$0")/.."
 need_apt=()
 command -v protoc >/dev/null 2>&1 || need_apt+=(protobuf-compiler)
 # libclang-dev: oxigraph's RocksDB build needs bindgen.
-for pkg in pkg-config libssl-dev libclang-dev; do
+# docker-compose (Debian's): validates docker-compose.yml in scripts/check-deploy.sh.
+for pkg in pkg-config libssl-dev libclang-dev docker-compose; do
   dpkg -s "$pkg" >/dev/null 2>&1 || need_apt+=("$pkg")
 done
 if [ ${#need_apt[@]} -gt 0 ]; then
@@ -31,6 +32,13 @@ if [ "$(cat "$mcp_dir/node_modules/.installed" 2>/dev/null)" != "$mcp_stamp" ]; 
   (cd "$mcp_dir" && npm ci --no-audit --no-fund --loglevel=error >/dev/null 2>&1) \
     || { echo "setup: ERROR: npm ci failed in $mcp_dir" >&2; exit 1; }
   echo "$mcp_stamp" >"$mcp_dir/node_modules/.installed"
+fi
+
+# The Kubernetes manifests' validator, with the Kubernetes schemas inside (scripts/check-deploy.sh).
+if [ "$(python3 -c 'import importlib.metadata as m; print(m.version("kubernetes-validate"))' 2>/dev/null)" != "1.37.0" ]; then
+  echo "setup: installing kubernetes-validate from PyPI" >&2
+  python3 -m pip install -q --disable-pip-version-check 'kubernetes-validate==1.37.0' >/dev/null 2>&1 \
+    || python3 -m pip install -q --disable-pip-version-check --break-system-packages 'kubernetes-validate==1.37.0' >/dev/null
 fi
 
 scripts/pulsar-lite.sh path >/dev/null

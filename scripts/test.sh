@@ -7,6 +7,8 @@ scripts/setup.sh
 . scripts/env.sh
 echo "== cargo fmt --check"
 cargo fmt --all -- --check
+echo "== deployment files"
+scripts/check-deploy.sh
 echo "== cargo clippy"
 cargo clippy --locked --workspace --all-targets -- -D warnings
 echo "== build binaries (the end-to-end tests run them)"

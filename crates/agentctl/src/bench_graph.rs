@@ -54,6 +54,7 @@ async fn write_throughput(args: &GraphBenchArgs) -> anyhow::Result<()> {
     let broker_args = BrokerArgs {
         pulsar_url: broker.url(),
         pulsar_token: None,
+        pulsar_tls_ca_file: None,
         workspace: "default".into(),
         flow: "default".into(),
     };

@@ -10,6 +10,9 @@ pub struct BrokerArgs {
     /// Broker token for token authentication.
     #[arg(long, env = "PULSAR_TOKEN", hide_env_values = true)]
     pub pulsar_token: Option<String>,
+    /// CA certificates (PEM) for a `pulsar+ssl://` broker signed by a private CA.
+    #[arg(long, env = "PULSAR_TLS_CA_FILE")]
+    pub pulsar_tls_ca_file: Option<std::path::PathBuf>,
     /// Workspace part of the topic names.
     #[arg(long, env = "AGENT_WORKSPACE", default_value = "default")]
     pub workspace: String,
@@ -20,7 +23,12 @@ pub struct BrokerArgs {
 
 impl BrokerArgs {
     pub async fn connect(&self) -> Result<Bus, BusError> {
-        Bus::connect(&self.pulsar_url, self.pulsar_token.as_deref()).await
+        Bus::connect_tls(
+            &self.pulsar_url,
+            self.pulsar_token.as_deref(),
+            self.pulsar_tls_ca_file.as_deref(),
+        )
+        .await
     }
 
     /// TrustGraph's topic names for this workspace and flow.

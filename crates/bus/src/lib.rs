@@ -37,7 +37,22 @@ pub struct Bus {
 impl Bus {
     /// Connects to `url` (`pulsar://` or `pulsar+ssl://`), with token authentication when a token is given.
     pub async fn connect(url: &str, token: Option<&str>) -> Result<Bus, BusError> {
+        Bus::connect_tls(url, token, None).await
+    }
+
+    /// As [`Bus::connect`], trusting the CA certificates (PEM) in `ca_file` for a `pulsar+ssl://`
+    /// broker whose certificate the system's roots do not cover.
+    pub async fn connect_tls(
+        url: &str,
+        token: Option<&str>,
+        ca_file: Option<&std::path::Path>,
+    ) -> Result<Bus, BusError> {
         let mut builder = Pulsar::builder(url, TokioExecutor);
+        if let Some(ca_file) = ca_file {
+            builder = builder.with_certificate_chain_file(ca_file).map_err(|e| {
+                BusError::Connect(format!("reading the CA file {}: {e}", ca_file.display()))
+            })?;
+        }
         if let Some(token) = token.filter(|t| !t.is_empty()) {
             builder = builder.with_auth(Authentication {
                 name: "token".to_owned(),
