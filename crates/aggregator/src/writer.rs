@@ -19,6 +19,23 @@ impl Writer {
     }
 
     pub async fn handle(&self, delivery: Delivery<Triples>) -> Disposition {
+        use tracing::Instrument;
+        // In the trace of the step that explained itself, so a dialog's trace shows its writes and
+        // its fan-in next to its iterations.
+        let traceparent = delivery
+            .properties
+            .get(agent_bus::trace::TRACEPARENT_PROPERTY)
+            .cloned()
+            .unwrap_or_default();
+        let span = tracing::info_span!(
+            "explain",
+            node = %delivery.payload.metadata.id,
+            traceparent = traceparent.as_str(),
+        );
+        self.write(delivery).instrument(span).await
+    }
+
+    async fn write(&self, delivery: Delivery<Triples>) -> Disposition {
         let message = delivery.payload;
         let quads = match to_quads(&message.triples) {
             Ok(q) => q,

@@ -11,6 +11,7 @@ mod error;
 mod publisher;
 mod service;
 mod topics;
+pub mod trace;
 
 pub use args::{shutdown_signal, BrokerArgs};
 pub use client::{message_property, AgentClient};
@@ -18,7 +19,9 @@ pub use config_client::{ConfigClient, ConfigPushes};
 pub use consumer::{run_consumer, ConsumerStats, Delivery, Disposition, SubscriptionConfig};
 pub use error::BusError;
 pub use publisher::{Publisher, Receipt};
-pub use service::{bearer_matches, init_logging, stop_on_signal, SERVICE_LOG_FILTER};
+pub use service::{
+    bearer_matches, init_logging, init_telemetry, stop_on_signal, SERVICE_LOG_FILTER,
+};
 pub use topics::Topics;
 
 use std::collections::BTreeMap;

@@ -182,7 +182,7 @@ impl Engine {
         let elapsed = std::time::Duration::from_millis(now_ms.saturating_sub(started_ms));
         let session_id = session_id_for(&request, id);
         let uris = SessionUris::new(&session_id);
-        let out = DialogOutput::new(
+        let mut out = DialogOutput::new(
             &self.outputs,
             id,
             &request.collection,
@@ -221,7 +221,23 @@ impl Engine {
             request.pattern.clone_from(&decision.pattern.selected);
         }
         let n = request.history.len() + 1;
-        let span = tracing::info_span!("iteration", session = %session_id, iteration = n, id = id.unwrap_or(""));
+        // Joins the trace the message came with (the client's, or the previous step's).
+        let traceparent = properties
+            .get(agent_bus::trace::TRACEPARENT_PROPERTY)
+            .map_or("", String::as_str);
+        let span = tracing::info_span!(
+            "iteration",
+            session = %session_id,
+            iteration = n,
+            id = id.unwrap_or(""),
+            pattern = %request.pattern,
+            traceparent = traceparent,
+        );
+        // Everything this step sends carries the step's span, so the next step (in any replica)
+        // and the aggregator continue the same trace.
+        if let Some(context) = agent_bus::trace::traceparent(&span) {
+            out.set_property(agent_bus::trace::TRACEPARENT_PROPERTY, context);
+        }
         let turn = Turn {
             request: &request,
             session_id: &session_id,

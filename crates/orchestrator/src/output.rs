@@ -81,6 +81,11 @@ impl<'a> DialogOutput<'a> {
         }
     }
 
+    /// A property every message of this step carries from now on.
+    pub fn set_property(&mut self, key: &str, value: String) {
+        self.properties.insert(key.to_owned(), value);
+    }
+
     /// How the dialog ended in this step, if it did.
     pub fn ended(&self) -> Option<&'static str> {
         self.ended.lock().map(|e| *e).unwrap_or(None)
@@ -267,10 +272,16 @@ impl<'a> DialogOutput<'a> {
             triples,
         };
         // The graph copy is published before the client's, so a client that saw a node can find it.
+        // It carries only the trace context: the aggregator's write joins this step's trace.
+        let mut properties = Properties::new();
+        let trace = agent_bus::trace::TRACEPARENT_PROPERTY;
+        if let Some(context) = self.properties.get(trace) {
+            properties.insert(trace.to_owned(), context.clone());
+        }
         self.hold(
             Channel::Explainability,
             agent_schema::encode(&message),
-            &Properties::new(),
+            &properties,
         );
         let mut r = AgentResponse::new(MessageType::Explain, "");
         r.explain_id = Some(node.to_owned());

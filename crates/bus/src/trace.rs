@@ -1,0 +1,291 @@
+//! Distributed traces: our `tracing` spans exported over OTLP/HTTP (JSON) when
+//! `OTEL_EXPORTER_OTLP_ENDPOINT` is set, with the W3C `traceparent` carried in a message property so
+//! that a dialog's spans in every process (orchestrator iterations, the aggregator's writes and
+//! fan-ins) join into one trace.
+//!
+//! A small exporter of our own rather than the OpenTelemetry SDK: spans are all we export, and the
+//! SDK with its OTLP exporter would add a large dependency tree for that.
+
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use tokio::sync::mpsc;
+use tracing::field::{Field, Visit};
+use tracing::span::{Attributes, Id, Record};
+use tracing::Subscriber;
+use tracing_subscriber::layer::Context;
+use tracing_subscriber::registry::LookupSpan;
+use tracing_subscriber::Layer;
+
+/// The message property that carries the trace context (W3C Trace Context format).
+pub const TRACEPARENT_PROPERTY: &str = "traceparent";
+/// A span field of this name starts the span in that remote context.
+pub const TRACEPARENT_FIELD: &str = "traceparent";
+
+/// The identity of a span, kept in its extensions.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SpanIds {
+    pub trace_id: u128,
+    pub span_id: u64,
+}
+
+impl SpanIds {
+    pub fn traceparent(&self) -> String {
+        format!("00-{:032x}-{:016x}-01", self.trace_id, self.span_id)
+    }
+}
+
+/// Trace and parent span of a `traceparent` value, if it is one.
+pub fn parse_traceparent(value: &str) -> Option<SpanIds> {
+    let mut parts = value.trim().split('-');
+    let (version, trace, span) = (parts.next()?, parts.next()?, parts.next()?);
+    if version.len() != 2 || trace.len() != 32 || span.len() != 16 {
+        return None;
+    }
+    let trace_id = u128::from_str_radix(trace, 16).ok()?;
+    let span_id = u64::from_str_radix(span, 16).ok()?;
+    (trace_id != 0 && span_id != 0).then_some(SpanIds { trace_id, span_id })
+}
+
+/// The `traceparent` naming `span`, when spans are being exported.
+pub fn traceparent(span: &tracing::Span) -> Option<String> {
+    span.with_subscriber(|(id, dispatch)| {
+        let registry = dispatch.downcast_ref::<tracing_subscriber::Registry>()?;
+        let data = registry.span(id)?;
+        let extensions = data.extensions();
+        extensions.get::<Open>().map(|open| open.ids.traceparent())
+    })
+    .flatten()
+}
+
+/// A span being recorded.
+struct Open {
+    ids: SpanIds,
+    parent: Option<u64>,
+    start: SystemTime,
+    attributes: Vec<(String, String)>,
+}
+
+/// A finished span, on its way to the collector.
+struct Finished {
+    name: &'static str,
+    ids: SpanIds,
+    parent: Option<u64>,
+    start: SystemTime,
+    end: SystemTime,
+    attributes: Vec<(String, String)>,
+}
+
+#[derive(Default)]
+struct Fields {
+    traceparent: Option<String>,
+    values: Vec<(String, String)>,
+}
+
+impl Visit for Fields {
+    fn record_str(&mut self, field: &Field, value: &str) {
+        if field.name() == TRACEPARENT_FIELD {
+            self.traceparent = Some(value.to_owned());
+        } else {
+            self.values
+                .push((field.name().to_owned(), value.to_owned()));
+        }
+    }
+
+    fn record_debug(&mut self, field: &Field, value: &dyn std::fmt::Debug) {
+        self.record_str(field, &format!("{value:?}"));
+    }
+}
+
+fn nonzero_u64() -> u64 {
+    rand::random::<u64>().max(1)
+}
+
+/// Collects our spans and hands finished ones to the exporter.
+pub struct OtlpLayer {
+    finished: mpsc::Sender<Finished>,
+}
+
+impl<S> Layer<S> for OtlpLayer
+where
+    S: Subscriber + for<'a> LookupSpan<'a>,
+{
+    fn on_new_span(&self, attrs: &Attributes<'_>, id: &Id, ctx: Context<'_, S>) {
+        let mut fields = Fields::default();
+        attrs.record(&mut fields);
+        let local_parent = attrs
+            .parent()
+            .and_then(|p| ctx.span(p))
+            .or_else(|| {
+                attrs
+                    .is_contextual()
+                    .then(|| ctx.lookup_current())
+                    .flatten()
+            })
+            .and_then(|p| p.extensions().get::<Open>().map(|o| o.ids));
+        let remote = fields.traceparent.as_deref().and_then(parse_traceparent);
+        let (trace_id, parent) = match (remote, local_parent) {
+            (Some(remote), _) => (remote.trace_id, Some(remote.span_id)),
+            (None, Some(local)) => (local.trace_id, Some(local.span_id)),
+            (None, None) => (rand::random::<u128>().max(1), None),
+        };
+        if let Some(span) = ctx.span(id) {
+            span.extensions_mut().insert(Open {
+                ids: SpanIds {
+                    trace_id,
+                    span_id: nonzero_u64(),
+                },
+                parent,
+                start: SystemTime::now(),
+                attributes: fields.values,
+            });
+        }
+    }
+
+    fn on_record(&self, id: &Id, values: &Record<'_>, ctx: Context<'_, S>) {
+        let mut fields = Fields::default();
+        values.record(&mut fields);
+        if let Some(span) = ctx.span(id) {
+            if let Some(open) = span.extensions_mut().get_mut::<Open>() {
+                open.attributes.extend(fields.values);
+            }
+        }
+    }
+
+    fn on_close(&self, id: Id, ctx: Context<'_, S>) {
+        let Some(span) = ctx.span(&id) else {
+            return;
+        };
+        let name = span.name();
+        let Some(open) = span.extensions_mut().remove::<Open>() else {
+            return;
+        };
+        // A full queue (the collector is down) loses spans, never blocks an iteration.
+        let _ = self.finished.try_send(Finished {
+            name,
+            ids: open.ids,
+            parent: open.parent,
+            start: open.start,
+            end: SystemTime::now(),
+            attributes: open.attributes,
+        });
+    }
+}
+
+fn nanos(t: SystemTime) -> String {
+    t.duration_since(UNIX_EPOCH)
+        .unwrap_or_default()
+        .as_nanos()
+        .to_string()
+}
+
+/// The OTLP/HTTP JSON body for a batch of spans.
+fn export_body(service: &str, spans: &[Finished]) -> serde_json::Value {
+    let spans: Vec<serde_json::Value> = spans
+        .iter()
+        .map(|s| {
+            let attributes: Vec<serde_json::Value> = s
+                .attributes
+                .iter()
+                .map(|(k, v)| serde_json::json!({"key": k, "value": {"stringValue": v}}))
+                .collect();
+            let mut span = serde_json::json!({
+                "traceId": format!("{:032x}", s.ids.trace_id),
+                "spanId": format!("{:016x}", s.ids.span_id),
+                "name": s.name,
+                "kind": 1,
+                "startTimeUnixNano": nanos(s.start),
+                "endTimeUnixNano": nanos(s.end),
+                "attributes": attributes,
+            });
+            if let Some(parent) = s.parent {
+                span["parentSpanId"] = serde_json::json!(format!("{parent:016x}"));
+            }
+            span
+        })
+        .collect();
+    serde_json::json!({"resourceSpans": [{
+        "resource": {"attributes": [{"key": "service.name", "value": {"stringValue": service}}]},
+        "scopeSpans": [{"scope": {"name": "pulsar-agents"}, "spans": spans}]
+    }]})
+}
+
+/// Posts finished spans to `{endpoint}/v1/traces` in batches, at least twice a second.
+async fn export(endpoint: String, service: String, mut finished: mpsc::Receiver<Finished>) {
+    let url = format!("{}/v1/traces", endpoint.trim_end_matches('/'));
+    let http = reqwest::Client::new();
+    let mut batch = Vec::new();
+    loop {
+        let deadline = tokio::time::sleep(Duration::from_millis(500));
+        tokio::pin!(deadline);
+        let open = loop {
+            tokio::select! {
+                next = finished.recv() => match next {
+                    Some(span) => {
+                        batch.push(span);
+                        if batch.len() >= 512 { break true; }
+                    }
+                    None => break false,
+                },
+                _ = &mut deadline => break true,
+            }
+        };
+        if !batch.is_empty() {
+            let body = export_body(&service, &batch);
+            batch.clear();
+            let sent = http
+                .post(&url)
+                .timeout(Duration::from_secs(5))
+                .json(&body)
+                .send()
+                .await;
+            if let Err(e) = sent {
+                // Logged at debug: a missing collector must not flood the service's own log.
+                tracing::debug!(error = %e, "could not export spans");
+            }
+        }
+        if !open {
+            return;
+        }
+    }
+}
+
+/// The layer exporting to `endpoint` as `service`, and the exporter task it feeds (to be spawned
+/// on the runtime).
+pub fn otlp_layer(
+    endpoint: &str,
+    service: &str,
+) -> (
+    OtlpLayer,
+    impl std::future::Future<Output = ()> + Send + 'static,
+) {
+    let (tx, rx) = mpsc::channel(8192);
+    (
+        OtlpLayer { finished: tx },
+        export(endpoint.to_owned(), service.to_owned(), rx),
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn traceparent_round_trips_and_rejects_what_is_not_one() {
+        let ids = SpanIds {
+            trace_id: 0x4bf92f3577b34da6a3ce929d0e0e4736,
+            span_id: 0x00f067aa0ba902b7,
+        };
+        let header = ids.traceparent();
+        assert_eq!(
+            header,
+            "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+        );
+        assert_eq!(parse_traceparent(&header), Some(ids));
+        assert_eq!(parse_traceparent(""), None);
+        assert_eq!(parse_traceparent("00-xyz-00f067aa0ba902b7-01"), None);
+        assert_eq!(
+            parse_traceparent("00-00000000000000000000000000000000-00f067aa0ba902b7-01"),
+            None
+        );
+    }
+}
