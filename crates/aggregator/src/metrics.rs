@@ -35,16 +35,5 @@ pub async fn refresh(store: &GraphStore, stats: &ConsumerStats) {
         };
         registry.set(FANOUTS_OPEN, &[], open);
     }
-    for (fate, counter) in [
-        ("received", &stats.received),
-        ("acked", &stats.acked),
-        ("nacked", &stats.nacked),
-        ("dead_lettered", &stats.dead_lettered),
-    ] {
-        registry.set_total(
-            MESSAGES,
-            &[("fate", fate)],
-            ConsumerStats::get(counter) as f64,
-        );
-    }
+    stats.report(MESSAGES);
 }

@@ -72,6 +72,24 @@ impl ConsumerStats {
     pub fn get(counter: &AtomicU64) -> u64 {
         counter.load(Ordering::Relaxed)
     }
+
+    /// Copies the counts into the process's counter `family` (declared by the service), one series
+    /// per fate: received, acked, nacked (to be redelivered), dead_lettered.
+    pub fn report(&self, family: &str) {
+        let registry = agent_metrics::global();
+        for (fate, counter) in [
+            ("received", &self.received),
+            ("acked", &self.acked),
+            ("nacked", &self.nacked),
+            ("dead_lettered", &self.dead_lettered),
+        ] {
+            registry.set_total(
+                family,
+                &[("fate", fate)],
+                ConsumerStats::get(counter) as f64,
+            );
+        }
+    }
 }
 
 /// The property that says why a message was dead-lettered.

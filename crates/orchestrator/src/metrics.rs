@@ -73,17 +73,5 @@ pub fn tool_call(tool: &str, outcome: &str, took: Duration) {
 
 /// Copies the consumer's counters into the registry (at scrape time: they are kept by the bus).
 pub fn consumer(stats: &ConsumerStats) {
-    let registry = global();
-    for (fate, counter) in [
-        ("received", &stats.received),
-        ("acked", &stats.acked),
-        ("nacked", &stats.nacked),
-        ("dead_lettered", &stats.dead_lettered),
-    ] {
-        registry.set_total(
-            MESSAGES,
-            &[("fate", fate)],
-            ConsumerStats::get(counter) as f64,
-        );
-    }
+    stats.report(MESSAGES);
 }
