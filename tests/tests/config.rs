@@ -6,8 +6,8 @@ use std::time::Duration;
 
 use agent_bus::{Bus, ConfigClient, ConfigPushes, Topics};
 use agent_e2e::{
-    binary, client, collect_dialog, config_dir, request as agent_request, scripted_llm, seed_dir,
-    Broker, ConfigSvc, Orchestrator,
+    binary, client, collect_dialog, config_dir, request as agent_request, sample, scrape,
+    scripted_llm, seed_dir, Broker, ConfigSvc, Orchestrator,
 };
 use agent_schema::{operation, ConfigKey, ConfigRequest};
 use config_svc::seed;
@@ -99,7 +99,7 @@ async fn rest_writes_need_the_token_survive_a_kill_and_are_pushed() {
 #[tokio::test]
 async fn the_trustgraph_protocol_over_pulsar() {
     let broker = Broker::start().unwrap();
-    let _svc = ConfigSvc::spawn(&broker, None);
+    let svc = ConfigSvc::spawn(&broker, None);
     let bus = Bus::connect(&broker.url(), None).await.unwrap();
     let topics = Topics::trustgraph("default", "default");
     let mut client = ConfigClient::connect(&bus, &topics).await.unwrap();
@@ -180,6 +180,23 @@ async fn the_trustgraph_protocol_over_pulsar() {
         .unwrap();
     assert_eq!(all.version, Some(2));
     assert!(all.config.unwrap()["tool"].contains_key("llm"));
+
+    // What the operator sees: every request by operation and outcome, the nonsense as `other`.
+    let metrics = scrape(&svc.url).await;
+    let requests = |operation: &str, outcome: &str| {
+        sample(
+            &metrics,
+            &format!(
+                "agent_config_requests_total{{operation=\"{operation}\",outcome=\"{outcome}\"}}"
+            ),
+        )
+    };
+    assert_eq!(requests("config", "ok"), 2.0);
+    assert_eq!(requests("put", "ok"), 1.0);
+    assert_eq!(requests("get", "ok"), 1.0);
+    assert_eq!(requests("get", "error"), 1.0);
+    assert_eq!(requests("other", "error"), 1.0);
+    assert_eq!(sample(&metrics, "agent_config_version"), 2.0);
 }
 
 /// Sends `question` as dialog `id` and returns the error it ended with, if any.

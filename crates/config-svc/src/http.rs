@@ -34,11 +34,23 @@ pub fn router(store: Arc<ConfigStore>, token: Option<String>, pusher: Pusher) ->
         )
         .route("/healthz", get(|| async { "ok" }))
         .route("/readyz", get(|| async { "ok" }))
+        .route("/metrics", get(metrics))
         .with_state(AppState {
             store,
             token,
             pusher,
         })
+}
+
+async fn metrics(State(state): State<AppState>) -> Response {
+    if let Ok(version) = state.store.version() {
+        agent_metrics::global().set(crate::protocol::VERSION, &[], version as f64);
+    }
+    (
+        [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
+        agent_metrics::global().render(),
+    )
+        .into_response()
 }
 
 fn store_error(e: StoreError) -> Response {

@@ -127,6 +127,7 @@ pub async fn run(settings: ConfigSvcSettings, shutdown: CancellationToken) -> an
         .await
         .with_context(|| format!("binding {}", settings.http_addr))?;
     tracing::info!(addr = %listener.local_addr()?, "serving the config REST API");
+    protocol::describe_metrics();
     let app = http::router(store.clone(), token, pusher.clone());
     let stop = shutdown.clone();
     let server = tokio::spawn(async move {

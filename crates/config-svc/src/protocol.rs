@@ -10,8 +10,44 @@ pub const CONFIG_ERROR: &str = "config-error";
 pub const BAD_OPERATION: &str = "bad-operation";
 
 /// Answers `request`; a write that changed something also returns what it wrote.
+/// Metric of config requests over the broker by operation and outcome (ok, error).
+pub const REQUESTS: &str = "agent_config_requests_total";
+/// Metric of the store's version.
+pub const VERSION: &str = "agent_config_version";
+
+/// Declares config-svc's metrics in the process registry.
+pub fn describe_metrics() {
+    let registry = agent_metrics::global();
+    registry.describe(
+        REQUESTS,
+        agent_metrics::Kind::Counter,
+        "Config requests over the broker by operation (unknown ones as other) and outcome (ok, error).",
+    );
+    registry.describe(
+        VERSION,
+        agent_metrics::Kind::Gauge,
+        "The config store's version (raised by every write).",
+    );
+}
+
 pub fn handle(store: &ConfigStore, request: &ConfigRequest) -> (ConfigResponse, Option<Written>) {
-    match answer(store, request) {
+    let answered = answer(store, request);
+    // The operation is the client's text: only the known ones are label values.
+    let known = [
+        operation::GET,
+        operation::LIST,
+        operation::GET_VALUES,
+        operation::PUT,
+        operation::DELETE,
+        operation::CONFIG,
+    ];
+    let label = known
+        .into_iter()
+        .find(|o| *o == request.operation)
+        .unwrap_or("other");
+    let outcome = if answered.is_ok() { "ok" } else { "error" };
+    agent_metrics::global().inc(REQUESTS, &[("operation", label), ("outcome", outcome)]);
+    match answered {
         Ok(pair) => pair,
         Err((kind, message)) => (
             ConfigResponse {
