@@ -121,7 +121,12 @@ async fn a_four_way_fan_out_is_synthesised_once() {
     );
     assert_eq!(count_reaching(&store, subagent_roots, 4).await, 4);
 
-    // The operator's view: one fan-in done, none open, the explain messages written.
+    // The operator's view: ready (consuming, the store answers), one fan-in done, none open, the
+    // explain messages written.
+    let ready = reqwest::get(format!("{}/readyz", aggregator.endpoint))
+        .await
+        .unwrap();
+    assert_eq!(ready.status(), 200);
     let metrics = scrape(&aggregator.endpoint).await;
     assert_eq!(
         sample(

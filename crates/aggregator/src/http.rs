@@ -195,6 +195,17 @@ async fn metrics(State(state): State<AppState>) -> Response {
 }
 
 async fn ready(State(state): State<AppState>) -> Response {
+    if !state
+        .stats
+        .consuming
+        .load(std::sync::atomic::Ordering::SeqCst)
+    {
+        return (
+            StatusCode::SERVICE_UNAVAILABLE,
+            "not consuming from the broker",
+        )
+            .into_response();
+    }
     match state.store.query("ASK { }".to_owned()).await {
         Ok(_) => "ready".into_response(),
         Err(e) => (StatusCode::SERVICE_UNAVAILABLE, e.to_string()).into_response(),

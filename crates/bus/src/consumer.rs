@@ -62,6 +62,8 @@ pub enum Disposition {
 /// Counters of one consumer, for logs, metrics and tests.
 #[derive(Debug, Default)]
 pub struct ConsumerStats {
+    /// Subscribed and taking messages (readiness); false again once it stops.
+    pub consuming: std::sync::atomic::AtomicBool,
     pub received: AtomicU64,
     pub acked: AtomicU64,
     pub nacked: AtomicU64,
@@ -116,6 +118,7 @@ where
     let max_in_flight = config.max_in_flight.max(1);
     let dead_letters = Publisher::new(bus, &config.dead_letter_topic).await?;
     let mut consumer = subscribe(bus, &config).await?;
+    stats.consuming.store(true, Ordering::SeqCst);
     tracing::info!(topic = %config.topic, subscription = %config.subscription, "consuming");
 
     let handler = Arc::new(handler);
@@ -172,6 +175,7 @@ where
 
     // Drain: finish what is in flight so its effects are published and acked; whatever misses the
     // deadline stays un-acked and is redelivered to another replica.
+    stats.consuming.store(false, Ordering::SeqCst);
     let deadline = tokio::time::sleep(config.drain_deadline);
     tokio::pin!(deadline);
     while !tasks.is_empty() {

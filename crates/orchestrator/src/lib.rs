@@ -231,6 +231,7 @@ impl Engine {
             iteration = n,
             id = id.unwrap_or(""),
             pattern = %request.pattern,
+            correlation = %request.correlation_id,
             traceparent = traceparent,
         );
         // Everything this step sends carries the step's span, so the next step (in any replica)
