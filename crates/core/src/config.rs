@@ -8,7 +8,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::prompt::Prompts;
 use crate::router::{self, IMPLEMENTED_PATTERNS};
-use crate::tools::ToolDef;
+use crate::tools::{ToolDef, MCP_TOOL};
 
 /// Config type of tool definitions.
 pub const TOOL_TYPE: &str = "tool";
@@ -438,19 +438,15 @@ impl AgentConfig {
         self.tools.values().find(|t| t.name == name)
     }
 
-    /// The `mcp` entry an `mcp-tool` calls (its `mcp-tool` setting, else its own id) and that
-    /// entry's key.
+    /// The `mcp` entry a configured `mcp-tool` calls ([`ToolDef::mcp_id`]) and that entry's key.
     pub fn mcp_server_for(&self, tool: &ToolDef) -> Option<(&str, &McpServer)> {
-        let id = match tool.settings.get("mcp-tool").and_then(|v| v.as_str()) {
-            Some(id) => id,
-            None => self
-                .tools
-                .iter()
-                .find(|(_, t)| t.name == tool.name)
-                .map(|(key, _)| key.as_str())?,
-        };
+        let key = self
+            .tools
+            .iter()
+            .find(|(_, t)| t.name == tool.name)
+            .map(|(key, _)| key.as_str())?;
         self.mcp
-            .get_key_value(id)
+            .get_key_value(tool.mcp_id(key))
             .map(|(key, server)| (key.as_str(), server))
     }
 
@@ -502,12 +498,8 @@ fn check_tools(config: &AgentConfig, problems: &mut Problems) {
                 format!("tool name '{}' is also used by '{other}'", tool.name),
             );
         }
-        if tool.kind == "mcp-tool" {
-            let server = tool
-                .settings
-                .get("mcp-tool")
-                .and_then(|v| v.as_str())
-                .unwrap_or(key.as_str());
+        if tool.kind == MCP_TOOL {
+            let server = tool.mcp_id(key);
             if !config.mcp.contains_key(server) {
                 problems.push(
                     TOOL_TYPE,

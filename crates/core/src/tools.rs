@@ -9,6 +9,8 @@ use serde::{Deserialize, Serialize};
 pub const UNDEFINED_STATE: &str = "undefined";
 /// The group a tool or request belongs to when it names none.
 pub const DEFAULT_GROUP: &str = "default";
+/// The tool type that calls a tool on an MCP server; also its setting naming the `mcp` entry.
+pub const MCP_TOOL: &str = "mcp-tool";
 
 /// One configured tool: config type `tool`, key = tool id.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -42,6 +44,16 @@ pub struct ToolArgument {
     pub kind: String,
     #[serde(default)]
     pub description: String,
+}
+
+impl ToolDef {
+    /// The `mcp` entry an `mcp-tool` with id `key` calls: its `mcp-tool` setting, else its own id.
+    pub fn mcp_id<'a>(&'a self, key: &'a str) -> &'a str {
+        self.settings
+            .get(MCP_TOOL)
+            .and_then(|v| v.as_str())
+            .unwrap_or(key)
+    }
 }
 
 fn string_type() -> String {

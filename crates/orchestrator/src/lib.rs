@@ -67,7 +67,7 @@ impl Turn<'_> {
         let mut tools = Vec::new();
         for tool in scope.visible(&self.config.tools) {
             let mut tool = tool.clone();
-            if tool.kind == tool_exec::MCP_TOOL && tool.arguments.is_empty() {
+            if tool.kind == agent_core::tools::MCP_TOOL && tool.arguments.is_empty() {
                 match tokio::time::timeout(limit, tool_exec::mcp_arguments(self, &tool)).await {
                     Ok(Ok(arguments)) => tool.arguments = arguments,
                     Ok(Err(e)) => {
@@ -421,14 +421,19 @@ pub async fn run(settings: Settings, shutdown: CancellationToken) -> anyhow::Res
     let llm = LlmClient::new(settings.llm_config())?;
     let topics = settings.topics();
     metrics::describe();
-    let ops = Arc::new(ops::OpsState::default());
+    let stats = Arc::new(ConsumerStats::default());
+    let knowledge = settings.shared_store()?;
+    let ops = Arc::new(ops::OpsState {
+        stats: stats.clone(),
+        store: knowledge.clone(),
+    });
     let listener = tokio::net::TcpListener::bind(settings.http_addr)
         .await
         .map_err(|e| {
             anyhow::anyhow!("cannot listen on {} (--http-addr): {e}", settings.http_addr)
         })?;
     tracing::info!(addr = %listener.local_addr()?, "health and metrics endpoint listening");
-    let ops_server = tokio::spawn(ops::serve(listener, ops.clone()));
+    let ops_server = tokio::spawn(ops::serve(listener, ops));
     let Some(bus) = connect_until_up(&settings, &shutdown).await else {
         ops_server.abort();
         return Ok(());
@@ -445,10 +450,6 @@ pub async fn run(settings: Settings, shutdown: CancellationToken) -> anyhow::Res
         topics.clone(),
         shutdown.clone(),
     ));
-    let knowledge = settings.shared_store()?;
-    if let Some(store) = &knowledge {
-        ops.needs_store(store.clone());
-    }
     let journal = knowledge.clone().map(Journal::new);
     if journal.is_none() {
         tracing::warn!("no shared graph store (GRAPH_STORE as an http(s) SPARQL endpoint): iterations are at-least-once");
@@ -461,7 +462,6 @@ pub async fn run(settings: Settings, shutdown: CancellationToken) -> anyhow::Res
         knowledge,
         mcp: agent_mcp::McpPool::new(),
     });
-    let stats = Arc::new(ConsumerStats::default());
     let subscription = SubscriptionConfig {
         topic: topics.request.clone(),
         subscription: settings.subscription.clone(),
@@ -472,7 +472,6 @@ pub async fn run(settings: Settings, shutdown: CancellationToken) -> anyhow::Res
         nack_delay: std::time::Duration::from_secs(1),
     };
     tracing::info!(request = %topics.request, response = %topics.response, "agent-orchestrator ready");
-    ops.consuming(stats.clone());
     let consumed = run_consumer(
         &bus,
         subscription,
@@ -484,7 +483,6 @@ pub async fn run(settings: Settings, shutdown: CancellationToken) -> anyhow::Res
         },
     )
     .await;
-    ops.stopped();
     // The follower stops with the consumer, so its subscriptions close before the process ends.
     shutdown.cancel();
     let _ = follower.await;

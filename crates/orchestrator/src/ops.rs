@@ -3,8 +3,8 @@
 //! `/metrics`. They listen before the broker is reached, so a probe sees "not ready" rather than
 //! nothing while the broker is down.
 
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
 use std::time::Duration;
 
 use agent_bus::ConsumerStats;
@@ -15,33 +15,11 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use axum::Router;
 
-/// What the endpoints report on; shared with the service's run loop.
-#[derive(Default)]
+/// What the endpoints report on: the request consumer (it says when it is subscribed) and the
+/// graph store the orchestrator needs, if any.
 pub struct OpsState {
-    consuming: AtomicBool,
-    stats: Mutex<Option<Arc<ConsumerStats>>>,
-    store: Mutex<Option<GraphStore>>,
-}
-
-impl OpsState {
-    /// The consumer is subscribed: the broker is reachable.
-    pub fn consuming(&self, stats: Arc<ConsumerStats>) {
-        if let Ok(mut slot) = self.stats.lock() {
-            *slot = Some(stats);
-        }
-        self.consuming.store(true, Ordering::SeqCst);
-    }
-
-    /// Consuming has stopped (shutdown, or the broker is gone for good).
-    pub fn stopped(&self) {
-        self.consuming.store(false, Ordering::SeqCst);
-    }
-
-    pub fn needs_store(&self, store: GraphStore) {
-        if let Ok(mut slot) = self.store.lock() {
-            *slot = Some(store);
-        }
-    }
+    pub stats: Arc<ConsumerStats>,
+    pub store: Option<GraphStore>,
 }
 
 pub fn router(state: Arc<OpsState>) -> Router {
@@ -60,15 +38,14 @@ pub async fn serve(listener: tokio::net::TcpListener, state: Arc<OpsState>) {
 }
 
 async fn ready(State(state): State<Arc<OpsState>>) -> Response {
-    if !state.consuming.load(Ordering::SeqCst) {
+    if !state.stats.consuming.load(Ordering::SeqCst) {
         return (
             StatusCode::SERVICE_UNAVAILABLE,
             "not consuming from the broker",
         )
             .into_response();
     }
-    let store = state.store.lock().ok().and_then(|s| s.clone());
-    if let Some(store) = store {
+    if let Some(store) = &state.store {
         let asked = tokio::time::timeout(Duration::from_secs(2), store.query("ASK { }".to_owned()));
         match asked.await {
             Ok(Ok(_)) => {}
@@ -92,10 +69,7 @@ async fn ready(State(state): State<Arc<OpsState>>) -> Response {
 }
 
 async fn metrics(State(state): State<Arc<OpsState>>) -> Response {
-    let stats = state.stats.lock().ok().and_then(|s| s.clone());
-    if let Some(stats) = stats {
-        crate::metrics::consumer(&stats);
-    }
+    crate::metrics::consumer(&state.stats);
     (
         [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
         agent_metrics::global().render(),

@@ -5,15 +5,12 @@ use std::time::{Duration, Instant};
 
 use agent_core::config::AgentConfig;
 use agent_core::prompt::{render, PromptTemplate};
-use agent_core::tools::{Scope, ToolArgument, ToolDef};
+use agent_core::tools::{Scope, ToolArgument, ToolDef, MCP_TOOL};
 use agent_graph::{knowledge, GraphStore};
 use agent_llm::{ChatMessage, LlmClient};
 use agent_mcp::{Endpoint, McpPool};
 
 use crate::Turn;
-
-/// The tool type that calls a tool on an MCP server.
-pub const MCP_TOOL: &str = "mcp-tool";
 
 /// What a tool may use besides its arguments.
 pub struct ToolContext<'a> {
