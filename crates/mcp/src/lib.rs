@@ -111,25 +111,17 @@ impl McpPool {
         arguments: &BTreeMap<String, String>,
     ) -> Result<String, String> {
         let (session, reused) = self.session(endpoint).await?;
-        match call_on(&session, endpoint, name, arguments).await {
+        let first = call_on(&session, endpoint, name, arguments).await;
+        match self.settle(endpoint, &session, first).await {
             Err(CallError::Transport(e)) if reused => {
                 tracing::info!(server = %endpoint.describe(), error = %e, "MCP session lost; connecting again");
-                self.forget(endpoint, &session).await;
                 let (session, _) = self.session(endpoint).await?;
-                match call_on(&session, endpoint, name, arguments).await {
-                    Err(e @ CallError::Transport(_)) => {
-                        self.forget(endpoint, &session).await;
-                        Err(e.to_string())
-                    }
-                    other => other.map_err(|e| e.to_string()),
-                }
+                let again = call_on(&session, endpoint, name, arguments).await;
+                self.settle(endpoint, &session, again).await
             }
-            Err(e @ CallError::Transport(_)) => {
-                self.forget(endpoint, &session).await;
-                Err(e.to_string())
-            }
-            other => other.map_err(|e| e.to_string()),
+            other => other,
         }
+        .map_err(|e| e.to_string())
     }
 
     /// The arguments of the tool `name` as the server describes them, for the prompt.
@@ -159,15 +151,25 @@ impl McpPool {
         name: &str,
     ) -> Result<Vec<ToolArgument>, String> {
         let (session, _) = self.session(endpoint).await?;
-        match remote_tool(&session, endpoint, name).await {
-            Ok(tool) => Ok(schema_arguments(&tool.input_schema)),
-            Err(e) => {
-                if matches!(e, CallError::Transport(_)) {
-                    self.forget(endpoint, &session).await;
-                }
-                Err(e.to_string())
-            }
+        let listed = remote_tool(&session, endpoint, name).await;
+        self.settle(endpoint, &session, listed)
+            .await
+            .map(|tool| schema_arguments(&tool.input_schema))
+            .map_err(|e| e.to_string())
+    }
+
+    /// Passes `result` on, first dropping `session` when the transport failed, so the next call
+    /// connects again.
+    async fn settle<T>(
+        &self,
+        endpoint: &Endpoint,
+        session: &Arc<Session>,
+        result: Result<T, CallError>,
+    ) -> Result<T, CallError> {
+        if matches!(result, Err(CallError::Transport(_))) {
+            self.forget(endpoint, session).await;
         }
+        result
     }
 
     fn slot(&self, endpoint: &Endpoint) -> Slot {
