@@ -41,5 +41,8 @@ if [ "$(python3 -c 'import importlib.metadata as m; print(m.version("kubernetes-
     || python3 -m pip install -q --disable-pip-version-check --break-system-packages 'kubernetes-validate==1.37.0' >/dev/null
 fi
 
+# A real small model and its runtime (node-llama-cpp's prebuilt llama.cpp) for the real-model tests.
+scripts/small-model.sh path >/dev/null
+
 scripts/pulsar-lite.sh path >/dev/null
 scripts/patch-pulsar.sh

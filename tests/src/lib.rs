@@ -113,13 +113,25 @@ impl Orchestrator {
         extra: &[&str],
         env: &[(&str, &str)],
     ) -> Orchestrator {
+        Self::spawn_for_llm(url, &llm.base_url(), "scripted", config_dir, extra, env)
+    }
+
+    /// An orchestrator for a broker at `url` calling any OpenAI-compatible server at `llm_url`.
+    pub fn spawn_for_llm(
+        url: &str,
+        llm_url: &str,
+        model: &str,
+        config_dir: &std::path::Path,
+        extra: &[&str],
+        env: &[(&str, &str)],
+    ) -> Orchestrator {
         let mut launch: Vec<std::ffi::OsString> = vec![
             "--pulsar-url".into(),
             url.into(),
             "--llm-base-url".into(),
-            llm.base_url().into(),
+            llm_url.into(),
             "--llm-model".into(),
-            "scripted".into(),
+            model.into(),
             "--config-dir".into(),
             config_dir.into(),
         ];
@@ -348,6 +360,20 @@ pub fn seed_with(name: &str, overrides: &[(&str, &str)]) -> PathBuf {
         .map(|(k, v)| (k.as_str(), v.as_str()))
         .collect();
     config_dir(name, &borrowed)
+}
+
+/// The entry point of the reference "everything" MCP server from the npm registry
+/// (`tests/mcp-servers`, installed by `scripts/setup.sh`).
+pub fn everything_server() -> PathBuf {
+    let path = repo_root().join(
+        "tests/mcp-servers/node_modules/@modelcontextprotocol/server-everything/dist/index.js",
+    );
+    assert!(
+        path.exists(),
+        "{} is missing: run scripts/setup.sh",
+        path.display()
+    );
+    path
 }
 
 /// The seeded config directory of the repository.

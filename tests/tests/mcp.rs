@@ -7,7 +7,6 @@
 //! server killed, costs nothing (the session is opened again).
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
-use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -23,19 +22,6 @@ use axum::response::{IntoResponse, Response};
 const DIALOG_TIMEOUT: Duration = Duration::from_secs(90);
 const TOKEN: &str = "s3cret-mcp-token";
 
-/// The everything server's entry point.
-fn everything() -> PathBuf {
-    let path = repo_root().join(
-        "tests/mcp-servers/node_modules/@modelcontextprotocol/server-everything/dist/index.js",
-    );
-    assert!(
-        path.exists(),
-        "{} is missing: run scripts/setup.sh",
-        path.display()
-    );
-    path
-}
-
 /// The everything server over streamable HTTP on `port`; SIGKILLed on drop.
 struct HttpServer {
     child: Child,
@@ -45,7 +31,7 @@ struct HttpServer {
 impl HttpServer {
     fn start(port: u16) -> HttpServer {
         let child = Command::new("node")
-            .arg(everything())
+            .arg(everything_server())
             .arg("streamableHttp")
             .env("PORT", port.to_string())
             .stdout(Stdio::null())
@@ -216,7 +202,7 @@ async fn mcp_tools_on_a_real_server_over_http_and_stdio_survive_its_restarts() {
         "sum-intruder": {"remote-name": "get-sum", "url": gate_url, "auth-token": "not-the-token"},
         // The marker is an argument the server ignores, so the test can find and kill it.
         "sum-stdio": {"remote-name": "get-sum", "command": "node",
-                      "args": [everything().to_str().unwrap(), "stdio", marker]}
+                      "args": [everything_server().to_str().unwrap(), "stdio", marker]}
     });
     let tools = serde_json::json!({
         "add-http": {"name": "add_http", "description": "Add two numbers on the HTTP server",

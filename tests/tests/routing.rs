@@ -79,13 +79,13 @@ async fn seeded_task_types_route_within_their_valid_patterns() {
     let broker = Broker::start().unwrap();
     let llm = scripted_llm(
         r#"{"rules": [
-      {"match": "Request to classify: ", "and": ["capital of France"], "reply": "{\"choice\": \"general\", \"rationale\": \"a single plain fact\"}"},
-      {"match": "Request to classify: ", "and": ["sources on the history"], "reply": "```json\n{\"choice\": \"research\", \"rationale\": \"asks for sources\"}\n```"},
-      {"match": "Request to classify: ", "and": ["could go wrong"], "reply": "Choice: risk assessment\nRationale: asks what could go wrong"},
-      {"match": "Request to classify: ", "and": ["Summarise"], "reply": "summarisation"},
-      {"match": "Request to work on: ", "and": ["capital of France"], "reply": "{\"choice\": \"react\", \"rationale\": \"one lookup at most\"}"},
-      {"match": "Request to work on: ", "and": ["sources on the history"], "reply": "{\"choice\": \"supervisor\", \"rationale\": \"fan out\"}"},
-      {"match": "Request to work on: ", "and": ["could go wrong"], "reply": "react"},
+      {"match": "Request to classify: What is the capital of France", "reply": "{\"choice\": \"general\", \"rationale\": \"a single plain fact\"}"},
+      {"match": "Request to classify: Find sources on the history", "reply": "```json\n{\"choice\": \"research\", \"rationale\": \"asks for sources\"}\n```"},
+      {"match": "Request to classify: What could go wrong", "reply": "Choice: risk assessment\nRationale: asks what could go wrong"},
+      {"match": "Request to classify: Summarise the plot", "reply": "summarisation"},
+      {"match": "Request to work on: What is the capital of France", "reply": "{\"choice\": \"react\", \"rationale\": \"one lookup at most\"}"},
+      {"match": "Request to work on: Find sources on the history", "reply": "{\"choice\": \"supervisor\", \"rationale\": \"fan out\"}"},
+      {"match": "Request to work on: What could go wrong", "reply": "react"},
       {"match": "This is a research request", "and": ["Question: Find sources"], "reply": "Thought: framed as research.\nFinal Answer: research framing seen"},
       {"match": "This is a risk assessment", "and": ["Question: What could go wrong"], "reply": "Thought: framed as risk.\nFinal Answer: risk framing seen"},
       {"match": "This is a summarisation request", "and": ["Question: Summarise"], "reply": "Thought: framed as summary.\nFinal Answer: summary framing seen"},

@@ -22,6 +22,47 @@ pub const LIMITS_TYPE: &str = "agent-limits";
 pub const PATTERN_TYPE: &str = "agent-pattern";
 /// Config type of the task types the meta-router classifies requests into (key = task type name).
 pub const TASK_TYPE_TYPE: &str = "agent-task-type";
+/// Config type of per-model options (key = the model name as `LLM_MODEL` gives it, or `default`).
+pub const MODEL_TYPE: &str = "llm-model";
+
+/// How the LLM is asked to call tools.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum ToolCalling {
+    /// TrustGraph's `Thought/Action/Args` text protocol: works with every model.
+    #[default]
+    Text,
+    /// OpenAI-style `tools` in the request and `tool_calls` in the answer, for servers and models
+    /// that support function calling (vLLM, llama.cpp's server with `--jinja`, Ollama, OpenAI).
+    Native,
+}
+
+/// What a model (and the server that runs it) supports. Every field has a default, so a partial
+/// entry is valid.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ModelOptions {
+    #[serde(rename = "tool-calling")]
+    pub tool_calling: ToolCalling,
+    /// Ask for `response_format: {"type": "json_object"}` where a JSON answer is expected (the
+    /// meta-router, planner and critic).
+    #[serde(rename = "json-mode")]
+    pub json_mode: bool,
+    /// Send `stop: ["\nObservation:"]` on ReACT calls, so a model that runs on past its action
+    /// stops there. The parser never relies on it; turn it off for servers that refuse `stop`.
+    #[serde(rename = "stop-sequences")]
+    pub stop_sequences: bool,
+}
+
+impl Default for ModelOptions {
+    fn default() -> Self {
+        ModelOptions {
+            tool_calling: ToolCalling::Text,
+            json_mode: false,
+            stop_sequences: true,
+        }
+    }
+}
 
 /// Bounds on a dialog. Every field has a default so a partial config is valid.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -143,6 +184,12 @@ pub struct TaskTypeDef {
     pub name: String,
     /// What requests of this type look like; the meta-router shows it to the LLM.
     pub description: String,
+    /// When to choose it, said plainly (small models follow a rule better than a description).
+    #[serde(default)]
+    pub when_to_use: String,
+    /// Requests of this type, shown to the meta-router as examples.
+    #[serde(default)]
+    pub examples: Vec<String>,
     /// Put before the pattern's prompt, to frame the work.
     #[serde(default)]
     pub framing: String,
@@ -230,6 +277,8 @@ pub struct AgentConfig {
     pub task_types: BTreeMap<String, TaskTypeDef>,
     pub limits: Limits,
     pub prompts: Prompts,
+    /// Options by model name; see [`AgentConfig::model_options`].
+    pub models: BTreeMap<String, ModelOptions>,
 }
 
 /// One problem in a config set, located by type and key.
@@ -298,6 +347,7 @@ impl AgentConfig {
             mcp: problems.decode(values, MCP_TYPE),
             patterns: problems.decode(values, PATTERN_TYPE),
             task_types: problems.decode(values, TASK_TYPE_TYPE),
+            models: problems.decode(values, MODEL_TYPE),
             ..AgentConfig::default()
         };
         check_tools(&config, &mut problems);
@@ -431,6 +481,16 @@ impl AgentConfig {
             .filter(|k| !Prompts::KEYS.contains(&k.as_str()) && !trustgraph(k))
             .cloned()
             .collect()
+    }
+
+    /// The options of `model`: its own entry, else the `default` entry, else the defaults (the
+    /// text protocol, which every model can follow).
+    pub fn model_options(&self, model: &str) -> ModelOptions {
+        self.models
+            .get(model)
+            .or_else(|| self.models.get("default"))
+            .cloned()
+            .unwrap_or_default()
     }
 
     /// The tool the LLM named, by its `name`.

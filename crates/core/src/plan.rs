@@ -221,7 +221,12 @@ pub fn validate(plan: &[PlanStep], max_steps: usize) -> Result<(), String> {
         }
         for d in &step.depends_on {
             match usize::try_from(*d) {
-                Ok(d) if d == i => return Err(format!("step {i} depends on itself")),
+                Ok(d) if d == i => {
+                    return Err(format!(
+                        "step {i} ('{}') lists itself in depends_on {:?}; a step cannot need its own result",
+                        step.goal, step.depends_on
+                    ))
+                }
                 Ok(d) if d < plan.len() => {}
                 _ => {
                     return Err(format!(
@@ -240,6 +245,81 @@ pub fn validate(plan: &[PlanStep], max_steps: usize) -> Result<(), String> {
         ));
     }
     Ok(())
+}
+
+/// Repairs the unambiguous mistakes models make in `depends_on`, from step `first` on (the steps
+/// before it are kept steps of a revision), and says what was changed, one sentence per repair, so
+/// provenance can record it. Nothing else is guessed; what is left is for [`validate`] to refuse.
+///
+/// - Numbering from 1 (in a new plan, `first` 0): no step names step 0, and read one lower every
+///   dependency names an earlier step, while as written some step names itself or a missing step.
+/// - A step that names itself: that entry is removed.
+/// - A step that names a step that does not exist (negative, or past the last): that entry is removed.
+///
+/// ```
+/// use agent_core::plan::{repair, validate};
+/// use agent_schema::PlanStep;
+/// let step = |deps: Vec<i64>| PlanStep { goal: "g".into(), depends_on: deps, ..PlanStep::default() };
+/// // The last step of a real model's plan listed itself.
+/// let mut plan = vec![step(vec![]), step(vec![]), step(vec![]), step(vec![]), step(vec![0, 1, 2, 3, 4])];
+/// let repairs = repair(&mut plan, 0);
+/// assert_eq!(plan[4].depends_on, vec![0, 1, 2, 3]);
+/// assert_eq!(repairs.len(), 1);
+/// assert!(validate(&plan, 8).is_ok());
+/// ```
+pub fn repair(plan: &mut [PlanStep], first: usize) -> Vec<String> {
+    let mut repairs = Vec::new();
+    let len = plan.len() as i64;
+    let names_missing_or_self = plan.iter().enumerate().skip(first).any(|(i, s)| {
+        s.depends_on
+            .iter()
+            .any(|d| *d == i as i64 || *d >= len || *d < 0)
+    });
+    let any_dependency = plan.iter().skip(first).any(|s| !s.depends_on.is_empty());
+    let one_based = first == 0
+        && any_dependency
+        && names_missing_or_self
+        && plan
+            .iter()
+            .enumerate()
+            .all(|(i, s)| s.depends_on.iter().all(|d| *d >= 1 && *d - 1 < i as i64));
+    if one_based {
+        for step in plan.iter_mut() {
+            for d in step.depends_on.iter_mut() {
+                *d -= 1;
+            }
+        }
+        repairs.push(
+            "the dependencies were numbered from 1; they were renumbered from 0, as the steps are"
+                .to_owned(),
+        );
+        return repairs;
+    }
+    for (i, step) in plan.iter_mut().enumerate().skip(first) {
+        let before = step.depends_on.clone();
+        step.depends_on.retain(|d| *d != i as i64);
+        if step.depends_on.len() != before.len() {
+            repairs.push(format!(
+                "step {i} ('{}') listed itself among its dependencies {before:?}; that entry was removed",
+                step.goal
+            ));
+        }
+        let before = step.depends_on.clone();
+        step.depends_on.retain(|d| (0..len).contains(d));
+        if step.depends_on.len() != before.len() {
+            let missing: Vec<i64> = before
+                .iter()
+                .filter(|d| !(0..len).contains(*d))
+                .copied()
+                .collect();
+            repairs.push(format!(
+                "step {i} ('{}') depended on {missing:?}, which do not exist (steps are numbered 0 to {}); those entries were removed",
+                step.goal,
+                len - 1
+            ));
+        }
+    }
+    repairs
 }
 
 /// A dependency cycle, as the step indices around it, if there is one.

@@ -8,6 +8,9 @@ use crate::tools::ToolDef;
 
 /// Config key (type `prompt`) of the ReACT prompt.
 pub const REACT_KEY: &str = "react";
+/// Config key of the ReACT prompt for models that call tools natively (`tool-calling: native`):
+/// the tools go in the request's `tools`, so the prompt has no protocol to teach.
+pub const REACT_NATIVE_KEY: &str = "react-native";
 /// Config key of the meta-router's first question: which task type a request is (TrustGraph's
 /// prompt id).
 pub const TASK_TYPE_SELECTION_KEY: &str = "task-type-classify";
@@ -40,6 +43,10 @@ pub const DEFAULT_REACT_SYSTEM: &str = "You are a careful assistant that answers
 
 /// The ReACT user prompt used when config gives none. `{{name}}` placeholders are filled in.
 pub const DEFAULT_REACT_TEMPLATE: &str = "{{framing}}Answer the question below. You may use these tools:\n\n{{tools}}\n\nRespond in exactly one of these two forms.\n\nTo use a tool:\nThought: <your reasoning>\nAction: <one of: {{tool_names}}>\nArgs: <a JSON object with the tool's arguments>\n\nTo answer:\nThought: <your reasoning>\nFinal Answer: <the answer>\n\nQuestion: {{question}}\n{{history}}";
+
+/// The native-tool-calling ReACT prompt used when config gives none. Placeholders: `framing`,
+/// `question`.
+pub const DEFAULT_REACT_NATIVE_TEMPLATE: &str = "{{framing}}Answer the question below. Call one of the tools you are given when it helps, one call at a time, and wait for its result; never guess what a tool would return. When you know the answer, reply with the answer itself.\n\nQuestion: {{question}}";
 
 /// The routing system prompt used when config gives none (both routing questions share it).
 pub const DEFAULT_ROUTING_SYSTEM: &str = "You route requests to the way of working that suits them best. You choose only among the options you are given and you explain your choice in one sentence.";
@@ -118,6 +125,7 @@ impl PromptTemplate {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Prompts {
     pub react: PromptTemplate,
+    pub react_native: PromptTemplate,
     pub task_type_selection: PromptTemplate,
     pub pattern_selection: PromptTemplate,
     pub plan_create: PromptTemplate,
@@ -136,6 +144,7 @@ impl Default for Prompts {
     fn default() -> Self {
         Prompts {
             react: PromptTemplate::new(DEFAULT_REACT_SYSTEM, DEFAULT_REACT_TEMPLATE),
+            react_native: PromptTemplate::new(DEFAULT_REACT_SYSTEM, DEFAULT_REACT_NATIVE_TEMPLATE),
             task_type_selection: PromptTemplate::new(
                 DEFAULT_ROUTING_SYSTEM,
                 DEFAULT_TASK_TYPE_TEMPLATE,
@@ -178,6 +187,7 @@ impl Prompts {
     pub fn slot(&mut self, key: &str) -> Option<&mut PromptTemplate> {
         match key {
             REACT_KEY => Some(&mut self.react),
+            REACT_NATIVE_KEY => Some(&mut self.react_native),
             TASK_TYPE_SELECTION_KEY => Some(&mut self.task_type_selection),
             PATTERN_SELECTION_KEY => Some(&mut self.pattern_selection),
             PLAN_CREATE_KEY => Some(&mut self.plan_create),
@@ -195,8 +205,9 @@ impl Prompts {
     }
 
     /// The config keys of every prompt.
-    pub const KEYS: [&'static str; 13] = [
+    pub const KEYS: [&'static str; 14] = [
         REACT_KEY,
+        REACT_NATIVE_KEY,
         TASK_TYPE_SELECTION_KEY,
         PATTERN_SELECTION_KEY,
         PLAN_CREATE_KEY,

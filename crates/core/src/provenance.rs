@@ -180,6 +180,30 @@ pub fn tool_iteration(
     b.build()
 }
 
+/// How much of an iteration's LLM text a bounded excerpt keeps in `tg:discardedText`.
+pub const DISCARDED_EXCERPT_CHARS: usize = 2000;
+
+/// What the LLM wrote after its first decision (an imagined observation, a premature answer,
+/// further actions) and the parser dropped: its length (`tg:discardedChars`) and a bounded excerpt
+/// (`tg:discardedText`) on iteration `n`, so an auditor sees that the answer did not come from
+/// it. Nothing when nothing was dropped.
+pub fn discarded(uris: &SessionUris, n: usize, text: &str) -> Vec<Triple> {
+    if text.is_empty() {
+        return Vec::new();
+    }
+    let s = uris.iteration(n);
+    let chars = text.chars().count();
+    let excerpt: String = text.chars().take(DISCARDED_EXCERPT_CHARS).collect();
+    let mut b = NodeBuilder::default();
+    b.tg(
+        &s,
+        "discardedChars",
+        Term::typed_literal(chars.to_string(), XSD_INTEGER),
+    )
+    .tg(&s, "discardedText", Term::literal(&excerpt));
+    b.build()
+}
+
 fn iteration_facts(b: &mut NodeBuilder, s: &str, n: usize, candidates: &[&str], stats: &CallStats) {
     b.tg(s, "step", Term::typed_literal(n.to_string(), XSD_INTEGER))
         .cost(s, stats);
@@ -204,6 +228,8 @@ pub struct PlanRecord<'a> {
     pub revision_of: Option<(&'a str, &'a [usize])>,
     /// Why the LLM's plan was not used and a one-step plan stands in, if so.
     pub fallback: Option<&'a str>,
+    /// What was repaired in the LLM's plan before it was used ([`crate::plan::repair`]).
+    pub repairs: &'a [String],
 }
 
 /// A planning iteration: the plan (each step a node with its goal, tool hint and dependencies),
@@ -241,6 +267,9 @@ pub fn plan_iteration(
     }
     if let Some(why) = plan.fallback {
         b.tg(&s, "planFallbackReason", Term::literal(why));
+    }
+    for repair in plan.repairs {
+        b.tg(&s, "planRepair", Term::literal(repair));
     }
     if !plan.thought.is_empty() {
         let t = uris.thought(n);

@@ -1,7 +1,15 @@
 //! The ReACT text protocol (TrustGraph's `Thought/Action/Args` or `Thought/Final Answer`), parsed
 //! incrementally so thoughts and answers can be streamed while the LLM is still writing.
+//!
+//! **The first decision wins.** Models, small ones most, often run on past an action: they write
+//! its arguments, then an `Observation:` they imagine and a `Final Answer:` built on it. Such an
+//! answer comes from a tool result that was never produced, so the first `Action:` or `Final
+//! Answer:` decides the turn, and everything after an action's arguments is discarded (and
+//! reported, so provenance can say how much was dropped). Streaming follows the same rule: no
+//! answer text is ever streamed for a turn whose first decision is an action.
 
 use std::collections::BTreeMap;
+use std::ops::Range;
 
 /// What the LLM decided in one ReACT turn.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -11,6 +19,9 @@ pub enum ReactTurn {
         thought: String,
         action: String,
         arguments: BTreeMap<String, String>,
+        /// What the LLM wrote after the action's arguments (an imagined observation, a premature
+        /// final answer, further actions), trimmed; dropped unread, kept for provenance.
+        discarded: String,
     },
     /// Answer and end the dialog.
     Final { thought: String, answer: String },
@@ -25,6 +36,10 @@ pub enum ReactParseError {
     EmptyAction,
     #[error("'Args:' is not a JSON object: {0}")]
     BadArgs(String),
+    #[error("'Args:' came before any 'Action:' line")]
+    ArgsWithoutAction,
+    #[error("the response wrote an 'Observation:' before deciding; observations come only from tools, after an 'Action:'")]
+    InventedObservation,
 }
 
 /// A piece of text to stream to the client as soon as it is certain.
@@ -40,129 +55,244 @@ enum Section {
     Action,
     Args,
     Answer,
+    /// Written by the model itself, never by a tool: it ends whatever came before.
+    Observation,
 }
 
-const MARKERS: [(&str, Section); 5] = [
-    ("Thought:", Section::Thought),
-    ("Action:", Section::Action),
-    ("Args:", Section::Args),
-    ("Action Input:", Section::Args),
-    ("Final Answer:", Section::Answer),
+/// Marker words, matched case-insensitively at the start of a line, with markdown emphasis around
+/// them tolerated (`**Action:**`, `### Final Answer:`). Longer words first: `action input` must
+/// win over `action`.
+const MARKERS: [(&str, Section); 6] = [
+    ("thought", Section::Thought),
+    ("action input", Section::Args),
+    ("action", Section::Action),
+    ("args", Section::Args),
+    ("final answer", Section::Answer),
+    ("observation", Section::Observation),
 ];
 
-/// Section texts of a (possibly incomplete) response. `complete` is false while the text may still grow.
-#[derive(Debug, Default)]
-struct Sections {
-    thought: Option<String>,
-    action: Option<String>,
-    args: Option<String>,
-    answer: Option<String>,
-    /// Bytes at the end that may be the start of a marker, held back while streaming.
-    held_back: bool,
+/// Characters of markdown decoration that may surround a marker.
+fn is_decoration(c: char) -> bool {
+    c == '*' || c == '#' || c == '_'
 }
 
-fn split_sections(text: &str, complete: bool) -> Sections {
-    let mut sections = Sections::default();
-    let mut current: Option<(Section, String)> = None;
-    let mut lines = text.split_inclusive('\n').peekable();
-    while let Some(line) = lines.next() {
-        let is_last = lines.peek().is_none();
-        let trimmed = line.trim_start();
-        // Once the answer has started, everything after it belongs to the answer.
-        let in_answer = matches!(current, Some((Section::Answer, _)));
-        let marker = if in_answer {
-            None
-        } else {
-            MARKERS
-                .iter()
-                .find(|(m, _)| trimmed.starts_with(m))
-                .map(|(m, s)| (*s, &trimmed[m.len()..]))
+/// The section a line opens and the offset (within `line`) where its content starts.
+fn marker(line: &str) -> Option<(Section, usize)> {
+    let body = line.trim_start_matches(|c: char| c.is_whitespace() || is_decoration(c));
+    for (word, section) in MARKERS {
+        let Some(head) = body.get(..word.len()) else {
+            continue;
         };
-        if let Some((section, rest)) = marker {
-            store(&mut sections, current.take());
-            current = Some((section, rest.trim_start_matches([' ', '\t']).to_owned()));
+        if !head.eq_ignore_ascii_case(word) {
             continue;
         }
-        if !complete && is_last && !line.ends_with('\n') && !in_answer {
-            // An unfinished line that could still become a marker is not yet content.
-            let could_be_marker = MARKERS
-                .iter()
-                .any(|(m, _)| m.starts_with(trimmed) || trimmed.is_empty());
-            if could_be_marker {
-                sections.held_back = true;
+        let Some(rest) = body[word.len()..]
+            .trim_start_matches(is_decoration)
+            .strip_prefix(':')
+        else {
+            continue;
+        };
+        let rest = rest
+            .trim_start_matches(is_decoration)
+            .trim_start_matches([' ', '\t']);
+        return Some((section, line.len() - rest.len()));
+    }
+    None
+}
+
+/// Whether an unfinished last line could still grow into a marker (so it is not content yet).
+fn could_become_marker(line: &str) -> bool {
+    let body: String = line
+        .trim_start_matches(|c: char| c.is_whitespace() || is_decoration(c))
+        .chars()
+        .filter(|c| !is_decoration(*c))
+        .collect::<String>()
+        .to_ascii_lowercase();
+    body.is_empty()
+        || MARKERS
+            .iter()
+            .any(|(word, _)| format!("{word}:").starts_with(&body))
+}
+
+/// One marked part of a response: its section and the byte range of its content.
+#[derive(Debug, Clone)]
+struct Segment {
+    section: Section,
+    content: Range<usize>,
+}
+
+/// The segments of a (possibly incomplete) response, in order. Text before any marker is thought,
+/// as TrustGraph reads it; once a final answer starts, everything after it is the answer. While
+/// streaming (`complete` false), an unfinished last line that could become a marker is held back
+/// (left out of every segment).
+fn segments(text: &str, complete: bool) -> Vec<Segment> {
+    let mut out: Vec<Segment> = Vec::new();
+    let mut at = 0;
+    for line in text.split_inclusive('\n') {
+        let start = at;
+        at += line.len();
+        let in_answer = out.last().is_some_and(|s| s.section == Section::Answer);
+        if !in_answer {
+            if let Some((section, offset)) = marker(line) {
+                out.push(Segment {
+                    section,
+                    content: start + offset..at,
+                });
+                continue;
+            }
+            let unfinished = !complete && at == text.len() && !line.ends_with('\n');
+            if unfinished && could_become_marker(line) {
                 break;
             }
         }
-        match current.as_mut() {
-            Some((_, body)) => body.push_str(line),
-            // Text before any marker is thought, as TrustGraph reads it.
-            None => current = Some((Section::Thought, line.to_owned())),
+        match out.last_mut() {
+            Some(segment) => segment.content.end = at,
+            None => out.push(Segment {
+                section: Section::Thought,
+                content: start..at,
+            }),
         }
     }
-    store(&mut sections, current);
-    sections
+    out
 }
 
-fn store(sections: &mut Sections, current: Option<(Section, String)>) {
-    let Some((section, body)) = current else {
-        return;
-    };
-    let slot = match section {
-        Section::Thought => &mut sections.thought,
-        Section::Action => &mut sections.action,
-        Section::Args => &mut sections.args,
-        Section::Answer => &mut sections.answer,
-    };
-    match slot {
-        Some(existing) => existing.push_str(&body),
-        None => *slot = Some(body),
+/// How a response reads under the first-decision rule.
+struct Reading {
+    /// The thought segments before the first decision, joined.
+    thought: String,
+    /// The segment that decides (or breaks) the turn, and its index.
+    decision: Option<(usize, Section)>,
+}
+
+fn read(text: &str, segments: &[Segment]) -> Reading {
+    let mut thought = String::new();
+    for (i, segment) in segments.iter().enumerate() {
+        if segment.section == Section::Thought {
+            thought.push_str(&text[segment.content.clone()]);
+        } else {
+            return Reading {
+                thought,
+                decision: Some((i, segment.section)),
+            };
+        }
+    }
+    Reading {
+        thought,
+        decision: None,
     }
 }
 
-/// Parses a complete ReACT response.
+/// Parses a complete ReACT response under the first-decision rule.
 ///
 /// ```
 /// use agent_core::react::{parse, ReactTurn};
-/// let turn = parse("Thought: add\nAction: calc\nArgs: {\"expr\": \"1+1\"}").unwrap();
-/// assert!(matches!(turn, ReactTurn::Action { ref action, .. } if action == "calc"));
+/// let turn = parse("Thought: add\nAction: calc\nArgs: {\"expr\": \"1+1\"}\nFinal Answer: 3").unwrap();
+/// let ReactTurn::Action { action, discarded, .. } = turn else { unreachable!() };
+/// assert_eq!((action.as_str(), discarded.as_str()), ("calc", "Final Answer: 3"));
 /// ```
 pub fn parse(text: &str) -> Result<ReactTurn, ReactParseError> {
-    let sections = split_sections(text, true);
-    let thought = sections.thought.unwrap_or_default().trim().to_owned();
-    if let Some(answer) = sections.answer {
-        return Ok(ReactTurn::Final {
-            thought,
-            answer: answer.trim().to_owned(),
-        });
-    }
-    let Some(action) = sections.action else {
+    let segments = segments(text, true);
+    let reading = read(text, &segments);
+    let thought = reading.thought.trim().to_owned();
+    let Some((at, section)) = reading.decision else {
         return Err(ReactParseError::NoDecision);
     };
-    let action = action.trim().trim_matches('`').trim().to_owned();
-    if action.is_empty() {
-        return Err(ReactParseError::EmptyAction);
+    let body = |i: usize| &text[segments[i].content.clone()];
+    match section {
+        Section::Answer => Ok(ReactTurn::Final {
+            thought,
+            answer: body(at).trim().to_owned(),
+        }),
+        Section::Observation => Err(ReactParseError::InventedObservation),
+        Section::Args => Err(ReactParseError::ArgsWithoutAction),
+        Section::Thought => Err(ReactParseError::NoDecision),
+        Section::Action => {
+            let content = &segments[at].content;
+            // The tool's name is the first line; anything under it is not part of the decision.
+            let line = text[content.clone()].trim_start();
+            let line_start = content.end - line.len();
+            let name_len = line.find('\n').unwrap_or(line.len());
+            let action = line[..name_len]
+                .trim()
+                .trim_matches(|c| c == '`' || c == '"' || c == '\'')
+                .trim()
+                .to_owned();
+            if action.is_empty() {
+                return Err(ReactParseError::EmptyAction);
+            }
+            let (arguments, decided_to) = match segments.get(at + 1) {
+                Some(args) if args.section == Section::Args => {
+                    let (arguments, used) = parse_args(&text[args.content.clone()])?;
+                    (arguments, args.content.start + used)
+                }
+                _ => (BTreeMap::new(), line_start + name_len),
+            };
+            Ok(ReactTurn::Action {
+                thought,
+                action,
+                arguments,
+                discarded: text[decided_to..].trim().to_owned(),
+            })
+        }
     }
-    let arguments = match sections.args {
-        Some(args) => parse_args(&args)?,
-        None => BTreeMap::new(),
-    };
-    Ok(ReactTurn::Action {
-        thought,
-        action,
-        arguments,
-    })
 }
 
-/// Reads the `Args:` JSON object; non-string values are kept as their JSON text because the wire
-/// carries arguments as `{str: str}`.
-fn parse_args(text: &str) -> Result<BTreeMap<String, String>, ReactParseError> {
-    let text = strip_code_fence(text.trim());
-    if text.is_empty() {
+/// Reads the `Args:` JSON object and how many bytes of `text` it took (a closing code fence
+/// included); non-string values are kept as their JSON text because the wire carries arguments as
+/// `{str: str}`. Prose before the object on the same section is skipped.
+fn parse_args(text: &str) -> Result<(BTreeMap<String, String>, usize), ReactParseError> {
+    let fence_end = fence_opening(text);
+    let inner = &text[fence_end..];
+    if inner.trim().is_empty() || inner.trim() == "```" {
+        return Ok((BTreeMap::new(), text.len()));
+    }
+    let Some(open) = inner.find('{') else {
+        return Err(ReactParseError::BadArgs(format!(
+            "expected an object, got {}",
+            inner.trim().chars().take(80).collect::<String>()
+        )));
+    };
+    if !inner[..open].trim().is_empty() && inner.trim_start().starts_with(['[', '"']) {
+        return Err(ReactParseError::BadArgs(format!(
+            "expected an object, got {}",
+            inner.trim().chars().take(80).collect::<String>()
+        )));
+    }
+    let start = fence_end + open;
+    let mut values = serde_json::Deserializer::from_str(&text[start..]).into_iter();
+    let value: serde_json::Value = match values.next() {
+        Some(Ok(value)) => value,
+        Some(Err(e)) => return Err(ReactParseError::BadArgs(e.to_string())),
+        None => return Err(ReactParseError::BadArgs("no JSON object".into())),
+    };
+    let mut used = start + values.byte_offset();
+    let rest = &text[used..];
+    if fence_end > 0 {
+        if let Some(after) = rest.trim_start().strip_prefix("```") {
+            used = text.len() - after.len();
+        }
+    }
+    Ok((object_arguments(value)?, used))
+}
+
+/// The arguments of a native tool call (`function.arguments`, JSON text), read as `Args:` is.
+///
+/// ```
+/// let args = agent_core::react::tool_call_arguments("{\"a\": 1, \"b\": \"x\"}").unwrap();
+/// assert_eq!((args["a"].as_str(), args["b"].as_str()), ("1", "x"));
+/// assert!(agent_core::react::tool_call_arguments("[1]").is_err());
+/// ```
+pub fn tool_call_arguments(text: &str) -> Result<BTreeMap<String, String>, ReactParseError> {
+    if text.trim().is_empty() {
         return Ok(BTreeMap::new());
     }
-    let value = first_json_value(text)
-        .ok_or_else(|| ReactParseError::BadArgs("no JSON object".into()))?
-        .map_err(|e| ReactParseError::BadArgs(e.to_string()))?;
+    let value = serde_json::from_str(text).map_err(|e| ReactParseError::BadArgs(e.to_string()))?;
+    object_arguments(value)
+}
+
+/// A JSON object as the wire's `{str: str}` arguments: strings as they are, other values as
+/// their JSON text.
+fn object_arguments(value: serde_json::Value) -> Result<BTreeMap<String, String>, ReactParseError> {
     let serde_json::Value::Object(map) = value else {
         return Err(ReactParseError::BadArgs(format!(
             "expected an object, got {value}"
@@ -180,6 +310,19 @@ fn parse_args(text: &str) -> Result<BTreeMap<String, String>, ReactParseError> {
         .collect())
 }
 
+/// Where the content starts after an opening code fence (```` ``` ```` or ```` ```json ````), or 0.
+fn fence_opening(text: &str) -> usize {
+    let trimmed = text.trim_start();
+    let Some(inner) = trimmed.strip_prefix("```") else {
+        return 0;
+    };
+    let inner = inner
+        .strip_prefix("json")
+        .or_else(|| inner.strip_prefix("JSON"))
+        .unwrap_or(inner);
+    text.len() - inner.len()
+}
+
 /// The first JSON value in `text` from its start: models often go on writing after it, and only it
 /// counts. `None` when `text` holds no value at all.
 pub(crate) fn first_json_value(text: &str) -> Option<Result<serde_json::Value, serde_json::Error>> {
@@ -188,15 +331,9 @@ pub(crate) fn first_json_value(text: &str) -> Option<Result<serde_json::Value, s
         .next()
 }
 
-fn strip_code_fence(text: &str) -> &str {
-    let Some(inner) = text.strip_prefix("```") else {
-        return text;
-    };
-    let inner = inner.strip_prefix("json").unwrap_or(inner);
-    inner.strip_suffix("```").unwrap_or(inner).trim()
-}
-
-/// Feeds streamed chunks and yields the thought and answer text as soon as it is certain.
+/// Feeds streamed chunks and yields the thought and answer text as soon as it is certain. Only the
+/// thought before the first decision is streamed, and answer text only when that decision is a
+/// final answer.
 ///
 /// ```
 /// use agent_core::react::{ReactDelta, ReactStream};
@@ -234,20 +371,19 @@ impl ReactStream {
     }
 
     fn deltas(&mut self, complete: bool) -> Vec<ReactDelta> {
-        let sections = split_sections(&self.text, complete);
+        let segments = segments(&self.text, complete);
+        let reading = read(&self.text, &segments);
         let mut out = Vec::new();
-        if let Some(thought) = &sections.thought {
-            // Trailing whitespace may turn out to end the thought; it is sent only once text follows it.
-            let certain = thought.trim_start().trim_end();
-            if let Some(delta) = certain.get(self.thought_sent..) {
-                if !delta.is_empty() {
-                    out.push(ReactDelta::Thought(delta.to_owned()));
-                    self.thought_sent = certain.len();
-                }
+        // Trailing whitespace may turn out to end the thought; it is sent only once text follows it.
+        let certain = reading.thought.trim_start().trim_end();
+        if let Some(delta) = certain.get(self.thought_sent..) {
+            if !delta.is_empty() {
+                out.push(ReactDelta::Thought(delta.to_owned()));
+                self.thought_sent = certain.len();
             }
         }
-        if let Some(answer) = &sections.answer {
-            let answer = answer.trim_start();
+        if let Some((at, Section::Answer)) = reading.decision {
+            let answer = self.text[segments[at].content.clone()].trim_start();
             let certain = answer.trim_end();
             if let Some(delta) = certain.get(self.answer_sent..) {
                 if !delta.is_empty() {
@@ -259,7 +395,6 @@ impl ReactStream {
         out
     }
 }
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -294,6 +429,7 @@ mod tests {
                 thought: "I need to call the tool (step 1)".into(),
                 action: "llm".into(),
                 arguments: [("question".to_owned(), "step 1".to_owned())].into(),
+                discarded: String::new(),
             }
         );
     }
@@ -326,10 +462,121 @@ mod tests {
             "Action: llm\nArgs: {\"question\": \"x\"} and then I will see\nObservation: made up",
         )
         .unwrap();
-        let ReactTurn::Action { arguments, .. } = turn else {
+        let ReactTurn::Action {
+            arguments,
+            discarded,
+            ..
+        } = turn
+        else {
             panic!("expected action")
         };
         assert_eq!(arguments["question"], "x");
+        assert_eq!(discarded, "and then I will see\nObservation: made up");
+    }
+
+    /// The completion a real 1.5B model wrote: the action must run, the invented answer must not
+    /// be taken.
+    #[test]
+    fn an_action_before_a_final_answer_wins() {
+        let text = "Thought: To add 98765 and 12345, I need to add the two numbers together.\nAction: add\nArgs: {\"a\": 98765, \"b\": 12345}\nFinal Answer: 111110";
+        assert_eq!(
+            parse(text).unwrap(),
+            ReactTurn::Action {
+                thought: "To add 98765 and 12345, I need to add the two numbers together.".into(),
+                action: "add".into(),
+                arguments: [("a".into(), "98765".into()), ("b".into(), "12345".into())].into(),
+                discarded: "Final Answer: 111110".into(),
+            }
+        );
+        let (deltas, _) = stream_all(&[text]);
+        assert!(!deltas.iter().any(|d| matches!(d, ReactDelta::Answer(_))));
+    }
+
+    #[test]
+    fn an_action_without_args_discards_what_follows_it() {
+        let ReactTurn::Action {
+            action,
+            arguments,
+            discarded,
+            ..
+        } = parse("Thought: t\nAction: now\nObservation: 12:00\nThought: ok\nFinal Answer: noon")
+            .unwrap()
+        else {
+            panic!("expected action")
+        };
+        assert_eq!(action, "now");
+        assert!(arguments.is_empty());
+        assert_eq!(
+            discarded,
+            "Observation: 12:00\nThought: ok\nFinal Answer: noon"
+        );
+    }
+
+    #[test]
+    fn a_second_action_is_discarded_and_a_second_thought_is_not_merged() {
+        let ReactTurn::Action {
+            thought,
+            action,
+            discarded,
+            ..
+        } = parse("Thought: one\nAction: a\nArgs: {}\nThought: two\nAction: b\nArgs: {}").unwrap()
+        else {
+            panic!("expected action")
+        };
+        assert_eq!((thought.as_str(), action.as_str()), ("one", "a"));
+        assert_eq!(discarded, "Thought: two\nAction: b\nArgs: {}");
+    }
+
+    #[test]
+    fn an_observation_before_any_decision_is_refused() {
+        assert_eq!(
+            parse("Thought: t\nObservation: it is 5\nFinal Answer: 5"),
+            Err(ReactParseError::InventedObservation)
+        );
+        assert_eq!(
+            parse("Args: {}\nAction: x"),
+            Err(ReactParseError::ArgsWithoutAction)
+        );
+    }
+
+    #[test]
+    fn markdown_decorated_and_lower_case_markers_are_read() {
+        let ReactTurn::Action {
+            thought,
+            action,
+            arguments,
+            discarded,
+        } = parse("**Thought:** look it up\n**Action:** `search`\n**Args:**\n```json\n{\"q\": \"x\"}\n```\n")
+            .unwrap()
+        else {
+            panic!("expected action")
+        };
+        assert_eq!(
+            (
+                thought.as_str(),
+                action.as_str(),
+                arguments["q"].as_str(),
+                discarded.as_str()
+            ),
+            ("look it up", "search", "x", "")
+        );
+        assert_eq!(
+            parse("thought: x\nfinal answer: 4").unwrap(),
+            ReactTurn::Final {
+                thought: "x".into(),
+                answer: "4".into()
+            }
+        );
+    }
+
+    #[test]
+    fn streaming_holds_back_a_decorated_marker_until_it_is_known() {
+        let (deltas, _) = stream_all(&[
+            "Thought: a\n*",
+            "* Act",
+            "ion:** t\nArgs: {}\nFinal Answer: x",
+        ]);
+        assert_eq!(deltas, vec![ReactDelta::Thought("a".into())]);
     }
 
     #[test]

@@ -24,6 +24,8 @@ pub fn general_task_type() -> TaskTypeDef {
     TaskTypeDef {
         name: GENERAL.to_owned(),
         description: "Any request".to_owned(),
+        when_to_use: String::new(),
+        examples: Vec::new(),
         framing: String::new(),
         valid_patterns: vec![REACT.to_owned()],
         critic: Vec::new(),
@@ -92,9 +94,31 @@ pub fn task_type_candidates(task_types: &[TaskTypeDef]) -> Vec<Candidate> {
         .iter()
         .map(|t| Candidate {
             name: t.name.clone(),
-            description: t.description.clone(),
+            description: describe_task_type(t),
         })
         .collect()
+}
+
+/// A task type as the meta-router is shown it: its description, then when to use it and examples,
+/// each on its own indented line.
+fn describe_task_type(task_type: &TaskTypeDef) -> String {
+    let mut text = task_type.description.trim().to_owned();
+    if !task_type.when_to_use.trim().is_empty() {
+        text.push_str(&format!(
+            "\n  Use it when: {}",
+            task_type.when_to_use.trim()
+        ));
+    }
+    let examples: Vec<String> = task_type
+        .examples
+        .iter()
+        .filter(|e| !e.trim().is_empty())
+        .map(|e| format!("\"{}\"", e.trim()))
+        .collect();
+    if !examples.is_empty() {
+        text.push_str(&format!("\n  For example: {}", examples.join("; ")));
+    }
+    text
 }
 
 /// The fallback among task types: `general` when offered, else the first.
@@ -375,10 +399,32 @@ mod tests {
     }
 
     #[test]
+    fn the_router_is_shown_when_to_use_a_task_type_and_examples() {
+        let task = TaskTypeDef {
+            name: "general".into(),
+            description: "Anything else.".into(),
+            when_to_use: "calculations and short factual questions".into(),
+            examples: vec!["What is 17 times 23?".into()],
+            framing: String::new(),
+            valid_patterns: vec!["react".into()],
+            critic: Vec::new(),
+        };
+        let candidates = task_type_candidates(&[task]);
+        let (_, user) = task_type_prompt(
+            &crate::prompt::Prompts::default().task_type_selection,
+            "Add 2 and 3",
+            &candidates,
+        );
+        assert!(user.contains("- general: Anything else.\n  Use it when: calculations and short factual questions\n  For example: \"What is 17 times 23?\""), "{user}");
+    }
+
+    #[test]
     fn only_implemented_patterns_are_offered() {
         let task = TaskTypeDef {
             name: "research".into(),
             description: "d".into(),
+            when_to_use: String::new(),
+            examples: Vec::new(),
             framing: String::new(),
             valid_patterns: vec!["negotiator".into(), "react".into()],
             critic: Vec::new(),

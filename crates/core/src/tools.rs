@@ -56,6 +56,34 @@ impl ToolDef {
     }
 }
 
+impl ToolDef {
+    /// The tool's arguments as the JSON Schema object native tool calling offers the model. Types
+    /// JSON Schema does not know are offered as strings; every argument is required unless its
+    /// description marks it optional.
+    pub fn parameters_schema(&self) -> serde_json::Value {
+        let mut properties = serde_json::Map::new();
+        let mut required = Vec::new();
+        for argument in &self.arguments {
+            let kind = match argument.kind.as_str() {
+                k @ ("string" | "number" | "integer" | "boolean" | "object" | "array") => k,
+                _ => "string",
+            };
+            properties.insert(
+                argument.name.clone(),
+                serde_json::json!({"type": kind, "description": argument.description}),
+            );
+            if !argument
+                .description
+                .to_ascii_lowercase()
+                .contains("optional")
+            {
+                required.push(serde_json::Value::String(argument.name.clone()));
+            }
+        }
+        serde_json::json!({"type": "object", "properties": properties, "required": required})
+    }
+}
+
 fn string_type() -> String {
     "string".to_owned()
 }

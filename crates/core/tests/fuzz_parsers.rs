@@ -26,7 +26,8 @@ fn config() -> ProptestConfig {
 fn llm_text() -> impl Strategy<Value = String> {
     let piece = prop_oneof![
         3 => prop::sample::select(vec![
-            "Thought:", "Action:", "Args:", "Action Input:", "Final Answer:", "\n", " ", "{", "}",
+            "Thought:", "Action:", "Args:", "Action Input:", "Final Answer:", "Observation:",
+            "**Action:**", "final answer:", "\n", " ", "{", "}",
             "[", "]", "\"", ":", ",", "```json\n", "```", "\"goal\"", "\"steps\"", "\"goals\"",
             "\"depends_on\"", "[0]", "[-1]", "[99999999999]", "\"rationale\"", "null", "é", "🦀",
             "\\", "\\\"", "\"pattern\": \"supervisor\"", "{\"q\": \"x\"}",
@@ -129,6 +130,38 @@ proptest! {
             let (_, streamed_answer) = streamed(&chunks(&text, &cuts));
             prop_assert_eq!(streamed_answer, parsed_answer);
         }
+    }
+
+    /// The first decision wins while streaming too: a completion whose first decision is an
+    /// action never streams answer text, however it is chunked and whatever follows the action.
+    #[test]
+    fn no_answer_streams_when_an_action_comes_first(
+        text in llm_text(),
+        cuts in prop::collection::vec(any::<prop::sample::Index>(), 0..12),
+    ) {
+        if let Ok(ReactTurn::Action { .. }) = react::parse(&text) {
+            let (_, answer) = streamed(&chunks(&text, &cuts));
+            prop_assert_eq!(answer, "");
+        }
+    }
+
+    /// A model that runs on past its action: the action is taken, and what follows is discarded
+    /// whole, never streamed as an answer.
+    #[test]
+    fn an_invented_answer_after_an_action_is_discarded(
+        invented in "[a-zA-Z0-9 ,.:\n]{1,40}",
+        cuts in prop::collection::vec(any::<prop::sample::Index>(), 0..8),
+    ) {
+        let tail = format!("Observation: {invented}\nFinal Answer: {invented}");
+        let text = format!("Thought: t\nAction: add\nArgs: {{\"a\": 1}}\n{tail}");
+        let parsed = react::parse(&text);
+        let Ok(ReactTurn::Action { action, discarded, .. }) = parsed else {
+            return Err(TestCaseError::fail(format!("{parsed:?}")));
+        };
+        prop_assert_eq!(action, "add");
+        prop_assert_eq!(discarded, tail.trim());
+        let (_, answer) = streamed(&chunks(&text, &cuts));
+        prop_assert_eq!(answer, "");
     }
 
     #[test]

@@ -2,6 +2,7 @@
 //! retries with exponential backoff and jitter on 429, 5xx and timeouts (honouring `Retry-After`), a
 //! bound on concurrent calls, and token usage carried back to the caller.
 
+use std::collections::BTreeMap;
 use std::fmt;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -68,33 +69,111 @@ impl Default for LlmConfig {
     }
 }
 
-/// One chat message.
+/// One chat message. An assistant message may carry the tool calls it made, and a `tool` message
+/// answers one of them by its id.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ChatMessage {
     pub role: String,
     pub content: String,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub tool_calls: Vec<ToolCall>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool_call_id: Option<String>,
 }
 
 impl ChatMessage {
-    pub fn system(content: impl Into<String>) -> ChatMessage {
+    fn new(role: &str, content: impl Into<String>) -> ChatMessage {
         ChatMessage {
-            role: "system".to_owned(),
+            role: role.to_owned(),
             content: content.into(),
+            tool_calls: Vec::new(),
+            tool_call_id: None,
         }
     }
+    pub fn system(content: impl Into<String>) -> ChatMessage {
+        ChatMessage::new("system", content)
+    }
     pub fn user(content: impl Into<String>) -> ChatMessage {
-        ChatMessage {
-            role: "user".to_owned(),
-            content: content.into(),
-        }
+        ChatMessage::new("user", content)
     }
     /// What the LLM said earlier in the conversation, for a follow-up question about it.
     pub fn assistant(content: impl Into<String>) -> ChatMessage {
+        ChatMessage::new("assistant", content)
+    }
+    /// An earlier assistant turn that called a tool (native tool calling).
+    pub fn assistant_call(content: impl Into<String>, call: ToolCall) -> ChatMessage {
         ChatMessage {
-            role: "assistant".to_owned(),
-            content: content.into(),
+            tool_calls: vec![call],
+            ..ChatMessage::new("assistant", content)
         }
     }
+    /// A tool's result, answering the call with id `call_id`.
+    pub fn tool_result(call_id: impl Into<String>, content: impl Into<String>) -> ChatMessage {
+        ChatMessage {
+            tool_call_id: Some(call_id.into()),
+            ..ChatMessage::new("tool", content)
+        }
+    }
+}
+
+/// A tool call in OpenAI's shape: `{"id", "type": "function", "function": {"name", "arguments"}}`,
+/// `arguments` being JSON text as the model wrote it.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ToolCall {
+    #[serde(default)]
+    pub id: String,
+    #[serde(rename = "type", default = "function_type")]
+    pub kind: String,
+    pub function: FunctionCall,
+}
+
+fn function_type() -> String {
+    "function".to_owned()
+}
+
+/// The function a [`ToolCall`] names, and its arguments as JSON text.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FunctionCall {
+    #[serde(default)]
+    pub name: String,
+    #[serde(default)]
+    pub arguments: String,
+}
+
+impl ToolCall {
+    pub fn function(
+        id: impl Into<String>,
+        name: impl Into<String>,
+        arguments: impl Into<String>,
+    ) -> ToolCall {
+        ToolCall {
+            id: id.into(),
+            kind: function_type(),
+            function: FunctionCall {
+                name: name.into(),
+                arguments: arguments.into(),
+            },
+        }
+    }
+}
+
+/// A tool offered to the model for native tool calling; `parameters` is a JSON Schema object.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ToolSpec {
+    pub name: String,
+    pub description: String,
+    pub parameters: Value,
+}
+
+/// What one call asks of the server besides the messages.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct CallOptions {
+    /// Sequences at which the server stops writing (`stop`); servers honour at most four.
+    pub stop: Vec<String>,
+    /// Tools the model may call (`tools`, `tool_choice: "auto"`).
+    pub tools: Vec<ToolSpec>,
+    /// Ask for a JSON object (`response_format: {"type": "json_object"}`).
+    pub json_object: bool,
 }
 
 /// A finished completion.
@@ -111,6 +190,8 @@ pub struct Completion {
     /// The text is incomplete: the model stopped at its length limit (`finish_reason: length`), or
     /// the caller kept what a broken stream had passed on.
     pub cut_off: bool,
+    /// The tools the model called (native tool calling), in the order it wrote them.
+    pub tool_calls: Vec<ToolCall>,
 }
 
 /// Why a call failed. `retryable()` decides between another attempt and giving up.
@@ -177,7 +258,17 @@ impl LlmClient {
 
     /// A whole answer.
     pub async fn complete(&self, messages: &[ChatMessage]) -> Result<Completion, LlmError> {
-        self.with_retries(messages, None).await
+        self.with_retries(messages, &CallOptions::default(), None)
+            .await
+    }
+
+    /// A whole answer, with stop sequences, tools or JSON mode.
+    pub async fn complete_with(
+        &self,
+        messages: &[ChatMessage],
+        options: &CallOptions,
+    ) -> Result<Completion, LlmError> {
+        self.with_retries(messages, options, None).await
     }
 
     /// A streamed answer: each text delta goes to `deltas` as it arrives; the whole text is returned.
@@ -188,15 +279,28 @@ impl LlmClient {
         messages: &[ChatMessage],
         deltas: mpsc::Sender<String>,
     ) -> Result<Completion, LlmError> {
-        self.with_retries(messages, Some(deltas)).await
+        self.with_retries(messages, &CallOptions::default(), Some(deltas))
+            .await
+    }
+
+    /// A streamed answer with stop sequences, tools or JSON mode. Tool calls are not passed on as
+    /// deltas: they are gathered and returned whole in [`Completion::tool_calls`].
+    pub async fn stream_with(
+        &self,
+        messages: &[ChatMessage],
+        options: &CallOptions,
+        deltas: mpsc::Sender<String>,
+    ) -> Result<Completion, LlmError> {
+        self.with_retries(messages, options, Some(deltas)).await
     }
 
     async fn with_retries(
         &self,
         messages: &[ChatMessage],
+        options: &CallOptions,
         deltas: Option<mpsc::Sender<String>>,
     ) -> Result<Completion, LlmError> {
-        let result = self.retrying(messages, deltas).await;
+        let result = self.retrying(messages, options, deltas).await;
         record_call(&self.config.model, &result);
         result
     }
@@ -204,6 +308,7 @@ impl LlmClient {
     async fn retrying(
         &self,
         messages: &[ChatMessage],
+        options: &CallOptions,
         deltas: Option<mpsc::Sender<String>>,
     ) -> Result<Completion, LlmError> {
         let started = Instant::now();
@@ -216,7 +321,7 @@ impl LlmClient {
                     .acquire()
                     .await
                     .map_err(|e| LlmError::Transport(e.to_string()))?;
-                let call = self.attempt(messages, deltas.as_ref());
+                let call = self.attempt(messages, options, deltas.as_ref());
                 // A streamed call enforces the whole-call limit itself, so that a timeout after text
                 // was passed on is not retried (the receiver would get the text twice).
                 if deltas.is_some() {
@@ -272,6 +377,7 @@ impl LlmClient {
     async fn attempt(
         &self,
         messages: &[ChatMessage],
+        options: &CallOptions,
         deltas: Option<&mpsc::Sender<String>>,
     ) -> Result<Completion, LlmError> {
         let url = format!(
@@ -288,6 +394,25 @@ impl LlmClient {
         }
         if let Some(t) = self.config.temperature {
             body["temperature"] = json!(t);
+        }
+        if !options.stop.is_empty() {
+            body["stop"] = json!(options.stop);
+        }
+        if !options.tools.is_empty() {
+            let tools: Vec<Value> = options
+                .tools
+                .iter()
+                .map(|t| {
+                    json!({"type": "function", "function": {
+                        "name": t.name, "description": t.description, "parameters": t.parameters,
+                    }})
+                })
+                .collect();
+            body["tools"] = json!(tools);
+            body["tool_choice"] = json!("auto");
+        }
+        if options.json_object {
+            body["response_format"] = json!({"type": "json_object"});
         }
         let mut request = self.http.post(&url).json(&body);
         if let Some(key) = &self.config.api_key {
@@ -325,13 +450,34 @@ impl LlmClient {
                     .map_err(|e| LlmError::Transport(e.to_string()))?;
                 let value: Value = serde_json::from_str(&text)
                     .map_err(|e| LlmError::Malformed(format!("{e}: {}", preview(&text))))?;
-                let content = value["choices"][0]["message"]["content"]
-                    .as_str()
-                    .ok_or_else(|| {
-                        LlmError::Malformed(format!("no message content: {}", preview(&text)))
-                    })?
-                    .to_owned();
-                Ok(self.completion(content, &value))
+                let message = &value["choices"][0]["message"];
+                let tool_calls: Vec<ToolCall> = match &message["tool_calls"] {
+                    Value::Array(calls) => calls
+                        .iter()
+                        .map(|c| serde_json::from_value(c.clone()))
+                        .collect::<Result<_, _>>()
+                        .map_err(|e| {
+                            LlmError::Malformed(format!(
+                                "unreadable tool_calls: {e}: {}",
+                                preview(&text)
+                            ))
+                        })?,
+                    _ => Vec::new(),
+                };
+                // With tool calls, servers send `content: null`.
+                let content = match message["content"].as_str() {
+                    Some(content) => content.to_owned(),
+                    None if !tool_calls.is_empty() => String::new(),
+                    None => {
+                        return Err(LlmError::Malformed(format!(
+                            "no message content: {}",
+                            preview(&text)
+                        )))
+                    }
+                };
+                let mut completion = self.completion(content, &value);
+                completion.tool_calls = tool_calls;
+                Ok(completion)
             }
             Some(deltas) => self.read_stream(response, deltas).await,
         }
@@ -350,6 +496,7 @@ impl LlmClient {
         let mut text = String::new();
         let mut usage = Value::Null;
         let mut sent_any = false;
+        let mut calls = ToolCallDeltas::default();
         // Before anything was passed on, a failure is an ordinary retryable one.
         let fail = |sent_any: bool, e: LlmError| {
             if sent_any {
@@ -385,7 +532,7 @@ impl LlmClient {
                 };
                 let data = data.trim();
                 if data == "[DONE]" {
-                    return Ok(self.completion(text, &self.stream_summary(&usage, &finish_reason)));
+                    return Ok(self.streamed(text, &usage, &finish_reason, calls));
                 }
                 let event: Value = serde_json::from_str(data).map_err(|e| {
                     fail(
@@ -409,6 +556,7 @@ impl LlmClient {
                 if let Some(reason) = event["choices"][0]["finish_reason"].as_str() {
                     finish_reason = Some(reason.to_owned());
                 }
+                calls.add(&event["choices"][0]["delta"]["tool_calls"]);
                 if let Some(delta) = event["choices"][0]["delta"]["content"].as_str() {
                     if !delta.is_empty() {
                         text.push_str(delta);
@@ -421,7 +569,7 @@ impl LlmClient {
             if at_end {
                 // Some servers end a complete answer without `[DONE]`; a finish reason is enough.
                 if finish_reason.is_some() {
-                    return Ok(self.completion(text, &self.stream_summary(&usage, &finish_reason)));
+                    return Ok(self.streamed(text, &usage, &finish_reason, calls));
                 }
                 return Err(fail(
                     sent_any,
@@ -431,9 +579,19 @@ impl LlmClient {
         }
     }
 
-    /// What a whole (non-streamed) answer says besides its text, gathered from a stream's events.
-    fn stream_summary(&self, usage: &Value, finish_reason: &Option<String>) -> Value {
-        json!({"usage": usage, "model": self.config.model, "choices": [{"finish_reason": finish_reason}]})
+    /// The completion a finished stream gathered: its text, what a whole answer would say besides
+    /// it (`usage`, `finish_reason`), and its tool calls.
+    fn streamed(
+        &self,
+        text: String,
+        usage: &Value,
+        finish_reason: &Option<String>,
+        calls: ToolCallDeltas,
+    ) -> Completion {
+        let summary = json!({"usage": usage, "model": self.config.model, "choices": [{"finish_reason": finish_reason}]});
+        let mut completion = self.completion(text, &summary);
+        completion.tool_calls = calls.finish();
+        completion
     }
 
     /// A completion from an answer's text and its whole body (`usage`, `model`, `finish_reason`).
@@ -455,7 +613,49 @@ impl LlmClient {
             duration: Duration::ZERO,
             retries: 0,
             cut_off: value["choices"][0]["finish_reason"].as_str() == Some("length"),
+            tool_calls: Vec::new(),
         }
+    }
+}
+
+/// Tool calls arriving in pieces over a stream: each delta names the call's `index`; the id and
+/// name come once, the arguments' JSON text in fragments to be joined.
+#[derive(Debug, Default)]
+struct ToolCallDeltas {
+    calls: BTreeMap<u64, ToolCall>,
+}
+
+impl ToolCallDeltas {
+    fn add(&mut self, deltas: &Value) {
+        let Value::Array(deltas) = deltas else {
+            return;
+        };
+        for (position, delta) in deltas.iter().enumerate() {
+            // Servers that send each call whole may leave out the index.
+            let index = delta["index"].as_u64().unwrap_or(position as u64);
+            let call = self.calls.entry(index).or_insert_with(|| ToolCall {
+                kind: function_type(),
+                ..ToolCall::default()
+            });
+            // Some servers repeat the id and the name in every delta of a call.
+            if let Some(id) = delta["id"].as_str() {
+                if call.id.is_empty() {
+                    id.clone_into(&mut call.id);
+                }
+            }
+            if let Some(name) = delta["function"]["name"].as_str() {
+                if call.function.name != name {
+                    call.function.name.push_str(name);
+                }
+            }
+            if let Some(arguments) = delta["function"]["arguments"].as_str() {
+                call.function.arguments.push_str(arguments);
+            }
+        }
+    }
+
+    fn finish(self) -> Vec<ToolCall> {
+        self.calls.into_values().collect()
     }
 }
 

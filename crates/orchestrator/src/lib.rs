@@ -28,7 +28,7 @@ use agent_core::prompt::{render, PromptTemplate};
 use agent_core::provenance::{self, CallStats, SessionUris, ToolStats};
 use agent_core::router::IMPLEMENTED_PATTERNS;
 use agent_core::tools::{Scope, ToolDef};
-use agent_llm::{ChatMessage, Completion, LlmClient};
+use agent_llm::{CallOptions, ChatMessage, Completion, LlmClient};
 use agent_schema::{AgentRequest, AgentResponse, ID_PROPERTY};
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
@@ -83,6 +83,26 @@ impl Turn<'_> {
         tools
     }
 
+    /// Options of a call whose answer must be a JSON object: the server's JSON mode where the
+    /// model's options say the server has one.
+    pub fn json_call(&self) -> CallOptions {
+        json_call(self.config, self.llm)
+    }
+
+    /// Options of a call answered in the ReACT text protocol: the stop sequence at an imagined
+    /// observation, where the model's options allow it.
+    pub fn react_call(&self) -> CallOptions {
+        let stop = if self.config.model_options(self.llm.model()).stop_sequences {
+            vec![react::OBSERVATION_STOP.to_owned()]
+        } else {
+            Vec::new()
+        };
+        CallOptions {
+            stop,
+            ..CallOptions::default()
+        }
+    }
+
     /// Which budget (tokens or wall time) the dialog has used up before this step, if any.
     pub fn spent_budget(&self) -> Option<String> {
         let used = self.tokens_before.0 + self.tokens_before.1;
@@ -96,12 +116,13 @@ impl Turn<'_> {
         n: usize,
         template: &PromptTemplate,
         vars: &BTreeMap<&str, String>,
+        options: &CallOptions,
     ) -> Result<Option<(Completion, CallStats)>, agent_bus::BusError> {
         let messages = [
             ChatMessage::system(template.system.clone()),
             ChatMessage::user(render(&template.template, vars)),
         ];
-        match self.llm.complete(&messages).await {
+        match self.llm.complete_with(&messages, options).await {
             Ok(completion) => {
                 let stats = call_stats(&completion);
                 Ok(Some((completion, stats)))
@@ -111,6 +132,14 @@ impl Turn<'_> {
                 Ok(None)
             }
         }
+    }
+}
+
+/// Options of a call whose answer must be a JSON object, for `llm` under `config`.
+pub fn json_call(config: &AgentConfig, llm: &LlmClient) -> CallOptions {
+    CallOptions {
+        json_object: config.model_options(llm.model()).json_mode,
+        ..CallOptions::default()
     }
 }
 

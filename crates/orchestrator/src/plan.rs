@@ -121,10 +121,10 @@ async fn make_plan(turn: &Turn<'_>, n: usize, problem: Option<String>) -> Result
 
     let mut stats = CallStats::default();
     let mut rejected: Vec<(String, String)> = Vec::new();
-    let mut chosen: Option<(Vec<PlanStep>, Vec<usize>, String)> = None;
+    let mut chosen: Option<AcceptedPlan> = None;
     let mut call_error = None;
     for _ in 0..PLAN_ATTEMPTS {
-        let completion = match llm.complete(&messages).await {
+        let completion = match llm.complete_with(&messages, &turn.json_call()).await {
             Ok(c) => c,
             // With nothing asked yet there is nothing to go on; after refused attempts, their cost
             // and record are kept and the one-step plan stands in.
@@ -138,12 +138,19 @@ async fn make_plan(turn: &Turn<'_>, n: usize, problem: Option<String>) -> Result
         };
         add_call(&mut stats, &completion);
         let checked = planning::parse(&completion.text).and_then(|(steps, rationale)| {
-            let (merged, dropped) = if problem.is_some() {
+            let (mut merged, dropped) = if problem.is_some() {
                 planning::merge_revision(&old_plan, steps)
             } else {
                 (steps, Vec::new())
             };
-            planning::validate(&merged, kept + budget).map(|()| (merged, dropped, rationale))
+            let first_new = if problem.is_some() { kept } else { 0 };
+            let repairs = planning::repair(&mut merged, first_new);
+            planning::validate(&merged, kept + budget).map(|()| AcceptedPlan {
+                steps: merged,
+                dropped,
+                rationale,
+                repairs,
+            })
         });
         match checked {
             Ok(plan) => {
@@ -153,10 +160,16 @@ async fn make_plan(turn: &Turn<'_>, n: usize, problem: Option<String>) -> Result
             Err(why) => {
                 tracing::info!(iteration = n, %why, "refusing the LLM's plan and asking again");
                 let answer: String = completion.text.chars().take(4000).collect();
+                // Each request must differ from the last: a model at temperature 0 asked the same
+                // thing answers the same.
+                let again = rejected.iter().any(|(earlier, _)| *earlier == answer);
+                let ask = if again {
+                    format!("You sent a plan that was already rejected. It is still wrong: {why}. Change exactly that and reply with only the corrected JSON object.")
+                } else {
+                    format!("That plan was rejected: {why}. Fix exactly that and reply again with only the corrected JSON object.")
+                };
                 messages.push(ChatMessage::assistant(completion.text));
-                messages.push(ChatMessage::user(format!(
-                    "That plan was rejected: {why}. Reply again with only the corrected JSON object."
-                )));
+                messages.push(ChatMessage::user(ask));
                 rejected.push((answer, why));
             }
         }
@@ -170,11 +183,24 @@ async fn make_plan(turn: &Turn<'_>, n: usize, problem: Option<String>) -> Result
             "no valid plan after {PLAN_ATTEMPTS} attempts; the whole request became one step"
         ),
     });
-    let (plan, dropped, rationale) = chosen.unwrap_or_else(|| {
-        let (merged, dropped) =
+    let AcceptedPlan {
+        steps: plan,
+        dropped,
+        rationale,
+        repairs,
+    } = chosen.unwrap_or_else(|| {
+        let (steps, dropped) =
             planning::merge_revision(&old_plan, planning::single_step(&request.question, kept));
-        (merged, dropped, String::new())
+        AcceptedPlan {
+            steps,
+            dropped,
+            rationale: String::new(),
+            repairs: Vec::new(),
+        }
     });
+    for repair in &repairs {
+        tracing::info!(iteration = n, %repair, "repaired the LLM's plan");
+    }
 
     let version = if problem.is_some() {
         planning::replans_used(&request.history) + 1
@@ -196,6 +222,7 @@ async fn make_plan(turn: &Turn<'_>, n: usize, problem: Option<String>) -> Result
         rejected: &rejected,
         revision_of: problem.as_deref().map(|p| (p, dropped.as_slice())),
         fallback: fallback.as_deref(),
+        repairs: &repairs,
     };
     let shown = planning::describe(&plan);
     out.chunk(MessageType::Thought, &thought, &uris.thought(n), true)
@@ -214,6 +241,16 @@ async fn make_plan(turn: &Turn<'_>, n: usize, problem: Option<String>) -> Result
         ..AgentStep::default()
     };
     record_and_queue(turn, n, step, &stats, &ToolStats::default(), None, None).await
+}
+
+/// A plan the LLM gave that passed validation.
+struct AcceptedPlan {
+    steps: Vec<PlanStep>,
+    /// Old step numbers a revision dropped.
+    dropped: Vec<usize>,
+    rationale: String,
+    /// What was repaired in it first.
+    repairs: Vec<String>,
 }
 
 /// The completed steps under the numbers they keep after a revision.
@@ -271,12 +308,13 @@ async fn run_step(turn: &Turn<'_>, n: usize, index: usize) -> Result<(), BusErro
     ]
     .into_iter()
     .collect();
-    let Some((completion, stats)) = turn.ask(n, template, &vars).await? else {
+    let Some((completion, stats)) = turn.ask(n, template, &vars, &turn.react_call()).await? else {
         return Ok(());
     };
 
     let mut tool = ToolStats::default();
     let mut next_state = scope.state().to_owned();
+    let mut discarded = String::new();
     let (thought, action, arguments, result) = match parse(&completion.text) {
         Ok(ReactTurn::Final { thought, answer }) => (
             thought,
@@ -288,7 +326,9 @@ async fn run_step(turn: &Turn<'_>, n: usize, index: usize) -> Result<(), BusErro
             thought,
             action,
             arguments,
+            discarded: dropped,
         }) => {
+            discarded = dropped;
             let (run, state) =
                 run_scoped_tool(turn, &scope, &action, &arguments, &candidates).await;
             next_state = state;
@@ -321,22 +361,20 @@ async fn run_step(turn: &Turn<'_>, n: usize, index: usize) -> Result<(), BusErro
             .await?;
     }
     let arguments_json = serde_json::to_string(&arguments).unwrap_or_default();
-    out.explain(
-        &uris.iteration(n),
-        provenance::step_execution(
-            uris,
-            n,
-            &uris.plan_step(plan_at, index),
-            index,
-            &critic::all_lessons(&request.history, &goal.goal),
-            &thought,
-            &action,
-            &arguments_json,
-            &candidates,
-            &stats,
-        ),
-    )
-    .await?;
+    let mut triples = provenance::step_execution(
+        uris,
+        n,
+        &uris.plan_step(plan_at, index),
+        index,
+        &critic::all_lessons(&request.history, &goal.goal),
+        &thought,
+        &action,
+        &arguments_json,
+        &candidates,
+        &stats,
+    );
+    triples.extend(provenance::discarded(uris, n, &discarded));
+    out.explain(&uris.iteration(n), triples).await?;
     let step = AgentStep {
         thought,
         action,
@@ -386,7 +424,7 @@ async fn evaluate(turn: &Turn<'_>, n: usize, index: usize) -> Result<(), BusErro
     ]
     .into_iter()
     .collect();
-    let Some((completion, stats)) = turn.ask(n, template, &vars).await? else {
+    let Some((completion, stats)) = turn.ask(n, template, &vars, &turn.json_call()).await? else {
         return Ok(());
     };
     let verdict = critic::parse(&completion.text);
@@ -479,7 +517,7 @@ async fn review_plan(turn: &Turn<'_>, n: usize) -> Result<(), BusError> {
     ]
     .into_iter()
     .collect();
-    let Some((completion, stats)) = turn.ask(n, template, &vars).await? else {
+    let Some((completion, stats)) = turn.ask(n, template, &vars, &turn.json_call()).await? else {
         return Ok(());
     };
     let verdict = critic::parse(&completion.text);
@@ -526,7 +564,7 @@ async fn review_answer(turn: &Turn<'_>, n: usize) -> Result<(), BusError> {
     ]
     .into_iter()
     .collect();
-    let Some((completion, stats)) = turn.ask(n, template, &vars).await? else {
+    let Some((completion, stats)) = turn.ask(n, template, &vars, &turn.json_call()).await? else {
         return Ok(());
     };
     let verdict = critic::parse(&completion.text);

@@ -3,16 +3,23 @@
 //! next iteration with the grown history.
 
 use agent_bus::BusError;
+use agent_core::config::ToolCalling;
 use agent_core::provenance::{self, CallStats, SessionUris, Termination, ToolStats};
-use agent_core::react::{parse, ReactDelta, ReactStream, ReactTurn};
-use agent_core::tools::Scope;
-use agent_llm::{ChatMessage, Completion, LlmClient, LlmError};
+use agent_core::react::{
+    parse, tool_call_arguments, ReactDelta, ReactParseError, ReactStream, ReactTurn,
+};
+use agent_core::tools::{Scope, ToolDef};
+use agent_llm::{CallOptions, ChatMessage, Completion, LlmClient, LlmError, ToolCall, ToolSpec};
 use agent_schema::{AgentStep, MessageType, StepType};
 use tokio::sync::mpsc;
 
 use crate::output::DialogOutput;
 use crate::tool_exec::run_scoped_tool;
 use crate::Turn;
+
+/// What the model writes when it runs on past its action: a stop sequence there saves the tokens
+/// (the parser discards that text either way).
+pub const OBSERVATION_STOP: &str = "\nObservation:";
 
 /// Runs the iteration. `Err` only for publish failures: the message is then nacked and redone.
 pub async fn iterate(turn: &Turn<'_>) -> Result<(), BusError> {
@@ -31,19 +38,51 @@ pub async fn iterate(turn: &Turn<'_>) -> Result<(), BusError> {
     let scope = Scope::new(request.group.as_deref(), request.state.as_deref());
     let visible = turn.visible_tools(&scope).await;
     let candidates: Vec<&str> = visible.iter().map(|t| t.name.as_str()).collect();
-    let (system, user) = agent_core::prompt::react_prompt(
-        &config.prompts.react,
-        &request.question,
-        &request.framing,
-        &visible,
-        &request.history,
-    );
-    let messages = [ChatMessage::system(system), ChatMessage::user(user)];
-
-    let completion = if request.streaming {
-        stream_turn(llm, &messages, out, uris, n).await?
+    let model = config.model_options(llm.model());
+    let native = model.tool_calling == ToolCalling::Native;
+    let streamed = streams_text(turn);
+    let completion = if native {
+        let messages = native_messages(turn, &visible);
+        let options = CallOptions {
+            tools: visible
+                .iter()
+                .map(|t| ToolSpec {
+                    name: t.name.clone(),
+                    description: t.description.clone(),
+                    parameters: t.parameters_schema(),
+                })
+                .collect(),
+            ..CallOptions::default()
+        };
+        if request.streaming {
+            // Deltas are gathered by the client and not passed on (see `streamed`).
+            let (tx, _) = mpsc::channel::<String>(1);
+            llm.stream_with(&messages, &options, tx).await
+        } else {
+            llm.complete_with(&messages, &options).await
+        }
     } else {
-        llm.complete(&messages).await
+        let (system, user) = agent_core::prompt::react_prompt(
+            &config.prompts.react,
+            &request.question,
+            &request.framing,
+            &visible,
+            &request.history,
+        );
+        let messages = [ChatMessage::system(system), ChatMessage::user(user)];
+        let options = CallOptions {
+            stop: if model.stop_sequences {
+                vec![OBSERVATION_STOP.to_owned()]
+            } else {
+                Vec::new()
+            },
+            ..CallOptions::default()
+        };
+        if request.streaming {
+            stream_turn(llm, &messages, &options, out, uris, n).await?
+        } else {
+            llm.complete_with(&messages, &options).await
+        }
     };
     let completion = match completion {
         Ok(c) => c,
@@ -55,19 +94,19 @@ pub async fn iterate(turn: &Turn<'_>) -> Result<(), BusError> {
         turn.tokens_before.1 + completion.out_token,
     );
 
-    // A cut-off answer is never acted on: half a final answer or half an action's arguments would
-    // pass for whole ones.
-    let parsed = if completion.cut_off {
-        Err("Error: your response was cut off before it ended. Reply again, more briefly, with 'Thought:' followed by either 'Action:' and 'Args:', or 'Final Answer:'.".to_owned())
+    let parsed = if native {
+        read_native(&completion)
     } else {
-        parse(&completion.text).map_err(|e| format!(
-            "Error: your response could not be parsed ({e}). Reply with 'Thought:' followed by either 'Action:' and 'Args:', or 'Final Answer:'."
-        ))
+        read_text(&completion)
     };
     match parsed {
         Ok(ReactTurn::Final { thought, answer }) => {
-            if !request.streaming && !thought.is_empty() {
+            if !streamed && !thought.is_empty() {
                 out.chunk(MessageType::Thought, &thought, &uris.thought(n), true)
+                    .await?;
+            }
+            if request.streaming && !streamed {
+                out.chunk(MessageType::Answer, &answer, &uris.conclusion(), false)
                     .await?;
             }
             let triples = provenance::conclusion(
@@ -86,8 +125,9 @@ pub async fn iterate(turn: &Turn<'_>) -> Result<(), BusError> {
             thought,
             action,
             arguments,
+            discarded,
         }) => {
-            if !request.streaming && !thought.is_empty() {
+            if !streamed && !thought.is_empty() {
                 out.chunk(MessageType::Thought, &thought, &uris.thought(n), true)
                     .await?;
             }
@@ -114,6 +154,7 @@ pub async fn iterate(turn: &Turn<'_>) -> Result<(), BusError> {
                 n,
                 step,
                 &arguments_json,
+                &discarded,
                 &candidates,
                 &stats,
                 tool,
@@ -137,6 +178,109 @@ pub async fn iterate(turn: &Turn<'_>) -> Result<(), BusError> {
     }
 }
 
+/// Whether the LLM's text reaches the client as the model writes it. Only under the text protocol,
+/// where the parser knows at once what is thought and what is answer: a native answer's text is
+/// held until the model has decided, as text it wrote before a tool call is thought, not answer.
+fn streams_text(turn: &Turn<'_>) -> bool {
+    turn.request.streaming
+        && turn.config.model_options(turn.llm.model()).tool_calling != ToolCalling::Native
+}
+
+/// The decision in a text-protocol completion, or the observation that tells the LLM why there is
+/// none. A cut-off answer is never acted on: half a final answer or half an action's arguments
+/// would pass for whole ones.
+fn read_text(completion: &Completion) -> Result<ReactTurn, String> {
+    if completion.cut_off {
+        return Err("Error: your response was cut off before it ended. Reply again, more briefly, with 'Thought:' followed by either 'Action:' and 'Args:', or 'Final Answer:'.".to_owned());
+    }
+    parse(&completion.text).map_err(|e| format!(
+        "Error: your response could not be parsed ({e}). Reply with 'Thought:' followed by either 'Action:' and 'Args:', or 'Final Answer:'."
+    ))
+}
+
+/// The decision in a native-tool-calling completion. The first tool call wins (others are
+/// discarded, as text after a text-protocol action is); without one, text that follows the text
+/// protocol is read by it (small models fall back to it), and plain text is the answer.
+fn read_native(completion: &Completion) -> Result<ReactTurn, String> {
+    if completion.cut_off {
+        return Err(
+            "Error: your response was cut off before it ended. Reply again, more briefly."
+                .to_owned(),
+        );
+    }
+    let text = completion.text.trim();
+    if let Some((first, rest)) = completion.tool_calls.split_first() {
+        let name = first.function.name.trim();
+        if name.is_empty() {
+            return Err("Error: your tool call names no tool.".to_owned());
+        }
+        let arguments = tool_call_arguments(&first.function.arguments).map_err(|e| {
+            format!("Error: the arguments of your call to '{name}' could not be read ({e}). Call it again with a JSON object.")
+        })?;
+        let discarded = if rest.is_empty() {
+            String::new()
+        } else {
+            serde_json::to_string(rest).unwrap_or_default()
+        };
+        return Ok(ReactTurn::Action {
+            thought: text.to_owned(),
+            action: name.to_owned(),
+            arguments,
+            discarded,
+        });
+    }
+    match parse(text) {
+        Ok(turn) => Ok(turn),
+        Err(ReactParseError::NoDecision) if !text.is_empty() => Ok(ReactTurn::Final {
+            thought: String::new(),
+            answer: text.to_owned(),
+        }),
+        Err(ReactParseError::NoDecision) => {
+            Err("Error: your response was empty. Call a tool, or reply with the answer.".to_owned())
+        }
+        Err(e) => Err(format!(
+            "Error: your response could not be read ({e}). Call a tool, or reply with the answer."
+        )),
+    }
+}
+
+/// The conversation of a native-tool-calling dialog: each earlier step as the assistant's tool
+/// call and the tool's result (or, for a step that called nothing, what the assistant wrote and
+/// the observation that answered it).
+fn native_messages(turn: &Turn<'_>, visible: &[ToolDef]) -> Vec<ChatMessage> {
+    let request = turn.request;
+    let template = &turn.config.prompts.react_native;
+    let vars: std::collections::BTreeMap<&str, String> = [
+        ("question", request.question.clone()),
+        (
+            "framing",
+            agent_core::prompt::framing_block(&request.framing),
+        ),
+        ("tools", agent_core::prompt::describe_tools(visible)),
+    ]
+    .into_iter()
+    .collect();
+    let mut messages = vec![
+        ChatMessage::system(template.system.clone()),
+        ChatMessage::user(agent_core::prompt::render(&template.template, &vars)),
+    ];
+    for (i, step) in request.history.iter().enumerate() {
+        if step.action.is_empty() {
+            messages.push(ChatMessage::assistant(step.thought.clone()));
+            messages.push(ChatMessage::user(step.observation.clone()));
+        } else {
+            let id = format!("call_{}", i + 1);
+            let arguments = serde_json::to_string(&step.arguments).unwrap_or_default();
+            messages.push(ChatMessage::assistant_call(
+                step.thought.clone(),
+                ToolCall::function(&id, &step.action, arguments),
+            ));
+            messages.push(ChatMessage::tool_result(id, step.observation.clone()));
+        }
+    }
+    messages
+}
+
 /// Records an answer the loop cannot act on (unparsable, or cut off) as an iteration whose
 /// observation tells the LLM what was wrong, and queues the next iteration: a bad answer costs an
 /// iteration, not the dialog.
@@ -152,7 +296,7 @@ async fn record_unusable(
     let Turn {
         request, uris, out, ..
     } = turn;
-    if !request.streaming {
+    if !streams_text(turn) && !completion.text.trim().is_empty() {
         out.chunk(
             MessageType::Thought,
             completion.text.trim(),
@@ -175,6 +319,7 @@ async fn record_unusable(
         n,
         step,
         "{}",
+        "",
         candidates,
         stats,
         ToolStats::default(),
@@ -191,6 +336,7 @@ async fn record_step(
     n: usize,
     step: AgentStep,
     arguments_json: &str,
+    discarded: &str,
     candidates: &[&str],
     stats: &CallStats,
     tool: ToolStats,
@@ -200,7 +346,7 @@ async fn record_step(
     let Turn {
         request, uris, out, ..
     } = turn;
-    let triples = provenance::tool_iteration(
+    let mut triples = provenance::tool_iteration(
         uris,
         n,
         &step.thought,
@@ -209,6 +355,7 @@ async fn record_step(
         candidates,
         stats,
     );
+    triples.extend(provenance::discarded(uris, n, discarded));
     out.explain(&uris.iteration(n), triples).await?;
     out.chunk(
         MessageType::Observation,
@@ -237,12 +384,13 @@ async fn record_step(
 async fn stream_turn(
     llm: &LlmClient,
     messages: &[ChatMessage],
+    options: &CallOptions,
     out: &DialogOutput<'_>,
     uris: &SessionUris,
     n: usize,
 ) -> Result<Result<Completion, LlmError>, BusError> {
     let (tx, mut rx) = mpsc::channel::<String>(64);
-    let call = llm.stream(messages, tx);
+    let call = llm.stream_with(messages, options, tx);
     tokio::pin!(call);
     let mut parser = ReactStream::default();
     let mut held_thought: Option<String> = None;

@@ -10,7 +10,7 @@ use agent_bus::BusError;
 use agent_core::config::{AgentConfig, TaskTypeDef};
 use agent_core::provenance::{self, CallStats};
 use agent_core::router::{self, Candidate, Choice, Decision, Method};
-use agent_llm::{ChatMessage, LlmClient};
+use agent_llm::ChatMessage;
 use agent_schema::AgentRequest;
 
 use crate::Turn;
@@ -26,7 +26,6 @@ pub async fn route(turn: &Turn<'_>) -> Result<(), BusError> {
         uris,
         out,
         config,
-        llm,
         ..
     } = turn;
     let task_types = config.task_types_or_general();
@@ -46,7 +45,7 @@ pub async fn route(turn: &Turn<'_>) -> Result<(), BusError> {
             &task_candidates,
         );
         let fallback = router::fallback_task_type(&task_candidates);
-        ask(llm, system, user, &task_candidates, &fallback, &mut cost).await
+        ask(turn, system, user, &task_candidates, &fallback, &mut cost).await
     };
     let task_type = task_types
         .iter()
@@ -75,7 +74,15 @@ pub async fn route(turn: &Turn<'_>) -> Result<(), BusError> {
                 &pattern_candidates,
             );
             let fallback = first.name.clone();
-            ask(llm, system, user, &pattern_candidates, &fallback, &mut cost).await
+            ask(
+                turn,
+                system,
+                user,
+                &pattern_candidates,
+                &fallback,
+                &mut cost,
+            )
+            .await
         }
     };
 
@@ -151,7 +158,7 @@ pub fn requested(request: &AgentRequest, config: &AgentConfig) -> Decision {
 /// One routing question to the LLM, constrained to `candidates`. A failed call is a recorded
 /// fallback, not a failed dialog: routing is a preference, and the fallback always works.
 async fn ask(
-    llm: &LlmClient,
+    turn: &Turn<'_>,
     system: String,
     user: String,
     candidates: &[Candidate],
@@ -159,7 +166,7 @@ async fn ask(
     cost: &mut CallStats,
 ) -> Choice {
     let messages = [ChatMessage::system(system), ChatMessage::user(user)];
-    match llm.complete(&messages).await {
+    match turn.llm.complete_with(&messages, &turn.json_call()).await {
         Ok(completion) => {
             crate::add_call(cost, &completion);
             router::decide(Ok(&completion.text), candidates, fallback)

@@ -11,6 +11,7 @@ use agent_schema::{AgentStep, MessageType, StepType};
 
 use crate::react::conclude_if_limited;
 use crate::Turn;
+use agent_llm::CallOptions;
 
 /// `arguments` key of the decompose step that names its fan-out.
 const CORRELATION_KEY: &str = "correlation_id";
@@ -60,7 +61,10 @@ async fn decompose(turn: &Turn<'_>, n: usize) -> Result<(), BusError> {
     ]
     .into_iter()
     .collect();
-    let Some((completion, stats)) = turn.ask(n, template, &vars).await? else {
+    let Some((completion, stats)) = turn
+        .ask(n, template, &vars, &CallOptions::default())
+        .await?
+    else {
         return Ok(());
     };
     let goals = supervising::parse_goals(&completion.text, max, nested).unwrap_or_else(|why| {
@@ -193,7 +197,10 @@ async fn synthesise(turn: &Turn<'_>, n: usize) -> Result<(), BusError> {
     ]
     .into_iter()
     .collect();
-    let Some((completion, stats)) = turn.ask(n, template, &vars).await? else {
+    let Some((completion, stats)) = turn
+        .ask(n, template, &vars, &CallOptions::default())
+        .await?
+    else {
         return Ok(());
     };
     let expected = argument(EXPECTED_KEY)

@@ -9,6 +9,10 @@
 //! `"malformed"`, `"truncate"` or `"garbage"` (prose that follows no protocol); later requests get
 //! the reply. `"chaos": {"rate": 0.2, "seed": 7}` also injects a fault, drawn from `kinds`, into that
 //! share of all answers, reproducibly for a seed.
+//!
+//! A rule with `tool_calls` answers with OpenAI-style tool calls (native tool calling), streamed
+//! in fragments as real servers do. In a conversation with tool results, a rule is matched against
+//! the last `user` or `tool` message, so a script can answer a tool's result.
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -108,7 +112,12 @@ pub struct Rule {
     /// More texts that must all be found in the last user message too.
     #[serde(default)]
     pub and: Vec<String>,
+    /// The answer's text (the content beside tool calls, which may be empty).
+    #[serde(default)]
     pub reply: String,
+    /// Tool calls the answer makes (native tool calling).
+    #[serde(default)]
+    pub tool_calls: Vec<ScriptedToolCall>,
     /// Faults for the first requests this rule answers, in order.
     #[serde(default)]
     pub faults: Vec<String>,
@@ -129,6 +138,26 @@ pub struct Rule {
     pub retry_after: Option<u64>,
 }
 
+/// A tool call a rule answers with; `arguments` is sent as JSON text (a string is sent as is, so a
+/// script can send arguments that are not JSON).
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ScriptedToolCall {
+    pub name: String,
+    #[serde(default)]
+    pub arguments: Value,
+}
+
+impl ScriptedToolCall {
+    fn arguments_text(&self) -> String {
+        match &self.arguments {
+            Value::String(text) => text.clone(),
+            Value::Null => "{}".to_owned(),
+            other => other.to_string(),
+        }
+    }
+}
+
 impl Script {
     pub fn from_json(text: &str) -> Result<Script, serde_json::Error> {
         serde_json::from_str(text)
@@ -144,6 +173,12 @@ pub struct Call {
     pub rule: Option<usize>,
     /// The fault it suffered, if any.
     pub fault: Option<String>,
+    /// The names of the tools offered for native tool calling.
+    pub tools: Vec<String>,
+    /// The stop sequences the request asked for.
+    pub stop: Vec<String>,
+    /// Whether it asked for a JSON object (`response_format`).
+    pub json_mode: bool,
 }
 
 struct Shared {
@@ -254,7 +289,11 @@ async fn models() -> Json<Value> {
 fn last_user_message(body: &Value) -> String {
     body["messages"]
         .as_array()
-        .and_then(|m| m.iter().rev().find(|m| m["role"] == "user"))
+        .and_then(|m| {
+            m.iter()
+                .rev()
+                .find(|m| m["role"] == "user" || m["role"] == "tool")
+        })
         .and_then(|m| m["content"].as_str())
         .unwrap_or_default()
         .to_owned()
@@ -275,11 +314,29 @@ async fn chat(State(shared): State<Arc<Shared>>, Json(body): Json<Value>) -> Res
     });
     let call_index = match shared.calls.lock() {
         Ok(mut calls) => {
+            let strings = |v: &Value| -> Vec<String> {
+                match v {
+                    Value::String(s) => vec![s.clone()],
+                    Value::Array(items) => items
+                        .iter()
+                        .filter_map(|i| i.as_str().map(str::to_owned))
+                        .collect(),
+                    _ => Vec::new(),
+                }
+            };
             calls.push(Call {
                 last_user: last_user.clone(),
                 stream,
                 rule: rule_index,
                 fault: None,
+                tools: body["tools"]
+                    .as_array()
+                    .into_iter()
+                    .flatten()
+                    .filter_map(|t| t["function"]["name"].as_str().map(str::to_owned))
+                    .collect(),
+                stop: strings(&body["stop"]),
+                json_mode: body["response_format"]["type"] == "json_object",
             });
             Some(calls.len() - 1)
         }
@@ -376,11 +433,29 @@ async fn chat(State(shared): State<Arc<Shared>>, Json(body): Json<Value>) -> Res
         } else {
             (reply, "stop")
         };
+        let mut message = json!({"role": "assistant", "content": reply});
+        let mut finish = finish;
+        if !rule.tool_calls.is_empty() && finish != "length" {
+            let calls: Vec<Value> = rule
+                .tool_calls
+                .iter()
+                .enumerate()
+                .map(|(i, c)| {
+                    json!({"id": format!("call_{i}"), "type": "function",
+                    "function": {"name": c.name, "arguments": c.arguments_text()}})
+                })
+                .collect();
+            message["tool_calls"] = json!(calls);
+            if message["content"] == "" {
+                message["content"] = Value::Null;
+            }
+            finish = "tool_calls";
+        }
         return Json(json!({
             "id": "chatcmpl-scripted",
             "object": "chat.completion",
             "model": model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": reply}, "finish_reason": finish}],
+            "choices": [{"index": 0, "message": message, "finish_reason": finish}],
             "usage": usage,
         }))
         .into_response();
@@ -402,9 +477,28 @@ async fn chat(State(shared): State<Arc<Shared>>, Json(body): Json<Value>) -> Res
     if malformed {
         events.push("data: {\"choices\": [{\"delta\": \n\n".to_owned());
     }
+    // Tool calls stream as OpenAI's do: the id and name first, then the arguments in fragments.
     if !truncate && !malformed {
+        for (i, call) in rule.tool_calls.iter().enumerate() {
+            let first = json!({"id": "chatcmpl-scripted", "object": "chat.completion.chunk", "model": model,
+                "choices": [{"index": 0, "delta": {"tool_calls": [{"index": i, "id": format!("call_{i}"),
+                    "type": "function", "function": {"name": call.name, "arguments": ""}}]}, "finish_reason": null}]});
+            events.push(format!("data: {first}\n\n"));
+            for piece in split_chunks(&call.arguments_text(), rule.chunk_size.unwrap_or(8)) {
+                let event = json!({"id": "chatcmpl-scripted", "object": "chat.completion.chunk", "model": model,
+                    "choices": [{"index": 0, "delta": {"tool_calls": [{"index": i, "function": {"arguments": piece}}]}, "finish_reason": null}]});
+                events.push(format!("data: {event}\n\n"));
+            }
+        }
+    }
+    if !truncate && !malformed {
+        let finish = if rule.tool_calls.is_empty() {
+            "stop"
+        } else {
+            "tool_calls"
+        };
         let last = json!({"id": "chatcmpl-scripted", "object": "chat.completion.chunk", "model": model,
-            "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}], "usage": usage});
+            "choices": [{"index": 0, "delta": {}, "finish_reason": finish}], "usage": usage});
         events.push(format!("data: {last}\n\n"));
         events.push("data: [DONE]\n\n".to_owned());
     }
