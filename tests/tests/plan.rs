@@ -457,3 +457,55 @@ async fn made_up_histories_end_cleanly() {
         .unwrap();
     assert_eq!(closing(&responses).content, "Answered.");
 }
+
+/// A real model's plan (issue 18: a 1.5B model, asked for a risk assessment) whose last step
+/// listed itself among its dependencies is repaired, not refused: the repair is recorded, no
+/// attempt is wasted asking again, and the plan runs.
+#[tokio::test]
+async fn a_plan_whose_last_step_lists_itself_is_repaired_and_recorded() {
+    let plan = serde_json::json!({"rationale": "Assess each dimension, then combine.", "steps": [
+        {"goal": "Assess the financial risk", "tool_hint": "llm", "depends_on": []},
+        {"goal": "Assess the legal risk", "tool_hint": "llm", "depends_on": []},
+        {"goal": "Assess the reputational risk", "tool_hint": "llm", "depends_on": []},
+        {"goal": "Assess the operational risk", "tool_hint": "llm", "depends_on": []},
+        {"goal": "Summarize the findings", "tool_hint": "llm", "depends_on": [1, 2, 3, 4]}
+    ]});
+    let script = serde_json::json!({"rules": [
+        {"match": "Request to plan: Assess the risk profile", "reply": plan.to_string()},
+        {"match": "Step goal: Summarize the findings", "reply": "Thought: combine.\nFinal Answer: SUMMARY"},
+        {"match": "Step goal: Assess the", "reply": "Thought: assess.\nFinal Answer: LOW"},
+        {"match": "Request to answer: Assess the risk profile", "reply": "The risk is low overall."}
+    ]});
+    let broker = Broker::start().unwrap();
+    let llm = scripted_llm(&script.to_string()).await;
+    let _orchestrator = Orchestrator::spawn(&broker, &llm, &seed_dir(), &[]);
+    let mut client = client(&broker).await;
+    let question = "Assess the risk profile of Company X as a potential partner across financial, legal, reputational and operational dimensions.";
+    client
+        .send("repair-1", &planned(question, false))
+        .await
+        .unwrap();
+    let responses = collect_dialog(&mut client, "repair-1", DIALOG_TIMEOUT)
+        .await
+        .unwrap();
+    assert_eq!(closing(&responses).content, "The risk is low overall.");
+    let session = session_of(&responses);
+    let t = explained(&responses);
+    let plan_node = format!("{session}/i1");
+    assert!(values(&t, &plan_node, "rejectionReason").is_empty());
+    let repairs = values(&t, &plan_node, "planRepair");
+    assert_eq!(repairs.len(), 1, "{repairs:?}");
+    assert!(repairs[0].contains("numbered from 1"), "{repairs:?}");
+    let mut summary_needs = values(&t, &format!("{plan_node}/step/4"), "dependsOn");
+    summary_needs.sort();
+    assert_eq!(summary_needs, ["0", "1", "2", "3"]);
+    let planning_calls = llm
+        .calls()
+        .iter()
+        .filter(|c| {
+            c.last_user.contains("Request to plan:")
+                || c.last_user.contains("That plan was rejected")
+        })
+        .count();
+    assert_eq!(planning_calls, 1);
+}
