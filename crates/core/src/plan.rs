@@ -251,8 +251,6 @@ pub fn validate(plan: &[PlanStep], max_steps: usize) -> Result<(), String> {
 /// before it are kept steps of a revision), and says what was changed, one sentence per repair, so
 /// provenance can record it. Nothing else is guessed; what is left is for [`validate`] to refuse.
 ///
-/// - Numbering from 1 (in a new plan, `first` 0): no step names step 0, and read one lower every
-///   dependency names an earlier step, while as written some step names itself or a missing step.
 /// - A step that names itself: that entry is removed.
 /// - A step that names a step that does not exist (negative, or past the last): that entry is removed.
 ///
@@ -270,31 +268,6 @@ pub fn validate(plan: &[PlanStep], max_steps: usize) -> Result<(), String> {
 pub fn repair(plan: &mut [PlanStep], first: usize) -> Vec<String> {
     let mut repairs = Vec::new();
     let len = plan.len() as i64;
-    let names_missing_or_self = plan.iter().enumerate().skip(first).any(|(i, s)| {
-        s.depends_on
-            .iter()
-            .any(|d| *d == i as i64 || *d >= len || *d < 0)
-    });
-    let any_dependency = plan.iter().skip(first).any(|s| !s.depends_on.is_empty());
-    let one_based = first == 0
-        && any_dependency
-        && names_missing_or_self
-        && plan
-            .iter()
-            .enumerate()
-            .all(|(i, s)| s.depends_on.iter().all(|d| *d >= 1 && *d - 1 < i as i64));
-    if one_based {
-        for step in plan.iter_mut() {
-            for d in step.depends_on.iter_mut() {
-                *d -= 1;
-            }
-        }
-        repairs.push(
-            "the dependencies were numbered from 1; they were renumbered from 0, as the steps are"
-                .to_owned(),
-        );
-        return repairs;
-    }
     for (i, step) in plan.iter_mut().enumerate().skip(first) {
         let before = step.depends_on.clone();
         step.depends_on.retain(|d| *d != i as i64);

@@ -169,6 +169,15 @@ fn read(text: &str, segments: &[Segment]) -> Reading {
     for (i, segment) in segments.iter().enumerate() {
         if segment.section == Section::Thought {
             thought.push_str(&text[segment.content.clone()]);
+        } else if segment.section == Section::Action
+            && names_no_tool(&text[segment.content.clone()])
+            && !segments
+                .get(i + 1)
+                .is_some_and(|next| next.section == Section::Args)
+        {
+            // `Action: None` followed by a final answer is how small models say they call
+            // nothing: it decides nothing.
+            continue;
         } else {
             return Reading {
                 thought,
@@ -180,6 +189,22 @@ fn read(text: &str, segments: &[Segment]) -> Reading {
         thought,
         decision: None,
     }
+}
+
+/// Whether an `Action:` section names no tool at all (`None`, `N/A`, `no action`, ...).
+fn names_no_tool(content: &str) -> bool {
+    let name = content
+        .trim_start()
+        .lines()
+        .next()
+        .unwrap_or_default()
+        .trim()
+        .trim_matches(|c: char| c == '`' || c == '"' || c == '\'' || c == '.' || is_decoration(c))
+        .to_ascii_lowercase();
+    matches!(
+        name.as_str(),
+        "none" | "n/a" | "na" | "null" | "nothing" | "no action" | "no tool" | "-"
+    )
 }
 
 /// Parses a complete ReACT response under the first-decision rule.
@@ -214,7 +239,7 @@ pub fn parse(text: &str) -> Result<ReactTurn, ReactParseError> {
             let name_len = line.find('\n').unwrap_or(line.len());
             let action = line[..name_len]
                 .trim()
-                .trim_matches(|c| c == '`' || c == '"' || c == '\'')
+                .trim_matches(|c| c == '`' || c == '"' || c == '\'' || is_decoration(c))
                 .trim()
                 .to_owned();
             if action.is_empty() {
@@ -283,7 +308,7 @@ fn parse_args(text: &str) -> Result<(BTreeMap<String, String>, usize), ReactPars
 /// assert!(agent_core::react::tool_call_arguments("[1]").is_err());
 /// ```
 pub fn tool_call_arguments(text: &str) -> Result<BTreeMap<String, String>, ReactParseError> {
-    if text.trim().is_empty() {
+    if text.trim().is_empty() || text.trim() == "null" {
         return Ok(BTreeMap::new());
     }
     let value = serde_json::from_str(text).map_err(|e| ReactParseError::BadArgs(e.to_string()))?;
@@ -490,6 +515,24 @@ mod tests {
         );
         let (deltas, _) = stream_all(&[text]);
         assert!(!deltas.iter().any(|d| matches!(d, ReactDelta::Answer(_))));
+    }
+
+    #[test]
+    fn an_action_naming_no_tool_decides_nothing() {
+        let text = "Thought: I know it.\nAction: None\nFinal Answer: 4";
+        assert_eq!(
+            parse(text).unwrap(),
+            ReactTurn::Final {
+                thought: "I know it.".into(),
+                answer: "4".into()
+            }
+        );
+        let (deltas, _) = stream_all(&[text]);
+        assert!(deltas.contains(&ReactDelta::Answer("4".into())));
+        assert!(matches!(
+            parse("Action: **search**\nArgs: {}"),
+            Ok(ReactTurn::Action { ref action, .. }) if action == "search"
+        ));
     }
 
     #[test]

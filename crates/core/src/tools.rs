@@ -68,10 +68,13 @@ impl ToolDef {
                 k @ ("string" | "number" | "integer" | "boolean" | "object" | "array") => k,
                 _ => "string",
             };
-            properties.insert(
-                argument.name.clone(),
-                serde_json::json!({"type": kind, "description": argument.description}),
-            );
+            let mut property =
+                serde_json::json!({"type": kind, "description": argument.description});
+            // OpenAI refuses an array schema without `items`.
+            if kind == "array" {
+                property["items"] = serde_json::json!({});
+            }
+            properties.insert(argument.name.clone(), property);
             if !argument
                 .description
                 .to_ascii_lowercase()

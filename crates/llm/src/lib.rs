@@ -451,19 +451,11 @@ impl LlmClient {
                 let value: Value = serde_json::from_str(&text)
                     .map_err(|e| LlmError::Malformed(format!("{e}: {}", preview(&text))))?;
                 let message = &value["choices"][0]["message"];
-                let tool_calls: Vec<ToolCall> = match &message["tool_calls"] {
-                    Value::Array(calls) => calls
-                        .iter()
-                        .map(|c| serde_json::from_value(c.clone()))
-                        .collect::<Result<_, _>>()
-                        .map_err(|e| {
-                            LlmError::Malformed(format!(
-                                "unreadable tool_calls: {e}: {}",
-                                preview(&text)
-                            ))
-                        })?,
-                    _ => Vec::new(),
-                };
+                // Read as leniently as a stream's deltas: servers differ (arguments as an object,
+                // `null` ids).
+                let mut calls = ToolCallDeltas::default();
+                calls.add(&message["tool_calls"]);
+                let tool_calls = calls.finish();
                 // With tool calls, servers send `content: null`.
                 let content = match message["content"].as_str() {
                     Some(content) => content.to_owned(),
@@ -631,14 +623,23 @@ impl ToolCallDeltas {
             return;
         };
         for (position, delta) in deltas.iter().enumerate() {
-            // Servers that send each call whole may leave out the index.
-            let index = delta["index"].as_u64().unwrap_or(position as u64);
+            let id = delta["id"].as_str().filter(|id| !id.is_empty());
+            let index = match delta["index"].as_u64() {
+                Some(index) => index,
+                // Without an index: a whole list's position, or, in a stream, a new call when the
+                // id changes (else the same call goes on).
+                None => match (self.calls.last_key_value(), id) {
+                    (Some((last, call)), Some(id)) if call.id != id => last + 1,
+                    (Some((last, _)), _) if deltas.len() == 1 => *last,
+                    _ => position as u64,
+                },
+            };
             let call = self.calls.entry(index).or_insert_with(|| ToolCall {
                 kind: function_type(),
                 ..ToolCall::default()
             });
             // Some servers repeat the id and the name in every delta of a call.
-            if let Some(id) = delta["id"].as_str() {
+            if let Some(id) = id {
                 if call.id.is_empty() {
                     id.clone_into(&mut call.id);
                 }
@@ -648,8 +649,11 @@ impl ToolCallDeltas {
                     call.function.name.push_str(name);
                 }
             }
-            if let Some(arguments) = delta["function"]["arguments"].as_str() {
-                call.function.arguments.push_str(arguments);
+            match &delta["function"]["arguments"] {
+                Value::String(fragment) => call.function.arguments.push_str(fragment),
+                Value::Null => {}
+                // Some servers send the arguments as an object rather than JSON text.
+                whole => call.function.arguments = whole.to_string(),
             }
         }
     }
@@ -716,3 +720,54 @@ fn record_call(model: &str, result: &Result<Completion, LlmError>) {
 
 /// Metric of LLM calls that failed after their retries, by model.
 pub const LLM_LATENCY_ERRORS: &str = "agent_llm_call_errors_total";
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn gathered(events: &[Value]) -> Vec<ToolCall> {
+        let mut calls = ToolCallDeltas::default();
+        for event in events {
+            calls.add(event);
+        }
+        calls.finish()
+    }
+
+    #[test]
+    fn streamed_tool_calls_are_joined_by_index_and_by_id() {
+        let calls = gathered(&[
+            json!([{"index": 0, "id": "call_a", "function": {"name": "add", "arguments": ""}}]),
+            json!([{"index": 0, "function": {"arguments": "{\"a\": "}}]),
+            json!([{"index": 0, "id": "call_a", "function": {"name": "add", "arguments": "1}"}}]),
+            json!([{"index": 1, "id": "call_b", "function": {"name": "now", "arguments": "{}"}}]),
+        ]);
+        assert_eq!(calls.len(), 2);
+        assert_eq!(
+            (
+                calls[0].id.as_str(),
+                calls[0].function.name.as_str(),
+                calls[0].function.arguments.as_str()
+            ),
+            ("call_a", "add", "{\"a\": 1}")
+        );
+        assert_eq!(calls[1].function.name, "now");
+        // No index: a new id starts a new call.
+        let calls = gathered(&[
+            json!([{"id": "x", "function": {"name": "a", "arguments": "{}"}}]),
+            json!([{"id": "y", "function": {"name": "b", "arguments": "{}"}}]),
+        ]);
+        assert_eq!(calls.len(), 2, "{calls:?}");
+    }
+
+    #[test]
+    fn whole_tool_calls_with_object_arguments_and_null_ids_are_read() {
+        let calls = gathered(&[json!([
+            {"id": null, "type": null, "function": {"name": "add", "arguments": {"a": 1}}},
+            {"function": {"name": "now"}}
+        ])]);
+        assert_eq!(calls.len(), 2);
+        assert_eq!(calls[0].function.arguments, "{\"a\":1}");
+        assert_eq!(calls[0].kind, "function");
+        assert_eq!(calls[1].function.arguments, "");
+    }
+}

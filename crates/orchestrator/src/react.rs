@@ -95,7 +95,7 @@ pub async fn iterate(turn: &Turn<'_>) -> Result<(), BusError> {
     );
 
     let parsed = if native {
-        read_native(&completion)
+        read_native(&completion, &candidates)
     } else {
         read_text(&completion)
     };
@@ -200,8 +200,9 @@ fn read_text(completion: &Completion) -> Result<ReactTurn, String> {
 
 /// The decision in a native-tool-calling completion. The first tool call wins (others are
 /// discarded, as text after a text-protocol action is); without one, text that follows the text
-/// protocol is read by it (small models fall back to it), and plain text is the answer.
-fn read_native(completion: &Completion) -> Result<ReactTurn, String> {
+/// protocol is read by it when its action names one of `tools` (small models fall back to it),
+/// and plain text is the answer.
+fn read_native(completion: &Completion, tools: &[&str]) -> Result<ReactTurn, String> {
     if completion.cut_off {
         return Err(
             "Error: your response was cut off before it ended. Reply again, more briefly."
@@ -230,6 +231,13 @@ fn read_native(completion: &Completion) -> Result<ReactTurn, String> {
         });
     }
     match parse(text) {
+        // Prose that happens to hold an `Action:` line naming no tool is an answer, not a call.
+        Ok(ReactTurn::Action { action, .. }) if !tools.contains(&action.as_str()) => {
+            Ok(ReactTurn::Final {
+                thought: String::new(),
+                answer: text.to_owned(),
+            })
+        }
         Ok(turn) => Ok(turn),
         Err(ReactParseError::NoDecision) if !text.is_empty() => Ok(ReactTurn::Final {
             thought: String::new(),
@@ -269,7 +277,8 @@ fn native_messages(turn: &Turn<'_>, visible: &[ToolDef]) -> Vec<ChatMessage> {
             messages.push(ChatMessage::assistant(step.thought.clone()));
             messages.push(ChatMessage::user(step.observation.clone()));
         } else {
-            let id = format!("call_{}", i + 1);
+            // Nine letters and digits: Mistral's templates refuse any other shape of id.
+            let id = format!("call{:05}", i + 1);
             let arguments = serde_json::to_string(&step.arguments).unwrap_or_default();
             messages.push(ChatMessage::assistant_call(
                 step.thought.clone(),
