@@ -552,9 +552,11 @@ impl LlmClient {
                 if let Some(delta) = event["choices"][0]["delta"]["content"].as_str() {
                     if !delta.is_empty() {
                         text.push_str(delta);
-                        sent_any = true;
-                        // A receiver that went away only means nobody listens to the deltas.
-                        let _ = deltas.send(delta.to_owned()).await;
+                        // Only text someone received makes a later failure unretryable; a receiver
+                        // that went away (or never listened) saw nothing, so the call may be redone.
+                        if deltas.send(delta.to_owned()).await.is_ok() {
+                            sent_any = true;
+                        }
                     }
                 }
             }
