@@ -262,6 +262,28 @@ pub fn parse(text: &str) -> Result<ReactTurn, ReactParseError> {
     }
 }
 
+/// `text` without a leading `Observation:` that only repeats `last_observation` (the real one the
+/// prompt ended with): small models often echo it before their `Thought:`, and it was not invented.
+///
+/// ```
+/// use agent_core::react::strip_echoed_observation;
+/// assert_eq!(strip_echoed_observation("Observation: 42\nThought: ok", "42"), "Thought: ok");
+/// assert_eq!(strip_echoed_observation("Observation: 43\nFinal Answer: 43", "42"), "Observation: 43\nFinal Answer: 43");
+/// ```
+pub fn strip_echoed_observation<'a>(text: &'a str, last_observation: &str) -> &'a str {
+    let segments = segments(text, true);
+    match segments.first() {
+        Some(first)
+            if first.section == Section::Observation
+                && !last_observation.trim().is_empty()
+                && text[first.content.clone()].trim() == last_observation.trim() =>
+        {
+            &text[first.content.end..]
+        }
+        _ => text,
+    }
+}
+
 /// Reads the `Args:` JSON object and how many bytes of `text` it took (a closing code fence
 /// included); non-string values are kept as their JSON text because the wire carries arguments as
 /// `{str: str}`. Prose before the object on the same section is skipped.
@@ -371,11 +393,22 @@ pub(crate) fn first_json_value(text: &str) -> Option<Result<serde_json::Value, s
 #[derive(Debug, Default)]
 pub struct ReactStream {
     text: String,
+    /// The last real observation, whose echo at the start is skipped as [`parse`]'s caller does.
+    echo: String,
     thought_sent: usize,
     answer_sent: usize,
 }
 
 impl ReactStream {
+    /// A stream for a turn whose prompt ended with `last_observation`; see
+    /// [`strip_echoed_observation`].
+    pub fn after_observation(last_observation: &str) -> ReactStream {
+        ReactStream {
+            echo: last_observation.to_owned(),
+            ..ReactStream::default()
+        }
+    }
+
     pub fn push(&mut self, chunk: &str) -> Vec<ReactDelta> {
         self.text.push_str(chunk);
         self.deltas(false)
@@ -396,8 +429,9 @@ impl ReactStream {
     }
 
     fn deltas(&mut self, complete: bool) -> Vec<ReactDelta> {
-        let segments = segments(&self.text, complete);
-        let reading = read(&self.text, &segments);
+        let text = strip_echoed_observation(&self.text, &self.echo);
+        let segments = segments(text, complete);
+        let reading = read(text, &segments);
         let mut out = Vec::new();
         // Trailing whitespace may turn out to end the thought; it is sent only once text follows it.
         let certain = reading.thought.trim_start().trim_end();
@@ -408,7 +442,7 @@ impl ReactStream {
             }
         }
         if let Some((at, Section::Answer)) = reading.decision {
-            let answer = self.text[segments[at].content.clone()].trim_start();
+            let answer = text[segments[at].content.clone()].trim_start();
             let certain = answer.trim_end();
             if let Some(delta) = certain.get(self.answer_sent..) {
                 if !delta.is_empty() {
@@ -533,6 +567,38 @@ mod tests {
             parse("Action: **search**\nArgs: {}"),
             Ok(ReactTurn::Action { ref action, .. }) if action == "search"
         ));
+    }
+
+    #[test]
+    fn an_echo_of_the_last_observation_is_not_an_invented_one() {
+        let text = "Observation: 42\nThought: so it is 42.\nFinal Answer: 42";
+        assert_eq!(
+            parse(strip_echoed_observation(text, "42")).unwrap(),
+            ReactTurn::Final {
+                thought: "so it is 42.".into(),
+                answer: "42".into()
+            }
+        );
+        assert_eq!(
+            parse(strip_echoed_observation(text, "41")),
+            Err(ReactParseError::InventedObservation)
+        );
+        for size in 1..text.len() {
+            let mut stream = ReactStream::after_observation("42");
+            let mut deltas = Vec::new();
+            for chunk in text.as_bytes().chunks(size) {
+                deltas.extend(stream.push(std::str::from_utf8(chunk).unwrap()));
+            }
+            deltas.extend(stream.finish());
+            let answer: String = deltas
+                .iter()
+                .filter_map(|d| match d {
+                    ReactDelta::Answer(a) => Some(a.as_str()),
+                    ReactDelta::Thought(_) => None,
+                })
+                .collect();
+            assert_eq!(answer, "42", "chunk size {size}: {deltas:?}");
+        }
     }
 
     #[test]

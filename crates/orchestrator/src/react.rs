@@ -6,7 +6,8 @@ use agent_bus::BusError;
 use agent_core::config::ToolCalling;
 use agent_core::provenance::{self, CallStats, SessionUris, Termination, ToolStats};
 use agent_core::react::{
-    parse, tool_call_arguments, ReactDelta, ReactParseError, ReactStream, ReactTurn,
+    parse, strip_echoed_observation, tool_call_arguments, ReactDelta, ReactParseError, ReactStream,
+    ReactTurn,
 };
 use agent_core::tools::{Scope, ToolDef};
 use agent_llm::{CallOptions, ChatMessage, Completion, LlmClient, LlmError, ToolCall, ToolSpec};
@@ -79,7 +80,11 @@ pub async fn iterate(turn: &Turn<'_>) -> Result<(), BusError> {
             ..CallOptions::default()
         };
         if request.streaming {
-            stream_turn(llm, &messages, &options, out, uris, n).await?
+            let last_observation = request
+                .history
+                .last()
+                .map_or("", |step| step.observation.as_str());
+            stream_turn(llm, &messages, &options, out, uris, n, last_observation).await?
         } else {
             llm.complete_with(&messages, &options).await
         }
@@ -94,10 +99,14 @@ pub async fn iterate(turn: &Turn<'_>) -> Result<(), BusError> {
         turn.tokens_before.1 + completion.out_token,
     );
 
+    let last_observation = request
+        .history
+        .last()
+        .map_or("", |step| step.observation.as_str());
     let parsed = if native {
         read_native(&completion, &candidates)
     } else {
-        read_text(&completion)
+        read_text(&completion, last_observation)
     };
     match parsed {
         Ok(ReactTurn::Final { thought, answer }) => {
@@ -187,13 +196,13 @@ fn streams_text(turn: &Turn<'_>) -> bool {
 }
 
 /// The decision in a text-protocol completion, or the observation that tells the LLM why there is
-/// none. A cut-off answer is never acted on: half a final answer or half an action's arguments
+/// none. An echo of the last real observation at its start is not an invented one. A cut-off answer is never acted on: half a final answer or half an action's arguments
 /// would pass for whole ones.
-fn read_text(completion: &Completion) -> Result<ReactTurn, String> {
+fn read_text(completion: &Completion, last_observation: &str) -> Result<ReactTurn, String> {
     if completion.cut_off {
         return Err("Error: your response was cut off before it ended. Reply again, more briefly, with 'Thought:' followed by either 'Action:' and 'Args:', or 'Final Answer:'.".to_owned());
     }
-    parse(&completion.text).map_err(|e| format!(
+    parse(strip_echoed_observation(&completion.text, last_observation)).map_err(|e| format!(
         "Error: your response could not be parsed ({e}). Reply with 'Thought:' followed by either 'Action:' and 'Args:', or 'Final Answer:'."
     ))
 }
@@ -397,11 +406,12 @@ async fn stream_turn(
     out: &DialogOutput<'_>,
     uris: &SessionUris,
     n: usize,
+    last_observation: &str,
 ) -> Result<Result<Completion, LlmError>, BusError> {
     let (tx, mut rx) = mpsc::channel::<String>(64);
     let call = llm.stream_with(messages, options, tx);
     tokio::pin!(call);
-    let mut parser = ReactStream::default();
+    let mut parser = ReactStream::after_observation(last_observation);
     let mut held_thought: Option<String> = None;
     let thought_id = uris.thought(n);
     let answer_id = uris.conclusion();
