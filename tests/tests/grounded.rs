@@ -82,6 +82,18 @@ fn assert_grounded(responses: &[AgentResponse]) {
     );
 }
 
+/// Runs dialog `id` to its end and checks it is grounded; its responses for further checks.
+async fn ask_grounded(
+    client: &mut agent_bus::AgentClient,
+    id: &str,
+    request: &agent_schema::AgentRequest,
+) -> Vec<AgentResponse> {
+    client.send(id, request).await.unwrap();
+    let responses = collect_dialog(client, id, DIALOG_TIMEOUT).await.unwrap();
+    assert_grounded(&responses);
+    responses
+}
+
 #[tokio::test]
 async fn an_action_followed_by_an_invented_answer_runs_the_tool_and_answers_from_its_result() {
     let script = serde_json::json!({"rules": [
@@ -96,14 +108,7 @@ async fn an_action_followed_by_an_invented_answer_runs_the_tool_and_answers_from
     let mut client = client(&broker).await;
 
     for (id, streaming) in [("g-whole", false), ("g-streamed", true)] {
-        client
-            .send(id, &react_request(QUESTION, streaming))
-            .await
-            .unwrap();
-        let responses = collect_dialog(&mut client, id, DIALOG_TIMEOUT)
-            .await
-            .unwrap();
-        assert_grounded(&responses);
+        let responses = ask_grounded(&mut client, id, &react_request(QUESTION, streaming)).await;
         // The discarded text is on the iteration that acted, with its length.
         let triples = explained(&responses);
         let iteration = format!("{}/i1", session_of(&responses));
@@ -162,14 +167,7 @@ async fn native_tool_calls_run_the_tool_and_answer_from_its_result() {
     let mut client = client(&broker).await;
 
     for (id, streaming) in [("n-whole", false), ("n-streamed", true)] {
-        client
-            .send(id, &request(QUESTION, streaming))
-            .await
-            .unwrap();
-        let responses = collect_dialog(&mut client, id, DIALOG_TIMEOUT)
-            .await
-            .unwrap();
-        assert_grounded(&responses);
+        let responses = ask_grounded(&mut client, id, &request(QUESTION, streaming)).await;
         let triples = explained(&responses);
         let session = session_of(&responses);
         let iteration = format!("{session}/i1");

@@ -204,6 +204,18 @@ fn assert_ended_and_grounded(id: &str, responses: &[AgentResponse]) {
     }
 }
 
+/// Sends every dialog at once, then checks each ended once and grounded.
+async fn run_all_grounded(client: &mut agent_bus::AgentClient, dialogs: &[(&str, AgentRequest)]) {
+    for (id, request) in dialogs {
+        client.send(id, request).await.unwrap();
+    }
+    let ids: Vec<&str> = dialogs.iter().map(|(id, _)| *id).collect();
+    let ended = collect_all(client, &ids, DIALOGS_TIMEOUT).await;
+    for (id, responses) in &ended {
+        assert_ended_and_grounded(id, responses);
+    }
+}
+
 #[tokio::test]
 async fn dialogs_of_every_pattern_with_a_real_small_model_end_grounded() {
     let model = SmallModel::start();
@@ -240,14 +252,7 @@ async fn dialogs_of_every_pattern_with_a_real_small_model_end_grounded() {
             ),
         ),
     ];
-    for (id, request) in &dialogs {
-        client.send(id, request).await.unwrap();
-    }
-    let ids: Vec<&str> = dialogs.iter().map(|(id, _)| *id).collect();
-    let ended = collect_all(&mut client, &ids, DIALOGS_TIMEOUT).await;
-    for (id, responses) in &ended {
-        assert_ended_and_grounded(id, responses);
-    }
+    run_all_grounded(&mut client, &dialogs).await;
     assert!(orchestrator.is_running(), "the orchestrator went down");
     // Stopped the way a deployment stops it (a SIGKILLed consumer can linger in pulsar-lite and
     // be dealt the next phase's requests).
@@ -265,13 +270,6 @@ async fn dialogs_of_every_pattern_with_a_real_small_model_end_grounded() {
         ("s-native", asking(add, "react", true)),
         ("s-native-whole", asking(add, "react", false)),
     ];
-    for (id, request) in &dialogs {
-        client.send(id, request).await.unwrap();
-    }
-    let ids: Vec<&str> = dialogs.iter().map(|(id, _)| *id).collect();
-    let ended = collect_all(&mut client, &ids, DIALOGS_TIMEOUT).await;
-    for (id, responses) in &ended {
-        assert_ended_and_grounded(id, responses);
-    }
+    run_all_grounded(&mut client, &dialogs).await;
     assert!(orchestrator.is_running(), "the orchestrator went down");
 }

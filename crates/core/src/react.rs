@@ -590,14 +590,7 @@ mod tests {
                 deltas.extend(stream.push(std::str::from_utf8(chunk).unwrap()));
             }
             deltas.extend(stream.finish());
-            let answer: String = deltas
-                .iter()
-                .filter_map(|d| match d {
-                    ReactDelta::Answer(a) => Some(a.as_str()),
-                    ReactDelta::Thought(_) => None,
-                })
-                .collect();
-            assert_eq!(answer, "42", "chunk size {size}: {deltas:?}");
+            assert_eq!(joined(&deltas, true), "42", "chunk size {size}: {deltas:?}");
         }
     }
 

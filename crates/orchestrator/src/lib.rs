@@ -86,7 +86,10 @@ impl Turn<'_> {
     /// Options of a call whose answer must be a JSON object: the server's JSON mode where the
     /// model's options say the server has one.
     pub fn json_call(&self) -> CallOptions {
-        json_call(self.config, self.llm)
+        CallOptions {
+            json_object: self.config.model_options(self.llm.model()).json_mode,
+            ..CallOptions::default()
+        }
     }
 
     /// Options of a call answered in the ReACT text protocol: the stop sequence at an imagined
@@ -132,14 +135,6 @@ impl Turn<'_> {
                 Ok(None)
             }
         }
-    }
-}
-
-/// Options of a call whose answer must be a JSON object, for `llm` under `config`.
-pub fn json_call(config: &AgentConfig, llm: &LlmClient) -> CallOptions {
-    CallOptions {
-        json_object: config.model_options(llm.model()).json_mode,
-        ..CallOptions::default()
     }
 }
 

@@ -39,9 +39,12 @@ pub async fn iterate(turn: &Turn<'_>) -> Result<(), BusError> {
     let scope = Scope::new(request.group.as_deref(), request.state.as_deref());
     let visible = turn.visible_tools(&scope).await;
     let candidates: Vec<&str> = visible.iter().map(|t| t.name.as_str()).collect();
-    let model = config.model_options(llm.model());
-    let native = model.tool_calling == ToolCalling::Native;
-    let streamed = streams_text(turn);
+    let native = calls_natively(turn);
+    let streamed = request.streaming && !native;
+    let last_observation = request
+        .history
+        .last()
+        .map_or("", |step| step.observation.as_str());
     let completion = if native {
         let messages = native_messages(turn, &visible);
         let options = CallOptions {
@@ -71,19 +74,8 @@ pub async fn iterate(turn: &Turn<'_>) -> Result<(), BusError> {
             &request.history,
         );
         let messages = [ChatMessage::system(system), ChatMessage::user(user)];
-        let options = CallOptions {
-            stop: if model.stop_sequences {
-                vec![OBSERVATION_STOP.to_owned()]
-            } else {
-                Vec::new()
-            },
-            ..CallOptions::default()
-        };
+        let options = turn.react_call();
         if request.streaming {
-            let last_observation = request
-                .history
-                .last()
-                .map_or("", |step| step.observation.as_str());
             stream_turn(llm, &messages, &options, out, uris, n, last_observation).await?
         } else {
             llm.complete_with(&messages, &options).await
@@ -99,10 +91,6 @@ pub async fn iterate(turn: &Turn<'_>) -> Result<(), BusError> {
         turn.tokens_before.1 + completion.out_token,
     );
 
-    let last_observation = request
-        .history
-        .last()
-        .map_or("", |step| step.observation.as_str());
     let parsed = if native {
         read_native(&completion, &candidates)
     } else {
@@ -191,13 +179,18 @@ pub async fn iterate(turn: &Turn<'_>) -> Result<(), BusError> {
 /// where the parser knows at once what is thought and what is answer: a native answer's text is
 /// held until the model has decided, as text it wrote before a tool call is thought, not answer.
 fn streams_text(turn: &Turn<'_>) -> bool {
-    turn.request.streaming
-        && turn.config.model_options(turn.llm.model()).tool_calling != ToolCalling::Native
+    turn.request.streaming && !calls_natively(turn)
+}
+
+/// Whether the model is asked to call tools natively (`tool-calling: native`).
+fn calls_natively(turn: &Turn<'_>) -> bool {
+    turn.config.model_options(turn.llm.model()).tool_calling == ToolCalling::Native
 }
 
 /// The decision in a text-protocol completion, or the observation that tells the LLM why there is
-/// none. An echo of the last real observation at its start is not an invented one. A cut-off answer is never acted on: half a final answer or half an action's arguments
-/// would pass for whole ones.
+/// none. An echo of the last real observation at its start is not an invented one. A cut-off
+/// answer is never acted on: half a final answer or half an action's arguments would pass for
+/// whole ones.
 fn read_text(completion: &Completion, last_observation: &str) -> Result<ReactTurn, String> {
     if completion.cut_off {
         return Err("Error: your response was cut off before it ended. Reply again, more briefly, with 'Thought:' followed by either 'Action:' and 'Args:', or 'Final Answer:'.".to_owned());
@@ -241,24 +234,24 @@ fn read_native(completion: &Completion, tools: &[&str]) -> Result<ReactTurn, Str
     }
     match parse(text) {
         // Prose that happens to hold an `Action:` line naming no tool is an answer, not a call.
-        Ok(ReactTurn::Action { action, .. }) if !tools.contains(&action.as_str()) => {
-            Ok(ReactTurn::Final {
-                thought: String::new(),
-                answer: text.to_owned(),
-            })
-        }
-        Ok(turn) => Ok(turn),
-        Err(ReactParseError::NoDecision) if !text.is_empty() => Ok(ReactTurn::Final {
-            thought: String::new(),
-            answer: text.to_owned(),
-        }),
+        Ok(ReactTurn::Action { ref action, .. }) if !tools.contains(&action.as_str()) => {}
+        Ok(turn) => return Ok(turn),
+        Err(ReactParseError::NoDecision) if !text.is_empty() => {}
         Err(ReactParseError::NoDecision) => {
-            Err("Error: your response was empty. Call a tool, or reply with the answer.".to_owned())
+            return Err(
+                "Error: your response was empty. Call a tool, or reply with the answer.".to_owned(),
+            )
         }
-        Err(e) => Err(format!(
+        Err(e) => {
+            return Err(format!(
             "Error: your response could not be read ({e}). Call a tool, or reply with the answer."
-        )),
+        ))
+        }
     }
+    Ok(ReactTurn::Final {
+        thought: String::new(),
+        answer: text.to_owned(),
+    })
 }
 
 /// The conversation of a native-tool-calling dialog: each earlier step as the assistant's tool
