@@ -135,12 +135,34 @@ fn tight_limits_config() -> std::path::PathBuf {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_thousand_bad_messages_are_dead_lettered_or_refused_and_valid_dialogs_finish() {
+    bad_messages_meet_their_fates(false).await;
+}
+
+/// With the journal on, a request is checked before its journal entry is named: a hostile
+/// `session_id` (which cannot name a graph node) is refused, not retried into the dead-letter topic.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_journaled_orchestrator_refuses_the_same_bad_messages() {
+    bad_messages_meet_their_fates(true).await;
+}
+
+async fn bad_messages_meet_their_fates(journaled: bool) {
     let broker = Broker::start().unwrap();
     let llm = scripted_llm(
         r#"{"rules": [{"match": "Question: ping", "reply": "Thought: easy\nFinal Answer: pong"}]}"#,
     )
     .await;
-    let mut orchestrator = Orchestrator::spawn(&broker, &llm, &tight_limits_config(), &[]);
+    let token = "hostile-token";
+    let aggregator = journaled.then(|| Aggregator::spawn_with(&broker, &["--config-token", token]));
+    let extra: Vec<&str> = match &aggregator {
+        Some(aggregator) => vec![
+            "--graph-store",
+            &aggregator.endpoint,
+            "--config-token",
+            token,
+        ],
+        None => Vec::new(),
+    };
+    let mut orchestrator = Orchestrator::spawn(&broker, &llm, &tight_limits_config(), &extra);
     let mut client = client(&broker).await;
     let mut rng = rand::rngs::StdRng::seed_from_u64(11);
 
@@ -261,7 +283,7 @@ async fn a_thousand_bad_messages_are_dead_lettered_or_refused_and_valid_dialogs_
     assert_eq!(llm.calls().len(), 3 * valid.len());
     assert!(orchestrator.is_running(), "the orchestrator exited");
     println!(
-        "hostile input: {} bad messages ({} dead-lettered, {} refused), {} valid dialogs answered",
+        "hostile input (journal {journaled}): {} bad messages ({} dead-lettered, {} refused), {} valid dialogs answered",
         fates.len(),
         dead.len(),
         refused.len(),

@@ -33,13 +33,15 @@ const UNREADABLE_KEY: &str = "unreadable";
 pub const SUB_GOALS_KEY: &str = "sub_goals";
 const DEPTH_KEY: &str = "depth";
 
-/// A verdict, in order of priority: when an evaluator gives several, the first in this order counts.
+/// A verdict, in order of priority: when an evaluator gives several, the first in this order counts
+/// (the seed evaluator's rule: a failure named anywhere outweighs a success, and of the failures the
+/// one that a re-run fixes most cheaply is tried first).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 pub enum Status {
-    Success,
     ExecutionError,
     InputDataError,
     JobTooComplicated,
+    Success,
 }
 
 impl Status {
@@ -574,7 +576,11 @@ mod tests {
         assert_eq!(v.status, Status::InputDataError);
         assert!(v.unreadable.is_none());
         let v = verdict(r#"{"status": "EXECUTION_ERROR, SUCCESS"}"#);
-        assert_eq!(v.status, Status::Success);
+        assert_eq!(v.status, Status::ExecutionError);
+        let v = verdict(r#"{"status": ["SUCCESS", "JOB_TOO_COMPLICATED_ERROR"]}"#);
+        assert_eq!(v.status, Status::JobTooComplicated);
+        let v = verdict(r#"{"status": "INPUT_DATA_ERROR | EXECUTION_ERROR"}"#);
+        assert_eq!(v.status, Status::ExecutionError);
         let v = verdict("no idea");
         assert_eq!(v.status, Status::Success);
         assert!(v.unreadable.is_some());

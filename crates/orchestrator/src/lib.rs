@@ -221,14 +221,23 @@ impl Engine {
             && !request.pattern.is_empty()
             && !request.session_id.is_empty();
         let new_dialog = request.history.is_empty() && !routed;
+        // Checked before anything is named after the request's ids: a hostile id must earn the
+        // client an error, not fail to name a journal entry until the message is dead-lettered.
+        let verdict = validate(&request, &config, new_dialog, payload_bytes);
         let slot = match &self.journal {
             Some(journal) => {
                 let key = journal::key(&request, new_dialog && request.pattern.is_empty());
-                Some(JournalSlot {
-                    journal,
-                    node: journal::entry_node(&uris.session(), &key)?,
-                    delivery: message_id,
-                })
+                match journal::entry_node(&uris.session(), &key) {
+                    Ok(node) => Some(JournalSlot {
+                        journal,
+                        node,
+                        delivery: message_id,
+                    }),
+                    // Only a refused request has ids that name no node; its refusal is a
+                    // pure function of the message, so a repeat of it is harmless.
+                    Err(_) if verdict.is_err() => None,
+                    Err(e) => return Err(e.into()),
+                }
             }
             None => None,
         };
@@ -275,7 +284,7 @@ impl Engine {
             tokens_before,
             elapsed,
         };
-        if let Err(problem) = validate(&request, &config, new_dialog, payload_bytes) {
+        if let Err(problem) = verdict {
             tracing::warn!(session = %session_id, %problem, "refusing an invalid request");
             if agent_core::supervisor::is_subagent(&request) {
                 // A refused subagent is a failed completion for its supervisor, not the end of

@@ -4,7 +4,7 @@
 //! [`DialogOutput::commit`], which journals it (see `journal`), publishes it in order and waits for
 //! every receipt; only then may the iteration's input be acked.
 
-use std::sync::Mutex;
+use std::sync::{Mutex, MutexGuard, PoisonError};
 
 use agent_bus::{BusError, Properties, Publisher, Receipt};
 use agent_core::provenance::GRAPH;
@@ -88,29 +88,24 @@ impl<'a> DialogOutput<'a> {
 
     /// How the dialog ended in this step, if it did.
     pub fn ended(&self) -> Option<&'static str> {
-        self.ended.lock().map(|e| *e).unwrap_or(None)
+        *locked(&self.ended)
     }
 
     /// Holds a durable effect for the commit.
     fn hold(&self, channel: Channel, payload: Vec<u8>, properties: &Properties) {
         let payload = String::from_utf8(payload)
             .unwrap_or_else(|e| String::from_utf8_lossy(e.as_bytes()).into_owned());
-        if let Ok(mut effects) = self.effects.lock() {
-            effects.push(Effect {
-                channel,
-                payload,
-                properties: properties.clone(),
-            });
-        }
+        locked(&self.effects).push(Effect {
+            channel,
+            payload,
+            properties: properties.clone(),
+        });
     }
 
     /// Journals the held effects (when there is a journal), publishes them unless another delivery
     /// of the same message recorded its outcome first, and marks them published.
     pub async fn commit(&self, slot: Option<&JournalSlot<'_>>) -> anyhow::Result<()> {
-        let mut effects = match self.effects.lock() {
-            Ok(mut effects) => std::mem::take(&mut *effects),
-            Err(_) => Vec::new(),
-        };
+        let mut effects = std::mem::take(&mut *locked(&self.effects));
         // The streamed chunks are not journaled: they must be on the broker before the outcome is
         // recorded, or a crash after recording would re-emit a closing message without its text.
         self.flush().await?;
@@ -204,18 +199,13 @@ impl<'a> DialogOutput<'a> {
         properties: &Properties,
     ) -> Result<(), BusError> {
         let receipt = to.enqueue(payload, properties).await?;
-        if let Ok(mut pending) = self.pending.lock() {
-            pending.push(receipt);
-        }
+        locked(&self.pending).push(receipt);
         Ok(())
     }
 
     /// Waits until the broker has every message sent so far.
     pub async fn flush(&self) -> Result<(), BusError> {
-        let receipts = match self.pending.lock() {
-            Ok(mut pending) => std::mem::take(&mut *pending),
-            Err(_) => Vec::new(),
-        };
+        let receipts = std::mem::take(&mut *locked(&self.pending));
         for receipt in receipts {
             receipt.wait().await?;
         }
@@ -225,13 +215,11 @@ impl<'a> DialogOutput<'a> {
     /// A durable response: the closing answer or an error.
     pub async fn respond(&self, response: &AgentResponse) -> Result<(), BusError> {
         if response.end_of_dialog {
-            if let Ok(mut ended) = self.ended.lock() {
-                *ended = Some(if response.error.is_some() {
-                    "error"
-                } else {
-                    "answer"
-                });
-            }
+            *locked(&self.ended) = Some(if response.error.is_some() {
+                "error"
+            } else {
+                "answer"
+            });
         }
         self.hold(
             Channel::Responses,
@@ -334,6 +322,34 @@ impl<'a> DialogOutput<'a> {
             &properties,
         );
         Ok(())
+    }
+}
+
+/// The value behind `mutex`, even if a task panicked while holding it: every holder only pushes
+/// or takes whole values, so what is there is sound, and treating a poisoned lock as empty would
+/// ack a step whose effects were never published.
+fn locked<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_poisoned_lock_still_yields_what_was_held() {
+        let effects = std::sync::Arc::new(Mutex::new(vec![1, 2]));
+        let holder = effects.clone();
+        let poisoned = std::thread::spawn(move || {
+            let mut held = holder.lock().unwrap_or_else(PoisonError::into_inner);
+            held.push(3);
+            panic!("a holder dies");
+        })
+        .join();
+        assert!(poisoned.is_err() && effects.is_poisoned());
+        assert_eq!(std::mem::take(&mut *locked(&effects)), [1, 2, 3]);
+        locked(&effects).push(4);
+        assert_eq!(*locked(&effects), [4]);
     }
 }
 
