@@ -421,6 +421,64 @@ pub async fn collect_dialog(
     }
 }
 
+/// Reads responses until every dialog in `ids` has ended, then two quiet seconds longer to catch
+/// a second ending; fails after `timeout`, saying where each open dialog stood.
+pub async fn collect_dialogs<S: AsRef<str>>(
+    client: &mut AgentClient,
+    ids: &[S],
+    timeout: Duration,
+) -> std::collections::BTreeMap<String, Vec<AgentResponse>> {
+    let mut dialogs: std::collections::BTreeMap<String, Vec<AgentResponse>> = Default::default();
+    let open = |dialogs: &std::collections::BTreeMap<String, Vec<AgentResponse>>| -> Vec<String> {
+        ids.iter()
+            .map(|id| id.as_ref().to_owned())
+            .filter(|id| {
+                !dialogs
+                    .get(id)
+                    .is_some_and(|r| r.iter().any(|r| r.end_of_dialog))
+            })
+            .collect()
+    };
+    let deadline = tokio::time::Instant::now() + timeout;
+    while !open(&dialogs).is_empty() {
+        let Ok(next) = tokio::time::timeout_at(deadline, client.next()).await else {
+            let state: Vec<String> = open(&dialogs)
+                .iter()
+                .map(|id| {
+                    let got = dialogs.get(id).map(Vec::as_slice).unwrap_or_default();
+                    let last = got.last().map(|r| {
+                        format!(
+                            "{} {:?}",
+                            r.message_type,
+                            r.content.chars().take(120).collect::<String>()
+                        )
+                    });
+                    format!("{id}: {} messages, last {last:?}", got.len())
+                })
+                .collect();
+            panic!(
+                "dialogs still open after {timeout:?}:\n{}",
+                state.join("\n")
+            );
+        };
+        let (id, response) = next.expect("a response");
+        dialogs.entry(id).or_default().push(response);
+    }
+    let quiet = tokio::time::Instant::now() + Duration::from_secs(2);
+    while let Ok(Ok((id, response))) = tokio::time::timeout_at(quiet, client.next()).await {
+        dialogs.entry(id).or_default().push(response);
+    }
+    dialogs
+}
+
+/// The dialog's answer, or its error message prefixed with `error: `.
+pub fn outcome(responses: &[AgentResponse]) -> String {
+    match responses.last().and_then(|last| last.error.as_ref()) {
+        Some(error) => format!("error: {}", error.message),
+        None => text_of(responses, "answer"),
+    }
+}
+
 /// Reads responses of dialog `id` for `quiet` and returns them (to check nothing more arrives).
 pub async fn drain_for(client: &mut AgentClient, id: &str, quiet: Duration) -> Vec<AgentResponse> {
     let mut out = Vec::new();

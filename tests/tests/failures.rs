@@ -199,3 +199,49 @@ async fn services_subscribe_again_after_a_broker_restart() {
         "the aggregator did not store the dialog after the restart"
     );
 }
+
+/// A valid request that the broker moved to the dead-letter topic (its redelivery limit, which
+/// the pulsar client enforces without saying why) still ends its dialog: the client gets one error
+/// that says what happened, and nothing is answered twice.
+#[tokio::test]
+async fn a_dead_lettered_request_ends_its_dialog_with_an_error() {
+    let broker = Broker::start().unwrap();
+    let llm = scripted_llm(
+        r#"{"rules": [{"match": "Question: ping", "reply": "Thought: easy\nFinal Answer: pong"}]}"#,
+    )
+    .await;
+    let _orchestrator = Orchestrator::spawn(&broker, &llm, &seed_dir(), &[]);
+    let mut client = client(&broker).await;
+    let bus = agent_bus::Bus::connect(&broker.url(), None).await.unwrap();
+    let dead_letters =
+        agent_bus::Publisher::new(&bus, "persistent://tg/dead-letter/agent:default:default")
+            .await
+            .unwrap();
+    let properties: agent_bus::Properties = [("id".to_owned(), "lost-1".to_owned())].into();
+    dead_letters
+        .send(
+            agent_schema::encode(&request("ping lost", false)),
+            &properties,
+        )
+        .await
+        .unwrap();
+    let undecodable: agent_bus::Properties = [("id".to_owned(), "junk-1".to_owned())].into();
+    dead_letters
+        .send(b"{not json".to_vec(), &undecodable)
+        .await
+        .unwrap();
+    let responses = collect_dialog(&mut client, "lost-1", DIALOG_TIMEOUT)
+        .await
+        .unwrap();
+    assert_eq!(responses.iter().filter(|r| r.end_of_dialog).count(), 1);
+    let error = responses.last().unwrap().error.clone().expect("an error");
+    assert!(error.message.contains("dead-letter topic"), "{error:?}");
+    // The step was not run: the LLM was never asked.
+    assert!(llm.calls().is_empty(), "{:?}", llm.calls().len());
+    assert!(drain_for(&mut client, "lost-1", Duration::from_secs(2))
+        .await
+        .is_empty());
+    assert!(drain_for(&mut client, "junk-1", Duration::from_secs(1))
+        .await
+        .is_empty());
+}

@@ -13,54 +13,6 @@ use agent_schema::AgentResponse;
 /// Every dialog's budget; a dialog still open past it (plus slack) hangs.
 const MAX_WALL_SECS: u64 = 60;
 
-/// Reads responses until every dialog in `ids` has ended, then a little longer to catch any
-/// second ending; fails if one is still open after `deadline`.
-async fn collect_all(
-    client: &mut agent_bus::AgentClient,
-    ids: &[String],
-    deadline: Duration,
-) -> BTreeMap<String, Vec<AgentResponse>> {
-    let mut dialogs: BTreeMap<String, Vec<AgentResponse>> = BTreeMap::new();
-    let ended = |d: &BTreeMap<String, Vec<AgentResponse>>| {
-        ids.iter()
-            .filter(|id| {
-                d.get(*id)
-                    .is_some_and(|r| r.iter().any(|r| r.end_of_dialog))
-            })
-            .count()
-    };
-    let until = tokio::time::Instant::now() + deadline;
-    while ended(&dialogs) < ids.len() {
-        let Ok(next) = tokio::time::timeout_at(until, client.next()).await else {
-            let open: Vec<&String> = ids
-                .iter()
-                .filter(|id| {
-                    !dialogs
-                        .get(*id)
-                        .is_some_and(|r| r.iter().any(|r| r.end_of_dialog))
-                })
-                .collect();
-            panic!("dialogs still open after {deadline:?}: {open:?}");
-        };
-        let (id, response) = next.unwrap();
-        dialogs.entry(id).or_default().push(response);
-    }
-    let quiet = tokio::time::Instant::now() + Duration::from_secs(2);
-    while let Ok(Ok((id, response))) = tokio::time::timeout_at(quiet, client.next()).await {
-        dialogs.entry(id).or_default().push(response);
-    }
-    dialogs
-}
-
-/// The dialog's answer, or its error message prefixed with `error: `.
-fn outcome(responses: &[AgentResponse]) -> String {
-    let last = responses.last().unwrap();
-    match &last.error {
-        Some(error) => format!("error: {}", error.message),
-        None => text_of(responses, "answer"),
-    }
-}
-
 /// An answer cut off at the length limit (whole) or by a stream that broke off in the thought
 /// (streamed) is never taken for the answer: the next iteration says it was cut off, and the
 /// dialog finishes with the whole answer.
@@ -144,7 +96,7 @@ async fn dialogs_finish_or_fail_clearly_under_llm_chaos() {
             .await
             .unwrap();
     }
-    let dialogs = collect_all(&mut client, &ids, Duration::from_secs(MAX_WALL_SECS + 60)).await;
+    let dialogs = collect_dialogs(&mut client, &ids, Duration::from_secs(MAX_WALL_SECS + 60)).await;
 
     let mut answered = 0;
     let mut failed = Vec::new();

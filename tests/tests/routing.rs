@@ -254,7 +254,7 @@ async fn bad_routing_answers_fall_back_and_are_recorded() {
         r#"{"rules": [
       {"match": "Request to classify: ", "and": ["stars"], "reply": "{\"choice\": \"astrology\", \"rationale\": \"it is about stars\"}"},
       {"match": "Request to classify: ", "and": ["prose"], "reply": "Well, I would say this is a rather interesting question to think about."},
-      {"match": "Request to classify: ", "and": ["broken"], "reply": "unused", "faults": ["500", "500", "500", "500", "500"]},
+      {"match": "Request to classify: ", "and": ["broken"], "reply": "unused", "faults": ["400"]},
       {"match": "Question: ", "reply": "Thought: fine.\nFinal Answer: answered anyway"}
     ]}"#,
     )

@@ -7,7 +7,6 @@
 //! tool, with the text protocol and with native tool calls.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
-use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
@@ -113,51 +112,6 @@ fn asking(question: &str, pattern: &str, streaming: bool) -> AgentRequest {
     r
 }
 
-/// Reads the responses of every dialog in `ids` until each has ended, failing after `timeout`.
-async fn collect_all(
-    client: &mut agent_bus::AgentClient,
-    ids: &[&str],
-    timeout: Duration,
-) -> BTreeMap<String, Vec<AgentResponse>> {
-    let mut dialogs: BTreeMap<String, Vec<AgentResponse>> = BTreeMap::new();
-    let deadline = tokio::time::Instant::now() + timeout;
-    let ended = |dialogs: &BTreeMap<String, Vec<AgentResponse>>| {
-        ids.iter().all(|id| {
-            dialogs
-                .get(*id)
-                .is_some_and(|r| r.iter().any(|r| r.end_of_dialog))
-        })
-    };
-    while !ended(&dialogs) {
-        let next = tokio::time::timeout_at(deadline, client.next()).await;
-        let (id, response) = match next {
-            Ok(received) => received.unwrap(),
-            Err(_) => {
-                let state: Vec<String> = ids
-                    .iter()
-                    .map(|id| {
-                        let got = dialogs.get(*id).map(Vec::as_slice).unwrap_or_default();
-                        let last = got.last().map(|r| {
-                            format!(
-                                "{} {:?}",
-                                r.message_type,
-                                r.content.chars().take(120).collect::<String>()
-                            )
-                        });
-                        format!("{id}: {} messages, last {last:?}", got.len())
-                    })
-                    .collect();
-                panic!(
-                    "dialogs did not all end within {timeout:?}:\n{}",
-                    state.join("\n")
-                )
-            }
-        };
-        dialogs.entry(id).or_default().push(response);
-    }
-    dialogs
-}
-
 /// The dialog ended once, with an answer or a clear error, and every tool result it used was
 /// produced: each tool iteration comes before the conclusion and has its observation, and each
 /// `add` observation is the tool's own output.
@@ -210,7 +164,7 @@ async fn run_all_grounded(client: &mut agent_bus::AgentClient, dialogs: &[(&str,
         client.send(id, request).await.unwrap();
     }
     let ids: Vec<&str> = dialogs.iter().map(|(id, _)| *id).collect();
-    let ended = collect_all(client, &ids, DIALOGS_TIMEOUT).await;
+    let ended = collect_dialogs(client, &ids, DIALOGS_TIMEOUT).await;
     for (id, responses) in &ended {
         assert_ended_and_grounded(id, responses);
     }

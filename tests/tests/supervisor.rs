@@ -25,7 +25,7 @@ const FOUR: &str = r#"{"rules": [
   {"match": "Question: price of alpha", "reply": "Thought: known.\nFinal Answer: alpha costs 1", "delay_ms": 400},
   {"match": "Question: price of beta", "reply": "Thought: known.\nFinal Answer: beta costs 2", "delay_ms": 400},
   {"match": "Question: price of gamma", "reply": "Thought: known.\nFinal Answer: gamma costs 3", "delay_ms": 400},
-  {"match": "Question: price of delta", "reply": "unused", "faults": ["500", "500", "500", "500", "500"]},
+  {"match": "Question: price of delta", "reply": "unused", "faults": ["400"]},
   {"match": "Request to answer from the subagents: Compare", "and": ["alpha costs 1", "beta costs 2", "gamma costs 3", "price of delta: Error: the subagent failed"], "reply": "Alpha 1, beta 2, gamma 3; delta unknown."}
 ]}"#;
 

@@ -28,6 +28,8 @@ pub struct SubscriptionConfig {
     /// Deliveries of one message before the broker-side count moves it to the dead-letter topic;
     /// `None` never gives up on a message that decodes (its handler decides what is poison).
     pub max_redeliveries: Option<usize>,
+    /// Where messages that do not decode (and those the handler gives up on) go; empty for a
+    /// consumer of a dead-letter topic itself, which logs and acks what it cannot read.
     pub dead_letter_topic: String,
     /// How long in-flight work may take to finish after shutdown is requested.
     pub drain_deadline: Duration,
@@ -116,7 +118,10 @@ where
     Fut: Future<Output = Disposition> + Send + 'static,
 {
     let max_in_flight = config.max_in_flight.max(1);
-    let dead_letters = Publisher::new(bus, &config.dead_letter_topic).await?;
+    let dead_letters = match config.dead_letter_topic.as_str() {
+        "" => None,
+        topic => Some(Publisher::new(bus, topic).await?),
+    };
     let mut consumer = subscribe(bus, &config).await?;
     stats.consuming.store(true, Ordering::SeqCst);
     tracing::info!(topic = %config.topic, subscription = %config.subscription, "consuming");
@@ -254,7 +259,7 @@ async fn resubscribe(
 
 async fn settle(
     consumer: &mut Consumer<Vec<u8>, TokioExecutor>,
-    dead_letters: &Publisher,
+    dead_letters: &Option<Publisher>,
     stats: &ConsumerStats,
     in_flight: &mut HashMap<Id, Message<Vec<u8>>>,
     done: Result<(Id, Disposition), tokio::task::JoinError>,
@@ -291,11 +296,18 @@ async fn settle(
 
 async fn dead_letter(
     consumer: &mut Consumer<Vec<u8>, TokioExecutor>,
-    dead_letters: &Publisher,
+    dead_letters: &Option<Publisher>,
     stats: &ConsumerStats,
     message: &Message<Vec<u8>>,
     reason: &str,
 ) {
+    let Some(dead_letters) = dead_letters else {
+        tracing::warn!(topic = %message.topic, %reason, "dropping a message nothing can be done with");
+        if let Err(e) = consumer.ack(message).await {
+            tracing::warn!(error = %e, "ack failed");
+        }
+        return;
+    };
     tracing::warn!(topic = %message.topic, %reason, "dead-lettering a message");
     let mut properties = properties_of(message);
     properties.insert(DEAD_LETTER_REASON.to_owned(), reason.to_owned());

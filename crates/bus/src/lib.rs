@@ -16,7 +16,9 @@ pub mod trace;
 pub use args::{shutdown_signal, BrokerArgs};
 pub use client::{message_property, AgentClient};
 pub use config_client::{ConfigClient, ConfigPushes};
-pub use consumer::{run_consumer, ConsumerStats, Delivery, Disposition, SubscriptionConfig};
+pub use consumer::{
+    run_consumer, ConsumerStats, Delivery, Disposition, SubscriptionConfig, DEAD_LETTER_REASON,
+};
 pub use error::BusError;
 pub use publisher::{Publisher, Receipt};
 pub use service::{

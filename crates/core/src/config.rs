@@ -93,6 +93,9 @@ pub struct Limits {
     pub max_tokens: u64,
     /// Wall-clock seconds a root request may run; 0 means no bound.
     pub max_wall_secs: u64,
+    /// Seconds a step waits out an unavailable LLM or store (parked, tried again with growing
+    /// backoff) before its dialog ends with an error naming the cause; 0 ends it at once.
+    pub max_outage_secs: u64,
 }
 
 impl Default for Limits {
@@ -110,6 +113,7 @@ impl Default for Limits {
             step_life_cycle: 3,
             max_tokens: 200_000,
             max_wall_secs: 600,
+            max_outage_secs: 300,
         }
     }
 }

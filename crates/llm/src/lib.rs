@@ -228,6 +228,32 @@ impl LlmError {
             LlmError::Truncated(_) | LlmError::NoContent(_) | LlmError::Exhausted { .. } => false,
         }
     }
+
+    /// Whether the provider is unavailable rather than the request wrong: a retryable failure,
+    /// also after the client's own retries ran out. Such a call is worth asking again later.
+    ///
+    /// ```
+    /// use agent_llm::LlmError;
+    /// let busy = LlmError::Status { status: 503, retry_after: None, body: String::new() };
+    /// let exhausted = LlmError::Exhausted { attempts: 4, last: Box::new(busy) };
+    /// assert!(exhausted.is_outage());
+    /// assert!(!LlmError::NoContent("filtered".into()).is_outage());
+    /// ```
+    pub fn is_outage(&self) -> bool {
+        match self {
+            LlmError::Exhausted { last, .. } => last.is_outage(),
+            other => other.retryable(),
+        }
+    }
+
+    /// How long the provider asked callers to wait (`Retry-After`), if it did.
+    pub fn retry_after(&self) -> Option<Duration> {
+        match self {
+            LlmError::Status { retry_after, .. } => *retry_after,
+            LlmError::Exhausted { last, .. } => last.retry_after(),
+            _ => None,
+        }
+    }
 }
 
 /// The client. Cloning shares the connection pool and the concurrency bound.

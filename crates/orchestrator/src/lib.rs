@@ -57,6 +57,8 @@ pub struct Turn<'a> {
     pub tokens_before: (u64, u64),
     /// Time since the dialog's first message was taken up.
     pub elapsed: std::time::Duration,
+    /// Whether an outage may still park this step (its window is open).
+    pub may_park: bool,
 }
 
 impl Turn<'_> {
@@ -131,7 +133,7 @@ impl Turn<'_> {
                 Ok(Some((completion, stats)))
             }
             Err(e) => {
-                react::fail(self, n, &format!("the LLM call failed: {e}")).await?;
+                react::llm_failed(self, n, &e).await?;
                 Ok(None)
             }
         }
@@ -171,18 +173,112 @@ pub struct Engine {
     /// The shared graph store, for the knowledge tools.
     pub knowledge: Option<agent_graph::GraphStore>,
     pub mcp: agent_mcp::McpPool,
+    /// Cancelled when the process is to stop: a parked step then leaves its message for another
+    /// replica instead of waiting on.
+    pub shutdown: CancellationToken,
+}
+
+/// How a delivery is taken up.
+#[derive(Debug, Clone, Copy)]
+enum Attempt<'a> {
+    /// Run the step; `may_park`: an outage may still set it aside (its window is open).
+    Run { may_park: bool },
+    /// The step cannot be run (an outage outlasted its window, a fault that will not pass, a
+    /// message the broker gave up on): end the dialog with this error, unless the step's outcome
+    /// is already journaled.
+    GiveUp(&'a str),
+}
+
+/// What became of a delivery.
+#[derive(Debug)]
+enum Settled {
+    Done,
+    /// Set aside by an outage; nothing was committed.
+    Parked(output::Park),
+}
+
+/// The shortest and longest pause between tries of a parked step.
+const PARK_PAUSE: (Duration, Duration) = (Duration::from_secs(1), Duration::from_secs(30));
+
+/// Whether a failure on the message path is something that passes (the broker or the store
+/// unreachable or busy) rather than a fault that would recur on every try.
+fn is_outage(e: &anyhow::Error) -> bool {
+    if let Some(e) = e.downcast_ref::<agent_graph::GraphError>() {
+        return e.retryable();
+    }
+    e.downcast_ref::<agent_bus::BusError>().is_some()
 }
 
 impl Engine {
     /// Handles one delivered request; the returned disposition decides ack or nack.
+    ///
+    /// An outage (the LLM, the store or the broker unavailable) parks the step: it is tried again
+    /// with growing pauses (the provider's `Retry-After` honoured) while the outage window
+    /// (`max_outage_secs`) lasts; past it, or on a fault that will not pass, the dialog ends with
+    /// an error naming the cause. The message is never nacked for an outage, so the broker's
+    /// redelivery limit counts crashes, not waiting.
     pub async fn handle(&self, delivery: Delivery<AgentRequest>) -> Disposition {
-        match self.handle_inner(delivery).await {
-            Ok(()) => Disposition::Ack,
+        let mut outage: Option<std::time::Instant> = None;
+        let mut pause = PARK_PAUSE.0;
+        loop {
+            let window = Duration::from_secs(self.config.current().limits.max_outage_secs);
+            let may_park = outage.map_or(!window.is_zero(), |since| since.elapsed() < window);
+            let park = match self
+                .handle_inner(delivery.clone(), Attempt::Run { may_park })
+                .await
+            {
+                Ok(Settled::Done) => return Disposition::Ack,
+                Ok(Settled::Parked(park)) => park,
+                Err(e) if is_outage(&e) && may_park => output::Park {
+                    cause: format!("{e:#}"),
+                    retry_after: None,
+                },
+                Err(e) => {
+                    let why = if is_outage(&e) {
+                        format!("a service this step needs stayed unavailable past the outage window of {} s (max_outage_secs): {e:#}", window.as_secs())
+                    } else {
+                        format!("the step failed: {e:#}")
+                    };
+                    return self.give_up(delivery, &why).await;
+                }
+            };
+            let since = *outage.get_or_insert_with(std::time::Instant::now);
+            let wait = park
+                .retry_after
+                .unwrap_or(pause)
+                .clamp(PARK_PAUSE.0, PARK_PAUSE.1);
+            pause = (pause * 2).min(PARK_PAUSE.1);
+            metrics::parked();
+            tracing::warn!(
+                cause = %park.cause,
+                outage_secs = since.elapsed().as_secs(),
+                retry_in_ms = wait.as_millis() as u64,
+                "an outage parks this step"
+            );
+            tokio::select! {
+                _ = self.shutdown.cancelled() => {
+                    return Disposition::Nack("shutting down while parked".to_owned())
+                }
+                _ = tokio::time::sleep(wait) => {}
+            }
+        }
+    }
+
+    /// Ends the dialog of `delivery` with the error `why` (a subagent's as a failed completion, so
+    /// its supervisor is not left waiting). Nacked only when even that cannot be published.
+    pub async fn give_up(&self, delivery: Delivery<AgentRequest>, why: &str) -> Disposition {
+        tracing::error!(%why, "giving up on a step; its dialog ends with an error");
+        match self.handle_inner(delivery, Attempt::GiveUp(why)).await {
+            Ok(_) => Disposition::Ack,
             Err(e) => Disposition::Nack(format!("{e:#}")),
         }
     }
 
-    async fn handle_inner(&self, delivery: Delivery<AgentRequest>) -> anyhow::Result<()> {
+    async fn handle_inner(
+        &self,
+        delivery: Delivery<AgentRequest>,
+        attempt: Attempt<'_>,
+    ) -> anyhow::Result<Settled> {
         let taken = std::time::Instant::now();
         let Delivery {
             payload: mut request,
@@ -225,6 +321,24 @@ impl Engine {
         // client an error, not fail to name a journal entry until the message is dead-lettered.
         let verdict = validate(&request, &config, new_dialog, payload_bytes);
         let slot = match &self.journal {
+            // Giving up publishes without the journal, which may be what is down; a step whose
+            // outcome is recorded goes out as recorded instead.
+            Some(journal) if matches!(attempt, Attempt::GiveUp(_)) => {
+                let key = journal::key(&request, new_dialog && request.pattern.is_empty());
+                if let Ok(node) = journal::entry_node(&uris.session(), &key) {
+                    let slot = JournalSlot {
+                        journal,
+                        node,
+                        delivery: message_id.clone(),
+                    };
+                    if let Ok(Some(entry)) = journal.entry(&slot.node).await {
+                        if out.settle(&slot, entry, Recorder::Unknown).await.is_ok() {
+                            return Ok(Settled::Done);
+                        }
+                    }
+                }
+                None
+            }
             Some(journal) => {
                 let key = journal::key(&request, new_dialog && request.pattern.is_empty());
                 match journal::entry_node(&uris.session(), &key) {
@@ -243,7 +357,8 @@ impl Engine {
         };
         if let Some(slot) = &slot {
             if let Some(entry) = slot.journal.entry(&slot.node).await? {
-                return out.settle(slot, entry, Recorder::Unknown).await;
+                out.settle(slot, entry, Recorder::Unknown).await?;
+                return Ok(Settled::Done);
             }
         }
         // A request that names its pattern is not routed, but gets its task type's framing.
@@ -283,6 +398,7 @@ impl Engine {
             mcp: &self.mcp,
             tokens_before,
             elapsed,
+            may_park: matches!(attempt, Attempt::Run { may_park: true }),
         };
         if let Err(problem) = verdict {
             tracing::warn!(session = %session_id, %problem, "refusing an invalid request");
@@ -295,7 +411,13 @@ impl Engine {
             }
             out.commit(slot.as_ref()).await?;
             metrics::step("refused", false, out.ended(), taken.elapsed());
-            return Ok(());
+            return Ok(Settled::Done);
+        }
+        if let Attempt::GiveUp(why) = attempt {
+            react::fail(&turn, n, why).await?;
+            out.commit(None).await?;
+            metrics::step("given-up", false, out.ended(), taken.elapsed());
+            return Ok(Settled::Done);
         }
         async {
             if new_dialog {
@@ -336,6 +458,9 @@ impl Engine {
         }
         .instrument(span)
         .await?;
+        if let Some(park) = out.parked() {
+            return Ok(Settled::Parked(park));
+        }
         // Everything this message caused must be on the broker before it is acked.
         out.commit(slot.as_ref()).await?;
         let routing = new_dialog && requested.is_none();
@@ -355,7 +480,7 @@ impl Engine {
             out.ended(),
             taken.elapsed(),
         );
-        Ok(())
+        Ok(Settled::Done)
     }
 }
 
@@ -494,6 +619,7 @@ pub async fn run(settings: Settings, shutdown: CancellationToken) -> anyhow::Res
         journal,
         knowledge,
         mcp: agent_mcp::McpPool::new(),
+        shutdown: shutdown.clone(),
     });
     let subscription = SubscriptionConfig {
         topic: topics.request.clone(),
@@ -504,6 +630,14 @@ pub async fn run(settings: Settings, shutdown: CancellationToken) -> anyhow::Res
         drain_deadline: std::time::Duration::from_secs(settings.drain_secs),
         nack_delay: std::time::Duration::from_secs(1),
     };
+    let answering = tokio::spawn(answer_dead_letters(
+        bus.clone(),
+        engine.clone(),
+        topics.dead_letter.clone(),
+        format!("{}-dead-letters", settings.subscription),
+        settings.max_redeliveries,
+        shutdown.clone(),
+    ));
     tracing::info!(request = %topics.request, response = %topics.response, "agent-orchestrator ready");
     let consumed = run_consumer(
         &bus,
@@ -519,9 +653,54 @@ pub async fn run(settings: Settings, shutdown: CancellationToken) -> anyhow::Res
     // The follower stops with the consumer, so its subscriptions close before the process ends.
     shutdown.cancel();
     let _ = follower.await;
+    let _ = answering.await;
     ops_server.abort();
     consumed?;
     Ok(())
+}
+
+/// Answers for requests the broker moved to the dead-letter topic (its redelivery limit: a step
+/// that crashed its process, or was handed to lost consumers, `max_redeliveries` times): each
+/// ends its dialog with an error, or fails its subagent's completion, so no client or supervisor
+/// waits forever. A step whose outcome was journaled goes out as recorded instead. What does not
+/// decode is left alone: it never was a dialog.
+async fn answer_dead_letters(
+    bus: agent_bus::Bus,
+    engine: Arc<Engine>,
+    topic: String,
+    subscription: String,
+    max_redeliveries: usize,
+    shutdown: CancellationToken,
+) {
+    let config = SubscriptionConfig {
+        topic,
+        subscription,
+        max_in_flight: 4,
+        max_redeliveries: None,
+        dead_letter_topic: String::new(),
+        drain_deadline: Duration::from_secs(5),
+        nack_delay: Duration::from_secs(1),
+    };
+    let answered = run_consumer(
+        &bus,
+        config,
+        Arc::new(ConsumerStats::default()),
+        shutdown,
+        move |delivery: Delivery<AgentRequest>| {
+            let engine = engine.clone();
+            async move {
+                let why = match delivery.properties.get(agent_bus::DEAD_LETTER_REASON) {
+                    Some(reason) => format!("the step was given up on: {reason}"),
+                    None => format!("the step did not finish in {max_redeliveries} deliveries (its process crashed or lost its broker connection each time); it was moved to the dead-letter topic"),
+                };
+                engine.give_up(delivery, &why).await
+            }
+        },
+    )
+    .await;
+    if let Err(e) = answered {
+        tracing::error!(error = %e, "answering dead-lettered requests stopped");
+    }
 }
 
 /// The broker connection, tried again with backoff until it is up (a pod may start before its

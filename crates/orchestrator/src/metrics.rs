@@ -14,6 +14,7 @@ pub const ITERATION_LATENCY: &str = "agent_iteration_duration_seconds";
 pub const TOOL_CALLS: &str = "agent_tool_calls_total";
 pub const TOOL_LATENCY: &str = "agent_tool_call_duration_seconds";
 pub const MESSAGES: &str = "agent_request_messages_total";
+pub const PARKED: &str = "agent_steps_parked_total";
 
 /// Declares every family this process reports, so `/metrics` lists them from the start.
 pub fn describe() {
@@ -45,7 +46,17 @@ pub fn describe() {
         Kind::Counter,
         "Request messages by fate: received, acked, nacked (to be redelivered), dead-lettered.",
     );
+    registry.describe(
+        PARKED,
+        Kind::Counter,
+        "Times a step was set aside by an outage (LLM, store or broker) to be tried again.",
+    );
     agent_llm::describe_metrics();
+}
+
+/// A step set aside by an outage.
+pub fn parked() {
+    global().inc(PARKED, &[]);
 }
 
 /// A committed step.

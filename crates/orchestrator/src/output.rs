@@ -38,6 +38,17 @@ pub struct DialogOutput<'a> {
     effects: Mutex<Vec<Effect>>,
     /// How the dialog ended in this step (`answer` or `error`), if it did: for the metrics.
     ended: Mutex<Option<&'static str>>,
+    /// Set when the step met an outage it is to wait out: nothing it held is committed.
+    parked: Mutex<Option<Park>>,
+}
+
+/// Why a step set itself aside to be tried again: an outage of something it needs.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Park {
+    /// What failed, as the error the dialog ends with if the outage outlasts its window.
+    pub cause: String,
+    /// How long the failing service asked callers to wait, if it said.
+    pub retry_after: Option<std::time::Duration>,
 }
 
 /// Who recorded a journal entry that a delivery finds in its way.
@@ -78,7 +89,19 @@ impl<'a> DialogOutput<'a> {
             pending: Mutex::new(Vec::new()),
             effects: Mutex::new(Vec::new()),
             ended: Mutex::new(None),
+            parked: Mutex::new(None),
         }
+    }
+
+    /// Sets the step aside: its held effects will not be committed, and the step is tried again
+    /// later. The first cause is kept.
+    pub fn park(&self, park: Park) {
+        locked(&self.parked).get_or_insert(park);
+    }
+
+    /// Why the step set itself aside, if it did.
+    pub fn parked(&self) -> Option<Park> {
+        locked(&self.parked).clone()
     }
 
     /// A property every message of this step carries from now on.

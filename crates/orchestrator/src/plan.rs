@@ -15,7 +15,7 @@ use agent_llm::{ChatMessage, Completion, LlmError};
 use agent_schema::{AgentStep, MessageType, PlanStep, StepType};
 use tokio::sync::mpsc;
 
-use crate::react::{conclude_if_limited, fail};
+use crate::react::{conclude_if_limited, fail, llm_failed};
 use crate::tool_exec::{run_scoped_tool, truncate};
 use crate::{add_call, tokens_after, Turn};
 
@@ -128,8 +128,9 @@ async fn make_plan(turn: &Turn<'_>, n: usize, problem: Option<String>) -> Result
             Ok(c) => c,
             // With nothing asked yet there is nothing to go on; after refused attempts, their cost
             // and record are kept and the one-step plan stands in.
-            Err(e) if rejected.is_empty() => {
-                return fail(turn, n, &format!("the LLM call failed: {e}")).await
+            // An outage parks the step whatever was asked before: the whole step runs again.
+            Err(e) if rejected.is_empty() || (e.is_outage() && turn.may_park) => {
+                return llm_failed(turn, n, &e).await
             }
             Err(e) => {
                 call_error = Some(e.to_string());
@@ -703,7 +704,7 @@ async fn synthesise(
         let mut stats = CallStats::default();
         let completion = match llm.complete(&messages).await {
             Ok(c) => c,
-            Err(e) => return fail(turn, n, &format!("the LLM call failed: {e}")).await,
+            Err(e) => return llm_failed(turn, n, &e).await,
         };
         add_call(&mut stats, &completion);
         out.explain(
@@ -727,7 +728,7 @@ async fn synthesise(
     };
     let completion = match completion {
         Ok(c) => c,
-        Err(e) => return fail(turn, n, &format!("the LLM call failed: {e}")).await,
+        Err(e) => return llm_failed(turn, n, &e).await,
     };
     let mut stats = CallStats::default();
     add_call(&mut stats, &completion);

@@ -83,7 +83,7 @@ pub async fn iterate(turn: &Turn<'_>) -> Result<(), BusError> {
     };
     let completion = match completion {
         Ok(c) => c,
-        Err(e) => return fail(turn, n, &format!("the LLM call failed: {e}")).await,
+        Err(e) => return llm_failed(turn, n, &e).await,
     };
     let stats = crate::call_stats(&completion);
     let tokens = (
@@ -532,6 +532,29 @@ async fn conclude_at_limit(
             .await?;
     }
     crate::finish::answer(turn, &answer, turn.tokens_before, llm.model()).await
+}
+
+/// An LLM call of iteration `n` failed with `e`. An outage, while the step may still wait it out,
+/// parks the step (nothing it did is committed, and it runs again later); anything else ends the
+/// dialog with the error.
+pub async fn llm_failed(turn: &Turn<'_>, n: usize, e: &LlmError) -> Result<(), BusError> {
+    if !e.is_outage() {
+        return fail(turn, n, &format!("the LLM call failed: {e}")).await;
+    }
+    if turn.may_park {
+        turn.out.park(crate::output::Park {
+            cause: format!("the LLM is unavailable: {e}"),
+            retry_after: e.retry_after(),
+        });
+        return Ok(());
+    }
+    let window = turn.config.limits.max_outage_secs;
+    fail(
+        turn,
+        n,
+        &format!("the LLM stayed unavailable past the outage window of {window} s (max_outage_secs): {e}"),
+    )
+    .await
 }
 
 /// Ends the dialog with an error response and records why.

@@ -171,7 +171,17 @@ async fn ask(
             crate::add_call(cost, &completion);
             router::decide(Ok(&completion.text), candidates, fallback)
         }
-        Err(e) => router::decide(Err(e.to_string()), candidates, fallback),
+        Err(e) => {
+            // In an outage the step waits rather than routing blind; what it decides here is then
+            // never committed.
+            if e.is_outage() && turn.may_park {
+                turn.out.park(crate::output::Park {
+                    cause: format!("the LLM is unavailable: {e}"),
+                    retry_after: e.retry_after(),
+                });
+            }
+            router::decide(Err(e.to_string()), candidates, fallback)
+        }
     }
 }
 

@@ -36,8 +36,9 @@ pub struct Settings {
     /// Request messages handled at once by this process.
     #[arg(long, env = "AGENT_MAX_IN_FLIGHT", default_value_t = 8)]
     pub max_in_flight: usize,
-    /// Deliveries of one request before it is moved to the dead-letter topic (0: no bound).
-    #[arg(long, default_value_t = 5)]
+    /// Deliveries of one request before it is moved to the dead-letter topic (0: no bound). Only
+    /// crashes and lost consumers count: an outage parks a step without a redelivery.
+    #[arg(long, default_value_t = 10)]
     pub max_redeliveries: usize,
     /// Seconds in-flight iterations get to finish on shutdown.
     #[arg(long, default_value_t = 20)]

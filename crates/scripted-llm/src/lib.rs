@@ -189,6 +189,9 @@ struct Shared {
     calls: Mutex<Vec<Call>>,
     in_flight: AtomicUsize,
     max_in_flight: AtomicUsize,
+    /// While set, every request is answered with this status and `Retry-After` (a provider
+    /// outage, switched on and off by a test).
+    outage: Mutex<Option<(u16, Option<u64>)>>,
 }
 
 /// Counts a request as in flight until dropped.
@@ -226,6 +229,7 @@ impl ScriptedLlm {
             calls: Mutex::new(Vec::new()),
             in_flight: AtomicUsize::new(0),
             max_in_flight: AtomicUsize::new(0),
+            outage: Mutex::new(None),
         });
         let app = Router::new()
             .route("/v1/chat/completions", post(chat))
@@ -273,6 +277,20 @@ impl ScriptedLlm {
 
     pub fn stop(&self) {
         self.stop.cancel();
+    }
+
+    /// Starts an outage: every request is answered with `status` (and `Retry-After:
+    /// retry_after_secs`) until [`ScriptedLlm::end_outage`].
+    pub fn start_outage(&self, status: u16, retry_after_secs: Option<u64>) {
+        if let Ok(mut outage) = self.shared.outage.lock() {
+            *outage = Some((status, retry_after_secs));
+        }
+    }
+
+    pub fn end_outage(&self) {
+        if let Ok(mut outage) = self.shared.outage.lock() {
+            *outage = None;
+        }
     }
 }
 
@@ -342,6 +360,26 @@ async fn chat(State(shared): State<Arc<Shared>>, Json(body): Json<Value>) -> Res
         }
         Err(_) => None,
     };
+    let outage = shared.outage.lock().ok().and_then(|o| *o);
+    if let Some((status, retry_after)) = outage {
+        if let (Ok(mut calls), Some(i)) = (shared.calls.lock(), call_index) {
+            if let Some(call) = calls.get_mut(i) {
+                call.fault = Some(format!("outage {status}"));
+            }
+        }
+        let status = StatusCode::from_u16(status).unwrap_or(StatusCode::SERVICE_UNAVAILABLE);
+        let mut response = (
+            status,
+            Json(json!({"error": {"message": "the scripted provider is down", "type": "server_error"}})),
+        )
+            .into_response();
+        if let Some(secs) = retry_after {
+            if let Ok(v) = HeaderValue::from_str(&secs.to_string()) {
+                response.headers_mut().insert(header::RETRY_AFTER, v);
+            }
+        }
+        return response;
+    }
     let (reply, fault, rule) = match rule_index {
         Some(i) => {
             let rule = &shared.script.rules[i];
