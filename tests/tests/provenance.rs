@@ -337,3 +337,97 @@ async fn a_killed_aggregator_loses_and_duplicates_nothing() {
         "missing {missing:#?}\nextra {extra:#?}"
     );
 }
+
+/// `conversation_id` joins dialogs: every node a dialog (and each of its subagents) records is
+/// tagged with it, so one lookup lists the whole conversation, and `agentctl explain
+/// --conversation` shows each of its sessions; a dialog of another conversation is not among them.
+#[tokio::test]
+async fn a_conversation_is_one_lookup() {
+    let broker = Broker::start().unwrap();
+    let aggregator = Aggregator::spawn(&broker);
+    let llm = scripted_llm(
+        r#"{"rules": [
+      {"match": "Request to split: Compare", "reply": "[{\"goal\": \"left side\"}, {\"goal\": \"right side\"}]"},
+      {"match": "Question: left side", "reply": "Thought: known.\nFinal Answer: LEFT"},
+      {"match": "Question: right side", "reply": "Thought: known.\nFinal Answer: RIGHT"},
+      {"match": "Request to answer from the subagents: Compare", "reply": "Both sides compared."},
+      {"match": "Question: ", "reply": "Thought: easy.\nFinal Answer: fine"}
+    ]}"#,
+    )
+    .await;
+    let _orchestrator = Orchestrator::spawn(&broker, &llm, &seed_dir(), &[]);
+    let mut client = client(&broker).await;
+    let mut dialogs = Vec::new();
+    for (id, question, pattern, conversation) in [
+        ("c-1", "Hello there", "react", "conv-7"),
+        ("c-2", "Compare both sides", "supervisor", "conv-7"),
+        ("c-3", "Someone else", "react", "conv-8"),
+    ] {
+        let mut request = request(question, false);
+        request.pattern = pattern.into();
+        request.conversation_id = conversation.into();
+        client.send(id, &request).await.unwrap();
+        let responses = collect_dialog(&mut client, id, DIALOG_TIMEOUT)
+            .await
+            .unwrap();
+        assert!(responses.last().unwrap().error.is_none(), "{responses:#?}");
+        dialogs.push(responses);
+    }
+    let store = aggregator.store();
+    for responses in &dialogs {
+        wait_for_node(&store, &format!("{}/final", session_of(responses))).await;
+    }
+    // Every node the first two dialogs explained (subagents' included) carries the tag.
+    for responses in &dialogs[..2] {
+        for node in explained(responses)
+            .iter()
+            .map(|t| t.s.iri.clone())
+            .collect::<BTreeSet<_>>()
+        {
+            assert_eq!(
+                values(&explained(responses), &node, "conversation"),
+                ["conv-7"],
+                "{node}"
+            );
+        }
+    }
+    let sessions: BTreeSet<String> = store
+        .query(queries::conversation_sessions("conv-7"))
+        .await
+        .unwrap()
+        .rows()
+        .column("s")
+        .into_iter()
+        .map(|t| iri(t.unwrap()))
+        .collect();
+    let root = |r: &[agent_schema::AgentResponse]| session_of(r);
+    assert!(sessions.contains(&root(&dialogs[0])), "{sessions:?}");
+    assert!(sessions.contains(&root(&dialogs[1])), "{sessions:?}");
+    assert!(!sessions.contains(&root(&dialogs[2])), "{sessions:?}");
+    assert_eq!(
+        sessions.len(),
+        4,
+        "two dialogs and two subagents: {sessions:?}"
+    );
+    let shown = std::process::Command::new(binary("agentctl"))
+        .args([
+            "explain",
+            "--conversation",
+            "conv-7",
+            "--store",
+            &aggregator.endpoint,
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        shown.status.success(),
+        "{}",
+        String::from_utf8_lossy(&shown.stderr)
+    );
+    let shown = String::from_utf8_lossy(&shown.stdout);
+    assert!(
+        shown.contains("Hello there") && shown.contains("Compare both sides"),
+        "{shown}"
+    );
+    assert!(!shown.contains("Someone else"), "{shown}");
+}

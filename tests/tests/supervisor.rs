@@ -185,6 +185,89 @@ async fn a_stalled_subagent_gets_a_partial_synthesis_after_the_timeout() {
     assert_eq!(sample(&metrics, "agent_fanouts_open"), 0.0);
 }
 
+/// A fan-out that times out is answered honestly: two subagents with the same goal keep two
+/// results, the synthesis derives only from the completions it was given, says it is partial and
+/// names the subagent it went without, and that subagent, told its supervisor stopped waiting,
+/// stops at its next step instead of spending on; its late completion derives nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_timed_out_fan_out_is_answered_partially_and_its_laggard_stops() {
+    let broker = Broker::start().unwrap();
+    let aggregator = Aggregator::spawn_with(
+        &broker,
+        &["--fanout-timeout-secs", "3", "--config-token", "fan-token"],
+    );
+    let llm = scripted_llm(
+        r#"{"rules": [
+      {"match": "Request to split: Survey", "reply": "[{\"goal\": \"same question\"}, {\"goal\": \"same question\"}, {\"goal\": \"slow loop\"}]"},
+      {"match": "Question: same question", "reply": "Thought: known.\nFinal Answer: SAME"},
+      {"match": "Question: slow loop", "reply": "Thought: keep digging.\nAction: dig\nArgs: {}", "delay_ms": 1000},
+      {"match": "Request to answer from the subagents: Survey", "and": ["- same question: SAME\n- same question: SAME", "slow loop: Error: no result within 3 s"], "reply": "Partial answer."}
+    ]}"#,
+    )
+    .await;
+    let limits = seed_with(
+        "fan-in-honest",
+        &[("agent-limits", r#"{"default": {"max_iterations": 12}}"#)],
+    );
+    let _orchestrator = Orchestrator::spawn(
+        &broker,
+        &llm,
+        &limits,
+        &[
+            "--graph-store",
+            &aggregator.endpoint,
+            "--config-token",
+            "fan-token",
+        ],
+    );
+    let mut client = client(&broker).await;
+    client
+        .send("p-1", &supervised("Survey three ways."))
+        .await
+        .unwrap();
+    let mut responses = collect_dialog(&mut client, "p-1", DIALOG_TIMEOUT)
+        .await
+        .unwrap();
+    let last = responses.last().unwrap();
+    assert!(last.error.is_none(), "{responses:#?}");
+    assert_eq!(last.content, "Partial answer.");
+    // The laggard's own end comes after the synthesis.
+    responses.extend(drain_for(&mut client, "p-1", Duration::from_secs(4)).await);
+    let t = explained(&responses);
+    let session = session_of(&responses);
+    let id = session.trim_start_matches("urn:trustgraph:agent:");
+    let cid = format!("{id}-f1");
+    let synthesis = format!("{session}/synthesis/{cid}");
+    let laggard = format!("urn:trustgraph:agent:{cid}-s2");
+    assert_eq!(values(&t, &synthesis, "partial"), ["true"]);
+    assert_eq!(
+        values(&t, &synthesis, "missingSubagent"),
+        std::slice::from_ref(&laggard)
+    );
+    let derived: Vec<String> = t
+        .iter()
+        .filter(|x| x.s.iri == synthesis && x.p.iri.ends_with("wasDerivedFrom"))
+        .map(|x| x.o.iri.clone())
+        .collect();
+    assert!(derived.contains(&format!("urn:trustgraph:agent:{cid}-s0/completion")));
+    assert!(derived.contains(&format!("urn:trustgraph:agent:{cid}-s1/completion")));
+    assert!(
+        !derived.iter().any(|d| d.starts_with(&laggard)),
+        "{derived:?}"
+    );
+    // The laggard stopped soon after the timeout (it would loop to max_iterations otherwise), and
+    // its completion says why.
+    let turns = llm
+        .calls()
+        .iter()
+        .filter(|c| c.last_user.contains("Question: slow loop"))
+        .count();
+    assert!(turns <= 6, "the laggard took {turns} turns");
+    let ended = values(&t, &format!("{laggard}/final"), "terminationReason");
+    assert_eq!(ended, ["error"], "{turns} turns");
+    assert_eq!(closings(&responses), 1);
+}
+
 /// Fan-in straight from the explainability topic: completions that arrive before their fan-out,
 /// each delivered twice, give exactly one synthesis request, carrying every result, sent to the
 /// client's id once the fan-out is known.
@@ -219,7 +302,8 @@ async fn completions_before_their_fan_out_and_twice_give_one_synthesis() {
     };
     let supervisor = SessionUris::new("sup");
     let cid = "sup-f1";
-    let goals = ["one", "two", "three"];
+    // Two subagents with the same goal keep two results.
+    let goals = ["one", "two", "one"];
     for (i, goal) in goals.iter().enumerate() {
         let sub = SessionUris::new(&format!("{cid}-s{i}"));
         let triples =
@@ -227,6 +311,13 @@ async fn completions_before_their_fan_out_and_twice_give_one_synthesis() {
         publish(sub.completion(), triples.clone()).await;
         publish(sub.completion(), triples).await;
     }
+    // A completion that names the fan-out but comes from no session it started never counts.
+    let intruder = SessionUris::new("intruder");
+    publish(
+        intruder.completion(),
+        provenance::completion(&intruder, cid, "sup", "one", "answer", "FORGED", (1, 1)),
+    )
+    .await;
     // Nothing can be synthesised yet: the fan-out is unknown.
     tokio::time::sleep(Duration::from_secs(1)).await;
     let continuation = AgentRequest {
@@ -301,9 +392,9 @@ async fn completions_before_their_fan_out_and_twice_give_one_synthesis() {
     assert_eq!(
         results,
         [
-            ("one".to_owned(), "R0".to_owned()),
-            ("three".to_owned(), "R2".to_owned()),
-            ("two".to_owned(), "R1".to_owned())
+            ("00. one".to_owned(), "R0".to_owned()),
+            ("01. two".to_owned(), "R1".to_owned()),
+            ("02. one".to_owned(), "R2".to_owned())
         ]
         .into()
     );

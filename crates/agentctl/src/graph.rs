@@ -54,6 +54,9 @@ pub struct ExplainArgs {
     /// Explain the most recently started session.
     #[arg(long)]
     last: bool,
+    /// Explain every session of a conversation (its `conversation_id`), oldest first.
+    #[arg(long, conflicts_with_all = ["session", "last"])]
+    conversation: Option<String>,
     #[arg(long, value_enum, default_value = "tree")]
     format: Format,
     #[command(flatten)]
@@ -89,6 +92,28 @@ pub fn render(view: &SessionView, format: Format) -> anyhow::Result<String> {
 
 pub async fn explain(args: ExplainArgs) -> anyhow::Result<i32> {
     let store = args.store.open()?;
+    if let Some(conversation) = &args.conversation {
+        let rows = store
+            .query(queries::conversation_sessions(conversation))
+            .await?
+            .rows();
+        let sessions: Vec<String> = rows
+            .column("s")
+            .into_iter()
+            .filter_map(|t| match t {
+                Some(Term::NamedNode(n)) => Some(n.as_str().to_owned()),
+                _ => None,
+            })
+            .collect();
+        if sessions.is_empty() {
+            bail!("the graph holds no session of conversation {conversation}");
+        }
+        for session in sessions {
+            let view = load_session(&store, &session).await?;
+            print!("{}", render(&view, args.format)?);
+        }
+        return Ok(0);
+    }
     let session = match (&args.session, args.last) {
         (Some(s), _) => s.clone(),
         (None, true) => last_session(&store).await?,

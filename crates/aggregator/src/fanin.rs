@@ -6,7 +6,9 @@
 use std::collections::BTreeMap;
 
 use agent_bus::{BusError, Properties, Publisher};
-use agent_core::supervisor::synthesis_request;
+use agent_core::supervisor::{
+    decomposed_goals, last_decompose, result_key, subagent_index, synthesis_request,
+};
 use agent_graph::{queries, GraphError, GraphStore, QueryAnswer, Rows};
 use agent_schema::{
     AgentRequest, Triples, ID_PROPERTY, IN_TOKEN_PROPERTY, OUT_TOKEN_PROPERTY, STARTED_PROPERTY,
@@ -122,17 +124,34 @@ pub async fn check(
     let mut tokens = (number(column("in")), number(column("out")));
     let started = number(column("started"));
     let recorded = chrono::DateTime::parse_from_rfc3339(&text(column("recorded"))).ok();
+    let Ok(continuation) = serde_json::from_str::<AgentRequest>(&continuation) else {
+        tracing::error!(
+            correlation_id,
+            "the fan-out's continuation is not a request; no synthesis"
+        );
+        return Ok(());
+    };
+    let goals = last_decompose(&continuation.history)
+        .map(decomposed_goals)
+        .unwrap_or_default();
     let done = rows(store, queries::completions(correlation_id)).await?;
+    // Keyed by subagent index: two subagents with the same goal keep two results.
     let mut results = BTreeMap::new();
     let mut seen = std::collections::BTreeSet::new();
-    let (c, goal, status, result) = (
+    let mut arrived = std::collections::BTreeSet::new();
+    let (c, session, goal, status, result) = (
         done.column("c"),
+        done.column("s"),
         done.column("goal"),
         done.column("status"),
         done.column("result"),
     );
     let (used_in, used_out) = (done.column("in"), done.column("out"));
     for i in 0..done.rows.len() {
+        let Some(index) = subagent_index(&text(session.get(i).copied().flatten())) else {
+            continue;
+        };
+        arrived.insert(index);
         // A completion counts once, its tokens too, however often it was delivered.
         if seen.insert(text(c.get(i).copied().flatten())) {
             let count = |col: &[Option<&Term>]| {
@@ -151,27 +170,42 @@ pub async fn check(
         } else {
             format!("Error: the subagent failed: {result}")
         };
-        results.insert(goal, shown);
+        results.insert(result_key(index, &goal), shown);
     }
     let Ok(node) = NamedNode::new(fanout) else {
         return Ok(());
     };
+    let mut missing = Vec::new();
     if seen.len() < expected {
         let Some(secs) = timed_out else {
             tracing::debug!(correlation_id, have = seen.len(), expected, "fan-in waits");
             return Ok(());
         };
-        let goals = rows(store, queries::fanout_goals(&node)).await?;
-        for goal in goals.column("goal") {
-            let goal = text(goal);
-            results.entry(goal).or_insert_with(|| {
-                format!("Error: no result within {secs} s (the subagent timed out)")
-            });
+        let sessions = rows(store, queries::fanout_sessions(&node)).await?;
+        for session in sessions.column("s") {
+            let Some(index) = subagent_index(&text(session)) else {
+                continue;
+            };
+            if arrived.contains(&index) {
+                continue;
+            }
+            missing.push(index);
+            let goal = goals
+                .get(index)
+                .cloned()
+                .unwrap_or_else(|| format!("subagent {index}"));
+            results.insert(
+                result_key(index, &goal),
+                format!("Error: no result within {secs} s (the subagent timed out)"),
+            );
         }
+        missing.sort_unstable();
+        missing.dedup();
         tracing::warn!(
             correlation_id,
             have = seen.len(),
             expected,
+            ?missing,
             "fan-out timed out; partial synthesis"
         );
     }
@@ -196,14 +230,7 @@ pub async fn check(
             None => Err(FanInError::ClaimHeld),
         };
     }
-    let Ok(continuation) = serde_json::from_str::<AgentRequest>(&continuation) else {
-        tracing::error!(
-            correlation_id,
-            "the fan-out's continuation is not a request; no synthesis"
-        );
-        return Ok(());
-    };
-    let next = synthesis_request(&continuation, results);
+    let next = synthesis_request(&continuation, results, &missing);
     // The supervisor goes on with its subagents' tokens counted and its own start time.
     let mut properties = Properties::new();
     properties.insert(ID_PROPERTY.to_owned(), client);

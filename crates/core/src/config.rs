@@ -64,6 +64,20 @@ impl Default for ModelOptions {
     }
 }
 
+/// A budget a run has used up: which limit, and the sentence that says so.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SpentBudget {
+    /// The limit's name in `agent-limits` (`max_tokens`, `max_wall_secs`).
+    pub limit: &'static str,
+    pub sentence: String,
+}
+
+impl std::fmt::Display for SpentBudget {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.sentence)
+    }
+}
+
 /// Bounds on a dialog. Every field has a default so a partial config is valid.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
@@ -119,29 +133,37 @@ impl Default for Limits {
 }
 
 impl Limits {
-    /// The budget a dialog has used up, having spent `tokens` (input plus output) over `elapsed`, as
-    /// the sentence that ends it; `None` while it may go on.
+    /// The budget a run (the root request and its subagents) has used up, having spent `tokens`
+    /// (input plus output) over `elapsed`; `None` while it may go on.
     ///
     /// ```
     /// use std::time::Duration;
     /// let limits = agent_core::config::Limits { max_tokens: 100, max_wall_secs: 60, ..Default::default() };
     /// assert!(limits.spent_budget(99, Duration::from_secs(59)).is_none());
-    /// assert!(limits.spent_budget(100, Duration::ZERO).unwrap().contains("max_tokens"));
-    /// assert!(limits.spent_budget(0, Duration::from_secs(60)).unwrap().contains("max_wall_secs"));
+    /// let spent = limits.spent_budget(100, Duration::ZERO).unwrap();
+    /// assert_eq!(spent.limit, "max_tokens");
+    /// assert!(spent.to_string().contains("100 tokens"));
+    /// assert_eq!(limits.spent_budget(0, Duration::from_secs(60)).unwrap().limit, "max_wall_secs");
     /// ```
-    pub fn spent_budget(&self, tokens: u64, elapsed: std::time::Duration) -> Option<String> {
+    pub fn spent_budget(&self, tokens: u64, elapsed: std::time::Duration) -> Option<SpentBudget> {
         if self.max_tokens > 0 && tokens >= self.max_tokens {
-            return Some(format!(
-                "the dialog used {tokens} tokens, its budget is {} (max_tokens)",
-                self.max_tokens
-            ));
+            return Some(SpentBudget {
+                limit: "max_tokens",
+                sentence: format!(
+                    "the request and its subagents used {tokens} tokens, its budget is {} (max_tokens)",
+                    self.max_tokens
+                ),
+            });
         }
         if self.max_wall_secs > 0 && elapsed.as_secs() >= self.max_wall_secs {
-            return Some(format!(
-                "the dialog has run for {} s, its budget is {} s (max_wall_secs)",
-                elapsed.as_secs(),
-                self.max_wall_secs
-            ));
+            return Some(SpentBudget {
+                limit: "max_wall_secs",
+                sentence: format!(
+                    "the request has run for {} s, its budget is {} s (max_wall_secs)",
+                    elapsed.as_secs(),
+                    self.max_wall_secs
+                ),
+            });
         }
         None
     }

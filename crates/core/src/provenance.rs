@@ -511,6 +511,23 @@ impl Termination {
 }
 
 /// The conclusion: the final thought (as iteration `n`'s thought), the answer and why the dialog ended.
+/// Which budget ended a run (`limit`: `max_tokens` or `max_wall_secs`) and the run's totals at
+/// that moment, on the conclusion node of the dialog that stopped for it.
+pub fn budget_spent(
+    uris: &SessionUris,
+    limit: &str,
+    run_tokens: u64,
+    run_elapsed_ms: u64,
+) -> Vec<Triple> {
+    let s = uris.conclusion();
+    let integer = |v: u64| Term::typed_literal(v.to_string(), XSD_INTEGER);
+    let mut b = NodeBuilder::default();
+    b.tg(&s, "budgetSpent", Term::literal(limit))
+        .tg(&s, "runTokens", integer(run_tokens))
+        .tg(&s, "runElapsedMs", integer(run_elapsed_ms));
+    b.build()
+}
+
 pub fn conclusion(
     uris: &SessionUris,
     n: usize,
@@ -730,11 +747,14 @@ pub fn completion(
     b.build()
 }
 
-/// The supervisor's synthesis of a fan-out: derived from every completion, and from the fan-out.
+/// The supervisor's synthesis of a fan-out: derived from the fan-out and from the completions it
+/// was given. A partial one (the fan-out timed out) says so and names the subagent sessions whose
+/// results never came; a completion that arrives later does not derive it.
 pub fn synthesis(
     uris: &SessionUris,
     correlation_id: &str,
     completions: &[String],
+    missing: &[String],
     stats: &CallStats,
 ) -> Vec<Triple> {
     let s = uris.synthesis(correlation_id);
@@ -745,6 +765,16 @@ pub fn synthesis(
         .derived(&s, &uris.fanout(correlation_id));
     for c in completions {
         b.derived(&s, c);
+    }
+    if !missing.is_empty() {
+        b.tg(
+            &s,
+            "partial",
+            Term::typed_literal("true", "http://www.w3.org/2001/XMLSchema#boolean"),
+        );
+        for session in missing {
+            b.tg(&s, "missingSubagent", Term::iri(session));
+        }
     }
     b.cost(&s, stats);
     b.build()

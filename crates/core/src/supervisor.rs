@@ -127,7 +127,7 @@ pub fn describe_rounds(history: &[AgentStep]) -> String {
     let lines = |results: &BTreeMap<String, String>| {
         results
             .iter()
-            .map(|(goal, result)| format!("- {goal}: {result}"))
+            .map(|(key, result)| format!("- {}: {result}", goal_of_key(key)))
             .collect::<Vec<_>>()
             .join("\n")
     };
@@ -264,15 +264,88 @@ pub fn is_subagent(request: &AgentRequest) -> bool {
 pub fn synthesis_request(
     continuation: &AgentRequest,
     results: BTreeMap<String, String>,
+    missing: &[usize],
 ) -> AgentRequest {
     let mut next = continuation.clone();
+    let mut arguments = BTreeMap::new();
+    if !missing.is_empty() {
+        let listed: Vec<String> = missing.iter().map(usize::to_string).collect();
+        arguments.insert(MISSING_KEY.to_owned(), listed.join(","));
+    }
     next.history.push(AgentStep {
         step_type: StepType::Synthesise.as_str().to_owned(),
         observation: format!("{} subagent results", results.len()),
         subagent_results: Some(results),
+        arguments,
         ..AgentStep::default()
     });
     next
+}
+
+/// `arguments` key of a synthesis step: the subagents (by index) whose results never came.
+pub const MISSING_KEY: &str = "missing";
+/// `arguments` key of a decompose step: its goals by subagent index, as a JSON list.
+pub const GOALS_KEY: &str = "goals";
+
+/// The key of subagent `index`'s result: its place before its goal, so that two subagents with
+/// the same goal keep two results.
+///
+/// ```
+/// assert_eq!(agent_core::supervisor::result_key(3, "price of delta"), "03. price of delta");
+/// ```
+pub fn result_key(index: usize, goal: &str) -> String {
+    format!("{index:02}. {goal}")
+}
+
+/// The goal in a result key (see [`result_key`]); a key from before results were numbered is
+/// the goal itself.
+fn goal_of_key(key: &str) -> &str {
+    match key.split_once(". ") {
+        Some((index, goal)) if !index.is_empty() && index.bytes().all(|b| b.is_ascii_digit()) => {
+            goal
+        }
+        _ => key,
+    }
+}
+
+/// The subagent index a session (or a node of it) ends with: `…-s{index}`.
+///
+/// ```
+/// use agent_core::supervisor::subagent_index;
+/// assert_eq!(subagent_index("urn:trustgraph:agent:x-f2-s11"), Some(11));
+/// assert_eq!(subagent_index("urn:trustgraph:agent:x-f2-s1/completion"), Some(1));
+/// assert_eq!(subagent_index("x-f2"), None);
+/// ```
+pub fn subagent_index(session: &str) -> Option<usize> {
+    let session = session.strip_suffix("/completion").unwrap_or(session);
+    let (_, index) = session.rsplit_once("-s")?;
+    (!index.is_empty() && index.bytes().all(|b| b.is_ascii_digit()))
+        .then(|| index.parse().ok())
+        .flatten()
+}
+
+/// The goals of a fan-out by subagent index, from its decompose step (empty for a step recorded
+/// before the goals were).
+pub fn decomposed_goals(decompose: &AgentStep) -> Vec<String> {
+    decompose
+        .arguments
+        .get(GOALS_KEY)
+        .and_then(|goals| serde_json::from_str(goals).ok())
+        .unwrap_or_default()
+}
+
+/// The subagents (by index) a synthesis step says never answered.
+pub fn missing_subagents(synthesis: &AgentStep) -> Vec<usize> {
+    synthesis
+        .arguments
+        .get(MISSING_KEY)
+        .map(|listed| {
+            listed
+                .split(',')
+                .filter_map(|i| i.trim().parse().ok())
+                .collect()
+        })
+        .unwrap_or_default()
 }
 
 /// The decompose step of the fan-out being answered (the last one).
@@ -351,7 +424,7 @@ mod tests {
         assert_eq!(sub.group, Some(vec!["web".to_owned()]));
         let sub = subagent_request(&parent, "s", &cid, 0, &greedy, 1);
         assert_eq!(sub.group, None, "the default group only");
-        let resumed = synthesis_request(&parent, [("g".to_owned(), "r".to_owned())].into());
+        let resumed = synthesis_request(&parent, [("g".to_owned(), "r".to_owned())].into(), &[]);
         assert_eq!(pending_synthesis(&resumed.history).unwrap()["g"], "r");
     }
 

@@ -80,14 +80,40 @@ pub fn open_fanout(correlation_id: &str) -> String {
     )
 }
 
-/// The completions of a fan-out: goal, status and result of each.
+/// The fan-out `fanout` as a subagent `session` sees it, if that fan-out started that subagent:
+/// when the run started and the supervisor's tokens at the fan-out. No row: not (yet) recorded,
+/// or not this service's fan-out.
+pub fn fanout_of_subagent(fanout: &NamedNode, session: &NamedNode) -> String {
+    let g = graph();
+    format!(
+        "{PREFIXES}SELECT ?started ?in ?out WHERE {{ GRAPH {g} {{
+  {fanout} a tg:FanOut ; tg:subagentSession {session} .
+  OPTIONAL {{ {fanout} tg:dialogStartedMs ?started ; tg:dialogInToken ?in ; tg:dialogOutToken ?out }} }} }}"
+    )
+}
+
+/// The tokens (input plus output) every recorded LLM call of a run has used: the nodes the
+/// orchestrator tagged `tg:run run`, at every depth of its subagents.
+pub fn run_tokens(run: &NamedNode) -> String {
+    let g = graph();
+    format!(
+        "{PREFIXES}SELECT (SUM(?i + ?o) AS ?tokens) WHERE {{ GRAPH {g} {{
+  ?n tg:run {run} ; tg:inToken ?i ; tg:outToken ?o . }} }}"
+    )
+}
+
+/// The completions of a fan-out: goal, status and result of each, and the subagent session it
+/// came from. Only completions of a session the fan-out started count: one that merely names the
+/// correlation id is not its subagent's.
 pub fn completions(correlation_id: &str) -> String {
     let g = graph();
     let cid = oxigraph::model::Literal::new_simple_literal(correlation_id);
     format!(
-        "{PREFIXES}SELECT DISTINCT ?c ?goal ?status ?result ?in ?out WHERE {{ GRAPH {g} {{
+        "{PREFIXES}SELECT DISTINCT ?c ?s ?goal ?status ?result ?in ?out WHERE {{ GRAPH {g} {{
+  ?f a tg:FanOut ; tg:correlationId {cid} ; tg:subagentSession ?s .
   ?c a tg:SubagentCompletion ; tg:correlationId {cid} ; tg:goal ?goal ;
      tg:completionStatus ?status ; tg:document ?d . ?d tg:content ?result .
+  FILTER (STR(?c) = CONCAT(STR(?s), \"/completion\"))
   OPTIONAL {{ ?c tg:dialogInToken ?in ; tg:dialogOutToken ?out }} }} }}"
     )
 }
@@ -152,10 +178,31 @@ pub fn overdue_fanouts(cutoff: &str) -> String {
     )
 }
 
-/// The goals a fan-out gave its subagents.
-pub fn fanout_goals(fanout: &NamedNode) -> String {
+/// The sessions (client dialogs and their subagents) of a conversation, oldest first.
+pub fn conversation_sessions(conversation_id: &str) -> String {
     let g = graph();
-    format!("{PREFIXES}SELECT ?goal WHERE {{ GRAPH {g} {{ {fanout} tg:subagentGoal ?goal }} }}")
+    let id = oxigraph::model::Literal::new_simple_literal(conversation_id);
+    format!(
+        "{PREFIXES}SELECT DISTINCT ?s WHERE {{ GRAPH {g} {{
+  ?s a tg:AgentQuestion ; tg:conversation {id} ; prov:startedAtTime ?t }} }} ORDER BY ?t ?s"
+    )
+}
+
+/// The subagent sessions a fan-out started.
+pub fn fanout_sessions(fanout: &NamedNode) -> String {
+    let g = graph();
+    format!("{PREFIXES}SELECT ?s WHERE {{ GRAPH {g} {{ {fanout} tg:subagentSession ?s }} }}")
+}
+
+/// Whether any of `fanouts` has had its synthesis requested: a subagent below one of them is no
+/// longer waited for.
+pub fn any_fanout_answered(fanouts: &[NamedNode]) -> String {
+    let g = graph();
+    let values: Vec<String> = fanouts.iter().map(ToString::to_string).collect();
+    format!(
+        "{PREFIXES}ASK {{ GRAPH {g} {{ VALUES ?f {{ {} }} ?f tg:synthesisRequested ?done }} }}",
+        values.join(" ")
+    )
 }
 
 fn journal_graph() -> NamedNode {

@@ -3,6 +3,7 @@
 //! provenance and the `next` request before acking. No dialog state lives in the process, so any
 //! replica can take any step.
 
+pub mod budget;
 pub mod finish;
 pub mod journal;
 pub mod live_config;
@@ -37,7 +38,7 @@ use crate::journal::Journal;
 use crate::live_config::LiveConfig;
 use crate::output::{
     DialogOutput, JournalSlot, Outputs, Recorder, IN_TOKEN_PROPERTY, OUT_TOKEN_PROPERTY,
-    STARTED_PROPERTY,
+    RUN_TOKENS_PROPERTY, STARTED_PROPERTY,
 };
 pub use crate::settings::{check_config_dir, load_config_dir, Settings};
 
@@ -55,7 +56,11 @@ pub struct Turn<'a> {
     pub mcp: &'a agent_mcp::McpPool,
     /// Tokens the dialog used before this step.
     pub tokens_before: (u64, u64),
-    /// Time since the dialog's first message was taken up.
+    /// Tokens the whole run (the root request and every subagent) used before this step.
+    pub run_tokens: u64,
+    /// A subagent whose fan-out (or one above it) was answered without it: it stops.
+    pub abandoned: bool,
+    /// Time since the run's first message was taken up.
     pub elapsed: std::time::Duration,
     /// Whether an outage may still park this step (its window is open).
     pub may_park: bool,
@@ -108,10 +113,11 @@ impl Turn<'_> {
         }
     }
 
-    /// Which budget (tokens or wall time) the dialog has used up before this step, if any.
-    pub fn spent_budget(&self) -> Option<String> {
-        let used = self.tokens_before.0 + self.tokens_before.1;
-        self.config.limits.spent_budget(used, self.elapsed)
+    /// Which budget (tokens or wall time) the run has used up before this step, if any.
+    pub fn spent_budget(&self) -> Option<agent_core::config::SpentBudget> {
+        self.config
+            .limits
+            .spent_budget(self.run_tokens, self.elapsed)
     }
 
     /// One LLM call on a configured prompt filled with `vars`, and what it cost. `None` when the
@@ -293,22 +299,8 @@ impl Engine {
                 .and_then(|v| v.parse::<u64>().ok())
                 .unwrap_or(0)
         };
-        let tokens_before = (token(IN_TOKEN_PROPERTY), token(OUT_TOKEN_PROPERTY));
-        let now_ms = chrono::Utc::now().timestamp_millis().max(0) as u64;
-        let started_ms = match token(STARTED_PROPERTY) {
-            0 => now_ms,
-            started => started,
-        };
-        let elapsed = std::time::Duration::from_millis(now_ms.saturating_sub(started_ms));
         let session_id = session_id_for(&request, id);
         let uris = SessionUris::new(&session_id);
-        let mut out = DialogOutput::new(
-            &self.outputs,
-            id,
-            &request.collection,
-            &uris.session(),
-            started_ms,
-        );
         let config = self.config.current();
         // The router's mark is honoured only on what the router queues: a first iteration with its
         // pattern and session set. Anything else without history is a new dialog.
@@ -319,7 +311,69 @@ impl Engine {
         let new_dialog = request.history.is_empty() && !routed;
         // Checked before anything is named after the request's ids: a hostile id must earn the
         // client an error, not fail to name a journal entry until the message is dead-lettered.
-        let verdict = validate(&request, &config, new_dialog, payload_bytes);
+        let mut verdict = validate(&request, &config, new_dialog, payload_bytes);
+        let now_ms = chrono::Utc::now().timestamp_millis().max(0) as u64;
+        // Limits are never taken from a client: a dialog's first message starts its run now and
+        // at zero, whatever properties it carries.
+        let subagent = agent_core::supervisor::is_subagent(&request);
+        let from_client = new_dialog && !subagent;
+        let carried = |key: &str| if from_client { 0 } else { token(key) };
+        let tokens_before = (carried(IN_TOKEN_PROPERTY), carried(OUT_TOKEN_PROPERTY));
+        let mut started_ms = match carried(STARTED_PROPERTY) {
+            0 => now_ms,
+            started => started.min(now_ms),
+        };
+        let mut run_base = carried(RUN_TOKENS_PROPERTY);
+        // A subagent's first message is believed only if the graph holds the fan-out that started
+        // it; the run's start and the supervisor's tokens then come from there.
+        // Giving up reads nothing from the store, which may be what is down.
+        let store = match attempt {
+            Attempt::Run { .. } => self.knowledge.as_ref(),
+            Attempt::GiveUp(_) => None,
+        };
+        if new_dialog && subagent && verdict.is_ok() {
+            if let Some(store) = store {
+                match budget::fanout_of(store, &request, &session_id).await? {
+                    Some(inherited) => {
+                        if inherited.started_ms > 0 {
+                            started_ms = inherited.started_ms.min(now_ms);
+                        }
+                        run_base = run_base.max(inherited.tokens);
+                    }
+                    None => {
+                        tracing::warn!(session = %session_id, "refusing a subagent request that no recorded fan-out started");
+                        // Not a subagent: its refusal goes to whoever sent it, not into a fan-out.
+                        request.parent_session_id.clear();
+                        request.correlation_id.clear();
+                        verdict = Err("the request names a fan-out (parent_session_id and correlation_id) that this service did not record; only the orchestrator starts subagents".to_owned());
+                        started_ms = now_ms;
+                        run_base = 0;
+                    }
+                }
+            }
+        }
+        let elapsed = std::time::Duration::from_millis(now_ms.saturating_sub(started_ms));
+        let run = budget::run_of(&session_id).to_owned();
+        let run_uri = SessionUris::new(&run).session();
+        let mut run_tokens = run_base + tokens_before.0 + tokens_before.1;
+        let mut abandoned = false;
+        // A subagent's siblings (and cousins) spend from the same budget: their calls are in the
+        // graph, tagged with the run. And a subagent whose supervisor stopped waiting stops too.
+        if run != session_id && verdict.is_ok() {
+            if let Some(store) = store {
+                run_tokens = run_tokens.max(budget::run_tokens(store, &run_uri).await?);
+                abandoned = subagent && budget::abandoned(store, &session_id).await?;
+            }
+        }
+        let mut out = DialogOutput::new(
+            &self.outputs,
+            id,
+            &request.collection,
+            &uris.session(),
+            started_ms,
+        );
+        out.set_run(&run_uri, run_base);
+        out.set_conversation(&request.conversation_id);
         let slot = match &self.journal {
             // Giving up publishes without the journal, which may be what is down; a step whose
             // outcome is recorded goes out as recorded instead.
@@ -397,6 +451,8 @@ impl Engine {
             knowledge: self.knowledge.as_ref(),
             mcp: &self.mcp,
             tokens_before,
+            run_tokens,
+            abandoned,
             elapsed,
             may_park: matches!(attempt, Attempt::Run { may_park: true }),
         };

@@ -16,7 +16,9 @@ use agent_schema::{
 
 use crate::journal::{self, Channel, Effect, Journal};
 
-pub use agent_schema::{IN_TOKEN_PROPERTY, OUT_TOKEN_PROPERTY, STARTED_PROPERTY};
+pub use agent_schema::{
+    IN_TOKEN_PROPERTY, OUT_TOKEN_PROPERTY, RUN_TOKENS_PROPERTY, STARTED_PROPERTY,
+};
 
 /// The three publishers of the orchestrator.
 #[derive(Clone)]
@@ -33,6 +35,13 @@ pub struct DialogOutput<'a> {
     collection: String,
     root: String,
     started_ms: u64,
+    /// The run's root session URI: every node that records an LLM call's tokens is tagged with
+    /// it, so the run's spend is one query.
+    run: String,
+    /// The run's tokens outside this dialog when it started (a subagent's supervisor and theirs).
+    run_base: u64,
+    /// The request's `conversation_id`: every node this dialog records is tagged with it.
+    conversation: String,
     pending: Mutex<Vec<Receipt>>,
     /// Durable effects waiting for the commit.
     effects: Mutex<Vec<Effect>>,
@@ -86,6 +95,9 @@ impl<'a> DialogOutput<'a> {
             collection: collection.to_owned(),
             root: root.to_owned(),
             started_ms,
+            run: root.to_owned(),
+            run_base: 0,
+            conversation: String::new(),
             pending: Mutex::new(Vec::new()),
             effects: Mutex::new(Vec::new()),
             ended: Mutex::new(None),
@@ -102,6 +114,17 @@ impl<'a> DialogOutput<'a> {
     /// Why the step set itself aside, if it did.
     pub fn parked(&self) -> Option<Park> {
         locked(&self.parked).clone()
+    }
+
+    /// The run this dialog belongs to (its root session URI) and the run's tokens outside it.
+    pub fn set_run(&mut self, run: &str, run_base: u64) {
+        run.clone_into(&mut self.run);
+        self.run_base = run_base;
+    }
+
+    /// The conversation the dialog belongs to (`conversation_id`; empty for none).
+    pub fn set_conversation(&mut self, conversation: &str) {
+        conversation.clone_into(&mut self.conversation);
     }
 
     /// A property every message of this step carries from now on.
@@ -273,7 +296,33 @@ impl<'a> DialogOutput<'a> {
 
     /// Records provenance about `node`: inline to the client as an `explain` response, and on the
     /// explainability topic for the graph store, as TrustGraph does.
-    pub async fn explain(&self, node: &str, triples: Vec<Triple>) -> Result<(), BusError> {
+    pub async fn explain(&self, node: &str, mut triples: Vec<Triple>) -> Result<(), BusError> {
+        let costed: std::collections::BTreeSet<String> = triples
+            .iter()
+            .filter(|t| t.p.iri == IN_TOKEN_IRI)
+            .map(|t| t.s.iri.clone())
+            .collect();
+        let tag = |s: &str, p: &str, o: agent_schema::Term| Triple {
+            s: agent_schema::Term::iri(s),
+            p: agent_schema::Term::iri(p),
+            o,
+            g: Some(GRAPH.to_owned()),
+        };
+        let subjects: std::collections::BTreeSet<String> = triples
+            .iter()
+            .filter(|t| !self.conversation.is_empty() && t.s.kind == "i")
+            .map(|t| t.s.iri.clone())
+            .collect();
+        for subject in subjects {
+            triples.push(tag(
+                &subject,
+                CONVERSATION_IRI,
+                agent_schema::Term::literal(&self.conversation),
+            ));
+        }
+        for subject in costed {
+            triples.push(tag(&subject, RUN_IRI, agent_schema::Term::iri(&self.run)));
+        }
         let message = Triples {
             metadata: Metadata {
                 id: node.to_owned(),
@@ -302,11 +351,16 @@ impl<'a> DialogOutput<'a> {
     }
 
     /// Starts a subagent's dialog under the caller's `id`, so its messages reach the same client.
-    pub async fn spawn(&self, request: &AgentRequest) -> Result<(), BusError> {
+    /// It inherits the run's start and `run_tokens`, the run's spend so far (where there is no
+    /// graph to read them from).
+    pub async fn spawn(&self, request: &AgentRequest, run_tokens: u64) -> Result<(), BusError> {
+        let mut properties = self.properties.clone();
+        properties.insert(STARTED_PROPERTY.to_owned(), self.started_ms.to_string());
+        properties.insert(RUN_TOKENS_PROPERTY.to_owned(), run_tokens.to_string());
         self.hold(
             Channel::Requests,
             agent_schema::encode(request),
-            &self.properties,
+            &properties,
         );
         Ok(())
     }
@@ -339,6 +393,9 @@ impl<'a> DialogOutput<'a> {
         properties.insert(IN_TOKEN_PROPERTY.to_owned(), tokens.0.to_string());
         properties.insert(OUT_TOKEN_PROPERTY.to_owned(), tokens.1.to_string());
         properties.insert(STARTED_PROPERTY.to_owned(), self.started_ms.to_string());
+        if self.run_base > 0 {
+            properties.insert(RUN_TOKENS_PROPERTY.to_owned(), self.run_base.to_string());
+        }
         self.hold(
             Channel::Requests,
             agent_schema::encode(request),
@@ -347,6 +404,13 @@ impl<'a> DialogOutput<'a> {
         Ok(())
     }
 }
+
+/// `tg:inToken`: a node that records what an LLM call cost.
+const IN_TOKEN_IRI: &str = "https://trustgraph.ai/ns/inToken";
+/// `tg:run`: the run (root session) a costed node belongs to.
+const RUN_IRI: &str = "https://trustgraph.ai/ns/run";
+/// `tg:conversation`: the `conversation_id` of the request that created a node.
+const CONVERSATION_IRI: &str = "https://trustgraph.ai/ns/conversation";
 
 /// The value behind `mutex`, even if a task panicked while holding it: every holder only pushes
 /// or takes whole values, so what is there is sound, and treating a poisoned lock as empty would

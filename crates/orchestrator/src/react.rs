@@ -485,17 +485,28 @@ async fn publish_delta(
 /// Ends the dialog when it has used all its iterations or a budget, before any LLM call; `None`
 /// when it may go on. Every pattern checks this first.
 pub async fn conclude_if_limited(turn: &Turn<'_>) -> Option<Result<(), BusError>> {
+    if turn.abandoned {
+        let n = turn.request.history.len() + 1;
+        let why = "the supervisor stopped waiting for this subagent: its fan-out timed out and was answered without it";
+        return Some(fail(turn, n, why).await);
+    }
     let limits = &turn.config.limits;
     if turn.request.history.len() >= limits.max_iterations {
         let max = limits.max_iterations;
         let why = format!(
             "I could not reach a final answer within the limit of {max} iterations (max_iterations)."
         );
-        return Some(conclude_at_limit(turn, Termination::MaxIterations, &why).await);
+        return Some(conclude_at_limit(turn, Termination::MaxIterations, &why, Vec::new()).await);
     }
     let spent = turn.spent_budget()?;
     let why = format!("I stopped before reaching a final answer: {spent}.");
-    Some(conclude_at_limit(turn, Termination::Budget, &why).await)
+    let record = provenance::budget_spent(
+        turn.uris,
+        spent.limit,
+        turn.run_tokens,
+        turn.elapsed.as_millis() as u64,
+    );
+    Some(conclude_at_limit(turn, Termination::Budget, &why, record).await)
 }
 
 /// Ends a dialog that reached a limit (`why`) with a clear answer, what it knew last, and a
@@ -504,6 +515,7 @@ async fn conclude_at_limit(
     turn: &Turn<'_>,
     termination: Termination,
     why: &str,
+    record: Vec<agent_schema::Triple>,
 ) -> Result<(), BusError> {
     let Turn {
         request,
@@ -517,7 +529,7 @@ async fn conclude_at_limit(
         None => why.to_owned(),
     };
     let n = request.history.len() + 1;
-    let triples = provenance::conclusion(
+    let mut triples = provenance::conclusion(
         uris,
         n,
         "",
@@ -526,6 +538,7 @@ async fn conclude_at_limit(
         &[],
         &CallStats::default(),
     );
+    triples.extend(record);
     out.explain(&uris.conclusion(), triples).await?;
     if request.streaming {
         out.chunk(MessageType::Answer, &answer, &uris.conclusion(), false)

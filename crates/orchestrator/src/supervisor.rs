@@ -111,6 +111,11 @@ async fn fan_out(
         arguments: [
             (CORRELATION_KEY.to_owned(), cid.clone()),
             (EXPECTED_KEY.to_owned(), goals.len().to_string()),
+            (
+                supervising::GOALS_KEY.to_owned(),
+                serde_json::to_string(&goals.iter().map(|g| &g.goal).collect::<Vec<_>>())
+                    .unwrap_or_default(),
+            ),
         ]
         .into(),
         observation: listing.join("\n"),
@@ -155,7 +160,8 @@ async fn fan_out(
     // Published after the fan-out node: the commit puts what a request acts on first.
     for (i, goal) in goals.iter().enumerate() {
         let sub = supervising::subagent_request(request, session_id, &cid, i, goal, goals.len());
-        out.spawn(&sub).await?;
+        out.spawn(&sub, turn.run_tokens + stats.in_token + stats.out_token)
+            .await?;
     }
     Ok(())
 }
@@ -207,15 +213,35 @@ async fn synthesise(turn: &Turn<'_>, n: usize) -> Result<(), BusError> {
         .and_then(|e| e.parse::<usize>().ok())
         .unwrap_or_else(|| supervising::pending_synthesis(&request.history).map_or(0, |r| r.len()))
         .min(agent_core::plan::MAX_PLAN_STEPS.max(max));
+    // Only the completions it was given derive the synthesis; a timed-out fan-out's synthesis
+    // is partial and names the subagents it went without.
+    let missing = request
+        .history
+        .last()
+        .map(supervising::missing_subagents)
+        .unwrap_or_default();
+    let session = |i: usize| SessionUris::new(&supervising::subagent_session(&cid, i));
     let completions: Vec<String> = (0..expected)
-        .map(|i| SessionUris::new(&supervising::subagent_session(&cid, i)).completion())
+        .filter(|i| !missing.contains(i))
+        .map(|i| session(i).completion())
+        .collect();
+    let missing: Vec<String> = missing
+        .iter()
+        .filter(|&&i| i < expected)
+        .map(|&i| session(i).session())
         .collect();
     let (answer, termination) = match supervising::parse_synthesis(&completion.text, max, nested)
     {
         supervising::Synthesis::Again(goals) if room => {
             out.explain(
                 &uris.synthesis(&cid),
-                provenance::synthesis(uris, &cid, &completions, &CallStats::default()),
+                provenance::synthesis(
+                    uris,
+                    &cid,
+                    &completions,
+                    &missing,
+                    &CallStats::default(),
+                ),
             )
             .await?;
             let thought = format!(
@@ -233,7 +259,7 @@ async fn synthesise(turn: &Turn<'_>, n: usize) -> Result<(), BusError> {
     };
     out.explain(
         &uris.synthesis(&cid),
-        provenance::synthesis(uris, &cid, &completions, &stats),
+        provenance::synthesis(uris, &cid, &completions, &missing, &stats),
     )
     .await?;
     if request.streaming {

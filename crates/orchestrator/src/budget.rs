@@ -1,0 +1,131 @@
+//! The budget of a run: a root request and every subagent it starts, at every depth, share one
+//! token and wall-time budget. Its start and totals never come from a client: a client's first
+//! message starts the run now and at zero, a subagent takes them from the fan-out the graph holds
+//! for it, and the run's tokens are summed from the graph, where every LLM call is recorded.
+
+use std::time::Duration;
+
+use agent_core::provenance::SessionUris;
+use agent_graph::model::{NamedNode, Term};
+use agent_graph::{queries, GraphError, GraphStore, QueryAnswer};
+use agent_schema::AgentRequest;
+
+/// How long a subagent's first step waits for its fan-out to be written to the graph (it is
+/// published before the subagent, but written by the aggregator in its own time).
+const FANOUT_WAIT: Duration = Duration::from_secs(10);
+
+/// The run a session belongs to: its root request's session. A subagent's session is its
+/// supervisor's with `-f{iteration}-s{index}` added, so the root is what is left with every such
+/// pair taken off. A client that names its session like a subagent's only joins (and shares) the
+/// budget of the run it names.
+///
+/// ```
+/// use agent_orchestrator::budget::run_of;
+/// assert_eq!(run_of("abc"), "abc");
+/// assert_eq!(run_of("abc-f2-s0"), "abc");
+/// assert_eq!(run_of("abc-f2-s0-f4-s11"), "abc");
+/// assert_eq!(run_of("abc-s0"), "abc-s0");
+/// assert_eq!(run_of("abc-fx-s0"), "abc-fx-s0");
+/// ```
+pub fn run_of(session_id: &str) -> &str {
+    let mut run = session_id;
+    while let Some(parent) = strip_pair(run) {
+        run = parent;
+    }
+    run
+}
+
+/// `session` without its last `-f{n}-s{m}`, if it ends with one.
+fn strip_pair(session: &str) -> Option<&str> {
+    let number = |s: &str| !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit());
+    let (rest, index) = session.rsplit_once("-s")?;
+    let (parent, step) = rest.rsplit_once("-f")?;
+    (number(index) && number(step) && !parent.is_empty()).then_some(parent)
+}
+
+/// What the fan-out that started a subagent says about its run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Inherited {
+    /// When the run started (Unix milliseconds).
+    pub started_ms: u64,
+    /// The supervisor's tokens when it fanned out.
+    pub tokens: u64,
+}
+
+/// The fan-out that started the subagent `request` (session `session_id`), waiting a while for it
+/// to be written. `None`: no fan-out of this service started it.
+pub async fn fanout_of(
+    store: &GraphStore,
+    request: &AgentRequest,
+    session_id: &str,
+) -> Result<Option<Inherited>, GraphError> {
+    let fanout = SessionUris::new(&request.parent_session_id).fanout(&request.correlation_id);
+    let session = SessionUris::new(session_id).session();
+    let (Ok(fanout), Ok(session)) = (NamedNode::new(fanout), NamedNode::new(session)) else {
+        return Ok(None);
+    };
+    let query = queries::fanout_of_subagent(&fanout, &session);
+    let deadline = tokio::time::Instant::now() + FANOUT_WAIT;
+    loop {
+        if let QueryAnswer::Rows(rows) = store.query(query.clone()).await? {
+            if !rows.rows.is_empty() {
+                let number = |name: &str| number(rows.first(name));
+                return Ok(Some(Inherited {
+                    started_ms: number("started"),
+                    tokens: number("in") + number("out"),
+                }));
+            }
+        }
+        if tokio::time::Instant::now() >= deadline {
+            return Ok(None);
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// Whether a fan-out above the subagent `session_id` (its own, or any of its supervisor's, up to
+/// the root) has been answered without waiting for it: a timed-out fan-out's subagents stop rather
+/// than go on spending for a synthesis that has been written.
+pub async fn abandoned(store: &GraphStore, session_id: &str) -> Result<bool, GraphError> {
+    let mut fanouts = Vec::new();
+    let mut session = session_id;
+    while let Some(parent) = strip_pair(session) {
+        let Some((correlation_id, _)) = session.rsplit_once("-s") else {
+            break;
+        };
+        let fanout = SessionUris::new(parent).fanout(correlation_id);
+        if let Ok(node) = NamedNode::new(fanout) {
+            fanouts.push(node);
+        }
+        session = parent;
+    }
+    if fanouts.is_empty() {
+        return Ok(false);
+    }
+    Ok(matches!(
+        store.query(queries::any_fanout_answered(&fanouts)).await?,
+        QueryAnswer::Boolean(true)
+    ))
+}
+
+/// The tokens every recorded LLM call of `run` (a session URI) has used.
+pub async fn run_tokens(store: &GraphStore, run: &str) -> Result<u64, GraphError> {
+    let Ok(run) = NamedNode::new(run) else {
+        return Ok(0);
+    };
+    Ok(match store.query(queries::run_tokens(&run)).await? {
+        QueryAnswer::Rows(rows) => number(rows.first("tokens")),
+        _ => 0,
+    })
+}
+
+fn number(term: Option<&Term>) -> u64 {
+    match term {
+        Some(Term::Literal(l)) => l
+            .value()
+            .parse::<f64>()
+            .map(|v| v.max(0.0) as u64)
+            .unwrap_or(0),
+        _ => 0,
+    }
+}
