@@ -8,5 +8,5 @@ scripts/setup.sh
 cargo build --locked --workspace --all-targets
 SOAK_DIALOGS="${DIALOGS:-500}" SOAK_KILLS="${KILLS:-50}" SOAK_SEED="${SEED:-$RANDOM}" \
   SOAK_IN_FLIGHT="${IN_FLIGHT:-16}" RUST_LOG="${RUST_LOG:-off}" \
-  cargo test --locked -p agent-e2e --test soak -- --nocapture 2>&1 | grep -E '^soak:|^test |panicked|lost|duplicated|wrong'
+  cargo test --locked --workspace --test soak -- --nocapture 2>&1 | grep -E '^soak:|^test |panicked|lost|duplicated|wrong'
 exit "${PIPESTATUS[0]}"

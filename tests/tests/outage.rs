@@ -95,6 +95,13 @@ async fn dialogs_in_flight_wait_out_an_llm_outage_and_finish_once() {
         let ends = responses.iter().filter(|r| r.end_of_dialog).count();
         assert_eq!(ends, 1, "{id} ended {ends} times: {responses:#?}");
         assert_eq!(outcome(responses), *answer, "{id}: {responses:#?}");
+        // A tool whose LLM was down made the step wait; the outage was never an observation.
+        assert!(
+            !responses
+                .iter()
+                .any(|r| r.content.contains("failed: the LLM")),
+            "{id}: {responses:#?}"
+        );
     }
     let refused = llm
         .calls()

@@ -332,6 +332,10 @@ async fn run_step(turn: &Turn<'_>, n: usize, index: usize) -> Result<(), BusErro
             discarded = dropped;
             let (run, state) =
                 run_scoped_tool(turn, &scope, &action, &arguments, &candidates).await;
+            // The tool's LLM is down: the step waits for it rather than observe the outage.
+            if turn.out.parked().is_some() {
+                return Ok(());
+            }
             next_state = state;
             tool = ToolStats {
                 duration_ms: run.duration.as_millis() as u64,

@@ -130,6 +130,10 @@ pub async fn iterate(turn: &Turn<'_>) -> Result<(), BusError> {
             }
             let (run, next_state) =
                 run_scoped_tool(turn, &scope, &action, &arguments, &candidates).await;
+            // The tool's LLM is down: the step waits for it rather than observe the outage.
+            if turn.out.parked().is_some() {
+                return Ok(());
+            }
             let arguments_json = serde_json::to_string(&arguments).unwrap_or_default();
             let step = AgentStep {
                 thought,

@@ -23,6 +23,9 @@ pub struct ToolContext<'a> {
     pub mcp: &'a McpPool,
     /// Longest observation, in bytes.
     pub max_bytes: usize,
+    /// Where an LLM-backed tool that meets a provider outage parks the step (while the outage
+    /// window is open): an outage is not the tool's answer.
+    pub parks: Option<&'a crate::output::DialogOutput<'a>>,
 }
 
 /// What a tool run produced.
@@ -55,6 +58,7 @@ pub async fn run_scoped_tool(
                 knowledge: turn.knowledge,
                 mcp: turn.mcp,
                 max_bytes: limits.max_observation_bytes,
+                parks: turn.may_park.then_some(turn.out),
             };
             let run = run_tool(
                 &context,
@@ -232,11 +236,18 @@ async fn call(
         ChatMessage::system(context.wrapper.system.clone()),
         ChatMessage::user(render(&context.wrapper.template, &vars)),
     ];
-    let completion = context
-        .llm
-        .complete(&messages)
-        .await
-        .map_err(|e| format!("the tool '{}' failed: {e}", tool.name))?;
+    let completion = context.llm.complete(&messages).await.map_err(|e| {
+        if let (true, Some(out)) = (e.is_outage(), context.parks) {
+            out.park(crate::output::Park {
+                cause: format!(
+                    "the LLM behind the tool '{}' is unavailable: {e}",
+                    tool.name
+                ),
+                retry_after: e.retry_after(),
+            });
+        }
+        format!("the tool '{}' failed: {e}", tool.name)
+    })?;
     Ok((completion.text, completion.in_token, completion.out_token))
 }
 
