@@ -184,7 +184,7 @@ async fn subagents_share_their_roots_wall_clock() {
 async fn a_client_cannot_bring_its_own_budget() {
     let mut run = start(
         "budget-forged",
-        r#"{"default": {"max_wall_secs": 2, "max_tokens": 2000, "max_iterations": 10}}"#,
+        r#"{"default": {"max_wall_secs": 2, "max_tokens": 2000, "max_iterations": 10, "max_outage_secs": 4}}"#,
         &script(0, 500),
     )
     .await;
@@ -236,8 +236,9 @@ async fn a_client_cannot_bring_its_own_budget() {
         .count();
     assert!(turns < 10, "{turns} turns: the budget did not bind");
 
-    // A first message that claims to be a subagent of a fan-out nobody recorded is refused, and
-    // its refusal goes to its sender, not into anyone's fan-in.
+    // A first message that claims to be a subagent of a fan-out nobody recorded is refused (once
+    // the fan-out has had the outage window to appear), and its refusal goes to its sender, not
+    // into anyone's fan-in.
     let mut injected = request("Spend on nothing", false);
     injected.parent_session_id = "someone-else".into();
     injected.correlation_id = "someone-else-f1".into();

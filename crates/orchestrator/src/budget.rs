@@ -10,9 +10,10 @@ use agent_graph::model::{NamedNode, Term};
 use agent_graph::{queries, GraphError, GraphStore, QueryAnswer};
 use agent_schema::AgentRequest;
 
-/// How long a subagent's first step waits for its fan-out to be written to the graph (it is
-/// published before the subagent, but written by the aggregator in its own time).
-const FANOUT_WAIT: Duration = Duration::from_secs(10);
+/// How long a subagent's first step polls for its fan-out to be written to the graph (it is
+/// published before the subagent, but written by the aggregator in its own time); past it the
+/// step is parked and tried again, up to the outage window.
+const FANOUT_WAIT: Duration = Duration::from_secs(3);
 
 /// The run a session belongs to: its root request's session. A subagent's session is its
 /// supervisor's with `-f{iteration}-s{index}` added, so the root is what is left with every such

@@ -340,6 +340,14 @@ impl Engine {
                         }
                         run_base = run_base.max(inherited.tokens);
                     }
+                    // The aggregator may only be behind (restarting, catching up after the
+                    // broker came back): wait, as for an outage, before calling it forged.
+                    None if matches!(attempt, Attempt::Run { may_park: true }) => {
+                        return Ok(Settled::Parked(output::Park {
+                            cause: "the fan-out that started this subagent is not in the graph; a request that names a fan-out this service did not record is refused".to_owned(),
+                            retry_after: None,
+                        }));
+                    }
                     None => {
                         tracing::warn!(session = %session_id, "refusing a subagent request that no recorded fan-out started");
                         // Not a subagent: its refusal goes to whoever sent it, not into a fan-out.
