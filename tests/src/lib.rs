@@ -59,6 +59,9 @@ pub fn binary(name: &str) -> PathBuf {
     path
 }
 
+/// The seal key every orchestrator and aggregator the harness starts shares (`AGENT_SEAL_KEY`).
+pub const SEAL_KEY: &str = "e2e-seal-key";
+
 /// An `agent-orchestrator` child process; SIGKILLed on drop.
 pub struct Orchestrator {
     child: Child,
@@ -151,6 +154,8 @@ impl Orchestrator {
             .env_remove("AGENT_FAULT")
             // Many orchestrators run at once: each its own free port unless a test names one.
             .env("AGENT_HTTP_ADDR", "127.0.0.1:0")
+            // Sealed as in production; a test may override or clear it.
+            .env("AGENT_SEAL_KEY", SEAL_KEY)
             .envs(env.iter().map(|(k, v)| (k, v)))
             .args(args)
             .env(
@@ -275,6 +280,7 @@ impl Aggregator {
             .arg(graph_store)
             .arg("--http-addr")
             .arg(addr)
+            .env("AGENT_SEAL_KEY", SEAL_KEY)
             .args(extra)
             .env(
                 "RUST_LOG",

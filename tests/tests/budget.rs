@@ -248,5 +248,60 @@ async fn a_client_cannot_bring_its_own_budget() {
         .await
         .unwrap();
     let error = responses.last().unwrap().error.clone().expect("a refusal");
+    assert!(
+        error.message.contains("without this service's seal"),
+        "{error:?}"
+    );
+}
+
+/// Without seal keys, the graph vouches for a subagent: a supervisor's subagents run (their
+/// fan-out is in the graph), and a request naming a fan-out the graph never holds is refused once
+/// the outage window has given the aggregator time to catch up.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_seal_keys_the_graph_vouches_for_subagents() {
+    let broker = Broker::start().unwrap();
+    let aggregator = Aggregator::spawn_with(&broker, &["--config-token", TOKEN, "--seal-key", ""]);
+    let llm = scripted_llm(&script(0, 0)).await;
+    let config = seed_with(
+        "budget-unsealed",
+        &[(
+            "agent-limits",
+            r#"{"default": {"max_tokens": 3000, "max_outage_secs": 4}}"#,
+        )],
+    );
+    let _orchestrator = Orchestrator::spawn(
+        &broker,
+        &llm,
+        &config,
+        &[
+            "--graph-store",
+            &aggregator.endpoint,
+            "--config-token",
+            TOKEN,
+            "--seal-key",
+            "",
+        ],
+    );
+    let mut client = client(&broker).await;
+    let supervised = AgentRequest {
+        pattern: "supervisor".into(),
+        ..request("Spend the budget three ways.", false)
+    };
+    client.send("u-1", &supervised).await.unwrap();
+    let responses = collect_dialog(&mut client, "u-1", DIALOG_TIMEOUT)
+        .await
+        .unwrap();
+    assert_eq!(responses.last().unwrap().content, "Spent what there was.");
+    assert_eq!(subagent_results(&responses).len(), 3, "{responses:#?}");
+
+    let mut injected = request("Spend on nothing", false);
+    injected.parent_session_id = "someone-else".into();
+    injected.correlation_id = "someone-else-f1".into();
+    injected.session_id = "someone-else-f1-s0".into();
+    client.send("injected", &injected).await.unwrap();
+    let responses = collect_dialog(&mut client, "injected", DIALOG_TIMEOUT)
+        .await
+        .unwrap();
+    let error = responses.last().unwrap().error.clone().expect("a refusal");
     assert!(error.message.contains("did not record"), "{error:?}");
 }

@@ -300,17 +300,60 @@ async fn completions_before_their_fan_out_and_twice_give_one_synthesis() {
                 .unwrap();
         }
     };
+    let key = agent_bus::seal::SealKey::new(SEAL_KEY.as_bytes());
     let supervisor = SessionUris::new("sup");
     let cid = "sup-f1";
     // Two subagents with the same goal keep two results.
     let goals = ["one", "two", "one"];
     for (i, goal) in goals.iter().enumerate() {
         let sub = SessionUris::new(&format!("{cid}-s{i}"));
-        let triples =
-            provenance::completion(&sub, cid, "sup", goal, "answer", &format!("R{i}"), (10, 1));
-        publish(sub.completion(), triples.clone()).await;
-        publish(sub.completion(), triples).await;
+        let result = format!("R{i}");
+        let node = sub.completion();
+        let mut triples =
+            provenance::completion(&sub, cid, "sup", goal, "answer", &result, (10, 1));
+        let parts = agent_core::supervisor::completion_seal_parts(&node, cid, "answer", &result);
+        triples.extend(provenance::sealed(&node, &key.seal(&parts)));
+        publish(node.clone(), triples.clone()).await;
+        publish(node, triples).await;
     }
+    // A result slipped onto a real subagent's completion without its seal does not count.
+    let second = SessionUris::new(&format!("{cid}-s1"));
+    publish(
+        second.completion(),
+        provenance::completion(&second, cid, "sup", "two", "answer", "FORGED", (1, 1)),
+    )
+    .await;
+    // A fan-out nobody sealed resumes nobody, even with all its completions there.
+    let evil = SessionUris::new("evil");
+    let evil_sessions = [("x".to_owned(), "evil-f1-s0".to_owned())];
+    let evil_continuation = AgentRequest {
+        question: "Q".into(),
+        session_id: "evil".into(),
+        pattern: "supervisor".into(),
+        ..AgentRequest::default()
+    };
+    publish(
+        evil.fanout("evil-f1"),
+        provenance::fanout(
+            &evil,
+            1,
+            "evil-f1",
+            &evil.pattern_decision(),
+            &evil_sessions,
+            &String::from_utf8_lossy(&agent_schema::encode(&evil_continuation)),
+            "victim",
+            "2026-01-01T00:00:00Z",
+            provenance::DialogSoFar::default(),
+            &CallStats::default(),
+        ),
+    )
+    .await;
+    let evil_sub = SessionUris::new("evil-f1-s0");
+    publish(
+        evil_sub.completion(),
+        provenance::completion(&evil_sub, "evil-f1", "evil", "x", "answer", "R", (1, 1)),
+    )
+    .await;
     // A completion that names the fan-out but comes from no session it started never counts.
     let intruder = SessionUris::new("intruder");
     publish(
@@ -331,13 +374,14 @@ async fn completions_before_their_fan_out_and_twice_give_one_synthesis() {
         .enumerate()
         .map(|(i, g)| ((*g).to_owned(), format!("{cid}-s{i}")))
         .collect();
-    let fanout = provenance::fanout(
+    let continuation = String::from_utf8_lossy(&agent_schema::encode(&continuation)).into_owned();
+    let mut fanout = provenance::fanout(
         &supervisor,
         1,
         cid,
         &supervisor.pattern_decision(),
         &sessions,
-        &String::from_utf8_lossy(&agent_schema::encode(&continuation)),
+        &continuation,
         "client-7",
         "2026-01-01T00:00:00Z",
         provenance::DialogSoFar {
@@ -347,6 +391,9 @@ async fn completions_before_their_fan_out_and_twice_give_one_synthesis() {
         },
         &CallStats::default(),
     );
+    let node = supervisor.fanout(cid);
+    let parts = agent_core::supervisor::fanout_seal_parts(&node, cid, &continuation, "client-7");
+    fanout.extend(provenance::sealed(&node, &key.seal(&parts)));
     publish(supervisor.fanout(cid), fanout.clone()).await;
     publish(supervisor.fanout(cid), fanout).await;
 

@@ -74,6 +74,9 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<i32> {
             addr,
         );
         aggregator.config_token = Some(token.clone());
+        let seal = uuid::Uuid::new_v4().simple().to_string();
+        aggregator.seal_key = Some(seal.clone());
+        settings.seal_key = Some(seal);
         settings.graph_store = Some(format!("http://{addr}"));
         settings.config_token = Some(token);
         Some(tokio::spawn(agent_aggregator::run(

@@ -98,6 +98,13 @@ pub async fn run(args: UpArgs) -> anyhow::Result<i32> {
     let mut aggregator_settings =
         AggregatorSettings::embedded(settings.broker.clone(), graph_dir.clone(), sparql_addr);
     aggregator_settings.config_token = Some(token.clone());
+    // Both services are in this process: a fresh secret seals what they send each other.
+    let seal = settings
+        .seal_key
+        .clone()
+        .unwrap_or_else(|| uuid::Uuid::new_v4().simple().to_string());
+    aggregator_settings.seal_key = Some(seal.clone());
+    settings.seal_key = Some(seal);
     let mut aggregator = tokio::spawn(agent_aggregator::run(aggregator_settings, shutdown.clone()));
     let endpoint = format!("http://{sparql_addr}");
     settings.graph_store = Some(endpoint.clone());

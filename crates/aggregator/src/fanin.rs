@@ -5,9 +5,11 @@
 
 use std::collections::BTreeMap;
 
+use agent_bus::seal::SealKey;
 use agent_bus::{BusError, Properties, Publisher};
 use agent_core::supervisor::{
-    decomposed_goals, last_decompose, result_key, subagent_index, synthesis_request,
+    completion_seal_parts, decomposed_goals, fanout_seal_parts, last_decompose, result_key,
+    subagent_index, synthesis_request,
 };
 use agent_graph::{queries, GraphError, GraphStore, QueryAnswer, Rows};
 use agent_schema::{
@@ -34,6 +36,7 @@ pub enum FanInError {
 pub async fn sweep(
     store: GraphStore,
     requests: Publisher,
+    seal: Option<SealKey>,
     timeout: std::time::Duration,
     every: std::time::Duration,
     shutdown: tokio_util::sync::CancellationToken,
@@ -54,7 +57,15 @@ pub async fn sweep(
         };
         for cid in overdue.column("cid") {
             let cid = text(cid);
-            if let Err(e) = check(&store, &requests, &cid, Some(timeout.as_secs())).await {
+            if let Err(e) = check(
+                &store,
+                &requests,
+                seal.as_ref(),
+                &cid,
+                Some(timeout.as_secs()),
+            )
+            .await
+            {
                 tracing::warn!(correlation_id = %cid, error = %e, "timeout sweep failed; retrying later");
             }
         }
@@ -105,6 +116,7 @@ const CLAIM_LEASE: std::time::Duration = std::time::Duration::from_secs(10);
 pub async fn check(
     store: &GraphStore,
     requests: &Publisher,
+    seal: Option<&SealKey>,
     correlation_id: &str,
     timed_out: Option<u64>,
 ) -> Result<(), FanInError> {
@@ -124,6 +136,18 @@ pub async fn check(
     let mut tokens = (number(column("in")), number(column("out")));
     let started = number(column("started"));
     let recorded = chrono::DateTime::parse_from_rfc3339(&text(column("recorded"))).ok();
+    // With a seal key, only a fan-out an orchestrator sealed may resume a supervisor: anyone can
+    // publish to the explainability topic.
+    if let Some(key) = seal {
+        let parts = fanout_seal_parts(&fanout, correlation_id, &continuation, &client);
+        if !key.verify(&parts, &text(column("seal"))) {
+            tracing::error!(
+                correlation_id,
+                "a fan-out without a valid seal; it drives no synthesis"
+            );
+            return Ok(());
+        }
+    }
     let Ok(continuation) = serde_json::from_str::<AgentRequest>(&continuation) else {
         tracing::error!(
             correlation_id,
@@ -146,11 +170,20 @@ pub async fn check(
         done.column("status"),
         done.column("result"),
     );
-    let (used_in, used_out) = (done.column("in"), done.column("out"));
+    let (used_in, used_out, sealed) = (done.column("in"), done.column("out"), done.column("seal"));
     for i in 0..done.rows.len() {
         let Some(index) = subagent_index(&text(session.get(i).copied().flatten())) else {
             continue;
         };
+        let cell = |col: &[Option<&Term>]| text(col.get(i).copied().flatten());
+        if let Some(key) = seal {
+            let (node, status, result) = (cell(&c), cell(&status), cell(&result));
+            let parts = completion_seal_parts(&node, correlation_id, &status, &result);
+            if !key.verify(&parts, &cell(&sealed)) {
+                tracing::warn!(correlation_id, completion = %node, "a completion without a valid seal does not count");
+                continue;
+            }
+        }
         arrived.insert(index);
         // A completion counts once, its tokens too, however often it was delivered.
         if seen.insert(text(c.get(i).copied().flatten())) {

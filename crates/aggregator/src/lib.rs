@@ -41,6 +41,10 @@ pub struct AggregatorSettings {
     /// Where synthesis requests go: the orchestrators' request topic.
     #[arg(long, env = "AGENT_REQUEST_TOPIC")]
     pub request_topic: Option<String>,
+    /// Secret shared with the orchestrators: fan-outs and completions without a valid seal do
+    /// not drive fan-in (see `agent_bus::seal`).
+    #[arg(long, env = "AGENT_SEAL_KEY", hide_env_values = true)]
+    pub seal_key: Option<String>,
     /// Seconds a fan-out waits for all its subagents before a partial synthesis.
     #[arg(long, env = "FANOUT_TIMEOUT_SECS", default_value_t = 300)]
     pub fanout_timeout_secs: u64,
@@ -59,6 +63,7 @@ impl AggregatorSettings {
             explain_topic: None,
             request_topic: None,
             fanout_timeout_secs: 300,
+            seal_key: None,
         }
     }
 }
@@ -111,14 +116,17 @@ pub async fn run(settings: AggregatorSettings, shutdown: CancellationToken) -> a
     let requests = agent_bus::Publisher::new(&bus, &request_topic).await?;
     // Within a year, so the sweep's date arithmetic cannot overflow.
     let timeout = Duration::from_secs(settings.fanout_timeout_secs.clamp(1, 365 * 24 * 3600));
+    let seal =
+        agent_bus::seal::SealKey::configured(settings.seal_key.as_deref(), "agent-aggregator");
     let sweeper = tokio::spawn(fanin::sweep(
         store.clone(),
         requests.clone(),
+        seal.clone(),
         timeout,
         (timeout / 4).clamp(Duration::from_millis(500), Duration::from_secs(30)),
         shutdown.clone(),
     ));
-    let writer = Arc::new(writer::Writer::new(store, Some(requests)));
+    let writer = Arc::new(writer::Writer::new(store, Some(requests), seal));
     let consumed = run_consumer(
         &bus,
         subscription,

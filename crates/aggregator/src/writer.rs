@@ -11,11 +11,21 @@ pub struct Writer {
     store: GraphStore,
     /// Where synthesis requests go (the agent request topic); `None` writes only.
     requests: Option<Publisher>,
+    /// Only fan-outs and completions sealed with it drive fan-in, when there is one.
+    seal: Option<agent_bus::seal::SealKey>,
 }
 
 impl Writer {
-    pub fn new(store: GraphStore, requests: Option<Publisher>) -> Writer {
-        Writer { store, requests }
+    pub fn new(
+        store: GraphStore,
+        requests: Option<Publisher>,
+        seal: Option<agent_bus::seal::SealKey>,
+    ) -> Writer {
+        Writer {
+            store,
+            requests,
+            seal,
+        }
     }
 
     pub async fn handle(&self, delivery: Delivery<Triples>) -> Disposition {
@@ -68,7 +78,7 @@ impl Writer {
         else {
             return Disposition::Ack;
         };
-        match crate::fanin::check(&self.store, requests, &cid, None).await {
+        match crate::fanin::check(&self.store, requests, self.seal.as_ref(), &cid, None).await {
             Ok(()) => Disposition::Ack,
             Err(e) => Disposition::Nack(format!("fan-in of {cid}: {e}")),
         }

@@ -9,6 +9,7 @@ mod consumer;
 pub mod embedded;
 mod error;
 mod publisher;
+pub mod seal;
 mod service;
 mod topics;
 pub mod trace;

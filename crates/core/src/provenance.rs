@@ -511,6 +511,14 @@ impl Termination {
 }
 
 /// The conclusion: the final thought (as iteration `n`'s thought), the answer and why the dialog ended.
+/// A seal on `node` (see `agent_bus::seal`): the aggregator lets only sealed fan-outs and
+/// completions drive fan-in.
+pub fn sealed(node: &str, seal: &str) -> Vec<Triple> {
+    let mut b = NodeBuilder::default();
+    b.tg(node, "seal", Term::literal(seal));
+    b.build()
+}
+
 /// Which budget ended a run (`limit`: `max_tokens` or `max_wall_secs`) and the run's totals at
 /// that moment, on the conclusion node of the dialog that stopped for it.
 pub fn budget_spent(

@@ -282,6 +282,27 @@ pub fn synthesis_request(
     next
 }
 
+/// What a fan-out's seal covers (see `agent_bus::seal`): the node, its correlation id, the
+/// request that resumes the supervisor, and the client its answer goes to.
+pub fn fanout_seal_parts<'a>(
+    node: &'a str,
+    correlation_id: &'a str,
+    continuation: &'a str,
+    client_id: &'a str,
+) -> [&'a str; 4] {
+    [node, correlation_id, continuation, client_id]
+}
+
+/// What a completion's seal covers: the node, the fan-out it answers, how it ended and its result.
+pub fn completion_seal_parts<'a>(
+    node: &'a str,
+    correlation_id: &'a str,
+    status: &'a str,
+    result: &'a str,
+) -> [&'a str; 4] {
+    [node, correlation_id, status, result]
+}
+
 /// `arguments` key of a synthesis step: the subagents (by index) whose results never came.
 pub const MISSING_KEY: &str = "missing";
 /// `arguments` key of a decompose step: its goals by subagent index, as a JSON list.

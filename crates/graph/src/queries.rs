@@ -71,9 +71,10 @@ pub fn open_fanout(correlation_id: &str) -> String {
     let g = graph();
     let cid = oxigraph::model::Literal::new_simple_literal(correlation_id);
     format!(
-        "{PREFIXES}SELECT ?f ?expected ?continuation ?client ?in ?out ?started ?recorded WHERE {{ GRAPH {g} {{
+        "{PREFIXES}SELECT ?f ?expected ?continuation ?client ?in ?out ?started ?recorded ?seal WHERE {{ GRAPH {g} {{
   ?f a tg:FanOut ; tg:correlationId {cid} ; tg:expectedSiblings ?expected ;
      tg:continuation ?continuation ; tg:clientId ?client .
+  OPTIONAL {{ ?f tg:seal ?seal }}
   OPTIONAL {{ ?f tg:dialogInToken ?in ; tg:dialogOutToken ?out ; tg:dialogStartedMs ?started }}
   OPTIONAL {{ ?f prov:startedAtTime ?recorded }}
   FILTER NOT EXISTS {{ ?f tg:synthesisRequested ?done }} }} }}"
@@ -109,11 +110,12 @@ pub fn completions(correlation_id: &str) -> String {
     let g = graph();
     let cid = oxigraph::model::Literal::new_simple_literal(correlation_id);
     format!(
-        "{PREFIXES}SELECT DISTINCT ?c ?s ?goal ?status ?result ?in ?out WHERE {{ GRAPH {g} {{
+        "{PREFIXES}SELECT DISTINCT ?c ?s ?goal ?status ?result ?in ?out ?seal WHERE {{ GRAPH {g} {{
   ?f a tg:FanOut ; tg:correlationId {cid} ; tg:subagentSession ?s .
   ?c a tg:SubagentCompletion ; tg:correlationId {cid} ; tg:goal ?goal ;
      tg:completionStatus ?status ; tg:document ?d . ?d tg:content ?result .
   FILTER (STR(?c) = CONCAT(STR(?s), \"/completion\"))
+  OPTIONAL {{ ?c tg:seal ?seal }}
   OPTIONAL {{ ?c tg:dialogInToken ?in ; tg:dialogOutToken ?out }} }} }}"
     )
 }

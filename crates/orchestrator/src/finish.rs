@@ -4,7 +4,7 @@
 
 use agent_bus::BusError;
 use agent_core::provenance;
-use agent_core::supervisor::is_subagent;
+use agent_core::supervisor::{completion_seal_parts, is_subagent};
 use agent_schema::{AgentResponse, MessageType};
 
 use crate::Turn;
@@ -58,18 +58,19 @@ async fn complete(
             true,
         )
         .await?;
-    turn.out
-        .explain(
-            &turn.uris.completion(),
-            provenance::completion(
-                turn.uris,
-                &request.correlation_id,
-                &request.parent_session_id,
-                &request.subagent_goal,
-                status,
-                result,
-                tokens,
-            ),
-        )
-        .await
+    let node = turn.uris.completion();
+    let mut recorded = provenance::completion(
+        turn.uris,
+        &request.correlation_id,
+        &request.parent_session_id,
+        &request.subagent_goal,
+        status,
+        result,
+        tokens,
+    );
+    if let Some(key) = turn.seal {
+        let parts = completion_seal_parts(&node, &request.correlation_id, status, result);
+        recorded.extend(provenance::sealed(&node, &key.seal(&parts)));
+    }
+    turn.out.explain(&node, recorded).await
 }

@@ -60,6 +60,8 @@ pub struct Turn<'a> {
     pub run_tokens: u64,
     /// A subagent whose fan-out (or one above it) was answered without it: it stops.
     pub abandoned: bool,
+    /// The key that seals subagent requests, fan-outs and completions, when one is configured.
+    pub seal: Option<&'a agent_bus::seal::SealKey>,
     /// Time since the run's first message was taken up.
     pub elapsed: std::time::Duration,
     /// Whether an outage may still park this step (its window is open).
@@ -182,6 +184,8 @@ pub struct Engine {
     /// Cancelled when the process is to stop: a parked step then leaves its message for another
     /// replica instead of waiting on.
     pub shutdown: CancellationToken,
+    /// Seals what only this service may send (subagent requests, fan-outs, completions).
+    pub seal: Option<agent_bus::seal::SealKey>,
 }
 
 /// How a delivery is taken up.
@@ -332,7 +336,25 @@ impl Engine {
             Attempt::GiveUp(_) => None,
         };
         if new_dialog && subagent && verdict.is_ok() {
-            if let Some(store) = store {
+            if let Some(key) = &self.seal {
+                // Sealed by the supervisor that spawned it: its start and budget are ours.
+                let parts = output::subagent_seal_parts(
+                    &request,
+                    token(STARTED_PROPERTY),
+                    token(RUN_TOKENS_PROPERTY),
+                );
+                let sealed = properties
+                    .get(agent_bus::seal::SEAL_PROPERTY)
+                    .is_some_and(|seal| key.verify(&parts.each_ref().map(String::as_str), seal));
+                if !sealed {
+                    tracing::warn!(session = %session_id, "refusing an unsealed subagent request");
+                    request.parent_session_id.clear();
+                    request.correlation_id.clear();
+                    verdict = Err("the request names a fan-out (parent_session_id and correlation_id) without this service's seal; only the orchestrator starts subagents".to_owned());
+                    started_ms = now_ms;
+                    run_base = 0;
+                }
+            } else if let Some(store) = store {
                 match budget::fanout_of(store, &request, &session_id).await? {
                     Some(inherited) => {
                         if inherited.started_ms > 0 {
@@ -461,6 +483,7 @@ impl Engine {
             tokens_before,
             run_tokens,
             abandoned,
+            seal: self.seal.as_ref(),
             elapsed,
             may_park: matches!(attempt, Attempt::Run { may_park: true }),
         };
@@ -684,6 +707,10 @@ pub async fn run(settings: Settings, shutdown: CancellationToken) -> anyhow::Res
         knowledge,
         mcp: agent_mcp::McpPool::new(),
         shutdown: shutdown.clone(),
+        seal: agent_bus::seal::SealKey::configured(
+            settings.seal_key.as_deref(),
+            "agent-orchestrator",
+        ),
     });
     let subscription = SubscriptionConfig {
         topic: topics.request.clone(),

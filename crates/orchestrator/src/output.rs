@@ -353,10 +353,22 @@ impl<'a> DialogOutput<'a> {
     /// Starts a subagent's dialog under the caller's `id`, so its messages reach the same client.
     /// It inherits the run's start and `run_tokens`, the run's spend so far (where there is no
     /// graph to read them from).
-    pub async fn spawn(&self, request: &AgentRequest, run_tokens: u64) -> Result<(), BusError> {
+    pub async fn spawn(
+        &self,
+        request: &AgentRequest,
+        run_tokens: u64,
+        seal: Option<&agent_bus::seal::SealKey>,
+    ) -> Result<(), BusError> {
         let mut properties = self.properties.clone();
         properties.insert(STARTED_PROPERTY.to_owned(), self.started_ms.to_string());
         properties.insert(RUN_TOKENS_PROPERTY.to_owned(), run_tokens.to_string());
+        if let Some(key) = seal {
+            let parts = subagent_seal_parts(request, self.started_ms, run_tokens);
+            properties.insert(
+                agent_bus::seal::SEAL_PROPERTY.to_owned(),
+                key.seal(&parts.each_ref().map(String::as_str)),
+            );
+        }
         self.hold(
             Channel::Requests,
             agent_schema::encode(request),
@@ -403,6 +415,22 @@ impl<'a> DialogOutput<'a> {
         );
         Ok(())
     }
+}
+
+/// What a subagent request's seal covers: who it is, whose fan-out it belongs to, and the run's
+/// start and spend it inherits.
+pub fn subagent_seal_parts(
+    request: &AgentRequest,
+    started_ms: u64,
+    run_tokens: u64,
+) -> [String; 5] {
+    [
+        request.session_id.clone(),
+        request.parent_session_id.clone(),
+        request.correlation_id.clone(),
+        started_ms.to_string(),
+        run_tokens.to_string(),
+    ]
 }
 
 /// `tg:inToken`: a node that records what an LLM call cost.

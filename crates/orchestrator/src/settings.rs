@@ -62,6 +62,10 @@ pub struct Settings {
     /// Bearer token for the graph store's writes.
     #[arg(long, env = "CONFIG_TOKEN", hide_env_values = true)]
     pub config_token: Option<String>,
+    /// Secret shared with the aggregators that seals subagent requests, fan-outs and completions
+    /// (see `agent_bus::seal`); without it they can be forged by anyone who can publish.
+    #[arg(long, env = "AGENT_SEAL_KEY", hide_env_values = true)]
+    pub seal_key: Option<String>,
     /// Where `/healthz`, `/readyz` and `/metrics` listen.
     #[arg(long, env = "AGENT_HTTP_ADDR", default_value = "0.0.0.0:8080")]
     pub http_addr: std::net::SocketAddr,

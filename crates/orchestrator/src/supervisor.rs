@@ -137,31 +137,39 @@ async fn fan_out(
     )
     .await?;
     // The fan-out is recorded (with what resumes the supervisor) before any subagent exists.
-    out.explain(
-        &uris.fanout(&cid),
-        provenance::fanout(
-            uris,
-            n,
+    let continuation = String::from_utf8_lossy(&agent_schema::encode(&continuation)).into_owned();
+    let mut recorded = provenance::fanout(
+        uris,
+        n,
+        &cid,
+        after,
+        &sessions,
+        &continuation,
+        out.client_id(),
+        &chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Micros, true),
+        provenance::DialogSoFar {
+            in_token: turn.tokens_before.0 + stats.in_token,
+            out_token: turn.tokens_before.1 + stats.out_token,
+            started_ms: out.started_ms(),
+        },
+        stats,
+    );
+    if let Some(key) = turn.seal {
+        let node = uris.fanout(&cid);
+        let seal = key.seal(&supervising::fanout_seal_parts(
+            &node,
             &cid,
-            after,
-            &sessions,
-            &String::from_utf8_lossy(&agent_schema::encode(&continuation)),
+            &continuation,
             out.client_id(),
-            &chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Micros, true),
-            provenance::DialogSoFar {
-                in_token: turn.tokens_before.0 + stats.in_token,
-                out_token: turn.tokens_before.1 + stats.out_token,
-                started_ms: out.started_ms(),
-            },
-            stats,
-        ),
-    )
-    .await?;
+        ));
+        recorded.extend(provenance::sealed(&node, &seal));
+    }
+    out.explain(&uris.fanout(&cid), recorded).await?;
     // Published after the fan-out node: the commit puts what a request acts on first.
+    let run_tokens = turn.run_tokens + stats.in_token + stats.out_token;
     for (i, goal) in goals.iter().enumerate() {
         let sub = supervising::subagent_request(request, session_id, &cid, i, goal, goals.len());
-        out.spawn(&sub, turn.run_tokens + stats.in_token + stats.out_token)
-            .await?;
+        out.spawn(&sub, run_tokens, turn.seal).await?;
     }
     Ok(())
 }
