@@ -45,4 +45,6 @@ fi
 scripts/small-model.sh path >/dev/null
 
 scripts/pulsar-lite.sh path >/dev/null
+# Apache Pulsar's standalone broker (Maven Central, ~240 MB once) for the tier of tests run on it.
+scripts/apache-pulsar.sh path >/dev/null
 scripts/patch-pulsar.sh

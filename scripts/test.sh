@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The whole test suite: formatting, lints, unit, contract and end-to-end tests (the latter against a
-# real pulsar-lite broker started by the test harness). `.ci/run` calls exactly this.
+# real pulsar-lite broker started by the test harness, and a tier of them again on Apache Pulsar).
+# `.ci/run` calls exactly this.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
@@ -23,6 +24,21 @@ RUST_LOG=off cargo test --locked -p agent-e2e --test soak -- --nocapture 2>&1 \
   | tee -a "${TMPDIR:-/tmp}/pulsar-agents-test.log" | grep -E '^soak: ([^0-9]|[0-9]+ dialogs)|^test |panicked|^test result'
 soak_status=${PIPESTATUS[0]}
 [ "$soak_status" -eq 0 ] || status=$soak_status
+# The Apache Pulsar tier: the same end-to-end tests on Apache Pulsar's own standalone broker
+# (scripts/apache-pulsar.sh), each test with a fresh JVM broker: ReACT streaming, SIGKILLs and a
+# broker restart, effectively-once, the supervisor with two replicas, hostile input, then the
+# chaos soak's short mode with its broker restart. (tests/tests/pulsar_auth.rs, JWT
+# authentication and authorization, runs on Apache Pulsar in the main run above.)
+echo "== Apache Pulsar tier"
+AGENT_E2E_BROKER=apache cargo test --locked --workspace --no-fail-fast \
+  --test react --test failures --test once --test supervisor --test hostile -- --test-threads 2 2>&1 \
+  | tee -a "${TMPDIR:-/tmp}/pulsar-agents-test.log" | grep -E '^test result|FAILED|panicked'
+apache_status=${PIPESTATUS[0]}
+[ "$apache_status" -eq 0 ] || status=$apache_status
+AGENT_E2E_BROKER=apache RUST_LOG=off cargo test --locked --workspace --test soak -- --nocapture 2>&1 \
+  | tee -a "${TMPDIR:-/tmp}/pulsar-agents-test.log" | grep -E '^soak: ([^0-9]|[0-9]+ dialogs)|^test |panicked|^test result'
+apache_soak_status=${PIPESTATUS[0]}
+[ "$apache_soak_status" -eq 0 ] || status=$apache_soak_status
 passed=$(grep -Eo '[0-9]+ passed' "${TMPDIR:-/tmp}/pulsar-agents-test.log" | awk '{s+=$1} END {print s+0}')
 failed=$(grep -Eo '[0-9]+ failed' "${TMPDIR:-/tmp}/pulsar-agents-test.log" | awk '{s+=$1} END {print s+0}')
 echo "$passed passed, $failed failed"

@@ -2,6 +2,8 @@
 //! scripted LLM, and the real `agent-orchestrator` binary as a child process that tests can SIGKILL.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
+pub mod apache;
+
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
@@ -17,32 +19,56 @@ pub fn repo_root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
 }
 
-/// The broker of one test: a pulsar-lite on a free loopback port with a temporary data folder.
-pub struct Broker(EmbeddedBroker);
+/// The broker of one test, on a free loopback port with a temporary data folder: pulsar-lite, or
+/// Apache Pulsar's standalone when `AGENT_E2E_BROKER=apache` (the tier `scripts/test.sh` runs on
+/// it).
+pub enum Broker {
+    Lite(EmbeddedBroker),
+    Apache(apache::ApacheBroker),
+}
+
+/// Whether this test run is the Apache Pulsar tier.
+pub fn on_apache_pulsar() -> bool {
+    std::env::var("AGENT_E2E_BROKER").is_ok_and(|b| b == "apache")
+}
 
 impl Broker {
     pub fn start() -> anyhow::Result<Broker> {
-        Ok(Broker(EmbeddedBroker::start(0, None)?))
+        Self::start_on(0)
     }
 
     /// A broker on `port`, for a test that starts a service before its broker.
     pub fn start_on(port: u16) -> anyhow::Result<Broker> {
-        Ok(Broker(EmbeddedBroker::start(port, None)?))
+        Ok(if on_apache_pulsar() {
+            Broker::Apache(apache::ApacheBroker::start(port, None)?)
+        } else {
+            Broker::Lite(EmbeddedBroker::start(port, None)?)
+        })
     }
 
     pub fn url(&self) -> String {
-        self.0.url()
+        match self {
+            Broker::Lite(b) => b.url(),
+            Broker::Apache(b) => b.url(),
+        }
     }
 
     /// SIGKILL and start again on the same data.
     pub fn restart(&mut self) -> anyhow::Result<()> {
-        Ok(self.0.restart()?)
+        match self {
+            Broker::Lite(b) => Ok(b.restart()?),
+            Broker::Apache(b) => b.restart(),
+        }
     }
 
     /// Evidence of pulsar-lite's ghost-consumer bug: connections it dropped on a reset without
-    /// removing their consumers (see [`EmbeddedBroker::reset_connections`]).
+    /// removing their consumers (see [`EmbeddedBroker::reset_connections`]). Apache Pulsar removes
+    /// a consumer when its connection dies: never any.
     pub fn reset_connections(&self) -> Vec<String> {
-        self.0.reset_connections()
+        match self {
+            Broker::Lite(b) => b.reset_connections(),
+            Broker::Apache(_) => Vec::new(),
+        }
     }
 }
 

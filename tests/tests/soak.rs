@@ -176,7 +176,8 @@ struct Cluster {
     aggregators: Vec<Aggregator>,
     ghost_restarts: usize,
     /// When the broker was SIGKILLed, in seconds of the UTC day.
-    broker_kills: Vec<f64>,
+    /// When the broker was SIGKILLed and when it was serving again (seconds of the day).
+    broker_kills: Vec<(f64, f64)>,
 }
 
 /// How long without a dialog ending counts as stuck.
@@ -185,9 +186,10 @@ const STALL: Duration = Duration::from_secs(20);
 impl Cluster {
     /// SIGKILLs the broker and starts it again on the same data.
     fn restart_broker(&mut self) {
-        self.broker_kills
-            .push(seconds_of_day(std::time::SystemTime::now()));
+        let killed = seconds_of_day(std::time::SystemTime::now());
         self.broker.restart().unwrap();
+        self.broker_kills
+            .push((killed, seconds_of_day(std::time::SystemTime::now())));
     }
 
     /// Waits until `target` dialogs have ended; false if they stopped ending.
@@ -553,9 +555,12 @@ async fn chaos_soak() {
         }
     }
     // The same around the broker's SIGKILL for streamed text: a streamed dialog whose closing
-    // arrived without any of its answer chunks, the closing journaled within 3 s of a broker
-    // SIGKILL. The chunks' receipts were awaited before the closing was journaled, so the broker
-    // had confirmed them. Reported apart, with the evidence; anywhere else it fails the soak.
+    // arrived without any of its answer chunks, the closing journaled from 3 s before a broker
+    // SIGKILL until 5 s after the broker served again. The chunks' receipts were awaited before
+    // the closing was journaled, so the broker had confirmed them. On Apache Pulsar this is the
+    // contract of the non-persistent response topic (TrustGraph's): what is published while the
+    // reader has not subscribed again after the restart (~5 s) is dropped. Reported apart, with
+    // the evidence; anywhere else it fails the soak.
     let mut chunks_lost_at_broker_kill = Vec::new();
     for (id, description) in wrong.clone() {
         let empty_streamed = description.starts_with(&format!("{id}: \"\" "))
@@ -569,13 +574,13 @@ async fn chaos_soak() {
         let Some(at) = closing_recorded_at(&store, &session_uri(&id)).await else {
             continue;
         };
-        if let Some(kill) = cluster
+        if let Some((kill, back)) = cluster
             .broker_kills
             .iter()
-            .find(|kill| (at - **kill).abs() < 3.0)
+            .find(|(kill, back)| at > kill - 3.0 && at < back + 5.0)
         {
             eprintln!(
-                "soak: {id}'s closing was journaled at {at:.3} s of the day, {:.3} s from the broker SIGKILL at {kill:.3}; its streamed chunks never reached the reader",
+                "soak: {id}'s closing was journaled at {at:.3} s of the day, {:.3} s from the broker SIGKILL at {kill:.3} (serving again at {back:.3}); its streamed chunks never reached the reader",
                 at - kill
             );
             chunks_lost_at_broker_kill.push(id.clone());

@@ -1,0 +1,381 @@
+//! Apache Pulsar's standalone broker for the end-to-end tier that runs on it: the JVM started from
+//! the jars `scripts/apache-pulsar.sh` fetched, on free loopback ports, with its own data folder,
+//! without the functions worker or stream storage, optionally with JWT authentication and
+//! authorization. Started and killed by the test that owns it.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use std::io::{Read, Write};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+
+/// The role every service of a test with authentication uses (a super-user).
+pub const ADMIN_ROLE: &str = "admin";
+
+/// JWT authentication and authorization: the broker's secret key and tokens signed with it.
+#[derive(Debug, Clone)]
+pub struct TokenAuth {
+    secret: Vec<u8>,
+}
+
+impl TokenAuth {
+    pub fn new() -> TokenAuth {
+        TokenAuth {
+            secret: uuid::Uuid::new_v4()
+                .as_bytes()
+                .iter()
+                .chain(uuid::Uuid::new_v4().as_bytes())
+                .copied()
+                .collect(),
+        }
+    }
+
+    /// A token for `role`: an HS256 JWT whose `sub` claim is the role, as Pulsar's token
+    /// provider reads it.
+    pub fn token(&self, role: &str) -> String {
+        let header = base64url(br#"{"alg":"HS256"}"#);
+        let claims = base64url(serde_json::json!({ "sub": role }).to_string().as_bytes());
+        let key = ring::hmac::Key::new(ring::hmac::HMAC_SHA256, &self.secret);
+        let signature = ring::hmac::sign(&key, format!("{header}.{claims}").as_bytes());
+        format!("{header}.{claims}.{}", base64url(signature.as_ref()))
+    }
+}
+
+impl Default for TokenAuth {
+    fn default() -> Self {
+        TokenAuth::new()
+    }
+}
+
+fn base64url(bytes: &[u8]) -> String {
+    const ALPHABET: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_";
+    let mut out = String::new();
+    for chunk in bytes.chunks(3) {
+        let n = chunk
+            .iter()
+            .enumerate()
+            .fold(0u32, |n, (i, b)| n | u32::from(*b) << (16 - 8 * i));
+        for i in 0..=chunk.len() {
+            out.push(ALPHABET[(n >> (18 - 6 * i) & 63) as usize] as char);
+        }
+    }
+    out
+}
+
+/// The folder of Apache Pulsar's jars, fetched once per test process.
+fn jars() -> anyhow::Result<&'static Path> {
+    static JARS: OnceLock<Result<PathBuf, String>> = OnceLock::new();
+    let jars = JARS.get_or_init(|| {
+        let out = Command::new(crate::repo_root().join("scripts/apache-pulsar.sh"))
+            .arg("path")
+            .stderr(Stdio::inherit())
+            .output()
+            .map_err(|e| e.to_string())?;
+        if !out.status.success() {
+            return Err("scripts/apache-pulsar.sh path failed".to_owned());
+        }
+        Ok(PathBuf::from(
+            String::from_utf8_lossy(&out.stdout).trim().to_owned(),
+        ))
+    });
+    jars.as_deref().map_err(|e| anyhow::anyhow!("{e}"))
+}
+
+/// A running Apache Pulsar standalone.
+pub struct ApacheBroker {
+    broker_port: u16,
+    web_port: u16,
+    data: PathBuf,
+    auth: Option<TokenAuth>,
+    child: Option<Child>,
+}
+
+impl ApacheBroker {
+    /// A broker on `broker_port` (0: a free one), ready for clients when this returns.
+    pub fn start(broker_port: u16, auth: Option<TokenAuth>) -> anyhow::Result<ApacheBroker> {
+        let broker_port = match broker_port {
+            0 => agent_bus::embedded::free_port()?,
+            port => port,
+        };
+        let web_port = agent_bus::embedded::free_port()?;
+        let data = std::env::temp_dir().join(format!(
+            "apache-pulsar-{}-{broker_port}",
+            std::process::id()
+        ));
+        let _ = std::fs::remove_dir_all(&data);
+        std::fs::create_dir_all(&data)?;
+        let mut broker = ApacheBroker {
+            broker_port,
+            web_port,
+            data,
+            auth,
+            child: None,
+        };
+        broker.launch(true)?;
+        Ok(broker)
+    }
+
+    pub fn url(&self) -> String {
+        format!("pulsar://127.0.0.1:{}", self.broker_port)
+    }
+
+    /// The token the services use, when authentication is on.
+    pub fn admin_token(&self) -> Option<String> {
+        self.auth.as_ref().map(|a| a.token(ADMIN_ROLE))
+    }
+
+    /// SIGKILL and start again on the same data and ports.
+    pub fn restart(&mut self) -> anyhow::Result<()> {
+        self.kill();
+        self.launch(false)
+    }
+
+    fn kill(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    fn write_config(&self) -> anyhow::Result<PathBuf> {
+        let mut conf = format!(
+            "clusterName=standalone
+bindAddress=127.0.0.1
+advertisedAddress=127.0.0.1
+brokerServicePort={}
+webServicePort={}
+metadataStoreUrl=
+managedLedgerDefaultEnsembleSize=1
+managedLedgerDefaultWriteQuorum=1
+managedLedgerDefaultAckQuorum=1
+loadManagerClassName=org.apache.pulsar.broker.loadbalance.NoopLoadManager
+loadBalancerEnabled=false
+allowLoopback=true
+journalSyncData=false
+journalMaxGroupWaitMSec=1
+ledgerStorageClass=org.apache.bookkeeper.bookie.storage.ldb.DbLedgerStorage
+dbStorage_writeCacheMaxSizeMb=16
+dbStorage_readAheadCacheMaxSizeMb=16
+dbStorage_rocksDB_blockCacheSize=16777216
+diskUsageThreshold=0.99
+diskUsageWarnThreshold=0.99
+bookkeeperUseV2WireProtocol=true
+managedLedgerCacheSizeMB=32
+numIOThreads=2
+numHttpServerThreads=4
+numOrderedExecutorThreads=2
+numExecutorThreadPoolSize=2
+numCacheExecutorThreadPoolSize=2
+bookkeeperClientNumWorkerThreads=2
+defaultNumberOfNamespaceBundles=1
+webSocketServiceEnabled=false
+functionsWorkerEnabled=false
+transactionCoordinatorEnabled=false
+allowAutoTopicCreation=true
+allowAutoTopicCreationType=non-partitioned
+brokerDeleteInactiveTopicsEnabled=false
+statusFilePath=
+",
+            self.broker_port, self.web_port
+        );
+        if let Some(auth) = &self.auth {
+            let key = self.data.join("secret.key");
+            std::fs::write(&key, &auth.secret)?;
+            let admin = self.data.join("admin.token");
+            std::fs::write(&admin, auth.token(ADMIN_ROLE))?;
+            conf.push_str(&format!(
+                "authenticationEnabled=true
+authenticationProviders=org.apache.pulsar.broker.authentication.AuthenticationProviderToken
+tokenSecretKey=file://{}
+authorizationEnabled=true
+superUserRoles={ADMIN_ROLE}
+brokerClientAuthenticationPlugin=org.apache.pulsar.client.impl.auth.AuthenticationToken
+brokerClientAuthenticationParameters=file://{}
+",
+                key.display(),
+                admin.display()
+            ));
+        }
+        let path = self.data.join("standalone.conf");
+        std::fs::write(&path, conf)?;
+        let log4j = self.data.join("log4j2.xml");
+        std::fs::write(
+            &log4j,
+            r#"<Configuration status="warn"><Appenders><Console name="c" target="SYSTEM_OUT"><PatternLayout pattern="%d{HH:mm:ss.SSS} %-5level [%t] %c{1} - %msg%n"/></Console></Appenders><Loggers><Root level="warn"><AppenderRef ref="c"/></Root></Loggers></Configuration>"#,
+        )?;
+        Ok(path)
+    }
+
+    fn launch(&mut self, wipe: bool) -> anyhow::Result<()> {
+        let conf = self.write_config()?;
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(self.data.join("broker.log"))?;
+        let mut command = Command::new("java");
+        command
+            .args([
+                "-Xms256m",
+                "-Xmx512m",
+                "-XX:MaxDirectMemorySize=256m",
+                "-XX:+UseG1GC",
+            ])
+            // Faster start; the tests are short.
+            .args(["-XX:TieredStopAtLevel=1", "-Xshare:auto"])
+            .args([
+                "--add-opens",
+                "java.base/java.io=ALL-UNNAMED",
+                "--add-opens",
+                "java.base/java.nio=ALL-UNNAMED",
+                "--add-opens",
+                "java.base/jdk.internal.misc=ALL-UNNAMED",
+                "--add-opens",
+                "java.base/sun.net=ALL-UNNAMED",
+                "--add-opens",
+                "java.management/sun.management=ALL-UNNAMED",
+                "--add-opens",
+                "jdk.management/com.sun.management.internal=ALL-UNNAMED",
+                "--add-opens",
+                "java.base/jdk.internal.platform=ALL-UNNAMED",
+                "-Dio.netty.tryReflectionSetAccessible=true",
+            ])
+            .arg(format!(
+                "-Dlog4j.configurationFile={}",
+                self.data.join("log4j2.xml").display()
+            ))
+            .arg("-cp")
+            .arg(format!("{}/*", jars()?.display()))
+            .arg("org.apache.pulsar.PulsarStandaloneStarter")
+            .arg("--config")
+            .arg(&conf)
+            .args(["--no-functions-worker", "--no-stream-storage"])
+            .arg("--metadata-dir")
+            .arg(self.data.join("metadata"))
+            .arg("--bookkeeper-dir")
+            .arg(self.data.join("bookkeeper"))
+            // Absent, so standalone keeps its RocksDB metadata store (no ZooKeeper).
+            .arg("--zookeeper-dir")
+            .arg(self.data.join("zookeeper-unused"))
+            .current_dir(&self.data)
+            .stdout(log.try_clone()?)
+            .stderr(log);
+        if wipe {
+            command.arg("--wipe-data");
+        }
+        self.child = Some(command.spawn().context("starting java (Apache Pulsar)")?);
+        self.wait_ready()
+    }
+
+    /// Ready when the default namespace exists (the web port answers before it does).
+    fn wait_ready(&mut self) -> anyhow::Result<()> {
+        let started = Instant::now();
+        while started.elapsed() < Duration::from_secs(120) {
+            if let Some(child) = self.child.as_mut() {
+                if let Ok(Some(status)) = child.try_wait() {
+                    anyhow::bail!(
+                        "Apache Pulsar exited ({status}); see {}",
+                        self.data.join("broker.log").display()
+                    );
+                }
+            }
+            if self
+                .admin_get("/admin/v2/namespaces/public")
+                .is_some_and(|body| body.contains("public/default"))
+            {
+                return self.create_namespaces();
+            }
+            std::thread::sleep(Duration::from_millis(250));
+        }
+        anyhow::bail!(
+            "Apache Pulsar was not ready within 120 s; see {}",
+            self.data.join("broker.log").display()
+        )
+    }
+
+    /// TrustGraph's tenant and the namespaces of its topics, as a TrustGraph deployment's
+    /// initialisation creates them (Apache Pulsar has only `public/default` out of the box).
+    fn create_namespaces(&self) -> anyhow::Result<()> {
+        let tenant = r#"{"allowedClusters": ["standalone"], "adminRoles": []}"#;
+        self.admin_put("/admin/v2/tenants/tg", tenant)?;
+        for namespace in [
+            "flow",
+            "request",
+            "response",
+            "notify",
+            "dead-letter",
+            "config",
+        ] {
+            self.admin_put(&format!("/admin/v2/namespaces/tg/{namespace}"), "{}")?;
+        }
+        Ok(())
+    }
+
+    /// A PUT on the admin API; an answer of 409 (it exists: a restart) counts as done.
+    fn admin_put(&self, path: &str, body: &str) -> anyhow::Result<()> {
+        let (status, answer) = self
+            .admin("PUT", path, body)
+            .with_context(|| format!("PUT {path}"))?;
+        anyhow::ensure!(
+            (200..300).contains(&status) || status == 409,
+            "PUT {path}: {status} {answer}"
+        );
+        Ok(())
+    }
+
+    /// The body of a GET on the admin API, if it answered 200.
+    fn admin_get(&self, path: &str) -> Option<String> {
+        match self.admin("GET", path, "").ok()? {
+            (200, body) => Some(body),
+            _ => None,
+        }
+    }
+
+    fn admin(&self, method: &str, path: &str, body: &str) -> anyhow::Result<(u16, String)> {
+        let mut stream = std::net::TcpStream::connect(("127.0.0.1", self.web_port))?;
+        stream.set_read_timeout(Some(Duration::from_secs(10)))?;
+        let auth = self
+            .admin_token()
+            .map(|t| format!("Authorization: Bearer {t}\r\n"))
+            .unwrap_or_default();
+        write!(
+            stream,
+            "{method} {path} HTTP/1.0\r\nHost: 127.0.0.1\r\n{auth}Accept: application/json\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+            body.len()
+        )?;
+        let mut response = String::new();
+        stream.read_to_string(&mut response)?;
+        let (head, body) = response.split_once("\r\n\r\n").context("no HTTP answer")?;
+        let status = head
+            .split_whitespace()
+            .nth(1)
+            .and_then(|s| s.parse().ok())
+            .context("no HTTP status")?;
+        Ok((status, body.to_owned()))
+    }
+}
+
+impl Drop for ApacheBroker {
+    fn drop(&mut self) {
+        self.kill();
+        let _ = std::fs::remove_dir_all(&self.data);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tokens_are_base64url_jwts_without_padding() {
+        assert_eq!(base64url(b"{\"alg\":\"HS256\"}"), "eyJhbGciOiJIUzI1NiJ9");
+        assert_eq!(base64url(b"a"), "YQ");
+        assert_eq!(base64url(b"ab"), "YWI");
+        assert_eq!(base64url(b"abc"), "YWJj");
+        let token = TokenAuth::new().token("admin");
+        assert_eq!(token.split('.').count(), 3);
+        assert!(token.starts_with("eyJhbGciOiJIUzI1NiJ9.eyJzdWIiOiJhZG1pbiJ9."));
+    }
+}
