@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use agent_e2e::*;
 use agent_schema::AgentResponse;
+use futures::StreamExt;
 
 const DIALOG_TIMEOUT: Duration = Duration::from_secs(60);
 
@@ -384,4 +385,65 @@ async fn invalid_requests_get_an_error_response() {
     assert!(error.message.contains("empty question"));
     assert!(responses[0].end_of_dialog);
     assert!(llm.calls().is_empty());
+}
+
+/// A drop-in for TrustGraph with no settings: a first message published where TrustGraph's clients
+/// publish (its non-persistent request topic) is answered, and the dialog's later iterations run
+/// on the persistent request topic.
+#[tokio::test]
+async fn a_request_on_trustgraphs_client_topic_is_answered() {
+    let broker = Broker::start().unwrap();
+    let llm = scripted_llm(
+        r#"{"rules": [
+      {"match": "Observation: fetched", "reply": "Thought: done.\nFinal Answer: from the client topic"},
+      {"match": "fetch", "exact": true, "reply": "fetched"},
+      {"match": "Question: ", "reply": "Thought: look.\nAction: llm\nArgs: {\"question\": \"fetch\"}"}
+    ]}"#,
+    )
+    .await;
+    let _orchestrator = Orchestrator::spawn(&broker, &llm, &seed_dir(), &[]);
+    let mut client = client(&broker).await;
+    let topics = agent_bus::Topics::trustgraph("default", "default");
+    let mut iterations = read_from_start(&broker, &topics.request, "client-topic-reader").await;
+    // Once this dialog is answered, the orchestrator consumes (a non-persistent message sent
+    // before it subscribed would be dropped by the broker).
+    client
+        .send("warm-up", &request("warm up", false))
+        .await
+        .unwrap();
+    collect_dialog(&mut client, "warm-up", DIALOG_TIMEOUT)
+        .await
+        .unwrap();
+    let bus = agent_bus::Bus::connect(&broker.url(), None).await.unwrap();
+    let trustgraph_client = agent_bus::Publisher::new(&bus, &topics.client_request)
+        .await
+        .unwrap();
+    let properties: agent_bus::Properties = [("id".to_owned(), "tg-1".to_owned())].into();
+    trustgraph_client
+        .send(
+            agent_schema::encode(&request("Where do clients publish?", false)),
+            &properties,
+        )
+        .await
+        .unwrap();
+    let responses = collect_dialog(&mut client, "tg-1", DIALOG_TIMEOUT)
+        .await
+        .unwrap();
+    let last = responses.last().unwrap();
+    assert!(last.error.is_none(), "{responses:#?}");
+    assert_eq!(last.content, "from the client topic");
+    // Its later iterations went through the persistent topic.
+    let mut later = 0;
+    while let Ok(Some(Ok(message))) =
+        tokio::time::timeout(Duration::from_secs(2), iterations.next()).await
+    {
+        iterations.ack(&message).await.unwrap();
+        let id = agent_bus::message_property(&message, "id").unwrap_or_default();
+        let request: agent_schema::AgentRequest =
+            serde_json::from_slice(&message.payload.data).unwrap();
+        if id == "tg-1" && !request.history.is_empty() {
+            later += 1;
+        }
+    }
+    assert!(later >= 1, "no iteration of tg-1 on the persistent topic");
 }

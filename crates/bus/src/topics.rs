@@ -1,10 +1,16 @@
-//! Topic names. Defaults follow TrustGraph's scheme so this service is a drop-in, except that the
-//! request topic is persistent: an iteration in flight must survive a broker or process restart.
+//! Topic names. Defaults follow TrustGraph's scheme so this service is a drop-in. Requests are
+//! taken on two topics: TrustGraph's own (non-persistent, where its clients publish) and a
+//! persistent one that carries every later iteration, which must survive a broker or process
+//! restart.
 
 /// The topics of one workspace and flow.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Topics {
+    /// Where iterations go (and durable clients may publish): persistent.
     pub request: String,
+    /// Where TrustGraph's clients publish a dialog's first message (its non-persistent request
+    /// topic); empty when not consumed.
+    pub client_request: String,
     pub response: String,
     pub explainability: String,
     pub dead_letter: String,
@@ -21,11 +27,13 @@ impl Topics {
     /// ```
     /// let t = agent_bus::Topics::trustgraph("default", "default");
     /// assert_eq!(t.request, "persistent://tg/request/agent:default:default");
+    /// assert_eq!(t.client_request, "non-persistent://tg/request/agent:default:default");
     /// assert_eq!(t.response, "non-persistent://tg/response/agent:default:default");
     /// ```
     pub fn trustgraph(workspace: &str, flow: &str) -> Topics {
         Topics {
             request: format!("persistent://tg/request/agent:{workspace}:{flow}"),
+            client_request: format!("non-persistent://tg/request/agent:{workspace}:{flow}"),
             response: format!("non-persistent://tg/response/agent:{workspace}:{flow}"),
             explainability: format!("persistent://tg/flow/triples-store:{workspace}:{flow}"),
             dead_letter: format!("persistent://tg/dead-letter/agent:{workspace}:{flow}"),

@@ -729,7 +729,41 @@ pub async fn run(settings: Settings, shutdown: CancellationToken) -> anyhow::Res
         settings.max_redeliveries,
         shutdown.clone(),
     ));
-    tracing::info!(request = %topics.request, response = %topics.response, "agent-orchestrator ready");
+    // TrustGraph's clients publish on its non-persistent request topic: first messages are taken
+    // there too, and everything they cause goes on the persistent one.
+    let from_clients =
+        (!topics.client_request.is_empty() && topics.client_request != topics.request).then(|| {
+            let config = SubscriptionConfig {
+                topic: topics.client_request.clone(),
+                subscription: settings.subscription.clone(),
+                max_in_flight: settings.max_in_flight,
+                // Non-persistent: nothing is redelivered, so no delivery count.
+                max_redeliveries: None,
+                dead_letter_topic: topics.dead_letter.clone(),
+                drain_deadline: std::time::Duration::from_secs(settings.drain_secs),
+                nack_delay: std::time::Duration::from_secs(1),
+            };
+            let engine = engine.clone();
+            let bus = bus.clone();
+            let shutdown = shutdown.clone();
+            tokio::spawn(async move {
+                let taken = run_consumer(
+                    &bus,
+                    config,
+                    Arc::new(ConsumerStats::default()),
+                    shutdown,
+                    move |delivery| {
+                        let engine = engine.clone();
+                        async move { engine.handle(delivery).await }
+                    },
+                )
+                .await;
+                if let Err(e) = taken {
+                    tracing::error!(error = %e, "taking requests on the client topic stopped");
+                }
+            })
+        });
+    tracing::info!(request = %topics.request, client_request = %topics.client_request, response = %topics.response, "agent-orchestrator ready");
     let consumed = run_consumer(
         &bus,
         subscription,
@@ -745,6 +779,9 @@ pub async fn run(settings: Settings, shutdown: CancellationToken) -> anyhow::Res
     shutdown.cancel();
     let _ = follower.await;
     let _ = answering.await;
+    if let Some(from_clients) = from_clients {
+        let _ = from_clients.await;
+    }
     ops_server.abort();
     consumed?;
     Ok(())

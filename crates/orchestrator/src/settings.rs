@@ -47,6 +47,10 @@ pub struct Settings {
     pub subscription: String,
     #[arg(long, env = "AGENT_REQUEST_TOPIC")]
     pub request_topic: Option<String>,
+    /// Where TrustGraph's clients publish first messages (its non-persistent request topic);
+    /// an empty value takes requests only on the persistent request topic.
+    #[arg(long, env = "AGENT_CLIENT_REQUEST_TOPIC")]
+    pub client_request_topic: Option<String>,
     #[arg(long, env = "AGENT_RESPONSE_TOPIC")]
     pub response_topic: Option<String>,
     #[arg(long, env = "AGENT_EXPLAIN_TOPIC")]
@@ -67,7 +71,7 @@ pub struct Settings {
     #[arg(long, env = "AGENT_SEAL_KEY", hide_env_values = true)]
     pub seal_key: Option<String>,
     /// Where `/healthz`, `/readyz` and `/metrics` listen.
-    #[arg(long, env = "AGENT_HTTP_ADDR", default_value = "0.0.0.0:8080")]
+    #[arg(long, env = "AGENT_HTTP_ADDR", default_value = "0.0.0.0:8090")]
     pub http_addr: std::net::SocketAddr,
 }
 
@@ -96,6 +100,7 @@ impl Settings {
             }
         };
         pick(&mut t.request, &self.request_topic);
+        pick(&mut t.client_request, &self.client_request_topic);
         pick(&mut t.response, &self.response_topic);
         pick(&mut t.explainability, &self.explain_topic);
         pick(&mut t.dead_letter, &self.dead_letter_topic);
