@@ -735,7 +735,7 @@ pub async fn run(settings: Settings, shutdown: CancellationToken) -> anyhow::Res
         (!topics.client_request.is_empty() && topics.client_request != topics.request).then(|| {
             let config = SubscriptionConfig {
                 topic: topics.client_request.clone(),
-                subscription: settings.subscription.clone(),
+                subscription: format!("{}-clients", settings.subscription),
                 max_in_flight: settings.max_in_flight,
                 // Non-persistent: nothing is redelivered, so no delivery count.
                 max_redeliveries: None,
