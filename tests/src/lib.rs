@@ -362,7 +362,14 @@ pub async fn scripted_llm(script: &str) -> ScriptedLlm {
 
 /// A config directory holding `files` (`(type, json)`), for tests that need their own tools or limits.
 pub fn config_dir(name: &str, files: &[(&str, &str)]) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("agent-e2e-config-{}-{name}", std::process::id()));
+    // Unique per call: two tests of one process that pick the same name must not rewrite the
+    // folder while the other's orchestrator reads it (seen: a limit missing from one of them).
+    static CALLS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let call = CALLS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let dir = std::env::temp_dir().join(format!(
+        "agent-e2e-config-{}-{call}-{name}",
+        std::process::id()
+    ));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
     for (kind, json) in files {
