@@ -127,7 +127,28 @@ pub async fn check(
         // Not recorded yet (its completions came first), or already synthesised.
         return Ok(());
     }
-    let column = |name: &str| open.first(name);
+    // A node may hold several continuations or seals (a supervisor step run twice without a
+    // journal, or an injected copy): the row whose seal verifies is the fan-out's.
+    let cell = |name: &str, row: usize| open.column(name).get(row).copied().flatten();
+    let row = (0..open.rows.len()).find(|&row| {
+        seal.is_none_or(|key| {
+            let (f, continuation, client) = (
+                text(cell("f", row)),
+                text(cell("continuation", row)),
+                text(cell("client", row)),
+            );
+            let parts = fanout_seal_parts(&f, correlation_id, &continuation, &client);
+            key.verify(&parts, &text(cell("seal", row)))
+        })
+    });
+    let Some(row) = row else {
+        tracing::error!(
+            correlation_id,
+            "a fan-out without a valid seal; it drives no synthesis"
+        );
+        return Ok(());
+    };
+    let column = |name: &str| cell(name, row);
     let fanout = text(column("f"));
     let expected: usize = text(column("expected")).parse().unwrap_or(usize::MAX);
     let continuation = text(column("continuation"));
@@ -136,18 +157,6 @@ pub async fn check(
     let mut tokens = (number(column("in")), number(column("out")));
     let started = number(column("started"));
     let recorded = chrono::DateTime::parse_from_rfc3339(&text(column("recorded"))).ok();
-    // With a seal key, only a fan-out an orchestrator sealed may resume a supervisor: anyone can
-    // publish to the explainability topic.
-    if let Some(key) = seal {
-        let parts = fanout_seal_parts(&fanout, correlation_id, &continuation, &client);
-        if !key.verify(&parts, &text(column("seal"))) {
-            tracing::error!(
-                correlation_id,
-                "a fan-out without a valid seal; it drives no synthesis"
-            );
-            return Ok(());
-        }
-    }
     let Ok(continuation) = serde_json::from_str::<AgentRequest>(&continuation) else {
         tracing::error!(
             correlation_id,

@@ -510,7 +510,6 @@ impl Termination {
     }
 }
 
-/// The conclusion: the final thought (as iteration `n`'s thought), the answer and why the dialog ended.
 /// A seal on `node` (see `agent_bus::seal`): the aggregator lets only sealed fan-outs and
 /// completions drive fan-in.
 pub fn sealed(node: &str, seal: &str) -> Vec<Triple> {
@@ -536,6 +535,7 @@ pub fn budget_spent(
     b.build()
 }
 
+/// The conclusion: the final thought (as iteration `n`'s thought), the answer and why the dialog ended.
 pub fn conclusion(
     uris: &SessionUris,
     n: usize,

@@ -123,7 +123,8 @@ impl Turn<'_> {
     }
 
     /// One LLM call on a configured prompt filled with `vars`, and what it cost. `None` when the
-    /// call failed: the dialog has then ended (iteration `n`) with that error.
+    /// call failed: the dialog has then ended (iteration `n`) with that error, or the step was
+    /// parked by an outage.
     pub async fn ask(
         &self,
         n: usize,
@@ -223,7 +224,7 @@ impl Engine {
     /// Handles one delivered request; the returned disposition decides ack or nack.
     ///
     /// An outage (the LLM, the store or the broker unavailable) parks the step: it is tried again
-    /// with growing pauses (the provider's `Retry-After` honoured) while the outage window
+    /// with growing pauses (the provider's `Retry-After` honoured up to 30 s) while the outage window
     /// (`max_outage_secs`) lasts; past it, or on a fault that will not pass, the dialog ends with
     /// an error naming the cause. The message is never nacked for an outage, so the broker's
     /// redelivery limit counts crashes, not waiting.
@@ -416,9 +417,10 @@ impl Engine {
                         delivery: message_id.clone(),
                     };
                     if let Ok(Some(entry)) = journal.entry(&slot.node).await {
-                        if out.settle(&slot, entry, Recorder::Unknown).await.is_ok() {
-                            return Ok(Settled::Done);
-                        }
+                        // The step's outcome exists: it goes out, or the message waits (nacked)
+                        // until it can; an error must not follow an answer.
+                        out.settle(&slot, entry, Recorder::Unknown).await?;
+                        return Ok(Settled::Done);
                     }
                 }
                 None
@@ -743,7 +745,9 @@ pub async fn run(settings: Settings, shutdown: CancellationToken) -> anyhow::Res
                 drain_deadline: std::time::Duration::from_secs(settings.drain_secs),
                 nack_delay: std::time::Duration::from_secs(1),
             };
-            let engine = engine.clone();
+            // Forwarded at once to the persistent topic and only then acked: a message of a
+            // non-persistent topic is never redelivered, so it must not wait (park) there.
+            let requests = engine.outputs.requests.clone();
             let bus = bus.clone();
             let shutdown = shutdown.clone();
             tokio::spawn(async move {
@@ -752,9 +756,17 @@ pub async fn run(settings: Settings, shutdown: CancellationToken) -> anyhow::Res
                     config,
                     Arc::new(ConsumerStats::default()),
                     shutdown,
-                    move |delivery| {
-                        let engine = engine.clone();
-                        async move { engine.handle(delivery).await }
+                    move |delivery: Delivery<AgentRequest>| {
+                        let requests = requests.clone();
+                        async move {
+                            let payload = agent_schema::encode(&delivery.payload);
+                            match requests.send(payload, &delivery.properties).await {
+                                Ok(()) => Disposition::Ack,
+                                Err(e) => Disposition::Nack(format!(
+                                    "forwarding a client's request to the request topic: {e}"
+                                )),
+                            }
+                        }
                     },
                 )
                 .await;
@@ -791,7 +803,8 @@ pub async fn run(settings: Settings, shutdown: CancellationToken) -> anyhow::Res
 /// that crashed its process, or was handed to lost consumers, `max_redeliveries` times): each
 /// ends its dialog with an error, or fails its subagent's completion, so no client or supervisor
 /// waits forever. A step whose outcome was journaled goes out as recorded instead. What does not
-/// decode is left alone: it never was a dialog.
+/// decode is acked and dropped here (it stays in the topic for other readers): it never was a
+/// dialog.
 async fn answer_dead_letters(
     bus: agent_bus::Bus,
     engine: Arc<Engine>,

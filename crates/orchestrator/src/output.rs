@@ -49,6 +49,9 @@ pub struct DialogOutput<'a> {
     ended: Mutex<Option<&'static str>>,
     /// Set when the step met an outage it is to wait out: nothing it held is committed.
     parked: Mutex<Option<Park>>,
+    /// Whether answer text went to the client: a step that streamed some cannot run again
+    /// without repeating it, so it does not park.
+    answer_streamed: std::sync::atomic::AtomicBool,
 }
 
 /// Why a step set itself aside to be tried again: an outage of something it needs.
@@ -102,6 +105,7 @@ impl<'a> DialogOutput<'a> {
             effects: Mutex::new(Vec::new()),
             ended: Mutex::new(None),
             parked: Mutex::new(None),
+            answer_streamed: std::sync::atomic::AtomicBool::new(false),
         }
     }
 
@@ -109,6 +113,12 @@ impl<'a> DialogOutput<'a> {
     /// later. The first cause is kept.
     pub fn park(&self, park: Park) {
         locked(&self.parked).get_or_insert(park);
+    }
+
+    /// Whether answer text of this step already went to the client.
+    pub fn answer_streamed(&self) -> bool {
+        self.answer_streamed
+            .load(std::sync::atomic::Ordering::SeqCst)
     }
 
     /// Why the step set itself aside, if it did.
@@ -182,7 +192,12 @@ impl<'a> DialogOutput<'a> {
         self.publish(&effects).await?;
         fault::crash_if(fault::Stage::Published, commit);
         if let Some(slot) = slot {
-            slot.journal.mark_published(&slot.node).await?;
+            // Published is done: failing here must not park or fail the step, which would send
+            // a second outcome. Unmarked, a later copy re-emits the same effects (same effect ids,
+            // which consumers drop).
+            if let Err(e) = slot.journal.mark_published(&slot.node).await {
+                tracing::warn!(entry = %slot.node.as_str(), error = %e, "published, but not marked in the journal");
+            }
         }
         fault::crash_if(fault::Stage::Marked, commit);
         Ok(())
@@ -283,6 +298,10 @@ impl<'a> DialogOutput<'a> {
         message_id: &str,
         end_of_message: bool,
     ) -> Result<(), BusError> {
+        if kind == MessageType::Answer && !content.is_empty() {
+            self.answer_streamed
+                .store(true, std::sync::atomic::Ordering::SeqCst);
+        }
         let mut r = AgentResponse::new(kind, content);
         r.message_id = message_id.to_owned();
         r.end_of_message = end_of_message;

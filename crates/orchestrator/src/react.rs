@@ -558,7 +558,7 @@ pub async fn llm_failed(turn: &Turn<'_>, n: usize, e: &LlmError) -> Result<(), B
     if !e.is_outage() {
         return fail(turn, n, &format!("the LLM call failed: {e}")).await;
     }
-    if turn.may_park {
+    if turn.may_park && !turn.out.answer_streamed() {
         turn.out.park(crate::output::Park {
             cause: format!("the LLM is unavailable: {e}"),
             retry_after: e.retry_after(),
