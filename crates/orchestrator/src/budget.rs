@@ -17,8 +17,8 @@ const FANOUT_WAIT: Duration = Duration::from_secs(3);
 
 /// The run a session belongs to: its root request's session. A subagent's session is its
 /// supervisor's with `-f{iteration}-s{index}` added, so the root is what is left with every such
-/// pair taken off. A client that names its session like a subagent's only joins (and shares) the
-/// budget of the run it names.
+/// pair taken off. Only a subagent's session is read this way (a client's own session is its run,
+/// whatever it is called).
 ///
 /// ```
 /// use agent_orchestrator::budget::run_of;

@@ -384,7 +384,13 @@ impl Engine {
             }
         }
         let elapsed = std::time::Duration::from_millis(now_ms.saturating_sub(started_ms));
-        let run = budget::run_of(&session_id).to_owned();
+        // Only a subagent (checked above) shares a run: a client that names its session like a
+        // subagent's must not spend from someone else's budget.
+        let run = if subagent {
+            budget::run_of(&session_id).to_owned()
+        } else {
+            session_id.clone()
+        };
         let run_uri = SessionUris::new(&run).session();
         let mut run_tokens = run_base + tokens_before.0 + tokens_before.1;
         let mut abandoned = false;
