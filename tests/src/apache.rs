@@ -285,7 +285,27 @@ brokerClientAuthenticationParameters=file://{}
                 .admin_get("/admin/v2/namespaces/public")
                 .is_some_and(|body| body.contains("public/default"))
             {
-                return self.create_namespaces();
+                self.create_namespaces()?;
+                // After a restart the namespaces exist before their bundles are served again (a
+                // client subscribing then was refused once): wait until topics of each resolve.
+                while started.elapsed() < Duration::from_secs(120) {
+                    let served = ["request", "response", "flow"].iter().all(|namespace| {
+                        self.admin_get(&format!(
+                            "/lookup/v2/topic/non-persistent/tg/{namespace}/ready-check"
+                        ))
+                        .is_some()
+                            && self
+                                .admin_get(&format!(
+                                    "/lookup/v2/topic/persistent/tg/{namespace}/ready-check"
+                                ))
+                                .is_some()
+                    });
+                    if served {
+                        return Ok(());
+                    }
+                    std::thread::sleep(Duration::from_millis(250));
+                }
+                anyhow::bail!("Apache Pulsar did not serve TrustGraph's namespaces within 120 s");
             }
             std::thread::sleep(Duration::from_millis(250));
         }
