@@ -35,22 +35,25 @@ struct Run {
     broker_url: String,
 }
 
-async fn start(name: &str, limits: &str, script: &str) -> Run {
+/// A broker, an aggregator and an orchestrator sharing its store; `sealed: false` runs both
+/// services without a seal key (the harness gives them one otherwise).
+async fn start(name: &str, limits: &str, script: &str, sealed: bool) -> Run {
+    let unsealed: &[&str] = if sealed { &[] } else { &["--seal-key", ""] };
     let broker = Broker::start().unwrap();
-    let aggregator = Aggregator::spawn_with(&broker, &["--config-token", TOKEN]);
+    let aggregator = Aggregator::spawn_with(
+        &broker,
+        &[&["--config-token", TOKEN][..], unsealed].concat(),
+    );
     let llm = scripted_llm(script).await;
     let config = seed_with(name, &[("agent-limits", limits)]);
-    let orchestrator = Orchestrator::spawn(
-        &broker,
-        &llm,
-        &config,
-        &[
-            "--graph-store",
-            &aggregator.endpoint,
-            "--config-token",
-            TOKEN,
-        ],
-    );
+    let store = [
+        "--graph-store",
+        &aggregator.endpoint,
+        "--config-token",
+        TOKEN,
+    ];
+    let orchestrator =
+        Orchestrator::spawn(&broker, &llm, &config, &[&store[..], unsealed].concat());
     let client = client(&broker).await;
     Run {
         broker_url: broker.url(),
@@ -109,6 +112,7 @@ async fn subagents_share_their_roots_token_budget() {
         "budget-tokens",
         &format!(r#"{{"default": {{"max_tokens": {MAX_TOKENS}, "max_iterations": 40}}}}"#),
         &script(0, 50),
+        true,
     )
     .await;
     let responses = supervise(&mut run, "b-tokens").await;
@@ -164,6 +168,7 @@ async fn subagents_share_their_roots_wall_clock() {
         "budget-wall",
         r#"{"default": {"max_wall_secs": 3, "max_tokens": 0, "max_iterations": 10}}"#,
         &script(2_000, 700),
+        true,
     )
     .await;
     let responses = supervise(&mut run, "b-wall").await;
@@ -186,6 +191,7 @@ async fn a_client_cannot_bring_its_own_budget() {
         "budget-forged",
         r#"{"default": {"max_wall_secs": 2, "max_tokens": 2000, "max_iterations": 10, "max_outage_secs": 4}}"#,
         &script(0, 500),
+        true,
     )
     .await;
     // A first message that claims to have started far in the future and spent nothing.
@@ -259,38 +265,20 @@ async fn a_client_cannot_bring_its_own_budget() {
 /// the outage window has given the aggregator time to catch up.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn without_seal_keys_the_graph_vouches_for_subagents() {
-    let broker = Broker::start().unwrap();
-    let aggregator = Aggregator::spawn_with(&broker, &["--config-token", TOKEN, "--seal-key", ""]);
-    let llm = scripted_llm(&script(0, 0)).await;
-    let config = seed_with(
+    let mut run = start(
         "budget-unsealed",
-        &[(
-            "agent-limits",
-            r#"{"default": {"max_tokens": 3000, "max_outage_secs": 4}}"#,
-        )],
-    );
-    let _orchestrator = Orchestrator::spawn(
-        &broker,
-        &llm,
-        &config,
-        &[
-            "--graph-store",
-            &aggregator.endpoint,
-            "--config-token",
-            TOKEN,
-            "--seal-key",
-            "",
-        ],
-    );
-    let mut client = client(&broker).await;
+        r#"{"default": {"max_tokens": 3000, "max_outage_secs": 4}}"#,
+        &script(0, 0),
+        false,
+    )
+    .await;
+    let client = &mut run.client;
     let supervised = AgentRequest {
         pattern: "supervisor".into(),
         ..request("Spend the budget three ways.", false)
     };
     client.send("u-1", &supervised).await.unwrap();
-    let responses = collect_dialog(&mut client, "u-1", DIALOG_TIMEOUT)
-        .await
-        .unwrap();
+    let responses = collect_dialog(client, "u-1", DIALOG_TIMEOUT).await.unwrap();
     assert_eq!(responses.last().unwrap().content, "Spent what there was.");
     assert_eq!(subagent_results(&responses).len(), 3, "{responses:#?}");
 
@@ -299,7 +287,7 @@ async fn without_seal_keys_the_graph_vouches_for_subagents() {
     injected.correlation_id = "someone-else-f1".into();
     injected.session_id = "someone-else-f1-s0".into();
     client.send("injected", &injected).await.unwrap();
-    let responses = collect_dialog(&mut client, "injected", DIALOG_TIMEOUT)
+    let responses = collect_dialog(client, "injected", DIALOG_TIMEOUT)
         .await
         .unwrap();
     let error = responses.last().unwrap().error.clone().expect("a refusal");

@@ -145,28 +145,45 @@ pub fn describe_rounds(history: &[AgentStep]) -> String {
 /// Where a session sits among fan-outs: the subagent index in each fan-out from the outermost in,
 /// read from the `-f{n}-s{i}` suffixes `subagent_session` adds. Empty for a session named otherwise.
 pub fn subagent_path(session_id: &str) -> Vec<usize> {
-    let number = |t: &str| {
-        (!t.is_empty() && t.bytes().all(|b| b.is_ascii_digit()))
-            .then(|| t.parse::<usize>().ok())
-            .flatten()
-    };
     let mut path = Vec::new();
     let mut session = session_id;
-    while let Some((rest, index)) = session.rsplit_once("-s") {
-        let Some((parent, step)) = rest.rsplit_once("-f") else {
-            break;
-        };
-        let (Some(index), Some(_)) = (number(index), number(step)) else {
-            break;
-        };
-        if parent.is_empty() {
-            break;
-        }
-        path.push(index);
-        session = parent;
+    while let Some(place) = place_of(session) {
+        path.push(place.index);
+        session = place.supervisor;
     }
     path.reverse();
     path
+}
+
+/// Where a subagent session sits: its supervisor's session, the fan-out's correlation id and its
+/// index in it, read from the last `-f{n}-s{i}` suffix; `None` for a session named otherwise.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Place<'a> {
+    pub supervisor: &'a str,
+    pub correlation_id: &'a str,
+    pub index: usize,
+}
+
+/// The [`Place`] of `session`, if it is a subagent's.
+///
+/// ```
+/// use agent_core::supervisor::place_of;
+/// let place = place_of("abc-f2-s0-f4-s11").unwrap();
+/// assert_eq!((place.supervisor, place.correlation_id, place.index), ("abc-f2-s0", "abc-f2-s0-f4", 11));
+/// assert!(place_of("abc-s0").is_none() && place_of("abc-fx-s0").is_none() && place_of("-f1-s0").is_none());
+/// ```
+pub fn place_of(session: &str) -> Option<Place<'_>> {
+    let number = |t: &str| !t.is_empty() && t.bytes().all(|b| b.is_ascii_digit());
+    let (correlation_id, index) = session.rsplit_once("-s")?;
+    let (supervisor, step) = correlation_id.rsplit_once("-f")?;
+    if !number(index) || !number(step) || supervisor.is_empty() {
+        return None;
+    }
+    Some(Place {
+        supervisor,
+        correlation_id,
+        index: index.parse().ok()?,
+    })
 }
 
 /// How many fan-outs lie above a request: 0 for a client's, 1 for a subagent of a client's
@@ -339,10 +356,7 @@ fn goal_of_key(key: &str) -> &str {
 /// ```
 pub fn subagent_index(session: &str) -> Option<usize> {
     let session = session.strip_suffix("/completion").unwrap_or(session);
-    let (_, index) = session.rsplit_once("-s")?;
-    (!index.is_empty() && index.bytes().all(|b| b.is_ascii_digit()))
-        .then(|| index.parse().ok())
-        .flatten()
+    place_of(session).map(|place| place.index)
 }
 
 /// The goals of a fan-out by subagent index, from its decompose step (empty for a step recorded

@@ -6,6 +6,7 @@
 use std::time::Duration;
 
 use agent_core::provenance::SessionUris;
+use agent_core::supervisor::place_of;
 use agent_graph::model::{NamedNode, Term};
 use agent_graph::{queries, GraphError, GraphStore, QueryAnswer};
 use agent_schema::AgentRequest;
@@ -30,18 +31,10 @@ const FANOUT_WAIT: Duration = Duration::from_secs(3);
 /// ```
 pub fn run_of(session_id: &str) -> &str {
     let mut run = session_id;
-    while let Some(parent) = strip_pair(run) {
-        run = parent;
+    while let Some(place) = place_of(run) {
+        run = place.supervisor;
     }
     run
-}
-
-/// `session` without its last `-f{n}-s{m}`, if it ends with one.
-fn strip_pair(session: &str) -> Option<&str> {
-    let number = |s: &str| !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit());
-    let (rest, index) = session.rsplit_once("-s")?;
-    let (parent, step) = rest.rsplit_once("-f")?;
-    (number(index) && number(step) && !parent.is_empty()).then_some(parent)
 }
 
 /// What the fan-out that started a subagent says about its run.
@@ -90,15 +83,12 @@ pub async fn fanout_of(
 pub async fn abandoned(store: &GraphStore, session_id: &str) -> Result<bool, GraphError> {
     let mut fanouts = Vec::new();
     let mut session = session_id;
-    while let Some(parent) = strip_pair(session) {
-        let Some((correlation_id, _)) = session.rsplit_once("-s") else {
-            break;
-        };
-        let fanout = SessionUris::new(parent).fanout(correlation_id);
+    while let Some(place) = place_of(session) {
+        let fanout = SessionUris::new(place.supervisor).fanout(place.correlation_id);
         if let Ok(node) = NamedNode::new(fanout) {
             fanouts.push(node);
         }
-        session = parent;
+        session = place.supervisor;
     }
     if fanouts.is_empty() {
         return Ok(false);

@@ -411,26 +411,8 @@ impl Engine {
         );
         out.set_run(&run_uri, run_base);
         out.set_conversation(&request.conversation_id);
+        let giving_up = matches!(attempt, Attempt::GiveUp(_));
         let slot = match &self.journal {
-            // Giving up publishes without the journal, which may be what is down; a step whose
-            // outcome is recorded goes out as recorded instead.
-            Some(journal) if matches!(attempt, Attempt::GiveUp(_)) => {
-                let key = journal::key(&request, new_dialog && request.pattern.is_empty());
-                if let Ok(node) = journal::entry_node(&uris.session(), &key) {
-                    let slot = JournalSlot {
-                        journal,
-                        node,
-                        delivery: message_id.clone(),
-                    };
-                    if let Ok(Some(entry)) = journal.entry(&slot.node).await {
-                        // The step's outcome exists: it goes out, or the message waits (nacked)
-                        // until it can; an error must not follow an answer.
-                        out.settle(&slot, entry, Recorder::Unknown).await?;
-                        return Ok(Settled::Done);
-                    }
-                }
-                None
-            }
             Some(journal) => {
                 let key = journal::key(&request, new_dialog && request.pattern.is_empty());
                 match journal::entry_node(&uris.session(), &key) {
@@ -441,18 +423,28 @@ impl Engine {
                     }),
                     // Only a refused request has ids that name no node; its refusal is a
                     // pure function of the message, so a repeat of it is harmless.
-                    Err(_) if verdict.is_err() => None,
+                    Err(_) if verdict.is_err() || giving_up => None,
                     Err(e) => return Err(e.into()),
                 }
             }
             None => None,
         };
         if let Some(slot) = &slot {
-            if let Some(entry) = slot.journal.entry(&slot.node).await? {
+            // Giving up reads the journal only if it can: the store may be what is down.
+            let recorded = match slot.journal.entry(&slot.node).await {
+                Ok(entry) => entry,
+                Err(_) if giving_up => None,
+                Err(e) => return Err(e.into()),
+            };
+            // The step's outcome exists: it goes out (or the message waits until it can); an
+            // error must never follow an answer.
+            if let Some(entry) = recorded {
                 out.settle(slot, entry, Recorder::Unknown).await?;
                 return Ok(Settled::Done);
             }
         }
+        // Giving up publishes without the journal, which may be what is down.
+        let slot = if giving_up { None } else { slot };
         // A request that names its pattern is not routed, but gets its task type's framing.
         let requested = (new_dialog && !request.pattern.is_empty())
             .then(|| router::requested(&request, &config));
