@@ -45,6 +45,8 @@ fi
 scripts/small-model.sh path >/dev/null
 
 scripts/pulsar-lite.sh path >/dev/null
+# TrustGraph's own client library and CLI (PyPI), which the drop-in tests publish with.
+scripts/trustgraph-client.sh path >/dev/null
 # Apache Pulsar's standalone broker (Maven Central, ~240 MB once) for the tier of tests run on it.
 scripts/apache-pulsar.sh path >/dev/null
 scripts/patch-pulsar.sh

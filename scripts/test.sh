@@ -26,12 +26,14 @@ soak_status=${PIPESTATUS[0]}
 [ "$soak_status" -eq 0 ] || status=$soak_status
 # The Apache Pulsar tier: the same end-to-end tests on Apache Pulsar's own standalone broker
 # (scripts/apache-pulsar.sh), each test with a fresh JVM broker: ReACT streaming, SIGKILLs and a
-# broker restart, effectively-once, the supervisor with two replicas, hostile input, then the
+# broker restart, effectively-once, the supervisor with two replicas, hostile input, the drop-in
+# driven by TrustGraph's own CLI and client library, then the
 # chaos soak's short mode with its broker restart. (tests/tests/pulsar_auth.rs, JWT
 # authentication and authorization, runs on Apache Pulsar in the main run above.)
 echo "== Apache Pulsar tier"
 AGENT_E2E_BROKER=apache cargo test --locked --workspace --no-fail-fast \
-  --test react --test failures --test once --test supervisor --test hostile -- --test-threads 2 2>&1 \
+  --test react --test failures --test once --test supervisor --test hostile --test trustgraph \
+  -- --test-threads 2 2>&1 \
   | tee -a "${TMPDIR:-/tmp}/pulsar-agents-test.log" | grep -E '^test result|FAILED|panicked'
 apache_status=${PIPESTATUS[0]}
 [ "$apache_status" -eq 0 ] || status=$apache_status

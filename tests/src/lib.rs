@@ -415,6 +415,43 @@ pub fn everything_server() -> PathBuf {
     path
 }
 
+/// The everything server over streamable HTTP (at `/mcp`) on `port`; SIGKILLed on drop.
+pub struct EverythingHttp {
+    child: Child,
+    pub port: u16,
+}
+
+impl EverythingHttp {
+    pub fn start(port: u16) -> EverythingHttp {
+        let child = Command::new("node")
+            .arg(everything_server())
+            .arg("streamableHttp")
+            .env("PORT", port.to_string())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        wait_listening(&format!("127.0.0.1:{port}"), "the MCP everything server");
+        EverythingHttp { child, port }
+    }
+
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    pub fn restart(&mut self) {
+        self.kill();
+        *self = EverythingHttp::start(self.port);
+    }
+}
+
+impl Drop for EverythingHttp {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
 /// The seeded config directory of the repository.
 pub fn seed_dir() -> PathBuf {
     repo_root().join("config-seed")

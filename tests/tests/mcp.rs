@@ -7,7 +7,7 @@
 //! server killed, costs nothing (the session is opened again).
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -21,43 +21,6 @@ use axum::response::{IntoResponse, Response};
 
 const DIALOG_TIMEOUT: Duration = Duration::from_secs(90);
 const TOKEN: &str = "s3cret-mcp-token";
-
-/// The everything server over streamable HTTP on `port`; SIGKILLed on drop.
-struct HttpServer {
-    child: Child,
-    port: u16,
-}
-
-impl HttpServer {
-    fn start(port: u16) -> HttpServer {
-        let child = Command::new("node")
-            .arg(everything_server())
-            .arg("streamableHttp")
-            .env("PORT", port.to_string())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap();
-        wait_listening(&format!("127.0.0.1:{port}"), "the MCP everything server");
-        HttpServer { child, port }
-    }
-
-    fn kill(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-
-    fn restart(&mut self) {
-        self.kill();
-        *self = HttpServer::start(self.port);
-    }
-}
-
-impl Drop for HttpServer {
-    fn drop(&mut self) {
-        self.kill();
-    }
-}
 
 /// A reverse proxy in front of the HTTP server that lets in only requests bearing `TOKEN`, so the
 /// test sees the orchestrator send it (the everything server checks no token).
@@ -194,7 +157,7 @@ async fn until_observation(
 #[tokio::test]
 async fn mcp_tools_on_a_real_server_over_http_and_stdio_survive_its_restarts() {
     let server_port = agent_bus::embedded::free_port().unwrap();
-    let mut server = HttpServer::start(server_port);
+    let mut server = EverythingHttp::start(server_port);
     let (gate_url, gate) = start_gate(server_port).await;
     let marker = format!("agent-e2e-mcp-{}", std::process::id());
     let mcp = serde_json::json!({
@@ -236,7 +199,7 @@ async fn mcp_tools_on_a_real_server_over_http_and_stdio_survive_its_restarts() {
     let mut http = until_observation(&mut client, "m-http", "The sum of 17 and 25 is 42.").await;
     server.kill();
     http.extend(until_observation(&mut client, "m-http", "Error:").await);
-    server = HttpServer::start(server_port);
+    server = EverythingHttp::start(server_port);
     http.extend(
         collect_dialog(&mut client, "m-http", DIALOG_TIMEOUT)
             .await

@@ -1,11 +1,13 @@
-//! The REST API for people: `GET /api/v1/config` (everything), `GET /api/v1/config/{type}` (the
-//! type's keys and values), `GET|PUT|DELETE /api/v1/config/{type}/{key}`; writes need the bearer
-//! token. Every write goes through the same store and push as the Pulsar protocol.
+//! The HTTP APIs. For people: `GET /api/v1/config` (everything), `GET /api/v1/config/{type}` (the
+//! type's keys and values), `GET|PUT|DELETE /api/v1/config/{type}/{key}`, each in `?workspace=`
+//! (default `default`). For TrustGraph's CLI and `trustgraph.api`: `POST /api/v1/config` takes a
+//! config request as TrustGraph's API gateway does. Writes need the bearer token. Every write goes
+//! through the same store and push as the Pulsar protocol.
 
 use std::sync::Arc;
 
 use axum::body::Bytes;
-use axum::extract::{Path, State};
+use axum::extract::{Path, Query, State};
 use axum::http::{header, HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
@@ -13,6 +15,8 @@ use axum::{Json, Router};
 use serde_json::{json, Value};
 
 use agent_core::config::AgentConfig;
+
+use agent_schema::{operation, ConfigRequest};
 
 use crate::store::{ConfigStore, StoreError, Written};
 use crate::Pusher;
@@ -26,7 +30,7 @@ struct AppState {
 
 pub fn router(store: Arc<ConfigStore>, token: Option<String>, pusher: Pusher) -> Router {
     Router::new()
-        .route("/api/v1/config", get(dump))
+        .route("/api/v1/config", get(dump).post(gateway))
         .route("/api/v1/config/{kind}", get(of_type))
         .route(
             "/api/v1/config/{kind}/{key}",
@@ -66,8 +70,61 @@ fn as_json(text: &str) -> Value {
     serde_json::from_str(text).unwrap_or_else(|_| Value::String(text.to_owned()))
 }
 
-async fn dump(State(state): State<AppState>) -> Response {
-    match state.store.dump() {
+/// The workspace a REST call works in.
+#[derive(serde::Deserialize)]
+struct Scope {
+    workspace: Option<String>,
+}
+
+impl Scope {
+    fn name(&self) -> String {
+        self.workspace
+            .clone()
+            .filter(|w| !w.is_empty())
+            .unwrap_or_else(|| crate::DEFAULT_WORKSPACE.to_owned())
+    }
+}
+
+/// A config request as TrustGraph's API gateway takes it (`trustgraph.api.Config`, the `tg-*`
+/// config commands): the protocol's JSON in, its answer out with empty fields left out (the
+/// client reads any `error` key as a failure). Writes need the bearer token.
+async fn gateway(State(state): State<AppState>, headers: HeaderMap, body: Bytes) -> Response {
+    let request: ConfigRequest = match serde_json::from_slice(&body) {
+        Ok(r) => r,
+        Err(e) => {
+            return Json(json!({"error": {"type": crate::protocol::BAD_OPERATION,
+                "message": format!("not a config request: {e}")}}))
+            .into_response()
+        }
+    };
+    let writes = [operation::PUT, operation::DELETE].contains(&request.operation.as_str());
+    if writes {
+        if let Some(denied) = denied(&state, &headers) {
+            return denied;
+        }
+    }
+    let workspace = crate::protocol::workspace_of(&request).to_owned();
+    let answered = crate::off_thread(&state.store, move |store| {
+        crate::protocol::handle(store, &request)
+    })
+    .await;
+    match answered {
+        Ok((response, written)) => {
+            if let Some(written) = written {
+                state.pusher.push(written, &workspace).await;
+            }
+            let mut body = serde_json::to_value(&response).unwrap_or_default();
+            if let Value::Object(fields) = &mut body {
+                fields.retain(|_, v| !v.is_null());
+            }
+            Json(body).into_response()
+        }
+        Err(e) => (StatusCode::INTERNAL_SERVER_ERROR, e.to_string()).into_response(),
+    }
+}
+
+async fn dump(State(state): State<AppState>, Query(scope): Query<Scope>) -> Response {
+    match state.store.dump(&scope.name()) {
         Ok((version, values)) => {
             let config: serde_json::Map<String, Value> = values
                 .iter()
@@ -85,8 +142,15 @@ async fn dump(State(state): State<AppState>) -> Response {
     }
 }
 
-async fn of_type(State(state): State<AppState>, Path(kind): Path<String>) -> Response {
-    match (state.store.values_of(&kind), state.store.version()) {
+async fn of_type(
+    State(state): State<AppState>,
+    Path(kind): Path<String>,
+    Query(scope): Query<Scope>,
+) -> Response {
+    match (
+        state.store.values_of(&scope.name(), &kind),
+        state.store.version(),
+    ) {
         (Ok(values), Ok(version)) => {
             let values: serde_json::Map<String, Value> = values
                 .iter()
@@ -101,8 +165,12 @@ async fn of_type(State(state): State<AppState>, Path(kind): Path<String>) -> Res
 async fn get_one(
     State(state): State<AppState>,
     Path((kind, key)): Path<(String, String)>,
+    Query(scope): Query<Scope>,
 ) -> Response {
-    match state.store.get(&[(kind.clone(), key.clone())]) {
+    match state
+        .store
+        .get(&scope.name(), &[(kind.clone(), key.clone())])
+    {
         Ok(found) => match found.first() {
             Some((_, _, value)) => Json(as_json(value)).into_response(),
             None => (StatusCode::NOT_FOUND, format!("no config {kind}/{key}")).into_response(),
@@ -128,18 +196,20 @@ fn denied(state: &AppState, headers: &HeaderMap) -> Option<Response> {
         .then(|| (StatusCode::UNAUTHORIZED, "a valid bearer token is required").into_response())
 }
 
-/// Runs a write off the async workers, then announces it.
+/// Runs a write in `workspace` off the async workers, then announces it.
 async fn write(
     state: &AppState,
-    call: impl FnOnce(&ConfigStore) -> Result<Written, StoreError> + Send + 'static,
+    workspace: String,
+    call: impl FnOnce(&ConfigStore, &str) -> Result<Written, StoreError> + Send + 'static,
 ) -> Response {
-    match crate::off_thread(&state.store, call).await {
+    let scope = workspace.clone();
+    match crate::off_thread(&state.store, move |store| call(store, &scope)).await {
         Ok(Ok(written)) => {
             let version = written.version;
-            state.pusher.push(written, crate::DEFAULT_WORKSPACE).await;
+            state.pusher.push(written, &workspace).await;
             // The store takes any JSON (it is TrustGraph's general config store), but whoever
             // changes the agent config should learn at once that orchestrators will refuse it.
-            let problems = agent_config_problems(&state.store);
+            let problems = agent_config_problems(&state.store, &workspace);
             if problems.is_empty() {
                 Json(json!({"version": version})).into_response()
             } else {
@@ -152,8 +222,8 @@ async fn write(
 }
 
 /// What the orchestrators will find wrong with the agent config now in the store.
-fn agent_config_problems(store: &ConfigStore) -> Vec<String> {
-    match store.dump() {
+fn agent_config_problems(store: &ConfigStore, workspace: &str) -> Vec<String> {
+    match store.dump(workspace) {
         Ok((_, values)) => match AgentConfig::from_texts(&values) {
             Ok(_) => Vec::new(),
             Err(problems) => problems.iter().map(ToString::to_string).collect(),
@@ -165,6 +235,7 @@ fn agent_config_problems(store: &ConfigStore) -> Vec<String> {
 async fn put_one(
     State(state): State<AppState>,
     Path((kind, key)): Path<(String, String)>,
+    Query(scope): Query<Scope>,
     headers: HeaderMap,
     body: Bytes,
 ) -> Response {
@@ -174,16 +245,23 @@ async fn put_one(
     let Ok(text) = String::from_utf8(body.to_vec()) else {
         return (StatusCode::BAD_REQUEST, "the body is not UTF-8").into_response();
     };
-    write(&state, move |store| store.put(&[(kind, key, text)])).await
+    write(&state, scope.name(), move |store, workspace| {
+        store.put(workspace, &[(kind, key, text)])
+    })
+    .await
 }
 
 async fn delete_one(
     State(state): State<AppState>,
     Path((kind, key)): Path<(String, String)>,
+    Query(scope): Query<Scope>,
     headers: HeaderMap,
 ) -> Response {
     if let Some(denied) = denied(&state, &headers) {
         return denied;
     }
-    write(&state, move |store| store.delete(&[(kind, key)])).await
+    write(&state, scope.name(), move |store, workspace| {
+        store.delete(workspace, &[(kind, key)])
+    })
+    .await
 }

@@ -1,6 +1,8 @@
-//! config-svc: the config API. TrustGraph's config protocol over Pulsar (`get`, `list`,
-//! `getvalues`, `put`, `delete`, `config`), a REST API for people with bearer-token writes, a
-//! `ConfigPush` after every write that changed something, and an embedded durable store.
+//! config-svc: the config API. TrustGraph 2.x's config protocol over Pulsar (`get`, `list`,
+//! `getvalues`, `put`, `delete`, `config` within a workspace; `getvalues-all-ws`,
+//! `getkeys-all-ws`), the same operations over HTTP where TrustGraph's API gateway serves them (so
+//! its CLI works), a REST API for people with bearer-token writes, a `ConfigPush` after every write
+//! that changed something, and an embedded durable store.
 //! One process owns a store directory.
 
 pub mod http;
@@ -52,9 +54,10 @@ pub struct Pusher {
 pub const DEFAULT_WORKSPACE: &str = "default";
 
 impl Pusher {
-    /// Announces `written` (in `workspace`) when it changed something.
+    /// Announces `written` (in `workspace`) when it changed something. As in TrustGraph, a
+    /// reserved workspace (`_` first, such as `__template__`) is storage only: never announced.
     pub async fn push(&self, written: Written, workspace: &str) {
-        if written.changes.is_empty() {
+        if written.changes.is_empty() || workspace.starts_with('_') {
             return;
         }
         self.send(ConfigPush {
@@ -115,7 +118,7 @@ pub async fn run(settings: ConfigSvcSettings, shutdown: CancellationToken) -> an
             let lines: Vec<String> = errors.iter().map(|e| format!("  {e}")).collect();
             anyhow::anyhow!("invalid seed files:\n{}", lines.join("\n"))
         })?;
-        let written = store.put_missing(&seed::entries(&values))?;
+        let written = store.put_missing(DEFAULT_WORKSPACE, &seed::entries(&values))?;
         let added: usize = written.changes.values().map(Vec::len).sum();
         tracing::info!(dir = %dir.display(), added, version = written.version, "seeded");
         pusher.push(written, DEFAULT_WORKSPACE).await;
@@ -173,11 +176,7 @@ async fn answer(
     delivery: Delivery<ConfigRequest>,
 ) -> Disposition {
     let request = delivery.payload;
-    let workspace = request
-        .workspace
-        .clone()
-        .filter(|w| !w.is_empty())
-        .unwrap_or_else(|| DEFAULT_WORKSPACE.to_owned());
+    let workspace = protocol::workspace_of(&request).to_owned();
     let handled = off_thread(&store, move |store| protocol::handle(store, &request)).await;
     let (response, written) = match handled {
         Ok(pair) => pair,

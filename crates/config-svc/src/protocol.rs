@@ -9,7 +9,6 @@ use crate::store::{ConfigStore, StoreError, Written};
 pub const CONFIG_ERROR: &str = "config-error";
 pub const BAD_OPERATION: &str = "bad-operation";
 
-/// Answers `request`; a write that changed something also returns what it wrote.
 /// Metric of config requests over the broker by operation and outcome (ok, error).
 pub const REQUESTS: &str = "agent_config_requests_total";
 /// Metric of the store's version.
@@ -30,6 +29,17 @@ pub fn describe_metrics() {
     );
 }
 
+/// The workspace a request works in. TrustGraph 2.x's service refuses a request without one; a
+/// TrustGraph 1.x client never names one, and is answered from the default workspace.
+pub fn workspace_of(request: &ConfigRequest) -> &str {
+    request
+        .workspace
+        .as_deref()
+        .filter(|w| !w.is_empty())
+        .unwrap_or(crate::DEFAULT_WORKSPACE)
+}
+
+/// Answers `request`; a write that changed something also returns what it wrote.
 pub fn handle(store: &ConfigStore, request: &ConfigRequest) -> (ConfigResponse, Option<Written>) {
     let answered = answer(store, request);
     // The operation is the client's text: only the known ones are label values.
@@ -40,6 +50,8 @@ pub fn handle(store: &ConfigStore, request: &ConfigRequest) -> (ConfigResponse, 
         operation::PUT,
         operation::DELETE,
         operation::CONFIG,
+        operation::GET_VALUES_ALL_WS,
+        operation::GET_KEYS_ALL_WS,
     ];
     let label = known
         .into_iter()
@@ -69,6 +81,7 @@ fn answer(
     request: &ConfigRequest,
 ) -> Result<(ConfigResponse, Option<Written>), Failure> {
     let failed = |e: StoreError| (CONFIG_ERROR, e.to_string());
+    let workspace = workspace_of(request);
     let version = || store.version().map_err(failed);
     let kind = || {
         request
@@ -93,18 +106,13 @@ fn answer(
         kind,
         key,
         value,
-        workspace: request.workspace.clone(),
+        workspace: Some(workspace.to_owned()),
     };
     let response = match request.operation.as_str() {
+        // As TrustGraph's service: a key that is not there is simply not among the values (its
+        // CLI reads keys that may not exist before it writes).
         operation::GET => {
-            let wanted = keys();
-            let found = store.get(&wanted).map_err(failed)?;
-            if let Some((kind, key)) = wanted
-                .iter()
-                .find(|(kind, key)| !found.iter().any(|(k, n, _)| k == kind && n == key))
-            {
-                return Err((CONFIG_ERROR, format!("key not found: {kind}/{key}")));
-            }
+            let found = store.get(workspace, &keys()).map_err(failed)?;
             ConfigResponse {
                 version: Some(version()?),
                 values: Some(found.into_iter().map(value).collect()),
@@ -113,12 +121,12 @@ fn answer(
         }
         operation::LIST => ConfigResponse {
             version: Some(version()?),
-            directory: Some(store.list(&kind()?).map_err(failed)?),
+            directory: Some(store.list(workspace, &kind()?).map_err(failed)?),
             ..ConfigResponse::default()
         },
         operation::GET_VALUES => {
             let kind = kind()?;
-            let values = store.values_of(&kind).map_err(failed)?;
+            let values = store.values_of(workspace, &kind).map_err(failed)?;
             ConfigResponse {
                 version: Some(version()?),
                 values: Some(
@@ -130,8 +138,28 @@ fn answer(
                 ..ConfigResponse::default()
             }
         }
+        operation::GET_VALUES_ALL_WS | operation::GET_KEYS_ALL_WS => {
+            let kind = kind()?;
+            let with_values = request.operation == operation::GET_VALUES_ALL_WS;
+            let values = store.values_everywhere(&kind).map_err(failed)?;
+            ConfigResponse {
+                version: Some(version()?),
+                values: Some(
+                    values
+                        .into_iter()
+                        .map(|(workspace, key, value)| ConfigValue {
+                            kind: kind.clone(),
+                            key,
+                            value: if with_values { value } else { String::new() },
+                            workspace: Some(workspace),
+                        })
+                        .collect(),
+                ),
+                ..ConfigResponse::default()
+            }
+        }
         operation::CONFIG => {
-            let (version, config) = store.dump().map_err(failed)?;
+            let (version, config) = store.dump(workspace).map_err(failed)?;
             ConfigResponse {
                 version: Some(version),
                 config: Some(config),
@@ -144,9 +172,9 @@ fn answer(
                 .iter()
                 .map(|v| (v.kind.clone(), v.key.clone(), v.value.clone()))
                 .collect();
-            return written(store.put(&entries));
+            return written(store.put(workspace, &entries));
         }
-        operation::DELETE => return written(store.delete(&keys())),
+        operation::DELETE => return written(store.delete(workspace, &keys())),
         other => return Err((BAD_OPERATION, format!("Bad operation '{other}'"))),
     };
     Ok((response, None))
@@ -224,7 +252,57 @@ mod tests {
         assert_eq!(r.version, Some(2));
         assert!(push.is_some());
         let (r, _) = handle(&store, &get);
-        assert_eq!(r.error.unwrap().message, "key not found: tool/llm");
+        assert_eq!(r.error, None);
+        assert_eq!(r.values, Some(vec![]));
+        let _ = std::fs::remove_dir_all(dir);
+    }
+
+    #[test]
+    fn workspaces_as_trustgraph_2_scopes_them() {
+        let (store, dir) = store();
+        let put_in = |workspace: Option<&str>, key: &str| {
+            let mut put = request(operation::PUT);
+            put.workspace = workspace.map(Into::into);
+            put.values = vec![ConfigValue {
+                kind: "tool".into(),
+                key: key.into(),
+                value: "{}".into(),
+                workspace: None,
+            }];
+            handle(&store, &put)
+        };
+        // A request naming no workspace (TrustGraph 1.x) works in the default one.
+        assert_eq!(put_in(None, "a").0.error, None);
+        assert_eq!(put_in(Some("team"), "b").0.error, None);
+        let config_of = |workspace: &str| {
+            let mut all = request(operation::CONFIG);
+            all.workspace = Some(workspace.into());
+            handle(&store, &all).0.config.unwrap()
+        };
+        assert!(config_of("default")["tool"].contains_key("a"));
+        assert!(!config_of("default")["tool"].contains_key("b"));
+        assert_eq!(config_of("team")["tool"].len(), 1);
+        assert!(config_of("elsewhere").is_empty());
+
+        let mut everywhere = request(operation::GET_VALUES_ALL_WS);
+        everywhere.kind = Some("tool".into());
+        let values = handle(&store, &everywhere).0.values.unwrap();
+        let places: Vec<_> = values
+            .iter()
+            .map(|v| (v.workspace.clone().unwrap(), v.key.clone(), v.value.clone()))
+            .collect();
+        assert_eq!(
+            places,
+            vec![
+                ("default".into(), "a".into(), "{}".into()),
+                ("team".into(), "b".into(), "{}".into())
+            ]
+        );
+        let mut keys = request(operation::GET_KEYS_ALL_WS);
+        keys.kind = Some("tool".into());
+        let values = handle(&store, &keys).0.values.unwrap();
+        assert!(values.iter().all(|v| v.value.is_empty()));
+        assert_eq!(values.len(), 2);
         let _ = std::fs::remove_dir_all(dir);
     }
 

@@ -1,5 +1,5 @@
-//! The config store: type -> key -> JSON value plus a version, kept in one file that is replaced
-//! atomically and fsynced before a write is acknowledged, so a SIGKILL after an acknowledged write
+//! The config store: workspace -> type -> key -> JSON value plus one version (as TrustGraph 2.x
+//! scopes config by workspace), kept in one file that is replaced atomically and fsynced before a write is acknowledged, so a SIGKILL after an acknowledged write
 //! loses nothing and a SIGKILL during one leaves the previous state.
 
 use std::collections::BTreeMap;
@@ -36,7 +36,20 @@ pub enum StoreError {
 #[derive(Debug, Default, Clone, Serialize, Deserialize)]
 struct Snapshot {
     version: u64,
+    /// A store written before workspaces existed: read into [`LEGACY_WORKSPACE`] at open.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     values: Values,
+    #[serde(default)]
+    workspaces: BTreeMap<String, Values>,
+}
+
+/// Where a store written before workspaces keeps its values.
+const LEGACY_WORKSPACE: &str = "default";
+
+impl Snapshot {
+    fn of(&self, workspace: &str) -> Option<&Values> {
+        self.workspaces.get(workspace)
+    }
 }
 
 /// The result of a write: the new version and the types it touched (for the change push).
@@ -70,6 +83,20 @@ impl ConfigStore {
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => Snapshot::default(),
             Err(e) => return Err(io(e)),
         };
+        let mut state: Snapshot = state;
+        let legacy = std::mem::take(&mut state.values);
+        if !legacy.is_empty() {
+            let default = state
+                .workspaces
+                .entry(LEGACY_WORKSPACE.to_owned())
+                .or_default();
+            for (kind, entries) in legacy {
+                let into = default.entry(kind).or_default();
+                for (key, value) in entries {
+                    into.entry(key).or_insert(value);
+                }
+            }
+        }
         Ok(ConfigStore {
             path,
             state: Mutex::new(state),
@@ -84,44 +111,79 @@ impl ConfigStore {
         Ok(self.lock()?.version)
     }
 
-    /// The value of each `(type, key)` that exists, in the order asked.
+    /// The value of each `(type, key)` of `workspace` that exists, in the order asked.
     pub fn get(
         &self,
+        workspace: &str,
         keys: &[(String, String)],
     ) -> Result<Vec<(String, String, String)>, StoreError> {
         let state = self.lock()?;
         Ok(keys
             .iter()
             .filter_map(|(kind, key)| {
-                let value = state.values.get(kind)?.get(key)?;
+                let value = state.of(workspace)?.get(kind)?.get(key)?;
                 Some((kind.clone(), key.clone(), value.clone()))
             })
             .collect())
     }
 
-    /// The keys of one type.
-    pub fn list(&self, kind: &str) -> Result<Vec<String>, StoreError> {
+    /// The keys of one type in `workspace`.
+    pub fn list(&self, workspace: &str, kind: &str) -> Result<Vec<String>, StoreError> {
+        Ok(self.values_of(workspace, kind)?.into_keys().collect())
+    }
+
+    /// Every key and value of one type in `workspace`.
+    pub fn values_of(
+        &self,
+        workspace: &str,
+        kind: &str,
+    ) -> Result<BTreeMap<String, String>, StoreError> {
         Ok(self
             .lock()?
-            .values
-            .get(kind)
-            .map(|m| m.keys().cloned().collect())
+            .of(workspace)
+            .and_then(|values| values.get(kind))
+            .cloned()
             .unwrap_or_default())
     }
 
-    /// Every key and value of one type.
-    pub fn values_of(&self, kind: &str) -> Result<BTreeMap<String, String>, StoreError> {
-        Ok(self.lock()?.values.get(kind).cloned().unwrap_or_default())
-    }
-
-    /// Everything, with its version.
-    pub fn dump(&self) -> Result<(u64, Values), StoreError> {
+    /// `(workspace, key, value)` of every entry of one type in every workspace.
+    pub fn values_everywhere(
+        &self,
+        kind: &str,
+    ) -> Result<Vec<(String, String, String)>, StoreError> {
         let state = self.lock()?;
-        Ok((state.version, state.values.clone()))
+        Ok(state
+            .workspaces
+            .iter()
+            .flat_map(|(workspace, values)| {
+                values.get(kind).into_iter().flat_map(move |entries| {
+                    entries
+                        .iter()
+                        .map(move |(key, value)| (workspace.clone(), key.clone(), value.clone()))
+                })
+            })
+            .collect())
     }
 
-    /// Sets every `(type, key, value)` at once (values must be JSON); one version bump.
-    pub fn put(&self, entries: &[(String, String, String)]) -> Result<Written, StoreError> {
+    /// Everything in `workspace`, with the store's version.
+    pub fn dump(&self, workspace: &str) -> Result<(u64, Values), StoreError> {
+        let state = self.lock()?;
+        Ok((
+            state.version,
+            state.of(workspace).cloned().unwrap_or_default(),
+        ))
+    }
+
+    /// Sets every `(type, key, value)` of `workspace` at once (values must be JSON); one version
+    /// bump.
+    pub fn put(
+        &self,
+        workspace: &str,
+        entries: &[(String, String, String)],
+    ) -> Result<Written, StoreError> {
+        if workspace.is_empty() {
+            return Err(StoreError::EmptyName);
+        }
         for (kind, key, value) in entries {
             if kind.is_empty() || key.is_empty() {
                 return Err(StoreError::EmptyName);
@@ -134,7 +196,7 @@ impl ConfigStore {
                 });
             }
         }
-        self.write(|values, changes| {
+        self.write(workspace, |values, changes| {
             for (kind, key, value) in entries {
                 values
                     .entry(kind.clone())
@@ -146,13 +208,20 @@ impl ConfigStore {
     }
 
     /// Sets only the keys that do not exist yet (seeding never overwrites a user's change).
-    pub fn put_missing(&self, entries: &[(String, String, String)]) -> Result<Written, StoreError> {
+    pub fn put_missing(
+        &self,
+        workspace: &str,
+        entries: &[(String, String, String)],
+    ) -> Result<Written, StoreError> {
         let missing: Vec<_> = {
             let state = self.lock()?;
             entries
                 .iter()
                 .filter(|(kind, key, _)| {
-                    !state.values.get(kind).is_some_and(|m| m.contains_key(key))
+                    !state
+                        .of(workspace)
+                        .and_then(|values| values.get(kind))
+                        .is_some_and(|m| m.contains_key(key))
                 })
                 .cloned()
                 .collect()
@@ -163,13 +232,17 @@ impl ConfigStore {
                 changes: BTreeMap::new(),
             });
         }
-        self.put(&missing)
+        self.put(workspace, &missing)
     }
 
     /// Removes every `(type, key)`; deleting a missing key is not an error. One version bump when
     /// anything was removed.
-    pub fn delete(&self, keys: &[(String, String)]) -> Result<Written, StoreError> {
-        self.write(|values, changes| {
+    pub fn delete(
+        &self,
+        workspace: &str,
+        keys: &[(String, String)],
+    ) -> Result<Written, StoreError> {
+        self.write(workspace, |values, changes| {
             for (kind, key) in keys {
                 if let Some(map) = values.get_mut(kind) {
                     if map.remove(key).is_some() {
@@ -187,12 +260,17 @@ impl ConfigStore {
     /// leaves memory and disk as they were.
     fn write(
         &self,
+        workspace: &str,
         change: impl FnOnce(&mut Values, &mut BTreeMap<String, Vec<String>>),
     ) -> Result<Written, StoreError> {
         let mut state = self.lock()?;
         let mut next = state.clone();
         let mut changes = BTreeMap::new();
-        change(&mut next.values, &mut changes);
+        let values = next.workspaces.entry(workspace.to_owned()).or_default();
+        change(values, &mut changes);
+        if values.is_empty() {
+            next.workspaces.remove(workspace);
+        }
         if changes.is_empty() {
             return Ok(Written {
                 version: state.version,
@@ -237,6 +315,8 @@ impl ConfigStore {
 mod tests {
     use super::*;
 
+    const WS: &str = "default";
+
     fn temp_dir() -> PathBuf {
         std::env::temp_dir().join(format!("config-store-{:016x}", rand::random::<u64>()))
     }
@@ -251,18 +331,21 @@ mod tests {
         let store = ConfigStore::open(&dir).unwrap();
         assert_eq!(store.version().unwrap(), 0);
         let w = store
-            .put(&[
-                entry("tool", "a", r#"{"name":"a"}"#),
-                entry("tool", "b", "{}"),
-            ])
+            .put(
+                WS,
+                &[
+                    entry("tool", "a", r#"{"name":"a"}"#),
+                    entry("tool", "b", "{}"),
+                ],
+            )
             .unwrap();
         assert_eq!(w.version, 1);
         assert_eq!(w.changes["tool"], vec!["a", "b"]);
-        store.delete(&[("tool".into(), "b".into())]).unwrap();
+        store.delete(WS, &[("tool".into(), "b".into())]).unwrap();
         drop(store);
         let store = ConfigStore::open(&dir).unwrap();
         assert_eq!(store.version().unwrap(), 2);
-        assert_eq!(store.list("tool").unwrap(), vec!["a"]);
+        assert_eq!(store.list(WS, "tool").unwrap(), vec!["a"]);
         let _ = std::fs::remove_dir_all(dir);
     }
 
@@ -271,11 +354,14 @@ mod tests {
         let dir = temp_dir();
         let store = ConfigStore::open(&dir).unwrap();
         let e = store
-            .put(&[entry("tool", "a", "{}"), entry("tool", "b", "{not json")])
+            .put(
+                WS,
+                &[entry("tool", "a", "{}"), entry("tool", "b", "{not json")],
+            )
             .unwrap_err();
         assert!(e.to_string().contains("tool/b"));
         assert_eq!(store.version().unwrap(), 0);
-        assert!(store.list("tool").unwrap().is_empty());
+        assert!(store.list(WS, "tool").unwrap().is_empty());
         let _ = std::fs::remove_dir_all(dir);
     }
 
@@ -283,18 +369,25 @@ mod tests {
     fn seeding_never_overwrites() {
         let dir = temp_dir();
         let store = ConfigStore::open(&dir).unwrap();
-        store.put(&[entry("prompt", "react", r#""mine""#)]).unwrap();
+        store
+            .put(WS, &[entry("prompt", "react", r#""mine""#)])
+            .unwrap();
         let w = store
-            .put_missing(&[
-                entry("prompt", "react", r#""seed""#),
-                entry("prompt", "plan", r#""seed""#),
-            ])
+            .put_missing(
+                WS,
+                &[
+                    entry("prompt", "react", r#""seed""#),
+                    entry("prompt", "plan", r#""seed""#),
+                ],
+            )
             .unwrap();
         assert_eq!(w.changes["prompt"], vec!["plan"]);
-        let got = store.get(&[("prompt".into(), "react".into())]).unwrap();
+        let got = store.get(WS, &[("prompt".into(), "react".into())]).unwrap();
         assert_eq!(got[0].2, r#""mine""#);
         // Nothing missing: no version bump.
-        let again = store.put_missing(&[entry("prompt", "plan", "1")]).unwrap();
+        let again = store
+            .put_missing(WS, &[entry("prompt", "plan", "1")])
+            .unwrap();
         assert_eq!(again.version, w.version);
         assert!(again.changes.is_empty());
         let _ = std::fs::remove_dir_all(dir);
@@ -304,8 +397,43 @@ mod tests {
     fn deleting_nothing_is_not_a_write() {
         let dir = temp_dir();
         let store = ConfigStore::open(&dir).unwrap();
-        let w = store.delete(&[("tool".into(), "nope".into())]).unwrap();
+        let w = store.delete(WS, &[("tool".into(), "nope".into())]).unwrap();
         assert_eq!(w.version, 0);
+        let _ = std::fs::remove_dir_all(dir);
+    }
+
+    #[test]
+    fn workspaces_are_apart_and_a_store_from_before_them_is_the_default_workspace() {
+        let dir = temp_dir();
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(
+            dir.join("config.json"),
+            r#"{"version": 4, "values": {"tool": {"old": "{}"}}}"#,
+        )
+        .unwrap();
+        let store = ConfigStore::open(&dir).unwrap();
+        assert_eq!(store.version().unwrap(), 4);
+        assert_eq!(store.list("default", "tool").unwrap(), vec!["old"]);
+        store.put("team", &[entry("tool", "theirs", "{}")]).unwrap();
+        assert_eq!(store.list("default", "tool").unwrap(), vec!["old"]);
+        assert_eq!(store.list("team", "tool").unwrap(), vec!["theirs"]);
+        assert!(store.dump("nobody").unwrap().1.is_empty());
+        let everywhere = store.values_everywhere("tool").unwrap();
+        assert_eq!(
+            everywhere,
+            vec![
+                ("default".into(), "old".into(), "{}".into()),
+                ("team".into(), "theirs".into(), "{}".into())
+            ]
+        );
+        // Deleting a workspace's last entry leaves no empty workspace behind; reopening keeps all.
+        store
+            .delete("team", &[("tool".into(), "theirs".into())])
+            .unwrap();
+        drop(store);
+        let store = ConfigStore::open(&dir).unwrap();
+        assert_eq!(store.values_everywhere("tool").unwrap().len(), 1);
+        assert_eq!(store.version().unwrap(), 6);
         let _ = std::fs::remove_dir_all(dir);
     }
 }

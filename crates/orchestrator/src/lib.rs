@@ -689,12 +689,17 @@ pub async fn run(settings: Settings, shutdown: CancellationToken) -> anyhow::Res
         explainability: Publisher::new(&bus, &topics.explainability).await?,
     };
     let live = Arc::new(LiveConfig::new(config));
+    let first_read = Arc::new(tokio::sync::Notify::new());
     let follower = tokio::spawn(live_config::follow(
         live.clone(),
         bus.clone(),
         topics.clone(),
+        settings.broker.workspace.clone(),
+        first_read.clone(),
         shutdown.clone(),
     ));
+    // The deployment's tools and prompts are in force before the first request is taken.
+    let _ = tokio::time::timeout(live_config::FIRST_READ_WAIT, first_read.notified()).await;
     let journal = knowledge.clone().map(Journal::new);
     if journal.is_none() {
         tracing::warn!("no shared graph store (GRAPH_STORE as an http(s) SPARQL endpoint): iterations are at-least-once");

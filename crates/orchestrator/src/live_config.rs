@@ -1,5 +1,6 @@
 //! The config in force. It starts from the config directory, then follows the config service: a
-//! full read at start, after every push and once a minute (pushes are not persistent). A config
+//! full read of this workspace's config (TrustGraph 2.x scopes config by workspace) at start, after
+//! every push that may concern it and once a minute (pushes are not persistent). A config
 //! that does not validate is refused with a logged error and the last good one stays in force;
 //! iterations read a snapshot, so a change never lands in the middle of one.
 
@@ -9,7 +10,7 @@ use std::time::Duration;
 
 use agent_bus::{Bus, ConfigClient, ConfigPushes, Topics};
 use agent_core::config::{AgentConfig, ConfigError};
-use agent_schema::{operation, ConfigRequest};
+use agent_schema::{operation, ConfigPush, ConfigRequest};
 use tokio_util::sync::CancellationToken;
 
 const ANSWER_TIMEOUT: Duration = Duration::from_secs(5);
@@ -72,9 +73,33 @@ impl LiveConfig {
     }
 }
 
-/// Follows the config service until `shutdown`. Without a config service nothing changes: the
-/// directory's config (or the built-in defaults) stays in force.
-pub async fn follow(live: Arc<LiveConfig>, bus: Bus, topics: Topics, shutdown: CancellationToken) {
+/// Whether a push may change `workspace`'s config: it names the workspace under some type, or it
+/// names nothing ("everything", as sent when a config service starts).
+fn concerns(push: &ConfigPush, workspace: &str) -> bool {
+    push.changes.is_empty()
+        || push
+            .changes
+            .values()
+            .any(|workspaces| workspaces.iter().any(|w| w == workspace))
+}
+
+/// How long a starting orchestrator waits for its first read of the config service before it
+/// takes requests (a request must not run on the local config when a service has another). A
+/// service answers in milliseconds; without one (the config requests go nowhere) start is delayed
+/// this long, and a slower answer still applies when it comes.
+pub const FIRST_READ_WAIT: Duration = Duration::from_secs(2);
+
+/// Follows `workspace`'s config in the config service until `shutdown`. Without a config service
+/// nothing changes: the directory's config (or the built-in defaults) stays in force.
+/// `first_read` is notified once the first read has been answered, refused or timed out.
+pub async fn follow(
+    live: Arc<LiveConfig>,
+    bus: Bus,
+    topics: Topics,
+    workspace: String,
+    first_read: Arc<tokio::sync::Notify>,
+    shutdown: CancellationToken,
+) {
     let mut pushes = match ConfigPushes::subscribe(&bus, &topics).await {
         Ok(p) => Some(p),
         Err(e) => {
@@ -86,6 +111,7 @@ pub async fn follow(live: Arc<LiveConfig>, bus: Bus, topics: Topics, shutdown: C
         Ok(c) => c,
         Err(e) => {
             tracing::error!(error = %e, "cannot reach the config service topics; keeping the local config");
+            first_read.notify_one();
             return;
         }
     };
@@ -95,6 +121,7 @@ pub async fn follow(live: Arc<LiveConfig>, bus: Bus, topics: Topics, shutdown: C
             .call(
                 &ConfigRequest {
                     operation: operation::CONFIG.to_owned(),
+                    workspace: Some(workspace.clone()),
                     ..ConfigRequest::default()
                 },
                 ANSWER_TIMEOUT,
@@ -129,9 +156,16 @@ pub async fn follow(live: Arc<LiveConfig>, bus: Bus, topics: Topics, shutdown: C
                 }
             }
         }
+        // A permit is kept until the waiter comes; later reads add nothing to wait for.
+        first_read.notify_one();
         let push = async {
             match pushes.as_mut() {
-                Some(p) => p.next().await.map(|_| ()),
+                Some(p) => loop {
+                    match p.next().await {
+                        Ok(push) if !concerns(&push, &workspace) => continue,
+                        other => break other.map(|_| ()),
+                    }
+                },
                 None => std::future::pending().await,
             }
         };
@@ -160,6 +194,28 @@ mod tests {
                 .insert((*key).into(), (*value).into());
         }
         map
+    }
+
+    #[test]
+    fn only_pushes_that_may_concern_the_workspace_cause_a_read() {
+        let push = |changes: &[(&str, &[&str])]| ConfigPush {
+            version: 1,
+            changes: changes
+                .iter()
+                .map(|(kind, spaces)| {
+                    (
+                        (*kind).to_owned(),
+                        spaces.iter().map(|s| (*s).to_owned()).collect(),
+                    )
+                })
+                .collect(),
+        };
+        assert!(concerns(&push(&[]), "default"));
+        assert!(concerns(
+            &push(&[("tool", &["team", "default"])]),
+            "default"
+        ));
+        assert!(!concerns(&push(&[("tool", &["team"])]), "default"));
     }
 
     #[test]

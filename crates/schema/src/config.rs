@@ -15,6 +15,10 @@ pub mod operation {
     pub const PUT: &str = "put";
     pub const DELETE: &str = "delete";
     pub const CONFIG: &str = "config";
+    /// Every value of a type in every workspace (TrustGraph 2.x services read it at start).
+    pub const GET_VALUES_ALL_WS: &str = "getvalues-all-ws";
+    /// Every `(workspace, key)` of a type, without the values.
+    pub const GET_KEYS_ALL_WS: &str = "getkeys-all-ws";
 }
 
 /// One entry to read or delete.
@@ -38,7 +42,8 @@ pub struct ConfigValue {
 }
 
 /// `get` reads `keys`; `list` and `getvalues` read `type`; `put` writes `values`; `delete` removes
-/// `keys`; `config` returns everything.
+/// `keys`; `config` returns everything; all within `workspace` (TrustGraph 2.x). The `-all-ws`
+/// operations read one `type` across workspaces.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(default)]
 pub struct ConfigRequest {
