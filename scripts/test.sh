@@ -29,7 +29,8 @@ soak_status=${PIPESTATUS[0]}
 # broker restart, effectively-once, the supervisor with two replicas, hostile input, the drop-in
 # driven by TrustGraph's own CLI and client library, then the
 # chaos soak's short mode with its broker restart. (tests/tests/pulsar_auth.rs, JWT
-# authentication and authorization, runs on Apache Pulsar in the main run above.)
+# authentication and authorization, and tests/tests/message_limits.rs, the broker's message size
+# limit, run on Apache Pulsar in the main run above.)
 echo "== Apache Pulsar tier"
 AGENT_E2E_BROKER=apache cargo test --locked --workspace --no-fail-fast \
   --test react --test failures --test once --test supervisor --test hostile --test trustgraph \

@@ -55,6 +55,7 @@ async fn write_throughput(args: &GraphBenchArgs) -> anyhow::Result<()> {
         pulsar_url: broker.url(),
         pulsar_token: None,
         pulsar_tls_ca_file: None,
+        pulsar_max_message_bytes: agent_bus::DEFAULT_MAX_MESSAGE_BYTES,
         workspace: "default".into(),
         flow: "default".into(),
     };

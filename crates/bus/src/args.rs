@@ -13,6 +13,10 @@ pub struct BrokerArgs {
     /// CA certificates (PEM) for a `pulsar+ssl://` broker signed by a private CA.
     #[arg(long, env = "PULSAR_TLS_CA_FILE")]
     pub pulsar_tls_ca_file: Option<std::path::PathBuf>,
+    /// The largest message the broker takes, in bytes (Apache Pulsar's `maxMessageSize`). A larger
+    /// one is refused before it is sent: the broker would drop the connection on it.
+    #[arg(long, env = "PULSAR_MAX_MESSAGE_BYTES", default_value_t = crate::DEFAULT_MAX_MESSAGE_BYTES)]
+    pub pulsar_max_message_bytes: usize,
     /// Workspace part of the topic names.
     #[arg(long, env = "AGENT_WORKSPACE", default_value = "default")]
     pub workspace: String,
@@ -23,12 +27,13 @@ pub struct BrokerArgs {
 
 impl BrokerArgs {
     pub async fn connect(&self) -> Result<Bus, BusError> {
-        Bus::connect_tls(
+        Ok(Bus::connect_tls(
             &self.pulsar_url,
             self.pulsar_token.as_deref(),
             self.pulsar_tls_ca_file.as_deref(),
         )
-        .await
+        .await?
+        .with_max_message_bytes(self.pulsar_max_message_bytes))
     }
 
     /// TrustGraph's topic names for this workspace and flow.

@@ -38,7 +38,12 @@ pub type Properties = BTreeMap<String, String>;
 #[derive(Clone)]
 pub struct Bus {
     client: Pulsar<TokioExecutor>,
+    max_message_bytes: usize,
 }
+
+/// Apache Pulsar's default `maxMessageSize` (5 MiB); a broker with another limit is told with
+/// `PULSAR_MAX_MESSAGE_BYTES`.
+pub const DEFAULT_MAX_MESSAGE_BYTES: usize = 5 * 1024 * 1024;
 
 impl Bus {
     /// Connects to `url` (`pulsar://` or `pulsar+ssl://`), with token authentication when a token is given.
@@ -66,7 +71,21 @@ impl Bus {
             });
         }
         let client = builder.build().await.map_err(BusError::connect)?;
-        Ok(Bus { client })
+        Ok(Bus {
+            client,
+            max_message_bytes: DEFAULT_MAX_MESSAGE_BYTES,
+        })
+    }
+
+    /// The largest message the broker takes (payload and properties); publishers refuse larger
+    /// ones themselves.
+    pub fn with_max_message_bytes(mut self, max: usize) -> Bus {
+        self.max_message_bytes = max;
+        self
+    }
+
+    pub fn max_message_bytes(&self) -> usize {
+        self.max_message_bytes
     }
 
     pub fn client(&self) -> &Pulsar<TokioExecutor> {

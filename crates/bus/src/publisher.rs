@@ -14,6 +14,7 @@ use crate::{Bus, BusError, Properties};
 pub struct Publisher {
     topic: String,
     producer: Arc<Mutex<Producer<TokioExecutor>>>,
+    max_message_bytes: usize,
 }
 
 impl Publisher {
@@ -36,11 +37,26 @@ impl Publisher {
         Ok(Publisher {
             topic: topic.to_owned(),
             producer: Arc::new(Mutex::new(producer)),
+            max_message_bytes: bus.max_message_bytes(),
         })
     }
 
     pub fn topic(&self) -> &str {
         &self.topic
+    }
+
+    /// The largest message this publisher sends (the broker's limit).
+    pub fn max_message_bytes(&self) -> usize {
+        self.max_message_bytes
+    }
+
+    /// What the broker counts against its limit: the payload and the properties.
+    pub fn message_bytes(payload: &[u8], properties: &Properties) -> usize {
+        payload.len()
+            + properties
+                .iter()
+                .map(|(k, v)| k.len() + v.len())
+                .sum::<usize>()
     }
 
     /// Sends and waits for the broker's receipt: only then may the input that caused it be acked.
@@ -55,6 +71,15 @@ impl Publisher {
         payload: Vec<u8>,
         properties: &Properties,
     ) -> Result<Receipt, BusError> {
+        let bytes = Self::message_bytes(&payload, properties);
+        if bytes > self.max_message_bytes {
+            return Err(BusError::TooLarge {
+                topic: self.topic.clone(),
+                bytes,
+                max: self.max_message_bytes,
+                limit: "the broker's maxMessageSize, PULSAR_MAX_MESSAGE_BYTES".to_owned(),
+            });
+        }
         let message = Message {
             payload,
             properties: properties

@@ -217,7 +217,8 @@ fn is_outage(e: &anyhow::Error) -> bool {
     if let Some(e) = e.downcast_ref::<agent_graph::GraphError>() {
         return e.retryable();
     }
-    e.downcast_ref::<agent_bus::BusError>().is_some()
+    e.downcast_ref::<agent_bus::BusError>()
+        .is_some_and(agent_bus::BusError::passes)
 }
 
 impl Engine {
@@ -411,6 +412,7 @@ impl Engine {
         );
         out.set_run(&run_uri, run_base);
         out.set_conversation(&request.conversation_id);
+        out.limit_requests(config.limits.max_message_bytes);
         let giving_up = matches!(attempt, Attempt::GiveUp(_));
         let slot = match &self.journal {
             Some(journal) => {

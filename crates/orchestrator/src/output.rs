@@ -52,7 +52,12 @@ pub struct DialogOutput<'a> {
     /// Whether answer text went to the client: a step that streamed some cannot run again
     /// without repeating it, so it does not park.
     answer_streamed: std::sync::atomic::AtomicBool,
+    /// The largest request this dialog may queue, and which limit that is.
+    request_limit: (usize, &'static str),
 }
+
+/// The name of the broker's message size limit in errors.
+const BROKER_LIMIT: &str = "the broker's maxMessageSize, PULSAR_MAX_MESSAGE_BYTES";
 
 /// Why a step set itself aside to be tried again: an outage of something it needs.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -106,7 +111,33 @@ impl<'a> DialogOutput<'a> {
             ended: Mutex::new(None),
             parked: Mutex::new(None),
             answer_streamed: std::sync::atomic::AtomicBool::new(false),
+            request_limit: (outputs.requests.max_message_bytes(), BROKER_LIMIT),
         }
+    }
+
+    /// Bounds the requests this dialog queues by `max_message_bytes` (the config's), or by the
+    /// broker's limit when that is smaller: a dialog whose history outgrows it ends now with an
+    /// error naming the limit, instead of queuing a message that would be refused later (or that
+    /// the broker would not take at all).
+    pub fn limit_requests(&mut self, max_message_bytes: usize) {
+        if max_message_bytes <= self.request_limit.0 {
+            self.request_limit = (max_message_bytes, "max_message_bytes");
+        }
+    }
+
+    /// Refuses a request over the limit before it is held.
+    fn within_limit(&self, payload: &[u8], properties: &Properties) -> Result<(), BusError> {
+        let bytes = agent_bus::Publisher::message_bytes(payload, properties);
+        let (max, limit) = self.request_limit;
+        if bytes > max {
+            return Err(BusError::TooLarge {
+                topic: self.outputs.requests.topic().to_owned(),
+                bytes,
+                max,
+                limit: format!("{limit}: the dialog's history has outgrown it"),
+            });
+        }
+        Ok(())
     }
 
     /// Sets the step aside: its held effects will not be committed, and the step is tried again
@@ -388,11 +419,9 @@ impl<'a> DialogOutput<'a> {
                 key.seal(&parts.each_ref().map(String::as_str)),
             );
         }
-        self.hold(
-            Channel::Requests,
-            agent_schema::encode(request),
-            &properties,
-        );
+        let payload = agent_schema::encode(request);
+        self.within_limit(&payload, &properties)?;
+        self.hold(Channel::Requests, payload, &properties);
         Ok(())
     }
 
@@ -427,11 +456,9 @@ impl<'a> DialogOutput<'a> {
         if self.run_base > 0 {
             properties.insert(RUN_TOKENS_PROPERTY.to_owned(), self.run_base.to_string());
         }
-        self.hold(
-            Channel::Requests,
-            agent_schema::encode(request),
-            &properties,
-        );
+        let payload = agent_schema::encode(request);
+        self.within_limit(&payload, &properties)?;
+        self.hold(Channel::Requests, payload, &properties);
         Ok(())
     }
 }

@@ -235,6 +235,8 @@ impl ScriptedLlm {
             .route("/v1/chat/completions", post(chat))
             .route("/chat/completions", post(chat))
             .route("/v1/models", get(models))
+            // Real providers take prompts of many megabytes; axum's default stops at 2 MB.
+            .layer(axum::extract::DefaultBodyLimit::max(64 * 1024 * 1024))
             .with_state(shared.clone());
         let listener = tokio::net::TcpListener::bind(addr).await?;
         let addr = listener.local_addr()?;
