@@ -2,7 +2,7 @@
 //! scripted LLM, and the real `agent-orchestrator` binary as a child process that tests can SIGKILL.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
-pub mod apache;
+pub use agent_bus::apache;
 
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};

@@ -1,6 +1,7 @@
-//! `agentctl bench`: end-to-end latency and throughput of the orchestrator on an embedded broker with
-//! an instantly answering scripted LLM, next to the broker's own produce-to-consume round trip measured
-//! in the same run, so the orchestrator's cost per iteration reads as a multiple of the broker's.
+//! `agentctl bench`: end-to-end latency and throughput of the orchestrator with an instantly
+//! answering scripted LLM, on pulsar-lite, Apache Pulsar or an external broker (several in one run,
+//! compared at the end), next to the broker's own produce-to-consume round trip measured in the
+//! same run, so the orchestrator's cost per iteration reads as a multiple of the broker's.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -39,6 +40,14 @@ pub struct BenchArgs {
     /// to measure what the journal costs.
     #[arg(long)]
     journal: bool,
+    /// The brokers to run on, one after the other, compared at the end: `pulsar-lite`, `apache`
+    /// (Apache Pulsar's standalone, started here), `external` (the broker at `--pulsar-url`).
+    #[arg(long, value_enum, value_delimiter = ',', default_value = "pulsar-lite")]
+    brokers: Vec<BrokerKind>,
+    /// A setting for the Apache Pulsar broker started here (`key=value`, repeatable), e.g.
+    /// `managedLedgerNewEntriesCheckDelayInMillis=0`.
+    #[arg(long = "apache-setting")]
+    apache_settings: Vec<String>,
     #[command(flatten)]
     settings: Settings,
 }
@@ -54,16 +63,127 @@ const SCRIPT: &str = r#"{"rules": [
   {"match": "Question: one", "reply": "Thought: known\nFinal Answer: done"}
 ]}"#;
 
+/// The broker a bench runs on.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BrokerKind {
+    /// pulsar-lite, embedded on a free loopback port.
+    PulsarLite,
+    /// Apache Pulsar's standalone broker on the JVM (`scripts/apache-pulsar.sh` fetches it once).
+    Apache,
+    /// The broker at `--pulsar-url`, as it is (TrustGraph's tenant and namespaces must exist).
+    External,
+}
+
+impl BrokerKind {
+    fn name(self) -> &'static str {
+        match self {
+            BrokerKind::PulsarLite => "pulsar-lite",
+            BrokerKind::Apache => "Apache Pulsar 4.0 standalone",
+            BrokerKind::External => "external broker",
+        }
+    }
+}
+
+/// A started broker, stopped when dropped.
+enum Running {
+    Lite(EmbeddedBroker),
+    Apache(agent_bus::apache::ApacheBroker),
+    External(String),
+}
+
+impl Running {
+    fn start(
+        kind: BrokerKind,
+        external_url: &str,
+        apache_settings: &[String],
+    ) -> anyhow::Result<Running> {
+        Ok(match kind {
+            BrokerKind::PulsarLite => {
+                Running::Lite(EmbeddedBroker::start(0, None).context("starting pulsar-lite")?)
+            }
+            BrokerKind::Apache => Running::Apache(
+                agent_bus::apache::ApacheBroker::start_with(0, None, apache_settings)
+                    .context("starting Apache Pulsar")?,
+            ),
+            BrokerKind::External => Running::External(external_url.to_owned()),
+        })
+    }
+
+    fn url(&self) -> String {
+        match self {
+            Running::Lite(b) => b.url(),
+            Running::Apache(b) => b.url(),
+            Running::External(url) => url.clone(),
+        }
+    }
+}
+
+/// One broker's figures, for the comparison at the end.
+struct Figures {
+    broker: &'static str,
+    round_trip_p50: f64,
+    one_p50: f64,
+    three_p50: f64,
+    steps_per_sec: f64,
+}
+
 pub async fn run(args: BenchArgs) -> anyhow::Result<i32> {
-    let broker = EmbeddedBroker::start(0, None).context("starting pulsar-lite")?;
     let llm = ScriptedLlm::start(Script::from_json(SCRIPT)?, "127.0.0.1:0".parse()?).await?;
+    let mut all = Vec::new();
+    for kind in args.brokers.clone() {
+        let broker = Running::start(
+            kind,
+            &args.settings.broker.pulsar_url,
+            &args.apache_settings,
+        )?;
+        all.push(bench_on(&args, &llm, kind.name(), &broker.url()).await?);
+    }
+    if all.len() > 1 {
+        println!(
+            "\ncomparison (p50 figures; journal {}):",
+            on_off(args.journal)
+        );
+        println!(
+            "{:<30} {:>12} {:>16} {:>18} {:>10}",
+            "broker", "round trip", "one-iteration", "three-iteration", "steps/s"
+        );
+        for f in &all {
+            println!(
+                "{:<30} {:>9.3} ms {:>13.2} ms {:>15.2} ms {:>10.0}",
+                f.broker, f.round_trip_p50, f.one_p50, f.three_p50, f.steps_per_sec
+            );
+        }
+    }
+    Ok(0)
+}
+
+fn on_off(journal: bool) -> &'static str {
+    if journal {
+        "on (aggregator's embedded store)"
+    } else {
+        "off"
+    }
+}
+
+/// Runs the whole bench (an orchestrator, and with `--journal` an aggregator, in this process)
+/// against the broker at `url`.
+async fn bench_on(
+    args: &BenchArgs,
+    llm: &ScriptedLlm,
+    broker_name: &'static str,
+    url: &str,
+) -> anyhow::Result<Figures> {
     let mut settings = args.settings.clone();
-    settings.broker.pulsar_url = broker.url();
+    settings.broker.pulsar_url = url.to_owned();
     settings.llm_base_url = llm.base_url();
     settings.llm_model = "scripted".into();
     let topics = settings.topics();
     let shutdown = CancellationToken::new();
-    let store_dir = std::env::temp_dir().join(format!("agentctl-bench-{}", std::process::id()));
+    let store_dir = std::env::temp_dir().join(format!(
+        "agentctl-bench-{}-{:08x}",
+        std::process::id(),
+        rand::random::<u32>()
+    ));
     let aggregator = if args.journal {
         let _ = std::fs::remove_dir_all(&store_dir);
         let addr: std::net::SocketAddr = ([127, 0, 0, 1], agent_bus::embedded::free_port()?).into();
@@ -90,13 +210,12 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<i32> {
     // Embedded: its health and metrics endpoint on a free loopback port (it logs which).
     settings.http_addr = ([127, 0, 0, 1], 0).into();
     let orchestrator = tokio::spawn(agent_orchestrator::run(settings.clone(), shutdown.clone()));
-    let bus = Bus::connect(&broker.url(), None).await?;
+    let bus = Bus::connect(url, settings.broker.pulsar_token.as_deref()).await?;
 
     println!(
-        "agentctl bench: pulsar-lite {}, scripted LLM answering instantly, max_in_flight {}, journal {}",
-        broker.url(),
+        "\nagentctl bench: {broker_name} {url}, scripted LLM answering instantly, max_in_flight {}, journal {}",
         settings.max_in_flight,
-        if args.journal { "on (aggregator's embedded store)" } else { "off" }
+        on_off(args.journal)
     );
     let rtt = broker_round_trip(&bus, args.round_trips).await?;
     let rtt_p50 = percentile(&rtt, 50.0);
@@ -120,23 +239,30 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<i32> {
     let requests = Publisher::new(&bus, &topics.request).await?;
     let (elapsed, latencies) = concurrent(client, requests, args.dialogs, args.concurrency).await?;
     let steps = (args.dialogs * 4) as f64;
+    let steps_per_sec = steps / elapsed.as_secs_f64();
     println!(
         "throughput: {} routed three-iteration dialogs, {} open at once: {:.0} steps/s, {:.1} dialogs/s; dialog p50 {:.1} ms p99 {:.1} ms",
         args.dialogs,
         args.concurrency,
-        steps / elapsed.as_secs_f64(),
+        steps_per_sec,
         args.dialogs as f64 / elapsed.as_secs_f64(),
         percentile(&latencies, 50.0),
         percentile(&latencies, 99.0),
     );
-    println!("LLM calls served: {}", llm.calls().len());
+    println!("LLM calls served so far: {}", llm.calls().len());
     shutdown.cancel();
     orchestrator.await??;
     if let Some(aggregator) = aggregator {
         aggregator.await??;
         let _ = std::fs::remove_dir_all(&store_dir);
     }
-    Ok(0)
+    Ok(Figures {
+        broker: broker_name,
+        round_trip_p50: rtt_p50,
+        one_p50: percentile(&one, 50.0),
+        three_p50: percentile(&three, 50.0),
+        steps_per_sec,
+    })
 }
 
 fn report(label: &str, times: &[f64], steps: usize, rtt_p50: f64) {

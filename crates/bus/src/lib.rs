@@ -2,6 +2,7 @@
 //! broker's receipt, and a bounded consumer loop that acks only after the handler's effects are
 //! published, nacks transient failures and dead-letters payloads that do not decode.
 
+pub mod apache;
 mod args;
 mod client;
 mod config_client;

@@ -1,8 +1,7 @@
-//! Apache Pulsar's standalone broker for the end-to-end tier that runs on it: the JVM started from
-//! the jars `scripts/apache-pulsar.sh` fetched, on free loopback ports, with its own data folder,
-//! without the functions worker or stream storage, optionally with JWT authentication and
-//! authorization. Started and killed by the test that owns it.
-#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+//! Apache Pulsar's standalone broker, for the end-to-end tier that runs on it and for
+//! `agentctl bench --brokers apache`: the JVM started from the jars `scripts/apache-pulsar.sh`
+//! fetched, on free loopback ports, with its own data folder, without the functions worker or
+//! stream storage, optionally with JWT authentication and authorization. Killed when dropped.
 
 use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
@@ -24,12 +23,7 @@ pub struct TokenAuth {
 impl TokenAuth {
     pub fn new() -> TokenAuth {
         TokenAuth {
-            secret: uuid::Uuid::new_v4()
-                .as_bytes()
-                .iter()
-                .chain(uuid::Uuid::new_v4().as_bytes())
-                .copied()
-                .collect(),
+            secret: (0..32).map(|_| rand::random::<u8>()).collect(),
         }
     }
 
@@ -69,7 +63,12 @@ fn base64url(bytes: &[u8]) -> String {
 fn jars() -> anyhow::Result<&'static Path> {
     static JARS: OnceLock<Result<PathBuf, String>> = OnceLock::new();
     let jars = JARS.get_or_init(|| {
-        let out = Command::new(crate::repo_root().join("scripts/apache-pulsar.sh"))
+        // This repository's script: the jars are fetched once and cached outside the clone.
+        let script = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../../scripts/apache-pulsar.sh"
+        );
+        let out = Command::new(script)
             .arg("path")
             .stderr(Stdio::inherit())
             .output()
@@ -90,17 +89,35 @@ pub struct ApacheBroker {
     web_port: u16,
     data: PathBuf,
     auth: Option<TokenAuth>,
+    /// `key=value` lines added to the broker's configuration (they override the defaults here).
+    settings: Vec<String>,
     child: Option<Child>,
 }
 
 impl ApacheBroker {
     /// A broker on `broker_port` (0: a free one), ready for clients when this returns.
     pub fn start(broker_port: u16, auth: Option<TokenAuth>) -> anyhow::Result<ApacheBroker> {
+        Self::start_with(broker_port, auth, &[])
+    }
+
+    /// As [`ApacheBroker::start`], with broker settings (`key=value`, as in `standalone.conf`)
+    /// over the defaults, such as `managedLedgerNewEntriesCheckDelayInMillis=0`.
+    pub fn start_with(
+        broker_port: u16,
+        auth: Option<TokenAuth>,
+        settings: &[String],
+    ) -> anyhow::Result<ApacheBroker> {
+        if let Some(bad) = settings
+            .iter()
+            .find(|s| !s.contains('=') || s.contains('\n'))
+        {
+            anyhow::bail!("an Apache Pulsar setting is key=value on one line, not {bad:?}");
+        }
         let broker_port = match broker_port {
-            0 => agent_bus::embedded::free_port()?,
+            0 => crate::embedded::free_port()?,
             port => port,
         };
-        let web_port = agent_bus::embedded::free_port()?;
+        let web_port = crate::embedded::free_port()?;
         let data = std::env::temp_dir().join(format!(
             "apache-pulsar-{}-{broker_port}",
             std::process::id()
@@ -112,6 +129,7 @@ impl ApacheBroker {
             web_port,
             data,
             auth,
+            settings: settings.to_vec(),
             child: None,
         };
         broker.launch(true)?;
@@ -198,6 +216,10 @@ brokerClientAuthenticationParameters=file://{}
                 key.display(),
                 admin.display()
             ));
+        }
+        for setting in &self.settings {
+            conf.push_str(setting);
+            conf.push('\n');
         }
         let path = self.data.join("standalone.conf");
         std::fs::write(&path, conf)?;
