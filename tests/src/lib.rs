@@ -337,6 +337,11 @@ impl Aggregator {
         matches!(self.child.try_wait(), Ok(None))
     }
 
+    /// Its process id, to watch its CPU.
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
     /// A client of its SPARQL endpoint.
     pub fn store(&self) -> agent_graph::GraphStore {
         agent_graph::GraphStore::open(&self.endpoint, None).unwrap()
@@ -348,6 +353,24 @@ impl Drop for Aggregator {
         self.kill();
         let _ = std::fs::remove_dir_all(&self.store_dir);
     }
+}
+
+/// The share of one core process `pid` used over the next `window` (user and system time, from
+/// /proc).
+pub async fn cpu_share(pid: u32, window: Duration) -> f64 {
+    let seconds = || -> f64 {
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+        // The fields after the command name, which is in parentheses and may hold spaces.
+        let after = stat.rfind(')').map_or("", |i| &stat[i + 2..]);
+        let fields: Vec<f64> = after
+            .split_whitespace()
+            .map(|f| f.parse().unwrap_or(0.0))
+            .collect();
+        (fields.get(11).unwrap_or(&0.0) + fields.get(12).unwrap_or(&0.0)) / 100.0
+    };
+    let before = seconds();
+    tokio::time::sleep(window).await;
+    (seconds() - before) / window.as_secs_f64()
 }
 
 /// A scripted LLM on a free port.

@@ -1,12 +1,14 @@
-//! The SPARQL 1.1 Protocol over the embedded store: `/query` (open), `/update` and the Graph Store
-//! Protocol's `POST /store` (bearer token), and `/healthz`, `/readyz`, `/metrics`.
+//! The SPARQL 1.1 Protocol over the embedded store: `/query` (open unless a read token is set, each
+//! query bounded in time and result size and stopped when its client goes, anonymous ones a few at
+//! a time), `/update` and the Graph Store Protocol's `POST /store` (bearer token), and `/healthz`,
+//! `/readyz`, `/metrics`.
 
 use std::collections::HashMap;
 use std::sync::Arc;
 
 use agent_bus::ConsumerStats;
 
-use agent_graph::{serialize_answer, GraphError, GraphStore};
+use agent_graph::{serialize_answer, GraphError, GraphStore, QueryBounds};
 use axum::body::Bytes;
 use axum::extract::{Query, State};
 use axum::http::{header, HeaderMap, StatusCode};
@@ -19,11 +21,37 @@ struct AppState {
     store: GraphStore,
     token: Option<String>,
     stats: Arc<ConsumerStats>,
+    reads: Arc<Reads>,
 }
 
-/// The routes; `token` guards writes (no token configured: writes are refused); `stats` are the
-/// explainability consumer's, for `/metrics`.
-pub fn router(store: GraphStore, token: Option<String>, stats: Arc<ConsumerStats>) -> Router {
+/// The read policy in force.
+struct Reads {
+    bounds: QueryBounds,
+    /// Turns for queries without the services' token.
+    turns: tokio::sync::Semaphore,
+    token: Option<String>,
+}
+
+/// How long a query without a token waits for a turn before it is told to come back.
+const TURN_WAIT: std::time::Duration = std::time::Duration::from_secs(1);
+
+/// The routes; `token` guards writes (no token configured: writes are refused) and lets the
+/// services' own queries through without waiting; `stats` are the explainability consumer's, for
+/// `/metrics`; `reads` bound `/query`.
+pub fn router(
+    store: GraphStore,
+    token: Option<String>,
+    stats: Arc<ConsumerStats>,
+    reads: &crate::ReadSettings,
+) -> Router {
+    let reads = Arc::new(Reads {
+        bounds: QueryBounds {
+            timeout: std::time::Duration::from_secs(reads.query_timeout_secs.max(1)),
+            max_rows: reads.max_result_rows,
+        },
+        turns: tokio::sync::Semaphore::new(reads.max_queries.max(1)),
+        token: reads.query_token.clone().filter(|t| !t.is_empty()),
+    });
     Router::new()
         .route("/query", get(query_get).post(query_post))
         .route("/sparql", get(query_get).post(query_post))
@@ -36,6 +64,7 @@ pub fn router(store: GraphStore, token: Option<String>, stats: Arc<ConsumerStats
             store,
             token,
             stats,
+            reads,
         })
 }
 
@@ -44,29 +73,73 @@ fn error_response(e: GraphError) -> Response {
         GraphError::Syntax(_) => StatusCode::BAD_REQUEST,
         GraphError::ReadOnly => StatusCode::FORBIDDEN,
         GraphError::Evaluation(_) => StatusCode::BAD_REQUEST,
+        GraphError::TimedOut(_) => StatusCode::SERVICE_UNAVAILABLE,
+        GraphError::TooManyRows(_) => StatusCode::PAYLOAD_TOO_LARGE,
         _ => StatusCode::INTERNAL_SERVER_ERROR,
     };
     (status, e.to_string()).into_response()
 }
 
-async fn run_query(state: &AppState, sparql: String) -> Response {
-    match state.store.query(sparql).await {
+/// Whether the request carries `token`.
+fn carries(headers: &HeaderMap, token: Option<&String>) -> bool {
+    let given = headers
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok());
+    token.is_some_and(|t| agent_bus::bearer_matches(given, t))
+}
+
+async fn run_query(state: &AppState, headers: &HeaderMap, sparql: String) -> Response {
+    let reads = &state.reads;
+    let service = carries(headers, state.token.as_ref());
+    if !service && reads.token.is_some() && !carries(headers, reads.token.as_ref()) {
+        return (
+            StatusCode::UNAUTHORIZED,
+            "queries need a valid bearer token here (AGGREGATOR_QUERY_TOKEN)",
+        )
+            .into_response();
+    }
+    // The services' own queries (the journal, fan-in) never queue behind anonymous ones.
+    let _turn = if service {
+        None
+    } else {
+        match tokio::time::timeout(TURN_WAIT, reads.turns.acquire()).await {
+            Ok(Ok(turn)) => Some(turn),
+            _ => {
+                crate::metrics::query_refused("busy");
+                return (
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    [(header::RETRY_AFTER, "1")],
+                    "too many queries at once; try again",
+                )
+                    .into_response();
+            }
+        }
+    };
+    match state.store.query_bounded(sparql, reads.bounds).await {
         Ok(answer) => match serialize_answer(&answer) {
             Ok((body, content_type)) => {
                 ([(header::CONTENT_TYPE, content_type)], body).into_response()
             }
             Err(e) => error_response(e),
         },
-        Err(e) => error_response(e),
+        Err(e) => {
+            match &e {
+                GraphError::TimedOut(_) => crate::metrics::query_refused("timeout"),
+                GraphError::TooManyRows(_) => crate::metrics::query_refused("too_large"),
+                _ => {}
+            }
+            error_response(e)
+        }
     }
 }
 
 async fn query_get(
     State(state): State<AppState>,
     Query(params): Query<HashMap<String, String>>,
+    headers: HeaderMap,
 ) -> Response {
     match params.get("query") {
-        Some(q) => run_query(&state, q.clone()).await,
+        Some(q) => run_query(&state, &headers, q.clone()).await,
         None => (StatusCode::BAD_REQUEST, "missing the 'query' parameter").into_response(),
     }
 }
@@ -118,7 +191,7 @@ fn percent_decode(text: &str) -> String {
 
 async fn query_post(State(state): State<AppState>, headers: HeaderMap, body: Bytes) -> Response {
     match operation_text(&headers, &body, "query") {
-        Some(q) => run_query(&state, q).await,
+        Some(q) => run_query(&state, &headers, q).await,
         None => (StatusCode::BAD_REQUEST, "no query in the request").into_response(),
     }
 }

@@ -48,6 +48,39 @@ pub struct AggregatorSettings {
     /// Seconds a fan-out waits for all its subagents before a partial synthesis.
     #[arg(long, env = "FANOUT_TIMEOUT_SECS", default_value_t = 300)]
     pub fanout_timeout_secs: u64,
+    #[command(flatten)]
+    pub reads: ReadSettings,
+}
+
+/// How `/query` may be used: it must not be a way to take the service down.
+#[derive(clap::Args, Debug, Clone)]
+pub struct ReadSettings {
+    /// Seconds a query may run; past it, its evaluation is stopped and the client gets 503.
+    #[arg(long, env = "AGGREGATOR_QUERY_TIMEOUT_SECS", default_value_t = 30)]
+    pub query_timeout_secs: u64,
+    /// Queries without a token that run at once; more wait up to a second for a turn, then get
+    /// 503 with `Retry-After`. Queries with the services' token (`CONFIG_TOKEN`: the
+    /// orchestrators' journal and fan-in) never wait for a turn.
+    #[arg(long, env = "AGGREGATOR_MAX_QUERIES", default_value_t = 2)]
+    pub max_queries: usize,
+    /// Rows (or triples) a result may have; a larger one is refused.
+    #[arg(long, env = "AGGREGATOR_MAX_RESULT_ROWS", default_value_t = 100_000)]
+    pub max_result_rows: usize,
+    /// When set, `/query` needs this bearer token (or the services' token); without it reads
+    /// are open.
+    #[arg(long, env = "AGGREGATOR_QUERY_TOKEN", hide_env_values = true)]
+    pub query_token: Option<String>,
+}
+
+impl Default for ReadSettings {
+    fn default() -> Self {
+        ReadSettings {
+            query_timeout_secs: 30,
+            max_queries: 2,
+            max_result_rows: 100_000,
+            query_token: None,
+        }
+    }
 }
 
 impl AggregatorSettings {
@@ -64,6 +97,7 @@ impl AggregatorSettings {
             request_topic: None,
             fanout_timeout_secs: 300,
             seal_key: None,
+            reads: ReadSettings::default(),
         }
     }
 }
@@ -81,7 +115,7 @@ pub async fn run(settings: AggregatorSettings, shutdown: CancellationToken) -> a
     tracing::info!(addr = %listener.local_addr()?, "serving SPARQL");
     metrics::describe();
     let stats = Arc::new(ConsumerStats::default());
-    let app = http::router(store.clone(), token, stats.clone());
+    let app = http::router(store.clone(), token, stats.clone(), &settings.reads);
     let stop = shutdown.clone();
     let server = tokio::spawn(async move {
         axum::serve(listener, app)

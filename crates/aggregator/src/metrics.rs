@@ -1,5 +1,5 @@
-//! The aggregator's Prometheus metrics: supervisor fan-outs still open, how long fan-ins took, and
-//! the explainability consumer's message fates.
+//! The aggregator's Prometheus metrics: supervisor fan-outs still open, how long fan-ins took, the
+//! explainability consumer's message fates, and the SPARQL queries it refused or stopped.
 
 use std::time::Duration;
 
@@ -10,12 +10,19 @@ use agent_metrics::{global, Kind};
 pub const FANOUTS_OPEN: &str = "agent_fanouts_open";
 pub const FANIN_LATENCY: &str = "agent_fanin_duration_seconds";
 pub const MESSAGES: &str = "agent_explain_messages_total";
+pub const QUERIES_REFUSED: &str = "agent_sparql_queries_refused_total";
 
 pub fn describe() {
     let registry = global();
     registry.describe(FANOUTS_OPEN, Kind::Gauge, "Supervisor fan-outs recorded in the graph store and not yet synthesised (all aggregators).");
     registry.describe(FANIN_LATENCY, Kind::Histogram, "From a fan-out being recorded to its synthesis being requested, by outcome (complete, timed_out).");
     registry.describe(MESSAGES, Kind::Counter, "Explainability messages by fate: received, acked, nacked (to be redelivered), dead-lettered.");
+    registry.describe(QUERIES_REFUSED, Kind::Counter, "SPARQL queries refused or stopped, by reason: busy (no turn free), timeout (stopped at the time limit), too_large (result over the row limit).");
+}
+
+/// A query `/query` refused or stopped.
+pub fn query_refused(reason: &'static str) {
+    global().inc(QUERIES_REFUSED, &[("reason", reason)]);
 }
 
 /// A fan-in this aggregator finished.

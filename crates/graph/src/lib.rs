@@ -36,6 +36,12 @@ pub enum GraphError {
     Malformed(String),
     #[error("the store is read-only")]
     ReadOnly,
+    /// A query stopped at its time limit (its evaluation was cancelled, nothing runs on).
+    #[error("the query ran past its limit of {0:?} and was stopped")]
+    TimedOut(std::time::Duration),
+    /// A query whose result has more rows (or triples) than allowed.
+    #[error("the query's result has more than {0} rows")]
+    TooManyRows(usize),
 }
 
 impl GraphError {
@@ -185,6 +191,56 @@ impl GraphStore {
         }
     }
 
+    /// Runs a SPARQL query within `bounds`: on an embedded store its evaluation is cancelled at
+    /// the time limit, or as soon as the returned future is dropped (an HTTP client that went
+    /// away), so no abandoned query keeps a core busy.
+    pub async fn query_bounded(
+        &self,
+        sparql: String,
+        bounds: QueryBounds,
+    ) -> Result<QueryAnswer, GraphError> {
+        match &self.backend {
+            Backend::Embedded { store, .. } => {
+                let store = store.clone();
+                let cancel = oxigraph::sparql::CancellationToken::new();
+                let _stop_when_dropped = CancelOnDrop(cancel.clone());
+                let token = cancel.clone();
+                let evaluation = tokio::task::spawn_blocking(move || {
+                    let results = SparqlEvaluator::new()
+                        .with_cancellation_token(token)
+                        .parse_query(&sparql)
+                        .map_err(|e| GraphError::Syntax(e.to_string()))?
+                        .on_store(&store)
+                        .execute()
+                        .map_err(|e| GraphError::Evaluation(e.to_string()))?;
+                    collect_at_most(results, bounds.max_rows)
+                });
+                match tokio::time::timeout(bounds.timeout, evaluation).await {
+                    Ok(joined) => joined
+                        .map_err(|e| GraphError::Storage(format!("store task failed: {e}")))?,
+                    Err(_) => {
+                        cancel.cancel();
+                        Err(GraphError::TimedOut(bounds.timeout))
+                    }
+                }
+            }
+            Backend::Remote(remote) => {
+                let answer = tokio::time::timeout(bounds.timeout, remote.query(&sparql))
+                    .await
+                    .map_err(|_| GraphError::TimedOut(bounds.timeout))??;
+                let rows = match &answer {
+                    QueryAnswer::Rows(r) => r.rows.len(),
+                    QueryAnswer::Graph(t) => t.len(),
+                    QueryAnswer::Boolean(_) => 0,
+                };
+                if rows > bounds.max_rows {
+                    return Err(GraphError::TooManyRows(bounds.max_rows));
+                }
+                Ok(answer)
+            }
+        }
+    }
+
     /// Runs a SPARQL query.
     pub async fn query(&self, sparql: String) -> Result<QueryAnswer, GraphError> {
         match &self.backend {
@@ -290,6 +346,22 @@ impl GraphStore {
     }
 }
 
+/// How long a query may run and how large its answer may be.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct QueryBounds {
+    pub timeout: std::time::Duration,
+    pub max_rows: usize,
+}
+
+/// Cancels an evaluation when the future awaiting it is dropped.
+struct CancelOnDrop(oxigraph::sparql::CancellationToken);
+
+impl Drop for CancelOnDrop {
+    fn drop(&mut self) {
+        self.0.cancel();
+    }
+}
+
 async fn blocking<T: Send + 'static>(
     work: impl FnOnce() -> Result<T, GraphError> + Send + 'static,
 ) -> Result<T, GraphError> {
@@ -310,6 +382,11 @@ fn query_embedded(store: &Store, sparql: &str) -> Result<QueryAnswer, GraphError
 
 /// Materialises results so they can cross the blocking-pool boundary.
 pub(crate) fn collect(results: QueryResults<'_>) -> Result<QueryAnswer, GraphError> {
+    collect_at_most(results, usize::MAX)
+}
+
+/// As [`collect`], refusing a result of more than `max_rows` rows or triples.
+fn collect_at_most(results: QueryResults<'_>, max_rows: usize) -> Result<QueryAnswer, GraphError> {
     match results {
         QueryResults::Boolean(b) => Ok(QueryAnswer::Boolean(b)),
         QueryResults::Solutions(solutions) => {
@@ -321,6 +398,9 @@ pub(crate) fn collect(results: QueryResults<'_>) -> Result<QueryAnswer, GraphErr
             let mut rows = Vec::new();
             for solution in solutions {
                 let solution = solution.map_err(|e| GraphError::Evaluation(e.to_string()))?;
+                if rows.len() == max_rows {
+                    return Err(GraphError::TooManyRows(max_rows));
+                }
                 rows.push(
                     variables
                         .iter()
@@ -331,10 +411,14 @@ pub(crate) fn collect(results: QueryResults<'_>) -> Result<QueryAnswer, GraphErr
             Ok(QueryAnswer::Rows(Rows { variables, rows }))
         }
         QueryResults::Graph(triples) => {
-            let triples = triples
-                .collect::<Result<Vec<_>, _>>()
-                .map_err(|e| GraphError::Evaluation(e.to_string()))?;
-            Ok(QueryAnswer::Graph(triples))
+            let mut collected = Vec::new();
+            for triple in triples {
+                if collected.len() == max_rows {
+                    return Err(GraphError::TooManyRows(max_rows));
+                }
+                collected.push(triple.map_err(|e| GraphError::Evaluation(e.to_string()))?);
+            }
+            Ok(QueryAnswer::Graph(collected))
         }
     }
 }

@@ -1,0 +1,156 @@
+//! The aggregator's read endpoint cannot be used to take the service down: anonymous runaway
+//! queries (a four-way cross product) are stopped at the query time limit, or as soon as their
+//! client goes, a few run at a time and the rest are told to come back; the orchestrators' own
+//! queries (the journal, fan-in) carry the services' token and never queue behind them, so dialogs
+//! go on; a read token, when set, closes the endpoint to strangers.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use std::time::{Duration, Instant};
+
+use agent_e2e::*;
+
+const TOKEN: &str = "sparql-reads-service-token";
+const DIALOG_TIMEOUT: Duration = Duration::from_secs(60);
+const QUERY_TIMEOUT_SECS: u64 = 8;
+const RUNAWAY: &str =
+    "SELECT (COUNT(*) AS ?n) WHERE { GRAPH ?g { ?a ?b ?c . ?d ?e ?f . ?h ?i ?j . ?k ?l ?m } }";
+const SCRIPT: &str = r#"{"rules": [
+  {"match": "Observation: looked", "reply": "Thought: done.\nFinal Answer: still answering"},
+  {"match": "look", "exact": true, "reply": "looked"},
+  {"match": "Question: ", "reply": "Thought: look first.\nAction: llm\nArgs: {\"question\": \"look\"}"}
+]}"#;
+
+fn runaway(http: &reqwest::Client, endpoint: &str, patience: Duration) -> reqwest::RequestBuilder {
+    http.post(format!("{endpoint}/query"))
+        .header("content-type", "application/sparql-query")
+        .body(RUNAWAY)
+        .timeout(patience)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn runaway_queries_are_stopped_and_dialogs_go_on() {
+    let broker = Broker::start().unwrap();
+    let timeout = QUERY_TIMEOUT_SECS.to_string();
+    let aggregator = Aggregator::spawn_with(
+        &broker,
+        &[
+            "--config-token",
+            TOKEN,
+            "--query-timeout-secs",
+            &timeout,
+            "--max-queries",
+            "1",
+        ],
+    );
+    let llm = scripted_llm(SCRIPT).await;
+    let _orchestrator = Orchestrator::spawn_journaled(&broker, &llm, &aggregator, TOKEN, &[]);
+    let mut client = client(&broker).await;
+    for before in ["before-1", "before-2"] {
+        client
+            .send(before, &request("fill the store", false))
+            .await
+            .unwrap();
+        let answered = collect_dialog(&mut client, before, DIALOG_TIMEOUT)
+            .await
+            .unwrap();
+        assert_eq!(answered.last().unwrap().content, "still answering");
+    }
+    // The dialog's provenance lands a moment after its answer.
+    let quads = "SELECT ?s WHERE { GRAPH ?g { ?s ?p ?o } }";
+    let triples = count_reaching(&aggregator.store(), quads.into(), 200).await;
+    println!("{triples} triples in the store");
+    assert!(triples >= 200, "{triples}");
+
+    // Four anonymous runaways at once, their clients willing to wait two minutes.
+    let http = reqwest::Client::new();
+    let started = Instant::now();
+    let attacks: Vec<_> = (0..4)
+        .map(|_| {
+            tokio::spawn(runaway(&http, &aggregator.endpoint, Duration::from_secs(120)).send())
+        })
+        .collect();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    // Meanwhile a journaled dialog (its lookups and marks are queries and updates with the
+    // services' token) runs to its answer.
+    client
+        .send("during", &request("answer while attacked", false))
+        .await
+        .unwrap();
+    let during = collect_dialog(&mut client, "during", DIALOG_TIMEOUT)
+        .await
+        .unwrap();
+    assert_eq!(
+        during.last().unwrap().content,
+        "still answering",
+        "{during:#?}"
+    );
+    let mut statuses = Vec::new();
+    for attack in attacks {
+        statuses.push(attack.await.unwrap().unwrap().status().as_u16());
+    }
+    let answered_within = started.elapsed();
+    println!("runaways answered {statuses:?} within {answered_within:?}");
+    assert!(statuses.iter().all(|s| *s == 503), "{statuses:?}");
+    assert!(answered_within < Duration::from_secs(QUERY_TIMEOUT_SECS + 15));
+    // The core is free again: nothing runs on after the limit.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let idle = cpu_share(aggregator.pid(), Duration::from_secs(1)).await;
+    println!(
+        "aggregator CPU after the limit: {:.0}% of a core",
+        idle * 100.0
+    );
+    assert!(idle < 0.3, "still busy after the time limit: {idle:.2}");
+
+    // A client that gives up after three seconds: its query, busy until then, stops with it,
+    // long before the time limit.
+    let gone = tokio::spawn(runaway(&http, &aggregator.endpoint, Duration::from_secs(3)).send());
+    tokio::time::sleep(Duration::from_millis(1000)).await;
+    let busy = cpu_share(aggregator.pid(), Duration::from_secs(1)).await;
+    println!(
+        "aggregator CPU while a runaway runs: {:.0}% of a core",
+        busy * 100.0
+    );
+    assert!(busy > 0.5, "the runaway did not run: {busy:.2}");
+    assert!(gone.await.unwrap().is_err(), "the runaway answered");
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let idle = cpu_share(aggregator.pid(), Duration::from_secs(1)).await;
+    println!(
+        "aggregator CPU after its client went: {:.0}% of a core",
+        idle * 100.0
+    );
+    assert!(idle < 0.3, "still busy after its client went: {idle:.2}");
+
+    let metrics = scrape(&aggregator.endpoint).await;
+    let refused = |reason: &str| {
+        sample(
+            &metrics,
+            &format!("agent_sparql_queries_refused_total{{reason=\"{reason}\"}}"),
+        )
+    };
+    assert!(refused("timeout") >= 1.0);
+    assert!(refused("busy") >= 1.0);
+}
+
+#[tokio::test]
+async fn a_read_token_closes_the_endpoint_to_strangers() {
+    let broker = Broker::start().unwrap();
+    let aggregator = Aggregator::spawn_with(
+        &broker,
+        &["--config-token", TOKEN, "--query-token", "reader-token"],
+    );
+    let http = reqwest::Client::new();
+    let ask = |token: Option<&str>| {
+        let mut request = http
+            .post(format!("{}/query", aggregator.endpoint))
+            .header("content-type", "application/sparql-query")
+            .body("ASK { ?s ?p ?o }");
+        if let Some(token) = token {
+            request = request.bearer_auth(token);
+        }
+        request.send()
+    };
+    assert_eq!(ask(None).await.unwrap().status(), 401);
+    assert_eq!(ask(Some("wrong")).await.unwrap().status(), 401);
+    assert_eq!(ask(Some("reader-token")).await.unwrap().status(), 200);
+    assert_eq!(ask(Some(TOKEN)).await.unwrap().status(), 200);
+}
