@@ -31,6 +31,38 @@ if ! diff -q <(seed_configmap) deploy/k8s/config-seed.yaml >/dev/null; then
 fi
 AGENT_ENV_FILE=.env.example docker-compose -f docker-compose.yml config -q
 echo "docker-compose.yml: valid"
+# No unauthenticated write path to the graph store: the aggregator owns it (a path) and every
+# other service reaches it through the aggregator's token-checked endpoint; no SPARQL server image.
+python3 - <<'PY'
+import pathlib, sys, yaml
+problems = []
+docs = [("docker-compose.yml", d) for d in [yaml.safe_load(open("docker-compose.yml"))]]
+docs += [(str(p), d) for p in sorted(pathlib.Path("deploy/k8s").glob("*.yaml"))
+         for d in yaml.safe_load_all(open(p)) if d]
+stores = ("oxigraph/oxigraph", "fuseki", "virtuoso", "graphdb", "blazegraph")
+def walk(node, where, file):
+    if isinstance(node, dict):
+        for key, value in node.items():
+            if key == "image" and isinstance(value, str) and any(s in value for s in stores):
+                problems.append(f"{file}: {where}: a SPARQL server image ({value}) that takes writes without our token")
+            if key == "GRAPH_STORE" and isinstance(value, str):
+                check(value, where, file)
+            if key == "name" and value == "GRAPH_STORE" and isinstance(node.get("value"), str):
+                check(node["value"], where, file)
+            walk(value, f"{where}/{key}", file)
+    elif isinstance(node, list):
+        for item in node:
+            walk(item, where, file)
+def check(value, where, file):
+    if value.startswith("http") and "agent-aggregator" not in value:
+        problems.append(f"{file}: {where}: GRAPH_STORE {value} is not the aggregator's authenticated endpoint")
+for file, doc in docs:
+    walk(doc, "", file)
+if problems:
+    print("\n".join(problems), file=sys.stderr)
+    sys.exit(1)
+print("graph store: only the aggregator's token-checked endpoint is shipped")
+PY
 manifests=$(ls deploy/k8s/*.yaml | grep -v kustomization.yaml)
 # shellcheck disable=SC2086
 python3 -m kubernetes_validate --strict --quiet -k 1.31.0 $manifests

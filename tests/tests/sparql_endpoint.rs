@@ -1,4 +1,6 @@
-//! The aggregator's read endpoint cannot be used to take the service down: anonymous runaway
+//! The aggregator's SPARQL endpoint, as shipped (it owns the store; docker-compose and Kubernetes
+//! point every other service at it): no write without the services' token. And its read side
+//! cannot be used to take the service down: anonymous runaway
 //! queries (a four-way cross product) are stopped at the query time limit, or as soon as their
 //! client goes, a few run at a time and the rest are told to come back; the orchestrators' own
 //! queries (the journal, fan-in) carry the services' token and never queue behind them, so dialogs
@@ -153,4 +155,43 @@ async fn a_read_token_closes_the_endpoint_to_strangers() {
     assert_eq!(ask(Some("wrong")).await.unwrap().status(), 401);
     assert_eq!(ask(Some("reader-token")).await.unwrap().status(), 200);
     assert_eq!(ask(Some(TOKEN)).await.unwrap().status(), 200);
+}
+
+/// The shipped topology's store (the aggregator's embedded store, `scripts/check-deploy.sh` checks
+/// nothing else is shipped): an update or a load without the services' token, or with another, is
+/// refused and changes nothing; with it, both work.
+#[tokio::test]
+async fn the_shipped_store_refuses_unauthenticated_writes() {
+    let broker = Broker::start().unwrap();
+    let aggregator = Aggregator::spawn_with(&broker, &["--config-token", TOKEN]);
+    let http = reqwest::Client::new();
+    let update = |token: Option<&str>| {
+        let mut request = http
+            .post(format!("{}/update", aggregator.endpoint))
+            .header("content-type", "application/sparql-update")
+            .body("INSERT DATA { GRAPH <urn:g:forged> { <urn:s> <urn:p> \"forged\" } }");
+        if let Some(token) = token {
+            request = request.bearer_auth(token);
+        }
+        request.send()
+    };
+    let load = |token: Option<&str>| {
+        let mut request = http
+            .post(format!("{}/store?graph=urn:g:loaded", aggregator.endpoint))
+            .header("content-type", "application/n-triples")
+            .body("<urn:s> <urn:p> \"loaded\" .\n");
+        if let Some(token) = token {
+            request = request.bearer_auth(token);
+        }
+        request.send()
+    };
+    for token in [None, Some("not-the-token")] {
+        assert_eq!(update(token).await.unwrap().status(), 401);
+        assert_eq!(load(token).await.unwrap().status(), 401);
+    }
+    let written = "SELECT ?o WHERE { GRAPH ?g { <urn:s> <urn:p> ?o } }";
+    assert_eq!(count(&aggregator.store(), written.into()).await, 0);
+    assert_eq!(update(Some(TOKEN)).await.unwrap().status(), 204);
+    assert_eq!(load(Some(TOKEN)).await.unwrap().status(), 204);
+    assert_eq!(count(&aggregator.store(), written.into()).await, 2);
 }
