@@ -89,6 +89,75 @@ async fn a_crash_at_any_point_of_publishing_a_step_gives_one_outcome() {
     }
 }
 
+/// A step with history journals only its new step (the next request's earlier history is the
+/// input's, which a redelivery carries again), and a crash after recording it re-emits the next
+/// request whole: the step after it sees both earlier observations.
+#[tokio::test]
+async fn a_journaled_step_is_the_size_of_its_step_and_re_emits_whole() {
+    let mut broker = Broker::start().unwrap();
+    let aggregator = Aggregator::spawn_with(&broker, &["--config-token", TOKEN]);
+    let llm = scripted_llm(THREE_STEPS).await;
+    // Commit 1 routes, 2 is the first iteration, 3 the second: its input has one step.
+    let mut doomed = Orchestrator::spawn_journaled(
+        &broker,
+        &llm,
+        &aggregator,
+        TOKEN,
+        &[("AGENT_FAULT", "after-record:3")],
+    );
+    client(&broker)
+        .await
+        .send("compact", &react("combine (compact)"))
+        .await
+        .unwrap();
+    assert!(doomed.exited_within(Duration::from_secs(30)).await);
+    broker.restart().unwrap();
+    let mut client = client(&broker).await;
+    let _replacement = Orchestrator::spawn_journaled(&broker, &llm, &aggregator, TOKEN, &[]);
+    let mut responses = collect_dialog(&mut client, "compact", DIALOG_TIMEOUT)
+        .await
+        .unwrap();
+    responses.extend(drain_for(&mut client, "compact", Duration::from_secs(2)).await);
+    let last = responses.iter().rfind(|r| r.end_of_dialog).unwrap();
+    assert_eq!(last.content, "alpha and beta, combined.");
+    assert_eq!(closings(&responses), 1, "{responses:#?}");
+    // The last step's prompt had the whole history: the re-emitted request was expanded.
+    let final_prompt = llm
+        .calls()
+        .into_iter()
+        .filter(|c| c.last_user.contains("Observation: beta-result"))
+        .last()
+        .unwrap();
+    assert!(final_prompt.last_user.contains("Observation: alpha-result"));
+    // The second iteration's entry holds one step of history, with the count it continues.
+    let store = aggregator.store();
+    let outcomes = store
+        .query(
+            "PREFIX tg: <https://trustgraph.ai/ns/>
+             SELECT ?o WHERE { GRAPH ?g { ?e tg:outcome ?o } }"
+                .into(),
+        )
+        .await
+        .unwrap()
+        .rows();
+    let continued: Vec<serde_json::Value> = outcomes
+        .column("o")
+        .into_iter()
+        .flatten()
+        .filter_map(|t| match t {
+            agent_graph::model::Term::Literal(l) => serde_json::from_str(l.value()).ok(),
+            _ => None,
+        })
+        .flat_map(|effects: Vec<serde_json::Value>| effects)
+        .filter(|e| e["history_from_input"] == 1)
+        .collect();
+    assert_eq!(continued.len(), 1, "{outcomes:?}");
+    let journaled: agent_schema::AgentRequest =
+        serde_json::from_str(continued[0]["payload"].as_str().unwrap()).unwrap();
+    assert_eq!(journaled.history.len(), 1);
+    assert!(journaled.history[0].observation.contains("beta-result"));
+}
+
 /// The same request published twice (a client retry, a duplicate from upstream) with two
 /// orchestrators: one dialog, one answer, one chain of iteration nodes in the graph.
 #[tokio::test]

@@ -13,7 +13,7 @@ use std::collections::BTreeMap;
 
 use agent_graph::model::{NamedNode, Term};
 use agent_graph::{queries, GraphError, GraphStore};
-use agent_schema::AgentRequest;
+use agent_schema::{AgentRequest, AgentStep};
 use serde::{Deserialize, Serialize};
 
 /// Which publisher an effect goes to.
@@ -32,6 +32,55 @@ pub struct Effect {
     /// The JSON payload (every payload here is UTF-8 JSON).
     pub payload: String,
     pub properties: BTreeMap<String, String>,
+    /// Set on a journaled request whose history begins with this many steps of the input's: the
+    /// payload holds only the steps after them, so an entry is the size of its step, not of the
+    /// dialog. The input is at hand whenever an entry is re-emitted (the same message again).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub history_from_input: Option<usize>,
+}
+
+impl Effect {
+    /// The form to journal: a request that extends the input's history keeps only its new steps.
+    pub fn compacted(&self, input_history: &[AgentStep]) -> Effect {
+        if self.channel != Channel::Requests || input_history.is_empty() {
+            return self.clone();
+        }
+        let Ok(mut request) = serde_json::from_str::<AgentRequest>(&self.payload) else {
+            return self.clone();
+        };
+        let n = input_history.len();
+        if request.history.len() < n || request.history[..n] != *input_history {
+            return self.clone();
+        }
+        request.history.drain(..n);
+        Effect {
+            payload: String::from_utf8_lossy(&agent_schema::encode(&request)).into_owned(),
+            history_from_input: Some(n),
+            ..self.clone()
+        }
+    }
+
+    /// The message as it was published, from its journaled form and the input's history.
+    pub fn expanded(&self, input_history: &[AgentStep]) -> Result<Effect, String> {
+        let Some(n) = self.history_from_input else {
+            return Ok(self.clone());
+        };
+        let Some(prefix) = input_history.get(..n) else {
+            return Err(format!(
+                "the entry continues {n} steps of history and the input has {}",
+                input_history.len()
+            ));
+        };
+        let mut request = serde_json::from_str::<AgentRequest>(&self.payload)
+            .map_err(|e| format!("a journaled request does not decode: {e}"))?;
+        let added = std::mem::take(&mut request.history);
+        request.history = prefix.iter().cloned().chain(added).collect();
+        Ok(Effect {
+            payload: String::from_utf8_lossy(&agent_schema::encode(&request)).into_owned(),
+            history_from_input: None,
+            ..self.clone()
+        })
+    }
 }
 
 /// A journal entry as the store holds it.
@@ -183,6 +232,51 @@ mod tests {
         assert!(entry_node("urn:trustgraph:agent:s", &key(&first, false)).is_ok());
     }
 
+    #[test]
+    fn a_journaled_request_keeps_only_its_new_steps_and_expands_to_the_same_bytes() {
+        let step = |thought: &str| AgentStep {
+            thought: thought.to_owned(),
+            observation: "o".repeat(10_000),
+            ..AgentStep::default()
+        };
+        let input: Vec<AgentStep> = (0..8).map(|i| step(&format!("t{i}"))).collect();
+        let next = AgentRequest {
+            question: "q".into(),
+            history: input.iter().cloned().chain([step("new")]).collect(),
+            ..AgentRequest::default()
+        };
+        let published = Effect {
+            channel: Channel::Requests,
+            payload: String::from_utf8(agent_schema::encode(&next)).unwrap(),
+            properties: BTreeMap::new(),
+            history_from_input: None,
+        };
+        let journaled = published.compacted(&input);
+        assert_eq!(journaled.history_from_input, Some(8));
+        // One step's size, not the dialog's.
+        assert!(journaled.payload.len() < published.payload.len() / 5);
+        assert_eq!(journaled.expanded(&input).unwrap(), published);
+        // Another input (it cannot happen for one message) is refused, not guessed.
+        assert!(journaled.expanded(&input[..3]).is_err());
+        // A request that does not continue the input (a subagent's) is kept whole.
+        let other = AgentRequest {
+            question: "sub".into(),
+            history: vec![step("elsewhere")],
+            ..AgentRequest::default()
+        };
+        let spawned = Effect {
+            payload: String::from_utf8(agent_schema::encode(&other)).unwrap(),
+            ..published.clone()
+        };
+        assert_eq!(spawned.compacted(&input), spawned);
+        // Responses are never touched.
+        let response = Effect {
+            channel: Channel::Responses,
+            ..published.clone()
+        };
+        assert_eq!(response.compacted(&input), response);
+    }
+
     #[tokio::test]
     async fn the_first_outcome_recorded_stands() {
         let journal = Journal::new(GraphStore::in_memory().unwrap());
@@ -192,6 +286,7 @@ mod tests {
             channel: Channel::Requests,
             payload: payload.to_owned(),
             properties: [("id".to_owned(), "c".to_owned())].into(),
+            history_from_input: None,
         };
         let first = journal
             .record(&node, &[effect("{\"a\": 1}")], "m1", "a1")

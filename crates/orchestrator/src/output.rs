@@ -54,6 +54,9 @@ pub struct DialogOutput<'a> {
     answer_streamed: std::sync::atomic::AtomicBool,
     /// The largest request this dialog may queue, and which limit that is.
     request_limit: (usize, &'static str),
+    /// The history of the message being handled: a journaled request that continues it keeps
+    /// only its new steps.
+    input_history: Vec<agent_schema::AgentStep>,
 }
 
 /// The name of the broker's message size limit in errors.
@@ -112,7 +115,13 @@ impl<'a> DialogOutput<'a> {
             parked: Mutex::new(None),
             answer_streamed: std::sync::atomic::AtomicBool::new(false),
             request_limit: (outputs.requests.max_message_bytes(), BROKER_LIMIT),
+            input_history: Vec::new(),
         }
+    }
+
+    /// The history of the message this step handles (what a journaled next request continues).
+    pub fn set_input_history(&mut self, history: &[agent_schema::AgentStep]) {
+        self.input_history = history.to_vec();
     }
 
     /// Bounds the requests this dialog queues by `max_message_bytes` (the config's), or by the
@@ -186,6 +195,7 @@ impl<'a> DialogOutput<'a> {
             channel,
             payload,
             properties: properties.clone(),
+            history_from_input: None,
         });
     }
 
@@ -206,9 +216,13 @@ impl<'a> DialogOutput<'a> {
                 );
             }
             let attempt = uuid::Uuid::new_v4().simple().to_string();
+            let journaled: Vec<Effect> = effects
+                .iter()
+                .map(|e| e.compacted(&self.input_history))
+                .collect();
             let standing = slot
                 .journal
-                .record(&slot.node, &effects, &slot.delivery, &attempt)
+                .record(&slot.node, &journaled, &slot.delivery, &attempt)
                 .await?;
             if standing.attempt != attempt {
                 // A live copy of this message (a redelivery overlapping a slow first delivery, or
@@ -253,7 +267,13 @@ impl<'a> DialogOutput<'a> {
             let ours = recorder == Recorder::Unknown && entry.delivery == slot.delivery;
             if ours || entry.lease_expired() {
                 tracing::info!(entry = %node, "re-emitting this step's recorded outcome");
-                self.publish(&entry.effects).await?;
+                let effects = entry
+                    .effects
+                    .iter()
+                    .map(|e| e.expanded(&self.input_history))
+                    .collect::<Result<Vec<_>, _>>()
+                    .map_err(|e| anyhow::anyhow!("the journal entry {node}: {e}"))?;
+                self.publish(&effects).await?;
                 slot.journal.mark_published(&slot.node).await?;
                 return Ok(());
             }
