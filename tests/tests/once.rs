@@ -125,8 +125,7 @@ async fn a_journaled_step_is_the_size_of_its_step_and_re_emits_whole() {
     let final_prompt = llm
         .calls()
         .into_iter()
-        .filter(|c| c.last_user.contains("Observation: beta-result"))
-        .last()
+        .rfind(|c| c.last_user.contains("Observation: beta-result"))
         .unwrap();
     assert!(final_prompt.last_user.contains("Observation: alpha-result"));
     // The second iteration's entry holds one step of history, with the count it continues.
