@@ -199,3 +199,45 @@ async fn assert_one_chain(aggregator: &Aggregator, session: &str) {
     }
     assert_eq!(distinct(format!("{session}/final"), "tg:document").await, 1);
 }
+
+/// The journal stays flat over a long run: published entries of concluded dialogs are pruned once
+/// older than the retention (2 s here), while the provenance graph keeps everything.
+#[tokio::test]
+async fn the_journal_stays_flat_over_a_long_run() {
+    let broker = Broker::start().unwrap();
+    let aggregator = Aggregator::spawn_with(
+        &broker,
+        &["--config-token", TOKEN, "--journal-retention-secs", "2"],
+    );
+    let llm = scripted_llm(THREE_STEPS).await;
+    let _orchestrator = Orchestrator::spawn_journaled(&broker, &llm, &aggregator, TOKEN, &[]);
+    let mut client = client(&broker).await;
+    let store = aggregator.store();
+    let journal = "SELECT ?s WHERE { GRAPH <urn:graph:agent-journal> { ?s ?p ?o } }";
+    let provenance = "SELECT ?s WHERE { GRAPH <urn:graph:retrieval> { ?s ?p ?o } }";
+    let mut sizes = Vec::new();
+    for round in 0..4 {
+        let ids: Vec<String> = (0..8).map(|i| format!("flat-{round}-{i}")).collect();
+        for id in &ids {
+            client
+                .send(id, &react(&format!("combine ({id})")))
+                .await
+                .unwrap();
+        }
+        let refs: Vec<&str> = ids.iter().map(String::as_str).collect();
+        let ended = collect_dialogs(&mut client, &refs, DIALOG_TIMEOUT).await;
+        for id in &ids {
+            assert_eq!(outcome(&ended[id]), "alpha and beta, combined.", "{id}");
+        }
+        let written = count(&store, journal.into()).await;
+        // Past the retention and a pruning turn.
+        tokio::time::sleep(Duration::from_secs(4)).await;
+        let kept = count(&store, journal.into()).await;
+        sizes.push((written, kept, count(&store, provenance.into()).await));
+    }
+    println!("journal triples after each round (written, after pruning, provenance): {sizes:?}");
+    assert!(sizes.iter().all(|(written, _, _)| *written > 0));
+    assert!(sizes.iter().all(|(_, kept, _)| *kept == 0), "{sizes:?}");
+    // Provenance is the record: it is never pruned.
+    assert!(sizes.windows(2).all(|w| w[1].2 > w[0].2), "{sizes:?}");
+}

@@ -5,6 +5,7 @@
 
 pub mod fanin;
 pub mod http;
+pub mod journal_prune;
 pub mod metrics;
 pub mod writer;
 
@@ -50,6 +51,11 @@ pub struct AggregatorSettings {
     pub fanout_timeout_secs: u64,
     #[command(flatten)]
     pub reads: ReadSettings,
+    /// Seconds a published journal entry is kept once its dialog has concluded (a redelivery of
+    /// its message is dropped while the entry is there); entries of dialogs that never concluded
+    /// are kept seven times as long. 0 keeps everything.
+    #[arg(long, env = "JOURNAL_RETENTION_SECS", default_value_t = 86_400)]
+    pub journal_retention_secs: u64,
 }
 
 /// How `/query` may be used: it must not be a way to take the service down.
@@ -98,6 +104,7 @@ impl AggregatorSettings {
             fanout_timeout_secs: 300,
             seal_key: None,
             reads: ReadSettings::default(),
+            journal_retention_secs: 86_400,
         }
     }
 }
@@ -160,6 +167,16 @@ pub async fn run(settings: AggregatorSettings, shutdown: CancellationToken) -> a
         (timeout / 4).clamp(Duration::from_millis(500), Duration::from_secs(30)),
         shutdown.clone(),
     ));
+    let pruner = (settings.journal_retention_secs > 0).then(|| {
+        // Within ten years, so the cut-off arithmetic cannot overflow.
+        let retention =
+            Duration::from_secs(settings.journal_retention_secs.min(10 * 365 * 24 * 3600));
+        tokio::spawn(journal_prune::prune(
+            store.clone(),
+            retention,
+            shutdown.clone(),
+        ))
+    });
     let writer = Arc::new(writer::Writer::new(store, Some(requests), seal));
     let consumed = run_consumer(
         &bus,
@@ -174,6 +191,9 @@ pub async fn run(settings: AggregatorSettings, shutdown: CancellationToken) -> a
     .await;
     shutdown.cancel();
     let _ = sweeper.await;
+    if let Some(pruner) = pruner {
+        let _ = pruner.await;
+    }
     server.await??;
     consumed?;
     Ok(())

@@ -223,6 +223,29 @@ pub fn journal_entry(entry: &NamedNode) -> String {
     )
 }
 
+/// Deletes published journal entries recorded before `finished_before` whose dialog has concluded
+/// (its `/final` node is in the graph), and published ones recorded before `any_before` whatever
+/// became of their dialog (one that never concluded). Times are `xsd:dateTime` texts.
+pub fn journal_prune(finished_before: &str, any_before: &str) -> String {
+    let g = journal_graph();
+    let literal = |t: &str| {
+        oxigraph::model::Literal::new_typed_literal(
+            t,
+            NamedNode::new_unchecked("http://www.w3.org/2001/XMLSchema#dateTime"),
+        )
+    };
+    let (finished_before, any_before) = (literal(finished_before), literal(any_before));
+    format!(
+        "{PREFIXES}DELETE {{ GRAPH {g} {{ ?e ?p ?o }} }}
+WHERE {{
+  GRAPH {g} {{ ?e tg:published true ; tg:recordedAt ?at . ?e ?p ?o }}
+  FILTER(?at < {finished_before})
+  BIND(IRI(CONCAT(STRBEFORE(STR(?e), \"/journal/\"), \"/final\")) AS ?final)
+  FILTER(?at < {any_before} || EXISTS {{ GRAPH ?h {{ ?final ?fp ?fo }} }})
+}}"
+    )
+}
+
 /// Records an iteration's outcome unless one is recorded already: first writer wins, and check and
 /// write are one update.
 pub fn journal_record(

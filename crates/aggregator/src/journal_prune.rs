@@ -1,0 +1,33 @@
+//! Keeps the effectively-once journal bounded: published entries of concluded dialogs are deleted
+//! once they are older than the retention (a redelivery of their message is then run again
+//! rather than dropped, which after a day is not a redelivery anyone waits for), and those of
+//! dialogs that never concluded after seven retentions. One aggregator owns the store; several
+//! pruning at once delete the same entries, which is harmless.
+
+use std::time::Duration;
+
+use agent_graph::{queries, GraphStore};
+use tokio_util::sync::CancellationToken;
+
+/// Prunes every half retention (at least every second, at most every five minutes) until
+/// `shutdown`. A failed prune is logged and tried at the next turn.
+pub async fn prune(store: GraphStore, retention: Duration, shutdown: CancellationToken) {
+    let every = (retention / 2).clamp(Duration::from_secs(1), Duration::from_secs(300));
+    loop {
+        tokio::select! {
+            _ = shutdown.cancelled() => return,
+            _ = tokio::time::sleep(every) => {}
+        }
+        let now = chrono::Utc::now();
+        let cut = |age: Duration| {
+            let age = chrono::Duration::from_std(age).unwrap_or(chrono::Duration::MAX);
+            now.checked_sub_signed(age)
+                .unwrap_or(chrono::DateTime::<chrono::Utc>::MIN_UTC)
+                .to_rfc3339_opts(chrono::SecondsFormat::Micros, true)
+        };
+        let update = queries::journal_prune(&cut(retention), &cut(retention * 7));
+        if let Err(e) = store.update(update).await {
+            tracing::warn!(error = %e, "pruning the journal failed; trying again later");
+        }
+    }
+}
