@@ -172,6 +172,15 @@ async fn bad_messages_meet_their_fates(journaled: bool) {
     )
     .await;
     let mut client = client(&broker).await;
+    // The orchestrator too: a dialog answered shows its subscription exists before the flood.
+    client
+        .send("warm-up", &request("ping warm-up", false))
+        .await
+        .unwrap();
+    let warm = collect_dialog(&mut client, "warm-up", Duration::from_secs(60))
+        .await
+        .unwrap();
+    assert_eq!(warm.last().unwrap().content, "pong");
     let mut rng = rand::rngs::StdRng::seed_from_u64(11);
 
     let mut fates: BTreeMap<String, Fate> = BTreeMap::new();
@@ -289,8 +298,8 @@ async fn bad_messages_meet_their_fates(journaled: bool) {
     }
 
     // Nothing bad reached the LLM: the calls are the valid dialogs' routing (task type, pattern)
-    // and agent turns. The orchestrator never went down.
-    assert_eq!(llm.calls().len(), 3 * valid.len());
+    // and agent turns (and the warm-up's). The orchestrator never went down.
+    assert_eq!(llm.calls().len(), 3 * (valid.len() + 1));
     assert!(orchestrator.is_running(), "the orchestrator exited");
     println!(
         "hostile input (journal {journaled}): {} bad messages ({} dead-lettered, {} refused), {} valid dialogs answered",

@@ -701,8 +701,14 @@ pub async fn run(settings: Settings, shutdown: CancellationToken) -> anyhow::Res
         first_read.clone(),
         shutdown.clone(),
     ));
-    // The deployment's tools and prompts are in force before the first request is taken.
-    let _ = tokio::time::timeout(live_config::FIRST_READ_WAIT, first_read.notified()).await;
+    // The deployment's tools and prompts are in force before the first request is handled. The
+    // subscriptions are made at once all the same: pulsar-lite has been seen to stall handing a
+    // subscription made late a backlog of hundreds.
+    let (config_read, config_ready) = tokio::sync::watch::channel(false);
+    tokio::spawn(async move {
+        let _ = tokio::time::timeout(live_config::FIRST_READ_WAIT, first_read.notified()).await;
+        let _ = config_read.send(true);
+    });
     let journal = knowledge.clone().map(Journal::new);
     if journal.is_none() {
         tracing::warn!("no shared graph store (GRAPH_STORE as an http(s) SPARQL endpoint): iterations are at-least-once");
@@ -789,7 +795,12 @@ pub async fn run(settings: Settings, shutdown: CancellationToken) -> anyhow::Res
         shutdown.clone(),
         move |delivery| {
             let engine = engine.clone();
-            async move { engine.handle(delivery).await }
+            let mut ready = config_ready.clone();
+            async move {
+                // Resolves at once after the first read (the value stays true).
+                let _ = ready.wait_for(|read| *read).await;
+                engine.handle(delivery).await
+            }
         },
     )
     .await;

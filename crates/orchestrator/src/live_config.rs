@@ -84,9 +84,9 @@ fn concerns(push: &ConfigPush, workspace: &str) -> bool {
 }
 
 /// How long a starting orchestrator waits for its first read of the config service before it
-/// takes requests (a request must not run on the local config when a service has another). A
-/// service answers in milliseconds; without one (the config requests go nowhere) start is delayed
-/// this long, and a slower answer still applies when it comes.
+/// handles requests (a request must not run on the local config when a service has another). A
+/// service answers in milliseconds; without one (the config requests go nowhere) the first
+/// requests wait this long, and a slower answer still applies when it comes.
 pub const FIRST_READ_WAIT: Duration = Duration::from_secs(2);
 
 /// Follows `workspace`'s config in the config service until `shutdown`. Without a config service
