@@ -438,6 +438,20 @@ pub fn everything_server() -> PathBuf {
     path
 }
 
+/// What `scripts/<script> path` prints (it installs what it names first, once): a path.
+pub fn installed_path(script: &str) -> PathBuf {
+    let out = Command::new(repo_root().join("scripts").join(script))
+        .arg("path")
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "scripts/{script} path failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    PathBuf::from(String::from_utf8(out.stdout).unwrap().trim())
+}
+
 /// The everything server over streamable HTTP (at `/mcp`) on `port`; SIGKILLed on drop.
 pub struct EverythingHttp {
     child: Child,

@@ -28,21 +28,12 @@ struct SmallModel {
 
 impl SmallModel {
     fn start() -> SmallModel {
-        let installed = Command::new(repo_root().join("scripts/small-model.sh"))
-            .arg("path")
-            .output()
-            .unwrap();
-        assert!(
-            installed.status.success(),
-            "scripts/small-model.sh path failed: {}",
-            String::from_utf8_lossy(&installed.stderr)
-        );
-        let model = String::from_utf8(installed.stdout).unwrap();
+        let model = installed_path("small-model.sh");
         let mut child = Command::new("node")
             .arg(repo_root().join("tests/llm-servers/openai-server.mjs"))
             .args([
                 "--model",
-                model.trim(),
+                model.to_str().unwrap(),
                 "--port",
                 "0",
                 "--model-name",

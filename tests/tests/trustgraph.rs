@@ -17,16 +17,7 @@ const DIALOG_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// The folder of TrustGraph's CLI and the Python that has its client library.
 fn trustgraph_bin() -> PathBuf {
-    let out = Command::new(repo_root().join("scripts/trustgraph-client.sh"))
-        .arg("path")
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "installing TrustGraph's client failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    PathBuf::from(String::from_utf8(out.stdout).unwrap().trim())
+    installed_path("trustgraph-client.sh")
 }
 
 /// Runs one of TrustGraph's `tg-*` commands; returns what it printed.

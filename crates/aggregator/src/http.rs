@@ -207,10 +207,7 @@ fn denied(state: &AppState, headers: &HeaderMap) -> Option<Response> {
                 .into_response(),
         );
     };
-    let given = headers
-        .get(header::AUTHORIZATION)
-        .and_then(|v| v.to_str().ok());
-    if agent_bus::bearer_matches(given, expected) {
+    if carries(headers, Some(expected)) {
         None
     } else {
         Some((StatusCode::UNAUTHORIZED, "a valid bearer token is required").into_response())

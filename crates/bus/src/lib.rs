@@ -46,6 +46,9 @@ pub struct Bus {
 /// `PULSAR_MAX_MESSAGE_BYTES`.
 pub const DEFAULT_MAX_MESSAGE_BYTES: usize = 5 * 1024 * 1024;
 
+/// How errors name the broker's message size limit.
+pub const BROKER_MESSAGE_LIMIT: &str = "the broker's maxMessageSize, PULSAR_MAX_MESSAGE_BYTES";
+
 impl Bus {
     /// Connects to `url` (`pulsar://` or `pulsar+ssl://`), with token authentication when a token is given.
     pub async fn connect(url: &str, token: Option<&str>) -> Result<Bus, BusError> {

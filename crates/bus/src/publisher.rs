@@ -77,7 +77,7 @@ impl Publisher {
                 topic: self.topic.clone(),
                 bytes,
                 max: self.max_message_bytes,
-                limit: "the broker's maxMessageSize, PULSAR_MAX_MESSAGE_BYTES".to_owned(),
+                limit: crate::BROKER_MESSAGE_LIMIT.to_owned(),
             });
         }
         let message = Message {

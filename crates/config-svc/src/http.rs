@@ -78,10 +78,7 @@ struct Scope {
 
 impl Scope {
     fn name(&self) -> String {
-        self.workspace
-            .clone()
-            .filter(|w| !w.is_empty())
-            .unwrap_or_else(|| crate::DEFAULT_WORKSPACE.to_owned())
+        crate::protocol::named_or_default(self.workspace.as_deref()).to_owned()
     }
 }
 
@@ -103,16 +100,8 @@ async fn gateway(State(state): State<AppState>, headers: HeaderMap, body: Bytes)
             return denied;
         }
     }
-    let workspace = crate::protocol::workspace_of(&request).to_owned();
-    let answered = crate::off_thread(&state.store, move |store| {
-        crate::protocol::handle(store, &request)
-    })
-    .await;
-    match answered {
-        Ok((response, written)) => {
-            if let Some(written) = written {
-                state.pusher.push(written, &workspace).await;
-            }
+    match crate::answer_and_announce(&state.store, &state.pusher, request).await {
+        Ok(response) => {
             let mut body = serde_json::to_value(&response).unwrap_or_default();
             if let Value::Object(fields) = &mut body {
                 fields.retain(|_, v| !v.is_null());

@@ -169,25 +169,35 @@ pub async fn run(settings: ConfigSvcSettings, shutdown: CancellationToken) -> an
     Ok(())
 }
 
+/// Answers `request` off the async workers and announces what it wrote: the same for a request
+/// over Pulsar and one over HTTP.
+pub(crate) async fn answer_and_announce(
+    store: &Arc<ConfigStore>,
+    pusher: &Pusher,
+    request: ConfigRequest,
+) -> Result<agent_schema::ConfigResponse, tokio::task::JoinError> {
+    let workspace = protocol::workspace_of(&request).to_owned();
+    let (response, written) =
+        off_thread(store, move |store| protocol::handle(store, &request)).await?;
+    if let Some(written) = written {
+        pusher.push(written, &workspace).await;
+    }
+    Ok(response)
+}
+
 async fn answer(
     store: Arc<ConfigStore>,
     responses: Publisher,
     pusher: Pusher,
     delivery: Delivery<ConfigRequest>,
 ) -> Disposition {
-    let request = delivery.payload;
-    let workspace = protocol::workspace_of(&request).to_owned();
-    let handled = off_thread(&store, move |store| protocol::handle(store, &request)).await;
-    let (response, written) = match handled {
-        Ok(pair) => pair,
+    let response = match answer_and_announce(&store, &pusher, delivery.payload).await {
+        Ok(response) => response,
         Err(e) => return Disposition::Nack(format!("config handler failed: {e}")),
     };
     let mut properties = Properties::new();
     if let Some(id) = delivery.properties.get(ID_PROPERTY) {
         properties.insert(ID_PROPERTY.to_owned(), id.clone());
-    }
-    if let Some(written) = written {
-        pusher.push(written, &workspace).await;
     }
     match responses
         .send(agent_schema::encode(&response), &properties)

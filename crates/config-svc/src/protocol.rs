@@ -32,9 +32,12 @@ pub fn describe_metrics() {
 /// The workspace a request works in. TrustGraph 2.x's service refuses a request without one; a
 /// TrustGraph 1.x client never names one, and is answered from the default workspace.
 pub fn workspace_of(request: &ConfigRequest) -> &str {
-    request
-        .workspace
-        .as_deref()
+    named_or_default(request.workspace.as_deref())
+}
+
+/// A workspace as named, or the default one when none (or an empty one) is named.
+pub fn named_or_default(workspace: Option<&str>) -> &str {
+    workspace
         .filter(|w| !w.is_empty())
         .unwrap_or(crate::DEFAULT_WORKSPACE)
 }

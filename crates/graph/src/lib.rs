@@ -206,14 +206,7 @@ impl GraphStore {
                 let _stop_when_dropped = CancelOnDrop(cancel.clone());
                 let token = cancel.clone();
                 let evaluation = tokio::task::spawn_blocking(move || {
-                    let results = SparqlEvaluator::new()
-                        .with_cancellation_token(token)
-                        .parse_query(&sparql)
-                        .map_err(|e| GraphError::Syntax(e.to_string()))?
-                        .on_store(&store)
-                        .execute()
-                        .map_err(|e| GraphError::Evaluation(e.to_string()))?;
-                    collect_at_most(results, bounds.max_rows)
+                    query_embedded(&store, &sparql, Some(token), bounds.max_rows)
                 });
                 match tokio::time::timeout(bounds.timeout, evaluation).await {
                     Ok(joined) => joined
@@ -246,7 +239,7 @@ impl GraphStore {
         match &self.backend {
             Backend::Embedded { store, .. } => {
                 let store = store.clone();
-                blocking(move || query_embedded(&store, &sparql)).await
+                blocking(move || query_embedded(&store, &sparql, None, usize::MAX)).await
             }
             Backend::Remote(remote) => remote.query(&sparql).await,
         }
@@ -370,14 +363,25 @@ async fn blocking<T: Send + 'static>(
         .map_err(|e| GraphError::Storage(format!("store task failed: {e}")))?
 }
 
-fn query_embedded(store: &Store, sparql: &str) -> Result<QueryAnswer, GraphError> {
-    let results = SparqlEvaluator::new()
+/// Evaluates `sparql` on `store`, stopping when `cancel` is cancelled, and refusing a result of
+/// more than `max_rows` rows or triples.
+fn query_embedded(
+    store: &Store,
+    sparql: &str,
+    cancel: Option<oxigraph::sparql::CancellationToken>,
+    max_rows: usize,
+) -> Result<QueryAnswer, GraphError> {
+    let mut evaluator = SparqlEvaluator::new();
+    if let Some(cancel) = cancel {
+        evaluator = evaluator.with_cancellation_token(cancel);
+    }
+    let results = evaluator
         .parse_query(sparql)
         .map_err(|e| GraphError::Syntax(e.to_string()))?
         .on_store(store)
         .execute()
         .map_err(|e| GraphError::Evaluation(e.to_string()))?;
-    collect(results)
+    collect_at_most(results, max_rows)
 }
 
 /// Materialises results so they can cross the blocking-pool boundary.

@@ -412,7 +412,10 @@ impl Engine {
         );
         out.set_run(&run_uri, run_base);
         out.set_conversation(&request.conversation_id);
-        out.set_input_history(&request.history);
+        if self.journal.is_some() {
+            // Only a journal needs it (to record a next request as its new steps).
+            out.set_input_history(&request.history);
+        }
         out.limit_requests(config.limits.max_message_bytes);
         let giving_up = matches!(attempt, Attempt::GiveUp(_));
         let slot = match &self.journal {

@@ -59,9 +59,6 @@ pub struct DialogOutput<'a> {
     input_history: Vec<agent_schema::AgentStep>,
 }
 
-/// The name of the broker's message size limit in errors.
-const BROKER_LIMIT: &str = "the broker's maxMessageSize, PULSAR_MAX_MESSAGE_BYTES";
-
 /// Why a step set itself aside to be tried again: an outage of something it needs.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Park {
@@ -114,7 +111,10 @@ impl<'a> DialogOutput<'a> {
             ended: Mutex::new(None),
             parked: Mutex::new(None),
             answer_streamed: std::sync::atomic::AtomicBool::new(false),
-            request_limit: (outputs.requests.max_message_bytes(), BROKER_LIMIT),
+            request_limit: (
+                outputs.requests.max_message_bytes(),
+                agent_bus::BROKER_MESSAGE_LIMIT,
+            ),
             input_history: Vec::new(),
         }
     }
