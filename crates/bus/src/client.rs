@@ -25,29 +25,31 @@ impl Listener {
         topic: &str,
         prefix: &str,
     ) -> Result<Listener, BusError> {
-        let consumer = bus
-            .client()
-            .consumer()
-            .with_topic(topic)
-            .with_subscription(format!("{prefix}-{:016x}", rand::random::<u64>()))
-            .with_subscription_type(SubType::Exclusive)
-            .with_consumer_id(rand::random::<u64>() >> 1)
-            .with_options(ConsumerOptions {
-                initial_position: InitialPosition::Latest,
-                ..ConsumerOptions::default()
-            })
-            .build()
-            .await
-            .map_err(|e| BusError::Subscribe {
-                topic: topic.to_owned(),
-                message: e.to_string(),
-            })?;
+        // Just after a broker (re)starts it refuses subscriptions for a moment while it loads the
+        // topic's namespace and its storage: a client tries again before it reports the refusal.
+        let consumer = crate::error::until_settled(topic, || {
+            bus.client()
+                .consumer()
+                .with_topic(topic)
+                .with_subscription(format!("{prefix}-{:016x}", rand::random::<u64>()))
+                .with_subscription_type(SubType::Exclusive)
+                .with_consumer_id(rand::random::<u64>() >> 1)
+                .with_options(ConsumerOptions {
+                    initial_position: InitialPosition::Latest,
+                    ..ConsumerOptions::default()
+                })
+                .build()
+        })
+        .await
+        .map_err(|e| BusError::Subscribe {
+            topic: topic.to_owned(),
+            message: e.to_string(),
+        })?;
         Ok(Listener {
             topic: topic.to_owned(),
             consumer,
         })
     }
-
     /// The next message, already acked (a listener never wants one again).
     pub(crate) async fn next(&mut self) -> Result<Message<Vec<u8>>, BusError> {
         let stopped = |message: String| BusError::ConsumerStopped {

@@ -122,7 +122,19 @@ where
         "" => None,
         topic => Some(Publisher::new(bus, topic).await?),
     };
-    let mut consumer = subscribe(bus, &config).await?;
+    // The broker may be starting or restarting (its namespaces are served a moment after its port
+    // opens): a service started then keeps trying for a while rather than exit.
+    let mut consumer = match subscribe(bus, &config).await {
+        Ok(consumer) => consumer,
+        Err(first) => {
+            tracing::warn!(topic = %config.topic, error = %first, "subscribing failed; trying again");
+            match resubscribe(bus, &config, &shutdown, Some(FIRST_SUBSCRIBE_PATIENCE)).await {
+                Some(consumer) => consumer,
+                None if shutdown.is_cancelled() => return Ok(()),
+                None => return Err(first),
+            }
+        }
+    };
     stats.consuming.store(true, Ordering::SeqCst);
     tracing::info!(topic = %config.topic, subscription = %config.subscription, "consuming");
 
@@ -169,7 +181,7 @@ where
                     // The broker dropped us (a restart, a reset connection). Messages in flight
                     // stay un-acked and come back to the new subscription or another replica.
                     tracing::warn!(topic = %config.topic, "the message stream ended; subscribing again");
-                    match resubscribe(bus, &config, &shutdown).await {
+                    match resubscribe(bus, &config, &shutdown, None).await {
                         Some(fresh) => consumer = fresh,
                         None => break,
                     }
@@ -234,14 +246,23 @@ async fn subscribe(
     })
 }
 
-/// Subscribes again until it works (backing off up to 5 s between tries) or `shutdown`.
+/// How long a service's first subscription keeps trying before the service gives up.
+const FIRST_SUBSCRIBE_PATIENCE: Duration = Duration::from_secs(60);
+
+/// Subscribes again until it works (backing off up to 5 s between tries), `shutdown`, or
+/// `patience` (when given) has passed.
 async fn resubscribe(
     bus: &Bus,
     config: &SubscriptionConfig,
     shutdown: &CancellationToken,
+    patience: Option<Duration>,
 ) -> Option<Consumer<Vec<u8>, TokioExecutor>> {
+    let started = tokio::time::Instant::now();
     let mut wait = Duration::from_millis(100);
     loop {
+        if patience.is_some_and(|p| started.elapsed() >= p) {
+            return None;
+        }
         match subscribe(bus, config).await {
             Ok(consumer) => {
                 tracing::info!(topic = %config.topic, "subscribed again");

@@ -19,21 +19,22 @@ pub struct Publisher {
 
 impl Publisher {
     pub async fn new(bus: &Bus, topic: &str) -> Result<Publisher, BusError> {
-        let producer = bus
-            .client()
-            .producer()
-            .with_topic(topic)
-            .with_options(ProducerOptions {
-                // Past ~100 pipelined sends the crate answers SlowDown; waiting is what we want.
-                block_queue_if_full: true,
-                ..ProducerOptions::default()
-            })
-            .build()
-            .await
-            .map_err(|e| BusError::Producer {
-                topic: topic.to_owned(),
-                message: e.to_string(),
-            })?;
+        let producer = crate::error::until_settled(topic, || {
+            bus.client()
+                .producer()
+                .with_topic(topic)
+                .with_options(ProducerOptions {
+                    // Past ~100 pipelined sends the crate answers SlowDown; waiting is what we want.
+                    block_queue_if_full: true,
+                    ..ProducerOptions::default()
+                })
+                .build()
+        })
+        .await
+        .map_err(|e| BusError::Producer {
+            topic: topic.to_owned(),
+            message: e.to_string(),
+        })?;
         Ok(Publisher {
             topic: topic.to_owned(),
             producer: Arc::new(Mutex::new(producer)),
