@@ -4,9 +4,11 @@
 
 pub use agent_bus::apache;
 
+pub mod fuseki;
+
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use agent_bus::embedded::EmbeddedBroker;
 use agent_bus::{AgentClient, Bus, Topics};
@@ -247,6 +249,8 @@ pub struct Aggregator {
     broker_url: String,
     addr: String,
     extra: Vec<String>,
+    /// The SPARQL server holding the graph, in the tier that keeps it in one we do not own.
+    fuseki: Option<fuseki::Fuseki>,
 }
 
 impl Aggregator {
@@ -256,13 +260,26 @@ impl Aggregator {
 
     /// An aggregator with extra flags (such as `--fanout-timeout-secs`).
     pub fn spawn_with(broker: &Broker, extra: &[&str]) -> Aggregator {
+        let fuseki = fuseki::on_fuseki().then(fuseki::Fuseki::start);
+        Self::spawn_over(broker, fuseki, extra)
+    }
+
+    /// An aggregator whose graph `fuseki` holds (its own embedded store without one).
+    pub fn spawn_over(
+        broker: &Broker,
+        fuseki: Option<fuseki::Fuseki>,
+        extra: &[&str],
+    ) -> Aggregator {
         let port = agent_bus::embedded::free_port().unwrap();
         let store_dir =
             std::env::temp_dir().join(format!("agent-e2e-graph-{}-{port}", std::process::id()));
         let _ = std::fs::remove_dir_all(&store_dir);
         let addr = format!("127.0.0.1:{port}");
         let extra: Vec<String> = extra.iter().map(|s| (*s).to_owned()).collect();
-        let graph_store = store_dir.display().to_string();
+        let graph_store = match &fuseki {
+            Some(server) => server.endpoint(),
+            None => store_dir.display().to_string(),
+        };
         let child = Self::launch(&broker.url(), &graph_store, &addr, &extra);
         let aggregator = Aggregator {
             child,
@@ -272,6 +289,7 @@ impl Aggregator {
             broker_url: broker.url(),
             addr,
             extra,
+            fuseki,
         };
         aggregator.wait_ready();
         aggregator
@@ -293,6 +311,7 @@ impl Aggregator {
             broker_url: broker.url(),
             addr,
             extra,
+            fuseki: None,
         };
         aggregator.wait_ready();
         aggregator
@@ -340,6 +359,11 @@ impl Aggregator {
     /// Its process id, to watch its CPU.
     pub fn pid(&self) -> u32 {
         self.child.id()
+    }
+
+    /// The SPARQL server that holds its graph, when it is not its own store.
+    pub fn fuseki(&mut self) -> Option<&mut fuseki::Fuseki> {
+        self.fuseki.as_mut()
     }
 
     /// A client of its SPARQL endpoint.
@@ -496,10 +520,23 @@ pub fn seed_dir() -> PathBuf {
 
 /// A client on the default topics.
 pub async fn client(broker: &Broker) -> AgentClient {
-    let bus = Bus::connect(&broker.url(), None).await.unwrap();
-    AgentClient::connect(&bus, &Topics::trustgraph("default", "default"))
-        .await
-        .unwrap()
+    // Just after a broker restart, a connection can be refused for a moment (a client tries again
+    // as a user's would); a refusal that lasts is the failure.
+    let started = Instant::now();
+    loop {
+        let attempt = async {
+            let bus = Bus::connect(&broker.url(), None).await?;
+            AgentClient::connect(&bus, &Topics::trustgraph("default", "default")).await
+        };
+        match attempt.await {
+            Ok(client) => return client,
+            Err(e) if started.elapsed() < Duration::from_secs(30) => {
+                eprintln!("client: {e}; trying again");
+                tokio::time::sleep(Duration::from_millis(500)).await;
+            }
+            Err(e) => panic!("no client on {}: {e}", broker.url()),
+        }
+    }
 }
 
 pub fn request(question: &str, streaming: bool) -> AgentRequest {
