@@ -49,4 +49,7 @@ scripts/pulsar-lite.sh path >/dev/null
 scripts/trustgraph-client.sh path >/dev/null
 # Apache Pulsar's standalone broker (Maven Central, ~240 MB once) for the tier of tests run on it.
 scripts/apache-pulsar.sh path >/dev/null
+# Apache Jena Fuseki (Maven Central, ~40 MB once): a SPARQL server we do not own, as the graph store
+# behind the aggregator in the tests that need one.
+scripts/fuseki.sh path >/dev/null
 scripts/patch-pulsar.sh

@@ -27,8 +27,8 @@ soak_status=${PIPESTATUS[0]}
 # The Apache Pulsar tier: the same end-to-end tests on Apache Pulsar's own standalone broker
 # (scripts/apache-pulsar.sh), each test with a fresh JVM broker: ReACT streaming, SIGKILLs and a
 # broker restart, effectively-once, the supervisor with two replicas, hostile input, the drop-in
-# driven by TrustGraph's own CLI and client library, then the
-# chaos soak's short mode with its broker restart. (tests/tests/pulsar_auth.rs, JWT
+# driven by TrustGraph's own CLI and client library; then effectively-once and the chaos soak's
+# short mode (with its broker restart) with the graph in Apache Jena Fuseki. (tests/tests/pulsar_auth.rs, JWT
 # authentication and authorization, and tests/tests/message_limits.rs, the broker's message size
 # limit, run on Apache Pulsar in the main run above.)
 echo "== Apache Pulsar tier"
@@ -38,7 +38,15 @@ AGENT_E2E_BROKER=apache cargo test --locked --workspace --no-fail-fast \
   | tee -a "${TMPDIR:-/tmp}/pulsar-agents-test.log" | grep -E '^test result|FAILED|panicked'
 apache_status=${PIPESTATUS[0]}
 [ "$apache_status" -eq 0 ] || status=$apache_status
-AGENT_E2E_BROKER=apache RUST_LOG=off cargo test --locked --workspace --test soak -- --nocapture 2>&1 \
+# Effectively-once again with the graph in a SPARQL server we do not own (Apache Jena Fuseki, behind
+# the aggregator, which owns the journal), and the chaos soak on that topology.
+echo "== Apache Pulsar, the graph in Apache Jena Fuseki"
+AGENT_E2E_BROKER=apache AGENT_E2E_STORE=fuseki cargo test --locked --workspace --no-fail-fast \
+  --test once -- --test-threads 2 2>&1 \
+  | tee -a "${TMPDIR:-/tmp}/pulsar-agents-test.log" | grep -E '^test result|FAILED|panicked'
+fuseki_status=${PIPESTATUS[0]}
+[ "$fuseki_status" -eq 0 ] || status=$fuseki_status
+AGENT_E2E_BROKER=apache AGENT_E2E_STORE=fuseki RUST_LOG=off cargo test --locked --workspace --test soak -- --nocapture 2>&1 \
   | tee -a "${TMPDIR:-/tmp}/pulsar-agents-test.log" | grep -E '^soak: ([^0-9]|[0-9]+ dialogs)|^test |panicked|^test result'
 apache_soak_status=${PIPESTATUS[0]}
 [ "$apache_soak_status" -eq 0 ] || status=$apache_soak_status

@@ -1,13 +1,16 @@
-//! The SPARQL 1.1 Protocol over the embedded store: `/query` (open unless a read token is set, each
-//! query bounded in time and result size and stopped when its client goes, anonymous ones a few at
-//! a time), `/update` and the Graph Store Protocol's `POST /store` (bearer token), and `/healthz`,
-//! `/readyz`, `/metrics`.
+//! The SPARQL 1.1 Protocol over the store: `/query` (open unless a read token is set, each query
+//! bounded in time and result size and stopped when its client goes, anonymous ones a few at a
+//! time), `/update` and the Graph Store Protocol's `POST /store` (bearer token); the orchestrators'
+//! journal (`/journal/entry`, `/journal/record`, `/journal/published`, bearer token); and
+//! `/healthz`, `/readyz`, `/metrics`.
 
 use std::collections::HashMap;
 use std::sync::Arc;
 
 use agent_bus::ConsumerStats;
 
+use agent_graph::journal::{EntryRef, Journal, RecordRequest};
+use agent_graph::model::NamedNode;
 use agent_graph::{serialize_answer, GraphError, GraphStore, QueryBounds};
 use axum::body::Bytes;
 use axum::extract::{Query, State};
@@ -19,6 +22,7 @@ use axum::Router;
 #[derive(Clone)]
 struct AppState {
     store: GraphStore,
+    journal: Journal,
     token: Option<String>,
     stats: Arc<ConsumerStats>,
     reads: Arc<Reads>,
@@ -40,6 +44,7 @@ const TURN_WAIT: std::time::Duration = std::time::Duration::from_secs(1);
 /// `/metrics`; `reads` bound `/query`.
 pub fn router(
     store: GraphStore,
+    journal: Journal,
     token: Option<String>,
     stats: Arc<ConsumerStats>,
     reads: &crate::ReadSettings,
@@ -57,11 +62,15 @@ pub fn router(
         .route("/sparql", get(query_get).post(query_post))
         .route("/update", post(update))
         .route("/store", post(store_post))
+        .route("/journal/entry", post(journal_entry))
+        .route("/journal/record", post(journal_record))
+        .route("/journal/published", post(journal_published))
         .route("/healthz", get(|| async { "ok" }))
         .route("/readyz", get(ready))
         .route("/metrics", get(metrics))
         .with_state(AppState {
             store,
+            journal,
             token,
             stats,
             reads,
@@ -250,6 +259,69 @@ async fn store_post(
         .load(body.to_vec(), &format, params.get("graph").cloned())
         .await
     {
+        Ok(()) => StatusCode::NO_CONTENT.into_response(),
+        Err(e) => error_response(e),
+    }
+}
+
+/// A journal call's checks: the services' token, and an entry that names a node.
+#[allow(clippy::result_large_err)] // Built once per refused call, never carried far.
+fn journal_call(state: &AppState, headers: &HeaderMap, entry: &str) -> Result<NamedNode, Response> {
+    if let Some(denied) = denied(state, headers) {
+        return Err(denied);
+    }
+    NamedNode::new(entry)
+        .map_err(|e| (StatusCode::BAD_REQUEST, format!("not an entry: {e}")).into_response())
+}
+
+fn json<T: serde::Serialize>(value: &T) -> Response {
+    match serde_json::to_vec(value) {
+        Ok(body) => ([(header::CONTENT_TYPE, "application/json")], body).into_response(),
+        Err(e) => (StatusCode::INTERNAL_SERVER_ERROR, e.to_string()).into_response(),
+    }
+}
+
+/// The orchestrators' journal (services only): an entry, or `null`.
+async fn journal_entry(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    axum::Json(asked): axum::Json<EntryRef>,
+) -> Response {
+    let node = match journal_call(&state, &headers, &asked.entry) {
+        Ok(node) => node,
+        Err(refused) => return refused,
+    };
+    match state.journal.entry(&node).await {
+        Ok(entry) => json(&entry),
+        Err(e) => error_response(e),
+    }
+}
+
+/// Records a step's outcome unless one stands, and answers the one that stands.
+async fn journal_record(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    axum::Json(request): axum::Json<RecordRequest>,
+) -> Response {
+    if let Err(refused) = journal_call(&state, &headers, &request.entry) {
+        return refused;
+    }
+    match state.journal.record(request).await {
+        Ok(entry) => json(&entry),
+        Err(e) => error_response(e),
+    }
+}
+
+async fn journal_published(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    axum::Json(asked): axum::Json<EntryRef>,
+) -> Response {
+    let node = match journal_call(&state, &headers, &asked.entry) {
+        Ok(node) => node,
+        Err(refused) => return refused,
+    };
+    match state.journal.mark_published(&node).await {
         Ok(()) => StatusCode::NO_CONTENT.into_response(),
         Err(e) => error_response(e),
     }

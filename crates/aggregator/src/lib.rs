@@ -109,6 +109,43 @@ impl AggregatorSettings {
     }
 }
 
+/// The journal this aggregator serves. It owns the journal of an embedded store, and of a SPARQL
+/// server (which need not isolate updates: the owner decides who wins). In front of another
+/// aggregator it forwards to that one, so a store's journal always has one owner.
+async fn journal_of(store: &GraphStore) -> anyhow::Result<agent_graph::journal::Journal> {
+    if store.is_embedded() {
+        return Ok(store.owned_journal());
+    }
+    let forward = store.journal();
+    let started = std::time::Instant::now();
+    loop {
+        match forward.check().await {
+            Ok(()) => {
+                tracing::info!(
+                    "the store is another aggregator's: its journal is served from there"
+                );
+                return Ok(forward);
+            }
+            Err(agent_graph::GraphError::NoJournal(_)) => {
+                tracing::info!("the store is a SPARQL server: this aggregator owns its journal (run one replica)");
+                return Ok(store.owned_journal());
+            }
+            Err(
+                e @ agent_graph::GraphError::Http {
+                    status: 401 | 403, ..
+                },
+            ) => {
+                anyhow::bail!("the aggregator at GRAPH_STORE refuses this one's token: {e}")
+            }
+            Err(e) if started.elapsed() < Duration::from_secs(60) => {
+                tracing::warn!(error = %e, "the graph store does not answer yet");
+                tokio::time::sleep(Duration::from_secs(1)).await;
+            }
+            Err(e) => anyhow::bail!("the graph store does not answer: {e}"),
+        }
+    }
+}
+
 /// Runs until `shutdown`: the consumer and the SPARQL, health and readiness endpoint.
 pub async fn run(settings: AggregatorSettings, shutdown: CancellationToken) -> anyhow::Result<()> {
     let token = settings.config_token.clone().filter(|t| !t.is_empty());
@@ -122,7 +159,14 @@ pub async fn run(settings: AggregatorSettings, shutdown: CancellationToken) -> a
     tracing::info!(addr = %listener.local_addr()?, "serving SPARQL");
     metrics::describe();
     let stats = Arc::new(ConsumerStats::default());
-    let app = http::router(store.clone(), token, stats.clone(), &settings.reads);
+    let journal = journal_of(&store).await?;
+    let app = http::router(
+        store.clone(),
+        journal,
+        token,
+        stats.clone(),
+        &settings.reads,
+    );
     let stop = shutdown.clone();
     let server = tokio::spawn(async move {
         axum::serve(listener, app)

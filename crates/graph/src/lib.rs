@@ -4,6 +4,7 @@
 
 pub mod convert;
 pub mod explain;
+pub mod journal;
 pub mod knowledge;
 pub mod queries;
 mod remote;
@@ -42,6 +43,12 @@ pub enum GraphError {
     /// A query whose result has more rows (or triples) than allowed.
     #[error("the query's result has more than {0} rows")]
     TooManyRows(usize),
+    /// The endpoint is a SPARQL server, not a journal's owner: the journal is kept by the
+    /// aggregator in front of the store, not by the store itself.
+    #[error(
+        "{0} serves no journal API: point GRAPH_STORE at the agent-aggregator that owns the store"
+    )]
+    NoJournal(String),
 }
 
 impl GraphError {
@@ -101,6 +108,8 @@ impl QueryAnswer {
 
 /// Serialises SPARQL updates on embedded stores (see [`GraphStore::update`]).
 static SERIAL_UPDATES: std::sync::Mutex<()> = std::sync::Mutex::new(());
+/// Serialises this process's SPARQL updates to endpoints.
+static SERIAL_REMOTE_UPDATES: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
 /// Where the graph lives.
 #[derive(Clone)]
@@ -169,6 +178,21 @@ impl GraphStore {
             Backend::Embedded { store, .. } => Ok(Writable::Embedded(store.clone())),
             Backend::Remote(remote) => Ok(Writable::Remote(remote)),
         }
+    }
+
+    /// The journal as this store's users reach it: kept here for an embedded store (this process
+    /// owns it), asked of its owner for an endpoint (an aggregator's).
+    pub fn journal(&self) -> journal::Journal {
+        match &self.backend {
+            Backend::Embedded { .. } => journal::Journal::Owner(self.clone()),
+            Backend::Remote(remote) => journal::Journal::Remote(remote.clone()),
+        }
+    }
+
+    /// A journal this process owns over this store, whatever the store is: only one process may
+    /// own a store's journal (the aggregator, which runs as one replica).
+    pub fn owned_journal(&self) -> journal::Journal {
+        journal::Journal::Owner(self.clone())
     }
 
     pub fn is_embedded(&self) -> bool {
@@ -265,7 +289,12 @@ impl GraphStore {
                 })
                 .await
             }
-            Writable::Remote(remote) => remote.update(&sparql).await,
+            Writable::Remote(remote) => {
+                // The same for an endpoint: a SPARQL server need not isolate updates, and this
+                // process's conditional updates (a fan-in's claim) must not interleave.
+                let _one_at_a_time = SERIAL_REMOTE_UPDATES.lock().await;
+                remote.update(&sparql).await
+            }
         }
     }
 

@@ -245,32 +245,3 @@ WHERE {{
 }}"
     )
 }
-
-/// Records an iteration's outcome unless one is recorded already: first writer wins, and check and
-/// write are one update.
-pub fn journal_record(
-    entry: &NamedNode,
-    outcome: &str,
-    delivery: &str,
-    attempt: &str,
-    now: &str,
-) -> String {
-    let g = journal_graph();
-    let literal = oxigraph::model::Literal::new_simple_literal;
-    let (outcome, delivery, attempt) = (literal(outcome), literal(delivery), literal(attempt));
-    let now = oxigraph::model::Literal::new_typed_literal(
-        now,
-        NamedNode::new_unchecked("http://www.w3.org/2001/XMLSchema#dateTime"),
-    );
-    format!(
-        "{PREFIXES}INSERT {{ GRAPH {g} {{ {entry} tg:outcome {outcome} ; tg:delivery {delivery} ;
-  tg:attempt {attempt} ; tg:recordedAt {now} }} }}
-WHERE {{ FILTER NOT EXISTS {{ GRAPH {g} {{ {entry} tg:outcome ?any }} }} }}"
-    )
-}
-
-/// Marks an iteration's outcome as published.
-pub fn journal_published(entry: &NamedNode) -> String {
-    let g = journal_graph();
-    format!("{PREFIXES}INSERT DATA {{ GRAPH {g} {{ {entry} tg:published true }} }}")
-}

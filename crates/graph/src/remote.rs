@@ -1,6 +1,6 @@
 //! Any SPARQL 1.1 endpoint over HTTP: the Protocol for queries and updates, the Graph Store Protocol
-//! for bulk loads. The base URL serves `/query`, `/update` and `/store` (Oxigraph server's layout, and
-//! the aggregator's).
+//! for loads. The base URL serves `/query` and `/update` (Oxigraph server's layout, the aggregator's,
+//! and a Jena Fuseki dataset's), and `/store` or `/data`; an aggregator also serves the journal API.
 
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -8,6 +8,7 @@ use std::time::Duration;
 use oxigraph::model::{GraphName, Quad};
 use oxigraph::sparql::results::{QueryResultsFormat, QueryResultsParser};
 
+use crate::journal::{EntryRef, JournalEntry, RecordRequest};
 use crate::{collect, GraphError, QueryAnswer};
 
 /// A remote SPARQL endpoint.
@@ -100,12 +101,13 @@ impl RemoteSparql {
         Self::send(request).await.map(|_| ())
     }
 
-    /// Bulk load through the Graph Store Protocol, one request per named graph.
+    /// Adds quads with one `INSERT DATA` update: atomic, and understood by every SPARQL 1.1 server
+    /// (the Graph Store Protocol's paths differ between servers, and it takes one graph a call).
     pub async fn insert(&self, quads: &[Quad]) -> Result<(), GraphError> {
         let mut by_graph: BTreeMap<Option<String>, String> = BTreeMap::new();
         for quad in quads {
             let graph = match &quad.graph_name {
-                GraphName::NamedNode(n) => Some(n.as_str().to_owned()),
+                GraphName::NamedNode(n) => Some(n.to_string()),
                 _ => None,
             };
             let body = by_graph.entry(graph).or_default();
@@ -114,11 +116,15 @@ impl RemoteSparql {
                 quad.subject, quad.predicate, quad.object
             ));
         }
-        for (graph, body) in by_graph {
-            self.load(body.into_bytes(), "application/n-triples", graph.as_deref())
-                .await?;
+        let mut update = String::from("INSERT DATA {\n");
+        for (graph, triples) in by_graph {
+            match graph {
+                Some(g) => update.push_str(&format!("GRAPH {g} {{\n{triples}}}\n")),
+                None => update.push_str(&triples),
+            }
         }
-        Ok(())
+        update.push('}');
+        self.update(&update).await
     }
 
     pub async fn load(
@@ -127,15 +133,75 @@ impl RemoteSparql {
         format: &str,
         graph: Option<&str>,
     ) -> Result<(), GraphError> {
-        let request = self.post("/store");
-        let request = match graph {
-            Some(g) => request.query(&[("graph", g)]),
-            None => request.query(&[("default", "")]),
-        };
-        let request = request
-            .header(reqwest::header::CONTENT_TYPE, format.to_owned())
-            .body(data);
-        Self::send(request).await.map(|_| ())
+        // Oxigraph's server and the aggregator serve the Graph Store Protocol at `/store`, Jena
+        // Fuseki at `/data`.
+        let mut outcome = Ok(());
+        for path in ["/store", "/data"] {
+            let request = self.post(path);
+            let request = match graph {
+                Some(g) => request.query(&[("graph", g)]),
+                None => request.query(&[("default", "")]),
+            };
+            let request = request
+                .header(reqwest::header::CONTENT_TYPE, format.to_owned())
+                .body(data.clone());
+            outcome = Self::send(request).await.map(|_| ());
+            if !matches!(outcome, Err(GraphError::Http { status: 404, .. })) {
+                break;
+            }
+        }
+        outcome
+    }
+
+    /// The journal entry `entry` at the journal's owner (an aggregator), if recorded.
+    pub async fn journal_entry(&self, entry: &str) -> Result<Option<JournalEntry>, GraphError> {
+        let body = self
+            .journal_call(
+                "/journal/entry",
+                &EntryRef {
+                    entry: entry.to_owned(),
+                },
+            )
+            .await?;
+        serde_json::from_slice(&body.bytes).map_err(|e| GraphError::Malformed(e.to_string()))
+    }
+
+    /// Records at the journal's owner; the entry that stands comes back in the same call.
+    pub async fn journal_record(
+        &self,
+        request: &RecordRequest,
+    ) -> Result<JournalEntry, GraphError> {
+        let body = self.journal_call("/journal/record", request).await?;
+        serde_json::from_slice(&body.bytes).map_err(|e| GraphError::Malformed(e.to_string()))
+    }
+
+    pub async fn journal_published(&self, entry: &str) -> Result<(), GraphError> {
+        self.journal_call(
+            "/journal/published",
+            &EntryRef {
+                entry: entry.to_owned(),
+            },
+        )
+        .await
+        .map(|_| ())
+    }
+
+    async fn journal_call<T: serde::Serialize>(
+        &self,
+        path: &str,
+        body: &T,
+    ) -> Result<Body, GraphError> {
+        let payload = serde_json::to_vec(body).map_err(|e| GraphError::Malformed(e.to_string()))?;
+        let request = self
+            .post(path)
+            .header(reqwest::header::CONTENT_TYPE, "application/json")
+            .body(payload);
+        match Self::send(request).await {
+            Err(GraphError::Http {
+                status: 404 | 405, ..
+            }) => Err(GraphError::NoJournal(self.base.clone())),
+            other => other,
+        }
     }
 }
 

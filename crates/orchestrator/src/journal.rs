@@ -11,8 +11,9 @@
 
 use std::collections::BTreeMap;
 
-use agent_graph::model::{NamedNode, Term};
-use agent_graph::{queries, GraphError, GraphStore};
+use agent_graph::journal::{JournalEntry, RecordRequest};
+use agent_graph::model::NamedNode;
+use agent_graph::GraphError;
 use agent_schema::{AgentRequest, AgentStep};
 use serde::{Deserialize, Serialize};
 
@@ -133,54 +134,53 @@ pub fn entry_node(session_uri: &str, key: &str) -> Result<NamedNode, GraphError>
         .map_err(|e| GraphError::Syntax(format!("not a journal node: {e}")))
 }
 
-/// The journal over a graph store shared by every orchestrator replica.
+/// The journal every orchestrator replica shares: its owner (the aggregator in front of the graph
+/// store) decides which record of a step stands, in one call per record.
 #[derive(Clone)]
 pub struct Journal {
-    store: GraphStore,
-}
-
-fn text(term: Option<&Term>) -> String {
-    match term {
-        Some(Term::Literal(l)) => l.value().to_owned(),
-        Some(Term::NamedNode(n)) => n.as_str().to_owned(),
-        _ => String::new(),
-    }
+    book: agent_graph::journal::Journal,
 }
 
 impl Journal {
-    pub fn new(store: GraphStore) -> Journal {
-        Journal { store }
+    pub fn new(book: agent_graph::journal::Journal) -> Journal {
+        Journal { book }
+    }
+
+    /// Whether the journal's owner answers as one (see [`agent_graph::journal::Journal::check`]).
+    pub async fn check(&self) -> Result<(), GraphError> {
+        self.book.check().await
     }
 
     /// The entry of a step, if one was recorded.
     pub async fn entry(&self, node: &NamedNode) -> Result<Option<Entry>, GraphError> {
-        let rows = self.store.query(queries::journal_entry(node)).await?.rows();
-        if rows.rows.is_empty() {
-            return Ok(None);
-        }
-        let column = |name: &str| rows.first(name);
-        let outcome = text(column("outcome"));
+        Ok(self.book.entry(node).await?.map(|e| Self::read(node, e)))
+    }
+
+    fn read(node: &NamedNode, stored: JournalEntry) -> Entry {
+        let recorded_at = stored
+            .recorded_at
+            .as_deref()
+            .and_then(|t| chrono::DateTime::parse_from_rfc3339(t).ok())
+            .map(|t| t.with_timezone(&chrono::Utc));
         // An entry this code cannot read was written by something else: treat it as published
         // rather than re-emit what it cannot know.
-        let Ok(effects) = serde_json::from_str::<Vec<Effect>>(&outcome) else {
+        let Ok(effects) = serde_json::from_str::<Vec<Effect>>(&stored.outcome) else {
             tracing::error!(node = %node.as_str(), "unreadable journal entry; dropping the message");
-            return Ok(Some(Entry {
+            return Entry {
                 effects: Vec::new(),
                 delivery: String::new(),
                 attempt: String::new(),
                 recorded_at: None,
                 published: true,
-            }));
+            };
         };
-        Ok(Some(Entry {
+        Entry {
             effects,
-            delivery: text(column("delivery")),
-            attempt: text(column("attempt")),
-            recorded_at: chrono::DateTime::parse_from_rfc3339(&text(column("at")))
-                .ok()
-                .map(|t| t.with_timezone(&chrono::Utc)),
-            published: column("published").is_some(),
-        }))
+            delivery: stored.delivery,
+            attempt: stored.attempt,
+            recorded_at,
+            published: stored.published,
+        }
     }
 
     /// Records `effects` as the step's outcome unless another is recorded; returns the entry that
@@ -194,20 +194,21 @@ impl Journal {
     ) -> Result<Entry, GraphError> {
         let outcome = serde_json::to_string(effects)
             .map_err(|e| GraphError::Syntax(format!("cannot encode the outcome: {e}")))?;
-        let now = chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Micros, true);
-        self.store
-            .update(queries::journal_record(
-                node, &outcome, delivery, attempt, &now,
-            ))
+        let standing = self
+            .book
+            .record(RecordRequest {
+                entry: node.as_str().to_owned(),
+                outcome,
+                delivery: delivery.to_owned(),
+                attempt: attempt.to_owned(),
+            })
             .await?;
-        self.entry(node).await?.ok_or_else(|| {
-            GraphError::Transport("the journal entry just recorded is not there".to_owned())
-        })
+        Ok(Self::read(node, standing))
     }
 
     /// Marks the step's outcome as published.
     pub async fn mark_published(&self, node: &NamedNode) -> Result<(), GraphError> {
-        self.store.update(queries::journal_published(node)).await
+        self.book.mark_published(node).await
     }
 }
 
@@ -279,7 +280,7 @@ mod tests {
 
     #[tokio::test]
     async fn the_first_outcome_recorded_stands() {
-        let journal = Journal::new(GraphStore::in_memory().unwrap());
+        let journal = Journal::new(agent_graph::GraphStore::in_memory().unwrap().journal());
         let node = entry_node("urn:trustgraph:agent:s", "i1-x").unwrap();
         assert_eq!(journal.entry(&node).await.unwrap(), None);
         let effect = |payload: &str| Effect {

@@ -712,9 +712,18 @@ pub async fn run(settings: Settings, shutdown: CancellationToken) -> anyhow::Res
         let _ = tokio::time::timeout(live_config::FIRST_READ_WAIT, first_read.notified()).await;
         let _ = config_read.send(true);
     });
-    let journal = knowledge.clone().map(Journal::new);
-    if journal.is_none() {
-        tracing::warn!("no shared graph store (GRAPH_STORE as an http(s) SPARQL endpoint): iterations are at-least-once");
+    let journal = knowledge
+        .as_ref()
+        .map(|store| Journal::new(store.journal()));
+    match &journal {
+        None => tracing::warn!("no shared graph store (GRAPH_STORE as an http(s) SPARQL endpoint): iterations are at-least-once"),
+        // A SPARQL server that is not an aggregator cannot decide who wins a record: refusing to
+        // start beats a guarantee that silently does not hold.
+        Some(journal) => match journal.check().await {
+            Err(e @ agent_graph::GraphError::NoJournal(_)) => return Err(e.into()),
+            Err(e) => tracing::warn!(error = %e, "the journal does not answer yet; steps wait for it"),
+            Ok(()) => {}
+        },
     }
     let engine = Arc::new(Engine {
         config: live,

@@ -1,0 +1,218 @@
+//! The effectively-once journal's store side: one entry per step, first writer wins. The
+//! first-writer-wins decision is made in the one process that owns the journal (the aggregator, or
+//! whoever holds an embedded store), by locking the step's key there around a read and a plain
+//! insert. So the store needs no isolation of its own: any SPARQL 1.1 server can hold the entries.
+//! Everyone else reaches the owner's journal API over HTTP (`/journal/...`), one call per record.
+
+use std::sync::Arc;
+
+use oxigraph::model::{Literal, NamedNode, Quad, Term};
+use serde::{Deserialize, Serialize};
+
+use crate::queries::{self, JOURNAL_GRAPH};
+use crate::remote::RemoteSparql;
+use crate::{GraphError, GraphStore};
+
+/// An entry as the journal keeps it; the outcome is opaque here (its writer's JSON).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct JournalEntry {
+    pub outcome: String,
+    /// The broker's id of the delivery that recorded it.
+    pub delivery: String,
+    /// Which attempt of that delivery recorded it.
+    pub attempt: String,
+    /// When it was recorded (RFC 3339).
+    #[serde(default)]
+    pub recorded_at: Option<String>,
+    #[serde(default)]
+    pub published: bool,
+}
+
+/// A request to record `outcome` as the step `entry`'s, unless one is recorded already.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct RecordRequest {
+    pub entry: String,
+    pub outcome: String,
+    pub delivery: String,
+    pub attempt: String,
+}
+
+/// Names one entry (lookups and the published mark).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct EntryRef {
+    pub entry: String,
+}
+
+/// How many locks the keys are spread over: records of different steps rarely wait for each
+/// other, records of one step always do.
+const STRIPES: usize = 64;
+
+/// Shared by every owner in the process, so two handles on one store cannot both win.
+static STRIPE_LOCKS: [tokio::sync::Mutex<()>; STRIPES] =
+    [const { tokio::sync::Mutex::const_new(()) }; STRIPES];
+
+fn stripe(entry: &NamedNode) -> &'static tokio::sync::Mutex<()> {
+    use std::hash::{Hash, Hasher};
+    let mut hasher = std::collections::hash_map::DefaultHasher::new();
+    entry.as_str().hash(&mut hasher);
+    // The modulo keeps the index below STRIPES, so the index is always in range.
+    &STRIPE_LOCKS[(hasher.finish() % STRIPES as u64) as usize]
+}
+
+/// A journal: owned here over a store, or another process's reached over HTTP.
+#[derive(Clone)]
+pub enum Journal {
+    /// This process decides who wins; `store` only keeps the entries.
+    Owner(GraphStore),
+    /// The owner's journal API (an aggregator's endpoint).
+    Remote(Arc<RemoteSparql>),
+}
+
+fn text(term: Option<&Term>) -> String {
+    match term {
+        Some(Term::Literal(l)) => l.value().to_owned(),
+        Some(Term::NamedNode(n)) => n.as_str().to_owned(),
+        _ => String::new(),
+    }
+}
+
+fn node(entry: &str) -> Result<NamedNode, GraphError> {
+    NamedNode::new(entry).map_err(|e| GraphError::Syntax(format!("not a journal entry: {e}")))
+}
+
+impl Journal {
+    /// The entry of a step, if one was recorded.
+    pub async fn entry(&self, entry: &NamedNode) -> Result<Option<JournalEntry>, GraphError> {
+        match self {
+            Journal::Owner(store) => stored_entry(store, entry).await,
+            Journal::Remote(remote) => remote.journal_entry(entry.as_str()).await,
+        }
+    }
+
+    /// Records the outcome unless another is recorded; returns the entry that stands (its
+    /// `attempt` says whose it is).
+    pub async fn record(&self, request: RecordRequest) -> Result<JournalEntry, GraphError> {
+        match self {
+            Journal::Owner(store) => {
+                let entry = node(&request.entry)?;
+                let _only_writer_of_this_key = stripe(&entry).lock().await;
+                if let Some(standing) = stored_entry(store, &entry).await? {
+                    return Ok(standing);
+                }
+                let now = chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Micros, true);
+                store.insert(entry_quads(&entry, &request, &now)).await?;
+                Ok(JournalEntry {
+                    outcome: request.outcome,
+                    delivery: request.delivery,
+                    attempt: request.attempt,
+                    recorded_at: Some(now),
+                    published: false,
+                })
+            }
+            Journal::Remote(remote) => remote.journal_record(&request).await,
+        }
+    }
+
+    /// Marks the step's outcome as published.
+    pub async fn mark_published(&self, entry: &NamedNode) -> Result<(), GraphError> {
+        match self {
+            Journal::Owner(store) => {
+                store
+                    .insert(vec![Quad::new(
+                        entry.clone(),
+                        tg("published"),
+                        Literal::from(true),
+                        NamedNode::new_unchecked(JOURNAL_GRAPH),
+                    )])
+                    .await
+            }
+            Journal::Remote(remote) => remote.journal_published(entry.as_str()).await,
+        }
+    }
+
+    /// Whether the journal can be reached and answers as a journal: a SPARQL server that is not
+    /// an aggregator answers its API with 404, which is an error here, not an outage.
+    pub async fn check(&self) -> Result<(), GraphError> {
+        let probe = NamedNode::new_unchecked("urn:agent:journal-probe");
+        self.entry(&probe).await.map(|_| ())
+    }
+}
+
+fn tg(local: &str) -> NamedNode {
+    NamedNode::new_unchecked(format!("https://trustgraph.ai/ns/{local}"))
+}
+
+fn entry_quads(entry: &NamedNode, request: &RecordRequest, now: &str) -> Vec<Quad> {
+    let graph = NamedNode::new_unchecked(JOURNAL_GRAPH);
+    let quad = |p: &str, o: Literal| Quad::new(entry.clone(), tg(p), o, graph.clone());
+    vec![
+        quad("outcome", Literal::new_simple_literal(&request.outcome)),
+        quad("delivery", Literal::new_simple_literal(&request.delivery)),
+        quad("attempt", Literal::new_simple_literal(&request.attempt)),
+        quad(
+            "recordedAt",
+            Literal::new_typed_literal(
+                now,
+                NamedNode::new_unchecked("http://www.w3.org/2001/XMLSchema#dateTime"),
+            ),
+        ),
+    ]
+}
+
+async fn stored_entry(
+    store: &GraphStore,
+    entry: &NamedNode,
+) -> Result<Option<JournalEntry>, GraphError> {
+    let rows = store.query(queries::journal_entry(entry)).await?.rows();
+    if rows.rows.is_empty() {
+        return Ok(None);
+    }
+    Ok(Some(JournalEntry {
+        outcome: text(rows.first("outcome")),
+        delivery: text(rows.first("delivery")),
+        attempt: text(rows.first("attempt")),
+        recorded_at: rows.first("at").map(|t| text(Some(t))),
+        published: rows.first("published").is_some(),
+    }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn request(outcome: &str, attempt: &str) -> RecordRequest {
+        RecordRequest {
+            entry: "urn:trustgraph:agent:s/journal/i1-x".into(),
+            outcome: outcome.into(),
+            delivery: "m".into(),
+            attempt: attempt.into(),
+        }
+    }
+
+    #[tokio::test]
+    async fn concurrent_records_of_one_step_give_one_winner() {
+        let journal = Journal::Owner(GraphStore::in_memory().unwrap());
+        let mut records = tokio::task::JoinSet::new();
+        for i in 0..16 {
+            let journal = journal.clone();
+            records.spawn(async move {
+                journal
+                    .record(request(&format!("o{i}"), &format!("a{i}")))
+                    .await
+            });
+        }
+        let standing: Vec<JournalEntry> = records
+            .join_all()
+            .await
+            .into_iter()
+            .map(|r| r.unwrap())
+            .collect();
+        assert!(standing.iter().all(|e| e.attempt == standing[0].attempt));
+        let entry = node(&request("", "").entry).unwrap();
+        let stored = journal.entry(&entry).await.unwrap().unwrap();
+        assert_eq!(stored.outcome, standing[0].outcome);
+        assert!(!stored.published);
+        journal.mark_published(&entry).await.unwrap();
+        assert!(journal.entry(&entry).await.unwrap().unwrap().published);
+    }
+}

@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Apache Jena Fuseki, a standalone SPARQL 1.1 server this project does not own, for the tests that
+# keep the graph (provenance and the journal) in it behind the aggregator (the test harness starts and
+# stops it; see tests/src/fuseki.rs). `fuseki.sh path` fetches jena-fuseki-main and its runtime jars
+# from Maven Central once (cached outside the clone, idempotent, quiet when done) and prints the folder
+# of jars. The version and why: scripts/fuseki/pom.xml.
+set -euo pipefail
+here="$(cd "$(dirname "$0")" && pwd)"
+version=$(grep -A1 '<artifactId>jena-fuseki-main</artifactId>' "$here/fuseki/pom.xml" | sed -n 's:.*<version>\(.*\)</version>.*:\1:p')
+# A change to the pom (another jar) fetches afresh.
+pom_digest=$(sha256sum "$here/fuseki/pom.xml" | cut -c1-8)
+cache="${PULSAR_AGENTS_CACHE:-$HOME/.cache/pulsar-agents}/jena-fuseki-$version-$pom_digest"
+lib="$cache/lib"
+
+fetch() {
+  [ -f "$cache/.complete" ] && return 0
+  # The same JDK and Maven as Apache Pulsar's (its script installs them when missing).
+  command -v mvn >/dev/null 2>&1 || "$here/apache-pulsar.sh" path >/dev/null
+  echo "fuseki: fetching jena-fuseki-main $version and its jars from Maven Central (once)" >&2
+  rm -rf "$lib"
+  mkdir -p "$cache"
+  if ! mvn -B -q -s "$here/apache-pulsar/settings.xml" -f "$here/fuseki/pom.xml" \
+    dependency:copy-dependencies -DincludeScope=runtime -DoutputDirectory="$lib" \
+    >"$cache/fetch.log" 2>&1; then
+    cat "$cache/fetch.log" >&2
+    exit 1
+  fi
+  touch "$cache/.complete"
+}
+
+case "${1:-}" in
+  path)
+    fetch
+    echo "$lib"
+    ;;
+  *)
+    echo "usage: fuseki.sh path" >&2
+    exit 2
+    ;;
+esac

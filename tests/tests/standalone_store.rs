@@ -1,0 +1,128 @@
+//! The graph in a SPARQL server this project does not own (Apache Jena Fuseki, TDB2). Fuseki gives
+//! no compare-and-set the journal could rely on, and the design needs none from it: the aggregator
+//! in front of it owns the journal and decides which record of a step stands. Also: provenance
+//! lands in the server, the server's restart is waited out, and an orchestrator pointed at the
+//! server itself refuses to start rather than run without its guarantee.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use std::time::Duration;
+
+use agent_e2e::fuseki::Fuseki;
+use agent_e2e::*;
+use agent_graph::journal::RecordRequest;
+use agent_graph::GraphStore;
+
+const TOKEN: &str = "standalone-store-token";
+const DIALOG_TIMEOUT: Duration = Duration::from_secs(60);
+
+fn react(question: &str) -> agent_schema::AgentRequest {
+    agent_schema::AgentRequest {
+        pattern: "react".into(),
+        ..request(question, false)
+    }
+}
+
+#[tokio::test]
+async fn the_aggregator_owns_the_journal_of_a_sparql_server_it_does_not_own() {
+    let broker = Broker::start().unwrap();
+    let mut aggregator =
+        Aggregator::spawn_over(&broker, Some(Fuseki::start()), &["--config-token", TOKEN]);
+    let server = GraphStore::open(&aggregator.fuseki().unwrap().endpoint(), None).unwrap();
+
+    // Many records of one step at once, from many clients: one stands, and every answer names it.
+    let entry = "urn:trustgraph:agent:race/journal/i1-x";
+    let mut records = tokio::task::JoinSet::new();
+    for i in 0..24 {
+        let journal = GraphStore::open(&aggregator.endpoint, Some(TOKEN.into()))
+            .unwrap()
+            .journal();
+        records.spawn(async move {
+            journal
+                .record(RecordRequest {
+                    entry: entry.into(),
+                    outcome: format!("outcome {i}"),
+                    delivery: format!("delivery {i}"),
+                    attempt: format!("attempt {i}"),
+                })
+                .await
+                .unwrap()
+        });
+    }
+    let standing = records.join_all().await;
+    assert!(standing.iter().all(|e| e == &standing[0]), "{standing:#?}");
+    // The server holds that one outcome and no other.
+    let outcomes = format!(
+        "SELECT ?o WHERE {{ GRAPH <urn:graph:agent-journal> {{ <{entry}> <https://trustgraph.ai/ns/outcome> ?o }} }}"
+    );
+    assert_eq!(count(&server, outcomes).await, 1);
+
+    // Without the services' token the journal is not open.
+    let stranger = GraphStore::open(&aggregator.endpoint, None)
+        .unwrap()
+        .journal();
+    assert!(stranger.check().await.is_err());
+
+    // A journaled dialog: its provenance and its journal are in the server.
+    let llm = scripted_llm(THREE_STEPS).await;
+    let _orchestrator = Orchestrator::spawn_journaled(&broker, &llm, &aggregator, TOKEN, &[]);
+    let mut client = client(&broker).await;
+    client
+        .send("in-fuseki", &react("combine (in fuseki)"))
+        .await
+        .unwrap();
+    let responses = collect_dialog(&mut client, "in-fuseki", DIALOG_TIMEOUT)
+        .await
+        .unwrap();
+    let last = responses.last().unwrap();
+    assert_eq!(last.content, "alpha and beta, combined.");
+    let session = last.message_id.split('/').next().unwrap().to_owned();
+    let answer = format!(
+        "SELECT ?d WHERE {{ GRAPH ?g {{ <{session}/final> <https://trustgraph.ai/ns/document> ?d }} }}"
+    );
+    assert_eq!(count_reaching(&server, answer, 1).await, 1);
+    let journaled = format!(
+        "SELECT ?e WHERE {{ GRAPH <urn:graph:agent-journal> {{ ?e <https://trustgraph.ai/ns/published> true
+           FILTER(STRSTARTS(STR(?e), \"{session}/journal/\")) }} }}"
+    );
+    // Three iterations (the request names its pattern: no routing step).
+    assert_eq!(count_reaching(&server, journaled, 3).await, 3);
+
+    // The server restarts under a running system: the next dialog waits it out and ends once.
+    aggregator.fuseki().unwrap().restart();
+    client
+        .send("after-restart", &react("combine (after restart)"))
+        .await
+        .unwrap();
+    let responses = collect_dialog(&mut client, "after-restart", DIALOG_TIMEOUT)
+        .await
+        .unwrap();
+    assert_eq!(
+        responses.iter().filter(|r| r.end_of_dialog).count(),
+        1,
+        "{responses:#?}"
+    );
+    assert_eq!(
+        responses.last().unwrap().content,
+        "alpha and beta, combined."
+    );
+}
+
+/// An orchestrator whose GRAPH_STORE is the SPARQL server itself has nobody to decide its
+/// journal's records: it refuses to start.
+#[tokio::test]
+async fn an_orchestrator_pointed_at_the_server_itself_refuses_to_start() {
+    let broker = Broker::start().unwrap();
+    let fuseki = Fuseki::start();
+    let llm = scripted_llm(THREE_STEPS).await;
+    let mut orchestrator = Orchestrator::spawn_with_env(
+        &broker,
+        &llm,
+        &seed_dir(),
+        &["--graph-store", &fuseki.endpoint()],
+        &[],
+    );
+    assert!(
+        orchestrator.exited_within(Duration::from_secs(30)).await,
+        "an orchestrator journaling on a store that cannot decide kept running"
+    );
+}
