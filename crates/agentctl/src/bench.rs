@@ -36,10 +36,11 @@ pub struct BenchArgs {
     /// Dialogs kept open at once in the throughput run.
     #[arg(long, default_value_t = 64)]
     concurrency: usize,
-    /// Journal iterations (effectively-once) in an aggregator's embedded store, as in production,
-    /// to measure what the journal costs.
-    #[arg(long)]
-    journal: bool,
+    /// Journal iterations (effectively-once) through an aggregator's embedded store, as in
+    /// production: `on` (also plain `--journal`), `off`, or `both`, one after the other on each
+    /// broker, to read what the journal costs side by side.
+    #[arg(long, value_enum, default_value = "off", num_args = 0..=1, default_missing_value = "on")]
+    journal: JournalMode,
     /// The brokers to run on, one after the other, compared at the end: `pulsar-lite`, `apache`
     /// (Apache Pulsar's standalone, started here), `external` (the broker at `--pulsar-url`).
     #[arg(long, value_enum, value_delimiter = ',', default_value = "pulsar-lite")]
@@ -62,6 +63,24 @@ const SCRIPT: &str = r#"{"rules": [
   {"match": "Question: three", "reply": "Thought: step one\nAction: llm\nArgs: {\"question\": \"a\"}"},
   {"match": "Question: one", "reply": "Thought: known\nFinal Answer: done"}
 ]}"#;
+
+/// Whether iterations are journaled.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum JournalMode {
+    Off,
+    On,
+    Both,
+}
+
+impl JournalMode {
+    fn runs(self) -> &'static [bool] {
+        match self {
+            JournalMode::Off => &[false],
+            JournalMode::On => &[true],
+            JournalMode::Both => &[false, true],
+        }
+    }
+}
 
 /// The broker a bench runs on.
 #[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
@@ -121,6 +140,9 @@ impl Running {
 /// One broker's figures, for the comparison at the end.
 struct Figures {
     broker: &'static str,
+    journal: bool,
+    /// The journal's bytes (its entries' outcomes) per dialog, when on.
+    journal_bytes_per_dialog: Option<f64>,
     round_trip_p50: f64,
     one_p50: f64,
     three_p50: f64,
@@ -136,25 +158,50 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<i32> {
             &args.settings.broker.pulsar_url,
             &args.apache_settings,
         )?;
-        all.push(bench_on(&args, &llm, kind.name(), &broker.url()).await?);
+        for &journal in args.journal.runs() {
+            all.push(bench_on(&args, journal, &llm, kind.name(), &broker.url()).await?);
+        }
     }
     if all.len() > 1 {
+        println!("\ncomparison (p50 figures; per step as a multiple of the broker round trip):");
         println!(
-            "\ncomparison (p50 figures; journal {}):",
-            on_off(args.journal)
-        );
-        println!(
-            "{:<30} {:>12} {:>16} {:>18} {:>10}",
-            "broker", "round trip", "one-iteration", "three-iteration", "steps/s"
+            "{:<30} {:>8} {:>12} {:>15} {:>9} {:>17} {:>9} {:>10} {:>14}",
+            "broker",
+            "journal",
+            "round trip",
+            "one-iteration",
+            "x rtt",
+            "three-iteration",
+            "x rtt",
+            "steps/s",
+            "journal B/dlg"
         );
         for f in &all {
+            let per_step = |p50: f64, steps: f64| p50 / steps / f.round_trip_p50;
             println!(
-                "{:<30} {:>9.3} ms {:>13.2} ms {:>15.2} ms {:>10.0}",
-                f.broker, f.round_trip_p50, f.one_p50, f.three_p50, f.steps_per_sec
+                "{:<30} {:>8} {:>9.3} ms {:>12.2} ms {:>9.1} {:>14.2} ms {:>9.1} {:>10.0} {:>14}",
+                f.broker,
+                on_off_short(f.journal),
+                f.round_trip_p50,
+                f.one_p50,
+                per_step(f.one_p50, 2.0),
+                f.three_p50,
+                per_step(f.three_p50, 4.0),
+                f.steps_per_sec,
+                f.journal_bytes_per_dialog
+                    .map_or("-".to_owned(), |b| format!("{b:.0}")),
             );
         }
     }
     Ok(0)
+}
+
+fn on_off_short(journal: bool) -> &'static str {
+    if journal {
+        "on"
+    } else {
+        "off"
+    }
 }
 
 fn on_off(journal: bool) -> &'static str {
@@ -169,6 +216,7 @@ fn on_off(journal: bool) -> &'static str {
 /// against the broker at `url`.
 async fn bench_on(
     args: &BenchArgs,
+    journal: bool,
     llm: &ScriptedLlm,
     broker_name: &'static str,
     url: &str,
@@ -184,7 +232,8 @@ async fn bench_on(
         std::process::id(),
         rand::random::<u32>()
     ));
-    let aggregator = if args.journal {
+    let mut journal_store = None;
+    let aggregator = if journal {
         let _ = std::fs::remove_dir_all(&store_dir);
         let addr: std::net::SocketAddr = ([127, 0, 0, 1], agent_bus::embedded::free_port()?).into();
         let token = uuid::Uuid::new_v4().simple().to_string();
@@ -198,6 +247,10 @@ async fn bench_on(
         aggregator.seal_key = Some(seal.clone());
         settings.seal_key = Some(seal);
         settings.graph_store = Some(format!("http://{addr}"));
+        journal_store = Some(agent_graph::GraphStore::open(
+            &format!("http://{addr}"),
+            Some(token.clone()),
+        )?);
         settings.config_token = Some(token);
         Some(tokio::spawn(agent_aggregator::run(
             aggregator,
@@ -215,7 +268,7 @@ async fn bench_on(
     println!(
         "\nagentctl bench: {broker_name} {url}, scripted LLM answering instantly, max_in_flight {}, journal {}",
         settings.max_in_flight,
-        on_off(args.journal)
+        on_off(journal)
     );
     let rtt = broker_round_trip(&bus, args.round_trips).await?;
     let rtt_p50 = percentile(&rtt, 50.0);
@@ -250,6 +303,19 @@ async fn bench_on(
         percentile(&latencies, 99.0),
     );
     println!("LLM calls served so far: {}", llm.calls().len());
+    let journal_bytes_per_dialog = match &journal_store {
+        Some(store) => {
+            let dialogs = (5 + args.one_iteration + args.three_iteration + args.dialogs) as f64;
+            let (bytes, entries) = journal_size(store).await?;
+            println!(
+                "journal: {entries} entries, {bytes} bytes of outcomes: {:.0} bytes per dialog, {:.0} per entry",
+                bytes as f64 / dialogs,
+                bytes as f64 / entries.max(1) as f64
+            );
+            Some(bytes as f64 / dialogs)
+        }
+        None => None,
+    };
     shutdown.cancel();
     orchestrator.await??;
     if let Some(aggregator) = aggregator {
@@ -258,11 +324,29 @@ async fn bench_on(
     }
     Ok(Figures {
         broker: broker_name,
+        journal,
+        journal_bytes_per_dialog,
         round_trip_p50: rtt_p50,
         one_p50: percentile(&one, 50.0),
         three_p50: percentile(&three, 50.0),
         steps_per_sec,
     })
+}
+
+/// The journal's outcome bytes and entries (every dialog's: none is pruned within a bench).
+async fn journal_size(store: &agent_graph::GraphStore) -> anyhow::Result<(u64, u64)> {
+    let rows = store
+        .query(format!(
+            "SELECT (SUM(STRLEN(?o)) AS ?bytes) (COUNT(?e) AS ?n) WHERE {{ GRAPH <{}> {{ ?e <https://trustgraph.ai/ns/outcome> ?o }} }}",
+            agent_graph::queries::JOURNAL_GRAPH
+        ))
+        .await?
+        .rows();
+    let number = |name: &str| match rows.first(name) {
+        Some(agent_graph::model::Term::Literal(l)) => l.value().parse::<u64>().unwrap_or(0),
+        _ => 0,
+    };
+    Ok((number("bytes"), number("n")))
 }
 
 fn report(label: &str, times: &[f64], steps: usize, rtt_p50: f64) {
