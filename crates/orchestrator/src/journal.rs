@@ -134,6 +134,46 @@ pub fn entry_node(session_uri: &str, key: &str) -> Result<NamedNode, GraphError>
         .map_err(|e| GraphError::Syntax(format!("not a journal node: {e}")))
 }
 
+/// Marks the outcome text of an entry written as [`encode_outcome`] does.
+const DEFLATED: &str = "deflate+base64:";
+
+/// An outcome as the journal keeps it: the effects' JSON, deflated, in base64. Effects are JSON
+/// holding JSON payloads (provenance triples twice: for the graph and inline to the client), so
+/// plain JSON is escaped once per layer and compresses tenfold; base64 needs no escaping in the
+/// HTTP body or in a SPARQL literal.
+fn encode_outcome(effects: &[Effect]) -> std::io::Result<String> {
+    use base64::Engine;
+    use std::io::Write;
+    let json = serde_json::to_vec(effects)?;
+    let mut deflater = flate2::write::DeflateEncoder::new(
+        Vec::with_capacity(json.len() / 4),
+        flate2::Compression::fast(),
+    );
+    deflater.write_all(&json)?;
+    let deflated = deflater.finish()?;
+    Ok(format!(
+        "{DEFLATED}{}",
+        base64::engine::general_purpose::STANDARD.encode(deflated)
+    ))
+}
+
+/// The effects of an outcome written by [`encode_outcome`], or as plain JSON (older entries).
+fn decode_outcome(outcome: &str) -> Result<Vec<Effect>, String> {
+    use base64::Engine;
+    use std::io::Read;
+    let Some(encoded) = outcome.strip_prefix(DEFLATED) else {
+        return serde_json::from_str(outcome).map_err(|e| e.to_string());
+    };
+    let deflated = base64::engine::general_purpose::STANDARD
+        .decode(encoded)
+        .map_err(|e| e.to_string())?;
+    let mut json = Vec::new();
+    flate2::read::DeflateDecoder::new(deflated.as_slice())
+        .read_to_end(&mut json)
+        .map_err(|e| e.to_string())?;
+    serde_json::from_slice(&json).map_err(|e| e.to_string())
+}
+
 /// The journal every orchestrator replica shares: its owner (the aggregator in front of the graph
 /// store) decides which record of a step stands, in one call per record.
 #[derive(Clone)]
@@ -156,15 +196,19 @@ impl Journal {
         Ok(self.book.entry(node).await?.map(|e| Self::read(node, e)))
     }
 
-    fn read(node: &NamedNode, stored: JournalEntry) -> Entry {
-        let recorded_at = stored
+    fn recorded_at(stored: &JournalEntry) -> Option<chrono::DateTime<chrono::Utc>> {
+        stored
             .recorded_at
             .as_deref()
             .and_then(|t| chrono::DateTime::parse_from_rfc3339(t).ok())
-            .map(|t| t.with_timezone(&chrono::Utc));
+            .map(|t| t.with_timezone(&chrono::Utc))
+    }
+
+    fn read(node: &NamedNode, stored: JournalEntry) -> Entry {
+        let recorded_at = Self::recorded_at(&stored);
         // An entry this code cannot read was written by something else: treat it as published
         // rather than re-emit what it cannot know.
-        let Ok(effects) = serde_json::from_str::<Vec<Effect>>(&stored.outcome) else {
+        let Ok(effects) = decode_outcome(&stored.outcome) else {
             tracing::error!(node = %node.as_str(), "unreadable journal entry; dropping the message");
             return Entry {
                 effects: Vec::new(),
@@ -192,7 +236,7 @@ impl Journal {
         delivery: &str,
         attempt: &str,
     ) -> Result<Entry, GraphError> {
-        let outcome = serde_json::to_string(effects)
+        let outcome = encode_outcome(effects)
             .map_err(|e| GraphError::Syntax(format!("cannot encode the outcome: {e}")))?;
         let standing = self
             .book
@@ -203,6 +247,16 @@ impl Journal {
                 attempt: attempt.to_owned(),
             })
             .await?;
+        if standing.attempt == attempt {
+            // Ours stands: what was recorded is what we hold, no need to decode it back.
+            return Ok(Entry {
+                effects: effects.to_vec(),
+                recorded_at: Self::recorded_at(&standing),
+                delivery: standing.delivery,
+                attempt: standing.attempt,
+                published: standing.published,
+            });
+        }
         Ok(Self::read(node, standing))
     }
 
@@ -276,6 +330,38 @@ mod tests {
             ..published.clone()
         };
         assert_eq!(response.compacted(&input), response);
+    }
+
+    #[test]
+    fn outcomes_are_stored_deflated_and_read_back_whole() {
+        let effect = Effect {
+            channel: Channel::Explainability,
+            payload: format!(
+                "{{\"triples\": [{}]}}",
+                vec!["{\"s\": \"urn:x\"}"; 200].join(",")
+            ),
+            properties: [("id".to_owned(), "c".to_owned())].into(),
+            history_from_input: Some(3),
+        };
+        let effects = vec![
+            effect.clone(),
+            Effect {
+                channel: Channel::Responses,
+                ..effect
+            },
+        ];
+        let encoded = encode_outcome(&effects).unwrap();
+        let plain = serde_json::to_string(&effects).unwrap();
+        assert!(
+            encoded.len() * 5 < plain.len(),
+            "{} vs {}",
+            encoded.len(),
+            plain.len()
+        );
+        assert_eq!(decode_outcome(&encoded).unwrap(), effects);
+        // Entries written before the encoding are plain JSON, and still read.
+        assert_eq!(decode_outcome(&plain).unwrap(), effects);
+        assert!(decode_outcome("deflate+base64:not base64!").is_err());
     }
 
     #[tokio::test]

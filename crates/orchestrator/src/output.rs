@@ -237,12 +237,16 @@ impl<'a> DialogOutput<'a> {
         self.publish(&effects).await?;
         fault::crash_if(fault::Stage::Published, commit);
         if let Some(slot) = slot {
-            // Published is done: failing here must not park or fail the step, which would send
-            // a second outcome. Unmarked, a later copy re-emits the same effects (same effect ids,
+            // Published is done: the mark goes off the step's path (the message is acked without
+            // waiting for it), and failing must not park or fail the step, which would send a
+            // second outcome. Unmarked, a later copy re-emits the same effects (same effect ids,
             // which consumers drop).
-            if let Err(e) = slot.journal.mark_published(&slot.node).await {
-                tracing::warn!(entry = %slot.node.as_str(), error = %e, "published, but not marked in the journal");
-            }
+            let (journal, node) = (slot.journal.clone(), slot.node.clone());
+            tokio::spawn(async move {
+                if let Err(e) = journal.mark_published(&node).await {
+                    tracing::warn!(entry = %node.as_str(), error = %e, "published, but not marked in the journal");
+                }
+            });
         }
         fault::crash_if(fault::Stage::Marked, commit);
         Ok(())
