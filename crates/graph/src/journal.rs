@@ -9,7 +9,7 @@ use std::sync::Arc;
 use oxigraph::model::{Literal, NamedNode, Quad, Term};
 use serde::{Deserialize, Serialize};
 
-use crate::queries::{self, JOURNAL_GRAPH};
+use crate::queries::JOURNAL_GRAPH;
 use crate::remote::RemoteSparql;
 use crate::{GraphError, GraphStore};
 
@@ -163,16 +163,24 @@ async fn stored_entry(
     store: &GraphStore,
     entry: &NamedNode,
 ) -> Result<Option<JournalEntry>, GraphError> {
-    let rows = store.query(queries::journal_entry(entry)).await?.rows();
-    if rows.rows.is_empty() {
+    let said = store
+        .about(entry, &NamedNode::new_unchecked(JOURNAL_GRAPH))
+        .await?;
+    let value = |local: &str| {
+        let predicate = tg(local);
+        said.iter()
+            .find(|(p, _)| *p == predicate)
+            .map(|(_, o)| text(Some(o)))
+    };
+    let Some(outcome) = value("outcome") else {
         return Ok(None);
-    }
+    };
     Ok(Some(JournalEntry {
-        outcome: text(rows.first("outcome")),
-        delivery: text(rows.first("delivery")),
-        attempt: text(rows.first("attempt")),
-        recorded_at: rows.first("at").map(|t| text(Some(t))),
-        published: rows.first("published").is_some(),
+        outcome,
+        delivery: value("delivery").unwrap_or_default(),
+        attempt: value("attempt").unwrap_or_default(),
+        recorded_at: value("recordedAt"),
+        published: value("published").is_some(),
     }))
 }
 

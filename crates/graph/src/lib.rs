@@ -345,6 +345,55 @@ impl GraphStore {
         }
     }
 
+    /// What the graph `graph` says about `subject` (predicate, object): a direct index lookup on an
+    /// embedded store, no SPARQL to parse and plan (the journal asks this once or twice a step).
+    pub async fn about(
+        &self,
+        subject: &oxigraph::model::NamedNode,
+        graph: &oxigraph::model::NamedNode,
+    ) -> Result<Vec<(oxigraph::model::NamedNode, Term)>, GraphError> {
+        match &self.backend {
+            Backend::Embedded { store, .. } => {
+                let (store, subject, graph) = (store.clone(), subject.clone(), graph.clone());
+                blocking(move || {
+                    store
+                        .quads_for_pattern(
+                            Some(subject.as_ref().into()),
+                            None,
+                            None,
+                            Some(graph.as_ref().into()),
+                        )
+                        .map(|quad| {
+                            quad.map(|q| (q.predicate, q.object))
+                                .map_err(|e| GraphError::Storage(e.to_string()))
+                        })
+                        .collect()
+                })
+                .await
+            }
+            Backend::Remote(remote) => {
+                let answer = remote
+                    .query(&format!(
+                        "SELECT ?p ?o WHERE {{ GRAPH {graph} {{ {subject} ?p ?o }} }}"
+                    ))
+                    .await?
+                    .rows();
+                Ok(answer
+                    .rows
+                    .iter()
+                    .filter_map(|row| {
+                        let p = row.first()?.as_ref()?;
+                        let o = row.get(1)?.as_ref()?;
+                        match p {
+                            Term::NamedNode(p) => Some((p.clone(), o.clone())),
+                            _ => None,
+                        }
+                    })
+                    .collect())
+            }
+        }
+    }
+
     /// Number of quads, for tests and benchmarks.
     pub async fn count(&self) -> Result<usize, GraphError> {
         let rows = self

@@ -211,18 +211,6 @@ fn journal_graph() -> NamedNode {
     NamedNode::new_unchecked(JOURNAL_GRAPH)
 }
 
-/// An iteration's journal entry: its outcome (JSON), which delivery and attempt recorded it, and
-/// whether the outcome has been published.
-pub fn journal_entry(entry: &NamedNode) -> String {
-    let g = journal_graph();
-    format!(
-        "{PREFIXES}SELECT ?outcome ?delivery ?attempt ?at ?published WHERE {{ GRAPH {g} {{
-  {entry} tg:outcome ?outcome ; tg:delivery ?delivery ; tg:attempt ?attempt .
-  OPTIONAL {{ {entry} tg:recordedAt ?at }}
-  OPTIONAL {{ {entry} tg:published ?published }} }} }}"
-    )
-}
-
 /// Deletes published journal entries recorded before `finished_before` whose dialog has concluded
 /// (its `/final` node is in the graph), and published ones recorded before `any_before` whatever
 /// became of their dialog (one that never concluded). Times are `xsd:dateTime` texts.
