@@ -139,20 +139,22 @@ async fn a_journaled_step_is_the_size_of_its_step_and_re_emits_whole() {
         .await
         .unwrap()
         .rows();
-    let continued: Vec<serde_json::Value> = outcomes
+    let continued: Vec<agent_orchestrator::journal::Effect> = outcomes
         .column("o")
         .into_iter()
         .flatten()
         .filter_map(|t| match t {
-            agent_graph::model::Term::Literal(l) => serde_json::from_str(l.value()).ok(),
+            agent_graph::model::Term::Literal(l) => {
+                agent_orchestrator::journal::decode_outcome(l.value()).ok()
+            }
             _ => None,
         })
-        .flat_map(|effects: Vec<serde_json::Value>| effects)
-        .filter(|e| e["history_from_input"] == 1)
+        .flatten()
+        .filter(|e| e.history_from_input == Some(1))
         .collect();
     assert_eq!(continued.len(), 1, "{outcomes:?}");
     let journaled: agent_schema::AgentRequest =
-        serde_json::from_str(continued[0]["payload"].as_str().unwrap()).unwrap();
+        serde_json::from_str(&continued[0].payload).unwrap();
     assert_eq!(journaled.history.len(), 1);
     assert!(journaled.history[0].observation.contains("beta-result"));
 }

@@ -1,5 +1,6 @@
-//! The chaos soak: a broker, the graph store, config-svc, two journaled orchestrators and two
-//! aggregators run a few hundred dialogs that mix ReACT, Plan-then-Execute and Supervisor runs,
+//! The chaos soak: a broker, the graph store (an aggregator that owns it and the journal; in the
+//! Fuseki tier with Apache Jena Fuseki under it), config-svc, two journaled orchestrators and two
+//! more aggregators run a few hundred dialogs that mix ReACT, Plan-then-Execute and Supervisor runs,
 //! while processes are SIGKILLed at random moments and started again (the broker once). Then every
 //! dialog is checked: one `end_of_dialog`, none lost, no conflicting provenance node, one synthesis
 //! per fan-out, a complete provenance DAG. It prints those counts.
@@ -174,6 +175,9 @@ struct Cluster {
     config: ConfigSvc,
     orchestrators: Vec<Orchestrator>,
     aggregators: Vec<Aggregator>,
+    /// The aggregator that owns the graph store and the journal (the others write through it),
+    /// and in the Fuseki tier the SPARQL server that holds the graph under it.
+    store: Aggregator,
     ghost_restarts: usize,
     /// When the broker was SIGKILLed, in seconds of the UTC day.
     /// When the broker was SIGKILLed and when it was serving again (seconds of the day).
@@ -229,6 +233,22 @@ impl Cluster {
         }
     }
 
+    /// SIGKILLs the graph store and starts it again: the SPARQL server under it when there is
+    /// one and `server` is asked for, else the aggregator that owns it and the journal (its
+    /// decisions are in the store, so the new one decides the same).
+    fn kill_store(&mut self, server: bool) -> &'static str {
+        match self.store.fuseki() {
+            Some(fuseki) if server => {
+                fuseki.restart();
+                "Fuseki"
+            }
+            _ => {
+                self.store.kill_and_restart();
+                "journal-owning aggregator"
+            }
+        }
+    }
+
     /// SIGKILLs one process and starts it again; what it was.
     fn kill_one(&mut self, rng: &mut impl Rng) -> &'static str {
         match rng.gen_range(0..10) {
@@ -237,11 +257,12 @@ impl Cluster {
                 self.orchestrators[i].kill_and_restart();
                 "orchestrator"
             }
-            6..=8 => {
+            6..=7 => {
                 let i = rng.gen_range(0..self.aggregators.len());
                 self.aggregators[i].kill_and_restart();
                 "aggregator"
             }
+            8 => self.kill_store(rng.gen_bool(0.5)),
             _ => {
                 self.config.kill_and_restart();
                 "config-svc"
@@ -373,6 +394,7 @@ async fn chaos_soak() {
         config,
         orchestrators,
         aggregators,
+        store: store_host,
         ghost_restarts: 0,
         broker_kills: Vec::new(),
     };
@@ -410,9 +432,13 @@ async fn chaos_soak() {
             break;
         }
         tokio::time::sleep(Duration::from_millis(rng.gen_range(0..400))).await;
+        // Besides the broker, every run kills the graph store once: the SPARQL server when there
+        // is one, else the aggregator that owns the store and the journal.
         let what = if k == broker_at {
             cluster.restart_broker();
             "broker"
+        } else if k == broker_at + 1 {
+            cluster.kill_store(true)
         } else {
             cluster.kill_one(&mut rng)
         };
@@ -472,7 +498,7 @@ async fn chaos_soak() {
     };
 
     // The provenance, once the aggregators have caught up with what the client saw.
-    let store = store_host.store();
+    let store = cluster.store.store();
     let finished: Vec<usize> = (0..settings.dialogs)
         .filter(|i| !lost.contains(&format!("soak-{i}")))
         .collect();
@@ -541,7 +567,8 @@ async fn chaos_soak() {
         .orchestrators
         .iter_mut()
         .all(Orchestrator::is_running)
-        && cluster.aggregators.iter_mut().all(Aggregator::is_running);
+        && cluster.aggregators.iter_mut().all(Aggregator::is_running)
+        && cluster.store.is_running();
 
     // Our part ends with the broker's receipt. A dialog whose closing response the journal marks
     // published (the broker confirmed it) but that never reached the client was lost by the broker

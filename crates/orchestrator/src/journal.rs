@@ -158,7 +158,7 @@ fn encode_outcome(effects: &[Effect]) -> std::io::Result<String> {
 }
 
 /// The effects of an outcome written by [`encode_outcome`], or as plain JSON (older entries).
-fn decode_outcome(outcome: &str) -> Result<Vec<Effect>, String> {
+pub fn decode_outcome(outcome: &str) -> Result<Vec<Effect>, String> {
     use base64::Engine;
     use std::io::Read;
     let Some(encoded) = outcome.strip_prefix(DEFLATED) else {
