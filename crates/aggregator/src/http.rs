@@ -306,8 +306,12 @@ async fn journal_record(
     if let Err(refused) = journal_call(&state, &headers, &request.entry) {
         return refused;
     }
+    let attempt = request.attempt.clone();
     match state.journal.record(request).await {
-        Ok(entry) => json(&entry),
+        Ok(entry) => {
+            crate::metrics::journal_record(entry.attempt == attempt);
+            json(&entry)
+        }
         Err(e) => error_response(e),
     }
 }

@@ -1,5 +1,6 @@
 //! The aggregator's Prometheus metrics: supervisor fan-outs still open, how long fan-ins took, the
-//! explainability consumer's message fates, and the SPARQL queries it refused or stopped.
+//! explainability consumer's message fates, the journal's records, and the SPARQL queries it
+//! refused or stopped.
 
 use std::time::Duration;
 
@@ -11,18 +12,26 @@ pub const FANOUTS_OPEN: &str = "agent_fanouts_open";
 pub const FANIN_LATENCY: &str = "agent_fanin_duration_seconds";
 pub const MESSAGES: &str = "agent_explain_messages_total";
 pub const QUERIES_REFUSED: &str = "agent_sparql_queries_refused_total";
+pub const JOURNAL_RECORDS: &str = "agent_journal_records_total";
 
 pub fn describe() {
     let registry = global();
     registry.describe(FANOUTS_OPEN, Kind::Gauge, "Supervisor fan-outs recorded in the graph store and not yet synthesised (all aggregators).");
     registry.describe(FANIN_LATENCY, Kind::Histogram, "From a fan-out being recorded to its synthesis being requested, by outcome (complete, timed_out).");
     registry.describe(MESSAGES, Kind::Counter, "Explainability messages by fate: received, acked, nacked (to be redelivered), dead-lettered.");
+    registry.describe(JOURNAL_RECORDS, Kind::Counter, "Records of step outcomes this aggregator decided, by result: recorded (the first for its step), stood (another record of the step stood, and was answered).");
     registry.describe(QUERIES_REFUSED, Kind::Counter, "SPARQL queries refused or stopped, by reason: busy (no turn free), timeout (stopped at the time limit), too_large (result over the row limit).");
 }
 
 /// A query `/query` refused or stopped.
 pub fn query_refused(reason: &'static str) {
     global().inc(QUERIES_REFUSED, &[("reason", reason)]);
+}
+
+/// A record of a step's outcome, decided: whether it was the first.
+pub fn journal_record(first: bool) {
+    let result = if first { "recorded" } else { "stood" };
+    global().inc(JOURNAL_RECORDS, &[("result", result)]);
 }
 
 /// A fan-in this aggregator finished.
