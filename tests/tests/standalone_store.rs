@@ -105,6 +105,15 @@ async fn the_aggregator_owns_the_journal_of_a_sparql_server_it_does_not_own() {
         responses.last().unwrap().content,
         "alpha and beta, combined."
     );
+
+    // An orchestrator whose token the aggregator refuses says so at start and stops, rather
+    // than fail every step.
+    let mut refused =
+        Orchestrator::spawn_journaled(&broker, &llm, &aggregator, "not-the-token", &[]);
+    assert!(
+        refused.exited_within(Duration::from_secs(30)).await,
+        "an orchestrator whose journal is refused kept running"
+    );
 }
 
 /// An orchestrator whose GRAPH_STORE is the SPARQL server itself has nobody to decide its

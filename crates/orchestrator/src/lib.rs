@@ -721,6 +721,10 @@ pub async fn run(settings: Settings, shutdown: CancellationToken) -> anyhow::Res
         // start beats a guarantee that silently does not hold.
         Some(journal) => match journal.check().await {
             Err(e @ agent_graph::GraphError::NoJournal(_)) => return Err(e.into()),
+            // Refused, the journal would fail every step: better said once, at start.
+            Err(e @ agent_graph::GraphError::Http { status: 401 | 403, .. }) => {
+                anyhow::bail!("the aggregator at GRAPH_STORE refuses this orchestrator's CONFIG_TOKEN for its journal: {e}")
+            }
             Err(e) => tracing::warn!(error = %e, "the journal does not answer yet; steps wait for it"),
             Ok(()) => {}
         },
