@@ -6,7 +6,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
 . scripts/env.sh
-cargo build --locked --workspace --all-targets
+cargo build --locked -p agentctl
 question=${1:-"How many hours are in a leap year?"}
 "$CARGO_TARGET_DIR/debug/agentctl" up --port 0 --sparql-port 0 --data-dir .data/demo-broker --question "$question"
 echo

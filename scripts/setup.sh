@@ -1,21 +1,33 @@
 #!/usr/bin/env bash
-# Installs everything the build and the tests need on a fresh machine. Idempotent and quiet when done.
+# Installs what the build and the demo need on a fresh machine (the pulsar-lite broker, our patch
+# of the `pulsar` crate, the system packages the build needs); with `--tests`, also everything the
+# test suite runs against (MCP servers, a small model, TrustGraph's client, Apache Pulsar, Fuseki,
+# the manifests' validator). Idempotent and quiet when done.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+tests=false
+[ "${1:-}" = "--tests" ] && tests=true
 
 need_apt=()
 command -v protoc >/dev/null 2>&1 || need_apt+=(protobuf-compiler)
 # libclang-dev: oxigraph's RocksDB build needs bindgen.
-# docker-compose (Debian's): validates docker-compose.yml in scripts/check-deploy.sh.
-for pkg in pkg-config libssl-dev libclang-dev docker-compose; do
+for pkg in pkg-config libssl-dev libclang-dev; do
   dpkg -s "$pkg" >/dev/null 2>&1 || need_apt+=("$pkg")
 done
+# docker-compose (Debian's): validates docker-compose.yml in scripts/check-deploy.sh.
+if $tests; then
+  dpkg -s docker-compose >/dev/null 2>&1 || need_apt+=(docker-compose)
+fi
 if [ ${#need_apt[@]} -gt 0 ]; then
   echo "setup: installing ${need_apt[*]}" >&2
   SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
   $SUDO apt-get update -qq >/dev/null
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${need_apt[@]}" >/dev/null
 fi
+
+scripts/pulsar-lite.sh path >/dev/null
+scripts/patch-pulsar.sh
+$tests || exit 0
 
 # Node.js runs the MCP servers the end-to-end tests call (written by others, pinned in
 # tests/mcp-servers/package-lock.json).
@@ -44,7 +56,6 @@ fi
 # A real small model and its runtime (node-llama-cpp's prebuilt llama.cpp) for the real-model tests.
 scripts/small-model.sh path >/dev/null
 
-scripts/pulsar-lite.sh path >/dev/null
 # TrustGraph's own client library and CLI (PyPI), which the drop-in tests publish with.
 scripts/trustgraph-client.sh path >/dev/null
 # Apache Pulsar's standalone broker (Maven Central, ~240 MB once) for the tier of tests run on it.
@@ -52,4 +63,3 @@ scripts/apache-pulsar.sh path >/dev/null
 # Apache Jena Fuseki (Maven Central, ~40 MB once): a SPARQL server we do not own, as the graph store
 # behind the aggregator in the tests that need one.
 scripts/fuseki.sh path >/dev/null
-scripts/patch-pulsar.sh

@@ -4,7 +4,7 @@
 # `.ci/run` calls exactly this.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-scripts/setup.sh
+scripts/setup.sh --tests
 . scripts/env.sh
 echo "== cargo fmt --check"
 cargo fmt --all -- --check
@@ -20,7 +20,7 @@ status=${PIPESTATUS[0]}
 # The chaos soak's short mode runs alone (it starts eight processes and kills them) and shows its
 # counts; the long mode is scripts/soak.sh.
 echo "== chaos soak (short mode)"
-RUST_LOG=off cargo test --locked -p agent-e2e --test soak -- --nocapture 2>&1 \
+RUST_LOG=off cargo test --locked --workspace --test soak -- --nocapture 2>&1 \
   | tee -a "${TMPDIR:-/tmp}/pulsar-agents-test.log" | grep -E '^soak: ([^0-9]|[0-9]+ dialogs)|^test |panicked|^test result'
 soak_status=${PIPESTATUS[0]}
 [ "$soak_status" -eq 0 ] || status=$soak_status

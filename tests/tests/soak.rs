@@ -276,27 +276,44 @@ fn seconds_of_day(at: std::time::SystemTime) -> f64 {
     (since.as_secs() % 86_400) as f64 + f64::from(since.subsec_micros()) / 1e6
 }
 
-/// When the session's closing outcome was journaled, in seconds of the UTC day (from the
-/// `xsd:dateTime` the orchestrator wrote).
-async fn closing_recorded_at(store: &agent_graph::GraphStore, session: &str) -> Option<f64> {
+/// The session's journaled closing (the outcome holding its `end_of_dialog` response): when it was
+/// recorded, in seconds of the UTC day (from the `xsd:dateTime` the orchestrator wrote), and
+/// whether the broker confirmed it was published. Outcomes are stored deflated, so they are read
+/// back with the orchestrator's own decoder rather than matched as text.
+async fn journaled_closing(store: &agent_graph::GraphStore, session: &str) -> Option<(f64, bool)> {
     let rows = store
         .query(format!(
-            "{PREFIXES} SELECT ?at WHERE {{ GRAPH ?g {{ ?e tg:outcome ?o ; tg:recordedAt ?at
-             FILTER(STRSTARTS(STR(?e), \"{session}/journal/\") && CONTAINS(?o, \"end_of_dialog\\u005C\\u0022:true\"))
-             }} }}"
+            "{PREFIXES} SELECT ?o ?at ?published WHERE {{ GRAPH ?g {{ ?e tg:outcome ?o ; tg:recordedAt ?at
+             OPTIONAL {{ ?e tg:published ?published }}
+             FILTER(STRSTARTS(STR(?e), \"{session}/journal/\")) }} }}"
         ))
         .await
         .ok()?
         .rows();
-    let agent_graph::model::Term::Literal(at) = rows.first("at")? else {
-        return None;
+    let index = |name: &str| rows.variables.iter().position(|v| v == name);
+    let (o, at, published) = (index("o")?, index("at")?, index("published")?);
+    let literal = |row: &[Option<agent_graph::model::Term>], i: usize| match row.get(i) {
+        Some(Some(agent_graph::model::Term::Literal(l))) => Some(l.value().to_owned()),
+        _ => None,
     };
-    let time = at.value().split_once('T')?.1.trim_end_matches('Z');
-    let mut parts = time.split(':');
-    let hours: f64 = parts.next()?.parse().ok()?;
-    let minutes: f64 = parts.next()?.parse().ok()?;
-    let seconds: f64 = parts.next()?.parse().ok()?;
-    Some(hours * 3600.0 + minutes * 60.0 + seconds)
+    rows.rows.iter().find_map(|row| {
+        let effects = agent_orchestrator::journal::decode_outcome(&literal(row, o)?).ok()?;
+        let closes = effects.iter().any(|e| {
+            serde_json::from_str::<agent_schema::AgentResponse>(&e.payload)
+                .is_ok_and(|r| r.end_of_dialog)
+        });
+        if !closes {
+            return None;
+        }
+        let at = literal(row, at)?;
+        let time = at.split_once('T')?.1.trim_end_matches('Z');
+        let mut parts = time.split(':');
+        let hours: f64 = parts.next()?.parse().ok()?;
+        let minutes: f64 = parts.next()?.parse().ok()?;
+        let seconds: f64 = parts.next()?.parse().ok()?;
+        let published = literal(row, published).is_some_and(|p| p == "true");
+        Some((hours * 3600.0 + minutes * 60.0 + seconds, published))
+    })
 }
 
 /// The UTC time of day, to line kills up with the services' logs.
@@ -317,19 +334,6 @@ fn clock() -> String {
 fn session_uri(id: &str) -> String {
     let session = uuid::Uuid::new_v5(&uuid::Uuid::NAMESPACE_URL, id.as_bytes());
     format!("urn:trustgraph:agent:{session}")
-}
-
-/// Whether the session's journal holds a published closing response (`end_of_dialog`).
-async fn closed_by_journal(store: &agent_graph::GraphStore, session: &str) -> bool {
-    ask(
-        store,
-        format!(
-            "{PREFIXES} ASK {{ GRAPH ?g {{ ?e tg:outcome ?o ; tg:published true
-             FILTER(STRSTARTS(STR(?e), \"{session}/journal/\") && CONTAINS(?o, \"end_of_dialog\\u005C\\u0022:true\"))
-             }} }}"
-        ),
-    )
-    .await
 }
 
 /// Every message in the agent's dead-letter topic, as `(id, reason)`: the soak sends only valid
@@ -579,7 +583,10 @@ async fn chaos_soak() {
     let mut dropped_by_broker = Vec::new();
     for id in lost.clone() {
         let s = session_uri(&id);
-        if closed_by_journal(&store, &s).await {
+        if journaled_closing(&store, &s)
+            .await
+            .is_some_and(|(_, published)| published)
+        {
             dropped_by_broker.push(id.clone());
             lost.retain(|l| *l != id);
         }
@@ -601,7 +608,7 @@ async fn chaos_soak() {
         if !empty_streamed {
             continue;
         }
-        let Some(at) = closing_recorded_at(&store, &session_uri(&id)).await else {
+        let Some((at, _)) = journaled_closing(&store, &session_uri(&id)).await else {
             continue;
         };
         if let Some((kill, back)) = cluster

@@ -9,6 +9,7 @@ use agent_aggregator::AggregatorSettings;
 use agent_bus::embedded::{free_port, EmbeddedBroker};
 use agent_bus::{BrokerArgs, Properties, Publisher};
 use agent_core::provenance::{self, CallStats, SessionUris, Termination, ToolStats};
+use agent_core::router::{Choice, Decision, Method};
 use agent_graph::convert::to_quads;
 use agent_graph::model::{GraphName, Literal, NamedNode, Quad};
 use agent_graph::{queries, GraphStore};
@@ -173,6 +174,22 @@ fn session_quads(session_id: &str) -> anyhow::Result<Vec<Quad>> {
         "How many hours are in a leap year?",
         "2026-01-01T00:00:00Z",
     );
+    // The first iteration derives from the pattern decision, as in every dialog the orchestrator
+    // runs: without it the session's DAG ends at the question.
+    let chosen = |name: &str| Choice {
+        candidates: vec![name.to_owned()],
+        selected: name.to_owned(),
+        method: Method::OnlyCandidate,
+        rationale: String::new(),
+        raw_answer: None,
+    };
+    let decision = Decision {
+        task_type: chosen("general"),
+        pattern: chosen("react"),
+        unavailable_patterns: Vec::new(),
+        framing: String::new(),
+    };
+    triples.extend(provenance::pattern_decision(&uris, &decision, &stats));
     for n in 1..=2 {
         triples.extend(provenance::tool_iteration(
             &uris,

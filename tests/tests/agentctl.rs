@@ -1,0 +1,189 @@
+//! Every `agentctl` command the README documents runs as documented, in a short mode: `up` with a
+//! question, `invoke` against a running `up --stay`, `explain` and `sparql` on what `up` left in its
+//! store, `bench` and `bench-graph` with small counts. (`config`, `load` and `tools` have their own
+//! tests in config.rs and knowledge.rs.)
+
+use std::process::{Command, Output, Stdio};
+use std::time::Duration;
+
+use agent_e2e::{binary, repo_root, wait_listening};
+
+/// Runs `agentctl` from the repository root (the README's commands name files relative to it), with
+/// no real LLM configured and nothing inherited that points it elsewhere.
+fn agentctl(args: &[&str]) -> Command {
+    let mut command = Command::new(binary("agentctl"));
+    command
+        .args(args)
+        .current_dir(repo_root())
+        .env_remove("OPENAI_BASE_URL")
+        .env_remove("PULSAR_URL")
+        .env_remove("GRAPH_STORE")
+        .env_remove("CONFIG_TOKEN");
+    command
+}
+
+fn run(args: &[&str]) -> (String, String) {
+    let Output {
+        status,
+        stdout,
+        stderr,
+    } = agentctl(args).output().unwrap();
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&stdout).into_owned(),
+        String::from_utf8_lossy(&stderr).into_owned(),
+    );
+    assert!(
+        status.success(),
+        "agentctl {args:?} exited with {status}\nstdout:\n{stdout}\nstderr:\n{stderr}"
+    );
+    (stdout, stderr)
+}
+
+fn scratch(name: &str) -> std::path::PathBuf {
+    let dir = std::env::temp_dir().join(format!("agentctl-{name}-{}", uuid::Uuid::new_v4()));
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+/// The README's first command, then a look at what it left behind.
+#[test]
+fn up_answers_and_its_store_is_explained_and_queried() {
+    let dir = scratch("up");
+    let broker = dir.join("broker").display().to_string();
+    let graph = dir.join("graph").display().to_string();
+    let (stdout, _) = run(&[
+        "up",
+        "--port",
+        "0",
+        "--sparql-port",
+        "0",
+        "--data-dir",
+        &broker,
+        "--graph-dir",
+        &graph,
+        "--question",
+        "How many hours are in a leap year?",
+    ]);
+    assert!(stdout.contains("8,784 hours"), "{stdout}");
+
+    let (tree, _) = run(&["explain", "--last", "--store", &graph]);
+    for part in ["How many hours are in a leap year?", "8,784 hours"] {
+        assert!(
+            tree.contains(part),
+            "explain --last lacks {part:?}:\n{tree}"
+        );
+    }
+    let (mermaid, _) = run(&[
+        "explain", "--last", "--format", "mermaid", "--store", &graph,
+    ]);
+    assert!(
+        mermaid.contains("flowchart") || mermaid.contains("graph"),
+        "{mermaid}"
+    );
+
+    let (table, _) = run(&[
+        "sparql",
+        "PREFIX tg: <https://trustgraph.ai/ns/> SELECT (COUNT(*) AS ?n) WHERE { GRAPH ?g { ?s a tg:AgentQuestion } }",
+        "--store",
+        &graph,
+    ]);
+    assert!(table.lines().any(|l| l.trim() == "1"), "{table}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// `up --stay` serves until stopped; `invoke` streams a dialog through it.
+#[test]
+fn invoke_streams_a_dialog_through_a_running_stack() {
+    let dir = scratch("invoke");
+    let port = agent_bus::embedded::free_port().unwrap().to_string();
+    let sparql_port = agent_bus::embedded::free_port().unwrap().to_string();
+    let mut up = agentctl(&[
+        "up",
+        "--port",
+        &port,
+        "--sparql-port",
+        &sparql_port,
+        "--data-dir",
+        &dir.join("broker").display().to_string(),
+        "--graph-dir",
+        &dir.join("graph").display().to_string(),
+        "--stay",
+    ])
+    .stdout(Stdio::null())
+    .stderr(Stdio::null())
+    .spawn()
+    .unwrap();
+    wait_listening(
+        &format!("127.0.0.1:{sparql_port}"),
+        "agentctl up's SPARQL endpoint",
+    );
+    let url = format!("pulsar://127.0.0.1:{port}");
+    // The orchestrator subscribes a moment after the endpoint listens; the request waits on the
+    // persistent topic either way, but a first try may race the broker's own start.
+    let mut answer = None;
+    for _ in 0..3 {
+        let out = agentctl(&[
+            "invoke",
+            "--question",
+            "How many hours are in a leap year?",
+            "--pulsar-url",
+            &url,
+            "--timeout",
+            "60",
+        ])
+        .output()
+        .unwrap();
+        if out.status.success() {
+            answer = Some(String::from_utf8_lossy(&out.stdout).into_owned());
+            break;
+        }
+        std::thread::sleep(Duration::from_secs(2));
+    }
+    let _ = up.kill();
+    let _ = up.wait();
+    let answer = answer.expect("agentctl invoke never got an answer");
+    assert!(answer.contains("8,784 hours"), "{answer}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// `bench` with small counts prints both journal modes side by side.
+#[test]
+fn bench_prints_both_journal_modes() {
+    let (stdout, _) = run(&[
+        "bench",
+        "--round-trips",
+        "50",
+        "--one-iteration",
+        "5",
+        "--three-iteration",
+        "3",
+        "--dialogs",
+        "12",
+        "--concurrency",
+        "4",
+        "--journal",
+        "both",
+    ]);
+    assert!(stdout.contains("steps/s"), "{stdout}");
+    assert!(stdout.contains("journal"), "{stdout}");
+}
+
+/// `bench-graph` with small sizes: the write rate, then the explain query at each size, which
+/// must return the whole session every time.
+#[test]
+fn bench_graph_times_writes_and_the_explain_query() {
+    let (stdout, _) = run(&[
+        "bench-graph",
+        "--messages",
+        "100",
+        "--sizes",
+        "1000,4000",
+        "--runs",
+        "3",
+    ]);
+    assert_eq!(
+        stdout.matches("explain query (").count(),
+        2,
+        "one line per size:\n{stdout}"
+    );
+}
