@@ -2,6 +2,7 @@
 //! question, `invoke` against a running `up --stay`, `explain` and `sparql` on what `up` left in its
 //! store, `bench` and `bench-graph` with small counts. (`config`, `load` and `tools` have their own
 //! tests in config.rs and knowledge.rs.)
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use std::process::{Command, Output, Stdio};
 use std::time::Duration;
