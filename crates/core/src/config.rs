@@ -6,9 +6,25 @@ use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
+use crate::pattern::Pattern;
 use crate::prompt::Prompts;
-use crate::router::{self, IMPLEMENTED_PATTERNS};
 use crate::tools::{ToolDef, MCP_TOOL};
+
+/// The task type used when config defines none, and the preferred fallback task type.
+pub const GENERAL: &str = "general";
+
+/// The built-in task type of a service without task type config.
+pub fn general_task_type() -> TaskTypeDef {
+    TaskTypeDef {
+        name: GENERAL.to_owned(),
+        description: "Any request".to_owned(),
+        when_to_use: String::new(),
+        examples: Vec::new(),
+        framing: String::new(),
+        valid_patterns: vec![Pattern::React.name().to_owned()],
+        critic: Vec::new(),
+    }
+}
 
 /// Config type of tool definitions.
 pub const TOOL_TYPE: &str = "tool";
@@ -197,7 +213,7 @@ pub struct PatternDef {
     pub name: String,
     /// What the pattern is good for; the meta-router shows it to the LLM.
     pub description: String,
-    /// Critic stages switched on for every dialog of this pattern (see [`crate::critic::STAGES`]).
+    /// Critic stages switched on for every dialog of this pattern (see [`crate::pattern::STAGES`]).
     #[serde(default)]
     pub critic: Vec<String>,
 }
@@ -297,7 +313,7 @@ pub struct AgentConfig {
     /// MCP servers by id.
     pub mcp: BTreeMap<String, McpServer>,
     /// Patterns by name, as configured (which of them this orchestrator runs is
-    /// [`IMPLEMENTED_PATTERNS`]).
+    /// [`Pattern`]).
     pub patterns: BTreeMap<String, PatternDef>,
     /// Task types by name; empty means the built-in `general` task type.
     pub task_types: BTreeMap<String, TaskTypeDef>,
@@ -393,9 +409,7 @@ impl AgentConfig {
                 problems.push(TASK_TYPE_TYPE, key, stage);
             }
         }
-        let known = |name: &String| {
-            config.patterns.contains_key(name) || IMPLEMENTED_PATTERNS.contains(&name.as_str())
-        };
+        let known = |name: &String| config.patterns.contains_key(name) || Pattern::runs(name);
         let mut task_problems = Vec::new();
         for (key, task) in &config.task_types {
             let mut say = |message: String| task_problems.push((key.clone(), message));
@@ -411,7 +425,7 @@ impl AgentConfig {
                 }
             }
             // The router only ever runs a pattern the task type allows, so one of them must run.
-            let runs = |p: &String| IMPLEMENTED_PATTERNS.contains(&p.as_str());
+            let runs = |p: &String| Pattern::runs(p);
             if !task.valid_patterns.is_empty()
                 && task.valid_patterns.iter().all(known)
                 && !task.valid_patterns.iter().any(runs)
@@ -419,7 +433,7 @@ impl AgentConfig {
                 say(format!(
                     "none of valid_patterns ({}) runs in this orchestrator, which runs: {}",
                     task.valid_patterns.join(", "),
-                    IMPLEMENTED_PATTERNS.join(", ")
+                    Pattern::all_names()
                 ));
             }
         }
@@ -539,7 +553,7 @@ impl AgentConfig {
     /// The task types the meta-router chooses from: the configured ones, or the built-in `general`.
     pub fn task_types_or_general(&self) -> Vec<TaskTypeDef> {
         if self.task_types.is_empty() {
-            vec![router::general_task_type()]
+            vec![general_task_type()]
         } else {
             self.task_types.values().cloned().collect()
         }
@@ -549,11 +563,11 @@ impl AgentConfig {
 fn unknown_stages(stages: &[String]) -> Vec<String> {
     stages
         .iter()
-        .filter(|s| !crate::critic::STAGES.contains(&s.as_str()))
+        .filter(|s| !crate::pattern::STAGES.contains(&s.as_str()))
         .map(|s| {
             format!(
                 "critic names the unknown stage '{s}'; the stages are: {}",
-                crate::critic::STAGES.join(", ")
+                crate::pattern::STAGES.join(", ")
             )
         })
         .collect()

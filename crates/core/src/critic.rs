@@ -9,16 +9,8 @@ use std::collections::BTreeSet;
 
 use agent_schema::{AgentStep, PlanStep, StepType};
 
-use crate::plan::{COMPLETED, FAILED, PENDING};
-
-/// The critic stage that evaluates each completed plan step.
-pub const STAGE_STEP: &str = "step";
-/// The critic stage that reviews each plan (and revision) before it runs.
-pub const STAGE_PLAN: &str = "plan";
-/// The critic stage that reviews the answer before it is given.
-pub const STAGE_ANSWER: &str = "answer";
-/// The critic stages a task type or pattern may switch on.
-pub const STAGES: &[&str] = &[STAGE_STEP, STAGE_PLAN, STAGE_ANSWER];
+use crate::pattern::{STAGE_ANSWER, STAGE_PLAN, STAGE_STEP};
+use crate::plan::{COMPLETED, FAILED, PENDING, SUB_GOALS_KEY};
 
 /// `arguments` key naming the stage a verdict is about.
 const STAGE_KEY: &str = "stage";
@@ -29,8 +21,6 @@ const GOAL_KEY: &str = "goal";
 const LESSON_KEY: &str = "lesson";
 const CULPRITS_KEY: &str = "culprits";
 const UNREADABLE_KEY: &str = "unreadable";
-/// Present on a verdict that split a step: the sub-steps' goals as a JSON list.
-pub const SUB_GOALS_KEY: &str = "sub_goals";
 const DEPTH_KEY: &str = "depth";
 
 /// A verdict, in order of priority: when an evaluator gives several, the first in this order counts

@@ -4,7 +4,9 @@
 
 pub mod config;
 pub mod critic;
+pub mod pattern;
 pub mod plan;
+pub mod plan_then_execute;
 pub mod prompt;
 pub mod provenance;
 pub mod react;

@@ -6,6 +6,7 @@
 
 use agent_schema::{Term, Triple};
 
+use crate::pattern::Termination;
 use crate::router::{Choice, Decision, Method};
 
 pub const TG: &str = "https://trustgraph.ai/ns/";
@@ -477,37 +478,6 @@ pub fn observation(uris: &SessionUris, n: usize, text: &str, tool: ToolStats) ->
         .tg(&s, "outToken", integer(tool.out_token))
         .document(&s, &s, text);
     b.build()
-}
-
-/// How a dialog ended.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Termination {
-    Answer,
-    /// The plan could not be finished within `max_replan_depth` revisions; answered from what
-    /// completed.
-    ReplanLimit,
-    /// The critic rejected work `max_retries` times; answered from what completed, unverified.
-    RetryLimit,
-    /// The plan's remaining steps could not run; answered from what completed.
-    Blocked,
-    MaxIterations,
-    /// A token or wall-time budget was used up.
-    Budget,
-    Error,
-}
-
-impl Termination {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Termination::Answer => "answer",
-            Termination::ReplanLimit => "max-replan-depth",
-            Termination::RetryLimit => "max-retries",
-            Termination::Blocked => "blocked",
-            Termination::MaxIterations => "max-iterations",
-            Termination::Budget => "budget",
-            Termination::Error => "error",
-        }
-    }
 }
 
 /// A seal on `node` (see `agent_bus::seal`): the aggregator lets only sealed fan-outs and

@@ -4,33 +4,12 @@
 
 use std::collections::BTreeMap;
 
-use crate::config::{AgentConfig, TaskTypeDef};
-use crate::plan::PLAN_THEN_EXECUTE;
+use crate::config::{AgentConfig, TaskTypeDef, GENERAL};
+use crate::pattern::Pattern;
 use crate::prompt::{render, PromptTemplate};
-use crate::supervisor::SUPERVISOR;
-
-/// The patterns this orchestrator can run, in no particular order.
-pub const IMPLEMENTED_PATTERNS: &[&str] = &[REACT, PLAN_THEN_EXECUTE, SUPERVISOR];
-/// The pattern every dialog can fall back to.
-pub const REACT: &str = "react";
-/// The task type used when config defines none, and the preferred fallback task type.
-pub const GENERAL: &str = "general";
 
 /// Longest LLM text kept in a decision record (the rationale and the raw answer).
 const MAX_RECORDED_CHARS: usize = 2000;
-
-/// The built-in task type of a service without task type config.
-pub fn general_task_type() -> TaskTypeDef {
-    TaskTypeDef {
-        name: GENERAL.to_owned(),
-        description: "Any request".to_owned(),
-        when_to_use: String::new(),
-        examples: Vec::new(),
-        framing: String::new(),
-        valid_patterns: vec![REACT.to_owned()],
-        critic: Vec::new(),
-    }
-}
 
 /// One option put to the LLM.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -141,13 +120,15 @@ pub fn pattern_candidates(
     let mut unavailable = Vec::new();
     for name in &task_type.valid_patterns {
         // With no fan-out depth allowed, a supervisor could not do what its name says.
-        let fans_out_unallowed = name == SUPERVISOR && config.limits.max_fanout_depth == 0;
-        if IMPLEMENTED_PATTERNS.contains(&name.as_str()) && !fans_out_unallowed {
+        let pattern = Pattern::from_name(name);
+        let fans_out_unallowed =
+            pattern == Some(Pattern::Supervisor) && config.limits.max_fanout_depth == 0;
+        if let Some(pattern) = pattern.filter(|_| !fans_out_unallowed) {
             let description = config
                 .patterns
                 .get(name)
                 .map(|p| p.description.clone())
-                .unwrap_or_else(|| builtin_description(name).to_owned());
+                .unwrap_or_else(|| pattern.description().to_owned());
             runnable.push(Candidate {
                 name: name.clone(),
                 description,
@@ -157,15 +138,6 @@ pub fn pattern_candidates(
         }
     }
     (runnable, unavailable)
-}
-
-fn builtin_description(pattern: &str) -> &'static str {
-    match pattern {
-        REACT => "Reason step by step, calling one tool at a time, until the answer is known",
-        PLAN_THEN_EXECUTE => "Write a plan of dependent steps first, then carry them out one at a time, revising the rest of the plan when a step fails",
-        SUPERVISOR => "Split the request into independent goals, give each to its own subagent in parallel, then combine their findings",
-        _ => "",
-    }
 }
 
 /// The prompt asking which task type `question` is.

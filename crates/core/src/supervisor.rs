@@ -7,18 +7,14 @@ use std::collections::BTreeMap;
 
 use agent_schema::{AgentRequest, AgentStep, StepType};
 
-use crate::plan::PLAN_THEN_EXECUTE;
-use crate::router::REACT;
-
-/// The pattern's name in config and on the wire.
-pub const SUPERVISOR: &str = "supervisor";
+use crate::pattern::Pattern;
 
 /// One goal for a subagent.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Goal {
     pub goal: String,
     /// The subagent's pattern: `react` unless the supervisor chose another that runs here.
-    pub pattern: String,
+    pub pattern: Pattern,
     /// The subagent's tool groups; `None` keeps the supervisor's.
     pub group: Option<Vec<String>>,
 }
@@ -68,10 +64,10 @@ fn goals_from(value: serde_json::Value, max: usize, nested: bool) -> Result<Vec<
             if goal.is_empty() {
                 return None;
             }
-            let pattern = if pattern == PLAN_THEN_EXECUTE || (nested && pattern == SUPERVISOR) {
-                pattern
-            } else {
-                REACT.to_owned()
+            let pattern = match Pattern::from_name(&pattern) {
+                Some(Pattern::PlanThenExecute) => Pattern::PlanThenExecute,
+                Some(Pattern::Supervisor) if nested => Pattern::Supervisor,
+                _ => Pattern::React,
             };
             Some(Goal {
                 goal,
@@ -236,7 +232,7 @@ pub fn subagent_request(
         streaming: false,
         session_id: subagent_session(correlation_id, index),
         conversation_id: supervisor.conversation_id.clone(),
-        pattern: goal.pattern.clone(),
+        pattern: goal.pattern.name().to_owned(),
         task_type: supervisor.task_type.clone(),
         framing: supervisor.framing.clone(),
         correlation_id: correlation_id.to_owned(),
@@ -413,7 +409,7 @@ mod tests {
         .unwrap();
         let names: Vec<(&str, &str)> = goals
             .iter()
-            .map(|g| (g.goal.as_str(), g.pattern.as_str()))
+            .map(|g| (g.goal.as_str(), g.pattern.name()))
             .collect();
         assert_eq!(
             names,
@@ -424,7 +420,7 @@ mod tests {
         assert!(parse_goals("no", 3, false).is_err());
         let nested =
             parse_goals("[{\"goal\": \"a\", \"pattern\": \"supervisor\"}]", 3, true).unwrap();
-        assert_eq!(nested[0].pattern, "supervisor");
+        assert_eq!(nested[0].pattern, Pattern::Supervisor);
     }
 
     #[test]
@@ -438,7 +434,7 @@ mod tests {
         let cid = correlation_id("s", 1);
         let goal = Goal {
             goal: "g".into(),
-            pattern: "react".into(),
+            pattern: Pattern::React,
             group: None,
         };
         let sub = subagent_request(&parent, "s", &cid, 2, &goal, 4);
@@ -510,7 +506,7 @@ mod tests {
         assert_eq!(fanout_depth(&root), 0, "a client's request is a root");
         let goal = Goal {
             goal: "g".into(),
-            pattern: SUPERVISOR.into(),
+            pattern: Pattern::Supervisor,
             group: None,
         };
         let child = subagent_request(

@@ -202,7 +202,7 @@ proptest! {
     fn goal_parse_never_panics_and_respects_max(text in llm_text(), max in 1usize..6, nested in any::<bool>()) {
         if let Ok(goals) = supervisor::parse_goals(&text, max, nested) {
             prop_assert!(goals.len() <= max);
-            prop_assert!(goals.iter().all(|g| nested || g.pattern != "supervisor"));
+            prop_assert!(goals.iter().all(|g| nested || g.pattern != agent_core::pattern::Pattern::Supervisor));
         }
         let _ = supervisor::parse_synthesis(&text, max, nested);
     }

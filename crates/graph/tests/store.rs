@@ -2,7 +2,8 @@
 //! literals, the session query and the explain view.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
-use agent_core::provenance::{self, CallStats, SessionUris, Termination, ToolStats};
+use agent_core::pattern::Termination;
+use agent_core::provenance::{self, CallStats, SessionUris, ToolStats};
 use agent_core::router::{Choice, Decision, Method};
 use agent_graph::convert::to_quads;
 use agent_graph::explain::{render_mermaid, render_tree, session_view};

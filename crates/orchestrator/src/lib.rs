@@ -25,9 +25,9 @@ use agent_bus::{
     run_consumer, ConsumerStats, Delivery, Disposition, Publisher, SubscriptionConfig,
 };
 use agent_core::config::AgentConfig;
+use agent_core::pattern::Pattern;
 use agent_core::prompt::{render, PromptTemplate};
 use agent_core::provenance::{self, CallStats, SessionUris, ToolStats};
-use agent_core::router::IMPLEMENTED_PATTERNS;
 use agent_core::tools::{Scope, ToolDef};
 use agent_llm::{CallOptions, ChatMessage, Completion, LlmClient};
 use agent_schema::{AgentRequest, AgentResponse, ID_PROPERTY};
@@ -535,10 +535,10 @@ impl Engine {
                 )
                 .await?;
             }
-            match request.pattern.as_str() {
-                agent_core::plan::PLAN_THEN_EXECUTE => plan::iterate(&turn).await,
+            match Pattern::from_name(&request.pattern) {
+                Some(Pattern::PlanThenExecute) => plan::iterate(&turn).await,
                 // Past the depth limit a supervisor works alone (see `router::requested`).
-                agent_core::supervisor::SUPERVISOR
+                Some(Pattern::Supervisor)
                     if agent_core::supervisor::may_fan_out(
                         &request,
                         config.limits.max_fanout_depth,
@@ -559,12 +559,8 @@ impl Engine {
         let routing = new_dialog && requested.is_none();
         let pattern = match request.pattern.as_str() {
             _ if routing => "router",
-            "" => agent_core::router::REACT,
-            named
-                if config.patterns.contains_key(named) || IMPLEMENTED_PATTERNS.contains(&named) =>
-            {
-                named
-            }
+            "" => Pattern::React.name(),
+            named if config.patterns.contains_key(named) || Pattern::runs(named) => named,
             _ => "other",
         };
         metrics::step(
@@ -634,10 +630,10 @@ fn validate(
         }
     }
     let pattern = request.pattern.as_str();
-    if !pattern.is_empty() && !IMPLEMENTED_PATTERNS.contains(&pattern) {
+    if !pattern.is_empty() && !Pattern::runs(pattern) {
         return Err(format!(
             "the pattern '{pattern}' is not available; this orchestrator runs: {}",
-            IMPLEMENTED_PATTERNS.join(", ")
+            Pattern::all_names()
         ));
     }
     // A task type is checked where a dialog starts; once routed, the dialog keeps it even if config

@@ -6,9 +6,11 @@
 
 use agent_bus::BusError;
 use agent_core::critic;
-use agent_core::plan::{self as planning, plan_in_force, Next, Unfinished, COMPLETED, FAILED};
+use agent_core::pattern::{self, Termination};
+use agent_core::plan::{self as planning, plan_in_force, COMPLETED, FAILED};
+use agent_core::plan_then_execute::{self as pattern_decisions, Next, Unfinished};
 use agent_core::prompt::{describe_tools, framing_block, render};
-use agent_core::provenance::{self, CallStats, PlanRecord, Termination, ToolStats};
+use agent_core::provenance::{self, CallStats, PlanRecord, ToolStats};
 use agent_core::react::{parse, ReactTurn};
 use agent_core::tools::Scope;
 use agent_llm::{ChatMessage, Completion, LlmError};
@@ -26,26 +28,26 @@ const PLAN_ATTEMPTS: usize = 3;
 pub async fn iterate(turn: &Turn<'_>) -> Result<(), BusError> {
     let n = turn.request.history.len() + 1;
     let config = turn.config;
-    let policy = planning::Policy {
+    let policy = pattern_decisions::Policy {
         max_replan_depth: config.limits.max_replan_depth,
         max_retries: config.limits.max_retries,
         critic_steps: config.critic_on(
             &turn.request.pattern,
             &turn.request.task_type,
-            critic::STAGE_STEP,
+            pattern::STAGE_STEP,
         ),
         critic_plan: config.critic_on(
             &turn.request.pattern,
             &turn.request.task_type,
-            critic::STAGE_PLAN,
+            pattern::STAGE_PLAN,
         ),
         critic_answer: config.critic_on(
             &turn.request.pattern,
             &turn.request.task_type,
-            critic::STAGE_ANSWER,
+            pattern::STAGE_ANSWER,
         ),
     };
-    let next = planning::next(&turn.request.history, policy);
+    let next = pattern_decisions::next(&turn.request.history, policy);
     // A plan that used its iterations still answers from what it found.
     let max_iterations = config.limits.max_iterations;
     if turn.request.history.len() >= max_iterations
@@ -91,8 +93,8 @@ async fn make_plan(turn: &Turn<'_>, n: usize, problem: Option<String>) -> Result
         .map(<[PlanStep]>::to_vec)
         .unwrap_or_default();
     let kept = old_plan.iter().filter(|s| s.status == COMPLETED).count();
-    let critic_steps = config.critic_on(&request.pattern, &request.task_type, critic::STAGE_STEP);
-    let budget = planning::step_budget(
+    let critic_steps = config.critic_on(&request.pattern, &request.task_type, pattern::STAGE_STEP);
+    let budget = pattern_decisions::step_budget(
         request.history.len(),
         config.limits.max_iterations,
         critic_steps,
@@ -204,7 +206,7 @@ async fn make_plan(turn: &Turn<'_>, n: usize, problem: Option<String>) -> Result
     }
 
     let version = if problem.is_some() {
-        planning::replans_used(&request.history) + 1
+        pattern_decisions::replans_used(&request.history) + 1
     } else {
         0
     };
@@ -526,7 +528,8 @@ async fn review_plan(turn: &Turn<'_>, n: usize) -> Result<(), BusError> {
         return Ok(());
     };
     let verdict = critic::parse(&completion.text);
-    let may_revise = planning::replans_used(&request.history) < config.limits.max_replan_depth;
+    let may_revise =
+        pattern_decisions::replans_used(&request.history) < config.limits.max_replan_depth;
     let applied = critic::apply_to_plan(&plan, &verdict, may_revise);
     announce_verdict(
         turn,
@@ -703,7 +706,7 @@ async fn synthesise(
     // With the answer critic on, a complete plan's answer is a draft until the critic accepts it;
     // a plan that could not be finished answers at once (its caveat is the verdict).
     let review = unfinished.is_none()
-        && config.critic_on(&request.pattern, &request.task_type, critic::STAGE_ANSWER);
+        && config.critic_on(&request.pattern, &request.task_type, pattern::STAGE_ANSWER);
     if review {
         let mut stats = CallStats::default();
         let completion = match llm.complete(&messages).await {

@@ -4,7 +4,8 @@
 
 use agent_bus::BusError;
 use agent_core::config::ToolCalling;
-use agent_core::provenance::{self, CallStats, SessionUris, Termination, ToolStats};
+use agent_core::pattern::Termination;
+use agent_core::provenance::{self, CallStats, SessionUris, ToolStats};
 use agent_core::react::{
     parse, strip_echoed_observation, tool_call_arguments, ReactDelta, ReactParseError, ReactStream,
     ReactTurn,

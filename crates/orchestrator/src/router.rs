@@ -8,6 +8,7 @@
 
 use agent_bus::BusError;
 use agent_core::config::{AgentConfig, TaskTypeDef};
+use agent_core::pattern::Pattern;
 use agent_core::provenance::{self, CallStats};
 use agent_core::router::{self, Candidate, Choice, Decision, Method};
 use agent_llm::ChatMessage;
@@ -51,13 +52,13 @@ pub async fn route(turn: &Turn<'_>) -> Result<(), BusError> {
         .iter()
         .find(|t| t.name == task_choice.selected)
         .cloned()
-        .unwrap_or_else(router::general_task_type);
+        .unwrap_or_else(agent_core::config::general_task_type);
 
     let (pattern_candidates, unavailable) = router::pattern_candidates(config, &task_type);
     let pattern_choice = match pattern_candidates.as_slice() {
         [] => Choice {
             candidates: Vec::new(),
-            selected: router::REACT.to_owned(),
+            selected: Pattern::React.name().to_owned(),
             method: Method::Fallback(format!(
                 "none of the task type's patterns ({}) runs here",
                 unavailable.join(", ")
@@ -130,12 +131,12 @@ pub fn requested(request: &AgentRequest, config: &AgentConfig) -> Decision {
         .find(|t| !request.task_type.is_empty() && t.name == request.task_type);
     let depth = agent_core::supervisor::fanout_depth(request);
     let max_depth = config.limits.max_fanout_depth;
-    let pattern = if request.pattern == agent_core::supervisor::SUPERVISOR
+    let pattern = if request.pattern == Pattern::Supervisor.name()
         && !agent_core::supervisor::may_fan_out(request, max_depth)
     {
         // Recorded, so the graph says why a requested supervisor worked alone.
         Choice {
-            selected: agent_core::router::REACT.to_owned(),
+            selected: Pattern::React.name().to_owned(),
             rationale: format!(
                 "supervisor was asked for at fan-out depth {depth}, which max_fanout_depth ({max_depth}) does not allow to fan out again; it works as react"
             ),
@@ -223,7 +224,7 @@ mod tests {
 
     #[test]
     fn framing_joins_the_task_type_and_the_request() {
-        let mut task = router::general_task_type();
+        let mut task = agent_core::config::general_task_type();
         assert_eq!(framing(&task, ""), "");
         assert_eq!(framing(&task, "Be brief."), "Be brief.");
         task.framing = "Research.".into();

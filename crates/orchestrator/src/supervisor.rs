@@ -3,8 +3,9 @@
 //! the subagents' results, answer from them.
 
 use agent_bus::BusError;
+use agent_core::pattern::{Pattern, Termination};
 use agent_core::prompt::{describe_tools, framing_block};
-use agent_core::provenance::{self, CallStats, SessionUris, Termination, ToolStats};
+use agent_core::provenance::{self, CallStats, SessionUris, ToolStats};
 use agent_core::supervisor::{self as supervising, Goal};
 use agent_core::tools::Scope;
 use agent_schema::{AgentStep, MessageType, StepType};
@@ -71,7 +72,7 @@ async fn decompose(turn: &Turn<'_>, n: usize) -> Result<(), BusError> {
         tracing::info!(%why, "no usable goals; the whole request goes to one subagent");
         vec![Goal {
             goal: request.question.clone(),
-            pattern: agent_core::router::REACT.to_owned(),
+            pattern: Pattern::React,
             group: None,
         }]
     });

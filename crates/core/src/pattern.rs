@@ -1,0 +1,127 @@
+//! The closed sets the rest of the crate decides by: which reasoning patterns this orchestrator runs,
+//! which critic stages a task may switch on, how a dialog ended. A leaf: names are parsed here once,
+//! at the edge, and matched as enums everywhere else.
+
+use std::fmt;
+
+/// A reasoning pattern this orchestrator can run. A request names one by `pattern` (or the
+/// meta-router chooses); config may define more names, but only these run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Pattern {
+    /// Reason, act with one tool, observe; until an answer.
+    React,
+    /// A plan of dependent steps first, then each step in order, revising on failure.
+    PlanThenExecute,
+    /// Independent goals fanned out to subagents, then one synthesis.
+    Supervisor,
+}
+
+impl Pattern {
+    pub const ALL: [Pattern; 3] = [
+        Pattern::React,
+        Pattern::PlanThenExecute,
+        Pattern::Supervisor,
+    ];
+
+    /// The name on the wire (`AgentRequest::pattern`), in config and in the provenance graph.
+    pub const fn name(self) -> &'static str {
+        match self {
+            Pattern::React => "react",
+            Pattern::PlanThenExecute => "plan-then-execute",
+            Pattern::Supervisor => "supervisor",
+        }
+    }
+
+    /// The pattern a name stands for, if this orchestrator runs it.
+    pub fn from_name(name: &str) -> Option<Pattern> {
+        Pattern::ALL.into_iter().find(|p| p.name() == name)
+    }
+
+    /// Whether this orchestrator runs the pattern of that name.
+    pub fn runs(name: &str) -> bool {
+        Pattern::from_name(name).is_some()
+    }
+
+    /// What the meta-router is told of the pattern when config gives no description.
+    pub const fn description(self) -> &'static str {
+        match self {
+            Pattern::React => {
+                "Reason step by step, calling one tool at a time, until the answer is known"
+            }
+            Pattern::PlanThenExecute => {
+                "Write a plan of dependent steps first, then carry them out one at a time, revising the rest of the plan when a step fails"
+            }
+            Pattern::Supervisor => {
+                "Split the request into independent goals, give each to its own subagent in parallel, then combine their findings"
+            }
+        }
+    }
+
+    /// Every pattern's name, for messages that list what would have been accepted.
+    pub fn all_names() -> String {
+        Pattern::ALL.map(Pattern::name).join(", ")
+    }
+}
+
+impl fmt::Display for Pattern {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// The critic stage that evaluates each completed plan step.
+pub const STAGE_STEP: &str = "step";
+/// The critic stage that reviews each plan (and revision) before it runs.
+pub const STAGE_PLAN: &str = "plan";
+/// The critic stage that reviews the answer before it is given.
+pub const STAGE_ANSWER: &str = "answer";
+/// The critic stages a task type or pattern may switch on.
+pub const STAGES: &[&str] = &[STAGE_STEP, STAGE_PLAN, STAGE_ANSWER];
+
+/// How a dialog ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Termination {
+    Answer,
+    /// The plan could not be finished within `max_replan_depth` revisions; answered from what
+    /// completed.
+    ReplanLimit,
+    /// The critic rejected work `max_retries` times; answered from what completed, unverified.
+    RetryLimit,
+    /// The plan's remaining steps could not run; answered from what completed.
+    Blocked,
+    MaxIterations,
+    /// A token or wall-time budget was used up.
+    Budget,
+    Error,
+}
+
+impl Termination {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Termination::Answer => "answer",
+            Termination::ReplanLimit => "max-replan-depth",
+            Termination::RetryLimit => "max-retries",
+            Termination::Blocked => "blocked",
+            Termination::MaxIterations => "max-iterations",
+            Termination::Budget => "budget",
+            Termination::Error => "error",
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_parse_back_to_their_pattern_and_nothing_else_parses() {
+        for p in Pattern::ALL {
+            assert_eq!(Pattern::from_name(p.name()), Some(p));
+            assert_eq!(p.to_string(), p.name());
+        }
+        for other in ["", "React", "plan", "supervisor ", "reflexion"] {
+            assert_eq!(Pattern::from_name(other), None, "{other:?}");
+        }
+        assert_eq!(Pattern::all_names(), "react, plan-then-execute, supervisor");
+    }
+}
