@@ -761,7 +761,7 @@ pub async fn read_from_start(
 }
 
 /// The `tg:` namespace, for reading explain triples.
-pub const TG: &str = "https://trustgraph.ai/ns/";
+pub use agent_core::vocab::TG;
 
 /// Every explain triple a dialog's responses carried.
 pub fn explained(responses: &[AgentResponse]) -> Vec<agent_schema::Triple> {
@@ -852,7 +852,7 @@ pub fn session_of(responses: &[AgentResponse]) -> String {
         .iter()
         .filter_map(|r| r.explain_id.clone())
         .find(|e| {
-            e.strip_prefix("urn:trustgraph:agent:")
+            e.strip_prefix(agent_core::vocab::SESSION_PREFIX)
                 .is_some_and(|rest| !rest.contains('/'))
         })
         .unwrap_or_else(|| panic!("no session was explained: {responses:#?}"))

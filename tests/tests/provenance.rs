@@ -51,7 +51,7 @@ async fn all_quads(store: &GraphStore) -> BTreeSet<String> {
     let rows = store
         .query(format!(
             "SELECT ?s ?p ?o WHERE {{ GRAPH <{}> {{ ?s ?p ?o }} }}",
-            queries::PROVENANCE_GRAPH
+            agent_core::vocab::PROVENANCE_GRAPH
         ))
         .await
         .unwrap()
@@ -65,7 +65,7 @@ async fn all_quads(store: &GraphStore) -> BTreeSet<String> {
                 t(0),
                 t(1),
                 t(2),
-                queries::PROVENANCE_GRAPH
+                agent_core::vocab::PROVENANCE_GRAPH
             )
         })
         .collect()
@@ -210,7 +210,7 @@ async fn hostile_text_is_stored_verbatim_and_duplicates_change_nothing() {
             s: agent_schema::Term::iri("urn:test:marker"),
             p: agent_schema::Term::iri("urn:test:p"),
             o: agent_schema::Term::literal("m"),
-            g: Some(queries::PROVENANCE_GRAPH.into()),
+            g: Some(agent_core::vocab::PROVENANCE_GRAPH.into()),
         }],
     };
     publisher

@@ -13,7 +13,7 @@ use agent_schema::{AgentRequest, AgentResponse};
 use serde_json::json;
 
 const DIALOG_TIMEOUT: Duration = Duration::from_secs(60);
-const TG: &str = "https://trustgraph.ai/ns/";
+use agent_core::vocab::TG;
 
 /// The pattern decision of a dialog as predicate (without the `tg:` prefix) -> values.
 type DecisionFacts = BTreeMap<String, BTreeSet<String>>;

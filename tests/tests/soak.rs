@@ -37,8 +37,7 @@ const SCRIPT: &str = r#"{"rules": [
   {"match": "Request to answer from the subagents: soak supervise", "and": ["ALPHA", "BETA"], "reply": "supervise done", "delay_ms": 15}
 ]}"#;
 
-const PREFIXES: &str = "PREFIX tg: <https://trustgraph.ai/ns/>
-    PREFIX prov: <http://www.w3.org/ns/prov#>";
+use agent_core::vocab::SPARQL_PREFIXES as PREFIXES;
 
 struct Settings {
     dialogs: usize,

@@ -337,8 +337,9 @@ async fn bench_on(
 async fn journal_size(store: &agent_graph::GraphStore) -> anyhow::Result<(u64, u64)> {
     let rows = store
         .query(format!(
-            "SELECT (SUM(STRLEN(?o)) AS ?bytes) (COUNT(?e) AS ?n) WHERE {{ GRAPH <{}> {{ ?e <https://trustgraph.ai/ns/outcome> ?o }} }}",
-            agent_graph::queries::JOURNAL_GRAPH
+            "SELECT (SUM(STRLEN(?o)) AS ?bytes) (COUNT(?e) AS ?n) WHERE {{ GRAPH <{}> {{ ?e <{}> ?o }} }}",
+            agent_core::vocab::JOURNAL_GRAPH,
+            agent_core::vocab::tg::OUTCOME
         ))
         .await?
         .rows();

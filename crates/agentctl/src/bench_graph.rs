@@ -138,7 +138,7 @@ async fn publish_messages(publisher: &Publisher, args: &GraphBenchArgs) -> anyho
                 s: WireTerm::iri(&node),
                 p: WireTerm::iri(format!("urn:bench:p{t}")),
                 o: WireTerm::literal(format!("value {m}/{t}")),
-                g: Some(queries::PROVENANCE_GRAPH.into()),
+                g: Some(agent_core::vocab::PROVENANCE_GRAPH.into()),
             })
             .collect();
         let message = Triples {
@@ -222,9 +222,9 @@ fn session_quads(session_id: &str) -> anyhow::Result<Vec<Quad>> {
 
 /// Unrelated provenance-shaped triples: chains of derived nodes in the same named graph.
 fn noise(from: usize, to: usize) -> Vec<Quad> {
-    let graph: GraphName = NamedNode::new_unchecked(queries::PROVENANCE_GRAPH).into();
-    let derived = NamedNode::new_unchecked(format!("{}wasDerivedFrom", queries::PROV));
-    let content = NamedNode::new_unchecked(format!("{}content", queries::TG));
+    let graph: GraphName = NamedNode::new_unchecked(agent_core::vocab::PROVENANCE_GRAPH).into();
+    let derived = NamedNode::new_unchecked(format!("{}wasDerivedFrom", agent_core::vocab::PROV));
+    let content = NamedNode::new_unchecked(format!("{}content", agent_core::vocab::TG));
     let mut quads = Vec::with_capacity(to - from);
     for i in (from..to).step_by(2) {
         let node =

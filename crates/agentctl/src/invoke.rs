@@ -5,7 +5,8 @@ use std::io::{IsTerminal, Write};
 use std::time::{Duration, Instant};
 
 use agent_bus::{AgentClient, BrokerArgs};
-use agent_core::provenance::{describe, TG};
+use agent_core::provenance::describe;
+use agent_core::vocab::TG;
 use agent_schema::{AgentRequest, AgentResponse, MessageType, Triple};
 use anyhow::Context;
 
@@ -159,10 +160,7 @@ fn routing_line(triples: &[Triple]) -> String {
 
 /// The session a message id belongs to (`urn:trustgraph:agent:{session}/...`).
 fn session_of(message_id: &str) -> &str {
-    message_id
-        .strip_prefix("urn:trustgraph:agent:")
-        .and_then(|rest| rest.split('/').next())
-        .unwrap_or_default()
+    agent_core::vocab::session_id_of(message_id).unwrap_or_default()
 }
 
 /// The subagents a fan-out observation lists (`{i}. {goal} ({pattern})` lines under the message id

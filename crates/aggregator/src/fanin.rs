@@ -17,7 +17,7 @@ use agent_schema::{
 };
 use oxigraph::model::{NamedNode, Term};
 
-const TG: &str = "https://trustgraph.ai/ns/";
+use agent_core::vocab::TG;
 
 #[derive(Debug, thiserror::Error)]
 pub enum FanInError {

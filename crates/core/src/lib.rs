@@ -13,3 +13,4 @@ pub mod react;
 pub mod router;
 pub mod supervisor;
 pub mod tools;
+pub mod vocab;

@@ -9,16 +9,10 @@ use agent_schema::{Term, Triple};
 use crate::pattern::Termination;
 use crate::router::{Choice, Decision, Method};
 
-pub const TG: &str = "https://trustgraph.ai/ns/";
-pub const PROV: &str = "http://www.w3.org/ns/prov#";
-pub const RDF_TYPE: &str = "http://www.w3.org/1999/02/22-rdf-syntax-ns#type";
-pub const RDFS_LABEL: &str = "http://www.w3.org/2000/01/rdf-schema#label";
-pub const XSD_INTEGER: &str = "http://www.w3.org/2001/XMLSchema#integer";
-pub const XSD_DECIMAL: &str = "http://www.w3.org/2001/XMLSchema#decimal";
-pub const XSD_BOOLEAN: &str = "http://www.w3.org/2001/XMLSchema#boolean";
-pub const XSD_DATETIME: &str = "http://www.w3.org/2001/XMLSchema#dateTime";
-/// The named graph that holds provenance.
-pub const GRAPH: &str = "urn:graph:retrieval";
+use crate::vocab::{
+    session_uri, PROV, PROVENANCE_GRAPH as GRAPH, RDFS_LABEL, RDF_TYPE, TG, XSD_BOOLEAN,
+    XSD_DATETIME, XSD_INTEGER,
+};
 
 /// Node URIs of one session.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -29,7 +23,7 @@ pub struct SessionUris {
 impl SessionUris {
     pub fn new(session_id: &str) -> SessionUris {
         SessionUris {
-            base: format!("urn:trustgraph:agent:{session_id}"),
+            base: session_uri(session_id),
         }
     }
 

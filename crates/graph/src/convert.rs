@@ -74,7 +74,7 @@ mod tests {
             s: WireTerm::iri("urn:a"),
             p: WireTerm::iri("urn:p"),
             o: WireTerm::literal(text),
-            g: Some("urn:graph:retrieval".into()),
+            g: Some(agent_core::vocab::PROVENANCE_GRAPH.into()),
         };
         let quad = to_quad(&t).unwrap();
         match quad.object {

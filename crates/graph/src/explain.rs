@@ -8,10 +8,8 @@ use std::collections::{BTreeMap, BTreeSet};
 use oxigraph::model::Term;
 use serde::Serialize;
 
-use crate::queries::{PROV, TG};
 use crate::Rows;
-
-const RDF_TYPE: &str = "http://www.w3.org/1999/02/22-rdf-syntax-ns#type";
+use agent_core::vocab::{PROV, RDF_TYPE, TG};
 
 /// One session, read back from the graph.
 #[derive(Debug, Clone, Default, PartialEq, Serialize)]

@@ -9,9 +9,9 @@ use std::sync::Arc;
 use oxigraph::model::{Literal, NamedNode, Quad, Term};
 use serde::{Deserialize, Serialize};
 
-use crate::queries::JOURNAL_GRAPH;
 use crate::remote::RemoteSparql;
 use crate::{GraphError, GraphStore};
+use agent_core::vocab::JOURNAL_GRAPH;
 
 /// An entry as the journal keeps it; the outcome is opaque here (its writer's JSON).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -139,7 +139,7 @@ impl Journal {
 }
 
 fn tg(local: &str) -> NamedNode {
-    NamedNode::new_unchecked(format!("https://trustgraph.ai/ns/{local}"))
+    NamedNode::new_unchecked(format!("{}{local}", agent_core::vocab::TG))
 }
 
 fn entry_quads(entry: &NamedNode, request: &RecordRequest, now: &str) -> Vec<Quad> {

@@ -5,22 +5,16 @@ use oxigraph::model::NamedNode;
 
 use crate::GraphError;
 
-pub const PROV: &str = "http://www.w3.org/ns/prov#";
-pub const TG: &str = "https://trustgraph.ai/ns/";
-/// The named graph holding provenance.
-pub const PROVENANCE_GRAPH: &str = "urn:graph:retrieval";
-/// Where the orchestrator journals iteration outcomes: kept apart from the provenance, which
-/// people query.
-pub const JOURNAL_GRAPH: &str = "urn:graph:agent-journal";
-
-const PREFIXES: &str = "PREFIX prov: <http://www.w3.org/ns/prov#>\nPREFIX tg: <https://trustgraph.ai/ns/>\nPREFIX rdfs: <http://www.w3.org/2000/01/rdf-schema#>\n";
+use agent_core::vocab::{
+    session_uri, JOURNAL_GRAPH, PROVENANCE_GRAPH, SPARQL_PREFIXES as PREFIXES,
+};
 
 /// The URI of a session's root node.
 pub fn session_node(session_id: &str) -> Result<NamedNode, GraphError> {
     let iri = if session_id.starts_with("urn:") {
         session_id.to_owned()
     } else {
-        format!("urn:trustgraph:agent:{session_id}")
+        session_uri(session_id)
     };
     NamedNode::new(iri).map_err(|e| GraphError::Syntax(format!("not a session id: {e}")))
 }

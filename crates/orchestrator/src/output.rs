@@ -7,7 +7,7 @@
 use std::sync::{Mutex, MutexGuard, PoisonError};
 
 use agent_bus::{BusError, Properties, Publisher, Receipt};
-use agent_core::provenance::GRAPH;
+use agent_core::vocab::{tg, PROVENANCE_GRAPH as GRAPH};
 use agent_graph::model::NamedNode;
 use agent_schema::{
     AgentRequest, AgentResponse, MessageType, Metadata, Triple, Triples, EFFECT_ID_PROPERTY,
@@ -373,7 +373,7 @@ impl<'a> DialogOutput<'a> {
     pub async fn explain(&self, node: &str, mut triples: Vec<Triple>) -> Result<(), BusError> {
         let costed: std::collections::BTreeSet<String> = triples
             .iter()
-            .filter(|t| t.p.iri == IN_TOKEN_IRI)
+            .filter(|t| t.p.iri == tg::IN_TOKEN)
             .map(|t| t.s.iri.clone())
             .collect();
         let tag = |s: &str, p: &str, o: agent_schema::Term| Triple {
@@ -390,12 +390,12 @@ impl<'a> DialogOutput<'a> {
         for subject in subjects {
             triples.push(tag(
                 &subject,
-                CONVERSATION_IRI,
+                tg::CONVERSATION,
                 agent_schema::Term::literal(&self.conversation),
             ));
         }
         for subject in costed {
-            triples.push(tag(&subject, RUN_IRI, agent_schema::Term::iri(&self.run)));
+            triples.push(tag(&subject, tg::RUN, agent_schema::Term::iri(&self.run)));
         }
         let message = Triples {
             metadata: Metadata {
@@ -502,13 +502,6 @@ pub fn subagent_seal_parts(
         run_tokens.to_string(),
     ]
 }
-
-/// `tg:inToken`: a node that records what an LLM call cost.
-const IN_TOKEN_IRI: &str = "https://trustgraph.ai/ns/inToken";
-/// `tg:run`: the run (root session) a costed node belongs to.
-const RUN_IRI: &str = "https://trustgraph.ai/ns/run";
-/// `tg:conversation`: the `conversation_id` of the request that created a node.
-const CONVERSATION_IRI: &str = "https://trustgraph.ai/ns/conversation";
 
 /// The value behind `mutex`, even if a task panicked while holding it: every holder only pushes
 /// or takes whole values, so what is there is sound, and treating a poisoned lock as empty would
