@@ -318,12 +318,13 @@ async fn run_step(turn: &Turn<'_>, n: usize, index: usize) -> Result<(), BusErro
     let mut tool = ToolStats::default();
     let mut next_state = scope.state().to_owned();
     let mut discarded = String::new();
-    let (thought, action, arguments, result) = match parse(&completion.text) {
+    let (thought, action, arguments, result, status) = match parse(&completion.text) {
         Ok(ReactTurn::Final { thought, answer }) => (
             thought,
             String::new(),
             Default::default(),
             truncate(answer, config.limits.max_observation_bytes),
+            COMPLETED,
         ),
         Ok(ReactTurn::Action {
             thought,
@@ -344,19 +345,20 @@ async fn run_step(turn: &Turn<'_>, n: usize, index: usize) -> Result<(), BusErro
                 in_token: run.in_token,
                 out_token: run.out_token,
             };
-            (thought, action, arguments, run.observation)
+            let status = if run.outcome.answered() {
+                COMPLETED
+            } else {
+                FAILED
+            };
+            (thought, action, arguments, run.observation, status)
         }
         Err(e) => (
             completion.text.trim().chars().take(4000).collect(),
             String::new(),
             Default::default(),
             format!("Error: the step's response could not be parsed ({e})"),
+            FAILED,
         ),
-    };
-    let status = if result.starts_with("Error:") {
-        FAILED
-    } else {
-        COMPLETED
     };
     let mut updated = plan;
     if let Some(step) = updated.get_mut(index) {

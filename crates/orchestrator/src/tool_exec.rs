@@ -28,9 +28,39 @@ pub struct ToolContext<'a> {
     pub parks: Option<&'a crate::output::DialogOutput<'a>>,
 }
 
+/// How a tool run went. The observation says it to the LLM in words; this says it to the code.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ToolOutcome {
+    /// The tool answered.
+    Answered,
+    /// The tool was called and failed.
+    Failed,
+    /// The tool did not answer within the tool timeout.
+    TimedOut,
+    /// The request may not use a tool of that name, or there is none: nothing was called.
+    Refused,
+}
+
+impl ToolOutcome {
+    /// The label of the `agent_tool_calls_total` metric.
+    pub fn label(self) -> &'static str {
+        match self {
+            ToolOutcome::Answered => "ok",
+            ToolOutcome::Failed => "error",
+            ToolOutcome::TimedOut => "timeout",
+            ToolOutcome::Refused => "refused",
+        }
+    }
+
+    pub fn answered(self) -> bool {
+        self == ToolOutcome::Answered
+    }
+}
+
 /// What a tool run produced.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ToolRun {
+    pub outcome: ToolOutcome,
     pub observation: String,
     pub duration: Duration,
     pub in_token: u64,
@@ -72,7 +102,7 @@ pub async fn run_scoped_tool(
         found => {
             // The name the LLM wrote is not a label: only configured names are.
             let label = found.map_or("unknown", |t| t.name.as_str());
-            crate::metrics::tool_call(label, "refused", Duration::ZERO);
+            crate::metrics::tool_call(label, ToolOutcome::Refused.label(), Duration::ZERO);
             let why = if found.is_some() {
                 format!(
                     "Error: the tool '{action}' is not available to this request (group or state)"
@@ -86,6 +116,7 @@ pub async fn run_scoped_tool(
                 visible.join(", ")
             };
             let run = ToolRun {
+                outcome: ToolOutcome::Refused,
                 observation: format!("{why}; available tools: {available}"),
                 duration: Duration::ZERO,
                 in_token: 0,
@@ -107,11 +138,11 @@ pub async fn run_tool(
     let started = Instant::now();
     let outcome = tokio::time::timeout(timeout, call(context, tool, arguments)).await;
     let fate = match &outcome {
-        Ok(Ok(_)) => "ok",
-        Ok(Err(_)) => "error",
-        Err(_) => "timeout",
+        Ok(Ok(_)) => ToolOutcome::Answered,
+        Ok(Err(_)) => ToolOutcome::Failed,
+        Err(_) => ToolOutcome::TimedOut,
     };
-    crate::metrics::tool_call(&tool.name, fate, started.elapsed());
+    crate::metrics::tool_call(&tool.name, fate.label(), started.elapsed());
     let (observation, in_token, out_token) = match outcome {
         Ok(Ok((text, i, o))) => (text, i, o),
         Ok(Err(message)) => (format!("Error: {message}"), 0, 0),
@@ -125,6 +156,7 @@ pub async fn run_tool(
         ),
     };
     ToolRun {
+        outcome: fate,
         observation: truncate(observation, context.max_bytes),
         duration: started.elapsed(),
         in_token,
