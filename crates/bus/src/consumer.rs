@@ -124,16 +124,12 @@ where
     };
     // The broker may be starting or restarting (its namespaces are served a moment after its port
     // opens): a service started then keeps trying for a while rather than exit.
-    let mut consumer = match subscribe(bus, &config).await {
-        Ok(consumer) => consumer,
-        Err(first) => {
-            tracing::warn!(topic = %config.topic, error = %first, "subscribing failed; trying again");
-            match resubscribe(bus, &config, &shutdown, Some(FIRST_SUBSCRIBE_PATIENCE)).await {
-                Some(consumer) => consumer,
-                None if shutdown.is_cancelled() => return Ok(()),
-                None => return Err(first),
-            }
-        }
+    // A refusal for good (no token, no permission) ends it at once.
+    let what = format!("subscribing to {}", config.topic);
+    let first = crate::error::until_settled(&what, || build_consumer(bus, &config));
+    let mut consumer = tokio::select! {
+        _ = shutdown.cancelled() => return Ok(()),
+        subscribed = first => subscribed.map_err(|e| subscribe_error(&config, &e))?,
     };
     stats.consuming.store(true, Ordering::SeqCst);
     tracing::info!(topic = %config.topic, subscription = %config.subscription, "consuming");
@@ -181,7 +177,7 @@ where
                     // The broker dropped us (a restart, a reset connection). Messages in flight
                     // stay un-acked and come back to the new subscription or another replica.
                     tracing::warn!(topic = %config.topic, "the message stream ended; subscribing again");
-                    match resubscribe(bus, &config, &shutdown, None).await {
+                    match resubscribe(bus, &config, &shutdown).await {
                         Some(fresh) => consumer = fresh,
                         None => break,
                     }
@@ -213,10 +209,10 @@ where
     Ok(())
 }
 
-async fn subscribe(
+async fn build_consumer(
     bus: &Bus,
     config: &SubscriptionConfig,
-) -> Result<Consumer<Vec<u8>, TokioExecutor>, BusError> {
+) -> Result<Consumer<Vec<u8>, TokioExecutor>, pulsar::Error> {
     let max_in_flight = config.max_in_flight.max(1);
     let mut builder = bus
         .client()
@@ -240,30 +236,26 @@ async fn subscribe(
             dead_letter_topic: config.dead_letter_topic.clone(),
         });
     }
-    builder.build().await.map_err(|e| BusError::Subscribe {
-        topic: config.topic.clone(),
-        message: e.to_string(),
-    })
+    builder.build().await
 }
 
-/// How long a service's first subscription keeps trying before the service gives up.
-const FIRST_SUBSCRIBE_PATIENCE: Duration = Duration::from_secs(60);
+fn subscribe_error(config: &SubscriptionConfig, e: &pulsar::Error) -> BusError {
+    BusError::Subscribe {
+        topic: config.topic.clone(),
+        message: e.to_string(),
+    }
+}
 
-/// Subscribes again until it works (backing off up to 5 s between tries), `shutdown`, or
-/// `patience` (when given) has passed.
+/// Subscribes again, after the stream of a running consumer ended, until it works (backing off up
+/// to 5 s between tries) or `shutdown`: a service that was consuming waits out any outage.
 async fn resubscribe(
     bus: &Bus,
     config: &SubscriptionConfig,
     shutdown: &CancellationToken,
-    patience: Option<Duration>,
 ) -> Option<Consumer<Vec<u8>, TokioExecutor>> {
-    let started = tokio::time::Instant::now();
     let mut wait = Duration::from_millis(100);
     loop {
-        if patience.is_some_and(|p| started.elapsed() >= p) {
-            return None;
-        }
-        match subscribe(bus, config).await {
+        match build_consumer(bus, config).await {
             Ok(consumer) => {
                 tracing::info!(topic = %config.topic, "subscribed again");
                 return Some(consumer);
