@@ -11,6 +11,33 @@ use agent_graph::model::{NamedNode, Term};
 use agent_graph::{queries, GraphError, GraphStore, QueryAnswer};
 use agent_schema::AgentRequest;
 
+/// A dialog's tokens so far: what its LLM calls (and LLM-backed tools) read and wrote. Carried
+/// from step to step in message properties, summed in one way.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Tokens {
+    pub input: u64,
+    pub output: u64,
+}
+
+impl Tokens {
+    /// These tokens and a call's (or a tool run's) `input` and `output`.
+    pub fn plus(self, input: u64, output: u64) -> Tokens {
+        Tokens {
+            input: self.input + input,
+            output: self.output + output,
+        }
+    }
+
+    pub fn total(self) -> u64 {
+        self.input + self.output
+    }
+
+    /// As the provenance builders take them.
+    pub fn pair(self) -> (u64, u64) {
+        (self.input, self.output)
+    }
+}
+
 /// How long a subagent's first step polls for its fan-out to be written to the graph (it is
 /// published before the subagent, but written by the aggregator in its own time); past it the
 /// step is parked and tried again, up to the outage window.

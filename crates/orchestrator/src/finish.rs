@@ -13,7 +13,7 @@ use crate::Turn;
 pub async fn answer(
     turn: &Turn<'_>,
     answer: &str,
-    tokens: (u64, u64),
+    tokens: crate::budget::Tokens,
     model: &str,
 ) -> Result<(), BusError> {
     if is_subagent(turn.request) {
@@ -24,10 +24,10 @@ pub async fn answer(
     r.end_of_message = true;
     r.end_of_dialog = true;
     r.message_id = turn.uris.conclusion();
-    r.in_token = Some(tokens.0);
-    r.out_token = Some(tokens.1);
+    r.in_token = Some(tokens.input);
+    r.out_token = Some(tokens.output);
     r.model = Some(model.to_owned());
-    turn.out.respond(&r).await
+    turn.out.respond(&r)
 }
 
 /// Ends the dialog with an error.
@@ -37,9 +37,9 @@ pub async fn error(turn: &Turn<'_>, message: &str) -> Result<(), BusError> {
     }
     let mut r = AgentResponse::error(message);
     r.message_id = turn.uris.conclusion();
-    r.in_token = Some(turn.tokens_before.0);
-    r.out_token = Some(turn.tokens_before.1);
-    turn.out.respond(&r).await
+    r.in_token = Some(turn.tokens_before.input);
+    r.out_token = Some(turn.tokens_before.output);
+    turn.out.respond(&r)
 }
 
 /// The subagent's end: its result and the tokens its dialog used, for the supervisor's totals.
@@ -47,7 +47,7 @@ async fn complete(
     turn: &Turn<'_>,
     status: &str,
     result: &str,
-    tokens: (u64, u64),
+    tokens: crate::budget::Tokens,
 ) -> Result<(), BusError> {
     let request = turn.request;
     turn.out
@@ -66,11 +66,11 @@ async fn complete(
         &request.subagent_goal,
         status,
         result,
-        tokens,
+        tokens.pair(),
     );
     if let Some(key) = turn.seal {
         let parts = completion_seal_parts(&node, &request.correlation_id, status, result);
         recorded.extend(provenance::sealed(&node, &key.seal(&parts)));
     }
-    turn.out.explain(&node, recorded).await
+    turn.out.explain(&node, recorded)
 }

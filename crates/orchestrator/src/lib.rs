@@ -55,7 +55,7 @@ pub struct Turn<'a> {
     /// This process's MCP sessions.
     pub mcp: &'a agent_mcp::McpPool,
     /// Tokens the dialog used before this step.
-    pub tokens_before: (u64, u64),
+    pub tokens_before: budget::Tokens,
     /// Tokens the whole run (the root request and every subagent) used before this step.
     pub run_tokens: u64,
     /// A subagent whose fan-out (or one above it) was answered without it: it stops.
@@ -157,11 +157,10 @@ pub fn call_stats(completion: &Completion) -> CallStats {
 }
 
 /// The dialog's tokens after this iteration's LLM calls (`stats`) and tool run (`tool`).
-pub fn tokens_after(turn: &Turn<'_>, stats: &CallStats, tool: &ToolStats) -> (u64, u64) {
-    (
-        turn.tokens_before.0 + stats.in_token + tool.in_token,
-        turn.tokens_before.1 + stats.out_token + tool.out_token,
-    )
+pub fn tokens_after(turn: &Turn<'_>, stats: &CallStats, tool: &ToolStats) -> budget::Tokens {
+    turn.tokens_before
+        .plus(stats.in_token, stats.out_token)
+        .plus(tool.in_token, tool.out_token)
 }
 
 /// Adds an LLM call's cost to `stats` (an iteration that asks more than once).
@@ -324,7 +323,10 @@ impl Engine {
         let subagent = agent_core::supervisor::is_subagent(&request);
         let from_client = new_dialog && !subagent;
         let carried = |key: &str| if from_client { 0 } else { token(key) };
-        let tokens_before = (carried(IN_TOKEN_PROPERTY), carried(OUT_TOKEN_PROPERTY));
+        let tokens_before = budget::Tokens {
+            input: carried(IN_TOKEN_PROPERTY),
+            output: carried(OUT_TOKEN_PROPERTY),
+        };
         let mut started_ms = match carried(STARTED_PROPERTY) {
             0 => now_ms,
             started => started.min(now_ms),
@@ -393,7 +395,7 @@ impl Engine {
             session_id.clone()
         };
         let run_uri = SessionUris::new(&run).session();
-        let mut run_tokens = run_base + tokens_before.0 + tokens_before.1;
+        let mut run_tokens = run_base + tokens_before.total();
         let mut abandoned = false;
         // A subagent's siblings (and cousins) spend from the same budget: their calls are in the
         // graph, tagged with the run. And a subagent whose supervisor stopped waiting stops too.
@@ -500,7 +502,7 @@ impl Engine {
                 // the client's dialog.
                 finish::error(&turn, &problem).await?;
             } else {
-                out.respond(&AgentResponse::error(problem)).await?;
+                out.respond(&AgentResponse::error(problem))?;
             }
             out.commit(slot.as_ref()).await?;
             metrics::step("refused", false, out.ended(), taken.elapsed());
@@ -525,15 +527,14 @@ impl Engine {
                             .fanout(&request.correlation_id),
                     ));
                 }
-                out.explain(&uris.session(), question).await?;
+                out.explain(&uris.session(), question)?;
                 let Some(decision) = &requested else {
                     return router::route(&turn).await;
                 };
                 out.explain(
                     &uris.pattern_decision(),
                     provenance::pattern_decision(&uris, decision, &CallStats::default()),
-                )
-                .await?;
+                )?;
             }
             match Pattern::from_name(&request.pattern) {
                 Some(Pattern::PlanThenExecute) => plan::iterate(&turn).await,

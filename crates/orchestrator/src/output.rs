@@ -329,7 +329,7 @@ impl<'a> DialogOutput<'a> {
     }
 
     /// A durable response: the closing answer or an error.
-    pub async fn respond(&self, response: &AgentResponse) -> Result<(), BusError> {
+    pub fn respond(&self, response: &AgentResponse) -> Result<(), BusError> {
         if response.end_of_dialog {
             *locked(&self.ended) = Some(if response.error.is_some() {
                 "error"
@@ -370,7 +370,7 @@ impl<'a> DialogOutput<'a> {
 
     /// Records provenance about `node`: inline to the client as an `explain` response, and on the
     /// explainability topic for the graph store, as TrustGraph does.
-    pub async fn explain(&self, node: &str, mut triples: Vec<Triple>) -> Result<(), BusError> {
+    pub fn explain(&self, node: &str, mut triples: Vec<Triple>) -> Result<(), BusError> {
         let costed: std::collections::BTreeSet<String> = triples
             .iter()
             .filter(|t| t.p.iri == tg::IN_TOKEN)
@@ -421,13 +421,13 @@ impl<'a> DialogOutput<'a> {
         r.explain_id = Some(node.to_owned());
         r.explain_graph = Some(GRAPH.to_owned());
         r.explain_triples = message.triples;
-        self.respond(&r).await
+        self.respond(&r)
     }
 
     /// Starts a subagent's dialog under the caller's `id`, so its messages reach the same client.
     /// It inherits the run's start and `run_tokens`, the run's spend so far (where there is no
     /// graph to read them from).
-    pub async fn spawn(
+    pub fn spawn(
         &self,
         request: &AgentRequest,
         run_tokens: u64,
@@ -464,18 +464,18 @@ impl<'a> DialogOutput<'a> {
 
     /// Queues the next iteration of this dialog, carrying the tokens used so far, when it started,
     /// and any `extra` properties.
-    pub async fn next(
+    pub fn next(
         &self,
         request: &AgentRequest,
-        tokens: (u64, u64),
+        tokens: crate::budget::Tokens,
         extra: &[(&str, &str)],
     ) -> Result<(), BusError> {
         let mut properties = self.properties.clone();
         for (key, value) in extra {
             properties.insert((*key).to_owned(), (*value).to_owned());
         }
-        properties.insert(IN_TOKEN_PROPERTY.to_owned(), tokens.0.to_string());
-        properties.insert(OUT_TOKEN_PROPERTY.to_owned(), tokens.1.to_string());
+        properties.insert(IN_TOKEN_PROPERTY.to_owned(), tokens.input.to_string());
+        properties.insert(OUT_TOKEN_PROPERTY.to_owned(), tokens.output.to_string());
         properties.insert(STARTED_PROPERTY.to_owned(), self.started_ms.to_string());
         if self.run_base > 0 {
             properties.insert(RUN_TOKENS_PROPERTY.to_owned(), self.run_base.to_string());

@@ -233,8 +233,7 @@ async fn make_plan(turn: &Turn<'_>, n: usize, problem: Option<String>) -> Result
     out.explain(
         &uris.iteration(n),
         provenance::plan_iteration(uris, n, &record, &candidates, &stats),
-    )
-    .await?;
+    )?;
     let step = AgentStep {
         thought,
         action: if problem.is_some() { "replan" } else { "plan" }.to_owned(),
@@ -383,7 +382,7 @@ async fn run_step(turn: &Turn<'_>, n: usize, index: usize) -> Result<(), BusErro
         &stats,
     );
     triples.extend(provenance::discarded(uris, n, &discarded));
-    out.explain(&uris.iteration(n), triples).await?;
+    out.explain(&uris.iteration(n), triples)?;
     let step = AgentStep {
         thought,
         action,
@@ -488,7 +487,6 @@ async fn announce_verdict(
             stats,
         ),
     )
-    .await
 }
 
 /// Queues the next iteration with the verdict in the history (its lesson in the observation).
@@ -603,8 +601,7 @@ async fn review_answer(turn: &Turn<'_>, n: usize) -> Result<(), BusError> {
     out.explain(
         &uris.observation(n),
         provenance::observation(uris, n, &applied.effect, ToolStats::default()),
-    )
-    .await?;
+    )?;
     let answer_id = uris.conclusion();
     if request.streaming {
         out.chunk(MessageType::Answer, &answer, &answer_id, false)
@@ -621,8 +618,7 @@ async fn review_answer(turn: &Turn<'_>, n: usize) -> Result<(), BusError> {
             &[],
             &CallStats::default(),
         ),
-    )
-    .await?;
+    )?;
     let tokens = tokens_after(turn, &stats, &ToolStats::default());
     crate::finish::answer(turn, &answer, tokens, &completion.model).await
 }
@@ -652,16 +648,14 @@ async fn record_and_queue(
     if let Some(status) = status {
         triples.extend(provenance::step_status(uris, n, status));
     }
-    out.explain(&uris.observation(n), triples).await?;
-    // Everything else must be on the broker before the next iteration exists.
-    out.flush().await?;
+    out.explain(&uris.observation(n), triples)?;
     let mut next = (*request).clone();
     next.history.push(step);
     if let Some(state) = next_state {
         next.state = Some(state);
     }
     next.session_id = turn.session_id.to_owned();
-    out.next(&next, tokens_after(turn, stats, tool), &[]).await
+    out.next(&next, tokens_after(turn, stats, tool), &[])
 }
 
 /// Answers from the completed steps' results; with a `caveat` the answer says the plan could not
@@ -719,8 +713,7 @@ async fn synthesise(
         out.explain(
             &uris.iteration(n),
             provenance::draft_answer(uris, n, &stats),
-        )
-        .await?;
+        )?;
         let step = AgentStep {
             observation: completion.text.trim().to_owned(),
             step_type: StepType::Synthesise.as_str().to_owned(),
@@ -760,8 +753,7 @@ async fn synthesise(
     out.explain(
         &answer_id,
         provenance::conclusion(uris, n, "", &answer, termination, &[], &stats),
-    )
-    .await?;
+    )?;
     let tokens = tokens_after(turn, &stats, &ToolStats::default());
     crate::finish::answer(turn, &answer, tokens, &completion.model).await
 }

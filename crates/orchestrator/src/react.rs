@@ -87,10 +87,9 @@ pub async fn iterate(turn: &Turn<'_>) -> Result<(), BusError> {
         Err(e) => return llm_failed(turn, n, &e).await,
     };
     let stats = crate::call_stats(&completion);
-    let tokens = (
-        turn.tokens_before.0 + completion.in_token,
-        turn.tokens_before.1 + completion.out_token,
-    );
+    let tokens = turn
+        .tokens_before
+        .plus(completion.in_token, completion.out_token);
 
     let parsed = if native {
         read_native(&completion, &candidates)
@@ -116,7 +115,7 @@ pub async fn iterate(turn: &Turn<'_>) -> Result<(), BusError> {
                 &candidates,
                 &stats,
             );
-            out.explain(&uris.conclusion(), triples).await?;
+            out.explain(&uris.conclusion(), triples)?;
             crate::finish::answer(turn, &answer, tokens, &completion.model).await
         }
         Ok(ReactTurn::Action {
@@ -150,7 +149,7 @@ pub async fn iterate(turn: &Turn<'_>) -> Result<(), BusError> {
                 in_token: run.in_token,
                 out_token: run.out_token,
             };
-            let tokens = (tokens.0 + run.in_token, tokens.1 + run.out_token);
+            let tokens = tokens.plus(run.in_token, run.out_token);
             record_step(
                 turn,
                 n,
@@ -307,7 +306,7 @@ async fn record_unusable(
     observation: String,
     candidates: &[&str],
     stats: &CallStats,
-    tokens: (u64, u64),
+    tokens: crate::budget::Tokens,
 ) -> Result<(), BusError> {
     let Turn {
         request, uris, out, ..
@@ -357,7 +356,7 @@ async fn record_step(
     stats: &CallStats,
     tool: ToolStats,
     next_state: String,
-    tokens: (u64, u64),
+    tokens: crate::budget::Tokens,
 ) -> Result<(), BusError> {
     let Turn {
         request, uris, out, ..
@@ -372,7 +371,7 @@ async fn record_step(
         stats,
     );
     triples.extend(provenance::discarded(uris, n, discarded));
-    out.explain(&uris.iteration(n), triples).await?;
+    out.explain(&uris.iteration(n), triples)?;
     out.chunk(
         MessageType::Observation,
         &step.observation,
@@ -381,15 +380,12 @@ async fn record_step(
     )
     .await?;
     let triples = provenance::observation(uris, n, &step.observation, tool);
-    out.explain(&uris.observation(n), triples).await?;
-    // Everything else must be on the broker before the next iteration exists: if a receipt fails
-    // the message is redone, and no second `next` may be out there by then.
-    out.flush().await?;
+    out.explain(&uris.observation(n), triples)?;
     let mut next = (*request).clone();
     next.history.push(step);
     next.state = Some(next_state);
     next.session_id = turn.session_id.to_owned();
-    out.next(&next, tokens, &[]).await
+    out.next(&next, tokens, &[])
 }
 
 /// Streams the LLM's answer, passing thought and answer text to the client as soon as it is certain.
@@ -544,7 +540,7 @@ async fn conclude_at_limit(
         &CallStats::default(),
     );
     triples.extend(record);
-    out.explain(&uris.conclusion(), triples).await?;
+    out.explain(&uris.conclusion(), triples)?;
     if request.streaming {
         out.chunk(MessageType::Answer, &answer, &uris.conclusion(), false)
             .await?;
@@ -587,6 +583,6 @@ pub async fn fail(turn: &Turn<'_>, n: usize, message: &str) -> Result<(), BusErr
         &[],
         &CallStats::default(),
     );
-    out.explain(&uris.conclusion(), triples).await?;
+    out.explain(&uris.conclusion(), triples)?;
     crate::finish::error(turn, message).await
 }

@@ -97,10 +97,7 @@ pub async fn route(turn: &Turn<'_>) -> Result<(), BusError> {
     out.explain(
         &uris.pattern_decision(),
         provenance::pattern_decision(uris, &decision, &cost),
-    )
-    .await?;
-    // The decision must be on the broker before the iteration that follows from it exists.
-    out.flush().await?;
+    )?;
     let next = AgentRequest {
         pattern: decision.pattern.selected.clone(),
         task_type: decision.task_type.selected.clone(),
@@ -108,11 +105,8 @@ pub async fn route(turn: &Turn<'_>) -> Result<(), BusError> {
         session_id: turn.session_id.to_owned(),
         ..(*request).clone()
     };
-    let tokens = (
-        turn.tokens_before.0 + cost.in_token,
-        turn.tokens_before.1 + cost.out_token,
-    );
-    out.next(&next, tokens, &[(ROUTED_PROPERTY, "true")]).await
+    let tokens = turn.tokens_before.plus(cost.in_token, cost.out_token);
+    out.next(&next, tokens, &[(ROUTED_PROPERTY, "true")])
 }
 
 /// The decision for a request that named its pattern (and perhaps its task type, which `validate`

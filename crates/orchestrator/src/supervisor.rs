@@ -149,8 +149,8 @@ async fn fan_out(
         out.client_id(),
         &chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Micros, true),
         provenance::DialogSoFar {
-            in_token: turn.tokens_before.0 + stats.in_token,
-            out_token: turn.tokens_before.1 + stats.out_token,
+            in_token: turn.tokens_before.input + stats.in_token,
+            out_token: turn.tokens_before.output + stats.out_token,
             started_ms: out.started_ms(),
         },
         stats,
@@ -165,12 +165,12 @@ async fn fan_out(
         ));
         recorded.extend(provenance::sealed(&node, &seal));
     }
-    out.explain(&uris.fanout(&cid), recorded).await?;
+    out.explain(&uris.fanout(&cid), recorded)?;
     // Published after the fan-out node: the commit puts what a request acts on first.
     let run_tokens = turn.run_tokens + stats.in_token + stats.out_token;
     for (i, goal) in goals.iter().enumerate() {
         let sub = supervising::subagent_request(request, session_id, &cid, i, goal, goals.len());
-        out.spawn(&sub, run_tokens, turn.seal).await?;
+        out.spawn(&sub, run_tokens, turn.seal)?;
     }
     Ok(())
 }
@@ -251,8 +251,7 @@ async fn synthesise(turn: &Turn<'_>, n: usize) -> Result<(), BusError> {
                     &missing,
                     &CallStats::default(),
                 ),
-            )
-            .await?;
+            )?;
             let thought = format!(
                 "The results leave the request open; another round of {} goals.",
                 goals.len()
@@ -269,8 +268,7 @@ async fn synthesise(turn: &Turn<'_>, n: usize) -> Result<(), BusError> {
     out.explain(
         &uris.synthesis(&cid),
         provenance::synthesis(uris, &cid, &completions, &missing, &stats),
-    )
-    .await?;
+    )?;
     if request.streaming {
         out.chunk(MessageType::Answer, &answer, &uris.conclusion(), false)
             .await?;
@@ -287,8 +285,7 @@ async fn synthesise(turn: &Turn<'_>, n: usize) -> Result<(), BusError> {
             &[],
             &CallStats::default(),
         ),
-    )
-    .await?;
+    )?;
     let tokens = crate::tokens_after(turn, &stats, &ToolStats::default());
     crate::finish::answer(turn, &answer, tokens, &completion.model).await
 }
