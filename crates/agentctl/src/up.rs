@@ -113,6 +113,15 @@ pub async fn run(args: UpArgs) -> anyhow::Result<i32> {
         "graph store   {} (oxigraph), SPARQL at {endpoint}/query",
         graph_dir.display()
     );
+    // The orchestrator probes the journal at start; the aggregator serves it once it listens (a
+    // few milliseconds; an aggregator that fails to start is reported below either way).
+    let listening = tokio::time::Instant::now() + std::time::Duration::from_secs(10);
+    while tokio::net::TcpStream::connect(sparql_addr).await.is_err()
+        && tokio::time::Instant::now() < listening
+        && !aggregator.is_finished()
+    {
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
     // Embedded: its health and metrics endpoint on a free loopback port (it logs which).
     settings.http_addr = ([127, 0, 0, 1], 0).into();
     let topics = settings.topics();
