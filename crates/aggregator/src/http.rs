@@ -1,7 +1,7 @@
 //! The SPARQL 1.1 Protocol over the store: `/query` (open unless a read token is set, each query
 //! bounded in time and result size and stopped when its client goes, anonymous ones a few at a
 //! time), `/update` and the Graph Store Protocol's `POST /store` (bearer token); the orchestrators'
-//! journal (`/journal/entry`, `/journal/record`, `/journal/published`, bearer token); and
+//! journal (`/journal/entries`, `/journal/records`, `/journal/marks`, batched, bearer token); and
 //! `/healthz`, `/readyz`, `/metrics`.
 
 use std::collections::HashMap;
@@ -9,7 +9,7 @@ use std::sync::Arc;
 
 use agent_bus::ConsumerStats;
 
-use agent_graph::journal::{EntryRef, Journal, RecordRequest};
+use agent_graph::journal::{EntryRefs, Journal, RecordRequests};
 use agent_graph::model::NamedNode;
 use agent_graph::{serialize_answer, GraphError, GraphStore, QueryBounds};
 use axum::body::Bytes;
@@ -62,9 +62,9 @@ pub fn router(
         .route("/sparql", get(query_get).post(query_post))
         .route("/update", post(update))
         .route("/store", post(store_post))
-        .route("/journal/entry", post(journal_entry))
-        .route("/journal/record", post(journal_record))
-        .route("/journal/published", post(journal_published))
+        .route("/journal/entries", post(journal_entries))
+        .route("/journal/records", post(journal_records))
+        .route("/journal/marks", post(journal_marks))
         .route("/healthz", get(|| async { "ok" }))
         .route("/readyz", get(ready))
         .route("/metrics", get(metrics))
@@ -264,15 +264,34 @@ async fn store_post(
     }
 }
 
-/// A journal call's checks: the services' token, and an entry that names a node.
+/// A journal call's checks: the services' token, and entries that name nodes.
 #[allow(clippy::result_large_err)] // Built once per refused call, never carried far.
-fn journal_call(state: &AppState, headers: &HeaderMap, entry: &str) -> Result<NamedNode, Response> {
+fn journal_call<'e>(
+    state: &AppState,
+    headers: &HeaderMap,
+    entries: impl IntoIterator<Item = &'e String>,
+) -> Result<Vec<NamedNode>, Response> {
     if let Some(denied) = denied(state, headers) {
         return Err(denied);
     }
-    NamedNode::new(entry)
-        .map_err(|e| (StatusCode::BAD_REQUEST, format!("not an entry: {e}")).into_response())
+    let named = entries
+        .into_iter()
+        .map(|entry| NamedNode::new(entry.as_str()))
+        .collect::<Result<Vec<_>, _>>();
+    let named = named
+        .map_err(|e| (StatusCode::BAD_REQUEST, format!("not an entry: {e}")).into_response())?;
+    if named.len() > MAX_JOURNAL_BATCH {
+        return Err((
+            StatusCode::PAYLOAD_TOO_LARGE,
+            format!("at most {MAX_JOURNAL_BATCH} entries a call"),
+        )
+            .into_response());
+    }
+    Ok(named)
 }
+
+/// The most entries one journal call may name: a batch holds every lock of its keys at once.
+const MAX_JOURNAL_BATCH: usize = 4 * agent_graph::journal::MAX_BATCH;
 
 fn json<T: serde::Serialize>(value: &T) -> Response {
     match serde_json::to_vec(value) {
@@ -281,51 +300,54 @@ fn json<T: serde::Serialize>(value: &T) -> Response {
     }
 }
 
-/// The orchestrators' journal (services only): an entry, or `null`.
-async fn journal_entry(
+/// The orchestrators' journal (services only): each entry asked for, or `null`, in order.
+async fn journal_entries(
     State(state): State<AppState>,
     headers: HeaderMap,
-    axum::Json(asked): axum::Json<EntryRef>,
+    axum::Json(asked): axum::Json<EntryRefs>,
 ) -> Response {
-    let node = match journal_call(&state, &headers, &asked.entry) {
-        Ok(node) => node,
+    let nodes = match journal_call(&state, &headers, &asked.entries) {
+        Ok(nodes) => nodes,
         Err(refused) => return refused,
     };
-    match state.journal.entry(&node).await {
-        Ok(entry) => json(&entry),
+    match state.journal.entries(&nodes).await {
+        Ok(entries) => json(&entries),
         Err(e) => error_response(e),
     }
 }
 
-/// Records a step's outcome unless one stands, and answers the one that stands.
-async fn journal_record(
+/// Records steps' outcomes, each unless one stands, and answers the ones that stand, in order.
+async fn journal_records(
     State(state): State<AppState>,
     headers: HeaderMap,
-    axum::Json(request): axum::Json<RecordRequest>,
+    axum::Json(asked): axum::Json<RecordRequests>,
 ) -> Response {
-    if let Err(refused) = journal_call(&state, &headers, &request.entry) {
+    if let Err(refused) = journal_call(&state, &headers, asked.records.iter().map(|r| &r.entry)) {
         return refused;
     }
-    let attempt = request.attempt.clone();
-    match state.journal.record(request).await {
-        Ok(entry) => {
-            crate::metrics::journal_record(entry.attempt == attempt);
-            json(&entry)
+    let attempts: Vec<String> = asked.records.iter().map(|r| r.attempt.clone()).collect();
+    match state.journal.record_all(asked.records).await {
+        Ok(standing) => {
+            for (entry, attempt) in standing.iter().zip(&attempts) {
+                crate::metrics::journal_record(&entry.attempt == attempt);
+            }
+            json(&standing)
         }
         Err(e) => error_response(e),
     }
 }
 
-async fn journal_published(
+/// Marks steps' outcomes as published.
+async fn journal_marks(
     State(state): State<AppState>,
     headers: HeaderMap,
-    axum::Json(asked): axum::Json<EntryRef>,
+    axum::Json(asked): axum::Json<EntryRefs>,
 ) -> Response {
-    let node = match journal_call(&state, &headers, &asked.entry) {
-        Ok(node) => node,
+    let nodes = match journal_call(&state, &headers, &asked.entries) {
+        Ok(nodes) => nodes,
         Err(refused) => return refused,
     };
-    match state.journal.mark_published(&node).await {
+    match state.journal.mark_all_published(&nodes).await {
         Ok(()) => StatusCode::NO_CONTENT.into_response(),
         Err(e) => error_response(e),
     }

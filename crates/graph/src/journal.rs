@@ -43,6 +43,21 @@ pub struct EntryRef {
     pub entry: String,
 }
 
+/// Names several entries (batched lookups and marks).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct EntryRefs {
+    pub entries: Vec<String>,
+}
+
+/// Several records, decided in one call; the entries that stand come back in the same order.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct RecordRequests {
+    pub records: Vec<RecordRequest>,
+}
+
+/// The most calls of one kind a remote journal sends together.
+pub const MAX_BATCH: usize = 64;
+
 /// How many locks the keys are spread over: records of different steps rarely wait for each
 /// other, records of one step always do.
 const STRIPES: usize = 64;
@@ -51,12 +66,12 @@ const STRIPES: usize = 64;
 static STRIPE_LOCKS: [tokio::sync::Mutex<()>; STRIPES] =
     [const { tokio::sync::Mutex::const_new(()) }; STRIPES];
 
-fn stripe(entry: &NamedNode) -> &'static tokio::sync::Mutex<()> {
+fn stripe_of(entry: &NamedNode) -> usize {
     use std::hash::{Hash, Hasher};
     let mut hasher = std::collections::hash_map::DefaultHasher::new();
     entry.as_str().hash(&mut hasher);
     // The modulo keeps the index below STRIPES, so the index is always in range.
-    &STRIPE_LOCKS[(hasher.finish() % STRIPES as u64) as usize]
+    (hasher.finish() % STRIPES as u64) as usize
 }
 
 /// A journal: owned here over a store, or another process's reached over HTTP.
@@ -89,44 +104,78 @@ impl Journal {
         }
     }
 
+    /// The entries of several steps, in order (`None` where nothing was recorded).
+    pub async fn entries(
+        &self,
+        entries: &[NamedNode],
+    ) -> Result<Vec<Option<JournalEntry>>, GraphError> {
+        futures::future::try_join_all(entries.iter().map(|entry| self.entry(entry))).await
+    }
+
     /// Records the outcome unless another is recorded; returns the entry that stands (its
     /// `attempt` says whose it is).
     pub async fn record(&self, request: RecordRequest) -> Result<JournalEntry, GraphError> {
         match self {
             Journal::Owner(store) => {
-                let entry = node(&request.entry)?;
-                let _only_writer_of_this_key = stripe(&entry).lock().await;
-                if let Some(standing) = stored_entry(store, &entry).await? {
-                    return Ok(standing);
-                }
-                let now = chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Micros, true);
-                store.insert(entry_quads(&entry, &request, &now)).await?;
-                Ok(JournalEntry {
-                    outcome: request.outcome,
-                    delivery: request.delivery,
-                    attempt: request.attempt,
-                    recorded_at: Some(now),
-                    published: false,
+                let mut standing = record_all(store, vec![request]).await?;
+                standing.pop().ok_or_else(|| {
+                    GraphError::Storage("a record was decided without an answer".to_owned())
                 })
             }
-            Journal::Remote(remote) => remote.journal_record(&request).await,
+            Journal::Remote(remote) => remote.journal_record(request).await,
+        }
+    }
+
+    /// Records several steps' outcomes at once, each unless another is recorded (the first of
+    /// two records of one step in the same call stands): the entries that stand, in order. The
+    /// new entries are written in one store transaction.
+    pub async fn record_all(
+        &self,
+        requests: Vec<RecordRequest>,
+    ) -> Result<Vec<JournalEntry>, GraphError> {
+        match self {
+            Journal::Owner(store) => record_all(store, requests).await,
+            // Made together, the calls share the remote's batches.
+            Journal::Remote(remote) => {
+                futures::future::try_join_all(
+                    requests.into_iter().map(|r| remote.journal_record(r)),
+                )
+                .await
+            }
         }
     }
 
     /// Marks the step's outcome as published.
     pub async fn mark_published(&self, entry: &NamedNode) -> Result<(), GraphError> {
         match self {
-            Journal::Owner(store) => {
-                store
-                    .insert(vec![Quad::new(
-                        entry.clone(),
-                        tg("published"),
-                        Literal::from(true),
-                        NamedNode::new_unchecked(JOURNAL_GRAPH),
-                    )])
-                    .await
-            }
+            Journal::Owner(_) => self.mark_all_published(std::slice::from_ref(entry)).await,
             Journal::Remote(remote) => remote.journal_published(entry.as_str()).await,
+        }
+    }
+
+    /// Marks several steps' outcomes as published, in one store transaction.
+    pub async fn mark_all_published(&self, entries: &[NamedNode]) -> Result<(), GraphError> {
+        match self {
+            Journal::Owner(store) => {
+                let graph = NamedNode::new_unchecked(JOURNAL_GRAPH);
+                let marks = entries
+                    .iter()
+                    .map(|entry| {
+                        Quad::new(
+                            entry.clone(),
+                            tg("published"),
+                            Literal::from(true),
+                            graph.clone(),
+                        )
+                    })
+                    .collect();
+                store.insert(marks).await
+            }
+            Journal::Remote(remote) => futures::future::try_join_all(
+                entries.iter().map(|e| remote.journal_published(e.as_str())),
+            )
+            .await
+            .map(|_| ()),
         }
     }
 
@@ -136,6 +185,52 @@ impl Journal {
         let probe = NamedNode::new_unchecked("urn:agent:journal-probe");
         self.entry(&probe).await.map(|_| ())
     }
+}
+
+/// The owner's decision on several records: every key's lock is held (taken in one order, so two
+/// batches cannot wait for each other) around reading what stands and writing what is new.
+async fn record_all(
+    store: &GraphStore,
+    requests: Vec<RecordRequest>,
+) -> Result<Vec<JournalEntry>, GraphError> {
+    let nodes = requests
+        .iter()
+        .map(|r| node(&r.entry))
+        .collect::<Result<Vec<_>, _>>()?;
+    let stripes: std::collections::BTreeSet<usize> = nodes.iter().map(stripe_of).collect();
+    let mut _only_writer_of_these_keys = Vec::with_capacity(stripes.len());
+    for index in stripes {
+        _only_writer_of_these_keys.push(STRIPE_LOCKS[index].lock().await);
+    }
+    let now = chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Micros, true);
+    let mut decided: std::collections::HashMap<String, JournalEntry> = Default::default();
+    let mut writes = Vec::new();
+    let mut standing = Vec::with_capacity(requests.len());
+    for (request, entry) in requests.into_iter().zip(&nodes) {
+        if let Some(first) = decided.get(entry.as_str()) {
+            standing.push(first.clone());
+            continue;
+        }
+        let stands = match stored_entry(store, entry).await? {
+            Some(stored) => stored,
+            None => {
+                writes.extend(entry_quads(entry, &request, &now));
+                JournalEntry {
+                    outcome: request.outcome,
+                    delivery: request.delivery,
+                    attempt: request.attempt,
+                    recorded_at: Some(now.clone()),
+                    published: false,
+                }
+            }
+        };
+        decided.insert(entry.as_str().to_owned(), stands.clone());
+        standing.push(stands);
+    }
+    if !writes.is_empty() {
+        store.insert(writes).await?;
+    }
+    Ok(standing)
 }
 
 fn tg(local: &str) -> NamedNode {
@@ -222,5 +317,34 @@ mod tests {
         assert!(!stored.published);
         journal.mark_published(&entry).await.unwrap();
         assert!(journal.entry(&entry).await.unwrap().unwrap().published);
+    }
+
+    #[tokio::test]
+    async fn a_batch_decides_each_step_and_the_first_of_two_records_of_one_stands() {
+        let journal = Journal::Owner(GraphStore::in_memory().unwrap());
+        let earlier = journal.record(request("old", "a0")).await.unwrap();
+        let other = |outcome: &str, attempt: &str| RecordRequest {
+            entry: "urn:trustgraph:agent:t/journal/i1-y".into(),
+            ..request(outcome, attempt)
+        };
+        let standing = journal
+            .record_all(vec![
+                request("new", "a1"),
+                other("o2", "a2"),
+                other("o3", "a3"),
+            ])
+            .await
+            .unwrap();
+        let attempts: Vec<&str> = standing.iter().map(|e| e.attempt.as_str()).collect();
+        assert_eq!(attempts, ["a0", "a2", "a2"]);
+        assert_eq!(standing[0], earlier);
+        let nodes = [
+            node(&request("", "").entry).unwrap(),
+            node(&other("", "").entry).unwrap(),
+        ];
+        journal.mark_all_published(&nodes).await.unwrap();
+        let stored = journal.entries(&nodes).await.unwrap();
+        assert!(stored.iter().all(|e| e.as_ref().unwrap().published));
+        assert_eq!(stored[1].as_ref().unwrap().outcome, "o2");
     }
 }

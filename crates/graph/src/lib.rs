@@ -2,6 +2,7 @@
 //! tests) or any SPARQL 1.1 endpoint over HTTP. Embedded calls run on the blocking pool so they never
 //! stall the async workers. The queries the system needs live in [`queries`], built from typed terms.
 
+pub mod batch;
 pub mod convert;
 pub mod explain;
 pub mod journal;
@@ -20,7 +21,7 @@ pub use oxigraph::model;
 pub use remote::RemoteSparql;
 
 /// Why a store operation failed.
-#[derive(Debug, thiserror::Error)]
+#[derive(Debug, Clone, thiserror::Error)]
 #[non_exhaustive]
 pub enum GraphError {
     #[error("the graph store failed: {0}")]

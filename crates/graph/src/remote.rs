@@ -8,7 +8,8 @@ use std::time::Duration;
 use oxigraph::model::{GraphName, Quad};
 use oxigraph::sparql::results::{QueryResultsFormat, QueryResultsParser};
 
-use crate::journal::{EntryRef, JournalEntry, RecordRequest};
+use crate::batch::Batcher;
+use crate::journal::{EntryRefs, JournalEntry, RecordRequest, RecordRequests, MAX_BATCH};
 use crate::{collect, GraphError, QueryAnswer};
 
 /// A remote SPARQL endpoint.
@@ -16,6 +17,80 @@ pub struct RemoteSparql {
     http: reqwest::Client,
     base: String,
     token: Option<String>,
+    journal: JournalCalls,
+}
+
+/// The journal API of an aggregator, its calls of each kind batched while one is on its way
+/// (see [`Batcher`]): many steps in flight share one HTTP call and one store transaction.
+struct JournalCalls {
+    lookups: Batcher<String, Option<JournalEntry>>,
+    records: Batcher<RecordRequest, JournalEntry>,
+    marks: Batcher<String, ()>,
+}
+
+/// What a journal call needs of the endpoint, owned, for the batching workers.
+#[derive(Clone)]
+struct JournalApi {
+    http: reqwest::Client,
+    base: String,
+    token: Option<String>,
+}
+
+impl JournalApi {
+    async fn call<T: serde::Serialize>(&self, path: &str, body: &T) -> Result<Body, GraphError> {
+        let payload = serde_json::to_vec(body).map_err(|e| GraphError::Malformed(e.to_string()))?;
+        let request = self.http.post(format!("{}{path}", self.base));
+        let request = match &self.token {
+            Some(token) => request.bearer_auth(token),
+            None => request,
+        };
+        let request = request
+            .header(reqwest::header::CONTENT_TYPE, "application/json")
+            .body(payload);
+        match RemoteSparql::send(request).await {
+            Err(GraphError::Http {
+                status: 404 | 405, ..
+            }) => Err(GraphError::NoJournal(self.base.clone())),
+            other => other,
+        }
+    }
+
+    async fn answers<A: serde::de::DeserializeOwned, T: serde::Serialize>(
+        &self,
+        path: &str,
+        body: &T,
+    ) -> Result<A, GraphError> {
+        let body = self.call(path, body).await?;
+        serde_json::from_slice(&body.bytes).map_err(|e| GraphError::Malformed(e.to_string()))
+    }
+
+    fn batched(&self) -> JournalCalls {
+        let (api_l, api_r, api_m) = (self.clone(), self.clone(), self.clone());
+        JournalCalls {
+            lookups: Batcher::new(MAX_BATCH, move |entries| {
+                let api = api_l.clone();
+                async move {
+                    api.answers("/journal/entries", &EntryRefs { entries })
+                        .await
+                }
+            }),
+            records: Batcher::new(MAX_BATCH, move |records| {
+                let api = api_r.clone();
+                async move {
+                    api.answers("/journal/records", &RecordRequests { records })
+                        .await
+                }
+            }),
+            marks: Batcher::new(MAX_BATCH, move |entries: Vec<String>| {
+                let api = api_m.clone();
+                async move {
+                    let marked = entries.len();
+                    api.call("/journal/marks", &EntryRefs { entries }).await?;
+                    Ok(vec![(); marked])
+                }
+            }),
+        }
+    }
 }
 
 impl RemoteSparql {
@@ -25,10 +100,16 @@ impl RemoteSparql {
             .timeout(Duration::from_secs(120))
             .build()
             .map_err(|e| GraphError::Transport(e.to_string()))?;
-        Ok(RemoteSparql {
+        let api = JournalApi {
             http,
             base: base.trim_end_matches('/').to_owned(),
             token: token.filter(|t| !t.is_empty()),
+        };
+        Ok(RemoteSparql {
+            journal: api.batched(),
+            http: api.http,
+            base: api.base,
+            token: api.token,
         })
     }
 
@@ -155,53 +236,16 @@ impl RemoteSparql {
 
     /// The journal entry `entry` at the journal's owner (an aggregator), if recorded.
     pub async fn journal_entry(&self, entry: &str) -> Result<Option<JournalEntry>, GraphError> {
-        let body = self
-            .journal_call(
-                "/journal/entry",
-                &EntryRef {
-                    entry: entry.to_owned(),
-                },
-            )
-            .await?;
-        serde_json::from_slice(&body.bytes).map_err(|e| GraphError::Malformed(e.to_string()))
+        self.journal.lookups.call(entry.to_owned()).await
     }
 
     /// Records at the journal's owner; the entry that stands comes back in the same call.
-    pub async fn journal_record(
-        &self,
-        request: &RecordRequest,
-    ) -> Result<JournalEntry, GraphError> {
-        let body = self.journal_call("/journal/record", request).await?;
-        serde_json::from_slice(&body.bytes).map_err(|e| GraphError::Malformed(e.to_string()))
+    pub async fn journal_record(&self, request: RecordRequest) -> Result<JournalEntry, GraphError> {
+        self.journal.records.call(request).await
     }
 
     pub async fn journal_published(&self, entry: &str) -> Result<(), GraphError> {
-        self.journal_call(
-            "/journal/published",
-            &EntryRef {
-                entry: entry.to_owned(),
-            },
-        )
-        .await
-        .map(|_| ())
-    }
-
-    async fn journal_call<T: serde::Serialize>(
-        &self,
-        path: &str,
-        body: &T,
-    ) -> Result<Body, GraphError> {
-        let payload = serde_json::to_vec(body).map_err(|e| GraphError::Malformed(e.to_string()))?;
-        let request = self
-            .post(path)
-            .header(reqwest::header::CONTENT_TYPE, "application/json")
-            .body(payload);
-        match Self::send(request).await {
-            Err(GraphError::Http {
-                status: 404 | 405, ..
-            }) => Err(GraphError::NoJournal(self.base.clone())),
-            other => other,
-        }
+        self.journal.marks.call(entry.to_owned()).await
     }
 }
 

@@ -57,6 +57,8 @@ pub struct DialogOutput<'a> {
     /// The history of the message being handled: a journaled request that continues it keeps
     /// only its new steps.
     input_history: Vec<agent_schema::AgentStep>,
+    /// Whether this step starts subagents: their fan-out node must be on the broker before them.
+    spawned: std::sync::atomic::AtomicBool,
 }
 
 /// Why a step set itself aside to be tried again: an outage of something it needs.
@@ -66,6 +68,15 @@ pub struct Park {
     pub cause: String,
     /// How long the failing service asked callers to wait, if it said.
     pub retry_after: Option<std::time::Duration>,
+}
+
+/// How a step's effects go to the broker.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Order {
+    /// Requests only once everything before them has its receipt.
+    RequestsLast,
+    /// All sent at once in order, every receipt awaited at the end.
+    Pipelined,
 }
 
 /// Who recorded a journal entry that a delivery finds in its way.
@@ -116,6 +127,7 @@ impl<'a> DialogOutput<'a> {
                 agent_bus::BROKER_MESSAGE_LIMIT,
             ),
             input_history: Vec::new(),
+            spawned: std::sync::atomic::AtomicBool::new(false),
         }
     }
 
@@ -234,7 +246,15 @@ impl<'a> DialogOutput<'a> {
         }
         let commit = fault::next_commit();
         fault::crash_if(fault::Stage::Recorded, commit);
-        self.publish(&effects).await?;
+        // A journaled step's effects go out in one stream: if it dies halfway, the redelivered
+        // message re-emits them all from the journal, so its next request need not wait for the
+        // receipts of its provenance. Subagents still wait for their fan-out's node.
+        let order = if slot.is_some() && !self.spawned.load(std::sync::atomic::Ordering::SeqCst) {
+            Order::Pipelined
+        } else {
+            Order::RequestsLast
+        };
+        self.publish_in(&effects, order).await?;
         fault::crash_if(fault::Stage::Published, commit);
         if let Some(slot) = slot {
             // Published is done: the mark goes off the step's path (the message is acked without
@@ -293,11 +313,17 @@ impl<'a> DialogOutput<'a> {
     /// before the request is (a fan-out's node before its subagents, an iteration's provenance
     /// before the next iteration).
     pub async fn publish(&self, effects: &[Effect]) -> Result<(), BusError> {
+        self.publish_in(effects, Order::RequestsLast).await
+    }
+
+    async fn publish_in(&self, effects: &[Effect], order: Order) -> Result<(), BusError> {
         for effect in effects {
             let to = match effect.channel {
                 Channel::Responses => &self.outputs.responses,
                 Channel::Requests => {
-                    self.flush().await?;
+                    if order == Order::RequestsLast {
+                        self.flush().await?;
+                    }
                     &self.outputs.requests
                 }
                 Channel::Explainability => &self.outputs.explainability,
@@ -445,6 +471,8 @@ impl<'a> DialogOutput<'a> {
         }
         let payload = agent_schema::encode(request);
         self.within_limit(&payload, &properties)?;
+        self.spawned
+            .store(true, std::sync::atomic::Ordering::SeqCst);
         self.hold(Channel::Requests, payload, &properties);
         Ok(())
     }
