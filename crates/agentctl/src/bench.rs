@@ -41,6 +41,11 @@ pub struct BenchArgs {
     /// broker, to read what the journal costs side by side.
     #[arg(long, value_enum, default_value = "off", num_args = 0..=1, default_missing_value = "on")]
     journal: JournalMode,
+    /// Run without the aggregator (provenance goes to the explainability topic and nowhere else)
+    /// when the journal is off. By default an aggregator stores provenance in both modes, as in
+    /// production, so the figures side by side differ by the journal alone.
+    #[arg(long)]
+    no_store: bool,
     /// The brokers to run on, one after the other, compared at the end: `pulsar-lite`, `apache`
     /// (Apache Pulsar's standalone, started here), `external` (the broker at `--pulsar-url`).
     #[arg(long, value_enum, value_delimiter = ',', default_value = "pulsar-lite")]
@@ -204,16 +209,16 @@ fn on_off_short(journal: bool) -> &'static str {
     }
 }
 
-fn on_off(journal: bool) -> &'static str {
-    if journal {
-        "on (aggregator's embedded store)"
-    } else {
-        "off"
+fn on_off(journal: bool, stored: bool) -> &'static str {
+    match (journal, stored) {
+        (true, _) => "on (aggregator's embedded store, which also stores provenance)",
+        (false, true) => "off (provenance stored by an aggregator's embedded store)",
+        (false, false) => "off (provenance not stored: no aggregator)",
     }
 }
 
-/// Runs the whole bench (an orchestrator, and with `--journal` an aggregator, in this process)
-/// against the broker at `url`.
+/// Runs the whole bench (an orchestrator, and unless `--no-store` with the journal off an
+/// aggregator, in this process) against the broker at `url`.
 async fn bench_on(
     args: &BenchArgs,
     journal: bool,
@@ -232,8 +237,8 @@ async fn bench_on(
         std::process::id(),
         rand::random::<u32>()
     ));
-    let mut journal_store = None;
-    let aggregator = if journal {
+    let mut store = None;
+    let aggregator = if journal || !args.no_store {
         let _ = std::fs::remove_dir_all(&store_dir);
         let addr: std::net::SocketAddr = ([127, 0, 0, 1], agent_bus::embedded::free_port()?).into();
         let token = uuid::Uuid::new_v4().simple().to_string();
@@ -246,12 +251,17 @@ async fn bench_on(
         let seal = uuid::Uuid::new_v4().simple().to_string();
         aggregator.seal_key = Some(seal.clone());
         settings.seal_key = Some(seal);
-        settings.graph_store = Some(format!("http://{addr}"));
-        journal_store = Some(agent_graph::GraphStore::open(
+        store = Some(agent_graph::GraphStore::open(
             &format!("http://{addr}"),
             Some(token.clone()),
         )?);
-        settings.config_token = Some(token);
+        // The orchestrator journals when, and only when, it is given the aggregator's store.
+        if journal {
+            settings.graph_store = Some(format!("http://{addr}"));
+            settings.config_token = Some(token);
+        } else {
+            settings.graph_store = None;
+        }
         Some(tokio::spawn(agent_aggregator::run(
             aggregator,
             shutdown.clone(),
@@ -268,7 +278,7 @@ async fn bench_on(
     println!(
         "\nagentctl bench: {broker_name} {url}, scripted LLM answering instantly, max_in_flight {}, journal {}",
         settings.max_in_flight,
-        on_off(journal)
+        on_off(journal, store.is_some())
     );
     let rtt = broker_round_trip(&bus, args.round_trips).await?;
     let rtt_p50 = percentile(&rtt, 50.0);
@@ -303,19 +313,25 @@ async fn bench_on(
         percentile(&latencies, 99.0),
     );
     println!("LLM calls served so far: {}", llm.calls().len());
-    let journal_bytes_per_dialog = match &journal_store {
-        Some(store) => {
-            let dialogs = (5 + args.one_iteration + args.three_iteration + args.dialogs) as f64;
+    let dialogs = (5 + args.one_iteration + args.three_iteration + args.dialogs) as f64;
+    let mut journal_bytes_per_dialog = None;
+    if let Some(store) = &store {
+        if journal {
             let (bytes, entries) = journal_size(store).await?;
             println!(
                 "journal: {entries} entries, {bytes} bytes of outcomes: {:.0} bytes per dialog, {:.0} per entry",
                 bytes as f64 / dialogs,
                 bytes as f64 / entries.max(1) as f64
             );
-            Some(bytes as f64 / dialogs)
+            journal_bytes_per_dialog = Some(bytes as f64 / dialogs);
         }
-        None => None,
-    };
+        let quads = quad_count(store).await?;
+        println!(
+            "store: {quads} quads (provenance{}): {:.0} per dialog",
+            if journal { " and journal" } else { "" },
+            quads as f64 / dialogs
+        );
+    }
     shutdown.cancel();
     orchestrator.await??;
     if let Some(aggregator) = aggregator {
@@ -330,6 +346,18 @@ async fn bench_on(
         one_p50: percentile(&one, 50.0),
         three_p50: percentile(&three, 50.0),
         steps_per_sec,
+    })
+}
+
+/// Every quad the store holds, in every graph.
+async fn quad_count(store: &agent_graph::GraphStore) -> anyhow::Result<u64> {
+    let rows = store
+        .query("SELECT (COUNT(*) AS ?n) WHERE { GRAPH ?g { ?s ?p ?o } }".to_owned())
+        .await?
+        .rows();
+    Ok(match rows.first("n") {
+        Some(agent_graph::model::Term::Literal(l)) => l.value().parse::<u64>().unwrap_or(0),
+        _ => 0,
     })
 }
 

@@ -1,13 +1,16 @@
 //! How a dialog ends. A client's dialog ends with the closing answer (or an error) carrying
 //! `end_of_dialog`; a subagent's ends with a `tg:SubagentCompletion` for its supervisor's fan-in,
 //! and the client only sees it as an observation: a failing subagent never ends the client's dialog.
+//! Every pattern ends through here: an answer, an error, a limit reached, a failed LLM call.
 
 use agent_bus::BusError;
-use agent_core::provenance;
+use agent_core::pattern::Termination;
+use agent_core::provenance::{self, CallStats};
 use agent_core::supervisor::{completion_seal_parts, is_subagent};
+use agent_llm::LlmError;
 use agent_schema::{AgentResponse, MessageType};
 
-use crate::Turn;
+use crate::turn::Turn;
 
 /// Ends the dialog with `answer`; `tokens` are the dialog's totals.
 pub async fn answer(
@@ -73,4 +76,108 @@ async fn complete(
         recorded.extend(provenance::sealed(&node, &key.seal(&parts)));
     }
     turn.out.explain(&node, recorded)
+}
+
+/// Ends the dialog when it has used all its iterations or a budget, before any LLM call; `None`
+/// when it may go on. Every pattern checks this first.
+pub async fn conclude_if_limited(turn: &Turn<'_>) -> Option<Result<(), BusError>> {
+    if turn.abandoned {
+        let n = turn.request.history.len() + 1;
+        let why = "the supervisor stopped waiting for this subagent: its fan-out timed out and was answered without it";
+        return Some(fail(turn, n, why).await);
+    }
+    let limits = &turn.config.limits;
+    if turn.request.history.len() >= limits.max_iterations {
+        let max = limits.max_iterations;
+        let why = format!(
+            "I could not reach a final answer within the limit of {max} iterations (max_iterations)."
+        );
+        return Some(conclude_at_limit(turn, Termination::MaxIterations, &why, Vec::new()).await);
+    }
+    let spent = turn.spent_budget()?;
+    let why = format!("I stopped before reaching a final answer: {spent}.");
+    let record = provenance::budget_spent(
+        turn.uris,
+        spent.limit,
+        turn.run_tokens,
+        turn.elapsed.as_millis() as u64,
+    );
+    Some(conclude_at_limit(turn, Termination::Budget, &why, record).await)
+}
+
+/// Ends a dialog that reached a limit (`why`) with a clear answer, what it knew last, and a
+/// provenance record of the reason.
+async fn conclude_at_limit(
+    turn: &Turn<'_>,
+    termination: Termination,
+    why: &str,
+    record: Vec<agent_schema::Triple>,
+) -> Result<(), BusError> {
+    let Turn {
+        request,
+        uris,
+        out,
+        llm,
+        ..
+    } = turn;
+    let answer = match request.history.last() {
+        Some(step) => format!("{why} The last observation was: {}", step.observation),
+        None => why.to_owned(),
+    };
+    let n = request.history.len() + 1;
+    let mut triples = provenance::conclusion(
+        uris,
+        n,
+        "",
+        &answer,
+        termination,
+        &[],
+        &CallStats::default(),
+    );
+    triples.extend(record);
+    out.explain(&uris.conclusion(), triples)?;
+    if request.streaming {
+        out.chunk(MessageType::Answer, &answer, &uris.conclusion(), false)
+            .await?;
+    }
+    self::answer(turn, &answer, turn.tokens_before, llm.model()).await
+}
+
+/// An LLM call of iteration `n` failed with `e`. An outage, while the step may still wait it out,
+/// parks the step (nothing it did is committed, and it runs again later); anything else ends the
+/// dialog with the error.
+pub async fn llm_failed(turn: &Turn<'_>, n: usize, e: &LlmError) -> Result<(), BusError> {
+    if !e.is_outage() {
+        return fail(turn, n, &format!("the LLM call failed: {e}")).await;
+    }
+    if turn.may_park && !turn.out.answer_streamed() {
+        turn.out.park(crate::emit::Park {
+            cause: format!("the LLM is unavailable: {e}"),
+            retry_after: e.retry_after(),
+        });
+        return Ok(());
+    }
+    let window = turn.config.limits.max_outage_secs;
+    fail(
+        turn,
+        n,
+        &format!("the LLM stayed unavailable past the outage window of {window} s (max_outage_secs): {e}"),
+    )
+    .await
+}
+
+/// Ends the dialog with an error response and records why.
+pub async fn fail(turn: &Turn<'_>, n: usize, message: &str) -> Result<(), BusError> {
+    let Turn { uris, out, .. } = turn;
+    let triples = provenance::conclusion(
+        uris,
+        n,
+        "",
+        message,
+        Termination::Error,
+        &[],
+        &CallStats::default(),
+    );
+    out.explain(&uris.conclusion(), triples)?;
+    error(turn, message).await
 }

@@ -4,20 +4,19 @@
 //! replica can take any step.
 
 pub mod budget;
+pub mod emit;
 pub mod finish;
 pub mod journal;
 pub mod live_config;
 pub mod metrics;
 pub mod ops;
-pub mod output;
-pub mod plan;
-pub mod react;
+pub mod patterns;
 pub mod router;
 pub mod settings;
-pub mod supervisor;
+pub mod stream;
 pub mod tool_exec;
+pub mod turn;
 
-use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -26,150 +25,20 @@ use agent_bus::{
 };
 use agent_core::config::AgentConfig;
 use agent_core::pattern::Pattern;
-use agent_core::prompt::{render, PromptTemplate};
-use agent_core::provenance::{self, CallStats, SessionUris, ToolStats};
-use agent_core::tools::{Scope, ToolDef};
-use agent_llm::{CallOptions, ChatMessage, Completion, LlmClient};
+use agent_core::provenance::{self, CallStats, SessionUris};
+use agent_llm::LlmClient;
 use agent_schema::{AgentRequest, AgentResponse, ID_PROPERTY};
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
-use crate::journal::Journal;
-use crate::live_config::LiveConfig;
-use crate::output::{
+use crate::emit::{
     DialogOutput, JournalSlot, Outputs, Recorder, IN_TOKEN_PROPERTY, OUT_TOKEN_PROPERTY,
     RUN_TOKENS_PROPERTY, STARTED_PROPERTY,
 };
+use crate::journal::Journal;
+use crate::live_config::LiveConfig;
 pub use crate::settings::{check_config_dir, load_config_dir, Settings};
-
-/// The inputs of one step of a dialog.
-pub struct Turn<'a> {
-    pub request: &'a AgentRequest,
-    pub session_id: &'a str,
-    pub uris: &'a SessionUris,
-    pub out: &'a DialogOutput<'a>,
-    pub config: &'a AgentConfig,
-    pub llm: &'a LlmClient,
-    /// The graph store the knowledge tools read, when one is shared.
-    pub knowledge: Option<&'a agent_graph::GraphStore>,
-    /// This process's MCP sessions.
-    pub mcp: &'a agent_mcp::McpPool,
-    /// Tokens the dialog used before this step.
-    pub tokens_before: budget::Tokens,
-    /// Tokens the whole run (the root request and every subagent) used before this step.
-    pub run_tokens: u64,
-    /// A subagent whose fan-out (or one above it) was answered without it: it stops.
-    pub abandoned: bool,
-    /// The key that seals subagent requests, fan-outs and completions, when one is configured.
-    pub seal: Option<&'a agent_bus::seal::SealKey>,
-    /// Time since the run's first message was taken up.
-    pub elapsed: std::time::Duration,
-    /// Whether an outage may still park this step (its window is open).
-    pub may_park: bool,
-}
-
-impl Turn<'_> {
-    /// The tools this request may see, as its prompts describe them: an MCP tool configured
-    /// without arguments is shown with those its server lists.
-    pub async fn visible_tools(&self, scope: &Scope) -> Vec<ToolDef> {
-        let limit = Duration::from_secs(self.config.limits.tool_timeout_secs);
-        let mut tools = Vec::new();
-        for tool in scope.visible(&self.config.tools) {
-            let mut tool = tool.clone();
-            if tool.kind == agent_core::tools::MCP_TOOL && tool.arguments.is_empty() {
-                match tokio::time::timeout(limit, tool_exec::mcp_arguments(self, &tool)).await {
-                    Ok(Ok(arguments)) => tool.arguments = arguments,
-                    Ok(Err(e)) => {
-                        tracing::warn!(tool = %tool.name, error = %e, "the MCP tool's arguments are not known")
-                    }
-                    Err(_) => {
-                        tracing::warn!(tool = %tool.name, "the MCP server did not list its tools in time")
-                    }
-                }
-            }
-            tools.push(tool);
-        }
-        tools
-    }
-
-    /// Options of a call whose answer must be a JSON object: the server's JSON mode where the
-    /// model's options say the server has one.
-    pub fn json_call(&self) -> CallOptions {
-        CallOptions {
-            json_object: self.config.model_options(self.llm.model()).json_mode,
-            ..CallOptions::default()
-        }
-    }
-
-    /// Options of a call answered in the ReACT text protocol: the stop sequence at an imagined
-    /// observation, where the model's options allow it.
-    pub fn react_call(&self) -> CallOptions {
-        let stop = if self.config.model_options(self.llm.model()).stop_sequences {
-            vec![react::OBSERVATION_STOP.to_owned()]
-        } else {
-            Vec::new()
-        };
-        CallOptions {
-            stop,
-            ..CallOptions::default()
-        }
-    }
-
-    /// Which budget (tokens or wall time) the run has used up before this step, if any.
-    pub fn spent_budget(&self) -> Option<agent_core::config::SpentBudget> {
-        self.config
-            .limits
-            .spent_budget(self.run_tokens, self.elapsed)
-    }
-
-    /// One LLM call on a configured prompt filled with `vars`, and what it cost. `None` when the
-    /// call failed: the dialog has then ended (iteration `n`) with that error, or the step was
-    /// parked by an outage.
-    pub async fn ask(
-        &self,
-        n: usize,
-        template: &PromptTemplate,
-        vars: &BTreeMap<&str, String>,
-        options: &CallOptions,
-    ) -> Result<Option<(Completion, CallStats)>, agent_bus::BusError> {
-        let messages = [
-            ChatMessage::system(template.system.clone()),
-            ChatMessage::user(render(&template.template, vars)),
-        ];
-        match self.llm.complete_with(&messages, options).await {
-            Ok(completion) => {
-                let stats = call_stats(&completion);
-                Ok(Some((completion, stats)))
-            }
-            Err(e) => {
-                react::llm_failed(self, n, &e).await?;
-                Ok(None)
-            }
-        }
-    }
-}
-
-/// What an LLM call cost, for provenance.
-pub fn call_stats(completion: &Completion) -> CallStats {
-    let mut stats = CallStats::default();
-    add_call(&mut stats, completion);
-    stats
-}
-
-/// The dialog's tokens after this iteration's LLM calls (`stats`) and tool run (`tool`).
-pub fn tokens_after(turn: &Turn<'_>, stats: &CallStats, tool: &ToolStats) -> budget::Tokens {
-    turn.tokens_before
-        .plus(stats.in_token, stats.out_token)
-        .plus(tool.in_token, tool.out_token)
-}
-
-/// Adds an LLM call's cost to `stats` (an iteration that asks more than once).
-pub fn add_call(stats: &mut CallStats, completion: &Completion) {
-    stats.duration_ms += completion.duration.as_millis() as u64;
-    stats.in_token += completion.in_token;
-    stats.out_token += completion.out_token;
-    stats.model.clone_from(&completion.model);
-}
+use crate::turn::Turn;
 
 /// What an iteration needs, shared by every in-flight message.
 pub struct Engine {
@@ -204,7 +73,7 @@ enum Attempt<'a> {
 enum Settled {
     Done,
     /// Set aside by an outage; nothing was committed.
-    Parked(output::Park),
+    Parked(emit::Park),
 }
 
 /// The shortest and longest pause between tries of a parked step.
@@ -240,7 +109,7 @@ impl Engine {
             {
                 Ok(Settled::Done) => return Disposition::Ack,
                 Ok(Settled::Parked(park)) => park,
-                Err(e) if is_outage(&e) && may_park => output::Park {
+                Err(e) if is_outage(&e) && may_park => emit::Park {
                     cause: format!("{e:#}"),
                     retry_after: None,
                 },
@@ -342,7 +211,7 @@ impl Engine {
         if new_dialog && subagent && verdict.is_ok() {
             if let Some(key) = &self.seal {
                 // Sealed by the supervisor that spawned it: its start and budget are ours.
-                let parts = output::subagent_seal_parts(
+                let parts = emit::subagent_seal_parts(
                     &request,
                     token(STARTED_PROPERTY),
                     token(RUN_TOKENS_PROPERTY),
@@ -369,7 +238,7 @@ impl Engine {
                     // The aggregator may only be behind (restarting, catching up after the
                     // broker came back): wait, as for an outage, before calling it forged.
                     None if matches!(attempt, Attempt::Run { may_park: true }) => {
-                        return Ok(Settled::Parked(output::Park {
+                        return Ok(Settled::Parked(emit::Park {
                             cause: "the fan-out that started this subagent is not in the graph; a request that names a fan-out this service did not record is refused".to_owned(),
                             retry_after: None,
                         }));
@@ -509,7 +378,7 @@ impl Engine {
             return Ok(Settled::Done);
         }
         if let Attempt::GiveUp(why) = attempt {
-            react::fail(&turn, n, why).await?;
+            finish::fail(&turn, n, why).await?;
             out.commit(None).await?;
             metrics::step("given-up", false, out.ended(), taken.elapsed());
             return Ok(Settled::Done);
@@ -536,19 +405,7 @@ impl Engine {
                     provenance::pattern_decision(&uris, decision, &CallStats::default()),
                 )?;
             }
-            match Pattern::from_name(&request.pattern) {
-                Some(Pattern::PlanThenExecute) => plan::iterate(&turn).await,
-                // Past the depth limit a supervisor works alone (see `router::requested`).
-                Some(Pattern::Supervisor)
-                    if agent_core::supervisor::may_fan_out(
-                        &request,
-                        config.limits.max_fanout_depth,
-                    ) =>
-                {
-                    supervisor::iterate(&turn).await
-                }
-                _ => react::iterate(&turn).await,
-            }
+            patterns::iterate(&turn).await
         }
         .instrument(span)
         .await?;

@@ -14,7 +14,7 @@ use agent_core::router::{self, Candidate, Choice, Decision, Method};
 use agent_llm::ChatMessage;
 use agent_schema::AgentRequest;
 
-use crate::Turn;
+use crate::turn::Turn;
 
 /// Message property on the first iteration the router queued: its session and decision nodes
 /// exist already.
@@ -163,14 +163,14 @@ async fn ask(
     let messages = [ChatMessage::system(system), ChatMessage::user(user)];
     match turn.llm.complete_with(&messages, &turn.json_call()).await {
         Ok(completion) => {
-            crate::add_call(cost, &completion);
+            crate::turn::add_call(cost, &completion);
             router::decide(Ok(&completion.text), candidates, fallback)
         }
         Err(e) => {
             // In an outage the step waits rather than routing blind; what it decides here is then
             // never committed.
             if e.is_outage() && turn.may_park {
-                turn.out.park(crate::output::Park {
+                turn.out.park(crate::emit::Park {
                     cause: format!("the LLM is unavailable: {e}"),
                     retry_after: e.retry_after(),
                 });

@@ -10,7 +10,7 @@ use agent_graph::{knowledge, GraphStore};
 use agent_llm::{ChatMessage, LlmClient};
 use agent_mcp::{Endpoint, McpPool};
 
-use crate::Turn;
+use crate::turn::Turn;
 
 /// What a tool may use besides its arguments.
 pub struct ToolContext<'a> {
@@ -25,7 +25,7 @@ pub struct ToolContext<'a> {
     pub max_bytes: usize,
     /// Where an LLM-backed tool that meets a provider outage parks the step (while the outage
     /// window is open): an outage is not the tool's answer.
-    pub parks: Option<&'a crate::output::DialogOutput<'a>>,
+    pub parks: Option<&'a crate::emit::DialogOutput<'a>>,
 }
 
 /// How a tool run went. The observation says it to the LLM in words; this says it to the code.
@@ -270,7 +270,7 @@ async fn call(
     ];
     let completion = context.llm.complete(&messages).await.map_err(|e| {
         if let (true, Some(out)) = (e.is_outage(), context.parks) {
-            out.park(crate::output::Park {
+            out.park(crate::emit::Park {
                 cause: format!(
                     "the LLM behind the tool '{}' is unavailable: {e}",
                     tool.name

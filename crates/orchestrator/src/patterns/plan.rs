@@ -13,13 +13,12 @@ use agent_core::prompt::{describe_tools, framing_block, render};
 use agent_core::provenance::{self, CallStats, PlanRecord, ToolStats};
 use agent_core::react::{parse, ReactTurn};
 use agent_core::tools::Scope;
-use agent_llm::{ChatMessage, Completion, LlmError};
+use agent_llm::ChatMessage;
 use agent_schema::{AgentStep, MessageType, PlanStep, StepType};
-use tokio::sync::mpsc;
 
-use crate::react::{conclude_if_limited, fail, llm_failed};
+use crate::finish::{conclude_if_limited, fail, llm_failed};
 use crate::tool_exec::{run_scoped_tool, truncate};
-use crate::{add_call, tokens_after, Turn};
+use crate::turn::{add_call, tokens_after, Turn};
 
 /// Times the LLM is asked for a plan in one iteration before a one-step plan stands in.
 const PLAN_ATTEMPTS: usize = 3;
@@ -634,28 +633,12 @@ async fn record_and_queue(
     status: Option<&str>,
     next_state: Option<String>,
 ) -> Result<(), BusError> {
-    let Turn {
-        request, uris, out, ..
-    } = turn;
-    out.chunk(
-        MessageType::Observation,
-        &step.observation,
-        &uris.observation(n),
-        true,
-    )
-    .await?;
-    let mut triples = provenance::observation(uris, n, &step.observation, *tool);
-    if let Some(status) = status {
-        triples.extend(provenance::step_status(uris, n, status));
-    }
-    out.explain(&uris.observation(n), triples)?;
-    let mut next = (*request).clone();
-    next.history.push(step);
-    if let Some(state) = next_state {
-        next.state = Some(state);
-    }
-    next.session_id = turn.session_id.to_owned();
-    out.next(&next, tokens_after(turn, stats, tool), &[])
+    let status = status
+        .map(|status| provenance::step_status(turn.uris, n, status))
+        .unwrap_or_default();
+    let tokens = tokens_after(turn, stats, tool);
+    turn.observe_and_continue(n, step, *tool, status, next_state, tokens)
+        .await
 }
 
 /// Answers from the completed steps' results; with a `caveat` the answer says the plan could not
@@ -724,7 +707,7 @@ async fn synthesise(
     }
     let answer_id = uris.conclusion();
     let completion = if request.streaming {
-        stream_answer(turn, &messages, &answer_id).await?
+        crate::stream::answer(llm, out, &messages, &answer_id).await?
     } else {
         llm.complete(&messages).await
     };
@@ -756,29 +739,4 @@ async fn synthesise(
     )?;
     let tokens = tokens_after(turn, &stats, &ToolStats::default());
     crate::finish::answer(turn, &answer, tokens, &completion.model).await
-}
-
-/// Streams the synthesis to the client as answer chunks while the LLM writes it.
-async fn stream_answer(
-    turn: &Turn<'_>,
-    messages: &[ChatMessage],
-    answer_id: &str,
-) -> Result<Result<Completion, LlmError>, BusError> {
-    let (tx, mut rx) = mpsc::channel::<String>(64);
-    let call = turn.llm.stream(messages, tx);
-    tokio::pin!(call);
-    let mut result = None;
-    loop {
-        tokio::select! {
-            r = &mut call, if result.is_none() => result = Some(r),
-            delta = rx.recv() => match delta {
-                Some(text) => turn.out.chunk(MessageType::Answer, &text, answer_id, false).await?,
-                None => break,
-            },
-        }
-    }
-    Ok(match result {
-        Some(r) => r,
-        None => call.await,
-    })
 }

@@ -10,8 +10,8 @@ use agent_core::supervisor::{self as supervising, Goal};
 use agent_core::tools::Scope;
 use agent_schema::{AgentStep, MessageType, StepType};
 
-use crate::react::conclude_if_limited;
-use crate::Turn;
+use crate::finish::conclude_if_limited;
+use crate::turn::Turn;
 use agent_llm::CallOptions;
 
 /// `arguments` key of the decompose step that names its fan-out.
@@ -286,6 +286,6 @@ async fn synthesise(turn: &Turn<'_>, n: usize) -> Result<(), BusError> {
             &CallStats::default(),
         ),
     )?;
-    let tokens = crate::tokens_after(turn, &stats, &ToolStats::default());
+    let tokens = crate::turn::tokens_after(turn, &stats, &ToolStats::default());
     crate::finish::answer(turn, &answer, tokens, &completion.model).await
 }

@@ -5,19 +5,18 @@
 use agent_bus::BusError;
 use agent_core::config::ToolCalling;
 use agent_core::pattern::Termination;
-use agent_core::provenance::{self, CallStats, SessionUris, ToolStats};
+use agent_core::provenance::{self, CallStats, ToolStats};
 use agent_core::react::{
-    parse, strip_echoed_observation, tool_call_arguments, ReactDelta, ReactParseError, ReactStream,
-    ReactTurn,
+    parse, strip_echoed_observation, tool_call_arguments, ReactParseError, ReactTurn,
 };
 use agent_core::tools::{Scope, ToolDef};
-use agent_llm::{CallOptions, ChatMessage, Completion, LlmClient, LlmError, ToolCall, ToolSpec};
+use agent_llm::{CallOptions, ChatMessage, Completion, ToolCall, ToolSpec};
 use agent_schema::{AgentStep, MessageType, StepType};
 use tokio::sync::mpsc;
 
-use crate::output::DialogOutput;
+use crate::finish::{conclude_if_limited, llm_failed};
 use crate::tool_exec::run_scoped_tool;
-use crate::Turn;
+use crate::turn::Turn;
 
 /// What the model writes when it runs on past its action: a stop sequence there saves the tokens
 /// (the parser discards that text either way).
@@ -77,7 +76,8 @@ pub async fn iterate(turn: &Turn<'_>) -> Result<(), BusError> {
         let messages = [ChatMessage::system(system), ChatMessage::user(user)];
         let options = turn.react_call();
         if request.streaming {
-            stream_turn(llm, &messages, &options, out, uris, n, last_observation).await?
+            crate::stream::react_turn(llm, &messages, &options, out, uris, n, last_observation)
+                .await?
         } else {
             llm.complete_with(&messages, &options).await
         }
@@ -86,7 +86,7 @@ pub async fn iterate(turn: &Turn<'_>) -> Result<(), BusError> {
         Ok(c) => c,
         Err(e) => return llm_failed(turn, n, &e).await,
     };
-    let stats = crate::call_stats(&completion);
+    let stats = crate::turn::call_stats(&completion);
     let tokens = turn
         .tokens_before
         .plus(completion.in_token, completion.out_token);
@@ -358,9 +358,7 @@ async fn record_step(
     next_state: String,
     tokens: crate::budget::Tokens,
 ) -> Result<(), BusError> {
-    let Turn {
-        request, uris, out, ..
-    } = turn;
+    let Turn { uris, out, .. } = turn;
     let mut triples = provenance::tool_iteration(
         uris,
         n,
@@ -372,217 +370,6 @@ async fn record_step(
     );
     triples.extend(provenance::discarded(uris, n, discarded));
     out.explain(&uris.iteration(n), triples)?;
-    out.chunk(
-        MessageType::Observation,
-        &step.observation,
-        &uris.observation(n),
-        true,
-    )
-    .await?;
-    let triples = provenance::observation(uris, n, &step.observation, tool);
-    out.explain(&uris.observation(n), triples)?;
-    let mut next = (*request).clone();
-    next.history.push(step);
-    next.state = Some(next_state);
-    next.session_id = turn.session_id.to_owned();
-    out.next(&next, tokens, &[])
-}
-
-/// Streams the LLM's answer, passing thought and answer text to the client as soon as it is certain.
-/// The last thought chunk is held back so it can carry `end_of_message`. A stream that breaks off
-/// before any answer text went out becomes a cut-off completion of what arrived (the client saw a
-/// thought end early, and the next iteration says why); once answer text went out, the break is an
-/// error, since the client cannot be told to forget part of an answer.
-async fn stream_turn(
-    llm: &LlmClient,
-    messages: &[ChatMessage],
-    options: &CallOptions,
-    out: &DialogOutput<'_>,
-    uris: &SessionUris,
-    n: usize,
-    last_observation: &str,
-) -> Result<Result<Completion, LlmError>, BusError> {
-    let (tx, mut rx) = mpsc::channel::<String>(64);
-    let call = llm.stream_with(messages, options, tx);
-    tokio::pin!(call);
-    let mut parser = ReactStream::after_observation(last_observation);
-    let mut held_thought: Option<String> = None;
-    let thought_id = uris.thought(n);
-    let answer_id = uris.conclusion();
-    let mut result = None;
-    let mut received = String::new();
-    let mut answer_started = false;
-    // Publish while the LLM is still writing: deltas flow through a bounded channel.
-    loop {
-        tokio::select! {
-            r = &mut call, if result.is_none() => result = Some(r),
-            delta = rx.recv() => match delta {
-                Some(text) => {
-                    received.push_str(&text);
-                    for d in parser.push(&text) {
-                        answer_started |= matches!(d, ReactDelta::Answer(_));
-                        publish_delta(out, d, &mut held_thought, &thought_id, &answer_id).await?;
-                    }
-                }
-                None => break,
-            },
-        }
-    }
-    let result = match result {
-        Some(r) => r,
-        None => call.await,
-    };
-    let result = match result {
-        Err(LlmError::Truncated(why)) if !answer_started => {
-            tracing::warn!(%why, "the LLM's stream broke off in the thought; keeping it as a cut-off answer");
-            Ok(Completion {
-                out_token: (received.len() as u64).div_ceil(4),
-                text: received,
-                model: llm.model().to_owned(),
-                cut_off: true,
-                ..Completion::default()
-            })
-        }
-        other => other,
-    };
-    if matches!(&result, Ok(c) if !c.cut_off) {
-        for d in parser.finish() {
-            publish_delta(out, d, &mut held_thought, &thought_id, &answer_id).await?;
-        }
-    }
-    if let Some(last) = held_thought.take() {
-        out.chunk(MessageType::Thought, &last, &thought_id, true)
-            .await?;
-    }
-    Ok(result)
-}
-
-async fn publish_delta(
-    out: &DialogOutput<'_>,
-    delta: ReactDelta,
-    held_thought: &mut Option<String>,
-    thought_id: &str,
-    answer_id: &str,
-) -> Result<(), BusError> {
-    match delta {
-        ReactDelta::Thought(text) => {
-            if let Some(previous) = held_thought.replace(text) {
-                out.chunk(MessageType::Thought, &previous, thought_id, false)
-                    .await?;
-            }
-        }
-        ReactDelta::Answer(text) => {
-            if let Some(last) = held_thought.take() {
-                out.chunk(MessageType::Thought, &last, thought_id, true)
-                    .await?;
-            }
-            out.chunk(MessageType::Answer, &text, answer_id, false)
-                .await?;
-        }
-    }
-    Ok(())
-}
-
-/// Ends the dialog when it has used all its iterations or a budget, before any LLM call; `None`
-/// when it may go on. Every pattern checks this first.
-pub async fn conclude_if_limited(turn: &Turn<'_>) -> Option<Result<(), BusError>> {
-    if turn.abandoned {
-        let n = turn.request.history.len() + 1;
-        let why = "the supervisor stopped waiting for this subagent: its fan-out timed out and was answered without it";
-        return Some(fail(turn, n, why).await);
-    }
-    let limits = &turn.config.limits;
-    if turn.request.history.len() >= limits.max_iterations {
-        let max = limits.max_iterations;
-        let why = format!(
-            "I could not reach a final answer within the limit of {max} iterations (max_iterations)."
-        );
-        return Some(conclude_at_limit(turn, Termination::MaxIterations, &why, Vec::new()).await);
-    }
-    let spent = turn.spent_budget()?;
-    let why = format!("I stopped before reaching a final answer: {spent}.");
-    let record = provenance::budget_spent(
-        turn.uris,
-        spent.limit,
-        turn.run_tokens,
-        turn.elapsed.as_millis() as u64,
-    );
-    Some(conclude_at_limit(turn, Termination::Budget, &why, record).await)
-}
-
-/// Ends a dialog that reached a limit (`why`) with a clear answer, what it knew last, and a
-/// provenance record of the reason.
-async fn conclude_at_limit(
-    turn: &Turn<'_>,
-    termination: Termination,
-    why: &str,
-    record: Vec<agent_schema::Triple>,
-) -> Result<(), BusError> {
-    let Turn {
-        request,
-        uris,
-        out,
-        llm,
-        ..
-    } = turn;
-    let answer = match request.history.last() {
-        Some(step) => format!("{why} The last observation was: {}", step.observation),
-        None => why.to_owned(),
-    };
-    let n = request.history.len() + 1;
-    let mut triples = provenance::conclusion(
-        uris,
-        n,
-        "",
-        &answer,
-        termination,
-        &[],
-        &CallStats::default(),
-    );
-    triples.extend(record);
-    out.explain(&uris.conclusion(), triples)?;
-    if request.streaming {
-        out.chunk(MessageType::Answer, &answer, &uris.conclusion(), false)
-            .await?;
-    }
-    crate::finish::answer(turn, &answer, turn.tokens_before, llm.model()).await
-}
-
-/// An LLM call of iteration `n` failed with `e`. An outage, while the step may still wait it out,
-/// parks the step (nothing it did is committed, and it runs again later); anything else ends the
-/// dialog with the error.
-pub async fn llm_failed(turn: &Turn<'_>, n: usize, e: &LlmError) -> Result<(), BusError> {
-    if !e.is_outage() {
-        return fail(turn, n, &format!("the LLM call failed: {e}")).await;
-    }
-    if turn.may_park && !turn.out.answer_streamed() {
-        turn.out.park(crate::output::Park {
-            cause: format!("the LLM is unavailable: {e}"),
-            retry_after: e.retry_after(),
-        });
-        return Ok(());
-    }
-    let window = turn.config.limits.max_outage_secs;
-    fail(
-        turn,
-        n,
-        &format!("the LLM stayed unavailable past the outage window of {window} s (max_outage_secs): {e}"),
-    )
-    .await
-}
-
-/// Ends the dialog with an error response and records why.
-pub async fn fail(turn: &Turn<'_>, n: usize, message: &str) -> Result<(), BusError> {
-    let Turn { uris, out, .. } = turn;
-    let triples = provenance::conclusion(
-        uris,
-        n,
-        "",
-        message,
-        Termination::Error,
-        &[],
-        &CallStats::default(),
-    );
-    out.explain(&uris.conclusion(), triples)?;
-    crate::finish::error(turn, message).await
+    turn.observe_and_continue(n, step, tool, Vec::new(), Some(next_state), tokens)
+        .await
 }

@@ -1,0 +1,133 @@
+//! Streaming an LLM call to the client while it is written: ReACT's thought and answer (parsed
+//! as they come), or a plain answer. Chunks are a view of work in progress; what is durable goes
+//! through [`crate::emit`] at commit.
+
+use agent_bus::BusError;
+use agent_core::provenance::SessionUris;
+use agent_core::react::{ReactDelta, ReactStream};
+use agent_llm::{CallOptions, ChatMessage, Completion, LlmClient, LlmError};
+use agent_schema::MessageType;
+use tokio::sync::mpsc;
+
+use crate::emit::DialogOutput;
+
+/// Streams the LLM's answer, passing thought and answer text to the client as soon as it is certain.
+/// The last thought chunk is held back so it can carry `end_of_message`. A stream that breaks off
+/// before any answer text went out becomes a cut-off completion of what arrived (the client saw a
+/// thought end early, and the next iteration says why); once answer text went out, the break is an
+/// error, since the client cannot be told to forget part of an answer.
+pub async fn react_turn(
+    llm: &LlmClient,
+    messages: &[ChatMessage],
+    options: &CallOptions,
+    out: &DialogOutput<'_>,
+    uris: &SessionUris,
+    n: usize,
+    last_observation: &str,
+) -> Result<Result<Completion, LlmError>, BusError> {
+    let (tx, mut rx) = mpsc::channel::<String>(64);
+    let call = llm.stream_with(messages, options, tx);
+    tokio::pin!(call);
+    let mut parser = ReactStream::after_observation(last_observation);
+    let mut held_thought: Option<String> = None;
+    let thought_id = uris.thought(n);
+    let answer_id = uris.conclusion();
+    let mut result = None;
+    let mut received = String::new();
+    let mut answer_started = false;
+    // Publish while the LLM is still writing: deltas flow through a bounded channel.
+    loop {
+        tokio::select! {
+            r = &mut call, if result.is_none() => result = Some(r),
+            delta = rx.recv() => match delta {
+                Some(text) => {
+                    received.push_str(&text);
+                    for d in parser.push(&text) {
+                        answer_started |= matches!(d, ReactDelta::Answer(_));
+                        publish_delta(out, d, &mut held_thought, &thought_id, &answer_id).await?;
+                    }
+                }
+                None => break,
+            },
+        }
+    }
+    let result = match result {
+        Some(r) => r,
+        None => call.await,
+    };
+    let result = match result {
+        Err(LlmError::Truncated(why)) if !answer_started => {
+            tracing::warn!(%why, "the LLM's stream broke off in the thought; keeping it as a cut-off answer");
+            Ok(Completion {
+                out_token: (received.len() as u64).div_ceil(4),
+                text: received,
+                model: llm.model().to_owned(),
+                cut_off: true,
+                ..Completion::default()
+            })
+        }
+        other => other,
+    };
+    if matches!(&result, Ok(c) if !c.cut_off) {
+        for d in parser.finish() {
+            publish_delta(out, d, &mut held_thought, &thought_id, &answer_id).await?;
+        }
+    }
+    if let Some(last) = held_thought.take() {
+        out.chunk(MessageType::Thought, &last, &thought_id, true)
+            .await?;
+    }
+    Ok(result)
+}
+
+async fn publish_delta(
+    out: &DialogOutput<'_>,
+    delta: ReactDelta,
+    held_thought: &mut Option<String>,
+    thought_id: &str,
+    answer_id: &str,
+) -> Result<(), BusError> {
+    match delta {
+        ReactDelta::Thought(text) => {
+            if let Some(previous) = held_thought.replace(text) {
+                out.chunk(MessageType::Thought, &previous, thought_id, false)
+                    .await?;
+            }
+        }
+        ReactDelta::Answer(text) => {
+            if let Some(last) = held_thought.take() {
+                out.chunk(MessageType::Thought, &last, thought_id, true)
+                    .await?;
+            }
+            out.chunk(MessageType::Answer, &text, answer_id, false)
+                .await?;
+        }
+    }
+    Ok(())
+}
+
+/// Streams the synthesis to the client as answer chunks while the LLM writes it.
+pub async fn answer(
+    llm: &LlmClient,
+    out: &DialogOutput<'_>,
+    messages: &[ChatMessage],
+    answer_id: &str,
+) -> Result<Result<Completion, LlmError>, BusError> {
+    let (tx, mut rx) = mpsc::channel::<String>(64);
+    let call = llm.stream(messages, tx);
+    tokio::pin!(call);
+    let mut result = None;
+    loop {
+        tokio::select! {
+            r = &mut call, if result.is_none() => result = Some(r),
+            delta = rx.recv() => match delta {
+                Some(text) => out.chunk(MessageType::Answer, &text, answer_id, false).await?,
+                None => break,
+            },
+        }
+    }
+    Ok(match result {
+        Some(r) => r,
+        None => call.await,
+    })
+}

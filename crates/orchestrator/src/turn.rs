@@ -1,0 +1,181 @@
+//! What one step of a dialog works with ([`Turn`]: its request, its output, the configuration and
+//! clients) and what its LLM calls cost.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use agent_core::config::AgentConfig;
+use agent_core::prompt::{render, PromptTemplate};
+use agent_core::provenance::{self, CallStats, SessionUris, ToolStats};
+use agent_core::tools::{Scope, ToolDef};
+use agent_llm::{CallOptions, ChatMessage, Completion, LlmClient};
+use agent_schema::{AgentRequest, AgentStep, MessageType};
+
+use crate::budget;
+use crate::emit::DialogOutput;
+use crate::patterns::react;
+use crate::tool_exec;
+
+/// The inputs of one step of a dialog.
+pub struct Turn<'a> {
+    pub request: &'a AgentRequest,
+    pub session_id: &'a str,
+    pub uris: &'a SessionUris,
+    pub out: &'a DialogOutput<'a>,
+    pub config: &'a AgentConfig,
+    pub llm: &'a LlmClient,
+    /// The graph store the knowledge tools read, when one is shared.
+    pub knowledge: Option<&'a agent_graph::GraphStore>,
+    /// This process's MCP sessions.
+    pub mcp: &'a agent_mcp::McpPool,
+    /// Tokens the dialog used before this step.
+    pub tokens_before: budget::Tokens,
+    /// Tokens the whole run (the root request and every subagent) used before this step.
+    pub run_tokens: u64,
+    /// A subagent whose fan-out (or one above it) was answered without it: it stops.
+    pub abandoned: bool,
+    /// The key that seals subagent requests, fan-outs and completions, when one is configured.
+    pub seal: Option<&'a agent_bus::seal::SealKey>,
+    /// Time since the run's first message was taken up.
+    pub elapsed: std::time::Duration,
+    /// Whether an outage may still park this step (its window is open).
+    pub may_park: bool,
+}
+
+impl Turn<'_> {
+    /// The tools this request may see, as its prompts describe them: an MCP tool configured
+    /// without arguments is shown with those its server lists.
+    pub async fn visible_tools(&self, scope: &Scope) -> Vec<ToolDef> {
+        let limit = Duration::from_secs(self.config.limits.tool_timeout_secs);
+        let mut tools = Vec::new();
+        for tool in scope.visible(&self.config.tools) {
+            let mut tool = tool.clone();
+            if tool.kind == agent_core::tools::MCP_TOOL && tool.arguments.is_empty() {
+                match tokio::time::timeout(limit, tool_exec::mcp_arguments(self, &tool)).await {
+                    Ok(Ok(arguments)) => tool.arguments = arguments,
+                    Ok(Err(e)) => {
+                        tracing::warn!(tool = %tool.name, error = %e, "the MCP tool's arguments are not known")
+                    }
+                    Err(_) => {
+                        tracing::warn!(tool = %tool.name, "the MCP server did not list its tools in time")
+                    }
+                }
+            }
+            tools.push(tool);
+        }
+        tools
+    }
+
+    /// Options of a call whose answer must be a JSON object: the server's JSON mode where the
+    /// model's options say the server has one.
+    pub fn json_call(&self) -> CallOptions {
+        CallOptions {
+            json_object: self.config.model_options(self.llm.model()).json_mode,
+            ..CallOptions::default()
+        }
+    }
+
+    /// Options of a call answered in the ReACT text protocol: the stop sequence at an imagined
+    /// observation, where the model's options allow it.
+    pub fn react_call(&self) -> CallOptions {
+        let stop = if self.config.model_options(self.llm.model()).stop_sequences {
+            vec![react::OBSERVATION_STOP.to_owned()]
+        } else {
+            Vec::new()
+        };
+        CallOptions {
+            stop,
+            ..CallOptions::default()
+        }
+    }
+
+    /// Which budget (tokens or wall time) the run has used up before this step, if any.
+    pub fn spent_budget(&self) -> Option<agent_core::config::SpentBudget> {
+        self.config
+            .limits
+            .spent_budget(self.run_tokens, self.elapsed)
+    }
+
+    /// One LLM call on a configured prompt filled with `vars`, and what it cost. `None` when the
+    /// call failed: the dialog has then ended (iteration `n`) with that error, or the step was
+    /// parked by an outage.
+    pub async fn ask(
+        &self,
+        n: usize,
+        template: &PromptTemplate,
+        vars: &BTreeMap<&str, String>,
+        options: &CallOptions,
+    ) -> Result<Option<(Completion, CallStats)>, agent_bus::BusError> {
+        let messages = [
+            ChatMessage::system(template.system.clone()),
+            ChatMessage::user(render(&template.template, vars)),
+        ];
+        match self.llm.complete_with(&messages, options).await {
+            Ok(completion) => {
+                let stats = call_stats(&completion);
+                Ok(Some((completion, stats)))
+            }
+            Err(e) => {
+                crate::finish::llm_failed(self, n, &e).await?;
+                Ok(None)
+            }
+        }
+    }
+}
+
+impl Turn<'_> {
+    /// Publishes iteration `n`'s observation (a chunk to the client; provenance, with `extra`
+    /// triples about it) and queues the next iteration with `step` added to the history and, when
+    /// given, `next_state` as its state.
+    pub async fn observe_and_continue(
+        &self,
+        n: usize,
+        step: AgentStep,
+        tool: ToolStats,
+        extra: Vec<agent_schema::Triple>,
+        next_state: Option<String>,
+        tokens: budget::Tokens,
+    ) -> Result<(), agent_bus::BusError> {
+        let observation = self.uris.observation(n);
+        self.out
+            .chunk(
+                MessageType::Observation,
+                &step.observation,
+                &observation,
+                true,
+            )
+            .await?;
+        let mut triples = provenance::observation(self.uris, n, &step.observation, tool);
+        triples.extend(extra);
+        self.out.explain(&observation, triples)?;
+        let mut next = self.request.clone();
+        next.history.push(step);
+        if next_state.is_some() {
+            next.state = next_state;
+        }
+        next.session_id = self.session_id.to_owned();
+        self.out.next(&next, tokens, &[])
+    }
+}
+
+/// What an LLM call cost, for provenance.
+pub fn call_stats(completion: &Completion) -> CallStats {
+    let mut stats = CallStats::default();
+    add_call(&mut stats, completion);
+    stats
+}
+
+/// The dialog's tokens after this iteration's LLM calls (`stats`) and tool run (`tool`).
+pub fn tokens_after(turn: &Turn<'_>, stats: &CallStats, tool: &ToolStats) -> budget::Tokens {
+    turn.tokens_before
+        .plus(stats.in_token, stats.out_token)
+        .plus(tool.in_token, tool.out_token)
+}
+
+/// Adds an LLM call's cost to `stats` (an iteration that asks more than once).
+pub fn add_call(stats: &mut CallStats, completion: &Completion) {
+    stats.duration_ms += completion.duration.as_millis() as u64;
+    stats.in_token += completion.in_token;
+    stats.out_token += completion.out_token;
+    stats.model.clone_from(&completion.model);
+}
