@@ -41,7 +41,7 @@ enum Command {
 
 #[tokio::main]
 async fn main() {
-    agent_bus::init_logging("warn,pulsar=error");
+    agent_telemetry::init_logging("warn,pulsar=error");
     let result = match Cli::parse().command {
         Command::Invoke(args) => invoke::run(args).await,
         Command::Up(args) => up::run(args).await,

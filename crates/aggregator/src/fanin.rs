@@ -282,8 +282,11 @@ pub async fn check(
         properties.insert(STARTED_PROPERTY.to_owned(), started.to_string());
     }
     // The supervisor's next step continues the trace of the completion that closed the fan-in.
-    if let Some(context) = agent_bus::trace::traceparent(&tracing::Span::current()) {
-        properties.insert(agent_bus::trace::TRACEPARENT_PROPERTY.to_owned(), context);
+    if let Some(context) = agent_telemetry::trace::traceparent(&tracing::Span::current()) {
+        properties.insert(
+            agent_telemetry::trace::TRACEPARENT_PROPERTY.to_owned(),
+            context,
+        );
     }
     requests
         .enqueue(agent_schema::encode(&next), &properties)

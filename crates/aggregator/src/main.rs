@@ -14,7 +14,7 @@ struct Args {
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    agent_bus::init_telemetry(agent_bus::SERVICE_LOG_FILTER, "agent-aggregator");
+    agent_telemetry::init_telemetry(agent_telemetry::SERVICE_LOG_FILTER, "agent-aggregator");
     let args = Args::parse();
     let shutdown = agent_bus::stop_on_signal();
     agent_aggregator::run(args.settings, shutdown).await

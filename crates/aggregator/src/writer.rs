@@ -34,7 +34,7 @@ impl Writer {
         // its fan-in next to its iterations.
         let traceparent = delivery
             .properties
-            .get(agent_bus::trace::TRACEPARENT_PROPERTY)
+            .get(agent_telemetry::trace::TRACEPARENT_PROPERTY)
             .cloned()
             .unwrap_or_default();
         let span = tracing::info_span!(

@@ -13,7 +13,6 @@ mod publisher;
 pub mod seal;
 mod service;
 mod topics;
-pub mod trace;
 
 pub use args::{shutdown_signal, BrokerArgs};
 pub use client::{message_property, AgentClient};
@@ -23,9 +22,7 @@ pub use consumer::{
 };
 pub use error::BusError;
 pub use publisher::{Publisher, Receipt};
-pub use service::{
-    bearer_matches, init_logging, init_telemetry, stop_on_signal, SERVICE_LOG_FILTER,
-};
+pub use service::{bearer_matches, stop_on_signal};
 pub use topics::Topics;
 
 use std::collections::BTreeMap;

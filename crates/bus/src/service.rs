@@ -1,51 +1,10 @@
-//! What every long-running process of the service does before its real work: logs on stderr
-//! filtered by `RUST_LOG`, and a cancellation token that SIGINT or SIGTERM trips.
+//! What every long-running process of the service needs besides the broker and its telemetry
+//! (`agent-telemetry`): a cancellation token that SIGINT or SIGTERM trips, and bearer-token checks
+//! on its HTTP endpoints.
 
 use tokio_util::sync::CancellationToken;
 
 use crate::shutdown_signal;
-
-/// The filter when `RUST_LOG` is unset: our info, without the crate's retry chatter.
-pub const SERVICE_LOG_FILTER: &str = "info,pulsar::retry_op=error";
-
-/// Logs to stderr (stdout is for a command's output), filtered by `RUST_LOG` or `default_filter`.
-/// Logging as [`init_logging`], and when `OTEL_EXPORTER_OTLP_ENDPOINT` is set, our spans exported
-/// there over OTLP/HTTP as `service` (see [`crate::trace`]). Must run inside the tokio runtime.
-pub fn init_telemetry(default_filter: &str, service: &str) {
-    use tracing_subscriber::layer::SubscriberExt;
-    use tracing_subscriber::util::SubscriberInitExt;
-    use tracing_subscriber::Layer;
-
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default_filter));
-    let logs = tracing_subscriber::fmt::layer()
-        .with_writer(std::io::stderr)
-        .with_filter(filter);
-    let endpoint = std::env::var("OTEL_EXPORTER_OTLP_ENDPOINT")
-        .ok()
-        .filter(|e| !e.trim().is_empty());
-    let spans = endpoint.map(|endpoint| {
-        let (layer, exporter) = crate::trace::otlp_layer(&endpoint, service);
-        tokio::spawn(exporter);
-        // Our own spans only, whatever the log level: a quiet log still gives whole traces.
-        layer.with_filter(tracing_subscriber::filter::filter_fn(|meta| {
-            meta.is_span()
-                && meta.level() <= &tracing::Level::INFO
-                && meta.target().starts_with("agent_")
-        }))
-    });
-    tracing_subscriber::registry().with(logs).with(spans).init();
-}
-
-pub fn init_logging(default_filter: &str) {
-    tracing_subscriber::fmt()
-        .with_writer(std::io::stderr)
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default_filter)),
-        )
-        .init();
-}
 
 /// A token cancelled on SIGINT or SIGTERM: the process then drains and stops.
 pub fn stop_on_signal() -> CancellationToken {

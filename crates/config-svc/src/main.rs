@@ -15,7 +15,7 @@ struct Cli {
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    agent_bus::init_telemetry(agent_bus::SERVICE_LOG_FILTER, "config-svc");
+    agent_telemetry::init_telemetry(agent_telemetry::SERVICE_LOG_FILTER, "config-svc");
     let cli = Cli::parse();
     let shutdown = agent_bus::stop_on_signal();
     config_svc::run(cli.settings, shutdown).await

@@ -4,7 +4,7 @@
 //! [`DialogOutput::commit`], which journals it (see `journal`), publishes it in order and waits for
 //! every receipt; only then may the iteration's input be acked.
 
-use std::sync::{Mutex, MutexGuard, PoisonError};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use agent_bus::{BusError, Properties, Publisher, Receipt};
 use agent_core::vocab::{tg, PROVENANCE_GRAPH as GRAPH};
@@ -20,12 +20,91 @@ pub use agent_schema::{
     IN_TOKEN_PROPERTY, OUT_TOKEN_PROPERTY, RUN_TOKENS_PROPERTY, STARTED_PROPERTY,
 };
 
+/// Where a step's messages go.
+#[derive(Clone)]
+pub enum Outputs {
+    /// The broker's topics: what the service runs with.
+    Broker(Publishers),
+    /// Kept in memory in the order they were sent, so pattern code is tested without a broker.
+    Memory(MemorySink),
+}
+
 /// The three publishers of the orchestrator.
 #[derive(Clone)]
-pub struct Outputs {
+pub struct Publishers {
     pub responses: Publisher,
     pub requests: Publisher,
     pub explainability: Publisher,
+}
+
+/// One message as a [`MemorySink`] received it.
+#[derive(Debug, Clone)]
+pub struct Sent {
+    pub channel: Channel,
+    pub payload: Vec<u8>,
+    pub properties: Properties,
+}
+
+/// The messages a step sent, when its outputs are [`Outputs::Memory`].
+#[derive(Clone, Default)]
+pub struct MemorySink {
+    sent: Arc<Mutex<Vec<Sent>>>,
+}
+
+impl MemorySink {
+    /// Everything sent so far, in order.
+    pub fn sent(&self) -> Vec<Sent> {
+        locked(&self.sent).clone()
+    }
+
+    /// The messages sent to `channel` that decode as `T`, in order.
+    pub fn decoded<T: serde::de::DeserializeOwned>(&self, channel: Channel) -> Vec<T> {
+        self.sent()
+            .into_iter()
+            .filter(|s| s.channel == channel)
+            .filter_map(|s| serde_json::from_slice(&s.payload).ok())
+            .collect()
+    }
+}
+
+impl Outputs {
+    /// The largest request the outputs take (the broker's limit; none in memory).
+    fn max_request_bytes(&self) -> usize {
+        match self {
+            Outputs::Broker(p) => p.requests.max_message_bytes(),
+            Outputs::Memory(_) => usize::MAX,
+        }
+    }
+
+    fn requests_topic(&self) -> &str {
+        match self {
+            Outputs::Broker(p) => p.requests.topic(),
+            Outputs::Memory(_) => "memory:requests",
+        }
+    }
+
+    /// Hands a message over; the broker's receipt comes back to be awaited.
+    async fn enqueue(
+        &self,
+        channel: Channel,
+        payload: Vec<u8>,
+        properties: &Properties,
+    ) -> Result<Option<Receipt>, BusError> {
+        let to = match (self, channel) {
+            (Outputs::Memory(sink), _) => {
+                locked(&sink.sent).push(Sent {
+                    channel,
+                    payload,
+                    properties: properties.clone(),
+                });
+                return Ok(None);
+            }
+            (Outputs::Broker(p), Channel::Responses) => &p.responses,
+            (Outputs::Broker(p), Channel::Requests) => &p.requests,
+            (Outputs::Broker(p), Channel::Explainability) => &p.explainability,
+        };
+        to.enqueue(payload, properties).await.map(Some)
+    }
 }
 
 /// The outputs bound to one dialog: its `id` property and collection.
@@ -122,10 +201,7 @@ impl<'a> DialogOutput<'a> {
             ended: Mutex::new(None),
             parked: Mutex::new(None),
             answer_streamed: std::sync::atomic::AtomicBool::new(false),
-            request_limit: (
-                outputs.requests.max_message_bytes(),
-                agent_bus::BROKER_MESSAGE_LIMIT,
-            ),
+            request_limit: (outputs.max_request_bytes(), agent_bus::BROKER_MESSAGE_LIMIT),
             input_history: Vec::new(),
             spawned: std::sync::atomic::AtomicBool::new(false),
         }
@@ -152,7 +228,7 @@ impl<'a> DialogOutput<'a> {
         let (max, limit) = self.request_limit;
         if bytes > max {
             return Err(BusError::TooLarge {
-                topic: self.outputs.requests.topic().to_owned(),
+                topic: self.outputs.requests_topic().to_owned(),
                 bytes,
                 max,
                 limit: format!("{limit}: the dialog's history has outgrown it"),
@@ -318,30 +394,28 @@ impl<'a> DialogOutput<'a> {
 
     async fn publish_in(&self, effects: &[Effect], order: Order) -> Result<(), BusError> {
         for effect in effects {
-            let to = match effect.channel {
-                Channel::Responses => &self.outputs.responses,
-                Channel::Requests => {
-                    if order == Order::RequestsLast {
-                        self.flush().await?;
-                    }
-                    &self.outputs.requests
-                }
-                Channel::Explainability => &self.outputs.explainability,
-            };
-            self.send(to, effect.payload.clone().into_bytes(), &effect.properties)
-                .await?;
+            if effect.channel == Channel::Requests && order == Order::RequestsLast {
+                self.flush().await?;
+            }
+            self.send(
+                effect.channel,
+                effect.payload.clone().into_bytes(),
+                &effect.properties,
+            )
+            .await?;
         }
         self.flush().await
     }
 
     async fn send(
         &self,
-        to: &Publisher,
+        to: Channel,
         payload: Vec<u8>,
         properties: &Properties,
     ) -> Result<(), BusError> {
-        let receipt = to.enqueue(payload, properties).await?;
-        locked(&self.pending).push(receipt);
+        if let Some(receipt) = self.outputs.enqueue(to, payload, properties).await? {
+            locked(&self.pending).push(receipt);
+        }
         Ok(())
     }
 
@@ -387,7 +461,7 @@ impl<'a> DialogOutput<'a> {
         r.message_id = message_id.to_owned();
         r.end_of_message = end_of_message;
         self.send(
-            &self.outputs.responses,
+            Channel::Responses,
             agent_schema::encode(&r),
             &self.properties,
         )
@@ -434,7 +508,7 @@ impl<'a> DialogOutput<'a> {
         // The graph copy is published before the client's, so a client that saw a node can find it.
         // It carries only the trace context: the aggregator's write joins this step's trace.
         let mut properties = Properties::new();
-        let trace = agent_bus::trace::TRACEPARENT_PROPERTY;
+        let trace = agent_telemetry::trace::TRACEPARENT_PROPERTY;
         if let Some(context) = self.properties.get(trace) {
             properties.insert(trace.to_owned(), context.clone());
         }

@@ -32,8 +32,8 @@ use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
 use crate::emit::{
-    DialogOutput, JournalSlot, Outputs, Recorder, IN_TOKEN_PROPERTY, OUT_TOKEN_PROPERTY,
-    RUN_TOKENS_PROPERTY, STARTED_PROPERTY,
+    DialogOutput, JournalSlot, Outputs, Publishers, Recorder, IN_TOKEN_PROPERTY,
+    OUT_TOKEN_PROPERTY, RUN_TOKENS_PROPERTY, STARTED_PROPERTY,
 };
 use crate::journal::Journal;
 use crate::live_config::LiveConfig;
@@ -79,14 +79,74 @@ enum Settled {
 /// The shortest and longest pause between tries of a parked step.
 const PARK_PAUSE: (Duration, Duration) = (Duration::from_secs(1), Duration::from_secs(30));
 
-/// Whether a failure on the message path is something that passes (the broker or the store
-/// unreachable or busy) rather than a fault that would recur on every try.
-fn is_outage(e: &anyhow::Error) -> bool {
-    if let Some(e) = e.downcast_ref::<agent_graph::GraphError>() {
-        return e.retryable();
+/// Why a step could not complete. Its kind decides what becomes of the message, in one place
+/// ([`Engine::handle`]): an outage is waited out, a fault ends the dialog with an error.
+#[derive(Debug, thiserror::Error)]
+pub enum StepError {
+    /// Something the step needs is unavailable for now (the broker, the store or the journal
+    /// unreachable or busy): the step is set aside and tried again while the outage window lasts.
+    #[error("{0:#}")]
+    Outage(anyhow::Error),
+    /// A fault that would recur on every try: the dialog ends with it.
+    #[error("{0:#}")]
+    Fault(anyhow::Error),
+}
+
+impl From<anyhow::Error> for StepError {
+    fn from(e: anyhow::Error) -> StepError {
+        let passes = if let Some(graph) = e.downcast_ref::<agent_graph::GraphError>() {
+            graph.retryable()
+        } else {
+            e.downcast_ref::<agent_bus::BusError>()
+                .is_some_and(agent_bus::BusError::passes)
+        };
+        if passes {
+            StepError::Outage(e)
+        } else {
+            StepError::Fault(e)
+        }
     }
-    e.downcast_ref::<agent_bus::BusError>()
-        .is_some_and(agent_bus::BusError::passes)
+}
+
+impl From<agent_bus::BusError> for StepError {
+    fn from(e: agent_bus::BusError) -> StepError {
+        anyhow::Error::from(e).into()
+    }
+}
+
+impl From<agent_graph::GraphError> for StepError {
+    fn from(e: agent_graph::GraphError) -> StepError {
+        anyhow::Error::from(e).into()
+    }
+}
+
+/// What the engine does next with a delivery, given how its step went.
+#[derive(Debug)]
+enum Next {
+    /// Its effects are on the broker (or there were none to make): ack it.
+    Ack,
+    /// Wait out an outage, then run the step again.
+    Park(emit::Park),
+    /// End its dialog with this error; then ack, or nack if even that cannot be published.
+    GiveUp(String),
+}
+
+/// The one place a step's result becomes a decision. `window` is the outage window, for the
+/// error that says it was outlasted; `may_park` whether it is still open.
+fn next_after(result: Result<Settled, StepError>, may_park: bool, window: Duration) -> Next {
+    match result {
+        Ok(Settled::Done) => Next::Ack,
+        Ok(Settled::Parked(park)) => Next::Park(park),
+        Err(StepError::Outage(e)) if may_park => Next::Park(emit::Park {
+            cause: format!("{e:#}"),
+            retry_after: None,
+        }),
+        Err(StepError::Outage(e)) => Next::GiveUp(format!(
+            "a service this step needs stayed unavailable past the outage window of {} s (max_outage_secs): {e:#}",
+            window.as_secs()
+        )),
+        Err(StepError::Fault(e)) => Next::GiveUp(format!("the step failed: {e:#}")),
+    }
 }
 
 impl Engine {
@@ -103,24 +163,13 @@ impl Engine {
         loop {
             let window = Duration::from_secs(self.config.current().limits.max_outage_secs);
             let may_park = outage.map_or(!window.is_zero(), |since| since.elapsed() < window);
-            let park = match self
+            let result = self
                 .handle_inner(delivery.clone(), Attempt::Run { may_park })
-                .await
-            {
-                Ok(Settled::Done) => return Disposition::Ack,
-                Ok(Settled::Parked(park)) => park,
-                Err(e) if is_outage(&e) && may_park => emit::Park {
-                    cause: format!("{e:#}"),
-                    retry_after: None,
-                },
-                Err(e) => {
-                    let why = if is_outage(&e) {
-                        format!("a service this step needs stayed unavailable past the outage window of {} s (max_outage_secs): {e:#}", window.as_secs())
-                    } else {
-                        format!("the step failed: {e:#}")
-                    };
-                    return self.give_up(delivery, &why).await;
-                }
+                .await;
+            let park = match next_after(result, may_park, window) {
+                Next::Ack => return Disposition::Ack,
+                Next::Park(park) => park,
+                Next::GiveUp(why) => return self.give_up(delivery, &why).await,
             };
             let since = *outage.get_or_insert_with(std::time::Instant::now);
             let wait = park
@@ -150,7 +199,7 @@ impl Engine {
         tracing::error!(%why, "giving up on a step; its dialog ends with an error");
         match self.handle_inner(delivery, Attempt::GiveUp(why)).await {
             Ok(_) => Disposition::Ack,
-            Err(e) => Disposition::Nack(format!("{e:#}")),
+            Err(e) => Disposition::Nack(e.to_string()),
         }
     }
 
@@ -158,7 +207,7 @@ impl Engine {
         &self,
         delivery: Delivery<AgentRequest>,
         attempt: Attempt<'_>,
-    ) -> anyhow::Result<Settled> {
+    ) -> Result<Settled, StepError> {
         let taken = std::time::Instant::now();
         let Delivery {
             payload: mut request,
@@ -332,7 +381,7 @@ impl Engine {
         let n = request.history.len() + 1;
         // Joins the trace the message came with (the client's, or the previous step's).
         let traceparent = properties
-            .get(agent_bus::trace::TRACEPARENT_PROPERTY)
+            .get(agent_telemetry::trace::TRACEPARENT_PROPERTY)
             .map_or("", String::as_str);
         let span = tracing::info_span!(
             "iteration",
@@ -345,8 +394,8 @@ impl Engine {
         );
         // Everything this step sends carries the step's span, so the next step (in any replica)
         // and the aggregator continue the same trace.
-        if let Some(context) = agent_bus::trace::traceparent(&span) {
-            out.set_property(agent_bus::trace::TRACEPARENT_PROPERTY, context);
+        if let Some(context) = agent_telemetry::trace::traceparent(&span) {
+            out.set_property(agent_telemetry::trace::TRACEPARENT_PROPERTY, context);
         }
         let turn = Turn {
             request: &request,
@@ -543,11 +592,14 @@ pub async fn run(settings: Settings, shutdown: CancellationToken) -> anyhow::Res
         ops_server.abort();
         return Ok(());
     };
-    let outputs = Outputs {
+    let publishers = Publishers {
         responses: Publisher::new(&bus, &topics.response).await?,
         requests: Publisher::new(&bus, &topics.request).await?,
         explainability: Publisher::new(&bus, &topics.explainability).await?,
     };
+    // The dead letters' forwarder republishes requests as they are.
+    let forward_requests = publishers.requests.clone();
+    let outputs = Outputs::Broker(publishers);
     let live = Arc::new(LiveConfig::new(config));
     let first_read = Arc::new(tokio::sync::Notify::new());
     let follower = tokio::spawn(live_config::follow(
@@ -629,7 +681,7 @@ pub async fn run(settings: Settings, shutdown: CancellationToken) -> anyhow::Res
             };
             // Forwarded at once to the persistent topic and only then acked: a message of a
             // non-persistent topic is never redelivered, so it must not wait (park) there.
-            let requests = engine.outputs.requests.clone();
+            let requests = forward_requests.clone();
             let bus = bus.clone();
             let shutdown = shutdown.clone();
             tokio::spawn(async move {
@@ -756,6 +808,35 @@ async fn connect_until_up(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_outage_is_waited_out_while_its_window_is_open_and_a_fault_ends_the_dialog() {
+        let window = Duration::from_secs(60);
+        let outage = || {
+            StepError::from(agent_graph::GraphError::Transport(
+                "connection refused".to_owned(),
+            ))
+        };
+        assert!(matches!(outage(), StepError::Outage(_)));
+        assert!(matches!(
+            next_after(Err(outage()), true, window),
+            Next::Park(park) if park.cause.contains("connection refused")
+        ));
+        assert!(matches!(
+            next_after(Err(outage()), false, window),
+            Next::GiveUp(why) if why.contains("outage window of 60 s") && why.contains("connection refused")
+        ));
+        let fault = StepError::from(agent_graph::GraphError::Syntax("not a node".to_owned()));
+        assert!(matches!(fault, StepError::Fault(_)));
+        assert!(matches!(
+            next_after(Err(fault), true, window),
+            Next::GiveUp(why) if why.starts_with("the step failed") && why.contains("not a node")
+        ));
+        assert!(matches!(
+            next_after(Ok(Settled::Done), true, window),
+            Next::Ack
+        ));
+    }
 
     #[test]
     fn first_requests_get_a_stable_session_per_id() {

@@ -5,6 +5,8 @@
 pub mod plan;
 pub mod react;
 pub mod supervisor;
+#[cfg(test)]
+mod tests;
 
 use agent_bus::BusError;
 use agent_core::pattern::Pattern;

@@ -1,0 +1,225 @@
+//! The patterns' decisions, step by step, with their effects kept in memory: a scripted
+//! OpenAI-compatible server answers the LLM calls (real HTTP), the seed config is the one shipped,
+//! and nothing goes to a broker. The end-to-end tests (`tests/tests`) cover the same patterns on a
+//! real broker with their provenance in a real store.
+
+use std::path::Path;
+
+use agent_core::config::AgentConfig;
+use agent_core::provenance::SessionUris;
+use agent_llm::{LlmClient, LlmConfig};
+use agent_schema::{AgentRequest, AgentResponse, AgentStep, Triples};
+use scripted_llm::{Script, ScriptedLlm};
+
+use crate::emit::{DialogOutput, MemorySink, Outputs};
+use crate::journal::Channel;
+use crate::turn::Turn;
+
+const SCRIPT: &str = r#"{"rules": [
+  {"match": "Question: what is one", "reply": "Thought: I know it.\nFinal Answer: ONE"},
+  {"match": "Question: ask the tool", "reply": "Thought: the tool knows.\nAction: llm\nArgs: {\"question\": \"inner?\"}"},
+  {"match": "inner?", "exact": true, "reply": "INNER"},
+  {"match": "Request to plan: Combine", "reply": "{\"rationale\": \"a then b\", \"steps\": [{\"goal\": \"find a\", \"depends_on\": []}, {\"goal\": \"find b\", \"depends_on\": [0]}]}"},
+  {"match": "Request to split: Compare", "reply": "[{\"goal\": \"price of alpha\"}, {\"goal\": \"price of beta\"}]"}
+]}"#;
+
+/// What one step sent, by kind.
+struct Sent {
+    responses: Vec<AgentResponse>,
+    requests: Vec<AgentRequest>,
+    explained: Vec<Triples>,
+    /// Which channel each message went to, in the order sent.
+    channels: Vec<Channel>,
+}
+
+struct Harness {
+    llm: ScriptedLlm,
+    client: LlmClient,
+    config: AgentConfig,
+    mcp: agent_mcp::McpPool,
+}
+
+impl Harness {
+    async fn start() -> Harness {
+        let script = Script::from_json(SCRIPT).expect("the script is valid JSON");
+        let llm = ScriptedLlm::start(script, "127.0.0.1:0".parse().expect("an address"))
+            .await
+            .expect("the scripted LLM starts");
+        let client = LlmClient::new(LlmConfig {
+            base_url: llm.base_url(),
+            model: "scripted".to_owned(),
+            max_retries: 0,
+            ..LlmConfig::default()
+        })
+        .expect("a client");
+        let seed = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../config-seed");
+        let config = crate::settings::load_config_dir(&seed).expect("the seed config loads");
+        Harness {
+            llm,
+            client,
+            config,
+            mcp: agent_mcp::McpPool::new(),
+        }
+    }
+
+    /// Runs one step of `request` as the engine would (its pattern's iteration, then the commit,
+    /// without a journal) and returns what it sent.
+    async fn step(&self, request: &AgentRequest) -> Sent {
+        let sink = MemorySink::default();
+        let outputs = Outputs::Memory(sink.clone());
+        let uris = SessionUris::new(&request.session_id);
+        let out = DialogOutput::new(&outputs, Some("client-1"), "default", &uris.session(), 0);
+        let turn = Turn {
+            request,
+            session_id: &request.session_id,
+            uris: &uris,
+            out: &out,
+            config: &self.config,
+            llm: &self.client,
+            knowledge: None,
+            mcp: &self.mcp,
+            tokens_before: Default::default(),
+            run_tokens: 0,
+            abandoned: false,
+            seal: None,
+            elapsed: std::time::Duration::ZERO,
+            may_park: false,
+        };
+        super::iterate(&turn).await.expect("the step runs");
+        assert!(out.parked().is_none(), "nothing here is an outage");
+        out.commit(None).await.expect("the commit publishes");
+        Sent {
+            responses: sink.decoded(Channel::Responses),
+            requests: sink.decoded(Channel::Requests),
+            explained: sink.decoded(Channel::Explainability),
+            channels: sink.sent().iter().map(|s| s.channel).collect(),
+        }
+    }
+}
+
+fn request(question: &str, pattern: &str) -> AgentRequest {
+    AgentRequest {
+        question: question.to_owned(),
+        pattern: pattern.to_owned(),
+        session_id: "0b7d0c1e-5f5e-4c2a-9a57-3b0c8b2d1e01".to_owned(),
+        collection: "default".to_owned(),
+        ..AgentRequest::default()
+    }
+}
+
+fn closing(sent: &Sent) -> Vec<&AgentResponse> {
+    sent.responses.iter().filter(|r| r.end_of_dialog).collect()
+}
+
+#[tokio::test]
+async fn react_answers_and_closes_the_dialog_without_queueing_more() {
+    let harness = Harness::start().await;
+    let sent = harness.step(&request("what is one", "react")).await;
+    let closing = closing(&sent);
+    assert_eq!(
+        closing.len(),
+        1,
+        "one closing message: {:?}",
+        sent.responses
+    );
+    assert_eq!(closing[0].content, "ONE");
+    assert!(sent.requests.is_empty(), "an answer queues nothing");
+    assert!(
+        !sent.explained.is_empty(),
+        "the conclusion is recorded as provenance"
+    );
+    assert_eq!(harness.llm.calls().len(), 1);
+}
+
+#[tokio::test]
+async fn react_runs_the_chosen_tool_and_queues_the_next_iteration_with_its_observation() {
+    let harness = Harness::start().await;
+    let sent = harness.step(&request("ask the tool", "react")).await;
+    assert!(closing(&sent).is_empty(), "the dialog goes on");
+    assert_eq!(sent.requests.len(), 1, "one next iteration");
+    let next = &sent.requests[0];
+    assert_eq!(next.history.len(), 1);
+    assert_eq!(next.history[0].action, "llm");
+    assert_eq!(next.history[0].observation, "INNER");
+    assert_eq!(next.session_id, "0b7d0c1e-5f5e-4c2a-9a57-3b0c8b2d1e01");
+    assert!(
+        sent.responses
+            .iter()
+            .any(|r| r.message_type == "observation" && r.content == "INNER"),
+        "the client sees the observation: {:?}",
+        sent.responses
+    );
+    // The iteration and its observation are two nodes of the graph.
+    assert!(sent.explained.len() >= 2, "{:?}", sent.explained);
+    // The ReACT call, then the tool's own LLM call.
+    assert_eq!(harness.llm.calls().len(), 2);
+}
+
+#[tokio::test]
+async fn a_dialog_at_its_iteration_limit_concludes_without_an_llm_call() {
+    let harness = Harness::start().await;
+    let mut at_limit = request("ask the tool", "react");
+    at_limit.history = vec![
+        AgentStep {
+            thought: "again".to_owned(),
+            action: "llm".to_owned(),
+            observation: "LAST".to_owned(),
+            ..AgentStep::default()
+        };
+        harness.config.limits.max_iterations
+    ];
+    let sent = harness.step(&at_limit).await;
+    let closing = closing(&sent);
+    assert_eq!(closing.len(), 1);
+    assert!(
+        closing[0].content.contains("max_iterations") && closing[0].content.contains("LAST"),
+        "the answer says why it stopped and what it knew last: {}",
+        closing[0].content
+    );
+    assert!(sent.requests.is_empty());
+    assert!(harness.llm.calls().is_empty(), "no LLM call past the limit");
+}
+
+#[tokio::test]
+async fn plan_then_execute_first_makes_a_plan_and_carries_it_in_the_history() {
+    let harness = Harness::start().await;
+    let sent = harness
+        .step(&request("Combine a and b", "plan-then-execute"))
+        .await;
+    assert!(closing(&sent).is_empty());
+    assert_eq!(sent.requests.len(), 1, "the first step is queued");
+    let plan = sent.requests[0].history[0]
+        .plan
+        .as_ref()
+        .expect("the history carries the plan");
+    let goals: Vec<&str> = plan.iter().map(|s| s.goal.as_str()).collect();
+    assert_eq!(goals, ["find a", "find b"]);
+    assert_eq!(plan[1].depends_on, [0]);
+}
+
+#[tokio::test]
+async fn a_supervisor_starts_one_subagent_per_goal_and_waits() {
+    let harness = Harness::start().await;
+    let sent = harness
+        .step(&request("Compare alpha and beta", "supervisor"))
+        .await;
+    assert!(closing(&sent).is_empty(), "the supervisor waits for fan-in");
+    let goals: Vec<&str> = sent
+        .requests
+        .iter()
+        .map(|r| r.subagent_goal.as_str())
+        .collect();
+    assert_eq!(goals, ["price of alpha", "price of beta"]);
+    assert!(sent.requests.iter().all(|r| {
+        r.parent_session_id == "0b7d0c1e-5f5e-4c2a-9a57-3b0c8b2d1e01"
+            && r.expected_siblings == 2
+            && !r.correlation_id.is_empty()
+    }));
+    // The fan-out's node is sent before the subagents: fan-in counts their completions against it.
+    let first_subagent = sent.channels.iter().position(|c| *c == Channel::Requests);
+    let first_node = sent
+        .channels
+        .iter()
+        .position(|c| *c == Channel::Explainability);
+    assert!(first_node < first_subagent, "{:?}", sent.channels);
+}
