@@ -202,7 +202,7 @@ async fn record_all(
     for index in stripes {
         _only_writer_of_these_keys.push(STRIPE_LOCKS[index].lock().await);
     }
-    let now = chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Micros, true);
+    let now = canonical_instant(chrono::Utc::now());
     let mut decided: std::collections::HashMap<String, JournalEntry> = Default::default();
     let mut writes = Vec::new();
     let mut standing = Vec::with_capacity(requests.len());
@@ -231,6 +231,17 @@ async fn record_all(
         store.insert(writes).await?;
     }
     Ok(standing)
+}
+
+/// `at` as the store gives an `xsd:dateTime` back (its canonical form: no trailing zeros in the
+/// fraction of a second), so the entry a record answers equals the entry a later read finds.
+fn canonical_instant(at: chrono::DateTime<chrono::Utc>) -> String {
+    let micros = at.to_rfc3339_opts(chrono::SecondsFormat::Micros, true);
+    let Some(stamp) = micros.strip_suffix('Z') else {
+        return micros;
+    };
+    let stamp = stamp.trim_end_matches('0').trim_end_matches('.');
+    format!("{stamp}Z")
 }
 
 fn tg(local: &str) -> NamedNode {
@@ -289,6 +300,36 @@ mod tests {
             outcome: outcome.into(),
             delivery: "m".into(),
             attempt: attempt.into(),
+        }
+    }
+
+    #[test]
+    fn instants_are_written_as_the_store_reads_them_back() {
+        use chrono::TimeZone;
+        let at = |micros: u32| {
+            chrono::Utc
+                .with_ymd_and_hms(2026, 11, 25, 0, 48, 33)
+                .unwrap()
+                .checked_add_signed(chrono::Duration::microseconds(i64::from(micros)))
+                .unwrap()
+        };
+        assert_eq!(canonical_instant(at(719_990)), "2026-11-25T00:48:33.71999Z");
+        assert_eq!(
+            canonical_instant(at(719_991)),
+            "2026-11-25T00:48:33.719991Z"
+        );
+        assert_eq!(canonical_instant(at(0)), "2026-11-25T00:48:33Z");
+    }
+
+    #[tokio::test]
+    async fn a_recorded_instant_reads_back_as_it_was_answered() {
+        let journal = Journal::Owner(GraphStore::in_memory().unwrap());
+        for i in 0..20 {
+            let mut first = request("o", "a");
+            first.entry = format!("urn:trustgraph:agent:s/journal/i{i}-x");
+            let answered = journal.record(first.clone()).await.unwrap();
+            let stored = journal.entry(&node(&first.entry).unwrap()).await.unwrap();
+            assert_eq!(Some(answered), stored);
         }
     }
 
