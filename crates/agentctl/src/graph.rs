@@ -240,7 +240,7 @@ fn triple_format(file: &Path) -> anyhow::Result<&'static str> {
 /// Loads an RDF file into a collection, through the aggregator's endpoint or into a store
 /// directory no process owns.
 pub async fn load(args: LoadArgs) -> anyhow::Result<i32> {
-    let graph = agent_graph::knowledge::collection_graph(&args.collection)
+    let graph = agent_orchestrator::tools::knowledge::collection_graph(&args.collection)
         .map_err(|e| anyhow::anyhow!(e))?;
     let format = triple_format(&args.file)?;
     let data =

@@ -6,7 +6,6 @@ pub mod batch;
 pub mod convert;
 pub mod explain;
 pub mod journal;
-pub mod knowledge;
 pub mod queries;
 mod remote;
 

@@ -14,7 +14,7 @@ pub mod patterns;
 pub mod router;
 pub mod settings;
 pub mod stream;
-pub mod tool_exec;
+pub mod tools;
 pub mod turn;
 
 use std::sync::Arc;

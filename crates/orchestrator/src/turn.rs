@@ -14,7 +14,7 @@ use agent_schema::{AgentRequest, AgentStep, MessageType};
 use crate::budget;
 use crate::emit::DialogOutput;
 use crate::patterns::react;
-use crate::tool_exec;
+use crate::tools;
 
 /// The inputs of one step of a dialog.
 pub struct Turn<'a> {
@@ -51,7 +51,7 @@ impl Turn<'_> {
         for tool in scope.visible(&self.config.tools) {
             let mut tool = tool.clone();
             if tool.kind == agent_core::tools::MCP_TOOL && tool.arguments.is_empty() {
-                match tokio::time::timeout(limit, tool_exec::mcp_arguments(self, &tool)).await {
+                match tokio::time::timeout(limit, tools::mcp_arguments(self, &tool)).await {
                     Ok(Ok(arguments)) => tool.arguments = arguments,
                     Ok(Err(e)) => {
                         tracing::warn!(tool = %tool.name, error = %e, "the MCP tool's arguments are not known")

@@ -17,7 +17,7 @@ use agent_llm::ChatMessage;
 use agent_schema::{AgentStep, MessageType, PlanStep, StepType};
 
 use crate::finish::{conclude_if_limited, fail, llm_failed};
-use crate::tool_exec::{run_scoped_tool, truncate};
+use crate::tools::{run_scoped_tool, truncate};
 use crate::turn::{add_call, tokens_after, Turn};
 
 /// Times the LLM is asked for a plan in one iteration before a one-step plan stands in.

@@ -15,7 +15,7 @@ use agent_schema::{AgentStep, MessageType, StepType};
 use tokio::sync::mpsc;
 
 use crate::finish::{conclude_if_limited, llm_failed};
-use crate::tool_exec::run_scoped_tool;
+use crate::tools::run_scoped_tool;
 use crate::turn::Turn;
 
 /// What the model writes when it runs on past its action: a stop sequence there saves the tokens

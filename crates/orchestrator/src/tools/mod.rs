@@ -1,4 +1,9 @@
-//! Runs a tool the LLM chose. Every failure becomes an `Error: ...` observation so the loop goes on.
+//! Every tool the orchestrator runs, in one place: the LLM's choice checked against its scope,
+//! then the tool run (an LLM call, the knowledge tools over the graph, an MCP server's tool). Every
+//! failure becomes an `Error: ...` observation so the loop goes on. Which tools exist and who may
+//! see them is configuration (`agent_core::tools`).
+
+pub mod knowledge;
 
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
@@ -6,7 +11,7 @@ use std::time::{Duration, Instant};
 use agent_core::config::AgentConfig;
 use agent_core::prompt::{render, PromptTemplate};
 use agent_core::tools::{Scope, ToolArgument, ToolDef, MCP_TOOL};
-use agent_graph::{knowledge, GraphStore};
+use agent_graph::GraphStore;
 use agent_llm::{ChatMessage, LlmClient};
 use agent_mcp::{Endpoint, McpPool};
 

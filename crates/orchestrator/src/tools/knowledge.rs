@@ -7,9 +7,8 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt::Write;
 
-use oxigraph::model::Term;
-
-use crate::{GraphError, GraphStore, QueryAnswer};
+use agent_graph::model::Term;
+use agent_graph::{GraphError, GraphStore, QueryAnswer};
 
 /// Entities whose neighbourhood a knowledge query returns, best matches first.
 const MAX_ENTITIES: usize = 8;
@@ -55,7 +54,7 @@ pub fn confine_query(sparql: &str, graph: &str) -> Result<String, String> {
                 .to_owned(),
         );
     }
-    let graph = oxigraph::model::NamedNode::new(graph).map_err(|e| e.to_string())?;
+    let graph = agent_graph::model::NamedNode::new(graph).map_err(|e| e.to_string())?;
     *dataset = Some(spargebra::algebra::QueryDataset {
         default: vec![graph],
         named: Some(Vec::new()),
