@@ -5,6 +5,7 @@
 
 pub mod budget;
 pub mod emit;
+pub mod events;
 pub mod finish;
 pub mod journal;
 pub mod live_config;
@@ -74,6 +75,22 @@ enum Settled {
     Done,
     /// Set aside by an outage; nothing was committed.
     Parked(emit::Park),
+}
+
+/// Where a step stands in its run (see [`Engine::standing`]).
+struct Standing {
+    /// The dialog's tokens before this step.
+    tokens_before: budget::Tokens,
+    /// When the run's first message was taken up.
+    started_ms: u64,
+    /// The run's tokens outside this dialog when it started.
+    run_base: u64,
+    run_uri: String,
+    /// The whole run's tokens before this step.
+    run_tokens: u64,
+    /// A subagent whose supervisor stopped waiting for it.
+    abandoned: bool,
+    elapsed: Duration,
 }
 
 /// The shortest and longest pause between tries of a parked step.
@@ -177,13 +194,12 @@ impl Engine {
                 .unwrap_or(pause)
                 .clamp(PARK_PAUSE.0, PARK_PAUSE.1);
             pause = (pause * 2).min(PARK_PAUSE.1);
-            metrics::parked();
-            tracing::warn!(
-                cause = %park.cause,
-                outage_secs = since.elapsed().as_secs(),
-                retry_in_ms = wait.as_millis() as u64,
-                "an outage parks this step"
-            );
+            events::StepParked {
+                cause: &park.cause,
+                outage: since.elapsed(),
+                retry_in: wait,
+            }
+            .emit();
             tokio::select! {
                 _ = self.shutdown.cancelled() => {
                     return Disposition::Nack("shutting down while parked".to_owned())
@@ -196,49 +212,36 @@ impl Engine {
     /// Ends the dialog of `delivery` with the error `why` (a subagent's as a failed completion, so
     /// its supervisor is not left waiting). Nacked only when even that cannot be published.
     pub async fn give_up(&self, delivery: Delivery<AgentRequest>, why: &str) -> Disposition {
-        tracing::error!(%why, "giving up on a step; its dialog ends with an error");
+        events::StepGivenUp { why }.emit();
         match self.handle_inner(delivery, Attempt::GiveUp(why)).await {
             Ok(_) => Disposition::Ack,
             Err(e) => Disposition::Nack(e.to_string()),
         }
     }
 
-    async fn handle_inner(
+    /// Where a step stands in its run: its tokens and start (carried by the message, never taken
+    /// from a client), a subagent's checked against its seal or the graph's fan-out (a forged one
+    /// is refused through `verdict`), and what the run has spent. `Ok(Err(park))` when the graph
+    /// may only be behind.
+    async fn standing(
         &self,
-        delivery: Delivery<AgentRequest>,
+        request: &mut AgentRequest,
+        properties: &agent_bus::Properties,
+        session_id: &str,
+        new_dialog: bool,
+        verdict: &mut Result<(), String>,
         attempt: Attempt<'_>,
-    ) -> Result<Settled, StepError> {
-        let taken = std::time::Instant::now();
-        let Delivery {
-            payload: mut request,
-            properties,
-            message_id,
-            payload_bytes,
-        } = delivery;
-        let id = properties.get(ID_PROPERTY).map(String::as_str);
+    ) -> Result<Result<Standing, emit::Park>, StepError> {
         let token = |key: &str| {
             properties
                 .get(key)
                 .and_then(|v| v.parse::<u64>().ok())
                 .unwrap_or(0)
         };
-        let session_id = session_id_for(&request, id);
-        let uris = SessionUris::new(&session_id);
-        let config = self.config.current();
-        // The router's mark is honoured only on what the router queues: a first iteration with its
-        // pattern and session set. Anything else without history is a new dialog.
-        let routed = properties.contains_key(router::ROUTED_PROPERTY)
-            && request.history.is_empty()
-            && !request.pattern.is_empty()
-            && !request.session_id.is_empty();
-        let new_dialog = request.history.is_empty() && !routed;
-        // Checked before anything is named after the request's ids: a hostile id must earn the
-        // client an error, not fail to name a journal entry until the message is dead-lettered.
-        let mut verdict = validate(&request, &config, new_dialog, payload_bytes);
         let now_ms = chrono::Utc::now().timestamp_millis().max(0) as u64;
         // Limits are never taken from a client: a dialog's first message starts its run now and
         // at zero, whatever properties it carries.
-        let subagent = agent_core::supervisor::is_subagent(&request);
+        let subagent = agent_core::supervisor::is_subagent(request);
         let from_client = new_dialog && !subagent;
         let carried = |key: &str| if from_client { 0 } else { token(key) };
         let tokens_before = budget::Tokens {
@@ -261,7 +264,7 @@ impl Engine {
             if let Some(key) = &self.seal {
                 // Sealed by the supervisor that spawned it: its start and budget are ours.
                 let parts = emit::subagent_seal_parts(
-                    &request,
+                    request,
                     token(STARTED_PROPERTY),
                     token(RUN_TOKENS_PROPERTY),
                 );
@@ -272,12 +275,12 @@ impl Engine {
                     tracing::warn!(session = %session_id, "refusing an unsealed subagent request");
                     request.parent_session_id.clear();
                     request.correlation_id.clear();
-                    verdict = Err("the request names a fan-out (parent_session_id and correlation_id) without this service's seal; only the orchestrator starts subagents".to_owned());
+                    *verdict = Err("the request names a fan-out (parent_session_id and correlation_id) without this service's seal; only the orchestrator starts subagents".to_owned());
                     started_ms = now_ms;
                     run_base = 0;
                 }
             } else if let Some(store) = store {
-                match budget::fanout_of(store, &request, &session_id).await? {
+                match budget::fanout_of(store, request, session_id).await? {
                     Some(inherited) => {
                         if inherited.started_ms > 0 {
                             started_ms = inherited.started_ms.min(now_ms);
@@ -287,7 +290,7 @@ impl Engine {
                     // The aggregator may only be behind (restarting, catching up after the
                     // broker came back): wait, as for an outage, before calling it forged.
                     None if matches!(attempt, Attempt::Run { may_park: true }) => {
-                        return Ok(Settled::Parked(emit::Park {
+                        return Ok(Err(emit::Park {
                             cause: "the fan-out that started this subagent is not in the graph; a request that names a fan-out this service did not record is refused".to_owned(),
                             retry_after: None,
                         }));
@@ -297,7 +300,7 @@ impl Engine {
                         // Not a subagent: its refusal goes to whoever sent it, not into a fan-out.
                         request.parent_session_id.clear();
                         request.correlation_id.clear();
-                        verdict = Err("the request names a fan-out (parent_session_id and correlation_id) that this service did not record; only the orchestrator starts subagents".to_owned());
+                        *verdict = Err("the request names a fan-out (parent_session_id and correlation_id) that this service did not record; only the orchestrator starts subagents".to_owned());
                         started_ms = now_ms;
                         run_base = 0;
                     }
@@ -308,9 +311,9 @@ impl Engine {
         // Only a subagent (checked above) shares a run: a client that names its session like a
         // subagent's must not spend from someone else's budget.
         let run = if subagent {
-            budget::run_of(&session_id).to_owned()
+            budget::run_of(session_id).to_owned()
         } else {
-            session_id.clone()
+            session_id.to_owned()
         };
         let run_uri = SessionUris::new(&run).session();
         let mut run_tokens = run_base + tokens_before.total();
@@ -320,9 +323,69 @@ impl Engine {
         if run != session_id && verdict.is_ok() {
             if let Some(store) = store {
                 run_tokens = run_tokens.max(budget::run_tokens(store, &run_uri).await?);
-                abandoned = subagent && budget::abandoned(store, &session_id).await?;
+                abandoned = subagent && budget::abandoned(store, session_id).await?;
             }
         }
+        Ok(Ok(Standing {
+            tokens_before,
+            started_ms,
+            run_base,
+            run_uri,
+            run_tokens,
+            abandoned,
+            elapsed,
+        }))
+    }
+
+    async fn handle_inner(
+        &self,
+        delivery: Delivery<AgentRequest>,
+        attempt: Attempt<'_>,
+    ) -> Result<Settled, StepError> {
+        let taken = std::time::Instant::now();
+        let Delivery {
+            payload: mut request,
+            properties,
+            message_id,
+            payload_bytes,
+        } = delivery;
+        let id = properties.get(ID_PROPERTY).map(String::as_str);
+        let session_id = session_id_for(&request, id);
+        let uris = SessionUris::new(&session_id);
+        let config = self.config.current();
+        // The router's mark is honoured only on what the router queues: a first iteration with its
+        // pattern and session set. Anything else without history is a new dialog.
+        let routed = properties.contains_key(router::ROUTED_PROPERTY)
+            && request.history.is_empty()
+            && !request.pattern.is_empty()
+            && !request.session_id.is_empty();
+        let new_dialog = request.history.is_empty() && !routed;
+        // Checked before anything is named after the request's ids: a hostile id must earn the
+        // client an error, not fail to name a journal entry until the message is dead-lettered.
+        let mut verdict = validate(&request, &config, new_dialog, payload_bytes);
+        let standing = match self
+            .standing(
+                &mut request,
+                &properties,
+                &session_id,
+                new_dialog,
+                &mut verdict,
+                attempt,
+            )
+            .await?
+        {
+            Ok(standing) => standing,
+            Err(park) => return Ok(Settled::Parked(park)),
+        };
+        let Standing {
+            tokens_before,
+            started_ms,
+            run_base,
+            run_uri,
+            run_tokens,
+            abandoned,
+            elapsed,
+        } = standing;
         let mut out = DialogOutput::new(
             &self.outputs,
             id,
@@ -379,19 +442,7 @@ impl Engine {
             request.pattern.clone_from(&decision.pattern.selected);
         }
         let n = request.history.len() + 1;
-        // Joins the trace the message came with (the client's, or the previous step's).
-        let traceparent = properties
-            .get(agent_telemetry::trace::TRACEPARENT_PROPERTY)
-            .map_or("", String::as_str);
-        let span = tracing::info_span!(
-            "iteration",
-            session = %session_id,
-            iteration = n,
-            id = id.unwrap_or(""),
-            pattern = %request.pattern,
-            correlation = %request.correlation_id,
-            traceparent = traceparent,
-        );
+        let span = iteration_span(&request, &session_id, id, &properties);
         // Everything this step sends carries the step's span, so the next step (in any replica)
         // and the aggregator continue the same trace.
         if let Some(context) = agent_telemetry::trace::traceparent(&span) {
@@ -423,59 +474,44 @@ impl Engine {
                 out.respond(&AgentResponse::error(problem))?;
             }
             out.commit(slot.as_ref()).await?;
-            metrics::step("refused", false, out.ended(), taken.elapsed());
+            events::StepCommitted {
+                pattern: "refused",
+                first_iteration: false,
+                ended: out.ended(),
+                took: taken.elapsed(),
+            }
+            .emit();
             return Ok(Settled::Done);
         }
         if let Attempt::GiveUp(why) = attempt {
             finish::fail(&turn, n, why).await?;
             out.commit(None).await?;
-            metrics::step("given-up", false, out.ended(), taken.elapsed());
+            events::StepCommitted {
+                pattern: "given-up",
+                first_iteration: false,
+                ended: out.ended(),
+                took: taken.elapsed(),
+            }
+            .emit();
             return Ok(Settled::Done);
         }
-        async {
-            if new_dialog {
-                let started =
-                    chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Micros, true);
-                let mut question = provenance::session(&uris, &request.question, &started);
-                // A subagent's run hangs off its supervisor's fan-out: one DAG from the root.
-                if agent_core::supervisor::is_subagent(&request) {
-                    question.extend(provenance::derived_from(
-                        &uris.session(),
-                        &SessionUris::new(&request.parent_session_id)
-                            .fanout(&request.correlation_id),
-                    ));
-                }
-                out.explain(&uris.session(), question)?;
-                let Some(decision) = &requested else {
-                    return router::route(&turn).await;
-                };
-                out.explain(
-                    &uris.pattern_decision(),
-                    provenance::pattern_decision(&uris, decision, &CallStats::default()),
-                )?;
-            }
-            patterns::iterate(&turn).await
-        }
-        .instrument(span)
-        .await?;
+        begin_or_continue(&turn, new_dialog, requested.as_ref())
+            .instrument(span)
+            .await?;
         if let Some(park) = out.parked() {
             return Ok(Settled::Parked(park));
         }
         // Everything this message caused must be on the broker before it is acked.
         out.commit(slot.as_ref()).await?;
         let routing = new_dialog && requested.is_none();
-        let pattern = match request.pattern.as_str() {
-            _ if routing => "router",
-            "" => Pattern::React.name(),
-            named if config.patterns.contains_key(named) || Pattern::runs(named) => named,
-            _ => "other",
-        };
-        metrics::step(
+        let pattern = metrics_label(&request, &config, routing);
+        events::StepCommitted {
             pattern,
-            !routing && request.history.is_empty(),
-            out.ended(),
-            taken.elapsed(),
-        );
+            first_iteration: !routing && request.history.is_empty(),
+            ended: out.ended(),
+            took: taken.elapsed(),
+        }
+        .emit();
         Ok(Settled::Done)
     }
 }
@@ -491,6 +527,69 @@ fn session_id_for(request: &AgentRequest, id: Option<&str>) -> String {
             uuid::Uuid::new_v5(&uuid::Uuid::NAMESPACE_URL, id.as_bytes()).to_string()
         }
         _ => uuid::Uuid::new_v4().to_string(),
+    }
+}
+
+/// The step's span, in the trace its message came with (the client's, or the previous step's).
+fn iteration_span(
+    request: &AgentRequest,
+    session_id: &str,
+    id: Option<&str>,
+    properties: &agent_bus::Properties,
+) -> tracing::Span {
+    let traceparent = properties
+        .get(agent_telemetry::trace::TRACEPARENT_PROPERTY)
+        .map_or("", String::as_str);
+    tracing::info_span!(
+        "iteration",
+        session = %session_id,
+        iteration = request.history.len() + 1,
+        id = id.unwrap_or(""),
+        pattern = %request.pattern,
+        correlation = %request.correlation_id,
+        traceparent = traceparent,
+    )
+}
+
+/// The step's own work: a new dialog's first node (and, unless its request named a pattern, the
+/// meta-router's step), then one iteration of its pattern.
+async fn begin_or_continue(
+    turn: &Turn<'_>,
+    new_dialog: bool,
+    requested: Option<&agent_core::router::Decision>,
+) -> Result<(), agent_bus::BusError> {
+    let Turn {
+        request, uris, out, ..
+    } = turn;
+    if new_dialog {
+        let started = chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Micros, true);
+        let mut question = provenance::session(uris, &request.question, &started);
+        // A subagent's run hangs off its supervisor's fan-out: one DAG from the root.
+        if agent_core::supervisor::is_subagent(request) {
+            question.extend(provenance::derived_from(
+                &uris.session(),
+                &SessionUris::new(&request.parent_session_id).fanout(&request.correlation_id),
+            ));
+        }
+        out.explain(&uris.session(), question)?;
+        let Some(decision) = requested else {
+            return router::route(turn).await;
+        };
+        out.explain(
+            &uris.pattern_decision(),
+            provenance::pattern_decision(uris, decision, &CallStats::default()),
+        )?;
+    }
+    patterns::iterate(turn).await
+}
+
+/// The pattern a step is counted under in the metrics (a bounded set of labels).
+fn metrics_label<'a>(request: &'a AgentRequest, config: &AgentConfig, routing: bool) -> &'a str {
+    match request.pattern.as_str() {
+        _ if routing => "router",
+        "" => Pattern::React.name(),
+        named if config.patterns.contains_key(named) || Pattern::runs(named) => named,
+        _ => "other",
     }
 }
 

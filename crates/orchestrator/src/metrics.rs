@@ -1,8 +1,6 @@
 //! The orchestrator's Prometheus metrics: dialogs, iterations, tool calls and the consumer's message
 //! fates. Label values come from config or from a fixed set, never from a request, so a client
-//! cannot grow the number of series.
-
-use std::time::Duration;
+//! cannot grow the number of series. What counts them is [`crate::events`].
 
 use agent_bus::ConsumerStats;
 use agent_metrics::{global, Kind};
@@ -15,6 +13,7 @@ pub const TOOL_CALLS: &str = "agent_tool_calls_total";
 pub const TOOL_LATENCY: &str = "agent_tool_call_duration_seconds";
 pub const MESSAGES: &str = "agent_request_messages_total";
 pub const PARKED: &str = "agent_steps_parked_total";
+pub const GIVEN_UP: &str = "agent_steps_given_up_total";
 
 /// Declares every family this process reports, so `/metrics` lists them from the start.
 pub fn describe() {
@@ -51,35 +50,12 @@ pub fn describe() {
         Kind::Counter,
         "Times a step was set aside by an outage (LLM, store or broker) to be tried again.",
     );
+    registry.describe(
+        GIVEN_UP,
+        Kind::Counter,
+        "Steps that could not run (an outage past its window, or a fault), whose dialog ended with an error.",
+    );
     agent_llm::describe_metrics();
-}
-
-/// A step set aside by an outage.
-pub fn parked() {
-    global().inc(PARKED, &[]);
-}
-
-/// A committed step.
-pub fn step(pattern: &str, first_iteration: bool, ended: Option<&str>, took: Duration) {
-    let registry = global();
-    registry.inc(ITERATIONS, &[("pattern", pattern)]);
-    registry.observe(ITERATION_LATENCY, &[("pattern", pattern)], took);
-    if first_iteration {
-        registry.inc(DIALOGS_STARTED, &[("pattern", pattern)]);
-    }
-    if let Some(outcome) = ended {
-        registry.inc(
-            DIALOGS_FINISHED,
-            &[("pattern", pattern), ("outcome", outcome)],
-        );
-    }
-}
-
-/// A tool run; `tool` is a configured tool's name (or `unknown`).
-pub fn tool_call(tool: &str, outcome: &str, took: Duration) {
-    let registry = global();
-    registry.inc(TOOL_CALLS, &[("tool", tool), ("outcome", outcome)]);
-    registry.observe(TOOL_LATENCY, &[("tool", tool)], took);
 }
 
 /// Copies the consumer's counters into the registry (at scrape time: they are kept by the bus).

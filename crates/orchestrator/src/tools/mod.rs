@@ -107,7 +107,12 @@ pub async fn run_scoped_tool(
         found => {
             // The name the LLM wrote is not a label: only configured names are.
             let label = found.map_or("unknown", |t| t.name.as_str());
-            crate::metrics::tool_call(label, ToolOutcome::Refused.label(), Duration::ZERO);
+            crate::events::ToolCalled {
+                tool: label,
+                outcome: ToolOutcome::Refused.label(),
+                took: Duration::ZERO,
+            }
+            .emit();
             let why = if found.is_some() {
                 format!(
                     "Error: the tool '{action}' is not available to this request (group or state)"
@@ -147,7 +152,12 @@ pub async fn run_tool(
         Ok(Err(_)) => ToolOutcome::Failed,
         Err(_) => ToolOutcome::TimedOut,
     };
-    crate::metrics::tool_call(&tool.name, fate.label(), started.elapsed());
+    crate::events::ToolCalled {
+        tool: &tool.name,
+        outcome: fate.label(),
+        took: started.elapsed(),
+    }
+    .emit();
     let (observation, in_token, out_token) = match outcome {
         Ok(Ok((text, i, o))) => (text, i, o),
         Ok(Err(message)) => (format!("Error: {message}"), 0, 0),

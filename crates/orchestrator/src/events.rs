@@ -1,0 +1,140 @@
+//! What the orchestrator tells about itself, as typed events: each one is logged and counted by
+//! one call, so a log line and its metric cannot drift apart (the idea of vector's
+//! `internal_events`). Metric names and help texts are in [`crate::metrics`].
+
+use std::time::Duration;
+
+use agent_metrics::global;
+
+use crate::metrics::{
+    DIALOGS_FINISHED, DIALOGS_STARTED, GIVEN_UP, ITERATIONS, ITERATION_LATENCY, PARKED, TOOL_CALLS,
+    TOOL_LATENCY,
+};
+
+/// An outage set a step aside; it runs again after `retry_in`.
+pub struct StepParked<'a> {
+    pub cause: &'a str,
+    /// How long the outage has lasted for this step.
+    pub outage: Duration,
+    pub retry_in: Duration,
+}
+
+impl StepParked<'_> {
+    pub fn emit(&self) {
+        global().inc(PARKED, &[]);
+        tracing::warn!(
+            cause = %self.cause,
+            outage_secs = self.outage.as_secs(),
+            retry_in_ms = self.retry_in.as_millis() as u64,
+            "an outage parks this step"
+        );
+    }
+}
+
+/// A step that cannot run: its dialog ends with `why`.
+pub struct StepGivenUp<'a> {
+    pub why: &'a str,
+}
+
+impl StepGivenUp<'_> {
+    pub fn emit(&self) {
+        global().inc(GIVEN_UP, &[]);
+        tracing::error!(why = %self.why, "giving up on a step; its dialog ends with an error");
+    }
+}
+
+/// A step committed: everything it caused is on the broker.
+pub struct StepCommitted<'a> {
+    /// A bounded label: a configured or built-in pattern, `router`, `refused`, `given-up`.
+    pub pattern: &'a str,
+    /// The dialog's first pattern iteration.
+    pub first_iteration: bool,
+    /// How the dialog ended in this step (`answer` or `error`), if it did.
+    pub ended: Option<&'a str>,
+    pub took: Duration,
+}
+
+impl StepCommitted<'_> {
+    pub fn emit(&self) {
+        let registry = global();
+        let pattern = [("pattern", self.pattern)];
+        registry.inc(ITERATIONS, &pattern);
+        registry.observe(ITERATION_LATENCY, &pattern, self.took);
+        if self.first_iteration {
+            registry.inc(DIALOGS_STARTED, &pattern);
+        }
+        if let Some(outcome) = self.ended {
+            registry.inc(
+                DIALOGS_FINISHED,
+                &[("pattern", self.pattern), ("outcome", outcome)],
+            );
+        }
+        tracing::debug!(
+            pattern = self.pattern,
+            ended = self.ended.unwrap_or(""),
+            took_us = self.took.as_micros() as u64,
+            "step committed"
+        );
+    }
+}
+
+/// A tool ran (or was refused).
+pub struct ToolCalled<'a> {
+    /// A configured tool's name, or `unknown`: never what the LLM wrote.
+    pub tool: &'a str,
+    /// `ok`, `error`, `timeout` or `refused`.
+    pub outcome: &'a str,
+    pub took: Duration,
+}
+
+impl ToolCalled<'_> {
+    pub fn emit(&self) {
+        let registry = global();
+        registry.inc(
+            TOOL_CALLS,
+            &[("tool", self.tool), ("outcome", self.outcome)],
+        );
+        registry.observe(TOOL_LATENCY, &[("tool", self.tool)], self.took);
+        tracing::debug!(
+            tool = self.tool,
+            outcome = self.outcome,
+            took_ms = self.took.as_millis() as u64,
+            "tool called"
+        );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The value of the series of `name` whose labels include every one of `labels`.
+    fn count(name: &str, labels: &[&str]) -> f64 {
+        let text = global().render();
+        text.lines()
+            .find(|l| l.starts_with(&format!("{name}{{")) && labels.iter().all(|x| l.contains(x)))
+            .and_then(|l| l.rsplit(' ').next())
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0.0)
+    }
+
+    #[test]
+    fn an_event_counts_what_it_logs() {
+        crate::metrics::describe();
+        let before = count(
+            TOOL_CALLS,
+            &[r#"outcome="refused""#, r#"tool="events-test""#],
+        );
+        ToolCalled {
+            tool: "events-test",
+            outcome: "refused",
+            took: Duration::ZERO,
+        }
+        .emit();
+        let after = count(
+            TOOL_CALLS,
+            &[r#"outcome="refused""#, r#"tool="events-test""#],
+        );
+        assert_eq!(after, before + 1.0);
+    }
+}
