@@ -1,10 +1,12 @@
 //! Test harness for end-to-end tests: a real `pulsar-lite` broker on a free loopback port, the
-//! scripted LLM, and the real `agent-orchestrator` binary as a child process that tests can SIGKILL.
+//! scripted LLM, and the services: in the test process where a test only talks to them, the real
+//! binaries as child processes where it SIGKILLs them.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 pub use agent_bus::apache;
 
 pub mod fuseki;
+pub mod in_process;
 
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
@@ -90,12 +92,28 @@ pub fn binary(name: &str) -> PathBuf {
 /// The seal key every orchestrator and aggregator the harness starts shares (`AGENT_SEAL_KEY`).
 pub const SEAL_KEY: &str = "e2e-seal-key";
 
-/// An `agent-orchestrator` child process; SIGKILLed on drop.
+/// An orchestrator: inside the test process ([`in_process::InProcess`]) unless the test asked for a
+/// child process (one it SIGKILLs, SIGTERMs, gives environment or scrapes: the metrics registry is
+/// per process); either way it is stopped without draining on drop.
 pub struct Orchestrator {
-    child: Child,
+    running: Running,
     /// What it was started with, to start it again.
     launch: Vec<std::ffi::OsString>,
     env: Vec<(String, String)>,
+}
+
+enum Running {
+    Child(Child),
+    InProcess(in_process::InProcess),
+}
+
+/// Where an orchestrator runs.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub enum Place {
+    /// A thread of the test process.
+    InProcess,
+    /// The `agent-orchestrator` binary, for tests that kill it or read its metrics.
+    Child,
 }
 
 impl Orchestrator {
@@ -108,9 +126,40 @@ impl Orchestrator {
         Self::spawn_with_env(broker, llm, config_dir, extra, &[])
     }
 
+    /// The `agent-orchestrator` binary as a child process, for a test that SIGKILLs or SIGTERMs it.
+    pub fn child(
+        broker: &Broker,
+        llm: &ScriptedLlm,
+        config_dir: &std::path::Path,
+        extra: &[&str],
+    ) -> Orchestrator {
+        Self::start(
+            Place::Child,
+            &broker.url(),
+            &llm.base_url(),
+            "scripted",
+            config_dir,
+            extra,
+            &[],
+        )
+    }
+
     /// An orchestrator that journals its iterations in `aggregator`'s store (which must have been
-    /// started with `--config-token token`), with extra environment (such as `AGENT_FAULT`).
+    /// started with `--config-token token`), with extra environment (such as `AGENT_FAULT`, which
+    /// makes it a child process).
     pub fn spawn_journaled(
+        broker: &Broker,
+        llm: &ScriptedLlm,
+        aggregator: &Aggregator,
+        token: &str,
+        env: &[(&str, &str)],
+    ) -> Orchestrator {
+        Self::journaled(Place::InProcess, broker, llm, aggregator, token, env)
+    }
+
+    /// [`Orchestrator::spawn_journaled`] in `place`.
+    pub fn journaled(
+        place: Place,
         broker: &Broker,
         llm: &ScriptedLlm,
         aggregator: &Aggregator,
@@ -123,7 +172,15 @@ impl Orchestrator {
             "--config-token",
             token,
         ];
-        Self::spawn_with_env(broker, llm, &seed_dir(), &extra, env)
+        Self::start(
+            place,
+            &broker.url(),
+            &llm.base_url(),
+            "scripted",
+            &seed_dir(),
+            &extra,
+            env,
+        )
     }
 
     pub fn spawn_with_env(
@@ -156,6 +213,27 @@ impl Orchestrator {
         extra: &[&str],
         env: &[(&str, &str)],
     ) -> Orchestrator {
+        Self::start(
+            Place::InProcess,
+            url,
+            llm_url,
+            model,
+            config_dir,
+            extra,
+            env,
+        )
+    }
+
+    /// An orchestrator in `place`. Environment is per process: one given any runs as a child.
+    pub fn start(
+        place: Place,
+        url: &str,
+        llm_url: &str,
+        model: &str,
+        config_dir: &std::path::Path,
+        extra: &[&str],
+        env: &[(&str, &str)],
+    ) -> Orchestrator {
         let mut launch: Vec<std::ffi::OsString> = vec![
             "--pulsar-url".into(),
             url.into(),
@@ -171,11 +249,53 @@ impl Orchestrator {
             .iter()
             .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
             .collect();
-        let child = Self::launch(&launch, &env);
-        Orchestrator { child, launch, env }
+        let place = if env.is_empty() { place } else { Place::Child };
+        let running = Self::launch(place, &launch, &env);
+        Orchestrator {
+            running,
+            launch,
+            env,
+        }
     }
 
-    fn launch(args: &[std::ffi::OsString], env: &[(String, String)]) -> Child {
+    fn launch(place: Place, args: &[std::ffi::OsString], env: &[(String, String)]) -> Running {
+        match place {
+            Place::Child => Running::Child(Self::launch_child(args, env)),
+            Place::InProcess => Running::InProcess(Self::launch_in_process(args)),
+        }
+    }
+
+    fn launch_in_process(args: &[std::ffi::OsString]) -> in_process::InProcess {
+        #[derive(clap::Parser)]
+        struct Args {
+            #[command(flatten)]
+            settings: agent_orchestrator::Settings,
+        }
+        // The same settings as a child's: its own free port and sealed unless the test says
+        // otherwise, and no journal unless asked (clap would otherwise take GRAPH_STORE from the
+        // test's environment).
+        let given = |flag: &str| args.iter().any(|a| a == flag);
+        let mut full: Vec<std::ffi::OsString> = vec!["agent-orchestrator".into()];
+        if !given("--http-addr") {
+            full.extend(["--http-addr".into(), "127.0.0.1:0".into()]);
+        }
+        if !given("--seal-key") {
+            full.extend(["--seal-key".into(), SEAL_KEY.into()]);
+        }
+        full.extend(args.iter().cloned());
+        let asked_for_store = given("--graph-store");
+        let mut settings = <Args as clap::Parser>::try_parse_from(full)
+            .unwrap()
+            .settings;
+        if !asked_for_store {
+            settings.graph_store = None;
+        }
+        in_process::InProcess::start("agent-orchestrator", move |shutdown| {
+            agent_orchestrator::run(settings, shutdown)
+        })
+    }
+
+    fn launch_child(args: &[std::ffi::OsString], env: &[(String, String)]) -> Child {
         Command::new(binary("agent-orchestrator"))
             // Only what the test asks for: no journal or fault from the caller's environment.
             .env_remove("GRAPH_STORE")
@@ -195,32 +315,54 @@ impl Orchestrator {
             .unwrap()
     }
 
-    /// SIGKILL, then start again with the same settings.
+    fn place(&self) -> Place {
+        match self.running {
+            Running::Child(_) => Place::Child,
+            Running::InProcess(_) => Place::InProcess,
+        }
+    }
+
+    /// Stops it without draining (SIGKILL for a child), then starts it again with the same
+    /// settings, in the same place.
     pub fn kill_and_restart(&mut self) {
         self.kill();
-        self.child = Self::launch(&self.launch, &self.env);
+        self.running = Self::launch(self.place(), &self.launch, &self.env);
     }
 
-    /// Sends SIGTERM (the orchestrator then drains and exits by itself).
+    /// Asks for a graceful stop (SIGTERM for a child): it then drains and exits by itself.
     pub fn terminate(&self) {
-        let _ = Command::new("kill")
-            .arg("-TERM")
-            .arg(self.child.id().to_string())
-            .status();
+        match &self.running {
+            Running::Child(child) => {
+                let _ = Command::new("kill")
+                    .arg("-TERM")
+                    .arg(child.id().to_string())
+                    .status();
+            }
+            Running::InProcess(service) => service.terminate(),
+        }
     }
 
-    /// SIGKILL: no drain, no goodbye to the broker.
+    /// Stops it at once: SIGKILL for a child (no drain, no goodbye to the broker); in process, its
+    /// runtime is torn down with its connections.
     pub fn kill(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+        match &mut self.running {
+            Running::Child(child) => {
+                let _ = child.kill();
+                let _ = child.wait();
+            }
+            Running::InProcess(service) => service.kill(),
+        }
     }
 
     pub fn is_running(&mut self) -> bool {
-        matches!(self.child.try_wait(), Ok(None))
+        match &mut self.running {
+            Running::Child(child) => matches!(child.try_wait(), Ok(None)),
+            Running::InProcess(service) => service.is_running(),
+        }
     }
 
-    /// Waits up to `timeout` for the process to exit by itself; whether it did. Async, so the
-    /// test's in-process services (the scripted LLM) keep running meanwhile.
+    /// Waits up to `timeout` for it to exit by itself; whether it did. Async, so the test's
+    /// in-process services (the scripted LLM) keep running meanwhile.
     pub async fn exited_within(&mut self, timeout: std::time::Duration) -> bool {
         let deadline = tokio::time::Instant::now() + timeout;
         while tokio::time::Instant::now() < deadline {

@@ -98,7 +98,7 @@ async fn dialog_survives_a_sigkilled_orchestrator() {
     ]}"#,
     )
     .await;
-    let mut first = Orchestrator::spawn(&broker, &llm, &seed_dir(), &[]);
+    let mut first = Orchestrator::child(&broker, &llm, &seed_dir(), &[]);
     let mut client = client(&broker).await;
     client
         .send("q-k", &request("crash test", true))

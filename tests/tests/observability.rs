@@ -48,9 +48,13 @@ async fn readiness_follows_the_broker_and_metrics_count_the_dialogs() {
     let base = format!("http://127.0.0.1:{http_port}");
     let llm = scripted_llm(&script()).await;
     let http_addr = format!("127.0.0.1:{http_port}");
-    let _orchestrator = Orchestrator::spawn_on_url(
+    // A child: the metrics registry is per process, and other tests' orchestrators would count in
+    // this one's if it ran in the test process.
+    let _orchestrator = Orchestrator::start(
+        Place::Child,
         &format!("pulsar://127.0.0.1:{broker_port}"),
-        &llm,
+        &llm.base_url(),
+        "scripted",
         &seed_dir(),
         &["--http-addr", &http_addr],
         &[],

@@ -64,7 +64,8 @@ async fn dialogs_in_flight_wait_out_an_llm_outage_and_finish_once() {
     let llm = scripted_llm(SCRIPT).await;
     let http_port = agent_bus::embedded::free_port().unwrap();
     let http_addr = format!("127.0.0.1:{http_port}");
-    let _orchestrator = Orchestrator::spawn(
+    // A child: its metrics are read, and the registry is per process.
+    let _orchestrator = Orchestrator::child(
         &broker,
         &llm,
         &outage_limits("outage-waited", 300),

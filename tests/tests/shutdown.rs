@@ -40,7 +40,7 @@ async fn sigterm_finishes_in_flight_iterations_and_takes_no_new_ones() {
     ]}"#,
     )
     .await;
-    let mut first = Orchestrator::spawn(&broker, &llm, &seed_dir(), &["--drain-secs", "20"]);
+    let mut first = Orchestrator::child(&broker, &llm, &seed_dir(), &["--drain-secs", "20"]);
     let mut client = client(&broker).await;
     client
         .send("slow", &request("slow one", true))
@@ -92,7 +92,7 @@ async fn sigterm_past_the_drain_deadline_leaves_the_message_for_another_replica(
     ]}"#,
     )
     .await;
-    let mut first = Orchestrator::spawn(&broker, &llm, &seed_dir(), &["--drain-secs", "2"]);
+    let mut first = Orchestrator::child(&broker, &llm, &seed_dir(), &["--drain-secs", "2"]);
     let mut client = client(&broker).await;
     client
         .send("stuck", &request("stuck one", false))

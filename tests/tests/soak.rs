@@ -389,8 +389,8 @@ async fn chaos_soak() {
     ];
     let llm = scripted_llm(SCRIPT).await;
     let orchestrators = vec![
-        Orchestrator::spawn_journaled(&broker, &llm, &store_host, token, &[]),
-        Orchestrator::spawn_journaled(&broker, &llm, &store_host, token, &[]),
+        Orchestrator::journaled(Place::Child, &broker, &llm, &store_host, token, &[]),
+        Orchestrator::journaled(Place::Child, &broker, &llm, &store_host, token, &[]),
     ];
     let mut cluster = Cluster {
         broker,

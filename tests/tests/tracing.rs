@@ -97,7 +97,8 @@ async fn a_dialogs_spans_from_orchestrator_and_aggregator_share_one_trace() {
     let broker = Broker::start().unwrap();
     let _aggregator = Aggregator::spawn(&broker);
     let llm = scripted_llm(THREE_STEPS).await;
-    let _orchestrator = Orchestrator::spawn(&broker, &llm, &seed_dir(), &[]);
+    // A child: the binary installs the exporter; the test process has none.
+    let _orchestrator = Orchestrator::child(&broker, &llm, &seed_dir(), &[]);
     let mut client = client(&broker).await;
     client
         .send("t-1", &request("combine the parts", false))

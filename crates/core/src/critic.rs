@@ -232,6 +232,17 @@ pub struct Applied {
     pub life_cycle_exhausted: bool,
 }
 
+/// Sends a step back to run again. It keeps its last result if it had one (should the dialog end
+/// before the step runs again, the answer can still use it, marked as not accepted); a failed
+/// step's result is an error, which no answer uses, so it is dropped: a pending step with a result
+/// is then always one the evaluator did not accept.
+fn send_back(step: &mut PlanStep) {
+    if step.status == FAILED {
+        step.result.clear();
+    }
+    step.status = PENDING.to_owned();
+}
+
 /// Applies `verdict` on step `index` of `plan`. `life_cycle` bounds how many splits may lie behind
 /// one step.
 pub fn apply(
@@ -250,11 +261,9 @@ pub fn apply(
     let mut rerun = Vec::new();
     let mut sub_goals = Vec::new();
     let mut life_cycle_exhausted = false;
-    // A step sent back keeps its last result: should the dialog end before it runs again (retry
-    // limit, iterations), the answer can still use it, marked as not accepted.
     let reset = |plan: &mut Vec<PlanStep>, i: usize| {
         if let Some(s) = plan.get_mut(i) {
-            s.status = PENDING.to_owned();
+            send_back(s);
         }
     };
     let effect = match verdict.status {
@@ -435,7 +444,7 @@ pub fn apply_to_answer(plan: &[PlanStep], verdict: &Evaluation) -> Applied {
             arguments.insert(CULPRITS_KEY.to_owned(), names.join(","));
             for i in dependents_closure(&plan, &culprits) {
                 if let Some(s) = plan.get_mut(i) {
-                    s.status = PENDING.to_owned();
+                    send_back(s);
                 }
                 rerun.push(i);
             }
@@ -599,6 +608,26 @@ mod tests {
             "the judged step does not get the culprit's lesson"
         );
         assert_eq!(retries_used(&history), 1);
+    }
+
+    #[test]
+    fn a_failed_step_sent_back_drops_its_error_and_the_answer_lists_only_real_results() {
+        let plan = [
+            step("a", &[], COMPLETED, "A"),
+            step("b", &[0], FAILED, "Error: the tool timed out"),
+            step("c", &[], COMPLETED, "C"),
+        ];
+        let v = verdict(
+            r#"{"status": "INPUT_DATA_ERROR", "lesson": "fix a and b", "culprits": [0, 1]}"#,
+        );
+        let applied = apply_to_answer(&plan, &v);
+        assert_eq!(applied.rerun, [0, 1]);
+        assert_eq!(applied.plan[0].result, "A", "a rejected result is kept");
+        assert!(applied.plan[1].status == PENDING && applied.plan[1].result.is_empty());
+        let described = crate::plan::describe_results(&applied.plan);
+        assert!(described.contains("a\n   result (not accepted by the evaluator): A"));
+        assert!(described.contains("c\n   result: C"));
+        assert!(!described.contains("Error"), "{described}");
     }
 
     #[test]

@@ -310,7 +310,7 @@ pub fn describe_completed(plan: &[PlanStep]) -> String {
 }
 
 /// What the plan found, for the answer: completed steps, and steps sent back by the critic whose
-/// last result was not accepted, marked as such.
+/// last result was not accepted (pending with a result: see `critic::send_back`), marked as such.
 pub fn describe_results(plan: &[PlanStep]) -> String {
     let lines: Vec<String> = plan
         .iter()
@@ -318,7 +318,7 @@ pub fn describe_results(plan: &[PlanStep]) -> String {
         .filter_map(|(i, s)| {
             if s.status == COMPLETED {
                 Some(format!("{i}. {}\n   result: {}", s.goal, s.result))
-            } else if !s.result.is_empty() && !s.result.starts_with("Error:") {
+            } else if s.status == PENDING && !s.result.is_empty() {
                 Some(format!(
                     "{i}. {}\n   result (not accepted by the evaluator): {}",
                     s.goal, s.result
