@@ -1,6 +1,6 @@
 //! Every `agentctl` command the README documents runs as documented, in a short mode: `up` with a
 //! question, `invoke` against a running `up --stay`, `explain` and `sparql` on what `up` left in its
-//! store, `bench` and `bench-graph` with small counts. (`config`, `load` and `tools` have their own
+//! store, `bench`, `bench-graph` and `bench-long` with small counts. (`config`, `load` and `tools` have their own
 //! tests in config.rs and knowledge.rs.)
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
@@ -187,4 +187,21 @@ fn bench_graph_times_writes_and_the_explain_query() {
         2,
         "one line per size:\n{stdout}"
     );
+}
+
+/// `bench-long` with a short dialog: it answers after every observation, and the sizes and step
+/// times are printed per iteration.
+#[test]
+fn bench_long_follows_one_dialog_as_it_grows() {
+    let (stdout, _) = run(&["bench-long", "--iterations", "3", "--observation-kib", "2"]);
+    assert!(
+        stdout.contains("ended: answered after 3 observations"),
+        "{stdout}"
+    );
+    assert!(
+        stdout.contains("next request after iteration    3:"),
+        "{stdout}"
+    );
+    assert!(stdout.contains("step    3:"), "{stdout}");
+    assert!(stdout.contains("store: "), "{stdout}");
 }

@@ -2,6 +2,7 @@
 
 mod bench;
 mod bench_graph;
+mod bench_long;
 mod config;
 mod graph;
 mod invoke;
@@ -35,6 +36,8 @@ enum Command {
     Tools(tools::ToolsArgs),
     /// Measure latency and throughput on an embedded broker with an instant scripted LLM.
     Bench(bench::BenchArgs),
+    /// Measure one long dialog: bytes per message and per dialog, store growth, step times.
+    BenchLong(bench_long::LongBenchArgs),
     /// Read and change the agent config through config-svc's REST API; seed and validate files.
     Config(config::ConfigArgs),
 }
@@ -47,6 +50,7 @@ async fn main() {
         Command::Up(args) => up::run(args).await,
         Command::Bench(args) => bench::run(args).await,
         Command::BenchGraph(args) => bench_graph::run(args).await,
+        Command::BenchLong(args) => bench_long::run(args).await,
         Command::Explain(args) => graph::explain(args).await,
         Command::Sparql(args) => graph::sparql(args).await,
         Command::Load(args) => graph::load(args).await,
