@@ -19,6 +19,13 @@ pub const PROVENANCE_GRAPH: &str = "urn:graph:retrieval";
 /// people query.
 pub const JOURNAL_GRAPH: &str = "urn:graph:agent-journal";
 
+/// The named graph of documents: long texts that left the messages (claim-check), each under its
+/// content's digest.
+pub const DOCUMENTS_GRAPH: &str = "urn:graph:agent-documents";
+
+/// A document's IRI is this prefix and the SHA-256 of its text, in hex.
+pub const DOCUMENT_PREFIX: &str = "urn:trustgraph:doc:sha256:";
+
 /// Every session's URI is this followed by its id (TrustGraph's agent URIs).
 pub const SESSION_PREFIX: &str = "urn:trustgraph:agent:";
 
@@ -48,6 +55,8 @@ pub mod tg {
     pub const OUTCOME: &str = tg_term!("outcome");
     /// Whether a journal entry's outcome is on the broker.
     pub const PUBLISHED: &str = tg_term!("published");
+    /// A document's whole text.
+    pub const CONTENT: &str = tg_term!("content");
 }
 
 /// The IRI of a session's root node.

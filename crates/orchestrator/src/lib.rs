@@ -4,6 +4,7 @@
 //! replica can take any step.
 
 pub mod budget;
+pub mod documents;
 pub mod emit;
 pub mod events;
 pub mod finish;

@@ -148,6 +148,12 @@ impl Turn<'_> {
         let mut triples = provenance::observation(self.uris, n, &step.observation, tool);
         triples.extend(extra);
         self.out.explain(&observation, triples)?;
+        // The client and the graph have the whole observation; the next message may carry an
+        // excerpt of it (see `documents`).
+        let mut step = step;
+        if let Some(store) = self.knowledge {
+            step.observation = crate::documents::check_in(store, step.observation).await;
+        }
         let mut next = self.request.clone();
         next.history.push(step);
         if next_state.is_some() {

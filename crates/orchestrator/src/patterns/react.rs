@@ -41,12 +41,11 @@ pub async fn iterate(turn: &Turn<'_>) -> Result<(), BusError> {
     let candidates: Vec<&str> = visible.iter().map(|t| t.name.as_str()).collect();
     let native = calls_natively(turn);
     let streamed = request.streaming && !native;
-    let last_observation = request
-        .history
-        .last()
-        .map_or("", |step| step.observation.as_str());
+    // Long observations travel as excerpts; the prompt sees the newest whole again.
+    let history = crate::documents::resolve_recent(turn.knowledge, &request.history).await;
+    let last_observation = history.last().map_or("", |step| step.observation.as_str());
     let completion = if native {
-        let messages = native_messages(turn, &visible);
+        let messages = native_messages(turn, &visible, &history);
         let options = CallOptions {
             tools: visible
                 .iter()
@@ -71,7 +70,7 @@ pub async fn iterate(turn: &Turn<'_>) -> Result<(), BusError> {
             &request.question,
             &request.framing,
             &visible,
-            &request.history,
+            &history,
         );
         let messages = [ChatMessage::system(system), ChatMessage::user(user)];
         let options = turn.react_call();
@@ -261,7 +260,11 @@ fn read_native(completion: &Completion, tools: &[&str]) -> Result<ReactTurn, Str
 /// The conversation of a native-tool-calling dialog: each earlier step as the assistant's tool
 /// call and the tool's result (or, for a step that called nothing, what the assistant wrote and
 /// the observation that answered it).
-fn native_messages(turn: &Turn<'_>, visible: &[ToolDef]) -> Vec<ChatMessage> {
+fn native_messages(
+    turn: &Turn<'_>,
+    visible: &[ToolDef],
+    history: &[agent_schema::AgentStep],
+) -> Vec<ChatMessage> {
     let request = turn.request;
     let template = &turn.config.prompts.react_native;
     let vars: std::collections::BTreeMap<&str, String> = [
@@ -278,7 +281,7 @@ fn native_messages(turn: &Turn<'_>, visible: &[ToolDef]) -> Vec<ChatMessage> {
         ChatMessage::system(template.system.clone()),
         ChatMessage::user(agent_core::prompt::render(&template.template, &vars)),
     ];
-    for (i, step) in request.history.iter().enumerate() {
+    for (i, step) in history.iter().enumerate() {
         if step.action.is_empty() {
             messages.push(ChatMessage::assistant(step.thought.clone()));
             messages.push(ChatMessage::user(step.observation.clone()));

@@ -1,0 +1,193 @@
+//! Long observations out of the messages (claim-check): a `next` request carries an excerpt and a
+//! reference for each long observation, whose whole text is kept as a document in the shared
+//! graph store; the prompt sees the newest steps whole again.
+//!
+//! A document is named by its text's SHA-256, so writing it twice (a redelivered or re-run step)
+//! writes the same quad: no journal or compare-and-set is needed, on any store. Only the step that
+//! adds an observation checks it in, so a message's history only ever grows at its end (the
+//! journal's compact `next` entries rely on that).
+
+use std::borrow::Cow;
+use std::collections::HashMap;
+
+use agent_core::vocab::{tg, DOCUMENTS_GRAPH, DOCUMENT_PREFIX};
+use agent_graph::model::{Literal, NamedNode, Quad, Term};
+use agent_graph::GraphStore;
+use agent_schema::AgentStep;
+
+/// Observations longer than this leave the message.
+pub const CHECK_IN_OVER: usize = 4096;
+/// How much of a checked-in observation the message keeps.
+pub const EXCERPT_BYTES: usize = 1024;
+/// The newest steps a prompt sees whole.
+pub const WHOLE_RECENT: usize = 3;
+
+/// Starts the line that ends an excerpt: `[claim-check: {bytes} bytes in {uri}]`.
+const MARK: &str = "\n[claim-check: ";
+
+/// The IRI of the document holding `text`.
+pub fn document_uri(text: &str) -> String {
+    let digest = ring::digest::digest(&ring::digest::SHA256, text.as_bytes());
+    let hex: String = digest.as_ref().iter().map(|b| format!("{b:02x}")).collect();
+    format!("{DOCUMENT_PREFIX}{hex}")
+}
+
+/// What a message keeps of a checked-in text: its start, and where the rest is.
+pub fn excerpt_with_reference(text: &str, uri: &str) -> String {
+    let mut end = EXCERPT_BYTES.min(text.len());
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{}…{MARK}{} bytes in {uri}]", &text[..end], text.len())
+}
+
+/// The document an excerpt refers to, and the whole text's length.
+pub fn reference(observation: &str) -> Option<(&str, usize)> {
+    let at = observation.rfind(MARK)?;
+    let line = observation[at + MARK.len()..].strip_suffix(']')?;
+    let (bytes, uri) = line.split_once(" bytes in ")?;
+    let uri = uri.trim();
+    if !uri.starts_with(DOCUMENT_PREFIX) || uri.contains(char::is_whitespace) {
+        return None;
+    }
+    Some((uri, bytes.parse().ok()?))
+}
+
+/// Keeps `text` as a document and answers the excerpt to carry instead, when it is long. Should
+/// the store refuse, the text stays whole in the message (bounded by the message size limit): a
+/// step is not lost for want of a smaller message.
+pub async fn check_in(store: &GraphStore, text: String) -> String {
+    if text.len() <= CHECK_IN_OVER || reference(&text).is_some() {
+        return text;
+    }
+    let uri = document_uri(&text);
+    let quad = Quad::new(
+        NamedNode::new_unchecked(uri.clone()),
+        NamedNode::new_unchecked(tg::CONTENT),
+        Literal::new_simple_literal(&text),
+        NamedNode::new_unchecked(DOCUMENTS_GRAPH),
+    );
+    match store.insert(vec![quad]).await {
+        Ok(()) => excerpt_with_reference(&text, &uri),
+        Err(e) => {
+            tracing::warn!(error = %e, bytes = text.len(), "an observation could not be kept as a document; the message carries it whole");
+            text
+        }
+    }
+}
+
+/// The history a prompt sees: the newest [`WHOLE_RECENT`] steps with their checked-in
+/// observations whole again, older ones as their excerpts. Without a store, or should it not
+/// answer, the excerpts stand.
+pub async fn resolve_recent<'h>(
+    store: Option<&GraphStore>,
+    history: &'h [AgentStep],
+) -> Cow<'h, [AgentStep]> {
+    let Some(store) = store else {
+        return Cow::Borrowed(history);
+    };
+    let start = history.len().saturating_sub(WHOLE_RECENT);
+    let wanted: Vec<(usize, String)> = history
+        .iter()
+        .enumerate()
+        .skip(start)
+        .filter_map(|(i, step)| reference(&step.observation).map(|(uri, _)| (i, uri.to_owned())))
+        .collect();
+    if wanted.is_empty() {
+        return Cow::Borrowed(history);
+    }
+    let texts = match fetch(store, wanted.iter().map(|(_, uri)| uri.as_str())).await {
+        Ok(texts) => texts,
+        Err(e) => {
+            tracing::warn!(error = %e, "checked-in observations could not be read; the prompt sees their excerpts");
+            return Cow::Borrowed(history);
+        }
+    };
+    let mut resolved = history.to_vec();
+    for (i, uri) in &wanted {
+        if let (Some(step), Some(text)) = (resolved.get_mut(*i), texts.get(uri)) {
+            step.observation.clone_from(text);
+        }
+    }
+    Cow::Owned(resolved)
+}
+
+/// The whole texts of the documents `uris`, by IRI (those the store holds).
+pub async fn fetch<'u>(
+    store: &GraphStore,
+    uris: impl Iterator<Item = &'u str>,
+) -> Result<HashMap<String, String>, agent_graph::GraphError> {
+    let values: Vec<String> = uris.map(|uri| format!("<{uri}>")).collect();
+    let sparql = format!(
+        "SELECT ?d ?text WHERE {{ VALUES ?d {{ {} }} GRAPH <{DOCUMENTS_GRAPH}> {{ ?d <{}> ?text }} }}",
+        values.join(" "),
+        tg::CONTENT
+    );
+    let rows = store.query(sparql).await?.rows();
+    let documents = rows.column("d");
+    let texts = rows.column("text");
+    Ok(documents
+        .into_iter()
+        .zip(texts)
+        .filter_map(|(d, text)| match (d?, text?) {
+            (Term::NamedNode(d), Term::Literal(text)) => {
+                Some((d.as_str().to_owned(), text.value().to_owned()))
+            }
+            _ => None,
+        })
+        .collect())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_excerpt_names_its_document_and_length() {
+        let text = "é".repeat(3000);
+        let uri = document_uri(&text);
+        assert!(uri.starts_with(DOCUMENT_PREFIX) && uri.len() == DOCUMENT_PREFIX.len() + 64);
+        let excerpt = excerpt_with_reference(&text, &uri);
+        assert!(excerpt.len() < EXCERPT_BYTES + 200);
+        assert_eq!(reference(&excerpt), Some((uri.as_str(), 6000)));
+        assert_eq!(reference("an observation\n[claim-check: x]"), None);
+        assert_eq!(
+            reference("[claim-check: 5 bytes in <urn:other> ]"),
+            None,
+            "only our documents"
+        );
+    }
+
+    #[tokio::test]
+    async fn long_observations_go_out_and_the_newest_come_back_whole() {
+        let store = GraphStore::in_memory().unwrap();
+        let short = "short".to_owned();
+        assert_eq!(check_in(&store, short.clone()).await, short);
+        let longs: Vec<String> = (0..5)
+            .map(|i| format!("{i} {}", "word ".repeat(2000)))
+            .collect();
+        let mut history = Vec::new();
+        for long in &longs {
+            let carried = check_in(&store, long.clone()).await;
+            assert!(carried.len() < 1200, "{}", carried.len());
+            // Checked in twice (a redelivery): one document.
+            assert_eq!(check_in(&store, long.clone()).await, carried);
+            history.push(AgentStep {
+                observation: carried,
+                ..AgentStep::default()
+            });
+        }
+        let seen = resolve_recent(Some(&store), &history).await;
+        for (i, step) in seen.iter().enumerate() {
+            if i >= 5 - WHOLE_RECENT {
+                assert_eq!(step.observation, longs[i]);
+            } else {
+                assert_eq!(step.observation, history[i].observation);
+            }
+        }
+        assert!(matches!(
+            resolve_recent(None, &history).await,
+            Cow::Borrowed(_)
+        ));
+    }
+}

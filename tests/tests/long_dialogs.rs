@@ -1,0 +1,161 @@
+//! Long observations leave the messages (claim-check): with a shared graph store, each `next`
+//! request carries an excerpt and a document reference for a long observation, so its size stays
+//! about flat; the prompt still sees the newest observations whole, the client and the provenance
+//! get every observation whole, and the document can be read back from the store.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use std::time::Duration;
+
+use agent_e2e::*;
+use futures::StreamExt;
+
+const TOKEN: &str = "long-dialogs-token";
+const ITERATIONS: usize = 8;
+/// Under the seed's 16 KiB observation cap, over the 4 KiB at which an observation leaves.
+const OBSERVATION_BYTES: usize = 12 * 1024;
+
+fn observation(k: usize) -> String {
+    let words: String = format!("word{k} ")
+        .chars()
+        .cycle()
+        .take(OBSERVATION_BYTES)
+        .collect();
+    format!("o-{k:02}- {words} end-of-o-{k:02}")
+}
+
+/// Iteration k's prompt holds observations 1..k-1; the rule for the newest comes first.
+fn script() -> String {
+    let mut rules = vec![
+        serde_json::json!({"match": "Request to classify: ", "reply": "{\"choice\": \"general\", \"rationale\": \"t\"}"}),
+        serde_json::json!({"match": "Request to work on: ", "reply": "{\"choice\": \"react\", \"rationale\": \"t\"}"}),
+    ];
+    for k in 1..=ITERATIONS {
+        rules.push(serde_json::json!({"match": format!("q-{k:02}-"), "exact": true, "reply": observation(k)}));
+    }
+    rules.push(serde_json::json!({
+        "match": format!("Observation: o-{ITERATIONS:02}-"),
+        "reply": "Thought: read them all\nFinal Answer: eight read",
+    }));
+    for k in (1..ITERATIONS).rev() {
+        rules.push(serde_json::json!({
+            "match": format!("Observation: o-{k:02}-"),
+            "reply": format!("Thought: next\nAction: llm\nArgs: {{\"question\": \"q-{:02}-\"}}", k + 1),
+        }));
+    }
+    rules.push(serde_json::json!({
+        "match": "Question: read",
+        "reply": "Thought: first\nAction: llm\nArgs: {\"question\": \"q-01-\"}",
+    }));
+    serde_json::json!({ "rules": rules }).to_string()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn long_observations_travel_as_references_and_prompts_see_the_newest_whole() {
+    let broker = Broker::start().unwrap();
+    let aggregator = Aggregator::spawn_with(&broker, &["--config-token", TOKEN]);
+    let llm = scripted_llm(&script()).await;
+    let _orchestrator = Orchestrator::spawn_journaled(&broker, &llm, &aggregator, TOKEN, &[]);
+    let mut requests = read_from_start(
+        &broker,
+        "persistent://tg/request/agent:default:default",
+        "long-dialogs-reader",
+    )
+    .await;
+    let mut client = client(&broker).await;
+    client
+        .send(
+            "long",
+            &agent_schema::AgentRequest {
+                pattern: "react".into(),
+                ..request("read them", false)
+            },
+        )
+        .await
+        .unwrap();
+    let responses = collect_dialog(&mut client, "long", Duration::from_secs(60))
+        .await
+        .unwrap();
+    assert_eq!(outcome(&responses), "eight read", "{responses:#?}");
+
+    // The client got every observation whole.
+    let observed: Vec<&str> = responses
+        .iter()
+        .filter(|r| r.message_type == "observation")
+        .map(|r| r.content.as_str())
+        .collect();
+    assert_eq!(observed.len(), ITERATIONS);
+    for (k, text) in observed.iter().enumerate() {
+        assert_eq!(*text, observation(k + 1));
+    }
+
+    // The messages stayed small: each observation travels as about a kilobyte.
+    let mut sizes = Vec::new();
+    let mut last = None;
+    while let Ok(Some(Ok(message))) =
+        tokio::time::timeout(Duration::from_secs(2), requests.next()).await
+    {
+        requests.ack(&message).await.unwrap();
+        sizes.push(message.payload.data.len());
+        last = Some(message.payload.data.clone());
+    }
+    let largest = sizes.iter().copied().max().unwrap();
+    println!("request sizes: {sizes:?}");
+    assert!(
+        largest < 16 * 1024,
+        "a message carried {largest} bytes; eight whole observations are {}",
+        ITERATIONS * OBSERVATION_BYTES
+    );
+    let history = serde_json::from_slice::<agent_schema::AgentRequest>(&last.unwrap())
+        .unwrap()
+        .history;
+    assert_eq!(history.len(), ITERATIONS);
+    for step in &history {
+        assert!(step.observation.contains("[claim-check: "), "{step:?}");
+        assert!(
+            !step.observation.contains("end-of-o-"),
+            "whole in the message"
+        );
+    }
+
+    // The last prompt saw the three newest observations whole and the older ones as excerpts.
+    let last_prompt = llm
+        .calls()
+        .into_iter()
+        .rfind(|c| c.last_user.contains("Question: read"))
+        .unwrap()
+        .last_user;
+    for k in 1..=ITERATIONS {
+        let whole = last_prompt.contains(&format!("end-of-o-{k:02}"));
+        assert_eq!(whole, k > ITERATIONS - 3, "observation {k} whole: {whole}");
+        assert!(
+            last_prompt.contains(&format!("o-{k:02}-")),
+            "observation {k}"
+        );
+    }
+
+    // The document is in the store, under its reference, with the whole text.
+    let store = aggregator.store();
+    let documents = count(
+        &store,
+        "SELECT ?d WHERE { GRAPH <urn:graph:agent-documents> { ?d ?p ?o } }".into(),
+    )
+    .await;
+    assert_eq!(documents, ITERATIONS);
+    let first = &history[0].observation;
+    let uri = first
+        .rsplit_once(" bytes in ")
+        .unwrap()
+        .1
+        .trim_end_matches(']');
+    let answer = store
+        .query(format!(
+            "SELECT ?t WHERE {{ GRAPH <urn:graph:agent-documents> {{ <{uri}> <{TG}content> ?t }} }}"
+        ))
+        .await
+        .unwrap()
+        .rows();
+    match answer.first("t") {
+        Some(agent_graph::model::Term::Literal(text)) => assert_eq!(text.value(), observation(1)),
+        other => panic!("no document for {uri}: {other:?}"),
+    }
+}
