@@ -1,7 +1,8 @@
 //! Long observations leave the messages (claim-check): with a shared graph store, each `next`
 //! request carries an excerpt and a document reference for a long observation, so its size stays
 //! about flat; the prompt still sees the newest observations whole, the client and the provenance
-//! get every observation whole, and the document can be read back from the store.
+//! get every observation whole, the store keeps each text once (provenance names the same
+//! documents), and `agentctl explain --full` shows every text whole.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use std::time::Duration;
@@ -158,4 +159,45 @@ async fn long_observations_travel_as_references_and_prompts_see_the_newest_whole
         Some(agent_graph::model::Term::Literal(text)) => assert_eq!(text.value(), observation(1)),
         other => panic!("no document for {uri}: {other:?}"),
     }
+
+    // Provenance names the same documents, so the store holds each text once, and
+    // `agentctl explain --full` reads every observation whole through them.
+    let copies = count(
+        &store,
+        format!("SELECT ?g ?d WHERE {{ GRAPH ?g {{ ?d <{TG}content> ?t FILTER(CONTAINS(?t, \"end-of-o-\")) }} }}"),
+    )
+    .await;
+    assert_eq!(
+        copies, ITERATIONS,
+        "each observation's text once in the store"
+    );
+    let explained = std::process::Command::new(binary("agentctl"))
+        .args([
+            "explain",
+            "--last",
+            "--full",
+            "--store",
+            &aggregator.endpoint,
+        ])
+        .args(["--token", TOKEN])
+        .output()
+        .unwrap();
+    let tree = String::from_utf8_lossy(&explained.stdout);
+    assert!(
+        explained.status.success(),
+        "{tree}{}",
+        String::from_utf8_lossy(&explained.stderr)
+    );
+    for k in 1..=ITERATIONS {
+        assert!(
+            tree.contains(&observation(k)),
+            "observation {k} whole in explain"
+        );
+    }
+    let cut = std::process::Command::new(binary("agentctl"))
+        .args(["explain", "--last", "--store", &aggregator.endpoint])
+        .args(["--token", TOKEN])
+        .output()
+        .unwrap();
+    assert!(cut.status.success() && cut.stdout.len() < tree.len() / 4);
 }

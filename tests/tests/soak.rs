@@ -535,7 +535,7 @@ async fn chaos_soak() {
         &store,
         format!(
             "{PREFIXES} SELECT DISTINCT ?n ?p WHERE {{ GRAPH ?g {{ ?n ?p ?a, ?b }}
-             VALUES ?p {{ tg:content tg:action tg:arguments tg:thought tg:terminationReason
+             VALUES ?p {{ tg:content tg:document tg:action tg:arguments tg:thought tg:terminationReason
                           tg:planVersion tg:completionStatus tg:query tg:pattern }}
              FILTER(?a != ?b) }}"
         ),

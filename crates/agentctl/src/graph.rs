@@ -3,7 +3,9 @@
 
 use std::path::Path;
 
-use agent_graph::explain::{render_dot, render_mermaid, render_tree, session_view, SessionView};
+use agent_graph::explain::{
+    render_dot, render_mermaid, render_tree, render_tree_full, session_view, SessionView,
+};
 use agent_graph::model::Term;
 use agent_graph::{queries, GraphStore, QueryAnswer};
 use anyhow::{bail, Context};
@@ -59,6 +61,10 @@ pub struct ExplainArgs {
     conversation: Option<String>,
     #[arg(long, value_enum, default_value = "tree")]
     format: Format,
+    /// Print every text whole (thoughts, observations, answers, kept as documents when long);
+    /// the tree otherwise cuts each to a line. `--format json` always has them whole.
+    #[arg(long)]
+    full: bool,
     #[command(flatten)]
     store: StoreArgs,
 }
@@ -81,8 +87,9 @@ pub async fn last_session(store: &GraphStore) -> anyhow::Result<String> {
     }
 }
 
-pub fn render(view: &SessionView, format: Format) -> anyhow::Result<String> {
+pub fn render(view: &SessionView, format: Format, full: bool) -> anyhow::Result<String> {
     Ok(match format {
+        Format::Tree if full => render_tree_full(view),
         Format::Tree => render_tree(view),
         Format::Json => serde_json::to_string_pretty(view)? + "\n",
         Format::Dot => render_dot(view),
@@ -110,7 +117,7 @@ pub async fn explain(args: ExplainArgs) -> anyhow::Result<i32> {
         }
         for session in sessions {
             let view = load_session(&store, &session).await?;
-            print!("{}", render(&view, args.format)?);
+            print!("{}", render(&view, args.format, args.full)?);
         }
         return Ok(0);
     }
@@ -120,7 +127,7 @@ pub async fn explain(args: ExplainArgs) -> anyhow::Result<i32> {
         (None, false) => bail!("name a session id, or use --last"),
     };
     let view = load_session(&store, &session).await?;
-    print!("{}", render(&view, args.format)?);
+    print!("{}", render(&view, args.format, args.full)?);
     Ok(0)
 }
 

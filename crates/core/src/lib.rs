@@ -4,6 +4,7 @@
 
 pub mod config;
 pub mod critic;
+pub mod documents;
 pub mod pattern;
 pub mod plan;
 pub mod plan_then_execute;

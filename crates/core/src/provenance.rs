@@ -1,17 +1,19 @@
 //! Provenance triples in TrustGraph's vocabulary (PROV-O plus `tg:`), built from typed terms.
 //!
 //! The URIs are deterministic functions of the session id and the iteration number, so a replayed
-//! iteration names the same nodes; the texts (thoughts, observations, answers) are stored on the
-//! nodes as literals so the graph alone explains a run.
+//! iteration names the same nodes; the texts (thoughts, observations, answers) are stored in the
+//! graph, short ones as literals beside their nodes and long ones as documents named by their
+//! digest, so the graph alone explains a run.
 
 use agent_schema::{Term, Triple};
 
+use crate::documents;
 use crate::pattern::Termination;
 use crate::router::{Choice, Decision, Method};
 
 use crate::vocab::{
-    session_uri, PROV, PROVENANCE_GRAPH as GRAPH, RDFS_LABEL, RDF_TYPE, TG, XSD_BOOLEAN,
-    XSD_DATETIME, XSD_INTEGER,
+    session_uri, DOCUMENTS_GRAPH, PROV, PROVENANCE_GRAPH as GRAPH, RDFS_LABEL, RDF_TYPE, TG,
+    XSD_BOOLEAN, XSD_DATETIME, XSD_INTEGER,
 };
 
 /// Node URIs of one session.
@@ -103,8 +105,22 @@ impl NodeBuilder {
     fn derived(&mut self, s: &str, from: &str) -> &mut Self {
         self.add(s, &format!("{PROV}wasDerivedFrom"), Term::iri(from))
     }
-    /// The text the node stands for, kept in the graph (TrustGraph keeps it in its librarian).
+    /// The text the node stands for, kept in the graph (TrustGraph keeps it in its librarian). A
+    /// short text is a literal of `doc` beside the node; a long one is a document of its own,
+    /// named by its digest in the documents graph, so the store holds it once however many
+    /// messages, nodes and redeliveries carry it (see [`crate::documents`]).
     fn document(&mut self, s: &str, doc: &str, text: &str) -> &mut Self {
+        if documents::is_long(text) {
+            let doc = documents::document_uri(text);
+            self.tg(s, "document", Term::iri(&doc));
+            self.triples.push(Triple {
+                s: Term::iri(&doc),
+                p: Term::iri(format!("{TG}content")),
+                o: Term::literal(text),
+                g: Some(DOCUMENTS_GRAPH.to_owned()),
+            });
+            return self;
+        }
         self.tg(s, "document", Term::iri(doc));
         self.tg(doc, "content", Term::literal(text))
     }
@@ -823,6 +839,39 @@ mod tests {
         assert_eq!(content.o.kind, "l");
         assert_eq!(content.o.value, "\"> DROP");
         assert!(triples.iter().all(|t| t.g.as_deref() == Some(GRAPH)));
+    }
+
+    #[test]
+    fn a_long_text_is_a_document_of_its_own_named_by_its_digest() {
+        let u = SessionUris::new("s");
+        let long = "word ".repeat(2000);
+        let node = |text: &str| observation(&u, 1, text, ToolStats::default());
+        let triples = node(&long);
+        let doc = crate::documents::document_uri(&long);
+        let pointer: Vec<_> = triples
+            .iter()
+            .filter(|t| t.p.iri == format!("{TG}document"))
+            .collect();
+        assert_eq!(pointer.len(), 1);
+        assert_eq!(
+            (pointer[0].s.iri.as_str(), pointer[0].o.iri.as_str()),
+            (u.observation(1).as_str(), doc.as_str())
+        );
+        let content: Vec<_> = triples
+            .iter()
+            .filter(|t| t.p.iri == format!("{TG}content"))
+            .collect();
+        assert_eq!(content.len(), 1, "the text once, on the document");
+        assert_eq!(content[0].s.iri, doc);
+        assert_eq!(content[0].o.value, long);
+        assert_eq!(content[0].g.as_deref(), Some(DOCUMENTS_GRAPH));
+        // The same text elsewhere (another node, a redelivery) names the same document.
+        assert_eq!(node(&long), triples);
+        let short = node("short");
+        assert!(short
+            .iter()
+            .any(|t| t.s.iri == u.observation(1) && t.p.iri == format!("{TG}content")));
+        assert!(short.iter().all(|t| t.g.as_deref() == Some(GRAPH)));
     }
 
     #[test]

@@ -366,8 +366,25 @@ fn trim(text: &str, max: usize) -> String {
     }
 }
 
-/// The session as an indented tree for a terminal.
+/// The session as an indented tree for a terminal, long texts cut to a line.
 pub fn render_tree(view: &SessionView) -> String {
+    tree(view, false)
+}
+
+/// The session as an indented tree with every text whole (documents resolved): what a run's
+/// auditor reads.
+pub fn render_tree_full(view: &SessionView) -> String {
+    tree(view, true)
+}
+
+fn tree(view: &SessionView, full: bool) -> String {
+    let trim = |text: &str, max: usize| {
+        if full {
+            text.to_owned()
+        } else {
+            trim(text, max)
+        }
+    };
     let mut out = format!("{}\n", view.session);
     out.push_str(&format!("├─ question: {}\n", trim(&view.question, 200)));
     out.push_str(&format!("├─ started:  {}\n", view.started_at));
@@ -442,7 +459,7 @@ pub fn render_tree(view: &SessionView) -> String {
                 "│  ├─ subagent {i}: {} -> {status}\n",
                 trim(&sub.run.question, 120)
             ));
-            for line in render_tree(&sub.run).lines().skip(1) {
+            for line in tree(&sub.run, full).lines().skip(1) {
                 out.push_str(&format!("│  │  {line}\n"));
             }
         }

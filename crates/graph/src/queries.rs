@@ -6,7 +6,7 @@ use oxigraph::model::NamedNode;
 use crate::GraphError;
 
 use agent_core::vocab::{
-    session_uri, JOURNAL_GRAPH, PROVENANCE_GRAPH, SPARQL_PREFIXES as PREFIXES,
+    session_uri, DOCUMENTS_GRAPH, JOURNAL_GRAPH, PROVENANCE_GRAPH, SPARQL_PREFIXES as PREFIXES,
 };
 
 /// The URI of a session's root node.
@@ -23,17 +23,24 @@ fn graph() -> NamedNode {
     NamedNode::new_unchecked(PROVENANCE_GRAPH)
 }
 
+/// Where long texts are kept (see `agent_core::documents`); short ones stay in [`graph`].
+fn documents() -> NamedNode {
+    NamedNode::new_unchecked(DOCUMENTS_GRAPH)
+}
+
 /// Every triple of one session: the nodes derived (transitively) from its root, and the documents
-/// they point to. Its cost follows the size of the session, not of the graph: the path starts at a
+/// they point to (beside them, or in the documents graph). Its cost follows the size of the session, not of the graph: the path starts at a
 /// bound node and walks the object index.
 pub fn session_triples(session: &NamedNode) -> String {
     let g = graph();
     format!(
-        "{PREFIXES}SELECT ?s ?p ?o WHERE {{ GRAPH {g} {{
-  {{ ?s prov:wasDerivedFrom* {session} . ?s ?p ?o }}
+        "{PREFIXES}SELECT ?s ?p ?o WHERE {{
+  {{ GRAPH {g} {{ ?s prov:wasDerivedFrom* {session} . ?s ?p ?o }} }}
   UNION
-  {{ ?n prov:wasDerivedFrom* {session} . ?n tg:document ?s . FILTER(?s != ?n) ?s ?p ?o }}
-}} }}"
+  {{ GRAPH {g} {{ ?n prov:wasDerivedFrom* {session} . ?n tg:document ?s . FILTER(?s != ?n) }}
+     VALUES ?h {{ {g} {docs} }} GRAPH ?h {{ ?s ?p ?o }} }}
+}}",
+        docs = documents()
     )
 }
 
@@ -107,10 +114,12 @@ pub fn completions(correlation_id: &str) -> String {
         "{PREFIXES}SELECT DISTINCT ?c ?s ?goal ?status ?result ?in ?out ?seal WHERE {{ GRAPH {g} {{
   ?f a tg:FanOut ; tg:correlationId {cid} ; tg:subagentSession ?s .
   ?c a tg:SubagentCompletion ; tg:correlationId {cid} ; tg:goal ?goal ;
-     tg:completionStatus ?status ; tg:document ?d . ?d tg:content ?result .
+     tg:completionStatus ?status ; tg:document ?d .
   FILTER (STR(?c) = CONCAT(STR(?s), \"/completion\"))
   OPTIONAL {{ ?c tg:seal ?seal }}
-  OPTIONAL {{ ?c tg:dialogInToken ?in ; tg:dialogOutToken ?out }} }} }}"
+  OPTIONAL {{ ?c tg:dialogInToken ?in ; tg:dialogOutToken ?out }} }}
+  VALUES ?h {{ {g} {docs} }} GRAPH ?h {{ ?d tg:content ?result }} }}",
+        docs = documents()
     )
 }
 

@@ -232,3 +232,99 @@ async fn synthesis_claims_have_one_winner() {
     assert_eq!(who(store.clone(), fanout.clone()).await, "\"takeover\"");
     assert_eq!(holders(store, fanout).await, 1);
 }
+
+/// Long texts are documents in their own graph: the session's triples and a fan-out's completions
+/// still read them whole, and a second writer of the same text adds nothing.
+#[tokio::test]
+async fn long_texts_are_read_whole_through_their_documents() {
+    let store = GraphStore::in_memory().unwrap();
+    let long = |tag: &str| format!("{tag} {}", "many words ".repeat(800));
+    let (observation, result) = (long("observed"), long("found"));
+    let parent = SessionUris::new("boss");
+    let sub = SessionUris::new("boss-sub1");
+    let mut triples = provenance::session(&parent, "q", "2026-01-01T00:00:00Z");
+    triples.extend(provenance::observation(
+        &parent,
+        1,
+        &observation,
+        ToolStats::default(),
+    ));
+    triples.extend(provenance::derived_from(
+        &parent.observation(1),
+        &parent.session(),
+    ));
+    triples.extend(provenance::fanout(
+        &parent,
+        2,
+        "c1",
+        &parent.observation(1),
+        &[("goal one".into(), "boss-sub1".into())],
+        "{}",
+        "client",
+        "2026-01-01T00:00:01Z",
+        provenance::DialogSoFar::default(),
+        &CallStats::default(),
+    ));
+    triples.extend(provenance::completion(
+        &sub,
+        "c1",
+        "boss",
+        "goal one",
+        "completed",
+        &result,
+        (1, 2),
+    ));
+    store.insert(to_quads(&triples).unwrap()).await.unwrap();
+    let total = store.count().await.unwrap();
+    // The subagent's result was also checked in by a step (the same quad): nothing new.
+    store
+        .insert(
+            to_quads(&provenance::completion(
+                &sub,
+                "c1",
+                "boss",
+                "goal one",
+                "completed",
+                &result,
+                (1, 2),
+            ))
+            .unwrap(),
+        )
+        .await
+        .unwrap();
+    assert_eq!(store.count().await.unwrap(), total);
+
+    let node = queries::session_node("boss").unwrap();
+    let rows = store
+        .query(queries::session_triples(&node))
+        .await
+        .unwrap()
+        .rows();
+    let view = session_view(node.as_str(), &rows);
+    assert_eq!(
+        view.iterations.len(),
+        0,
+        "no analysis node, only an observation"
+    );
+    let texts: Vec<String> = rows
+        .column("o")
+        .into_iter()
+        .flatten()
+        .filter_map(|t| match t {
+            oxigraph::model::Term::Literal(l) => Some(l.value().to_owned()),
+            _ => None,
+        })
+        .collect();
+    assert!(texts.contains(&observation), "the observation, whole");
+
+    let completions = store
+        .query(queries::completions("c1"))
+        .await
+        .unwrap()
+        .rows();
+    assert_eq!(completions.rows.len(), 1);
+    match completions.first("result") {
+        Some(oxigraph::model::Term::Literal(l)) => assert_eq!(l.value(), result),
+        other => panic!("{other:?}"),
+    }
+}

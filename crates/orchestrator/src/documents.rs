@@ -2,62 +2,29 @@
 //! reference for each long observation, whose whole text is kept as a document in the shared
 //! graph store; the prompt sees the newest steps whole again.
 //!
-//! A document is named by its text's SHA-256, so writing it twice (a redelivered or re-run step)
-//! writes the same quad: no journal or compare-and-set is needed, on any store. Only the step that
-//! adds an observation checks it in, so a message's history only ever grows at its end (the
-//! journal's compact `next` entries rely on that).
+//! The document is the one provenance names for the observation (`agent_core::documents`: the
+//! text's SHA-256), so checking it in here and storing provenance write the same quad, once, with
+//! no journal or compare-and-set, whoever writes first and however often a step is redelivered.
+//! Only the step that adds an observation checks it in, so a message's history only ever grows
+//! at its end (the journal's compact `next` entries rely on that).
 
 use std::borrow::Cow;
 use std::collections::HashMap;
 
-use agent_core::vocab::{tg, DOCUMENTS_GRAPH, DOCUMENT_PREFIX};
+use agent_core::documents::{document_uri, excerpt_with_reference, is_long, reference};
+use agent_core::vocab::{tg, DOCUMENTS_GRAPH};
 use agent_graph::model::{Literal, NamedNode, Quad, Term};
 use agent_graph::GraphStore;
 use agent_schema::AgentStep;
 
-/// Observations longer than this leave the message.
-pub const CHECK_IN_OVER: usize = 4096;
-/// How much of a checked-in observation the message keeps.
-pub const EXCERPT_BYTES: usize = 1024;
 /// The newest steps a prompt sees whole.
 pub const WHOLE_RECENT: usize = 3;
-
-/// Starts the line that ends an excerpt: `[claim-check: {bytes} bytes in {uri}]`.
-const MARK: &str = "\n[claim-check: ";
-
-/// The IRI of the document holding `text`.
-pub fn document_uri(text: &str) -> String {
-    let digest = ring::digest::digest(&ring::digest::SHA256, text.as_bytes());
-    let hex: String = digest.as_ref().iter().map(|b| format!("{b:02x}")).collect();
-    format!("{DOCUMENT_PREFIX}{hex}")
-}
-
-/// What a message keeps of a checked-in text: its start, and where the rest is.
-pub fn excerpt_with_reference(text: &str, uri: &str) -> String {
-    let mut end = EXCERPT_BYTES.min(text.len());
-    while !text.is_char_boundary(end) {
-        end -= 1;
-    }
-    format!("{}…{MARK}{} bytes in {uri}]", &text[..end], text.len())
-}
-
-/// The document an excerpt refers to, and the whole text's length.
-pub fn reference(observation: &str) -> Option<(&str, usize)> {
-    let at = observation.rfind(MARK)?;
-    let line = observation[at + MARK.len()..].strip_suffix(']')?;
-    let (bytes, uri) = line.split_once(" bytes in ")?;
-    let uri = uri.trim();
-    if !uri.starts_with(DOCUMENT_PREFIX) || uri.contains(char::is_whitespace) {
-        return None;
-    }
-    Some((uri, bytes.parse().ok()?))
-}
 
 /// Keeps `text` as a document and answers the excerpt to carry instead, when it is long. Should
 /// the store refuse, the text stays whole in the message (bounded by the message size limit): a
 /// step is not lost for want of a smaller message.
 pub async fn check_in(store: &GraphStore, text: String) -> String {
-    if text.len() <= CHECK_IN_OVER || reference(&text).is_some() {
+    if !is_long(&text) || reference(&text).is_some() {
         return text;
     }
     let uri = document_uri(&text);
@@ -141,22 +108,6 @@ pub async fn fetch<'u>(
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn an_excerpt_names_its_document_and_length() {
-        let text = "é".repeat(3000);
-        let uri = document_uri(&text);
-        assert!(uri.starts_with(DOCUMENT_PREFIX) && uri.len() == DOCUMENT_PREFIX.len() + 64);
-        let excerpt = excerpt_with_reference(&text, &uri);
-        assert!(excerpt.len() < EXCERPT_BYTES + 200);
-        assert_eq!(reference(&excerpt), Some((uri.as_str(), 6000)));
-        assert_eq!(reference("an observation\n[claim-check: x]"), None);
-        assert_eq!(
-            reference("[claim-check: 5 bytes in <urn:other> ]"),
-            None,
-            "only our documents"
-        );
-    }
 
     #[tokio::test]
     async fn long_observations_go_out_and_the_newest_come_back_whole() {
