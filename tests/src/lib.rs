@@ -928,6 +928,19 @@ pub fn values(triples: &[agent_schema::Triple], node: &str, predicate: &str) -> 
         .collect()
 }
 
+/// The text a provenance node stands for: a short one beside it (`tg:content` of the node it
+/// names as its `tg:document`, or of itself), a long one in the document named by its digest.
+pub fn node_text(triples: &[agent_schema::Triple], node: &str) -> String {
+    let own = values(triples, node, "content").concat();
+    if !own.is_empty() {
+        return own;
+    }
+    values(triples, node, "document")
+        .iter()
+        .map(|doc| values(triples, doc, "content").concat())
+        .collect()
+}
+
 /// Whether `node` has the `tg:` type `class`.
 pub fn has_type(triples: &[agent_schema::Triple], node: &str, class: &str) -> bool {
     triples
@@ -1004,7 +1017,7 @@ pub fn session_of(responses: &[AgentResponse]) -> String {
 pub fn observation(responses: &[AgentResponse], n: usize) -> (Vec<agent_schema::Triple>, String) {
     let triples = explained(responses);
     let node = format!("{}/i{n}/observation", session_of(responses));
-    let text = values(&triples, &node, "content").concat();
+    let text = node_text(&triples, &node);
     (triples, text)
 }
 

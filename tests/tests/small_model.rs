@@ -139,7 +139,7 @@ fn assert_ended_and_grounded(id: &str, responses: &[AgentResponse]) {
             n < concluded_at,
             "{id}: iteration {n} acted ({action}) but the dialog concluded at {concluded_at}"
         );
-        let observed = values(&triples, &format!("{iteration}/observation"), "content").concat();
+        let observed = node_text(&triples, &format!("{iteration}/observation"));
         if action == "add" {
             assert!(
                 observed.starts_with("The sum of") || observed.starts_with("Error:"),
