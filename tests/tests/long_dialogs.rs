@@ -201,3 +201,149 @@ async fn long_observations_travel_as_references_and_prompts_see_the_newest_whole
         .unwrap();
     assert!(cut.status.success() && cut.stdout.len() < tree.len() / 4);
 }
+
+/// A long dialog's history is folded: with a shared store, once more than 16 steps follow the
+/// folded step, all but the newest 8 become one step whose observation lists what was done and
+/// whose arguments name the document holding them. Every message stays bounded, the iterations
+/// keep their numbers (each one's provenance node holds its own observation), the prompt sees the
+/// digest and the newest steps, and the folded steps can be read back from the store.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_long_history_is_folded_and_every_message_stays_bounded() {
+    const STEPS: usize = 30;
+    let short = |k: usize| format!("s-{k:02}- the result of step {k} {}", "detail ".repeat(60));
+    let mut rules = vec![
+        serde_json::json!({"match": "Request to classify: ", "reply": "{\"choice\": \"general\", \"rationale\": \"t\"}"}),
+        serde_json::json!({"match": "Request to work on: ", "reply": "{\"choice\": \"react\", \"rationale\": \"t\"}"}),
+    ];
+    for k in 1..=STEPS {
+        rules.push(
+            serde_json::json!({"match": format!("f-{k:02}-"), "exact": true, "reply": short(k)}),
+        );
+    }
+    rules.push(serde_json::json!({
+        "match": format!("Observation: s-{STEPS:02}-"),
+        "reply": "Thought: done\nFinal Answer: thirty steps",
+    }));
+    for k in (1..STEPS).rev() {
+        rules.push(serde_json::json!({
+            "match": format!("Observation: s-{k:02}-"),
+            "reply": format!("Thought: step {}\nAction: llm\nArgs: {{\"question\": \"f-{:02}-\"}}", k + 1, k + 1),
+        }));
+    }
+    rules.push(serde_json::json!({
+        "match": "Question: fold",
+        "reply": "Thought: step 1\nAction: llm\nArgs: {\"question\": \"f-01-\"}",
+    }));
+    let script = serde_json::json!({ "rules": rules }).to_string();
+
+    let broker = Broker::start().unwrap();
+    let aggregator = Aggregator::spawn_with(&broker, &["--config-token", TOKEN]);
+    let llm = scripted_llm(&script).await;
+    let mut limits: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(seed_dir().join("agent-limits.json")).unwrap(),
+    )
+    .unwrap();
+    limits["default"]["max_iterations"] = (STEPS + 5).into();
+    let config = seed_with("folds", &[("agent-limits", &limits.to_string())]);
+    let _orchestrator = Orchestrator::spawn(
+        &broker,
+        &llm,
+        &config,
+        &[
+            "--graph-store",
+            &aggregator.endpoint,
+            "--config-token",
+            TOKEN,
+        ],
+    );
+    let mut requests = read_from_start(
+        &broker,
+        "persistent://tg/request/agent:default:default",
+        "fold-reader",
+    )
+    .await;
+    let mut client = client(&broker).await;
+    client
+        .send(
+            "fold",
+            &agent_schema::AgentRequest {
+                pattern: "react".into(),
+                ..request("fold them", false)
+            },
+        )
+        .await
+        .unwrap();
+    let responses = collect_dialog(&mut client, "fold", Duration::from_secs(90))
+        .await
+        .unwrap();
+    assert_eq!(outcome(&responses), "thirty steps", "{responses:#?}");
+
+    // Each iteration kept its number: its provenance node holds its own observation.
+    for k in 1..=STEPS {
+        assert_eq!(
+            agent_e2e::observation(&responses, k).1,
+            short(k),
+            "iteration {k}"
+        );
+    }
+
+    // Every message stayed bounded; the last carries the folded step and the newest steps.
+    let mut sizes = Vec::new();
+    let mut last = None;
+    while let Ok(Some(Ok(message))) =
+        tokio::time::timeout(Duration::from_secs(2), requests.next()).await
+    {
+        requests.ack(&message).await.unwrap();
+        sizes.push(message.payload.data.len());
+        last = Some(message.payload.data.clone());
+    }
+    println!("request sizes: {sizes:?}");
+    assert!(sizes.len() >= STEPS, "one request per step at least");
+    let largest = sizes.iter().copied().max().unwrap();
+    let whole = STEPS * short(1).len();
+    assert!(
+        largest < 16 * 1024,
+        "a message carried {largest} bytes (the observations alone are {whole})"
+    );
+    let history = serde_json::from_slice::<agent_schema::AgentRequest>(&last.unwrap())
+        .unwrap()
+        .history;
+    assert!(history.len() <= 17, "{} steps carried", history.len());
+    assert_eq!(agent_core::documents::steps_taken(&history), STEPS);
+    let folded = &history[0];
+    let count = agent_core::documents::folded_count(folded).unwrap();
+    assert_eq!(count, STEPS - (history.len() - 1));
+    assert!(
+        folded.observation.contains(&format!("Step {count}: llm")),
+        "{}",
+        folded.observation
+    );
+
+    // The last prompt saw the digest and the newest steps.
+    let last_prompt = llm
+        .calls()
+        .into_iter()
+        .rfind(|c| c.last_user.contains("Question: fold"))
+        .unwrap()
+        .last_user;
+    assert!(last_prompt.contains(&format!("{count} earlier steps were folded")));
+    assert!(last_prompt.contains(&format!("Observation: {}", short(STEPS))));
+    assert!(!last_prompt.contains("Observation: s-01-"));
+
+    // The folded steps are in the store, the first of them in the document the last fold chains to.
+    let uri = &folded.arguments[agent_core::documents::FOLDED_DOCUMENT];
+    let rows = aggregator
+        .store()
+        .query(format!(
+            "SELECT ?t WHERE {{ GRAPH <urn:graph:agent-documents> {{ <{uri}> <{TG}content> ?t }} }}"
+        ))
+        .await
+        .unwrap()
+        .rows();
+    let Some(agent_graph::model::Term::Literal(text)) = rows.first("t") else {
+        panic!("no document {uri}");
+    };
+    let kept: Vec<agent_schema::AgentStep> = serde_json::from_str(text.value()).unwrap();
+    assert_eq!(agent_core::documents::steps_taken(&kept), count);
+    assert_eq!(kept.last().unwrap().observation, short(count));
+}

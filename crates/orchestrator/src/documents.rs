@@ -2,16 +2,20 @@
 //! reference for each long observation, whose whole text is kept as a document in the shared
 //! graph store; the prompt sees the newest steps whole again.
 //!
+//! A long ReACT history is folded here too (older steps into one, kept as a document), so a
+//! message stays bounded however long the dialog.
+//!
 //! The document is the one provenance names for the observation (`agent_core::documents`: the
 //! text's SHA-256), so checking it in here and storing provenance write the same quad, once, with
 //! no journal or compare-and-set, whoever writes first and however often a step is redelivered.
-//! Only the step that adds an observation checks it in, so a message's history only ever grows
-//! at its end (the journal's compact `next` entries rely on that).
+//! Only the step that adds an observation checks it in, so between folds a message's history only
+//! grows at its end, and the journal keeps only each step's new steps; a step that folds changes
+//! the history's start, so its entry keeps the whole (bounded) request.
 
 use std::borrow::Cow;
 use std::collections::HashMap;
 
-use agent_core::documents::{document_uri, excerpt_with_reference, is_long, reference};
+use agent_core::documents::{document_uri, excerpt_with_reference, is_long, reference, FOLD_KEEP};
 use agent_core::vocab::{tg, DOCUMENTS_GRAPH};
 use agent_graph::model::{Literal, NamedNode, Quad, Term};
 use agent_graph::GraphStore;
@@ -19,6 +23,17 @@ use agent_schema::AgentStep;
 
 /// The newest steps a prompt sees whole.
 pub const WHOLE_RECENT: usize = 3;
+
+/// Keeps `text` as the document `uri` (its digest's name: writing it again changes nothing).
+async fn keep(store: &GraphStore, uri: &str, text: &str) -> Result<(), agent_graph::GraphError> {
+    let quad = Quad::new(
+        NamedNode::new_unchecked(uri),
+        NamedNode::new_unchecked(tg::CONTENT),
+        Literal::new_simple_literal(text),
+        NamedNode::new_unchecked(DOCUMENTS_GRAPH),
+    );
+    store.insert(vec![quad]).await
+}
 
 /// Keeps `text` as a document and answers the excerpt to carry instead, when it is long. Should
 /// the store refuse, the text stays whole in the message (bounded by the message size limit): a
@@ -28,17 +43,27 @@ pub async fn check_in(store: &GraphStore, text: String) -> String {
         return text;
     }
     let uri = document_uri(&text);
-    let quad = Quad::new(
-        NamedNode::new_unchecked(uri.clone()),
-        NamedNode::new_unchecked(tg::CONTENT),
-        Literal::new_simple_literal(&text),
-        NamedNode::new_unchecked(DOCUMENTS_GRAPH),
-    );
-    match store.insert(vec![quad]).await {
+    match keep(store, &uri, &text).await {
         Ok(()) => excerpt_with_reference(&text, &uri),
         Err(e) => {
             tracing::warn!(error = %e, bytes = text.len(), "an observation could not be kept as a document; the message carries it whole");
             text
+        }
+    }
+}
+
+/// `history` with its older steps folded into one, their whole form kept as a document, when it
+/// has grown long enough (see [`agent_core::documents::fold`]). Should the store refuse, the
+/// history goes on unfolded: the next step tries again.
+pub async fn fold(store: &GraphStore, history: Vec<AgentStep>) -> Vec<AgentStep> {
+    let Some(folded) = agent_core::documents::fold(&history, FOLD_KEEP) else {
+        return history;
+    };
+    match keep(store, &folded.uri, &folded.document).await {
+        Ok(()) => folded.history,
+        Err(e) => {
+            tracing::warn!(error = %e, steps = history.len(), "the history's older steps could not be kept as a document; it goes on unfolded");
+            history
         }
     }
 }

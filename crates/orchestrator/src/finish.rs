@@ -4,6 +4,7 @@
 //! Every pattern ends through here: an answer, an error, a limit reached, a failed LLM call.
 
 use agent_bus::BusError;
+use agent_core::documents::steps_taken;
 use agent_core::pattern::Termination;
 use agent_core::provenance::{self, CallStats};
 use agent_core::supervisor::{completion_seal_parts, is_subagent};
@@ -82,12 +83,12 @@ async fn complete(
 /// when it may go on. Every pattern checks this first.
 pub async fn conclude_if_limited(turn: &Turn<'_>) -> Option<Result<(), BusError>> {
     if turn.abandoned {
-        let n = turn.request.history.len() + 1;
+        let n = steps_taken(&turn.request.history) + 1;
         let why = "the supervisor stopped waiting for this subagent: its fan-out timed out and was answered without it";
         return Some(fail(turn, n, why).await);
     }
     let limits = &turn.config.limits;
-    if turn.request.history.len() >= limits.max_iterations {
+    if steps_taken(&turn.request.history) >= limits.max_iterations {
         let max = limits.max_iterations;
         let why = format!(
             "I could not reach a final answer within the limit of {max} iterations (max_iterations)."
@@ -124,7 +125,7 @@ async fn conclude_at_limit(
         Some(step) => format!("{why} The last observation was: {}", step.observation),
         None => why.to_owned(),
     };
-    let n = request.history.len() + 1;
+    let n = steps_taken(&request.history) + 1;
     let mut triples = provenance::conclusion(
         uris,
         n,

@@ -9,6 +9,7 @@
 //! Every re-emitted message carries the original's effect id. So whatever happens, one outcome per
 //! message, the same content every time it is sent.
 
+use agent_core::documents::steps_taken;
 use std::collections::BTreeMap;
 
 use agent_graph::journal::{JournalEntry, RecordRequest};
@@ -122,7 +123,7 @@ pub fn key(request: &AgentRequest, routing: bool) -> String {
     let step = if routing {
         "route".to_owned()
     } else {
-        format!("i{}", request.history.len() + 1)
+        format!("i{}", steps_taken(&request.history) + 1)
     };
     let digest = uuid::Uuid::new_v5(&uuid::Uuid::NAMESPACE_OID, &agent_schema::encode(request));
     format!("{step}-{}", digest.simple())

@@ -19,6 +19,7 @@ pub mod stream;
 pub mod tools;
 pub mod turn;
 
+use agent_core::documents::steps_taken;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -442,7 +443,7 @@ impl Engine {
             request.framing.clone_from(&decision.framing);
             request.pattern.clone_from(&decision.pattern.selected);
         }
-        let n = request.history.len() + 1;
+        let n = steps_taken(&request.history) + 1;
         let span = iteration_span(&request, &session_id, id, &properties);
         // Everything this step sends carries the step's span, so the next step (in any replica)
         // and the aggregator continue the same trace.
@@ -544,7 +545,7 @@ fn iteration_span(
     tracing::info_span!(
         "iteration",
         session = %session_id,
-        iteration = request.history.len() + 1,
+        iteration = steps_taken(&request.history) + 1,
         id = id.unwrap_or(""),
         pattern = %request.pattern,
         correlation = %request.correlation_id,
@@ -658,10 +659,10 @@ fn validate(
     }
     // One more than the limit is the iteration that reports reaching it; anything longer was not
     // produced by this service.
-    if request.history.len() > config.limits.max_iterations {
+    let steps = steps_taken(&request.history);
+    if steps > config.limits.max_iterations {
         return Err(format!(
-            "the history has {} steps, more than max_iterations ({})",
-            request.history.len(),
+            "the history has {steps} steps, more than max_iterations ({})",
             config.limits.max_iterations
         ));
     }

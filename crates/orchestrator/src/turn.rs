@@ -156,6 +156,9 @@ impl Turn<'_> {
         }
         let mut next = self.request.clone();
         next.history.push(step);
+        if let Some(store) = self.knowledge {
+            next.history = crate::documents::fold(store, next.history).await;
+        }
         if next_state.is_some() {
             next.state = next_state;
         }

@@ -6,6 +6,7 @@
 
 use agent_bus::BusError;
 use agent_core::critic;
+use agent_core::documents::steps_taken;
 use agent_core::pattern::{self, Termination};
 use agent_core::plan::{self as planning, plan_in_force, COMPLETED, FAILED};
 use agent_core::plan_then_execute::{self as pattern_decisions, Next, Unfinished};
@@ -25,7 +26,7 @@ const PLAN_ATTEMPTS: usize = 3;
 
 /// Runs the iteration. `Err` only for publish failures: the message is then nacked and redone.
 pub async fn iterate(turn: &Turn<'_>) -> Result<(), BusError> {
-    let n = turn.request.history.len() + 1;
+    let n = steps_taken(&turn.request.history) + 1;
     let config = turn.config;
     let policy = pattern_decisions::Policy {
         max_replan_depth: config.limits.max_replan_depth,
@@ -49,7 +50,7 @@ pub async fn iterate(turn: &Turn<'_>) -> Result<(), BusError> {
     let next = pattern_decisions::next(&turn.request.history, policy);
     // A plan that used its iterations still answers from what it found.
     let max_iterations = config.limits.max_iterations;
-    if turn.request.history.len() >= max_iterations
+    if steps_taken(&turn.request.history) >= max_iterations
         && planning::current_plan(&turn.request.history).is_some()
     {
         let unfinished = match next {
@@ -94,7 +95,7 @@ async fn make_plan(turn: &Turn<'_>, n: usize, problem: Option<String>) -> Result
     let kept = old_plan.iter().filter(|s| s.status == COMPLETED).count();
     let critic_steps = config.critic_on(&request.pattern, &request.task_type, pattern::STAGE_STEP);
     let budget = pattern_decisions::step_budget(
-        request.history.len(),
+        steps_taken(&request.history),
         config.limits.max_iterations,
         critic_steps,
     );

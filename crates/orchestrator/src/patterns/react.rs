@@ -4,6 +4,7 @@
 
 use agent_bus::BusError;
 use agent_core::config::ToolCalling;
+use agent_core::documents::steps_taken;
 use agent_core::pattern::Termination;
 use agent_core::provenance::{self, CallStats, ToolStats};
 use agent_core::react::{
@@ -32,7 +33,7 @@ pub async fn iterate(turn: &Turn<'_>) -> Result<(), BusError> {
         llm,
         ..
     } = turn;
-    let n = request.history.len() + 1;
+    let n = steps_taken(&request.history) + 1;
     if let Some(done) = conclude_if_limited(turn).await {
         return done;
     }

@@ -3,6 +3,7 @@
 //! the subagents' results, answer from them.
 
 use agent_bus::BusError;
+use agent_core::documents::steps_taken;
 use agent_core::pattern::{Pattern, Termination};
 use agent_core::prompt::{describe_tools, framing_block};
 use agent_core::provenance::{self, CallStats, SessionUris, ToolStats};
@@ -20,7 +21,7 @@ const CORRELATION_KEY: &str = "correlation_id";
 const EXPECTED_KEY: &str = "expected";
 
 pub async fn iterate(turn: &Turn<'_>) -> Result<(), BusError> {
-    let n = turn.request.history.len() + 1;
+    let n = steps_taken(&turn.request.history) + 1;
     // Subagents' results are answered from whatever the limits say: their work is already done.
     if supervising::pending_synthesis(&turn.request.history).is_some() {
         return synthesise(turn, n).await;
