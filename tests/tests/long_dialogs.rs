@@ -347,3 +347,83 @@ async fn a_long_history_is_folded_and_every_message_stays_bounded() {
     assert_eq!(agent_core::documents::steps_taken(&kept), count);
     assert_eq!(kept.last().unwrap().observation, short(count));
 }
+
+/// Plan-then-Execute's long results leave the messages too: the plan state every later message
+/// carries holds an excerpt and a reference for each long result, while each step's prompt gets
+/// its dependencies' results whole and the answer is written from all of them whole.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_plans_long_results_travel_as_references_and_prompts_see_them_whole() {
+    let long = |tag: &str| {
+        let words: String = format!("{tag}-word ")
+            .chars()
+            .cycle()
+            .take(OBSERVATION_BYTES)
+            .collect();
+        format!("{tag}-start {words} end-of-{tag}")
+    };
+    let script = serde_json::json!({ "rules": [
+        {"match": "Request to plan: Chain", "reply": "{\"rationale\": \"a, then b from a, then c from b\", \"steps\": [{\"goal\": \"find a\", \"tool_hint\": \"llm\", \"depends_on\": []}, {\"goal\": \"find b\", \"depends_on\": [0]}, {\"goal\": \"find c\", \"depends_on\": [1]}]}"},
+        {"match": "Step goal: find a", "reply": "Thought: ask.\nAction: llm\nArgs: {\"question\": \"a?\"}"},
+        {"match": "a?", "exact": true, "reply": long("A")},
+        {"match": "Step goal: find b", "and": ["end-of-A"], "reply": format!("Thought: from a.\nFinal Answer: {}", long("B"))},
+        {"match": "Step goal: find c", "and": ["end-of-B"], "reply": format!("Thought: from b.\nFinal Answer: {}", long("C"))},
+        {"match": "Request to answer: Chain", "and": ["end-of-A", "end-of-B", "end-of-C"], "reply": "all three read whole"}
+    ]})
+    .to_string();
+    let broker = Broker::start().unwrap();
+    let aggregator = Aggregator::spawn_with(&broker, &["--config-token", TOKEN]);
+    let llm = scripted_llm(&script).await;
+    let _orchestrator = Orchestrator::spawn_journaled(&broker, &llm, &aggregator, TOKEN, &[]);
+    let mut requests = read_from_start(
+        &broker,
+        "persistent://tg/request/agent:default:default",
+        "plan-long-reader",
+    )
+    .await;
+    let mut client = client(&broker).await;
+    client
+        .send(
+            "plan-long",
+            &agent_schema::AgentRequest {
+                pattern: "plan-then-execute".into(),
+                ..request("Chain a, b and c.", false)
+            },
+        )
+        .await
+        .unwrap();
+    let responses = collect_dialog(&mut client, "plan-long", Duration::from_secs(60))
+        .await
+        .unwrap();
+    assert_eq!(
+        outcome(&responses),
+        "all three read whole",
+        "{responses:#?}"
+    );
+
+    let mut sizes = Vec::new();
+    let mut last = None;
+    while let Ok(Some(Ok(message))) =
+        tokio::time::timeout(Duration::from_secs(2), requests.next()).await
+    {
+        requests.ack(&message).await.unwrap();
+        sizes.push(message.payload.data.len());
+        last = Some(message.payload.data.clone());
+    }
+    println!("request sizes: {sizes:?}");
+    let largest = sizes.iter().copied().max().unwrap();
+    assert!(
+        largest < 16 * 1024,
+        "a message carried {largest} bytes; each result is {OBSERVATION_BYTES}"
+    );
+    let history = serde_json::from_slice::<agent_schema::AgentRequest>(&last.unwrap())
+        .unwrap()
+        .history;
+    let plan = history.last().unwrap().plan.clone().unwrap();
+    for (step, tag) in plan.iter().zip(["A", "B", "C"]) {
+        assert_eq!(step.status, "completed");
+        let (uri, bytes) = agent_core::documents::reference(&step.result)
+            .unwrap_or_else(|| panic!("result {tag} whole in the plan: {}", step.result.len()));
+        assert_eq!(bytes, long(tag).len());
+        assert_eq!(uri, agent_core::documents::document_uri(&long(tag)));
+    }
+}

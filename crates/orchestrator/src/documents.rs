@@ -19,7 +19,7 @@ use agent_core::documents::{document_uri, excerpt_with_reference, is_long, refer
 use agent_core::vocab::{tg, DOCUMENTS_GRAPH};
 use agent_graph::model::{Literal, NamedNode, Quad, Term};
 use agent_graph::GraphStore;
-use agent_schema::AgentStep;
+use agent_schema::{AgentStep, PlanStep};
 
 /// The newest steps a prompt sees whole.
 pub const WHOLE_RECENT: usize = 3;
@@ -75,33 +75,57 @@ pub async fn resolve_recent<'h>(
     store: Option<&GraphStore>,
     history: &'h [AgentStep],
 ) -> Cow<'h, [AgentStep]> {
-    let Some(store) = store else {
-        return Cow::Borrowed(history);
-    };
     let start = history.len().saturating_sub(WHOLE_RECENT);
-    let wanted: Vec<(usize, String)> = history
+    if store.is_none()
+        || !history[start..]
+            .iter()
+            .any(|step| reference(&step.observation).is_some())
+    {
+        return Cow::Borrowed(history);
+    }
+    let mut resolved = history.to_vec();
+    let texts = resolved[start..]
+        .iter_mut()
+        .map(|step| &mut step.observation)
+        .collect();
+    resolve_texts(store, texts).await;
+    Cow::Owned(resolved)
+}
+
+/// A plan with its steps' checked-in results whole again, for a prompt (the plan the next
+/// message carries keeps the excerpts).
+pub async fn resolve_plan(store: Option<&GraphStore>, plan: &[PlanStep]) -> Vec<PlanStep> {
+    let mut resolved = plan.to_vec();
+    resolve_texts(store, resolved.iter_mut().map(|s| &mut s.result).collect()).await;
+    resolved
+}
+
+/// Replaces each excerpt among `texts` by its document's whole text. Without a store, or should
+/// it not answer, the excerpts stand: a prompt with an excerpt beats no step at all.
+async fn resolve_texts(store: Option<&GraphStore>, mut texts: Vec<&mut String>) {
+    let Some(store) = store else {
+        return;
+    };
+    let wanted: Vec<String> = texts
         .iter()
-        .enumerate()
-        .skip(start)
-        .filter_map(|(i, step)| reference(&step.observation).map(|(uri, _)| (i, uri.to_owned())))
+        .filter_map(|text| reference(text).map(|(uri, _)| uri.to_owned()))
         .collect();
     if wanted.is_empty() {
-        return Cow::Borrowed(history);
+        return;
     }
-    let texts = match fetch(store, wanted.iter().map(|(_, uri)| uri.as_str())).await {
-        Ok(texts) => texts,
+    let whole = match fetch(store, wanted.iter().map(String::as_str)).await {
+        Ok(whole) => whole,
         Err(e) => {
-            tracing::warn!(error = %e, "checked-in observations could not be read; the prompt sees their excerpts");
-            return Cow::Borrowed(history);
+            tracing::warn!(error = %e, "checked-in texts could not be read; the prompt sees their excerpts");
+            return;
         }
     };
-    let mut resolved = history.to_vec();
-    for (i, uri) in &wanted {
-        if let (Some(step), Some(text)) = (resolved.get_mut(*i), texts.get(uri)) {
-            step.observation.clone_from(text);
+    for text in &mut texts {
+        let found = reference(text).and_then(|(uri, _)| whole.get(uri));
+        if let Some(found) = found {
+            found.clone_into(text);
         }
     }
-    Cow::Owned(resolved)
 }
 
 /// The whole texts of the documents `uris`, by IRI (those the store holds).

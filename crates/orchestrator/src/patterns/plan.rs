@@ -93,6 +93,7 @@ async fn make_plan(turn: &Turn<'_>, n: usize, problem: Option<String>) -> Result
         .map(<[PlanStep]>::to_vec)
         .unwrap_or_default();
     let kept = old_plan.iter().filter(|s| s.status == COMPLETED).count();
+    let shown = whole(turn, &old_plan).await;
     let critic_steps = config.critic_on(&request.pattern, &request.task_type, pattern::STAGE_STEP);
     let budget = pattern_decisions::step_budget(
         steps_taken(&request.history),
@@ -109,8 +110,8 @@ async fn make_plan(turn: &Turn<'_>, n: usize, problem: Option<String>) -> Result
         ("question", request.question.clone()),
         ("tools", describe_tools(&visible)),
         ("max_steps", budget.to_string()),
-        ("plan", planning::describe(&old_plan)),
-        ("completed", renumbered_completed(&old_plan)),
+        ("plan", planning::describe(&shown)),
+        ("completed", renumbered_completed(&shown)),
         ("problem", problem.clone().unwrap_or_default()),
         ("first_new", kept.to_string()),
     ]
@@ -303,7 +304,10 @@ async fn run_step(turn: &Turn<'_>, n: usize, index: usize) -> Result<(), BusErro
                 goal.tool_hint.clone()
             },
         ),
-        ("dependencies", planning::dependency_results(&plan, index)),
+        (
+            "dependencies",
+            planning::dependency_results(&whole(turn, &plan).await, index),
+        ),
         ("lessons", lessons_block(&request.history, &goal.goal)),
         ("tools", describe_tools(&visible)),
         ("tool_names", candidates.join(", ")),
@@ -359,10 +363,16 @@ async fn run_step(turn: &Turn<'_>, n: usize, index: usize) -> Result<(), BusErro
             FAILED,
         ),
     };
+    // The plan travels in every later message: a long result goes in it as an excerpt and a
+    // reference (the observation below is the same document, so it is kept once).
+    let carried = match turn.knowledge {
+        Some(store) => crate::documents::check_in(store, result.clone()).await,
+        None => result.clone(),
+    };
     let mut updated = plan;
     if let Some(step) = updated.get_mut(index) {
         step.status = status.to_owned();
-        step.result.clone_from(&result);
+        step.result = carried;
     }
     if !thought.is_empty() {
         out.chunk(MessageType::Thought, &thought, &uris.thought(n), true)
@@ -418,6 +428,7 @@ async fn evaluate(turn: &Turn<'_>, n: usize, index: usize) -> Result<(), BusErro
     let Some((_, plan)) = plan_in_force(&request.history) else {
         return fail(turn, n, "the history has no plan to evaluate").await;
     };
+    let plan = whole(turn, &plan).await;
     let Some(step) = plan.get(index).cloned() else {
         return fail(turn, n, &format!("the plan has no step {index}")).await;
     };
@@ -567,7 +578,10 @@ async fn review_answer(turn: &Turn<'_>, n: usize) -> Result<(), BusError> {
     let vars = [
         ("framing", framing_block(&request.framing)),
         ("question", request.question.clone()),
-        ("results", planning::describe_results(&plan)),
+        (
+            "results",
+            planning::describe_results(&whole(turn, &plan).await),
+        ),
         ("answer", draft.clone()),
     ]
     .into_iter()
@@ -623,6 +637,11 @@ async fn review_answer(turn: &Turn<'_>, n: usize) -> Result<(), BusError> {
     crate::finish::answer(turn, &answer, tokens, &completion.model).await
 }
 
+/// `plan` with its results whole, for a prompt: a long result travels as an excerpt.
+async fn whole(turn: &Turn<'_>, plan: &[PlanStep]) -> Vec<PlanStep> {
+    crate::documents::resolve_plan(turn.knowledge, plan).await
+}
+
 /// Publishes the iteration's observation (to the client and the graph), then queues the next
 /// iteration with `step` added to the history.
 async fn record_and_queue(
@@ -674,7 +693,10 @@ async fn synthesise(
     let vars = [
         ("framing", framing_block(&request.framing)),
         ("question", request.question.clone()),
-        ("results", planning::describe_results(plan)),
+        (
+            "results",
+            planning::describe_results(&whole(turn, plan).await),
+        ),
         ("caveat", guidance),
     ]
     .into_iter()
