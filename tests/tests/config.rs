@@ -5,12 +5,12 @@
 use std::time::Duration;
 
 use agent_bus::{Bus, ConfigClient, ConfigPushes, Topics};
+use agent_config_files as seed;
 use agent_e2e::{
     binary, client, collect_dialog, config_dir, request as agent_request, sample, scrape,
     scripted_llm, seed_dir, Broker, ConfigSvc, Orchestrator,
 };
 use agent_schema::{operation, ConfigKey, ConfigRequest};
-use config_svc::seed;
 use serde_json::{json, Value};
 
 const ANSWER: Duration = Duration::from_secs(10);

@@ -4,11 +4,11 @@
 
 use std::path::{Path, PathBuf};
 
+use agent_config_files as seed;
 use agent_core::config::AgentConfig;
 use agent_core::prompt::Prompts;
 use agent_orchestrator::check_config_dir;
 use anyhow::Context;
-use config_svc::seed;
 use serde_json::Value;
 
 #[derive(clap::Args, Debug)]

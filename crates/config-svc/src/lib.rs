@@ -7,7 +7,7 @@
 
 pub mod http;
 pub mod protocol;
-pub mod seed;
+use agent_config_files as seed;
 pub mod store;
 
 use std::net::SocketAddr;

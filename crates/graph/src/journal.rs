@@ -257,10 +257,7 @@ fn entry_quads(entry: &NamedNode, request: &RecordRequest, now: &str) -> Vec<Qua
         quad("attempt", Literal::new_simple_literal(&request.attempt)),
         quad(
             "recordedAt",
-            Literal::new_typed_literal(
-                now,
-                NamedNode::new_unchecked("http://www.w3.org/2001/XMLSchema#dateTime"),
-            ),
+            Literal::new_typed_literal(now, oxigraph::model::vocab::xsd::DATE_TIME),
         ),
     ]
 }

@@ -130,10 +130,7 @@ pub fn claim_synthesis(fanout: &NamedNode, claimer: &str, now: &str, stale_befor
     let g = graph();
     let who = oxigraph::model::Literal::new_simple_literal(claimer);
     let datetime = |v: &str| {
-        oxigraph::model::Literal::new_typed_literal(
-            v,
-            NamedNode::new_unchecked("http://www.w3.org/2001/XMLSchema#dateTime"),
-        )
+        oxigraph::model::Literal::new_typed_literal(v, oxigraph::model::vocab::xsd::DATE_TIME)
     };
     let (now, stale) = (datetime(now), datetime(stale_before));
     format!(
@@ -171,10 +168,8 @@ pub fn open_fanouts() -> String {
 /// Fan-outs still waiting for their synthesis that started before `cutoff` (an xsd:dateTime).
 pub fn overdue_fanouts(cutoff: &str) -> String {
     let g = graph();
-    let cutoff = oxigraph::model::Literal::new_typed_literal(
-        cutoff,
-        NamedNode::new_unchecked("http://www.w3.org/2001/XMLSchema#dateTime"),
-    );
+    let cutoff =
+        oxigraph::model::Literal::new_typed_literal(cutoff, oxigraph::model::vocab::xsd::DATE_TIME);
     format!(
         "{PREFIXES}SELECT ?cid WHERE {{ GRAPH {g} {{
   ?f a tg:FanOut ; tg:correlationId ?cid ; prov:startedAtTime ?t .
@@ -220,10 +215,7 @@ fn journal_graph() -> NamedNode {
 pub fn journal_prune(finished_before: &str, any_before: &str) -> String {
     let g = journal_graph();
     let literal = |t: &str| {
-        oxigraph::model::Literal::new_typed_literal(
-            t,
-            NamedNode::new_unchecked("http://www.w3.org/2001/XMLSchema#dateTime"),
-        )
+        oxigraph::model::Literal::new_typed_literal(t, oxigraph::model::vocab::xsd::DATE_TIME)
     };
     let (finished_before, any_before) = (literal(finished_before), literal(any_before));
     format!(

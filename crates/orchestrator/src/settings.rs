@@ -126,7 +126,7 @@ impl Settings {
 /// The config made by the `<type>.json` files in `dir`, or every problem with them at once, each
 /// naming its file (and key).
 pub fn check_config_dir(dir: &Path) -> Result<AgentConfig, Vec<String>> {
-    let (values, file_errors) = config_svc::seed::read_dir_all(dir);
+    let (values, file_errors) = agent_config_files::read_dir_all(dir);
     let mut problems: Vec<String> = file_errors.iter().map(ToString::to_string).collect();
     match AgentConfig::from_values(&values) {
         Ok(config) if problems.is_empty() => Ok(config),

@@ -1,4 +1,4 @@
-//! Config files on disk: a directory of `<type>.json` files, each an object of key -> JSON value
+//! Config directories on disk: `<type>.json` files, each an object of key -> JSON value
 //! (`config-seed/` is one). Read by `config-svc --seed`, `agentctl config seed|validate` and the
 //! orchestrator when it runs without a config service.
 
