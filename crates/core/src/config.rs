@@ -213,7 +213,7 @@ pub struct PatternDef {
     pub name: String,
     /// What the pattern is good for; the meta-router shows it to the LLM.
     pub description: String,
-    /// Critic stages switched on for every dialog of this pattern (see [`crate::pattern::STAGES`]).
+    /// Critic stages switched on for every dialog of this pattern (see [`crate::pattern::Stage`]).
     #[serde(default)]
     pub critic: Vec<String>,
 }
@@ -563,11 +563,11 @@ impl AgentConfig {
 fn unknown_stages(stages: &[String]) -> Vec<String> {
     stages
         .iter()
-        .filter(|s| !crate::pattern::STAGES.contains(&s.as_str()))
+        .filter(|s| crate::pattern::Stage::from_name(s).is_none())
         .map(|s| {
             format!(
                 "critic names the unknown stage '{s}'; the stages are: {}",
-                crate::pattern::STAGES.join(", ")
+                crate::pattern::Stage::all_names()
             )
         })
         .collect()
@@ -576,8 +576,8 @@ fn unknown_stages(stages: &[String]) -> Vec<String> {
 impl AgentConfig {
     /// Whether the critic evaluates the steps of a dialog of this pattern and task type: switched on
     /// by either.
-    pub fn critic_on(&self, pattern: &str, task_type: &str, stage: &str) -> bool {
-        let on = |stages: &[String]| stages.iter().any(|s| s == stage);
+    pub fn critic_on(&self, pattern: &str, task_type: &str, stage: crate::pattern::Stage) -> bool {
+        let on = |stages: &[String]| stages.iter().any(|s| s == stage.name());
         self.patterns.get(pattern).is_some_and(|p| on(&p.critic))
             || self
                 .task_types

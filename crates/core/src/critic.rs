@@ -9,11 +9,18 @@ use std::collections::BTreeSet;
 
 use agent_schema::{AgentStep, PlanStep, StepType};
 
-use crate::pattern::{STAGE_ANSWER, STAGE_PLAN, STAGE_STEP};
+use crate::pattern::Stage;
 use crate::plan::{COMPLETED, FAILED, PENDING, SUB_GOALS_KEY};
 
 /// `arguments` key naming the stage a verdict is about.
 const STAGE_KEY: &str = "stage";
+
+/// The stage a recorded verdict is about.
+fn stage_of(step: &AgentStep) -> Option<Stage> {
+    step.arguments
+        .get(STAGE_KEY)
+        .and_then(|name| Stage::from_name(name))
+}
 
 /// `arguments` keys of an `evaluate` history step.
 const STEP_KEY: &str = "step";
@@ -255,7 +262,7 @@ pub fn apply(
     let mut plan = plan.to_vec();
     let goal = plan.get(index).map(|s| s.goal.clone()).unwrap_or_default();
     let mut arguments = std::collections::BTreeMap::new();
-    arguments.insert(STAGE_KEY.to_owned(), STAGE_STEP.to_owned());
+    arguments.insert(STAGE_KEY.to_owned(), Stage::Step.name().to_owned());
     arguments.insert(STEP_KEY.to_owned(), index.to_string());
     arguments.insert(GOAL_KEY.to_owned(), goal.clone());
     let mut rerun = Vec::new();
@@ -410,7 +417,7 @@ fn recorded(
 /// `may_revise` is false: then the plan stands and runs, and that is recorded.
 pub fn apply_to_plan(plan: &[PlanStep], verdict: &Evaluation, may_revise: bool) -> Applied {
     let mut arguments = std::collections::BTreeMap::new();
-    arguments.insert(STAGE_KEY.to_owned(), STAGE_PLAN.to_owned());
+    arguments.insert(STAGE_KEY.to_owned(), Stage::Plan.name().to_owned());
     arguments.insert(LESSON_KEY.to_owned(), verdict.lesson.clone());
     let effect = match (verdict.status, may_revise) {
         (Status::Success, _) => "the plan is accepted".to_owned(),
@@ -428,7 +435,7 @@ pub fn apply_to_plan(plan: &[PlanStep], verdict: &Evaluation, may_revise: bool) 
 pub fn apply_to_answer(plan: &[PlanStep], verdict: &Evaluation) -> Applied {
     let mut plan = plan.to_vec();
     let mut arguments = std::collections::BTreeMap::new();
-    arguments.insert(STAGE_KEY.to_owned(), STAGE_ANSWER.to_owned());
+    arguments.insert(STAGE_KEY.to_owned(), Stage::Answer.name().to_owned());
     arguments.insert(LESSON_KEY.to_owned(), verdict.lesson.clone());
     let culprits: BTreeSet<usize> = verdict
         .culprits
@@ -464,7 +471,7 @@ pub fn apply_to_answer(plan: &[PlanStep], verdict: &Evaluation) -> Applied {
 /// Lessons from reviews of earlier answers, oldest first.
 pub fn answer_lessons(history: &[AgentStep]) -> Vec<String> {
     evaluations(history)
-        .filter(|s| s.arguments.get(STAGE_KEY).map(String::as_str) == Some(STAGE_ANSWER))
+        .filter(|s| stage_of(s) == Some(Stage::Answer))
         .filter(|s| s.action != Status::Success.as_str())
         .filter_map(|s| s.arguments.get(LESSON_KEY))
         .filter(|l| !l.is_empty())
@@ -481,7 +488,7 @@ pub fn any_unreadable(history: &[AgentStep]) -> bool {
 pub fn rejected_plan(history: &[AgentStep]) -> Option<String> {
     let last = history.last()?;
     let rejected = StepType::parse(&last.step_type) == Some(StepType::Evaluate)
-        && last.arguments.get(STAGE_KEY).map(String::as_str) == Some(STAGE_PLAN)
+        && stage_of(last) == Some(Stage::Plan)
         && last.action != Status::Success.as_str();
     if !rejected {
         return None;

@@ -69,14 +69,38 @@ impl fmt::Display for Pattern {
     }
 }
 
-/// The critic stage that evaluates each completed plan step.
-pub const STAGE_STEP: &str = "step";
-/// The critic stage that reviews each plan (and revision) before it runs.
-pub const STAGE_PLAN: &str = "plan";
-/// The critic stage that reviews the answer before it is given.
-pub const STAGE_ANSWER: &str = "answer";
-/// The critic stages a task type or pattern may switch on.
-pub const STAGES: &[&str] = &[STAGE_STEP, STAGE_PLAN, STAGE_ANSWER];
+/// A critic stage a task type or pattern may switch on; config and the history name it by
+/// [`Stage::name`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Stage {
+    /// Evaluates each completed plan step.
+    Step,
+    /// Reviews each plan (and revision) before it runs.
+    Plan,
+    /// Reviews the answer before it is given.
+    Answer,
+}
+
+impl Stage {
+    pub const ALL: [Stage; 3] = [Stage::Step, Stage::Plan, Stage::Answer];
+
+    pub const fn name(self) -> &'static str {
+        match self {
+            Stage::Step => "step",
+            Stage::Plan => "plan",
+            Stage::Answer => "answer",
+        }
+    }
+
+    pub fn from_name(name: &str) -> Option<Stage> {
+        Stage::ALL.into_iter().find(|s| s.name() == name)
+    }
+
+    /// The stages' names, for messages that list them.
+    pub fn all_names() -> String {
+        Stage::ALL.map(Stage::name).join(", ")
+    }
+}
 
 /// How a dialog ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -7,7 +7,7 @@
 use agent_bus::BusError;
 use agent_core::critic;
 use agent_core::documents::steps_taken;
-use agent_core::pattern::{self, Termination};
+use agent_core::pattern::{Stage, Termination};
 use agent_core::plan::{self as planning, plan_in_force, COMPLETED, FAILED};
 use agent_core::plan_then_execute::{self as pattern_decisions, Next, Unfinished};
 use agent_core::prompt::{describe_tools, framing_block, render};
@@ -31,20 +31,12 @@ pub async fn iterate(turn: &Turn<'_>) -> Result<(), BusError> {
     let policy = pattern_decisions::Policy {
         max_replan_depth: config.limits.max_replan_depth,
         max_retries: config.limits.max_retries,
-        critic_steps: config.critic_on(
-            &turn.request.pattern,
-            &turn.request.task_type,
-            pattern::STAGE_STEP,
-        ),
-        critic_plan: config.critic_on(
-            &turn.request.pattern,
-            &turn.request.task_type,
-            pattern::STAGE_PLAN,
-        ),
+        critic_steps: config.critic_on(&turn.request.pattern, &turn.request.task_type, Stage::Step),
+        critic_plan: config.critic_on(&turn.request.pattern, &turn.request.task_type, Stage::Plan),
         critic_answer: config.critic_on(
             &turn.request.pattern,
             &turn.request.task_type,
-            pattern::STAGE_ANSWER,
+            Stage::Answer,
         ),
     };
     let next = pattern_decisions::next(&turn.request.history, policy);
@@ -94,7 +86,7 @@ async fn make_plan(turn: &Turn<'_>, n: usize, problem: Option<String>) -> Result
         .unwrap_or_default();
     let kept = old_plan.iter().filter(|s| s.status == COMPLETED).count();
     let shown = whole(turn, &old_plan).await;
-    let critic_steps = config.critic_on(&request.pattern, &request.task_type, pattern::STAGE_STEP);
+    let critic_steps = config.critic_on(&request.pattern, &request.task_type, Stage::Step);
     let budget = pattern_decisions::step_budget(
         steps_taken(&request.history),
         config.limits.max_iterations,
@@ -708,7 +700,7 @@ async fn synthesise(
     // With the answer critic on, a complete plan's answer is a draft until the critic accepts it;
     // a plan that could not be finished answers at once (its caveat is the verdict).
     let review = unfinished.is_none()
-        && config.critic_on(&request.pattern, &request.task_type, pattern::STAGE_ANSWER);
+        && config.critic_on(&request.pattern, &request.task_type, Stage::Answer);
     if review {
         let mut stats = CallStats::default();
         let completion = match llm.complete(&messages).await {
