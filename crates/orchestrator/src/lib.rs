@@ -403,39 +403,21 @@ impl Engine {
         }
         out.limit_requests(config.limits.max_message_bytes);
         let giving_up = matches!(attempt, Attempt::GiveUp(_));
-        let slot = match &self.journal {
-            Some(journal) => {
-                let key = journal::key(&request, new_dialog && request.pattern.is_empty());
-                match journal::entry_node(&uris.session(), &key) {
-                    Ok(node) => Some(JournalSlot {
-                        journal,
-                        node,
-                        delivery: message_id,
-                    }),
-                    // Only a refused request has ids that name no node; its refusal is a
-                    // pure function of the message, so a repeat of it is harmless.
-                    Err(_) if verdict.is_err() || giving_up => None,
-                    Err(e) => return Err(e.into()),
-                }
-            }
-            None => None,
+        let slot = match self
+            .journal_slot(
+                &out,
+                &request,
+                &uris,
+                new_dialog,
+                verdict.is_err(),
+                giving_up,
+                message_id,
+            )
+            .await?
+        {
+            Lookup::Recorded => return Ok(Settled::Done),
+            Lookup::Fresh(slot) => slot,
         };
-        if let Some(slot) = &slot {
-            // Giving up reads the journal only if it can: the store may be what is down.
-            let recorded = match slot.journal.entry(&slot.node).await {
-                Ok(entry) => entry,
-                Err(_) if giving_up => None,
-                Err(e) => return Err(e.into()),
-            };
-            // The step's outcome exists: it goes out (or the message waits until it can); an
-            // error must never follow an answer.
-            if let Some(entry) = recorded {
-                out.settle(slot, entry, Recorder::Unknown).await?;
-                return Ok(Settled::Done);
-            }
-        }
-        // Giving up publishes without the journal, which may be what is down.
-        let slot = if giving_up { None } else { slot };
         // A request that names its pattern is not routed, but gets its task type's framing.
         let requested = (new_dialog && !request.pattern.is_empty())
             .then(|| router::requested(&request, &config));
@@ -467,34 +449,15 @@ impl Engine {
             may_park: matches!(attempt, Attempt::Run { may_park: true }),
         };
         if let Err(problem) = verdict {
-            tracing::warn!(session = %session_id, %problem, "refusing an invalid request");
-            if agent_core::supervisor::is_subagent(&request) {
-                // A refused subagent is a failed completion for its supervisor, not the end of
-                // the client's dialog.
-                finish::error(&turn, &problem).await?;
-            } else {
-                out.respond(&AgentResponse::error(problem))?;
-            }
+            refuse(&turn, &problem).await?;
             out.commit(slot.as_ref()).await?;
-            events::StepCommitted {
-                pattern: "refused",
-                first_iteration: false,
-                ended: out.ended(),
-                took: taken.elapsed(),
-            }
-            .emit();
+            committed(&out, "refused", false, taken);
             return Ok(Settled::Done);
         }
         if let Attempt::GiveUp(why) = attempt {
             finish::fail(&turn, n, why).await?;
             out.commit(None).await?;
-            events::StepCommitted {
-                pattern: "given-up",
-                first_iteration: false,
-                ended: out.ended(),
-                took: taken.elapsed(),
-            }
-            .emit();
+            committed(&out, "given-up", false, taken);
             return Ok(Settled::Done);
         }
         begin_or_continue(&turn, new_dialog, requested.as_ref())
@@ -507,15 +470,89 @@ impl Engine {
         out.commit(slot.as_ref()).await?;
         let routing = new_dialog && requested.is_none();
         let pattern = metrics_label(&request, &config, routing);
-        events::StepCommitted {
-            pattern,
-            first_iteration: !routing && request.history.is_empty(),
-            ended: out.ended(),
-            took: taken.elapsed(),
-        }
-        .emit();
+        let first_iteration = !routing && request.history.is_empty();
+        committed(&out, pattern, first_iteration, taken);
         Ok(Settled::Done)
     }
+
+    /// Where the step stands in the journal: its slot (none without a journal, or when giving up,
+    /// which publishes without the journal since the store may be what is down), or
+    /// [`Lookup::Recorded`] when its outcome was recorded already and has now been settled from the
+    /// entry (an error must never follow an answer).
+    #[allow(clippy::too_many_arguments)]
+    async fn journal_slot<'e>(
+        &'e self,
+        out: &DialogOutput<'_>,
+        request: &AgentRequest,
+        uris: &SessionUris,
+        new_dialog: bool,
+        refused: bool,
+        giving_up: bool,
+        delivery: String,
+    ) -> Result<Lookup<'e>, StepError> {
+        let Some(journal) = &self.journal else {
+            return Ok(Lookup::Fresh(None));
+        };
+        let key = journal::key(request, new_dialog && request.pattern.is_empty());
+        let node = match journal::entry_node(&uris.session(), &key) {
+            Ok(node) => node,
+            // Only a refused request has ids that name no node; its refusal is a pure function
+            // of the message, so a repeat of it is harmless.
+            Err(_) if refused || giving_up => return Ok(Lookup::Fresh(None)),
+            Err(e) => return Err(e.into()),
+        };
+        let slot = JournalSlot {
+            journal,
+            node,
+            delivery,
+        };
+        // Giving up reads the journal only if it can.
+        let recorded = match slot.journal.entry(&slot.node).await {
+            Ok(entry) => entry,
+            Err(_) if giving_up => None,
+            Err(e) => return Err(e.into()),
+        };
+        if let Some(entry) = recorded {
+            out.settle(&slot, entry, Recorder::Unknown).await?;
+            return Ok(Lookup::Recorded);
+        }
+        Ok(Lookup::Fresh((!giving_up).then_some(slot)))
+    }
+}
+
+/// A step's journal lookup.
+enum Lookup<'e> {
+    /// Not recorded yet: run it, recording in the slot when there is one.
+    Fresh(Option<JournalSlot<'e>>),
+    /// Recorded before, and settled from the entry now.
+    Recorded,
+}
+
+/// Answers an invalid request: a refused subagent is a failed completion for its supervisor, not
+/// the end of the client's dialog; anyone else gets an error response.
+async fn refuse(turn: &Turn<'_>, problem: &str) -> Result<(), agent_bus::BusError> {
+    tracing::warn!(session = %turn.session_id, %problem, "refusing an invalid request");
+    if agent_core::supervisor::is_subagent(turn.request) {
+        finish::error(turn, problem).await
+    } else {
+        turn.out.respond(&AgentResponse::error(problem.to_owned()))
+    }
+}
+
+/// Logs and counts a committed step.
+fn committed(
+    out: &DialogOutput<'_>,
+    pattern: &str,
+    first_iteration: bool,
+    taken: std::time::Instant,
+) {
+    events::StepCommitted {
+        pattern,
+        first_iteration,
+        ended: out.ended(),
+        took: taken.elapsed(),
+    }
+    .emit();
 }
 
 /// The session of a dialog. A first request gets one derived from its `id` property, so that a
