@@ -83,20 +83,24 @@ pub fn folded_count(step: &AgentStep) -> Option<usize> {
     if !step.action.is_empty() {
         return None;
     }
+    // A client writes the history: a count of zero or past any real dialog is not a fold, so
+    // sums over a history and the iteration after it cannot overflow.
     step.arguments
         .get(FOLDED_STEPS)?
         .parse()
         .ok()
-        .filter(|count| *count > 0)
+        .filter(|count| (1..=MAX_FOLDED).contains(count))
 }
+
+/// The most steps one folded step may stand for.
+const MAX_FOLDED: usize = u32::MAX as usize;
 
 /// How many iterations a history stands for: a folded step counts the steps it replaced. The
 /// iteration a request asks for is one more.
 pub fn steps_taken(history: &[AgentStep]) -> usize {
-    history
-        .iter()
-        .map(|step| folded_count(step).unwrap_or(1))
-        .sum()
+    history.iter().fold(0, |sum: usize, step| {
+        sum.saturating_add(folded_count(step).unwrap_or(1))
+    })
 }
 
 /// A history with its older steps folded into one.
@@ -255,6 +259,17 @@ mod tests {
         let mut tool = step(1);
         tool.arguments.insert(FOLDED_STEPS.into(), "50".into());
         assert_eq!(steps_taken(&[tool]), 1);
+        // Forged counts neither overflow nor count as folds.
+        let forged = |count: &str| AgentStep {
+            arguments: [(FOLDED_STEPS.to_owned(), count.to_owned())]
+                .into_iter()
+                .collect(),
+            ..AgentStep::default()
+        };
+        let huge = usize::MAX.to_string();
+        assert_eq!(steps_taken(&[forged(&huge), forged(&huge), forged("0")]), 3);
+        let most = MAX_FOLDED.to_string();
+        assert_eq!(steps_taken(&[forged(&most), forged(&most)]), 2 * MAX_FOLDED);
     }
 
     #[test]
