@@ -140,6 +140,15 @@ fn invoke_streams_a_dialog_through_a_running_stack() {
         }
         std::thread::sleep(Duration::from_secs(2));
     }
+    // Stopped as a user stops it (SIGTERM), so it stops its broker too: a SIGKILL left the
+    // pulsar-lite it started running after every test run.
+    let _ = std::process::Command::new("kill")
+        .args(["-TERM", &up.id().to_string()])
+        .status();
+    let deadline = std::time::Instant::now() + Duration::from_secs(15);
+    while matches!(up.try_wait(), Ok(None)) && std::time::Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(100));
+    }
     let _ = up.kill();
     let _ = up.wait();
     let answer = answer.expect("agentctl invoke never got an answer");
