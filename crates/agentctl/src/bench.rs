@@ -262,10 +262,9 @@ async fn bench_on(
         } else {
             settings.graph_store = None;
         }
-        Some(tokio::spawn(agent_aggregator::run(
-            aggregator,
-            shutdown.clone(),
-        )))
+        let task = tokio::spawn(agent_aggregator::run(aggregator, shutdown.clone()));
+        crate::up::until_listening(addr, &task).await;
+        Some(task)
     } else {
         settings.graph_store = None;
         None

@@ -216,8 +216,10 @@ pub async fn run(args: LongBenchArgs) -> anyhow::Result<i32> {
         settings.graph_store = None;
     }
     let store = agent_graph::GraphStore::open(&format!("http://{addr}"), Some(token))?;
+    let aggregator = tokio::spawn(agent_aggregator::run(aggregator, shutdown.clone()));
+    crate::up::until_listening(addr, &aggregator).await;
     let services = [
-        tokio::spawn(agent_aggregator::run(aggregator, shutdown.clone())),
+        aggregator,
         tokio::spawn(agent_orchestrator::run(settings.clone(), shutdown.clone())),
     ];
 

@@ -113,15 +113,7 @@ pub async fn run(args: UpArgs) -> anyhow::Result<i32> {
         "graph store   {} (oxigraph), SPARQL at {endpoint}/query",
         graph_dir.display()
     );
-    // The orchestrator probes the journal at start; the aggregator serves it once it listens (a
-    // few milliseconds; an aggregator that fails to start is reported below either way).
-    let listening = tokio::time::Instant::now() + std::time::Duration::from_secs(10);
-    while tokio::net::TcpStream::connect(sparql_addr).await.is_err()
-        && tokio::time::Instant::now() < listening
-        && !aggregator.is_finished()
-    {
-        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
-    }
+    until_listening(sparql_addr, &aggregator).await;
     // Embedded: its health and metrics endpoint on a free loopback port (it logs which).
     settings.http_addr = ([127, 0, 0, 1], 0).into();
     let topics = settings.topics();
@@ -195,4 +187,17 @@ async fn show_provenance(endpoint: &str, session: &str) -> anyhow::Result<()> {
         "\nMore: agentctl explain --last [--format json|dot|mermaid], agentctl sparql 'SELECT ...'"
     );
     Ok(())
+}
+
+/// Waits until the in-process aggregator `task` listens on `addr` (a few milliseconds), at most
+/// 10 s: the orchestrator probes the journal at start, and would log that it does not answer yet.
+/// An aggregator that fails to start is reported by whoever awaits `task`.
+pub async fn until_listening<T>(addr: std::net::SocketAddr, task: &tokio::task::JoinHandle<T>) {
+    let listening = tokio::time::Instant::now() + std::time::Duration::from_secs(10);
+    while tokio::net::TcpStream::connect(addr).await.is_err()
+        && tokio::time::Instant::now() < listening
+        && !task.is_finished()
+    {
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
 }
