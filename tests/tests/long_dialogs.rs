@@ -24,12 +24,34 @@ fn observation(k: usize) -> String {
     format!("o-{k:02}- {words} end-of-o-{k:02}")
 }
 
-/// Iteration k's prompt holds observations 1..k-1; the rule for the newest comes first.
-fn script() -> String {
-    let mut rules = vec![
+/// The router's two answers: the general task type, then ReACT.
+fn routed_to_react() -> Vec<serde_json::Value> {
+    vec![
         serde_json::json!({"match": "Request to classify: ", "reply": "{\"choice\": \"general\", \"rationale\": \"t\"}"}),
         serde_json::json!({"match": "Request to work on: ", "reply": "{\"choice\": \"react\", \"rationale\": \"t\"}"}),
-    ];
+    ]
+}
+
+/// The size of every request published on the topic so far, and the last of them decoded.
+async fn sent_requests(
+    requests: &mut pulsar::Consumer<Vec<u8>, pulsar::TokioExecutor>,
+) -> (Vec<usize>, agent_schema::AgentRequest) {
+    let mut sizes = Vec::new();
+    let mut last = None;
+    while let Ok(Some(Ok(message))) =
+        tokio::time::timeout(Duration::from_secs(2), requests.next()).await
+    {
+        requests.ack(&message).await.unwrap();
+        sizes.push(message.payload.data.len());
+        last = Some(message.payload.data.clone());
+    }
+    let last = serde_json::from_slice(&last.expect("no request was published")).unwrap();
+    (sizes, last)
+}
+
+/// Iteration k's prompt holds observations 1..k-1; the rule for the newest comes first.
+fn script() -> String {
+    let mut rules = routed_to_react();
     for k in 1..=ITERATIONS {
         rules.push(serde_json::json!({"match": format!("q-{k:02}-"), "exact": true, "reply": observation(k)}));
     }
@@ -90,15 +112,7 @@ async fn long_observations_travel_as_references_and_prompts_see_the_newest_whole
     }
 
     // The messages stayed small: each observation travels as about a kilobyte.
-    let mut sizes = Vec::new();
-    let mut last = None;
-    while let Ok(Some(Ok(message))) =
-        tokio::time::timeout(Duration::from_secs(2), requests.next()).await
-    {
-        requests.ack(&message).await.unwrap();
-        sizes.push(message.payload.data.len());
-        last = Some(message.payload.data.clone());
-    }
+    let (sizes, last) = sent_requests(&mut requests).await;
     let largest = sizes.iter().copied().max().unwrap();
     println!("request sizes: {sizes:?}");
     assert!(
@@ -106,9 +120,7 @@ async fn long_observations_travel_as_references_and_prompts_see_the_newest_whole
         "a message carried {largest} bytes; eight whole observations are {}",
         ITERATIONS * OBSERVATION_BYTES
     );
-    let history = serde_json::from_slice::<agent_schema::AgentRequest>(&last.unwrap())
-        .unwrap()
-        .history;
+    let history = last.history;
     assert_eq!(history.len(), ITERATIONS);
     for step in &history {
         assert!(step.observation.contains("[claim-check: "), "{step:?}");
@@ -211,10 +223,7 @@ async fn long_observations_travel_as_references_and_prompts_see_the_newest_whole
 async fn a_long_history_is_folded_and_every_message_stays_bounded() {
     const STEPS: usize = 30;
     let short = |k: usize| format!("s-{k:02}- the result of step {k} {}", "detail ".repeat(60));
-    let mut rules = vec![
-        serde_json::json!({"match": "Request to classify: ", "reply": "{\"choice\": \"general\", \"rationale\": \"t\"}"}),
-        serde_json::json!({"match": "Request to work on: ", "reply": "{\"choice\": \"react\", \"rationale\": \"t\"}"}),
-    ];
+    let mut rules = routed_to_react();
     for k in 1..=STEPS {
         rules.push(
             serde_json::json!({"match": format!("f-{k:02}-"), "exact": true, "reply": short(k)}),
@@ -288,15 +297,7 @@ async fn a_long_history_is_folded_and_every_message_stays_bounded() {
     }
 
     // Every message stayed bounded; the last carries the folded step and the newest steps.
-    let mut sizes = Vec::new();
-    let mut last = None;
-    while let Ok(Some(Ok(message))) =
-        tokio::time::timeout(Duration::from_secs(2), requests.next()).await
-    {
-        requests.ack(&message).await.unwrap();
-        sizes.push(message.payload.data.len());
-        last = Some(message.payload.data.clone());
-    }
+    let (sizes, last) = sent_requests(&mut requests).await;
     println!("request sizes: {sizes:?}");
     assert!(sizes.len() >= STEPS, "one request per step at least");
     let largest = sizes.iter().copied().max().unwrap();
@@ -305,9 +306,7 @@ async fn a_long_history_is_folded_and_every_message_stays_bounded() {
         largest < 16 * 1024,
         "a message carried {largest} bytes (the observations alone are {whole})"
     );
-    let history = serde_json::from_slice::<agent_schema::AgentRequest>(&last.unwrap())
-        .unwrap()
-        .history;
+    let history = last.history;
     assert!(history.len() <= 17, "{} steps carried", history.len());
     assert_eq!(agent_core::documents::steps_taken(&history), STEPS);
     let folded = &history[0];
@@ -400,24 +399,14 @@ async fn a_plans_long_results_travel_as_references_and_prompts_see_them_whole() 
         "{responses:#?}"
     );
 
-    let mut sizes = Vec::new();
-    let mut last = None;
-    while let Ok(Some(Ok(message))) =
-        tokio::time::timeout(Duration::from_secs(2), requests.next()).await
-    {
-        requests.ack(&message).await.unwrap();
-        sizes.push(message.payload.data.len());
-        last = Some(message.payload.data.clone());
-    }
+    let (sizes, last) = sent_requests(&mut requests).await;
     println!("request sizes: {sizes:?}");
     let largest = sizes.iter().copied().max().unwrap();
     assert!(
         largest < 16 * 1024,
         "a message carried {largest} bytes; each result is {OBSERVATION_BYTES}"
     );
-    let history = serde_json::from_slice::<agent_schema::AgentRequest>(&last.unwrap())
-        .unwrap()
-        .history;
+    let history = last.history;
     let plan = history.last().unwrap().plan.clone().unwrap();
     for (step, tag) in plan.iter().zip(["A", "B", "C"]) {
         assert_eq!(step.status, "completed");

@@ -9,9 +9,9 @@
 //! Every re-emitted message carries the original's effect id. So whatever happens, one outcome per
 //! message, the same content every time it is sent.
 
-use agent_core::documents::steps_taken;
 use std::collections::BTreeMap;
 
+use agent_core::documents::steps_taken;
 use agent_graph::journal::{JournalEntry, RecordRequest};
 use agent_graph::model::NamedNode;
 use agent_graph::GraphError;

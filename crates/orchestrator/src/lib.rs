@@ -19,7 +19,6 @@ pub mod stream;
 pub mod tools;
 pub mod turn;
 
-use agent_core::documents::steps_taken;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -27,6 +26,7 @@ use agent_bus::{
     run_consumer, ConsumerStats, Delivery, Disposition, Publisher, SubscriptionConfig,
 };
 use agent_core::config::AgentConfig;
+use agent_core::documents::steps_taken;
 use agent_core::pattern::Pattern;
 use agent_core::provenance::{self, CallStats, SessionUris};
 use agent_llm::LlmClient;
