@@ -57,7 +57,9 @@ impl InProcess {
                     // What the binary would print on exiting with an error.
                     eprintln!("{label} exited: {e:#}");
                 }
-                runtime.shutdown_timeout(Duration::ZERO);
+                // Waits (briefly) for the workers to drop the tasks, so the service's sockets are
+                // closed when `kill` returns, as the kernel closes a killed process's at once.
+                runtime.shutdown_timeout(Duration::from_secs(2));
             })
             .unwrap();
         InProcess {
