@@ -96,6 +96,27 @@ async fn rest_writes_need_the_token_survive_a_kill_and_are_pushed() {
     assert_eq!(version(&all), version(&written));
 }
 
+/// The config topics are non-persistent: a request sent before the service subscribed is dropped
+/// by the broker. A read is asked again, so a client that starts first still gets its answer.
+#[tokio::test]
+async fn a_read_sent_before_the_service_listens_is_answered() {
+    let broker = Broker::start().unwrap();
+    let bus = Bus::connect(&broker.url(), None).await.unwrap();
+    let topics = Topics::trustgraph("default", "default");
+    let mut client = ConfigClient::connect(&bus, &topics).await.unwrap();
+    let asked = tokio::spawn(async move {
+        client
+            .call(&request(operation::CONFIG), Duration::from_secs(9))
+            .await
+    });
+    // The first copy is out, with nobody subscribed to take it.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let _svc = ConfigSvc::spawn(&broker, None);
+    let answer = asked.await.unwrap().unwrap();
+    assert_eq!(answer.error, None);
+    assert_eq!(answer.version, Some(0));
+}
+
 #[tokio::test]
 async fn the_trustgraph_protocol_over_pulsar() {
     let broker = Broker::start().unwrap();

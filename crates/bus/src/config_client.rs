@@ -25,6 +25,11 @@ impl ConfigClient {
     }
 
     /// Sends `request` and waits up to `timeout` for its response (others' responses are skipped).
+    ///
+    /// The config topics are non-persistent, as TrustGraph's are: a request the broker finds no
+    /// room for is dropped, not kept. A read is therefore sent again, under the same id, after
+    /// each third of `timeout` without an answer (the first answer wins, a later copy is
+    /// skipped); a write is sent once, so a lost answer cannot apply it twice.
     pub async fn call(
         &mut self,
         request: &ConfigRequest,
@@ -33,30 +38,55 @@ impl ConfigClient {
         let id = format!("{:032x}", rand::random::<u128>());
         let mut properties = Properties::new();
         properties.insert(ID_PROPERTY.to_owned(), id.clone());
-        self.requests
-            .send(agent_schema::encode(request), &properties)
-            .await?;
-        let wait = async {
-            loop {
-                let message = self.responses.next().await?;
-                if message_property(&message, ID_PROPERTY) != Some(id.as_str()) {
-                    continue;
-                }
-                return agent_schema::decode::<ConfigResponse>(&message.payload.data).map_err(
-                    |e| BusError::ConsumerStopped {
-                        topic: "config responses".into(),
-                        message: format!("a response that does not decode: {e}"),
-                    },
-                );
+        let payload = agent_schema::encode(request);
+        let attempts = if is_read(&request.operation) { 3 } else { 1 };
+        let deadline = tokio::time::Instant::now() + timeout;
+        for attempt in 1..=attempts {
+            self.requests.send(payload.clone(), &properties).await?;
+            let until = if attempt == attempts {
+                deadline
+            } else {
+                tokio::time::Instant::now() + timeout / attempts
+            };
+            if let Ok(answer) = tokio::time::timeout_at(until, self.answer_to(&id)).await {
+                return answer;
             }
-        };
-        tokio::time::timeout(timeout, wait)
-            .await
-            .map_err(|_| BusError::Timeout {
-                what: format!("the config service's answer to '{}'", request.operation),
-                after: timeout,
-            })?
+        }
+        Err(BusError::Timeout {
+            what: format!("the config service's answer to '{}'", request.operation),
+            after: timeout,
+        })
     }
+
+    /// The next response carrying `id`.
+    async fn answer_to(&mut self, id: &str) -> Result<ConfigResponse, BusError> {
+        loop {
+            let message = self.responses.next().await?;
+            if message_property(&message, ID_PROPERTY) != Some(id) {
+                continue;
+            }
+            return agent_schema::decode::<ConfigResponse>(&message.payload.data).map_err(|e| {
+                BusError::ConsumerStopped {
+                    topic: "config responses".into(),
+                    message: format!("a response that does not decode: {e}"),
+                }
+            });
+        }
+    }
+}
+
+/// Operations that change nothing, so asking twice is harmless.
+fn is_read(operation: &str) -> bool {
+    use agent_schema::operation;
+    [
+        operation::GET,
+        operation::LIST,
+        operation::GET_VALUES,
+        operation::CONFIG,
+        operation::GET_VALUES_ALL_WS,
+        operation::GET_KEYS_ALL_WS,
+    ]
+    .contains(&operation)
 }
 
 /// Every [`ConfigPush`] published after this subscribed.
