@@ -1,7 +1,7 @@
 //! Every `agentctl` command the README documents runs as documented, in a short mode: `up` with a
 //! question, `invoke` against a running `up --stay`, `explain` and `sparql` on what `up` left in its
 //! store, `bench`, `bench-graph` and `bench-long` with small counts. (`config`, `load` and `tools` have their own
-//! tests in config.rs and knowledge.rs.)
+//! tests in config.rs and knowledge.rs, `cancel` in run_control.rs.)
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use std::process::{Command, Output, Stdio};
@@ -153,6 +153,8 @@ fn invoke_streams_a_dialog_through_a_running_stack() {
     let _ = up.wait();
     let answer = answer.expect("agentctl invoke never got an answer");
     assert!(answer.contains("8,784 hours"), "{answer}");
+    // The session is shown, for `agentctl cancel` and `explain`.
+    assert!(answer.contains("; session "), "{answer}");
     let _ = std::fs::remove_dir_all(&dir);
 }
 

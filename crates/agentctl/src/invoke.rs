@@ -284,7 +284,11 @@ impl Renderer {
                 let node = r.explain_id.as_deref().unwrap_or_default();
                 if node.ends_with("/pattern-decision") {
                     self.close_line(&mut out);
-                    let line = routing_line(&r.explain_triples);
+                    let mut line = routing_line(&r.explain_triples);
+                    let session = session_of(node);
+                    if agent_core::supervisor::place_of(session).is_none() {
+                        line.push_str(&format!("; session {session}"));
+                    }
                     let _ = writeln!(out, "{} {line}", self.paint("35", "Routed:"));
                 }
                 if self.explain {

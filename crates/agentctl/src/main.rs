@@ -3,6 +3,7 @@
 mod bench;
 mod bench_graph;
 mod bench_long;
+mod cancel;
 mod config;
 mod graph;
 mod invoke;
@@ -26,6 +27,8 @@ enum Command {
     Up(up::UpArgs),
     /// Measure the aggregator's write throughput and the explain query's latency as the graph grows.
     BenchGraph(bench_graph::GraphBenchArgs),
+    /// Stop a running dialog (and every subagent under it); the graph records who and when.
+    Cancel(cancel::CancelArgs),
     /// Show a session's provenance as a tree, JSON, DOT or Mermaid.
     Explain(graph::ExplainArgs),
     /// Run a SPARQL query against the graph store.
@@ -51,6 +54,7 @@ async fn main() {
         Command::Bench(args) => bench::run(args).await,
         Command::BenchGraph(args) => bench_graph::run(args).await,
         Command::BenchLong(args) => bench_long::run(args).await,
+        Command::Cancel(args) => cancel::run(args).await,
         Command::Explain(args) => graph::explain(args).await,
         Command::Sparql(args) => graph::sparql(args).await,
         Command::Load(args) => graph::load(args).await,

@@ -207,10 +207,11 @@ pub async fn check(
         let goal = text(goal.get(i).copied().flatten());
         let status = text(status.get(i).copied().flatten());
         let result = text(result.get(i).copied().flatten());
-        let shown = if status == "answer" {
-            result
-        } else {
-            format!("Error: the subagent failed: {result}")
+        let shown = match status.as_str() {
+            "answer" => result,
+            // Its result says who cancelled it, when and why.
+            "cancelled" => format!("The subagent was {result}"),
+            _ => format!("Error: the subagent failed: {result}"),
         };
         results.insert(result_key(index, &goal), shown);
     }

@@ -7,6 +7,7 @@ mod args;
 mod client;
 mod config_client;
 mod consumer;
+mod control;
 pub mod embedded;
 mod error;
 mod publisher;
@@ -20,6 +21,7 @@ pub use config_client::{ConfigClient, ConfigPushes};
 pub use consumer::{
     run_consumer, ConsumerStats, Delivery, Disposition, SubscriptionConfig, DEAD_LETTER_REASON,
 };
+pub use control::{send_control, ControlListener};
 pub use error::BusError;
 pub use publisher::{Publisher, Receipt};
 pub use service::{bearer_matches, stop_on_signal};

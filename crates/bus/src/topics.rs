@@ -19,6 +19,9 @@ pub struct Topics {
     pub config_response: String,
     /// Change notifications after every config write (TrustGraph 2.x: `notify:tg:config`).
     pub config_push: String,
+    /// Run control (cancel): non-persistent, heard by every orchestrator replica, each on its
+    /// own subscription; the durable record of a control is the provenance graph.
+    pub control: String,
 }
 
 impl Topics {
@@ -40,6 +43,7 @@ impl Topics {
             config_request: "non-persistent://tg/request/config".to_owned(),
             config_response: "non-persistent://tg/response/config".to_owned(),
             config_push: "non-persistent://tg/notify/config".to_owned(),
+            control: format!("non-persistent://tg/notify/agent-control:{workspace}:{flow}"),
         }
     }
 }

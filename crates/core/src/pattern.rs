@@ -116,6 +116,8 @@ pub enum Termination {
     MaxIterations,
     /// A token or wall-time budget was used up.
     Budget,
+    /// Someone cancelled the run (see [`crate::provenance::cancellation`]).
+    Cancelled,
     Error,
 }
 
@@ -128,6 +130,7 @@ impl Termination {
             Termination::Blocked => "blocked",
             Termination::MaxIterations => "max-iterations",
             Termination::Budget => "budget",
+            Termination::Cancelled => "cancelled",
             Termination::Error => "error",
         }
     }

@@ -48,6 +48,10 @@ impl SessionUris {
     pub fn fanout(&self, correlation_id: &str) -> String {
         format!("{}/fanout/{correlation_id}", self.base)
     }
+    /// Where a cancel of this session is recorded: who asked, when and why.
+    pub fn cancellation(&self) -> String {
+        format!("{}/cancellation", self.base)
+    }
     pub fn completion(&self) -> String {
         format!("{}/completion", self.base)
     }
@@ -152,6 +156,36 @@ pub fn session(uris: &SessionUris, question: &str, started_at: &str) -> Vec<Trip
             Term::typed_literal(started_at, XSD_DATETIME),
         )
         .tg(&s, "query", Term::literal(question));
+    b.build()
+}
+
+/// A cancel of the session of `uris` (and so of every subagent under it): who asked, when (an RFC
+/// 3339 time) and why. The session is invalidated by it, in PROV's terms.
+pub fn cancellation(uris: &SessionUris, by: &str, at: &str, reason: &str) -> Vec<Triple> {
+    let s = uris.cancellation();
+    let session = uris.session();
+    let mut b = NodeBuilder::default();
+    b.types(&s, &["Cancellation"])
+        .label(&s, "Cancellation")
+        .derived(&s, &session)
+        .tg(&s, "cancelledBy", Term::literal(by))
+        .add(
+            &s,
+            &format!("{PROV}atTime"),
+            Term::typed_literal(at, XSD_DATETIME),
+        )
+        .add(&session, &format!("{PROV}wasInvalidatedBy"), Term::iri(&s));
+    if !reason.is_empty() {
+        b.tg(&s, "reason", Term::literal(reason));
+    }
+    b.build()
+}
+
+/// Links a dialog's conclusion to the cancellation (its own session's, or a supervisor's above it)
+/// that ended it.
+pub fn cancelled_by(uris: &SessionUris, cancellation: &str) -> Vec<Triple> {
+    let mut b = NodeBuilder::default();
+    b.tg(&uris.conclusion(), "cancellation", Term::iri(cancellation));
     b.build()
 }
 

@@ -94,6 +94,19 @@ pub fn fanout_of_subagent(fanout: &NamedNode, session: &NamedNode) -> String {
     )
 }
 
+/// Cancellations recorded at or after `since` (an RFC 3339 time): the node, who, when and why.
+pub fn cancellations_since(since: &str) -> String {
+    let g = graph();
+    let since =
+        oxigraph::model::Literal::new_typed_literal(since, oxigraph::model::vocab::xsd::DATE_TIME);
+    format!(
+        "{PREFIXES}SELECT ?c ?by ?at ?reason WHERE {{ GRAPH {g} {{
+  ?c a tg:Cancellation ; tg:cancelledBy ?by ; prov:atTime ?at .
+  OPTIONAL {{ ?c tg:reason ?reason }}
+  FILTER (?at >= {since}) }} }}"
+    )
+}
+
 /// The tokens (input plus output) every recorded LLM call of a run has used: the nodes the
 /// orchestrator tagged `tg:run run`, at every depth of its subagents.
 pub fn run_tokens(run: &NamedNode) -> String {

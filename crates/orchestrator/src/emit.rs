@@ -243,6 +243,16 @@ impl<'a> DialogOutput<'a> {
         locked(&self.parked).get_or_insert(park);
     }
 
+    /// Forgets what an abandoned step held (a cancel overtook it): its effects, its park and how it
+    /// ended. Chunks it streamed are out already and stay out.
+    pub fn discard(&self) {
+        locked(&self.effects).clear();
+        *locked(&self.parked) = None;
+        *locked(&self.ended) = None;
+        self.spawned
+            .store(false, std::sync::atomic::Ordering::SeqCst);
+    }
+
     /// Whether answer text of this step already went to the client.
     pub fn answer_streamed(&self) -> bool {
         self.answer_streamed

@@ -167,6 +167,43 @@ pub async fn llm_failed(turn: &Turn<'_>, n: usize, e: &LlmError) -> Result<(), B
     .await
 }
 
+/// Ends a cancelled dialog: the client's with one error response of type `cancelled` (a
+/// subagent's with a `cancelled` completion, so its supervisor, cancelled too, closes at once),
+/// its conclusion linked to the cancellation that ended it. Nothing else of the step is kept.
+pub async fn cancelled(turn: &Turn<'_>, cancel: &crate::cancel::Cancel) -> Result<(), BusError> {
+    let Turn { uris, out, .. } = turn;
+    let message = cancel.message();
+    let n = steps_taken(&turn.request.history) + 1;
+    let mut triples = provenance::conclusion(
+        uris,
+        n,
+        "",
+        &message,
+        Termination::Cancelled,
+        &[],
+        &CallStats::default(),
+    );
+    triples.extend(provenance::cancelled_by(uris, &cancel.node()));
+    out.explain(&uris.conclusion(), triples)?;
+    if is_subagent(turn.request) {
+        return complete(
+            turn,
+            Termination::Cancelled.as_str(),
+            &message,
+            turn.tokens_before,
+        )
+        .await;
+    }
+    let mut r = AgentResponse::error(message);
+    if let Some(error) = &mut r.error {
+        error.kind = Termination::Cancelled.as_str().to_owned();
+    }
+    r.message_id = turn.uris.conclusion();
+    r.in_token = Some(turn.tokens_before.input);
+    r.out_token = Some(turn.tokens_before.output);
+    turn.out.respond(&r)
+}
+
 /// Ends the dialog with an error response and records why.
 pub async fn fail(turn: &Turn<'_>, n: usize, message: &str) -> Result<(), BusError> {
     let Turn { uris, out, .. } = turn;

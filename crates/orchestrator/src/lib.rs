@@ -4,6 +4,7 @@
 //! replica can take any step.
 
 pub mod budget;
+pub mod cancel;
 pub mod documents;
 pub mod emit;
 pub mod events;
@@ -58,6 +59,8 @@ pub struct Engine {
     pub shutdown: CancellationToken,
     /// Seals what only this service may send (subagent requests, fan-outs, completions).
     pub seal: Option<agent_bus::seal::SealKey>,
+    /// The cancelled runs this replica has heard of.
+    pub cancellations: Arc<cancel::Cancellations>,
 }
 
 /// How a delivery is taken up.
@@ -447,6 +450,7 @@ impl Engine {
             seal: self.seal.as_ref(),
             elapsed,
             may_park: matches!(attempt, Attempt::Run { may_park: true }),
+            cancelled: self.cancellations.of(&session_id),
         };
         if let Err(problem) = verdict {
             refuse(&turn, &problem).await?;
@@ -460,9 +464,27 @@ impl Engine {
             committed(&out, "given-up", false, taken);
             return Ok(Settled::Done);
         }
-        begin_or_continue(&turn, new_dialog, requested.as_ref())
-            .instrument(span)
-            .await?;
+        let work = begin_or_continue(&turn, new_dialog, requested.as_ref()).instrument(span);
+        // A cancelled run's step is not run: it only ends its dialog. A cancel heard while the
+        // step works abandons it (an LLM stream in flight, a tool call not yet made): what it held
+        // is dropped, and the same.
+        let overtaken = match turn.cancelled.clone() {
+            Some(cancel) => Some(cancel),
+            None => tokio::select! {
+                done = work => {
+                    done?;
+                    None
+                }
+                cancel = self.cancellations.cancelled(&session_id) => Some(cancel),
+            },
+        };
+        if let Some(cancel) = overtaken {
+            out.discard();
+            if new_dialog {
+                record_question(&turn)?;
+            }
+            finish::cancelled(&turn, &cancel).await?;
+        }
         if let Some(park) = out.parked() {
             return Ok(Settled::Parked(park));
         }
@@ -590,6 +612,23 @@ fn iteration_span(
     )
 }
 
+/// A new dialog's first node: the question as asked (a subagent's hanging off its supervisor's
+/// fan-out, so the run is one DAG from the root).
+fn record_question(turn: &Turn<'_>) -> Result<(), agent_bus::BusError> {
+    let Turn {
+        request, uris, out, ..
+    } = turn;
+    let started = chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Micros, true);
+    let mut question = provenance::session(uris, &request.question, &started);
+    if agent_core::supervisor::is_subagent(request) {
+        question.extend(provenance::derived_from(
+            &uris.session(),
+            &SessionUris::new(&request.parent_session_id).fanout(&request.correlation_id),
+        ));
+    }
+    out.explain(&uris.session(), question)
+}
+
 /// The step's own work: a new dialog's first node (and, unless its request named a pattern, the
 /// meta-router's step), then one iteration of its pattern.
 async fn begin_or_continue(
@@ -597,20 +636,9 @@ async fn begin_or_continue(
     new_dialog: bool,
     requested: Option<&agent_core::router::Decision>,
 ) -> Result<(), agent_bus::BusError> {
-    let Turn {
-        request, uris, out, ..
-    } = turn;
+    let Turn { uris, out, .. } = turn;
     if new_dialog {
-        let started = chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Micros, true);
-        let mut question = provenance::session(uris, &request.question, &started);
-        // A subagent's run hangs off its supervisor's fan-out: one DAG from the root.
-        if agent_core::supervisor::is_subagent(request) {
-            question.extend(provenance::derived_from(
-                &uris.session(),
-                &SessionUris::new(&request.parent_session_id).fanout(&request.correlation_id),
-            ));
-        }
-        out.explain(&uris.session(), question)?;
+        record_question(turn)?;
         let Some(decision) = requested else {
             return router::route(turn).await;
         };
@@ -773,6 +801,32 @@ pub async fn run(settings: Settings, shutdown: CancellationToken) -> anyhow::Res
             Ok(()) => {}
         },
     }
+    // Cancels are heard from now on; those sent before are read from the graph after subscribing,
+    // so none falls between the two.
+    let cancellations = Arc::new(cancel::Cancellations::default());
+    let subscribed = match agent_bus::ControlListener::subscribe(&bus, &topics).await {
+        Ok(listener) => Some(listener),
+        Err(e) => {
+            tracing::warn!(error = %e, "cannot hear the control topic yet; trying again");
+            None
+        }
+    };
+    let hearing = tokio::spawn(cancel::listen(
+        bus.clone(),
+        topics.clone(),
+        subscribed,
+        cancellations.clone(),
+        shutdown.clone(),
+    ));
+    if let Some(store) = &knowledge {
+        match cancel::load(store, &cancellations).await {
+            Ok(0) => {}
+            Ok(loaded) => tracing::info!(loaded, "cancelled runs read from the graph"),
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot read earlier cancels from the graph; only those heard from now on apply")
+            }
+        }
+    }
     let engine = Arc::new(Engine {
         config: live,
         llm,
@@ -785,6 +839,7 @@ pub async fn run(settings: Settings, shutdown: CancellationToken) -> anyhow::Res
             settings.seal_key.as_deref(),
             "agent-orchestrator",
         ),
+        cancellations,
     });
     let subscription = SubscriptionConfig {
         topic: topics.request.clone(),
@@ -868,6 +923,7 @@ pub async fn run(settings: Settings, shutdown: CancellationToken) -> anyhow::Res
     shutdown.cancel();
     let _ = follower.await;
     let _ = answering.await;
+    let _ = hearing.await;
     if let Some(from_clients) = from_clients {
         let _ = from_clients.await;
     }

@@ -57,6 +57,9 @@ pub struct Settings {
     pub explain_topic: Option<String>,
     #[arg(long, env = "AGENT_DEAD_LETTER_TOPIC")]
     pub dead_letter_topic: Option<String>,
+    /// Where run control (cancel) is heard; every replica hears every message.
+    #[arg(long, env = "AGENT_CONTROL_TOPIC")]
+    pub control_topic: Option<String>,
     /// The graph store shared with the aggregator, which holds the iteration journal that makes
     /// iterations effectively-once and the collections the knowledge tools read: an `http(s)://`
     /// SPARQL endpoint. A directory is its aggregator's own store and cannot be shared, so it
@@ -104,6 +107,7 @@ impl Settings {
         pick(&mut t.response, &self.response_topic);
         pick(&mut t.explainability, &self.explain_topic);
         pick(&mut t.dead_letter, &self.dead_letter_topic);
+        pick(&mut t.control, &self.control_topic);
         t
     }
 

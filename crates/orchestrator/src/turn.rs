@@ -40,6 +40,9 @@ pub struct Turn<'a> {
     pub elapsed: std::time::Duration,
     /// Whether an outage may still park this step (its window is open).
     pub may_park: bool,
+    /// The cancel of this dialog's run (or of a supervisor above it), if one was heard: the step
+    /// only ends the dialog.
+    pub cancelled: Option<std::sync::Arc<crate::cancel::Cancel>>,
 }
 
 impl Turn<'_> {

@@ -5,11 +5,13 @@
 //! `JsonSchema`; `schemas/` holds the generated schemas and a test fails when they drift.
 
 mod config;
+mod control;
 mod request;
 mod response;
 mod triples;
 
 pub use config::{operation, ConfigKey, ConfigPush, ConfigRequest, ConfigResponse, ConfigValue};
+pub use control::{control_operation, AgentControl};
 pub use request::{AgentRequest, AgentStep, PlanStep, StepType};
 pub use response::{AgentResponse, ErrorInfo, MessageType};
 pub use triples::{Metadata, Term, Triple, Triples};
@@ -60,5 +62,6 @@ pub fn json_schemas() -> Vec<(&'static str, String)> {
         ("config-request.schema.json", pretty::<ConfigRequest>()),
         ("config-response.schema.json", pretty::<ConfigResponse>()),
         ("config-push.schema.json", pretty::<ConfigPush>()),
+        ("agent-control.schema.json", pretty::<AgentControl>()),
     ]
 }

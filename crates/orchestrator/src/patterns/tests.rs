@@ -84,6 +84,7 @@ impl Harness {
             seal: None,
             elapsed: std::time::Duration::ZERO,
             may_park: false,
+            cancelled: None,
         };
         super::iterate(&turn).await.expect("the step runs");
         assert!(out.parked().is_none(), "nothing here is an outage");

@@ -1,0 +1,294 @@
+//! Cancelled runs as this replica knows them: heard on the control topic (every replica hears
+//! every cancel), and read from the graph at start, for cancels sent while it was down. A step
+//! checks its session and every supervisor above it before it runs, and watches them while it
+//! runs, so an LLM stream or a tool call in flight is abandoned as soon as the cancel is heard.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use agent_bus::{Bus, ControlListener, Topics};
+use agent_core::provenance::SessionUris;
+use agent_core::supervisor::place_of;
+use agent_graph::model::Term;
+use agent_graph::{queries, GraphStore, QueryAnswer};
+use agent_schema::{control_operation, AgentControl};
+use tokio::sync::watch;
+use tokio_util::sync::CancellationToken;
+
+/// How long a cancel is remembered: longer than any run may last under its wall-time budget.
+pub const MEMORY: Duration = Duration::from_secs(24 * 3600);
+/// The most cancels remembered at once; past it the oldest are forgotten first.
+const MOST: usize = 100_000;
+
+/// One cancel: of which session, by whom, when and why.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Cancel {
+    pub session_id: String,
+    pub by: String,
+    pub at: String,
+    pub reason: String,
+}
+
+impl Cancel {
+    /// Its node in the provenance graph (written by whoever sent it).
+    pub fn node(&self) -> String {
+        SessionUris::new(&self.session_id).cancellation()
+    }
+
+    /// What the client is told.
+    pub fn message(&self) -> String {
+        let mut message = format!("cancelled by {} at {}", self.by, self.at);
+        if !self.reason.is_empty() {
+            message.push_str(": ");
+            message.push_str(&self.reason);
+        }
+        message
+    }
+}
+
+/// The cancels this replica knows, by session.
+pub struct Cancellations {
+    known: Mutex<HashMap<String, (Instant, Arc<Cancel>)>>,
+    /// Bumped on every new cancel, so a running step re-checks its sessions.
+    heard: watch::Sender<u64>,
+}
+
+impl Default for Cancellations {
+    fn default() -> Self {
+        Cancellations {
+            known: Mutex::new(HashMap::new()),
+            heard: watch::channel(0).0,
+        }
+    }
+}
+
+impl Cancellations {
+    /// Remembers `cancel`; the first record of a session stands.
+    pub fn record(&self, cancel: Cancel) {
+        let Ok(mut known) = self.known.lock() else {
+            return;
+        };
+        if known.contains_key(&cancel.session_id) {
+            return;
+        }
+        if known.len() >= MOST {
+            known.retain(|_, (heard, _)| heard.elapsed() < MEMORY);
+            if known.len() >= MOST {
+                if let Some(oldest) = known
+                    .iter()
+                    .min_by_key(|(_, (heard, _))| *heard)
+                    .map(|(session, _)| session.clone())
+                {
+                    known.remove(&oldest);
+                }
+            }
+        }
+        tracing::info!(session = %cancel.session_id, by = %cancel.by, "run cancelled");
+        known.insert(
+            cancel.session_id.clone(),
+            (Instant::now(), Arc::new(cancel)),
+        );
+        drop(known);
+        self.heard.send_modify(|n| *n += 1);
+    }
+
+    /// The cancel that applies to `session_id`: its own, or that of a supervisor above it.
+    pub fn of(&self, session_id: &str) -> Option<Arc<Cancel>> {
+        let known = self.known.lock().ok()?;
+        if known.is_empty() {
+            return None;
+        }
+        let mut session = session_id;
+        loop {
+            if let Some((heard, cancel)) = known.get(session) {
+                if heard.elapsed() < MEMORY {
+                    return Some(cancel.clone());
+                }
+            }
+            session = place_of(session)?.supervisor;
+        }
+    }
+
+    /// Resolves with the cancel of `session_id` once one is heard.
+    pub async fn cancelled(&self, session_id: &str) -> Arc<Cancel> {
+        let mut heard = self.heard.subscribe();
+        loop {
+            if let Some(cancel) = self.of(session_id) {
+                return cancel;
+            }
+            if heard.changed().await.is_err() {
+                // The sender lives as long as `self`: never reached while it is borrowed.
+                std::future::pending::<()>().await;
+            }
+        }
+    }
+}
+
+/// The cancel a control message asks for, if it is one.
+pub fn from_control(control: &AgentControl) -> Option<Cancel> {
+    if control.operation != control_operation::CANCEL || control.session_id.is_empty() {
+        return None;
+    }
+    Some(Cancel {
+        session_id: control.session_id.clone(),
+        by: control.by.clone(),
+        at: control.at.clone(),
+        reason: control.reason.clone(),
+    })
+}
+
+/// Hears the control topic until `shutdown` on `subscribed` (made by the caller, so that what
+/// it reads from the graph afterwards leaves no gap), recording every cancel. A lost
+/// subscription is made again after a pause (the durable record is the graph, read at start).
+pub async fn listen(
+    bus: Bus,
+    topics: Topics,
+    mut subscribed: Option<ControlListener>,
+    cancellations: Arc<Cancellations>,
+    shutdown: CancellationToken,
+) {
+    let mut pause = Duration::from_millis(200);
+    loop {
+        let heard = async {
+            let mut listener = match subscribed.take() {
+                Some(listener) => listener,
+                None => ControlListener::subscribe(&bus, &topics).await?,
+            };
+            loop {
+                let control = listener.next().await?;
+                match from_control(&control) {
+                    Some(cancel) => cancellations.record(cancel),
+                    None => {
+                        tracing::warn!(operation = %control.operation, "ignoring a control message this service does not know")
+                    }
+                }
+            }
+        };
+        let stopped: Result<(), agent_bus::BusError> = tokio::select! {
+            _ = shutdown.cancelled() => return,
+            stopped = heard => stopped,
+        };
+        if let Err(e) = stopped {
+            tracing::warn!(error = %e, "the control topic was lost; subscribing again");
+        }
+        tokio::select! {
+            _ = shutdown.cancelled() => return,
+            _ = tokio::time::sleep(pause) => {}
+        }
+        pause = (pause * 2).min(Duration::from_secs(10));
+    }
+}
+
+/// Reads the cancels of the last [`MEMORY`] from the graph into `cancellations`; how many.
+pub async fn load(
+    store: &GraphStore,
+    cancellations: &Cancellations,
+) -> Result<usize, agent_graph::GraphError> {
+    let since = chrono::Utc::now() - chrono::Duration::seconds(MEMORY.as_secs() as i64);
+    let since = since.to_rfc3339_opts(chrono::SecondsFormat::Secs, true);
+    let QueryAnswer::Rows(rows) = store.query(queries::cancellations_since(&since)).await? else {
+        return Ok(0);
+    };
+    let text = |term: Option<&Option<Term>>| match term {
+        Some(Some(Term::Literal(l))) => l.value().to_owned(),
+        _ => String::new(),
+    };
+    let at = |name: &str| rows.variables.iter().position(|v| v == name);
+    let (Some(c), Some(by), Some(when), Some(why)) = (at("c"), at("by"), at("at"), at("reason"))
+    else {
+        return Ok(0);
+    };
+    let mut loaded = 0;
+    for row in &rows.rows {
+        let Some(Some(Term::NamedNode(node))) = row.get(c) else {
+            continue;
+        };
+        let Some(session) = node
+            .as_str()
+            .strip_suffix("/cancellation")
+            .and_then(agent_core::vocab::session_id_of)
+        else {
+            continue;
+        };
+        cancellations.record(Cancel {
+            session_id: session.to_owned(),
+            by: text(row.get(by)),
+            at: text(row.get(when)),
+            reason: text(row.get(why)),
+        });
+        loaded += 1;
+    }
+    Ok(loaded)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cancel(session: &str) -> Cancel {
+        Cancel {
+            session_id: session.into(),
+            by: "ops".into(),
+            at: "2026-11-25T10:00:00Z".into(),
+            reason: String::new(),
+        }
+    }
+
+    #[test]
+    fn a_cancel_reaches_every_subagent_below_and_nothing_beside() {
+        let known = Cancellations::default();
+        known.record(cancel("run-f1-s0"));
+        assert!(known.of("run-f1-s0").is_some());
+        assert!(known.of("run-f1-s0-f2-s3").is_some());
+        assert!(known.of("run").is_none());
+        assert!(known.of("run-f1-s1").is_none());
+        known.record(cancel("run"));
+        assert_eq!(known.of("run-f1-s1").unwrap().session_id, "run");
+        // A session merely named like a subagent's of another run is not under it.
+        assert!(known.of("other-f1-s0").is_none());
+    }
+
+    #[test]
+    fn the_first_record_of_a_session_stands() {
+        let known = Cancellations::default();
+        known.record(cancel("run"));
+        known.record(Cancel {
+            by: "someone else".into(),
+            ..cancel("run")
+        });
+        assert_eq!(known.of("run").unwrap().by, "ops");
+    }
+
+    #[tokio::test]
+    async fn a_waiting_step_hears_a_later_cancel() {
+        let known = Arc::new(Cancellations::default());
+        let waiting = {
+            let known = known.clone();
+            tokio::spawn(async move { known.cancelled("run-f1-s0").await })
+        };
+        tokio::task::yield_now().await;
+        known.record(cancel("unrelated"));
+        known.record(cancel("run"));
+        let heard = tokio::time::timeout(Duration::from_secs(5), waiting)
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(heard.session_id, "run");
+    }
+
+    #[test]
+    fn only_cancels_with_a_session_are_taken() {
+        let mut control = AgentControl {
+            operation: "cancel".into(),
+            session_id: "s".into(),
+            ..AgentControl::default()
+        };
+        assert!(from_control(&control).is_some());
+        control.session_id.clear();
+        assert!(from_control(&control).is_none());
+        control.session_id = "s".into();
+        control.operation = "pause".into();
+        assert!(from_control(&control).is_none());
+    }
+}
