@@ -29,14 +29,14 @@ soak_status=${PIPESTATUS[0]}
 # The Apache Pulsar tier: the same end-to-end tests on Apache Pulsar's own standalone broker
 # (scripts/apache-pulsar.sh), each test with a fresh JVM broker: ReACT streaming, SIGKILLs and a
 # broker restart, effectively-once, the supervisor with two replicas, hostile input, the drop-in
-# driven by TrustGraph's own CLI and client library, long observations as references; then effectively-once and the chaos soak's
+# driven by TrustGraph's own CLI and client library, long observations as references, cancel; then effectively-once and the chaos soak's
 # short mode (with its broker restart) with the graph in Apache Jena Fuseki. (tests/tests/pulsar_auth.rs, JWT
 # authentication and authorization, and tests/tests/message_limits.rs, the broker's message size
 # limit, run on Apache Pulsar in the main run above.)
 echo "== Apache Pulsar tier"
 AGENT_E2E_BROKER=apache cargo test --locked --workspace --no-fail-fast \
   --test react --test failures --test once --test supervisor --test hostile --test trustgraph \
-  --test long_dialogs \
+  --test long_dialogs --test run_control \
   -- --test-threads 2 2>&1 \
   | tee -a "${TMPDIR:-/tmp}/pulsar-agents-test.log" | grep -E '^test result|FAILED|panicked'
 apache_status=${PIPESTATUS[0]}
