@@ -166,6 +166,19 @@ impl Orchestrator {
         token: &str,
         env: &[(&str, &str)],
     ) -> Orchestrator {
+        Self::journaled_with(place, broker, llm, aggregator, token, &seed_dir(), env)
+    }
+
+    /// [`Orchestrator::journaled`] with the configuration in `config_dir`.
+    pub fn journaled_with(
+        place: Place,
+        broker: &Broker,
+        llm: &ScriptedLlm,
+        aggregator: &Aggregator,
+        token: &str,
+        config_dir: &std::path::Path,
+        env: &[(&str, &str)],
+    ) -> Orchestrator {
         let extra = [
             "--graph-store",
             &aggregator.endpoint,
@@ -177,7 +190,7 @@ impl Orchestrator {
             &broker.url(),
             &llm.base_url(),
             "scripted",
-            &seed_dir(),
+            config_dir,
             &extra,
             env,
         )

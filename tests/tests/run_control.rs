@@ -2,6 +2,10 @@
 //! subagents are stuck in stalled LLM calls (every branch stops, the client gets one closing
 //! message, no LLM call is made after the cancel, the graph records who cancelled and when), and a
 //! cancel sent while no orchestrator runs is read from the graph by the next one to start.
+//! Approvals: one subagent's tool call parks for approval while its siblings finish and the
+//! supervisor waits only for it; the approval is answered on another replica than the one that
+//! parked it, once only however often it is sent; an approval that never comes ends its branch
+//! and the supervisor synthesises from the rest; a denied call is observed and the agent goes on.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use std::process::Command;
@@ -21,19 +25,24 @@ const STALLED_FAN_OUT: &str = r#"{"rules": [
   {"match": "Request to answer from the subagents: Survey", "reply": "a synthesis that must not happen"}
 ]}"#;
 
-fn cancel(broker: &Broker, session: &str, by: &str, reason: &str) {
+/// Runs `agentctl` against `broker`; what it printed.
+fn agentctl(broker: &Broker, args: &[&str]) -> String {
     let out = Command::new(binary("agentctl"))
-        .args(["cancel", session, "--by", by, "--reason", reason])
+        .args(args)
         .args(["--pulsar-url", &broker.url()])
         .env("RUST_LOG", "warn")
         .output()
         .unwrap();
     assert!(
         out.status.success(),
-        "agentctl cancel failed: {}",
+        "agentctl {args:?} failed: {}",
         String::from_utf8_lossy(&out.stderr)
     );
-    let said = String::from_utf8_lossy(&out.stdout);
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+fn cancel(broker: &Broker, session: &str, by: &str, reason: &str) {
+    let said = agentctl(broker, &["cancel", session, "--by", by, "--reason", reason]);
     assert!(
         said.contains(&format!("cancelled session {session}")),
         "{said}"
@@ -205,4 +214,377 @@ async fn a_cancel_sent_while_no_orchestrator_runs_is_read_from_the_graph() {
     assert_closed_by_cancel(&responses, "ops-bob", "not needed any more");
     assert_eq!(llm.calls().len(), calls_before, "the cancelled step ran");
     assert_recorded(&aggregator, "parked-dialog", "ops-bob").await;
+}
+
+/// A tool that pays invoices, which only runs once a person approves it, beside the seed's tools.
+const PAY_TOOL: &str = r#"{
+  "llm": {"name": "llm", "description": "Ask the LLM a question", "type": "text-completion",
+          "arguments": [{"name": "question", "type": "string", "description": "The question"}]},
+  "pay": {"name": "pay", "description": "Pay an invoice", "type": "text-completion", "requires-approval": true,
+          "arguments": [{"name": "question", "type": "string", "description": "What to pay"}]}
+}"#;
+
+fn pay_config(name: &str, approval_timeout_secs: u64) -> std::path::PathBuf {
+    let limits = format!(
+        r#"{{"default": {{"max_iterations": 6, "approval_timeout_secs": {approval_timeout_secs}}}}}"#
+    );
+    seed_with(name, &[("tool", PAY_TOOL), ("agent-limits", &limits)])
+}
+
+const SUPERVISED_PAYMENT: &str = r#"{"rules": [
+  {"match": "Request to split: Handle", "reply": "[{\"goal\": \"price of alpha\"}, {\"goal\": \"price of beta\"}, {\"goal\": \"pay the gamma invoice\"}]"},
+  {"match": "pay invoice gamma-7", "exact": true, "reply": "payment sent"},
+  {"match": "Observation: payment sent", "reply": "Thought: Paid.\nFinal Answer: gamma invoice paid"},
+  {"match": "Question: price of alpha", "reply": "Thought: Known.\nFinal Answer: alpha costs 1"},
+  {"match": "Question: price of beta", "reply": "Thought: Known.\nFinal Answer: beta costs 2"},
+  {"match": "Question: pay the gamma invoice", "reply": "Thought: It must be paid.\nAction: pay\nArgs: {\"question\": \"pay invoice gamma-7\"}"},
+  {"match": "Request to answer from the subagents: Handle", "reply": "Alpha costs 1, beta 2; the gamma invoice: see its branch."}
+]}"#;
+
+/// Times the `pay` tool ran: its LLM call is asked exactly the tool's question.
+fn payments(llm: &scripted_llm::ScriptedLlm, question: &str) -> usize {
+    llm.calls()
+        .iter()
+        .filter(|c| c.last_user.trim() == question)
+        .count()
+}
+
+fn calls_matching(llm: &scripted_llm::ScriptedLlm, text: &str) -> usize {
+    llm.calls()
+        .iter()
+        .filter(|c| c.last_user.contains(text))
+        .count()
+}
+
+/// Waits up to 30 s for `ready`.
+async fn until(what: &str, mut ready: impl FnMut() -> bool) {
+    for _ in 0..300 {
+        if ready() {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    panic!("{what} did not happen within 30 s");
+}
+
+/// The approval request the client was sent: its node, and the session and step it names.
+fn approval_asked(responses: &[AgentResponse]) -> (String, String, u64) {
+    let asked = responses
+        .iter()
+        .find(|r| r.message_id.ends_with("/approval"))
+        .unwrap_or_else(|| panic!("no approval was asked for: {responses:#?}"));
+    assert!(
+        asked.content.contains("agentctl approve"),
+        "{}",
+        asked.content
+    );
+    let session = agent_core::vocab::session_id_of(&asked.message_id)
+        .unwrap()
+        .to_owned();
+    let step = asked
+        .message_id
+        .rsplit('/')
+        .nth(1)
+        .and_then(|i| i.strip_prefix('i'))
+        .and_then(|n| n.parse().ok())
+        .unwrap();
+    (asked.message_id.clone(), session, step)
+}
+
+/// Every completion of the dialog's subagents in the graph, as (status, result).
+async fn completions(aggregator: &Aggregator, root: &str) -> Vec<(String, String)> {
+    let sparql = format!(
+        "{}SELECT ?status ?result WHERE {{ GRAPH <urn:graph:retrieval> {{
+           ?c a tg:SubagentCompletion ; tg:completionStatus ?status ; tg:document ?d . ?d tg:content ?result .
+           FILTER(STRSTARTS(STR(?c), \"urn:trustgraph:agent:{root}-f\")) }} }}",
+        agent_core::vocab::SPARQL_PREFIXES
+    );
+    let Ok(agent_graph::QueryAnswer::Rows(rows)) = aggregator.store().query(sparql).await else {
+        return Vec::new();
+    };
+    let text = |t: Option<&agent_graph::model::Term>| match t {
+        Some(agent_graph::model::Term::Literal(l)) => l.value().to_owned(),
+        _ => String::new(),
+    };
+    rows.column("status")
+        .into_iter()
+        .zip(rows.column("result"))
+        .map(|(s, r)| (text(s), text(r)))
+        .collect()
+}
+
+#[tokio::test]
+async fn one_branch_waits_for_approval_answered_on_another_replica_while_its_siblings_finish() {
+    let broker = Broker::start().unwrap();
+    let aggregator = Aggregator::spawn_with(&broker, &["--config-token", TOKEN]);
+    let llm = scripted_llm(SUPERVISED_PAYMENT).await;
+    let config = pay_config("approve", 300);
+    let mut parking = Orchestrator::journaled_with(
+        Place::InProcess,
+        &broker,
+        &llm,
+        &aggregator,
+        TOKEN,
+        &config,
+        &[],
+    );
+    let mut client = client(&broker).await;
+    client
+        .send(
+            "a-1",
+            &AgentRequest {
+                pattern: "supervisor".into(),
+                ..request("Handle the three invoices.", false)
+            },
+        )
+        .await
+        .unwrap();
+    let mut responses = Vec::new();
+    until("the approval request", || {
+        calls_matching(&llm, "Question: pay the gamma invoice") >= 1
+    })
+    .await;
+    // The two siblings finish while the third waits; nothing is synthesised meanwhile.
+    let mut root = None;
+    for _ in 0..100 {
+        responses.extend(drain_for(&mut client, "a-1", Duration::from_millis(300)).await);
+        root = responses
+            .iter()
+            .find_map(|r| agent_core::vocab::session_id_of(&r.message_id))
+            .map(|session| {
+                agent_core::supervisor::place_of(session).map_or(session, |p| p.supervisor)
+            })
+            .map(str::to_owned);
+        if root.is_some() {
+            break;
+        }
+    }
+    let root = root.unwrap_or_else(|| panic!("nothing of the dialog came back: {responses:#?}"));
+    for _ in 0..100 {
+        if completions(&aggregator, &root).await.len() >= 2 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let mut done = completions(&aggregator, &root).await;
+    done.sort();
+    assert_eq!(
+        done,
+        vec![
+            ("answer".to_owned(), "alpha costs 1".to_owned()),
+            ("answer".to_owned(), "beta costs 2".to_owned())
+        ]
+    );
+    responses.extend(drain_for(&mut client, "a-1", Duration::from_secs(1)).await);
+    let (node, session, step) = approval_asked(&responses);
+    assert!(closings(&responses).is_empty(), "{responses:#?}");
+    assert_eq!(
+        payments(&llm, "pay invoice gamma-7"),
+        0,
+        "paid before approval"
+    );
+    assert_eq!(
+        calls_matching(&llm, "Request to answer from the subagents"),
+        0
+    );
+
+    // The replica that parked the call goes away; another takes the answer up.
+    parking.terminate();
+    assert!(parking.exited_within(Duration::from_secs(30)).await);
+    let _other = Orchestrator::journaled_with(
+        Place::InProcess,
+        &broker,
+        &llm,
+        &aggregator,
+        TOKEN,
+        &config,
+        &[],
+    );
+    let step_text = step.to_string();
+    let said = agentctl(
+        &broker,
+        &["approve", &session, &step_text, "--by", "ops-carol"],
+    );
+    assert!(said.contains("approved"), "{said}");
+    // The same answer again, as a double click would send it.
+    agentctl(
+        &broker,
+        &["approve", &session, &step_text, "--by", "ops-carol"],
+    );
+    responses.extend(
+        collect_dialog(&mut client, "a-1", Duration::from_secs(60))
+            .await
+            .unwrap(),
+    );
+    responses.extend(drain_for(&mut client, "a-1", Duration::from_secs(3)).await);
+    let closing = closings(&responses);
+    assert_eq!(closing.len(), 1, "{responses:#?}");
+    assert!(closing[0].error.is_none(), "{responses:#?}");
+    assert_eq!(payments(&llm, "pay invoice gamma-7"), 1, "paid once");
+    assert_eq!(
+        calls_matching(&llm, "Request to answer from the subagents"),
+        1
+    );
+    let synthesis = llm
+        .calls()
+        .into_iter()
+        .find(|c| c.last_user.contains("Request to answer from the subagents"))
+        .unwrap();
+    assert!(
+        synthesis.last_user.contains("gamma invoice paid"),
+        "{}",
+        synthesis.last_user
+    );
+
+    let sparql = format!(
+        "{}SELECT ?answer WHERE {{ GRAPH <urn:graph:retrieval> {{
+           <{node}> a tg:ApprovalRequest ; tg:action \"pay\" ; tg:deadline ?deadline ; tg:thought ?t .
+           ?answer a tg:ApprovalAnswer ; prov:wasDerivedFrom <{node}> ; tg:decision \"approve\" ;
+                   tg:answeredBy \"ops-carol\" ; prov:atTime ?at .
+           ?iteration tg:approval <{node}> ; tg:action \"pay\" . }} }}",
+        agent_core::vocab::SPARQL_PREFIXES
+    );
+    assert_eq!(count_reaching(&aggregator.store(), sparql, 1).await, 1);
+}
+
+#[tokio::test]
+async fn an_approval_that_never_comes_ends_its_branch_and_a_late_one_changes_nothing() {
+    let broker = Broker::start().unwrap();
+    let aggregator = Aggregator::spawn_with(
+        &broker,
+        &["--config-token", TOKEN, "--approval-sweep-secs", "1"],
+    );
+    let llm = scripted_llm(SUPERVISED_PAYMENT).await;
+    let config = pay_config("expire", 2);
+    let _orchestrator = Orchestrator::journaled_with(
+        Place::InProcess,
+        &broker,
+        &llm,
+        &aggregator,
+        TOKEN,
+        &config,
+        &[],
+    );
+    let mut client = client(&broker).await;
+    client
+        .send(
+            "a-2",
+            &AgentRequest {
+                pattern: "supervisor".into(),
+                ..request("Handle the three invoices.", false)
+            },
+        )
+        .await
+        .unwrap();
+    let mut responses = collect_dialog(&mut client, "a-2", Duration::from_secs(60))
+        .await
+        .unwrap();
+    responses.extend(drain_for(&mut client, "a-2", Duration::from_secs(2)).await);
+    let closing = closings(&responses);
+    assert_eq!(closing.len(), 1, "{responses:#?}");
+    assert!(
+        closing[0].error.is_none(),
+        "the supervisor answers from the rest"
+    );
+    let synthesis = llm
+        .calls()
+        .into_iter()
+        .find(|c| c.last_user.contains("Request to answer from the subagents"))
+        .unwrap();
+    assert!(
+        synthesis
+            .last_user
+            .contains("No one approved calling 'pay' within 2 s"),
+        "{}",
+        synthesis.last_user
+    );
+    assert_eq!(payments(&llm, "pay invoice gamma-7"), 0);
+
+    // A late approval: the expiry answered first, so nothing runs and nothing is sent.
+    let (_, session, step) = approval_asked(&responses);
+    agentctl(&broker, &["approve", &session, &step.to_string()]);
+    let late = drain_for(&mut client, "a-2", Duration::from_secs(3)).await;
+    assert!(late.is_empty(), "{late:#?}");
+    assert_eq!(payments(&llm, "pay invoice gamma-7"), 0);
+    let sparql = format!(
+        "{}SELECT ?answer WHERE {{ GRAPH <urn:graph:retrieval> {{
+           ?answer a tg:ApprovalAnswer ; tg:decision ?decision . }} }}",
+        agent_core::vocab::SPARQL_PREFIXES
+    );
+    assert_eq!(
+        count(&aggregator.store(), sparql).await,
+        1,
+        "one answer counted"
+    );
+}
+
+#[tokio::test]
+async fn a_denied_call_is_not_run_and_the_agent_goes_on() {
+    const DENIED: &str = r#"{"rules": [
+      {"match": "did not approve calling 'pay'", "reply": "Thought: Not allowed.\nFinal Answer: I was not allowed to pay."},
+      {"match": "pay invoice delta-9", "exact": true, "reply": "payment sent"},
+      {"match": "Question: pay the delta invoice", "reply": "Thought: Pay it.\nAction: pay\nArgs: {\"question\": \"pay invoice delta-9\"}"}
+    ]}"#;
+    let broker = Broker::start().unwrap();
+    let aggregator = Aggregator::spawn_with(&broker, &["--config-token", TOKEN]);
+    let llm = scripted_llm(DENIED).await;
+    let config = pay_config("deny", 300);
+    let _orchestrator = Orchestrator::journaled_with(
+        Place::InProcess,
+        &broker,
+        &llm,
+        &aggregator,
+        TOKEN,
+        &config,
+        &[],
+    );
+    let mut client = client(&broker).await;
+    client
+        .send(
+            "a-3",
+            &AgentRequest {
+                pattern: "react".into(),
+                ..request("pay the delta invoice", false)
+            },
+        )
+        .await
+        .unwrap();
+    let mut responses = Vec::new();
+    for _ in 0..100 {
+        responses.extend(drain_for(&mut client, "a-3", Duration::from_millis(300)).await);
+        if responses
+            .iter()
+            .any(|r| r.message_id.ends_with("/approval"))
+        {
+            break;
+        }
+    }
+    let (_, session, step) = approval_asked(&responses);
+    agentctl(
+        &broker,
+        &[
+            "deny",
+            &session,
+            &step.to_string(),
+            "--by",
+            "ops-dan",
+            "--reason",
+            "over budget",
+        ],
+    );
+    responses.extend(
+        collect_dialog(&mut client, "a-3", Duration::from_secs(60))
+            .await
+            .unwrap(),
+    );
+    let last = responses.last().unwrap();
+    assert_eq!(last.content, "I was not allowed to pay.", "{responses:#?}");
+    assert_eq!(payments(&llm, "pay invoice delta-9"), 0);
+    assert_eq!(
+        calls_matching(
+            &llm,
+            "ops-dan did not approve calling 'pay'; it was not run (over budget)"
+        ),
+        1
+    );
 }

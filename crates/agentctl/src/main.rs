@@ -3,8 +3,8 @@
 mod bench;
 mod bench_graph;
 mod bench_long;
-mod cancel;
 mod config;
+mod control;
 mod graph;
 mod invoke;
 mod tools;
@@ -28,7 +28,11 @@ enum Command {
     /// Measure the aggregator's write throughput and the explain query's latency as the graph grows.
     BenchGraph(bench_graph::GraphBenchArgs),
     /// Stop a running dialog (and every subagent under it); the graph records who and when.
-    Cancel(cancel::CancelArgs),
+    Cancel(control::CancelArgs),
+    /// Run a tool call that waits for approval (optionally with other arguments).
+    Approve(control::ApproveArgs),
+    /// Refuse a tool call that waits for approval; the agent goes on without it.
+    Deny(control::DenyArgs),
     /// Show a session's provenance as a tree, JSON, DOT or Mermaid.
     Explain(graph::ExplainArgs),
     /// Run a SPARQL query against the graph store.
@@ -54,7 +58,9 @@ async fn main() {
         Command::Bench(args) => bench::run(args).await,
         Command::BenchGraph(args) => bench_graph::run(args).await,
         Command::BenchLong(args) => bench_long::run(args).await,
-        Command::Cancel(args) => cancel::run(args).await,
+        Command::Cancel(args) => control::cancel(args).await,
+        Command::Approve(args) => control::approve(args).await,
+        Command::Deny(args) => control::deny(args).await,
         Command::Explain(args) => graph::explain(args).await,
         Command::Sparql(args) => graph::sparql(args).await,
         Command::Load(args) => graph::load(args).await,

@@ -3,6 +3,7 @@
 //! and serves the store over the SPARQL 1.1 Protocol so orchestrator replicas and the CLI can read
 //! it. The graph is its only state.
 
+pub mod approvals;
 pub mod fanin;
 pub mod http;
 pub mod journal_prune;
@@ -46,6 +47,9 @@ pub struct AggregatorSettings {
     /// not drive fan-in (see `agent_bus::seal`).
     #[arg(long, env = "AGENT_SEAL_KEY", hide_env_values = true)]
     pub seal_key: Option<String>,
+    /// Seconds between looks for calls parked for approval past their deadline.
+    #[arg(long, env = "APPROVAL_SWEEP_SECS", default_value_t = 5)]
+    pub approval_sweep_secs: u64,
     /// Seconds a fan-out waits for all its subagents before a partial synthesis.
     #[arg(long, env = "FANOUT_TIMEOUT_SECS", default_value_t = 300)]
     pub fanout_timeout_secs: u64,
@@ -102,6 +106,7 @@ impl AggregatorSettings {
             explain_topic: None,
             request_topic: None,
             fanout_timeout_secs: 300,
+            approval_sweep_secs: 5,
             seal_key: None,
             reads: ReadSettings::default(),
             journal_retention_secs: 86_400,
@@ -193,6 +198,7 @@ pub async fn run(settings: AggregatorSettings, shutdown: CancellationToken) -> a
         max_redeliveries: None,
         drain_deadline: Duration::from_secs(10),
         nack_delay: Duration::from_secs(1),
+        one_at_a_time: false,
     };
     let request_topic = settings
         .request_topic
@@ -209,6 +215,12 @@ pub async fn run(settings: AggregatorSettings, shutdown: CancellationToken) -> a
         seal.clone(),
         timeout,
         (timeout / 4).clamp(Duration::from_millis(500), Duration::from_secs(30)),
+        shutdown.clone(),
+    ));
+    let approvals = tokio::spawn(approvals::sweep(
+        store.clone(),
+        agent_bus::Publisher::new(&bus, &topics.control_request).await?,
+        Duration::from_secs(settings.approval_sweep_secs.clamp(1, 3600)),
         shutdown.clone(),
     ));
     let pruner = (settings.journal_retention_secs > 0).then(|| {
@@ -235,6 +247,7 @@ pub async fn run(settings: AggregatorSettings, shutdown: CancellationToken) -> a
     .await;
     shutdown.cancel();
     let _ = sweeper.await;
+    let _ = approvals.await;
     if let Some(pruner) = pruner {
         let _ = pruner.await;
     }

@@ -36,6 +36,9 @@ pub struct SubscriptionConfig {
     /// How long a failed message waits before it is nacked: brokers redeliver a nack at once, and a
     /// transient failure (a store restarting) needs a moment, not ten attempts in a millisecond.
     pub nack_delay: Duration,
+    /// One consumer of the subscription at a time (Failover: another replica takes over when it
+    /// goes), for messages that must be taken up in order and never side by side.
+    pub one_at_a_time: bool,
 }
 
 /// A decoded message handed to the handler.
@@ -219,7 +222,11 @@ async fn build_consumer(
         .consumer()
         .with_topic(&config.topic)
         .with_subscription(&config.subscription)
-        .with_subscription_type(SubType::Shared)
+        .with_subscription_type(if config.one_at_a_time {
+            SubType::Failover
+        } else {
+            SubType::Shared
+        })
         // Consumer ids must be unique per subscription across processes (pulsar-lite refuses a
         // second "consumer 0"), and each process numbers its own from 0.
         .with_consumer_id(rand::random::<u64>() >> 1)

@@ -1,18 +1,25 @@
-//! Run control over the broker: a control message is published on the control topic, and every
-//! orchestrator replica hears it on a subscription of its own.
+//! Run control over the broker: a cancel is published on the control topic, which every
+//! orchestrator replica hears on a subscription of its own; an answer to an approval on the
+//! durable control request topic, which one replica takes up.
 
 use agent_schema::AgentControl;
 
 use crate::client::Listener;
 use crate::{Bus, BusError, Properties, Publisher, Topics};
 
-/// Publishes `control` on the control topic.
+/// Publishes `control` where its operation goes: a cancel to every replica, an approval's answer
+/// to the durable topic one replica takes it up from.
 pub async fn send_control(
     bus: &Bus,
     topics: &Topics,
     control: &AgentControl,
 ) -> Result<(), BusError> {
-    let publisher = Publisher::new(bus, &topics.control).await?;
+    let topic = if control.operation == agent_schema::control_operation::CANCEL {
+        &topics.control
+    } else {
+        &topics.control_request
+    };
+    let publisher = Publisher::new(bus, topic).await?;
     publisher
         .send(agent_schema::encode(control), &Properties::new())
         .await

@@ -22,6 +22,8 @@ pub struct Topics {
     /// Run control (cancel): non-persistent, heard by every orchestrator replica, each on its
     /// own subscription; the durable record of a control is the provenance graph.
     pub control: String,
+    /// Answers to approvals: persistent, taken up by one orchestrator replica.
+    pub control_request: String,
 }
 
 impl Topics {
@@ -44,6 +46,7 @@ impl Topics {
             config_response: "non-persistent://tg/response/config".to_owned(),
             config_push: "non-persistent://tg/notify/config".to_owned(),
             control: format!("non-persistent://tg/notify/agent-control:{workspace}:{flow}"),
+            control_request: format!("persistent://tg/request/agent-control:{workspace}:{flow}"),
         }
     }
 }

@@ -148,6 +148,7 @@ pub async fn run(settings: ConfigSvcSettings, shutdown: CancellationToken) -> an
         dead_letter_topic: format!("{}-dead-letter", topics.config_request),
         drain_deadline: Duration::from_secs(5),
         nack_delay: Duration::from_millis(200),
+        one_at_a_time: false,
     };
     let handler_store = store.clone();
     let consumed = run_consumer(

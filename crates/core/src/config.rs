@@ -126,6 +126,10 @@ pub struct Limits {
     /// Seconds a step waits out an unavailable LLM or store (parked, tried again with growing
     /// backoff) before its dialog ends with an error naming the cause; 0 ends it at once.
     pub max_outage_secs: u64,
+    /// Seconds a tool call parked for approval (a tool with `requires-approval`) waits for its
+    /// answer; then its dialog ends (a subagent's with a completion its supervisor synthesises
+    /// around). The run's wall-time budget (`max_wall_secs`) counts the wait too.
+    pub approval_timeout_secs: u64,
 }
 
 impl Default for Limits {
@@ -144,6 +148,7 @@ impl Default for Limits {
             max_tokens: 200_000,
             max_wall_secs: 600,
             max_outage_secs: 300,
+            approval_timeout_secs: 300,
         }
     }
 }

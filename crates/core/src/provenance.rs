@@ -48,6 +48,14 @@ impl SessionUris {
     pub fn fanout(&self, correlation_id: &str) -> String {
         format!("{}/fanout/{correlation_id}", self.base)
     }
+    /// The tool call of iteration `n` parked for a person's approval.
+    pub fn approval(&self, n: usize) -> String {
+        format!("{}/i{n}/approval", self.base)
+    }
+    /// The answer to it (approve, deny, or expire).
+    pub fn approval_answer(&self, n: usize) -> String {
+        format!("{}/i{n}/approval/answer", self.base)
+    }
     /// Where a cancel of this session is recorded: who asked, when and why.
     pub fn cancellation(&self) -> String {
         format!("{}/cancellation", self.base)
@@ -181,6 +189,79 @@ pub fn cancellation(uris: &SessionUris, by: &str, at: &str, reason: &str) -> Vec
     b.build()
 }
 
+/// A tool call parked for a person's approval at iteration `n`: the tool, its arguments, the
+/// thought that chose it, when it was asked and until when an answer is taken.
+#[allow(clippy::too_many_arguments)]
+pub fn approval_request(
+    uris: &SessionUris,
+    n: usize,
+    tool: &str,
+    arguments_json: &str,
+    thought: &str,
+    asked_at: &str,
+    deadline: &str,
+) -> Vec<Triple> {
+    let s = uris.approval(n);
+    let t = format!("{s}/thought");
+    let time = |v: &str| Term::typed_literal(v, XSD_DATETIME);
+    let mut b = NodeBuilder::default();
+    b.types(&s, &["ApprovalRequest"])
+        .label(&s, &format!("Approval needed: {tool}"))
+        .derived(&s, &uris.previous(n - 1))
+        .tg(&s, "step", Term::typed_literal(n.to_string(), XSD_INTEGER))
+        .tg(&s, "action", Term::literal(tool))
+        .tg(&s, "arguments", Term::literal(arguments_json))
+        .add(&s, &format!("{PROV}startedAtTime"), time(asked_at))
+        .tg(&s, "deadline", time(deadline))
+        .tg(&s, "thought", Term::iri(&t));
+    b.types(&t, &["Reflection", "Thought"])
+        .label(&t, "Thought")
+        .derived(&t, &s)
+        .document(&t, &t, thought);
+    b.build()
+}
+
+/// The answer to the approval of iteration `n`: `decision` (approve, deny or expire), who gave it,
+/// when, why, and the arguments it put in place of the agent's (empty: none).
+pub fn approval_answer(
+    uris: &SessionUris,
+    n: usize,
+    decision: &str,
+    by: &str,
+    at: &str,
+    reason: &str,
+    edited_arguments_json: &str,
+) -> Vec<Triple> {
+    let s = uris.approval_answer(n);
+    let mut b = NodeBuilder::default();
+    b.types(&s, &["ApprovalAnswer"])
+        .label(&s, &format!("Approval: {decision}"))
+        .derived(&s, &uris.approval(n))
+        .tg(&s, "decision", Term::literal(decision))
+        .tg(&s, "answeredBy", Term::literal(by));
+    if !at.is_empty() {
+        b.add(
+            &s,
+            &format!("{PROV}atTime"),
+            Term::typed_literal(at, XSD_DATETIME),
+        );
+    }
+    if !reason.is_empty() {
+        b.tg(&s, "reason", Term::literal(reason));
+    }
+    if !edited_arguments_json.is_empty() {
+        b.tg(&s, "editedArguments", Term::literal(edited_arguments_json));
+    }
+    b.build()
+}
+
+/// Links iteration `n` to the approval its tool call waited for.
+pub fn approved_iteration(uris: &SessionUris, n: usize) -> Vec<Triple> {
+    let mut b = NodeBuilder::default();
+    b.tg(&uris.iteration(n), "approval", Term::iri(uris.approval(n)));
+    b.build()
+}
+
 /// Links a dialog's conclusion to the cancellation (its own session's, or a supervisor's above it)
 /// that ended it.
 pub fn cancelled_by(uris: &SessionUris, cancellation: &str) -> Vec<Triple> {
@@ -190,7 +271,7 @@ pub fn cancelled_by(uris: &SessionUris, cancellation: &str) -> Vec<Triple> {
 }
 
 /// What an iteration's LLM call cost.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct CallStats {
     pub duration_ms: u64,
     pub in_token: u64,

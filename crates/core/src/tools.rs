@@ -32,6 +32,14 @@ pub struct ToolDef {
     /// `None` means `["*"]`.
     #[serde(default, rename = "applicable-states")]
     pub applicable_states: Option<Vec<String>>,
+    /// A call of this tool waits for a person's approval (`agentctl approve` / `deny`) before it
+    /// runs; the step parks meanwhile, holding nothing.
+    #[serde(
+        default,
+        rename = "requires-approval",
+        skip_serializing_if = "std::ops::Not::not"
+    )]
+    pub requires_approval: bool,
     /// Kind-specific settings (`template`, `collection`, `mcp-tool`, ...), kept as given.
     #[serde(flatten)]
     pub settings: BTreeMap<String, serde_json::Value>,
@@ -168,6 +176,7 @@ mod tests {
             group: group.map(|g| g.iter().map(|s| s.to_string()).collect()),
             state: next.map(str::to_owned),
             applicable_states: states.map(|g| g.iter().map(|s| s.to_string()).collect()),
+            requires_approval: false,
             settings: BTreeMap::new(),
         }
     }

@@ -57,6 +57,10 @@ pub mod tg {
     pub const PUBLISHED: &str = tg_term!("published");
     /// A document's whole text.
     pub const CONTENT: &str = tg_term!("content");
+    /// What resuming a step parked for approval needs (its message and decision, as JSON).
+    pub const CONTINUATION: &str = tg_term!("continuation");
+    /// A node's seal: what only this service may have written.
+    pub const SEAL: &str = tg_term!("seal");
 }
 
 /// The IRI of a session's root node.

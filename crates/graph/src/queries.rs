@@ -94,6 +94,29 @@ pub fn fanout_of_subagent(fanout: &NamedNode, session: &NamedNode) -> String {
     )
 }
 
+/// The continuation of the call parked for approval at `approval` (and its seal, if any).
+pub fn continuation_of(approval: &NamedNode) -> String {
+    let docs = NamedNode::new_unchecked(DOCUMENTS_GRAPH);
+    format!(
+        "{PREFIXES}SELECT ?continuation ?seal WHERE {{ GRAPH {docs} {{
+  {approval} tg:continuation ?continuation . OPTIONAL {{ {approval} tg:seal ?seal }} }} }}"
+    )
+}
+
+/// Calls parked for approval whose deadline passed before `now` (RFC 3339) and that no answer
+/// reached yet: the approval node and its step.
+pub fn expired_approvals(now: &str) -> String {
+    let g = graph();
+    let now =
+        oxigraph::model::Literal::new_typed_literal(now, oxigraph::model::vocab::xsd::DATE_TIME);
+    format!(
+        "{PREFIXES}SELECT ?a ?step WHERE {{ GRAPH {g} {{
+  ?a a tg:ApprovalRequest ; tg:deadline ?deadline ; tg:step ?step .
+  FILTER (?deadline < {now})
+  FILTER NOT EXISTS {{ ?answer a tg:ApprovalAnswer ; prov:wasDerivedFrom ?a }} }} }}"
+    )
+}
+
 /// Cancellations recorded at or after `since` (an RFC 3339 time): the node, who, when and why.
 pub fn cancellations_since(since: &str) -> String {
     let g = graph();

@@ -13,7 +13,7 @@ use agent_schema::AgentRequest;
 
 /// A dialog's tokens so far: what its LLM calls (and LLM-backed tools) read and wrote. Carried
 /// from step to step in message properties, summed in one way.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct Tokens {
     pub input: u64,
     pub output: u64,

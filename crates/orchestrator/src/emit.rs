@@ -478,6 +478,25 @@ impl<'a> DialogOutput<'a> {
         .await
     }
 
+    /// Writes `triples` about `node` to the graph only (not to the client): what the service keeps
+    /// for itself, such as a parked step's continuation.
+    pub fn record(&self, node: &str, triples: Vec<Triple>) -> Result<(), BusError> {
+        let message = Triples {
+            metadata: Metadata {
+                id: node.to_owned(),
+                root: self.root.clone(),
+                collection: self.collection.clone(),
+            },
+            triples,
+        };
+        self.hold(
+            Channel::Explainability,
+            agent_schema::encode(&message),
+            &Properties::new(),
+        );
+        Ok(())
+    }
+
     /// Records provenance about `node`: inline to the client as an `explain` response, and on the
     /// explainability topic for the graph store, as TrustGraph does.
     pub fn explain(&self, node: &str, mut triples: Vec<Triple>) -> Result<(), BusError> {

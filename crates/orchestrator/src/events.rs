@@ -7,8 +7,8 @@ use std::time::Duration;
 use agent_metrics::global;
 
 use crate::metrics::{
-    DIALOGS_FINISHED, DIALOGS_STARTED, GIVEN_UP, ITERATIONS, ITERATION_LATENCY, PARKED, TOOL_CALLS,
-    TOOL_LATENCY,
+    APPROVAL_ANSWERS, DIALOGS_FINISHED, DIALOGS_STARTED, GIVEN_UP, ITERATIONS, ITERATION_LATENCY,
+    PARKED, TOOL_CALLS, TOOL_LATENCY,
 };
 
 /// An outage set a step aside; it runs again after `retry_in`.
@@ -40,6 +40,22 @@ impl StepGivenUp<'_> {
     pub fn emit(&self) {
         global().inc(GIVEN_UP, &[]);
         tracing::error!(why = %self.why, "giving up on a step; its dialog ends with an error");
+    }
+}
+
+/// An answer to a call parked for approval was taken up; its step resumes (unless an earlier
+/// answer won).
+pub struct ApprovalAnswered<'a> {
+    pub session: &'a str,
+    pub step: u64,
+    pub operation: &'a str,
+}
+
+impl ApprovalAnswered<'_> {
+    pub fn emit(&self) {
+        // The operation was checked to be one of three: a bounded label.
+        global().inc(APPROVAL_ANSWERS, &[("operation", self.operation)]);
+        tracing::info!(session = %self.session, step = self.step, operation = %self.operation, "an approval was answered");
     }
 }
 

@@ -3,6 +3,7 @@
 //! provenance and the `next` request before acking. No dialog state lives in the process, so any
 //! replica can take any step.
 
+pub mod approval;
 pub mod budget;
 pub mod cancel;
 pub mod documents;
@@ -61,6 +62,8 @@ pub struct Engine {
     pub seal: Option<agent_bus::seal::SealKey>,
     /// The cancelled runs this replica has heard of.
     pub cancellations: Arc<cancel::Cancellations>,
+    /// Answers to parked calls being taken up, one per call at a time.
+    pub answering: approval::OneAtATime,
 }
 
 /// How a delivery is taken up.
@@ -97,6 +100,10 @@ struct Standing {
     abandoned: bool,
     elapsed: Duration,
 }
+
+/// How long an answer to an approval is tried again while the graph does not show its parked
+/// call (the aggregator may be behind); past it, the answer is dropped.
+const ANSWER_WAIT: Duration = Duration::from_secs(120);
 
 /// The shortest and longest pause between tries of a parked step.
 const PARK_PAUSE: (Duration, Duration) = (Duration::from_secs(1), Duration::from_secs(30));
@@ -180,18 +187,30 @@ impl Engine {
     /// an error naming the cause. The message is never nacked for an outage, so the broker's
     /// redelivery limit counts crashes, not waiting.
     pub async fn handle(&self, delivery: Delivery<AgentRequest>) -> Disposition {
+        self.run_step(delivery, None).await
+    }
+
+    /// [`Engine::handle`] for a step that is either the one its message asks for, or (`answer`)
+    /// the resumption of that step, parked for approval, with the answer it got.
+    async fn run_step(
+        &self,
+        delivery: Delivery<AgentRequest>,
+        answer: Option<&approval::Answer>,
+    ) -> Disposition {
         let mut outage: Option<std::time::Instant> = None;
         let mut pause = PARK_PAUSE.0;
         loop {
             let window = Duration::from_secs(self.config.current().limits.max_outage_secs);
             let may_park = outage.map_or(!window.is_zero(), |since| since.elapsed() < window);
-            let result = self
-                .handle_inner(delivery.clone(), Attempt::Run { may_park })
-                .await;
+            // Boxed: a step's future is large (every pattern's state), and a worker's stack is
+            // not (a debug build overflowed it once resumption joined the step).
+            let result =
+                Box::pin(self.handle_inner(delivery.clone(), Attempt::Run { may_park }, answer))
+                    .await;
             let park = match next_after(result, may_park, window) {
                 Next::Ack => return Disposition::Ack,
                 Next::Park(park) => park,
-                Next::GiveUp(why) => return self.give_up(delivery, &why).await,
+                Next::GiveUp(why) => return self.give_up(delivery, &why, answer).await,
             };
             let since = *outage.get_or_insert_with(std::time::Instant::now);
             let wait = park
@@ -216,12 +235,83 @@ impl Engine {
 
     /// Ends the dialog of `delivery` with the error `why` (a subagent's as a failed completion, so
     /// its supervisor is not left waiting). Nacked only when even that cannot be published.
-    pub async fn give_up(&self, delivery: Delivery<AgentRequest>, why: &str) -> Disposition {
+    pub async fn give_up(
+        &self,
+        delivery: Delivery<AgentRequest>,
+        why: &str,
+        answer: Option<&approval::Answer>,
+    ) -> Disposition {
         events::StepGivenUp { why }.emit();
-        match self.handle_inner(delivery, Attempt::GiveUp(why)).await {
+        match Box::pin(self.handle_inner(delivery, Attempt::GiveUp(why), answer)).await {
             Ok(_) => Disposition::Ack,
             Err(e) => Disposition::Nack(e.to_string()),
         }
+    }
+
+    /// Takes up an answer to a call parked for approval: resumes that step, as its message was
+    /// delivered, with the decision it reached and the answer. The first answer wins (the
+    /// resumption's journal slot); another changes nothing. An answer the graph has no parked call
+    /// for yet is tried again for a while (the aggregator may be behind), then dropped.
+    pub async fn answer(&self, delivery: Delivery<agent_schema::AgentControl>) -> Disposition {
+        let control = delivery.payload;
+        if !approval::is_answer(&control) {
+            tracing::warn!(operation = %control.operation, session = %control.session_id, "ignoring a control request that answers no parked call");
+            return Disposition::Ack;
+        }
+        let Some(store) = &self.knowledge else {
+            tracing::warn!(session = %control.session_id, "an approval's answer needs the shared graph store (GRAPH_STORE) its call waits in; dropped");
+            return Disposition::Ack;
+        };
+        let step = control.step.unwrap_or_default();
+        let continuation = match approval::continuation(
+            store,
+            self.seal.as_ref(),
+            &control.session_id,
+            step,
+        )
+        .await
+        {
+            Ok(Some(continuation)) => continuation,
+            Ok(None) => {
+                let age = chrono::DateTime::parse_from_rfc3339(&control.at)
+                    .map(|at| chrono::Utc::now().signed_duration_since(at))
+                    .unwrap_or_default();
+                if age > chrono::Duration::seconds(ANSWER_WAIT.as_secs() as i64) {
+                    tracing::warn!(session = %control.session_id, step, "no call is parked for approval there; the answer is dropped");
+                    return Disposition::Ack;
+                }
+                return Disposition::Nack("the parked call is not in the graph yet".to_owned());
+            }
+            Err(e) => return Disposition::Nack(format!("reading the parked call: {e}")),
+        };
+        if !continuation.request.session_id.is_empty()
+            && continuation.request.session_id != control.session_id
+        {
+            tracing::warn!(session = %control.session_id, "the parked call belongs to another session; the answer is dropped");
+            return Disposition::Ack;
+        }
+        events::ApprovalAnswered {
+            session: &control.session_id,
+            step,
+            operation: &control.operation,
+        }
+        .emit();
+        let _only_this_answer = self
+            .answering
+            .hold(&format!("{}/{step}", control.session_id))
+            .await;
+        let payload_bytes = agent_schema::encode(&continuation.request).len();
+        let resumed = Delivery {
+            payload: continuation.request,
+            properties: continuation.properties,
+            message_id: delivery.message_id,
+            payload_bytes,
+        };
+        let answer = approval::Answer {
+            control,
+            decision: continuation.decision,
+        };
+        self.run_step(resumed, Some(&answer)).await
     }
 
     /// Where a step stands in its run: its tokens and start (carried by the message, never taken
@@ -346,6 +436,7 @@ impl Engine {
         &self,
         delivery: Delivery<AgentRequest>,
         attempt: Attempt<'_>,
+        answer: Option<&approval::Answer>,
     ) -> Result<Settled, StepError> {
         let taken = std::time::Instant::now();
         let Delivery {
@@ -414,6 +505,7 @@ impl Engine {
                 new_dialog,
                 verdict.is_err(),
                 giving_up,
+                answer.is_some(),
                 message_id,
             )
             .await?
@@ -451,6 +543,7 @@ impl Engine {
             elapsed,
             may_park: matches!(attempt, Attempt::Run { may_park: true }),
             cancelled: self.cancellations.of(&session_id),
+            delivered: &properties,
         };
         if let Err(problem) = verdict {
             refuse(&turn, &problem).await?;
@@ -464,7 +557,17 @@ impl Engine {
             committed(&out, "given-up", false, taken);
             return Ok(Settled::Done);
         }
-        let work = begin_or_continue(&turn, new_dialog, requested.as_ref()).instrument(span);
+        let work = Box::pin(
+            async {
+                match answer {
+                    Some(answer) => Box::pin(approval::resume(&turn, answer)).await,
+                    None => {
+                        Box::pin(begin_or_continue(&turn, new_dialog, requested.as_ref())).await
+                    }
+                }
+            }
+            .instrument(span),
+        );
         // A cancelled run's step is not run: it only ends its dialog. A cancel heard while the
         // step works abandons it (an LLM stream in flight, a tool call not yet made): what it held
         // is dropped, and the same.
@@ -510,12 +613,17 @@ impl Engine {
         new_dialog: bool,
         refused: bool,
         giving_up: bool,
+        answering: bool,
         delivery: String,
     ) -> Result<Lookup<'e>, StepError> {
         let Some(journal) = &self.journal else {
             return Ok(Lookup::Fresh(None));
         };
-        let key = journal::key(request, new_dialog && request.pattern.is_empty());
+        let mut key = journal::key(request, new_dialog && request.pattern.is_empty());
+        // A parked step's resumption has a slot of its own, which the first answer takes.
+        if answering {
+            key.push_str("-answer");
+        }
         let node = match journal::entry_node(&uris.session(), &key) {
             Ok(node) => node,
             // Only a refused request has ids that name no node; its refusal is a pure function
@@ -840,6 +948,7 @@ pub async fn run(settings: Settings, shutdown: CancellationToken) -> anyhow::Res
             "agent-orchestrator",
         ),
         cancellations,
+        answering: approval::OneAtATime::default(),
     });
     let subscription = SubscriptionConfig {
         topic: topics.request.clone(),
@@ -849,6 +958,7 @@ pub async fn run(settings: Settings, shutdown: CancellationToken) -> anyhow::Res
         dead_letter_topic: topics.dead_letter.clone(),
         drain_deadline: std::time::Duration::from_secs(settings.drain_secs),
         nack_delay: std::time::Duration::from_secs(1),
+        one_at_a_time: false,
     };
     let answering = tokio::spawn(answer_dead_letters(
         bus.clone(),
@@ -871,6 +981,7 @@ pub async fn run(settings: Settings, shutdown: CancellationToken) -> anyhow::Res
                 dead_letter_topic: topics.dead_letter.clone(),
                 drain_deadline: std::time::Duration::from_secs(settings.drain_secs),
                 nack_delay: std::time::Duration::from_secs(1),
+                one_at_a_time: false,
             };
             // Forwarded at once to the persistent topic and only then acked: a message of a
             // non-persistent topic is never redelivered, so it must not wait (park) there.
@@ -902,6 +1013,39 @@ pub async fn run(settings: Settings, shutdown: CancellationToken) -> anyhow::Res
                 }
             })
         });
+    // Answers to approvals: one replica takes each up, whichever parked the call.
+    let answering_approvals = {
+        let config = SubscriptionConfig {
+            topic: topics.control_request.clone(),
+            subscription: format!("{}-control", settings.subscription),
+            max_in_flight: 4,
+            max_redeliveries: None,
+            dead_letter_topic: String::new(),
+            drain_deadline: std::time::Duration::from_secs(settings.drain_secs),
+            nack_delay: std::time::Duration::from_secs(1),
+            // One replica takes answers up at a time, so two copies of one never run side by side.
+            one_at_a_time: true,
+        };
+        let engine = engine.clone();
+        let bus = bus.clone();
+        let shutdown = shutdown.clone();
+        tokio::spawn(async move {
+            let taken = run_consumer(
+                &bus,
+                config,
+                Arc::new(ConsumerStats::default()),
+                shutdown,
+                move |delivery: Delivery<agent_schema::AgentControl>| {
+                    let engine = engine.clone();
+                    async move { engine.answer(delivery).await }
+                },
+            )
+            .await;
+            if let Err(e) = taken {
+                tracing::error!(error = %e, "taking answers to approvals stopped");
+            }
+        })
+    };
     tracing::info!(request = %topics.request, client_request = %topics.client_request, response = %topics.response, "agent-orchestrator ready");
     let consumed = run_consumer(
         &bus,
@@ -924,6 +1068,7 @@ pub async fn run(settings: Settings, shutdown: CancellationToken) -> anyhow::Res
     let _ = follower.await;
     let _ = answering.await;
     let _ = hearing.await;
+    let _ = answering_approvals.await;
     if let Some(from_clients) = from_clients {
         let _ = from_clients.await;
     }
@@ -954,6 +1099,7 @@ async fn answer_dead_letters(
         dead_letter_topic: String::new(),
         drain_deadline: Duration::from_secs(5),
         nack_delay: Duration::from_secs(1),
+        one_at_a_time: false,
     };
     let answered = run_consumer(
         &bus,
@@ -967,7 +1113,7 @@ async fn answer_dead_letters(
                     Some(reason) => format!("the step was given up on: {reason}"),
                     None => format!("the step did not finish in {max_redeliveries} deliveries (its process crashed or lost its broker connection each time); it was moved to the dead-letter topic"),
                 };
-                engine.give_up(delivery, &why).await
+                engine.give_up(delivery, &why, None).await
             }
         },
     )

@@ -60,6 +60,9 @@ pub struct Settings {
     /// Where run control (cancel) is heard; every replica hears every message.
     #[arg(long, env = "AGENT_CONTROL_TOPIC")]
     pub control_topic: Option<String>,
+    /// Where answers to approvals are taken up (one replica each).
+    #[arg(long, env = "AGENT_CONTROL_REQUEST_TOPIC")]
+    pub control_request_topic: Option<String>,
     /// The graph store shared with the aggregator, which holds the iteration journal that makes
     /// iterations effectively-once and the collections the knowledge tools read: an `http(s)://`
     /// SPARQL endpoint. A directory is its aggregator's own store and cannot be shared, so it
@@ -108,6 +111,7 @@ impl Settings {
         pick(&mut t.explainability, &self.explain_topic);
         pick(&mut t.dead_letter, &self.dead_letter_topic);
         pick(&mut t.control, &self.control_topic);
+        pick(&mut t.control_request, &self.control_request_topic);
         t
     }
 

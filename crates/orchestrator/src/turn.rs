@@ -43,6 +43,9 @@ pub struct Turn<'a> {
     /// The cancel of this dialog's run (or of a supervisor above it), if one was heard: the step
     /// only ends the dialog.
     pub cancelled: Option<std::sync::Arc<crate::cancel::Cancel>>,
+    /// The properties the step's message came with (kept with a step parked for approval, which
+    /// resumes as that message).
+    pub delivered: &'a agent_bus::Properties,
 }
 
 impl Turn<'_> {

@@ -15,6 +15,7 @@ use agent_llm::{CallOptions, ChatMessage, Completion, ToolCall, ToolSpec};
 use agent_schema::{AgentStep, MessageType, StepType};
 use tokio::sync::mpsc;
 
+use crate::approval::ToolDecision;
 use crate::finish::{conclude_if_limited, llm_failed};
 use crate::tools::run_scoped_tool;
 use crate::turn::Turn;
@@ -128,41 +129,19 @@ pub async fn iterate(turn: &Turn<'_>) -> Result<(), BusError> {
                 out.chunk(MessageType::Thought, &thought, &uris.thought(n), true)
                     .await?;
             }
-            let (run, next_state) =
-                run_scoped_tool(turn, &scope, &action, &arguments, &candidates).await;
-            // The tool's LLM is down: the step waits for it rather than observe the outage.
-            if turn.out.parked().is_some() {
-                return Ok(());
-            }
-            let arguments_json = serde_json::to_string(&arguments).unwrap_or_default();
-            let step = AgentStep {
+            let decision = ToolDecision {
                 thought,
                 action,
                 arguments,
-                observation: run.observation,
-                step_type: StepType::React.as_str().to_owned(),
-                plan: None,
-                subagent_results: None,
-            };
-            let tool = ToolStats {
-                duration_ms: run.duration.as_millis() as u64,
-                in_token: run.in_token,
-                out_token: run.out_token,
-            };
-            let tokens = tokens.plus(run.in_token, run.out_token);
-            record_step(
-                turn,
-                n,
-                step,
-                &arguments_json,
-                &discarded,
-                &candidates,
-                &stats,
-                tool,
-                next_state,
+                discarded,
+                candidates: candidates.iter().map(|c| (*c).to_owned()).collect(),
+                stats,
                 tokens,
-            )
-            .await
+            };
+            if crate::approval::needed(turn, &scope, &decision.action) {
+                return crate::approval::park(turn, n, decision).await;
+            }
+            act(turn, n, decision).await
         }
         Err(observation) => {
             record_unusable(
@@ -177,6 +156,102 @@ pub async fn iterate(turn: &Turn<'_>) -> Result<(), BusError> {
             .await
         }
     }
+}
+
+/// Runs the tool the LLM chose in iteration `n` (its call approved, where it needed approval) and
+/// records the step.
+pub async fn act(turn: &Turn<'_>, n: usize, decision: ToolDecision) -> Result<(), BusError> {
+    let request = turn.request;
+    let scope = Scope::new(request.group.as_deref(), request.state.as_deref());
+    let candidates: Vec<&str> = decision.candidates.iter().map(String::as_str).collect();
+    let (run, next_state) = run_scoped_tool(
+        turn,
+        &scope,
+        &decision.action,
+        &decision.arguments,
+        &candidates,
+    )
+    .await;
+    // The tool's LLM is down: the step waits for it rather than observe the outage.
+    if turn.out.parked().is_some() {
+        return Ok(());
+    }
+    let tool = ToolStats {
+        duration_ms: run.duration.as_millis() as u64,
+        in_token: run.in_token,
+        out_token: run.out_token,
+    };
+    let tokens = decision.tokens.plus(run.in_token, run.out_token);
+    record_decision(turn, n, decision, run.observation, tool, next_state, tokens).await
+}
+
+/// Records iteration `n` with the tool the LLM chose not run (`observation` says why): the dialog
+/// goes on, in the state it was in.
+pub async fn not_run(
+    turn: &Turn<'_>,
+    n: usize,
+    decision: ToolDecision,
+    observation: String,
+) -> Result<(), BusError> {
+    let request = turn.request;
+    let state = Scope::new(request.group.as_deref(), request.state.as_deref())
+        .state()
+        .to_owned();
+    let tokens = decision.tokens;
+    record_decision(
+        turn,
+        n,
+        decision,
+        observation,
+        ToolStats::default(),
+        state,
+        tokens,
+    )
+    .await
+}
+
+async fn record_decision(
+    turn: &Turn<'_>,
+    n: usize,
+    decision: ToolDecision,
+    observation: String,
+    tool: ToolStats,
+    next_state: String,
+    tokens: crate::budget::Tokens,
+) -> Result<(), BusError> {
+    let ToolDecision {
+        thought,
+        action,
+        arguments,
+        discarded,
+        candidates,
+        stats,
+        ..
+    } = decision;
+    let arguments_json = serde_json::to_string(&arguments).unwrap_or_default();
+    let step = AgentStep {
+        thought,
+        action,
+        arguments,
+        observation,
+        step_type: StepType::React.as_str().to_owned(),
+        plan: None,
+        subagent_results: None,
+    };
+    let candidates: Vec<&str> = candidates.iter().map(String::as_str).collect();
+    record_step(
+        turn,
+        n,
+        step,
+        &arguments_json,
+        &discarded,
+        &candidates,
+        &stats,
+        tool,
+        next_state,
+        tokens,
+    )
+    .await
 }
 
 /// Whether the LLM's text reaches the client as the model writes it. Only under the text protocol,

@@ -69,6 +69,7 @@ impl Harness {
         let outputs = Outputs::Memory(sink.clone());
         let uris = SessionUris::new(&request.session_id);
         let out = DialogOutput::new(&outputs, Some("client-1"), "default", &uris.session(), 0);
+        let delivered = agent_bus::Properties::new();
         let turn = Turn {
             request,
             session_id: &request.session_id,
@@ -85,6 +86,7 @@ impl Harness {
             elapsed: std::time::Duration::ZERO,
             may_park: false,
             cancelled: None,
+            delivered: &delivered,
         };
         super::iterate(&turn).await.expect("the step runs");
         assert!(out.parked().is_none(), "nothing here is an outage");

@@ -1,0 +1,185 @@
+//! Run control from the command line. `agentctl cancel` stops a running dialog and every subagent
+//! under it: the cancel is recorded in the provenance graph (who, when, why) and heard by every
+//! orchestrator replica on the control topic; the dialog then ends with one `cancelled` error for
+//! its client. `agentctl approve` and `deny` answer a tool call parked for approval; one replica
+//! takes the answer up and resumes that step.
+
+use agent_bus::{send_control, BrokerArgs, Properties, Publisher};
+use agent_core::provenance::{self, SessionUris};
+use agent_schema::{control_operation, AgentControl, Metadata, Triples};
+use anyhow::Context;
+
+#[derive(clap::Args, Debug, Clone)]
+pub struct CancelArgs {
+    /// The session to stop (shown by `agentctl invoke` and in every message id:
+    /// `urn:trustgraph:agent:{session}/...`); a subagent's stops only that branch.
+    pub session: String,
+    /// Who cancels, as the graph records it (default: the user running this command).
+    #[arg(long)]
+    pub by: Option<String>,
+    /// Why, as the graph records it and the client is told.
+    #[arg(long, default_value = "")]
+    pub reason: String,
+    /// The collection the dialog's provenance is in.
+    #[arg(long, default_value = "default")]
+    pub collection: String,
+    #[command(flatten)]
+    pub broker: BrokerArgs,
+}
+
+/// The session named by `given` (an id, or any node's IRI under it).
+fn session_of(given: &str) -> anyhow::Result<String> {
+    let session = agent_core::vocab::session_id_of(given).unwrap_or(given);
+    anyhow::ensure!(!session.is_empty(), "no session given");
+    Ok(session.to_owned())
+}
+
+/// Who is asking: `--by`, else the user running the command.
+fn asker(by: Option<&str>) -> String {
+    by.map(str::to_owned).unwrap_or_else(|| {
+        std::env::var("USER")
+            .or_else(|_| std::env::var("LOGNAME"))
+            .unwrap_or_else(|_| "agentctl".to_owned())
+    })
+}
+
+fn now() -> String {
+    chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Millis, true)
+}
+
+pub async fn cancel(args: CancelArgs) -> anyhow::Result<i32> {
+    let session = session_of(&args.session)?;
+    let by = asker(args.by.as_deref());
+    let at = now();
+    let bus = args
+        .broker
+        .connect()
+        .await
+        .with_context(|| format!("connecting to {}", args.broker.pulsar_url))?;
+    let topics = args.broker.topics();
+    let control = AgentControl {
+        operation: control_operation::CANCEL.to_owned(),
+        session_id: session.clone(),
+        by,
+        reason: args.reason.clone(),
+        at,
+        ..AgentControl::default()
+    };
+    // The record first: a replica that starts after the control message was sent reads it there.
+    let uris = SessionUris::new(&session);
+    let record = Triples {
+        metadata: Metadata {
+            id: uris.cancellation(),
+            root: uris.session(),
+            collection: args.collection.clone(),
+        },
+        triples: provenance::cancellation(&uris, &control.by, &control.at, &control.reason),
+    };
+    Publisher::new(&bus, &topics.explainability)
+        .await?
+        .send(agent_schema::encode(&record), &Properties::new())
+        .await
+        .context("recording the cancel in the graph")?;
+    send_control(&bus, &topics, &control)
+        .await
+        .context("sending the cancel to the orchestrators")?;
+    println!(
+        "cancelled session {session} (by {}, at {}); its client gets one closing 'cancelled' error",
+        control.by, control.at
+    );
+    Ok(0)
+}
+
+#[derive(clap::Args, Debug, Clone)]
+pub struct ApproveArgs {
+    /// The session whose call waits (as the approval message names it).
+    pub session: String,
+    /// The step (iteration) whose call waits.
+    pub step: u64,
+    /// Run the tool with these arguments instead (a JSON object of strings).
+    #[arg(long)]
+    pub arguments: Option<String>,
+    /// Who approves, as the graph records it (default: the user running this command).
+    #[arg(long)]
+    pub by: Option<String>,
+    /// Why, as the graph records it.
+    #[arg(long, default_value = "")]
+    pub reason: String,
+    #[command(flatten)]
+    pub broker: BrokerArgs,
+}
+
+#[derive(clap::Args, Debug, Clone)]
+pub struct DenyArgs {
+    /// The session whose call waits (as the approval message names it).
+    pub session: String,
+    /// The step (iteration) whose call waits.
+    pub step: u64,
+    /// Who denies, as the graph records it (default: the user running this command).
+    #[arg(long)]
+    pub by: Option<String>,
+    /// Why, as the graph records it and the agent is told.
+    #[arg(long, default_value = "")]
+    pub reason: String,
+    #[command(flatten)]
+    pub broker: BrokerArgs,
+}
+
+pub async fn approve(args: ApproveArgs) -> anyhow::Result<i32> {
+    let arguments = match &args.arguments {
+        Some(json) => Some(
+            serde_json::from_str::<std::collections::BTreeMap<String, String>>(json)
+                .context("--arguments must be a JSON object of strings")?,
+        ),
+        None => None,
+    };
+    let control = AgentControl {
+        operation: control_operation::APPROVE.to_owned(),
+        session_id: session_of(&args.session)?,
+        by: asker(args.by.as_deref()),
+        reason: args.reason.clone(),
+        at: now(),
+        step: Some(args.step),
+        arguments,
+    };
+    answer(&args.broker, &control).await
+}
+
+pub async fn deny(args: DenyArgs) -> anyhow::Result<i32> {
+    let control = AgentControl {
+        operation: control_operation::DENY.to_owned(),
+        session_id: session_of(&args.session)?,
+        by: asker(args.by.as_deref()),
+        reason: args.reason.clone(),
+        at: now(),
+        step: Some(args.step),
+        arguments: None,
+    };
+    answer(&args.broker, &control).await
+}
+
+async fn answer(broker: &BrokerArgs, control: &AgentControl) -> anyhow::Result<i32> {
+    anyhow::ensure!(
+        control.step.is_some_and(|s| s > 0),
+        "steps are numbered from 1"
+    );
+    let bus = broker
+        .connect()
+        .await
+        .with_context(|| format!("connecting to {}", broker.pulsar_url))?;
+    send_control(&bus, &broker.topics(), control)
+        .await
+        .context("sending the answer")?;
+    println!(
+        "{} step {} of session {} (by {}); the first answer to a call is the one that counts",
+        if control.operation == control_operation::APPROVE {
+            "approved"
+        } else {
+            "denied"
+        },
+        control.step.unwrap_or_default(),
+        control.session_id,
+        control.by
+    );
+    Ok(0)
+}

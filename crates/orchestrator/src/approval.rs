@@ -1,0 +1,257 @@
+//! Tool calls that wait for a person. A tool configured with `requires-approval` is not run when
+//! the LLM chooses it: the step records the pending call (tool, arguments, thought, deadline) in
+//! the graph with what resuming it needs, tells the client, and ends. Nothing is held in memory
+//! and no consumer waits. An answer (`agentctl approve` / `deny`, or the aggregator's `expire`
+//! once the deadline passed) is taken up by any replica, which resumes exactly that step from the
+//! graph; the journal lets the first answer win, so a duplicate or late one changes nothing.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use agent_bus::BusError;
+use agent_core::provenance::{self, CallStats};
+use agent_core::tools::Scope;
+use agent_core::vocab::{tg, DOCUMENTS_GRAPH};
+use agent_graph::model::{NamedNode, Term};
+use agent_graph::{queries, GraphError, GraphStore, QueryAnswer};
+use agent_schema::{control_operation, AgentControl, AgentRequest, AgentResponse, MessageType};
+use serde::{Deserialize, Serialize};
+
+use crate::budget::Tokens;
+use crate::patterns::react;
+use crate::turn::Turn;
+
+/// A ReACT iteration's decision to call a tool, with what it cost: what a parked call resumes with.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ToolDecision {
+    pub thought: String,
+    pub action: String,
+    pub arguments: BTreeMap<String, String>,
+    /// What the LLM wrote after its decision, dropped unread (kept for provenance).
+    pub discarded: String,
+    /// The tools it chose among.
+    pub candidates: Vec<String>,
+    pub stats: CallStats,
+    /// The dialog's tokens with the call that decided.
+    pub tokens: Tokens,
+}
+
+/// What resuming a parked step needs, kept in the graph while it waits: the step's message as it
+/// was delivered and the decision it reached.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Continuation {
+    pub request: AgentRequest,
+    pub properties: BTreeMap<String, String>,
+    pub decision: ToolDecision,
+    /// Until when an answer is taken (RFC 3339).
+    pub deadline: String,
+}
+
+/// An answer to a parked call, with the decision it answers.
+#[derive(Debug, Clone)]
+pub struct Answer {
+    pub control: AgentControl,
+    pub decision: ToolDecision,
+}
+
+/// Whether calling `action` (in `scope`) must wait for a person's approval.
+pub fn needed(turn: &Turn<'_>, scope: &Scope, action: &str) -> bool {
+    turn.config
+        .tool_by_name(action)
+        .is_some_and(|tool| tool.requires_approval && scope.allows(tool))
+}
+
+/// Parks iteration `n`'s call for approval: the pending call in the provenance graph, the
+/// continuation beside it (sealed, when a seal key is configured), and a message to the client.
+/// Without a shared graph store there is nowhere to wait: the call is not run, and the agent is
+/// told so.
+pub async fn park(turn: &Turn<'_>, n: usize, decision: ToolDecision) -> Result<(), BusError> {
+    if turn.knowledge.is_none() {
+        let observation = format!(
+            "Error: the tool '{}' runs only with a person's approval, and this deployment has no shared graph store (GRAPH_STORE) to wait in; it was not run.",
+            decision.action
+        );
+        return react::not_run(turn, n, decision, observation).await;
+    }
+    let Turn { uris, out, .. } = turn;
+    let now = chrono::Utc::now();
+    let wait = Duration::from_secs(turn.config.limits.approval_timeout_secs);
+    let deadline = now + chrono::Duration::from_std(wait).unwrap_or(chrono::Duration::MAX);
+    let time =
+        |t: chrono::DateTime<chrono::Utc>| t.to_rfc3339_opts(chrono::SecondsFormat::Millis, true);
+    let (asked_at, deadline) = (time(now), time(deadline));
+    let node = uris.approval(n);
+    let arguments_json = serde_json::to_string(&decision.arguments).unwrap_or_default();
+    out.explain(
+        &node,
+        provenance::approval_request(
+            uris,
+            n,
+            &decision.action,
+            &arguments_json,
+            &decision.thought,
+            &asked_at,
+            &deadline,
+        ),
+    )?;
+    let continuation = Continuation {
+        request: turn.request.clone(),
+        properties: turn.delivered.clone(),
+        decision,
+        deadline: deadline.clone(),
+    };
+    let text = serde_json::to_string(&continuation).unwrap_or_default();
+    let mut kept = vec![triple(&node, tg::CONTINUATION, &text)];
+    if let Some(key) = turn.seal {
+        kept.push(triple(&node, tg::SEAL, &key.seal(&[&node, &text])));
+    }
+    out.record(&node, kept)?;
+    let session = turn.session_id;
+    let mut asking = AgentResponse::new(
+        MessageType::Observation,
+        format!(
+            "Waiting for approval to call '{}' with {arguments_json} (step {n}); answer before {deadline} with: agentctl approve {session} {n}  (or: agentctl deny {session} {n})",
+            continuation.decision.action
+        ),
+    );
+    asking.message_id = node;
+    asking.end_of_message = true;
+    out.respond(&asking)
+}
+
+fn triple(node: &str, predicate: &str, value: &str) -> agent_schema::Triple {
+    agent_schema::Triple {
+        s: agent_schema::Term::iri(node),
+        p: agent_schema::Term::iri(predicate),
+        o: agent_schema::Term::literal(value),
+        g: Some(DOCUMENTS_GRAPH.to_owned()),
+    }
+}
+
+/// The continuation of the call parked at iteration `step` of `session_id`, if the graph holds
+/// one (and, with a seal key, one this service sealed).
+pub async fn continuation(
+    store: &GraphStore,
+    seal: Option<&agent_bus::seal::SealKey>,
+    session_id: &str,
+    step: u64,
+) -> Result<Option<Continuation>, GraphError> {
+    let node = agent_core::provenance::SessionUris::new(session_id).approval(step as usize);
+    let Ok(named) = NamedNode::new(node.clone()) else {
+        return Ok(None);
+    };
+    let QueryAnswer::Rows(rows) = store.query(queries::continuation_of(&named)).await? else {
+        return Ok(None);
+    };
+    let text = |name: &str| match rows.first(name) {
+        Some(Term::Literal(l)) => Some(l.value().to_owned()),
+        _ => None,
+    };
+    let Some(kept) = text("continuation") else {
+        return Ok(None);
+    };
+    if let Some(key) = seal {
+        let sealed = text("seal").is_some_and(|s| key.verify(&[&node, &kept], &s));
+        if !sealed {
+            tracing::warn!(%node, "ignoring a continuation without this service's seal");
+            return Ok(None);
+        }
+    }
+    match serde_json::from_str(&kept) {
+        Ok(continuation) => Ok(Some(continuation)),
+        Err(e) => {
+            tracing::warn!(%node, error = %e, "ignoring a continuation that does not decode");
+            Ok(None)
+        }
+    }
+}
+
+/// Resumes the parked step with `answer`: the call runs (with edited arguments, if given), or the
+/// agent is told it was denied and goes on, or (expired) the dialog ends with a clear message, a
+/// subagent's as a completion its supervisor synthesises around.
+pub async fn resume(turn: &Turn<'_>, answer: &Answer) -> Result<(), BusError> {
+    let Turn { uris, out, .. } = turn;
+    let n = agent_core::documents::steps_taken(&turn.request.history) + 1;
+    let control = &answer.control;
+    let mut decision = answer.decision.clone();
+    let edited = match (&control.operation[..], &control.arguments) {
+        (control_operation::APPROVE, Some(arguments)) if *arguments != decision.arguments => {
+            serde_json::to_string(arguments).unwrap_or_default()
+        }
+        _ => String::new(),
+    };
+    out.explain(
+        &uris.approval_answer(n),
+        provenance::approval_answer(
+            uris,
+            n,
+            &control.operation,
+            &control.by,
+            &control.at,
+            &control.reason,
+            &edited,
+        ),
+    )?;
+    match control.operation.as_str() {
+        control_operation::APPROVE => {
+            if let Some(arguments) = &control.arguments {
+                decision.arguments.clone_from(arguments);
+            }
+            out.explain(&uris.iteration(n), provenance::approved_iteration(uris, n))?;
+            react::act(turn, n, decision).await
+        }
+        control_operation::DENY => {
+            let mut observation = format!(
+                "Error: {} did not approve calling '{}'; it was not run",
+                control.by, decision.action
+            );
+            if !control.reason.is_empty() {
+                observation.push_str(&format!(" ({})", control.reason));
+            }
+            observation.push_str(". Go on without it.");
+            react::not_run(turn, n, decision, observation).await
+        }
+        _ => {
+            let why = format!(
+                "No one approved calling '{}' within {} s (approval_timeout_secs); the dialog ends here.",
+                decision.action, turn.config.limits.approval_timeout_secs
+            );
+            crate::finish::fail(turn, n, &why).await
+        }
+    }
+}
+
+/// Answers to the same parked call taken up one after another, never side by side: the first
+/// commits its outcome to the journal, and a copy that follows finds it there and changes nothing
+/// (two copies run at once would both call the tool). With the answers' subscription consumed by
+/// one replica at a time (Failover), this holds across replicas too.
+#[derive(Default)]
+pub struct OneAtATime {
+    held:
+        std::sync::Mutex<std::collections::HashMap<String, std::sync::Arc<tokio::sync::Mutex<()>>>>,
+}
+
+impl OneAtATime {
+    /// Waits for the call `key` to be free and holds it until the guard drops.
+    pub async fn hold(&self, key: &str) -> tokio::sync::OwnedMutexGuard<()> {
+        let lock = {
+            let mut held = self
+                .held
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            // Forgets the calls no one holds or waits for.
+            held.retain(|_, lock| std::sync::Arc::strong_count(lock) > 1);
+            held.entry(key.to_owned()).or_default().clone()
+        };
+        lock.lock_owned().await
+    }
+}
+
+/// Whether `control` answers a parked call (and names its step).
+pub fn is_answer(control: &AgentControl) -> bool {
+    matches!(
+        control.operation.as_str(),
+        control_operation::APPROVE | control_operation::DENY | control_operation::EXPIRE
+    ) && !control.session_id.is_empty()
+        && control.step.is_some_and(|s| s > 0)
+}
