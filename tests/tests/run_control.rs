@@ -6,6 +6,8 @@
 //! supervisor waits only for it; the approval is answered on another replica than the one that
 //! parked it, once only however often it is sent; an approval that never comes ends its branch
 //! and the supervisor synthesises from the rest; a denied call is observed and the agent goes on.
+//! Conversations: a second request waits for the first and is told its question and answer; the
+//! other policies refuse it, or cancel the first.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use std::process::Command;
@@ -587,4 +589,168 @@ async fn a_denied_call_is_not_run_and_the_agent_goes_on() {
         ),
         1
     );
+}
+
+/// Dialog A looks something up, then answers slowly (or never, when its second call stalls);
+/// dialog B follows it in the same conversation.
+fn conversation_script(second_call: &str) -> String {
+    format!(
+        r#"{{"rules": [
+  {{"match": "Observation: alpha-result", "reply": "Thought: Done.\nFinal Answer: Paris", {second_call}}},
+  {{"match": "fetch alpha", "exact": true, "reply": "alpha-result"}},
+  {{"match": "Question: What is the capital of France?", "reply": "Thought: Look it up.\nAction: llm\nArgs: {{\"question\": \"fetch alpha\"}}"}},
+  {{"match": "Question: And how many people live there?", "reply": "Thought: I know.\nFinal Answer: about two million"}}
+]}}"#
+    )
+}
+
+fn in_conversation(question: &str) -> AgentRequest {
+    AgentRequest {
+        pattern: "react".into(),
+        conversation_id: "conv-7".into(),
+        ..request(question, false)
+    }
+}
+
+/// Starts dialog A of the conversation and waits until the graph shows it running (its first
+/// step committed: a dialog is visible to its conversation from then on).
+async fn start_first_dialog(
+    client: &mut agent_bus::AgentClient,
+    aggregator: &Aggregator,
+    llm: &scripted_llm::ScriptedLlm,
+) {
+    client
+        .send("conv-a", &in_conversation("What is the capital of France?"))
+        .await
+        .unwrap();
+    let running = format!(
+        "{}SELECT ?s WHERE {{ GRAPH <urn:graph:retrieval> {{ ?s a tg:AgentQuestion ; tg:conversation \"conv-7\" }} }}",
+        agent_core::vocab::SPARQL_PREFIXES
+    );
+    assert_eq!(count_reaching(&aggregator.store(), running, 1).await, 1);
+    until("dialog A's second LLM call", || {
+        calls_matching(llm, "Observation: alpha-result") >= 1
+    })
+    .await;
+}
+
+fn conversation_config(name: &str, policy: &str) -> std::path::PathBuf {
+    let limits = format!(r#"{{"default": {{"conversation_policy": "{policy}"}}}}"#);
+    seed_with(name, &[("agent-limits", &limits)])
+}
+
+#[tokio::test]
+async fn a_second_request_in_a_conversation_waits_and_sees_the_first_answer() {
+    let broker = Broker::start().unwrap();
+    let aggregator = Aggregator::spawn_with(&broker, &["--config-token", TOKEN]);
+    let llm = scripted_llm(&conversation_script("\"delay_ms\": 3000")).await;
+    let config = conversation_config("queue", "queue");
+    let _orchestrator = Orchestrator::journaled_with(
+        Place::InProcess,
+        &broker,
+        &llm,
+        &aggregator,
+        TOKEN,
+        &config,
+        &[],
+    );
+    let mut client = client(&broker).await;
+    start_first_dialog(&mut client, &aggregator, &llm).await;
+    client
+        .send(
+            "conv-b",
+            &in_conversation("And how many people live there?"),
+        )
+        .await
+        .unwrap();
+    let mut both =
+        collect_dialogs(&mut client, &["conv-a", "conv-b"], Duration::from_secs(60)).await;
+    let (first, second) = (
+        both.remove("conv-a").unwrap(),
+        both.remove("conv-b").unwrap(),
+    );
+    assert_eq!(first.last().unwrap().content, "Paris");
+    assert_eq!(second.last().unwrap().content, "about two million");
+    // It ran once the first had ended, and was told what it asked and answered.
+    let asked = llm
+        .calls()
+        .into_iter()
+        .find(|c| {
+            c.last_user
+                .contains("Question: And how many people live there?")
+        })
+        .unwrap();
+    assert!(
+        asked
+            .last_user
+            .contains("Earlier in this conversation:\nQ: What is the capital of France?\nA: Paris"),
+        "{}",
+        asked.last_user
+    );
+    let follows = format!(
+        "{}SELECT ?b WHERE {{ GRAPH <urn:graph:retrieval> {{
+           ?b tg:follows ?a ; tg:query \"And how many people live there?\" ; tg:conversation \"conv-7\" .
+           ?a tg:query \"What is the capital of France?\" }} }}",
+        agent_core::vocab::SPARQL_PREFIXES
+    );
+    assert_eq!(count_reaching(&aggregator.store(), follows, 1).await, 1);
+}
+
+#[tokio::test]
+async fn a_conversation_can_refuse_a_second_request_or_interrupt_the_first() {
+    for policy in ["reject", "interrupt"] {
+        let broker = Broker::start().unwrap();
+        let aggregator = Aggregator::spawn_with(&broker, &["--config-token", TOKEN]);
+        let second_call = if policy == "reject" {
+            "\"delay_ms\": 3000"
+        } else {
+            "\"faults\": [\"stall\"], \"stall_ms\": 120000"
+        };
+        let llm = scripted_llm(&conversation_script(second_call)).await;
+        let config = conversation_config(policy, policy);
+        let _orchestrator = Orchestrator::journaled_with(
+            Place::InProcess,
+            &broker,
+            &llm,
+            &aggregator,
+            TOKEN,
+            &config,
+            &[],
+        );
+        let mut client = client(&broker).await;
+        start_first_dialog(&mut client, &aggregator, &llm).await;
+        client
+            .send(
+                "conv-b",
+                &in_conversation("And how many people live there?"),
+            )
+            .await
+            .unwrap();
+        let mut both =
+            collect_dialogs(&mut client, &["conv-a", "conv-b"], Duration::from_secs(60)).await;
+        let (first, second) = (
+            both.remove("conv-a").unwrap(),
+            both.remove("conv-b").unwrap(),
+        );
+        assert_eq!(closings(&first).len(), 1, "{first:#?}");
+        assert_eq!(closings(&second).len(), 1, "{second:#?}");
+        if policy == "reject" {
+            let refused = second.last().unwrap().error.as_ref().expect("refused");
+            assert!(
+                refused.message.contains("conversation_policy: reject"),
+                "{}",
+                refused.message
+            );
+            assert_eq!(first.last().unwrap().content, "Paris");
+        } else {
+            assert_eq!(second.last().unwrap().content, "about two million");
+            let cancelled = first.last().unwrap().error.as_ref().expect("interrupted");
+            assert_eq!(cancelled.kind, "cancelled", "{first:#?}");
+            assert!(
+                cancelled.message.contains("interrupted"),
+                "{}",
+                cancelled.message
+            );
+        }
+    }
 }

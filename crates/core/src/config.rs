@@ -130,6 +130,22 @@ pub struct Limits {
     /// answer; then its dialog ends (a subagent's with a completion its supervisor synthesises
     /// around). The run's wall-time budget (`max_wall_secs`) counts the wait too.
     pub approval_timeout_secs: u64,
+    /// What a dialog that starts while another of its conversation (`conversation_id`) still
+    /// runs does: wait for it, be refused, or cancel it.
+    pub conversation_policy: ConversationPolicy,
+}
+
+/// What a second request in a conversation does while an earlier one still runs.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ConversationPolicy {
+    /// It waits (its first step is set aside and tried again) until the earlier ends.
+    #[default]
+    Queue,
+    /// It ends at once with an error naming the dialog that runs.
+    Reject,
+    /// The earlier is cancelled (as `agentctl cancel` would), and it starts.
+    Interrupt,
 }
 
 impl Default for Limits {
@@ -149,6 +165,7 @@ impl Default for Limits {
             max_wall_secs: 600,
             max_outage_secs: 300,
             approval_timeout_secs: 300,
+            conversation_policy: ConversationPolicy::Queue,
         }
     }
 }

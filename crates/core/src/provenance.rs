@@ -255,6 +255,15 @@ pub fn approval_answer(
     b.build()
 }
 
+/// Links a dialog's session to the earlier dialogs of its conversation it was told about.
+pub fn follows(uris: &SessionUris, earlier: &[String]) -> Vec<Triple> {
+    let mut b = NodeBuilder::default();
+    for session in earlier {
+        b.tg(&uris.session(), "follows", Term::iri(session));
+    }
+    b.build()
+}
+
 /// Links iteration `n` to the approval its tool call waited for.
 pub fn approved_iteration(uris: &SessionUris, n: usize) -> Vec<Triple> {
     let mut b = NodeBuilder::default();

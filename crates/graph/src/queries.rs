@@ -224,6 +224,28 @@ pub fn conversation_sessions(conversation_id: &str) -> String {
     )
 }
 
+/// The client dialogs of a conversation other than `current` (subagents' are not theirs), newest
+/// first, at most `most`: the session, its question, when it started and, once it ended, its
+/// answer (or error) and why it ended.
+pub fn conversation_dialogs(conversation_id: &str, current: &NamedNode, most: usize) -> String {
+    let g = graph();
+    let id = oxigraph::model::Literal::new_simple_literal(conversation_id);
+    format!(
+        "{PREFIXES}SELECT ?s ?question ?started ?answer ?ended WHERE {{
+  GRAPH {g} {{
+    ?s a tg:AgentQuestion ; tg:conversation {id} ; tg:query ?question ; prov:startedAtTime ?started .
+    FILTER (?s != {current})
+    FILTER NOT EXISTS {{ ?s prov:wasDerivedFrom ?fanout }}
+    BIND (IRI(CONCAT(STR(?s), \"/final\")) AS ?final)
+  }}
+  OPTIONAL {{
+    GRAPH {g} {{ ?final tg:terminationReason ?ended ; tg:document ?d . }}
+    OPTIONAL {{ GRAPH ?dg {{ ?d tg:content ?answer }} }}
+  }}
+}} ORDER BY DESC(?started) LIMIT {most}"
+    )
+}
+
 /// The subagent sessions a fan-out started.
 pub fn fanout_sessions(fanout: &NamedNode) -> String {
     let g = graph();

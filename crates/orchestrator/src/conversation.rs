@@ -36,7 +36,8 @@ impl Earlier {
             return false;
         };
         let age = chrono::Utc::now().signed_duration_since(started);
-        max_wall.is_zero() || age < chrono::Duration::from_std(max_wall).unwrap_or(chrono::Duration::MAX)
+        max_wall.is_zero()
+            || age < chrono::Duration::from_std(max_wall).unwrap_or(chrono::Duration::MAX)
     }
 
     pub fn session_id(&self) -> &str {

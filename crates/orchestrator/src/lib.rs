@@ -6,6 +6,7 @@
 pub mod approval;
 pub mod budget;
 pub mod cancel;
+pub mod conversation;
 pub mod documents;
 pub mod emit;
 pub mod events;
@@ -27,7 +28,7 @@ use std::time::Duration;
 use agent_bus::{
     run_consumer, ConsumerStats, Delivery, Disposition, Publisher, SubscriptionConfig,
 };
-use agent_core::config::AgentConfig;
+use agent_core::config::{AgentConfig, ConversationPolicy};
 use agent_core::documents::steps_taken;
 use agent_core::pattern::Pattern;
 use agent_core::provenance::{self, CallStats, SessionUris};
@@ -64,6 +65,8 @@ pub struct Engine {
     pub cancellations: Arc<cancel::Cancellations>,
     /// Answers to parked calls being taken up, one per call at a time.
     pub answering: approval::OneAtATime,
+    /// Where this service sends a cancel itself (a conversation's `interrupt` policy).
+    pub control: Option<Publisher>,
 }
 
 /// How a delivery is taken up.
@@ -83,6 +86,9 @@ enum Settled {
     Done,
     /// Set aside by an outage; nothing was committed.
     Parked(emit::Park),
+    /// Waiting for another dialog of its conversation to end (`conversation_policy: queue`);
+    /// nothing was committed.
+    Queued(String),
 }
 
 /// Where a step stands in its run (see [`Engine::standing`]).
@@ -104,6 +110,9 @@ struct Standing {
 /// How long an answer to an approval is tried again while the graph does not show its parked
 /// call (the aggregator may be behind); past it, the answer is dropped.
 const ANSWER_WAIT: Duration = Duration::from_secs(120);
+
+/// How often a dialog queued behind its conversation looks again.
+const QUEUE_PAUSE: Duration = Duration::from_millis(500);
 
 /// The shortest and longest pause between tries of a parked step.
 const PARK_PAUSE: (Duration, Duration) = (Duration::from_secs(1), Duration::from_secs(30));
@@ -156,6 +165,9 @@ enum Next {
     Ack,
     /// Wait out an outage, then run the step again.
     Park(emit::Park),
+    /// Wait for the conversation's running dialog, then run the step again (not an outage: it
+    /// does not count against the outage window).
+    Queue(String),
     /// End its dialog with this error; then ack, or nack if even that cannot be published.
     GiveUp(String),
 }
@@ -166,6 +178,7 @@ fn next_after(result: Result<Settled, StepError>, may_park: bool, window: Durati
     match result {
         Ok(Settled::Done) => Next::Ack,
         Ok(Settled::Parked(park)) => Next::Park(park),
+        Ok(Settled::Queued(why)) => Next::Queue(why),
         Err(StepError::Outage(e)) if may_park => Next::Park(emit::Park {
             cause: format!("{e:#}"),
             retry_after: None,
@@ -209,6 +222,16 @@ impl Engine {
                     .await;
             let park = match next_after(result, may_park, window) {
                 Next::Ack => return Disposition::Ack,
+                Next::Queue(why) => {
+                    tracing::debug!(%why, "queued behind its conversation");
+                    tokio::select! {
+                        _ = self.shutdown.cancelled() => {
+                            return Disposition::Nack("shutting down while queued".to_owned())
+                        }
+                        _ = tokio::time::sleep(QUEUE_PAUSE) => {}
+                    }
+                    continue;
+                }
                 Next::Park(park) => park,
                 Next::GiveUp(why) => return self.give_up(delivery, &why, answer).await,
             };
@@ -246,6 +269,42 @@ impl Engine {
             Ok(_) => Disposition::Ack,
             Err(e) => Disposition::Nack(e.to_string()),
         }
+    }
+
+    /// Cancels the conversation's running dialog `session_id` for the new dialog `by` (policy
+    /// `interrupt`): the cancel is recorded with this step's effects and heard by every replica
+    /// now, as `agentctl cancel` does it.
+    async fn interrupt(
+        &self,
+        session_id: &str,
+        by: &str,
+        out: &DialogOutput<'_>,
+    ) -> Result<(), StepError> {
+        let control = agent_schema::AgentControl {
+            operation: agent_schema::control_operation::CANCEL.to_owned(),
+            session_id: session_id.to_owned(),
+            by: format!("dialog {by}"),
+            reason: "a newer request of its conversation interrupted it (conversation_policy: interrupt)".to_owned(),
+            at: chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Millis, true),
+            ..agent_schema::AgentControl::default()
+        };
+        let uris = SessionUris::new(session_id);
+        out.record(
+            &uris.cancellation(),
+            provenance::cancellation(&uris, &control.by, &control.at, &control.reason),
+        )?;
+        if let Some(cancel) = cancel::from_control(&control) {
+            self.cancellations.record(cancel);
+        }
+        if let Some(publisher) = &self.control {
+            publisher
+                .send(
+                    agent_schema::encode(&control),
+                    &agent_bus::Properties::new(),
+                )
+                .await?;
+        }
+        Ok(())
     }
 
     /// Takes up an answer to a call parked for approval: resumes that step, as its message was
@@ -513,6 +572,47 @@ impl Engine {
             Lookup::Recorded => return Ok(Settled::Done),
             Lookup::Fresh(slot) => slot,
         };
+        // A new dialog of a conversation: told what was asked and answered before, and not run
+        // beside another of the same conversation unless the policy says so.
+        let joins_conversation = new_dialog
+            && verdict.is_ok()
+            && answer.is_none()
+            && !request.conversation_id.is_empty()
+            && !agent_core::supervisor::is_subagent(&request)
+            && matches!(attempt, Attempt::Run { .. });
+        if let (true, Some(store)) = (joins_conversation, &self.knowledge) {
+            let earlier =
+                conversation::earlier(store, &request.conversation_id, &session_id).await?;
+            let max_wall = Duration::from_secs(config.limits.max_wall_secs);
+            let running: Vec<&conversation::Earlier> =
+                earlier.iter().filter(|d| d.running(max_wall)).collect();
+            if let Some(first) = running.first() {
+                let conversation = &request.conversation_id;
+                let other = first.session_id();
+                match config.limits.conversation_policy {
+                    ConversationPolicy::Queue => {
+                        return Ok(Settled::Queued(format!(
+                            "dialog {other} of conversation {conversation} is still running"
+                        )))
+                    }
+                    ConversationPolicy::Reject => {
+                        verdict = Err(format!("dialog {other} of conversation {conversation} is still running; this conversation takes one request at a time (conversation_policy: reject)"));
+                    }
+                    ConversationPolicy::Interrupt => {
+                        for dialog in &running {
+                            self.interrupt(dialog.session_id(), &session_id, &out)
+                                .await?;
+                        }
+                    }
+                }
+            }
+            if verdict.is_ok() {
+                let summary = conversation::context(&earlier);
+                request.framing = conversation::framed(&request.framing, &summary);
+                let follows: Vec<String> = earlier.iter().map(|d| d.session_uri.clone()).collect();
+                out.explain(&uris.session(), provenance::follows(&uris, &follows))?;
+            }
+        }
         // A request that names its pattern is not routed, but gets its task type's framing.
         let requested = (new_dialog && !request.pattern.is_empty())
             .then(|| router::requested(&request, &config));
@@ -949,6 +1049,7 @@ pub async fn run(settings: Settings, shutdown: CancellationToken) -> anyhow::Res
         ),
         cancellations,
         answering: approval::OneAtATime::default(),
+        control: Some(Publisher::new(&bus, &topics.control).await?),
     });
     let subscription = SubscriptionConfig {
         topic: topics.request.clone(),
