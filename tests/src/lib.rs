@@ -685,7 +685,9 @@ pub async fn client(broker: &Broker) -> AgentClient {
         };
         match attempt.await {
             Ok(client) => return client,
-            Err(e) if started.elapsed() < Duration::from_secs(30) => {
+            // A broker restarting on a loaded machine (Apache Pulsar's JVM) can let one attempt
+            // time out after 30 s by itself: the window allows for more than one.
+            Err(e) if started.elapsed() < Duration::from_secs(90) => {
                 eprintln!("client: {e}; trying again");
                 tokio::time::sleep(Duration::from_millis(500)).await;
             }
