@@ -198,7 +198,7 @@ pub async fn resume(turn: &Turn<'_>, answer: &Answer) -> Result<(), BusError> {
                 decision.arguments.clone_from(arguments);
             }
             out.explain(&uris.iteration(n), provenance::approved_iteration(uris, n))?;
-            react::act(turn, n, decision).await
+            react::act(turn, n, decision, true).await
         }
         control_operation::DENY => {
             let mut observation = format!(

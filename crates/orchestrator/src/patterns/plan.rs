@@ -329,7 +329,7 @@ async fn run_step(turn: &Turn<'_>, n: usize, index: usize) -> Result<(), BusErro
         }) => {
             discarded = dropped;
             let (run, state) =
-                run_scoped_tool(turn, &scope, &action, &arguments, &candidates).await;
+                run_scoped_tool(turn, &scope, &action, &arguments, &candidates, false).await;
             // The tool's LLM is down: the step waits for it rather than observe the outage.
             if turn.out.parked().is_some() {
                 return Ok(());

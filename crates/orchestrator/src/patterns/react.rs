@@ -141,7 +141,7 @@ pub async fn iterate(turn: &Turn<'_>) -> Result<(), BusError> {
             if crate::approval::needed(turn, &scope, &decision.action) {
                 return crate::approval::park(turn, n, decision).await;
             }
-            act(turn, n, decision).await
+            act(turn, n, decision, false).await
         }
         Err(observation) => {
             record_unusable(
@@ -158,9 +158,14 @@ pub async fn iterate(turn: &Turn<'_>) -> Result<(), BusError> {
     }
 }
 
-/// Runs the tool the LLM chose in iteration `n` (its call approved, where it needed approval) and
-/// records the step.
-pub async fn act(turn: &Turn<'_>, n: usize, decision: ToolDecision) -> Result<(), BusError> {
+/// Runs the tool the LLM chose in iteration `n` and records the step; `approved`: a person
+/// approved the call (a tool that needs approval runs only then).
+pub async fn act(
+    turn: &Turn<'_>,
+    n: usize,
+    decision: ToolDecision,
+    approved: bool,
+) -> Result<(), BusError> {
     let request = turn.request;
     let scope = Scope::new(request.group.as_deref(), request.state.as_deref());
     let candidates: Vec<&str> = decision.candidates.iter().map(String::as_str).collect();
@@ -170,6 +175,7 @@ pub async fn act(turn: &Turn<'_>, n: usize, decision: ToolDecision) -> Result<()
         &decision.action,
         &decision.arguments,
         &candidates,
+        approved,
     )
     .await;
     // The tool's LLM is down: the step waits for it rather than observe the outage.

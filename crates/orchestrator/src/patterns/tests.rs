@@ -19,6 +19,7 @@ const SCRIPT: &str = r#"{"rules": [
   {"match": "Question: what is one", "reply": "Thought: I know it.\nFinal Answer: ONE"},
   {"match": "Question: ask the tool", "reply": "Thought: the tool knows.\nAction: llm\nArgs: {\"question\": \"inner?\"}"},
   {"match": "inner?", "exact": true, "reply": "INNER"},
+  {"match": "Step goal: find a", "reply": "Thought: the tool knows.\nAction: llm\nArgs: {\"question\": \"inner?\"}"},
   {"match": "Request to plan: Combine", "reply": "{\"rationale\": \"a then b\", \"steps\": [{\"goal\": \"find a\", \"depends_on\": []}, {\"goal\": \"find b\", \"depends_on\": [0]}]}"},
   {"match": "Request to split: Compare", "reply": "[{\"goal\": \"price of alpha\"}, {\"goal\": \"price of beta\"}]"}
 ]}"#;
@@ -158,6 +159,27 @@ async fn react_runs_the_chosen_tool_and_queues_the_next_iteration_with_its_obser
     assert_eq!(harness.llm.calls().len(), 2);
 }
 
+/// A tool that needs approval is not run on the LLM's word: without a shared store to park the
+/// call in, the step observes why and goes on (with one, see `tests/tests/run_control.rs`).
+#[tokio::test]
+async fn a_tool_that_needs_approval_is_not_run_without_it() {
+    let mut harness = Harness::start().await;
+    for tool in harness.config.tools.values_mut() {
+        if tool.name == "llm" {
+            tool.requires_approval = true;
+        }
+    }
+    let sent = harness.step(&request("ask the tool", "react")).await;
+    assert_eq!(sent.requests.len(), 1, "the dialog goes on");
+    let observed = &sent.requests[0].history[0].observation;
+    assert!(
+        observed.contains("runs only with a person's approval"),
+        "{observed}"
+    );
+    // Only the ReACT call: the tool's own LLM call was never made.
+    assert_eq!(harness.llm.calls().len(), 1);
+}
+
 #[tokio::test]
 async fn a_dialog_at_its_iteration_limit_concludes_without_an_llm_call() {
     let harness = Harness::start().await;
@@ -198,6 +220,33 @@ async fn plan_then_execute_first_makes_a_plan_and_carries_it_in_the_history() {
     let goals: Vec<&str> = plan.iter().map(|s| s.goal.as_str()).collect();
     assert_eq!(goals, ["find a", "find b"]);
     assert_eq!(plan[1].depends_on, [0]);
+}
+
+/// A plan step cannot park for approval: its call of a tool that needs approval is refused where
+/// tools run, whichever pattern asks.
+#[tokio::test]
+async fn a_plan_step_never_runs_a_tool_that_needs_approval() {
+    let mut harness = Harness::start().await;
+    for tool in harness.config.tools.values_mut() {
+        if tool.name == "llm" {
+            tool.requires_approval = true;
+        }
+    }
+    let planned = harness
+        .step(&request("Combine a and b", "plan-then-execute"))
+        .await;
+    let executed = harness.step(&planned.requests[0]).await;
+    let text = format!("{:?}", executed.requests);
+    assert!(
+        text.contains("runs only with a person's approval, which this step cannot wait for"),
+        "{text}"
+    );
+    // The plan call and the step's call: the tool's own LLM call was never made.
+    let calls = harness.llm.calls();
+    assert!(
+        calls.iter().all(|c| c.last_user.trim() != "inner?"),
+        "{calls:?}"
+    );
 }
 
 #[tokio::test]

@@ -75,16 +75,35 @@ pub struct ToolRun {
 /// Runs the tool the LLM named, if the request may use it, and returns what it produced and the
 /// dialog's state after it. Scoping is enforced here, not only in the prompt: a tool the request may
 /// not see is refused even when the LLM names it. `visible` names the tools the request could see.
+/// So is approval: a tool that `requires-approval` runs only when `approved` (a person answered
+/// its parked call), whichever pattern asks for it.
 pub async fn run_scoped_tool(
     turn: &Turn<'_>,
     scope: &Scope,
     action: &str,
     arguments: &BTreeMap<String, String>,
     visible: &[&str],
+    approved: bool,
 ) -> (ToolRun, String) {
     let config = turn.config;
     let limits = &config.limits;
     match config.tool_by_name(action) {
+        Some(tool) if scope.allows(tool) && tool.requires_approval && !approved => {
+            crate::events::ToolCalled {
+                tool: &tool.name,
+                outcome: ToolOutcome::Refused.label(),
+                took: Duration::ZERO,
+            }
+            .emit();
+            let run = ToolRun {
+                outcome: ToolOutcome::Refused,
+                observation: format!("Error: the tool '{action}' runs only with a person's approval, which this step cannot wait for; it was not run"),
+                duration: Duration::ZERO,
+                in_token: 0,
+                out_token: 0,
+            };
+            (run, scope.state().to_owned())
+        }
         Some(tool) if scope.allows(tool) => {
             let context = ToolContext {
                 config,
