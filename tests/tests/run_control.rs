@@ -1,7 +1,8 @@
 //! Run control end to end on a real broker: `agentctl cancel` stops a supervisor's fan-out whose
 //! subagents are stuck in stalled LLM calls (every branch stops, the client gets one closing
 //! message, no LLM call is made after the cancel, the graph records who cancelled and when), and a
-//! cancel sent while no orchestrator runs is read from the graph by the next one to start.
+//! cancel sent while no orchestrator runs is read from the graph by the next one to start; a cancel
+//! racing a dialog's steps gives exactly one ending, whichever wins.
 //! Approvals: one subagent's tool call parks for approval while its siblings finish and the
 //! supervisor waits only for it; the approval is answered on another replica than the one that
 //! parked it, once only however often it is sent; an approval that never comes ends its branch
@@ -752,5 +753,58 @@ async fn a_conversation_can_refuse_a_second_request_or_interrupt_the_first() {
                 cancelled.message
             );
         }
+    }
+}
+
+/// A cancel that races a dialog's steps, sent as each of its three LLM calls starts: whatever wins,
+/// the client gets exactly one ending (the answer or the cancel), and the graph one conclusion.
+#[tokio::test]
+async fn a_cancel_racing_a_dialog_gives_exactly_one_ending() {
+    let broker = Broker::start().unwrap();
+    let aggregator = Aggregator::spawn_with(&broker, &["--config-token", TOKEN]);
+    let llm = scripted_llm(THREE_STEPS).await;
+    let _orchestrator = Orchestrator::spawn_journaled(&broker, &llm, &aggregator, TOKEN, &[]);
+    let mut client = client(&broker).await;
+    for (race, calls) in [1usize, 2, 3, 4].into_iter().enumerate() {
+        let id = format!("race-{race}");
+        let session = format!("racing-dialog-{race}");
+        let question = format!("combine (race {race})");
+        let before = llm.calls().len();
+        client
+            .send(
+                &id,
+                &AgentRequest {
+                    pattern: "react".into(),
+                    session_id: session.clone(),
+                    ..request(&question, false)
+                },
+            )
+            .await
+            .unwrap();
+        until("the dialog's LLM calls", || {
+            llm.calls().len() >= before + calls
+        })
+        .await;
+        cancel(&broker, &session, "ops-erin", "racing");
+        let mut responses = collect_dialog(&mut client, &id, Duration::from_secs(60))
+            .await
+            .unwrap();
+        responses.extend(drain_for(&mut client, &id, Duration::from_secs(2)).await);
+        let endings = closings(&responses);
+        assert_eq!(endings.len(), 1, "race {race}: {responses:#?}");
+        let ended = endings[0];
+        let answered = ended.error.is_none() && ended.content == "alpha and beta, combined.";
+        let cancelled = ended.error.as_ref().is_some_and(|e| e.kind == "cancelled");
+        assert!(answered || cancelled, "race {race}: {ended:#?}");
+        let conclusions = format!(
+            "{}SELECT ?why WHERE {{ GRAPH <urn:graph:retrieval> {{
+               <urn:trustgraph:agent:{session}/final> tg:terminationReason ?why }} }}",
+            agent_core::vocab::SPARQL_PREFIXES
+        );
+        assert_eq!(
+            count_reaching(&aggregator.store(), conclusions, 1).await,
+            1,
+            "race {race}"
+        );
     }
 }
