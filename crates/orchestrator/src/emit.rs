@@ -478,17 +478,22 @@ impl<'a> DialogOutput<'a> {
         .await
     }
 
-    /// Writes `triples` about `node` to the graph only (not to the client): what the service keeps
-    /// for itself, such as a parked step's continuation.
-    pub fn record(&self, node: &str, triples: Vec<Triple>) -> Result<(), BusError> {
-        let message = Triples {
+    /// The explainability message of `triples` about `node`, in this dialog's collection.
+    fn triples_about(&self, node: &str, triples: Vec<Triple>) -> Triples {
+        Triples {
             metadata: Metadata {
                 id: node.to_owned(),
                 root: self.root.clone(),
                 collection: self.collection.clone(),
             },
             triples,
-        };
+        }
+    }
+
+    /// Writes `triples` about `node` to the graph only (not to the client): what the service keeps
+    /// for itself, such as a parked step's continuation.
+    pub fn record(&self, node: &str, triples: Vec<Triple>) -> Result<(), BusError> {
+        let message = self.triples_about(node, triples);
         self.hold(
             Channel::Explainability,
             agent_schema::encode(&message),
@@ -526,14 +531,7 @@ impl<'a> DialogOutput<'a> {
         for subject in costed {
             triples.push(tag(&subject, tg::RUN, agent_schema::Term::iri(&self.run)));
         }
-        let message = Triples {
-            metadata: Metadata {
-                id: node.to_owned(),
-                root: self.root.clone(),
-                collection: self.collection.clone(),
-            },
-            triples,
-        };
+        let message = self.triples_about(node, triples);
         // The graph copy is published before the client's, so a client that saw a node can find it.
         // It carries only the trace context: the aggregator's write joins this step's trace.
         let mut properties = Properties::new();

@@ -1087,32 +1087,24 @@ pub async fn run(settings: Settings, shutdown: CancellationToken) -> anyhow::Res
             // Forwarded at once to the persistent topic and only then acked: a message of a
             // non-persistent topic is never redelivered, so it must not wait (park) there.
             let requests = forward_requests.clone();
-            let bus = bus.clone();
-            let shutdown = shutdown.clone();
-            tokio::spawn(async move {
-                let taken = run_consumer(
-                    &bus,
-                    config,
-                    Arc::new(ConsumerStats::default()),
-                    shutdown,
-                    move |delivery: Delivery<AgentRequest>| {
-                        let requests = requests.clone();
-                        async move {
-                            let payload = agent_schema::encode(&delivery.payload);
-                            match requests.send(payload, &delivery.properties).await {
-                                Ok(()) => Disposition::Ack,
-                                Err(e) => Disposition::Nack(format!(
-                                    "forwarding a client's request to the request topic: {e}"
-                                )),
-                            }
+            spawn_consumer(
+                &bus,
+                config,
+                &shutdown,
+                "taking requests on the client topic stopped",
+                move |delivery: Delivery<AgentRequest>| {
+                    let requests = requests.clone();
+                    async move {
+                        let payload = agent_schema::encode(&delivery.payload);
+                        match requests.send(payload, &delivery.properties).await {
+                            Ok(()) => Disposition::Ack,
+                            Err(e) => Disposition::Nack(format!(
+                                "forwarding a client's request to the request topic: {e}"
+                            )),
                         }
-                    },
-                )
-                .await;
-                if let Err(e) = taken {
-                    tracing::error!(error = %e, "taking requests on the client topic stopped");
-                }
-            })
+                    }
+                },
+            )
         });
     // Answers to approvals: one replica takes each up, whichever parked the call.
     let answering_approvals = {
@@ -1128,24 +1120,16 @@ pub async fn run(settings: Settings, shutdown: CancellationToken) -> anyhow::Res
             one_at_a_time: true,
         };
         let engine = engine.clone();
-        let bus = bus.clone();
-        let shutdown = shutdown.clone();
-        tokio::spawn(async move {
-            let taken = run_consumer(
-                &bus,
-                config,
-                Arc::new(ConsumerStats::default()),
-                shutdown,
-                move |delivery: Delivery<agent_schema::AgentControl>| {
-                    let engine = engine.clone();
-                    async move { engine.answer(delivery).await }
-                },
-            )
-            .await;
-            if let Err(e) = taken {
-                tracing::error!(error = %e, "taking answers to approvals stopped");
-            }
-        })
+        spawn_consumer(
+            &bus,
+            config,
+            &shutdown,
+            "taking answers to approvals stopped",
+            move |delivery: Delivery<agent_schema::AgentControl>| {
+                let engine = engine.clone();
+                async move { engine.answer(delivery).await }
+            },
+        )
     };
     tracing::info!(request = %topics.request, client_request = %topics.client_request, response = %topics.response, "agent-orchestrator ready");
     let consumed = run_consumer(
@@ -1176,6 +1160,36 @@ pub async fn run(settings: Settings, shutdown: CancellationToken) -> anyhow::Res
     ops_server.abort();
     consumed?;
     Ok(())
+}
+
+/// Runs a consumer beside the main one until `shutdown`, logging `stopped` if it fails.
+fn spawn_consumer<T, F, Fut>(
+    bus: &agent_bus::Bus,
+    config: SubscriptionConfig,
+    shutdown: &CancellationToken,
+    stopped: &'static str,
+    handler: F,
+) -> tokio::task::JoinHandle<()>
+where
+    T: serde::de::DeserializeOwned + Send + 'static,
+    F: Fn(Delivery<T>) -> Fut + Send + Sync + 'static,
+    Fut: std::future::Future<Output = Disposition> + Send + 'static,
+{
+    let bus = bus.clone();
+    let shutdown = shutdown.clone();
+    tokio::spawn(async move {
+        let taken = run_consumer(
+            &bus,
+            config,
+            Arc::new(ConsumerStats::default()),
+            shutdown,
+            handler,
+        )
+        .await;
+        if let Err(e) = taken {
+            tracing::error!(error = %e, "{stopped}");
+        }
+    })
 }
 
 /// Answers for requests the broker moved to the dead-letter topic (its redelivery limit: a step
