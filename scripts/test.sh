@@ -36,7 +36,7 @@ soak_status=${PIPESTATUS[0]}
 echo "== Apache Pulsar tier"
 AGENT_E2E_BROKER=apache cargo test --locked --workspace --no-fail-fast \
   --test react --test failures --test once --test supervisor --test hostile --test trustgraph \
-  --test long_dialogs --test run_control \
+  --test long_dialogs --test run_control --test fork \
   -- --test-threads 2 2>&1 \
   | tee -a "${TMPDIR:-/tmp}/pulsar-agents-test.log" | grep -E '^test result|FAILED|panicked'
 apache_status=${PIPESTATUS[0]}

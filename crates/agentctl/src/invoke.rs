@@ -93,10 +93,24 @@ pub async fn invoke(
     args: &InvokeArgs,
     renderer: &mut Renderer,
 ) -> anyhow::Result<Outcome> {
+    let properties = agent_bus::Properties::new();
+    let timeout = Duration::from_secs(args.timeout);
+    follow(client, &args.request(), &properties, timeout, renderer).await
+}
+
+/// Sends `request` (with our `properties`, if any) and renders its responses until the end of the
+/// dialog or `timeout`.
+pub async fn follow(
+    client: &mut AgentClient,
+    request: &AgentRequest,
+    properties: &agent_bus::Properties,
+    timeout: Duration,
+    renderer: &mut Renderer,
+) -> anyhow::Result<Outcome> {
     let id = uuid::Uuid::new_v4().to_string();
     let started = Instant::now();
-    client.send(&id, &args.request()).await?;
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(args.timeout);
+    client.send_with(&id, request, properties).await?;
+    let deadline = tokio::time::Instant::now() + timeout;
     let mut outcome = Outcome {
         failed: false,
         provenance: Vec::new(),
@@ -104,7 +118,7 @@ pub async fn invoke(
     loop {
         let (rid, response) = tokio::time::timeout_at(deadline, client.next())
             .await
-            .map_err(|_| anyhow::anyhow!("no end of dialog within {} s", args.timeout))??;
+            .map_err(|_| anyhow::anyhow!("no end of dialog within {} s", timeout.as_secs()))??;
         if rid != id {
             continue;
         }

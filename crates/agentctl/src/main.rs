@@ -5,6 +5,7 @@ mod bench_graph;
 mod bench_long;
 mod config;
 mod control;
+mod fork;
 mod graph;
 mod invoke;
 mod tools;
@@ -33,6 +34,8 @@ enum Command {
     Approve(control::ApproveArgs),
     /// Refuse a tool call that waits for approval; the agent goes on without it.
     Deny(control::DenyArgs),
+    /// Start a new session from the recorded input of any step of a dialog, optionally edited.
+    Fork(fork::ForkArgs),
     /// Show a session's provenance as a tree, JSON, DOT or Mermaid.
     Explain(graph::ExplainArgs),
     /// Run a SPARQL query against the graph store.
@@ -61,6 +64,7 @@ async fn main() {
         Command::Cancel(args) => control::cancel(args).await,
         Command::Approve(args) => control::approve(args).await,
         Command::Deny(args) => control::deny(args).await,
+        Command::Fork(args) => fork::run(args).await,
         Command::Explain(args) => graph::explain(args).await,
         Command::Sparql(args) => graph::sparql(args).await,
         Command::Load(args) => graph::load(args).await,

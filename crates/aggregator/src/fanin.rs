@@ -274,6 +274,19 @@ pub async fn check(
         };
     }
     let next = synthesis_request(&continuation, results, &missing);
+    // What the supervisor's next step is given, kept as every step's input is: a fork or replay of
+    // that step starts from it.
+    let input = agent_core::fork::RecordedInput {
+        step: agent_core::fork::step_of(&next),
+        continues: None,
+        request: next.clone(),
+    };
+    let uris = agent_core::provenance::SessionUris::new(&next.session_id);
+    if let Ok(quads) =
+        agent_graph::convert::to_quads(&agent_core::provenance::step_input(&uris, &input))
+    {
+        store.insert(quads).await?;
+    }
     // The supervisor goes on with its subagents' tokens counted and its own start time.
     let mut properties = Properties::new();
     properties.insert(ID_PROPERTY.to_owned(), client);

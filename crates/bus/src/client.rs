@@ -131,9 +131,31 @@ impl AgentClient {
         self.send_raw(id, agent_schema::encode(request)).await
     }
 
+    /// Publishes a request with the correlation `id` and our own `extra` properties (a fork's
+    /// origin, a replay's reuse), which a TrustGraph service ignores.
+    pub async fn send_with(
+        &self,
+        id: &str,
+        request: &AgentRequest,
+        extra: &Properties,
+    ) -> Result<(), BusError> {
+        self.send_with_payload(id, agent_schema::encode(request), extra)
+            .await
+    }
+
     /// Publishes any payload with the correlation `id` (used to test hostile input).
     pub async fn send_raw(&self, id: &str, payload: Vec<u8>) -> Result<(), BusError> {
-        let mut properties = Properties::new();
+        self.send_with_payload(id, payload, &Properties::new())
+            .await
+    }
+
+    async fn send_with_payload(
+        &self,
+        id: &str,
+        payload: Vec<u8>,
+        extra: &Properties,
+    ) -> Result<(), BusError> {
+        let mut properties = extra.clone();
         properties.insert(ID_PROPERTY.to_owned(), id.to_owned());
         self.requests.send(payload, &properties).await
     }

@@ -5,6 +5,7 @@
 pub mod config;
 pub mod critic;
 pub mod documents;
+pub mod fork;
 pub mod pattern;
 pub mod plan;
 pub mod plan_then_execute;

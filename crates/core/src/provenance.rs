@@ -57,6 +57,14 @@ impl SessionUris {
         format!("{}/i{n}/approval/answer", self.base)
     }
     /// Where a cancel of this session is recorded: who asked, when and why.
+    /// The record of what step `n` was given (see [`crate::fork`]).
+    pub fn input(&self, n: usize) -> String {
+        format!("{}/input/{n}", self.base)
+    }
+    /// An LLM call of this session, named by the digest of what it asked.
+    pub fn llm_call(&self, digest: &str) -> String {
+        format!("{}/llm/{digest}", self.base)
+    }
     pub fn cancellation(&self) -> String {
         format!("{}/cancellation", self.base)
     }
@@ -261,6 +269,109 @@ pub fn follows(uris: &SessionUris, earlier: &[String]) -> Vec<Triple> {
     for session in earlier {
         b.tg(&uris.session(), "follows", Term::iri(session));
     }
+    b.build()
+}
+
+/// The record of step `input.step`'s input: the request as JSON (only its new history steps when
+/// it continues an earlier step's input, which it then names). Not derived from anything: the
+/// explain tree shows what was done, and this is what a fork or replay starts from.
+pub fn step_input(uris: &SessionUris, input: &crate::fork::RecordedInput) -> Vec<Triple> {
+    let s = uris.input(input.step);
+    let integer = |v: usize| Term::typed_literal(v.to_string(), XSD_INTEGER);
+    let mut b = NodeBuilder::default();
+    b.add(&s, RDF_TYPE, Term::iri(format!("{TG}StepInput")))
+        .tg(&s, "step", integer(input.step))
+        .tg(
+            &s,
+            "request",
+            Term::literal(String::from_utf8_lossy(&agent_schema::encode(
+                &input.request,
+            ))),
+        );
+    if let Some((from, kept)) = input.continues {
+        b.tg(&s, "continuesInput", Term::iri(uris.input(from))).tg(
+            &s,
+            "continuedSteps",
+            integer(kept),
+        );
+    }
+    b.build()
+}
+
+/// A fork's root: which session and step it was forked from, what its input changed there, and
+/// the node it derives from (the source's node its first step followed), so the source's explain
+/// tree shows the fork as a branch.
+pub fn fork(
+    uris: &SessionUris,
+    source: &SessionUris,
+    step: usize,
+    edits: &[String],
+    reuse: &str,
+) -> Vec<Triple> {
+    let s = uris.session();
+    let integer = |v: usize| Term::typed_literal(v.to_string(), XSD_INTEGER);
+    let from = if step <= 1 {
+        source.session()
+    } else {
+        source.previous(step - 1)
+    };
+    let mut b = NodeBuilder::default();
+    b.add(&s, RDF_TYPE, Term::iri(format!("{TG}Fork")))
+        .tg(&s, "forkedFrom", Term::iri(source.session()))
+        .tg(&s, "forkedAtStep", integer(step))
+        .derived(&s, &from);
+    for edit in edits {
+        b.tg(&s, "forkEdit", Term::literal(edit));
+    }
+    if !reuse.is_empty() {
+        b.tg(&s, "reuses", Term::literal(reuse));
+    }
+    b.build()
+}
+
+/// In a fork from step `n + 1`, the observation its first step follows: step `n`'s as the fork's
+/// input has it (edited or not), standing for the source's, and derived from the fork's root.
+pub fn fork_observation(
+    uris: &SessionUris,
+    source: &SessionUris,
+    n: usize,
+    text: &str,
+) -> Vec<Triple> {
+    let s = uris.observation(n);
+    let mut b = NodeBuilder::default();
+    b.types(&s, &["Observation"])
+        .label(&s, "Observation")
+        .derived(&s, &uris.session())
+        .tg(&s, "forkedFrom", Term::iri(source.observation(n)))
+        .document(&s, &s, text);
+    b.build()
+}
+
+/// One LLM call: the digest of what it asked and what it answered (as JSON), tagged with its
+/// run, so a replay can give the same answer to the same question without a second charge.
+/// `reused_from` names the recorded call it took its answer from, when it was not made.
+pub fn llm_call(
+    uris: &SessionUris,
+    digest: &str,
+    completion: &str,
+    run: &str,
+    reused_from: Option<&str>,
+) -> Vec<Triple> {
+    let s = uris.llm_call(digest);
+    let mut b = NodeBuilder::default();
+    b.tg(&s, "promptDigest", Term::literal(digest))
+        .tg(&s, "completion", Term::literal(completion))
+        .tg(&s, "run", Term::iri(run));
+    if let Some(source) = reused_from {
+        b.tg(&s, "reusedFrom", Term::iri(source));
+    }
+    b.build()
+}
+
+/// `node` took its content from the recorded `source` instead of running again (a replay).
+pub fn reused(node: &str, source: &str) -> Vec<Triple> {
+    let mut b = NodeBuilder::default();
+    b.tg(node, "reusedFrom", Term::iri(source));
     b.build()
 }
 

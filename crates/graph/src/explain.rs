@@ -22,6 +22,10 @@ pub struct SessionView {
     pub conclusion: Option<ConclusionView>,
     /// A supervisor's fan-outs, in step order, each with its subagents' sessions.
     pub fanouts: Vec<FanOutView>,
+    /// Where this session was forked from, when it is a fork.
+    pub forked_from: Option<ForkOrigin>,
+    /// Forks of this session (`agentctl fork`), each a session of its own, by the step they start at.
+    pub forks: Vec<ForkView>,
     /// Derivation edges (node, derived from), for the graph formats; on the root view only, and
     /// covering the subagents' nodes too.
     pub edges: Vec<(String, String)>,
@@ -76,6 +80,25 @@ pub struct FanOutView {
     pub synthesis: String,
     pub in_token: u64,
     pub out_token: u64,
+}
+
+/// Where a fork came from: the source session, the step it started at, what its input changed
+/// there, and what it reused of the source's record.
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+pub struct ForkOrigin {
+    pub session: String,
+    pub step: u64,
+    pub edits: Vec<String>,
+    pub reuses: String,
+    /// The observation its first step followed (node, text), when it started past step 1.
+    pub observation: Option<(String, String)>,
+}
+
+/// A fork of a session, as its source's view shows it.
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+pub struct ForkView {
+    pub step: u64,
+    pub run: SessionView,
 }
 
 /// One subagent of a fan-out: its completion, and its run as a session of its own.
@@ -299,6 +322,39 @@ fn view_of(index: &Index, session: &str, sessions: &[String], depth: usize) -> S
             view.conclusion = Some(conclusion);
         }
     }
+    let source = index.one(session, &tg("forkedFrom"));
+    if !source.is_empty() {
+        let step = index.number(session, &tg("forkedAtStep"));
+        let mut edits = index.all(session, &tg("forkEdit"));
+        edits.sort();
+        let observation = index
+            .derived_from(session)
+            .into_iter()
+            .find(|n| index.has_type(n, &tg("Observation")))
+            .map(|n| {
+                let text = index.document_text(&n);
+                (n, text)
+            });
+        view.forked_from = Some(ForkOrigin {
+            session: source,
+            step,
+            edits,
+            reuses: index.one(session, &tg("reuses")),
+            observation,
+        });
+    }
+    if depth < MAX_VIEW_DEPTH {
+        for fork in sessions {
+            if fork != session && index.one(fork, &tg("forkedFrom")) == session {
+                view.forks.push(ForkView {
+                    step: index.number(fork, &tg("forkedAtStep")),
+                    run: view_of(index, fork, sessions, depth + 1),
+                });
+            }
+        }
+    }
+    view.forks
+        .sort_by(|a, b| (a.step, &a.run.started_at).cmp(&(b.step, &b.run.started_at)));
     view.iterations.sort_by_key(|i| i.step);
     view.fanouts.sort_by_key(|f| f.step);
     // A graph is a set: candidates come back in store order, so give them a stable one.
@@ -388,6 +444,26 @@ fn tree(view: &SessionView, full: bool) -> String {
     let mut out = format!("{}\n", view.session);
     out.push_str(&format!("├─ question: {}\n", trim(&view.question, 200)));
     out.push_str(&format!("├─ started:  {}\n", view.started_at));
+    if let Some(origin) = &view.forked_from {
+        out.push_str(&format!(
+            "├─ forked from: {} at step {} (changed: {}{})\n",
+            origin.session,
+            origin.step,
+            or_none(&origin.edits.join(", ")),
+            if origin.reuses.is_empty() {
+                String::new()
+            } else {
+                format!("; reuses recorded {}", origin.reuses)
+            }
+        ));
+        if let Some((_, text)) = &origin.observation {
+            out.push_str(&format!(
+                "│  └─ given observation {}: {}\n",
+                origin.step.saturating_sub(1),
+                trim(text, 200)
+            ));
+        }
+    }
     if let Some(d) = &view.decision {
         let task_type = if d.task_type.is_empty() {
             String::new()
@@ -470,6 +546,22 @@ fn tree(view: &SessionView, full: bool) -> String {
         };
         out.push_str(&format!("│  └─ synthesis: {synthesis}\n"));
     }
+    for fork in &view.forks {
+        let ended = fork
+            .run
+            .conclusion
+            .as_ref()
+            .map_or("(no conclusion yet)".to_owned(), |c| {
+                format!("{}: {}", c.termination, trim(&c.answer, 120))
+            });
+        out.push_str(&format!(
+            "├─ fork at step {}: {} -> {ended}\n",
+            fork.step, fork.run.session
+        ));
+        for line in tree(&fork.run, full).lines().skip(1) {
+            out.push_str(&format!("│  {line}\n"));
+        }
+    }
     match &view.conclusion {
         Some(c) => {
             out.push_str(&format!(
@@ -517,6 +609,19 @@ fn labels(view: &SessionView) -> Vec<(String, String)> {
             c.node.clone(),
             format!("Conclusion ({}): {}", c.termination, trim(&c.answer, 60)),
         ));
+    }
+    if let Some((node, text)) = view
+        .forked_from
+        .as_ref()
+        .and_then(|o| o.observation.as_ref())
+    {
+        all.push((
+            node.clone(),
+            format!("Observation (fork): {}", trim(text, 50)),
+        ));
+    }
+    for fork in &view.forks {
+        all.extend(labels(&fork.run));
     }
     for f in &view.fanouts {
         all.push((

@@ -7,6 +7,7 @@ pub mod convert;
 pub mod explain;
 pub mod journal;
 pub mod queries;
+pub mod recorded;
 mod remote;
 
 use std::path::Path;

@@ -286,3 +286,43 @@ WHERE {{
 }}"
     )
 }
+
+/// The recorded inputs of steps 1 to `up_to` of a session (see `agent_core::fork`): each one's
+/// step, request, and the input it continues with how many of its steps. Looked up by node, so its
+/// cost follows `up_to`, not the graph.
+pub fn step_inputs(session: &NamedNode, up_to: usize) -> String {
+    let g = graph();
+    let nodes: String = (1..=up_to)
+        .map(|n| format!("<{}/input/{n}>", session.as_str()))
+        .collect::<Vec<_>>()
+        .join(" ");
+    format!(
+        "{PREFIXES}SELECT ?step ?request ?from ?kept WHERE {{ VALUES ?i {{ {nodes} }}
+  GRAPH {g} {{ ?i tg:step ?step ; tg:request ?request .
+    OPTIONAL {{ ?i tg:continuesInput ?from ; tg:continuedSteps ?kept }} }} }}"
+    )
+}
+
+/// The LLM calls recorded in a run (its root session's node): each call's node, the digest of
+/// what it asked and its answer (JSON).
+pub fn recorded_llm_calls(run: &NamedNode) -> String {
+    let g = graph();
+    format!(
+        "{PREFIXES}SELECT ?call ?digest ?completion WHERE {{ GRAPH {g} {{
+  ?call tg:run {run} ; tg:promptDigest ?digest ; tg:completion ?completion }} }}"
+    )
+}
+
+/// The tool calls recorded in a run: each iteration's action and arguments, and its observation's
+/// node and text (beside it, or in the documents graph).
+pub fn recorded_tool_results(run: &NamedNode) -> String {
+    let g = graph();
+    format!(
+        "{PREFIXES}SELECT ?action ?arguments ?observation ?text WHERE {{
+  GRAPH {g} {{ ?it tg:run {run} ; tg:action ?action ; tg:arguments ?arguments .
+    ?observation prov:wasDerivedFrom ?it ; a tg:Observation ; tg:document ?d }}
+  VALUES ?h {{ {g} {docs} }} GRAPH ?h {{ ?d tg:content ?text }}
+}}",
+        docs = documents()
+    )
+}

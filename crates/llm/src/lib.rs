@@ -13,6 +13,9 @@ use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 use tokio::sync::{mpsc, Semaphore};
 
+pub mod tape;
+use tape::{Tape, TapedCall};
+
 /// A secret that never shows in logs or debug output.
 #[derive(Clone, Default)]
 pub struct Secret(String);
@@ -262,6 +265,8 @@ pub struct LlmClient {
     http: reqwest::Client,
     config: Arc<LlmConfig>,
     permits: Arc<Semaphore>,
+    /// Where this handle records its calls, and answers it may give again (see [`tape`]).
+    tape: Option<Arc<Tape>>,
 }
 
 impl LlmClient {
@@ -275,11 +280,21 @@ impl LlmClient {
             http,
             config: Arc::new(config),
             permits,
+            tape: None,
         })
     }
 
     pub fn model(&self) -> &str {
         &self.config.model
+    }
+
+    /// A handle on the same connections and bound whose calls go on `tape`: each one recorded,
+    /// and one asking what the tape has an answer for given that answer without a call.
+    pub fn taped(&self, tape: Arc<Tape>) -> LlmClient {
+        LlmClient {
+            tape: Some(tape),
+            ..self.clone()
+        }
     }
 
     /// A whole answer.
@@ -326,8 +341,34 @@ impl LlmClient {
         options: &CallOptions,
         deltas: Option<mpsc::Sender<String>>,
     ) -> Result<Completion, LlmError> {
+        let Some(tape) = &self.tape else {
+            let result = self.retrying(messages, options, deltas).await;
+            record_call(&self.config.model, &result);
+            return result;
+        };
+        let digest = tape::call_digest(&self.config.model, messages, options);
+        if let Some((source, recorded)) = tape.recorded_answer(&digest) {
+            let completion = recorded.completion();
+            if let (Some(deltas), false) = (&deltas, completion.text.is_empty()) {
+                // A receiver gone is the caller's business, as for a live stream.
+                let _ = deltas.send(completion.text.clone()).await;
+            }
+            tape.push(TapedCall {
+                digest,
+                recorded: recorded.clone(),
+                reused_from: Some(source.clone()),
+            });
+            return Ok(completion);
+        }
         let result = self.retrying(messages, options, deltas).await;
         record_call(&self.config.model, &result);
+        if let Ok(completion) = &result {
+            tape.push(TapedCall {
+                digest,
+                recorded: tape::Recorded::of(completion),
+                reused_from: None,
+            });
+        }
         result
     }
 

@@ -138,6 +138,11 @@ pub struct DialogOutput<'a> {
     input_history: Vec<agent_schema::AgentStep>,
     /// Whether this step starts subagents: their fan-out node must be on the broker before them.
     spawned: std::sync::atomic::AtomicBool,
+    /// The step the handled message is the input of.
+    input_step: usize,
+    /// Triples for the graph only (inputs, LLM calls, fork records), written in one message with
+    /// the step's commit.
+    kept: Mutex<Vec<Triple>>,
 }
 
 /// Why a step set itself aside to be tried again: an outage of something it needs.
@@ -204,12 +209,22 @@ impl<'a> DialogOutput<'a> {
             request_limit: (outputs.max_request_bytes(), agent_bus::BROKER_MESSAGE_LIMIT),
             input_history: Vec::new(),
             spawned: std::sync::atomic::AtomicBool::new(false),
+            input_step: 1,
+            kept: Mutex::new(Vec::new()),
         }
     }
 
-    /// The history of the message this step handles (what a journaled next request continues).
+    /// The history of the message this step handles: what a next request it queues continues
+    /// (recorded, and journaled, as only its new steps).
     pub fn set_input_history(&mut self, history: &[agent_schema::AgentStep]) {
         self.input_history = history.to_vec();
+        self.input_step = agent_core::documents::steps_taken(history) + 1;
+    }
+
+    /// Holds `triples` for the graph only, written with the step's commit (and dropped with the
+    /// step, should it be abandoned or parked).
+    pub fn keep(&self, triples: Vec<Triple>) {
+        locked(&self.kept).extend(triples);
     }
 
     /// Bounds the requests this dialog queues by `max_message_bytes` (the config's), or by the
@@ -247,6 +262,7 @@ impl<'a> DialogOutput<'a> {
     /// ended. Chunks it streamed are out already and stay out.
     pub fn discard(&self) {
         locked(&self.effects).clear();
+        locked(&self.kept).clear();
         *locked(&self.parked) = None;
         *locked(&self.ended) = None;
         self.spawned
@@ -301,6 +317,19 @@ impl<'a> DialogOutput<'a> {
     /// of the same message recorded its outcome first, and marks them published.
     pub async fn commit(&self, slot: Option<&JournalSlot<'_>>) -> anyhow::Result<()> {
         let mut effects = std::mem::take(&mut *locked(&self.effects));
+        let kept = std::mem::take(&mut *locked(&self.kept));
+        if !kept.is_empty() {
+            let message = self.triples_about(&self.root, kept);
+            effects.insert(
+                0,
+                Effect {
+                    channel: Channel::Explainability,
+                    payload: String::from_utf8_lossy(&agent_schema::encode(&message)).into_owned(),
+                    properties: Properties::new(),
+                    history_from_input: None,
+                },
+            );
+        }
         // The streamed chunks are not journaled: they must be on the broker before the outcome is
         // recorded, or a crash after recording would re-emit a closing message without its text.
         self.flush().await?;
@@ -611,6 +640,13 @@ impl<'a> DialogOutput<'a> {
         }
         let payload = agent_schema::encode(request);
         self.within_limit(&payload, &properties)?;
+        // What the next step is given, kept as what it adds to this step's input: a fork or replay
+        // of that step starts from it.
+        let input = agent_core::fork::record(self.input_step, &self.input_history, request);
+        self.keep(agent_core::provenance::step_input(
+            &agent_core::provenance::SessionUris::new(&self.root),
+            &input,
+        ));
         self.hold(Channel::Requests, payload, &properties);
         Ok(())
     }

@@ -47,16 +47,15 @@ impl Effect {
         if self.channel != Channel::Requests || input_history.is_empty() {
             return self.clone();
         }
-        let Ok(mut request) = serde_json::from_str::<AgentRequest>(&self.payload) else {
+        let Ok(request) = serde_json::from_str::<AgentRequest>(&self.payload) else {
             return self.clone();
         };
-        let n = input_history.len();
-        if request.history.len() < n || request.history[..n] != *input_history {
+        let compact = agent_core::fork::record(0, input_history, &request);
+        let Some((_, n)) = compact.continues else {
             return self.clone();
-        }
-        request.history.drain(..n);
+        };
         Effect {
-            payload: String::from_utf8_lossy(&agent_schema::encode(&request)).into_owned(),
+            payload: String::from_utf8_lossy(&agent_schema::encode(&compact.request)).into_owned(),
             history_from_input: Some(n),
             ..self.clone()
         }

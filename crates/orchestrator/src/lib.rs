@@ -16,6 +16,7 @@ pub mod live_config;
 pub mod metrics;
 pub mod ops;
 pub mod patterns;
+pub mod replay;
 pub mod router;
 pub mod settings;
 pub mod stream;
@@ -550,10 +551,7 @@ impl Engine {
         );
         out.set_run(&run_uri, run_base);
         out.set_conversation(&request.conversation_id);
-        if self.journal.is_some() {
-            // Only a journal needs it (to record a next request as its new steps).
-            out.set_input_history(&request.history);
-        }
+        out.set_input_history(&request.history);
         out.limit_requests(config.limits.max_message_bytes);
         let giving_up = matches!(attempt, Attempt::GiveUp(_));
         let slot = match self
@@ -621,6 +619,25 @@ impl Engine {
             request.pattern.clone_from(&decision.pattern.selected);
         }
         let n = steps_taken(&request.history) + 1;
+        // A replay's steps give recorded answers again (and ask their successors and subagents to);
+        // every step records its LLM calls, which is what a later replay reuses.
+        let reuse = replay::Reuse::asked(&properties);
+        let step_replay = match (&reuse, &self.knowledge, attempt) {
+            (Some(reuse), Some(store), Attempt::Run { .. }) => {
+                replay::StepReplay::load(store, reuse).await?
+            }
+            _ => replay::StepReplay::recording(),
+        };
+        if let Some(reuse) = &reuse {
+            out.set_property(agent_schema::REUSE_PROPERTY, reuse.label().to_owned());
+            out.set_property(agent_schema::REUSE_FROM_PROPERTY, reuse.from.clone());
+        }
+        let llm = self.llm.taped(step_replay.tape.clone());
+        let fork = replay::Fork::started_by(&properties, &request);
+        let fork_edits = match (&fork, verdict.is_ok()) {
+            (Some(fork), true) => fork.edits(self.knowledge.as_ref(), &request).await?,
+            _ => Vec::new(),
+        };
         let span = iteration_span(&request, &session_id, id, &properties);
         // Everything this step sends carries the step's span, so the next step (in any replica)
         // and the aggregator continue the same trace.
@@ -633,7 +650,7 @@ impl Engine {
             uris: &uris,
             out: &out,
             config: &config,
-            llm: &self.llm,
+            llm: &llm,
             knowledge: self.knowledge.as_ref(),
             mcp: &self.mcp,
             tokens_before,
@@ -644,6 +661,7 @@ impl Engine {
             may_park: matches!(attempt, Attempt::Run { may_park: true }),
             cancelled: self.cancellations.of(&session_id),
             delivered: &properties,
+            replay: &step_replay,
         };
         if let Err(problem) = verdict {
             refuse(&turn, &problem).await?;
@@ -662,7 +680,13 @@ impl Engine {
                 match answer {
                     Some(answer) => Box::pin(approval::resume(&turn, answer)).await,
                     None => {
-                        Box::pin(begin_or_continue(&turn, new_dialog, requested.as_ref())).await
+                        let start = Start {
+                            new_dialog,
+                            requested: requested.as_ref(),
+                            fork: fork.as_ref().map(|f| (f, fork_edits.as_slice())),
+                            reuse: reuse.as_ref(),
+                        };
+                        Box::pin(begin_or_continue(&turn, start)).await
                     }
                 }
             }
@@ -676,6 +700,7 @@ impl Engine {
             None => tokio::select! {
                 done = work => {
                     done?;
+                    step_replay.record(&out, &uris, n, &run_uri);
                     None
                 }
                 cancel = self.cancellations.cancelled(&session_id) => Some(cancel),
@@ -837,23 +862,40 @@ fn record_question(turn: &Turn<'_>) -> Result<(), agent_bus::BusError> {
     out.explain(&uris.session(), question)
 }
 
-/// The step's own work: a new dialog's first node (and, unless its request named a pattern, the
-/// meta-router's step), then one iteration of its pattern.
-async fn begin_or_continue(
-    turn: &Turn<'_>,
+/// How a step's message starts its work.
+struct Start<'s> {
+    /// A dialog's first message from outside (a client's, a subagent's, a fork's from step 1).
     new_dialog: bool,
-    requested: Option<&agent_core::router::Decision>,
-) -> Result<(), agent_bus::BusError> {
+    /// The pattern decision of a request that named its pattern.
+    requested: Option<&'s agent_core::router::Decision>,
+    /// A fork's first message: where from, and what its input changes there.
+    fork: Option<(&'s replay::Fork, &'s [String])>,
+    reuse: Option<&'s replay::Reuse>,
+}
+
+/// The step's own work: a new dialog's first node (and, unless its request named a pattern, the
+/// meta-router's step), a fork's record of where it came from, then one iteration of its pattern.
+async fn begin_or_continue(turn: &Turn<'_>, start: Start<'_>) -> Result<(), agent_bus::BusError> {
     let Turn { uris, out, .. } = turn;
-    if new_dialog {
+    if start.new_dialog || start.fork.is_some() {
         record_question(turn)?;
-        let Some(decision) = requested else {
+    }
+    if let Some((fork, edits)) = start.fork {
+        fork.record(out, uris, turn.request, edits, start.reuse);
+    }
+    if start.new_dialog {
+        let Some(decision) = start.requested else {
+            // The router's step records the input it queues for the first iteration.
             return router::route(turn).await;
         };
         out.explain(
             &uris.pattern_decision(),
             provenance::pattern_decision(uris, decision, &CallStats::default()),
         )?;
+    }
+    // A first step no step of this service queued records its own input.
+    if start.new_dialog || start.fork.is_some() {
+        replay::record_own_input(out, uris, turn.request);
     }
     patterns::iterate(turn).await
 }

@@ -46,6 +46,8 @@ pub struct Turn<'a> {
     /// The properties the step's message came with (kept with a step parked for approval, which
     /// resumes as that message).
     pub delivered: &'a agent_bus::Properties,
+    /// The step's record of its LLM calls, and the recorded results a replay gives again.
+    pub replay: &'a crate::replay::StepReplay,
 }
 
 impl Turn<'_> {

@@ -29,6 +29,18 @@ pub const STARTED_PROPERTY: &str = "agent-started-ms";
 /// subagent) had used when the subagent was started, for the shared budget.
 pub const RUN_TOKENS_PROPERTY: &str = "agent-run-tokens";
 
+/// Our message property on a fork's first request (`agentctl fork`): the session it was forked
+/// from. With [`FORK_STEP_PROPERTY`], the step whose recorded input it starts from.
+pub const FORK_OF_PROPERTY: &str = "agent-fork-of";
+/// Our message property on a fork's first request: the step of the source it starts at.
+pub const FORK_STEP_PROPERTY: &str = "agent-fork-step";
+/// Our message property on every request of a replay: what it gives again from the recorded run
+/// named by [`REUSE_FROM_PROPERTY`] instead of calling: `llm` (answers to the very same LLM
+/// question), `tools` (results of the same tool with the same arguments) or `all`.
+pub const REUSE_PROPERTY: &str = "agent-reuse";
+/// Our message property on every request of a replay: the run (root session) it reuses from.
+pub const REUSE_FROM_PROPERTY: &str = "agent-reuse-from";
+
 /// Our message property on every journaled message: the same on a re-emission of it after a crash
 /// (`{journal entry}#{index}`), so a consumer can drop the copy. A TrustGraph client ignores it.
 pub const EFFECT_ID_PROPERTY: &str = "agent-effect-id";

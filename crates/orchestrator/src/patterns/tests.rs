@@ -71,6 +71,7 @@ impl Harness {
         let uris = SessionUris::new(&request.session_id);
         let out = DialogOutput::new(&outputs, Some("client-1"), "default", &uris.session(), 0);
         let delivered = agent_bus::Properties::new();
+        let replay = crate::replay::StepReplay::recording();
         let turn = Turn {
             request,
             session_id: &request.session_id,
@@ -88,6 +89,7 @@ impl Harness {
             may_park: false,
             cancelled: None,
             delivered: &delivered,
+            replay: &replay,
         };
         super::iterate(&turn).await.expect("the step runs");
         assert!(out.parked().is_none(), "nothing here is an outage");

@@ -105,6 +105,24 @@ pub async fn run_scoped_tool(
             (run, scope.state().to_owned())
         }
         Some(tool) if scope.allows(tool) => {
+            // A replay gives the recorded result of the same call again: the tool is not run.
+            let arguments_json = serde_json::to_string(arguments).unwrap_or_default();
+            if let Some(observation) = turn.replay.tool_result(&tool.name, &arguments_json) {
+                crate::events::ToolCalled {
+                    tool: &tool.name,
+                    outcome: "reused",
+                    took: Duration::ZERO,
+                }
+                .emit();
+                let run = ToolRun {
+                    outcome: ToolOutcome::Answered,
+                    observation,
+                    duration: Duration::ZERO,
+                    in_token: 0,
+                    out_token: 0,
+                };
+                return (run, scope.next_state(tool));
+            }
             let context = ToolContext {
                 config,
                 llm: turn.llm,

@@ -1,0 +1,104 @@
+//! What the graph recorded of a run that a fork or a replay starts from: step `n`'s input, rebuilt
+//! from the records each step leaves (see `agent_core::fork`), the LLM calls' answers by the
+//! digest of what they asked, and the tool calls' observations by tool and arguments.
+
+use std::collections::{BTreeMap, HashMap};
+
+use agent_core::fork::{rebuild, RecordedInput};
+use agent_schema::AgentRequest;
+use oxigraph::model::Term;
+
+use crate::{queries, GraphError, GraphStore};
+
+fn text(term: Option<&Term>) -> Option<String> {
+    match term {
+        Some(Term::Literal(l)) => Some(l.value().to_owned()),
+        Some(Term::NamedNode(n)) => Some(n.as_str().to_owned()),
+        _ => None,
+    }
+}
+
+/// Step `n`'s whole input in `session`: `Ok(Err(why))` when the graph does not hold enough to
+/// rebuild it (a record missing, or one that does not decode).
+pub async fn step_input(
+    store: &GraphStore,
+    session: &str,
+    n: usize,
+) -> Result<Result<AgentRequest, String>, GraphError> {
+    let node = queries::session_node(session)?;
+    let rows = store.query(queries::step_inputs(&node, n)).await?.rows();
+    let columns = ["step", "request", "from", "kept"].map(|c| rows.column(c));
+    let mut records = Vec::new();
+    for i in 0..rows.rows.len() {
+        let cell = |c: usize| text(columns[c].get(i).copied().flatten());
+        let number = |c: usize| cell(c).and_then(|v| v.parse::<usize>().ok());
+        let (Some(step), Some(json)) = (number(0), cell(1)) else {
+            continue;
+        };
+        let request = match serde_json::from_str::<AgentRequest>(&json) {
+            Ok(request) => request,
+            Err(e) => {
+                return Ok(Err(format!(
+                    "the input of step {step} does not decode: {e}"
+                )))
+            }
+        };
+        let from = cell(2).and_then(|iri| iri.rsplit('/').next()?.parse::<usize>().ok());
+        let continues = from.zip(number(3));
+        records.push(RecordedInput {
+            step,
+            continues,
+            request,
+        });
+    }
+    Ok(rebuild(&records, n))
+}
+
+/// What a run recorded that a replay may give again instead of calling.
+#[derive(Debug, Default, Clone, PartialEq)]
+pub struct Recordings {
+    /// The digest of what an LLM call asked -> (the call's node, its answer as JSON).
+    pub llm_calls: HashMap<String, (String, String)>,
+    /// (tool, arguments as JSON) -> (the observation's node, its text).
+    pub tool_results: BTreeMap<(String, String), (String, String)>,
+}
+
+/// The LLM calls and tool results recorded in `run` (its root session), subagents included.
+pub async fn recordings(
+    store: &GraphStore,
+    run: &str,
+    llm: bool,
+    tools: bool,
+) -> Result<Recordings, GraphError> {
+    let run = queries::session_node(run)?;
+    let mut found = Recordings::default();
+    if llm {
+        let rows = store.query(queries::recorded_llm_calls(&run)).await?.rows();
+        let columns = ["call", "digest", "completion"].map(|c| rows.column(c));
+        for i in 0..rows.rows.len() {
+            let cell = |c: usize| text(columns[c].get(i).copied().flatten());
+            if let (Some(call), Some(digest), Some(completion)) = (cell(0), cell(1), cell(2)) {
+                found.llm_calls.entry(digest).or_insert((call, completion));
+            }
+        }
+    }
+    if tools {
+        let rows = store
+            .query(queries::recorded_tool_results(&run))
+            .await?
+            .rows();
+        let columns = ["action", "arguments", "observation", "text"].map(|c| rows.column(c));
+        for i in 0..rows.rows.len() {
+            let cell = |c: usize| text(columns[c].get(i).copied().flatten());
+            if let (Some(action), Some(arguments), Some(node), Some(text)) =
+                (cell(0), cell(1), cell(2), cell(3))
+            {
+                found
+                    .tool_results
+                    .entry((action, arguments))
+                    .or_insert((node, text));
+            }
+        }
+    }
+    Ok(found)
+}

@@ -1,0 +1,140 @@
+//! A record of the calls one step makes, and answers recorded earlier to give again instead of
+//! calling: what lets a replayed step reuse an LLM's answer to the very same question (no second
+//! charge, the same words) while any other question is asked afresh.
+
+use std::collections::HashMap;
+use std::sync::{Mutex, PoisonError};
+
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+
+use crate::{CallOptions, ChatMessage, Completion, ToolCall};
+
+/// What a completion said, as the graph keeps it: enough to give it again.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Recorded {
+    pub text: String,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub tool_calls: Vec<ToolCall>,
+    #[serde(default)]
+    pub model: String,
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub cut_off: bool,
+}
+
+impl Recorded {
+    pub fn of(completion: &Completion) -> Recorded {
+        Recorded {
+            text: completion.text.clone(),
+            tool_calls: completion.tool_calls.clone(),
+            model: completion.model.clone(),
+            cut_off: completion.cut_off,
+        }
+    }
+
+    /// The answer given again: it cost nothing and took no time this time.
+    pub fn completion(&self) -> Completion {
+        Completion {
+            text: self.text.clone(),
+            model: self.model.clone(),
+            cut_off: self.cut_off,
+            tool_calls: self.tool_calls.clone(),
+            ..Completion::default()
+        }
+    }
+}
+
+/// One call made through a taped client.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TapedCall {
+    /// The digest of what was asked (see [`call_digest`]).
+    pub digest: String,
+    pub recorded: Recorded,
+    /// The recorded call whose answer was given instead of calling, if one was.
+    pub reused_from: Option<String>,
+}
+
+/// The calls of one step, and the recorded answers it may give again.
+#[derive(Debug, Default)]
+pub struct Tape {
+    /// Digest -> (the recorded call's name, its answer).
+    replay: HashMap<String, (String, Recorded)>,
+    calls: Mutex<Vec<TapedCall>>,
+}
+
+impl Tape {
+    /// A tape that records and reuses nothing recorded.
+    pub fn recording() -> Tape {
+        Tape::default()
+    }
+
+    /// A tape that gives `recorded` answers (digest -> the call's name and answer) to the same
+    /// questions again.
+    pub fn replaying(recorded: HashMap<String, (String, Recorded)>) -> Tape {
+        Tape {
+            replay: recorded,
+            calls: Mutex::new(Vec::new()),
+        }
+    }
+
+    pub(crate) fn recorded_answer(&self, digest: &str) -> Option<&(String, Recorded)> {
+        self.replay.get(digest)
+    }
+
+    pub(crate) fn push(&self, call: TapedCall) {
+        self.calls
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .push(call);
+    }
+
+    /// The calls made so far, taken off the tape.
+    pub fn take(&self) -> Vec<TapedCall> {
+        std::mem::take(&mut *self.calls.lock().unwrap_or_else(PoisonError::into_inner))
+    }
+}
+
+/// The SHA-256 (hex) of what a call asks: the model, every message and the options that change
+/// the answer. The same question to the same model digests the same in any process.
+pub fn call_digest(model: &str, messages: &[ChatMessage], options: &CallOptions) -> String {
+    let mut hash = Sha256::new();
+    let mut part = |bytes: &[u8]| {
+        hash.update((bytes.len() as u64).to_le_bytes());
+        hash.update(bytes);
+    };
+    part(model.as_bytes());
+    for message in messages {
+        part(&serde_json::to_vec(message).unwrap_or_default());
+    }
+    for stop in &options.stop {
+        part(stop.as_bytes());
+    }
+    for tool in &options.tools {
+        part(tool.name.as_bytes());
+        part(tool.description.as_bytes());
+        part(tool.parameters.to_string().as_bytes());
+    }
+    part(&[u8::from(options.json_object)]);
+    hash.finalize().iter().map(|b| format!("{b:02x}")).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_digest_follows_what_is_asked() {
+        let ask = |text: &str| vec![ChatMessage::system("s"), ChatMessage::user(text)];
+        let plain = CallOptions::default();
+        let d = call_digest("m", &ask("a"), &plain);
+        assert_eq!(d, call_digest("m", &ask("a"), &plain));
+        assert_eq!(d.len(), 64);
+        assert_ne!(d, call_digest("m", &ask("b"), &plain));
+        assert_ne!(d, call_digest("other", &ask("a"), &plain));
+        let json = CallOptions {
+            json_object: true,
+            ..CallOptions::default()
+        };
+        assert_ne!(d, call_digest("m", &ask("a"), &json));
+    }
+}

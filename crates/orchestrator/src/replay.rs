@@ -1,0 +1,211 @@
+//! Forks and replays in a step. A fork's first step records where it was forked from and what
+//! its input changed; every step records the LLM calls it made (what was asked, by digest, and the
+//! answer), so a later replay can give the same answer to the same question; a replay's steps give
+//! recorded answers and tool results again instead of calling, where the request asks for it,
+//! and record what they reused.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::{Arc, Mutex, PoisonError};
+
+use agent_core::fork::RecordedInput;
+use agent_core::provenance::{self, SessionUris};
+use agent_graph::recorded::{self, Recordings};
+use agent_graph::{GraphError, GraphStore};
+use agent_llm::tape::{Recorded, Tape};
+use agent_schema::{
+    AgentRequest, FORK_OF_PROPERTY, FORK_STEP_PROPERTY, REUSE_FROM_PROPERTY, REUSE_PROPERTY,
+};
+
+use crate::emit::DialogOutput;
+
+/// What a replay gives again instead of calling, and from which run.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Reuse {
+    /// The recorded run's root session id.
+    pub from: String,
+    pub llm: bool,
+    pub tools: bool,
+}
+
+impl Reuse {
+    /// The reuse a message asks for, if any (`agent-reuse` and `agent-reuse-from`).
+    pub fn asked(properties: &agent_bus::Properties) -> Option<Reuse> {
+        let from = properties.get(REUSE_FROM_PROPERTY)?;
+        let (llm, tools) = match properties.get(REUSE_PROPERTY)?.as_str() {
+            "llm" => (true, false),
+            "tools" => (false, true),
+            "all" => (true, true),
+            _ => return None,
+        };
+        let from = agent_core::vocab::session_id_of(from).unwrap_or(from);
+        (!from.is_empty()).then(|| Reuse {
+            from: from.to_owned(),
+            llm,
+            tools,
+        })
+    }
+
+    /// Its words in the graph and in the message properties.
+    pub fn label(&self) -> &'static str {
+        match (self.llm, self.tools) {
+            (true, true) => "all",
+            (true, false) => "llm",
+            _ => "tools",
+        }
+    }
+}
+
+/// One step's record of its calls, and what it may give again.
+pub struct StepReplay {
+    pub tape: Arc<Tape>,
+    tool_results: BTreeMap<(String, String), (String, String)>,
+    /// The recorded observations given again, by the node they came from.
+    reused_tools: Mutex<Vec<String>>,
+}
+
+impl StepReplay {
+    /// A step that records its calls and reuses nothing.
+    pub fn recording() -> StepReplay {
+        StepReplay {
+            tape: Arc::new(Tape::recording()),
+            tool_results: BTreeMap::new(),
+            reused_tools: Mutex::new(Vec::new()),
+        }
+    }
+
+    /// A step of a replay: what `reuse` asks for, read from the graph.
+    pub async fn load(store: &GraphStore, reuse: &Reuse) -> Result<StepReplay, GraphError> {
+        let Recordings {
+            llm_calls,
+            tool_results,
+        } = recorded::recordings(store, &reuse.from, reuse.llm, reuse.tools).await?;
+        let answers: HashMap<String, (String, Recorded)> = llm_calls
+            .into_iter()
+            .filter_map(|(digest, (node, json))| {
+                let answer = serde_json::from_str::<Recorded>(&json).ok()?;
+                Some((digest, (node, answer)))
+            })
+            .collect();
+        Ok(StepReplay {
+            tape: Arc::new(Tape::replaying(answers)),
+            tool_results,
+            reused_tools: Mutex::new(Vec::new()),
+        })
+    }
+
+    /// The recorded observation of `tool` called with `arguments_json`, if the replay reuses it;
+    /// noted as reused.
+    pub fn tool_result(&self, tool: &str, arguments_json: &str) -> Option<String> {
+        let (node, text) = self
+            .tool_results
+            .get(&(tool.to_owned(), arguments_json.to_owned()))?;
+        self.reused_tools
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .push(node.clone());
+        Some(text.clone())
+    }
+
+    /// Records in the graph (not for the client) the LLM calls step `n` made or reused, and the
+    /// tool results it reused.
+    pub fn record(&self, out: &DialogOutput<'_>, uris: &SessionUris, n: usize, run: &str) {
+        let mut triples = Vec::new();
+        for call in self.tape.take() {
+            let answer =
+                String::from_utf8_lossy(&agent_schema::encode(&call.recorded)).into_owned();
+            triples.extend(provenance::llm_call(
+                uris,
+                &call.digest,
+                &answer,
+                run,
+                call.reused_from.as_deref(),
+            ));
+        }
+        let reused = std::mem::take(
+            &mut *self
+                .reused_tools
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner),
+        );
+        for source in reused {
+            triples.extend(provenance::reused(&uris.observation(n), &source));
+        }
+        out.keep(triples);
+    }
+}
+
+/// Where a fork's first message says it was forked from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Fork {
+    pub source: String,
+    pub step: usize,
+}
+
+impl Fork {
+    /// The fork a message starts, if it is a fork's first (its step is the one it names).
+    pub fn started_by(properties: &agent_bus::Properties, request: &AgentRequest) -> Option<Fork> {
+        let source = properties.get(FORK_OF_PROPERTY)?;
+        let source = agent_core::vocab::session_id_of(source).unwrap_or(source);
+        let step = properties.get(FORK_STEP_PROPERTY)?.parse::<usize>().ok()?;
+        let first = step == agent_core::fork::step_of(request)
+            && !source.is_empty()
+            && !agent_core::supervisor::is_subagent(request);
+        first.then(|| Fork {
+            source: source.to_owned(),
+            step,
+        })
+    }
+
+    /// What the fork's input changes in the source's recorded input of the same step, read from
+    /// the graph: the graph says what was changed, not the client.
+    pub async fn edits(
+        &self,
+        store: Option<&GraphStore>,
+        request: &AgentRequest,
+    ) -> Result<Vec<String>, GraphError> {
+        let Some(store) = store else {
+            return Ok(vec!["unknown: no graph to compare with".to_owned()]);
+        };
+        Ok(
+            match recorded::step_input(store, &self.source, self.step).await? {
+                Ok(original) => agent_core::fork::edits(&original, request),
+                Err(why) => vec![format!("unknown: {why}")],
+            },
+        )
+    }
+
+    /// Records the fork on its session's root: where it came from, what its input changes there,
+    /// what it reuses; and, in a fork past step 1, the observation its first step follows.
+    pub fn record(
+        &self,
+        out: &DialogOutput<'_>,
+        uris: &SessionUris,
+        request: &AgentRequest,
+        edits: &[String],
+        reuse: Option<&Reuse>,
+    ) {
+        let source = SessionUris::new(&self.source);
+        let reused = reuse.map_or("", Reuse::label);
+        out.keep(provenance::fork(uris, &source, self.step, edits, reused));
+        if let Some(last) = request.history.last() {
+            let n = self.step.saturating_sub(1);
+            out.keep(provenance::fork_observation(
+                uris,
+                &source,
+                n,
+                &last.observation,
+            ));
+        }
+    }
+}
+
+/// Records step `n`'s own input whole: a dialog's first step that no step of this service queued
+/// (a request that names its pattern, a subagent's, a fork's).
+pub fn record_own_input(out: &DialogOutput<'_>, uris: &SessionUris, request: &AgentRequest) {
+    let input = RecordedInput {
+        step: agent_core::fork::step_of(request),
+        continues: None,
+        request: request.clone(),
+    };
+    out.keep(provenance::step_input(uris, &input));
+}

@@ -1,0 +1,311 @@
+//! Fork and replay end to end on a real broker: `agentctl fork SESSION --from 2` with an edited
+//! observation runs a new session from step 2's recorded input (step 1 is not asked again), whose
+//! root records where it came from and what was changed, and `agentctl explain` shows both
+//! branches; `--reuse all` replays the same step without calling the LLM or the tool again, the
+//! graph saying what was reused from where.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use std::process::Command;
+use std::time::Duration;
+
+use agent_core::vocab::SPARQL_PREFIXES;
+use agent_e2e::*;
+use agent_schema::AgentRequest;
+
+const TOKEN: &str = "fork-token";
+
+/// A three-step dialog: two tool calls (each tool answer is an LLM call of its own), then the
+/// answer. The rules that follow an observation come first: a later prompt holds the earlier
+/// observations too.
+const ARITHMETIC: &str = r#"{"rules": [
+  {"match": "Observation: 43", "reply": "Thought: That is it.\nFinal Answer: 43"},
+  {"match": "Observation: 51", "reply": "Thought: That is it.\nFinal Answer: 51"},
+  {"match": "Observation: 42", "reply": "Thought: Add one.\nAction: llm\nArgs: {\"question\": \"compute 42+1\"}"},
+  {"match": "Observation: 50", "reply": "Thought: Add one.\nAction: llm\nArgs: {\"question\": \"compute 50+1\"}"},
+  {"match": "compute 6*7", "exact": true, "reply": "42"},
+  {"match": "compute 42+1", "exact": true, "reply": "43"},
+  {"match": "compute 50+1", "exact": true, "reply": "51"},
+  {"match": "Question: What is six times seven, plus one?", "reply": "Thought: Multiply first.\nAction: llm\nArgs: {\"question\": \"compute 6*7\"}"}
+]}"#;
+
+/// Runs `agentctl` against the aggregator's graph (and the broker, when given); what it printed.
+/// It runs off the test's thread, which serves the scripted LLM meanwhile.
+async fn agentctl(broker: Option<&Broker>, aggregator: &Aggregator, args: &[&str]) -> String {
+    let mut command = Command::new(binary("agentctl"));
+    command.args(args);
+    if let Some(broker) = broker {
+        command.args(["--pulsar-url", &broker.url()]);
+    }
+    command
+        .args(["--store", &aggregator.endpoint, "--token", TOKEN])
+        .env("RUST_LOG", "warn");
+    let out = tokio::task::spawn_blocking(move || command.output())
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "agentctl {args:?} failed: {}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// The session id `agentctl fork` printed for the fork.
+fn fork_session(said: &str) -> String {
+    said.lines()
+        .find_map(|l| l.split(" as session ").nth(1))
+        .unwrap_or_else(|| panic!("no fork session in: {said}"))
+        .trim()
+        .to_owned()
+}
+
+/// Runs the three-step dialog; its session's URI.
+async fn original(broker: &Broker, aggregator: &Aggregator) -> String {
+    let mut client = client(broker).await;
+    client
+        .send(
+            "original",
+            &AgentRequest {
+                pattern: "react".into(),
+                ..request("What is six times seven, plus one?", false)
+            },
+        )
+        .await
+        .unwrap();
+    let responses = collect_dialog(&mut client, "original", Duration::from_secs(60))
+        .await
+        .unwrap();
+    assert_eq!(responses.last().unwrap().content, "43", "{responses:#?}");
+    let session = session_of(&responses);
+    // The fork reads what the graph holds: wait for the last step's records to land.
+    let concluded = format!(
+        "{SPARQL_PREFIXES}SELECT ?c WHERE {{ GRAPH <urn:graph:retrieval> {{ <{session}/final> ?p ?c }} }}"
+    );
+    assert!(count_reaching(&aggregator.store(), concluded, 1).await >= 1);
+    session
+}
+
+fn calls_matching(llm: &scripted_llm::ScriptedLlm, text: &str) -> usize {
+    llm.calls()
+        .iter()
+        .filter(|c| c.last_user.contains(text))
+        .count()
+}
+
+async fn orchestrated(
+    script: &str,
+) -> (Broker, Aggregator, scripted_llm::ScriptedLlm, Orchestrator) {
+    let broker = Broker::start().unwrap();
+    let aggregator = Aggregator::spawn_with(&broker, &["--config-token", TOKEN]);
+    let llm = scripted_llm(script).await;
+    let orchestrator =
+        Orchestrator::journaled(Place::InProcess, &broker, &llm, &aggregator, TOKEN, &[]);
+    (broker, aggregator, llm, orchestrator)
+}
+
+#[tokio::test]
+async fn a_fork_from_step_two_with_an_edited_observation_runs_from_there_and_both_branches_show() {
+    let (broker, aggregator, llm, _orchestrator) = orchestrated(ARITHMETIC).await;
+    let source = original(&broker, &aggregator).await;
+    let first_questions = calls_matching(&llm, "Question: What is six times seven");
+    let said = agentctl(
+        Some(&broker),
+        &aggregator,
+        &["fork", &source, "--from", "2", "--observation", "50"],
+    )
+    .await;
+    assert!(said.contains("51"), "the fork's answer: {said}");
+    let fork = fork_session(&said);
+    // Step 1 was not run again: only steps 2 and 3 asked the LLM, and the tool once.
+    let step_one_asked = llm
+        .calls()
+        .iter()
+        .filter(|c| {
+            c.last_user.contains("Question: What is six times seven")
+                && !c.last_user.contains("Observation:")
+        })
+        .count();
+    assert_eq!(step_one_asked, 1, "step 1 ran once, in the original");
+    assert_eq!(
+        calls_matching(&llm, "Question: What is six times seven"),
+        first_questions + 2
+    );
+    let tool_runs = |what: &str| llm.calls().iter().filter(|c| c.last_user == what).count();
+    assert_eq!(tool_runs("compute 50+1"), 1);
+    assert_eq!(
+        tool_runs("compute 6*7"),
+        1,
+        "step 1's tool ran once, in the original"
+    );
+
+    // The fork's root says where it came from and what was changed there (as the orchestrator
+    // found by comparing with the recorded input), and derives from the source's step 1
+    // observation; its first iteration is step 2, following the edited observation.
+    let store = aggregator.store();
+    let shape = format!(
+        "{SPARQL_PREFIXES}SELECT ?f WHERE {{ GRAPH <urn:graph:retrieval> {{
+           ?f a tg:Fork, tg:AgentQuestion ; tg:forkedFrom <{source}> ; tg:forkedAtStep 2 ;
+              tg:forkEdit \"observation of step 1\" ;
+              prov:wasDerivedFrom <{source}/i1/observation> ;
+              tg:query \"What is six times seven, plus one?\" .
+           ?o prov:wasDerivedFrom ?f ; a tg:Observation ; tg:content \"50\" ;
+              tg:forkedFrom <{source}/i1/observation> .
+           ?i2 prov:wasDerivedFrom ?o ; tg:arguments ?args .
+           ?i2obs prov:wasDerivedFrom ?i2 ; tg:content \"51\" .
+           FILTER(CONTAINS(?args, \"compute 50+1\"))
+           FILTER(STRSTARTS(STR(?f), \"urn:trustgraph:agent:{fork}\"))
+        }} }}"
+    );
+    assert_eq!(count_reaching(&store, shape, 1).await, 1);
+    let edits = format!(
+        "{SPARQL_PREFIXES}SELECT ?e WHERE {{ GRAPH <urn:graph:retrieval> {{ <urn:trustgraph:agent:{fork}> tg:forkEdit ?e }} }}"
+    );
+    assert_eq!(
+        count(&store, edits).await,
+        1,
+        "only the observation was changed"
+    );
+    // The fork's own step inputs are recorded too, so it can be forked in turn.
+    let inputs = format!(
+        "{SPARQL_PREFIXES}SELECT ?i WHERE {{ GRAPH <urn:graph:retrieval> {{ ?i a tg:StepInput ; tg:step ?n .
+           FILTER(STRSTARTS(STR(?i), \"urn:trustgraph:agent:{fork}/input/\")) }} }}"
+    );
+    assert_eq!(count_reaching(&store, inputs, 2).await, 2, "steps 2 and 3");
+
+    // The source's explain tree shows both branches; the fork's shows where it came from.
+    let tree = agentctl(None, &aggregator, &["explain", &source]).await;
+    assert!(
+        tree.contains(&format!(
+            "fork at step 2: urn:trustgraph:agent:{fork} -> answer: 51"
+        )),
+        "{tree}"
+    );
+    assert!(tree.contains("answer:  43"), "{tree}");
+    let forked = agentctl(None, &aggregator, &["explain", &fork]).await;
+    assert!(
+        forked.contains(&format!(
+            "forked from: {source} at step 2 (changed: observation of step 1)"
+        )),
+        "{forked}"
+    );
+    assert!(forked.contains("given observation 1: 50"), "{forked}");
+}
+
+#[tokio::test]
+async fn a_replay_with_reuse_gives_recorded_answers_without_calling_again() {
+    let (broker, aggregator, llm, _orchestrator) = orchestrated(ARITHMETIC).await;
+    let source = original(&broker, &aggregator).await;
+    let calls_before = llm.calls().len();
+    let said = agentctl(
+        Some(&broker),
+        &aggregator,
+        &["fork", &source, "--from", "2", "--reuse", "all"],
+    )
+    .await;
+    assert!(said.contains("43"), "the replay's answer: {said}");
+    let replay = fork_session(&said);
+    assert_eq!(
+        llm.calls().len(),
+        calls_before,
+        "nothing was asked of the LLM again"
+    );
+    let store = aggregator.store();
+    // Step 2's LLM call and step 3's were given from the record, and step 2's tool result too.
+    let reused_calls = format!(
+        "{SPARQL_PREFIXES}SELECT ?call WHERE {{ GRAPH <urn:graph:retrieval> {{
+           ?call tg:reusedFrom ?source ; tg:promptDigest ?d . ?source tg:promptDigest ?d .
+           FILTER(STRSTARTS(STR(?call), \"urn:trustgraph:agent:{replay}/llm/\"))
+           FILTER(STRSTARTS(STR(?source), \"{source}/llm/\")) }} }}"
+    );
+    assert_eq!(count_reaching(&store, reused_calls, 2).await, 2);
+    let reused_tool = format!(
+        "{SPARQL_PREFIXES}ASK {{ GRAPH <urn:graph:retrieval> {{
+           <urn:trustgraph:agent:{replay}/i2/observation> tg:reusedFrom <{source}/i2/observation> ;
+             tg:content \"43\" }} }}"
+    );
+    assert!(matches!(
+        store.query(reused_tool).await.unwrap(),
+        agent_graph::QueryAnswer::Boolean(true)
+    ));
+    // Nothing was charged: the replay's nodes record no tokens.
+    let charged = format!(
+        "{SPARQL_PREFIXES}SELECT ?n WHERE {{ GRAPH <urn:graph:retrieval> {{ ?n tg:inToken ?t .
+           FILTER(?t > 0) FILTER(STRSTARTS(STR(?n), \"urn:trustgraph:agent:{replay}\")) }} }}"
+    );
+    assert_eq!(count(&store, charged).await, 0);
+    let replayed = agentctl(None, &aggregator, &["explain", &replay]).await;
+    assert!(
+        replayed.contains("(changed: (none); reuses recorded all)"),
+        "{replayed}"
+    );
+}
+
+/// A supervisor with two subagents, whose synthesis is asked after the fan-in.
+const TWO_PRICES: &str = r#"{"rules": [
+  {"match": "Request to split: Compare", "reply": "[{\"goal\": \"price of alpha\"}, {\"goal\": \"price of beta\"}]"},
+  {"match": "Question: price of alpha", "reply": "Thought: known.\nFinal Answer: alpha costs 1"},
+  {"match": "Question: price of beta", "reply": "Thought: known.\nFinal Answer: beta costs 2"},
+  {"match": "Request to answer from the subagents: Compare", "and": ["alpha costs 1", "beta costs 2"], "reply": "Alpha 1, beta 2."}
+]}"#;
+
+#[tokio::test]
+async fn a_supervisor_forked_at_its_synthesis_does_not_run_its_subagents_again() {
+    let (broker, aggregator, llm, _orchestrator) = orchestrated(TWO_PRICES).await;
+    let mut client = client(&broker).await;
+    client
+        .send(
+            "prices",
+            &AgentRequest {
+                pattern: "supervisor".into(),
+                ..request("Compare the prices of alpha and beta", false)
+            },
+        )
+        .await
+        .unwrap();
+    let responses = collect_dialog(&mut client, "prices", Duration::from_secs(60))
+        .await
+        .unwrap();
+    assert_eq!(responses.last().unwrap().content, "Alpha 1, beta 2.");
+    let source = session_of(&responses);
+    // The aggregator records the input it gives the supervisor after the fan-in: the last step.
+    let store = aggregator.store();
+    let last_input = format!(
+        "{SPARQL_PREFIXES}SELECT ?n WHERE {{ GRAPH <urn:graph:retrieval> {{ ?i a tg:StepInput ; tg:step ?n .
+           FILTER(STRSTARTS(STR(?i), \"{source}/input/\")) }} }} ORDER BY DESC(?n) LIMIT 1"
+    );
+    assert_eq!(count_reaching(&store, last_input.clone(), 1).await, 1);
+    let rows = store.query(last_input).await.unwrap().rows();
+    let step = match rows.first("n") {
+        Some(agent_graph::model::Term::Literal(l)) => l.value().to_owned(),
+        other => panic!("no step: {other:?}"),
+    };
+    let asked = |what: &str| {
+        llm.calls()
+            .iter()
+            .filter(|c| c.last_user.contains(what))
+            .count()
+    };
+    let (subagents, syntheses) = (
+        asked("Question: price of"),
+        asked("Request to answer from the subagents"),
+    );
+    let said = agentctl(
+        Some(&broker),
+        &aggregator,
+        &["fork", &source, "--from", &step],
+    )
+    .await;
+    assert!(said.contains("Alpha 1, beta 2."), "{said}");
+    assert_eq!(
+        asked("Question: price of"),
+        subagents,
+        "no subagent ran again"
+    );
+    assert_eq!(
+        asked("Request to answer from the subagents"),
+        syntheses + 1,
+        "the synthesis was asked again"
+    );
+}
