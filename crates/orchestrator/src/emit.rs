@@ -227,6 +227,34 @@ impl<'a> DialogOutput<'a> {
         locked(&self.kept).extend(triples);
     }
 
+    /// Adds the kept triples to the step's last message for the graph (a message and a store
+    /// transaction fewer per step than one of their own), or sends them alone if it has none.
+    fn add_kept(&self, effects: &mut Vec<Effect>) {
+        let kept = std::mem::take(&mut *locked(&self.kept));
+        if kept.is_empty() {
+            return;
+        }
+        let last = effects
+            .iter_mut()
+            .rev()
+            .find(|e| e.channel == Channel::Explainability);
+        if let Some(effect) = last {
+            if let Ok(mut message) = serde_json::from_str::<Triples>(&effect.payload) {
+                message.triples.extend(kept);
+                effect.payload =
+                    String::from_utf8_lossy(&agent_schema::encode(&message)).into_owned();
+                return;
+            }
+        }
+        let message = self.triples_about(&self.root, kept);
+        effects.push(Effect {
+            channel: Channel::Explainability,
+            payload: String::from_utf8_lossy(&agent_schema::encode(&message)).into_owned(),
+            properties: Properties::new(),
+            history_from_input: None,
+        });
+    }
+
     /// Bounds the requests this dialog queues by `max_message_bytes` (the config's), or by the
     /// broker's limit when that is smaller: a dialog whose history outgrows it ends now with an
     /// error naming the limit, instead of queuing a message that would be refused later (or that
@@ -317,19 +345,7 @@ impl<'a> DialogOutput<'a> {
     /// of the same message recorded its outcome first, and marks them published.
     pub async fn commit(&self, slot: Option<&JournalSlot<'_>>) -> anyhow::Result<()> {
         let mut effects = std::mem::take(&mut *locked(&self.effects));
-        let kept = std::mem::take(&mut *locked(&self.kept));
-        if !kept.is_empty() {
-            let message = self.triples_about(&self.root, kept);
-            effects.insert(
-                0,
-                Effect {
-                    channel: Channel::Explainability,
-                    payload: String::from_utf8_lossy(&agent_schema::encode(&message)).into_owned(),
-                    properties: Properties::new(),
-                    history_from_input: None,
-                },
-            );
-        }
+        self.add_kept(&mut effects);
         // The streamed chunks are not journaled: they must be on the broker before the outcome is
         // recorded, or a crash after recording would re-emit a closing message without its text.
         self.flush().await?;

@@ -161,6 +161,43 @@ async fn react_runs_the_chosen_tool_and_queues_the_next_iteration_with_its_obser
     assert_eq!(harness.llm.calls().len(), 2);
 }
 
+/// What the next step is given is recorded for the graph (a fork starts from it), riding on the
+/// step's last graph message rather than a message of its own, and never sent to the client.
+#[tokio::test]
+async fn the_next_steps_input_is_kept_for_the_graph_only() {
+    let harness = Harness::start().await;
+    let sent = harness.step(&request("ask the tool", "react")).await;
+    let step_input = format!("{}StepInput", agent_core::vocab::TG);
+    let is_input = |t: &agent_schema::Triple| t.o.iri == step_input;
+    let graph_messages: Vec<&Triples> = sent
+        .explained
+        .iter()
+        .filter(|m| m.triples.iter().any(is_input))
+        .collect();
+    assert_eq!(graph_messages.len(), 1, "{:?}", sent.explained);
+    assert!(
+        graph_messages[0]
+            .triples
+            .iter()
+            .any(|t| !is_input(t) && t.s.iri.ends_with("/i1/observation")),
+        "it rides on the step's last graph message"
+    );
+    let last_graph = sent.explained.last().map(|m| m.metadata.id.clone());
+    assert_eq!(last_graph, Some(graph_messages[0].metadata.id.clone()));
+    assert!(
+        sent.responses
+            .iter()
+            .all(|r| !r.explain_triples.iter().any(is_input)),
+        "the client is not sent it"
+    );
+    let recorded = graph_messages[0]
+        .triples
+        .iter()
+        .find(|t| t.p.iri.ends_with("ns/request"))
+        .map(|t| serde_json::from_str::<AgentRequest>(&t.o.value).unwrap());
+    assert_eq!(recorded.as_ref(), sent.requests.first());
+}
+
 /// A tool that needs approval is not run on the LLM's word: without a shared store to park the
 /// call in, the step observes why and goes on (with one, see `tests/tests/run_control.rs`).
 #[tokio::test]
