@@ -130,6 +130,9 @@ pub struct Limits {
     /// answer; then its dialog ends (a subagent's with a completion its supervisor synthesises
     /// around). The run's wall-time budget (`max_wall_secs`) counts the wait too.
     pub approval_timeout_secs: u64,
+    /// Tool groups whose every tool waits for a person's approval, as if each had
+    /// `requires-approval` (a tool with no group is in `default`).
+    pub approval_groups: Vec<String>,
     /// What a dialog that starts while another of its conversation (`conversation_id`) still
     /// runs does: wait for it, be refused, or cancel it.
     pub conversation_policy: ConversationPolicy,
@@ -165,6 +168,7 @@ impl Default for Limits {
             max_wall_secs: 600,
             max_outage_secs: 300,
             approval_timeout_secs: 300,
+            approval_groups: Vec::new(),
             conversation_policy: ConversationPolicy::Queue,
         }
     }
@@ -403,6 +407,19 @@ impl Problems {
 }
 
 impl AgentConfig {
+    /// Whether a call of `tool` waits for a person's approval: the tool says so, or one of its
+    /// groups is in `approval_groups`.
+    pub fn needs_approval(&self, tool: &ToolDef) -> bool {
+        if tool.requires_approval {
+            return true;
+        }
+        let groups = &self.limits.approval_groups;
+        match &tool.group {
+            Some(own) => own.iter().any(|g| groups.contains(g)),
+            None => groups.iter().any(|g| g == crate::tools::DEFAULT_GROUP),
+        }
+    }
+
     /// Builds the config from raw values, reporting every invalid entry at once.
     pub fn from_values(values: &ConfigValues) -> Result<AgentConfig, Vec<ConfigError>> {
         let mut problems = Problems::default();
@@ -648,6 +665,28 @@ mod tests {
             env: BTreeMap::new(),
             settings: BTreeMap::new(),
         })
+    }
+
+    #[test]
+    fn a_tool_waits_for_approval_when_it_says_so_or_one_of_its_groups_does() {
+        let tool = |group: Option<&[&str]>, own: bool| ToolDef {
+            group: group.map(|g| g.iter().map(|s| (*s).to_owned()).collect()),
+            requires_approval: own,
+            ..serde_json::from_value(json!({"type": "llm", "name": "t", "description": "d"}))
+                .unwrap_or_else(|e| panic!("{e}"))
+        };
+        let mut config = AgentConfig::default();
+        assert!(!config.needs_approval(&tool(Some(&["payments"]), false)));
+        assert!(config.needs_approval(&tool(None, true)));
+        config.limits.approval_groups = vec!["payments".into()];
+        assert!(config.needs_approval(&tool(Some(&["read", "payments"]), false)));
+        assert!(!config.needs_approval(&tool(Some(&["read"]), false)));
+        assert!(!config.needs_approval(&tool(None, false)));
+        config.limits.approval_groups = vec!["default".into()];
+        assert!(
+            config.needs_approval(&tool(None, false)),
+            "no group is the default group"
+        );
     }
 
     #[test]

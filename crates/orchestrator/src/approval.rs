@@ -58,7 +58,7 @@ pub struct Answer {
 pub fn needed(turn: &Turn<'_>, scope: &Scope, action: &str) -> bool {
     turn.config
         .tool_by_name(action)
-        .is_some_and(|tool| tool.requires_approval && scope.allows(tool))
+        .is_some_and(|tool| turn.config.needs_approval(tool) && scope.allows(tool))
 }
 
 /// Parks iteration `n`'s call for approval: the pending call in the provenance graph, the

@@ -208,6 +208,19 @@ async fn a_tool_that_needs_approval_is_not_run_without_it() {
             tool.requires_approval = true;
         }
     }
+    assert_refused_for_approval(&harness).await;
+}
+
+/// The same for a tool whose group needs approval (`approval_groups`): the seed's `llm` tool has
+/// no group, so it is in `default`.
+#[tokio::test]
+async fn a_tool_in_a_group_that_needs_approval_is_not_run_without_it() {
+    let mut harness = Harness::start().await;
+    harness.config.limits.approval_groups = vec!["default".to_owned()];
+    assert_refused_for_approval(&harness).await;
+}
+
+async fn assert_refused_for_approval(harness: &Harness) {
     let sent = harness.step(&request("ask the tool", "react")).await;
     assert_eq!(sent.requests.len(), 1, "the dialog goes on");
     let observed = &sent.requests[0].history[0].observation;

@@ -88,7 +88,7 @@ pub async fn run_scoped_tool(
     let config = turn.config;
     let limits = &config.limits;
     match config.tool_by_name(action) {
-        Some(tool) if scope.allows(tool) && tool.requires_approval && !approved => {
+        Some(tool) if scope.allows(tool) && config.needs_approval(tool) && !approved => {
             crate::events::ToolCalled {
                 tool: &tool.name,
                 outcome: ToolOutcome::Refused.label(),
