@@ -240,6 +240,35 @@ async fn a_replay_with_reuse_gives_recorded_answers_without_calling_again() {
         replayed.contains("(changed: (none); reuses recorded all)"),
         "{replayed}"
     );
+
+    // The whole dialog again from step 1, reusing LLM answers only: the tool is itself an LLM
+    // call asking what was asked before, so nothing is asked again either.
+    let said = agentctl(
+        Some(&broker),
+        &aggregator,
+        &["fork", &source, "--from", "1", "--reuse", "llm"],
+    )
+    .await;
+    assert!(said.contains("43"), "the rerun's answer: {said}");
+    assert_eq!(llm.calls().len(), calls_before, "still nothing asked again");
+    let rerun = fork_session(&said);
+    let from_the_start = format!(
+        "{SPARQL_PREFIXES}ASK {{ GRAPH <urn:graph:retrieval> {{
+           <urn:trustgraph:agent:{rerun}> a tg:Fork ; tg:forkedAtStep 1 ; tg:reuses \"llm\" ;
+             prov:wasDerivedFrom <{source}> .
+           <urn:trustgraph:agent:{rerun}/i1> tg:arguments ?a .
+           <urn:trustgraph:agent:{rerun}/final> ?p ?o }} }}"
+    );
+    for _ in 0..50 {
+        if matches!(
+            store.query(from_the_start.clone()).await.unwrap(),
+            agent_graph::QueryAnswer::Boolean(true)
+        ) {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    panic!("the rerun from step 1 is not recorded as a fork of the source");
 }
 
 /// A supervisor with two subagents, whose synthesis is asked after the fan-in.
