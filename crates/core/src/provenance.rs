@@ -272,6 +272,10 @@ pub fn follows(uris: &SessionUris, earlier: &[String]) -> Vec<Triple> {
     b.build()
 }
 
+/// A step input larger than this (as JSON; only a history that could not be folded grows so) is
+/// not kept, only its size: its graph message must stay within the broker's limit.
+pub const MAX_RECORDED_INPUT_BYTES: usize = 1024 * 1024;
+
 /// The record of step `input.step`'s input: the request as JSON (only its new history steps when
 /// it continues an earlier step's input, which it then names). Not derived from anything: the
 /// explain tree shows what was done, and this is what a fork or replay starts from.
@@ -280,14 +284,13 @@ pub fn step_input(uris: &SessionUris, input: &crate::fork::RecordedInput) -> Vec
     let integer = |v: usize| Term::typed_literal(v.to_string(), XSD_INTEGER);
     let mut b = NodeBuilder::default();
     b.add(&s, RDF_TYPE, Term::iri(format!("{TG}StepInput")))
-        .tg(&s, "step", integer(input.step))
-        .tg(
-            &s,
-            "request",
-            Term::literal(String::from_utf8_lossy(&agent_schema::encode(
-                &input.request,
-            ))),
-        );
+        .tg(&s, "step", integer(input.step));
+    let json = String::from_utf8_lossy(&agent_schema::encode(&input.request)).into_owned();
+    if json.len() <= MAX_RECORDED_INPUT_BYTES {
+        b.tg(&s, "request", Term::literal(json));
+    } else {
+        b.tg(&s, "requestBytes", integer(json.len()));
+    }
     if let Some((from, kept)) = input.continues {
         b.tg(&s, "continuesInput", Term::iri(uris.input(from))).tg(
             &s,
@@ -347,8 +350,14 @@ pub fn fork_observation(
     b.build()
 }
 
+/// An LLM answer longer than this (as JSON) is not kept for replays: its size is recorded, and a
+/// replay asks again. Answers are seldom near it; one that is must not make a step's graph
+/// message outgrow the broker's limit.
+pub const MAX_RECORDED_COMPLETION_BYTES: usize = 64 * 1024;
+
 /// One LLM call: the digest of what it asked and what it answered (as JSON), tagged with its
-/// run, so a replay can give the same answer to the same question without a second charge.
+/// run, so a replay can give the same answer to the same question without a second charge (an
+/// answer over [`MAX_RECORDED_COMPLETION_BYTES`] only has its size recorded).
 /// `reused_from` names the recorded call it took its answer from, when it was not made.
 pub fn llm_call(
     uris: &SessionUris,
@@ -360,8 +369,13 @@ pub fn llm_call(
     let s = uris.llm_call(digest);
     let mut b = NodeBuilder::default();
     b.tg(&s, "promptDigest", Term::literal(digest))
-        .tg(&s, "completion", Term::literal(completion))
         .tg(&s, "run", Term::iri(run));
+    if completion.len() <= MAX_RECORDED_COMPLETION_BYTES {
+        b.tg(&s, "completion", Term::literal(completion));
+    } else {
+        let bytes = Term::typed_literal(completion.len().to_string(), XSD_INTEGER);
+        b.tg(&s, "completionBytes", bytes);
+    }
     if let Some(source) = reused_from {
         b.tg(&s, "reusedFrom", Term::iri(source));
     }
@@ -1050,6 +1064,22 @@ mod tests {
         assert_eq!(u.thought(2), "urn:trustgraph:agent:abc/i2/thought");
         assert_eq!(u.previous(0), "urn:trustgraph:agent:abc/pattern-decision");
         assert_eq!(u.previous(1), "urn:trustgraph:agent:abc/i1/observation");
+    }
+
+    #[test]
+    fn an_llm_answer_too_long_to_keep_only_has_its_size_recorded() {
+        let uris = SessionUris::new("abc");
+        let predicates = |completion: &str| -> Vec<String> {
+            llm_call(&uris, "d1", completion, "urn:trustgraph:agent:abc", None)
+                .into_iter()
+                .map(|t| t.p.iri)
+                .collect()
+        };
+        assert!(predicates("short").contains(&format!("{TG}completion")));
+        let long = "x".repeat(MAX_RECORDED_COMPLETION_BYTES + 1);
+        let kept = predicates(&long);
+        assert!(!kept.contains(&format!("{TG}completion")));
+        assert!(kept.contains(&format!("{TG}completionBytes")));
     }
 
     #[test]

@@ -145,6 +145,10 @@ pub struct DialogOutput<'a> {
     kept: Mutex<Vec<Triple>>,
 }
 
+/// A step's graph-only records join its last graph message only while that is smaller than this:
+/// two large texts (a long observation, a request near its limit) never share one message.
+const MERGE_BELOW_BYTES: usize = 256 * 1024;
+
 /// Why a step set itself aside to be tried again: an outage of something it needs.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Park {
@@ -238,7 +242,7 @@ impl<'a> DialogOutput<'a> {
             .iter_mut()
             .rev()
             .find(|e| e.channel == Channel::Explainability);
-        if let Some(effect) = last {
+        if let Some(effect) = last.filter(|e| e.payload.len() < MERGE_BELOW_BYTES) {
             if let Ok(mut message) = serde_json::from_str::<Triples>(&effect.payload) {
                 message.triples.extend(kept);
                 effect.payload =
