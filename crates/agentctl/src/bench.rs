@@ -154,7 +154,20 @@ struct Figures {
     steps_per_sec: f64,
 }
 
+/// The scripted answer that closes every bench dialog: one that ends otherwise (at its iteration
+/// limit, because a tool was missing) did not run the steps the figures are per.
+const SCRIPTED_ANSWER: &str = "done";
+
 pub async fn run(args: BenchArgs) -> anyhow::Result<i32> {
+    // The bench's dialogs call the `llm` tool: without it a three-iteration dialog would run to its
+    // iteration limit and every figure would be per the wrong number of steps.
+    let dir = &args.settings.config_dir;
+    let config = agent_orchestrator::load_config_dir(dir)?;
+    anyhow::ensure!(
+        config.tool_by_name("llm").is_some(),
+        "the bench's dialogs call the `llm` tool, and the config in {} has none (run from the repository root, or pass --config-dir with the seed config)",
+        dir.display()
+    );
     let llm = ScriptedLlm::start(Script::from_json(SCRIPT)?, "127.0.0.1:0".parse()?).await?;
     let mut all = Vec::new();
     for kind in args.brokers.clone() {
@@ -457,8 +470,8 @@ async fn sequential(client: &mut AgentClient, kind: &str, n: usize) -> anyhow::R
                 .context("a benchmark dialog did not finish within 60 s")??;
             if rid == id && response.end_of_dialog {
                 anyhow::ensure!(
-                    response.message_type == "answer",
-                    "dialog failed: {}",
+                    response.message_type == "answer" && response.content == SCRIPTED_ANSWER,
+                    "a bench dialog did not run as scripted: {}",
                     response.content
                 );
                 break;
@@ -490,6 +503,11 @@ async fn concurrent(
                 if !response.end_of_dialog {
                     continue;
                 }
+                anyhow::ensure!(
+                    response.content == SCRIPTED_ANSWER,
+                    "a bench dialog did not run as scripted: {}",
+                    response.content
+                );
                 let begun = open.lock().ok().and_then(|mut m| m.remove(&id));
                 if let Some(begun) = begun {
                     latencies.push(begun.elapsed().as_secs_f64() * 1000.0);
