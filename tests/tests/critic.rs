@@ -462,3 +462,79 @@ async fn a_rejected_answer_is_written_again_with_the_lesson() {
     assert_no_dangling_links(&t);
     assert_thoughts_explained(&responses, &t);
 }
+
+/// The answer critic on ReACT, switched on by the task type: the first draft is rejected with a
+/// lesson, the agent looks the fact up, and the second draft is accepted. Only the accepted
+/// answer reaches the client as the answer; the graph records both drafts and both verdicts.
+#[tokio::test]
+async fn a_react_answer_is_given_only_once_the_critic_accepts_it() {
+    const TOKEN: &str = "critic-token";
+    let config = config_dir(
+        "react-answer-critic",
+        &[
+            (
+                "agent-task-type",
+                r#"{"checked": {"description": "answers that must be checked", "valid_patterns": ["react"], "critic": ["answer"]}}"#,
+            ),
+            (
+                "tool",
+                r#"{"llm": {"name": "llm", "description": "ask", "type": "text-completion"}}"#,
+            ),
+        ],
+    );
+    let script = r#"{"rules": [
+      {"match": "Draft answer to review: Mars has two moons.", "reply": "{\"status\": \"SUCCESS\", \"evaluation\": \"it matches the lookup\"}"},
+      {"match": "Draft answer to review: Mars has one moon.", "reply": "{\"status\": \"EXECUTION_ERROR\", \"evaluation\": \"not checked\", \"lesson\": \"look it up with the llm tool\"}"},
+      {"match": "moons of Mars", "exact": true, "reply": "Phobos and Deimos"},
+      {"match": "Observation: Phobos and Deimos", "reply": "Thought: Two names.\nFinal Answer: Mars has two moons."},
+      {"match": "Review of the draft: EXECUTION_ERROR", "reply": "Thought: Look it up.\nAction: llm\nArgs: {\"question\": \"moons of Mars\"}"},
+      {"match": "Question: How many moons has Mars?", "reply": "Thought: I recall.\nFinal Answer: Mars has one moon."}
+    ]}"#;
+    let broker = Broker::start().unwrap();
+    let aggregator = Aggregator::spawn_with(&broker, &["--config-token", TOKEN]);
+    let llm = scripted_llm(script).await;
+    let _orchestrator = Orchestrator::journaled_with(
+        Place::InProcess,
+        &broker,
+        &llm,
+        &aggregator,
+        TOKEN,
+        &config,
+        &[],
+    );
+    let mut client = client(&broker).await;
+    let request = AgentRequest {
+        pattern: "react".into(),
+        task_type: "checked".into(),
+        ..request("How many moons has Mars?", true)
+    };
+    client.send("moons", &request).await.unwrap();
+    let responses = collect_dialog(&mut client, "moons", DIALOG_TIMEOUT)
+        .await
+        .unwrap();
+    let answer: String = responses
+        .iter()
+        .filter(|r| r.message_type == "answer")
+        .map(|r| r.content.as_str())
+        .collect();
+    assert_eq!(answer, "Mars has two moons.", "{responses:#?}");
+    assert!(
+        !responses.iter().any(|r| r.message_type == "answer" && r.content.contains("one moon")),
+        "the rejected draft never went out as the answer"
+    );
+    let session = session_of(&responses);
+    let prefixes = agent_core::vocab::SPARQL_PREFIXES;
+    // Draft, rejection, lookup, draft, acceptance, conclusion: each verdict judges the draft
+    // before it, and the conclusion derives from the accepting review.
+    let dag = format!(
+        "{prefixes}SELECT ?n WHERE {{ GRAPH <urn:graph:retrieval> {{
+           <{session}/i1> a tg:Synthesis .
+           <{session}/i2> a tg:Evaluation ; tg:evaluates <{session}/i1> ; tg:evaluationStatus \"EXECUTION_ERROR\" ; tg:lesson \"look it up with the llm tool\" .
+           <{session}/i3> tg:action \"llm\" .
+           <{session}/i4> a tg:Synthesis .
+           <{session}/i5> a tg:Evaluation ; tg:evaluates <{session}/i4> ; tg:evaluationStatus \"SUCCESS\" .
+           <{session}/final> prov:wasDerivedFrom <{session}/i5/observation> ; tg:terminationReason \"answer\" ;
+             tg:document ?n . ?n tg:content \"Mars has two moons.\" }} }}"
+    );
+    assert_eq!(count_reaching(&aggregator.store(), dag, 1).await, 1);
+}

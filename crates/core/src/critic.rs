@@ -468,6 +468,35 @@ pub fn apply_to_answer(plan: &[PlanStep], verdict: &Evaluation) -> Applied {
     }
 }
 
+/// What a ReACT dialog does with the reviewer's verdict on its draft answer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DraftFate {
+    /// Accepted: it is the answer.
+    Accepted,
+    /// Rejected: the agent goes on with the lesson and writes another.
+    WriteAgain,
+    /// Rejected once more than `max_retries` allows: given as it is, marked as not accepted.
+    Unverified,
+}
+
+/// The fate of a draft judged `status`, after the verdicts already in `history`.
+pub fn draft_fate(history: &[AgentStep], status: Status, max_retries: usize) -> DraftFate {
+    if status == Status::Success {
+        DraftFate::Accepted
+    } else if retries_used(history) + 1 > max_retries {
+        DraftFate::Unverified
+    } else {
+        DraftFate::WriteAgain
+    }
+}
+
+/// The draft answer the last history step wrote (a `synthesise` step), when it waits for review.
+pub fn awaiting_draft_review(history: &[AgentStep]) -> Option<&AgentStep> {
+    history
+        .last()
+        .filter(|s| StepType::parse(&s.step_type) == Some(StepType::Synthesise))
+}
+
 /// Lessons from reviews of earlier answers, oldest first.
 pub fn answer_lessons(history: &[AgentStep]) -> Vec<String> {
     evaluations(history)
@@ -574,6 +603,40 @@ mod tests {
 
     fn verdict(text: &str) -> Evaluation {
         parse(text)
+    }
+
+    #[test]
+    fn a_rejected_draft_is_written_again_until_the_retries_are_used() {
+        let verdict = |status: Status| AgentStep {
+            action: status.as_str().to_owned(),
+            step_type: StepType::Evaluate.as_str().to_owned(),
+            ..AgentStep::default()
+        };
+        let draft = AgentStep {
+            observation: "42".into(),
+            step_type: StepType::Synthesise.as_str().to_owned(),
+            ..AgentStep::default()
+        };
+        assert_eq!(draft_fate(&[], Status::Success, 1), DraftFate::Accepted);
+        assert_eq!(
+            draft_fate(&[], Status::ExecutionError, 1),
+            DraftFate::WriteAgain
+        );
+        let once = [
+            draft.clone(),
+            verdict(Status::ExecutionError),
+            draft.clone(),
+        ];
+        assert_eq!(
+            draft_fate(&once, Status::ExecutionError, 1),
+            DraftFate::Unverified
+        );
+        assert_eq!(draft_fate(&once, Status::Success, 1), DraftFate::Accepted);
+        assert_eq!(
+            awaiting_draft_review(&once).map(|s| s.observation.as_str()),
+            Some("42")
+        );
+        assert!(awaiting_draft_review(&once[..2]).is_none());
     }
 
     #[test]

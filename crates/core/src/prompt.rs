@@ -2,7 +2,7 @@
 
 use std::collections::BTreeMap;
 
-use agent_schema::AgentStep;
+use agent_schema::{AgentStep, StepType};
 
 use crate::tools::ToolDef;
 
@@ -84,7 +84,7 @@ pub const DEFAULT_PLAN_EVALUATE_TEMPLATE: &str = "{{framing}}Evaluate the result
 pub const DEFAULT_PLAN_REVIEW_TEMPLATE: &str = "{{framing}}Review the plan below, made to answer a request.\n\nThe plan:\n{{plan}}\n\nTools the steps can use:\n{{tools}}\n\nSUCCESS: carrying out the plan will answer the request. EXECUTION_ERROR: the plan is badly made and a better one would work. INPUT_DATA_ERROR: the request lacks what the plan needs. JOB_TOO_COMPLICATED_ERROR: the plan's steps are too big. When several apply, give the first in that order.\n\nReply with only a JSON object: {\"status\": \"<one of the four>\", \"evaluation\": \"<what is right or wrong>\", \"lesson\": \"<what the next plan should do differently>\"}\n\nPlan to review for: {{question}}";
 
 /// The critic on a draft answer. Placeholders: `framing`, `question`, `results`, `answer`.
-pub const DEFAULT_ANSWER_REVIEW_TEMPLATE: &str = "{{framing}}Review a draft answer to a request, written from the results of a plan's steps.\n\nThe steps' results:\n{{results}}\n\nSUCCESS: the answer is right and answers the request. EXECUTION_ERROR: the answer is badly written from good results. INPUT_DATA_ERROR: results it rests on are wrong (name their step numbers in culprits). JOB_TOO_COMPLICATED_ERROR: the answer tries to do too much at once. When several apply, give the first in that order.\n\nReply with only a JSON object: {\"status\": \"<one of the four>\", \"evaluation\": \"<what is right or wrong>\", \"lesson\": \"<what to do differently>\", \"culprits\": [<step numbers>]}\n\nDraft answer to review: {{answer}}\n\nRequest it answers: {{question}}";
+pub const DEFAULT_ANSWER_REVIEW_TEMPLATE: &str = "{{framing}}Review a draft answer to a request, written from the results of the steps taken for it.\n\nThe steps' results:\n{{results}}\n\nSUCCESS: the answer is right and answers the request. EXECUTION_ERROR: the answer is badly written from good results. INPUT_DATA_ERROR: results it rests on are wrong (name their step numbers in culprits). JOB_TOO_COMPLICATED_ERROR: the answer tries to do too much at once. When several apply, give the first in that order.\n\nReply with only a JSON object: {\"status\": \"<one of the four>\", \"evaluation\": \"<what is right or wrong>\", \"lesson\": \"<what to do differently>\", \"culprits\": [<step numbers>]}\n\nDraft answer to review: {{answer}}\n\nRequest it answers: {{question}}";
 
 /// Synthesis. Placeholders: `framing`, `question`, `results`, `caveat`.
 pub const DEFAULT_PLAN_SYNTHESISE_TEMPLATE: &str = "{{framing}}Answer the request below from the results of the plan's steps. Use only these results; say so if they are not enough.{{caveat}}\n\nResults:\n{{results}}\n\nRequest to answer: {{question}}";
@@ -287,6 +287,29 @@ pub fn describe_tools(tools: &[ToolDef]) -> String {
 pub fn render_history(history: &[AgentStep]) -> String {
     let mut out = String::new();
     for step in history {
+        // A draft answer and the reviewer's verdict on it (the answer critic) read as what they are.
+        match StepType::parse(&step.step_type) {
+            Some(StepType::Synthesise) => {
+                if !step.thought.is_empty() {
+                    out.push_str(&format!("Thought: {}\n", step.thought));
+                }
+                out.push_str(&format!("Draft answer: {}\n", step.observation));
+                continue;
+            }
+            Some(StepType::Evaluate) => {
+                let judged = if step.thought.is_empty() {
+                    step.action.clone()
+                } else {
+                    format!("{} ({})", step.action, step.thought)
+                };
+                out.push_str(&format!(
+                    "Review of the draft: {judged}; {}\n",
+                    step.observation
+                ));
+                continue;
+            }
+            _ => {}
+        }
         if !step.thought.is_empty() {
             out.push_str(&format!("Thought: {}\n", step.thought));
         }

@@ -17,6 +17,7 @@ pub mod metrics;
 pub mod ops;
 pub mod patterns;
 pub mod replay;
+pub mod review;
 pub mod router;
 pub mod settings;
 pub mod stream;

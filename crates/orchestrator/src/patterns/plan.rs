@@ -18,6 +18,7 @@ use agent_llm::ChatMessage;
 use agent_schema::{AgentStep, MessageType, PlanStep, StepType};
 
 use crate::finish::{conclude_if_limited, fail, llm_failed};
+use crate::review::{self, announce_verdict, queue_verdict};
 use crate::tools::{run_scoped_tool, truncate};
 use crate::turn::{add_call, tokens_after, Turn};
 
@@ -454,59 +455,6 @@ async fn evaluate(turn: &Turn<'_>, n: usize, index: usize) -> Result<(), BusErro
     queue_verdict(turn, n, applied, &verdict, &stats).await
 }
 
-/// Tells the client the critic's verdict on what the previous iteration did (`subject`, and the
-/// step `index` when it judged a step) and records it in the graph.
-async fn announce_verdict(
-    turn: &Turn<'_>,
-    n: usize,
-    subject: &str,
-    index: Option<usize>,
-    verdict: &critic::Evaluation,
-    applied: &critic::Applied,
-    stats: &CallStats,
-) -> Result<(), BusError> {
-    let Turn {
-        request, uris, out, ..
-    } = turn;
-    let retries = critic::retries_used(&request.history)
-        + usize::from(verdict.status != critic::Status::Success);
-    let thought = match verdict.evaluation.as_str() {
-        "" => format!("{subject}: {}", verdict.status.as_str()),
-        text => format!("{subject}: {} — {text}", verdict.status.as_str()),
-    };
-    out.chunk(MessageType::Thought, &thought, &uris.thought(n), true)
-        .await?;
-    out.explain(
-        &uris.iteration(n),
-        provenance::evaluation(
-            uris,
-            n,
-            &uris.iteration(n - 1),
-            index,
-            &thought,
-            verdict,
-            applied,
-            retries,
-            stats,
-        ),
-    )
-}
-
-/// Queues the next iteration with the verdict in the history (its lesson in the observation).
-async fn queue_verdict(
-    turn: &Turn<'_>,
-    n: usize,
-    applied: critic::Applied,
-    verdict: &critic::Evaluation,
-    stats: &CallStats,
-) -> Result<(), BusError> {
-    let mut step = applied.step;
-    if !verdict.lesson.is_empty() {
-        step.observation = format!("{} Lesson: {}", applied.effect, verdict.lesson);
-    }
-    record_and_queue(turn, n, step, stats, &ToolStats::default(), None, None).await
-}
-
 /// Asks the critic about the plan the previous iteration made. A rejection sends it back to be
 /// revised with the lesson while revisions are left; otherwise the plan runs as it is.
 async fn review_plan(turn: &Turn<'_>, n: usize) -> Result<(), BusError> {
@@ -552,11 +500,7 @@ async fn review_plan(turn: &Turn<'_>, n: usize) -> Result<(), BusError> {
 /// it blamed ran again, for bad input).
 async fn review_answer(turn: &Turn<'_>, n: usize) -> Result<(), BusError> {
     let Turn {
-        request,
-        uris,
-        out,
-        config,
-        ..
+        request, config, ..
     } = turn;
     let draft = request
         .history
@@ -596,37 +540,18 @@ async fn review_answer(turn: &Turn<'_>, n: usize) -> Result<(), BusError> {
     if verdict.status != critic::Status::Success {
         return queue_verdict(turn, n, applied, &verdict, &stats).await;
     }
-    // Accepted: the review's observation, then the conclusion that derives from it.
     let mut note = String::new();
     if verdict.unreadable.is_some() || critic::any_unreadable(&request.history) {
         note.push_str(
             "\n\n(Some results were not checked: the evaluator's answer could not be read.)",
         );
     }
-    let answer = format!("{draft}{note}");
-    out.explain(
-        &uris.observation(n),
-        provenance::observation(uris, n, &applied.effect, ToolStats::default()),
-    )?;
-    let answer_id = uris.conclusion();
-    if request.streaming {
-        out.chunk(MessageType::Answer, &answer, &answer_id, false)
-            .await?;
-    }
-    out.explain(
-        &answer_id,
-        provenance::conclusion(
-            uris,
-            n + 1,
-            "",
-            &answer,
-            Termination::Answer,
-            &[],
-            &CallStats::default(),
-        ),
-    )?;
-    let tokens = tokens_after(turn, &stats, &ToolStats::default());
-    crate::finish::answer(turn, &answer, tokens, &completion.model).await
+    let given = review::Given {
+        answer: format!("{draft}{note}"),
+        effect: &applied.effect,
+        termination: Termination::Answer,
+    };
+    review::conclude(turn, n, given, &stats, &completion.model).await
 }
 
 /// `plan` with its results whole, for a prompt: a long result travels as an excerpt.

@@ -21,7 +21,9 @@ const SCRIPT: &str = r#"{"rules": [
   {"match": "inner?", "exact": true, "reply": "INNER"},
   {"match": "Step goal: find a", "reply": "Thought: the tool knows.\nAction: llm\nArgs: {\"question\": \"inner?\"}"},
   {"match": "Request to plan: Combine", "reply": "{\"rationale\": \"a then b\", \"steps\": [{\"goal\": \"find a\", \"depends_on\": []}, {\"goal\": \"find b\", \"depends_on\": [0]}]}"},
-  {"match": "Request to split: Compare", "reply": "[{\"goal\": \"price of alpha\"}, {\"goal\": \"price of beta\"}]"}
+  {"match": "Request to split: Compare", "reply": "[{\"goal\": \"price of alpha\"}, {\"goal\": \"price of beta\"}]"},
+  {"match": "Draft answer to review: ONE", "reply": "{\"status\": \"SUCCESS\", \"evaluation\": \"right\"}"},
+  {"match": "Draft answer to review: TWO", "reply": "{\"status\": \"EXECUTION_ERROR\", \"evaluation\": \"wrong number\", \"lesson\": \"count again\"}"}
 ]}"#;
 
 /// What one step sent, by kind.
@@ -159,6 +161,74 @@ async fn react_runs_the_chosen_tool_and_queues_the_next_iteration_with_its_obser
     assert!(sent.explained.len() >= 2, "{:?}", sent.explained);
     // The ReACT call, then the tool's own LLM call.
     assert_eq!(harness.llm.calls().len(), 2);
+}
+
+/// With the answer critic on for ReACT, a final answer is a draft: queued for review, not given.
+/// Accepted, it is the answer; rejected, the agent goes on with the lesson in its history, until
+/// the retries are used and the last draft is given marked as not accepted.
+#[tokio::test]
+async fn react_with_the_answer_critic_gives_only_a_reviewed_answer() {
+    let mut harness = Harness::start().await;
+    if let Some(react) = harness.config.patterns.get_mut("react") {
+        react.critic = vec!["answer".to_owned()];
+    }
+    harness.config.limits.max_retries = 1;
+    let drafted = harness
+        .step(&AgentRequest {
+            streaming: true,
+            ..request("what is one", "react")
+        })
+        .await;
+    assert!(
+        closing(&drafted).is_empty(),
+        "a draft is not given: {:?}",
+        drafted.responses
+    );
+    assert!(
+        drafted.responses.iter().all(|r| r.message_type != "answer"),
+        "nor streamed as the answer"
+    );
+    let review = &drafted.requests[0];
+    assert_eq!(review.history[0].step_type, "synthesise");
+    assert_eq!(review.history[0].observation, "ONE");
+    let reviewed = harness.step(review).await;
+    assert_eq!(closing(&reviewed).len(), 1);
+    // Streamed, the accepted answer goes out as its chunk before the closing message.
+    let answer: String = reviewed
+        .responses
+        .iter()
+        .filter(|r| r.message_type == "answer")
+        .map(|r| r.content.as_str())
+        .collect();
+    assert_eq!(answer, "ONE");
+
+    // A rejected draft: the lesson goes into the history and the agent goes on.
+    let mut rejected = review.clone();
+    rejected.streaming = false;
+    rejected.history[0].observation = "TWO".to_owned();
+    let verdict = harness.step(&rejected).await;
+    assert!(closing(&verdict).is_empty());
+    let again = &verdict.requests[0];
+    assert_eq!(again.history[1].step_type, "evaluate");
+    assert!(
+        again.history[1].observation.contains("Lesson: count again"),
+        "{:?}",
+        again.history
+    );
+    // Rejected once more than max_retries allows: the draft is given, marked as not accepted.
+    let mut last = again.clone();
+    last.history.push(rejected.history[0].clone());
+    let given = harness.step(&last).await;
+    let closing = closing(&given);
+    assert_eq!(closing.len(), 1);
+    assert!(
+        closing[0].content.starts_with("TWO"),
+        "{}",
+        closing[0].content
+    );
+    assert!(closing[0]
+        .content
+        .contains("A reviewer did not accept this answer: wrong number"));
 }
 
 /// What the next step is given is recorded for the graph (a fork starts from it), riding on the

@@ -1,0 +1,114 @@
+//! The critic's verdicts as every pattern announces and records them (a thought to the client, an
+//! evaluation node in the graph, the verdict in the history), and a reviewed draft given as the
+//! dialog's answer.
+
+use agent_bus::BusError;
+use agent_core::critic;
+use agent_core::pattern::Termination;
+use agent_core::provenance::{self, CallStats, ToolStats};
+use agent_schema::MessageType;
+
+use crate::turn::{tokens_after, Turn};
+
+/// Tells the client the critic's verdict on what the previous iteration did (`subject`, and the
+/// step `index` when it judged a step) and records it in the graph.
+pub async fn announce_verdict(
+    turn: &Turn<'_>,
+    n: usize,
+    subject: &str,
+    index: Option<usize>,
+    verdict: &critic::Evaluation,
+    applied: &critic::Applied,
+    stats: &CallStats,
+) -> Result<(), BusError> {
+    let Turn {
+        request, uris, out, ..
+    } = turn;
+    let retries = critic::retries_used(&request.history)
+        + usize::from(verdict.status != critic::Status::Success);
+    let thought = match verdict.evaluation.as_str() {
+        "" => format!("{subject}: {}", verdict.status.as_str()),
+        text => format!("{subject}: {} — {text}", verdict.status.as_str()),
+    };
+    out.chunk(MessageType::Thought, &thought, &uris.thought(n), true)
+        .await?;
+    out.explain(
+        &uris.iteration(n),
+        provenance::evaluation(
+            uris,
+            n,
+            &uris.iteration(n - 1),
+            index,
+            &thought,
+            verdict,
+            applied,
+            retries,
+            stats,
+        ),
+    )
+}
+
+/// Queues the next iteration with the verdict in the history (its lesson in the observation).
+pub async fn queue_verdict(
+    turn: &Turn<'_>,
+    n: usize,
+    applied: critic::Applied,
+    verdict: &critic::Evaluation,
+    stats: &CallStats,
+) -> Result<(), BusError> {
+    let mut step = applied.step;
+    if !verdict.lesson.is_empty() {
+        step.observation = format!("{} Lesson: {}", applied.effect, verdict.lesson);
+    }
+    let tool = ToolStats::default();
+    let tokens = tokens_after(turn, stats, &tool);
+    turn.observe_and_continue(n, step, tool, Vec::new(), None, tokens)
+        .await
+}
+
+/// A reviewed draft as it is given.
+pub struct Given<'a> {
+    /// The answer, with any note on what was not checked.
+    pub answer: String,
+    /// What the verdict did, as the review's observation says it.
+    pub effect: &'a str,
+    /// `Answer`, or `RetryLimit` for a draft given without the reviewer's acceptance.
+    pub termination: Termination,
+}
+
+/// Ends the dialog with a reviewed draft: the review's observation (iteration `n`), then the
+/// conclusion that derives from it, streamed when the client streams (the draft was not).
+pub async fn conclude(
+    turn: &Turn<'_>,
+    n: usize,
+    given: Given<'_>,
+    stats: &CallStats,
+    model: &str,
+) -> Result<(), BusError> {
+    let Turn {
+        request, uris, out, ..
+    } = turn;
+    out.explain(
+        &uris.observation(n),
+        provenance::observation(uris, n, given.effect, ToolStats::default()),
+    )?;
+    let answer_id = uris.conclusion();
+    if request.streaming {
+        out.chunk(MessageType::Answer, &given.answer, &answer_id, false)
+            .await?;
+    }
+    out.explain(
+        &answer_id,
+        provenance::conclusion(
+            uris,
+            n + 1,
+            "",
+            &given.answer,
+            given.termination,
+            &[],
+            &CallStats::default(),
+        ),
+    )?;
+    let tokens = tokens_after(turn, stats, &ToolStats::default());
+    crate::finish::answer(turn, &given.answer, tokens, model).await
+}
