@@ -2,7 +2,8 @@
 //! own recovery (`EXECUTION_ERROR` reruns the step with the lesson, `INPUT_DATA_ERROR` reruns the
 //! step that produced the bad input and then its dependents, `JOB_TOO_COMPLICATED_ERROR` splits the
 //! step), the retry limit ends the dialog with an answer that says it is unverified, and the life
-//! cycle stops repeated splitting. The graph records every verdict, lesson and rerun.
+//! cycle stops repeated splitting. The graph records every verdict, lesson and rerun. The answer
+//! critic also reviews a ReACT agent's final answer and a supervisor's synthesis.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use std::collections::BTreeSet;
@@ -519,7 +520,9 @@ async fn a_react_answer_is_given_only_once_the_critic_accepts_it() {
         .collect();
     assert_eq!(answer, "Mars has two moons.", "{responses:#?}");
     assert!(
-        !responses.iter().any(|r| r.message_type == "answer" && r.content.contains("one moon")),
+        !responses
+            .iter()
+            .any(|r| r.message_type == "answer" && r.content.contains("one moon")),
         "the rejected draft never went out as the answer"
     );
     let session = session_of(&responses);
@@ -535,6 +538,83 @@ async fn a_react_answer_is_given_only_once_the_critic_accepts_it() {
            <{session}/i5> a tg:Evaluation ; tg:evaluates <{session}/i4> ; tg:evaluationStatus \"SUCCESS\" .
            <{session}/final> prov:wasDerivedFrom <{session}/i5/observation> ; tg:terminationReason \"answer\" ;
              tg:document ?n . ?n tg:content \"Mars has two moons.\" }} }}"
+    );
+    assert_eq!(count_reaching(&aggregator.store(), dag, 1).await, 1);
+}
+
+/// The answer critic on a supervisor's synthesis: the first synthesis is rejected with a lesson and
+/// written again from the same subagent results (no subagent runs again); only the accepted one
+/// is the answer. The draft derives from the synthesis node, so the DAG stays whole.
+#[tokio::test]
+async fn a_supervisors_synthesis_is_written_again_until_the_critic_accepts_it() {
+    let config = config_dir(
+        "supervisor-answer-critic",
+        &[
+            (
+                "agent-pattern",
+                r#"{"react": {"description": "reason and act"},
+                    "supervisor": {"description": "fan out", "critic": ["answer"]}}"#,
+            ),
+            (
+                "tool",
+                r#"{"llm": {"name": "llm", "description": "ask", "type": "text-completion"}}"#,
+            ),
+        ],
+    );
+    let script = r#"{"rules": [
+      {"match": "Draft answer to review: Alpha 1, beta 2.", "reply": "{\"status\": \"SUCCESS\"}"},
+      {"match": "Draft answer to review: Alpha 1.", "reply": "{\"status\": \"EXECUTION_ERROR\", \"evaluation\": \"beta is missing\", \"lesson\": \"mention beta too\"}"},
+      {"match": "Request to split: Compare", "reply": "[{\"goal\": \"price of alpha\"}, {\"goal\": \"price of beta\"}]"},
+      {"match": "Question: price of alpha", "reply": "Thought: known.\nFinal Answer: alpha costs 1"},
+      {"match": "Question: price of beta", "reply": "Thought: known.\nFinal Answer: beta costs 2"},
+      {"match": "lessons: mention beta too", "reply": "Alpha 1, beta 2."},
+      {"match": "Request to answer from the subagents: Compare", "reply": "Alpha 1."}
+    ]}"#;
+    let broker = Broker::start().unwrap();
+    let aggregator = Aggregator::spawn(&broker);
+    let llm = scripted_llm(script).await;
+    let _orchestrator = Orchestrator::spawn(&broker, &llm, &config, &[]);
+    let mut client = client(&broker).await;
+    let request = AgentRequest {
+        pattern: "supervisor".into(),
+        ..request("Compare the prices of alpha and beta", false)
+    };
+    client.send("prices", &request).await.unwrap();
+    let responses = collect_dialog(&mut client, "prices", DIALOG_TIMEOUT)
+        .await
+        .unwrap();
+    assert_eq!(
+        responses.last().unwrap().content,
+        "Alpha 1, beta 2.",
+        "{responses:#?}"
+    );
+    let asked = |what: &str| {
+        llm.calls()
+            .iter()
+            .filter(|c| c.last_user.contains(what))
+            .count()
+    };
+    assert_eq!(asked("Question: price of"), 2, "each subagent ran once");
+    assert_eq!(
+        asked("Request to answer from the subagents"),
+        2,
+        "two syntheses"
+    );
+    let t = explained(&responses);
+    assert_no_dangling_links(&t);
+    let session = session_of(&responses);
+    let prefixes = agent_core::vocab::SPARQL_PREFIXES;
+    let dag = format!(
+        "{prefixes}SELECT ?draft WHERE {{ GRAPH <urn:graph:retrieval> {{
+           ?draft a tg:Synthesis ; tg:action \"synthesise\" ; prov:wasDerivedFrom ?synthesis .
+           ?synthesis a tg:Synthesis ; tg:correlationId ?cid .
+           ?rejection tg:evaluates ?draft ; tg:evaluationStatus \"EXECUTION_ERROR\" ; tg:lesson \"mention beta too\" .
+           ?second a tg:Synthesis ; prov:wasDerivedFrom ?rejectionObs .
+           ?rejectionObs prov:wasDerivedFrom ?rejection .
+           ?acceptance tg:evaluates ?second ; tg:evaluationStatus \"SUCCESS\" .
+           <{session}/final> prov:wasDerivedFrom ?acceptanceObs . ?acceptanceObs prov:wasDerivedFrom ?acceptance .
+           FILTER(STRSTARTS(STR(?draft), \"{session}/i\"))
+        }} }}"
     );
     assert_eq!(count_reaching(&aggregator.store(), dag, 1).await, 1);
 }

@@ -490,11 +490,23 @@ pub fn draft_fate(history: &[AgentStep], status: Status, max_retries: usize) -> 
     }
 }
 
-/// The draft answer the last history step wrote (a `synthesise` step), when it waits for review.
+/// The draft answer the last history step wrote, when it waits for review: a `synthesise` step
+/// that carries no subagent results (one that does is a supervisor's fan-in, still to be
+/// answered).
 pub fn awaiting_draft_review(history: &[AgentStep]) -> Option<&AgentStep> {
-    history
-        .last()
-        .filter(|s| StepType::parse(&s.step_type) == Some(StepType::Synthesise))
+    history.last().filter(|s| {
+        StepType::parse(&s.step_type) == Some(StepType::Synthesise) && s.subagent_results.is_none()
+    })
+}
+
+/// Whether the last history step is the critic's rejection of a draft answer: the draft is to be
+/// written again.
+pub fn draft_rejected(history: &[AgentStep]) -> bool {
+    history.last().is_some_and(|s| {
+        StepType::parse(&s.step_type) == Some(StepType::Evaluate)
+            && stage_of(s) == Some(Stage::Answer)
+            && s.action != Status::Success.as_str()
+    })
 }
 
 /// Lessons from reviews of earlier answers, oldest first.
@@ -637,6 +649,20 @@ mod tests {
             Some("42")
         );
         assert!(awaiting_draft_review(&once[..2]).is_none());
+        let mut answer_rejected = verdict(Status::ExecutionError);
+        answer_rejected
+            .arguments
+            .insert(STAGE_KEY.to_owned(), Stage::Answer.name().to_owned());
+        assert!(draft_rejected(&[draft.clone(), answer_rejected]));
+        assert!(!draft_rejected(&once[..2]), "a verdict on something else");
+        let fan_in = AgentStep {
+            subagent_results: Some(Default::default()),
+            ..draft
+        };
+        assert!(
+            awaiting_draft_review(&[fan_in]).is_none(),
+            "a fan-in is no draft"
+        );
     }
 
     #[test]

@@ -112,3 +112,79 @@ pub async fn conclude(
     let tokens = tokens_after(turn, stats, &ToolStats::default());
     crate::finish::answer(turn, &given.answer, tokens, model).await
 }
+
+/// Asks the critic (`answer-review`) about the draft answer the previous iteration wrote, given
+/// `results`, what it was written from. Accepted, it is the answer; rejected, the lesson joins the
+/// history and the pattern goes on (a ReACT agent reasons again, a supervisor writes its
+/// synthesis again), until `max_retries` rejections: then the last draft is given, marked as not
+/// accepted.
+pub async fn review_draft(turn: &Turn<'_>, n: usize, results: String) -> Result<(), BusError> {
+    let Turn {
+        request, config, ..
+    } = turn;
+    // A long draft travels as an excerpt; the reviewer reads it whole.
+    let history = crate::documents::resolve_recent(turn.knowledge, &request.history).await;
+    let Some(draft) = critic::awaiting_draft_review(&history) else {
+        return Ok(());
+    };
+    let vars = [
+        (
+            "framing",
+            agent_core::prompt::framing_block(&request.framing),
+        ),
+        ("question", request.question.clone()),
+        ("results", results),
+        ("answer", draft.observation.clone()),
+    ]
+    .into_iter()
+    .collect();
+    let template = &config.prompts.answer_review;
+    let Some((completion, stats)) = turn.ask(n, template, &vars, &turn.json_call()).await? else {
+        return Ok(());
+    };
+    let verdict = critic::parse(&completion.text);
+    let mut applied = critic::apply_to_answer(&[], &verdict);
+    // Only a plan's history carries the plan.
+    applied.step.plan = None;
+    let fate = critic::draft_fate(&request.history, verdict.status, config.limits.max_retries);
+    if fate == critic::DraftFate::Unverified {
+        applied.effect = format!(
+            "the answer was rejected more than max_retries ({}) times, so the last draft is given unverified",
+            config.limits.max_retries
+        );
+    }
+    announce_verdict(
+        turn,
+        n,
+        "Review of the answer",
+        None,
+        &verdict,
+        &applied,
+        &stats,
+    )
+    .await?;
+    let (answer, termination) = match fate {
+        critic::DraftFate::WriteAgain => {
+            return queue_verdict(turn, n, applied, &verdict, &stats).await;
+        }
+        critic::DraftFate::Accepted => (draft.observation.clone(), Termination::Answer),
+        critic::DraftFate::Unverified => (
+            format!(
+                "{}\n\n(A reviewer did not accept this answer: {})",
+                draft.observation,
+                if verdict.evaluation.is_empty() {
+                    verdict.status.as_str()
+                } else {
+                    verdict.evaluation.as_str()
+                }
+            ),
+            Termination::RetryLimit,
+        ),
+    };
+    let given = Given {
+        answer,
+        effect: &applied.effect,
+        termination,
+    };
+    conclude(turn, n, given, &stats, &completion.model).await
+}

@@ -42,7 +42,14 @@ pub async fn iterate(turn: &Turn<'_>) -> Result<(), BusError> {
     // With the answer critic on, a final answer is a draft the next iteration has reviewed.
     let answer_critic = config.critic_on(&request.pattern, &request.task_type, Stage::Answer);
     if answer_critic && critic::awaiting_draft_review(&request.history).is_some() {
-        return review_draft(turn, n).await;
+        // The reviewer sees the steps that led to the draft.
+        let history = crate::documents::resolve_recent(turn.knowledge, &request.history).await;
+        let before = history.split_last().map_or(&[][..], |(_, before)| before);
+        let transcript = match agent_core::prompt::render_history(before) {
+            t if t.is_empty() => "(no tool was used)".to_owned(),
+            t => t,
+        };
+        return crate::review::review_draft(turn, n, transcript).await;
     }
     let scope = Scope::new(request.group.as_deref(), request.state.as_deref());
     let visible = turn.visible_tools(&scope).await;
@@ -181,84 +188,6 @@ pub async fn iterate(turn: &Turn<'_>) -> Result<(), BusError> {
             .await
         }
     }
-}
-
-/// Asks the critic about the draft answer the previous iteration wrote, with the steps that led to
-/// it. Accepted, it is the answer; rejected, the agent goes on with the lesson (in its history)
-/// and writes another, until `max_retries` rejections: then the last draft is given, marked as
-/// not accepted.
-async fn review_draft(turn: &Turn<'_>, n: usize) -> Result<(), BusError> {
-    let Turn {
-        request, config, ..
-    } = turn;
-    let history = crate::documents::resolve_recent(turn.knowledge, &request.history).await;
-    let Some((draft, before)) = history.split_last() else {
-        return Ok(());
-    };
-    let transcript = match agent_core::prompt::render_history(before) {
-        t if t.is_empty() => "(no tool was used)".to_owned(),
-        t => t,
-    };
-    let vars = [
-        (
-            "framing",
-            agent_core::prompt::framing_block(&request.framing),
-        ),
-        ("question", request.question.clone()),
-        ("results", transcript),
-        ("answer", draft.observation.clone()),
-    ]
-    .into_iter()
-    .collect();
-    let template = &config.prompts.answer_review;
-    let Some((completion, stats)) = turn.ask(n, template, &vars, &turn.json_call()).await? else {
-        return Ok(());
-    };
-    let verdict = critic::parse(&completion.text);
-    let mut applied = critic::apply_to_answer(&[], &verdict);
-    // A ReACT history carries no plan.
-    applied.step.plan = None;
-    let fate = critic::draft_fate(&request.history, verdict.status, config.limits.max_retries);
-    if fate == critic::DraftFate::Unverified {
-        applied.effect = format!(
-            "the answer was rejected more than max_retries ({}) times, so the last draft is given unverified",
-            config.limits.max_retries
-        );
-    }
-    crate::review::announce_verdict(
-        turn,
-        n,
-        "Review of the answer",
-        None,
-        &verdict,
-        &applied,
-        &stats,
-    )
-    .await?;
-    let (answer, termination) = match fate {
-        critic::DraftFate::WriteAgain => {
-            return crate::review::queue_verdict(turn, n, applied, &verdict, &stats).await;
-        }
-        critic::DraftFate::Accepted => (draft.observation.clone(), Termination::Answer),
-        critic::DraftFate::Unverified => (
-            format!(
-                "{}\n\n(A reviewer did not accept this answer: {})",
-                draft.observation,
-                if verdict.evaluation.is_empty() {
-                    verdict.status.as_str()
-                } else {
-                    verdict.evaluation.as_str()
-                }
-            ),
-            Termination::RetryLimit,
-        ),
-    };
-    let given = crate::review::Given {
-        answer,
-        effect: &applied.effect,
-        termination,
-    };
-    crate::review::conclude(turn, n, given, &stats, &completion.model).await
 }
 
 /// Runs the tool the LLM chose in iteration `n` and records the step; `approved`: a person

@@ -3,8 +3,9 @@
 //! the subagents' results, answer from them.
 
 use agent_bus::BusError;
+use agent_core::critic;
 use agent_core::documents::steps_taken;
-use agent_core::pattern::{Pattern, Termination};
+use agent_core::pattern::{Pattern, Stage, Termination};
 use agent_core::prompt::{describe_tools, framing_block};
 use agent_core::provenance::{self, CallStats, SessionUris, ToolStats};
 use agent_core::supervisor::{self as supervising, Goal};
@@ -22,14 +23,31 @@ const EXPECTED_KEY: &str = "expected";
 
 pub async fn iterate(turn: &Turn<'_>) -> Result<(), BusError> {
     let n = steps_taken(&turn.request.history) + 1;
+    let history = &turn.request.history;
     // Subagents' results are answered from whatever the limits say: their work is already done.
-    if supervising::pending_synthesis(&turn.request.history).is_some() {
+    if supervising::pending_synthesis(history).is_some() {
         return synthesise(turn, n).await;
+    }
+    // With the answer critic on, a synthesis is a draft until the critic accepts it.
+    if answer_critic(turn) {
+        if critic::awaiting_draft_review(history).is_some() {
+            let results = supervising::describe_rounds(history);
+            return crate::review::review_draft(turn, n, results).await;
+        }
+        if critic::draft_rejected(history) {
+            return synthesise(turn, n).await;
+        }
     }
     if let Some(done) = conclude_if_limited(turn).await {
         return done;
     }
     decompose(turn, n).await
+}
+
+fn answer_critic(turn: &Turn<'_>) -> bool {
+    let request = turn.request;
+    turn.config
+        .critic_on(&request.pattern, &request.task_type, Stage::Answer)
 }
 
 /// The sentence that tells the LLM how subagents may work.
@@ -204,6 +222,18 @@ async fn synthesise(turn: &Turn<'_>, n: usize) -> Result<(), BusError> {
     } else {
         String::new()
     };
+    // A synthesis written again after the critic rejected one is told why.
+    let lessons = critic::answer_lessons(&request.history);
+    let again = if lessons.is_empty() {
+        again
+    } else {
+        format!(
+            "{again} A reviewer rejected an earlier answer; lessons: {}.",
+            lessons.join("; ")
+        )
+    };
+    // The first synthesis of a fan-in records its node; one written again only its draft.
+    let fan_in = supervising::pending_synthesis(&request.history).is_some();
     let template = &config.prompts.supervisor_synthesise;
     let vars = [
         ("framing", framing_block(&request.framing)),
@@ -266,10 +296,42 @@ async fn synthesise(turn: &Turn<'_>, n: usize) -> Result<(), BusError> {
         ),
         supervising::Synthesis::Answer(answer) => (answer, Termination::Answer),
     };
-    out.explain(
-        &uris.synthesis(&cid),
-        provenance::synthesis(uris, &cid, &completions, &missing, &stats),
-    )?;
+    if fan_in {
+        out.explain(
+            &uris.synthesis(&cid),
+            provenance::synthesis(uris, &cid, &completions, &missing, &stats),
+        )?;
+    }
+    if termination == Termination::Answer && answer_critic(turn) {
+        // A draft: recorded, derived from the synthesis, and queued for review. Its LLM call is
+        // counted once: on the synthesis node the first time, on the draft after that.
+        let cost = if fan_in {
+            CallStats::default()
+        } else {
+            stats.clone()
+        };
+        let mut triples = provenance::draft_answer(uris, n, &cost);
+        if fan_in {
+            // The step before is the fan-in, which has no node of its own: the synthesis stands
+            // for it.
+            let previous = uris.previous(n - 1);
+            triples.retain(|t| t.o.iri != previous);
+        }
+        triples.extend(provenance::derived_from(
+            &uris.iteration(n),
+            &uris.synthesis(&cid),
+        ));
+        out.explain(&uris.iteration(n), triples)?;
+        let draft = AgentStep {
+            observation: answer,
+            step_type: StepType::Synthesise.as_str().to_owned(),
+            ..AgentStep::default()
+        };
+        let tokens = crate::turn::tokens_after(turn, &stats, &ToolStats::default());
+        return turn
+            .observe_and_continue(n, draft, ToolStats::default(), Vec::new(), None, tokens)
+            .await;
+    }
     if request.streaming {
         out.chunk(MessageType::Answer, &answer, &uris.conclusion(), false)
             .await?;
