@@ -418,7 +418,7 @@ async fn routing_follows_config_changes_without_a_restart() {
     assert_eq!(one(&before, "taskType"), "general");
     assert_eq!(
         set(&before, "patternCandidate"),
-        names(&["react", "plan-then-execute", "supervisor"])
+        names(&["react", "plan-then-execute", "supervisor", "llm-router"])
     );
     assert!(one(&before, "taskTypeFallbackReason").contains("'incident-response' is not one"));
 

@@ -14,13 +14,17 @@ pub enum Pattern {
     PlanThenExecute,
     /// Independent goals fanned out to subagents, then one synthesis.
     Supervisor,
+    /// No reasoning loop: one constrained choice among the tools and the other patterns, and
+    /// the request handed to it.
+    LlmRouter,
 }
 
 impl Pattern {
-    pub const ALL: [Pattern; 3] = [
+    pub const ALL: [Pattern; 4] = [
         Pattern::React,
         Pattern::PlanThenExecute,
         Pattern::Supervisor,
+        Pattern::LlmRouter,
     ];
 
     /// The name on the wire (`AgentRequest::pattern`), in config and in the provenance graph.
@@ -29,6 +33,7 @@ impl Pattern {
             Pattern::React => "react",
             Pattern::PlanThenExecute => "plan-then-execute",
             Pattern::Supervisor => "supervisor",
+            Pattern::LlmRouter => "llm-router",
         }
     }
 
@@ -53,6 +58,9 @@ impl Pattern {
             }
             Pattern::Supervisor => {
                 "Split the request into independent goals, give each to its own subagent in parallel, then combine their findings"
+            }
+            Pattern::LlmRouter => {
+                "Make one choice among the tools and the other ways of working, without reasoning steps, and hand the request to it"
             }
         }
     }
@@ -149,6 +157,9 @@ mod tests {
         for other in ["", "React", "plan", "supervisor ", "reflexion"] {
             assert_eq!(Pattern::from_name(other), None, "{other:?}");
         }
-        assert_eq!(Pattern::all_names(), "react, plan-then-execute, supervisor");
+        assert_eq!(
+            Pattern::all_names(),
+            "react, plan-then-execute, supervisor, llm-router"
+        );
     }
 }

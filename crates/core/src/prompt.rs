@@ -37,6 +37,8 @@ pub const SUPERVISOR_DECOMPOSE_KEY: &str = "supervisor-decompose";
 pub const SUPERVISOR_SYNTHESISE_KEY: &str = "supervisor-synthesise";
 /// Config key of the prompt around a tool's LLM call (`text-completion` and `prompt` tools).
 pub const TOOL_CALL_KEY: &str = "tool-call";
+/// Config key of the LLM-as-router's one choice.
+pub const LLM_ROUTER_KEY: &str = "llm-router";
 
 /// The ReACT system prompt used when config gives none.
 pub const DEFAULT_REACT_SYSTEM: &str = "You are a careful assistant that answers questions by reasoning step by step and using tools when they help.";
@@ -85,6 +87,10 @@ pub const DEFAULT_PLAN_REVIEW_TEMPLATE: &str = "{{framing}}Review the plan below
 
 /// The critic on a draft answer. Placeholders: `framing`, `question`, `results`, `answer`.
 pub const DEFAULT_ANSWER_REVIEW_TEMPLATE: &str = "{{framing}}Review a draft answer to a request, written from the results of the steps taken for it.\n\nThe steps' results:\n{{results}}\n\nSUCCESS: the answer is right and answers the request. EXECUTION_ERROR: the answer is badly written from good results. INPUT_DATA_ERROR: results it rests on are wrong (name their step numbers in culprits). JOB_TOO_COMPLICATED_ERROR: the answer tries to do too much at once. When several apply, give the first in that order.\n\nReply with only a JSON object: {\"status\": \"<one of the four>\", \"evaluation\": \"<what is right or wrong>\", \"lesson\": \"<what to do differently>\", \"culprits\": [<step numbers>]}\n\nDraft answer to review: {{answer}}\n\nRequest it answers: {{question}}";
+
+/// The LLM-as-router's one choice. Placeholders: `framing`, `question`, `candidates` (one line each:
+/// `tool:<name>` or `pattern:<name>` and what it does), `candidate_names`.
+pub const DEFAULT_LLM_ROUTER_TEMPLATE: &str = "{{framing}}Choose the one option below that should handle the request: a tool answers it directly with the arguments you give; a pattern works on it as it would.\n\n{{candidates}}\n\nReply with only a JSON object: {\"choice\": \"<one of: {{candidate_names}}>\", \"rationale\": \"<one sentence>\", \"arguments\": {\"<argument>\": \"<value>\"}}\n\nRequest to route: {{question}}";
 
 /// Synthesis. Placeholders: `framing`, `question`, `results`, `caveat`.
 pub const DEFAULT_PLAN_SYNTHESISE_TEMPLATE: &str = "{{framing}}Answer the request below from the results of the plan's steps. Use only these results; say so if they are not enough.{{caveat}}\n\nResults:\n{{results}}\n\nRequest to answer: {{question}}";
@@ -138,6 +144,7 @@ pub struct Prompts {
     pub supervisor_decompose: PromptTemplate,
     pub supervisor_synthesise: PromptTemplate,
     pub tool_call: PromptTemplate,
+    pub llm_router: PromptTemplate,
 }
 
 impl Default for Prompts {
@@ -178,6 +185,7 @@ impl Default for Prompts {
                 DEFAULT_SUPERVISOR_SYNTHESISE_TEMPLATE,
             ),
             tool_call: PromptTemplate::new(DEFAULT_TOOL_CALL_SYSTEM, "{{prompt}}"),
+            llm_router: PromptTemplate::new(DEFAULT_ROUTING_SYSTEM, DEFAULT_LLM_ROUTER_TEMPLATE),
         }
     }
 }
@@ -200,12 +208,13 @@ impl Prompts {
             SUPERVISOR_DECOMPOSE_KEY => Some(&mut self.supervisor_decompose),
             SUPERVISOR_SYNTHESISE_KEY => Some(&mut self.supervisor_synthesise),
             TOOL_CALL_KEY => Some(&mut self.tool_call),
+            LLM_ROUTER_KEY => Some(&mut self.llm_router),
             _ => None,
         }
     }
 
     /// The config keys of every prompt.
-    pub const KEYS: [&'static str; 14] = [
+    pub const KEYS: [&'static str; 15] = [
         REACT_KEY,
         REACT_NATIVE_KEY,
         TASK_TYPE_SELECTION_KEY,
@@ -220,6 +229,7 @@ impl Prompts {
         SUPERVISOR_DECOMPOSE_KEY,
         SUPERVISOR_SYNTHESISE_KEY,
         TOOL_CALL_KEY,
+        LLM_ROUTER_KEY,
     ];
 }
 

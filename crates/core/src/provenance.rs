@@ -80,6 +80,10 @@ impl SessionUris {
     pub fn conclusion(&self) -> String {
         format!("{}/final", self.base)
     }
+    /// The LLM-as-router's one choice.
+    pub fn dispatch(&self) -> String {
+        format!("{}/dispatch", self.base)
+    }
     pub fn answer_document(&self) -> String {
         format!("{}/answer", self.base)
     }
@@ -862,6 +866,29 @@ pub fn pattern_decision(uris: &SessionUris, decision: &Decision, stats: &CallSta
 
 /// The facts of one choice, under predicates named after what was chosen (`taskType...`,
 /// `pattern...`).
+/// The LLM-as-router's choice, recorded as the meta-router's are: every candidate offered (tools as
+/// `tool:<name>`, patterns as `pattern:<name>`), the one selected, how, why, what it cost, and any
+/// tool arguments; derived from the pattern decision that chose the LLM-as-router.
+pub fn dispatch_decision(
+    uris: &SessionUris,
+    choice: &Choice,
+    arguments_json: &str,
+    stats: &CallStats,
+) -> Vec<Triple> {
+    let s = uris.dispatch();
+    let mut b = NodeBuilder::default();
+    b.types(&s, &["DispatchDecision"])
+        .label(&s, &format!("Dispatch: {}", choice.selected))
+        .derived(&s, &uris.pattern_decision())
+        .tg(&s, "dispatch", Term::literal(&choice.selected));
+    choice_facts(&mut b, &s, "dispatch", choice);
+    if !arguments_json.is_empty() {
+        b.tg(&s, "arguments", Term::literal(arguments_json));
+    }
+    b.cost(&s, stats);
+    b.build()
+}
+
 fn choice_facts(b: &mut NodeBuilder, s: &str, what: &str, choice: &Choice) {
     for c in &choice.candidates {
         b.tg(s, &format!("{what}Candidate"), Term::literal(c));

@@ -184,6 +184,93 @@ fn choice_vars<'a>(question: &str, candidates: &[Candidate]) -> BTreeMap<&'a str
     .collect()
 }
 
+/// What the LLM-as-router may hand a request to: a tool (`tool:<name>`) or another pattern this
+/// orchestrator runs (`pattern:<name>`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Dispatch {
+    Tool(String),
+    Pattern(Pattern),
+}
+
+impl Dispatch {
+    /// The candidate's name, as offered and recorded.
+    pub fn name(&self) -> String {
+        match self {
+            Dispatch::Tool(tool) => format!("tool:{tool}"),
+            Dispatch::Pattern(pattern) => format!("pattern:{}", pattern.name()),
+        }
+    }
+
+    /// The dispatch a candidate name stands for.
+    pub fn parse(name: &str) -> Option<Dispatch> {
+        if let Some(tool) = name.strip_prefix("tool:") {
+            return Some(Dispatch::Tool(tool.to_owned()));
+        }
+        let pattern = Pattern::from_name(name.strip_prefix("pattern:")?)?;
+        (pattern != Pattern::LlmRouter).then_some(Dispatch::Pattern(pattern))
+    }
+}
+
+/// The LLM-as-router's candidates: the tools the request may use, then the patterns config
+/// defines that this orchestrator runs (not itself), each with what it does.
+pub fn dispatch_candidates(
+    config: &AgentConfig,
+    tools: &[crate::tools::ToolDef],
+) -> Vec<Candidate> {
+    let tools = tools.iter().map(|t| Candidate {
+        name: Dispatch::Tool(t.name.clone()).name(),
+        description: t.description.clone(),
+    });
+    let patterns = Pattern::ALL
+        .into_iter()
+        .filter(|p| *p != Pattern::LlmRouter)
+        .filter(|p| config.patterns.is_empty() || config.patterns.contains_key(p.name()))
+        .map(|p| Candidate {
+            name: Dispatch::Pattern(p).name(),
+            description: config
+                .patterns
+                .get(p.name())
+                .map_or(p.description().to_owned(), |d| d.description.clone()),
+        });
+    tools.chain(patterns).collect()
+}
+
+/// The prompt of the LLM-as-router's choice.
+pub fn dispatch_prompt(
+    template: &PromptTemplate,
+    question: &str,
+    framing: &str,
+    candidates: &[Candidate],
+) -> (String, String) {
+    let mut vars = choice_vars(question, candidates);
+    vars.insert("framing", crate::prompt::framing_block(framing));
+    (template.system.clone(), render(&template.template, &vars))
+}
+
+/// The tool arguments an answer gives (`arguments`, a JSON object of strings; other values are
+/// kept as their JSON text), if any.
+pub fn dispatch_arguments(text: &str) -> BTreeMap<String, String> {
+    let (Some(start), Some(end)) = (text.find('{'), text.rfind('}')) else {
+        return BTreeMap::new();
+    };
+    let Some(object) = text
+        .get(start..=end)
+        .and_then(|json| serde_json::from_str::<serde_json::Value>(json).ok())
+    else {
+        return BTreeMap::new();
+    };
+    let Some(arguments) = object.get("arguments").and_then(|a| a.as_object()) else {
+        return BTreeMap::new();
+    };
+    arguments
+        .iter()
+        .map(|(k, v)| {
+            let value = v.as_str().map_or_else(|| v.to_string(), str::to_owned);
+            (k.clone(), value)
+        })
+        .collect()
+}
+
 /// A choice made without the LLM: the only candidate, or the one the request named.
 pub fn without_llm(candidates: &[Candidate], selected: &str, method: Method) -> Choice {
     Choice {
@@ -308,6 +395,44 @@ mod tests {
                 description: format!("about {n}"),
             })
             .collect()
+    }
+
+    #[test]
+    fn the_llm_router_offers_tools_and_other_patterns_and_reads_their_names_back() {
+        let config = AgentConfig::default();
+        let tool: crate::tools::ToolDef = serde_json::from_value(serde_json::json!(
+            {"type": "text-completion", "name": "llm", "description": "ask"}
+        ))
+        .unwrap_or_else(|e| panic!("{e}"));
+        let offered: Vec<String> = dispatch_candidates(&config, &[tool])
+            .into_iter()
+            .map(|c| c.name)
+            .collect();
+        assert_eq!(
+            offered,
+            [
+                "tool:llm",
+                "pattern:react",
+                "pattern:plan-then-execute",
+                "pattern:supervisor"
+            ]
+        );
+        assert_eq!(
+            Dispatch::parse("tool:llm"),
+            Some(Dispatch::Tool("llm".into()))
+        );
+        assert_eq!(
+            Dispatch::parse("pattern:react"),
+            Some(Dispatch::Pattern(Pattern::React))
+        );
+        assert_eq!(Dispatch::parse("pattern:llm-router"), None, "never itself");
+        assert_eq!(Dispatch::parse("react"), None);
+        let answer =
+            r#"{"choice": "tool:llm", "rationale": "r", "arguments": {"question": "q", "n": 2}}"#;
+        let arguments = dispatch_arguments(answer);
+        assert_eq!(arguments.get("question").map(String::as_str), Some("q"));
+        assert_eq!(arguments.get("n").map(String::as_str), Some("2"));
+        assert!(dispatch_arguments("tool:llm").is_empty());
     }
 
     #[test]

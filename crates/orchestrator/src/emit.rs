@@ -648,6 +648,27 @@ impl<'a> DialogOutput<'a> {
         tokens: crate::budget::Tokens,
         extra: &[(&str, &str)],
     ) -> Result<(), BusError> {
+        self.queue(request, tokens, extra, true)
+    }
+
+    /// Hands the dialog to another pattern as its first iteration ([`DialogOutput::next`], but the
+    /// request is not recorded as a step's input: the step that hands it over is step 1's).
+    pub fn dispatch(
+        &self,
+        request: &AgentRequest,
+        tokens: crate::budget::Tokens,
+        extra: &[(&str, &str)],
+    ) -> Result<(), BusError> {
+        self.queue(request, tokens, extra, false)
+    }
+
+    fn queue(
+        &self,
+        request: &AgentRequest,
+        tokens: crate::budget::Tokens,
+        extra: &[(&str, &str)],
+        record_input: bool,
+    ) -> Result<(), BusError> {
         let mut properties = self.properties.clone();
         for (key, value) in extra {
             properties.insert((*key).to_owned(), (*value).to_owned());
@@ -662,11 +683,13 @@ impl<'a> DialogOutput<'a> {
         self.within_limit(&payload, &properties)?;
         // What the next step is given, kept as what it adds to this step's input: a fork or replay
         // of that step starts from it.
-        let input = agent_core::fork::record(self.input_step, &self.input_history, request);
-        self.keep(agent_core::provenance::step_input(
-            &agent_core::provenance::SessionUris::new(&self.root),
-            &input,
-        ));
+        if record_input {
+            let input = agent_core::fork::record(self.input_step, &self.input_history, request);
+            self.keep(agent_core::provenance::step_input(
+                &agent_core::provenance::SessionUris::new(&self.root),
+                &input,
+            ));
+        }
         self.hold(Channel::Requests, payload, &properties);
         Ok(())
     }

@@ -1438,7 +1438,7 @@ mod seed_tests {
         for name in ["general", "research", "risk-assessment", "summarisation"] {
             assert!(config.task_types.contains_key(name), "{name} is not seeded");
         }
-        for name in ["react", "plan-then-execute", "supervisor"] {
+        for name in ["react", "plan-then-execute", "supervisor", "llm-router"] {
             assert!(config.patterns.contains_key(name), "{name} is not seeded");
         }
         assert_eq!(config.limits, agent_core::config::Limits::default());

@@ -160,11 +160,26 @@ async fn ask(
     fallback: &str,
     cost: &mut CallStats,
 ) -> Choice {
+    ask_answered(turn, system, user, candidates, fallback, cost)
+        .await
+        .0
+}
+
+/// [`ask`], and the LLM's answer as it came (when the call succeeded), for what else it says.
+pub(crate) async fn ask_answered(
+    turn: &Turn<'_>,
+    system: String,
+    user: String,
+    candidates: &[Candidate],
+    fallback: &str,
+    cost: &mut CallStats,
+) -> (Choice, Option<String>) {
     let messages = [ChatMessage::system(system), ChatMessage::user(user)];
     match turn.llm.complete_with(&messages, &turn.json_call()).await {
         Ok(completion) => {
             crate::turn::add_call(cost, &completion);
-            router::decide(Ok(&completion.text), candidates, fallback)
+            let choice = router::decide(Ok(&completion.text), candidates, fallback);
+            (choice, Some(completion.text))
         }
         Err(e) => {
             // In an outage the step waits rather than routing blind; what it decides here is then
@@ -175,7 +190,10 @@ async fn ask(
                     retry_after: e.retry_after(),
                 });
             }
-            router::decide(Err(e.to_string()), candidates, fallback)
+            (
+                router::decide(Err(e.to_string()), candidates, fallback),
+                None,
+            )
         }
     }
 }

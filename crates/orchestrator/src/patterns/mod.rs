@@ -2,6 +2,7 @@
 //! LLM, what to do with the answer); how a step reads its input ([`crate::turn`]), streams
 //! ([`crate::stream`]), emits effects ([`crate::emit`]) and ends ([`crate::finish`]) is shared.
 
+pub mod llm_router;
 pub mod plan;
 pub mod react;
 pub mod supervisor;
@@ -18,6 +19,7 @@ use crate::turn::Turn;
 pub async fn iterate(turn: &Turn<'_>) -> Result<(), BusError> {
     match Pattern::from_name(&turn.request.pattern) {
         Some(Pattern::PlanThenExecute) => plan::iterate(turn).await,
+        Some(Pattern::LlmRouter) => llm_router::iterate(turn).await,
         // Past the depth limit a supervisor works alone (see `router::requested`).
         Some(Pattern::Supervisor)
             if agent_core::supervisor::may_fan_out(

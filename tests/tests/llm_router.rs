@@ -1,0 +1,104 @@
+//! The LLM-as-router pattern end to end on a real broker: one constrained choice, no reasoning
+//! loop. Chosen by the meta-router from config, it hands a request to a tool (whose answer is the
+//! dialog's answer) or to another pattern (which runs it as its first iteration); the choice, its
+//! candidates and its rationale are in the graph, checked by SPARQL.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use std::time::Duration;
+
+use agent_e2e::*;
+
+const TOKEN: &str = "llm-router-token";
+
+const SCRIPT: &str = r#"{"rules": [
+  {"match": "Request to classify: ", "reply": "{\"choice\": \"general\", \"rationale\": \"plain\"}"},
+  {"match": "Request to work on: ", "reply": "{\"choice\": \"llm-router\", \"rationale\": \"one step will do\"}"},
+  {"match": "Request to route: What is two plus two?", "reply": "{\"choice\": \"tool:llm\", \"rationale\": \"a single lookup\", \"arguments\": {\"question\": \"2+2\"}}"},
+  {"match": "Request to route: Explain why the sky is blue.", "reply": "{\"choice\": \"pattern:react\", \"rationale\": \"needs reasoning\"}"},
+  {"match": "2+2", "exact": true, "reply": "4"},
+  {"match": "Question: Explain why the sky is blue.", "reply": "Thought: I know this.\nFinal Answer: Rayleigh scattering."}
+]}"#;
+
+fn config() -> std::path::PathBuf {
+    config_dir(
+        "llm-router",
+        &[
+            (
+                "agent-task-type",
+                r#"{"general": {"description": "anything", "valid_patterns": ["react", "llm-router"]}}"#,
+            ),
+            (
+                "agent-pattern",
+                r#"{"react": {"description": "reason and act"}, "llm-router": {"description": "one choice"}}"#,
+            ),
+            (
+                "tool",
+                r#"{"llm": {"name": "llm", "description": "ask the LLM", "type": "text-completion", "arguments": [{"name": "question", "type": "string", "description": "the question"}]}}"#,
+            ),
+        ],
+    )
+}
+
+#[tokio::test]
+async fn the_meta_router_chooses_the_llm_router_which_hands_requests_to_a_tool_or_a_pattern() {
+    let broker = Broker::start().unwrap();
+    let aggregator = Aggregator::spawn_with(&broker, &["--config-token", TOKEN]);
+    let llm = scripted_llm(SCRIPT).await;
+    let config = config();
+    let _orchestrator = Orchestrator::journaled_with(
+        Place::InProcess,
+        &broker,
+        &llm,
+        &aggregator,
+        TOKEN,
+        &config,
+        &[],
+    );
+    let mut client = client(&broker).await;
+    client
+        .send("sum", &request("What is two plus two?", false))
+        .await
+        .unwrap();
+    client
+        .send("sky", &request("Explain why the sky is blue.", true))
+        .await
+        .unwrap();
+    let mut both = collect_dialogs(&mut client, &["sum", "sky"], Duration::from_secs(60)).await;
+    let (sum, sky) = (both.remove("sum").unwrap(), both.remove("sky").unwrap());
+    assert_eq!(sum.last().unwrap().content, "4", "{sum:#?}");
+    assert_eq!(text_of(&sky, "answer"), "Rayleigh scattering.", "{sky:#?}");
+    // No reasoning loop for the tool: the ReACT prompt was never asked for it.
+    assert!(!llm
+        .calls()
+        .iter()
+        .any(|c| c.last_user.contains("Question: What is two plus two?")));
+
+    let store = aggregator.store();
+    let prefixes = agent_core::vocab::SPARQL_PREFIXES;
+    let (sum_session, sky_session) = (session_of(&sum), session_of(&sky));
+    // The tool: the meta-router's choice, then the dispatch decision with every candidate, then
+    // the tool call derived from it, its observation and the conclusion.
+    let to_tool = format!(
+        "{prefixes}SELECT ?d WHERE {{ GRAPH <urn:graph:retrieval> {{
+           <{sum_session}/pattern-decision> tg:pattern \"llm-router\" ; tg:patternMethod \"llm\" .
+           ?d a tg:DispatchDecision ; prov:wasDerivedFrom <{sum_session}/pattern-decision> ;
+              tg:dispatch \"tool:llm\" ; tg:dispatchMethod \"llm\" ; tg:dispatchRationale \"a single lookup\" ;
+              tg:dispatchCandidate \"tool:llm\", \"pattern:react\" ;
+              tg:arguments \"{{\\\"question\\\":\\\"2+2\\\"}}\" .
+           <{sum_session}/i1> prov:wasDerivedFrom ?d ; tg:action \"llm\" .
+           <{sum_session}/i1/observation> tg:content \"4\" .
+           <{sum_session}/final> prov:wasDerivedFrom <{sum_session}/i1/observation> ; tg:terminationReason \"answer\" .
+           FILTER(?d = <{sum_session}/dispatch>)
+        }} }}"
+    );
+    assert_eq!(count_reaching(&store, to_tool, 1).await, 1);
+    // The pattern: the dispatch decision, then ReACT's own first iteration and conclusion.
+    let to_pattern = format!(
+        "{prefixes}SELECT ?c WHERE {{ GRAPH <urn:graph:retrieval> {{
+           <{sky_session}/dispatch> tg:dispatch \"pattern:react\" ; tg:dispatchCandidate ?c .
+           <{sky_session}/final> tg:terminationReason \"answer\" ; tg:document ?a . ?a tg:content \"Rayleigh scattering.\"
+        }} }}"
+    );
+    // Every candidate offered: the tool and the one other pattern config defines.
+    assert_eq!(count_reaching(&store, to_pattern, 2).await, 2);
+}
