@@ -1,7 +1,8 @@
 //! Every `agentctl` command the README documents runs as documented, in a short mode: `up` with a
 //! question, `invoke` against a running `up --stay`, `explain` and `sparql` on what `up` left in its
 //! store, `bench`, `bench-graph` and `bench-long` with small counts. (`config`, `load` and `tools` have their own
-//! tests in config.rs and knowledge.rs, `cancel`, `approve` and `deny` in run_control.rs.)
+//! tests in config.rs and knowledge.rs, `cancel`, `approve` and `deny` in run_control.rs, `fork` in
+//! fork.rs.)
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use std::process::{Command, Output, Stdio};
