@@ -620,25 +620,23 @@ impl Engine {
             request.pattern.clone_from(&decision.pattern.selected);
         }
         let n = steps_taken(&request.history) + 1;
-        // A replay's steps give recorded answers again (and ask their successors and subagents to);
-        // every step records its LLM calls, which is what a later replay reuses.
-        let reuse = replay::Reuse::asked(&properties);
-        let step_replay = match (&reuse, &self.knowledge, attempt) {
-            (Some(reuse), Some(store), Attempt::Run { .. }) => {
-                replay::StepReplay::load(store, reuse).await?
-            }
-            _ => replay::StepReplay::recording(),
-        };
+        let replay::StepStart {
+            reuse,
+            replay: step_replay,
+            fork,
+        } = replay::StepStart::read(
+            &properties,
+            &request,
+            self.knowledge.as_ref(),
+            matches!(attempt, Attempt::Run { .. }) && verdict.is_ok(),
+        )
+        .await?;
         if let Some(reuse) = &reuse {
+            // Its next steps and subagents reuse too.
             out.set_property(agent_schema::REUSE_PROPERTY, reuse.label().to_owned());
             out.set_property(agent_schema::REUSE_FROM_PROPERTY, reuse.from.clone());
         }
         let llm = self.llm.taped(step_replay.tape.clone());
-        let fork = replay::Fork::started_by(&properties, &request);
-        let fork_edits = match (&fork, verdict.is_ok()) {
-            (Some(fork), true) => fork.edits(self.knowledge.as_ref(), &request).await?,
-            _ => Vec::new(),
-        };
         let span = iteration_span(&request, &session_id, id, &properties);
         // Everything this step sends carries the step's span, so the next step (in any replica)
         // and the aggregator continue the same trace.
@@ -684,7 +682,7 @@ impl Engine {
                         let start = Start {
                             new_dialog,
                             requested: requested.as_ref(),
-                            fork: fork.as_ref().map(|f| (f, fork_edits.as_slice())),
+                            fork: fork.as_ref().map(|(f, edits)| (f, edits.as_slice())),
                             reuse: reuse.as_ref(),
                         };
                         Box::pin(begin_or_continue(&turn, start)).await

@@ -55,6 +55,45 @@ impl Reuse {
     }
 }
 
+/// What a step learns from its message about forks and replays before it works.
+pub struct StepStart {
+    /// The reuse its message asks for.
+    pub reuse: Option<Reuse>,
+    /// Its record of LLM calls, with the recorded answers the reuse may give.
+    pub replay: StepReplay,
+    /// The fork its message starts, and what the fork's input changes in the source's.
+    pub fork: Option<(Fork, Vec<String>)>,
+}
+
+impl StepStart {
+    /// Reads what the message asks for; the graph is read only for a step that will run
+    /// (`running`: not refused, not given up).
+    pub async fn read(
+        properties: &agent_bus::Properties,
+        request: &AgentRequest,
+        store: Option<&GraphStore>,
+        running: bool,
+    ) -> Result<StepStart, GraphError> {
+        let reuse = Reuse::asked(properties);
+        let replay = match (&reuse, store, running) {
+            (Some(reuse), Some(store), true) => StepReplay::load(store, reuse).await?,
+            _ => StepReplay::recording(),
+        };
+        let fork = match Fork::started_by(properties, request) {
+            Some(fork) if running => {
+                let edits = fork.edits(store, request).await?;
+                Some((fork, edits))
+            }
+            _ => None,
+        };
+        Ok(StepStart {
+            reuse,
+            replay,
+            fork,
+        })
+    }
+}
+
 /// One step's record of its calls, and what it may give again.
 pub struct StepReplay {
     pub tape: Arc<Tape>,
