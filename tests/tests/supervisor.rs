@@ -538,6 +538,56 @@ async fn a_synthesis_fans_out_again_within_the_iteration_limit() {
     assert_eq!(count_reaching(&store, chain, 1).await, 1);
 }
 
+/// Streamed, a supervisor's synthesis reaches the client as it is written, in several chunks,
+/// while a reply that asks for another round (JSON goals) is held back and never shown as an
+/// answer.
+#[tokio::test]
+async fn a_streamed_synthesis_streams_and_a_request_for_another_round_does_not() {
+    let broker = Broker::start().unwrap();
+    let _aggregator = Aggregator::spawn(&broker);
+    let llm = scripted_llm(
+        r#"{"rules": [
+      {"match": "Request to split: Investigate", "reply": "[{\"goal\": \"find the suspect\"}, {\"goal\": \"find the motive\"}]"},
+      {"match": "Question: find the suspect", "reply": "Thought: seen.\nFinal Answer: the butler"},
+      {"match": "Question: find the motive in the will", "reply": "Thought: read it.\nFinal Answer: an inheritance"},
+      {"match": "Question: find the motive", "reply": "Thought: unclear.\nFinal Answer: unknown"},
+      {"match": "Request to answer from the subagents: Investigate", "and": ["Round 2:"], "reply": "The butler, for an inheritance, as the will shows."},
+      {"match": "Request to answer from the subagents: Investigate", "reply": "{\"goals\": [{\"goal\": \"find the motive in the will\"}]}"}
+    ]}"#,
+    )
+    .await;
+    let _orchestrator = Orchestrator::spawn(&broker, &llm, &seed_dir(), &[]);
+    let mut client = client(&broker).await;
+    let streamed = AgentRequest {
+        streaming: true,
+        ..supervised("Investigate the theft.")
+    };
+    client.send("st-1", &streamed).await.unwrap();
+    let responses = collect_dialog(&mut client, "st-1", DIALOG_TIMEOUT)
+        .await
+        .unwrap();
+    let chunks: Vec<&str> = responses
+        .iter()
+        .filter(|r| r.message_type == "answer" && !r.message_id.contains("-s"))
+        .map(|r| r.content.as_str())
+        .filter(|c| !c.is_empty())
+        .collect();
+    assert_eq!(
+        chunks.concat(),
+        "The butler, for an inheritance, as the will shows.",
+        "{responses:#?}"
+    );
+    assert!(
+        chunks.len() > 1,
+        "written in pieces, sent in pieces: {chunks:?}"
+    );
+    assert!(
+        !chunks.iter().any(|c| c.contains("goals")),
+        "the request for another round was not shown as an answer"
+    );
+    assert_eq!(closings(&responses), 1);
+}
+
 /// A subagent may itself be a supervisor, one level down under the default `max_fanout_depth` of
 /// 2: the nested supervisor fans out, its synthesis becomes its completion, and its own subagents
 /// are not offered (nor given) the supervisor pattern. The whole run is one DAG from the root.

@@ -131,3 +131,51 @@ pub async fn answer(
         None => call.await,
     })
 }
+
+/// Streams an answer that may turn out not to be one: text whose first visible character is one
+/// of `held` (the start of a JSON reply or a code fence) is kept back whole for the caller to read;
+/// anything else goes to the client as answer chunks while the LLM writes it. Also says whether
+/// the text went out.
+pub async fn answer_unless(
+    llm: &LlmClient,
+    out: &DialogOutput<'_>,
+    messages: &[ChatMessage],
+    answer_id: &str,
+    held: &[char],
+) -> Result<(Result<Completion, LlmError>, bool), BusError> {
+    let (tx, mut rx) = mpsc::channel::<String>(64);
+    let call = llm.stream(messages, tx);
+    tokio::pin!(call);
+    let mut result = None;
+    // None while only whitespace has come: the decision waits for the first visible character.
+    let mut passing: Option<bool> = None;
+    let mut waiting = String::new();
+    loop {
+        tokio::select! {
+            r = &mut call, if result.is_none() => result = Some(r),
+            delta = rx.recv() => match delta {
+                Some(text) => match passing {
+                    Some(true) => out.chunk(MessageType::Answer, &text, answer_id, false).await?,
+                    Some(false) => {}
+                    None => {
+                        waiting.push_str(&text);
+                        if let Some(first) = waiting.trim_start().chars().next() {
+                            let pass = !held.contains(&first);
+                            passing = Some(pass);
+                            if pass {
+                                let text = std::mem::take(&mut waiting);
+                                out.chunk(MessageType::Answer, &text, answer_id, false).await?;
+                            }
+                        }
+                    }
+                },
+                None => break,
+            },
+        }
+    }
+    let result = match result {
+        Some(r) => r,
+        None => call.await,
+    };
+    Ok((result, passing == Some(true)))
+}

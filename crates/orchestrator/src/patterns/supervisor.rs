@@ -14,7 +14,8 @@ use agent_schema::{AgentStep, MessageType, StepType};
 
 use crate::finish::conclude_if_limited;
 use crate::turn::Turn;
-use agent_llm::CallOptions;
+use agent_core::prompt::render;
+use agent_llm::{CallOptions, ChatMessage};
 
 /// `arguments` key of the decompose step that names its fan-out.
 const CORRELATION_KEY: &str = "correlation_id";
@@ -243,11 +244,31 @@ async fn synthesise(turn: &Turn<'_>, n: usize) -> Result<(), BusError> {
     ]
     .into_iter()
     .collect();
-    let Some((completion, stats)) = turn
-        .ask(n, template, &vars, &CallOptions::default())
-        .await?
-    else {
-        return Ok(());
+    // Streamed as it is written unless a reviewer must see it first, or it is another round's
+    // goals (a JSON reply, which is held back whole).
+    let (completion, stats, streamed) = if request.streaming && !answer_critic(turn) {
+        let messages = [
+            ChatMessage::system(template.system.clone()),
+            ChatMessage::user(render(&template.template, &vars)),
+        ];
+        let held = ['{', '`'];
+        match crate::stream::answer_unless(turn.llm, out, &messages, &uris.conclusion(), &held)
+            .await?
+        {
+            (Ok(completion), streamed) => {
+                let stats = crate::turn::call_stats(&completion);
+                (completion, stats, streamed)
+            }
+            (Err(e), _) => return crate::finish::llm_failed(turn, n, &e).await,
+        }
+    } else {
+        let Some((completion, stats)) = turn
+            .ask(n, template, &vars, &CallOptions::default())
+            .await?
+        else {
+            return Ok(());
+        };
+        (completion, stats, false)
     };
     let expected = argument(EXPECTED_KEY)
         .and_then(|e| e.parse::<usize>().ok())
@@ -332,7 +353,7 @@ async fn synthesise(turn: &Turn<'_>, n: usize) -> Result<(), BusError> {
             .observe_and_continue(n, draft, ToolStats::default(), Vec::new(), None, tokens)
             .await;
     }
-    if request.streaming {
+    if request.streaming && !streamed {
         out.chunk(MessageType::Answer, &answer, &uris.conclusion(), false)
             .await?;
     }
