@@ -17,14 +17,17 @@ pub enum Pattern {
     /// No reasoning loop: one constrained choice among the tools and the other patterns, and
     /// the request handed to it.
     LlmRouter,
+    /// ReACT with a self-critique after each action, whose lesson the next steps are given.
+    Reflexion,
 }
 
 impl Pattern {
-    pub const ALL: [Pattern; 4] = [
+    pub const ALL: [Pattern; 5] = [
         Pattern::React,
         Pattern::PlanThenExecute,
         Pattern::Supervisor,
         Pattern::LlmRouter,
+        Pattern::Reflexion,
     ];
 
     /// The name on the wire (`AgentRequest::pattern`), in config and in the provenance graph.
@@ -34,6 +37,7 @@ impl Pattern {
             Pattern::PlanThenExecute => "plan-then-execute",
             Pattern::Supervisor => "supervisor",
             Pattern::LlmRouter => "llm-router",
+            Pattern::Reflexion => "reflexion",
         }
     }
 
@@ -61,6 +65,9 @@ impl Pattern {
             }
             Pattern::LlmRouter => {
                 "Make one choice among the tools and the other ways of working, without reasoning steps, and hand the request to it"
+            }
+            Pattern::Reflexion => {
+                "Reason and act one tool at a time, and after each action reflect on what it taught, carrying the lessons forward"
             }
         }
     }
@@ -154,12 +161,12 @@ mod tests {
             assert_eq!(Pattern::from_name(p.name()), Some(p));
             assert_eq!(p.to_string(), p.name());
         }
-        for other in ["", "React", "plan", "supervisor ", "reflexion"] {
+        for other in ["", "React", "plan", "supervisor ", "debate"] {
             assert_eq!(Pattern::from_name(other), None, "{other:?}");
         }
         assert_eq!(
             Pattern::all_names(),
-            "react, plan-then-execute, supervisor, llm-router"
+            "react, plan-then-execute, supervisor, llm-router, reflexion"
         );
     }
 }

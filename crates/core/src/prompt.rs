@@ -39,6 +39,8 @@ pub const SUPERVISOR_SYNTHESISE_KEY: &str = "supervisor-synthesise";
 pub const TOOL_CALL_KEY: &str = "tool-call";
 /// Config key of the LLM-as-router's one choice.
 pub const LLM_ROUTER_KEY: &str = "llm-router";
+/// Config key of Reflexion's self-critique after an action.
+pub const REFLEXION_REFLECT_KEY: &str = "reflexion-reflect";
 
 /// The ReACT system prompt used when config gives none.
 pub const DEFAULT_REACT_SYSTEM: &str = "You are a careful assistant that answers questions by reasoning step by step and using tools when they help.";
@@ -91,6 +93,10 @@ pub const DEFAULT_ANSWER_REVIEW_TEMPLATE: &str = "{{framing}}Review a draft answ
 /// The LLM-as-router's one choice. Placeholders: `framing`, `question`, `candidates` (one line each:
 /// `tool:<name>` or `pattern:<name>` and what it does), `candidate_names`.
 pub const DEFAULT_LLM_ROUTER_TEMPLATE: &str = "{{framing}}Choose the one option below that should handle the request: a tool answers it directly with the arguments you give; a pattern works on it as it would.\n\n{{candidates}}\n\nReply with only a JSON object: {\"choice\": \"<one of: {{candidate_names}}>\", \"rationale\": \"<one sentence>\", \"arguments\": {\"<argument>\": \"<value>\"}}\n\nRequest to route: {{question}}";
+
+/// Reflexion's self-critique after an action. Placeholders: `framing`, `question`, `history` (the
+/// steps so far, the newest last).
+pub const DEFAULT_REFLEXION_REFLECT_TEMPLATE: &str = "{{framing}}An agent is working on the request below, one tool at a time. Look at its newest step: was the action a good one, and did its result move the work forward? Reply with one sentence: the lesson the agent should carry into its next steps.\n\nIts steps so far:\n{{history}}\nRequest it works on: {{question}}";
 
 /// Synthesis. Placeholders: `framing`, `question`, `results`, `caveat`.
 pub const DEFAULT_PLAN_SYNTHESISE_TEMPLATE: &str = "{{framing}}Answer the request below from the results of the plan's steps. Use only these results; say so if they are not enough.{{caveat}}\n\nResults:\n{{results}}\n\nRequest to answer: {{question}}";
@@ -145,6 +151,7 @@ pub struct Prompts {
     pub supervisor_synthesise: PromptTemplate,
     pub tool_call: PromptTemplate,
     pub llm_router: PromptTemplate,
+    pub reflexion_reflect: PromptTemplate,
 }
 
 impl Default for Prompts {
@@ -186,6 +193,10 @@ impl Default for Prompts {
             ),
             tool_call: PromptTemplate::new(DEFAULT_TOOL_CALL_SYSTEM, "{{prompt}}"),
             llm_router: PromptTemplate::new(DEFAULT_ROUTING_SYSTEM, DEFAULT_LLM_ROUTER_TEMPLATE),
+            reflexion_reflect: PromptTemplate::new(
+                DEFAULT_CRITIC_SYSTEM,
+                DEFAULT_REFLEXION_REFLECT_TEMPLATE,
+            ),
         }
     }
 }
@@ -209,12 +220,13 @@ impl Prompts {
             SUPERVISOR_SYNTHESISE_KEY => Some(&mut self.supervisor_synthesise),
             TOOL_CALL_KEY => Some(&mut self.tool_call),
             LLM_ROUTER_KEY => Some(&mut self.llm_router),
+            REFLEXION_REFLECT_KEY => Some(&mut self.reflexion_reflect),
             _ => None,
         }
     }
 
     /// The config keys of every prompt.
-    pub const KEYS: [&'static str; 15] = [
+    pub const KEYS: [&'static str; 16] = [
         REACT_KEY,
         REACT_NATIVE_KEY,
         TASK_TYPE_SELECTION_KEY,
@@ -230,6 +242,7 @@ impl Prompts {
         SUPERVISOR_SYNTHESISE_KEY,
         TOOL_CALL_KEY,
         LLM_ROUTER_KEY,
+        REFLEXION_REFLECT_KEY,
     ];
 }
 
@@ -304,6 +317,10 @@ pub fn render_history(history: &[AgentStep]) -> String {
                     out.push_str(&format!("Thought: {}\n", step.thought));
                 }
                 out.push_str(&format!("Draft answer: {}\n", step.observation));
+                continue;
+            }
+            Some(StepType::Reflect) => {
+                out.push_str(&format!("Reflection: {}\n", step.observation));
                 continue;
             }
             Some(StepType::Evaluate) => {

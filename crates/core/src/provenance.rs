@@ -622,6 +622,20 @@ pub fn step_execution(
     triples
 }
 
+/// Reflexion's self-critique at iteration `n`: the lesson the agent carries into its next steps
+/// (also its observation's content), derived from the action it reflects on.
+pub fn reflection(uris: &SessionUris, n: usize, lesson: &str, stats: &CallStats) -> Vec<Triple> {
+    let s = uris.iteration(n);
+    let mut b = NodeBuilder::default();
+    b.types(&s, &["Analysis", "Critique"])
+        .label(&s, "Reflection")
+        .tg(&s, "action", Term::literal("reflect"))
+        .tg(&s, "lesson", Term::literal(lesson))
+        .derived(&s, &uris.previous(n - 1));
+    iteration_facts(&mut b, &s, n, &[], stats);
+    b.build()
+}
+
 /// An iteration that wrote a draft answer for the critic to review (its text is the iteration's
 /// observation).
 pub fn draft_answer(uris: &SessionUris, n: usize, stats: &CallStats) -> Vec<Triple> {

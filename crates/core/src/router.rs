@@ -414,7 +414,8 @@ mod tests {
                 "tool:llm",
                 "pattern:react",
                 "pattern:plan-then-execute",
-                "pattern:supervisor"
+                "pattern:supervisor",
+                "pattern:reflexion"
             ]
         );
         assert_eq!(

@@ -61,6 +61,8 @@ pub enum StepType {
     SubagentCompletion,
     /// Our extension: the critic's verdict on a plan step (`action` holds the status).
     Evaluate,
+    /// Our extension: Reflexion's self-critique after an action (`observation` holds the lesson).
+    Reflect,
 }
 
 impl StepType {
@@ -73,6 +75,7 @@ impl StepType {
             StepType::Synthesise => "synthesise",
             StepType::SubagentCompletion => "subagent-completion",
             StepType::Evaluate => "evaluate",
+            StepType::Reflect => "reflect",
         }
     }
 
@@ -86,6 +89,7 @@ impl StepType {
             "synthesise" => StepType::Synthesise,
             "subagent-completion" => StepType::SubagentCompletion,
             "evaluate" => StepType::Evaluate,
+            "reflect" => StepType::Reflect,
             _ => return None,
         })
     }

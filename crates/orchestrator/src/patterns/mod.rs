@@ -5,6 +5,7 @@
 pub mod llm_router;
 pub mod plan;
 pub mod react;
+pub mod reflexion;
 pub mod supervisor;
 #[cfg(test)]
 mod tests;
@@ -20,6 +21,7 @@ pub async fn iterate(turn: &Turn<'_>) -> Result<(), BusError> {
     match Pattern::from_name(&turn.request.pattern) {
         Some(Pattern::PlanThenExecute) => plan::iterate(turn).await,
         Some(Pattern::LlmRouter) => llm_router::iterate(turn).await,
+        Some(Pattern::Reflexion) => reflexion::iterate(turn).await,
         // Past the depth limit a supervisor works alone (see `router::requested`).
         Some(Pattern::Supervisor)
             if agent_core::supervisor::may_fan_out(

@@ -1,7 +1,8 @@
-//! The LLM-as-router pattern end to end on a real broker: one constrained choice, no reasoning
-//! loop. Chosen by the meta-router from config, it hands a request to a tool (whose answer is the
-//! dialog's answer) or to another pattern (which runs it as its first iteration); the choice, its
-//! candidates and its rationale are in the graph, checked by SPARQL.
+//! More patterns end to end on a real broker, each chosen by the meta-router from config and its
+//! provenance checked by SPARQL. The LLM-as-router: one constrained choice, no reasoning loop; it
+//! hands a request to a tool (whose answer is the dialog's answer) or to another pattern (which
+//! runs it as its first iteration). Reflexion: ReACT with a self-critique after each action, whose
+//! lesson the next step is given.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use std::time::Duration;
@@ -101,4 +102,67 @@ async fn the_meta_router_chooses_the_llm_router_which_hands_requests_to_a_tool_o
     );
     // Every candidate offered: the tool and the one other pattern config defines.
     assert_eq!(count_reaching(&store, to_pattern, 2).await, 2);
+}
+
+#[tokio::test]
+async fn reflexion_reflects_after_each_action_and_the_next_step_is_given_the_lesson() {
+    let script = r#"{"rules": [
+      {"match": "Its steps so far:", "reply": "Check the answer against a second source."},
+      {"match": "Reflection: Check the answer against a second source.", "reply": "Thought: Confirmed twice.\nFinal Answer: William Shakespeare."},
+      {"match": "author of Hamlet?", "exact": true, "reply": "Shakespeare"},
+      {"match": "Request to classify: ", "reply": "{\"choice\": \"research\", \"rationale\": \"a fact with a source\"}"},
+      {"match": "Request to work on: ", "reply": "{\"choice\": \"reflexion\", \"rationale\": \"worth checking\"}"},
+      {"match": "Question: Who wrote Hamlet?", "reply": "Thought: Look it up.\nAction: llm\nArgs: {\"question\": \"author of Hamlet?\"}"}
+    ]}"#;
+    let broker = Broker::start().unwrap();
+    let aggregator = Aggregator::spawn_with(&broker, &["--config-token", TOKEN]);
+    let llm = scripted_llm(script).await;
+    let _orchestrator = Orchestrator::journaled_with(
+        Place::InProcess,
+        &broker,
+        &llm,
+        &aggregator,
+        TOKEN,
+        &seed_dir(),
+        &[],
+    );
+    let mut client = client(&broker).await;
+    client
+        .send("hamlet", &request("Who wrote Hamlet?", false))
+        .await
+        .unwrap();
+    let responses = collect_dialog(&mut client, "hamlet", Duration::from_secs(60))
+        .await
+        .unwrap();
+    assert_eq!(
+        responses.last().unwrap().content,
+        "William Shakespeare.",
+        "{responses:#?}"
+    );
+    // The step after the reflection was given its lesson.
+    assert!(llm.calls().iter().any(|c| c.last_user.contains(
+        "Observation: Shakespeare\nReflection: Check the answer against a second source."
+    )));
+    let session = session_of(&responses);
+    let prefixes = agent_core::vocab::SPARQL_PREFIXES;
+    let dag = format!(
+        "{prefixes}ASK {{ GRAPH <urn:graph:retrieval> {{
+           <{session}/pattern-decision> tg:pattern \"reflexion\" ; tg:taskType \"research\" .
+           <{session}/i1> a tg:ToolUse ; tg:action \"llm\" .
+           <{session}/i2> a tg:Critique ; tg:action \"reflect\" ;
+             tg:lesson \"Check the answer against a second source.\" ;
+             prov:wasDerivedFrom <{session}/i1/observation> .
+           <{session}/final> prov:wasDerivedFrom <{session}/i2/observation> ; tg:terminationReason \"answer\" }} }}"
+    );
+    let store = aggregator.store();
+    for _ in 0..50 {
+        if matches!(
+            store.query(dag.clone()).await.unwrap(),
+            agent_graph::QueryAnswer::Boolean(true)
+        ) {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    panic!("the reflection is not in the graph as expected: {responses:#?}");
 }
