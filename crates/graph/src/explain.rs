@@ -22,6 +22,8 @@ pub struct SessionView {
     pub conclusion: Option<ConclusionView>,
     /// A supervisor's fan-outs, in step order, each with its subagents' sessions.
     pub fanouts: Vec<FanOutView>,
+    /// The LLM-as-router's one choice, when it ran.
+    pub dispatch: Option<DispatchView>,
     /// Where this session was forked from, when it is a fork.
     pub forked_from: Option<ForkOrigin>,
     /// Forks of this session (`agentctl fork`), each a session of its own, by the step they start at.
@@ -78,6 +80,20 @@ pub struct FanOutView {
     pub subagents: Vec<SubagentView>,
     /// The synthesis node that answered it (or asked for another round), once there is one.
     pub synthesis: String,
+    pub in_token: u64,
+    pub out_token: u64,
+}
+
+/// The LLM-as-router's choice: what it handed the request to, among what, how and why.
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+pub struct DispatchView {
+    pub node: String,
+    pub selected: String,
+    pub candidates: Vec<String>,
+    pub method: String,
+    pub rationale: String,
+    pub fallback_reason: String,
+    pub arguments: String,
     pub in_token: u64,
     pub out_token: u64,
 }
@@ -306,6 +322,23 @@ fn view_of(index: &Index, session: &str, sessions: &[String], depth: usize) -> S
             view.in_token += decision.in_token;
             view.out_token += decision.out_token;
             view.decision = Some(decision);
+        } else if index.has_type(node, &tg("DispatchDecision")) {
+            let mut candidates = index.all(node, &tg("dispatchCandidate"));
+            candidates.sort();
+            let dispatch = DispatchView {
+                node: node.clone(),
+                selected: index.one(node, &tg("dispatch")),
+                candidates,
+                method: index.one(node, &tg("dispatchMethod")),
+                rationale: index.one(node, &tg("dispatchRationale")),
+                fallback_reason: index.one(node, &tg("dispatchFallbackReason")),
+                arguments: index.one(node, &tg("arguments")),
+                in_token: index.number(node, &tg("inToken")),
+                out_token: index.number(node, &tg("outToken")),
+            };
+            view.in_token += dispatch.in_token;
+            view.out_token += dispatch.out_token;
+            view.dispatch = Some(dispatch);
         } else if index.has_type(node, &tg("Conclusion")) {
             let conclusion = ConclusionView {
                 node: node.clone(),
@@ -500,6 +533,29 @@ fn tree(view: &SessionView, full: bool) -> String {
             or_none(&trim(&d.rationale, 300))
         ));
     }
+    if let Some(d) = &view.dispatch {
+        out.push_str(&format!(
+            "├─ dispatched: {} ({}), tokens {}/{}\n",
+            d.selected, d.method, d.in_token, d.out_token
+        ));
+        out.push_str(&format!(
+            "│  ├─ offered:   {}\n",
+            or_none(&d.candidates.join(", "))
+        ));
+        if !d.arguments.is_empty() {
+            out.push_str(&format!("│  ├─ arguments: {}\n", trim(&d.arguments, 160)));
+        }
+        if !d.fallback_reason.is_empty() {
+            out.push_str(&format!(
+                "│  ├─ fallback:  {}\n",
+                trim(&d.fallback_reason, 200)
+            ));
+        }
+        out.push_str(&format!(
+            "│  └─ rationale: {}\n",
+            or_none(&trim(&d.rationale, 300))
+        ));
+    }
     for it in &view.iterations {
         out.push_str(&format!(
             "├─ iteration {} ({} ms LLM, {} ms tool, tokens {}/{}, {})\n",
@@ -609,6 +665,9 @@ fn labels(view: &SessionView) -> Vec<(String, String)> {
             c.node.clone(),
             format!("Conclusion ({}): {}", c.termination, trim(&c.answer, 60)),
         ));
+    }
+    if let Some(d) = &view.dispatch {
+        all.push((d.node.clone(), format!("Dispatch: {}", d.selected)));
     }
     if let Some((node, text)) = view
         .forked_from
