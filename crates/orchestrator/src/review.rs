@@ -113,6 +113,50 @@ pub async fn conclude(
     crate::finish::answer(turn, &given.answer, tokens, model).await
 }
 
+/// The critic's verdict on a draft answer, what it does to the plan, and what asking cost.
+pub struct Judged {
+    pub verdict: critic::Evaluation,
+    pub applied: critic::Applied,
+    pub stats: CallStats,
+    pub model: String,
+}
+
+/// Asks `answer-review` about `draft`, written from `results`, and applies the verdict to `plan`
+/// (empty for a pattern without one). `None` when the call failed: the dialog has then ended, or
+/// the step was parked by an outage.
+pub async fn judge_draft(
+    turn: &Turn<'_>,
+    n: usize,
+    draft: &str,
+    results: String,
+    plan: &[agent_schema::PlanStep],
+) -> Result<Option<Judged>, BusError> {
+    let request = turn.request;
+    let vars = [
+        (
+            "framing",
+            agent_core::prompt::framing_block(&request.framing),
+        ),
+        ("question", request.question.clone()),
+        ("results", results),
+        ("answer", draft.to_owned()),
+    ]
+    .into_iter()
+    .collect();
+    let template = &turn.config.prompts.answer_review;
+    let Some((completion, stats)) = turn.ask(n, template, &vars, &turn.json_call()).await? else {
+        return Ok(None);
+    };
+    let verdict = critic::parse(&completion.text);
+    let applied = critic::apply_to_answer(plan, &verdict);
+    Ok(Some(Judged {
+        verdict,
+        applied,
+        stats,
+        model: completion.model,
+    }))
+}
+
 /// Asks the critic (`answer-review`) about the draft answer the previous iteration wrote, given
 /// `results`, what it was written from. Accepted, it is the answer; rejected, the lesson joins the
 /// history and the pattern goes on (a ReACT agent reasons again, a supervisor writes its
@@ -127,23 +171,15 @@ pub async fn review_draft(turn: &Turn<'_>, n: usize, results: String) -> Result<
     let Some(draft) = critic::awaiting_draft_review(&history) else {
         return Ok(());
     };
-    let vars = [
-        (
-            "framing",
-            agent_core::prompt::framing_block(&request.framing),
-        ),
-        ("question", request.question.clone()),
-        ("results", results),
-        ("answer", draft.observation.clone()),
-    ]
-    .into_iter()
-    .collect();
-    let template = &config.prompts.answer_review;
-    let Some((completion, stats)) = turn.ask(n, template, &vars, &turn.json_call()).await? else {
+    let Some(judged) = judge_draft(turn, n, &draft.observation, results, &[]).await? else {
         return Ok(());
     };
-    let verdict = critic::parse(&completion.text);
-    let mut applied = critic::apply_to_answer(&[], &verdict);
+    let Judged {
+        verdict,
+        mut applied,
+        stats,
+        model,
+    } = judged;
     // Only a plan's history carries the plan.
     applied.step.plan = None;
     let fate = critic::draft_fate(&request.history, verdict.status, config.limits.max_retries);
@@ -186,5 +222,5 @@ pub async fn review_draft(turn: &Turn<'_>, n: usize, results: String) -> Result<
         effect: &applied.effect,
         termination,
     };
-    conclude(turn, n, given, &stats, &completion.model).await
+    conclude(turn, n, given, &stats, &model).await
 }

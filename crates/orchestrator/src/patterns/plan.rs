@@ -499,9 +499,7 @@ async fn review_plan(turn: &Turn<'_>, n: usize) -> Result<(), BusError> {
 /// the client and the dialog ends; rejected, it is written again with the lesson (after the steps
 /// it blamed ran again, for bad input).
 async fn review_answer(turn: &Turn<'_>, n: usize) -> Result<(), BusError> {
-    let Turn {
-        request, config, ..
-    } = turn;
+    let request = turn.request;
     let draft = request
         .history
         .last()
@@ -510,23 +508,16 @@ async fn review_answer(turn: &Turn<'_>, n: usize) -> Result<(), BusError> {
     let plan = planning::current_plan(&request.history)
         .map(<[PlanStep]>::to_vec)
         .unwrap_or_default();
-    let template = &config.prompts.answer_review;
-    let vars = [
-        ("framing", framing_block(&request.framing)),
-        ("question", request.question.clone()),
-        (
-            "results",
-            planning::describe_results(&whole(turn, &plan).await),
-        ),
-        ("answer", draft.clone()),
-    ]
-    .into_iter()
-    .collect();
-    let Some((completion, stats)) = turn.ask(n, template, &vars, &turn.json_call()).await? else {
+    let results = planning::describe_results(&whole(turn, &plan).await);
+    let Some(judged) = review::judge_draft(turn, n, &draft, results, &plan).await? else {
         return Ok(());
     };
-    let verdict = critic::parse(&completion.text);
-    let applied = critic::apply_to_answer(&plan, &verdict);
+    let review::Judged {
+        verdict,
+        applied,
+        stats,
+        model,
+    } = judged;
     announce_verdict(
         turn,
         n,
@@ -551,7 +542,7 @@ async fn review_answer(turn: &Turn<'_>, n: usize) -> Result<(), BusError> {
         effect: &applied.effect,
         termination: Termination::Answer,
     };
-    review::conclude(turn, n, given, &stats, &completion.model).await
+    review::conclude(turn, n, given, &stats, &model).await
 }
 
 /// `plan` with its results whole, for a prompt: a long result travels as an excerpt.
