@@ -425,51 +425,55 @@ impl Aggregator {
         fuseki: Option<fuseki::Fuseki>,
         extra: &[&str],
     ) -> Aggregator {
-        let port = agent_bus::embedded::free_port().unwrap();
-        let store_dir =
-            std::env::temp_dir().join(format!("agent-e2e-graph-{}-{port}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&store_dir);
-        let addr = format!("127.0.0.1:{port}");
         let extra: Vec<String> = extra.iter().map(|s| (*s).to_owned()).collect();
-        let graph_store = match &fuseki {
-            Some(server) => server.endpoint(),
-            None => store_dir.display().to_string(),
-        };
-        let child = Self::launch(&broker.url(), &graph_store, &addr, &extra);
-        let aggregator = Aggregator {
-            child,
-            endpoint: format!("http://{addr}"),
-            store_dir,
-            graph_store,
-            broker_url: broker.url(),
-            addr,
-            extra,
-            fuseki,
-        };
-        aggregator.wait_ready();
-        aggregator
+        let remote = fuseki.as_ref().map(fuseki::Fuseki::endpoint);
+        Self::start_on_a_free_port(broker, remote, extra, fuseki)
     }
 
     /// One more aggregator replica on the same subscriptions, writing to `store`'s graph over
     /// SPARQL with `token` (which `store` must have been given as `--config-token`).
     pub fn replica_on(broker: &Broker, store: &Aggregator, token: &str) -> Aggregator {
-        let port = agent_bus::embedded::free_port().unwrap();
-        let addr = format!("127.0.0.1:{port}");
         let extra = vec!["--config-token".to_owned(), token.to_owned()];
-        let graph_store = store.endpoint.clone();
-        let child = Self::launch(&broker.url(), &graph_store, &addr, &extra);
-        let aggregator = Aggregator {
-            child,
-            endpoint: format!("http://{addr}"),
-            store_dir: std::env::temp_dir().join(format!("agent-e2e-unused-{port}")),
-            graph_store,
-            broker_url: broker.url(),
-            addr,
-            extra,
-            fuseki: None,
-        };
-        aggregator.wait_ready();
-        aggregator
+        Self::start_on_a_free_port(broker, Some(store.endpoint.clone()), extra, None)
+    }
+
+    /// Starts one on a port that was free a moment ago. Between choosing the port and binding it,
+    /// another test's outgoing connection may take it: the aggregator then exits at once, and
+    /// another port is tried rather than fail the test (seen once in CI).
+    fn start_on_a_free_port(
+        broker: &Broker,
+        remote_store: Option<String>,
+        extra: Vec<String>,
+        fuseki: Option<fuseki::Fuseki>,
+    ) -> Aggregator {
+        let mut last_exit = None;
+        for _ in 0..3 {
+            let port = agent_bus::embedded::free_port().unwrap();
+            let store_dir =
+                std::env::temp_dir().join(format!("agent-e2e-graph-{}-{port}", std::process::id()));
+            let _ = std::fs::remove_dir_all(&store_dir);
+            let addr = format!("127.0.0.1:{port}");
+            let graph_store = remote_store
+                .clone()
+                .unwrap_or_else(|| store_dir.display().to_string());
+            let mut child = Self::launch(&broker.url(), &graph_store, &addr, &extra);
+            match wait_child_listening(&mut child, &addr, "the aggregator") {
+                Ok(()) => {
+                    return Aggregator {
+                        child,
+                        endpoint: format!("http://{addr}"),
+                        store_dir,
+                        graph_store,
+                        broker_url: broker.url(),
+                        addr,
+                        extra,
+                        fuseki,
+                    }
+                }
+                Err(status) => last_exit = Some(status),
+            }
+        }
+        panic!("the aggregator exited before listening, on three ports: {last_exit:?}");
     }
 
     fn launch(broker_url: &str, graph_store: &str, addr: &str, extra: &[String]) -> Child {
@@ -491,8 +495,13 @@ impl Aggregator {
             .unwrap()
     }
 
-    fn wait_ready(&self) {
-        wait_listening(&self.addr, "the aggregator");
+    fn wait_ready(&mut self) {
+        if let Err(status) = wait_child_listening(&mut self.child, &self.addr, "the aggregator") {
+            panic!(
+                "the aggregator exited before listening on {}: {status}",
+                self.addr
+            );
+        }
     }
 
     /// SIGKILL, then start again on the same store.
@@ -858,7 +867,12 @@ impl ConfigSvc {
         }
         let _ = self.child.wait();
         self.child = command.spawn().unwrap();
-        wait_listening(&self.addr, "config-svc");
+        if let Err(status) = wait_child_listening(&mut self.child, &self.addr, "config-svc") {
+            panic!(
+                "config-svc exited before listening on {}: {status}",
+                self.addr
+            );
+        }
     }
 
     /// SIGKILL, then start again on the same store.
@@ -878,6 +892,27 @@ impl Drop for ConfigSvc {
         self.kill();
         let _ = std::fs::remove_dir_all(&self.data_dir);
     }
+}
+
+/// Waits up to 30 s for `child` to accept connections on `addr`; its exit status should it
+/// exit first (a port taken, a bad flag), rather than 30 s of waiting for nothing.
+pub fn wait_child_listening(
+    child: &mut Child,
+    addr: &str,
+    what: &str,
+) -> Result<(), std::process::ExitStatus> {
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while std::net::TcpStream::connect(addr).is_err() {
+        if let Ok(Some(status)) = child.try_wait() {
+            return Err(status);
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{what} never listened on {addr}"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    Ok(())
 }
 
 /// Waits up to 30 s for something to accept connections on `addr`.
