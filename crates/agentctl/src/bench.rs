@@ -497,8 +497,7 @@ async fn concurrent(
     store: Option<&agent_graph::GraphStore>,
 ) -> anyhow::Result<(Duration, Vec<f64>)> {
     // By request id: when it was sent, and its session (to find it in the graph should it stall).
-    let open: Arc<Mutex<HashMap<String, (Instant, String)>>> =
-        Arc::new(Mutex::new(HashMap::new()));
+    let open: Arc<Mutex<HashMap<String, (Instant, String)>>> = Arc::new(Mutex::new(HashMap::new()));
     let permits = Arc::new(Semaphore::new(concurrency.max(1)));
     let started = Instant::now();
     let reader = {
@@ -511,7 +510,11 @@ async fn concurrent(
                 else {
                     let waiting: Vec<(String, String)> = open
                         .lock()
-                        .map(|m| m.iter().map(|(id, (_, s))| (id.clone(), s.clone())).collect())
+                        .map(|m| {
+                            m.iter()
+                                .map(|(id, (_, s))| (id.clone(), s.clone()))
+                                .collect()
+                        })
                         .unwrap_or_default();
                     return Err(Stalled {
                         ended: latencies.len(),

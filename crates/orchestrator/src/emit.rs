@@ -218,9 +218,25 @@ impl<'a> DialogOutput<'a> {
         }
     }
 
+    /// Set up for a step of `request`: its run (and what the run spent outside this dialog), its
+    /// conversation, the history it was given, and the largest request the broker takes.
+    pub fn for_step(
+        mut self,
+        request: &agent_schema::AgentRequest,
+        run: &str,
+        run_base: u64,
+        max_message_bytes: usize,
+    ) -> Self {
+        self.set_run(run, run_base);
+        self.set_conversation(&request.conversation_id);
+        self.set_input_history(&request.history);
+        self.limit_requests(max_message_bytes);
+        self
+    }
+
     /// The history of the message this step handles: what a next request it queues continues
     /// (recorded, and journaled, as only its new steps).
-    pub fn set_input_history(&mut self, history: &[agent_schema::AgentStep]) {
+    fn set_input_history(&mut self, history: &[agent_schema::AgentStep]) {
         self.input_history = history.to_vec();
         self.input_step = agent_core::documents::steps_taken(history) + 1;
     }
@@ -263,7 +279,7 @@ impl<'a> DialogOutput<'a> {
     /// broker's limit when that is smaller: a dialog whose history outgrows it ends now with an
     /// error naming the limit, instead of queuing a message that would be refused later (or that
     /// the broker would not take at all).
-    pub fn limit_requests(&mut self, max_message_bytes: usize) {
+    fn limit_requests(&mut self, max_message_bytes: usize) {
         if max_message_bytes <= self.request_limit.0 {
             self.request_limit = (max_message_bytes, "max_message_bytes");
         }
@@ -313,13 +329,13 @@ impl<'a> DialogOutput<'a> {
     }
 
     /// The run this dialog belongs to (its root session URI) and the run's tokens outside it.
-    pub fn set_run(&mut self, run: &str, run_base: u64) {
+    fn set_run(&mut self, run: &str, run_base: u64) {
         run.clone_into(&mut self.run);
         self.run_base = run_base;
     }
 
     /// The conversation the dialog belongs to (`conversation_id`; empty for none).
-    pub fn set_conversation(&mut self, conversation: &str) {
+    fn set_conversation(&mut self, conversation: &str) {
         conversation.clone_into(&mut self.conversation);
     }
 

@@ -1,0 +1,366 @@
+//! The engine: what every in-flight message shares, and the one place a step's result becomes a
+//! disposition (ack, wait out an outage, wait behind a conversation, or give up with an error).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use agent_bus::{Delivery, Disposition, Publisher};
+use agent_core::provenance::{self, SessionUris};
+use agent_llm::LlmClient;
+use agent_schema::AgentRequest;
+use tokio_util::sync::CancellationToken;
+
+use crate::emit::{DialogOutput, Outputs};
+use crate::journal::Journal;
+use crate::live_config::LiveConfig;
+use crate::{approval, cancel, emit, events};
+
+/// What an iteration needs, shared by every in-flight message.
+pub struct Engine {
+    pub config: Arc<LiveConfig>,
+    pub llm: LlmClient,
+    pub outputs: Outputs,
+    /// Without one, iterations are at-least-once: a redelivery runs the step again.
+    pub journal: Option<Journal>,
+    /// The shared graph store, for the knowledge tools.
+    pub knowledge: Option<agent_graph::GraphStore>,
+    pub mcp: agent_mcp::McpPool,
+    /// Cancelled when the process is to stop: a parked step then leaves its message for another
+    /// replica instead of waiting on.
+    pub shutdown: CancellationToken,
+    /// Seals what only this service may send (subagent requests, fan-outs, completions).
+    pub seal: Option<agent_bus::seal::SealKey>,
+    /// The cancelled runs this replica has heard of.
+    pub cancellations: Arc<cancel::Cancellations>,
+    /// Answers to parked calls being taken up, one per call at a time.
+    pub answering: approval::OneAtATime,
+    /// Where this service sends a cancel itself (a conversation's `interrupt` policy).
+    pub control: Option<Publisher>,
+}
+
+/// How a delivery is taken up.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Attempt<'a> {
+    /// Run the step; `may_park`: an outage may still set it aside (its window is open).
+    Run { may_park: bool },
+    /// The step cannot be run (an outage outlasted its window, a fault that will not pass, a
+    /// message the broker gave up on): end the dialog with this error, unless the step's outcome
+    /// is already journaled.
+    GiveUp(&'a str),
+}
+
+/// What became of a delivery.
+#[derive(Debug)]
+pub(crate) enum Settled {
+    Done,
+    /// Set aside by an outage; nothing was committed.
+    Parked(emit::Park),
+    /// Waiting for another dialog of its conversation to end (`conversation_policy: queue`);
+    /// nothing was committed.
+    Queued(String),
+}
+
+/// How long an answer to an approval is tried again while the graph does not show its parked
+/// call (the aggregator may be behind); past it, the answer is dropped.
+const ANSWER_WAIT: Duration = Duration::from_secs(120);
+
+/// How often a dialog queued behind its conversation looks again.
+const QUEUE_PAUSE: Duration = Duration::from_millis(500);
+
+/// The shortest and longest pause between tries of a parked step.
+const PARK_PAUSE: (Duration, Duration) = (Duration::from_secs(1), Duration::from_secs(30));
+
+/// Why a step could not complete. Its kind decides what becomes of the message, in one place
+/// ([`Engine::handle`]): an outage is waited out, a fault ends the dialog with an error.
+#[derive(Debug, thiserror::Error)]
+pub enum StepError {
+    /// Something the step needs is unavailable for now (the broker, the store or the journal
+    /// unreachable or busy): the step is set aside and tried again while the outage window lasts.
+    #[error("{0:#}")]
+    Outage(anyhow::Error),
+    /// A fault that would recur on every try: the dialog ends with it.
+    #[error("{0:#}")]
+    Fault(anyhow::Error),
+}
+
+impl From<anyhow::Error> for StepError {
+    fn from(e: anyhow::Error) -> StepError {
+        let passes = if let Some(graph) = e.downcast_ref::<agent_graph::GraphError>() {
+            graph.retryable()
+        } else {
+            e.downcast_ref::<agent_bus::BusError>()
+                .is_some_and(agent_bus::BusError::passes)
+        };
+        if passes {
+            StepError::Outage(e)
+        } else {
+            StepError::Fault(e)
+        }
+    }
+}
+
+impl From<agent_bus::BusError> for StepError {
+    fn from(e: agent_bus::BusError) -> StepError {
+        anyhow::Error::from(e).into()
+    }
+}
+
+impl From<agent_graph::GraphError> for StepError {
+    fn from(e: agent_graph::GraphError) -> StepError {
+        anyhow::Error::from(e).into()
+    }
+}
+
+/// What the engine does next with a delivery, given how its step went.
+#[derive(Debug)]
+pub(crate) enum Next {
+    /// Its effects are on the broker (or there were none to make): ack it.
+    Ack,
+    /// Wait out an outage, then run the step again.
+    Park(emit::Park),
+    /// Wait for the conversation's running dialog, then run the step again (not an outage: it
+    /// does not count against the outage window).
+    Queue(String),
+    /// End its dialog with this error; then ack, or nack if even that cannot be published.
+    GiveUp(String),
+}
+
+/// The one place a step's result becomes a decision. `window` is the outage window, for the
+/// error that says it was outlasted; `may_park` whether it is still open.
+pub(crate) fn next_after(
+    result: Result<Settled, StepError>,
+    may_park: bool,
+    window: Duration,
+) -> Next {
+    match result {
+        Ok(Settled::Done) => Next::Ack,
+        Ok(Settled::Parked(park)) => Next::Park(park),
+        Ok(Settled::Queued(why)) => Next::Queue(why),
+        Err(StepError::Outage(e)) if may_park => Next::Park(emit::Park {
+            cause: format!("{e:#}"),
+            retry_after: None,
+        }),
+        Err(StepError::Outage(e)) => Next::GiveUp(format!(
+            "a service this step needs stayed unavailable past the outage window of {} s (max_outage_secs): {e:#}",
+            window.as_secs()
+        )),
+        Err(StepError::Fault(e)) => Next::GiveUp(format!("the step failed: {e:#}")),
+    }
+}
+
+impl Engine {
+    /// Handles one delivered request; the returned disposition decides ack or nack.
+    ///
+    /// An outage (the LLM, the store or the broker unavailable) parks the step: it is tried again
+    /// with growing pauses (the provider's `Retry-After` honoured up to 30 s) while the outage window
+    /// (`max_outage_secs`) lasts; past it, or on a fault that will not pass, the dialog ends with
+    /// an error naming the cause. The message is never nacked for an outage, so the broker's
+    /// redelivery limit counts crashes, not waiting.
+    pub async fn handle(&self, delivery: Delivery<AgentRequest>) -> Disposition {
+        self.run_step(delivery, None).await
+    }
+
+    /// [`Engine::handle`] for a step that is either the one its message asks for, or (`answer`)
+    /// the resumption of that step, parked for approval, with the answer it got.
+    async fn run_step(
+        &self,
+        delivery: Delivery<AgentRequest>,
+        answer: Option<&approval::Answer>,
+    ) -> Disposition {
+        let mut outage: Option<std::time::Instant> = None;
+        let mut pause = PARK_PAUSE.0;
+        loop {
+            let window = Duration::from_secs(self.config.current().limits.max_outage_secs);
+            let may_park = outage.map_or(!window.is_zero(), |since| since.elapsed() < window);
+            // Boxed: a step's future is large (every pattern's state), and a worker's stack is
+            // not (a debug build overflowed it once resumption joined the step).
+            let result =
+                Box::pin(self.handle_inner(delivery.clone(), Attempt::Run { may_park }, answer))
+                    .await;
+            let park = match next_after(result, may_park, window) {
+                Next::Ack => return Disposition::Ack,
+                Next::Queue(why) => {
+                    tracing::debug!(%why, "queued behind its conversation");
+                    tokio::select! {
+                        _ = self.shutdown.cancelled() => {
+                            return Disposition::Nack("shutting down while queued".to_owned())
+                        }
+                        _ = tokio::time::sleep(QUEUE_PAUSE) => {}
+                    }
+                    continue;
+                }
+                Next::Park(park) => park,
+                Next::GiveUp(why) => return self.give_up(delivery, &why, answer).await,
+            };
+            let since = *outage.get_or_insert_with(std::time::Instant::now);
+            let wait = park
+                .retry_after
+                .unwrap_or(pause)
+                .clamp(PARK_PAUSE.0, PARK_PAUSE.1);
+            pause = (pause * 2).min(PARK_PAUSE.1);
+            events::StepParked {
+                cause: &park.cause,
+                outage: since.elapsed(),
+                retry_in: wait,
+            }
+            .emit();
+            tokio::select! {
+                _ = self.shutdown.cancelled() => {
+                    return Disposition::Nack("shutting down while parked".to_owned())
+                }
+                _ = tokio::time::sleep(wait) => {}
+            }
+        }
+    }
+
+    /// Ends the dialog of `delivery` with the error `why` (a subagent's as a failed completion, so
+    /// its supervisor is not left waiting). Nacked only when even that cannot be published.
+    pub async fn give_up(
+        &self,
+        delivery: Delivery<AgentRequest>,
+        why: &str,
+        answer: Option<&approval::Answer>,
+    ) -> Disposition {
+        events::StepGivenUp { why }.emit();
+        match Box::pin(self.handle_inner(delivery, Attempt::GiveUp(why), answer)).await {
+            Ok(_) => Disposition::Ack,
+            Err(e) => Disposition::Nack(e.to_string()),
+        }
+    }
+
+    /// Cancels the conversation's running dialog `session_id` for the new dialog `by` (policy
+    /// `interrupt`): the cancel is recorded with this step's effects and heard by every replica
+    /// now, as `agentctl cancel` does it.
+    pub(crate) async fn interrupt(
+        &self,
+        session_id: &str,
+        by: &str,
+        out: &DialogOutput<'_>,
+    ) -> Result<(), StepError> {
+        let control = agent_schema::AgentControl {
+            operation: agent_schema::control_operation::CANCEL.to_owned(),
+            session_id: session_id.to_owned(),
+            by: format!("dialog {by}"),
+            reason: "a newer request of its conversation interrupted it (conversation_policy: interrupt)".to_owned(),
+            at: chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Millis, true),
+            ..agent_schema::AgentControl::default()
+        };
+        let uris = SessionUris::new(session_id);
+        out.record(
+            &uris.cancellation(),
+            provenance::cancellation(&uris, &control.by, &control.at, &control.reason),
+        )?;
+        if let Some(cancel) = cancel::from_control(&control) {
+            self.cancellations.record(cancel);
+        }
+        if let Some(publisher) = &self.control {
+            publisher
+                .send(
+                    agent_schema::encode(&control),
+                    &agent_bus::Properties::new(),
+                )
+                .await?;
+        }
+        Ok(())
+    }
+
+    /// Takes up an answer to a call parked for approval: resumes that step, as its message was
+    /// delivered, with the decision it reached and the answer. The first answer wins (the
+    /// resumption's journal slot); another changes nothing. An answer the graph has no parked call
+    /// for yet is tried again for a while (the aggregator may be behind), then dropped.
+    pub async fn answer(&self, delivery: Delivery<agent_schema::AgentControl>) -> Disposition {
+        let control = delivery.payload;
+        if !approval::is_answer(&control) {
+            tracing::warn!(operation = %control.operation, session = %control.session_id, "ignoring a control request that answers no parked call");
+            return Disposition::Ack;
+        }
+        let Some(store) = &self.knowledge else {
+            tracing::warn!(session = %control.session_id, "an approval's answer needs the shared graph store (GRAPH_STORE) its call waits in; dropped");
+            return Disposition::Ack;
+        };
+        let step = control.step.unwrap_or_default();
+        let continuation = match approval::continuation(
+            store,
+            self.seal.as_ref(),
+            &control.session_id,
+            step,
+        )
+        .await
+        {
+            Ok(Some(continuation)) => continuation,
+            Ok(None) => {
+                let age = chrono::DateTime::parse_from_rfc3339(&control.at)
+                    .map(|at| chrono::Utc::now().signed_duration_since(at))
+                    .unwrap_or_default();
+                if age > chrono::Duration::seconds(ANSWER_WAIT.as_secs() as i64) {
+                    tracing::warn!(session = %control.session_id, step, "no call is parked for approval there; the answer is dropped");
+                    return Disposition::Ack;
+                }
+                return Disposition::Nack("the parked call is not in the graph yet".to_owned());
+            }
+            Err(e) => return Disposition::Nack(format!("reading the parked call: {e}")),
+        };
+        if !continuation.request.session_id.is_empty()
+            && continuation.request.session_id != control.session_id
+        {
+            tracing::warn!(session = %control.session_id, "the parked call belongs to another session; the answer is dropped");
+            return Disposition::Ack;
+        }
+        events::ApprovalAnswered {
+            session: &control.session_id,
+            step,
+            operation: &control.operation,
+        }
+        .emit();
+        let _only_this_answer = self
+            .answering
+            .hold(&format!("{}/{step}", control.session_id))
+            .await;
+        let payload_bytes = agent_schema::encode(&continuation.request).len();
+        let resumed = Delivery {
+            payload: continuation.request,
+            properties: continuation.properties,
+            message_id: delivery.message_id,
+            payload_bytes,
+        };
+        let answer = approval::Answer {
+            control,
+            decision: continuation.decision,
+        };
+        self.run_step(resumed, Some(&answer)).await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_outage_is_waited_out_while_its_window_is_open_and_a_fault_ends_the_dialog() {
+        let window = Duration::from_secs(60);
+        let outage = || {
+            StepError::from(agent_graph::GraphError::Transport(
+                "connection refused".to_owned(),
+            ))
+        };
+        assert!(matches!(outage(), StepError::Outage(_)));
+        assert!(matches!(
+            next_after(Err(outage()), true, window),
+            Next::Park(park) if park.cause.contains("connection refused")
+        ));
+        assert!(matches!(
+            next_after(Err(outage()), false, window),
+            Next::GiveUp(why) if why.contains("outage window of 60 s") && why.contains("connection refused")
+        ));
+        let fault = StepError::from(agent_graph::GraphError::Syntax("not a node".to_owned()));
+        assert!(matches!(fault, StepError::Fault(_)));
+        assert!(matches!(
+            next_after(Err(fault), true, window),
+            Next::GiveUp(why) if why.starts_with("the step failed") && why.contains("not a node")
+        ));
+        assert!(matches!(
+            next_after(Ok(Settled::Done), true, window),
+            Next::Ack
+        ));
+    }
+}

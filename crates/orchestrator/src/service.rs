@@ -1,0 +1,364 @@
+//! The service: connects to the broker and the store, consumes requests, control messages and
+//! dead letters, and serves health, readiness and metrics until told to stop.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use agent_bus::{
+    run_consumer, ConsumerStats, Delivery, Disposition, Publisher, SubscriptionConfig,
+};
+use agent_llm::LlmClient;
+use agent_schema::AgentRequest;
+use tokio_util::sync::CancellationToken;
+
+use crate::emit::{Outputs, Publishers};
+use crate::engine::Engine;
+use crate::journal::Journal;
+use crate::live_config::LiveConfig;
+use crate::settings::{load_config_dir, Settings};
+use crate::{approval, cancel, live_config, metrics, ops};
+
+/// Runs the orchestrator until `shutdown`; in-flight iterations finish (or are left for redelivery)
+/// within the drain deadline.
+pub async fn run(settings: Settings, shutdown: CancellationToken) -> anyhow::Result<()> {
+    let config = load_config_dir(&settings.config_dir)?;
+    let llm = LlmClient::new(settings.llm_config())?;
+    let topics = settings.topics();
+    metrics::describe();
+    let stats = Arc::new(ConsumerStats::default());
+    let knowledge = settings.shared_store()?;
+    let ops = Arc::new(ops::OpsState {
+        stats: stats.clone(),
+        store: knowledge.clone(),
+    });
+    let listener = tokio::net::TcpListener::bind(settings.http_addr)
+        .await
+        .map_err(|e| {
+            anyhow::anyhow!("cannot listen on {} (--http-addr): {e}", settings.http_addr)
+        })?;
+    tracing::info!(addr = %listener.local_addr()?, "health and metrics endpoint listening");
+    let ops_server = tokio::spawn(ops::serve(listener, ops));
+    let Some(bus) = connect_until_up(&settings, &shutdown).await else {
+        ops_server.abort();
+        return Ok(());
+    };
+    let publishers = Publishers {
+        responses: Publisher::new(&bus, &topics.response).await?,
+        requests: Publisher::new(&bus, &topics.request).await?,
+        explainability: Publisher::new(&bus, &topics.explainability).await?,
+    };
+    // The dead letters' forwarder republishes requests as they are.
+    let forward_requests = publishers.requests.clone();
+    let outputs = Outputs::Broker(publishers);
+    let live = Arc::new(LiveConfig::new(config));
+    let first_read = Arc::new(tokio::sync::Notify::new());
+    let follower = tokio::spawn(live_config::follow(
+        live.clone(),
+        bus.clone(),
+        topics.clone(),
+        settings.broker.workspace.clone(),
+        first_read.clone(),
+        shutdown.clone(),
+    ));
+    // The deployment's tools and prompts are in force before the first request is handled. The
+    // subscriptions are made at once all the same: pulsar-lite has been seen to stall handing a
+    // subscription made late a backlog of hundreds.
+    let (config_read, config_ready) = tokio::sync::watch::channel(false);
+    tokio::spawn(async move {
+        let _ = tokio::time::timeout(live_config::FIRST_READ_WAIT, first_read.notified()).await;
+        let _ = config_read.send(true);
+    });
+    let journal = knowledge
+        .as_ref()
+        .map(|store| Journal::new(store.journal()));
+    match &journal {
+        None => tracing::warn!("no shared graph store (GRAPH_STORE as an http(s) SPARQL endpoint): iterations are at-least-once"),
+        // A SPARQL server that is not an aggregator cannot decide who wins a record: refusing to
+        // start beats a guarantee that silently does not hold.
+        Some(journal) => match journal.check().await {
+            Err(e @ agent_graph::GraphError::NoJournal(_)) => return Err(e.into()),
+            // Refused, the journal would fail every step: better said once, at start.
+            Err(e @ agent_graph::GraphError::Http { status: 401 | 403, .. }) => {
+                anyhow::bail!("the aggregator at GRAPH_STORE refuses this orchestrator's CONFIG_TOKEN for its journal: {e}")
+            }
+            Err(e) => tracing::warn!(error = %e, "the journal does not answer yet; steps wait for it"),
+            Ok(()) => {}
+        },
+    }
+    // Cancels are heard from now on; those sent before are read from the graph after subscribing,
+    // so none falls between the two.
+    let cancellations = Arc::new(cancel::Cancellations::default());
+    let subscribed = match agent_bus::ControlListener::subscribe(&bus, &topics).await {
+        Ok(listener) => Some(listener),
+        Err(e) => {
+            tracing::warn!(error = %e, "cannot hear the control topic yet; trying again");
+            None
+        }
+    };
+    let hearing = tokio::spawn(cancel::listen(
+        bus.clone(),
+        topics.clone(),
+        subscribed,
+        cancellations.clone(),
+        shutdown.clone(),
+    ));
+    if let Some(store) = &knowledge {
+        match cancel::load(store, &cancellations).await {
+            Ok(0) => {}
+            Ok(loaded) => tracing::info!(loaded, "cancelled runs read from the graph"),
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot read earlier cancels from the graph; only those heard from now on apply")
+            }
+        }
+    }
+    let engine = Arc::new(Engine {
+        config: live,
+        llm,
+        outputs,
+        journal,
+        knowledge,
+        mcp: agent_mcp::McpPool::new(),
+        shutdown: shutdown.clone(),
+        seal: agent_bus::seal::SealKey::configured(
+            settings.seal_key.as_deref(),
+            "agent-orchestrator",
+        ),
+        cancellations,
+        answering: approval::OneAtATime::default(),
+        control: Some(Publisher::new(&bus, &topics.control).await?),
+    });
+    let subscription = SubscriptionConfig {
+        topic: topics.request.clone(),
+        subscription: settings.subscription.clone(),
+        max_in_flight: settings.max_in_flight,
+        max_redeliveries: Some(settings.max_redeliveries).filter(|&n| n > 0),
+        dead_letter_topic: topics.dead_letter.clone(),
+        drain_deadline: std::time::Duration::from_secs(settings.drain_secs),
+        nack_delay: std::time::Duration::from_secs(1),
+        one_at_a_time: false,
+    };
+    let answering = tokio::spawn(answer_dead_letters(
+        bus.clone(),
+        engine.clone(),
+        topics.dead_letter.clone(),
+        format!("{}-dead-letters", settings.subscription),
+        settings.max_redeliveries,
+        shutdown.clone(),
+    ));
+    // TrustGraph's clients publish on its non-persistent request topic: first messages are taken
+    // there too, and everything they cause goes on the persistent one.
+    let from_clients =
+        (!topics.client_request.is_empty() && topics.client_request != topics.request).then(|| {
+            let config = SubscriptionConfig {
+                topic: topics.client_request.clone(),
+                subscription: format!("{}-clients", settings.subscription),
+                max_in_flight: settings.max_in_flight,
+                // Non-persistent: nothing is redelivered, so no delivery count.
+                max_redeliveries: None,
+                dead_letter_topic: topics.dead_letter.clone(),
+                drain_deadline: std::time::Duration::from_secs(settings.drain_secs),
+                nack_delay: std::time::Duration::from_secs(1),
+                one_at_a_time: false,
+            };
+            // Forwarded at once to the persistent topic and only then acked: a message of a
+            // non-persistent topic is never redelivered, so it must not wait (park) there.
+            let requests = forward_requests.clone();
+            spawn_consumer(
+                &bus,
+                config,
+                &shutdown,
+                "taking requests on the client topic stopped",
+                move |delivery: Delivery<AgentRequest>| {
+                    let requests = requests.clone();
+                    async move {
+                        let payload = agent_schema::encode(&delivery.payload);
+                        match requests.send(payload, &delivery.properties).await {
+                            Ok(()) => Disposition::Ack,
+                            Err(e) => Disposition::Nack(format!(
+                                "forwarding a client's request to the request topic: {e}"
+                            )),
+                        }
+                    }
+                },
+            )
+        });
+    // Answers to approvals: one replica takes each up, whichever parked the call.
+    let answering_approvals = {
+        let config = SubscriptionConfig {
+            topic: topics.control_request.clone(),
+            subscription: format!("{}-control", settings.subscription),
+            max_in_flight: 4,
+            max_redeliveries: None,
+            dead_letter_topic: String::new(),
+            drain_deadline: std::time::Duration::from_secs(settings.drain_secs),
+            nack_delay: std::time::Duration::from_secs(1),
+            // One replica takes answers up at a time, so two copies of one never run side by side.
+            one_at_a_time: true,
+        };
+        let engine = engine.clone();
+        spawn_consumer(
+            &bus,
+            config,
+            &shutdown,
+            "taking answers to approvals stopped",
+            move |delivery: Delivery<agent_schema::AgentControl>| {
+                let engine = engine.clone();
+                async move { engine.answer(delivery).await }
+            },
+        )
+    };
+    tracing::info!(request = %topics.request, client_request = %topics.client_request, response = %topics.response, "agent-orchestrator ready");
+    let consumed = run_consumer(
+        &bus,
+        subscription,
+        stats,
+        shutdown.clone(),
+        move |delivery| {
+            let engine = engine.clone();
+            let mut ready = config_ready.clone();
+            async move {
+                // Resolves at once after the first read (the value stays true).
+                let _ = ready.wait_for(|read| *read).await;
+                engine.handle(delivery).await
+            }
+        },
+    )
+    .await;
+    // The follower stops with the consumer, so its subscriptions close before the process ends.
+    shutdown.cancel();
+    let _ = follower.await;
+    let _ = answering.await;
+    let _ = hearing.await;
+    let _ = answering_approvals.await;
+    if let Some(from_clients) = from_clients {
+        let _ = from_clients.await;
+    }
+    ops_server.abort();
+    consumed?;
+    Ok(())
+}
+
+/// Runs a consumer beside the main one until `shutdown`, logging `stopped` if it fails.
+pub(crate) fn spawn_consumer<T, F, Fut>(
+    bus: &agent_bus::Bus,
+    config: SubscriptionConfig,
+    shutdown: &CancellationToken,
+    stopped: &'static str,
+    handler: F,
+) -> tokio::task::JoinHandle<()>
+where
+    T: serde::de::DeserializeOwned + Send + 'static,
+    F: Fn(Delivery<T>) -> Fut + Send + Sync + 'static,
+    Fut: std::future::Future<Output = Disposition> + Send + 'static,
+{
+    let bus = bus.clone();
+    let shutdown = shutdown.clone();
+    tokio::spawn(async move {
+        let taken = run_consumer(
+            &bus,
+            config,
+            Arc::new(ConsumerStats::default()),
+            shutdown,
+            handler,
+        )
+        .await;
+        if let Err(e) = taken {
+            tracing::error!(error = %e, "{stopped}");
+        }
+    })
+}
+
+/// Answers for requests the broker moved to the dead-letter topic (its redelivery limit: a step
+/// that crashed its process, or was handed to lost consumers, `max_redeliveries` times): each
+/// ends its dialog with an error, or fails its subagent's completion, so no client or supervisor
+/// waits forever. A step whose outcome was journaled goes out as recorded instead. What does not
+/// decode is acked and dropped here (it stays in the topic for other readers): it never was a
+/// dialog.
+pub(crate) async fn answer_dead_letters(
+    bus: agent_bus::Bus,
+    engine: Arc<Engine>,
+    topic: String,
+    subscription: String,
+    max_redeliveries: usize,
+    shutdown: CancellationToken,
+) {
+    let config = SubscriptionConfig {
+        topic,
+        subscription,
+        max_in_flight: 4,
+        max_redeliveries: None,
+        dead_letter_topic: String::new(),
+        drain_deadline: Duration::from_secs(5),
+        nack_delay: Duration::from_secs(1),
+        one_at_a_time: false,
+    };
+    let answered = run_consumer(
+        &bus,
+        config,
+        Arc::new(ConsumerStats::default()),
+        shutdown,
+        move |delivery: Delivery<AgentRequest>| {
+            let engine = engine.clone();
+            async move {
+                let why = match delivery.properties.get(agent_bus::DEAD_LETTER_REASON) {
+                    Some(reason) => format!("the step was given up on: {reason}"),
+                    None => format!("the step did not finish in {max_redeliveries} deliveries (its process crashed or lost its broker connection each time); it was moved to the dead-letter topic"),
+                };
+                engine.give_up(delivery, &why, None).await
+            }
+        },
+    )
+    .await;
+    if let Err(e) = answered {
+        tracing::error!(error = %e, "answering dead-lettered requests stopped");
+    }
+}
+
+/// The broker connection, tried again with backoff until it is up (a pod may start before its
+/// broker); `None` when shut down first.
+pub(crate) async fn connect_until_up(
+    settings: &Settings,
+    shutdown: &CancellationToken,
+) -> Option<agent_bus::Bus> {
+    let mut wait = Duration::from_millis(250);
+    loop {
+        match settings.broker.connect().await {
+            Ok(bus) => return Some(bus),
+            Err(e) => {
+                tracing::warn!(error = %e, retry_in_ms = wait.as_millis() as u64, "the broker is not reachable yet");
+                tokio::select! {
+                    _ = shutdown.cancelled() => return None,
+                    _ = tokio::time::sleep(wait) => {}
+                }
+                wait = (wait * 2).min(Duration::from_secs(5));
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod seed_tests {
+    /// Every file in `config-seed/` loads into a valid config.
+    #[test]
+    fn the_seed_directory_loads() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../config-seed");
+        let config = crate::load_config_dir(&dir).unwrap();
+        assert!(config.tool_by_name("llm").is_some());
+        assert_eq!(config.prompts, agent_core::prompt::Prompts::default());
+        for task in config.task_types.values() {
+            let (runnable, _) = agent_core::router::pattern_candidates(&config, task);
+            assert!(
+                !runnable.is_empty(),
+                "{} has no runnable pattern",
+                task.name
+            );
+        }
+        for name in ["general", "research", "risk-assessment", "summarisation"] {
+            assert!(config.task_types.contains_key(name), "{name} is not seeded");
+        }
+        for name in ["react", "plan-then-execute", "supervisor", "llm-router"] {
+            assert!(config.patterns.contains_key(name), "{name} is not seeded");
+        }
+        assert_eq!(config.limits, agent_core::config::Limits::default());
+    }
+}

@@ -1,0 +1,683 @@
+//! One delivered request taken up: where it stands in its run, its journal slot, its
+//! conversation, then its pattern's step, committed before the message is acked.
+
+use std::time::Duration;
+
+use agent_bus::Delivery;
+use agent_core::config::{AgentConfig, ConversationPolicy};
+use agent_core::documents::steps_taken;
+use agent_core::pattern::Pattern;
+use agent_core::provenance::{self, CallStats, SessionUris};
+use agent_schema::{AgentRequest, AgentResponse, ID_PROPERTY};
+use tracing::Instrument;
+
+use crate::emit::{
+    DialogOutput, JournalSlot, Recorder, IN_TOKEN_PROPERTY, OUT_TOKEN_PROPERTY,
+    RUN_TOKENS_PROPERTY, STARTED_PROPERTY,
+};
+use crate::engine::{Attempt, Engine, Settled, StepError};
+use crate::turn::Turn;
+use crate::validate::validate;
+use crate::{
+    approval, budget, conversation, emit, events, finish, journal, patterns, replay, router,
+};
+
+/// Where a step stands in its run (see [`Engine::standing`]).
+pub(crate) struct Standing {
+    /// The dialog's tokens before this step.
+    tokens_before: budget::Tokens,
+    /// When the run's first message was taken up.
+    started_ms: u64,
+    /// The run's tokens outside this dialog when it started.
+    run_base: u64,
+    run_uri: String,
+    /// The whole run's tokens before this step.
+    run_tokens: u64,
+    /// A subagent whose supervisor stopped waiting for it.
+    abandoned: bool,
+    elapsed: Duration,
+}
+
+impl Engine {
+    /// Where a step stands in its run: its tokens and start (carried by the message, never taken
+    /// from a client), a subagent's checked against its seal or the graph's fan-out (a forged one
+    /// is refused through `verdict`), and what the run has spent. `Ok(Err(park))` when the graph
+    /// may only be behind.
+    pub(crate) async fn standing(
+        &self,
+        request: &mut AgentRequest,
+        properties: &agent_bus::Properties,
+        session_id: &str,
+        new_dialog: bool,
+        verdict: &mut Result<(), String>,
+        attempt: Attempt<'_>,
+    ) -> Result<Result<Standing, emit::Park>, StepError> {
+        let token = |key: &str| {
+            properties
+                .get(key)
+                .and_then(|v| v.parse::<u64>().ok())
+                .unwrap_or(0)
+        };
+        let now_ms = chrono::Utc::now().timestamp_millis().max(0) as u64;
+        // Limits are never taken from a client: a dialog's first message starts its run now and
+        // at zero, whatever properties it carries.
+        let subagent = agent_core::supervisor::is_subagent(request);
+        let from_client = new_dialog && !subagent;
+        let carried = |key: &str| if from_client { 0 } else { token(key) };
+        let tokens_before = budget::Tokens {
+            input: carried(IN_TOKEN_PROPERTY),
+            output: carried(OUT_TOKEN_PROPERTY),
+        };
+        let mut started_ms = match carried(STARTED_PROPERTY) {
+            0 => now_ms,
+            started => started.min(now_ms),
+        };
+        let mut run_base = carried(RUN_TOKENS_PROPERTY);
+        // A subagent's first message is believed only if the graph holds the fan-out that started
+        // it; the run's start and the supervisor's tokens then come from there.
+        // Giving up reads nothing from the store, which may be what is down.
+        let store = match attempt {
+            Attempt::Run { .. } => self.knowledge.as_ref(),
+            Attempt::GiveUp(_) => None,
+        };
+        if new_dialog && subagent && verdict.is_ok() {
+            if let Some(key) = &self.seal {
+                // Sealed by the supervisor that spawned it: its start and budget are ours.
+                let parts = emit::subagent_seal_parts(
+                    request,
+                    token(STARTED_PROPERTY),
+                    token(RUN_TOKENS_PROPERTY),
+                );
+                let sealed = properties
+                    .get(agent_bus::seal::SEAL_PROPERTY)
+                    .is_some_and(|seal| key.verify(&parts.each_ref().map(String::as_str), seal));
+                if !sealed {
+                    tracing::warn!(session = %session_id, "refusing an unsealed subagent request");
+                    request.parent_session_id.clear();
+                    request.correlation_id.clear();
+                    *verdict = Err("the request names a fan-out (parent_session_id and correlation_id) without this service's seal; only the orchestrator starts subagents".to_owned());
+                    started_ms = now_ms;
+                    run_base = 0;
+                }
+            } else if let Some(store) = store {
+                match budget::fanout_of(store, request, session_id).await? {
+                    Some(inherited) => {
+                        if inherited.started_ms > 0 {
+                            started_ms = inherited.started_ms.min(now_ms);
+                        }
+                        run_base = run_base.max(inherited.tokens);
+                    }
+                    // The aggregator may only be behind (restarting, catching up after the
+                    // broker came back): wait, as for an outage, before calling it forged.
+                    None if matches!(attempt, Attempt::Run { may_park: true }) => {
+                        return Ok(Err(emit::Park {
+                            cause: "the fan-out that started this subagent is not in the graph; a request that names a fan-out this service did not record is refused".to_owned(),
+                            retry_after: None,
+                        }));
+                    }
+                    None => {
+                        tracing::warn!(session = %session_id, "refusing a subagent request that no recorded fan-out started");
+                        // Not a subagent: its refusal goes to whoever sent it, not into a fan-out.
+                        request.parent_session_id.clear();
+                        request.correlation_id.clear();
+                        *verdict = Err("the request names a fan-out (parent_session_id and correlation_id) that this service did not record; only the orchestrator starts subagents".to_owned());
+                        started_ms = now_ms;
+                        run_base = 0;
+                    }
+                }
+            }
+        }
+        let elapsed = std::time::Duration::from_millis(now_ms.saturating_sub(started_ms));
+        // Only a subagent (checked above) shares a run: a client that names its session like a
+        // subagent's must not spend from someone else's budget.
+        let run = if subagent {
+            budget::run_of(session_id).to_owned()
+        } else {
+            session_id.to_owned()
+        };
+        let run_uri = SessionUris::new(&run).session();
+        let mut run_tokens = run_base + tokens_before.total();
+        let mut abandoned = false;
+        // A subagent's siblings (and cousins) spend from the same budget: their calls are in the
+        // graph, tagged with the run. And a subagent whose supervisor stopped waiting stops too.
+        if run != session_id && verdict.is_ok() {
+            if let Some(store) = store {
+                run_tokens = run_tokens.max(budget::run_tokens(store, &run_uri).await?);
+                abandoned = subagent && budget::abandoned(store, session_id).await?;
+            }
+        }
+        Ok(Ok(Standing {
+            tokens_before,
+            started_ms,
+            run_base,
+            run_uri,
+            run_tokens,
+            abandoned,
+            elapsed,
+        }))
+    }
+
+    pub(crate) async fn handle_inner(
+        &self,
+        delivery: Delivery<AgentRequest>,
+        attempt: Attempt<'_>,
+        answer: Option<&approval::Answer>,
+    ) -> Result<Settled, StepError> {
+        let taken = std::time::Instant::now();
+        let Delivery {
+            payload: mut request,
+            properties,
+            message_id,
+            payload_bytes,
+        } = delivery;
+        let id = properties.get(ID_PROPERTY).map(String::as_str);
+        let session_id = session_id_for(&request, id);
+        let uris = SessionUris::new(&session_id);
+        let config = self.config.current();
+        let new_dialog = is_new_dialog(&request, &properties);
+        // Checked before anything is named after the request's ids: a hostile id must earn the
+        // client an error, not fail to name a journal entry until the message is dead-lettered.
+        let mut verdict = validate(&request, &config, new_dialog, payload_bytes);
+        let standing = match self
+            .standing(
+                &mut request,
+                &properties,
+                &session_id,
+                new_dialog,
+                &mut verdict,
+                attempt,
+            )
+            .await?
+        {
+            Ok(standing) => standing,
+            Err(park) => return Ok(Settled::Parked(park)),
+        };
+        let Standing {
+            tokens_before,
+            started_ms,
+            run_base,
+            run_uri,
+            run_tokens,
+            abandoned,
+            elapsed,
+        } = standing;
+        let mut out = DialogOutput::new(
+            &self.outputs,
+            id,
+            &request.collection,
+            &uris.session(),
+            started_ms,
+        )
+        .for_step(
+            &request,
+            &run_uri,
+            run_base,
+            config.limits.max_message_bytes,
+        );
+        let giving_up = matches!(attempt, Attempt::GiveUp(_));
+        let slot = match self
+            .journal_slot(
+                &out,
+                &request,
+                &uris,
+                new_dialog,
+                verdict.is_err(),
+                giving_up,
+                answer.is_some(),
+                message_id,
+            )
+            .await?
+        {
+            Lookup::Recorded => return Ok(Settled::Done),
+            Lookup::Fresh(slot) => slot,
+        };
+        let joins_conversation = new_dialog
+            && verdict.is_ok()
+            && answer.is_none()
+            && matches!(attempt, Attempt::Run { .. });
+        if joins_conversation {
+            let joined = self
+                .join_conversation(&mut request, &session_id, &uris, &config, &out)
+                .await?;
+            match joined {
+                Joined::Go => {}
+                Joined::Refused(problem) => verdict = Err(problem),
+                Joined::Queued(why) => return Ok(Settled::Queued(why)),
+            }
+        }
+        // A request that names its pattern is not routed, but gets its task type's framing.
+        let requested = (new_dialog && !request.pattern.is_empty())
+            .then(|| router::requested(&request, &config));
+        if let Some(decision) = &requested {
+            request.framing.clone_from(&decision.framing);
+            request.pattern.clone_from(&decision.pattern.selected);
+        }
+        let n = steps_taken(&request.history) + 1;
+        let replay::StepStart {
+            reuse,
+            replay: step_replay,
+            fork,
+        } = replay::StepStart::read(
+            &properties,
+            &request,
+            self.knowledge.as_ref(),
+            matches!(attempt, Attempt::Run { .. }) && verdict.is_ok(),
+        )
+        .await?;
+        let llm = self.llm.taped(step_replay.tape.clone());
+        let span = iteration_span(&request, &session_id, id, &properties);
+        carry_forward(&mut out, reuse.as_ref(), &span);
+        let turn = Turn {
+            request: &request,
+            session_id: &session_id,
+            uris: &uris,
+            out: &out,
+            config: &config,
+            llm: &llm,
+            knowledge: self.knowledge.as_ref(),
+            mcp: &self.mcp,
+            tokens_before,
+            run_tokens,
+            abandoned,
+            seal: self.seal.as_ref(),
+            elapsed,
+            may_park: matches!(attempt, Attempt::Run { may_park: true }),
+            cancelled: self.cancellations.of(&session_id),
+            delivered: &properties,
+            replay: &step_replay,
+        };
+        if let Err(problem) = verdict {
+            refuse(&turn, &problem).await?;
+            out.commit(slot.as_ref()).await?;
+            committed(&out, "refused", false, taken);
+            return Ok(Settled::Done);
+        }
+        if let Attempt::GiveUp(why) = attempt {
+            finish::fail(&turn, n, why).await?;
+            out.commit(None).await?;
+            committed(&out, "given-up", false, taken);
+            return Ok(Settled::Done);
+        }
+        let start = Start {
+            new_dialog,
+            requested: requested.as_ref(),
+            fork: fork.as_ref().map(|(f, edits)| (f, edits.as_slice())),
+            reuse: reuse.as_ref(),
+        };
+        self.run_unless_cancelled(&turn, answer, start, span, n, &run_uri)
+            .await?;
+        if let Some(park) = out.parked() {
+            return Ok(Settled::Parked(park));
+        }
+        // Everything this message caused must be on the broker before it is acked.
+        out.commit(slot.as_ref()).await?;
+        let routing = new_dialog && requested.is_none();
+        let pattern = metrics_label(&request, &config, routing);
+        let first_iteration = !routing && request.history.is_empty();
+        committed(&out, pattern, first_iteration, taken);
+        Ok(Settled::Done)
+    }
+
+    /// A new dialog of a conversation is told what was asked and answered before, and is not run
+    /// beside another dialog of the same conversation unless the policy says so.
+    async fn join_conversation(
+        &self,
+        request: &mut AgentRequest,
+        session_id: &str,
+        uris: &SessionUris,
+        config: &AgentConfig,
+        out: &DialogOutput<'_>,
+    ) -> Result<Joined, StepError> {
+        let (Some(store), false, false) = (
+            &self.knowledge,
+            request.conversation_id.is_empty(),
+            agent_core::supervisor::is_subagent(request),
+        ) else {
+            return Ok(Joined::Go);
+        };
+        let earlier = conversation::earlier(store, &request.conversation_id, session_id).await?;
+        let max_wall = Duration::from_secs(config.limits.max_wall_secs);
+        let running: Vec<&conversation::Earlier> =
+            earlier.iter().filter(|d| d.running(max_wall)).collect();
+        if let Some(first) = running.first() {
+            let conversation = &request.conversation_id;
+            let other = first.session_id();
+            match config.limits.conversation_policy {
+                ConversationPolicy::Queue => {
+                    return Ok(Joined::Queued(format!(
+                        "dialog {other} of conversation {conversation} is still running"
+                    )))
+                }
+                ConversationPolicy::Reject => {
+                    return Ok(Joined::Refused(format!("dialog {other} of conversation {conversation} is still running; this conversation takes one request at a time (conversation_policy: reject)")));
+                }
+                ConversationPolicy::Interrupt => {
+                    for dialog in &running {
+                        self.interrupt(dialog.session_id(), session_id, out).await?;
+                    }
+                }
+            }
+        }
+        let summary = conversation::context(&earlier);
+        request.framing = conversation::framed(&request.framing, &summary);
+        let follows: Vec<String> = earlier.iter().map(|d| d.session_uri.clone()).collect();
+        out.explain(&uris.session(), provenance::follows(uris, &follows))?;
+        Ok(Joined::Go)
+    }
+
+    /// Runs the step (its pattern's, or the resumption of a parked call with its `answer`),
+    /// unless its run is cancelled. A cancelled run's step is not run: it only ends its dialog. A
+    /// cancel heard while the step works abandons it (an LLM stream in flight, a tool call not
+    /// yet made): what it held is dropped, and the same.
+    async fn run_unless_cancelled(
+        &self,
+        turn: &Turn<'_>,
+        answer: Option<&approval::Answer>,
+        start: Start<'_>,
+        span: tracing::Span,
+        n: usize,
+        run_uri: &str,
+    ) -> Result<(), StepError> {
+        let new_dialog = start.new_dialog;
+        let work = Box::pin(
+            async {
+                match answer {
+                    Some(answer) => Box::pin(approval::resume(turn, answer)).await,
+                    None => Box::pin(begin_or_continue(turn, start)).await,
+                }
+            }
+            .instrument(span),
+        );
+        let overtaken = match turn.cancelled.clone() {
+            Some(cancel) => Some(cancel),
+            None => tokio::select! {
+                done = work => {
+                    done?;
+                    turn.replay.record(turn.out, turn.uris, n, run_uri);
+                    None
+                }
+                cancel = self.cancellations.cancelled(turn.session_id) => Some(cancel),
+            },
+        };
+        if let Some(cancel) = overtaken {
+            turn.out.discard();
+            if new_dialog {
+                record_question(turn)?;
+            }
+            finish::cancelled(turn, &cancel).await?;
+        }
+        Ok(())
+    }
+
+    /// Where the step stands in the journal: its slot (none without a journal, or when giving up,
+    /// which publishes without the journal since the store may be what is down), or
+    /// [`Lookup::Recorded`] when its outcome was recorded already and has now been settled from the
+    /// entry (an error must never follow an answer).
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) async fn journal_slot<'e>(
+        &'e self,
+        out: &DialogOutput<'_>,
+        request: &AgentRequest,
+        uris: &SessionUris,
+        new_dialog: bool,
+        refused: bool,
+        giving_up: bool,
+        answering: bool,
+        delivery: String,
+    ) -> Result<Lookup<'e>, StepError> {
+        let Some(journal) = &self.journal else {
+            return Ok(Lookup::Fresh(None));
+        };
+        let mut key = journal::key(request, new_dialog && request.pattern.is_empty());
+        // A parked step's resumption has a slot of its own, which the first answer takes.
+        if answering {
+            key.push_str("-answer");
+        }
+        let node = match journal::entry_node(&uris.session(), &key) {
+            Ok(node) => node,
+            // Only a refused request has ids that name no node; its refusal is a pure function
+            // of the message, so a repeat of it is harmless.
+            Err(_) if refused || giving_up => return Ok(Lookup::Fresh(None)),
+            Err(e) => return Err(e.into()),
+        };
+        let slot = JournalSlot {
+            journal,
+            node,
+            delivery,
+        };
+        // Giving up reads the journal only if it can.
+        let recorded = match slot.journal.entry(&slot.node).await {
+            Ok(entry) => entry,
+            Err(_) if giving_up => None,
+            Err(e) => return Err(e.into()),
+        };
+        if let Some(entry) = recorded {
+            out.settle(&slot, entry, Recorder::Unknown).await?;
+            return Ok(Lookup::Recorded);
+        }
+        Ok(Lookup::Fresh((!giving_up).then_some(slot)))
+    }
+}
+
+/// A step's journal lookup.
+pub(crate) enum Lookup<'e> {
+    /// Not recorded yet: run it, recording in the slot when there is one.
+    Fresh(Option<JournalSlot<'e>>),
+    /// Recorded before, and settled from the entry now.
+    Recorded,
+}
+
+/// What joining its conversation makes of a new dialog.
+enum Joined {
+    /// Run it (told what the conversation asked and answered before).
+    Go,
+    /// Refuse it (`conversation_policy: reject` while another dialog runs).
+    Refused(String),
+    /// Wait for the running dialog (`conversation_policy: queue`).
+    Queued(String),
+}
+
+/// Whether a request starts a dialog. The router's mark is honoured only on what the router
+/// queues: a first iteration with its pattern and session set. Anything else without history is a
+/// new dialog.
+fn is_new_dialog(request: &AgentRequest, properties: &agent_bus::Properties) -> bool {
+    let routed = properties.contains_key(router::ROUTED_PROPERTY)
+        && !request.pattern.is_empty()
+        && !request.session_id.is_empty();
+    request.history.is_empty() && !routed
+}
+
+/// What every message of the step carries on: a replay's reuse (its next steps and subagents
+/// reuse too), and the step's span, so that the next step (in any replica) and the aggregator
+/// continue the same trace.
+fn carry_forward(out: &mut DialogOutput<'_>, reuse: Option<&replay::Reuse>, span: &tracing::Span) {
+    if let Some(reuse) = reuse {
+        out.set_property(agent_schema::REUSE_PROPERTY, reuse.label().to_owned());
+        out.set_property(agent_schema::REUSE_FROM_PROPERTY, reuse.from.clone());
+    }
+    if let Some(context) = agent_telemetry::trace::traceparent(span) {
+        out.set_property(agent_telemetry::trace::TRACEPARENT_PROPERTY, context);
+    }
+}
+
+/// Answers an invalid request: a refused subagent is a failed completion for its supervisor, not
+/// the end of the client's dialog; anyone else gets an error response.
+pub(crate) async fn refuse(turn: &Turn<'_>, problem: &str) -> Result<(), agent_bus::BusError> {
+    tracing::warn!(session = %turn.session_id, %problem, "refusing an invalid request");
+    if agent_core::supervisor::is_subagent(turn.request) {
+        finish::error(turn, problem).await
+    } else {
+        turn.out.respond(&AgentResponse::error(problem.to_owned()))
+    }
+}
+
+/// Logs and counts a committed step.
+pub(crate) fn committed(
+    out: &DialogOutput<'_>,
+    pattern: &str,
+    first_iteration: bool,
+    taken: std::time::Instant,
+) {
+    events::StepCommitted {
+        pattern,
+        first_iteration,
+        ended: out.ended(),
+        took: taken.elapsed(),
+    }
+    .emit();
+}
+
+/// The session of a dialog. A first request gets one derived from its `id` property, so that a
+/// redelivered first message names the same provenance nodes instead of starting a second session.
+pub(crate) fn session_id_for(request: &AgentRequest, id: Option<&str>) -> String {
+    if !request.session_id.is_empty() {
+        return request.session_id.clone();
+    }
+    match id {
+        Some(id) if !id.is_empty() => {
+            uuid::Uuid::new_v5(&uuid::Uuid::NAMESPACE_URL, id.as_bytes()).to_string()
+        }
+        _ => uuid::Uuid::new_v4().to_string(),
+    }
+}
+
+/// The step's span, in the trace its message came with (the client's, or the previous step's).
+pub(crate) fn iteration_span(
+    request: &AgentRequest,
+    session_id: &str,
+    id: Option<&str>,
+    properties: &agent_bus::Properties,
+) -> tracing::Span {
+    let traceparent = properties
+        .get(agent_telemetry::trace::TRACEPARENT_PROPERTY)
+        .map_or("", String::as_str);
+    tracing::info_span!(
+        "iteration",
+        session = %session_id,
+        iteration = steps_taken(&request.history) + 1,
+        id = id.unwrap_or(""),
+        pattern = %request.pattern,
+        correlation = %request.correlation_id,
+        traceparent = traceparent,
+    )
+}
+
+/// A new dialog's first node: the question as asked (a subagent's hanging off its supervisor's
+/// fan-out, so the run is one DAG from the root).
+pub(crate) fn record_question(turn: &Turn<'_>) -> Result<(), agent_bus::BusError> {
+    let Turn {
+        request, uris, out, ..
+    } = turn;
+    let started = chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Micros, true);
+    let mut question = provenance::session(uris, &request.question, &started);
+    if agent_core::supervisor::is_subagent(request) {
+        question.extend(provenance::derived_from(
+            &uris.session(),
+            &SessionUris::new(&request.parent_session_id).fanout(&request.correlation_id),
+        ));
+    }
+    out.explain(&uris.session(), question)
+}
+
+/// How a step's message starts its work.
+pub(crate) struct Start<'s> {
+    /// A dialog's first message from outside (a client's, a subagent's, a fork's from step 1).
+    new_dialog: bool,
+    /// The pattern decision of a request that named its pattern.
+    requested: Option<&'s agent_core::router::Decision>,
+    /// A fork's first message: where from, and what its input changes there.
+    fork: Option<(&'s replay::Fork, &'s [String])>,
+    reuse: Option<&'s replay::Reuse>,
+}
+
+/// The step's own work: a new dialog's first node (and, unless its request named a pattern, the
+/// meta-router's step), a fork's record of where it came from, then one iteration of its pattern.
+pub(crate) async fn begin_or_continue(
+    turn: &Turn<'_>,
+    start: Start<'_>,
+) -> Result<(), agent_bus::BusError> {
+    let Turn { uris, out, .. } = turn;
+    if start.new_dialog || start.fork.is_some() {
+        record_question(turn)?;
+    }
+    if let Some((fork, edits)) = start.fork {
+        fork.record(out, uris, turn.request, edits, start.reuse);
+    }
+    if start.new_dialog {
+        let Some(decision) = start.requested else {
+            // The router's step records the input it queues for the first iteration.
+            return router::route(turn).await;
+        };
+        out.explain(
+            &uris.pattern_decision(),
+            provenance::pattern_decision(uris, decision, &CallStats::default()),
+        )?;
+    }
+    // A first step no step of this service queued records its own input.
+    if start.new_dialog || start.fork.is_some() {
+        replay::record_own_input(out, uris, turn.request);
+    }
+    patterns::iterate(turn).await
+}
+
+/// The pattern a step is counted under in the metrics (a bounded set of labels).
+pub(crate) fn metrics_label<'a>(
+    request: &'a AgentRequest,
+    config: &AgentConfig,
+    routing: bool,
+) -> &'a str {
+    match request.pattern.as_str() {
+        _ if routing => "router",
+        "" => Pattern::React.name(),
+        named if config.patterns.contains_key(named) || Pattern::runs(named) => named,
+        _ => "other",
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn first_requests_get_a_stable_session_per_id() {
+        let req = AgentRequest::default();
+        assert_eq!(
+            session_id_for(&req, Some("abc")),
+            session_id_for(&req, Some("abc"))
+        );
+        assert_ne!(
+            session_id_for(&req, Some("abc")),
+            session_id_for(&req, Some("abd"))
+        );
+        let later = AgentRequest {
+            session_id: "s-1".into(),
+            ..AgentRequest::default()
+        };
+        assert_eq!(session_id_for(&later, Some("abc")), "s-1");
+    }
+
+    #[test]
+    fn only_what_the_router_queued_continues_a_dialog_without_history() {
+        let marked: agent_bus::Properties =
+            [(router::ROUTED_PROPERTY.to_owned(), "1".to_owned())].into();
+        let fresh = AgentRequest {
+            question: "q".into(),
+            ..AgentRequest::default()
+        };
+        assert!(is_new_dialog(&fresh, &agent_bus::Properties::new()));
+        // A client's mark on a request without its pattern and session is not believed.
+        assert!(is_new_dialog(&fresh, &marked));
+        let queued = AgentRequest {
+            pattern: "react".into(),
+            session_id: "s".into(),
+            ..fresh.clone()
+        };
+        assert!(!is_new_dialog(&queued, &marked));
+        assert!(is_new_dialog(&queued, &agent_bus::Properties::new()));
+        let later = AgentRequest {
+            history: vec![agent_schema::AgentStep::default()],
+            ..fresh
+        };
+        assert!(!is_new_dialog(&later, &agent_bus::Properties::new()));
+    }
+}
