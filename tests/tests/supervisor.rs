@@ -774,3 +774,96 @@ async fn two_replicas_each_and_a_killed_aggregator_give_one_synthesis() {
         SELECT ?f WHERE { GRAPH ?g { ?f a tg:FanOut ; tg:synthesisRequested ?done } }";
     assert_eq!(count_reaching(&store, marked.to_owned(), 1).await, 1);
 }
+
+const CHAIN: &str = r#"{"rules": [
+  {"match": "Request to split: Chain", "reply": "[{\"id\": \"a\", \"goal\": \"find alpha\"}, {\"id\": \"b\", \"goal\": \"double alpha\", \"needs\": [\"a\"]}, {\"id\": \"c\", \"goal\": \"halve alpha\", \"needs\": [\"a\"]}, {\"id\": \"d\", \"goal\": \"add the double and the half\", \"needs\": [\"b\", \"c\"]}]"},
+  {"match": "Question: find alpha", "reply": "Thought: known.\nFinal Answer: alpha is 8", "delay_ms": 200},
+  {"match": "Question: double alpha", "and": ["- find alpha: alpha is 8"], "reply": "Thought: from alpha.\nFinal Answer: the double is 16", "delay_ms": 1000},
+  {"match": "Question: halve alpha", "and": ["- find alpha: alpha is 8"], "reply": "Thought: from alpha.\nFinal Answer: the half is 4", "delay_ms": 1000},
+  {"match": "Question: add the double and the half", "and": ["- double alpha: the double is 16", "- halve alpha: the half is 4"], "reply": "Thought: both known.\nFinal Answer: the sum is 20"},
+  {"match": "Request to answer from the subagents: Chain", "and": ["alpha is 8", "the double is 16", "the half is 4", "the sum is 20"], "reply": "Alpha 8, double 16, half 4, sum 20."}
+]}"#;
+
+/// Subagents that need each other's results (A -> B, C -> D): B and C start once A has completed,
+/// with A's result, and run at the same time; D starts once both have, with both results; the
+/// supervisor synthesises once from all four. The graph says who needed whom and what each waiting
+/// subagent started after.
+#[tokio::test]
+async fn subagents_start_when_the_results_they_need_are_in() {
+    let broker = Broker::start().unwrap();
+    let aggregator = Aggregator::spawn(&broker);
+    let llm = scripted_llm(CHAIN).await;
+    let _orchestrator = Orchestrator::spawn(&broker, &llm, &seed_dir(), &[]);
+    let mut client = client(&broker).await;
+    client
+        .send("chain-1", &supervised("Chain the four steps."))
+        .await
+        .unwrap();
+    let responses = collect_dialog(&mut client, "chain-1", DIALOG_TIMEOUT)
+        .await
+        .unwrap();
+    let last = responses.last().unwrap();
+    assert!(last.error.is_none(), "{responses:#?}");
+    assert_eq!(last.content, "Alpha 8, double 16, half 4, sum 20.");
+    assert_eq!(closings(&responses), 1, "{responses:#?}");
+    // Each subagent's LLM call matched its rule: B and C were given A's result, D both of theirs
+    // (a call without them would match no rule, and its subagent would fail).
+    let calls = llm.calls();
+    for rule in 1..=4 {
+        assert_eq!(
+            calls.iter().filter(|c| c.rule == Some(rule)).count(),
+            1,
+            "rule {rule}: {calls:#?}"
+        );
+    }
+    assert!(calls.iter().all(|c| c.rule.is_some()), "{calls:#?}");
+    // B and C (a second each) overlapped; nothing else could.
+    assert_eq!(llm.max_concurrent(), 2, "B and C did not run side by side");
+    // The fan-out's listing says who waits for whom.
+    let listing = responses
+        .iter()
+        .find(|r| r.message_type == "observation" && r.message_id.contains("/fanout/"))
+        .unwrap();
+    assert!(
+        listing
+            .content
+            .contains("3. add the double and the half (react), after 1, 2"),
+        "{}",
+        listing.content
+    );
+
+    let session = session_of(&responses);
+    let store = aggregator.store();
+    let needs = format!(
+        "PREFIX tg: <https://trustgraph.ai/ns/> PREFIX prov: <http://www.w3.org/ns/prov#>
+         SELECT ?waiting ?needed WHERE {{ GRAPH <urn:graph:retrieval> {{
+           ?f a tg:FanOut ; prov:wasDerivedFrom+ <{session}> ; tg:subagentSession ?waiting, ?needed .
+           ?waiting tg:needs ?needed }} }}"
+    );
+    assert_eq!(count(&store, needs).await, 4);
+    // Each waiting subagent started after the completions of exactly those it needed.
+    let started = format!(
+        "PREFIX tg: <https://trustgraph.ai/ns/>
+         SELECT ?waiting ?after WHERE {{ GRAPH <urn:graph:retrieval> {{
+           ?waiting tg:needs ?needed ; tg:startedAfter ?after ; tg:startRequested true .
+           ?after a tg:SubagentCompletion .
+           FILTER (STR(?after) = CONCAT(STR(?needed), \"/completion\"))
+           FILTER (STRSTARTS(STR(?waiting), \"{session}\")) }} }}"
+    );
+    assert_eq!(count(&store, started).await, 4);
+    // Every subagent's run hangs off the fan-out, and the synthesis derives from all four.
+    let derived = format!(
+        "PREFIX tg: <https://trustgraph.ai/ns/> PREFIX prov: <http://www.w3.org/ns/prov#>
+         SELECT DISTINCT ?c WHERE {{ GRAPH <urn:graph:retrieval> {{
+           ?s a tg:Synthesis ; prov:wasDerivedFrom ?c . ?c a tg:SubagentCompletion .
+           ?s prov:wasDerivedFrom ?f . ?f a tg:FanOut ; prov:wasDerivedFrom+ <{session}> }} }}"
+    );
+    assert_eq!(count_reaching(&store, derived, 4).await, 4);
+    let subagent_roots = format!(
+        "PREFIX tg: <https://trustgraph.ai/ns/> PREFIX prov: <http://www.w3.org/ns/prov#>
+         SELECT DISTINCT ?q WHERE {{ GRAPH <urn:graph:retrieval> {{
+           ?q a tg:AgentQuestion ; prov:wasDerivedFrom ?f . ?f a tg:FanOut ;
+              prov:wasDerivedFrom+ <{session}> }} }}"
+    );
+    assert_eq!(count_reaching(&store, subagent_roots, 4).await, 4);
+}

@@ -8,12 +8,14 @@ use std::collections::BTreeMap;
 use agent_bus::seal::SealKey;
 use agent_bus::{BusError, Properties, Publisher};
 use agent_core::supervisor::{
-    completion_seal_parts, decomposed_goals, fanout_seal_parts, last_decompose, result_key,
-    subagent_index, synthesis_request,
+    completion_seal_parts, decomposed_goals, dependent_goals, dependent_request, fanout_seal_parts,
+    last_decompose, result_key, subagent_index, subagent_seal_parts, subagent_session,
+    synthesis_request,
 };
 use agent_graph::{queries, GraphError, GraphStore, QueryAnswer, Rows};
 use agent_schema::{
-    AgentRequest, Triples, ID_PROPERTY, IN_TOKEN_PROPERTY, OUT_TOKEN_PROPERTY, STARTED_PROPERTY,
+    AgentRequest, Triples, ID_PROPERTY, IN_TOKEN_PROPERTY, OUT_TOKEN_PROPERTY, RUN_TOKENS_PROPERTY,
+    STARTED_PROPERTY,
 };
 use oxigraph::model::{NamedNode, Term};
 
@@ -172,6 +174,8 @@ pub async fn check(
     let mut results = BTreeMap::new();
     let mut seen = std::collections::BTreeSet::new();
     let mut arrived = std::collections::BTreeSet::new();
+    // By subagent index: its goal and result as a subagent waiting for it is given them.
+    let mut found: BTreeMap<usize, (String, String)> = BTreeMap::new();
     let (c, session, goal, status, result) = (
         done.column("c"),
         done.column("s"),
@@ -213,6 +217,7 @@ pub async fn check(
             "cancelled" => format!("The subagent was {result}"),
             _ => format!("Error: the subagent failed: {result}"),
         };
+        found.insert(index, (goal.clone(), shown.clone()));
         results.insert(result_key(index, &goal), shown);
     }
     let Ok(node) = NamedNode::new(fanout) else {
@@ -222,7 +227,15 @@ pub async fn check(
     if seen.len() < expected {
         let Some(secs) = timed_out else {
             tracing::debug!(correlation_id, have = seen.len(), expected, "fan-in waits");
-            return Ok(());
+            let fanout = Fanout {
+                correlation_id,
+                continuation: &continuation,
+                client: &client,
+                started,
+                tokens: tokens.0 + tokens.1,
+                expected,
+            };
+            return start_waiting(store, requests, seal, &fanout, &found).await;
         };
         let sessions = rows(store, queries::fanout_sessions(&node)).await?;
         for session in sessions.column("s") {
@@ -315,5 +328,125 @@ pub async fn check(
         crate::metrics::fan_in(timed_out.is_some(), took);
     }
     tracing::info!(correlation_id, "fan-in complete; synthesis requested");
+    Ok(())
+}
+
+/// A fan-out as the start of its waiting subagents needs it.
+struct Fanout<'a> {
+    correlation_id: &'a str,
+    /// What resumes the supervisor: its last step is the decompose that kept the goals.
+    continuation: &'a AgentRequest,
+    client: &'a str,
+    /// When the run started (Unix ms) and what it had spent at the fan-out.
+    started: u64,
+    tokens: u64,
+    expected: usize,
+}
+
+/// Starts each subagent of `fanout` that waited for others and whose prerequisites have all
+/// completed (`found`: by index, goal and result), with their results in its context: claimed
+/// first (one start however many checks see it ready), sealed as the orchestrator seals the
+/// subagents it starts, published, then recorded (`tg:startedAfter` each prerequisite's
+/// completion) and marked. A claim another check holds sends the message back, as for a synthesis.
+async fn start_waiting(
+    store: &GraphStore,
+    requests: &Publisher,
+    seal: Option<&SealKey>,
+    fanout: &Fanout<'_>,
+    found: &BTreeMap<usize, (String, String)>,
+) -> Result<(), FanInError> {
+    let Some(decompose) = last_decompose(&fanout.continuation.history) else {
+        return Ok(());
+    };
+    let mut held = false;
+    for (index, goal) in dependent_goals(decompose).iter().enumerate() {
+        let ready = !goal.needs.is_empty()
+            && !found.contains_key(&index)
+            && goal.needs.iter().all(|need| found.contains_key(need));
+        if !ready || index >= fanout.expected {
+            continue;
+        }
+        let session = subagent_session(fanout.correlation_id, index);
+        let Ok(node) = NamedNode::new(agent_core::provenance::SessionUris::new(&session).session())
+        else {
+            continue;
+        };
+        let claimer = format!("{:032x}", uuid::Uuid::new_v4().as_u128());
+        let now = chrono::Utc::now();
+        let stale = now - chrono::Duration::from_std(CLAIM_LEASE).unwrap_or_default();
+        let stamp = |t: chrono::DateTime<chrono::Utc>| {
+            t.to_rfc3339_opts(chrono::SecondsFormat::Micros, true)
+        };
+        store
+            .update(queries::claim_start(
+                &node,
+                &claimer,
+                &stamp(now),
+                &stamp(stale),
+            ))
+            .await?;
+        let claim = rows(store, queries::start_claim(&node)).await?;
+        if claim.column("started").iter().any(Option::is_some) {
+            continue;
+        }
+        let holders: Vec<String> = claim.column("who").into_iter().map(text).collect();
+        if holders != [claimer.clone()] {
+            held = true;
+            continue;
+        }
+        let prerequisites: Vec<(String, String)> = goal
+            .needs
+            .iter()
+            .filter_map(|need| found.get(need).cloned())
+            .collect();
+        let request = dependent_request(
+            fanout.continuation,
+            fanout.correlation_id,
+            index,
+            goal,
+            fanout.expected,
+            &prerequisites,
+        );
+        let mut properties = Properties::new();
+        properties.insert(ID_PROPERTY.to_owned(), fanout.client.to_owned());
+        properties.insert(STARTED_PROPERTY.to_owned(), fanout.started.to_string());
+        properties.insert(RUN_TOKENS_PROPERTY.to_owned(), fanout.tokens.to_string());
+        if let Some(key) = seal {
+            let parts = subagent_seal_parts(&request, fanout.started, fanout.tokens);
+            properties.insert(
+                agent_bus::seal::SEAL_PROPERTY.to_owned(),
+                key.seal(&parts.each_ref().map(String::as_str)),
+            );
+        }
+        if let Some(context) = agent_telemetry::trace::traceparent(&tracing::Span::current()) {
+            properties.insert(
+                agent_telemetry::trace::TRACEPARENT_PROPERTY.to_owned(),
+                context,
+            );
+        }
+        requests
+            .enqueue(agent_schema::encode(&request), &properties)
+            .await?
+            .wait()
+            .await?;
+        let after: Vec<String> = goal
+            .needs
+            .iter()
+            .map(|&need| subagent_session(fanout.correlation_id, need))
+            .collect();
+        let started = agent_core::provenance::dependent_start(&session, &after, &stamp(now));
+        if let Ok(quads) = agent_graph::convert::to_quads(&started) {
+            store.insert(quads).await?;
+        }
+        store.update(queries::start_requested(&node)).await?;
+        tracing::info!(
+            correlation_id = fanout.correlation_id,
+            subagent = index,
+            "every subagent it needs has completed; started"
+        );
+    }
+    if held {
+        return Err(FanInError::ClaimHeld);
+    }
     Ok(())
 }

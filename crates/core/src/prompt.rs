@@ -107,7 +107,7 @@ pub const DEFAULT_SUPERVISOR_SYSTEM: &str =
 
 /// Splitting. Placeholders: `framing`, `question`, `max_subagents`, `tools`, `patterns` (the ways a
 /// subagent may work, a sentence).
-pub const DEFAULT_SUPERVISOR_DECOMPOSE_TEMPLATE: &str = "{{framing}}Split the request below into at most {{max_subagents}} independent goals, each of which a subagent can pursue on its own, in parallel with the others. {{patterns}}\n\nTools the subagents can use:\n{{tools}}\n\nReply with only a JSON list: [{\"goal\": \"...\", \"pattern\": \"react\"}]\n\nRequest to split: {{question}}";
+pub const DEFAULT_SUPERVISOR_DECOMPOSE_TEMPLATE: &str = "{{framing}}Split the request below into at most {{max_subagents}} goals, each of which a subagent can pursue on its own. The subagents run in parallel. Only a goal that cannot be done without another goal's result names that goal in \"needs\" (by its id): its subagent then starts once those have finished, and is given their results. {{patterns}}\n\nTools the subagents can use:\n{{tools}}\n\nReply with only a JSON list: [{\"id\": \"g1\", \"goal\": \"...\", \"pattern\": \"react\", \"needs\": []}]\n\nRequest to split: {{question}}";
 
 /// Combining. Placeholders: `framing`, `question`, `results`, `again` (the offer of another round of
 /// subagents, empty when the limits leave no room for one).

@@ -984,6 +984,39 @@ pub fn fanout(
     b.build()
 }
 
+/// What a fan-out's waiting subagents need: `tg:needs` from each waiting subagent's session to
+/// the sessions whose results it starts with. `needs`: subagent session, and the sessions it needs.
+pub fn subagent_needs(needs: &[(String, Vec<String>)]) -> Vec<Triple> {
+    let mut b = NodeBuilder::default();
+    for (session, prerequisites) in needs {
+        let s = SessionUris::new(session).session();
+        for prerequisite in prerequisites {
+            b.tg(
+                &s,
+                "needs",
+                Term::iri(SessionUris::new(prerequisite).session()),
+            );
+        }
+    }
+    b.build()
+}
+
+/// A waiting subagent's start, as the aggregator records it once every subagent it needs has
+/// completed: `tg:startedAfter` each of their completions, and when (`tg:startedAt`).
+pub fn dependent_start(session: &str, prerequisites: &[String], at: &str) -> Vec<Triple> {
+    let s = SessionUris::new(session).session();
+    let mut b = NodeBuilder::default();
+    for prerequisite in prerequisites {
+        b.tg(
+            &s,
+            "startedAfter",
+            Term::iri(SessionUris::new(prerequisite).completion()),
+        );
+    }
+    b.tg(&s, "startedAt", Term::typed_literal(at, XSD_DATETIME));
+    b.build()
+}
+
 /// Where a dialog stands when it fans out: its tokens so far (this iteration's included) and when
 /// it started, which the synthesis request carries on with the subagents' tokens added.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]

@@ -17,11 +17,29 @@ pub struct Goal {
     pub pattern: Pattern,
     /// The subagent's tool groups; `None` keeps the supervisor's.
     pub group: Option<Vec<String>>,
+    /// The goals (by index in the fan-out) whose results this one builds on: it starts when they
+    /// have completed, with their results. Empty: it starts with the fan-out.
+    pub needs: Vec<usize>,
 }
 
-/// Reads the goals: a JSON list of `{goal, pattern?, group?}` (or of strings), or an object with a
-/// `goals` list, possibly with prose around it. At most `max` goals are kept; a pattern that is not
-/// a worker pattern here becomes `react` (`supervisor` is one only when `nested` fan-out is allowed).
+impl Goal {
+    /// A goal that needs no other, in the supervisor's tool groups.
+    pub fn independent(goal: impl Into<String>, pattern: Pattern) -> Goal {
+        Goal {
+            goal: goal.into(),
+            pattern,
+            group: None,
+            needs: Vec::new(),
+        }
+    }
+}
+
+/// Reads the goals: a JSON list of `{id?, goal, pattern?, group?, needs?}` (or of strings), or an
+/// object with a `goals` list, possibly with prose around it. At most `max` goals are kept; a
+/// pattern that is not a worker pattern here becomes `react` (`supervisor` is one only when
+/// `nested` fan-out is allowed). `needs` names other goals by `id` (or by position, from 0); a
+/// need on no kept goal, on the goal itself, or closing a cycle is dropped, so the goals always
+/// form a graph that can run to its end.
 pub fn parse_goals(text: &str, max: usize, nested: bool) -> Result<Vec<Goal>, String> {
     let start = text
         .find(['[', '{'])
@@ -41,11 +59,12 @@ fn goals_from(value: serde_json::Value, max: usize, nested: bool) -> Result<Vec<
         },
         _ => return Err("the goals are neither a list nor an object with 'goals'".to_owned()),
     };
-    let goals: Vec<Goal> = list
+    // Each kept goal with its id and the needs as written, resolved once all are known.
+    let mut written: Vec<(Goal, Option<String>, Vec<serde_json::Value>)> = list
         .iter()
         .filter_map(|item| {
-            let (goal, pattern, group) = match item {
-                serde_json::Value::String(g) => (g.clone(), String::new(), None),
+            let (goal, pattern, group, id, needs) = match item {
+                serde_json::Value::String(g) => (g.clone(), String::new(), None, None, Vec::new()),
                 serde_json::Value::Object(o) => (
                     o.get("goal").and_then(|g| g.as_str())?.to_owned(),
                     o.get("pattern")
@@ -57,6 +76,11 @@ fn goals_from(value: serde_json::Value, max: usize, nested: bool) -> Result<Vec<
                             .filter_map(|x| x.as_str().map(str::to_owned))
                             .collect()
                     }),
+                    o.get("id").and_then(id_text),
+                    o.get("needs")
+                        .and_then(|n| n.as_array())
+                        .cloned()
+                        .unwrap_or_default(),
                 ),
                 _ => return None,
             };
@@ -69,18 +93,173 @@ fn goals_from(value: serde_json::Value, max: usize, nested: bool) -> Result<Vec<
                 Some(Pattern::Supervisor) if nested => Pattern::Supervisor,
                 _ => Pattern::React,
             };
-            Some(Goal {
-                goal,
-                pattern,
+            let goal = Goal {
                 group,
-            })
+                ..Goal::independent(goal, pattern)
+            };
+            Some((goal, id, needs))
         })
         .take(max)
         .collect();
-    if goals.is_empty() {
+    if written.is_empty() {
         return Err("no goals".to_owned());
     }
+    let ids: Vec<Option<String>> = written.iter().map(|(_, id, _)| id.clone()).collect();
+    for (index, (goal, _, needs)) in written.iter_mut().enumerate() {
+        let mut resolved: Vec<usize> = needs
+            .iter()
+            .filter_map(|need| match need {
+                serde_json::Value::Number(n) => n.as_u64().map(|n| n as usize),
+                other => {
+                    let wanted = id_text(other)?;
+                    ids.iter()
+                        .position(|id| id.as_deref() == Some(wanted.as_str()))
+                }
+            })
+            .filter(|&need| need != index && need < ids.len())
+            .collect();
+        resolved.sort_unstable();
+        resolved.dedup();
+        goal.needs = resolved;
+    }
+    let mut goals: Vec<Goal> = written.into_iter().map(|(goal, _, _)| goal).collect();
+    break_cycles(&mut goals);
     Ok(goals)
+}
+
+/// A goal's id as written: a string, or a number taken as its text.
+fn id_text(value: &serde_json::Value) -> Option<String> {
+    match value {
+        serde_json::Value::String(s) if !s.trim().is_empty() => Some(s.trim().to_owned()),
+        serde_json::Value::Number(n) => Some(n.to_string()),
+        _ => None,
+    }
+}
+
+/// Drops the needs that close a cycle, so that every goal can start: goals are taken in rounds
+/// (each round, those whose needs are all taken); when a round takes none, the first goal left
+/// loses its needs on the others left, and the rounds go on.
+fn break_cycles(goals: &mut [Goal]) {
+    let mut taken = vec![false; goals.len()];
+    while taken.iter().any(|t| !t) {
+        let ready: Vec<usize> = (0..goals.len())
+            .filter(|&i| !taken[i] && goals[i].needs.iter().all(|&n| taken[n]))
+            .collect();
+        if ready.is_empty() {
+            // The first goal left loses its needs on the others left: the fewest needs dropped
+            // that let the rounds go on.
+            if let Some(first) = (0..goals.len()).find(|&i| !taken[i]) {
+                goals[first].needs.retain(|n| taken[*n]);
+            }
+            continue;
+        }
+        for i in ready {
+            taken[i] = true;
+        }
+    }
+}
+
+/// Whether any goal waits for another.
+pub fn has_dependencies(goals: &[Goal]) -> bool {
+    goals.iter().any(|g| !g.needs.is_empty())
+}
+
+/// The goals of a fan-out with their patterns, groups and needs, as its decompose step keeps them
+/// (under [`SUBAGENTS_KEY`], only when some goal needs another): what the aggregator starts a
+/// waiting subagent from.
+pub fn goals_json(goals: &[Goal]) -> String {
+    let list: Vec<serde_json::Value> = goals
+        .iter()
+        .map(|g| {
+            serde_json::json!({
+                "goal": g.goal,
+                "pattern": g.pattern.name(),
+                "group": g.group,
+                "needs": g.needs,
+            })
+        })
+        .collect();
+    serde_json::Value::Array(list).to_string()
+}
+
+/// The goals a decompose step kept with their needs (see [`goals_json`]); empty when no goal
+/// needed another (every subagent then started with the fan-out).
+pub fn dependent_goals(decompose: &AgentStep) -> Vec<Goal> {
+    let Some(kept) = decompose.arguments.get(SUBAGENTS_KEY) else {
+        return Vec::new();
+    };
+    let Ok(serde_json::Value::Array(list)) = serde_json::from_str::<serde_json::Value>(kept) else {
+        return Vec::new();
+    };
+    list.iter()
+        .map(|item| {
+            let text = |key: &str| item.get(key).and_then(|v| v.as_str()).unwrap_or_default();
+            Goal {
+                goal: text("goal").to_owned(),
+                pattern: Pattern::from_name(text("pattern")).unwrap_or(Pattern::React),
+                group: item.get("group").and_then(|g| g.as_array()).map(|g| {
+                    g.iter()
+                        .filter_map(|x| x.as_str().map(str::to_owned))
+                        .collect()
+                }),
+                needs: item
+                    .get("needs")
+                    .and_then(|n| n.as_array())
+                    .map(|n| {
+                        n.iter()
+                            .filter_map(|x| x.as_u64().map(|x| x as usize))
+                            .collect()
+                    })
+                    .unwrap_or_default(),
+            }
+        })
+        .collect()
+}
+
+/// How much of a prerequisite's result a waiting subagent is given (characters); the rest is
+/// named, not silently dropped.
+pub const PREREQUISITE_RESULT_CHARS: usize = 4_000;
+
+/// The request that starts subagent `index`, which waited for `prerequisites` (goal, result):
+/// [`subagent_request`], told in its framing what those subagents found.
+pub fn dependent_request(
+    continuation: &AgentRequest,
+    correlation_id: &str,
+    index: usize,
+    goal: &Goal,
+    expected: usize,
+    prerequisites: &[(String, String)],
+) -> AgentRequest {
+    let mut request = subagent_request(
+        continuation,
+        &continuation.session_id,
+        correlation_id,
+        index,
+        goal,
+        expected,
+    );
+    let found: Vec<String> = prerequisites
+        .iter()
+        .map(|(goal, result)| {
+            let total = result.chars().count();
+            if total > PREREQUISITE_RESULT_CHARS {
+                let kept: String = result.chars().take(PREREQUISITE_RESULT_CHARS).collect();
+                format!("- {goal}: {kept} [cut: {PREREQUISITE_RESULT_CHARS} of {total} characters]")
+            } else {
+                format!("- {goal}: {result}")
+            }
+        })
+        .collect();
+    let context = format!(
+        "Your goal builds on what other subagents found:\n{}",
+        found.join("\n")
+    );
+    request.framing = if request.framing.trim().is_empty() {
+        context
+    } else {
+        format!("{}\n\n{context}", request.framing)
+    };
+    request
 }
 
 /// What a synthesis iteration decided.
@@ -295,6 +474,22 @@ pub fn synthesis_request(
     next
 }
 
+/// What a subagent request's seal covers: who it is, whose fan-out it belongs to, and the run's
+/// start and spend it inherits.
+pub fn subagent_seal_parts(
+    request: &AgentRequest,
+    started_ms: u64,
+    run_tokens: u64,
+) -> [String; 5] {
+    [
+        request.session_id.clone(),
+        request.parent_session_id.clone(),
+        request.correlation_id.clone(),
+        started_ms.to_string(),
+        run_tokens.to_string(),
+    ]
+}
+
 /// What a fan-out's seal covers (see `agent_bus::seal`): the node, its correlation id, the
 /// request that resumes the supervisor, and the client its answer goes to.
 pub fn fanout_seal_parts<'a>(
@@ -320,6 +515,9 @@ pub fn completion_seal_parts<'a>(
 pub const MISSING_KEY: &str = "missing";
 /// `arguments` key of a decompose step: its goals by subagent index, as a JSON list.
 pub const GOALS_KEY: &str = "goals";
+/// `arguments` key of a decompose step some of whose goals need others: every goal with its
+/// pattern, groups and needs (see [`goals_json`]).
+pub const SUBAGENTS_KEY: &str = "subagents";
 
 /// The key of subagent `index`'s result: its place before its goal, so that two subagents with
 /// the same goal keep two results.
@@ -432,11 +630,7 @@ mod tests {
             ..AgentRequest::default()
         };
         let cid = correlation_id("s", 1);
-        let goal = Goal {
-            goal: "g".into(),
-            pattern: Pattern::React,
-            group: None,
-        };
+        let goal = Goal::independent("g", Pattern::React);
         let sub = subagent_request(&parent, "s", &cid, 2, &goal, 4);
         assert_eq!(sub.session_id, "s-f1-s2");
         assert_eq!((sub.expected_siblings, sub.streaming), (4, false));
@@ -504,11 +698,7 @@ mod tests {
             ..AgentRequest::default()
         };
         assert_eq!(fanout_depth(&root), 0, "a client's request is a root");
-        let goal = Goal {
-            goal: "g".into(),
-            pattern: Pattern::Supervisor,
-            group: None,
-        };
+        let goal = Goal::independent("g", Pattern::Supervisor);
         let child = subagent_request(
             &root,
             "abc-f1-s0",
@@ -538,5 +728,77 @@ mod tests {
         assert!(may_fan_out(&plain, 1) && !may_nest(&plain, 1));
         assert!(may_nest(&plain, 2) && may_fan_out(&child, 2) && !may_nest(&child, 2));
         assert!(!may_fan_out(&grandchild, 2));
+    }
+
+    #[test]
+    fn goals_name_what_they_need_and_cycles_are_broken() {
+        let goals = parse_goals(
+            r#"[{"id": "a", "goal": "find A"},
+                {"id": "b", "goal": "use A for B", "needs": ["a"]},
+                {"id": "c", "goal": "use A for C", "needs": ["a", "nowhere", "c"]},
+                {"id": "d", "goal": "join B and C", "needs": ["b", "c", "b"]}]"#,
+            5,
+            false,
+        )
+        .unwrap();
+        let needs: Vec<&[usize]> = goals.iter().map(|g| g.needs.as_slice()).collect();
+        assert_eq!(needs, [&[][..], &[0], &[0], &[1, 2]]);
+        assert!(has_dependencies(&goals));
+        // By position too; a cycle loses the needs that close it, so every goal can start.
+        let cycle = parse_goals(
+            r#"[{"goal": "x", "needs": [1]}, {"goal": "y", "needs": [0]}, {"goal": "z", "needs": [0, 1]}]"#,
+            5,
+            false,
+        )
+        .unwrap();
+        let needs: Vec<&[usize]> = cycle.iter().map(|g| g.needs.as_slice()).collect();
+        assert_eq!(needs, [&[][..], &[0], &[0, 1]]);
+        // A need on a goal cut by the limit is dropped.
+        let cut = parse_goals(r#"[{"goal": "x", "needs": [2]}, "y", "z"]"#, 2, false).unwrap();
+        assert!(!has_dependencies(&cut));
+    }
+
+    #[test]
+    fn a_waiting_subagent_starts_from_the_kept_goals_with_what_it_needs() {
+        let goals = parse_goals(
+            r#"[{"id": "a", "goal": "find A", "pattern": "plan-then-execute"},
+                {"id": "b", "goal": "use A", "needs": ["a"], "group": ["web"]}]"#,
+            5,
+            false,
+        )
+        .unwrap();
+        let decompose = AgentStep {
+            arguments: [(SUBAGENTS_KEY.to_owned(), goals_json(&goals))].into(),
+            ..AgentStep::default()
+        };
+        assert_eq!(dependent_goals(&decompose), goals);
+        assert!(dependent_goals(&AgentStep::default()).is_empty());
+        let supervisor = AgentRequest {
+            question: "Q".into(),
+            session_id: "s".into(),
+            framing: "Be brief.".into(),
+            group: Some(vec!["web".into()]),
+            ..AgentRequest::default()
+        };
+        let long = "x".repeat(PREREQUISITE_RESULT_CHARS + 10);
+        let request = dependent_request(
+            &supervisor,
+            "s-f1",
+            1,
+            &goals[1],
+            2,
+            &[("find A".into(), "A is 42".into()), ("other".into(), long)],
+        );
+        assert_eq!(request.session_id, "s-f1-s1");
+        assert_eq!(request.question, "use A");
+        assert_eq!(request.parent_session_id, "s");
+        assert!(request
+            .framing
+            .starts_with("Be brief.\n\nYour goal builds on"));
+        assert!(request.framing.contains("- find A: A is 42"));
+        assert!(request.framing.contains(&format!(
+            "[cut: {PREREQUISITE_RESULT_CHARS} of {} characters]",
+            PREREQUISITE_RESULT_CHARS + 10
+        )));
     }
 }

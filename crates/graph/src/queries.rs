@@ -163,19 +163,12 @@ pub fn completions(correlation_id: &str) -> String {
 /// holds a claim made after `stale_before`: a claim whose holder died before publishing is taken
 /// over once it is stale. Check and write are one update (see `GraphStore::update`).
 pub fn claim_synthesis(fanout: &NamedNode, claimer: &str, now: &str, stale_before: &str) -> String {
-    let g = graph();
-    let who = oxigraph::model::Literal::new_simple_literal(claimer);
-    let datetime = |v: &str| {
-        oxigraph::model::Literal::new_typed_literal(v, oxigraph::model::vocab::xsd::DATE_TIME)
-    };
-    let (now, stale) = (datetime(now), datetime(stale_before));
-    format!(
-        "{PREFIXES}DELETE {{ GRAPH {g} {{ {fanout} tg:synthesisClaim ?old ; tg:claimedAt ?at }} }}
-INSERT {{ GRAPH {g} {{ {fanout} tg:synthesisClaim {who} ; tg:claimedAt {now} }} }}
-WHERE {{ GRAPH {g} {{ {fanout} a tg:FanOut .
-  FILTER NOT EXISTS {{ {fanout} tg:synthesisRequested ?done }}
-  OPTIONAL {{ {fanout} tg:synthesisClaim ?old ; tg:claimedAt ?at }}
-  FILTER (!BOUND(?at) || ?at < {stale}) }} }}"
+    claim(
+        fanout,
+        &format!("{fanout} a tg:FanOut ."),
+        ("synthesisClaim", "claimedAt", "synthesisRequested"),
+        claimer,
+        (now, stale_before),
     )
 }
 
@@ -189,6 +182,61 @@ pub fn synthesis_claim(fanout: &NamedNode) -> String {
 pub fn synthesis_requested(fanout: &NamedNode) -> String {
     let g = graph();
     format!("{PREFIXES}INSERT DATA {{ GRAPH {g} {{ {fanout} tg:synthesisRequested true }} }}")
+}
+
+/// Claims the start of a subagent that waited for others (its `session`, which its fan-out lists
+/// as `tg:subagentSession`), as [`claim_synthesis`] claims a synthesis: one start however many
+/// checks see its prerequisites complete.
+pub fn claim_start(session: &NamedNode, claimer: &str, now: &str, stale_before: &str) -> String {
+    claim(
+        session,
+        &format!("?fanout tg:subagentSession {session} ."),
+        ("startClaim", "startClaimedAt", "startRequested"),
+        claimer,
+        (now, stale_before),
+    )
+}
+
+/// Who holds a waiting subagent's start claim (`?who`), and whether its start was published
+/// (`?started`).
+pub fn start_claim(session: &NamedNode) -> String {
+    let g = graph();
+    format!(
+        "{PREFIXES}SELECT ?who ?started WHERE {{ GRAPH {g} {{ {session} tg:startClaim ?who .
+  OPTIONAL {{ {session} tg:startRequested ?started }} }} }}"
+    )
+}
+
+/// Marks a waiting subagent's start as published.
+pub fn start_requested(session: &NamedNode) -> String {
+    let g = graph();
+    format!("{PREFIXES}INSERT DATA {{ GRAPH {g} {{ {session} tg:startRequested true }} }}")
+}
+
+/// A first-writer-wins claim on `node`, which `anchor` (a triple pattern) must find in the graph:
+/// its claim and claim time predicates, and the mark that says the claimed work is done (no claim
+/// after it).
+fn claim(
+    node: &NamedNode,
+    anchor: &str,
+    (claim, at, done): (&str, &str, &str),
+    claimer: &str,
+    (now, stale_before): (&str, &str),
+) -> String {
+    let g = graph();
+    let who = oxigraph::model::Literal::new_simple_literal(claimer);
+    let datetime = |v: &str| {
+        oxigraph::model::Literal::new_typed_literal(v, oxigraph::model::vocab::xsd::DATE_TIME)
+    };
+    let (now, stale) = (datetime(now), datetime(stale_before));
+    format!(
+        "{PREFIXES}DELETE {{ GRAPH {g} {{ {node} tg:{claim} ?old ; tg:{at} ?at }} }}
+INSERT {{ GRAPH {g} {{ {node} tg:{claim} {who} ; tg:{at} {now} }} }}
+WHERE {{ GRAPH {g} {{ {anchor}
+  FILTER NOT EXISTS {{ {node} tg:{done} ?done }}
+  OPTIONAL {{ {node} tg:{claim} ?old ; tg:{at} ?at }}
+  FILTER (!BOUND(?at) || ?at < {stale}) }} }}"
+    )
 }
 
 /// How many fan-outs are still waiting for their synthesis (`?n`).

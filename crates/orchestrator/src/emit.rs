@@ -7,6 +7,7 @@
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use agent_bus::{BusError, Properties, Publisher, Receipt};
+pub use agent_core::supervisor::subagent_seal_parts;
 use agent_core::vocab::{tg, PROVENANCE_GRAPH as GRAPH};
 use agent_graph::model::NamedNode;
 use agent_schema::{
@@ -709,22 +710,6 @@ impl<'a> DialogOutput<'a> {
         self.hold(Channel::Requests, payload, &properties);
         Ok(())
     }
-}
-
-/// What a subagent request's seal covers: who it is, whose fan-out it belongs to, and the run's
-/// start and spend it inherits.
-pub fn subagent_seal_parts(
-    request: &AgentRequest,
-    started_ms: u64,
-    run_tokens: u64,
-) -> [String; 5] {
-    [
-        request.session_id.clone(),
-        request.parent_session_id.clone(),
-        request.correlation_id.clone(),
-        started_ms.to_string(),
-        run_tokens.to_string(),
-    ]
 }
 
 /// The value behind `mutex`, even if a task panicked while holding it: every holder only pushes

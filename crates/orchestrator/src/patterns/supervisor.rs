@@ -90,11 +90,7 @@ async fn decompose(turn: &Turn<'_>, n: usize) -> Result<(), BusError> {
     };
     let goals = supervising::parse_goals(&completion.text, max, nested).unwrap_or_else(|why| {
         tracing::info!(%why, "no usable goals; the whole request goes to one subagent");
-        vec![Goal {
-            goal: request.question.clone(),
-            pattern: Pattern::React,
-            group: None,
-        }]
+        vec![Goal::independent(request.question.clone(), Pattern::React)]
     });
     let thought = format!("Splitting the request into {} goals.", goals.len());
     let after = uris.previous(n - 1);
@@ -119,26 +115,30 @@ async fn fan_out(
         ..
     } = turn;
     let cid = supervising::correlation_id(session_id, n);
-    let listing: Vec<String> = goals
-        .iter()
-        .enumerate()
-        .map(|(i, g)| format!("{i}. {} ({})", g.goal, g.pattern))
-        .collect();
+    let listing: Vec<String> = goals.iter().enumerate().map(listed).collect();
     let mut continuation = (*request).clone();
     continuation.session_id = session_id.to_string();
+    let mut arguments: std::collections::BTreeMap<String, String> = [
+        (CORRELATION_KEY.to_owned(), cid.clone()),
+        (EXPECTED_KEY.to_owned(), goals.len().to_string()),
+        (
+            supervising::GOALS_KEY.to_owned(),
+            serde_json::to_string(&goals.iter().map(|g| &g.goal).collect::<Vec<_>>())
+                .unwrap_or_default(),
+        ),
+    ]
+    .into();
+    // Only a fan-out some of whose subagents wait keeps what the aggregator starts them from.
+    if supervising::has_dependencies(goals) {
+        arguments.insert(
+            supervising::SUBAGENTS_KEY.to_owned(),
+            supervising::goals_json(goals),
+        );
+    }
     continuation.history.push(AgentStep {
         thought: thought.to_owned(),
         action: "decompose".to_owned(),
-        arguments: [
-            (CORRELATION_KEY.to_owned(), cid.clone()),
-            (EXPECTED_KEY.to_owned(), goals.len().to_string()),
-            (
-                supervising::GOALS_KEY.to_owned(),
-                serde_json::to_string(&goals.iter().map(|g| &g.goal).collect::<Vec<_>>())
-                    .unwrap_or_default(),
-            ),
-        ]
-        .into(),
+        arguments,
         observation: listing.join("\n"),
         step_type: StepType::Decompose.as_str().to_owned(),
         ..AgentStep::default()
@@ -185,14 +185,39 @@ async fn fan_out(
         ));
         recorded.extend(provenance::sealed(&node, &seal));
     }
+    let needs: Vec<(String, Vec<String>)> = goals
+        .iter()
+        .enumerate()
+        .filter(|(_, g)| !g.needs.is_empty())
+        .map(|(i, g)| {
+            let session = |j: usize| supervising::subagent_session(&cid, j);
+            (session(i), g.needs.iter().map(|&j| session(j)).collect())
+        })
+        .collect();
+    recorded.extend(provenance::subagent_needs(&needs));
     out.explain(&uris.fanout(&cid), recorded)?;
-    // Published after the fan-out node: the commit puts what a request acts on first.
+    // Published after the fan-out node: the commit puts what a request acts on first. A subagent
+    // that needs others' results is started by the aggregator once they have all completed.
     let run_tokens = turn.run_tokens + stats.in_token + stats.out_token;
     for (i, goal) in goals.iter().enumerate() {
+        if !goal.needs.is_empty() {
+            continue;
+        }
         let sub = supervising::subagent_request(request, session_id, &cid, i, goal, goals.len());
         out.spawn(&sub, run_tokens, turn.seal)?;
     }
     Ok(())
+}
+
+/// A goal as the fan-out's observation lists it: its index, goal and pattern, and the goals it
+/// waits for.
+fn listed((i, goal): (usize, &Goal)) -> String {
+    let mut line = format!("{i}. {} ({})", goal.goal, goal.pattern);
+    if !goal.needs.is_empty() {
+        let after: Vec<String> = goal.needs.iter().map(usize::to_string).collect();
+        line.push_str(&format!(", after {}", after.join(", ")));
+    }
+    line
 }
 
 /// Whether the synthesis at iteration `n` may start another round: its fan-out (`n`), the
