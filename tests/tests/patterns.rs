@@ -181,3 +181,72 @@ async fn reflexion_reflects_after_each_action_and_the_next_step_is_given_the_les
     }
     panic!("the reflection is not in the graph as expected: {responses:#?}");
 }
+
+/// The ensemble, chosen by the meta-router for a risk assessment: the same question to one agent
+/// per built-in perspective, side by side, then one reconciliation that says where they agreed and
+/// disagreed, recorded on its synthesis node.
+#[tokio::test]
+async fn an_ensemble_asks_independent_agents_and_reconciles_where_they_agree_and_disagree() {
+    let script = r#"{"rules": [
+      {"match": "Request to classify: ", "reply": "{\"choice\": \"risk-assessment\", \"rationale\": \"what could go wrong\"}"},
+      {"match": "Request to work on: ", "reply": "{\"choice\": \"ensemble\", \"rationale\": \"a judgement call\"}"},
+      {"match": "Question to reconcile: Is it safe to migrate our database this weekend?", "and": ["Safe with a backup.", "Risky: the window is short.", "Safe if the backup is verified."], "reply": "{\"agreed\": [\"a backup must come first\"], \"disagreed\": [\"whether the window is long enough\"], \"answer\": \"Safe only with a verified backup; the window may be too short.\"}"},
+      {"match": "Take the direct route", "reply": "Thought: direct.\nFinal Answer: Safe with a backup.", "delay_ms": 600},
+      {"match": "Be a skeptic", "reply": "Thought: doubtful.\nFinal Answer: Risky: the window is short.", "delay_ms": 600},
+      {"match": "Reason from first principles", "reply": "Thought: stepwise.\nFinal Answer: Safe if the backup is verified.", "delay_ms": 600}
+    ]}"#;
+    let broker = Broker::start().unwrap();
+    let aggregator = Aggregator::spawn(&broker);
+    let llm = scripted_llm(script).await;
+    let _orchestrator = Orchestrator::spawn(&broker, &llm, &seed_dir(), &[]);
+    let mut client = client(&broker).await;
+    client
+        .send(
+            "ensemble",
+            &request("Is it safe to migrate our database this weekend?", false),
+        )
+        .await
+        .unwrap();
+    let responses = collect_dialog(&mut client, "ensemble", Duration::from_secs(60))
+        .await
+        .unwrap();
+    let last = responses.last().unwrap();
+    assert_eq!(
+        last.content, "Safe only with a verified backup; the window may be too short.",
+        "{responses:#?}"
+    );
+    assert_eq!(responses.iter().filter(|r| r.end_of_dialog).count(), 1);
+    assert!(
+        responses.iter().any(|r| {
+            r.message_type == "observation"
+            && r.content
+                == "Agreed: a backup must come first\nDisagreed: whether the window is long enough"
+        }),
+        "{responses:#?}"
+    );
+    // Every call matched its rule (each agent was told its perspective), and the agents overlapped.
+    let calls = llm.calls();
+    assert!(calls.iter().all(|c| c.rule.is_some()), "{calls:#?}");
+    assert_eq!(calls.len(), 6, "{calls:#?}");
+    assert!(
+        llm.max_concurrent() >= 2,
+        "the agents ran one after another"
+    );
+
+    let session = session_of(&responses);
+    let prefixes = agent_core::vocab::SPARQL_PREFIXES;
+    let store = aggregator.store();
+    let reconciled = format!(
+        "{prefixes}SELECT DISTINCT ?c WHERE {{ GRAPH <urn:graph:retrieval> {{
+           <{session}/pattern-decision> tg:pattern \"ensemble\" ; tg:taskType \"risk-assessment\" ;
+             tg:patternCandidate \"ensemble\" .
+           ?r a tg:Reconciliation, tg:Synthesis ; tg:reconciliationRead true ;
+             tg:agreement \"a backup must come first\" ;
+             tg:disagreement \"whether the window is long enough\" ;
+             prov:wasDerivedFrom ?c, ?f .
+           ?c a tg:SubagentCompletion .
+           ?f a tg:FanOut ; prov:wasDerivedFrom+ <{session}> .
+           <{session}/final> prov:wasDerivedFrom ?r ; tg:terminationReason \"answer\" }} }}"
+    );
+    assert_eq!(count_reaching(&store, reconciled, 3).await, 3);
+}

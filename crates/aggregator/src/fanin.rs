@@ -8,7 +8,7 @@ use std::collections::BTreeMap;
 use agent_bus::seal::SealKey;
 use agent_bus::{BusError, Properties, Publisher};
 use agent_core::supervisor::{
-    completion_seal_parts, decomposed_goals, dependent_goals, dependent_request, fanout_seal_parts,
+    completion_seal_parts, decomposed_goals, dependent_request, fanout_seal_parts, kept_goals,
     last_decompose, result_key, subagent_index, subagent_seal_parts, subagent_session,
     synthesis_request,
 };
@@ -359,7 +359,7 @@ async fn start_waiting(
         return Ok(());
     };
     let mut held = false;
-    for (index, goal) in dependent_goals(decompose).iter().enumerate() {
+    for (index, goal) in kept_goals(decompose).iter().enumerate() {
         let ready = !goal.needs.is_empty()
             && !found.contains_key(&index)
             && goal.needs.iter().all(|need| found.contains_key(need));

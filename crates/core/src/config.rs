@@ -242,6 +242,10 @@ pub struct PatternDef {
     /// Critic stages switched on for every dialog of this pattern (see [`crate::pattern::Stage`]).
     #[serde(default)]
     pub critic: Vec<String>,
+    /// The ensemble's perspectives: one independent agent per entry, told to take it; empty, the
+    /// built-in ones (see [`crate::ensemble::DEFAULT_PERSPECTIVES`]). Other patterns ignore it.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub perspectives: Vec<String>,
 }
 
 /// A kind of request (config type `agent-task-type`, key = its name).

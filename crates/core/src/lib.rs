@@ -5,6 +5,7 @@
 pub mod config;
 pub mod critic;
 pub mod documents;
+pub mod ensemble;
 pub mod fork;
 pub mod pattern;
 pub mod plan;

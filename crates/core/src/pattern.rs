@@ -19,15 +19,19 @@ pub enum Pattern {
     LlmRouter,
     /// ReACT with a self-critique after each action, whose lesson the next steps are given.
     Reflexion,
+    /// The same question to several independent agents, each from its own perspective, in
+    /// parallel; then one reconciliation that says where they agreed and disagreed.
+    Ensemble,
 }
 
 impl Pattern {
-    pub const ALL: [Pattern; 5] = [
+    pub const ALL: [Pattern; 6] = [
         Pattern::React,
         Pattern::PlanThenExecute,
         Pattern::Supervisor,
         Pattern::LlmRouter,
         Pattern::Reflexion,
+        Pattern::Ensemble,
     ];
 
     /// The name on the wire (`AgentRequest::pattern`), in config and in the provenance graph.
@@ -38,7 +42,13 @@ impl Pattern {
             Pattern::Supervisor => "supervisor",
             Pattern::LlmRouter => "llm-router",
             Pattern::Reflexion => "reflexion",
+            Pattern::Ensemble => "ensemble",
         }
+    }
+
+    /// Whether the pattern starts subagents, so that `max_fanout_depth` bounds it.
+    pub const fn fans_out(self) -> bool {
+        matches!(self, Pattern::Supervisor | Pattern::Ensemble)
     }
 
     /// The pattern a name stands for, if this orchestrator runs it.
@@ -68,6 +78,9 @@ impl Pattern {
             }
             Pattern::Reflexion => {
                 "Reason and act one tool at a time, and after each action reflect on what it taught, carrying the lessons forward"
+            }
+            Pattern::Ensemble => {
+                "Put the same question to several independent agents, each from its own perspective, in parallel, then reconcile their answers, saying where they agree and disagree"
             }
         }
     }
@@ -166,7 +179,7 @@ mod tests {
         }
         assert_eq!(
             Pattern::all_names(),
-            "react, plan-then-execute, supervisor, llm-router, reflexion"
+            "react, plan-then-execute, supervisor, llm-router, reflexion, ensemble"
         );
     }
 }

@@ -41,6 +41,7 @@ pub const TOOL_CALL_KEY: &str = "tool-call";
 pub const LLM_ROUTER_KEY: &str = "llm-router";
 /// Config key of Reflexion's self-critique after an action.
 pub const REFLEXION_REFLECT_KEY: &str = "reflexion-reflect";
+pub const ENSEMBLE_RECONCILE_KEY: &str = "ensemble-reconcile";
 
 /// The ReACT system prompt used when config gives none.
 pub const DEFAULT_REACT_SYSTEM: &str = "You are a careful assistant that answers questions by reasoning step by step and using tools when they help.";
@@ -98,6 +99,10 @@ pub const DEFAULT_LLM_ROUTER_TEMPLATE: &str = "{{framing}}Choose the one option 
 /// steps so far, the newest last).
 pub const DEFAULT_REFLEXION_REFLECT_TEMPLATE: &str = "{{framing}}An agent is working on the request below, one tool at a time. Look at its newest step: was the action a good one, and did its result move the work forward? Reply with one sentence: the lesson the agent should carry into its next steps.\n\nIts steps so far:\n{{history}}\nRequest it works on: {{question}}";
 
+/// The ensemble's reconciler. Placeholders: `framing`, `question`, `answers`.
+pub const DEFAULT_ENSEMBLE_SYSTEM: &str = "You reconcile the work of independent agents: you weigh their answers fairly, name where they agree and disagree, and never invent what none of them found.";
+pub const DEFAULT_ENSEMBLE_RECONCILE_TEMPLATE: &str = "{{framing}}Several independent agents answered the question below, each from its own perspective.\n\nQuestion: {{question}}\n\nTheir answers:\n{{answers}}\n\nReconcile them: list the points they agree on and the points they disagree on, then give the answer their work best supports, saying where it remains uncertain. Reply with only a JSON object: {\"agreed\": [\"...\"], \"disagreed\": [\"...\"], \"answer\": \"...\"}\n\nQuestion to reconcile: {{question}}";
+
 /// Synthesis. Placeholders: `framing`, `question`, `results`, `caveat`.
 pub const DEFAULT_PLAN_SYNTHESISE_TEMPLATE: &str = "{{framing}}Answer the request below from the results of the plan's steps. Use only these results; say so if they are not enough.{{caveat}}\n\nResults:\n{{results}}\n\nRequest to answer: {{question}}";
 
@@ -152,6 +157,7 @@ pub struct Prompts {
     pub tool_call: PromptTemplate,
     pub llm_router: PromptTemplate,
     pub reflexion_reflect: PromptTemplate,
+    pub ensemble_reconcile: PromptTemplate,
 }
 
 impl Default for Prompts {
@@ -197,6 +203,10 @@ impl Default for Prompts {
                 DEFAULT_CRITIC_SYSTEM,
                 DEFAULT_REFLEXION_REFLECT_TEMPLATE,
             ),
+            ensemble_reconcile: PromptTemplate::new(
+                DEFAULT_ENSEMBLE_SYSTEM,
+                DEFAULT_ENSEMBLE_RECONCILE_TEMPLATE,
+            ),
         }
     }
 }
@@ -221,12 +231,13 @@ impl Prompts {
             TOOL_CALL_KEY => Some(&mut self.tool_call),
             LLM_ROUTER_KEY => Some(&mut self.llm_router),
             REFLEXION_REFLECT_KEY => Some(&mut self.reflexion_reflect),
+            ENSEMBLE_RECONCILE_KEY => Some(&mut self.ensemble_reconcile),
             _ => None,
         }
     }
 
     /// The config keys of every prompt.
-    pub const KEYS: [&'static str; 16] = [
+    pub const KEYS: [&'static str; 17] = [
         REACT_KEY,
         REACT_NATIVE_KEY,
         TASK_TYPE_SELECTION_KEY,
@@ -243,6 +254,7 @@ impl Prompts {
         TOOL_CALL_KEY,
         LLM_ROUTER_KEY,
         REFLEXION_REFLECT_KEY,
+        ENSEMBLE_RECONCILE_KEY,
     ];
 }
 

@@ -1058,6 +1058,31 @@ pub fn completion(
     b.build()
 }
 
+/// An ensemble's reconciliation, on its synthesis node: `tg:Reconciliation`, each point the agents
+/// agreed on (`tg:agreement`) and disagreed on (`tg:disagreement`), and whether the reconciler's
+/// reply could be read as such (`tg:reconciliationRead`; when not, nothing is claimed about
+/// agreement).
+pub fn reconciliation(
+    uris: &SessionUris,
+    correlation_id: &str,
+    reconciliation: &crate::ensemble::Reconciliation,
+) -> Vec<Triple> {
+    let s = uris.synthesis(correlation_id);
+    let mut b = NodeBuilder::default();
+    b.types(&s, &["Reconciliation"]).tg(
+        &s,
+        "reconciliationRead",
+        Term::typed_literal(reconciliation.read.to_string(), XSD_BOOLEAN),
+    );
+    for point in &reconciliation.agreed {
+        b.tg(&s, "agreement", Term::literal(point));
+    }
+    for point in &reconciliation.disagreed {
+        b.tg(&s, "disagreement", Term::literal(point));
+    }
+    b.build()
+}
+
 /// The supervisor's synthesis of a fan-out: derived from the fan-out and from the completions it
 /// was given. A partial one (the fan-out timed out) says so and names the subagent sessions whose
 /// results never came; a completion that arrives later does not derive it.

@@ -119,10 +119,11 @@ pub fn pattern_candidates(
     let mut runnable = Vec::new();
     let mut unavailable = Vec::new();
     for name in &task_type.valid_patterns {
-        // With no fan-out depth allowed, a supervisor could not do what its name says.
+        // With no fan-out depth allowed, a supervisor or an ensemble could not do what its name
+        // says.
         let pattern = Pattern::from_name(name);
         let fans_out_unallowed =
-            pattern == Some(Pattern::Supervisor) && config.limits.max_fanout_depth == 0;
+            pattern.is_some_and(Pattern::fans_out) && config.limits.max_fanout_depth == 0;
         if let Some(pattern) = pattern.filter(|_| !fans_out_unallowed) {
             let description = config
                 .patterns
@@ -415,7 +416,8 @@ mod tests {
                 "pattern:react",
                 "pattern:plan-then-execute",
                 "pattern:supervisor",
-                "pattern:reflexion"
+                "pattern:reflexion",
+                "pattern:ensemble"
             ]
         );
         assert_eq!(

@@ -20,6 +20,8 @@ pub struct Goal {
     /// The goals (by index in the fan-out) whose results this one builds on: it starts when they
     /// have completed, with their results. Empty: it starts with the fan-out.
     pub needs: Vec<usize>,
+    /// A perspective the subagent is told to take (an ensemble's), after the supervisor's framing.
+    pub perspective: Option<String>,
 }
 
 impl Goal {
@@ -30,6 +32,7 @@ impl Goal {
             pattern,
             group: None,
             needs: Vec::new(),
+            perspective: None,
         }
     }
 }
@@ -164,9 +167,15 @@ pub fn has_dependencies(goals: &[Goal]) -> bool {
     goals.iter().any(|g| !g.needs.is_empty())
 }
 
-/// The goals of a fan-out with their patterns, groups and needs, as its decompose step keeps them
-/// (under [`SUBAGENTS_KEY`], only when some goal needs another): what the aggregator starts a
-/// waiting subagent from.
+/// Whether a fan-out keeps its goals whole in its decompose step (see [`goals_json`]): when one
+/// waits for another, or takes a perspective.
+pub fn keeps_goals(goals: &[Goal]) -> bool {
+    has_dependencies(goals) || goals.iter().any(|g| g.perspective.is_some())
+}
+
+/// The goals of a fan-out with their patterns, groups, needs and perspectives, as its decompose
+/// step keeps them (under [`SUBAGENTS_KEY`], only when [`keeps_goals`]): what the aggregator starts
+/// a waiting subagent from.
 pub fn goals_json(goals: &[Goal]) -> String {
     let list: Vec<serde_json::Value> = goals
         .iter()
@@ -176,15 +185,16 @@ pub fn goals_json(goals: &[Goal]) -> String {
                 "pattern": g.pattern.name(),
                 "group": g.group,
                 "needs": g.needs,
+                "perspective": g.perspective,
             })
         })
         .collect();
     serde_json::Value::Array(list).to_string()
 }
 
-/// The goals a decompose step kept with their needs (see [`goals_json`]); empty when no goal
-/// needed another (every subagent then started with the fan-out).
-pub fn dependent_goals(decompose: &AgentStep) -> Vec<Goal> {
+/// The goals a decompose step kept whole (see [`goals_json`]); empty when it kept only their texts
+/// (no goal needed another or took a perspective: every subagent started with the fan-out).
+pub fn kept_goals(decompose: &AgentStep) -> Vec<Goal> {
     let Some(kept) = decompose.arguments.get(SUBAGENTS_KEY) else {
         return Vec::new();
     };
@@ -211,6 +221,10 @@ pub fn dependent_goals(decompose: &AgentStep) -> Vec<Goal> {
                             .collect()
                     })
                     .unwrap_or_default(),
+                perspective: item
+                    .get("perspective")
+                    .and_then(|p| p.as_str())
+                    .map(str::to_owned),
             }
         })
         .collect()
@@ -413,7 +427,11 @@ pub fn subagent_request(
         conversation_id: supervisor.conversation_id.clone(),
         pattern: goal.pattern.name().to_owned(),
         task_type: supervisor.task_type.clone(),
-        framing: supervisor.framing.clone(),
+        framing: match &goal.perspective {
+            Some(perspective) if supervisor.framing.trim().is_empty() => perspective.clone(),
+            Some(perspective) => format!("{}\n\n{perspective}", supervisor.framing),
+            None => supervisor.framing.clone(),
+        },
         correlation_id: correlation_id.to_owned(),
         parent_session_id: supervisor_session.to_owned(),
         subagent_goal: goal.goal.clone(),
@@ -771,8 +789,8 @@ mod tests {
             arguments: [(SUBAGENTS_KEY.to_owned(), goals_json(&goals))].into(),
             ..AgentStep::default()
         };
-        assert_eq!(dependent_goals(&decompose), goals);
-        assert!(dependent_goals(&AgentStep::default()).is_empty());
+        assert_eq!(kept_goals(&decompose), goals);
+        assert!(kept_goals(&AgentStep::default()).is_empty());
         let supervisor = AgentRequest {
             question: "Q".into(),
             session_id: "s".into(),

@@ -125,14 +125,15 @@ pub fn requested(request: &AgentRequest, config: &AgentConfig) -> Decision {
         .find(|t| !request.task_type.is_empty() && t.name == request.task_type);
     let depth = agent_core::supervisor::fanout_depth(request);
     let max_depth = config.limits.max_fanout_depth;
-    let pattern = if request.pattern == Pattern::Supervisor.name()
+    let pattern = if Pattern::from_name(&request.pattern).is_some_and(Pattern::fans_out)
         && !agent_core::supervisor::may_fan_out(request, max_depth)
     {
-        // Recorded, so the graph says why a requested supervisor worked alone.
+        // Recorded, so the graph says why a requested supervisor (or ensemble) worked alone.
         Choice {
             selected: Pattern::React.name().to_owned(),
             rationale: format!(
-                "supervisor was asked for at fan-out depth {depth}, which max_fanout_depth ({max_depth}) does not allow to fan out again; it works as react"
+                "{} was asked for at fan-out depth {depth}, which max_fanout_depth ({max_depth}) does not allow to fan out again; it works as react",
+                request.pattern
             ),
             ..requested(&request.pattern)
         }

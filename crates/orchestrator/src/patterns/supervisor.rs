@@ -99,7 +99,7 @@ async fn decompose(turn: &Turn<'_>, n: usize) -> Result<(), BusError> {
 
 /// Records the fan-out of iteration `n` (derived from `after`), then starts one subagent per goal
 /// and stops: the aggregator resumes the supervisor. `stats`: the LLM call that decided it.
-async fn fan_out(
+pub(crate) async fn fan_out(
     turn: &Turn<'_>,
     n: usize,
     goals: &[Goal],
@@ -128,8 +128,9 @@ async fn fan_out(
         ),
     ]
     .into();
-    // Only a fan-out some of whose subagents wait keeps what the aggregator starts them from.
-    if supervising::has_dependencies(goals) {
+    // Only a fan-out some of whose subagents wait (or take a perspective) keeps every goal whole:
+    // what the aggregator starts a waiting one from, and what an ensemble reconciles by.
+    if supervising::keeps_goals(goals) {
         arguments.insert(
             supervising::SUBAGENTS_KEY.to_owned(),
             supervising::goals_json(goals),
@@ -213,11 +214,53 @@ async fn fan_out(
 /// waits for.
 fn listed((i, goal): (usize, &Goal)) -> String {
     let mut line = format!("{i}. {} ({})", goal.goal, goal.pattern);
+    if let Some(perspective) = &goal.perspective {
+        line.push_str(&format!(", perspective: {perspective}"));
+    }
     if !goal.needs.is_empty() {
         let after: Vec<String> = goal.needs.iter().map(usize::to_string).collect();
         line.push_str(&format!(", after {}", after.join(", ")));
     }
     line
+}
+
+/// The fan-out a synthesis answers, as its request's history says: its correlation id, the
+/// completions it was given (which derive the synthesis) and the subagents it went without (a
+/// timed-out fan-out's synthesis is partial and names them).
+pub(crate) struct FanIn {
+    pub correlation_id: String,
+    pub completions: Vec<String>,
+    pub missing: Vec<String>,
+}
+
+pub(crate) fn fan_in(request: &agent_schema::AgentRequest, max_subagents: usize) -> FanIn {
+    let history = &request.history;
+    let decompose = supervising::last_decompose(history);
+    let argument = |key: &str| decompose.and_then(|s| s.arguments.get(key)).cloned();
+    let cid = argument(CORRELATION_KEY).unwrap_or_default();
+    let expected = argument(EXPECTED_KEY)
+        .and_then(|e| e.parse::<usize>().ok())
+        .unwrap_or_else(|| supervising::pending_synthesis(history).map_or(0, |r| r.len()))
+        .min(agent_core::plan::MAX_PLAN_STEPS.max(max_subagents));
+    let missing = history
+        .last()
+        .map(supervising::missing_subagents)
+        .unwrap_or_default();
+    let session = |i: usize| SessionUris::new(&supervising::subagent_session(&cid, i));
+    let completions: Vec<String> = (0..expected)
+        .filter(|i| !missing.contains(i))
+        .map(|i| session(i).completion())
+        .collect();
+    let missing: Vec<String> = missing
+        .iter()
+        .filter(|&&i| i < expected)
+        .map(|&i| session(i).session())
+        .collect();
+    FanIn {
+        correlation_id: cid,
+        completions,
+        missing,
+    }
 }
 
 /// Whether the synthesis at iteration `n` may start another round: its fan-out (`n`), the
@@ -235,12 +278,14 @@ async fn synthesise(turn: &Turn<'_>, n: usize) -> Result<(), BusError> {
         config,
         ..
     } = turn;
-    // The fan-out being answered: the last decompose step names it and its size.
-    let decompose = supervising::last_decompose(&request.history);
-    let argument = |key: &str| decompose.and_then(|s| s.arguments.get(key)).cloned();
-    let cid = argument(CORRELATION_KEY).unwrap_or_default();
-    let results = supervising::describe_rounds(&request.history);
     let max = config.limits.max_subagents;
+    // The fan-out being answered: the last decompose step names it and its size.
+    let FanIn {
+        correlation_id: cid,
+        completions,
+        missing,
+    } = fan_in(request, max);
+    let results = supervising::describe_rounds(&request.history);
     let room = room_for_another_round(turn, n);
     let nested = supervising::may_nest(request, config.limits.max_fanout_depth);
     let again = if room {
@@ -295,27 +340,6 @@ async fn synthesise(turn: &Turn<'_>, n: usize) -> Result<(), BusError> {
         };
         (completion, stats, false)
     };
-    let expected = argument(EXPECTED_KEY)
-        .and_then(|e| e.parse::<usize>().ok())
-        .unwrap_or_else(|| supervising::pending_synthesis(&request.history).map_or(0, |r| r.len()))
-        .min(agent_core::plan::MAX_PLAN_STEPS.max(max));
-    // Only the completions it was given derive the synthesis; a timed-out fan-out's synthesis
-    // is partial and names the subagents it went without.
-    let missing = request
-        .history
-        .last()
-        .map(supervising::missing_subagents)
-        .unwrap_or_default();
-    let session = |i: usize| SessionUris::new(&supervising::subagent_session(&cid, i));
-    let completions: Vec<String> = (0..expected)
-        .filter(|i| !missing.contains(i))
-        .map(|i| session(i).completion())
-        .collect();
-    let missing: Vec<String> = missing
-        .iter()
-        .filter(|&&i| i < expected)
-        .map(|&i| session(i).session())
-        .collect();
     let (answer, termination) = match supervising::parse_synthesis(&completion.text, max, nested)
     {
         supervising::Synthesis::Again(goals) if room => {

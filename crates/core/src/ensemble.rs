@@ -1,0 +1,190 @@
+//! Ensemble decision logic: one goal per perspective (the same question each time), how the
+//! answers are shown to the reconciling LLM, and what it said agreed, disagreed and concluded.
+
+use std::collections::BTreeMap;
+
+use crate::pattern::Pattern;
+use crate::supervisor::Goal;
+
+/// The perspectives an ensemble takes when config names none: three independent agents.
+pub const DEFAULT_PERSPECTIVES: [&str; 3] = [
+    "Take the direct route: answer from the evidence you can find, and say what it is.",
+    "Be a skeptic: before you settle, look for reasons the obvious answer could be wrong.",
+    "Reason from first principles: work the answer out step by step and check each step.",
+];
+
+/// The most agents one ensemble starts, whatever config lists.
+pub const MAX_AGENTS: usize = 8;
+
+/// The perspectives configured for the ensemble (`agent-pattern` entry `ensemble`,
+/// `perspectives`), or the built-in ones; at most [`MAX_AGENTS`] and `max_subagents`.
+pub fn perspectives(configured: &[String], max_subagents: usize) -> Vec<String> {
+    let chosen: Vec<String> = configured
+        .iter()
+        .map(|p| p.trim().to_owned())
+        .filter(|p| !p.is_empty())
+        .collect();
+    let chosen = if chosen.is_empty() {
+        DEFAULT_PERSPECTIVES.map(str::to_owned).to_vec()
+    } else {
+        chosen
+    };
+    chosen
+        .into_iter()
+        .take(MAX_AGENTS.min(max_subagents.max(1)))
+        .collect()
+}
+
+/// One goal per perspective: the question itself, answered step by step with tools.
+pub fn goals(question: &str, perspectives: &[String]) -> Vec<Goal> {
+    perspectives
+        .iter()
+        .map(|p| Goal {
+            perspective: Some(p.clone()),
+            ..Goal::independent(question, Pattern::React)
+        })
+        .collect()
+}
+
+/// The agents' answers as the reconciliation prompt shows them: `Agent {k} ({perspective}):
+/// {answer}` in the order they were started. `results` are keyed as the fan-in keys them (by
+/// index first); `perspectives` by index.
+pub fn describe_answers(results: &BTreeMap<String, String>, perspectives: &[String]) -> String {
+    results
+        .values()
+        .enumerate()
+        .map(|(i, answer)| match perspectives.get(i) {
+            Some(p) => format!("Agent {} ({p}): {answer}", i + 1),
+            None => format!("Agent {}: {answer}", i + 1),
+        })
+        .collect::<Vec<_>>()
+        .join("\n\n")
+}
+
+/// What the reconciliation concluded.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Reconciliation {
+    pub answer: String,
+    /// Points the agents agreed on.
+    pub agreed: Vec<String>,
+    /// Points they disagreed on.
+    pub disagreed: Vec<String>,
+    /// Whether the reply was the JSON object asked for; if not, the whole reply is the answer
+    /// and nothing is claimed about agreement.
+    pub read: bool,
+}
+
+/// Reads the reconciliation: a JSON object `{agreed, disagreed, answer}` (prose or a code fence
+/// around it allowed). A reply without one, or without an answer in it, is taken whole as the
+/// answer, with no agreement recorded.
+pub fn parse_reconciliation(text: &str) -> Reconciliation {
+    let whole = || Reconciliation {
+        answer: text.trim().to_owned(),
+        agreed: Vec::new(),
+        disagreed: Vec::new(),
+        read: false,
+    };
+    let Some(start) = text.find('{') else {
+        return whole();
+    };
+    let Some(Ok(value)) = crate::react::first_json_value(&text[start..]) else {
+        return whole();
+    };
+    let answer = value
+        .get("answer")
+        .and_then(|a| a.as_str())
+        .map(str::trim)
+        .unwrap_or_default();
+    if answer.is_empty() {
+        return whole();
+    }
+    let points = |key: &str| -> Vec<String> {
+        value
+            .get(key)
+            .and_then(|v| v.as_array())
+            .map(|list| {
+                list.iter()
+                    .filter_map(|p| p.as_str().map(str::trim))
+                    .filter(|p| !p.is_empty())
+                    .map(str::to_owned)
+                    .collect()
+            })
+            .unwrap_or_default()
+    };
+    Reconciliation {
+        answer: answer.to_owned(),
+        agreed: points("agreed"),
+        disagreed: points("disagreed"),
+        read: true,
+    }
+}
+
+/// What the client is shown of the reconciliation before the answer.
+pub fn summary(reconciliation: &Reconciliation) -> String {
+    if !reconciliation.read {
+        return "The reconciliation did not say where the agents agreed.".to_owned();
+    }
+    let list = |points: &[String]| {
+        if points.is_empty() {
+            "nothing".to_owned()
+        } else {
+            points.join("; ")
+        }
+    };
+    format!(
+        "Agreed: {}\nDisagreed: {}",
+        list(&reconciliation.agreed),
+        list(&reconciliation.disagreed)
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn perspectives_are_configured_or_built_in_and_bounded() {
+        assert_eq!(perspectives(&[], 5).len(), 3);
+        let configured = vec![" a ".to_owned(), String::new(), "b".to_owned()];
+        assert_eq!(perspectives(&configured, 5), ["a", "b"]);
+        let many: Vec<String> = (0..20).map(|i| i.to_string()).collect();
+        assert_eq!(perspectives(&many, 20).len(), MAX_AGENTS);
+        assert_eq!(perspectives(&many, 2).len(), 2);
+        let goals = goals("Q?", &perspectives(&[], 5));
+        assert!(goals.iter().all(|g| g.goal == "Q?" && g.needs.is_empty()));
+        assert_eq!(
+            goals[1].perspective.as_deref(),
+            Some(DEFAULT_PERSPECTIVES[1])
+        );
+    }
+
+    #[test]
+    fn a_reconciliation_is_read_or_taken_whole() {
+        let read = parse_reconciliation(
+            "Here:\n```json\n{\"agreed\": [\"it is safe\", \" \"], \"disagreed\": [\"the cost\"], \"answer\": \" Safe, cost unclear. \"}\n```",
+        );
+        assert_eq!(
+            read,
+            Reconciliation {
+                answer: "Safe, cost unclear.".into(),
+                agreed: vec!["it is safe".into()],
+                disagreed: vec!["the cost".into()],
+                read: true,
+            }
+        );
+        assert_eq!(summary(&read), "Agreed: it is safe\nDisagreed: the cost");
+        let prose = parse_reconciliation("They mostly agree: it is safe.");
+        assert!(!prose.read);
+        assert_eq!(prose.answer, "They mostly agree: it is safe.");
+        assert!(!parse_reconciliation("{\"agreed\": [\"x\"]}").read);
+        let results: BTreeMap<String, String> = [
+            ("00. Q".to_owned(), "yes".to_owned()),
+            ("01. Q".to_owned(), "no".to_owned()),
+        ]
+        .into();
+        assert_eq!(
+            describe_answers(&results, &["direct".to_owned()]),
+            "Agent 1 (direct): yes\n\nAgent 2: no"
+        );
+    }
+}

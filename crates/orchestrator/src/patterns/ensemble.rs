@@ -1,0 +1,115 @@
+//! One Ensemble iteration: put the question to one subagent per perspective, all at once (then
+//! stop: the aggregator resumes the dialog when every one has completed), or, resumed with their
+//! answers, reconcile them: where they agreed, where they disagreed, and the answer.
+
+use agent_bus::BusError;
+use agent_core::documents::steps_taken;
+use agent_core::ensemble;
+use agent_core::pattern::{Pattern, Termination};
+use agent_core::prompt::framing_block;
+use agent_core::provenance::{self, CallStats, ToolStats};
+use agent_core::supervisor as supervising;
+use agent_llm::CallOptions;
+use agent_schema::MessageType;
+
+use crate::finish::conclude_if_limited;
+use crate::patterns::supervisor::{fan_in, fan_out, FanIn};
+use crate::turn::Turn;
+
+pub async fn iterate(turn: &Turn<'_>) -> Result<(), BusError> {
+    let n = steps_taken(&turn.request.history) + 1;
+    // The agents' answers are reconciled whatever the limits say: their work is already done.
+    if supervising::pending_synthesis(&turn.request.history).is_some() {
+        return reconcile(turn, n).await;
+    }
+    if let Some(done) = conclude_if_limited(turn).await {
+        return done;
+    }
+    let configured = turn
+        .config
+        .patterns
+        .get(Pattern::Ensemble.name())
+        .map(|p| p.perspectives.as_slice())
+        .unwrap_or_default();
+    let perspectives = ensemble::perspectives(configured, turn.config.limits.max_subagents);
+    let goals = ensemble::goals(&turn.request.question, &perspectives);
+    let thought = format!(
+        "Asking {} independent agents the same question, each from its own perspective.",
+        goals.len()
+    );
+    let after = turn.uris.previous(n - 1);
+    // No LLM call decided the fan-out: the perspectives are configured.
+    fan_out(turn, n, &goals, &thought, &after, &CallStats::default()).await
+}
+
+async fn reconcile(turn: &Turn<'_>, n: usize) -> Result<(), BusError> {
+    let Turn {
+        request,
+        uris,
+        out,
+        config,
+        ..
+    } = turn;
+    let FanIn {
+        correlation_id: cid,
+        completions,
+        missing,
+    } = fan_in(request, config.limits.max_subagents);
+    let perspectives: Vec<String> = supervising::last_decompose(&request.history)
+        .map(supervising::kept_goals)
+        .unwrap_or_default()
+        .into_iter()
+        .map(|g| g.perspective.unwrap_or_default())
+        .collect();
+    let results = supervising::pending_synthesis(&request.history)
+        .cloned()
+        .unwrap_or_default();
+    let template = &config.prompts.ensemble_reconcile;
+    let vars = [
+        ("framing", framing_block(&request.framing)),
+        ("question", request.question.clone()),
+        (
+            "answers",
+            ensemble::describe_answers(&results, &perspectives),
+        ),
+    ]
+    .into_iter()
+    .collect();
+    let Some((completion, stats)) = turn
+        .ask(n, template, &vars, &CallOptions::default())
+        .await?
+    else {
+        return Ok(());
+    };
+    let reconciliation = ensemble::parse_reconciliation(&completion.text);
+    let mut recorded = provenance::synthesis(uris, &cid, &completions, &missing, &stats);
+    recorded.extend(provenance::reconciliation(uris, &cid, &reconciliation));
+    out.explain(&uris.synthesis(&cid), recorded)?;
+    out.chunk(
+        MessageType::Observation,
+        &ensemble::summary(&reconciliation),
+        &uris.synthesis(&cid),
+        true,
+    )
+    .await?;
+    let answer = reconciliation.answer;
+    if request.streaming {
+        out.chunk(MessageType::Answer, &answer, &uris.conclusion(), false)
+            .await?;
+    }
+    out.explain(
+        &uris.conclusion(),
+        provenance::conclusion_from(
+            uris,
+            &uris.synthesis(&cid),
+            n,
+            "",
+            &answer,
+            Termination::Answer,
+            &[],
+            &CallStats::default(),
+        ),
+    )?;
+    let tokens = crate::turn::tokens_after(turn, &stats, &ToolStats::default());
+    crate::finish::answer(turn, &answer, tokens, &completion.model).await
+}
