@@ -867,3 +867,80 @@ async fn subagents_start_when_the_results_they_need_are_in() {
     );
     assert_eq!(count_reaching(&store, subagent_roots, 4).await, 4);
 }
+
+const RECOVERY: &str = r#"{"rules": [
+  {"match": "Request to split: Measure", "reply": "[{\"goal\": \"measure alpha\"}, {\"goal\": \"measure beta\"}]"},
+  {"match": "Result to evaluate: alpha is 1 metre", "reply": "{\"status\": \"SUCCESS\", \"evaluation\": \"it has its unit\"}"},
+  {"match": "Result to evaluate: alpha is 1", "reply": "{\"status\": \"EXECUTION_ERROR\", \"evaluation\": \"no unit given\", \"lesson\": \"state the unit\"}"},
+  {"match": "Result to evaluate: beta is 2 metres", "reply": "{\"status\": \"SUCCESS\", \"evaluation\": \"fine\"}"},
+  {"match": "Question: measure alpha", "and": ["Lesson: state the unit"], "reply": "Thought: with its unit.\nFinal Answer: alpha is 1 metre"},
+  {"match": "Question: measure alpha", "reply": "Thought: quick.\nFinal Answer: alpha is 1"},
+  {"match": "Question: measure beta", "reply": "Thought: known.\nFinal Answer: beta is 2 metres"},
+  {"match": "Request to answer from the subagents: Measure", "and": ["alpha is 1 metre", "beta is 2 metres"], "reply": "Alpha is 1 m and beta 2 m."}
+]}"#;
+
+/// With the step critic on (risk assessments), a supervisor judges each subagent's result before
+/// it synthesises: the one the critic rejects goes out again in a recovery round, told the lesson,
+/// the one it accepts does not run again, and the synthesis sees both rounds. Each verdict is a
+/// node in the graph, and the recovery round's fan-out derives from them.
+#[tokio::test]
+async fn a_rejected_subagent_result_is_sent_out_again_with_the_lesson() {
+    let broker = Broker::start().unwrap();
+    let aggregator = Aggregator::spawn(&broker);
+    let llm = scripted_llm(RECOVERY).await;
+    let _orchestrator = Orchestrator::spawn(&broker, &llm, &seed_dir(), &[]);
+    let mut client = client(&broker).await;
+    let request = AgentRequest {
+        task_type: "risk-assessment".into(),
+        ..supervised("Measure both.")
+    };
+    client.send("recover-1", &request).await.unwrap();
+    let responses = collect_dialog(&mut client, "recover-1", DIALOG_TIMEOUT)
+        .await
+        .unwrap();
+    let last = responses.last().unwrap();
+    assert!(last.error.is_none(), "{responses:#?}");
+    assert_eq!(last.content, "Alpha is 1 m and beta 2 m.");
+    assert_eq!(closings(&responses), 1, "{responses:#?}");
+    let calls = llm.calls();
+    assert!(calls.iter().all(|c| c.rule.is_some()), "{calls:#?}");
+    let ran = |rule: usize| calls.iter().filter(|c| c.rule == Some(rule)).count();
+    // Alpha ran twice (the second time with the lesson), beta once; three verdicts in all.
+    assert_eq!((ran(4), ran(5), ran(6)), (1, 1, 1), "{calls:#?}");
+    assert_eq!((ran(1), ran(2), ran(3)), (1, 1, 1), "{calls:#?}");
+    assert!(
+        responses.iter().any(|r| r.message_type == "thought"
+            && r.content
+                .contains("Subagent 0 (measure alpha): EXECUTION_ERROR — no unit given")),
+        "{responses:#?}"
+    );
+
+    let session = session_of(&responses);
+    let store = aggregator.store();
+    let prefixes = agent_core::vocab::SPARQL_PREFIXES;
+    let verdicts = format!(
+        "{prefixes}SELECT ?status WHERE {{ GRAPH <urn:graph:retrieval> {{
+           ?e a tg:Evaluation ; tg:evaluationStatus ?status ; prov:wasDerivedFrom ?c .
+           ?c a tg:SubagentCompletion .
+           FILTER (STRSTARTS(STR(?e), \"{session}/fanout/\")) }} }}"
+    );
+    assert_eq!(count_reaching(&store, verdicts, 3).await, 3);
+    let recovery = format!(
+        "{prefixes}ASK {{ GRAPH <urn:graph:retrieval> {{
+           ?first a tg:FanOut ; prov:wasDerivedFrom+ <{session}> .
+           ?e a tg:Evaluation ; tg:evaluationStatus \"EXECUTION_ERROR\" ; tg:lesson \"state the unit\" .
+           ?s a tg:Synthesis ; prov:wasDerivedFrom ?first, ?e .
+           ?second a tg:FanOut ; prov:wasDerivedFrom ?s ; tg:expectedSiblings 1 .
+           <{session}/final> prov:wasDerivedFrom+ ?second }} }}"
+    );
+    for _ in 0..50 {
+        if matches!(
+            store.query(recovery.clone()).await.unwrap(),
+            agent_graph::QueryAnswer::Boolean(true)
+        ) {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    panic!("the recovery round is not in the graph as expected: {responses:#?}");
+}

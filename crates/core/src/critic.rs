@@ -382,6 +382,39 @@ pub fn apply(
     }
 }
 
+/// A verdict on a subagent's result as a supervisor's history keeps it: an `evaluate` step about
+/// its `goal` (the lesson, and for a split the goals it was split into and the depth), so that
+/// retries, lessons and splits are read back as a plan's are.
+pub fn subagent_verdict_step(
+    goal: &str,
+    verdict: &Evaluation,
+    split_into: &[String],
+    depth: usize,
+    effect: &str,
+) -> AgentStep {
+    let mut arguments: std::collections::BTreeMap<String, String> = [
+        (STAGE_KEY.to_owned(), Stage::Step.name().to_owned()),
+        (GOAL_KEY.to_owned(), goal.to_owned()),
+        (LESSON_KEY.to_owned(), verdict.lesson.clone()),
+    ]
+    .into();
+    if !split_into.is_empty() {
+        arguments.insert(
+            SUB_GOALS_KEY.to_owned(),
+            serde_json::to_string(split_into).unwrap_or_default(),
+        );
+        arguments.insert(DEPTH_KEY.to_owned(), depth.to_string());
+    }
+    AgentStep {
+        thought: verdict.evaluation.clone(),
+        action: verdict.status.as_str().to_owned(),
+        arguments,
+        observation: effect.to_owned(),
+        step_type: StepType::Evaluate.as_str().to_owned(),
+        ..AgentStep::default()
+    }
+}
+
 /// A verdict as the history keeps it: an `evaluate` step (the status as its action, `arguments`
 /// plus why the answer was unreadable if it was) carrying the plan as it now stands.
 fn recorded(

@@ -1083,6 +1083,53 @@ pub fn reconciliation(
     b.build()
 }
 
+/// A supervisor's critic on one subagent's result: `{S}/fanout/{cid}/evaluation/{index}`
+/// (`tg:Evaluation`), derived from the subagent's completion, with its status, what it found and the
+/// lesson.
+pub fn subagent_evaluation(
+    uris: &SessionUris,
+    correlation_id: &str,
+    index: usize,
+    completion: &str,
+    verdict: &crate::critic::Evaluation,
+    stats: &CallStats,
+) -> Vec<Triple> {
+    let s = subagent_evaluation_node(uris, correlation_id, index);
+    let integer = |v: u64| Term::typed_literal(v.to_string(), XSD_INTEGER);
+    let mut b = NodeBuilder::default();
+    b.types(&s, &["Evaluation"])
+        .label(
+            &s,
+            &format!(
+                "Evaluation of subagent {index}: {}",
+                verdict.status.as_str()
+            ),
+        )
+        .tg(&s, "evaluates", Term::iri(completion))
+        .tg(&s, "stepIndex", integer(index as u64))
+        .tg(
+            &s,
+            "evaluationStatus",
+            Term::literal(verdict.status.as_str()),
+        )
+        .tg(&s, "llmDurationMs", integer(stats.duration_ms))
+        .tg(&s, "inToken", integer(stats.in_token))
+        .tg(&s, "outToken", integer(stats.out_token))
+        .derived(&s, completion);
+    if !verdict.evaluation.is_empty() {
+        b.tg(&s, "evaluation", Term::literal(&verdict.evaluation));
+    }
+    if !verdict.lesson.is_empty() {
+        b.tg(&s, "lesson", Term::literal(&verdict.lesson));
+    }
+    b.build()
+}
+
+/// The node of [`subagent_evaluation`].
+pub fn subagent_evaluation_node(uris: &SessionUris, correlation_id: &str, index: usize) -> String {
+    format!("{}/evaluation/{index}", uris.fanout(correlation_id))
+}
+
 /// The supervisor's synthesis of a fan-out: derived from the fan-out and from the completions it
 /// was given. A partial one (the fan-out timed out) says so and names the subagent sessions whose
 /// results never came; a completion that arrives later does not derive it.

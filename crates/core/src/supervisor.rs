@@ -167,15 +167,9 @@ pub fn has_dependencies(goals: &[Goal]) -> bool {
     goals.iter().any(|g| !g.needs.is_empty())
 }
 
-/// Whether a fan-out keeps its goals whole in its decompose step (see [`goals_json`]): when one
-/// waits for another, or takes a perspective.
-pub fn keeps_goals(goals: &[Goal]) -> bool {
-    has_dependencies(goals) || goals.iter().any(|g| g.perspective.is_some())
-}
-
 /// The goals of a fan-out with their patterns, groups, needs and perspectives, as its decompose
-/// step keeps them (under [`SUBAGENTS_KEY`], only when [`keeps_goals`]): what the aggregator starts
-/// a waiting subagent from.
+/// step keeps them (under [`SUBAGENTS_KEY`]): what the aggregator starts a waiting subagent from,
+/// what an ensemble reconciles by, and what a recovery round sends out again.
 pub fn goals_json(goals: &[Goal]) -> String {
     let list: Vec<serde_json::Value> = goals
         .iter()
@@ -192,8 +186,8 @@ pub fn goals_json(goals: &[Goal]) -> String {
     serde_json::Value::Array(list).to_string()
 }
 
-/// The goals a decompose step kept whole (see [`goals_json`]); empty when it kept only their texts
-/// (no goal needed another or took a perspective: every subagent started with the fan-out).
+/// The goals a decompose step kept whole (see [`goals_json`]); empty for a step recorded before
+/// goals were kept whole.
 pub fn kept_goals(decompose: &AgentStep) -> Vec<Goal> {
     let Some(kept) = decompose.arguments.get(SUBAGENTS_KEY) else {
         return Vec::new();
@@ -228,6 +222,119 @@ pub fn kept_goals(decompose: &AgentStep) -> Vec<Goal> {
             }
         })
         .collect()
+}
+
+/// The subagents of a round a supervisor's critic sends out again, and why: each non-success
+/// verdict (by subagent index) becomes goals of a recovery round. `EXECUTION_ERROR`: the goal
+/// again, told the lesson. `INPUT_DATA_ERROR`: the culprits it names again with the lesson, then
+/// the goal, waiting for them (a verdict naming no other subagent is taken as an execution
+/// error). `JOB_TOO_COMPLICATED_ERROR`: the sub-goals it gives, or else the goal split by a subagent
+/// of its own (`supervisor` while `nested`, else `plan-then-execute`); past `life_cycle` splits of
+/// that goal, the result stands.
+pub fn recovery_goals(
+    round: &[Goal],
+    verdicts: &[(usize, crate::critic::Evaluation)],
+    splits_behind: impl Fn(&str) -> usize,
+    life_cycle: usize,
+    nested: bool,
+) -> Vec<Goal> {
+    use crate::critic::Status;
+    let mut goals: Vec<Goal> = Vec::new();
+    // Round index -> index of its retry in the recovery round, so a goal is sent out once.
+    let mut sent: BTreeMap<usize, usize> = BTreeMap::new();
+    let told = |goal: &Goal, verdict: &crate::critic::Evaluation| {
+        let mut note = format!(
+            "An earlier attempt at this goal was judged {}",
+            verdict.status.as_str()
+        );
+        if !verdict.evaluation.is_empty() {
+            note.push_str(&format!(": {}", verdict.evaluation));
+        }
+        if !verdict.lesson.is_empty() {
+            note.push_str(&format!(" Lesson: {}", verdict.lesson));
+        }
+        Goal {
+            needs: Vec::new(),
+            perspective: Some(match &goal.perspective {
+                Some(p) => format!("{p}\n\n{note}"),
+                None => note,
+            }),
+            ..goal.clone()
+        }
+    };
+    for (index, verdict) in verdicts {
+        let Some(goal) = round.get(*index) else {
+            continue;
+        };
+        match verdict.status {
+            Status::Success => {}
+            Status::ExecutionError => {
+                sent.entry(*index).or_insert_with(|| {
+                    goals.push(told(goal, verdict));
+                    goals.len() - 1
+                });
+            }
+            Status::InputDataError => {
+                let culprits: Vec<usize> = verdict
+                    .culprits
+                    .iter()
+                    .copied()
+                    .filter(|c| c != index && *c < round.len())
+                    .collect();
+                let mut needs = Vec::new();
+                for culprit in culprits {
+                    let at = *sent.entry(culprit).or_insert_with(|| {
+                        goals.push(told(&round[culprit], verdict));
+                        goals.len() - 1
+                    });
+                    needs.push(at);
+                }
+                let at = *sent.entry(*index).or_insert_with(|| {
+                    goals.push(told(goal, verdict));
+                    goals.len() - 1
+                });
+                needs.retain(|&n| n != at);
+                needs.sort_unstable();
+                needs.dedup();
+                goals[at].needs.extend(needs);
+            }
+            Status::JobTooComplicated => {
+                if splits_behind(&goal.goal) >= life_cycle || sent.contains_key(index) {
+                    continue;
+                }
+                if verdict.sub_steps.is_empty() {
+                    let pattern = if nested {
+                        Pattern::Supervisor
+                    } else {
+                        Pattern::PlanThenExecute
+                    };
+                    goals.push(Goal {
+                        pattern,
+                        ..told(goal, verdict)
+                    });
+                    sent.insert(*index, goals.len() - 1);
+                } else {
+                    for (sub_goal, _) in &verdict.sub_steps {
+                        goals.push(Goal {
+                            perspective: Some(format!(
+                                "This is part of a larger goal: {}",
+                                goal.goal
+                            )),
+                            ..Goal::independent(sub_goal.clone(), Pattern::React)
+                        });
+                    }
+                    sent.insert(*index, goals.len() - 1);
+                }
+            }
+        }
+    }
+    goals
+}
+
+/// The round a result key belongs to and its subagent index (`"03. goal"` -> 3).
+pub fn index_of_key(key: &str) -> Option<usize> {
+    let (index, _) = key.split_once(". ")?;
+    index.parse().ok()
 }
 
 /// How much of a prerequisite's result a waiting subagent is given (characters); the rest is
@@ -533,8 +640,8 @@ pub fn completion_seal_parts<'a>(
 pub const MISSING_KEY: &str = "missing";
 /// `arguments` key of a decompose step: its goals by subagent index, as a JSON list.
 pub const GOALS_KEY: &str = "goals";
-/// `arguments` key of a decompose step some of whose goals need others: every goal with its
-/// pattern, groups and needs (see [`goals_json`]).
+/// `arguments` key of a decompose step: every goal with its pattern, groups, needs and perspective
+/// (see [`goals_json`]).
 pub const SUBAGENTS_KEY: &str = "subagents";
 
 /// The key of subagent `index`'s result: its place before its goal, so that two subagents with
@@ -818,5 +925,63 @@ mod tests {
             "[cut: {PREREQUISITE_RESULT_CHARS} of {} characters]",
             PREREQUISITE_RESULT_CHARS + 10
         )));
+    }
+
+    #[test]
+    fn a_critic_s_verdicts_become_a_recovery_round() {
+        use crate::critic::{Evaluation, Status};
+        let verdict = |status: Status| Evaluation {
+            status,
+            evaluation: "wrong".into(),
+            lesson: "check units".into(),
+            culprits: Vec::new(),
+            sub_steps: Vec::new(),
+            unreadable: None,
+        };
+        let round: Vec<Goal> = ["a", "b", "c", "d"]
+            .iter()
+            .map(|g| Goal::independent(*g, Pattern::React))
+            .collect();
+        let verdicts = vec![
+            (0, verdict(Status::Success)),
+            (
+                1,
+                Evaluation {
+                    culprits: vec![0, 1, 9],
+                    ..verdict(Status::InputDataError)
+                },
+            ),
+            (2, verdict(Status::ExecutionError)),
+            (3, verdict(Status::JobTooComplicated)),
+        ];
+        let goals = recovery_goals(&round, &verdicts, |_| 0, 3, true);
+        let shape: Vec<(&str, &[usize], Pattern)> = goals
+            .iter()
+            .map(|g| (g.goal.as_str(), g.needs.as_slice(), g.pattern))
+            .collect();
+        assert_eq!(
+            shape,
+            [
+                ("a", &[][..], Pattern::React),
+                ("b", &[0][..], Pattern::React),
+                ("c", &[][..], Pattern::React),
+                ("d", &[][..], Pattern::Supervisor),
+            ]
+        );
+        assert_eq!(
+            goals[2].perspective.as_deref(),
+            Some("An earlier attempt at this goal was judged EXECUTION_ERROR: wrong Lesson: check units")
+        );
+        // Sub-goals given split it; past its life cycle a split is not made again.
+        let split = Evaluation {
+            sub_steps: vec![("d1".into(), String::new()), ("d2".into(), String::new())],
+            ..verdict(Status::JobTooComplicated)
+        };
+        let goals = recovery_goals(&round, &[(3, split.clone())], |_| 0, 3, false);
+        let names: Vec<&str> = goals.iter().map(|g| g.goal.as_str()).collect();
+        assert_eq!(names, ["d1", "d2"]);
+        assert!(recovery_goals(&round, &[(3, split)], |_| 3, 3, false).is_empty());
+        assert_eq!(index_of_key("03. goal"), Some(3));
+        assert_eq!(index_of_key("goal"), None);
     }
 }

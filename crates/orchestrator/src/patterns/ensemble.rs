@@ -39,7 +39,16 @@ pub async fn iterate(turn: &Turn<'_>) -> Result<(), BusError> {
     );
     let after = turn.uris.previous(n - 1);
     // No LLM call decided the fan-out: the perspectives are configured.
-    fan_out(turn, n, &goals, &thought, &after, &CallStats::default()).await
+    fan_out(
+        turn,
+        n,
+        &goals,
+        &thought,
+        &after,
+        &CallStats::default(),
+        Vec::new(),
+    )
+    .await
 }
 
 async fn reconcile(turn: &Turn<'_>, n: usize) -> Result<(), BusError> {

@@ -27,6 +27,10 @@ pub async fn iterate(turn: &Turn<'_>) -> Result<(), BusError> {
     let history = &turn.request.history;
     // Subagents' results are answered from whatever the limits say: their work is already done.
     if supervising::pending_synthesis(history).is_some() {
+        // With the step critic on, each result is judged first; what it rejects goes out again.
+        if step_critic(turn) && recover(turn, n).await? == Recovery::Handled {
+            return Ok(());
+        }
         return synthesise(turn, n).await;
     }
     // With the answer critic on, a synthesis is a draft until the critic accepts it.
@@ -43,6 +47,182 @@ pub async fn iterate(turn: &Turn<'_>) -> Result<(), BusError> {
         return done;
     }
     decompose(turn, n).await
+}
+
+fn step_critic(turn: &Turn<'_>) -> bool {
+    let request = turn.request;
+    turn.config
+        .critic_on(&request.pattern, &request.task_type, Stage::Step)
+}
+
+/// What judging a round's results came to.
+#[derive(Debug, PartialEq, Eq)]
+enum Recovery {
+    /// Every result stands (or no retry is left): synthesise.
+    Synthesise,
+    /// A recovery round went out, or the dialog ended (the critic's LLM call failed).
+    Handled,
+}
+
+/// Judges each result of the round just answered (prompt `plan-evaluate`, one call per subagent)
+/// and sends the subagents the verdicts reject out again in a recovery round: an execution error
+/// again with the lesson, bad input's culprits first and then the goal that used them, a goal too
+/// big split (see `supervisor::recovery_goals`). Bounded by `max_retries` (non-success verdicts in
+/// the dialog), `step_life_cycle` (splits of one goal) and the room for another round.
+async fn recover(turn: &Turn<'_>, n: usize) -> Result<Recovery, BusError> {
+    let Turn {
+        request,
+        uris,
+        out,
+        config,
+        ..
+    } = turn;
+    let history = &request.history;
+    if critic::retries_used(history) >= config.limits.max_retries
+        || !room_for_another_round(turn, n)
+    {
+        return Ok(Recovery::Synthesise);
+    }
+    let (Some(results), Some(decompose)) = (
+        supervising::pending_synthesis(history),
+        supervising::last_decompose(history),
+    ) else {
+        return Ok(Recovery::Synthesise);
+    };
+    let round = supervising::kept_goals(decompose);
+    let FanIn {
+        correlation_id: cid,
+        ..
+    } = fan_in(request, config.limits.max_subagents);
+    let by_index: std::collections::BTreeMap<usize, &String> = results
+        .iter()
+        .filter_map(|(key, result)| supervising::index_of_key(key).map(|i| (i, result)))
+        .collect();
+    let mut verdicts = Vec::new();
+    let mut spent = CallStats::default();
+    let mut judged = Vec::new();
+    for (&index, result) in &by_index {
+        let Some(goal) = round.get(index) else {
+            continue;
+        };
+        let dependencies: Vec<String> = goal
+            .needs
+            .iter()
+            .filter_map(|j| Some(format!("- {}: {}", round.get(*j)?.goal, by_index.get(j)?)))
+            .collect();
+        let vars = [
+            ("framing", framing_block(&request.framing)),
+            ("question", request.question.clone()),
+            ("step", index.to_string()),
+            ("goal", goal.goal.clone()),
+            (
+                "dependencies",
+                if dependencies.is_empty() {
+                    "(none)".to_owned()
+                } else {
+                    dependencies.join("\n")
+                },
+            ),
+            ("result", (*result).clone()),
+        ]
+        .into_iter()
+        .collect();
+        let Some((completion, stats)) = turn
+            .ask(n, &config.prompts.plan_evaluate, &vars, &turn.json_call())
+            .await?
+        else {
+            return Ok(Recovery::Handled);
+        };
+        let verdict = critic::parse(&completion.text);
+        let session = SessionUris::new(&supervising::subagent_session(&cid, index));
+        let node = provenance::subagent_evaluation_node(uris, &cid, index);
+        out.explain(
+            &node,
+            provenance::subagent_evaluation(
+                uris,
+                &cid,
+                index,
+                &session.completion(),
+                &verdict,
+                &stats,
+            ),
+        )?;
+        spent.duration_ms += stats.duration_ms;
+        spent.in_token += stats.in_token;
+        spent.out_token += stats.out_token;
+        spent.model = stats.model;
+        judged.push(node);
+        verdicts.push((index, verdict));
+    }
+    let nested = supervising::may_nest(request, config.limits.max_fanout_depth);
+    let goals = supervising::recovery_goals(
+        &round,
+        &verdicts,
+        |goal| critic::splits_behind(history, goal),
+        config.limits.step_life_cycle,
+        nested,
+    );
+    let rejected: Vec<&(usize, critic::Evaluation)> = verdicts
+        .iter()
+        .filter(|(_, v)| v.status != critic::Status::Success)
+        .collect();
+    if goals.is_empty() {
+        return Ok(Recovery::Synthesise);
+    }
+    // The verdicts join the history before the new round's decompose step: retries, lessons and
+    // splits are counted from there.
+    let kept: Vec<AgentStep> = rejected
+        .iter()
+        .filter_map(|(index, verdict)| {
+            let goal = round.get(*index)?;
+            let split_into: Vec<String> = if verdict.status == critic::Status::JobTooComplicated {
+                verdict.sub_steps.iter().map(|(g, _)| g.clone()).collect()
+            } else {
+                Vec::new()
+            };
+            let depth = critic::splits_behind(history, &goal.goal) + 1;
+            Some(critic::subagent_verdict_step(
+                &goal.goal,
+                verdict,
+                &split_into,
+                depth,
+                "sent out again",
+            ))
+        })
+        .collect();
+    let FanIn {
+        completions,
+        missing,
+        ..
+    } = fan_in(request, config.limits.max_subagents);
+    let mut derived = completions;
+    derived.extend(judged);
+    out.explain(
+        &uris.synthesis(&cid),
+        provenance::synthesis(uris, &cid, &derived, &missing, &CallStats::default()),
+    )?;
+    let mut thought = format!(
+        "The critic rejected {} of {} results; {} subagents go out again.",
+        rejected.len(),
+        verdicts.len(),
+        goals.len()
+    );
+    for (index, verdict) in &rejected {
+        let goal = round
+            .get(*index)
+            .map(|g| g.goal.as_str())
+            .unwrap_or_default();
+        thought.push_str(&format!(
+            "\nSubagent {index} ({goal}): {}",
+            verdict.status.as_str()
+        ));
+        if !verdict.evaluation.is_empty() {
+            thought.push_str(&format!(" — {}", verdict.evaluation));
+        }
+    }
+    let after = uris.synthesis(&cid);
+    fan_out(turn, n, &goals, &thought, &after, &spent, kept).await?;
+    Ok(Recovery::Handled)
 }
 
 fn answer_critic(turn: &Turn<'_>) -> bool {
@@ -94,7 +274,7 @@ async fn decompose(turn: &Turn<'_>, n: usize) -> Result<(), BusError> {
     });
     let thought = format!("Splitting the request into {} goals.", goals.len());
     let after = uris.previous(n - 1);
-    fan_out(turn, n, &goals, &thought, &after, &stats).await
+    fan_out(turn, n, &goals, &thought, &after, &stats, Vec::new()).await
 }
 
 /// Records the fan-out of iteration `n` (derived from `after`), then starts one subagent per goal
@@ -106,6 +286,7 @@ pub(crate) async fn fan_out(
     thought: &str,
     after: &str,
     stats: &CallStats,
+    verdicts: Vec<AgentStep>,
 ) -> Result<(), BusError> {
     let Turn {
         request,
@@ -118,6 +299,7 @@ pub(crate) async fn fan_out(
     let listing: Vec<String> = goals.iter().enumerate().map(listed).collect();
     let mut continuation = (*request).clone();
     continuation.session_id = session_id.to_string();
+    continuation.history.extend(verdicts);
     let mut arguments: std::collections::BTreeMap<String, String> = [
         (CORRELATION_KEY.to_owned(), cid.clone()),
         (EXPECTED_KEY.to_owned(), goals.len().to_string()),
@@ -128,14 +310,12 @@ pub(crate) async fn fan_out(
         ),
     ]
     .into();
-    // Only a fan-out some of whose subagents wait (or take a perspective) keeps every goal whole:
-    // what the aggregator starts a waiting one from, and what an ensemble reconciles by.
-    if supervising::keeps_goals(goals) {
-        arguments.insert(
-            supervising::SUBAGENTS_KEY.to_owned(),
-            supervising::goals_json(goals),
-        );
-    }
+    // Every goal whole: what the aggregator starts a waiting one from, what an ensemble
+    // reconciles by, and what a recovery round sends out again.
+    arguments.insert(
+        supervising::SUBAGENTS_KEY.to_owned(),
+        supervising::goals_json(goals),
+    );
     continuation.history.push(AgentStep {
         thought: thought.to_owned(),
         action: "decompose".to_owned(),
@@ -358,7 +538,7 @@ async fn synthesise(turn: &Turn<'_>, n: usize) -> Result<(), BusError> {
                 goals.len()
             );
             let after = uris.synthesis(&cid);
-            return fan_out(turn, n, &goals, &thought, &after, &stats).await;
+            return fan_out(turn, n, &goals, &thought, &after, &stats, Vec::new()).await;
         }
         supervising::Synthesis::Again(_) => (
             format!("I could not run another round of subagents within the limits (max_iterations, or the token and time budget). What the subagents found:\n{results}"),
