@@ -250,3 +250,80 @@ async fn an_ensemble_asks_independent_agents_and_reconciles_where_they_agree_and
     );
     assert_eq!(count_reaching(&store, reconciled, 3).await, 3);
 }
+
+/// Deep research, chosen by the meta-router for a research request: a round checks what is unknown
+/// and runs two lookups side by side, the next round finds the research complete, the writer
+/// answers from the numbered notes, and the judge accepts it. Each round, call and note is in the
+/// graph.
+#[tokio::test]
+async fn deep_research_runs_rounds_of_parallel_lookups_then_writes_and_is_judged() {
+    let script = r#"{"rules": [
+      {"match": "Request to classify: ", "reply": "{\"choice\": \"research\", \"rationale\": \"facts with sources\"}"},
+      {"match": "Request to work on: ", "reply": "{\"choice\": \"deep-research\", \"rationale\": \"several lookups\"}"},
+      {"match": "Request to research: What do alpha and beta cost?", "and": ["(no notes yet)"], "reply": "{\"thought\": \"Both prices are unknown.\", \"complete\": false, \"gaps\": [\"price of alpha\", \"price of beta\"], \"calls\": [{\"tool\": \"llm\", \"arguments\": {\"question\": \"price of alpha?\"}}, {\"tool\": \"llm\", \"arguments\": {\"question\": \"price of beta?\"}}]}"},
+      {"match": "Request to research: What do alpha and beta cost?", "and": ["[1] llm(", "alpha costs 3", "[2] llm(", "beta costs 4"], "reply": "{\"thought\": \"Both known.\", \"complete\": true, \"gaps\": []}"},
+      {"match": "price of alpha?", "exact": true, "reply": "alpha costs 3", "delay_ms": 600},
+      {"match": "price of beta?", "exact": true, "reply": "beta costs 4", "delay_ms": 600},
+      {"match": "Request to write up: What do alpha and beta cost?", "and": ["[1] llm(", "[2] llm("], "reply": "Alpha costs 3 [1] and beta costs 4 [2]."},
+      {"match": "Review a draft answer", "and": ["Alpha costs 3 [1] and beta costs 4 [2]."], "reply": "{\"status\": \"SUCCESS\", \"evaluation\": \"cites both notes\"}"}
+    ]}"#;
+    let broker = Broker::start().unwrap();
+    let aggregator = Aggregator::spawn(&broker);
+    let llm = scripted_llm(script).await;
+    let _orchestrator = Orchestrator::spawn(&broker, &llm, &seed_dir(), &[]);
+    let mut client = client(&broker).await;
+    client
+        .send("research", &request("What do alpha and beta cost?", false))
+        .await
+        .unwrap();
+    let responses = collect_dialog(&mut client, "research", Duration::from_secs(60))
+        .await
+        .unwrap();
+    let last = responses.last().unwrap();
+    assert_eq!(
+        last.content, "Alpha costs 3 [1] and beta costs 4 [2].",
+        "{responses:#?}"
+    );
+    let calls = llm.calls();
+    assert!(calls.iter().all(|c| c.rule.is_some()), "{calls:#?}");
+    // Routing (2), two rounds, two lookups, the writer and the judge: each once.
+    for rule in 0..8 {
+        assert_eq!(
+            calls.iter().filter(|c| c.rule == Some(rule)).count(),
+            1,
+            "rule {rule}: {calls:#?}"
+        );
+    }
+    assert!(
+        llm.max_concurrent() >= 2,
+        "the round's lookups ran one after another"
+    );
+
+    let session = session_of(&responses);
+    let prefixes = agent_core::vocab::SPARQL_PREFIXES;
+    let dag = format!(
+        "{prefixes}ASK {{ GRAPH <urn:graph:retrieval> {{
+           <{session}/pattern-decision> tg:pattern \"deep-research\" ; tg:taskType \"research\" .
+           <{session}/i1> a tg:ResearchRound ; tg:researchComplete false ;
+             tg:gap \"price of alpha\", \"price of beta\" .
+           <{session}/i1/call/1> a tg:ToolUse ; tg:action \"llm\" ; tg:toolOutcome \"ok\" ; tg:note 1 ;
+             prov:wasDerivedFrom <{session}/i1> .
+           <{session}/i1/call/2> tg:note 2 .
+           <{session}/i2> a tg:ResearchRound ; tg:researchComplete true ;
+             prov:wasDerivedFrom <{session}/i1/observation> .
+           <{session}/i3> a tg:Synthesis ; prov:wasDerivedFrom <{session}/i2/observation> .
+           <{session}/i4> a tg:Evaluation ; tg:evaluationStatus \"SUCCESS\" .
+           <{session}/final> tg:terminationReason \"answer\" }} }}"
+    );
+    let store = aggregator.store();
+    for _ in 0..50 {
+        if matches!(
+            store.query(dag.clone()).await.unwrap(),
+            agent_graph::QueryAnswer::Boolean(true)
+        ) {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    panic!("the research is not in the graph as expected: {responses:#?}");
+}

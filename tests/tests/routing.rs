@@ -229,7 +229,7 @@ async fn pattern_choices_record_their_rationale_or_fallback() {
     assert_eq!(one(&chose, "patternRationale"), "a quick lookup");
     assert_eq!(
         set(&chose, "patternCandidate"),
-        names(&["react", "plan-then-execute", "reflexion"])
+        names(&["react", "plan-then-execute", "reflexion", "deep-research"])
     );
     assert_eq!(one(&chose, "rationale"), "sources a quick lookup");
     let (_, refused) = routed(&mut client, "p-bad", &request("Do nonsense.", false)).await;

@@ -4,6 +4,7 @@
 
 pub mod config;
 pub mod critic;
+pub mod deep_research;
 pub mod documents;
 pub mod ensemble;
 pub mod fork;

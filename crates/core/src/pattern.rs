@@ -22,16 +22,20 @@ pub enum Pattern {
     /// The same question to several independent agents, each from its own perspective, in
     /// parallel; then one reconciliation that says where they agreed and disagreed.
     Ensemble,
+    /// Research in rounds: a knowledge-gap check and the tool calls that fill the gaps (run in
+    /// parallel within the round), until complete or out of rounds; then a writer, and a judge.
+    DeepResearch,
 }
 
 impl Pattern {
-    pub const ALL: [Pattern; 6] = [
+    pub const ALL: [Pattern; 7] = [
         Pattern::React,
         Pattern::PlanThenExecute,
         Pattern::Supervisor,
         Pattern::LlmRouter,
         Pattern::Reflexion,
         Pattern::Ensemble,
+        Pattern::DeepResearch,
     ];
 
     /// The name on the wire (`AgentRequest::pattern`), in config and in the provenance graph.
@@ -43,6 +47,7 @@ impl Pattern {
             Pattern::LlmRouter => "llm-router",
             Pattern::Reflexion => "reflexion",
             Pattern::Ensemble => "ensemble",
+            Pattern::DeepResearch => "deep-research",
         }
     }
 
@@ -81,6 +86,9 @@ impl Pattern {
             }
             Pattern::Ensemble => {
                 "Put the same question to several independent agents, each from its own perspective, in parallel, then reconcile their answers, saying where they agree and disagree"
+            }
+            Pattern::DeepResearch => {
+                "Research in rounds: check what is still unknown, look several things up at once, until the research is complete; then write the answer from the notes and have it judged"
             }
         }
     }
@@ -179,7 +187,7 @@ mod tests {
         }
         assert_eq!(
             Pattern::all_names(),
-            "react, plan-then-execute, supervisor, llm-router, reflexion, ensemble"
+            "react, plan-then-execute, supervisor, llm-router, reflexion, ensemble, deep-research"
         );
     }
 }

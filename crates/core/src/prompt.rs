@@ -42,6 +42,8 @@ pub const LLM_ROUTER_KEY: &str = "llm-router";
 /// Config key of Reflexion's self-critique after an action.
 pub const REFLEXION_REFLECT_KEY: &str = "reflexion-reflect";
 pub const ENSEMBLE_RECONCILE_KEY: &str = "ensemble-reconcile";
+pub const DEEP_RESEARCH_ROUND_KEY: &str = "deep-research-round";
+pub const DEEP_RESEARCH_WRITE_KEY: &str = "deep-research-write";
 
 /// The ReACT system prompt used when config gives none.
 pub const DEFAULT_REACT_SYSTEM: &str = "You are a careful assistant that answers questions by reasoning step by step and using tools when they help.";
@@ -103,6 +105,12 @@ pub const DEFAULT_REFLEXION_REFLECT_TEMPLATE: &str = "{{framing}}An agent is wor
 pub const DEFAULT_ENSEMBLE_SYSTEM: &str = "You reconcile the work of independent agents: you weigh their answers fairly, name where they agree and disagree, and never invent what none of them found.";
 pub const DEFAULT_ENSEMBLE_RECONCILE_TEMPLATE: &str = "{{framing}}Several independent agents answered the question below, each from its own perspective.\n\nQuestion: {{question}}\n\nTheir answers:\n{{answers}}\n\nReconcile them: list the points they agree on and the points they disagree on, then give the answer their work best supports, saying where it remains uncertain. Reply with only a JSON object: {\"agreed\": [\"...\"], \"disagreed\": [\"...\"], \"answer\": \"...\"}\n\nQuestion to reconcile: {{question}}";
 
+/// Deep research. Round placeholders: `framing`, `question`, `round`, `max_rounds`, `max_calls`,
+/// `tools`, `notes`; writer: `framing`, `question`, `notes`, `lessons`.
+pub const DEFAULT_DEEP_RESEARCH_SYSTEM: &str = "You research carefully: you look for what is missing, use tools to find it, and write only what the evidence supports.";
+pub const DEFAULT_DEEP_RESEARCH_ROUND_TEMPLATE: &str = "{{framing}}You are researching the request below in rounds (this is round {{round}} of at most {{max_rounds}}). Read the notes gathered so far and decide whether they are enough to answer the request well. If they are not, name the gaps and choose at most {{max_calls}} tool calls that would fill them; the calls run in parallel, so none may need another's result.\n\nTools:\n{{tools}}\n\nNotes so far:\n{{notes}}\n\nReply with only a JSON object: {\"thought\": \"...\", \"complete\": false, \"gaps\": [\"...\"], \"calls\": [{\"tool\": \"...\", \"arguments\": {}}]}\n\nRequest to research: {{question}}";
+pub const DEFAULT_DEEP_RESEARCH_WRITE_TEMPLATE: &str = "{{framing}}Write the answer to the request below from the research notes only. Cite the notes you use by their numbers, like [2], and say plainly what the notes leave unknown.{{lessons}}\n\nResearch notes:\n{{notes}}\n\nRequest to write up: {{question}}";
+
 /// Synthesis. Placeholders: `framing`, `question`, `results`, `caveat`.
 pub const DEFAULT_PLAN_SYNTHESISE_TEMPLATE: &str = "{{framing}}Answer the request below from the results of the plan's steps. Use only these results; say so if they are not enough.{{caveat}}\n\nResults:\n{{results}}\n\nRequest to answer: {{question}}";
 
@@ -158,6 +166,8 @@ pub struct Prompts {
     pub llm_router: PromptTemplate,
     pub reflexion_reflect: PromptTemplate,
     pub ensemble_reconcile: PromptTemplate,
+    pub deep_research_round: PromptTemplate,
+    pub deep_research_write: PromptTemplate,
 }
 
 impl Default for Prompts {
@@ -207,6 +217,14 @@ impl Default for Prompts {
                 DEFAULT_ENSEMBLE_SYSTEM,
                 DEFAULT_ENSEMBLE_RECONCILE_TEMPLATE,
             ),
+            deep_research_round: PromptTemplate::new(
+                DEFAULT_DEEP_RESEARCH_SYSTEM,
+                DEFAULT_DEEP_RESEARCH_ROUND_TEMPLATE,
+            ),
+            deep_research_write: PromptTemplate::new(
+                DEFAULT_DEEP_RESEARCH_SYSTEM,
+                DEFAULT_DEEP_RESEARCH_WRITE_TEMPLATE,
+            ),
         }
     }
 }
@@ -232,12 +250,14 @@ impl Prompts {
             LLM_ROUTER_KEY => Some(&mut self.llm_router),
             REFLEXION_REFLECT_KEY => Some(&mut self.reflexion_reflect),
             ENSEMBLE_RECONCILE_KEY => Some(&mut self.ensemble_reconcile),
+            DEEP_RESEARCH_ROUND_KEY => Some(&mut self.deep_research_round),
+            DEEP_RESEARCH_WRITE_KEY => Some(&mut self.deep_research_write),
             _ => None,
         }
     }
 
     /// The config keys of every prompt.
-    pub const KEYS: [&'static str; 17] = [
+    pub const KEYS: [&'static str; 19] = [
         REACT_KEY,
         REACT_NATIVE_KEY,
         TASK_TYPE_SELECTION_KEY,
@@ -255,6 +275,8 @@ impl Prompts {
         LLM_ROUTER_KEY,
         REFLEXION_REFLECT_KEY,
         ENSEMBLE_RECONCILE_KEY,
+        DEEP_RESEARCH_ROUND_KEY,
+        DEEP_RESEARCH_WRITE_KEY,
     ];
 }
 

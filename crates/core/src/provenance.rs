@@ -476,6 +476,85 @@ fn iteration_facts(b: &mut NodeBuilder, s: &str, n: usize, candidates: &[&str], 
     }
 }
 
+/// A deep-research round (iteration `n`): its gap check (`tg:researchComplete`, a `tg:gap` per
+/// gap, the thought) and the tools it could choose from; each call it ran is a node of its own
+/// ([`research_call`]).
+pub fn research_round(
+    uris: &SessionUris,
+    n: usize,
+    round: &crate::deep_research::Round,
+    candidates: &[&str],
+    stats: &CallStats,
+) -> Vec<Triple> {
+    let s = uris.iteration(n);
+    let t = uris.thought(n);
+    let mut b = NodeBuilder::default();
+    let action = if round.complete {
+        crate::deep_research::COMPLETE_ACTION
+    } else {
+        crate::deep_research::RESEARCH_ACTION
+    };
+    b.types(&s, &["Analysis", "ResearchRound"])
+        .label(&s, &format!("Research round: {action}"))
+        .tg(&s, "action", Term::literal(action))
+        .tg(
+            &s,
+            "researchComplete",
+            Term::typed_literal(round.complete.to_string(), XSD_BOOLEAN),
+        )
+        .derived(&s, &uris.previous(n - 1))
+        .tg(&s, "thought", Term::iri(&t));
+    for gap in &round.gaps {
+        b.tg(&s, "gap", Term::literal(gap));
+    }
+    if round.dropped > 0 {
+        b.tg(
+            &s,
+            "droppedCalls",
+            Term::typed_literal(round.dropped.to_string(), XSD_INTEGER),
+        );
+    }
+    if let Some(why) = &round.unreadable {
+        b.tg(&s, "unreadableReason", Term::literal(why));
+    }
+    iteration_facts(&mut b, &s, n, candidates, stats);
+    b.types(&t, &["Reflection", "Thought"])
+        .label(&t, "Thought")
+        .derived(&t, &s)
+        .document(&t, &t, &round.thought);
+    b.build()
+}
+
+/// Call `k` (from 1) of deep-research round `n`: the tool, its arguments, how it went and how
+/// long it took, and the note it gave (`tg:note`, its number among the dialog's notes).
+pub fn research_call(
+    uris: &SessionUris,
+    n: usize,
+    k: usize,
+    call: &crate::deep_research::Call,
+    outcome: &str,
+    tool: ToolStats,
+    note: usize,
+) -> Vec<Triple> {
+    let round = uris.iteration(n);
+    let s = format!("{round}/call/{k}");
+    let integer = |v: u64| Term::typed_literal(v.to_string(), XSD_INTEGER);
+    let mut b = NodeBuilder::default();
+    b.types(&s, &["ToolUse"])
+        .label(&s, &format!("Call {k}: {}", call.tool))
+        .tg(&s, "action", Term::literal(&call.tool))
+        .tg(
+            &s,
+            "arguments",
+            Term::literal(serde_json::to_string(&call.arguments).unwrap_or_default()),
+        )
+        .tg(&s, "toolOutcome", Term::literal(outcome))
+        .tg(&s, "toolDurationMs", integer(tool.duration_ms))
+        .tg(&s, "note", integer(note as u64))
+        .derived(&s, &round);
+    b.build()
+}
+
 /// A plan a Plan-then-Execute iteration made or revised.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct PlanRecord<'a> {

@@ -417,7 +417,8 @@ mod tests {
                 "pattern:plan-then-execute",
                 "pattern:supervisor",
                 "pattern:reflexion",
-                "pattern:ensemble"
+                "pattern:ensemble",
+                "pattern:deep-research"
             ]
         );
         assert_eq!(

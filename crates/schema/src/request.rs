@@ -63,6 +63,9 @@ pub enum StepType {
     Evaluate,
     /// Our extension: Reflexion's self-critique after an action (`observation` holds the lesson).
     Reflect,
+    /// Our extension: a deep-research round (`action` `research` with the calls it ran in
+    /// parallel, or `complete` when the research is judged complete).
+    Research,
 }
 
 impl StepType {
@@ -76,6 +79,7 @@ impl StepType {
             StepType::SubagentCompletion => "subagent-completion",
             StepType::Evaluate => "evaluate",
             StepType::Reflect => "reflect",
+            StepType::Research => "research",
         }
     }
 
@@ -90,6 +94,7 @@ impl StepType {
             "subagent-completion" => StepType::SubagentCompletion,
             "evaluate" => StepType::Evaluate,
             "reflect" => StepType::Reflect,
+            "research" => StepType::Research,
             _ => return None,
         })
     }

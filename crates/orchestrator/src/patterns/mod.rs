@@ -2,6 +2,7 @@
 //! LLM, what to do with the answer); how a step reads its input ([`crate::turn`]), streams
 //! ([`crate::stream`]), emits effects ([`crate::emit`]) and ends ([`crate::finish`]) is shared.
 
+pub mod deep_research;
 pub mod ensemble;
 pub mod llm_router;
 pub mod plan;
@@ -25,6 +26,7 @@ pub async fn iterate(turn: &Turn<'_>) -> Result<(), BusError> {
         Some(Pattern::PlanThenExecute) => Box::pin(plan::iterate(turn)).await,
         Some(Pattern::LlmRouter) => Box::pin(llm_router::iterate(turn)).await,
         Some(Pattern::Reflexion) => Box::pin(reflexion::iterate(turn)).await,
+        Some(Pattern::DeepResearch) => Box::pin(deep_research::iterate(turn)).await,
         // Past the depth limit a supervisor or an ensemble works alone (see `router::requested`).
         Some(pattern)
             if pattern.fans_out()
