@@ -249,6 +249,20 @@ async fn an_ensemble_asks_independent_agents_and_reconciles_where_they_agree_and
            <{session}/final> prov:wasDerivedFrom ?r ; tg:terminationReason \"answer\" }} }}"
     );
     assert_eq!(count_reaching(&store, reconciled, 3).await, 3);
+    let rows = store
+        .query(agent_graph::queries::session_triples(
+            &agent_graph::queries::session_node(&session).unwrap(),
+        ))
+        .await
+        .unwrap()
+        .rows();
+    let tree =
+        agent_graph::explain::render_tree(&agent_graph::explain::session_view(&session, &rows));
+    assert!(
+        tree.contains("agreed: a backup must come first")
+            && tree.contains("disagreed: whether the window is long enough"),
+        "{tree}"
+    );
 }
 
 /// Deep research, chosen by the meta-router for a research request: a round checks what is unknown

@@ -866,6 +866,24 @@ async fn subagents_start_when_the_results_they_need_are_in() {
               prov:wasDerivedFrom+ <{session}> }} }}"
     );
     assert_eq!(count_reaching(&store, subagent_roots, 4).await, 4);
+    // The explain tree says who waited for whom.
+    let tree = explain_tree(&store, &session).await;
+    assert!(
+        tree.contains("subagent 3: add the double and the half (after 1, 2) -> answer"),
+        "{tree}"
+    );
+}
+
+/// The explain tree of `session`, as `agentctl explain` prints it.
+async fn explain_tree(store: &agent_graph::GraphStore, session: &str) -> String {
+    let rows = store
+        .query(agent_graph::queries::session_triples(
+            &agent_graph::queries::session_node(session).unwrap(),
+        ))
+        .await
+        .unwrap()
+        .rows();
+    agent_graph::explain::render_tree(&agent_graph::explain::session_view(session, &rows))
 }
 
 const RECOVERY: &str = r#"{"rules": [
@@ -938,6 +956,11 @@ async fn a_rejected_subagent_result_is_sent_out_again_with_the_lesson() {
             store.query(recovery.clone()).await.unwrap(),
             agent_graph::QueryAnswer::Boolean(true)
         ) {
+            let tree = explain_tree(&store, &session).await;
+            assert!(
+                tree.contains("critic: EXECUTION_ERROR: state the unit"),
+                "{tree}"
+            );
             return;
         }
         tokio::time::sleep(Duration::from_millis(100)).await;

@@ -80,6 +80,9 @@ pub struct FanOutView {
     pub subagents: Vec<SubagentView>,
     /// The synthesis node that answered it (or asked for another round), once there is one.
     pub synthesis: String,
+    /// An ensemble's reconciliation: the points its agents agreed and disagreed on.
+    pub agreed: Vec<String>,
+    pub disagreed: Vec<String>,
     pub in_token: u64,
     pub out_token: u64,
 }
@@ -123,6 +126,10 @@ pub struct SubagentView {
     /// `answer`, `error`, or empty while it has not completed.
     pub status: String,
     pub result: String,
+    /// The subagents (by index) whose results it waited for.
+    pub needs: Vec<usize>,
+    /// The supervisor's critic on its result (`STATUS: lesson`), when it judged it.
+    pub verdict: String,
     pub run: SessionView,
 }
 
@@ -406,6 +413,12 @@ fn fanout_view(index: &Index, node: &str, sessions: &[String], depth: usize) -> 
             .and_then(|(_, i)| i.parse::<usize>().ok())
             .unwrap_or(usize::MAX)
     });
+    let index_of = |session: &str| {
+        session
+            .rsplit_once("-s")
+            .and_then(|(_, i)| i.parse::<usize>().ok())
+    };
+    let (mut critic_in, mut critic_out) = (0, 0);
     let subagents = subagent_sessions
         .iter()
         .map(|sub| {
@@ -414,9 +427,28 @@ fn fanout_view(index: &Index, node: &str, sessions: &[String], depth: usize) -> 
             if run.question.is_empty() {
                 run.question = index.one(&completion, &tg("goal"));
             }
+            let mut needs: Vec<usize> = index
+                .all(sub, &tg("needs"))
+                .iter()
+                .filter_map(|n| index_of(n))
+                .collect();
+            needs.sort_unstable();
+            let evaluation = index_of(sub)
+                .map(|i| format!("{node}/evaluation/{i}"))
+                .unwrap_or_default();
+            let status = index.one(&evaluation, &tg("evaluationStatus"));
+            let lesson = index.one(&evaluation, &tg("lesson"));
+            critic_in += index.number(&evaluation, &tg("inToken"));
+            critic_out += index.number(&evaluation, &tg("outToken"));
             SubagentView {
                 status: index.one(&completion, &tg("completionStatus")),
                 result: index.document_text(&completion),
+                needs,
+                verdict: match (status.is_empty(), lesson.is_empty()) {
+                    (true, _) => String::new(),
+                    (false, true) => status,
+                    (false, false) => format!("{status}: {lesson}"),
+                },
                 run,
             }
         })
@@ -426,15 +458,25 @@ fn fanout_view(index: &Index, node: &str, sessions: &[String], depth: usize) -> 
         .into_iter()
         .find(|n| index.has_type(n, &tg("Synthesis")))
         .unwrap_or_default();
+    let mut agreed = index.all(&synthesis, &tg("agreement"));
+    let mut disagreed = index.all(&synthesis, &tg("disagreement"));
+    agreed.sort();
+    disagreed.sort();
     FanOutView {
         node: node.to_owned(),
         step: index.number(node, &tg("step")),
         correlation_id: index.one(node, &tg("correlationId")),
         expected: index.number(node, &tg("expectedSiblings")),
         subagents,
-        in_token: index.number(node, &tg("inToken")) + index.number(&synthesis, &tg("inToken")),
-        out_token: index.number(node, &tg("outToken")) + index.number(&synthesis, &tg("outToken")),
+        in_token: index.number(node, &tg("inToken"))
+            + index.number(&synthesis, &tg("inToken"))
+            + critic_in,
+        out_token: index.number(node, &tg("outToken"))
+            + index.number(&synthesis, &tg("outToken"))
+            + critic_out,
         synthesis,
+        agreed,
+        disagreed,
     }
 }
 
@@ -587,10 +629,19 @@ fn tree(view: &SessionView, full: bool) -> String {
             } else {
                 format!("{}: {}", sub.status, trim(&sub.result, 160))
             };
+            let after = if sub.needs.is_empty() {
+                String::new()
+            } else {
+                let listed: Vec<String> = sub.needs.iter().map(usize::to_string).collect();
+                format!(" (after {})", listed.join(", "))
+            };
             out.push_str(&format!(
-                "│  ├─ subagent {i}: {} -> {status}\n",
+                "│  ├─ subagent {i}: {}{after} -> {status}\n",
                 trim(&sub.run.question, 120)
             ));
+            if !sub.verdict.is_empty() {
+                out.push_str(&format!("│  │  critic: {}\n", trim(&sub.verdict, 200)));
+            }
             for line in tree(&sub.run, full).lines().skip(1) {
                 out.push_str(&format!("│  │  {line}\n"));
             }
@@ -601,6 +652,14 @@ fn tree(view: &SessionView, full: bool) -> String {
             "derived from every completion"
         };
         out.push_str(&format!("│  └─ synthesis: {synthesis}\n"));
+        for (label, points) in [("agreed", &f.agreed), ("disagreed", &f.disagreed)] {
+            if !points.is_empty() {
+                out.push_str(&format!(
+                    "│     {label}: {}\n",
+                    trim(&points.join("; "), 300)
+                ));
+            }
+        }
     }
     for fork in &view.forks {
         let ended = fork
