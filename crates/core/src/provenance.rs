@@ -1201,6 +1201,10 @@ pub fn subagent_evaluation(
     if !verdict.lesson.is_empty() {
         b.tg(&s, "lesson", Term::literal(&verdict.lesson));
     }
+    // An unreadable verdict lets the result stand unchecked: said, not hidden.
+    if let Some(why) = &verdict.unreadable {
+        b.tg(&s, "unreadableReason", Term::literal(why));
+    }
     b.build()
 }
 

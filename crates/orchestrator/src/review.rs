@@ -203,6 +203,15 @@ pub async fn review_draft(turn: &Turn<'_>, n: usize, results: String) -> Result<
         critic::DraftFate::WriteAgain => {
             return queue_verdict(turn, n, applied, &verdict, &stats).await;
         }
+        // An answer the reviewer's unreadable reply let stand says it was not checked, as a
+        // plan's does.
+        critic::DraftFate::Accepted if verdict.unreadable.is_some() => (
+            format!(
+                "{}\n\n(This answer was not checked: the reviewer's answer could not be read.)",
+                draft.observation
+            ),
+            Termination::Answer,
+        ),
         critic::DraftFate::Accepted => (draft.observation.clone(), Termination::Answer),
         critic::DraftFate::Unverified => (
             format!(

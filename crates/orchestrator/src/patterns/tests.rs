@@ -23,7 +23,9 @@ const SCRIPT: &str = r#"{"rules": [
   {"match": "Request to plan: Combine", "reply": "{\"rationale\": \"a then b\", \"steps\": [{\"goal\": \"find a\", \"depends_on\": []}, {\"goal\": \"find b\", \"depends_on\": [0]}]}"},
   {"match": "Request to split: Compare", "reply": "[{\"goal\": \"price of alpha\"}, {\"goal\": \"price of beta\"}]"},
   {"match": "Draft answer to review: ONE", "reply": "{\"status\": \"SUCCESS\", \"evaluation\": \"right\"}"},
-  {"match": "Draft answer to review: TWO", "reply": "{\"status\": \"EXECUTION_ERROR\", \"evaluation\": \"wrong number\", \"lesson\": \"count again\"}"}
+  {"match": "Draft answer to review: TWO", "reply": "{\"status\": \"EXECUTION_ERROR\", \"evaluation\": \"wrong number\", \"lesson\": \"count again\"}"},
+  {"match": "Draft answer to review: THREE", "reply": "I would rather not say."},
+  {"match": "Request to split: Chain", "reply": "[{\"id\": \"a\", \"goal\": \"find a\"}, {\"id\": \"b\", \"goal\": \"use a\", \"needs\": [\"a\"]}]"}
 ]}"#;
 
 /// What one step sent, by kind.
@@ -396,4 +398,53 @@ async fn a_supervisor_starts_one_subagent_per_goal_and_waits() {
         .iter()
         .position(|c| *c == Channel::Explainability);
     assert!(first_node < first_subagent, "{:?}", sent.channels);
+}
+
+#[tokio::test]
+async fn a_draft_the_reviewer_s_unreadable_reply_let_stand_says_it_was_not_checked() {
+    let mut harness = Harness::start().await;
+    if let Some(react) = harness.config.patterns.get_mut("react") {
+        react.critic = vec!["answer".to_owned()];
+    }
+    let mut review = request("what is three", "react");
+    review.history.push(AgentStep {
+        observation: "THREE".to_owned(),
+        step_type: "synthesise".to_owned(),
+        ..AgentStep::default()
+    });
+    let given = harness.step(&review).await;
+    let closing = closing(&given);
+    assert_eq!(closing.len(), 1);
+    assert_eq!(
+        closing[0].content,
+        "THREE\n\n(This answer was not checked: the reviewer's answer could not be read.)"
+    );
+}
+
+#[tokio::test]
+async fn a_supervisor_starts_only_the_goals_that_need_no_other_and_keeps_them_all() {
+    let harness = Harness::start().await;
+    let sent = harness.step(&request("Chain a to b", "supervisor")).await;
+    let started: Vec<&str> = sent
+        .requests
+        .iter()
+        .map(|r| r.subagent_goal.as_str())
+        .collect();
+    assert_eq!(started, ["find a"], "b waits for a");
+    assert!(sent.requests.iter().all(|r| r.expected_siblings == 2));
+    // What the aggregator starts b from: every goal with its needs, in the fan-out's continuation.
+    let listed = sent
+        .responses
+        .iter()
+        .find(|r| r.message_id.contains("/fanout/"))
+        .map(|r| r.content.clone())
+        .unwrap_or_default();
+    assert!(listed.contains("1. use a (react), after 0"), "{listed}");
+    let needs = sent
+        .explained
+        .iter()
+        .flat_map(|t| t.triples.iter())
+        .filter(|t| t.p.iri.ends_with("/needs"))
+        .count();
+    assert_eq!(needs, 1);
 }
