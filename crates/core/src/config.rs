@@ -246,6 +246,14 @@ pub struct PatternDef {
     /// built-in ones (see [`crate::ensemble::DEFAULT_PERSPECTIVES`]). Other patterns ignore it.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub perspectives: Vec<String>,
+    /// The ensemble's debate: rounds in which every agent is shown the others' answers and may
+    /// revise its own, before the reconciliation (0, the default: none). Other patterns ignore it.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub debate_rounds: usize,
+}
+
+fn is_zero(n: &usize) -> bool {
+    *n == 0
 }
 
 /// A kind of request (config type `agent-task-type`, key = its name).

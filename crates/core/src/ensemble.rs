@@ -46,6 +46,26 @@ pub fn goals(question: &str, perspectives: &[String]) -> Vec<Goal> {
         .collect()
 }
 
+/// The most debate rounds an ensemble runs, whatever config says.
+pub const MAX_DEBATE_ROUNDS: usize = 3;
+
+/// A debate round's goals: each agent again, from its perspective, shown every agent's answer of
+/// the round before (`answers`, as [`describe_answers`] writes them) and asked to defend or revise
+/// its own.
+pub fn debate_goals(question: &str, perspectives: &[String], answers: &str) -> Vec<Goal> {
+    perspectives
+        .iter()
+        .enumerate()
+        .map(|(i, p)| Goal {
+            perspective: Some(format!(
+                "{p}\n\nYou are agent {}. In the previous round the agents answered:\n{answers}\n\nWeigh the other agents' arguments: keep your answer if you still think it right, or revise it, and say why.",
+                i + 1
+            )),
+            ..Goal::independent(question, Pattern::React)
+        })
+        .collect()
+}
+
 /// The agents' answers as the reconciliation prompt shows them: `Agent {k} ({perspective}):
 /// {answer}` in the order they were started. `results` are keyed as the fan-in keys them (by
 /// index first); `perspectives` by index.
@@ -186,5 +206,23 @@ mod tests {
             describe_answers(&results, &["direct".to_owned()]),
             "Agent 1 (direct): yes\n\nAgent 2: no"
         );
+    }
+
+    #[test]
+    fn a_debate_round_shows_each_agent_the_others_answers() {
+        let perspectives = vec!["direct".to_owned(), "skeptic".to_owned()];
+        let goals = debate_goals(
+            "Q?",
+            &perspectives,
+            "Agent 1 (direct): yes\n\nAgent 2 (skeptic): no",
+        );
+        assert_eq!(goals.len(), 2);
+        let second = goals[1].perspective.as_deref().unwrap_or_default();
+        assert!(
+            second.starts_with("skeptic\n\nYou are agent 2."),
+            "{second}"
+        );
+        assert!(second.contains("Agent 1 (direct): yes"), "{second}");
+        assert!(goals.iter().all(|g| g.goal == "Q?"));
     }
 }

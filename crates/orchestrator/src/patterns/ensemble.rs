@@ -13,22 +13,23 @@ use agent_llm::CallOptions;
 use agent_schema::MessageType;
 
 use crate::finish::conclude_if_limited;
-use crate::patterns::supervisor::{fan_in, fan_out, FanIn};
+use crate::patterns::supervisor::{fan_in, fan_out, room_for_another_round, FanIn};
 use crate::turn::Turn;
 
 pub async fn iterate(turn: &Turn<'_>) -> Result<(), BusError> {
     let n = steps_taken(&turn.request.history) + 1;
-    // The agents' answers are reconciled whatever the limits say: their work is already done.
+    // The agents' answers are reconciled whatever the limits say: their work is already done. A
+    // debate round comes first while config asks for one and the limits leave room.
     if supervising::pending_synthesis(&turn.request.history).is_some() {
+        if debate_rounds_left(turn) && room_for_another_round(turn, n) {
+            return debate(turn, n).await;
+        }
         return reconcile(turn, n).await;
     }
     if let Some(done) = conclude_if_limited(turn).await {
         return done;
     }
-    let configured = turn
-        .config
-        .patterns
-        .get(Pattern::Ensemble.name())
+    let configured = ensemble_config(turn)
         .map(|p| p.perspectives.as_slice())
         .unwrap_or_default();
     let perspectives = ensemble::perspectives(configured, turn.config.limits.max_subagents);
@@ -51,6 +52,85 @@ pub async fn iterate(turn: &Turn<'_>) -> Result<(), BusError> {
     .await
 }
 
+fn ensemble_config<'t>(turn: &Turn<'t>) -> Option<&'t agent_core::config::PatternDef> {
+    turn.config.patterns.get(Pattern::Ensemble.name())
+}
+
+/// Whether the debate config asks for still has rounds to run: the first fan-out and one per
+/// debate round so far are the decompose steps in the history.
+fn debate_rounds_left(turn: &Turn<'_>) -> bool {
+    let wanted = ensemble_config(turn)
+        .map_or(0, |p| p.debate_rounds)
+        .min(ensemble::MAX_DEBATE_ROUNDS);
+    let rounds = turn
+        .request
+        .history
+        .iter()
+        .filter(|s| {
+            agent_schema::StepType::parse(&s.step_type) == Some(agent_schema::StepType::Decompose)
+        })
+        .count();
+    rounds < 1 + wanted
+}
+
+/// A debate round: every agent again, shown all the answers of the round before.
+async fn debate(turn: &Turn<'_>, n: usize) -> Result<(), BusError> {
+    let Turn {
+        request,
+        uris,
+        out,
+        config,
+        ..
+    } = turn;
+    let FanIn {
+        correlation_id: cid,
+        completions,
+        missing,
+    } = fan_in(request, config.limits.max_subagents);
+    let perspectives = kept_perspectives(request);
+    let results = supervising::pending_synthesis(&request.history)
+        .cloned()
+        .unwrap_or_default();
+    let answers = ensemble::describe_answers(&results, &perspectives);
+    // The round answered is closed by a synthesis node, as a supervisor's another round is.
+    out.explain(
+        &uris.synthesis(&cid),
+        provenance::synthesis(uris, &cid, &completions, &missing, &CallStats::default()),
+    )?;
+    let goals = ensemble::debate_goals(&request.question, &perspectives, &answers);
+    let thought = format!(
+        "A debate round: each of the {} agents sees the others' answers and defends or revises its own.",
+        goals.len()
+    );
+    let after = uris.synthesis(&cid);
+    fan_out(
+        turn,
+        n,
+        &goals,
+        &thought,
+        &after,
+        &CallStats::default(),
+        Vec::new(),
+    )
+    .await
+}
+
+/// The perspectives of the ensemble's first fan-out (a debate round's goals carry the debate
+/// text after them).
+fn kept_perspectives(request: &agent_schema::AgentRequest) -> Vec<String> {
+    request
+        .history
+        .iter()
+        .find(|s| {
+            agent_schema::StepType::parse(&s.step_type) == Some(agent_schema::StepType::Decompose)
+        })
+        .map(supervising::kept_goals)
+        .unwrap_or_default()
+        .into_iter()
+        .map(|g| g.perspective.unwrap_or_default())
+        .collect()
+}
+
 async fn reconcile(turn: &Turn<'_>, n: usize) -> Result<(), BusError> {
     let Turn {
         request,
@@ -64,12 +144,7 @@ async fn reconcile(turn: &Turn<'_>, n: usize) -> Result<(), BusError> {
         completions,
         missing,
     } = fan_in(request, config.limits.max_subagents);
-    let perspectives: Vec<String> = supervising::last_decompose(&request.history)
-        .map(supervising::kept_goals)
-        .unwrap_or_default()
-        .into_iter()
-        .map(|g| g.perspective.unwrap_or_default())
-        .collect();
+    let perspectives = kept_perspectives(request);
     let results = supervising::pending_synthesis(&request.history)
         .cloned()
         .unwrap_or_default();

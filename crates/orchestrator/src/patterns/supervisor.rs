@@ -446,7 +446,7 @@ pub(crate) fn fan_in(request: &agent_schema::AgentRequest, max_subagents: usize)
 /// Whether the synthesis at iteration `n` may start another round: its fan-out (`n`), the
 /// aggregator's resume (`n + 1`) and the answering synthesis (`n + 2`) must fit in
 /// `max_iterations`, and the budget must not be spent.
-fn room_for_another_round(turn: &Turn<'_>, n: usize) -> bool {
+pub(crate) fn room_for_another_round(turn: &Turn<'_>, n: usize) -> bool {
     n + 2 <= turn.config.limits.max_iterations && turn.spent_budget().is_none()
 }
 

@@ -25,6 +25,7 @@ const SCRIPT: &str = r#"{"rules": [
   {"match": "Draft answer to review: ONE", "reply": "{\"status\": \"SUCCESS\", \"evaluation\": \"right\"}"},
   {"match": "Draft answer to review: TWO", "reply": "{\"status\": \"EXECUTION_ERROR\", \"evaluation\": \"wrong number\", \"lesson\": \"count again\"}"},
   {"match": "Draft answer to review: THREE", "reply": "I would rather not say."},
+  {"match": "Question to reconcile: Is it safe?", "reply": "{\"agreed\": [\"it depends\"], \"disagreed\": [], \"answer\": \"Mostly safe.\"}"},
   {"match": "Request to split: Chain", "reply": "[{\"id\": \"a\", \"goal\": \"find a\"}, {\"id\": \"b\", \"goal\": \"use a\", \"needs\": [\"a\"]}]"}
 ]}"#;
 
@@ -447,4 +448,77 @@ async fn a_supervisor_starts_only_the_goals_that_need_no_other_and_keeps_them_al
         .filter(|t| t.p.iri.ends_with("/needs"))
         .count();
     assert_eq!(needs, 1);
+}
+
+/// A decompose step as a fan-out of `goals` keeps it, under correlation id `cid`.
+fn decompose_step(cid: &str, goals: &[agent_core::supervisor::Goal]) -> AgentStep {
+    let texts: Vec<&str> = goals.iter().map(|g| g.goal.as_str()).collect();
+    AgentStep {
+        action: "decompose".to_owned(),
+        step_type: "decompose".to_owned(),
+        arguments: [
+            ("correlation_id".to_owned(), cid.to_owned()),
+            ("expected".to_owned(), goals.len().to_string()),
+            (
+                agent_core::supervisor::GOALS_KEY.to_owned(),
+                serde_json::to_string(&texts).unwrap_or_default(),
+            ),
+            (
+                agent_core::supervisor::SUBAGENTS_KEY.to_owned(),
+                agent_core::supervisor::goals_json(goals),
+            ),
+        ]
+        .into(),
+        ..AgentStep::default()
+    }
+}
+
+#[tokio::test]
+async fn an_ensemble_debates_for_its_rounds_then_reconciles() {
+    use agent_core::{ensemble, supervisor};
+    let mut harness = Harness::start().await;
+    if let Some(def) = harness.config.patterns.get_mut("ensemble") {
+        def.debate_rounds = 1;
+    }
+    let question = "Is it safe?";
+    let perspectives = ensemble::perspectives(&[], 2);
+    let mut first = request(question, "ensemble");
+    let session = first.session_id.clone();
+    first.history.push(decompose_step(
+        &format!("{session}-f1"),
+        &ensemble::goals(question, &perspectives),
+    ));
+    let answers = |a: &str, b: &str| -> std::collections::BTreeMap<String, String> {
+        [
+            (supervisor::result_key(0, question), a.to_owned()),
+            (supervisor::result_key(1, question), b.to_owned()),
+        ]
+        .into()
+    };
+    let resumed = supervisor::synthesis_request(&first, answers("yes", "no"), &[]);
+    let debate = harness.step(&resumed).await;
+    assert!(closing(&debate).is_empty(), "a debate round comes first");
+    assert_eq!(debate.requests.len(), 2);
+    for (i, r) in debate.requests.iter().enumerate() {
+        assert_eq!(r.question, question);
+        assert!(
+            r.framing.contains(&format!("You are agent {}.", i + 1))
+                && r.framing.contains(": yes")
+                && r.framing.contains(": no"),
+            "{}",
+            r.framing
+        );
+    }
+    // After the debate round the answers are reconciled.
+    let mut second = resumed.clone();
+    second.history.push(decompose_step(
+        &format!("{session}-f3"),
+        &ensemble::debate_goals(question, &perspectives, "..."),
+    ));
+    let resumed = supervisor::synthesis_request(&second, answers("yes, mostly", "yes"), &[]);
+    let reconciled = harness.step(&resumed).await;
+    let closing = closing(&reconciled);
+    assert_eq!(closing.len(), 1);
+    assert_eq!(closing[0].content, "Mostly safe.");
+    assert!(reconciled.requests.is_empty());
 }
