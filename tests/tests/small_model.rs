@@ -168,7 +168,8 @@ async fn dialogs_of_every_pattern_with_a_real_small_model_end_grounded() {
     let _aggregator = Aggregator::spawn(&broker);
     let mut client = client(&broker).await;
 
-    // The text protocol: routed, ReACT (streamed and not), Plan-then-Execute, Supervisor.
+    // The text protocol: routed, ReACT (streamed and not), Plan-then-Execute, Supervisor, the
+    // LLM-as-router, Reflexion, Ensemble and deep research.
     let text = config("small-model-text", &serde_json::json!({"json-mode": true}));
     let mut orchestrator =
         Orchestrator::spawn_for_llm(&broker.url(), &model.base_url, MODEL, &text, &[], &[]);
@@ -193,6 +194,29 @@ async fn dialogs_of_every_pattern_with_a_real_small_model_end_grounded() {
             asking(
                 "Assess the risks of moving our payments service to a new cloud provider.",
                 "supervisor",
+                false,
+            ),
+        ),
+        // The patterns added since: one constrained choice, ReACT with reflections, independent
+        // agents reconciled, research in rounds with a writer and a judge.
+        ("s-llm-router", asking(add, "llm-router", false)),
+        (
+            "s-reflexion",
+            asking("What is the capital of Australia?", "reflexion", false),
+        ),
+        (
+            "s-ensemble",
+            asking(
+                "Is it safe to keep customer passwords hashed with MD5?",
+                "ensemble",
+                false,
+            ),
+        ),
+        (
+            "s-deep-research",
+            asking(
+                "Find the populations of France and Germany.",
+                "deep-research",
                 false,
             ),
         ),
