@@ -967,3 +967,80 @@ async fn a_rejected_subagent_result_is_sent_out_again_with_the_lesson() {
     }
     panic!("the recovery round is not in the graph as expected: {responses:#?}");
 }
+
+/// A subagent's long answer does not travel in the supervisor's messages: the aggregator keeps it
+/// as a document and the synthesis request carries an excerpt and its reference, while the
+/// synthesis prompt reads it whole.
+#[tokio::test]
+async fn a_long_subagent_result_travels_as_a_reference_and_is_read_whole() {
+    let long = format!(
+        "alpha in detail: {} END-OF-ALPHA",
+        "lorem ipsum ".repeat(1000)
+    );
+    let script = format!(
+        r#"{{"rules": [
+      {{"match": "Request to split: Long", "reply": "[{{\"goal\": \"describe alpha\"}}, {{\"goal\": \"describe beta\"}}]"}},
+      {{"match": "Question: describe alpha", "reply": "Thought: at length.\nFinal Answer: {long}"}},
+      {{"match": "Question: describe beta", "reply": "Thought: briefly.\nFinal Answer: beta is short"}},
+      {{"match": "Request to answer from the subagents: Long", "and": ["END-OF-ALPHA", "beta is short"], "reply": "Alpha is long, beta short."}}
+    ]}}"#
+    );
+    let broker = Broker::start().unwrap();
+    let aggregator = Aggregator::spawn_with(&broker, &["--config-token", "long-token"]);
+    let llm = scripted_llm(&script).await;
+    let mut requests = read_from_start(
+        &broker,
+        "persistent://tg/request/agent:default:default",
+        "long-results-reader",
+    )
+    .await;
+    // With the shared store, as the supervisor must be to read a reference back.
+    let _orchestrator =
+        Orchestrator::spawn_journaled(&broker, &llm, &aggregator, "long-token", &[]);
+    let mut client = client(&broker).await;
+    client
+        .send("long-1", &supervised("Long and short answers."))
+        .await
+        .unwrap();
+    let responses = collect_dialog(&mut client, "long-1", DIALOG_TIMEOUT)
+        .await
+        .unwrap();
+    let last = responses.last().unwrap();
+    assert!(last.error.is_none(), "{responses:#?}");
+    // The synthesis prompt saw the whole answer (its rule needs the end of it).
+    assert_eq!(last.content, "Alpha is long, beta short.");
+    // The request that resumed the supervisor carried an excerpt and a reference, not the text.
+    let mut resumed = None;
+    while let Some(request) = next_request(&mut requests).await {
+        if request.history.iter().any(|s| s.subagent_results.is_some()) {
+            resumed = Some(request);
+            break;
+        }
+    }
+    let resumed = resumed.expect("the supervisor's synthesis request");
+    let bytes = agent_schema::encode(&resumed).len();
+    assert!(bytes < long.len() / 2, "{bytes} bytes");
+    let results = resumed
+        .history
+        .iter()
+        .find_map(|s| s.subagent_results.clone())
+        .unwrap();
+    let alpha = results
+        .values()
+        .find(|r| r.starts_with("alpha in detail"))
+        .unwrap();
+    assert!(agent_core::documents::reference(alpha).is_some(), "{alpha}");
+    assert!(results.values().any(|r| r == "beta is short"));
+}
+
+/// The next request on `requests`, if one comes within two seconds.
+async fn next_request(
+    requests: &mut pulsar::Consumer<Vec<u8>, pulsar::TokioExecutor>,
+) -> Option<AgentRequest> {
+    let message = tokio::time::timeout(Duration::from_secs(2), requests.next())
+        .await
+        .ok()??
+        .ok()?;
+    requests.ack(&message).await.ok()?;
+    serde_json::from_slice(&message.payload.data).ok()
+}

@@ -286,6 +286,16 @@ pub async fn check(
             None => Err(FanInError::ClaimHeld),
         };
     }
+    // Long results go by reference only to a supervisor that can read them back.
+    let by_reference = last_decompose(&continuation.history).is_some_and(|d| {
+        d.arguments
+            .contains_key(agent_core::supervisor::RESULTS_BY_REFERENCE_KEY)
+    });
+    let results = if by_reference {
+        check_in_results(store, results).await
+    } else {
+        results
+    };
     let next = synthesis_request(&continuation, results, &missing);
     // What the supervisor's next step is given, kept as every step's input is: a fork or replay of
     // that step starts from it.
@@ -449,4 +459,33 @@ async fn start_waiting(
         return Err(FanInError::ClaimHeld);
     }
     Ok(())
+}
+
+/// Long results leave the synthesis request (claim-check): each is kept as a document and the
+/// request carries an excerpt and its reference, which the supervisor reads whole for its prompts;
+/// so the request, and every later message of the supervisor, stays bounded however long its
+/// subagents' answers. Should the store refuse, a result travels whole.
+async fn check_in_results(
+    store: &GraphStore,
+    results: BTreeMap<String, String>,
+) -> BTreeMap<String, String> {
+    use agent_core::documents::{document_uri, excerpt_with_reference, is_long, reference};
+    let mut carried = BTreeMap::new();
+    for (key, result) in results {
+        if !is_long(&result) || reference(&result).is_some() {
+            carried.insert(key, result);
+            continue;
+        }
+        let uri = document_uri(&result);
+        match store.keep_document(&uri, &result).await {
+            Ok(()) => {
+                carried.insert(key, excerpt_with_reference(&result, &uri));
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, bytes = result.len(), "a subagent's result could not be kept as a document; the synthesis request carries it whole");
+                carried.insert(key, result);
+            }
+        }
+    }
+    carried
 }

@@ -643,6 +643,9 @@ pub const GOALS_KEY: &str = "goals";
 /// `arguments` key of a decompose step: every goal with its pattern, groups, needs and perspective
 /// (see [`goals_json`]).
 pub const SUBAGENTS_KEY: &str = "subagents";
+/// `arguments` key of a decompose step whose supervisor reads documents from the shared store: its
+/// subagents' long results may come back as excerpts with references (claim-check).
+pub const RESULTS_BY_REFERENCE_KEY: &str = "results-by-reference";
 
 /// The key of subagent `index`'s result: its place before its goal, so that two subagents with
 /// the same goal keep two results.

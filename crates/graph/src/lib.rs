@@ -200,6 +200,18 @@ impl GraphStore {
         matches!(self.backend, Backend::Embedded { .. })
     }
 
+    /// Keeps `text` as the document `uri` in the documents graph (`tg:content`). A document is named
+    /// by its text's digest, so keeping it again changes nothing.
+    pub async fn keep_document(&self, uri: &str, text: &str) -> Result<(), GraphError> {
+        let quad = Quad::new(
+            model::NamedNode::new(uri).map_err(|e| GraphError::Syntax(e.to_string()))?,
+            model::NamedNode::new_unchecked(agent_core::vocab::tg::CONTENT),
+            model::Literal::new_simple_literal(text),
+            model::NamedNode::new_unchecked(agent_core::vocab::DOCUMENTS_GRAPH),
+        );
+        self.insert(vec![quad]).await
+    }
+
     /// Adds quads in one transaction. RDF graphs are sets, so adding what is there changes nothing:
     /// a redelivered message is harmless.
     pub async fn insert(&self, quads: Vec<Quad>) -> Result<(), GraphError> {

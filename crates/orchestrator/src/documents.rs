@@ -17,7 +17,7 @@ use std::collections::HashMap;
 
 use agent_core::documents::{document_uri, excerpt_with_reference, is_long, reference, FOLD_KEEP};
 use agent_core::vocab::{tg, DOCUMENTS_GRAPH};
-use agent_graph::model::{Literal, NamedNode, Quad, Term};
+use agent_graph::model::Term;
 use agent_graph::GraphStore;
 use agent_schema::{AgentStep, PlanStep};
 
@@ -26,13 +26,7 @@ pub const WHOLE_RECENT: usize = 3;
 
 /// Keeps `text` as the document `uri` (its digest's name: writing it again changes nothing).
 async fn keep(store: &GraphStore, uri: &str, text: &str) -> Result<(), agent_graph::GraphError> {
-    let quad = Quad::new(
-        NamedNode::new_unchecked(uri),
-        NamedNode::new_unchecked(tg::CONTENT),
-        Literal::new_simple_literal(text),
-        NamedNode::new_unchecked(DOCUMENTS_GRAPH),
-    );
-    store.insert(vec![quad]).await
+    store.keep_document(uri, text).await
 }
 
 /// Keeps `text` as a document and answers the excerpt to carry instead, when it is long. Should
@@ -87,6 +81,30 @@ pub async fn resolve_recent<'h>(
     let texts = resolved[start..]
         .iter_mut()
         .map(|step| &mut step.observation)
+        .collect();
+    resolve_texts(store, texts).await;
+    Cow::Owned(resolved)
+}
+
+/// `history` with every subagent result it carries whole again (the aggregator checks long ones
+/// in when it resumes a supervisor), for a prompt; the next message keeps the excerpts.
+pub async fn results_whole<'h>(
+    store: Option<&GraphStore>,
+    history: &'h [AgentStep],
+) -> Cow<'h, [AgentStep]> {
+    let referenced = history
+        .iter()
+        .filter_map(|s| s.subagent_results.as_ref())
+        .flat_map(|r| r.values())
+        .any(|r| reference(r).is_some());
+    if store.is_none() || !referenced {
+        return Cow::Borrowed(history);
+    }
+    let mut resolved = history.to_vec();
+    let texts = resolved
+        .iter_mut()
+        .filter_map(|s| s.subagent_results.as_mut())
+        .flat_map(|r| r.values_mut())
         .collect();
     resolve_texts(store, texts).await;
     Cow::Owned(resolved)
@@ -189,5 +207,26 @@ mod tests {
             resolve_recent(None, &history).await,
             Cow::Borrowed(_)
         ));
+    }
+
+    #[tokio::test]
+    async fn subagent_results_come_back_whole_for_a_prompt() {
+        let store = GraphStore::in_memory().unwrap();
+        let long = format!("result {}", "word ".repeat(2000));
+        let carried = check_in(&store, long.clone()).await;
+        let history = vec![AgentStep {
+            subagent_results: Some(
+                [
+                    ("00. a".to_owned(), carried),
+                    ("01. b".to_owned(), "short".to_owned()),
+                ]
+                .into(),
+            ),
+            ..AgentStep::default()
+        }];
+        let seen = results_whole(Some(&store), &history).await;
+        let results = seen[0].subagent_results.as_ref().unwrap();
+        assert_eq!(results["00. a"], long);
+        assert_eq!(results["01. b"], "short");
     }
 }

@@ -88,7 +88,9 @@ async fn debate(turn: &Turn<'_>, n: usize) -> Result<(), BusError> {
         missing,
     } = fan_in(request, config.limits.max_subagents);
     let perspectives = kept_perspectives(request);
-    let results = supervising::pending_synthesis(&request.history)
+    // Long answers travel as excerpts; they are read whole here.
+    let whole = crate::documents::results_whole(turn.knowledge, &request.history).await;
+    let results = supervising::pending_synthesis(&whole)
         .cloned()
         .unwrap_or_default();
     let answers = ensemble::describe_answers(&results, &perspectives);
@@ -145,7 +147,9 @@ async fn reconcile(turn: &Turn<'_>, n: usize) -> Result<(), BusError> {
         missing,
     } = fan_in(request, config.limits.max_subagents);
     let perspectives = kept_perspectives(request);
-    let results = supervising::pending_synthesis(&request.history)
+    // Long answers travel as excerpts; they are read whole here.
+    let whole = crate::documents::results_whole(turn.knowledge, &request.history).await;
+    let results = supervising::pending_synthesis(&whole)
         .cloned()
         .unwrap_or_default();
     let template = &config.prompts.ensemble_reconcile;

@@ -36,7 +36,8 @@ pub async fn iterate(turn: &Turn<'_>) -> Result<(), BusError> {
     // With the answer critic on, a synthesis is a draft until the critic accepts it.
     if answer_critic(turn) {
         if critic::awaiting_draft_review(history).is_some() {
-            let results = supervising::describe_rounds(history);
+            let whole = crate::documents::results_whole(turn.knowledge, history).await;
+            let results = supervising::describe_rounds(&whole);
             return crate::review::review_draft(turn, n, results).await;
         }
         if critic::draft_rejected(history) {
@@ -83,8 +84,10 @@ async fn recover(turn: &Turn<'_>, n: usize) -> Result<Recovery, BusError> {
     {
         return Ok(Recovery::Synthesise);
     }
+    // Long results travel as excerpts; the critic reads them whole.
+    let whole = crate::documents::results_whole(turn.knowledge, history).await;
     let (Some(results), Some(decompose)) = (
-        supervising::pending_synthesis(history),
+        supervising::pending_synthesis(&whole),
         supervising::last_decompose(history),
     ) else {
         return Ok(Recovery::Synthesise);
@@ -316,6 +319,13 @@ pub(crate) async fn fan_out(
         supervising::SUBAGENTS_KEY.to_owned(),
         supervising::goals_json(goals),
     );
+    // Only a supervisor that can read documents back is given long results as references.
+    if turn.knowledge.is_some() {
+        arguments.insert(
+            supervising::RESULTS_BY_REFERENCE_KEY.to_owned(),
+            "true".to_owned(),
+        );
+    }
     continuation.history.push(AgentStep {
         thought: thought.to_owned(),
         action: "decompose".to_owned(),
@@ -465,7 +475,9 @@ async fn synthesise(turn: &Turn<'_>, n: usize) -> Result<(), BusError> {
         completions,
         missing,
     } = fan_in(request, max);
-    let results = supervising::describe_rounds(&request.history);
+    // Long results travel as excerpts; the synthesis reads them whole.
+    let whole = crate::documents::results_whole(turn.knowledge, &request.history).await;
+    let results = supervising::describe_rounds(&whole);
     let room = room_for_another_round(turn, n);
     let nested = supervising::may_nest(request, config.limits.max_fanout_depth);
     let again = if room {
