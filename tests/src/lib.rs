@@ -1050,6 +1050,27 @@ pub async fn last_request(
     last
 }
 
+/// The nodes of `session` (its own, not its subagents') that no `prov:wasDerivedFrom` path leads
+/// from to the session: a provenance DAG with every node reachable has none. The graph-only
+/// records (step inputs, LLM calls, the journal) are not provenance nodes and are left out, and a
+/// document counts as reached through the node it is the text of (`tg:document`).
+pub async fn unreachable_nodes(store: &agent_graph::GraphStore, session: &str) -> Vec<String> {
+    let prefixes = agent_core::vocab::SPARQL_PREFIXES;
+    let sparql = format!(
+        "{prefixes}SELECT DISTINCT ?n WHERE {{ GRAPH <urn:graph:retrieval> {{ ?n ?p ?o .
+           FILTER (STRSTARTS(STR(?n), \"{session}/\"))
+           FILTER (!CONTAINS(STR(?n), \"/input/\") && !CONTAINS(STR(?n), \"/llm/\"))
+           FILTER NOT EXISTS {{ ?n prov:wasDerivedFrom+ <{session}> }}
+           FILTER NOT EXISTS {{ ?m tg:document ?n . ?m prov:wasDerivedFrom+ <{session}> }} }} }}"
+    );
+    let rows = store.query(sparql).await.unwrap().rows();
+    rows.column("n")
+        .into_iter()
+        .flatten()
+        .map(ToString::to_string)
+        .collect()
+}
+
 /// The root session of a dialog: the explained node that is a session (`urn:trustgraph:agent:{id}`,
 /// no path). Explain messages are published when an iteration commits, after its streamed chunks.
 pub fn session_of(responses: &[AgentResponse]) -> String {

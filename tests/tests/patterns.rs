@@ -249,6 +249,11 @@ async fn an_ensemble_asks_independent_agents_and_reconciles_where_they_agree_and
            <{session}/final> prov:wasDerivedFrom ?r ; tg:terminationReason \"answer\" }} }}"
     );
     assert_eq!(count_reaching(&store, reconciled, 3).await, 3);
+    // Every node of the dialog reaches its session.
+    assert_eq!(
+        unreachable_nodes(&store, &session).await,
+        Vec::<String>::new()
+    );
     let rows = store
         .query(agent_graph::queries::session_triples(
             &agent_graph::queries::session_node(&session).unwrap(),
@@ -335,6 +340,11 @@ async fn deep_research_runs_rounds_of_parallel_lookups_then_writes_and_is_judged
             store.query(dag.clone()).await.unwrap(),
             agent_graph::QueryAnswer::Boolean(true)
         ) {
+            // Every node of the dialog (rounds, calls, draft, review, answer) reaches its session.
+            assert_eq!(
+                unreachable_nodes(&store, &session).await,
+                Vec::<String>::new()
+            );
             return;
         }
         tokio::time::sleep(Duration::from_millis(100)).await;

@@ -866,6 +866,11 @@ async fn subagents_start_when_the_results_they_need_are_in() {
               prov:wasDerivedFrom+ <{session}> }} }}"
     );
     assert_eq!(count_reaching(&store, subagent_roots, 4).await, 4);
+    // Every node of the dialog reaches its session.
+    assert_eq!(
+        unreachable_nodes(&store, &session).await,
+        Vec::<String>::new()
+    );
     // The explain tree says who waited for whom.
     let tree = explain_tree(&store, &session).await;
     assert!(
@@ -960,6 +965,10 @@ async fn a_rejected_subagent_result_is_sent_out_again_with_the_lesson() {
             assert!(
                 tree.contains("critic: EXECUTION_ERROR: state the unit"),
                 "{tree}"
+            );
+            assert_eq!(
+                unreachable_nodes(&store, &session).await,
+                Vec::<String>::new()
             );
             return;
         }
