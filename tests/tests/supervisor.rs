@@ -1053,3 +1053,108 @@ async fn next_request(
     requests.ack(&message).await.ok()?;
     serde_json::from_slice(&message.payload.data).ok()
 }
+
+const CULPRIT: &str = r#"{"rules": [
+  {"match": "Request to split: Units", "reply": "[{\"id\": \"a\", \"goal\": \"find alpha\"}, {\"id\": \"b\", \"goal\": \"double alpha\", \"needs\": [\"a\"]}]"},
+  {"match": "Result to evaluate: alpha is 8 metres", "reply": "{\"status\": \"SUCCESS\"}"},
+  {"match": "Result to evaluate: alpha is 8", "reply": "{\"status\": \"SUCCESS\"}"},
+  {"match": "Result to evaluate: the double is 16 metres", "reply": "{\"status\": \"SUCCESS\"}"},
+  {"match": "Result to evaluate: the double is 16", "reply": "{\"status\": \"INPUT_DATA_ERROR\", \"evaluation\": \"alpha came without its unit\", \"lesson\": \"give alpha's unit\", \"culprits\": [0]}"},
+  {"match": "Question: find alpha", "and": ["Lesson: give alpha's unit"], "reply": "Thought: with its unit.\nFinal Answer: alpha is 8 metres"},
+  {"match": "Question: find alpha", "reply": "Thought: quick.\nFinal Answer: alpha is 8"},
+  {"match": "Question: double alpha", "and": ["- find alpha: alpha is 8 metres"], "reply": "Thought: doubled.\nFinal Answer: the double is 16 metres"},
+  {"match": "Question: double alpha", "and": ["- find alpha: alpha is 8"], "reply": "Thought: doubled.\nFinal Answer: the double is 16"},
+  {"match": "Request to answer from the subagents: Units", "and": ["the double is 16 metres"], "reply": "The double of alpha is 16 metres."}
+]}"#;
+
+/// Bad input: the critic blames the subagent whose result another one used (INPUT_DATA_ERROR with
+/// its culprit). The recovery round sends the culprit out again with the lesson, and the goal that
+/// used it after it, given its new result (the dependency machinery).
+#[tokio::test]
+async fn bad_input_sends_the_culprit_back_and_the_goal_that_used_it_after_it() {
+    let broker = Broker::start().unwrap();
+    let aggregator = Aggregator::spawn(&broker);
+    let llm = scripted_llm(CULPRIT).await;
+    let _orchestrator = Orchestrator::spawn(&broker, &llm, &seed_dir(), &[]);
+    let mut client = client(&broker).await;
+    let request = AgentRequest {
+        task_type: "risk-assessment".into(),
+        ..supervised("Units of alpha, doubled.")
+    };
+    client.send("culprit-1", &request).await.unwrap();
+    let responses = collect_dialog(&mut client, "culprit-1", DIALOG_TIMEOUT)
+        .await
+        .unwrap();
+    let last = responses.last().unwrap();
+    assert!(last.error.is_none(), "{responses:#?}");
+    assert_eq!(last.content, "The double of alpha is 16 metres.");
+    let calls = llm.calls();
+    assert!(calls.iter().all(|c| c.rule.is_some()), "{calls:#?}");
+    let ran = |rule: usize| calls.iter().filter(|c| c.rule == Some(rule)).count();
+    // Each subagent ran twice: first without the unit, then the culprit with the lesson and the
+    // goal that used it with the culprit's new result.
+    assert_eq!((ran(5), ran(6), ran(7), ran(8)), (1, 1, 1, 1), "{calls:#?}");
+    assert_eq!(ran(4), 1, "one INPUT_DATA_ERROR verdict");
+    let session = session_of(&responses);
+    let store = aggregator.store();
+    let prefixes = agent_core::vocab::SPARQL_PREFIXES;
+    // The recovery round: two subagents, the second waiting for the first.
+    let recovery = format!(
+        "{prefixes}SELECT ?waiting WHERE {{ GRAPH <urn:graph:retrieval> {{
+           ?s a tg:Synthesis ; prov:wasDerivedFrom ?e .
+           ?e a tg:Evaluation ; tg:evaluationStatus \"INPUT_DATA_ERROR\" .
+           ?second a tg:FanOut ; prov:wasDerivedFrom ?s ; tg:expectedSiblings 2 ;
+             tg:subagentSession ?waiting .
+           ?waiting tg:needs ?culprit ; tg:startRequested true .
+           FILTER (STRSTARTS(STR(?second), \"{session}/\")) }} }}"
+    );
+    assert_eq!(count_reaching(&store, recovery, 1).await, 1);
+    assert_eq!(
+        unreachable_nodes(&store, &session).await,
+        Vec::<String>::new()
+    );
+}
+
+const TOO_BIG: &str = r#"{"rules": [
+  {"match": "Request to split: Survey", "reply": "[{\"goal\": \"survey everything\"}]"},
+  {"match": "Result to evaluate: everything is fine", "reply": "{\"status\": \"JOB_TOO_COMPLICATED_ERROR\", \"evaluation\": \"too broad to check\", \"sub_steps\": [{\"goal\": \"survey the north\"}, {\"goal\": \"survey the south\"}]}"},
+  {"match": "Result to evaluate: ", "reply": "{\"status\": \"SUCCESS\"}"},
+  {"match": "Question: survey everything", "reply": "Thought: vague.\nFinal Answer: everything is fine"},
+  {"match": "Question: survey the north", "and": ["This is part of a larger goal: survey everything"], "reply": "Thought: looked.\nFinal Answer: the north is dry"},
+  {"match": "Question: survey the south", "and": ["This is part of a larger goal: survey everything"], "reply": "Thought: looked.\nFinal Answer: the south is wet"},
+  {"match": "Request to answer from the subagents: Survey", "and": ["the north is dry", "the south is wet"], "reply": "North dry, south wet."}
+]}"#;
+
+/// A job too big: the critic splits the goal into the sub-goals it gives, which go out together in
+/// the recovery round, each told what it is part of.
+#[tokio::test]
+async fn a_job_too_big_is_split_into_the_sub_goals_the_critic_gives() {
+    let broker = Broker::start().unwrap();
+    let aggregator = Aggregator::spawn(&broker);
+    let llm = scripted_llm(TOO_BIG).await;
+    let _orchestrator = Orchestrator::spawn(&broker, &llm, &seed_dir(), &[]);
+    let mut client = client(&broker).await;
+    let request = AgentRequest {
+        task_type: "risk-assessment".into(),
+        ..supervised("Survey the land.")
+    };
+    client.send("too-big-1", &request).await.unwrap();
+    let responses = collect_dialog(&mut client, "too-big-1", DIALOG_TIMEOUT)
+        .await
+        .unwrap();
+    let last = responses.last().unwrap();
+    assert!(last.error.is_none(), "{responses:#?}");
+    assert_eq!(last.content, "North dry, south wet.");
+    let calls = llm.calls();
+    assert!(calls.iter().all(|c| c.rule.is_some()), "{calls:#?}");
+    let ran = |rule: usize| calls.iter().filter(|c| c.rule == Some(rule)).count();
+    assert_eq!((ran(3), ran(4), ran(5)), (1, 1, 1), "{calls:#?}");
+    let session = session_of(&responses);
+    let store = aggregator.store();
+    let tree = explain_tree(&store, &session).await;
+    assert!(tree.contains("critic: JOB_TOO_COMPLICATED_ERROR"), "{tree}");
+    assert_eq!(
+        unreachable_nodes(&store, &session).await,
+        Vec::<String>::new()
+    );
+}
