@@ -1063,12 +1063,22 @@ pub async fn unreachable_nodes(store: &agent_graph::GraphStore, session: &str) -
            FILTER NOT EXISTS {{ ?n prov:wasDerivedFrom+ <{session}> }}
            FILTER NOT EXISTS {{ ?m tg:document ?n . ?m prov:wasDerivedFrom+ <{session}> }} }} }}"
     );
-    let rows = store.query(sparql).await.unwrap().rows();
-    rows.column("n")
-        .into_iter()
-        .flatten()
-        .map(ToString::to_string)
-        .collect()
+    // The aggregator may still be writing what the client has already seen: the links arrive
+    // after their nodes, so wait (a while) for the set to empty before answering it.
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        let rows = store.query(sparql.clone()).await.unwrap().rows();
+        let unreached: Vec<String> = rows
+            .column("n")
+            .into_iter()
+            .flatten()
+            .map(ToString::to_string)
+            .collect();
+        if unreached.is_empty() || std::time::Instant::now() > deadline {
+            return unreached;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
 }
 
 /// The root session of a dialog: the explained node that is a session (`urn:trustgraph:agent:{id}`,
