@@ -1050,6 +1050,18 @@ pub async fn last_request(
     last
 }
 
+/// The explain tree of `session`, as `agentctl explain` prints it.
+pub async fn explain_tree(store: &agent_graph::GraphStore, session: &str) -> String {
+    let rows = store
+        .query(agent_graph::queries::session_triples(
+            &agent_graph::queries::session_node(session).unwrap(),
+        ))
+        .await
+        .unwrap()
+        .rows();
+    agent_graph::explain::render_tree(&agent_graph::explain::session_view(session, &rows))
+}
+
 /// The nodes of `session` (its own, not its subagents') that no `prov:wasDerivedFrom` path leads
 /// from to the session: a provenance DAG with every node reachable has none. The graph-only
 /// records (step inputs, LLM calls, the journal) are not provenance nodes and are left out, and a

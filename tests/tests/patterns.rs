@@ -103,15 +103,7 @@ async fn the_meta_router_chooses_the_llm_router_which_hands_requests_to_a_tool_o
     // Every candidate offered: the tool and the one other pattern config defines.
     assert_eq!(count_reaching(&store, to_pattern, 2).await, 2);
     // The explain tree shows the choice.
-    let rows = store
-        .query(agent_graph::queries::session_triples(
-            &agent_graph::queries::session_node(&sum_session).unwrap(),
-        ))
-        .await
-        .unwrap()
-        .rows();
-    let tree =
-        agent_graph::explain::render_tree(&agent_graph::explain::session_view(&sum_session, &rows));
+    let tree = explain_tree(&store, &sum_session).await;
     assert!(tree.contains("dispatched: tool:llm (llm)"), "{tree}");
     assert!(
         tree.contains("offered:   pattern:react, tool:llm"),
@@ -254,15 +246,7 @@ async fn an_ensemble_asks_independent_agents_and_reconciles_where_they_agree_and
         unreachable_nodes(&store, &session).await,
         Vec::<String>::new()
     );
-    let rows = store
-        .query(agent_graph::queries::session_triples(
-            &agent_graph::queries::session_node(&session).unwrap(),
-        ))
-        .await
-        .unwrap()
-        .rows();
-    let tree =
-        agent_graph::explain::render_tree(&agent_graph::explain::session_view(&session, &rows));
+    let tree = explain_tree(&store, &session).await;
     assert!(
         tree.contains("agreed: a backup must come first")
             && tree.contains("disagreed: whether the window is long enough"),

@@ -33,6 +33,49 @@ fn closings(responses: &[AgentResponse]) -> usize {
     responses.iter().filter(|r| r.end_of_dialog).count()
 }
 
+/// A supervisor dialog with the step critic on (a risk assessment's).
+fn critiqued(question: &str) -> AgentRequest {
+    AgentRequest {
+        task_type: "risk-assessment".into(),
+        ..supervised(question)
+    }
+}
+
+/// One dialog on a broker, aggregator (embedded store) and orchestrator of its own: the services,
+/// still running to be looked into, and what the client received.
+struct Dialog {
+    _broker: Broker,
+    aggregator: Aggregator,
+    _orchestrator: Orchestrator,
+    llm: scripted_llm::ScriptedLlm,
+    responses: Vec<AgentResponse>,
+}
+
+/// Runs `request` under `id` with the scripted LLM `script`, and checks that it ended once, with
+/// `answer`.
+async fn answered(script: &str, id: &str, request: AgentRequest, answer: &str) -> Dialog {
+    let broker = Broker::start().unwrap();
+    let aggregator = Aggregator::spawn(&broker);
+    let llm = scripted_llm(script).await;
+    let orchestrator = Orchestrator::spawn(&broker, &llm, &seed_dir(), &[]);
+    let mut client = client(&broker).await;
+    client.send(id, &request).await.unwrap();
+    let responses = collect_dialog(&mut client, id, DIALOG_TIMEOUT)
+        .await
+        .unwrap();
+    let last = responses.last().unwrap();
+    assert!(last.error.is_none(), "{responses:#?}");
+    assert_eq!(last.content, answer);
+    assert_eq!(closings(&responses), 1, "{responses:#?}");
+    Dialog {
+        _broker: broker,
+        aggregator,
+        _orchestrator: orchestrator,
+        llm,
+        responses,
+    }
+}
+
 /// Four subagents, one of which fails: they run at once, the synthesis cites the three results and
 /// the failure, exactly one message ends the dialog, and a completion delivered again changes
 /// nothing.
@@ -790,22 +833,19 @@ const CHAIN: &str = r#"{"rules": [
 /// subagent started after.
 #[tokio::test]
 async fn subagents_start_when_the_results_they_need_are_in() {
-    let broker = Broker::start().unwrap();
-    let aggregator = Aggregator::spawn(&broker);
-    let llm = scripted_llm(CHAIN).await;
-    let _orchestrator = Orchestrator::spawn(&broker, &llm, &seed_dir(), &[]);
-    let mut client = client(&broker).await;
-    client
-        .send("chain-1", &supervised("Chain the four steps."))
-        .await
-        .unwrap();
-    let responses = collect_dialog(&mut client, "chain-1", DIALOG_TIMEOUT)
-        .await
-        .unwrap();
-    let last = responses.last().unwrap();
-    assert!(last.error.is_none(), "{responses:#?}");
-    assert_eq!(last.content, "Alpha 8, double 16, half 4, sum 20.");
-    assert_eq!(closings(&responses), 1, "{responses:#?}");
+    let dialog = answered(
+        CHAIN,
+        "chain-1",
+        supervised("Chain the four steps."),
+        "Alpha 8, double 16, half 4, sum 20.",
+    )
+    .await;
+    let Dialog {
+        aggregator,
+        llm,
+        responses,
+        ..
+    } = dialog;
     // Each subagent's LLM call matched its rule: B and C were given A's result, D both of theirs
     // (a call without them would match no rule, and its subagent would fail).
     let calls = llm.calls();
@@ -879,18 +919,6 @@ async fn subagents_start_when_the_results_they_need_are_in() {
     );
 }
 
-/// The explain tree of `session`, as `agentctl explain` prints it.
-async fn explain_tree(store: &agent_graph::GraphStore, session: &str) -> String {
-    let rows = store
-        .query(agent_graph::queries::session_triples(
-            &agent_graph::queries::session_node(session).unwrap(),
-        ))
-        .await
-        .unwrap()
-        .rows();
-    agent_graph::explain::render_tree(&agent_graph::explain::session_view(session, &rows))
-}
-
 const RECOVERY: &str = r#"{"rules": [
   {"match": "Request to split: Measure", "reply": "[{\"goal\": \"measure alpha\"}, {\"goal\": \"measure beta\"}]"},
   {"match": "Result to evaluate: alpha is 1 metre", "reply": "{\"status\": \"SUCCESS\", \"evaluation\": \"it has its unit\"}"},
@@ -908,23 +936,19 @@ const RECOVERY: &str = r#"{"rules": [
 /// node in the graph, and the recovery round's fan-out derives from them.
 #[tokio::test]
 async fn a_rejected_subagent_result_is_sent_out_again_with_the_lesson() {
-    let broker = Broker::start().unwrap();
-    let aggregator = Aggregator::spawn(&broker);
-    let llm = scripted_llm(RECOVERY).await;
-    let _orchestrator = Orchestrator::spawn(&broker, &llm, &seed_dir(), &[]);
-    let mut client = client(&broker).await;
-    let request = AgentRequest {
-        task_type: "risk-assessment".into(),
-        ..supervised("Measure both.")
-    };
-    client.send("recover-1", &request).await.unwrap();
-    let responses = collect_dialog(&mut client, "recover-1", DIALOG_TIMEOUT)
-        .await
-        .unwrap();
-    let last = responses.last().unwrap();
-    assert!(last.error.is_none(), "{responses:#?}");
-    assert_eq!(last.content, "Alpha is 1 m and beta 2 m.");
-    assert_eq!(closings(&responses), 1, "{responses:#?}");
+    let dialog = answered(
+        RECOVERY,
+        "recover-1",
+        critiqued("Measure both."),
+        "Alpha is 1 m and beta 2 m.",
+    )
+    .await;
+    let Dialog {
+        aggregator,
+        llm,
+        responses,
+        ..
+    } = dialog;
     let calls = llm.calls();
     assert!(calls.iter().all(|c| c.rule.is_some()), "{calls:#?}");
     let ran = |rule: usize| calls.iter().filter(|c| c.rule == Some(rule)).count();
@@ -1072,22 +1096,19 @@ const CULPRIT: &str = r#"{"rules": [
 /// used it after it, given its new result (the dependency machinery).
 #[tokio::test]
 async fn bad_input_sends_the_culprit_back_and_the_goal_that_used_it_after_it() {
-    let broker = Broker::start().unwrap();
-    let aggregator = Aggregator::spawn(&broker);
-    let llm = scripted_llm(CULPRIT).await;
-    let _orchestrator = Orchestrator::spawn(&broker, &llm, &seed_dir(), &[]);
-    let mut client = client(&broker).await;
-    let request = AgentRequest {
-        task_type: "risk-assessment".into(),
-        ..supervised("Units of alpha, doubled.")
-    };
-    client.send("culprit-1", &request).await.unwrap();
-    let responses = collect_dialog(&mut client, "culprit-1", DIALOG_TIMEOUT)
-        .await
-        .unwrap();
-    let last = responses.last().unwrap();
-    assert!(last.error.is_none(), "{responses:#?}");
-    assert_eq!(last.content, "The double of alpha is 16 metres.");
+    let dialog = answered(
+        CULPRIT,
+        "culprit-1",
+        critiqued("Units of alpha, doubled."),
+        "The double of alpha is 16 metres.",
+    )
+    .await;
+    let Dialog {
+        aggregator,
+        llm,
+        responses,
+        ..
+    } = dialog;
     let calls = llm.calls();
     assert!(calls.iter().all(|c| c.rule.is_some()), "{calls:#?}");
     let ran = |rule: usize| calls.iter().filter(|c| c.rule == Some(rule)).count();
@@ -1129,22 +1150,19 @@ const TOO_BIG: &str = r#"{"rules": [
 /// the recovery round, each told what it is part of.
 #[tokio::test]
 async fn a_job_too_big_is_split_into_the_sub_goals_the_critic_gives() {
-    let broker = Broker::start().unwrap();
-    let aggregator = Aggregator::spawn(&broker);
-    let llm = scripted_llm(TOO_BIG).await;
-    let _orchestrator = Orchestrator::spawn(&broker, &llm, &seed_dir(), &[]);
-    let mut client = client(&broker).await;
-    let request = AgentRequest {
-        task_type: "risk-assessment".into(),
-        ..supervised("Survey the land.")
-    };
-    client.send("too-big-1", &request).await.unwrap();
-    let responses = collect_dialog(&mut client, "too-big-1", DIALOG_TIMEOUT)
-        .await
-        .unwrap();
-    let last = responses.last().unwrap();
-    assert!(last.error.is_none(), "{responses:#?}");
-    assert_eq!(last.content, "North dry, south wet.");
+    let dialog = answered(
+        TOO_BIG,
+        "too-big-1",
+        critiqued("Survey the land."),
+        "North dry, south wet.",
+    )
+    .await;
+    let Dialog {
+        aggregator,
+        llm,
+        responses,
+        ..
+    } = dialog;
     let calls = llm.calls();
     assert!(calls.iter().all(|c| c.rule.is_some()), "{calls:#?}");
     let ran = |rule: usize| calls.iter().filter(|c| c.rule == Some(rule)).count();

@@ -705,12 +705,16 @@ pub fn missing_subagents(synthesis: &AgentStep) -> Vec<usize> {
         .unwrap_or_default()
 }
 
-/// The decompose step of the fan-out being answered (the last one).
-pub fn last_decompose(history: &[AgentStep]) -> Option<&AgentStep> {
+/// The decompose steps of a history, one per fan-out, oldest first.
+pub fn decompose_steps(history: &[AgentStep]) -> impl DoubleEndedIterator<Item = &AgentStep> {
     history
         .iter()
-        .rev()
-        .find(|s| StepType::parse(&s.step_type) == Some(StepType::Decompose))
+        .filter(|s| StepType::parse(&s.step_type) == Some(StepType::Decompose))
+}
+
+/// The decompose step of the fan-out being answered (the last one).
+pub fn last_decompose(history: &[AgentStep]) -> Option<&AgentStep> {
+    decompose_steps(history).next_back()
 }
 
 /// The subagent results the supervisor resumes with, if its last step carries them.

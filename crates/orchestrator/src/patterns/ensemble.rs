@@ -7,13 +7,15 @@ use agent_core::documents::steps_taken;
 use agent_core::ensemble;
 use agent_core::pattern::{Pattern, Termination};
 use agent_core::prompt::framing_block;
-use agent_core::provenance::{self, CallStats, ToolStats};
+use agent_core::provenance::{self, CallStats};
 use agent_core::supervisor as supervising;
 use agent_llm::CallOptions;
 use agent_schema::MessageType;
 
 use crate::finish::conclude_if_limited;
-use crate::patterns::supervisor::{fan_in, fan_out, room_for_another_round, FanIn};
+use crate::patterns::supervisor::{
+    conclude_from_synthesis, fan_in, fan_out, room_for_another_round, Concluded, FanIn,
+};
 use crate::turn::Turn;
 
 pub async fn iterate(turn: &Turn<'_>) -> Result<(), BusError> {
@@ -62,38 +64,24 @@ fn debate_rounds_left(turn: &Turn<'_>) -> bool {
     let wanted = ensemble_config(turn)
         .map_or(0, |p| p.debate_rounds)
         .min(ensemble::MAX_DEBATE_ROUNDS);
-    let rounds = turn
-        .request
-        .history
-        .iter()
-        .filter(|s| {
-            agent_schema::StepType::parse(&s.step_type) == Some(agent_schema::StepType::Decompose)
-        })
-        .count();
+    let rounds = supervising::decompose_steps(&turn.request.history).count();
     rounds < 1 + wanted
 }
 
 /// A debate round: every agent again, shown all the answers of the round before.
 async fn debate(turn: &Turn<'_>, n: usize) -> Result<(), BusError> {
     let Turn {
-        request,
-        uris,
-        out,
-        config,
-        ..
+        request, uris, out, ..
     } = turn;
-    let FanIn {
-        correlation_id: cid,
-        completions,
-        missing,
-    } = fan_in(request, config.limits.max_subagents);
-    let perspectives = kept_perspectives(request);
-    // Long answers travel as excerpts; they are read whole here.
-    let whole = crate::documents::results_whole(turn.knowledge, &request.history).await;
-    let results = supervising::pending_synthesis(&whole)
-        .cloned()
-        .unwrap_or_default();
-    let answers = ensemble::describe_answers(&results, &perspectives);
+    let (
+        FanIn {
+            correlation_id: cid,
+            completions,
+            missing,
+        },
+        answers,
+        perspectives,
+    ) = answered_round(turn).await;
     // The round answered is closed by a synthesis node, as a supervisor's another round is.
     out.explain(
         &uris.synthesis(&cid),
@@ -120,17 +108,27 @@ async fn debate(turn: &Turn<'_>, n: usize) -> Result<(), BusError> {
 /// The perspectives of the ensemble's first fan-out (a debate round's goals carry the debate
 /// text after them).
 fn kept_perspectives(request: &agent_schema::AgentRequest) -> Vec<String> {
-    request
-        .history
-        .iter()
-        .find(|s| {
-            agent_schema::StepType::parse(&s.step_type) == Some(agent_schema::StepType::Decompose)
-        })
+    supervising::decompose_steps(&request.history)
+        .next()
         .map(supervising::kept_goals)
         .unwrap_or_default()
         .into_iter()
         .map(|g| g.perspective.unwrap_or_default())
         .collect()
+}
+
+/// The round the dialog was resumed with: its fan-in, the agents' answers as the prompts show
+/// them (long ones read whole; they travel as excerpts), and the agents' perspectives.
+async fn answered_round(turn: &Turn<'_>) -> (FanIn, String, Vec<String>) {
+    let request = turn.request;
+    let fan_in = fan_in(request, turn.config.limits.max_subagents);
+    let perspectives = kept_perspectives(request);
+    let whole = crate::documents::results_whole(turn.knowledge, &request.history).await;
+    let results = supervising::pending_synthesis(&whole)
+        .cloned()
+        .unwrap_or_default();
+    let answers = ensemble::describe_answers(&results, &perspectives);
+    (fan_in, answers, perspectives)
 }
 
 async fn reconcile(turn: &Turn<'_>, n: usize) -> Result<(), BusError> {
@@ -141,25 +139,20 @@ async fn reconcile(turn: &Turn<'_>, n: usize) -> Result<(), BusError> {
         config,
         ..
     } = turn;
-    let FanIn {
-        correlation_id: cid,
-        completions,
-        missing,
-    } = fan_in(request, config.limits.max_subagents);
-    let perspectives = kept_perspectives(request);
-    // Long answers travel as excerpts; they are read whole here.
-    let whole = crate::documents::results_whole(turn.knowledge, &request.history).await;
-    let results = supervising::pending_synthesis(&whole)
-        .cloned()
-        .unwrap_or_default();
+    let (
+        FanIn {
+            correlation_id: cid,
+            completions,
+            missing,
+        },
+        answers,
+        _,
+    ) = answered_round(turn).await;
     let template = &config.prompts.ensemble_reconcile;
     let vars = [
         ("framing", framing_block(&request.framing)),
         ("question", request.question.clone()),
-        (
-            "answers",
-            ensemble::describe_answers(&results, &perspectives),
-        ),
+        ("answers", answers),
     ]
     .into_iter()
     .collect();
@@ -180,24 +173,11 @@ async fn reconcile(turn: &Turn<'_>, n: usize) -> Result<(), BusError> {
         true,
     )
     .await?;
-    let answer = reconciliation.answer;
-    if request.streaming {
-        out.chunk(MessageType::Answer, &answer, &uris.conclusion(), false)
-            .await?;
-    }
-    out.explain(
-        &uris.conclusion(),
-        provenance::conclusion_from(
-            uris,
-            &uris.synthesis(&cid),
-            n,
-            "",
-            &answer,
-            Termination::Answer,
-            &[],
-            &CallStats::default(),
-        ),
-    )?;
-    let tokens = crate::turn::tokens_after(turn, &stats, &ToolStats::default());
-    crate::finish::answer(turn, &answer, tokens, &completion.model).await
+    let concluded = Concluded {
+        correlation_id: &cid,
+        answer: &reconciliation.answer,
+        termination: Termination::Answer,
+        streamed: false,
+    };
+    conclude_from_synthesis(turn, n, concluded, &stats, &completion.model).await
 }

@@ -150,10 +150,7 @@ async fn recover(turn: &Turn<'_>, n: usize) -> Result<Recovery, BusError> {
                 &stats,
             ),
         )?;
-        spent.duration_ms += stats.duration_ms;
-        spent.in_token += stats.in_token;
-        spent.out_token += stats.out_token;
-        spent.model = stats.model;
+        crate::turn::add_call(&mut spent, &completion);
         judged.push(node);
         verdicts.push((index, verdict));
     }
@@ -594,23 +591,60 @@ async fn synthesise(turn: &Turn<'_>, n: usize) -> Result<(), BusError> {
             .observe_and_continue(n, draft, ToolStats::default(), Vec::new(), None, tokens)
             .await;
     }
+    let concluded = Concluded {
+        correlation_id: &cid,
+        answer: &answer,
+        termination,
+        streamed,
+    };
+    conclude_from_synthesis(turn, n, concluded, &stats, &completion.model).await
+}
+
+/// A dialog's end drawn from the synthesis of its fan-out `correlation_id`.
+pub(crate) struct Concluded<'a> {
+    pub correlation_id: &'a str,
+    pub answer: &'a str,
+    pub termination: Termination,
+    /// The answer already reached a streaming client as it was written.
+    pub streamed: bool,
+}
+
+/// Ends the dialog with `concluded`: streamed to a streaming client unless it already was, the
+/// conclusion recorded as derived from the synthesis node, and the answer given. `stats`: the
+/// LLM call that wrote it.
+pub(crate) async fn conclude_from_synthesis(
+    turn: &Turn<'_>,
+    n: usize,
+    concluded: Concluded<'_>,
+    stats: &CallStats,
+    model: &str,
+) -> Result<(), BusError> {
+    let Turn {
+        request, uris, out, ..
+    } = turn;
+    let Concluded {
+        correlation_id,
+        answer,
+        termination,
+        streamed,
+    } = concluded;
     if request.streaming && !streamed {
-        out.chunk(MessageType::Answer, &answer, &uris.conclusion(), false)
+        out.chunk(MessageType::Answer, answer, &uris.conclusion(), false)
             .await?;
     }
     out.explain(
         &uris.conclusion(),
         provenance::conclusion_from(
             uris,
-            &uris.synthesis(&cid),
+            &uris.synthesis(correlation_id),
             n,
             "",
-            &answer,
+            answer,
             termination,
             &[],
             &CallStats::default(),
         ),
     )?;
-    let tokens = crate::turn::tokens_after(turn, &stats, &ToolStats::default());
-    crate::finish::answer(turn, &answer, tokens, &completion.model).await
+    let tokens = crate::turn::tokens_after(turn, stats, &ToolStats::default());
+    crate::finish::answer(turn, answer, tokens, model).await
 }
