@@ -464,28 +464,14 @@ async fn start_waiting(
 /// Long results leave the synthesis request (claim-check): each is kept as a document and the
 /// request carries an excerpt and its reference, which the supervisor reads whole for its prompts;
 /// so the request, and every later message of the supervisor, stays bounded however long its
-/// subagents' answers. Should the store refuse, a result travels whole.
+/// subagents' answers.
 async fn check_in_results(
     store: &GraphStore,
     results: BTreeMap<String, String>,
 ) -> BTreeMap<String, String> {
-    use agent_core::documents::{document_uri, excerpt_with_reference, is_long, reference};
     let mut carried = BTreeMap::new();
     for (key, result) in results {
-        if !is_long(&result) || reference(&result).is_some() {
-            carried.insert(key, result);
-            continue;
-        }
-        let uri = document_uri(&result);
-        match store.keep_document(&uri, &result).await {
-            Ok(()) => {
-                carried.insert(key, excerpt_with_reference(&result, &uri));
-            }
-            Err(e) => {
-                tracing::warn!(error = %e, bytes = result.len(), "a subagent's result could not be kept as a document; the synthesis request carries it whole");
-                carried.insert(key, result);
-            }
-        }
+        carried.insert(key, store.check_in(result).await);
     }
     carried
 }

@@ -200,6 +200,25 @@ impl GraphStore {
         matches!(self.backend, Backend::Embedded { .. })
     }
 
+    /// Claim-check: keeps `text` as a document and answers the excerpt (with its reference) to carry
+    /// instead, when it is long; a short text, or one that is already an excerpt, comes back as it
+    /// is. Should the store refuse, the text stays whole (bounded by the message size limit): a
+    /// message is not lost for want of a smaller one.
+    pub async fn check_in(&self, text: String) -> String {
+        use agent_core::documents::{document_uri, excerpt_with_reference, is_long, reference};
+        if !is_long(&text) || reference(&text).is_some() {
+            return text;
+        }
+        let uri = document_uri(&text);
+        match self.keep_document(&uri, &text).await {
+            Ok(()) => excerpt_with_reference(&text, &uri),
+            Err(e) => {
+                tracing::warn!(error = %e, bytes = text.len(), "a long text could not be kept as a document; the message carries it whole");
+                text
+            }
+        }
+    }
+
     /// Keeps `text` as the document `uri` in the documents graph (`tg:content`). A document is named
     /// by its text's digest, so keeping it again changes nothing.
     pub async fn keep_document(&self, uri: &str, text: &str) -> Result<(), GraphError> {

@@ -15,7 +15,7 @@
 use std::borrow::Cow;
 use std::collections::HashMap;
 
-use agent_core::documents::{document_uri, excerpt_with_reference, is_long, reference, FOLD_KEEP};
+use agent_core::documents::{reference, FOLD_KEEP};
 use agent_core::vocab::{tg, DOCUMENTS_GRAPH};
 use agent_graph::model::Term;
 use agent_graph::GraphStore;
@@ -24,28 +24,6 @@ use agent_schema::{AgentStep, PlanStep};
 /// The newest steps a prompt sees whole.
 pub const WHOLE_RECENT: usize = 3;
 
-/// Keeps `text` as the document `uri` (its digest's name: writing it again changes nothing).
-async fn keep(store: &GraphStore, uri: &str, text: &str) -> Result<(), agent_graph::GraphError> {
-    store.keep_document(uri, text).await
-}
-
-/// Keeps `text` as a document and answers the excerpt to carry instead, when it is long. Should
-/// the store refuse, the text stays whole in the message (bounded by the message size limit): a
-/// step is not lost for want of a smaller message.
-pub async fn check_in(store: &GraphStore, text: String) -> String {
-    if !is_long(&text) || reference(&text).is_some() {
-        return text;
-    }
-    let uri = document_uri(&text);
-    match keep(store, &uri, &text).await {
-        Ok(()) => excerpt_with_reference(&text, &uri),
-        Err(e) => {
-            tracing::warn!(error = %e, bytes = text.len(), "an observation could not be kept as a document; the message carries it whole");
-            text
-        }
-    }
-}
-
 /// `history` with its older steps folded into one, their whole form kept as a document, when it
 /// has grown long enough (see [`agent_core::documents::fold`]). Should the store refuse, the
 /// history goes on unfolded: the next step tries again.
@@ -53,7 +31,7 @@ pub async fn fold(store: &GraphStore, history: Vec<AgentStep>) -> Vec<AgentStep>
     let Some(folded) = agent_core::documents::fold(&history, FOLD_KEEP) else {
         return history;
     };
-    match keep(store, &folded.uri, &folded.document).await {
+    match store.keep_document(&folded.uri, &folded.document).await {
         Ok(()) => folded.history,
         Err(e) => {
             tracing::warn!(error = %e, steps = history.len(), "the history's older steps could not be kept as a document; it goes on unfolded");
@@ -180,16 +158,16 @@ mod tests {
     async fn long_observations_go_out_and_the_newest_come_back_whole() {
         let store = GraphStore::in_memory().unwrap();
         let short = "short".to_owned();
-        assert_eq!(check_in(&store, short.clone()).await, short);
+        assert_eq!(store.check_in(short.clone()).await, short);
         let longs: Vec<String> = (0..5)
             .map(|i| format!("{i} {}", "word ".repeat(2000)))
             .collect();
         let mut history = Vec::new();
         for long in &longs {
-            let carried = check_in(&store, long.clone()).await;
+            let carried = store.check_in(long.clone()).await;
             assert!(carried.len() < 1200, "{}", carried.len());
             // Checked in twice (a redelivery): one document.
-            assert_eq!(check_in(&store, long.clone()).await, carried);
+            assert_eq!(store.check_in(long.clone()).await, carried);
             history.push(AgentStep {
                 observation: carried,
                 ..AgentStep::default()
@@ -213,7 +191,7 @@ mod tests {
     async fn subagent_results_come_back_whole_for_a_prompt() {
         let store = GraphStore::in_memory().unwrap();
         let long = format!("result {}", "word ".repeat(2000));
-        let carried = check_in(&store, long.clone()).await;
+        let carried = store.check_in(long.clone()).await;
         let history = vec![AgentStep {
             subagent_results: Some(
                 [

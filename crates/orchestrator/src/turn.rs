@@ -160,7 +160,7 @@ impl Turn<'_> {
         // excerpt of it (see `documents`).
         let mut step = step;
         if let Some(store) = self.knowledge {
-            step.observation = crate::documents::check_in(store, step.observation).await;
+            step.observation = store.check_in(step.observation).await;
         }
         let mut next = self.request.clone();
         next.history.push(step);

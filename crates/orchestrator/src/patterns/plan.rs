@@ -359,7 +359,7 @@ async fn run_step(turn: &Turn<'_>, n: usize, index: usize) -> Result<(), BusErro
     // The plan travels in every later message: a long result goes in it as an excerpt and a
     // reference (the observation below is the same document, so it is kept once).
     let carried = match turn.knowledge {
-        Some(store) => crate::documents::check_in(store, result.clone()).await,
+        Some(store) => store.check_in(result.clone()).await,
         None => result.clone(),
     };
     let mut updated = plan;

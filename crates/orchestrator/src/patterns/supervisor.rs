@@ -95,7 +95,8 @@ async fn recover(turn: &Turn<'_>, n: usize) -> Result<Recovery, BusError> {
     let round = supervising::kept_goals(decompose);
     let FanIn {
         correlation_id: cid,
-        ..
+        completions,
+        missing,
     } = fan_in(request, config.limits.max_subagents);
     let by_index: std::collections::BTreeMap<usize, &String> = results
         .iter()
@@ -190,11 +191,6 @@ async fn recover(turn: &Turn<'_>, n: usize) -> Result<Recovery, BusError> {
             ))
         })
         .collect();
-    let FanIn {
-        completions,
-        missing,
-        ..
-    } = fan_in(request, config.limits.max_subagents);
     let mut derived = completions;
     derived.extend(judged);
     out.explain(
