@@ -1167,6 +1167,21 @@ pub async fn count(store: &agent_graph::GraphStore, sparql: String) -> usize {
 
 /// Rows the query returns once they reach `expected` (the aggregator writes what the client has
 /// already seen a moment later), or after 10 s whatever it returns then.
+/// Whether the ASK query `sparql` holds within five seconds (the aggregator may still be writing
+/// what the client has already seen).
+pub async fn holds_within(store: &agent_graph::GraphStore, sparql: String) -> bool {
+    for _ in 0..50 {
+        if matches!(
+            store.query(sparql.clone()).await.unwrap(),
+            agent_graph::QueryAnswer::Boolean(true)
+        ) {
+            return true;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    false
+}
+
 pub async fn count_reaching(
     store: &agent_graph::GraphStore,
     sparql: String,

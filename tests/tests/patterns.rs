@@ -162,16 +162,10 @@ async fn reflexion_reflects_after_each_action_and_the_next_step_is_given_the_les
            <{session}/final> prov:wasDerivedFrom <{session}/i2/observation> ; tg:terminationReason \"answer\" }} }}"
     );
     let store = aggregator.store();
-    for _ in 0..50 {
-        if matches!(
-            store.query(dag.clone()).await.unwrap(),
-            agent_graph::QueryAnswer::Boolean(true)
-        ) {
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    panic!("the reflection is not in the graph as expected: {responses:#?}");
+    assert!(
+        holds_within(&store, dag).await,
+        "the reflection is not in the graph as expected: {responses:#?}"
+    );
 }
 
 /// The ensemble, chosen by the meta-router for a risk assessment: the same question to one agent
@@ -319,19 +313,13 @@ async fn deep_research_runs_rounds_of_parallel_lookups_then_writes_and_is_judged
            <{session}/final> tg:terminationReason \"answer\" }} }}"
     );
     let store = aggregator.store();
-    for _ in 0..50 {
-        if matches!(
-            store.query(dag.clone()).await.unwrap(),
-            agent_graph::QueryAnswer::Boolean(true)
-        ) {
-            // Every node of the dialog (rounds, calls, draft, review, answer) reaches its session.
-            assert_eq!(
-                unreachable_nodes(&store, &session).await,
-                Vec::<String>::new()
-            );
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    panic!("the research is not in the graph as expected: {responses:#?}");
+    assert!(
+        holds_within(&store, dag).await,
+        "the research is not in the graph as expected: {responses:#?}"
+    );
+    // Every node of the dialog (rounds, calls, draft, review, answer) reaches its session.
+    assert_eq!(
+        unreachable_nodes(&store, &session).await,
+        Vec::<String>::new()
+    );
 }
