@@ -87,6 +87,10 @@ fn jars() -> anyhow::Result<&'static Path> {
 pub struct ApacheBroker {
     broker_port: u16,
     web_port: u16,
+    /// The bookie's port, chosen here and kept across restarts: the bookie's identity in the
+    /// metadata is its address, and standalone's own choice (the first free port from 3181) races
+    /// with another broker starting at the same moment.
+    bookie_port: u16,
     data: PathBuf,
     auth: Option<TokenAuth>,
     /// `key=value` lines added to the broker's configuration (they override the defaults here).
@@ -113,27 +117,47 @@ impl ApacheBroker {
         {
             anyhow::bail!("an Apache Pulsar setting is key=value on one line, not {bad:?}");
         }
-        let broker_port = match broker_port {
-            0 => crate::embedded::free_port()?,
-            port => port,
-        };
-        let web_port = crate::embedded::free_port()?;
-        let data = std::env::temp_dir().join(format!(
-            "apache-pulsar-{}-{broker_port}",
-            std::process::id()
-        ));
-        let _ = std::fs::remove_dir_all(&data);
-        std::fs::create_dir_all(&data)?;
-        let mut broker = ApacheBroker {
-            broker_port,
-            web_port,
-            data,
-            auth,
-            settings: settings.to_vec(),
-            child: None,
-        };
-        broker.launch(true)?;
-        Ok(broker)
+        let chosen_port = broker_port;
+        let mut attempt = 1;
+        loop {
+            let broker_port = match chosen_port {
+                0 => crate::embedded::free_port()?,
+                port => port,
+            };
+            let data = std::env::temp_dir().join(format!(
+                "apache-pulsar-{}-{broker_port}",
+                std::process::id()
+            ));
+            let _ = std::fs::remove_dir_all(&data);
+            std::fs::create_dir_all(&data)?;
+            let mut broker = ApacheBroker {
+                broker_port,
+                web_port: crate::embedded::free_port()?,
+                bookie_port: crate::embedded::free_port()?,
+                data,
+                auth: auth.clone(),
+                settings: settings.to_vec(),
+                child: None,
+            };
+            match broker.launch(true) {
+                Ok(()) => return Ok(broker),
+                // A port chosen free can be taken before the JVM binds it (another test's
+                // connection, another broker starting): the JVM exits at once; start again on
+                // other ports.
+                Err(e) if attempt < 3 && broker.exited() => {
+                    tracing::warn!("Apache Pulsar did not start (attempt {attempt}): {e:#}");
+                    attempt += 1;
+                }
+                Err(e) => return Err(e),
+            }
+        }
+    }
+
+    /// Whether the broker's JVM has exited.
+    fn exited(&mut self) -> bool {
+        self.child
+            .as_mut()
+            .is_some_and(|child| matches!(child.try_wait(), Ok(Some(_))))
     }
 
     pub fn url(&self) -> String {
@@ -276,6 +300,8 @@ brokerClientAuthenticationParameters=file://{}
             .args(["--no-functions-worker", "--no-stream-storage"])
             .arg("--metadata-dir")
             .arg(self.data.join("metadata"))
+            .arg("--bookkeeper-port")
+            .arg(self.bookie_port.to_string())
             .arg("--bookkeeper-dir")
             .arg(self.data.join("bookkeeper"))
             // Absent, so standalone keeps its RocksDB metadata store (no ZooKeeper).
@@ -298,8 +324,9 @@ brokerClientAuthenticationParameters=file://{}
             if let Some(child) = self.child.as_mut() {
                 if let Ok(Some(status)) = child.try_wait() {
                     anyhow::bail!(
-                        "Apache Pulsar exited ({status}); see {}",
-                        self.data.join("broker.log").display()
+                        "Apache Pulsar exited ({status}); the end of {}:\n{}",
+                        self.data.join("broker.log").display(),
+                        self.log_tail()
                     );
                 }
             }
@@ -335,6 +362,13 @@ brokerClientAuthenticationParameters=file://{}
             "Apache Pulsar was not ready within 120 s; see {}",
             self.data.join("broker.log").display()
         )
+    }
+
+    /// The last lines of the broker's log, for an error that says why it stopped.
+    fn log_tail(&self) -> String {
+        let log = std::fs::read_to_string(self.data.join("broker.log")).unwrap_or_default();
+        let lines: Vec<&str> = log.lines().collect();
+        lines[lines.len().saturating_sub(20)..].join("\n")
     }
 
     /// TrustGraph's tenant and the namespaces of its topics, as a TrustGraph deployment's
