@@ -952,8 +952,9 @@ pub async fn read_from_start(
         .unwrap()
 }
 
+pub use agent_core::vocab::NamedNodeRef;
 /// The `tg:` namespace, for reading explain triples.
-pub use agent_core::vocab::TG;
+pub use agent_core::vocab::{prov, tg, TG};
 
 /// Every explain triple a dialog's responses carried.
 pub fn explained(responses: &[AgentResponse]) -> Vec<agent_schema::Triple> {
@@ -963,11 +964,15 @@ pub fn explained(responses: &[AgentResponse]) -> Vec<agent_schema::Triple> {
         .collect()
 }
 
-/// The values (IRIs or literal texts) of `predicate`, a `tg:` name, on `node`.
-pub fn values(triples: &[agent_schema::Triple], node: &str, predicate: &str) -> Vec<String> {
+/// The values (IRIs or literal texts) of `predicate` on `node`.
+pub fn values(
+    triples: &[agent_schema::Triple],
+    node: &str,
+    predicate: NamedNodeRef<'_>,
+) -> Vec<String> {
     triples
         .iter()
-        .filter(|t| t.s.iri == node && t.p.iri == format!("{TG}{predicate}"))
+        .filter(|t| t.s.iri == node && t.p.iri == predicate.as_str())
         .map(|t| {
             if t.o.kind == "i" {
                 t.o.iri.clone()
@@ -981,21 +986,23 @@ pub fn values(triples: &[agent_schema::Triple], node: &str, predicate: &str) -> 
 /// The text a provenance node stands for: a short one beside it (`tg:content` of the node it
 /// names as its `tg:document`, or of itself), a long one in the document named by its digest.
 pub fn node_text(triples: &[agent_schema::Triple], node: &str) -> String {
-    let own = values(triples, node, "content").concat();
+    let own = values(triples, node, tg::CONTENT).concat();
     if !own.is_empty() {
         return own;
     }
-    values(triples, node, "document")
+    values(triples, node, tg::DOCUMENT)
         .iter()
-        .map(|doc| values(triples, doc, "content").concat())
+        .map(|doc| values(triples, doc, tg::CONTENT).concat())
         .collect()
 }
 
-/// Whether `node` has the `tg:` type `class`.
-pub fn has_type(triples: &[agent_schema::Triple], node: &str, class: &str) -> bool {
-    triples
-        .iter()
-        .any(|t| t.s.iri == node && t.p.iri.ends_with("#type") && t.o.iri == format!("{TG}{class}"))
+/// Whether `node` has the type `class`.
+pub fn has_type(triples: &[agent_schema::Triple], node: &str, class: NamedNodeRef<'_>) -> bool {
+    triples.iter().any(|t| {
+        t.s.iri == node
+            && t.p.iri == agent_core::vocab::RDF_TYPE.as_str()
+            && t.o.iri == class.as_str()
+    })
 }
 
 /// No link points at a node the dialog did not describe.
@@ -1117,7 +1124,7 @@ pub fn observation(responses: &[AgentResponse], n: usize) -> (Vec<agent_schema::
 /// How long iteration `n`'s tool ran, as its provenance records it.
 pub fn duration_ms(triples: &[agent_schema::Triple], responses: &[AgentResponse], n: usize) -> u64 {
     let node = format!("{}/i{n}/observation", session_of(responses));
-    values(triples, &node, "toolDurationMs")
+    values(triples, &node, tg::TOOL_DURATION_MS)
         .first()
         .and_then(|v| v.parse().ok())
         .unwrap_or_else(|| panic!("no tool duration on {node}"))

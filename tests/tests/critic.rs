@@ -67,19 +67,19 @@ async fn run(
         let node = format!("{session}/i{}", k + 1);
         match step.step_type.as_str() {
             "evaluate" => assert_eq!(
-                values(&t, &node, "evaluationStatus"),
+                values(&t, &node, tg::EVALUATION_STATUS),
                 std::slice::from_ref(&step.action),
                 "{node}"
             ),
             "plan" => assert_eq!(
-                values(&t, &node, "hasStep").len(),
+                values(&t, &node, tg::HAS_STEP).len(),
                 step.plan.as_ref().unwrap().len(),
                 "{node}"
             ),
             _ => {}
         }
         assert_eq!(
-            values(&t, &format!("{node}/observation"), "content"),
+            values(&t, &format!("{node}/observation"), tg::CONTENT),
             std::slice::from_ref(&step.observation),
             "{node}"
         );
@@ -92,11 +92,11 @@ fn verdicts(t: &[Triple], session: &str) -> Vec<(usize, String, String)> {
     (1..40)
         .filter_map(|n| {
             let node = format!("{session}/i{n}");
-            let status = values(t, &node, "evaluationStatus").pop()?;
+            let status = values(t, &node, tg::EVALUATION_STATUS).pop()?;
             Some((
                 n,
                 status,
-                values(t, &node, "retryCount").pop().unwrap_or_default(),
+                values(t, &node, tg::RETRY_COUNT).pop().unwrap_or_default(),
             ))
         })
         .collect()
@@ -130,17 +130,20 @@ async fn an_execution_error_reruns_the_step_with_the_lesson() {
         ]
     );
     let rejected = format!("{session}/i3");
-    assert_eq!(values(&t, &rejected, "lesson"), ["count twice"]);
-    assert_eq!(values(&t, &rejected, "evaluation"), ["not an exact count"]);
-    assert_eq!(values(&t, &rejected, "rerunStep"), ["0"]);
+    assert_eq!(values(&t, &rejected, tg::LESSON), ["count twice"]);
+    assert_eq!(
+        values(&t, &rejected, tg::EVALUATION_TEXT),
+        ["not an exact count"]
+    );
+    assert_eq!(values(&t, &rejected, tg::RERUN_STEP), ["0"]);
     // The rerun records the lesson it was given.
     assert_eq!(
-        values(&t, &format!("{session}/i4"), "lessonApplied"),
+        values(&t, &format!("{session}/i4"), tg::LESSON_APPLIED),
         ["count twice"]
     );
-    assert!(values(&t, &format!("{session}/i2"), "lessonApplied").is_empty());
+    assert!(values(&t, &format!("{session}/i2"), tg::LESSON_APPLIED).is_empty());
     assert_eq!(
-        values(&t, &rejected, "evaluates"),
+        values(&t, &rejected, tg::EVALUATES),
         [format!("{session}/i2")]
     );
     // The rerun's prompt carried the lesson; the first did not.
@@ -182,7 +185,7 @@ async fn an_input_data_error_reruns_the_culprit_then_its_dependents() {
         ["SUCCESS", "INPUT_DATA_ERROR", "SUCCESS", "SUCCESS"]
     );
     let rejected = format!("{session}/i5");
-    let rerun: BTreeSet<String> = values(&t, &rejected, "rerunStep").into_iter().collect();
+    let rerun: BTreeSet<String> = values(&t, &rejected, tg::RERUN_STEP).into_iter().collect();
     assert_eq!(rerun, ["0".to_owned(), "1".to_owned()].into());
     // The culprit ran again with the lesson, before its dependent ran again on its new result.
     let order: Vec<&str> = prompts
@@ -242,27 +245,27 @@ async fn a_job_too_complicated_is_split_into_sub_steps() {
     let t = explained(&responses);
     let split = format!("{session}/i3");
     assert_eq!(
-        values(&t, &split, "evaluationStatus"),
+        values(&t, &split, tg::EVALUATION_STATUS),
         ["JOB_TOO_COMPLICATED_ERROR"]
     );
-    let subs: BTreeSet<String> = values(&t, &split, "subStep").into_iter().collect();
+    let subs: BTreeSet<String> = values(&t, &split, tg::SUB_STEP).into_iter().collect();
     assert_eq!(
         subs,
         ["write the body".to_owned(), "write the intro".to_owned()].into()
     );
     // The split names the new plan's steps; the sub-steps' executions point at them.
-    assert_eq!(values(&t, &split, "hasStep").len(), 3);
+    assert_eq!(values(&t, &split, tg::HAS_STEP).len(), 3);
     assert_eq!(
-        values(&t, &format!("{split}/step/0"), "dependsOn"),
+        values(&t, &format!("{split}/step/0"), tg::DEPENDS_ON),
         ["1", "2"]
     );
     assert_eq!(
-        values(&t, &format!("{session}/i4"), "executesStep"),
+        values(&t, &format!("{session}/i4"), tg::EXECUTES_STEP),
         [format!("{split}/step/1")]
     );
     // The split step ran again last, on its sub-steps' results.
     assert_eq!(
-        values(&t, &format!("{session}/i8"), "executesStep"),
+        values(&t, &format!("{session}/i8"), tg::EXECUTES_STEP),
         [format!("{split}/step/0")]
     );
     assert_no_dangling_links(&t);
@@ -297,7 +300,7 @@ async fn the_retry_limit_ends_with_an_unverified_answer() {
     // Two reruns allowed; the third rejection ends the dialog.
     assert_eq!(verdicts(&t, &session).len(), 3);
     assert_eq!(
-        values(&t, &format!("{session}/final"), "terminationReason"),
+        values(&t, &format!("{session}/final"), tg::TERMINATION_REASON),
         ["max-retries"]
     );
 }
@@ -328,16 +331,16 @@ async fn the_life_cycle_stops_repeated_splitting() {
     let splits: Vec<usize> = verdicts(&t, &session).into_iter().map(|v| v.0).collect();
     assert_eq!(splits, [3, 5]);
     assert_eq!(
-        values(&t, &format!("{session}/i3"), "subStep"),
+        values(&t, &format!("{session}/i3"), tg::SUB_STEP),
         ["a smaller piece"]
     );
     assert_eq!(
-        values(&t, &format!("{session}/i5"), "lifeCycleExhausted"),
+        values(&t, &format!("{session}/i5"), tg::LIFE_CYCLE_EXHAUSTED),
         ["true"]
     );
-    assert!(values(&t, &format!("{session}/i5"), "subStep").is_empty());
+    assert!(values(&t, &format!("{session}/i5"), tg::SUB_STEP).is_empty());
     assert_eq!(
-        values(&t, &format!("{session}/final"), "terminationReason"),
+        values(&t, &format!("{session}/final"), tg::TERMINATION_REASON),
         ["max-replan-depth"]
     );
     assert_no_dangling_links(&t);
@@ -384,12 +387,12 @@ async fn a_rejected_plan_is_revised_with_the_lesson() {
         [(2, "EXECUTION_ERROR".to_owned()), (4, "SUCCESS".to_owned())]
     );
     assert_eq!(
-        values(&t, &format!("{session}/i2"), "evaluates"),
+        values(&t, &format!("{session}/i2"), tg::EVALUATES),
         [format!("{session}/i1")]
     );
     let revision = format!("{session}/i3");
-    assert!(values(&t, &revision, "revisionReason")[0].contains("Lesson: test before shipping"));
-    assert_eq!(values(&t, &revision, "hasStep").len(), 2);
+    assert!(values(&t, &revision, tg::REVISION_REASON)[0].contains("Lesson: test before shipping"));
+    assert_eq!(values(&t, &revision, tg::HAS_STEP).len(), 2);
     assert!(prompts
         .iter()
         .any(|p| p.contains("Request to re-plan: Ship")));
@@ -443,11 +446,11 @@ async fn a_rejected_answer_is_written_again_with_the_lesson() {
         [(4, "EXECUTION_ERROR".to_owned()), (6, "SUCCESS".to_owned())]
     );
     assert_eq!(
-        values(&t, &format!("{session}/i4"), "evaluates"),
+        values(&t, &format!("{session}/i4"), tg::EVALUATES),
         [format!("{session}/i3")]
     );
     assert_eq!(
-        values(&t, &format!("{session}/i3/observation"), "content"),
+        values(&t, &format!("{session}/i3/observation"), tg::CONTENT),
         ["It is a number."]
     );
     assert!(t.iter().any(|x| x.s.iri == format!("{session}/final")

@@ -112,14 +112,14 @@ async fn an_action_followed_by_an_invented_answer_runs_the_tool_and_answers_from
         // The discarded text is on the iteration that acted, with its length.
         let triples = explained(&responses);
         let iteration = format!("{}/i1", session_of(&responses));
-        assert_eq!(values(&triples, &iteration, "action"), ["add"]);
+        assert_eq!(values(&triples, &iteration, tg::ACTION), ["add"]);
         assert_eq!(
-            values(&triples, &iteration, "discardedText"),
+            values(&triples, &iteration, tg::DISCARDED_TEXT),
             ["Final Answer: 111110"]
         );
-        assert_eq!(values(&triples, &iteration, "discardedChars"), ["20"]);
+        assert_eq!(values(&triples, &iteration, tg::DISCARDED_CHARS), ["20"]);
         assert_eq!(
-            values(&triples, &iteration, "arguments"),
+            values(&triples, &iteration, tg::ARGUMENTS),
             [r#"{"a":"98765","b":"12345"}"#]
         );
         // The thought streamed is the model's, never the invented answer.
@@ -171,13 +171,13 @@ async fn native_tool_calls_run_the_tool_and_answer_from_its_result() {
         let triples = explained(&responses);
         let session = session_of(&responses);
         let iteration = format!("{session}/i1");
-        assert_eq!(values(&triples, &iteration, "action"), ["add"]);
+        assert_eq!(values(&triples, &iteration, tg::ACTION), ["add"]);
         assert_eq!(
-            values(&triples, &iteration, "arguments"),
+            values(&triples, &iteration, tg::ARGUMENTS),
             [r#"{"a":"98765","b":"12345"}"#]
         );
         // The second call was not made, and provenance says it was dropped.
-        let dropped = values(&triples, &iteration, "discardedText").concat();
+        let dropped = values(&triples, &iteration, tg::DISCARDED_TEXT).concat();
         assert!(
             dropped.contains(r#""arguments":"{\"a\":1,\"b\":1}""#),
             "{dropped}"
@@ -218,7 +218,7 @@ async fn native_tool_calls_run_the_tool_and_answer_from_its_result() {
     assert_eq!(observed, SUM, "{text:#?}");
     let iteration = format!("{}/i1", session_of(&text));
     assert_eq!(
-        values(&explained(&text), &iteration, "discardedText"),
+        values(&explained(&text), &iteration, tg::DISCARDED_TEXT),
         ["Observation: 111110\nFinal Answer: 111110"]
     );
 

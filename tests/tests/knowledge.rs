@@ -113,7 +113,7 @@ async fn knowledge_tools_answer_from_a_loaded_collection_and_every_tool_is_bound
     assert!(facts.contains("makes Hyperflux Gizmo"), "{facts}");
     // What the agent could have done is on record, not only what it did.
     let iteration = format!("{}/i1", session_of(&founded));
-    let candidates = values(&triples, &iteration, "toolCandidate");
+    let candidates = values(&triples, &iteration, tg::TOOL_CANDIDATE);
     for tool in ["facts", "sparql", "slow", "huge"] {
         assert!(candidates.contains(&tool.to_owned()), "{candidates:?}");
     }

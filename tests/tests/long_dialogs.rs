@@ -162,7 +162,8 @@ async fn long_observations_travel_as_references_and_prompts_see_the_newest_whole
         .trim_end_matches(']');
     let answer = store
         .query(format!(
-            "SELECT ?t WHERE {{ GRAPH <urn:graph:agent-documents> {{ <{uri}> <{TG}content> ?t }} }}"
+            "SELECT ?t WHERE {{ GRAPH <urn:graph:agent-documents> {{ <{uri}> {} ?t }} }}",
+            tg::CONTENT
         ))
         .await
         .unwrap()
@@ -176,7 +177,10 @@ async fn long_observations_travel_as_references_and_prompts_see_the_newest_whole
     // `agentctl explain --full` reads every observation whole through them.
     let copies = count(
         &store,
-        format!("SELECT ?g ?d WHERE {{ GRAPH ?g {{ ?d <{TG}content> ?t FILTER(CONTAINS(?t, \"end-of-o-\")) }} }}"),
+        format!(
+            "SELECT ?g ?d WHERE {{ GRAPH ?g {{ ?d {} ?t FILTER(CONTAINS(?t, \"end-of-o-\")) }} }}",
+            tg::CONTENT
+        ),
     )
     .await;
     assert_eq!(
@@ -334,7 +338,8 @@ async fn a_long_history_is_folded_and_every_message_stays_bounded() {
     let rows = aggregator
         .store()
         .query(format!(
-            "SELECT ?t WHERE {{ GRAPH <urn:graph:agent-documents> {{ <{uri}> <{TG}content> ?t }} }}"
+            "SELECT ?t WHERE {{ GRAPH <urn:graph:agent-documents> {{ <{uri}> {} ?t }} }}",
+            tg::CONTENT
         ))
         .await
         .unwrap()

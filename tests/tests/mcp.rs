@@ -214,7 +214,7 @@ async fn mcp_tools_on_a_real_server_over_http_and_stdio_survive_its_restarts() {
     let (_, back) = observation(&http, 3);
     assert_eq!(back, "The sum of 3 and 4 is 7.");
     let iteration = format!("{}/i1", session_of(&http));
-    let candidates = values(&triples, &iteration, "toolCandidate");
+    let candidates = values(&triples, &iteration, tg::TOOL_CANDIDATE);
     for tool in ["add_http", "add_stdio", "add_intruder"] {
         assert!(candidates.contains(&tool.to_owned()), "{candidates:?}");
     }

@@ -147,7 +147,7 @@ async fn an_outage_past_its_window_ends_each_dialog_once_with_the_cause() {
         let session = session_of(&ended[id]);
         let conclusion = format!("{session}/final");
         assert_eq!(
-            values(&t, &conclusion, "terminationReason"),
+            values(&t, &conclusion, tg::TERMINATION_REASON),
             ["error"],
             "{id}"
         );

@@ -99,18 +99,18 @@ async fn a_diamond_plan_runs_in_dependency_order() {
     let session = session_of(&responses);
     let t = explained(&responses);
     let plan_node = format!("{session}/i1");
-    assert!(has_type(&t, &plan_node, "Plan"));
-    assert_eq!(values(&t, &plan_node, "hasStep").len(), 4);
+    assert!(has_type(&t, &plan_node, tg::PLAN));
+    assert_eq!(values(&t, &plan_node, tg::HAS_STEP).len(), 4);
     assert_eq!(
-        values(&t, &format!("{plan_node}/step/3"), "dependsOn"),
+        values(&t, &format!("{plan_node}/step/3"), tg::DEPENDS_ON),
         ["1", "2"]
     );
     assert_eq!(
-        values(&t, &plan_node, "rationale"),
+        values(&t, &plan_node, tg::RATIONALE),
         ["alpha first, then beta and gamma from it, then join"]
     );
     assert_eq!(
-        values(&t, &plan_node, "thought"),
+        values(&t, &plan_node, tg::THOUGHT_LINK),
         [format!("{plan_node}/thought")]
     );
     assert_no_dangling_links(&t);
@@ -118,21 +118,21 @@ async fn a_diamond_plan_runs_in_dependency_order() {
     let mut executed = BTreeMap::new();
     for n in 2..=5 {
         let node = format!("{session}/i{n}");
-        assert!(has_type(&t, &node, "StepExecution"), "i{n}");
-        let step = values(&t, &node, "executesStep").pop().unwrap();
-        let status = values(&t, &format!("{node}/observation"), "stepStatus");
+        assert!(has_type(&t, &node, tg::STEP_EXECUTION), "i{n}");
+        let step = values(&t, &node, tg::EXECUTES_STEP).pop().unwrap();
+        let status = values(&t, &format!("{node}/observation"), tg::STEP_STATUS);
         assert_eq!(status, ["completed"], "i{n}");
         executed.insert(step, n);
         let observation = format!("{node}/observation");
-        let content = values(&t, &observation, "content");
-        let index: usize = values(&t, &node, "stepIndex")[0].parse().unwrap();
+        let content = values(&t, &observation, tg::CONTENT);
+        let index: usize = values(&t, &node, tg::STEP_INDEX)[0].parse().unwrap();
         assert_eq!(content, [plan[index].result.clone()], "i{n}");
     }
     assert_eq!(executed.len(), 4, "each step executed once: {executed:?}");
     assert_eq!(executed[&format!("{plan_node}/step/0")], 2);
     assert_eq!(executed[&format!("{plan_node}/step/3")], 5);
     assert_eq!(
-        values(&t, &format!("{session}/final"), "terminationReason"),
+        values(&t, &format!("{session}/final"), tg::TERMINATION_REASON),
         ["answer"]
     );
 }
@@ -165,25 +165,25 @@ async fn a_plan_with_a_cycle_is_refused_and_asked_again() {
     let session = session_of(&responses);
     let t = explained(&responses);
     // Every call is counted, the refused attempt's too: the graph adds up to the closing totals.
-    let total = |p: &str| -> u64 {
+    let total = |p: NamedNodeRef<'_>| -> u64 {
         t.iter()
-            .filter(|x| x.p.iri == format!("{TG}{p}"))
+            .filter(|x| x.p.iri == p.as_str())
             .map(|x| x.o.value.parse::<u64>().unwrap())
             .sum()
     };
     assert_eq!(
-        (total("inToken"), total("outToken")),
+        (total(tg::IN_TOKEN), total(tg::OUT_TOKEN)),
         (last.in_token.unwrap(), last.out_token.unwrap())
     );
     let plan_node = format!("{session}/i1");
-    let reasons = values(&t, &plan_node, "rejectionReason");
+    let reasons = values(&t, &plan_node, tg::REJECTION_REASON);
     assert_eq!(reasons.len(), 1, "{reasons:?}");
     assert!(
         reasons[0].contains("cycle: 0 -> 1 -> 0") || reasons[0].contains("cycle: 1 -> 0 -> 1"),
         "{reasons:?}"
     );
-    assert!(values(&t, &plan_node, "rejectedPlan")[0].contains("\"depends_on\": [1]"));
-    assert_eq!(values(&t, &plan_node, "hasStep").len(), 1);
+    assert!(values(&t, &plan_node, tg::REJECTED_PLAN)[0].contains("\"depends_on\": [1]"));
+    assert_eq!(values(&t, &plan_node, tg::HAS_STEP).len(), 1);
     assert!(llm.calls().iter().any(|c| c
         .last_user
         .starts_with("That plan was rejected: the steps depend on each other in a cycle")));
@@ -219,22 +219,22 @@ async fn a_failed_step_is_replanned_once() {
     let t = explained(&responses);
     // i1 plan, i2 pack, i3 teleport (failed), i4 revision, i5 walk, final.
     assert_eq!(
-        values(&t, &format!("{session}/i3/observation"), "stepStatus"),
+        values(&t, &format!("{session}/i3/observation"), tg::STEP_STATUS),
         ["failed"]
     );
     let revision = format!("{session}/i4");
-    assert!(has_type(&t, &revision, "PlanRevision"));
-    assert_eq!(values(&t, &revision, "planVersion"), ["1"]);
+    assert!(has_type(&t, &revision, tg::PLAN_REVISION));
+    assert_eq!(values(&t, &revision, tg::PLAN_VERSION), ["1"]);
     assert!(
-        values(&t, &revision, "revisionReason")[0].contains("there is no tool named 'teleport'")
+        values(&t, &revision, tg::REVISION_REASON)[0].contains("there is no tool named 'teleport'")
     );
-    assert_eq!(values(&t, &revision, "droppedStep"), ["1"]);
-    assert_eq!(values(&t, &revision, "rationale"), ["walk instead"]);
+    assert_eq!(values(&t, &revision, tg::DROPPED_STEP), ["1"]);
+    assert_eq!(values(&t, &revision, tg::RATIONALE), ["walk instead"]);
     let kept = format!("{revision}/step/0");
-    assert_eq!(values(&t, &kept, "stepStatus"), ["completed"]);
-    assert_eq!(values(&t, &kept, "result"), ["PACKED"]);
+    assert_eq!(values(&t, &kept, tg::STEP_STATUS), ["completed"]);
+    assert_eq!(values(&t, &kept, tg::RESULT), ["PACKED"]);
     assert_eq!(
-        values(&t, &format!("{session}/i5"), "executesStep"),
+        values(&t, &format!("{session}/i5"), tg::EXECUTES_STEP),
         [format!("{revision}/step/1")]
     );
     assert_no_dangling_links(&t);
@@ -266,12 +266,11 @@ async fn without_a_valid_plan_the_request_becomes_one_step() {
     let session = session_of(&responses);
     let t = explained(&responses);
     let plan_node = format!("{session}/i1");
-    assert_eq!(values(&t, &plan_node, "rejectionReason").len(), 3);
-    assert!(
-        values(&t, &plan_node, "planFallbackReason")[0].contains("no valid plan after 3 attempts")
-    );
+    assert_eq!(values(&t, &plan_node, tg::REJECTION_REASON).len(), 3);
+    assert!(values(&t, &plan_node, tg::PLAN_FALLBACK_REASON)[0]
+        .contains("no valid plan after 3 attempts"));
     assert_eq!(
-        values(&t, &format!("{plan_node}/step/0"), "goal"),
+        values(&t, &format!("{plan_node}/step/0"), tg::GOAL),
         ["Just do it."]
     );
 }
@@ -322,13 +321,13 @@ async fn failures_past_max_replan_depth_end_gracefully() {
     let session = session_of(&responses);
     let t = explained(&responses);
     assert_eq!(
-        values(&t, &format!("{session}/final"), "terminationReason"),
+        values(&t, &format!("{session}/final"), tg::TERMINATION_REASON),
         ["max-replan-depth"]
     );
     // Two revisions: plans at i1, i3 and i5; failures at i2, i4 and i6.
     let revisions = t
         .iter()
-        .filter(|x| x.o.iri == format!("{TG}PlanRevision"))
+        .filter(|x| x.o.iri == tg::PLAN_REVISION.as_str())
         .count();
     assert_eq!(revisions, 2);
 }
@@ -361,13 +360,13 @@ async fn the_router_can_choose_plan_then_execute() {
     let session = session_of(&responses);
     let t = explained(&responses);
     let decision = format!("{session}/pattern-decision");
-    assert_eq!(values(&t, &decision, "pattern"), ["plan-then-execute"]);
-    assert_eq!(values(&t, &decision, "patternMethod"), ["llm"]);
+    assert_eq!(values(&t, &decision, tg::PATTERN), ["plan-then-execute"]);
+    assert_eq!(values(&t, &decision, tg::PATTERN_METHOD), ["llm"]);
     assert_eq!(
-        values(&t, &decision, "patternRationale"),
+        values(&t, &decision, tg::PATTERN_RATIONALE),
         ["several dependent lookups"]
     );
-    assert!(has_type(&t, &format!("{session}/i1"), "Plan"));
+    assert!(has_type(&t, &format!("{session}/i1"), tg::PLAN));
 }
 
 /// Histories a client made up (a plan with nonsense dependencies and statuses, an execute step with
@@ -492,14 +491,14 @@ async fn a_plan_whose_last_step_lists_itself_is_repaired_and_recorded() {
     let session = session_of(&responses);
     let t = explained(&responses);
     let plan_node = format!("{session}/i1");
-    assert!(values(&t, &plan_node, "rejectionReason").is_empty());
-    let repairs = values(&t, &plan_node, "planRepair");
+    assert!(values(&t, &plan_node, tg::REJECTION_REASON).is_empty());
+    let repairs = values(&t, &plan_node, tg::PLAN_REPAIR);
     assert_eq!(repairs.len(), 1, "{repairs:?}");
     assert!(
         repairs[0].contains("step 4 ('Summarize the findings') listed itself"),
         "{repairs:?}"
     );
-    let mut summary_needs = values(&t, &format!("{plan_node}/step/4"), "dependsOn");
+    let mut summary_needs = values(&t, &format!("{plan_node}/step/4"), tg::DEPENDS_ON);
     summary_needs.sort();
     assert_eq!(summary_needs, ["1", "2", "3"]);
     let planning_calls = llm

@@ -385,7 +385,7 @@ async fn a_conversation_is_one_lookup() {
             .collect::<BTreeSet<_>>()
         {
             assert_eq!(
-                values(&explained(responses), &node, "conversation"),
+                values(&explained(responses), &node, tg::CONVERSATION),
                 ["conv-7"],
                 "{node}"
             );

@@ -122,17 +122,17 @@ fn assert_ended_and_grounded(id: &str, responses: &[AgentResponse]) {
     let triples = explained(responses);
     let session = session_of(responses);
     let conclusion = format!("{session}/final");
-    let concluded_at: usize = values(&triples, &conclusion, "step")
+    let concluded_at: usize = values(&triples, &conclusion, tg::STEP)
         .first()
         .and_then(|s| s.parse().ok())
         .unwrap_or_else(|| panic!("{id}: no conclusion step: {triples:#?}"));
     for n in 1..concluded_at + 3 {
         let iteration = format!("{session}/i{n}");
-        let actions = values(&triples, &iteration, "action");
+        let actions = values(&triples, &iteration, tg::ACTION);
         let Some(action) = actions.first() else {
             continue;
         };
-        if !has_type(&triples, &iteration, "ToolUse") {
+        if !has_type(&triples, &iteration, tg::TOOL_USE) {
             continue;
         }
         assert!(

@@ -282,9 +282,9 @@ async fn a_timed_out_fan_out_is_answered_partially_and_its_laggard_stops() {
     let cid = format!("{id}-f1");
     let synthesis = format!("{session}/synthesis/{cid}");
     let laggard = format!("urn:trustgraph:agent:{cid}-s2");
-    assert_eq!(values(&t, &synthesis, "partial"), ["true"]);
+    assert_eq!(values(&t, &synthesis, tg::PARTIAL), ["true"]);
     assert_eq!(
-        values(&t, &synthesis, "missingSubagent"),
+        values(&t, &synthesis, tg::MISSING_SUBAGENT),
         std::slice::from_ref(&laggard)
     );
     let derived: Vec<String> = t
@@ -306,7 +306,7 @@ async fn a_timed_out_fan_out_is_answered_partially_and_its_laggard_stops() {
         .filter(|c| c.last_user.contains("Question: slow loop"))
         .count();
     assert!(turns <= 6, "the laggard took {turns} turns");
-    let ended = values(&t, &format!("{laggard}/final"), "terminationReason");
+    let ended = values(&t, &format!("{laggard}/final"), tg::TERMINATION_REASON);
     assert_eq!(ended, ["error"], "{turns} turns");
     assert_eq!(closings(&responses), 1);
 }

@@ -384,7 +384,7 @@ async fn quad_count(store: &agent_graph::GraphStore) -> anyhow::Result<u64> {
 async fn journal_size(store: &agent_graph::GraphStore) -> anyhow::Result<(u64, u64)> {
     let rows = store
         .query(format!(
-            "SELECT (SUM(STRLEN(?o)) AS ?bytes) (COUNT(?e) AS ?n) WHERE {{ GRAPH <{}> {{ ?e <{}> ?o }} }}",
+            "SELECT (SUM(STRLEN(?o)) AS ?bytes) (COUNT(?e) AS ?n) WHERE {{ GRAPH <{}> {{ ?e {} ?o }} }}",
             agent_core::vocab::JOURNAL_GRAPH,
             agent_core::vocab::tg::OUTCOME
         ))

@@ -224,7 +224,7 @@ fn session_quads(session_id: &str) -> anyhow::Result<Vec<Quad>> {
 fn noise(from: usize, to: usize) -> Vec<Quad> {
     let graph: GraphName = NamedNode::new_unchecked(agent_core::vocab::PROVENANCE_GRAPH).into();
     let derived = NamedNode::new_unchecked(format!("{}wasDerivedFrom", agent_core::vocab::PROV));
-    let content = NamedNode::new_unchecked(format!("{}content", agent_core::vocab::TG));
+    let content = agent_core::vocab::tg::CONTENT.into_owned();
     let mut quads = Vec::with_capacity(to - from);
     for i in (from..to).step_by(2) {
         let node =

@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 
 use agent_bus::{AgentClient, BrokerArgs};
 use agent_core::provenance::describe;
-use agent_core::vocab::TG;
+use agent_core::vocab::{tg, NamedNodeRef};
 use agent_schema::{AgentRequest, AgentResponse, MessageType, Triple};
 use anyhow::Context;
 
@@ -144,26 +144,26 @@ fn kind(r: &AgentResponse) -> MessageType {
 
 /// One line on how the dialog was routed, from its pattern decision's triples.
 fn routing_line(triples: &[Triple]) -> String {
-    let fact = |name: &str| {
+    let fact = |predicate: NamedNodeRef<'_>| {
         triples
             .iter()
-            .find(|t| t.p.iri == format!("{TG}{name}"))
+            .find(|t| t.p.iri == predicate.as_str())
             .map(|t| t.o.value.as_str())
             .unwrap_or("")
     };
-    let task_type = match fact("taskType") {
+    let task_type = match fact(tg::TASK_TYPE) {
         "" => String::new(),
-        t => format!("task type {t} ({}), ", fact("taskTypeMethod")),
+        t => format!("task type {t} ({}), ", fact(tg::TASK_TYPE_METHOD)),
     };
     let mut line = format!(
         "{task_type}pattern {} ({})",
-        fact("pattern"),
-        fact("patternMethod")
+        fact(tg::PATTERN),
+        fact(tg::PATTERN_METHOD)
     );
     for why in [
-        fact("rationale"),
-        fact("taskTypeFallbackReason"),
-        fact("patternFallbackReason"),
+        fact(tg::RATIONALE),
+        fact(tg::TASK_TYPE_FALLBACK_REASON),
+        fact(tg::PATTERN_FALLBACK_REASON),
     ] {
         if !why.is_empty() {
             line.push_str(&format!("; {why}"));

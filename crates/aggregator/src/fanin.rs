@@ -19,7 +19,7 @@ use agent_schema::{
 };
 use oxigraph::model::{NamedNode, Term};
 
-use agent_core::vocab::TG;
+use agent_core::vocab::{tg, NamedNodeRef, RDF_TYPE};
 
 #[derive(Debug, thiserror::Error)]
 pub enum FanInError {
@@ -76,19 +76,19 @@ pub async fn sweep(
 
 /// The correlation id of a fan-out or completion in `message`, if it holds one.
 pub fn correlation_of(message: &Triples) -> Option<String> {
-    let typed = |class: &str| {
+    let typed = |class: NamedNodeRef<'_>| {
         message
             .triples
             .iter()
-            .any(|t| t.p.iri.ends_with("#type") && t.o.iri == format!("{TG}{class}"))
+            .any(|t| t.p.iri == RDF_TYPE.as_str() && t.o.iri == class.as_str())
     };
-    if !typed("SubagentCompletion") && !typed("FanOut") {
+    if !typed(tg::SUBAGENT_COMPLETION) && !typed(tg::FAN_OUT) {
         return None;
     }
     message
         .triples
         .iter()
-        .find(|t| t.p.iri == format!("{TG}correlationId"))
+        .find(|t| t.p.iri == tg::CORRELATION_ID.as_str())
         .map(|t| t.o.value.clone())
 }
 

@@ -11,8 +11,10 @@ use crate::documents;
 use crate::pattern::Termination;
 use crate::router::{Choice, Decision, Method};
 
+use oxrdf::NamedNodeRef;
+
 use crate::vocab::{
-    session_uri, DOCUMENTS_GRAPH, PROV, PROVENANCE_GRAPH as GRAPH, RDFS_LABEL, RDF_TYPE, TG,
+    prov, session_uri, tg, DOCUMENTS_GRAPH, PROVENANCE_GRAPH as GRAPH, RDFS_LABEL, RDF_TYPE,
     XSD_BOOLEAN, XSD_DATETIME, XSD_INTEGER,
 };
 
@@ -104,30 +106,31 @@ pub struct NodeBuilder {
 }
 
 impl NodeBuilder {
-    fn add(&mut self, s: &str, p: &str, o: Term) -> &mut Self {
+    fn add(&mut self, s: &str, p: NamedNodeRef<'_>, o: Term) -> &mut Self {
         self.triples.push(Triple {
             s: Term::iri(s),
-            p: Term::iri(p),
+            p: Term::iri(p.as_str()),
             o,
             g: Some(GRAPH.to_owned()),
         });
         self
     }
-    fn types(&mut self, s: &str, types: &[&str]) -> &mut Self {
-        self.add(s, RDF_TYPE, Term::iri(format!("{PROV}Entity")));
+    fn types(&mut self, s: &str, types: &[NamedNodeRef<'_>]) -> &mut Self {
+        self.add(s, RDF_TYPE, Term::iri(prov::ENTITY.as_str()));
         for t in types {
-            self.add(s, RDF_TYPE, Term::iri(format!("{TG}{t}")));
+            self.add(s, RDF_TYPE, Term::iri(t.as_str()));
         }
         self
     }
-    fn tg(&mut self, s: &str, p: &str, o: Term) -> &mut Self {
-        self.add(s, &format!("{TG}{p}"), o)
+    /// A `tg:` fact (any term of [`tg`]).
+    fn tg(&mut self, s: &str, p: NamedNodeRef<'_>, o: Term) -> &mut Self {
+        self.add(s, p, o)
     }
     fn label(&mut self, s: &str, label: &str) -> &mut Self {
         self.add(s, RDFS_LABEL, Term::literal(label))
     }
     fn derived(&mut self, s: &str, from: &str) -> &mut Self {
-        self.add(s, &format!("{PROV}wasDerivedFrom"), Term::iri(from))
+        self.add(s, prov::WAS_DERIVED_FROM, Term::iri(from))
     }
     /// The text the node stands for, kept in the graph (TrustGraph keeps it in its librarian). A
     /// short text is a literal of `doc` beside the node; a long one is a document of its own,
@@ -136,26 +139,26 @@ impl NodeBuilder {
     fn document(&mut self, s: &str, doc: &str, text: &str) -> &mut Self {
         if documents::is_long(text) {
             let doc = documents::document_uri(text);
-            self.tg(s, "document", Term::iri(&doc));
+            self.tg(s, tg::DOCUMENT, Term::iri(&doc));
             self.triples.push(Triple {
                 s: Term::iri(&doc),
-                p: Term::iri(format!("{TG}content")),
+                p: Term::iri(tg::CONTENT.as_str()),
                 o: Term::literal(text),
                 g: Some(DOCUMENTS_GRAPH.to_owned()),
             });
             return self;
         }
-        self.tg(s, "document", Term::iri(doc));
-        self.tg(doc, "content", Term::literal(text))
+        self.tg(s, tg::DOCUMENT, Term::iri(doc));
+        self.tg(doc, tg::CONTENT, Term::literal(text))
     }
     /// What the LLM calls behind a node cost: duration, tokens and the model, if known.
     fn cost(&mut self, s: &str, stats: &CallStats) -> &mut Self {
-        let integer = |v: u64| Term::typed_literal(v.to_string(), XSD_INTEGER);
-        self.tg(s, "llmDurationMs", integer(stats.duration_ms))
-            .tg(s, "inToken", integer(stats.in_token))
-            .tg(s, "outToken", integer(stats.out_token));
+        let integer = |v: u64| Term::typed_literal(v.to_string(), XSD_INTEGER.as_str());
+        self.tg(s, tg::LLM_DURATION_MS, integer(stats.duration_ms))
+            .tg(s, tg::IN_TOKEN, integer(stats.in_token))
+            .tg(s, tg::OUT_TOKEN, integer(stats.out_token));
         if !stats.model.is_empty() {
-            self.tg(s, "model", Term::literal(&stats.model));
+            self.tg(s, tg::MODEL, Term::literal(&stats.model));
         }
         self
     }
@@ -168,14 +171,14 @@ impl NodeBuilder {
 pub fn session(uris: &SessionUris, question: &str, started_at: &str) -> Vec<Triple> {
     let s = uris.session();
     let mut b = NodeBuilder::default();
-    b.types(&s, &["Question", "AgentQuestion"])
+    b.types(&s, &[tg::QUESTION, tg::AGENT_QUESTION])
         .label(&s, "Agent Question")
         .add(
             &s,
-            &format!("{PROV}startedAtTime"),
-            Term::typed_literal(started_at, XSD_DATETIME),
+            prov::STARTED_AT_TIME,
+            Term::typed_literal(started_at, XSD_DATETIME.as_str()),
         )
-        .tg(&s, "query", Term::literal(question));
+        .tg(&s, tg::QUERY, Term::literal(question));
     b.build()
 }
 
@@ -185,18 +188,18 @@ pub fn cancellation(uris: &SessionUris, by: &str, at: &str, reason: &str) -> Vec
     let s = uris.cancellation();
     let session = uris.session();
     let mut b = NodeBuilder::default();
-    b.types(&s, &["Cancellation"])
+    b.types(&s, &[tg::CANCELLATION])
         .label(&s, "Cancellation")
         .derived(&s, &session)
-        .tg(&s, "cancelledBy", Term::literal(by))
+        .tg(&s, tg::CANCELLED_BY, Term::literal(by))
         .add(
             &s,
-            &format!("{PROV}atTime"),
-            Term::typed_literal(at, XSD_DATETIME),
+            prov::AT_TIME,
+            Term::typed_literal(at, XSD_DATETIME.as_str()),
         )
-        .add(&session, &format!("{PROV}wasInvalidatedBy"), Term::iri(&s));
+        .add(&session, prov::WAS_INVALIDATED_BY, Term::iri(&s));
     if !reason.is_empty() {
-        b.tg(&s, "reason", Term::literal(reason));
+        b.tg(&s, tg::REASON, Term::literal(reason));
     }
     b.build()
 }
@@ -215,18 +218,22 @@ pub fn approval_request(
 ) -> Vec<Triple> {
     let s = uris.approval(n);
     let t = format!("{s}/thought");
-    let time = |v: &str| Term::typed_literal(v, XSD_DATETIME);
+    let time = |v: &str| Term::typed_literal(v, XSD_DATETIME.as_str());
     let mut b = NodeBuilder::default();
-    b.types(&s, &["ApprovalRequest"])
+    b.types(&s, &[tg::APPROVAL_REQUEST])
         .label(&s, &format!("Approval needed: {tool}"))
         .derived(&s, &uris.previous(n - 1))
-        .tg(&s, "step", Term::typed_literal(n.to_string(), XSD_INTEGER))
-        .tg(&s, "action", Term::literal(tool))
-        .tg(&s, "arguments", Term::literal(arguments_json))
-        .add(&s, &format!("{PROV}startedAtTime"), time(asked_at))
-        .tg(&s, "deadline", time(deadline))
-        .tg(&s, "thought", Term::iri(&t));
-    b.types(&t, &["Reflection", "Thought"])
+        .tg(
+            &s,
+            tg::STEP,
+            Term::typed_literal(n.to_string(), XSD_INTEGER.as_str()),
+        )
+        .tg(&s, tg::ACTION, Term::literal(tool))
+        .tg(&s, tg::ARGUMENTS, Term::literal(arguments_json))
+        .add(&s, prov::STARTED_AT_TIME, time(asked_at))
+        .tg(&s, tg::DEADLINE, time(deadline))
+        .tg(&s, tg::THOUGHT_LINK, Term::iri(&t));
+    b.types(&t, &[tg::REFLECTION, tg::THOUGHT])
         .label(&t, "Thought")
         .derived(&t, &s)
         .document(&t, &t, thought);
@@ -246,23 +253,27 @@ pub fn approval_answer(
 ) -> Vec<Triple> {
     let s = uris.approval_answer(n);
     let mut b = NodeBuilder::default();
-    b.types(&s, &["ApprovalAnswer"])
+    b.types(&s, &[tg::APPROVAL_ANSWER])
         .label(&s, &format!("Approval: {decision}"))
         .derived(&s, &uris.approval(n))
-        .tg(&s, "decision", Term::literal(decision))
-        .tg(&s, "answeredBy", Term::literal(by));
+        .tg(&s, tg::DECISION, Term::literal(decision))
+        .tg(&s, tg::ANSWERED_BY, Term::literal(by));
     if !at.is_empty() {
         b.add(
             &s,
-            &format!("{PROV}atTime"),
-            Term::typed_literal(at, XSD_DATETIME),
+            prov::AT_TIME,
+            Term::typed_literal(at, XSD_DATETIME.as_str()),
         );
     }
     if !reason.is_empty() {
-        b.tg(&s, "reason", Term::literal(reason));
+        b.tg(&s, tg::REASON, Term::literal(reason));
     }
     if !edited_arguments_json.is_empty() {
-        b.tg(&s, "editedArguments", Term::literal(edited_arguments_json));
+        b.tg(
+            &s,
+            tg::EDITED_ARGUMENTS,
+            Term::literal(edited_arguments_json),
+        );
     }
     b.build()
 }
@@ -271,7 +282,7 @@ pub fn approval_answer(
 pub fn follows(uris: &SessionUris, earlier: &[String]) -> Vec<Triple> {
     let mut b = NodeBuilder::default();
     for session in earlier {
-        b.tg(&uris.session(), "follows", Term::iri(session));
+        b.tg(&uris.session(), tg::FOLLOWS, Term::iri(session));
     }
     b.build()
 }
@@ -285,22 +296,19 @@ pub const MAX_RECORDED_INPUT_BYTES: usize = 1024 * 1024;
 /// explain tree shows what was done, and this is what a fork or replay starts from.
 pub fn step_input(uris: &SessionUris, input: &crate::fork::RecordedInput) -> Vec<Triple> {
     let s = uris.input(input.step);
-    let integer = |v: usize| Term::typed_literal(v.to_string(), XSD_INTEGER);
+    let integer = |v: usize| Term::typed_literal(v.to_string(), XSD_INTEGER.as_str());
     let mut b = NodeBuilder::default();
-    b.add(&s, RDF_TYPE, Term::iri(format!("{TG}StepInput")))
-        .tg(&s, "step", integer(input.step));
+    b.add(&s, RDF_TYPE, Term::iri(tg::STEP_INPUT.as_str()))
+        .tg(&s, tg::STEP, integer(input.step));
     let json = String::from_utf8_lossy(&agent_schema::encode(&input.request)).into_owned();
     if json.len() <= MAX_RECORDED_INPUT_BYTES {
-        b.tg(&s, "request", Term::literal(json));
+        b.tg(&s, tg::REQUEST, Term::literal(json));
     } else {
-        b.tg(&s, "requestBytes", integer(json.len()));
+        b.tg(&s, tg::REQUEST_BYTES, integer(json.len()));
     }
     if let Some((from, kept)) = input.continues {
-        b.tg(&s, "continuesInput", Term::iri(uris.input(from))).tg(
-            &s,
-            "continuedSteps",
-            integer(kept),
-        );
+        b.tg(&s, tg::CONTINUES_INPUT, Term::iri(uris.input(from)))
+            .tg(&s, tg::CONTINUED_STEPS, integer(kept));
     }
     b.build()
 }
@@ -316,22 +324,22 @@ pub fn fork(
     reuse: &str,
 ) -> Vec<Triple> {
     let s = uris.session();
-    let integer = |v: usize| Term::typed_literal(v.to_string(), XSD_INTEGER);
+    let integer = |v: usize| Term::typed_literal(v.to_string(), XSD_INTEGER.as_str());
     let from = if step <= 1 {
         source.session()
     } else {
         source.previous(step - 1)
     };
     let mut b = NodeBuilder::default();
-    b.add(&s, RDF_TYPE, Term::iri(format!("{TG}Fork")))
-        .tg(&s, "forkedFrom", Term::iri(source.session()))
-        .tg(&s, "forkedAtStep", integer(step))
+    b.add(&s, RDF_TYPE, Term::iri(tg::FORK.as_str()))
+        .tg(&s, tg::FORKED_FROM, Term::iri(source.session()))
+        .tg(&s, tg::FORKED_AT_STEP, integer(step))
         .derived(&s, &from);
     for edit in edits {
-        b.tg(&s, "forkEdit", Term::literal(edit));
+        b.tg(&s, tg::FORK_EDIT, Term::literal(edit));
     }
     if !reuse.is_empty() {
-        b.tg(&s, "reuses", Term::literal(reuse));
+        b.tg(&s, tg::REUSES, Term::literal(reuse));
     }
     b.build()
 }
@@ -346,10 +354,10 @@ pub fn fork_observation(
 ) -> Vec<Triple> {
     let s = uris.observation(n);
     let mut b = NodeBuilder::default();
-    b.types(&s, &["Observation"])
+    b.types(&s, &[tg::OBSERVATION])
         .label(&s, "Observation")
         .derived(&s, &uris.session())
-        .tg(&s, "forkedFrom", Term::iri(source.observation(n)))
+        .tg(&s, tg::FORKED_FROM, Term::iri(source.observation(n)))
         .document(&s, &s, text);
     b.build()
 }
@@ -372,16 +380,16 @@ pub fn llm_call(
 ) -> Vec<Triple> {
     let s = uris.llm_call(digest);
     let mut b = NodeBuilder::default();
-    b.tg(&s, "promptDigest", Term::literal(digest))
-        .tg(&s, "run", Term::iri(run));
+    b.tg(&s, tg::PROMPT_DIGEST, Term::literal(digest))
+        .tg(&s, tg::RUN, Term::iri(run));
     if completion.len() <= MAX_RECORDED_COMPLETION_BYTES {
-        b.tg(&s, "completion", Term::literal(completion));
+        b.tg(&s, tg::COMPLETION, Term::literal(completion));
     } else {
-        let bytes = Term::typed_literal(completion.len().to_string(), XSD_INTEGER);
-        b.tg(&s, "completionBytes", bytes);
+        let bytes = Term::typed_literal(completion.len().to_string(), XSD_INTEGER.as_str());
+        b.tg(&s, tg::COMPLETION_BYTES, bytes);
     }
     if let Some(source) = reused_from {
-        b.tg(&s, "reusedFrom", Term::iri(source));
+        b.tg(&s, tg::REUSED_FROM, Term::iri(source));
     }
     b.build()
 }
@@ -389,14 +397,18 @@ pub fn llm_call(
 /// `node` took its content from the recorded `source` instead of running again (a replay).
 pub fn reused(node: &str, source: &str) -> Vec<Triple> {
     let mut b = NodeBuilder::default();
-    b.tg(node, "reusedFrom", Term::iri(source));
+    b.tg(node, tg::REUSED_FROM, Term::iri(source));
     b.build()
 }
 
 /// Links iteration `n` to the approval its tool call waited for.
 pub fn approved_iteration(uris: &SessionUris, n: usize) -> Vec<Triple> {
     let mut b = NodeBuilder::default();
-    b.tg(&uris.iteration(n), "approval", Term::iri(uris.approval(n)));
+    b.tg(
+        &uris.iteration(n),
+        tg::APPROVAL,
+        Term::iri(uris.approval(n)),
+    );
     b.build()
 }
 
@@ -404,7 +416,11 @@ pub fn approved_iteration(uris: &SessionUris, n: usize) -> Vec<Triple> {
 /// that ended it.
 pub fn cancelled_by(uris: &SessionUris, cancellation: &str) -> Vec<Triple> {
     let mut b = NodeBuilder::default();
-    b.tg(&uris.conclusion(), "cancellation", Term::iri(cancellation));
+    b.tg(
+        &uris.conclusion(),
+        tg::CANCELLATION_LINK,
+        Term::iri(cancellation),
+    );
     b.build()
 }
 
@@ -430,14 +446,14 @@ pub fn tool_iteration(
     let s = uris.iteration(n);
     let t = uris.thought(n);
     let mut b = NodeBuilder::default();
-    b.types(&s, &["Analysis", "ToolUse"])
+    b.types(&s, &[tg::ANALYSIS, tg::TOOL_USE])
         .label(&s, &format!("Analysis: {action}"))
-        .tg(&s, "action", Term::literal(action))
-        .tg(&s, "arguments", Term::literal(arguments_json))
+        .tg(&s, tg::ACTION, Term::literal(action))
+        .tg(&s, tg::ARGUMENTS, Term::literal(arguments_json))
         .derived(&s, &uris.previous(n - 1))
-        .tg(&s, "thought", Term::iri(&t));
+        .tg(&s, tg::THOUGHT_LINK, Term::iri(&t));
     iteration_facts(&mut b, &s, n, candidates, stats);
-    b.types(&t, &["Reflection", "Thought"])
+    b.types(&t, &[tg::REFLECTION, tg::THOUGHT])
         .label(&t, "Thought")
         .derived(&t, &s)
         .document(&t, &t, thought);
@@ -461,18 +477,22 @@ pub fn discarded(uris: &SessionUris, n: usize, text: &str) -> Vec<Triple> {
     let mut b = NodeBuilder::default();
     b.tg(
         &s,
-        "discardedChars",
-        Term::typed_literal(chars.to_string(), XSD_INTEGER),
+        tg::DISCARDED_CHARS,
+        Term::typed_literal(chars.to_string(), XSD_INTEGER.as_str()),
     )
-    .tg(&s, "discardedText", Term::literal(&excerpt));
+    .tg(&s, tg::DISCARDED_TEXT, Term::literal(&excerpt));
     b.build()
 }
 
 fn iteration_facts(b: &mut NodeBuilder, s: &str, n: usize, candidates: &[&str], stats: &CallStats) {
-    b.tg(s, "step", Term::typed_literal(n.to_string(), XSD_INTEGER))
-        .cost(s, stats);
+    b.tg(
+        s,
+        tg::STEP,
+        Term::typed_literal(n.to_string(), XSD_INTEGER.as_str()),
+    )
+    .cost(s, stats);
     for c in candidates {
-        b.tg(s, "toolCandidate", Term::literal(*c));
+        b.tg(s, tg::TOOL_CANDIDATE, Term::literal(*c));
     }
 }
 
@@ -494,31 +514,31 @@ pub fn research_round(
     } else {
         crate::deep_research::RESEARCH_ACTION
     };
-    b.types(&s, &["Analysis", "ResearchRound"])
+    b.types(&s, &[tg::ANALYSIS, tg::RESEARCH_ROUND])
         .label(&s, &format!("Research round: {action}"))
-        .tg(&s, "action", Term::literal(action))
+        .tg(&s, tg::ACTION, Term::literal(action))
         .tg(
             &s,
-            "researchComplete",
-            Term::typed_literal(round.complete.to_string(), XSD_BOOLEAN),
+            tg::RESEARCH_COMPLETE,
+            Term::typed_literal(round.complete.to_string(), XSD_BOOLEAN.as_str()),
         )
         .derived(&s, &uris.previous(n - 1))
-        .tg(&s, "thought", Term::iri(&t));
+        .tg(&s, tg::THOUGHT_LINK, Term::iri(&t));
     for gap in &round.gaps {
-        b.tg(&s, "gap", Term::literal(gap));
+        b.tg(&s, tg::GAP, Term::literal(gap));
     }
     if round.dropped > 0 {
         b.tg(
             &s,
-            "droppedCalls",
-            Term::typed_literal(round.dropped.to_string(), XSD_INTEGER),
+            tg::DROPPED_CALLS,
+            Term::typed_literal(round.dropped.to_string(), XSD_INTEGER.as_str()),
         );
     }
     if let Some(why) = &round.unreadable {
-        b.tg(&s, "unreadableReason", Term::literal(why));
+        b.tg(&s, tg::UNREADABLE_REASON, Term::literal(why));
     }
     iteration_facts(&mut b, &s, n, candidates, stats);
-    b.types(&t, &["Reflection", "Thought"])
+    b.types(&t, &[tg::REFLECTION, tg::THOUGHT])
         .label(&t, "Thought")
         .derived(&t, &s)
         .document(&t, &t, &round.thought);
@@ -538,19 +558,19 @@ pub fn research_call(
 ) -> Vec<Triple> {
     let round = uris.iteration(n);
     let s = format!("{round}/call/{k}");
-    let integer = |v: u64| Term::typed_literal(v.to_string(), XSD_INTEGER);
+    let integer = |v: u64| Term::typed_literal(v.to_string(), XSD_INTEGER.as_str());
     let mut b = NodeBuilder::default();
-    b.types(&s, &["ToolUse"])
+    b.types(&s, &[tg::TOOL_USE])
         .label(&s, &format!("Call {k}: {}", call.tool))
-        .tg(&s, "action", Term::literal(&call.tool))
+        .tg(&s, tg::ACTION, Term::literal(&call.tool))
         .tg(
             &s,
-            "arguments",
+            tg::ARGUMENTS,
             Term::literal(serde_json::to_string(&call.arguments).unwrap_or_default()),
         )
-        .tg(&s, "toolOutcome", Term::literal(outcome))
-        .tg(&s, "toolDurationMs", integer(tool.duration_ms))
-        .tg(&s, "note", integer(note as u64))
+        .tg(&s, tg::TOOL_OUTCOME, Term::literal(outcome))
+        .tg(&s, tg::TOOL_DURATION_MS, integer(tool.duration_ms))
+        .tg(&s, tg::NOTE, integer(note as u64))
         .derived(&s, &round);
     b.build()
 }
@@ -585,47 +605,47 @@ pub fn plan_iteration(
     stats: &CallStats,
 ) -> Vec<Triple> {
     let s = uris.iteration(n);
-    let integer = |v: usize| Term::typed_literal(v.to_string(), XSD_INTEGER);
+    let integer = |v: usize| Term::typed_literal(v.to_string(), XSD_INTEGER.as_str());
     let mut b = NodeBuilder::default();
-    let (action, types): (&str, &[&str]) = match plan.revision_of {
-        Some(_) => ("replan", &["Analysis", "Plan", "PlanRevision"]),
-        None => ("plan", &["Analysis", "Plan"]),
+    let (action, types): (&str, &[NamedNodeRef<'_>]) = match plan.revision_of {
+        Some(_) => ("replan", &[tg::ANALYSIS, tg::PLAN, tg::PLAN_REVISION]),
+        None => ("plan", &[tg::ANALYSIS, tg::PLAN]),
     };
     b.types(&s, types)
         .label(
             &s,
             &format!("Plan v{}: {} steps", plan.version, plan.steps.len()),
         )
-        .tg(&s, "action", Term::literal(action))
-        .tg(&s, "planVersion", integer(plan.version))
+        .tg(&s, tg::ACTION, Term::literal(action))
+        .tg(&s, tg::PLAN_VERSION, integer(plan.version))
         .derived(&s, &uris.previous(n - 1));
     if !plan.rationale.is_empty() {
-        b.tg(&s, "rationale", Term::literal(plan.rationale));
+        b.tg(&s, tg::RATIONALE, Term::literal(plan.rationale));
     }
     if let Some((problem, dropped)) = plan.revision_of {
-        b.tg(&s, "revisionReason", Term::literal(problem));
+        b.tg(&s, tg::REVISION_REASON, Term::literal(problem));
         for d in dropped {
-            b.tg(&s, "droppedStep", integer(*d));
+            b.tg(&s, tg::DROPPED_STEP, integer(*d));
         }
     }
     if let Some(why) = plan.fallback {
-        b.tg(&s, "planFallbackReason", Term::literal(why));
+        b.tg(&s, tg::PLAN_FALLBACK_REASON, Term::literal(why));
     }
     for repair in plan.repairs {
-        b.tg(&s, "planRepair", Term::literal(repair));
+        b.tg(&s, tg::PLAN_REPAIR, Term::literal(repair));
     }
     if !plan.thought.is_empty() {
         let t = uris.thought(n);
-        b.tg(&s, "thought", Term::iri(&t));
-        b.types(&t, &["Reflection", "Thought"])
+        b.tg(&s, tg::THOUGHT_LINK, Term::iri(&t));
+        b.types(&t, &[tg::REFLECTION, tg::THOUGHT])
             .label(&t, "Thought")
             .derived(&t, &s)
             .document(&t, &t, plan.thought);
     }
     for (answer, why) in plan.rejected {
-        b.tg(&s, "rejectedPlan", Term::literal(answer)).tg(
+        b.tg(&s, tg::REJECTED_PLAN, Term::literal(answer)).tg(
             &s,
-            "rejectionReason",
+            tg::REJECTION_REASON,
             Term::literal(why),
         );
     }
@@ -642,27 +662,27 @@ fn plan_step_nodes(
     s: &str,
     steps: &[agent_schema::PlanStep],
 ) {
-    let integer = |v: usize| Term::typed_literal(v.to_string(), XSD_INTEGER);
+    let integer = |v: usize| Term::typed_literal(v.to_string(), XSD_INTEGER.as_str());
     for (i, step) in steps.iter().enumerate() {
         let node = uris.plan_step(n, i);
-        b.tg(s, "hasStep", Term::iri(&node));
-        b.types(&node, &["PlanStep"])
+        b.tg(s, tg::HAS_STEP, Term::iri(&node));
+        b.types(&node, &[tg::PLAN_STEP])
             .label(&node, &format!("Step {i}: {}", step.goal))
-            .tg(&node, "stepIndex", integer(i))
-            .tg(&node, "goal", Term::literal(&step.goal))
-            .tg(&node, "stepStatus", Term::literal(&step.status))
+            .tg(&node, tg::STEP_INDEX, integer(i))
+            .tg(&node, tg::GOAL, Term::literal(&step.goal))
+            .tg(&node, tg::STEP_STATUS, Term::literal(&step.status))
             .derived(&node, s);
         if !step.tool_hint.is_empty() {
-            b.tg(&node, "toolHint", Term::literal(&step.tool_hint));
+            b.tg(&node, tg::TOOL_HINT, Term::literal(&step.tool_hint));
         }
         if !step.result.is_empty() {
-            b.tg(&node, "result", Term::literal(&step.result));
+            b.tg(&node, tg::RESULT, Term::literal(&step.result));
         }
         for d in &step.depends_on {
             b.tg(
                 &node,
-                "dependsOn",
-                Term::typed_literal(d.to_string(), XSD_INTEGER),
+                tg::DEPENDS_ON,
+                Term::typed_literal(d.to_string(), XSD_INTEGER.as_str()),
             );
         }
     }
@@ -686,16 +706,16 @@ pub fn step_execution(
     let s = uris.iteration(n);
     let mut triples = tool_iteration(uris, n, thought, action, arguments_json, candidates, stats);
     let mut b = NodeBuilder::default();
-    b.types(&s, &["StepExecution"])
-        .tg(&s, "executesStep", Term::iri(plan_step))
+    b.types(&s, &[tg::STEP_EXECUTION])
+        .tg(&s, tg::EXECUTES_STEP, Term::iri(plan_step))
         .tg(
             &s,
-            "stepIndex",
-            Term::typed_literal(index.to_string(), XSD_INTEGER),
+            tg::STEP_INDEX,
+            Term::typed_literal(index.to_string(), XSD_INTEGER.as_str()),
         );
     // A rerun says which of the critic's lessons it was given.
     for lesson in lessons {
-        b.tg(&s, "lessonApplied", Term::literal(lesson));
+        b.tg(&s, tg::LESSON_APPLIED, Term::literal(lesson));
     }
     triples.extend(b.build());
     triples
@@ -706,10 +726,10 @@ pub fn step_execution(
 pub fn reflection(uris: &SessionUris, n: usize, lesson: &str, stats: &CallStats) -> Vec<Triple> {
     let s = uris.iteration(n);
     let mut b = NodeBuilder::default();
-    b.types(&s, &["Analysis", "Critique"])
+    b.types(&s, &[tg::ANALYSIS, tg::CRITIQUE])
         .label(&s, "Reflection")
-        .tg(&s, "action", Term::literal("reflect"))
-        .tg(&s, "lesson", Term::literal(lesson))
+        .tg(&s, tg::ACTION, Term::literal("reflect"))
+        .tg(&s, tg::LESSON, Term::literal(lesson))
         .derived(&s, &uris.previous(n - 1));
     iteration_facts(&mut b, &s, n, &[], stats);
     b.build()
@@ -720,9 +740,9 @@ pub fn reflection(uris: &SessionUris, n: usize, lesson: &str, stats: &CallStats)
 pub fn draft_answer(uris: &SessionUris, n: usize, stats: &CallStats) -> Vec<Triple> {
     let s = uris.iteration(n);
     let mut b = NodeBuilder::default();
-    b.types(&s, &["Analysis", "Synthesis"])
+    b.types(&s, &[tg::ANALYSIS, tg::SYNTHESIS])
         .label(&s, "Draft answer")
-        .tg(&s, "action", Term::literal("synthesise"))
+        .tg(&s, tg::ACTION, Term::literal("synthesise"))
         .derived(&s, &uris.previous(n - 1));
     iteration_facts(&mut b, &s, n, &[], stats);
     b.build()
@@ -731,7 +751,7 @@ pub fn draft_answer(uris: &SessionUris, n: usize, stats: &CallStats) -> Vec<Trip
 /// The outcome of a plan step on its observation node: `completed` or `failed`.
 pub fn step_status(uris: &SessionUris, n: usize, status: &str) -> Vec<Triple> {
     let mut b = NodeBuilder::default();
-    b.tg(&uris.observation(n), "stepStatus", Term::literal(status));
+    b.tg(&uris.observation(n), tg::STEP_STATUS, Term::literal(status));
     b.build()
 }
 
@@ -751,51 +771,51 @@ pub fn evaluation(
     stats: &CallStats,
 ) -> Vec<Triple> {
     let s = uris.iteration(n);
-    let integer = |v: usize| Term::typed_literal(v.to_string(), XSD_INTEGER);
+    let integer = |v: usize| Term::typed_literal(v.to_string(), XSD_INTEGER.as_str());
     let mut b = NodeBuilder::default();
     let what = match index {
         Some(i) => format!("step {i}"),
         None => "the plan".to_owned(),
     };
-    b.types(&s, &["Analysis", "Evaluation"])
+    b.types(&s, &[tg::ANALYSIS, tg::EVALUATION])
         .label(
             &s,
             &format!("Evaluation of {what}: {}", verdict.status.as_str()),
         )
-        .tg(&s, "action", Term::literal("evaluate"))
-        .tg(&s, "evaluates", Term::iri(judged))
+        .tg(&s, tg::ACTION, Term::literal("evaluate"))
+        .tg(&s, tg::EVALUATES, Term::iri(judged))
         .tg(
             &s,
-            "evaluationStatus",
+            tg::EVALUATION_STATUS,
             Term::literal(verdict.status.as_str()),
         )
-        .tg(&s, "retryCount", integer(retries))
+        .tg(&s, tg::RETRY_COUNT, integer(retries))
         .derived(&s, &uris.previous(n - 1));
     if let Some(i) = index {
-        b.tg(&s, "stepIndex", integer(i));
+        b.tg(&s, tg::STEP_INDEX, integer(i));
     }
     if !thought.is_empty() {
         let t = uris.thought(n);
-        b.tg(&s, "thought", Term::iri(&t));
-        b.types(&t, &["Reflection", "Thought"])
+        b.tg(&s, tg::THOUGHT_LINK, Term::iri(&t));
+        b.types(&t, &[tg::REFLECTION, tg::THOUGHT])
             .label(&t, "Thought")
             .derived(&t, &s)
             .document(&t, &t, thought);
     }
     if !verdict.evaluation.is_empty() {
-        b.tg(&s, "evaluation", Term::literal(&verdict.evaluation));
+        b.tg(&s, tg::EVALUATION_TEXT, Term::literal(&verdict.evaluation));
     }
     if !verdict.lesson.is_empty() {
-        b.tg(&s, "lesson", Term::literal(&verdict.lesson));
+        b.tg(&s, tg::LESSON, Term::literal(&verdict.lesson));
     }
     if let Some(why) = &verdict.unreadable {
-        b.tg(&s, "evaluationUnreadable", Term::literal(why));
+        b.tg(&s, tg::EVALUATION_UNREADABLE, Term::literal(why));
     }
     for i in &applied.rerun {
-        b.tg(&s, "rerunStep", integer(*i));
+        b.tg(&s, tg::RERUN_STEP, integer(*i));
     }
     for goal in &applied.sub_goals {
-        b.tg(&s, "subStep", Term::literal(goal));
+        b.tg(&s, tg::SUB_STEP, Term::literal(goal));
     }
     if !applied.sub_goals.is_empty() {
         // A split changes the plan's shape: this iteration names its steps from now on.
@@ -804,8 +824,8 @@ pub fn evaluation(
     if applied.life_cycle_exhausted {
         b.tg(
             &s,
-            "lifeCycleExhausted",
-            Term::typed_literal("true", XSD_BOOLEAN),
+            tg::LIFE_CYCLE_EXHAUSTED,
+            Term::typed_literal("true", XSD_BOOLEAN.as_str()),
         );
     }
     iteration_facts(&mut b, &s, n, &[], stats);
@@ -824,14 +844,14 @@ pub struct ToolStats {
 /// tokens in the graph add up to the dialog's.
 pub fn observation(uris: &SessionUris, n: usize, text: &str, tool: ToolStats) -> Vec<Triple> {
     let s = uris.observation(n);
-    let integer = |v: u64| Term::typed_literal(v.to_string(), XSD_INTEGER);
+    let integer = |v: u64| Term::typed_literal(v.to_string(), XSD_INTEGER.as_str());
     let mut b = NodeBuilder::default();
-    b.types(&s, &["Observation"])
+    b.types(&s, &[tg::OBSERVATION])
         .label(&s, "Observation")
         .derived(&s, &uris.iteration(n))
-        .tg(&s, "toolDurationMs", integer(tool.duration_ms))
-        .tg(&s, "inToken", integer(tool.in_token))
-        .tg(&s, "outToken", integer(tool.out_token))
+        .tg(&s, tg::TOOL_DURATION_MS, integer(tool.duration_ms))
+        .tg(&s, tg::IN_TOKEN, integer(tool.in_token))
+        .tg(&s, tg::OUT_TOKEN, integer(tool.out_token))
         .document(&s, &s, text);
     b.build()
 }
@@ -840,7 +860,7 @@ pub fn observation(uris: &SessionUris, n: usize, text: &str, tool: ToolStats) ->
 /// completions drive fan-in.
 pub fn sealed(node: &str, seal: &str) -> Vec<Triple> {
     let mut b = NodeBuilder::default();
-    b.tg(node, "seal", Term::literal(seal));
+    b.tg(node, tg::SEAL, Term::literal(seal));
     b.build()
 }
 
@@ -853,11 +873,11 @@ pub fn budget_spent(
     run_elapsed_ms: u64,
 ) -> Vec<Triple> {
     let s = uris.conclusion();
-    let integer = |v: u64| Term::typed_literal(v.to_string(), XSD_INTEGER);
+    let integer = |v: u64| Term::typed_literal(v.to_string(), XSD_INTEGER.as_str());
     let mut b = NodeBuilder::default();
-    b.tg(&s, "budgetSpent", Term::literal(limit))
-        .tg(&s, "runTokens", integer(run_tokens))
-        .tg(&s, "runElapsedMs", integer(run_elapsed_ms));
+    b.tg(&s, tg::BUDGET_SPENT, Term::literal(limit))
+        .tg(&s, tg::RUN_TOKENS, integer(run_tokens))
+        .tg(&s, tg::RUN_ELAPSED_MS, integer(run_elapsed_ms));
     b.build()
 }
 
@@ -898,15 +918,19 @@ pub fn conclusion_from(
     let s = uris.conclusion();
     let doc = uris.answer_document();
     let mut b = NodeBuilder::default();
-    b.types(&s, &["Conclusion", "Answer"])
+    b.types(&s, &[tg::CONCLUSION, tg::ANSWER])
         .label(&s, "Conclusion")
         .derived(&s, from)
-        .tg(&s, "terminationReason", Term::literal(termination.as_str()))
+        .tg(
+            &s,
+            tg::TERMINATION_REASON,
+            Term::literal(termination.as_str()),
+        )
         .document(&s, &doc, answer);
     if !thought.is_empty() {
         let t = uris.thought(n);
-        b.tg(&s, "thought", Term::iri(&t));
-        b.types(&t, &["Reflection", "Thought"])
+        b.tg(&s, tg::THOUGHT_LINK, Term::iri(&t));
+        b.types(&t, &[tg::REFLECTION, tg::THOUGHT])
             .label(&t, "Thought")
             .derived(&t, &s)
             .document(&t, &t, thought);
@@ -920,20 +944,24 @@ pub fn conclusion_from(
 pub fn pattern_decision(uris: &SessionUris, decision: &Decision, stats: &CallStats) -> Vec<Triple> {
     let s = uris.pattern_decision();
     let mut b = NodeBuilder::default();
-    b.types(&s, &["PatternDecision"])
+    b.types(&s, &[tg::PATTERN_DECISION])
         .label(&s, &format!("Pattern: {}", decision.pattern.selected))
         .derived(&s, &uris.session())
-        .tg(&s, "pattern", Term::literal(&decision.pattern.selected));
+        .tg(&s, tg::PATTERN, Term::literal(&decision.pattern.selected));
     if !decision.task_type.selected.is_empty() {
-        b.tg(&s, "taskType", Term::literal(&decision.task_type.selected));
+        b.tg(
+            &s,
+            tg::TASK_TYPE,
+            Term::literal(&decision.task_type.selected),
+        );
     }
     // A request that named its pattern but no task type has no task type facts.
     if !decision.task_type.selected.is_empty() {
-        choice_facts(&mut b, &s, "taskType", &decision.task_type);
+        choice_facts(&mut b, &s, &TASK_TYPE_CHOICE, &decision.task_type);
     }
-    choice_facts(&mut b, &s, "pattern", &decision.pattern);
+    choice_facts(&mut b, &s, &PATTERN_CHOICE, &decision.pattern);
     for name in &decision.unavailable_patterns {
-        b.tg(&s, "patternUnavailable", Term::literal(name));
+        b.tg(&s, tg::PATTERN_UNAVAILABLE, Term::literal(name));
     }
     let rationale: Vec<&str> = [&decision.task_type, &decision.pattern]
         .iter()
@@ -941,17 +969,17 @@ pub fn pattern_decision(uris: &SessionUris, decision: &Decision, stats: &CallSta
         .filter(|r| !r.is_empty())
         .collect();
     if !rationale.is_empty() {
-        b.tg(&s, "rationale", Term::literal(rationale.join(" ")));
+        b.tg(&s, tg::RATIONALE, Term::literal(rationale.join(" ")));
     }
     let fallback = matches!(decision.task_type.method, Method::Fallback(_))
         || matches!(decision.pattern.method, Method::Fallback(_));
     b.tg(
         &s,
-        "fallback",
-        Term::typed_literal(fallback.to_string(), XSD_BOOLEAN),
+        tg::FALLBACK,
+        Term::typed_literal(fallback.to_string(), XSD_BOOLEAN.as_str()),
     );
     if !decision.framing.is_empty() {
-        b.tg(&s, "framing", Term::literal(&decision.framing));
+        b.tg(&s, tg::FRAMING, Term::literal(&decision.framing));
     }
     b.cost(&s, stats);
     b.build()
@@ -970,39 +998,64 @@ pub fn dispatch_decision(
 ) -> Vec<Triple> {
     let s = uris.dispatch();
     let mut b = NodeBuilder::default();
-    b.types(&s, &["DispatchDecision"])
+    b.types(&s, &[tg::DISPATCH_DECISION])
         .label(&s, &format!("Dispatch: {}", choice.selected))
         .derived(&s, &uris.pattern_decision())
-        .tg(&s, "dispatch", Term::literal(&choice.selected));
-    choice_facts(&mut b, &s, "dispatch", choice);
+        .tg(&s, tg::DISPATCH, Term::literal(&choice.selected));
+    choice_facts(&mut b, &s, &DISPATCH_CHOICE, choice);
     if !arguments_json.is_empty() {
-        b.tg(&s, "arguments", Term::literal(arguments_json));
+        b.tg(&s, tg::ARGUMENTS, Term::literal(arguments_json));
     }
     b.cost(&s, stats);
     b.build()
 }
 
-fn choice_facts(b: &mut NodeBuilder, s: &str, what: &str, choice: &Choice) {
+/// The predicates of one kind of choice's facts.
+struct ChoiceTerms {
+    candidate: NamedNodeRef<'static>,
+    method: NamedNodeRef<'static>,
+    rationale: NamedNodeRef<'static>,
+    fallback_reason: NamedNodeRef<'static>,
+    answer: NamedNodeRef<'static>,
+}
+
+const TASK_TYPE_CHOICE: ChoiceTerms = ChoiceTerms {
+    candidate: tg::TASK_TYPE_CANDIDATE,
+    method: tg::TASK_TYPE_METHOD,
+    rationale: tg::TASK_TYPE_RATIONALE,
+    fallback_reason: tg::TASK_TYPE_FALLBACK_REASON,
+    answer: tg::TASK_TYPE_ANSWER,
+};
+
+const PATTERN_CHOICE: ChoiceTerms = ChoiceTerms {
+    candidate: tg::PATTERN_CANDIDATE,
+    method: tg::PATTERN_METHOD,
+    rationale: tg::PATTERN_RATIONALE,
+    fallback_reason: tg::PATTERN_FALLBACK_REASON,
+    answer: tg::PATTERN_ANSWER,
+};
+
+const DISPATCH_CHOICE: ChoiceTerms = ChoiceTerms {
+    candidate: tg::DISPATCH_CANDIDATE,
+    method: tg::DISPATCH_METHOD,
+    rationale: tg::DISPATCH_RATIONALE,
+    fallback_reason: tg::DISPATCH_FALLBACK_REASON,
+    answer: tg::DISPATCH_ANSWER,
+};
+
+fn choice_facts(b: &mut NodeBuilder, s: &str, terms: &ChoiceTerms, choice: &Choice) {
     for c in &choice.candidates {
-        b.tg(s, &format!("{what}Candidate"), Term::literal(c));
+        b.tg(s, terms.candidate, Term::literal(c));
     }
-    b.tg(
-        s,
-        &format!("{what}Method"),
-        Term::literal(choice.method.as_str()),
-    );
+    b.tg(s, terms.method, Term::literal(choice.method.as_str()));
     if !choice.rationale.is_empty() {
-        b.tg(
-            s,
-            &format!("{what}Rationale"),
-            Term::literal(&choice.rationale),
-        );
+        b.tg(s, terms.rationale, Term::literal(&choice.rationale));
     }
     if let Method::Fallback(reason) = &choice.method {
-        b.tg(s, &format!("{what}FallbackReason"), Term::literal(reason));
+        b.tg(s, terms.fallback_reason, Term::literal(reason));
     }
     if let Some(raw) = &choice.raw_answer {
-        b.tg(s, &format!("{what}Answer"), Term::literal(raw));
+        b.tg(s, terms.answer, Term::literal(raw));
     }
 }
 
@@ -1031,35 +1084,35 @@ pub fn fanout(
     stats: &CallStats,
 ) -> Vec<Triple> {
     let s = uris.fanout(correlation_id);
-    let integer = |v: usize| Term::typed_literal(v.to_string(), XSD_INTEGER);
+    let integer = |v: usize| Term::typed_literal(v.to_string(), XSD_INTEGER.as_str());
     let mut b = NodeBuilder::default();
-    b.types(&s, &["FanOut"])
+    b.types(&s, &[tg::FAN_OUT])
         .label(&s, &format!("Fan-out to {} subagents", goals.len()))
-        .tg(&s, "correlationId", Term::literal(correlation_id))
-        .tg(&s, "expectedSiblings", integer(goals.len()))
-        .tg(&s, "continuation", Term::literal(continuation_json))
-        .tg(&s, "clientId", Term::literal(client_id))
+        .tg(&s, tg::CORRELATION_ID, Term::literal(correlation_id))
+        .tg(&s, tg::EXPECTED_SIBLINGS, integer(goals.len()))
+        .tg(&s, tg::CONTINUATION, Term::literal(continuation_json))
+        .tg(&s, tg::CLIENT_ID, Term::literal(client_id))
         .add(
             &s,
-            &format!("{PROV}startedAtTime"),
-            Term::typed_literal(started_at, XSD_DATETIME),
+            prov::STARTED_AT_TIME,
+            Term::typed_literal(started_at, XSD_DATETIME.as_str()),
         )
-        .tg(&s, "step", integer(n))
+        .tg(&s, tg::STEP, integer(n))
         .derived(&s, after);
     for (goal, session) in goals {
-        b.tg(&s, "subagentGoal", Term::literal(goal)).tg(
+        b.tg(&s, tg::SUBAGENT_GOAL, Term::literal(goal)).tg(
             &s,
-            "subagentSession",
+            tg::SUBAGENT_SESSION,
             Term::iri(SessionUris::new(session).session()),
         );
     }
-    let integer64 = |v: u64| Term::typed_literal(v.to_string(), XSD_INTEGER);
-    b.tg(&s, "llmDurationMs", integer64(stats.duration_ms))
-        .tg(&s, "inToken", integer64(stats.in_token))
-        .tg(&s, "outToken", integer64(stats.out_token))
-        .tg(&s, "dialogInToken", integer64(dialog.in_token))
-        .tg(&s, "dialogOutToken", integer64(dialog.out_token))
-        .tg(&s, "dialogStartedMs", integer64(dialog.started_ms));
+    let integer64 = |v: u64| Term::typed_literal(v.to_string(), XSD_INTEGER.as_str());
+    b.tg(&s, tg::LLM_DURATION_MS, integer64(stats.duration_ms))
+        .tg(&s, tg::IN_TOKEN, integer64(stats.in_token))
+        .tg(&s, tg::OUT_TOKEN, integer64(stats.out_token))
+        .tg(&s, tg::DIALOG_IN_TOKEN, integer64(dialog.in_token))
+        .tg(&s, tg::DIALOG_OUT_TOKEN, integer64(dialog.out_token))
+        .tg(&s, tg::DIALOG_STARTED_MS, integer64(dialog.started_ms));
     b.build()
 }
 
@@ -1072,7 +1125,7 @@ pub fn subagent_needs(needs: &[(String, Vec<String>)]) -> Vec<Triple> {
         for prerequisite in prerequisites {
             b.tg(
                 &s,
-                "needs",
+                tg::NEEDS,
                 Term::iri(SessionUris::new(prerequisite).session()),
             );
         }
@@ -1088,11 +1141,15 @@ pub fn dependent_start(session: &str, prerequisites: &[String], at: &str) -> Vec
     for prerequisite in prerequisites {
         b.tg(
             &s,
-            "startedAfter",
+            tg::STARTED_AFTER,
             Term::iri(SessionUris::new(prerequisite).completion()),
         );
     }
-    b.tg(&s, "startedAt", Term::typed_literal(at, XSD_DATETIME));
+    b.tg(
+        &s,
+        tg::STARTED_AT,
+        Term::typed_literal(at, XSD_DATETIME.as_str()),
+    );
     b.build()
 }
 
@@ -1117,22 +1174,22 @@ pub fn completion(
     tokens: (u64, u64),
 ) -> Vec<Triple> {
     let s = uris.completion();
-    let integer64 = |v: u64| Term::typed_literal(v.to_string(), XSD_INTEGER);
+    let integer64 = |v: u64| Term::typed_literal(v.to_string(), XSD_INTEGER.as_str());
     let doc = format!("{s}/result");
     let mut b = NodeBuilder::default();
-    b.types(&s, &["SubagentCompletion"])
+    b.types(&s, &[tg::SUBAGENT_COMPLETION])
         .label(&s, &format!("Completion ({status}): {goal}"))
-        .tg(&s, "correlationId", Term::literal(correlation_id))
+        .tg(&s, tg::CORRELATION_ID, Term::literal(correlation_id))
         .tg(
             &s,
-            "parentSession",
+            tg::PARENT_SESSION,
             Term::iri(SessionUris::new(parent_session).session()),
         )
-        .tg(&s, "goal", Term::literal(goal))
-        .tg(&s, "completionStatus", Term::literal(status))
+        .tg(&s, tg::GOAL, Term::literal(goal))
+        .tg(&s, tg::COMPLETION_STATUS, Term::literal(status))
         .derived(&s, &uris.conclusion())
-        .tg(&s, "dialogInToken", integer64(tokens.0))
-        .tg(&s, "dialogOutToken", integer64(tokens.1))
+        .tg(&s, tg::DIALOG_IN_TOKEN, integer64(tokens.0))
+        .tg(&s, tg::DIALOG_OUT_TOKEN, integer64(tokens.1))
         .document(&s, &doc, result);
     b.build()
 }
@@ -1148,16 +1205,16 @@ pub fn reconciliation(
 ) -> Vec<Triple> {
     let s = uris.synthesis(correlation_id);
     let mut b = NodeBuilder::default();
-    b.types(&s, &["Reconciliation"]).tg(
+    b.types(&s, &[tg::RECONCILIATION]).tg(
         &s,
-        "reconciliationRead",
-        Term::typed_literal(reconciliation.read.to_string(), XSD_BOOLEAN),
+        tg::RECONCILIATION_READ,
+        Term::typed_literal(reconciliation.read.to_string(), XSD_BOOLEAN.as_str()),
     );
     for point in &reconciliation.agreed {
-        b.tg(&s, "agreement", Term::literal(point));
+        b.tg(&s, tg::AGREEMENT, Term::literal(point));
     }
     for point in &reconciliation.disagreed {
-        b.tg(&s, "disagreement", Term::literal(point));
+        b.tg(&s, tg::DISAGREEMENT, Term::literal(point));
     }
     b.build()
 }
@@ -1174,9 +1231,9 @@ pub fn subagent_evaluation(
     stats: &CallStats,
 ) -> Vec<Triple> {
     let s = subagent_evaluation_node(uris, correlation_id, index);
-    let integer = |v: u64| Term::typed_literal(v.to_string(), XSD_INTEGER);
+    let integer = |v: u64| Term::typed_literal(v.to_string(), XSD_INTEGER.as_str());
     let mut b = NodeBuilder::default();
-    b.types(&s, &["Evaluation"])
+    b.types(&s, &[tg::EVALUATION])
         .label(
             &s,
             &format!(
@@ -1184,26 +1241,26 @@ pub fn subagent_evaluation(
                 verdict.status.as_str()
             ),
         )
-        .tg(&s, "evaluates", Term::iri(completion))
-        .tg(&s, "stepIndex", integer(index as u64))
+        .tg(&s, tg::EVALUATES, Term::iri(completion))
+        .tg(&s, tg::STEP_INDEX, integer(index as u64))
         .tg(
             &s,
-            "evaluationStatus",
+            tg::EVALUATION_STATUS,
             Term::literal(verdict.status.as_str()),
         )
-        .tg(&s, "llmDurationMs", integer(stats.duration_ms))
-        .tg(&s, "inToken", integer(stats.in_token))
-        .tg(&s, "outToken", integer(stats.out_token))
+        .tg(&s, tg::LLM_DURATION_MS, integer(stats.duration_ms))
+        .tg(&s, tg::IN_TOKEN, integer(stats.in_token))
+        .tg(&s, tg::OUT_TOKEN, integer(stats.out_token))
         .derived(&s, completion);
     if !verdict.evaluation.is_empty() {
-        b.tg(&s, "evaluation", Term::literal(&verdict.evaluation));
+        b.tg(&s, tg::EVALUATION_TEXT, Term::literal(&verdict.evaluation));
     }
     if !verdict.lesson.is_empty() {
-        b.tg(&s, "lesson", Term::literal(&verdict.lesson));
+        b.tg(&s, tg::LESSON, Term::literal(&verdict.lesson));
     }
     // An unreadable verdict lets the result stand unchecked: said, not hidden.
     if let Some(why) = &verdict.unreadable {
-        b.tg(&s, "unreadableReason", Term::literal(why));
+        b.tg(&s, tg::UNREADABLE_REASON, Term::literal(why));
     }
     b.build()
 }
@@ -1225,9 +1282,9 @@ pub fn synthesis(
 ) -> Vec<Triple> {
     let s = uris.synthesis(correlation_id);
     let mut b = NodeBuilder::default();
-    b.types(&s, &["Synthesis"])
+    b.types(&s, &[tg::SYNTHESIS])
         .label(&s, "Synthesis")
-        .tg(&s, "correlationId", Term::literal(correlation_id))
+        .tg(&s, tg::CORRELATION_ID, Term::literal(correlation_id))
         .derived(&s, &uris.fanout(correlation_id));
     for c in completions {
         b.derived(&s, c);
@@ -1235,11 +1292,11 @@ pub fn synthesis(
     if !missing.is_empty() {
         b.tg(
             &s,
-            "partial",
+            tg::PARTIAL,
             Term::typed_literal("true", "http://www.w3.org/2001/XMLSchema#boolean"),
         );
         for session in missing {
-            b.tg(&s, "missingSubagent", Term::iri(session));
+            b.tg(&s, tg::MISSING_SUBAGENT, Term::iri(session));
         }
     }
     b.cost(&s, stats);
@@ -1269,7 +1326,7 @@ pub fn describe(triples: &[Triple]) -> Vec<String> {
         if iri == RDFS_LABEL {
             return "rdfs:label".to_owned();
         }
-        for (prefix, short) in [(TG, "tg:"), (PROV, "prov:")] {
+        for (prefix, short) in [(crate::vocab::TG, "tg:"), (crate::vocab::PROV, "prov:")] {
             if let Some(rest) = iri.strip_prefix(prefix) {
                 return format!("{short}{rest}");
             }
@@ -1304,11 +1361,11 @@ mod tests {
                 .map(|t| t.p.iri)
                 .collect()
         };
-        assert!(predicates("short").contains(&format!("{TG}completion")));
+        assert!(predicates("short").contains(&tg::COMPLETION.as_str().to_owned()));
         let long = "x".repeat(MAX_RECORDED_COMPLETION_BYTES + 1);
         let kept = predicates(&long);
-        assert!(!kept.contains(&format!("{TG}completion")));
-        assert!(kept.contains(&format!("{TG}completionBytes")));
+        assert!(!kept.contains(&tg::COMPLETION.as_str().to_owned()));
+        assert!(kept.contains(&tg::COMPLETION_BYTES.as_str().to_owned()));
     }
 
     #[test]
@@ -1328,7 +1385,7 @@ mod tests {
             && t.o.iri == u.observation(1)));
         let content = triples
             .iter()
-            .find(|t| t.p.iri == format!("{TG}content"))
+            .find(|t| t.p.iri == tg::CONTENT.as_str())
             .unwrap();
         assert_eq!(content.o.kind, "l");
         assert_eq!(content.o.value, "\"> DROP");
@@ -1344,7 +1401,7 @@ mod tests {
         let doc = crate::documents::document_uri(&long);
         let pointer: Vec<_> = triples
             .iter()
-            .filter(|t| t.p.iri == format!("{TG}document"))
+            .filter(|t| t.p.iri == tg::DOCUMENT.as_str())
             .collect();
         assert_eq!(pointer.len(), 1);
         assert_eq!(
@@ -1353,7 +1410,7 @@ mod tests {
         );
         let content: Vec<_> = triples
             .iter()
-            .filter(|t| t.p.iri == format!("{TG}content"))
+            .filter(|t| t.p.iri == tg::CONTENT.as_str())
             .collect();
         assert_eq!(content.len(), 1, "the text once, on the document");
         assert_eq!(content[0].s.iri, doc);
@@ -1364,7 +1421,7 @@ mod tests {
         let short = node("short");
         assert!(short
             .iter()
-            .any(|t| t.s.iri == u.observation(1) && t.p.iri == format!("{TG}content")));
+            .any(|t| t.s.iri == u.observation(1) && t.p.iri == tg::CONTENT.as_str()));
         assert!(short.iter().all(|t| t.g.as_deref() == Some(GRAPH)));
     }
 

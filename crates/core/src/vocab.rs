@@ -1,17 +1,22 @@
 //! The provenance vocabulary, defined once: the namespaces, the named graphs, the URI prefix of
-//! sessions and the terms that more than one crate writes or queries. Fan-in, the journal, the
-//! explain tools and the tests agree on a term because they all name it from here.
+//! sessions and every term the services write or query, as `NamedNodeRef` constants (like
+//! `oxrdf::vocab`). The writers name terms only from here, so a term misspelt is a compile error; the
+//! SPARQL texts name them as `tg:` and `prov:` prefixed names, which a test checks against this list
+//! (`every_prefixed_name_in_the_sources_is_a_term_of_the_vocabulary`).
+
+pub use oxrdf::vocab::{rdf, rdfs, xsd};
+pub use oxrdf::NamedNodeRef;
 
 /// TrustGraph's namespace (`tg:`).
 pub const TG: &str = "https://trustgraph.ai/ns/";
 /// PROV-O (`prov:`).
 pub const PROV: &str = "http://www.w3.org/ns/prov#";
-pub const RDF_TYPE: &str = "http://www.w3.org/1999/02/22-rdf-syntax-ns#type";
-pub const RDFS_LABEL: &str = "http://www.w3.org/2000/01/rdf-schema#label";
-pub const XSD_INTEGER: &str = "http://www.w3.org/2001/XMLSchema#integer";
-pub const XSD_DECIMAL: &str = "http://www.w3.org/2001/XMLSchema#decimal";
-pub const XSD_BOOLEAN: &str = "http://www.w3.org/2001/XMLSchema#boolean";
-pub const XSD_DATETIME: &str = "http://www.w3.org/2001/XMLSchema#dateTime";
+pub const RDF_TYPE: NamedNodeRef<'static> = rdf::TYPE;
+pub const RDFS_LABEL: NamedNodeRef<'static> = rdfs::LABEL;
+pub const XSD_INTEGER: NamedNodeRef<'static> = xsd::INTEGER;
+pub const XSD_DECIMAL: NamedNodeRef<'static> = xsd::DECIMAL;
+pub const XSD_BOOLEAN: NamedNodeRef<'static> = xsd::BOOLEAN;
+pub const XSD_DATETIME: NamedNodeRef<'static> = xsd::DATE_TIME;
 
 /// The named graph that holds provenance (TrustGraph's retrieval graph).
 pub const PROVENANCE_GRAPH: &str = "urn:graph:retrieval";
@@ -32,35 +37,207 @@ pub const SESSION_PREFIX: &str = "urn:trustgraph:agent:";
 /// The `PREFIX` lines for `prov:`, `tg:` and `rdfs:`, for SPARQL written against this vocabulary.
 pub const SPARQL_PREFIXES: &str = "PREFIX prov: <http://www.w3.org/ns/prov#>\nPREFIX tg: <https://trustgraph.ai/ns/>\nPREFIX rdfs: <http://www.w3.org/2000/01/rdf-schema#>\n";
 
-/// A `tg:` term's IRI, at compile time.
-macro_rules! tg_term {
-    ($local:literal) => {
-        concat!("https://trustgraph.ai/ns/", $local)
+/// Constants for the terms of one namespace, and `ALL` of them for checks.
+macro_rules! vocabulary {
+    ($namespace:literal; $($(#[$doc:meta])* $name:ident = $local:literal;)*) => {
+        $(
+            $(#[$doc])*
+            pub const $name: NamedNodeRef<'static> =
+                NamedNodeRef::new_unchecked(concat!($namespace, $local));
+        )*
+        /// Every term of the namespace defined here.
+        pub const ALL: &[NamedNodeRef<'static>] = &[$($name),*];
     };
 }
 
-/// `tg:` terms named outside the provenance builders.
+/// TrustGraph's terms (`tg:`): the classes of provenance nodes, then their properties.
 pub mod tg {
-    /// A node that records what an LLM call cost.
-    pub const IN_TOKEN: &str = tg_term!("inToken");
-    /// The run (root session) a costed node belongs to.
-    pub const RUN: &str = tg_term!("run");
-    /// The `conversation_id` of the request that created a node.
-    pub const CONVERSATION: &str = tg_term!("conversation");
-    /// A supervisor's fan-out node (class).
-    pub const FAN_OUT: &str = tg_term!("FanOut");
-    /// The correlation id a fan-out and its completions share.
-    pub const CORRELATION_ID: &str = tg_term!("correlationId");
-    /// A journal entry's recorded outcome.
-    pub const OUTCOME: &str = tg_term!("outcome");
-    /// Whether a journal entry's outcome is on the broker.
-    pub const PUBLISHED: &str = tg_term!("published");
-    /// A document's whole text.
-    pub const CONTENT: &str = tg_term!("content");
-    /// What resuming a step parked for approval needs (its message and decision, as JSON).
-    pub const CONTINUATION: &str = tg_term!("continuation");
-    /// A node's seal: what only this service may have written.
-    pub const SEAL: &str = tg_term!("seal");
+    use oxrdf::NamedNodeRef;
+
+    vocabulary! { "https://trustgraph.ai/ns/";
+        // Classes.
+        AGENT_QUESTION = "AgentQuestion";
+        ANALYSIS = "Analysis";
+        ANSWER = "Answer";
+        APPROVAL_ANSWER = "ApprovalAnswer";
+        APPROVAL_REQUEST = "ApprovalRequest";
+        CANCELLATION = "Cancellation";
+        CONCLUSION = "Conclusion";
+        CRITIQUE = "Critique";
+        DISPATCH_DECISION = "DispatchDecision";
+        EVALUATION = "Evaluation";
+        /// A supervisor's fan-out node.
+        FAN_OUT = "FanOut";
+        FORK = "Fork";
+        OBSERVATION = "Observation";
+        PATTERN_DECISION = "PatternDecision";
+        PLAN = "Plan";
+        PLAN_REVISION = "PlanRevision";
+        PLAN_STEP = "PlanStep";
+        QUESTION = "Question";
+        RECONCILIATION = "Reconciliation";
+        REFLECTION = "Reflection";
+        RESEARCH_ROUND = "ResearchRound";
+        STEP_EXECUTION = "StepExecution";
+        STEP_INPUT = "StepInput";
+        SUBAGENT_COMPLETION = "SubagentCompletion";
+        SYNTHESIS = "Synthesis";
+        THOUGHT = "Thought";
+        TOOL_USE = "ToolUse";
+        // Properties.
+        ACTION = "action";
+        AGREEMENT = "agreement";
+        ANSWERED_BY = "answeredBy";
+        APPROVAL = "approval";
+        ARGUMENTS = "arguments";
+        ATTEMPT = "attempt";
+        BUDGET_SPENT = "budgetSpent";
+        /// The cancellation that ended a dialog (the class is [`CANCELLATION`]).
+        CANCELLATION_LINK = "cancellation";
+        CANCELLED_BY = "cancelledBy";
+        CLAIMED_AT = "claimedAt";
+        CLIENT_ID = "clientId";
+        COMPLETION = "completion";
+        COMPLETION_BYTES = "completionBytes";
+        COMPLETION_STATUS = "completionStatus";
+        CONFIG = "config";
+        /// A document's whole text.
+        CONTENT = "content";
+        /// What resuming a step parked for approval needs (its message and decision, as JSON).
+        CONTINUATION = "continuation";
+        CONTINUED_STEPS = "continuedSteps";
+        CONTINUES_INPUT = "continuesInput";
+        /// The `conversation_id` of the request that created a node.
+        CONVERSATION = "conversation";
+        /// The correlation id a fan-out and its completions share.
+        CORRELATION_ID = "correlationId";
+        DEADLINE = "deadline";
+        DECISION = "decision";
+        DELIVERY = "delivery";
+        DEPENDS_ON = "dependsOn";
+        DIALOG_IN_TOKEN = "dialogInToken";
+        DIALOG_OUT_TOKEN = "dialogOutToken";
+        DIALOG_STARTED_MS = "dialogStartedMs";
+        DISAGREEMENT = "disagreement";
+        DISCARDED_CHARS = "discardedChars";
+        DISCARDED_TEXT = "discardedText";
+        DISPATCH = "dispatch";
+        DISPATCH_ANSWER = "dispatchAnswer";
+        DISPATCH_CANDIDATE = "dispatchCandidate";
+        DISPATCH_FALLBACK_REASON = "dispatchFallbackReason";
+        DISPATCH_METHOD = "dispatchMethod";
+        DISPATCH_RATIONALE = "dispatchRationale";
+        DOCUMENT = "document";
+        DROPPED_CALLS = "droppedCalls";
+        DROPPED_STEP = "droppedStep";
+        EDITED_ARGUMENTS = "editedArguments";
+        EVALUATES = "evaluates";
+        /// A critic's evaluation, as text (the class is [`EVALUATION`]).
+        EVALUATION_TEXT = "evaluation";
+        EVALUATION_STATUS = "evaluationStatus";
+        EVALUATION_UNREADABLE = "evaluationUnreadable";
+        EXECUTES_STEP = "executesStep";
+        EXPECTED_SIBLINGS = "expectedSiblings";
+        FALLBACK = "fallback";
+        FOLLOWS = "follows";
+        FORK_EDIT = "forkEdit";
+        FORKED_AT_STEP = "forkedAtStep";
+        FORKED_FROM = "forkedFrom";
+        FRAMING = "framing";
+        GAP = "gap";
+        GOAL = "goal";
+        HAS_STEP = "hasStep";
+        /// What an LLM call read, in tokens (also marks a node that records a cost).
+        IN_TOKEN = "inToken";
+        LESSON = "lesson";
+        LESSON_APPLIED = "lessonApplied";
+        LIFE_CYCLE_EXHAUSTED = "lifeCycleExhausted";
+        LLM_DURATION_MS = "llmDurationMs";
+        MISSING_SUBAGENT = "missingSubagent";
+        MODEL = "model";
+        NEEDS = "needs";
+        NOTE = "note";
+        OUT_TOKEN = "outToken";
+        /// A journal entry's recorded outcome.
+        OUTCOME = "outcome";
+        PARENT_SESSION = "parentSession";
+        PARTIAL = "partial";
+        PATTERN = "pattern";
+        PATTERN_ANSWER = "patternAnswer";
+        PATTERN_CANDIDATE = "patternCandidate";
+        PATTERN_FALLBACK_REASON = "patternFallbackReason";
+        PATTERN_METHOD = "patternMethod";
+        PATTERN_RATIONALE = "patternRationale";
+        PATTERN_UNAVAILABLE = "patternUnavailable";
+        PLAN_FALLBACK_REASON = "planFallbackReason";
+        PLAN_REPAIR = "planRepair";
+        PLAN_VERSION = "planVersion";
+        PROMPT_DIGEST = "promptDigest";
+        /// Whether a journal entry's outcome is on the broker.
+        PUBLISHED = "published";
+        QUERY = "query";
+        RATIONALE = "rationale";
+        REASON = "reason";
+        RECONCILIATION_READ = "reconciliationRead";
+        RECORDED_AT = "recordedAt";
+        REJECTED_PLAN = "rejectedPlan";
+        REJECTION_REASON = "rejectionReason";
+        REQUEST = "request";
+        REQUEST_BYTES = "requestBytes";
+        RERUN_STEP = "rerunStep";
+        RESEARCH_COMPLETE = "researchComplete";
+        RESULT = "result";
+        RETRY_COUNT = "retryCount";
+        REUSED_FROM = "reusedFrom";
+        REUSES = "reuses";
+        REVISION_REASON = "revisionReason";
+        /// The run (root session) a costed node belongs to.
+        RUN = "run";
+        RUN_ELAPSED_MS = "runElapsedMs";
+        RUN_TOKENS = "runTokens";
+        /// A node's seal: what only this service may have written.
+        SEAL = "seal";
+        START_CLAIM = "startClaim";
+        START_CLAIMED_AT = "startClaimedAt";
+        START_REQUESTED = "startRequested";
+        STARTED_AFTER = "startedAfter";
+        STARTED_AT = "startedAt";
+        STEP = "step";
+        STEP_INDEX = "stepIndex";
+        STEP_STATUS = "stepStatus";
+        SUB_STEP = "subStep";
+        SUBAGENT_GOAL = "subagentGoal";
+        SUBAGENT_SESSION = "subagentSession";
+        SYNTHESIS_CLAIM = "synthesisClaim";
+        SYNTHESIS_REQUESTED = "synthesisRequested";
+        TASK_TYPE = "taskType";
+        TASK_TYPE_ANSWER = "taskTypeAnswer";
+        TASK_TYPE_CANDIDATE = "taskTypeCandidate";
+        TASK_TYPE_FALLBACK_REASON = "taskTypeFallbackReason";
+        TASK_TYPE_METHOD = "taskTypeMethod";
+        TASK_TYPE_RATIONALE = "taskTypeRationale";
+        TERMINATION_REASON = "terminationReason";
+        /// The thought an approval request or tool use came from (the class is [`THOUGHT`]).
+        THOUGHT_LINK = "thought";
+        TOOL_CANDIDATE = "toolCandidate";
+        TOOL_DURATION_MS = "toolDurationMs";
+        TOOL_HINT = "toolHint";
+        TOOL_OUTCOME = "toolOutcome";
+        UNREADABLE_REASON = "unreadableReason";
+    }
+}
+
+/// The PROV-O terms the provenance uses (`prov:`).
+pub mod prov {
+    use oxrdf::NamedNodeRef;
+
+    vocabulary! { "http://www.w3.org/ns/prov#";
+        ENTITY = "Entity";
+        WAS_DERIVED_FROM = "wasDerivedFrom";
+        WAS_INVALIDATED_BY = "wasInvalidatedBy";
+        STARTED_AT_TIME = "startedAtTime";
+        AT_TIME = "atTime";
+    }
 }
 
 /// The IRI of a session's root node.
@@ -84,19 +261,72 @@ mod tests {
 
     #[test]
     fn terms_and_prefixes_agree_with_the_namespaces() {
-        for term in [
-            tg::IN_TOKEN,
-            tg::RUN,
-            tg::CONVERSATION,
-            tg::FAN_OUT,
-            tg::CORRELATION_ID,
-            tg::OUTCOME,
-            tg::PUBLISHED,
-        ] {
-            assert!(term.starts_with(TG), "{term}");
+        for term in tg::ALL {
+            assert!(term.as_str().starts_with(TG), "{term}");
+        }
+        for term in prov::ALL {
+            assert!(term.as_str().starts_with(PROV), "{term}");
         }
         assert!(SPARQL_PREFIXES.contains(&format!("tg: <{TG}>")));
         assert!(SPARQL_PREFIXES.contains(&format!("prov: <{PROV}>")));
+    }
+
+    /// The `tg:` and `prov:` prefixed names in the workspace's sources and documents: SPARQL in
+    /// the services and tests, and the tables in `docs/` (a name after `:` or `/`, as in topic
+    /// names, is not one).
+    fn prefixed_names() -> Vec<(String, String)> {
+        fn walk(dir: &std::path::Path, found: &mut Vec<(String, String)>) {
+            let Ok(entries) = std::fs::read_dir(dir) else {
+                return;
+            };
+            for entry in entries.flatten() {
+                let path = entry.path();
+                let name = entry.file_name().to_string_lossy().into_owned();
+                if path.is_dir() {
+                    if !name.starts_with('.') && name != "target" {
+                        walk(&path, found);
+                    }
+                } else if name.ends_with(".rs") || name.ends_with(".md") {
+                    let text = std::fs::read_to_string(&path).unwrap_or_default();
+                    for prefix in ["tg:", "prov:"] {
+                        for (at, _) in text.match_indices(prefix) {
+                            let before = text[..at].chars().next_back();
+                            if before.is_some_and(|c| c.is_alphanumeric() || "_:/-".contains(c)) {
+                                continue;
+                            }
+                            let local: String = text[at + prefix.len()..]
+                                .chars()
+                                .take_while(|c| c.is_ascii_alphabetic())
+                                .collect();
+                            if !local.is_empty() {
+                                found
+                                    .push((format!("{prefix}{local}"), path.display().to_string()));
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+        let mut found = Vec::new();
+        walk(&root, &mut found);
+        found
+    }
+
+    #[test]
+    fn every_prefixed_name_in_the_sources_is_a_term_of_the_vocabulary() {
+        let known: Vec<String> = tg::ALL
+            .iter()
+            .map(|t| t.as_str().replace(TG, "tg:"))
+            .chain(prov::ALL.iter().map(|t| t.as_str().replace(PROV, "prov:")))
+            .collect();
+        let found = prefixed_names();
+        assert!(found.len() > 100, "the sources were not found: {found:?}");
+        let unknown: Vec<&(String, String)> = found
+            .iter()
+            .filter(|(name, _)| !known.contains(name))
+            .collect();
+        assert!(unknown.is_empty(), "not in the vocabulary: {unknown:?}");
     }
 
     #[test]

@@ -9,7 +9,7 @@ use oxigraph::model::Term;
 use serde::Serialize;
 
 use crate::Rows;
-use agent_core::vocab::{PROV, RDF_TYPE, TG};
+use agent_core::vocab::{prov, tg, NamedNodeRef, RDF_TYPE};
 
 /// One session, read back from the graph.
 #[derive(Debug, Clone, Default, PartialEq, Serialize)]
@@ -174,42 +174,42 @@ impl Index {
         Index(map)
     }
 
-    fn all(&self, node: &str, predicate: &str) -> Vec<String> {
+    fn all(&self, node: &str, predicate: NamedNodeRef<'_>) -> Vec<String> {
         self.0
             .get(node)
-            .and_then(|m| m.get(predicate))
+            .and_then(|m| m.get(predicate.as_str()))
             .map(|v| v.iter().map(text).collect())
             .unwrap_or_default()
     }
 
-    fn one(&self, node: &str, predicate: &str) -> String {
+    fn one(&self, node: &str, predicate: NamedNodeRef<'_>) -> String {
         self.all(node, predicate)
             .into_iter()
             .next()
             .unwrap_or_default()
     }
 
-    fn number(&self, node: &str, predicate: &str) -> u64 {
+    fn number(&self, node: &str, predicate: NamedNodeRef<'_>) -> u64 {
         self.one(node, predicate).parse().unwrap_or(0)
     }
 
-    fn has_type(&self, node: &str, class: &str) -> bool {
-        self.all(node, RDF_TYPE).iter().any(|t| t == class)
+    fn has_type(&self, node: &str, class: NamedNodeRef<'_>) -> bool {
+        self.all(node, RDF_TYPE).iter().any(|t| t == class.as_str())
     }
 
     /// The text a node stands for, through its `tg:document`.
     fn document_text(&self, node: &str) -> String {
-        let doc = self.one(node, &format!("{TG}document"));
-        self.one(&doc, &format!("{TG}content"))
+        let doc = self.one(node, tg::DOCUMENT);
+        self.one(&doc, tg::CONTENT)
     }
 
     fn derived_from(&self, predicate_target: &str) -> Vec<String> {
-        let derived = format!("{PROV}wasDerivedFrom");
+        let derived = prov::WAS_DERIVED_FROM.as_str();
         self.0
             .iter()
             .filter(|(_, preds)| {
                 preds
-                    .get(&derived)
+                    .get(derived)
                     .is_some_and(|v| v.iter().any(|o| text(o) == predicate_target))
             })
             .map(|(s, _)| s.clone())
@@ -225,16 +225,16 @@ pub fn session_view(session: &str, rows: &Rows) -> SessionView {
     let mut sessions: Vec<String> = index
         .0
         .keys()
-        .filter(|n| index.has_type(n, &format!("{TG}AgentQuestion")))
+        .filter(|n| index.has_type(n, tg::AGENT_QUESTION))
         .cloned()
         .collect();
     if !sessions.iter().any(|s| s == session) {
         sessions.push(session.to_owned());
     }
     let mut view = view_of(&index, session, &sessions, 0);
-    let derived = format!("{PROV}wasDerivedFrom");
+    let derived = prov::WAS_DERIVED_FROM.as_str();
     for (node, preds) in &index.0 {
-        for source in preds.get(&derived).into_iter().flatten() {
+        for source in preds.get(derived).into_iter().flatten() {
             view.edges.push((node.clone(), text(source)));
         }
     }
@@ -258,11 +258,10 @@ fn owner<'a>(node: &str, sessions: &'a [String]) -> Option<&'a str> {
 const MAX_VIEW_DEPTH: usize = 8;
 
 fn view_of(index: &Index, session: &str, sessions: &[String], depth: usize) -> SessionView {
-    let tg = |p: &str| format!("{TG}{p}");
     let mut view = SessionView {
         session: session.to_owned(),
-        question: index.one(session, &tg("query")),
-        started_at: index.one(session, &format!("{PROV}startedAtTime")),
+        question: index.one(session, tg::QUERY),
+        started_at: index.one(session, prov::STARTED_AT_TIME),
         ..SessionView::default()
     };
     let nodes = index
@@ -270,107 +269,107 @@ fn view_of(index: &Index, session: &str, sessions: &[String], depth: usize) -> S
         .keys()
         .filter(|n| owner(n, sessions) == Some(session));
     for node in nodes {
-        if index.has_type(node, &tg("FanOut")) && depth < MAX_VIEW_DEPTH {
+        if index.has_type(node, tg::FAN_OUT) && depth < MAX_VIEW_DEPTH {
             let fanout = fanout_view(index, node, sessions, depth);
             view.in_token += fanout.in_token;
             view.out_token += fanout.out_token;
             view.fanouts.push(fanout);
-        } else if index.has_type(node, &tg("Analysis")) {
-            let thought_node = index.one(node, &tg("thought"));
+        } else if index.has_type(node, tg::ANALYSIS) {
+            let thought_node = index.one(node, tg::THOUGHT_LINK);
             let observation = index
                 .derived_from(node)
                 .into_iter()
-                .find(|n| index.has_type(n, &tg("Observation")))
+                .find(|n| index.has_type(n, tg::OBSERVATION))
                 .unwrap_or_default();
             let iteration = IterationView {
                 node: node.clone(),
-                step: index.number(node, &tg("step")),
+                step: index.number(node, tg::STEP),
                 thought: index.document_text(&thought_node),
-                action: index.one(node, &tg("action")),
-                arguments: index.one(node, &tg("arguments")),
-                candidates: index.all(node, &tg("toolCandidate")),
+                action: index.one(node, tg::ACTION),
+                arguments: index.one(node, tg::ARGUMENTS),
+                candidates: index.all(node, tg::TOOL_CANDIDATE),
                 observation: index.document_text(&observation),
-                model: index.one(node, &tg("model")),
-                llm_ms: index.number(node, &tg("llmDurationMs")),
-                tool_ms: index.number(&observation, &tg("toolDurationMs")),
-                in_token: index.number(node, &tg("inToken"))
-                    + index.number(&observation, &tg("inToken")),
-                out_token: index.number(node, &tg("outToken"))
-                    + index.number(&observation, &tg("outToken")),
+                model: index.one(node, tg::MODEL),
+                llm_ms: index.number(node, tg::LLM_DURATION_MS),
+                tool_ms: index.number(&observation, tg::TOOL_DURATION_MS),
+                in_token: index.number(node, tg::IN_TOKEN)
+                    + index.number(&observation, tg::IN_TOKEN),
+                out_token: index.number(node, tg::OUT_TOKEN)
+                    + index.number(&observation, tg::OUT_TOKEN),
             };
             view.in_token += iteration.in_token;
             view.out_token += iteration.out_token;
             view.iterations.push(iteration);
-        } else if index.has_type(node, &tg("PatternDecision")) {
-            let sorted = |p: &str| {
-                let mut v = index.all(node, &tg(p));
+        } else if index.has_type(node, tg::PATTERN_DECISION) {
+            let sorted = |p: NamedNodeRef<'_>| {
+                let mut v = index.all(node, p);
                 v.sort();
                 v
             };
             let decision = DecisionView {
                 node: node.clone(),
-                task_type: index.one(node, &tg("taskType")),
-                task_type_candidates: sorted("taskTypeCandidate"),
-                task_type_method: index.one(node, &tg("taskTypeMethod")),
-                pattern: index.one(node, &tg("pattern")),
-                pattern_candidates: sorted("patternCandidate"),
-                pattern_unavailable: sorted("patternUnavailable"),
-                pattern_method: index.one(node, &tg("patternMethod")),
-                rationale: index.one(node, &tg("rationale")),
-                fallback_reasons: ["taskTypeFallbackReason", "patternFallbackReason"]
-                    .iter()
-                    .map(|p| index.one(node, &tg(p)))
+                task_type: index.one(node, tg::TASK_TYPE),
+                task_type_candidates: sorted(tg::TASK_TYPE_CANDIDATE),
+                task_type_method: index.one(node, tg::TASK_TYPE_METHOD),
+                pattern: index.one(node, tg::PATTERN),
+                pattern_candidates: sorted(tg::PATTERN_CANDIDATE),
+                pattern_unavailable: sorted(tg::PATTERN_UNAVAILABLE),
+                pattern_method: index.one(node, tg::PATTERN_METHOD),
+                rationale: index.one(node, tg::RATIONALE),
+                fallback_reasons: [tg::TASK_TYPE_FALLBACK_REASON, tg::PATTERN_FALLBACK_REASON]
+                    .into_iter()
+                    .map(|p| index.one(node, p))
                     .filter(|r| !r.is_empty())
                     .collect(),
-                framing: index.one(node, &tg("framing")),
-                in_token: index.number(node, &tg("inToken")),
-                out_token: index.number(node, &tg("outToken")),
+                framing: index.one(node, tg::FRAMING),
+                in_token: index.number(node, tg::IN_TOKEN),
+                out_token: index.number(node, tg::OUT_TOKEN),
             };
             view.in_token += decision.in_token;
             view.out_token += decision.out_token;
             view.decision = Some(decision);
-        } else if index.has_type(node, &tg("DispatchDecision")) {
-            let mut candidates = index.all(node, &tg("dispatchCandidate"));
+        } else if index.has_type(node, tg::DISPATCH_DECISION) {
+            let mut candidates = index.all(node, tg::DISPATCH_CANDIDATE);
             candidates.sort();
             let dispatch = DispatchView {
                 node: node.clone(),
-                selected: index.one(node, &tg("dispatch")),
+                selected: index.one(node, tg::DISPATCH),
                 candidates,
-                method: index.one(node, &tg("dispatchMethod")),
-                rationale: index.one(node, &tg("dispatchRationale")),
-                fallback_reason: index.one(node, &tg("dispatchFallbackReason")),
-                arguments: index.one(node, &tg("arguments")),
-                in_token: index.number(node, &tg("inToken")),
-                out_token: index.number(node, &tg("outToken")),
+                method: index.one(node, tg::DISPATCH_METHOD),
+                rationale: index.one(node, tg::DISPATCH_RATIONALE),
+                fallback_reason: index.one(node, tg::DISPATCH_FALLBACK_REASON),
+                arguments: index.one(node, tg::ARGUMENTS),
+                in_token: index.number(node, tg::IN_TOKEN),
+                out_token: index.number(node, tg::OUT_TOKEN),
             };
             view.in_token += dispatch.in_token;
             view.out_token += dispatch.out_token;
             view.dispatch = Some(dispatch);
-        } else if index.has_type(node, &tg("Conclusion")) {
+        } else if index.has_type(node, tg::CONCLUSION) {
             let conclusion = ConclusionView {
                 node: node.clone(),
-                step: index.number(node, &tg("step")),
-                thought: index.document_text(&index.one(node, &tg("thought"))),
+                step: index.number(node, tg::STEP),
+                thought: index.document_text(&index.one(node, tg::THOUGHT_LINK)),
                 answer: index.document_text(node),
-                termination: index.one(node, &tg("terminationReason")),
-                llm_ms: index.number(node, &tg("llmDurationMs")),
-                in_token: index.number(node, &tg("inToken")),
-                out_token: index.number(node, &tg("outToken")),
+                termination: index.one(node, tg::TERMINATION_REASON),
+                llm_ms: index.number(node, tg::LLM_DURATION_MS),
+                in_token: index.number(node, tg::IN_TOKEN),
+                out_token: index.number(node, tg::OUT_TOKEN),
             };
             view.in_token += conclusion.in_token;
             view.out_token += conclusion.out_token;
             view.conclusion = Some(conclusion);
         }
     }
-    let source = index.one(session, &tg("forkedFrom"));
+    let source = index.one(session, tg::FORKED_FROM);
     if !source.is_empty() {
-        let step = index.number(session, &tg("forkedAtStep"));
-        let mut edits = index.all(session, &tg("forkEdit"));
+        let step = index.number(session, tg::FORKED_AT_STEP);
+        let mut edits = index.all(session, tg::FORK_EDIT);
         edits.sort();
         let observation = index
             .derived_from(session)
             .into_iter()
-            .find(|n| index.has_type(n, &tg("Observation")))
+            .find(|n| index.has_type(n, tg::OBSERVATION))
             .map(|n| {
                 let text = index.document_text(&n);
                 (n, text)
@@ -379,15 +378,15 @@ fn view_of(index: &Index, session: &str, sessions: &[String], depth: usize) -> S
             session: source,
             step,
             edits,
-            reuses: index.one(session, &tg("reuses")),
+            reuses: index.one(session, tg::REUSES),
             observation,
         });
     }
     if depth < MAX_VIEW_DEPTH {
         for fork in sessions {
-            if fork != session && index.one(fork, &tg("forkedFrom")) == session {
+            if fork != session && index.one(fork, tg::FORKED_FROM) == session {
                 view.forks.push(ForkView {
-                    step: index.number(fork, &tg("forkedAtStep")),
+                    step: index.number(fork, tg::FORKED_AT_STEP),
                     run: view_of(index, fork, sessions, depth + 1),
                 });
             }
@@ -405,8 +404,7 @@ fn view_of(index: &Index, session: &str, sessions: &[String], depth: usize) -> S
 }
 
 fn fanout_view(index: &Index, node: &str, sessions: &[String], depth: usize) -> FanOutView {
-    let tg = |p: &str| format!("{TG}{p}");
-    let mut subagent_sessions = index.all(node, &tg("subagentSession"));
+    let mut subagent_sessions = index.all(node, tg::SUBAGENT_SESSION);
     // In the order the supervisor listed them: `...-s{i}`.
     subagent_sessions.sort_by_key(|s| {
         s.rsplit_once("-s")
@@ -425,10 +423,10 @@ fn fanout_view(index: &Index, node: &str, sessions: &[String], depth: usize) -> 
             let completion = format!("{sub}/completion");
             let mut run = view_of(index, sub, sessions, depth + 1);
             if run.question.is_empty() {
-                run.question = index.one(&completion, &tg("goal"));
+                run.question = index.one(&completion, tg::GOAL);
             }
             let mut needs: Vec<usize> = index
-                .all(sub, &tg("needs"))
+                .all(sub, tg::NEEDS)
                 .iter()
                 .filter_map(|n| index_of(n))
                 .collect();
@@ -436,12 +434,12 @@ fn fanout_view(index: &Index, node: &str, sessions: &[String], depth: usize) -> 
             let evaluation = index_of(sub)
                 .map(|i| format!("{node}/evaluation/{i}"))
                 .unwrap_or_default();
-            let status = index.one(&evaluation, &tg("evaluationStatus"));
-            let lesson = index.one(&evaluation, &tg("lesson"));
-            critic_in += index.number(&evaluation, &tg("inToken"));
-            critic_out += index.number(&evaluation, &tg("outToken"));
+            let status = index.one(&evaluation, tg::EVALUATION_STATUS);
+            let lesson = index.one(&evaluation, tg::LESSON);
+            critic_in += index.number(&evaluation, tg::IN_TOKEN);
+            critic_out += index.number(&evaluation, tg::OUT_TOKEN);
             SubagentView {
-                status: index.one(&completion, &tg("completionStatus")),
+                status: index.one(&completion, tg::COMPLETION_STATUS),
                 result: index.document_text(&completion),
                 needs,
                 verdict: match (status.is_empty(), lesson.is_empty()) {
@@ -456,23 +454,23 @@ fn fanout_view(index: &Index, node: &str, sessions: &[String], depth: usize) -> 
     let synthesis = index
         .derived_from(node)
         .into_iter()
-        .find(|n| index.has_type(n, &tg("Synthesis")))
+        .find(|n| index.has_type(n, tg::SYNTHESIS))
         .unwrap_or_default();
-    let mut agreed = index.all(&synthesis, &tg("agreement"));
-    let mut disagreed = index.all(&synthesis, &tg("disagreement"));
+    let mut agreed = index.all(&synthesis, tg::AGREEMENT);
+    let mut disagreed = index.all(&synthesis, tg::DISAGREEMENT);
     agreed.sort();
     disagreed.sort();
     FanOutView {
         node: node.to_owned(),
-        step: index.number(node, &tg("step")),
-        correlation_id: index.one(node, &tg("correlationId")),
-        expected: index.number(node, &tg("expectedSiblings")),
+        step: index.number(node, tg::STEP),
+        correlation_id: index.one(node, tg::CORRELATION_ID),
+        expected: index.number(node, tg::EXPECTED_SIBLINGS),
         subagents,
-        in_token: index.number(node, &tg("inToken"))
-            + index.number(&synthesis, &tg("inToken"))
+        in_token: index.number(node, tg::IN_TOKEN)
+            + index.number(&synthesis, tg::IN_TOKEN)
             + critic_in,
-        out_token: index.number(node, &tg("outToken"))
-            + index.number(&synthesis, &tg("outToken"))
+        out_token: index.number(node, tg::OUT_TOKEN)
+            + index.number(&synthesis, tg::OUT_TOKEN)
             + critic_out,
         synthesis,
         agreed,

@@ -11,7 +11,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::remote::RemoteSparql;
 use crate::{GraphError, GraphStore};
-use agent_core::vocab::JOURNAL_GRAPH;
+use agent_core::vocab::{tg, NamedNodeRef, JOURNAL_GRAPH};
 
 /// An entry as the journal keeps it; the outcome is opaque here (its writer's JSON).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -163,7 +163,7 @@ impl Journal {
                     .map(|entry| {
                         Quad::new(
                             entry.clone(),
-                            tg("published"),
+                            tg::PUBLISHED,
                             Literal::from(true),
                             graph.clone(),
                         )
@@ -244,19 +244,15 @@ fn canonical_instant(at: chrono::DateTime<chrono::Utc>) -> String {
     format!("{stamp}Z")
 }
 
-fn tg(local: &str) -> NamedNode {
-    NamedNode::new_unchecked(format!("{}{local}", agent_core::vocab::TG))
-}
-
 fn entry_quads(entry: &NamedNode, request: &RecordRequest, now: &str) -> Vec<Quad> {
     let graph = NamedNode::new_unchecked(JOURNAL_GRAPH);
-    let quad = |p: &str, o: Literal| Quad::new(entry.clone(), tg(p), o, graph.clone());
+    let quad = |p: NamedNodeRef<'_>, o: Literal| Quad::new(entry.clone(), p, o, graph.clone());
     vec![
-        quad("outcome", Literal::new_simple_literal(&request.outcome)),
-        quad("delivery", Literal::new_simple_literal(&request.delivery)),
-        quad("attempt", Literal::new_simple_literal(&request.attempt)),
+        quad(tg::OUTCOME, Literal::new_simple_literal(&request.outcome)),
+        quad(tg::DELIVERY, Literal::new_simple_literal(&request.delivery)),
+        quad(tg::ATTEMPT, Literal::new_simple_literal(&request.attempt)),
         quad(
-            "recordedAt",
+            tg::RECORDED_AT,
             Literal::new_typed_literal(now, oxigraph::model::vocab::xsd::DATE_TIME),
         ),
     ]
@@ -269,21 +265,20 @@ async fn stored_entry(
     let said = store
         .about(entry, &NamedNode::new_unchecked(JOURNAL_GRAPH))
         .await?;
-    let value = |local: &str| {
-        let predicate = tg(local);
+    let value = |predicate: NamedNodeRef<'_>| {
         said.iter()
-            .find(|(p, _)| *p == predicate)
+            .find(|(p, _)| p.as_ref() == predicate)
             .map(|(_, o)| text(Some(o)))
     };
-    let Some(outcome) = value("outcome") else {
+    let Some(outcome) = value(tg::OUTCOME) else {
         return Ok(None);
     };
     Ok(Some(JournalEntry {
         outcome,
-        delivery: value("delivery").unwrap_or_default(),
-        attempt: value("attempt").unwrap_or_default(),
-        recorded_at: value("recordedAt"),
-        published: value("published").is_some(),
+        delivery: value(tg::DELIVERY).unwrap_or_default(),
+        attempt: value(tg::ATTEMPT).unwrap_or_default(),
+        recorded_at: value(tg::RECORDED_AT),
+        published: value(tg::PUBLISHED).is_some(),
     }))
 }
 

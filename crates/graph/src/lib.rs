@@ -224,7 +224,7 @@ impl GraphStore {
     pub async fn keep_document(&self, uri: &str, text: &str) -> Result<(), GraphError> {
         let quad = Quad::new(
             model::NamedNode::new(uri).map_err(|e| GraphError::Syntax(e.to_string()))?,
-            model::NamedNode::new_unchecked(agent_core::vocab::tg::CONTENT),
+            agent_core::vocab::tg::CONTENT.into_owned(),
             model::Literal::new_simple_literal(text),
             model::NamedNode::new_unchecked(agent_core::vocab::DOCUMENTS_GRAPH),
         );

@@ -6,7 +6,8 @@ use oxigraph::model::NamedNode;
 use crate::GraphError;
 
 use agent_core::vocab::{
-    session_uri, DOCUMENTS_GRAPH, JOURNAL_GRAPH, PROVENANCE_GRAPH, SPARQL_PREFIXES as PREFIXES,
+    session_uri, tg, NamedNodeRef, DOCUMENTS_GRAPH, JOURNAL_GRAPH, PROVENANCE_GRAPH,
+    SPARQL_PREFIXES as PREFIXES,
 };
 
 /// The URI of a session's root node.
@@ -166,7 +167,7 @@ pub fn claim_synthesis(fanout: &NamedNode, claimer: &str, now: &str, stale_befor
     claim(
         fanout,
         &format!("{fanout} a tg:FanOut ."),
-        ("synthesisClaim", "claimedAt", "synthesisRequested"),
+        (tg::SYNTHESIS_CLAIM, tg::CLAIMED_AT, tg::SYNTHESIS_REQUESTED),
         claimer,
         (now, stale_before),
     )
@@ -191,7 +192,7 @@ pub fn claim_start(session: &NamedNode, claimer: &str, now: &str, stale_before: 
     claim(
         session,
         &format!("?fanout tg:subagentSession {session} ."),
-        ("startClaim", "startClaimedAt", "startRequested"),
+        (tg::START_CLAIM, tg::START_CLAIMED_AT, tg::START_REQUESTED),
         claimer,
         (now, stale_before),
     )
@@ -219,7 +220,7 @@ pub fn start_requested(session: &NamedNode) -> String {
 fn claim(
     node: &NamedNode,
     anchor: &str,
-    (claim, at, done): (&str, &str, &str),
+    (claim, at, done): (NamedNodeRef<'_>, NamedNodeRef<'_>, NamedNodeRef<'_>),
     claimer: &str,
     (now, stale_before): (&str, &str),
 ) -> String {
@@ -230,11 +231,11 @@ fn claim(
     };
     let (now, stale) = (datetime(now), datetime(stale_before));
     format!(
-        "{PREFIXES}DELETE {{ GRAPH {g} {{ {node} tg:{claim} ?old ; tg:{at} ?at }} }}
-INSERT {{ GRAPH {g} {{ {node} tg:{claim} {who} ; tg:{at} {now} }} }}
+        "{PREFIXES}DELETE {{ GRAPH {g} {{ {node} {claim} ?old ; {at} ?at }} }}
+INSERT {{ GRAPH {g} {{ {node} {claim} {who} ; {at} {now} }} }}
 WHERE {{ GRAPH {g} {{ {anchor}
-  FILTER NOT EXISTS {{ {node} tg:{done} ?done }}
-  OPTIONAL {{ {node} tg:{claim} ?old ; tg:{at} ?at }}
+  FILTER NOT EXISTS {{ {node} {done} ?done }}
+  OPTIONAL {{ {node} {claim} ?old ; {at} ?at }}
   FILTER (!BOUND(?at) || ?at < {stale}) }} }}"
     )
 }

@@ -11,7 +11,7 @@ use std::time::Duration;
 use agent_bus::BusError;
 use agent_core::provenance::{self, CallStats};
 use agent_core::tools::Scope;
-use agent_core::vocab::{tg, DOCUMENTS_GRAPH};
+use agent_core::vocab::{tg, NamedNodeRef, DOCUMENTS_GRAPH};
 use agent_graph::model::{NamedNode, Term};
 use agent_graph::{queries, GraphError, GraphStore, QueryAnswer};
 use agent_schema::{control_operation, AgentControl, AgentRequest, AgentResponse, MessageType};
@@ -119,10 +119,10 @@ pub async fn park(turn: &Turn<'_>, n: usize, decision: ToolDecision) -> Result<(
     out.respond(&asking)
 }
 
-fn triple(node: &str, predicate: &str, value: &str) -> agent_schema::Triple {
+fn triple(node: &str, predicate: NamedNodeRef<'_>, value: &str) -> agent_schema::Triple {
     agent_schema::Triple {
         s: agent_schema::Term::iri(node),
-        p: agent_schema::Term::iri(predicate),
+        p: agent_schema::Term::iri(predicate.as_str()),
         o: agent_schema::Term::literal(value),
         g: Some(DOCUMENTS_GRAPH.to_owned()),
     }

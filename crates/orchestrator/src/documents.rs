@@ -131,7 +131,7 @@ pub async fn fetch<'u>(
 ) -> Result<HashMap<String, String>, agent_graph::GraphError> {
     let values: Vec<String> = uris.map(|uri| format!("<{uri}>")).collect();
     let sparql = format!(
-        "SELECT ?d ?text WHERE {{ VALUES ?d {{ {} }} GRAPH <{DOCUMENTS_GRAPH}> {{ ?d <{}> ?text }} }}",
+        "SELECT ?d ?text WHERE {{ VALUES ?d {{ {} }} GRAPH <{DOCUMENTS_GRAPH}> {{ ?d {} ?text }} }}",
         values.join(" "),
         tg::CONTENT
     );

@@ -8,7 +8,7 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use agent_bus::{BusError, Properties, Publisher, Receipt};
 pub use agent_core::supervisor::subagent_seal_parts;
-use agent_core::vocab::{tg, PROVENANCE_GRAPH as GRAPH};
+use agent_core::vocab::{tg, NamedNodeRef, PROVENANCE_GRAPH as GRAPH};
 use agent_graph::model::NamedNode;
 use agent_schema::{
     AgentRequest, AgentResponse, MessageType, Metadata, Triple, Triples, EFFECT_ID_PROPERTY,
@@ -573,12 +573,12 @@ impl<'a> DialogOutput<'a> {
     pub fn explain(&self, node: &str, mut triples: Vec<Triple>) -> Result<(), BusError> {
         let costed: std::collections::BTreeSet<String> = triples
             .iter()
-            .filter(|t| t.p.iri == tg::IN_TOKEN)
+            .filter(|t| t.p.iri == tg::IN_TOKEN.as_str())
             .map(|t| t.s.iri.clone())
             .collect();
-        let tag = |s: &str, p: &str, o: agent_schema::Term| Triple {
+        let tag = |s: &str, p: NamedNodeRef<'_>, o: agent_schema::Term| Triple {
             s: agent_schema::Term::iri(s),
-            p: agent_schema::Term::iri(p),
+            p: agent_schema::Term::iri(p.as_str()),
             o,
             g: Some(GRAPH.to_owned()),
         };

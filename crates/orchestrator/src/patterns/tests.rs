@@ -240,7 +240,7 @@ async fn react_with_the_answer_critic_gives_only_a_reviewed_answer() {
 async fn the_next_steps_input_is_kept_for_the_graph_only() {
     let harness = Harness::start().await;
     let sent = harness.step(&request("ask the tool", "react")).await;
-    let step_input = format!("{}StepInput", agent_core::vocab::TG);
+    let step_input = agent_core::vocab::tg::STEP_INPUT.as_str();
     let is_input = |t: &agent_schema::Triple| t.o.iri == step_input;
     let graph_messages: Vec<&Triples> = sent
         .explained
