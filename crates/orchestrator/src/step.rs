@@ -285,6 +285,7 @@ impl Engine {
             cancelled: self.cancellations.of(&session_id),
             delivered: &properties,
             replay: &step_replay,
+            kept_documents: Default::default(),
         };
         if let Err(problem) = verdict {
             refuse(&turn, &problem).await?;

@@ -48,6 +48,8 @@ pub struct Turn<'a> {
     pub delivered: &'a agent_bus::Properties,
     /// The step's record of its LLM calls, and the recorded results a replay gives again.
     pub replay: &'a crate::replay::StepReplay,
+    /// The documents this step has kept (see [`Turn::check_in`]).
+    pub kept_documents: std::sync::Mutex<std::collections::BTreeSet<String>>,
 }
 
 impl Turn<'_> {
@@ -132,6 +134,37 @@ impl Turn<'_> {
 }
 
 impl Turn<'_> {
+    /// Claim-check (see `GraphStore::check_in`) through the step's shared store; without one the
+    /// text stays whole. A text this step has already kept is not written again (a plan step's
+    /// result is also its observation): one store write per document and step.
+    pub async fn check_in(&self, text: String) -> String {
+        use agent_core::documents::{document_uri, excerpt_with_reference, is_long, reference};
+        let Some(store) = self.knowledge else {
+            return text;
+        };
+        if !is_long(&text) || reference(&text).is_some() {
+            return text;
+        }
+        let uri = document_uri(&text);
+        let kept = |documents: &std::sync::Mutex<std::collections::BTreeSet<String>>| {
+            documents
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .contains(&uri)
+        };
+        if kept(&self.kept_documents) {
+            return excerpt_with_reference(&text, &uri);
+        }
+        let carried = store.check_in(text).await;
+        if reference(&carried).is_some() {
+            self.kept_documents
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .insert(uri);
+        }
+        carried
+    }
+
     /// Publishes iteration `n`'s observation (a chunk to the client; provenance, with `extra`
     /// triples about it) and queues the next iteration with `step` added to the history and, when
     /// given, `next_state` as its state.
@@ -159,9 +192,7 @@ impl Turn<'_> {
         // The client and the graph have the whole observation; the next message may carry an
         // excerpt of it (see `documents`).
         let mut step = step;
-        if let Some(store) = self.knowledge {
-            step.observation = store.check_in(step.observation).await;
-        }
+        step.observation = self.check_in(step.observation).await;
         let mut next = self.request.clone();
         next.history.push(step);
         if let Some(store) = self.knowledge {

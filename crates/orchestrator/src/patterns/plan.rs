@@ -358,10 +358,7 @@ async fn run_step(turn: &Turn<'_>, n: usize, index: usize) -> Result<(), BusErro
     };
     // The plan travels in every later message: a long result goes in it as an excerpt and a
     // reference (the observation below is the same document, so it is kept once).
-    let carried = match turn.knowledge {
-        Some(store) => store.check_in(result.clone()).await,
-        None => result.clone(),
-    };
+    let carried = turn.check_in(result.clone()).await;
     let mut updated = plan;
     if let Some(step) = updated.get_mut(index) {
         step.status = status.to_owned();
