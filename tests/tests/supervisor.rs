@@ -631,6 +631,93 @@ async fn a_streamed_synthesis_streams_and_a_request_for_another_round_does_not()
     assert_eq!(closings(&responses), 1);
 }
 
+/// Streamed, a supervisor's subagents stream too: each one's thought reaches the client in pieces
+/// under the subagent's own message id (so a client can tell the branches apart), while a
+/// subagent's answer is never an `answer` message (a client would join it to its own answer): it
+/// arrives whole as the observation of its completion, and only the synthesis is the answer.
+#[tokio::test]
+async fn streamed_subagents_stream_their_thoughts_under_their_own_ids() {
+    let broker = Broker::start().unwrap();
+    let _aggregator = Aggregator::spawn(&broker);
+    let llm = scripted_llm(
+        r#"{"rules": [
+      {"match": "Request to split: Survey", "reply": "[{\"goal\": \"count the owls\"}, {\"goal\": \"count the larks\"}]"},
+      {"match": "Question: count the owls", "reply": "Thought: the owls roost in the old barn, so I count them at dusk.\nFinal Answer: eleven owls"},
+      {"match": "Question: count the larks", "reply": "Thought: the larks sing over the meadow at dawn, so I count them then.\nFinal Answer: forty larks"},
+      {"match": "Request to answer from the subagents: Survey", "and": ["eleven owls", "forty larks"], "reply": "Eleven owls and forty larks."}
+    ]}"#,
+    )
+    .await;
+    let _orchestrator = Orchestrator::spawn(&broker, &llm, &seed_dir(), &[]);
+    let mut client = client(&broker).await;
+    let streamed = AgentRequest {
+        streaming: true,
+        ..supervised("Survey the birds.")
+    };
+    client.send("sb-1", &streamed).await.unwrap();
+    let responses = collect_dialog(&mut client, "sb-1", DIALOG_TIMEOUT)
+        .await
+        .unwrap();
+    assert_eq!(closings(&responses), 1, "{responses:#?}");
+    let session = session_of(&responses);
+    for (index, thought, answer) in [
+        (
+            0,
+            "the owls roost in the old barn, so I count them at dusk.",
+            "eleven owls",
+        ),
+        (
+            1,
+            "the larks sing over the meadow at dawn, so I count them then.",
+            "forty larks",
+        ),
+    ] {
+        let branch = format!("{session}-f1-s{index}");
+        let pieces: Vec<&AgentResponse> = responses
+            .iter()
+            .filter(|r| {
+                r.message_type == "thought" && r.message_id == format!("{branch}/i1/thought")
+            })
+            .collect();
+        assert!(
+            pieces.len() > 1,
+            "subagent {index}'s thought came whole: {responses:#?}"
+        );
+        assert_eq!(
+            pieces
+                .iter()
+                .map(|r| r.content.as_str())
+                .collect::<String>(),
+            thought
+        );
+        assert!(pieces.last().unwrap().end_of_message);
+        assert!(pieces[..pieces.len() - 1].iter().all(|r| !r.end_of_message));
+        // The subagent's answer: one whole observation under its own conclusion's id.
+        let given: Vec<&str> = responses
+            .iter()
+            .filter(|r| r.message_id.starts_with(&format!("{branch}/")) && r.content == answer)
+            .map(|r| r.message_type.as_str())
+            .collect();
+        assert_eq!(given, ["observation"], "{responses:#?}");
+    }
+    // Every answer chunk is the supervisor's own.
+    let answers: Vec<&AgentResponse> = responses
+        .iter()
+        .filter(|r| r.message_type == "answer")
+        .collect();
+    assert!(
+        answers.iter().all(|r| !r.message_id.contains("-f1-s")),
+        "a subagent sent an answer: {answers:#?}"
+    );
+    assert_eq!(
+        answers
+            .iter()
+            .map(|r| r.content.as_str())
+            .collect::<String>(),
+        "Eleven owls and forty larks."
+    );
+}
+
 /// A subagent may itself be a supervisor, one level down under the default `max_fanout_depth` of
 /// 2: the nested supervisor fans out, its synthesis becomes its completion, and its own subagents
 /// are not offered (nor given) the supervisor pattern. The whole run is one DAG from the root.

@@ -513,8 +513,9 @@ pub fn subagent_session(correlation_id: &str, index: usize) -> String {
     format!("{correlation_id}-s{index}")
 }
 
-/// The request that starts subagent `index` on `goal`. It inherits the collection, framing and task
-/// type; it is not streamed (its answer is a result for the supervisor, not for the client).
+/// The request that starts subagent `index` on `goal`. It inherits the collection, framing, task
+/// type and streaming: a streaming client sees each subagent's thoughts as they are written, under
+/// the subagent's own message ids (its answer is a result for the supervisor, not for the client).
 pub fn subagent_request(
     supervisor: &AgentRequest,
     supervisor_session: &str,
@@ -529,7 +530,7 @@ pub fn subagent_request(
         group: narrowed_group(supervisor.group.as_deref(), goal.group.as_deref()),
         history: Vec::new(),
         collection: supervisor.collection.clone(),
-        streaming: false,
+        streaming: supervisor.streaming,
         session_id: subagent_session(correlation_id, index),
         conversation_id: supervisor.conversation_id.clone(),
         pattern: goal.pattern.name().to_owned(),
@@ -765,7 +766,7 @@ mod tests {
         let goal = Goal::independent("g", Pattern::React);
         let sub = subagent_request(&parent, "s", &cid, 2, &goal, 4);
         assert_eq!(sub.session_id, "s-f1-s2");
-        assert_eq!((sub.expected_siblings, sub.streaming), (4, false));
+        assert_eq!((sub.expected_siblings, sub.streaming), (4, true));
         assert_eq!(sub.framing, "F");
         assert!(is_subagent(&sub) && !is_subagent(&parent));
         // A goal cannot widen the supervisor's tool scope.

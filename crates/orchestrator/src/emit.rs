@@ -144,6 +144,9 @@ pub struct DialogOutput<'a> {
     /// Triples for the graph only (inputs, LLM calls, fork records), written in one message with
     /// the step's commit.
     kept: Mutex<Vec<Triple>>,
+    /// Whether the dialog is a subagent's: its answer is a result for its supervisor, never an
+    /// `answer` message to the client (see [`DialogOutput::chunk`]).
+    subagent: bool,
 }
 
 /// A step's graph-only records join its last graph message only while that is smaller than this:
@@ -216,6 +219,7 @@ impl<'a> DialogOutput<'a> {
             spawned: std::sync::atomic::AtomicBool::new(false),
             input_step: 1,
             kept: Mutex::new(Vec::new()),
+            subagent: false,
         }
     }
 
@@ -232,6 +236,7 @@ impl<'a> DialogOutput<'a> {
         self.set_conversation(&request.conversation_id);
         self.set_input_history(&request.history);
         self.limit_requests(max_message_bytes);
+        self.subagent = agent_core::supervisor::is_subagent(request);
         self
     }
 
@@ -521,7 +526,10 @@ impl<'a> DialogOutput<'a> {
         Ok(())
     }
 
-    /// Sends a chunk of a message now.
+    /// Sends a chunk of a message now. A subagent's answer text is not sent: a client takes every
+    /// `answer` chunk as part of its dialog's answer (TrustGraph's client joins them), and the
+    /// subagent's answer reaches it whole as the observation of its completion. Its thoughts
+    /// stream under its own `message_id`s, so a client can tell the branches apart.
     pub async fn chunk(
         &self,
         kind: MessageType,
@@ -529,6 +537,9 @@ impl<'a> DialogOutput<'a> {
         message_id: &str,
         end_of_message: bool,
     ) -> Result<(), BusError> {
+        if self.subagent && kind == MessageType::Answer {
+            return Ok(());
+        }
         if kind == MessageType::Answer && !content.is_empty() {
             self.answer_streamed
                 .store(true, std::sync::atomic::Ordering::SeqCst);

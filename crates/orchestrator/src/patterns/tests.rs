@@ -16,6 +16,11 @@ use crate::journal::Channel;
 use crate::turn::Turn;
 
 const SCRIPT: &str = r#"{"rules": [
+  {"match": "Its steps so far:", "reply": "Ask the tool a sharper question."},
+  {"match": "Request to route: route me to the tool", "reply": "{\"choice\": \"tool:llm\", \"rationale\": \"one lookup\", \"arguments\": {\"question\": \"inner?\"}}"},
+  {"match": "Request to route: route me nowhere", "reply": "{\"choice\": \"tool:shell\", \"rationale\": \"not offered\"}"},
+  {"match": "Request to research: Prices", "and": ["(no notes yet)"], "reply": "{\"thought\": \"both unknown\", \"complete\": false, \"gaps\": [\"a\", \"b\"], \"calls\": [{\"tool\": \"llm\", \"arguments\": {\"question\": \"inner?\"}}, {\"tool\": \"llm\", \"arguments\": {\"question\": \"outer?\"}}]}"},
+  {"match": "outer?", "exact": true, "reply": "OUTER"},
   {"match": "Question: what is one", "reply": "Thought: I know it.\nFinal Answer: ONE"},
   {"match": "Question: ask the tool", "reply": "Thought: the tool knows.\nAction: llm\nArgs: {\"question\": \"inner?\"}"},
   {"match": "inner?", "exact": true, "reply": "INNER"},
@@ -74,7 +79,13 @@ impl Harness {
         let sink = MemorySink::default();
         let outputs = Outputs::Memory(sink.clone());
         let uris = SessionUris::new(&request.session_id);
-        let out = DialogOutput::new(&outputs, Some("client-1"), "default", &uris.session(), 0);
+        let out = DialogOutput::new(&outputs, Some("client-1"), "default", &uris.session(), 0)
+            .for_step(
+                request,
+                &uris.session(),
+                0,
+                self.config.limits.max_message_bytes,
+            );
         let delivered = agent_bus::Properties::new();
         let replay = crate::replay::StepReplay::recording();
         let turn = Turn {
@@ -95,6 +106,7 @@ impl Harness {
             cancelled: None,
             delivered: &delivered,
             replay: &replay,
+            kept_documents: Default::default(),
         };
         super::iterate(&turn).await.expect("the step runs");
         assert!(out.parked().is_none(), "nothing here is an outage");
@@ -521,4 +533,121 @@ async fn an_ensemble_debates_for_its_rounds_then_reconciles() {
     assert_eq!(closing.len(), 1);
     assert_eq!(closing[0].content, "Mostly safe.");
     assert!(reconciled.requests.is_empty());
+}
+
+/// Reflexion: after an action, the step is a reflection whose lesson joins the history (and is
+/// shown to the client as a thought); it runs no tool.
+#[tokio::test]
+async fn reflexion_reflects_on_an_action_and_carries_the_lesson_forward() {
+    let harness = Harness::start().await;
+    let mut acted = request("ask the tool", "reflexion");
+    acted.history.push(AgentStep {
+        thought: "the tool knows.".to_owned(),
+        action: "llm".to_owned(),
+        arguments: [("question".to_owned(), "inner?".to_owned())].into(),
+        observation: "INNER".to_owned(),
+        step_type: "react".to_owned(),
+        ..AgentStep::default()
+    });
+    let sent = harness.step(&acted).await;
+    assert!(closing(&sent).is_empty());
+    assert_eq!(sent.requests.len(), 1);
+    let lesson = &sent.requests[0].history[1];
+    assert_eq!(lesson.step_type, "reflect");
+    assert_eq!(lesson.observation, "Ask the tool a sharper question.");
+    assert!(sent.responses.iter().any(|r| r.message_type == "thought"
+        && r.content == "Reflection: Ask the tool a sharper question."));
+    assert_eq!(harness.llm.calls().len(), 1, "no tool ran");
+    // With no action before it, a Reflexion step is a ReACT step.
+    let answered = harness.step(&request("what is one", "reflexion")).await;
+    assert_eq!(closing(&answered)[0].content, "ONE");
+}
+
+/// The LLM-as-router hands a request to a tool in one step (the tool's answer is the dialog's),
+/// and a choice outside the candidates it was offered is not run.
+#[tokio::test]
+async fn the_llm_router_dispatches_to_an_offered_tool_only() {
+    let harness = Harness::start().await;
+    let sent = harness
+        .step(&request("route me to the tool", "llm-router"))
+        .await;
+    assert_eq!(closing(&sent).len(), 1, "{:?}", sent.responses);
+    assert_eq!(closing(&sent)[0].content, "INNER");
+    assert!(sent.requests.is_empty());
+    let dispatched = sent
+        .explained
+        .iter()
+        .flat_map(|t| &t.triples)
+        .any(|t| t.o.value == "tool:llm");
+    assert!(dispatched, "the dispatch is recorded: {:?}", sent.explained);
+
+    let before = harness.llm.calls().len();
+    let refused = harness
+        .step(&request("route me nowhere", "llm-router"))
+        .await;
+    // Not offered: nothing runs; the request goes on as the fallback pattern, ReACT.
+    assert_eq!(
+        harness.llm.calls().len(),
+        before + 1,
+        "only the router was asked"
+    );
+    assert!(closing(&refused).is_empty(), "{:?}", refused.responses);
+    assert_eq!(refused.requests.len(), 1);
+    assert_eq!(refused.requests[0].pattern, "react");
+}
+
+/// Deep research: a round with two calls runs both in the same step and queues the next round
+/// with both notes.
+#[tokio::test]
+async fn a_deep_research_round_runs_its_calls_and_queues_the_next_round() {
+    let harness = Harness::start().await;
+    let sent = harness.step(&request("Prices", "deep-research")).await;
+    assert!(closing(&sent).is_empty(), "{:?}", sent.responses);
+    assert_eq!(sent.requests.len(), 1);
+    let next = serde_json::to_string(&sent.requests[0].history).expect("history encodes");
+    assert!(next.contains("INNER") && next.contains("OUTER"), "{next}");
+    // The round's question, then its two calls.
+    assert_eq!(harness.llm.calls().len(), 3);
+}
+
+/// A subagent of a streaming supervisor streams its thought under its own message id, but never
+/// sends an `answer`: its answer is the observation of its completion.
+#[tokio::test]
+async fn a_streaming_subagent_streams_its_thought_but_sends_no_answer() {
+    let harness = Harness::start().await;
+    let subagent = AgentRequest {
+        streaming: true,
+        parent_session_id: "0b7d0c1e-5f5e-4c2a-9a57-3b0c8b2d1e00".to_owned(),
+        correlation_id: "0b7d0c1e-5f5e-4c2a-9a57-3b0c8b2d1e00-f1".to_owned(),
+        subagent_goal: "what is one".to_owned(),
+        expected_siblings: 2,
+        ..request("what is one", "react")
+    };
+    let sent = harness.step(&subagent).await;
+    assert!(
+        sent.responses.iter().all(|r| r.message_type != "answer"),
+        "{:?}",
+        sent.responses
+    );
+    let thought: Vec<&AgentResponse> = sent
+        .responses
+        .iter()
+        .filter(|r| r.message_type == "thought")
+        .collect();
+    assert!(thought.len() > 1, "streamed in pieces: {thought:?}");
+    assert_eq!(
+        thought
+            .iter()
+            .map(|r| r.content.as_str())
+            .collect::<String>(),
+        "I know it."
+    );
+    assert!(sent
+        .responses
+        .iter()
+        .any(|r| r.message_type == "observation" && r.content == "ONE"));
+    assert!(
+        closing(&sent).is_empty(),
+        "a subagent never ends the client's dialog"
+    );
 }
