@@ -421,3 +421,128 @@ async fn a_plans_long_results_travel_as_references_and_prompts_see_them_whole() 
         assert_eq!(uri, agent_core::documents::document_uri(&long(tag)));
     }
 }
+
+/// Issue 23's check: a dialog of 100 iterations, each observing 50 KiB, runs to its answer with the
+/// seed's limits but for the iterations, the observation cap and the token budget (in the Apache
+/// Pulsar tier, on
+/// Apache Pulsar's default 5 MiB message limit), every `next` request stays under 32 KiB (the
+/// history is folded, long observations travel as references; whole, the last request would
+/// carry 5 MiB), and `agentctl explain --full` still shows every observation whole.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hundred_iterations_of_fifty_kib_stay_bounded_and_explain_shows_every_text() {
+    const STEPS: usize = 100;
+    const BOUND: usize = 32 * 1024;
+    let filler: String = "lorem ipsum dolor sit amet "
+        .chars()
+        .cycle()
+        .take(50 * 1024)
+        .collect();
+    let observed = |k: usize| format!("h-{k:03}- {filler} end-of-h-{k:03}");
+    let mut rules = routed_to_react();
+    for k in 1..=STEPS {
+        rules.push(
+            serde_json::json!({"match": format!("g-{k:03}-"), "exact": true, "reply": observed(k)}),
+        );
+    }
+    rules.push(serde_json::json!({
+        "match": format!("Observation: h-{STEPS:03}-"),
+        "reply": "Thought: all read\nFinal Answer: a hundred read",
+    }));
+    for k in (1..STEPS).rev() {
+        rules.push(serde_json::json!({
+            "match": format!("Observation: h-{k:03}-"),
+            "reply": format!("Thought: step {}\nAction: llm\nArgs: {{\"question\": \"g-{:03}-\"}}", k + 1, k + 1),
+        }));
+    }
+    rules.push(serde_json::json!({
+        "match": "Question: a hundred",
+        "reply": "Thought: step 1\nAction: llm\nArgs: {\"question\": \"g-001-\"}",
+    }));
+    let script = serde_json::json!({ "rules": rules }).to_string();
+
+    let broker = Broker::start().unwrap();
+    let aggregator = Aggregator::spawn_with(&broker, &["--config-token", TOKEN]);
+    let llm = scripted_llm(&script).await;
+    let mut limits: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(seed_dir().join("agent-limits.json")).unwrap(),
+    )
+    .unwrap();
+    limits["default"]["max_iterations"] = (STEPS + 2).into();
+    limits["default"]["max_observation_bytes"] = (60 * 1024).into();
+    // Each prompt holds the three newest observations whole: about 40k tokens a call.
+    limits["default"]["max_tokens"] = 10_000_000.into();
+    let config = seed_with("hundred", &[("agent-limits", &limits.to_string())]);
+    let _orchestrator = Orchestrator::journaled_with(
+        Place::InProcess,
+        &broker,
+        &llm,
+        &aggregator,
+        TOKEN,
+        &config,
+        &[],
+    );
+    let mut requests = read_from_start(
+        &broker,
+        "persistent://tg/request/agent:default:default",
+        "hundred-reader",
+    )
+    .await;
+    let mut client = client(&broker).await;
+    client
+        .send(
+            "hundred",
+            &agent_schema::AgentRequest {
+                pattern: "react".into(),
+                ..request("a hundred lookups", false)
+            },
+        )
+        .await
+        .unwrap();
+    let responses = collect_dialog(&mut client, "hundred", Duration::from_secs(300))
+        .await
+        .unwrap();
+    assert_eq!(
+        outcome(&responses),
+        "a hundred read",
+        "{:?}",
+        responses.last()
+    );
+
+    let (sizes, last) = sent_requests(&mut requests).await;
+    assert!(sizes.len() >= STEPS, "one request per step at least");
+    let largest = sizes.iter().copied().max().unwrap();
+    println!(
+        "largest request {largest} bytes, last {} bytes",
+        sizes.last().unwrap()
+    );
+    assert!(
+        largest < BOUND,
+        "a message carried {largest} bytes (the observations alone are {})",
+        STEPS * observed(1).len()
+    );
+    assert_eq!(agent_core::documents::steps_taken(&last.history), STEPS);
+
+    let explained = std::process::Command::new(binary("agentctl"))
+        .args([
+            "explain",
+            "--last",
+            "--full",
+            "--store",
+            &aggregator.endpoint,
+        ])
+        .args(["--token", TOKEN])
+        .output()
+        .unwrap();
+    assert!(
+        explained.status.success(),
+        "{}",
+        String::from_utf8_lossy(&explained.stderr)
+    );
+    let tree = String::from_utf8_lossy(&explained.stdout);
+    for k in 1..=STEPS {
+        assert!(
+            tree.contains(&observed(k)),
+            "observation {k} is not whole in explain"
+        );
+    }
+}

@@ -109,6 +109,13 @@ async fn the_meta_router_chooses_the_llm_router_which_hands_requests_to_a_tool_o
         tree.contains("offered:   pattern:react, tool:llm"),
         "{tree}"
     );
+    // Every node of both dialogs reaches its session.
+    for session in [&sum_session, &sky_session] {
+        assert_eq!(
+            unreachable_nodes(&store, session).await,
+            Vec::<String>::new()
+        );
+    }
 }
 
 #[tokio::test]
@@ -154,7 +161,8 @@ async fn reflexion_reflects_after_each_action_and_the_next_step_is_given_the_les
     let prefixes = agent_core::vocab::SPARQL_PREFIXES;
     let dag = format!(
         "{prefixes}ASK {{ GRAPH <urn:graph:retrieval> {{
-           <{session}/pattern-decision> tg:pattern \"reflexion\" ; tg:taskType \"research\" .
+           <{session}/pattern-decision> tg:pattern \"reflexion\" ; tg:taskType \"research\" ;
+             tg:patternCandidate \"react\", \"plan-then-execute\", \"reflexion\", \"deep-research\" .
            <{session}/i1> a tg:ToolUse ; tg:action \"llm\" .
            <{session}/i2> a tg:Critique ; tg:action \"reflect\" ;
              tg:lesson \"Check the answer against a second source.\" ;
@@ -165,6 +173,10 @@ async fn reflexion_reflects_after_each_action_and_the_next_step_is_given_the_les
     assert!(
         holds_within(&store, dag).await,
         "the reflection is not in the graph as expected: {responses:#?}"
+    );
+    assert_eq!(
+        unreachable_nodes(&store, &session).await,
+        Vec::<String>::new()
     );
 }
 
@@ -318,6 +330,90 @@ async fn deep_research_runs_rounds_of_parallel_lookups_then_writes_and_is_judged
         "the research is not in the graph as expected: {responses:#?}"
     );
     // Every node of the dialog (rounds, calls, draft, review, answer) reaches its session.
+    assert_eq!(
+        unreachable_nodes(&store, &session).await,
+        Vec::<String>::new()
+    );
+}
+
+/// An ensemble that debates (`debate_rounds: 1`): after the first round every agent is sent out
+/// again, shown all the answers of that round, and may revise its own; only the revised answers
+/// are reconciled. The round that was debated is closed by a synthesis node, and the debate's
+/// fan-out derives from it.
+#[tokio::test]
+async fn an_ensemble_debates_a_round_then_reconciles_the_revised_answers() {
+    // Rules are tried in order: a debate prompt also names the agent's perspective, so the
+    // debate's rules come before the first round's.
+    let script = r#"{"rules": [
+      {"match": "Request to classify: ", "reply": "{\"choice\": \"risk-assessment\", \"rationale\": \"weigh it\"}"},
+      {"match": "Request to work on: ", "reply": "{\"choice\": \"ensemble\", \"rationale\": \"opinions differ\"}"},
+      {"match": "Question to reconcile: Should we ship on Friday?", "and": ["Yes, with a rollback plan.", "Acceptable with a rollback plan."], "reply": "{\"agreed\": [\"a rollback plan is needed\"], \"disagreed\": [], \"answer\": \"Ship on Friday with a rollback plan.\"}"},
+      {"match": "You are agent 1.", "and": ["Agent 1 (Be an optimist.): Yes, go ahead.", "Agent 2 (Be a pessimist.): No: too risky."], "reply": "Thought: the risk is real.\nFinal Answer: Yes, with a rollback plan."},
+      {"match": "You are agent 2.", "and": ["Agent 1 (Be an optimist.): Yes, go ahead.", "Agent 2 (Be a pessimist.): No: too risky."], "reply": "Thought: a rollback plan answers my worry.\nFinal Answer: Acceptable with a rollback plan."},
+      {"match": "Be an optimist.", "reply": "Thought: fine.\nFinal Answer: Yes, go ahead."},
+      {"match": "Be a pessimist.", "reply": "Thought: Fridays go wrong.\nFinal Answer: No: too risky."}
+    ]}"#;
+    let patterns: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(seed_dir().join("agent-pattern.json")).unwrap(),
+    )
+    .unwrap();
+    let mut patterns = patterns;
+    patterns["ensemble"]["perspectives"] =
+        serde_json::json!(["Be an optimist.", "Be a pessimist."]);
+    patterns["ensemble"]["debate_rounds"] = 1.into();
+    let config = seed_with("debate", &[("agent-pattern", &patterns.to_string())]);
+    let broker = Broker::start().unwrap();
+    let aggregator = Aggregator::spawn(&broker);
+    let llm = scripted_llm(script).await;
+    let _orchestrator = Orchestrator::spawn(&broker, &llm, &config, &[]);
+    let mut client = client(&broker).await;
+    client
+        .send("debate", &request("Should we ship on Friday?", false))
+        .await
+        .unwrap();
+    let responses = collect_dialog(&mut client, "debate", Duration::from_secs(60))
+        .await
+        .unwrap();
+    let last = responses.last().unwrap();
+    assert_eq!(
+        last.content, "Ship on Friday with a rollback plan.",
+        "{responses:#?}"
+    );
+    assert_eq!(responses.iter().filter(|r| r.end_of_dialog).count(), 1);
+    // Routing (2), the first round (2), the debate (2) and one reconciliation: each rule once,
+    // every call matched (each debating agent saw both answers of the first round).
+    let calls = llm.calls();
+    assert!(calls.iter().all(|c| c.rule.is_some()), "{calls:#?}");
+    for rule in 0..7 {
+        assert_eq!(
+            calls.iter().filter(|c| c.rule == Some(rule)).count(),
+            1,
+            "rule {rule}: {calls:#?}"
+        );
+    }
+
+    let session = session_of(&responses);
+    let prefixes = agent_core::vocab::SPARQL_PREFIXES;
+    let store = aggregator.store();
+    let debated = format!(
+        "{prefixes}ASK {{ GRAPH <urn:graph:retrieval> {{
+           <{session}/pattern-decision> tg:pattern \"ensemble\" ; tg:patternCandidate \"ensemble\" .
+           ?first a tg:FanOut ; tg:expectedSiblings 2 ; prov:wasDerivedFrom+ <{session}> .
+           ?closed a tg:Synthesis ; prov:wasDerivedFrom ?c1 .
+           ?c1 a tg:SubagentCompletion ; tg:correlationId ?cid1 .
+           ?first tg:correlationId ?cid1 .
+           ?debate a tg:FanOut ; tg:expectedSiblings 2 ; prov:wasDerivedFrom ?closed ;
+             tg:correlationId ?cid2 .
+           ?r a tg:Reconciliation, tg:Synthesis ; tg:agreement \"a rollback plan is needed\" ;
+             prov:wasDerivedFrom ?c2 .
+           ?c2 a tg:SubagentCompletion ; tg:correlationId ?cid2 .
+           <{session}/final> prov:wasDerivedFrom ?r ; tg:terminationReason \"answer\" .
+           FILTER (?cid1 != ?cid2) }} }}"
+    );
+    assert!(
+        holds_within(&store, debated).await,
+        "the debate is not in the graph as expected: {responses:#?}"
+    );
     assert_eq!(
         unreachable_nodes(&store, &session).await,
         Vec::<String>::new()

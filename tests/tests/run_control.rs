@@ -592,6 +592,101 @@ async fn a_denied_call_is_not_run_and_the_agent_goes_on() {
     );
 }
 
+/// An approval may change the call's arguments: the tool runs once, with the arguments the person
+/// gave, never with the ones the model chose; the agent reads what that call returned, and the
+/// graph records who approved, the edited arguments and the call as it ran.
+#[tokio::test]
+async fn an_approval_with_edited_arguments_runs_the_tool_with_them() {
+    const EDITED: &str = r#"{"rules": [
+      {"match": "Observation: half of it paid", "reply": "Thought: Done.\nFinal Answer: Half of the epsilon invoice is paid."},
+      {"match": "pay half of invoice epsilon-1", "exact": true, "reply": "half of it paid"},
+      {"match": "pay invoice epsilon-1", "exact": true, "reply": "all of it paid"},
+      {"match": "Question: pay the epsilon invoice", "reply": "Thought: Pay it.\nAction: pay\nArgs: {\"question\": \"pay invoice epsilon-1\"}"}
+    ]}"#;
+    let broker = Broker::start().unwrap();
+    let aggregator = Aggregator::spawn_with(&broker, &["--config-token", TOKEN]);
+    let llm = scripted_llm(EDITED).await;
+    let config = pay_config("edit", 300);
+    let _orchestrator = Orchestrator::journaled_with(
+        Place::InProcess,
+        &broker,
+        &llm,
+        &aggregator,
+        TOKEN,
+        &config,
+        &[],
+    );
+    let mut client = client(&broker).await;
+    client
+        .send(
+            "a-4",
+            &AgentRequest {
+                pattern: "react".into(),
+                ..request("pay the epsilon invoice", false)
+            },
+        )
+        .await
+        .unwrap();
+    let mut responses = Vec::new();
+    for _ in 0..100 {
+        responses.extend(drain_for(&mut client, "a-4", Duration::from_millis(300)).await);
+        if responses
+            .iter()
+            .any(|r| r.message_id.ends_with("/approval"))
+        {
+            break;
+        }
+    }
+    let (_, session, step) = approval_asked(&responses);
+    assert_eq!(
+        payments(&llm, "pay invoice epsilon-1"),
+        0,
+        "ran before approval"
+    );
+    let edited = r#"{"question": "pay half of invoice epsilon-1"}"#;
+    agentctl(
+        &broker,
+        &[
+            "approve",
+            &session,
+            &step.to_string(),
+            "--arguments",
+            edited,
+            "--by",
+            "ops-eve",
+            "--reason",
+            "only half is due",
+        ],
+    );
+    responses.extend(
+        collect_dialog(&mut client, "a-4", Duration::from_secs(60))
+            .await
+            .unwrap(),
+    );
+    let last = responses.last().unwrap();
+    assert_eq!(
+        last.content, "Half of the epsilon invoice is paid.",
+        "{responses:#?}"
+    );
+    assert_eq!(payments(&llm, "pay half of invoice epsilon-1"), 1);
+    assert_eq!(payments(&llm, "pay invoice epsilon-1"), 0);
+
+    let prefixes = agent_core::vocab::SPARQL_PREFIXES;
+    let uri = agent_core::provenance::SessionUris::new(&session).session();
+    let recorded = format!(
+        "{prefixes}ASK {{ GRAPH <urn:graph:retrieval> {{
+           ?answer a tg:ApprovalAnswer ; tg:decision \"approve\" ; tg:answeredBy \"ops-eve\" ;
+             tg:reason \"only half is due\" ; tg:editedArguments ?args ;
+             prov:wasDerivedFrom ?asked .
+           ?asked prov:wasDerivedFrom+ <{uri}> .
+           FILTER (CONTAINS(?args, \"pay half of invoice epsilon-1\")) }} }}"
+    );
+    assert!(
+        holds_within(&aggregator.store(), recorded).await,
+        "the edited approval is not in the graph: {responses:#?}"
+    );
+}
+
 /// Dialog A looks something up, then answers slowly (or never, when its second call stalls);
 /// dialog B follows it in the same conversation.
 fn conversation_script(second_call: &str) -> String {
