@@ -4,7 +4,7 @@
 //! queries (a four-way cross product) are stopped at the query time limit, or as soon as their
 //! client goes, a few run at a time and the rest are told to come back; the orchestrators' own
 //! queries (the journal, fan-in) carry the services' token and never queue behind them, so dialogs
-//! go on; a read token, when set, closes the endpoint to strangers.
+//! go on, a supervisor's fan-in among them; a read token, when set, closes the endpoint to strangers.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use std::time::{Duration, Instant};
@@ -17,6 +17,8 @@ const QUERY_TIMEOUT_SECS: u64 = 8;
 const RUNAWAY: &str =
     "SELECT (COUNT(*) AS ?n) WHERE { GRAPH ?g { ?a ?b ?c . ?d ?e ?f . ?h ?i ?j . ?k ?l ?m } }";
 const SCRIPT: &str = r#"{"rules": [
+  {"match": "Request to split: Split while attacked", "reply": "[{\"goal\": \"first half\"}, {\"goal\": \"second half\"}]"},
+  {"match": "Request to answer from the subagents: Split while attacked", "reply": "both halves answered"},
   {"match": "Observation: looked", "reply": "Thought: done.\nFinal Answer: still answering"},
   {"match": "look", "exact": true, "reply": "looked"},
   {"match": "Question: ", "reply": "Thought: look first.\nAction: llm\nArgs: {\"question\": \"look\"}"}
@@ -73,18 +75,34 @@ async fn runaway_queries_are_stopped_and_dialogs_go_on() {
         .collect();
     tokio::time::sleep(Duration::from_millis(500)).await;
     // Meanwhile a journaled dialog (its lookups and marks are queries and updates with the
-    // services' token) runs to its answer.
+    // services' token) runs to its answer, and so does a supervisor whose fan-in is the
+    // aggregator's own queries of the graph.
     client
         .send("during", &request("answer while attacked", false))
         .await
         .unwrap();
-    let during = collect_dialog(&mut client, "during", DIALOG_TIMEOUT)
+    client
+        .send(
+            "during-fan-in",
+            &agent_schema::AgentRequest {
+                pattern: "supervisor".into(),
+                ..request("Split while attacked", false)
+            },
+        )
         .await
         .unwrap();
+    let mut both = collect_dialogs(&mut client, &["during", "during-fan-in"], DIALOG_TIMEOUT).await;
+    let during = both.remove("during").unwrap();
     assert_eq!(
         during.last().unwrap().content,
         "still answering",
         "{during:#?}"
+    );
+    let fanned = both.remove("during-fan-in").unwrap();
+    assert_eq!(
+        fanned.last().unwrap().content,
+        "both halves answered",
+        "{fanned:#?}"
     );
     let mut statuses = Vec::new();
     for attack in attacks {

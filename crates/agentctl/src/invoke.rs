@@ -219,6 +219,9 @@ pub struct Renderer {
     open: Option<(String, String)>,
     /// Subagent session -> goal, from the fan-outs seen so far.
     goals: HashMap<String, String>,
+    /// Subagents' streamed text, gathered by message until it ends: branches stream side by
+    /// side, and each of their thoughts is printed as one line rather than interleaved pieces.
+    gathering: Vec<((String, String), String)>,
 }
 
 impl Renderer {
@@ -229,6 +232,7 @@ impl Renderer {
             color: std::io::stdout().is_terminal(),
             open: None,
             goals: HashMap::new(),
+            gathering: Vec::new(),
         }
     }
 
@@ -248,34 +252,80 @@ impl Renderer {
 
     pub fn show(&mut self, r: &AgentResponse) {
         let mut out = std::io::stdout().lock();
+        self.render(r, &mut out);
+        let _ = out.flush();
+    }
+
+    fn label(&self, kind: MessageType) -> String {
+        if kind == MessageType::Thought {
+            self.paint("36", "Thought:")
+        } else {
+            self.paint("1;32", "Answer:")
+        }
+    }
+
+    /// A subagent's chunk: kept until its message ends, then printed whole on its own line.
+    fn gather(&mut self, r: &AgentResponse, key: (String, String), out: &mut impl Write) {
+        let at = match self.gathering.iter().position(|(k, _)| *k == key) {
+            Some(at) => at,
+            None => {
+                self.gathering.push((key, String::new()));
+                self.gathering.len() - 1
+            }
+        };
+        self.gathering[at].1.push_str(&r.content);
+        if r.end_of_message {
+            let (_, text) = self.gathering.remove(at);
+            self.print_gathered(&r.message_id, kind(r), &text, "", out);
+        }
+    }
+
+    fn print_gathered(
+        &mut self,
+        message_id: &str,
+        kind: MessageType,
+        text: &str,
+        note: &str,
+        out: &mut impl Write,
+    ) {
+        if text.is_empty() {
+            return;
+        }
+        self.close_line(out);
+        let prefix = subagent_prefix(message_id, &self.goals);
+        let _ = writeln!(out, "{prefix}{} {text}{note}", self.label(kind));
+    }
+
+    fn render(&mut self, r: &AgentResponse, out: &mut impl Write) {
         if self.json {
             let _ = writeln!(out, "{}", String::from_utf8_lossy(&agent_schema::encode(r)));
             return;
         }
         let key = (r.message_type.clone(), r.message_id.clone());
         match kind(r) {
+            MessageType::Thought | MessageType::Answer
+                if agent_core::supervisor::place_of(session_of(&r.message_id)).is_some() =>
+            {
+                self.gather(r, key, out);
+            }
             MessageType::Thought | MessageType::Answer => {
                 if r.content.is_empty() && self.open.as_ref() != Some(&key) {
                     return;
                 }
                 if self.open.as_ref() != Some(&key) {
-                    self.close_line(&mut out);
-                    let label = if kind(r) == MessageType::Thought {
-                        self.paint("36", "Thought:")
-                    } else {
-                        self.paint("1;32", "Answer:")
-                    };
+                    self.close_line(out);
+                    let label = self.label(kind(r));
                     let prefix = subagent_prefix(&r.message_id, &self.goals);
                     let _ = write!(out, "{prefix}{label} ");
                     self.open = Some(key);
                 }
                 let _ = write!(out, "{}", r.content);
                 if r.end_of_message {
-                    self.close_line(&mut out);
+                    self.close_line(out);
                 }
             }
             MessageType::Observation => {
-                self.close_line(&mut out);
+                self.close_line(out);
                 self.goals.extend(fanout_goals(&r.message_id, &r.content));
                 let text: String = r.content.chars().take(600).collect();
                 let _ = writeln!(
@@ -286,7 +336,7 @@ impl Renderer {
                 );
             }
             MessageType::Error => {
-                self.close_line(&mut out);
+                self.close_line(out);
                 let message = r
                     .error
                     .as_ref()
@@ -297,7 +347,7 @@ impl Renderer {
             MessageType::Explain => {
                 let node = r.explain_id.as_deref().unwrap_or_default();
                 if node.ends_with("/pattern-decision") {
-                    self.close_line(&mut out);
+                    self.close_line(out);
                     let mut line = routing_line(&r.explain_triples);
                     let session = session_of(node);
                     if agent_core::supervisor::place_of(session).is_none() {
@@ -306,7 +356,7 @@ impl Renderer {
                     let _ = writeln!(out, "{} {line}", self.paint("35", "Routed:"));
                 }
                 if self.explain {
-                    self.close_line(&mut out);
+                    self.close_line(out);
                     let node = r.explain_id.clone().unwrap_or_default();
                     let _ = writeln!(out, "{}", self.paint("2", &format!("  provenance {node}")));
                     for line in describe(&r.explain_triples) {
@@ -315,7 +365,6 @@ impl Renderer {
                 }
             }
         }
-        let _ = out.flush();
     }
 
     pub fn finish(&mut self, last: &AgentResponse, elapsed: Duration) {
@@ -323,6 +372,11 @@ impl Renderer {
             return;
         }
         let mut out = std::io::stdout().lock();
+        // What a branch was still writing when the dialog ended (a cancel, a timeout).
+        for ((kind_name, message_id), text) in std::mem::take(&mut self.gathering) {
+            let kind = MessageType::parse(&kind_name).unwrap_or(MessageType::Thought);
+            self.print_gathered(&message_id, kind, &text, " (cut off)", &mut out);
+        }
         self.close_line(&mut out);
         let summary = format!(
             "(tokens in/out: {}/{}, model: {}, {:.2} s)",
@@ -338,6 +392,39 @@ impl Renderer {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn chunk(kind: &str, message_id: &str, content: &str, end: bool) -> AgentResponse {
+        let mut r = AgentResponse::new(MessageType::parse(kind).unwrap(), content);
+        r.message_id = message_id.to_owned();
+        r.end_of_message = end;
+        r
+    }
+
+    /// Two subagents' thoughts streamed side by side come out one line each, when each ends;
+    /// the dialog's own answer streams as it comes.
+    #[test]
+    fn streamed_branches_print_a_line_per_message() {
+        let mut renderer = Renderer::new(false, false);
+        renderer.color = false;
+        let mut out = Vec::new();
+        let owls = "urn:trustgraph:agent:abc-f1-s0/i1/thought";
+        let larks = "urn:trustgraph:agent:abc-f1-s1/i1/thought";
+        for r in [
+            chunk("thought", owls, "the owls ", false),
+            chunk("thought", larks, "the larks ", false),
+            chunk("thought", owls, "roost", false),
+            chunk("thought", larks, "sing", true),
+            chunk("thought", owls, "", true),
+            chunk("answer", "urn:trustgraph:agent:abc/final", "Eleven ", false),
+            chunk("answer", "urn:trustgraph:agent:abc/final", "owls.", false),
+        ] {
+            renderer.render(&r, &mut out);
+        }
+        assert_eq!(
+            String::from_utf8(out).unwrap(),
+            "[subagent 1] Thought: the larks sing\n[subagent 0] Thought: the owls roost\nAnswer: Eleven owls."
+        );
+    }
 
     #[test]
     fn subagent_messages_are_labelled_by_goal_or_place() {
