@@ -162,6 +162,78 @@ async fn a_cancel_stops_every_branch_of_a_stalled_fan_out() {
     assert_eq!(synthesis_calls, 0);
 }
 
+/// A cancel heard while the model is still writing a step that would call a tool: the stream is
+/// abandoned (the model's connection is closed, not read to its end), the tool is never called,
+/// and the client gets one closing message.
+#[tokio::test]
+async fn a_cancel_abandons_a_streaming_step_and_its_tool_is_never_called() {
+    // About eighteen chunks two seconds apart: read to its end, the stream would last 36 s.
+    const SLOW: &str = r#"{"rules": [
+      {"match": "transfer the funds", "exact": true, "reply": "funds transferred"},
+      {"match": "Question: move the money", "reply": "Thought: I will move the money now, once I have checked both accounts.\nAction: llm\nArgs: {\"question\": \"transfer the funds\"}", "chunk_delay_ms": 2000}
+    ]}"#;
+    let broker = Broker::start().unwrap();
+    let aggregator = Aggregator::spawn(&broker);
+    let llm = scripted_llm(SLOW).await;
+    let _orchestrator = Orchestrator::spawn(&broker, &llm, &seed_dir(), &[]);
+    let mut client = client(&broker).await;
+    client
+        .send(
+            "c-5",
+            &AgentRequest {
+                pattern: "react".into(),
+                ..request("move the money", true)
+            },
+        )
+        .await
+        .unwrap();
+    // The thought is streaming.
+    let mut responses = Vec::new();
+    for _ in 0..100 {
+        responses.extend(drain_for(&mut client, "c-5", Duration::from_millis(200)).await);
+        if responses.iter().any(|r| r.message_type == "thought") {
+            break;
+        }
+    }
+    let session = responses
+        .iter()
+        .find_map(|r| agent_core::vocab::session_id_of(&r.message_id))
+        .expect("a thought was streamed")
+        .to_owned();
+    assert_eq!(llm.streams_open(), 1, "the model is still writing");
+    let cancelled_at = std::time::Instant::now();
+    cancel(&broker, &session, "ops-carol", "changed my mind");
+    responses.extend(
+        collect_dialog(&mut client, "c-5", Duration::from_secs(15))
+            .await
+            .unwrap(),
+    );
+    println!(
+        "closed {:?} after the cancel was sent",
+        cancelled_at.elapsed()
+    );
+    assert_closed_by_cancel(&responses, "ops-carol", "changed my mind");
+    // The connection was closed: the server stops at its next chunk, long before the stream's
+    // own end.
+    until("the model's stream is abandoned", || {
+        llm.streams_open() == 0
+    })
+    .await;
+    assert!(
+        cancelled_at.elapsed() < Duration::from_secs(15),
+        "the stream ran to its end"
+    );
+    responses.extend(drain_for(&mut client, "c-5", Duration::from_secs(2)).await);
+    assert_eq!(
+        payments(&llm, "transfer the funds"),
+        0,
+        "the tool was called"
+    );
+    assert_eq!(llm.calls().len(), 1, "{:#?}", llm.calls());
+    assert_eq!(closings(&responses).len(), 1);
+    assert_recorded(&aggregator, &session, "ops-carol").await;
+}
+
 /// A cancel sent while no orchestrator runs is recorded in the graph; the next orchestrator to
 /// start reads it there, and the dialog's waiting step ends it without calling the LLM.
 #[tokio::test]

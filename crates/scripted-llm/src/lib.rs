@@ -189,6 +189,8 @@ struct Shared {
     calls: Mutex<Vec<Call>>,
     in_flight: AtomicUsize,
     max_in_flight: AtomicUsize,
+    /// Streamed answers whose body is still being sent (until done, or the client hangs up).
+    streams_open: AtomicUsize,
     /// While set, every request is answered with this status and `Retry-After` (a provider
     /// outage, switched on and off by a test).
     outage: Mutex<Option<(u16, Option<u64>)>>,
@@ -211,6 +213,23 @@ impl Drop for InFlight<'_> {
     }
 }
 
+/// Counts a streamed answer as open for as long as its body lives: the server drops it when the
+/// last chunk is sent or when the client has gone.
+struct OpenStream(Arc<Shared>);
+
+impl OpenStream {
+    fn enter(shared: Arc<Shared>) -> OpenStream {
+        shared.streams_open.fetch_add(1, Ordering::SeqCst);
+        OpenStream(shared)
+    }
+}
+
+impl Drop for OpenStream {
+    fn drop(&mut self) {
+        self.0.streams_open.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
 /// A running server; stops when dropped or on [`ScriptedLlm::stop`].
 pub struct ScriptedLlm {
     addr: SocketAddr,
@@ -229,6 +248,7 @@ impl ScriptedLlm {
             calls: Mutex::new(Vec::new()),
             in_flight: AtomicUsize::new(0),
             max_in_flight: AtomicUsize::new(0),
+            streams_open: AtomicUsize::new(0),
             outage: Mutex::new(None),
         });
         let app = Router::new()
@@ -275,6 +295,12 @@ impl ScriptedLlm {
     /// preparation of streamed ones).
     pub fn max_concurrent(&self) -> usize {
         self.shared.max_in_flight.load(Ordering::SeqCst)
+    }
+
+    /// Streamed answers still being sent: a client that abandons a stream closes its connection,
+    /// and the stream stops at its next chunk.
+    pub fn streams_open(&self) -> usize {
+        self.shared.streams_open.load(Ordering::SeqCst)
     }
 
     pub fn stop(&self) {
@@ -543,11 +569,15 @@ async fn chat(State(shared): State<Arc<Shared>>, Json(body): Json<Value>) -> Res
         events.push("data: [DONE]\n\n".to_owned());
     }
     let pause = Duration::from_millis(rule.chunk_delay_ms);
-    let body = futures::stream::iter(events).then(move |e| async move {
-        if !pause.is_zero() {
-            tokio::time::sleep(pause).await;
+    let open = OpenStream::enter(shared.clone());
+    let body = futures::stream::iter(events).then(move |e| {
+        let _open = &open;
+        async move {
+            if !pause.is_zero() {
+                tokio::time::sleep(pause).await;
+            }
+            Ok::<_, std::convert::Infallible>(bytes::Bytes::from(e))
         }
-        Ok::<_, std::convert::Infallible>(bytes::Bytes::from(e))
     });
     (
         [
