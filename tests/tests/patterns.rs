@@ -419,3 +419,111 @@ async fn an_ensemble_debates_a_round_then_reconciles_the_revised_answers() {
         Vec::<String>::new()
     );
 }
+
+/// An ensemble whose agents are different models (`models` in its config): each agent's every
+/// LLM call asks for its own model, the reconciliation for the orchestrator's, and the graph
+/// records which model answered each agent's step. A request cannot pick a model config does not
+/// list.
+#[tokio::test]
+async fn an_ensembles_agents_can_be_different_models() {
+    let script = r#"{"rules": [
+      {"match": "Request to classify: ", "reply": "{\"choice\": \"risk-assessment\", \"rationale\": \"weigh it\"}"},
+      {"match": "Request to work on: ", "reply": "{\"choice\": \"ensemble\", \"rationale\": \"two opinions\"}"},
+      {"match": "Question to reconcile: Is the bridge safe?", "and": ["Yes.", "Mostly."], "reply": "{\"agreed\": [\"it stands\"], \"disagreed\": [], \"answer\": \"It is safe enough.\"}"},
+      {"match": "Look at the load.", "reply": "Thought: loads are fine.\nFinal Answer: Yes."},
+      {"match": "Look at the rust.", "reply": "Thought: some rust.\nFinal Answer: Mostly."},
+      {"match": "Question: A plain question", "reply": "Thought: easy.\nFinal Answer: plain"}
+    ]}"#;
+    let mut patterns: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(seed_dir().join("agent-pattern.json")).unwrap(),
+    )
+    .unwrap();
+    patterns["ensemble"]["perspectives"] =
+        serde_json::json!(["Look at the load.", "Look at the rust."]);
+    patterns["ensemble"]["models"] = serde_json::json!(["model-a", "model-b"]);
+    let config = seed_with("models", &[("agent-pattern", &patterns.to_string())]);
+    let broker = Broker::start().unwrap();
+    let aggregator = Aggregator::spawn(&broker);
+    let llm = scripted_llm(script).await;
+    let _orchestrator = Orchestrator::spawn(&broker, &llm, &config, &[]);
+    let mut client = client(&broker).await;
+    client
+        .send("models", &request("Is the bridge safe?", false))
+        .await
+        .unwrap();
+    let responses = collect_dialog(&mut client, "models", Duration::from_secs(60))
+        .await
+        .unwrap();
+    assert_eq!(
+        responses.last().unwrap().content,
+        "It is safe enough.",
+        "{responses:#?}"
+    );
+    let calls = llm.calls();
+    assert!(calls.iter().all(|c| c.rule.is_some()), "{calls:#?}");
+    let model_of = |rule: usize| -> Vec<String> {
+        calls
+            .iter()
+            .filter(|c| c.rule == Some(rule))
+            .map(|c| c.model.clone())
+            .collect()
+    };
+    assert_eq!(model_of(3), ["model-a"]);
+    assert_eq!(model_of(4), ["model-b"]);
+    // The router and the reconciliation are the orchestrator's own model.
+    assert_eq!(model_of(2), ["scripted"]);
+    assert_eq!(model_of(0), ["scripted"]);
+
+    let session = session_of(&responses);
+    let prefixes = agent_core::vocab::SPARQL_PREFIXES;
+    let store = aggregator.store();
+    // Every node of each agent's dialog that records an LLM call names that agent's model.
+    let answered_by = format!(
+        "{prefixes}SELECT DISTINCT ?m WHERE {{ GRAPH <urn:graph:retrieval> {{
+           ?n tg:model ?m .
+           FILTER (STRSTARTS(STR(?n), \"{session}-f\")) }} }}"
+    );
+    assert_eq!(count_reaching(&store, answered_by.clone(), 2).await, 2);
+    let models = store.query(answered_by.clone()).await.unwrap().rows();
+    let mut seen: Vec<String> = models
+        .column("m")
+        .into_iter()
+        .flatten()
+        .map(|t| match t {
+            agent_graph::model::Term::Literal(l) => l.value().to_owned(),
+            other => other.to_string(),
+        })
+        .collect();
+    seen.sort();
+    seen.dedup();
+    assert_eq!(seen, ["model-a", "model-b"], "{answered_by}");
+
+    // A request that asks for a model no config lists gets the orchestrator's.
+    let mut properties = agent_bus::Properties::new();
+    properties.insert(
+        agent_schema::MODEL_PROPERTY.to_owned(),
+        "an-expensive-model".to_owned(),
+    );
+    client
+        .send_with(
+            "unlisted",
+            &agent_schema::AgentRequest {
+                pattern: "react".into(),
+                ..request("A plain question", false)
+            },
+            &properties,
+        )
+        .await
+        .unwrap();
+    let plain = collect_dialog(&mut client, "unlisted", Duration::from_secs(60))
+        .await
+        .unwrap();
+    assert_eq!(plain.last().unwrap().content, "plain", "{plain:#?}");
+    let asked: Vec<String> = llm
+        .calls()
+        .iter()
+        .filter(|c| c.rule == Some(5))
+        .map(|c| c.model.clone())
+        .collect();
+    assert_eq!(asked, ["scripted"]);
+}

@@ -421,6 +421,9 @@ async fn start_waiting(
         properties.insert(ID_PROPERTY.to_owned(), fanout.client.to_owned());
         properties.insert(STARTED_PROPERTY.to_owned(), fanout.started.to_string());
         properties.insert(RUN_TOKENS_PROPERTY.to_owned(), fanout.tokens.to_string());
+        if let Some(model) = &goal.model {
+            properties.insert(agent_schema::MODEL_PROPERTY.to_owned(), model.clone());
+        }
         if let Some(key) = seal {
             let parts = subagent_seal_parts(&request, fanout.started, fanout.tokens);
             properties.insert(

@@ -250,6 +250,11 @@ pub struct PatternDef {
     /// revise its own, before the reconciliation (0, the default: none). Other patterns ignore it.
     #[serde(default, skip_serializing_if = "is_zero")]
     pub debate_rounds: usize,
+    /// The ensemble's models: agent `i` asks `models[i % len]` (an OpenAI-compatible endpoint
+    /// serves several by name), so independent agents can be different models; empty, every agent
+    /// asks the orchestrator's `LLM_MODEL`. Other patterns ignore it.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub models: Vec<String>,
 }
 
 fn is_zero(n: &usize) -> bool {
@@ -582,6 +587,14 @@ impl AgentConfig {
             .or_else(|| self.models.get("default"))
             .cloned()
             .unwrap_or_default()
+    }
+
+    /// Whether a pattern's config lists `model` for its agents (see [`PatternDef::models`]): a
+    /// request may ask for a model only from that list, never one config does not name.
+    pub fn lists_model(&self, model: &str) -> bool {
+        self.patterns
+            .values()
+            .any(|p| p.models.iter().any(|m| m == model))
     }
 
     /// The tool the LLM named, by its `name`.

@@ -46,6 +46,23 @@ pub fn goals(question: &str, perspectives: &[String]) -> Vec<Goal> {
         .collect()
 }
 
+/// Agent `i` asks `models[i % len]`: independent agents can be different models as well as
+/// different framings. No models: every agent keeps the orchestrator's.
+pub fn with_models(goals: Vec<Goal>, models: &[String]) -> Vec<Goal> {
+    let models: Vec<&String> = models.iter().filter(|m| !m.trim().is_empty()).collect();
+    if models.is_empty() {
+        return goals;
+    }
+    goals
+        .into_iter()
+        .enumerate()
+        .map(|(i, goal)| Goal {
+            model: Some(models[i % models.len()].trim().to_owned()),
+            ..goal
+        })
+        .collect()
+}
+
 /// The most debate rounds an ensemble runs, whatever config says.
 pub const MAX_DEBATE_ROUNDS: usize = 3;
 
@@ -206,6 +223,20 @@ mod tests {
             describe_answers(&results, &["direct".to_owned()]),
             "Agent 1 (direct): yes\n\nAgent 2: no"
         );
+    }
+
+    #[test]
+    fn agents_take_the_configured_models_in_turn() {
+        let perspectives: Vec<String> = ["a", "b", "c"].map(str::to_owned).to_vec();
+        let models = vec!["small".to_owned(), " ".to_owned(), "large".to_owned()];
+        let goals = with_models(goals("Q?", &perspectives), &models);
+        let chosen: Vec<Option<&str>> = goals.iter().map(|g| g.model.as_deref()).collect();
+        assert_eq!(chosen, [Some("small"), Some("large"), Some("small")]);
+        let kept = with_models(goals.clone(), &[]);
+        assert_eq!(kept, goals);
+        assert!(with_models(super::goals("Q?", &perspectives), &[])
+            .iter()
+            .all(|g| g.model.is_none()));
     }
 
     #[test]

@@ -22,6 +22,8 @@ pub struct Goal {
     pub needs: Vec<usize>,
     /// A perspective the subagent is told to take (an ensemble's), after the supervisor's framing.
     pub perspective: Option<String>,
+    /// The model the subagent's LLM calls ask for (an ensemble's); `None`: the orchestrator's.
+    pub model: Option<String>,
 }
 
 impl Goal {
@@ -33,6 +35,7 @@ impl Goal {
             group: None,
             needs: Vec::new(),
             perspective: None,
+            model: None,
         }
     }
 }
@@ -180,6 +183,7 @@ pub fn goals_json(goals: &[Goal]) -> String {
                 "group": g.group,
                 "needs": g.needs,
                 "perspective": g.perspective,
+                "model": g.model,
             })
         })
         .collect();
@@ -218,6 +222,10 @@ pub fn kept_goals(decompose: &AgentStep) -> Vec<Goal> {
                 perspective: item
                     .get("perspective")
                     .and_then(|p| p.as_str())
+                    .map(str::to_owned),
+                model: item
+                    .get("model")
+                    .and_then(|m| m.as_str())
                     .map(str::to_owned),
             }
         })

@@ -288,6 +288,17 @@ impl LlmClient {
         &self.config.model
     }
 
+    /// A handle on the same connections and bound whose calls ask for `model` (an
+    /// OpenAI-compatible endpoint serves several by name).
+    pub fn for_model(&self, model: &str) -> LlmClient {
+        let mut config = (*self.config).clone();
+        config.model = model.to_owned();
+        LlmClient {
+            config: Arc::new(config),
+            ..self.clone()
+        }
+    }
+
     /// A handle on the same connections and bound whose calls go on `tape`: each one recorded,
     /// and one asking what the tape has an answer for given that answer without a call.
     pub fn taped(&self, tape: Arc<Tape>) -> LlmClient {

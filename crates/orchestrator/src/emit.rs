@@ -18,7 +18,7 @@ use agent_schema::{
 use crate::journal::{self, Channel, Effect, Journal};
 
 pub use agent_schema::{
-    IN_TOKEN_PROPERTY, OUT_TOKEN_PROPERTY, RUN_TOKENS_PROPERTY, STARTED_PROPERTY,
+    IN_TOKEN_PROPERTY, MODEL_PROPERTY, OUT_TOKEN_PROPERTY, RUN_TOKENS_PROPERTY, STARTED_PROPERTY,
 };
 
 /// Where a step's messages go.
@@ -147,6 +147,9 @@ pub struct DialogOutput<'a> {
     /// Whether the dialog is a subagent's: its answer is a result for its supervisor, never an
     /// `answer` message to the client (see [`DialogOutput::chunk`]).
     subagent: bool,
+    /// The model this dialog's LLM calls ask for, when it is not the orchestrator's: carried on
+    /// to every next request of the dialog.
+    model: Option<String>,
 }
 
 /// A step's graph-only records join its last graph message only while that is smaller than this:
@@ -220,6 +223,7 @@ impl<'a> DialogOutput<'a> {
             input_step: 1,
             kept: Mutex::new(Vec::new()),
             subagent: false,
+            model: None,
         }
     }
 
@@ -245,6 +249,13 @@ impl<'a> DialogOutput<'a> {
     fn set_input_history(&mut self, history: &[agent_schema::AgentStep]) {
         self.input_history = history.to_vec();
         self.input_step = agent_core::documents::steps_taken(history) + 1;
+    }
+
+    /// The model this dialog asks for (see [`agent_schema::MODEL_PROPERTY`]), carried to its next
+    /// requests.
+    pub fn with_model(mut self, model: Option<&str>) -> Self {
+        self.model = model.map(str::to_owned);
+        self
     }
 
     /// Holds `triples` for the graph only, written with the step's commit (and dropped with the
@@ -636,10 +647,14 @@ impl<'a> DialogOutput<'a> {
         request: &AgentRequest,
         run_tokens: u64,
         seal: Option<&agent_bus::seal::SealKey>,
+        model: Option<&str>,
     ) -> Result<(), BusError> {
         let mut properties = self.properties.clone();
         properties.insert(STARTED_PROPERTY.to_owned(), self.started_ms.to_string());
         properties.insert(RUN_TOKENS_PROPERTY.to_owned(), run_tokens.to_string());
+        if let Some(model) = model {
+            properties.insert(MODEL_PROPERTY.to_owned(), model.to_owned());
+        }
         if let Some(key) = seal {
             let parts = subagent_seal_parts(request, self.started_ms, run_tokens);
             properties.insert(
@@ -704,6 +719,9 @@ impl<'a> DialogOutput<'a> {
         properties.insert(IN_TOKEN_PROPERTY.to_owned(), tokens.input.to_string());
         properties.insert(OUT_TOKEN_PROPERTY.to_owned(), tokens.output.to_string());
         properties.insert(STARTED_PROPERTY.to_owned(), self.started_ms.to_string());
+        if let Some(model) = &self.model {
+            properties.insert(MODEL_PROPERTY.to_owned(), model.clone());
+        }
         if self.run_base > 0 {
             properties.insert(RUN_TOKENS_PROPERTY.to_owned(), self.run_base.to_string());
         }

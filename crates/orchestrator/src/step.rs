@@ -214,6 +214,8 @@ impl Engine {
             run_base,
             config.limits.max_message_bytes,
         );
+        let model = asked_model(&properties, &config);
+        out = out.with_model(model);
         let giving_up = matches!(attempt, Attempt::GiveUp(_));
         let slot = match self
             .journal_slot(
@@ -264,7 +266,11 @@ impl Engine {
             matches!(attempt, Attempt::Run { .. }) && verdict.is_ok(),
         )
         .await?;
-        let llm = self.llm.taped(step_replay.tape.clone());
+        let llm = match model {
+            Some(model) => self.llm.for_model(model),
+            None => self.llm.clone(),
+        }
+        .taped(step_replay.tape.clone());
         let span = iteration_span(&request, &session_id, id, &properties);
         carry_forward(&mut out, reuse.as_ref(), &span);
         let turn = Turn {
@@ -481,6 +487,22 @@ enum Joined {
 /// Whether a request starts a dialog. The router's mark is honoured only on what the router
 /// queues: a first iteration with its pattern and session set. Anything else without history is a
 /// new dialog.
+/// The model a request asks for ([`agent_schema::MODEL_PROPERTY`], set on an ensemble's agents),
+/// if config lists it for a pattern's agents: a message cannot make the service call a model
+/// config does not name.
+fn asked_model<'p>(
+    properties: &'p agent_bus::Properties,
+    config: &agent_core::config::AgentConfig,
+) -> Option<&'p str> {
+    let asked = properties.get(agent_schema::MODEL_PROPERTY)?;
+    if config.lists_model(asked) {
+        Some(asked.as_str())
+    } else {
+        tracing::warn!(model = %asked, "ignoring a request's model that no pattern's config lists");
+        None
+    }
+}
+
 fn is_new_dialog(request: &AgentRequest, properties: &agent_bus::Properties) -> bool {
     let routed = properties.contains_key(router::ROUTED_PROPERTY)
         && !request.pattern.is_empty()

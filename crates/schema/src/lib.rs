@@ -25,6 +25,9 @@ pub const OUT_TOKEN_PROPERTY: &str = "agent-out-token";
 /// Our message property on `next` requests: when the dialog's first message was taken up (Unix
 /// milliseconds), for the wall-time budget.
 pub const STARTED_PROPERTY: &str = "agent-started-ms";
+/// Our message property on an ensemble agent's requests: the model its LLM calls ask for (one of
+/// the models config lists for the ensemble; any other is ignored).
+pub const MODEL_PROPERTY: &str = "agent-model";
 /// Our message property on a subagent's requests: the tokens its run (the root request and every
 /// subagent) had used when the subagent was started, for the shared budget.
 pub const RUN_TOKENS_PROPERTY: &str = "agent-run-tokens";

@@ -179,6 +179,8 @@ pub struct Call {
     pub stop: Vec<String>,
     /// Whether it asked for a JSON object (`response_format`).
     pub json_mode: bool,
+    /// The model it asked for.
+    pub model: String,
 }
 
 struct Shared {
@@ -383,6 +385,7 @@ async fn chat(State(shared): State<Arc<Shared>>, Json(body): Json<Value>) -> Res
                     .collect(),
                 stop: strings(&body["stop"]),
                 json_mode: body["response_format"]["type"] == "json_object",
+                model: model.clone(),
             });
             Some(calls.len() - 1)
         }

@@ -35,7 +35,10 @@ pub async fn iterate(turn: &Turn<'_>) -> Result<(), BusError> {
         .map(|p| p.perspectives.as_slice())
         .unwrap_or_default();
     let perspectives = ensemble::perspectives(configured, turn.config.limits.max_subagents);
-    let goals = ensemble::goals(&turn.request.question, &perspectives);
+    let goals = ensemble::with_models(
+        ensemble::goals(&turn.request.question, &perspectives),
+        ensemble_models(turn),
+    );
     let thought = format!(
         "Asking {} independent agents the same question, each from its own perspective.",
         goals.len()
@@ -52,6 +55,12 @@ pub async fn iterate(turn: &Turn<'_>) -> Result<(), BusError> {
         Vec::new(),
     )
     .await
+}
+
+fn ensemble_models<'t>(turn: &Turn<'t>) -> &'t [String] {
+    ensemble_config(turn)
+        .map(|p| p.models.as_slice())
+        .unwrap_or_default()
 }
 
 fn ensemble_config<'t>(turn: &Turn<'t>) -> Option<&'t agent_core::config::PatternDef> {
@@ -87,7 +96,11 @@ async fn debate(turn: &Turn<'_>, n: usize) -> Result<(), BusError> {
         &uris.synthesis(&cid),
         provenance::synthesis(uris, &cid, &completions, &missing, &CallStats::default()),
     )?;
-    let goals = ensemble::debate_goals(&request.question, &perspectives, &answers);
+    // Each agent debates as the model it answered as.
+    let goals = ensemble::with_models(
+        ensemble::debate_goals(&request.question, &perspectives, &answers),
+        ensemble_models(turn),
+    );
     let thought = format!(
         "A debate round: each of the {} agents sees the others' answers and defends or revises its own.",
         goals.len()

@@ -388,7 +388,7 @@ pub(crate) async fn fan_out(
             continue;
         }
         let sub = supervising::subagent_request(request, session_id, &cid, i, goal, goals.len());
-        out.spawn(&sub, run_tokens, turn.seal)?;
+        out.spawn(&sub, run_tokens, turn.seal, goal.model.as_deref())?;
     }
     Ok(())
 }
