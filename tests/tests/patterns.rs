@@ -237,7 +237,7 @@ async fn an_ensemble_asks_independent_agents_and_reconciles_where_they_agree_and
     let reconciled = format!(
         "{prefixes}SELECT DISTINCT ?c WHERE {{ GRAPH <urn:graph:retrieval> {{
            <{session}/pattern-decision> tg:pattern \"ensemble\" ; tg:taskType \"risk-assessment\" ;
-             tg:patternCandidate \"ensemble\" .
+             tg:patternCandidate \"supervisor\", \"plan-then-execute\", \"react\", \"ensemble\" .
            ?r a tg:Reconciliation, tg:Synthesis ; tg:reconciliationRead true ;
              tg:agreement \"a backup must come first\" ;
              tg:disagreement \"whether the window is long enough\" ;
@@ -312,7 +312,8 @@ async fn deep_research_runs_rounds_of_parallel_lookups_then_writes_and_is_judged
     let prefixes = agent_core::vocab::SPARQL_PREFIXES;
     let dag = format!(
         "{prefixes}ASK {{ GRAPH <urn:graph:retrieval> {{
-           <{session}/pattern-decision> tg:pattern \"deep-research\" ; tg:taskType \"research\" .
+           <{session}/pattern-decision> tg:pattern \"deep-research\" ; tg:taskType \"research\" ;
+             tg:patternCandidate \"react\", \"plan-then-execute\", \"reflexion\", \"deep-research\" .
            <{session}/i1> a tg:ResearchRound ; tg:researchComplete false ;
              tg:gap \"price of alpha\", \"price of beta\" .
            <{session}/i1/call/1> a tg:ToolUse ; tg:action \"llm\" ; tg:toolOutcome \"ok\" ; tg:note 1 ;
