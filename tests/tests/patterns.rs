@@ -81,7 +81,8 @@ async fn the_meta_router_chooses_the_llm_router_which_hands_requests_to_a_tool_o
     // the tool call derived from it, its observation and the conclusion.
     let to_tool = format!(
         "{prefixes}SELECT ?d WHERE {{ GRAPH <urn:graph:retrieval> {{
-           <{sum_session}/pattern-decision> tg:pattern \"llm-router\" ; tg:patternMethod \"llm\" .
+           <{sum_session}/pattern-decision> tg:pattern \"llm-router\" ; tg:patternMethod \"llm\" ;
+             tg:patternCandidate \"react\", \"llm-router\" .
            ?d a tg:DispatchDecision ; prov:wasDerivedFrom <{sum_session}/pattern-decision> ;
               tg:dispatch \"tool:llm\" ; tg:dispatchMethod \"llm\" ; tg:dispatchRationale \"a single lookup\" ;
               tg:dispatchCandidate \"tool:llm\", \"pattern:react\" ;
