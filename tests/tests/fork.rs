@@ -193,6 +193,56 @@ async fn a_fork_from_step_two_with_an_edited_observation_runs_from_there_and_bot
     assert!(forked.contains("given observation 1: 50"), "{forked}");
 }
 
+/// A fork on another model (`--model`, one config names: here an `llm-model` entry): every LLM
+/// call of the fork asks for it, the tool's included, and the graph names it on each call node;
+/// the original ran on the orchestrator's model.
+#[tokio::test]
+async fn a_fork_on_another_model_asks_that_model_for_every_call() {
+    let broker = Broker::start().unwrap();
+    let aggregator = Aggregator::spawn_with(&broker, &["--config-token", TOKEN]);
+    let llm = scripted_llm(ARITHMETIC).await;
+    let config = seed_with("fork-model", &[("llm-model", r#"{"larger-model": {}}"#)]);
+    let _orchestrator = Orchestrator::journaled_with(
+        Place::InProcess,
+        &broker,
+        &llm,
+        &aggregator,
+        TOKEN,
+        &config,
+        &[],
+    );
+    let source = original(&broker, &aggregator).await;
+    let before = llm.calls().len();
+    assert!(llm.calls().iter().all(|c| c.model == "scripted"));
+    let said = agentctl(
+        Some(&broker),
+        &aggregator,
+        &["fork", &source, "--from", "2", "--model", "larger-model"],
+    )
+    .await;
+    assert!(said.contains("43"), "the fork's answer: {said}");
+    let fork = fork_session(&said);
+    let forked: Vec<String> = llm.calls()[before..]
+        .iter()
+        .map(|c| c.model.clone())
+        .collect();
+    // Step 2, its tool's own call, and step 3.
+    assert_eq!(forked, ["larger-model"; 3], "{:#?}", llm.calls());
+    let models = format!(
+        "{SPARQL_PREFIXES}SELECT DISTINCT ?m WHERE {{ GRAPH <urn:graph:retrieval> {{ ?n tg:model ?m .
+           FILTER(STRSTARTS(STR(?n), \"urn:trustgraph:agent:{fork}/\")) }} }}"
+    );
+    assert_eq!(
+        count_reaching(&aggregator.store(), models.clone(), 1).await,
+        1
+    );
+    let rows = aggregator.store().query(models).await.unwrap().rows();
+    match rows.first("m") {
+        Some(agent_graph::model::Term::Literal(m)) => assert_eq!(m.value(), "larger-model"),
+        other => panic!("no model recorded: {other:?}"),
+    }
+}
+
 #[tokio::test]
 async fn a_replay_with_reuse_gives_recorded_answers_without_calling_again() {
     let (broker, aggregator, llm, _orchestrator) = orchestrated(ARITHMETIC).await;

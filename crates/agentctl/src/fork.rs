@@ -2,7 +2,7 @@
 //! failed dialog, optionally with an edited question, observation, state, tool groups or pattern,
 //! and follows it like `invoke`. The fork's root records where it came from and what its input
 //! changes there (the orchestrator compares it with the recorded input itself), so `agentctl
-//! explain` shows both branches. `--reuse` gives recorded LLM answers to the very same questions
+//! explain` shows both branches. `--model` runs the fork on another configured model. `--reuse` gives recorded LLM answers to the very same questions
 //! and recorded results of the same tool calls again instead of calling (no second charge).
 
 use std::time::Duration;
@@ -10,7 +10,8 @@ use std::time::Duration;
 use agent_bus::{AgentClient, BrokerArgs, Properties};
 use agent_core::fork::history_entry_mut;
 use agent_schema::{
-    AgentRequest, FORK_OF_PROPERTY, FORK_STEP_PROPERTY, REUSE_FROM_PROPERTY, REUSE_PROPERTY,
+    AgentRequest, FORK_OF_PROPERTY, FORK_STEP_PROPERTY, MODEL_PROPERTY, REUSE_FROM_PROPERTY,
+    REUSE_PROPERTY,
 };
 use anyhow::{bail, Context};
 
@@ -55,6 +56,10 @@ pub struct ForkArgs {
     /// Another pattern (from step 1 only; empty lets the meta-router choose again).
     #[arg(long)]
     pub pattern: Option<String>,
+    /// Another model for the fork's LLM calls (one config names: an `llm-model` entry, or a
+    /// pattern's `models`); recorded on every call node as `tg:model`.
+    #[arg(long)]
+    pub model: Option<String>,
     /// What to give again from the source's record instead of calling.
     #[arg(long, value_enum, default_value_t = Reuse::None)]
     pub reuse: Reuse,
@@ -143,6 +148,9 @@ pub async fn run(args: ForkArgs) -> anyhow::Result<i32> {
     if let Some(reuse) = reuse {
         properties.insert(REUSE_PROPERTY.to_owned(), reuse.to_owned());
         properties.insert(REUSE_FROM_PROPERTY.to_owned(), source.clone());
+    }
+    if let Some(model) = &args.model {
+        properties.insert(MODEL_PROPERTY.to_owned(), model.clone());
     }
     let bus = args
         .broker

@@ -589,12 +589,15 @@ impl AgentConfig {
             .unwrap_or_default()
     }
 
-    /// Whether a pattern's config lists `model` for its agents (see [`PatternDef::models`]): a
-    /// request may ask for a model only from that list, never one config does not name.
+    /// Whether config names `model`: a pattern lists it for its agents (see
+    /// [`PatternDef::models`]) or it has an `llm-model` entry of its own. A request may ask for a
+    /// model only from these, never one config does not name.
     pub fn lists_model(&self, model: &str) -> bool {
-        self.patterns
-            .values()
-            .any(|p| p.models.iter().any(|m| m == model))
+        (model != "default" && self.models.contains_key(model))
+            || self
+                .patterns
+                .values()
+                .any(|p| p.models.iter().any(|m| m == model))
     }
 
     /// The tool the LLM named, by its `name`.
