@@ -205,13 +205,19 @@ impl GraphStore {
     /// is. Should the store refuse, the text stays whole (bounded by the message size limit): a
     /// message is not lost for want of a smaller one.
     pub async fn check_in(&self, text: String) -> String {
-        use agent_core::documents::{document_uri, excerpt_with_reference, is_long, reference};
+        use agent_core::documents::{document_uri, is_long, reference};
         if !is_long(&text) || reference(&text).is_some() {
             return text;
         }
         let uri = document_uri(&text);
-        match self.keep_document(&uri, &text).await {
-            Ok(()) => excerpt_with_reference(&text, &uri),
+        self.check_in_as(text, &uri).await
+    }
+
+    /// [`GraphStore::check_in`] of a long text whose document name (`document_uri`) the caller
+    /// already has.
+    pub async fn check_in_as(&self, text: String, uri: &str) -> String {
+        match self.keep_document(uri, &text).await {
+            Ok(()) => agent_core::documents::excerpt_with_reference(&text, uri),
             Err(e) => {
                 tracing::warn!(error = %e, bytes = text.len(), "a long text could not be kept as a document; the message carries it whole");
                 text

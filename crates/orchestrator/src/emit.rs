@@ -744,7 +744,7 @@ impl<'a> DialogOutput<'a> {
 /// The value behind `mutex`, even if a task panicked while holding it: every holder only pushes
 /// or takes whole values, so what is there is sound, and treating a poisoned lock as empty would
 /// ack a step whose effects were never published.
-fn locked<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+pub(crate) fn locked<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
     mutex.lock().unwrap_or_else(PoisonError::into_inner)
 }
 

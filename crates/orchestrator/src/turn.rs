@@ -146,21 +146,12 @@ impl Turn<'_> {
             return text;
         }
         let uri = document_uri(&text);
-        let kept = |documents: &std::sync::Mutex<std::collections::BTreeSet<String>>| {
-            documents
-                .lock()
-                .unwrap_or_else(std::sync::PoisonError::into_inner)
-                .contains(&uri)
-        };
-        if kept(&self.kept_documents) {
+        if crate::emit::locked(&self.kept_documents).contains(&uri) {
             return excerpt_with_reference(&text, &uri);
         }
-        let carried = store.check_in(text).await;
+        let carried = store.check_in_as(text, &uri).await;
         if reference(&carried).is_some() {
-            self.kept_documents
-                .lock()
-                .unwrap_or_else(std::sync::PoisonError::into_inner)
-                .insert(uri);
+            crate::emit::locked(&self.kept_documents).insert(uri);
         }
         carried
     }
