@@ -342,6 +342,40 @@ async fn until(what: &str, mut ready: impl FnMut() -> bool) {
     panic!("{what} did not happen within 30 s");
 }
 
+/// A journaled orchestrator in this process whose `pay` tool needs approval.
+fn pay_orchestrator(
+    broker: &Broker,
+    llm: &scripted_llm::ScriptedLlm,
+    aggregator: &Aggregator,
+    name: &str,
+) -> Orchestrator {
+    let config = pay_config(name, 300);
+    Orchestrator::journaled_with(
+        Place::InProcess,
+        broker,
+        llm,
+        aggregator,
+        TOKEN,
+        &config,
+        &[],
+    )
+}
+
+/// What dialog `id` was sent up to its approval request (read for up to 30 s).
+async fn until_approval_asked(client: &mut agent_bus::AgentClient, id: &str) -> Vec<AgentResponse> {
+    let mut responses = Vec::new();
+    for _ in 0..100 {
+        responses.extend(drain_for(client, id, Duration::from_millis(300)).await);
+        if responses
+            .iter()
+            .any(|r| r.message_id.ends_with("/approval"))
+        {
+            break;
+        }
+    }
+    responses
+}
+
 /// The approval request the client was sent: its node, and the session and step it names.
 fn approval_asked(responses: &[AgentResponse]) -> (String, String, u64) {
     let asked = responses
@@ -603,16 +637,7 @@ async fn a_denied_call_is_not_run_and_the_agent_goes_on() {
     let broker = Broker::start().unwrap();
     let aggregator = Aggregator::spawn_with(&broker, &["--config-token", TOKEN]);
     let llm = scripted_llm(DENIED).await;
-    let config = pay_config("deny", 300);
-    let _orchestrator = Orchestrator::journaled_with(
-        Place::InProcess,
-        &broker,
-        &llm,
-        &aggregator,
-        TOKEN,
-        &config,
-        &[],
-    );
+    let _orchestrator = pay_orchestrator(&broker, &llm, &aggregator, "deny");
     let mut client = client(&broker).await;
     client
         .send(
@@ -624,16 +649,7 @@ async fn a_denied_call_is_not_run_and_the_agent_goes_on() {
         )
         .await
         .unwrap();
-    let mut responses = Vec::new();
-    for _ in 0..100 {
-        responses.extend(drain_for(&mut client, "a-3", Duration::from_millis(300)).await);
-        if responses
-            .iter()
-            .any(|r| r.message_id.ends_with("/approval"))
-        {
-            break;
-        }
-    }
+    let mut responses = until_approval_asked(&mut client, "a-3").await;
     let (_, session, step) = approval_asked(&responses);
     agentctl(
         &broker,
@@ -678,16 +694,7 @@ async fn an_approval_with_edited_arguments_runs_the_tool_with_them() {
     let broker = Broker::start().unwrap();
     let aggregator = Aggregator::spawn_with(&broker, &["--config-token", TOKEN]);
     let llm = scripted_llm(EDITED).await;
-    let config = pay_config("edit", 300);
-    let _orchestrator = Orchestrator::journaled_with(
-        Place::InProcess,
-        &broker,
-        &llm,
-        &aggregator,
-        TOKEN,
-        &config,
-        &[],
-    );
+    let _orchestrator = pay_orchestrator(&broker, &llm, &aggregator, "edit");
     let mut client = client(&broker).await;
     client
         .send(
@@ -699,16 +706,7 @@ async fn an_approval_with_edited_arguments_runs_the_tool_with_them() {
         )
         .await
         .unwrap();
-    let mut responses = Vec::new();
-    for _ in 0..100 {
-        responses.extend(drain_for(&mut client, "a-4", Duration::from_millis(300)).await);
-        if responses
-            .iter()
-            .any(|r| r.message_id.ends_with("/approval"))
-        {
-            break;
-        }
-    }
+    let mut responses = until_approval_asked(&mut client, "a-4").await;
     let (_, session, step) = approval_asked(&responses);
     assert_eq!(
         payments(&llm, "pay invoice epsilon-1"),
