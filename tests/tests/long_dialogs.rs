@@ -49,6 +49,42 @@ async fn sent_requests(
     (sizes, last)
 }
 
+/// A ReACT dialog of `steps` calls to the `llm` tool, routed first: the prompt holding `question`
+/// asks `ask(1)`; the tool answers `ask(k)` with `observed(k)`; the prompt whose newest observation
+/// starts with `tag(k)` asks `ask(k + 1)` (the newest's rule first: a prompt holds every earlier
+/// observation too), and after the last one replies `last_reply`.
+fn chain_script(
+    steps: usize,
+    question: &str,
+    ask: impl Fn(usize) -> String,
+    tag: impl Fn(usize) -> String,
+    observed: impl Fn(usize) -> String,
+    last_reply: &str,
+) -> String {
+    let call = |k: usize| {
+        format!(
+            "Thought: step {k}\nAction: llm\nArgs: {{\"question\": \"{}\"}}",
+            ask(k)
+        )
+    };
+    let mut rules = routed_to_react();
+    for k in 1..=steps {
+        rules.push(serde_json::json!({"match": ask(k), "exact": true, "reply": observed(k)}));
+    }
+    rules.push(serde_json::json!({
+        "match": format!("Observation: {}", tag(steps)),
+        "reply": last_reply,
+    }));
+    for k in (1..steps).rev() {
+        rules.push(serde_json::json!({
+            "match": format!("Observation: {}", tag(k)),
+            "reply": call(k + 1),
+        }));
+    }
+    rules.push(serde_json::json!({"match": question, "reply": call(1)}));
+    serde_json::json!({ "rules": rules }).to_string()
+}
+
 /// Iteration k's prompt holds observations 1..k-1; the rule for the newest comes first.
 fn script() -> String {
     let mut rules = routed_to_react();
@@ -227,27 +263,14 @@ async fn long_observations_travel_as_references_and_prompts_see_the_newest_whole
 async fn a_long_history_is_folded_and_every_message_stays_bounded() {
     const STEPS: usize = 30;
     let short = |k: usize| format!("s-{k:02}- the result of step {k} {}", "detail ".repeat(60));
-    let mut rules = routed_to_react();
-    for k in 1..=STEPS {
-        rules.push(
-            serde_json::json!({"match": format!("f-{k:02}-"), "exact": true, "reply": short(k)}),
-        );
-    }
-    rules.push(serde_json::json!({
-        "match": format!("Observation: s-{STEPS:02}-"),
-        "reply": "Thought: done\nFinal Answer: thirty steps",
-    }));
-    for k in (1..STEPS).rev() {
-        rules.push(serde_json::json!({
-            "match": format!("Observation: s-{k:02}-"),
-            "reply": format!("Thought: step {}\nAction: llm\nArgs: {{\"question\": \"f-{:02}-\"}}", k + 1, k + 1),
-        }));
-    }
-    rules.push(serde_json::json!({
-        "match": "Question: fold",
-        "reply": "Thought: step 1\nAction: llm\nArgs: {\"question\": \"f-01-\"}",
-    }));
-    let script = serde_json::json!({ "rules": rules }).to_string();
+    let script = chain_script(
+        STEPS,
+        "Question: fold",
+        |k| format!("f-{k:02}-"),
+        |k| format!("s-{k:02}-"),
+        short,
+        "Thought: done\nFinal Answer: thirty steps",
+    );
 
     let broker = Broker::start().unwrap();
     let aggregator = Aggregator::spawn_with(&broker, &["--config-token", TOKEN]);
@@ -438,27 +461,14 @@ async fn a_hundred_iterations_of_fifty_kib_stay_bounded_and_explain_shows_every_
         .take(50 * 1024)
         .collect();
     let observed = |k: usize| format!("h-{k:03}- {filler} end-of-h-{k:03}");
-    let mut rules = routed_to_react();
-    for k in 1..=STEPS {
-        rules.push(
-            serde_json::json!({"match": format!("g-{k:03}-"), "exact": true, "reply": observed(k)}),
-        );
-    }
-    rules.push(serde_json::json!({
-        "match": format!("Observation: h-{STEPS:03}-"),
-        "reply": "Thought: all read\nFinal Answer: a hundred read",
-    }));
-    for k in (1..STEPS).rev() {
-        rules.push(serde_json::json!({
-            "match": format!("Observation: h-{k:03}-"),
-            "reply": format!("Thought: step {}\nAction: llm\nArgs: {{\"question\": \"g-{:03}-\"}}", k + 1, k + 1),
-        }));
-    }
-    rules.push(serde_json::json!({
-        "match": "Question: a hundred",
-        "reply": "Thought: step 1\nAction: llm\nArgs: {\"question\": \"g-001-\"}",
-    }));
-    let script = serde_json::json!({ "rules": rules }).to_string();
+    let script = chain_script(
+        STEPS,
+        "Question: a hundred",
+        |k| format!("g-{k:03}-"),
+        |k| format!("h-{k:03}-"),
+        observed,
+        "Thought: all read\nFinal Answer: a hundred read",
+    );
 
     let broker = Broker::start().unwrap();
     let aggregator = Aggregator::spawn_with(&broker, &["--config-token", TOKEN]);
