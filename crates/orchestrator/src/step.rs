@@ -38,6 +38,71 @@ pub(crate) struct Standing {
     elapsed: Duration,
 }
 
+/// A delivered request taken up (see [`Engine::admit`]): all a step's turn is built from.
+pub(crate) struct Admitted<'e> {
+    request: AgentRequest,
+    properties: agent_bus::Properties,
+    /// The client's message id (`ID_PROPERTY`), carried by every message of the dialog.
+    id: Option<String>,
+    session_id: String,
+    uris: SessionUris,
+    config: std::sync::Arc<AgentConfig>,
+    new_dialog: bool,
+    /// Why the request is refused, if it is.
+    verdict: Result<(), String>,
+    standing: Standing,
+    /// The model the request asks for, when config lists it.
+    model: Option<String>,
+    out: DialogOutput<'e>,
+    slot: Option<JournalSlot<'e>>,
+}
+
+impl Admitted<'_> {
+    /// A new dialog that names its pattern is not routed: it takes the pattern's decision, and
+    /// its task type's framing, here.
+    fn take_requested_pattern(&mut self) -> Option<agent_core::router::Decision> {
+        if !self.new_dialog || self.request.pattern.is_empty() {
+            return None;
+        }
+        let config: &AgentConfig = &self.config;
+        let decision = router::requested(&self.request, config);
+        self.request.framing.clone_from(&decision.framing);
+        self.request.pattern.clone_from(&decision.pattern.selected);
+        Some(decision)
+    }
+
+    /// The step's turn: what its pattern reads and where it writes.
+    fn turn<'t>(
+        &'t self,
+        engine: &'t Engine,
+        llm: &'t agent_llm::LlmClient,
+        replay: &'t replay::StepReplay,
+        attempt: Attempt<'_>,
+    ) -> Turn<'t> {
+        let standing = &self.standing;
+        Turn {
+            request: &self.request,
+            session_id: &self.session_id,
+            uris: &self.uris,
+            out: &self.out,
+            config: &self.config,
+            llm,
+            knowledge: engine.knowledge.as_ref(),
+            mcp: &engine.mcp,
+            tokens_before: standing.tokens_before,
+            run_tokens: standing.run_tokens,
+            abandoned: standing.abandoned,
+            seal: engine.seal.as_ref(),
+            elapsed: standing.elapsed,
+            may_park: matches!(attempt, Attempt::Run { may_park: true }),
+            cancelled: engine.cancellations.of(&self.session_id),
+            delivered: &self.properties,
+            replay,
+            kept_documents: Default::default(),
+        }
+    }
+}
+
 impl Engine {
     /// Where a step stands in its run: its tokens and start (carried by the message, never taken
     /// from a client), a subagent's checked against its seal or the graph's fan-out (a forged one
@@ -157,6 +222,9 @@ impl Engine {
         }))
     }
 
+    /// Takes up one delivered request: admits it, joins its conversation if it starts a dialog,
+    /// then refuses it, gives it up or runs its step, and commits what it caused before the
+    /// message is acked.
     pub(crate) async fn handle_inner(
         &self,
         delivery: Delivery<AgentRequest>,
@@ -164,14 +232,107 @@ impl Engine {
         answer: Option<&approval::Answer>,
     ) -> Result<Settled, StepError> {
         let taken = std::time::Instant::now();
+        let mut step = match self.admit(delivery, attempt, answer.is_some()).await? {
+            Ok(step) => step,
+            Err(settled) => return Ok(settled),
+        };
+        let joins_conversation = step.new_dialog
+            && step.verdict.is_ok()
+            && answer.is_none()
+            && matches!(attempt, Attempt::Run { .. });
+        if joins_conversation {
+            let joined = self
+                .join_conversation(
+                    &mut step.request,
+                    &step.session_id,
+                    &step.uris,
+                    &step.config,
+                    &step.out,
+                )
+                .await?;
+            match joined {
+                Joined::Go => {}
+                Joined::Refused(problem) => step.verdict = Err(problem),
+                Joined::Queued(why) => return Ok(Settled::Queued(why)),
+            }
+        }
+        let requested = step.take_requested_pattern();
+        let running = matches!(attempt, Attempt::Run { .. }) && step.verdict.is_ok();
+        let replay::StepStart {
+            reuse,
+            replay: step_replay,
+            fork,
+        } = replay::StepStart::read(
+            &step.properties,
+            &step.request,
+            self.knowledge.as_ref(),
+            running,
+        )
+        .await?;
+        let llm = match &step.model {
+            Some(model) => self.llm.for_model(model),
+            None => self.llm.clone(),
+        }
+        .taped(step_replay.tape.clone());
+        let span = iteration_span(
+            &step.request,
+            &step.session_id,
+            step.id.as_deref(),
+            &step.properties,
+        );
+        carry_forward(&mut step.out, reuse.as_ref(), &span);
+        let turn = step.turn(self, &llm, &step_replay, attempt);
+        let n = steps_taken(&step.request.history) + 1;
+        if let Err(problem) = &step.verdict {
+            refuse(&turn, problem).await?;
+            step.out.commit(step.slot.as_ref()).await?;
+            committed(&step.out, "refused", false, taken);
+            return Ok(Settled::Done);
+        }
+        if let Attempt::GiveUp(why) = attempt {
+            finish::fail(&turn, n, why).await?;
+            step.out.commit(None).await?;
+            committed(&step.out, "given-up", false, taken);
+            return Ok(Settled::Done);
+        }
+        let start = Start {
+            new_dialog: step.new_dialog,
+            requested: requested.as_ref(),
+            fork: fork.as_ref().map(|(f, edits)| (f, edits.as_slice())),
+            reuse: reuse.as_ref(),
+        };
+        let run_uri = &step.standing.run_uri;
+        self.run_unless_cancelled(&turn, answer, start, span, n, run_uri)
+            .await?;
+        if let Some(park) = step.out.parked() {
+            return Ok(Settled::Parked(park));
+        }
+        // Everything this message caused must be on the broker before it is acked.
+        step.out.commit(step.slot.as_ref()).await?;
+        let routing = step.new_dialog && requested.is_none();
+        let pattern = metrics_label(&step.request, &step.config, routing);
+        let first_iteration = !routing && step.request.history.is_empty();
+        committed(&step.out, pattern, first_iteration, taken);
+        Ok(Settled::Done)
+    }
+
+    /// Admits a delivered request: who it is, whether it is valid, where it stands in its run, its
+    /// output and its journal slot. `Err` settles it here: parked while the graph may only be
+    /// behind, or done when its outcome was recorded before (and has been settled from the entry).
+    async fn admit(
+        &self,
+        delivery: Delivery<AgentRequest>,
+        attempt: Attempt<'_>,
+        answering: bool,
+    ) -> Result<Result<Admitted<'_>, Settled>, StepError> {
         let Delivery {
             payload: mut request,
             properties,
             message_id,
             payload_bytes,
         } = delivery;
-        let id = properties.get(ID_PROPERTY).map(String::as_str);
-        let session_id = session_id_for(&request, id);
+        let id = properties.get(ID_PROPERTY).cloned();
+        let session_id = session_id_for(&request, id.as_deref());
         let uris = SessionUris::new(&session_id);
         let config = self.config.current();
         let new_dialog = is_new_dialog(&request, &properties);
@@ -190,139 +351,52 @@ impl Engine {
             .await?
         {
             Ok(standing) => standing,
-            Err(park) => return Ok(Settled::Parked(park)),
+            Err(park) => return Ok(Err(Settled::Parked(park))),
         };
-        let Standing {
-            tokens_before,
-            started_ms,
-            run_base,
-            run_uri,
-            run_tokens,
-            abandoned,
-            elapsed,
-        } = standing;
-        let mut out = DialogOutput::new(
+        let model = asked_model(&properties, &config).map(str::to_owned);
+        let out = DialogOutput::new(
             &self.outputs,
-            id,
+            id.as_deref(),
             &request.collection,
             &uris.session(),
-            started_ms,
+            standing.started_ms,
         )
         .for_step(
             &request,
-            &run_uri,
-            run_base,
+            &standing.run_uri,
+            standing.run_base,
             config.limits.max_message_bytes,
-        );
-        let model = asked_model(&properties, &config);
-        out = out.with_model(model);
-        let giving_up = matches!(attempt, Attempt::GiveUp(_));
-        let slot = match self
+        )
+        .with_model(model.as_deref());
+        let lookup = self
             .journal_slot(
                 &out,
                 &request,
                 &uris,
                 new_dialog,
                 verdict.is_err(),
-                giving_up,
-                answer.is_some(),
+                matches!(attempt, Attempt::GiveUp(_)),
+                answering,
                 message_id,
             )
-            .await?
-        {
-            Lookup::Recorded => return Ok(Settled::Done),
-            Lookup::Fresh(slot) => slot,
-        };
-        let joins_conversation = new_dialog
-            && verdict.is_ok()
-            && answer.is_none()
-            && matches!(attempt, Attempt::Run { .. });
-        if joins_conversation {
-            let joined = self
-                .join_conversation(&mut request, &session_id, &uris, &config, &out)
-                .await?;
-            match joined {
-                Joined::Go => {}
-                Joined::Refused(problem) => verdict = Err(problem),
-                Joined::Queued(why) => return Ok(Settled::Queued(why)),
-            }
-        }
-        // A request that names its pattern is not routed, but gets its task type's framing.
-        let requested = (new_dialog && !request.pattern.is_empty())
-            .then(|| router::requested(&request, &config));
-        if let Some(decision) = &requested {
-            request.framing.clone_from(&decision.framing);
-            request.pattern.clone_from(&decision.pattern.selected);
-        }
-        let n = steps_taken(&request.history) + 1;
-        let replay::StepStart {
-            reuse,
-            replay: step_replay,
-            fork,
-        } = replay::StepStart::read(
-            &properties,
-            &request,
-            self.knowledge.as_ref(),
-            matches!(attempt, Attempt::Run { .. }) && verdict.is_ok(),
-        )
-        .await?;
-        let llm = match model {
-            Some(model) => self.llm.for_model(model),
-            None => self.llm.clone(),
-        }
-        .taped(step_replay.tape.clone());
-        let span = iteration_span(&request, &session_id, id, &properties);
-        carry_forward(&mut out, reuse.as_ref(), &span);
-        let turn = Turn {
-            request: &request,
-            session_id: &session_id,
-            uris: &uris,
-            out: &out,
-            config: &config,
-            llm: &llm,
-            knowledge: self.knowledge.as_ref(),
-            mcp: &self.mcp,
-            tokens_before,
-            run_tokens,
-            abandoned,
-            seal: self.seal.as_ref(),
-            elapsed,
-            may_park: matches!(attempt, Attempt::Run { may_park: true }),
-            cancelled: self.cancellations.of(&session_id),
-            delivered: &properties,
-            replay: &step_replay,
-            kept_documents: Default::default(),
-        };
-        if let Err(problem) = verdict {
-            refuse(&turn, &problem).await?;
-            out.commit(slot.as_ref()).await?;
-            committed(&out, "refused", false, taken);
-            return Ok(Settled::Done);
-        }
-        if let Attempt::GiveUp(why) = attempt {
-            finish::fail(&turn, n, why).await?;
-            out.commit(None).await?;
-            committed(&out, "given-up", false, taken);
-            return Ok(Settled::Done);
-        }
-        let start = Start {
-            new_dialog,
-            requested: requested.as_ref(),
-            fork: fork.as_ref().map(|(f, edits)| (f, edits.as_slice())),
-            reuse: reuse.as_ref(),
-        };
-        self.run_unless_cancelled(&turn, answer, start, span, n, &run_uri)
             .await?;
-        if let Some(park) = out.parked() {
-            return Ok(Settled::Parked(park));
-        }
-        // Everything this message caused must be on the broker before it is acked.
-        out.commit(slot.as_ref()).await?;
-        let routing = new_dialog && requested.is_none();
-        let pattern = metrics_label(&request, &config, routing);
-        let first_iteration = !routing && request.history.is_empty();
-        committed(&out, pattern, first_iteration, taken);
-        Ok(Settled::Done)
+        let Lookup::Fresh(slot) = lookup else {
+            return Ok(Err(Settled::Done));
+        };
+        Ok(Ok(Admitted {
+            request,
+            properties,
+            id,
+            session_id,
+            uris,
+            config,
+            new_dialog,
+            verdict,
+            standing,
+            model,
+            out,
+            slot,
+        }))
     }
 
     /// A new dialog of a conversation is told what was asked and answered before, and is not run
@@ -484,9 +558,6 @@ enum Joined {
     Queued(String),
 }
 
-/// Whether a request starts a dialog. The router's mark is honoured only on what the router
-/// queues: a first iteration with its pattern and session set. Anything else without history is a
-/// new dialog.
 /// The model a request asks for ([`agent_schema::MODEL_PROPERTY`], set on an ensemble's agents),
 /// if config lists it for a pattern's agents: a message cannot make the service call a model
 /// config does not name.
@@ -503,6 +574,9 @@ fn asked_model<'p>(
     }
 }
 
+/// Whether a request starts a dialog. The router's mark is honoured only on what the router
+/// queues: a first iteration with its pattern and session set. Anything else without history is a
+/// new dialog.
 fn is_new_dialog(request: &AgentRequest, properties: &agent_bus::Properties) -> bool {
     let routed = properties.contains_key(router::ROUTED_PROPERTY)
         && !request.pattern.is_empty()
