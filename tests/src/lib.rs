@@ -520,6 +520,18 @@ impl Aggregator {
         matches!(self.child.try_wait(), Ok(None))
     }
 
+    /// How it exited, if it did within `timeout`.
+    pub async fn exit_within(&mut self, timeout: Duration) -> Option<std::process::ExitStatus> {
+        let deadline = tokio::time::Instant::now() + timeout;
+        while tokio::time::Instant::now() < deadline {
+            if let Ok(Some(status)) = self.child.try_wait() {
+                return Some(status);
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        None
+    }
+
     /// Its process id, to watch its CPU.
     pub fn pid(&self) -> u32 {
         self.child.id()

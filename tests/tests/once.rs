@@ -189,6 +189,33 @@ async fn a_copy_of_a_request_runs_once() {
     assert_one_chain(&aggregator, &session).await;
 }
 
+/// A second aggregator that would own a journal on the same subscription (a StatefulSet scaled
+/// to two, each replica with a store of its own) refuses to run before it consumes anything or
+/// answers a journal call; the first keeps both, and a dialog afterwards ends once, its whole
+/// chain in the first's store.
+#[tokio::test]
+async fn a_second_journal_owner_on_the_same_subscription_refuses_to_run() {
+    let broker = Broker::start().unwrap();
+    let mut first = Aggregator::spawn_with(&broker, &["--config-token", TOKEN]);
+    let llm = scripted_llm(THREE_STEPS).await;
+    let _orchestrator = Orchestrator::spawn_journaled(&broker, &llm, &first, TOKEN, &[]);
+    let mut second = Aggregator::spawn_with(&broker, &["--config-token", TOKEN]);
+    let status = second
+        .exit_within(Duration::from_secs(30))
+        .await
+        .expect("a second journal owner on the same subscription kept running");
+    assert!(!status.success(), "the second owner exited with {status}");
+    assert!(first.is_running(), "the first owner stopped");
+    let mut client = client(&broker).await;
+    client.send("after", &react("combine after")).await.unwrap();
+    let mut responses = collect_dialog(&mut client, "after", DIALOG_TIMEOUT)
+        .await
+        .unwrap();
+    responses.extend(drain_for(&mut client, "after", Duration::from_secs(2)).await);
+    assert_eq!(closings(&responses), 1, "{responses:#?}");
+    assert_one_chain(&first, &session_of(&responses)).await;
+}
+
 /// The graph holds one version of each iteration of the session: one thought, one set of
 /// arguments, one answer.
 async fn assert_one_chain(aggregator: &Aggregator, session: &str) {

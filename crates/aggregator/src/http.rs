@@ -23,6 +23,8 @@ use axum::Router;
 struct AppState {
     store: GraphStore,
     journal: Journal,
+    /// Whether this process may decide the journal (see `owner_fence`).
+    fence: crate::owner_fence::Fence,
     token: Option<String>,
     stats: Arc<ConsumerStats>,
     reads: Arc<Reads>,
@@ -45,6 +47,7 @@ const TURN_WAIT: std::time::Duration = std::time::Duration::from_secs(1);
 pub fn router(
     store: GraphStore,
     journal: Journal,
+    fence: crate::owner_fence::Fence,
     token: Option<String>,
     stats: Arc<ConsumerStats>,
     reads: &crate::ReadSettings,
@@ -71,6 +74,7 @@ pub fn router(
         .with_state(AppState {
             store,
             journal,
+            fence,
             token,
             stats,
             reads,
@@ -264,6 +268,19 @@ async fn store_post(
     }
 }
 
+/// A journal call waits while this process listens for an elder owner, and is refused if one was
+/// heard: only the owner decides.
+#[allow(clippy::result_large_err)] // Built once per refused call, never carried far.
+async fn owner(state: &AppState) -> Result<(), Response> {
+    state.fence.admitted().await.map_err(|why| {
+        (
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!("this aggregator does not own the journal: {why}"),
+        )
+            .into_response()
+    })
+}
+
 /// A journal call's checks: the services' token, and entries that name nodes.
 #[allow(clippy::result_large_err)] // Built once per refused call, never carried far.
 fn journal_call<'e>(
@@ -310,6 +327,9 @@ async fn journal_entries(
         Ok(nodes) => nodes,
         Err(refused) => return refused,
     };
+    if let Err(refused) = owner(&state).await {
+        return refused;
+    }
     match state.journal.entries(&nodes).await {
         Ok(entries) => json(&entries),
         Err(e) => error_response(e),
@@ -323,6 +343,9 @@ async fn journal_records(
     axum::Json(asked): axum::Json<RecordRequests>,
 ) -> Response {
     if let Err(refused) = journal_call(&state, &headers, asked.records.iter().map(|r| &r.entry)) {
+        return refused;
+    }
+    if let Err(refused) = owner(&state).await {
         return refused;
     }
     let attempts: Vec<String> = asked.records.iter().map(|r| r.attempt.clone()).collect();
@@ -347,6 +370,9 @@ async fn journal_marks(
         Ok(nodes) => nodes,
         Err(refused) => return refused,
     };
+    if let Err(refused) = owner(&state).await {
+        return refused;
+    }
     match state.journal.mark_all_published(&nodes).await {
         Ok(()) => StatusCode::NO_CONTENT.into_response(),
         Err(e) => error_response(e),

@@ -8,6 +8,7 @@ pub mod fanin;
 pub mod http;
 pub mod journal_prune;
 pub mod metrics;
+pub mod owner_fence;
 pub mod writer;
 
 use std::net::SocketAddr;
@@ -60,6 +61,10 @@ pub struct AggregatorSettings {
     /// are kept seven times as long. 0 keeps everything.
     #[arg(long, env = "JOURNAL_RETENTION_SECS", default_value_t = 86_400)]
     pub journal_retention_secs: u64,
+    /// Milliseconds a journal owner listens for an elder owner of its explainability
+    /// subscription before it consumes or answers a journal call (`owner_fence`).
+    #[arg(long, env = "AGGREGATOR_OWNER_LISTEN_MS", default_value_t = 1_000)]
+    pub owner_listen_ms: u64,
 }
 
 /// How `/query` may be used: it must not be a way to take the service down.
@@ -110,6 +115,7 @@ impl AggregatorSettings {
             seal_key: None,
             reads: ReadSettings::default(),
             journal_retention_secs: 86_400,
+            owner_listen_ms: 1_000,
         }
     }
 }
@@ -165,9 +171,17 @@ pub async fn run(settings: AggregatorSettings, shutdown: CancellationToken) -> a
     metrics::describe();
     let stats = Arc::new(ConsumerStats::default());
     let journal = journal_of(&store).await?;
+    let (fence, announcer) = match journal {
+        agent_graph::journal::Journal::Owner(_) => {
+            let (fence, announcer) = owner_fence::listening();
+            (fence, Some(announcer))
+        }
+        agent_graph::journal::Journal::Remote(_) => (owner_fence::Fence::open(), None),
+    };
     let app = http::router(
         store.clone(),
         journal,
+        fence.clone(),
         token,
         stats.clone(),
         &settings.reads,
@@ -200,6 +214,31 @@ pub async fn run(settings: AggregatorSettings, shutdown: CancellationToken) -> a
         nack_delay: Duration::from_secs(1),
         one_at_a_time: false,
     };
+    let announcing = match announcer {
+        Some(announcer) => Some(
+            announcer
+                .start(
+                    &bus,
+                    &owner_fence::beacon_topic(&subscription.topic, &subscription.subscription),
+                    owner_fence::Owner::this_process(&without_credentials(&settings.graph_store)),
+                    Duration::from_millis(settings.owner_listen_ms),
+                    shutdown.clone(),
+                )
+                .await?,
+        ),
+        None => None,
+    };
+    // Nothing is consumed, swept or answered to a journal call before this process knows it is
+    // the only owner: a refused one stops here, before it has written anything.
+    if let Err(why) = fence.admitted().await {
+        shutdown.cancel();
+        let _ = server.await;
+        if fence.refusal().is_none() {
+            // Asked to stop while it listened.
+            return Ok(());
+        }
+        anyhow::bail!(why);
+    }
     let request_topic = settings
         .request_topic
         .clone()
@@ -251,7 +290,44 @@ pub async fn run(settings: AggregatorSettings, shutdown: CancellationToken) -> a
     if let Some(pruner) = pruner {
         let _ = pruner.await;
     }
+    if let Some(announcing) = announcing {
+        let _ = announcing.await;
+    }
     server.await??;
+    if let Some(why) = fence.refusal() {
+        anyhow::bail!(why);
+    }
     consumed?;
     Ok(())
+}
+
+/// A store's address as it may be shown to others: an endpoint without its user and password.
+fn without_credentials(store: &str) -> String {
+    let Some((scheme, rest)) = store.split_once("://") else {
+        return store.to_owned();
+    };
+    let (authority, path) = match rest.find('/') {
+        Some(at) => rest.split_at(at),
+        None => (rest, ""),
+    };
+    match authority.rsplit_once('@') {
+        Some((_, host)) => format!("{scheme}://{host}{path}"),
+        None => store.to_owned(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::without_credentials;
+
+    #[test]
+    fn a_store_is_announced_without_its_credentials() {
+        assert_eq!(
+            without_credentials("http://user:secret@fuseki:3030/ds"),
+            "http://fuseki:3030/ds"
+        );
+        assert_eq!(without_credentials("https://a@b"), "https://b");
+        assert_eq!(without_credentials("http://host/x@y"), "http://host/x@y");
+        assert_eq!(without_credentials(".data/graph"), ".data/graph");
+    }
 }

@@ -14,17 +14,13 @@ use crate::{Bus, BusError, Properties, Publisher, Topics};
 
 /// A subscription of this client alone (named `{prefix}-{random}`) that sees what is published
 /// from now on.
-pub(crate) struct Listener {
+pub struct Listener {
     topic: String,
     consumer: Consumer<Vec<u8>, TokioExecutor>,
 }
 
 impl Listener {
-    pub(crate) async fn subscribe(
-        bus: &Bus,
-        topic: &str,
-        prefix: &str,
-    ) -> Result<Listener, BusError> {
+    pub async fn subscribe(bus: &Bus, topic: &str, prefix: &str) -> Result<Listener, BusError> {
         // Just after a broker (re)starts it refuses subscriptions for a moment while it loads the
         // topic's namespace and its storage: a client tries again before it reports the refusal.
         let consumer = crate::error::until_settled(topic, || {
@@ -50,6 +46,11 @@ impl Listener {
             consumer,
         })
     }
+    /// The next message's payload, already acked.
+    pub async fn next_payload(&mut self) -> Result<Vec<u8>, BusError> {
+        Ok(self.next().await?.payload.data)
+    }
+
     /// The next message, already acked (a listener never wants one again).
     pub(crate) async fn next(&mut self) -> Result<Message<Vec<u8>>, BusError> {
         let stopped = |message: String| BusError::ConsumerStopped {

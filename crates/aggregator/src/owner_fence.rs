@@ -1,0 +1,265 @@
+//! One journal owner per explainability subscription. An aggregator that owns a journal (its
+//! embedded store's, or a SPARQL server's) announces itself on the broker, and one that hears an
+//! elder owner on the same subscription refuses to run: a StatefulSet scaled past one replica, or
+//! a second `agent-aggregator` started by hand, would otherwise split the journal's decisions and
+//! the provenance between two stores, and effectively-once would silently stop holding.
+//!
+//! Before it consumes or answers a journal call, a new owner listens for a few beats; the elder
+//! (earlier start, then the smaller id) stays. Replicas that forward to an owner's endpoint are
+//! not owners and do not take part.
+
+use std::time::Duration;
+
+use agent_bus::{Bus, Listener, Properties, Publisher};
+use serde::{Deserialize, Serialize};
+use tokio::sync::watch;
+use tokio_util::sync::CancellationToken;
+
+/// How often an owner announces itself.
+pub const BEAT: Duration = Duration::from_millis(250);
+
+/// An owner as it announces itself.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Owner {
+    /// Random for each start of a process.
+    pub id: String,
+    pub started_ms: u64,
+    /// The store it owns (a directory or an endpoint), for the operator reading a refusal.
+    pub store: String,
+}
+
+impl Owner {
+    /// This process, started now, owning `store`.
+    pub fn this_process(store: &str) -> Owner {
+        Owner {
+            id: uuid::Uuid::new_v4().simple().to_string(),
+            started_ms: chrono::Utc::now().timestamp_millis().max(0) as u64,
+            store: store.to_owned(),
+        }
+    }
+
+    /// Whether `self` came first, and so keeps the journal: the earlier start, ties broken by id.
+    pub fn precedes(&self, other: &Owner) -> bool {
+        (self.started_ms, &self.id) < (other.started_ms, &other.id)
+    }
+}
+
+/// Where the owners of `subscription` on `explain_topic` announce themselves: a non-persistent
+/// topic beside it (announcements are only worth anything while they are fresh).
+pub fn beacon_topic(explain_topic: &str, subscription: &str) -> String {
+    let path = explain_topic
+        .split_once("://")
+        .map_or(explain_topic, |(_, path)| path);
+    let subscription: String = subscription
+        .chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || c == '-' || c == '_' {
+                c
+            } else {
+                '_'
+            }
+        })
+        .collect();
+    format!("non-persistent://{path}.journal-owner.{subscription}")
+}
+
+/// Where this process stands.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Standing {
+    Listening,
+    Owner,
+    /// An elder owner was heard: this process must not decide anything.
+    Refused(String),
+}
+
+/// Whether this process may act as the journal's owner. Cloned into every journal call.
+#[derive(Clone)]
+pub struct Fence {
+    standing: watch::Receiver<Standing>,
+}
+
+impl Fence {
+    /// A fence that is always open (an aggregator that owns no journal).
+    pub fn open() -> Fence {
+        let (_, standing) = watch::channel(Standing::Owner);
+        Fence { standing }
+    }
+
+    /// Waits out the listening beats; `Err` says why this process must not act as the owner.
+    pub async fn admitted(&self) -> Result<(), String> {
+        let mut standing = self.standing.clone();
+        let settled = standing
+            .wait_for(|s| *s != Standing::Listening)
+            .await
+            .map(|s| s.clone());
+        match settled {
+            Ok(Standing::Refused(why)) => Err(why),
+            Ok(_) => Ok(()),
+            // The watcher is gone: it stopped with the service.
+            Err(_) => Err("the aggregator is stopping".to_owned()),
+        }
+    }
+
+    /// Why this process was refused, if it was.
+    pub fn refusal(&self) -> Option<String> {
+        match &*self.standing.borrow() {
+            Standing::Refused(why) => Some(why.clone()),
+            _ => None,
+        }
+    }
+}
+
+/// A fence that admits nothing yet, and what will settle it once the broker is reached.
+pub fn listening() -> (Fence, Announcer) {
+    let (standing, fence) = watch::channel(Standing::Listening);
+    (Fence { standing: fence }, Announcer { standing })
+}
+
+/// Settles a [`Fence`] by announcing this owner and listening for others.
+pub struct Announcer {
+    standing: watch::Sender<Standing>,
+}
+
+impl Announcer {
+    /// Starts announcing `me` on `topic` and listening for other owners: for `listen` nothing is
+    /// admitted; then this process owns the journal unless an elder was heard. An elder heard
+    /// later (both started at once, or its beats were lost) refuses this process too, and
+    /// `shutdown` is cancelled so the service stops rather than go on deciding beside it.
+    pub async fn start(
+        self,
+        bus: &Bus,
+        topic: &str,
+        me: Owner,
+        listen: Duration,
+        shutdown: CancellationToken,
+    ) -> anyhow::Result<tokio::task::JoinHandle<()>> {
+        let announcements = Publisher::new(bus, topic).await?;
+        let heard = Listener::subscribe(bus, topic, "journal-owner").await?;
+        let (bus, topic) = (bus.clone(), topic.to_owned());
+        Ok(tokio::spawn(async move {
+            watch_owners(
+                bus,
+                topic,
+                announcements,
+                heard,
+                me,
+                listen,
+                self.standing,
+                shutdown,
+            )
+            .await;
+        }))
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+async fn watch_owners(
+    bus: Bus,
+    topic: String,
+    announcements: Publisher,
+    mut heard: Listener,
+    me: Owner,
+    listen: Duration,
+    standing: watch::Sender<Standing>,
+    shutdown: CancellationToken,
+) {
+    let announcement = match serde_json::to_vec(&me) {
+        Ok(bytes) => bytes,
+        Err(e) => {
+            tracing::error!(error = %e, "cannot announce this journal owner");
+            return;
+        }
+    };
+    let mut beats = tokio::time::interval(BEAT);
+    let listened = tokio::time::sleep(listen);
+    tokio::pin!(listened);
+    loop {
+        tokio::select! {
+            _ = shutdown.cancelled() => return,
+            _ = beats.tick() => {
+                // A lost beat is only a beat: the next one follows.
+                if let Err(e) = announcements.send(announcement.clone(), &Properties::new()).await {
+                    tracing::debug!(error = %e, "a journal owner's announcement was not sent");
+                }
+            }
+            _ = &mut listened, if *standing.borrow() == Standing::Listening => {
+                standing.send_replace(Standing::Owner);
+                tracing::info!(topic = %topic, "no other journal owner heard: this aggregator owns the journal");
+            }
+            message = heard.next_payload() => match message {
+                Ok(payload) => {
+                    let Ok(other) = serde_json::from_slice::<Owner>(&payload) else {
+                        tracing::warn!("skipping a journal owner's announcement that does not decode");
+                        continue;
+                    };
+                    if other.id == me.id {
+                        continue;
+                    }
+                    if other.precedes(&me) {
+                        let since = i64::try_from(other.started_ms)
+                            .ok()
+                            .and_then(chrono::DateTime::from_timestamp_millis)
+                            .map_or_else(|| other.started_ms.to_string(), |t| t.to_rfc3339());
+                        let why = format!(
+                            "another aggregator (running since {since}, store {}) already owns the journal of this deployment (explainability subscription announced on {topic}); run one owner and point further replicas at its endpoint (GRAPH_STORE=http://<owner>:7878)",
+                            other.store
+                        );
+                        tracing::error!("{why}");
+                        standing.send_replace(Standing::Refused(why));
+                        shutdown.cancel();
+                        return;
+                    }
+                    tracing::warn!(other = %other.store, "a younger aggregator claims this deployment's journal; it will stand down");
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "lost the journal owners' announcements; listening again");
+                    tokio::time::sleep(Duration::from_secs(1)).await;
+                    match Listener::subscribe(&bus, &topic, "journal-owner").await {
+                        Ok(again) => heard = again,
+                        Err(e) => tracing::warn!(error = %e, "cannot listen to the journal owners' announcements yet"),
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_elder_owner_keeps_the_journal() {
+        let first = Owner {
+            id: "b".into(),
+            started_ms: 10,
+            store: "one".into(),
+        };
+        let later = Owner {
+            id: "a".into(),
+            started_ms: 11,
+            store: "two".into(),
+        };
+        assert!(first.precedes(&later) && !later.precedes(&first));
+        let tie = Owner {
+            started_ms: 10,
+            ..later
+        };
+        assert!(tie.precedes(&first) && !first.precedes(&tie));
+    }
+
+    #[test]
+    fn the_beacon_sits_beside_the_subscription() {
+        assert_eq!(
+            beacon_topic(
+                "persistent://tg/flow/triples-store:default:default",
+                "agent-aggregator"
+            ),
+            "non-persistent://tg/flow/triples-store:default:default.journal-owner.agent-aggregator"
+        );
+        assert_eq!(
+            beacon_topic("persistent://tg/flow/x", "odd name/1"),
+            "non-persistent://tg/flow/x.journal-owner.odd_name_1"
+        );
+    }
+}
