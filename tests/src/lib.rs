@@ -7,6 +7,7 @@ pub use agent_bus::apache;
 
 pub mod fuseki;
 pub mod in_process;
+pub mod librarian;
 
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};

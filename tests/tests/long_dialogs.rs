@@ -108,6 +108,126 @@ fn script() -> String {
     serde_json::json!({ "rules": rules }).to_string()
 }
 
+/// Asks the dialog of `script()` under `id` and checks what every mode of keeping documents must
+/// give: the answer, every observation whole for the client, and the last prompt with the newest
+/// three observations whole and the older as excerpts.
+async fn read_them(broker: &Broker, llm: &scripted_llm::ScriptedLlm, id: &str) {
+    let mut client = client(broker).await;
+    client
+        .send(
+            id,
+            &agent_schema::AgentRequest {
+                pattern: "react".into(),
+                ..request("read them", false)
+            },
+        )
+        .await
+        .unwrap();
+    let responses = collect_dialog(&mut client, id, Duration::from_secs(90))
+        .await
+        .unwrap();
+    assert_eq!(outcome(&responses), "eight read", "{responses:#?}");
+    let observed: Vec<&str> = responses
+        .iter()
+        .filter(|r| r.message_type == "observation")
+        .map(|r| r.content.as_str())
+        .collect();
+    assert_eq!(observed.len(), ITERATIONS);
+    for (k, text) in observed.iter().enumerate() {
+        assert_eq!(*text, observation(k + 1));
+    }
+    let last_prompt = llm
+        .calls()
+        .into_iter()
+        .rfind(|c| c.last_user.contains("Question: read"))
+        .unwrap()
+        .last_user;
+    for k in 1..=ITERATIONS {
+        let whole = last_prompt.contains(&format!("end-of-o-{k:02}"));
+        assert_eq!(whole, k > ITERATIONS - 3, "observation {k} whole: {whole}");
+        assert!(
+            last_prompt.contains(&format!("o-{k:02}-")),
+            "observation {k}"
+        );
+    }
+}
+
+/// `agentctl explain --last --full` with `extra` arguments prints every observation whole; the
+/// tree it printed.
+fn explained_whole(aggregator: &Aggregator, extra: &[&str]) -> String {
+    let explained = std::process::Command::new(binary("agentctl"))
+        .args(["explain", "--last", "--full"])
+        .args(["--store", &aggregator.endpoint, "--token", TOKEN])
+        .args(extra)
+        .output()
+        .unwrap();
+    let tree = String::from_utf8_lossy(&explained.stdout).into_owned();
+    assert!(
+        explained.status.success(),
+        "{tree}{}",
+        String::from_utf8_lossy(&explained.stderr)
+    );
+    for k in 1..=ITERATIONS {
+        assert!(
+            tree.contains(&observation(k)),
+            "observation {k} whole in explain"
+        );
+    }
+    tree
+}
+
+/// With `DOCUMENT_STORE=librarian` long texts are kept in TrustGraph's own librarian (run here
+/// with Cassandra and an S3 server behind it), through its protocol, instead of the graph: the
+/// messages carry excerpts and references as before, the prompt sees the newest observations
+/// whole (read back from the librarian), the client gets every one whole, the librarian holds each
+/// whole under the name provenance gives it, and the graph only the excerpts.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn long_texts_are_kept_in_trustgraphs_librarian_when_asked() {
+    let broker = Broker::start().unwrap();
+    let _config = ConfigSvc::spawn(&broker, Some(&seed_dir()));
+    let librarian = agent_e2e::librarian::LibrarianService::start(&broker).await;
+    let aggregator = Aggregator::spawn_with(&broker, &["--config-token", TOKEN]);
+    let llm = scripted_llm(&script()).await;
+    let _orchestrator = Orchestrator::spawn_journaled(
+        &broker,
+        &llm,
+        &aggregator,
+        TOKEN,
+        &[("DOCUMENT_STORE", "librarian")],
+    );
+    read_them(&broker, &llm, "kept").await;
+    // Each observation is in the librarian, whole, under its document's name.
+    for k in 1..=ITERATIONS {
+        let uri = agent_core::documents::document_uri(&observation(k));
+        let kept = librarian.client.read(&uri).await.unwrap();
+        assert_eq!(kept.as_deref(), Some(observation(k).as_str()), "{uri}");
+    }
+    // The graph names those documents and holds no whole text: only excerpts with references
+    // (waited for: the aggregator writes a moment after the client sees the answer).
+    let store = aggregator.store();
+    let excerpts = count_reaching(
+        &store,
+        format!(
+            "SELECT ?d WHERE {{ GRAPH <urn:graph:agent-documents> {{ ?d {} ?t FILTER(CONTAINS(?t, \"[claim-check: \")) }} }}",
+            tg::CONTENT
+        ),
+        ITERATIONS,
+    )
+    .await;
+    assert_eq!(excerpts, ITERATIONS);
+    let whole_in_graph = count(
+        &store,
+        format!(
+            "SELECT ?d WHERE {{ GRAPH ?g {{ ?d {} ?t FILTER(CONTAINS(?t, \"end-of-o-\")) }} }}",
+            tg::CONTENT
+        ),
+    )
+    .await;
+    assert_eq!(whole_in_graph, 0, "a whole observation in the graph");
+    // `agentctl explain --full --librarian` reads them back whole from the librarian.
+    explained_whole(&aggregator, &["--librarian", "--pulsar-url", &broker.url()]);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn long_observations_travel_as_references_and_prompts_see_the_newest_whole() {
     let broker = Broker::start().unwrap();
@@ -120,32 +240,8 @@ async fn long_observations_travel_as_references_and_prompts_see_the_newest_whole
         "long-dialogs-reader",
     )
     .await;
-    let mut client = client(&broker).await;
-    client
-        .send(
-            "long",
-            &agent_schema::AgentRequest {
-                pattern: "react".into(),
-                ..request("read them", false)
-            },
-        )
-        .await
-        .unwrap();
-    let responses = collect_dialog(&mut client, "long", Duration::from_secs(60))
-        .await
-        .unwrap();
-    assert_eq!(outcome(&responses), "eight read", "{responses:#?}");
-
-    // The client got every observation whole.
-    let observed: Vec<&str> = responses
-        .iter()
-        .filter(|r| r.message_type == "observation")
-        .map(|r| r.content.as_str())
-        .collect();
-    assert_eq!(observed.len(), ITERATIONS);
-    for (k, text) in observed.iter().enumerate() {
-        assert_eq!(*text, observation(k + 1));
-    }
+    // The client got every observation whole; the last prompt the three newest.
+    read_them(&broker, &llm, "long").await;
 
     // The messages stayed small: each observation travels as about a kilobyte.
     let (sizes, last) = sent_requests(&mut requests).await;
@@ -163,22 +259,6 @@ async fn long_observations_travel_as_references_and_prompts_see_the_newest_whole
         assert!(
             !step.observation.contains("end-of-o-"),
             "whole in the message"
-        );
-    }
-
-    // The last prompt saw the three newest observations whole and the older ones as excerpts.
-    let last_prompt = llm
-        .calls()
-        .into_iter()
-        .rfind(|c| c.last_user.contains("Question: read"))
-        .unwrap()
-        .last_user;
-    for k in 1..=ITERATIONS {
-        let whole = last_prompt.contains(&format!("end-of-o-{k:02}"));
-        assert_eq!(whole, k > ITERATIONS - 3, "observation {k} whole: {whole}");
-        assert!(
-            last_prompt.contains(&format!("o-{k:02}-")),
-            "observation {k}"
         );
     }
 
@@ -223,29 +303,7 @@ async fn long_observations_travel_as_references_and_prompts_see_the_newest_whole
         copies, ITERATIONS,
         "each observation's text once in the store"
     );
-    let explained = std::process::Command::new(binary("agentctl"))
-        .args([
-            "explain",
-            "--last",
-            "--full",
-            "--store",
-            &aggregator.endpoint,
-        ])
-        .args(["--token", TOKEN])
-        .output()
-        .unwrap();
-    let tree = String::from_utf8_lossy(&explained.stdout);
-    assert!(
-        explained.status.success(),
-        "{tree}{}",
-        String::from_utf8_lossy(&explained.stderr)
-    );
-    for k in 1..=ITERATIONS {
-        assert!(
-            tree.contains(&observation(k)),
-            "observation {k} whole in explain"
-        );
-    }
+    let tree = explained_whole(&aggregator, &[]);
     let cut = std::process::Command::new(binary("agentctl"))
         .args(["explain", "--last", "--store", &aggregator.endpoint])
         .args(["--token", TOKEN])

@@ -216,6 +216,31 @@ async fn a_second_journal_owner_on_the_same_subscription_refuses_to_run() {
     assert_one_chain(&first, &session_of(&responses)).await;
 }
 
+/// Two journal owners started together on one subscription, each still listening when the other
+/// starts: they hear each other, the younger stands down, the elder keeps the journal.
+#[tokio::test]
+async fn of_two_journal_owners_started_together_the_younger_stands_down() {
+    let broker = Broker::start().unwrap();
+    let mut elder = Aggregator::spawn_with(&broker, &["--config-token", TOKEN]);
+    let mut younger = Aggregator::spawn_with(&broker, &["--config-token", TOKEN]);
+    let status = younger
+        .exit_within(Duration::from_secs(30))
+        .await
+        .expect("the younger owner kept running");
+    assert!(!status.success(), "the younger owner exited with {status}");
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert!(elder.is_running(), "the elder owner stopped too");
+    // The elder serves the journal: a journaled dialog ends once.
+    let llm = scripted_llm(THREE_STEPS).await;
+    let _orchestrator = Orchestrator::spawn_journaled(&broker, &llm, &elder, TOKEN, &[]);
+    let mut client = client(&broker).await;
+    client.send("elder", &react("combine elder")).await.unwrap();
+    let responses = collect_dialog(&mut client, "elder", DIALOG_TIMEOUT)
+        .await
+        .unwrap();
+    assert_eq!(closings(&responses), 1, "{responses:#?}");
+}
+
 /// The graph holds one version of each iteration of the session: one thought, one set of
 /// arguments, one answer.
 async fn assert_one_chain(aggregator: &Aggregator, session: &str) {

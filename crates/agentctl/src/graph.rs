@@ -65,18 +65,58 @@ pub struct ExplainArgs {
     /// the tree otherwise cuts each to a line. `--format json` always has them whole.
     #[arg(long)]
     full: bool,
+    /// Read long texts back from TrustGraph's librarian on the broker (orchestrators run with
+    /// `DOCUMENT_STORE=librarian` keep them there; the graph holds their excerpts).
+    #[arg(long)]
+    librarian: bool,
     #[command(flatten)]
     store: StoreArgs,
+    #[command(flatten)]
+    broker: agent_bus::BrokerArgs,
 }
 
 /// Reads one session's view from the store.
 pub async fn load_session(store: &GraphStore, session: &str) -> anyhow::Result<SessionView> {
+    load_session_with(store, session, None).await
+}
+
+/// [`load_session`], with the texts kept in `librarian` read back whole.
+async fn load_session_with(
+    store: &GraphStore,
+    session: &str,
+    librarian: Option<&agent_bus::Librarian>,
+) -> anyhow::Result<SessionView> {
     let node = queries::session_node(session)?;
-    let rows = store.query(queries::session_triples(&node)).await?.rows();
+    let mut rows = store.query(queries::session_triples(&node)).await?.rows();
     if rows.rows.is_empty() {
         bail!("the graph holds nothing about {node}");
     }
+    if let Some(librarian) = librarian {
+        read_back_whole(&mut rows, librarian).await?;
+    }
     Ok(session_view(node.as_str(), &rows))
+}
+
+/// Replaces each excerpt that names a document by the document's whole text from the librarian
+/// (one that it does not have stays an excerpt).
+async fn read_back_whole(
+    rows: &mut agent_graph::Rows,
+    librarian: &agent_bus::Librarian,
+) -> anyhow::Result<()> {
+    for row in &mut rows.rows {
+        for term in row.iter_mut().flatten() {
+            let Term::Literal(literal) = term else {
+                continue;
+            };
+            let Some((uri, _)) = agent_core::documents::reference(literal.value()) else {
+                continue;
+            };
+            if let Some(whole) = librarian.read(uri).await? {
+                *term = Term::Literal(agent_graph::model::Literal::new_simple_literal(whole));
+            }
+        }
+    }
+    Ok(())
 }
 
 pub async fn last_session(store: &GraphStore) -> anyhow::Result<String> {
@@ -99,6 +139,15 @@ pub fn render(view: &SessionView, format: Format, full: bool) -> anyhow::Result<
 
 pub async fn explain(args: ExplainArgs) -> anyhow::Result<i32> {
     let store = args.store.open()?;
+    let librarian = match args.librarian {
+        true => {
+            let bus = args.broker.connect().await?;
+            let timeout = std::time::Duration::from_secs(30);
+            Some(agent_bus::Librarian::connect(&bus, &args.broker.topics(), timeout).await?)
+        }
+        false => None,
+    };
+    let librarian = librarian.as_ref();
     if let Some(conversation) = &args.conversation {
         let rows = store
             .query(queries::conversation_sessions(conversation))
@@ -116,7 +165,7 @@ pub async fn explain(args: ExplainArgs) -> anyhow::Result<i32> {
             bail!("the graph holds no session of conversation {conversation}");
         }
         for session in sessions {
-            let view = load_session(&store, &session).await?;
+            let view = load_session_with(&store, &session, librarian).await?;
             print!("{}", render(&view, args.format, args.full)?);
         }
         return Ok(0);
@@ -126,7 +175,7 @@ pub async fn explain(args: ExplainArgs) -> anyhow::Result<i32> {
         (None, true) => last_session(&store).await?,
         (None, false) => bail!("name a session id, or use --last"),
     };
-    let view = load_session(&store, &session).await?;
+    let view = load_session_with(&store, &session, librarian).await?;
     print!("{}", render(&view, args.format, args.full)?);
     Ok(0)
 }

@@ -10,6 +10,7 @@ mod consumer;
 mod control;
 pub mod embedded;
 mod error;
+mod librarian;
 mod publisher;
 pub mod seal;
 mod service;
@@ -23,6 +24,7 @@ pub use consumer::{
 };
 pub use control::{send_control, ControlListener};
 pub use error::BusError;
+pub use librarian::{Librarian, LibrarianError};
 pub use publisher::{Publisher, Receipt};
 pub use service::{bearer_matches, stop_on_signal};
 pub use topics::Topics;

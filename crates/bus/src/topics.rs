@@ -24,6 +24,9 @@ pub struct Topics {
     pub control: String,
     /// Answers to approvals: persistent, taken up by one orchestrator replica.
     pub control_request: String,
+    /// TrustGraph's librarian (its document store), per workspace: non-persistent, as TrustGraph's.
+    pub librarian_request: String,
+    pub librarian_response: String,
 }
 
 impl Topics {
@@ -47,6 +50,8 @@ impl Topics {
             config_push: "non-persistent://tg/notify/config".to_owned(),
             control: format!("non-persistent://tg/notify/agent-control:{workspace}:{flow}"),
             control_request: format!("persistent://tg/request/agent-control:{workspace}:{flow}"),
+            librarian_request: format!("non-persistent://tg/request/librarian:{workspace}"),
+            librarian_response: format!("non-persistent://tg/response/librarian:{workspace}"),
         }
     }
 }

@@ -2,6 +2,10 @@
 //! reference for each long observation, whose whole text is kept as a document in the shared
 //! graph store; the prompt sees the newest steps whole again.
 //!
+//! The documents are kept in the shared graph store's documents graph, or, with
+//! `DOCUMENT_STORE=librarian`, in TrustGraph's librarian (the document store of a TrustGraph
+//! deployment), through its protocol ([`DocumentStore`]).
+//!
 //! A long ReACT history is folded here too (older steps into one, kept as a document), so a
 //! message stays bounded however long the dialog.
 //!
@@ -14,8 +18,9 @@
 
 use std::borrow::Cow;
 use std::collections::HashMap;
+use std::sync::Arc;
 
-use agent_core::documents::{reference, FOLD_KEEP};
+use agent_core::documents::{excerpt_with_reference, reference, FOLD_KEEP};
 use agent_core::vocab::{tg, DOCUMENTS_GRAPH};
 use agent_graph::model::Term;
 use agent_graph::GraphStore;
@@ -24,14 +29,94 @@ use agent_schema::{AgentStep, PlanStep};
 /// The newest steps a prompt sees whole.
 pub const WHOLE_RECENT: usize = 3;
 
+/// Where long texts are kept as documents.
+#[derive(Clone)]
+pub enum DocumentStore {
+    /// The shared graph store's documents graph (`tg:content`), beside provenance.
+    Graph(GraphStore),
+    /// TrustGraph's librarian. What an aggregator keeps (a fan-in's long subagent results) is in
+    /// the graph, so a document the librarian does not have is looked for there too.
+    Librarian {
+        librarian: Arc<agent_bus::Librarian>,
+        graph: Option<GraphStore>,
+    },
+}
+
+impl DocumentStore {
+    /// The librarian, when documents are kept there.
+    pub fn librarian(&self) -> Option<&agent_bus::Librarian> {
+        match self {
+            DocumentStore::Graph(_) => None,
+            DocumentStore::Librarian { librarian, .. } => Some(librarian),
+        }
+    }
+
+    /// Keeps `text` as the document `uri` (its text's digest: keeping it again changes nothing).
+    pub async fn keep(&self, uri: &str, text: &str) -> Result<(), String> {
+        match self {
+            DocumentStore::Graph(store) => store
+                .keep_document(uri, text)
+                .await
+                .map_err(|e| e.to_string()),
+            DocumentStore::Librarian { librarian, .. } => {
+                librarian.keep(uri, text).await.map_err(|e| e.to_string())
+            }
+        }
+    }
+
+    /// Claim-check of a long text named `uri`: kept, and its excerpt with the reference carried
+    /// instead. Should the store refuse, the text stays whole (bounded by the message size
+    /// limit): a message is not lost for want of a smaller one.
+    pub async fn check_in_as(&self, text: String, uri: &str) -> String {
+        match self.keep(uri, &text).await {
+            Ok(()) => excerpt_with_reference(&text, uri),
+            Err(e) => {
+                tracing::warn!(error = %e, bytes = text.len(), "a long text could not be kept as a document; the message carries it whole");
+                text
+            }
+        }
+    }
+
+    /// The whole texts of the documents `uris`, by IRI (those the store holds).
+    pub async fn fetch(&self, uris: &[String]) -> Result<HashMap<String, String>, String> {
+        let (librarian, graph) = match self {
+            DocumentStore::Graph(store) => {
+                return fetch(store, uris.iter().map(String::as_str))
+                    .await
+                    .map_err(|e| e.to_string())
+            }
+            DocumentStore::Librarian { librarian, graph } => (librarian, graph),
+        };
+        let reads = futures::future::join_all(uris.iter().map(|uri| librarian.read(uri))).await;
+        let mut found = HashMap::new();
+        let mut missing = Vec::new();
+        for (uri, read) in uris.iter().zip(reads) {
+            match read.map_err(|e| e.to_string())? {
+                Some(text) => {
+                    found.insert(uri.clone(), text);
+                }
+                None => missing.push(uri.as_str()),
+            }
+        }
+        if let (Some(graph), false) = (graph, missing.is_empty()) {
+            found.extend(
+                fetch(graph, missing.into_iter())
+                    .await
+                    .map_err(|e| e.to_string())?,
+            );
+        }
+        Ok(found)
+    }
+}
+
 /// `history` with its older steps folded into one, their whole form kept as a document, when it
 /// has grown long enough (see [`agent_core::documents::fold`]). Should the store refuse, the
 /// history goes on unfolded: the next step tries again.
-pub async fn fold(store: &GraphStore, history: Vec<AgentStep>) -> Vec<AgentStep> {
+pub async fn fold(store: &DocumentStore, history: Vec<AgentStep>) -> Vec<AgentStep> {
     let Some(folded) = agent_core::documents::fold(&history, FOLD_KEEP) else {
         return history;
     };
-    match store.keep_document(&folded.uri, &folded.document).await {
+    match store.keep(&folded.uri, &folded.document).await {
         Ok(()) => folded.history,
         Err(e) => {
             tracing::warn!(error = %e, steps = history.len(), "the history's older steps could not be kept as a document; it goes on unfolded");
@@ -44,7 +129,7 @@ pub async fn fold(store: &GraphStore, history: Vec<AgentStep>) -> Vec<AgentStep>
 /// observations whole again, older ones as their excerpts. Without a store, or should it not
 /// answer, the excerpts stand.
 pub async fn resolve_recent<'h>(
-    store: Option<&GraphStore>,
+    store: Option<&DocumentStore>,
     history: &'h [AgentStep],
 ) -> Cow<'h, [AgentStep]> {
     let start = history.len().saturating_sub(WHOLE_RECENT);
@@ -67,7 +152,7 @@ pub async fn resolve_recent<'h>(
 /// `history` with every subagent result it carries whole again (the aggregator checks long ones
 /// in when it resumes a supervisor), for a prompt; the next message keeps the excerpts.
 pub async fn results_whole<'h>(
-    store: Option<&GraphStore>,
+    store: Option<&DocumentStore>,
     history: &'h [AgentStep],
 ) -> Cow<'h, [AgentStep]> {
     let referenced = history
@@ -90,7 +175,7 @@ pub async fn results_whole<'h>(
 
 /// A plan with its steps' checked-in results whole again, for a prompt (the plan the next
 /// message carries keeps the excerpts).
-pub async fn resolve_plan(store: Option<&GraphStore>, plan: &[PlanStep]) -> Vec<PlanStep> {
+pub async fn resolve_plan(store: Option<&DocumentStore>, plan: &[PlanStep]) -> Vec<PlanStep> {
     let mut resolved = plan.to_vec();
     resolve_texts(store, resolved.iter_mut().map(|s| &mut s.result).collect()).await;
     resolved
@@ -98,7 +183,7 @@ pub async fn resolve_plan(store: Option<&GraphStore>, plan: &[PlanStep]) -> Vec<
 
 /// Replaces each excerpt among `texts` by its document's whole text. Without a store, or should
 /// it not answer, the excerpts stand: a prompt with an excerpt beats no step at all.
-async fn resolve_texts(store: Option<&GraphStore>, mut texts: Vec<&mut String>) {
+async fn resolve_texts(store: Option<&DocumentStore>, mut texts: Vec<&mut String>) {
     let Some(store) = store else {
         return;
     };
@@ -109,7 +194,7 @@ async fn resolve_texts(store: Option<&GraphStore>, mut texts: Vec<&mut String>) 
     if wanted.is_empty() {
         return;
     }
-    let whole = match fetch(store, wanted.iter().map(String::as_str)).await {
+    let whole = match store.fetch(&wanted).await {
         Ok(whole) => whole,
         Err(e) => {
             tracing::warn!(error = %e, "checked-in texts could not be read; the prompt sees their excerpts");
@@ -124,8 +209,8 @@ async fn resolve_texts(store: Option<&GraphStore>, mut texts: Vec<&mut String>) 
     }
 }
 
-/// The whole texts of the documents `uris`, by IRI (those the store holds).
-pub async fn fetch<'u>(
+/// The whole texts of the documents `uris` in the graph's documents graph, by IRI.
+async fn fetch<'u>(
     store: &GraphStore,
     uris: impl Iterator<Item = &'u str>,
 ) -> Result<HashMap<String, String>, agent_graph::GraphError> {
@@ -173,7 +258,8 @@ mod tests {
                 ..AgentStep::default()
             });
         }
-        let seen = resolve_recent(Some(&store), &history).await;
+        let documents = DocumentStore::Graph(store.clone());
+        let seen = resolve_recent(Some(&documents), &history).await;
         for (i, step) in seen.iter().enumerate() {
             if i >= 5 - WHOLE_RECENT {
                 assert_eq!(step.observation, longs[i]);
@@ -202,7 +288,7 @@ mod tests {
             ),
             ..AgentStep::default()
         }];
-        let seen = results_whole(Some(&store), &history).await;
+        let seen = results_whole(Some(&DocumentStore::Graph(store.clone())), &history).await;
         let results = seen[0].subagent_results.as_ref().unwrap();
         assert_eq!(results["00. a"], long);
         assert_eq!(results["01. b"], "short");

@@ -144,6 +144,10 @@ pub struct DialogOutput<'a> {
     /// Triples for the graph only (inputs, LLM calls, fork records), written in one message with
     /// the step's commit.
     kept: Mutex<Vec<Triple>>,
+    /// Where provenance's long texts go instead of the graph, when that is TrustGraph's librarian.
+    librarian: Option<&'a crate::documents::DocumentStore>,
+    /// Provenance's long texts to keep in the librarian before the step commits, by document.
+    to_keep: Mutex<std::collections::BTreeMap<String, String>>,
     /// Whether the dialog is a subagent's: its answer is a result for its supervisor, never an
     /// `answer` message to the client (see [`DialogOutput::chunk`]).
     subagent: bool,
@@ -222,9 +226,59 @@ impl<'a> DialogOutput<'a> {
             spawned: std::sync::atomic::AtomicBool::new(false),
             input_step: 1,
             kept: Mutex::new(Vec::new()),
+            librarian: None,
+            to_keep: Mutex::default(),
             subagent: false,
             model: None,
         }
+    }
+
+    /// Keeps provenance's long texts in `documents` instead of the graph when it is the
+    /// librarian: a document's literal becomes its excerpt with the reference (as in messages),
+    /// and the whole text is kept before the step commits.
+    pub fn keeping_documents_in(
+        mut self,
+        documents: Option<&'a crate::documents::DocumentStore>,
+    ) -> Self {
+        self.librarian = documents.filter(|d| d.librarian().is_some());
+        self
+    }
+
+    /// Claim-check of the documents among `triples` (see [`DialogOutput::keeping_documents_in`]).
+    fn check_in_documents(&self, triples: &mut [Triple]) {
+        use agent_core::documents::{excerpt_with_reference, is_long, reference};
+        if self.librarian.is_none() {
+            return;
+        }
+        for t in triples.iter_mut() {
+            let document = t.g.as_deref() == Some(agent_core::vocab::DOCUMENTS_GRAPH)
+                && t.p.iri == tg::CONTENT.as_str()
+                && t.o.kind == "l"
+                && is_long(&t.o.value)
+                && reference(&t.o.value).is_none();
+            if document {
+                let text = std::mem::take(&mut t.o.value);
+                t.o.value = excerpt_with_reference(&text, &t.s.iri);
+                locked(&self.to_keep).insert(t.s.iri.clone(), text);
+            }
+        }
+    }
+
+    /// Keeps the documents provenance names in the librarian, before anything names them.
+    async fn keep_documents(&self) -> anyhow::Result<()> {
+        let Some(documents) = self.librarian else {
+            return Ok(());
+        };
+        let texts = std::mem::take(&mut *locked(&self.to_keep));
+        let kept =
+            futures::future::join_all(texts.iter().map(|(uri, text)| documents.keep(uri, text)))
+                .await;
+        for (result, uri) in kept.into_iter().zip(texts.keys()) {
+            result.map_err(|e| {
+                anyhow::anyhow!("the document {uri} could not be kept in the librarian: {e}")
+            })?;
+        }
+        Ok(())
     }
 
     /// Set up for a step of `request`: its run (and what the run spent outside this dialog), its
@@ -260,7 +314,8 @@ impl<'a> DialogOutput<'a> {
 
     /// Holds `triples` for the graph only, written with the step's commit (and dropped with the
     /// step, should it be abandoned or parked).
-    pub fn keep(&self, triples: Vec<Triple>) {
+    pub fn keep(&self, mut triples: Vec<Triple>) {
+        self.check_in_documents(&mut triples);
         locked(&self.kept).extend(triples);
     }
 
@@ -328,6 +383,7 @@ impl<'a> DialogOutput<'a> {
     pub fn discard(&self) {
         locked(&self.effects).clear();
         locked(&self.kept).clear();
+        locked(&self.to_keep).clear();
         *locked(&self.parked) = None;
         *locked(&self.ended) = None;
         self.spawned
@@ -381,6 +437,7 @@ impl<'a> DialogOutput<'a> {
     /// Journals the held effects (when there is a journal), publishes them unless another delivery
     /// of the same message recorded its outcome first, and marks them published.
     pub async fn commit(&self, slot: Option<&JournalSlot<'_>>) -> anyhow::Result<()> {
+        self.keep_documents().await?;
         let mut effects = std::mem::take(&mut *locked(&self.effects));
         self.add_kept(&mut effects);
         // The streamed chunks are not journaled: they must be on the broker before the outcome is
@@ -593,6 +650,7 @@ impl<'a> DialogOutput<'a> {
     /// Records provenance about `node`: inline to the client as an `explain` response, and on the
     /// explainability topic for the graph store, as TrustGraph does.
     pub fn explain(&self, node: &str, mut triples: Vec<Triple>) -> Result<(), BusError> {
+        self.check_in_documents(&mut triples);
         let costed: std::collections::BTreeSet<String> = triples
             .iter()
             .filter(|t| t.p.iri == tg::IN_TOKEN.as_str())

@@ -24,6 +24,8 @@ pub struct Engine {
     pub journal: Option<Journal>,
     /// The shared graph store, for the knowledge tools.
     pub knowledge: Option<agent_graph::GraphStore>,
+    /// Where long texts are kept as documents (claim-check), when anywhere.
+    pub documents: Option<crate::documents::DocumentStore>,
     pub mcp: agent_mcp::McpPool,
     /// Cancelled when the process is to stop: a parked step then leaves its message for another
     /// replica instead of waiting on.

@@ -167,7 +167,7 @@ pub async fn review_draft(turn: &Turn<'_>, n: usize, results: String) -> Result<
         request, config, ..
     } = turn;
     // A long draft travels as an excerpt; the reviewer reads it whole.
-    let history = crate::documents::resolve_recent(turn.knowledge, &request.history).await;
+    let history = crate::documents::resolve_recent(turn.documents, &request.history).await;
     let Some(draft) = critic::awaiting_draft_review(&history) else {
         return Ok(());
     };

@@ -11,11 +11,12 @@ use agent_llm::LlmClient;
 use agent_schema::AgentRequest;
 use tokio_util::sync::CancellationToken;
 
+use crate::documents::DocumentStore;
 use crate::emit::{Outputs, Publishers};
 use crate::engine::Engine;
 use crate::journal::Journal;
 use crate::live_config::LiveConfig;
-use crate::settings::{load_config_dir, Settings};
+use crate::settings::{load_config_dir, DocumentStoreKind, Settings};
 use crate::{approval, cancel, live_config, metrics, ops};
 
 /// Runs the orchestrator until `shutdown`; in-flight iterations finish (or are left for redelivery)
@@ -111,12 +112,25 @@ pub async fn run(settings: Settings, shutdown: CancellationToken) -> anyhow::Res
             }
         }
     }
+    let documents = match settings.document_store {
+        DocumentStoreKind::Graph => knowledge.clone().map(DocumentStore::Graph),
+        DocumentStoreKind::Librarian => {
+            let timeout = Duration::from_secs(settings.librarian_timeout_secs.max(1));
+            let librarian = agent_bus::Librarian::connect(&bus, &topics, timeout).await?;
+            tracing::info!(topic = %topics.librarian_request, "long texts are kept in TrustGraph's librarian");
+            Some(DocumentStore::Librarian {
+                librarian: Arc::new(librarian),
+                graph: knowledge.clone(),
+            })
+        }
+    };
     let engine = Arc::new(Engine {
         config: live,
         llm,
         outputs,
         journal,
         knowledge,
+        documents,
         mcp: agent_mcp::McpPool::new(),
         shutdown: shutdown.clone(),
         seal: agent_bus::seal::SealKey::configured(

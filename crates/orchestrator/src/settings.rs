@@ -76,9 +76,24 @@ pub struct Settings {
     /// (see `agent_bus::seal`); without it they can be forged by anyone who can publish.
     #[arg(long, env = "AGENT_SEAL_KEY", hide_env_values = true)]
     pub seal_key: Option<String>,
+    /// Where long texts are kept as documents (claim-check): `graph`, the shared graph store's
+    /// documents graph (needs GRAPH_STORE); or `librarian`, TrustGraph's librarian on the broker
+    /// (its protocol, the workspace's librarian topics), for deployments that run one.
+    #[arg(long, env = "DOCUMENT_STORE", value_enum, default_value_t = DocumentStoreKind::Graph)]
+    pub document_store: DocumentStoreKind,
+    /// Seconds a request to the librarian waits for its answer.
+    #[arg(long, env = "LIBRARIAN_TIMEOUT_SECS", default_value_t = 30)]
+    pub librarian_timeout_secs: u64,
     /// Where `/healthz`, `/readyz` and `/metrics` listen.
     #[arg(long, env = "AGENT_HTTP_ADDR", default_value = "0.0.0.0:8090")]
     pub http_addr: std::net::SocketAddr,
+}
+
+/// Where long texts are kept (see [`Settings::document_store`]).
+#[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DocumentStoreKind {
+    Graph,
+    Librarian,
 }
 
 impl Settings {

@@ -88,6 +88,7 @@ impl Admitted<'_> {
             config: &self.config,
             llm,
             knowledge: engine.knowledge.as_ref(),
+            documents: engine.documents.as_ref(),
             mcp: &engine.mcp,
             tokens_before: standing.tokens_before,
             run_tokens: standing.run_tokens,
@@ -367,7 +368,8 @@ impl Engine {
             standing.run_base,
             config.limits.max_message_bytes,
         )
-        .with_model(model.as_deref());
+        .with_model(model.as_deref())
+        .keeping_documents_in(self.documents.as_ref());
         let lookup = self
             .journal_slot(
                 &out,

@@ -26,6 +26,8 @@ pub struct Turn<'a> {
     pub llm: &'a LlmClient,
     /// The graph store the knowledge tools read, when one is shared.
     pub knowledge: Option<&'a agent_graph::GraphStore>,
+    /// Where long texts are kept as documents (claim-check), when anywhere.
+    pub documents: Option<&'a crate::documents::DocumentStore>,
     /// This process's MCP sessions.
     pub mcp: &'a agent_mcp::McpPool,
     /// Tokens the dialog used before this step.
@@ -134,12 +136,12 @@ impl Turn<'_> {
 }
 
 impl Turn<'_> {
-    /// Claim-check (see `GraphStore::check_in`) through the step's shared store; without one the
-    /// text stays whole. A text this step has already kept is not written again (a plan step's
+    /// Claim-check (see `GraphStore::check_in`) through the step's document store; without one
+    /// the text stays whole. A text this step has already kept is not written again (a plan step's
     /// result is also its observation): one store write per document and step.
     pub async fn check_in(&self, text: String) -> String {
         use agent_core::documents::{document_uri, excerpt_with_reference, is_long, reference};
-        let Some(store) = self.knowledge else {
+        let Some(store) = self.documents else {
             return text;
         };
         if !is_long(&text) || reference(&text).is_some() {
@@ -186,7 +188,7 @@ impl Turn<'_> {
         step.observation = self.check_in(step.observation).await;
         let mut next = self.request.clone();
         next.history.push(step);
-        if let Some(store) = self.knowledge {
+        if let Some(store) = self.documents {
             next.history = crate::documents::fold(store, next.history).await;
         }
         if next_state.is_some() {

@@ -6,12 +6,14 @@
 
 mod config;
 mod control;
+mod librarian;
 mod request;
 mod response;
 mod triples;
 
 pub use config::{operation, ConfigKey, ConfigPush, ConfigRequest, ConfigResponse, ConfigValue};
 pub use control::{control_operation, AgentControl};
+pub use librarian::{librarian_operation, DocumentMetadata, LibrarianRequest, LibrarianResponse};
 pub use request::{AgentRequest, AgentStep, PlanStep, StepType};
 pub use response::{AgentResponse, ErrorInfo, MessageType};
 pub use triples::{Metadata, Term, Triple, Triples};

@@ -49,7 +49,7 @@ async fn round(turn: &Turn<'_>, n: usize) -> Result<(), BusError> {
     let scope = Scope::new(request.group.as_deref(), request.state.as_deref());
     let visible = turn.visible_tools(&scope).await;
     let candidates: Vec<&str> = visible.iter().map(|t| t.name.as_str()).collect();
-    let history = crate::documents::resolve_recent(turn.knowledge, &request.history).await;
+    let history = crate::documents::resolve_recent(turn.documents, &request.history).await;
     let max_calls = research::MAX_CALLS_PER_ROUND;
     let vars = [
         ("framing", framing_block(&request.framing)),
@@ -189,7 +189,7 @@ async fn write(turn: &Turn<'_>, n: usize) -> Result<(), BusError> {
         config,
         ..
     } = turn;
-    let history = crate::documents::resolve_recent(turn.knowledge, &request.history).await;
+    let history = crate::documents::resolve_recent(turn.documents, &request.history).await;
     let lessons = critic::answer_lessons(&history);
     let lessons = if lessons.is_empty() {
         String::new()

@@ -136,7 +136,7 @@ async fn answered_round(turn: &Turn<'_>) -> (FanIn, String, Vec<String>) {
     let request = turn.request;
     let fan_in = fan_in(request, turn.config.limits.max_subagents);
     let perspectives = kept_perspectives(request);
-    let whole = crate::documents::results_whole(turn.knowledge, &request.history).await;
+    let whole = crate::documents::results_whole(turn.documents, &request.history).await;
     let results = supervising::pending_synthesis(&whole)
         .cloned()
         .unwrap_or_default();

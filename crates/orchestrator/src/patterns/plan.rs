@@ -544,7 +544,7 @@ async fn review_answer(turn: &Turn<'_>, n: usize) -> Result<(), BusError> {
 
 /// `plan` with its results whole, for a prompt: a long result travels as an excerpt.
 async fn whole(turn: &Turn<'_>, plan: &[PlanStep]) -> Vec<PlanStep> {
-    crate::documents::resolve_plan(turn.knowledge, plan).await
+    crate::documents::resolve_plan(turn.documents, plan).await
 }
 
 /// Publishes the iteration's observation (to the client and the graph), then queues the next

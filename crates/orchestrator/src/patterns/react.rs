@@ -43,7 +43,7 @@ pub async fn iterate(turn: &Turn<'_>) -> Result<(), BusError> {
     let answer_critic = config.critic_on(&request.pattern, &request.task_type, Stage::Answer);
     if answer_critic && critic::awaiting_draft_review(&request.history).is_some() {
         // The reviewer sees the steps that led to the draft.
-        let history = crate::documents::resolve_recent(turn.knowledge, &request.history).await;
+        let history = crate::documents::resolve_recent(turn.documents, &request.history).await;
         let before = history.split_last().map_or(&[][..], |(_, before)| before);
         let transcript = match agent_core::prompt::render_history(before) {
             t if t.is_empty() => "(no tool was used)".to_owned(),
@@ -58,7 +58,7 @@ pub async fn iterate(turn: &Turn<'_>) -> Result<(), BusError> {
     // A draft is not streamed as the answer: it may not be the one given.
     let streamed = request.streaming && !native && !answer_critic;
     // Long observations travel as excerpts; the prompt sees the newest whole again.
-    let history = crate::documents::resolve_recent(turn.knowledge, &request.history).await;
+    let history = crate::documents::resolve_recent(turn.documents, &request.history).await;
     let last_observation = history.last().map_or("", |step| step.observation.as_str());
     let completion = if native {
         let messages = native_messages(turn, &visible, &history);

@@ -35,7 +35,7 @@ pub async fn iterate(turn: &Turn<'_>) -> Result<(), BusError> {
         return done;
     }
     let n = steps_taken(&request.history) + 1;
-    let history = crate::documents::resolve_recent(turn.knowledge, &request.history).await;
+    let history = crate::documents::resolve_recent(turn.documents, &request.history).await;
     let vars = [
         ("framing", framing_block(&request.framing)),
         ("question", request.question.clone()),

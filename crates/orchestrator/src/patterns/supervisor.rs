@@ -36,7 +36,7 @@ pub async fn iterate(turn: &Turn<'_>) -> Result<(), BusError> {
     // With the answer critic on, a synthesis is a draft until the critic accepts it.
     if answer_critic(turn) {
         if critic::awaiting_draft_review(history).is_some() {
-            let whole = crate::documents::results_whole(turn.knowledge, history).await;
+            let whole = crate::documents::results_whole(turn.documents, history).await;
             let results = supervising::describe_rounds(&whole);
             return crate::review::review_draft(turn, n, results).await;
         }
@@ -85,7 +85,7 @@ async fn recover(turn: &Turn<'_>, n: usize) -> Result<Recovery, BusError> {
         return Ok(Recovery::Synthesise);
     }
     // Long results travel as excerpts; the critic reads them whole.
-    let whole = crate::documents::results_whole(turn.knowledge, history).await;
+    let whole = crate::documents::results_whole(turn.documents, history).await;
     let (Some(results), Some(decompose)) = (
         supervising::pending_synthesis(&whole),
         supervising::last_decompose(history),
@@ -469,7 +469,7 @@ async fn synthesise(turn: &Turn<'_>, n: usize) -> Result<(), BusError> {
         missing,
     } = fan_in(request, max);
     // Long results travel as excerpts; the synthesis reads them whole.
-    let whole = crate::documents::results_whole(turn.knowledge, &request.history).await;
+    let whole = crate::documents::results_whole(turn.documents, &request.history).await;
     let results = supervising::describe_rounds(&whole);
     let room = room_for_another_round(turn, n);
     let nested = supervising::may_nest(request, config.limits.max_fanout_depth);

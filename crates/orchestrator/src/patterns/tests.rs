@@ -96,6 +96,7 @@ impl Harness {
             config: &self.config,
             llm: &self.client,
             knowledge: None,
+            documents: None,
             mcp: &self.mcp,
             tokens_before: Default::default(),
             run_tokens: 0,

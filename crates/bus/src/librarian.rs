@@ -1,0 +1,224 @@
+//! A client of TrustGraph's librarian, the document store of a TrustGraph deployment: long texts
+//! are kept there as documents named by their IRI, and read back. Many steps share one client:
+//! answers are matched to requests by the `id` property, whoever waits for them.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use agent_schema::{
+    librarian_operation, DocumentMetadata, LibrarianRequest, LibrarianResponse, ID_PROPERTY,
+};
+use base64::Engine as _;
+use tokio::sync::oneshot;
+
+use crate::client::{message_property, Listener};
+use crate::{Bus, BusError, Properties, Publisher, Topics};
+
+type Waiting = Arc<Mutex<HashMap<String, oneshot::Sender<LibrarianResponse>>>>;
+
+/// Asks the librarian; any number of requests at once.
+pub struct Librarian {
+    requests: Publisher,
+    waiting: Waiting,
+    answers: tokio::task::JoinHandle<()>,
+    /// How long a request waits for its answer.
+    timeout: Duration,
+}
+
+impl Drop for Librarian {
+    fn drop(&mut self) {
+        self.answers.abort();
+    }
+}
+
+/// What the librarian said about a document.
+#[derive(Debug)]
+pub enum LibrarianError {
+    /// Nothing came back in time, or the broker failed.
+    Bus(BusError),
+    /// The librarian answered with an error.
+    Refused { kind: String, message: String },
+}
+
+impl std::fmt::Display for LibrarianError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            LibrarianError::Bus(e) => write!(f, "{e}"),
+            LibrarianError::Refused { kind, message } => {
+                write!(f, "the librarian refused ({kind}): {message}")
+            }
+        }
+    }
+}
+
+impl std::error::Error for LibrarianError {}
+
+impl From<BusError> for LibrarianError {
+    fn from(e: BusError) -> Self {
+        LibrarianError::Bus(e)
+    }
+}
+
+impl Librarian {
+    /// A client of the librarian of `topics`' workspace; each request waits up to `timeout`.
+    pub async fn connect(
+        bus: &Bus,
+        topics: &Topics,
+        timeout: Duration,
+    ) -> Result<Librarian, BusError> {
+        let responses =
+            Listener::subscribe(bus, &topics.librarian_response, "librarian-client").await?;
+        let requests = Publisher::new(bus, &topics.librarian_request).await?;
+        let waiting: Waiting = Arc::default();
+        let answers = tokio::spawn(deliver_answers(
+            bus.clone(),
+            topics.librarian_response.clone(),
+            responses,
+            waiting.clone(),
+        ));
+        Ok(Librarian {
+            requests,
+            waiting,
+            answers,
+            timeout,
+        })
+    }
+
+    /// Keeps `text` as the document `uri` (plain text). A document of that IRI kept before is
+    /// this same text (documents are named by their text's digest), so finding it there is done.
+    pub async fn keep(&self, uri: &str, text: &str) -> Result<(), LibrarianError> {
+        let request = LibrarianRequest {
+            operation: librarian_operation::ADD_DOCUMENT.to_owned(),
+            document_metadata: Some(DocumentMetadata {
+                id: uri.to_owned(),
+                time: std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .map_or(0, |d| d.as_secs()),
+                kind: "text/plain".to_owned(),
+                title: format!("agent text, {} bytes", text.len()),
+                comments: "kept by the agent orchestrator (claim-check of a long text)".to_owned(),
+                tags: vec!["agent".to_owned()],
+            }),
+            content: Some(base64::engine::general_purpose::STANDARD.encode(text)),
+            ..LibrarianRequest::default()
+        };
+        match self.call(&request).await?.error {
+            None => Ok(()),
+            Some(e) if e.message.contains("already exists") => Ok(()),
+            Some(e) => Err(LibrarianError::Refused {
+                kind: e.kind,
+                message: e.message,
+            }),
+        }
+    }
+
+    /// The text of the document `uri`; `None` when the librarian has no such document.
+    pub async fn read(&self, uri: &str) -> Result<Option<String>, LibrarianError> {
+        let request = LibrarianRequest {
+            operation: librarian_operation::GET_DOCUMENT_CONTENT.to_owned(),
+            document_id: Some(uri.to_owned()),
+            ..LibrarianRequest::default()
+        };
+        let answer = self.call(&request).await?;
+        if let Some(e) = answer.error {
+            // TrustGraph 2.11 answers a missing document this way (`unexpected-error`).
+            if e.message.contains("No such document") {
+                return Ok(None);
+            }
+            return Err(LibrarianError::Refused {
+                kind: e.kind,
+                message: e.message,
+            });
+        }
+        let bytes = base64::engine::general_purpose::STANDARD
+            .decode(answer.content.unwrap_or_default())
+            .map_err(|e| LibrarianError::Refused {
+                kind: "bad-content".to_owned(),
+                message: format!("the document's content is not base64: {e}"),
+            })?;
+        Ok(Some(String::from_utf8_lossy(&bytes).into_owned()))
+    }
+
+    /// Sends `request` and waits for its answer. The librarian's topics are non-persistent, as
+    /// TrustGraph's are: a request the broker found no room for is lost, so it is sent again,
+    /// under the same id, after each third of the timeout (both operations are safe to repeat).
+    async fn call(&self, request: &LibrarianRequest) -> Result<LibrarianResponse, BusError> {
+        let id = format!("{:032x}", rand::random::<u128>());
+        let (answered, answer) = oneshot::channel();
+        waiting_for(&self.waiting).insert(id.clone(), answered);
+        let mut properties = Properties::new();
+        properties.insert(ID_PROPERTY.to_owned(), id.clone());
+        let payload = agent_schema::encode(request);
+        let attempts = 3;
+        let deadline = tokio::time::Instant::now() + self.timeout;
+        let mut answer = answer;
+        for attempt in 1..=attempts {
+            if let Err(e) = self.requests.send(payload.clone(), &properties).await {
+                waiting_for(&self.waiting).remove(&id);
+                return Err(e);
+            }
+            let until = if attempt == attempts {
+                deadline
+            } else {
+                tokio::time::Instant::now() + self.timeout / attempts
+            };
+            match tokio::time::timeout_at(until, &mut answer).await {
+                Ok(Ok(response)) => return Ok(response),
+                Ok(Err(_)) => break,
+                Err(_) => continue,
+            }
+        }
+        waiting_for(&self.waiting).remove(&id);
+        Err(BusError::Timeout {
+            what: format!("the librarian's answer to '{}'", request.operation),
+            after: self.timeout,
+        })
+    }
+}
+
+fn waiting_for(
+    waiting: &Waiting,
+) -> std::sync::MutexGuard<'_, HashMap<String, oneshot::Sender<LibrarianResponse>>> {
+    waiting
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// Hands each answer to whoever waits for its id; listens again if the subscription is lost (a
+/// broker restart), since the requests of that moment are sent again anyway.
+async fn deliver_answers(bus: Bus, topic: String, mut responses: Listener, waiting: Waiting) {
+    loop {
+        let message = match responses.next().await {
+            Ok(message) => message,
+            Err(e) => {
+                tracing::warn!(error = %e, "lost the librarian's answers; listening again");
+                loop {
+                    tokio::time::sleep(Duration::from_secs(1)).await;
+                    match Listener::subscribe(&bus, &topic, "librarian-client").await {
+                        Ok(again) => {
+                            responses = again;
+                            break;
+                        }
+                        Err(e) => tracing::warn!(error = %e, "cannot listen to the librarian yet"),
+                    }
+                }
+                continue;
+            }
+        };
+        let Some(id) = message_property(&message, ID_PROPERTY) else {
+            continue;
+        };
+        let Some(answered) = waiting_for(&waiting).remove(id) else {
+            continue;
+        };
+        match agent_schema::decode::<LibrarianResponse>(&message.payload.data) {
+            Ok(response) => {
+                let _ = answered.send(response);
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "skipping a librarian answer that does not decode")
+            }
+        }
+    }
+}
