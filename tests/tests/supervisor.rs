@@ -1087,6 +1087,18 @@ async fn a_rejected_subagent_result_is_sent_out_again_with_the_lesson() {
 /// synthesis prompt reads it whole.
 #[tokio::test]
 async fn a_long_subagent_result_travels_as_a_reference_and_is_read_whole() {
+    long_result_by_reference(false).await;
+}
+
+/// The same with documents kept in TrustGraph's librarian (orchestrator and aggregator run with
+/// `DOCUMENT_STORE=librarian`): the long result is kept there, read back whole for the synthesis,
+/// and the graph holds it only as excerpts.
+#[tokio::test]
+async fn a_long_subagent_result_kept_in_the_librarian_is_read_whole() {
+    long_result_by_reference(true).await;
+}
+
+async fn long_result_by_reference(in_librarian: bool) {
     let long = format!(
         "alpha in detail: {} END-OF-ALPHA",
         "lorem ipsum ".repeat(1000)
@@ -1100,7 +1112,20 @@ async fn a_long_subagent_result_travels_as_a_reference_and_is_read_whole() {
     ]}}"#
     );
     let broker = Broker::start().unwrap();
-    let aggregator = Aggregator::spawn_with(&broker, &["--config-token", "long-token"]);
+    let (_config, librarian) = if in_librarian {
+        let config = ConfigSvc::spawn(&broker, Some(&seed_dir()));
+        let librarian = agent_e2e::librarian::LibrarianService::start(&broker).await;
+        (Some(config), Some(librarian))
+    } else {
+        (None, None)
+    };
+    let mut flags = vec!["--config-token", "long-token"];
+    let mut env = Vec::new();
+    if in_librarian {
+        flags.extend(["--document-store", "librarian"]);
+        env.push(("DOCUMENT_STORE", "librarian"));
+    }
+    let aggregator = Aggregator::spawn_with(&broker, &flags);
     let llm = scripted_llm(&script).await;
     let mut requests = read_from_start(
         &broker,
@@ -1110,7 +1135,7 @@ async fn a_long_subagent_result_travels_as_a_reference_and_is_read_whole() {
     .await;
     // With the shared store, as the supervisor must be to read a reference back.
     let _orchestrator =
-        Orchestrator::spawn_journaled(&broker, &llm, &aggregator, "long-token", &[]);
+        Orchestrator::spawn_journaled(&broker, &llm, &aggregator, "long-token", &env);
     let mut client = client(&broker).await;
     client
         .send("long-1", &supervised("Long and short answers."))
@@ -1143,8 +1168,27 @@ async fn a_long_subagent_result_travels_as_a_reference_and_is_read_whole() {
         .values()
         .find(|r| r.starts_with("alpha in detail"))
         .unwrap();
-    assert!(agent_core::documents::reference(alpha).is_some(), "{alpha}");
+    let (uri, _) = agent_core::documents::reference(alpha).expect("a reference");
     assert!(results.values().any(|r| r == "beta is short"));
+    if let Some(librarian) = &librarian {
+        let kept = librarian.client.read(uri).await.unwrap();
+        assert_eq!(
+            kept.as_deref(),
+            Some(long.as_str()),
+            "{uri} in the librarian"
+        );
+        // The graph's texts are excerpts (the recorded LLM answers, the replay tape of forks, stay
+        // whole: docs/long-dialogs.md).
+        let whole_in_graph = count(
+            &aggregator.store(),
+            format!(
+                "SELECT ?d WHERE {{ GRAPH ?g {{ ?d {} ?t FILTER(CONTAINS(?t, \"END-OF-ALPHA\")) }} }}",
+                tg::CONTENT
+            ),
+        )
+        .await;
+        assert_eq!(whole_in_graph, 0, "the whole result in the graph");
+    }
 }
 
 /// The next request on `requests`, if one comes within two seconds.

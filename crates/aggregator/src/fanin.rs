@@ -39,6 +39,7 @@ pub async fn sweep(
     store: GraphStore,
     requests: Publisher,
     seal: Option<SealKey>,
+    librarian: Option<std::sync::Arc<agent_bus::Librarian>>,
     timeout: std::time::Duration,
     every: std::time::Duration,
     shutdown: tokio_util::sync::CancellationToken,
@@ -63,6 +64,7 @@ pub async fn sweep(
                 &store,
                 &requests,
                 seal.as_ref(),
+                librarian.as_deref(),
                 &cid,
                 Some(timeout.as_secs()),
             )
@@ -119,6 +121,7 @@ pub async fn check(
     store: &GraphStore,
     requests: &Publisher,
     seal: Option<&SealKey>,
+    librarian: Option<&agent_bus::Librarian>,
     correlation_id: &str,
     timed_out: Option<u64>,
 ) -> Result<(), FanInError> {
@@ -292,7 +295,7 @@ pub async fn check(
             .contains_key(agent_core::supervisor::RESULTS_BY_REFERENCE_KEY)
     });
     let results = if by_reference {
-        check_in_results(store, results).await
+        check_in_results(store, librarian, results).await
     } else {
         results
     };
@@ -467,14 +470,30 @@ async fn start_waiting(
 /// Long results leave the synthesis request (claim-check): each is kept as a document and the
 /// request carries an excerpt and its reference, which the supervisor reads whole for its prompts;
 /// so the request, and every later message of the supervisor, stays bounded however long its
-/// subagents' answers.
+/// subagents' answers. Kept in TrustGraph's librarian when the deployment keeps documents there
+/// (the supervisor reads them back from it), else in the graph.
 async fn check_in_results(
     store: &GraphStore,
+    librarian: Option<&agent_bus::Librarian>,
     results: BTreeMap<String, String>,
 ) -> BTreeMap<String, String> {
+    use agent_core::documents::{document_uri, excerpt_with_reference, is_long, reference};
     let mut carried = BTreeMap::new();
     for (key, result) in results {
-        carried.insert(key, store.check_in(result).await);
+        let text = match librarian {
+            Some(librarian) if is_long(&result) && reference(&result).is_none() => {
+                let uri = document_uri(&result);
+                match librarian.keep(&uri, &result).await {
+                    Ok(()) => excerpt_with_reference(&result, &uri),
+                    Err(e) => {
+                        tracing::warn!(error = %e, "a long subagent result could not be kept in the librarian; the request carries it whole");
+                        result
+                    }
+                }
+            }
+            _ => store.check_in(result).await,
+        };
+        carried.insert(key, text);
     }
     carried
 }

@@ -65,6 +65,10 @@ pub struct AggregatorSettings {
     /// subscription before it consumes or answers a journal call (`owner_fence`).
     #[arg(long, env = "AGGREGATOR_OWNER_LISTEN_MS", default_value_t = 1_000)]
     pub owner_listen_ms: u64,
+    /// Where a fan-in's long subagent results are kept: `graph` (the store's documents graph) or
+    /// `librarian` (TrustGraph's librarian on the broker, as the orchestrators' `DOCUMENT_STORE`).
+    #[arg(long, env = "DOCUMENT_STORE", default_value = "graph", value_parser = ["graph", "librarian"])]
+    pub document_store: String,
 }
 
 /// How `/query` may be used: it must not be a way to take the service down.
@@ -116,6 +120,7 @@ impl AggregatorSettings {
             reads: ReadSettings::default(),
             journal_retention_secs: 86_400,
             owner_listen_ms: 1_000,
+            document_store: "graph".to_owned(),
         }
     }
 }
@@ -248,10 +253,17 @@ pub async fn run(settings: AggregatorSettings, shutdown: CancellationToken) -> a
     let timeout = Duration::from_secs(settings.fanout_timeout_secs.clamp(1, 365 * 24 * 3600));
     let seal =
         agent_bus::seal::SealKey::configured(settings.seal_key.as_deref(), "agent-aggregator");
+    let librarian = match settings.document_store.as_str() {
+        "librarian" => Some(Arc::new(
+            agent_bus::Librarian::connect(&bus, &topics, Duration::from_secs(30)).await?,
+        )),
+        _ => None,
+    };
     let sweeper = tokio::spawn(fanin::sweep(
         store.clone(),
         requests.clone(),
         seal.clone(),
+        librarian.clone(),
         timeout,
         (timeout / 4).clamp(Duration::from_millis(500), Duration::from_secs(30)),
         shutdown.clone(),
@@ -272,7 +284,7 @@ pub async fn run(settings: AggregatorSettings, shutdown: CancellationToken) -> a
             shutdown.clone(),
         ))
     });
-    let writer = Arc::new(writer::Writer::new(store, Some(requests), seal));
+    let writer = Arc::new(writer::Writer::new(store, Some(requests), seal, librarian));
     let consumed = run_consumer(
         &bus,
         subscription,

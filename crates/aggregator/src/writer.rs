@@ -13,6 +13,9 @@ pub struct Writer {
     requests: Option<Publisher>,
     /// Only fan-outs and completions sealed with it drive fan-in, when there is one.
     seal: Option<agent_bus::seal::SealKey>,
+    /// Where long subagent results are kept, when the deployment keeps documents in TrustGraph's
+    /// librarian.
+    librarian: Option<std::sync::Arc<agent_bus::Librarian>>,
 }
 
 impl Writer {
@@ -20,11 +23,13 @@ impl Writer {
         store: GraphStore,
         requests: Option<Publisher>,
         seal: Option<agent_bus::seal::SealKey>,
+        librarian: Option<std::sync::Arc<agent_bus::Librarian>>,
     ) -> Writer {
         Writer {
             store,
             requests,
             seal,
+            librarian,
         }
     }
 
@@ -78,7 +83,9 @@ impl Writer {
         else {
             return Disposition::Ack;
         };
-        match crate::fanin::check(&self.store, requests, self.seal.as_ref(), &cid, None).await {
+        let librarian = self.librarian.as_deref();
+        let seal = self.seal.as_ref();
+        match crate::fanin::check(&self.store, requests, seal, librarian, &cid, None).await {
             Ok(()) => Disposition::Ack,
             Err(e) => Disposition::Nack(format!("fan-in of {cid}: {e}")),
         }

@@ -244,6 +244,18 @@ impl<'a> DialogOutput<'a> {
         self
     }
 
+    /// `text` as the graph will hold it when it is a document's: its excerpt with the reference
+    /// when long texts go to the librarian. What seals a recorded text must seal this form, which
+    /// still binds the whole (the reference is the text's digest).
+    pub fn as_recorded<'t>(&self, text: &'t str) -> std::borrow::Cow<'t, str> {
+        use agent_core::documents::{document_uri, excerpt_with_reference, is_long, reference};
+        if self.librarian.is_some() && is_long(text) && reference(text).is_none() {
+            std::borrow::Cow::Owned(excerpt_with_reference(text, &document_uri(text)))
+        } else {
+            std::borrow::Cow::Borrowed(text)
+        }
+    }
+
     /// Claim-check of the documents among `triples` (see [`DialogOutput::keeping_documents_in`]).
     fn check_in_documents(&self, triples: &mut [Triple]) {
         use agent_core::documents::{excerpt_with_reference, is_long, reference};

@@ -73,7 +73,9 @@ async fn complete(
         tokens.pair(),
     );
     if let Some(key) = turn.seal {
-        let parts = completion_seal_parts(&node, &request.correlation_id, status, result);
+        // Sealed as the aggregator will read it from the graph.
+        let recorded_result = turn.out.as_recorded(result);
+        let parts = completion_seal_parts(&node, &request.correlation_id, status, &recorded_result);
         recorded.extend(provenance::sealed(&node, &key.seal(&parts)));
     }
     turn.out.explain(&node, recorded)
