@@ -467,6 +467,10 @@ async fn start_waiting(
     Ok(())
 }
 
+/// How long a fan-in waits for the librarian to keep its long results (well within the claim's
+/// lease).
+const LIBRARIAN_WAIT: std::time::Duration = std::time::Duration::from_secs(4);
+
 /// Long results leave the synthesis request (claim-check): each is kept as a document and the
 /// request carries an excerpt and its reference, which the supervisor reads whole for its prompts;
 /// so the request, and every later message of the supervisor, stays bounded however long its
@@ -478,22 +482,39 @@ async fn check_in_results(
     results: BTreeMap<String, String>,
 ) -> BTreeMap<String, String> {
     use agent_core::documents::{document_uri, excerpt_with_reference, is_long, reference};
-    let mut carried = BTreeMap::new();
-    for (key, result) in results {
-        let text = match librarian {
-            Some(librarian) if is_long(&result) && reference(&result).is_none() => {
-                let uri = document_uri(&result);
-                match librarian.keep(&uri, &result).await {
-                    Ok(()) => excerpt_with_reference(&result, &uri),
+    let Some(librarian) = librarian else {
+        let mut carried = BTreeMap::new();
+        for (key, result) in results {
+            carried.insert(key, store.check_in(result).await);
+        }
+        return carried;
+    };
+    // All at once and briefly: this runs under the synthesis claim, whose lease is short. A
+    // result the librarian did not take in time travels whole.
+    let long: Vec<(&String, &String, String)> = results
+        .iter()
+        .filter(|(_, r)| is_long(r) && reference(r).is_none())
+        .map(|(key, r)| (key, r, document_uri(r)))
+        .collect();
+    let keeps = long.iter().map(|(_, text, uri)| librarian.keep(uri, text));
+    let kept = tokio::time::timeout(LIBRARIAN_WAIT, futures::future::join_all(keeps)).await;
+    let mut carried = results.clone();
+    match kept {
+        Ok(outcomes) => {
+            for ((key, text, uri), outcome) in long.iter().zip(outcomes) {
+                match outcome {
+                    Ok(()) => {
+                        carried.insert((*key).clone(), excerpt_with_reference(text, uri));
+                    }
                     Err(e) => {
-                        tracing::warn!(error = %e, "a long subagent result could not be kept in the librarian; the request carries it whole");
-                        result
+                        tracing::warn!(error = %e, "a long subagent result could not be kept in the librarian; the request carries it whole")
                     }
                 }
             }
-            _ => store.check_in(result).await,
-        };
-        carried.insert(key, text);
+        }
+        Err(_) => {
+            tracing::warn!("the librarian did not keep the long subagent results in time; the request carries them whole")
+        }
     }
     carried
 }

@@ -272,7 +272,8 @@ async fn store_post(
 /// heard: only the owner decides.
 #[allow(clippy::result_large_err)] // Built once per refused call, never carried far.
 async fn owner(state: &AppState) -> Result<(), Response> {
-    state.fence.admitted().await.map_err(|why| {
+    let limit = std::time::Duration::from_secs(30);
+    state.fence.admitted_within(limit).await.map_err(|why| {
         (
             StatusCode::SERVICE_UNAVAILABLE,
             format!("this aggregator does not own the journal: {why}"),

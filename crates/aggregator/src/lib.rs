@@ -164,6 +164,8 @@ async fn journal_of(store: &GraphStore) -> anyhow::Result<agent_graph::journal::
 
 /// Runs until `shutdown`: the consumer and the SPARQL, health and readiness endpoint.
 pub async fn run(settings: AggregatorSettings, shutdown: CancellationToken) -> anyhow::Result<()> {
+    // Its start, first: of two owners started on one subscription, the first started keeps it.
+    let owner = owner_fence::Owner::this_process(&without_credentials(&settings.graph_store));
     let token = settings.config_token.clone().filter(|t| !t.is_empty());
     let store = GraphStore::open(&settings.graph_store, token.clone())
         .with_context(|| format!("opening the graph store {}", settings.graph_store))?;
@@ -219,14 +221,19 @@ pub async fn run(settings: AggregatorSettings, shutdown: CancellationToken) -> a
         nack_delay: Duration::from_secs(1),
         one_at_a_time: false,
     };
+    // The announcements stop whenever this returns, on any path: a process that failed must not
+    // go on claiming the journal (inside `agentctl up`, its runtime outlives it).
+    let announcing_stops = shutdown.child_token();
+    let _stop_announcing = announcing_stops.clone().drop_guard();
     let announcing = match announcer {
         Some(announcer) => Some(
             announcer
                 .start(
                     &bus,
                     &owner_fence::beacon_topic(&subscription.topic, &subscription.subscription),
-                    owner_fence::Owner::this_process(&without_credentials(&settings.graph_store)),
+                    owner,
                     Duration::from_millis(settings.owner_listen_ms),
+                    announcing_stops.clone(),
                     shutdown.clone(),
                 )
                 .await?,

@@ -26,6 +26,10 @@ pub struct Owner {
     pub started_ms: u64,
     /// The store it owns (a directory or an endpoint), for the operator reading a refusal.
     pub store: String,
+    /// Whether it has passed its listening window and owns the journal: a newcomer always gives
+    /// way to one that does, whatever the two clocks say.
+    #[serde(default)]
+    pub owning: bool,
 }
 
 impl Owner {
@@ -35,6 +39,17 @@ impl Owner {
             id: uuid::Uuid::new_v4().simple().to_string(),
             started_ms: chrono::Utc::now().timestamp_millis().max(0) as u64,
             store: store.to_owned(),
+            owning: false,
+        }
+    }
+
+    /// Whether `self`, hearing `other`, must give way: a newcomer to an owner, and of two
+    /// newcomers (or two owners that could not hear each other) the later started.
+    fn gives_way_to(&self, other: &Owner) -> bool {
+        match (self.owning, other.owning) {
+            (false, true) => true,
+            (true, false) => false,
+            _ => other.precedes(self),
         }
     }
 
@@ -47,9 +62,11 @@ impl Owner {
 /// Where the owners of `subscription` on `explain_topic` announce themselves: a non-persistent
 /// topic beside it (announcements are only worth anything while they are fresh).
 pub fn beacon_topic(explain_topic: &str, subscription: &str) -> String {
-    let path = explain_topic
-        .split_once("://")
-        .map_or(explain_topic, |(_, path)| path);
+    // A short name is Pulsar's `public/default` namespace's.
+    let path = match explain_topic.split_once("://") {
+        Some((_, path)) => path.to_owned(),
+        None => format!("public/default/{explain_topic}"),
+    };
     let subscription: String = subscription
         .chars()
         .map(|c| {
@@ -100,6 +117,16 @@ impl Fence {
         }
     }
 
+    /// [`Fence::admitted`], waiting at most `limit` (a broker that does not answer keeps the
+    /// listening window open).
+    pub async fn admitted_within(&self, limit: Duration) -> Result<(), String> {
+        tokio::time::timeout(limit, self.admitted())
+            .await
+            .unwrap_or_else(|_| {
+                Err("still listening for another owner of the journal (is the broker up?)".into())
+            })
+    }
+
     /// Why this process was refused, if it was.
     pub fn refusal(&self) -> Option<String> {
         match &*self.standing.borrow() {
@@ -121,17 +148,18 @@ pub struct Announcer {
 }
 
 impl Announcer {
-    /// Starts announcing `me` on `topic` and listening for other owners: for `listen` nothing is
-    /// admitted; then this process owns the journal unless an elder was heard. An elder heard
-    /// later (both started at once, or its beats were lost) refuses this process too, and
-    /// `shutdown` is cancelled so the service stops rather than go on deciding beside it.
+    /// Starts announcing `me` on `topic` and listening for other owners, until `stop`: for
+    /// `listen` nothing is admitted; then this process owns the journal unless an elder was heard.
+    /// An elder heard later (both started at once, or its beats were lost) refuses this process
+    /// too, and `service` is cancelled so the service stops rather than go on deciding beside it.
     pub async fn start(
         self,
         bus: &Bus,
         topic: &str,
         me: Owner,
         listen: Duration,
-        shutdown: CancellationToken,
+        stop: CancellationToken,
+        service: CancellationToken,
     ) -> anyhow::Result<tokio::task::JoinHandle<()>> {
         let announcements = Publisher::new(bus, topic).await?;
         let heard = Listener::subscribe(bus, topic, "journal-owner").await?;
@@ -145,31 +173,24 @@ impl Announcer {
                 me,
                 listen,
                 self.standing,
-                shutdown,
+                (stop, service),
             )
             .await;
         }))
     }
 }
 
-#[allow(clippy::too_many_arguments)]
+#[allow(clippy::too_many_arguments)] // One loop over what the announcer was started with.
 async fn watch_owners(
     bus: Bus,
     topic: String,
     announcements: Publisher,
     mut heard: Listener,
-    me: Owner,
+    mut me: Owner,
     listen: Duration,
     standing: watch::Sender<Standing>,
-    shutdown: CancellationToken,
+    (shutdown, service): (CancellationToken, CancellationToken),
 ) {
-    let announcement = match serde_json::to_vec(&me) {
-        Ok(bytes) => bytes,
-        Err(e) => {
-            tracing::error!(error = %e, "cannot announce this journal owner");
-            return;
-        }
-    };
     let mut beats = tokio::time::interval(BEAT);
     let listened = tokio::time::sleep(listen);
     tokio::pin!(listened);
@@ -177,12 +198,19 @@ async fn watch_owners(
         tokio::select! {
             _ = shutdown.cancelled() => return,
             _ = beats.tick() => {
-                // A lost beat is only a beat: the next one follows.
-                if let Err(e) = announcements.send(announcement.clone(), &Properties::new()).await {
-                    tracing::debug!(error = %e, "a journal owner's announcement was not sent");
+                // A beat that is not out within a beat is only a lost beat: the next one follows,
+                // and nothing here waits on a broker that does not answer.
+                let announcement = agent_schema::encode(&me);
+                let no_properties = Properties::new();
+                let sent = announcements.send(announcement, &no_properties);
+                match tokio::time::timeout(BEAT, sent).await {
+                    Ok(Ok(())) => {}
+                    Ok(Err(e)) => tracing::debug!(error = %e, "a journal owner's announcement was not sent"),
+                    Err(_) => tracing::debug!("a journal owner's announcement was not sent in time"),
                 }
             }
-            _ = &mut listened, if *standing.borrow() == Standing::Listening => {
+            _ = &mut listened, if !me.owning => {
+                me.owning = true;
                 standing.send_replace(Standing::Owner);
                 tracing::info!(topic = %topic, "no other journal owner heard: this aggregator owns the journal");
             }
@@ -195,7 +223,7 @@ async fn watch_owners(
                     if other.id == me.id {
                         continue;
                     }
-                    if other.precedes(&me) {
+                    if me.gives_way_to(&other) {
                         let since = i64::try_from(other.started_ms)
                             .ok()
                             .and_then(chrono::DateTime::from_timestamp_millis)
@@ -206,17 +234,25 @@ async fn watch_owners(
                         );
                         tracing::error!("{why}");
                         standing.send_replace(Standing::Refused(why));
-                        shutdown.cancel();
+                        service.cancel();
                         return;
                     }
-                    tracing::warn!(other = %other.store, "a younger aggregator claims this deployment's journal; it will stand down");
+                    tracing::warn!(other = %other.store, "another aggregator claims this deployment's journal; it will stand down");
                 }
                 Err(e) => {
                     tracing::warn!(error = %e, "lost the journal owners' announcements; listening again");
-                    tokio::time::sleep(Duration::from_secs(1)).await;
-                    match Listener::subscribe(&bus, &topic, "journal-owner").await {
-                        Ok(again) => heard = again,
-                        Err(e) => tracing::warn!(error = %e, "cannot listen to the journal owners' announcements yet"),
+                    let again = async {
+                        loop {
+                            tokio::time::sleep(Duration::from_secs(1)).await;
+                            match Listener::subscribe(&bus, &topic, "journal-owner").await {
+                                Ok(again) => return again,
+                                Err(e) => tracing::warn!(error = %e, "cannot listen to the journal owners' announcements yet"),
+                            }
+                        }
+                    };
+                    tokio::select! {
+                        _ = shutdown.cancelled() => return,
+                        again = again => heard = again,
                     }
                 }
             }
@@ -234,18 +270,33 @@ mod tests {
             id: "b".into(),
             started_ms: 10,
             store: "one".into(),
+            owning: false,
         };
         let later = Owner {
             id: "a".into(),
             started_ms: 11,
             store: "two".into(),
+            owning: false,
         };
         assert!(first.precedes(&later) && !later.precedes(&first));
+        assert!(later.gives_way_to(&first) && !first.gives_way_to(&later));
         let tie = Owner {
             started_ms: 10,
-            ..later
+            ..later.clone()
         };
         assert!(tie.precedes(&first) && !first.precedes(&tie));
+        // An owner is not displaced by a newcomer whose clock says it started earlier.
+        let owning = Owner {
+            owning: true,
+            ..later.clone()
+        };
+        let skewed = Owner {
+            id: "c".into(),
+            started_ms: 1,
+            store: "three".into(),
+            owning: false,
+        };
+        assert!(skewed.gives_way_to(&owning) && !owning.gives_way_to(&skewed));
     }
 
     #[test]
@@ -260,6 +311,10 @@ mod tests {
         assert_eq!(
             beacon_topic("persistent://tg/flow/x", "odd name/1"),
             "non-persistent://tg/flow/x.journal-owner.odd_name_1"
+        );
+        assert_eq!(
+            beacon_topic("short", "s"),
+            "non-persistent://public/default/short.journal-owner.s"
         );
     }
 }

@@ -54,6 +54,18 @@ impl std::fmt::Display for LibrarianError {
 
 impl std::error::Error for LibrarianError {}
 
+impl LibrarianError {
+    /// Whether trying again may succeed: a refusal is the librarian's store failing (its
+    /// Cassandra or object store unreachable), an outage like the broker's; a message over the
+    /// broker's size limit is refused the same way every time.
+    pub fn passes(&self) -> bool {
+        match self {
+            LibrarianError::Bus(e) => e.passes(),
+            LibrarianError::Refused { .. } => true,
+        }
+    }
+}
+
 impl From<BusError> for LibrarianError {
     fn from(e: BusError) -> Self {
         LibrarianError::Bus(e)
@@ -145,35 +157,63 @@ impl Librarian {
     /// under the same id, after each third of the timeout (both operations are safe to repeat).
     async fn call(&self, request: &LibrarianRequest) -> Result<LibrarianResponse, BusError> {
         let id = format!("{:032x}", rand::random::<u128>());
-        let (answered, answer) = oneshot::channel();
+        let (answered, mut answer) = oneshot::channel();
         waiting_for(&self.waiting).insert(id.clone(), answered);
+        // However the call ends (answered, timed out, failed, or dropped by a step that was
+        // abandoned), nobody waits for its id any more.
+        let _forget = Forget {
+            waiting: &self.waiting,
+            id: &id,
+        };
         let mut properties = Properties::new();
         properties.insert(ID_PROPERTY.to_owned(), id.clone());
         let payload = agent_schema::encode(request);
         let attempts = 3;
         let deadline = tokio::time::Instant::now() + self.timeout;
-        let mut answer = answer;
+        let timed_out = || BusError::Timeout {
+            what: format!("the librarian's answer to '{}'", request.operation),
+            after: self.timeout,
+        };
         for attempt in 1..=attempts {
-            if let Err(e) = self.requests.send(payload.clone(), &properties).await {
-                waiting_for(&self.waiting).remove(&id);
-                return Err(e);
+            let sent = self.requests.send(payload.clone(), &properties);
+            match tokio::time::timeout_at(deadline, sent).await {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => return Err(e),
+                Err(_) => return Err(timed_out()),
             }
             let until = if attempt == attempts {
                 deadline
             } else {
                 tokio::time::Instant::now() + self.timeout / attempts
             };
-            match tokio::time::timeout_at(until, &mut answer).await {
+            match tokio::time::timeout_at(until.min(deadline), &mut answer).await {
                 Ok(Ok(response)) => return Ok(response),
-                Ok(Err(_)) => break,
+                // The answer came and did not decode (the reader said so).
+                Ok(Err(_)) => {
+                    return Err(BusError::ConsumerStopped {
+                        topic: "librarian responses".into(),
+                        message: format!(
+                            "the librarian's answer to '{}' does not decode",
+                            request.operation
+                        ),
+                    })
+                }
                 Err(_) => continue,
             }
         }
-        waiting_for(&self.waiting).remove(&id);
-        Err(BusError::Timeout {
-            what: format!("the librarian's answer to '{}'", request.operation),
-            after: self.timeout,
-        })
+        Err(timed_out())
+    }
+}
+
+/// Forgets a call's id when the call ends.
+struct Forget<'c> {
+    waiting: &'c Waiting,
+    id: &'c str,
+}
+
+impl Drop for Forget<'_> {
+    fn drop(&mut self) {
+        waiting_for(self.waiting).remove(self.id);
     }
 }
 

@@ -52,15 +52,12 @@ impl DocumentStore {
     }
 
     /// Keeps `text` as the document `uri` (its text's digest: keeping it again changes nothing).
-    pub async fn keep(&self, uri: &str, text: &str) -> Result<(), String> {
+    /// The error keeps its kind (a store's or the librarian's), which decides whether the step
+    /// waits out an outage.
+    pub async fn keep(&self, uri: &str, text: &str) -> anyhow::Result<()> {
         match self {
-            DocumentStore::Graph(store) => store
-                .keep_document(uri, text)
-                .await
-                .map_err(|e| e.to_string()),
-            DocumentStore::Librarian { librarian, .. } => {
-                librarian.keep(uri, text).await.map_err(|e| e.to_string())
-            }
+            DocumentStore::Graph(store) => Ok(store.keep_document(uri, text).await?),
+            DocumentStore::Librarian { librarian, .. } => Ok(librarian.keep(uri, text).await?),
         }
     }
 
@@ -71,7 +68,7 @@ impl DocumentStore {
         match self.keep(uri, &text).await {
             Ok(()) => excerpt_with_reference(&text, uri),
             Err(e) => {
-                tracing::warn!(error = %e, bytes = text.len(), "a long text could not be kept as a document; the message carries it whole");
+                tracing::warn!(error = %format!("{e:#}"), bytes = text.len(), "a long text could not be kept as a document; the message carries it whole");
                 text
             }
         }

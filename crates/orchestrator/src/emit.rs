@@ -14,6 +14,7 @@ use agent_schema::{
     AgentRequest, AgentResponse, MessageType, Metadata, Triple, Triples, EFFECT_ID_PROPERTY,
     ID_PROPERTY,
 };
+use anyhow::Context as _;
 
 use crate::journal::{self, Channel, Effect, Journal};
 
@@ -107,6 +108,9 @@ impl Outputs {
         to.enqueue(payload, properties).await.map(Some)
     }
 }
+
+/// Room for a librarian request's fields beside a document's base64 bytes.
+const LIBRARIAN_ENVELOPE_BYTES: usize = 8 * 1024;
 
 /// The outputs bound to one dialog: its `id` property and collection.
 pub struct DialogOutput<'a> {
@@ -249,7 +253,8 @@ impl<'a> DialogOutput<'a> {
     /// still binds the whole (the reference is the text's digest).
     pub fn as_recorded<'t>(&self, text: &'t str) -> std::borrow::Cow<'t, str> {
         use agent_core::documents::{document_uri, excerpt_with_reference, is_long, reference};
-        if self.librarian.is_some() && is_long(text) && reference(text).is_none() {
+        let fits = text.len() / 3 * 4 + LIBRARIAN_ENVELOPE_BYTES < self.outputs.max_request_bytes();
+        if self.librarian.is_some() && is_long(text) && reference(text).is_none() && fits {
             std::borrow::Cow::Owned(excerpt_with_reference(text, &document_uri(text)))
         } else {
             std::borrow::Cow::Borrowed(text)
@@ -263,11 +268,16 @@ impl<'a> DialogOutput<'a> {
             return;
         }
         for t in triples.iter_mut() {
+            // One the librarian's message could not carry (its bytes go in base64) stays whole in
+            // the graph, as without the librarian.
+            let fits = t.o.value.len() / 3 * 4 + LIBRARIAN_ENVELOPE_BYTES
+                < self.outputs.max_request_bytes();
             let document = t.g.as_deref() == Some(agent_core::vocab::DOCUMENTS_GRAPH)
                 && t.p.iri == tg::CONTENT.as_str()
                 && t.o.kind == "l"
                 && is_long(&t.o.value)
-                && reference(&t.o.value).is_none();
+                && reference(&t.o.value).is_none()
+                && fits;
             if document {
                 let text = std::mem::take(&mut t.o.value);
                 t.o.value = excerpt_with_reference(&text, &t.s.iri);
@@ -286,9 +296,8 @@ impl<'a> DialogOutput<'a> {
             futures::future::join_all(texts.iter().map(|(uri, text)| documents.keep(uri, text)))
                 .await;
         for (result, uri) in kept.into_iter().zip(texts.keys()) {
-            result.map_err(|e| {
-                anyhow::anyhow!("the document {uri} could not be kept in the librarian: {e}")
-            })?;
+            // The error keeps its kind: a librarian that does not answer parks the step.
+            result.with_context(|| format!("keeping the document {uri} in the librarian"))?;
         }
         Ok(())
     }

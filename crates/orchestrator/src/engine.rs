@@ -89,6 +89,8 @@ impl From<anyhow::Error> for StepError {
     fn from(e: anyhow::Error) -> StepError {
         let passes = if let Some(graph) = e.downcast_ref::<agent_graph::GraphError>() {
             graph.retryable()
+        } else if let Some(librarian) = e.downcast_ref::<agent_bus::LibrarianError>() {
+            librarian.passes()
         } else {
             e.downcast_ref::<agent_bus::BusError>()
                 .is_some_and(agent_bus::BusError::passes)
