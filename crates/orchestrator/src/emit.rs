@@ -248,13 +248,23 @@ impl<'a> DialogOutput<'a> {
         self
     }
 
+    /// Whether `text`, a document's, goes to the librarian: long texts do when documents are
+    /// kept there, unless already an excerpt, or too long for the librarian's message (its bytes
+    /// go in base64), which stays whole in the graph, as without the librarian.
+    fn goes_to_librarian(&self, text: &str) -> bool {
+        use agent_core::documents::{is_long, reference};
+        self.librarian.is_some()
+            && is_long(text)
+            && reference(text).is_none()
+            && text.len() / 3 * 4 + LIBRARIAN_ENVELOPE_BYTES < self.outputs.max_request_bytes()
+    }
+
     /// `text` as the graph will hold it when it is a document's: its excerpt with the reference
-    /// when long texts go to the librarian. What seals a recorded text must seal this form, which
-    /// still binds the whole (the reference is the text's digest).
+    /// when it goes to the librarian. What seals a recorded text must seal this form, which still
+    /// binds the whole (the reference is the text's digest).
     pub fn as_recorded<'t>(&self, text: &'t str) -> std::borrow::Cow<'t, str> {
-        use agent_core::documents::{document_uri, excerpt_with_reference, is_long, reference};
-        let fits = text.len() / 3 * 4 + LIBRARIAN_ENVELOPE_BYTES < self.outputs.max_request_bytes();
-        if self.librarian.is_some() && is_long(text) && reference(text).is_none() && fits {
+        use agent_core::documents::{document_uri, excerpt_with_reference};
+        if self.goes_to_librarian(text) {
             std::borrow::Cow::Owned(excerpt_with_reference(text, &document_uri(text)))
         } else {
             std::borrow::Cow::Borrowed(text)
@@ -263,24 +273,17 @@ impl<'a> DialogOutput<'a> {
 
     /// Claim-check of the documents among `triples` (see [`DialogOutput::keeping_documents_in`]).
     fn check_in_documents(&self, triples: &mut [Triple]) {
-        use agent_core::documents::{excerpt_with_reference, is_long, reference};
         if self.librarian.is_none() {
             return;
         }
         for t in triples.iter_mut() {
-            // One the librarian's message could not carry (its bytes go in base64) stays whole in
-            // the graph, as without the librarian.
-            let fits = t.o.value.len() / 3 * 4 + LIBRARIAN_ENVELOPE_BYTES
-                < self.outputs.max_request_bytes();
             let document = t.g.as_deref() == Some(agent_core::vocab::DOCUMENTS_GRAPH)
                 && t.p.iri == tg::CONTENT.as_str()
                 && t.o.kind == "l"
-                && is_long(&t.o.value)
-                && reference(&t.o.value).is_none()
-                && fits;
+                && self.goes_to_librarian(&t.o.value);
             if document {
                 let text = std::mem::take(&mut t.o.value);
-                t.o.value = excerpt_with_reference(&text, &t.s.iri);
+                t.o.value = agent_core::documents::excerpt_with_reference(&text, &t.s.iri);
                 locked(&self.to_keep).insert(t.s.iri.clone(), text);
             }
         }
