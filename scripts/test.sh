@@ -16,14 +16,41 @@ echo "== build binaries (the end-to-end tests run them)"
 cargo build --locked --workspace --all-targets
 # A failing tier must not hide the next ones: each tier's status is kept and the script goes on.
 set +e
+log="${TMPDIR:-/tmp}/pulsar-agents-test.log"
+: >"$log"
 echo "== cargo test"
-cargo test --locked --workspace --no-fail-fast -- --skip chaos_soak 2>&1 | tee "${TMPDIR:-/tmp}/pulsar-agents-test.log" | grep -vE '^\s*$'
+# End-to-end tests mostly wait (on brokers, timers, child processes): at two threads a quarter of
+# the two cores was busy, so they run six at a time. The tests that take long on their own (the real
+# small model, about 3 min on one core; the Apache Pulsar JWT and message-size tests, one JVM
+# broker each) run beside the others instead of after them.
+alone=(small_model pulsar_auth message_limits)
+alone_args=()
+for name in "${alone[@]}"; do alone_args+=(--test "$name"); done
+cargo test --locked -p agent-e2e --no-fail-fast "${alone_args[@]}" -- --test-threads 3 >"$log.alone" 2>&1 &
+alone_pid=$!
+trap 'kill "$alone_pid" 2>/dev/null' EXIT
+e2e_args=()
+for file in tests/tests/*.rs; do
+  name=$(basename "$file" .rs)
+  case " ${alone[*]} soak " in *" $name "*) continue ;; esac
+  e2e_args+=(--test "$name")
+done
+cargo test --locked --workspace --exclude agent-e2e --no-fail-fast 2>&1 | tee -a "$log" | grep -vE '^\s*$'
 status=${PIPESTATUS[0]}
+cargo test --locked -p agent-e2e --no-fail-fast --lib "${e2e_args[@]}" -- --test-threads 6 2>&1 \
+  | tee -a "$log" | grep -vE '^\s*$'
+e2e_status=${PIPESTATUS[0]}
+[ "$e2e_status" -eq 0 ] || status=$e2e_status
+wait "$alone_pid"
+alone_status=$?
+[ "$alone_status" -eq 0 ] || status=$alone_status
+echo "== the long-running end-to-end tests (${alone[*]}), run beside the others"
+tee -a "$log" <"$log.alone" | grep -vE '^\s*$'
 # The chaos soak's short mode runs alone (it starts eight processes and kills them) and shows its
 # counts; the long mode is scripts/soak.sh.
 echo "== chaos soak (short mode)"
 RUST_LOG=off cargo test --locked --workspace --test soak -- --nocapture 2>&1 \
-  | tee -a "${TMPDIR:-/tmp}/pulsar-agents-test.log" | grep -E '^soak: ([^0-9]|[0-9]+ dialogs)|^test |panicked|^test result'
+  | tee -a "$log" | grep -E '^soak: ([^0-9]|[0-9]+ dialogs)|^test |panicked|^test result'
 soak_status=${PIPESTATUS[0]}
 [ "$soak_status" -eq 0 ] || status=$soak_status
 # The Apache Pulsar tier: the same end-to-end tests on Apache Pulsar's own standalone broker
@@ -37,24 +64,24 @@ echo "== Apache Pulsar tier"
 AGENT_E2E_BROKER=apache cargo test --locked --workspace --no-fail-fast \
   --test react --test failures --test once --test supervisor --test hostile --test trustgraph \
   --test long_dialogs --test run_control --test fork \
-  -- --test-threads 2 2>&1 \
-  | tee -a "${TMPDIR:-/tmp}/pulsar-agents-test.log" | grep -E '^test result|FAILED|panicked'
+  -- --test-threads 3 2>&1 \
+  | tee -a "$log" | grep -E '^test result|FAILED|panicked'
 apache_status=${PIPESTATUS[0]}
 [ "$apache_status" -eq 0 ] || status=$apache_status
 # Effectively-once again with the graph in a SPARQL server we do not own (Apache Jena Fuseki, behind
 # the aggregator, which owns the journal), and the chaos soak on that topology.
 echo "== Apache Pulsar, the graph in Apache Jena Fuseki"
 AGENT_E2E_BROKER=apache AGENT_E2E_STORE=fuseki cargo test --locked --workspace --no-fail-fast \
-  --test once -- --test-threads 2 2>&1 \
-  | tee -a "${TMPDIR:-/tmp}/pulsar-agents-test.log" | grep -E '^test result|FAILED|panicked'
+  --test once -- --test-threads 3 2>&1 \
+  | tee -a "$log" | grep -E '^test result|FAILED|panicked'
 fuseki_status=${PIPESTATUS[0]}
 [ "$fuseki_status" -eq 0 ] || status=$fuseki_status
 AGENT_E2E_BROKER=apache AGENT_E2E_STORE=fuseki RUST_LOG=off cargo test --locked --workspace --test soak -- --nocapture 2>&1 \
-  | tee -a "${TMPDIR:-/tmp}/pulsar-agents-test.log" | grep -E '^soak: ([^0-9]|[0-9]+ dialogs)|^test |panicked|^test result'
+  | tee -a "$log" | grep -E '^soak: ([^0-9]|[0-9]+ dialogs)|^test |panicked|^test result'
 apache_soak_status=${PIPESTATUS[0]}
 [ "$apache_soak_status" -eq 0 ] || status=$apache_soak_status
 set -e
-passed=$(grep -Eo '[0-9]+ passed' "${TMPDIR:-/tmp}/pulsar-agents-test.log" | awk '{s+=$1} END {print s+0}')
-failed=$(grep -Eo '[0-9]+ failed' "${TMPDIR:-/tmp}/pulsar-agents-test.log" | awk '{s+=$1} END {print s+0}')
+passed=$(grep -Eo '[0-9]+ passed' "$log" | awk '{s+=$1} END {print s+0}')
+failed=$(grep -Eo '[0-9]+ failed' "$log" | awk '{s+=$1} END {print s+0}')
 echo "$passed passed, $failed failed"
 exit "$status"
