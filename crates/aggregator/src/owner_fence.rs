@@ -67,13 +67,15 @@ pub fn beacon_topic(explain_topic: &str, subscription: &str) -> String {
         Some((_, path)) => path.to_owned(),
         None => format!("public/default/{explain_topic}"),
     };
+    // Letters, digits and '-' stay; every other byte becomes '_' and its two hex digits, so two
+    // subscriptions never share a beacon ("a.b" and "a_b" would have under a plain '_').
     let subscription: String = subscription
-        .chars()
-        .map(|c| {
-            if c.is_ascii_alphanumeric() || c == '-' || c == '_' {
-                c
+        .bytes()
+        .map(|b| {
+            if b.is_ascii_alphanumeric() || b == b'-' {
+                char::from(b).to_string()
             } else {
-                '_'
+                format!("_{b:02x}")
             }
         })
         .collect();
@@ -310,11 +312,15 @@ mod tests {
         );
         assert_eq!(
             beacon_topic("persistent://tg/flow/x", "odd name/1"),
-            "non-persistent://tg/flow/x.journal-owner.odd_name_1"
+            "non-persistent://tg/flow/x.journal-owner.odd_20name_2f1"
         );
         assert_eq!(
             beacon_topic("short", "s"),
             "non-persistent://public/default/short.journal-owner.s"
+        );
+        assert_ne!(
+            beacon_topic("persistent://tg/flow/x", "a.b"),
+            beacon_topic("persistent://tg/flow/x", "a_b")
         );
     }
 }

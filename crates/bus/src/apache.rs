@@ -83,6 +83,46 @@ fn jars() -> anyhow::Result<&'static Path> {
     jars.as_deref().map_err(|e| anyhow::anyhow!("{e}"))
 }
 
+/// Apache Pulsar's classes as a class-data-sharing archive beside its jars, made once per
+/// machine by a first broker that archives what it loaded and stops cleanly (about 8 s). A
+/// broker started from it was ready in 2.7-3.1 s instead of 4.3-4.7 s, with a third less CPU
+/// (3 runs each, this 2-core machine); the Apache Pulsar tier starts about a hundred. None when
+/// it cannot be made: brokers then start without it, as before.
+fn class_archive() -> Option<&'static Path> {
+    static ARCHIVE: OnceLock<Option<PathBuf>> = OnceLock::new();
+    ARCHIVE
+        .get_or_init(|| {
+            let archive = jars().ok()?.parent()?.join("classes.jsa");
+            if archive.exists() {
+                return Some(archive);
+            }
+            match make_class_archive(&archive) {
+                Ok(()) => Some(archive),
+                Err(e) => {
+                    tracing::warn!("no class archive for Apache Pulsar, starting without: {e:#}");
+                    None
+                }
+            }
+        })
+        .as_deref()
+}
+
+fn make_class_archive(archive: &Path) -> anyhow::Result<()> {
+    // Written apart and renamed, so a process making it at the same time, or one killed while
+    // making it, never leaves a half archive under the name others start from.
+    let partial = archive.with_extension(format!("jsa.{}", std::process::id()));
+    let made = ApacheBroker::start_inner(0, None, &[], Some(partial.clone()))
+        .and_then(|mut broker| broker.stop_cleanly(Duration::from_secs(60)))
+        .and_then(|()| {
+            std::fs::rename(&partial, archive)
+                .with_context(|| format!("the JVM wrote no class archive at {}", partial.display()))
+        });
+    if made.is_err() {
+        let _ = std::fs::remove_file(&partial);
+    }
+    made
+}
+
 /// A running Apache Pulsar standalone.
 pub struct ApacheBroker {
     broker_port: u16,
@@ -95,6 +135,9 @@ pub struct ApacheBroker {
     auth: Option<TokenAuth>,
     /// `key=value` lines added to the broker's configuration (they override the defaults here).
     settings: Vec<String>,
+    /// Set only for the broker that makes the class archive (see [`class_archive`]): where its
+    /// JVM writes the classes it loaded when it stops cleanly.
+    archive_classes_to: Option<PathBuf>,
     child: Option<Child>,
 }
 
@@ -110,6 +153,15 @@ impl ApacheBroker {
         broker_port: u16,
         auth: Option<TokenAuth>,
         settings: &[String],
+    ) -> anyhow::Result<ApacheBroker> {
+        Self::start_inner(broker_port, auth, settings, None)
+    }
+
+    fn start_inner(
+        broker_port: u16,
+        auth: Option<TokenAuth>,
+        settings: &[String],
+        archive_classes_to: Option<PathBuf>,
     ) -> anyhow::Result<ApacheBroker> {
         if let Some(bad) = settings
             .iter()
@@ -137,6 +189,7 @@ impl ApacheBroker {
                 data,
                 auth: auth.clone(),
                 settings: settings.to_vec(),
+                archive_classes_to: archive_classes_to.clone(),
                 child: None,
             };
             match broker.launch(true) {
@@ -180,6 +233,39 @@ impl ApacheBroker {
             let _ = child.kill();
             let _ = child.wait();
         }
+    }
+
+    /// The JVM's class-data-sharing flag: archive what it loads (the broker making the archive),
+    /// or start from the archive, or the JDK's own archive only when there is none.
+    fn class_sharing(&self) -> String {
+        if let Some(to) = &self.archive_classes_to {
+            return format!("-XX:ArchiveClassesAtExit={}", to.display());
+        }
+        match class_archive() {
+            // A stale archive (another JDK) is refused by the JVM, which then starts without it.
+            Some(archive) => format!("-XX:SharedArchiveFile={}", archive.display()),
+            None => "-Xshare:auto".to_owned(),
+        }
+    }
+
+    /// SIGTERM, and wait for the JVM to exit: its shutdown runs, and it writes its class archive.
+    fn stop_cleanly(&mut self, within: Duration) -> anyhow::Result<()> {
+        let Some(child) = self.child.as_mut() else {
+            return Ok(());
+        };
+        let signalled = Command::new("kill")
+            .args(["-TERM", &child.id().to_string()])
+            .status()?;
+        anyhow::ensure!(signalled.success(), "kill -TERM failed: {signalled}");
+        let started = Instant::now();
+        while started.elapsed() < within {
+            if child.try_wait()?.is_some() {
+                self.child = None;
+                return Ok(());
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        anyhow::bail!("Apache Pulsar did not stop within {within:?} of SIGTERM")
     }
 
     fn write_config(&self) -> anyhow::Result<PathBuf> {
@@ -270,7 +356,7 @@ brokerClientAuthenticationParameters=file://{}
                 "-XX:+UseG1GC",
             ])
             // Faster start; the tests are short.
-            .args(["-XX:TieredStopAtLevel=1", "-Xshare:auto"])
+            .arg("-XX:TieredStopAtLevel=1")
             .args([
                 "--add-opens",
                 "java.base/java.io=ALL-UNNAMED",
@@ -292,6 +378,7 @@ brokerClientAuthenticationParameters=file://{}
                 "-Dlog4j.configurationFile={}",
                 self.data.join("log4j2.xml").display()
             ))
+            .arg(self.class_sharing())
             .arg("-cp")
             .arg(format!("{}/*", jars()?.display()))
             .arg("org.apache.pulsar.PulsarStandaloneStarter")
