@@ -38,40 +38,38 @@ impl ConfigClient {
         let id = format!("{:032x}", rand::random::<u128>());
         let mut properties = Properties::new();
         properties.insert(ID_PROPERTY.to_owned(), id.clone());
+        let sends = if is_read(&request.operation) { 3 } else { 1 };
+        let mut answer = Box::pin(answer_to(&mut self.responses, &id));
         let payload = agent_schema::encode(request);
-        let attempts = if is_read(&request.operation) { 3 } else { 1 };
-        let deadline = tokio::time::Instant::now() + timeout;
-        for attempt in 1..=attempts {
-            self.requests.send(payload.clone(), &properties).await?;
-            let until = if attempt == attempts {
-                deadline
-            } else {
-                tokio::time::Instant::now() + timeout / attempts
-            };
-            if let Ok(answer) = tokio::time::timeout_at(until, self.answer_to(&id)).await {
-                return answer;
-            }
-        }
-        Err(BusError::Timeout {
+        crate::resend::ask(
+            &self.requests,
+            &payload,
+            &properties,
+            sends,
+            timeout,
+            &mut answer,
+        )
+        .await?
+        .ok_or_else(|| BusError::Timeout {
             what: format!("the config service's answer to '{}'", request.operation),
             after: timeout,
         })
     }
+}
 
-    /// The next response carrying `id`.
-    async fn answer_to(&mut self, id: &str) -> Result<ConfigResponse, BusError> {
-        loop {
-            let message = self.responses.next().await?;
-            if message_property(&message, ID_PROPERTY) != Some(id) {
-                continue;
-            }
-            return agent_schema::decode::<ConfigResponse>(&message.payload.data).map_err(|e| {
-                BusError::ConsumerStopped {
-                    topic: "config responses".into(),
-                    message: format!("a response that does not decode: {e}"),
-                }
-            });
+/// The next response carrying `id`.
+async fn answer_to(responses: &mut Listener, id: &str) -> Result<ConfigResponse, BusError> {
+    loop {
+        let message = responses.next().await?;
+        if message_property(&message, ID_PROPERTY) != Some(id) {
+            continue;
         }
+        return agent_schema::decode::<ConfigResponse>(&message.payload.data).map_err(|e| {
+            BusError::ConsumerStopped {
+                topic: "config responses".into(),
+                message: format!("a response that does not decode: {e}"),
+            }
+        });
     }
 }
 

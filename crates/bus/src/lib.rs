@@ -12,6 +12,7 @@ pub mod embedded;
 mod error;
 mod librarian;
 mod publisher;
+mod resend;
 pub mod seal;
 mod service;
 mod topics;

@@ -157,7 +157,7 @@ impl Librarian {
     /// under the same id, after each third of the timeout (both operations are safe to repeat).
     async fn call(&self, request: &LibrarianRequest) -> Result<LibrarianResponse, BusError> {
         let id = format!("{:032x}", rand::random::<u128>());
-        let (answered, mut answer) = oneshot::channel();
+        let (answered, answer) = oneshot::channel();
         waiting_for(&self.waiting).insert(id.clone(), answered);
         // However the call ends (answered, timed out, failed, or dropped by a step that was
         // abandoned), nobody waits for its id any more.
@@ -167,41 +167,31 @@ impl Librarian {
         };
         let mut properties = Properties::new();
         properties.insert(ID_PROPERTY.to_owned(), id.clone());
+        // The answer's reader drops a sender whose answer did not decode (and says so).
+        let mut answer = Box::pin(async {
+            answer.await.map_err(|_| BusError::ConsumerStopped {
+                topic: "librarian responses".into(),
+                message: format!(
+                    "the librarian's answer to '{}' does not decode",
+                    request.operation
+                ),
+            })
+        });
         let payload = agent_schema::encode(request);
-        let attempts = 3;
-        let deadline = tokio::time::Instant::now() + self.timeout;
-        let timed_out = || BusError::Timeout {
+        // Both operations are safe to repeat.
+        crate::resend::ask(
+            &self.requests,
+            &payload,
+            &properties,
+            3,
+            self.timeout,
+            &mut answer,
+        )
+        .await?
+        .ok_or_else(|| BusError::Timeout {
             what: format!("the librarian's answer to '{}'", request.operation),
             after: self.timeout,
-        };
-        for attempt in 1..=attempts {
-            let sent = self.requests.send(payload.clone(), &properties);
-            match tokio::time::timeout_at(deadline, sent).await {
-                Ok(Ok(())) => {}
-                Ok(Err(e)) => return Err(e),
-                Err(_) => return Err(timed_out()),
-            }
-            let until = if attempt == attempts {
-                deadline
-            } else {
-                tokio::time::Instant::now() + self.timeout / attempts
-            };
-            match tokio::time::timeout_at(until.min(deadline), &mut answer).await {
-                Ok(Ok(response)) => return Ok(response),
-                // The answer came and did not decode (the reader said so).
-                Ok(Err(_)) => {
-                    return Err(BusError::ConsumerStopped {
-                        topic: "librarian responses".into(),
-                        message: format!(
-                            "the librarian's answer to '{}' does not decode",
-                            request.operation
-                        ),
-                    })
-                }
-                Err(_) => continue,
-            }
-        }
-        Err(timed_out())
+        })
     }
 }
 
