@@ -26,9 +26,12 @@ echo "== cargo test"
 alone=(small_model pulsar_auth message_limits)
 alone_args=()
 for name in "${alone[@]}"; do alone_args+=(--test "$name"); done
-cargo test --locked -p agent-e2e --no-fail-fast "${alone_args[@]}" -- --test-threads 3 >"$log.alone" 2>&1 &
+# In a process group of its own, so that stopping this script stops it and whatever it started.
+setsid cargo test --locked -p agent-e2e --no-fail-fast "${alone_args[@]}" -- --test-threads 3 \
+  >"$log.alone" 2>&1 &
 alone_pid=$!
-trap 'kill "$alone_pid" 2>/dev/null' EXIT
+trap 'kill -- -"$alone_pid" 2>/dev/null || true' EXIT
+trap 'exit 130' INT TERM
 e2e_args=()
 for file in tests/tests/*.rs; do
   name=$(basename "$file" .rs)
@@ -43,6 +46,7 @@ e2e_status=${PIPESTATUS[0]}
 [ "$e2e_status" -eq 0 ] || status=$e2e_status
 wait "$alone_pid"
 alone_status=$?
+trap - EXIT INT TERM
 [ "$alone_status" -eq 0 ] || status=$alone_status
 echo "== the long-running end-to-end tests (${alone[*]}), run beside the others"
 tee -a "$log" <"$log.alone" | grep -vE '^\s*$'
