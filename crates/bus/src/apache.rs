@@ -83,6 +83,31 @@ fn jars() -> anyhow::Result<&'static Path> {
     jars.as_deref().map_err(|e| anyhow::anyhow!("{e}"))
 }
 
+/// The broker JVM's flags, also those its class archive is checked with.
+const JVM_FLAGS: &[&str] = &[
+    "-Xms256m",
+    "-Xmx512m",
+    "-XX:MaxDirectMemorySize=256m",
+    "-XX:+UseG1GC",
+    // Faster start; the tests are short.
+    "-XX:TieredStopAtLevel=1",
+    "--add-opens",
+    "java.base/java.io=ALL-UNNAMED",
+    "--add-opens",
+    "java.base/java.nio=ALL-UNNAMED",
+    "--add-opens",
+    "java.base/jdk.internal.misc=ALL-UNNAMED",
+    "--add-opens",
+    "java.base/sun.net=ALL-UNNAMED",
+    "--add-opens",
+    "java.management/sun.management=ALL-UNNAMED",
+    "--add-opens",
+    "jdk.management/com.sun.management.internal=ALL-UNNAMED",
+    "--add-opens",
+    "java.base/jdk.internal.platform=ALL-UNNAMED",
+    "-Dio.netty.tryReflectionSetAccessible=true",
+];
+
 /// Apache Pulsar's classes as a class-data-sharing archive beside its jars, made once per
 /// machine by a first broker that archives what it loaded and stops cleanly (about 8 s). A
 /// broker started from it was ready in 2.7-3.1 s instead of 4.3-4.7 s, with a third less CPU
@@ -92,14 +117,32 @@ fn class_archive() -> Option<&'static Path> {
     static ARCHIVE: OnceLock<Option<PathBuf>> = OnceLock::new();
     ARCHIVE
         .get_or_init(|| {
-            let archive = jars().ok()?.parent()?.join("classes.jsa");
-            if archive.exists() {
+            let jars = jars().ok()?;
+            let archive = jars.parent()?.join("classes.jsa");
+            if archive_usable(&archive, jars) {
                 return Some(archive);
             }
-            match make_class_archive(&archive) {
+            // Making it failed before on this machine: not again in every test process.
+            let failed = archive.with_extension("jsa.failed");
+            if failed.exists() {
+                return None;
+            }
+            let made = make_class_archive(&archive).and_then(|()| {
+                anyhow::ensure!(
+                    archive_usable(&archive, jars),
+                    "the JVM refuses the archive it made"
+                );
+                Ok(())
+            });
+            match made {
                 Ok(()) => Some(archive),
                 Err(e) => {
-                    tracing::warn!("no class archive for Apache Pulsar, starting without: {e:#}");
+                    tracing::warn!(
+                        "no class archive for Apache Pulsar, brokers start without one \
+                         (delete {} to try again): {e:#}",
+                        failed.display()
+                    );
+                    let _ = std::fs::write(&failed, format!("{e:#}\n"));
                     None
                 }
             }
@@ -107,9 +150,27 @@ fn class_archive() -> Option<&'static Path> {
         .as_deref()
 }
 
+/// Whether this JVM maps `archive` with these jars: another JDK or other jars make an archive
+/// stale (the JVM would start without it, slower, for good), and one cut short makes it crash.
+fn archive_usable(archive: &Path, jars: &Path) -> bool {
+    archive.exists()
+        && Command::new("java")
+            .args(JVM_FLAGS)
+            .arg("-Xshare:on")
+            .arg(format!("-XX:SharedArchiveFile={}", archive.display()))
+            .arg("-cp")
+            .arg(format!("{}/*", jars.display()))
+            .arg("-version")
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status()
+            .is_ok_and(|status| status.success())
+}
+
 fn make_class_archive(archive: &Path) -> anyhow::Result<()> {
     // Written apart and renamed, so a process making it at the same time, or one killed while
     // making it, never leaves a half archive under the name others start from.
+    sweep_partial_archives(archive);
     let partial = archive.with_extension(format!("jsa.{}", std::process::id()));
     let made = ApacheBroker::start_inner(0, None, &[], Some(partial.clone()))
         .and_then(|mut broker| broker.stop_cleanly(Duration::from_secs(60)))
@@ -121,6 +182,31 @@ fn make_class_archive(archive: &Path) -> anyhow::Result<()> {
         let _ = std::fs::remove_file(&partial);
     }
     made
+}
+
+/// Removes archives a killed process left half made (`classes.jsa.<pid>`, older than making one
+/// takes).
+fn sweep_partial_archives(archive: &Path) {
+    let (Some(folder), Some(name)) = (archive.parent(), archive.file_name()) else {
+        return;
+    };
+    let prefix = format!("{}.", name.to_string_lossy());
+    let Ok(entries) = std::fs::read_dir(folder) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        let file = entry.file_name().to_string_lossy().into_owned();
+        let left_by_a_process = file
+            .strip_prefix(&prefix)
+            .is_some_and(|pid| !pid.is_empty() && pid.bytes().all(|b| b.is_ascii_digit()));
+        let old = entry
+            .metadata()
+            .and_then(|m| m.modified())
+            .is_ok_and(|t| t.elapsed().is_ok_and(|age| age > Duration::from_secs(600)));
+        if left_by_a_process && old {
+            let _ = std::fs::remove_file(entry.path());
+        }
+    }
 }
 
 /// A running Apache Pulsar standalone.
@@ -168,6 +254,10 @@ impl ApacheBroker {
             .find(|s| !s.contains('=') || s.contains('\n'))
         {
             anyhow::bail!("an Apache Pulsar setting is key=value on one line, not {bad:?}");
+        }
+        if archive_classes_to.is_none() {
+            // Made (once) before this broker's ports are chosen, so none is taken meanwhile.
+            let _ = class_archive();
         }
         let chosen_port = broker_port;
         let mut attempt = 1;
@@ -349,31 +439,7 @@ brokerClientAuthenticationParameters=file://{}
             .open(self.data.join("broker.log"))?;
         let mut command = Command::new("java");
         command
-            .args([
-                "-Xms256m",
-                "-Xmx512m",
-                "-XX:MaxDirectMemorySize=256m",
-                "-XX:+UseG1GC",
-            ])
-            // Faster start; the tests are short.
-            .arg("-XX:TieredStopAtLevel=1")
-            .args([
-                "--add-opens",
-                "java.base/java.io=ALL-UNNAMED",
-                "--add-opens",
-                "java.base/java.nio=ALL-UNNAMED",
-                "--add-opens",
-                "java.base/jdk.internal.misc=ALL-UNNAMED",
-                "--add-opens",
-                "java.base/sun.net=ALL-UNNAMED",
-                "--add-opens",
-                "java.management/sun.management=ALL-UNNAMED",
-                "--add-opens",
-                "jdk.management/com.sun.management.internal=ALL-UNNAMED",
-                "--add-opens",
-                "java.base/jdk.internal.platform=ALL-UNNAMED",
-                "-Dio.netty.tryReflectionSetAccessible=true",
-            ])
+            .args(JVM_FLAGS)
             .arg(format!(
                 "-Dlog4j.configurationFile={}",
                 self.data.join("log4j2.xml").display()
