@@ -20,9 +20,10 @@ log="${TMPDIR:-/tmp}/pulsar-agents-test.log"
 : >"$log"
 echo "== cargo test"
 # End-to-end tests mostly wait (on brokers, timers, child processes): at two threads a quarter of
-# the two cores was busy, so they run six at a time. The tests that take long on their own (the real
-# small model, about 3 min on one core; the Apache Pulsar JWT and message-size tests, one JVM
-# broker each) run beside the others instead of after them.
+# the two cores was busy, so they run four at a time. The tests that take long on their own (the
+# real small model, about 3 min on one core; the Apache Pulsar JWT and message-size tests, one JVM
+# broker each) run beside the others instead of after them. (Six at a time beside those once left
+# a supervisor fan-out unfinished after 60 s on a saturated machine; alone, six passed every time.)
 alone=(small_model pulsar_auth message_limits)
 alone_args=()
 for name in "${alone[@]}"; do alone_args+=(--test "$name"); done
@@ -40,7 +41,7 @@ for file in tests/tests/*.rs; do
 done
 cargo test --locked --workspace --exclude agent-e2e --no-fail-fast 2>&1 | tee -a "$log" | grep -vE '^\s*$'
 status=${PIPESTATUS[0]}
-cargo test --locked -p agent-e2e --no-fail-fast --lib "${e2e_args[@]}" -- --test-threads 6 2>&1 \
+cargo test --locked -p agent-e2e --no-fail-fast --lib "${e2e_args[@]}" -- --test-threads 4 2>&1 \
   | tee -a "$log" | grep -vE '^\s*$'
 e2e_status=${PIPESTATUS[0]}
 [ "$e2e_status" -eq 0 ] || status=$e2e_status

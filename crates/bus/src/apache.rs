@@ -158,6 +158,14 @@ fn archive_usable(archive: &Path, jars: &Path) -> bool {
             .args(JVM_FLAGS)
             .arg("-Xshare:on")
             .arg(format!("-XX:SharedArchiveFile={}", archive.display()))
+            // A cut-short archive crashes this JVM: its crash report goes here, not to the
+            // caller's folder (seen: an hs_err file in the test crate's folder).
+            .arg(format!(
+                "-XX:ErrorFile={}",
+                std::env::temp_dir()
+                    .join("apache-pulsar-class-archive-check.log")
+                    .display()
+            ))
             .arg("-cp")
             .arg(format!("{}/*", jars.display()))
             .arg("-version")
