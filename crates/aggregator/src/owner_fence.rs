@@ -175,7 +175,8 @@ impl Announcer {
                 me,
                 listen,
                 self.standing,
-                (stop, service),
+                stop,
+                service,
             )
             .await;
         }))
@@ -191,14 +192,15 @@ async fn watch_owners(
     mut me: Owner,
     listen: Duration,
     standing: watch::Sender<Standing>,
-    (shutdown, service): (CancellationToken, CancellationToken),
+    stop: CancellationToken,
+    service: CancellationToken,
 ) {
     let mut beats = tokio::time::interval(BEAT);
     let listened = tokio::time::sleep(listen);
     tokio::pin!(listened);
     loop {
         tokio::select! {
-            _ = shutdown.cancelled() => return,
+            _ = stop.cancelled() => return,
             _ = beats.tick() => {
                 // A beat that is not out within a beat is only a lost beat: the next one follows,
                 // and nothing here waits on a broker that does not answer.
@@ -253,7 +255,7 @@ async fn watch_owners(
                         }
                     };
                     tokio::select! {
-                        _ = shutdown.cancelled() => return,
+                        _ = stop.cancelled() => return,
                         again = again => heard = again,
                     }
                 }
