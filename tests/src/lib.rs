@@ -1,6 +1,7 @@
-//! Test harness for end-to-end tests: a real `pulsar-lite` broker on a free loopback port, the
-//! scripted LLM, and the services: in the test process where a test only talks to them, the real
-//! binaries as child processes where it SIGKILLs them.
+//! Test harness for end-to-end tests: a real broker (`pulsar-lite` on a free loopback port, or
+//! Apache Pulsar's standalone), the scripted LLM, and the services: in the test process where a
+//! test only talks to them (`run(settings, shutdown)`, as their binaries run it), the real binaries
+//! as child processes where it SIGKILLs them, reads their exit status, CPU or metrics.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 pub use agent_bus::apache;
@@ -8,6 +9,9 @@ pub use agent_bus::apache;
 pub mod fuseki;
 pub mod in_process;
 pub mod librarian;
+mod running;
+
+use running::Running;
 
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
@@ -103,13 +107,8 @@ pub struct Orchestrator {
     env: Vec<(String, String)>,
 }
 
-enum Running {
-    Child(Child),
-    InProcess(in_process::InProcess),
-}
-
 /// Where an orchestrator runs.
-#[derive(Clone, Copy, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Place {
     /// A thread of the test process.
     InProcess,
@@ -329,50 +328,26 @@ impl Orchestrator {
             .unwrap()
     }
 
-    fn place(&self) -> Place {
-        match self.running {
-            Running::Child(_) => Place::Child,
-            Running::InProcess(_) => Place::InProcess,
-        }
-    }
-
     /// Stops it without draining (SIGKILL for a child), then starts it again with the same
     /// settings, in the same place.
     pub fn kill_and_restart(&mut self) {
         self.kill();
-        self.running = Self::launch(self.place(), &self.launch, &self.env);
+        self.running = Self::launch(self.running.place(), &self.launch, &self.env);
     }
 
     /// Asks for a graceful stop (SIGTERM for a child): it then drains and exits by itself.
     pub fn terminate(&self) {
-        match &self.running {
-            Running::Child(child) => {
-                let _ = Command::new("kill")
-                    .arg("-TERM")
-                    .arg(child.id().to_string())
-                    .status();
-            }
-            Running::InProcess(service) => service.terminate(),
-        }
+        self.running.terminate();
     }
 
     /// Stops it at once: SIGKILL for a child (no drain, no goodbye to the broker); in process, its
     /// runtime is torn down with its connections.
     pub fn kill(&mut self) {
-        match &mut self.running {
-            Running::Child(child) => {
-                let _ = child.kill();
-                let _ = child.wait();
-            }
-            Running::InProcess(service) => service.kill(),
-        }
+        self.running.kill();
     }
 
     pub fn is_running(&mut self) -> bool {
-        match &mut self.running {
-            Running::Child(child) => matches!(child.try_wait(), Ok(None)),
-            Running::InProcess(service) => service.is_running(),
-        }
+        self.running.is_running()
     }
 
     /// Waits up to `timeout` for it to exit by itself; whether it did. Async, so the test's
@@ -395,9 +370,11 @@ impl Drop for Orchestrator {
     }
 }
 
-/// An `agent-aggregator` child process with its own store directory and SPARQL endpoint.
+/// An aggregator with its own store directory and SPARQL endpoint: in the test process unless
+/// the test asks for a child ([`Place::Child`]: one it SIGKILLs, reads the exit status or CPU of,
+/// or scrapes, since the metrics registry is per process).
 pub struct Aggregator {
-    child: Child,
+    running: Running,
     pub endpoint: String,
     store_dir: PathBuf,
     /// `--graph-store`: its own directory, or another aggregator's endpoint.
@@ -416,8 +393,13 @@ impl Aggregator {
 
     /// An aggregator with extra flags (such as `--fanout-timeout-secs`).
     pub fn spawn_with(broker: &Broker, extra: &[&str]) -> Aggregator {
+        Self::start(Place::InProcess, broker, extra)
+    }
+
+    /// [`Aggregator::spawn_with`] in `place`.
+    pub fn start(place: Place, broker: &Broker, extra: &[&str]) -> Aggregator {
         let fuseki = fuseki::on_fuseki().then(fuseki::Fuseki::start);
-        Self::spawn_over(broker, fuseki, extra)
+        Self::start_over(place, broker, fuseki, extra)
     }
 
     /// An aggregator whose graph `fuseki` holds (its own embedded store without one).
@@ -426,28 +408,43 @@ impl Aggregator {
         fuseki: Option<fuseki::Fuseki>,
         extra: &[&str],
     ) -> Aggregator {
+        Self::start_over(Place::InProcess, broker, fuseki, extra)
+    }
+
+    fn start_over(
+        place: Place,
+        broker: &Broker,
+        fuseki: Option<fuseki::Fuseki>,
+        extra: &[&str],
+    ) -> Aggregator {
         let extra: Vec<String> = extra.iter().map(|s| (*s).to_owned()).collect();
         let remote = fuseki.as_ref().map(fuseki::Fuseki::endpoint);
-        Self::start_on_a_free_port(broker, remote, extra, fuseki)
+        Self::start_on_a_free_port(place, broker, remote, extra, fuseki)
     }
 
     /// One more aggregator replica on the same subscriptions, writing to `store`'s graph over
     /// SPARQL with `token` (which `store` must have been given as `--config-token`).
-    pub fn replica_on(broker: &Broker, store: &Aggregator, token: &str) -> Aggregator {
+    pub fn replica_on(
+        place: Place,
+        broker: &Broker,
+        store: &Aggregator,
+        token: &str,
+    ) -> Aggregator {
         let extra = vec!["--config-token".to_owned(), token.to_owned()];
-        Self::start_on_a_free_port(broker, Some(store.endpoint.clone()), extra, None)
+        Self::start_on_a_free_port(place, broker, Some(store.endpoint.clone()), extra, None)
     }
 
     /// Starts one on a port that was free a moment ago. Between choosing the port and binding it,
-    /// another test's outgoing connection may take it: the aggregator then exits at once, and
+    /// another test's outgoing connection may take it: the aggregator then stops at once, and
     /// another port is tried rather than fail the test (seen once in CI).
     fn start_on_a_free_port(
+        place: Place,
         broker: &Broker,
         remote_store: Option<String>,
         extra: Vec<String>,
         fuseki: Option<fuseki::Fuseki>,
     ) -> Aggregator {
-        let mut last_exit = None;
+        let mut last = String::new();
         for _ in 0..3 {
             let port = agent_bus::embedded::free_port().unwrap();
             let store_dir =
@@ -457,11 +454,11 @@ impl Aggregator {
             let graph_store = remote_store
                 .clone()
                 .unwrap_or_else(|| store_dir.display().to_string());
-            let mut child = Self::launch(&broker.url(), &graph_store, &addr, &extra);
-            match wait_child_listening(&mut child, &addr, "the aggregator") {
+            let mut running = Self::launch(place, &broker.url(), &graph_store, &addr, &extra);
+            match running.wait_listening(&addr, "the aggregator") {
                 Ok(()) => {
                     return Aggregator {
-                        child,
+                        running,
                         endpoint: format!("http://{addr}"),
                         store_dir,
                         graph_store,
@@ -471,61 +468,108 @@ impl Aggregator {
                         fuseki,
                     }
                 }
-                Err(status) => last_exit = Some(status),
+                Err(why) => last = why.to_string(),
             }
         }
-        panic!("the aggregator exited before listening, on three ports: {last_exit:?}");
+        panic!("the aggregator stopped before listening, on three ports; the last {last}");
     }
 
-    fn launch(broker_url: &str, graph_store: &str, addr: &str, extra: &[String]) -> Child {
-        Command::new(binary("agent-aggregator"))
-            .arg("--pulsar-url")
-            .arg(broker_url)
-            .arg("--graph-store")
-            .arg(graph_store)
-            .arg("--http-addr")
-            .arg(addr)
-            .env("AGENT_SEAL_KEY", SEAL_KEY)
-            .args(extra)
-            .env(
-                "RUST_LOG",
-                std::env::var("RUST_LOG").unwrap_or_else(|_| "warn".into()),
-            )
-            .stdout(Stdio::null())
-            .spawn()
-            .unwrap()
+    fn launch(
+        place: Place,
+        broker_url: &str,
+        graph_store: &str,
+        addr: &str,
+        extra: &[String],
+    ) -> Running {
+        let args: Vec<&str> = [
+            "--pulsar-url",
+            broker_url,
+            "--graph-store",
+            graph_store,
+            "--http-addr",
+            addr,
+        ]
+        .into_iter()
+        .chain(extra.iter().map(String::as_str))
+        .collect();
+        match place {
+            Place::Child => Running::Child(
+                Command::new(binary("agent-aggregator"))
+                    .env("AGENT_SEAL_KEY", SEAL_KEY)
+                    .args(&args)
+                    .env(
+                        "RUST_LOG",
+                        std::env::var("RUST_LOG").unwrap_or_else(|_| "warn".into()),
+                    )
+                    .stdout(Stdio::null())
+                    .spawn()
+                    .unwrap(),
+            ),
+            Place::InProcess => {
+                #[derive(clap::Parser)]
+                struct Args {
+                    #[command(flatten)]
+                    settings: agent_aggregator::AggregatorSettings,
+                }
+                // Sealed as in production unless the test gives a key (or none) itself.
+                let sealed = !args.contains(&"--seal-key");
+                let full = ["agent-aggregator"]
+                    .into_iter()
+                    .chain(
+                        sealed
+                            .then_some(["--seal-key", SEAL_KEY])
+                            .into_iter()
+                            .flatten(),
+                    )
+                    .chain(args);
+                let settings = <Args as clap::Parser>::try_parse_from(full)
+                    .unwrap()
+                    .settings;
+                Running::InProcess(in_process::InProcess::start(
+                    "agent-aggregator",
+                    move |shutdown| agent_aggregator::run(settings, shutdown),
+                ))
+            }
+        }
     }
 
-    fn wait_ready(&mut self) {
-        if let Err(status) = wait_child_listening(&mut self.child, &self.addr, "the aggregator") {
+    /// Stops it at once (SIGKILL for a child), then starts it again on the same store, in the
+    /// same place.
+    pub fn kill_and_restart(&mut self) {
+        self.kill();
+        self.running = Self::launch(
+            self.running.place(),
+            &self.broker_url,
+            &self.graph_store,
+            &self.addr,
+            &self.extra,
+        );
+        if let Err(why) = self.running.wait_listening(&self.addr, "the aggregator") {
             panic!(
-                "the aggregator exited before listening on {}: {status}",
+                "the aggregator stopped before listening on {}: {why}",
                 self.addr
             );
         }
     }
 
-    /// SIGKILL, then start again on the same store.
-    pub fn kill_and_restart(&mut self) {
-        self.kill();
-        self.child = Self::launch(&self.broker_url, &self.graph_store, &self.addr, &self.extra);
-        self.wait_ready();
-    }
-
     pub fn kill(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+        self.running.kill();
     }
 
     pub fn is_running(&mut self) -> bool {
-        matches!(self.child.try_wait(), Ok(None))
+        self.running.is_running()
     }
 
-    /// How it exited, if it did within `timeout`.
+    /// How it exited, if it did within `timeout` (a child's: see [`Place::Child`]).
     pub async fn exit_within(&mut self, timeout: Duration) -> Option<std::process::ExitStatus> {
+        assert_eq!(
+            self.running.place(),
+            Place::Child,
+            "only a child has an exit status"
+        );
         let deadline = tokio::time::Instant::now() + timeout;
         while tokio::time::Instant::now() < deadline {
-            if let Ok(Some(status)) = self.child.try_wait() {
+            if let Some(status) = self.running.exit_status() {
                 return Some(status);
             }
             tokio::time::sleep(Duration::from_millis(50)).await;
@@ -533,9 +577,11 @@ impl Aggregator {
         None
     }
 
-    /// Its process id, to watch its CPU.
+    /// Its process id, to watch its CPU (a child's: see [`Place::Child`]).
     pub fn pid(&self) -> u32 {
-        self.child.id()
+        self.running
+            .pid()
+            .expect("only an aggregator started as a child has a process id")
     }
 
     /// The SPARQL server that holds its graph, when it is not its own store.
@@ -572,6 +618,51 @@ pub async fn cpu_share(pid: u32, window: Duration) -> f64 {
     let before = seconds();
     tokio::time::sleep(window).await;
     (seconds() - before) / window.as_secs_f64()
+}
+
+/// What most end-to-end tests talk to: a broker, an aggregator holding the graph and the journal,
+/// the scripted LLM, and one journaled orchestrator. The services run in the test process.
+/// Fields drop in their order: the orchestrator first, the broker last.
+pub struct Stack {
+    pub orchestrator: Orchestrator,
+    pub llm: ScriptedLlm,
+    pub aggregator: Aggregator,
+    pub broker: Broker,
+}
+
+impl Stack {
+    /// The aggregator takes `token` for its journal and its writes (`--config-token`) and
+    /// `aggregator_flags` besides; the orchestrator reads its configuration from `config_dir`
+    /// (such as [`seed_dir`]) and `script` is the LLM's.
+    pub async fn journaled(
+        token: &str,
+        script: &str,
+        config_dir: &std::path::Path,
+        aggregator_flags: &[&str],
+    ) -> Stack {
+        let broker = Broker::start().unwrap();
+        let flags: Vec<&str> = ["--config-token", token]
+            .into_iter()
+            .chain(aggregator_flags.iter().copied())
+            .collect();
+        let aggregator = Aggregator::spawn_with(&broker, &flags);
+        let llm = scripted_llm(script).await;
+        let orchestrator = Orchestrator::journaled_with(
+            Place::InProcess,
+            &broker,
+            &llm,
+            &aggregator,
+            token,
+            config_dir,
+            &[],
+        );
+        Stack {
+            orchestrator,
+            llm,
+            aggregator,
+            broker,
+        }
+    }
 }
 
 /// A scripted LLM on a free port.
@@ -829,9 +920,10 @@ pub fn text_of(responses: &[AgentResponse], kind: &str) -> String {
         .collect()
 }
 
-/// A `config-svc` child process with its own store directory, REST API and token.
+/// A config service with its own store directory, REST API and token: in the test process unless
+/// the test asks for a child ([`Place::Child`]: one it SIGKILLs or scrapes).
 pub struct ConfigSvc {
-    child: Child,
+    running: Running,
     pub url: String,
     pub token: String,
     data_dir: PathBuf,
@@ -842,61 +934,110 @@ pub struct ConfigSvc {
 
 impl ConfigSvc {
     pub fn spawn(broker: &Broker, seed: Option<&std::path::Path>) -> ConfigSvc {
+        Self::start(Place::InProcess, broker, seed)
+    }
+
+    /// [`ConfigSvc::spawn`] in `place`.
+    pub fn start(place: Place, broker: &Broker, seed: Option<&std::path::Path>) -> ConfigSvc {
         let port = agent_bus::embedded::free_port().unwrap();
         let data_dir =
             std::env::temp_dir().join(format!("agent-e2e-config-{}-{port}", std::process::id()));
         let _ = std::fs::remove_dir_all(&data_dir);
         let addr = format!("127.0.0.1:{port}");
+        let token = format!("{:032x}", uuid::Uuid::new_v4().as_u128());
+        let seed = seed.map(|s| s.to_path_buf());
+        let running = Self::launch(place, &broker.url(), &data_dir, &addr, &token, &seed);
         let mut svc = ConfigSvc {
-            child: Command::new("true").spawn().unwrap(),
+            running,
             url: format!("http://{addr}"),
-            token: format!("{:032x}", uuid::Uuid::new_v4().as_u128()),
+            token,
             data_dir,
             broker_url: broker.url(),
             addr,
-            seed: seed.map(|s| s.to_path_buf()),
+            seed,
         };
-        svc.launch();
+        svc.wait_ready();
         svc
     }
 
-    fn launch(&mut self) {
-        let mut command = Command::new(binary("config-svc"));
-        command
-            .arg("--pulsar-url")
-            .arg(&self.broker_url)
-            .arg("--data-dir")
-            .arg(&self.data_dir)
-            .arg("--http-addr")
-            .arg(&self.addr)
-            .env("CONFIG_TOKEN", &self.token)
-            .env(
-                "RUST_LOG",
-                std::env::var("RUST_LOG").unwrap_or_else(|_| "warn".into()),
-            )
-            .stdout(Stdio::null());
-        if let Some(seed) = &self.seed {
-            command.arg("--seed").arg(seed);
+    fn launch(
+        place: Place,
+        broker_url: &str,
+        data_dir: &std::path::Path,
+        addr: &str,
+        token: &str,
+        seed: &Option<PathBuf>,
+    ) -> Running {
+        let mut args: Vec<std::ffi::OsString> = vec![
+            "--pulsar-url".into(),
+            broker_url.into(),
+            "--data-dir".into(),
+            data_dir.into(),
+            "--http-addr".into(),
+            addr.into(),
+        ];
+        if let Some(seed) = seed {
+            args.extend(["--seed".into(), seed.into()]);
         }
-        let _ = self.child.wait();
-        self.child = command.spawn().unwrap();
-        if let Err(status) = wait_child_listening(&mut self.child, &self.addr, "config-svc") {
+        match place {
+            Place::Child => Running::Child(
+                Command::new(binary("config-svc"))
+                    .args(&args)
+                    .env("CONFIG_TOKEN", token)
+                    .env(
+                        "RUST_LOG",
+                        std::env::var("RUST_LOG").unwrap_or_else(|_| "warn".into()),
+                    )
+                    .stdout(Stdio::null())
+                    .spawn()
+                    .unwrap(),
+            ),
+            Place::InProcess => {
+                #[derive(clap::Parser)]
+                struct Args {
+                    #[command(flatten)]
+                    settings: config_svc::ConfigSvcSettings,
+                }
+                let full = ["config-svc".into(), "--config-token".into(), token.into()]
+                    .into_iter()
+                    .chain(args);
+                let settings = <Args as clap::Parser>::try_parse_from(full)
+                    .unwrap()
+                    .settings;
+                Running::InProcess(in_process::InProcess::start(
+                    "config-svc",
+                    move |shutdown| config_svc::run(settings, shutdown),
+                ))
+            }
+        }
+    }
+
+    fn wait_ready(&mut self) {
+        if let Err(why) = self.running.wait_listening(&self.addr, "config-svc") {
             panic!(
-                "config-svc exited before listening on {}: {status}",
+                "config-svc stopped before listening on {}: {why}",
                 self.addr
             );
         }
     }
 
-    /// SIGKILL, then start again on the same store.
+    /// Stops it at once (SIGKILL for a child), then starts it again on the same store, in the
+    /// same place.
     pub fn kill_and_restart(&mut self) {
         self.kill();
-        self.launch();
+        self.running = Self::launch(
+            self.running.place(),
+            &self.broker_url,
+            &self.data_dir,
+            &self.addr,
+            &self.token,
+            &self.seed,
+        );
+        self.wait_ready();
     }
 
     pub fn kill(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+        self.running.kill();
     }
 }
 
@@ -905,27 +1046,6 @@ impl Drop for ConfigSvc {
         self.kill();
         let _ = std::fs::remove_dir_all(&self.data_dir);
     }
-}
-
-/// Waits up to 30 s for `child` to accept connections on `addr`; its exit status should it
-/// exit first (a port taken, a bad flag), rather than 30 s of waiting for nothing.
-pub fn wait_child_listening(
-    child: &mut Child,
-    addr: &str,
-    what: &str,
-) -> Result<(), std::process::ExitStatus> {
-    let deadline = std::time::Instant::now() + Duration::from_secs(30);
-    while std::net::TcpStream::connect(addr).is_err() {
-        if let Ok(Some(status)) = child.try_wait() {
-            return Err(status);
-        }
-        assert!(
-            std::time::Instant::now() < deadline,
-            "{what} never listened on {addr}"
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    Ok(())
 }
 
 /// Waits up to 30 s for something to accept connections on `addr`.
@@ -946,23 +1066,36 @@ pub async fn read_from_start(
     topic: &str,
     subscription: &str,
 ) -> pulsar::Consumer<Vec<u8>, pulsar::TokioExecutor> {
-    let pulsar: pulsar::Pulsar<pulsar::TokioExecutor> =
-        pulsar::Pulsar::builder(broker.url(), pulsar::TokioExecutor)
-            .build()
-            .await
-            .unwrap();
-    pulsar
-        .consumer()
-        .with_topic(topic)
-        .with_subscription(subscription)
-        .with_subscription_type(pulsar::SubType::Exclusive)
-        .with_options(pulsar::consumer::ConsumerOptions {
-            initial_position: pulsar::consumer::InitialPosition::Earliest,
-            ..pulsar::consumer::ConsumerOptions::default()
-        })
-        .build()
-        .await
-        .unwrap()
+    // pulsar-lite has been seen to drop a new connection while it subscribed (`Disconnected`,
+    // once in a suite run): tried again on a new connection, as `client` does.
+    let started = Instant::now();
+    loop {
+        let attempt = async {
+            let pulsar: pulsar::Pulsar<pulsar::TokioExecutor> =
+                pulsar::Pulsar::builder(broker.url(), pulsar::TokioExecutor)
+                    .build()
+                    .await?;
+            pulsar
+                .consumer()
+                .with_topic(topic)
+                .with_subscription(subscription)
+                .with_subscription_type(pulsar::SubType::Exclusive)
+                .with_options(pulsar::consumer::ConsumerOptions {
+                    initial_position: pulsar::consumer::InitialPosition::Earliest,
+                    ..pulsar::consumer::ConsumerOptions::default()
+                })
+                .build()
+                .await
+        };
+        match attempt.await {
+            Ok(consumer) => return consumer,
+            Err(e) if started.elapsed() < Duration::from_secs(30) => {
+                eprintln!("reader of {topic}: {e}; trying again");
+                tokio::time::sleep(Duration::from_millis(500)).await;
+            }
+            Err(e) => panic!("no reader of {topic} on {}: {e}", broker.url()),
+        }
+    }
 }
 
 pub use agent_core::vocab::NamedNodeRef;

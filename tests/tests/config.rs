@@ -8,7 +8,7 @@ use agent_bus::{Bus, ConfigClient, ConfigPushes, Topics};
 use agent_config_files as seed;
 use agent_e2e::{
     binary, client, collect_dialog, config_dir, request as agent_request, sample, scrape,
-    scripted_llm, seed_dir, Broker, ConfigSvc, Orchestrator,
+    scripted_llm, seed_dir, Broker, ConfigSvc, Orchestrator, Place,
 };
 use agent_schema::{operation, ConfigKey, ConfigRequest};
 use serde_json::{json, Value};
@@ -29,7 +29,7 @@ fn request(op: &str) -> ConfigRequest {
 #[tokio::test]
 async fn rest_writes_need_the_token_survive_a_kill_and_are_pushed() {
     let broker = Broker::start().unwrap();
-    let mut svc = ConfigSvc::spawn(&broker, Some(&seed_dir()));
+    let mut svc = ConfigSvc::start(Place::Child, &broker, Some(&seed_dir()));
     let http = reqwest::Client::new();
     let bus = Bus::connect(&broker.url(), None).await.unwrap();
     let topics = Topics::trustgraph("default", "default");
@@ -120,7 +120,7 @@ async fn a_read_sent_before_the_service_listens_is_answered() {
 #[tokio::test]
 async fn the_trustgraph_protocol_over_pulsar() {
     let broker = Broker::start().unwrap();
-    let svc = ConfigSvc::spawn(&broker, None);
+    let svc = ConfigSvc::start(Place::Child, &broker, None);
     let bus = Bus::connect(&broker.url(), None).await.unwrap();
     let topics = Topics::trustgraph("default", "default");
     let mut client = ConfigClient::connect(&bus, &topics).await.unwrap();

@@ -494,18 +494,12 @@ async fn a_react_answer_is_given_only_once_the_critic_accepts_it() {
       {"match": "Review of the draft: EXECUTION_ERROR", "reply": "Thought: Look it up.\nAction: llm\nArgs: {\"question\": \"moons of Mars\"}"},
       {"match": "Question: How many moons has Mars?", "reply": "Thought: I recall.\nFinal Answer: Mars has one moon."}
     ]}"#;
-    let broker = Broker::start().unwrap();
-    let aggregator = Aggregator::spawn_with(&broker, &["--config-token", TOKEN]);
-    let llm = scripted_llm(script).await;
-    let _orchestrator = Orchestrator::journaled_with(
-        Place::InProcess,
-        &broker,
-        &llm,
-        &aggregator,
-        TOKEN,
-        &config,
-        &[],
-    );
+    let Stack {
+        broker,
+        aggregator,
+        llm: _llm,
+        orchestrator: _orchestrator,
+    } = Stack::journaled(TOKEN, script, &config, &[]).await;
     let mut client = client(&broker).await;
     let request = AgentRequest {
         pattern: "react".into(),

@@ -94,20 +94,14 @@ fn calls_matching(llm: &scripted_llm::ScriptedLlm, text: &str) -> usize {
         .count()
 }
 
-async fn orchestrated(
-    script: &str,
-) -> (Broker, Aggregator, scripted_llm::ScriptedLlm, Orchestrator) {
-    let broker = Broker::start().unwrap();
-    let aggregator = Aggregator::spawn_with(&broker, &["--config-token", TOKEN]);
-    let llm = scripted_llm(script).await;
-    let orchestrator =
-        Orchestrator::journaled(Place::InProcess, &broker, &llm, &aggregator, TOKEN, &[]);
-    (broker, aggregator, llm, orchestrator)
-}
-
 #[tokio::test]
 async fn a_fork_from_step_two_with_an_edited_observation_runs_from_there_and_both_branches_show() {
-    let (broker, aggregator, llm, _orchestrator) = orchestrated(ARITHMETIC).await;
+    let Stack {
+        broker,
+        aggregator,
+        llm,
+        orchestrator: _orchestrator,
+    } = Stack::journaled(TOKEN, ARITHMETIC, &seed_dir(), &[]).await;
     let source = original(&broker, &aggregator).await;
     let first_questions = calls_matching(&llm, "Question: What is six times seven");
     let said = agentctl(
@@ -198,19 +192,13 @@ async fn a_fork_from_step_two_with_an_edited_observation_runs_from_there_and_bot
 /// the original ran on the orchestrator's model.
 #[tokio::test]
 async fn a_fork_on_another_model_asks_that_model_for_every_call() {
-    let broker = Broker::start().unwrap();
-    let aggregator = Aggregator::spawn_with(&broker, &["--config-token", TOKEN]);
-    let llm = scripted_llm(ARITHMETIC).await;
     let config = seed_with("fork-model", &[("llm-model", r#"{"larger-model": {}}"#)]);
-    let _orchestrator = Orchestrator::journaled_with(
-        Place::InProcess,
-        &broker,
-        &llm,
-        &aggregator,
-        TOKEN,
-        &config,
-        &[],
-    );
+    let Stack {
+        broker,
+        aggregator,
+        llm,
+        orchestrator: _orchestrator,
+    } = Stack::journaled(TOKEN, ARITHMETIC, &config, &[]).await;
     let source = original(&broker, &aggregator).await;
     let before = llm.calls().len();
     assert!(llm.calls().iter().all(|c| c.model == "scripted"));
@@ -245,7 +233,12 @@ async fn a_fork_on_another_model_asks_that_model_for_every_call() {
 
 #[tokio::test]
 async fn a_replay_with_reuse_gives_recorded_answers_without_calling_again() {
-    let (broker, aggregator, llm, _orchestrator) = orchestrated(ARITHMETIC).await;
+    let Stack {
+        broker,
+        aggregator,
+        llm,
+        orchestrator: _orchestrator,
+    } = Stack::journaled(TOKEN, ARITHMETIC, &seed_dir(), &[]).await;
     let source = original(&broker, &aggregator).await;
     let calls_before = llm.calls().len();
     let said = agentctl(
@@ -331,7 +324,12 @@ const TWO_PRICES: &str = r#"{"rules": [
 
 #[tokio::test]
 async fn a_supervisor_forked_at_its_synthesis_does_not_run_its_subagents_again() {
-    let (broker, aggregator, llm, _orchestrator) = orchestrated(TWO_PRICES).await;
+    let Stack {
+        broker,
+        aggregator,
+        llm,
+        orchestrator: _orchestrator,
+    } = Stack::journaled(TOKEN, TWO_PRICES, &seed_dir(), &[]).await;
     let mut client = client(&broker).await;
     client
         .send(

@@ -230,10 +230,12 @@ async fn long_texts_are_kept_in_trustgraphs_librarian_when_asked() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn long_observations_travel_as_references_and_prompts_see_the_newest_whole() {
-    let broker = Broker::start().unwrap();
-    let aggregator = Aggregator::spawn_with(&broker, &["--config-token", TOKEN]);
-    let llm = scripted_llm(&script()).await;
-    let _orchestrator = Orchestrator::spawn_journaled(&broker, &llm, &aggregator, TOKEN, &[]);
+    let Stack {
+        broker,
+        aggregator,
+        llm,
+        orchestrator: _orchestrator,
+    } = Stack::journaled(TOKEN, &script(), &seed_dir(), &[]).await;
     let mut requests = read_from_start(
         &broker,
         "persistent://tg/request/agent:default:default",
@@ -455,10 +457,12 @@ async fn a_plans_long_results_travel_as_references_and_prompts_see_them_whole() 
         {"match": "Request to answer: Chain", "and": ["end-of-A", "end-of-B", "end-of-C"], "reply": "all three read whole"}
     ]})
     .to_string();
-    let broker = Broker::start().unwrap();
-    let aggregator = Aggregator::spawn_with(&broker, &["--config-token", TOKEN]);
-    let llm = scripted_llm(&script).await;
-    let _orchestrator = Orchestrator::spawn_journaled(&broker, &llm, &aggregator, TOKEN, &[]);
+    let Stack {
+        broker,
+        aggregator: _aggregator,
+        llm: _llm,
+        orchestrator: _orchestrator,
+    } = Stack::journaled(TOKEN, &script, &seed_dir(), &[]).await;
     let mut requests = read_from_start(
         &broker,
         "persistent://tg/request/agent:default:default",

@@ -170,10 +170,12 @@ async fn a_journaled_step_is_the_size_of_its_step_and_re_emits_whole() {
 /// orchestrators: one dialog, one answer, one chain of iteration nodes in the graph.
 #[tokio::test]
 async fn a_copy_of_a_request_runs_once() {
-    let broker = Broker::start().unwrap();
-    let aggregator = Aggregator::spawn_with(&broker, &["--config-token", TOKEN]);
-    let llm = scripted_llm(THREE_STEPS).await;
-    let _one = Orchestrator::spawn_journaled(&broker, &llm, &aggregator, TOKEN, &[]);
+    let Stack {
+        broker,
+        aggregator,
+        llm,
+        orchestrator: _orchestrator,
+    } = Stack::journaled(TOKEN, THREE_STEPS, &seed_dir(), &[]).await;
     let _two = Orchestrator::spawn_journaled(&broker, &llm, &aggregator, TOKEN, &[]);
     let mut client = client(&broker).await;
     let request = react("combine twice");
@@ -196,10 +198,10 @@ async fn a_copy_of_a_request_runs_once() {
 #[tokio::test]
 async fn a_second_journal_owner_on_the_same_subscription_refuses_to_run() {
     let broker = Broker::start().unwrap();
-    let mut first = Aggregator::spawn_with(&broker, &["--config-token", TOKEN]);
+    let mut first = Aggregator::start(Place::Child, &broker, &["--config-token", TOKEN]);
     let llm = scripted_llm(THREE_STEPS).await;
     let _orchestrator = Orchestrator::spawn_journaled(&broker, &llm, &first, TOKEN, &[]);
-    let mut second = Aggregator::spawn_with(&broker, &["--config-token", TOKEN]);
+    let mut second = Aggregator::start(Place::Child, &broker, &["--config-token", TOKEN]);
     let status = second
         .exit_within(Duration::from_secs(30))
         .await
@@ -221,8 +223,8 @@ async fn a_second_journal_owner_on_the_same_subscription_refuses_to_run() {
 #[tokio::test]
 async fn of_two_journal_owners_started_together_the_younger_stands_down() {
     let broker = Broker::start().unwrap();
-    let mut elder = Aggregator::spawn_with(&broker, &["--config-token", TOKEN]);
-    let mut younger = Aggregator::spawn_with(&broker, &["--config-token", TOKEN]);
+    let mut elder = Aggregator::start(Place::Child, &broker, &["--config-token", TOKEN]);
+    let mut younger = Aggregator::start(Place::Child, &broker, &["--config-token", TOKEN]);
     let status = younger
         .exit_within(Duration::from_secs(30))
         .await
@@ -266,7 +268,8 @@ async fn assert_one_chain(aggregator: &Aggregator, session: &str) {
 #[tokio::test]
 async fn the_journal_stays_flat_over_a_long_run() {
     let broker = Broker::start().unwrap();
-    let aggregator = Aggregator::spawn_with(
+    let aggregator = Aggregator::start(
+        Place::Child,
         &broker,
         &["--config-token", TOKEN, "--journal-retention-secs", "2"],
     );

@@ -42,19 +42,13 @@ fn config() -> std::path::PathBuf {
 
 #[tokio::test]
 async fn the_meta_router_chooses_the_llm_router_which_hands_requests_to_a_tool_or_a_pattern() {
-    let broker = Broker::start().unwrap();
-    let aggregator = Aggregator::spawn_with(&broker, &["--config-token", TOKEN]);
-    let llm = scripted_llm(SCRIPT).await;
     let config = config();
-    let _orchestrator = Orchestrator::journaled_with(
-        Place::InProcess,
-        &broker,
-        &llm,
-        &aggregator,
-        TOKEN,
-        &config,
-        &[],
-    );
+    let Stack {
+        broker,
+        aggregator,
+        llm,
+        orchestrator: _orchestrator,
+    } = Stack::journaled(TOKEN, SCRIPT, &config, &[]).await;
     let mut client = client(&broker).await;
     client
         .send("sum", &request("What is two plus two?", false))
@@ -129,18 +123,12 @@ async fn reflexion_reflects_after_each_action_and_the_next_step_is_given_the_les
       {"match": "Request to work on: ", "reply": "{\"choice\": \"reflexion\", \"rationale\": \"worth checking\"}"},
       {"match": "Question: Who wrote Hamlet?", "reply": "Thought: Look it up.\nAction: llm\nArgs: {\"question\": \"author of Hamlet?\"}"}
     ]}"#;
-    let broker = Broker::start().unwrap();
-    let aggregator = Aggregator::spawn_with(&broker, &["--config-token", TOKEN]);
-    let llm = scripted_llm(script).await;
-    let _orchestrator = Orchestrator::journaled_with(
-        Place::InProcess,
-        &broker,
-        &llm,
-        &aggregator,
-        TOKEN,
-        &seed_dir(),
-        &[],
-    );
+    let Stack {
+        broker,
+        aggregator,
+        llm,
+        orchestrator: _orchestrator,
+    } = Stack::journaled(TOKEN, script, &seed_dir(), &[]).await;
     let mut client = client(&broker).await;
     client
         .send("hamlet", &request("Who wrote Hamlet?", false))

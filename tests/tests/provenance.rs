@@ -252,7 +252,7 @@ async fn stored_when_complete(
 async fn a_killed_aggregator_loses_and_duplicates_nothing() {
     let mut broker = Broker::start().unwrap();
     let mut ground_truth = read_from_start(&broker, EXPLAIN_TOPIC, "test-ground-truth").await;
-    let mut aggregator = Aggregator::spawn(&broker);
+    let mut aggregator = Aggregator::start(Place::Child, &broker, &[]);
     let llm = scripted_llm(THREE_STEPS).await;
     let mut orchestrator =
         Orchestrator::spawn(&broker, &llm, &seed_dir(), &["--max-in-flight", "16"]);

@@ -342,25 +342,6 @@ async fn until(what: &str, mut ready: impl FnMut() -> bool) {
     panic!("{what} did not happen within 30 s");
 }
 
-/// A journaled orchestrator in this process whose `pay` tool needs approval.
-fn pay_orchestrator(
-    broker: &Broker,
-    llm: &scripted_llm::ScriptedLlm,
-    aggregator: &Aggregator,
-    name: &str,
-) -> Orchestrator {
-    let config = pay_config(name, 300);
-    Orchestrator::journaled_with(
-        Place::InProcess,
-        broker,
-        llm,
-        aggregator,
-        TOKEN,
-        &config,
-        &[],
-    )
-}
-
 /// What dialog `id` was sent up to its approval request (read for up to 30 s).
 async fn until_approval_asked(client: &mut agent_bus::AgentClient, id: &str) -> Vec<AgentResponse> {
     let mut responses = Vec::new();
@@ -558,22 +539,19 @@ async fn one_branch_waits_for_approval_answered_on_another_replica_while_its_sib
 
 #[tokio::test]
 async fn an_approval_that_never_comes_ends_its_branch_and_a_late_one_changes_nothing() {
-    let broker = Broker::start().unwrap();
-    let aggregator = Aggregator::spawn_with(
-        &broker,
-        &["--config-token", TOKEN, "--approval-sweep-secs", "1"],
-    );
-    let llm = scripted_llm(SUPERVISED_PAYMENT).await;
     let config = pay_config("expire", 2);
-    let _orchestrator = Orchestrator::journaled_with(
-        Place::InProcess,
-        &broker,
-        &llm,
-        &aggregator,
+    let Stack {
+        broker,
+        aggregator,
+        llm,
+        orchestrator: _orchestrator,
+    } = Stack::journaled(
         TOKEN,
+        SUPERVISED_PAYMENT,
         &config,
-        &[],
-    );
+        &["--approval-sweep-secs", "1"],
+    )
+    .await;
     let mut client = client(&broker).await;
     client
         .send(
@@ -634,10 +612,12 @@ async fn a_denied_call_is_not_run_and_the_agent_goes_on() {
       {"match": "pay invoice delta-9", "exact": true, "reply": "payment sent"},
       {"match": "Question: pay the delta invoice", "reply": "Thought: Pay it.\nAction: pay\nArgs: {\"question\": \"pay invoice delta-9\"}"}
     ]}"#;
-    let broker = Broker::start().unwrap();
-    let aggregator = Aggregator::spawn_with(&broker, &["--config-token", TOKEN]);
-    let llm = scripted_llm(DENIED).await;
-    let _orchestrator = pay_orchestrator(&broker, &llm, &aggregator, "deny");
+    let Stack {
+        broker,
+        aggregator: _aggregator,
+        llm,
+        orchestrator: _orchestrator,
+    } = Stack::journaled(TOKEN, DENIED, &pay_config("deny", 300), &[]).await;
     let mut client = client(&broker).await;
     client
         .send(
@@ -691,10 +671,12 @@ async fn an_approval_with_edited_arguments_runs_the_tool_with_them() {
       {"match": "pay invoice epsilon-1", "exact": true, "reply": "all of it paid"},
       {"match": "Question: pay the epsilon invoice", "reply": "Thought: Pay it.\nAction: pay\nArgs: {\"question\": \"pay invoice epsilon-1\"}"}
     ]}"#;
-    let broker = Broker::start().unwrap();
-    let aggregator = Aggregator::spawn_with(&broker, &["--config-token", TOKEN]);
-    let llm = scripted_llm(EDITED).await;
-    let _orchestrator = pay_orchestrator(&broker, &llm, &aggregator, "edit");
+    let Stack {
+        broker,
+        aggregator,
+        llm,
+        orchestrator: _orchestrator,
+    } = Stack::journaled(TOKEN, EDITED, &pay_config("edit", 300), &[]).await;
     let mut client = client(&broker).await;
     client
         .send(
@@ -807,19 +789,19 @@ fn conversation_config(name: &str, policy: &str) -> std::path::PathBuf {
 
 #[tokio::test]
 async fn a_second_request_in_a_conversation_waits_and_sees_the_first_answer() {
-    let broker = Broker::start().unwrap();
-    let aggregator = Aggregator::spawn_with(&broker, &["--config-token", TOKEN]);
-    let llm = scripted_llm(&conversation_script("\"delay_ms\": 3000")).await;
     let config = conversation_config("queue", "queue");
-    let _orchestrator = Orchestrator::journaled_with(
-        Place::InProcess,
-        &broker,
-        &llm,
-        &aggregator,
+    let Stack {
+        broker,
+        aggregator,
+        llm,
+        orchestrator: _orchestrator,
+    } = Stack::journaled(
         TOKEN,
+        &conversation_script("\"delay_ms\": 3000"),
         &config,
         &[],
-    );
+    )
+    .await;
     let mut client = client(&broker).await;
     start_first_dialog(&mut client, &aggregator, &llm).await;
     client
@@ -865,24 +847,18 @@ async fn a_second_request_in_a_conversation_waits_and_sees_the_first_answer() {
 #[tokio::test]
 async fn a_conversation_can_refuse_a_second_request_or_interrupt_the_first() {
     for policy in ["reject", "interrupt"] {
-        let broker = Broker::start().unwrap();
-        let aggregator = Aggregator::spawn_with(&broker, &["--config-token", TOKEN]);
         let second_call = if policy == "reject" {
             "\"delay_ms\": 3000"
         } else {
             "\"faults\": [\"stall\"], \"stall_ms\": 120000"
         };
-        let llm = scripted_llm(&conversation_script(second_call)).await;
         let config = conversation_config(policy, policy);
-        let _orchestrator = Orchestrator::journaled_with(
-            Place::InProcess,
-            &broker,
-            &llm,
-            &aggregator,
-            TOKEN,
-            &config,
-            &[],
-        );
+        let Stack {
+            broker,
+            aggregator,
+            llm,
+            orchestrator: _orchestrator,
+        } = Stack::journaled(TOKEN, &conversation_script(second_call), &config, &[]).await;
         let mut client = client(&broker).await;
         start_first_dialog(&mut client, &aggregator, &llm).await;
         client
@@ -925,10 +901,12 @@ async fn a_conversation_can_refuse_a_second_request_or_interrupt_the_first() {
 /// the client gets exactly one ending (the answer or the cancel), and the graph one conclusion.
 #[tokio::test]
 async fn a_cancel_racing_a_dialog_gives_exactly_one_ending() {
-    let broker = Broker::start().unwrap();
-    let aggregator = Aggregator::spawn_with(&broker, &["--config-token", TOKEN]);
-    let llm = scripted_llm(THREE_STEPS).await;
-    let _orchestrator = Orchestrator::spawn_journaled(&broker, &llm, &aggregator, TOKEN, &[]);
+    let Stack {
+        broker,
+        aggregator,
+        llm,
+        orchestrator: _orchestrator,
+    } = Stack::journaled(TOKEN, THREE_STEPS, &seed_dir(), &[]).await;
     let mut client = client(&broker).await;
     for (race, calls) in [1usize, 2, 3, 4].into_iter().enumerate() {
         let id = format!("race-{race}");

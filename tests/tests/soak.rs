@@ -371,7 +371,8 @@ async fn chaos_soak() {
     let broker = Broker::start().unwrap();
     let token = "soak-token";
     // The graph store: an aggregator that only serves its store (it consumes a topic of its own).
-    let store_host = Aggregator::spawn_with(
+    let store_host = Aggregator::start(
+        Place::Child,
         &broker,
         &[
             "--config-token",
@@ -382,10 +383,10 @@ async fn chaos_soak() {
             "soak-store-only",
         ],
     );
-    let config = ConfigSvc::spawn(&broker, Some(&seed_dir()));
+    let config = ConfigSvc::start(Place::Child, &broker, Some(&seed_dir()));
     let aggregators = vec![
-        Aggregator::replica_on(&broker, &store_host, token),
-        Aggregator::replica_on(&broker, &store_host, token),
+        Aggregator::replica_on(Place::Child, &broker, &store_host, token),
+        Aggregator::replica_on(Place::Child, &broker, &store_host, token),
     ];
     let llm = scripted_llm(SCRIPT).await;
     let orchestrators = vec![

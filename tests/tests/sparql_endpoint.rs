@@ -35,7 +35,8 @@ fn runaway(http: &reqwest::Client, endpoint: &str, patience: Duration) -> reqwes
 async fn runaway_queries_are_stopped_and_dialogs_go_on() {
     let broker = Broker::start().unwrap();
     let timeout = QUERY_TIMEOUT_SECS.to_string();
-    let aggregator = Aggregator::spawn_with(
+    let aggregator = Aggregator::start(
+        Place::Child,
         &broker,
         &[
             "--config-token",

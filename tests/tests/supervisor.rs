@@ -82,7 +82,7 @@ async fn answered(script: &str, id: &str, request: AgentRequest, answer: &str) -
 #[tokio::test]
 async fn a_four_way_fan_out_is_synthesised_once() {
     let broker = Broker::start().unwrap();
-    let aggregator = Aggregator::spawn(&broker);
+    let aggregator = Aggregator::start(Place::Child, &broker, &[]);
     let llm = scripted_llm(FOUR).await;
     let _orchestrator = Orchestrator::spawn(&broker, &llm, &seed_dir(), &[]);
     let mut client = client(&broker).await;
@@ -187,7 +187,7 @@ async fn a_four_way_fan_out_is_synthesised_once() {
 #[tokio::test]
 async fn a_stalled_subagent_gets_a_partial_synthesis_after_the_timeout() {
     let broker = Broker::start().unwrap();
-    let aggregator = Aggregator::spawn_with(&broker, &["--fanout-timeout-secs", "3"]);
+    let aggregator = Aggregator::start(Place::Child, &broker, &["--fanout-timeout-secs", "3"]);
     let llm = scripted_llm(
         r#"{"rules": [
       {"match": "Request to split: Survey", "reply": "[{\"goal\": \"ask the quick one\"}, {\"goal\": \"ask the slow one\"}]"},
@@ -848,8 +848,8 @@ async fn two_replicas_each_and_a_killed_aggregator_give_one_synthesis() {
             "store-host-only",
         ],
     );
-    let mut first = Aggregator::replica_on(&broker, &store_host, token);
-    let mut second = Aggregator::replica_on(&broker, &store_host, token);
+    let mut first = Aggregator::replica_on(Place::Child, &broker, &store_host, token);
+    let mut second = Aggregator::replica_on(Place::Child, &broker, &store_host, token);
     let llm = scripted_llm(
         r#"{"rules": [
       {"match": "Request to split: Tally", "reply": "[\"count apples\", \"count pears\", \"count plums\", \"count figs\"]"},

@@ -95,9 +95,9 @@ async fn a_dialogs_spans_from_orchestrator_and_aggregator_share_one_trace() {
     // it for the children it spawns touches no other test.
     std::env::set_var("OTEL_EXPORTER_OTLP_ENDPOINT", &endpoint);
     let broker = Broker::start().unwrap();
-    let _aggregator = Aggregator::spawn(&broker);
+    // Children: the binaries install the exporter; the test process has none.
+    let _aggregator = Aggregator::start(Place::Child, &broker, &[]);
     let llm = scripted_llm(THREE_STEPS).await;
-    // A child: the binary installs the exporter; the test process has none.
     let _orchestrator = Orchestrator::child(&broker, &llm, &seed_dir(), &[]);
     let mut client = client(&broker).await;
     client
