@@ -279,16 +279,11 @@ impl Orchestrator {
     }
 
     fn launch_in_process(args: &[std::ffi::OsString]) -> in_process::InProcess {
-        #[derive(clap::Parser)]
-        struct Args {
-            #[command(flatten)]
-            settings: agent_orchestrator::Settings,
-        }
         // The same settings as a child's: its own free port and sealed unless the test says
         // otherwise, and no journal unless asked (clap would otherwise take GRAPH_STORE from the
         // test's environment).
         let given = |flag: &str| args.iter().any(|a| a == flag);
-        let mut full: Vec<std::ffi::OsString> = vec!["agent-orchestrator".into()];
+        let mut full: Vec<std::ffi::OsString> = Vec::new();
         if !given("--http-addr") {
             full.extend(["--http-addr".into(), "127.0.0.1:0".into()]);
         }
@@ -297,9 +292,8 @@ impl Orchestrator {
         }
         full.extend(args.iter().cloned());
         let asked_for_store = given("--graph-store");
-        let mut settings = <Args as clap::Parser>::try_parse_from(full)
-            .unwrap()
-            .settings;
+        let mut settings: agent_orchestrator::Settings =
+            running::settings("agent-orchestrator", full);
         if !asked_for_store {
             settings.graph_store = None;
         }
@@ -309,7 +303,7 @@ impl Orchestrator {
     }
 
     fn launch_child(args: &[std::ffi::OsString], env: &[(String, String)]) -> Child {
-        Command::new(binary("agent-orchestrator"))
+        running::command("agent-orchestrator")
             // Only what the test asks for: no journal or fault from the caller's environment.
             .env_remove("GRAPH_STORE")
             .env_remove("AGENT_FAULT")
@@ -319,11 +313,6 @@ impl Orchestrator {
             .env("AGENT_SEAL_KEY", SEAL_KEY)
             .envs(env.iter().map(|(k, v)| (k, v)))
             .args(args)
-            .env(
-                "RUST_LOG",
-                std::env::var("RUST_LOG").unwrap_or_else(|_| "warn".into()),
-            )
-            .stdout(Stdio::null())
             .spawn()
             .unwrap()
     }
@@ -494,37 +483,23 @@ impl Aggregator {
         .collect();
         match place {
             Place::Child => Running::Child(
-                Command::new(binary("agent-aggregator"))
+                running::command("agent-aggregator")
                     .env("AGENT_SEAL_KEY", SEAL_KEY)
                     .args(&args)
-                    .env(
-                        "RUST_LOG",
-                        std::env::var("RUST_LOG").unwrap_or_else(|_| "warn".into()),
-                    )
-                    .stdout(Stdio::null())
                     .spawn()
                     .unwrap(),
             ),
             Place::InProcess => {
-                #[derive(clap::Parser)]
-                struct Args {
-                    #[command(flatten)]
-                    settings: agent_aggregator::AggregatorSettings,
-                }
                 // Sealed as in production unless the test gives a key (or none) itself.
                 let sealed = !args.contains(&"--seal-key");
-                let full = ["agent-aggregator"]
+                let full = sealed
+                    .then_some(["--seal-key", SEAL_KEY])
                     .into_iter()
-                    .chain(
-                        sealed
-                            .then_some(["--seal-key", SEAL_KEY])
-                            .into_iter()
-                            .flatten(),
-                    )
-                    .chain(args);
-                let settings = <Args as clap::Parser>::try_parse_from(full)
-                    .unwrap()
-                    .settings;
+                    .flatten()
+                    .chain(args)
+                    .map(Into::into);
+                let settings: agent_aggregator::AggregatorSettings =
+                    running::settings("agent-aggregator", full);
                 Running::InProcess(in_process::InProcess::start(
                     "agent-aggregator",
                     move |shutdown| agent_aggregator::run(settings, shutdown),
@@ -981,29 +956,17 @@ impl ConfigSvc {
         }
         match place {
             Place::Child => Running::Child(
-                Command::new(binary("config-svc"))
+                running::command("config-svc")
                     .args(&args)
                     .env("CONFIG_TOKEN", token)
-                    .env(
-                        "RUST_LOG",
-                        std::env::var("RUST_LOG").unwrap_or_else(|_| "warn".into()),
-                    )
-                    .stdout(Stdio::null())
                     .spawn()
                     .unwrap(),
             ),
             Place::InProcess => {
-                #[derive(clap::Parser)]
-                struct Args {
-                    #[command(flatten)]
-                    settings: config_svc::ConfigSvcSettings,
-                }
-                let full = ["config-svc".into(), "--config-token".into(), token.into()]
+                let full = ["--config-token".into(), token.into()]
                     .into_iter()
                     .chain(args);
-                let settings = <Args as clap::Parser>::try_parse_from(full)
-                    .unwrap()
-                    .settings;
+                let settings: config_svc::ConfigSvcSettings = running::settings("config-svc", full);
                 Running::InProcess(in_process::InProcess::start(
                     "config-svc",
                     move |shutdown| config_svc::run(settings, shutdown),

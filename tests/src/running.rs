@@ -1,11 +1,42 @@
 //! A service of a test wherever it runs (a child process, or a thread of the test process), so
 //! the harness stops, watches and waits for both the same way.
 
-use std::process::{Child, Command, ExitStatus};
+use std::ffi::OsString;
+use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::Duration;
 
 use crate::in_process::InProcess;
-use crate::Place;
+use crate::{binary, Place};
+
+/// The service binary `name`, to be given its arguments and spawned: the test's log filter
+/// (default: warnings), and no stdout.
+pub(crate) fn command(name: &str) -> Command {
+    let mut command = Command::new(binary(name));
+    command
+        .env(
+            "RUST_LOG",
+            std::env::var("RUST_LOG").unwrap_or_else(|_| "warn".into()),
+        )
+        .stdout(Stdio::null());
+    command
+}
+
+/// `args` parsed into a service's settings as its binary `name` parses its command line (the
+/// flags, then the environment).
+pub(crate) fn settings<S: clap::Args + clap::FromArgMatches>(
+    name: &str,
+    args: impl IntoIterator<Item = OsString>,
+) -> S {
+    #[derive(clap::Parser)]
+    struct Cli<S: clap::Args + clap::FromArgMatches> {
+        #[command(flatten)]
+        settings: S,
+    }
+    let line = std::iter::once(OsString::from(name)).chain(args);
+    <Cli<S> as clap::Parser>::try_parse_from(line)
+        .unwrap()
+        .settings
+}
 
 pub(crate) enum Running {
     Child(Child),
