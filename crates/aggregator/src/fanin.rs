@@ -475,46 +475,56 @@ const LIBRARIAN_WAIT: std::time::Duration = std::time::Duration::from_secs(4);
 /// request carries an excerpt and its reference, which the supervisor reads whole for its prompts;
 /// so the request, and every later message of the supervisor, stays bounded however long its
 /// subagents' answers. Kept in TrustGraph's librarian when the deployment keeps documents there
-/// (the supervisor reads them back from it), else in the graph.
+/// (the supervisor reads them back from it), else in the graph, as is a result too long for one
+/// librarian request (the supervisor looks for a document the librarian lacks in the graph).
 async fn check_in_results(
     store: &GraphStore,
     librarian: Option<&agent_bus::Librarian>,
     results: BTreeMap<String, String>,
 ) -> BTreeMap<String, String> {
     use agent_core::documents::{document_uri, excerpt_with_reference, is_long, reference};
-    let Some(librarian) = librarian else {
-        let mut carried = BTreeMap::new();
-        for (key, result) in results {
-            carried.insert(key, store.check_in(result).await);
+    let mut carried = BTreeMap::new();
+    let mut for_librarian = Vec::new();
+    for (key, result) in results {
+        match librarian {
+            Some(librarian)
+                if is_long(&result) && reference(&result).is_none() && librarian.takes(&result) =>
+            {
+                let uri = document_uri(&result);
+                for_librarian.push((key, result, uri));
+            }
+            _ => {
+                carried.insert(key, store.check_in(result).await);
+            }
         }
+    }
+    let Some(librarian) = librarian.filter(|_| !for_librarian.is_empty()) else {
         return carried;
     };
     // All at once and briefly: this runs under the synthesis claim, whose lease is short. A
     // result the librarian did not take in time travels whole.
-    let long: Vec<(&String, &String, String)> = results
+    let keeps = for_librarian
         .iter()
-        .filter(|(_, r)| is_long(r) && reference(r).is_none())
-        .map(|(key, r)| (key, r, document_uri(r)))
-        .collect();
-    let keeps = long.iter().map(|(_, text, uri)| librarian.keep(uri, text));
+        .map(|(_, text, uri)| librarian.keep(uri, text));
     let kept = tokio::time::timeout(LIBRARIAN_WAIT, futures::future::join_all(keeps)).await;
-    let mut carried = results.clone();
-    match kept {
-        Ok(outcomes) => {
-            for ((key, text, uri), outcome) in long.iter().zip(outcomes) {
-                match outcome {
-                    Ok(()) => {
-                        carried.insert((*key).clone(), excerpt_with_reference(text, uri));
-                    }
-                    Err(e) => {
-                        tracing::warn!(error = %e, "a long subagent result could not be kept in the librarian; the request carries it whole")
-                    }
-                }
+    if kept.is_err() {
+        tracing::warn!("the librarian did not keep the long subagent results in time; the request carries them whole");
+    }
+    let outcomes = kept
+        .unwrap_or_default()
+        .into_iter()
+        .map(Some)
+        .chain(std::iter::repeat_with(|| None));
+    for ((key, text, uri), outcome) in for_librarian.into_iter().zip(outcomes) {
+        let text = match outcome {
+            Some(Ok(())) => excerpt_with_reference(&text, &uri),
+            Some(Err(e)) => {
+                tracing::warn!(error = %e, "a long subagent result could not be kept in the librarian; the request carries it whole");
+                text
             }
-        }
-        Err(_) => {
-            tracing::warn!("the librarian did not keep the long subagent results in time; the request carries them whole")
-        }
+            None => text,
+        };
+        carried.insert(key, text);
     }
     carried
 }

@@ -72,7 +72,22 @@ impl From<BusError> for LibrarianError {
     }
 }
 
+/// Room for a librarian request's fields beside a document's base64 bytes.
+const ENVELOPE_BYTES: usize = 8 * 1024;
+
+/// Whether a request keeping `text` stays within `max_message_bytes`.
+fn fits_one_request(text: &str, max_message_bytes: usize) -> bool {
+    text.len().div_ceil(3) * 4 + ENVELOPE_BYTES < max_message_bytes
+}
+
 impl Librarian {
+    /// Whether `text` fits one request to the librarian: its bytes travel in base64 (a third
+    /// more) inside a message the broker bounds. A text that does not is kept elsewhere (the
+    /// graph's documents), since the librarian would be asked in vain.
+    pub fn takes(&self, text: &str) -> bool {
+        fits_one_request(text, self.requests.max_message_bytes())
+    }
+
     /// A client of the librarian of `topics`' workspace; each request waits up to `timeout`.
     pub async fn connect(
         bus: &Bus,
@@ -250,5 +265,25 @@ async fn deliver_answers(bus: Bus, topic: String, mut responses: Listener, waiti
                 tracing::warn!(error = %e, "skipping a librarian answer that does not decode")
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_text_fits_a_request_with_its_base64_and_the_envelope() {
+        let limit = 64 * 1024;
+        // 42,000 bytes are 56,000 in base64; with the envelope's 8,192 that is 64,192 < 65,536.
+        assert!(fits_one_request(&"a".repeat(42_000), limit));
+        // 43,000 bytes: 57,336 in base64, 65,528 with the envelope: still under.
+        assert!(fits_one_request(&"a".repeat(43_000), limit));
+        // 43,008 bytes: 57,344, 65,536 with the envelope: at the limit, refused.
+        assert!(!fits_one_request(&"a".repeat(43_008), limit));
+        assert!(!fits_one_request(&"a".repeat(60_000), limit));
+        // The last partial group of three bytes takes four characters.
+        assert!(!fits_one_request("a", 4 + ENVELOPE_BYTES));
+        assert!(fits_one_request("a", 5 + ENVELOPE_BYTES));
     }
 }

@@ -109,9 +109,6 @@ impl Outputs {
     }
 }
 
-/// Room for a librarian request's fields beside a document's base64 bytes.
-const LIBRARIAN_ENVELOPE_BYTES: usize = 8 * 1024;
-
 /// The outputs bound to one dialog: its `id` property and collection.
 pub struct DialogOutput<'a> {
     outputs: &'a Outputs,
@@ -253,10 +250,12 @@ impl<'a> DialogOutput<'a> {
     /// go in base64), which stays whole in the graph, as without the librarian.
     fn goes_to_librarian(&self, text: &str) -> bool {
         use agent_core::documents::{is_long, reference};
-        self.librarian.is_some()
-            && is_long(text)
+        is_long(text)
             && reference(text).is_none()
-            && text.len() / 3 * 4 + LIBRARIAN_ENVELOPE_BYTES < self.outputs.max_request_bytes()
+            && self
+                .librarian
+                .and_then(|documents| documents.librarian())
+                .is_some_and(|librarian| librarian.takes(text))
     }
 
     /// `text` as the graph will hold it when it is a document's: its excerpt with the reference
