@@ -14,17 +14,7 @@ lib="$cache/lib"
 
 fetch() {
   [ -f "$cache/.complete" ] && return 0
-  # The same JDK and Maven as Apache Pulsar's (its script installs them when missing).
-  command -v mvn >/dev/null 2>&1 || "$here/apache-pulsar.sh" path >/dev/null
-  echo "fuseki: fetching jena-fuseki-main $version and its jars from Maven Central (once)" >&2
-  rm -rf "$lib"
-  mkdir -p "$cache"
-  if ! mvn -B -q -s "$here/apache-pulsar/settings.xml" -f "$here/fuseki/pom.xml" \
-    dependency:copy-dependencies -DincludeScope=runtime -DoutputDirectory="$lib" \
-    >"$cache/fetch.log" 2>&1; then
-    cat "$cache/fetch.log" >&2
-    exit 1
-  fi
+  "$here/maven-jars.sh" "$here/fuseki/pom.xml" "$lib" "jena-fuseki-main $version and its jars"
   touch "$cache/.complete"
 }
 

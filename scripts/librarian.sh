@@ -16,16 +16,10 @@ cache="${PULSAR_AGENTS_CACHE:-$HOME/.cache/pulsar-agents}/librarian-$version-cas
 
 install() {
   [ -f "$cache/.complete" ] && return 0
-  command -v mvn >/dev/null 2>&1 || "$here/apache-pulsar.sh" path >/dev/null
   echo "librarian: installing TrustGraph's librarian $version (PyPI) and Cassandra $cassandra (Maven Central), once" >&2
   rm -rf "$cache"
   mkdir -p "$cache"
-  if ! mvn -B -q -s "$here/apache-pulsar/settings.xml" -f "$here/librarian/pom.xml" \
-    dependency:copy-dependencies -DincludeScope=runtime -DoutputDirectory="$cache/cassandra" \
-    >"$cache/fetch.log" 2>&1; then
-    cat "$cache/fetch.log" >&2
-    exit 1
-  fi
+  "$here/maven-jars.sh" "$here/librarian/pom.xml" "$cache/cassandra" "cassandra-all $cassandra and its jars"
   python3 -m venv "$cache/venv" >/dev/null
   # The librarian alone needs none of trustgraph-flow's other dependencies (vector stores, models).
   if ! { "$cache/venv/bin/pip" install -q --disable-pip-version-check \
