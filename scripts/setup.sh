@@ -63,6 +63,9 @@ scripts/apache-pulsar.sh path >/dev/null
 # Apache Jena Fuseki (Maven Central, ~40 MB once): a SPARQL server we do not own, as the graph store
 # behind the aggregator in the tests that need one.
 scripts/fuseki.sh path >/dev/null
+# Oxigraph's own SPARQL server (PyPI, prebuilt), the other server we do not own that the tests keep
+# the graph in.
+scripts/oxigraph-server.sh path >/dev/null
 # TrustGraph's librarian (PyPI) with Apache Cassandra (Maven Central, ~70 MB once) and moto's S3
 # server behind it, for the test that keeps documents in it (DOCUMENT_STORE=librarian).
 scripts/librarian.sh path >/dev/null

@@ -61,8 +61,9 @@ soak_status=${PIPESTATUS[0]}
 # The Apache Pulsar tier: the same end-to-end tests on Apache Pulsar's own standalone broker
 # (scripts/apache-pulsar.sh), each test with a fresh JVM broker: ReACT streaming, SIGKILLs and a
 # broker restart, effectively-once, the supervisor with two replicas, hostile input, the drop-in
-# driven by TrustGraph's own CLI and client library, long observations as references, cancel; then effectively-once and the chaos soak's
-# short mode (with its broker restart) with the graph in Apache Jena Fuseki. (tests/tests/pulsar_auth.rs, JWT
+# driven by TrustGraph's own CLI and client library, long observations as references, cancel; then
+# effectively-once and the chaos soak's short mode (with its broker restart) with the graph in Apache
+# Jena Fuseki and in Oxigraph's server. (tests/tests/pulsar_auth.rs, JWT
 # authentication and authorization, and tests/tests/message_limits.rs, the broker's message size
 # limit, run on Apache Pulsar in the main run above.)
 echo "== Apache Pulsar tier"
@@ -73,18 +74,21 @@ AGENT_E2E_BROKER=apache cargo test --locked --workspace --no-fail-fast \
   | tee -a "$log" | grep -E '^test result|FAILED|panicked'
 apache_status=${PIPESTATUS[0]}
 [ "$apache_status" -eq 0 ] || status=$apache_status
-# Effectively-once again with the graph in a SPARQL server we do not own (Apache Jena Fuseki, behind
-# the aggregator, which owns the journal), and the chaos soak on that topology.
-echo "== Apache Pulsar, the graph in Apache Jena Fuseki"
-AGENT_E2E_BROKER=apache AGENT_E2E_STORE=fuseki cargo test --locked --workspace --no-fail-fast \
-  --test once -- --test-threads 3 2>&1 \
-  | tee -a "$log" | grep -E '^test result|FAILED|panicked'
-fuseki_status=${PIPESTATUS[0]}
-[ "$fuseki_status" -eq 0 ] || status=$fuseki_status
-AGENT_E2E_BROKER=apache AGENT_E2E_STORE=fuseki RUST_LOG=off cargo test --locked --workspace --test soak -- --nocapture 2>&1 \
-  | tee -a "$log" | grep -E '^soak: ([^0-9]|[0-9]+ dialogs)|^test |panicked|^test result'
-apache_soak_status=${PIPESTATUS[0]}
-[ "$apache_soak_status" -eq 0 ] || status=$apache_soak_status
+# Effectively-once again with the graph in SPARQL servers we do not own (Apache Jena Fuseki, then
+# Oxigraph's own server, each behind the aggregator, which owns the journal), and the chaos soak on
+# that topology.
+for store in fuseki oxigraph; do
+  echo "== Apache Pulsar, the graph in $store"
+  AGENT_E2E_BROKER=apache AGENT_E2E_STORE=$store cargo test --locked --workspace --no-fail-fast \
+    --test once -- --test-threads 3 2>&1 \
+    | tee -a "$log" | grep -E '^test result|FAILED|panicked'
+  store_status=${PIPESTATUS[0]}
+  [ "$store_status" -eq 0 ] || status=$store_status
+  AGENT_E2E_BROKER=apache AGENT_E2E_STORE=$store RUST_LOG=off cargo test --locked --workspace --test soak -- --nocapture 2>&1 \
+    | tee -a "$log" | grep -E '^soak: ([^0-9]|[0-9]+ dialogs)|^test |panicked|^test result'
+  store_soak_status=${PIPESTATUS[0]}
+  [ "$store_soak_status" -eq 0 ] || status=$store_soak_status
+done
 set -e
 passed=$(grep -Eo '[0-9]+ passed' "$log" | awk '{s+=$1} END {print s+0}')
 failed=$(grep -Eo '[0-9]+ failed' "$log" | awk '{s+=$1} END {print s+0}')

@@ -6,10 +6,10 @@
 
 pub use agent_bus::apache;
 
-pub mod fuseki;
 pub mod in_process;
 pub mod librarian;
 mod running;
+pub mod sparql_server;
 
 use running::Running;
 
@@ -371,8 +371,8 @@ pub struct Aggregator {
     broker_url: String,
     addr: String,
     extra: Vec<String>,
-    /// The SPARQL server holding the graph, in the tier that keeps it in one we do not own.
-    fuseki: Option<fuseki::Fuseki>,
+    /// The SPARQL server holding the graph, in the tiers that keep it in one we do not own.
+    server: Option<sparql_server::SparqlServer>,
 }
 
 impl Aggregator {
@@ -387,28 +387,32 @@ impl Aggregator {
 
     /// [`Aggregator::spawn_with`] in `place`.
     pub fn start(place: Place, broker: &Broker, extra: &[&str]) -> Aggregator {
-        let fuseki = fuseki::on_fuseki().then(fuseki::Fuseki::start);
-        Self::start_over(place, broker, fuseki, extra)
+        Self::start_over(
+            place,
+            broker,
+            sparql_server::SparqlServer::of_this_run(),
+            extra,
+        )
     }
 
-    /// An aggregator whose graph `fuseki` holds (its own embedded store without one).
+    /// An aggregator whose graph `server` holds (its own embedded store without one).
     pub fn spawn_over(
         broker: &Broker,
-        fuseki: Option<fuseki::Fuseki>,
+        server: Option<sparql_server::SparqlServer>,
         extra: &[&str],
     ) -> Aggregator {
-        Self::start_over(Place::InProcess, broker, fuseki, extra)
+        Self::start_over(Place::InProcess, broker, server, extra)
     }
 
     fn start_over(
         place: Place,
         broker: &Broker,
-        fuseki: Option<fuseki::Fuseki>,
+        server: Option<sparql_server::SparqlServer>,
         extra: &[&str],
     ) -> Aggregator {
         let extra: Vec<String> = extra.iter().map(|s| (*s).to_owned()).collect();
-        let remote = fuseki.as_ref().map(fuseki::Fuseki::endpoint);
-        Self::start_on_a_free_port(place, broker, remote, extra, fuseki)
+        let remote = server.as_ref().map(sparql_server::SparqlServer::endpoint);
+        Self::start_on_a_free_port(place, broker, remote, extra, server)
     }
 
     /// One more aggregator replica on the same subscriptions, writing to `store`'s graph over
@@ -431,7 +435,7 @@ impl Aggregator {
         broker: &Broker,
         remote_store: Option<String>,
         extra: Vec<String>,
-        fuseki: Option<fuseki::Fuseki>,
+        server: Option<sparql_server::SparqlServer>,
     ) -> Aggregator {
         let mut last = String::new();
         for _ in 0..3 {
@@ -454,7 +458,7 @@ impl Aggregator {
                         broker_url: broker.url(),
                         addr,
                         extra,
-                        fuseki,
+                        server,
                     }
                 }
                 Err(why) => last = why.to_string(),
@@ -560,8 +564,8 @@ impl Aggregator {
     }
 
     /// The SPARQL server that holds its graph, when it is not its own store.
-    pub fn fuseki(&mut self) -> Option<&mut fuseki::Fuseki> {
-        self.fuseki.as_mut()
+    pub fn sparql_server(&mut self) -> Option<&mut sparql_server::SparqlServer> {
+        self.server.as_mut()
     }
 
     /// A client of its SPARQL endpoint.

@@ -1,6 +1,6 @@
 //! The chaos soak: a broker, the graph store (an aggregator that owns it and the journal; in the
-//! Fuseki tier with Apache Jena Fuseki under it), config-svc, two journaled orchestrators and two
-//! more aggregators run a few hundred dialogs that mix ReACT, Plan-then-Execute and Supervisor runs,
+//! tiers with a SPARQL server we do not own, Apache Jena Fuseki or Oxigraph's server under it),
+//! config-svc, two journaled orchestrators and two more aggregators run a few hundred dialogs that mix ReACT, Plan-then-Execute and Supervisor runs,
 //! while processes are SIGKILLed at random moments and started again (the broker once). Then every
 //! dialog is checked: one `end_of_dialog`, none lost, no conflicting provenance node, one synthesis
 //! per fan-out, a complete provenance DAG. It prints those counts.
@@ -175,7 +175,7 @@ struct Cluster {
     orchestrators: Vec<Orchestrator>,
     aggregators: Vec<Aggregator>,
     /// The aggregator that owns the graph store and the journal (the others write through it),
-    /// and in the Fuseki tier the SPARQL server that holds the graph under it.
+    /// and in the tiers with a SPARQL server of its own the server that holds the graph under it.
     store: Aggregator,
     ghost_restarts: usize,
     /// When the broker was SIGKILLed, in seconds of the UTC day.
@@ -236,10 +236,10 @@ impl Cluster {
     /// one and `server` is asked for, else the aggregator that owns it and the journal (its
     /// decisions are in the store, so the new one decides the same).
     fn kill_store(&mut self, server: bool) -> &'static str {
-        match self.store.fuseki() {
-            Some(fuseki) if server => {
-                fuseki.restart();
-                "Fuseki"
+        match self.store.sparql_server() {
+            Some(store) if server => {
+                store.restart();
+                store.kind().name()
             }
             _ => {
                 self.store.kill_and_restart();

@@ -1,13 +1,15 @@
-//! The graph in a SPARQL server this project does not own (Apache Jena Fuseki, TDB2). Fuseki gives
-//! no compare-and-set the journal could rely on, and the design needs none from it: the aggregator
-//! in front of it owns the journal and decides which record of a step stands. Also: provenance
-//! lands in the server, the server's restart is waited out, and an orchestrator pointed at the
-//! server itself refuses to start rather than run without its guarantee.
+//! The graph in a SPARQL server this project does not own: Apache Jena Fuseki (TDB2) and Oxigraph's
+//! own server (RocksDB). Neither gives a compare-and-set the journal could rely on (Oxigraph's
+//! server evaluates a conditional update on a snapshot and runs updates side by side), and the
+//! design needs none: the aggregator in front of the server owns the journal and decides which
+//! record of a step stands. Also: provenance lands in the server, the server's restart is waited
+//! out, and an orchestrator pointed at the server itself refuses to start rather than run without
+//! its guarantee.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use std::time::Duration;
 
-use agent_e2e::fuseki::Fuseki;
+use agent_e2e::sparql_server::{Kind, SparqlServer};
 use agent_e2e::*;
 use agent_graph::journal::RecordRequest;
 use agent_graph::GraphStore;
@@ -23,11 +25,23 @@ fn react(question: &str) -> agent_schema::AgentRequest {
 }
 
 #[tokio::test]
-async fn the_aggregator_owns_the_journal_of_a_sparql_server_it_does_not_own() {
+async fn the_aggregator_owns_the_journal_of_fuseki() {
+    the_aggregator_owns_the_journal_of(Kind::Fuseki).await;
+}
+
+#[tokio::test]
+async fn the_aggregator_owns_the_journal_of_oxigraphs_server() {
+    the_aggregator_owns_the_journal_of(Kind::Oxigraph).await;
+}
+
+async fn the_aggregator_owns_the_journal_of(kind: Kind) {
     let broker = Broker::start().unwrap();
-    let mut aggregator =
-        Aggregator::spawn_over(&broker, Some(Fuseki::start()), &["--config-token", TOKEN]);
-    let server = GraphStore::open(&aggregator.fuseki().unwrap().endpoint(), None).unwrap();
+    let mut aggregator = Aggregator::spawn_over(
+        &broker,
+        Some(SparqlServer::start(kind)),
+        &["--config-token", TOKEN],
+    );
+    let server = GraphStore::open(&aggregator.sparql_server().unwrap().endpoint(), None).unwrap();
 
     // Many records of one step at once, from many clients: one stands, and every answer names it.
     let entry = "urn:trustgraph:agent:race/journal/i1-x";
@@ -67,10 +81,10 @@ async fn the_aggregator_owns_the_journal_of_a_sparql_server_it_does_not_own() {
     let _orchestrator = Orchestrator::spawn_journaled(&broker, &llm, &aggregator, TOKEN, &[]);
     let mut client = client(&broker).await;
     client
-        .send("in-fuseki", &react("combine (in fuseki)"))
+        .send("in-server", &react("combine (in the server)"))
         .await
         .unwrap();
-    let responses = collect_dialog(&mut client, "in-fuseki", DIALOG_TIMEOUT)
+    let responses = collect_dialog(&mut client, "in-server", DIALOG_TIMEOUT)
         .await
         .unwrap();
     let last = responses.last().unwrap();
@@ -88,7 +102,7 @@ async fn the_aggregator_owns_the_journal_of_a_sparql_server_it_does_not_own() {
     assert_eq!(count_reaching(&server, journaled, 3).await, 3);
 
     // The server restarts under a running system: the next dialog waits it out and ends once.
-    aggregator.fuseki().unwrap().restart();
+    aggregator.sparql_server().unwrap().restart();
     client
         .send("after-restart", &react("combine (after restart)"))
         .await
@@ -119,15 +133,24 @@ async fn the_aggregator_owns_the_journal_of_a_sparql_server_it_does_not_own() {
 /// An orchestrator whose GRAPH_STORE is the SPARQL server itself has nobody to decide its
 /// journal's records: it refuses to start.
 #[tokio::test]
-async fn an_orchestrator_pointed_at_the_server_itself_refuses_to_start() {
+async fn an_orchestrator_pointed_at_fuseki_itself_refuses_to_start() {
+    an_orchestrator_pointed_at_the_server_itself_refuses_to_start(Kind::Fuseki).await;
+}
+
+#[tokio::test]
+async fn an_orchestrator_pointed_at_oxigraphs_server_itself_refuses_to_start() {
+    an_orchestrator_pointed_at_the_server_itself_refuses_to_start(Kind::Oxigraph).await;
+}
+
+async fn an_orchestrator_pointed_at_the_server_itself_refuses_to_start(kind: Kind) {
     let broker = Broker::start().unwrap();
-    let fuseki = Fuseki::start();
+    let server = SparqlServer::start(kind);
     let llm = scripted_llm(THREE_STEPS).await;
     let mut orchestrator = Orchestrator::spawn_with_env(
         &broker,
         &llm,
         &seed_dir(),
-        &["--graph-store", &fuseki.endpoint()],
+        &["--graph-store", &server.endpoint()],
         &[],
     );
     assert!(
