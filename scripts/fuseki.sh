@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Apache Jena Fuseki, a standalone SPARQL 1.1 server this project does not own, for the tests that
 # keep the graph (provenance and the journal) in it behind the aggregator (the test harness starts and
-# stops it; see tests/src/fuseki.rs). `fuseki.sh path` fetches jena-fuseki-main and its runtime jars
+# stops it; see tests/src/sparql_server.rs). `fuseki.sh path` fetches jena-fuseki-main and its runtime jars
 # from Maven Central once (cached outside the clone, idempotent, quiet when done) and prints the folder
 # of jars. The version and why: scripts/fuseki/pom.xml.
 set -euo pipefail

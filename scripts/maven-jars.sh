@@ -9,6 +9,11 @@ pom=$1
 dir=$2
 what=$3
 [ -f "$dir/.complete" ] && exit 0
+# Two tests may ask at once on a machine set up by neither: one fetches, the other waits.
+mkdir -p "$(dirname "$dir")"
+exec 9>"$dir.lock"
+flock 9
+[ -f "$dir/.complete" ] && exit 0
 if ! command -v java >/dev/null 2>&1 || ! command -v mvn >/dev/null 2>&1; then
   echo "maven-jars: installing a JDK and Maven" >&2
   SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"

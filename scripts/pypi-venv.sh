@@ -8,6 +8,12 @@ name=$1
 shift
 venv="${PULSAR_AGENTS_CACHE:-$HOME/.cache/pulsar-agents}/$name"
 if [ ! -f "$venv/.complete" ]; then
+  # Two tests may ask at once on a machine set up by neither: one installs, the other waits.
+  mkdir -p "$(dirname "$venv")"
+  exec 9>"$venv.lock"
+  flock 9
+fi
+if [ ! -f "$venv/.complete" ]; then
   echo "installing $* from PyPI (once)" >&2
   if ! python3 -m venv --help >/dev/null 2>&1 || ! python3 -c 'import ensurepip' 2>/dev/null; then
     SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"

@@ -2,7 +2,7 @@
 # Installs what the build and the demo need on a fresh machine (the pulsar-lite broker, our patch
 # of the `pulsar` crate, the system packages the build needs); with `--tests`, also everything the
 # test suite runs against (MCP servers, a small model, TrustGraph's client, Apache Pulsar, Fuseki,
-# the manifests' validator). Idempotent and quiet when done.
+# Oxigraph's server, the manifests' validator). Idempotent and quiet when done.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 tests=false

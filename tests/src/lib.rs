@@ -107,12 +107,13 @@ pub struct Orchestrator {
     env: Vec<(String, String)>,
 }
 
-/// Where an orchestrator runs.
+/// Where a service runs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Place {
     /// A thread of the test process.
     InProcess,
-    /// The `agent-orchestrator` binary, for tests that kill it or read its metrics.
+    /// Its binary, for tests that SIGKILL or SIGTERM it, read its exit status, process id or
+    /// CPU, scrape its metrics (the registry is per process) or give it environment.
     Child,
 }
 
@@ -282,7 +283,10 @@ impl Orchestrator {
         // The same settings as a child's: its own free port and sealed unless the test says
         // otherwise, and no journal unless asked (clap would otherwise take GRAPH_STORE from the
         // test's environment).
-        let given = |flag: &str| args.iter().any(|a| a == flag);
+        let given = |flag: &str| {
+            args.iter()
+                .any(|a| a.to_str().is_some_and(|a| a.starts_with(flag)))
+        };
         let mut full: Vec<std::ffi::OsString> = Vec::new();
         if !given("--http-addr") {
             full.extend(["--http-addr".into(), "127.0.0.1:0".into()]);
@@ -416,15 +420,19 @@ impl Aggregator {
     }
 
     /// One more aggregator replica on the same subscriptions, writing to `store`'s graph over
-    /// SPARQL with `token` (which `store` must have been given as `--config-token`).
-    pub fn replica_on(
-        place: Place,
-        broker: &Broker,
-        store: &Aggregator,
-        token: &str,
-    ) -> Aggregator {
+    /// SPARQL with `token` (which `store` must have been given as `--config-token`). Always a
+    /// child: a replica's updates go through `store`'s `/update`, and one process serialises its
+    /// updates to endpoints (`agent_graph`'s process-wide lock), so a replica in the process of
+    /// a `store` whose graph is itself an endpoint would hold that lock while `store` waits for it.
+    pub fn replica_on(broker: &Broker, store: &Aggregator, token: &str) -> Aggregator {
         let extra = vec!["--config-token".to_owned(), token.to_owned()];
-        Self::start_on_a_free_port(place, broker, Some(store.endpoint.clone()), extra, None)
+        Self::start_on_a_free_port(
+            Place::Child,
+            broker,
+            Some(store.endpoint.clone()),
+            extra,
+            None,
+        )
     }
 
     /// Starts one on a port that was free a moment ago. Between choosing the port and binding it,
@@ -495,7 +503,7 @@ impl Aggregator {
             ),
             Place::InProcess => {
                 // Sealed as in production unless the test gives a key (or none) itself.
-                let sealed = !args.contains(&"--seal-key");
+                let sealed = !args.iter().any(|a| a.starts_with("--seal-key"));
                 let full = sealed
                     .then_some(["--seal-key", SEAL_KEY])
                     .into_iter()

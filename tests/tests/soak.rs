@@ -385,8 +385,8 @@ async fn chaos_soak() {
     );
     let config = ConfigSvc::start(Place::Child, &broker, Some(&seed_dir()));
     let aggregators = vec![
-        Aggregator::replica_on(Place::Child, &broker, &store_host, token),
-        Aggregator::replica_on(Place::Child, &broker, &store_host, token),
+        Aggregator::replica_on(&broker, &store_host, token),
+        Aggregator::replica_on(&broker, &store_host, token),
     ];
     let llm = scripted_llm(SCRIPT).await;
     let orchestrators = vec![

@@ -848,8 +848,8 @@ async fn two_replicas_each_and_a_killed_aggregator_give_one_synthesis() {
             "store-host-only",
         ],
     );
-    let mut first = Aggregator::replica_on(Place::Child, &broker, &store_host, token);
-    let mut second = Aggregator::replica_on(Place::Child, &broker, &store_host, token);
+    let mut first = Aggregator::replica_on(&broker, &store_host, token);
+    let mut second = Aggregator::replica_on(&broker, &store_host, token);
     let llm = scripted_llm(
         r#"{"rules": [
       {"match": "Request to split: Tally", "reply": "[\"count apples\", \"count pears\", \"count plums\", \"count figs\"]"},

@@ -53,10 +53,15 @@ impl DocumentStore {
 
     /// Keeps `text` as the document `uri` (its text's digest: keeping it again changes nothing).
     /// The error keeps its kind (a store's or the librarian's), which decides whether the step
-    /// waits out an outage.
+    /// waits out an outage. A text too long for one librarian request goes to the graph when
+    /// there is one (readers look there for what the librarian lacks), as provenance's do.
     pub async fn keep(&self, uri: &str, text: &str) -> anyhow::Result<()> {
         match self {
             DocumentStore::Graph(store) => Ok(store.keep_document(uri, text).await?),
+            DocumentStore::Librarian {
+                librarian,
+                graph: Some(graph),
+            } if !librarian.takes(text) => Ok(graph.keep_document(uri, text).await?),
             DocumentStore::Librarian { librarian, .. } => Ok(librarian.keep(uri, text).await?),
         }
     }
