@@ -507,16 +507,15 @@ async fn check_in_results(
         .iter()
         .map(|(_, text, uri)| librarian.keep(uri, text));
     let kept = tokio::time::timeout(LIBRARIAN_WAIT, futures::future::join_all(keeps)).await;
-    if kept.is_err() {
-        tracing::warn!("the librarian did not keep the long subagent results in time; the request carries them whole");
-    }
-    let outcomes = kept
-        .unwrap_or_default()
-        .into_iter()
-        .map(Some)
-        .chain(std::iter::repeat_with(|| None));
-    for ((key, text, uri), outcome) in for_librarian.into_iter().zip(outcomes) {
-        let text = match outcome {
+    // One outcome per result, in order; none at all when the wait ran out.
+    let mut outcomes = kept
+        .unwrap_or_else(|_| {
+            tracing::warn!("the librarian did not keep the long subagent results in time; the request carries them whole");
+            Vec::new()
+        })
+        .into_iter();
+    for (key, text, uri) in for_librarian {
+        let text = match outcomes.next() {
             Some(Ok(())) => excerpt_with_reference(&text, &uri),
             Some(Err(e)) => {
                 tracing::warn!(error = %e, "a long subagent result could not be kept in the librarian; the request carries it whole");
