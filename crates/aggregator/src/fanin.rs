@@ -482,14 +482,12 @@ async fn check_in_results(
     librarian: Option<&agent_bus::Librarian>,
     results: BTreeMap<String, String>,
 ) -> BTreeMap<String, String> {
-    use agent_core::documents::{document_uri, excerpt_with_reference, is_long, reference};
+    use agent_core::documents::{document_uri, excerpt_with_reference, wants_check_in};
     let mut carried = BTreeMap::new();
     let mut for_librarian = Vec::new();
     for (key, result) in results {
         match librarian {
-            Some(librarian)
-                if is_long(&result) && reference(&result).is_none() && librarian.takes(&result) =>
-            {
+            Some(librarian) if wants_check_in(&result) && librarian.takes(&result) => {
                 let uri = document_uri(&result);
                 for_librarian.push((key, result, uri));
             }

@@ -27,6 +27,11 @@ pub fn is_long(text: &str) -> bool {
     text.len() > CHECK_IN_OVER
 }
 
+/// Whether `text` is to be claim-checked: long, and not already an excerpt with its reference.
+pub fn wants_check_in(text: &str) -> bool {
+    is_long(text) && reference(text).is_none()
+}
+
 /// The IRI of the document holding `text`.
 pub fn document_uri(text: &str) -> String {
     let digest = Sha256::digest(text.as_bytes());

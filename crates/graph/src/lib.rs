@@ -205,8 +205,8 @@ impl GraphStore {
     /// is. Should the store refuse, the text stays whole (bounded by the message size limit): a
     /// message is not lost for want of a smaller one.
     pub async fn check_in(&self, text: String) -> String {
-        use agent_core::documents::{document_uri, is_long, reference};
-        if !is_long(&text) || reference(&text).is_some() {
+        use agent_core::documents::{document_uri, wants_check_in};
+        if !wants_check_in(&text) {
             return text;
         }
         let uri = document_uri(&text);

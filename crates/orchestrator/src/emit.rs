@@ -249,9 +249,7 @@ impl<'a> DialogOutput<'a> {
     /// kept there, unless already an excerpt, or too long for the librarian's message (its bytes
     /// go in base64), which stays whole in the graph, as without the librarian.
     fn goes_to_librarian(&self, text: &str) -> bool {
-        use agent_core::documents::{is_long, reference};
-        is_long(text)
-            && reference(text).is_none()
+        agent_core::documents::wants_check_in(text)
             && self
                 .librarian
                 .and_then(|documents| documents.librarian())

@@ -140,11 +140,13 @@ impl Turn<'_> {
     /// the text stays whole. A text this step has already kept is not written again (a plan step's
     /// result is also its observation): one store write per document and step.
     pub async fn check_in(&self, text: String) -> String {
-        use agent_core::documents::{document_uri, excerpt_with_reference, is_long, reference};
+        use agent_core::documents::{
+            document_uri, excerpt_with_reference, reference, wants_check_in,
+        };
         let Some(store) = self.documents else {
             return text;
         };
-        if !is_long(&text) || reference(&text).is_some() {
+        if !wants_check_in(&text) {
             return text;
         }
         let uri = document_uri(&text);
