@@ -58,7 +58,7 @@ impl Bus {
     }
 
     /// As [`Bus::connect`], trusting the CA certificates (PEM) in `ca_file` for a `pulsar+ssl://`
-    /// broker whose certificate the system's roots do not cover.
+    /// broker whose certificate the public roots built in (Mozilla's, `webpki-roots`) do not cover.
     pub async fn connect_tls(
         url: &str,
         token: Option<&str>,
