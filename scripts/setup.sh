@@ -16,8 +16,10 @@ for pkg in libclang-dev clang; do
   dpkg -s "$pkg" >/dev/null 2>&1 || need_apt+=("$pkg")
 done
 # docker-compose (Debian's): validates docker-compose.yml in scripts/check-deploy.sh.
+# openssl: makes the private CA and broker certificate of tests/tests/pulsar_tls.rs.
 if $tests; then
   dpkg -s docker-compose >/dev/null 2>&1 || need_apt+=(docker-compose)
+  command -v openssl >/dev/null 2>&1 || need_apt+=(openssl)
 fi
 if [ ${#need_apt[@]} -gt 0 ]; then
   echo "setup: installing ${need_apt[*]}" >&2
