@@ -30,16 +30,24 @@ fn documents() -> NamedNode {
 }
 
 /// Every triple of one session: the nodes derived (transitively) from its root, and the documents
-/// they point to (beside them, or in the documents graph). Its cost follows the size of the session, not of the graph: the path starts at a
-/// bound node and walks the object index.
+/// they point to (beside them, or in the documents graph). Its cost follows the size of the
+/// session, not of the graph: the path starts at a bound node and walks the object index.
+///
+/// Each graph a document may be in is named in a branch of its own. Written as `VALUES ?h { .. }
+/// GRAPH ?h { ?s ?p ?o }`, oxigraph's planner read both graphs whole before joining: 20 s in a
+/// debug build for a 100-step dialog with 5 MB of documents, 18 ms this way.
 pub fn session_triples(session: &NamedNode) -> String {
     let g = graph();
+    let documents_of_session = format!(
+        "GRAPH {g} {{ ?n prov:wasDerivedFrom* {session} . ?n tg:document ?s . FILTER(?s != ?n) }}"
+    );
     format!(
         "{PREFIXES}SELECT ?s ?p ?o WHERE {{
   {{ GRAPH {g} {{ ?s prov:wasDerivedFrom* {session} . ?s ?p ?o }} }}
   UNION
-  {{ GRAPH {g} {{ ?n prov:wasDerivedFrom* {session} . ?n tg:document ?s . FILTER(?s != ?n) }}
-     VALUES ?h {{ {g} {docs} }} GRAPH ?h {{ ?s ?p ?o }} }}
+  {{ {documents_of_session} GRAPH {g} {{ ?s ?p ?o }} }}
+  UNION
+  {{ {documents_of_session} GRAPH {docs} {{ ?s ?p ?o }} }}
 }}",
         docs = documents()
     )
