@@ -408,6 +408,16 @@ impl Aggregator {
         Self::start_over(Place::InProcess, broker, server, extra)
     }
 
+    /// An aggregator in `place` whose graph `server` holds.
+    pub fn start_over_server(
+        place: Place,
+        broker: &Broker,
+        server: sparql_server::SparqlServer,
+        extra: &[&str],
+    ) -> Aggregator {
+        Self::start_over(place, broker, Some(server), extra)
+    }
+
     fn start_over(
         place: Place,
         broker: &Broker,
@@ -433,6 +443,13 @@ impl Aggregator {
             extra,
             None,
         )
+    }
+
+    /// An aggregator in a child process whose graph is in the SPARQL server at `endpoint`,
+    /// which another aggregator may own already (a second owner of one server).
+    pub fn child_over_endpoint(broker: &Broker, endpoint: &str, extra: &[&str]) -> Aggregator {
+        let extra = extra.iter().map(|s| (*s).to_owned()).collect();
+        Self::start_on_a_free_port(Place::Child, broker, Some(endpoint.to_owned()), extra, None)
     }
 
     /// Starts one on a port that was free a moment ago. Between choosing the port and binding it,

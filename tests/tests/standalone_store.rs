@@ -132,6 +132,88 @@ async fn the_aggregator_owns_the_journal_of(kind: Kind) {
 
 /// An orchestrator whose GRAPH_STORE is the SPARQL server itself has nobody to decide its
 /// journal's records: it refuses to start.
+/// Two aggregators owning the journal of one SPARQL server that the broker cannot tell apart:
+/// the second is on another broker altogether (as on the far side of a partition, or on another
+/// subscription). It hears the first in the server and refuses to run, having decided nothing;
+/// the first goes on serving a journaled dialog.
+#[tokio::test]
+async fn a_second_owner_of_one_server_that_the_broker_cannot_reach_refuses_to_run() {
+    let broker = Broker::start().unwrap();
+    let mut first = Aggregator::start_over_server(
+        Place::Child,
+        &broker,
+        SparqlServer::start(Kind::Oxigraph),
+        &["--config-token", TOKEN],
+    );
+    let endpoint = first.sparql_server().unwrap().endpoint();
+    let elsewhere = Broker::start().unwrap();
+    let mut second = Aggregator::child_over_endpoint(
+        &elsewhere,
+        &endpoint,
+        &[
+            "--config-token",
+            TOKEN,
+            "--subscription",
+            "another-deployment",
+        ],
+    );
+    let status = second
+        .exit_within(Duration::from_secs(30))
+        .await
+        .expect("a second owner of the server kept running");
+    assert!(!status.success(), "the second owner exited with {status}");
+    assert!(first.is_running(), "the first owner stopped");
+    let llm = scripted_llm(THREE_STEPS).await;
+    let _orchestrator = Orchestrator::spawn_journaled(&broker, &llm, &first, TOKEN, &[]);
+    let mut client = client(&broker).await;
+    client.send("kept", &react("combine kept")).await.unwrap();
+    let responses = collect_dialog(&mut client, "kept", DIALOG_TIMEOUT)
+        .await
+        .unwrap();
+    assert_eq!(
+        responses.iter().filter(|r| r.end_of_dialog).count(),
+        1,
+        "{responses:#?}"
+    );
+}
+
+/// The first owner of a server stops (SIGKILL, so its record stays behind): a new owner of the
+/// server is not refused by the record of one that no longer beats.
+#[tokio::test]
+async fn a_dead_owners_record_does_not_refuse_the_next_owner() {
+    let broker = Broker::start().unwrap();
+    let mut first = Aggregator::start_over_server(
+        Place::Child,
+        &broker,
+        SparqlServer::start(Kind::Oxigraph),
+        &["--config-token", TOKEN],
+    );
+    let endpoint = first.sparql_server().unwrap().endpoint();
+    let server = GraphStore::open(&endpoint, None).unwrap();
+    let owners = "SELECT ?o WHERE { GRAPH <urn:graph:agent-journal-owners> { ?o ?p ?v } }";
+    // Its record is in the server and beating.
+    assert!(
+        count_reaching(&server, owners.to_owned(), 1).await > 0,
+        "the first owner left no record"
+    );
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    first.kill();
+    let mut next = Aggregator::child_over_endpoint(&broker, &endpoint, &["--config-token", TOKEN]);
+    let llm = scripted_llm(THREE_STEPS).await;
+    let _orchestrator = Orchestrator::spawn_journaled(&broker, &llm, &next, TOKEN, &[]);
+    let mut client = client(&broker).await;
+    client.send("next", &react("combine next")).await.unwrap();
+    let responses = collect_dialog(&mut client, "next", DIALOG_TIMEOUT)
+        .await
+        .unwrap();
+    assert_eq!(
+        responses.iter().filter(|r| r.end_of_dialog).count(),
+        1,
+        "{responses:#?}"
+    );
+    assert!(next.is_running(), "the next owner stopped");
+}
+
 #[tokio::test]
 async fn an_orchestrator_pointed_at_fuseki_itself_refuses_to_start() {
     an_orchestrator_pointed_at_the_server_itself_refuses_to_start(Kind::Fuseki).await;

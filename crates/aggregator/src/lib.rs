@@ -9,6 +9,7 @@ pub mod http;
 pub mod journal_prune;
 pub mod metrics;
 pub mod owner_fence;
+mod store_beacon;
 pub mod writer;
 
 use std::net::SocketAddr;
@@ -185,6 +186,9 @@ pub async fn run(settings: AggregatorSettings, shutdown: CancellationToken) -> a
         }
         agent_graph::journal::Journal::Remote(_) => (owner_fence::Fence::open(), None),
     };
+    // A SPARQL server may be reached by owners the broker cannot tell apart; an embedded store
+    // is one process's alone (RocksDB locks its directory).
+    let shared_store = (announcer.is_some() && !store.is_embedded()).then(|| store.clone());
     let app = http::router(
         store.clone(),
         journal,
@@ -233,6 +237,7 @@ pub async fn run(settings: AggregatorSettings, shutdown: CancellationToken) -> a
                     &owner_fence::beacon_topic(&subscription.topic, &subscription.subscription),
                     owner,
                     Duration::from_millis(settings.owner_listen_ms),
+                    shared_store,
                     announcing_stops.clone(),
                     shutdown.clone(),
                 )

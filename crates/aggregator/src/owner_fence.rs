@@ -11,8 +11,9 @@
 use std::time::Duration;
 
 use agent_bus::{Bus, Listener, Properties, Publisher};
+use agent_graph::GraphStore;
 use serde::{Deserialize, Serialize};
-use tokio::sync::watch;
+use tokio::sync::{mpsc, watch};
 use tokio_util::sync::CancellationToken;
 
 /// How often an owner announces itself.
@@ -154,12 +155,16 @@ impl Announcer {
     /// `listen` nothing is admitted; then this process owns the journal unless an elder was heard.
     /// An elder heard later (both started at once, or its beats were lost) refuses this process
     /// too, and `service` is cancelled so the service stops rather than go on deciding beside it.
+    /// With `shared`, the SPARQL server whose journal this process owns, it also beats there
+    /// (`store_beacon`) and is not admitted before it has listened there too.
+    #[allow(clippy::too_many_arguments)] // What the fence is started with, each once.
     pub async fn start(
         self,
         bus: &Bus,
         topic: &str,
         me: Owner,
         listen: Duration,
+        shared: Option<GraphStore>,
         stop: CancellationToken,
         service: CancellationToken,
     ) -> anyhow::Result<tokio::task::JoinHandle<()>> {
@@ -173,7 +178,10 @@ impl Announcer {
                 announcements,
                 heard,
                 me,
-                listen,
+                Listening {
+                    window: listen,
+                    shared,
+                },
                 self.standing,
                 stop,
                 service,
@@ -183,6 +191,13 @@ impl Announcer {
     }
 }
 
+/// How a newcomer listens before it owns the journal.
+struct Listening {
+    window: Duration,
+    /// The SPARQL server whose journal it would own, where the owners also beat.
+    shared: Option<GraphStore>,
+}
+
 #[allow(clippy::too_many_arguments)] // One loop over what the announcer was started with.
 async fn watch_owners(
     bus: Bus,
@@ -190,17 +205,39 @@ async fn watch_owners(
     announcements: Publisher,
     mut heard: Listener,
     mut me: Owner,
-    listen: Duration,
+    listening: Listening,
     standing: watch::Sender<Standing>,
     stop: CancellationToken,
     service: CancellationToken,
 ) {
     let mut beats = tokio::time::interval(BEAT);
-    let listened = tokio::time::sleep(listen);
+    let (owning, owning_seen) = watch::channel(false);
+    let (in_store, mut heard_in_store) = mpsc::channel::<Owner>(16);
+    let (store_listened, mut listened_in_store) = watch::channel(listening.shared.is_none());
+    let store_beacon = listening.shared.map(|store| {
+        let reports = crate::store_beacon::Reports {
+            heard: in_store,
+            listened: store_listened,
+        };
+        tokio::spawn(crate::store_beacon::beat(
+            store,
+            me.clone(),
+            owning_seen,
+            reports,
+            stop.clone(),
+        ))
+    });
+    // The window on the broker, then as many rounds in the store as it takes to hear a live owner
+    // there (a store that does not answer keeps this process listening).
+    let window = listening.window;
+    let listened = async move {
+        tokio::time::sleep(window).await;
+        let _ = listened_in_store.wait_for(|done| *done).await;
+    };
     tokio::pin!(listened);
-    loop {
-        tokio::select! {
-            _ = stop.cancelled() => return,
+    let refusal = loop {
+        let other = tokio::select! {
+            _ = stop.cancelled() => break None,
             _ = beats.tick() => {
                 // A beat that is not out within a beat is only a lost beat: the next one follows,
                 // and nothing here waits on a broker that does not answer.
@@ -212,36 +249,29 @@ async fn watch_owners(
                     Ok(Err(e)) => tracing::debug!(error = %e, "a journal owner's announcement was not sent"),
                     Err(_) => tracing::debug!("a journal owner's announcement was not sent in time"),
                 }
+                continue;
             }
             _ = &mut listened, if !me.owning => {
                 me.owning = true;
+                owning.send_replace(true);
                 standing.send_replace(Standing::Owner);
                 tracing::info!(topic = %topic, "no other journal owner heard: this aggregator owns the journal");
+                continue;
             }
+            Some(other) = heard_in_store.recv() => Heard {
+                owner: other,
+                on: "the SPARQL server they share (its journal owners' records)".to_owned(),
+            },
             message = heard.next_payload() => match message {
                 Ok(payload) => {
                     let Ok(other) = serde_json::from_slice::<Owner>(&payload) else {
                         tracing::warn!("skipping a journal owner's announcement that does not decode");
                         continue;
                     };
-                    if other.id == me.id {
-                        continue;
+                    Heard {
+                        owner: other,
+                        on: format!("the explainability subscription announced on {topic}"),
                     }
-                    if me.gives_way_to(&other) {
-                        let since = i64::try_from(other.started_ms)
-                            .ok()
-                            .and_then(chrono::DateTime::from_timestamp_millis)
-                            .map_or_else(|| other.started_ms.to_string(), |t| t.to_rfc3339());
-                        let why = format!(
-                            "another aggregator (running since {since}, store {}) already owns the journal of this deployment (explainability subscription announced on {topic}); run one owner and point further replicas at its endpoint (GRAPH_STORE=http://<owner>:7878)",
-                            other.store
-                        );
-                        tracing::error!("{why}");
-                        standing.send_replace(Standing::Refused(why));
-                        service.cancel();
-                        return;
-                    }
-                    tracing::warn!(other = %other.store, "another aggregator claims this deployment's journal; it will stand down");
                 }
                 Err(e) => {
                     tracing::warn!(error = %e, "lost the journal owners' announcements; listening again");
@@ -255,12 +285,51 @@ async fn watch_owners(
                         }
                     };
                     tokio::select! {
-                        _ = stop.cancelled() => return,
+                        _ = stop.cancelled() => break None,
                         again = again => heard = again,
                     }
+                    continue;
                 }
             }
+        };
+        if other.owner.id == me.id {
+            continue;
         }
+        if me.gives_way_to(&other.owner) {
+            break Some(other.refusal());
+        }
+        tracing::warn!(other = %other.owner.store, on = %other.on, "another aggregator claims this deployment's journal; it will stand down");
+    };
+    if let Some(why) = refusal {
+        tracing::error!("{why}");
+        standing.send_replace(Standing::Refused(why));
+        service.cancel();
+    }
+    if let Some(beacon) = store_beacon {
+        // It stops with `stop`; a refused process removes its record as it goes.
+        drop(heard_in_store);
+        let _ = beacon.await;
+    }
+}
+
+/// Another owner, and where it was heard.
+struct Heard {
+    owner: Owner,
+    on: String,
+}
+
+impl Heard {
+    /// Why this process, which must give way to it, refuses to run.
+    fn refusal(&self) -> String {
+        let other = &self.owner;
+        let since = i64::try_from(other.started_ms)
+            .ok()
+            .and_then(chrono::DateTime::from_timestamp_millis)
+            .map_or_else(|| other.started_ms.to_string(), |t| t.to_rfc3339());
+        format!(
+            "another aggregator (running since {since}, store {}) already owns the journal of this deployment (heard on {}); run one owner and point further replicas at its endpoint (GRAPH_STORE=http://<owner>:7878)",
+            other.store, self.on
+        )
     }
 }
 

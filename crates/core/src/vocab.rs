@@ -24,6 +24,11 @@ pub const PROVENANCE_GRAPH: &str = "urn:graph:retrieval";
 /// people query.
 pub const JOURNAL_GRAPH: &str = "urn:graph:agent-journal";
 
+/// Where the aggregators that own a SPARQL server's journal keep a record of themselves, each
+/// beating, so that two owners of one server find each other even when the broker cannot tell
+/// them apart (different subscriptions, or a partition between them).
+pub const JOURNAL_OWNERS_GRAPH: &str = "urn:graph:agent-journal-owners";
+
 /// The named graph of documents: long texts that left the messages (claim-check), each under its
 /// content's digest.
 pub const DOCUMENTS_GRAPH: &str = "urn:graph:agent-documents";
@@ -158,6 +163,16 @@ pub mod tg {
         NEEDS = "needs";
         NOTE = "note";
         OUT_TOKEN = "outToken";
+        /// A journal owner's beat counter, rewritten every beat while it runs.
+        OWNER_BEAT = "ownerBeat";
+        /// A journal owner's process id (random for each start).
+        OWNER_ID = "ownerId";
+        /// Whether a journal owner has passed its listening window.
+        OWNER_OWNING = "ownerOwning";
+        /// When a journal owner started, in milliseconds since the epoch.
+        OWNER_STARTED_MS = "ownerStartedMs";
+        /// The store a journal owner owns, as it names it (without credentials).
+        OWNER_STORE = "ownerStore";
         /// A journal entry's recorded outcome.
         OUTCOME = "outcome";
         PARENT_SESSION = "parentSession";

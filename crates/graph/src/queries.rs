@@ -6,8 +6,8 @@ use oxigraph::model::NamedNode;
 use crate::GraphError;
 
 use agent_core::vocab::{
-    session_uri, tg, NamedNodeRef, DOCUMENTS_GRAPH, JOURNAL_GRAPH, PROVENANCE_GRAPH,
-    SPARQL_PREFIXES as PREFIXES,
+    session_uri, tg, NamedNodeRef, DOCUMENTS_GRAPH, JOURNAL_GRAPH, JOURNAL_OWNERS_GRAPH,
+    PROVENANCE_GRAPH, SPARQL_PREFIXES as PREFIXES,
 };
 
 /// The URI of a session's root node.
@@ -382,4 +382,93 @@ pub fn recorded_tool_results(run: &NamedNode) -> String {
 }}",
         docs = documents()
     )
+}
+
+fn journal_owners_graph() -> NamedNode {
+    NamedNode::new_unchecked(JOURNAL_OWNERS_GRAPH)
+}
+
+/// What a journal owner writes of itself each beat.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct OwnerRecord {
+    pub id: String,
+    pub started_ms: u64,
+    pub store: String,
+    pub beat: u64,
+    pub owning: bool,
+}
+
+/// The node of the owner whose process id is `id`.
+pub fn owner_node(id: &str) -> Result<NamedNode, GraphError> {
+    NamedNode::new(format!("urn:trustgraph:agent:journal-owner:{id}"))
+        .map_err(|e| GraphError::Syntax(format!("not an owner id: {e}")))
+}
+
+/// Replaces the owner's record with `record` (one update: what it wrote last beat goes).
+pub fn owner_beat(record: &OwnerRecord) -> Result<String, GraphError> {
+    use oxigraph::model::Literal;
+    let node = owner_node(&record.id)?;
+    let g = journal_owners_graph();
+    let id = Literal::new_simple_literal(&record.id);
+    let store = Literal::new_simple_literal(&record.store);
+    let started = Literal::from(i64::try_from(record.started_ms).unwrap_or(i64::MAX));
+    let beat = Literal::from(i64::try_from(record.beat).unwrap_or(i64::MAX));
+    let owning = Literal::from(record.owning);
+    Ok(format!(
+        "{PREFIXES}DELETE WHERE {{ GRAPH {g} {{ {node} ?p ?o }} }};
+INSERT DATA {{ GRAPH {g} {{ {node} tg:ownerId {id} ; tg:ownerStartedMs {started} ; tg:ownerStore {store} ;
+  tg:ownerBeat {beat} ; tg:ownerOwning {owning} }} }}"
+    ))
+}
+
+/// Every owner's record, as it stands.
+pub fn owner_records() -> String {
+    let g = journal_owners_graph();
+    format!(
+        "{PREFIXES}SELECT ?id ?started ?store ?beat ?owning WHERE {{ GRAPH {g} {{
+  ?o tg:ownerId ?id ; tg:ownerStartedMs ?started ; tg:ownerStore ?store ; tg:ownerBeat ?beat ;
+     tg:ownerOwning ?owning }} }}"
+    )
+}
+
+/// Removes the record of the owner `id` (it stopped, or stopped beating long ago).
+pub fn forget_owner(id: &str) -> Result<String, GraphError> {
+    let node = owner_node(id)?;
+    let g = journal_owners_graph();
+    Ok(format!(
+        "{PREFIXES}DELETE WHERE {{ GRAPH {g} {{ {node} ?p ?o }} }}"
+    ))
+}
+
+/// The owners' records in the rows of [`owner_records`]; a row that does not read as one is left
+/// out.
+pub fn owner_records_of(rows: &crate::Rows) -> Vec<OwnerRecord> {
+    use oxigraph::model::Term;
+    let text = |t: Option<&Term>| match t {
+        Some(Term::Literal(l)) => Some(l.value().to_owned()),
+        _ => None,
+    };
+    let column = |name: &str| rows.variables.iter().position(|v| v == name);
+    let (Some(id), Some(started), Some(store), Some(beat), Some(owning)) = (
+        column("id"),
+        column("started"),
+        column("store"),
+        column("beat"),
+        column("owning"),
+    ) else {
+        return Vec::new();
+    };
+    rows.rows
+        .iter()
+        .filter_map(|row| {
+            let at = |i: usize| text(row.get(i).and_then(Option::as_ref));
+            Some(OwnerRecord {
+                id: at(id)?,
+                started_ms: at(started)?.parse().ok()?,
+                store: at(store)?,
+                beat: at(beat)?.parse().ok()?,
+                owning: at(owning)?.parse().ok()?,
+            })
+        })
+        .collect()
 }

@@ -328,3 +328,47 @@ async fn long_texts_are_read_whole_through_their_documents() {
         other => panic!("{other:?}"),
     }
 }
+
+/// A journal owner's record: each beat replaces the last, every owner's reads back, and a
+/// forgotten one is gone.
+#[tokio::test]
+async fn journal_owner_records_are_replaced_each_beat() {
+    use agent_graph::queries::{
+        forget_owner, owner_beat, owner_records, owner_records_of, OwnerRecord,
+    };
+    let store = GraphStore::in_memory().unwrap();
+    let mut first = OwnerRecord {
+        id: "a1".into(),
+        started_ms: 1_700_000_000_000,
+        store: "http://fuseki:3030/ds \"quoted\"".into(),
+        beat: 1,
+        owning: false,
+    };
+    let second = OwnerRecord {
+        id: "b2".into(),
+        beat: 7,
+        owning: true,
+        ..first.clone()
+    };
+    store.update(owner_beat(&first).unwrap()).await.unwrap();
+    store.update(owner_beat(&second).unwrap()).await.unwrap();
+    first.beat = 2;
+    first.owning = true;
+    store.update(owner_beat(&first).unwrap()).await.unwrap();
+    let read = |store: GraphStore| async move {
+        let mut records = owner_records_of(&store.query(owner_records()).await.unwrap().rows());
+        records.sort_by(|a, b| a.id.cmp(&b.id));
+        records
+    };
+    assert_eq!(
+        read(store.clone()).await,
+        vec![first.clone(), second.clone()]
+    );
+    store.update(forget_owner("a1").unwrap()).await.unwrap();
+    assert_eq!(read(store.clone()).await, vec![second]);
+    assert!(owner_beat(&OwnerRecord {
+        id: "not an id>".into(),
+        ..first
+    })
+    .is_err());
+}

@@ -1,0 +1,135 @@
+//! The journal owners' beacon in the SPARQL server they share. The broker's beacon
+//! (`owner_fence`) reaches only owners on the same explainability subscription of the same
+//! broker; two aggregators owning one server from different subscriptions, or from either side
+//! of a broker partition, would each decide the journal. Each owner of a server therefore also
+//! rewrites a record of itself there every beat and reads the others': one whose beat counter
+//! moves is alive, whatever the clocks say, and is heard as if on the broker.
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use agent_graph::queries::{self, OwnerRecord};
+use agent_graph::GraphStore;
+use tokio::sync::{mpsc, watch};
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+
+use crate::owner_fence::{Owner, BEAT};
+
+/// Rounds (a write and a read) before this process has listened long enough: a live owner
+/// beating every [`BEAT`] has moved its counter at least twice in between.
+const ROUNDS_TO_LISTEN: u32 = 4;
+/// A counter that has not moved for this long belongs to an owner that stopped.
+const SILENT_AFTER: Duration = Duration::from_secs(2);
+/// A record silent for this long is removed (its owner died without removing it).
+const FORGET_AFTER: Duration = Duration::from_secs(120);
+
+/// Where the beacon reports.
+pub struct Reports {
+    /// Owners heard alive in the store, each round they are.
+    pub heard: mpsc::Sender<Owner>,
+    /// Set once this process has listened for [`ROUNDS_TO_LISTEN`] rounds.
+    pub listened: watch::Sender<bool>,
+}
+
+/// What one owner's counter has done while this process watched it.
+struct Watched {
+    beat: u64,
+    moved: Option<Instant>,
+    seen_since: Instant,
+}
+
+/// Beats `me` into `store` and reports the other owners heard there, until `stop`; then removes
+/// this process's record. `owning` follows this process's standing.
+pub async fn beat(
+    store: GraphStore,
+    me: Owner,
+    owning: watch::Receiver<bool>,
+    reports: Reports,
+    stop: CancellationToken,
+) {
+    let mut record = OwnerRecord {
+        id: me.id.clone(),
+        started_ms: me.started_ms,
+        store: me.store.clone(),
+        beat: 0,
+        owning: false,
+    };
+    let mut watched: HashMap<String, Watched> = HashMap::new();
+    let mut rounds = 0u32;
+    let mut beats = tokio::time::interval(BEAT);
+    beats.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    'beating: loop {
+        tokio::select! {
+            _ = stop.cancelled() => break,
+            _ = beats.tick() => {}
+        }
+        record.beat += 1;
+        record.owning = *owning.borrow();
+        // A store that does not answer within a beat costs a beat, not the loop.
+        match tokio::time::timeout(BEAT * 4, round(&store, &record)).await {
+            Ok(Ok(others)) => {
+                rounds += 1;
+                let now = Instant::now();
+                for other in others.into_iter().filter(|o| o.id != me.id) {
+                    let seen = watched.entry(other.id.clone()).or_insert(Watched {
+                        beat: other.beat,
+                        moved: None,
+                        seen_since: now,
+                    });
+                    if seen.beat != other.beat {
+                        seen.beat = other.beat;
+                        seen.moved = Some(now);
+                    }
+                    let alive = seen
+                        .moved
+                        .is_some_and(|at| now.duration_since(at) < SILENT_AFTER);
+                    if alive {
+                        let heard = Owner {
+                            id: other.id,
+                            started_ms: other.started_ms,
+                            store: other.store,
+                            owning: other.owning,
+                        };
+                        if reports.heard.send(heard).await.is_err() {
+                            // The fence has settled against this process and stopped listening.
+                            break 'beating;
+                        }
+                    } else if now.duration_since(seen.moved.unwrap_or(seen.seen_since))
+                        > FORGET_AFTER
+                    {
+                        forget(&store, &other.id).await;
+                        watched.remove(&other.id);
+                    }
+                }
+                if rounds == ROUNDS_TO_LISTEN {
+                    reports.listened.send_replace(true);
+                }
+            }
+            Ok(Err(e)) => tracing::debug!(error = %e, "a journal owner's beat in the store failed"),
+            Err(_) => tracing::debug!("a journal owner's beat in the store did not finish in time"),
+        }
+    }
+    // Gone on a clean stop; a killed owner's record stops beating and is forgotten later.
+    let _ = tokio::time::timeout(Duration::from_secs(2), forget(&store, &me.id)).await;
+}
+
+/// Writes this beat of `record` and reads every owner's.
+async fn round(
+    store: &GraphStore,
+    record: &OwnerRecord,
+) -> Result<Vec<OwnerRecord>, agent_graph::GraphError> {
+    store.update(queries::owner_beat(record)?).await?;
+    let rows = store.query(queries::owner_records()).await?.rows();
+    Ok(queries::owner_records_of(&rows))
+}
+
+async fn forget(store: &GraphStore, id: &str) {
+    let removed = match queries::forget_owner(id) {
+        Ok(update) => store.update(update).await,
+        Err(e) => Err(e),
+    };
+    if let Err(e) = removed {
+        tracing::debug!(owner = id, error = %e, "a journal owner's record was not removed");
+    }
+}
