@@ -153,3 +153,30 @@ async fn an_outage_past_its_window_ends_each_dialog_once_with_the_cause() {
         );
     }
 }
+
+/// Documents kept in TrustGraph's librarian, which does not answer (none runs on the broker): a
+/// document the graph holds (a fan-in keeps there what the librarian did not take) is read from
+/// the graph all the same; one the graph lacks is the librarian's outage, reported as such.
+#[tokio::test]
+async fn a_document_the_librarian_does_not_answer_for_is_read_from_the_graph() {
+    use agent_orchestrator::documents::DocumentStore;
+    let broker = Broker::start().unwrap();
+    let bus = agent_bus::Bus::connect(&broker.url(), None).await.unwrap();
+    let topics = agent_bus::Topics::trustgraph("default", "default");
+    let librarian = agent_bus::Librarian::connect(&bus, &topics, Duration::from_millis(300))
+        .await
+        .unwrap();
+    let graph = agent_graph::GraphStore::in_memory().unwrap();
+    let text = format!("kept in the graph {}", "at length ".repeat(500));
+    let kept = agent_core::documents::document_uri(&text);
+    graph.keep_document(&kept, &text).await.unwrap();
+    let documents = DocumentStore::Librarian {
+        librarian: std::sync::Arc::new(librarian),
+        graph: Some(graph),
+    };
+    let read = documents.fetch(std::slice::from_ref(&kept)).await.unwrap();
+    assert_eq!(read.get(&kept), Some(&text));
+    let absent = agent_core::documents::document_uri("kept nowhere");
+    let outage = documents.fetch(&[kept, absent]).await;
+    assert!(outage.is_err(), "{outage:?}");
+}

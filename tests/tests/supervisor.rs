@@ -1087,7 +1087,7 @@ async fn a_rejected_subagent_result_is_sent_out_again_with_the_lesson() {
 /// synthesis prompt reads it whole.
 #[tokio::test]
 async fn a_long_subagent_result_travels_as_a_reference_and_is_read_whole() {
-    long_result_by_reference(false).await;
+    long_result_by_reference(Documents::Graph).await;
 }
 
 /// The same with documents kept in TrustGraph's librarian (orchestrator and aggregator run with
@@ -1095,10 +1095,29 @@ async fn a_long_subagent_result_travels_as_a_reference_and_is_read_whole() {
 /// and the graph holds it only as excerpts.
 #[tokio::test]
 async fn a_long_subagent_result_kept_in_the_librarian_is_read_whole() {
-    long_result_by_reference(true).await;
+    long_result_by_reference(Documents::Librarian).await;
 }
 
-async fn long_result_by_reference(in_librarian: bool) {
+/// The aggregator keeps documents in a librarian that does not answer (none runs; the
+/// orchestrators keep theirs in the graph, so nothing else waits for it): the fan-in keeps the
+/// long result in the graph instead, under the same name, so the synthesis request still carries
+/// a reference, and the synthesis reads it whole. (Before, the request carried it whole.)
+#[tokio::test]
+async fn a_long_subagent_result_the_librarian_does_not_keep_goes_to_the_graph() {
+    long_result_by_reference(Documents::SilentLibrarian).await;
+}
+
+/// Where a test's documents are kept.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Documents {
+    Graph,
+    Librarian,
+    /// The aggregator's in a librarian that is not there, the orchestrators' in the graph.
+    SilentLibrarian,
+}
+
+async fn long_result_by_reference(documents: Documents) {
+    let in_librarian = documents != Documents::Graph;
     let long = format!(
         "alpha in detail: {} END-OF-ALPHA",
         "lorem ipsum ".repeat(1000)
@@ -1112,7 +1131,7 @@ async fn long_result_by_reference(in_librarian: bool) {
     ]}}"#
     );
     let broker = Broker::start().unwrap();
-    let (_config, librarian) = if in_librarian {
+    let (_config, librarian) = if documents == Documents::Librarian {
         let config = ConfigSvc::spawn(&broker, Some(&seed_dir()));
         let librarian = agent_e2e::librarian::LibrarianService::start(&broker).await;
         (Some(config), Some(librarian))
@@ -1123,6 +1142,8 @@ async fn long_result_by_reference(in_librarian: bool) {
     let mut env = Vec::new();
     if in_librarian {
         flags.extend(["--document-store", "librarian"]);
+    }
+    if documents == Documents::Librarian {
         env.push(("DOCUMENT_STORE", "librarian"));
     }
     let aggregator = Aggregator::spawn_with(&broker, &flags);
@@ -1188,6 +1209,18 @@ async fn long_result_by_reference(in_librarian: bool) {
         )
         .await;
         assert_eq!(whole_in_graph, 0, "the whole result in the graph");
+    }
+    if documents == Documents::SilentLibrarian {
+        let kept = count(
+            &aggregator.store(),
+            format!(
+                "SELECT ?t WHERE {{ GRAPH <{}> {{ <{uri}> {} ?t FILTER(CONTAINS(?t, \"END-OF-ALPHA\")) }} }}",
+                agent_core::vocab::DOCUMENTS_GRAPH,
+                tg::CONTENT
+            ),
+        )
+        .await;
+        assert_eq!(kept, 1, "{uri} in the graph's documents");
     }
 }
 

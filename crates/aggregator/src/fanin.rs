@@ -476,7 +476,8 @@ const LIBRARIAN_WAIT: std::time::Duration = std::time::Duration::from_secs(4);
 /// so the request, and every later message of the supervisor, stays bounded however long its
 /// subagents' answers. Kept in TrustGraph's librarian when the deployment keeps documents there
 /// (the supervisor reads them back from it), else in the graph, as is a result too long for one
-/// librarian request (the supervisor looks for a document the librarian lacks in the graph).
+/// librarian request or one the librarian did not keep in time (the supervisor looks for a
+/// document the librarian lacks, or does not answer for, in the graph).
 async fn check_in_results(
     store: &GraphStore,
     librarian: Option<&agent_bus::Librarian>,
@@ -500,7 +501,8 @@ async fn check_in_results(
         return carried;
     };
     // All at once and briefly: this runs under the synthesis claim, whose lease is short. A
-    // result the librarian did not take in time travels whole.
+    // result the librarian did not take in time is kept in the graph instead, under the same
+    // name: the supervisor looks there for what the librarian lacks or does not answer for.
     let keeps = for_librarian
         .iter()
         .map(|(_, text, uri)| librarian.keep(uri, text));
@@ -508,7 +510,7 @@ async fn check_in_results(
     // One outcome per result, in order; none at all when the wait ran out.
     let mut outcomes = kept
         .unwrap_or_else(|_| {
-            tracing::warn!("the librarian did not keep the long subagent results in time; the request carries them whole");
+            tracing::warn!("the librarian did not keep the long subagent results in time; they are kept in the graph");
             Vec::new()
         })
         .into_iter();
@@ -516,10 +518,10 @@ async fn check_in_results(
         let text = match outcomes.next() {
             Some(Ok(())) => excerpt_with_reference(&text, &uri),
             Some(Err(e)) => {
-                tracing::warn!(error = %e, "a long subagent result could not be kept in the librarian; the request carries it whole");
-                text
+                tracing::warn!(error = %e, "a long subagent result could not be kept in the librarian; it is kept in the graph");
+                store.check_in_as(text, &uri).await
             }
-            None => text,
+            None => store.check_in_as(text, &uri).await,
         };
         carried.insert(key, text);
     }

@@ -92,22 +92,34 @@ impl DocumentStore {
         let reads = futures::future::join_all(uris.iter().map(|uri| librarian.read(uri))).await;
         let mut found = HashMap::new();
         let mut missing = Vec::new();
+        // A document the librarian did not answer for may be in the graph all the same: a
+        // fan-in keeps there what the librarian did not take in time.
+        let mut unanswered = None;
         for (uri, read) in uris.iter().zip(reads) {
-            match read.map_err(|e| e.to_string())? {
-                Some(text) => {
+            match read {
+                Ok(Some(text)) => {
                     found.insert(uri.clone(), text);
                 }
-                None => missing.push(uri.as_str()),
+                Ok(None) => missing.push(uri.as_str()),
+                Err(e) => {
+                    unanswered.get_or_insert(e.to_string());
+                    missing.push(uri.as_str());
+                }
             }
         }
         if let (Some(graph), false) = (graph, missing.is_empty()) {
-            found.extend(
-                fetch(graph, missing.into_iter())
-                    .await
-                    .map_err(|e| e.to_string())?,
-            );
+            let in_graph = fetch(graph, missing.iter().copied()).await;
+            match (in_graph, &unanswered) {
+                (Ok(texts), _) => found.extend(texts),
+                // The librarian's failure is the one to report: it is what the step waits out.
+                (Err(_), Some(_)) => {}
+                (Err(e), None) => return Err(e.to_string()),
+            }
         }
-        Ok(found)
+        match unanswered {
+            Some(e) if missing.iter().any(|uri| !found.contains_key(*uri)) => Err(e),
+            _ => Ok(found),
+        }
     }
 }
 
