@@ -130,8 +130,6 @@ async fn the_aggregator_owns_the_journal_of(kind: Kind) {
     );
 }
 
-/// An orchestrator whose GRAPH_STORE is the SPARQL server itself has nobody to decide its
-/// journal's records: it refuses to start.
 /// Two aggregators owning the journal of one SPARQL server that the broker cannot tell apart:
 /// the second is on another broker altogether (as on the far side of a partition, or on another
 /// subscription). It hears the first in the server and refuses to run, having decided nothing;
@@ -146,6 +144,11 @@ async fn a_second_owner_of_one_server_that_the_broker_cannot_reach_refuses_to_ru
         &["--config-token", TOKEN],
     );
     let endpoint = first.sparql_server().unwrap().endpoint();
+    // The first owns the journal (past its listening) before the second starts.
+    assert!(
+        owns_the_journal(&first).await,
+        "the first aggregator never became ready"
+    );
     let elsewhere = Broker::start().unwrap();
     let mut second = Aggregator::child_over_endpoint(
         &elsewhere,
@@ -214,6 +217,8 @@ async fn a_dead_owners_record_does_not_refuse_the_next_owner() {
     assert!(next.is_running(), "the next owner stopped");
 }
 
+/// An orchestrator whose GRAPH_STORE is the SPARQL server itself has nobody to decide its
+/// journal's records: it refuses to start.
 #[tokio::test]
 async fn an_orchestrator_pointed_at_fuseki_itself_refuses_to_start() {
     an_orchestrator_pointed_at_the_server_itself_refuses_to_start(Kind::Fuseki).await;
@@ -239,4 +244,19 @@ async fn an_orchestrator_pointed_at_the_server_itself_refuses_to_start(kind: Kin
         orchestrator.exited_within(Duration::from_secs(30)).await,
         "an orchestrator journaling on a store that cannot decide kept running"
     );
+}
+
+/// Whether `aggregator` says it is ready (it owns its journal, if any) within 30 s.
+async fn owns_the_journal(aggregator: &Aggregator) -> bool {
+    let ready = format!("{}/readyz", aggregator.endpoint);
+    let client = reqwest::Client::new();
+    for _ in 0..300 {
+        if let Ok(answer) = client.get(&ready).send().await {
+            if answer.status().is_success() {
+                return true;
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    false
 }

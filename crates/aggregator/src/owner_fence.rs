@@ -232,32 +232,17 @@ async fn watch_owners(
     let window = listening.window;
     let listened = async move {
         tokio::time::sleep(window).await;
-        let _ = listened_in_store.wait_for(|done| *done).await;
+        if listened_in_store.wait_for(|done| *done).await.is_err() {
+            // The beacon stopped before it had listened: never admitted on its word.
+            std::future::pending::<()>().await;
+        }
     };
     tokio::pin!(listened);
     let refusal = loop {
+        // Biased: an owner heard in the same instant as the window closes is heard first.
         let other = tokio::select! {
+            biased;
             _ = stop.cancelled() => break None,
-            _ = beats.tick() => {
-                // A beat that is not out within a beat is only a lost beat: the next one follows,
-                // and nothing here waits on a broker that does not answer.
-                let announcement = agent_schema::encode(&me);
-                let no_properties = Properties::new();
-                let sent = announcements.send(announcement, &no_properties);
-                match tokio::time::timeout(BEAT, sent).await {
-                    Ok(Ok(())) => {}
-                    Ok(Err(e)) => tracing::debug!(error = %e, "a journal owner's announcement was not sent"),
-                    Err(_) => tracing::debug!("a journal owner's announcement was not sent in time"),
-                }
-                continue;
-            }
-            _ = &mut listened, if !me.owning => {
-                me.owning = true;
-                owning.send_replace(true);
-                standing.send_replace(Standing::Owner);
-                tracing::info!(topic = %topic, "no other journal owner heard: this aggregator owns the journal");
-                continue;
-            }
             Some(other) = heard_in_store.recv() => Heard {
                 owner: other,
                 on: "the SPARQL server they share (its journal owners' records)".to_owned(),
@@ -290,6 +275,26 @@ async fn watch_owners(
                     }
                     continue;
                 }
+            },
+            _ = beats.tick() => {
+                // A beat that is not out within a beat is only a lost beat: the next one follows,
+                // and nothing here waits on a broker that does not answer.
+                let announcement = agent_schema::encode(&me);
+                let no_properties = Properties::new();
+                let sent = announcements.send(announcement, &no_properties);
+                match tokio::time::timeout(BEAT, sent).await {
+                    Ok(Ok(())) => {}
+                    Ok(Err(e)) => tracing::debug!(error = %e, "a journal owner's announcement was not sent"),
+                    Err(_) => tracing::debug!("a journal owner's announcement was not sent in time"),
+                }
+                continue;
+            }
+            _ = &mut listened, if !me.owning => {
+                me.owning = true;
+                owning.send_replace(true);
+                standing.send_replace(Standing::Owner);
+                tracing::info!(topic = %topic, "no other journal owner heard: this aggregator owns the journal");
+                continue;
             }
         };
         if other.owner.id == me.id {

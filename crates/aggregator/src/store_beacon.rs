@@ -17,8 +17,13 @@ use tokio_util::sync::CancellationToken;
 use crate::owner_fence::{Owner, BEAT};
 
 /// Rounds (a write and a read) before this process has listened long enough: a live owner
-/// beating every [`BEAT`] has moved its counter at least twice in between.
+/// beating every [`BEAT`] has moved its counter at least twice in between. A record that has not
+/// moved by then is watched until [`SILENT_AFTER`] before it is taken for a dead owner's, so an
+/// owner whose beats are late is not missed.
 const ROUNDS_TO_LISTEN: u32 = 4;
+/// Failed rounds in a row after which the beacon says so at warning level (a store that refuses
+/// this process's updates keeps it from owning the journal).
+const FAILURES_TO_WARN: u32 = 8;
 /// A counter that has not moved for this long belongs to an owner that stopped.
 const SILENT_AFTER: Duration = Duration::from_secs(2);
 /// A record silent for this long is removed (its owner died without removing it).
@@ -57,6 +62,7 @@ pub async fn beat(
     };
     let mut watched: HashMap<String, Watched> = HashMap::new();
     let mut rounds = 0u32;
+    let mut failures = 0u32;
     let mut beats = tokio::time::interval(BEAT);
     beats.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     'beating: loop {
@@ -102,16 +108,30 @@ pub async fn beat(
                         watched.remove(&other.id);
                     }
                 }
-                if rounds == ROUNDS_TO_LISTEN {
+                failures = 0;
+                let undecided = watched
+                    .values()
+                    .any(|w| w.moved.is_none() && now.duration_since(w.seen_since) < SILENT_AFTER);
+                if rounds >= ROUNDS_TO_LISTEN && !undecided && !*reports.listened.borrow() {
                     reports.listened.send_replace(true);
                 }
             }
-            Ok(Err(e)) => tracing::debug!(error = %e, "a journal owner's beat in the store failed"),
-            Err(_) => tracing::debug!("a journal owner's beat in the store did not finish in time"),
+            Ok(Err(e)) => failed(&mut failures, &e.to_string()),
+            Err(_) => failed(&mut failures, "no answer within four beats"),
         }
     }
     // Gone on a clean stop; a killed owner's record stops beating and is forgotten later.
     let _ = tokio::time::timeout(Duration::from_secs(2), forget(&store, &me.id)).await;
+}
+
+/// Counts a failed round; says so at warning level when they persist.
+fn failed(failures: &mut u32, why: &str) {
+    *failures += 1;
+    if failures.is_multiple_of(FAILURES_TO_WARN) {
+        tracing::warn!(failures = *failures, error = why, "a journal owner's beats in the SPARQL server keep failing; until one succeeds this aggregator neither owns the journal nor hears other owners there");
+    } else {
+        tracing::debug!(error = why, "a journal owner's beat in the store failed");
+    }
 }
 
 /// Writes this beat of `record` and reads every owner's.
@@ -119,14 +139,14 @@ async fn round(
     store: &GraphStore,
     record: &OwnerRecord,
 ) -> Result<Vec<OwnerRecord>, agent_graph::GraphError> {
-    store.update(queries::owner_beat(record)?).await?;
+    store.update_own(queries::owner_beat(record)?).await?;
     let rows = store.query(queries::owner_records()).await?.rows();
     Ok(queries::owner_records_of(&rows))
 }
 
 async fn forget(store: &GraphStore, id: &str) {
     let removed = match queries::forget_owner(id) {
-        Ok(update) => store.update(update).await,
+        Ok(update) => store.update_own(update).await,
         Err(e) => Err(e),
     };
     if let Err(e) = removed {

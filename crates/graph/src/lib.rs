@@ -336,6 +336,16 @@ impl GraphStore {
         }
     }
 
+    /// Runs a SPARQL update that touches only nodes no other update of this process writes (a
+    /// journal owner's own record): it need not wait for this process's other updates, which may
+    /// be slow, and an endpoint's update goes at once. An embedded store still runs it in turn.
+    pub async fn update_own(&self, sparql: String) -> Result<(), GraphError> {
+        match self.writable()? {
+            Writable::Remote(remote) => remote.update(&sparql).await,
+            Writable::Embedded(_) => self.update(sparql).await,
+        }
+    }
+
     /// Loads RDF text (`format` a MIME type: N-Triples, N-Quads, Turtle, TriG) into `graph` (None =
     /// the default graph, or the graphs the data names).
     pub async fn load(

@@ -458,17 +458,26 @@ pub fn owner_records_of(rows: &crate::Rows) -> Vec<OwnerRecord> {
     ) else {
         return Vec::new();
     };
-    rows.rows
-        .iter()
-        .filter_map(|row| {
-            let at = |i: usize| text(row.get(i).and_then(Option::as_ref));
-            Some(OwnerRecord {
-                id: at(id)?,
-                started_ms: at(started)?.parse().ok()?,
-                store: at(store)?,
-                beat: at(beat)?.parse().ok()?,
-                owning: at(owning)?.parse().ok()?,
-            })
+    let records = rows.rows.iter().filter_map(|row| {
+        let at = |i: usize| text(row.get(i).and_then(Option::as_ref));
+        Some(OwnerRecord {
+            id: at(id)?,
+            started_ms: at(started)?.parse().ok()?,
+            store: at(store)?,
+            beat: at(beat)?.parse().ok()?,
+            owning: at(owning)?.parse().ok()?,
         })
-        .collect()
+    });
+    // One record per owner, its highest beat: a store that ran two of its beats side by side
+    // may hold two, and rows alternating between them must not look like a counter moving.
+    let mut highest: std::collections::BTreeMap<String, OwnerRecord> = Default::default();
+    for record in records {
+        match highest.get(&record.id) {
+            Some(kept) if (kept.beat, kept.owning) >= (record.beat, record.owning) => {}
+            _ => {
+                highest.insert(record.id.clone(), record);
+            }
+        }
+    }
+    highest.into_values().collect()
 }

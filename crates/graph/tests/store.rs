@@ -364,6 +364,18 @@ async fn journal_owner_records_are_replaced_each_beat() {
         read(store.clone()).await,
         vec![first.clone(), second.clone()]
     );
+    // Two beats of one owner side by side (a server that ran them at once): its highest counts.
+    store
+        .update(
+            "INSERT DATA { GRAPH <urn:graph:agent-journal-owners> { <urn:trustgraph:agent:journal-owner:b2> <https://trustgraph.ai/ns/ownerBeat> 6 } }"
+                .to_owned(),
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        read(store.clone()).await,
+        vec![first.clone(), second.clone()]
+    );
     store.update(forget_owner("a1").unwrap()).await.unwrap();
     assert_eq!(read(store.clone()).await, vec![second]);
     assert!(owner_beat(&OwnerRecord {
