@@ -1,9 +1,15 @@
 //! The journal owners' beacon in the SPARQL server they share. The broker's beacon
 //! (`owner_fence`) reaches only owners on the same explainability subscription of the same
 //! broker; two aggregators owning one server from different subscriptions, or from either side
-//! of a broker partition, would each decide the journal. Each owner of a server therefore also
-//! rewrites a record of itself there every beat and reads the others': one whose beat counter
-//! moves is alive, whatever the clocks say, and is heard as if on the broker.
+//! of a broker partition, would each decide the journal. So owners of a server also meet there:
+//! each keeps a record of itself with a beat counter, and one whose counter moves is alive,
+//! whatever the clocks say.
+//!
+//! Only a process that is not yet sure writes: a newcomer beats while it listens, and an owner
+//! beats only while it sees another record moving (a newcomer knocking), so that it is heard. An
+//! owner alone only reads. (Beating for ever cost Apache Jena Fuseki, whose TDB2 storage keeps
+//! every write transaction's copy of the blocks it changed until compacted, 23 MB of disk a
+//! minute at four writes a second; reads cost nothing.)
 
 use std::collections::HashMap;
 use std::time::Duration;
@@ -16,16 +22,17 @@ use tokio_util::sync::CancellationToken;
 
 use crate::owner_fence::{Owner, BEAT};
 
-/// Rounds (a write and a read) before this process has listened long enough: a live owner
-/// beating every [`BEAT`] has moved its counter at least twice in between. A record that has not
-/// moved by then is watched until [`SILENT_AFTER`] before it is taken for a dead owner's, so an
-/// owner whose beats are late is not missed.
-const ROUNDS_TO_LISTEN: u32 = 4;
+/// Rounds (a write and a read, one a [`BEAT`]) before a newcomer has listened long enough: an
+/// owner that only reads sees the newcomer's counter move within two rounds and beats from the
+/// next. A record that has not moved by then is watched until [`SILENT_AFTER`] before it is taken
+/// for a dead owner's, so an owner whose beats are late is not missed.
+const ROUNDS_TO_LISTEN: u32 = 8;
 /// Failed rounds in a row after which the beacon says so at warning level (a store that refuses
 /// this process's updates keeps it from owning the journal).
 const FAILURES_TO_WARN: u32 = 8;
-/// A counter that has not moved for this long belongs to an owner that stopped.
-const SILENT_AFTER: Duration = Duration::from_secs(2);
+/// A counter that has not moved for this long is not beating (an owner that stopped, or one
+/// alone that only reads); an owner that heard a newcomer beats this long after it last moved.
+const SILENT_AFTER: Duration = Duration::from_secs(3);
 /// A record silent for this long is removed (its owner died without removing it).
 const FORGET_AFTER: Duration = Duration::from_secs(120);
 
@@ -44,8 +51,9 @@ struct Watched {
     seen_since: Instant,
 }
 
-/// Beats `me` into `store` and reports the other owners heard there, until `stop`; then removes
-/// this process's record. `owning` follows this process's standing.
+/// Beats `me` into `store` while it listens or hears another owner beating, reads the others'
+/// records every beat and reports those heard alive, until `stop`; then removes this process's
+/// record. `owning` follows this process's standing.
 pub async fn beat(
     store: GraphStore,
     me: Owner,
@@ -63,6 +71,8 @@ pub async fn beat(
     let mut watched: HashMap<String, Watched> = HashMap::new();
     let mut rounds = 0u32;
     let mut failures = 0u32;
+    // Until when this process, owning, beats to be heard by another that beats.
+    let mut heard_until: Option<Instant> = None;
     let mut beats = tokio::time::interval(BEAT);
     beats.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     'beating: loop {
@@ -70,10 +80,14 @@ pub async fn beat(
             _ = stop.cancelled() => break,
             _ = beats.tick() => {}
         }
-        record.beat += 1;
         record.owning = *owning.borrow();
+        let speaking = !record.owning || heard_until.is_some_and(|until| Instant::now() < until);
+        if speaking {
+            record.beat += 1;
+        }
+        let written = speaking.then_some(&record);
         // A store that does not answer within a beat costs a beat, not the loop.
-        match tokio::time::timeout(BEAT * 4, round(&store, &record)).await {
+        match tokio::time::timeout(BEAT * 4, round(&store, written)).await {
             Ok(Ok(others)) => {
                 rounds += 1;
                 let now = Instant::now();
@@ -91,6 +105,7 @@ pub async fn beat(
                         .moved
                         .is_some_and(|at| now.duration_since(at) < SILENT_AFTER);
                     if alive {
+                        heard_until = Some(now + SILENT_AFTER);
                         let heard = Owner {
                             id: other.id,
                             started_ms: other.started_ms,
@@ -134,12 +149,14 @@ fn failed(failures: &mut u32, why: &str) {
     }
 }
 
-/// Writes this beat of `record` and reads every owner's.
+/// Writes this beat of `record`, if any, and reads every owner's.
 async fn round(
     store: &GraphStore,
-    record: &OwnerRecord,
+    record: Option<&OwnerRecord>,
 ) -> Result<Vec<OwnerRecord>, agent_graph::GraphError> {
-    store.update_own(queries::owner_beat(record)?).await?;
+    if let Some(record) = record {
+        store.update_own(queries::owner_beat(record)?).await?;
+    }
     let rows = store.query(queries::owner_records()).await?.rows();
     Ok(queries::owner_records_of(&rows))
 }
