@@ -377,6 +377,8 @@ pub struct Aggregator {
     extra: Vec<String>,
     /// The SPARQL server holding the graph, in the tiers that keep it in one we do not own.
     server: Option<sparql_server::SparqlServer>,
+    /// Where a child's standard error goes, when a test reads it ([`Aggregator::log`]).
+    stderr_log: Option<PathBuf>,
 }
 
 impl Aggregator {
@@ -447,9 +449,30 @@ impl Aggregator {
 
     /// An aggregator in a child process whose graph is in the SPARQL server at `endpoint`,
     /// which another aggregator may own already (a second owner of one server).
+    /// Its standard error is kept for [`Aggregator::log`].
     pub fn child_over_endpoint(broker: &Broker, endpoint: &str, extra: &[&str]) -> Aggregator {
         let extra = extra.iter().map(|s| (*s).to_owned()).collect();
-        Self::start_on_a_free_port(Place::Child, broker, Some(endpoint.to_owned()), extra, None)
+        let log = std::env::temp_dir().join(format!(
+            "agent-e2e-aggregator-{}-{:08x}.log",
+            std::process::id(),
+            rand::random::<u32>()
+        ));
+        Self::start_logged(
+            Place::Child,
+            broker,
+            Some(endpoint.to_owned()),
+            extra,
+            None,
+            Some(log),
+        )
+    }
+
+    /// What a child started with its standard error kept has written there so far.
+    pub fn log(&self) -> String {
+        self.stderr_log
+            .as_ref()
+            .and_then(|path| std::fs::read_to_string(path).ok())
+            .unwrap_or_default()
     }
 
     /// Starts one on a port that was free a moment ago. Between choosing the port and binding it,
@@ -462,6 +485,18 @@ impl Aggregator {
         extra: Vec<String>,
         server: Option<sparql_server::SparqlServer>,
     ) -> Aggregator {
+        Self::start_logged(place, broker, remote_store, extra, server, None)
+    }
+
+    /// [`Aggregator::start_on_a_free_port`], a child's standard error going to `stderr_log`.
+    fn start_logged(
+        place: Place,
+        broker: &Broker,
+        remote_store: Option<String>,
+        extra: Vec<String>,
+        server: Option<sparql_server::SparqlServer>,
+        stderr_log: Option<PathBuf>,
+    ) -> Aggregator {
         let mut last = String::new();
         for _ in 0..3 {
             let port = agent_bus::embedded::free_port().unwrap();
@@ -472,7 +507,14 @@ impl Aggregator {
             let graph_store = remote_store
                 .clone()
                 .unwrap_or_else(|| store_dir.display().to_string());
-            let mut running = Self::launch(place, &broker.url(), &graph_store, &addr, &extra);
+            let mut running = Self::launch(
+                place,
+                &broker.url(),
+                &graph_store,
+                &addr,
+                &extra,
+                stderr_log.as_deref(),
+            );
             match running.wait_listening(&addr, "the aggregator") {
                 Ok(()) => {
                     return Aggregator {
@@ -484,6 +526,7 @@ impl Aggregator {
                         addr,
                         extra,
                         server,
+                        stderr_log,
                     }
                 }
                 Err(why) => last = why.to_string(),
@@ -498,6 +541,7 @@ impl Aggregator {
         graph_store: &str,
         addr: &str,
         extra: &[String],
+        stderr_log: Option<&std::path::Path>,
     ) -> Running {
         let args: Vec<&str> = [
             "--pulsar-url",
@@ -511,13 +555,14 @@ impl Aggregator {
         .chain(extra.iter().map(String::as_str))
         .collect();
         match place {
-            Place::Child => Running::Child(
-                running::command("agent-aggregator")
-                    .env("AGENT_SEAL_KEY", SEAL_KEY)
-                    .args(&args)
-                    .spawn()
-                    .unwrap(),
-            ),
+            Place::Child => {
+                let mut command = running::command("agent-aggregator");
+                command.env("AGENT_SEAL_KEY", SEAL_KEY).args(&args);
+                if let Some(path) = stderr_log {
+                    command.stderr(std::fs::File::create(path).unwrap());
+                }
+                Running::Child(command.spawn().unwrap())
+            }
             Place::InProcess => {
                 // Sealed as in production unless the test gives a key (or none) itself.
                 let sealed = !args.iter().any(|a| a.starts_with("--seal-key"));
@@ -547,6 +592,7 @@ impl Aggregator {
             &self.graph_store,
             &self.addr,
             &self.extra,
+            self.stderr_log.as_deref(),
         );
         if let Err(why) = self.running.wait_listening(&self.addr, "the aggregator") {
             panic!(
@@ -603,6 +649,9 @@ impl Drop for Aggregator {
     fn drop(&mut self) {
         self.kill();
         let _ = std::fs::remove_dir_all(&self.store_dir);
+        if let Some(log) = &self.stderr_log {
+            let _ = std::fs::remove_file(log);
+        }
     }
 }
 

@@ -165,6 +165,12 @@ async fn a_second_owner_of_one_server_that_the_broker_cannot_reach_refuses_to_ru
         .await
         .expect("a second owner of the server kept running");
     assert!(!status.success(), "the second owner exited with {status}");
+    // For the reason the fence gives, heard in the server (the brokers have nothing in common).
+    let log = second.log();
+    assert!(
+        log.contains("already owns the journal") && log.contains("heard on the SPARQL server"),
+        "{log}"
+    );
     assert!(first.is_running(), "the first owner stopped");
     let llm = scripted_llm(THREE_STEPS).await;
     let _orchestrator = Orchestrator::spawn_journaled(&broker, &llm, &first, TOKEN, &[]);
