@@ -137,12 +137,7 @@ async fn the_aggregator_owns_the_journal_of(kind: Kind) {
 #[tokio::test]
 async fn a_second_owner_of_one_server_that_the_broker_cannot_reach_refuses_to_run() {
     let broker = Broker::start().unwrap();
-    let mut first = Aggregator::start_over_server(
-        Place::Child,
-        &broker,
-        SparqlServer::start(Kind::Oxigraph),
-        &["--config-token", TOKEN],
-    );
+    let mut first = owner_of_a_new_server(&broker);
     let endpoint = first.sparql_server().unwrap().endpoint();
     // The first owns the journal (past its listening) before the second starts.
     assert!(
@@ -172,18 +167,7 @@ async fn a_second_owner_of_one_server_that_the_broker_cannot_reach_refuses_to_ru
         "{log}"
     );
     assert!(first.is_running(), "the first owner stopped");
-    let llm = scripted_llm(THREE_STEPS).await;
-    let _orchestrator = Orchestrator::spawn_journaled(&broker, &llm, &first, TOKEN, &[]);
-    let mut client = client(&broker).await;
-    client.send("kept", &react("combine kept")).await.unwrap();
-    let responses = collect_dialog(&mut client, "kept", DIALOG_TIMEOUT)
-        .await
-        .unwrap();
-    assert_eq!(
-        responses.iter().filter(|r| r.end_of_dialog).count(),
-        1,
-        "{responses:#?}"
-    );
+    serves_one_dialog(&broker, &first, "kept").await;
 }
 
 /// The first owner of a server stops (SIGKILL, so its record stays behind): a new owner of the
@@ -191,12 +175,7 @@ async fn a_second_owner_of_one_server_that_the_broker_cannot_reach_refuses_to_ru
 #[tokio::test]
 async fn a_dead_owners_record_does_not_refuse_the_next_owner() {
     let broker = Broker::start().unwrap();
-    let mut first = Aggregator::start_over_server(
-        Place::Child,
-        &broker,
-        SparqlServer::start(Kind::Oxigraph),
-        &["--config-token", TOKEN],
-    );
+    let mut first = owner_of_a_new_server(&broker);
     let endpoint = first.sparql_server().unwrap().endpoint();
     let server = GraphStore::open(&endpoint, None).unwrap();
     let owners = "SELECT ?o WHERE { GRAPH <urn:graph:agent-journal-owners> { ?o ?p ?v } }";
@@ -208,18 +187,7 @@ async fn a_dead_owners_record_does_not_refuse_the_next_owner() {
     tokio::time::sleep(Duration::from_secs(1)).await;
     first.kill();
     let mut next = Aggregator::child_over_endpoint(&broker, &endpoint, &["--config-token", TOKEN]);
-    let llm = scripted_llm(THREE_STEPS).await;
-    let _orchestrator = Orchestrator::spawn_journaled(&broker, &llm, &next, TOKEN, &[]);
-    let mut client = client(&broker).await;
-    client.send("next", &react("combine next")).await.unwrap();
-    let responses = collect_dialog(&mut client, "next", DIALOG_TIMEOUT)
-        .await
-        .unwrap();
-    assert_eq!(
-        responses.iter().filter(|r| r.end_of_dialog).count(),
-        1,
-        "{responses:#?}"
-    );
+    serves_one_dialog(&broker, &next, "next").await;
     assert!(next.is_running(), "the next owner stopped");
 }
 
@@ -249,6 +217,35 @@ async fn an_orchestrator_pointed_at_the_server_itself_refuses_to_start(kind: Kin
     assert!(
         orchestrator.exited_within(Duration::from_secs(30)).await,
         "an orchestrator journaling on a store that cannot decide kept running"
+    );
+}
+
+/// An aggregator in a child process owning the journal of a new Oxigraph server.
+fn owner_of_a_new_server(broker: &Broker) -> Aggregator {
+    Aggregator::start_over_server(
+        Place::Child,
+        broker,
+        SparqlServer::start(Kind::Oxigraph),
+        &["--config-token", TOKEN],
+    )
+}
+
+/// A journaled dialog `id`, through `aggregator`'s journal, ends once.
+async fn serves_one_dialog(broker: &Broker, aggregator: &Aggregator, id: &str) {
+    let llm = scripted_llm(THREE_STEPS).await;
+    let _orchestrator = Orchestrator::spawn_journaled(broker, &llm, aggregator, TOKEN, &[]);
+    let mut client = client(broker).await;
+    client
+        .send(id, &react(&format!("combine {id}")))
+        .await
+        .unwrap();
+    let responses = collect_dialog(&mut client, id, DIALOG_TIMEOUT)
+        .await
+        .unwrap();
+    assert_eq!(
+        responses.iter().filter(|r| r.end_of_dialog).count(),
+        1,
+        "{responses:#?}"
     );
 }
 

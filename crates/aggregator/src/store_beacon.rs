@@ -40,7 +40,8 @@ const FORGET_AFTER: Duration = Duration::from_secs(120);
 pub struct Reports {
     /// Owners heard alive in the store, each round they are.
     pub heard: mpsc::Sender<Owner>,
-    /// Set once this process has listened for [`ROUNDS_TO_LISTEN`] rounds.
+    /// Set once this process has listened for [`ROUNDS_TO_LISTEN`] rounds and no record it has
+    /// seen is still undecided (not moved, watched for less than [`SILENT_AFTER`]).
     pub listened: watch::Sender<bool>,
 }
 
