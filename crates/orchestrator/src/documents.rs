@@ -79,46 +79,98 @@ impl DocumentStore {
         }
     }
 
-    /// The whole texts of the documents `uris`, by IRI (those the store holds).
-    pub async fn fetch(&self, uris: &[String]) -> Result<HashMap<String, String>, String> {
+    /// The whole texts of the documents `uris` that could be read, by IRI, and why any other
+    /// could not be. A document no store has is simply absent; one that a store did not answer
+    /// for, and that no other store gave, is a failure: it may exist, so the caller should not
+    /// take its absence for an answer.
+    pub async fn fetch(&self, uris: &[String]) -> Fetched {
         let (librarian, graph) = match self {
             DocumentStore::Graph(store) => {
-                return fetch(store, uris.iter().map(String::as_str))
-                    .await
-                    .map_err(|e| e.to_string())
+                return match fetch(store, uris.iter().map(String::as_str)).await {
+                    Ok(texts) => Fetched::all(texts),
+                    Err(e) => Fetched {
+                        texts: HashMap::new(),
+                        failure: Some(e.to_string()),
+                    },
+                };
             }
             DocumentStore::Librarian { librarian, graph } => (librarian, graph),
         };
         let reads = futures::future::join_all(uris.iter().map(|uri| librarian.read(uri))).await;
-        let mut found = HashMap::new();
-        let mut missing = Vec::new();
-        // A document the librarian did not answer for may be in the graph all the same: a
-        // fan-in keeps there what the librarian did not take in time.
-        let mut unanswered = None;
+        let mut reading = Reading::default();
         for (uri, read) in uris.iter().zip(reads) {
             match read {
                 Ok(Some(text)) => {
-                    found.insert(uri.clone(), text);
+                    reading.texts.insert(uri.clone(), text);
                 }
-                Ok(None) => missing.push(uri.as_str()),
+                Ok(None) => reading.absent.push(uri.clone()),
                 Err(e) => {
-                    unanswered.get_or_insert(e.to_string());
-                    missing.push(uri.as_str());
+                    reading.librarian_failure.get_or_insert(e.to_string());
+                    reading.unanswered.push(uri.clone());
                 }
             }
         }
-        if let (Some(graph), false) = (graph, missing.is_empty()) {
-            let in_graph = fetch(graph, missing.iter().copied()).await;
-            match (in_graph, &unanswered) {
-                (Ok(texts), _) => found.extend(texts),
-                // The librarian's failure is the one to report: it is what the step waits out.
-                (Err(_), Some(_)) => {}
-                (Err(e), None) => return Err(e.to_string()),
+        // A document the librarian did not answer for may be in the graph all the same: a
+        // fan-in keeps there what the librarian did not take in time.
+        if let (Some(graph), false) = (
+            graph,
+            reading.absent.is_empty() && reading.unanswered.is_empty(),
+        ) {
+            let rest = reading.absent.iter().chain(&reading.unanswered);
+            match fetch(graph, rest.map(String::as_str)).await {
+                Ok(in_graph) => reading.texts.extend(in_graph),
+                Err(e) => reading.graph_failure = Some(e.to_string()),
             }
         }
-        match unanswered {
-            Some(e) if missing.iter().any(|uri| !found.contains_key(*uri)) => Err(e),
-            _ => Ok(found),
+        reading.settle()
+    }
+}
+
+/// What the librarian and then the graph gave for a fetch.
+#[derive(Default)]
+struct Reading {
+    texts: HashMap<String, String>,
+    /// What the librarian does not have.
+    absent: Vec<String>,
+    /// What the librarian did not answer for.
+    unanswered: Vec<String>,
+    librarian_failure: Option<String>,
+    graph_failure: Option<String>,
+}
+
+impl Reading {
+    fn settle(self) -> Fetched {
+        let unread = |uris: &[String]| uris.iter().any(|uri| !self.texts.contains_key(uri));
+        // The librarian's failure comes first: it is what the step waits out. A document the
+        // librarian lacks is a failure only if the graph could not be asked.
+        let failure = if unread(&self.unanswered) {
+            self.librarian_failure
+        } else if unread(&self.absent) {
+            self.graph_failure
+        } else {
+            None
+        };
+        Fetched {
+            texts: self.texts,
+            failure,
+        }
+    }
+}
+
+/// What [`DocumentStore::fetch`] read.
+#[derive(Debug, Default)]
+pub struct Fetched {
+    /// The documents read, by IRI.
+    pub texts: HashMap<String, String>,
+    /// Why some document that may exist could not be read.
+    pub failure: Option<String>,
+}
+
+impl Fetched {
+    fn all(texts: HashMap<String, String>) -> Fetched {
+        Fetched {
+            texts,
+            failure: None,
         }
     }
 }
@@ -195,8 +247,8 @@ pub async fn resolve_plan(store: Option<&DocumentStore>, plan: &[PlanStep]) -> V
     resolved
 }
 
-/// Replaces each excerpt among `texts` by its document's whole text. Without a store, or should
-/// it not answer, the excerpts stand: a prompt with an excerpt beats no step at all.
+/// Replaces each excerpt among `texts` by its document's whole text. Without a store, or for a
+/// document it does not give, the excerpt stands: a prompt with an excerpt beats no step at all.
 async fn resolve_texts(store: Option<&DocumentStore>, mut texts: Vec<&mut String>) {
     let Some(store) = store else {
         return;
@@ -208,13 +260,13 @@ async fn resolve_texts(store: Option<&DocumentStore>, mut texts: Vec<&mut String
     if wanted.is_empty() {
         return;
     }
-    let whole = match store.fetch(&wanted).await {
-        Ok(whole) => whole,
-        Err(e) => {
-            tracing::warn!(error = %e, "checked-in texts could not be read; the prompt sees their excerpts");
-            return;
-        }
-    };
+    let Fetched {
+        texts: whole,
+        failure,
+    } = store.fetch(&wanted).await;
+    if let Some(e) = failure {
+        tracing::warn!(error = %e, read = whole.len(), wanted = wanted.len(), "some checked-in texts could not be read; the prompt sees their excerpts");
+    }
     for text in &mut texts {
         let found = reference(text).and_then(|(uri, _)| whole.get(uri));
         if let Some(found) = found {
@@ -252,6 +304,45 @@ async fn fetch<'u>(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_fetch_fails_only_for_a_document_that_may_exist_and_keeps_what_it_read() {
+        let read = |uri: &str| (uri.to_owned(), format!("text of {uri}"));
+        let outage = || Some("the librarian did not answer".to_owned());
+        let graph_down = || Some("the graph did not answer".to_owned());
+        // The librarian lacks `a` (the graph too) and did not answer for `b`, found in the graph:
+        // nothing that may exist is unread.
+        let settled = Reading {
+            texts: HashMap::from([read("b")]),
+            absent: vec!["a".into()],
+            unanswered: vec!["b".into()],
+            librarian_failure: outage(),
+            graph_failure: None,
+        }
+        .settle();
+        assert_eq!(settled.failure, None);
+        assert_eq!(settled.texts, HashMap::from([read("b")]));
+        // `c` was not answered for and is not in the graph: the librarian's outage, and what was
+        // read is kept.
+        let settled = Reading {
+            texts: HashMap::from([read("b")]),
+            absent: vec!["a".into()],
+            unanswered: vec!["c".into()],
+            librarian_failure: outage(),
+            graph_failure: graph_down(),
+        }
+        .settle();
+        assert_eq!(settled.failure, outage());
+        assert_eq!(settled.texts, HashMap::from([read("b")]));
+        // The librarian lacks `a` and the graph could not be asked.
+        let settled = Reading {
+            absent: vec!["a".into()],
+            graph_failure: graph_down(),
+            ..Reading::default()
+        }
+        .settle();
+        assert_eq!(settled.failure, graph_down());
+    }
 
     #[tokio::test]
     async fn long_observations_go_out_and_the_newest_come_back_whole() {
