@@ -92,6 +92,9 @@ pub async fn beat(
             Ok(Ok(others)) => {
                 rounds += 1;
                 let now = Instant::now();
+                // A record removed from the store (a refused newcomer removes its own) is
+                // watched no more; should it come back, it is watched afresh.
+                watched.retain(|id, _| others.iter().any(|o| &o.id == id));
                 for other in others.into_iter().filter(|o| o.id != me.id) {
                     let seen = watched.entry(other.id.clone()).or_insert(Watched {
                         beat: other.beat,
