@@ -99,7 +99,10 @@ impl Journal {
     /// The entry of a step, if one was recorded.
     pub async fn entry(&self, entry: &NamedNode) -> Result<Option<JournalEntry>, GraphError> {
         match self {
-            Journal::Owner(store) => stored_entry(store, entry).await,
+            Journal::Owner(store) => Ok(stored_entries(store, std::slice::from_ref(entry))
+                .await?
+                .pop()
+                .flatten()),
             Journal::Remote(remote) => remote.journal_entry(entry.as_str()).await,
         }
     }
@@ -109,7 +112,14 @@ impl Journal {
         &self,
         entries: &[NamedNode],
     ) -> Result<Vec<Option<JournalEntry>>, GraphError> {
-        futures::future::try_join_all(entries.iter().map(|entry| self.entry(entry))).await
+        match self {
+            // One read of the store for all.
+            Journal::Owner(store) => stored_entries(store, entries).await,
+            // Made together, the calls share the remote's batches.
+            Journal::Remote(_) => {
+                futures::future::try_join_all(entries.iter().map(|entry| self.entry(entry))).await
+            }
+        }
     }
 
     /// Records the outcome unless another is recorded; returns the entry that stands (its
@@ -203,15 +213,17 @@ async fn record_all(
         _only_writer_of_these_keys.push(STRIPE_LOCKS[index].lock().await);
     }
     let now = canonical_instant(chrono::Utc::now());
+    // What stands is read once for the whole batch, under the locks.
+    let stored = stored_entries(store, &nodes).await?;
     let mut decided: std::collections::HashMap<String, JournalEntry> = Default::default();
     let mut writes = Vec::new();
     let mut standing = Vec::with_capacity(requests.len());
-    for (request, entry) in requests.into_iter().zip(&nodes) {
+    for ((request, entry), stored) in requests.into_iter().zip(&nodes).zip(stored) {
         if let Some(first) = decided.get(entry.as_str()) {
             standing.push(first.clone());
             continue;
         }
-        let stands = match stored_entry(store, entry).await? {
+        let stands = match stored {
             Some(stored) => stored,
             None => {
                 writes.extend(entry_quads(entry, &request, &now));
@@ -258,28 +270,31 @@ fn entry_quads(entry: &NamedNode, request: &RecordRequest, now: &str) -> Vec<Qua
     ]
 }
 
-async fn stored_entry(
+/// The entries of `entries` as the store holds them, in order, read in one pass.
+async fn stored_entries(
     store: &GraphStore,
-    entry: &NamedNode,
-) -> Result<Option<JournalEntry>, GraphError> {
+    entries: &[NamedNode],
+) -> Result<Vec<Option<JournalEntry>>, GraphError> {
     let said = store
-        .about(entry, &NamedNode::new_unchecked(JOURNAL_GRAPH))
+        .about_each(entries, &NamedNode::new_unchecked(JOURNAL_GRAPH))
         .await?;
+    Ok(said.iter().map(|said| entry_of(said)).collect())
+}
+
+fn entry_of(said: &[(NamedNode, Term)]) -> Option<JournalEntry> {
     let value = |predicate: NamedNodeRef<'_>| {
         said.iter()
             .find(|(p, _)| p.as_ref() == predicate)
             .map(|(_, o)| text(Some(o)))
     };
-    let Some(outcome) = value(tg::OUTCOME) else {
-        return Ok(None);
-    };
-    Ok(Some(JournalEntry {
+    let outcome = value(tg::OUTCOME)?;
+    Some(JournalEntry {
         outcome,
         delivery: value(tg::DELIVERY).unwrap_or_default(),
         attempt: value(tg::ATTEMPT).unwrap_or_default(),
         recorded_at: value(tg::RECORDED_AT),
         published: value(tg::PUBLISHED).is_some(),
-    }))
+    })
 }
 
 #[cfg(test)]

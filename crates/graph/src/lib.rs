@@ -10,6 +10,7 @@ pub mod queries;
 pub mod recorded;
 mod remote;
 
+use std::collections::HashMap;
 use std::path::Path;
 use std::sync::Arc;
 
@@ -393,50 +394,75 @@ impl GraphStore {
         }
     }
 
-    /// What the graph `graph` says about `subject` (predicate, object): a direct index lookup on an
-    /// embedded store, no SPARQL to parse and plan (the journal asks this once or twice a step).
-    pub async fn about(
+    /// What the graph `graph` says about each of `subjects` (predicate, object), in order: on an
+    /// embedded store direct index lookups in one task of the blocking pool, no SPARQL to parse
+    /// and plan; on an endpoint one query for all (the journal asks this for each batch of
+    /// lookups or records it decides).
+    pub async fn about_each(
         &self,
-        subject: &oxigraph::model::NamedNode,
+        subjects: &[oxigraph::model::NamedNode],
         graph: &oxigraph::model::NamedNode,
-    ) -> Result<Vec<(oxigraph::model::NamedNode, Term)>, GraphError> {
+    ) -> Result<Vec<Vec<(oxigraph::model::NamedNode, Term)>>, GraphError> {
+        if subjects.is_empty() {
+            return Ok(Vec::new());
+        }
         match &self.backend {
             Backend::Embedded { store, .. } => {
-                let (store, subject, graph) = (store.clone(), subject.clone(), graph.clone());
+                let (store, subjects, graph) = (store.clone(), subjects.to_vec(), graph.clone());
                 blocking(move || {
-                    store
-                        .quads_for_pattern(
-                            Some(subject.as_ref().into()),
-                            None,
-                            None,
-                            Some(graph.as_ref().into()),
-                        )
-                        .map(|quad| {
-                            quad.map(|q| (q.predicate, q.object))
-                                .map_err(|e| GraphError::Storage(e.to_string()))
+                    subjects
+                        .iter()
+                        .map(|subject| {
+                            store
+                                .quads_for_pattern(
+                                    Some(subject.as_ref().into()),
+                                    None,
+                                    None,
+                                    Some(graph.as_ref().into()),
+                                )
+                                .map(|quad| {
+                                    quad.map(|q| (q.predicate, q.object))
+                                        .map_err(|e| GraphError::Storage(e.to_string()))
+                                })
+                                .collect()
                         })
                         .collect()
                 })
                 .await
             }
             Backend::Remote(remote) => {
+                let values: Vec<String> = subjects.iter().map(|s| s.to_string()).collect();
                 let answer = remote
                     .query(&format!(
-                        "SELECT ?p ?o WHERE {{ GRAPH {graph} {{ {subject} ?p ?o }} }}"
+                        "SELECT ?s ?p ?o WHERE {{ VALUES ?s {{ {} }} GRAPH {graph} {{ ?s ?p ?o }} }}",
+                        values.join(" ")
                     ))
                     .await?
                     .rows();
-                Ok(answer
-                    .rows
+                let mut said: HashMap<String, Vec<(oxigraph::model::NamedNode, Term)>> =
+                    HashMap::new();
+                let column = |name: &str| answer.variables.iter().position(|v| v == name);
+                let (Some(si), Some(pi), Some(oi)) = (column("s"), column("p"), column("o")) else {
+                    return Err(GraphError::Storage(
+                        "the endpoint answered without the columns asked for".to_owned(),
+                    ));
+                };
+                for row in &answer.rows {
+                    let (
+                        Some(Some(Term::NamedNode(s))),
+                        Some(Some(Term::NamedNode(p))),
+                        Some(Some(o)),
+                    ) = (row.get(si), row.get(pi), row.get(oi))
+                    else {
+                        continue;
+                    };
+                    said.entry(s.as_str().to_owned())
+                        .or_default()
+                        .push((p.clone(), o.clone()));
+                }
+                Ok(subjects
                     .iter()
-                    .filter_map(|row| {
-                        let p = row.first()?.as_ref()?;
-                        let o = row.get(1)?.as_ref()?;
-                        match p {
-                            Term::NamedNode(p) => Some((p.clone(), o.clone())),
-                            _ => None,
-                        }
-                    })
+                    .map(|s| said.get(s.as_str()).cloned().unwrap_or_default())
                     .collect())
             }
         }
