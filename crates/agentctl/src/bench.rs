@@ -46,6 +46,12 @@ pub struct BenchArgs {
     /// production, so the figures side by side differ by the journal alone.
     #[arg(long)]
     no_store: bool,
+    /// Keep the graph (provenance and the journal's entries) in this SPARQL server behind the
+    /// aggregator, instead of its embedded store: the base URL that serves `/query` and `/update`
+    /// (Oxigraph's `oxigraph serve`, Apache Jena Fuseki's `http://host:3030/ds`). The aggregator
+    /// still decides the journal. The store's figures count what the run added.
+    #[arg(long)]
+    graph_server: Option<String>,
     /// The brokers to run on, one after the other, compared at the end: `pulsar-lite`, `apache`
     /// (Apache Pulsar's standalone, started here), `external` (the broker at `--pulsar-url`).
     #[arg(long, value_enum, value_delimiter = ',', default_value = "pulsar-lite")]
@@ -222,11 +228,15 @@ fn on_off_short(journal: bool) -> &'static str {
     }
 }
 
-fn on_off(journal: bool, stored: bool) -> &'static str {
+fn on_off(journal: bool, stored: bool, server: Option<&str>) -> String {
+    let store = match server {
+        Some(url) => format!("an aggregator over the SPARQL server {url}"),
+        None => "an aggregator's embedded store".to_owned(),
+    };
     match (journal, stored) {
-        (true, _) => "on (aggregator's embedded store, which also stores provenance)",
-        (false, true) => "off (provenance stored by an aggregator's embedded store)",
-        (false, false) => "off (provenance not stored: no aggregator)",
+        (true, _) => format!("on (decided by {store}, which also stores provenance)"),
+        (false, true) => format!("off (provenance stored by {store})"),
+        (false, false) => "off (provenance not stored: no aggregator)".to_owned(),
     }
 }
 
@@ -251,6 +261,8 @@ async fn bench_on(
         rand::random::<u32>()
     ));
     let mut store = None;
+    // What the store held before the run (a SPARQL server may hold earlier runs').
+    let mut held_before = (0, (0, 0));
     let aggregator = if journal || !args.no_store {
         let _ = std::fs::remove_dir_all(&store_dir);
         let addr: std::net::SocketAddr = ([127, 0, 0, 1], agent_bus::embedded::free_port()?).into();
@@ -260,14 +272,18 @@ async fn bench_on(
             store_dir.clone(),
             addr,
         );
+        if let Some(server) = &args.graph_server {
+            server.clone_into(&mut aggregator.graph_store);
+        }
         aggregator.config_token = Some(token.clone());
         let seal = uuid::Uuid::new_v4().simple().to_string();
         aggregator.seal_key = Some(seal.clone());
         settings.seal_key = Some(seal);
-        store = Some(agent_graph::GraphStore::open(
-            &format!("http://{addr}"),
-            Some(token.clone()),
-        )?);
+        store = Some(match &args.graph_server {
+            // Read where the graph is, so the figures do not wait for the aggregator's reads.
+            Some(server) => agent_graph::GraphStore::open(server, None)?,
+            None => agent_graph::GraphStore::open(&format!("http://{addr}"), Some(token.clone()))?,
+        });
         // The orchestrator journals when, and only when, it is given the aggregator's store.
         if journal {
             settings.graph_store = Some(format!("http://{addr}"));
@@ -277,6 +293,9 @@ async fn bench_on(
         }
         let task = tokio::spawn(agent_aggregator::run(aggregator, shutdown.clone()));
         crate::up::until_listening(addr, &task).await;
+        if let Some(store) = &store {
+            held_before = (quad_count(store).await?, journal_size(store).await?);
+        }
         Some(task)
     } else {
         settings.graph_store = None;
@@ -290,7 +309,7 @@ async fn bench_on(
     println!(
         "\nagentctl bench: {broker_name} {url}, scripted LLM answering instantly, max_in_flight {}, journal {}",
         settings.max_in_flight,
-        on_off(journal, store.is_some())
+        on_off(journal, store.is_some(), args.graph_server.as_deref())
     );
     let rtt = broker_round_trip(&bus, args.round_trips).await?;
     let rtt_p50 = percentile(&rtt, 50.0);
@@ -337,6 +356,10 @@ async fn bench_on(
     if let Some(store) = &store {
         if journal {
             let (bytes, entries) = journal_size(store).await?;
+            let (bytes, entries) = (
+                bytes.saturating_sub(held_before.1 .0),
+                entries.saturating_sub(held_before.1 .1),
+            );
             println!(
                 "journal: {entries} entries, {bytes} bytes of outcomes: {:.0} bytes per dialog, {:.0} per entry",
                 bytes as f64 / dialogs,
@@ -344,7 +367,7 @@ async fn bench_on(
             );
             journal_bytes_per_dialog = Some(bytes as f64 / dialogs);
         }
-        let quads = quad_count(store).await?;
+        let quads = quad_count(store).await?.saturating_sub(held_before.0);
         println!(
             "store: {quads} quads (provenance{}): {:.0} per dialog",
             if journal { " and journal" } else { "" },
