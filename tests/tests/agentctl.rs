@@ -181,6 +181,62 @@ fn bench_prints_both_journal_modes() {
     assert!(stdout.contains("journal"), "{stdout}");
 }
 
+/// `bench --graph-server` keeps the graph in a SPARQL server the project does not own (Oxigraph's
+/// own server) behind the aggregator, and counts what each run added: a second run on the same
+/// server reports about what the first did, not their sum.
+#[test]
+fn bench_keeps_the_graph_in_a_sparql_server() {
+    use agent_e2e::sparql_server::{Kind, SparqlServer};
+    let server = SparqlServer::start(Kind::Oxigraph);
+    let endpoint = server.endpoint();
+    let bench = || {
+        let (stdout, _) = run(&[
+            "bench",
+            "--round-trips",
+            "20",
+            "--one-iteration",
+            "3",
+            "--three-iteration",
+            "2",
+            "--dialogs",
+            "8",
+            "--concurrency",
+            "4",
+            "--journal",
+            "on",
+            "--graph-server",
+            &endpoint,
+        ]);
+        assert!(stdout.contains("steps/s"), "{stdout}");
+        assert!(
+            stdout.contains(&format!("over the SPARQL server {endpoint}")),
+            "{stdout}"
+        );
+        let figure = |prefix: &str| -> u64 {
+            let line = stdout
+                .lines()
+                .find(|l| l.starts_with(prefix))
+                .unwrap_or_else(|| panic!("no line starting {prefix:?}:\n{stdout}"));
+            line[prefix.len()..]
+                .split_whitespace()
+                .next()
+                .and_then(|n| n.parse().ok())
+                .unwrap_or_else(|| panic!("no figure in {line:?}"))
+        };
+        (figure("store: "), figure("journal: "))
+    };
+    let (quads, entries) = bench();
+    // Every dialog's provenance and one entry for each of its steps landed in the server.
+    assert!(quads > 1_000, "{quads} quads");
+    assert!(entries >= 18 * 2, "{entries} entries");
+    let (again, entries_again) = bench();
+    assert!(
+        again < quads * 3 / 2,
+        "the second run counted {again} quads, the first {quads}"
+    );
+    assert_eq!(entries_again, entries);
+}
+
 /// `bench-graph` with small sizes: the write rate, then the explain query at each size, which
 /// must return the whole session every time.
 #[test]
