@@ -128,3 +128,95 @@ async fn sigterm_past_the_drain_deadline_leaves_the_message_for_another_replica(
     );
     assert_eq!(calls_about(&llm, "Question: stuck"), 2);
 }
+
+/// A consumer asked to stop while far behind its backlog (an aggregator whose store is slower than
+/// the dialogs) stops in time, and what it had not acked is handled by the next consumer. Closing
+/// such a consumer used to wait for ever: its connection's reader was held up by buffered
+/// messages nobody read any more, so the broker's answer to the close never came through.
+#[tokio::test]
+async fn a_consumer_far_behind_its_backlog_stops_in_time_and_loses_nothing() {
+    use std::collections::HashSet;
+    use std::sync::{Arc, Mutex};
+
+    use agent_bus::{run_consumer, Bus, ConsumerStats, Disposition, Properties, Publisher};
+    use tokio_util::sync::CancellationToken;
+
+    const MESSAGES: usize = 300;
+    let broker = Broker::start().unwrap();
+    let topic = "persistent://tg/flow/backlog-test";
+    let config = agent_bus::SubscriptionConfig {
+        topic: topic.to_owned(),
+        subscription: "slow-writer".to_owned(),
+        max_in_flight: 4,
+        max_redeliveries: None,
+        dead_letter_topic: String::new(),
+        drain_deadline: Duration::from_secs(2),
+        nack_delay: Duration::from_millis(100),
+        one_at_a_time: false,
+    };
+    let handled: Arc<Mutex<HashSet<u64>>> = Arc::default();
+    let consume = |bus: Bus, shutdown: CancellationToken, pause: Duration| {
+        let (config, handled) = (config.clone(), handled.clone());
+        tokio::spawn(async move {
+            run_consumer(
+                &bus,
+                config,
+                Arc::new(ConsumerStats::default()),
+                shutdown,
+                move |delivery: agent_bus::Delivery<u64>| {
+                    let handled = handled.clone();
+                    async move {
+                        tokio::time::sleep(pause).await;
+                        handled.lock().unwrap().insert(delivery.payload);
+                        Disposition::Ack
+                    }
+                },
+            )
+            .await
+        })
+    };
+    let first_bus = Bus::connect(&broker.url(), None).await.unwrap();
+    let stop_first = CancellationToken::new();
+    let first = consume(first_bus, stop_first.clone(), Duration::from_millis(50));
+    let publisher = Publisher::new(&Bus::connect(&broker.url(), None).await.unwrap(), topic)
+        .await
+        .unwrap();
+    for n in 0..MESSAGES as u64 {
+        publisher
+            .send(n.to_string().into_bytes(), &Properties::new())
+            .await
+            .unwrap();
+    }
+    while handled.lock().unwrap().len() < 8 {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    stop_first.cancel();
+    let stopped = tokio::time::timeout(Duration::from_secs(20), first).await;
+    assert!(
+        matches!(stopped, Ok(Ok(Ok(())))),
+        "a consumer far behind did not stop within 20 s: {stopped:?}"
+    );
+    let behind = MESSAGES - handled.lock().unwrap().len();
+    assert!(
+        behind > 100,
+        "the first consumer was not behind ({behind} left)"
+    );
+
+    let stop_second = CancellationToken::new();
+    let second = consume(
+        Bus::connect(&broker.url(), None).await.unwrap(),
+        stop_second.clone(),
+        Duration::ZERO,
+    );
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    while handled.lock().unwrap().len() < MESSAGES {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "{} of {MESSAGES} messages handled",
+            handled.lock().unwrap().len()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    stop_second.cancel();
+    second.await.unwrap().unwrap();
+}

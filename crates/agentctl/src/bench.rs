@@ -367,11 +367,13 @@ async fn bench_on(
             );
             journal_bytes_per_dialog = Some(bytes as f64 / dialogs);
         }
-        let quads = quad_count(store).await?.saturating_sub(held_before.0);
+        let (quads, caught_up) = settled_quad_count(store).await?;
+        let quads = quads.saturating_sub(held_before.0);
         println!(
-            "store: {quads} quads (provenance{}): {:.0} per dialog",
+            "store: {quads} quads (provenance{}): {:.0} per dialog; the aggregator had written them {:.1} s after the last dialog ended",
             if journal { " and journal" } else { "" },
-            quads as f64 / dialogs
+            quads as f64 / dialogs,
+            caught_up.as_secs_f64()
         );
     }
     shutdown.cancel();
@@ -389,6 +391,25 @@ async fn bench_on(
         three_p50: percentile(&three, 50.0),
         steps_per_sec,
     })
+}
+
+/// The store's quads once the aggregator has written what the run explained (provenance is
+/// written behind the dialogs, and a SPARQL server may take a while), and how long that took: the
+/// count once it has not moved for two seconds.
+async fn settled_quad_count(store: &agent_graph::GraphStore) -> anyhow::Result<(u64, Duration)> {
+    const STILL_FOR: Duration = Duration::from_secs(2);
+    const AT_MOST: Duration = Duration::from_secs(600);
+    let started = Instant::now();
+    let mut count = quad_count(store).await?;
+    let mut moved = started;
+    while moved.elapsed() < STILL_FOR && started.elapsed() < AT_MOST {
+        tokio::time::sleep(Duration::from_millis(250)).await;
+        let now = quad_count(store).await?;
+        if now != count {
+            (count, moved) = (now, Instant::now());
+        }
+    }
+    Ok((count, moved.duration_since(started)))
 }
 
 /// Every quad the store holds, in every graph.

@@ -99,6 +99,9 @@ impl ConsumerStats {
     }
 }
 
+/// How long a consumer's close may wait for the broker's answer.
+const CLOSE_WITHIN: Duration = Duration::from_secs(5);
+
 /// The property that says why a message was dead-lettered.
 pub const DEAD_LETTER_REASON: &str = "dead-letter-reason";
 /// The property naming the topic a dead-lettered message came from.
@@ -206,8 +209,17 @@ where
             }
         }
     }
-    if let Err(e) = consumer.close().await {
-        tracing::debug!(error = %e, "closing the consumer");
+    // A consumer stopped far behind its backlog holds messages nobody reads any more, and they can
+    // hold up its connection's reader and with it the broker's answer to the close: bounded, so a
+    // service behind its backlog still stops. What it did not ack goes to another consumer.
+    match tokio::time::timeout(CLOSE_WITHIN, consumer.close()).await {
+        Ok(Ok(())) => {}
+        Ok(Err(e)) => tracing::debug!(error = %e, "closing the consumer"),
+        Err(_) => tracing::warn!(
+            topic = %config.topic,
+            "the consumer did not close within {} s; stopping without the broker's answer",
+            CLOSE_WITHIN.as_secs()
+        ),
     }
     Ok(())
 }
