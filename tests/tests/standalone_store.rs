@@ -263,3 +263,47 @@ async fn owns_the_journal(aggregator: &Aggregator) -> bool {
     }
     false
 }
+
+/// Inserts into a SPARQL server made at once share one `INSERT DATA` (group commit), and a batch
+/// the server refuses is tried call by call: only the call whose quads are bad fails, the others
+/// are kept.
+#[tokio::test]
+async fn inserts_made_together_are_kept_but_for_the_one_the_server_refuses() {
+    use agent_graph::model::{Literal, NamedNode, Quad};
+    let server = SparqlServer::start(Kind::Oxigraph);
+    let store = GraphStore::open(&server.endpoint(), None).unwrap();
+    let graph = NamedNode::new("urn:graph:batch-test").unwrap();
+    let quad = |subject: NamedNode, n: usize| {
+        Quad::new(
+            subject,
+            NamedNode::new("urn:test:n").unwrap(),
+            Literal::from(n as i64),
+            graph.clone(),
+        )
+    };
+    let mut inserts = tokio::task::JoinSet::new();
+    for n in 0..24 {
+        let store = store.clone();
+        // Not an IRI: the server refuses the update it is in.
+        let subject = if n == 7 {
+            NamedNode::new_unchecked("urn:test:not an iri")
+        } else {
+            NamedNode::new(format!("urn:test:s{n}")).unwrap()
+        };
+        let quads = vec![quad(subject, n)];
+        inserts.spawn(async move { (n, store.insert(quads).await) });
+    }
+    let outcomes = inserts.join_all().await;
+    for (n, outcome) in &outcomes {
+        assert_eq!(outcome.is_err(), *n == 7, "insert {n}: {outcome:?}");
+    }
+    let rows = store
+        .query("SELECT (COUNT(*) AS ?n) WHERE { GRAPH <urn:graph:batch-test> { ?s ?p ?o } }".into())
+        .await
+        .unwrap()
+        .rows();
+    assert_eq!(
+        rows.first("n").map(|n| n.to_string()),
+        Some("\"23\"^^<http://www.w3.org/2001/XMLSchema#integer>".to_owned())
+    );
+}

@@ -250,7 +250,7 @@ impl GraphStore {
                 })
                 .await
             }
-            Writable::Remote(remote) => remote.insert(&quads).await,
+            Writable::Remote(remote) => remote.insert_batched(quads).await,
         }
     }
 

@@ -18,7 +18,15 @@ pub struct RemoteSparql {
     base: String,
     token: Option<String>,
     journal: JournalCalls,
+    /// Inserts made while one is on its way go together in the next `INSERT DATA` (group
+    /// commit): a server that runs one write transaction at a time and commits each to disk
+    /// (Jena TDB2) then commits many messages' quads at once instead of one each.
+    inserts: Batcher<Vec<Quad>, Result<(), GraphError>>,
 }
+
+/// The most inserts sent together: explainability messages are bounded by the broker's message
+/// limit, so a batch stays a bounded request.
+const MAX_INSERTS: usize = 16;
 
 /// The journal API of an aggregator, its calls of each kind batched while one is on its way
 /// (see [`Batcher`]): many steps in flight share one HTTP call and one store transaction.
@@ -28,7 +36,8 @@ struct JournalCalls {
     marks: Batcher<String, ()>,
 }
 
-/// What a journal call needs of the endpoint, owned, for the batching workers.
+/// What a batched call (the journal's, inserts) needs of the endpoint, owned, for the batching
+/// workers.
 #[derive(Clone)]
 struct JournalApi {
     http: reqwest::Client,
@@ -62,6 +71,42 @@ impl JournalApi {
     ) -> Result<A, GraphError> {
         let body = self.call(path, body).await?;
         serde_json::from_slice(&body.bytes).map_err(|e| GraphError::Malformed(e.to_string()))
+    }
+
+    async fn update(&self, sparql: String) -> Result<(), GraphError> {
+        let request = self.http.post(format!("{}/update", self.base));
+        let request = match &self.token {
+            Some(token) => request.bearer_auth(token),
+            None => request,
+        };
+        let request = request
+            .header(reqwest::header::CONTENT_TYPE, "application/sparql-update")
+            .body(sparql);
+        RemoteSparql::send(request).await.map(|_| ())
+    }
+
+    /// Inserts batched: each call's quads commit with the others of its batch. A batch the
+    /// server refuses (not an outage) is tried again call by call, so one call's bad quads fail
+    /// only that call.
+    fn batched_inserts(&self) -> Batcher<Vec<Quad>, Result<(), GraphError>> {
+        let api = self.clone();
+        Batcher::new(MAX_INSERTS, move |batch: Vec<Vec<Quad>>| {
+            let api = api.clone();
+            async move {
+                let together = api.update(insert_data(batch.iter().flatten())).await;
+                match together {
+                    Ok(()) => Ok(vec![Ok(()); batch.len()]),
+                    Err(e) if e.retryable() || batch.len() == 1 => Ok(vec![Err(e); batch.len()]),
+                    Err(_) => {
+                        let mut each = Vec::with_capacity(batch.len());
+                        for quads in &batch {
+                            each.push(api.update(insert_data(quads.iter())).await);
+                        }
+                        Ok(each)
+                    }
+                }
+            }
+        })
     }
 
     fn batched(&self) -> JournalCalls {
@@ -107,6 +152,7 @@ impl RemoteSparql {
         };
         Ok(RemoteSparql {
             journal: api.batched(),
+            inserts: api.batched_inserts(),
             http: api.http,
             base: api.base,
             token: api.token,
@@ -185,27 +231,13 @@ impl RemoteSparql {
     /// Adds quads with one `INSERT DATA` update: atomic, and understood by every SPARQL 1.1 server
     /// (the Graph Store Protocol's paths differ between servers, and it takes one graph a call).
     pub async fn insert(&self, quads: &[Quad]) -> Result<(), GraphError> {
-        let mut by_graph: BTreeMap<Option<String>, String> = BTreeMap::new();
-        for quad in quads {
-            let graph = match &quad.graph_name {
-                GraphName::NamedNode(n) => Some(n.to_string()),
-                _ => None,
-            };
-            let body = by_graph.entry(graph).or_default();
-            body.push_str(&format!(
-                "{} {} {} .\n",
-                quad.subject, quad.predicate, quad.object
-            ));
-        }
-        let mut update = String::from("INSERT DATA {\n");
-        for (graph, triples) in by_graph {
-            match graph {
-                Some(g) => update.push_str(&format!("GRAPH {g} {{\n{triples}}}\n")),
-                None => update.push_str(&triples),
-            }
-        }
-        update.push('}');
-        self.update(&update).await
+        self.update(&insert_data(quads.iter())).await
+    }
+
+    /// Adds quads atomically, in one `INSERT DATA` with the inserts made while the previous one
+    /// was on its way (group commit).
+    pub async fn insert_batched(&self, quads: Vec<Quad>) -> Result<(), GraphError> {
+        self.inserts.call(quads).await?
     }
 
     pub async fn load(
@@ -253,4 +285,29 @@ impl RemoteSparql {
 struct Body {
     content_type: String,
     bytes: Vec<u8>,
+}
+
+/// One `INSERT DATA` update adding `quads`, grouped by graph.
+fn insert_data<'q>(quads: impl Iterator<Item = &'q Quad>) -> String {
+    let mut by_graph: BTreeMap<Option<String>, String> = BTreeMap::new();
+    for quad in quads {
+        let graph = match &quad.graph_name {
+            GraphName::NamedNode(n) => Some(n.to_string()),
+            _ => None,
+        };
+        let body = by_graph.entry(graph).or_default();
+        body.push_str(&format!(
+            "{} {} {} .\n",
+            quad.subject, quad.predicate, quad.object
+        ));
+    }
+    let mut update = String::from("INSERT DATA {\n");
+    for (graph, triples) in by_graph {
+        match graph {
+            Some(g) => update.push_str(&format!("GRAPH {g} {{\n{triples}}}\n")),
+            None => update.push_str(&triples),
+        }
+    }
+    update.push('}');
+    update
 }
