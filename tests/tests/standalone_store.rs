@@ -306,4 +306,30 @@ async fn inserts_made_together_are_kept_but_for_the_one_the_server_refuses() {
         rows.first("n").map(|n| n.to_string()),
         Some("\"23\"^^<http://www.w3.org/2001/XMLSchema#integer>".to_owned())
     );
+    // A blank node's label names one node within one request: six calls made at once that all
+    // say `_:x` keep six nodes.
+    let blank = |n: usize| {
+        let (store, graph) = (store.clone(), graph.clone());
+        async move {
+            let quad = Quad::new(
+                agent_graph::model::BlankNode::new("x").unwrap(),
+                NamedNode::new("urn:test:blank").unwrap(),
+                Literal::from(n as i64),
+                graph,
+            );
+            store.insert(vec![quad]).await
+        }
+    };
+    for inserted in futures::future::join_all((0..6).map(blank)).await {
+        inserted.unwrap();
+    }
+    let rows = store
+        .query("SELECT (COUNT(DISTINCT ?s) AS ?n) WHERE { GRAPH <urn:graph:batch-test> { ?s <urn:test:blank> ?o } }".into())
+        .await
+        .unwrap()
+        .rows();
+    assert_eq!(
+        rows.first("n").map(|n| n.to_string()),
+        Some("\"6\"^^<http://www.w3.org/2001/XMLSchema#integer>".to_owned())
+    );
 }

@@ -209,9 +209,11 @@ where
             }
         }
     }
-    // A consumer stopped far behind its backlog holds messages nobody reads any more, and they can
-    // hold up its connection's reader and with it the broker's answer to the close: bounded, so a
-    // service behind its backlog still stops. What it did not ack goes to another consumer.
+    // A consumer stopped far behind its backlog (messages delivered to it that nobody reads any
+    // more) was seen never to get the broker's answer to its close (pulsar-lite, an aggregator
+    // behind a slow store): bounded, so a service behind its backlog still stops. What it did not
+    // ack goes to another consumer once its connection closes, as the process exits; a process
+    // that lives on keeps those messages (and a Failover subscription's turn) until then.
     match tokio::time::timeout(CLOSE_WITHIN, consumer.close()).await {
         Ok(Ok(())) => {}
         Ok(Err(e)) => tracing::debug!(error = %e, "closing the consumer"),

@@ -197,9 +197,22 @@ impl Journal {
     }
 }
 
-/// The owner's decision on several records: every key's lock is held (taken in one order, so two
-/// batches cannot wait for each other) around reading what stands and writing what is new.
+/// The owner's decision on several records, run to its end even if its caller goes away (an HTTP
+/// client that gave up): its insert may already be on its way, so the keys' locks must be held
+/// until it is settled, or a retry of the same step could read nothing and write a second entry.
 async fn record_all(
+    store: &GraphStore,
+    requests: Vec<RecordRequest>,
+) -> Result<Vec<JournalEntry>, GraphError> {
+    let store = store.clone();
+    tokio::spawn(async move { decide(&store, requests).await })
+        .await
+        .map_err(|e| GraphError::Storage(format!("a journal decision failed: {e}")))?
+}
+
+/// Every key's lock is held (taken in one order, so two batches cannot wait for each other)
+/// around reading what stands and writing what is new.
+async fn decide(
     store: &GraphStore,
     requests: Vec<RecordRequest>,
 ) -> Result<Vec<JournalEntry>, GraphError> {

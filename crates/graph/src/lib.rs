@@ -431,7 +431,9 @@ impl GraphStore {
                 .await
             }
             Backend::Remote(remote) => {
-                let values: Vec<String> = subjects.iter().map(|s| s.to_string()).collect();
+                let values: std::collections::BTreeSet<String> =
+                    subjects.iter().map(|s| s.to_string()).collect();
+                let values: Vec<String> = values.into_iter().collect();
                 let answer = remote
                     .query(&format!(
                         "SELECT ?s ?p ?o WHERE {{ VALUES ?s {{ {} }} GRAPH {graph} {{ ?s ?p ?o }} }}",

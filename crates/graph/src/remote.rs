@@ -86,8 +86,8 @@ impl JournalApi {
     }
 
     /// Inserts batched: each call's quads commit with the others of its batch. A batch the
-    /// server refuses (not an outage) is tried again call by call, so one call's bad quads fail
-    /// only that call.
+    /// server answers with an error (not an outage) is tried again call by call, so one call's bad
+    /// quads fail only that call.
     fn batched_inserts(&self) -> Batcher<Vec<Quad>, Result<(), GraphError>> {
         let api = self.clone();
         Batcher::new(MAX_INSERTS, move |batch: Vec<Vec<Quad>>| {
@@ -96,7 +96,12 @@ impl JournalApi {
                 let together = api.update(insert_data(batch.iter().flatten())).await;
                 match together {
                     Ok(()) => Ok(vec![Ok(()); batch.len()]),
-                    Err(e) if e.retryable() || batch.len() == 1 => Ok(vec![Err(e); batch.len()]),
+                    // No answer (the server is away): every call waits for redelivery alike.
+                    Err(e) if batch.len() == 1 || !matches!(e, GraphError::Http { .. }) => {
+                        Ok(vec![Err(e); batch.len()])
+                    }
+                    // An answer that refuses: one call's quads may be to blame, so that only
+                    // it fails, each is tried alone.
                     Err(_) => {
                         let mut each = Vec::with_capacity(batch.len());
                         for quads in &batch {
@@ -237,6 +242,16 @@ impl RemoteSparql {
     /// Adds quads atomically, in one `INSERT DATA` with the inserts made while the previous one
     /// was on its way (group commit).
     pub async fn insert_batched(&self, quads: Vec<Quad>) -> Result<(), GraphError> {
+        // A blank node's label names one node within one request: beside another call's quads it
+        // could become that call's node too.
+        let blank = |q: &Quad| {
+            q.subject.is_blank_node()
+                || q.object.is_blank_node()
+                || matches!(q.graph_name, GraphName::BlankNode(_))
+        };
+        if quads.iter().any(blank) {
+            return self.insert(&quads).await;
+        }
         self.inserts.call(quads).await?
     }
 
