@@ -297,14 +297,21 @@ async fn inserts_made_together_are_kept_but_for_the_one_the_server_refuses() {
     for (n, outcome) in &outcomes {
         assert_eq!(outcome.is_err(), *n == 7, "insert {n}: {outcome:?}");
     }
-    let rows = store
-        .query("SELECT (COUNT(*) AS ?n) WHERE { GRAPH <urn:graph:batch-test> { ?s ?p ?o } }".into())
-        .await
-        .unwrap()
-        .rows();
+    let count = |sparql: &'static str| {
+        let store = store.clone();
+        async move {
+            let rows = store.query(sparql.into()).await.unwrap().rows();
+            rows.first("n").map(|n| n.to_string())
+        }
+    };
+    let counted = |n: u32| {
+        Some(format!(
+            "\"{n}\"^^<http://www.w3.org/2001/XMLSchema#integer>"
+        ))
+    };
     assert_eq!(
-        rows.first("n").map(|n| n.to_string()),
-        Some("\"23\"^^<http://www.w3.org/2001/XMLSchema#integer>".to_owned())
+        count("SELECT (COUNT(*) AS ?n) WHERE { GRAPH <urn:graph:batch-test> { ?s ?p ?o } }").await,
+        counted(23)
     );
     // A blank node's label names one node within one request: six calls made at once that all
     // say `_:x` keep six nodes.
@@ -323,13 +330,8 @@ async fn inserts_made_together_are_kept_but_for_the_one_the_server_refuses() {
     for inserted in futures::future::join_all((0..6).map(blank)).await {
         inserted.unwrap();
     }
-    let rows = store
-        .query("SELECT (COUNT(DISTINCT ?s) AS ?n) WHERE { GRAPH <urn:graph:batch-test> { ?s <urn:test:blank> ?o } }".into())
-        .await
-        .unwrap()
-        .rows();
     assert_eq!(
-        rows.first("n").map(|n| n.to_string()),
-        Some("\"6\"^^<http://www.w3.org/2001/XMLSchema#integer>".to_owned())
+        count("SELECT (COUNT(DISTINCT ?s) AS ?n) WHERE { GRAPH <urn:graph:batch-test> { ?s <urn:test:blank> ?o } }").await,
+        counted(6)
     );
 }

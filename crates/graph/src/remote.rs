@@ -46,14 +46,18 @@ struct JournalApi {
 }
 
 impl JournalApi {
-    async fn call<T: serde::Serialize>(&self, path: &str, body: &T) -> Result<Body, GraphError> {
-        let payload = serde_json::to_vec(body).map_err(|e| GraphError::Malformed(e.to_string()))?;
+    fn post(&self, path: &str) -> reqwest::RequestBuilder {
         let request = self.http.post(format!("{}{path}", self.base));
-        let request = match &self.token {
+        match &self.token {
             Some(token) => request.bearer_auth(token),
             None => request,
-        };
-        let request = request
+        }
+    }
+
+    async fn call<T: serde::Serialize>(&self, path: &str, body: &T) -> Result<Body, GraphError> {
+        let payload = serde_json::to_vec(body).map_err(|e| GraphError::Malformed(e.to_string()))?;
+        let request = self
+            .post(path)
             .header(reqwest::header::CONTENT_TYPE, "application/json")
             .body(payload);
         match RemoteSparql::send(request).await {
@@ -74,12 +78,8 @@ impl JournalApi {
     }
 
     async fn update(&self, sparql: String) -> Result<(), GraphError> {
-        let request = self.http.post(format!("{}/update", self.base));
-        let request = match &self.token {
-            Some(token) => request.bearer_auth(token),
-            None => request,
-        };
-        let request = request
+        let request = self
+            .post("/update")
             .header(reqwest::header::CONTENT_TYPE, "application/sparql-update")
             .body(sparql);
         RemoteSparql::send(request).await.map(|_| ())
