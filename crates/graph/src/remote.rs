@@ -14,9 +14,7 @@ use crate::{collect, GraphError, QueryAnswer};
 
 /// A remote SPARQL endpoint.
 pub struct RemoteSparql {
-    http: reqwest::Client,
-    base: String,
-    token: Option<String>,
+    api: Endpoint,
     journal: JournalCalls,
     /// Inserts made while one is on its way go together in the next `INSERT DATA` (group
     /// commit): a server that runs one write transaction at a time and commits each to disk
@@ -36,16 +34,16 @@ struct JournalCalls {
     marks: Batcher<String, ()>,
 }
 
-/// What a batched call (the journal's, inserts) needs of the endpoint, owned, for the batching
-/// workers.
+/// The server: its base URL, its token and the HTTP client, owned, as every call needs them (the
+/// batching workers too).
 #[derive(Clone)]
-struct JournalApi {
+struct Endpoint {
     http: reqwest::Client,
     base: String,
     token: Option<String>,
 }
 
-impl JournalApi {
+impl Endpoint {
     fn post(&self, path: &str) -> reqwest::RequestBuilder {
         let request = self.http.post(format!("{}{path}", self.base));
         match &self.token {
@@ -150,7 +148,7 @@ impl RemoteSparql {
             .timeout(Duration::from_secs(120))
             .build()
             .map_err(|e| GraphError::Transport(e.to_string()))?;
-        let api = JournalApi {
+        let api = Endpoint {
             http,
             base: base.trim_end_matches('/').to_owned(),
             token: token.filter(|t| !t.is_empty()),
@@ -158,18 +156,8 @@ impl RemoteSparql {
         Ok(RemoteSparql {
             journal: api.batched(),
             inserts: api.batched_inserts(),
-            http: api.http,
-            base: api.base,
-            token: api.token,
+            api,
         })
-    }
-
-    fn post(&self, path: &str) -> reqwest::RequestBuilder {
-        let request = self.http.post(format!("{}{path}", self.base));
-        match &self.token {
-            Some(token) => request.bearer_auth(token),
-            None => request,
-        }
     }
 
     async fn send(request: reqwest::RequestBuilder) -> Result<Body, GraphError> {
@@ -202,6 +190,7 @@ impl RemoteSparql {
 
     pub async fn query(&self, sparql: &str) -> Result<QueryAnswer, GraphError> {
         let request = self
+            .api
             .post("/query")
             .header(reqwest::header::CONTENT_TYPE, "application/sparql-query")
             .header(
@@ -227,6 +216,7 @@ impl RemoteSparql {
 
     pub async fn update(&self, sparql: &str) -> Result<(), GraphError> {
         let request = self
+            .api
             .post("/update")
             .header(reqwest::header::CONTENT_TYPE, "application/sparql-update")
             .body(sparql.to_owned());
@@ -265,7 +255,7 @@ impl RemoteSparql {
         // Fuseki at `/data`.
         let mut outcome = Ok(());
         for path in ["/store", "/data"] {
-            let request = self.post(path);
+            let request = self.api.post(path);
             let request = match graph {
                 Some(g) => request.query(&[("graph", g)]),
                 None => request.query(&[("default", "")]),
