@@ -14,13 +14,41 @@ use crate::{Bus, BusError, Properties, Publisher, Topics};
 
 /// A subscription of this client alone (named `{prefix}-{random}`) that sees what is published
 /// from now on.
+///
+/// Its topics are non-persistent (TrustGraph's responses, notifications): a broker drops what it
+/// has no flow permits for, Apache Pulsar as pulsar-lite. The `pulsar` crate grants permits as its
+/// bounded queue (1,000 messages) empties, so a reader busy elsewhere for a moment lost every
+/// message after the first 1,500 or so, silently (a dialog's closing among them would leave its
+/// client waiting for ever). A pump task therefore takes every message off the subscription as it arrives,
+/// into a buffer bounded by bytes ([`LISTENER_BUFFER_BYTES`]); past the bound it drops and says
+/// so, instead of the broker dropping unseen.
 pub struct Listener {
     topic: String,
-    consumer: Consumer<Vec<u8>, TokioExecutor>,
+    buffered: tokio::sync::mpsc::UnboundedReceiver<Result<Message<Vec<u8>>, String>>,
+    bytes: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+    pump: tokio::task::JoinHandle<()>,
 }
+
+/// The most payload bytes a listener holds that its reader has not taken yet.
+pub const LISTENER_BUFFER_BYTES: usize = 256 << 20;
+
+/// Flow permits a listener grants the broker (the crate's default is 1,000): what the broker may
+/// send before the listener's process has run to ask for more. A process that stood still while
+/// 5,000 messages came got 1,000 of them.
+const LISTENER_PERMITS: u32 = 20_000;
 
 impl Listener {
     pub async fn subscribe(bus: &Bus, topic: &str, prefix: &str) -> Result<Listener, BusError> {
+        Self::subscribe_holding(bus, topic, prefix, LISTENER_BUFFER_BYTES).await
+    }
+
+    /// [`Listener::subscribe`], holding at most `limit` bytes its reader has not taken.
+    async fn subscribe_holding(
+        bus: &Bus,
+        topic: &str,
+        prefix: &str,
+        limit: usize,
+    ) -> Result<Listener, BusError> {
         // Just after a broker (re)starts it refuses subscriptions for a moment while it loads the
         // topic's namespace and its storage: a client tries again before it reports the refusal.
         let consumer = crate::error::until_settled(topic, || {
@@ -30,6 +58,7 @@ impl Listener {
                 .with_subscription(format!("{prefix}-{:016x}", rand::random::<u64>()))
                 .with_subscription_type(SubType::Exclusive)
                 .with_consumer_id(rand::random::<u64>() >> 1)
+                .with_batch_size(LISTENER_PERMITS)
                 .with_options(ConsumerOptions {
                     initial_position: InitialPosition::Latest,
                     ..ConsumerOptions::default()
@@ -41,11 +70,17 @@ impl Listener {
             topic: topic.to_owned(),
             message: e.to_string(),
         })?;
+        let (tx, buffered) = tokio::sync::mpsc::unbounded_channel();
+        let bytes = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let pump = tokio::spawn(pump(consumer, tx, bytes.clone(), limit, topic.to_owned()));
         Ok(Listener {
             topic: topic.to_owned(),
-            consumer,
+            buffered,
+            bytes,
+            pump,
         })
     }
+
     /// The next message's payload, already acked.
     pub async fn next_payload(&mut self) -> Result<Vec<u8>, BusError> {
         Ok(self.next().await?.payload.data)
@@ -53,17 +88,72 @@ impl Listener {
 
     /// The next message, already acked (a listener never wants one again).
     pub(crate) async fn next(&mut self) -> Result<Message<Vec<u8>>, BusError> {
-        let stopped = |message: String| BusError::ConsumerStopped {
-            topic: self.topic.clone(),
-            message,
-        };
-        let message = match self.consumer.next().await {
+        let message = match self.buffered.recv().await {
             Some(Ok(m)) => m,
-            Some(Err(e)) => return Err(stopped(e.to_string())),
-            None => return Err(stopped("the stream ended".into())),
+            Some(Err(message)) => {
+                return Err(BusError::ConsumerStopped {
+                    topic: self.topic.clone(),
+                    message,
+                })
+            }
+            None => {
+                return Err(BusError::ConsumerStopped {
+                    topic: self.topic.clone(),
+                    message: "the stream ended".into(),
+                })
+            }
         };
-        let _ = self.consumer.ack(&message).await;
+        self.bytes.fetch_sub(
+            message.payload.data.len(),
+            std::sync::atomic::Ordering::Relaxed,
+        );
         Ok(message)
+    }
+}
+
+impl Drop for Listener {
+    fn drop(&mut self) {
+        // The pump owns the subscription: stopping it closes the subscription.
+        self.pump.abort();
+    }
+}
+
+/// Moves every message of `consumer` into `tx` as it arrives, acked, while the bytes waiting stay
+/// within `limit`; ends with the consumer's error, or when the listener is gone.
+async fn pump(
+    mut consumer: Consumer<Vec<u8>, TokioExecutor>,
+    tx: tokio::sync::mpsc::UnboundedSender<Result<Message<Vec<u8>>, String>>,
+    bytes: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+    limit: usize,
+    topic: String,
+) {
+    let mut dropped: u64 = 0;
+    loop {
+        let message = match consumer.next().await {
+            Some(Ok(m)) => m,
+            Some(Err(e)) => {
+                let _ = tx.send(Err(e.to_string()));
+                return;
+            }
+            None => {
+                let _ = tx.send(Err("the stream ended".into()));
+                return;
+            }
+        };
+        let _ = consumer.ack(&message).await;
+        let size = message.payload.data.len();
+        let waiting = bytes.fetch_add(size, std::sync::atomic::Ordering::Relaxed);
+        if waiting + size > limit {
+            bytes.fetch_sub(size, std::sync::atomic::Ordering::Relaxed);
+            dropped += 1;
+            if dropped.is_power_of_two() {
+                tracing::warn!(%topic, dropped, waiting, "a listener's reader is too far behind: messages dropped");
+            }
+            continue;
+        }
+        if tx.send(Ok(message)).is_err() {
+            return;
+        }
     }
 }
 
@@ -190,7 +280,98 @@ impl AgentClient {
 
 #[cfg(test)]
 mod tests {
-    use super::SeenEffects;
+    use std::time::Duration;
+
+    use super::{Listener, SeenEffects};
+    use crate::embedded::EmbeddedBroker;
+    use crate::{Bus, Properties, Publisher};
+
+    /// Publishes `m{i}` for each `i` of `range` to `topic`.
+    async fn publish(bus: &Bus, topic: &str, range: std::ops::Range<usize>) {
+        let publisher = Publisher::new(bus, topic).await.unwrap();
+        for i in range {
+            publisher
+                .send(format!("m{i}").into_bytes(), &Properties::new())
+                .await
+                .unwrap();
+        }
+    }
+
+    /// What `listener` holds, in order, until it is quiet for a second.
+    async fn drain(listener: &mut Listener) -> Vec<String> {
+        let mut got = Vec::new();
+        while let Ok(Ok(payload)) =
+            tokio::time::timeout(Duration::from_secs(1), listener.next_payload()).await
+        {
+            got.push(String::from_utf8(payload).unwrap());
+        }
+        got
+    }
+
+    /// A non-persistent topic's broker drops what a subscription has no permits for: a reader
+    /// that looks away while 5,000 messages arrive must still get each (it got 1,501).
+    #[tokio::test]
+    async fn a_listener_that_reads_late_gets_a_whole_burst() {
+        let broker = EmbeddedBroker::start(0, None).unwrap();
+        let bus = Bus::connect(&broker.url(), None).await.unwrap();
+        let topic = "non-persistent://public/default/burst-test";
+        let mut late = Listener::subscribe(&bus, topic, "late").await.unwrap();
+        publish(&bus, topic, 0..5_000).await;
+        let got = drain(&mut late).await;
+        let sent: Vec<String> = (0..5_000).map(|i| format!("m{i}")).collect();
+        assert_eq!(got, sent);
+    }
+
+    /// A process too busy to run its listener for a while (here: its runtime blocked while
+    /// another publishes 5,000 messages) still gets each: the broker may send that many before
+    /// the listener asks for more (it got 1,000).
+    #[tokio::test]
+    async fn a_listener_whose_process_stood_still_gets_a_whole_burst() {
+        let broker = EmbeddedBroker::start(0, None).unwrap();
+        let bus = Bus::connect(&broker.url(), None).await.unwrap();
+        let topic = "non-persistent://public/default/still-test";
+        let mut still = Listener::subscribe(&bus, topic, "still").await.unwrap();
+        // Its first permits are asked for by a task of its own.
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let url = broker.url();
+        // Joined without yielding: nothing of this runtime runs while the other publishes.
+        std::thread::spawn(move || {
+            let runtime = tokio::runtime::Runtime::new().unwrap();
+            runtime.block_on(async {
+                let bus = Bus::connect(&url, None).await.unwrap();
+                publish(&bus, topic, 0..5_000).await;
+            });
+        })
+        .join()
+        .unwrap();
+        let got = drain(&mut still).await;
+        let sent: Vec<String> = (0..5_000).map(|i| format!("m{i}")).collect();
+        assert_eq!(got.len(), sent.len());
+        assert_eq!(got, sent);
+    }
+
+    /// Past its bound a listener drops (and says so) rather than grow without end, and goes on
+    /// with what comes once its reader is back.
+    #[tokio::test]
+    async fn a_listener_holds_at_most_its_bound_and_goes_on() {
+        let broker = EmbeddedBroker::start(0, None).unwrap();
+        let bus = Bus::connect(&broker.url(), None).await.unwrap();
+        let topic = "non-persistent://public/default/bound-test";
+        // "m0".."m9" are 2 bytes, "m10".."m99" 3, the rest 4: about 280 fit in 1,000 bytes.
+        let mut bounded = Listener::subscribe_holding(&bus, topic, "bounded", 1_000)
+            .await
+            .unwrap();
+        publish(&bus, topic, 0..2_000).await;
+        // Published messages may still be on their way to the pump.
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        let got = drain(&mut bounded).await;
+        assert!(got.len() < 400, "held {} messages", got.len());
+        assert_eq!(got.first().map(String::as_str), Some("m0"));
+        publish(&bus, topic, 2_000..2_010).await;
+        let after = drain(&mut bounded).await;
+        let sent: Vec<String> = (2_000..2_010).map(|i| format!("m{i}")).collect();
+        assert_eq!(after, sent);
+    }
 
     #[test]
     fn a_re_emitted_effect_is_dropped_once_seen() {
