@@ -447,3 +447,63 @@ async fn a_request_on_trustgraphs_client_topic_is_answered() {
     }
     assert!(later >= 1, "no iteration of tg-1 on the persistent topic");
 }
+
+/// TrustGraph's clients publish first messages on a non-persistent topic, whose broker drops what
+/// a subscription has no flow permits for. A burst of 500 at once, far more than the orchestrator
+/// runs at a time, is taken whole (forwarded to the persistent topic) and answered (a window of
+/// `max_in_flight` permits lost 457 of them).
+#[tokio::test]
+async fn a_burst_on_trustgraphs_client_topic_is_taken_whole() {
+    let broker = Broker::start().unwrap();
+    let llm = scripted_llm(
+        r#"{"rules": [{"match": "Question: ", "reply": "Thought: known.\nFinal Answer: burst"}]}"#,
+    )
+    .await;
+    let _orchestrator = Orchestrator::spawn(&broker, &llm, &seed_dir(), &[]);
+    let mut client = client(&broker).await;
+    // Once this dialog is answered, the orchestrator consumes (a non-persistent message sent
+    // before it subscribed would be dropped by the broker).
+    client
+        .send("warm-up", &request("warm up", false))
+        .await
+        .unwrap();
+    collect_dialog(&mut client, "warm-up", DIALOG_TIMEOUT)
+        .await
+        .unwrap();
+    let bus = agent_bus::Bus::connect(&broker.url(), None).await.unwrap();
+    let trustgraph_clients = agent_bus::Publisher::new(
+        &bus,
+        &agent_bus::Topics::trustgraph("default", "default").client_request,
+    )
+    .await
+    .unwrap();
+
+    // Half the broker's limit of non-persistent messages in flight on one publishing connection
+    // (1,000 in Apache Pulsar and pulsar-lite; past it the broker drops them itself).
+    let burst = 500;
+    let sends = (0..burst).map(|i| {
+        let properties: agent_bus::Properties = [("id".to_owned(), format!("b-{i}"))].into();
+        let payload = agent_schema::encode(&request(&format!("burst #{i}"), false));
+        let publisher = &trustgraph_clients;
+        async move { publisher.send(payload, &properties).await }
+    });
+    for sent in futures::future::join_all(sends).await {
+        sent.unwrap();
+    }
+    let mut open: std::collections::BTreeSet<String> =
+        (0..burst).map(|i| format!("b-{i}")).collect();
+    while !open.is_empty() {
+        let Ok(next) = tokio::time::timeout(Duration::from_secs(20), client.next()).await else {
+            panic!(
+                "{} of {burst} first messages were never answered, e.g. {:?}",
+                open.len(),
+                open.iter().take(3).collect::<Vec<_>>()
+            );
+        };
+        let (id, response) = next.unwrap();
+        if response.end_of_dialog {
+            assert_eq!(response.content, "burst", "{id}: {response:?}");
+            open.remove(&id);
+        }
+    }
+}
