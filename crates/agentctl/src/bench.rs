@@ -60,6 +60,11 @@ pub struct BenchArgs {
     /// `managedLedgerNewEntriesCheckDelayInMillis=0`.
     #[arg(long = "apache-setting")]
     apache_settings: Vec<String>,
+    /// In the throughput run, a second reader of the response topic on a connection of its own:
+    /// should the run stall, it tells whether the broker delivered the missing closings to anyone.
+    /// Costs throughput (every response is delivered twice).
+    #[arg(long)]
+    witness: bool,
     #[command(flatten)]
     settings: Settings,
 }
@@ -331,9 +336,16 @@ async fn bench_on(
     report("three-iteration dialog", &three, 4, rtt_p50);
 
     let requests = Publisher::new(&bus, &topics.request).await?;
+    let witness = if args.witness {
+        let own = Bus::connect(url, settings.broker.pulsar_token.as_deref()).await?;
+        Some(Witness::start(AgentClient::connect(&own, &topics).await?))
+    } else {
+        None
+    };
     let (elapsed, latencies) = concurrent(
         client,
         requests,
+        witness.as_ref(),
         args.dialogs,
         args.concurrency,
         store.as_ref(),
@@ -536,6 +548,7 @@ async fn sequential(client: &mut AgentClient, kind: &str, n: usize) -> anyhow::R
 async fn concurrent(
     mut client: AgentClient,
     requests: Publisher,
+    witness: Option<&Witness>,
     n: usize,
     concurrency: usize,
     store: Option<&agent_graph::GraphStore>,
@@ -549,6 +562,7 @@ async fn concurrent(
         let permits = permits.clone();
         tokio::spawn(async move {
             let mut latencies = Vec::with_capacity(n);
+            let mut heard: HashMap<String, usize> = HashMap::new();
             while latencies.len() < n {
                 let Ok(next) = tokio::time::timeout(Duration::from_secs(120), client.next()).await
                 else {
@@ -560,17 +574,26 @@ async fn concurrent(
                                 .collect()
                         })
                         .unwrap_or_default();
+                    let heard = waiting
+                        .iter()
+                        .map(|(id, _)| heard.get(id).copied().unwrap_or(0))
+                        .collect();
                     return Err(Stalled {
                         ended: latencies.len(),
                         waiting,
+                        heard,
+                        copies_dropped: client.copies_dropped(),
                     });
                 };
                 let Ok((id, response)) = next else {
                     return Err(Stalled {
                         ended: latencies.len(),
                         waiting: Vec::new(),
+                        heard: Vec::new(),
+                        copies_dropped: client.copies_dropped(),
                     });
                 };
+                *heard.entry(id.clone()).or_insert(0) += 1;
                 if !response.end_of_dialog {
                     continue;
                 }
@@ -606,12 +629,18 @@ async fn concurrent(
         Ok(latencies) => Ok((started.elapsed(), latencies)),
         Err(stalled) => {
             let mut report = format!(
-                "the throughput run stalled: {} of {n} dialogs ended, then nothing came for 120 s; {} still open",
+                "the throughput run stalled: {} of {n} dialogs ended, then nothing came for 120 s; {} still open; the client dropped {} responses as re-emitted copies",
                 stalled.ended,
-                stalled.waiting.len()
+                stalled.waiting.len(),
+                stalled.copies_dropped
             );
-            for (id, session) in stalled.waiting.iter().take(4) {
-                report.push_str(&format!("\n  {id} (session {session})"));
+            for ((id, session), heard) in stalled.waiting.iter().zip(&stalled.heard).take(4) {
+                report.push_str(&format!(
+                    "\n  {id} (session {session}, {heard} responses heard)"
+                ));
+                if let Some(witness) = witness {
+                    report.push_str(&format!(": {}", witness.heard(id)));
+                }
                 if let Some(store) = store {
                     report.push_str(&format!(": {}", how_far(store, session).await));
                 }
@@ -621,11 +650,57 @@ async fn concurrent(
     }
 }
 
+/// A second reader of the response topic, on a connection of its own: the request ids whose
+/// closing it received.
+struct Witness {
+    /// Request id: responses received, and whether its closing was among them.
+    closed: Arc<Mutex<HashMap<String, (usize, bool)>>>,
+    reader: tokio::task::JoinHandle<()>,
+}
+
+impl Witness {
+    fn start(mut client: AgentClient) -> Witness {
+        let closed: Arc<Mutex<HashMap<String, (usize, bool)>>> = Arc::default();
+        let reader = tokio::spawn({
+            let closed = closed.clone();
+            async move {
+                while let Ok((id, response)) = client.next().await {
+                    if let Ok(mut closed) = closed.lock() {
+                        let heard = closed.entry(id).or_default();
+                        heard.0 += 1;
+                        heard.1 |= response.end_of_dialog;
+                    }
+                }
+            }
+        });
+        Witness { closed, reader }
+    }
+
+    /// What it heard of dialog `id`.
+    fn heard(&self, id: &str) -> String {
+        match self.closed.lock().ok().and_then(|c| c.get(id).copied()) {
+            Some((n, true)) => format!("the witness heard {n} responses, its closing among them"),
+            Some((n, false)) => format!("the witness heard {n} responses, not its closing"),
+            None => "the witness heard nothing of it".to_owned(),
+        }
+    }
+}
+
+impl Drop for Witness {
+    fn drop(&mut self) {
+        self.reader.abort();
+    }
+}
+
 /// Where a throughput run stopped hearing from its dialogs.
 struct Stalled {
     ended: usize,
     /// Request id and session of every dialog still open.
     waiting: Vec<(String, String)>,
+    /// How many responses of each of those the client had received.
+    heard: Vec<usize>,
+    /// Responses the client dropped as re-emitted copies (by effect id).
+    copies_dropped: u64,
 }
 
 /// What the graph holds of a stalled dialog: its nodes and journal entries, to tell a lost
