@@ -299,10 +299,10 @@ async fn a_killed_aggregator_loses_and_duplicates_nothing() {
                 }
             }
             Err(_) => {
-                // The response topic is non-persistent (TrustGraph's contract): a closing the
-                // broker drops is gone, and the client waits for ever. This test is about the
-                // aggregator, so a dialog that concluded in the explainability stream has ended;
-                // one that did not is a stalled orchestrator, and fails the test.
+                // The response topic is non-persistent (TrustGraph's contract): a closing that
+                // does not reach the client is gone, and the client waits for ever. This test is
+                // about the aggregator, so a dialog that concluded in the explainability stream
+                // has ended; one that did not is a stalled orchestrator, and fails the test.
                 while let Ok(triples) = explained.try_recv() {
                     published_so_far.push(triples);
                 }
@@ -325,7 +325,7 @@ async fn a_killed_aggregator_loses_and_duplicates_nothing() {
                     "nothing reached the client for {DIALOG_TIMEOUT:?} and these dialogs never concluded: {unfinished:?}"
                 );
                 eprintln!(
-                    "the broker dropped the closing of {open:?} on the non-persistent response topic: each concluded in the explainability stream"
+                    "the closing of {open:?} never reached the client (the response topic is non-persistent); each concluded in the explainability stream"
                 );
                 break;
             }

@@ -578,18 +578,31 @@ async fn chaos_soak() {
         && cluster.store.is_running();
 
     // Our part ends with the broker's receipt. A dialog whose closing response the journal marks
-    // published (the broker confirmed it) but that never reached the client was lost by the broker
-    // (pulsar-lite, under SIGKILLs and restarts); it is reported apart from our own losses.
+    // published (the broker confirmed it) but that never reached the client is reported apart from
+    // our own losses, with when it was journaled against the broker's restarts. Near one, the
+    // non-persistent response topic drops what comes while the reader subscribes again. Elsewhere
+    // the cause is not known: some were once our client's (its listener's flow permits ran out,
+    // mended in `agent_bus::Listener`); under a saturated machine pulsar-lite was also seen to
+    // send one subscription a message that its client never got while another subscription's did.
     let mut dropped_by_broker = Vec::new();
     for id in lost.clone() {
         let s = session_uri(&id);
-        if journaled_closing(&store, &s)
-            .await
-            .is_some_and(|(_, published)| published)
-        {
-            dropped_by_broker.push(id.clone());
-            lost.retain(|l| *l != id);
-        }
+        let Some((at, true)) = journaled_closing(&store, &s).await else {
+            continue;
+        };
+        let near = cluster
+            .broker_kills
+            .iter()
+            .map(|(kill, _)| at - kill)
+            .min_by(|a, b| a.abs().total_cmp(&b.abs()));
+        eprintln!(
+            "soak: {id}'s closing was journaled as published at {at:.3} s of the day ({}); it never reached the reader",
+            near.map_or("no broker restart".to_owned(), |d| format!(
+                "{d:.3} s from the nearest broker restart"
+            ))
+        );
+        dropped_by_broker.push(id.clone());
+        lost.retain(|l| *l != id);
     }
     // The same around the broker's SIGKILL for streamed text: a streamed dialog whose closing
     // arrived without any of its answer chunks, the closing journaled from 3 s before a broker
