@@ -1389,3 +1389,63 @@ pub async fn count_reaching(
     }
     count(store, sparql).await
 }
+
+/// The explainability stream, read from its start in the background: which dialogs concluded.
+/// A test whose client hears nothing for a while tells with it a dialog that ended (its closing
+/// never reached the client: the response topic is non-persistent) from one that did not.
+pub struct Conclusions {
+    published: tokio::sync::mpsc::UnboundedReceiver<Vec<String>>,
+    subjects: std::collections::BTreeSet<String>,
+    reader: tokio::task::JoinHandle<()>,
+}
+
+impl Conclusions {
+    pub async fn watch(broker: &Broker) -> Conclusions {
+        use futures::StreamExt;
+        let topic = Topics::trustgraph("default", "default").explainability;
+        let mut stream = read_from_start(broker, &topic, "test-conclusions").await;
+        let (tx, published) = tokio::sync::mpsc::unbounded_channel();
+        let reader = tokio::spawn(async move {
+            while let Some(Ok(message)) = stream.next().await {
+                let subjects = agent_schema::decode::<agent_schema::Triples>(&message.payload.data)
+                    .map(|t| {
+                        t.triples
+                            .into_iter()
+                            .filter(|t| t.s.kind == "i")
+                            .map(|t| t.s.iri)
+                            .collect()
+                    })
+                    .unwrap_or_default();
+                if tx.send(subjects).is_err() {
+                    break;
+                }
+            }
+        });
+        Conclusions {
+            published,
+            subjects: Default::default(),
+            reader,
+        }
+    }
+
+    /// Reads what was published until the stream has been quiet for 2 s.
+    pub async fn catch_up(&mut self) {
+        while let Ok(Some(subjects)) =
+            tokio::time::timeout(Duration::from_secs(2), self.published.recv()).await
+        {
+            self.subjects.extend(subjects);
+        }
+    }
+
+    /// Whether dialog `session` had concluded at the last [`Conclusions::catch_up`].
+    pub fn concluded(&self, session: &str) -> bool {
+        let uris = agent_core::provenance::SessionUris::new(session);
+        self.subjects.contains(&uris.conclusion())
+    }
+}
+
+impl Drop for Conclusions {
+    fn drop(&mut self) {
+        self.reader.abort();
+    }
+}
