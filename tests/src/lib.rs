@@ -1444,6 +1444,50 @@ impl Conclusions {
     }
 }
 
+/// Waits for the closing of each dialog of `open` (request id -> session), handing each to
+/// `closed`, until the client hears nothing for `silence`. A dialog whose closing never came but
+/// which concluded in the explainability stream has ended (the response topic is non-persistent:
+/// a closing that does not reach the client is gone) and is reported; one that never concluded
+/// fails the test.
+pub async fn await_endings(
+    client: &mut AgentClient,
+    conclusions: &mut Conclusions,
+    mut open: std::collections::BTreeMap<String, String>,
+    silence: Duration,
+    mut closed: impl FnMut(&str, &AgentResponse),
+) {
+    let dialogs = open.len();
+    while !open.is_empty() {
+        let Ok(next) = tokio::time::timeout(silence, client.next()).await else {
+            break;
+        };
+        let (id, response) = next.unwrap();
+        if response.end_of_dialog && open.remove(&id).is_some() {
+            closed(&id, &response);
+        }
+    }
+    if open.is_empty() {
+        return;
+    }
+    conclusions.catch_up().await;
+    let unfinished: Vec<&String> = open
+        .iter()
+        .filter(|(_, session)| !conclusions.concluded(session))
+        .map(|(id, _)| id)
+        .collect();
+    assert!(
+        unfinished.is_empty(),
+        "nothing reached the client for {silence:?} and {} of {dialogs} dialogs never concluded, e.g. {:?}",
+        unfinished.len(),
+        unfinished.iter().take(3).collect::<Vec<_>>()
+    );
+    eprintln!(
+        "{} of {dialogs} dialogs concluded but their closing never reached the client: {:?}",
+        open.len(),
+        open.keys().collect::<Vec<_>>()
+    );
+}
+
 impl Drop for Conclusions {
     fn drop(&mut self) {
         self.reader.abort();

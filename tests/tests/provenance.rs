@@ -267,17 +267,7 @@ async fn a_killed_aggregator_loses_and_duplicates_nothing() {
         };
         client.send(&format!("k-{i}"), &asked).await.unwrap();
     }
-    // The explainability stream, read as it is published: to know, should the client hear
-    // nothing, whether the dialogs still open had ended all the same.
-    let (explained_tx, mut explained) = tokio::sync::mpsc::unbounded_channel::<Triples>();
-    let ground_truth_reader = tokio::spawn(async move {
-        while let Some(Ok(message)) = ground_truth.next().await {
-            let triples: Triples = agent_schema::decode(&message.payload.data).unwrap();
-            if explained_tx.send(triples).is_err() {
-                break;
-            }
-        }
-    });
+    let mut conclusions = Conclusions::watch(&broker).await;
     // Kill while the stream is flowing.
     let store = aggregator.store();
     for _ in 0..400 {
@@ -288,70 +278,35 @@ async fn a_killed_aggregator_loses_and_duplicates_nothing() {
     }
     aggregator.kill_and_restart();
 
-    let mut open: BTreeSet<String> = (0..dialogs).map(|i| format!("k-{i}")).collect();
-    let mut published_so_far: Vec<Triples> = Vec::new();
-    while !open.is_empty() {
-        match tokio::time::timeout(DIALOG_TIMEOUT, client.next()).await {
-            Ok(next) => {
-                let (id, r) = next.unwrap();
-                if r.end_of_dialog {
-                    open.remove(&id);
-                }
-            }
-            Err(_) => {
-                // The response topic is non-persistent (TrustGraph's contract): a closing that
-                // does not reach the client is gone, and the client waits for ever. This test is
-                // about the aggregator, so a dialog that concluded in the explainability stream
-                // has ended; one that did not is a stalled orchestrator, and fails the test.
-                while let Ok(triples) = explained.try_recv() {
-                    published_so_far.push(triples);
-                }
-                let concluded: BTreeSet<String> = published_so_far
-                    .iter()
-                    .flat_map(|t| t.triples.iter())
-                    .filter(|t| t.s.kind == "i")
-                    .map(|t| t.s.iri.clone())
-                    .collect();
-                let unfinished: Vec<&String> = open
-                    .iter()
-                    .filter(|id| {
-                        let i: usize = id.trim_start_matches("k-").parse().unwrap();
-                        let uris = agent_core::provenance::SessionUris::new(&session_of(i));
-                        !concluded.contains(&uris.conclusion())
-                    })
-                    .collect();
-                assert!(
-                    unfinished.is_empty(),
-                    "nothing reached the client for {DIALOG_TIMEOUT:?} and these dialogs never concluded: {unfinished:?}"
-                );
-                eprintln!(
-                    "the closing of {open:?} never reached the client (the response topic is non-persistent); each concluded in the explainability stream"
-                );
-                break;
-            }
-        }
-    }
+    // This test is about the aggregator: a dialog that concluded has ended, even should its
+    // closing not reach the client.
+    let open = (0..dialogs)
+        .map(|i| (format!("k-{i}"), session_of(i)))
+        .collect();
+    await_endings(
+        &mut client,
+        &mut conclusions,
+        open,
+        DIALOG_TIMEOUT,
+        |_, _| {},
+    )
+    .await;
+    drop(conclusions);
 
     // What a run without the kill writes: every published message, in a store of its own (the
     // store's canonical literal forms, e.g. of xsd:dateTime, are then the same on both sides).
     let reference = GraphStore::in_memory().unwrap();
     let mut published = 0;
-    let mut insert = async |triples: Triples| {
+    while let Ok(Some(Ok(message))) =
+        tokio::time::timeout(Duration::from_secs(2), ground_truth.next()).await
+    {
         published += 1;
+        let triples: Triples = agent_schema::decode(&message.payload.data).unwrap();
         reference
             .insert(to_quads(&triples.triples).unwrap())
             .await
             .unwrap();
-    };
-    for triples in published_so_far {
-        insert(triples).await;
     }
-    while let Ok(Some(triples)) =
-        tokio::time::timeout(Duration::from_secs(2), explained.recv()).await
-    {
-        insert(triples).await;
-    }
-    ground_truth_reader.abort();
     let expected = all_quads(&reference).await;
     assert!(
         expected.len() > dialogs * 40,

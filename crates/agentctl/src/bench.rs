@@ -650,8 +650,8 @@ async fn concurrent(
     }
 }
 
-/// A second reader of the response topic, on a connection of its own: the request ids whose
-/// closing it received.
+/// A second reader of the response topic, on a connection of its own: what it heard of each
+/// dialog.
 struct Witness {
     /// Request id: responses received, and whether its closing was among them.
     closed: Arc<Mutex<HashMap<String, (usize, bool)>>>,
