@@ -191,6 +191,104 @@ async fn a_copy_of_a_request_runs_once() {
     assert_one_chain(&aggregator, &session).await;
 }
 
+/// The closing travels on TrustGraph's non-persistent response topic, which a broker drops for a
+/// reader that is not there or falls behind (seen under load: a client lost closings that its
+/// witness on another connection got). A client that lost one reads it back from the journal:
+/// the very message that was published. Another id, or a session that never ran, has none.
+#[tokio::test]
+async fn a_closing_the_client_lost_is_read_back_from_the_journal() {
+    let Stack {
+        broker,
+        aggregator,
+        llm: _llm,
+        orchestrator: _orchestrator,
+    } = Stack::journaled(TOKEN, THREE_STEPS, &seed_dir(), &[]).await;
+    let mut heard_by = client(&broker).await;
+    let session = uuid::Uuid::new_v4().to_string();
+    let request = agent_schema::AgentRequest {
+        session_id: session.clone(),
+        ..react("combine (lost)")
+    };
+    heard_by.send("lost", &request).await.unwrap();
+    let responses = collect_dialog(&mut heard_by, "lost", DIALOG_TIMEOUT)
+        .await
+        .unwrap();
+    let published = responses.iter().rfind(|r| r.end_of_dialog).unwrap().clone();
+    assert_eq!(published.content, "alpha and beta, combined.");
+    // A client that subscribed after the dialog ended got none of it: the broker kept nothing.
+    let mut late = client(&broker).await;
+    assert!(drain_for(&mut late, "lost", Duration::from_secs(1))
+        .await
+        .is_empty());
+    // The link to the closing's entry travels with the last step's provenance, which the
+    // aggregator writes a moment after the client may have the closing.
+    let store = aggregator.store();
+    let read_back = || agent_orchestrator::journal::recorded_closing(&store, &session, "lost");
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    let recovered = loop {
+        if let Some(closing) = read_back().await.unwrap() {
+            break closing;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no closing in the journal for session {session}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    assert_eq!(recovered, published);
+    let none = agent_orchestrator::journal::recorded_closing(&store, &session, "other-id")
+        .await
+        .unwrap();
+    assert_eq!(none, None, "a closing under another id");
+    let never_ran = uuid::Uuid::new_v4().to_string();
+    let none = agent_orchestrator::journal::recorded_closing(&store, &never_ran, "lost")
+        .await
+        .unwrap();
+    assert_eq!(none, None, "a closing of a session that never ran");
+}
+
+/// `agentctl invoke` given the aggregator's endpoint reads a closing that never reached it back
+/// from the journal after a silence. Here the orchestrator answers on a response topic the client
+/// does not read, so the client hears nothing of the dialog: it still prints the answer and exits
+/// 0, saying where the closing came from.
+#[tokio::test]
+async fn invoke_reads_a_closing_it_never_heard_back_from_the_journal() {
+    let broker = Broker::start().unwrap();
+    let aggregator = Aggregator::spawn_with(&broker, &["--config-token", TOKEN]);
+    let llm = scripted_llm(THREE_STEPS).await;
+    let _orchestrator = Orchestrator::spawn_journaled(
+        &broker,
+        &llm,
+        &aggregator,
+        TOKEN,
+        &[(
+            "AGENT_RESPONSE_TOPIC",
+            "non-persistent://tg/response/agent:elsewhere:default",
+        )],
+    );
+    let output = tokio::process::Command::new(binary("agentctl"))
+        .args(["invoke", "--no-streaming", "--pattern", "react"])
+        .args(["--question", "combine (unheard)", "--timeout", "40"])
+        .args(["--pulsar-url", &broker.url()])
+        .args(["--graph-store", &aggregator.endpoint])
+        .env_remove("GRAPH_STORE")
+        .env_remove("AGENT_RESPONSE_TOPIC")
+        .output()
+        .await
+        .unwrap();
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr),
+    );
+    assert!(
+        output.status.success(),
+        "invoke exited with {}\nstdout:\n{stdout}\nstderr:\n{stderr}",
+        output.status
+    );
+    assert!(stdout.contains("alpha and beta, combined."), "{stdout}");
+    assert!(stderr.contains("read back from the journal"), "{stderr}");
+}
+
 /// A second aggregator that would own a journal on the same subscription (a StatefulSet scaled
 /// to two, each replica with a store of its own) refuses to run before it consumes anything or
 /// answers a journal call; the first keeps both, and a dialog afterwards ends once, its whole

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use agent_bus::embedded::EmbeddedBroker;
 use agent_bus::{AgentClient, Bus, Properties, Publisher};
 use agent_orchestrator::Settings;
-use agent_schema::{AgentRequest, ID_PROPERTY};
+use agent_schema::{AgentRequest, AgentResponse, ID_PROPERTY};
 use anyhow::Context;
 use futures::StreamExt;
 use pulsar::consumer::{ConsumerOptions, InitialPosition};
@@ -342,7 +342,11 @@ async fn bench_on(
     } else {
         None
     };
-    let (elapsed, latencies) = concurrent(
+    let Throughput {
+        elapsed,
+        latencies,
+        recovered,
+    } = concurrent(
         client,
         requests,
         witness.as_ref(),
@@ -362,6 +366,11 @@ async fn bench_on(
         percentile(&latencies, 50.0),
         percentile(&latencies, 99.0),
     );
+    if recovered > 0 {
+        println!(
+            "closings that never reached the client (the response topic is non-persistent), read back from the journal: {recovered}"
+        );
+    }
     println!("LLM calls served so far: {}", llm.calls().len());
     let dialogs = (5 + args.one_iteration + args.three_iteration + args.dialogs) as f64;
     let mut journal_bytes_per_dialog = None;
@@ -552,7 +561,7 @@ async fn concurrent(
     n: usize,
     concurrency: usize,
     store: Option<&agent_graph::GraphStore>,
-) -> anyhow::Result<(Duration, Vec<f64>)> {
+) -> anyhow::Result<Throughput> {
     // By request id: when it was sent, and its session (to find it in the graph should it stall).
     let open: Arc<Mutex<HashMap<String, (Instant, String)>>> = Arc::new(Mutex::new(HashMap::new()));
     let permits = Arc::new(Semaphore::new(concurrency.max(1)));
@@ -560,12 +569,41 @@ async fn concurrent(
     let reader = {
         let open = open.clone();
         let permits = permits.clone();
+        let journal = store.cloned();
         tokio::spawn(async move {
             let mut latencies = Vec::with_capacity(n);
+            let mut recovered = 0;
             let mut heard: HashMap<String, usize> = HashMap::new();
+            let mut last_heard = Instant::now();
+            let ended = |id: &str, response: &AgentResponse, latencies: &mut Vec<f64>| {
+                if response.content != SCRIPTED_ANSWER {
+                    tracing::error!(content = %response.content, "a bench dialog did not run as scripted");
+                }
+                let begun = open.lock().ok().and_then(|mut m| m.remove(id));
+                if let Some((begun, _)) = begun {
+                    latencies.push(begun.elapsed().as_secs_f64() * 1000.0);
+                    permits.add_permits(1);
+                    return true;
+                }
+                false
+            };
             while latencies.len() < n {
-                let Ok(next) = tokio::time::timeout(Duration::from_secs(120), client.next()).await
-                else {
+                let Ok(next) = tokio::time::timeout(RECOVERY_SILENCE, client.next()).await else {
+                    // The response topic is non-persistent: a broker drops what a reader that
+                    // falls behind has no room for, closings included. A journaled dialog's
+                    // closing is read back from the journal instead of waited for.
+                    let lost = match &journal {
+                        Some(journal) => lost_closings(journal, &open).await,
+                        None => Vec::new(),
+                    };
+                    for (id, closing) in &lost {
+                        if ended(id, closing, &mut latencies) {
+                            recovered += 1;
+                        }
+                    }
+                    if !lost.is_empty() || last_heard.elapsed() < STALL_SILENCE {
+                        continue;
+                    }
                     let waiting: Vec<(String, String)> = open
                         .lock()
                         .map(|m| {
@@ -585,6 +623,7 @@ async fn concurrent(
                         copies_dropped: client.copies_dropped(),
                     });
                 };
+                last_heard = Instant::now();
                 let Ok((id, response)) = next else {
                     return Err(Stalled {
                         ended: latencies.len(),
@@ -594,19 +633,11 @@ async fn concurrent(
                     });
                 };
                 *heard.entry(id.clone()).or_insert(0) += 1;
-                if !response.end_of_dialog {
-                    continue;
-                }
-                if response.content != SCRIPTED_ANSWER {
-                    tracing::error!(content = %response.content, "a bench dialog did not run as scripted");
-                }
-                let begun = open.lock().ok().and_then(|mut m| m.remove(&id));
-                if let Some((begun, _)) = begun {
-                    latencies.push(begun.elapsed().as_secs_f64() * 1000.0);
-                    permits.add_permits(1);
+                if response.end_of_dialog {
+                    ended(&id, &response, &mut latencies);
                 }
             }
-            Ok(latencies)
+            Ok((latencies, recovered))
         })
     };
     for i in 0..n {
@@ -626,11 +657,16 @@ async fn concurrent(
             .await?;
     }
     match reader.await? {
-        Ok(latencies) => Ok((started.elapsed(), latencies)),
+        Ok((latencies, recovered)) => Ok(Throughput {
+            elapsed: started.elapsed(),
+            latencies,
+            recovered,
+        }),
         Err(stalled) => {
             let mut report = format!(
-                "the throughput run stalled: {} of {n} dialogs ended, then nothing came for 120 s; {} still open; the client dropped {} responses as re-emitted copies",
+                "the throughput run stalled: {} of {n} dialogs ended, then nothing came for {} s and no closing could be read back from the journal; {} still open; the client dropped {} responses as re-emitted copies",
                 stalled.ended,
+                STALL_SILENCE.as_secs(),
                 stalled.waiting.len(),
                 stalled.copies_dropped
             );
@@ -648,6 +684,53 @@ async fn concurrent(
             anyhow::bail!(report)
         }
     }
+}
+
+/// How long the throughput run's client hears nothing before it reads the closings of dialogs
+/// open that long back from the journal.
+const RECOVERY_SILENCE: Duration = Duration::from_secs(5);
+
+/// How long the throughput run's client hears nothing, and recovers nothing, before it gives up.
+const STALL_SILENCE: Duration = Duration::from_secs(120);
+
+/// What the throughput run measured.
+struct Throughput {
+    elapsed: Duration,
+    /// Each dialog's time from its request to its closing.
+    latencies: Vec<f64>,
+    /// Closings the client never received, read back from the journal.
+    recovered: usize,
+}
+
+/// The closings of the dialogs open for longer than [`RECOVERY_SILENCE`] that the journal
+/// recorded, by request id.
+async fn lost_closings(
+    journal: &agent_graph::GraphStore,
+    open: &Mutex<HashMap<String, (Instant, String)>>,
+) -> Vec<(String, AgentResponse)> {
+    let overdue: Vec<(String, String)> = open
+        .lock()
+        .map(|m| {
+            m.iter()
+                .filter(|(_, (begun, _))| begun.elapsed() >= RECOVERY_SILENCE)
+                .map(|(id, (_, session))| (id.clone(), session.clone()))
+                .collect()
+        })
+        .unwrap_or_default();
+    let mut lost = Vec::new();
+    for (id, session) in overdue {
+        match agent_orchestrator::journal::recorded_closing(journal, &session, &id).await {
+            Ok(Some(closing)) => {
+                tracing::warn!(%id, %session, "the closing never reached the client; read back from the journal");
+                lost.push((id, closing));
+            }
+            Ok(None) => {}
+            Err(e) => {
+                tracing::warn!(%id, error = %e, "could not read the journal for a lost closing")
+            }
+        }
+    }
+    lost
 }
 
 /// A second reader of the response topic, on a connection of its own: what it heard of each

@@ -166,6 +166,7 @@ pub async fn run(args: ForkArgs) -> anyhow::Result<i32> {
         &request,
         &properties,
         Duration::from_secs(args.timeout),
+        Some(&store),
         &mut Renderer::new(args.json, args.explain),
     )
     .await?;

@@ -36,6 +36,12 @@ pub struct InvokeArgs {
     /// Give up after this many seconds.
     #[arg(long, default_value_t = 300)]
     pub timeout: u64,
+    /// The aggregator's endpoint (`http://127.0.0.1:7878`): should the closing message not come
+    /// (the response topic is non-persistent, and a broker drops what a reader that falls behind
+    /// has no room for), it is read back from the journal after a silence. A store directory is
+    /// not read here.
+    #[arg(long = "graph-store", env = "GRAPH_STORE")]
+    pub graph_store: Option<String>,
     #[command(flatten)]
     pub broker: BrokerArgs,
 }
@@ -95,16 +101,35 @@ pub async fn invoke(
 ) -> anyhow::Result<Outcome> {
     let properties = agent_bus::Properties::new();
     let timeout = Duration::from_secs(args.timeout);
-    follow(client, &args.request(), &properties, timeout, renderer).await
+    let journal = match args.graph_store.as_deref() {
+        Some(url) if url.starts_with("http://") || url.starts_with("https://") => {
+            Some(agent_graph::GraphStore::open(url, None)?)
+        }
+        _ => None,
+    };
+    follow(
+        client,
+        &args.request(),
+        &properties,
+        timeout,
+        journal.as_ref(),
+        renderer,
+    )
+    .await
 }
 
+/// How long a dialog is silent before its closing is looked for in the journal.
+const RECOVERY_SILENCE: Duration = Duration::from_secs(10);
+
 /// Sends `request` (with our `properties`, if any) and renders its responses until the end of the
-/// dialog or `timeout`.
+/// dialog or `timeout`. With a `journal` (the aggregator's store), a closing that never arrives is
+/// read back from it after [`RECOVERY_SILENCE`].
 pub async fn follow(
     client: &mut AgentClient,
     request: &AgentRequest,
     properties: &agent_bus::Properties,
     timeout: Duration,
+    journal: Option<&agent_graph::GraphStore>,
     renderer: &mut Renderer,
 ) -> anyhow::Result<Outcome> {
     let id = uuid::Uuid::new_v4().to_string();
@@ -115,13 +140,27 @@ pub async fn follow(
         failed: false,
         provenance: Vec::new(),
     };
+    let session = agent_orchestrator::session_id_for(request, Some(&id));
+    let mut heard_at = tokio::time::Instant::now();
     loop {
-        let (rid, response) = tokio::time::timeout_at(deadline, client.next())
-            .await
-            .map_err(|_| anyhow::anyhow!("no end of dialog within {} s", timeout.as_secs()))??;
+        let look_back_at = (heard_at + RECOVERY_SILENCE).min(deadline);
+        let (rid, response) = match tokio::time::timeout_at(look_back_at, client.next()).await {
+            Ok(next) => next?,
+            Err(_) if look_back_at >= deadline => {
+                anyhow::bail!("no end of dialog within {} s", timeout.as_secs())
+            }
+            Err(_) => {
+                heard_at = tokio::time::Instant::now();
+                match recovered(journal, &session, &id).await {
+                    Some(closing) => (id.clone(), closing),
+                    None => continue,
+                }
+            }
+        };
         if rid != id {
             continue;
         }
+        heard_at = tokio::time::Instant::now();
         renderer.show(&response);
         if let (Some(node), MessageType::Explain) = (&response.explain_id, kind(&response)) {
             outcome
@@ -134,6 +173,29 @@ pub async fn follow(
         if response.end_of_dialog {
             renderer.finish(&response, started.elapsed());
             return Ok(outcome);
+        }
+    }
+}
+
+/// The dialog's closing as the journal recorded it, when it ended without this client hearing
+/// of it. A failed read is only reported: the client goes on waiting.
+async fn recovered(
+    journal: Option<&agent_graph::GraphStore>,
+    session: &str,
+    id: &str,
+) -> Option<AgentResponse> {
+    let journal = journal?;
+    match agent_orchestrator::journal::recorded_closing(journal, session, id).await {
+        Ok(Some(closing)) => {
+            eprintln!(
+                "(the closing message never reached this client; read back from the journal)"
+            );
+            Some(closing)
+        }
+        Ok(None) => None,
+        Err(e) => {
+            tracing::warn!(error = %e, "could not read the journal for the closing");
+            None
         }
     }
 }

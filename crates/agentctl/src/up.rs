@@ -135,6 +135,7 @@ pub async fn run(args: UpArgs) -> anyhow::Result<i32> {
             json: false,
             explain: false,
             timeout: 300,
+            graph_store: Some(endpoint.clone()),
             broker: settings.broker.clone(),
         };
         println!("\nQuestion: {question}\n");

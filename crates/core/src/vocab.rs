@@ -102,6 +102,9 @@ pub mod tg {
         CANCELLED_BY = "cancelledBy";
         CLAIMED_AT = "claimedAt";
         CLIENT_ID = "clientId";
+        /// The journal entry of the step that ended a dialog (on the dialog's session node): where
+        /// a client that lost the closing message finds the very bytes that were published.
+        CLOSING_ENTRY = "closingEntry";
         COMPLETION = "completion";
         COMPLETION_BYTES = "completionBytes";
         COMPLETION_STATUS = "completionStatus";

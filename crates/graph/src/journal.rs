@@ -99,10 +99,7 @@ impl Journal {
     /// The entry of a step, if one was recorded.
     pub async fn entry(&self, entry: &NamedNode) -> Result<Option<JournalEntry>, GraphError> {
         match self {
-            Journal::Owner(store) => Ok(stored_entries(store, std::slice::from_ref(entry))
-                .await?
-                .pop()
-                .flatten()),
+            Journal::Owner(store) => read_entry(store, entry).await,
             Journal::Remote(remote) => remote.journal_entry(entry.as_str()).await,
         }
     }
@@ -281,6 +278,18 @@ fn entry_quads(entry: &NamedNode, request: &RecordRequest, now: &str) -> Vec<Qua
             Literal::new_typed_literal(now, oxigraph::model::vocab::xsd::DATE_TIME),
         ),
     ]
+}
+
+/// The entry of a step as `store` holds it, read without deciding anything: what a client uses
+/// to read back a message it lost.
+pub async fn read_entry(
+    store: &GraphStore,
+    entry: &NamedNode,
+) -> Result<Option<JournalEntry>, GraphError> {
+    Ok(stored_entries(store, std::slice::from_ref(entry))
+        .await?
+        .pop()
+        .flatten())
 }
 
 /// The entries of `entries` as the store holds them, in order, read in one pass.

@@ -194,6 +194,8 @@ pub struct JournalSlot<'a> {
     pub journal: &'a Journal,
     pub node: NamedNode,
     pub delivery: String,
+    /// The session URI of the dialog the step belongs to.
+    pub session: String,
 }
 
 impl<'a> DialogOutput<'a> {
@@ -460,6 +462,17 @@ impl<'a> DialogOutput<'a> {
     pub async fn commit(&self, slot: Option<&JournalSlot<'_>>) -> anyhow::Result<()> {
         self.keep_documents().await?;
         let mut effects = std::mem::take(&mut *locked(&self.effects));
+        if let (Some(slot), true) = (slot, locked(&self.ended).is_some()) {
+            // The closing travels on a non-persistent topic, which a broker may drop for a
+            // reader that falls behind; this link lets such a client read it back from the
+            // journal (see `journal::recorded_closing`).
+            locked(&self.kept).push(Triple {
+                s: agent_schema::Term::iri(&slot.session),
+                p: agent_schema::Term::iri(tg::CLOSING_ENTRY.as_str()),
+                o: agent_schema::Term::iri(slot.node.as_str()),
+                g: Some(GRAPH.to_owned()),
+            });
+        }
         self.add_kept(&mut effects);
         // The streamed chunks are not journaled: they must be on the broker before the outcome is
         // recorded, or a crash after recording would re-emit a closing message without its text.

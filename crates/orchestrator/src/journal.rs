@@ -232,6 +232,57 @@ fn read_frames(mut bytes: &[u8]) -> Result<Vec<Effect>, String> {
     Ok(effects)
 }
 
+/// The closing message of the dialog of session `session_id` as it was published under the
+/// correlation `id`, read back from the journal, byte for byte what the broker was given: for a
+/// client that lost it (the response topic is non-persistent, and a broker drops what a reader
+/// that falls behind has no room for). `None` while the dialog has not ended, or when its last
+/// step was not journaled or its entry has been pruned.
+pub async fn recorded_closing(
+    store: &agent_graph::GraphStore,
+    session_id: &str,
+    id: &str,
+) -> Result<Option<agent_schema::AgentResponse>, GraphError> {
+    use agent_core::vocab::{tg, PROVENANCE_GRAPH};
+    use agent_graph::model::Term;
+    let session = NamedNode::new(agent_core::provenance::SessionUris::new(session_id).session())
+        .map_err(|e| GraphError::Syntax(format!("not a session: {e}")))?;
+    let graph = NamedNode::new_unchecked(PROVENANCE_GRAPH);
+    let said = store
+        .about_each(std::slice::from_ref(&session), &graph)
+        .await?;
+    let entries = said
+        .into_iter()
+        .flatten()
+        .filter(|(p, _)| p.as_ref() == tg::CLOSING_ENTRY)
+        .filter_map(|(_, o)| match o {
+            Term::NamedNode(entry) => Some(entry),
+            _ => None,
+        });
+    for entry in entries {
+        let Some(stored) = agent_graph::journal::read_entry(store, &entry).await? else {
+            continue;
+        };
+        let Ok(effects) = decode_outcome(&stored.outcome) else {
+            continue;
+        };
+        let closing = effects
+            .iter()
+            .filter(|e| e.channel == Channel::Responses)
+            .filter(|e| {
+                e.properties
+                    .get(agent_schema::ID_PROPERTY)
+                    .map(String::as_str)
+                    == Some(id)
+            })
+            .filter_map(|e| serde_json::from_str::<agent_schema::AgentResponse>(&e.payload).ok())
+            .find(|r| r.end_of_dialog);
+        if closing.is_some() {
+            return Ok(closing);
+        }
+    }
+    Ok(None)
+}
+
 /// The journal every orchestrator replica shares: its owner (the aggregator in front of the graph
 /// store) decides which record of a step stands, in one call per record.
 #[derive(Clone)]

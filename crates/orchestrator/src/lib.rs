@@ -31,3 +31,4 @@ mod validate;
 pub use crate::engine::{Engine, StepError};
 pub use crate::service::run;
 pub use crate::settings::{check_config_dir, load_config_dir, Settings};
+pub use crate::step::session_id_for;

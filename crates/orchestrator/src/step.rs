@@ -527,6 +527,7 @@ impl Engine {
             journal,
             node,
             delivery,
+            session: uris.session(),
         };
         // Giving up reads the journal only if it can.
         let recorded = match slot.journal.entry(&slot.node).await {
@@ -628,7 +629,7 @@ pub(crate) fn committed(
 
 /// The session of a dialog. A first request gets one derived from its `id` property, so that a
 /// redelivered first message names the same provenance nodes instead of starting a second session.
-pub(crate) fn session_id_for(request: &AgentRequest, id: Option<&str>) -> String {
+pub fn session_id_for(request: &AgentRequest, id: Option<&str>) -> String {
     if !request.session_id.is_empty() {
         return request.session_id.clone();
     }
