@@ -250,7 +250,7 @@ async fn a_closing_the_client_lost_is_read_back_from_the_journal() {
 /// `agentctl invoke` given the aggregator's endpoint reads a closing that never reached it back
 /// from the journal after a silence. Here the orchestrator answers on a response topic the client
 /// does not read, so the client hears nothing of the dialog: it still prints the answer and exits
-/// 0, saying where the closing came from.
+/// 0, saying where the closing came from, whether the answer was streamed or not.
 #[tokio::test]
 async fn invoke_reads_a_closing_it_never_heard_back_from_the_journal() {
     let broker = Broker::start().unwrap();
@@ -266,27 +266,35 @@ async fn invoke_reads_a_closing_it_never_heard_back_from_the_journal() {
             "non-persistent://tg/response/agent:elsewhere:default",
         )],
     );
-    let output = tokio::process::Command::new(binary("agentctl"))
-        .args(["invoke", "--no-streaming", "--pattern", "react"])
-        .args(["--question", "combine (unheard)", "--timeout", "40"])
-        .args(["--pulsar-url", &broker.url()])
-        .args(["--graph-store", &aggregator.endpoint])
-        .env_remove("GRAPH_STORE")
-        .env_remove("AGENT_RESPONSE_TOPIC")
-        .output()
-        .await
-        .unwrap();
-    let (stdout, stderr) = (
-        String::from_utf8_lossy(&output.stdout),
-        String::from_utf8_lossy(&output.stderr),
-    );
-    assert!(
-        output.status.success(),
-        "invoke exited with {}\nstdout:\n{stdout}\nstderr:\n{stderr}",
-        output.status
-    );
-    assert!(stdout.contains("alpha and beta, combined."), "{stdout}");
-    assert!(stderr.contains("read back from the journal"), "{stderr}");
+    // Whole messages: the closing carries the answer. Streamed: the answer went in chunks before
+    // an empty closing, and is read from the dialog's conclusion in the graph.
+    for mode in [&["--no-streaming"][..], &[]] {
+        let output = tokio::process::Command::new(binary("agentctl"))
+            .args(["invoke", "--pattern", "react"])
+            .args(mode)
+            .args(["--question", "combine (unheard)", "--timeout", "40"])
+            .args(["--pulsar-url", &broker.url()])
+            .args(["--graph-store", &aggregator.endpoint])
+            .env_remove("GRAPH_STORE")
+            .env_remove("AGENT_RESPONSE_TOPIC")
+            .output()
+            .await
+            .unwrap();
+        let (stdout, stderr) = (
+            String::from_utf8_lossy(&output.stdout),
+            String::from_utf8_lossy(&output.stderr),
+        );
+        assert!(
+            output.status.success(),
+            "invoke {mode:?} exited with {}\nstdout:\n{stdout}\nstderr:\n{stderr}",
+            output.status
+        );
+        assert!(
+            stdout.contains("alpha and beta, combined."),
+            "{mode:?}: {stdout}"
+        );
+        assert!(stderr.contains("read back from the journal"), "{stderr}");
+    }
 }
 
 /// A second aggregator that would own a journal on the same subscription (a StatefulSet scaled

@@ -142,6 +142,8 @@ pub async fn follow(
     };
     let session = agent_orchestrator::session_id_for(request, Some(&id));
     let mut heard_at = tokio::time::Instant::now();
+    // Whether answer text was shown: a streamed answer comes in chunks before an empty closing.
+    let mut answered = false;
     loop {
         let look_back_at = (heard_at + RECOVERY_SILENCE).min(deadline);
         let (rid, response) = match tokio::time::timeout_at(look_back_at, client.next()).await {
@@ -151,16 +153,26 @@ pub async fn follow(
             }
             Err(_) => {
                 heard_at = tokio::time::Instant::now();
-                match recovered(journal, &session, &id).await {
-                    Some(closing) => (id.clone(), closing),
-                    None => continue,
+                let Some(closing) = recovered(journal, &session, &id).await else {
+                    continue;
+                };
+                if !answered && closing.content.is_empty() && kind(&closing) == MessageType::Answer
+                {
+                    // Streamed chunks are not journaled; what the dialog concluded is in the graph.
+                    if let Some(answer) = concluded_answer(journal, &session).await {
+                        let mut text = AgentResponse::new(MessageType::Answer, &answer);
+                        text.end_of_message = true;
+                        renderer.show(&text);
+                    }
                 }
+                (id.clone(), closing)
             }
         };
         if rid != id {
             continue;
         }
         heard_at = tokio::time::Instant::now();
+        answered |= kind(&response) == MessageType::Answer && !response.content.is_empty();
         renderer.show(&response);
         if let (Some(node), MessageType::Explain) = (&response.explain_id, kind(&response)) {
             outcome
@@ -197,6 +209,25 @@ async fn recovered(
             tracing::warn!(error = %e, "could not read the journal for the closing");
             None
         }
+    }
+}
+
+/// The answer the dialog concluded with, as the graph records it.
+async fn concluded_answer(
+    journal: Option<&agent_graph::GraphStore>,
+    session: &str,
+) -> Option<String> {
+    let store = journal?;
+    let node = agent_graph::queries::session_node(session).ok()?;
+    let rows = store
+        .query(agent_graph::queries::dialog_answer(&node))
+        .await
+        .inspect_err(|e| tracing::warn!(error = %e, "could not read the answer from the graph"))
+        .ok()?
+        .rows();
+    match rows.first("answer") {
+        Some(agent_graph::model::Term::Literal(text)) => Some(text.value().to_owned()),
+        _ => None,
     }
 }
 

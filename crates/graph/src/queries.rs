@@ -303,6 +303,19 @@ pub fn conversation_dialogs(conversation_id: &str, current: &NamedNode, most: us
     )
 }
 
+/// The answer a dialog concluded with (its conclusion's document's text, kept beside it or in
+/// the documents graph), once it has ended.
+pub fn dialog_answer(session: &NamedNode) -> String {
+    let (g, d) = (graph(), documents());
+    let conclusion = NamedNode::new_unchecked(format!("{}/final", session.as_str()));
+    format!(
+        "{PREFIXES}SELECT ?answer WHERE {{
+  GRAPH {g} {{ {conclusion} tg:document ?document }}
+  {{ GRAPH {g} {{ ?document tg:content ?answer }} }} UNION {{ GRAPH {d} {{ ?document tg:content ?answer }} }}
+}} LIMIT 1"
+    )
+}
+
 /// The subagent sessions a fan-out started.
 pub fn fanout_sessions(fanout: &NamedNode) -> String {
     let g = graph();
