@@ -691,7 +691,7 @@ async fn concurrent(
     }
 }
 
-/// How long a dialog of the throughput run may be open (about ten times its p99 on this machine)
+/// How long a dialog of the throughput run may be open (six to ten times its p99 here)
 /// before its closing is looked for in the journal.
 const OVERDUE: Duration = Duration::from_secs(5);
 
