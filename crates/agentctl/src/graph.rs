@@ -21,7 +21,7 @@ pub struct StoreArgs {
 
 impl StoreArgs {
     pub fn open(&self) -> anyhow::Result<GraphStore> {
-        if self.store.starts_with("http://") || self.store.starts_with("https://") {
+        if GraphStore::is_endpoint(&self.store) {
             return Ok(GraphStore::open(&self.store, self.token.clone())?);
         }
         let dir = Path::new(&self.store);

@@ -102,7 +102,7 @@ pub async fn invoke(
     let properties = agent_bus::Properties::new();
     let timeout = Duration::from_secs(args.timeout);
     let journal = match args.graph_store.as_deref() {
-        Some(url) if url.starts_with("http://") || url.starts_with("https://") => {
+        Some(url) if agent_graph::GraphStore::is_endpoint(url) => {
             Some(agent_graph::GraphStore::open(url, None)?)
         }
         _ => None,

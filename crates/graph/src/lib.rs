@@ -135,7 +135,7 @@ impl GraphStore {
     /// Opens `spec`: an `http(s)://` SPARQL endpoint base (serving `/query`, `/update`, `/store`) or a
     /// directory for the embedded store. One process owns a directory at a time.
     pub fn open(spec: &str, token: Option<String>) -> Result<GraphStore, GraphError> {
-        if spec.starts_with("http://") || spec.starts_with("https://") {
+        if GraphStore::is_endpoint(spec) {
             return Ok(GraphStore {
                 backend: Backend::Remote(Arc::new(RemoteSparql::new(spec, token)?)),
             });
@@ -147,6 +147,11 @@ impl GraphStore {
                 read_only: false,
             },
         })
+    }
+
+    /// Whether `spec` names a SPARQL endpoint (`http(s)://`) rather than a store directory.
+    pub fn is_endpoint(spec: &str) -> bool {
+        spec.starts_with("http://") || spec.starts_with("https://")
     }
 
     /// Opens a directory that no running process writes to, for reading.

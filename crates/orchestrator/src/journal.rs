@@ -244,8 +244,7 @@ pub async fn recorded_closing(
 ) -> Result<Option<agent_schema::AgentResponse>, GraphError> {
     use agent_core::vocab::{tg, PROVENANCE_GRAPH};
     use agent_graph::model::Term;
-    let session = NamedNode::new(agent_core::provenance::SessionUris::new(session_id).session())
-        .map_err(|e| GraphError::Syntax(format!("not a session: {e}")))?;
+    let session = agent_graph::queries::session_node(session_id)?;
     let graph = NamedNode::new_unchecked(PROVENANCE_GRAPH);
     let said = store
         .about_each(std::slice::from_ref(&session), &graph)

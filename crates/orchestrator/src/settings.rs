@@ -101,7 +101,7 @@ impl Settings {
     /// tools), when one is configured.
     pub fn shared_store(&self) -> anyhow::Result<Option<GraphStore>> {
         match self.graph_store.as_deref().filter(|s| !s.is_empty()) {
-            Some(url) if url.starts_with("http://") || url.starts_with("https://") => {
+            Some(url) if GraphStore::is_endpoint(url) => {
                 let token = self.config_token.clone().filter(|t| !t.is_empty());
                 Ok(Some(GraphStore::open(url, token)?))
             }
