@@ -297,6 +297,85 @@ async fn invoke_reads_a_closing_it_never_heard_back_from_the_journal() {
     }
 }
 
+/// An answer streamed by a step that is SIGKILLed halfway through it is streamed again, from the
+/// start, by the step's redelivery (chunks are a live view, not journaled): joined as they came,
+/// as a TrustGraph client joins them, the text holds part of the answer twice. Each chunk and the
+/// closing name the attempt that sent them, so our client keeps the text of the attempt whose
+/// outcome stands: the answer, once.
+#[tokio::test]
+async fn an_answer_streamed_again_after_a_crash_is_the_answer_once() {
+    const ANSWER: &str = "The capital of France is Paris, on the Seine.";
+    const SLOW: &str = r#"{"rules": [
+      {"match": "", "reply": "Thought: I know this.\nFinal Answer: The capital of France is Paris, on the Seine.", "chunk_size": 4, "chunk_delay_ms": 120}
+    ]}"#;
+    let mut broker = Broker::start().unwrap();
+    let aggregator = Aggregator::spawn_with(&broker, &["--config-token", TOKEN]);
+    let llm = scripted_llm(SLOW).await;
+    let mut doomed = Orchestrator::journaled(Place::Child, &broker, &llm, &aggregator, TOKEN, &[]);
+    let mut client = client(&broker).await;
+    let request = agent_schema::AgentRequest {
+        pattern: "react".into(),
+        ..request("what is the capital of France?", true)
+    };
+    client.send("cut", &request).await.unwrap();
+    let mut streamed = agent_bus::StreamedAnswer::default();
+    let mut joined = String::new();
+    let mut first_attempt = None;
+    let deadline = tokio::time::Instant::now() + DIALOG_TIMEOUT;
+    while first_attempt.is_none() {
+        let received = tokio::time::timeout_at(deadline, client.receive())
+            .await
+            .expect("no answer chunk came")
+            .unwrap();
+        let r = &received.response;
+        if received.id == "cut" && r.message_type == "answer" && !r.content.is_empty() {
+            streamed.push(received.attempt.as_deref(), &r.content);
+            joined.push_str(&r.content);
+            first_attempt = Some(received.attempt.clone().expect("a chunk names its attempt"));
+        }
+    }
+    doomed.kill();
+    // pulsar-lite can keep a killed consumer's messages with a ghost of its connection; a restart
+    // hands them out again (as in the first test here).
+    broker.restart().unwrap();
+    let mut client = agent_e2e::client(&broker).await;
+    let _replacement = Orchestrator::spawn_journaled(&broker, &llm, &aggregator, TOKEN, &[]);
+    let closing = loop {
+        let received = tokio::time::timeout_at(deadline, client.receive())
+            .await
+            .expect("the dialog did not end")
+            .unwrap();
+        if received.id != "cut" {
+            continue;
+        }
+        let r = &received.response;
+        if r.end_of_dialog {
+            break received;
+        }
+        if r.message_type == "answer" {
+            streamed.push(received.attempt.as_deref(), &r.content);
+            joined.push_str(&r.content);
+        }
+    };
+    let extra = drain_for(&mut client, "cut", Duration::from_secs(2)).await;
+    assert_eq!(closings(&extra), 0, "a second closing: {extra:#?}");
+    assert!(closing.response.error.is_none(), "{closing:#?}");
+    // The step ran twice and streamed twice: what a TrustGraph client would show.
+    assert_eq!(llm.calls().len(), 2, "{:#?}", llm.calls());
+    assert!(streamed.restreamed(), "one attempt streamed: {joined:?}");
+    assert_ne!(joined, ANSWER);
+    let standing = closing
+        .attempt
+        .as_deref()
+        .expect("the closing names its attempt");
+    assert_ne!(Some(standing), first_attempt.as_deref());
+    assert_eq!(
+        streamed.answer(Some(standing)),
+        ANSWER,
+        "joined: {joined:?}"
+    );
+}
+
 /// A second aggregator that would own a journal on the same subscription (a StatefulSet scaled
 /// to two, each replica with a store of its own) refuses to run before it consumes anything or
 /// answers a journal call; the first keeps both, and a dialog afterwards ends once, its whole

@@ -144,16 +144,22 @@ pub async fn follow(
     let mut heard_at = tokio::time::Instant::now();
     // Whether answer text was shown: a streamed answer comes in chunks before an empty closing.
     let mut answered = false;
+    let mut streamed = agent_bus::StreamedAnswer::default();
     loop {
         let look_back_at = (heard_at + RECOVERY_SILENCE).min(deadline);
-        let (rid, response) = match tokio::time::timeout_at(look_back_at, client.next()).await {
-            Ok(next) => next?,
+        let (rid, response, attempt) = match tokio::time::timeout_at(look_back_at, client.receive())
+            .await
+        {
+            Ok(next) => {
+                let received = next?;
+                (received.id, received.response, received.attempt)
+            }
             Err(_) if look_back_at >= deadline => {
                 anyhow::bail!("no end of dialog within {} s", timeout.as_secs())
             }
             Err(_) => {
                 heard_at = tokio::time::Instant::now();
-                let Some(closing) = recovered(journal, &session, &id).await else {
+                let Some((closing, attempt)) = recovered(journal, &session, &id).await else {
                     continue;
                 };
                 if !answered && closing.content.is_empty() && kind(&closing) == MessageType::Answer
@@ -165,14 +171,25 @@ pub async fn follow(
                         renderer.show(&text);
                     }
                 }
-                (id.clone(), closing)
+                (id.clone(), closing, attempt)
             }
         };
         if rid != id {
             continue;
         }
         heard_at = tokio::time::Instant::now();
-        answered |= kind(&response) == MessageType::Answer && !response.content.is_empty();
+        let answer_text = kind(&response) == MessageType::Answer && !response.content.is_empty();
+        answered |= answer_text;
+        if answer_text
+            && !response.end_of_dialog
+            && streamed.push(attempt.as_deref(), &response.content)
+        {
+            renderer.note("(the step was cut short and ran again: its answer from the start)");
+        }
+        if response.end_of_dialog {
+            settle_streamed_answer(&streamed, attempt.as_deref(), journal, &session, renderer)
+                .await;
+        }
         renderer.show(&response);
         if let (Some(node), MessageType::Explain) = (&response.explain_id, kind(&response)) {
             outcome
@@ -195,9 +212,9 @@ async fn recovered(
     journal: Option<&agent_graph::GraphStore>,
     session: &str,
     id: &str,
-) -> Option<AgentResponse> {
+) -> Option<(AgentResponse, Option<String>)> {
     let journal = journal?;
-    match agent_orchestrator::journal::recorded_closing(journal, session, id).await {
+    match agent_orchestrator::journal::recorded_closing_and_attempt(journal, session, id).await {
         Ok(Some(closing)) => {
             eprintln!(
                 "(the closing message never reached this client; read back from the journal)"
@@ -209,6 +226,43 @@ async fn recovered(
             tracing::warn!(error = %e, "could not read the journal for the closing");
             None
         }
+    }
+}
+
+/// A closing names the attempt whose streamed text is the answer (see
+/// [`agent_schema::ATTEMPT_PROPERTY`]). When the text shown last is another attempt's (a copy that
+/// lost, a step cut short whose rerun's chunks were lost), the answer is shown again: that
+/// attempt's text, or the one the graph records when none of its chunks came.
+async fn settle_streamed_answer(
+    streamed: &agent_bus::StreamedAnswer,
+    closing: Option<&str>,
+    journal: Option<&agent_graph::GraphStore>,
+    session: &str,
+    renderer: &mut Renderer,
+) {
+    let (Some(closing), Some(latest)) = (closing, streamed.latest()) else {
+        return;
+    };
+    if latest == Some(closing) {
+        return;
+    }
+    let answer = streamed.answer(Some(closing));
+    let answer = if answer.is_empty() {
+        concluded_answer(journal, session).await
+    } else {
+        Some(answer)
+    };
+    match answer {
+        Some(answer) => {
+            renderer.note("(the text above was not the answer that stands; the answer:)");
+            let mut text = AgentResponse::new(MessageType::Answer, &answer);
+            text.end_of_message = true;
+            renderer.show(&text);
+        }
+        None => renderer.note(
+            "(the text above was not the answer that stands, and the answer is not at hand: \
+             `agentctl explain` shows it from the graph)",
+        ),
     }
 }
 
@@ -341,6 +395,17 @@ impl Renderer {
         if self.open.take().is_some() {
             let _ = writeln!(out);
         }
+    }
+
+    /// A line about the stream itself (not a message of the dialog), on its own line.
+    pub fn note(&mut self, note: &str) {
+        let mut out = std::io::stdout().lock();
+        if self.json {
+            return;
+        }
+        self.close_line(&mut out);
+        let _ = writeln!(out, "{}", self.paint("2", note));
+        let _ = out.flush();
     }
 
     pub fn show(&mut self, r: &AgentResponse) {

@@ -8,7 +8,9 @@ use pulsar::{Consumer, SubType, TokioExecutor};
 
 use std::collections::{HashSet, VecDeque};
 
-use agent_schema::{AgentRequest, AgentResponse, EFFECT_ID_PROPERTY, ID_PROPERTY};
+use agent_schema::{
+    AgentRequest, AgentResponse, ATTEMPT_PROPERTY, EFFECT_ID_PROPERTY, ID_PROPERTY,
+};
 
 use crate::{Bus, BusError, Properties, Publisher, Topics};
 
@@ -168,6 +170,72 @@ pub fn message_property<'m>(message: &'m Message<Vec<u8>>, key: &str) -> Option<
         .map(|kv| kv.value.as_str())
 }
 
+/// A response as a client received it.
+#[derive(Debug, Clone)]
+pub struct Received {
+    /// The dialog's correlation id.
+    pub id: String,
+    pub response: AgentResponse,
+    /// Which delivery of its step sent it ([`ATTEMPT_PROPERTY`]), on streamed chunks and closings.
+    pub attempt: Option<String>,
+}
+
+/// A dialog's streamed answer, kept apart by the attempt that streamed it ([`ATTEMPT_PROPERTY`]).
+/// Chunks are a live view of a step at work, not journaled: a step cut short by a crash after
+/// streaming part of its answer runs again and streams it again from the start, and two copies of
+/// one request may stream side by side. Joined as they come (what a TrustGraph client does), the
+/// text would hold the answer more than once; the closing names the attempt whose outcome stands,
+/// and that attempt's text is the answer.
+#[derive(Debug, Default, Clone)]
+pub struct StreamedAnswer {
+    /// Each attempt's text, in the order the attempts began.
+    attempts: Vec<(Option<String>, String)>,
+}
+
+impl StreamedAnswer {
+    /// Adds an answer chunk of `attempt`. True when it begins an attempt after another one's text:
+    /// what came before was a step cut short, or a copy of it running beside it.
+    pub fn push(&mut self, attempt: Option<&str>, text: &str) -> bool {
+        if let Some((_, so_far)) = self
+            .attempts
+            .iter_mut()
+            .find(|(a, _)| a.as_deref() == attempt)
+        {
+            so_far.push_str(text);
+            return false;
+        }
+        let follows_another = self.attempts.iter().any(|(_, t)| !t.is_empty());
+        self.attempts
+            .push((attempt.map(str::to_owned), text.to_owned()));
+        follows_another
+    }
+
+    /// The answer a closing of `closing` (its attempt, if it names one) concludes: that attempt's
+    /// text, empty if none of its chunks came; without a name, every chunk as it came.
+    pub fn answer(&self, closing: Option<&str>) -> String {
+        match closing {
+            Some(closing) => self
+                .attempts
+                .iter()
+                .find(|(a, _)| a.as_deref() == Some(closing))
+                .map(|(_, text)| text.clone())
+                .unwrap_or_default(),
+            None => self.attempts.iter().map(|(_, t)| t.as_str()).collect(),
+        }
+    }
+
+    /// The attempt whose chunks came last began, if any came.
+    pub fn latest(&self) -> Option<Option<&str>> {
+        self.attempts.last().map(|(a, _)| a.as_deref())
+    }
+
+    /// Whether more than one attempt streamed text: joined as they came, the chunks would not be
+    /// the answer.
+    pub fn restreamed(&self) -> bool {
+        self.attempts.iter().filter(|(_, t)| !t.is_empty()).count() > 1
+    }
+}
+
 /// Sends requests and receives every response on the response topic, tagged with its `id`.
 pub struct AgentClient {
     requests: Publisher,
@@ -259,6 +327,12 @@ impl AgentClient {
     /// The next response of any dialog, with its `id`; responses that do not decode, and copies of
     /// responses already received, are skipped.
     pub async fn next(&mut self) -> Result<(String, AgentResponse), BusError> {
+        let received = self.receive().await?;
+        Ok((received.id, received.response))
+    }
+
+    /// As [`AgentClient::next`], with the attempt that sent the response, when it names one.
+    pub async fn receive(&mut self) -> Result<Received, BusError> {
         loop {
             let message = self.responses.next().await?;
             if let Some(effect) = message_property(&message, EFFECT_ID_PROPERTY) {
@@ -270,8 +344,15 @@ impl AgentClient {
             let id = message_property(&message, ID_PROPERTY)
                 .unwrap_or_default()
                 .to_owned();
+            let attempt = message_property(&message, ATTEMPT_PROPERTY).map(str::to_owned);
             match agent_schema::decode::<AgentResponse>(&message.payload.data) {
-                Ok(r) => return Ok((id, r)),
+                Ok(response) => {
+                    return Ok(Received {
+                        id,
+                        response,
+                        attempt,
+                    })
+                }
                 Err(e) => tracing::warn!(error = %e, "skipping a response that does not decode"),
             }
         }
@@ -282,7 +363,7 @@ impl AgentClient {
 mod tests {
     use std::time::Duration;
 
-    use super::{Listener, SeenEffects};
+    use super::{Listener, SeenEffects, StreamedAnswer};
     use crate::embedded::EmbeddedBroker;
     use crate::{Bus, Properties, Publisher};
 
@@ -371,6 +452,39 @@ mod tests {
         let after = drain(&mut bounded).await;
         let sent: Vec<String> = (2_000..2_010).map(|i| format!("m{i}")).collect();
         assert_eq!(after, sent);
+    }
+
+    #[test]
+    fn a_step_streamed_again_after_a_crash_gives_its_answer_once() {
+        let mut answer = StreamedAnswer::default();
+        // The first attempt was cut short; the second streams from the start.
+        assert!(!answer.push(Some("a1"), "The capi"));
+        assert!(answer.push(Some("a2"), "The capital "));
+        assert!(!answer.push(Some("a2"), "is Paris."));
+        assert!(answer.restreamed());
+        assert_eq!(answer.answer(Some("a2")), "The capital is Paris.");
+        // Joined as they came, it would hold the answer more than once.
+        assert_eq!(answer.answer(None), "The capiThe capital is Paris.");
+        assert_eq!(answer.latest(), Some(Some("a2")));
+        // A copy running beside it may finish later but lose: the closing says which stands.
+        assert!(!answer.push(Some("a1"), "tal is Paris."));
+        assert_eq!(answer.answer(Some("a1")), "The capital is Paris.");
+        assert_eq!(answer.answer(Some("a3")), "");
+    }
+
+    #[test]
+    fn an_answer_streamed_once_is_the_answer() {
+        let mut answer = StreamedAnswer::default();
+        // A service that names no attempt (TrustGraph's): every chunk as it came.
+        assert!(!answer.push(None, "Paris"));
+        assert!(!answer.push(None, "."));
+        assert!(!answer.restreamed());
+        assert_eq!(answer.answer(None), "Paris.");
+        // An empty first chunk is not text to repeat.
+        let mut answer = StreamedAnswer::default();
+        assert!(!answer.push(Some("a1"), ""));
+        assert!(!answer.push(Some("a2"), "Paris."));
+        assert!(!answer.restreamed());
     }
 
     #[test]

@@ -18,7 +18,7 @@ mod service;
 mod topics;
 
 pub use args::{shutdown_signal, BrokerArgs};
-pub use client::{message_property, AgentClient, Listener};
+pub use client::{message_property, AgentClient, Listener, Received, StreamedAnswer};
 pub use config_client::{ConfigClient, ConfigPushes};
 pub use consumer::{
     run_consumer, ConsumerStats, Delivery, Disposition, SubscriptionConfig, DEAD_LETTER_REASON,

@@ -11,8 +11,8 @@ pub use agent_core::supervisor::subagent_seal_parts;
 use agent_core::vocab::{tg, NamedNodeRef, PROVENANCE_GRAPH as GRAPH};
 use agent_graph::model::NamedNode;
 use agent_schema::{
-    AgentRequest, AgentResponse, MessageType, Metadata, Triple, Triples, EFFECT_ID_PROPERTY,
-    ID_PROPERTY,
+    AgentRequest, AgentResponse, MessageType, Metadata, Triple, Triples, ATTEMPT_PROPERTY,
+    EFFECT_ID_PROPERTY, ID_PROPERTY,
 };
 use anyhow::Context as _;
 
@@ -155,6 +155,9 @@ pub struct DialogOutput<'a> {
     /// The model this dialog's LLM calls ask for, when it is not the orchestrator's: carried on
     /// to every next request of the dialog.
     model: Option<String>,
+    /// This delivery's attempt at the step: on its streamed chunks and its closing (see
+    /// [`ATTEMPT_PROPERTY`]), and the attempt its journal record names.
+    attempt: String,
 }
 
 /// A step's graph-only records join its last graph message only while that is smaller than this:
@@ -233,6 +236,7 @@ impl<'a> DialogOutput<'a> {
             to_keep: Mutex::default(),
             subagent: false,
             model: None,
+            attempt: uuid::Uuid::new_v4().simple().to_string(),
         }
     }
 
@@ -486,7 +490,7 @@ impl<'a> DialogOutput<'a> {
                     format!("{}#{i}", slot.node.as_str()),
                 );
             }
-            let attempt = uuid::Uuid::new_v4().simple().to_string();
+            let attempt = self.attempt.clone();
             let journaled: Vec<Effect> = effects
                 .iter()
                 .map(|e| e.compacted(&self.input_history))
@@ -613,17 +617,24 @@ impl<'a> DialogOutput<'a> {
 
     /// A durable response: the closing answer or an error.
     pub fn respond(&self, response: &AgentResponse) -> Result<(), BusError> {
-        if response.end_of_dialog {
-            *locked(&self.ended) = Some(if response.error.is_some() {
-                "error"
-            } else {
-                "answer"
-            });
+        if !response.end_of_dialog {
+            self.hold(
+                Channel::Responses,
+                agent_schema::encode(response),
+                &self.properties,
+            );
+            return Ok(());
         }
+        *locked(&self.ended) = Some(if response.error.is_some() {
+            "error"
+        } else {
+            "answer"
+        });
+        // Names whose streamed text is the answer: this attempt's, the one that commits it.
         self.hold(
             Channel::Responses,
             agent_schema::encode(response),
-            &self.properties,
+            &self.attempted(),
         );
         Ok(())
     }
@@ -652,9 +663,16 @@ impl<'a> DialogOutput<'a> {
         self.send(
             Channel::Responses,
             agent_schema::encode(&r),
-            &self.properties,
+            &self.attempted(),
         )
         .await
+    }
+
+    /// The dialog's properties and this delivery's attempt (see [`ATTEMPT_PROPERTY`]).
+    fn attempted(&self) -> Properties {
+        let mut properties = self.properties.clone();
+        properties.insert(ATTEMPT_PROPERTY.to_owned(), self.attempt.clone());
+        properties
     }
 
     /// The explainability message of `triples` about `node`, in this dialog's collection.

@@ -242,6 +242,18 @@ pub async fn recorded_closing(
     session_id: &str,
     id: &str,
 ) -> Result<Option<agent_schema::AgentResponse>, GraphError> {
+    Ok(recorded_closing_and_attempt(store, session_id, id)
+        .await?
+        .map(|(closing, _)| closing))
+}
+
+/// [`recorded_closing`], with the attempt it names ([`agent_schema::ATTEMPT_PROPERTY`]): whose
+/// streamed text is the answer.
+pub async fn recorded_closing_and_attempt(
+    store: &agent_graph::GraphStore,
+    session_id: &str,
+    id: &str,
+) -> Result<Option<(agent_schema::AgentResponse, Option<String>)>, GraphError> {
     use agent_core::vocab::{tg, PROVENANCE_GRAPH};
     use agent_graph::model::Term;
     let session = agent_graph::queries::session_node(session_id)?;
@@ -273,8 +285,13 @@ pub async fn recorded_closing(
                     .map(String::as_str)
                     == Some(id)
             })
-            .filter_map(|e| serde_json::from_str::<agent_schema::AgentResponse>(&e.payload).ok())
-            .find(|r| r.end_of_dialog);
+            .filter_map(|e| {
+                let response =
+                    serde_json::from_str::<agent_schema::AgentResponse>(&e.payload).ok()?;
+                let attempt = e.properties.get(agent_schema::ATTEMPT_PROPERTY).cloned();
+                Some((response, attempt))
+            })
+            .find(|(r, _)| r.end_of_dialog);
         if closing.is_some() {
             return Ok(closing);
         }

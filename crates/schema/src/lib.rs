@@ -50,6 +50,13 @@ pub const REUSE_FROM_PROPERTY: &str = "agent-reuse-from";
 /// (`{journal entry}#{index}`), so a consumer can drop the copy. A TrustGraph client ignores it.
 pub const EFFECT_ID_PROPERTY: &str = "agent-effect-id";
 
+/// Our message property on every streamed chunk and on the closing response: which delivery of
+/// the step sent it. A step cut short by a crash after streaming some text runs again and streams
+/// it again under another attempt (chunks are a live view, not journaled), and two copies of one
+/// request may stream side by side; the closing names the attempt whose outcome stands, so a
+/// client keeps that attempt's text as the answer. A TrustGraph client ignores it.
+pub const ATTEMPT_PROPERTY: &str = "agent-attempt";
+
 /// Why a payload could not be decoded.
 pub type DecodeError = serde_json::Error;
 
