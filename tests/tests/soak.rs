@@ -14,9 +14,11 @@ use std::collections::{BTreeMap, HashSet};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use agent_bus::Topics;
+use agent_bus::{StreamedAnswer, Topics};
 use agent_e2e::*;
-use agent_schema::{AgentRequest, AgentResponse, EFFECT_ID_PROPERTY, ID_PROPERTY};
+use agent_schema::{
+    AgentRequest, AgentResponse, ATTEMPT_PROPERTY, EFFECT_ID_PROPERTY, ID_PROPERTY,
+};
 use futures::StreamExt;
 use rand::{Rng, SeedableRng};
 
@@ -86,8 +88,13 @@ fn dialog(i: usize) -> (AgentRequest, &'static str) {
 struct Tally {
     /// Closing responses of each dialog (copies with a seen effect id left out).
     closings: BTreeMap<String, Vec<AgentResponse>>,
-    /// The answer text of each dialog: streamed chunks and the closing message's content.
+    /// The answer text of each dialog: streamed chunks and the closing message's content, joined
+    /// as they came (as a TrustGraph client joins them).
     answers: BTreeMap<String, String>,
+    /// The streamed answer of each dialog as our client keeps it: by attempt.
+    streamed: BTreeMap<String, StreamedAnswer>,
+    /// The attempt each closing names (see `ATTEMPT_PROPERTY`).
+    closing_attempts: BTreeMap<String, Option<String>>,
     /// Responses dropped because their effect id had been seen: re-emitted after a crash, or
     /// delivered again to this reader after the broker restart.
     copies: u64,
@@ -162,8 +169,19 @@ fn tally_message(
             .entry(id.clone())
             .or_default()
             .push_str(&response.content);
+        if !response.end_of_dialog {
+            let attempt = prop(ATTEMPT_PROPERTY);
+            tally
+                .streamed
+                .entry(id.clone())
+                .or_default()
+                .push(attempt.as_deref(), &response.content);
+        }
     }
     if response.end_of_dialog {
+        tally
+            .closing_attempts
+            .insert(id.clone(), prop(ATTEMPT_PROPERTY));
         tally.closings.entry(id).or_default().push(response);
     }
 }
@@ -460,7 +478,7 @@ async fn chaos_soak() {
     // Late copies would show up now.
     tokio::time::sleep(Duration::from_secs(3)).await;
     reader.abort();
-    let (mut lost, duplicated, mut wrong, restreamed, copies, responses) = {
+    let (mut lost, duplicated, mut wrong, restreamed, mut repeated_for_us, copies, responses) = {
         let tally = tally.lock().unwrap();
         let mut lost = Vec::new();
         let mut duplicated = Vec::new();
@@ -468,6 +486,8 @@ async fn chaos_soak() {
         // A streamed answer whose iteration was cut short by a kill is streamed again by the
         // redelivery: its chunks are a live view, not journaled.
         let mut restreamed = 0;
+        // Our client keeps the text of the attempt the closing names: the answer, once.
+        let mut repeated_for_us = Vec::new();
         for i in 0..settings.dialogs {
             let id = format!("soak-{i}");
             match tally.closings.get(&id).map(Vec::as_slice) {
@@ -479,6 +499,20 @@ async fn chaos_soak() {
                         wrong.push((id.clone(), format!("{id}: {answer:?} {closing:?}")));
                     } else if answer != expected {
                         restreamed += 1;
+                    }
+                    let ours = if closing.content.is_empty() {
+                        let attempt = tally.closing_attempts.get(&id).cloned().flatten();
+                        tally
+                            .streamed
+                            .get(&id)
+                            .map(|s| s.answer(attempt.as_deref()))
+                            .unwrap_or_default()
+                    } else {
+                        answer.clone()
+                    };
+                    if ours != expected && answer.contains(expected) {
+                        repeated_for_us
+                            .push((id.clone(), format!("ours {ours:?}, joined {answer:?}")));
                     }
                 }
                 Some(_) => duplicated.push(id),
@@ -499,6 +533,7 @@ async fn chaos_soak() {
             duplicated,
             wrong,
             restreamed,
+            repeated_for_us,
             tally.copies,
             tally.responses,
         )
@@ -637,6 +672,23 @@ async fn chaos_soak() {
             wrong.retain(|(w, _)| *w != id);
         }
     }
+    // Our client's answer is the standing attempt's text; a chunk of it can only be missing where
+    // the broker dropped it, around its SIGKILL (as above).
+    let mut partly_lost_at_broker_kill = Vec::new();
+    for (id, description) in repeated_for_us.clone() {
+        let Some((at, _)) = journaled_closing(&store, &session_uri(&id)).await else {
+            continue;
+        };
+        if cluster
+            .broker_kills
+            .iter()
+            .any(|(kill, back)| at > kill - 3.0 && at < back + 5.0)
+        {
+            eprintln!("soak: {id}'s streamed answer lost chunks around the broker's SIGKILL: {description}");
+            partly_lost_at_broker_kill.push(id.clone());
+            repeated_for_us.retain(|(r, _)| *r != id);
+        }
+    }
     let dead = dead_letters(&cluster.broker).await;
     println!(
         "soak: {} dialogs, seed {}, {} in flight, {:.1} s",
@@ -656,13 +708,15 @@ async fn chaos_soak() {
         cluster.ghost_restarts
     );
     println!(
-        "soak: ended {} · lost {} · closing confirmed by the broker but never delivered {} · streamed answer confirmed by the broker but never delivered (at its SIGKILL) {} · duplicated end_of_dialog {} · wrong answer {} · streamed answers repeated after a kill {restreamed} · re-emitted copies dropped by effect id {copies} of {responses} responses · dead-lettered {}",
+        "soak: ended {} · lost {} · closing confirmed by the broker but never delivered {} · streamed answer confirmed by the broker but never delivered (at its SIGKILL) {} · duplicated end_of_dialog {} · wrong answer {} · streamed answers repeated after a kill {restreamed} (joined as they came; as our client keeps them by attempt {}, and {} partly lost at the broker's SIGKILL) · re-emitted copies dropped by effect id {copies} of {responses} responses · dead-lettered {}",
         finished.len(),
         lost.len(),
         dropped_by_broker.len(),
         chunks_lost_at_broker_kill.len(),
         duplicated.len(),
         wrong.len(),
+        repeated_for_us.len(),
+        partly_lost_at_broker_kill.len(),
         dead.len()
     );
     println!(
@@ -691,6 +745,10 @@ async fn chaos_soak() {
     assert!(dead.is_empty(), "valid messages dead-lettered: {dead:?}");
     assert!(duplicated.is_empty(), "duplicated: {duplicated:?}");
     assert!(wrong.is_empty(), "wrong answers: {wrong:#?}");
+    assert!(
+        repeated_for_us.is_empty(),
+        "answers our client kept by attempt that are not the answer: {repeated_for_us:#?}"
+    );
     assert_eq!(conflicting, 0, "conflicting provenance nodes");
     assert_eq!(dangling, 0, "dangling provenance links");
     assert!(incomplete.is_empty(), "incomplete DAGs: {incomplete:?}");
