@@ -459,8 +459,8 @@ async fn invoke_says_when_a_step_streamed_again_and_ends_with_the_answer() {
     );
     let last_answer = shown
         .lines()
-        .filter_map(|line| line.strip_prefix("Answer: "))
-        .last()
+        .rev()
+        .find_map(|line| line.strip_prefix("Answer: "))
         .unwrap_or_default();
     assert_eq!(
         last_answer, "The capital of France is Paris, on the Seine.",
