@@ -500,8 +500,13 @@ impl Aggregator {
         let mut last = String::new();
         for _ in 0..3 {
             let port = agent_bus::embedded::free_port().unwrap();
-            let store_dir =
-                std::env::temp_dir().join(format!("agent-e2e-graph-{}-{port}", std::process::id()));
+            // Not named by the port alone: an aggregator killed and restarted leaves its port
+            // free for a moment, and one started meanwhile could be given it and wipe the store.
+            let store_dir = std::env::temp_dir().join(format!(
+                "agent-e2e-graph-{}-{port}-{:08x}",
+                std::process::id(),
+                rand::random::<u32>()
+            ));
             let _ = std::fs::remove_dir_all(&store_dir);
             let addr = format!("127.0.0.1:{port}");
             let graph_store = remote_store

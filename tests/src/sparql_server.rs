@@ -57,8 +57,13 @@ impl SparqlServer {
     /// A server ready for queries when this returns.
     pub fn start(kind: Kind) -> SparqlServer {
         let port = agent_bus::embedded::free_port().unwrap();
-        let dir =
-            std::env::temp_dir().join(format!("agent-e2e-sparql-{}-{port}", std::process::id()));
+        // Not named by the port alone: a server restarting leaves its port free for a moment,
+        // and one started meanwhile could be given it and wipe this folder.
+        let dir = std::env::temp_dir().join(format!(
+            "agent-e2e-sparql-{}-{port}-{:08x}",
+            std::process::id(),
+            rand::random::<u32>()
+        ));
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(dir.join("data")).unwrap();
         let mut server = SparqlServer {

@@ -274,9 +274,13 @@ impl ApacheBroker {
                 0 => crate::embedded::free_port()?,
                 port => port,
             };
+            // Not named by the port alone: while a broker of this process restarts, its port is
+            // free, and another broker started meanwhile could be given it and wipe this folder
+            // (seen as a restart that found its bookie's cookie, `current/VERSION`, gone).
             let data = std::env::temp_dir().join(format!(
-                "apache-pulsar-{}-{broker_port}",
-                std::process::id()
+                "apache-pulsar-{}-{broker_port}-{:08x}",
+                std::process::id(),
+                rand::random::<u32>()
             ));
             let _ = std::fs::remove_dir_all(&data);
             std::fs::create_dir_all(&data)?;
