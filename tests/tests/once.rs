@@ -448,13 +448,14 @@ async fn invoke_says_when_a_step_streamed_again_and_ends_with_the_answer() {
         .read_to_string(&mut stderr)
         .await;
     let shown = String::from_utf8_lossy(&shown);
+    println!("agentctl invoke showed:\n{shown}");
     assert!(
         status.success(),
         "{status}\nstdout:\n{shown}\nstderr:\n{stderr}"
     );
     assert_eq!(llm.calls().len(), 2, "{:#?}", llm.calls());
     assert!(
-        shown.contains("(the step was cut short and ran again: its answer from the start)"),
+        shown.contains("(the step was cut short and ran again: its text from the start)"),
         "{shown}"
     );
     let last_answer = shown

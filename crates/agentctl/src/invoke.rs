@@ -145,6 +145,9 @@ pub async fn follow(
     // Whether answer text was shown: a streamed answer comes in chunks before an empty closing.
     let mut answered = false;
     let mut streamed = agent_bus::StreamedAnswer::default();
+    // The attempt each streamed message (a thought, the answer) came from last.
+    let mut streaming_attempts: HashMap<String, Option<String>> = HashMap::new();
+    let mut noticed: Option<Option<String>> = None;
     loop {
         let look_back_at = (heard_at + RECOVERY_SILENCE).min(deadline);
         let (rid, response, attempt) = match tokio::time::timeout_at(look_back_at, client.receive())
@@ -180,11 +183,22 @@ pub async fn follow(
         heard_at = tokio::time::Instant::now();
         let answer_text = kind(&response) == MessageType::Answer && !response.content.is_empty();
         answered |= answer_text;
-        if answer_text
-            && !response.end_of_dialog
-            && streamed.push(attempt.as_deref(), &response.content)
-        {
-            renderer.note("(the step was cut short and ran again: its answer from the start)");
+        let streaming = !response.end_of_dialog
+            && !response.content.is_empty()
+            && matches!(kind(&response), MessageType::Answer | MessageType::Thought);
+        if streaming {
+            // A thought or answer streamed again under another attempt: its step was cut short
+            // (or a copy of it runs beside it), and what follows starts from the beginning.
+            let before = streaming_attempts.insert(response.message_id.clone(), attempt.clone());
+            // Said once for an attempt, before the first of its messages that came before.
+            if before.is_some_and(|before| before != attempt) && noticed.as_ref() != Some(&attempt)
+            {
+                renderer.note("(the step was cut short and ran again: its text from the start)");
+                noticed = Some(attempt.clone());
+            }
+            if answer_text {
+                streamed.push(attempt.as_deref(), &response.content);
+            }
         }
         if response.end_of_dialog {
             settle_streamed_answer(&streamed, attempt.as_deref(), journal, &session, renderer)
