@@ -175,7 +175,8 @@ pub async fn run(settings: AggregatorSettings, shutdown: CancellationToken) -> a
     let listener = tokio::net::TcpListener::bind(settings.http_addr)
         .await
         .with_context(|| format!("binding {}", settings.http_addr))?;
-    tracing::info!(addr = %listener.local_addr()?, "serving SPARQL");
+    let served_at = listener.local_addr()?;
+    tracing::info!(addr = %served_at, "serving SPARQL");
     metrics::describe();
     let stats = Arc::new(ConsumerStats::default());
     let journal = journal_of(&store).await?;
@@ -189,6 +190,7 @@ pub async fn run(settings: AggregatorSettings, shutdown: CancellationToken) -> a
     // A SPARQL server may be reached by owners the broker cannot tell apart; an embedded store
     // is one process's alone (RocksDB locks its directory).
     let shared_store = (announcer.is_some() && !store.is_embedded()).then(|| store.clone());
+    let (in_process_journal, in_process_token) = (journal.clone(), token.clone());
     let app = http::router(
         store.clone(),
         journal,
@@ -256,6 +258,14 @@ pub async fn run(settings: AggregatorSettings, shutdown: CancellationToken) -> a
         }
         anyhow::bail!(why);
     }
+    // An orchestrator in this process asks this journal directly, not over loopback HTTP (only
+    // now: the owner is known; and for as long as this runs).
+    let _in_process = agent_graph::in_process::serve(
+        endpoint_bases(served_at),
+        in_process_token,
+        in_process_journal,
+        metrics::journal_record,
+    );
     let request_topic = settings
         .request_topic
         .clone()
@@ -323,6 +333,23 @@ pub async fn run(settings: AggregatorSettings, shutdown: CancellationToken) -> a
     }
     consumed?;
     Ok(())
+}
+
+/// The base URLs that name this process's endpoint at `addr` from inside it.
+fn endpoint_bases(addr: std::net::SocketAddr) -> Vec<String> {
+    let port = addr.port();
+    let mut bases = vec![format!("http://{addr}")];
+    if addr.ip().is_unspecified() || addr.ip().is_loopback() {
+        bases.extend([
+            format!("http://127.0.0.1:{port}"),
+            format!("http://localhost:{port}"),
+        ]);
+        if addr.is_ipv6() {
+            bases.push(format!("http://[::1]:{port}"));
+        }
+    }
+    bases.dedup();
+    bases
 }
 
 /// A store's address as it may be shown to others: an endpoint without its user and password.

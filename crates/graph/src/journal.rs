@@ -2,7 +2,8 @@
 //! first-writer-wins decision is made in the one process that owns the journal (the aggregator, or
 //! whoever holds an embedded store), by locking the step's key there around a read and a plain
 //! insert. So the store needs no isolation of its own: any SPARQL 1.1 server can hold the entries.
-//! Everyone else reaches the owner's journal API over HTTP (`/journal/...`), one call per record.
+//! Everyone else reaches the owner's journal API over HTTP (`/journal/...`), one call per record
+//! (or directly when the owner runs in the same process: `in_process`).
 
 use std::sync::Arc;
 

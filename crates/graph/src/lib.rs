@@ -5,6 +5,7 @@
 pub mod batch;
 pub mod convert;
 pub mod explain;
+pub mod in_process;
 pub mod journal;
 pub mod queries;
 pub mod recorded;
