@@ -534,7 +534,11 @@ impl Aggregator {
                         stderr_log,
                     }
                 }
-                Err(why) => last = why.to_string(),
+                Err(why) => {
+                    last = why.to_string();
+                    drop(running);
+                    let _ = std::fs::remove_dir_all(&store_dir);
+                }
             }
         }
         panic!("the aggregator stopped before listening, on three ports; the last {last}");
@@ -998,8 +1002,12 @@ impl ConfigSvc {
     /// [`ConfigSvc::spawn`] in `place`.
     pub fn start(place: Place, broker: &Broker, seed: Option<&std::path::Path>) -> ConfigSvc {
         let port = agent_bus::embedded::free_port().unwrap();
-        let data_dir =
-            std::env::temp_dir().join(format!("agent-e2e-config-{}-{port}", std::process::id()));
+        // Not named by the port alone (see `Aggregator::start_logged`).
+        let data_dir = std::env::temp_dir().join(format!(
+            "agent-e2e-config-{}-{port}-{:08x}",
+            std::process::id(),
+            rand::random::<u32>()
+        ));
         let _ = std::fs::remove_dir_all(&data_dir);
         let addr = format!("127.0.0.1:{port}");
         let token = format!("{:032x}", uuid::Uuid::new_v4().as_u128());

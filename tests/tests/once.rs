@@ -455,7 +455,7 @@ async fn invoke_says_when_a_step_streamed_again_and_ends_with_the_answer() {
     );
     assert_eq!(llm.calls().len(), 2, "{:#?}", llm.calls());
     assert!(
-        shown.contains("(the step was cut short and ran again: its text from the start)"),
+        shown.contains("(the step ran again, cut short by a crash or as a copy beside it: its text from the start)"),
         "{shown}"
     );
     let last_answer = shown

@@ -147,7 +147,7 @@ pub async fn follow(
     let mut streamed = agent_bus::StreamedAnswer::default();
     // The attempt each streamed message (a thought, the answer) came from last.
     let mut streaming_attempts: HashMap<String, Option<String>> = HashMap::new();
-    let mut noticed: Option<Option<String>> = None;
+    let mut noticed: std::collections::HashSet<Option<String>> = Default::default();
     loop {
         let look_back_at = (heard_at + RECOVERY_SILENCE).min(deadline);
         let (rid, response, attempt) = match tokio::time::timeout_at(look_back_at, client.receive())
@@ -191,16 +191,20 @@ pub async fn follow(
             // (or a copy of it runs beside it), and what follows starts from the beginning.
             let before = streaming_attempts.insert(response.message_id.clone(), attempt.clone());
             // Said once for an attempt, before the first of its messages that came before.
-            if before.is_some_and(|before| before != attempt) && noticed.as_ref() != Some(&attempt)
-            {
-                renderer.note("(the step was cut short and ran again: its text from the start)");
-                noticed = Some(attempt.clone());
+            if before.is_some_and(|before| before != attempt) && noticed.insert(attempt.clone()) {
+                renderer.note(
+                    "(the step ran again, cut short by a crash or as a copy beside it: its text from the start)",
+                );
             }
             if answer_text {
                 streamed.push(attempt.as_deref(), &response.content);
             }
         }
-        if response.end_of_dialog {
+        if response.end_of_dialog
+            && response.error.is_none()
+            && kind(&response) == MessageType::Answer
+            && !renderer.json
+        {
             settle_streamed_answer(&streamed, attempt.as_deref(), journal, &session, renderer)
                 .await;
         }
@@ -245,8 +249,9 @@ async fn recovered(
 
 /// A closing names the attempt whose streamed text is the answer (see
 /// [`agent_schema::ATTEMPT_PROPERTY`]). When the text shown last is another attempt's (a copy that
-/// lost, a step cut short whose rerun's chunks were lost), the answer is shown again: that
-/// attempt's text, or the one the graph records when none of its chunks came.
+/// lost, a step cut short whose rerun's chunks were lost), or two copies' chunks came interleaved,
+/// the answer is shown again: that attempt's text, or the one the graph records when none of its
+/// chunks came.
 async fn settle_streamed_answer(
     streamed: &agent_bus::StreamedAnswer,
     closing: Option<&str>,
@@ -257,7 +262,7 @@ async fn settle_streamed_answer(
     let (Some(closing), Some(latest)) = (closing, streamed.latest()) else {
         return;
     };
-    if latest == Some(closing) {
+    if latest == Some(closing) && !streamed.interleaved() {
         return;
     }
     let answer = streamed.answer(Some(closing));
@@ -268,7 +273,7 @@ async fn settle_streamed_answer(
     };
     match answer {
         Some(answer) => {
-            renderer.note("(the text above was not the answer that stands; the answer:)");
+            renderer.note("(the text above was not the standing answer alone; the answer:)");
             let mut text = AgentResponse::new(MessageType::Answer, &answer);
             text.end_of_message = true;
             renderer.show(&text);

@@ -265,6 +265,10 @@ pub async fn run(settings: AggregatorSettings, shutdown: CancellationToken) -> a
         in_process_token,
         in_process_journal,
         metrics::journal_record,
+        {
+            let fence = fence.clone();
+            Box::new(move || fence.refusal().is_none())
+        },
     );
     let request_topic = settings
         .request_topic
@@ -335,20 +339,21 @@ pub async fn run(settings: AggregatorSettings, shutdown: CancellationToken) -> a
     Ok(())
 }
 
-/// The base URLs that name this process's endpoint at `addr` from inside it.
+/// The base URLs that name this process's endpoint at `addr` from inside it: its address, and
+/// the loopback address of its family when it listens on all. (Not `localhost`, which may name
+/// another family's loopback, where another process could listen.)
 fn endpoint_bases(addr: std::net::SocketAddr) -> Vec<String> {
-    let port = addr.port();
     let mut bases = vec![format!("http://{addr}")];
-    if addr.ip().is_unspecified() || addr.ip().is_loopback() {
-        bases.extend([
-            format!("http://127.0.0.1:{port}"),
-            format!("http://localhost:{port}"),
-        ]);
-        if addr.is_ipv6() {
-            bases.push(format!("http://[::1]:{port}"));
-        }
+    if addr.ip().is_unspecified() {
+        let loopback = match addr {
+            std::net::SocketAddr::V4(_) => std::net::IpAddr::from([127, 0, 0, 1]),
+            std::net::SocketAddr::V6(_) => std::net::IpAddr::from(std::net::Ipv6Addr::LOCALHOST),
+        };
+        bases.push(format!(
+            "http://{}",
+            std::net::SocketAddr::new(loopback, addr.port())
+        ));
     }
-    bases.dedup();
     bases
 }
 

@@ -190,18 +190,23 @@ pub struct Received {
 pub struct StreamedAnswer {
     /// Each attempt's text, in the order the attempts began.
     attempts: Vec<(Option<String>, String)>,
+    /// Whether text of an attempt came after another attempt had begun (copies side by side).
+    interleaved: bool,
 }
 
 impl StreamedAnswer {
     /// Adds an answer chunk of `attempt`. True when it begins an attempt after another one's text:
     /// what came before was a step cut short, or a copy of it running beside it.
     pub fn push(&mut self, attempt: Option<&str>, text: &str) -> bool {
-        if let Some((_, so_far)) = self
+        let last = self.attempts.len().saturating_sub(1);
+        if let Some((at, (_, so_far))) = self
             .attempts
             .iter_mut()
-            .find(|(a, _)| a.as_deref() == attempt)
+            .enumerate()
+            .find(|(_, (a, _))| a.as_deref() == attempt)
         {
             so_far.push_str(text);
+            self.interleaved |= at != last && !text.is_empty();
             return false;
         }
         let follows_another = self.attempts.iter().any(|(_, t)| !t.is_empty());
@@ -227,6 +232,12 @@ impl StreamedAnswer {
     /// The attempt whose chunks came last began, if any came.
     pub fn latest(&self) -> Option<Option<&str>> {
         self.attempts.last().map(|(a, _)| a.as_deref())
+    }
+
+    /// Whether text of one attempt came after another attempt had begun: copies of the step
+    /// streamed side by side, and what was shown as it came mixed them.
+    pub fn interleaved(&self) -> bool {
+        self.interleaved
     }
 
     /// Whether more than one attempt streamed text: joined as they came, the chunks would not be
@@ -467,7 +478,9 @@ mod tests {
         assert_eq!(answer.answer(None), "The capiThe capital is Paris.");
         assert_eq!(answer.latest(), Some(Some("a2")));
         // A copy running beside it may finish later but lose: the closing says which stands.
+        assert!(!answer.interleaved());
         assert!(!answer.push(Some("a1"), "tal is Paris."));
+        assert!(answer.interleaved());
         assert_eq!(answer.answer(Some("a1")), "The capital is Paris.");
         assert_eq!(answer.answer(Some("a3")), "");
     }

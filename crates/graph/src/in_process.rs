@@ -18,6 +18,9 @@ struct Served {
     token: Option<String>,
     journal: Journal,
     on_record: fn(bool),
+    /// Whether it may still decide: false once its fence refused it (an elder owner heard late),
+    /// after which its callers go over HTTP and are refused there.
+    still_owner: Box<dyn Fn() -> bool + Send + Sync>,
     /// Whether its first caller here was logged.
     heard: bool,
 }
@@ -40,15 +43,18 @@ impl Drop for Registration {
 }
 
 /// Serves `journal` (an owner's: a forwarding journal is refused) to callers of this process that
-/// name one of `bases` (an endpoint's base URL, such as `http://127.0.0.1:7878`) with `token`.
-/// `on_record` is told of each record whether it stood (the owner's metric). `None` for a journal
-/// that is not an owner's.
+/// name one of `bases` (an endpoint's base URL, such as `http://127.0.0.1:7878`) with `token`,
+/// while `still_owner` says so. `on_record` is told of each record whether it stood (the owner's
+/// metric). `None` for a journal that is not an owner's, or without a token (the journal API then
+/// refuses every call, and so does this).
 pub fn serve(
     bases: Vec<String>,
     token: Option<String>,
     journal: Journal,
     on_record: fn(bool),
+    still_owner: Box<dyn Fn() -> bool + Send + Sync>,
 ) -> Option<Registration> {
+    let token = token.filter(|t| !t.is_empty())?;
     if !matches!(journal, Journal::Owner(_)) {
         return None;
     }
@@ -61,9 +67,10 @@ pub fn serve(
     served().push(Served {
         id,
         bases,
-        token: token.filter(|t| !t.is_empty()),
+        token: Some(token),
         journal,
         on_record,
+        still_owner,
         heard: false,
     });
     Some(Registration { id })
@@ -75,7 +82,8 @@ pub(crate) fn owner(base: &str, token: Option<&str>) -> Option<InProcessOwner> {
     let mut served = served();
     let owner = served
         .iter_mut()
-        .find(|s| s.bases.iter().any(|b| b == base) && s.token.as_deref() == token)?;
+        .find(|s| s.bases.iter().any(|b| b == base) && s.token.as_deref() == token)
+        .filter(|s| (s.still_owner)())?;
     if !owner.heard {
         owner.heard = true;
         tracing::info!(endpoint = %base, "the journal's owner runs in this process: asked directly, not over HTTP");

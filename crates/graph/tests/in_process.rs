@@ -27,6 +27,7 @@ async fn an_owner_in_this_process_is_asked_directly_with_its_token_only() {
     let store = GraphStore::in_memory().unwrap();
     let base = nobody_listening();
     static RECORDS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    static REFUSED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
     let served = in_process::serve(
         vec![format!("{base}/")],
         Some("services".to_owned()),
@@ -34,6 +35,7 @@ async fn an_owner_in_this_process_is_asked_directly_with_its_token_only() {
         |_| {
             RECORDS.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
         },
+        Box::new(|| !REFUSED.load(std::sync::atomic::Ordering::SeqCst)),
     )
     .expect("an owner's journal is served");
     let entry = "urn:trustgraph:agent:s/journal/i1-x";
@@ -68,14 +70,42 @@ async fn an_owner_in_this_process_is_asked_directly_with_its_token_only() {
     let anonymous = GraphStore::open(&base, None).unwrap().journal();
     assert!(anonymous.entry(&node).await.is_err());
 
+    // Refused by its fence later (an elder owner heard), it decides nothing more here.
+    REFUSED.store(true, std::sync::atomic::Ordering::SeqCst);
+    assert!(caller.entry(&node).await.is_err());
+    REFUSED.store(false, std::sync::atomic::Ordering::SeqCst);
+    assert!(caller.entry(&node).await.is_ok());
+
     // Once the owner stops, its callers go over HTTP again.
     drop(served);
     assert!(caller.entry(&node).await.is_err());
 }
 
 #[tokio::test]
+async fn an_owner_without_a_token_is_not_served_in_process() {
+    // Its journal API refuses every call without a token; so does this.
+    let base = nobody_listening();
+    let store = GraphStore::in_memory().unwrap();
+    let served = in_process::serve(
+        vec![base],
+        None,
+        store.owned_journal(),
+        |_| {},
+        Box::new(|| true),
+    );
+    assert!(served.is_none());
+}
+
+#[tokio::test]
 async fn a_forwarding_journal_is_not_served_in_process() {
     let base = nobody_listening();
     let forwarding = GraphStore::open(&base, None).unwrap().journal();
-    assert!(in_process::serve(vec![base], None, forwarding, |_| {}).is_none());
+    let served = in_process::serve(
+        vec![base],
+        Some("services".to_owned()),
+        forwarding,
+        |_| {},
+        Box::new(|| true),
+    );
+    assert!(served.is_none());
 }
