@@ -297,6 +297,26 @@ async fn invoke_reads_a_closing_it_never_heard_back_from_the_journal() {
     }
 }
 
+/// The answer [`slowly_streamed`]'s model streams.
+const ANSWER: &str = "The capital of France is Paris, on the Seine.";
+
+/// A broker, an aggregator owning the journal, a model that streams [`ANSWER`] four bytes at a
+/// time 120 ms apart (so a kill lands mid-stream), and a journaled orchestrator in a child
+/// process, to be killed.
+async fn slowly_streamed() -> (Broker, Aggregator, scripted_llm::ScriptedLlm, Orchestrator) {
+    let script = serde_json::json!({"rules": [{
+        "match": "",
+        "reply": format!("Thought: I know this.\nFinal Answer: {ANSWER}"),
+        "chunk_size": 4,
+        "chunk_delay_ms": 120,
+    }]});
+    let broker = Broker::start().unwrap();
+    let aggregator = Aggregator::spawn_with(&broker, &["--config-token", TOKEN]);
+    let llm = scripted_llm(&script.to_string()).await;
+    let doomed = Orchestrator::journaled(Place::Child, &broker, &llm, &aggregator, TOKEN, &[]);
+    (broker, aggregator, llm, doomed)
+}
+
 /// An answer streamed by a step that is SIGKILLed halfway through it is streamed again, from the
 /// start, by the step's redelivery (chunks are a live view, not journaled): joined as they came,
 /// as a TrustGraph client joins them, the text holds part of the answer twice. Each chunk and the
@@ -304,14 +324,7 @@ async fn invoke_reads_a_closing_it_never_heard_back_from_the_journal() {
 /// outcome stands: the answer, once.
 #[tokio::test]
 async fn an_answer_streamed_again_after_a_crash_is_the_answer_once() {
-    const ANSWER: &str = "The capital of France is Paris, on the Seine.";
-    const SLOW: &str = r#"{"rules": [
-      {"match": "", "reply": "Thought: I know this.\nFinal Answer: The capital of France is Paris, on the Seine.", "chunk_size": 4, "chunk_delay_ms": 120}
-    ]}"#;
-    let mut broker = Broker::start().unwrap();
-    let aggregator = Aggregator::spawn_with(&broker, &["--config-token", TOKEN]);
-    let llm = scripted_llm(SLOW).await;
-    let mut doomed = Orchestrator::journaled(Place::Child, &broker, &llm, &aggregator, TOKEN, &[]);
+    let (mut broker, aggregator, llm, mut doomed) = slowly_streamed().await;
     let mut client = client(&broker).await;
     let request = agent_schema::AgentRequest {
         pattern: "react".into(),
@@ -381,13 +394,7 @@ async fn an_answer_streamed_again_after_a_crash_is_the_answer_once() {
 #[tokio::test]
 async fn invoke_says_when_a_step_streamed_again_and_ends_with_the_answer() {
     use tokio::io::AsyncReadExt;
-    const SLOW: &str = r#"{"rules": [
-      {"match": "", "reply": "Thought: I know this.\nFinal Answer: The capital of France is Paris, on the Seine.", "chunk_size": 4, "chunk_delay_ms": 120}
-    ]}"#;
-    let mut broker = Broker::start().unwrap();
-    let aggregator = Aggregator::spawn_with(&broker, &["--config-token", TOKEN]);
-    let llm = scripted_llm(SLOW).await;
-    let mut doomed = Orchestrator::journaled(Place::Child, &broker, &llm, &aggregator, TOKEN, &[]);
+    let (mut broker, aggregator, llm, mut doomed) = slowly_streamed().await;
     let mut invoke = tokio::process::Command::new(binary("agentctl"))
         .args(["invoke", "--pattern", "react"])
         .args([
@@ -463,10 +470,7 @@ async fn invoke_says_when_a_step_streamed_again_and_ends_with_the_answer() {
         .rev()
         .find_map(|line| line.strip_prefix("Answer: "))
         .unwrap_or_default();
-    assert_eq!(
-        last_answer, "The capital of France is Paris, on the Seine.",
-        "{shown}"
-    );
+    assert_eq!(last_answer, ANSWER, "{shown}");
 }
 
 /// A second aggregator that would own a journal on the same subscription (a StatefulSet scaled

@@ -169,9 +169,7 @@ pub async fn follow(
                 {
                     // Streamed chunks are not journaled; what the dialog concluded is in the graph.
                     if let Some(answer) = concluded_answer(journal, &session).await {
-                        let mut text = AgentResponse::new(MessageType::Answer, &answer);
-                        text.end_of_message = true;
-                        renderer.show(&text);
+                        renderer.show_answer(&answer);
                     }
                 }
                 (id.clone(), closing, attempt)
@@ -274,9 +272,7 @@ async fn settle_streamed_answer(
     match answer {
         Some(answer) => {
             renderer.note("(the text above was not the standing answer alone; the answer:)");
-            let mut text = AgentResponse::new(MessageType::Answer, &answer);
-            text.end_of_message = true;
-            renderer.show(&text);
+            renderer.show_answer(&answer);
         }
         None => renderer.note(
             "(the text above was not the answer that stands, and the answer is not at hand: \
@@ -418,13 +414,21 @@ impl Renderer {
 
     /// A line about the stream itself (not a message of the dialog), on its own line.
     pub fn note(&mut self, note: &str) {
-        let mut out = std::io::stdout().lock();
         if self.json {
             return;
         }
+        let mut out = std::io::stdout().lock();
         self.close_line(&mut out);
         let _ = writeln!(out, "{}", self.paint("2", note));
         let _ = out.flush();
+    }
+
+    /// A whole answer this client did not see streamed (read from the graph, or the standing
+    /// attempt's text shown again), as one message.
+    pub fn show_answer(&mut self, answer: &str) {
+        let mut text = AgentResponse::new(MessageType::Answer, answer);
+        text.end_of_message = true;
+        self.show(&text);
     }
 
     pub fn show(&mut self, r: &AgentResponse) {

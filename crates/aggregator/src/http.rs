@@ -349,14 +349,12 @@ async fn journal_records(
     if let Err(refused) = owner(&state).await {
         return refused;
     }
-    let attempts: Vec<String> = asked.records.iter().map(|r| r.attempt.clone()).collect();
-    match state.journal.record_all(asked.records).await {
-        Ok(standing) => {
-            for (entry, attempt) in standing.iter().zip(&attempts) {
-                crate::metrics::journal_record(&entry.attempt == attempt);
-            }
-            json(&standing)
-        }
+    match state
+        .journal
+        .record_all_reporting(asked.records, crate::metrics::journal_record)
+        .await
+    {
+        Ok(standing) => json(&standing),
         Err(e) => error_response(e),
     }
 }

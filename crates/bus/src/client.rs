@@ -195,9 +195,8 @@ pub struct StreamedAnswer {
 }
 
 impl StreamedAnswer {
-    /// Adds an answer chunk of `attempt`. True when it begins an attempt after another one's text:
-    /// what came before was a step cut short, or a copy of it running beside it.
-    pub fn push(&mut self, attempt: Option<&str>, text: &str) -> bool {
+    /// Adds an answer chunk of `attempt`.
+    pub fn push(&mut self, attempt: Option<&str>, text: &str) {
         let last = self.attempts.len().saturating_sub(1);
         if let Some((at, (_, so_far))) = self
             .attempts
@@ -207,12 +206,10 @@ impl StreamedAnswer {
         {
             so_far.push_str(text);
             self.interleaved |= at != last && !text.is_empty();
-            return false;
+            return;
         }
-        let follows_another = self.attempts.iter().any(|(_, t)| !t.is_empty());
         self.attempts
             .push((attempt.map(str::to_owned), text.to_owned()));
-        follows_another
     }
 
     /// The answer a closing of `closing` (its attempt, if it names one) concludes: that attempt's
@@ -469,9 +466,11 @@ mod tests {
     fn a_step_streamed_again_after_a_crash_gives_its_answer_once() {
         let mut answer = StreamedAnswer::default();
         // The first attempt was cut short; the second streams from the start.
-        assert!(!answer.push(Some("a1"), "The capi"));
-        assert!(answer.push(Some("a2"), "The capital "));
-        assert!(!answer.push(Some("a2"), "is Paris."));
+        answer.push(Some("a1"), "The capi");
+        assert!(!answer.restreamed());
+        answer.push(Some("a2"), "The capital ");
+        assert!(answer.restreamed());
+        answer.push(Some("a2"), "is Paris.");
         assert!(answer.restreamed());
         assert_eq!(answer.answer(Some("a2")), "The capital is Paris.");
         // Joined as they came, it would hold the answer more than once.
@@ -479,7 +478,7 @@ mod tests {
         assert_eq!(answer.latest(), Some(Some("a2")));
         // A copy running beside it may finish later but lose: the closing says which stands.
         assert!(!answer.interleaved());
-        assert!(!answer.push(Some("a1"), "tal is Paris."));
+        answer.push(Some("a1"), "tal is Paris.");
         assert!(answer.interleaved());
         assert_eq!(answer.answer(Some("a1")), "The capital is Paris.");
         assert_eq!(answer.answer(Some("a3")), "");
@@ -489,14 +488,15 @@ mod tests {
     fn an_answer_streamed_once_is_the_answer() {
         let mut answer = StreamedAnswer::default();
         // A service that names no attempt (TrustGraph's): every chunk as it came.
-        assert!(!answer.push(None, "Paris"));
-        assert!(!answer.push(None, "."));
+        answer.push(None, "Paris");
+        answer.push(None, ".");
         assert!(!answer.restreamed());
         assert_eq!(answer.answer(None), "Paris.");
         // An empty first chunk is not text to repeat.
         let mut answer = StreamedAnswer::default();
-        assert!(!answer.push(Some("a1"), ""));
-        assert!(!answer.push(Some("a2"), "Paris."));
+        answer.push(Some("a1"), "");
+        assert!(!answer.restreamed());
+        answer.push(Some("a2"), "Paris.");
         assert!(!answer.restreamed());
     }
 

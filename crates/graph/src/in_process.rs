@@ -15,7 +15,7 @@ use crate::GraphError;
 struct Served {
     id: u64,
     bases: Vec<String>,
-    token: Option<String>,
+    token: String,
     journal: Journal,
     on_record: fn(bool),
     /// Whether it may still decide: false once its fence refused it (an elder owner heard late),
@@ -67,7 +67,7 @@ pub fn serve(
     served().push(Served {
         id,
         bases,
-        token: Some(token),
+        token,
         journal,
         on_record,
         still_owner,
@@ -82,7 +82,7 @@ pub(crate) fn owner(base: &str, token: Option<&str>) -> Option<InProcessOwner> {
     let mut served = served();
     let owner = served
         .iter_mut()
-        .find(|s| s.bases.iter().any(|b| b == base) && s.token.as_deref() == token)
+        .find(|s| s.bases.iter().any(|b| b == base) && Some(s.token.as_str()) == token)
         .filter(|s| (s.still_owner)())?;
     if !owner.heard {
         owner.heard = true;
@@ -103,10 +103,7 @@ pub(crate) struct InProcessOwner {
 fn nodes(entries: &[String]) -> Result<Vec<oxigraph::model::NamedNode>, GraphError> {
     entries
         .iter()
-        .map(|entry| {
-            oxigraph::model::NamedNode::new(entry.as_str())
-                .map_err(|e| GraphError::Syntax(format!("not an entry: {e}")))
-        })
+        .map(|entry| crate::journal::node(entry))
         .collect()
 }
 
@@ -122,13 +119,10 @@ impl InProcessOwner {
         &self,
         records: Vec<RecordRequest>,
     ) -> Result<Vec<JournalEntry>, GraphError> {
-        nodes(&records.iter().map(|r| r.entry.clone()).collect::<Vec<_>>())?;
-        let attempts: Vec<String> = records.iter().map(|r| r.attempt.clone()).collect();
-        let standing = self.journal.record_all(records).await?;
-        for (entry, attempt) in standing.iter().zip(&attempts) {
-            (self.on_record)(&entry.attempt == attempt);
-        }
-        Ok(standing)
+        // Its entries are checked where they are decided, as for the journal API's.
+        self.journal
+            .record_all_reporting(records, self.on_record)
+            .await
     }
 
     pub(crate) async fn marks(&self, entries: Vec<String>) -> Result<Vec<()>, GraphError> {

@@ -92,7 +92,7 @@ fn text(term: Option<&Term>) -> String {
     }
 }
 
-fn node(entry: &str) -> Result<NamedNode, GraphError> {
+pub(crate) fn node(entry: &str) -> Result<NamedNode, GraphError> {
     NamedNode::new(entry).map_err(|e| GraphError::Syntax(format!("not a journal entry: {e}")))
 }
 
@@ -151,6 +151,21 @@ impl Journal {
                 .await
             }
         }
+    }
+
+    /// [`Journal::record_all`], telling `stood` of each record whether it is the one that stands
+    /// (the owner's metric of first records and of copies that found one).
+    pub async fn record_all_reporting(
+        &self,
+        requests: Vec<RecordRequest>,
+        stood: fn(bool),
+    ) -> Result<Vec<JournalEntry>, GraphError> {
+        let attempts: Vec<String> = requests.iter().map(|r| r.attempt.clone()).collect();
+        let standing = self.record_all(requests).await?;
+        for (entry, attempt) in standing.iter().zip(&attempts) {
+            stood(&entry.attempt == attempt);
+        }
+        Ok(standing)
     }
 
     /// Marks the step's outcome as published.

@@ -617,24 +617,21 @@ impl<'a> DialogOutput<'a> {
 
     /// A durable response: the closing answer or an error.
     pub fn respond(&self, response: &AgentResponse) -> Result<(), BusError> {
-        if !response.end_of_dialog {
-            self.hold(
-                Channel::Responses,
-                agent_schema::encode(response),
-                &self.properties,
-            );
-            return Ok(());
-        }
-        *locked(&self.ended) = Some(if response.error.is_some() {
-            "error"
+        let properties = if response.end_of_dialog {
+            *locked(&self.ended) = Some(if response.error.is_some() {
+                "error"
+            } else {
+                "answer"
+            });
+            // Names whose streamed text is the answer: this attempt's, the one that commits it.
+            self.attempted()
         } else {
-            "answer"
-        });
-        // Names whose streamed text is the answer: this attempt's, the one that commits it.
+            self.properties.clone()
+        };
         self.hold(
             Channel::Responses,
             agent_schema::encode(response),
-            &self.attempted(),
+            &properties,
         );
         Ok(())
     }
