@@ -2,7 +2,7 @@
 //! name) on a loopback port with its own data folder. Used by `agentctl up`, `agentctl bench` and the
 //! end-to-end tests; production uses Apache Pulsar.
 
-use std::net::{TcpListener, TcpStream};
+use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -22,7 +22,17 @@ pub enum EmbeddedError {
         waited: Duration,
         log: String,
     },
+    #[error("pulsar-lite exited ({status}) before listening on port {port} (taken by another process?); see {log}")]
+    Exited {
+        port: u16,
+        status: std::process::ExitStatus,
+        log: String,
+    },
 }
+
+/// How many free ports a broker whose port is ours to choose tries: another process may take the
+/// one we found between our look and the broker's bind.
+const PORT_TRIES: usize = 5;
 
 /// A running pulsar-lite; stopped on drop. Its data folder is removed on drop only when it was temporary.
 pub struct EmbeddedBroker {
@@ -61,11 +71,78 @@ pub fn free_port() -> Result<u16, std::io::Error> {
     Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
 }
 
+/// Whether process `pid` holds a socket listening on TCP `port` (from `/proc`: the kernel's socket
+/// table and the process's descriptors).
+#[cfg(target_os = "linux")]
+fn listening(pid: u32, port: u16) -> bool {
+    let listeners: Vec<String> = ["/proc/net/tcp", "/proc/net/tcp6"]
+        .iter()
+        .filter_map(|table| std::fs::read_to_string(table).ok())
+        .flat_map(|table| {
+            table
+                .lines()
+                .skip(1)
+                .filter_map(|line| listener_inode(line, port))
+                .collect::<Vec<_>>()
+        })
+        .collect();
+    if listeners.is_empty() {
+        return false;
+    }
+    let Ok(descriptors) = std::fs::read_dir(format!("/proc/{pid}/fd")) else {
+        return false;
+    };
+    descriptors.flatten().any(|fd| {
+        std::fs::read_link(fd.path()).is_ok_and(|target| {
+            let target = target.to_string_lossy();
+            listeners
+                .iter()
+                .any(|inode| *target == format!("socket:[{inode}]"))
+        })
+    })
+}
+
+/// Elsewhere only whether something listens on the port.
+#[cfg(not(target_os = "linux"))]
+fn listening(_pid: u32, port: u16) -> bool {
+    std::net::TcpStream::connect(("127.0.0.1", port)).is_ok()
+}
+
+/// The socket inode of a `/proc/net/tcp` line, when it listens on `port`.
+#[cfg_attr(not(target_os = "linux"), allow(dead_code))]
+fn listener_inode(line: &str, port: u16) -> Option<String> {
+    let fields: Vec<&str> = line.split_whitespace().collect();
+    let local_port = fields.get(1)?.rsplit_once(':')?.1;
+    const LISTEN: &str = "0A";
+    let listens = u16::from_str_radix(local_port, 16).ok()? == port && *fields.get(3)? == LISTEN;
+    listens.then(|| fields.get(9).map(|inode| (*inode).to_owned()))?
+}
+
 impl EmbeddedBroker {
     /// Starts a broker on `port` (0 = a free one) keeping its data in `data` (None = a temporary folder).
     pub fn start(port: u16, data: Option<&Path>) -> Result<EmbeddedBroker, EmbeddedError> {
         let binary = pulsar_lite_binary()?;
-        let port = if port == 0 { free_port()? } else { port };
+        let mut tries = if port == 0 { PORT_TRIES } else { 1 };
+        loop {
+            tries -= 1;
+            let chosen = if port == 0 { free_port()? } else { port };
+            match EmbeddedBroker::start_on(chosen, data, binary.clone()) {
+                Err(EmbeddedError::Exited { port: taken, .. }) if tries > 0 => {
+                    tracing::warn!(
+                        port = taken,
+                        "pulsar-lite could not take its port; trying another"
+                    );
+                }
+                started => return started,
+            }
+        }
+    }
+
+    fn start_on(
+        port: u16,
+        data: Option<&Path>,
+        binary: PathBuf,
+    ) -> Result<EmbeddedBroker, EmbeddedError> {
         let (data, temporary) = match data {
             Some(d) => (d.to_path_buf(), false),
             None => (
@@ -112,10 +189,21 @@ impl EmbeddedBroker {
             .stdout(Stdio::null())
             .stderr(log)
             .spawn()?;
-        self.child = Some(child);
+        let pid = child.id();
+        let child = self.child.insert(child);
         let waited = Duration::from_secs(30);
         let deadline = Instant::now() + waited;
-        while TcpStream::connect(("127.0.0.1", self.port)).is_err() {
+        // Listening means this child listening: a connection alone may reach another process on
+        // the port (a broker that took it first, when this one then fails to bind and exits).
+        while !listening(pid, self.port) {
+            if let Some(status) = child.try_wait()? {
+                self.child = None;
+                return Err(EmbeddedError::Exited {
+                    port: self.port,
+                    status,
+                    log: log_path.display().to_string(),
+                });
+            }
             if Instant::now() > deadline {
                 return Err(EmbeddedError::NotListening {
                     port: self.port,
@@ -178,5 +266,35 @@ impl Drop for EmbeddedBroker {
         if self.temporary && std::env::var_os("PULSAR_LITE_KEEP_DATA").is_none() {
             let _ = std::fs::remove_dir_all(&self.data);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_broker_whose_port_is_taken_fails_instead_of_passing_for_the_one_there() {
+        let first = EmbeddedBroker::start(0, None).unwrap();
+        let second = EmbeddedBroker::start(first.port(), None);
+        assert!(
+            matches!(second, Err(EmbeddedError::Exited { port, .. }) if port == first.port()),
+            "a second broker on a taken port must fail: {:?}",
+            second.map(|b| b.port())
+        );
+        let third = EmbeddedBroker::start(0, None).unwrap();
+        assert_ne!(third.port(), first.port());
+    }
+
+    #[test]
+    fn only_listening_lines_on_the_port_name_an_inode() {
+        let listening =
+            "   1: 0100007F:B3B1 00000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 178381 1 0000 100 0 0 10 0";
+        let connected =
+            "   2: 0100007F:B3B1 0100007F:9C40 01 00000000:00000000 00:00000000 00000000     0        0 178390 1 0000 100 0 0 10 0";
+        assert_eq!(listener_inode(listening, 46001).as_deref(), Some("178381"));
+        assert_eq!(listener_inode(listening, 46002), None);
+        assert_eq!(listener_inode(connected, 46001), None);
+        assert_eq!(listener_inode("garbage", 46001), None);
     }
 }
