@@ -68,7 +68,21 @@ pub fn pulsar_lite_binary() -> Result<PathBuf, EmbeddedError> {
 
 /// A port nobody listens on right now.
 pub fn free_port() -> Result<u16, std::io::Error> {
-    Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+    loop {
+        let port = TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
+        if !held_ports().contains(&port) {
+            return Ok(port);
+        }
+    }
+}
+
+/// The ports of this process's embedded brokers, held for them while they live: one restarting
+/// has its port free for a moment, and a broker started meanwhile must not take it.
+fn held_ports() -> std::sync::MutexGuard<'static, Vec<u16>> {
+    static HELD: std::sync::OnceLock<std::sync::Mutex<Vec<u16>>> = std::sync::OnceLock::new();
+    HELD.get_or_init(Default::default)
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
 /// Whether process `pid` holds a socket listening on TCP `port` (from `/proc`: the kernel's socket
@@ -155,6 +169,7 @@ impl EmbeddedBroker {
             ),
         };
         std::fs::create_dir_all(&data)?;
+        held_ports().push(port);
         let mut broker = EmbeddedBroker {
             port,
             data,
@@ -262,6 +277,11 @@ impl EmbeddedBroker {
 impl Drop for EmbeddedBroker {
     fn drop(&mut self) {
         self.stop();
+        let mut held = held_ports();
+        if let Some(at) = held.iter().position(|p| *p == self.port) {
+            held.swap_remove(at);
+        }
+        drop(held);
         // PULSAR_LITE_KEEP_DATA=1 keeps the folder (and its broker.log) for a post-mortem.
         if self.temporary && std::env::var_os("PULSAR_LITE_KEEP_DATA").is_none() {
             let _ = std::fs::remove_dir_all(&self.data);
