@@ -266,7 +266,7 @@ async fn decide(
         standing.push(stands);
     }
     if !writes.is_empty() {
-        store.insert(writes).await?;
+        store.insert_at_once(writes).await?;
     }
     Ok(standing)
 }

@@ -122,13 +122,18 @@ pub struct GraphStore {
 
 #[derive(Clone)]
 enum Backend {
-    Embedded { store: Store, read_only: bool },
+    Embedded {
+        store: Store,
+        read_only: bool,
+        /// Where this store's inserts go, in group commit.
+        inserts: Arc<EmbeddedInserts>,
+    },
     Remote(Arc<RemoteSparql>),
 }
 
 /// A backend that accepts writes (the embedded store is a cheap handle, cloned into blocking tasks).
 enum Writable<'a> {
-    Embedded(Store),
+    Embedded(Store, &'a EmbeddedInserts),
     Remote(&'a RemoteSparql),
 }
 
@@ -144,6 +149,7 @@ impl GraphStore {
         let store = Store::open(Path::new(spec)).map_err(|e| GraphError::Storage(e.to_string()))?;
         Ok(GraphStore {
             backend: Backend::Embedded {
+                inserts: EmbeddedInserts::start(&store)?,
                 store,
                 read_only: false,
             },
@@ -160,6 +166,7 @@ impl GraphStore {
         let store = Store::open_read_only(dir).map_err(|e| GraphError::Storage(e.to_string()))?;
         Ok(GraphStore {
             backend: Backend::Embedded {
+                inserts: EmbeddedInserts::start(&store)?,
                 store,
                 read_only: true,
             },
@@ -171,6 +178,7 @@ impl GraphStore {
         let store = Store::new().map_err(|e| GraphError::Storage(e.to_string()))?;
         Ok(GraphStore {
             backend: Backend::Embedded {
+                inserts: EmbeddedInserts::start(&store)?,
                 store,
                 read_only: false,
             },
@@ -183,7 +191,9 @@ impl GraphStore {
             Backend::Embedded {
                 read_only: true, ..
             } => Err(GraphError::ReadOnly),
-            Backend::Embedded { store, .. } => Ok(Writable::Embedded(store.clone())),
+            Backend::Embedded { store, inserts, .. } => {
+                Ok(Writable::Embedded(store.clone(), inserts))
+            }
             Backend::Remote(remote) => Ok(Writable::Remote(remote)),
         }
     }
@@ -248,7 +258,17 @@ impl GraphStore {
     /// a redelivered message is harmless.
     pub async fn insert(&self, quads: Vec<Quad>) -> Result<(), GraphError> {
         match self.writable()? {
-            Writable::Embedded(store) => {
+            Writable::Embedded(_, inserts) => inserts.insert(quads).await,
+            Writable::Remote(remote) => remote.insert_batched(quads).await,
+        }
+    }
+
+    /// [`GraphStore::insert`], but into an embedded store in a transaction of its own, written at
+    /// once beside any others: for a write a caller waits on (a journal record), which must not
+    /// queue behind the group of provenance writes.
+    pub async fn insert_at_once(&self, quads: Vec<Quad>) -> Result<(), GraphError> {
+        match self.writable()? {
+            Writable::Embedded(store, _) => {
                 blocking(move || {
                     store
                         .extend(quads)
@@ -320,7 +340,7 @@ impl GraphStore {
     /// update is a compare-and-set, for this process and for every client of its endpoint.
     pub async fn update(&self, sparql: String) -> Result<(), GraphError> {
         match self.writable()? {
-            Writable::Embedded(store) => {
+            Writable::Embedded(store, _) => {
                 blocking(move || {
                     let _one_at_a_time = SERIAL_UPDATES
                         .lock()
@@ -349,7 +369,7 @@ impl GraphStore {
     pub async fn update_own(&self, sparql: String) -> Result<(), GraphError> {
         match self.writable()? {
             Writable::Remote(remote) => remote.update(&sparql).await,
-            Writable::Embedded(_) => self.update(sparql).await,
+            Writable::Embedded(..) => self.update(sparql).await,
         }
     }
 
@@ -362,7 +382,7 @@ impl GraphStore {
         graph: Option<String>,
     ) -> Result<(), GraphError> {
         match self.writable()? {
-            Writable::Embedded(store) => {
+            Writable::Embedded(store, _) => {
                 let format = oxigraph::io::RdfFormat::from_media_type(format).ok_or_else(|| {
                     GraphError::Syntax(format!("unsupported RDF format {format}"))
                 })?;
@@ -387,7 +407,7 @@ impl GraphStore {
     /// imports, where atomicity is not needed).
     pub async fn bulk_load(&self, quads: Vec<Quad>) -> Result<(), GraphError> {
         match self.writable()? {
-            Writable::Embedded(store) => {
+            Writable::Embedded(store, _) => {
                 blocking(move || {
                     store
                         .bulk_loader()
@@ -512,6 +532,81 @@ struct CancelOnDrop(oxigraph::sparql::CancellationToken);
 impl Drop for CancelOnDrop {
     fn drop(&mut self) {
         self.0.cancel();
+    }
+}
+
+/// Inserts into an embedded store, in group commit: inserts made while one is being written go
+/// together in the next transaction, written by a thread of the store's own (so no runtime's
+/// lifetime bounds it). RocksDB inserts one transaction's keys into its memtables one after
+/// another, while transactions committed side by side insert theirs concurrently, where every key
+/// costs a search of the memtable from its top; and each transaction pays its own commit
+/// (write-ahead log, hand-offs between writer threads).
+struct EmbeddedInserts {
+    queue: Option<std::sync::mpsc::Sender<Insert>>,
+    writer: Option<std::thread::JoinHandle<()>>,
+}
+
+/// One caller's quads and where its outcome goes.
+type Insert = (
+    Vec<Quad>,
+    tokio::sync::oneshot::Sender<Result<(), GraphError>>,
+);
+
+impl EmbeddedInserts {
+    /// The most inserts written in one transaction.
+    const MAX_TOGETHER: usize = 64;
+
+    fn start(store: &Store) -> Result<Arc<EmbeddedInserts>, GraphError> {
+        let (queue, inserts) = std::sync::mpsc::channel::<Insert>();
+        let store = store.clone();
+        let writer = std::thread::Builder::new()
+            .name("graph-inserts".to_owned())
+            .spawn(move || {
+                while let Ok(first) = inserts.recv() {
+                    let mut batch = vec![first];
+                    while batch.len() < Self::MAX_TOGETHER {
+                        match inserts.try_recv() {
+                            Ok(next) => batch.push(next),
+                            Err(_) => break,
+                        }
+                    }
+                    let (quads, replies): (Vec<_>, Vec<_>) = batch.into_iter().unzip();
+                    let written = store
+                        .extend(quads.into_iter().flatten())
+                        .map_err(|e| e.to_string());
+                    for reply in replies {
+                        // A caller that went away no longer wants its outcome.
+                        let _ = reply.send(written.clone().map_err(GraphError::Storage));
+                    }
+                }
+            })
+            .map_err(|e| GraphError::Storage(format!("cannot start the store's writer: {e}")))?;
+        Ok(Arc::new(EmbeddedInserts {
+            queue: Some(queue),
+            writer: Some(writer),
+        }))
+    }
+
+    async fn insert(&self, quads: Vec<Quad>) -> Result<(), GraphError> {
+        let stopped = || GraphError::Storage("the store's writer has stopped".to_owned());
+        let (reply, outcome) = tokio::sync::oneshot::channel();
+        self.queue
+            .as_ref()
+            .ok_or_else(stopped)?
+            .send((quads, reply))
+            .map_err(|_| stopped())?;
+        outcome.await.map_err(|_| stopped())?
+    }
+}
+
+impl Drop for EmbeddedInserts {
+    /// Waits for the writer to finish and let go of the store, so the directory can be opened
+    /// again as soon as the last handle is dropped.
+    fn drop(&mut self) {
+        self.queue = None;
+        if let Some(writer) = self.writer.take() {
+            let _ = writer.join();
+        }
     }
 }
 

@@ -384,3 +384,60 @@ async fn journal_owner_records_are_replaced_each_beat() {
     })
     .is_err());
 }
+
+/// Inserts go to the store's own writer thread in group commit: many at once all land, and the
+/// writer does not die with the runtime whose task made the first insert (services in one process
+/// run on runtimes of their own and share an embedded store's handle).
+#[test]
+fn concurrent_inserts_all_land_and_outlive_the_first_callers_runtime() {
+    use oxigraph::model::{GraphName, Literal, NamedNode, Quad};
+    let dir = std::env::temp_dir().join(format!(
+        "agent-graph-group-commit-{}-{}",
+        std::process::id(),
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_nanos()
+    ));
+    let quad = |i: usize| {
+        Quad::new(
+            NamedNode::new(format!("urn:test:s{i}")).unwrap(),
+            NamedNode::new("urn:test:p").unwrap(),
+            Literal::from(i as i64),
+            GraphName::NamedNode(NamedNode::new("urn:test:g").unwrap()),
+        )
+    };
+    let count = |store: &GraphStore, runtime: &tokio::runtime::Runtime| {
+        let answer = runtime
+            .block_on(store.query(
+                "SELECT (COUNT(*) AS ?n) WHERE { GRAPH <urn:test:g> { ?s ?p ?o } }".to_owned(),
+            ))
+            .unwrap();
+        match answer.rows().first("n") {
+            Some(oxigraph::model::Term::Literal(n)) => n.value().parse::<usize>().unwrap(),
+            other => panic!("no count: {other:?}"),
+        }
+    };
+    {
+        let store = GraphStore::open(dir.to_str().unwrap(), None).unwrap();
+        let first = tokio::runtime::Runtime::new().unwrap();
+        first.block_on(store.insert(vec![quad(0)])).unwrap();
+        drop(first);
+        let second = tokio::runtime::Runtime::new().unwrap();
+        let inserts = (1..300).map(|i| {
+            let store = store.clone();
+            second.spawn(async move { store.insert(vec![quad(i), quad(i + 1000)]).await })
+        });
+        let handles: Vec<_> = inserts.collect();
+        for handle in handles {
+            second.block_on(handle).unwrap().unwrap();
+        }
+        assert_eq!(count(&store, &second), 1 + 2 * 299);
+    }
+    // The last handle gone, the directory is free again at once.
+    let reopened = GraphStore::open(dir.to_str().unwrap(), None).unwrap();
+    let runtime = tokio::runtime::Runtime::new().unwrap();
+    assert_eq!(count(&reopened, &runtime), 1 + 2 * 299);
+    drop(reopened);
+    let _ = std::fs::remove_dir_all(&dir);
+}
