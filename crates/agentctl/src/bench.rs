@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use agent_bus::embedded::EmbeddedBroker;
 use agent_bus::{AgentClient, Bus, Properties, Publisher};
 use agent_orchestrator::Settings;
-use agent_schema::{AgentRequest, AgentResponse, ID_PROPERTY};
+use agent_schema::{AgentRequest, AgentResponse, MessageType, ID_PROPERTY};
 use anyhow::Context;
 use futures::StreamExt;
 use pulsar::consumer::{ConsumerOptions, InitialPosition};
@@ -368,7 +368,7 @@ async fn bench_on(
     );
     if recovered > 0 {
         println!(
-            "closings that never reached the client (the response topic is non-persistent), read back from the journal: {recovered}"
+            "closings that never reached the client (the response topic is non-persistent), read back from the journal or the provenance graph: {recovered}"
         );
     }
     println!("LLM calls served so far: {}", llm.calls().len());
@@ -609,7 +609,8 @@ async fn concurrent(
                 }
                 // The response topic is non-persistent: a broker drops what a reader that falls
                 // behind has no room for, closings included. A journaled dialog's closing is read
-                // back from the journal instead of waited for (while the others go on).
+                // back from the journal instead of waited for (while the others go on); without a
+                // journal, its answer from the provenance graph.
                 if let (Some(journal), true) = (&journal, last_checked.elapsed() >= LOOK_BACK_EVERY)
                 {
                     last_checked = Instant::now();
@@ -669,7 +670,7 @@ async fn concurrent(
         }),
         Err(stalled) => {
             let mut report = format!(
-                "the throughput run stalled: {} of {n} dialogs ended, then nothing came for {} s and no closing could be read back from the journal; {} still open; the client dropped {} responses as re-emitted copies",
+                "the throughput run stalled: {} of {n} dialogs ended, then nothing came for {} s and no closing could be read back from the journal or the graph; {} still open; the client dropped {} responses as re-emitted copies",
                 stalled.ended,
                 STALL_SILENCE.as_secs(),
                 stalled.waiting.len(),
@@ -732,7 +733,18 @@ async fn lost_closings(
                 tracing::warn!(%id, %session, "the closing never reached the client; read back from the journal");
                 lost.push((id, closing));
             }
-            Ok(None) => {}
+            // No journal entry (the journal is off): the provenance graph holds the answer a
+            // dialog concluded with.
+            Ok(None) => {
+                if let Some(answer) = crate::invoke::concluded_answer(Some(journal), &session).await
+                {
+                    tracing::warn!(%id, %session, "the closing never reached the client; its answer read back from the provenance graph");
+                    let mut closing = AgentResponse::new(MessageType::Answer, &answer);
+                    closing.end_of_dialog = true;
+                    closing.end_of_message = true;
+                    lost.push((id, closing));
+                }
+            }
             Err(e) => {
                 tracing::warn!(%id, error = %e, "could not read the journal for a lost closing")
             }

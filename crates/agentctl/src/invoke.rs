@@ -282,7 +282,7 @@ async fn settle_streamed_answer(
 }
 
 /// The answer the dialog concluded with, as the graph records it.
-async fn concluded_answer(
+pub(crate) async fn concluded_answer(
     journal: Option<&agent_graph::GraphStore>,
     session: &str,
 ) -> Option<String> {
