@@ -57,13 +57,7 @@ impl<Q: Send + 'static, A: Send + 'static> Batcher<Q, A> {
         let (max, call) = (self.max, self.call.clone());
         tokio::spawn(async move {
             while let Some(first) = calls.recv().await {
-                let mut batch = vec![first];
-                while batch.len() < max {
-                    match calls.try_recv() {
-                        Ok(next) => batch.push(next),
-                        Err(_) => break,
-                    }
-                }
+                let batch = gather(first, max, || calls.try_recv().ok());
                 let (questions, replies): (Vec<Q>, Vec<Reply<A>>) = batch.into_iter().unzip();
                 let asked = questions.len();
                 match call(questions).await {
@@ -92,6 +86,18 @@ impl<Q: Send + 'static, A: Send + 'static> Batcher<Q, A> {
         });
         queue
     }
+}
+
+/// A batch: `first`, then what `waiting` still has at hand, `max` in all at most.
+pub(crate) fn gather<T>(first: T, max: usize, mut waiting: impl FnMut() -> Option<T>) -> Vec<T> {
+    let mut batch = vec![first];
+    while batch.len() < max {
+        match waiting() {
+            Some(next) => batch.push(next),
+            None => break,
+        }
+    }
+    batch
 }
 
 #[cfg(test)]

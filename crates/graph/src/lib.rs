@@ -124,9 +124,8 @@ pub struct GraphStore {
 enum Backend {
     Embedded {
         store: Store,
-        read_only: bool,
-        /// Where this store's inserts go, in group commit.
-        inserts: Arc<EmbeddedInserts>,
+        /// Where this store's inserts go, in group commit; none when it was opened read-only.
+        inserts: Option<Arc<EmbeddedInserts>>,
     },
     Remote(Arc<RemoteSparql>),
 }
@@ -149,9 +148,8 @@ impl GraphStore {
         let store = Store::open(Path::new(spec)).map_err(|e| GraphError::Storage(e.to_string()))?;
         Ok(GraphStore {
             backend: Backend::Embedded {
-                inserts: EmbeddedInserts::start(&store)?,
+                inserts: Some(EmbeddedInserts::start(&store)?),
                 store,
-                read_only: false,
             },
         })
     }
@@ -166,9 +164,8 @@ impl GraphStore {
         let store = Store::open_read_only(dir).map_err(|e| GraphError::Storage(e.to_string()))?;
         Ok(GraphStore {
             backend: Backend::Embedded {
-                inserts: EmbeddedInserts::start(&store)?,
+                inserts: None,
                 store,
-                read_only: true,
             },
         })
     }
@@ -178,9 +175,8 @@ impl GraphStore {
         let store = Store::new().map_err(|e| GraphError::Storage(e.to_string()))?;
         Ok(GraphStore {
             backend: Backend::Embedded {
-                inserts: EmbeddedInserts::start(&store)?,
+                inserts: Some(EmbeddedInserts::start(&store)?),
                 store,
-                read_only: false,
             },
         })
     }
@@ -188,12 +184,11 @@ impl GraphStore {
     /// Where a write goes; an embedded store opened read-only refuses every write here.
     fn writable(&self) -> Result<Writable<'_>, GraphError> {
         match &self.backend {
+            Backend::Embedded { inserts: None, .. } => Err(GraphError::ReadOnly),
             Backend::Embedded {
-                read_only: true, ..
-            } => Err(GraphError::ReadOnly),
-            Backend::Embedded { store, inserts, .. } => {
-                Ok(Writable::Embedded(store.clone(), inserts))
-            }
+                store,
+                inserts: Some(inserts),
+            } => Ok(Writable::Embedded(store.clone(), inserts)),
             Backend::Remote(remote) => Ok(Writable::Remote(remote)),
         }
     }
@@ -563,13 +558,8 @@ impl EmbeddedInserts {
             .name("graph-inserts".to_owned())
             .spawn(move || {
                 while let Ok(first) = inserts.recv() {
-                    let mut batch = vec![first];
-                    while batch.len() < Self::MAX_TOGETHER {
-                        match inserts.try_recv() {
-                            Ok(next) => batch.push(next),
-                            Err(_) => break,
-                        }
-                    }
+                    let batch =
+                        batch::gather(first, Self::MAX_TOGETHER, || inserts.try_recv().ok());
                     let (quads, replies): (Vec<_>, Vec<_>) = batch.into_iter().unzip();
                     let written = store
                         .extend(quads.into_iter().flatten())
