@@ -29,7 +29,7 @@ if [ ${#need_apt[@]} -gt 0 ]; then
 fi
 
 scripts/pulsar-lite.sh path >/dev/null
-scripts/patch-pulsar.sh
+scripts/patch-crates.sh
 $tests || exit 0
 
 # Node.js runs the MCP servers the end-to-end tests call (written by others, pinned in
