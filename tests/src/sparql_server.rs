@@ -150,7 +150,11 @@ impl SparqlServer {
                     self.dir.join("server.log").display()
                 );
             }
-            if self.answers() {
+            // The server we started answers, not another one on the port it failed to bind.
+            let ours = self.child.as_ref().is_some_and(|child| {
+                agent_bus::embedded::process_listens_on(child.id(), self.port)
+            });
+            if ours && self.answers() {
                 return;
             }
             std::thread::sleep(Duration::from_millis(100));

@@ -1,5 +1,9 @@
 //! `agentctl`: the command line of the agent service.
 
+/// mimalloc rather than glibc's malloc: allocation was a tenth of a busy process's CPU.
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 mod bench;
 mod bench_graph;
 mod bench_long;

@@ -495,9 +495,14 @@ brokerClientAuthenticationParameters=file://{}
                     );
                 }
             }
-            if self
-                .admin_get("/admin/v2/namespaces/public")
-                .is_some_and(|body| body.contains("public/default"))
+            // Ours answers, not another broker that holds the port this one failed to bind.
+            let ours = self.child.as_ref().is_some_and(|child| {
+                crate::embedded::process_listens_on(child.id(), self.web_port)
+            });
+            if ours
+                && self
+                    .admin_get("/admin/v2/namespaces/public")
+                    .is_some_and(|body| body.contains("public/default"))
             {
                 self.create_namespaces()?;
                 // After a restart the namespaces exist before their bundles are served again (a

@@ -86,9 +86,11 @@ fn held_ports() -> std::sync::MutexGuard<'static, Vec<u16>> {
 }
 
 /// Whether process `pid` holds a socket listening on TCP `port` (from `/proc`: the kernel's socket
-/// table and the process's descriptors).
+/// table and the process's descriptors). A connect that succeeds says only that someone listens:
+/// a child that failed to bind a port another process took would pass for ready. The test harness
+/// waits for its other children with this too.
 #[cfg(target_os = "linux")]
-fn listening(pid: u32, port: u16) -> bool {
+pub fn process_listens_on(pid: u32, port: u16) -> bool {
     let listeners: Vec<String> = ["/proc/net/tcp", "/proc/net/tcp6"]
         .iter()
         .filter_map(|table| std::fs::read_to_string(table).ok())
@@ -118,7 +120,7 @@ fn listening(pid: u32, port: u16) -> bool {
 
 /// Elsewhere only whether something listens on the port.
 #[cfg(not(target_os = "linux"))]
-fn listening(_pid: u32, port: u16) -> bool {
+pub fn process_listens_on(_pid: u32, port: u16) -> bool {
     std::net::TcpStream::connect(("127.0.0.1", port)).is_ok()
 }
 
@@ -210,7 +212,7 @@ impl EmbeddedBroker {
         let deadline = Instant::now() + waited;
         // Listening means this child listening: a connection alone may reach another process on
         // the port (a broker that took it first, when this one then fails to bind and exits).
-        while !listening(pid, self.port) {
+        while !process_listens_on(pid, self.port) {
             if let Some(status) = child.try_wait()? {
                 self.child = None;
                 return Err(EmbeddedError::Exited {

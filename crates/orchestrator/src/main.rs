@@ -1,5 +1,9 @@
 //! `agent-orchestrator`: parses settings and runs the orchestrator until SIGINT or SIGTERM.
 
+/// mimalloc rather than glibc's malloc: allocation was a tenth of a busy process's CPU.
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 use clap::Parser;
 
 #[derive(Parser)]
