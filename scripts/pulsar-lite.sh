@@ -35,7 +35,9 @@ case "$cmd" in
       echo "pulsar-lite already running (pid $(cat "$data/pid"))" >&2
       exit 0
     fi
-    printf '[metrics]\nenabled = false\n' > "$data/broker.toml"
+    # As crates/bus/src/embedded.rs (BROKER_CONFIG, which says why): a 16 MiB write-buffer mark, so
+    # a busy reader of a non-persistent topic is not dropped messages; metrics off (port 8080).
+    printf 'pulsar_channel_write_buffer_high_water_mark_bytes = 16777216\npulsar_channel_write_buffer_low_water_mark_bytes = 8388608\n\n[metrics]\nenabled = false\n' > "$data/broker.toml"
     nohup "$bin" --config "$data/broker.toml" --addr "127.0.0.1:$port" --db-path "$data/broker" \
       --log-level warn > "$data/broker.log" 2>&1 &
     echo $! > "$data/pid"

@@ -439,6 +439,38 @@ mod tests {
         assert_eq!(got, sent);
     }
 
+    /// The broker drops a non-persistent message, rather than queue it, for a consumer whose
+    /// connection has more than a high-water mark of bytes waiting to be written to it (64 KiB by
+    /// default; `embedded::BROKER_CONFIG` sets 16 MiB). Large messages sent side by side, as an
+    /// orchestrator's steps send their graph messages, passed it now and then: each must arrive.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn large_messages_sent_side_by_side_all_arrive() {
+        let broker = EmbeddedBroker::start(0, None).unwrap();
+        let bus = Bus::connect(&broker.url(), None).await.unwrap();
+        let topic = "non-persistent://public/default/side-by-side-test";
+        let mut listener = Listener::subscribe(&bus, topic, "side").await.unwrap();
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let senders = Bus::connect(&broker.url(), None).await.unwrap();
+        let padding = "x".repeat(16 * 1024);
+        let mut sending = tokio::task::JoinSet::new();
+        for sender in 0..16 {
+            let (bus, padding) = (senders.clone(), padding.clone());
+            sending.spawn(async move {
+                let publisher = Publisher::new(&bus, topic).await.unwrap();
+                for i in 0..100 {
+                    let message = format!("s{sender} m{i} {padding}");
+                    publisher
+                        .send(message.into_bytes(), &Properties::new())
+                        .await
+                        .unwrap();
+                }
+            });
+        }
+        sending.join_all().await;
+        let got = drain(&mut listener).await;
+        assert_eq!(got.len(), 1_600, "messages lost on the way");
+    }
+
     /// Past its bound a listener drops (and says so) rather than grow without end, and goes on
     /// with what comes once its reader is back.
     #[tokio::test]
