@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The embedded broker: `pulsar-lite.sh start PORT DATA_DIR`, `stop DATA_DIR`, `path` (the binary).
-# Installs pulsar-lite from PyPI when it is missing. Metrics are off so parallel brokers do not collide.
+# Installs pulsar-lite from PyPI when it is missing. Its settings: pulsar-lite.toml beside this script.
 set -euo pipefail
+here="$(cd "$(dirname "$0")" && pwd)"
 
 binary() {
   python3 - <<'PY' 2>/dev/null
@@ -35,9 +36,8 @@ case "$cmd" in
       echo "pulsar-lite already running (pid $(cat "$data/pid"))" >&2
       exit 0
     fi
-    # As crates/bus/src/embedded.rs (BROKER_CONFIG, which says why): a 16 MiB write-buffer mark, so
-    # a busy reader of a non-persistent topic is not dropped messages; metrics off (port 8080).
-    printf 'pulsar_channel_write_buffer_high_water_mark_bytes = 16777216\npulsar_channel_write_buffer_low_water_mark_bytes = 8388608\n\n[metrics]\nenabled = false\n' > "$data/broker.toml"
+    # Write-buffer marks and metrics: the same file the embedded broker uses, which says why.
+    cp "$here/pulsar-lite.toml" "$data/broker.toml"
     nohup "$bin" --config "$data/broker.toml" --addr "127.0.0.1:$port" --db-path "$data/broker" \
       --log-level warn > "$data/broker.log" 2>&1 &
     echo $! > "$data/pid"

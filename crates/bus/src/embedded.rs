@@ -134,21 +134,10 @@ fn listener_inode(line: &str, port: u16) -> Option<String> {
     listens.then(|| fields.get(9).map(|inode| (*inode).to_owned()))?
 }
 
-/// The broker's settings. pulsar-lite, like Apache Pulsar, drops a message of a non-persistent
-/// topic (TrustGraph's responses) rather than queue it for a consumer whose connection is "not
-/// writable": more bytes waiting to be written to it than a high-water mark, 64 KiB by default,
-/// until they fall under the low one. The producer still gets its receipt. A client reading the
-/// responses of 64 dialogs at once passed 64 KiB now and then, and lost 1-4 closings in 2,000
-/// dialogs (`agentctl bench`); a TrustGraph client would wait for such a closing for ever. 16 MiB
-/// is far above what a client here falls behind by. Metrics would bind 0.0.0.0:8080 and collide
-/// between brokers: off.
-const BROKER_CONFIG: &str = "\
-pulsar_channel_write_buffer_high_water_mark_bytes = 16777216
-pulsar_channel_write_buffer_low_water_mark_bytes = 8388608
-
-[metrics]
-enabled = false
-";
+/// The broker's settings: write-buffer marks high enough that a busy reader of a non-persistent
+/// topic is not dropped messages, and metrics off. One file for this and `scripts/pulsar-lite.sh`;
+/// it says why.
+const BROKER_CONFIG: &str = include_str!("../../../scripts/pulsar-lite.toml");
 
 impl EmbeddedBroker {
     /// Starts a broker on `port` (0 = a free one) keeping its data in `data` (None = a temporary folder).
