@@ -377,10 +377,15 @@ mod tests {
 
     /// Publishes `m{i}` for each `i` of `range` to `topic`.
     async fn publish(bus: &Bus, topic: &str, range: std::ops::Range<usize>) {
+        publish_each(bus, topic, range.map(|i| format!("m{i}"))).await
+    }
+
+    /// Publishes each of `messages` to `topic`, in order, each once its predecessor is received.
+    async fn publish_each(bus: &Bus, topic: &str, messages: impl IntoIterator<Item = String>) {
         let publisher = Publisher::new(bus, topic).await.unwrap();
-        for i in range {
+        for message in messages {
             publisher
-                .send(format!("m{i}").into_bytes(), &Properties::new())
+                .send(message.into_bytes(), &Properties::new())
                 .await
                 .unwrap();
         }
@@ -441,7 +446,7 @@ mod tests {
 
     /// The broker drops a non-persistent message, rather than queue it, for a consumer whose
     /// connection has more than a high-water mark of bytes waiting to be written to it (64 KiB by
-    /// default; `embedded::BROKER_CONFIG` sets 16 MiB). Large messages sent side by side, as an
+    /// default; `scripts/pulsar-lite.toml` sets 16 MiB). Large messages sent side by side, as an
     /// orchestrator's steps send their graph messages, passed it now and then: each must arrive.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn large_messages_sent_side_by_side_all_arrive() {
@@ -456,14 +461,8 @@ mod tests {
         for sender in 0..16 {
             let (bus, padding) = (senders.clone(), padding.clone());
             sending.spawn(async move {
-                let publisher = Publisher::new(&bus, topic).await.unwrap();
-                for i in 0..100 {
-                    let message = format!("s{sender} m{i} {padding}");
-                    publisher
-                        .send(message.into_bytes(), &Properties::new())
-                        .await
-                        .unwrap();
-                }
+                let messages = (0..100).map(|i| format!("s{sender} m{i} {padding}"));
+                publish_each(&bus, topic, messages).await
             });
         }
         sending.join_all().await;
