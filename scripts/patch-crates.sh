@@ -8,6 +8,9 @@
 # Idempotent and quiet when done; fails loudly if a patch stops applying.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# The fetching projects' folders, removed however the script ends.
+work_dirs=()
+trap 'rm -rf "${work_dirs[@]}"' EXIT
 
 vendor() {
   local crate=$1 version=$2 patch_file=$3
@@ -20,6 +23,7 @@ vendor() {
   echo "setup: fetching $crate $version and applying $patch_file" >&2
   local work
   work=$(mktemp -d)
+  work_dirs+=("$work")
   mkdir -p "$work/src"
   touch "$work/src/lib.rs"
   cat > "$work/Cargo.toml" <<TOML
@@ -39,7 +43,6 @@ TOML
   mkdir -p .vendor
   cp -r "$src" "$dest"
   chmod -R u+w "$dest"
-  rm -rf "$work"
   if ! patch -s -p1 -d "$dest" --no-backup-if-mismatch < "$patch_file"; then
     echo "setup: ERROR: $patch_file no longer applies to $crate $version" >&2
     exit 1
