@@ -118,21 +118,11 @@ impl Running {
         }
     }
 
-    /// Waits up to 30 s for it to listen on `addr`, or to stop first, rather than 30 s of waiting
-    /// for nothing. A child is ready when it holds the listening socket itself: a connect would
-    /// also succeed to another test's service on a port this one failed to bind.
+    /// Waits up to 30 s for it to accept connections on `addr`, or to stop first, rather than 30 s
+    /// of waiting for nothing.
     pub(crate) fn wait_listening(&mut self, addr: &str, what: &str) -> Result<(), NotListening> {
         let deadline = std::time::Instant::now() + Duration::from_secs(30);
-        let port = addr
-            .rsplit_once(':')
-            .and_then(|(_, port)| port.parse::<u16>().ok());
-        let ready = |running: &Running| match (running, port) {
-            (Running::Child(child), Some(port)) => {
-                agent_bus::embedded::process_listens_on(child.id(), port)
-            }
-            _ => std::net::TcpStream::connect(addr).is_ok(),
-        };
-        while !ready(self) {
+        while std::net::TcpStream::connect(addr).is_err() {
             match self {
                 Running::Child(child) => {
                     if let Ok(Some(status)) = child.try_wait() {
