@@ -11,7 +11,7 @@ pub mod librarian;
 mod running;
 pub mod sparql_server;
 
-use running::Running;
+use running::{NotListening, Running};
 
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
@@ -452,18 +452,30 @@ impl Aggregator {
     /// Its standard error is kept for [`Aggregator::log`].
     pub fn child_over_endpoint(broker: &Broker, endpoint: &str, extra: &[&str]) -> Aggregator {
         let extra = extra.iter().map(|s| (*s).to_owned()).collect();
-        let log = std::env::temp_dir().join(format!(
-            "agent-e2e-aggregator-{}-{:08x}.log",
-            std::process::id(),
-            rand::random::<u32>()
-        ));
         Self::start_logged(
             Place::Child,
             broker,
             Some(endpoint.to_owned()),
             extra,
             None,
-            Some(log),
+            Some(stderr_log_path()),
+        )
+    }
+
+    /// One more journal owner on `broker`'s subscriptions and the graph of this run (a child, its
+    /// standard error kept for [`Aggregator::log`]), which is expected to refuse to run: it is
+    /// handed back once it listens or once it has stood down, whichever is seen first.
+    pub fn second_owner(broker: &Broker, extra: &[&str]) -> Aggregator {
+        let server = sparql_server::SparqlServer::of_this_run();
+        let remote = server.as_ref().map(sparql_server::SparqlServer::endpoint);
+        let extra = extra.iter().map(|s| (*s).to_owned()).collect();
+        Self::start_logged(
+            Place::Child,
+            broker,
+            remote,
+            extra,
+            server,
+            Some(stderr_log_path()),
         )
     }
 
@@ -522,6 +534,21 @@ impl Aggregator {
             );
             match running.wait_listening(&addr, "the aggregator") {
                 Ok(()) => {
+                    return Aggregator {
+                        running,
+                        endpoint: format!("http://{addr}"),
+                        store_dir,
+                        graph_store,
+                        broker_url: broker.url(),
+                        addr,
+                        extra,
+                        server,
+                        stderr_log,
+                    }
+                }
+                // A second journal owner may stand down within moments of binding its port,
+                // before this loop sees it listen: that exit is the answer its test waits for.
+                Err(NotListening::Exited(_)) if refused_as_second_owner(stderr_log.as_deref()) => {
                     return Aggregator {
                         running,
                         endpoint: format!("http://{addr}"),
@@ -652,6 +679,22 @@ impl Aggregator {
     pub fn store(&self) -> agent_graph::GraphStore {
         agent_graph::GraphStore::open(&self.endpoint, None).unwrap()
     }
+}
+
+/// A fresh file for a child's standard error.
+fn stderr_log_path() -> PathBuf {
+    std::env::temp_dir().join(format!(
+        "agent-e2e-aggregator-{}-{:08x}.log",
+        std::process::id(),
+        rand::random::<u32>()
+    ))
+}
+
+/// Whether the aggregator that wrote `log` exited because another owns the journal (the refusal
+/// `owner_fence` and the store's beacon give), rather than for a port taken under it.
+fn refused_as_second_owner(log: Option<&std::path::Path>) -> bool {
+    log.and_then(|path| std::fs::read_to_string(path).ok())
+        .is_some_and(|text| text.contains("already owns the journal"))
 }
 
 impl Drop for Aggregator {

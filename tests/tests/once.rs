@@ -489,12 +489,14 @@ async fn a_second_journal_owner_on_the_same_subscription_refuses_to_run() {
     let mut first = Aggregator::start(Place::Child, &broker, &["--config-token", TOKEN]);
     let llm = scripted_llm(THREE_STEPS).await;
     let _orchestrator = Orchestrator::spawn_journaled(&broker, &llm, &first, TOKEN, &[]);
-    let mut second = Aggregator::start(Place::Child, &broker, &["--config-token", TOKEN]);
+    let mut second = Aggregator::second_owner(&broker, &["--config-token", TOKEN]);
     let status = second
         .exit_within(Duration::from_secs(30))
         .await
         .expect("a second journal owner on the same subscription kept running");
     assert!(!status.success(), "the second owner exited with {status}");
+    let log = second.log();
+    assert!(log.contains("already owns the journal"), "{log}");
     assert!(first.is_running(), "the first owner stopped");
     let mut client = client(&broker).await;
     client.send("after", &react("combine after")).await.unwrap();
@@ -512,12 +514,14 @@ async fn a_second_journal_owner_on_the_same_subscription_refuses_to_run() {
 async fn of_two_journal_owners_started_together_the_younger_stands_down() {
     let broker = Broker::start().unwrap();
     let mut elder = Aggregator::start(Place::Child, &broker, &["--config-token", TOKEN]);
-    let mut younger = Aggregator::start(Place::Child, &broker, &["--config-token", TOKEN]);
+    let mut younger = Aggregator::second_owner(&broker, &["--config-token", TOKEN]);
     let status = younger
         .exit_within(Duration::from_secs(30))
         .await
         .expect("the younger owner kept running");
     assert!(!status.success(), "the younger owner exited with {status}");
+    let log = younger.log();
+    assert!(log.contains("already owns the journal"), "{log}");
     tokio::time::sleep(Duration::from_secs(2)).await;
     assert!(elder.is_running(), "the elder owner stopped too");
     // The elder serves the journal: a journaled dialog ends once.
