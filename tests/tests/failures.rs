@@ -199,6 +199,69 @@ async fn services_subscribe_again_after_a_broker_restart() {
     );
 }
 
+/// A client keeps listening across a broker restart: `agentctl invoke` of a dialog under way
+/// when the broker is SIGKILLed and restarted still prints its answer and exits 0 (the model
+/// answers after the broker is back, so the closing is published to a client that subscribed
+/// again), and a library client connected before the restart runs a dialog after it.
+#[tokio::test]
+async fn a_client_keeps_listening_across_a_broker_restart() {
+    let mut broker = Broker::start().unwrap();
+    let llm = scripted_llm(
+        r#"{"rules": [
+            {"match": "Question: slow ping", "reply": "Thought: after a while\nFinal Answer: slow pong", "delay_ms": 6000},
+            {"match": "Question: ping", "reply": "Thought: easy\nFinal Answer: pong"}
+        ]}"#,
+    )
+    .await;
+    let _orchestrator = Orchestrator::spawn(&broker, &llm, &seed_dir(), &[]);
+    let mut before = client(&broker).await;
+    before
+        .send("r-1", &request("ping before", false))
+        .await
+        .unwrap();
+    let first = collect_dialog(&mut before, "r-1", DIALOG_TIMEOUT)
+        .await
+        .unwrap();
+    assert_eq!(first.last().unwrap().content, "pong");
+
+    let invoke = tokio::process::Command::new(binary("agentctl"))
+        .args(["invoke", "--pattern", "react", "--no-streaming"])
+        .args(["--question", "slow ping", "--timeout", "60"])
+        .args(["--pulsar-url", &broker.url()])
+        .env_remove("GRAPH_STORE")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    // The question is on its way to the model (which takes 6 s) when the broker goes.
+    let asked = tokio::time::Instant::now() + Duration::from_secs(20);
+    while !llm.calls().iter().any(|c| c.last_user.contains("slow ping")) {
+        assert!(tokio::time::Instant::now() < asked, "the slow question never reached the model");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    broker.restart().unwrap();
+    let output = invoke.wait_with_output().await.unwrap();
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr),
+    );
+    assert!(
+        output.status.success(),
+        "invoke exited with {}\nstdout:\n{stdout}\nstderr:\n{stderr}",
+        output.status
+    );
+    assert!(stdout.contains("slow pong"), "{stdout}");
+
+    before
+        .send("r-2", &request("ping after", false))
+        .await
+        .unwrap();
+    let second = collect_dialog(&mut before, "r-2", DIALOG_TIMEOUT)
+        .await
+        .unwrap();
+    assert_eq!(second.last().unwrap().content, "pong", "{second:#?}");
+}
+
 /// A valid request that the broker moved to the dead-letter topic (its redelivery limit, which
 /// the pulsar client enforces without saying why) still ends its dialog: the client gets one error
 /// that says what happened, and nothing is answered twice.
