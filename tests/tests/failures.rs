@@ -235,8 +235,15 @@ async fn a_client_keeps_listening_across_a_broker_restart() {
         .unwrap();
     // The question is on its way to the model (which takes 6 s) when the broker goes.
     let asked = tokio::time::Instant::now() + Duration::from_secs(20);
-    while !llm.calls().iter().any(|c| c.last_user.contains("slow ping")) {
-        assert!(tokio::time::Instant::now() < asked, "the slow question never reached the model");
+    while !llm
+        .calls()
+        .iter()
+        .any(|c| c.last_user.contains("slow ping"))
+    {
+        assert!(
+            tokio::time::Instant::now() < asked,
+            "the slow question never reached the model"
+        );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     broker.restart().unwrap();

@@ -358,6 +358,10 @@ impl<'a> DialogOutput<'a> {
             .rev()
             .find(|e| e.channel == Channel::Explainability);
         if let Some(effect) = last.filter(|e| e.payload.len() < MERGE_BELOW_BYTES) {
+            if let Some(merged) = agent_schema::append_triples(&effect.payload, &kept) {
+                effect.payload = merged;
+                return;
+            }
             if let Ok(mut message) = serde_json::from_str::<Triples>(&effect.payload) {
                 message.triples.extend(kept);
                 effect.payload =

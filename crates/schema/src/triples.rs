@@ -70,3 +70,72 @@ impl Term {
         }
     }
 }
+
+/// `encoded` (a [`Triples`] message as [`crate::encode`] writes it) with `more` added to its
+/// triples, without parsing it: its triples are its last field, so the new ones go before its
+/// closing `]}`. `None` when `encoded` does not end so (not written by [`crate::encode`]); the
+/// caller then parses it. A step adds its graph-only records to its last graph message this way:
+/// parsing and writing again a message of 10-15 KB was a few percent of a busy orchestrator.
+pub fn append_triples(encoded: &str, more: &[Triple]) -> Option<String> {
+    let body = encoded.strip_suffix("]}")?;
+    if more.is_empty() {
+        return Some(encoded.to_owned());
+    }
+    let added = crate::encode(&more);
+    let added = std::str::from_utf8(&added).ok()?;
+    let items = added.strip_prefix('[')?.strip_suffix(']')?;
+    let separator = if body.ends_with('[') { "" } else { "," };
+    Some(format!("{body}{separator}{items}]}}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn message(triples: Vec<Triple>) -> Triples {
+        Triples {
+            metadata: Metadata {
+                id: "urn:n".into(),
+                root: "urn:r".into(),
+                collection: "default".into(),
+            },
+            triples,
+        }
+    }
+
+    fn triple(n: usize) -> Triple {
+        Triple {
+            s: Term::iri(format!("urn:s{n}")),
+            p: Term::iri("urn:p"),
+            o: Term::literal(format!("a \"quoted\" ]}} value {n}")),
+            g: Some("urn:graph:retrieval".into()),
+        }
+    }
+
+    /// Appending gives the very bytes of the message written with all its triples, whether it had
+    /// triples before or none, and adding none changes nothing.
+    #[test]
+    fn appended_triples_read_as_if_written_together() {
+        for (before, more) in [(2, 3), (0, 2), (3, 0), (0, 0)] {
+            let first: Vec<Triple> = (0..before).map(triple).collect();
+            let added: Vec<Triple> = (before..before + more).map(triple).collect();
+            let encoded = String::from_utf8(crate::encode(&message(first.clone()))).unwrap();
+            let appended = append_triples(&encoded, &added).unwrap();
+            let together = crate::encode(&message(first.into_iter().chain(added).collect()));
+            assert_eq!(
+                appended.as_bytes(),
+                together.as_slice(),
+                "{before} + {more}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_message_not_ending_in_its_triples_is_left_to_the_caller() {
+        assert_eq!(
+            append_triples(r#"{"triples":[],"metadata":{}}"#, &[triple(1)]),
+            None
+        );
+        assert_eq!(append_triples("", &[triple(1)]), None);
+    }
+}
