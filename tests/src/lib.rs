@@ -532,41 +532,33 @@ impl Aggregator {
                 &extra,
                 stderr_log.as_deref(),
             );
-            match running.wait_listening(&addr, "the aggregator") {
-                Ok(()) => {
-                    return Aggregator {
-                        running,
-                        endpoint: format!("http://{addr}"),
-                        store_dir,
-                        graph_store,
-                        broker_url: broker.url(),
-                        addr,
-                        extra,
-                        server,
-                        stderr_log,
-                    }
-                }
+            let answered = match running.wait_listening(&addr, "the aggregator") {
+                Ok(()) => true,
                 // A second journal owner may stand down within moments of binding its port,
                 // before this loop sees it listen: that exit is the answer its test waits for.
                 Err(NotListening::Exited(_)) if refused_as_second_owner(stderr_log.as_deref()) => {
-                    return Aggregator {
-                        running,
-                        endpoint: format!("http://{addr}"),
-                        store_dir,
-                        graph_store,
-                        broker_url: broker.url(),
-                        addr,
-                        extra,
-                        server,
-                        stderr_log,
-                    }
+                    true
                 }
                 Err(why) => {
                     last = why.to_string();
-                    drop(running);
-                    let _ = std::fs::remove_dir_all(&store_dir);
+                    false
                 }
+            };
+            if answered {
+                return Aggregator {
+                    running,
+                    endpoint: format!("http://{addr}"),
+                    store_dir,
+                    graph_store,
+                    broker_url: broker.url(),
+                    addr,
+                    extra,
+                    server,
+                    stderr_log,
+                };
             }
+            drop(running);
+            let _ = std::fs::remove_dir_all(&store_dir);
         }
         panic!("the aggregator stopped before listening, on three ports; the last {last}");
     }

@@ -246,9 +246,14 @@ impl StreamedAnswer {
 
 /// Sends requests and receives every response on the response topic, tagged with its `id`.
 pub struct AgentClient {
+    bus: Bus,
+    response_topic: String,
     requests: Publisher,
     responses: Listener,
     seen: SeenEffects,
+    /// When its responses' subscription last ended (a broker restart) with no message since.
+    stopped_since: Option<std::time::Instant>,
+    listened_again: u64,
 }
 
 /// The effect ids of the latest responses, to drop a copy that an orchestrator re-emitted after a
@@ -287,9 +292,13 @@ impl AgentClient {
         let responses = Listener::subscribe(bus, &topics.response, "agent-client").await?;
         let requests = Publisher::new(bus, &topics.request).await?;
         Ok(AgentClient {
+            bus: bus.clone(),
+            response_topic: topics.response.clone(),
             requests,
             responses,
             seen: SeenEffects::default(),
+            stopped_since: None,
+            listened_again: 0,
         })
     }
 
@@ -327,6 +336,11 @@ impl AgentClient {
         self.requests.send(payload, &properties).await
     }
 
+    /// How many times its responses' subscription ended and it subscribed again.
+    pub fn listened_again(&self) -> u64 {
+        self.listened_again
+    }
+
     /// Re-emitted copies of responses this client had already received, which it dropped.
     pub fn copies_dropped(&self) -> u64 {
         self.seen.copies
@@ -342,7 +356,16 @@ impl AgentClient {
     /// As [`AgentClient::next`], with the attempt that sent the response, when it names one.
     pub async fn receive(&mut self) -> Result<Received, BusError> {
         loop {
-            let message = self.responses.next().await?;
+            let message = match self.responses.next().await {
+                Ok(message) => {
+                    self.stopped_since = None;
+                    message
+                }
+                Err(stopped) => {
+                    self.listen_again(stopped).await?;
+                    continue;
+                }
+            };
             if let Some(effect) = message_property(&message, EFFECT_ID_PROPERTY) {
                 if !self.seen.first_time(effect) {
                     tracing::debug!(effect, "dropping a re-emitted copy of a response");
@@ -364,6 +387,38 @@ impl AgentClient {
                 Err(e) => tracing::warn!(error = %e, "skipping a response that does not decode"),
             }
         }
+    }
+}
+
+impl AgentClient {
+    /// How long a client goes on subscribing again to responses that keep stopping before it
+    /// reports it (each subscription also waits out a broker that refuses, as long as this).
+    const LISTEN_AGAIN_PATIENCE: std::time::Duration = crate::error::SETTLING_PATIENCE;
+
+    /// Subscribes to the responses again after their subscription ended: the `pulsar` crate's
+    /// consumer reconnects after some broker restarts and ends its stream after others ("not
+    /// retryable: connection reset"), and a client waiting for a dialog must not give up on it
+    /// for that: the dialog goes on. What the broker published on the non-persistent topic
+    /// meanwhile is lost to this client (a journaled closing can be read back).
+    async fn listen_again(&mut self, stopped: BusError) -> Result<(), BusError> {
+        let since = *self
+            .stopped_since
+            .get_or_insert_with(std::time::Instant::now);
+        if since.elapsed() > Self::LISTEN_AGAIN_PATIENCE {
+            return Err(stopped);
+        }
+        tracing::warn!(error = %stopped, "the responses' subscription ended (the broker restarted?): subscribing again");
+        // Not at once: a subscription that ends as soon as it is made must not spin.
+        let pause = if since.elapsed() < std::time::Duration::from_millis(100) {
+            std::time::Duration::from_millis(50)
+        } else {
+            std::time::Duration::from_millis(500)
+        };
+        tokio::time::sleep(pause).await;
+        self.responses =
+            Listener::subscribe(&self.bus, &self.response_topic, "agent-client").await?;
+        self.listened_again += 1;
+        Ok(())
     }
 }
 
@@ -400,6 +455,69 @@ mod tests {
             got.push(String::from_utf8(payload).unwrap());
         }
         got
+    }
+
+    /// Publishes an answer under the id `after` to `topics`' response topic until `client`
+    /// receives it (what is published before it has subscribed again is lost to it, on a
+    /// non-persistent topic), and returns what it received.
+    async fn publish_until_heard(
+        bus: &Bus,
+        topics: &crate::Topics,
+        client: &mut super::AgentClient,
+    ) -> super::Received {
+        let mut properties = Properties::new();
+        properties.insert(agent_schema::ID_PROPERTY.to_owned(), "after".to_owned());
+        let response = agent_schema::AgentResponse::new(agent_schema::MessageType::Answer, "back");
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(90);
+        loop {
+            assert!(tokio::time::Instant::now() < deadline, "nothing heard");
+            if let Ok(publisher) = Publisher::new(bus, &topics.response).await {
+                let _ = publisher
+                    .send(agent_schema::encode(&response), &properties)
+                    .await;
+            }
+            match tokio::time::timeout(Duration::from_secs(1), client.receive()).await {
+                Ok(Ok(received)) => return received,
+                Ok(Err(e)) => panic!("the client gave up: {e}"),
+                Err(_) => continue,
+            }
+        }
+    }
+
+    /// A client's responses' stream ends under it, as the `pulsar` crate's consumer's did after
+    /// a broker restart reset its connection ("not retryable"): the client subscribes again and
+    /// receives what is published after, instead of reporting its subscription gone.
+    #[tokio::test]
+    async fn a_client_subscribes_again_when_its_responses_stream_ends() {
+        let broker = EmbeddedBroker::start(0, None).unwrap();
+        let bus = Bus::connect(&broker.url(), None).await.unwrap();
+        let topics = crate::Topics::trustgraph("default", "default");
+        let mut client = super::AgentClient::connect(&bus, &topics).await.unwrap();
+        client.responses.pump.abort();
+        let heard = publish_until_heard(&bus, &topics, &mut client).await;
+        assert_eq!(
+            (heard.id.as_str(), heard.response.content.as_str()),
+            ("after", "back")
+        );
+        assert_eq!(client.listened_again(), 1);
+    }
+
+    /// A broker SIGKILLed under a client and started again 5 s later: the client hears what is
+    /// published once the broker is back (the consumer reconnects, or the client subscribes again).
+    #[tokio::test]
+    async fn a_client_hears_responses_after_a_broker_outage() {
+        let mut broker = EmbeddedBroker::start(0, None).unwrap();
+        let bus = Bus::connect(&broker.url(), None).await.unwrap();
+        let topics = crate::Topics::trustgraph("default", "default");
+        let mut client = super::AgentClient::connect(&bus, &topics).await.unwrap();
+        broker.stop();
+        tokio::time::sleep(Duration::from_secs(5)).await;
+        broker.restart().unwrap();
+        let heard = publish_until_heard(&bus, &topics, &mut client).await;
+        assert_eq!(
+            (heard.id.as_str(), heard.response.content.as_str()),
+            ("after", "back")
+        );
     }
 
     /// A non-persistent topic's broker drops what a subscription has no permits for: a reader
