@@ -398,6 +398,7 @@ impl Aggregator {
             broker,
             sparql_server::SparqlServer::of_this_run(),
             extra,
+            None,
         )
     }
 
@@ -407,7 +408,7 @@ impl Aggregator {
         server: Option<sparql_server::SparqlServer>,
         extra: &[&str],
     ) -> Aggregator {
-        Self::start_over(Place::InProcess, broker, server, extra)
+        Self::start_over(Place::InProcess, broker, server, extra, None)
     }
 
     /// An aggregator in `place` whose graph `server` holds.
@@ -417,18 +418,21 @@ impl Aggregator {
         server: sparql_server::SparqlServer,
         extra: &[&str],
     ) -> Aggregator {
-        Self::start_over(place, broker, Some(server), extra)
+        Self::start_over(place, broker, Some(server), extra, None)
     }
 
+    /// An aggregator in `place` whose graph `server` holds, its standard error going to
+    /// `stderr_log` when given.
     fn start_over(
         place: Place,
         broker: &Broker,
         server: Option<sparql_server::SparqlServer>,
         extra: &[&str],
+        stderr_log: Option<PathBuf>,
     ) -> Aggregator {
         let extra: Vec<String> = extra.iter().map(|s| (*s).to_owned()).collect();
         let remote = server.as_ref().map(sparql_server::SparqlServer::endpoint);
-        Self::start_on_a_free_port(place, broker, remote, extra, server)
+        Self::start_logged(place, broker, remote, extra, server, stderr_log)
     }
 
     /// One more aggregator replica on the same subscriptions, writing to `store`'s graph over
@@ -466,15 +470,11 @@ impl Aggregator {
     /// standard error kept for [`Aggregator::log`]), which is expected to refuse to run: it is
     /// handed back once it listens or once it has stood down, whichever is seen first.
     pub fn second_owner(broker: &Broker, extra: &[&str]) -> Aggregator {
-        let server = sparql_server::SparqlServer::of_this_run();
-        let remote = server.as_ref().map(sparql_server::SparqlServer::endpoint);
-        let extra = extra.iter().map(|s| (*s).to_owned()).collect();
-        Self::start_logged(
+        Self::start_over(
             Place::Child,
             broker,
-            remote,
+            sparql_server::SparqlServer::of_this_run(),
             extra,
-            server,
             Some(stderr_log_path()),
         )
     }

@@ -26,6 +26,8 @@ use crate::{Bus, BusError, Properties, Publisher, Topics};
 /// so, instead of the broker dropping unseen.
 pub struct Listener {
     topic: String,
+    prefix: String,
+    limit: usize,
     buffered: tokio::sync::mpsc::UnboundedReceiver<Result<Message<Vec<u8>>, String>>,
     bytes: std::sync::Arc<std::sync::atomic::AtomicUsize>,
     pump: tokio::task::JoinHandle<()>,
@@ -77,10 +79,20 @@ impl Listener {
         let pump = tokio::spawn(pump(consumer, tx, bytes.clone(), limit, topic.to_owned()));
         Ok(Listener {
             topic: topic.to_owned(),
+            prefix: prefix.to_owned(),
+            limit,
             buffered,
             bytes,
             pump,
         })
+    }
+
+    /// A new subscription in place of this one, on the same topic: what a reader does once
+    /// [`Listener::next`] reported the subscription ended (a broker restart). What was published
+    /// meanwhile is lost to it, as on any non-persistent topic.
+    pub async fn subscribe_again(&mut self, bus: &Bus) -> Result<(), BusError> {
+        *self = Self::subscribe_holding(bus, &self.topic, &self.prefix, self.limit).await?;
+        Ok(())
     }
 
     /// The next message's payload, already acked.
@@ -247,7 +259,6 @@ impl StreamedAnswer {
 /// Sends requests and receives every response on the response topic, tagged with its `id`.
 pub struct AgentClient {
     bus: Bus,
-    response_topic: String,
     requests: Publisher,
     responses: Listener,
     seen: SeenEffects,
@@ -293,7 +304,6 @@ impl AgentClient {
         let requests = Publisher::new(bus, &topics.request).await?;
         Ok(AgentClient {
             bus: bus.clone(),
-            response_topic: topics.response.clone(),
             requests,
             responses,
             seen: SeenEffects::default(),
@@ -415,8 +425,7 @@ impl AgentClient {
             std::time::Duration::from_millis(500)
         };
         tokio::time::sleep(pause).await;
-        self.responses =
-            Listener::subscribe(&self.bus, &self.response_topic, "agent-client").await?;
+        self.responses.subscribe_again(&self.bus).await?;
         self.listened_again += 1;
         Ok(())
     }

@@ -98,12 +98,7 @@ impl Librarian {
             Listener::subscribe(bus, &topics.librarian_response, "librarian-client").await?;
         let requests = Publisher::new(bus, &topics.librarian_request).await?;
         let waiting: Waiting = Arc::default();
-        let answers = tokio::spawn(deliver_answers(
-            bus.clone(),
-            topics.librarian_response.clone(),
-            responses,
-            waiting.clone(),
-        ));
+        let answers = tokio::spawn(deliver_answers(bus.clone(), responses, waiting.clone()));
         Ok(Librarian {
             requests,
             waiting,
@@ -232,7 +227,7 @@ fn waiting_for(
 
 /// Hands each answer to whoever waits for its id; listens again if the subscription is lost (a
 /// broker restart), since the requests of that moment are sent again anyway.
-async fn deliver_answers(bus: Bus, topic: String, mut responses: Listener, waiting: Waiting) {
+async fn deliver_answers(bus: Bus, mut responses: Listener, waiting: Waiting) {
     loop {
         let message = match responses.next().await {
             Ok(message) => message,
@@ -240,11 +235,8 @@ async fn deliver_answers(bus: Bus, topic: String, mut responses: Listener, waiti
                 tracing::warn!(error = %e, "lost the librarian's answers; listening again");
                 loop {
                     tokio::time::sleep(Duration::from_secs(1)).await;
-                    match Listener::subscribe(&bus, &topic, "librarian-client").await {
-                        Ok(again) => {
-                            responses = again;
-                            break;
-                        }
+                    match responses.subscribe_again(&bus).await {
+                        Ok(()) => break,
                         Err(e) => tracing::warn!(error = %e, "cannot listen to the librarian yet"),
                     }
                 }
