@@ -135,9 +135,15 @@ pub fn entry_node(session_uri: &str, key: &str) -> Result<NamedNode, GraphError>
 }
 
 /// Marks the outcome text of an entry written as [`encode_outcome`] does.
-const FRAMED: &str = "frames+deflate+base64:";
+const FRAMED: &str = "frames+zstd+base64:";
+/// Marks an outcome framed as now but deflated (entries recorded before zstd).
+const FRAMED_DEFLATED: &str = "frames+deflate+base64:";
 /// Marks an outcome written as one deflated JSON document (entries recorded before framing).
 const DEFLATED: &str = "deflate+base64:";
+/// zstd's fastest level: on a step's outcome it took a quarter of deflate's ("fast") time and
+/// gave 40% fewer bytes (62 KB of captured TrustGraph messages: 26 us and 3.0 KB, against
+/// 119 us and 5.1 KB).
+const ZSTD_LEVEL: i32 = 1;
 
 /// What an effect says besides its payload: the header of its frame.
 #[derive(Serialize, Deserialize)]
@@ -149,15 +155,23 @@ struct FrameHeader {
 }
 
 /// An outcome as the journal keeps it: each effect as a frame (its header's JSON, then its
-/// payload as it is, each after its length in four bytes), deflated, in base64. The payloads are
-/// JSON already: framed, they are copied, where one JSON document around them escaped every
-/// quote in them (a tenth of the orchestrator's time in a journaled throughput run). Deflated,
-/// provenance that travels twice (to the graph and inline to the client) is kept about once; base64
-/// needs no escaping in the HTTP body or in a SPARQL literal.
+/// payload as it is, each after its length in four bytes), compressed by zstd, in base64. The
+/// payloads are JSON already: framed, they are copied, where one JSON document around them escaped
+/// every quote in them (a tenth of the orchestrator's time in a journaled throughput run).
+/// Compressed, provenance that travels twice (to the graph and inline to the client) is kept about
+/// once; base64 needs no escaping in the HTTP body or in a SPARQL literal.
 fn encode_outcome(effects: &[Effect]) -> std::io::Result<String> {
     use base64::Engine;
-    use std::io::Write;
-    let mut deflater = flate2::write::DeflateEncoder::new(Vec::new(), flate2::Compression::fast());
+    let compressed = zstd::bulk::compress(&frames_of(effects)?, ZSTD_LEVEL)?;
+    Ok(format!(
+        "{FRAMED}{}",
+        base64::engine::general_purpose::STANDARD.encode(compressed)
+    ))
+}
+
+/// The effects as frames, uncompressed.
+fn frames_of(effects: &[Effect]) -> std::io::Result<Vec<u8>> {
+    let mut frames = Vec::new();
     for effect in effects {
         let header = serde_json::to_vec(&FrameHeader {
             channel: effect.channel,
@@ -168,27 +182,35 @@ fn encode_outcome(effects: &[Effect]) -> std::io::Result<String> {
             let length = u32::try_from(part.len()).map_err(|_| {
                 std::io::Error::new(std::io::ErrorKind::InvalidInput, "an effect over 4 GiB")
             })?;
-            deflater.write_all(&length.to_le_bytes())?;
-            deflater.write_all(part)?;
+            frames.extend_from_slice(&length.to_le_bytes());
+            frames.extend_from_slice(part);
         }
     }
-    let deflated = deflater.finish()?;
-    Ok(format!(
-        "{FRAMED}{}",
-        base64::engine::general_purpose::STANDARD.encode(deflated)
-    ))
+    Ok(frames)
 }
 
-/// The effects of an outcome written by [`encode_outcome`], or by the encodings before it (one
-/// deflated JSON document, or plain JSON).
+/// The effects of an outcome written by [`encode_outcome`], or by the encodings before it (the
+/// same frames deflated, one deflated JSON document, or plain JSON).
 pub fn decode_outcome(outcome: &str) -> Result<Vec<Effect>, String> {
     if let Some(encoded) = outcome.strip_prefix(FRAMED) {
+        return read_frames(&decompress(encoded)?);
+    }
+    if let Some(encoded) = outcome.strip_prefix(FRAMED_DEFLATED) {
         return read_frames(&inflate(encoded)?);
     }
     if let Some(encoded) = outcome.strip_prefix(DEFLATED) {
         return serde_json::from_slice(&inflate(encoded)?).map_err(|e| e.to_string());
     }
     serde_json::from_str(outcome).map_err(|e| e.to_string())
+}
+
+fn decompress(encoded: &str) -> Result<Vec<u8>, String> {
+    use base64::Engine;
+    let compressed = base64::engine::general_purpose::STANDARD
+        .decode(encoded)
+        .map_err(|e| e.to_string())?;
+    // A stream decoder, so no size has to be guessed (zstd's frame may not state its own).
+    zstd::stream::decode_all(compressed.as_slice()).map_err(|e| e.to_string())
 }
 
 fn inflate(encoded: &str) -> Result<Vec<u8>, String> {
@@ -457,8 +479,17 @@ mod tests {
         assert_eq!(response.compacted(&input), response);
     }
 
+    fn deflated(bytes: &[u8]) -> String {
+        use base64::Engine;
+        use std::io::Write;
+        let mut deflater =
+            flate2::write::DeflateEncoder::new(Vec::new(), flate2::Compression::fast());
+        deflater.write_all(bytes).unwrap();
+        base64::engine::general_purpose::STANDARD.encode(deflater.finish().unwrap())
+    }
+
     #[test]
-    fn outcomes_are_stored_deflated_and_read_back_whole() {
+    fn outcomes_are_stored_compressed_and_read_back_whole() {
         let effect = Effect {
             channel: Channel::Explainability,
             payload: format!(
@@ -476,6 +507,7 @@ mod tests {
             },
         ];
         let encoded = encode_outcome(&effects).unwrap();
+        assert!(encoded.starts_with(FRAMED));
         let plain = serde_json::to_string(&effects).unwrap();
         assert!(
             encoded.len() * 5 < plain.len(),
@@ -484,36 +516,28 @@ mod tests {
             plain.len()
         );
         assert_eq!(decode_outcome(&encoded).unwrap(), effects);
-        // Entries written before framing (one deflated JSON document) or before deflating (plain
-        // JSON) are still read.
-        let deflated = {
-            use base64::Engine;
-            use std::io::Write;
-            let mut deflater =
-                flate2::write::DeflateEncoder::new(Vec::new(), flate2::Compression::fast());
-            deflater.write_all(plain.as_bytes()).unwrap();
-            format!(
-                "{DEFLATED}{}",
-                base64::engine::general_purpose::STANDARD.encode(deflater.finish().unwrap())
-            )
-        };
-        assert_eq!(decode_outcome(&deflated).unwrap(), effects);
+        // Entries written before zstd (the same frames deflated), before framing (one deflated
+        // JSON document) or before deflating (plain JSON) are still read.
+        let frames = frames_of(&effects).unwrap();
+        let framed_deflated = format!("{FRAMED_DEFLATED}{}", deflated(&frames));
+        assert_eq!(decode_outcome(&framed_deflated).unwrap(), effects);
+        let document = format!("{DEFLATED}{}", deflated(plain.as_bytes()));
+        assert_eq!(decode_outcome(&document).unwrap(), effects);
         assert_eq!(decode_outcome(&plain).unwrap(), effects);
         assert!(decode_outcome("deflate+base64:not base64!").is_err());
-        // A frame cut short is an error, never a shorter outcome.
-        let cut = {
+        assert!(decode_outcome("frames+zstd+base64:bm90IHpzdGQ=").is_err());
+        // A frame cut short is an error, never a shorter outcome, in either framed form.
+        let cut = &frames[..frames.len() - 1];
+        let cut_compressed = {
             use base64::Engine;
-            let mut frames = inflate(encoded.strip_prefix(FRAMED).unwrap()).unwrap();
-            frames.truncate(frames.len() - 1);
-            let mut deflater =
-                flate2::write::DeflateEncoder::new(Vec::new(), flate2::Compression::fast());
-            std::io::Write::write_all(&mut deflater, &frames).unwrap();
+            let compressed = zstd::bulk::compress(cut, ZSTD_LEVEL).unwrap();
             format!(
                 "{FRAMED}{}",
-                base64::engine::general_purpose::STANDARD.encode(deflater.finish().unwrap())
+                base64::engine::general_purpose::STANDARD.encode(compressed)
             )
         };
-        assert!(decode_outcome(&cut).is_err());
+        assert!(decode_outcome(&cut_compressed).is_err());
+        assert!(decode_outcome(&format!("{FRAMED_DEFLATED}{}", deflated(cut))).is_err());
     }
 
     #[tokio::test]
