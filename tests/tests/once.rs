@@ -96,6 +96,130 @@ async fn a_crash_at_any_point_of_publishing_a_step_gives_one_outcome() {
     }
 }
 
+/// The outcome text of the one unpublished journal entry (`?o`), and the entry (`?e`).
+const UNPUBLISHED_ENTRY: &str = "SELECT ?e ?o WHERE { GRAPH <urn:graph:agent-journal> { \
+    ?e <https://trustgraph.ai/ns/outcome> ?o \
+    FILTER NOT EXISTS { ?e <https://trustgraph.ai/ns/published> ?p } } }";
+
+/// Sets the outcome text of the journal entry `entry` to `outcome`, through the aggregator's
+/// authenticated update endpoint.
+async fn rewrite_outcome(aggregator: &Aggregator, entry: &str, outcome: &str) {
+    let store =
+        agent_graph::GraphStore::open(&aggregator.endpoint, Some(TOKEN.to_owned())).unwrap();
+    let outcome = agent_graph::model::Literal::new_simple_literal(outcome);
+    store
+        .update(format!(
+            "DELETE {{ GRAPH <urn:graph:agent-journal> {{ <{entry}> <https://trustgraph.ai/ns/outcome> ?o }} }} \
+             INSERT {{ GRAPH <urn:graph:agent-journal> {{ <{entry}> <https://trustgraph.ai/ns/outcome> {outcome} }} }} \
+             WHERE {{ GRAPH <urn:graph:agent-journal> {{ <{entry}> <https://trustgraph.ai/ns/outcome> ?o }} }}"
+        ))
+        .await
+        .unwrap();
+}
+
+/// A rolling upgrade: a newer build recorded a step's outcome in a form this build cannot read,
+/// and died before publishing it. This build must neither take the entry as published (the step
+/// would be dropped and the dialog never end) nor run the step again (a second outcome, a second
+/// LLM call): it hands the message back to the broker until a replica that can read the entry
+/// settles it, here simulated by giving the entry its readable form back.
+#[tokio::test]
+async fn a_step_another_build_recorded_is_left_to_a_replica_that_can_read_it() {
+    let mut broker = Broker::start().unwrap();
+    let aggregator = Aggregator::spawn_with(&broker, &["--config-token", TOKEN]);
+    let llm = scripted_llm(THREE_STEPS).await;
+    let question = "combine (another build)";
+    let mut doomed = Orchestrator::spawn_journaled(
+        &broker,
+        &llm,
+        &aggregator,
+        TOKEN,
+        &[("AGENT_FAULT", "after-record:1")],
+    );
+    client(&broker)
+        .await
+        .send("upgrade", &react(question))
+        .await
+        .unwrap();
+    assert!(
+        doomed.exited_within(Duration::from_secs(30)).await,
+        "the orchestrator did not crash after recording"
+    );
+    let store = aggregator.store();
+    let rows = store
+        .query(UNPUBLISHED_ENTRY.to_owned())
+        .await
+        .unwrap()
+        .rows();
+    assert_eq!(rows.rows.len(), 1, "{rows:?}");
+    let (
+        Some(agent_graph::model::Term::NamedNode(entry)),
+        Some(agent_graph::model::Term::Literal(readable)),
+    ) = (rows.first("e"), rows.first("o"))
+    else {
+        panic!("no entry in {rows:?}");
+    };
+    let (entry, readable) = (entry.as_str().to_owned(), readable.value().to_owned());
+    rewrite_outcome(&aggregator, &entry, "frames+future-form+base64:AAAA").await;
+
+    broker.restart().unwrap();
+    let mut client = client(&broker).await;
+    let http_addr = format!("127.0.0.1:{}", agent_bus::embedded::free_port().unwrap());
+    let _replacement = Orchestrator::journaled(
+        Place::Child,
+        &broker,
+        &llm,
+        &aggregator,
+        TOKEN,
+        &[("AGENT_HTTP_ADDR", &http_addr)],
+    );
+    // Handed back, again and again (a nack a second), while nobody can read the entry; nothing
+    // is published and the first step's LLM call is not made again.
+    let metrics = format!("http://{http_addr}");
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        // Scraped once it listens (a child starting).
+        let listening = reqwest::get(format!("{metrics}/metrics")).await.is_ok();
+        let all = if listening {
+            scrape(&metrics).await
+        } else {
+            Default::default()
+        };
+        if all
+            .get("agent_steps_released_total")
+            .copied()
+            .unwrap_or(0.0)
+            >= 2.0
+        {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "never released: {all:#?}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let meanwhile = drain_for(&mut client, "upgrade", Duration::from_secs(1)).await;
+    assert_eq!(closings(&meanwhile), 0, "{meanwhile:#?}");
+    assert_eq!(calls_of(&llm, question, 4), 1, "the first step ran again");
+    let stored = store
+        .query(UNPUBLISHED_ENTRY.to_owned())
+        .await
+        .unwrap()
+        .rows();
+    assert_eq!(stored.rows.len(), 1, "taken as published: {stored:?}");
+
+    // A replica that can read it: the step is settled from the entry, and the dialog ends once.
+    rewrite_outcome(&aggregator, &entry, &readable).await;
+    let mut responses = collect_dialog(&mut client, "upgrade", DIALOG_TIMEOUT)
+        .await
+        .unwrap();
+    responses.extend(meanwhile);
+    responses.extend(drain_for(&mut client, "upgrade", Duration::from_secs(2)).await);
+    assert_eq!(closings(&responses), 1, "{responses:#?}");
+    assert_eq!(outcome(&responses), "alpha and beta, combined.");
+    assert_eq!(calls_of(&llm, question, 4), 1, "the first step ran again");
+}
+
 /// A step with history journals only its new step (the next request's earlier history is the
 /// input's, which a redelivery carries again), and a crash after recording it re-emits the next
 /// request whole: the step after it sees both earlier observations.

@@ -83,10 +83,17 @@ pub enum StepError {
     /// A fault that would recur on every try: the dialog ends with it.
     #[error("{0:#}")]
     Fault(anyhow::Error),
+    /// The step's journal entry is in a form this build cannot read (another build recorded it):
+    /// the message goes back to the broker for a replica that can.
+    #[error("{0:#}")]
+    NotForThisBuild(anyhow::Error),
 }
 
 impl From<anyhow::Error> for StepError {
     fn from(e: anyhow::Error) -> StepError {
+        if e.is::<crate::journal::UnreadableEntry>() {
+            return StepError::NotForThisBuild(e);
+        }
         let passes = if let Some(graph) = e.downcast_ref::<agent_graph::GraphError>() {
             graph.retryable()
         } else if let Some(librarian) = e.downcast_ref::<agent_bus::LibrarianError>() {
@@ -127,6 +134,8 @@ pub(crate) enum Next {
     Queue(String),
     /// End its dialog with this error; then ack, or nack if even that cannot be published.
     GiveUp(String),
+    /// Nack it, for another replica: the step is not this build's to settle.
+    Release(String),
 }
 
 /// The one place a step's result becomes a decision. `window` is the outage window, for the
@@ -149,6 +158,7 @@ pub(crate) fn next_after(
             window.as_secs()
         )),
         Err(StepError::Fault(e)) => Next::GiveUp(format!("the step failed: {e:#}")),
+        Err(StepError::NotForThisBuild(e)) => Next::Release(format!("{e:#}")),
     }
 }
 
@@ -195,6 +205,10 @@ impl Engine {
                 }
                 Next::Park(park) => park,
                 Next::GiveUp(why) => return self.give_up(delivery, &why, answer).await,
+                Next::Release(why) => {
+                    events::StepReleased { why: &why }.emit();
+                    return Disposition::Nack(why);
+                }
             };
             let since = *outage.get_or_insert_with(std::time::Instant::now);
             let wait = park
@@ -366,5 +380,23 @@ mod tests {
             next_after(Ok(Settled::Done), true, window),
             Next::Ack
         ));
+    }
+
+    #[test]
+    fn a_step_whose_entry_this_build_cannot_read_goes_back_to_the_broker() {
+        let unreadable = || {
+            StepError::from(anyhow::Error::from(crate::journal::UnreadableEntry {
+                entry: "urn:s/journal/i2-x".to_owned(),
+                reason: "unknown form".to_owned(),
+            }))
+        };
+        assert!(matches!(unreadable(), StepError::NotForThisBuild(_)));
+        // Whether or not the outage window is open: it is no outage, and no fault of the dialog.
+        for may_park in [true, false] {
+            assert!(matches!(
+                next_after(Err(unreadable()), may_park, Duration::from_secs(60)),
+                Next::Release(why) if why.contains("urn:s/journal/i2-x") && why.contains("cannot read")
+            ));
+        }
     }
 }

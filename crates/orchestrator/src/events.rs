@@ -8,7 +8,7 @@ use agent_metrics::global;
 
 use crate::metrics::{
     APPROVAL_ANSWERS, DIALOGS_FINISHED, DIALOGS_STARTED, GIVEN_UP, ITERATIONS, ITERATION_LATENCY,
-    PARKED, TOOL_CALLS, TOOL_LATENCY,
+    PARKED, RELEASED, TOOL_CALLS, TOOL_LATENCY,
 };
 
 /// An outage set a step aside; it runs again after `retry_in`.
@@ -40,6 +40,18 @@ impl StepGivenUp<'_> {
     pub fn emit(&self) {
         global().inc(GIVEN_UP, &[]);
         tracing::error!(why = %self.why, "giving up on a step; its dialog ends with an error");
+    }
+}
+
+/// A step handed back to the broker: its journal entry is another build's (`why` says which).
+pub struct StepReleased<'a> {
+    pub why: &'a str,
+}
+
+impl StepReleased<'_> {
+    pub fn emit(&self) {
+        global().inc(RELEASED, &[]);
+        tracing::warn!(why = %self.why, "this step's journal entry is another build's; nacked for a replica that can read it");
     }
 }
 

@@ -321,6 +321,17 @@ pub async fn recorded_closing_and_attempt(
     Ok(None)
 }
 
+/// A step's journal entry whose outcome this build cannot read: recorded by a newer build (a
+/// rolling upgrade that changed the entries' form) or by something else. Its step is left to
+/// another delivery (the message is nacked), so a replica that can read it settles it: taken as
+/// published it would be dropped, and run again it could make a second outcome.
+#[derive(Debug, thiserror::Error)]
+#[error("the journal entry {entry} is in a form this build cannot read ({reason}); leaving its step to a replica that can")]
+pub struct UnreadableEntry {
+    pub entry: String,
+    pub reason: String,
+}
+
 /// The journal every orchestrator replica shares: its owner (the aggregator in front of the graph
 /// store) decides which record of a step stands, in one call per record.
 #[derive(Clone)]
@@ -338,9 +349,13 @@ impl Journal {
         self.book.check().await
     }
 
-    /// The entry of a step, if one was recorded.
-    pub async fn entry(&self, node: &NamedNode) -> Result<Option<Entry>, GraphError> {
-        Ok(self.book.entry(node).await?.map(|e| Self::read(node, e)))
+    /// The entry of a step, if one was recorded; [`UnreadableEntry`] for one in a form this
+    /// build cannot read.
+    pub async fn entry(&self, node: &NamedNode) -> anyhow::Result<Option<Entry>> {
+        match self.book.entry(node).await? {
+            Some(stored) => Ok(Some(Self::read(node, stored)?)),
+            None => Ok(None),
+        }
     }
 
     fn recorded_at(stored: &JournalEntry) -> Option<chrono::DateTime<chrono::Utc>> {
@@ -351,27 +366,19 @@ impl Journal {
             .map(|t| t.with_timezone(&chrono::Utc))
     }
 
-    fn read(node: &NamedNode, stored: JournalEntry) -> Entry {
+    fn read(node: &NamedNode, stored: JournalEntry) -> Result<Entry, UnreadableEntry> {
         let recorded_at = Self::recorded_at(&stored);
-        // An entry this code cannot read was written by something else: treat it as published
-        // rather than re-emit what it cannot know.
-        let Ok(effects) = decode_outcome(&stored.outcome) else {
-            tracing::error!(node = %node.as_str(), "unreadable journal entry; dropping the message");
-            return Entry {
-                effects: Vec::new(),
-                delivery: String::new(),
-                attempt: String::new(),
-                recorded_at: None,
-                published: true,
-            };
-        };
-        Entry {
+        let effects = decode_outcome(&stored.outcome).map_err(|reason| UnreadableEntry {
+            entry: node.as_str().to_owned(),
+            reason,
+        })?;
+        Ok(Entry {
             effects,
             delivery: stored.delivery,
             attempt: stored.attempt,
             recorded_at,
             published: stored.published,
-        }
+        })
     }
 
     /// Records `effects` as the step's outcome unless another is recorded; returns the entry that
@@ -382,7 +389,7 @@ impl Journal {
         effects: &[Effect],
         delivery: &str,
         attempt: &str,
-    ) -> Result<Entry, GraphError> {
+    ) -> anyhow::Result<Entry> {
         let outcome = encode_outcome(effects)
             .map_err(|e| GraphError::Syntax(format!("cannot encode the outcome: {e}")))?;
         let standing = self
@@ -404,7 +411,7 @@ impl Journal {
                 published: standing.published,
             });
         }
-        Ok(Self::read(node, standing))
+        Ok(Self::read(node, standing)?)
     }
 
     /// Marks the step's outcome as published.
@@ -564,5 +571,43 @@ mod tests {
         assert_eq!(second.effects, [effect("{\"a\": 1}")]);
         journal.mark_published(&node).await.unwrap();
         assert!(journal.entry(&node).await.unwrap().unwrap().published);
+    }
+
+    #[tokio::test]
+    async fn an_entry_in_a_form_this_build_cannot_read_is_neither_published_nor_replaced() {
+        let book = agent_graph::GraphStore::in_memory().unwrap().journal();
+        let journal = Journal::new(book.clone());
+        let node = entry_node("urn:trustgraph:agent:s", "i2-x").unwrap();
+        // What a later build might write: a form this one does not know.
+        book.record(RecordRequest {
+            entry: node.as_str().to_owned(),
+            outcome: "frames+future+base64:AAAA".to_owned(),
+            delivery: "m1".to_owned(),
+            attempt: "a1".to_owned(),
+        })
+        .await
+        .unwrap();
+        let unreadable = |e: anyhow::Error| {
+            e.downcast_ref::<UnreadableEntry>()
+                .is_some_and(|u| u.entry == node.as_str())
+        };
+        // Before the step runs, and when its record finds the entry in its way.
+        assert!(unreadable(journal.entry(&node).await.unwrap_err()));
+        let effect = Effect {
+            channel: Channel::Requests,
+            payload: "{}".to_owned(),
+            properties: Default::default(),
+            history_from_input: None,
+        };
+        assert!(unreadable(
+            journal
+                .record(&node, &[effect], "m2", "a2")
+                .await
+                .unwrap_err()
+        ));
+        // The entry that stands is still the other build's.
+        let stored = book.entry(&node).await.unwrap().unwrap();
+        assert_eq!(stored.attempt, "a1");
+        assert!(!stored.published);
     }
 }

@@ -14,6 +14,7 @@ pub const TOOL_LATENCY: &str = "agent_tool_call_duration_seconds";
 pub const MESSAGES: &str = "agent_request_messages_total";
 pub const PARKED: &str = "agent_steps_parked_total";
 pub const GIVEN_UP: &str = "agent_steps_given_up_total";
+pub const RELEASED: &str = "agent_steps_released_total";
 pub const APPROVAL_ANSWERS: &str = "agent_approval_answers_total";
 
 /// Declares every family this process reports, so `/metrics` lists them from the start.
@@ -55,6 +56,11 @@ pub fn describe() {
         GIVEN_UP,
         Kind::Counter,
         "Steps that could not run (an outage past its window, or a fault), whose dialog ended with an error.",
+    );
+    registry.describe(
+        RELEASED,
+        Kind::Counter,
+        "Steps handed back to the broker for another replica: their journal entry is in a form this build cannot read (recorded by another build, as in a rolling upgrade).",
     );
     registry.describe(
         APPROVAL_ANSWERS,

@@ -529,10 +529,11 @@ impl Engine {
             delivery,
             session: uris.session(),
         };
-        // Giving up reads the journal only if it can.
+        // Giving up reads the journal only if it can reach it; an entry it cannot read is
+        // another build's outcome, which giving up must not add to.
         let recorded = match slot.journal.entry(&slot.node).await {
             Ok(entry) => entry,
-            Err(_) if giving_up => None,
+            Err(e) if giving_up && !e.is::<journal::UnreadableEntry>() => None,
             Err(e) => return Err(e.into()),
         };
         if let Some(entry) = recorded {
