@@ -57,6 +57,7 @@ async fn the_aggregator_owns_the_journal_of(kind: Kind) {
                     outcome: format!("outcome {i}"),
                     delivery: format!("delivery {i}"),
                     attempt: format!("attempt {i}"),
+                    next: Vec::new(),
                 })
                 .await
                 .unwrap()

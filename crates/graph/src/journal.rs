@@ -36,6 +36,10 @@ pub struct RecordRequest {
     pub outcome: String,
     pub delivery: String,
     pub attempt: String,
+    /// The entries of the steps the outcome's requests will be taken up as (its next iteration,
+    /// its subagents), when the recorder knows them: see [`ExpectedSteps`].
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub next: Vec<String>,
 }
 
 /// Names one entry (lookups and the published mark).
@@ -66,6 +70,70 @@ const STRIPES: usize = 64;
 /// Shared by every owner in the process, so two handles on one store cannot both win.
 static STRIPE_LOCKS: [tokio::sync::Mutex<()>; STRIPES] =
     [const { tokio::sync::Mutex::const_new(()) }; STRIPES];
+
+/// How many expected steps are remembered: far more than the steps in flight, so one is
+/// forgotten before it is taken up (and its lookup then reads the store) only if its dialog stalled.
+const EXPECTED_STEPS: usize = 65_536;
+
+/// The most next steps one record may name (a fan-out's subagents); more are not remembered.
+const MAX_NEXT: usize = 256;
+
+/// Steps known to have no entry without reading the store: the next steps of outcomes this
+/// process wrote, not recorded since. Such a step's message can exist only once the outcome that
+/// carries it was recorded (an outcome is published only after its record), and every record
+/// goes through the owner, which forgets a step as it records it; so until then nothing can have
+/// been recorded for it, and a lookup is answered without a read (one store read, or one query
+/// to a SPARQL server, less a step). The answer only spares a lookup: a record still reads what
+/// stands, under the key's lock, so a wrong "nothing yet" could only cost a step's work, never a
+/// second outcome. Kept for the whole process, as the locks are, so two handles on one store
+/// share it; bounded, oldest forgotten first.
+struct ExpectedSteps {
+    entries: std::collections::HashSet<Arc<str>>,
+    oldest_first: std::collections::VecDeque<Arc<str>>,
+}
+
+static EXPECTED: std::sync::LazyLock<std::sync::Mutex<ExpectedSteps>> =
+    std::sync::LazyLock::new(|| {
+        std::sync::Mutex::new(ExpectedSteps {
+            entries: Default::default(),
+            oldest_first: Default::default(),
+        })
+    });
+
+fn expected() -> std::sync::MutexGuard<'static, ExpectedSteps> {
+    // Every holder leaves the set whole: a poisoned lock still guards a sound set.
+    EXPECTED
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+impl ExpectedSteps {
+    fn expect<'e>(entries: impl Iterator<Item = &'e str>) {
+        let mut known = expected();
+        for entry in entries.take(MAX_NEXT).filter(|e| node(e).is_ok()) {
+            let entry: Arc<str> = Arc::from(entry);
+            if known.entries.insert(entry.clone()) {
+                known.oldest_first.push_back(entry);
+            }
+        }
+        while known.oldest_first.len() > EXPECTED_STEPS {
+            if let Some(oldest) = known.oldest_first.pop_front() {
+                known.entries.remove(&oldest);
+            }
+        }
+    }
+
+    fn forget<'e>(entries: impl Iterator<Item = &'e str>) {
+        let mut known = expected();
+        for entry in entries {
+            known.entries.remove(entry);
+        }
+    }
+
+    fn is_expected(entry: &NamedNode) -> bool {
+        expected().entries.contains(entry.as_str())
+    }
+}
 
 fn stripe_of(entry: &NamedNode) -> usize {
     use std::hash::{Hash, Hasher};
@@ -100,6 +168,7 @@ impl Journal {
     /// The entry of a step, if one was recorded.
     pub async fn entry(&self, entry: &NamedNode) -> Result<Option<JournalEntry>, GraphError> {
         match self {
+            Journal::Owner(_) if ExpectedSteps::is_expected(entry) => Ok(None),
             Journal::Owner(store) => read_entry(store, entry).await,
             Journal::Remote(remote) => remote.journal_entry(entry.as_str()).await,
         }
@@ -111,8 +180,32 @@ impl Journal {
         entries: &[NamedNode],
     ) -> Result<Vec<Option<JournalEntry>>, GraphError> {
         match self {
-            // One read of the store for all.
-            Journal::Owner(store) => stored_entries(store, entries).await,
+            // One read of the store for all the steps not expected.
+            Journal::Owner(store) => {
+                let expected: Vec<bool> = entries.iter().map(ExpectedSteps::is_expected).collect();
+                let unknown: Vec<NamedNode> = entries
+                    .iter()
+                    .zip(&expected)
+                    .filter(|(_, expected)| !**expected)
+                    .map(|(entry, _)| entry.clone())
+                    .collect();
+                let mut stored = if unknown.is_empty() {
+                    Vec::new()
+                } else {
+                    stored_entries(store, &unknown).await?
+                }
+                .into_iter();
+                Ok(expected
+                    .iter()
+                    .map(|expected| {
+                        if *expected {
+                            None
+                        } else {
+                            stored.next().flatten()
+                        }
+                    })
+                    .collect())
+            }
             // Made together, the calls share the remote's batches.
             Journal::Remote(_) => {
                 futures::future::try_join_all(entries.iter().map(|entry| self.entry(entry))).await
@@ -239,10 +332,13 @@ async fn decide(
         _only_writer_of_these_keys.push(STRIPE_LOCKS[index].lock().await);
     }
     let now = canonical_instant(chrono::Utc::now());
+    // Recorded from now on: no longer answered "nothing yet" without a read.
+    ExpectedSteps::forget(nodes.iter().map(NamedNode::as_str));
     // What stands is read once for the whole batch, under the locks.
     let stored = stored_entries(store, &nodes).await?;
     let mut decided: std::collections::HashMap<String, JournalEntry> = Default::default();
     let mut writes = Vec::new();
+    let mut next_of_written = Vec::new();
     let mut standing = Vec::with_capacity(requests.len());
     for ((request, entry), stored) in requests.into_iter().zip(&nodes).zip(stored) {
         if let Some(first) = decided.get(entry.as_str()) {
@@ -253,6 +349,7 @@ async fn decide(
             Some(stored) => stored,
             None => {
                 writes.extend(entry_quads(entry, &request, &now));
+                next_of_written.extend(request.next);
                 JournalEntry {
                     outcome: request.outcome,
                     delivery: request.delivery,
@@ -267,6 +364,8 @@ async fn decide(
     }
     if !writes.is_empty() {
         store.insert_at_once(writes).await?;
+        // Only outcomes written here: their requests cannot have been taken up before now.
+        ExpectedSteps::expect(next_of_written.iter().map(String::as_str));
     }
     Ok(standing)
 }
@@ -345,6 +444,7 @@ mod tests {
             outcome: outcome.into(),
             delivery: "m".into(),
             attempt: attempt.into(),
+            next: Vec::new(),
         }
     }
 
@@ -432,5 +532,65 @@ mod tests {
         let stored = journal.entries(&nodes).await.unwrap();
         assert!(stored.iter().all(|e| e.as_ref().unwrap().published));
         assert_eq!(stored[1].as_ref().unwrap().outcome, "o2");
+    }
+
+    #[tokio::test]
+    async fn the_next_steps_of_a_written_outcome_are_looked_up_without_a_read_but_recorded_with_one(
+    ) {
+        let store = GraphStore::in_memory().unwrap();
+        let journal = Journal::Owner(store.clone());
+        let step = |name: &str| format!("urn:trustgraph:agent:expected/journal/{name}");
+        let (next, other) = (node(&step("i2-a")).unwrap(), node(&step("i2-b")).unwrap());
+        // A record whose outcome did not stand names no step: only written outcomes do.
+        journal.record(request("first", "a0")).await.unwrap();
+        let lost = RecordRequest {
+            next: vec![other.as_str().to_owned()],
+            ..request("second", "a1")
+        };
+        journal.record(lost).await.unwrap();
+        let written = RecordRequest {
+            entry: step("i1-x"),
+            next: vec![next.as_str().to_owned(), "not an IRI".to_owned()],
+            ..request("with a next step", "a2")
+        };
+        journal.record(written).await.unwrap();
+        // Put beside the owner, as nothing can do for a real next step: the lookup answers from
+        // what the owner knows, without reading, and only for the step it expects.
+        let beside = |entry: &NamedNode| {
+            entry_quads(
+                entry,
+                &RecordRequest {
+                    entry: entry.as_str().to_owned(),
+                    ..request("beside the owner", "b")
+                },
+                "2026-11-27T00:00:00Z",
+            )
+        };
+        store.insert_at_once(beside(&next)).await.unwrap();
+        store.insert_at_once(beside(&other)).await.unwrap();
+        assert_eq!(journal.entry(&next).await.unwrap(), None);
+        assert_eq!(
+            journal
+                .entries(&[other.clone(), next.clone()])
+                .await
+                .unwrap()[1],
+            None
+        );
+        assert_eq!(
+            journal.entry(&other).await.unwrap().unwrap().attempt,
+            "b",
+            "a step nobody expects is read"
+        );
+        // A record still reads what stands: the entry beside the owner is answered, not replaced.
+        let standing = journal
+            .record(RecordRequest {
+                entry: next.as_str().to_owned(),
+                ..request("the step's own", "a3")
+            })
+            .await
+            .unwrap();
+        assert_eq!(standing.attempt, "b");
+        // Recorded, it is no longer expected: lookups read it.
+        assert_eq!(journal.entry(&next).await.unwrap().unwrap().attempt, "b");
     }
 }

@@ -19,6 +19,7 @@ fn record(entry: &str, attempt: &str) -> RecordRequest {
         outcome: format!("outcome of {attempt}"),
         delivery: "1:2:3".to_owned(),
         attempt: attempt.to_owned(),
+        next: Vec::new(),
     }
 }
 

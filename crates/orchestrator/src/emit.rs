@@ -126,6 +126,9 @@ pub struct DialogOutput<'a> {
     pending: Mutex<Vec<Receipt>>,
     /// Durable effects waiting for the commit.
     effects: Mutex<Vec<Effect>>,
+    /// The journal entries the held requests will be taken up as (told to the journal's owner
+    /// with the record, which then answers their lookups without a read).
+    next_steps: Mutex<Vec<String>>,
     /// How the dialog ended in this step (`answer` or `error`), if it did: for the metrics.
     ended: Mutex<Option<&'static str>>,
     /// Set when the step met an outage it is to wait out: nothing it held is committed.
@@ -224,6 +227,7 @@ impl<'a> DialogOutput<'a> {
             conversation: String::new(),
             pending: Mutex::new(Vec::new()),
             effects: Mutex::new(Vec::new()),
+            next_steps: Mutex::new(Vec::new()),
             ended: Mutex::new(None),
             parked: Mutex::new(None),
             answer_streamed: std::sync::atomic::AtomicBool::new(false),
@@ -499,9 +503,10 @@ impl<'a> DialogOutput<'a> {
                 .iter()
                 .map(|e| e.compacted(&self.input_history))
                 .collect();
+            let next = std::mem::take(&mut *locked(&self.next_steps));
             let standing = slot
                 .journal
-                .record(&slot.node, &journaled, &slot.delivery, &attempt)
+                .record(&slot.node, &journaled, &slot.delivery, &attempt, next)
                 .await?;
             if standing.attempt != attempt {
                 // A live copy of this message (a redelivery overlapping a slow first delivery, or
@@ -777,6 +782,7 @@ impl<'a> DialogOutput<'a> {
         self.within_limit(&payload, &properties)?;
         self.spawned
             .store(true, std::sync::atomic::Ordering::SeqCst);
+        self.expect_step(request, &properties, &payload);
         self.hold(Channel::Requests, payload, &properties);
         Ok(())
     }
@@ -847,8 +853,16 @@ impl<'a> DialogOutput<'a> {
                 &input,
             ));
         }
+        self.expect_step(request, &properties, &payload);
         self.hold(Channel::Requests, payload, &properties);
         Ok(())
+    }
+
+    /// Notes the journal entry a held request will be taken up as.
+    fn expect_step(&self, request: &AgentRequest, properties: &Properties, encoded: &[u8]) {
+        if let Some(entry) = crate::step::entry_of_request(request, properties, encoded) {
+            locked(&self.next_steps).push(entry);
+        }
     }
 }
 

@@ -119,12 +119,17 @@ impl Entry {
 /// message, so a redelivery or a copy of it shares the key while a different request that happens
 /// to name the same session (a reused `id`) does not.
 pub fn key(request: &AgentRequest, routing: bool) -> String {
+    key_of_encoded(request, routing, &agent_schema::encode(request))
+}
+
+/// [`key`], given the request's encoding (`agent_schema::encode`), as its sender has it.
+pub fn key_of_encoded(request: &AgentRequest, routing: bool, encoded: &[u8]) -> String {
     let step = if routing {
         "route".to_owned()
     } else {
         format!("i{}", steps_taken(&request.history) + 1)
     };
-    let digest = uuid::Uuid::new_v5(&uuid::Uuid::NAMESPACE_OID, &agent_schema::encode(request));
+    let digest = uuid::Uuid::new_v5(&uuid::Uuid::NAMESPACE_OID, encoded);
     format!("{step}-{}", digest.simple())
 }
 
@@ -389,6 +394,7 @@ impl Journal {
         effects: &[Effect],
         delivery: &str,
         attempt: &str,
+        next: Vec<String>,
     ) -> anyhow::Result<Entry> {
         let outcome = encode_outcome(effects)
             .map_err(|e| GraphError::Syntax(format!("cannot encode the outcome: {e}")))?;
@@ -399,6 +405,7 @@ impl Journal {
                 outcome,
                 delivery: delivery.to_owned(),
                 attempt: attempt.to_owned(),
+                next,
             })
             .await?;
         if standing.attempt == attempt {
@@ -439,6 +446,33 @@ mod tests {
         };
         assert_ne!(key(&first, false), key(&other, false));
         assert!(entry_node("urn:trustgraph:agent:s", &key(&first, false)).is_ok());
+    }
+
+    #[test]
+    fn the_entry_a_sender_names_for_its_request_is_the_one_its_consumer_looks_up() {
+        let request = AgentRequest {
+            question: "q".into(),
+            session_id: "s-1".into(),
+            pattern: "react".into(),
+            history: vec![agent_schema::AgentStep {
+                thought: "t".into(),
+                observation: "o \"quoted\" é".into(),
+                ..Default::default()
+            }],
+            ..Default::default()
+        };
+        let properties: agent_bus::Properties = [("id".to_owned(), "c".to_owned())].into();
+        let encoded = agent_schema::encode(&request);
+        let named = crate::step::entry_of_request(&request, &properties, &encoded).unwrap();
+        // The consumer decodes the message and names the entry from what it decoded.
+        let decoded: AgentRequest = serde_json::from_slice(&encoded).unwrap();
+        let looked_up = entry_node(
+            &agent_core::provenance::SessionUris::new("s-1").session(),
+            &key(&decoded, false),
+        )
+        .unwrap();
+        assert_eq!(named, looked_up.as_str());
+        assert!(named.contains("/journal/i2-"), "{named}");
     }
 
     #[test]
@@ -559,12 +593,12 @@ mod tests {
             history_from_input: None,
         };
         let first = journal
-            .record(&node, &[effect("{\"a\": 1}")], "m1", "a1")
+            .record(&node, &[effect("{\"a\": 1}")], "m1", "a1", Vec::new())
             .await
             .unwrap();
         assert_eq!((first.attempt.as_str(), first.published), ("a1", false));
         let second = journal
-            .record(&node, &[effect("{\"b\": 2}")], "m2", "a2")
+            .record(&node, &[effect("{\"b\": 2}")], "m2", "a2", Vec::new())
             .await
             .unwrap();
         assert_eq!(second.attempt, "a1", "the first writer wins");
@@ -584,6 +618,7 @@ mod tests {
             outcome: "frames+future+base64:AAAA".to_owned(),
             delivery: "m1".to_owned(),
             attempt: "a1".to_owned(),
+            next: Vec::new(),
         })
         .await
         .unwrap();
@@ -601,7 +636,7 @@ mod tests {
         };
         assert!(unreadable(
             journal
-                .record(&node, &[effect], "m2", "a2")
+                .record(&node, &[effect], "m2", "a2", Vec::new())
                 .await
                 .unwrap_err()
         ));

@@ -642,6 +642,21 @@ pub fn session_id_for(request: &AgentRequest, id: Option<&str>) -> String {
     }
 }
 
+/// The journal entry a request will be taken up as, as [`Engine::journal_slot`] names it from
+/// the message (its sender has its encoding at hand): `None` where that names no node.
+pub(crate) fn entry_of_request(
+    request: &AgentRequest,
+    properties: &agent_bus::Properties,
+    encoded: &[u8],
+) -> Option<String> {
+    let session_id = session_id_for(request, properties.get(ID_PROPERTY).map(String::as_str));
+    let routing = is_new_dialog(request, properties) && request.pattern.is_empty();
+    let key = journal::key_of_encoded(request, routing, encoded);
+    journal::entry_node(&SessionUris::new(&session_id).session(), &key)
+        .ok()
+        .map(|node| node.as_str().to_owned())
+}
+
 /// The step's span, in the trace its message came with (the client's, or the previous step's).
 pub(crate) fn iteration_span(
     request: &AgentRequest,
