@@ -102,19 +102,25 @@ const UNPUBLISHED_ENTRY: &str = "SELECT ?e ?o WHERE { GRAPH <urn:graph:agent-jou
     FILTER NOT EXISTS { ?e <https://trustgraph.ai/ns/published> ?p } } }";
 
 /// Sets the outcome text of the journal entry `entry` to `outcome`, through the aggregator's
-/// authenticated update endpoint.
+/// authenticated update endpoint. A plain HTTP call, not a `GraphStore`: this process's updates
+/// to an endpoint take turns (`SERIAL_REMOTE_UPDATES`), and an aggregator in this process, with
+/// its graph in a SPARQL server, would wait for this one's turn to end to forward it.
 async fn rewrite_outcome(aggregator: &Aggregator, entry: &str, outcome: &str) {
-    let store =
-        agent_graph::GraphStore::open(&aggregator.endpoint, Some(TOKEN.to_owned())).unwrap();
     let outcome = agent_graph::model::Literal::new_simple_literal(outcome);
-    store
-        .update(format!(
-            "DELETE {{ GRAPH <urn:graph:agent-journal> {{ <{entry}> <https://trustgraph.ai/ns/outcome> ?o }} }} \
-             INSERT {{ GRAPH <urn:graph:agent-journal> {{ <{entry}> <https://trustgraph.ai/ns/outcome> {outcome} }} }} \
-             WHERE {{ GRAPH <urn:graph:agent-journal> {{ <{entry}> <https://trustgraph.ai/ns/outcome> ?o }} }}"
+    let journal = "GRAPH <urn:graph:agent-journal>";
+    let said = format!("<{entry}> <https://trustgraph.ai/ns/outcome>");
+    let answer = reqwest::Client::new()
+        .post(format!("{}/update", aggregator.endpoint))
+        .bearer_auth(TOKEN)
+        .header("content-type", "application/sparql-update")
+        .body(format!(
+            "DELETE {{ {journal} {{ {said} ?o }} }} INSERT {{ {journal} {{ {said} {outcome} }} }} \
+             WHERE {{ {journal} {{ {said} ?o }} }}"
         ))
+        .send()
         .await
         .unwrap();
+    assert!(answer.status().is_success(), "{answer:?}");
 }
 
 /// A rolling upgrade: a newer build recorded a step's outcome in a form this build cannot read,

@@ -79,7 +79,7 @@ const EXPECTED_STEPS: usize = 65_536;
 const MAX_NEXT: usize = 256;
 
 /// Steps known to have no entry without reading the store: the next steps of outcomes this
-/// process wrote, not recorded since. Such a step's message can exist only once the outcome that
+/// process wrote, neither looked up nor recorded since. Such a step's message can exist only once the outcome that
 /// carries it was recorded (an outcome is published only after its record), and every record
 /// goes through the owner, which forgets a step as it records it; so until then nothing can have
 /// been recorded for it, and a lookup is answered without a read (one store read, or one query
@@ -130,8 +130,12 @@ impl ExpectedSteps {
         }
     }
 
-    fn is_expected(entry: &NamedNode) -> bool {
-        expected().entries.contains(entry.as_str())
+    /// Whether `entry` is expected and not looked up yet: only the first lookup is answered
+    /// without a read. A second one is a copy or a redelivery of the step, which may overlap a
+    /// delivery that is running it; it reads what stands, as before (on a slow store, answering
+    /// it at once would let copies reach the LLM that a read would have stopped).
+    fn first_lookup(entry: &NamedNode) -> bool {
+        expected().entries.remove(entry.as_str())
     }
 }
 
@@ -168,7 +172,7 @@ impl Journal {
     /// The entry of a step, if one was recorded.
     pub async fn entry(&self, entry: &NamedNode) -> Result<Option<JournalEntry>, GraphError> {
         match self {
-            Journal::Owner(_) if ExpectedSteps::is_expected(entry) => Ok(None),
+            Journal::Owner(_) if ExpectedSteps::first_lookup(entry) => Ok(None),
             Journal::Owner(store) => read_entry(store, entry).await,
             Journal::Remote(remote) => remote.journal_entry(entry.as_str()).await,
         }
@@ -182,7 +186,7 @@ impl Journal {
         match self {
             // One read of the store for all the steps not expected.
             Journal::Owner(store) => {
-                let expected: Vec<bool> = entries.iter().map(ExpectedSteps::is_expected).collect();
+                let expected: Vec<bool> = entries.iter().map(ExpectedSteps::first_lookup).collect();
                 let unknown: Vec<NamedNode> = entries
                     .iter()
                     .zip(&expected)
@@ -535,12 +539,12 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn the_next_steps_of_a_written_outcome_are_looked_up_without_a_read_but_recorded_with_one(
-    ) {
+    async fn the_first_lookup_of_a_step_the_owner_expects_needs_no_read_but_its_record_reads() {
         let store = GraphStore::in_memory().unwrap();
         let journal = Journal::Owner(store.clone());
         let step = |name: &str| format!("urn:trustgraph:agent:expected/journal/{name}");
-        let (next, other) = (node(&step("i2-a")).unwrap(), node(&step("i2-b")).unwrap());
+        let [next, batched, other] =
+            ["i2-a", "i2-c", "i2-b"].map(|name| node(&step(name)).unwrap());
         // A record whose outcome did not stand names no step: only written outcomes do.
         journal.record(request("first", "a0")).await.unwrap();
         let lost = RecordRequest {
@@ -550,12 +554,16 @@ mod tests {
         journal.record(lost).await.unwrap();
         let written = RecordRequest {
             entry: step("i1-x"),
-            next: vec![next.as_str().to_owned(), "not an IRI".to_owned()],
-            ..request("with a next step", "a2")
+            next: vec![
+                next.as_str().to_owned(),
+                batched.as_str().to_owned(),
+                "not an IRI".to_owned(),
+            ],
+            ..request("with next steps", "a2")
         };
         journal.record(written).await.unwrap();
-        // Put beside the owner, as nothing can do for a real next step: the lookup answers from
-        // what the owner knows, without reading, and only for the step it expects.
+        // Put beside the owner, as nothing can do for a real next step: the first lookup answers
+        // from what the owner knows, without reading, and only for the steps it expects.
         let beside = |entry: &NamedNode| {
             entry_quads(
                 entry,
@@ -566,31 +574,32 @@ mod tests {
                 "2026-11-27T00:00:00Z",
             )
         };
-        store.insert_at_once(beside(&next)).await.unwrap();
-        store.insert_at_once(beside(&other)).await.unwrap();
+        for entry in [&next, &batched, &other] {
+            store.insert_at_once(beside(entry)).await.unwrap();
+        }
         assert_eq!(journal.entry(&next).await.unwrap(), None);
-        assert_eq!(
-            journal
-                .entries(&[other.clone(), next.clone()])
-                .await
-                .unwrap()[1],
-            None
-        );
-        assert_eq!(
-            journal.entry(&other).await.unwrap().unwrap().attempt,
-            "b",
-            "a step nobody expects is read"
-        );
-        // A record still reads what stands: the entry beside the owner is answered, not replaced.
-        let standing = journal
-            .record(RecordRequest {
-                entry: next.as_str().to_owned(),
-                ..request("the step's own", "a3")
-            })
+        let looked_up = journal
+            .entries(&[other.clone(), batched.clone()])
             .await
             .unwrap();
-        assert_eq!(standing.attempt, "b");
-        // Recorded, it is no longer expected: lookups read it.
+        assert_eq!(
+            looked_up[0].as_ref().unwrap().attempt,
+            "b",
+            "not expected: read"
+        );
+        assert_eq!(looked_up[1], None);
+        // A second lookup (a copy, a redelivery) reads.
         assert_eq!(journal.entry(&next).await.unwrap().unwrap().attempt, "b");
+        // A record always reads what stands: the entry beside the owner is answered, not replaced.
+        for entry in [&next, &batched] {
+            let standing = journal
+                .record(RecordRequest {
+                    entry: entry.as_str().to_owned(),
+                    ..request("the step's own", "a3")
+                })
+                .await
+                .unwrap();
+            assert_eq!(standing.attempt, "b");
+        }
     }
 }
