@@ -79,11 +79,11 @@ const EXPECTED_STEPS: usize = 65_536;
 const MAX_NEXT: usize = 256;
 
 /// Steps known to have no entry without reading the store: the next steps of outcomes this
-/// process wrote, neither looked up nor recorded since. Such a step's message can exist only once the outcome that
-/// carries it was recorded (an outcome is published only after its record), and every record
-/// goes through the owner, which forgets a step as it records it; so until then nothing can have
-/// been recorded for it, and a lookup is answered without a read (one store read, or one query
-/// to a SPARQL server, less a step). The answer only spares a lookup: a record still reads what
+/// process wrote, neither looked up nor recorded since. Such a step's message can exist only once
+/// the outcome that carries it was recorded (an outcome is published only after its record), and
+/// every record goes through the owner, which forgets a step as it records it; so until then
+/// nothing can have been recorded for it, and a lookup is answered without a read (one store
+/// read, or one query to a SPARQL server, less a step). The answer only spares a lookup: a record still reads what
 /// stands, under the key's lock, so a wrong "nothing yet" could only cost a step's work, never a
 /// second outcome. Kept for the whole process, as the locks are, so two handles on one store
 /// share it; bounded, oldest forgotten first.
@@ -172,8 +172,11 @@ impl Journal {
     /// The entry of a step, if one was recorded.
     pub async fn entry(&self, entry: &NamedNode) -> Result<Option<JournalEntry>, GraphError> {
         match self {
-            Journal::Owner(_) if ExpectedSteps::first_lookup(entry) => Ok(None),
-            Journal::Owner(store) => read_entry(store, entry).await,
+            Journal::Owner(_) => Ok(self
+                .entries(std::slice::from_ref(entry))
+                .await?
+                .pop()
+                .flatten()),
             Journal::Remote(remote) => remote.journal_entry(entry.as_str()).await,
         }
     }
@@ -193,16 +196,12 @@ impl Journal {
                     .filter(|(_, expected)| !**expected)
                     .map(|(entry, _)| entry.clone())
                     .collect();
-                let mut stored = if unknown.is_empty() {
-                    Vec::new()
-                } else {
-                    stored_entries(store, &unknown).await?
-                }
-                .into_iter();
+                // `stored_entries` reads nothing for no entries.
+                let mut stored = stored_entries(store, &unknown).await?.into_iter();
                 Ok(expected
                     .iter()
-                    .map(|expected| {
-                        if *expected {
+                    .map(|&expected| {
+                        if expected {
                             None
                         } else {
                             stored.next().flatten()
