@@ -210,25 +210,24 @@ pub fn decode_outcome(outcome: &str) -> Result<Vec<Effect>, String> {
 }
 
 fn decompress(encoded: &str) -> Result<Vec<u8>, String> {
-    use base64::Engine;
-    let compressed = base64::engine::general_purpose::STANDARD
-        .decode(encoded)
-        .map_err(|e| e.to_string())?;
     // A stream decoder, so no size has to be guessed (zstd's frame may not state its own).
-    zstd::stream::decode_all(compressed.as_slice()).map_err(|e| e.to_string())
+    zstd::stream::decode_all(from_base64(encoded)?.as_slice()).map_err(|e| e.to_string())
 }
 
 fn inflate(encoded: &str) -> Result<Vec<u8>, String> {
-    use base64::Engine;
     use std::io::Read;
-    let deflated = base64::engine::general_purpose::STANDARD
-        .decode(encoded)
-        .map_err(|e| e.to_string())?;
     let mut bytes = Vec::new();
-    flate2::read::DeflateDecoder::new(deflated.as_slice())
+    flate2::read::DeflateDecoder::new(from_base64(encoded)?.as_slice())
         .read_to_end(&mut bytes)
         .map_err(|e| e.to_string())?;
     Ok(bytes)
+}
+
+fn from_base64(encoded: &str) -> Result<Vec<u8>, String> {
+    use base64::Engine;
+    base64::engine::general_purpose::STANDARD
+        .decode(encoded)
+        .map_err(|e| e.to_string())
 }
 
 fn read_frames(mut bytes: &[u8]) -> Result<Vec<Effect>, String> {
