@@ -996,6 +996,18 @@ pub fn outcome(responses: &[AgentResponse]) -> String {
     }
 }
 
+/// Waits, at most `within`, until the scripted LLM has been asked something containing `text`.
+pub async fn wait_for_call(llm: &ScriptedLlm, text: &str, within: Duration) {
+    let deadline = tokio::time::Instant::now() + within;
+    while !llm.calls().iter().any(|c| c.last_user.contains(text)) {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "no call asked about {text} within {within:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
 /// Reads responses of dialog `id` for `quiet` and returns them (to check nothing more arrives).
 pub async fn drain_for(client: &mut AgentClient, id: &str, quiet: Duration) -> Vec<AgentResponse> {
     let mut out = Vec::new();

@@ -106,18 +106,7 @@ async fn dialog_survives_a_sigkilled_orchestrator() {
         .unwrap();
 
     // Wait until the second turn is stuck in the LLM call, then kill the process.
-    let deadline = tokio::time::Instant::now() + DIALOG_TIMEOUT;
-    while !llm
-        .calls()
-        .iter()
-        .any(|c| c.last_user.contains("Observation: alpha-result"))
-    {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "the second turn never started"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    wait_for_call(&llm, "Observation: alpha-result", DIALOG_TIMEOUT).await;
     tokio::time::sleep(Duration::from_millis(200)).await;
     first.kill();
     let _second = Orchestrator::spawn(&broker, &llm, &seed_dir(), &[]);
@@ -234,18 +223,7 @@ async fn a_client_keeps_listening_across_a_broker_restart() {
         .spawn()
         .unwrap();
     // The question is on its way to the model (which takes 6 s) when the broker goes.
-    let asked = tokio::time::Instant::now() + Duration::from_secs(20);
-    while !llm
-        .calls()
-        .iter()
-        .any(|c| c.last_user.contains("slow ping"))
-    {
-        assert!(
-            tokio::time::Instant::now() < asked,
-            "the slow question never reached the model"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    wait_for_call(&llm, "slow ping", Duration::from_secs(20)).await;
     broker.restart().unwrap();
     let output = invoke.wait_with_output().await.unwrap();
     let (stdout, stderr) = (

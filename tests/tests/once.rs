@@ -31,6 +31,26 @@ fn calls_of(llm: &scripted_llm::ScriptedLlm, question: &str, rule: usize) -> usi
         .count()
 }
 
+/// An orchestrator that dies at `fault` (`AGENT_FAULT`, `stage:commit`), and the dialog `id`
+/// about `question` sent to it.
+async fn doomed_by(
+    fault: &str,
+    broker: &Broker,
+    llm: &scripted_llm::ScriptedLlm,
+    aggregator: &Aggregator,
+    id: &str,
+    question: &str,
+) -> Orchestrator {
+    let doomed =
+        Orchestrator::spawn_journaled(broker, llm, aggregator, TOKEN, &[("AGENT_FAULT", fault)]);
+    client(broker)
+        .await
+        .send(id, &react(question))
+        .await
+        .unwrap();
+    doomed
+}
+
 /// The orchestrator dies at each point of committing the first iteration. The broker is then
 /// restarted too: pulsar-lite can leave the messages a killed consumer held with a ghost of its
 /// connection (see `Broker::reset_connections`), and a restart hands them out again, which is the
@@ -43,18 +63,7 @@ async fn a_crash_at_any_point_of_publishing_a_step_gives_one_outcome() {
     for stage in ["after-record", "after-publish", "before-ack"] {
         let question = format!("combine ({stage})");
         let fault = format!("{stage}:1");
-        let mut doomed = Orchestrator::spawn_journaled(
-            &broker,
-            &llm,
-            &aggregator,
-            TOKEN,
-            &[("AGENT_FAULT", &fault)],
-        );
-        client(&broker)
-            .await
-            .send(stage, &react(&question))
-            .await
-            .unwrap();
+        let mut doomed = doomed_by(&fault, &broker, &llm, &aggregator, stage, &question).await;
         assert!(
             doomed.exited_within(Duration::from_secs(30)).await,
             "the orchestrator did not crash {stage} (connections pulsar-lite reset and may hold \
@@ -134,18 +143,15 @@ async fn a_step_another_build_recorded_is_left_to_a_replica_that_can_read_it() {
     let aggregator = Aggregator::spawn_with(&broker, &["--config-token", TOKEN]);
     let llm = scripted_llm(THREE_STEPS).await;
     let question = "combine (another build)";
-    let mut doomed = Orchestrator::spawn_journaled(
+    let mut doomed = doomed_by(
+        "after-record:1",
         &broker,
         &llm,
         &aggregator,
-        TOKEN,
-        &[("AGENT_FAULT", "after-record:1")],
-    );
-    client(&broker)
-        .await
-        .send("upgrade", &react(question))
-        .await
-        .unwrap();
+        "upgrade",
+        question,
+    )
+    .await;
     assert!(
         doomed.exited_within(Duration::from_secs(30)).await,
         "the orchestrator did not crash after recording"
@@ -235,18 +241,15 @@ async fn a_journaled_step_is_the_size_of_its_step_and_re_emits_whole() {
     let aggregator = Aggregator::spawn_with(&broker, &["--config-token", TOKEN]);
     let llm = scripted_llm(THREE_STEPS).await;
     // Commit 1 routes, 2 is the first iteration, 3 the second: its input has one step.
-    let mut doomed = Orchestrator::spawn_journaled(
+    let mut doomed = doomed_by(
+        "after-record:3",
         &broker,
         &llm,
         &aggregator,
-        TOKEN,
-        &[("AGENT_FAULT", "after-record:3")],
-    );
-    client(&broker)
-        .await
-        .send("compact", &react("combine (compact)"))
-        .await
-        .unwrap();
+        "compact",
+        "combine (compact)",
+    )
+    .await;
     assert!(doomed.exited_within(Duration::from_secs(30)).await);
     broker.restart().unwrap();
     let mut client = client(&broker).await;

@@ -9,18 +9,6 @@ use agent_e2e::*;
 
 const DIALOG_TIMEOUT: Duration = Duration::from_secs(60);
 
-/// Waits until the scripted LLM has been asked something containing `text`.
-async fn wait_for_call(llm: &scripted_llm::ScriptedLlm, text: &str) {
-    let deadline = tokio::time::Instant::now() + DIALOG_TIMEOUT;
-    while !llm.calls().iter().any(|c| c.last_user.contains(text)) {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "no call asked about {text}"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-}
-
 fn calls_about(llm: &scripted_llm::ScriptedLlm, text: &str) -> usize {
     llm.calls()
         .iter()
@@ -46,7 +34,7 @@ async fn sigterm_finishes_in_flight_iterations_and_takes_no_new_ones() {
         .send("slow", &request("slow one", true))
         .await
         .unwrap();
-    wait_for_call(&llm, "Question: slow").await;
+    wait_for_call(&llm, "Question: slow", DIALOG_TIMEOUT).await;
     first.terminate();
     // Give the signal a moment to land (the turn takes 2.5 s, so the drain is still going).
     tokio::time::sleep(Duration::from_millis(300)).await;
@@ -98,7 +86,7 @@ async fn sigterm_past_the_drain_deadline_leaves_the_message_for_another_replica(
         .send("stuck", &request("stuck one", false))
         .await
         .unwrap();
-    wait_for_call(&llm, "Question: stuck").await;
+    wait_for_call(&llm, "Question: stuck", DIALOG_TIMEOUT).await;
     first.terminate();
     assert!(
         first.exited_within(Duration::from_secs(8)).await,
