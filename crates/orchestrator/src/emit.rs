@@ -129,6 +129,8 @@ pub struct DialogOutput<'a> {
     /// The journal entries the held requests will be taken up as (told to the journal's owner
     /// with the record, which then answers their lookups without a read).
     next_steps: Mutex<Vec<String>>,
+    /// Whether the step is journaled: only then are `next_steps` told to anyone.
+    journaled: bool,
     /// How the dialog ended in this step (`answer` or `error`), if it did: for the metrics.
     ended: Mutex<Option<&'static str>>,
     /// Set when the step met an outage it is to wait out: nothing it held is committed.
@@ -228,6 +230,7 @@ impl<'a> DialogOutput<'a> {
             pending: Mutex::new(Vec::new()),
             effects: Mutex::new(Vec::new()),
             next_steps: Mutex::new(Vec::new()),
+            journaled: false,
             ended: Mutex::new(None),
             parked: Mutex::new(None),
             answer_streamed: std::sync::atomic::AtomicBool::new(false),
@@ -334,6 +337,12 @@ impl<'a> DialogOutput<'a> {
     fn set_input_history(&mut self, history: &[agent_schema::AgentStep]) {
         self.input_history = history.to_vec();
         self.input_step = agent_core::documents::steps_taken(history) + 1;
+    }
+
+    /// Marks the step as journaled, so its next steps are named to the journal's owner.
+    pub fn journaled(mut self, journaled: bool) -> Self {
+        self.journaled = journaled;
+        self
     }
 
     /// The model this dialog asks for (see [`agent_schema::MODEL_PROPERTY`]), carried to its next
@@ -860,6 +869,9 @@ impl<'a> DialogOutput<'a> {
 
     /// Notes the journal entry a held request will be taken up as.
     fn expect_step(&self, request: &AgentRequest, properties: &Properties, encoded: &[u8]) {
+        if !self.journaled {
+            return;
+        }
         if let Some(entry) = crate::step::entry_of_request(request, properties, encoded) {
             locked(&self.next_steps).push(entry);
         }

@@ -369,7 +369,8 @@ impl Engine {
             config.limits.max_message_bytes,
         )
         .with_model(model.as_deref())
-        .keeping_documents_in(self.documents.as_ref());
+        .keeping_documents_in(self.documents.as_ref())
+        .journaled(self.journal.is_some());
         let lookup = self
             .journal_slot(
                 &out,
