@@ -115,9 +115,7 @@ const UNPUBLISHED_ENTRY: &str = "SELECT ?e ?o WHERE { GRAPH <urn:graph:agent-jou
     FILTER NOT EXISTS { ?e <https://trustgraph.ai/ns/published> ?p } } }";
 
 /// Sets the outcome text of the journal entry `entry` to `outcome`, through the aggregator's
-/// authenticated update endpoint. A plain HTTP call, not a `GraphStore`: this process's updates
-/// to an endpoint take turns (`SERIAL_REMOTE_UPDATES`), and an aggregator in this process, with
-/// its graph in a SPARQL server, would wait for this one's turn to end to forward it.
+/// authenticated update endpoint, in a plain HTTP call.
 async fn rewrite_outcome(aggregator: &Aggregator, entry: &str, outcome: &str) {
     let outcome = agent_graph::model::Literal::new_simple_literal(outcome);
     let journal = "GRAPH <urn:graph:agent-journal>";

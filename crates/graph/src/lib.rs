@@ -111,8 +111,23 @@ impl QueryAnswer {
 
 /// Serialises SPARQL updates on embedded stores (see [`GraphStore::update`]).
 static SERIAL_UPDATES: std::sync::Mutex<()> = std::sync::Mutex::new(());
-/// Serialises this process's SPARQL updates to endpoints.
-static SERIAL_REMOTE_UPDATES: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+/// Serialises this process's SPARQL updates to one endpoint: a turn for each endpoint, not one for
+/// the process. With one for the process, a process that was a client of an aggregator's endpoint
+/// and that aggregator too, its graph in a SPARQL server, waited on itself: the client's update
+/// held the turn the aggregator needed to forward it, until the client timed out.
+static SERIAL_REMOTE_UPDATES: std::sync::LazyLock<
+    std::sync::Mutex<std::collections::HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
+> = std::sync::LazyLock::new(Default::default);
+
+/// This process's turn for updates to the endpoint at `base`.
+fn remote_update_turn(base: &str) -> Arc<tokio::sync::Mutex<()>> {
+    SERIAL_REMOTE_UPDATES
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .entry(base.to_owned())
+        .or_default()
+        .clone()
+}
 
 /// Where the graph lives.
 #[derive(Clone)]
@@ -352,7 +367,8 @@ impl GraphStore {
             Writable::Remote(remote) => {
                 // The same for an endpoint: a SPARQL server need not isolate updates, and this
                 // process's conditional updates (a fan-in's claim) must not interleave.
-                let _one_at_a_time = SERIAL_REMOTE_UPDATES.lock().await;
+                let turn = remote_update_turn(remote.base());
+                let _one_at_a_time = turn.lock().await;
                 remote.update(&sparql).await
             }
         }

@@ -174,6 +174,11 @@ impl RemoteSparql {
         })
     }
 
+    /// The endpoint's base address, without a trailing slash.
+    pub fn base(&self) -> &str {
+        &self.api.base
+    }
+
     async fn send(request: reqwest::RequestBuilder) -> Result<Body, GraphError> {
         let response = request
             .send()
