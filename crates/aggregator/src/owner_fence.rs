@@ -260,18 +260,10 @@ async fn watch_owners(
                 }
                 Err(e) => {
                     tracing::warn!(error = %e, "lost the journal owners' announcements; listening again");
-                    let again = async {
-                        loop {
-                            tokio::time::sleep(Duration::from_secs(1)).await;
-                            match Listener::subscribe(&bus, &topic, "journal-owner").await {
-                                Ok(again) => return again,
-                                Err(e) => tracing::warn!(error = %e, "cannot listen to the journal owners' announcements yet"),
-                            }
-                        }
-                    };
+                    let again = heard.subscribe_again_until_taken(&bus, "the journal owners' announcements");
                     tokio::select! {
                         _ = stop.cancelled() => break None,
-                        again = again => heard = again,
+                        () = again => {}
                     }
                     continue;
                 }

@@ -95,6 +95,18 @@ impl Listener {
         Ok(())
     }
 
+    /// [`Listener::subscribe_again`] once a second until the broker takes it (a broker restarting
+    /// refuses for a while); `what` names what is heard, in the warnings.
+    pub async fn subscribe_again_until_taken(&mut self, bus: &Bus, what: &str) {
+        loop {
+            tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+            match self.subscribe_again(bus).await {
+                Ok(()) => return,
+                Err(e) => tracing::warn!(error = %e, "cannot listen to {what} yet"),
+            }
+        }
+    }
+
     /// The next message's payload, already acked.
     pub async fn next_payload(&mut self) -> Result<Vec<u8>, BusError> {
         Ok(self.next().await?.payload.data)

@@ -233,13 +233,9 @@ async fn deliver_answers(bus: Bus, mut responses: Listener, waiting: Waiting) {
             Ok(message) => message,
             Err(e) => {
                 tracing::warn!(error = %e, "lost the librarian's answers; listening again");
-                loop {
-                    tokio::time::sleep(Duration::from_secs(1)).await;
-                    match responses.subscribe_again(&bus).await {
-                        Ok(()) => break,
-                        Err(e) => tracing::warn!(error = %e, "cannot listen to the librarian yet"),
-                    }
-                }
+                responses
+                    .subscribe_again_until_taken(&bus, "the librarian")
+                    .await;
                 continue;
             }
         };
