@@ -571,6 +571,9 @@ async fn concurrent(
         let permits = permits.clone();
         let journal = store.cloned();
         tokio::spawn(async move {
+            // However the reader stops, the sending stops too: a reader that stopped early gives
+            // no permits back, and the sender would wait for one instead of reporting the stall.
+            let _stop_sending = ClosedOnDrop(permits.clone());
             let mut latencies = Vec::with_capacity(n);
             let mut recovered = 0;
             let mut heard: HashMap<String, usize> = HashMap::new();
@@ -659,7 +662,11 @@ async fn concurrent(
     // receipts are waited for beside the sending, each checked before the run's figure counts.
     let mut receipts = tokio::task::JoinSet::new();
     for i in 0..n {
-        permits.acquire().await?.forget();
+        let Ok(permit) = permits.acquire().await else {
+            // The reader stopped and closed the permits: its report follows.
+            break;
+        };
+        permit.forget();
         let id = format!("bench-c-{i}-{:08x}", rand::random::<u32>());
         let request = AgentRequest {
             session_id: uuid::Uuid::new_v4().to_string(),
@@ -708,6 +715,15 @@ async fn concurrent(
             }
             anyhow::bail!(report)
         }
+    }
+}
+
+/// Closes a semaphore when dropped.
+struct ClosedOnDrop(Arc<Semaphore>);
+
+impl Drop for ClosedOnDrop {
+    fn drop(&mut self) {
+        self.0.close();
     }
 }
 
