@@ -115,16 +115,16 @@ impl Entry {
     }
 }
 
-/// The key of the step a message asks for: the step (`route`, or `i{n}`) and a digest of the
-/// message, so a redelivery or a copy of it shares the key while a different request that happens
-/// to name the same session (a reused `id`) does not.
-pub fn key(request: &AgentRequest, routing: bool) -> String {
-    key_of_encoded(request, routing, &agent_schema::encode(request))
+/// The key of the step a message asks for: the step (`route` for a new dialog that names no
+/// pattern, or `i{n}`) and a digest of the message, so a redelivery or a copy of it shares the
+/// key while a different request that happens to name the same session (a reused `id`) does not.
+pub fn key(request: &AgentRequest, new_dialog: bool) -> String {
+    key_of_encoded(request, new_dialog, &agent_schema::encode(request))
 }
 
 /// [`key`], given the request's encoding (`agent_schema::encode`), as its sender has it.
-pub fn key_of_encoded(request: &AgentRequest, routing: bool, encoded: &[u8]) -> String {
-    let step = if routing {
+pub fn key_of_encoded(request: &AgentRequest, new_dialog: bool, encoded: &[u8]) -> String {
+    let step = if new_dialog && request.pattern.is_empty() {
         "route".to_owned()
     } else {
         format!("i{}", steps_taken(&request.history) + 1)

@@ -512,7 +512,7 @@ impl Engine {
         let Some(journal) = &self.journal else {
             return Ok(Lookup::Fresh(None));
         };
-        let mut key = journal::key(request, new_dialog && request.pattern.is_empty());
+        let mut key = journal::key(request, new_dialog);
         // A parked step's resumption has a slot of its own, which the first answer takes.
         if answering {
             key.push_str("-answer");
@@ -651,8 +651,7 @@ pub(crate) fn entry_of_request(
     encoded: &[u8],
 ) -> Option<String> {
     let session_id = session_id_for(request, properties.get(ID_PROPERTY).map(String::as_str));
-    let routing = is_new_dialog(request, properties) && request.pattern.is_empty();
-    let key = journal::key_of_encoded(request, routing, encoded);
+    let key = journal::key_of_encoded(request, is_new_dialog(request, properties), encoded);
     journal::entry_node(&SessionUris::new(&session_id).session(), &key)
         .ok()
         .map(|node| node.as_str().to_owned())
