@@ -525,3 +525,137 @@ fn a_batch_with_repeats_and_removals_reads_back_as_written() {
     drop(reopened);
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// Our patch of oxigraph writes a quad of a named graph under its graph-first indexes only (gspo,
+/// gpos, gosp) and reads a pattern whose graph is not given once per named graph. Every such
+/// pattern must find what oxigraph's own in-memory store finds (which keeps all its indexes): on
+/// disk, after removals, after reopening, and inside a SPARQL update reading its own writes.
+#[test]
+fn patterns_without_a_graph_find_every_named_graphs_quads() {
+    use oxigraph::model::{
+        BlankNode, GraphName, Literal, NamedNode, NamedOrBlankNodeRef, Quad, QuadRef, Term,
+    };
+    use oxigraph::sparql::{QueryResults, SparqlEvaluator};
+    use oxigraph::store::Store;
+    use std::collections::BTreeSet;
+
+    let dir = std::env::temp_dir().join(format!("agent-graph-unbound-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let node = |name: &str| NamedNode::new(format!("urn:test:unbound/{name}")).unwrap();
+    let graphs = [
+        GraphName::DefaultGraph,
+        GraphName::NamedNode(node("graph-a")),
+        GraphName::NamedNode(node("graph-b")),
+        GraphName::BlankNode(BlankNode::new("graphc").unwrap()),
+        GraphName::NamedNode(node("graph-d")),
+    ];
+    let mut quads = Vec::new();
+    for i in 0..400 {
+        let object: Term = match i % 4 {
+            0 => node(&format!("subject-{}", i % 13)).into(),
+            1 => Literal::new_simple_literal(format!("short {}", i % 3)).into(),
+            _ => Literal::new_simple_literal(format!("a literal longer than sixteen bytes {i}"))
+                .into(),
+        };
+        quads.push(Quad::new(
+            node(&format!("subject-{}", i % 13)),
+            node(&format!("predicate-{}", i % 6)),
+            object,
+            graphs[i % graphs.len()].clone(),
+        ));
+    }
+
+    let on_disk = Store::open(&dir).unwrap();
+    let in_memory = Store::new().unwrap();
+    for store in [&on_disk, &in_memory] {
+        store.extend(quads.clone()).unwrap();
+        // A named graph with no quads: a scan of every graph passes it by.
+        store
+            .insert_named_graph(NamedOrBlankNodeRef::from(node("graph-empty").as_ref()))
+            .unwrap();
+        for quad in quads.iter().step_by(7) {
+            store.remove(quad).unwrap();
+        }
+    }
+
+    let same_answers = |store: &Store, reference: &Store| {
+        let set = |store: &Store, s, p, o| -> BTreeSet<String> {
+            store
+                .quads_for_pattern(s, p, o, None)
+                .map(|q| q.unwrap().to_string())
+                .collect()
+        };
+        let mut checked = 0;
+        for quad in &quads {
+            let (s, p, o) = (
+                quad.subject.as_ref(),
+                quad.predicate.as_ref(),
+                quad.object.as_ref(),
+            );
+            for (s, p, o) in [
+                (Some(s), None, None),
+                (Some(s), Some(p), None),
+                (Some(s), Some(p), Some(o)),
+                (Some(s), None, Some(o)),
+                (None, Some(p), None),
+                (None, Some(p), Some(o)),
+                (None, None, Some(o)),
+            ] {
+                let found = set(store, s, p, o);
+                assert_eq!(found, set(reference, s, p, o), "pattern {s:?} {p:?} {o:?}");
+                checked += usize::from(!found.is_empty());
+            }
+        }
+        assert!(checked > 1000, "the patterns found quads ({checked})");
+        assert_eq!(
+            set(store, None, None, None),
+            set(reference, None, None, None)
+        );
+        let count = |store: &Store, query: &str| -> String {
+            let QueryResults::Solutions(mut rows) = SparqlEvaluator::new()
+                .parse_query(query)
+                .unwrap()
+                .on_store(store)
+                .execute()
+                .unwrap()
+            else {
+                panic!("not a SELECT");
+            };
+            rows.next().unwrap().unwrap().get("n").unwrap().to_string()
+        };
+        for query in [
+            "SELECT (COUNT(*) AS ?n) WHERE { GRAPH ?g { ?s ?p ?o } }",
+            "SELECT (COUNT(*) AS ?n) WHERE { GRAPH ?g { <urn:test:unbound/subject-3> ?p ?o } }",
+            "SELECT (COUNT(*) AS ?n) WHERE { GRAPH ?g { ?s <urn:test:unbound/predicate-2> ?o } }",
+            "SELECT (COUNT(*) AS ?n) WHERE { GRAPH ?g { ?s ?p \"short 1\" } }",
+            "SELECT (COUNT(DISTINCT ?g) AS ?n) WHERE { GRAPH ?g { ?s ?p ?o } }",
+        ] {
+            assert_eq!(count(store, query), count(reference, query), "{query}");
+        }
+    };
+    same_answers(&on_disk, &in_memory);
+
+    // An update whose WHERE reads every graph, inside its own transaction.
+    let update = "INSERT { GRAPH <urn:test:unbound/copies> { ?s <urn:test:unbound/copied> ?o } } \
+                  WHERE { GRAPH ?g { ?s <urn:test:unbound/predicate-1> ?o } }";
+    for store in [&on_disk, &in_memory] {
+        SparqlEvaluator::new()
+            .parse_update(update)
+            .unwrap()
+            .on_store(store)
+            .execute()
+            .unwrap();
+    }
+    same_answers(&on_disk, &in_memory);
+    assert!(on_disk
+        .quads_for_pattern(None, Some(node("copied").as_ref()), None, None)
+        .next()
+        .is_some());
+    drop(on_disk);
+
+    let reopened = Store::open(&dir).unwrap();
+    same_answers(&reopened, &in_memory);
+    assert!(reopened.contains(QuadRef::from(&quads[1])).unwrap());
+    drop(reopened);
+    let _ = std::fs::remove_dir_all(&dir);
+}
