@@ -488,6 +488,9 @@ async fn an_answer_streamed_again_after_a_crash_is_the_answer_once() {
     broker.restart().unwrap();
     let mut client = agent_e2e::client(&broker).await;
     let _replacement = Orchestrator::spawn_journaled(&broker, &llm, &aggregator, TOKEN, &[]);
+    // A deadline of its own from here: restarting Apache Pulsar's standalone (a JVM) under the
+    // suite's load can take much of the first one.
+    let deadline = tokio::time::Instant::now() + DIALOG_TIMEOUT;
     let closing = loop {
         let received = tokio::time::timeout_at(deadline, client.receive())
             .await
