@@ -213,6 +213,14 @@ impl Cluster {
             .push((killed, seconds_of_day(std::time::SystemTime::now())));
     }
 
+    /// Seconds from the broker SIGKILL nearest to `at` (negative: before it), if there was one.
+    fn seconds_since_nearest_broker_kill(&self, at: f64) -> Option<f64> {
+        self.broker_kills
+            .iter()
+            .map(|(kill, _)| at - kill)
+            .min_by(|a, b| a.abs().total_cmp(&b.abs()))
+    }
+
     /// Waits until `target` dialogs have ended; false if they stopped ending.
     ///
     /// pulsar-lite keeps the un-acked messages of a consumer whose connection was reset (a process
@@ -646,11 +654,7 @@ async fn chaos_soak() {
         let Some((at, true)) = journaled_closing(&store, &s).await else {
             continue;
         };
-        let near = cluster
-            .broker_kills
-            .iter()
-            .map(|(kill, _)| at - kill)
-            .min_by(|a, b| a.abs().total_cmp(&b.abs()));
+        let near = cluster.seconds_since_nearest_broker_kill(at);
         eprintln!(
             "soak: {id}'s closing was journaled as published at {at:.3} s of the day ({}); it never reached the reader",
             near.map_or("no broker restart".to_owned(), |d| format!(
@@ -753,13 +757,7 @@ async fn chaos_soak() {
     );
     for (id, w) in &wrong {
         let closing = journaled_closing(&store, &session_uri(id)).await;
-        let near = closing.and_then(|(at, _)| {
-            cluster
-                .broker_kills
-                .iter()
-                .map(|(kill, _)| at - kill)
-                .min_by(|a, b| a.abs().total_cmp(&b.abs()))
-        });
+        let near = closing.and_then(|(at, _)| cluster.seconds_since_nearest_broker_kill(at));
         eprintln!(
             "soak: wrong {w} (closing journaled at {}; {})",
             closing.map_or("-".to_owned(), |(at, _)| format!("{at:.3} s of the day")),
