@@ -113,7 +113,7 @@ impl Listener {
     }
 
     /// The next message, already acked (a listener never wants one again).
-    pub(crate) async fn next(&mut self) -> Result<Message<Vec<u8>>, BusError> {
+    pub async fn next(&mut self) -> Result<Message<Vec<u8>>, BusError> {
         let message = match self.buffered.recv().await {
             Some(Ok(m)) => m,
             Some(Err(message)) => {

@@ -32,7 +32,11 @@ pub use topics::Topics;
 
 use std::collections::BTreeMap;
 
-use pulsar::{Authentication, Pulsar, TokioExecutor};
+use std::time::Duration;
+
+use pulsar::{
+    Authentication, ConnectionRetryOptions, OperationRetryOptions, Pulsar, TokioExecutor,
+};
 
 /// Message properties.
 pub type Properties = BTreeMap<String, String>;
@@ -47,6 +51,29 @@ pub struct Bus {
 /// Apache Pulsar's default `maxMessageSize` (5 MiB); a broker with another limit is told with
 /// `PULSAR_MAX_MESSAGE_BYTES`.
 pub const DEFAULT_MAX_MESSAGE_BYTES: usize = 5 * 1024 * 1024;
+
+/// The longest wait between two tries to reach a broker that is away. The crate doubles its wait
+/// up to 30 s, so a process came back as long after the broker as the broker had been away: after
+/// Apache Pulsar's standalone restarted in 5-10 s, services reconnected 10 s after the SIGKILL and
+/// the soak's response reader not within 24 s.
+const RECONNECT_AT_MOST_EVERY: Duration = Duration::from_secs(1);
+
+/// Tries to reach a broker before the operation fails: about 40 s, as the crate's default allows
+/// (10 ms doubling to 30 s, 12 tries). A consumer that gives up then subscribes again (see
+/// `consumer.rs`).
+const RECONNECT_TRIES: u32 = 47;
+
+/// The wait before asking again a broker that answered "not ready" (a topic loading after its
+/// restart), or did not answer in time: the crate's 5 s outlasts the loading itself.
+const NOT_READY_RETRY: Duration = Duration::from_millis(500);
+
+fn reconnecting() -> ConnectionRetryOptions {
+    ConnectionRetryOptions {
+        max_backoff: RECONNECT_AT_MOST_EVERY,
+        max_retries: RECONNECT_TRIES,
+        ..ConnectionRetryOptions::default()
+    }
+}
 
 /// How errors name the broker's message size limit.
 pub const BROKER_MESSAGE_LIMIT: &str = "the broker's maxMessageSize, PULSAR_MAX_MESSAGE_BYTES";
@@ -64,7 +91,12 @@ impl Bus {
         token: Option<&str>,
         ca_file: Option<&std::path::Path>,
     ) -> Result<Bus, BusError> {
-        let mut builder = Pulsar::builder(url, TokioExecutor);
+        let mut builder = Pulsar::builder(url, TokioExecutor)
+            .with_connection_retry_options(reconnecting())
+            .with_operation_retry_options(OperationRetryOptions {
+                retry_delay: NOT_READY_RETRY,
+                ..OperationRetryOptions::default()
+            });
         if let Some(ca_file) = ca_file {
             builder = builder.with_certificate_chain_file(ca_file).map_err(|e| {
                 BusError::Connect(format!("reading the CA file {}: {e}", ca_file.display()))
