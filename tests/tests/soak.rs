@@ -512,6 +512,7 @@ async fn chaos_soak() {
     }
     // A stuck run ends here and reports what did not end, as lost: its sender, waiting for room
     // among the dialogs in flight, would wait for ever.
+    let stalls_before_the_final_wait = cluster.stalls;
     if stuck {
         sender.abort();
     } else {
@@ -780,7 +781,7 @@ async fn chaos_soak() {
         started.elapsed().as_secs_f64()
     );
     println!(
-        "soak: kills {} ({}), broker restarts for pulsar-lite ghost consumers {}, stalls of {STALL:?} without a dialog ending {}",
+        "soak: kills {} ({}), broker restarts for pulsar-lite ghost consumers {}, stalls of {STALL:?} without a dialog ending {} (and {} in the final wait, for what did not come)",
         killed.values().sum::<usize>(),
         killed
             .iter()
@@ -788,7 +789,8 @@ async fn chaos_soak() {
             .collect::<Vec<_>>()
             .join(", "),
         cluster.ghost_restarts,
-        cluster.stalls
+        stalls_before_the_final_wait,
+        cluster.stalls - stalls_before_the_final_wait
     );
     println!("soak: the broker {}", recoveries.join("; "));
     println!(
