@@ -194,8 +194,8 @@ struct Cluster {
     ghost_restarts: usize,
     /// Waits of [`STALL`] without a dialog ending, not answered by a ghost restart.
     stalls: usize,
-    /// When the broker was SIGKILLed, in seconds of the UTC day.
-    /// When the broker was SIGKILLed and when it was serving again (seconds of the day).
+    /// When the broker was SIGKILLed and when it was serving again (seconds of the UTC day; a run
+    /// across midnight would misreport the distances printed from them).
     broker_kills: Vec<(f64, f64)>,
 }
 
@@ -203,7 +203,8 @@ struct Cluster {
 /// ghost consumers answered with a broker restart.
 const STALL: Duration = Duration::from_secs(20);
 
-/// How long without a dialog ending fails the run as stuck. Longer than a stall: Apache Pulsar's
+/// How long without a dialog ending (counted again from a restart for pulsar-lite's ghosts) fails
+/// the run as stuck. Longer than a stall: Apache Pulsar's
 /// standalone, restarted on a busy 2-core machine, serves again after 5-10 s, and the
 /// processes then reconnect and redeliver.
 const STUCK: Duration = Duration::from_secs(60);
@@ -225,7 +226,8 @@ impl Cluster {
             .min_by(|a, b| a.abs().total_cmp(&b.abs()))
     }
 
-    /// Waits until `target` dialogs have ended; false if none ended for `give_up`.
+    /// Waits until `target` dialogs have ended; false if none ended for `give_up` (counted again
+    /// from a ghost restart).
     ///
     /// pulsar-lite keeps the un-acked messages of a consumer whose connection was reset (a process
     /// SIGKILLed with data in flight) until it restarts; Apache Pulsar has no such ghost. A stall

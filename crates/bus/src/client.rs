@@ -31,6 +31,7 @@ pub struct Listener {
     buffered: tokio::sync::mpsc::UnboundedReceiver<Result<Message<Vec<u8>>, String>>,
     bytes: std::sync::Arc<std::sync::atomic::AtomicUsize>,
     pump: tokio::task::JoinHandle<()>,
+    subscribed_at: std::time::Instant,
 }
 
 /// The most payload bytes a listener holds that its reader has not taken yet.
@@ -84,6 +85,7 @@ impl Listener {
             buffered,
             bytes,
             pump,
+            subscribed_at: std::time::Instant::now(),
         })
     }
 
@@ -96,12 +98,17 @@ impl Listener {
     }
 
     /// [`Listener::subscribe_again`] until the broker takes it (a broker restarting refuses for a
-    /// while): first after 50 ms, then once a second; `what` names what is heard, in the warnings.
-    /// Not at once, so that a subscription that ends as soon as it is made does not spin; not a
-    /// second at first either: what the broker publishes meanwhile is lost to this listener (the
-    /// soak's reader, waiting a second, missed closings published 0.2-0.7 s after a restart).
+    /// while), once a second; `what` names what is heard, in the warnings. The first try comes
+    /// after 50 ms when this subscription had lasted a while: what the broker publishes meanwhile
+    /// is lost to this listener (the soak's reader, waiting a second, missed closings published
+    /// 0.2-0.7 s after a restart). A subscription that ended within a second of being made waits
+    /// the second, so that one that ends as soon as it is made does not spin.
     pub async fn subscribe_again_until_taken(&mut self, bus: &Bus, what: &str) {
-        let mut pause = std::time::Duration::from_millis(50);
+        let mut pause = if self.subscribed_at.elapsed() > std::time::Duration::from_secs(1) {
+            std::time::Duration::from_millis(50)
+        } else {
+            std::time::Duration::from_secs(1)
+        };
         loop {
             tokio::time::sleep(pause).await;
             match self.subscribe_again(bus).await {
