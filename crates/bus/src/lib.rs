@@ -31,7 +31,6 @@ pub use service::{bearer_matches, stop_on_signal};
 pub use topics::Topics;
 
 use std::collections::BTreeMap;
-
 use std::time::Duration;
 
 use pulsar::{
@@ -52,10 +51,10 @@ pub struct Bus {
 /// `PULSAR_MAX_MESSAGE_BYTES`.
 pub const DEFAULT_MAX_MESSAGE_BYTES: usize = 5 * 1024 * 1024;
 
-/// The longest wait between two tries to reach a broker that is away. The crate doubles its wait
-/// up to 30 s, so a process came back as long after the broker as the broker had been away: after
-/// Apache Pulsar's standalone restarted in 5-10 s, services reconnected 10 s after the SIGKILL and
-/// the soak's response reader not within 24 s.
+/// The longest wait between two tries to reach a broker that is away (the crate adds up to 90 ms
+/// of jitter). The crate doubles its wait up to 30 s, so a process came back about as long after
+/// the broker's return as the broker had been away: in CI, after Apache Pulsar's standalone
+/// restarted under load, the services published again only 10 s after its SIGKILL.
 const RECONNECT_AT_MOST_EVERY: Duration = Duration::from_secs(1);
 
 /// Tries to reach a broker before the operation fails: about 40 s, as the crate's default allows
