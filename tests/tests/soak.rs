@@ -120,22 +120,25 @@ impl Tally {
         self.closings.len()
     }
 
-    /// Dialogs sent that have not ended and are not overdue.
-    fn in_flight(&self) -> usize {
+    /// Dialogs sent that have not ended, and of them how many are overdue.
+    fn open_and_overdue(&self) -> (usize, usize) {
         self.sent
             .iter()
-            .filter(|(id, at)| at.elapsed() < OVERDUE && !self.closings.contains_key(id))
-            .count()
+            .filter(|(id, _)| !self.closings.contains_key(id))
+            .fold((0, 0), |(open, overdue), (_, at)| {
+                (open + 1, overdue + usize::from(at.elapsed() >= OVERDUE))
+            })
+    }
+
+    /// Dialogs sent that have not ended and are not overdue.
+    fn in_flight(&self) -> usize {
+        let (open, overdue) = self.open_and_overdue();
+        open - overdue
     }
 
     /// Dialogs that ended, or are overdue: what the run has done with, for its marks.
     fn settled(&self) -> usize {
-        let overdue = self
-            .sent
-            .iter()
-            .filter(|(id, at)| at.elapsed() >= OVERDUE && !self.closings.contains_key(id))
-            .count();
-        self.ended() + overdue
+        self.ended() + self.open_and_overdue().1
     }
 }
 
@@ -234,9 +237,8 @@ struct Cluster {
 const STALL: Duration = Duration::from_secs(20);
 
 /// How long without a dialog ending (counted again from a restart for pulsar-lite's ghosts) fails
-/// the run as stuck. Longer than a stall: Apache Pulsar's
-/// standalone, restarted on a busy 2-core machine, serves again after 5-10 s, and the
-/// processes then reconnect and redeliver.
+/// the run as stuck. Longer than a stall: Apache Pulsar's standalone, restarted on a busy 2-core
+/// machine, serves again after 5-10 s, and the processes then reconnect and redeliver.
 const STUCK: Duration = Duration::from_secs(60);
 
 impl Cluster {
@@ -548,8 +550,8 @@ async fn chaos_soak() {
             eprintln!("soak: {} killed {what}", clock());
         }
     }
-    // A stuck run ends here and reports what did not end, as lost: its sender, waiting for room
-    // among the dialogs in flight, would wait for ever.
+    // A stuck run ends here and reports what did not end, as lost: its sender would go on
+    // sending into a cluster that ends nothing, a dialog each time one is overdue.
     let stalls_before_the_final_wait = cluster.stalls;
     if stuck {
         sender.abort();
