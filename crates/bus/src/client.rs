@@ -262,6 +262,11 @@ impl StreamedAnswer {
         }
     }
 
+    /// Each attempt's text, in the order the attempts began.
+    pub fn texts(&self) -> impl Iterator<Item = &str> {
+        self.attempts.iter().map(|(_, text)| text.as_str())
+    }
+
     /// The attempt whose chunks came last began, if any came.
     pub fn latest(&self) -> Option<Option<&str>> {
         self.attempts.last().map(|(a, _)| a.as_deref())
@@ -664,6 +669,10 @@ mod tests {
         assert!(answer.interleaved());
         assert_eq!(answer.answer(Some("a1")), "The capital is Paris.");
         assert_eq!(answer.answer(Some("a3")), "");
+        assert_eq!(
+            answer.texts().collect::<Vec<_>>(),
+            ["The capital is Paris.", "The capital is Paris."]
+        );
     }
 
     #[test]
