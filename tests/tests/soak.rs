@@ -380,10 +380,10 @@ fn epoch_seconds(at: std::time::SystemTime) -> f64 {
         .as_secs_f64()
 }
 
-/// The UTC time of day of `epoch_seconds`, as `HH:MM:SS.mmm`, to line events up with the services'
-/// logs.
-fn time_of_day(epoch_seconds: f64) -> String {
-    let millis = (epoch_seconds * 1000.0).round() as u64 % 86_400_000;
+/// The UTC time of day of `at` (see [`epoch_seconds`]), as `HH:MM:SS.mmm`, to line events up with
+/// the services' logs.
+fn time_of_day(at: f64) -> String {
+    let millis = (at * 1000.0).round() as u64 % 86_400_000;
     let secs = millis / 1000;
     format!(
         "{:02}:{:02}:{:02}.{:03}",
@@ -645,11 +645,16 @@ async fn chaos_soak() {
                     if closing.error.is_some() || !answer.contains(expected) {
                         wrong.push((id.clone(), format!("{id}: {answer:?} {closing:?}")));
                         if closing.error.is_none() {
-                            let attempts: Vec<String> = tally
+                            // The closing's own text is judged with the attempts' (a
+                            // streamed answer closes with none).
+                            let mut attempts: Vec<String> = tally
                                 .streamed
                                 .get(&id)
                                 .map(|s| s.texts().map(str::to_owned).collect())
                                 .unwrap_or_default();
+                            if !closing.content.is_empty() {
+                                attempts.push(closing.content.clone());
+                            }
                             wrong_answers.insert(id.clone(), (answer.clone(), attempts));
                         }
                     } else if answer != expected {
@@ -832,7 +837,7 @@ async fn chaos_soak() {
             .find(|(kill, back)| at > kill - 3.0 && at < back + 5.0)
         {
             eprintln!(
-                "soak: {id}'s closing was journaled at {}, {:.3} s from the broker SIGKILL at {} (serving again at {}); of its streamed chunks the reader got {answer:?}",
+                "soak: {id}'s closing was journaled at {}, {:.3} s from the broker SIGKILL at {} (serving again at {}); of its streamed chunks the reader got {answer:?} (by attempt {attempts:?})",
                 time_of_day(at),
                 at - kill,
                 time_of_day(*kill),
