@@ -393,14 +393,9 @@ fn epoch_seconds(at: std::time::SystemTime) -> f64 {
 /// The UTC time of day of `at` (see [`epoch_seconds`]), as `HH:MM:SS.mmm`, to line events up with
 /// the services' logs.
 fn time_of_day(at: f64) -> String {
-    let millis = (at * 1000.0).round() as u64 % 86_400_000;
-    let secs = millis / 1000;
-    format!(
-        "{:02}:{:02}:{:02}.{:03}",
-        secs / 3600,
-        secs / 60 % 60,
-        secs % 60,
-        millis % 1000
+    chrono::DateTime::from_timestamp_micros((at * 1e6) as i64).map_or_else(
+        || format!("{at:.3} s since the epoch"),
+        |t| t.format("%H:%M:%S%.3f").to_string(),
     )
 }
 
