@@ -58,6 +58,7 @@ async fn write_throughput(args: &GraphBenchArgs) -> anyhow::Result<()> {
         pulsar_token: None,
         pulsar_tls_ca_file: None,
         pulsar_max_message_bytes: agent_bus::DEFAULT_MAX_MESSAGE_BYTES,
+        pulsar_compression: agent_bus::Compression::default(),
         workspace: "default".into(),
         flow: "default".into(),
     };

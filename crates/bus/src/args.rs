@@ -17,6 +17,10 @@ pub struct BrokerArgs {
     /// one is refused before it is sent: the broker would drop the connection on it.
     #[arg(long, env = "PULSAR_MAX_MESSAGE_BYTES", default_value_t = crate::DEFAULT_MAX_MESSAGE_BYTES)]
     pub pulsar_max_message_bytes: usize,
+    /// How this service compresses what it publishes: `none` (the default), `lz4` or `zstd`.
+    /// Consumers need no setting: a message says how it was compressed.
+    #[arg(long, env = "PULSAR_COMPRESSION", value_enum, default_value_t = crate::Compression::default())]
+    pub pulsar_compression: crate::Compression,
     /// Workspace part of the topic names.
     #[arg(long, env = "AGENT_WORKSPACE", default_value = "default")]
     pub workspace: String,
@@ -33,7 +37,8 @@ impl BrokerArgs {
             self.pulsar_tls_ca_file.as_deref(),
         )
         .await?
-        .with_max_message_bytes(self.pulsar_max_message_bytes))
+        .with_max_message_bytes(self.pulsar_max_message_bytes)
+        .with_compression(self.pulsar_compression))
     }
 
     /// TrustGraph's topic names for this workspace and flow.

@@ -26,6 +26,7 @@ impl Publisher {
                 .with_options(ProducerOptions {
                     // Past ~100 pipelined sends the crate answers SlowDown; waiting is what we want.
                     block_queue_if_full: true,
+                    compression: Some(bus.compression().for_producer()),
                     ..ProducerOptions::default()
                 })
                 .build()
@@ -125,5 +126,79 @@ impl Receipt {
             .await
             .map(|_| ())
             .map_err(|e| publish_error(&self.topic, e))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use futures::StreamExt;
+    use pulsar::consumer::{ConsumerOptions, InitialPosition};
+    use pulsar::message::proto::CompressionType;
+    use pulsar::{Consumer, SubType, TokioExecutor};
+
+    use crate::embedded::EmbeddedBroker;
+    use crate::{Bus, Compression, Properties, Publisher};
+
+    /// What a consumer of `topic` is handed for one message: its payload and the compression its
+    /// metadata names.
+    async fn sent_as(bus: &Bus, topic: &str, payload: &[u8]) -> (Vec<u8>, Option<i32>) {
+        let mut consumer: Consumer<Vec<u8>, TokioExecutor> = bus
+            .client()
+            .consumer()
+            .with_topic(topic)
+            .with_subscription("compression-test")
+            .with_subscription_type(SubType::Exclusive)
+            .with_options(ConsumerOptions {
+                initial_position: InitialPosition::Earliest,
+                ..ConsumerOptions::default()
+            })
+            .build()
+            .await
+            .unwrap();
+        let publisher = Publisher::new(bus, topic).await.unwrap();
+        publisher
+            .send(payload.to_vec(), &Properties::new())
+            .await
+            .unwrap();
+        let message = tokio::time::timeout(std::time::Duration::from_secs(10), consumer.next())
+            .await
+            .unwrap()
+            .unwrap()
+            .unwrap();
+        consumer.ack(&message).await.unwrap();
+        (message.payload.data, message.payload.metadata.compression)
+    }
+
+    /// Publishers send payloads as they are unless the bus says otherwise, and what is read is
+    /// what was sent.
+    #[tokio::test]
+    async fn publishers_compress_as_the_bus_says() {
+        let broker = EmbeddedBroker::start(0, None).unwrap();
+        let payload = br#"{"s": {"t": "i", "i": "urn:trustgraph:agent:s/i1"}}"#.repeat(100);
+        let bus = Bus::connect(&broker.url(), None).await.unwrap();
+        let (read, compression) =
+            sent_as(&bus, "persistent://public/default/plain-test", &payload).await;
+        assert_eq!(read, payload);
+        assert_eq!(compression, None);
+        for (setting, expected, topic) in [
+            (
+                Compression::Lz4,
+                CompressionType::Lz4,
+                "persistent://public/default/lz4-test",
+            ),
+            (
+                Compression::Zstd,
+                CompressionType::Zstd,
+                "non-persistent://public/default/zstd-test",
+            ),
+        ] {
+            let bus = Bus::connect(&broker.url(), None)
+                .await
+                .unwrap()
+                .with_compression(setting);
+            let (read, compression) = sent_as(&bus, topic, &payload).await;
+            assert_eq!(read, payload, "{setting:?}");
+            assert_eq!(compression, Some(expected as i32), "{setting:?}");
+        }
     }
 }
