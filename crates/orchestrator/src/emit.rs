@@ -183,7 +183,7 @@ pub struct Park {
 enum Order {
     /// Requests only once everything before them has its receipt.
     RequestsLast,
-    /// All sent at once, requests first, every receipt awaited at the end.
+    /// All sent at once in order, every receipt awaited at the end.
     Pipelined,
 }
 
@@ -598,15 +598,7 @@ impl<'a> DialogOutput<'a> {
     }
 
     async fn publish_in(&self, effects: &[Effect], order: Order) -> Result<(), BusError> {
-        // Pipelined, the next request leads: the next step waits on it alone, and the broker
-        // takes a connection's frames in turn, so behind a step's provenance (tens of KB) it
-        // would wait for all of it to be written first.
-        let leading = |e: &&Effect| order == Order::Pipelined && e.channel == Channel::Requests;
-        let in_turn = effects
-            .iter()
-            .filter(leading)
-            .chain(effects.iter().filter(|e| !leading(e)));
-        for effect in in_turn {
+        for effect in effects {
             if effect.channel == Channel::Requests && order == Order::RequestsLast {
                 self.flush().await?;
             }
