@@ -324,6 +324,87 @@ async fn a_copy_of_a_request_runs_once() {
     assert_one_chain(&aggregator, &session).await;
 }
 
+/// A subscription of its own to `topic`, from its start, on a connection of its own.
+async fn witness_of(
+    broker: &Broker,
+    topic: &str,
+) -> (
+    agent_bus::Bus,
+    pulsar::Consumer<Vec<u8>, pulsar::TokioExecutor>,
+) {
+    let bus = agent_bus::Bus::connect(&broker.url(), None).await.unwrap();
+    let consumer = bus
+        .client()
+        .consumer()
+        .with_topic(topic)
+        .with_subscription("compression-witness")
+        .with_subscription_type(pulsar::SubType::Exclusive)
+        .with_options(pulsar::consumer::ConsumerOptions {
+            initial_position: pulsar::consumer::InitialPosition::Earliest,
+            ..Default::default()
+        })
+        .build()
+        .await
+        .unwrap();
+    (bus, consumer)
+}
+
+/// The compression named by each message the witness is handed until it hears nothing for 2 s.
+async fn compressions_seen(
+    witness: &mut pulsar::Consumer<Vec<u8>, pulsar::TokioExecutor>,
+) -> Vec<Option<i32>> {
+    use futures::StreamExt;
+    let mut seen = Vec::new();
+    while let Ok(Some(Ok(message))) =
+        tokio::time::timeout(Duration::from_secs(2), witness.next()).await
+    {
+        witness.ack(&message).await.unwrap();
+        seen.push(message.payload.metadata.compression);
+    }
+    seen
+}
+
+/// With the services compressing what they publish (`PULSAR_COMPRESSION`), a journaled dialog
+/// runs as any: the aggregator reads the orchestrator's LZ4 provenance into the graph, the client
+/// its responses, and two orchestrators given one request still make one chain of nodes.
+#[tokio::test]
+async fn a_dialog_whose_messages_are_compressed_runs_once_as_any() {
+    let broker = Broker::start().unwrap();
+    let aggregator = Aggregator::spawn_with(
+        &broker,
+        &["--config-token", TOKEN, "--pulsar-compression", "zstd"],
+    );
+    let llm = scripted_llm(THREE_STEPS).await;
+    let compressed = [("PULSAR_COMPRESSION", "lz4")];
+    let _one =
+        Orchestrator::journaled(Place::Child, &broker, &llm, &aggregator, TOKEN, &compressed);
+    let _two =
+        Orchestrator::journaled(Place::Child, &broker, &llm, &aggregator, TOKEN, &compressed);
+    let topics = agent_bus::Topics::trustgraph("default", "default");
+    let (_held, mut responses_witness) = witness_of(&broker, &topics.response).await;
+    let (_held_too, mut graph_witness) = witness_of(&broker, &topics.explainability).await;
+    let mut client = client(&broker).await;
+    let request = react("combine (compressed)");
+    client.send("compressed", &request).await.unwrap();
+    client.send("compressed", &request).await.unwrap();
+    let mut responses = collect_dialog(&mut client, "compressed", DIALOG_TIMEOUT)
+        .await
+        .unwrap();
+    responses.extend(drain_for(&mut client, "compressed", Duration::from_secs(3)).await);
+    let last = responses.iter().rfind(|r| r.end_of_dialog).unwrap();
+    assert_eq!(last.content, "alpha and beta, combined.");
+    assert_eq!(closings(&responses), 1, "{responses:#?}");
+    assert_one_chain(&aggregator, &session_of(&responses)).await;
+    let lz4 = Some(pulsar::message::proto::CompressionType::Lz4 as i32);
+    for (topic, seen) in [
+        ("responses", compressions_seen(&mut responses_witness).await),
+        ("provenance", compressions_seen(&mut graph_witness).await),
+    ] {
+        assert!(!seen.is_empty(), "no {topic} seen");
+        assert!(seen.iter().all(|c| *c == lz4), "{topic}: {seen:?}");
+    }
+}
+
 /// The closing travels on TrustGraph's non-persistent response topic, which a broker drops for a
 /// reader that is not there or falls behind (seen under load: a client lost closings that its
 /// witness on another connection got). A client that lost one reads it back from the journal:
