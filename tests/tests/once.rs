@@ -299,6 +299,21 @@ async fn a_journaled_step_is_the_size_of_its_step_and_re_emits_whole() {
     assert!(journaled.history[0].observation.contains("beta-result"));
 }
 
+/// The responses to the ReACT request about `question`, published twice as dialog `id`, and
+/// drained 3 s past its closing: there must be exactly one closing.
+async fn one_dialog_of_two_copies(broker: &Broker, id: &str, question: &str) -> Vec<AgentResponse> {
+    let mut client = client(broker).await;
+    let request = react(question);
+    client.send(id, &request).await.unwrap();
+    client.send(id, &request).await.unwrap();
+    let mut responses = collect_dialog(&mut client, id, DIALOG_TIMEOUT)
+        .await
+        .unwrap();
+    responses.extend(drain_for(&mut client, id, Duration::from_secs(3)).await);
+    assert_eq!(closings(&responses), 1, "{responses:#?}");
+    responses
+}
+
 /// The same request published twice (a client retry, a duplicate from upstream) with two
 /// orchestrators: one dialog, one answer, one chain of iteration nodes in the graph.
 #[tokio::test]
@@ -310,43 +325,10 @@ async fn a_copy_of_a_request_runs_once() {
         orchestrator: _orchestrator,
     } = Stack::journaled(TOKEN, THREE_STEPS, &seed_dir(), &[]).await;
     let _two = Orchestrator::spawn_journaled(&broker, &llm, &aggregator, TOKEN, &[]);
-    let mut client = client(&broker).await;
-    let request = react("combine twice");
-    client.send("twice", &request).await.unwrap();
-    client.send("twice", &request).await.unwrap();
-    let mut responses = collect_dialog(&mut client, "twice", DIALOG_TIMEOUT)
-        .await
-        .unwrap();
-    responses.extend(drain_for(&mut client, "twice", Duration::from_secs(3)).await);
-    assert_eq!(closings(&responses), 1, "{responses:#?}");
+    let responses = one_dialog_of_two_copies(&broker, "twice", "combine twice").await;
     // Copies that overlap may both ask the LLM, but only one outcome per step stands.
     let session = session_of(&responses);
     assert_one_chain(&aggregator, &session).await;
-}
-
-/// A subscription of its own to `topic`, from its start, on a connection of its own.
-async fn witness_of(
-    broker: &Broker,
-    topic: &str,
-) -> (
-    agent_bus::Bus,
-    pulsar::Consumer<Vec<u8>, pulsar::TokioExecutor>,
-) {
-    let bus = agent_bus::Bus::connect(&broker.url(), None).await.unwrap();
-    let consumer = bus
-        .client()
-        .consumer()
-        .with_topic(topic)
-        .with_subscription("compression-witness")
-        .with_subscription_type(pulsar::SubType::Exclusive)
-        .with_options(pulsar::consumer::ConsumerOptions {
-            initial_position: pulsar::consumer::InitialPosition::Earliest,
-            ..Default::default()
-        })
-        .build()
-        .await
-        .unwrap();
-    (bus, consumer)
 }
 
 /// The compression named by each message the witness is handed until it hears nothing for 2 s.
@@ -381,19 +363,13 @@ async fn a_dialog_whose_messages_are_compressed_runs_once_as_any() {
     let _two =
         Orchestrator::journaled(Place::Child, &broker, &llm, &aggregator, TOKEN, &compressed);
     let topics = agent_bus::Topics::trustgraph("default", "default");
-    let (_held, mut responses_witness) = witness_of(&broker, &topics.response).await;
-    let (_held_too, mut graph_witness) = witness_of(&broker, &topics.explainability).await;
-    let mut client = client(&broker).await;
-    let request = react("combine (compressed)");
-    client.send("compressed", &request).await.unwrap();
-    client.send("compressed", &request).await.unwrap();
-    let mut responses = collect_dialog(&mut client, "compressed", DIALOG_TIMEOUT)
-        .await
-        .unwrap();
-    responses.extend(drain_for(&mut client, "compressed", Duration::from_secs(3)).await);
+    let mut responses_witness =
+        read_from_start(&broker, &topics.response, "compression-witness").await;
+    let mut graph_witness =
+        read_from_start(&broker, &topics.explainability, "compression-witness").await;
+    let responses = one_dialog_of_two_copies(&broker, "compressed", "combine (compressed)").await;
     let last = responses.iter().rfind(|r| r.end_of_dialog).unwrap();
     assert_eq!(last.content, "alpha and beta, combined.");
-    assert_eq!(closings(&responses), 1, "{responses:#?}");
     assert_one_chain(&aggregator, &session_of(&responses)).await;
     let lz4 = Some(pulsar::message::proto::CompressionType::Lz4 as i32);
     for (topic, seen) in [
