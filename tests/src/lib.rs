@@ -1199,6 +1199,21 @@ pub async fn read_from_start(
     }
 }
 
+/// The compression named by each message the witness is handed until it hears nothing for 2 s.
+pub async fn compressions_seen(
+    witness: &mut pulsar::Consumer<Vec<u8>, pulsar::TokioExecutor>,
+) -> Vec<Option<i32>> {
+    use futures::StreamExt;
+    let mut seen = Vec::new();
+    while let Ok(Some(Ok(message))) =
+        tokio::time::timeout(Duration::from_secs(2), witness.next()).await
+    {
+        witness.ack(&message).await.unwrap();
+        seen.push(message.payload.metadata.compression);
+    }
+    seen
+}
+
 pub use agent_core::vocab::NamedNodeRef;
 /// The `tg:` namespace, for reading explain triples.
 pub use agent_core::vocab::{prov, tg, TG};

@@ -331,21 +331,6 @@ async fn a_copy_of_a_request_runs_once() {
     assert_one_chain(&aggregator, &session).await;
 }
 
-/// The compression named by each message the witness is handed until it hears nothing for 2 s.
-async fn compressions_seen(
-    witness: &mut pulsar::Consumer<Vec<u8>, pulsar::TokioExecutor>,
-) -> Vec<Option<i32>> {
-    use futures::StreamExt;
-    let mut seen = Vec::new();
-    while let Ok(Some(Ok(message))) =
-        tokio::time::timeout(Duration::from_secs(2), witness.next()).await
-    {
-        witness.ack(&message).await.unwrap();
-        seen.push(message.payload.metadata.compression);
-    }
-    seen
-}
-
 /// With the services compressing what they publish (`PULSAR_COMPRESSION`), a journaled dialog
 /// runs as any: the aggregator reads the orchestrator's LZ4 provenance into the graph, the client
 /// its responses, and two orchestrators given one request still make one chain of nodes.

@@ -223,3 +223,67 @@ async fn trustgraphs_cli_and_client_drive_an_orchestrator_with_no_settings() {
         .count();
     assert!(answer_chunks > 1, "{streamed:#?}");
 }
+
+/// An orchestrator that compresses what it publishes (`PULSAR_COMPRESSION`, LZ4 or zstd) is still a
+/// drop-in: TrustGraph's client library reads the streamed answer as it reads an uncompressed one,
+/// since each message's metadata names its compression. A witness on the response topic checks
+/// that the answer really came compressed.
+#[tokio::test]
+async fn trustgraphs_client_reads_an_answer_sent_compressed() {
+    let bin = trustgraph_bin();
+    let broker = Broker::start().unwrap();
+    let llm = scripted_llm(
+        r#"{"rules": [
+      {"match": "Question: ", "reply": "Thought: this one needs no tool.\nFinal Answer: The river that runs through Paris is the Seine."}
+    ]}"#,
+    )
+    .await;
+    let nowhere = std::env::temp_dir().join(format!("agent-e2e-no-config-{}", std::process::id()));
+    let topics = agent_bus::Topics::trustgraph("default", "default");
+    for (setting, kind) in [
+        ("lz4", pulsar::message::proto::CompressionType::Lz4),
+        ("zstd", pulsar::message::proto::CompressionType::Zstd),
+    ] {
+        let _orchestrator =
+            Orchestrator::spawn(&broker, &llm, &nowhere, &["--pulsar-compression", setting]);
+        let mut client = client(&broker).await;
+        let warm_up = format!("warm-up-{setting}");
+        client
+            .send(&warm_up, &request("warm up", false))
+            .await
+            .unwrap();
+        collect_dialog(&mut client, &warm_up, DIALOG_TIMEOUT)
+            .await
+            .unwrap();
+        let mut witness =
+            read_from_start(&broker, &topics.response, &format!("witness-{setting}")).await;
+
+        let streamed =
+            ask_with_trustgraphs_client(&bin, &broker, "Which river runs through Paris?").await;
+        let (summary, responses) = streamed.split_last().unwrap();
+        assert_eq!(
+            summary["answer"], "The river that runs through Paris is the Seine.",
+            "{setting}: {streamed:#?}"
+        );
+        assert!(
+            responses.iter().all(|r| r["error"].is_null()),
+            "{setting}: {streamed:#?}"
+        );
+        let answer_chunks = responses
+            .iter()
+            .filter(|r| r["message_type"] == "answer")
+            .count();
+        assert!(answer_chunks > 1, "{setting}: {streamed:#?}");
+        let seen = compressions_seen(&mut witness).await;
+        assert!(
+            seen.len() >= responses.len(),
+            "{setting}: the witness saw {} messages, the client {}",
+            seen.len(),
+            responses.len()
+        );
+        assert!(
+            seen.iter().all(|c| *c == Some(kind as i32)),
+            "{setting}: {seen:?}"
+        );
+    }
+}
