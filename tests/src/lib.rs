@@ -41,6 +41,17 @@ pub fn on_apache_pulsar() -> bool {
     std::env::var("AGENT_E2E_BROKER").is_ok_and(|b| b == "apache")
 }
 
+/// The Apache Pulsar tier's broker settings over standalone's defaults: `key=value` items, split
+/// on whitespace, in `AGENT_E2E_APACHE_SETTINGS`. `scripts/test.sh` runs one tier with what
+/// `docker-compose.yml` ships and the others with the defaults an existing cluster most likely has.
+pub fn apache_settings() -> Vec<String> {
+    std::env::var("AGENT_E2E_APACHE_SETTINGS")
+        .unwrap_or_default()
+        .split_whitespace()
+        .map(str::to_owned)
+        .collect()
+}
+
 impl Broker {
     pub fn start() -> anyhow::Result<Broker> {
         Self::start_on(0)
@@ -49,7 +60,11 @@ impl Broker {
     /// A broker on `port`, for a test that starts a service before its broker.
     pub fn start_on(port: u16) -> anyhow::Result<Broker> {
         Ok(if on_apache_pulsar() {
-            Broker::Apache(apache::ApacheBroker::start(port, None)?)
+            Broker::Apache(apache::ApacheBroker::start_with(
+                port,
+                None,
+                &apache_settings(),
+            )?)
         } else {
             Broker::Lite(EmbeddedBroker::start(port, None)?)
         })
