@@ -3,7 +3,7 @@
 # our patch from patches/ applied; the workspace's [patch.crates-io] points at these folders. Only
 # the patches are ours and committed; the crates' sources are fetched from crates.io.
 # - pulsar: pulsar-lite sends payload frames without the optional magic/CRC prefix, and TCP_NODELAY
-#   (see PULSAR-LITE.md and the patch's header).
+#   (see PULSAR-LITE.md and the patch's header); a broker restart logged as warnings, not errors.
 # - oxigraph: a write transaction's keys go to RocksDB sorted, repeats once (the patch's header).
 # Idempotent and quiet when done; fails loudly if a patch stops applying.
 set -euo pipefail

@@ -466,6 +466,17 @@ impl Aggregator {
         )
     }
 
+    /// [`Aggregator::spawn`] in a child process, its standard error kept for [`Aggregator::log`].
+    pub fn logged_child(broker: &Broker) -> Aggregator {
+        Self::start_over(
+            Place::Child,
+            broker,
+            sparql_server::SparqlServer::of_this_run(),
+            &[],
+            Some(stderr_log_path()),
+        )
+    }
+
     /// An aggregator in a child process whose graph is in the SPARQL server at `endpoint`,
     /// which another aggregator may own already (a second owner of one server).
     /// Its standard error is kept for [`Aggregator::log`].
@@ -1449,23 +1460,36 @@ pub async fn count(store: &agent_graph::GraphStore, sparql: String) -> usize {
     }
 }
 
-/// Rows the query returns once they reach `expected` (the aggregator writes what the client has
-/// already seen a moment later), or after 10 s whatever it returns then.
 /// Whether the ASK query `sparql` holds within five seconds (the aggregator may still be writing
 /// what the client has already seen).
 pub async fn holds_within(store: &agent_graph::GraphStore, sparql: String) -> bool {
-    for _ in 0..50 {
+    holds_within_for(store, sparql, Duration::from_secs(5)).await
+}
+
+/// Whether the ASK query `sparql` holds within `window` (an aggregator that subscribes again
+/// after a broker restart writes later still). A query that fails counts as not holding yet.
+pub async fn holds_within_for(
+    store: &agent_graph::GraphStore,
+    sparql: String,
+    window: Duration,
+) -> bool {
+    let deadline = Instant::now() + window;
+    loop {
         if matches!(
-            store.query(sparql.clone()).await.unwrap(),
-            agent_graph::QueryAnswer::Boolean(true)
+            store.query(sparql.clone()).await,
+            Ok(agent_graph::QueryAnswer::Boolean(true))
         ) {
             return true;
         }
+        if Instant::now() >= deadline {
+            return false;
+        }
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    false
 }
 
+/// Rows the query returns once they reach `expected` (the aggregator writes what the client has
+/// already seen a moment later), or after 10 s whatever it returns then.
 pub async fn count_reaching(
     store: &agent_graph::GraphStore,
     sparql: String,

@@ -168,24 +168,16 @@ async fn services_subscribe_again_after_a_broker_restart() {
     assert_eq!(answer.content, "pong", "{second:#?}");
     assert!(orchestrator.is_running() && aggregator.is_running());
     // The aggregator consumes again: the new dialog's question reaches the store.
-    let session = session_of(&second);
-    let store = aggregator.store();
-    let asked = format!("ASK {{ GRAPH ?g {{ <{session}> ?p ?o }} }}");
-    let mut stored = false;
-    for _ in 0..200 {
-        if matches!(
-            store.query(asked.clone()).await,
-            Ok(agent_graph::QueryAnswer::Boolean(true))
-        ) {
-            stored = true;
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
     assert!(
-        stored,
+        stored_after_a_restart(&aggregator, &session_of(&second)).await,
         "the aggregator did not store the dialog after the restart"
     );
+}
+
+/// Whether the dialog `session` reaches `aggregator`'s graph within 20 s.
+async fn stored_after_a_restart(aggregator: &Aggregator, session: &str) -> bool {
+    let asked = format!("ASK {{ GRAPH ?g {{ <{session}> ?p ?o }} }}");
+    holds_within_for(&aggregator.store(), asked, Duration::from_secs(20)).await
 }
 
 /// A client keeps listening across a broker restart: `agentctl invoke` of a dialog under way
@@ -291,4 +283,49 @@ async fn a_dead_lettered_request_ends_its_dialog_with_an_error() {
     assert!(drain_for(&mut client, "junk-1", Duration::from_secs(1))
         .await
         .is_empty());
+}
+
+/// A broker restart is expected and recovered from, so a service logs it as warnings, not
+/// errors: the `pulsar` crate logged an error for every try it would make again (each 0.5 s while
+/// topics reloaded, each second while the broker was away), which pages whoever alerts on errors.
+#[tokio::test]
+async fn a_broker_restart_is_logged_as_warnings_not_errors() {
+    let mut broker = Broker::start().unwrap();
+    let aggregator = Aggregator::logged_child(&broker);
+    let llm = scripted_llm(
+        r#"{"rules": [{"match": "Question: ping", "reply": "Thought: easy\nFinal Answer: pong"}]}"#,
+    )
+    .await;
+    let _orchestrator = Orchestrator::spawn(&broker, &llm, &seed_dir(), &[]);
+    let mut before = client(&broker).await;
+    before
+        .send("w-1", &request("ping before", false))
+        .await
+        .unwrap();
+    collect_dialog(&mut before, "w-1", DIALOG_TIMEOUT)
+        .await
+        .unwrap();
+
+    broker.restart().unwrap();
+    let mut after = client(&broker).await;
+    after
+        .send("w-2", &request("ping after", false))
+        .await
+        .unwrap();
+    let second = collect_dialog(&mut after, "w-2", DIALOG_TIMEOUT)
+        .await
+        .unwrap();
+    assert_eq!(second.last().unwrap().content, "pong", "{second:#?}");
+    // Once the second dialog is in the graph, the aggregator has come through the restart.
+    assert!(
+        stored_after_a_restart(&aggregator, &session_of(&second)).await,
+        "the aggregator did not store the dialog after the restart"
+    );
+    let log = aggregator.log();
+    assert!(
+        log.contains("WARN"),
+        "the restart is not in the aggregator's log:\n{log}"
+    );
+    let errors: Vec<&str> = log.lines().filter(|l| l.contains("ERROR")).collect();
+    assert!(errors.is_empty(), "{}", errors.join("\n"));
 }
