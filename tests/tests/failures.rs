@@ -302,9 +302,11 @@ async fn a_broker_restart_is_logged_as_warnings_not_errors() {
         .send("w-1", &request("ping before", false))
         .await
         .unwrap();
-    collect_dialog(&mut before, "w-1", DIALOG_TIMEOUT)
+    let first = collect_dialog(&mut before, "w-1", DIALOG_TIMEOUT)
         .await
         .unwrap();
+    // Stored, so the aggregator has no ack on its way when the broker is SIGKILLed.
+    assert!(stored_after_a_restart(&aggregator, &session_of(&first)).await);
 
     broker.restart().unwrap();
     let mut after = client(&broker).await;

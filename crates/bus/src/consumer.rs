@@ -281,20 +281,33 @@ fn subscribe_error(config: &SubscriptionConfig, e: &pulsar::Error) -> BusError {
     }
 }
 
+/// How long subscribing again may fail before it is logged as an error rather than a warning.
+const OUTAGE_AFTER: Duration = Duration::from_secs(60);
+
 /// Subscribes again, after the stream of a running consumer ended, until it works (backing off up
-/// to 5 s between tries) or `shutdown`: a service that was consuming waits out any outage.
+/// to 5 s between tries) or `shutdown`: a service that was consuming waits out any outage. Failures
+/// are warnings for the first [`OUTAGE_AFTER`], errors after it.
 async fn resubscribe(
     bus: &Bus,
     config: &SubscriptionConfig,
     shutdown: &CancellationToken,
 ) -> Option<Consumer<Vec<u8>, TokioExecutor>> {
     let mut wait = Duration::from_millis(100);
+    let since = std::time::Instant::now();
     loop {
         match build_consumer(bus, config).await {
             Ok(consumer) => {
                 tracing::info!(topic = %config.topic, "subscribed again");
                 return Some(consumer);
             }
+            // A broker restart is over in seconds: failing for longer than a minute is an outage
+            // someone should hear of.
+            Err(e) if since.elapsed() > OUTAGE_AFTER => tracing::error!(
+                topic = %config.topic,
+                error = %e,
+                failing_for_secs = since.elapsed().as_secs(),
+                "subscribing again failed"
+            ),
             Err(e) => tracing::warn!(topic = %config.topic, error = %e, "subscribing again failed"),
         }
         tokio::select! {

@@ -160,42 +160,55 @@ pub async fn run(settings: Settings, shutdown: CancellationToken) -> anyhow::Res
         shutdown.clone(),
     ));
     // TrustGraph's clients publish on its non-persistent request topic: first messages are taken
-    // there too, and everything they cause goes on the persistent one.
-    let from_clients =
-        (!topics.client_request.is_empty() && topics.client_request != topics.request).then(|| {
-            let config = SubscriptionConfig {
-                topic: topics.client_request.clone(),
-                subscription: format!("{}-clients", settings.subscription),
-                max_in_flight: settings.max_in_flight,
-                // Non-persistent: nothing is redelivered, so no delivery count.
-                max_redeliveries: None,
-                dead_letter_topic: topics.dead_letter.clone(),
-                drain_deadline: std::time::Duration::from_secs(settings.drain_secs),
-                nack_delay: std::time::Duration::from_secs(1),
-                one_at_a_time: false,
-            };
-            // Forwarded at once to the persistent topic and only then acked: a message of a
-            // non-persistent topic is never redelivered, so it must not wait (park) there.
-            let requests = forward_requests.clone();
-            spawn_consumer(
-                &bus,
-                config,
-                &shutdown,
-                "taking requests on the client topic stopped",
-                move |delivery: Delivery<AgentRequest>| {
-                    let requests = requests.clone();
-                    async move {
-                        let payload = agent_schema::encode(&delivery.payload);
-                        match requests.send(payload, &delivery.properties).await {
-                            Ok(()) => Disposition::Ack,
-                            Err(e) => Disposition::Nack(format!(
-                                "forwarding a client's request to the request topic: {e}"
-                            )),
-                        }
+    // there too, and everything they cause goes on the persistent one. On a connection of their
+    // own: a broker drops a non-persistent message for a consumer whose connection has too much
+    // waiting to be written to it (Apache Pulsar: Netty's 64 KiB write-buffer mark), and on the
+    // shared one the persistent topic's dispatches of this very burst are what fills it.
+    let taking_from_clients =
+        !topics.client_request.is_empty() && topics.client_request != topics.request;
+    let client_bus = if taking_from_clients {
+        let Some(client_bus) = connect_until_up(&settings, &shutdown).await else {
+            ops_server.abort();
+            return Ok(());
+        };
+        Some(client_bus)
+    } else {
+        None
+    };
+    let from_clients = client_bus.as_ref().map(|client_bus| {
+        let config = SubscriptionConfig {
+            topic: topics.client_request.clone(),
+            subscription: format!("{}-clients", settings.subscription),
+            max_in_flight: settings.max_in_flight,
+            // Non-persistent: nothing is redelivered, so no delivery count.
+            max_redeliveries: None,
+            dead_letter_topic: topics.dead_letter.clone(),
+            drain_deadline: std::time::Duration::from_secs(settings.drain_secs),
+            nack_delay: std::time::Duration::from_secs(1),
+            one_at_a_time: false,
+        };
+        // Forwarded at once to the persistent topic and only then acked: a message of a
+        // non-persistent topic is never redelivered, so it must not wait (park) there.
+        let requests = forward_requests.clone();
+        spawn_consumer(
+            client_bus,
+            config,
+            &shutdown,
+            "taking requests on the client topic stopped",
+            move |delivery: Delivery<AgentRequest>| {
+                let requests = requests.clone();
+                async move {
+                    let payload = agent_schema::encode(&delivery.payload);
+                    match requests.send(payload, &delivery.properties).await {
+                        Ok(()) => Disposition::Ack,
+                        Err(e) => Disposition::Nack(format!(
+                            "forwarding a client's request to the request topic: {e}"
+                        )),
                     }
-                },
-            )
-        });
+                }
+            },
+        )
+    });
     // Answers to approvals: one replica takes each up, whichever parked the call.
     let answering_approvals = {
         let config = SubscriptionConfig {
