@@ -1187,7 +1187,8 @@ pub fn wait_listening(addr: &str, what: &str) {
     }
 }
 
-/// Every message of `topic` from its first one, on a subscription of the test's own.
+/// Every message of `topic` from its first one (of a non-persistent topic: from the moment it
+/// subscribes), on a subscription of the test's own.
 pub async fn read_from_start(
     broker: &Broker,
     topic: &str,
