@@ -466,13 +466,14 @@ impl Aggregator {
         )
     }
 
-    /// [`Aggregator::spawn`] in a child process, its standard error kept for [`Aggregator::log`].
-    pub fn logged_child(broker: &Broker) -> Aggregator {
+    /// [`Aggregator::spawn_with`] in a child process, its standard error kept for
+    /// [`Aggregator::log`].
+    pub fn logged_child(broker: &Broker, extra: &[&str]) -> Aggregator {
         Self::start_over(
             Place::Child,
             broker,
             sparql_server::SparqlServer::of_this_run(),
-            &[],
+            extra,
             Some(stderr_log_path()),
         )
     }
@@ -496,13 +497,7 @@ impl Aggregator {
     /// standard error kept for [`Aggregator::log`]), which is expected to refuse to run: it is
     /// handed back once it listens or once it has stood down, whichever is seen first.
     pub fn second_owner(broker: &Broker, extra: &[&str]) -> Aggregator {
-        Self::start_over(
-            Place::Child,
-            broker,
-            sparql_server::SparqlServer::of_this_run(),
-            extra,
-            Some(stderr_log_path()),
-        )
+        Self::logged_child(broker, extra)
     }
 
     /// What a child started with its standard error kept has written there so far.

@@ -74,6 +74,34 @@ async fn ask_with_trustgraphs_client(
         .collect()
 }
 
+/// A dialog on the persistent request topic, answered: once it is, the orchestrator consumes, and
+/// TrustGraph's client may publish on its non-persistent topic, where a message sent before that
+/// is dropped. Its responses.
+async fn warm_up(broker: &Broker, id: &str) -> Vec<agent_schema::AgentResponse> {
+    let mut client = client(broker).await;
+    client.send(id, &request("warm up", false)).await.unwrap();
+    collect_dialog(&mut client, id, DIALOG_TIMEOUT)
+        .await
+        .unwrap()
+}
+
+/// The responses TrustGraph's client streamed (its summary line taken off), once its answer is
+/// `answer`, none is an error, and the answer came in more than one chunk.
+fn streamed_answer<'s>(streamed: &'s [Value], answer: &str, what: &str) -> &'s [Value] {
+    let (summary, responses) = streamed.split_last().unwrap();
+    assert_eq!(summary["answer"], answer, "{what}: {streamed:#?}");
+    assert!(
+        responses.iter().all(|r| r["error"].is_null()),
+        "{what}: {streamed:#?}"
+    );
+    let answer_chunks = responses
+        .iter()
+        .filter(|r| r["message_type"] == "answer")
+        .count();
+    assert!(answer_chunks > 1, "{what}: {streamed:#?}");
+    responses
+}
+
 #[tokio::test]
 async fn trustgraphs_cli_and_client_drive_an_orchestrator_with_no_settings() {
     let bin = trustgraph_bin();
@@ -178,25 +206,11 @@ async fn trustgraphs_cli_and_client_drive_an_orchestrator_with_no_settings() {
     // flow and topics.
     let nowhere = std::env::temp_dir().join(format!("agent-e2e-no-config-{}", std::process::id()));
     let _orchestrator = Orchestrator::spawn(&broker, &llm, &nowhere, &[]);
-    // Once a dialog on the persistent topic is answered, the orchestrator consumes; TrustGraph's
-    // client publishes on a non-persistent topic, where a message sent before that is dropped.
-    let mut client = client(&broker).await;
-    client
-        .send("warm-up", &request("warm up", false))
-        .await
-        .unwrap();
-    let warm = collect_dialog(&mut client, "warm-up", DIALOG_TIMEOUT)
-        .await
-        .unwrap();
+    let warm = warm_up(&broker, "warm-up").await;
     assert_eq!(warm.last().unwrap().content, "17 + 25 = 42", "{warm:#?}");
 
     let streamed = ask_with_trustgraphs_client(&bin, &broker, "What is 17 + 25?").await;
-    let (summary, responses) = streamed.split_last().unwrap();
-    assert_eq!(summary["answer"], "17 + 25 = 42", "{streamed:#?}");
-    assert!(
-        responses.iter().all(|r| r["error"].is_null()),
-        "{streamed:#?}"
-    );
+    let responses = streamed_answer(&streamed, "17 + 25 = 42", "uncompressed");
     let last = responses.last().unwrap();
     assert_eq!(last["end_of_dialog"], true);
     let kinds: Vec<&str> = responses
@@ -216,12 +230,6 @@ async fn trustgraphs_cli_and_client_drive_an_orchestrator_with_no_settings() {
         observed.contains("The sum of 17 and 25 is 42"),
         "{observed}"
     );
-    // Streamed: the answer came in more than one chunk, and the thought before it.
-    let answer_chunks = responses
-        .iter()
-        .filter(|r| r["message_type"] == "answer")
-        .count();
-    assert!(answer_chunks > 1, "{streamed:#?}");
 }
 
 /// An orchestrator that compresses what it publishes (`PULSAR_COMPRESSION`, LZ4 or zstd) is still a
@@ -246,34 +254,17 @@ async fn trustgraphs_client_reads_an_answer_sent_compressed() {
     ] {
         let _orchestrator =
             Orchestrator::spawn(&broker, &llm, &nowhere, &["--pulsar-compression", setting]);
-        let mut client = client(&broker).await;
-        let warm_up = format!("warm-up-{setting}");
-        client
-            .send(&warm_up, &request("warm up", false))
-            .await
-            .unwrap();
-        collect_dialog(&mut client, &warm_up, DIALOG_TIMEOUT)
-            .await
-            .unwrap();
+        warm_up(&broker, &format!("warm-up-{setting}")).await;
         let mut witness =
             read_from_start(&broker, &topics.response, &format!("witness-{setting}")).await;
 
         let streamed =
             ask_with_trustgraphs_client(&bin, &broker, "Which river runs through Paris?").await;
-        let (summary, responses) = streamed.split_last().unwrap();
-        assert_eq!(
-            summary["answer"], "The river that runs through Paris is the Seine.",
-            "{setting}: {streamed:#?}"
+        let responses = streamed_answer(
+            &streamed,
+            "The river that runs through Paris is the Seine.",
+            setting,
         );
-        assert!(
-            responses.iter().all(|r| r["error"].is_null()),
-            "{setting}: {streamed:#?}"
-        );
-        let answer_chunks = responses
-            .iter()
-            .filter(|r| r["message_type"] == "answer")
-            .count();
-        assert!(answer_chunks > 1, "{setting}: {streamed:#?}");
         let seen = compressions_seen(&mut witness).await;
         assert!(
             seen.len() >= responses.len(),
