@@ -239,7 +239,6 @@ async fn trustgraphs_cli_and_client_drive_an_orchestrator_with_no_settings() {
 #[tokio::test]
 async fn trustgraphs_client_reads_an_answer_sent_compressed() {
     let bin = trustgraph_bin();
-    let broker = Broker::start().unwrap();
     let llm = scripted_llm(
         r#"{"rules": [
       {"match": "Question: ", "reply": "Thought: this one needs no tool.\nFinal Answer: The river that runs through Paris is the Seine."}
@@ -252,6 +251,10 @@ async fn trustgraphs_client_reads_an_answer_sent_compressed() {
         ("lz4", pulsar::message::proto::CompressionType::Lz4),
         ("zstd", pulsar::message::proto::CompressionType::Zstd),
     ] {
+        // A broker for each: the orchestrator before, stopped without closing its consumers, can
+        // stay subscribed on pulsar-lite (a ghost) and be handed the next warm-up; the likely
+        // cause of a zstd warm-up that never ended, seen once in the suite with one broker.
+        let broker = Broker::start().unwrap();
         let _orchestrator =
             Orchestrator::spawn(&broker, &llm, &nowhere, &["--pulsar-compression", setting]);
         warm_up(&broker, &format!("warm-up-{setting}")).await;
