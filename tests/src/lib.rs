@@ -52,9 +52,45 @@ pub fn apache_settings() -> Vec<String> {
         .collect()
 }
 
+/// The broker settings `docker-compose.yml` gives Apache Pulsar, as `key=value` items: its
+/// `PULSAR_PREFIX_key: "value"` lines (quotes optional, a trailing comment allowed), which the
+/// image's `apply-config-from-env.py` writes into `standalone.conf`. `scripts/test.sh` reads the
+/// same lines for its first Apache Pulsar tier.
+pub fn compose_apache_settings() -> anyhow::Result<Vec<String>> {
+    let compose = std::fs::read_to_string(repo_root().join("docker-compose.yml"))?;
+    let settings: Vec<String> = compose
+        .lines()
+        .filter_map(|line| line.trim().strip_prefix("PULSAR_PREFIX_"))
+        .filter_map(|setting| {
+            let (key, value) = setting.split_once(':')?;
+            let value = value.split('#').next()?.trim().trim_matches(['"', '\'']);
+            (!value.is_empty()).then(|| format!("{key}={value}"))
+        })
+        .collect();
+    anyhow::ensure!(
+        !settings.is_empty(),
+        "no PULSAR_PREFIX_ setting in docker-compose.yml"
+    );
+    Ok(settings)
+}
+
 impl Broker {
     pub fn start() -> anyhow::Result<Broker> {
         Self::start_on(0)
+    }
+
+    /// A broker set up as the project ships it, whatever the tier: pulsar-lite with the settings
+    /// `scripts/pulsar-lite.sh` starts it with, or Apache Pulsar with `docker-compose.yml`'s.
+    pub fn start_as_shipped() -> anyhow::Result<Broker> {
+        Ok(if on_apache_pulsar() {
+            Broker::Apache(apache::ApacheBroker::start_with(
+                0,
+                None,
+                &compose_apache_settings()?,
+            )?)
+        } else {
+            Broker::Lite(EmbeddedBroker::start(0, None)?)
+        })
     }
 
     /// A broker on `port`, for a test that starts a service before its broker.
