@@ -5,7 +5,11 @@
 # folder of jars. The version and why: scripts/apache-pulsar/pom.xml.
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
-version=$(sed -n 's:.*<version>\(4\.[0-9.]*\)</version>.*:\1:p' "$here/apache-pulsar/pom.xml" | head -1)
+# The broker's version: the <version> line after pulsar-broker's artifactId (the pom takes other
+# modules at other versions).
+version=$(sed -n '/<artifactId>pulsar-broker<\/artifactId>/{n;s:.*<version>\([0-9.]*\)</version>.*:\1:p;}' \
+  "$here/apache-pulsar/pom.xml")
+[ -n "$version" ] || { echo "apache-pulsar.sh: no pulsar-broker version in apache-pulsar/pom.xml" >&2; exit 1; }
 cache="${PULSAR_AGENTS_CACHE:-$HOME/.cache/pulsar-agents}/apache-pulsar-$version"
 lib="$cache/lib"
 

@@ -67,8 +67,8 @@ soak_status=${PIPESTATUS[0]}
 # authentication and authorization, tests/tests/pulsar_tls.rs, TLS with a private CA, and
 # tests/tests/message_limits.rs, the broker's message size limit, run on Apache Pulsar in the main
 # run above.) This first tier is docker-compose.yml's topology, so its broker has the compose
-# file's setting (new entries dispatched at once); the tiers with the graph in a SPARQL server keep
-# standalone's defaults, as an existing cluster most likely has them.
+# file's settings (new entries dispatched at once, write-buffer marks of 16 MiB); the tiers with the
+# graph in a SPARQL server keep standalone's defaults, as an existing cluster most likely has them.
 echo "== Apache Pulsar tier (as docker-compose.yml sets it up)"
 # The broker settings docker-compose.yml gives Apache Pulsar: its `PULSAR_PREFIX_key: "value"` lines
 # (quotes optional, a trailing comment allowed). None found is an error, not a tier on defaults.
