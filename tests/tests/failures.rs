@@ -313,6 +313,7 @@ async fn a_reader_that_stands_still_loses_no_response_on_the_broker_as_shipped()
     // on loopback here), under the shipped 16 MiB even if the kernel held none of it.
     const MESSAGES: usize = 400;
     const BYTES: usize = 32 * 1024;
+    const FLOWING: &[u8] = b"flowing";
     let broker = Broker::start_as_shipped().unwrap();
     let topic = agent_bus::Topics::trustgraph("default", "default").response;
     let (url, reader_topic) = (broker.url(), topic.clone());
@@ -331,19 +332,25 @@ async fn a_reader_that_stands_still_loses_no_response_on_the_broker_as_shipped()
             let mut listener = agent_bus::Listener::subscribe(&bus, &reader_topic, "stalled")
                 .await
                 .unwrap();
-            // A first message taken shows the subscription flowing (its permits granted): a
-            // reader standing still before that would be dropped everything for want of them.
+            // A message taken shows the subscription flowing (its permits granted): a reader
+            // standing still before that would be dropped everything for want of them. Its
+            // permits are asked for by a task of its own, so the sender repeats it until heard.
             subscribed.send(()).unwrap();
-            let first = tokio::time::timeout(Duration::from_secs(30), listener.next_payload())
-                .await
-                .expect("the first message never came")
-                .unwrap();
-            assert_eq!(first, b"flowing");
+            loop {
+                let heard = tokio::time::timeout(Duration::from_secs(30), listener.next_payload())
+                    .await
+                    .expect("no message came")
+                    .unwrap();
+                if heard == FLOWING {
+                    break;
+                }
+            }
             flowing.send(()).unwrap();
             stand_still.recv().unwrap();
             let mut received = Vec::new();
             while received.len() < MESSAGES {
                 match tokio::time::timeout(Duration::from_secs(5), listener.next_payload()).await {
+                    Ok(Ok(payload)) if payload == FLOWING => {}
                     Ok(Ok(payload)) => received.push(payload),
                     _ => break,
                 }
@@ -355,14 +362,24 @@ async fn a_reader_that_stands_still_loses_no_response_on_the_broker_as_shipped()
     wait_subscribed.recv_timeout(stalled_reader).unwrap();
     let bus = agent_bus::Bus::connect(&broker.url(), None).await.unwrap();
     let publisher = agent_bus::Publisher::new(&bus, &topic).await.unwrap();
-    publisher
-        .send(b"flowing".to_vec(), &agent_bus::Properties::new())
-        .await
-        .unwrap();
-    tokio::task::spawn_blocking(move || wait_flowing.recv_timeout(stalled_reader))
-        .await
-        .unwrap()
-        .unwrap();
+    let deadline = std::time::Instant::now() + stalled_reader;
+    loop {
+        publisher
+            .send(FLOWING.to_vec(), &agent_bus::Properties::new())
+            .await
+            .unwrap();
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        match wait_flowing.try_recv() {
+            Ok(()) => break,
+            Err(std::sync::mpsc::TryRecvError::Empty) => {
+                assert!(
+                    std::time::Instant::now() < deadline,
+                    "the reader never heard"
+                )
+            }
+            Err(e) => panic!("the reader is gone: {e}"),
+        }
+    }
     let mut receipts = Vec::new();
     for i in 0..MESSAGES {
         let mut payload = format!("{i:08}").into_bytes();
