@@ -42,20 +42,21 @@ pub fn on_apache_pulsar() -> bool {
 }
 
 /// The Apache Pulsar tier's broker settings over standalone's defaults: `key=value` items, split
-/// on whitespace, in `AGENT_E2E_APACHE_SETTINGS`. `scripts/test.sh` runs one tier with what
-/// `docker-compose.yml` ships and the others with the defaults an existing cluster most likely has.
-pub fn apache_settings() -> Vec<String> {
-    std::env::var("AGENT_E2E_APACHE_SETTINGS")
-        .unwrap_or_default()
-        .split_whitespace()
-        .map(str::to_owned)
-        .collect()
+/// on whitespace, in `AGENT_E2E_APACHE_SETTINGS`, or `compose` for what `docker-compose.yml` ships
+/// ([`compose_apache_settings`]). `scripts/test.sh` runs one tier with `compose` and the others
+/// with the defaults an existing cluster most likely has.
+pub fn apache_settings() -> anyhow::Result<Vec<String>> {
+    let given = std::env::var("AGENT_E2E_APACHE_SETTINGS").unwrap_or_default();
+    if given.trim() == "compose" {
+        return compose_apache_settings();
+    }
+    Ok(given.split_whitespace().map(str::to_owned).collect())
 }
 
 /// The broker settings `docker-compose.yml` gives Apache Pulsar, as `key=value` items: its
 /// `PULSAR_PREFIX_key: "value"` lines (quotes optional, a trailing comment allowed), which the
-/// image's `apply-config-from-env.py` writes into `standalone.conf`. `scripts/test.sh` reads the
-/// same lines for its first Apache Pulsar tier.
+/// image's `apply-config-from-env.py` writes into `standalone.conf`. None found is an error, not a
+/// broker on defaults.
 pub fn compose_apache_settings() -> anyhow::Result<Vec<String>> {
     let compose = std::fs::read_to_string(repo_root().join("docker-compose.yml"))?;
     let settings: Vec<String> = compose
@@ -82,24 +83,24 @@ impl Broker {
     /// A broker set up as the project ships it, whatever the tier: pulsar-lite with the settings
     /// `scripts/pulsar-lite.sh` starts it with, or Apache Pulsar with `docker-compose.yml`'s.
     pub fn start_as_shipped() -> anyhow::Result<Broker> {
-        Ok(if on_apache_pulsar() {
-            Broker::Apache(apache::ApacheBroker::start_with(
-                0,
-                None,
-                &compose_apache_settings()?,
-            )?)
-        } else {
-            Broker::Lite(EmbeddedBroker::start(0, None)?)
-        })
+        Self::start_configured(0, compose_apache_settings)
     }
 
     /// A broker on `port`, for a test that starts a service before its broker.
     pub fn start_on(port: u16) -> anyhow::Result<Broker> {
+        Self::start_configured(port, apache_settings)
+    }
+
+    /// pulsar-lite, or Apache Pulsar with `apache_settings` when this is its tier.
+    fn start_configured(
+        port: u16,
+        apache_settings: fn() -> anyhow::Result<Vec<String>>,
+    ) -> anyhow::Result<Broker> {
         Ok(if on_apache_pulsar() {
             Broker::Apache(apache::ApacheBroker::start_with(
                 port,
                 None,
-                &apache_settings(),
+                &apache_settings()?,
             )?)
         } else {
             Broker::Lite(EmbeddedBroker::start(port, None)?)
