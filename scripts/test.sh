@@ -58,6 +58,19 @@ RUST_LOG=off cargo test --locked --workspace --test soak -- --nocapture 2>&1 \
   | tee -a "$log" | grep -E '^soak: ([^0-9]|[0-9]+ dialogs)|^test |panicked|^test result'
 soak_status=${PIPESTATUS[0]}
 [ "$soak_status" -eq 0 ] || status=$soak_status
+# Effectively-once and the chaos soak again with every orchestrator continuing its dialogs in
+# process (--continue-in-process: a dialog's next step runs where the step before it was recorded,
+# its request kept in the journal instead of put on the broker).
+echo "== continued in process (pulsar-lite)"
+AGENT_E2E_CONTINUE_IN_PROCESS=1 cargo test --locked --workspace --no-fail-fast --test once \
+  -- --test-threads 3 2>&1 | tee -a "$log" | grep -E '^test result|FAILED|panicked'
+chain_status=${PIPESTATUS[0]}
+[ "$chain_status" -eq 0 ] || status=$chain_status
+AGENT_E2E_CONTINUE_IN_PROCESS=1 RUST_LOG=off cargo test --locked --workspace --test soak \
+  -- --nocapture 2>&1 \
+  | tee -a "$log" | grep -E '^soak: ([^0-9]|[0-9]+ dialogs)|^test |panicked|^test result'
+chain_soak_status=${PIPESTATUS[0]}
+[ "$chain_soak_status" -eq 0 ] || status=$chain_soak_status
 # The Apache Pulsar tier: the same end-to-end tests on Apache Pulsar's own standalone broker
 # (scripts/apache-pulsar.sh), each test with a fresh JVM broker: ReACT streaming, SIGKILLs and a
 # broker restart, effectively-once, the supervisor with two replicas, hostile input, the drop-in

@@ -311,6 +311,10 @@ impl Orchestrator {
             config_dir.into(),
         ];
         launch.extend(extra.iter().map(Into::into));
+        // A tier of the suite runs every orchestrator with its dialogs continued in process.
+        if std::env::var("AGENT_E2E_CONTINUE_IN_PROCESS").is_ok_and(|v| v == "1") {
+            launch.push("--continue-in-process".into());
+        }
         let env: Vec<(String, String)> = env
             .iter()
             .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))

@@ -109,6 +109,121 @@ async fn a_crash_at_any_point_of_publishing_a_step_gives_one_outcome() {
     }
 }
 
+/// Continued in process, a dialog puts only its first request on the broker: its next steps run
+/// where the step before them was recorded, and end as the same dialog run through the broker.
+/// (Without `--continue-in-process` its three steps are three requests on the topic.)
+#[tokio::test]
+async fn a_dialog_continued_in_process_puts_only_its_first_request_on_the_broker() {
+    use futures::StreamExt;
+    let broker = Broker::start().unwrap();
+    let aggregator = Aggregator::spawn_with(&broker, &["--config-token", TOKEN]);
+    let llm = scripted_llm(THREE_STEPS).await;
+    let _orchestrator = Orchestrator::journaled(
+        Place::Child,
+        &broker,
+        &llm,
+        &aggregator,
+        TOKEN,
+        &[("AGENT_CONTINUE_IN_PROCESS", "true")],
+    );
+    let mut requests = read_from_start(
+        &broker,
+        "persistent://tg/request/agent:default:default",
+        "chain-test-reader",
+    )
+    .await;
+    let mut client = client(&broker).await;
+    let question = "combine (continued)";
+    client.send("chained", &react(question)).await.unwrap();
+    let responses = collect_dialog(&mut client, "chained", DIALOG_TIMEOUT)
+        .await
+        .unwrap();
+    let last = responses.iter().rfind(|r| r.end_of_dialog).unwrap();
+    assert_eq!(last.content, "alpha and beta, combined.");
+    assert_eq!(closings(&responses), 1);
+    for rule in [4, 1, 0] {
+        assert_eq!(calls_of(&llm, question, rule), 1, "rule {rule}");
+    }
+    let mut on_the_broker = Vec::new();
+    while let Ok(Some(Ok(message))) =
+        tokio::time::timeout(Duration::from_secs(2), requests.next()).await
+    {
+        requests.ack(&message).await.unwrap();
+        let request: agent_schema::AgentRequest =
+            serde_json::from_slice(&message.payload.data).unwrap();
+        on_the_broker.push(request.history.len());
+    }
+    assert_eq!(
+        on_the_broker,
+        [0],
+        "the histories of the requests on the broker"
+    );
+    let session = last.message_id.split('/').next().unwrap().to_owned();
+    assert_one_chain(&aggregator, &session).await;
+}
+
+/// A dialog continued in process (`--continue-in-process`) whose orchestrator dies as it records
+/// the chain's second step: the step before it is recorded and its request was never on the
+/// broker, only in the journal. The broker hands the dialog's first message to the replacement,
+/// which re-emits the recorded steps one by one and runs the rest: one closing, the recorded
+/// steps' LLM calls made once, one version of each iteration in the graph.
+#[tokio::test]
+async fn a_dialog_continued_in_process_survives_a_crash_in_its_chain() {
+    let mut broker = Broker::start().unwrap();
+    let aggregator = Aggregator::spawn_with(&broker, &["--config-token", TOKEN]);
+    let llm = scripted_llm(THREE_STEPS).await;
+    let continuing = ("AGENT_CONTINUE_IN_PROCESS", "true");
+    for stage in ["after-record", "after-publish", "before-ack"] {
+        let question = format!("combine (chained, {stage})");
+        let id = format!("chained-{stage}");
+        let mut doomed = Orchestrator::journaled(
+            Place::Child,
+            &broker,
+            &llm,
+            &aggregator,
+            TOKEN,
+            &[("AGENT_FAULT", &format!("{stage}:2")), continuing],
+        );
+        client(&broker)
+            .await
+            .send(&id, &react(&question))
+            .await
+            .unwrap();
+        assert!(
+            doomed.exited_within(Duration::from_secs(30)).await,
+            "the orchestrator did not crash {stage} of the chain's second step (connections \
+             pulsar-lite reset: {:?})",
+            broker.reset_connections()
+        );
+        broker.restart().unwrap();
+        let mut client = client(&broker).await;
+        let mut replacement = Orchestrator::journaled(
+            Place::Child,
+            &broker,
+            &llm,
+            &aggregator,
+            TOKEN,
+            &[continuing],
+        );
+        let mut responses = collect_dialog(&mut client, &id, DIALOG_TIMEOUT)
+            .await
+            .unwrap();
+        responses.extend(drain_for(&mut client, &id, Duration::from_secs(2)).await);
+        let last = responses.iter().rfind(|r| r.end_of_dialog).unwrap();
+        assert_eq!(last.content, "alpha and beta, combined.", "{stage}");
+        assert_eq!(closings(&responses), 1, "{stage}: {responses:#?}");
+        // Both recorded steps were re-emitted, never asked again; the third was asked once (the
+        // doomed process never reached it).
+        assert_eq!(calls_of(&llm, &question, 4), 1, "{stage}: the first step");
+        assert_eq!(calls_of(&llm, &question, 1), 1, "{stage}: the second step");
+        assert_eq!(calls_of(&llm, &question, 0), 1, "{stage}: the third step");
+        let session = last.message_id.split('/').next().unwrap().to_owned();
+        assert_one_chain(&aggregator, &session).await;
+        replacement.terminate();
+        assert!(replacement.exited_within(Duration::from_secs(30)).await);
+    }
+}
+
 /// The outcome text of the one unpublished journal entry (`?o`), and the entry (`?e`).
 const UNPUBLISHED_ENTRY: &str = "SELECT ?e ?o WHERE { GRAPH <urn:graph:agent-journal> { \
     ?e <https://trustgraph.ai/ns/outcome> ?o \

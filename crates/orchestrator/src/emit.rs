@@ -85,6 +85,19 @@ impl Outputs {
         }
     }
 
+    /// Hands a recorded effect over as it was recorded; its receipt comes back to be awaited.
+    pub(crate) async fn publish_effect(
+        &self,
+        effect: &Effect,
+    ) -> Result<Option<Receipt>, BusError> {
+        self.enqueue(
+            effect.channel,
+            effect.payload.clone().into_bytes(),
+            &effect.properties,
+        )
+        .await
+    }
+
     /// Hands a message over; the broker's receipt comes back to be awaited.
     async fn enqueue(
         &self,
@@ -163,6 +176,38 @@ pub struct DialogOutput<'a> {
     /// This delivery's attempt at the step: on its streamed chunks and its closing (see
     /// [`ATTEMPT_PROPERTY`]), and the attempt its journal record names.
     attempt: String,
+    /// The chain this step may continue in this process (see [`CHAIN_PROPERTY`]), when it may.
+    chain: Option<String>,
+    /// The next step to run here, once the commit held back its request (see [`Continuation`]).
+    continuation: Mutex<Option<Continuation>>,
+}
+
+/// The property naming the chain a request belongs to: the broker message (the chain's root)
+/// whose delivery carries the steps one process ran one after another without putting their
+/// requests on the broker. A step recorded by any delivery of a chain is that delivery's own for
+/// [`Recorder::Unknown`]: the root's redelivery re-emits the chain's steps at once, one hop each,
+/// instead of waiting out [`journal::PUBLISH_LEASE`] at each.
+pub const CHAIN_PROPERTY: &str = "agent-chain";
+
+/// A journaled step whose next request was recorded but not published: the process runs that
+/// request itself, while the delivery it took stays unacked. Its other messages were sent; their
+/// receipts are awaited before that delivery is acked.
+pub struct Continuation {
+    /// The next request, as it would have been published (its effect id and chain included).
+    pub request: Effect,
+    /// Receipts of the step's other messages.
+    pub receipts: Vec<Receipt>,
+    /// The step's entry: marked published once the chain's messages are all on the broker.
+    pub node: NamedNode,
+    pub journal: Journal,
+}
+
+impl std::fmt::Debug for Continuation {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Continuation")
+            .field("node", &self.node.as_str())
+            .finish_non_exhaustive()
+    }
 }
 
 /// A step's graph-only records join its last graph message only while that is smaller than this:
@@ -244,7 +289,21 @@ impl<'a> DialogOutput<'a> {
             subagent: false,
             model: None,
             attempt: uuid::Uuid::new_v4().simple().to_string(),
+            chain: None,
+            continuation: Mutex::new(None),
         }
+    }
+
+    /// Lets this step continue the dialog in this process, as part of `chain` (see
+    /// [`CHAIN_PROPERTY`]), when its only durable request is the dialog's next step.
+    pub fn continuing_in(mut self, chain: Option<String>) -> Self {
+        self.chain = chain;
+        self
+    }
+
+    /// The next step to run in this process, if the commit held its request back.
+    pub fn take_continuation(&self) -> Option<Continuation> {
+        locked(&self.continuation).take()
     }
 
     /// Keeps provenance's long texts in `documents` instead of the graph when it is the
@@ -495,6 +554,7 @@ impl<'a> DialogOutput<'a> {
             });
         }
         self.add_kept(&mut effects);
+        let mut continuing = None;
         // The streamed chunks are not journaled: they must be on the broker before the outcome is
         // recorded, or a crash after recording would re-emit a closing message without its text.
         self.flush().await?;
@@ -506,6 +566,13 @@ impl<'a> DialogOutput<'a> {
                     EFFECT_ID_PROPERTY.to_owned(),
                     format!("{}#{i}", slot.node.as_str()),
                 );
+            }
+            continuing = self.continues_with(&effects);
+            if let (Some(i), Some(chain)) = (continuing, &self.chain) {
+                // Recorded with the request, so that its re-emission belongs to the chain too.
+                effects[i]
+                    .properties
+                    .insert(CHAIN_PROPERTY.to_owned(), chain.clone());
             }
             let attempt = self.attempt.clone();
             let journaled: Vec<Effect> = effects
@@ -527,6 +594,31 @@ impl<'a> DialogOutput<'a> {
         }
         let commit = fault::next_commit();
         fault::crash_if(fault::Stage::Recorded, commit);
+        if let (Some(slot), Some(i)) = (slot, continuing) {
+            // The next step runs here: its request stays off the broker (the entry holds it, for
+            // a redelivery of this chain's root to re-emit), and nothing waits for the receipts
+            // of the rest, which the chain awaits before its root is acked.
+            let request = effects.remove(i);
+            for effect in &effects {
+                self.send(
+                    effect.channel,
+                    effect.payload.clone().into_bytes(),
+                    &effect.properties,
+                )
+                .await?;
+            }
+            fault::crash_if(fault::Stage::Published, commit);
+            // Nothing is marked yet (the chain marks its steps once it ends): a crash here is
+            // this commit's last point, as before the mark of a step that did not continue.
+            fault::crash_if(fault::Stage::Marked, commit);
+            *locked(&self.continuation) = Some(Continuation {
+                request,
+                receipts: std::mem::take(&mut *locked(&self.pending)),
+                node: slot.node.clone(),
+                journal: slot.journal.clone(),
+            });
+            return Ok(());
+        }
         // A journaled step's effects go out in one stream: if it dies halfway, the redelivered
         // message re-emits them all from the journal, so its next request need not wait for the
         // receipts of its provenance. Subagents still wait for their fan-out's node.
@@ -551,6 +643,24 @@ impl<'a> DialogOutput<'a> {
         }
         fault::crash_if(fault::Stage::Marked, commit);
         Ok(())
+    }
+
+    /// The index of the request this step's dialog continues with, when the step may run it here:
+    /// a chain was offered, the dialog goes on, and its only request is its own next step (not
+    /// subagents, whose fan-out must be on the broker before them).
+    fn continues_with(&self, effects: &[Effect]) -> Option<usize> {
+        self.chain.as_ref()?;
+        if locked(&self.ended).is_some() || self.spawned.load(std::sync::atomic::Ordering::SeqCst) {
+            return None;
+        }
+        let mut requests = effects
+            .iter()
+            .enumerate()
+            .filter(|(_, e)| e.channel == Channel::Requests);
+        match (requests.next(), requests.next()) {
+            (Some((i, _)), None) => Some(i),
+            _ => None,
+        }
     }
 
     /// Settles a step whose outcome is already journaled: done once the entry is published;

@@ -38,6 +38,9 @@ pub struct Engine {
     pub answering: approval::OneAtATime,
     /// Where this service sends a cancel itself (a conversation's `interrupt` policy).
     pub control: Option<Publisher>,
+    /// Whether a journaled dialog's next step runs here rather than through the broker (see
+    /// [`emit::CHAIN_PROPERTY`]).
+    pub continue_in_process: bool,
 }
 
 /// How a delivery is taken up.
@@ -55,6 +58,8 @@ pub(crate) enum Attempt<'a> {
 #[derive(Debug)]
 pub(crate) enum Settled {
     Done,
+    /// Done, and its dialog's next step is to run in this process.
+    Continued(emit::Continuation),
     /// Set aside by an outage; nothing was committed.
     Parked(emit::Park),
     /// Waiting for another dialog of its conversation to end (`conversation_policy: queue`);
@@ -127,6 +132,8 @@ impl From<agent_graph::GraphError> for StepError {
 pub(crate) enum Next {
     /// Its effects are on the broker (or there were none to make): ack it.
     Ack,
+    /// Its next step runs here: ack it once the chain it starts is done.
+    Continue(emit::Continuation),
     /// Wait out an outage, then run the step again.
     Park(emit::Park),
     /// Wait for the conversation's running dialog, then run the step again (not an outage: it
@@ -147,6 +154,7 @@ pub(crate) fn next_after(
 ) -> Next {
     match result {
         Ok(Settled::Done) => Next::Ack,
+        Ok(Settled::Continued(continuation)) => Next::Continue(continuation),
         Ok(Settled::Parked(park)) => Next::Park(park),
         Ok(Settled::Queued(why)) => Next::Queue(why),
         Err(StepError::Outage(e)) if may_park => Next::Park(emit::Park {
@@ -171,7 +179,91 @@ impl Engine {
     /// an error naming the cause. The message is never nacked for an outage, so the broker's
     /// redelivery limit counts crashes, not waiting.
     pub async fn handle(&self, delivery: Delivery<AgentRequest>) -> Disposition {
-        self.run_step(delivery, None).await
+        let (disposition, continuation) = self.run_step(delivery, None).await;
+        match continuation {
+            Some(first) => self.continue_chain(first).await,
+            None => disposition,
+        }
+    }
+
+    /// Runs a dialog's next steps here, one after another, while each continues the dialog (see
+    /// [`emit::CHAIN_PROPERTY`]), then settles the delivery that started the chain: acked once
+    /// every message the chain sent is on the broker and its entries are marked published;
+    /// nacked when that fails, so its redelivery re-emits the chain from the journal. A step the
+    /// chain cannot finish here (the process is stopping, a step handed back) has its request put
+    /// on the broker, for whichever replica takes it.
+    async fn continue_chain(&self, first: emit::Continuation) -> Disposition {
+        let mut receipts = Vec::new();
+        let mut continued = Vec::new();
+        let mut link = first;
+        let spill = loop {
+            receipts.append(&mut link.receipts);
+            let emit::Continuation {
+                request,
+                node,
+                journal,
+                ..
+            } = link;
+            continued.push((journal, node));
+            if self.shutdown.is_cancelled() {
+                break Some(request);
+            }
+            let delivery = match agent_schema::decode::<AgentRequest>(request.payload.as_bytes()) {
+                Ok(payload) => Delivery {
+                    payload,
+                    payload_bytes: request.payload.len(),
+                    message_id: request
+                        .properties
+                        .get(agent_schema::EFFECT_ID_PROPERTY)
+                        .cloned()
+                        .unwrap_or_default(),
+                    properties: request.properties.clone(),
+                },
+                // What this build encoded, it decodes; should it not, a replica's consumer
+                // judges the message as it would any other.
+                Err(_) => break Some(request),
+            };
+            events::StepContinued {
+                entry: continued
+                    .last()
+                    .map(|(_, node)| node.as_str())
+                    .unwrap_or(""),
+            }
+            .emit();
+            match self.run_step(delivery, None).await {
+                (Disposition::Ack, Some(next)) => link = next,
+                (Disposition::Ack, None) => break None,
+                // Not finished here: its request goes to the broker, as it would have without
+                // the chain.
+                (_, _) => break Some(request),
+            }
+        };
+        if let Some(request) = spill {
+            match self.outputs.publish_effect(&request).await {
+                Ok(Some(receipt)) => receipts.push(receipt),
+                Ok(None) => {}
+                Err(e) => {
+                    return Disposition::Nack(format!(
+                        "putting a chained step's request on the broker: {e}"
+                    ))
+                }
+            }
+        }
+        for receipt in receipts {
+            if let Err(e) = receipt.wait().await {
+                return Disposition::Nack(format!("a chained step's message: {e}"));
+            }
+        }
+        // Every request the chain held back was run here or is on the broker now: a later copy
+        // of any of its steps drops. As for a single step, the marks go off the ack's path.
+        tokio::spawn(async move {
+            for (journal, node) in continued.iter().rev() {
+                if let Err(e) = journal.mark_published(node).await {
+                    tracing::warn!(entry = %node.as_str(), error = %e, "published, but not marked in the journal");
+                }
+            }
+        });
+        Disposition::Ack
     }
 
     /// [`Engine::handle`] for a step that is either the one its message asks for, or (`answer`)
@@ -180,7 +272,7 @@ impl Engine {
         &self,
         delivery: Delivery<AgentRequest>,
         answer: Option<&approval::Answer>,
-    ) -> Disposition {
+    ) -> (Disposition, Option<emit::Continuation>) {
         let mut outage: Option<std::time::Instant> = None;
         let mut pause = PARK_PAUSE.0;
         loop {
@@ -192,22 +284,23 @@ impl Engine {
                 Box::pin(self.handle_inner(delivery.clone(), Attempt::Run { may_park }, answer))
                     .await;
             let park = match next_after(result, may_park, window) {
-                Next::Ack => return Disposition::Ack,
+                Next::Ack => return (Disposition::Ack, None),
+                Next::Continue(continuation) => return (Disposition::Ack, Some(continuation)),
                 Next::Queue(why) => {
                     tracing::debug!(%why, "queued behind its conversation");
                     tokio::select! {
                         _ = self.shutdown.cancelled() => {
-                            return Disposition::Nack("shutting down while queued".to_owned())
+                            return (Disposition::Nack("shutting down while queued".to_owned()), None)
                         }
                         _ = tokio::time::sleep(QUEUE_PAUSE) => {}
                     }
                     continue;
                 }
                 Next::Park(park) => park,
-                Next::GiveUp(why) => return self.give_up(delivery, &why, answer).await,
+                Next::GiveUp(why) => return (self.give_up(delivery, &why, answer).await, None),
                 Next::Release(why) => {
                     events::StepReleased { why: &why }.emit();
-                    return Disposition::Nack(why);
+                    return (Disposition::Nack(why), None);
                 }
             };
             let since = *outage.get_or_insert_with(std::time::Instant::now);
@@ -224,7 +317,7 @@ impl Engine {
             .emit();
             tokio::select! {
                 _ = self.shutdown.cancelled() => {
-                    return Disposition::Nack("shutting down while parked".to_owned())
+                    return (Disposition::Nack("shutting down while parked".to_owned()), None)
                 }
                 _ = tokio::time::sleep(wait) => {}
             }
@@ -345,7 +438,7 @@ impl Engine {
             control,
             decision: continuation.decision,
         };
-        self.run_step(resumed, Some(&answer)).await
+        self.run_step(resumed, Some(&answer)).await.0
     }
 }
 

@@ -7,8 +7,8 @@ use std::time::Duration;
 use agent_metrics::global;
 
 use crate::metrics::{
-    APPROVAL_ANSWERS, DIALOGS_FINISHED, DIALOGS_STARTED, GIVEN_UP, ITERATIONS, ITERATION_LATENCY,
-    PARKED, RELEASED, TOOL_CALLS, TOOL_LATENCY,
+    APPROVAL_ANSWERS, CONTINUED, DIALOGS_FINISHED, DIALOGS_STARTED, GIVEN_UP, ITERATIONS,
+    ITERATION_LATENCY, PARKED, RELEASED, TOOL_CALLS, TOOL_LATENCY,
 };
 
 /// An outage set a step aside; it runs again after `retry_in`.
@@ -28,6 +28,18 @@ impl StepParked<'_> {
             retry_in_ms = self.retry_in.as_millis() as u64,
             "an outage parks this step"
         );
+    }
+}
+
+/// A dialog's next step runs in this process, after the step recorded as `entry`.
+pub struct StepContinued<'a> {
+    pub entry: &'a str,
+}
+
+impl StepContinued<'_> {
+    pub fn emit(&self) {
+        global().inc(CONTINUED, &[]);
+        tracing::debug!(after = %self.entry, "the dialog's next step runs here");
     }
 }
 

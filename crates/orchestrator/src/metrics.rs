@@ -16,6 +16,7 @@ pub const PARKED: &str = "agent_steps_parked_total";
 pub const GIVEN_UP: &str = "agent_steps_given_up_total";
 pub const RELEASED: &str = "agent_steps_released_total";
 pub const APPROVAL_ANSWERS: &str = "agent_approval_answers_total";
+pub const CONTINUED: &str = "agent_steps_continued_total";
 
 /// Declares every family this process reports, so `/metrics` lists them from the start.
 pub fn describe() {
@@ -66,6 +67,11 @@ pub fn describe() {
         APPROVAL_ANSWERS,
         Kind::Counter,
         "Answers to tool calls parked for approval taken up, by operation (approve, deny, expire); a repeated answer is counted and changes nothing.",
+    );
+    registry.describe(
+        CONTINUED,
+        Kind::Counter,
+        "Steps run in the process that recorded the step before them, without their request going through the broker (--continue-in-process).",
     );
     agent_llm::describe_metrics();
 }

@@ -140,6 +140,7 @@ pub async fn run(settings: Settings, shutdown: CancellationToken) -> anyhow::Res
         cancellations,
         answering: approval::OneAtATime::default(),
         control: Some(Publisher::new(&bus, &topics.control).await?),
+        continue_in_process: settings.continue_in_process,
     });
     let subscription = SubscriptionConfig {
         topic: topics.request.clone(),

@@ -44,6 +44,13 @@ pub struct Settings {
     /// cannot read) count: an outage parks a step without a redelivery.
     #[arg(long, default_value_t = 10)]
     pub max_redeliveries: usize,
+    /// With a journal, run a dialog's next step in the process that recorded the step before it,
+    /// instead of putting its request on the broker for any replica: the request is in the
+    /// journal, and the broker's delivery of the dialog's earlier message stays unacked until the
+    /// chain ends, so a crash hands that message to another replica, which re-emits the recorded
+    /// steps and goes on (docs/effectively-once.md, "Continuing in process"). Off by default.
+    #[arg(long, env = "AGENT_CONTINUE_IN_PROCESS")]
+    pub continue_in_process: bool,
     /// Seconds in-flight iterations get to finish on shutdown.
     #[arg(long, default_value_t = 20)]
     pub drain_secs: u64,

@@ -314,7 +314,10 @@ impl Engine {
         let pattern = metrics_label(&step.request, &step.config, routing);
         let first_iteration = !routing && step.request.history.is_empty();
         committed(&step.out, pattern, first_iteration, taken);
-        Ok(Settled::Done)
+        match step.out.take_continuation() {
+            Some(continuation) => Ok(Settled::Continued(continuation)),
+            None => Ok(Settled::Done),
+        }
     }
 
     /// Admits a delivered request: who it is, whether it is valid, where it stands in its run, its
@@ -355,6 +358,18 @@ impl Engine {
             Err(park) => return Ok(Err(Settled::Parked(park))),
         };
         let model = asked_model(&properties, &config).map(str::to_owned);
+        // A step of a chain is its root delivery's (see `emit::CHAIN_PROPERTY`); a new dialog
+        // belongs to no chain, whatever its sender put on it.
+        let delivery_id = properties
+            .get(emit::CHAIN_PROPERTY)
+            .filter(|_| !new_dialog)
+            .cloned()
+            .unwrap_or(message_id);
+        let chain = (self.continue_in_process
+            && self.journal.is_some()
+            && matches!(attempt, Attempt::Run { .. })
+            && !answering)
+            .then(|| delivery_id.clone());
         let out = DialogOutput::new(
             &self.outputs,
             id.as_deref(),
@@ -370,7 +385,8 @@ impl Engine {
         )
         .with_model(model.as_deref())
         .keeping_documents_in(self.documents.as_ref())
-        .journaled(self.journal.is_some());
+        .journaled(self.journal.is_some())
+        .continuing_in(chain);
         let lookup = self
             .journal_slot(
                 &out,
@@ -380,7 +396,7 @@ impl Engine {
                 verdict.is_err(),
                 matches!(attempt, Attempt::GiveUp(_)),
                 answering,
-                message_id,
+                delivery_id,
             )
             .await?;
         let Lookup::Fresh(slot) = lookup else {
