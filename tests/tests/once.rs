@@ -109,6 +109,47 @@ async fn a_crash_at_any_point_of_publishing_a_step_gives_one_outcome() {
     }
 }
 
+/// A broker restart hands back what a consumer held unacked, here to the very process still
+/// working on it (its LLM call takes seconds). The copy waits for the step in hand instead of
+/// running beside it: the LLM is asked once, and the dialog ends once.
+#[tokio::test]
+async fn a_message_handed_back_while_its_step_runs_here_is_not_run_twice() {
+    let script = serde_json::json!({"rules": [{
+        "match": "",
+        "reply": format!("Thought: I know this.\nFinal Answer: {ANSWER}"),
+        "delay_ms": 4000,
+    }]});
+    let mut broker = Broker::start().unwrap();
+    let aggregator = Aggregator::spawn_with(&broker, &["--config-token", TOKEN]);
+    let llm = scripted_llm(&script.to_string()).await;
+    let _orchestrator = Orchestrator::spawn_journaled(&broker, &llm, &aggregator, TOKEN, &[]);
+    client(&broker)
+        .await
+        .send("in-hand", &react("slow to answer"))
+        .await
+        .unwrap();
+    let asked = std::time::Instant::now();
+    while llm.calls().is_empty() {
+        assert!(
+            asked.elapsed() < Duration::from_secs(30),
+            "the LLM was never asked"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    broker.restart().unwrap();
+    let mut client = client(&broker).await;
+    let mut responses = collect_dialog(&mut client, "in-hand", DIALOG_TIMEOUT)
+        .await
+        .unwrap();
+    responses.extend(drain_for(&mut client, "in-hand", Duration::from_secs(5)).await);
+    assert_eq!(closings(&responses), 1, "{responses:#?}");
+    assert_eq!(
+        responses.iter().rfind(|r| r.end_of_dialog).unwrap().content,
+        ANSWER
+    );
+    assert_eq!(llm.calls().len(), 1, "the LLM calls");
+}
+
 /// Continued in process, a dialog puts only its first request on the broker: its next steps run
 /// where the step before them was recorded, and end as the same dialog run through the broker.
 /// (Without `--continue-in-process` its three steps are three requests on the topic.)

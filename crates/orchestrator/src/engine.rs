@@ -41,6 +41,39 @@ pub struct Engine {
     /// Whether a journaled dialog's next step runs here rather than through the broker (see
     /// [`emit::CHAIN_PROPERTY`]).
     pub continue_in_process: bool,
+    /// The deliveries this process is handling, by broker message id (see [`Engine::handle`]).
+    pub handling: Handling,
+}
+
+/// Deliveries in hand, each with where its disposition will be told.
+pub type Handling = std::sync::Mutex<
+    std::collections::HashMap<String, tokio::sync::watch::Receiver<Option<Disposition>>>,
+>;
+
+/// Forgets a delivery in hand once its handler is done (or dropped), telling its disposition to
+/// any redelivery of it waiting meanwhile.
+struct InHand<'e> {
+    handling: &'e Handling,
+    message_id: String,
+    told: tokio::sync::watch::Sender<Option<Disposition>>,
+}
+
+impl InHand<'_> {
+    fn done(self, disposition: &Disposition) {
+        self.told.send_replace(Some(disposition.clone()));
+    }
+}
+
+impl Drop for InHand<'_> {
+    fn drop(&mut self) {
+        emit::locked(self.handling).remove(&self.message_id);
+        // Dropped before `done` (its handler cancelled): a waiting redelivery runs on its own.
+        if self.told.borrow().is_none() {
+            self.told.send_replace(Some(Disposition::Nack(
+                "the first delivery's handler stopped".to_owned(),
+            )));
+        }
+    }
 }
 
 /// How a delivery is taken up.
@@ -178,12 +211,50 @@ impl Engine {
     /// (`max_outage_secs`) lasts; past it, or on a fault that will not pass, the dialog ends with
     /// an error naming the cause. The message is never nacked for an outage, so the broker's
     /// redelivery limit counts crashes, not waiting.
+    ///
+    /// A message this process is handling already can come again: a broker that restarts, or a
+    /// connection that drops, hands back what the consumer held unacked, possibly to this same
+    /// process. Run beside the first, it would ask the LLM again for a step whose outcome is not
+    /// recorded yet (and a dialog continued in process holds its first message for the whole
+    /// dialog); so it waits for the first and takes its disposition (a nack of either comes
+    /// back later).
     pub async fn handle(&self, delivery: Delivery<AgentRequest>) -> Disposition {
+        let waiting = {
+            let mut handling = emit::locked(&self.handling);
+            match handling.get(&delivery.message_id) {
+                Some(first) => Err(first.clone()),
+                None => {
+                    let (told, first) = tokio::sync::watch::channel(None);
+                    handling.insert(delivery.message_id.clone(), first);
+                    Ok(InHand {
+                        handling: &self.handling,
+                        message_id: delivery.message_id.clone(),
+                        told,
+                    })
+                }
+            }
+        };
+        let in_hand = match waiting {
+            Ok(in_hand) => in_hand,
+            Err(mut first) => {
+                tracing::info!(message = %delivery.message_id, "this message is being handled here already; waiting for that");
+                let disposition = first
+                    .wait_for(Option::is_some)
+                    .await
+                    .ok()
+                    .and_then(|d| d.clone());
+                return disposition.unwrap_or_else(|| {
+                    Disposition::Nack("the first delivery's handler stopped".to_owned())
+                });
+            }
+        };
         let (disposition, continuation) = self.run_step(delivery, None).await;
-        match continuation {
+        let disposition = match continuation {
             Some(first) => self.continue_chain(first).await,
             None => disposition,
-        }
+        };
+        in_hand.done(&disposition);
+        disposition
     }
 
     /// Runs a dialog's next steps here, one after another, while each continues the dialog (see

@@ -141,6 +141,7 @@ pub async fn run(settings: Settings, shutdown: CancellationToken) -> anyhow::Res
         answering: approval::OneAtATime::default(),
         control: Some(Publisher::new(&bus, &topics.control).await?),
         continue_in_process: settings.continue_in_process,
+        handling: Default::default(),
     });
     let subscription = SubscriptionConfig {
         topic: topics.request.clone(),
