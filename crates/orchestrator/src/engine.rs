@@ -326,14 +326,20 @@ impl Engine {
             }
         }
         // Every request the chain held back was run here or is on the broker now: a later copy
-        // of any of its steps drops. As for a single step, the marks go off the ack's path.
-        tokio::spawn(async move {
-            for (journal, node) in continued.iter().rev() {
-                if let Err(e) = journal.mark_published(node).await {
-                    tracing::warn!(entry = %node.as_str(), error = %e, "published, but not marked in the journal");
-                }
+        // of any of its steps drops. Awaited, unlike a single step's mark: a process stopping
+        // right after would leave a whole chain's entries unmarked, which pruning never removes.
+        // Failing to mark still acks (a copy would re-emit the same effects, which consumers drop).
+        let marked = futures::future::join_all(
+            continued
+                .iter()
+                .map(|(journal, node)| journal.mark_published(node)),
+        )
+        .await;
+        for (result, (_, node)) in marked.into_iter().zip(&continued) {
+            if let Err(e) = result {
+                tracing::warn!(entry = %node.as_str(), error = %e, "published, but not marked in the journal");
             }
-        });
+        }
         Disposition::Ack
     }
 

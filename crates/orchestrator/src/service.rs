@@ -201,7 +201,10 @@ pub async fn run(settings: Settings, shutdown: CancellationToken) -> anyhow::Res
                 let requests = requests.clone();
                 async move {
                     let payload = agent_schema::encode(&delivery.payload);
-                    match requests.send(payload, &delivery.properties).await {
+                    // Only this service's chains name one (see `emit::CHAIN_PROPERTY`).
+                    let mut properties = delivery.properties;
+                    properties.remove(crate::emit::CHAIN_PROPERTY);
+                    match requests.send(payload, &properties).await {
                         Ok(()) => Disposition::Ack,
                         Err(e) => Disposition::Nack(format!(
                             "forwarding a client's request to the request topic: {e}"

@@ -365,11 +365,14 @@ impl Engine {
             .filter(|_| !new_dialog)
             .cloned()
             .unwrap_or(message_id);
+        // Only a step that runs its pattern may hold its next request back: every other path
+        // (a refusal, giving up, an answer to an approval) settles its delivery when it returns.
         let chain = (self.continue_in_process
             && self.journal.is_some()
             && matches!(attempt, Attempt::Run { .. })
-            && !answering)
-            .then(|| delivery_id.clone());
+            && !answering
+            && verdict.is_ok())
+        .then(|| delivery_id.clone());
         let out = DialogOutput::new(
             &self.outputs,
             id.as_deref(),
