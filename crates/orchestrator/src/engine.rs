@@ -248,9 +248,11 @@ impl Engine {
                 });
             }
         };
-        let (disposition, continuation) = self.run_step(delivery, None).await;
+        // Boxed, as the step is inside (see `run_step`): this future holds the chain's too, and a
+        // debug build's worker stack overflowed with the librarian's calls in a step.
+        let (disposition, continuation) = Box::pin(self.run_step(delivery, None)).await;
         let disposition = match continuation {
-            Some(first) => self.continue_chain(first).await,
+            Some(first) => Box::pin(self.continue_chain(first)).await,
             None => disposition,
         };
         in_hand.done(&disposition);
@@ -301,7 +303,7 @@ impl Engine {
                     .unwrap_or(""),
             }
             .emit();
-            match self.run_step(delivery, None).await {
+            match Box::pin(self.run_step(delivery, None)).await {
                 (Disposition::Ack, Some(next)) => link = next,
                 (Disposition::Ack, None) => break None,
                 // Not finished here: its request goes to the broker, as it would have without
@@ -515,7 +517,7 @@ impl Engine {
             control,
             decision: continuation.decision,
         };
-        self.run_step(resumed, Some(&answer)).await.0
+        Box::pin(self.run_step(resumed, Some(&answer))).await.0
     }
 }
 
