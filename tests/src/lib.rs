@@ -389,6 +389,21 @@ impl Orchestrator {
         self.running.terminate();
     }
 
+    /// Freezes a child (SIGSTOP) or lets it go on (SIGCONT), as a long pause of the process
+    /// would: its connections stay open and its timers run late.
+    pub fn freeze(&self, frozen: bool) {
+        let pid = self
+            .running
+            .pid()
+            .expect("only an orchestrator started as a child can be frozen");
+        let signal = if frozen { "-STOP" } else { "-CONT" };
+        let status = std::process::Command::new("kill")
+            .args([signal, &pid.to_string()])
+            .status()
+            .unwrap();
+        assert!(status.success(), "kill {signal} {pid}");
+    }
+
     /// Stops it at once: SIGKILL for a child (no drain, no goodbye to the broker); in process, its
     /// runtime is torn down with its connections.
     pub fn kill(&mut self) {

@@ -279,6 +279,125 @@ async fn a_dialog_continued_in_process_survives_a_crash_in_its_chain() {
     }
 }
 
+/// `THREE_STEPS` with its second step's LLM call taking `delay_ms`.
+fn slow_second_step(delay_ms: u64) -> String {
+    let mut script: serde_json::Value = serde_json::from_str(THREE_STEPS).unwrap();
+    script["rules"][1]["delay_ms"] = delay_ms.into();
+    script.to_string()
+}
+
+/// A chain's root handed to another replica while the chain still runs in the first: a broker
+/// restart the first process sleeps through (frozen), so the second takes the dialog's first
+/// message back. It finds the chain's first step recorded by that very message, which once meant
+/// "its process died": it re-emitted the step and ran the rest of the dialog beside the chain,
+/// every later step's LLM call made twice. Now the chain's beats hold it back until the chain has
+/// published its steps: each call made once, one closing, one version of each node.
+#[tokio::test]
+async fn a_chains_root_handed_to_another_replica_waits_while_the_chain_runs() {
+    let mut broker = Broker::start().unwrap();
+    let aggregator = Aggregator::spawn_with(&broker, &["--config-token", TOKEN]);
+    let llm = scripted_llm(&slow_second_step(8000)).await;
+    let continuing = ("AGENT_CONTINUE_IN_PROCESS", "true");
+    let first = Orchestrator::journaled(
+        Place::Child,
+        &broker,
+        &llm,
+        &aggregator,
+        TOKEN,
+        &[continuing],
+    );
+    let question = "combine (a chain that still runs)";
+    let id = "chain-still-runs";
+    let session = uuid::Uuid::new_v4().to_string();
+    let request = agent_schema::AgentRequest {
+        session_id: session.clone(),
+        ..react(question)
+    };
+    client(&broker).await.send(id, &request).await.unwrap();
+    // The chain's second step is asking the LLM: its first step is recorded, its request held.
+    let asked = std::time::Instant::now();
+    while calls_of(&llm, question, 1) == 0 {
+        assert!(
+            asked.elapsed() < Duration::from_secs(30),
+            "the second step never asked the LLM"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // Past the grace a chain's first beat has: from here only the beats hold a copy back.
+    tokio::time::sleep(agent_orchestrator::chains::FIRST_BEAT_GRACE + Duration::from_secs(1)).await;
+    let http_addr = format!("127.0.0.1:{}", agent_bus::embedded::free_port().unwrap());
+    let metrics = format!("http://{http_addr}");
+    let _second = Orchestrator::journaled(
+        Place::Child,
+        &broker,
+        &llm,
+        &aggregator,
+        TOKEN,
+        &[continuing, ("AGENT_HTTP_ADDR", &http_addr)],
+    );
+    let started = std::time::Instant::now();
+    while !reqwest::get(format!("{metrics}/readyz"))
+        .await
+        .is_ok_and(|r| r.status().is_success())
+    {
+        assert!(
+            started.elapsed() < Duration::from_secs(30),
+            "the second replica never got ready"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    // pulsar-lite is back within a second or two, well inside the first process's last beat.
+    // Apache Pulsar takes longer than a beat holds, so there the first runs on, and the message
+    // goes to whichever replica subscribes again first.
+    let frozen = !on_apache_pulsar();
+    first.freeze(frozen);
+    broker.restart().unwrap();
+    let waited = || async {
+        let listening = reqwest::get(format!("{metrics}/metrics")).await.is_ok();
+        let all = if listening {
+            scrape(&metrics).await
+        } else {
+            Default::default()
+        };
+        all.get("agent_chain_copies_waited_total")
+            .copied()
+            .unwrap_or(0.0)
+    };
+    let restarted = std::time::Instant::now();
+    while frozen && waited().await < 1.0 && restarted.elapsed() < Duration::from_secs(3) {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    first.freeze(false);
+    let store = aggregator.store();
+    let deadline = std::time::Instant::now() + Duration::from_secs(120);
+    let closing = loop {
+        let recorded = agent_orchestrator::journal::recorded_closing(&store, &session, id).await;
+        if let Ok(Some(closing)) = recorded {
+            break closing;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the dialog did not end (session {session})"
+        );
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    };
+    assert_eq!(closing.content, "alpha and beta, combined.");
+    // Long enough for a second line of the dialog to have asked the LLM too.
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    assert_eq!(calls_of(&llm, question, 4), 1, "the first step");
+    assert_eq!(calls_of(&llm, question, 1), 1, "the second step");
+    assert_eq!(calls_of(&llm, question, 0), 1, "the third step");
+    if frozen {
+        assert!(
+            waited().await >= 1.0,
+            "the second replica never took the chain's root (restarted in {:?})",
+            restarted.elapsed()
+        );
+    }
+    let session_uri = agent_core::provenance::SessionUris::new(&session).session();
+    assert_one_chain(&aggregator, &session_uri).await;
+}
+
 /// The outcome text of the one unpublished journal entry (`?o`), and the entry (`?e`).
 const UNPUBLISHED_ENTRY: &str = "SELECT ?e ?o WHERE { GRAPH <urn:graph:agent-journal> { \
     ?e <https://trustgraph.ai/ns/outcome> ?o \

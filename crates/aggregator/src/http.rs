@@ -9,7 +9,7 @@ use std::sync::Arc;
 
 use agent_bus::ConsumerStats;
 
-use agent_graph::journal::{EntryRefs, Journal, RecordRequests};
+use agent_graph::journal::{ChainBeat, ChainRefs, EntryRefs, Journal, RecordRequests};
 use agent_graph::model::NamedNode;
 use agent_graph::{serialize_answer, GraphError, GraphStore, QueryBounds};
 use axum::body::Bytes;
@@ -68,6 +68,8 @@ pub fn router(
         .route("/journal/entries", post(journal_entries))
         .route("/journal/records", post(journal_records))
         .route("/journal/marks", post(journal_marks))
+        .route("/journal/chains/beat", post(journal_chain_beat))
+        .route("/journal/chains/held", post(journal_chains_held))
         .route("/healthz", get(|| async { "ok" }))
         .route("/readyz", get(ready))
         .route("/metrics", get(metrics))
@@ -376,6 +378,56 @@ async fn journal_marks(
         Ok(()) => StatusCode::NO_CONTENT.into_response(),
         Err(e) => error_response(e),
     }
+}
+
+/// An orchestrator's word that it still runs the chains it names (see `ChainBeat`).
+async fn journal_chain_beat(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    axum::Json(beat): axum::Json<ChainBeat>,
+) -> Response {
+    if let Err(refused) = chains_call(&state, &headers, beat.holding.len()).await {
+        return refused;
+    }
+    match state.journal.beat(beat).await {
+        Ok(()) => StatusCode::NO_CONTENT.into_response(),
+        Err(e) => error_response(e),
+    }
+}
+
+/// Which of the chains named a live orchestrator still runs, in order.
+async fn journal_chains_held(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    axum::Json(asked): axum::Json<ChainRefs>,
+) -> Response {
+    if let Err(refused) = chains_call(&state, &headers, asked.chains.len()).await {
+        return refused;
+    }
+    match state.journal.held(asked).await {
+        Ok(held) => json(&held),
+        Err(e) => error_response(e),
+    }
+}
+
+/// A chains call's checks: the services' token, a bounded list, and the owner's word (beats
+/// are kept where the journal is decided).
+#[allow(clippy::result_large_err)] // Built once per refused call, never carried far.
+async fn chains_call(state: &AppState, headers: &HeaderMap, named: usize) -> Result<(), Response> {
+    if let Some(denied) = denied(state, headers) {
+        return Err(denied);
+    }
+    if named > agent_graph::journal::MAX_CHAINS_HELD {
+        return Err((
+            StatusCode::PAYLOAD_TOO_LARGE,
+            format!(
+                "at most {} chains a call",
+                agent_graph::journal::MAX_CHAINS_HELD
+            ),
+        )
+            .into_response());
+    }
+    owner(state).await
 }
 
 async fn metrics(State(state): State<AppState>) -> Response {

@@ -125,6 +125,15 @@ impl InProcessOwner {
             .await
     }
 
+    // Beats are kept by the process, whichever owner handle takes them (an owner's: see `serve`).
+    pub(crate) fn beat(&self, beat: crate::journal::ChainBeat) -> Result<(), GraphError> {
+        crate::journal::take_beat(beat)
+    }
+
+    pub(crate) fn held(&self, asked: &crate::journal::ChainRefs) -> Vec<bool> {
+        crate::journal::held_now(asked)
+    }
+
     pub(crate) async fn marks(&self, entries: Vec<String>) -> Result<Vec<()>, GraphError> {
         let marked = entries.len();
         self.journal.mark_all_published(&nodes(&entries)?).await?;

@@ -139,6 +139,95 @@ impl ExpectedSteps {
     }
 }
 
+/// A process's word that it is still running the chains it names (an orchestrator that continues
+/// dialogs in process: each chain is named by the broker message that started it, its root). A
+/// redelivery of a root, handed to another replica by a broker restart while the chain still runs,
+/// finds its steps recorded by the root's own delivery; without this word it could not tell a
+/// chain whose process died (re-emit and go on) from one still running (wait, or the rest of the
+/// dialog runs twice). Held by the owner in memory, for [`ChainBeat::for_ms`] of its own clock:
+/// an owner that restarts forgets them until the next beats, and a wrong "not held" only costs
+/// steps run twice (their first record still stands), never a second outcome.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ChainBeat {
+    /// The beating process, named once at its start.
+    pub process: String,
+    /// The roots of the chains it runs; empty when it runs none any more.
+    pub holding: Vec<String>,
+    /// How long the word holds without another beat.
+    pub for_ms: u64,
+}
+
+/// Names chains by their roots (asking which are held).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ChainRefs {
+    pub chains: Vec<String>,
+    /// A process whose own beats do not count (the asker's: a chain of its own that finds a step
+    /// recorded by another line of the same chain must not wait for itself).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub except: Option<String>,
+}
+
+/// The most chains one beat may name: far more than a process keeps in flight.
+pub const MAX_CHAINS_HELD: usize = 4096;
+
+/// The most processes whose beats are kept at once; a beat from one more is refused.
+const MAX_BEATING: usize = 4096;
+
+/// The longest one beat may hold.
+const MAX_BEAT: std::time::Duration = std::time::Duration::from_secs(60);
+
+/// Each beating process's chains, until when (the owner's clock).
+type Beats =
+    std::collections::HashMap<String, (tokio::time::Instant, std::collections::HashSet<String>)>;
+
+/// Kept for the whole process, as the locks are, so two owner handles share it.
+static BEATS: std::sync::LazyLock<std::sync::Mutex<Beats>> =
+    std::sync::LazyLock::new(Default::default);
+
+fn beats() -> std::sync::MutexGuard<'static, Beats> {
+    // Every holder leaves the map whole: a poisoned lock still guards a sound map.
+    BEATS
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+pub(crate) fn take_beat(beat: ChainBeat) -> Result<(), GraphError> {
+    let now = tokio::time::Instant::now();
+    let mut beats = beats();
+    beats.retain(|_, (until, _)| *until > now);
+    if beat.holding.is_empty() {
+        beats.remove(&beat.process);
+        return Ok(());
+    }
+    if beats.len() >= MAX_BEATING && !beats.contains_key(&beat.process) {
+        return Err(GraphError::Storage(format!(
+            "the journal keeps the beats of at most {MAX_BEATING} processes"
+        )));
+    }
+    let lasts = std::time::Duration::from_millis(beat.for_ms).min(MAX_BEAT);
+    // The journal API refuses more; a caller in process is held to the same bound.
+    let holding = beat.holding.into_iter().take(MAX_CHAINS_HELD).collect();
+    beats.insert(beat.process, (now + lasts, holding));
+    Ok(())
+}
+
+pub(crate) fn held_now(asked: &ChainRefs) -> Vec<bool> {
+    let now = tokio::time::Instant::now();
+    let beats = beats();
+    let live: Vec<&std::collections::HashSet<String>> = beats
+        .iter()
+        .filter(|(process, (until, _))| {
+            *until > now && asked.except.as_deref() != Some(process.as_str())
+        })
+        .map(|(_, (_, holding))| holding)
+        .collect();
+    let chains = &asked.chains;
+    chains
+        .iter()
+        .map(|chain| live.iter().any(|holding| holding.contains(chain)))
+        .collect()
+}
+
 fn stripe_of(entry: &NamedNode) -> usize {
     use std::hash::{Hash, Hasher};
     let mut hasher = std::collections::hash_map::DefaultHasher::new();
@@ -298,6 +387,23 @@ impl Journal {
         }
     }
 
+    /// Tells the owner that `beat.process` still runs the chains it names (see [`ChainBeat`]).
+    pub async fn beat(&self, beat: ChainBeat) -> Result<(), GraphError> {
+        match self {
+            Journal::Owner(_) => take_beat(beat),
+            Journal::Remote(remote) => remote.journal_beat(beat).await,
+        }
+    }
+
+    /// Whether a live process (other than `asked.except`) says it still runs each chain named,
+    /// in order.
+    pub async fn held(&self, asked: ChainRefs) -> Result<Vec<bool>, GraphError> {
+        match self {
+            Journal::Owner(_) => Ok(held_now(&asked)),
+            Journal::Remote(remote) => remote.journal_held(asked).await,
+        }
+    }
+
     /// Whether the journal can be reached and answers as a journal: a SPARQL server that is not
     /// an aggregator answers its API with 404, which is an error here, not an outage.
     pub async fn check(&self) -> Result<(), GraphError> {
@@ -440,6 +546,68 @@ fn entry_of(said: &[(NamedNode, Term)]) -> Option<JournalEntry> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn beat(process: &str, holding: &[&str], for_ms: u64) -> ChainBeat {
+        ChainBeat {
+            process: process.into(),
+            holding: holding.iter().map(|c| (*c).to_owned()).collect(),
+            for_ms,
+        }
+    }
+
+    fn refs(chains: &[&str], except: Option<&str>) -> ChainRefs {
+        ChainRefs {
+            chains: chains.iter().map(|c| (*c).to_owned()).collect(),
+            except: except.map(str::to_owned),
+        }
+    }
+
+    fn held(chains: &[&str]) -> Vec<bool> {
+        held_now(&refs(chains, None))
+    }
+
+    #[tokio::test]
+    async fn a_beat_holds_its_chains_until_it_lapses_and_an_empty_one_lets_go_at_once() {
+        let store = Journal::Owner(GraphStore::in_memory().unwrap());
+        let asked = refs(&["beat-test-a", "beat-test-b"], None);
+        assert_eq!(store.held(asked.clone()).await.unwrap(), [false, false]);
+        store
+            .beat(beat("beat-test-p1", &["beat-test-a"], 60_000))
+            .await
+            .unwrap();
+        take_beat(beat("beat-test-p2", &["beat-test-b"], 50)).unwrap();
+        assert_eq!(store.held(asked.clone()).await.unwrap(), [true, true]);
+        // A process's own beats do not hold a chain for it.
+        assert_eq!(
+            held_now(&refs(&["beat-test-a", "beat-test-b"], Some("beat-test-p1"))),
+            [false, true]
+        );
+        // The second beat lapses on its own; the first process says it holds nothing any more.
+        tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+        assert_eq!(held(&["beat-test-a", "beat-test-b"]), [true, false]);
+        take_beat(beat("beat-test-p1", &[], 60_000)).unwrap();
+        assert_eq!(held(&["beat-test-a"]), [false]);
+    }
+
+    #[test]
+    fn a_beat_holds_for_a_minute_at_most_and_names_a_bounded_number_of_chains() {
+        let many: Vec<String> = (0..MAX_CHAINS_HELD + 10)
+            .map(|i| format!("beat-bound-{i}"))
+            .collect();
+        take_beat(ChainBeat {
+            process: "beat-bound-p".into(),
+            holding: many,
+            for_ms: u64::MAX,
+        })
+        .unwrap();
+        let kept = beats()
+            .get("beat-bound-p")
+            .map(|(until, holding)| (*until, holding.len()));
+        let (until, count) = kept.unwrap();
+        assert_eq!(count, MAX_CHAINS_HELD);
+        assert!(until <= tokio::time::Instant::now() + MAX_BEAT);
+        take_beat(beat("beat-bound-p", &[], 0)).unwrap();
+    }
 
     fn request(outcome: &str, attempt: &str) -> RecordRequest {
         RecordRequest {

@@ -9,7 +9,9 @@ use oxigraph::model::{GraphName, Quad};
 use oxigraph::sparql::results::{QueryResultsFormat, QueryResultsParser};
 
 use crate::batch::Batcher;
-use crate::journal::{EntryRefs, JournalEntry, RecordRequest, RecordRequests, MAX_BATCH};
+use crate::journal::{
+    ChainBeat, ChainRefs, EntryRefs, JournalEntry, RecordRequest, RecordRequests, MAX_BATCH,
+};
 use crate::{collect, GraphError, QueryAnswer};
 
 /// A remote SPARQL endpoint.
@@ -302,6 +304,25 @@ impl RemoteSparql {
 
     pub async fn journal_published(&self, entry: &str) -> Result<(), GraphError> {
         self.journal.marks.call(entry.to_owned()).await
+    }
+
+    /// A beat of chains held, to the journal's owner (one call a second at most: not batched).
+    pub async fn journal_beat(&self, beat: ChainBeat) -> Result<(), GraphError> {
+        if let Some(owner) = self.api.in_process() {
+            return owner.beat(beat);
+        }
+        self.api
+            .call("/journal/chains/beat", &beat)
+            .await
+            .map(|_| ())
+    }
+
+    /// Which of the chains asked for the journal's owner has word of a live process still running.
+    pub async fn journal_held(&self, asked: ChainRefs) -> Result<Vec<bool>, GraphError> {
+        if let Some(owner) = self.api.in_process() {
+            return Ok(owner.held(&asked));
+        }
+        self.api.answers("/journal/chains/held", &asked).await
     }
 }
 

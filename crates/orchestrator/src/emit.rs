@@ -251,6 +251,21 @@ pub struct JournalSlot<'a> {
     pub session: String,
 }
 
+/// Whether the chain that recorded `entry`, if one did, may still be running (see `chains`):
+/// recorded just now, or its process still beats.
+async fn chain_running(
+    journal: &Journal,
+    entry: &journal::Entry,
+) -> Result<bool, agent_graph::GraphError> {
+    let Some(root) = entry.chain() else {
+        return Ok(false);
+    };
+    if !entry.older_than(crate::chains::FIRST_BEAT_GRACE) {
+        return Ok(true);
+    }
+    journal.chain_held(root).await
+}
+
 impl<'a> DialogOutput<'a> {
     pub fn new(
         outputs: &'a Outputs,
@@ -674,13 +689,21 @@ impl<'a> DialogOutput<'a> {
         recorder: Recorder,
     ) -> anyhow::Result<()> {
         let node = slot.node.as_str();
+        let mut told_waiting = false;
         loop {
             if entry.published {
                 tracing::info!(entry = %node, "this step's outcome is already published; dropping the message");
                 return Ok(());
             }
+            // A chain publishes its steps only when it ends: while it runs (beats), a copy of
+            // one of its steps waits, whoever's it is, or the rest of the dialog would run twice.
+            let running = chain_running(slot.journal, &entry).await?;
+            if running && !told_waiting {
+                told_waiting = true;
+                crate::events::CopyWaitsForChain { entry: node }.emit();
+            }
             let ours = recorder == Recorder::Unknown && entry.delivery == slot.delivery;
-            if ours || entry.lease_expired() {
+            if !running && (ours || entry.lease_expired()) {
                 tracing::info!(entry = %node, "re-emitting this step's recorded outcome");
                 let effects = entry
                     .effects

@@ -43,6 +43,8 @@ pub struct Engine {
     pub continue_in_process: bool,
     /// The deliveries this process is handling, by broker message id (see [`Engine::handle`]).
     pub handling: Handling,
+    /// The chains running here, which its beat names to the journal's owner.
+    pub chains: Arc<crate::chains::HeldChains>,
 }
 
 /// Deliveries in hand, each with where its disposition will be told.
@@ -92,7 +94,7 @@ pub(crate) enum Attempt<'a> {
 pub(crate) enum Settled {
     Done,
     /// Done, and its dialog's next step is to run in this process.
-    Continued(emit::Continuation),
+    Continued(Box<emit::Continuation>),
     /// Set aside by an outage; nothing was committed.
     Parked(emit::Park),
     /// Waiting for another dialog of its conversation to end (`conversation_policy: queue`);
@@ -166,7 +168,7 @@ pub(crate) enum Next {
     /// Its effects are on the broker (or there were none to make): ack it.
     Ack,
     /// Its next step runs here: ack it once the chain it starts is done.
-    Continue(emit::Continuation),
+    Continue(Box<emit::Continuation>),
     /// Wait out an outage, then run the step again.
     Park(emit::Park),
     /// Wait for the conversation's running dialog, then run the step again (not an outage: it
@@ -266,6 +268,12 @@ impl Engine {
     /// chain cannot finish here (the process is stopping, a step handed back) has its request put
     /// on the broker, for whichever replica takes it.
     async fn continue_chain(&self, first: emit::Continuation) -> Disposition {
+        // Held until its root is settled: its steps are published only then.
+        let _held = first
+            .request
+            .properties
+            .get(emit::CHAIN_PROPERTY)
+            .map(|root| self.chains.hold(root.clone()));
         let mut receipts = Vec::new();
         let mut continued = Vec::new();
         let mut link = first;
@@ -364,7 +372,7 @@ impl Engine {
                     .await;
             let park = match next_after(result, may_park, window) {
                 Next::Ack => return (Disposition::Ack, None),
-                Next::Continue(continuation) => return (Disposition::Ack, Some(continuation)),
+                Next::Continue(continuation) => return (Disposition::Ack, Some(*continuation)),
                 Next::Queue(why) => {
                     tracing::debug!(%why, "queued behind its conversation");
                     tokio::select! {

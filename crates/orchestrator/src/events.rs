@@ -8,7 +8,7 @@ use agent_metrics::global;
 
 use crate::metrics::{
     APPROVAL_ANSWERS, CONTINUED, DIALOGS_FINISHED, DIALOGS_STARTED, GIVEN_UP, ITERATIONS,
-    ITERATION_LATENCY, PARKED, RELEASED, TOOL_CALLS, TOOL_LATENCY,
+    ITERATION_LATENCY, PARKED, RELEASED, TOOL_CALLS, TOOL_LATENCY, WAITED_FOR_CHAIN,
 };
 
 /// An outage set a step aside; it runs again after `retry_in`.
@@ -40,6 +40,19 @@ impl StepContinued<'_> {
     pub fn emit(&self) {
         global().inc(CONTINUED, &[]);
         tracing::debug!(after = %self.entry, "the dialog's next step runs here");
+    }
+}
+
+/// A message of a step recorded by a chain that still runs (see `chains`): it waits for the
+/// chain to publish the step.
+pub struct CopyWaitsForChain<'a> {
+    pub entry: &'a str,
+}
+
+impl CopyWaitsForChain<'_> {
+    pub fn emit(&self) {
+        global().inc(WAITED_FOR_CHAIN, &[]);
+        tracing::info!(entry = %self.entry, "the chain that recorded this step still runs; waiting for it");
     }
 }
 

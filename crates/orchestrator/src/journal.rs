@@ -105,13 +105,29 @@ pub const PUBLISH_LEASE: std::time::Duration = std::time::Duration::from_secs(5)
 impl Entry {
     /// Whether the recorder has had time enough to publish.
     pub fn lease_expired(&self) -> bool {
+        self.older_than(PUBLISH_LEASE)
+    }
+
+    /// Whether it was recorded at least `age` ago (an entry with no time of its own is old).
+    pub fn older_than(&self, age: std::time::Duration) -> bool {
         let Some(at) = self.recorded_at else {
             return true;
         };
         chrono::Utc::now()
             .signed_duration_since(at)
             .to_std()
-            .is_ok_and(|age| age >= PUBLISH_LEASE)
+            .is_ok_and(|elapsed| elapsed >= age)
+    }
+
+    /// The chain that recorded it, if a step continued in process did (see
+    /// `emit::CHAIN_PROPERTY`): its request names the chain.
+    pub fn chain(&self) -> Option<&str> {
+        self.effects.iter().find_map(|effect| {
+            (effect.channel == Channel::Requests)
+                .then(|| effect.properties.get(crate::emit::CHAIN_PROPERTY))
+                .flatten()
+                .map(String::as_str)
+        })
     }
 }
 
@@ -361,11 +377,17 @@ pub struct UnreadableEntry {
 #[derive(Clone)]
 pub struct Journal {
     book: agent_graph::journal::Journal,
+    /// This process, as its chains' beats name it (see `chains`).
+    process: std::sync::Arc<str>,
 }
 
 impl Journal {
     pub fn new(book: agent_graph::journal::Journal) -> Journal {
-        Journal { book }
+        let process = format!("orchestrator-{}", uuid::Uuid::new_v4().simple());
+        Journal {
+            book,
+            process: process.into(),
+        }
     }
 
     /// Whether the journal's owner answers as one (see [`agent_graph::journal::Journal::check`]).
@@ -443,6 +465,33 @@ impl Journal {
     /// Marks the step's outcome as published.
     pub async fn mark_published(&self, node: &NamedNode) -> Result<(), GraphError> {
         self.book.mark_published(node).await
+    }
+
+    /// Tells the owner that this process runs the chains with these roots, for `lasts` (see
+    /// `chains`).
+    pub async fn beat(
+        &self,
+        holding: Vec<String>,
+        lasts: std::time::Duration,
+    ) -> Result<(), GraphError> {
+        let beat = agent_graph::journal::ChainBeat {
+            process: self.process.to_string(),
+            holding,
+            for_ms: u64::try_from(lasts.as_millis()).unwrap_or(u64::MAX),
+        };
+        self.book.beat(beat).await
+    }
+
+    /// Whether another live process has said it still runs the chain `root`. This process's
+    /// own word does not count: a chain of its own that meets a step recorded by a second line
+    /// of the same chain waits for that line's process, never for itself.
+    pub async fn chain_held(&self, root: &str) -> Result<bool, GraphError> {
+        let asked = agent_graph::journal::ChainRefs {
+            chains: vec![root.to_owned()],
+            except: Some(self.process.to_string()),
+        };
+        let held = self.book.held(asked).await?;
+        Ok(held.first().copied().unwrap_or(false))
     }
 }
 

@@ -6,6 +6,7 @@
 pub mod approval;
 pub mod budget;
 pub mod cancel;
+pub mod chains;
 pub mod conversation;
 pub mod documents;
 pub mod emit;

@@ -17,6 +17,7 @@ pub const GIVEN_UP: &str = "agent_steps_given_up_total";
 pub const RELEASED: &str = "agent_steps_released_total";
 pub const APPROVAL_ANSWERS: &str = "agent_approval_answers_total";
 pub const CONTINUED: &str = "agent_steps_continued_total";
+pub const WAITED_FOR_CHAIN: &str = "agent_chain_copies_waited_total";
 
 /// Declares every family this process reports, so `/metrics` lists them from the start.
 pub fn describe() {
@@ -72,6 +73,11 @@ pub fn describe() {
         CONTINUED,
         Kind::Counter,
         "Steps run in the process that recorded the step before them, without their request going through the broker (--continue-in-process).",
+    );
+    registry.describe(
+        WAITED_FOR_CHAIN,
+        Kind::Counter,
+        "Messages of a step recorded by a chain still running elsewhere (a root handed to another replica), which waited for it instead of running the rest of the dialog a second time.",
     );
     agent_llm::describe_metrics();
 }

@@ -142,7 +142,15 @@ pub async fn run(settings: Settings, shutdown: CancellationToken) -> anyhow::Res
         control: Some(Publisher::new(&bus, &topics.control).await?),
         continue_in_process: settings.continue_in_process,
         handling: Default::default(),
+        chains: Default::default(),
     });
+    if let (true, Some(journal)) = (settings.continue_in_process, &engine.journal) {
+        tokio::spawn(crate::chains::beat(
+            journal.clone(),
+            engine.chains.clone(),
+            shutdown.clone(),
+        ));
+    }
     let subscription = SubscriptionConfig {
         topic: topics.request.clone(),
         subscription: settings.subscription.clone(),

@@ -315,7 +315,7 @@ impl Engine {
         let first_iteration = !routing && step.request.history.is_empty();
         committed(&step.out, pattern, first_iteration, taken);
         match step.out.take_continuation() {
-            Some(continuation) => Ok(Settled::Continued(continuation)),
+            Some(continuation) => Ok(Settled::Continued(Box::new(continuation))),
             None => Ok(Settled::Done),
         }
     }
