@@ -230,6 +230,9 @@ enum Order {
     RequestsLast,
     /// All sent at once in order, every receipt awaited at the end.
     Pipelined,
+    /// All sent at once in order, the receipts left pending for whoever takes them (a chain
+    /// awaits its steps' receipts before its root is acked).
+    Unawaited,
 }
 
 /// Who recorded a journal entry that a delivery finds in its way.
@@ -614,14 +617,7 @@ impl<'a> DialogOutput<'a> {
             // a redelivery of this chain's root to re-emit), and nothing waits for the receipts
             // of the rest, which the chain awaits before its root is acked.
             let request = effects.remove(i);
-            for effect in &effects {
-                self.send(
-                    effect.channel,
-                    effect.payload.clone().into_bytes(),
-                    &effect.properties,
-                )
-                .await?;
-            }
+            self.publish_in(&effects, Order::Unawaited).await?;
             fault::crash_if(fault::Stage::Published, commit);
             // Nothing is marked yet (the chain marks its steps once it ends): a crash here is
             // this commit's last point, as before the mark of a step that did not continue.
@@ -735,12 +731,12 @@ impl<'a> DialogOutput<'a> {
             if effect.channel == Channel::Requests && order == Order::RequestsLast {
                 self.flush().await?;
             }
-            self.send(
-                effect.channel,
-                effect.payload.clone().into_bytes(),
-                &effect.properties,
-            )
-            .await?;
+            if let Some(receipt) = self.outputs.publish_effect(effect).await? {
+                locked(&self.pending).push(receipt);
+            }
+        }
+        if order == Order::Unawaited {
+            return Ok(());
         }
         self.flush().await
     }

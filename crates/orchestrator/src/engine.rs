@@ -52,6 +52,9 @@ pub type Handling = std::sync::Mutex<
     std::collections::HashMap<String, tokio::sync::watch::Receiver<Option<Disposition>>>,
 >;
 
+/// What a redelivery waiting for the first is told when that first one's handler stopped short.
+const FIRST_HANDLER_STOPPED: &str = "the first delivery's handler stopped";
+
 /// Forgets a delivery in hand once its handler is done (or dropped), telling its disposition to
 /// any redelivery of it waiting meanwhile.
 struct InHand<'e> {
@@ -71,9 +74,8 @@ impl Drop for InHand<'_> {
         emit::locked(self.handling).remove(&self.message_id);
         // Dropped before `done` (its handler cancelled): a waiting redelivery runs on its own.
         if self.told.borrow().is_none() {
-            self.told.send_replace(Some(Disposition::Nack(
-                "the first delivery's handler stopped".to_owned(),
-            )));
+            self.told
+                .send_replace(Some(Disposition::Nack(FIRST_HANDLER_STOPPED.to_owned())));
         }
     }
 }
@@ -245,9 +247,10 @@ impl Engine {
                     .await
                     .ok()
                     .and_then(|d| d.clone());
-                return disposition.unwrap_or_else(|| {
-                    Disposition::Nack("the first delivery's handler stopped".to_owned())
-                });
+                // `InHand` always tells before it goes; should the channel close untold all the
+                // same, the redelivery is handed back rather than run beside the first.
+                return disposition
+                    .unwrap_or_else(|| Disposition::Nack(FIRST_HANDLER_STOPPED.to_owned()));
             }
         };
         // Boxed, as the step is inside (see `run_step`): this future holds the chain's too, and a
