@@ -296,15 +296,17 @@ fn slow_second_step(delay_ms: u64) -> String {
 async fn a_chains_root_handed_to_another_replica_waits_while_the_chain_runs() {
     let mut broker = Broker::start().unwrap();
     let aggregator = Aggregator::spawn_with(&broker, &["--config-token", TOKEN]);
-    let llm = scripted_llm(&slow_second_step(8000)).await;
+    let llm = scripted_llm(&slow_second_step(12_000)).await;
     let continuing = ("AGENT_CONTINUE_IN_PROCESS", "true");
+    // Its beats hold for 15 s, so that the freeze below (a broker restart and the second
+    // replica's reconnection, on two busy cores) ends well within the last one.
     let first = Orchestrator::journaled(
         Place::Child,
         &broker,
         &llm,
         &aggregator,
         TOKEN,
-        &[continuing],
+        &[continuing, ("AGENT_CHAIN_LEASE_SECS", "15")],
     );
     let question = "combine (a chain that still runs)";
     let id = "chain-still-runs";
@@ -347,9 +349,10 @@ async fn a_chains_root_handed_to_another_replica_waits_while_the_chain_runs() {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     // pulsar-lite is back within a second or two, well inside the first process's last beat.
-    // Apache Pulsar takes longer than a beat holds, so there the first runs on, and the message
-    // goes to whichever replica subscribes again first.
+    // Apache Pulsar may take longer than that, so there the first runs on, and the message goes
+    // to whichever replica subscribes again first.
     let frozen = !on_apache_pulsar();
+    let froze = std::time::Instant::now();
     first.freeze(frozen);
     broker.restart().unwrap();
     let waited = || async {
@@ -364,7 +367,7 @@ async fn a_chains_root_handed_to_another_replica_waits_while_the_chain_runs() {
             .unwrap_or(0.0)
     };
     let restarted = std::time::Instant::now();
-    while frozen && waited().await < 1.0 && restarted.elapsed() < Duration::from_secs(3) {
+    while frozen && waited().await < 1.0 && froze.elapsed() < Duration::from_secs(8) {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     first.freeze(false);

@@ -176,6 +176,19 @@ const MAX_BEATING: usize = 4096;
 /// The longest one beat may hold.
 const MAX_BEAT: std::time::Duration = std::time::Duration::from_secs(60);
 
+/// The longest root a beat may name (a broker's message id is a few dozen bytes); longer ones
+/// are not kept, so a beat's memory is bounded by more than its count.
+const MAX_ROOT_BYTES: usize = 256;
+
+/// For this long after it first hears of chains, an owner answers every chain held: one that
+/// just started (or took over) has not heard the beats of the processes running chains yet, and
+/// "not held" then would let a copy run beside a live chain.
+const WARM_UP: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// When this process first heard of chains (a beat or a question).
+static FIRST_HEARD: std::sync::LazyLock<tokio::time::Instant> =
+    std::sync::LazyLock::new(tokio::time::Instant::now);
+
 /// Each beating process's chains, until when (the owner's clock).
 type Beats =
     std::collections::HashMap<String, (tokio::time::Instant, std::collections::HashSet<String>)>;
@@ -192,6 +205,7 @@ fn beats() -> std::sync::MutexGuard<'static, Beats> {
 }
 
 pub(crate) fn take_beat(beat: ChainBeat) -> Result<(), GraphError> {
+    std::sync::LazyLock::force(&FIRST_HEARD);
     let now = tokio::time::Instant::now();
     let mut beats = beats();
     beats.retain(|_, (until, _)| *until > now);
@@ -206,13 +220,26 @@ pub(crate) fn take_beat(beat: ChainBeat) -> Result<(), GraphError> {
     }
     let lasts = std::time::Duration::from_millis(beat.for_ms).min(MAX_BEAT);
     // The journal API refuses more; a caller in process is held to the same bound.
-    let holding = beat.holding.into_iter().take(MAX_CHAINS_HELD).collect();
+    let holding = beat
+        .holding
+        .into_iter()
+        .filter(|root| root.len() <= MAX_ROOT_BYTES)
+        .take(MAX_CHAINS_HELD)
+        .collect();
     beats.insert(beat.process, (now + lasts, holding));
     Ok(())
 }
 
 pub(crate) fn held_now(asked: &ChainRefs) -> Vec<bool> {
+    held_since(asked, *FIRST_HEARD)
+}
+
+/// [`held_now`] for an owner that first heard of chains at `first_heard`.
+fn held_since(asked: &ChainRefs, first_heard: tokio::time::Instant) -> Vec<bool> {
     let now = tokio::time::Instant::now();
+    if now < first_heard + WARM_UP {
+        return vec![true; asked.chains.len()];
+    }
     let beats = beats();
     let live: Vec<&std::collections::HashSet<String>> = beats
         .iter()
@@ -562,28 +589,41 @@ mod tests {
         }
     }
 
+    /// As an owner past its warm-up answers.
+    fn held_by(chains: &[&str], except: Option<&str>) -> Vec<bool> {
+        let long_ago = tokio::time::Instant::now()
+            .checked_sub(WARM_UP * 2)
+            .unwrap();
+        held_since(&refs(chains, except), long_ago)
+    }
+
     fn held(chains: &[&str]) -> Vec<bool> {
-        held_now(&refs(chains, None))
+        held_by(chains, None)
     }
 
     #[tokio::test]
     async fn a_beat_holds_its_chains_until_it_lapses_and_an_empty_one_lets_go_at_once() {
         let store = Journal::Owner(GraphStore::in_memory().unwrap());
-        let asked = refs(&["beat-test-a", "beat-test-b"], None);
-        assert_eq!(store.held(asked.clone()).await.unwrap(), [false, false]);
+        assert_eq!(held(&["beat-test-a", "beat-test-b"]), [false, false]);
         store
             .beat(beat("beat-test-p1", &["beat-test-a"], 60_000))
             .await
             .unwrap();
-        take_beat(beat("beat-test-p2", &["beat-test-b"], 50)).unwrap();
-        assert_eq!(store.held(asked.clone()).await.unwrap(), [true, true]);
+        take_beat(beat("beat-test-p2", &["beat-test-b"], 1_000)).unwrap();
+        assert_eq!(held(&["beat-test-a", "beat-test-b"]), [true, true]);
         // A process's own beats do not hold a chain for it.
         assert_eq!(
-            held_now(&refs(&["beat-test-a", "beat-test-b"], Some("beat-test-p1"))),
+            held_by(&["beat-test-a", "beat-test-b"], Some("beat-test-p1")),
             [false, true]
         );
+        // An owner that has only just heard of chains holds every one asked about.
+        let asked = refs(&["beat-test-a", "beat-test-unknown"], Some("beat-test-p1"));
+        assert_eq!(
+            held_since(&asked, tokio::time::Instant::now()),
+            [true, true]
+        );
         // The second beat lapses on its own; the first process says it holds nothing any more.
-        tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+        tokio::time::sleep(std::time::Duration::from_millis(1_300)).await;
         assert_eq!(held(&["beat-test-a", "beat-test-b"]), [true, false]);
         take_beat(beat("beat-test-p1", &[], 60_000)).unwrap();
         assert_eq!(held(&["beat-test-a"]), [false]);
@@ -591,9 +631,10 @@ mod tests {
 
     #[test]
     fn a_beat_holds_for_a_minute_at_most_and_names_a_bounded_number_of_chains() {
-        let many: Vec<String> = (0..MAX_CHAINS_HELD + 10)
+        let mut many: Vec<String> = (0..MAX_CHAINS_HELD + 10)
             .map(|i| format!("beat-bound-{i}"))
             .collect();
+        many.insert(0, "x".repeat(MAX_ROOT_BYTES + 1));
         take_beat(ChainBeat {
             process: "beat-bound-p".into(),
             holding: many,

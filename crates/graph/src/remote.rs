@@ -318,11 +318,15 @@ impl RemoteSparql {
     }
 
     /// Which of the chains asked for the journal's owner has word of a live process still running.
+    /// An owner of an earlier build, which has no such word, holds none.
     pub async fn journal_held(&self, asked: ChainRefs) -> Result<Vec<bool>, GraphError> {
         if let Some(owner) = self.api.in_process() {
             return Ok(owner.held(&asked));
         }
-        self.api.answers("/journal/chains/held", &asked).await
+        match self.api.answers("/journal/chains/held", &asked).await {
+            Err(GraphError::NoJournal(_)) => Ok(vec![false; asked.chains.len()]),
+            answered => answered,
+        }
     }
 }
 

@@ -16,13 +16,13 @@ use crate::journal::Journal;
 /// How often a process that runs chains beats.
 pub const BEAT_EVERY: Duration = Duration::from_secs(1);
 
-/// How long one beat holds (as long as a step's publish lease): four beats may be late or lost
-/// before the chains count as stopped.
-pub const CHAIN_LEASE: Duration = Duration::from_secs(5);
+/// The longest a beat may take: one stuck longer is given up, and the next tried, well within
+/// a beat's hold.
+const BEAT_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// A chain's step recorded this recently may belong to a chain whose first beat is still on its
-/// way (a chain is held from just after its first step is recorded, and named by the next beat):
-/// it counts as held.
+/// way (a chain is held from just before its first step is recorded, and named by the next beat,
+/// at most [`LEAST_BETWEEN_BEATS`] later): it counts as held.
 pub const FIRST_BEAT_GRACE: Duration = Duration::from_secs(2);
 
 /// The least time between two beats, however often chains start.
@@ -38,10 +38,13 @@ pub struct HeldChains {
 
 impl HeldChains {
     /// Holds `root` until the guard is dropped; the next beat names it.
-    pub fn hold(&self, root: String) -> Holding<'_> {
+    pub fn hold(self: &Arc<Self>, root: String) -> Holding {
         *locked(&self.roots).entry(root.clone()).or_default() += 1;
         self.started.notify_one();
-        Holding { chains: self, root }
+        Holding {
+            chains: self.clone(),
+            root,
+        }
     }
 
     fn roots(&self) -> Vec<String> {
@@ -54,12 +57,12 @@ impl HeldChains {
 }
 
 /// A chain held while it runs.
-pub struct Holding<'c> {
-    chains: &'c HeldChains,
+pub struct Holding {
+    chains: Arc<HeldChains>,
     root: String,
 }
 
-impl Drop for Holding<'_> {
+impl Drop for Holding {
     fn drop(&mut self) {
         let mut roots = locked(&self.chains.roots);
         if let Some(runs) = roots.get_mut(&self.root) {
@@ -76,7 +79,8 @@ impl Drop for Holding<'_> {
 /// the last ends; after `shutdown`, until the chains still running have ended. A beat that fails
 /// is logged once until one succeeds: meanwhile another replica may take a chain over, which
 /// costs steps run twice, never a second outcome.
-pub async fn beat(journal: Journal, chains: Arc<HeldChains>, shutdown: CancellationToken) {
+pub async fn beat(journal: Journal, lease: Duration, shutdown: CancellationToken) {
+    let chains = journal.chains().clone();
     let mut told_any = false;
     let mut failing = false;
     loop {
@@ -86,7 +90,14 @@ pub async fn beat(journal: Journal, chains: Arc<HeldChains>, shutdown: Cancellat
         }
         if !holding.is_empty() || told_any {
             let none = holding.is_empty();
-            match journal.beat(holding, CHAIN_LEASE).await {
+            let told = tokio::time::timeout(BEAT_TIMEOUT, journal.beat(holding, lease))
+                .await
+                .unwrap_or_else(|_| {
+                    Err(agent_graph::GraphError::Transport(format!(
+                        "no answer within {BEAT_TIMEOUT:?}"
+                    )))
+                });
+            match told {
                 Ok(()) => {
                     told_any = !none;
                     if failing {

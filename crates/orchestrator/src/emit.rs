@@ -200,6 +200,8 @@ pub struct Continuation {
     /// The step's entry: marked published once the chain's messages are all on the broker.
     pub node: NamedNode,
     pub journal: Journal,
+    /// The chain, held (named in this process's beats) from before the step was recorded.
+    pub held: crate::chains::Holding,
 }
 
 impl std::fmt::Debug for Continuation {
@@ -573,6 +575,7 @@ impl<'a> DialogOutput<'a> {
         }
         self.add_kept(&mut effects);
         let mut continuing = None;
+        let mut held = None;
         // The streamed chunks are not journaled: they must be on the broker before the outcome is
         // recorded, or a crash after recording would re-emit a closing message without its text.
         self.flush().await?;
@@ -591,6 +594,9 @@ impl<'a> DialogOutput<'a> {
                 effects[i]
                     .properties
                     .insert(CHAIN_PROPERTY.to_owned(), chain.clone());
+                // Held before the record: a copy that finds it must find the chain held too,
+                // however long the rest of this commit takes (a broker reconnecting).
+                held = Some(slot.journal.chains().hold(chain.clone()));
             }
             let attempt = self.attempt.clone();
             let journaled: Vec<Effect> = effects
@@ -612,7 +618,7 @@ impl<'a> DialogOutput<'a> {
         }
         let commit = fault::next_commit();
         fault::crash_if(fault::Stage::Recorded, commit);
-        if let (Some(slot), Some(i)) = (slot, continuing) {
+        if let (Some(slot), Some(i), Some(held)) = (slot, continuing, held) {
             // The next step runs here: its request stays off the broker (the entry holds it, for
             // a redelivery of this chain's root to re-emit), and nothing waits for the receipts
             // of the rest, which the chain awaits before its root is acked.
@@ -627,6 +633,7 @@ impl<'a> DialogOutput<'a> {
                 receipts: std::mem::take(&mut *locked(&self.pending)),
                 node: slot.node.clone(),
                 journal: slot.journal.clone(),
+                held,
             });
             return Ok(());
         }

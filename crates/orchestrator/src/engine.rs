@@ -43,8 +43,6 @@ pub struct Engine {
     pub continue_in_process: bool,
     /// The deliveries this process is handling, by broker message id (see [`Engine::handle`]).
     pub handling: Handling,
-    /// The chains running here, which its beat names to the journal's owner.
-    pub chains: Arc<crate::chains::HeldChains>,
 }
 
 /// Deliveries in hand, each with where its disposition will be told.
@@ -271,12 +269,9 @@ impl Engine {
     /// chain cannot finish here (the process is stopping, a step handed back) has its request put
     /// on the broker, for whichever replica takes it.
     async fn continue_chain(&self, first: emit::Continuation) -> Disposition {
-        // Held until its root is settled: its steps are published only then.
-        let _held = first
-            .request
-            .properties
-            .get(emit::CHAIN_PROPERTY)
-            .map(|root| self.chains.hold(root.clone()));
+        // Held (from before its first step was recorded) until its root is settled: its steps
+        // are published only then. Each step's hold is kept to the end.
+        let mut holds = Vec::new();
         let mut receipts = Vec::new();
         let mut continued = Vec::new();
         let mut link = first;
@@ -286,8 +281,10 @@ impl Engine {
                 request,
                 node,
                 journal,
+                held,
                 ..
             } = link;
+            holds.push(held);
             continued.push((journal, node));
             if self.shutdown.is_cancelled() {
                 break Some(request);
@@ -353,6 +350,8 @@ impl Engine {
                 tracing::warn!(entry = %node.as_str(), error = %e, "published, but not marked in the journal");
             }
         }
+        // Published and marked: a copy now drops rather than waits.
+        drop(holds);
         Disposition::Ack
     }
 

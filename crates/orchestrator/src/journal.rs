@@ -379,6 +379,8 @@ pub struct Journal {
     book: agent_graph::journal::Journal,
     /// This process, as its chains' beats name it (see `chains`).
     process: std::sync::Arc<str>,
+    /// The chains this process runs, which its beats name.
+    chains: std::sync::Arc<crate::chains::HeldChains>,
 }
 
 impl Journal {
@@ -387,7 +389,13 @@ impl Journal {
         Journal {
             book,
             process: process.into(),
+            chains: Default::default(),
         }
+    }
+
+    /// The chains this process runs.
+    pub fn chains(&self) -> &std::sync::Arc<crate::chains::HeldChains> {
+        &self.chains
     }
 
     /// Whether the journal's owner answers as one (see [`agent_graph::journal::Journal::check`]).

@@ -142,12 +142,11 @@ pub async fn run(settings: Settings, shutdown: CancellationToken) -> anyhow::Res
         control: Some(Publisher::new(&bus, &topics.control).await?),
         continue_in_process: settings.continue_in_process,
         handling: Default::default(),
-        chains: Default::default(),
     });
     if let (true, Some(journal)) = (settings.continue_in_process, &engine.journal) {
         tokio::spawn(crate::chains::beat(
             journal.clone(),
-            engine.chains.clone(),
+            Duration::from_secs(settings.chain_lease_secs.max(1)),
             shutdown.clone(),
         ));
     }

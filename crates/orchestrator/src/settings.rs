@@ -51,6 +51,12 @@ pub struct Settings {
     /// steps and goes on (docs/effectively-once.md, "Continuing in process"). Off by default.
     #[arg(long, env = "AGENT_CONTINUE_IN_PROCESS")]
     pub continue_in_process: bool,
+    /// Continuing in process, how long one of this process's beats tells the journal's owner its
+    /// chains still run (it beats every second): a copy of a chain's message waits that long
+    /// after the last beat before it takes the dialog over. Longer rides out longer pauses of a
+    /// process; a crashed chain's dialog then goes on later.
+    #[arg(long, env = "AGENT_CHAIN_LEASE_SECS", default_value_t = 5)]
+    pub chain_lease_secs: u64,
     /// Seconds in-flight iterations get to finish on shutdown.
     #[arg(long, default_value_t = 20)]
     pub drain_secs: u64,
