@@ -176,9 +176,10 @@ const MAX_BEATING: usize = 4096;
 /// The longest one beat may hold.
 const MAX_BEAT: std::time::Duration = std::time::Duration::from_secs(60);
 
-/// The longest root a beat may name (a broker's message id is a few dozen bytes); longer ones
-/// are not kept, so a beat's memory is bounded by more than its count.
-const MAX_ROOT_BYTES: usize = 256;
+/// The longest root a beat may name (an orchestrator names a chain by its session's URI and a
+/// broker's message id: a few hundred bytes at most); longer ones are not kept, so a beat's
+/// memory is bounded by more than its count.
+const MAX_ROOT_BYTES: usize = 1024;
 
 /// For this long after it first hears of chains, an owner answers every chain held: one that
 /// just started (or took over) has not heard the beats of the processes running chains yet, and

@@ -28,6 +28,12 @@ pub const FIRST_BEAT_GRACE: Duration = Duration::from_secs(2);
 /// The least time between two beats, however often chains start.
 const LEAST_BETWEEN_BEATS: Duration = Duration::from_millis(200);
 
+/// What a chain is held as: its dialog's session and its root's message id. A message id alone is
+/// unique only on its topic (a client's topic, partitions, another broker behind the same owner).
+pub fn key(session: &str, root: &str) -> String {
+    format!("{session} {root}")
+}
+
 /// The roots of the chains running here, each with how many runs of it are in hand (a root's
 /// redelivery waits for the first here, so one; counted all the same).
 #[derive(Default)]

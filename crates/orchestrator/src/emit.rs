@@ -259,7 +259,7 @@ pub struct JournalSlot<'a> {
 /// Whether the chain that recorded `entry`, if one did, may still be running (see `chains`):
 /// recorded just now, or its process still beats.
 async fn chain_running(
-    journal: &Journal,
+    slot: &JournalSlot<'_>,
     entry: &journal::Entry,
 ) -> Result<bool, agent_graph::GraphError> {
     let Some(root) = entry.chain() else {
@@ -268,7 +268,9 @@ async fn chain_running(
     if !entry.older_than(crate::chains::FIRST_BEAT_GRACE) {
         return Ok(true);
     }
-    journal.chain_held(root).await
+    slot.journal
+        .chain_held(&crate::chains::key(&slot.session, root))
+        .await
 }
 
 impl<'a> DialogOutput<'a> {
@@ -596,7 +598,11 @@ impl<'a> DialogOutput<'a> {
                     .insert(CHAIN_PROPERTY.to_owned(), chain.clone());
                 // Held before the record: a copy that finds it must find the chain held too,
                 // however long the rest of this commit takes (a broker reconnecting).
-                held = Some(slot.journal.chains().hold(chain.clone()));
+                held = Some(
+                    slot.journal
+                        .chains()
+                        .hold(crate::chains::key(&slot.session, chain)),
+                );
             }
             let attempt = self.attempt.clone();
             let journaled: Vec<Effect> = effects
@@ -700,7 +706,7 @@ impl<'a> DialogOutput<'a> {
             }
             // A chain publishes its steps only when it ends: while it runs (beats), a copy of
             // one of its steps waits, whoever's it is, or the rest of the dialog would run twice.
-            let running = chain_running(slot.journal, &entry).await?;
+            let running = chain_running(slot, &entry).await?;
             if running && !told_waiting {
                 told_waiting = true;
                 crate::events::CopyWaitsForChain { entry: node }.emit();
