@@ -109,6 +109,25 @@ async fn a_crash_at_any_point_of_publishing_a_step_gives_one_outcome() {
     }
 }
 
+/// The closing of the dialog `id` in `session` as the journal recorded it, once it is (within
+/// two minutes): read there rather than from the response topic, whose non-persistent messages a
+/// client subscribing again after a broker restart can miss.
+async fn journaled_closing(aggregator: &Aggregator, session: &str, id: &str) -> AgentResponse {
+    let store = aggregator.store();
+    let deadline = std::time::Instant::now() + Duration::from_secs(120);
+    loop {
+        let recorded = agent_orchestrator::journal::recorded_closing(&store, session, id).await;
+        if let Ok(Some(closing)) = recorded {
+            return closing;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the dialog did not end (session {session})"
+        );
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+}
+
 /// A broker restart hands back what a consumer held unacked, here to the very process still
 /// working on it (its LLM call takes seconds). The copy waits for the step in hand instead of
 /// running beside it: the LLM is asked once, and the dialog ends once. (Its closing is read from
@@ -144,20 +163,7 @@ async fn a_message_handed_back_while_its_step_runs_here_is_not_run_twice() {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     broker.restart().unwrap();
-    let store = aggregator.store();
-    let deadline = std::time::Instant::now() + Duration::from_secs(120);
-    let closing = loop {
-        let recorded =
-            agent_orchestrator::journal::recorded_closing(&store, &session, "in-hand").await;
-        if let Ok(Some(closing)) = recorded {
-            break closing;
-        }
-        assert!(
-            std::time::Instant::now() < deadline,
-            "the dialog did not end (session {session})"
-        );
-        tokio::time::sleep(Duration::from_millis(250)).await;
-    };
+    let closing = journaled_closing(&aggregator, &session, "in-hand").await;
     assert_eq!(closing.content, ANSWER);
     // Long enough for a copy run beside the step to have asked the LLM too.
     tokio::time::sleep(Duration::from_secs(5)).await;
@@ -371,19 +377,7 @@ async fn a_chains_root_handed_to_another_replica_waits_while_the_chain_runs() {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     first.freeze(false);
-    let store = aggregator.store();
-    let deadline = std::time::Instant::now() + Duration::from_secs(120);
-    let closing = loop {
-        let recorded = agent_orchestrator::journal::recorded_closing(&store, &session, id).await;
-        if let Ok(Some(closing)) = recorded {
-            break closing;
-        }
-        assert!(
-            std::time::Instant::now() < deadline,
-            "the dialog did not end (session {session})"
-        );
-        tokio::time::sleep(Duration::from_millis(250)).await;
-    };
+    let closing = journaled_closing(&aggregator, &session, id).await;
     assert_eq!(closing.content, "alpha and beta, combined.");
     // Long enough for a second line of the dialog to have asked the LLM too.
     tokio::time::sleep(Duration::from_secs(5)).await;
