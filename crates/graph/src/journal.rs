@@ -79,17 +79,26 @@ const EXPECTED_STEPS: usize = 65_536;
 const MAX_NEXT: usize = 256;
 
 /// Steps known to have no entry without reading the store: the next steps of outcomes this
-/// process wrote, neither looked up nor recorded since. Such a step's message can exist only once
-/// the outcome that carries it was recorded (an outcome is published only after its record), and
-/// every record goes through the owner, which forgets a step as it records it; so until then
-/// nothing can have been recorded for it, and a lookup is answered without a read (one store
-/// read, or one query to a SPARQL server, less a step). The answer only spares a lookup: a record still reads what
-/// stands, under the key's lock, so a wrong "nothing yet" could only cost a step's work, never a
-/// second outcome. Kept for the whole process, as the locks are, so two handles on one store
-/// share it; bounded, oldest forgotten first.
+/// process wrote into a store, not recorded since. Such a step's message can exist only once the
+/// outcome that carries it was recorded (an outcome is published only after its record), and
+/// every record goes through the owner, which forgets a step (for every store) as it records it;
+/// so until then nothing can have been recorded for it. Its first lookup is answered without a
+/// read, and its record writes without one: one store read (or one query to a SPARQL server) less
+/// for each, on every step but a dialog's first. A second lookup (a copy, a redelivery) reads, as
+/// a step not expected does. Kept for the whole process, as the locks are, and by store
+/// (`GraphStore::identity`): a step expected of one store says nothing of another, and one
+/// recorded through any handle is forgotten for all of them, so two handles on one store can only
+/// cost each other a read. Bounded, oldest forgotten first; forgetting only costs reads.
 struct ExpectedSteps {
-    entries: std::collections::HashSet<Arc<str>>,
+    /// For each step, the stores it is expected of, and whether it was looked up there yet.
+    entries: std::collections::HashMap<Arc<str>, Vec<Expected>>,
     oldest_first: std::collections::VecDeque<Arc<str>>,
+}
+
+#[derive(Clone, Copy, PartialEq, Debug)]
+struct Expected {
+    store: u64,
+    looked_up: bool,
 }
 
 static EXPECTED: std::sync::LazyLock<std::sync::Mutex<ExpectedSteps>> =
@@ -108,11 +117,19 @@ fn expected() -> std::sync::MutexGuard<'static, ExpectedSteps> {
 }
 
 impl ExpectedSteps {
-    fn expect<'e>(entries: impl Iterator<Item = &'e str>) {
+    fn expect<'e>(store: u64, entries: impl Iterator<Item = &'e str>) {
         let mut known = expected();
         for entry in entries.take(MAX_NEXT).filter(|e| node(e).is_ok()) {
             let entry: Arc<str> = Arc::from(entry);
-            if known.entries.insert(entry.clone()) {
+            let stores = known.entries.entry(entry.clone()).or_default();
+            let new = stores.is_empty();
+            if !stores.iter().any(|e| e.store == store) {
+                stores.push(Expected {
+                    store,
+                    looked_up: false,
+                });
+            }
+            if new {
                 known.oldest_first.push_back(entry);
             }
         }
@@ -123,19 +140,35 @@ impl ExpectedSteps {
         }
     }
 
-    fn forget<'e>(entries: impl Iterator<Item = &'e str>) {
+    /// Forgets each of `entries` for every store, as they are recorded (under their keys'
+    /// locks): whether each was expected of `store`, so that nothing can stand for it there.
+    fn recorded(store: u64, entries: &[NamedNode]) -> Vec<bool> {
         let mut known = expected();
-        for entry in entries {
-            known.entries.remove(entry);
-        }
+        entries
+            .iter()
+            .map(|entry| {
+                known
+                    .entries
+                    .remove(entry.as_str())
+                    .is_some_and(|stores| stores.iter().any(|e| e.store == store))
+            })
+            .collect()
     }
 
-    /// Whether `entry` is expected and not looked up yet: only the first lookup is answered
-    /// without a read. A second one is a copy or a redelivery of the step, which may overlap a
-    /// delivery that is running it; it reads what stands, as before (on a slow store, answering
-    /// it at once would let copies reach the LLM that a read would have stopped).
-    fn first_lookup(entry: &NamedNode) -> bool {
-        expected().entries.remove(entry.as_str())
+    /// Whether `entry` is expected of `store` and not looked up there yet: only the first lookup
+    /// is answered without a read. A second one is a copy or a redelivery of the step, which may
+    /// overlap a delivery that is running it; it reads what stands, as before (on a slow store,
+    /// answering it at once would let copies reach the LLM that a read would have stopped).
+    fn first_lookup(store: u64, entry: &NamedNode) -> bool {
+        let mut known = expected();
+        let Some(here) = known
+            .entries
+            .get_mut(entry.as_str())
+            .and_then(|stores| stores.iter_mut().find(|e| e.store == store))
+        else {
+            return false;
+        };
+        !std::mem::replace(&mut here.looked_up, true)
     }
 }
 
@@ -306,7 +339,10 @@ impl Journal {
         match self {
             // One read of the store for all the steps not expected.
             Journal::Owner(store) => {
-                let expected: Vec<bool> = entries.iter().map(ExpectedSteps::first_lookup).collect();
+                let expected: Vec<bool> = entries
+                    .iter()
+                    .map(|entry| ExpectedSteps::first_lookup(store.identity, entry))
+                    .collect();
                 let unknown: Vec<NamedNode> = entries
                     .iter()
                     .zip(&expected)
@@ -469,10 +505,26 @@ async fn decide(
         _only_writer_of_these_keys.push(STRIPE_LOCKS[index].lock().await);
     }
     let now = canonical_instant(chrono::Utc::now());
-    // Recorded from now on: no longer answered "nothing yet" without a read.
-    ExpectedSteps::forget(nodes.iter().map(NamedNode::as_str));
-    // What stands is read once for the whole batch, under the locks.
-    let stored = stored_entries(store, &nodes).await?;
+    // Recorded from now on: no longer known to have no entry, in any store. What stands for the
+    // steps that were not expected is read once for the whole batch, under the locks.
+    let expected = ExpectedSteps::recorded(store.identity, &nodes);
+    let unknown: Vec<NamedNode> = nodes
+        .iter()
+        .zip(&expected)
+        .filter(|(_, expected)| !**expected)
+        .map(|(entry, _)| entry.clone())
+        .collect();
+    let mut read = stored_entries(store, &unknown).await?.into_iter();
+    let stored: Vec<Option<JournalEntry>> = expected
+        .iter()
+        .map(|&expected| {
+            if expected {
+                None
+            } else {
+                read.next().flatten()
+            }
+        })
+        .collect();
     let mut decided: std::collections::HashMap<String, JournalEntry> = Default::default();
     let mut writes = Vec::new();
     let mut next_of_written = Vec::new();
@@ -502,7 +554,7 @@ async fn decide(
     if !writes.is_empty() {
         store.insert_at_once(writes).await?;
         // Only outcomes written here: their requests cannot have been taken up before now.
-        ExpectedSteps::expect(next_of_written.iter().map(String::as_str));
+        ExpectedSteps::expect(store.identity, next_of_written.iter().map(String::as_str));
     }
     Ok(standing)
 }
@@ -747,8 +799,25 @@ mod tests {
         assert_eq!(stored[1].as_ref().unwrap().outcome, "o2");
     }
 
+    /// An entry of `entry` written into `store` as nothing but the owner could: beside it.
+    async fn put_beside(store: &GraphStore, entry: &NamedNode) {
+        let beside = RecordRequest {
+            entry: entry.as_str().to_owned(),
+            ..request("beside the owner", "b")
+        };
+        let quads = entry_quads(entry, &beside, "2026-11-27T00:00:00Z");
+        store.insert_at_once(quads).await.unwrap();
+    }
+
+    fn record_of(entry: &NamedNode, attempt: &str) -> RecordRequest {
+        RecordRequest {
+            entry: entry.as_str().to_owned(),
+            ..request("the step's own", attempt)
+        }
+    }
+
     #[tokio::test]
-    async fn the_first_lookup_of_a_step_the_owner_expects_needs_no_read_but_its_record_reads() {
+    async fn a_step_the_owner_expects_is_looked_up_once_and_recorded_without_a_read() {
         let store = GraphStore::in_memory().unwrap();
         let journal = Journal::Owner(store.clone());
         let step = |name: &str| format!("urn:trustgraph:agent:expected/journal/{name}");
@@ -771,20 +840,10 @@ mod tests {
             ..request("with next steps", "a2")
         };
         journal.record(written).await.unwrap();
-        // Put beside the owner, as nothing can do for a real next step: the first lookup answers
-        // from what the owner knows, without reading, and only for the steps it expects.
-        let beside = |entry: &NamedNode| {
-            entry_quads(
-                entry,
-                &RecordRequest {
-                    entry: entry.as_str().to_owned(),
-                    ..request("beside the owner", "b")
-                },
-                "2026-11-27T00:00:00Z",
-            )
-        };
+        // Entries put beside the owner (as nothing can do for a real next step) show what is read:
+        // a step the owner expects is answered from what it knows.
         for entry in [&next, &batched, &other] {
-            store.insert_at_once(beside(entry)).await.unwrap();
+            put_beside(&store, entry).await;
         }
         assert_eq!(journal.entry(&next).await.unwrap(), None);
         let looked_up = journal
@@ -799,16 +858,50 @@ mod tests {
         assert_eq!(looked_up[1], None);
         // A second lookup (a copy, a redelivery) reads.
         assert_eq!(journal.entry(&next).await.unwrap().unwrap().attempt, "b");
-        // A record always reads what stands: the entry beside the owner is answered, not replaced.
+        // Its record does not: an expected step is written, looked up before or not.
         for entry in [&next, &batched] {
-            let standing = journal
-                .record(RecordRequest {
-                    entry: entry.as_str().to_owned(),
-                    ..request("the step's own", "a3")
-                })
-                .await
-                .unwrap();
-            assert_eq!(standing.attempt, "b");
+            let standing = journal.record(record_of(entry, "a3")).await.unwrap();
+            assert_eq!(standing.attempt, "a3");
         }
+        // Recorded, it is expected no more: a second record reads what stands.
+        let again = journal.record(record_of(&next, "a4")).await.unwrap();
+        assert_eq!(again.attempt, "a3");
+        assert_eq!(journal.entry(&next).await.unwrap().unwrap().attempt, "a3");
+        // A step not expected is read before it is recorded.
+        let standing = journal.record(record_of(&other, "a5")).await.unwrap();
+        assert_eq!(standing.attempt, "b");
+    }
+
+    #[tokio::test]
+    async fn what_the_owner_expects_of_one_store_says_nothing_of_another() {
+        let (first, second) = (
+            GraphStore::in_memory().unwrap(),
+            GraphStore::in_memory().unwrap(),
+        );
+        let (one, two) = (
+            Journal::Owner(first.clone()),
+            Journal::Owner(second.clone()),
+        );
+        let step =
+            |name: &str| node(&format!("urn:trustgraph:agent:stores/journal/{name}")).unwrap();
+        let (shared, only_second) = (step("i2-a"), step("i2-b"));
+        let with_next = |store: &str, next: &[&NamedNode]| RecordRequest {
+            entry: format!("urn:trustgraph:agent:stores-{store}/journal/i1-x"),
+            next: next.iter().map(|n| n.as_str().to_owned()).collect(),
+            ..request("with next steps", "a0")
+        };
+        one.record(with_next("one", &[&shared])).await.unwrap();
+        two.record(with_next("two", &[&only_second])).await.unwrap();
+        // Expected of the second store only: the first reads.
+        put_beside(&first, &only_second).await;
+        assert_eq!(one.entry(&only_second).await.unwrap().unwrap().attempt, "b");
+        let standing = one.record(record_of(&only_second, "a1")).await.unwrap();
+        assert_eq!(standing.attempt, "b");
+        // Recorded through another handle (here, of another store), a step is forgotten for
+        // every store: the first store's record of it reads again.
+        two.record(record_of(&shared, "a2")).await.unwrap();
+        put_beside(&first, &shared).await;
+        let standing = one.record(record_of(&shared, "a3")).await.unwrap();
+        assert_eq!(standing.attempt, "b");
     }
 }

@@ -133,6 +133,15 @@ fn remote_update_turn(base: &str) -> Arc<tokio::sync::Mutex<()>> {
 #[derive(Clone)]
 pub struct GraphStore {
     backend: Backend,
+    /// Names this handle (and its clones) apart from every other opened in the process: what the
+    /// journal's owner knows of a store is kept under it (see `journal::ExpectedSteps`).
+    identity: u64,
+}
+
+/// A new `GraphStore::identity`.
+fn new_identity() -> u64 {
+    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+    NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
 }
 
 #[derive(Clone)]
@@ -158,6 +167,7 @@ impl GraphStore {
         if GraphStore::is_endpoint(spec) {
             return Ok(GraphStore {
                 backend: Backend::Remote(Arc::new(RemoteSparql::new(spec, token)?)),
+                identity: new_identity(),
             });
         }
         let store = Store::open(Path::new(spec)).map_err(|e| GraphError::Storage(e.to_string()))?;
@@ -166,6 +176,7 @@ impl GraphStore {
                 inserts: Some(EmbeddedInserts::start(&store)?),
                 store,
             },
+            identity: new_identity(),
         })
     }
 
@@ -182,6 +193,7 @@ impl GraphStore {
                 inserts: None,
                 store,
             },
+            identity: new_identity(),
         })
     }
 
@@ -193,6 +205,7 @@ impl GraphStore {
                 inserts: Some(EmbeddedInserts::start(&store)?),
                 store,
             },
+            identity: new_identity(),
         })
     }
 

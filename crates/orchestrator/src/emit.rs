@@ -578,9 +578,7 @@ impl<'a> DialogOutput<'a> {
         self.add_kept(&mut effects);
         let mut continuing = None;
         let mut held = None;
-        // The streamed chunks are not journaled: they must be on the broker before the outcome is
-        // recorded, or a crash after recording would re-emit a closing message without its text.
-        self.flush().await?;
+        let mut outcome = None;
         if let Some(slot) = slot {
             // A crash between publishing and marking re-emits these same messages; their ids let
             // consumers (the client, the journal) tell the copy from a new message.
@@ -604,15 +602,22 @@ impl<'a> DialogOutput<'a> {
                         .hold(crate::chains::key(&slot.session, chain)),
                 );
             }
-            let attempt = self.attempt.clone();
-            let journaled: Vec<Effect> = effects
+            // Encoded while the streamed messages' receipts are on their way.
+            let journaled = effects
                 .iter()
                 .map(|e| e.compacted(&self.input_history))
                 .collect();
+            outcome = Some(journal::Outcome::encode(journaled)?);
+        }
+        // The streamed chunks are not journaled: they must be on the broker before the outcome is
+        // recorded, or a crash after recording would re-emit a closing message without its text.
+        self.flush().await?;
+        if let (Some(slot), Some(outcome)) = (slot, outcome) {
+            let attempt = self.attempt.clone();
             let next = std::mem::take(&mut *locked(&self.next_steps));
             let standing = slot
                 .journal
-                .record(&slot.node, &journaled, &slot.delivery, &attempt, next)
+                .record(&slot.node, outcome, &slot.delivery, &attempt, next)
                 .await?;
             if standing.attempt != attempt {
                 // A live copy of this message (a redelivery overlapping a slow first delivery, or

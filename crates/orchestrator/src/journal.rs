@@ -230,6 +230,21 @@ fn frames_of(effects: &[Effect]) -> std::io::Result<Vec<u8>> {
     Ok(frames)
 }
 
+/// A step's outcome as it is recorded: its effects, and their encoding for the journal, made
+/// apart from the record so that a step encodes while its streamed messages are on their way.
+pub struct Outcome {
+    effects: Vec<Effect>,
+    encoded: String,
+}
+
+impl Outcome {
+    pub fn encode(effects: Vec<Effect>) -> Result<Outcome, GraphError> {
+        let encoded = encode_outcome(&effects)
+            .map_err(|e| GraphError::Syntax(format!("cannot encode the outcome: {e}")))?;
+        Ok(Outcome { effects, encoded })
+    }
+}
+
 /// The effects of an outcome written by [`encode_outcome`], or by the encodings before it (the
 /// same frames deflated, one deflated JSON document, or plain JSON).
 pub fn decode_outcome(outcome: &str) -> Result<Vec<Effect>, String> {
@@ -435,23 +450,22 @@ impl Journal {
         })
     }
 
-    /// Records `effects` as the step's outcome unless another is recorded; returns the entry that
+    /// Records `outcome` as the step's outcome unless another is recorded; returns the entry that
     /// stands (compare its `attempt` with `attempt` to know whose it is).
     pub async fn record(
         &self,
         node: &NamedNode,
-        effects: &[Effect],
+        outcome: Outcome,
         delivery: &str,
         attempt: &str,
         next: Vec<String>,
     ) -> anyhow::Result<Entry> {
-        let outcome = encode_outcome(effects)
-            .map_err(|e| GraphError::Syntax(format!("cannot encode the outcome: {e}")))?;
+        let Outcome { effects, encoded } = outcome;
         let standing = self
             .book
             .record(RecordRequest {
                 entry: node.as_str().to_owned(),
-                outcome,
+                outcome: encoded,
                 delivery: delivery.to_owned(),
                 attempt: attempt.to_owned(),
                 next,
@@ -460,7 +474,7 @@ impl Journal {
         if standing.attempt == attempt {
             // Ours stands: what was recorded is what we hold, no need to decode it back.
             return Ok(Entry {
-                effects: effects.to_vec(),
+                effects,
                 recorded_at: Self::recorded_at(&standing),
                 delivery: standing.delivery,
                 attempt: standing.attempt,
@@ -657,6 +671,10 @@ mod tests {
         assert!(decode_outcome(&format!("{FRAMED_DEFLATED}{}", deflated(cut))).is_err());
     }
 
+    fn outcome(effect: Effect) -> Outcome {
+        Outcome::encode(vec![effect]).unwrap()
+    }
+
     #[tokio::test]
     async fn the_first_outcome_recorded_stands() {
         let journal = Journal::new(agent_graph::GraphStore::in_memory().unwrap().journal());
@@ -669,12 +687,12 @@ mod tests {
             history_from_input: None,
         };
         let first = journal
-            .record(&node, &[effect("{\"a\": 1}")], "m1", "a1", Vec::new())
+            .record(&node, outcome(effect("{\"a\": 1}")), "m1", "a1", Vec::new())
             .await
             .unwrap();
         assert_eq!((first.attempt.as_str(), first.published), ("a1", false));
         let second = journal
-            .record(&node, &[effect("{\"b\": 2}")], "m2", "a2", Vec::new())
+            .record(&node, outcome(effect("{\"b\": 2}")), "m2", "a2", Vec::new())
             .await
             .unwrap();
         assert_eq!(second.attempt, "a1", "the first writer wins");
@@ -712,7 +730,7 @@ mod tests {
         };
         assert!(unreadable(
             journal
-                .record(&node, &[effect], "m2", "a2", Vec::new())
+                .record(&node, outcome(effect), "m2", "a2", Vec::new())
                 .await
                 .unwrap_err()
         ));
