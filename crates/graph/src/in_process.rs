@@ -115,6 +115,12 @@ impl InProcessOwner {
         self.journal.entries(&nodes(&entries)?).await
     }
 
+    /// Whether this is the first lookup of a step the owner expects, answered "nothing yet"
+    /// without a read (see `journal::ExpectedSteps`).
+    pub(crate) fn expects(&self, entry: &str) -> bool {
+        crate::journal::node(entry).is_ok_and(|entry| self.journal.first_lookup_expected(&entry))
+    }
+
     pub(crate) async fn records(
         &self,
         records: Vec<RecordRequest>,

@@ -331,6 +331,15 @@ impl Journal {
         }
     }
 
+    /// Whether this is an owner's first lookup of a step it expects: nothing can stand for it, and
+    /// no read is needed to say so (see [`ExpectedSteps`]).
+    pub(crate) fn first_lookup_expected(&self, entry: &NamedNode) -> bool {
+        match self {
+            Journal::Owner(store) => ExpectedSteps::first_lookup(store.identity, entry),
+            Journal::Remote(_) => false,
+        }
+    }
+
     /// The entries of several steps, in order (`None` where nothing was recorded).
     pub async fn entries(
         &self,
@@ -483,10 +492,99 @@ async fn record_all(
     store: &GraphStore,
     requests: Vec<RecordRequest>,
 ) -> Result<Vec<JournalEntry>, GraphError> {
+    let identity = store.identity;
+    // An embedded store is decided in one task of the blocking pool, locks, read and write: a
+    // record then waits for one hand-over between threads instead of three.
+    if let Some(embedded) = store.embedded_writable() {
+        return crate::blocking(move || decide_in(identity, &embedded, requests)).await;
+    }
     let store = store.clone();
     tokio::spawn(async move { decide(&store, requests).await })
         .await
         .map_err(|e| GraphError::Storage(format!("a journal decision failed: {e}")))?
+}
+
+/// A batch of records being decided: each one's key, and the steps among them that nothing can
+/// stand for without a read (see [`ExpectedSteps`]).
+struct Deciding {
+    requests: Vec<RecordRequest>,
+    nodes: Vec<NamedNode>,
+    stripes: std::collections::BTreeSet<usize>,
+}
+
+impl Deciding {
+    fn of(requests: Vec<RecordRequest>) -> Result<Deciding, GraphError> {
+        let nodes = requests
+            .iter()
+            .map(|r| node(&r.entry))
+            .collect::<Result<Vec<_>, _>>()?;
+        let stripes = nodes.iter().map(stripe_of).collect();
+        Ok(Deciding {
+            requests,
+            nodes,
+            stripes,
+        })
+    }
+
+    /// Under the keys' locks: the steps are recorded from now on, no longer known to have no
+    /// entry, in any store. Which of them must be read (those `store` did not expect).
+    fn to_read(&self, store: u64) -> (Vec<bool>, Vec<NamedNode>) {
+        let expected = ExpectedSteps::recorded(store, &self.nodes);
+        let unknown = self
+            .nodes
+            .iter()
+            .zip(&expected)
+            .filter(|(_, expected)| !**expected)
+            .map(|(entry, _)| entry.clone())
+            .collect();
+        (expected, unknown)
+    }
+
+    /// What stands for each record, given what was read of the steps not expected: the first of
+    /// the store's and the batch's own. Returns the quads to write and the steps they make
+    /// expected once written.
+    fn settle(
+        self,
+        expected: &[bool],
+        read: Vec<Option<JournalEntry>>,
+    ) -> (Vec<JournalEntry>, Vec<Quad>, Vec<String>) {
+        let now = canonical_instant(chrono::Utc::now());
+        let mut read = read.into_iter();
+        let mut decided: std::collections::HashMap<String, JournalEntry> = Default::default();
+        let mut writes = Vec::new();
+        let mut next_of_written = Vec::new();
+        let mut standing = Vec::with_capacity(self.requests.len());
+        for ((request, entry), &expected) in
+            self.requests.into_iter().zip(&self.nodes).zip(expected)
+        {
+            let stored = if expected {
+                None
+            } else {
+                read.next().flatten()
+            };
+            if let Some(first) = decided.get(entry.as_str()) {
+                standing.push(first.clone());
+                continue;
+            }
+            let stands = match stored {
+                Some(stored) => stored,
+                None => {
+                    writes.extend(entry_quads(entry, &request, &now));
+                    next_of_written.extend(request.next);
+                    JournalEntry {
+                        outcome: request.outcome,
+                        delivery: request.delivery,
+                        attempt: request.attempt,
+                        recorded_at: Some(now.clone()),
+                        published: false,
+                    }
+                }
+            };
+            decided.insert(entry.as_str().to_owned(), stands.clone());
+            standing.push(stands);
+        }
+        (standing, writes, next_of_written)
+    }
 }
 
 /// Every key's lock is held (taken in one order, so two batches cannot wait for each other)
@@ -495,66 +593,46 @@ async fn decide(
     store: &GraphStore,
     requests: Vec<RecordRequest>,
 ) -> Result<Vec<JournalEntry>, GraphError> {
-    let nodes = requests
-        .iter()
-        .map(|r| node(&r.entry))
-        .collect::<Result<Vec<_>, _>>()?;
-    let stripes: std::collections::BTreeSet<usize> = nodes.iter().map(stripe_of).collect();
-    let mut _only_writer_of_these_keys = Vec::with_capacity(stripes.len());
-    for index in stripes {
+    let deciding = Deciding::of(requests)?;
+    let mut _only_writer_of_these_keys = Vec::with_capacity(deciding.stripes.len());
+    for &index in &deciding.stripes {
         _only_writer_of_these_keys.push(STRIPE_LOCKS[index].lock().await);
     }
-    let now = canonical_instant(chrono::Utc::now());
-    // Recorded from now on: no longer known to have no entry, in any store. What stands for the
-    // steps that were not expected is read once for the whole batch, under the locks.
-    let expected = ExpectedSteps::recorded(store.identity, &nodes);
-    let unknown: Vec<NamedNode> = nodes
-        .iter()
-        .zip(&expected)
-        .filter(|(_, expected)| !**expected)
-        .map(|(entry, _)| entry.clone())
-        .collect();
-    let mut read = stored_entries(store, &unknown).await?.into_iter();
-    let stored: Vec<Option<JournalEntry>> = expected
-        .iter()
-        .map(|&expected| {
-            if expected {
-                None
-            } else {
-                read.next().flatten()
-            }
-        })
-        .collect();
-    let mut decided: std::collections::HashMap<String, JournalEntry> = Default::default();
-    let mut writes = Vec::new();
-    let mut next_of_written = Vec::new();
-    let mut standing = Vec::with_capacity(requests.len());
-    for ((request, entry), stored) in requests.into_iter().zip(&nodes).zip(stored) {
-        if let Some(first) = decided.get(entry.as_str()) {
-            standing.push(first.clone());
-            continue;
-        }
-        let stands = match stored {
-            Some(stored) => stored,
-            None => {
-                writes.extend(entry_quads(entry, &request, &now));
-                next_of_written.extend(request.next);
-                JournalEntry {
-                    outcome: request.outcome,
-                    delivery: request.delivery,
-                    attempt: request.attempt,
-                    recorded_at: Some(now.clone()),
-                    published: false,
-                }
-            }
-        };
-        decided.insert(entry.as_str().to_owned(), stands.clone());
-        standing.push(stands);
-    }
+    let (expected, unknown) = deciding.to_read(store.identity);
+    let read = stored_entries(store, &unknown).await?;
+    let (standing, writes, next_of_written) = deciding.settle(&expected, read);
     if !writes.is_empty() {
         store.insert_at_once(writes).await?;
         // Only outcomes written here: their requests cannot have been taken up before now.
         ExpectedSteps::expect(store.identity, next_of_written.iter().map(String::as_str));
+    }
+    Ok(standing)
+}
+
+/// [`decide`] for an embedded store, in a thread that may block.
+fn decide_in(
+    identity: u64,
+    store: &oxigraph::store::Store,
+    requests: Vec<RecordRequest>,
+) -> Result<Vec<JournalEntry>, GraphError> {
+    let deciding = Deciding::of(requests)?;
+    let _only_writer_of_these_keys: Vec<_> = deciding
+        .stripes
+        .iter()
+        .map(|&index| STRIPE_LOCKS[index].blocking_lock())
+        .collect();
+    let (expected, unknown) = deciding.to_read(identity);
+    let journal = NamedNode::new_unchecked(JOURNAL_GRAPH);
+    let read = crate::about_each_in(store, &unknown, &journal)?
+        .iter()
+        .map(|said| entry_of(said))
+        .collect();
+    let (standing, writes, next_of_written) = deciding.settle(&expected, read);
+    if !writes.is_empty() {
+        store
+            .extend(writes)
+            .map_err(|e| GraphError::Storage(e.to_string()))?;
+        ExpectedSteps::expect(identity, next_of_written.iter().map(String::as_str));
     }
     Ok(standing)
 }

@@ -221,6 +221,15 @@ impl GraphStore {
         }
     }
 
+    /// The embedded store, for a journal decision that reads and writes it in one task of the
+    /// blocking pool; none for an endpoint or a store opened read-only.
+    fn embedded_writable(&self) -> Option<Store> {
+        match self.writable() {
+            Ok(Writable::Embedded(store, _)) => Some(store),
+            _ => None,
+        }
+    }
+
     /// The journal as this store's users reach it: kept here for an embedded store (this process
     /// owns it), asked of its owner for an endpoint (an aggregator's).
     pub fn journal(&self) -> journal::Journal {
@@ -459,26 +468,7 @@ impl GraphStore {
         match &self.backend {
             Backend::Embedded { store, .. } => {
                 let (store, subjects, graph) = (store.clone(), subjects.to_vec(), graph.clone());
-                blocking(move || {
-                    subjects
-                        .iter()
-                        .map(|subject| {
-                            store
-                                .quads_for_pattern(
-                                    Some(subject.as_ref().into()),
-                                    None,
-                                    None,
-                                    Some(graph.as_ref().into()),
-                                )
-                                .map(|quad| {
-                                    quad.map(|q| (q.predicate, q.object))
-                                        .map_err(|e| GraphError::Storage(e.to_string()))
-                                })
-                                .collect()
-                        })
-                        .collect()
-                })
-                .await
+                blocking(move || about_each_in(&store, &subjects, &graph)).await
             }
             Backend::Remote(remote) => {
                 let values: std::collections::BTreeSet<String> =
@@ -627,6 +617,31 @@ impl Drop for EmbeddedInserts {
             let _ = writer.join();
         }
     }
+}
+
+/// [`GraphStore::about_each`] on an embedded store, in the calling thread.
+fn about_each_in(
+    store: &Store,
+    subjects: &[oxigraph::model::NamedNode],
+    graph: &oxigraph::model::NamedNode,
+) -> Result<Vec<Vec<(oxigraph::model::NamedNode, Term)>>, GraphError> {
+    subjects
+        .iter()
+        .map(|subject| {
+            store
+                .quads_for_pattern(
+                    Some(subject.as_ref().into()),
+                    None,
+                    None,
+                    Some(graph.as_ref().into()),
+                )
+                .map(|quad| {
+                    quad.map(|q| (q.predicate, q.object))
+                        .map_err(|e| GraphError::Storage(e.to_string()))
+                })
+                .collect()
+        })
+        .collect()
 }
 
 async fn blocking<T: Send + 'static>(
