@@ -457,9 +457,23 @@ async fn dead_letters(broker: &Broker) -> Vec<(String, String)> {
     while let Ok(Some(Ok(message))) = tokio::time::timeout(Duration::from_secs(2), dlq.next()).await
     {
         let property = |k: &str| agent_bus::message_property(&message, k).unwrap_or_default();
+        // The client's dead-letter policy gives no reason: what the message carried says which
+        // step it was (a chain's root, a re-emitted request, a client's).
+        let carried: Vec<String> = message
+            .payload
+            .metadata
+            .properties
+            .iter()
+            .map(|kv| format!("{}={}", kv.key, kv.value))
+            .collect();
         out.push((
             property(ID_PROPERTY).to_owned(),
-            property("dead-letter-reason").to_owned(),
+            format!(
+                "{:?}; carried {}; {} bytes",
+                property("dead-letter-reason"),
+                carried.join(", "),
+                message.payload.data.len()
+            ),
         ));
         let _ = dlq.ack(&message).await;
     }

@@ -180,6 +180,9 @@ pub struct DialogOutput<'a> {
     chain: Option<String>,
     /// The next step to run here, once the commit held back its request (see [`Continuation`]).
     continuation: Mutex<Option<Continuation>>,
+    /// This process stopping: a copy of a step waiting for its recorder (see
+    /// [`DialogOutput::settle`]) then hands its message back.
+    stopping: tokio_util::sync::CancellationToken,
 }
 
 /// The property naming the chain a request belongs to: the broker message (the chain's root)
@@ -256,6 +259,14 @@ pub struct JournalSlot<'a> {
     pub session: String,
 }
 
+/// A copy of a step was waiting for its recorder (a live copy, a chain) when this process began
+/// to stop: its message goes back to the broker rather than hold the stop up to the drain's end.
+#[derive(Debug, thiserror::Error)]
+#[error("this process is stopping while the step {entry} waits for the delivery that recorded it; handing it back")]
+pub struct StoppedWaiting {
+    pub entry: String,
+}
+
 /// Whether the chain that recorded `entry`, if one did, may still be running (see `chains`):
 /// recorded just now, or its process still beats.
 async fn chain_running(
@@ -313,7 +324,15 @@ impl<'a> DialogOutput<'a> {
             attempt: uuid::Uuid::new_v4().simple().to_string(),
             chain: None,
             continuation: Mutex::new(None),
+            stopping: tokio_util::sync::CancellationToken::new(),
         }
+    }
+
+    /// Hands back the message of a step that is waiting for its recorder once `stopping` is
+    /// cancelled (see [`DialogOutput::settle`]).
+    pub fn stopping_on(mut self, stopping: &tokio_util::sync::CancellationToken) -> Self {
+        self.stopping = stopping.clone();
+        self
     }
 
     /// Lets this step continue the dialog in this process, as part of `chain` (see
@@ -729,7 +748,11 @@ impl<'a> DialogOutput<'a> {
                 slot.journal.mark_published(&slot.node).await?;
                 return Ok(());
             }
-            tokio::time::sleep(std::time::Duration::from_millis(250)).await;
+            tokio::select! {
+                // Nothing here is this process's to finish: another replica takes it up.
+                _ = self.stopping.cancelled() => return Err(StoppedWaiting { entry: node.to_owned() }.into()),
+                _ = tokio::time::sleep(std::time::Duration::from_millis(250)) => {}
+            }
             match slot.journal.entry(&slot.node).await? {
                 Some(now) => entry = now,
                 None => anyhow::bail!("the journal entry {node} went away"),
@@ -1050,6 +1073,46 @@ mod tests {
         assert_eq!(std::mem::take(&mut *locked(&effects)), [1, 2, 3]);
         locked(&effects).push(4);
         assert_eq!(*locked(&effects), [4]);
+    }
+
+    #[tokio::test]
+    async fn a_copy_waiting_for_its_recorder_hands_its_message_back_when_the_process_stops() {
+        let journal = Journal::new(agent_graph::GraphStore::in_memory().unwrap().journal());
+        let session = "urn:trustgraph:agent:stopping";
+        let node = journal::entry_node(session, "i1-x").unwrap();
+        let effect = Effect {
+            channel: Channel::Requests,
+            payload: "{}".to_owned(),
+            properties: Default::default(),
+            history_from_input: None,
+        };
+        let outcome = journal::Outcome::encode(vec![effect]).unwrap();
+        // Recorded just now by another delivery, which is alive as far as anyone knows: a copy
+        // waits for it (up to `PUBLISH_LEASE`) instead of publishing its outcome.
+        let entry = journal
+            .record(&node, outcome, "the-first-delivery", "a1", Vec::new())
+            .await
+            .unwrap();
+        let sink = MemorySink::default();
+        let outputs = Outputs::Memory(sink.clone());
+        let stopping = tokio_util::sync::CancellationToken::new();
+        let out = DialogOutput::new(&outputs, Some("client-1"), "default", session, 0)
+            .stopping_on(&stopping);
+        let slot = JournalSlot {
+            journal: &journal,
+            node: node.clone(),
+            delivery: "a-copy".to_owned(),
+            session: session.to_owned(),
+        };
+        let stop = async {
+            tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+            stopping.cancel();
+        };
+        let (settled, ()) = tokio::join!(out.settle(&slot, entry, Recorder::Unknown), stop);
+        let error = settled.unwrap_err();
+        assert!(error.is::<StoppedWaiting>(), "{error:#}");
+        assert!(sink.sent().is_empty(), "nothing published by the copy");
+        assert!(!journal.entry(&node).await.unwrap().unwrap().published);
     }
 }
 

@@ -123,16 +123,17 @@ pub enum StepError {
     /// A fault that would recur on every try: the dialog ends with it.
     #[error("{0:#}")]
     Fault(anyhow::Error),
-    /// The step's journal entry is in a form this build cannot read (another build recorded it):
-    /// the message goes back to the broker for a replica that can.
+    /// Not for this process to finish: the step's journal entry is in a form this build cannot
+    /// read (another build recorded it), or the process is stopping while the step waits for the
+    /// delivery that recorded it. The message goes back to the broker for another replica.
     #[error("{0:#}")]
-    NotForThisBuild(anyhow::Error),
+    HandedBack(anyhow::Error),
 }
 
 impl From<anyhow::Error> for StepError {
     fn from(e: anyhow::Error) -> StepError {
-        if e.is::<crate::journal::UnreadableEntry>() {
-            return StepError::NotForThisBuild(e);
+        if e.is::<crate::journal::UnreadableEntry>() || e.is::<emit::StoppedWaiting>() {
+            return StepError::HandedBack(e);
         }
         let passes = if let Some(graph) = e.downcast_ref::<agent_graph::GraphError>() {
             graph.retryable()
@@ -201,7 +202,7 @@ pub(crate) fn next_after(
             window.as_secs()
         )),
         Err(StepError::Fault(e)) => Next::GiveUp(format!("the step failed: {e:#}")),
-        Err(StepError::NotForThisBuild(e)) => Next::Release(format!("{e:#}")),
+        Err(StepError::HandedBack(e)) => Next::Release(format!("{e:#}")),
     }
 }
 
@@ -572,7 +573,7 @@ mod tests {
                 reason: "unknown form".to_owned(),
             }))
         };
-        assert!(matches!(unreadable(), StepError::NotForThisBuild(_)));
+        assert!(matches!(unreadable(), StepError::HandedBack(_)));
         // Whether or not the outage window is open: it is no outage, and no fault of the dialog.
         for may_park in [true, false] {
             assert!(matches!(

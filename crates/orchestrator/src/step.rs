@@ -389,7 +389,8 @@ impl Engine {
         .with_model(model.as_deref())
         .keeping_documents_in(self.documents.as_ref())
         .journaled(self.journal.is_some())
-        .continuing_in(chain);
+        .continuing_in(chain)
+        .stopping_on(&self.shutdown);
         let lookup = self
             .journal_slot(
                 &out,
