@@ -82,13 +82,13 @@ const MAX_NEXT: usize = 256;
 /// process wrote into a store, not recorded since. Such a step's message can exist only once the
 /// outcome that carries it was recorded (an outcome is published only after its record), and
 /// every record goes through the owner, which forgets a step (for every store) as it records it;
-/// so until then nothing can have been recorded for it. Its first lookup is answered without a
-/// read, and its record writes without one: one store read (or one query to a SPARQL server) less
-/// for each, on every step but a dialog's first. A second lookup (a copy, a redelivery) reads, as
-/// a step not expected does. Kept for the whole process, as the locks are, and by store
-/// (`GraphStore::identity`): a step expected of one store says nothing of another, and one
-/// recorded through any handle is forgotten for all of them, so two handles on one store can only
-/// cost each other a read. Bounded, oldest forgotten first; forgetting only costs reads.
+/// so until then nothing can have been recorded for it, and its first lookup is answered without a
+/// read (one store read, or one query to a SPARQL server, less a step). The answer only spares a
+/// lookup: a record still reads what stands, under the key's lock, so a wrong "nothing yet" (an
+/// entry pruned and its step's message come back, which makes its next steps expected again while
+/// their own entries stand) could only cost a step's work, never a second outcome. Kept for the
+/// whole process, as the locks are, and by store (`GraphStore::identity`): a step expected of one
+/// store says nothing of another. Bounded, oldest forgotten first; forgetting only costs reads.
 struct ExpectedSteps {
     /// For each step, the stores it is expected of, and whether it was looked up there yet.
     entries: std::collections::HashMap<Arc<str>, Vec<Expected>>,
@@ -140,19 +140,12 @@ impl ExpectedSteps {
         }
     }
 
-    /// Forgets each of `entries` for every store, as they are recorded (under their keys'
-    /// locks): whether each was expected of `store`, so that nothing can stand for it there.
-    fn recorded(store: u64, entries: &[NamedNode]) -> Vec<bool> {
+    /// Forgets each of `entries` for every store, as they are recorded (under their keys' locks).
+    fn recorded(entries: &[NamedNode]) {
         let mut known = expected();
-        entries
-            .iter()
-            .map(|entry| {
-                known
-                    .entries
-                    .remove(entry.as_str())
-                    .is_some_and(|stores| stores.iter().any(|e| e.store == store))
-            })
-            .collect()
+        for entry in entries {
+            known.entries.remove(entry.as_str());
+        }
     }
 
     /// Whether `entry` is expected of `store` and not looked up there yet: only the first lookup
@@ -504,8 +497,7 @@ async fn record_all(
         .map_err(|e| GraphError::Storage(format!("a journal decision failed: {e}")))?
 }
 
-/// A batch of records being decided: each one's key, and the steps among them that nothing can
-/// stand for without a read (see [`ExpectedSteps`]).
+/// A batch of records being decided: each one's key, and the locks they are under.
 struct Deciding {
     requests: Vec<RecordRequest>,
     nodes: Vec<NamedNode>,
@@ -527,41 +519,24 @@ impl Deciding {
     }
 
     /// Under the keys' locks: the steps are recorded from now on, no longer known to have no
-    /// entry, in any store. Which of them must be read (those `store` did not expect).
-    fn to_read(&self, store: u64) -> (Vec<bool>, Vec<NamedNode>) {
-        let expected = ExpectedSteps::recorded(store, &self.nodes);
-        let unknown = self
-            .nodes
-            .iter()
-            .zip(&expected)
-            .filter(|(_, expected)| !**expected)
-            .map(|(entry, _)| entry.clone())
-            .collect();
-        (expected, unknown)
+    /// entry, in any store; what stands for each must be read.
+    fn to_read(&self) -> &[NamedNode] {
+        ExpectedSteps::recorded(&self.nodes);
+        &self.nodes
     }
 
-    /// What stands for each record, given what was read of the steps not expected: the first of
-    /// the store's and the batch's own. Returns the quads to write and the steps they make
-    /// expected once written.
+    /// What stands for each record, given what was read: the first of the store's and the
+    /// batch's own. Returns the quads to write and the steps they make expected once written.
     fn settle(
         self,
-        expected: &[bool],
         read: Vec<Option<JournalEntry>>,
     ) -> (Vec<JournalEntry>, Vec<Quad>, Vec<String>) {
         let now = canonical_instant(chrono::Utc::now());
-        let mut read = read.into_iter();
         let mut decided: std::collections::HashMap<String, JournalEntry> = Default::default();
         let mut writes = Vec::new();
         let mut next_of_written = Vec::new();
         let mut standing = Vec::with_capacity(self.requests.len());
-        for ((request, entry), &expected) in
-            self.requests.into_iter().zip(&self.nodes).zip(expected)
-        {
-            let stored = if expected {
-                None
-            } else {
-                read.next().flatten()
-            };
+        for ((request, entry), stored) in self.requests.into_iter().zip(&self.nodes).zip(read) {
             if let Some(first) = decided.get(entry.as_str()) {
                 standing.push(first.clone());
                 continue;
@@ -598,9 +573,8 @@ async fn decide(
     for &index in &deciding.stripes {
         _only_writer_of_these_keys.push(STRIPE_LOCKS[index].lock().await);
     }
-    let (expected, unknown) = deciding.to_read(store.identity);
-    let read = stored_entries(store, &unknown).await?;
-    let (standing, writes, next_of_written) = deciding.settle(&expected, read);
+    let read = stored_entries(store, deciding.to_read()).await?;
+    let (standing, writes, next_of_written) = deciding.settle(read);
     if !writes.is_empty() {
         store.insert_at_once(writes).await?;
         // Only outcomes written here: their requests cannot have been taken up before now.
@@ -621,13 +595,12 @@ fn decide_in(
         .iter()
         .map(|&index| STRIPE_LOCKS[index].blocking_lock())
         .collect();
-    let (expected, unknown) = deciding.to_read(identity);
     let journal = NamedNode::new_unchecked(JOURNAL_GRAPH);
-    let read = crate::about_each_in(store, &unknown, &journal)?
+    let read = crate::about_each_in(store, deciding.to_read(), &journal)?
         .iter()
         .map(|said| entry_of(said))
         .collect();
-    let (standing, writes, next_of_written) = deciding.settle(&expected, read);
+    let (standing, writes, next_of_written) = deciding.settle(read);
     if !writes.is_empty() {
         store
             .extend(writes)
@@ -895,7 +868,7 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn a_step_the_owner_expects_is_looked_up_once_and_recorded_without_a_read() {
+    async fn the_first_lookup_of_a_step_the_owner_expects_needs_no_read_but_its_record_reads() {
         let store = GraphStore::in_memory().unwrap();
         let journal = Journal::Owner(store.clone());
         let step = |name: &str| format!("urn:trustgraph:agent:expected/journal/{name}");
@@ -936,18 +909,13 @@ mod tests {
         assert_eq!(looked_up[1], None);
         // A second lookup (a copy, a redelivery) reads.
         assert_eq!(journal.entry(&next).await.unwrap().unwrap().attempt, "b");
-        // Its record does not: an expected step is written, looked up before or not.
-        for entry in [&next, &batched] {
+        // A record always reads what stands, looked up before or not: the entry beside the owner
+        // is answered, not replaced (as a pruned step's next steps are, when the pruned step's
+        // message comes back and makes them expected again while their entries stand).
+        for entry in [&next, &batched, &other] {
             let standing = journal.record(record_of(entry, "a3")).await.unwrap();
-            assert_eq!(standing.attempt, "a3");
+            assert_eq!(standing.attempt, "b");
         }
-        // Recorded, it is expected no more: a second record reads what stands.
-        let again = journal.record(record_of(&next, "a4")).await.unwrap();
-        assert_eq!(again.attempt, "a3");
-        assert_eq!(journal.entry(&next).await.unwrap().unwrap().attempt, "a3");
-        // A step not expected is read before it is recorded.
-        let standing = journal.record(record_of(&other, "a5")).await.unwrap();
-        assert_eq!(standing.attempt, "b");
     }
 
     #[tokio::test]
@@ -970,16 +938,13 @@ mod tests {
         };
         one.record(with_next("one", &[&shared])).await.unwrap();
         two.record(with_next("two", &[&only_second])).await.unwrap();
-        // Expected of the second store only: the first reads.
+        // Expected of each store only there: a lookup through the other reads.
         put_beside(&first, &only_second).await;
         assert_eq!(one.entry(&only_second).await.unwrap().unwrap().attempt, "b");
-        let standing = one.record(record_of(&only_second, "a1")).await.unwrap();
-        assert_eq!(standing.attempt, "b");
-        // Recorded through another handle (here, of another store), a step is forgotten for
-        // every store: the first store's record of it reads again.
-        two.record(record_of(&shared, "a2")).await.unwrap();
+        put_beside(&second, &shared).await;
+        assert_eq!(two.entry(&shared).await.unwrap().unwrap().attempt, "b");
+        // And where it is expected, its first lookup needs no read.
         put_beside(&first, &shared).await;
-        let standing = one.record(record_of(&shared, "a3")).await.unwrap();
-        assert_eq!(standing.attempt, "b");
+        assert_eq!(one.entry(&shared).await.unwrap(), None);
     }
 }

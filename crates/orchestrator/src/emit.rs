@@ -714,7 +714,9 @@ impl<'a> DialogOutput<'a> {
     /// Settles a step whose outcome is already journaled: done once the entry is published;
     /// published from the journal when this delivery recorded it before a crash, or when the
     /// recorder had time enough ([`journal::PUBLISH_LEASE`]) and still has not. Waiting here rather
-    /// than nacking keeps the redelivery count, and with it the dead-letter bound, out of it.
+    /// than nacking keeps the redelivery count, and with it the dead-letter bound, out of it,
+    /// unless this process stops while it waits: the message is then handed back (a nack, which
+    /// counts), as a stop hands back a parked step.
     pub async fn settle(
         &self,
         slot: &JournalSlot<'_>,

@@ -40,8 +40,9 @@ pub struct Settings {
     #[arg(long, env = "AGENT_MAX_IN_FLIGHT", default_value_t = 32)]
     pub max_in_flight: usize,
     /// Deliveries of one request before it is moved to the dead-letter topic (0: no bound). Only
-    /// crashes, lost consumers and steps handed back for another build (a journal entry this build
-    /// cannot read) count: an outage parks a step without a redelivery.
+    /// crashes, lost consumers and steps handed back (a journal entry this build cannot read, or
+    /// a copy waiting for its recorder when its process stops) count: an outage parks a step
+    /// without a redelivery.
     #[arg(long, default_value_t = 10)]
     pub max_redeliveries: usize,
     /// With a journal, run a dialog's next step in the process that recorded the step before it,
