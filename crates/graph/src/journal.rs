@@ -95,7 +95,6 @@ struct ExpectedSteps {
     oldest_first: std::collections::VecDeque<Arc<str>>,
 }
 
-#[derive(Clone, Copy, PartialEq, Debug)]
 struct Expected {
     store: u64,
     looked_up: bool,
@@ -563,7 +562,8 @@ impl Deciding {
 }
 
 /// Every key's lock is held (taken in one order, so two batches cannot wait for each other)
-/// around reading what stands and writing what is new.
+/// around reading what stands and writing what is new. For a SPARQL server; an embedded store is
+/// decided by [`decide_in`].
 async fn decide(
     store: &GraphStore,
     requests: Vec<RecordRequest>,
@@ -576,7 +576,7 @@ async fn decide(
     let read = stored_entries(store, deciding.to_read()).await?;
     let (standing, writes, next_of_written) = deciding.settle(read);
     if !writes.is_empty() {
-        store.insert_at_once(writes).await?;
+        store.insert(writes).await?;
         // Only outcomes written here: their requests cannot have been taken up before now.
         ExpectedSteps::expect(store.identity, next_of_written.iter().map(String::as_str));
     }
@@ -595,11 +595,7 @@ fn decide_in(
         .iter()
         .map(|&index| STRIPE_LOCKS[index].blocking_lock())
         .collect();
-    let journal = NamedNode::new_unchecked(JOURNAL_GRAPH);
-    let read = crate::about_each_in(store, deciding.to_read(), &journal)?
-        .iter()
-        .map(|said| entry_of(said))
-        .collect();
+    let read = stored_entries_in(store, deciding.to_read())?;
     let (standing, writes, next_of_written) = deciding.settle(read);
     if !writes.is_empty() {
         store
@@ -655,6 +651,15 @@ async fn stored_entries(
     let said = store
         .about_each(entries, &NamedNode::new_unchecked(JOURNAL_GRAPH))
         .await?;
+    Ok(said.iter().map(|said| entry_of(said)).collect())
+}
+
+/// [`stored_entries`] of an embedded store, in the calling thread.
+fn stored_entries_in(
+    store: &oxigraph::store::Store,
+    entries: &[NamedNode],
+) -> Result<Vec<Option<JournalEntry>>, GraphError> {
+    let said = crate::about_each_in(store, entries, &NamedNode::new_unchecked(JOURNAL_GRAPH))?;
     Ok(said.iter().map(|said| entry_of(said)).collect())
 }
 
@@ -857,7 +862,7 @@ mod tests {
             ..request("beside the owner", "b")
         };
         let quads = entry_quads(entry, &beside, "2026-11-27T00:00:00Z");
-        store.insert_at_once(quads).await.unwrap();
+        store.insert(quads).await.unwrap();
     }
 
     fn record_of(entry: &NamedNode, attempt: &str) -> RecordRequest {

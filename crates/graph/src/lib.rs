@@ -295,23 +295,6 @@ impl GraphStore {
         }
     }
 
-    /// [`GraphStore::insert`], but into an embedded store in a transaction of its own, written at
-    /// once beside any others: for a write a caller waits on (a journal record), which must not
-    /// queue behind the group of provenance writes.
-    pub async fn insert_at_once(&self, quads: Vec<Quad>) -> Result<(), GraphError> {
-        match self.writable()? {
-            Writable::Embedded(store, _) => {
-                blocking(move || {
-                    store
-                        .extend(quads)
-                        .map_err(|e| GraphError::Storage(e.to_string()))
-                })
-                .await
-            }
-            Writable::Remote(remote) => remote.insert_batched(quads).await,
-        }
-    }
-
     /// Runs a SPARQL query within `bounds`: on an embedded store its evaluation is cancelled at
     /// the time limit, or as soon as the returned future is dropped (an HTTP client that went
     /// away), so no abandoned query keeps a core busy.
