@@ -617,6 +617,117 @@ async fn a_copy_of_a_request_runs_once() {
     assert_one_chain(&aggregator, &session).await;
 }
 
+/// Request messages the orchestrator serving metrics at `base` has acked, once it listens.
+async fn acked_requests(base: &str) -> f64 {
+    if reqwest::get(format!("{base}/metrics")).await.is_err() {
+        return 0.0;
+    }
+    scrape(base)
+        .await
+        .get("agent_request_messages_total{fate=\"acked\"}")
+        .copied()
+        .unwrap_or(0.0)
+}
+
+/// A step given up (its message moved to the dead-letter topic, which ends its dialog with an
+/// error) is recorded like any outcome. A copy of its request that comes after (a redelivery the
+/// broker hands out after a restart, a client's retry) settles from that record instead of
+/// running the step: the LLM is never asked, and nothing answers after the error. Unrecorded, the
+/// copy ran the dialog and answered after its error.
+#[tokio::test]
+async fn a_step_given_up_is_recorded_and_a_later_copy_answers_nothing_after_its_error() {
+    let broker = Broker::start().unwrap();
+    let aggregator = Aggregator::spawn_with(&broker, &["--config-token", TOKEN]);
+    let llm = scripted_llm(THREE_STEPS).await;
+    let http_addr = format!("127.0.0.1:{}", agent_bus::embedded::free_port().unwrap());
+    let _orchestrator = Orchestrator::journaled(
+        Place::Child,
+        &broker,
+        &llm,
+        &aggregator,
+        TOKEN,
+        &[("AGENT_HTTP_ADDR", &http_addr)],
+    );
+    let metrics = format!("http://{http_addr}");
+    let mut client = client(&broker).await;
+    let bus = agent_bus::Bus::connect(&broker.url(), None).await.unwrap();
+    let dead_letters =
+        agent_bus::Publisher::new(&bus, "persistent://tg/dead-letter/agent:default:default")
+            .await
+            .unwrap();
+    let (id, question) = ("given-up", "combine (given up)");
+    let request = react(question);
+    let properties: agent_bus::Properties = [("id".to_owned(), id.to_owned())].into();
+    dead_letters
+        .send(agent_schema::encode(&request), &properties)
+        .await
+        .unwrap();
+    let responses = collect_dialog(&mut client, id, DIALOG_TIMEOUT)
+        .await
+        .unwrap();
+    let error = responses.last().unwrap().error.clone().expect("an error");
+    assert!(error.message.contains("dead-letter topic"), "{error:?}");
+
+    let acked_before = acked_requests(&metrics).await;
+    client.send(id, &request).await.unwrap();
+    let deadline = tokio::time::Instant::now() + DIALOG_TIMEOUT;
+    while acked_requests(&metrics).await < acked_before + 1.0 {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the copy was never taken up"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let after = drain_for(&mut client, id, Duration::from_secs(2)).await;
+    assert_eq!(closings(&after), 0, "answered after its error: {after:#?}");
+    let asked = llm
+        .calls()
+        .iter()
+        .filter(|c| c.last_user.contains(question))
+        .count();
+    assert_eq!(asked, 0, "the given-up step ran after all");
+}
+
+/// A step given up while its journal is out of reach (the aggregator that owns it is down) still
+/// ends its dialog with the error, unrecorded: the store may be what is down, and a dialog that
+/// cannot go on must not be left waiting for it.
+#[tokio::test]
+async fn a_step_given_up_while_the_journal_is_down_still_ends_its_dialog() {
+    let broker = Broker::start().unwrap();
+    let mut aggregator = Aggregator::spawn_with(&broker, &["--config-token", TOKEN]);
+    let llm = scripted_llm(THREE_STEPS).await;
+    let _orchestrator = Orchestrator::spawn_journaled(&broker, &llm, &aggregator, TOKEN, &[]);
+    let mut client = client(&broker).await;
+    // One dialog first, so the orchestrator has reached its journal before it goes.
+    client
+        .send("before", &react("combine (before)"))
+        .await
+        .unwrap();
+    collect_dialog(&mut client, "before", DIALOG_TIMEOUT)
+        .await
+        .unwrap();
+    aggregator.kill();
+    let bus = agent_bus::Bus::connect(&broker.url(), None).await.unwrap();
+    let dead_letters =
+        agent_bus::Publisher::new(&bus, "persistent://tg/dead-letter/agent:default:default")
+            .await
+            .unwrap();
+    let properties: agent_bus::Properties = [("id".to_owned(), "unjournaled".to_owned())].into();
+    dead_letters
+        .send(
+            agent_schema::encode(&react("combine (journal down)")),
+            &properties,
+        )
+        .await
+        .unwrap();
+    let responses = collect_dialog(&mut client, "unjournaled", DIALOG_TIMEOUT)
+        .await
+        .unwrap();
+    assert_eq!(closings(&responses), 1, "{responses:#?}");
+    let error = responses.last().unwrap().error.clone().expect("an error");
+    assert!(error.message.contains("dead-letter topic"), "{error:?}");
+}
+
 /// With the services compressing what they publish (`PULSAR_COMPRESSION`), a journaled dialog
 /// runs as any: the aggregator reads the orchestrator's LZ4 provenance into the graph, the client
 /// its responses, and two orchestrators given one request still make one chain of nodes.

@@ -240,6 +240,15 @@ enum Order {
     Unawaited,
 }
 
+/// What a commit does when the journal does not take its outcome.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Unrecorded {
+    /// Fails the step: it is settled as an outage (parked, or nacked).
+    Fails,
+    /// Publishes it all the same, as a step without a journal (a step given up).
+    Published,
+}
+
 /// Who recorded a journal entry that a delivery finds in its way.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Recorder {
@@ -581,6 +590,24 @@ impl<'a> DialogOutput<'a> {
     /// Journals the held effects (when there is a journal), publishes them unless another delivery
     /// of the same message recorded its outcome first, and marks them published.
     pub async fn commit(&self, slot: Option<&JournalSlot<'_>>) -> anyhow::Result<()> {
+        self.commit_as(slot, Unrecorded::Fails).await
+    }
+
+    /// [`DialogOutput::commit`] of a step given up (its dialog ends with an error). Its outcome is
+    /// recorded like any other, so that no copy of the step still running elsewhere (a
+    /// redelivery after a broker restart, say) can answer after the error, nor the error follow
+    /// its answer: the first record stands, and the other copy settles from it. When the journal
+    /// does not answer (the store may be what is down) the error is published unrecorded, as
+    /// before there was a journal: a dialog that cannot go on must still end.
+    pub async fn commit_given_up(&self, slot: Option<&JournalSlot<'_>>) -> anyhow::Result<()> {
+        self.commit_as(slot, Unrecorded::Published).await
+    }
+
+    async fn commit_as(
+        &self,
+        mut slot: Option<&JournalSlot<'_>>,
+        unrecorded: Unrecorded,
+    ) -> anyhow::Result<()> {
         self.keep_documents().await?;
         let mut effects = std::mem::take(&mut *locked(&self.effects));
         if let (Some(slot), true) = (slot, locked(&self.ended).is_some()) {
@@ -631,20 +658,39 @@ impl<'a> DialogOutput<'a> {
         // The streamed chunks are not journaled: they must be on the broker before the outcome is
         // recorded, or a crash after recording would re-emit a closing message without its text.
         self.flush().await?;
+        let mut published_unrecorded = false;
         if let (Some(slot), Some(outcome)) = (slot, outcome) {
             let attempt = self.attempt.clone();
             let next = std::mem::take(&mut *locked(&self.next_steps));
-            let standing = slot
+            let recorded = slot
                 .journal
                 .record(&slot.node, outcome, &slot.delivery, &attempt, next)
-                .await?;
-            if standing.attempt != attempt {
-                // A live copy of this message (a redelivery overlapping a slow first delivery, or
-                // a broker handing one message to two consumers) got there first. Acking now would
-                // be wrong if that copy dies before publishing and its message is this one.
-                tracing::info!(entry = %slot.node.as_str(), "another delivery recorded this step first; settling its outcome");
-                return self.settle(slot, standing, Recorder::LiveCopy).await;
+                .await;
+            let standing = match recorded {
+                Ok(standing) => Some(standing),
+                Err(e) if unrecorded == Unrecorded::Published => {
+                    tracing::warn!(entry = %slot.node.as_str(), error = %e, "the journal did not take this given-up step's outcome; publishing it unrecorded");
+                    None
+                }
+                Err(e) => return Err(e),
+            };
+            match standing {
+                Some(standing) if standing.attempt != attempt => {
+                    // A live copy of this message (a redelivery overlapping a slow first delivery,
+                    // or a broker handing one message to two consumers) got there first. Acking
+                    // now would be wrong if that copy dies before publishing and its message is
+                    // this one.
+                    tracing::info!(entry = %slot.node.as_str(), "another delivery recorded this step first; settling its outcome");
+                    return self.settle(slot, standing, Recorder::LiveCopy).await;
+                }
+                Some(_) => {}
+                None => published_unrecorded = true,
             }
+        }
+        if published_unrecorded {
+            // Published as a step without a journal: no chain, no mark.
+            slot = None;
+            held = None;
         }
         let commit = fault::next_commit();
         fault::crash_if(fault::Stage::Recorded, commit);

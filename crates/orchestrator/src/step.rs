@@ -286,13 +286,16 @@ impl Engine {
         let n = steps_taken(&step.request.history) + 1;
         if let Err(problem) = &step.verdict {
             refuse(&turn, problem).await?;
-            step.out.commit(step.slot.as_ref()).await?;
+            match attempt {
+                Attempt::GiveUp(_) => step.out.commit_given_up(step.slot.as_ref()).await?,
+                Attempt::Run { .. } => step.out.commit(step.slot.as_ref()).await?,
+            }
             committed(&step.out, "refused", false, taken);
             return Ok(Settled::Done);
         }
         if let Attempt::GiveUp(why) = attempt {
             finish::fail(&turn, n, why).await?;
-            step.out.commit(None).await?;
+            step.out.commit_given_up(step.slot.as_ref()).await?;
             committed(&step.out, "given-up", false, taken);
             return Ok(Settled::Done);
         }
@@ -513,10 +516,10 @@ impl Engine {
         Ok(())
     }
 
-    /// Where the step stands in the journal: its slot (none without a journal, or when giving up,
-    /// which publishes without the journal since the store may be what is down), or
-    /// [`Lookup::Recorded`] when its outcome was recorded already and has now been settled from the
-    /// entry (an error must never follow an answer).
+    /// Where the step stands in the journal: its slot (none without a journal, nor when giving up
+    /// finds the journal out of reach: the store may be what is down, and the dialog must still
+    /// end), or [`Lookup::Recorded`] when its outcome was recorded already and has now been
+    /// settled from the entry (an error must never follow an answer).
     #[allow(clippy::too_many_arguments)]
     pub(crate) async fn journal_slot<'e>(
         &'e self,
@@ -554,14 +557,17 @@ impl Engine {
         // another build's outcome, which giving up must not add to.
         let recorded = match slot.journal.entry(&slot.node).await {
             Ok(entry) => entry,
-            Err(e) if giving_up && !e.is::<journal::UnreadableEntry>() => None,
+            Err(e) if giving_up && !e.is::<journal::UnreadableEntry>() => {
+                tracing::warn!(entry = %slot.node.as_str(), error = %e, "giving up without the journal, which does not answer");
+                return Ok(Lookup::Fresh(None));
+            }
             Err(e) => return Err(e.into()),
         };
         if let Some(entry) = recorded {
             out.settle(&slot, entry, Recorder::Unknown).await?;
             return Ok(Lookup::Recorded);
         }
-        Ok(Lookup::Fresh((!giving_up).then_some(slot)))
+        Ok(Lookup::Fresh(Some(slot)))
     }
 }
 
