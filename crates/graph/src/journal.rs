@@ -562,8 +562,9 @@ impl Deciding {
 }
 
 /// Every key's lock is held (taken in one order, so two batches cannot wait for each other)
-/// around reading what stands and writing what is new. For a SPARQL server; an embedded store is
-/// decided by [`decide_in`].
+/// around reading what stands and writing what is new. For a SPARQL server (and an embedded
+/// store opened for reading, whose writes fail); a writable embedded store is decided by
+/// [`decide_in`].
 async fn decide(
     store: &GraphStore,
     requests: Vec<RecordRequest>,

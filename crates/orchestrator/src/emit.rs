@@ -668,7 +668,12 @@ impl<'a> DialogOutput<'a> {
                 .await;
             let standing = match recorded {
                 Ok(standing) => Some(standing),
-                Err(e) if unrecorded == Unrecorded::Published => {
+                // An entry another build recorded (which this one cannot read) is an outcome
+                // that stands: a give-up must not publish beside it, but hand its message back.
+                Err(e)
+                    if unrecorded == Unrecorded::Published
+                        && !e.is::<journal::UnreadableEntry>() =>
+                {
                     tracing::warn!(entry = %slot.node.as_str(), error = %e, "the journal did not take this given-up step's outcome; publishing it unrecorded");
                     None
                 }
@@ -1161,6 +1166,63 @@ mod tests {
         assert!(error.is::<StoppedWaiting>(), "{error:#}");
         assert!(sink.sent().is_empty(), "nothing published by the copy");
         assert!(!journal.entry(&node).await.unwrap().unwrap().published);
+    }
+
+    /// A journal whose lookups answer and whose records fail: an embedded store opened for
+    /// reading only.
+    fn journal_that_cannot_record() -> (Journal, std::path::PathBuf) {
+        let dir = std::env::temp_dir().join(format!(
+            "emit-unrecorded-{}-{}",
+            std::process::id(),
+            chrono::Utc::now().timestamp_nanos_opt().unwrap_or_default()
+        ));
+        drop(agent_graph::GraphStore::open(dir.to_str().unwrap(), None).unwrap());
+        let store = agent_graph::GraphStore::open_read_only(&dir).unwrap();
+        (Journal::new(store.journal()), dir)
+    }
+
+    #[tokio::test]
+    async fn a_step_given_up_publishes_its_error_unrecorded_when_the_journal_does_not_take_it() {
+        let (journal, dir) = journal_that_cannot_record();
+        let session = "urn:trustgraph:agent:unrecorded";
+        let node = journal::entry_node(session, "i1-x").unwrap();
+        assert!(
+            journal.entry(&node).await.unwrap().is_none(),
+            "lookups answer"
+        );
+        let slot = JournalSlot {
+            journal: &journal,
+            node: node.clone(),
+            delivery: "the-dead-letter".to_owned(),
+            session: session.to_owned(),
+        };
+        let sink = MemorySink::default();
+        let outputs = Outputs::Memory(sink.clone());
+        let error = AgentResponse {
+            end_of_dialog: true,
+            error: Some(agent_schema::ErrorInfo {
+                message: "given up".to_owned(),
+                ..Default::default()
+            }),
+            ..Default::default()
+        };
+
+        // Any other step fails (it is settled as an outage), and publishes nothing.
+        let running = DialogOutput::new(&outputs, Some("client-1"), "default", session, 0);
+        running.respond(&error).unwrap();
+        assert!(running.commit(Some(&slot)).await.is_err());
+        assert!(sink.sent().is_empty());
+
+        // A step given up publishes its error all the same: its dialog must end.
+        let giving_up = DialogOutput::new(&outputs, Some("client-1"), "default", session, 0);
+        giving_up.respond(&error).unwrap();
+        giving_up.commit_given_up(Some(&slot)).await.unwrap();
+        let closings: Vec<AgentResponse> = sink.decoded(Channel::Responses);
+        assert_eq!(closings.len(), 1, "{closings:?}");
+        assert_eq!(closings[0].error.as_ref().unwrap().message, "given up");
+        assert!(journal.entry(&node).await.unwrap().is_none());
+        drop(journal);
+        let _ = std::fs::remove_dir_all(dir);
     }
 }
 
