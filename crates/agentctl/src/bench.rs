@@ -144,6 +144,15 @@ impl Running {
         })
     }
 
+    /// The broker's process, when it runs here.
+    fn pid(&self) -> Option<u32> {
+        match self {
+            Running::Lite(b) => b.pid(),
+            Running::Apache(b) => b.pid(),
+            Running::External(_) => None,
+        }
+    }
+
     fn url(&self) -> String {
         match self {
             Running::Lite(b) => b.url(),
@@ -151,6 +160,14 @@ impl Running {
             Running::External(url) => url.clone(),
         }
     }
+}
+
+/// The broker a run is on.
+struct On {
+    name: &'static str,
+    url: String,
+    /// Its process, when it runs here: its CPU counts in the run's.
+    pid: Option<u32>,
 }
 
 /// One broker's figures, for the comparison at the end.
@@ -163,6 +180,8 @@ struct Figures {
     one_p50: f64,
     three_p50: f64,
     steps_per_sec: f64,
+    /// CPU time a step of the throughput run cost this process and the broker's, in ms.
+    cpu_ms_per_step: Option<f64>,
 }
 
 /// The scripted answer that closes every bench dialog: one that ends otherwise (at its iteration
@@ -188,13 +207,18 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<i32> {
             &args.apache_settings,
         )?;
         for &journal in args.journal.runs() {
-            all.push(bench_on(&args, journal, &llm, kind.name(), &broker.url()).await?);
+            let on = On {
+                name: kind.name(),
+                url: broker.url(),
+                pid: broker.pid(),
+            };
+            all.push(bench_on(&args, journal, &llm, &on).await?);
         }
     }
     if all.len() > 1 {
         println!("\ncomparison (p50 figures; per step as a multiple of the broker round trip):");
         println!(
-            "{:<30} {:>8} {:>12} {:>15} {:>9} {:>17} {:>9} {:>10} {:>14}",
+            "{:<30} {:>8} {:>12} {:>15} {:>9} {:>17} {:>9} {:>10} {:>14} {:>12}",
             "broker",
             "journal",
             "round trip",
@@ -203,12 +227,13 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<i32> {
             "three-iteration",
             "x rtt",
             "steps/s",
-            "journal B/dlg"
+            "journal B/dlg",
+            "CPU ms/step"
         );
         for f in &all {
             let per_step = |p50: f64, steps: f64| p50 / steps / f.round_trip_p50;
             println!(
-                "{:<30} {:>8} {:>9.3} ms {:>12.2} ms {:>9.1} {:>14.2} ms {:>9.1} {:>10.0} {:>14}",
+                "{:<30} {:>8} {:>9.3} ms {:>12.2} ms {:>9.1} {:>14.2} ms {:>9.1} {:>10.0} {:>14} {:>12}",
                 f.broker,
                 on_off_short(f.journal),
                 f.round_trip_p50,
@@ -219,6 +244,8 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<i32> {
                 f.steps_per_sec,
                 f.journal_bytes_per_dialog
                     .map_or("-".to_owned(), |b| format!("{b:.0}")),
+                f.cpu_ms_per_step
+                    .map_or("-".to_owned(), |ms| format!("{ms:.2}")),
             );
         }
     }
@@ -251,9 +278,9 @@ async fn bench_on(
     args: &BenchArgs,
     journal: bool,
     llm: &ScriptedLlm,
-    broker_name: &'static str,
-    url: &str,
+    broker: &On,
 ) -> anyhow::Result<Figures> {
+    let (broker_name, url) = (broker.name, broker.url.as_str());
     let mut settings = args.settings.clone();
     settings.broker.pulsar_url = url.to_owned();
     settings.llm_base_url = llm.base_url();
@@ -342,6 +369,7 @@ async fn bench_on(
     } else {
         None
     };
+    let cpu_before = CpuUse::now(broker.pid);
     let Throughput {
         elapsed,
         latencies,
@@ -366,6 +394,10 @@ async fn bench_on(
         percentile(&latencies, 50.0),
         percentile(&latencies, 99.0),
     );
+    let cpu = cpu_before.and_then(|before| CpuUse::now(broker.pid)?.since(&before, steps));
+    if let Some(cpu) = &cpu {
+        cpu.report(steps_per_sec);
+    }
     if recovered > 0 {
         println!(
             "closings that never reached the client (the response topic is non-persistent), read back from the journal or the provenance graph: {recovered}"
@@ -411,7 +443,110 @@ async fn bench_on(
         one_p50: percentile(&one, 50.0),
         three_p50: percentile(&three, 50.0),
         steps_per_sec,
+        cpu_ms_per_step: cpu.map(|c| c.process_ms + c.broker_ms.unwrap_or(0.0)),
     })
+}
+
+/// CPU time used so far: by this process (the orchestrator, the aggregator and its store, the
+/// scripted LLM and the bench's client), by the broker when it runs here, and by the whole
+/// machine. On a machine whose cores are all busy, throughput is CPU a step: this says how much.
+struct CpuUse {
+    process: f64,
+    broker: Option<f64>,
+    /// The machine's busy and total time, all cores.
+    machine: Option<(f64, f64)>,
+}
+
+/// What a throughput run's steps cost, from two [`CpuUse`] readings.
+struct CpuPerStep {
+    process_ms: f64,
+    broker_ms: Option<f64>,
+    /// The share of the machine's cores that was busy.
+    machine_busy: Option<f64>,
+}
+
+impl CpuUse {
+    /// `None` without `/proc` (not Linux): the bench then prints no CPU figures.
+    fn now(broker: Option<u32>) -> Option<CpuUse> {
+        Some(CpuUse {
+            process: process_cpu_seconds("self")?,
+            broker: broker.and_then(|pid| process_cpu_seconds(&pid.to_string())),
+            machine: machine_cpu_seconds(),
+        })
+    }
+
+    fn since(&self, before: &CpuUse, steps: f64) -> Option<CpuPerStep> {
+        if steps <= 0.0 {
+            return None;
+        }
+        let per_step = |now: f64, then: f64| (now - then) * 1000.0 / steps;
+        Some(CpuPerStep {
+            process_ms: per_step(self.process, before.process),
+            broker_ms: self
+                .broker
+                .zip(before.broker)
+                .map(|(now, then)| per_step(now, then)),
+            machine_busy: self.machine.zip(before.machine).and_then(
+                |((busy, total), (busy_then, total_then))| {
+                    (total > total_then).then(|| (busy - busy_then) / (total - total_then))
+                },
+            ),
+        })
+    }
+}
+
+impl CpuPerStep {
+    fn report(&self, steps_per_sec: f64) {
+        let cores = |ms: f64| ms * steps_per_sec / 1000.0;
+        let mut line = format!(
+            "CPU a step: this process {:.2} ms ({:.2} cores)",
+            self.process_ms,
+            cores(self.process_ms)
+        );
+        if let Some(broker) = self.broker_ms {
+            line.push_str(&format!(
+                ", the broker {broker:.2} ms ({:.2} cores)",
+                cores(broker)
+            ));
+        }
+        if let Some(busy) = self.machine_busy {
+            line.push_str(&format!("; the machine's cores {:.0}% busy", busy * 100.0));
+        }
+        let available = std::thread::available_parallelism().map_or(1, usize::from);
+        line.push_str(&format!(
+            "; 2,000 steps/s on {available} cores leaves {:.2} ms a step",
+            available as f64 * 1000.0 / 2000.0
+        ));
+        println!("{line}");
+    }
+}
+
+/// User and system CPU seconds of process `pid` (`self` for this one), from `/proc`.
+fn process_cpu_seconds(pid: &str) -> Option<f64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // The fields after the command name, which is in parentheses and may hold spaces.
+    let after = stat.get(stat.rfind(')')? + 2..)?;
+    let mut fields = after.split_whitespace().skip(11);
+    let user: f64 = fields.next()?.parse().ok()?;
+    let system: f64 = fields.next()?.parse().ok()?;
+    // `/proc` counts in USER_HZ, which Linux fixes at 100 a second whatever its own tick.
+    Some((user + system) / 100.0)
+}
+
+/// The machine's busy and total CPU seconds, all cores, from `/proc/stat`.
+fn machine_cpu_seconds() -> Option<(f64, f64)> {
+    let stat = std::fs::read_to_string("/proc/stat").ok()?;
+    let times: Vec<f64> = stat
+        .lines()
+        .next()?
+        .strip_prefix("cpu ")?
+        .split_whitespace()
+        .filter_map(|t| t.parse().ok())
+        .collect();
+    // user nice system idle iowait irq softirq steal; idle and iowait are the time not busy.
+    let total: f64 = times.iter().take(8).sum();
+    let idle = times.get(3)? + times.get(4).unwrap_or(&0.0);
+    Some(((total - idle) / 100.0, total / 100.0))
 }
 
 /// The store's quads once the aggregator has written what the run explained (provenance is

@@ -319,6 +319,11 @@ impl ApacheBroker {
         format!("pulsar://127.0.0.1:{}", self.broker_port)
     }
 
+    /// The broker's JVM's process id while it runs (to read its CPU time).
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(std::process::Child::id)
+    }
+
     /// The token the services use, when authentication is on.
     pub fn admin_token(&self) -> Option<String> {
         self.auth.as_ref().map(|a| a.token(ADMIN_ROLE))

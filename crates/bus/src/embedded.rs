@@ -271,6 +271,11 @@ impl EmbeddedBroker {
         self.launch()
     }
 
+    /// The broker's process id while it runs (to read its CPU time).
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(std::process::Child::id)
+    }
+
     /// Stops the broker (SIGKILL; pulsar-lite keeps acknowledged messages across it).
     pub fn stop(&mut self) {
         if let Some(mut child) = self.child.take() {
