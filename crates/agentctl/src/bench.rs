@@ -1004,3 +1004,32 @@ async fn how_far(store: &agent_graph::GraphStore, session: &str) -> String {
         Err(e) => format!("the graph did not answer: {e}"),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cpu_a_step_is_read_from_proc_and_grows_with_work() {
+        let before = CpuUse::now(Some(std::process::id())).expect("/proc on Linux");
+        let mut spin = 0u64;
+        while process_cpu_seconds("self").unwrap() < before.process + 0.05 {
+            spin = spin.wrapping_add(1);
+        }
+        let after = CpuUse::now(Some(std::process::id())).unwrap();
+        let cost = after.since(&before, 10.0).unwrap();
+        // 50 ms of CPU or more over 10 steps, counted for the process and, as the same pid, for
+        // "the broker".
+        assert!(cost.process_ms >= 5.0, "{} ms", cost.process_ms);
+        assert!(cost.broker_ms.unwrap() >= 5.0);
+        assert!(cost
+            .machine_busy
+            .is_some_and(|busy| busy > 0.0 && busy <= 1.0));
+        assert!(after.since(&before, 0.0).is_none(), "{spin}");
+    }
+
+    #[test]
+    fn a_process_that_is_not_there_has_no_cpu() {
+        assert!(process_cpu_seconds("not-a-pid").is_none());
+    }
+}
