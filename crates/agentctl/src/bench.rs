@@ -443,7 +443,8 @@ async fn bench_on(
         one_p50: percentile(&one, 50.0),
         three_p50: percentile(&three, 50.0),
         steps_per_sec,
-        cpu_ms_per_step: cpu.map(|c| c.process_ms + c.broker_ms.unwrap_or(0.0)),
+        // The sum only where the broker's share is known: a row without it would read cheaper.
+        cpu_ms_per_step: cpu.and_then(|c| Some(c.process_ms + c.broker_ms?)),
     })
 }
 
@@ -1019,9 +1020,9 @@ mod tests {
         let after = CpuUse::now(Some(std::process::id())).unwrap();
         let cost = after.since(&before, 10.0).unwrap();
         // 50 ms of CPU or more over 10 steps, counted for the process and, as the same pid, for
-        // "the broker".
-        assert!(cost.process_ms >= 5.0, "{} ms", cost.process_ms);
-        assert!(cost.broker_ms.unwrap() >= 5.0);
+        // "the broker" (read a moment apart, and in ticks of 10 ms: a tick's margin).
+        assert!(cost.process_ms >= 4.0, "{} ms", cost.process_ms);
+        assert!(cost.broker_ms.unwrap() >= 4.0);
         assert!(cost
             .machine_busy
             .is_some_and(|busy| busy > 0.0 && busy <= 1.0));

@@ -144,6 +144,8 @@ pub struct DialogOutput<'a> {
     next_steps: Mutex<Vec<String>>,
     /// Whether the step is journaled: only then are `next_steps` told to anyone.
     journaled: bool,
+    /// Whether the step is given up (see [`DialogOutput::giving_up`]).
+    given_up: bool,
     /// How the dialog ended in this step (`answer` or `error`), if it did: for the metrics.
     ended: Mutex<Option<&'static str>>,
     /// Set when the step met an outage it is to wait out: nothing it held is committed.
@@ -240,15 +242,6 @@ enum Order {
     Unawaited,
 }
 
-/// What a commit does when the journal does not take its outcome.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Unrecorded {
-    /// Fails the step: it is settled as an outage (parked, or nacked).
-    Fails,
-    /// Publishes it all the same, as a step without a journal (a step given up).
-    Published,
-}
-
 /// Who recorded a journal entry that a delivery finds in its way.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Recorder {
@@ -318,6 +311,7 @@ impl<'a> DialogOutput<'a> {
             effects: Mutex::new(Vec::new()),
             next_steps: Mutex::new(Vec::new()),
             journaled: false,
+            given_up: false,
             ended: Mutex::new(None),
             parked: Mutex::new(None),
             answer_streamed: std::sync::atomic::AtomicBool::new(false),
@@ -451,6 +445,17 @@ impl<'a> DialogOutput<'a> {
     /// Marks the step as journaled, so its next steps are named to the journal's owner.
     pub fn journaled(mut self, journaled: bool) -> Self {
         self.journaled = journaled;
+        self
+    }
+
+    /// Marks the step as given up (its dialog ends with an error). Its outcome is recorded like
+    /// any other, so that no copy of the step still running elsewhere (a redelivery after a
+    /// broker restart, say) can answer after the error, nor the error follow its answer: the
+    /// first record stands, and the other copy settles from it. But when the journal does not
+    /// take the record (the store may be what is down), its commit publishes the error
+    /// unrecorded, as before there was a journal: a dialog that cannot go on must still end.
+    pub fn giving_up(mut self, given_up: bool) -> Self {
+        self.given_up = given_up;
         self
     }
 
@@ -588,26 +593,12 @@ impl<'a> DialogOutput<'a> {
     }
 
     /// Journals the held effects (when there is a journal), publishes them unless another delivery
-    /// of the same message recorded its outcome first, and marks them published.
-    pub async fn commit(&self, slot: Option<&JournalSlot<'_>>) -> anyhow::Result<()> {
-        self.commit_as(slot, Unrecorded::Fails).await
-    }
-
-    /// [`DialogOutput::commit`] of a step given up (its dialog ends with an error). Its outcome is
-    /// recorded like any other, so that no copy of the step still running elsewhere (a
-    /// redelivery after a broker restart, say) can answer after the error, nor the error follow
-    /// its answer: the first record stands, and the other copy settles from it. When the journal
-    /// does not answer (the store may be what is down) the error is published unrecorded, as
-    /// before there was a journal: a dialog that cannot go on must still end.
-    pub async fn commit_given_up(&self, slot: Option<&JournalSlot<'_>>) -> anyhow::Result<()> {
-        self.commit_as(slot, Unrecorded::Published).await
-    }
-
-    async fn commit_as(
-        &self,
-        mut slot: Option<&JournalSlot<'_>>,
-        unrecorded: Unrecorded,
-    ) -> anyhow::Result<()> {
+    /// of the same message recorded its outcome first, and marks them published. A record the
+    /// journal does not take fails the commit (the step is settled as an outage), unless the
+    /// step is given up ([`DialogOutput::giving_up`]).
+    // One function, not a wrapper per case: in a debug build each layer of a step's futures adds
+    // a frame to a worker's stack, which a step with the librarian's calls overflowed.
+    pub async fn commit(&self, mut slot: Option<&JournalSlot<'_>>) -> anyhow::Result<()> {
         self.keep_documents().await?;
         let mut effects = std::mem::take(&mut *locked(&self.effects));
         if let (Some(slot), true) = (slot, locked(&self.ended).is_some()) {
@@ -670,10 +661,7 @@ impl<'a> DialogOutput<'a> {
                 Ok(standing) => Some(standing),
                 // An entry another build recorded (which this one cannot read) is an outcome
                 // that stands: a give-up must not publish beside it, but hand its message back.
-                Err(e)
-                    if unrecorded == Unrecorded::Published
-                        && !e.is::<journal::UnreadableEntry>() =>
-                {
+                Err(e) if self.given_up && !e.is::<journal::UnreadableEntry>() => {
                     tracing::warn!(entry = %slot.node.as_str(), error = %e, "the journal did not take this given-up step's outcome; publishing it unrecorded");
                     None
                 }
@@ -1214,9 +1202,10 @@ mod tests {
         assert!(sink.sent().is_empty());
 
         // A step given up publishes its error all the same: its dialog must end.
-        let giving_up = DialogOutput::new(&outputs, Some("client-1"), "default", session, 0);
+        let giving_up =
+            DialogOutput::new(&outputs, Some("client-1"), "default", session, 0).giving_up(true);
         giving_up.respond(&error).unwrap();
-        giving_up.commit_given_up(Some(&slot)).await.unwrap();
+        giving_up.commit(Some(&slot)).await.unwrap();
         let closings: Vec<AgentResponse> = sink.decoded(Channel::Responses);
         assert_eq!(closings.len(), 1, "{closings:?}");
         assert_eq!(closings[0].error.as_ref().unwrap().message, "given up");

@@ -286,16 +286,13 @@ impl Engine {
         let n = steps_taken(&step.request.history) + 1;
         if let Err(problem) = &step.verdict {
             refuse(&turn, problem).await?;
-            match attempt {
-                Attempt::GiveUp(_) => step.out.commit_given_up(step.slot.as_ref()).await?,
-                Attempt::Run { .. } => step.out.commit(step.slot.as_ref()).await?,
-            }
+            step.out.commit(step.slot.as_ref()).await?;
             committed(&step.out, "refused", false, taken);
             return Ok(Settled::Done);
         }
         if let Attempt::GiveUp(why) = attempt {
             finish::fail(&turn, n, why).await?;
-            step.out.commit_given_up(step.slot.as_ref()).await?;
+            step.out.commit(step.slot.as_ref()).await?;
             committed(&step.out, "given-up", false, taken);
             return Ok(Settled::Done);
         }
@@ -392,6 +389,7 @@ impl Engine {
         .with_model(model.as_deref())
         .keeping_documents_in(self.documents.as_ref())
         .journaled(self.journal.is_some())
+        .giving_up(matches!(attempt, Attempt::GiveUp(_)))
         .continuing_in(chain)
         .stopping_on(&self.shutdown);
         let lookup = self
