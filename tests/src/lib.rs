@@ -1487,6 +1487,29 @@ pub async fn scrape(base: &str) -> std::collections::BTreeMap<String, f64> {
         .collect()
 }
 
+/// The counter `name` on the metrics page under `base`: 0 until the process listens (a child
+/// still starting) and reports it.
+pub async fn counter_once_listening(base: &str, name: &str) -> f64 {
+    if reqwest::get(format!("{base}/metrics")).await.is_err() {
+        return 0.0;
+    }
+    scrape(base).await.get(name).copied().unwrap_or(0.0)
+}
+
+/// The default flow's request topic's dead-letter topic.
+pub const DEAD_LETTER_TOPIC: &str = "persistent://tg/dead-letter/agent:default:default";
+
+/// Publishes `payload` under the correlation `id` to [`DEAD_LETTER_TOPIC`], as the `pulsar`
+/// client does with a request past its redelivery bound.
+pub async fn send_dead_lettered(broker: &Broker, id: &str, payload: Vec<u8>) {
+    let bus = agent_bus::Bus::connect(&broker.url(), None).await.unwrap();
+    let dead_letters = agent_bus::Publisher::new(&bus, DEAD_LETTER_TOPIC)
+        .await
+        .unwrap();
+    let properties: agent_bus::Properties = [("id".to_owned(), id.to_owned())].into();
+    dead_letters.send(payload, &properties).await.unwrap();
+}
+
 /// One sample of a scrape, which must be there.
 pub fn sample(all: &std::collections::BTreeMap<String, f64>, series: &str) -> f64 {
     *all.get(series)

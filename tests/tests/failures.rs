@@ -52,12 +52,7 @@ async fn malformed_payloads_go_to_the_dead_letter_topic_and_service_continues() 
     }
     assert!(orchestrator.is_running());
 
-    let mut dlq = read_from_start(
-        &broker,
-        "persistent://tg/dead-letter/agent:default:default",
-        "test-dlq",
-    )
-    .await;
+    let mut dlq = read_from_start(&broker, DEAD_LETTER_TOPIC, "test-dlq").await;
     let mut ids = Vec::new();
     for _ in 0..4 {
         let message = tokio::time::timeout(Duration::from_secs(20), dlq.next())
@@ -264,24 +259,13 @@ async fn a_dead_lettered_request_ends_its_dialog_with_an_error() {
     .await;
     let _orchestrator = Orchestrator::spawn(&broker, &llm, &seed_dir(), &[]);
     let mut client = client(&broker).await;
-    let bus = agent_bus::Bus::connect(&broker.url(), None).await.unwrap();
-    let dead_letters =
-        agent_bus::Publisher::new(&bus, "persistent://tg/dead-letter/agent:default:default")
-            .await
-            .unwrap();
-    let properties: agent_bus::Properties = [("id".to_owned(), "lost-1".to_owned())].into();
-    dead_letters
-        .send(
-            agent_schema::encode(&request("ping lost", false)),
-            &properties,
-        )
-        .await
-        .unwrap();
-    let undecodable: agent_bus::Properties = [("id".to_owned(), "junk-1".to_owned())].into();
-    dead_letters
-        .send(b"{not json".to_vec(), &undecodable)
-        .await
-        .unwrap();
+    send_dead_lettered(
+        &broker,
+        "lost-1",
+        agent_schema::encode(&request("ping lost", false)),
+    )
+    .await;
+    send_dead_lettered(&broker, "junk-1", b"{not json".to_vec()).await;
     let responses = collect_dialog(&mut client, "lost-1", DIALOG_TIMEOUT)
         .await
         .unwrap();

@@ -183,12 +183,7 @@ async fn bad_messages_meet_their_fates(journaled: bool) {
     let mut orchestrator = Orchestrator::spawn(&broker, &llm, &tight_limits_config(), &extra);
     // Subscribed before the first bad message: pulsar-lite has been seen to stall handing a new
     // subscription a backlog of hundreds (280 of 428 delivered, then nothing).
-    let mut dlq = read_from_start(
-        &broker,
-        "persistent://tg/dead-letter/agent:default:default",
-        "test-dlq",
-    )
-    .await;
+    let mut dlq = read_from_start(&broker, DEAD_LETTER_TOPIC, "test-dlq").await;
     let mut client = client(&broker).await;
     // The orchestrator too: a dialog answered shows its subscription exists before the flood.
     client

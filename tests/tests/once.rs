@@ -361,17 +361,7 @@ async fn a_chains_root_handed_to_another_replica_waits_while_the_chain_runs() {
     let froze = std::time::Instant::now();
     first.freeze(frozen);
     broker.restart().unwrap();
-    let waited = || async {
-        let listening = reqwest::get(format!("{metrics}/metrics")).await.is_ok();
-        let all = if listening {
-            scrape(&metrics).await
-        } else {
-            Default::default()
-        };
-        all.get("agent_chain_copies_waited_total")
-            .copied()
-            .unwrap_or(0.0)
-    };
+    let waited = || counter_once_listening(&metrics, "agent_chain_copies_waited_total");
     let restarted = std::time::Instant::now();
     while frozen && waited().await < 1.0 && froze.elapsed() < Duration::from_secs(8) {
         tokio::time::sleep(Duration::from_millis(50)).await;
@@ -619,14 +609,7 @@ async fn a_copy_of_a_request_runs_once() {
 
 /// Request messages the orchestrator serving metrics at `base` has acked, once it listens.
 async fn acked_requests(base: &str) -> f64 {
-    if reqwest::get(format!("{base}/metrics")).await.is_err() {
-        return 0.0;
-    }
-    scrape(base)
-        .await
-        .get("agent_request_messages_total{fate=\"acked\"}")
-        .copied()
-        .unwrap_or(0.0)
+    counter_once_listening(base, "agent_request_messages_total{fate=\"acked\"}").await
 }
 
 /// A step given up (its message moved to the dead-letter topic, which ends its dialog with an
@@ -650,18 +633,9 @@ async fn a_step_given_up_is_recorded_and_a_later_copy_answers_nothing_after_its_
     );
     let metrics = format!("http://{http_addr}");
     let mut client = client(&broker).await;
-    let bus = agent_bus::Bus::connect(&broker.url(), None).await.unwrap();
-    let dead_letters =
-        agent_bus::Publisher::new(&bus, "persistent://tg/dead-letter/agent:default:default")
-            .await
-            .unwrap();
     let (id, question) = ("given-up", "combine (given up)");
     let request = react(question);
-    let properties: agent_bus::Properties = [("id".to_owned(), id.to_owned())].into();
-    dead_letters
-        .send(agent_schema::encode(&request), &properties)
-        .await
-        .unwrap();
+    send_dead_lettered(&broker, id, agent_schema::encode(&request)).await;
     let responses = collect_dialog(&mut client, id, DIALOG_TIMEOUT)
         .await
         .unwrap();
@@ -707,19 +681,12 @@ async fn a_step_given_up_while_the_journal_is_down_still_ends_its_dialog() {
         .await
         .unwrap();
     aggregator.kill();
-    let bus = agent_bus::Bus::connect(&broker.url(), None).await.unwrap();
-    let dead_letters =
-        agent_bus::Publisher::new(&bus, "persistent://tg/dead-letter/agent:default:default")
-            .await
-            .unwrap();
-    let properties: agent_bus::Properties = [("id".to_owned(), "unjournaled".to_owned())].into();
-    dead_letters
-        .send(
-            agent_schema::encode(&react("combine (journal down)")),
-            &properties,
-        )
-        .await
-        .unwrap();
+    send_dead_lettered(
+        &broker,
+        "unjournaled",
+        agent_schema::encode(&react("combine (journal down)")),
+    )
+    .await;
     let responses = collect_dialog(&mut client, "unjournaled", DIALOG_TIMEOUT)
         .await
         .unwrap();
