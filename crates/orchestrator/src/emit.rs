@@ -459,6 +459,11 @@ impl<'a> DialogOutput<'a> {
         self
     }
 
+    /// Whether the step is given up ([`DialogOutput::giving_up`]).
+    pub fn is_given_up(&self) -> bool {
+        self.given_up
+    }
+
     /// The model this dialog asks for (see [`agent_schema::MODEL_PROPERTY`]), carried to its next
     /// requests.
     pub fn with_model(mut self, model: Option<&str>) -> Self {

@@ -399,7 +399,6 @@ impl Engine {
                 &uris,
                 new_dialog,
                 verdict.is_err(),
-                matches!(attempt, Attempt::GiveUp(_)),
                 answering,
                 delivery_id,
             )
@@ -526,13 +525,13 @@ impl Engine {
         uris: &SessionUris,
         new_dialog: bool,
         refused: bool,
-        giving_up: bool,
         answering: bool,
         delivery: String,
     ) -> Result<Lookup<'e>, StepError> {
         let Some(journal) = &self.journal else {
             return Ok(Lookup::Fresh(None));
         };
+        let giving_up = out.is_given_up();
         let mut key = journal::key(request, new_dialog);
         // A parked step's resumption has a slot of its own, which the first answer takes.
         if answering {
