@@ -111,5 +111,11 @@ done
 set -e
 passed=$(grep -Eo '[0-9]+ passed' "$log" | awk '{s+=$1} END {print s+0}')
 failed=$(grep -Eo '[0-9]+ failed' "$log" | awk '{s+=$1} END {print s+0}')
+# CI shows only the end of this output: name what failed, and why, where it will be read.
+if [ "$failed" -gt 0 ] || [ "$status" -ne 0 ]; then
+  echo "== what failed"
+  grep -E '^test .+ \.\.\. FAILED$' "$log" | sort | uniq -c || true
+  grep -A 4 -E "panicked at" "$log" | grep -vE '^\s*$' | cut -c1-400 | head -n 60 || true
+fi
 echo "$passed passed, $failed failed"
 exit "$status"
