@@ -695,6 +695,71 @@ async fn a_step_given_up_while_the_journal_is_down_still_ends_its_dialog() {
     assert!(error.message.contains("dead-letter topic"), "{error:?}");
 }
 
+/// A step that crashes every process that takes it up (here each orchestrator is SIGKILLed while
+/// the step's LLM call is under way) is given up once the journal's owner has seen it taken up
+/// `--max-redeliveries` times without an outcome: its dialog ends with an error that says so,
+/// and the LLM is not asked again. A broker need not count such crashes: Apache Pulsar does not
+/// count a consumer that died as a redelivery, and a restart makes either broker forget its
+/// counts (the test restarts the broker after each crash, so pulsar-lite's count cannot move the
+/// message to the dead-letter topic first). Without the owner's count, the step went round for
+/// ever.
+#[tokio::test]
+async fn a_step_that_crashes_every_process_taking_it_up_is_given_up() {
+    const MAX: usize = 2;
+    let script = serde_json::json!({"rules": [{
+        "match": "",
+        "reply": format!("Thought: I know this.\nFinal Answer: {ANSWER}"),
+        "delay_ms": 120_000,
+    }]});
+    let mut broker = Broker::start().unwrap();
+    let aggregator = Aggregator::spawn_with(&broker, &["--config-token", TOKEN]);
+    let llm = scripted_llm(&script.to_string()).await;
+    let mut orchestrator = Orchestrator::journaled(
+        Place::Child,
+        &broker,
+        &llm,
+        &aggregator,
+        TOKEN,
+        &[("AGENT_MAX_REDELIVERIES", &MAX.to_string())],
+    );
+    let session = uuid::Uuid::new_v4().to_string();
+    let request = agent_schema::AgentRequest {
+        session_id: session.clone(),
+        ..react("crashes its process")
+    };
+    client(&broker)
+        .await
+        .send("crashing", &request)
+        .await
+        .unwrap();
+    for taken in 1..=MAX {
+        let asked = std::time::Instant::now();
+        while llm.calls().len() < taken {
+            assert!(
+                asked.elapsed() < Duration::from_secs(60),
+                "the step was not taken up a time {taken} (connections pulsar-lite reset: {:?})",
+                broker.reset_connections()
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        orchestrator.kill();
+        broker.restart().unwrap();
+        // Started again, on the restarted broker (the second SIGKILL finds it gone).
+        orchestrator.kill_and_restart();
+    }
+    let closing = journaled_closing(&aggregator, &session, "crashing").await;
+    let error = closing.error.expect("the dialog ended with an error");
+    assert!(
+        error
+            .message
+            .contains(&format!("taken up {} times without an outcome", MAX + 1)),
+        "{error:?}"
+    );
+    // Long enough for another taking to have asked the LLM.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert_eq!(llm.calls().len(), MAX, "the LLM calls");
+}
+
 /// With the services compressing what they publish (`PULSAR_COMPRESSION`), a journaled dialog
 /// runs as any: the aggregator reads the orchestrator's LZ4 provenance into the graph, the client
 /// its responses, and two orchestrators given one request still make one chain of nodes.

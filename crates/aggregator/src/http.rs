@@ -1,8 +1,8 @@
 //! The SPARQL 1.1 Protocol over the store: `/query` (open unless a read token is set, each query
 //! bounded in time and result size and stopped when its client goes, anonymous ones a few at a
 //! time), `/update` and the Graph Store Protocol's `POST /store` (bearer token); the orchestrators'
-//! journal (`/journal/entries`, `/journal/records`, `/journal/marks`, batched, bearer token); and
-//! `/healthz`, `/readyz`, `/metrics`.
+//! journal (`/journal/entries`, `/journal/takings`, `/journal/records`, `/journal/marks`,
+//! batched, bearer token); and `/healthz`, `/readyz`, `/metrics`.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -66,6 +66,7 @@ pub fn router(
         .route("/update", post(update))
         .route("/store", post(store_post))
         .route("/journal/entries", post(journal_entries))
+        .route("/journal/takings", post(journal_takings))
         .route("/journal/records", post(journal_records))
         .route("/journal/marks", post(journal_marks))
         .route("/journal/chains/beat", post(journal_chain_beat))
@@ -335,6 +336,26 @@ async fn journal_entries(
     }
     match state.journal.entries(&nodes).await {
         Ok(entries) => json(&entries),
+        Err(e) => error_response(e),
+    }
+}
+
+/// [`journal_entries`] for steps that deliveries are taking up: each taking of a step without an
+/// entry is counted (a bound on a message that crashes every process that takes it).
+async fn journal_takings(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    axum::Json(asked): axum::Json<EntryRefs>,
+) -> Response {
+    let nodes = match journal_call(&state, &headers, &asked.entries) {
+        Ok(nodes) => nodes,
+        Err(refused) => return refused,
+    };
+    if let Err(refused) = owner(&state).await {
+        return refused;
+    }
+    match state.journal.take_all(&nodes).await {
+        Ok(takings) => json(&takings),
         Err(e) => error_response(e),
     }
 }

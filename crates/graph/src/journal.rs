@@ -29,6 +29,16 @@ pub struct JournalEntry {
     pub published: bool,
 }
 
+/// A step's entry looked up as a delivery of its message takes the step up: what stands, and when
+/// nothing does, how many times the owner has seen the step taken up without an outcome, this
+/// time included (see `takings`). Zero when an entry stands, or from an owner that does not count.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Taking {
+    pub entry: Option<JournalEntry>,
+    #[serde(default)]
+    pub takings: u32,
+}
+
 /// A request to record `outcome` as the step `entry`'s, unless one is recorded already.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct RecordRequest {
@@ -370,6 +380,53 @@ impl Journal {
         }
     }
 
+    /// The entry of a step a delivery is taking up, counting the taking when none stands.
+    pub async fn take(&self, entry: &NamedNode) -> Result<Taking, GraphError> {
+        match self {
+            Journal::Owner(_) => self
+                .take_all(std::slice::from_ref(entry))
+                .await?
+                .pop()
+                .ok_or_else(|| {
+                    GraphError::Storage("a taking was looked up without an answer".to_owned())
+                }),
+            Journal::Remote(remote) => remote.journal_take(entry.as_str()).await,
+        }
+    }
+
+    /// [`Journal::take`] for several steps, in order.
+    pub async fn take_all(&self, entries: &[NamedNode]) -> Result<Vec<Taking>, GraphError> {
+        match self {
+            Journal::Owner(store) => {
+                let found = self.entries(entries).await?;
+                Ok(found
+                    .into_iter()
+                    .zip(entries)
+                    .map(|(entry, node)| {
+                        let takings = match entry {
+                            Some(_) => 0,
+                            None => crate::takings::taken(store.identity, node.as_str()),
+                        };
+                        Taking { entry, takings }
+                    })
+                    .collect())
+            }
+            // Made together, the calls share the remote's batches.
+            Journal::Remote(_) => {
+                futures::future::try_join_all(entries.iter().map(|entry| self.take(entry))).await
+            }
+        }
+    }
+
+    /// Counts a taking of a step this owner knows has no entry (see [`ExpectedSteps`]): how
+    /// many there have been, this one included. Zero for a journal that is not an owner's.
+    pub(crate) fn count_taking(&self, entry: &NamedNode) -> u32 {
+        match self {
+            Journal::Owner(store) => crate::takings::taken(store.identity, entry.as_str()),
+            Journal::Remote(_) => 0,
+        }
+    }
+
     /// Records the outcome unless another is recorded; returns the entry that stands (its
     /// `attempt` says whose it is).
     pub async fn record(&self, request: RecordRequest) -> Result<JournalEntry, GraphError> {
@@ -485,6 +542,8 @@ async fn record_all(
     requests: Vec<RecordRequest>,
 ) -> Result<Vec<JournalEntry>, GraphError> {
     let identity = store.identity;
+    // From now on the steps have entries, which every later taking settles from.
+    crate::takings::recorded(identity, requests.iter().map(|r| r.entry.as_str()));
     // An embedded store is decided in one task of the blocking pool, locks, read and write: a
     // record then waits for one hand-over between threads instead of three.
     if let Some(embedded) = store.embedded_writable() {
@@ -854,6 +913,42 @@ mod tests {
         let stored = journal.entries(&nodes).await.unwrap();
         assert!(stored.iter().all(|e| e.as_ref().unwrap().published));
         assert_eq!(stored[1].as_ref().unwrap().outcome, "o2");
+    }
+
+    #[tokio::test]
+    async fn the_owner_counts_the_takings_of_a_step_until_it_is_recorded() {
+        let journal = Journal::Owner(GraphStore::in_memory().unwrap());
+        let entry = "urn:trustgraph:agent:takings/journal/i1-x";
+        let step = node(entry).unwrap();
+        let lookups: Vec<u32> = futures::future::join_all((0..3).map(|_| journal.take(&step)))
+            .await
+            .into_iter()
+            .map(|taking| {
+                let taking = taking.unwrap();
+                assert_eq!(taking.entry, None);
+                taking.takings
+            })
+            .collect();
+        let mut counted = lookups.clone();
+        counted.sort_unstable();
+        assert_eq!(counted, [1, 2, 3], "{lookups:?}");
+        // A lookup that is not a taking counts nothing.
+        assert_eq!(journal.entry(&step).await.unwrap(), None);
+        assert_eq!(journal.take(&step).await.unwrap().takings, 4);
+        let recorded = RecordRequest {
+            entry: entry.to_owned(),
+            ..request("given up", "a0")
+        };
+        journal.record(recorded).await.unwrap();
+        // Recorded, the step settles from its entry: nothing is counted.
+        let taking = journal.take(&step).await.unwrap();
+        assert_eq!(taking.entry.unwrap().attempt, "a0");
+        assert_eq!(taking.takings, 0);
+        // In a batch, each step on its own.
+        let other = node("urn:trustgraph:agent:takings/journal/i1-y").unwrap();
+        let batch = journal.take_all(&[step, other]).await.unwrap();
+        assert_eq!(batch[0].takings, 0);
+        assert_eq!(batch[1].takings, 1);
     }
 
     /// An entry of `entry` written into `store` as nothing but the owner could: beside it.

@@ -10,6 +10,7 @@ pub mod journal;
 pub mod queries;
 pub mod recorded;
 mod remote;
+mod takings;
 
 use std::collections::HashMap;
 use std::path::Path;

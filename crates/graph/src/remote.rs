@@ -10,7 +10,7 @@ use oxigraph::sparql::results::{QueryResultsFormat, QueryResultsParser};
 
 use crate::batch::Batcher;
 use crate::journal::{
-    ChainBeat, ChainRefs, EntryRefs, JournalEntry, RecordRequest, RecordRequests, MAX_BATCH,
+    ChainBeat, ChainRefs, EntryRefs, JournalEntry, RecordRequest, RecordRequests, Taking, MAX_BATCH,
 };
 use crate::{collect, GraphError, QueryAnswer};
 
@@ -32,6 +32,7 @@ const MAX_INSERTS: usize = 16;
 /// (see [`Batcher`]): many steps in flight share one HTTP call and one store transaction.
 struct JournalCalls {
     lookups: Batcher<String, Option<JournalEntry>>,
+    takings: Batcher<String, Taking>,
     records: Batcher<RecordRequest, JournalEntry>,
     marks: Batcher<String, ()>,
 }
@@ -120,7 +121,7 @@ impl Endpoint {
     }
 
     fn batched(&self) -> JournalCalls {
-        let (api_l, api_r, api_m) = (self.clone(), self.clone(), self.clone());
+        let (api_l, api_t, api_r, api_m) = (self.clone(), self.clone(), self.clone(), self.clone());
         JournalCalls {
             lookups: Batcher::new(MAX_BATCH, move |entries| {
                 let api = api_l.clone();
@@ -130,6 +131,28 @@ impl Endpoint {
                     }
                     api.answers("/journal/entries", &EntryRefs { entries })
                         .await
+                }
+            }),
+            takings: Batcher::new(MAX_BATCH, move |entries: Vec<String>| {
+                let api = api_t.clone();
+                async move {
+                    if let Some(owner) = api.in_process() {
+                        return owner.takings(entries).await;
+                    }
+                    let asked = EntryRefs { entries };
+                    match api.answers("/journal/takings", &asked).await {
+                        // An owner of an earlier build does not count takings: its lookups
+                        // answer all the same.
+                        Err(GraphError::NoJournal(_)) => {
+                            let found: Vec<Option<JournalEntry>> =
+                                api.answers("/journal/entries", &asked).await?;
+                            Ok(found
+                                .into_iter()
+                                .map(|entry| Taking { entry, takings: 0 })
+                                .collect())
+                        }
+                        answered => answered,
+                    }
                 }
             }),
             records: Batcher::new(MAX_BATCH, move |records| {
@@ -303,6 +326,21 @@ impl RemoteSparql {
             return Ok(None);
         }
         self.journal.lookups.call(entry.to_owned()).await
+    }
+
+    /// The journal entry `entry` at the journal's owner, looked up as a delivery takes its step
+    /// up (see [`Taking`]).
+    pub async fn journal_take(&self, entry: &str) -> Result<Taking, GraphError> {
+        // As a lookup: an owner in this process answers a step it expects from memory.
+        if let Some(owner) = self.api.in_process() {
+            if let Some(takings) = owner.expected_taking(entry) {
+                return Ok(Taking {
+                    entry: None,
+                    takings,
+                });
+            }
+        }
+        self.journal.takings.call(entry.to_owned()).await
     }
 
     /// Records at the journal's owner; the entry that stands comes back in the same call.

@@ -43,6 +43,11 @@ pub struct Engine {
     pub continue_in_process: bool,
     /// The deliveries this process is handling, by broker message id (see [`Engine::handle`]).
     pub handling: Handling,
+    /// A step its journal's owner saw taken up more than this many times without an outcome (each
+    /// process that took it stopped before it was recorded: a message that crashes its process)
+    /// is given up when taken up again, whether or not the broker counts crashes as redeliveries
+    /// (`--max-redeliveries`; `None`: never).
+    pub max_takings: Option<u32>,
 }
 
 /// Deliveries in hand, each with where its disposition will be told.
@@ -81,8 +86,10 @@ impl Drop for InHand<'_> {
 /// How a delivery is taken up.
 #[derive(Debug, Clone, Copy)]
 pub(crate) enum Attempt<'a> {
-    /// Run the step; `may_park`: an outage may still set it aside (its window is open).
-    Run { may_park: bool },
+    /// Run the step; `may_park`: an outage may still set it aside (its window is open);
+    /// `taking`: the delivery's first try here (not a parked or queued step's retry), which the
+    /// journal's owner counts (see [`Engine::max_takings`]).
+    Run { may_park: bool, taking: bool },
     /// The step cannot be run (an outage outlasted its window, a fault that will not pass, a
     /// message the broker gave up on): end the dialog with this error, unless the step's outcome
     /// is already journaled.
@@ -365,14 +372,17 @@ impl Engine {
     ) -> (Disposition, Option<emit::Continuation>) {
         let mut outage: Option<std::time::Instant> = None;
         let mut pause = PARK_PAUSE.0;
+        let mut taking = true;
         loop {
             let window = Duration::from_secs(self.config.current().limits.max_outage_secs);
             let may_park = outage.map_or(!window.is_zero(), |since| since.elapsed() < window);
             // Boxed: a step's future is large (every pattern's state), and a worker's stack is
             // not (a debug build overflowed it once resumption joined the step).
-            let result =
-                Box::pin(self.handle_inner(delivery.clone(), Attempt::Run { may_park }, answer))
-                    .await;
+            let attempt = Attempt::Run {
+                may_park,
+                taking: std::mem::replace(&mut taking, false),
+            };
+            let result = Box::pin(self.handle_inner(delivery.clone(), attempt, answer)).await;
             let park = match next_after(result, may_park, window) {
                 Next::Ack => return (Disposition::Ack, None),
                 Next::Continue(continuation) => return (Disposition::Ack, Some(*continuation)),

@@ -427,6 +427,17 @@ impl Journal {
         }
     }
 
+    /// [`Journal::entry`] for a step a delivery is taking up: with, when no entry stands, how
+    /// many times the owner saw the step taken up without an outcome, this one included (see
+    /// [`agent_graph::journal::Taking`]).
+    pub async fn take(&self, node: &NamedNode) -> anyhow::Result<(Option<Entry>, u32)> {
+        let taking = self.book.take(node).await?;
+        match taking.entry {
+            Some(stored) => Ok((Some(Self::read(node, stored)?), 0)),
+            None => Ok((None, taking.takings)),
+        }
+    }
+
     fn recorded_at(stored: &JournalEntry) -> Option<chrono::DateTime<chrono::Utc>> {
         stored
             .recorded_at

@@ -142,6 +142,9 @@ pub async fn run(settings: Settings, shutdown: CancellationToken) -> anyhow::Res
         control: Some(Publisher::new(&bus, &topics.control).await?),
         continue_in_process: settings.continue_in_process,
         handling: Default::default(),
+        max_takings: u32::try_from(settings.max_redeliveries)
+            .ok()
+            .filter(|&n| n > 0),
     });
     if let (true, Some(journal)) = (settings.continue_in_process, &engine.journal) {
         tokio::spawn(crate::chains::beat(

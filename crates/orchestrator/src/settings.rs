@@ -42,8 +42,10 @@ pub struct Settings {
     /// Deliveries of one request before it is moved to the dead-letter topic (0: no bound). Only
     /// crashes, lost consumers and steps handed back (a journal entry this build cannot read, or
     /// a copy waiting for its recorder when its process stops) count: an outage parks a step
-    /// without a redelivery.
-    #[arg(long, default_value_t = 10)]
+    /// without a redelivery. What a broker counts differs (Apache Pulsar does not count a crash),
+    /// so with a journal its owner counts the deliveries that took a step up too, and a step taken
+    /// up this many times without an outcome ends its dialog with an error when taken up again.
+    #[arg(long, env = "AGENT_MAX_REDELIVERIES", default_value_t = 10)]
     pub max_redeliveries: usize,
     /// With a journal, run a dialog's next step in the process that recorded the step before it,
     /// instead of putting its request on the broker for any replica: the request is in the

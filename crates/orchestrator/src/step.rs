@@ -95,7 +95,7 @@ impl Admitted<'_> {
             abandoned: standing.abandoned,
             seal: engine.seal.as_ref(),
             elapsed: standing.elapsed,
-            may_park: matches!(attempt, Attempt::Run { may_park: true }),
+            may_park: matches!(attempt, Attempt::Run { may_park: true, .. }),
             cancelled: engine.cancellations.of(&self.session_id),
             delivered: &self.properties,
             replay,
@@ -175,7 +175,7 @@ impl Engine {
                     }
                     // The aggregator may only be behind (restarting, catching up after the
                     // broker came back): wait, as for an outage, before calling it forged.
-                    None if matches!(attempt, Attempt::Run { may_park: true }) => {
+                    None if matches!(attempt, Attempt::Run { may_park: true, .. }) => {
                         return Ok(Err(emit::Park {
                             cause: "the fan-out that started this subagent is not in the graph; a request that names a fan-out this service did not record is refused".to_owned(),
                             retry_after: None,
@@ -400,6 +400,7 @@ impl Engine {
                 new_dialog,
                 verdict.is_err(),
                 answering,
+                matches!(attempt, Attempt::Run { taking: true, .. }),
                 delivery_id,
             )
             .await?;
@@ -516,7 +517,9 @@ impl Engine {
     /// Where the step stands in the journal: its slot (none without a journal, nor when giving up
     /// finds the journal out of reach: the store may be what is down, and the dialog must still
     /// end), or [`Lookup::Recorded`] when its outcome was recorded already and has now been
-    /// settled from the entry (an error must never follow an answer).
+    /// settled from the entry (an error must never follow an answer). A `taking` (a delivery's
+    /// first try) is counted by the journal's owner while no entry stands; past
+    /// [`Engine::max_takings`] it is a fault, which gives the step up.
     #[allow(clippy::too_many_arguments)]
     pub(crate) async fn journal_slot<'e>(
         &'e self,
@@ -526,6 +529,7 @@ impl Engine {
         new_dialog: bool,
         refused: bool,
         answering: bool,
+        taking: bool,
         delivery: String,
     ) -> Result<Lookup<'e>, StepError> {
         let Some(journal) = &self.journal else {
@@ -552,8 +556,13 @@ impl Engine {
         };
         // Giving up reads the journal only if it can reach it; an entry it cannot read is
         // another build's outcome, which giving up must not add to.
-        let recorded = match slot.journal.entry(&slot.node).await {
-            Ok(entry) => entry,
+        let looked_up = if taking {
+            slot.journal.take(&slot.node).await
+        } else {
+            slot.journal.entry(&slot.node).await.map(|entry| (entry, 0))
+        };
+        let (recorded, takings) = match looked_up {
+            Ok(found) => found,
             Err(e) if giving_up && !e.is::<journal::UnreadableEntry>() => {
                 tracing::warn!(entry = %slot.node.as_str(), error = %e, "giving up without the journal, which does not answer");
                 return Ok(Lookup::Fresh(None));
@@ -564,8 +573,25 @@ impl Engine {
             out.settle(&slot, entry, Recorder::Unknown).await?;
             return Ok(Lookup::Recorded);
         }
+        if let Some(max) = self.max_takings.filter(|&max| takings > max) {
+            return Err(StepError::Fault(TakenTooOften { takings, max }.into()));
+        }
+        if takings > 1 {
+            tracing::warn!(entry = %slot.node.as_str(), takings, "a step taken up again without an outcome (each delivery of it before stopped short)");
+        }
         Ok(Lookup::Fresh(Some(slot)))
     }
+}
+
+/// Why a step is given up when a delivery takes it up again: every delivery before it stopped
+/// short of an outcome, most likely because the step crashes the process that runs it. (Apache
+/// Pulsar does not count a consumer that died as a redelivery, so without this such a message
+/// would go round the replicas for ever.)
+#[derive(Debug, thiserror::Error)]
+#[error("the step was taken up {takings} times without an outcome: each process that took it stopped before it was recorded (does it crash the orchestrator?); {max} is the most allowed (--max-redeliveries)")]
+pub(crate) struct TakenTooOften {
+    takings: u32,
+    max: u32,
 }
 
 /// A step's journal lookup.
