@@ -38,6 +38,8 @@ impl InProcess {
                 let runtime = match tokio::runtime::Builder::new_multi_thread()
                     .worker_threads(2)
                     .thread_name(label.clone())
+                    // As the orchestrator's binary has it (any service may run steps here).
+                    .thread_stack_size(agent_orchestrator::WORKER_STACK_BYTES)
                     .enable_all()
                     .build()
                 {

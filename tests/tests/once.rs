@@ -752,7 +752,7 @@ async fn a_step_that_crashes_every_process_taking_it_up_is_given_up() {
     assert!(
         error
             .message
-            .contains(&format!("taken up {} times without an outcome", MAX + 1)),
+            .contains(&format!("taken up {} times from its message", MAX + 1)),
         "{error:?}"
     );
     // Long enough for another taking to have asked the LLM.

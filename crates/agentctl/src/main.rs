@@ -56,8 +56,19 @@ enum Command {
     Config(config::ConfigArgs),
 }
 
-#[tokio::main]
-async fn main() {
+fn main() {
+    // `up` and `bench` run the orchestrator in this process: its runtime, with room for a step.
+    let runtime = match agent_orchestrator::runtime() {
+        Ok(runtime) => runtime,
+        Err(e) => {
+            eprintln!("agentctl: no runtime: {e}");
+            std::process::exit(1);
+        }
+    };
+    runtime.block_on(run());
+}
+
+async fn run() {
     agent_telemetry::init_logging("warn,pulsar=error");
     let result = match Cli::parse().command {
         Command::Invoke(args) => invoke::run(args).await,

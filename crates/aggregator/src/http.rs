@@ -9,7 +9,7 @@ use std::sync::Arc;
 
 use agent_bus::ConsumerStats;
 
-use agent_graph::journal::{ChainBeat, ChainRefs, EntryRefs, Journal, RecordRequests};
+use agent_graph::journal::{ChainBeat, ChainRefs, EntryRefs, Journal, RecordRequests, TakingRefs};
 use agent_graph::model::NamedNode;
 use agent_graph::{serialize_answer, GraphError, GraphStore, QueryBounds};
 use axum::body::Bytes;
@@ -311,6 +311,9 @@ fn journal_call<'e>(
     Ok(named)
 }
 
+/// The longest delivery id or taker a taking may name.
+const MAX_TAKING_NAME: usize = 512;
+
 /// The most entries one journal call may name: a batch holds every lock of its keys at once.
 const MAX_JOURNAL_BATCH: usize = 4 * agent_graph::journal::MAX_BATCH;
 
@@ -345,16 +348,28 @@ async fn journal_entries(
 async fn journal_takings(
     State(state): State<AppState>,
     headers: HeaderMap,
-    axum::Json(asked): axum::Json<EntryRefs>,
+    axum::Json(asked): axum::Json<TakingRefs>,
 ) -> Response {
-    let nodes = match journal_call(&state, &headers, &asked.entries) {
-        Ok(nodes) => nodes,
-        Err(refused) => return refused,
-    };
+    if let Err(refused) = journal_call(&state, &headers, asked.takings.iter().map(|t| &t.entry)) {
+        return refused;
+    }
+    // The owner keeps these names while a step is unrecorded: a broker's message id and a
+    // process's token are short.
+    if asked
+        .takings
+        .iter()
+        .any(|t| t.delivery.len() > MAX_TAKING_NAME || t.taker.len() > MAX_TAKING_NAME)
+    {
+        return (
+            StatusCode::BAD_REQUEST,
+            format!("a delivery or taker longer than {MAX_TAKING_NAME} bytes"),
+        )
+            .into_response();
+    }
     if let Err(refused) = owner(&state).await {
         return refused;
     }
-    match state.journal.take_all(&nodes).await {
+    match state.journal.take_all(&asked.takings).await {
         Ok(takings) => json(&takings),
         Err(e) => error_response(e),
     }

@@ -8,7 +8,7 @@
 
 use std::sync::{Mutex, MutexGuard, PoisonError};
 
-use crate::journal::{Journal, JournalEntry, RecordRequest, Taking};
+use crate::journal::{Journal, JournalEntry, RecordRequest, Taking, TakingRef};
 use crate::GraphError;
 
 /// An owner this process serves: the endpoints it answers on, its token and its journal.
@@ -121,17 +121,14 @@ impl InProcessOwner {
         crate::journal::node(entry).is_ok_and(|entry| self.journal.first_lookup_expected(&entry))
     }
 
-    pub(crate) async fn takings(&self, entries: Vec<String>) -> Result<Vec<Taking>, GraphError> {
-        self.journal.take_all(&nodes(&entries)?).await
+    pub(crate) async fn takings(&self, takings: Vec<TakingRef>) -> Result<Vec<Taking>, GraphError> {
+        self.journal.take_all(&takings).await
     }
 
-    /// [`InProcessOwner::expects`] for a step being taken up: its taking counted, when it is the
-    /// first lookup of a step the owner expects.
-    pub(crate) fn expected_taking(&self, entry: &str) -> Option<u32> {
-        let entry = crate::journal::node(entry).ok()?;
-        self.journal
-            .first_lookup_expected(&entry)
-            .then(|| self.journal.count_taking(&entry))
+    /// [`InProcessOwner::expects`] for a step being taken up, its taking counted (see
+    /// `Journal::take_expected`).
+    pub(crate) fn take_expected(&self, taking: &TakingRef) -> Option<Taking> {
+        self.journal.take_expected(taking)
     }
 
     pub(crate) async fn records(

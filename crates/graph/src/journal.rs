@@ -29,9 +29,25 @@ pub struct JournalEntry {
     pub published: bool,
 }
 
-/// A step's entry looked up as a delivery of its message takes the step up: what stands, and when
-/// nothing does, how many times the owner has seen the step taken up without an outcome, this
-/// time included (see `takings`). Zero when an entry stands, or from an owner that does not count.
+/// A step taken up: its entry, the broker's id of the message it is run from (a chain's root,
+/// for a step continued in process), and a token of the process taking it up, the same on each of
+/// its retries of that message (see `takings`).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct TakingRef {
+    pub entry: String,
+    pub delivery: String,
+    pub taker: String,
+}
+
+/// Several steps taken up (batched).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct TakingRefs {
+    pub takings: Vec<TakingRef>,
+}
+
+/// A step's entry looked up as it is taken up: what stands, and when nothing does, how many
+/// processes have taken the step up from that message without an outcome, this one included
+/// (see `takings`). Zero when an entry stands, or from an owner that does not count.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Taking {
     pub entry: Option<JournalEntry>,
@@ -380,32 +396,36 @@ impl Journal {
         }
     }
 
-    /// The entry of a step a delivery is taking up, counting the taking when none stands.
-    pub async fn take(&self, entry: &NamedNode) -> Result<Taking, GraphError> {
+    /// The entry of a step being taken up, its taking counted when none stands.
+    pub async fn take(&self, taking: &TakingRef) -> Result<Taking, GraphError> {
         match self {
             Journal::Owner(_) => self
-                .take_all(std::slice::from_ref(entry))
+                .take_all(std::slice::from_ref(taking))
                 .await?
                 .pop()
                 .ok_or_else(|| {
                     GraphError::Storage("a taking was looked up without an answer".to_owned())
                 }),
-            Journal::Remote(remote) => remote.journal_take(entry.as_str()).await,
+            Journal::Remote(remote) => remote.journal_take(taking.clone()).await,
         }
     }
 
     /// [`Journal::take`] for several steps, in order.
-    pub async fn take_all(&self, entries: &[NamedNode]) -> Result<Vec<Taking>, GraphError> {
+    pub async fn take_all(&self, takings: &[TakingRef]) -> Result<Vec<Taking>, GraphError> {
         match self {
             Journal::Owner(store) => {
-                let found = self.entries(entries).await?;
+                let entries = takings
+                    .iter()
+                    .map(|t| node(&t.entry))
+                    .collect::<Result<Vec<_>, _>>()?;
+                let found = self.entries(&entries).await?;
                 Ok(found
                     .into_iter()
-                    .zip(entries)
-                    .map(|(entry, node)| {
+                    .zip(takings)
+                    .map(|(entry, taking)| {
                         let takings = match entry {
                             Some(_) => 0,
-                            None => crate::takings::taken(store.identity, node.as_str()),
+                            None => count_taking(store.identity, taking),
                         };
                         Taking { entry, takings }
                     })
@@ -413,18 +433,23 @@ impl Journal {
             }
             // Made together, the calls share the remote's batches.
             Journal::Remote(_) => {
-                futures::future::try_join_all(entries.iter().map(|entry| self.take(entry))).await
+                futures::future::try_join_all(takings.iter().map(|taking| self.take(taking))).await
             }
         }
     }
 
-    /// Counts a taking of a step this owner knows has no entry (see [`ExpectedSteps`]): how
-    /// many there have been, this one included. Zero for a journal that is not an owner's.
-    pub(crate) fn count_taking(&self, entry: &NamedNode) -> u32 {
-        match self {
-            Journal::Owner(store) => crate::takings::taken(store.identity, entry.as_str()),
-            Journal::Remote(_) => 0,
-        }
+    /// [`Journal::take`] of a step this owner knows has no entry: its first lookup of a step it
+    /// expects (see [`ExpectedSteps`]), counted, or `None` (a journal that is not an owner's,
+    /// or a step it does not expect, is asked as any other).
+    pub(crate) fn take_expected(&self, taking: &TakingRef) -> Option<Taking> {
+        let Journal::Owner(store) = self else {
+            return None;
+        };
+        let entry = node(&taking.entry).ok()?;
+        ExpectedSteps::first_lookup(store.identity, &entry).then(|| Taking {
+            entry: None,
+            takings: count_taking(store.identity, taking),
+        })
     }
 
     /// Records the outcome unless another is recorded; returns the entry that stands (its
@@ -534,6 +559,11 @@ impl Journal {
     }
 }
 
+/// Counts a taking in the journal over the store `identity` (see `takings`).
+fn count_taking(identity: u64, taking: &TakingRef) -> u32 {
+    crate::takings::taken(identity, &taking.entry, &taking.delivery, &taking.taker)
+}
+
 /// The owner's decision on several records, run to its end even if its caller goes away (an HTTP
 /// client that gave up): its insert may already be on its way, so the keys' locks must be held
 /// until it is settled, or a retry of the same step could read nothing and write a second entry.
@@ -542,8 +572,6 @@ async fn record_all(
     requests: Vec<RecordRequest>,
 ) -> Result<Vec<JournalEntry>, GraphError> {
     let identity = store.identity;
-    // From now on the steps have entries, which every later taking settles from.
-    crate::takings::recorded(identity, requests.iter().map(|r| r.entry.as_str()));
     // An embedded store is decided in one task of the blocking pool, locks, read and write: a
     // record then waits for one hand-over between threads instead of three.
     if let Some(embedded) = store.embedded_writable() {
@@ -576,10 +604,12 @@ impl Deciding {
         })
     }
 
-    /// Under the keys' locks: the steps are recorded from now on, no longer known to have no
-    /// entry, in any store; what stands for each must be read.
-    fn to_read(&self) -> &[NamedNode] {
+    /// Under the keys' locks, claims the steps for their records: from now on they are no
+    /// longer known to have no entry (in any store), nor counted as taken up without one (in
+    /// `store`). Returns the steps whose standing entries must be read.
+    fn claim(&self, store: u64) -> &[NamedNode] {
         ExpectedSteps::recorded(&self.nodes);
+        crate::takings::recorded(store, self.nodes.iter().map(NamedNode::as_str));
         &self.nodes
     }
 
@@ -633,7 +663,7 @@ async fn decide(
     for &index in &deciding.stripes {
         _only_writer_of_these_keys.push(STRIPE_LOCKS[index].lock().await);
     }
-    let read = stored_entries(store, deciding.to_read()).await?;
+    let read = stored_entries(store, deciding.claim(store.identity)).await?;
     let (standing, writes, next_of_written) = deciding.settle(read);
     if !writes.is_empty() {
         store.insert(writes).await?;
@@ -655,7 +685,7 @@ fn decide_in(
         .iter()
         .map(|&index| STRIPE_LOCKS[index].blocking_lock())
         .collect();
-    let read = stored_entries_in(store, deciding.to_read())?;
+    let read = stored_entries_in(store, deciding.claim(identity))?;
     let (standing, writes, next_of_written) = deciding.settle(read);
     if !writes.is_empty() {
         store
@@ -920,33 +950,48 @@ mod tests {
         let journal = Journal::Owner(GraphStore::in_memory().unwrap());
         let entry = "urn:trustgraph:agent:takings/journal/i1-x";
         let step = node(entry).unwrap();
-        let lookups: Vec<u32> = futures::future::join_all((0..3).map(|_| journal.take(&step)))
+        let taking = |delivery: &str, taker: &str| TakingRef {
+            entry: entry.to_owned(),
+            delivery: delivery.to_owned(),
+            taker: taker.to_owned(),
+        };
+        let takers = [taking("m", "p1"), taking("m", "p2"), taking("m", "p3")];
+        let counted: Vec<u32> = futures::future::join_all(takers.iter().map(|t| journal.take(t)))
             .await
             .into_iter()
-            .map(|taking| {
-                let taking = taking.unwrap();
-                assert_eq!(taking.entry, None);
-                taking.takings
+            .map(|taken| {
+                let taken = taken.unwrap();
+                assert_eq!(taken.entry, None);
+                taken.takings
             })
             .collect();
-        let mut counted = lookups.clone();
-        counted.sort_unstable();
-        assert_eq!(counted, [1, 2, 3], "{lookups:?}");
-        // A lookup that is not a taking counts nothing.
+        let mut sorted = counted.clone();
+        sorted.sort_unstable();
+        assert_eq!(sorted, [1, 2, 3], "{counted:?}");
+        // A lookup that is not a taking counts nothing, nor does a taker's retry.
         assert_eq!(journal.entry(&step).await.unwrap(), None);
-        assert_eq!(journal.take(&step).await.unwrap().takings, 4);
+        assert_eq!(journal.take(&taking("m", "p1")).await.unwrap().takings, 3);
+        assert_eq!(journal.take(&taking("m", "p4")).await.unwrap().takings, 4);
+        // Another message of the same step (a copy) is counted apart.
+        assert_eq!(
+            journal.take(&taking("copy", "p5")).await.unwrap().takings,
+            1
+        );
         let recorded = RecordRequest {
             entry: entry.to_owned(),
             ..request("given up", "a0")
         };
         journal.record(recorded).await.unwrap();
         // Recorded, the step settles from its entry: nothing is counted.
-        let taking = journal.take(&step).await.unwrap();
-        assert_eq!(taking.entry.unwrap().attempt, "a0");
-        assert_eq!(taking.takings, 0);
+        let taken = journal.take(&taking("m", "p6")).await.unwrap();
+        assert_eq!(taken.entry.unwrap().attempt, "a0");
+        assert_eq!(taken.takings, 0);
         // In a batch, each step on its own.
-        let other = node("urn:trustgraph:agent:takings/journal/i1-y").unwrap();
-        let batch = journal.take_all(&[step, other]).await.unwrap();
+        let other = TakingRef {
+            entry: "urn:trustgraph:agent:takings/journal/i1-y".to_owned(),
+            ..taking("m", "p7")
+        };
+        let batch = journal.take_all(&[taking("m", "p7"), other]).await.unwrap();
         assert_eq!(batch[0].takings, 0);
         assert_eq!(batch[1].takings, 1);
     }

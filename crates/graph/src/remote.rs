@@ -10,7 +10,8 @@ use oxigraph::sparql::results::{QueryResultsFormat, QueryResultsParser};
 
 use crate::batch::Batcher;
 use crate::journal::{
-    ChainBeat, ChainRefs, EntryRefs, JournalEntry, RecordRequest, RecordRequests, Taking, MAX_BATCH,
+    ChainBeat, ChainRefs, EntryRefs, JournalEntry, RecordRequest, RecordRequests, Taking,
+    TakingRef, TakingRefs, MAX_BATCH,
 };
 use crate::{collect, GraphError, QueryAnswer};
 
@@ -32,7 +33,7 @@ const MAX_INSERTS: usize = 16;
 /// (see [`Batcher`]): many steps in flight share one HTTP call and one store transaction.
 struct JournalCalls {
     lookups: Batcher<String, Option<JournalEntry>>,
-    takings: Batcher<String, Taking>,
+    takings: Batcher<TakingRef, Taking>,
     records: Batcher<RecordRequest, JournalEntry>,
     marks: Batcher<String, ()>,
 }
@@ -133,19 +134,21 @@ impl Endpoint {
                         .await
                 }
             }),
-            takings: Batcher::new(MAX_BATCH, move |entries: Vec<String>| {
+            takings: Batcher::new(MAX_BATCH, move |takings: Vec<TakingRef>| {
                 let api = api_t.clone();
                 async move {
                     if let Some(owner) = api.in_process() {
-                        return owner.takings(entries).await;
+                        return owner.takings(takings).await;
                     }
-                    let asked = EntryRefs { entries };
+                    let asked = TakingRefs { takings };
                     match api.answers("/journal/takings", &asked).await {
                         // An owner of an earlier build does not count takings: its lookups
                         // answer all the same.
                         Err(GraphError::NoJournal(_)) => {
-                            let found: Vec<Option<JournalEntry>> =
-                                api.answers("/journal/entries", &asked).await?;
+                            let entries = asked.takings.into_iter().map(|t| t.entry).collect();
+                            let found: Vec<Option<JournalEntry>> = api
+                                .answers("/journal/entries", &EntryRefs { entries })
+                                .await?;
                             Ok(found
                                 .into_iter()
                                 .map(|entry| Taking { entry, takings: 0 })
@@ -328,19 +331,17 @@ impl RemoteSparql {
         self.journal.lookups.call(entry.to_owned()).await
     }
 
-    /// The journal entry `entry` at the journal's owner, looked up as a delivery takes its step
-    /// up (see [`Taking`]).
-    pub async fn journal_take(&self, entry: &str) -> Result<Taking, GraphError> {
+    /// The journal entry of a step being taken up, at the journal's owner (see [`Taking`]).
+    pub async fn journal_take(&self, taking: TakingRef) -> Result<Taking, GraphError> {
         // As a lookup: an owner in this process answers a step it expects from memory.
-        if let Some(owner) = self.api.in_process() {
-            if let Some(takings) = owner.expected_taking(entry) {
-                return Ok(Taking {
-                    entry: None,
-                    takings,
-                });
-            }
+        if let Some(taken) = self
+            .api
+            .in_process()
+            .and_then(|owner| owner.take_expected(&taking))
+        {
+            return Ok(taken);
         }
-        self.journal.takings.call(entry.to_owned()).await
+        self.journal.takings.call(taking).await
     }
 
     /// Records at the journal's owner; the entry that stands comes back in the same call.

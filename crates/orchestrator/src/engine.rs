@@ -43,10 +43,10 @@ pub struct Engine {
     pub continue_in_process: bool,
     /// The deliveries this process is handling, by broker message id (see [`Engine::handle`]).
     pub handling: Handling,
-    /// A step its journal's owner saw taken up more than this many times without an outcome (each
-    /// process that took it stopped before it was recorded: a message that crashes its process)
-    /// is given up when taken up again, whether or not the broker counts crashes as redeliveries
-    /// (`--max-redeliveries`; `None`: never).
+    /// A step whose message its journal's owner saw taken up by more than this many processes
+    /// (or handlings) without an outcome, each stopping short (a message that crashes its
+    /// process), is given up when taken up again, whether or not the broker counts crashes as
+    /// redeliveries (`--max-redeliveries`; `None`: never).
     pub max_takings: Option<u32>,
 }
 
@@ -87,9 +87,9 @@ impl Drop for InHand<'_> {
 #[derive(Debug, Clone, Copy)]
 pub(crate) enum Attempt<'a> {
     /// Run the step; `may_park`: an outage may still set it aside (its window is open);
-    /// `taking`: the delivery's first try here (not a parked or queued step's retry), which the
-    /// journal's owner counts (see [`Engine::max_takings`]).
-    Run { may_park: bool, taking: bool },
+    /// `taker`: this process's token for its handling of the message, the same on every retry
+    /// of it here, by which the journal's owner counts its takers (see [`Engine::max_takings`]).
+    Run { may_park: bool, taker: &'a str },
     /// The step cannot be run (an outage outlasted its window, a fault that will not pass, a
     /// message the broker gave up on): end the dialog with this error, unless the step's outcome
     /// is already journaled.
@@ -372,7 +372,7 @@ impl Engine {
     ) -> (Disposition, Option<emit::Continuation>) {
         let mut outage: Option<std::time::Instant> = None;
         let mut pause = PARK_PAUSE.0;
-        let mut taking = true;
+        let taker = uuid::Uuid::new_v4().simple().to_string();
         loop {
             let window = Duration::from_secs(self.config.current().limits.max_outage_secs);
             let may_park = outage.map_or(!window.is_zero(), |since| since.elapsed() < window);
@@ -380,7 +380,7 @@ impl Engine {
             // not (a debug build overflowed it once resumption joined the step).
             let attempt = Attempt::Run {
                 may_park,
-                taking: std::mem::replace(&mut taking, false),
+                taker: &taker,
             };
             let result = Box::pin(self.handle_inner(delivery.clone(), attempt, answer)).await;
             let park = match next_after(result, may_park, window) {

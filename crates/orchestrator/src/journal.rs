@@ -427,14 +427,25 @@ impl Journal {
         }
     }
 
-    /// [`Journal::entry`] for a step a delivery is taking up: with, when no entry stands, how
-    /// many times the owner saw the step taken up without an outcome, this one included (see
+    /// [`Journal::entry`] for a step `taker` (a token of this process's handling of the message)
+    /// is taking up from the message `delivery`: with, when no entry stands, how many takers
+    /// the owner has seen that message have without an outcome, this one included (see
     /// [`agent_graph::journal::Taking`]).
-    pub async fn take(&self, node: &NamedNode) -> anyhow::Result<(Option<Entry>, u32)> {
-        let taking = self.book.take(node).await?;
-        match taking.entry {
+    pub async fn take(
+        &self,
+        node: &NamedNode,
+        delivery: &str,
+        taker: &str,
+    ) -> anyhow::Result<(Option<Entry>, u32)> {
+        let taking = agent_graph::journal::TakingRef {
+            entry: node.as_str().to_owned(),
+            delivery: delivery.to_owned(),
+            taker: taker.to_owned(),
+        };
+        let taken = self.book.take(&taking).await?;
+        match taken.entry {
             Some(stored) => Ok((Some(Self::read(node, stored)?), 0)),
-            None => Ok((None, taking.takings)),
+            None => Ok((None, taken.takings)),
         }
     }
 

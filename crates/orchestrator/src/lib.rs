@@ -33,3 +33,18 @@ pub use crate::engine::{Engine, StepError};
 pub use crate::service::run;
 pub use crate::settings::{check_config_dir, load_config_dir, Settings};
 pub use crate::step::session_id_for;
+
+/// The stack each worker thread of a runtime that runs steps gets. A step is a deep future (a
+/// pattern's state, the librarian's calls, the commit), and a debug build overflowed a worker's
+/// default 2 MiB more than once as layers were added (the step is boxed where it is entered for
+/// that reason). Only the pages a thread touches are ever backed, so room costs nothing unused.
+pub const WORKER_STACK_BYTES: usize = 8 << 20;
+
+/// The runtime a process that runs steps should use: tokio's multi-threaded one with
+/// [`WORKER_STACK_BYTES`] for each worker.
+pub fn runtime() -> std::io::Result<tokio::runtime::Runtime> {
+    tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .thread_stack_size(WORKER_STACK_BYTES)
+        .build()
+}

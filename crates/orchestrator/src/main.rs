@@ -16,10 +16,11 @@ struct Args {
     settings: agent_orchestrator::Settings,
 }
 
-#[tokio::main]
-async fn main() -> anyhow::Result<()> {
-    agent_telemetry::init_telemetry(agent_telemetry::SERVICE_LOG_FILTER, "agent-orchestrator");
-    let args = Args::parse();
-    let shutdown = agent_bus::stop_on_signal();
-    agent_orchestrator::run(args.settings, shutdown).await
+fn main() -> anyhow::Result<()> {
+    agent_orchestrator::runtime()?.block_on(async {
+        agent_telemetry::init_telemetry(agent_telemetry::SERVICE_LOG_FILTER, "agent-orchestrator");
+        let args = Args::parse();
+        let shutdown = agent_bus::stop_on_signal();
+        agent_orchestrator::run(args.settings, shutdown).await
+    })
 }

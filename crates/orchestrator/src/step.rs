@@ -400,7 +400,10 @@ impl Engine {
                 new_dialog,
                 verdict.is_err(),
                 answering,
-                matches!(attempt, Attempt::Run { taking: true, .. }),
+                match attempt {
+                    Attempt::Run { taker, .. } => Some(taker),
+                    Attempt::GiveUp(_) => None,
+                },
                 delivery_id,
             )
             .await?;
@@ -517,9 +520,9 @@ impl Engine {
     /// Where the step stands in the journal: its slot (none without a journal, nor when giving up
     /// finds the journal out of reach: the store may be what is down, and the dialog must still
     /// end), or [`Lookup::Recorded`] when its outcome was recorded already and has now been
-    /// settled from the entry (an error must never follow an answer). A `taking` (a delivery's
-    /// first try) is counted by the journal's owner while no entry stands; past
-    /// [`Engine::max_takings`] it is a fault, which gives the step up.
+    /// settled from the entry (an error must never follow an answer). A step's `taker` is
+    /// counted by the journal's owner while no entry stands; past [`Engine::max_takings`] its
+    /// message is given up.
     #[allow(clippy::too_many_arguments)]
     pub(crate) async fn journal_slot<'e>(
         &'e self,
@@ -529,7 +532,7 @@ impl Engine {
         new_dialog: bool,
         refused: bool,
         answering: bool,
-        taking: bool,
+        taker: Option<&str>,
         delivery: String,
     ) -> Result<Lookup<'e>, StepError> {
         let Some(journal) = &self.journal else {
@@ -556,8 +559,8 @@ impl Engine {
         };
         // Giving up reads the journal only if it can reach it; an entry it cannot read is
         // another build's outcome, which giving up must not add to.
-        let looked_up = if taking {
-            slot.journal.take(&slot.node).await
+        let looked_up = if let Some(taker) = taker {
+            slot.journal.take(&slot.node, &slot.delivery, taker).await
         } else {
             slot.journal.entry(&slot.node).await.map(|entry| (entry, 0))
         };
@@ -577,7 +580,7 @@ impl Engine {
             return Err(StepError::Fault(TakenTooOften { takings, max }.into()));
         }
         if takings > 1 {
-            tracing::warn!(entry = %slot.node.as_str(), takings, "a step taken up again without an outcome (each delivery of it before stopped short)");
+            tracing::warn!(entry = %slot.node.as_str(), message = %slot.delivery, takings, "a step taken up again without an outcome (each handling of its message before stopped short)");
         }
         Ok(Lookup::Fresh(Some(slot)))
     }
@@ -588,7 +591,7 @@ impl Engine {
 /// Pulsar does not count a consumer that died as a redelivery, so without this such a message
 /// would go round the replicas for ever.)
 #[derive(Debug, thiserror::Error)]
-#[error("the step was taken up {takings} times without an outcome: each process that took it stopped before it was recorded (does it crash the orchestrator?); {max} is the most allowed (--max-redeliveries)")]
+#[error("the step was taken up {takings} times from its message without an outcome: each process that took it stopped before it was recorded (does it crash the orchestrator?); {max} is the most allowed (--max-redeliveries)")]
 pub(crate) struct TakenTooOften {
     takings: u32,
     max: u32,
