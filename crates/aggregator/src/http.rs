@@ -311,8 +311,8 @@ fn journal_call<'e>(
     Ok(named)
 }
 
-/// The longest delivery id or taker a taking may name.
-const MAX_TAKING_NAME: usize = 512;
+/// The longest entry, delivery id or taker a taking may name.
+const MAX_TAKING_NAME: usize = 1024;
 
 /// The most entries one journal call may name: a batch holds every lock of its keys at once.
 const MAX_JOURNAL_BATCH: usize = 4 * agent_graph::journal::MAX_BATCH;
@@ -353,16 +353,16 @@ async fn journal_takings(
     if let Err(refused) = journal_call(&state, &headers, asked.takings.iter().map(|t| &t.entry)) {
         return refused;
     }
-    // The owner keeps these names while a step is unrecorded: a broker's message id and a
-    // process's token are short.
-    if asked
-        .takings
-        .iter()
-        .any(|t| t.delivery.len() > MAX_TAKING_NAME || t.taker.len() > MAX_TAKING_NAME)
-    {
+    // The owner keeps these names while a step is unrecorded: an entry, a broker's message id
+    // and a process's token are short.
+    if asked.takings.iter().any(|t| {
+        [&t.entry, &t.delivery, &t.taker]
+            .iter()
+            .any(|name| name.len() > MAX_TAKING_NAME)
+    }) {
         return (
             StatusCode::BAD_REQUEST,
-            format!("a delivery or taker longer than {MAX_TAKING_NAME} bytes"),
+            format!("an entry, delivery or taker longer than {MAX_TAKING_NAME} bytes"),
         )
             .into_response();
     }

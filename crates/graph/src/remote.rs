@@ -145,6 +145,10 @@ impl Endpoint {
                         // An owner of an earlier build does not count takings: its lookups
                         // answer all the same.
                         Err(GraphError::NoJournal(_)) => {
+                            static TOLD: std::sync::Once = std::sync::Once::new();
+                            TOLD.call_once(|| {
+                                tracing::warn!(endpoint = %api.base, "the journal's owner does not count takings (an earlier build, or a proxy that refuses /journal/takings): a message that crashes every process is bounded only by the broker's count");
+                            });
                             let entries = asked.takings.into_iter().map(|t| t.entry).collect();
                             let found: Vec<Option<JournalEntry>> = api
                                 .answers("/journal/entries", &EntryRefs { entries })

@@ -10,7 +10,9 @@
 //! dies with the step in hand does not take the count with it. A record of the step forgets its
 //! counts: from then on every copy settles from the entry. Kept in memory, by store
 //! (`GraphStore::identity`), for a bounded number of steps, oldest forgotten first: an owner that
-//! restarts, or forgets a step, only bounds its loop later.
+//! restarts, or forgets a step, only bounds its loop later. Also bounded: the messages counted for
+//! one step (a 17th copy unrecorded at once is not counted) and the takers remembered for one
+//! message (past 64, a parked step's retries count too).
 
 use std::collections::hash_map::Entry;
 use std::collections::{HashMap, VecDeque};
@@ -22,7 +24,7 @@ const REMEMBERED: usize = 65_536;
 /// The most takers remembered for one message: past them each taking counts, retry or not.
 const TAKERS_REMEMBERED: usize = 64;
 
-/// The most messages counted for one step (copies of it); past them, the newest is dropped.
+/// The most messages counted for one step (copies of it); later ones are not counted.
 const MESSAGES_REMEMBERED: usize = 16;
 
 type Step = (u64, Arc<str>);
@@ -78,10 +80,9 @@ impl Counts {
             .position(|m| &*m.delivery == delivery)
         {
             Some(at) => &mut step_takings.messages[at],
+            // No room: the first copies keep their counts, and this one is not counted.
+            None if step_takings.messages.len() >= MESSAGES_REMEMBERED => return 1,
             None => {
-                if step_takings.messages.len() >= MESSAGES_REMEMBERED {
-                    step_takings.messages.pop();
-                }
                 step_takings.messages.push(MessageTakings {
                     delivery: delivery.into(),
                     takers: Vec::new(),
@@ -175,9 +176,16 @@ mod tests {
         assert_eq!(counts.taken(step(1, entry), "m2", "p3"), 1);
         // The same step in another store is another step.
         assert_eq!(counts.taken(step(2, entry), "m1", "p4"), 1);
+        // Past the copies remembered, a copy is not counted; the first ones still are.
+        for copy in 2..=MESSAGES_REMEMBERED + 1 {
+            counts.taken(step(1, entry), &format!("m{copy}"), "p");
+        }
+        let unremembered = format!("m{}", MESSAGES_REMEMBERED + 1);
+        assert_eq!(counts.taken(step(1, entry), &unremembered, "q"), 1);
+        assert_eq!(counts.taken(step(1, entry), "m1", "p5"), 3);
         counts.recorded([step(1, entry)].into_iter());
-        assert_eq!(counts.taken(step(1, entry), "m1", "p5"), 1);
-        assert_eq!(counts.taken(step(2, entry), "m1", "p5"), 2);
+        assert_eq!(counts.taken(step(1, entry), "m1", "p6"), 1);
+        assert_eq!(counts.taken(step(2, entry), "m1", "p6"), 2);
     }
 
     #[test]

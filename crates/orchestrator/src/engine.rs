@@ -43,10 +43,10 @@ pub struct Engine {
     pub continue_in_process: bool,
     /// The deliveries this process is handling, by broker message id (see [`Engine::handle`]).
     pub handling: Handling,
-    /// A step whose message its journal's owner saw taken up by more than this many processes
-    /// (or handlings) without an outcome, each stopping short (a message that crashes its
-    /// process), is given up when taken up again, whether or not the broker counts crashes as
-    /// redeliveries (`--max-redeliveries`; `None`: never).
+    /// A step whose message its journal's owner saw taken up by this many processes (or
+    /// handlings) without an outcome, each stopping short (a message that crashes its process),
+    /// is given up at its next taking, whether or not the broker counts crashes as redeliveries
+    /// (`--max-redeliveries`; `None`: never).
     pub max_takings: Option<u32>,
 }
 
