@@ -779,16 +779,7 @@ impl Drop for Aggregator {
 /// The share of one core process `pid` used over the next `window` (user and system time, from
 /// /proc).
 pub async fn cpu_share(pid: u32, window: Duration) -> f64 {
-    let seconds = || -> f64 {
-        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
-        // The fields after the command name, which is in parentheses and may hold spaces.
-        let after = stat.rfind(')').map_or("", |i| &stat[i + 2..]);
-        let fields: Vec<f64> = after
-            .split_whitespace()
-            .map(|f| f.parse().unwrap_or(0.0))
-            .collect();
-        (fields.get(11).unwrap_or(&0.0) + fields.get(12).unwrap_or(&0.0)) / 100.0
-    };
+    let seconds = || agent_bus::embedded::cpu_seconds(&pid.to_string()).unwrap_or(0.0);
     let before = seconds();
     tokio::time::sleep(window).await;
     (seconds() - before) / window.as_secs_f64()

@@ -162,14 +162,6 @@ impl Running {
     }
 }
 
-/// The broker a run is on.
-struct On {
-    name: &'static str,
-    url: String,
-    /// Its process, when it runs here: its CPU counts in the run's.
-    pid: Option<u32>,
-}
-
 /// One broker's figures, for the comparison at the end.
 struct Figures {
     broker: &'static str,
@@ -207,12 +199,7 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<i32> {
             &args.apache_settings,
         )?;
         for &journal in args.journal.runs() {
-            let on = On {
-                name: kind.name(),
-                url: broker.url(),
-                pid: broker.pid(),
-            };
-            all.push(bench_on(&args, journal, &llm, &on).await?);
+            all.push(bench_on(&args, journal, &llm, &broker, kind.name()).await?);
         }
     }
     if all.len() > 1 {
@@ -273,16 +260,18 @@ fn on_off(journal: bool, stored: bool, server: Option<&str>) -> String {
 }
 
 /// Runs the whole bench (an orchestrator, and unless `--no-store` with the journal off an
-/// aggregator, in this process) against the broker at `url`.
+/// aggregator, in this process) against `broker`, named `broker_name` (its process's CPU, when it
+/// runs here, counts in the run's).
 async fn bench_on(
     args: &BenchArgs,
     journal: bool,
     llm: &ScriptedLlm,
-    broker: &On,
+    broker: &Running,
+    broker_name: &'static str,
 ) -> anyhow::Result<Figures> {
-    let (broker_name, url) = (broker.name, broker.url.as_str());
+    let url = &broker.url();
     let mut settings = args.settings.clone();
-    settings.broker.pulsar_url = url.to_owned();
+    settings.broker.pulsar_url = url.clone();
     settings.llm_base_url = llm.base_url();
     settings.llm_model = "scripted".into();
     let topics = settings.topics();
@@ -369,7 +358,7 @@ async fn bench_on(
     } else {
         None
     };
-    let cpu_before = CpuUse::now(broker.pid);
+    let cpu_before = CpuUse::now(broker.pid());
     let Throughput {
         elapsed,
         latencies,
@@ -394,7 +383,7 @@ async fn bench_on(
         percentile(&latencies, 50.0),
         percentile(&latencies, 99.0),
     );
-    let cpu = cpu_before.and_then(|before| CpuUse::now(broker.pid)?.since(&before, steps));
+    let cpu = cpu_before.and_then(|before| CpuUse::now(broker.pid())?.since(&before, steps));
     if let Some(cpu) = &cpu {
         cpu.report(steps_per_sec);
     }
@@ -470,8 +459,8 @@ impl CpuUse {
     /// `None` without `/proc` (not Linux): the bench then prints no CPU figures.
     fn now(broker: Option<u32>) -> Option<CpuUse> {
         Some(CpuUse {
-            process: process_cpu_seconds("self")?,
-            broker: broker.and_then(|pid| process_cpu_seconds(&pid.to_string())),
+            process: agent_bus::embedded::cpu_seconds("self")?,
+            broker: broker.and_then(|pid| agent_bus::embedded::cpu_seconds(&pid.to_string())),
             machine: machine_cpu_seconds(),
         })
     }
@@ -520,18 +509,6 @@ impl CpuPerStep {
         ));
         println!("{line}");
     }
-}
-
-/// User and system CPU seconds of process `pid` (`self` for this one), from `/proc`.
-fn process_cpu_seconds(pid: &str) -> Option<f64> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    // The fields after the command name, which is in parentheses and may hold spaces.
-    let after = stat.get(stat.rfind(')')? + 2..)?;
-    let mut fields = after.split_whitespace().skip(11);
-    let user: f64 = fields.next()?.parse().ok()?;
-    let system: f64 = fields.next()?.parse().ok()?;
-    // `/proc` counts in USER_HZ, which Linux fixes at 100 a second whatever its own tick.
-    Some((user + system) / 100.0)
 }
 
 /// The machine's busy and total CPU seconds, all cores, from `/proc/stat`.
@@ -1014,7 +991,7 @@ mod tests {
     fn cpu_a_step_is_read_from_proc_and_grows_with_work() {
         let before = CpuUse::now(Some(std::process::id())).expect("/proc on Linux");
         let mut spin = 0u64;
-        while process_cpu_seconds("self").unwrap() < before.process + 0.05 {
+        while agent_bus::embedded::cpu_seconds("self").unwrap() < before.process + 0.05 {
             spin = spin.wrapping_add(1);
         }
         let after = CpuUse::now(Some(std::process::id())).unwrap();
@@ -1027,10 +1004,5 @@ mod tests {
             .machine_busy
             .is_some_and(|busy| busy > 0.0 && busy <= 1.0));
         assert!(after.since(&before, 0.0).is_none(), "{spin}");
-    }
-
-    #[test]
-    fn a_process_that_is_not_there_has_no_cpu() {
-        assert!(process_cpu_seconds("not-a-pid").is_none());
     }
 }

@@ -7,6 +7,20 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+/// The CPU time (user and system, in seconds) the process `pid` (a number, or `self`) has used,
+/// read from `/proc`: how the bench and the tests tell a broker's or a service's share of the CPU.
+/// `None` where there is no such process, or no `/proc`.
+pub fn cpu_seconds(pid: &str) -> Option<f64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // The fields after the command name, which is in parentheses and may hold spaces.
+    let after = stat.get(stat.rfind(')')? + 2..)?;
+    let mut fields = after.split_whitespace().skip(11);
+    let user: f64 = fields.next()?.parse().ok()?;
+    let system: f64 = fields.next()?.parse().ok()?;
+    // `/proc` counts in USER_HZ, which Linux fixes at 100 a second whatever its own tick.
+    Some((user + system) / 100.0)
+}
+
 /// Why the embedded broker could not run.
 #[derive(Debug, thiserror::Error)]
 pub enum EmbeddedError {
@@ -303,6 +317,17 @@ impl Drop for EmbeddedBroker {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_process_has_the_cpu_it_used_and_one_that_is_not_there_has_none() {
+        let mut spin = 0u64;
+        let before = cpu_seconds("self").unwrap();
+        while cpu_seconds("self").unwrap() < before + 0.02 {
+            spin = spin.wrapping_add(1);
+        }
+        assert!(cpu_seconds(&std::process::id().to_string()).unwrap() >= before + 0.02);
+        assert!(cpu_seconds("not-a-pid").is_none(), "{spin}");
+    }
 
     #[test]
     fn a_broker_whose_port_is_taken_fails_instead_of_passing_for_the_one_there() {
