@@ -23,6 +23,17 @@ fn react(question: &str) -> agent_schema::AgentRequest {
     }
 }
 
+/// [`react`] in a session named here, so that its journal can be read: the session and the
+/// request.
+fn react_in_a_new_session(question: &str) -> (String, agent_schema::AgentRequest) {
+    let session = uuid::Uuid::new_v4().to_string();
+    let request = agent_schema::AgentRequest {
+        session_id: session.clone(),
+        ..react(question)
+    };
+    (session, request)
+}
+
 /// LLM calls of the dialog about `question` that matched rule `rule` of `THREE_STEPS`.
 fn calls_of(llm: &scripted_llm::ScriptedLlm, question: &str, rule: usize) -> usize {
     llm.calls()
@@ -144,24 +155,13 @@ async fn a_message_handed_back_while_its_step_runs_here_is_not_run_twice() {
     let aggregator = Aggregator::spawn_with(&broker, &["--config-token", TOKEN]);
     let llm = scripted_llm(&script.to_string()).await;
     let _orchestrator = Orchestrator::spawn_journaled(&broker, &llm, &aggregator, TOKEN, &[]);
-    let session = uuid::Uuid::new_v4().to_string();
-    let request = agent_schema::AgentRequest {
-        session_id: session.clone(),
-        ..react("slow to answer")
-    };
+    let (session, request) = react_in_a_new_session("slow to answer");
     client(&broker)
         .await
         .send("in-hand", &request)
         .await
         .unwrap();
-    let asked = std::time::Instant::now();
-    while llm.calls().is_empty() {
-        assert!(
-            asked.elapsed() < Duration::from_secs(30),
-            "the LLM was never asked"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    wait_for_call(&llm, "slow to answer", Duration::from_secs(30)).await;
     broker.restart().unwrap();
     let closing = journaled_closing(&aggregator, &session, "in-hand").await;
     assert_eq!(closing.content, ANSWER);
@@ -316,11 +316,7 @@ async fn a_chains_root_handed_to_another_replica_waits_while_the_chain_runs() {
     );
     let question = "combine (a chain that still runs)";
     let id = "chain-still-runs";
-    let session = uuid::Uuid::new_v4().to_string();
-    let request = agent_schema::AgentRequest {
-        session_id: session.clone(),
-        ..react(question)
-    };
+    let (session, request) = react_in_a_new_session(question);
     client(&broker).await.send(id, &request).await.unwrap();
     // The chain's second step is asking the LLM: its first step is recorded, its request held.
     let asked = std::time::Instant::now();
@@ -722,11 +718,7 @@ async fn a_step_that_crashes_every_process_taking_it_up_is_given_up() {
         TOKEN,
         &[("AGENT_MAX_REDELIVERIES", &MAX.to_string())],
     );
-    let session = uuid::Uuid::new_v4().to_string();
-    let request = agent_schema::AgentRequest {
-        session_id: session.clone(),
-        ..react("crashes its process")
-    };
+    let (session, request) = react_in_a_new_session("crashes its process");
     client(&broker)
         .await
         .send("crashing", &request)
@@ -808,11 +800,7 @@ async fn a_closing_the_client_lost_is_read_back_from_the_journal() {
         orchestrator: _orchestrator,
     } = Stack::journaled(TOKEN, THREE_STEPS, &seed_dir(), &[]).await;
     let mut heard_by = client(&broker).await;
-    let session = uuid::Uuid::new_v4().to_string();
-    let request = agent_schema::AgentRequest {
-        session_id: session.clone(),
-        ..react("combine (lost)")
-    };
+    let (session, request) = react_in_a_new_session("combine (lost)");
     heard_by.send("lost", &request).await.unwrap();
     let responses = collect_dialog(&mut heard_by, "lost", DIALOG_TIMEOUT)
         .await
