@@ -285,9 +285,10 @@ async fn owner(state: &AppState) -> Result<(), Response> {
     })
 }
 
-/// A journal call's checks: the services' token, and entries that name nodes.
+/// A journal call's checks: the services' token, entries that name nodes, and this process's
+/// ownership of the journal (see `owner`).
 #[allow(clippy::result_large_err)] // Built once per refused call, never carried far.
-fn journal_call<'e>(
+async fn journal_call<'e>(
     state: &AppState,
     headers: &HeaderMap,
     entries: impl IntoIterator<Item = &'e String>,
@@ -308,6 +309,7 @@ fn journal_call<'e>(
         )
             .into_response());
     }
+    owner(state).await?;
     Ok(named)
 }
 
@@ -330,13 +332,10 @@ async fn journal_entries(
     headers: HeaderMap,
     axum::Json(asked): axum::Json<EntryRefs>,
 ) -> Response {
-    let nodes = match journal_call(&state, &headers, &asked.entries) {
+    let nodes = match journal_call(&state, &headers, &asked.entries).await {
         Ok(nodes) => nodes,
         Err(refused) => return refused,
     };
-    if let Err(refused) = owner(&state).await {
-        return refused;
-    }
     match state.journal.entries(&nodes).await {
         Ok(entries) => json(&entries),
         Err(e) => error_response(e),
@@ -350,7 +349,9 @@ async fn journal_takings(
     headers: HeaderMap,
     axum::Json(asked): axum::Json<TakingRefs>,
 ) -> Response {
-    if let Err(refused) = journal_call(&state, &headers, asked.takings.iter().map(|t| &t.entry)) {
+    if let Err(refused) =
+        journal_call(&state, &headers, asked.takings.iter().map(|t| &t.entry)).await
+    {
         return refused;
     }
     // The owner keeps these names while a step is unrecorded: an entry, a broker's message id
@@ -366,9 +367,6 @@ async fn journal_takings(
         )
             .into_response();
     }
-    if let Err(refused) = owner(&state).await {
-        return refused;
-    }
     match state.journal.take_all(&asked.takings).await {
         Ok(takings) => json(&takings),
         Err(e) => error_response(e),
@@ -381,10 +379,9 @@ async fn journal_records(
     headers: HeaderMap,
     axum::Json(asked): axum::Json<RecordRequests>,
 ) -> Response {
-    if let Err(refused) = journal_call(&state, &headers, asked.records.iter().map(|r| &r.entry)) {
-        return refused;
-    }
-    if let Err(refused) = owner(&state).await {
+    if let Err(refused) =
+        journal_call(&state, &headers, asked.records.iter().map(|r| &r.entry)).await
+    {
         return refused;
     }
     match state
@@ -403,13 +400,10 @@ async fn journal_marks(
     headers: HeaderMap,
     axum::Json(asked): axum::Json<EntryRefs>,
 ) -> Response {
-    let nodes = match journal_call(&state, &headers, &asked.entries) {
+    let nodes = match journal_call(&state, &headers, &asked.entries).await {
         Ok(nodes) => nodes,
         Err(refused) => return refused,
     };
-    if let Err(refused) = owner(&state).await {
-        return refused;
-    }
     match state.journal.mark_all_published(&nodes).await {
         Ok(()) => StatusCode::NO_CONTENT.into_response(),
         Err(e) => error_response(e),
