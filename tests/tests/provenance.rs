@@ -6,7 +6,7 @@ use std::collections::BTreeSet;
 use std::time::Duration;
 
 use agent_e2e::*;
-use agent_graph::convert::to_quads;
+use agent_graph::convert::into_quads;
 use agent_graph::explain::session_view;
 use agent_graph::model::Term;
 use agent_graph::{queries, GraphStore, QueryAnswer};
@@ -303,7 +303,7 @@ async fn a_killed_aggregator_loses_and_duplicates_nothing() {
         published += 1;
         let triples: Triples = agent_schema::decode(&message.payload.data).unwrap();
         reference
-            .insert(to_quads(&triples.triples).unwrap())
+            .insert(into_quads(triples.triples).unwrap())
             .await
             .unwrap();
     }

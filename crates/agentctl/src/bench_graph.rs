@@ -11,7 +11,7 @@ use agent_bus::{BrokerArgs, Properties, Publisher};
 use agent_core::pattern::Termination;
 use agent_core::provenance::{self, CallStats, SessionUris, ToolStats};
 use agent_core::router::{Choice, Decision, Method};
-use agent_graph::convert::to_quads;
+use agent_graph::convert::into_quads;
 use agent_graph::model::{GraphName, Literal, NamedNode, Quad};
 use agent_graph::{queries, GraphStore};
 use agent_schema::{Metadata, Term as WireTerm, Triple as WireTriple, Triples};
@@ -221,7 +221,7 @@ fn session_quads(session_id: &str) -> anyhow::Result<Vec<Quad>> {
         &["llm"],
         &stats,
     ));
-    Ok(to_quads(&triples)?)
+    Ok(into_quads(triples)?)
 }
 
 /// Unrelated provenance-shaped triples: chains of derived nodes in the same named graph.

@@ -309,7 +309,7 @@ pub async fn check(
     };
     let uris = agent_core::provenance::SessionUris::new(&next.session_id);
     if let Ok(quads) =
-        agent_graph::convert::to_quads(&agent_core::provenance::step_input(&uris, &input))
+        agent_graph::convert::into_quads(agent_core::provenance::step_input(&uris, &input))
     {
         store.insert(quads).await?;
     }
@@ -451,7 +451,7 @@ async fn start_waiting(
             .map(|&need| subagent_session(fanout.correlation_id, need))
             .collect();
         let started = agent_core::provenance::dependent_start(&session, &after, &stamp(now));
-        if let Ok(quads) = agent_graph::convert::to_quads(&started) {
+        if let Ok(quads) = agent_graph::convert::into_quads(started) {
             store.insert(quads).await?;
         }
         store.update(queries::start_requested(&node)).await?;

@@ -2,7 +2,7 @@
 //! acked only after it committed; RDF set semantics make a redelivered message change nothing.
 
 use agent_bus::{Delivery, Disposition, Publisher};
-use agent_graph::convert::to_quads;
+use agent_graph::convert::into_quads;
 use agent_graph::GraphStore;
 use agent_schema::Triples;
 
@@ -52,13 +52,16 @@ impl Writer {
 
     async fn write(&self, delivery: Delivery<Triples>) -> Disposition {
         let message = delivery.payload;
-        let quads = match to_quads(&message.triples) {
+        // Read before the triples are converted, which moves their text into the quads.
+        let correlation = crate::fanin::correlation_of(&message);
+        let Triples { metadata, triples } = message;
+        let quads = match into_quads(triples) {
             Ok(q) => q,
             // Not valid RDF: it will never be writable.
             Err(e) => {
                 return Disposition::DeadLetter(format!(
                     "triples of {} are not valid RDF: {e}",
-                    message.metadata.id
+                    metadata.id
                 ))
             }
         };
@@ -68,19 +71,19 @@ impl Writer {
         let count = quads.len();
         match self.store.insert(quads).await {
             Ok(()) => {
-                tracing::debug!(id = %message.metadata.id, quads = count, "written");
-                self.fan_in(&message).await
+                tracing::debug!(id = %metadata.id, quads = count, "written");
+                self.fan_in(correlation).await
             }
             Err(e) if e.retryable() => Disposition::Nack(e.to_string()),
             Err(e) => Disposition::DeadLetter(e.to_string()),
         }
     }
 
-    /// After a completion or fan-out was written: the fan-in check. A failure is retried by
-    /// redelivery; the write before it and the claim are idempotent for the same message.
-    async fn fan_in(&self, message: &Triples) -> Disposition {
-        let (Some(requests), Some(cid)) = (&self.requests, crate::fanin::correlation_of(message))
-        else {
+    /// After a completion or fan-out (whose correlation id is `correlation`) was written: the
+    /// fan-in check. A failure is retried by redelivery; the write before it and the claim are
+    /// idempotent for the same message.
+    async fn fan_in(&self, correlation: Option<String>) -> Disposition {
+        let (Some(requests), Some(cid)) = (&self.requests, correlation) else {
             return Disposition::Ack;
         };
         let librarian = self.librarian.as_deref();

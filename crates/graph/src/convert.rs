@@ -19,48 +19,57 @@ fn err(what: &'static str, e: impl std::fmt::Display) -> TermError {
     }
 }
 
-fn term(t: &WireTerm) -> Result<Term, TermError> {
-    match t.kind.as_str() {
-        "i" => Ok(NamedNode::new(&t.iri).map_err(|e| err("IRI", e))?.into()),
-        "b" => Ok(BlankNode::new(&t.id)
-            .map_err(|e| err("blank node", e))?
+/// Converts a term, moving its text into the RDF term rather than copying it (the aggregator
+/// converts every term of every explainability message it writes).
+fn term(t: WireTerm) -> Result<Term, TermError> {
+    let WireTerm {
+        kind,
+        iri,
+        id,
+        value,
+        datatype,
+        language,
+        ..
+    } = t;
+    match kind.as_str() {
+        "i" => Ok(NamedNode::new(iri).map_err(|e| err("IRI", e))?.into()),
+        "b" => Ok(BlankNode::new(id).map_err(|e| err("blank node", e))?.into()),
+        "l" if !language.is_empty() => Ok(Literal::new_language_tagged_literal(value, language)
+            .map_err(|e| err("language tag", e))?
             .into()),
-        "l" if !t.language.is_empty() => {
-            Ok(Literal::new_language_tagged_literal(&t.value, &t.language)
-                .map_err(|e| err("language tag", e))?
-                .into())
+        "l" if !datatype.is_empty() => {
+            let datatype = NamedNode::new(datatype).map_err(|e| err("datatype", e))?;
+            Ok(Literal::new_typed_literal(value, datatype).into())
         }
-        "l" if !t.datatype.is_empty() => {
-            let datatype = NamedNode::new(&t.datatype).map_err(|e| err("datatype", e))?;
-            Ok(Literal::new_typed_literal(&t.value, datatype).into())
-        }
-        "l" => Ok(Literal::new_simple_literal(&t.value).into()),
+        "l" => Ok(Literal::new_simple_literal(value).into()),
         other => Err(err("term type", format!("'{other}' is not supported"))),
     }
 }
 
 /// Converts one wire triple; `g` names the graph (None or empty = the default graph).
-pub fn to_quad(t: &WireTriple) -> Result<Quad, TermError> {
-    let subject: NamedOrBlankNode = match term(&t.s)? {
+pub fn into_quad(t: WireTriple) -> Result<Quad, TermError> {
+    let WireTriple { s, p, o, g } = t;
+    let subject: NamedOrBlankNode = match term(s)? {
         Term::NamedNode(n) => n.into(),
         Term::BlankNode(b) => b.into(),
         _ => return Err(err("subject", "a literal cannot be a subject")),
     };
-    let predicate = match term(&t.p)? {
+    let predicate = match term(p)? {
         Term::NamedNode(n) => n,
         _ => return Err(err("predicate", "a predicate must be an IRI")),
     };
-    let object = term(&t.o)?;
-    let graph = match t.g.as_deref() {
-        None | Some("") => GraphName::DefaultGraph,
+    let object = term(o)?;
+    let graph = match g {
+        None => GraphName::DefaultGraph,
+        Some(g) if g.is_empty() => GraphName::DefaultGraph,
         Some(g) => NamedNode::new(g).map_err(|e| err("graph", e))?.into(),
     };
     Ok(Quad::new(subject, predicate, object, graph))
 }
 
 /// Converts every triple, failing on the first invalid one.
-pub fn to_quads(triples: &[WireTriple]) -> Result<Vec<Quad>, TermError> {
-    triples.iter().map(to_quad).collect()
+pub fn into_quads(triples: Vec<WireTriple>) -> Result<Vec<Quad>, TermError> {
+    triples.into_iter().map(into_quad).collect()
 }
 
 #[cfg(test)]
@@ -76,11 +85,37 @@ mod tests {
             o: WireTerm::literal(text),
             g: Some(agent_core::vocab::PROVENANCE_GRAPH.into()),
         };
-        let quad = to_quad(&t).unwrap();
+        let quad = into_quad(t).unwrap();
         match quad.object {
             Term::Literal(l) => assert_eq!(l.value(), text),
             other => panic!("{other:?}"),
         }
+    }
+
+    #[test]
+    fn each_triple_keeps_its_own_graph_and_a_bad_graph_is_rejected() {
+        let in_graph = |g: Option<&str>| WireTriple {
+            s: WireTerm::iri("urn:a"),
+            p: WireTerm::iri("urn:p"),
+            o: WireTerm::literal("x"),
+            g: g.map(str::to_owned),
+        };
+        let quads = into_quads(vec![
+            in_graph(Some("urn:g1")),
+            in_graph(Some("urn:g1")),
+            in_graph(Some("urn:g2")),
+            in_graph(None),
+            in_graph(Some("")),
+            in_graph(Some("urn:g1")),
+        ])
+        .unwrap();
+        let graphs: Vec<String> = quads.iter().map(|q| q.graph_name.to_string()).collect();
+        assert_eq!(
+            graphs,
+            ["<urn:g1>", "<urn:g1>", "<urn:g2>", "DEFAULT", "DEFAULT", "<urn:g1>"]
+        );
+        let refused = into_quads(vec![in_graph(Some("urn:g1")), in_graph(Some("urn:g1> x"))]);
+        assert_eq!(refused.unwrap_err().what, "graph");
     }
 
     #[test]
@@ -91,6 +126,6 @@ mod tests {
             o: WireTerm::literal("x"),
             g: None,
         };
-        assert_eq!(to_quad(&t).unwrap_err().what, "IRI");
+        assert_eq!(into_quad(t).unwrap_err().what, "IRI");
     }
 }

@@ -5,7 +5,7 @@
 use agent_core::pattern::Termination;
 use agent_core::provenance::{self, CallStats, SessionUris, ToolStats};
 use agent_core::router::{Choice, Decision, Method};
-use agent_graph::convert::to_quads;
+use agent_graph::convert::into_quads;
 use agent_graph::explain::{render_mermaid, render_tree, session_view};
 use agent_graph::{queries, GraphStore, QueryAnswer};
 
@@ -77,15 +77,21 @@ fn session_triples(session: &str, question: &str) -> Vec<agent_schema::Triple> {
 async fn scenario(store: GraphStore) {
     let hostile = "a \"quote\" <tag> \n new line \"} ; DROP ALL ; {\"";
     let triples = session_triples("s1", hostile);
-    store.insert(to_quads(&triples).unwrap()).await.unwrap();
     store
-        .insert(to_quads(&session_triples("s2", "other")).unwrap())
+        .insert(into_quads(triples.clone()).unwrap())
+        .await
+        .unwrap();
+    store
+        .insert(into_quads(session_triples("s2", "other")).unwrap())
         .await
         .unwrap();
     let total = store.count().await.unwrap();
 
     // Writing the same message again changes nothing.
-    store.insert(to_quads(&triples).unwrap()).await.unwrap();
+    store
+        .insert(into_quads(triples.clone()).unwrap())
+        .await
+        .unwrap();
     assert_eq!(store.count().await.unwrap(), total);
 
     let node = queries::session_node("s1").unwrap();
@@ -274,12 +280,15 @@ async fn long_texts_are_read_whole_through_their_documents() {
         &result,
         (1, 2),
     ));
-    store.insert(to_quads(&triples).unwrap()).await.unwrap();
+    store
+        .insert(into_quads(triples.clone()).unwrap())
+        .await
+        .unwrap();
     let total = store.count().await.unwrap();
     // The subagent's result was also checked in by a step (the same quad): nothing new.
     store
         .insert(
-            to_quads(&provenance::completion(
+            into_quads(provenance::completion(
                 &sub,
                 "c1",
                 "boss",
