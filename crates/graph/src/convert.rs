@@ -119,6 +119,68 @@ mod tests {
     }
 
     #[test]
+    fn blank_nodes_tagged_and_typed_literals_convert_and_bad_ones_are_rejected() {
+        let with = |s: WireTerm, o: WireTerm| WireTriple {
+            s,
+            p: WireTerm::iri("urn:p"),
+            o,
+            g: None,
+        };
+        let blank = |id: &str| WireTerm {
+            kind: "b".to_owned(),
+            id: id.to_owned(),
+            ..WireTerm::default()
+        };
+        let tagged = |value: &str, language: &str, datatype: &str| WireTerm {
+            kind: "l".to_owned(),
+            value: value.to_owned(),
+            language: language.to_owned(),
+            datatype: datatype.to_owned(),
+            ..WireTerm::default()
+        };
+        let typed = WireTerm::typed_literal("7", "http://www.w3.org/2001/XMLSchema#integer");
+        let quads = into_quads(vec![
+            with(blank("b1"), tagged("chat", "FR", "")),
+            // A language tag is what the literal is, whatever datatype is also sent.
+            with(WireTerm::iri("urn:a"), tagged("cat", "en", "urn:ignored")),
+            with(WireTerm::iri("urn:a"), typed),
+        ])
+        .unwrap();
+        let written: Vec<String> = quads
+            .iter()
+            .map(|q| format!("{} {}", q.subject, q.object))
+            .collect();
+        assert_eq!(
+            written,
+            [
+                "_:b1 \"chat\"@fr",
+                "<urn:a> \"cat\"@en",
+                "<urn:a> \"7\"^^<http://www.w3.org/2001/XMLSchema#integer>",
+            ]
+        );
+        let refused = |t: WireTriple| into_quad(t).unwrap_err().what;
+        assert_eq!(
+            refused(with(blank("no spaces"), WireTerm::literal("x"))),
+            "blank node"
+        );
+        assert_eq!(
+            refused(with(WireTerm::iri("urn:a"), tagged("x", "not a tag", ""))),
+            "language tag"
+        );
+        assert_eq!(
+            refused(with(
+                WireTerm::iri("urn:a"),
+                WireTerm::typed_literal("x", "no iri")
+            )),
+            "datatype"
+        );
+        assert_eq!(
+            refused(with(WireTerm::literal("x"), WireTerm::literal("y"))),
+            "subject"
+        );
+    }
+
+    #[test]
     fn invalid_iris_are_rejected() {
         let t = WireTriple {
             s: WireTerm::iri("urn:a> <urn:b"),

@@ -280,10 +280,7 @@ async fn long_texts_are_read_whole_through_their_documents() {
         &result,
         (1, 2),
     ));
-    store
-        .insert(into_quads(triples.clone()).unwrap())
-        .await
-        .unwrap();
+    store.insert(into_quads(triples).unwrap()).await.unwrap();
     let total = store.count().await.unwrap();
     // The subagent's result was also checked in by a step (the same quad): nothing new.
     store
