@@ -19,7 +19,7 @@ use agent_schema::{
 };
 use oxigraph::model::{NamedNode, Term};
 
-use agent_core::vocab::{tg, NamedNodeRef, RDF_TYPE};
+use agent_core::vocab::tg;
 
 #[derive(Debug, thiserror::Error)]
 pub enum FanInError {
@@ -78,13 +78,7 @@ pub async fn sweep(
 
 /// The correlation id of a fan-out or completion in `message`, if it holds one.
 pub fn correlation_of(message: &Triples) -> Option<String> {
-    let typed = |class: NamedNodeRef<'_>| {
-        message
-            .triples
-            .iter()
-            .any(|t| t.p.iri == RDF_TYPE.as_str() && t.o.iri == class.as_str())
-    };
-    if !typed(tg::SUBAGENT_COMPLETION) && !typed(tg::FAN_OUT) {
+    if !agent_core::provenance::drives_fan_in(&message.triples) {
         return None;
     }
     message

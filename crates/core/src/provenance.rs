@@ -167,6 +167,16 @@ impl NodeBuilder {
     }
 }
 
+/// Whether `triples` hold a fan-out or a subagent's completion: the events the aggregator's
+/// fan-in answers to, found by the correlation id in the graph message that carries them. The
+/// orchestrator gives each such node a graph message of its own, so that id is the node's.
+pub fn drives_fan_in(triples: &[Triple]) -> bool {
+    triples.iter().any(|t| {
+        t.p.iri == RDF_TYPE.as_str()
+            && (t.o.iri == tg::FAN_OUT.as_str() || t.o.iri == tg::SUBAGENT_COMPLETION.as_str())
+    })
+}
+
 /// The session node: the question as asked.
 pub fn session(uris: &SessionUris, question: &str, started_at: &str) -> Vec<Triple> {
     let s = uris.session();

@@ -138,7 +138,7 @@ pub struct DialogOutput<'a> {
     conversation: String,
     pending: Mutex<Vec<Receipt>>,
     /// Durable effects waiting for the commit.
-    effects: Mutex<Vec<Effect>>,
+    effects: Mutex<HeldEffects>,
     /// The journal entries the held requests will be taken up as (told to the journal's owner
     /// with the record, which then answers their lookups without a read).
     next_steps: Mutex<Vec<String>>,
@@ -217,9 +217,19 @@ impl std::fmt::Debug for Continuation {
     }
 }
 
-/// A step's graph-only records join its last graph message only while that is smaller than this:
-/// two large texts (a long observation, a request near its limit) never share one message.
+/// A step's graph-only records join its last graph message, and its explained nodes its first,
+/// only while that is smaller than this: two large texts (a long observation, a request near its
+/// limit) never share one message.
 const MERGE_BELOW_BYTES: usize = 256 * 1024;
+
+/// A step's durable effects, in the order they will be published.
+#[derive(Default)]
+struct HeldEffects {
+    list: Vec<Effect>,
+    /// The graph message the step's next explained node joins (see
+    /// [`DialogOutput::hold_graph`]), by its place in `list`.
+    graph_to_join: Option<usize>,
+}
 
 /// Why a step set itself aside to be tried again: an outage of something it needs.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -308,7 +318,7 @@ impl<'a> DialogOutput<'a> {
             run_base: 0,
             conversation: String::new(),
             pending: Mutex::new(Vec::new()),
-            effects: Mutex::new(Vec::new()),
+            effects: Mutex::new(HeldEffects::default()),
             next_steps: Mutex::new(Vec::new()),
             journaled: false,
             given_up: false,
@@ -478,31 +488,22 @@ impl<'a> DialogOutput<'a> {
         locked(&self.kept).extend(triples);
     }
 
-    /// Adds the kept triples to the step's last message for the graph (a message and a store
+    /// Adds the kept triples to the graph message the step's nodes share (a message and a store
     /// transaction fewer per step than one of their own), or sends them alone if it has none.
-    fn add_kept(&self, effects: &mut Vec<Effect>) {
+    fn add_kept(&self, held: &mut HeldEffects) {
         let kept = std::mem::take(&mut *locked(&self.kept));
         if kept.is_empty() {
             return;
         }
-        let last = effects
-            .iter_mut()
-            .rev()
-            .find(|e| e.channel == Channel::Explainability);
-        if let Some(effect) = last.filter(|e| e.payload.len() < MERGE_BELOW_BYTES) {
+        let shared = held.graph_to_join.and_then(|i| held.list.get_mut(i));
+        if let Some(effect) = shared.filter(|e| e.payload.len() < MERGE_BELOW_BYTES) {
             if let Some(merged) = agent_schema::append_triples(&effect.payload, &kept) {
                 effect.payload = merged;
                 return;
             }
-            if let Ok(mut message) = serde_json::from_str::<Triples>(&effect.payload) {
-                message.triples.extend(kept);
-                effect.payload =
-                    String::from_utf8_lossy(&agent_schema::encode(&message)).into_owned();
-                return;
-            }
         }
         let message = self.triples_about(&self.root, kept);
-        effects.push(Effect {
+        held.list.push(Effect {
             channel: Channel::Explainability,
             payload: String::from_utf8_lossy(&agent_schema::encode(&message)).into_owned(),
             properties: Properties::new(),
@@ -544,7 +545,7 @@ impl<'a> DialogOutput<'a> {
     /// Forgets what an abandoned step held (a cancel overtook it): its effects, its park and how it
     /// ended. Chunks it streamed are out already and stay out.
     pub fn discard(&self) {
-        locked(&self.effects).clear();
+        *locked(&self.effects) = HeldEffects::default();
         locked(&self.kept).clear();
         locked(&self.to_keep).clear();
         *locked(&self.parked) = None;
@@ -589,8 +590,45 @@ impl<'a> DialogOutput<'a> {
     fn hold(&self, channel: Channel, payload: Vec<u8>, properties: &Properties) {
         let payload = String::from_utf8(payload)
             .unwrap_or_else(|e| String::from_utf8_lossy(e.as_bytes()).into_owned());
-        locked(&self.effects).push(Effect {
+        locked(&self.effects).list.push(Effect {
             channel,
+            payload,
+            properties: properties.clone(),
+            history_from_input: None,
+        });
+    }
+
+    /// Holds `message` for the graph. The nodes a step explains share one graph message (the
+    /// first's place, so it still precedes every node's `explain` copy to the client): a step's
+    /// nodes go to the broker, through the aggregator and into the store as one message instead
+    /// of one each. A fan-out or a completion keeps a message of its own, since the aggregator
+    /// reads the correlation id it answers to from the message
+    /// ([`agent_core::provenance::drives_fan_in`]), and so does a node that would take the shared
+    /// message to [`MERGE_BELOW_BYTES`].
+    fn hold_graph(&self, message: &Triples, properties: &Properties) {
+        let mut held = locked(&self.effects);
+        let alone = agent_core::provenance::drives_fan_in(&message.triples);
+        if !alone {
+            let shared = held.graph_to_join.and_then(|i| held.list.get_mut(i));
+            if let Some(shared) = shared {
+                let joined = agent_schema::append_triples_below(
+                    &shared.payload,
+                    &message.triples,
+                    MERGE_BELOW_BYTES,
+                );
+                if let Some(joined) = joined {
+                    shared.payload = joined;
+                    return;
+                }
+            }
+        }
+        let payload = String::from_utf8(agent_schema::encode(message))
+            .unwrap_or_else(|e| String::from_utf8_lossy(e.as_bytes()).into_owned());
+        if !alone {
+            held.graph_to_join = Some(held.list.len());
+        }
+        held.list.push(Effect {
+            channel: Channel::Explainability,
             payload,
             properties: properties.clone(),
             history_from_input: None,
@@ -605,7 +643,7 @@ impl<'a> DialogOutput<'a> {
     // a frame to a worker's stack, which a step with the librarian's calls overflowed.
     pub async fn commit(&self, mut slot: Option<&JournalSlot<'_>>) -> anyhow::Result<()> {
         self.keep_documents().await?;
-        let mut effects = std::mem::take(&mut *locked(&self.effects));
+        let mut held = std::mem::take(&mut *locked(&self.effects));
         if let (Some(slot), true) = (slot, locked(&self.ended).is_some()) {
             // The closing travels on a non-persistent topic, which a broker may drop for a
             // reader that falls behind; this link lets such a client read it back from the
@@ -617,7 +655,8 @@ impl<'a> DialogOutput<'a> {
                 g: Some(GRAPH.to_owned()),
             });
         }
-        self.add_kept(&mut effects);
+        self.add_kept(&mut held);
+        let mut effects = held.list;
         let mut continuing = None;
         let mut held = None;
         let mut outcome = None;
@@ -968,11 +1007,7 @@ impl<'a> DialogOutput<'a> {
         if let Some(context) = self.properties.get(trace) {
             properties.insert(trace.to_owned(), context.clone());
         }
-        self.hold(
-            Channel::Explainability,
-            agent_schema::encode(&message),
-            &properties,
-        );
+        self.hold_graph(&message, &properties);
         let mut r = AgentResponse::new(MessageType::Explain, "");
         r.explain_id = Some(node.to_owned());
         r.explain_graph = Some(GRAPH.to_owned());

@@ -16,7 +16,7 @@ pub use control::{control_operation, AgentControl};
 pub use librarian::{librarian_operation, DocumentMetadata, LibrarianRequest, LibrarianResponse};
 pub use request::{AgentRequest, AgentStep, PlanStep, StepType};
 pub use response::{AgentResponse, ErrorInfo, MessageType};
-pub use triples::{append_triples, Metadata, Term, Triple, Triples};
+pub use triples::{append_triples, append_triples_below, Metadata, Term, Triple, Triples};
 
 /// The message property that correlates a request with its responses and `next` requests.
 pub const ID_PROPERTY: &str = "id";

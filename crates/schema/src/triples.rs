@@ -77,6 +77,11 @@ impl Term {
 /// caller then parses it. A step adds its graph-only records to its last graph message this way:
 /// parsing and writing again a message of 10-15 KB was a few percent of a busy orchestrator.
 pub fn append_triples(encoded: &str, more: &[Triple]) -> Option<String> {
+    append_triples_below(encoded, more, usize::MAX)
+}
+
+/// [`append_triples`], or `None` when the message would then be `limit` bytes or more.
+pub fn append_triples_below(encoded: &str, more: &[Triple], limit: usize) -> Option<String> {
     let body = encoded.strip_suffix("]}")?;
     if more.is_empty() {
         return Some(encoded.to_owned());
@@ -84,6 +89,9 @@ pub fn append_triples(encoded: &str, more: &[Triple]) -> Option<String> {
     let added = crate::encode(&more);
     let added = std::str::from_utf8(&added).ok()?;
     let items = added.strip_prefix('[')?.strip_suffix(']')?;
+    if encoded.len() + items.len() + 1 >= limit {
+        return None;
+    }
     let separator = if body.ends_with('[') { "" } else { "," };
     Some(format!("{body}{separator}{items}]}}"))
 }
@@ -128,6 +136,16 @@ mod tests {
                 "{before} + {more}"
             );
         }
+    }
+
+    /// A limit refuses exactly the messages that would reach it.
+    #[test]
+    fn appending_below_a_limit_refuses_what_would_reach_it() {
+        let encoded = String::from_utf8(crate::encode(&message(vec![triple(0)]))).unwrap();
+        let together = crate::encode(&message(vec![triple(0), triple(1)])).len();
+        assert_eq!(append_triples_below(&encoded, &[triple(1)], together), None);
+        let appended = append_triples_below(&encoded, &[triple(1)], together + 1).unwrap();
+        assert_eq!(appended.len(), together);
     }
 
     #[test]

@@ -173,8 +173,41 @@ async fn react_runs_the_chosen_tool_and_queues_the_next_iteration_with_its_obser
         "the client sees the observation: {:?}",
         sent.responses
     );
-    // The iteration and its observation are two nodes of the graph.
-    assert!(sent.explained.len() >= 2, "{:?}", sent.explained);
+    // The iteration and its observation are two nodes of the graph, in one graph message (one
+    // delivery and one write for the aggregator), sent before either node's `explain` copy to the
+    // client, and each node is its own `explain` message there, as TrustGraph's clients read them.
+    let uris = SessionUris::new(&next.session_id);
+    assert_eq!(sent.explained.len(), 1, "{:?}", sent.explained);
+    for node in [uris.iteration(1), uris.observation(1)] {
+        assert!(
+            sent.explained[0].triples.iter().any(|t| t.s.iri == node),
+            "{node} is in the graph message: {:?}",
+            sent.explained[0]
+        );
+        let copies = sent
+            .responses
+            .iter()
+            .filter(|r| r.explain_id.as_deref() == Some(node.as_str()))
+            .count();
+        assert_eq!(copies, 1, "{node} goes to the client once");
+    }
+    let graph_message = sent
+        .channels
+        .iter()
+        .position(|c| *c == Channel::Explainability);
+    let first_copy = sent
+        .responses
+        .iter()
+        .position(|r| r.message_type == "explain")
+        .and_then(|n| {
+            sent.channels
+                .iter()
+                .enumerate()
+                .filter(|(_, c)| **c == Channel::Responses)
+                .nth(n)
+                .map(|(i, _)| i)
+        });
+    assert!(graph_message < first_copy, "{:?}", sent.channels);
     // The ReACT call, then the tool's own LLM call.
     assert_eq!(harness.llm.calls().len(), 2);
 }
@@ -248,7 +281,8 @@ async fn react_with_the_answer_critic_gives_only_a_reviewed_answer() {
 }
 
 /// What the next step is given is recorded for the graph (a fork starts from it), riding on the
-/// step's last graph message rather than a message of its own, and never sent to the client.
+/// graph message the step's nodes share rather than a message of its own, and never sent to the
+/// client.
 #[tokio::test]
 async fn the_next_steps_input_is_kept_for_the_graph_only() {
     let harness = Harness::start().await;
@@ -266,7 +300,7 @@ async fn the_next_steps_input_is_kept_for_the_graph_only() {
             .triples
             .iter()
             .any(|t| !is_input(t) && t.s.iri.ends_with("/i1/observation")),
-        "it rides on the step's last graph message"
+        "it rides on the step's graph message"
     );
     let last_graph = sent.explained.last().map(|m| m.metadata.id.clone());
     assert_eq!(last_graph, Some(graph_messages[0].metadata.id.clone()));
@@ -412,6 +446,23 @@ async fn a_supervisor_starts_one_subagent_per_goal_and_waits() {
         .iter()
         .position(|c| *c == Channel::Explainability);
     assert!(first_node < first_subagent, "{:?}", sent.channels);
+    // The aggregator reads the correlation id fan-in answers to from the fan-out's message: it is
+    // a message of its own, not shared with the step's other nodes.
+    let fan_outs: Vec<&Triples> = sent
+        .explained
+        .iter()
+        .filter(|m| agent_core::provenance::drives_fan_in(&m.triples))
+        .collect();
+    assert_eq!(fan_outs.len(), 1, "{:?}", sent.explained);
+    let subjects: std::collections::BTreeSet<&str> = fan_outs[0]
+        .triples
+        .iter()
+        .filter(|t| t.p.iri == agent_core::vocab::RDF_TYPE.as_str())
+        .map(|t| t.s.iri.as_str())
+        .collect();
+    let fan_out = SessionUris::new(&sent.requests[0].parent_session_id)
+        .fanout(&sent.requests[0].correlation_id);
+    assert_eq!(subjects.into_iter().collect::<Vec<_>>(), [fan_out.as_str()]);
 }
 
 #[tokio::test]
