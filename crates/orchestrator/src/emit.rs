@@ -217,9 +217,9 @@ impl std::fmt::Debug for Continuation {
     }
 }
 
-/// A step's graph-only records join its last graph message, and its explained nodes its first,
-/// only while that is smaller than this: two large texts (a long observation, a request near its
-/// limit) never share one message.
+/// A step's explained nodes and graph-only records join its shared graph message only while it
+/// stays smaller than this: two large texts (a long observation, a request near its limit) never
+/// share one message.
 const MERGE_BELOW_BYTES: usize = 256 * 1024;
 
 /// A step's durable effects, in the order they will be published.
@@ -598,13 +598,13 @@ impl<'a> DialogOutput<'a> {
         });
     }
 
-    /// Holds `message` for the graph. The nodes a step explains share one graph message (the
-    /// first's place, so it still precedes every node's `explain` copy to the client): a step's
-    /// nodes go to the broker, through the aggregator and into the store as one message instead
-    /// of one each. A fan-out or a completion keeps a message of its own, since the aggregator
-    /// reads the correlation id it answers to from the message
-    /// ([`agent_core::provenance::drives_fan_in`]), and so does a node that would take the shared
-    /// message to [`MERGE_BELOW_BYTES`].
+    /// Holds `message` for the graph. The nodes a step explains share one graph message, held
+    /// where the first of them was, so it still precedes every node's `explain` copy to the
+    /// client: a step's nodes go to the broker, through the aggregator and into the store as one
+    /// message instead of one each. A fan-out or a completion keeps a message of its own, since
+    /// the aggregator reads the correlation id it answers to from the message
+    /// ([`agent_core::provenance::drives_fan_in`]). A node that would take the shared message to
+    /// [`MERGE_BELOW_BYTES`] goes alone, and the step's later nodes join it instead.
     fn hold_graph(&self, message: &Triples, properties: &Properties) {
         let mut held = locked(&self.effects);
         let alone = agent_core::provenance::drives_fan_in(&message.triples);

@@ -3,7 +3,8 @@
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
-/// A batch of triples about one provenance node.
+/// A batch of triples: a step's provenance nodes (the orchestrator sends a step's nodes in one,
+/// a fan-out or a completion in one of its own), `metadata.id` naming the first.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(default)]
 pub struct Triples {
@@ -74,8 +75,9 @@ impl Term {
 /// `encoded` (a [`Triples`] message as [`crate::encode`] writes it) with `more` added to its
 /// triples, without parsing it: its triples are its last field, so the new ones go before its
 /// closing `]}`. `None` when `encoded` does not end so (not written by [`crate::encode`]); the
-/// caller then parses it. A step adds its graph-only records to its last graph message this way:
-/// parsing and writing again a message of 10-15 KB was a few percent of a busy orchestrator.
+/// caller then parses it. A step's nodes and graph-only records join its shared graph message
+/// this way: parsing and writing again a message of 10-15 KB was a few percent of a busy
+/// orchestrator.
 pub fn append_triples(encoded: &str, more: &[Triple]) -> Option<String> {
     append_triples_below(encoded, more, usize::MAX)
 }
