@@ -643,7 +643,7 @@ impl<'a> DialogOutput<'a> {
     // a frame to a worker's stack, which a step with the librarian's calls overflowed.
     pub async fn commit(&self, mut slot: Option<&JournalSlot<'_>>) -> anyhow::Result<()> {
         self.keep_documents().await?;
-        let mut held = std::mem::take(&mut *locked(&self.effects));
+        let mut staged = std::mem::take(&mut *locked(&self.effects));
         if let (Some(slot), true) = (slot, locked(&self.ended).is_some()) {
             // The closing travels on a non-persistent topic, which a broker may drop for a
             // reader that falls behind; this link lets such a client read it back from the
@@ -655,8 +655,8 @@ impl<'a> DialogOutput<'a> {
                 g: Some(GRAPH.to_owned()),
             });
         }
-        self.add_kept(&mut held);
-        let mut effects = held.list;
+        self.add_kept(&mut staged);
+        let mut effects = staged.list;
         let mut continuing = None;
         let mut held = None;
         let mut outcome = None;
