@@ -231,6 +231,20 @@ struct HeldEffects {
     graph_to_join: Option<usize>,
 }
 
+impl HeldEffects {
+    /// Holds a message at the end of the list.
+    fn push(&mut self, channel: Channel, payload: Vec<u8>, properties: Properties) {
+        let payload = String::from_utf8(payload)
+            .unwrap_or_else(|e| String::from_utf8_lossy(e.as_bytes()).into_owned());
+        self.list.push(Effect {
+            channel,
+            payload,
+            properties,
+            history_from_input: None,
+        });
+    }
+}
+
 /// Why a step set itself aside to be tried again: an outage of something it needs.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Park {
@@ -503,12 +517,11 @@ impl<'a> DialogOutput<'a> {
             }
         }
         let message = self.triples_about(&self.root, kept);
-        held.list.push(Effect {
-            channel: Channel::Explainability,
-            payload: String::from_utf8_lossy(&agent_schema::encode(&message)).into_owned(),
-            properties: Properties::new(),
-            history_from_input: None,
-        });
+        held.push(
+            Channel::Explainability,
+            agent_schema::encode(&message),
+            Properties::new(),
+        );
     }
 
     /// Bounds the requests this dialog queues by `max_message_bytes` (the config's), or by the
@@ -588,14 +601,7 @@ impl<'a> DialogOutput<'a> {
 
     /// Holds a durable effect for the commit.
     fn hold(&self, channel: Channel, payload: Vec<u8>, properties: &Properties) {
-        let payload = String::from_utf8(payload)
-            .unwrap_or_else(|e| String::from_utf8_lossy(e.as_bytes()).into_owned());
-        locked(&self.effects).list.push(Effect {
-            channel,
-            payload,
-            properties: properties.clone(),
-            history_from_input: None,
-        });
+        locked(&self.effects).push(channel, payload, properties.clone());
     }
 
     /// Holds `message` for the graph. The nodes a step explains share one graph message, held
@@ -622,17 +628,14 @@ impl<'a> DialogOutput<'a> {
                 }
             }
         }
-        let payload = String::from_utf8(agent_schema::encode(message))
-            .unwrap_or_else(|e| String::from_utf8_lossy(e.as_bytes()).into_owned());
         if !alone {
             held.graph_to_join = Some(held.list.len());
         }
-        held.list.push(Effect {
-            channel: Channel::Explainability,
-            payload,
-            properties: properties.clone(),
-            history_from_input: None,
-        });
+        held.push(
+            Channel::Explainability,
+            agent_schema::encode(message),
+            properties.clone(),
+        );
     }
 
     /// Journals the held effects (when there is a journal), publishes them unless another delivery
