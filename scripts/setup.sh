@@ -10,8 +10,8 @@ tests=false
 
 need_apt=()
 command -v protoc >/dev/null 2>&1 || need_apt+=(protobuf-compiler)
-# libclang-dev: oxigraph's RocksDB build needs bindgen. clang: RocksDB's C++ compiles faster with it
-# than with GCC (scripts/cxx).
+# libclang-dev: oxigraph's RocksDB build needs bindgen. clang: .cargo/config.toml compiles RocksDB's
+# C++ with it (faster than GCC).
 for pkg in libclang-dev clang; do
   dpkg -s "$pkg" >/dev/null 2>&1 || need_apt+=("$pkg")
 done
