@@ -936,7 +936,11 @@ async fn an_answer_streamed_again_after_a_crash_is_the_answer_once() {
             .unwrap();
         let r = &received.response;
         if received.id == "cut" && r.message_type == "answer" && !r.content.is_empty() {
-            streamed.push(received.attempt.as_deref(), &r.content);
+            streamed.push(
+                received.attempt.as_deref(),
+                received.answer_chunk,
+                &r.content,
+            );
             joined.push_str(&r.content);
             first_attempt = Some(received.attempt.clone().expect("a chunk names its attempt"));
         }
@@ -963,7 +967,11 @@ async fn an_answer_streamed_again_after_a_crash_is_the_answer_once() {
             break received;
         }
         if r.message_type == "answer" {
-            streamed.push(received.attempt.as_deref(), &r.content);
+            streamed.push(
+                received.attempt.as_deref(),
+                received.answer_chunk,
+                &r.content,
+            );
             joined.push_str(&r.content);
         }
     };
@@ -983,6 +991,11 @@ async fn an_answer_streamed_again_after_a_crash_is_the_answer_once() {
         streamed.answer(Some(standing)),
         ANSWER,
         "joined: {joined:?}"
+    );
+    // Every chunk of the standing attempt came: nothing to read back.
+    assert_eq!(
+        streamed.whole(Some(standing), closing.answer_chunks),
+        Some(true)
     );
 }
 
@@ -1072,6 +1085,105 @@ async fn invoke_says_when_a_step_streamed_again_and_ends_with_the_answer() {
         .find_map(|line| line.strip_prefix("Answer: "))
         .unwrap_or_default();
     assert_eq!(last_answer, ANSWER, "{shown}");
+}
+
+/// A streamed chunk of the answer that the broker drops on the non-persistent response topic
+/// (Apache Pulsar did, once in a long soak; here the orchestrator leaves out the second chunk with
+/// `AGENT_FAULT=drop-answer-chunk:2`, as the broker would): the closing counts the chunks its
+/// attempt streamed, so our client sees the hole. `AgentClient`'s `StreamedAnswer` says the text
+/// is not whole, and `agentctl invoke` says so and ends with the answer the graph records, where
+/// a client joining what came (TrustGraph's) shows the answer with text missing.
+#[tokio::test]
+async fn an_answer_chunk_the_broker_dropped_is_seen_and_read_from_the_graph() {
+    let script = serde_json::json!({"rules": [{
+        "match": "",
+        "reply": format!("Thought: I know this.\nFinal Answer: {ANSWER}"),
+        "chunk_size": 4,
+    }]});
+    let broker = Broker::start().unwrap();
+    let aggregator = Aggregator::spawn_with(&broker, &["--config-token", TOKEN]);
+    let llm = scripted_llm(&script.to_string()).await;
+    let dropping = [("AGENT_FAULT", "drop-answer-chunk:2")];
+    let mut first = Orchestrator::spawn_journaled(&broker, &llm, &aggregator, TOKEN, &dropping);
+    let mut client = client(&broker).await;
+    let request = agent_schema::AgentRequest {
+        pattern: "react".into(),
+        ..request("what is the capital of France?", true)
+    };
+    client.send("holed", &request).await.unwrap();
+    let mut streamed = agent_bus::StreamedAnswer::default();
+    let mut joined = String::new();
+    let deadline = tokio::time::Instant::now() + DIALOG_TIMEOUT;
+    let closing = loop {
+        let received = tokio::time::timeout_at(deadline, client.receive())
+            .await
+            .expect("the dialog did not end")
+            .unwrap();
+        let r = &received.response;
+        if received.id != "holed" {
+            continue;
+        }
+        if r.end_of_dialog {
+            break received;
+        }
+        if r.message_type == "answer" {
+            streamed.push(
+                received.attempt.as_deref(),
+                received.answer_chunk,
+                &r.content,
+            );
+            joined.push_str(&r.content);
+        }
+    };
+    assert!(closing.response.error.is_none(), "{closing:#?}");
+    assert!(closing.response.content.is_empty(), "{closing:#?}");
+    let counted = closing
+        .answer_chunks
+        .expect("the closing counts its chunks");
+    let standing = closing.attempt.as_deref();
+    // What came is the answer with its second chunk left out, and the client can tell.
+    assert_ne!(joined, ANSWER);
+    assert!(ANSWER.ends_with(&joined[4..]), "{joined:?}");
+    assert_eq!(streamed.answer(standing), joined);
+    assert!(counted > 2, "{counted} chunks");
+    assert_eq!(streamed.whole(standing, Some(counted)), Some(false));
+
+    // The next dialog is the first of another process: its second chunk is left out too.
+    first.terminate();
+    assert!(first.exited_within(Duration::from_secs(30)).await);
+    let _second = Orchestrator::spawn_journaled(&broker, &llm, &aggregator, TOKEN, &dropping);
+    let output = tokio::process::Command::new(binary("agentctl"))
+        .args(["invoke", "--pattern", "react"])
+        .args([
+            "--question",
+            "what is the capital of France?",
+            "--timeout",
+            "60",
+        ])
+        .args(["--pulsar-url", &broker.url()])
+        .args(["--graph-store", &aggregator.endpoint])
+        .env_remove("GRAPH_STORE")
+        .output()
+        .await
+        .unwrap();
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr),
+    );
+    assert!(
+        output.status.success(),
+        "stdout:\n{stdout}\nstderr:\n{stderr}"
+    );
+    assert!(
+        stdout.contains("a chunk of it was lost on the way"),
+        "{stdout}"
+    );
+    let last_answer = stdout
+        .lines()
+        .rev()
+        .find_map(|line| line.strip_prefix("Answer: "))
+        .unwrap_or_default();
+    assert_eq!(last_answer, ANSWER, "{stdout}");
 }
 
 /// A second aggregator that would own a journal on the same subscription (a StatefulSet scaled

@@ -142,45 +142,39 @@ pub async fn follow(
     };
     let session = agent_orchestrator::session_id_for(request, Some(&id));
     let mut heard_at = tokio::time::Instant::now();
-    // Whether answer text was shown: a streamed answer comes in chunks before an empty closing.
-    let mut answered = false;
     let mut streamed = agent_bus::StreamedAnswer::default();
     // The attempt each streamed message (a thought, the answer) came from last.
     let mut streaming_attempts: HashMap<String, Option<String>> = HashMap::new();
     let mut noticed: std::collections::HashSet<Option<String>> = Default::default();
     loop {
         let look_back_at = (heard_at + RECOVERY_SILENCE).min(deadline);
-        let (rid, response, attempt) = match tokio::time::timeout_at(look_back_at, client.receive())
-            .await
-        {
-            Ok(next) => {
-                let received = next?;
-                (received.id, received.response, received.attempt)
-            }
+        let received = match tokio::time::timeout_at(look_back_at, client.receive()).await {
+            Ok(next) => next?,
             Err(_) if look_back_at >= deadline => {
                 anyhow::bail!("no end of dialog within {} s", timeout.as_secs())
             }
             Err(_) => {
                 heard_at = tokio::time::Instant::now();
-                let Some((closing, attempt)) = recovered(journal, &session, &id).await else {
+                // A streamed answer's closing read back counts its chunks like one heard: text
+                // that did not come is read from the graph below.
+                let Some(closing) = recovered(journal, &session, &id).await else {
                     continue;
                 };
-                if !answered && closing.content.is_empty() && kind(&closing) == MessageType::Answer
-                {
-                    // Streamed chunks are not journaled; what the dialog concluded is in the graph.
-                    if let Some(answer) = concluded_answer(journal, &session).await {
-                        renderer.show_answer(&answer);
-                    }
-                }
-                (id.clone(), closing, attempt)
+                closing
             }
         };
+        let agent_bus::Received {
+            id: rid,
+            response,
+            attempt,
+            answer_chunk: place,
+            answer_chunks: chunks,
+        } = received;
         if rid != id {
             continue;
         }
         heard_at = tokio::time::Instant::now();
         let answer_text = kind(&response) == MessageType::Answer && !response.content.is_empty();
-        answered |= answer_text;
         let streaming = !response.end_of_dialog
             && !response.content.is_empty()
             && matches!(kind(&response), MessageType::Answer | MessageType::Thought);
@@ -195,7 +189,7 @@ pub async fn follow(
                 );
             }
             if answer_text {
-                streamed.push(attempt.as_deref(), &response.content);
+                streamed.push(attempt.as_deref(), place, &response.content);
             }
         }
         if response.end_of_dialog
@@ -203,8 +197,8 @@ pub async fn follow(
             && kind(&response) == MessageType::Answer
             && !renderer.json
         {
-            settle_streamed_answer(&streamed, attempt.as_deref(), journal, &session, renderer)
-                .await;
+            let closing = (attempt.as_deref(), chunks);
+            settle_streamed_answer(&streamed, closing, journal, &session, renderer).await;
         }
         renderer.show(&response);
         if let (Some(node), MessageType::Explain) = (&response.explain_id, kind(&response)) {
@@ -228,9 +222,9 @@ async fn recovered(
     journal: Option<&agent_graph::GraphStore>,
     session: &str,
     id: &str,
-) -> Option<(AgentResponse, Option<String>)> {
+) -> Option<agent_bus::Received> {
     let journal = journal?;
-    match agent_orchestrator::journal::recorded_closing_and_attempt(journal, session, id).await {
+    match agent_orchestrator::journal::recorded_closing_received(journal, session, id).await {
         Ok(Some(closing)) => {
             eprintln!(
                 "(the closing message never reached this client; read back from the journal)"
@@ -246,36 +240,70 @@ async fn recovered(
 }
 
 /// A closing names the attempt whose streamed text is the answer (see
-/// [`agent_schema::ATTEMPT_PROPERTY`]). When the text shown last is another attempt's (a copy that
-/// lost, a step cut short whose rerun's chunks were lost), or two copies' chunks came interleaved,
-/// the answer is shown again: that attempt's text, or the one the graph records when none of its
-/// chunks came.
+/// [`agent_schema::ATTEMPT_PROPERTY`]) and how many chunks it streamed
+/// ([`agent_schema::ANSWER_CHUNKS_PROPERTY`]). When the text shown last is another attempt's (a
+/// copy that lost, a step cut short whose rerun's chunks were lost), or two copies' chunks came
+/// interleaved, the answer is shown again: that attempt's text. When a chunk of it never came (the
+/// broker dropped it), the answer shown is the one the graph records.
 async fn settle_streamed_answer(
     streamed: &agent_bus::StreamedAnswer,
-    closing: Option<&str>,
+    (closing, chunks): (Option<&str>, Option<u64>),
     journal: Option<&agent_graph::GraphStore>,
     session: &str,
     renderer: &mut Renderer,
 ) {
-    let (Some(closing), Some(latest)) = (closing, streamed.latest()) else {
+    let Some(closing) = closing else {
+        return;
+    };
+    if streamed.whole(Some(closing), chunks) == Some(false) {
+        renderer.note(
+            "(text of the answer did not reach this client: a chunk of it was lost on the way)",
+        );
+        show_concluded_answer(journal, session, renderer).await;
+        return;
+    }
+    let Some(latest) = streamed.latest() else {
         return;
     };
     if latest == Some(closing) && !streamed.interleaved() {
         return;
     }
     let answer = streamed.answer(Some(closing));
-    let answer = if answer.is_empty() {
-        concluded_answer(journal, session).await
+    if answer.is_empty() {
+        show_concluded_answer(journal, session, renderer).await;
     } else {
-        Some(answer)
+        renderer.note("(the text above was not the standing answer alone; the answer:)");
+        renderer.show_answer(&answer);
+    }
+}
+
+/// How long a client waits for the graph to record a dialog's conclusion it read a closing of:
+/// the graph's writer may still be behind the response.
+const CONCLUSION_PATIENCE: Duration = Duration::from_secs(10);
+
+/// Shows the answer the graph records for the dialog, in place of streamed text that is not it.
+async fn show_concluded_answer(
+    journal: Option<&agent_graph::GraphStore>,
+    session: &str,
+    renderer: &mut Renderer,
+) {
+    let deadline = tokio::time::Instant::now() + CONCLUSION_PATIENCE;
+    let answer = loop {
+        match concluded_answer(journal, session).await {
+            Some(answer) => break Some(answer),
+            None if journal.is_some() && tokio::time::Instant::now() < deadline => {
+                tokio::time::sleep(Duration::from_millis(200)).await
+            }
+            None => break None,
+        }
     };
     match answer {
         Some(answer) => {
-            renderer.note("(the text above was not the standing answer alone; the answer:)");
+            renderer.note("(the text above is not the whole answer; the answer, from the graph:)");
             renderer.show_answer(&answer);
         }
         None => renderer.note(
-            "(the text above was not the answer that stands, and the answer is not at hand: \
+            "(the text above is not the answer that stands, and the answer is not at hand: \
              `agentctl explain` shows it from the graph)",
         ),
     }
@@ -286,18 +314,11 @@ pub(crate) async fn concluded_answer(
     journal: Option<&agent_graph::GraphStore>,
     session: &str,
 ) -> Option<String> {
-    let store = journal?;
-    let node = agent_graph::queries::session_node(session).ok()?;
-    let rows = store
-        .query(agent_graph::queries::dialog_answer(&node))
+    agent_graph::recorded::concluded_answer(journal?, session)
         .await
         .inspect_err(|e| tracing::warn!(error = %e, "could not read the answer from the graph"))
-        .ok()?
-        .rows();
-    match rows.first("answer") {
-        Some(agent_graph::model::Term::Literal(text)) => Some(text.value().to_owned()),
-        _ => None,
-    }
+        .ok()
+        .flatten()
 }
 
 fn kind(r: &AgentResponse) -> MessageType {

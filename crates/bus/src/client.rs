@@ -9,7 +9,8 @@ use pulsar::{Consumer, SubType, TokioExecutor};
 use std::collections::{HashSet, VecDeque};
 
 use agent_schema::{
-    AgentRequest, AgentResponse, ATTEMPT_PROPERTY, EFFECT_ID_PROPERTY, ID_PROPERTY,
+    AgentRequest, AgentResponse, ANSWER_CHUNKS_PROPERTY, ANSWER_CHUNK_PROPERTY, ATTEMPT_PROPERTY,
+    EFFECT_ID_PROPERTY, ID_PROPERTY,
 };
 
 use crate::{Bus, BusError, Properties, Publisher, Topics};
@@ -214,6 +215,10 @@ pub struct Received {
     pub response: AgentResponse,
     /// Which delivery of its step sent it ([`ATTEMPT_PROPERTY`]), on streamed chunks and closings.
     pub attempt: Option<String>,
+    /// On a chunk of answer text, its place among its attempt's ([`ANSWER_CHUNK_PROPERTY`]).
+    pub answer_chunk: Option<u64>,
+    /// On a closing, how many answer chunks its attempt streamed ([`ANSWER_CHUNKS_PROPERTY`]).
+    pub answer_chunks: Option<u64>,
 }
 
 /// A dialog's streamed answer, kept apart by the attempt that streamed it ([`ATTEMPT_PROPERTY`]).
@@ -222,54 +227,99 @@ pub struct Received {
 /// one request may stream side by side. Joined as they come (what a TrustGraph client does), the
 /// text would hold the answer more than once; the closing names the attempt whose outcome stands,
 /// and that attempt's text is the answer.
+///
+/// A chunk the broker dropped on the way (a non-persistent topic may) leaves a hole in that text:
+/// the chunks' places ([`ANSWER_CHUNK_PROPERTY`]) and the closing's count
+/// ([`ANSWER_CHUNKS_PROPERTY`]) show it ([`StreamedAnswer::whole`]).
 #[derive(Debug, Default, Clone)]
 pub struct StreamedAnswer {
     /// Each attempt's text, in the order the attempts began.
-    attempts: Vec<(Option<String>, String)>,
+    attempts: Vec<AttemptText>,
     /// Whether text of an attempt came after another attempt had begun (copies side by side).
     interleaved: bool,
 }
 
+/// What one attempt streamed, as it came.
+#[derive(Debug, Clone)]
+struct AttemptText {
+    attempt: Option<String>,
+    text: String,
+    /// How many of its chunks came.
+    chunks: u64,
+    /// Whether each chunk came in its place so far: the first at 0, each next at the one after.
+    in_place: bool,
+}
+
 impl StreamedAnswer {
-    /// Adds an answer chunk of `attempt`.
-    pub fn push(&mut self, attempt: Option<&str>, text: &str) {
+    /// Adds an answer chunk of `attempt`, at `place` among that attempt's chunks of text (when
+    /// the service numbers them; a chunk without text has no place).
+    pub fn push(&mut self, attempt: Option<&str>, place: Option<u64>, text: &str) {
         let last = self.attempts.len().saturating_sub(1);
-        if let Some((at, (_, so_far))) = self
+        let at = match self
             .attempts
-            .iter_mut()
-            .enumerate()
-            .find(|(_, (a, _))| a.as_deref() == attempt)
+            .iter()
+            .position(|a| a.attempt.as_deref() == attempt)
         {
-            so_far.push_str(text);
-            self.interleaved |= at != last && !text.is_empty();
+            Some(at) => {
+                self.interleaved |= at != last && !text.is_empty();
+                at
+            }
+            None => {
+                self.attempts.push(AttemptText {
+                    attempt: attempt.map(str::to_owned),
+                    text: String::new(),
+                    chunks: 0,
+                    in_place: true,
+                });
+                self.attempts.len() - 1
+            }
+        };
+        let Some(so_far) = self.attempts.get_mut(at) else {
+            return;
+        };
+        if text.is_empty() {
             return;
         }
+        so_far.text.push_str(text);
+        so_far.in_place &= place == Some(so_far.chunks);
+        so_far.chunks += 1;
+    }
+
+    fn of(&self, attempt: &str) -> Option<&AttemptText> {
         self.attempts
-            .push((attempt.map(str::to_owned), text.to_owned()));
+            .iter()
+            .find(|a| a.attempt.as_deref() == Some(attempt))
     }
 
     /// The answer a closing of `closing` (its attempt, if it names one) concludes: that attempt's
     /// text, empty if none of its chunks came; without a name, every chunk as it came.
     pub fn answer(&self, closing: Option<&str>) -> String {
         match closing {
-            Some(closing) => self
-                .attempts
-                .iter()
-                .find(|(a, _)| a.as_deref() == Some(closing))
-                .map(|(_, text)| text.clone())
-                .unwrap_or_default(),
-            None => self.attempts.iter().map(|(_, t)| t.as_str()).collect(),
+            Some(closing) => self.of(closing).map(|a| a.text.clone()).unwrap_or_default(),
+            None => self.attempts.iter().map(|a| a.text.as_str()).collect(),
         }
+    }
+
+    /// Whether the text of `closing`'s attempt is all that attempt streamed: each of the
+    /// `streamed` chunks the closing counts came, once and in its place. `None` when that cannot
+    /// be told (a service, such as TrustGraph's, that neither names attempts nor counts chunks);
+    /// `Some(false)` means a chunk was dropped on the way and the text has a hole in it.
+    pub fn whole(&self, closing: Option<&str>, streamed: Option<u64>) -> Option<bool> {
+        let (closing, streamed) = (closing?, streamed?);
+        Some(match self.of(closing) {
+            Some(a) => a.in_place && a.chunks == streamed,
+            None => streamed == 0,
+        })
     }
 
     /// Each attempt's text, in the order the attempts began.
     pub fn texts(&self) -> impl Iterator<Item = &str> {
-        self.attempts.iter().map(|(_, text)| text.as_str())
+        self.attempts.iter().map(|a| a.text.as_str())
     }
 
     /// The attempt whose chunks came last began, if any came.
     pub fn latest(&self) -> Option<Option<&str>> {
-        self.attempts.last().map(|(a, _)| a.as_deref())
+        self.attempts.last().map(|a| a.attempt.as_deref())
     }
 
     /// Whether text of one attempt came after another attempt had begun: copies of the step
@@ -281,7 +331,7 @@ impl StreamedAnswer {
     /// Whether more than one attempt streamed text: joined as they came, the chunks would not be
     /// the answer.
     pub fn restreamed(&self) -> bool {
-        self.attempts.iter().filter(|(_, t)| !t.is_empty()).count() > 1
+        self.attempts.iter().filter(|a| !a.text.is_empty()).count() > 1
     }
 }
 
@@ -415,12 +465,15 @@ impl AgentClient {
                 .unwrap_or_default()
                 .to_owned();
             let attempt = message_property(&message, ATTEMPT_PROPERTY).map(str::to_owned);
+            let number = |key| message_property(&message, key).and_then(|n| n.parse().ok());
             match agent_schema::decode::<AgentResponse>(&message.payload.data) {
                 Ok(response) => {
                     return Ok(Received {
                         id,
                         response,
                         attempt,
+                        answer_chunk: number(ANSWER_CHUNK_PROPERTY),
+                        answer_chunks: number(ANSWER_CHUNKS_PROPERTY),
                     })
                 }
                 Err(e) => tracing::warn!(error = %e, "skipping a response that does not decode"),
@@ -653,19 +706,20 @@ mod tests {
     fn a_step_streamed_again_after_a_crash_gives_its_answer_once() {
         let mut answer = StreamedAnswer::default();
         // The first attempt was cut short; the second streams from the start.
-        answer.push(Some("a1"), "The capi");
+        answer.push(Some("a1"), Some(0), "The capi");
         assert!(!answer.restreamed());
-        answer.push(Some("a2"), "The capital ");
+        answer.push(Some("a2"), Some(0), "The capital ");
         assert!(answer.restreamed());
-        answer.push(Some("a2"), "is Paris.");
+        answer.push(Some("a2"), Some(1), "is Paris.");
         assert!(answer.restreamed());
         assert_eq!(answer.answer(Some("a2")), "The capital is Paris.");
+        assert_eq!(answer.whole(Some("a2"), Some(2)), Some(true));
         // Joined as they came, it would hold the answer more than once.
         assert_eq!(answer.answer(None), "The capiThe capital is Paris.");
         assert_eq!(answer.latest(), Some(Some("a2")));
         // A copy running beside it may finish later but lose: the closing says which stands.
         assert!(!answer.interleaved());
-        answer.push(Some("a1"), "tal is Paris.");
+        answer.push(Some("a1"), Some(1), "tal is Paris.");
         assert!(answer.interleaved());
         assert_eq!(answer.answer(Some("a1")), "The capital is Paris.");
         assert_eq!(answer.answer(Some("a3")), "");
@@ -679,16 +733,49 @@ mod tests {
     fn an_answer_streamed_once_is_the_answer() {
         let mut answer = StreamedAnswer::default();
         // A service that names no attempt (TrustGraph's): every chunk as it came.
-        answer.push(None, "Paris");
-        answer.push(None, ".");
+        answer.push(None, None, "Paris");
+        answer.push(None, None, ".");
         assert!(!answer.restreamed());
         assert_eq!(answer.answer(None), "Paris.");
+        // Nor does it count them: whether the text is whole cannot be told.
+        assert_eq!(answer.whole(None, None), None);
         // An empty first chunk is not text to repeat.
         let mut answer = StreamedAnswer::default();
-        answer.push(Some("a1"), "");
+        answer.push(Some("a1"), None, "");
         assert!(!answer.restreamed());
-        answer.push(Some("a2"), "Paris.");
+        answer.push(Some("a2"), Some(0), "Paris.");
         assert!(!answer.restreamed());
+        assert_eq!(answer.whole(Some("a2"), Some(1)), Some(true));
+    }
+
+    /// A chunk the broker dropped, wherever it was in the stream, shows as a hole.
+    #[test]
+    fn a_chunk_dropped_on_the_way_shows_in_the_count_or_the_places() {
+        let chunks = ["The capi", "tal is ", "Paris."];
+        let streamed = |kept: &[usize]| {
+            let mut answer = StreamedAnswer::default();
+            for &place in kept {
+                answer.push(Some("a1"), Some(place as u64), chunks[place]);
+            }
+            answer.whole(Some("a1"), Some(chunks.len() as u64))
+        };
+        assert_eq!(streamed(&[0, 1, 2]), Some(true));
+        // The first, one in the middle, the last, all of them.
+        assert_eq!(streamed(&[1, 2]), Some(false));
+        assert_eq!(streamed(&[0, 2]), Some(false));
+        assert_eq!(streamed(&[0, 1]), Some(false));
+        assert_eq!(streamed(&[]), Some(false));
+        // Out of order is not the text either.
+        assert_eq!(streamed(&[0, 2, 1]), Some(false));
+        // A closing with nothing streamed, and none came.
+        assert_eq!(
+            StreamedAnswer::default().whole(Some("a1"), Some(0)),
+            Some(true)
+        );
+        // Another attempt's chunks are not the closing's.
+        let mut answer = StreamedAnswer::default();
+        answer.push(Some("a1"), Some(0), "Paris.");
+        assert_eq!(answer.whole(Some("a2"), Some(1)), Some(false));
     }
 
     #[test]

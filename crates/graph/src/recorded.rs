@@ -1,6 +1,7 @@
 //! What the graph recorded of a run that a fork or a replay starts from: step `n`'s input, rebuilt
 //! from the records each step leaves (see `agent_core::fork`), the LLM calls' answers by the
-//! digest of what they asked, and the tool calls' observations by tool and arguments.
+//! digest of what they asked, and the tool calls' observations by tool and arguments; and the
+//! answer a dialog concluded with, for a client whose streamed copy of it is not whole.
 
 use std::collections::{BTreeMap, HashMap};
 
@@ -52,6 +53,19 @@ pub async fn step_input(
         });
     }
     Ok(rebuild(&records, n))
+}
+
+/// The answer `session` concluded with (its conclusion's document), once the graph records it.
+pub async fn concluded_answer(
+    store: &GraphStore,
+    session: &str,
+) -> Result<Option<String>, GraphError> {
+    let node = queries::session_node(session)?;
+    let rows = store.query(queries::dialog_answer(&node)).await?.rows();
+    Ok(match rows.first("answer") {
+        Some(Term::Literal(text)) => Some(text.value().to_owned()),
+        _ => None,
+    })
 }
 
 /// What a run recorded that a replay may give again instead of calling.

@@ -11,8 +11,8 @@ pub use agent_core::supervisor::subagent_seal_parts;
 use agent_core::vocab::{tg, NamedNodeRef, PROVENANCE_GRAPH as GRAPH};
 use agent_graph::model::NamedNode;
 use agent_schema::{
-    AgentRequest, AgentResponse, MessageType, Metadata, Triple, Triples, ATTEMPT_PROPERTY,
-    EFFECT_ID_PROPERTY, ID_PROPERTY,
+    AgentRequest, AgentResponse, MessageType, Metadata, Triple, Triples, ANSWER_CHUNKS_PROPERTY,
+    ANSWER_CHUNK_PROPERTY, ATTEMPT_PROPERTY, EFFECT_ID_PROPERTY, ID_PROPERTY,
 };
 use anyhow::Context as _;
 
@@ -150,9 +150,9 @@ pub struct DialogOutput<'a> {
     ended: Mutex<Option<&'static str>>,
     /// Set when the step met an outage it is to wait out: nothing it held is committed.
     parked: Mutex<Option<Park>>,
-    /// Whether answer text went to the client: a step that streamed some cannot run again
-    /// without repeating it, so it does not park.
-    answer_streamed: std::sync::atomic::AtomicBool,
+    /// How many chunks of answer text went to the client (see [`ANSWER_CHUNK_PROPERTY`]): a step
+    /// that streamed some cannot run again without repeating it, so it does not park.
+    answer_chunks: std::sync::atomic::AtomicU64,
     /// The largest request this dialog may queue, and which limit that is.
     request_limit: (usize, &'static str),
     /// The history of the message being handled: a journaled request that continues it keeps
@@ -338,7 +338,7 @@ impl<'a> DialogOutput<'a> {
             given_up: false,
             ended: Mutex::new(None),
             parked: Mutex::new(None),
-            answer_streamed: std::sync::atomic::AtomicBool::new(false),
+            answer_chunks: std::sync::atomic::AtomicU64::new(0),
             request_limit: (outputs.max_request_bytes(), agent_bus::BROKER_MESSAGE_LIMIT),
             input_history: Vec::new(),
             spawned: std::sync::atomic::AtomicBool::new(false),
@@ -569,8 +569,7 @@ impl<'a> DialogOutput<'a> {
 
     /// Whether answer text of this step already went to the client.
     pub fn answer_streamed(&self) -> bool {
-        self.answer_streamed
-            .load(std::sync::atomic::Ordering::SeqCst)
+        self.answer_chunks.load(std::sync::atomic::Ordering::SeqCst) > 0
     }
 
     /// Why the step set itself aside, if it did.
@@ -899,8 +898,14 @@ impl<'a> DialogOutput<'a> {
             } else {
                 "answer"
             });
-            // Names whose streamed text is the answer: this attempt's, the one that commits it.
-            self.attempted()
+            // Names whose streamed text is the answer: this attempt's, the one that commits it,
+            // and how many chunks of it there were.
+            let mut properties = self.attempted();
+            if response.error.is_none() {
+                let chunks = self.answer_chunks.load(std::sync::atomic::Ordering::SeqCst);
+                properties.insert(ANSWER_CHUNKS_PROPERTY.to_owned(), chunks.to_string());
+            }
+            properties
         } else {
             self.properties.clone()
         };
@@ -926,19 +931,21 @@ impl<'a> DialogOutput<'a> {
         if self.subagent && kind == MessageType::Answer {
             return Ok(());
         }
+        let mut properties = self.attempted();
         if kind == MessageType::Answer && !content.is_empty() {
-            self.answer_streamed
-                .store(true, std::sync::atomic::Ordering::SeqCst);
+            let place = self
+                .answer_chunks
+                .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            properties.insert(ANSWER_CHUNK_PROPERTY.to_owned(), place.to_string());
+            if fault::drops_answer_chunk() {
+                return Ok(());
+            }
         }
         let mut r = AgentResponse::new(kind, content);
         r.message_id = message_id.to_owned();
         r.end_of_message = end_of_message;
-        self.send(
-            Channel::Responses,
-            agent_schema::encode(&r),
-            &self.attempted(),
-        )
-        .await
+        self.send(Channel::Responses, agent_schema::encode(&r), &properties)
+            .await
     }
 
     /// The dialog's properties and this delivery's attempt (see [`ATTEMPT_PROPERTY`]).
@@ -1262,7 +1269,8 @@ mod tests {
 /// SIGKILL would: nothing acked, nothing flushed) at that stage of its `n`-th commit, counted from
 /// one. Stages: `after-record` (the outcome journaled, nothing published), `after-publish`
 /// (published, not marked), `before-ack` (marked, the message not yet acked). Unset, it costs one
-/// atomic add.
+/// atomic add. `drop-answer-chunk:<n>` instead leaves out the process's `n`-th streamed chunk of
+/// answer text, as a broker drops a message on a non-persistent topic.
 mod fault {
     use std::sync::atomic::{AtomicUsize, Ordering};
     use std::sync::OnceLock;
@@ -1272,9 +1280,12 @@ mod fault {
         Recorded,
         Published,
         Marked,
+        /// Not a crash: an answer chunk left out.
+        AnswerChunkDropped,
     }
 
     static COMMITS: AtomicUsize = AtomicUsize::new(0);
+    static ANSWER_CHUNKS: AtomicUsize = AtomicUsize::new(0);
 
     fn planned() -> Option<(Stage, usize)> {
         static PLAN: OnceLock<Option<(Stage, usize)>> = OnceLock::new();
@@ -1285,6 +1296,7 @@ mod fault {
                 "after-record" => Stage::Recorded,
                 "after-publish" => Stage::Published,
                 "before-ack" => Stage::Marked,
+                "drop-answer-chunk" => Stage::AnswerChunkDropped,
                 _ => return None,
             };
             Some((stage, n.parse().ok()?))
@@ -1293,6 +1305,16 @@ mod fault {
 
     pub fn next_commit() -> usize {
         COMMITS.fetch_add(1, Ordering::Relaxed) + 1
+    }
+
+    /// Whether the answer chunk about to be sent is the one to leave out.
+    pub fn drops_answer_chunk() -> bool {
+        let n = ANSWER_CHUNKS.fetch_add(1, Ordering::Relaxed) + 1;
+        let drop = planned() == Some((Stage::AnswerChunkDropped, n));
+        if drop {
+            tracing::error!(chunk = n, "AGENT_FAULT: leaving out an answer chunk");
+        }
+        drop
     }
 
     pub fn crash_if(stage: Stage, commit: usize) {

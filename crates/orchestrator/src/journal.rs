@@ -319,18 +319,19 @@ pub async fn recorded_closing(
     session_id: &str,
     id: &str,
 ) -> Result<Option<agent_schema::AgentResponse>, GraphError> {
-    Ok(recorded_closing_and_attempt(store, session_id, id)
+    Ok(recorded_closing_received(store, session_id, id)
         .await?
-        .map(|(closing, _)| closing))
+        .map(|closing| closing.response))
 }
 
-/// [`recorded_closing`], with the attempt it names ([`agent_schema::ATTEMPT_PROPERTY`]): whose
-/// streamed text is the answer.
-pub async fn recorded_closing_and_attempt(
+/// [`recorded_closing`] as a client would have received it: with the attempt it names
+/// ([`agent_schema::ATTEMPT_PROPERTY`], whose streamed text is the answer) and how many answer
+/// chunks that attempt streamed ([`agent_schema::ANSWER_CHUNKS_PROPERTY`]).
+pub async fn recorded_closing_received(
     store: &agent_graph::GraphStore,
     session_id: &str,
     id: &str,
-) -> Result<Option<(agent_schema::AgentResponse, Option<String>)>, GraphError> {
+) -> Result<Option<agent_bus::Received>, GraphError> {
     use agent_core::vocab::{tg, PROVENANCE_GRAPH};
     use agent_graph::model::Term;
     let session = agent_graph::queries::session_node(session_id)?;
@@ -365,10 +366,17 @@ pub async fn recorded_closing_and_attempt(
             .filter_map(|e| {
                 let response =
                     serde_json::from_str::<agent_schema::AgentResponse>(&e.payload).ok()?;
-                let attempt = e.properties.get(agent_schema::ATTEMPT_PROPERTY).cloned();
-                Some((response, attempt))
+                let property = |key| e.properties.get(key);
+                Some(agent_bus::Received {
+                    id: id.to_owned(),
+                    response,
+                    attempt: property(agent_schema::ATTEMPT_PROPERTY).cloned(),
+                    answer_chunk: None,
+                    answer_chunks: property(agent_schema::ANSWER_CHUNKS_PROPERTY)
+                        .and_then(|n| n.parse().ok()),
+                })
             })
-            .find(|(r, _)| r.end_of_dialog);
+            .find(|closing| closing.response.end_of_dialog);
         if closing.is_some() {
             return Ok(closing);
         }

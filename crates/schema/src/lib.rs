@@ -57,6 +57,18 @@ pub const EFFECT_ID_PROPERTY: &str = "agent-effect-id";
 /// client keeps that attempt's text as the answer. A TrustGraph client ignores it.
 pub const ATTEMPT_PROPERTY: &str = "agent-attempt";
 
+/// Our message property on every streamed chunk of answer text: its place (from 0) among the
+/// answer chunks of its attempt. A non-persistent response topic may drop a message (Apache
+/// Pulsar drops what a subscription has no permits or write buffer for), and a streamed answer's
+/// closing carries no text, so a client that joined what came would show the answer with a hole
+/// in it; the places, with [`ANSWER_CHUNKS_PROPERTY`], let it see the hole. A TrustGraph client
+/// ignores it.
+pub const ANSWER_CHUNK_PROPERTY: &str = "agent-answer-chunk";
+/// Our message property on the closing response: how many chunks of answer text the attempt it
+/// names ([`ATTEMPT_PROPERTY`]) streamed. A client that got fewer, or not each in its place, reads
+/// the answer back from the graph (the dialog's conclusion). A TrustGraph client ignores it.
+pub const ANSWER_CHUNKS_PROPERTY: &str = "agent-answer-chunks";
+
 /// Why a payload could not be decoded.
 pub type DecodeError = serde_json::Error;
 
