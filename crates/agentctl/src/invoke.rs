@@ -195,9 +195,8 @@ pub async fn follow(
         if response.end_of_dialog
             && response.error.is_none()
             && kind(&response) == MessageType::Answer
-            && !renderer.json
         {
-            let closing = (attempt.as_deref(), chunks);
+            let closing = (attempt.as_deref(), chunks, !response.content.is_empty());
             settle_streamed_answer(&streamed, closing, journal, &session, renderer).await;
         }
         renderer.show(&response);
@@ -241,13 +240,15 @@ async fn recovered(
 
 /// A closing names the attempt whose streamed text is the answer (see
 /// [`agent_schema::ATTEMPT_PROPERTY`]) and how many chunks it streamed
-/// ([`agent_schema::ANSWER_CHUNKS_PROPERTY`]). When the text shown last is another attempt's (a
-/// copy that lost, a step cut short whose rerun's chunks were lost), or two copies' chunks came
-/// interleaved, the answer is shown again: that attempt's text. When a chunk of it never came (the
-/// broker dropped it), the answer shown is the one the graph records.
+/// ([`agent_schema::ANSWER_CHUNKS_PROPERTY`]). When a chunk of it never came (the broker dropped
+/// it), the answer shown is the one the graph records. When the text shown last is another
+/// attempt's (a copy that lost, a step cut short whose rerun's chunks were lost), or two copies'
+/// chunks came interleaved, the answer is shown again: that attempt's text. A closing without a
+/// count (journaled by an earlier build) whose answer text never came is answered from the graph
+/// too. JSON lines stay the responses as they came, but for an answer none of which came.
 async fn settle_streamed_answer(
     streamed: &agent_bus::StreamedAnswer,
-    (closing, chunks): (Option<&str>, Option<u64>),
+    (closing, chunks, with_text): (Option<&str>, Option<u64>, bool),
     journal: Option<&agent_graph::GraphStore>,
     session: &str,
     renderer: &mut Renderer,
@@ -255,10 +256,23 @@ async fn settle_streamed_answer(
     let Some(closing) = closing else {
         return;
     };
-    if streamed.whole(Some(closing), chunks) == Some(false) {
+    let whole = streamed.whole(Some(closing), chunks);
+    let heard = streamed.answer(Some(closing));
+    let none_came = heard.is_empty() && !with_text && chunks != Some(0);
+    if renderer.json {
+        if none_came {
+            show_concluded_answer(journal, session, renderer).await;
+        }
+        return;
+    }
+    if whole == Some(false) {
         renderer.note(
             "(text of the answer did not reach this client: a chunk of it was lost on the way)",
         );
+        show_concluded_answer(journal, session, renderer).await;
+        return;
+    }
+    if none_came && streamed.latest().is_none() {
         show_concluded_answer(journal, session, renderer).await;
         return;
     }
@@ -268,12 +282,11 @@ async fn settle_streamed_answer(
     if latest == Some(closing) && !streamed.interleaved() {
         return;
     }
-    let answer = streamed.answer(Some(closing));
-    if answer.is_empty() {
+    renderer.note("(the text above was not the standing answer alone; the answer:)");
+    if heard.is_empty() {
         show_concluded_answer(journal, session, renderer).await;
     } else {
-        renderer.note("(the text above was not the standing answer alone; the answer:)");
-        renderer.show_answer(&answer);
+        renderer.show_answer(&heard);
     }
 }
 
@@ -287,25 +300,36 @@ async fn show_concluded_answer(
     session: &str,
     renderer: &mut Renderer,
 ) {
+    let not_at_hand = "(the answer is not at hand: `agentctl explain` shows it from the graph)";
+    let Some(store) = journal else {
+        renderer.note(not_at_hand);
+        return;
+    };
     let deadline = tokio::time::Instant::now() + CONCLUSION_PATIENCE;
     let answer = loop {
-        match concluded_answer(journal, session).await {
-            Some(answer) => break Some(answer),
-            None if journal.is_some() && tokio::time::Instant::now() < deadline => {
+        match agent_graph::recorded::concluded_answer(store, session).await {
+            Ok(Some(answer)) => break Some(answer),
+            Ok(None) if tokio::time::Instant::now() < deadline => {
                 tokio::time::sleep(Duration::from_millis(200)).await
             }
-            None => break None,
+            Ok(None) => break None,
+            Err(e) => {
+                tracing::warn!(error = %e, "could not read the answer from the graph");
+                break None;
+            }
         }
     };
-    match answer {
-        Some(answer) => {
-            renderer.note("(the text above is not the whole answer; the answer, from the graph:)");
-            renderer.show_answer(&answer);
-        }
-        None => renderer.note(
-            "(the text above is not the answer that stands, and the answer is not at hand: \
-             `agentctl explain` shows it from the graph)",
-        ),
+    let Some(answer) = answer else {
+        renderer.note(not_at_hand);
+        return;
+    };
+    renderer.note("(the answer, as the graph records it:)");
+    renderer.show_answer(&answer);
+    if let Some((document, _)) = agent_core::documents::reference(&answer) {
+        renderer.note(&format!(
+            "(the graph holds an excerpt of it: the whole is {document} in the librarian, which \
+             `agentctl explain --librarian` reads)"
+        ));
     }
 }
 
