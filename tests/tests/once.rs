@@ -839,6 +839,33 @@ async fn a_closing_the_client_lost_is_read_back_from_the_journal() {
     assert_eq!(none, None, "a closing of a session that never ran");
 }
 
+/// `agentctl invoke --pattern react` asking `question` of `broker`'s agents, with `aggregator`'s
+/// endpoint to read back what never reached it, giving up after `timeout_secs`.
+fn invoke_react(
+    broker: &Broker,
+    aggregator: &Aggregator,
+    question: &str,
+    timeout_secs: u64,
+) -> tokio::process::Command {
+    let mut command = tokio::process::Command::new(binary("agentctl"));
+    command
+        .args(["invoke", "--pattern", "react", "--question", question])
+        .args(["--timeout", &timeout_secs.to_string()])
+        .args(["--pulsar-url", &broker.url()])
+        .args(["--graph-store", &aggregator.endpoint])
+        .env_remove("GRAPH_STORE");
+    command
+}
+
+/// The answer `agentctl invoke` showed last (what it ends with).
+fn last_answer_shown(shown: &str) -> &str {
+    shown
+        .lines()
+        .rev()
+        .find_map(|line| line.strip_prefix("Answer: "))
+        .unwrap_or_default()
+}
+
 /// `agentctl invoke` given the aggregator's endpoint reads a closing that never reached it back
 /// from the journal after a silence. Here the orchestrator answers on a response topic the client
 /// does not read, so the client hears nothing of the dialog: it still prints the answer and exits
@@ -862,13 +889,8 @@ async fn invoke_reads_a_closing_it_never_heard_back_from_the_journal() {
     // an empty closing, and is read from the dialog's conclusion in the graph (also for JSON
     // lines, which otherwise print only what came).
     for mode in [&["--no-streaming"][..], &[], &["--json"]] {
-        let output = tokio::process::Command::new(binary("agentctl"))
-            .args(["invoke", "--pattern", "react"])
+        let output = invoke_react(&broker, &aggregator, "combine (unheard)", 40)
             .args(mode)
-            .args(["--question", "combine (unheard)", "--timeout", "40"])
-            .args(["--pulsar-url", &broker.url()])
-            .args(["--graph-store", &aggregator.endpoint])
-            .env_remove("GRAPH_STORE")
             .env_remove("AGENT_RESPONSE_TOPIC")
             .output()
             .await
@@ -910,6 +932,39 @@ async fn slowly_streamed(
     let llm = scripted_llm(&script.to_string()).await;
     let doomed = Orchestrator::journaled(place, &broker, &llm, &aggregator, TOKEN, &[]);
     (broker, aggregator, llm, doomed)
+}
+
+/// Reads dialog `id`'s responses until its closing (within [`DIALOG_TIMEOUT`]), keeping its
+/// answer chunks as our client does (`streamed`) and joined as they came, as a TrustGraph client
+/// joins them (`joined`).
+async fn answer_to_the_closing(
+    client: &mut agent_bus::AgentClient,
+    id: &str,
+    streamed: &mut agent_bus::StreamedAnswer,
+    joined: &mut String,
+) -> agent_bus::Received {
+    let deadline = tokio::time::Instant::now() + DIALOG_TIMEOUT;
+    loop {
+        let received = tokio::time::timeout_at(deadline, client.receive())
+            .await
+            .expect("the dialog did not end")
+            .unwrap();
+        if received.id != id {
+            continue;
+        }
+        let r = &received.response;
+        if r.end_of_dialog {
+            return received;
+        }
+        if r.message_type == "answer" {
+            streamed.push(
+                received.attempt.as_deref(),
+                received.answer_chunk,
+                &r.content,
+            );
+            joined.push_str(&r.content);
+        }
+    }
 }
 
 /// An answer streamed by a step that is SIGKILLed halfway through it is streamed again, from the
@@ -954,28 +1009,7 @@ async fn an_answer_streamed_again_after_a_crash_is_the_answer_once() {
     let _replacement = Orchestrator::spawn_journaled(&broker, &llm, &aggregator, TOKEN, &[]);
     // A deadline of its own from here: restarting Apache Pulsar's standalone (a JVM) under the
     // suite's load can take much of the first one.
-    let deadline = tokio::time::Instant::now() + DIALOG_TIMEOUT;
-    let closing = loop {
-        let received = tokio::time::timeout_at(deadline, client.receive())
-            .await
-            .expect("the dialog did not end")
-            .unwrap();
-        if received.id != "cut" {
-            continue;
-        }
-        let r = &received.response;
-        if r.end_of_dialog {
-            break received;
-        }
-        if r.message_type == "answer" {
-            streamed.push(
-                received.attempt.as_deref(),
-                received.answer_chunk,
-                &r.content,
-            );
-            joined.push_str(&r.content);
-        }
-    };
+    let closing = answer_to_the_closing(&mut client, "cut", &mut streamed, &mut joined).await;
     let extra = drain_for(&mut client, "cut", Duration::from_secs(2)).await;
     assert_eq!(closings(&extra), 0, "a second closing: {extra:#?}");
     assert!(closing.response.error.is_none(), "{closing:#?}");
@@ -1010,17 +1044,7 @@ async fn invoke_says_when_a_step_streamed_again_and_ends_with_the_answer() {
     // the request with a ghost consumer until restarted, and a broker restart ends `invoke`'s
     // subscription (seen once in the full suite). The AgentClient test above SIGKILLs.
     let (mut broker, aggregator, llm, mut doomed) = slowly_streamed(Place::InProcess).await;
-    let mut invoke = tokio::process::Command::new(binary("agentctl"))
-        .args(["invoke", "--pattern", "react"])
-        .args([
-            "--question",
-            "what is the capital of France?",
-            "--timeout",
-            "60",
-        ])
-        .args(["--pulsar-url", &broker.url()])
-        .args(["--graph-store", &aggregator.endpoint])
-        .env_remove("GRAPH_STORE")
+    let mut invoke = invoke_react(&broker, &aggregator, "what is the capital of France?", 60)
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped())
         .kill_on_drop(true)
@@ -1080,12 +1104,7 @@ async fn invoke_says_when_a_step_streamed_again_and_ends_with_the_answer() {
         shown.contains("(the step ran again, cut short by a crash or as a copy beside it: its text from the start)"),
         "{shown}"
     );
-    let last_answer = shown
-        .lines()
-        .rev()
-        .find_map(|line| line.strip_prefix("Answer: "))
-        .unwrap_or_default();
-    assert_eq!(last_answer, ANSWER, "{shown}");
+    assert_eq!(last_answer_shown(&shown), ANSWER, "{shown}");
 }
 
 /// A streamed chunk of the answer that the broker drops on the non-persistent response topic
@@ -1114,28 +1133,7 @@ async fn an_answer_chunk_the_broker_dropped_is_seen_and_read_from_the_graph() {
     client.send("holed", &request).await.unwrap();
     let mut streamed = agent_bus::StreamedAnswer::default();
     let mut joined = String::new();
-    let deadline = tokio::time::Instant::now() + DIALOG_TIMEOUT;
-    let closing = loop {
-        let received = tokio::time::timeout_at(deadline, client.receive())
-            .await
-            .expect("the dialog did not end")
-            .unwrap();
-        let r = &received.response;
-        if received.id != "holed" {
-            continue;
-        }
-        if r.end_of_dialog {
-            break received;
-        }
-        if r.message_type == "answer" {
-            streamed.push(
-                received.attempt.as_deref(),
-                received.answer_chunk,
-                &r.content,
-            );
-            joined.push_str(&r.content);
-        }
-    };
+    let closing = answer_to_the_closing(&mut client, "holed", &mut streamed, &mut joined).await;
     assert!(closing.response.error.is_none(), "{closing:#?}");
     assert!(closing.response.content.is_empty(), "{closing:#?}");
     let counted = closing
@@ -1161,17 +1159,7 @@ async fn an_answer_chunk_the_broker_dropped_is_seen_and_read_from_the_graph() {
     first.terminate();
     assert!(first.exited_within(Duration::from_secs(30)).await);
     let _second = Orchestrator::spawn_journaled(&broker, &llm, &aggregator, TOKEN, &dropping);
-    let output = tokio::process::Command::new(binary("agentctl"))
-        .args(["invoke", "--pattern", "react"])
-        .args([
-            "--question",
-            "what is the capital of France?",
-            "--timeout",
-            "60",
-        ])
-        .args(["--pulsar-url", &broker.url()])
-        .args(["--graph-store", &aggregator.endpoint])
-        .env_remove("GRAPH_STORE")
+    let output = invoke_react(&broker, &aggregator, "what is the capital of France?", 60)
         .output()
         .await
         .unwrap();
@@ -1187,12 +1175,7 @@ async fn an_answer_chunk_the_broker_dropped_is_seen_and_read_from_the_graph() {
         stdout.contains("a chunk of it was lost on the way"),
         "{stdout}"
     );
-    let last_answer = stdout
-        .lines()
-        .rev()
-        .find_map(|line| line.strip_prefix("Answer: "))
-        .unwrap_or_default();
-    assert_eq!(last_answer, ANSWER, "{stdout}");
+    assert_eq!(last_answer_shown(&stdout), ANSWER, "{stdout}");
 }
 
 /// A second aggregator that would own a journal on the same subscription (a StatefulSet scaled
