@@ -16,10 +16,7 @@ use std::time::{Duration, Instant};
 
 use agent_bus::{StreamedAnswer, Topics};
 use agent_e2e::*;
-use agent_schema::{
-    AgentRequest, AgentResponse, ANSWER_CHUNKS_PROPERTY, ANSWER_CHUNK_PROPERTY, ATTEMPT_PROPERTY,
-    EFFECT_ID_PROPERTY, ID_PROPERTY,
-};
+use agent_schema::{AgentRequest, AgentResponse, EFFECT_ID_PROPERTY, ID_PROPERTY};
 use futures::StreamExt;
 use rand::{Rng, SeedableRng};
 
@@ -202,6 +199,15 @@ fn tally_message(
         }
     }
     let id = prop(ID_PROPERTY).unwrap_or_default();
+    let agent_bus::Received {
+        id,
+        response,
+        attempt,
+        answer_chunk,
+        answer_chunks,
+    } = agent_bus::Received::with_properties(id, response, |key| {
+        agent_bus::message_property(message, key)
+    });
     if response.message_type == "answer" {
         tally
             .answers
@@ -209,20 +215,17 @@ fn tally_message(
             .or_default()
             .push_str(&response.content);
         if !response.end_of_dialog {
-            let attempt = prop(ATTEMPT_PROPERTY);
-            let place = prop(ANSWER_CHUNK_PROPERTY).and_then(|n| n.parse().ok());
             tally.streamed.entry(id.clone()).or_default().push(
                 attempt.as_deref(),
-                place,
+                answer_chunk,
                 &response.content,
             );
         }
     }
     if response.end_of_dialog {
-        let chunks = prop(ANSWER_CHUNKS_PROPERTY).and_then(|n| n.parse().ok());
         tally
             .closing_attempts
-            .insert(id.clone(), (prop(ATTEMPT_PROPERTY), chunks));
+            .insert(id.clone(), (attempt, answer_chunks));
         let closings = tally.closings.entry(id).or_default();
         closings.push(response);
         if closings.len() == 1 {

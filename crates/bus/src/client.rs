@@ -221,6 +221,25 @@ pub struct Received {
     pub answer_chunks: Option<u64>,
 }
 
+impl Received {
+    /// `response` of dialog `id`, with what our properties say of it: `property` gives the value
+    /// of each (a message's, or a journaled effect's).
+    pub fn with_properties<'p>(
+        id: String,
+        response: AgentResponse,
+        property: impl Fn(&str) -> Option<&'p str>,
+    ) -> Received {
+        let number = |key| property(key).and_then(|n: &str| n.parse().ok());
+        Received {
+            id,
+            response,
+            attempt: property(ATTEMPT_PROPERTY).map(str::to_owned),
+            answer_chunk: number(ANSWER_CHUNK_PROPERTY),
+            answer_chunks: number(ANSWER_CHUNKS_PROPERTY),
+        }
+    }
+}
+
 /// A dialog's streamed answer, kept apart by the attempt that streamed it ([`ATTEMPT_PROPERTY`]).
 /// Chunks are a live view of a step at work, not journaled: a step cut short by a crash after
 /// streaming part of its answer runs again and streams it again from the start, and two copies of
@@ -464,17 +483,11 @@ impl AgentClient {
             let id = message_property(&message, ID_PROPERTY)
                 .unwrap_or_default()
                 .to_owned();
-            let attempt = message_property(&message, ATTEMPT_PROPERTY).map(str::to_owned);
-            let number = |key| message_property(&message, key).and_then(|n| n.parse().ok());
             match agent_schema::decode::<AgentResponse>(&message.payload.data) {
                 Ok(response) => {
-                    return Ok(Received {
-                        id,
-                        response,
-                        attempt,
-                        answer_chunk: number(ANSWER_CHUNK_PROPERTY),
-                        answer_chunks: number(ANSWER_CHUNKS_PROPERTY),
-                    })
+                    return Ok(Received::with_properties(id, response, |key| {
+                        message_property(&message, key)
+                    }))
                 }
                 Err(e) => tracing::warn!(error = %e, "skipping a response that does not decode"),
             }

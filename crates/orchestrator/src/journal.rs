@@ -366,15 +366,11 @@ pub async fn recorded_closing_received(
             .filter_map(|e| {
                 let response =
                     serde_json::from_str::<agent_schema::AgentResponse>(&e.payload).ok()?;
-                let property = |key| e.properties.get(key);
-                Some(agent_bus::Received {
-                    id: id.to_owned(),
+                Some(agent_bus::Received::with_properties(
+                    id.to_owned(),
                     response,
-                    attempt: property(agent_schema::ATTEMPT_PROPERTY).cloned(),
-                    answer_chunk: None,
-                    answer_chunks: property(agent_schema::ANSWER_CHUNKS_PROPERTY)
-                        .and_then(|n| n.parse().ok()),
-                })
+                    |key| e.properties.get(key).map(String::as_str),
+                ))
             })
             .find(|closing| closing.response.end_of_dialog);
         if closing.is_some() {
