@@ -223,6 +223,140 @@ async fn hostile_text_is_stored_verbatim_and_duplicates_change_nothing() {
     assert_eq!(before, after);
 }
 
+/// A triple that is not valid RDF (an IRI with a space in it) keeps only itself out of the graph:
+/// the other triples of its message are written, and the message goes to the dead-letter topic
+/// saying how many were left out. A fan-out, which drives fan-in, is written whole or not at all.
+#[tokio::test]
+async fn a_triple_that_is_not_rdf_keeps_only_itself_out_of_the_graph() {
+    use agent_core::vocab::{tg, PROVENANCE_GRAPH, RDF_TYPE};
+    use agent_schema::{Metadata, Term as WireTerm, Triple};
+    let broker = Broker::start().unwrap();
+    let aggregator = Aggregator::spawn(&broker);
+    let store = aggregator.store();
+    let mut dead_letters = read_from_start(
+        &broker,
+        &format!("{EXPLAIN_TOPIC}-dead-letter"),
+        "test-dead-letters",
+    )
+    .await;
+    let triple = |s: &str, p: &str, o: WireTerm| Triple {
+        s: WireTerm::iri(s),
+        p: WireTerm::iri(p),
+        o,
+        g: Some(PROVENANCE_GRAPH.into()),
+    };
+    let message = |id: &str, triples: Vec<Triple>| Triples {
+        metadata: Metadata {
+            id: id.to_owned(),
+            root: "urn:test:root".to_owned(),
+            collection: "default".to_owned(),
+        },
+        triples,
+    };
+    let step = message(
+        "urn:test:step-message",
+        vec![
+            triple("urn:test:thought", "urn:test:p", WireTerm::literal("one")),
+            triple(
+                "urn:test:thought",
+                "urn:test:not rdf",
+                WireTerm::literal("x"),
+            ),
+            triple(
+                "urn:test:observation",
+                "urn:test:p",
+                WireTerm::literal("two"),
+            ),
+            triple(
+                "urn:test:observation",
+                "urn:test:q",
+                WireTerm::iri("urn:test:thought"),
+            ),
+        ],
+    );
+    let fan_out = message(
+        "urn:test:fanout-message",
+        vec![
+            triple(
+                "urn:test:fanout",
+                RDF_TYPE.as_str(),
+                WireTerm::iri(tg::FAN_OUT.as_str()),
+            ),
+            triple(
+                "urn:test:fanout",
+                tg::CORRELATION_ID.as_str(),
+                WireTerm::literal("c1"),
+            ),
+            triple(
+                "urn:test:fanout",
+                "urn:test:not rdf",
+                WireTerm::literal("x"),
+            ),
+        ],
+    );
+    let marker = message(
+        "urn:test:marker-message",
+        vec![triple(
+            "urn:test:marker",
+            "urn:test:p",
+            WireTerm::literal("m"),
+        )],
+    );
+    let bus = agent_bus::Bus::connect(&broker.url(), None).await.unwrap();
+    let publisher = agent_bus::Publisher::new(&bus, EXPLAIN_TOPIC)
+        .await
+        .unwrap();
+    for m in [&step, &fan_out, &marker] {
+        publisher
+            .send(agent_schema::encode(m), &Default::default())
+            .await
+            .unwrap();
+    }
+    wait_for_node(&store, "urn:test:marker").await;
+
+    let stored = all_quads(&store).await;
+    let about = |node: &str| {
+        let subject = format!("<{node}>");
+        stored.iter().filter(|q| q.starts_with(&subject)).count()
+    };
+    assert_eq!(about("urn:test:thought"), 1, "{stored:#?}");
+    assert_eq!(about("urn:test:observation"), 2, "{stored:#?}");
+    assert_eq!(about("urn:test:fanout"), 0, "{stored:#?}");
+
+    let mut reasons = BTreeSet::new();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    while reasons.len() < 2 {
+        let letter = tokio::time::timeout_at(deadline, dead_letters.next())
+            .await
+            .unwrap_or_else(|_| panic!("dead letters so far: {reasons:#?}"))
+            .unwrap()
+            .unwrap();
+        dead_letters.ack(&letter).await.unwrap();
+        let reason = agent_bus::message_property(&letter, "dead-letter-reason")
+            .unwrap_or_default()
+            .to_owned();
+        reasons.insert(reason);
+    }
+    let reason_of = |id: &str| {
+        reasons
+            .iter()
+            .find(|r| r.contains(id))
+            .unwrap_or_else(|| panic!("no dead letter of {id}: {reasons:#?}"))
+            .clone()
+    };
+    let step_reason = reason_of("urn:test:step-message");
+    assert!(
+        step_reason.contains("1 of the 4 triples") && step_reason.contains("the other 3 written"),
+        "{step_reason}"
+    );
+    assert!(step_reason.contains("triple 1"), "{step_reason}");
+    let fan_out_reason = reason_of("urn:test:fanout-message");
+    assert!(
+        fan_out_reason.contains("none is written"),
+        "{fan_out_reason}"
+    );
+}
+
 /// Waits until every expected quad is stored (or `patience` passes) and returns what is stored.
 async fn stored_when_complete(
     store: &GraphStore,

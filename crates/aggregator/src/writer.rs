@@ -1,8 +1,9 @@
 //! Turns explainability messages into graph writes. Every message is written in one transaction and
-//! acked only after it committed; RDF set semantics make a redelivered message change nothing.
+//! acked only after it committed; RDF set semantics make a redelivered message change nothing. A
+//! triple that is not valid RDF is left out and its message dead-lettered once the rest is written.
 
 use agent_bus::{Delivery, Disposition, Publisher};
-use agent_graph::convert::into_quads;
+use agent_graph::convert::{into_quads, into_valid_quads};
 use agent_graph::GraphStore;
 use agent_schema::Triples;
 
@@ -54,29 +55,48 @@ impl Writer {
         let message = delivery.payload;
         // Read before the triples are converted, which moves their text into the quads.
         let correlation = crate::fanin::correlation_of(&message);
+        let drives_fan_in = agent_core::provenance::drives_fan_in(&message.triples);
         let Triples { metadata, triples } = message;
-        let quads = match into_quads(triples) {
-            Ok(q) => q,
-            // Not valid RDF: it will never be writable.
-            Err(e) => {
-                return Disposition::DeadLetter(format!(
-                    "triples of {} are not valid RDF: {e}",
-                    metadata.id
-                ))
+        let total = triples.len();
+        let (quads, invalid) = if drives_fan_in {
+            // A fan-out or a completion is written whole or not at all: written short, it could
+            // resume a supervisor on a wrong count of subagents or a result without its status.
+            match into_quads(triples) {
+                Ok(quads) => (quads, Vec::new()),
+                Err(e) => {
+                    return Disposition::DeadLetter(format!(
+                        "triples of {} are not valid RDF (a fan-out or a completion, so none is written): {e}",
+                        metadata.id
+                    ))
+                }
             }
+        } else {
+            // A step's nodes share one message (and other services' triples, on TrustGraph's
+            // triples-store topic, come hundreds at once): a triple that is not valid RDF, which
+            // will never be writable, must not keep the valid ones out of the graph.
+            into_valid_quads(triples)
         };
-        if quads.is_empty() {
+        let count = quads.len();
+        if count > 0 {
+            match self.store.insert(quads).await {
+                Ok(()) => tracing::debug!(id = %metadata.id, quads = count, "written"),
+                Err(e) if e.retryable() => return Disposition::Nack(e.to_string()),
+                Err(e) => return Disposition::DeadLetter(e.to_string()),
+            }
+        }
+        if let Some((place, e)) = invalid.first() {
+            // The whole message goes to the dead-letter topic, to be seen; the triples written
+            // from it are written again, unchanged, if it is ever replayed.
+            return Disposition::DeadLetter(format!(
+                "{} of the {total} triples of {} are not valid RDF and were left out, the other {count} written; the first, triple {place}: {e}",
+                invalid.len(),
+                metadata.id
+            ));
+        }
+        if count == 0 {
             return Disposition::Ack;
         }
-        let count = quads.len();
-        match self.store.insert(quads).await {
-            Ok(()) => {
-                tracing::debug!(id = %metadata.id, quads = count, "written");
-                self.fan_in(correlation).await
-            }
-            Err(e) if e.retryable() => Disposition::Nack(e.to_string()),
-            Err(e) => Disposition::DeadLetter(e.to_string()),
-        }
+        self.fan_in(correlation).await
     }
 
     /// After a completion or fan-out (whose correlation id is `correlation`) was written: the

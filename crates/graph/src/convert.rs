@@ -72,6 +72,20 @@ pub fn into_quads(triples: Vec<WireTriple>) -> Result<Vec<Quad>, TermError> {
     triples.into_iter().map(into_quad).collect()
 }
 
+/// Converts every triple that is valid RDF and tells which are not: each one left out, by its place
+/// among `triples`, with why.
+pub fn into_valid_quads(triples: Vec<WireTriple>) -> (Vec<Quad>, Vec<(usize, TermError)>) {
+    let mut quads = Vec::with_capacity(triples.len());
+    let mut invalid = Vec::new();
+    for (place, triple) in triples.into_iter().enumerate() {
+        match into_quad(triple) {
+            Ok(quad) => quads.push(quad),
+            Err(e) => invalid.push((place, e)),
+        }
+    }
+    (quads, invalid)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
