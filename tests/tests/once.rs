@@ -1178,6 +1178,64 @@ async fn an_answer_chunk_the_broker_dropped_is_seen_and_read_from_the_graph() {
     assert_eq!(last_answer_shown(&stdout), ANSWER, "{stdout}");
 }
 
+/// A streamed chunk of the answer delivered twice (a producer sending it again after a
+/// reconnection; here `AGENT_FAULT=repeat-answer-chunk:2`): joined as it came, as a TrustGraph
+/// client joins it, the text holds that chunk twice; our client's `StreamedAnswer` keeps it once,
+/// by its place, and the answer is whole; `agentctl invoke` shows the answer once, with no hole
+/// to report.
+#[tokio::test]
+async fn an_answer_chunk_delivered_twice_is_the_answer_once() {
+    let script = serde_json::json!({"rules": [{
+        "match": "",
+        "reply": format!("Thought: I know this.\nFinal Answer: {ANSWER}"),
+        "chunk_size": 4,
+    }]});
+    let broker = Broker::start().unwrap();
+    let aggregator = Aggregator::spawn_with(&broker, &["--config-token", TOKEN]);
+    let llm = scripted_llm(&script.to_string()).await;
+    let repeating = [("AGENT_FAULT", "repeat-answer-chunk:2")];
+    let mut first = Orchestrator::spawn_journaled(&broker, &llm, &aggregator, TOKEN, &repeating);
+    let mut client = client(&broker).await;
+    let request = agent_schema::AgentRequest {
+        pattern: "react".into(),
+        ..request("what is the capital of France?", true)
+    };
+    client.send("doubled", &request).await.unwrap();
+    let mut streamed = agent_bus::StreamedAnswer::default();
+    let mut joined = String::new();
+    let closing = answer_to_the_closing(&mut client, "doubled", &mut streamed, &mut joined).await;
+    assert!(closing.response.error.is_none(), "{closing:#?}");
+    let standing = closing.attempt.as_deref();
+    // What came holds one chunk twice; kept by place, it is the answer.
+    assert!(joined.len() > ANSWER.len(), "{joined:?}");
+    assert_eq!(
+        streamed.answer(standing),
+        ANSWER,
+        "joined as it came: {joined:?}"
+    );
+    assert_eq!(streamed.whole(standing, closing.answer_chunks), Some(true));
+
+    // The next dialog is the first of another process: its second chunk comes twice too.
+    first.terminate();
+    assert!(first.exited_within(Duration::from_secs(30)).await);
+    let _second = Orchestrator::spawn_journaled(&broker, &llm, &aggregator, TOKEN, &repeating);
+    let output = invoke_react(&broker, &aggregator, "what is the capital of France?", 60)
+        .output()
+        .await
+        .unwrap();
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr),
+    );
+    assert!(
+        output.status.success(),
+        "stdout:\n{stdout}\nstderr:\n{stderr}"
+    );
+    assert!(!stdout.contains("lost on the way"), "{stdout}");
+    assert_eq!(stdout.matches(ANSWER).count(), 1, "{stdout}");
+    assert_eq!(last_answer_shown(&stdout), ANSWER, "{stdout}");
+}
+
 /// A second aggregator that would own a journal on the same subscription (a StatefulSet scaled
 /// to two, each replica with a store of its own) refuses to run before it consumes anything or
 /// answers a journal call; the first keeps both, and a dialog afterwards ends once, its whole

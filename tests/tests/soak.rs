@@ -841,8 +841,8 @@ async fn chaos_soak() {
         // Copies of a step streaming side by side mix their text joined as it came (a TrustGraph
         // client shows it so); our client keeps them apart.
         let holed_for_them = !c.joined.contains(c.expected) && !c.streamed.interleaved();
-        // A hole our client saw is text really missing: a count one too many, or a chunk twice,
-        // must not pass for the broker's drop.
+        // A hole our client saw is text really missing: a count one too many must not pass for
+        // the broker's drop (a chunk delivered twice is text once, and no hole).
         let hole_is_real = whole != Some(false) || chunks_left_out(&standing, c.expected);
         if ours != c.expected
             || (holed_for_them && whole != Some(false))

@@ -188,8 +188,9 @@ pub async fn follow(
                     "(the step ran again, cut short by a crash or as a copy beside it: its text from the start)",
                 );
             }
-            if answer_text {
-                streamed.push(attempt.as_deref(), place, &response.content);
+            // A copy of a chunk already shown (the broker delivered it twice) is not shown again.
+            if answer_text && !streamed.push(attempt.as_deref(), place, &response.content) {
+                continue;
             }
         }
         if response.end_of_dialog

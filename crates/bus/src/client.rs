@@ -267,12 +267,17 @@ struct AttemptText {
     chunks: u64,
     /// Whether each chunk came in its place so far: the first at 0, each next at the one after.
     in_place: bool,
+    /// The places of its chunks that came, to tell a copy of one (a producer sending it again
+    /// after a reconnection) from text.
+    places: std::collections::BTreeSet<u64>,
 }
 
 impl StreamedAnswer {
     /// Adds an answer chunk of `attempt`, at `place` among that attempt's chunks of text (when
-    /// the service numbers them; a chunk without text has no place).
-    pub fn push(&mut self, attempt: Option<&str>, place: Option<u64>, text: &str) {
+    /// the service numbers them; a chunk without text has no place). Returns false, adding
+    /// nothing, for a copy of a chunk already added (the same attempt and place): a chunk the
+    /// broker delivered twice is text once.
+    pub fn push(&mut self, attempt: Option<&str>, place: Option<u64>, text: &str) -> bool {
         let last = self.attempts.len().saturating_sub(1);
         let at = match self
             .attempts
@@ -289,19 +294,26 @@ impl StreamedAnswer {
                     text: String::new(),
                     chunks: 0,
                     in_place: true,
+                    places: Default::default(),
                 });
                 self.attempts.len() - 1
             }
         };
         let Some(so_far) = self.attempts.get_mut(at) else {
-            return;
+            return true;
         };
         if text.is_empty() {
-            return;
+            return true;
+        }
+        if let Some(place) = place {
+            if !so_far.places.insert(place) {
+                return false;
+            }
         }
         so_far.text.push_str(text);
         so_far.in_place &= place == Some(so_far.chunks);
         so_far.chunks += 1;
+        true
     }
 
     fn of(&self, attempt: &str) -> Option<&AttemptText> {
@@ -789,6 +801,29 @@ mod tests {
         let mut answer = StreamedAnswer::default();
         answer.push(Some("a1"), Some(0), "Paris.");
         assert_eq!(answer.whole(Some("a2"), Some(1)), Some(false));
+    }
+
+    /// A chunk delivered twice (a producer sending it again after a reconnection) is text once,
+    /// and the answer is whole; a service that does not number its chunks keeps each as it came.
+    #[test]
+    fn a_chunk_delivered_twice_is_text_once() {
+        let mut answer = StreamedAnswer::default();
+        assert!(answer.push(Some("a1"), Some(0), "The capi"));
+        assert!(answer.push(Some("a1"), Some(1), "tal is "));
+        assert!(!answer.push(Some("a1"), Some(1), "tal is "));
+        assert!(answer.push(Some("a1"), Some(2), "Paris."));
+        assert!(!answer.push(Some("a1"), Some(0), "The capi"));
+        assert_eq!(answer.answer(Some("a1")), "The capital is Paris.");
+        assert_eq!(answer.whole(Some("a1"), Some(3)), Some(true));
+        // The same place under another attempt is that attempt's text.
+        assert!(answer.push(Some("a2"), Some(0), "Paris."));
+        assert_eq!(answer.answer(Some("a2")), "Paris.");
+        // Unnumbered, a copy cannot be told from text.
+        let mut theirs = StreamedAnswer::default();
+        assert!(theirs.push(None, None, "Paris"));
+        assert!(theirs.push(None, None, "Paris"));
+        assert_eq!(theirs.answer(None), "ParisParis");
+        assert_eq!(theirs.whole(None, None), None);
     }
 
     #[test]

@@ -932,20 +932,26 @@ impl<'a> DialogOutput<'a> {
             return Ok(());
         }
         let mut properties = self.attempted();
+        let mut chunk_fault = None;
         if kind == MessageType::Answer && !content.is_empty() {
             let place = self
                 .answer_chunks
                 .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
             properties.insert(ANSWER_CHUNK_PROPERTY.to_owned(), place.to_string());
-            if fault::drops_answer_chunk() {
+            chunk_fault = fault::answer_chunk_fault();
+            if chunk_fault == Some(fault::ChunkFault::Dropped) {
                 return Ok(());
             }
         }
         let mut r = AgentResponse::new(kind, content);
         r.message_id = message_id.to_owned();
         r.end_of_message = end_of_message;
-        self.send(Channel::Responses, agent_schema::encode(&r), &properties)
-            .await
+        let payload = agent_schema::encode(&r);
+        if chunk_fault == Some(fault::ChunkFault::Repeated) {
+            self.send(Channel::Responses, payload.clone(), &properties)
+                .await?;
+        }
+        self.send(Channel::Responses, payload, &properties).await
     }
 
     /// The dialog's properties and this delivery's attempt (see [`ATTEMPT_PROPERTY`]).
@@ -1270,7 +1276,8 @@ mod tests {
 /// one. Stages: `after-record` (the outcome journaled, nothing published), `after-publish`
 /// (published, not marked), `before-ack` (marked, the message not yet acked). Unset, it costs one
 /// atomic add. `drop-answer-chunk:<n>` instead leaves out the process's `n`-th streamed chunk of
-/// answer text, as a broker drops a message on a non-persistent topic.
+/// answer text, as a broker drops a message on a non-persistent topic, and `repeat-answer-chunk:<n>`
+/// sends it twice, as a producer sending it again after a reconnection would.
 mod fault {
     use std::sync::atomic::{AtomicUsize, Ordering};
     use std::sync::OnceLock;
@@ -1282,6 +1289,15 @@ mod fault {
         Marked,
         /// Not a crash: an answer chunk left out.
         AnswerChunkDropped,
+        /// Not a crash: an answer chunk sent twice.
+        AnswerChunkRepeated,
+    }
+
+    /// What happens to an answer chunk on its way, by the plan.
+    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+    pub enum ChunkFault {
+        Dropped,
+        Repeated,
     }
 
     static COMMITS: AtomicUsize = AtomicUsize::new(0);
@@ -1297,6 +1313,7 @@ mod fault {
                 "after-publish" => Stage::Published,
                 "before-ack" => Stage::Marked,
                 "drop-answer-chunk" => Stage::AnswerChunkDropped,
+                "repeat-answer-chunk" => Stage::AnswerChunkRepeated,
                 _ => return None,
             };
             Some((stage, n.parse().ok()?))
@@ -1307,14 +1324,16 @@ mod fault {
         COMMITS.fetch_add(1, Ordering::Relaxed) + 1
     }
 
-    /// Whether the answer chunk about to be sent is the one to leave out.
-    pub fn drops_answer_chunk() -> bool {
+    /// Whether the answer chunk about to be sent is the one to leave out or to send twice.
+    pub fn answer_chunk_fault() -> Option<ChunkFault> {
         let n = ANSWER_CHUNKS.fetch_add(1, Ordering::Relaxed) + 1;
-        let drop = planned() == Some((Stage::AnswerChunkDropped, n));
-        if drop {
-            tracing::error!(chunk = n, "AGENT_FAULT: leaving out an answer chunk");
-        }
-        drop
+        let fault = match planned() {
+            Some((Stage::AnswerChunkDropped, m)) if m == n => ChunkFault::Dropped,
+            Some((Stage::AnswerChunkRepeated, m)) if m == n => ChunkFault::Repeated,
+            _ => return None,
+        };
+        tracing::error!(chunk = n, ?fault, "AGENT_FAULT: an answer chunk");
+        Some(fault)
     }
 
     pub fn crash_if(stage: Stage, commit: usize) {
