@@ -1234,6 +1234,30 @@ async fn an_answer_chunk_delivered_twice_is_the_answer_once() {
     assert!(!stdout.contains("lost on the way"), "{stdout}");
     assert_eq!(stdout.matches(ANSWER).count(), 1, "{stdout}");
     assert_eq!(last_answer_shown(&stdout), ANSWER, "{stdout}");
+    // The chunk did come twice to invoke too: this client heard the same dialog.
+    let deadline = tokio::time::Instant::now() + DIALOG_TIMEOUT;
+    let mut invoked = std::collections::HashMap::<String, String>::new();
+    loop {
+        let received = tokio::time::timeout_at(deadline, client.receive())
+            .await
+            .expect("the invoked dialog's closing did not come to this client")
+            .unwrap();
+        if received.id == "doubled" {
+            continue;
+        }
+        let r = &received.response;
+        if r.end_of_dialog {
+            let joined = invoked.remove(&received.id).unwrap_or_default();
+            assert!(joined.len() > ANSWER.len(), "{joined:?}");
+            break;
+        }
+        if r.message_type == "answer" {
+            invoked
+                .entry(received.id.clone())
+                .or_default()
+                .push_str(&r.content);
+        }
+    }
 }
 
 /// A second aggregator that would own a journal on the same subscription (a StatefulSet scaled

@@ -246,7 +246,8 @@ async fn recovered(
 /// attempt's (a copy that lost, a step cut short whose rerun's chunks were lost), or two copies'
 /// chunks came interleaved, the answer is shown again: that attempt's text. A closing without a
 /// count (journaled by an earlier build) whose answer text never came is answered from the graph
-/// too. JSON lines stay the responses as they came, but for an answer none of which came.
+/// too. JSON lines stay the responses as they came, but for an answer none of which came (and a
+/// chunk that came twice, which neither form shows twice).
 async fn settle_streamed_answer(
     streamed: &agent_bus::StreamedAnswer,
     (closing, chunks, with_text): (Option<&str>, Option<u64>, bool),

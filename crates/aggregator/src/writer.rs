@@ -1,6 +1,7 @@
 //! Turns explainability messages into graph writes. Every message is written in one transaction and
 //! acked only after it committed; RDF set semantics make a redelivered message change nothing. A
-//! triple that is not valid RDF is left out and its message dead-lettered once the rest is written.
+//! triple that is not valid RDF is left out and its message dead-lettered once the rest is written
+//! (a fan-out or a completion, which drive fan-in, is dead-lettered with none of it written).
 
 use agent_bus::{Delivery, Disposition, Publisher};
 use agent_graph::convert::{into_quads, into_valid_quads};
@@ -88,9 +89,10 @@ impl Writer {
             // The whole message goes to the dead-letter topic, to be seen; the triples written
             // from it are written again, unchanged, if it is ever replayed.
             return Disposition::DeadLetter(format!(
-                "{} of the {total} triples of {} are not valid RDF and were left out, the other {count} written; the first, triple {place}: {e}",
+                "{} of the {total} triples of {} are not valid RDF and were left out, the other {count} written; the first, triple {} (counting from 1): {e}",
                 invalid.len(),
-                metadata.id
+                metadata.id,
+                place + 1
             ));
         }
         if count == 0 {

@@ -249,13 +249,16 @@ impl Received {
 ///
 /// A chunk the broker dropped on the way (a non-persistent topic may) leaves a hole in that text:
 /// the chunks' places ([`ANSWER_CHUNK_PROPERTY`]) and the closing's count
-/// ([`ANSWER_CHUNKS_PROPERTY`]) show it ([`StreamedAnswer::whole`]).
+/// ([`ANSWER_CHUNKS_PROPERTY`]) show it ([`StreamedAnswer::whole`]). A chunk delivered twice (a
+/// producer sending it again after a reconnection) is told by its place and kept once.
 #[derive(Debug, Default, Clone)]
 pub struct StreamedAnswer {
     /// Each attempt's text, in the order the attempts began.
     attempts: Vec<AttemptText>,
     /// Whether text of an attempt came after another attempt had begun (copies side by side).
     interleaved: bool,
+    /// Chunks that came again at a place already taken, and were left out.
+    copies: u64,
 }
 
 /// What one attempt streamed, as it came.
@@ -279,13 +282,14 @@ impl StreamedAnswer {
     /// broker delivered twice is text once.
     pub fn push(&mut self, attempt: Option<&str>, place: Option<u64>, text: &str) -> bool {
         let last = self.attempts.len().saturating_sub(1);
+        let mut after_another = false;
         let at = match self
             .attempts
             .iter()
             .position(|a| a.attempt.as_deref() == attempt)
         {
             Some(at) => {
-                self.interleaved |= at != last && !text.is_empty();
+                after_another = at != last;
                 at
             }
             None => {
@@ -305,11 +309,16 @@ impl StreamedAnswer {
         if text.is_empty() {
             return true;
         }
+        // Our orchestrator gives each chunk of an attempt a place of its own, so a second chunk
+        // at a place is that chunk again, whatever its text.
         if let Some(place) = place {
             if !so_far.places.insert(place) {
+                self.copies += 1;
                 return false;
             }
         }
+        // A late copy left out above mixes nothing.
+        self.interleaved |= after_another;
         so_far.text.push_str(text);
         so_far.in_place &= place == Some(so_far.chunks);
         so_far.chunks += 1;
@@ -357,6 +366,12 @@ impl StreamedAnswer {
     /// streamed side by side, and what was shown as it came mixed them.
     pub fn interleaved(&self) -> bool {
         self.interleaved
+    }
+
+    /// How many chunks came again at a place already taken, and were left out: joined as they
+    /// came (as a TrustGraph client joins them), the text holds them twice.
+    pub fn copies(&self) -> u64 {
+        self.copies
     }
 
     /// Whether more than one attempt streamed text: joined as they came, the chunks would not be
@@ -812,12 +827,15 @@ mod tests {
         assert!(answer.push(Some("a1"), Some(1), "tal is "));
         assert!(!answer.push(Some("a1"), Some(1), "tal is "));
         assert!(answer.push(Some("a1"), Some(2), "Paris."));
-        assert!(!answer.push(Some("a1"), Some(0), "The capi"));
         assert_eq!(answer.answer(Some("a1")), "The capital is Paris.");
         assert_eq!(answer.whole(Some("a1"), Some(3)), Some(true));
         // The same place under another attempt is that attempt's text.
         assert!(answer.push(Some("a2"), Some(0), "Paris."));
         assert_eq!(answer.answer(Some("a2")), "Paris.");
+        // A late copy of the first attempt's chunk mixes nothing into what was shown.
+        assert!(!answer.push(Some("a1"), Some(0), "The capi"));
+        assert!(!answer.interleaved());
+        assert_eq!(answer.copies(), 2);
         // Unnumbered, a copy cannot be told from text.
         let mut theirs = StreamedAnswer::default();
         assert!(theirs.push(None, None, "Paris"));

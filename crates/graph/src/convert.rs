@@ -91,6 +91,27 @@ mod tests {
     use super::*;
 
     #[test]
+    fn only_the_triples_that_are_not_rdf_are_left_out() {
+        let triple = |s: &str| WireTriple {
+            s: WireTerm::iri(s),
+            p: WireTerm::iri("urn:p"),
+            o: WireTerm::literal("x"),
+            g: None,
+        };
+        let (quads, invalid) = into_valid_quads(vec![
+            triple("urn:a"),
+            triple("not an iri"),
+            triple("urn:b"),
+            triple("urn:c d"),
+        ]);
+        let subjects: Vec<String> = quads.iter().map(|q| q.subject.to_string()).collect();
+        assert_eq!(subjects, ["<urn:a>", "<urn:b>"]);
+        let places: Vec<usize> = invalid.iter().map(|(place, _)| *place).collect();
+        assert_eq!(places, [1, 3]);
+        assert!(invalid.iter().all(|(_, e)| e.what == "IRI"), "{invalid:?}");
+    }
+
+    #[test]
     fn literals_keep_hostile_text_verbatim() {
         let text = "\"} ; DROP ALL ; {\" <script>\nline two";
         let t = WireTriple {

@@ -1287,10 +1287,8 @@ mod fault {
         Recorded,
         Published,
         Marked,
-        /// Not a crash: an answer chunk left out.
-        AnswerChunkDropped,
-        /// Not a crash: an answer chunk sent twice.
-        AnswerChunkRepeated,
+        /// Not a crash: an answer chunk left out or sent twice.
+        AnswerChunk(ChunkFault),
     }
 
     /// What happens to an answer chunk on its way, by the plan.
@@ -1312,8 +1310,8 @@ mod fault {
                 "after-record" => Stage::Recorded,
                 "after-publish" => Stage::Published,
                 "before-ack" => Stage::Marked,
-                "drop-answer-chunk" => Stage::AnswerChunkDropped,
-                "repeat-answer-chunk" => Stage::AnswerChunkRepeated,
+                "drop-answer-chunk" => Stage::AnswerChunk(ChunkFault::Dropped),
+                "repeat-answer-chunk" => Stage::AnswerChunk(ChunkFault::Repeated),
                 _ => return None,
             };
             Some((stage, n.parse().ok()?))
@@ -1328,8 +1326,7 @@ mod fault {
     pub fn answer_chunk_fault() -> Option<ChunkFault> {
         let n = ANSWER_CHUNKS.fetch_add(1, Ordering::Relaxed) + 1;
         let fault = match planned() {
-            Some((Stage::AnswerChunkDropped, m)) if m == n => ChunkFault::Dropped,
-            Some((Stage::AnswerChunkRepeated, m)) if m == n => ChunkFault::Repeated,
+            Some((Stage::AnswerChunk(fault), m)) if m == n => fault,
             _ => return None,
         };
         tracing::error!(chunk = n, ?fault, "AGENT_FAULT: an answer chunk");
