@@ -1107,6 +1107,93 @@ async fn invoke_says_when_a_step_streamed_again_and_ends_with_the_answer() {
     assert_eq!(last_answer_shown(&shown), ANSWER, "{shown}");
 }
 
+/// A dialog whose answer streams in chunks of 4 characters, run by a journaled orchestrator with
+/// `AGENT_FAULT` set to `fault`, and read by an `AgentClient` up to its closing.
+struct ChunkFaulted {
+    broker: Broker,
+    aggregator: Aggregator,
+    llm: scripted_llm::ScriptedLlm,
+    fault: String,
+    first: Orchestrator,
+    client: agent_bus::AgentClient,
+    closing: agent_bus::Received,
+    streamed: agent_bus::StreamedAnswer,
+    joined: String,
+}
+
+impl ChunkFaulted {
+    async fn answer(fault: &str, id: &str) -> ChunkFaulted {
+        let script = serde_json::json!({"rules": [{
+            "match": "",
+            "reply": format!("Thought: I know this.\nFinal Answer: {ANSWER}"),
+            "chunk_size": 4,
+        }]});
+        let broker = Broker::start().unwrap();
+        let aggregator = Aggregator::spawn_with(&broker, &["--config-token", TOKEN]);
+        let llm = scripted_llm(&script.to_string()).await;
+        let first = Orchestrator::spawn_journaled(
+            &broker,
+            &llm,
+            &aggregator,
+            TOKEN,
+            &[("AGENT_FAULT", fault)],
+        );
+        let mut client = client(&broker).await;
+        let request = agent_schema::AgentRequest {
+            pattern: "react".into(),
+            ..request("what is the capital of France?", true)
+        };
+        client.send(id, &request).await.unwrap();
+        let mut streamed = agent_bus::StreamedAnswer::default();
+        let mut joined = String::new();
+        let closing = answer_to_the_closing(&mut client, id, &mut streamed, &mut joined).await;
+        ChunkFaulted {
+            broker,
+            aggregator,
+            llm,
+            fault: fault.to_owned(),
+            first,
+            client,
+            closing,
+            streamed,
+            joined,
+        }
+    }
+
+    /// What `agentctl invoke` shows of a dialog that is the first of a second orchestrator with
+    /// the same fault (the fault counts a process's chunks), the first stopped; it exits 0. The
+    /// second orchestrator is handed back, to keep running while its dialog is read.
+    async fn invoked_in_a_second_process(&mut self) -> (String, Orchestrator) {
+        self.first.terminate();
+        assert!(self.first.exited_within(Duration::from_secs(30)).await);
+        let second = Orchestrator::spawn_journaled(
+            &self.broker,
+            &self.llm,
+            &self.aggregator,
+            TOKEN,
+            &[("AGENT_FAULT", &self.fault)],
+        );
+        let output = invoke_react(
+            &self.broker,
+            &self.aggregator,
+            "what is the capital of France?",
+            60,
+        )
+        .output()
+        .await
+        .unwrap();
+        let (stdout, stderr) = (
+            String::from_utf8_lossy(&output.stdout).into_owned(),
+            String::from_utf8_lossy(&output.stderr),
+        );
+        assert!(
+            output.status.success(),
+            "stdout:\n{stdout}\nstderr:\n{stderr}"
+        );
+        (stdout, second)
+    }
+}
+
 /// A streamed chunk of the answer that the broker drops on the non-persistent response topic
 /// (Apache Pulsar did, once in a long soak; here the orchestrator leaves out the second chunk with
 /// `AGENT_FAULT=drop-answer-chunk:2`, as the broker would): the closing counts the chunks its
@@ -1115,25 +1202,8 @@ async fn invoke_says_when_a_step_streamed_again_and_ends_with_the_answer() {
 /// a client joining what came (TrustGraph's) shows the answer with text missing.
 #[tokio::test]
 async fn an_answer_chunk_the_broker_dropped_is_seen_and_read_from_the_graph() {
-    let script = serde_json::json!({"rules": [{
-        "match": "",
-        "reply": format!("Thought: I know this.\nFinal Answer: {ANSWER}"),
-        "chunk_size": 4,
-    }]});
-    let broker = Broker::start().unwrap();
-    let aggregator = Aggregator::spawn_with(&broker, &["--config-token", TOKEN]);
-    let llm = scripted_llm(&script.to_string()).await;
-    let dropping = [("AGENT_FAULT", "drop-answer-chunk:2")];
-    let mut first = Orchestrator::spawn_journaled(&broker, &llm, &aggregator, TOKEN, &dropping);
-    let mut client = client(&broker).await;
-    let request = agent_schema::AgentRequest {
-        pattern: "react".into(),
-        ..request("what is the capital of France?", true)
-    };
-    client.send("holed", &request).await.unwrap();
-    let mut streamed = agent_bus::StreamedAnswer::default();
-    let mut joined = String::new();
-    let closing = answer_to_the_closing(&mut client, "holed", &mut streamed, &mut joined).await;
+    let mut faulted = ChunkFaulted::answer("drop-answer-chunk:2", "holed").await;
+    let (closing, streamed, joined) = (&faulted.closing, &faulted.streamed, &faulted.joined);
     assert!(closing.response.error.is_none(), "{closing:#?}");
     assert!(closing.response.content.is_empty(), "{closing:#?}");
     let counted = closing
@@ -1151,26 +1221,12 @@ async fn an_answer_chunk_the_broker_dropped_is_seen_and_read_from_the_graph() {
         joined.len() < ANSWER.len() && gap_in_the_middle,
         "{joined:?}"
     );
-    assert_eq!(streamed.answer(standing), joined);
+    assert_eq!(streamed.answer(standing), *joined);
     assert!(counted > 2, "{counted} chunks");
     assert_eq!(streamed.whole(standing, Some(counted)), Some(false));
 
     // The next dialog is the first of another process: its second chunk is left out too.
-    first.terminate();
-    assert!(first.exited_within(Duration::from_secs(30)).await);
-    let _second = Orchestrator::spawn_journaled(&broker, &llm, &aggregator, TOKEN, &dropping);
-    let output = invoke_react(&broker, &aggregator, "what is the capital of France?", 60)
-        .output()
-        .await
-        .unwrap();
-    let (stdout, stderr) = (
-        String::from_utf8_lossy(&output.stdout),
-        String::from_utf8_lossy(&output.stderr),
-    );
-    assert!(
-        output.status.success(),
-        "stdout:\n{stdout}\nstderr:\n{stderr}"
-    );
+    let (stdout, _second) = faulted.invoked_in_a_second_process().await;
     assert!(
         stdout.contains("a chunk of it was lost on the way"),
         "{stdout}"
@@ -1185,25 +1241,8 @@ async fn an_answer_chunk_the_broker_dropped_is_seen_and_read_from_the_graph() {
 /// to report.
 #[tokio::test]
 async fn an_answer_chunk_delivered_twice_is_the_answer_once() {
-    let script = serde_json::json!({"rules": [{
-        "match": "",
-        "reply": format!("Thought: I know this.\nFinal Answer: {ANSWER}"),
-        "chunk_size": 4,
-    }]});
-    let broker = Broker::start().unwrap();
-    let aggregator = Aggregator::spawn_with(&broker, &["--config-token", TOKEN]);
-    let llm = scripted_llm(&script.to_string()).await;
-    let repeating = [("AGENT_FAULT", "repeat-answer-chunk:2")];
-    let mut first = Orchestrator::spawn_journaled(&broker, &llm, &aggregator, TOKEN, &repeating);
-    let mut client = client(&broker).await;
-    let request = agent_schema::AgentRequest {
-        pattern: "react".into(),
-        ..request("what is the capital of France?", true)
-    };
-    client.send("doubled", &request).await.unwrap();
-    let mut streamed = agent_bus::StreamedAnswer::default();
-    let mut joined = String::new();
-    let closing = answer_to_the_closing(&mut client, "doubled", &mut streamed, &mut joined).await;
+    let mut faulted = ChunkFaulted::answer("repeat-answer-chunk:2", "doubled").await;
+    let (closing, streamed, joined) = (&faulted.closing, &faulted.streamed, &faulted.joined);
     assert!(closing.response.error.is_none(), "{closing:#?}");
     let standing = closing.attempt.as_deref();
     // What came holds one chunk twice; kept by place, it is the answer.
@@ -1216,21 +1255,7 @@ async fn an_answer_chunk_delivered_twice_is_the_answer_once() {
     assert_eq!(streamed.whole(standing, closing.answer_chunks), Some(true));
 
     // The next dialog is the first of another process: its second chunk comes twice too.
-    first.terminate();
-    assert!(first.exited_within(Duration::from_secs(30)).await);
-    let _second = Orchestrator::spawn_journaled(&broker, &llm, &aggregator, TOKEN, &repeating);
-    let output = invoke_react(&broker, &aggregator, "what is the capital of France?", 60)
-        .output()
-        .await
-        .unwrap();
-    let (stdout, stderr) = (
-        String::from_utf8_lossy(&output.stdout),
-        String::from_utf8_lossy(&output.stderr),
-    );
-    assert!(
-        output.status.success(),
-        "stdout:\n{stdout}\nstderr:\n{stderr}"
-    );
+    let (stdout, _second) = faulted.invoked_in_a_second_process().await;
     assert!(!stdout.contains("lost on the way"), "{stdout}");
     assert_eq!(stdout.matches(ANSWER).count(), 1, "{stdout}");
     assert_eq!(last_answer_shown(&stdout), ANSWER, "{stdout}");
@@ -1238,7 +1263,7 @@ async fn an_answer_chunk_delivered_twice_is_the_answer_once() {
     let deadline = tokio::time::Instant::now() + DIALOG_TIMEOUT;
     let mut invoked = std::collections::HashMap::<String, String>::new();
     loop {
-        let received = tokio::time::timeout_at(deadline, client.receive())
+        let received = tokio::time::timeout_at(deadline, faulted.client.receive())
             .await
             .expect("the invoked dialog's closing did not come to this client")
             .unwrap();
