@@ -33,7 +33,14 @@ impl InProcess {
         let token = shutdown.clone();
         let label = name.to_owned();
         let thread = std::thread::Builder::new()
-            .name(name.to_owned())
+            // Named apart from the workers, so that a crash says which thread it was in.
+            .name(format!("{name}-main"))
+            // The service's own future is polled on this thread, as on a binary's main thread,
+            // which has 8 MiB (`ulimit -s`). A spawned thread's default 2 MiB is thin for a debug
+            // build's frames: the aggregator's `run` alone takes 290 KB, its main thread ran 1.1
+            // MB deep creating a producer, and a service's thread overflowed 2 MiB once on Apache
+            // Pulsar (the crash did not say which of its threads).
+            .stack_size(agent_orchestrator::WORKER_STACK_BYTES)
             .spawn(move || {
                 let runtime = match tokio::runtime::Builder::new_multi_thread()
                     .worker_threads(2)
