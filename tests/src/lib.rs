@@ -917,7 +917,7 @@ pub struct EverythingHttp {
 
 impl EverythingHttp {
     pub fn start(port: u16) -> EverythingHttp {
-        let child = Command::new("node")
+        let child = agent_bus::orphans::owned(&mut Command::new("node"))
             .arg(everything_server())
             .arg("streamableHttp")
             .env("PORT", port.to_string())

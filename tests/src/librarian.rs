@@ -57,12 +57,13 @@ impl LibrarianService {
         ));
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).unwrap();
-        let started = Command::new(repo_root().join("scripts/librarian.sh"))
-            .arg("start")
-            .arg(&dir)
-            .arg(broker.url())
-            .status()
-            .unwrap();
+        let started =
+            agent_bus::orphans::owned(&mut Command::new(repo_root().join("scripts/librarian.sh")))
+                .arg("start")
+                .arg(&dir)
+                .arg(broker.url())
+                .status()
+                .unwrap();
         let client = agent_bus::Librarian::connect(&bus, &topics, Duration::from_secs(3))
             .await
             .unwrap();

@@ -12,7 +12,7 @@ use crate::{binary, Place};
 /// (default: warnings), and no stdout.
 pub(crate) fn command(name: &str) -> Command {
     let mut command = Command::new(binary(name));
-    command
+    agent_bus::orphans::owned(&mut command)
         .env(
             "RUST_LOG",
             std::env::var("RUST_LOG").unwrap_or_else(|_| "warn".into()),

@@ -130,7 +130,7 @@ impl SparqlServer {
                 oxigraph
             }
         };
-        let child = command
+        let child = agent_bus::orphans::owned(&mut command)
             .stdin(Stdio::null())
             .stdout(log.try_clone().unwrap())
             .stderr(log)

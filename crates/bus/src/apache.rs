@@ -461,7 +461,7 @@ brokerClientAuthenticationParameters=file://{}
         let scratch = self.data.join("jvm-tmp");
         std::fs::create_dir_all(&scratch)?;
         let mut command = Command::new("java");
-        command
+        crate::orphans::owned(&mut command)
             .args(JVM_FLAGS)
             .arg(format!("-Djava.io.tmpdir={}", scratch.display()))
             .arg(format!(

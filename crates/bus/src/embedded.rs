@@ -210,7 +210,7 @@ impl EmbeddedBroker {
             .create(true)
             .append(true)
             .open(&log_path)?;
-        let child = Command::new(&self.binary)
+        let child = crate::orphans::owned(&mut Command::new(&self.binary))
             .arg("--config")
             .arg(&config)
             .arg("--addr")

@@ -11,6 +11,7 @@ mod control;
 pub mod embedded;
 mod error;
 mod librarian;
+pub mod orphans;
 mod publisher;
 mod resend;
 pub mod seal;
