@@ -404,11 +404,38 @@ async fn rewrite_outcome(aggregator: &Aggregator, entry: &str, outcome: &str) {
         .unwrap();
 }
 
+/// Waits until the orchestrator whose metrics are at `metrics` has handed steps back at least
+/// `count` times (`agent_steps_released_total`), and says how many it has.
+async fn released_at_least(metrics: &str, count: f64) -> f64 {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    loop {
+        // Scraped once it listens (a child starting).
+        let listening = reqwest::get(format!("{metrics}/metrics")).await.is_ok();
+        let all = if listening {
+            scrape(metrics).await
+        } else {
+            Default::default()
+        };
+        let released = all
+            .get("agent_steps_released_total")
+            .copied()
+            .unwrap_or(0.0);
+        if released >= count {
+            return released;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "released {released} times, not {count}: {all:#?}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
 /// A rolling upgrade: a newer build recorded a step's outcome in a form this build cannot read,
 /// and died before publishing it. This build must neither take the entry as published (the step
 /// would be dropped and the dialog never end) nor run the step again (a second outcome, a second
-/// LLM call): it hands the message back to the broker until a replica that can read the entry
-/// settles it, here simulated by giving the entry its readable form back.
+/// LLM call): it hands the message back to the broker, across a broker restart, until a replica
+/// that can read the entry settles it, here simulated by giving the entry its readable form back.
 #[tokio::test]
 async fn a_step_another_build_recorded_is_left_to_a_replica_that_can_read_it() {
     let mut broker = Broker::start().unwrap();
@@ -456,32 +483,13 @@ async fn a_step_another_build_recorded_is_left_to_a_replica_that_can_read_it() {
         TOKEN,
         &[("AGENT_HTTP_ADDR", &http_addr)],
     );
-    // Handed back, again and again (a nack a second), while nobody can read the entry; nothing
-    // is published and the first step's LLM call is not made again.
+    // Handed back, again and again (a nack a second), while nobody can read the entry, and
+    // still after a broker restart (a handed-back message must not be lost with the broker's
+    // connection); nothing is published and the first step's LLM call is not made again.
     let metrics = format!("http://{http_addr}");
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
-    loop {
-        // Scraped once it listens (a child starting).
-        let listening = reqwest::get(format!("{metrics}/metrics")).await.is_ok();
-        let all = if listening {
-            scrape(&metrics).await
-        } else {
-            Default::default()
-        };
-        if all
-            .get("agent_steps_released_total")
-            .copied()
-            .unwrap_or(0.0)
-            >= 2.0
-        {
-            break;
-        }
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "never released: {all:#?}"
-        );
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
+    let released = released_at_least(&metrics, 2.0).await;
+    broker.restart().unwrap();
+    released_at_least(&metrics, released + 2.0).await;
     let meanwhile = drain_for(&mut client, "upgrade", Duration::from_secs(1)).await;
     assert_eq!(closings(&meanwhile), 0, "{meanwhile:#?}");
     assert_eq!(calls_of(&llm, question, 4), 1, "the first step ran again");
