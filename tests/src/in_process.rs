@@ -20,6 +20,13 @@ pub struct InProcess {
     thread: Option<JoinHandle<()>>,
 }
 
+/// The stack of the thread that polls an in-process service's own future, as a binary's main
+/// thread does with the 8 MiB it gets (`ulimit -s`). A spawned thread's default 2 MiB is thin for
+/// a debug build's frames: the aggregator's `run` alone takes 290 KB, its main thread ran 1.1 MB
+/// deep creating a producer, and a service's thread overflowed 2 MiB once on Apache Pulsar (the
+/// crash did not say which of its threads).
+const MAIN_STACK_BYTES: usize = 8 << 20;
+
 impl InProcess {
     /// Starts `service` on a thread of its own, with a two-worker runtime like the binaries'.
     pub fn start<F, Fut>(name: &str, service: F) -> InProcess
@@ -35,12 +42,7 @@ impl InProcess {
         let thread = std::thread::Builder::new()
             // Named apart from the workers, so that a crash says which thread it was in.
             .name(format!("{name}-main"))
-            // The service's own future is polled on this thread, as on a binary's main thread,
-            // which has 8 MiB (`ulimit -s`). A spawned thread's default 2 MiB is thin for a debug
-            // build's frames: the aggregator's `run` alone takes 290 KB, its main thread ran 1.1
-            // MB deep creating a producer, and a service's thread overflowed 2 MiB once on Apache
-            // Pulsar (the crash did not say which of its threads).
-            .stack_size(agent_orchestrator::WORKER_STACK_BYTES)
+            .stack_size(MAIN_STACK_BYTES)
             .spawn(move || {
                 let runtime = match tokio::runtime::Builder::new_multi_thread()
                     .worker_threads(2)

@@ -14,7 +14,7 @@ use agent_e2e::{binary, repo_root, wait_listening};
 /// no real LLM configured and nothing inherited that points it elsewhere.
 fn agentctl(args: &[&str]) -> Command {
     let mut command = Command::new(binary("agentctl"));
-    command
+    agent_bus::orphans::owned(&mut command)
         .args(args)
         .current_dir(repo_root())
         .env_remove("OPENAI_BASE_URL")

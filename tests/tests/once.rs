@@ -404,11 +404,12 @@ async fn rewrite_outcome(aggregator: &Aggregator, entry: &str, outcome: &str) {
         .unwrap();
 }
 
-/// Waits until the orchestrator whose metrics are at `metrics` has handed steps back at least
+/// Waits until `orchestrator`, whose metrics are at `metrics`, has handed steps back at least
 /// `count` times (`agent_steps_released_total`), and says how many it has.
-async fn released_at_least(metrics: &str, count: f64) -> f64 {
+async fn released_at_least(orchestrator: &mut Orchestrator, metrics: &str, count: f64) -> f64 {
     let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
     loop {
+        assert!(orchestrator.is_running(), "the orchestrator exited");
         // Scraped once it listens (a child starting).
         let listening = reqwest::get(format!("{metrics}/metrics")).await.is_ok();
         let all = if listening {
@@ -475,7 +476,7 @@ async fn a_step_another_build_recorded_is_left_to_a_replica_that_can_read_it() {
     broker.restart().unwrap();
     let mut client = client(&broker).await;
     let http_addr = format!("127.0.0.1:{}", agent_bus::embedded::free_port().unwrap());
-    let _replacement = Orchestrator::journaled(
+    let mut replacement = Orchestrator::journaled(
         Place::Child,
         &broker,
         &llm,
@@ -487,9 +488,10 @@ async fn a_step_another_build_recorded_is_left_to_a_replica_that_can_read_it() {
     // still after a broker restart (a handed-back message must not be lost with the broker's
     // connection); nothing is published and the first step's LLM call is not made again.
     let metrics = format!("http://{http_addr}");
-    let released = released_at_least(&metrics, 2.0).await;
+    let released = released_at_least(&mut replacement, &metrics, 2.0).await;
     broker.restart().unwrap();
-    released_at_least(&metrics, released + 2.0).await;
+    // Three: a handing back decided before the restart may count after it.
+    released_at_least(&mut replacement, &metrics, released + 3.0).await;
     let meanwhile = drain_for(&mut client, "upgrade", Duration::from_secs(1)).await;
     assert_eq!(closings(&meanwhile), 0, "{meanwhile:#?}");
     assert_eq!(calls_of(&llm, question, 4), 1, "the first step ran again");

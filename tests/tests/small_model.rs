@@ -29,7 +29,7 @@ struct SmallModel {
 impl SmallModel {
     fn start() -> SmallModel {
         let model = installed_path("small-model.sh");
-        let mut child = Command::new("node")
+        let mut child = agent_bus::orphans::owned(&mut Command::new("node"))
             .arg(repo_root().join("tests/llm-servers/openai-server.mjs"))
             .args([
                 "--model",

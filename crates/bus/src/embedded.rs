@@ -11,12 +11,10 @@ use std::time::{Duration, Instant};
 /// read from `/proc`: how the bench and the tests tell a broker's or a service's share of the CPU.
 /// `None` where there is no such process, or no `/proc`.
 pub fn cpu_seconds(pid: &str) -> Option<f64> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    // The fields after the command name, which is in parentheses and may hold spaces.
-    let after = stat.get(stat.rfind(')')? + 2..)?;
-    let mut fields = after.split_whitespace().skip(11);
-    let user: f64 = fields.next()?.parse().ok()?;
-    let system: f64 = fields.next()?.parse().ok()?;
+    let fields = crate::orphans::stat_fields(pid)?;
+    // Fields 14 and 15.
+    let user: f64 = fields.get(11)?.parse().ok()?;
+    let system: f64 = fields.get(12)?.parse().ok()?;
     // `/proc` counts in USER_HZ, which Linux fixes at 100 a second whatever its own tick.
     Some((user + system) / 100.0)
 }
