@@ -591,7 +591,9 @@ brokerClientAuthenticationParameters=file://{}
         }
     }
 
-    fn admin(&self, method: &str, path: &str, body: &str) -> anyhow::Result<(u16, String)> {
+    /// A call of the broker's admin REST API (`path` from `/admin/...`, `body` JSON): its status
+    /// and body.
+    pub fn admin(&self, method: &str, path: &str, body: &str) -> anyhow::Result<(u16, String)> {
         let mut stream = std::net::TcpStream::connect(("127.0.0.1", self.web_port))?;
         stream.set_read_timeout(Some(Duration::from_secs(10)))?;
         let auth = self
