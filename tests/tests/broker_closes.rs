@@ -1,8 +1,8 @@
 //! A consumer the broker closes, on Apache Pulsar itself: a topic unloaded (a load balancer moving
 //! it, a broker stopping cleanly) tells its consumers to go and subscribe again. When that
-//! subscribing is refused, the `pulsar` crate's consumer reports the error and goes on subscribed
-//! to nothing, its stream open for ever; the orchestrator must notice and subscribe again, or it
-//! would serve nothing more while looking alive.
+//! subscribing is refused, the `pulsar` crate's consumer went on subscribed to nothing, its stream
+//! open for ever (our patch of the crate now ends the stream); the orchestrator must subscribe
+//! again, or it would serve nothing more while looking alive.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use std::time::Duration;
@@ -24,6 +24,25 @@ fn admin(broker: &ApacheBroker, method: &str, path: &str, body: &str) {
         (200..300).contains(&status),
         "{method} {path}: {status} {answer}"
     );
+}
+
+/// How many consumers the orchestrator's subscription of the request topic has, by the broker's
+/// topic stats (`None` while the topic or the subscription is not there).
+fn consumers_of_requests(broker: &ApacheBroker) -> Option<usize> {
+    let (status, stats) = broker
+        .admin(
+            "GET",
+            "/admin/v2/persistent/tg/request/agent:default:default/stats",
+            "",
+        )
+        .ok()?;
+    if status != 200 {
+        return None;
+    }
+    let stats: serde_json::Value = serde_json::from_str(&stats).ok()?;
+    stats["subscriptions"]["agent-orchestrator"]["consumers"]
+        .as_array()
+        .map(Vec::len)
 }
 
 /// The request topic is unloaded while its namespace allows only Exclusive subscriptions, so the
@@ -60,8 +79,17 @@ async fn a_consumer_the_broker_closes_and_refuses_is_subscribed_again() {
         "/admin/v2/persistent/tg/request/agent:default:default/unload",
         "",
     );
-    // The crate's subscribing again is refused meanwhile (NotAllowed).
-    tokio::time::sleep(Duration::from_secs(3)).await;
+    // The crate's subscribing again is refused (NotAllowed): the subscription is left with no
+    // consumer, and our own tries are refused too while the policy stands.
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while consumers_of_requests(&broker) != Some(0) {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the orchestrator's subscription kept a consumer: the unload or the refusal did not happen"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    tokio::time::sleep(Duration::from_secs(1)).await;
     admin(
         &broker,
         "DELETE",

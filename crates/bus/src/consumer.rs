@@ -177,19 +177,8 @@ where
                     }
                 }
                 Some(Err(e)) => {
-                    // What the crate's consumer could not do comes here, subscribing again after
-                    // the broker closed it among them (a topic unloaded, a broker stopping
-                    // cleanly): refused, it goes on subscribed to nothing, and its stream never
-                    // ends. A fresh consumer is the way to be sure of a subscription; the old one
-                    // is closed first, so that what it holds goes back to the subscription.
-                    tracing::warn!(topic = %config.topic, error = %e, "receive failed; subscribing again");
-                    if tokio::time::timeout(CLOSE_WITHIN, consumer.close()).await.is_err() {
-                        tracing::debug!(topic = %config.topic, "no answer to closing the failed consumer");
-                    }
-                    match resubscribe(bus, &config, &shutdown).await {
-                        Some(fresh) => consumer = fresh,
-                        None => break,
-                    }
+                    tracing::warn!(topic = %config.topic, error = %e, "receive failed");
+                    tokio::time::sleep(Duration::from_millis(100)).await;
                 }
                 None => {
                     // The broker dropped us (a restart, a reset connection). Messages in flight
