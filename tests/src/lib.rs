@@ -122,6 +122,22 @@ impl Broker {
         }
     }
 
+    /// SIGKILL, leaving it down until [`Broker::start_again`]: an outage of the test's length.
+    pub fn stop(&mut self) {
+        match self {
+            Broker::Lite(b) => b.stop(),
+            Broker::Apache(b) => b.stop(),
+        }
+    }
+
+    /// Starts the broker again after [`Broker::stop`], on the same data.
+    pub fn start_again(&mut self) -> anyhow::Result<()> {
+        match self {
+            Broker::Lite(b) => Ok(b.start_again()?),
+            Broker::Apache(b) => b.start_again(),
+        }
+    }
+
     /// Evidence of pulsar-lite's ghost-consumer bug: connections it dropped on a reset without
     /// removing their consumers (see [`EmbeddedBroker::reset_connections`]). Apache Pulsar removes
     /// a consumer when its connection dies: never any.

@@ -265,16 +265,9 @@ async fn the_orchestrator_applies_config_changes_without_a_restart() {
         .await
         .unwrap();
     assert_eq!(put.status(), 200);
-    let mut refused = None;
-    for attempt in 0..50 {
-        refused = dialog_error(&mut client, &format!("after-{attempt}"), question).await;
-        if refused.is_some() {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
-    let refused = refused.expect("the new limit never applied");
-    assert!(refused.contains("40"), "{refused}");
+    refused_within(&mut client, question, "40", Duration::from_secs(20))
+        .await
+        .unwrap_or_else(|e| panic!("the new limit did not apply: {e}"));
 
     // Invalid (max_iterations 0): refused by the orchestrator, the previous limits stay.
     let invalid = json!({"max_question_bytes": 4000, "max_iterations": 0});
@@ -292,6 +285,73 @@ async fn the_orchestrator_applies_config_changes_without_a_restart() {
         still.is_some_and(|e| e.contains("40")),
         "the invalid config was applied"
     );
+}
+
+/// How long the broker stays down in the outage test: past the `pulsar` crate's connection
+/// retries (about 40 s), after which it ends the streams of every subscription on it.
+const LONG_OUTAGE: Duration = Duration::from_secs(50);
+
+/// Sends `question` as a new dialog until one ends with an error that names `limit`, for up to
+/// `within`.
+async fn refused_within(
+    client: &mut agent_bus::AgentClient,
+    question: &str,
+    limit: &str,
+    within: Duration,
+) -> Result<(), String> {
+    let deadline = std::time::Instant::now() + within;
+    for attempt in 0.. {
+        let id = format!("refused-{attempt}-{:x}", rand::random::<u32>());
+        if let Some(error) = dialog_error(client, &id, question).await {
+            return if error.contains(limit) {
+                Ok(())
+            } else {
+                Err(error)
+            };
+        }
+        if std::time::Instant::now() > deadline {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+    Err(format!("no dialog was refused within {within:?}"))
+}
+
+/// After a broker outage long enough to end the orchestrator's subscriptions to the config
+/// service's pushes and answers, it follows the config service again: a change made once the
+/// broker is back applies within seconds, not at its next restart.
+#[tokio::test]
+async fn the_orchestrator_follows_config_again_after_a_long_broker_outage() {
+    let mut broker = Broker::start().unwrap();
+    let svc = ConfigSvc::spawn(&broker, Some(&seed_dir()));
+    let llm = scripted_llm(
+        r#"{"rules": [{"match": "", "reply": "Thought: easy.\nFinal Answer: done"}]}"#,
+    )
+    .await;
+    let _orchestrator = Orchestrator::spawn(&broker, &llm, &seed_dir(), &[]);
+    let mut client = client(&broker).await;
+    let question = "Is this question longer than forty bytes? It is.";
+    assert_eq!(dialog_error(&mut client, "before", question).await, None);
+
+    broker.stop();
+    tokio::time::sleep(LONG_OUTAGE).await;
+    broker.start_again().unwrap();
+    // Served again (the request consumer subscribes again by itself), on the config of before.
+    assert_eq!(dialog_error(&mut client, "back", question).await, None);
+
+    let put = reqwest::Client::new()
+        .put(format!("{}/api/v1/config/agent-limits/default", svc.url))
+        .bearer_auth(&svc.token)
+        .json(&json!({"max_question_bytes": 40}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(put.status(), 200);
+    // Well within the minute of the periodic re-read, which would fail too with the answers'
+    // subscription lost.
+    refused_within(&mut client, question, "40", Duration::from_secs(20))
+        .await
+        .unwrap_or_else(|e| panic!("the config change did not apply after the outage: {e}"));
 }
 
 /// Runs `agentctl` with `args`; returns its exit code, stdout and stderr.

@@ -335,6 +335,17 @@ impl ApacheBroker {
         self.launch(false)
     }
 
+    /// SIGKILL, leaving it down until [`ApacheBroker::start_again`] (an outage of a chosen length).
+    pub fn stop(&mut self) {
+        self.kill();
+    }
+
+    /// Starts the broker again after [`ApacheBroker::stop`], on the same data and ports.
+    pub fn start_again(&mut self) -> anyhow::Result<()> {
+        self.kill();
+        self.launch(false)
+    }
+
     fn kill(&mut self) {
         if let Some(mut child) = self.child.take() {
             let _ = child.kill();

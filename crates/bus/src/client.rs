@@ -33,6 +33,9 @@ pub struct Listener {
     bytes: std::sync::Arc<std::sync::atomic::AtomicUsize>,
     pump: tokio::task::JoinHandle<()>,
     subscribed_at: std::time::Instant,
+    /// [`Listener::next`] has reported the subscription ended: nothing more will come until
+    /// [`Listener::subscribe_again`].
+    ended: bool,
 }
 
 /// The most payload bytes a listener holds that its reader has not taken yet.
@@ -87,6 +90,7 @@ impl Listener {
             bytes,
             pump,
             subscribed_at: std::time::Instant::now(),
+            ended: false,
         })
     }
 
@@ -120,6 +124,12 @@ impl Listener {
         }
     }
 
+    /// Whether the subscription has ended (reported once by [`Listener::next`]); a reader that
+    /// only looks now and then subscribes again when it finds it so.
+    pub fn ended(&self) -> bool {
+        self.ended
+    }
+
     /// The next message's payload, already acked.
     pub async fn next_payload(&mut self) -> Result<Vec<u8>, BusError> {
         Ok(self.next().await?.payload.data)
@@ -130,16 +140,18 @@ impl Listener {
         let message = match self.buffered.recv().await {
             Some(Ok(m)) => m,
             Some(Err(message)) => {
+                self.ended = true;
                 return Err(BusError::ConsumerStopped {
                     topic: self.topic.clone(),
                     message,
-                })
+                });
             }
             None => {
+                self.ended = true;
                 return Err(BusError::ConsumerStopped {
                     topic: self.topic.clone(),
                     message: "the stream ended".into(),
-                })
+                });
             }
         };
         self.bytes.fetch_sub(

@@ -10,6 +10,7 @@ use crate::{Bus, BusError, Properties, Publisher, Topics};
 
 /// Asks the config service; one request at a time.
 pub struct ConfigClient {
+    bus: Bus,
     requests: Publisher,
     responses: Listener,
 }
@@ -19,6 +20,7 @@ impl ConfigClient {
         let responses = Listener::subscribe(bus, &topics.config_response, "config-client").await?;
         let requests = Publisher::new(bus, &topics.config_request).await?;
         Ok(ConfigClient {
+            bus: bus.clone(),
             requests,
             responses,
         })
@@ -30,11 +32,18 @@ impl ConfigClient {
     /// room for is dropped, not kept. A read is therefore sent again, under the same id, after
     /// each third of `timeout` without an answer (the first answer wins, a later copy is
     /// skipped); a write is sent once, so a lost answer cannot apply it twice.
+    ///
+    /// A subscription to the answers that ended (a broker restart, the topic unloaded) is made
+    /// again before the request is sent; without that every later call would fail at once.
     pub async fn call(
         &mut self,
         request: &ConfigRequest,
         timeout: Duration,
     ) -> Result<ConfigResponse, BusError> {
+        if self.responses.ended() {
+            self.responses.subscribe_again(&self.bus).await?;
+            tracing::info!("listening to the config service's answers again");
+        }
         let id = format!("{:032x}", rand::random::<u128>());
         let mut properties = Properties::new();
         properties.insert(ID_PROPERTY.to_owned(), id.clone());
@@ -99,7 +108,8 @@ impl ConfigPushes {
         })
     }
 
-    /// The next push; pushes that do not decode are skipped.
+    /// The next push; pushes that do not decode are skipped. An error means the subscription
+    /// ended: what is pushed from then on is not heard until [`ConfigPushes::subscribe`] again.
     pub async fn next(&mut self) -> Result<ConfigPush, BusError> {
         loop {
             let message = self.pushes.next().await?;

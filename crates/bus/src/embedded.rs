@@ -283,6 +283,12 @@ impl EmbeddedBroker {
         self.launch()
     }
 
+    /// Starts the broker again after [`EmbeddedBroker::stop`], on the same port and data.
+    pub fn start_again(&mut self) -> Result<(), EmbeddedError> {
+        self.stop();
+        self.launch()
+    }
+
     /// The broker's process id while it runs (to read its CPU time).
     pub fn pid(&self) -> Option<u32> {
         self.child.as_ref().map(std::process::Child::id)

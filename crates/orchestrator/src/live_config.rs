@@ -1,6 +1,7 @@
 //! The config in force. It starts from the config directory, then follows the config service: a
 //! full read of this workspace's config (TrustGraph 2.x scopes config by workspace) at start, after
-//! every push that may concern it and once a minute (pushes are not persistent). A config
+//! every push that may concern it and once a minute (pushes are not persistent), and again at
+//! once whenever a lost subscription to the pushes or the answers is back. A config
 //! that does not validate is refused with a logged error and the last good one stays in force;
 //! iterations read a snapshot, so a change never lands in the middle of one.
 
@@ -15,6 +16,10 @@ use tokio_util::sync::CancellationToken;
 
 const ANSWER_TIMEOUT: Duration = Duration::from_secs(5);
 const REREAD_EVERY: Duration = Duration::from_secs(60);
+/// How soon a lost subscription (pushes or answers) is tried again, and the config read with it.
+const RETRY_EVERY: Duration = Duration::from_secs(5);
+/// The pause after the pushes' subscription ended before it is made again.
+const RESUBSCRIBE_PAUSE: Duration = Duration::from_secs(1);
 
 pub struct LiveConfig {
     in_force: RwLock<InForce>,
@@ -92,6 +97,11 @@ pub const FIRST_READ_WAIT: Duration = Duration::from_secs(2);
 /// Follows `workspace`'s config in the config service until `shutdown`. Without a config service
 /// nothing changes: the directory's config (or the built-in defaults) stays in force.
 /// `first_read` is notified once the first read has been answered, refused or timed out.
+///
+/// The pushes and the answers come over subscriptions that a broker may end (a restart past the
+/// client's retries, a topic unloaded and its subscribing refused). Either one lost is made again
+/// every [`RETRY_EVERY`] until it is back, and the config is read at once then, since pushes
+/// sent meanwhile were lost: a replica never keeps a stale config for good.
 pub async fn follow(
     live: Arc<LiveConfig>,
     bus: Bus,
@@ -103,7 +113,7 @@ pub async fn follow(
     let mut pushes = match ConfigPushes::subscribe(&bus, &topics).await {
         Ok(p) => Some(p),
         Err(e) => {
-            tracing::warn!(error = %e, "cannot follow config pushes; re-reading the config every minute");
+            tracing::warn!(error = %e, "cannot follow config pushes yet; trying again, reading the config every {RETRY_EVERY:?} meanwhile");
             None
         }
     };
@@ -116,48 +126,61 @@ pub async fn follow(
         }
     };
     let mut announced_absence = false;
+    let mut pushes_were_lost = pushes.is_none();
+    let mut troubled = false;
     loop {
-        match client
-            .call(
-                &ConfigRequest {
-                    operation: operation::CONFIG.to_owned(),
-                    workspace: Some(workspace.clone()),
-                    ..ConfigRequest::default()
-                },
-                ANSWER_TIMEOUT,
-            )
-            .await
-        {
-            Ok(response) if response.error.is_none() => {
-                let version = response.version.unwrap_or(0);
-                if live.version() != Some(version) {
-                    let values = response.config.unwrap_or_default();
-                    match live.apply(version, &values) {
-                        Ok(()) => tracing::info!(version, "config in force"),
-                        Err(errors) => {
-                            let lines: Vec<String> = errors.iter().map(|e| e.to_string()).collect();
-                            tracing::error!(
-                                version,
-                                kept = ?live.version(),
-                                problems = %lines.join("; "),
-                                "refusing an invalid config; the last good one stays in force"
-                            );
-                        }
+        if pushes.is_none() {
+            let subscribed = tokio::select! {
+                _ = shutdown.cancelled() => return,
+                subscribed = ConfigPushes::subscribe(&bus, &topics) => subscribed,
+            };
+            match subscribed {
+                Ok(p) => {
+                    if pushes_were_lost {
+                        tracing::info!("following config pushes again");
                     }
+                    pushes = Some(p);
+                    pushes_were_lost = false;
                 }
-            }
-            Ok(response) => {
-                tracing::warn!(error = ?response.error, "the config service refused to answer");
-            }
-            Err(e) => {
-                if !announced_absence {
-                    tracing::info!(error = %e, "no config service answered; using the local config");
-                    announced_absence = true;
-                }
+                Err(e) => tracing::debug!(error = %e, "cannot follow config pushes yet"),
             }
         }
+        let read = tokio::select! {
+            _ = shutdown.cancelled() => return,
+            read = read_config(&live, &mut client, &workspace) => read,
+        };
+        let was_troubled = troubled;
+        troubled = match read {
+            Ok(()) => {
+                if was_troubled {
+                    tracing::info!("the config service is read again");
+                }
+                false
+            }
+            // No answer: most likely no config service runs, which is a deployment, not a fault.
+            Err(agent_bus::BusError::Timeout { .. }) => {
+                if !announced_absence {
+                    tracing::info!("no config service answered; using the local config");
+                    announced_absence = true;
+                }
+                false
+            }
+            Err(e) => {
+                if was_troubled {
+                    tracing::debug!(error = %e, "cannot read the config service yet");
+                } else {
+                    tracing::warn!(error = %e, "cannot read the config service; trying again every {RETRY_EVERY:?}");
+                }
+                true
+            }
+        };
         // A permit is kept until the waiter comes; later reads add nothing to wait for.
         first_read.notify_one();
+        let wait = if troubled || pushes.is_none() {
+            RETRY_EVERY
+        } else {
+            REREAD_EVERY
+        };
         let push = async {
             match pushes.as_mut() {
                 Some(p) => loop {
@@ -173,13 +196,59 @@ pub async fn follow(
             _ = shutdown.cancelled() => return,
             result = push => {
                 if let Err(e) = result {
-                    tracing::warn!(error = %e, "config pushes stopped; re-reading every minute");
+                    tracing::warn!(error = %e, "config pushes stopped; subscribing again");
                     pushes = None;
+                    pushes_were_lost = true;
+                    // Not at once: a subscription that ends as soon as it is made must not spin.
+                    tokio::select! {
+                        _ = shutdown.cancelled() => return,
+                        _ = tokio::time::sleep(RESUBSCRIBE_PAUSE) => {}
+                    }
                 }
             }
-            _ = tokio::time::sleep(REREAD_EVERY) => {}
+            _ = tokio::time::sleep(wait) => {}
         }
     }
+}
+
+/// One full read of `workspace`'s config, put in force when it is new and valid. An answer the
+/// service gives (a refusal, an invalid config) is logged here; a failure to get one is returned.
+async fn read_config(
+    live: &LiveConfig,
+    client: &mut ConfigClient,
+    workspace: &str,
+) -> Result<(), agent_bus::BusError> {
+    let response = client
+        .call(
+            &ConfigRequest {
+                operation: operation::CONFIG.to_owned(),
+                workspace: Some(workspace.to_owned()),
+                ..ConfigRequest::default()
+            },
+            ANSWER_TIMEOUT,
+        )
+        .await?;
+    if let Some(error) = response.error {
+        tracing::warn!(?error, "the config service refused to answer");
+        return Ok(());
+    }
+    let version = response.version.unwrap_or(0);
+    if live.version() != Some(version) {
+        let values = response.config.unwrap_or_default();
+        match live.apply(version, &values) {
+            Ok(()) => tracing::info!(version, "config in force"),
+            Err(errors) => {
+                let lines: Vec<String> = errors.iter().map(|e| e.to_string()).collect();
+                tracing::error!(
+                    version,
+                    kept = ?live.version(),
+                    problems = %lines.join("; "),
+                    "refusing an invalid config; the last good one stays in force"
+                );
+            }
+        }
+    }
+    Ok(())
 }
 
 #[cfg(test)]
