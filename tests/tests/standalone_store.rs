@@ -171,6 +171,47 @@ async fn a_second_owner_of_one_server_that_the_broker_cannot_reach_refuses_to_ru
     serves_one_dialog(&broker, &first, "kept").await;
 }
 
+/// As above, with the first owner's broker gone for longer than the `pulsar` crate's connection
+/// retries (about 40 s) when the second starts: the first, subscribing again to the owners'
+/// announcements all that while, must go on beating in the server, or the second would hear
+/// nobody there and own the journal beside it.
+#[tokio::test]
+async fn an_owner_whose_broker_is_gone_still_refuses_a_second_owner() {
+    let mut broker = Broker::start().unwrap();
+    let mut first = owner_of_a_new_server(&broker);
+    let endpoint = first.sparql_server().unwrap().endpoint();
+    assert!(
+        owns_the_journal(&first).await,
+        "the first aggregator never became ready"
+    );
+    broker.stop();
+    tokio::time::sleep(Duration::from_secs(50)).await;
+    let elsewhere = Broker::start().unwrap();
+    let mut second = Aggregator::child_over_endpoint(
+        &elsewhere,
+        &endpoint,
+        &[
+            "--config-token",
+            TOKEN,
+            "--subscription",
+            "another-deployment",
+        ],
+    );
+    let status = second
+        .exit_within(Duration::from_secs(30))
+        .await
+        .expect("a second owner of the server kept running while the first's broker was gone");
+    assert!(!status.success(), "the second owner exited with {status}");
+    let log = second.log();
+    assert!(
+        log.contains("already owns the journal") && log.contains("heard on the SPARQL server"),
+        "{log}"
+    );
+    broker.start_again().unwrap();
+    assert!(first.is_running(), "the first owner stopped");
+    serves_one_dialog(&broker, &first, "kept").await;
+}
+
 /// The first owner of a server stops (SIGKILL, so its record stays behind): a new owner of the
 /// server is not refused by the record of one that no longer beats.
 #[tokio::test]

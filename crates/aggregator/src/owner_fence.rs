@@ -238,6 +238,9 @@ async fn watch_owners(
         }
     };
     tokio::pin!(listened);
+    let mut listening_again: Option<
+        std::pin::Pin<Box<dyn std::future::Future<Output = Listener> + Send>>,
+    > = None;
     let refusal = loop {
         // Biased: an owner heard in the same instant as the window closes is heard first.
         let other = tokio::select! {
@@ -247,7 +250,17 @@ async fn watch_owners(
                 owner: other,
                 on: "the SPARQL server they share (its journal owners' records)".to_owned(),
             },
-            message = heard.next_payload() => match message {
+            again = async {
+                match listening_again.as_mut() {
+                    Some(again) => again.await,
+                    None => std::future::pending().await,
+                }
+            }, if listening_again.is_some() => {
+                heard = again;
+                listening_again = None;
+                continue;
+            }
+            message = heard.next_payload(), if listening_again.is_none() => match message {
                 Ok(payload) => {
                     let Ok(other) = serde_json::from_slice::<Owner>(&payload) else {
                         tracing::warn!("skipping a journal owner's announcement that does not decode");
@@ -260,11 +273,12 @@ async fn watch_owners(
                 }
                 Err(e) => {
                     tracing::warn!(error = %e, "lost the journal owners' announcements; listening again");
-                    let again = heard.subscribe_again_until_taken(&bus, "the journal owners' announcements");
-                    tokio::select! {
-                        _ = stop.cancelled() => break None,
-                        () = again => {}
-                    }
+                    // Made beside the loop, which goes on beating and hearing owners in the store
+                    // while the broker refuses (held up here, it would fill the store beacon's
+                    // queue and stop its beats too).
+                    listening_again = Some(Box::pin(
+                        heard.subscription_again(&bus, "the journal owners' announcements"),
+                    ));
                     continue;
                 }
             },

@@ -109,30 +109,52 @@ impl Listener {
     /// 0.2-0.7 s after a restart). A subscription that ended within a second of being made waits
     /// the second, so that one that ends as soon as it is made does not spin.
     pub async fn subscribe_again_until_taken(&mut self, bus: &Bus, what: &str) {
+        *self = self.subscription_again(bus, what).await;
+    }
+
+    /// A new listener on this one's topic, made as [`Listener::subscribe_again_until_taken`]
+    /// makes it, by a future that borrows nothing: a loop that has other work goes on with it
+    /// while the broker refuses.
+    pub fn subscription_again(
+        &self,
+        bus: &Bus,
+        what: &str,
+    ) -> impl std::future::Future<Output = Listener> + Send + 'static {
+        let (bus, topic, prefix, limit) = (
+            bus.clone(),
+            self.topic.clone(),
+            self.prefix.clone(),
+            self.limit,
+        );
+        let what = what.to_owned();
         let mut pause = if self.subscribed_at.elapsed() > std::time::Duration::from_secs(1) {
             std::time::Duration::from_millis(50)
         } else {
             std::time::Duration::from_secs(1)
         };
-        loop {
-            tokio::time::sleep(pause).await;
-            match self.subscribe_again(bus).await {
-                Ok(()) => return,
-                Err(e) => tracing::warn!(error = %e, "cannot listen to {what} yet"),
+        async move {
+            loop {
+                tokio::time::sleep(pause).await;
+                match Self::subscribe_holding(&bus, &topic, &prefix, limit).await {
+                    Ok(listener) => return listener,
+                    Err(e) => tracing::warn!(error = %e, "cannot listen to {what} yet"),
+                }
+                pause = std::time::Duration::from_secs(1);
             }
-            pause = std::time::Duration::from_secs(1);
         }
-    }
-
-    /// Whether the subscription has ended (reported once by [`Listener::next`]); a reader that
-    /// only looks now and then subscribes again when it finds it so.
-    pub fn ended(&self) -> bool {
-        self.ended
     }
 
     /// The next message's payload, already acked.
     pub async fn next_payload(&mut self) -> Result<Vec<u8>, BusError> {
         Ok(self.next().await?.payload.data)
+    }
+
+    /// Whether the subscription has ended, whether or not [`Listener::next`] has reported it yet
+    /// (messages taken before may still wait); a reader that only looks now and then subscribes
+    /// again when it finds it so.
+    pub fn ended(&self) -> bool {
+        // The pump ends only with the subscription: the listener holds what it sends to.
+        self.ended || self.pump.is_finished()
     }
 
     /// The next message, already acked (a listener never wants one again).
@@ -549,6 +571,9 @@ impl AgentClient {
             .stopped_since
             .get_or_insert_with(std::time::Instant::now);
         if since.elapsed() > Self::LISTEN_AGAIN_PATIENCE {
+            // Reported once; a later call starts trying again, so a long-lived client outlives
+            // a broker outage longer than its patience.
+            self.stopped_since = None;
             return Err(stopped);
         }
         tracing::warn!(error = %stopped, "the responses' subscription ended (the broker restarted?): subscribing again");

@@ -148,8 +148,10 @@ pub async fn listen(
     cancellations: Arc<Cancellations>,
     shutdown: CancellationToken,
 ) {
-    let mut pause = Duration::from_millis(200);
+    const FIRST_PAUSE: Duration = Duration::from_millis(200);
+    let mut pause = FIRST_PAUSE;
     loop {
+        let listening_since = tokio::time::Instant::now();
         let heard = async {
             let mut listener = match subscribed.take() {
                 Some(listener) => listener,
@@ -171,6 +173,10 @@ pub async fn listen(
         };
         if let Err(e) = stopped {
             tracing::warn!(error = %e, "the control topic was lost; subscribing again");
+        }
+        // A subscription that lasted was not one that ends at once: no reason to wait long.
+        if listening_since.elapsed() > Duration::from_secs(30) {
+            pause = FIRST_PAUSE;
         }
         tokio::select! {
             _ = shutdown.cancelled() => return,

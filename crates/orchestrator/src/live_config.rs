@@ -6,10 +6,12 @@
 //! iterations read a snapshot, so a change never lands in the middle of one.
 
 use std::collections::BTreeMap;
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
-use agent_bus::{Bus, ConfigClient, ConfigPushes, Topics};
+use agent_bus::{Bus, BusError, ConfigClient, ConfigPushes, Topics};
 use agent_core::config::{AgentConfig, ConfigError};
 use agent_schema::{operation, ConfigPush, ConfigRequest};
 use tokio_util::sync::CancellationToken;
@@ -18,8 +20,9 @@ const ANSWER_TIMEOUT: Duration = Duration::from_secs(5);
 const REREAD_EVERY: Duration = Duration::from_secs(60);
 /// How soon a lost subscription (pushes or answers) is tried again, and the config read with it.
 const RETRY_EVERY: Duration = Duration::from_secs(5);
-/// The pause after the pushes' subscription ended before it is made again.
+/// The first pause before the pushes' subscription is made again, and the longest.
 const RESUBSCRIBE_PAUSE: Duration = Duration::from_secs(1);
+const RESUBSCRIBE_PAUSE_MAX: Duration = Duration::from_secs(30);
 
 pub struct LiveConfig {
     in_force: RwLock<InForce>,
@@ -98,10 +101,12 @@ pub const FIRST_READ_WAIT: Duration = Duration::from_secs(2);
 /// nothing changes: the directory's config (or the built-in defaults) stays in force.
 /// `first_read` is notified once the first read has been answered, refused or timed out.
 ///
-/// The pushes and the answers come over subscriptions that a broker may end (a restart past the
-/// client's retries, a topic unloaded and its subscribing refused). Either one lost is made again
-/// every [`RETRY_EVERY`] until it is back, and the config is read at once then, since pushes
-/// sent meanwhile were lost: a replica never keeps a stale config for good.
+/// The pushes and the answers come over subscriptions that a broker may end (an outage past the
+/// client's retries, a topic unloaded and its subscribing refused). Lost answers are subscribed
+/// again by the next read, tried every [`RETRY_EVERY`]; lost pushes are subscribed again beside
+/// the reads, with a pause that grows while they keep ending, and the config is read at once when
+/// they are back, since pushes sent meanwhile were lost: a replica never keeps a stale config
+/// for good.
 pub async fn follow(
     live: Arc<LiveConfig>,
     bus: Bus,
@@ -110,103 +115,184 @@ pub async fn follow(
     first_read: Arc<tokio::sync::Notify>,
     shutdown: CancellationToken,
 ) {
-    let mut pushes = match ConfigPushes::subscribe(&bus, &topics).await {
-        Ok(p) => Some(p),
-        Err(e) => {
-            tracing::warn!(error = %e, "cannot follow config pushes yet; trying again, reading the config every {RETRY_EVERY:?} meanwhile");
-            None
-        }
-    };
-    let mut client = match ConfigClient::connect(&bus, &topics).await {
-        Ok(c) => c,
-        Err(e) => {
-            tracing::error!(error = %e, "cannot reach the config service topics; keeping the local config");
-            first_read.notify_one();
-            return;
-        }
-    };
+    let mut pushes = PushFollower::new(&bus, &topics);
+    // A moment for the pushes' subscription, so that the first read comes after it and no push
+    // falls between them; a broker that is slow to take it does not hold the first read up.
+    tokio::select! {
+        _ = shutdown.cancelled() => return,
+        _ = pushes.settle() => {}
+        _ = tokio::time::sleep(FIRST_READ_WAIT / 2) => {}
+    }
+    let mut client: Option<ConfigClient> = None;
     let mut announced_absence = false;
-    let mut pushes_were_lost = pushes.is_none();
     let mut troubled = false;
+    let mut read_now = true;
+    let mut next_read = tokio::time::Instant::now();
     loop {
-        if pushes.is_none() {
-            let subscribed = tokio::select! {
+        if read_now {
+            let read = tokio::select! {
                 _ = shutdown.cancelled() => return,
-                subscribed = ConfigPushes::subscribe(&bus, &topics) => subscribed,
+                read = read_config(&live, &mut client, &bus, &topics, &workspace) => read,
             };
-            match subscribed {
-                Ok(p) => {
-                    if pushes_were_lost {
-                        tracing::info!("following config pushes again");
+            let was_troubled = troubled;
+            troubled = match read {
+                Ok(()) => {
+                    if was_troubled {
+                        tracing::info!("the config service is read again");
                     }
-                    pushes = Some(p);
-                    pushes_were_lost = false;
+                    false
                 }
-                Err(e) => tracing::debug!(error = %e, "cannot follow config pushes yet"),
-            }
+                // No answer: most likely no config service runs, which is a deployment, not a
+                // fault.
+                Err(BusError::Timeout { .. }) => {
+                    if !announced_absence {
+                        tracing::info!("no config service answered; using the local config");
+                        announced_absence = true;
+                    }
+                    false
+                }
+                Err(e) => {
+                    if was_troubled {
+                        tracing::debug!(error = %e, "cannot read the config service yet");
+                    } else {
+                        tracing::warn!(error = %e, "cannot read the config service; trying again every {RETRY_EVERY:?}");
+                    }
+                    true
+                }
+            };
+            // A permit is kept until the waiter comes; later reads add nothing to wait for.
+            first_read.notify_one();
+            let wait = if troubled || !pushes.following() {
+                RETRY_EVERY
+            } else {
+                REREAD_EVERY
+            };
+            next_read = tokio::time::Instant::now() + wait;
         }
-        let read = tokio::select! {
+        read_now = tokio::select! {
             _ = shutdown.cancelled() => return,
-            read = read_config(&live, &mut client, &workspace) => read,
+            change = pushes.next_change(&workspace) => change,
+            _ = tokio::time::sleep_until(next_read) => true,
         };
-        let was_troubled = troubled;
-        troubled = match read {
-            Ok(()) => {
-                if was_troubled {
-                    tracing::info!("the config service is read again");
+    }
+}
+
+/// A subscription to config pushes on its way.
+type Subscribing = Pin<Box<dyn Future<Output = Result<ConfigPushes, BusError>> + Send>>;
+
+/// The subscription to config pushes, made again whenever it ends.
+struct PushFollower {
+    bus: Bus,
+    topics: Topics,
+    pushes: Option<ConfigPushes>,
+    /// The subscription being made, after its pause.
+    subscribing: Option<Subscribing>,
+    /// When the subscription in hand was made, and the pause before the next try.
+    subscribed_at: tokio::time::Instant,
+    pause: Duration,
+    /// The subscription was lost or refused since it last worked (said once, until it is back).
+    lost: bool,
+}
+
+impl PushFollower {
+    fn new(bus: &Bus, topics: &Topics) -> PushFollower {
+        let mut follower = PushFollower {
+            bus: bus.clone(),
+            topics: topics.clone(),
+            pushes: None,
+            subscribing: None,
+            subscribed_at: tokio::time::Instant::now(),
+            pause: Duration::ZERO,
+            lost: false,
+        };
+        follower.subscribe_after(Duration::ZERO);
+        follower
+    }
+
+    fn following(&self) -> bool {
+        self.pushes.is_some()
+    }
+
+    fn subscribe_after(&mut self, pause: Duration) {
+        let (bus, topics) = (self.bus.clone(), self.topics.clone());
+        self.subscribing = Some(Box::pin(async move {
+            tokio::time::sleep(pause).await;
+            ConfigPushes::subscribe(&bus, &topics).await
+        }));
+    }
+
+    /// Waits for the subscription being made, if any.
+    async fn settle(&mut self) {
+        if let Some(subscribing) = self.subscribing.as_mut() {
+            let subscribed = subscribing.await;
+            self.subscribing = None;
+            self.took(subscribed);
+        }
+    }
+
+    fn took(&mut self, subscribed: Result<ConfigPushes, BusError>) {
+        match subscribed {
+            Ok(pushes) => {
+                if self.lost {
+                    tracing::info!("following config pushes again");
+                    self.lost = false;
                 }
-                false
-            }
-            // No answer: most likely no config service runs, which is a deployment, not a fault.
-            Err(agent_bus::BusError::Timeout { .. }) => {
-                if !announced_absence {
-                    tracing::info!("no config service answered; using the local config");
-                    announced_absence = true;
-                }
-                false
+                self.pushes = Some(pushes);
+                self.subscribed_at = tokio::time::Instant::now();
             }
             Err(e) => {
-                if was_troubled {
-                    tracing::debug!(error = %e, "cannot read the config service yet");
+                if self.lost {
+                    tracing::debug!(error = %e, "cannot follow config pushes yet");
                 } else {
-                    tracing::warn!(error = %e, "cannot read the config service; trying again every {RETRY_EVERY:?}");
+                    tracing::warn!(error = %e, "cannot follow config pushes; reading the config every {RETRY_EVERY:?} until they are back");
+                    self.lost = true;
                 }
-                true
+                self.pause = self.next_pause();
+                self.subscribe_after(self.pause);
             }
-        };
-        // A permit is kept until the waiter comes; later reads add nothing to wait for.
-        first_read.notify_one();
-        let wait = if troubled || pushes.is_none() {
-            RETRY_EVERY
+        }
+    }
+
+    /// The pause before subscribing again: a second, doubling while subscriptions keep ending
+    /// soon after they are made (so that one that ends at once does not spin), back to a second
+    /// after one that lasted.
+    fn next_pause(&self) -> Duration {
+        if self.pushes.is_some() && self.subscribed_at.elapsed() > RESUBSCRIBE_PAUSE_MAX * 2 {
+            RESUBSCRIBE_PAUSE
         } else {
-            REREAD_EVERY
-        };
-        let push = async {
-            match pushes.as_mut() {
-                Some(p) => loop {
-                    match p.next().await {
-                        Ok(push) if !concerns(&push, &workspace) => continue,
-                        other => break other.map(|_| ()),
-                    }
-                },
-                None => std::future::pending().await,
-            }
-        };
-        tokio::select! {
-            _ = shutdown.cancelled() => return,
-            result = push => {
-                if let Err(e) = result {
-                    tracing::warn!(error = %e, "config pushes stopped; subscribing again");
-                    pushes = None;
-                    pushes_were_lost = true;
-                    // Not at once: a subscription that ends as soon as it is made must not spin.
-                    tokio::select! {
-                        _ = shutdown.cancelled() => return,
-                        _ = tokio::time::sleep(RESUBSCRIBE_PAUSE) => {}
+            (self.pause * 2).clamp(RESUBSCRIBE_PAUSE, RESUBSCRIBE_PAUSE_MAX)
+        }
+    }
+
+    /// Waits for something that calls for a read: a push that may concern `workspace` (true),
+    /// or the subscription made again after it was lost (true). A lost subscription or a refused
+    /// try answers false: nothing new to read.
+    async fn next_change(&mut self, workspace: &str) -> bool {
+        if let Some(pushes) = self.pushes.as_mut() {
+            loop {
+                match pushes.next().await {
+                    Ok(push) if !concerns(&push, workspace) => continue,
+                    Ok(_) => return true,
+                    Err(e) => {
+                        tracing::warn!(error = %e, "config pushes stopped; subscribing again");
+                        self.lost = true;
+                        self.pause = self.next_pause();
+                        self.pushes = None;
+                        self.subscribe_after(self.pause);
+                        return false;
                     }
                 }
             }
-            _ = tokio::time::sleep(wait) => {}
+        }
+        match self.subscribing.as_mut() {
+            Some(subscribing) => {
+                let subscribed = subscribing.await;
+                self.subscribing = None;
+                let made = subscribed.is_ok();
+                self.took(subscribed);
+                made
+            }
+            None => std::future::pending().await,
         }
     }
 }
@@ -215,9 +301,17 @@ pub async fn follow(
 /// service gives (a refusal, an invalid config) is logged here; a failure to get one is returned.
 async fn read_config(
     live: &LiveConfig,
-    client: &mut ConfigClient,
+    client: &mut Option<ConfigClient>,
+    bus: &Bus,
+    topics: &Topics,
     workspace: &str,
-) -> Result<(), agent_bus::BusError> {
+) -> Result<(), BusError> {
+    if client.is_none() {
+        *client = Some(ConfigClient::connect(bus, topics).await?);
+    }
+    let Some(client) = client.as_mut() else {
+        return Ok(());
+    };
     let response = client
         .call(
             &ConfigRequest {
