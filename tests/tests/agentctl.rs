@@ -273,3 +273,23 @@ fn bench_long_follows_one_dialog_as_it_grows() {
     assert!(stdout.contains("step    3:"), "{stdout}");
     assert!(stdout.contains("store: "), "{stdout}");
 }
+
+/// A broker address that takes connections and never answers (a hung broker, a load balancer in
+/// front of none): each command that needs the broker says so within its patience (30 s) and
+/// exits non-zero, instead of trying in silence for minutes (its connection error, after about
+/// nine, named no timeout).
+#[test]
+fn a_broker_that_never_answers_is_reported_not_waited_on() {
+    let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let url = format!("pulsar://{}", silent.local_addr().unwrap());
+    let output = agentctl(&["invoke", "--question", "hello?", "--pulsar-url", &url])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(!output.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("no answer from the broker") && stderr.contains(&url),
+        "{stderr}"
+    );
+    drop(silent);
+}

@@ -53,7 +53,7 @@ pub async fn cancel(args: CancelArgs) -> anyhow::Result<i32> {
     let at = now();
     let bus = args
         .broker
-        .connect()
+        .connect_within(crate::BROKER_PATIENCE)
         .await
         .with_context(|| format!("connecting to {}", args.broker.pulsar_url))?;
     let topics = args.broker.topics();
@@ -164,7 +164,7 @@ async fn answer(broker: &BrokerArgs, control: &AgentControl) -> anyhow::Result<i
         "steps are numbered from 1"
     );
     let bus = broker
-        .connect()
+        .connect_within(crate::BROKER_PATIENCE)
         .await
         .with_context(|| format!("connecting to {}", broker.pulsar_url))?;
     send_control(&bus, &broker.topics(), control)

@@ -154,7 +154,7 @@ pub async fn run(args: ForkArgs) -> anyhow::Result<i32> {
     }
     let bus = args
         .broker
-        .connect()
+        .connect_within(crate::BROKER_PATIENCE)
         .await
         .with_context(|| format!("connecting to {}", args.broker.pulsar_url))?;
     let mut client = AgentClient::connect(&bus, &args.broker.topics()).await?;

@@ -63,7 +63,7 @@ impl InvokeArgs {
 pub async fn run(args: InvokeArgs) -> anyhow::Result<i32> {
     let bus = args
         .broker
-        .connect()
+        .connect_within(crate::BROKER_PATIENCE)
         .await
         .with_context(|| format!("connecting to {}", args.broker.pulsar_url))?;
     let topics = args.broker.topics();

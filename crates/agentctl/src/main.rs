@@ -17,6 +17,11 @@ mod up;
 
 use clap::{Parser, Subcommand};
 
+/// How long a command waits for the broker to take its connection before it says so: long
+/// enough for a broker that is restarting (Apache Pulsar's standalone takes 10-20 s), short next
+/// to the minutes the client would try a host that does not answer.
+const BROKER_PATIENCE: std::time::Duration = std::time::Duration::from_secs(30);
+
 #[derive(Parser)]
 #[command(version, about = "Invoke agents, run the local stack, benchmark")]
 struct Cli {

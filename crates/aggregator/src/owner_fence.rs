@@ -295,7 +295,9 @@ async fn watch_owners(
                 }
                 continue;
             }
-            _ = &mut listened, if !me.owning => {
+            // Not while deaf to the broker's announcements: an owner announced meanwhile would
+            // go unheard.
+            _ = &mut listened, if !me.owning && listening_again.is_none() => {
                 me.owning = true;
                 owning.send_replace(true);
                 standing.send_replace(Standing::Owner);
@@ -311,6 +313,7 @@ async fn watch_owners(
         }
         tracing::warn!(other = %other.owner.store, on = %other.on, "another aggregator claims this deployment's journal; it will stand down");
     };
+    drop(listening_again);
     if let Some(why) = refusal {
         tracing::error!("{why}");
         standing.send_replace(Standing::Refused(why));

@@ -41,6 +41,21 @@ impl BrokerArgs {
         .with_compression(self.pulsar_compression))
     }
 
+    /// [`BrokerArgs::connect`] for a command someone waits on: a broker that neither answers nor
+    /// refuses (a host gone from the network, a port that takes connections and says nothing)
+    /// would have the client try for minutes, each try waiting out its 10 s connection
+    /// timeout, in silence. Past `patience` it is reported instead.
+    pub async fn connect_within(&self, patience: std::time::Duration) -> Result<Bus, BusError> {
+        tokio::time::timeout(patience, self.connect())
+            .await
+            .unwrap_or_else(|_| {
+                Err(BusError::Timeout {
+                    what: format!("the broker at {}", self.pulsar_url),
+                    after: patience,
+                })
+            })
+    }
+
     /// TrustGraph's topic names for this workspace and flow.
     pub fn topics(&self) -> Topics {
         Topics::trustgraph(&self.workspace, &self.flow)

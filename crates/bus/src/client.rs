@@ -584,7 +584,12 @@ impl AgentClient {
             std::time::Duration::from_millis(500)
         };
         tokio::time::sleep(pause).await;
-        self.responses.subscribe_again(&self.bus).await?;
+        if let Err(e) = self.responses.subscribe_again(&self.bus).await {
+            // It waited out the broker's refusals as long as the patience allows: reported now,
+            // and a later call starts again.
+            self.stopped_since = None;
+            return Err(e);
+        }
         self.listened_again += 1;
         Ok(())
     }

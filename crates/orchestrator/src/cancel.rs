@@ -151,12 +151,13 @@ pub async fn listen(
     const FIRST_PAUSE: Duration = Duration::from_millis(200);
     let mut pause = FIRST_PAUSE;
     loop {
-        let listening_since = tokio::time::Instant::now();
+        let mut listening_since = None;
         let heard = async {
             let mut listener = match subscribed.take() {
                 Some(listener) => listener,
                 None => ControlListener::subscribe(&bus, &topics).await?,
             };
+            listening_since = Some(tokio::time::Instant::now());
             loop {
                 let control = listener.next().await?;
                 match from_control(&control) {
@@ -175,7 +176,7 @@ pub async fn listen(
             tracing::warn!(error = %e, "the control topic was lost; subscribing again");
         }
         // A subscription that lasted was not one that ends at once: no reason to wait long.
-        if listening_since.elapsed() > Duration::from_secs(30) {
+        if listening_since.is_some_and(|since| since.elapsed() > Duration::from_secs(30)) {
             pause = FIRST_PAUSE;
         }
         tokio::select! {

@@ -174,6 +174,10 @@ pub async fn follow(
             change = pushes.next_change(&workspace) => change,
             _ = tokio::time::sleep_until(next_read) => true,
         };
+        if !pushes.following() {
+            // Pushes lost since the last read: read on the shorter schedule until they are back.
+            next_read = next_read.min(tokio::time::Instant::now() + RETRY_EVERY);
+        }
     }
 }
 
