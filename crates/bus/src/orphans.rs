@@ -2,7 +2,8 @@
 //! started for a run (a test, `agentctl up`) are stopped when their owner drops them, but an
 //! owner that aborts (a stack overflow, SIGKILL) leaves them running, each a JVM or a broker that
 //! loads the machine for every run after it. Each child is marked with its owner; the next owner
-//! to start a child stops those whose owner is gone.
+//! to start a child stops those whose owner is gone, and removes the folders and files that gone
+//! owners left in the temporary folder (a broker's data, hundreds of MB each).
 
 use std::process::Command;
 use std::time::Duration;
@@ -16,7 +17,10 @@ pub const OWNER_VAR: &str = "PULSAR_AGENTS_CHILD_OWNER";
 /// children of owners that are gone.
 pub fn owned(command: &mut Command) -> &mut Command {
     static SWEPT: std::sync::Once = std::sync::Once::new();
-    SWEPT.call_once(stop_orphans);
+    SWEPT.call_once(|| {
+        stop_orphans();
+        remove_orphaned_files(&std::env::temp_dir());
+    });
     match owner_of("self") {
         Some(owner) => command.env(OWNER_VAR, owner),
         None => command,
@@ -118,6 +122,106 @@ fn stop_orphans_once() -> usize {
     stopped
 }
 
+/// What this project's processes make in the temporary folder, each named by the prefix, then the
+/// pid of the process that made it, then `-` or `.` and the rest: broker and store data, config
+/// folders, logs. A run removes its own as it ends, unless it was killed or aborted.
+const TEMPORARY_PREFIXES: &[&str] = &[
+    "apache-pulsar-",
+    "pulsar-lite-",
+    "pulsar-tls-",
+    "agent-e2e-aggregator-",
+    "agent-e2e-config-",
+    "agent-e2e-graph-",
+    "agent-e2e-librarian-",
+    "agent-e2e-no-config-",
+    "agent-e2e-sparql-",
+    "agent-graph-batch-",
+    "agent-graph-group-commit-",
+    "agent-graph-test-",
+    "agent-graph-unbound-",
+    "agentctl-bench-",
+    "agentctl-bench-long-",
+    "agentctl-bench-long-config-",
+    "agentctl-put-",
+    "emit-unrecorded-",
+];
+
+/// The pid in `name`, when it is one of [`TEMPORARY_PREFIXES`]' names.
+fn maker_of(name: &str) -> Option<&str> {
+    TEMPORARY_PREFIXES.iter().find_map(|prefix| {
+        let rest = name.strip_prefix(prefix)?;
+        let end = rest.find(['-', '.']).unwrap_or(rest.len());
+        let pid = &rest[..end];
+        (!pid.is_empty() && pid.bytes().all(|b| b.is_ascii_digit())).then_some(pid)
+    })
+}
+
+/// When the process `pid` started, if it runs (a zombie does not).
+fn started_at(pid: &str) -> Option<std::time::SystemTime> {
+    let fields = stat_fields(pid)?;
+    if matches!(fields.first().map(String::as_str), Some("Z" | "X")) {
+        return None;
+    }
+    // Field 22, in clock ticks after the boot; Linux's ticks are 100 a second wherever it runs.
+    let ticks: u64 = fields.get(19)?.parse().ok()?;
+    let stat = std::fs::read_to_string("/proc/stat").ok()?;
+    let boot: u64 = stat
+        .lines()
+        .find_map(|line| line.strip_prefix("btime "))?
+        .trim()
+        .parse()
+        .ok()?;
+    Some(std::time::UNIX_EPOCH + Duration::from_secs(boot) + Duration::from_millis(ticks * 10))
+}
+
+/// Removes from `folder` what [`TEMPORARY_PREFIXES`] names for a process that no longer runs:
+/// its pid runs nothing, or a process that started after the thing was last written (the pid
+/// used again). Only what this user owns; how many were removed.
+fn remove_orphaned_files(folder: &std::path::Path) -> usize {
+    use std::os::unix::fs::MetadataExt;
+    let (Ok(entries), Ok(me)) = (std::fs::read_dir(folder), std::fs::metadata("/proc/self")) else {
+        return 0;
+    };
+    let mut removed = 0;
+    for entry in entries.flatten() {
+        let name = entry.file_name();
+        let Some(pid) = name.to_str().and_then(maker_of) else {
+            continue;
+        };
+        let Ok(metadata) = entry.path().symlink_metadata() else {
+            continue;
+        };
+        if metadata.uid() != me.uid() {
+            continue;
+        }
+        let written = metadata.modified().ok();
+        // A few seconds' margin for the clock ticks' rounding.
+        let maker_gone = match started_at(pid) {
+            None => true,
+            Some(start) => written.is_some_and(|w| start > w + Duration::from_secs(5)),
+        };
+        if !maker_gone {
+            continue;
+        }
+        let path = entry.path();
+        let result = if metadata.is_dir() {
+            std::fs::remove_dir_all(&path)
+        } else {
+            std::fs::remove_file(&path)
+        };
+        match result {
+            Ok(()) => removed += 1,
+            Err(e) => {
+                tracing::debug!(path = %path.display(), error = %e, "could not remove what a gone process left")
+            }
+        }
+    }
+    if removed > 0 {
+        tracing::info!(removed, folder = %folder.display(), "removed what processes that are gone left in the temporary folder");
+    }
+    removed
+}
+
 #[cfg(all(test, target_os = "linux"))]
 mod tests {
     use super::*;
@@ -149,5 +253,40 @@ mod tests {
         );
         let _ = kept.kill();
         let _ = kept.wait();
+    }
+
+    /// What a gone process left is removed; what a live one (this one) made, and what is not
+    /// ours by name, stay.
+    #[test]
+    fn what_a_gone_process_left_is_removed() {
+        let folder =
+            std::env::temp_dir().join(format!("orphans-test-{:08x}", rand::random::<u32>()));
+        std::fs::create_dir_all(&folder).unwrap();
+        let gone = folder.join("pulsar-lite-4294967295-6650-0badf00d");
+        std::fs::create_dir_all(gone.join("data")).unwrap();
+        std::fs::write(gone.join("data/ledger"), b"x").unwrap();
+        let gone_log = folder.join("agent-e2e-aggregator-4294967295-00000000.log");
+        std::fs::write(&gone_log, b"log").unwrap();
+        let live = folder.join(format!(
+            "apache-pulsar-{}-6650-00000000",
+            std::process::id()
+        ));
+        std::fs::create_dir_all(&live).unwrap();
+        let not_ours = folder.join("pulsar-lite-notapid");
+        std::fs::create_dir_all(&not_ours).unwrap();
+        assert_eq!(remove_orphaned_files(&folder), 2);
+        assert!(!gone.exists() && !gone_log.exists());
+        assert!(live.exists() && not_ours.exists());
+        std::fs::remove_dir_all(&folder).unwrap();
+    }
+
+    #[test]
+    fn the_maker_is_read_from_the_name() {
+        assert_eq!(maker_of("agent-e2e-config-123-4-hostile"), Some("123"));
+        assert_eq!(maker_of("agentctl-put-77.json"), Some("77"));
+        assert_eq!(maker_of("agent-graph-test-9"), Some("9"));
+        assert_eq!(maker_of("agentctl-bench-long-config-5-0a"), Some("5"));
+        assert_eq!(maker_of("apache-pulsar-class-archive-check.log"), None);
+        assert_eq!(maker_of("pulsar-agents-test.log"), None);
     }
 }
