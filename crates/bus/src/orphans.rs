@@ -124,7 +124,8 @@ fn stop_orphans_once() -> usize {
 
 /// What this project's processes make in the temporary folder, each named by the prefix, then the
 /// pid of the process that made it, then `-` or `.` and the rest: broker and store data, config
-/// folders, logs. A run removes its own as it ends, unless it was killed or aborted.
+/// folders, logs. Brokers and stores remove theirs as their run ends, unless it was killed or
+/// aborted; the tests' small config folders and logs are left for this sweep.
 const TEMPORARY_PREFIXES: &[&str] = &[
     "apache-pulsar-",
     "pulsar-lite-",
