@@ -605,6 +605,56 @@ async fn an_approval_that_never_comes_ends_its_branch_and_a_late_one_changes_not
     );
 }
 
+/// A run cancelled while its call waits for approval ends once, when the expiry comes, and the
+/// expiry is recorded as the call's answer: the approvals sweep, which sends an expiry for every
+/// call past its deadline with no answer, would otherwise send one every minute for as long as
+/// the cancel is remembered, each ending the dialog again.
+#[tokio::test]
+async fn a_cancelled_run_parked_for_approval_ends_once_and_its_expiry_is_recorded() {
+    const PAY: &str = r#"{"rules": [
+      {"match": "Question: pay the gamma invoice", "reply": "Thought: It must be paid.\nAction: pay\nArgs: {\"question\": \"pay invoice gamma-7\"}"},
+      {"match": "pay invoice gamma-7", "exact": true, "reply": "payment sent"}
+    ]}"#;
+    let config = pay_config("cancel-parked", 2);
+    let Stack {
+        broker,
+        aggregator,
+        llm,
+        orchestrator: _orchestrator,
+    } = Stack::journaled(TOKEN, PAY, &config, &["--approval-sweep-secs", "1"]).await;
+    let mut client = client(&broker).await;
+    client
+        .send("cp-1", &request("pay the gamma invoice", false))
+        .await
+        .unwrap();
+    let mut responses = until_approval_asked(&mut client, "cp-1").await;
+    let (approval, session, _) = approval_asked(&responses);
+    cancel(&broker, &session, "ops", "wrong invoice");
+    responses.extend(
+        collect_dialog(&mut client, "cp-1", Duration::from_secs(60))
+            .await
+            .unwrap(),
+    );
+    assert_closed_by_cancel(&responses, "ops", "wrong invoice");
+    assert_eq!(payments(&llm, "pay invoice gamma-7"), 0);
+    let answered = format!(
+        "{}SELECT ?answer WHERE {{ GRAPH <urn:graph:retrieval> {{
+           ?answer a tg:ApprovalAnswer ; tg:decision \"expire\" ; prov:wasDerivedFrom <{approval}> }} }}",
+        agent_core::vocab::SPARQL_PREFIXES
+    );
+    assert_eq!(
+        count_reaching(&aggregator.store(), answered, 1).await,
+        1,
+        "the expiry of the cancelled run's call is not recorded as its answer"
+    );
+    let now = chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Millis, true);
+    assert_eq!(
+        count(&aggregator.store(), agent_graph::queries::expired_approvals(&now)).await,
+        0,
+        "the approvals sweep would go on expiring the call"
+    );
+}
+
 #[tokio::test]
 async fn a_denied_call_is_not_run_and_the_agent_goes_on() {
     const DENIED: &str = r#"{"rules": [

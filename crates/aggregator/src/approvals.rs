@@ -16,6 +16,18 @@ use tokio_util::sync::CancellationToken;
 /// on its way to the graph, or the orchestrators down).
 const RESEND_AFTER: Duration = Duration::from_secs(60);
 
+/// Expiries sent for one call before the sweep leaves it: an orchestrator that takes an answer up
+/// records it whatever becomes of the step, so a call still unanswered after these is one no
+/// orchestrator can resume (its continuation sealed with another key, or unreadable), and sending
+/// more would only load the orchestrators for ever.
+const MOST_EXPIRIES: u32 = 5;
+
+/// Expiries sent for one call, and when the last went.
+struct Sent {
+    count: u32,
+    last: Instant,
+}
+
 /// Every `every`, sends an expiry for each parked call past its deadline.
 pub async fn sweep(
     store: GraphStore,
@@ -23,7 +35,9 @@ pub async fn sweep(
     every: Duration,
     shutdown: CancellationToken,
 ) {
-    let mut sent: HashMap<String, Instant> = HashMap::new();
+    // Only calls the query still returns are remembered, so this holds no more than the query
+    // gives: the calls past their deadline and unanswered.
+    let mut sent: HashMap<String, Sent> = HashMap::new();
     loop {
         tokio::select! {
             _ = shutdown.cancelled() => return,
@@ -38,7 +52,15 @@ pub async fn sweep(
                 continue;
             }
         };
-        sent.retain(|_, at| at.elapsed() < RESEND_AFTER);
+        let returned: std::collections::HashSet<&str> = rows
+            .column("a")
+            .into_iter()
+            .filter_map(|node| match node {
+                Some(Term::NamedNode(node)) => Some(node.as_str()),
+                _ => None,
+            })
+            .collect();
+        sent.retain(|node, _| returned.contains(node.as_str()));
         for (node, step) in rows.column("a").into_iter().zip(rows.column("step")) {
             let (Some(Term::NamedNode(node)), Some(Term::Literal(step))) = (node, step) else {
                 continue;
@@ -49,8 +71,10 @@ pub async fn sweep(
             ) else {
                 continue;
             };
-            if sent.contains_key(node.as_str()) {
-                continue;
+            if let Some(sent) = sent.get(node.as_str()) {
+                if sent.count >= MOST_EXPIRIES || sent.last.elapsed() < RESEND_AFTER {
+                    continue;
+                }
             }
             let expiry = AgentControl {
                 operation: control_operation::EXPIRE.to_owned(),
@@ -66,8 +90,24 @@ pub async fn sweep(
                 .await
             {
                 Ok(()) => {
-                    tracing::info!(session, step, "a call parked for approval expired");
-                    sent.insert(node.as_str().to_owned(), Instant::now());
+                    let sent = sent.entry(node.as_str().to_owned()).or_insert(Sent {
+                        count: 0,
+                        last: Instant::now(),
+                    });
+                    sent.count += 1;
+                    sent.last = Instant::now();
+                    if sent.count == 1 {
+                        tracing::info!(session, step, "a call parked for approval expired");
+                    } else if sent.count == MOST_EXPIRIES {
+                        tracing::warn!(session, step, expiries = sent.count, "no orchestrator took up the expiry of a call parked for approval; the sweep leaves it (its continuation may be sealed with another key)");
+                    } else {
+                        tracing::info!(
+                            session,
+                            step,
+                            expiries = sent.count,
+                            "a call parked for approval expired; its expiry sent again"
+                        );
+                    }
                 }
                 Err(e) => {
                     tracing::warn!(error = %e, "the approvals sweep could not send an expiry")

@@ -128,6 +128,16 @@ fn triple(node: &str, predicate: NamedNodeRef<'_>, value: &str) -> agent_schema:
     }
 }
 
+/// What the graph holds for a call parked for approval.
+pub enum ParkedCall {
+    Found(Box<Continuation>),
+    /// Nothing yet: the aggregator may be behind, or no call was parked there.
+    Missing,
+    /// A continuation that will never be usable: without this service's seal (another seal key,
+    /// or written by someone else), or not one this build can read.
+    Unusable(String),
+}
+
 /// The continuation of the call parked at iteration `step` of `session_id`, if the graph holds
 /// one (and, with a seal key, one this service sealed).
 pub async fn continuation(
@@ -135,47 +145,48 @@ pub async fn continuation(
     seal: Option<&agent_bus::seal::SealKey>,
     session_id: &str,
     step: u64,
-) -> Result<Option<Continuation>, GraphError> {
+) -> Result<ParkedCall, GraphError> {
     let node = agent_core::provenance::SessionUris::new(session_id).approval(step as usize);
     let Ok(named) = NamedNode::new(node.clone()) else {
-        return Ok(None);
+        return Ok(ParkedCall::Missing);
     };
     let QueryAnswer::Rows(rows) = store.query(queries::continuation_of(&named)).await? else {
-        return Ok(None);
+        return Ok(ParkedCall::Missing);
     };
     let text = |name: &str| match rows.first(name) {
         Some(Term::Literal(l)) => Some(l.value().to_owned()),
         _ => None,
     };
     let Some(kept) = text("continuation") else {
-        return Ok(None);
+        return Ok(ParkedCall::Missing);
     };
     if let Some(key) = seal {
         let sealed = text("seal").is_some_and(|s| key.verify(&[&node, &kept], &s));
         if !sealed {
-            tracing::warn!(%node, "ignoring a continuation without this service's seal");
-            return Ok(None);
+            return Ok(ParkedCall::Unusable(
+                "its continuation does not carry this service's seal".to_owned(),
+            ));
         }
     }
     match serde_json::from_str(&kept) {
-        Ok(continuation) => Ok(Some(continuation)),
-        Err(e) => {
-            tracing::warn!(%node, error = %e, "ignoring a continuation that does not decode");
-            Ok(None)
-        }
+        Ok(continuation) => Ok(ParkedCall::Found(Box::new(continuation))),
+        Err(e) => Ok(ParkedCall::Unusable(format!(
+            "its continuation does not decode: {e}"
+        ))),
     }
 }
 
-/// Resumes the parked step with `answer`: the call runs (with edited arguments, if given), or the
-/// agent is told it was denied and goes on, or (expired) the dialog ends with a clear message, a
-/// subagent's as a completion its supervisor synthesises around.
-pub async fn resume(turn: &Turn<'_>, answer: &Answer) -> Result<(), BusError> {
+/// Records `answer` to the call parked at this step: what the approvals sweep looks for, so that
+/// an answer taken up, whatever became of the step (resumed, its run cancelled, given up), is not
+/// followed by expiries for ever.
+pub fn record_answer(turn: &Turn<'_>, answer: &Answer) -> Result<(), BusError> {
     let Turn { uris, out, .. } = turn;
     let n = agent_core::documents::steps_taken(&turn.request.history) + 1;
     let control = &answer.control;
-    let mut decision = answer.decision.clone();
     let edited = match (&control.operation[..], &control.arguments) {
-        (control_operation::APPROVE, Some(arguments)) if *arguments != decision.arguments => {
+        (control_operation::APPROVE, Some(arguments))
+            if *arguments != answer.decision.arguments =>
+        {
             serde_json::to_string(arguments).unwrap_or_default()
         }
         _ => String::new(),
@@ -191,7 +202,18 @@ pub async fn resume(turn: &Turn<'_>, answer: &Answer) -> Result<(), BusError> {
             &control.reason,
             &edited,
         ),
-    )?;
+    )
+}
+
+/// Resumes the parked step with `answer`: the call runs (with edited arguments, if given), or the
+/// agent is told it was denied and goes on, or (expired) the dialog ends with a clear message, a
+/// subagent's as a completion its supervisor synthesises around.
+pub async fn resume(turn: &Turn<'_>, answer: &Answer) -> Result<(), BusError> {
+    let Turn { uris, out, .. } = turn;
+    let n = agent_core::documents::steps_taken(&turn.request.history) + 1;
+    let control = &answer.control;
+    let mut decision = answer.decision.clone();
+    record_answer(turn, answer)?;
     match control.operation.as_str() {
         control_operation::APPROVE => {
             if let Some(arguments) = &control.arguments {

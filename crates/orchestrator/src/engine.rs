@@ -498,8 +498,13 @@ impl Engine {
         )
         .await
         {
-            Ok(Some(continuation)) => continuation,
-            Ok(None) => {
+            Ok(approval::ParkedCall::Found(continuation)) => *continuation,
+            Ok(approval::ParkedCall::Unusable(why)) => {
+                // Waiting would not change it: asking again only holds a slot.
+                tracing::warn!(session = %control.session_id, step, "the call parked for approval cannot be resumed ({why}); the answer is dropped");
+                return Disposition::Ack;
+            }
+            Ok(approval::ParkedCall::Missing) => {
                 let age = chrono::DateTime::parse_from_rfc3339(&control.at)
                     .map(|at| chrono::Utc::now().signed_duration_since(at))
                     .unwrap_or_default();

@@ -291,6 +291,9 @@ impl Engine {
             return Ok(Settled::Done);
         }
         if let Attempt::GiveUp(why) = attempt {
+            if let Some(answer) = answer {
+                approval::record_answer(&turn, answer)?;
+            }
             finish::fail(&turn, n, why).await?;
             step.out.commit(step.slot.as_ref()).await?;
             committed(&step.out, "given-up", false, taken);
@@ -511,6 +514,9 @@ impl Engine {
             turn.out.discard();
             if new_dialog {
                 record_question(turn)?;
+            }
+            if let Some(answer) = answer {
+                approval::record_answer(turn, answer)?;
             }
             finish::cancelled(turn, &cancel).await?;
         }
