@@ -649,7 +649,11 @@ async fn a_cancelled_run_parked_for_approval_ends_once_and_its_expiry_is_recorde
     );
     let now = chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Millis, true);
     assert_eq!(
-        count(&aggregator.store(), agent_graph::queries::expired_approvals(&now)).await,
+        count(
+            &aggregator.store(),
+            agent_graph::queries::expired_approvals(&now)
+        )
+        .await,
         0,
         "the approvals sweep would go on expiring the call"
     );

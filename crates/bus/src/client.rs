@@ -157,6 +157,28 @@ impl Listener {
         self.ended || self.pump.is_finished()
     }
 
+    /// Drops every message waiting to be read (what a reader that asks now and then has no use
+    /// for: answers to others), so that they are not held until the next read; how many.
+    pub fn discard_waiting(&mut self) -> usize {
+        let mut discarded = 0;
+        loop {
+            match self.buffered.try_recv() {
+                Ok(Ok(message)) => {
+                    self.bytes.fetch_sub(
+                        message.payload.data.len(),
+                        std::sync::atomic::Ordering::Relaxed,
+                    );
+                    discarded += 1;
+                }
+                Ok(Err(_)) | Err(tokio::sync::mpsc::error::TryRecvError::Disconnected) => {
+                    self.ended = true;
+                    return discarded;
+                }
+                Err(tokio::sync::mpsc::error::TryRecvError::Empty) => return discarded,
+            }
+        }
+    }
+
     /// The next message, already acked (a listener never wants one again).
     pub async fn next(&mut self) -> Result<Message<Vec<u8>>, BusError> {
         let message = match self.buffered.recv().await {
@@ -705,6 +727,29 @@ mod tests {
         let got = drain(&mut late).await;
         let sent: Vec<String> = (0..5_000).map(|i| format!("m{i}")).collect();
         assert_eq!(got, sent);
+    }
+
+    /// What waits unread is dropped at once by `discard_waiting`, and what comes after is read.
+    #[tokio::test]
+    async fn a_listener_drops_what_waits_unread() {
+        let broker = EmbeddedBroker::start(0, None).unwrap();
+        let bus = Bus::connect(&broker.url(), None).await.unwrap();
+        let topic = "non-persistent://public/default/discard-test";
+        let mut listener = Listener::subscribe(&bus, topic, "discard").await.unwrap();
+        publish(&bus, topic, 0..50).await;
+        let mut discarded = 0;
+        for _ in 0..100 {
+            discarded += listener.discard_waiting();
+            if discarded == 50 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        assert_eq!(discarded, 50);
+        assert_eq!(listener.bytes.load(std::sync::atomic::Ordering::Relaxed), 0);
+        assert!(!listener.ended());
+        publish_each(&bus, topic, ["after".to_owned()]).await;
+        assert_eq!(listener.next_payload().await.unwrap(), b"after");
     }
 
     /// A process too busy to run its listener for a while (here: its runtime blocked while

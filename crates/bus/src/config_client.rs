@@ -40,6 +40,9 @@ impl ConfigClient {
         request: &ConfigRequest,
         timeout: Duration,
     ) -> Result<ConfigResponse, BusError> {
+        // The topic carries every client's answers; those that came since the last call are
+        // someone else's (or a late copy of one of ours), and would only be held and skipped.
+        self.responses.discard_waiting();
         if self.responses.ended() {
             self.responses.subscribe_again(&self.bus).await?;
             tracing::info!("listening to the config service's answers again");

@@ -127,15 +127,38 @@ impl Cancellations {
 
 /// The cancel a control message asks for, if it is one.
 pub fn from_control(control: &AgentControl) -> Option<Cancel> {
-    if control.operation != control_operation::CANCEL || control.session_id.is_empty() {
+    // No request with a longer session id is admitted (validate.rs), so such a cancel names none.
+    if control.operation != control_operation::CANCEL
+        || control.session_id.is_empty()
+        || control.session_id.len() > MOST_SESSION_ID_BYTES
+    {
         return None;
     }
+    // Kept for a day, up to [`MOST`] of them: what a publisher writes is bounded here, not by the
+    // broker's message size.
     Some(Cancel {
         session_id: control.session_id.clone(),
-        by: control.by.clone(),
-        at: control.at.clone(),
-        reason: control.reason.clone(),
+        by: bounded(&control.by),
+        at: bounded(&control.at),
+        reason: bounded(&control.reason),
     })
+}
+
+/// The longest session id a request may have.
+const MOST_SESSION_ID_BYTES: usize = 240;
+
+/// The longest `by`, `at` or `reason` a cancel keeps; the rest is cut, at a character boundary.
+const MOST_TEXT_BYTES: usize = 1024;
+
+fn bounded(text: &str) -> String {
+    if text.len() <= MOST_TEXT_BYTES {
+        return text.to_owned();
+    }
+    let mut end = MOST_TEXT_BYTES;
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{}...", &text[..end])
 }
 
 /// Hears the control topic until `shutdown` on `subscribed` (made by the caller, so that what
@@ -254,6 +277,33 @@ mod tests {
         assert_eq!(known.of("run-f1-s1").unwrap().session_id, "run");
         // A session merely named like a subagent's of another run is not under it.
         assert!(known.of("other-f1-s0").is_none());
+    }
+
+    #[test]
+    fn what_a_cancel_keeps_is_bounded() {
+        let control = |session: &str, reason: &str| AgentControl {
+            operation: control_operation::CANCEL.to_owned(),
+            session_id: session.to_owned(),
+            by: "ops".to_owned(),
+            reason: reason.to_owned(),
+            ..AgentControl::default()
+        };
+        let long = "é".repeat(4000);
+        let kept = from_control(&control("run", &long)).unwrap();
+        assert!(
+            kept.reason.len() <= MOST_TEXT_BYTES + 3,
+            "{}",
+            kept.reason.len()
+        );
+        assert!(kept.reason.starts_with("éé") && kept.reason.ends_with("..."));
+        assert_eq!(
+            from_control(&control("run", "wrong invoice"))
+                .unwrap()
+                .reason,
+            "wrong invoice"
+        );
+        assert!(from_control(&control(&"s".repeat(241), "")).is_none());
+        assert!(from_control(&control(&"s".repeat(240), "")).is_some());
     }
 
     #[test]
