@@ -302,3 +302,59 @@ async fn mcp_tools_on_a_real_server_over_http_and_stdio_survive_its_restarts() {
         .args(["-KILL", "-f", &marker])
         .status();
 }
+
+/// A session no call has used for the pool's idle time is ended when the pool is next asked for
+/// another, a stdio server's process with it: an endpoint is read from the live config at each
+/// call, so a config change (a token rotated, arguments edited) leaves the old one unused for good.
+#[tokio::test]
+async fn a_session_left_unused_is_ended_with_its_stdio_server() {
+    let pool = agent_mcp::McpPool::with_idle(Duration::from_millis(300));
+    let server = |marker: &str| agent_mcp::Endpoint::Stdio {
+        command: "node".to_owned(),
+        args: vec![
+            everything_server().to_str().unwrap().to_owned(),
+            "stdio".to_owned(),
+            marker.to_owned(),
+        ],
+        env: Default::default(),
+    };
+    let (old, new) = (
+        format!("mcp-idle-old-{}", std::process::id()),
+        format!("mcp-idle-new-{}", std::process::id()),
+    );
+    let sum = |a: &str, b: &str| {
+        [
+            ("a".to_owned(), a.to_owned()),
+            ("b".to_owned(), b.to_owned()),
+        ]
+        .into_iter()
+        .collect::<std::collections::BTreeMap<_, _>>()
+    };
+    let said = pool
+        .call(&server(&old), "get-sum", &sum("1", "2"))
+        .await
+        .unwrap();
+    assert!(said.contains('3'), "{said}");
+    assert!(
+        stdio_server_pid(&old).is_some(),
+        "the first server is not running"
+    );
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    let said = pool
+        .call(&server(&new), "get-sum", &sum("2", "2"))
+        .await
+        .unwrap();
+    assert!(said.contains('4'), "{said}");
+    let deadline = std::time::Instant::now() + Duration::from_secs(15);
+    while stdio_server_pid(&old).is_some() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the unused session's server still runs"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(
+        stdio_server_pid(&new).is_some(),
+        "the server in use was stopped"
+    );
+}

@@ -83,17 +83,43 @@ struct Session {
 /// server wait for one reconnection instead of each starting their own.
 type Slot = Arc<tokio::sync::Mutex<Option<Arc<Session>>>>;
 
+/// A slot and when a caller last asked for it.
+struct Kept {
+    slot: Slot,
+    used: std::time::Instant,
+}
+
+/// How long a server's session is kept with no call: the endpoint is read from the live config
+/// at each call, so a config change (a token rotated, a server's arguments edited) leaves the old
+/// endpoint's session unused for good, a stdio server's process among them.
+const IDLE_SESSION: Duration = Duration::from_secs(600);
+
 /// The sessions of this process, by endpoint.
-#[derive(Default)]
 pub struct McpPool {
-    slots: Mutex<HashMap<Endpoint, Slot>>,
+    slots: Mutex<HashMap<Endpoint, Kept>>,
     /// Each tool's arguments as its server last listed them.
     known: Mutex<HashMap<(Endpoint, String), Vec<ToolArgument>>>,
+    idle: Duration,
+}
+
+impl Default for McpPool {
+    fn default() -> McpPool {
+        McpPool::with_idle(IDLE_SESSION)
+    }
 }
 
 impl McpPool {
     pub fn new() -> McpPool {
         McpPool::default()
+    }
+
+    /// A pool that drops a session no call used for `idle` (when it is next asked for another).
+    pub fn with_idle(idle: Duration) -> McpPool {
+        McpPool {
+            slots: Mutex::default(),
+            known: Mutex::default(),
+            idle,
+        }
     }
 
     /// Calls the tool `name` on the server with the LLM's `arguments` (strings, typed here from the
@@ -172,9 +198,23 @@ impl McpPool {
         result
     }
 
+    /// The slot of `endpoint`; the slots no call asked for in `idle` are dropped first, and with
+    /// them their sessions once no call holds one (a stdio server's process ends then).
     fn slot(&self, endpoint: &Endpoint) -> Slot {
+        let now = std::time::Instant::now();
         let mut slots = self.slots.lock().unwrap_or_else(|p| p.into_inner());
-        slots.entry(endpoint.clone()).or_default().clone()
+        let before = slots.len();
+        slots.retain(|kept, entry| kept == endpoint || now.duration_since(entry.used) < self.idle);
+        if slots.len() < before {
+            let mut known = self.known.lock().unwrap_or_else(|p| p.into_inner());
+            known.retain(|(kept, _), _| kept == endpoint || slots.contains_key(kept));
+        }
+        let entry = slots.entry(endpoint.clone()).or_insert_with(|| Kept {
+            slot: Slot::default(),
+            used: now,
+        });
+        entry.used = now;
+        entry.slot.clone()
     }
 
     /// The open session, or a new one; `true` when it was already open.
