@@ -208,3 +208,60 @@ async fn a_consumer_far_behind_its_backlog_stops_in_time_and_loses_nothing() {
     stop_second.cancel();
     second.await.unwrap().unwrap();
 }
+
+/// A client that sent half a request and went quiet does not keep the aggregator from exiting on
+/// SIGTERM: its HTTP server is given a grace, then closed with its connections (it waited for
+/// that request for ever).
+#[tokio::test]
+async fn a_half_sent_http_request_does_not_hold_up_a_stop() {
+    let broker = Broker::start().unwrap();
+    // Stopped while it serves, and while it still listens for another journal owner (a stop
+    // there waited on its HTTP server with no bound too).
+    for serving in [true, false] {
+        stopped_with_a_half_sent_request(&broker, serving).await;
+    }
+}
+
+async fn stopped_with_a_half_sent_request(broker: &Broker, serving: bool) {
+    use tokio::io::AsyncWriteExt;
+    let mut aggregator = Aggregator::logged_child(broker, &["--owner-listen-ms", "3000"]);
+    if serving {
+        let ready = format!("{}/readyz", aggregator.endpoint);
+        let http = reqwest::Client::new();
+        let mut tries = 0;
+        while !http
+            .get(&ready)
+            .send()
+            .await
+            .is_ok_and(|r| r.status().is_success())
+        {
+            tries += 1;
+            assert!(tries < 300, "the aggregator never became ready");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+    let address = aggregator.endpoint.trim_start_matches("http://").to_owned();
+    let mut quiet = tokio::net::TcpStream::connect(&address).await.unwrap();
+    quiet
+        .write_all(b"GET /healthz HTTP/1.1\r\nHost: aggregator\r\n")
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let status = std::process::Command::new("kill")
+        .args(["-TERM", &aggregator.pid().to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let exited = aggregator.exit_within(Duration::from_secs(60)).await;
+    assert!(
+        exited.is_some(),
+        "the aggregator (serving: {serving}) still runs a minute after SIGTERM:\n{}",
+        aggregator.log()
+    );
+    assert!(
+        aggregator.log().contains("HTTP connections still open"),
+        "{}",
+        aggregator.log()
+    );
+    drop(quiet);
+}

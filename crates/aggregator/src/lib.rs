@@ -251,7 +251,7 @@ pub async fn run(settings: AggregatorSettings, shutdown: CancellationToken) -> a
     // the only owner: a refused one stops here, before it has written anything.
     if let Err(why) = fence.admitted().await {
         shutdown.cancel();
-        let _ = server.await;
+        let _ = agent_bus::http_stopped(server, agent_bus::HTTP_DRAIN).await;
         if fence.refusal().is_none() {
             // Asked to stop while it listened.
             return Ok(());
@@ -331,7 +331,7 @@ pub async fn run(settings: AggregatorSettings, shutdown: CancellationToken) -> a
     if let Some(announcing) = announcing {
         let _ = announcing.await;
     }
-    server.await??;
+    agent_bus::http_stopped(server, agent_bus::HTTP_DRAIN).await?;
     if let Some(why) = fence.refusal() {
         anyhow::bail!(why);
     }

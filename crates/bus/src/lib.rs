@@ -28,7 +28,7 @@ pub use control::{send_control, ControlListener};
 pub use error::BusError;
 pub use librarian::{Librarian, LibrarianError};
 pub use publisher::{Publisher, Receipt};
-pub use service::{bearer_matches, stop_on_signal};
+pub use service::{bearer_matches, http_stopped, stop_on_signal, HTTP_DRAIN};
 pub use topics::Topics;
 
 use std::collections::BTreeMap;

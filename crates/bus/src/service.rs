@@ -1,6 +1,6 @@
 //! What every long-running process of the service needs besides the broker and its telemetry
-//! (`agent-telemetry`): a cancellation token that SIGINT or SIGTERM trips, and bearer-token checks
-//! on its HTTP endpoints.
+//! (`agent-telemetry`): a cancellation token that SIGINT or SIGTERM trips, a bounded stop of its
+//! HTTP server, and bearer-token checks on its HTTP endpoints.
 
 use tokio_util::sync::CancellationToken;
 
@@ -16,6 +16,30 @@ pub fn stop_on_signal() -> CancellationToken {
         trigger.cancel();
     });
     shutdown
+}
+
+/// How long a stopping process lets its HTTP connections finish what they are doing.
+pub const HTTP_DRAIN: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// Waits for an HTTP server told to stop gracefully, for at most `within`, then drops it with its
+/// connections: a client that sent half a request and went quiet (or holds a body back) would
+/// otherwise keep the process from exiting on SIGTERM for good, until whatever runs it kills it.
+pub async fn http_stopped(
+    mut server: tokio::task::JoinHandle<std::io::Result<()>>,
+    within: std::time::Duration,
+) -> std::io::Result<()> {
+    match tokio::time::timeout(within, &mut server).await {
+        Ok(Ok(served)) => served,
+        Ok(Err(e)) => Err(std::io::Error::other(e)),
+        Err(_) => {
+            tracing::warn!(
+                ?within,
+                "HTTP connections still open after the shutdown's grace; closing them"
+            );
+            server.abort();
+            Ok(())
+        }
+    }
 }
 
 /// Whether an `Authorization` header value carries `Bearer {expected}`. The comparison takes the

@@ -165,7 +165,7 @@ pub async fn run(settings: ConfigSvcSettings, shutdown: CancellationToken) -> an
     )
     .await;
     shutdown.cancel();
-    server.await??;
+    agent_bus::http_stopped(server, agent_bus::HTTP_DRAIN).await?;
     consumed?;
     Ok(())
 }
