@@ -16,11 +16,23 @@ use tokio_util::sync::CancellationToken;
 /// on its way to the graph, or the orchestrators down).
 const RESEND_AFTER: Duration = Duration::from_secs(60);
 
-/// Expiries sent for one call before the sweep leaves it: an orchestrator that takes an answer up
-/// records it whatever becomes of the step, so a call still unanswered after these is one no
-/// orchestrator can resume (its continuation sealed with another key, or unreadable), and sending
-/// more would only load the orchestrators for ever.
+/// Expiries sent for one call a minute apart before the sweep spaces them out: an orchestrator
+/// that takes an answer up records it whatever becomes of the step, so a call still unanswered
+/// after these is most likely one no orchestrator can resume (its continuation sealed with another
+/// key), and a minute apart they would load the orchestrators for ever. They go on, doubling
+/// their gap up to [`LONGEST_GAP`]: a call whose expiries found no subscription (a new deployment,
+/// a subscription the broker removed) still ends once orchestrators listen.
 const MOST_EXPIRIES: u32 = 5;
+const LONGEST_GAP: Duration = Duration::from_secs(3600);
+
+/// How long after the `sent`-th expiry of a call the next one goes.
+fn gap_after(sent: u32) -> Duration {
+    if sent < MOST_EXPIRIES {
+        return RESEND_AFTER;
+    }
+    let doublings = (sent - MOST_EXPIRIES + 1).min(16);
+    (RESEND_AFTER * 2u32.pow(doublings)).min(LONGEST_GAP)
+}
 
 /// Expiries sent for one call, and when the last went.
 struct Sent {
@@ -72,7 +84,7 @@ pub async fn sweep(
                 continue;
             };
             if let Some(sent) = sent.get(node.as_str()) {
-                if sent.count >= MOST_EXPIRIES || sent.last.elapsed() < RESEND_AFTER {
+                if sent.last.elapsed() < gap_after(sent.count) {
                     continue;
                 }
             }
@@ -99,7 +111,7 @@ pub async fn sweep(
                     if sent.count == 1 {
                         tracing::info!(session, step, "a call parked for approval expired");
                     } else if sent.count == MOST_EXPIRIES {
-                        tracing::warn!(session, step, expiries = sent.count, "no orchestrator took up the expiry of a call parked for approval; the sweep leaves it (its continuation may be sealed with another key)");
+                        tracing::warn!(session, step, expiries = sent.count, "no orchestrator took up the expiry of a call parked for approval (its continuation may be sealed with another key); sending it again less and less often, at most hourly");
                     } else {
                         tracing::info!(
                             session,
@@ -114,5 +126,20 @@ pub async fn sweep(
                 }
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn expiries_go_a_minute_apart_then_less_and_less_often() {
+        let gaps: Vec<u64> = (1..=12).map(|sent| gap_after(sent).as_secs()).collect();
+        assert_eq!(
+            gaps,
+            [60, 60, 60, 60, 120, 240, 480, 960, 1920, 3600, 3600, 3600]
+        );
+        assert_eq!(gap_after(u32::MAX), LONGEST_GAP);
     }
 }

@@ -19,7 +19,11 @@ pub fn owned(command: &mut Command) -> &mut Command {
     static SWEPT: std::sync::Once = std::sync::Once::new();
     SWEPT.call_once(|| {
         stop_orphans();
-        remove_orphaned_files(&std::env::temp_dir());
+        // Hundreds of MB may go: not on the caller's thread, which may be an async worker.
+        let folder = std::env::temp_dir();
+        let _ = std::thread::Builder::new()
+            .name("orphaned-files".to_owned())
+            .spawn(move || remove_orphaned_files(&folder));
     });
     match owner_of("self") {
         Some(owner) => command.env(OWNER_VAR, owner),
@@ -122,40 +126,72 @@ fn stop_orphans_once() -> usize {
     stopped
 }
 
-/// What this project's processes make in the temporary folder, each named by the prefix, then the
-/// pid of the process that made it, then `-` or `.` and the rest: broker and store data, config
-/// folders, logs. Brokers and stores remove theirs as their run ends, unless it was killed or
-/// aborted; the tests' small config folders and logs are left for this sweep.
-const TEMPORARY_PREFIXES: &[&str] = &[
-    "apache-pulsar-",
-    "pulsar-lite-",
-    "pulsar-tls-",
-    "agent-e2e-aggregator-",
-    "agent-e2e-config-",
-    "agent-e2e-graph-",
-    "agent-e2e-librarian-",
-    "agent-e2e-no-config-",
-    "agent-e2e-sparql-",
-    "agent-graph-batch-",
-    "agent-graph-group-commit-",
-    "agent-graph-test-",
-    "agent-graph-unbound-",
-    "agentctl-bench-",
-    "agentctl-bench-long-",
-    "agentctl-bench-long-config-",
-    "agentctl-put-",
-    "emit-unrecorded-",
+/// What this project's processes make in the temporary folder, each named by its prefix, then
+/// the pid of the process that made it, then the shape of the rest: `-{port}-{8 hex digits}`,
+/// `-{8 hex digits}` or `-{number}-{anything}` (the tests' config folders). Only a name of exactly
+/// such a shape is taken for ours: another program's (`apache-pulsar-4.0.8`, a download) is not.
+const TEMPORARY_NAMES: &[(&str, Rest)] = &[
+    ("apache-pulsar-", Rest::PortAndHex),
+    ("pulsar-lite-", Rest::PortAndHex),
+    ("agent-e2e-graph-", Rest::PortAndHex),
+    ("agent-e2e-sparql-", Rest::PortAndHex),
+    ("agent-e2e-config-", Rest::NumberAndAny),
+    ("agent-e2e-aggregator-", Rest::HexLog),
+    ("agent-e2e-librarian-", Rest::Hex),
+    ("agentctl-bench-", Rest::Hex),
+    ("agentctl-bench-long-", Rest::Hex),
+    ("agentctl-bench-long-config-", Rest::Hex),
 ];
 
-/// The pid in `name`, when it is one of [`TEMPORARY_PREFIXES`]' names.
+/// The shape of what follows the pid in one of [`TEMPORARY_NAMES`].
+#[derive(Clone, Copy)]
+enum Rest {
+    /// `-{port}-{8 hex digits}`
+    PortAndHex,
+    /// `-{8 hex digits}`
+    Hex,
+    /// `-{8 hex digits}.log`
+    HexLog,
+    /// `-{number}-{anything not empty}`
+    NumberAndAny,
+}
+
+impl Rest {
+    fn fits(self, rest: &str) -> bool {
+        let digits = |s: &str| !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit());
+        let hex8 = |s: &str| s.len() == 8 && s.bytes().all(|b| b.is_ascii_hexdigit());
+        let Some(rest) = rest.strip_prefix('-') else {
+            return false;
+        };
+        match self {
+            Rest::PortAndHex => rest
+                .split_once('-')
+                .is_some_and(|(port, hex)| digits(port) && hex8(hex)),
+            Rest::Hex => hex8(rest),
+            Rest::HexLog => rest.strip_suffix(".log").is_some_and(hex8),
+            Rest::NumberAndAny => rest
+                .split_once('-')
+                .is_some_and(|(number, any)| digits(number) && !any.is_empty()),
+        }
+    }
+}
+
+/// The pid in `name`, when it is one of [`TEMPORARY_NAMES`]' shapes.
 fn maker_of(name: &str) -> Option<&str> {
-    TEMPORARY_PREFIXES.iter().find_map(|prefix| {
-        let rest = name.strip_prefix(prefix)?;
-        let end = rest.find(['-', '.']).unwrap_or(rest.len());
-        let pid = &rest[..end];
-        (!pid.is_empty() && pid.bytes().all(|b| b.is_ascii_digit())).then_some(pid)
+    TEMPORARY_NAMES.iter().find_map(|(prefix, rest)| {
+        let after = name.strip_prefix(prefix)?;
+        let end = after.find('-').unwrap_or(after.len());
+        let (pid, tail) = after.split_at(end);
+        let a_pid = !pid.is_empty() && pid != "0" && pid.bytes().all(|b| b.is_ascii_digit());
+        (a_pid && rest.fits(tail)).then_some(pid)
     })
 }
+
+/// How old what a gone process left must be before it is removed: its maker may live in another
+/// pid namespace sharing this folder (a container), where its pid means nothing here, and a clock
+/// stepped since the boot moves the start times read from `/proc`; neither leaves an hour-old
+/// folder of a live run untouched for long, since a run writes its folders as it goes.
+const LEFT_FOR_AT_LEAST: Duration = Duration::from_secs(3600);
 
 /// When the process `pid` started, if it runs (a zombie does not).
 fn started_at(pid: &str) -> Option<std::time::SystemTime> {
@@ -175,7 +211,8 @@ fn started_at(pid: &str) -> Option<std::time::SystemTime> {
     Some(std::time::UNIX_EPOCH + Duration::from_secs(boot) + Duration::from_millis(ticks * 10))
 }
 
-/// Removes from `folder` what [`TEMPORARY_PREFIXES`] names for a process that no longer runs:
+/// Removes from `folder` what [`TEMPORARY_NAMES`] names for a process that no longer runs, left
+/// for at least [`LEFT_FOR_AT_LEAST`]:
 /// its pid runs nothing, or a process that started after the thing was last written (the pid
 /// used again). Only what this user owns; how many were removed.
 fn remove_orphaned_files(folder: &std::path::Path) -> usize {
@@ -195,11 +232,19 @@ fn remove_orphaned_files(folder: &std::path::Path) -> usize {
         if metadata.uid() != me.uid() {
             continue;
         }
-        let written = metadata.modified().ok();
+        let Ok(written) = metadata.modified() else {
+            continue;
+        };
+        if written
+            .elapsed()
+            .map_or(true, |age| age < LEFT_FOR_AT_LEAST)
+        {
+            continue;
+        }
         // A few seconds' margin for the clock ticks' rounding.
         let maker_gone = match started_at(pid) {
             None => true,
-            Some(start) => written.is_some_and(|w| start > w + Duration::from_secs(5)),
+            Some(start) => start > written + Duration::from_secs(5),
         };
         if !maker_gone {
             continue;
@@ -256,38 +301,76 @@ mod tests {
         let _ = kept.wait();
     }
 
-    /// What a gone process left is removed; what a live one (this one) made, and what is not
-    /// ours by name, stay.
+    /// Sets `path`'s modification time `age` back.
+    #[allow(clippy::unwrap_used)]
+    fn aged(path: &std::path::Path, age: Duration) {
+        let file = std::fs::File::open(path).unwrap();
+        file.set_modified(std::time::SystemTime::now() - age)
+            .unwrap();
+    }
+
+    /// What a gone process left an hour ago is removed; what a live one (this one) made, what a
+    /// gone one left a moment ago, and what is not ours by name, stay.
     #[test]
     fn what_a_gone_process_left_is_removed() {
         let folder =
             std::env::temp_dir().join(format!("orphans-test-{:08x}", rand::random::<u32>()));
         std::fs::create_dir_all(&folder).unwrap();
+        let hours = Duration::from_secs(2 * 3600);
         let gone = folder.join("pulsar-lite-4294967295-6650-0badf00d");
         std::fs::create_dir_all(gone.join("data")).unwrap();
         std::fs::write(gone.join("data/ledger"), b"x").unwrap();
+        aged(&gone, hours);
         let gone_log = folder.join("agent-e2e-aggregator-4294967295-00000000.log");
         std::fs::write(&gone_log, b"log").unwrap();
-        let live = folder.join(format!(
-            "apache-pulsar-{}-6650-00000000",
-            std::process::id()
-        ));
+        aged(&gone_log, hours);
+        let just_left = folder.join("agent-e2e-librarian-4294967295-00000000");
+        std::fs::create_dir_all(&just_left).unwrap();
+        // A live maker whose folder is over an hour old: pid 1, when it has run that long.
+        let live = folder.join("apache-pulsar-1-6650-00000000");
         std::fs::create_dir_all(&live).unwrap();
-        let not_ours = folder.join("pulsar-lite-notapid");
-        std::fs::create_dir_all(&not_ours).unwrap();
+        let init_age = started_at("1").and_then(|start| start.elapsed().ok());
+        if let Some(age) = init_age.filter(|age| *age > LEFT_FOR_AT_LEAST + Duration::from_secs(60))
+        {
+            aged(&live, age - Duration::from_secs(30));
+        }
+        let mut not_ours = Vec::new();
+        for name in [
+            "pulsar-lite-notapid",
+            "apache-pulsar-4.0.8",
+            "apache-pulsar-4-bin",
+        ] {
+            let path = folder.join(name);
+            std::fs::create_dir_all(&path).unwrap();
+            aged(&path, hours);
+            not_ours.push(path);
+        }
         assert_eq!(remove_orphaned_files(&folder), 2);
         assert!(!gone.exists() && !gone_log.exists());
-        assert!(live.exists() && not_ours.exists());
+        assert!(live.exists() && just_left.exists());
+        assert!(not_ours.iter().all(|p| p.exists()));
         std::fs::remove_dir_all(&folder).unwrap();
     }
 
     #[test]
-    fn the_maker_is_read_from_the_name() {
+    fn the_maker_is_read_from_names_of_our_shapes_only() {
         assert_eq!(maker_of("agent-e2e-config-123-4-hostile"), Some("123"));
-        assert_eq!(maker_of("agentctl-put-77.json"), Some("77"));
-        assert_eq!(maker_of("agent-graph-test-9"), Some("9"));
-        assert_eq!(maker_of("agentctl-bench-long-config-5-0a"), Some("5"));
-        assert_eq!(maker_of("apache-pulsar-class-archive-check.log"), None);
-        assert_eq!(maker_of("pulsar-agents-test.log"), None);
+        assert_eq!(maker_of("agent-e2e-config-123-41990-0badf00d"), Some("123"));
+        assert_eq!(maker_of("pulsar-lite-77-6650-0badf00d"), Some("77"));
+        assert_eq!(maker_of("agentctl-bench-long-config-5-0000000a"), Some("5"));
+        assert_eq!(maker_of("agent-e2e-aggregator-9-0000000a.log"), Some("9"));
+        for not_ours in [
+            "apache-pulsar-4.0.8",
+            "apache-pulsar-4.0.8-bin.tar.gz",
+            "apache-pulsar-4-bin",
+            "apache-pulsar-class-archive-check.log",
+            "pulsar-lite-0-6650-0badf00d",
+            "pulsar-lite-0.2.0.tar.gz",
+            "pulsar-lite-77-6650-0badf00d-extra",
+            "agent-e2e-config-123",
+            "pulsar-agents-test.log",
+        ] {
+            assert_eq!(maker_of(not_ours), None, "{not_ours}");
+        }
     }
 }

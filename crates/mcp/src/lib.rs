@@ -203,12 +203,9 @@ impl McpPool {
     fn slot(&self, endpoint: &Endpoint) -> Slot {
         let now = std::time::Instant::now();
         let mut slots = self.slots.lock().unwrap_or_else(|p| p.into_inner());
-        let before = slots.len();
+        // The tools' arguments listed before stay (a few hundred bytes a tool): a server that is
+        // down when it is next asked still shows them in the prompt.
         slots.retain(|kept, entry| kept == endpoint || now.duration_since(entry.used) < self.idle);
-        if slots.len() < before {
-            let mut known = self.known.lock().unwrap_or_else(|p| p.into_inner());
-            known.retain(|(kept, _), _| kept == endpoint || slots.contains_key(kept));
-        }
         let entry = slots.entry(endpoint.clone()).or_insert_with(|| Kept {
             slot: Slot::default(),
             used: now,

@@ -133,9 +133,11 @@ pub enum ParkedCall {
     Found(Box<Continuation>),
     /// Nothing yet: the aggregator may be behind, or no call was parked there.
     Missing,
-    /// A continuation that will never be usable: without this service's seal (another seal key,
-    /// or written by someone else), or not one this build can read.
-    Unusable(String),
+    /// A continuation this build cannot read (another build's, in a rolling upgrade, may).
+    Unreadable(String),
+    /// A continuation without this service's seal: another seal key, or written by someone else.
+    /// No replica will resume it.
+    Unsealed,
 }
 
 /// The continuation of the call parked at iteration `step` of `session_id`, if the graph holds
@@ -163,16 +165,12 @@ pub async fn continuation(
     if let Some(key) = seal {
         let sealed = text("seal").is_some_and(|s| key.verify(&[&node, &kept], &s));
         if !sealed {
-            return Ok(ParkedCall::Unusable(
-                "its continuation does not carry this service's seal".to_owned(),
-            ));
+            return Ok(ParkedCall::Unsealed);
         }
     }
     match serde_json::from_str(&kept) {
         Ok(continuation) => Ok(ParkedCall::Found(Box::new(continuation))),
-        Err(e) => Ok(ParkedCall::Unusable(format!(
-            "its continuation does not decode: {e}"
-        ))),
+        Err(e) => Ok(ParkedCall::Unreadable(e.to_string())),
     }
 }
 

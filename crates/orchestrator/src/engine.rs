@@ -499,16 +499,23 @@ impl Engine {
         .await
         {
             Ok(approval::ParkedCall::Found(continuation)) => *continuation,
-            Ok(approval::ParkedCall::Unusable(why)) => {
-                // Waiting would not change it: asking again only holds a slot.
-                tracing::warn!(session = %control.session_id, step, "the call parked for approval cannot be resumed ({why}); the answer is dropped");
+            Ok(approval::ParkedCall::Unsealed) => {
+                // No replica will resume it: asking again would only hold a slot.
+                tracing::warn!(session = %control.session_id, step, "the call parked for approval does not carry this service's seal; the answer is dropped");
                 return Disposition::Ack;
             }
+            Ok(approval::ParkedCall::Unreadable(why)) => {
+                // Another build (a rolling upgrade) may read it: handed back while answers wait.
+                if waited_out(&control) {
+                    tracing::warn!(session = %control.session_id, step, error = %why, "the call parked for approval cannot be read by this build; the answer is dropped");
+                    return Disposition::Ack;
+                }
+                return Disposition::Nack(format!(
+                    "the parked call cannot be read by this build: {why}"
+                ));
+            }
             Ok(approval::ParkedCall::Missing) => {
-                let age = chrono::DateTime::parse_from_rfc3339(&control.at)
-                    .map(|at| chrono::Utc::now().signed_duration_since(at))
-                    .unwrap_or_default();
-                if age > chrono::Duration::seconds(ANSWER_WAIT.as_secs() as i64) {
+                if waited_out(&control) {
                     tracing::warn!(session = %control.session_id, step, "no call is parked for approval there; the answer is dropped");
                     return Disposition::Ack;
                 }
@@ -545,6 +552,15 @@ impl Engine {
         };
         Box::pin(self.run_step(resumed, Some(&answer))).await.0
     }
+}
+
+/// Whether the answer `control` was given more than [`ANSWER_WAIT`] ago: long enough for a parked
+/// call that may yet appear (or be read by another build) to have done so.
+fn waited_out(control: &agent_schema::AgentControl) -> bool {
+    let age = chrono::DateTime::parse_from_rfc3339(&control.at)
+        .map(|at| chrono::Utc::now().signed_duration_since(at))
+        .unwrap_or_default();
+    age > chrono::Duration::seconds(ANSWER_WAIT.as_secs() as i64)
 }
 
 #[cfg(test)]

@@ -285,6 +285,9 @@ impl Engine {
         let turn = step.turn(self, &llm, &step_replay, attempt);
         let n = steps_taken(&step.request.history) + 1;
         if let Err(problem) = &step.verdict {
+            if let Some(answer) = answer {
+                approval::record_answer(&turn, answer)?;
+            }
             refuse(&turn, problem).await?;
             step.out.commit(step.slot.as_ref()).await?;
             committed(&step.out, "refused", false, taken);
