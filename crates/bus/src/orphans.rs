@@ -141,6 +141,8 @@ const TEMPORARY_NAMES: &[(&str, Rest)] = &[
     ("agentctl-bench-", Rest::Hex),
     ("agentctl-bench-long-", Rest::Hex),
     ("agentctl-bench-long-config-", Rest::Hex),
+    ("agentctl-bench-writes-", Rest::Hex),
+    ("agentctl-bench-queries-", Rest::Hex),
 ];
 
 /// The shape of what follows the pid in one of [`TEMPORARY_NAMES`].
@@ -187,10 +189,11 @@ fn maker_of(name: &str) -> Option<&str> {
     })
 }
 
-/// How old what a gone process left must be before it is removed: its maker may live in another
-/// pid namespace sharing this folder (a container), where its pid means nothing here, and a clock
-/// stepped since the boot moves the start times read from `/proc`; neither leaves an hour-old
-/// folder of a live run untouched for long, since a run writes its folders as it goes.
+/// How old (by its own modification time, which moves only when an entry directly inside it is
+/// made or removed) what a gone process left must be before it is removed: never what a run is
+/// making at this moment. Not covered: a maker in another pid namespace that shares this folder
+/// (a container with the host's `/tmp` and the same user), whose pid means nothing here, and a
+/// clock stepped forward since the boot, which moves the start times read from `/proc`.
 const LEFT_FOR_AT_LEAST: Duration = Duration::from_secs(3600);
 
 /// When the process `pid` started, if it runs (a zombie does not).
@@ -359,6 +362,7 @@ mod tests {
         assert_eq!(maker_of("pulsar-lite-77-6650-0badf00d"), Some("77"));
         assert_eq!(maker_of("agentctl-bench-long-config-5-0000000a"), Some("5"));
         assert_eq!(maker_of("agent-e2e-aggregator-9-0000000a.log"), Some("9"));
+        assert_eq!(maker_of("agentctl-bench-writes-12-0badf00d"), Some("12"));
         for not_ours in [
             "apache-pulsar-4.0.8",
             "apache-pulsar-4.0.8-bin.tar.gz",

@@ -21,9 +21,11 @@ pub fn stop_on_signal() -> CancellationToken {
 /// How long a stopping process lets its HTTP connections finish what they are doing.
 pub const HTTP_DRAIN: std::time::Duration = std::time::Duration::from_secs(10);
 
-/// Waits for an HTTP server told to stop gracefully, for at most `within`, then drops it with its
-/// connections: a client that sent half a request and went quiet (or holds a body back) would
-/// otherwise keep the process from exiting on SIGTERM for good, until whatever runs it kills it.
+/// Waits for an HTTP server told to stop gracefully, for at most `within`, then stops waiting: a
+/// client that sent half a request and went quiet (or holds a body back) would otherwise keep the
+/// process from exiting on SIGTERM for good. The server's accept loop is aborted; a connection
+/// still open lives on in its own task until the process's runtime is dropped, as it is when a
+/// service's `main` returns.
 pub async fn http_stopped(
     mut server: tokio::task::JoinHandle<std::io::Result<()>>,
     within: std::time::Duration,
@@ -34,7 +36,7 @@ pub async fn http_stopped(
         Err(_) => {
             tracing::warn!(
                 ?within,
-                "HTTP connections still open after the shutdown's grace; closing them"
+                "HTTP connections still open after the shutdown's grace; stopping without them"
             );
             server.abort();
             Ok(())
