@@ -239,48 +239,65 @@ async fn dialog_error(
         .find_map(|r| r.error.as_ref().map(|e| e.message.clone()))
 }
 
+/// A question over 40 bytes, refused once `max_question_bytes` is 40.
+const LONG_QUESTION: &str = "Is this question longer than forty bytes? It is.";
+
+/// A config service with the seed, and an orchestrator following it whose model (kept running
+/// while the caller holds it) answers "done" to everything; the client has run one dialog.
+async fn following(
+    broker: &Broker,
+) -> (
+    ConfigSvc,
+    scripted_llm::ScriptedLlm,
+    Orchestrator,
+    agent_bus::AgentClient,
+) {
+    let svc = ConfigSvc::spawn(broker, Some(&seed_dir()));
+    let llm = scripted_llm(
+        r#"{"rules": [{"match": "", "reply": "Thought: easy.\nFinal Answer: done"}]}"#,
+    )
+    .await;
+    let orchestrator = Orchestrator::spawn(broker, &llm, &seed_dir(), &[]);
+    let mut client = client(broker).await;
+    assert_eq!(
+        dialog_error(&mut client, "before", LONG_QUESTION).await,
+        None
+    );
+    (svc, llm, orchestrator, client)
+}
+
+/// Writes `limits` as the default agent limits through the REST API.
+async fn put_limits(svc: &ConfigSvc, limits: Value) {
+    let put = reqwest::Client::new()
+        .put(format!("{}/api/v1/config/agent-limits/default", svc.url))
+        .bearer_auth(&svc.token)
+        .json(&limits)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(put.status(), 200);
+}
+
 /// The orchestrator follows the config service: a change through the REST API applies to the next
 /// request without a restart, and an invalid config is refused while the last good one stays.
 #[tokio::test]
 async fn the_orchestrator_applies_config_changes_without_a_restart() {
     let broker = Broker::start().unwrap();
-    let svc = ConfigSvc::spawn(&broker, Some(&seed_dir()));
-    let llm = scripted_llm(
-        r#"{"rules": [{"match": "", "reply": "Thought: easy.\nFinal Answer: done"}]}"#,
-    )
-    .await;
-    let _orchestrator = Orchestrator::spawn(&broker, &llm, &seed_dir(), &[]);
-    let mut client = client(&broker).await;
-    let question = "Is this question longer than forty bytes? It is.";
-    assert_eq!(dialog_error(&mut client, "before", question).await, None);
+    let (svc, _llm, _orchestrator, mut client) = following(&broker).await;
 
-    let http = reqwest::Client::new();
-    let limits = format!("{}/api/v1/config/agent-limits/default", svc.url);
-    let small = json!({"max_question_bytes": 40});
-    let put = http
-        .put(&limits)
-        .bearer_auth(&svc.token)
-        .json(&small)
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(put.status(), 200);
-    refused_within(&mut client, question, "40", Duration::from_secs(20))
+    put_limits(&svc, json!({"max_question_bytes": 40})).await;
+    refused_within(&mut client, LONG_QUESTION, "40", Duration::from_secs(20))
         .await
         .unwrap_or_else(|e| panic!("the new limit did not apply: {e}"));
 
     // Invalid (max_iterations 0): refused by the orchestrator, the previous limits stay.
-    let invalid = json!({"max_question_bytes": 4000, "max_iterations": 0});
-    let put = http
-        .put(&limits)
-        .bearer_auth(&svc.token)
-        .json(&invalid)
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(put.status(), 200);
+    put_limits(
+        &svc,
+        json!({"max_question_bytes": 4000, "max_iterations": 0}),
+    )
+    .await;
     tokio::time::sleep(Duration::from_secs(2)).await;
-    let still = dialog_error(&mut client, "after-invalid", question).await;
+    let still = dialog_error(&mut client, "after-invalid", LONG_QUESTION).await;
     assert!(
         still.is_some_and(|e| e.contains("40")),
         "the invalid config was applied"
@@ -323,33 +340,18 @@ async fn refused_within(
 #[tokio::test]
 async fn the_orchestrator_follows_config_again_after_a_long_broker_outage() {
     let mut broker = Broker::start().unwrap();
-    let svc = ConfigSvc::spawn(&broker, Some(&seed_dir()));
-    let llm = scripted_llm(
-        r#"{"rules": [{"match": "", "reply": "Thought: easy.\nFinal Answer: done"}]}"#,
-    )
-    .await;
-    let _orchestrator = Orchestrator::spawn(&broker, &llm, &seed_dir(), &[]);
-    let mut client = client(&broker).await;
-    let question = "Is this question longer than forty bytes? It is.";
-    assert_eq!(dialog_error(&mut client, "before", question).await, None);
+    let (svc, _llm, _orchestrator, mut client) = following(&broker).await;
 
     broker.stop();
     tokio::time::sleep(LONG_OUTAGE).await;
     broker.start_again().unwrap();
     // Served again (the request consumer subscribes again by itself), on the config of before.
-    assert_eq!(dialog_error(&mut client, "back", question).await, None);
+    assert_eq!(dialog_error(&mut client, "back", LONG_QUESTION).await, None);
 
-    let put = reqwest::Client::new()
-        .put(format!("{}/api/v1/config/agent-limits/default", svc.url))
-        .bearer_auth(&svc.token)
-        .json(&json!({"max_question_bytes": 40}))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(put.status(), 200);
+    put_limits(&svc, json!({"max_question_bytes": 40})).await;
     // Well within the minute of the periodic re-read, which would fail too with the answers'
     // subscription lost.
-    refused_within(&mut client, question, "40", Duration::from_secs(20))
+    refused_within(&mut client, LONG_QUESTION, "40", Duration::from_secs(20))
         .await
         .unwrap_or_else(|e| panic!("the config change did not apply after the outage: {e}"));
 }

@@ -145,28 +145,7 @@ async fn a_second_owner_of_one_server_that_the_broker_cannot_reach_refuses_to_ru
         owns_the_journal(&first).await,
         "the first aggregator never became ready"
     );
-    let elsewhere = Broker::start().unwrap();
-    let mut second = Aggregator::child_over_endpoint(
-        &elsewhere,
-        &endpoint,
-        &[
-            "--config-token",
-            TOKEN,
-            "--subscription",
-            "another-deployment",
-        ],
-    );
-    let status = second
-        .exit_within(Duration::from_secs(30))
-        .await
-        .expect("a second owner of the server kept running");
-    assert!(!status.success(), "the second owner exited with {status}");
-    // For the reason the fence gives, heard in the server (the brokers have nothing in common).
-    let log = second.log();
-    assert!(
-        log.contains("already owns the journal") && log.contains("heard on the SPARQL server"),
-        "{log}"
-    );
+    a_second_owner_on_another_broker_is_refused(&endpoint, "").await;
     assert!(first.is_running(), "the first owner stopped");
     serves_one_dialog(&broker, &first, "kept").await;
 }
@@ -186,27 +165,8 @@ async fn an_owner_whose_broker_is_gone_still_refuses_a_second_owner() {
     );
     broker.stop();
     tokio::time::sleep(Duration::from_secs(50)).await;
-    let elsewhere = Broker::start().unwrap();
-    let mut second = Aggregator::child_over_endpoint(
-        &elsewhere,
-        &endpoint,
-        &[
-            "--config-token",
-            TOKEN,
-            "--subscription",
-            "another-deployment",
-        ],
-    );
-    let status = second
-        .exit_within(Duration::from_secs(30))
-        .await
-        .expect("a second owner of the server kept running while the first's broker was gone");
-    assert!(!status.success(), "the second owner exited with {status}");
-    let log = second.log();
-    assert!(
-        log.contains("already owns the journal") && log.contains("heard on the SPARQL server"),
-        "{log}"
-    );
+    a_second_owner_on_another_broker_is_refused(&endpoint, " while the first's broker was gone")
+        .await;
     broker.start_again().unwrap();
     assert!(first.is_running(), "the first owner stopped");
     serves_one_dialog(&broker, &first, "kept").await;
@@ -259,6 +219,33 @@ async fn an_orchestrator_pointed_at_the_server_itself_refuses_to_start(kind: Kin
     assert!(
         orchestrator.exited_within(Duration::from_secs(30)).await,
         "an orchestrator journaling on a store that cannot decide kept running"
+    );
+}
+
+/// A second owner of the server at `endpoint`, on a broker and subscription of its own, exits
+/// refused, for the reason the fence gives, heard in the server (the brokers have nothing in
+/// common). `when` says in a failure when it kept running.
+async fn a_second_owner_on_another_broker_is_refused(endpoint: &str, when: &str) {
+    let elsewhere = Broker::start().unwrap();
+    let mut second = Aggregator::child_over_endpoint(
+        &elsewhere,
+        endpoint,
+        &[
+            "--config-token",
+            TOKEN,
+            "--subscription",
+            "another-deployment",
+        ],
+    );
+    let status = second
+        .exit_within(Duration::from_secs(30))
+        .await
+        .unwrap_or_else(|| panic!("a second owner of the server kept running{when}"));
+    assert!(!status.success(), "the second owner exited with {status}");
+    let log = second.log();
+    assert!(
+        log.contains("already owns the journal") && log.contains("heard on the SPARQL server"),
+        "{log}"
     );
 }
 
