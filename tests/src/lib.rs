@@ -114,7 +114,7 @@ impl Broker {
         }
     }
 
-    /// SIGKILL and start again on the same data.
+    /// SIGKILL (unless [`Broker::stop`] did) and start again on the same data.
     pub fn restart(&mut self) -> anyhow::Result<()> {
         match self {
             Broker::Lite(b) => Ok(b.restart()?),
@@ -122,19 +122,11 @@ impl Broker {
         }
     }
 
-    /// SIGKILL, leaving it down until [`Broker::start_again`]: an outage of the test's length.
+    /// SIGKILL, leaving it down until [`Broker::restart`]: an outage of the test's length.
     pub fn stop(&mut self) {
         match self {
             Broker::Lite(b) => b.stop(),
             Broker::Apache(b) => b.stop(),
-        }
-    }
-
-    /// Starts the broker again after [`Broker::stop`], on the same data.
-    pub fn start_again(&mut self) -> anyhow::Result<()> {
-        match self {
-            Broker::Lite(b) => Ok(b.start_again()?),
-            Broker::Apache(b) => b.start_again(),
         }
     }
 

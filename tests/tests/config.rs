@@ -344,7 +344,7 @@ async fn the_orchestrator_follows_config_again_after_a_long_broker_outage() {
 
     broker.stop();
     tokio::time::sleep(LONG_OUTAGE).await;
-    broker.start_again().unwrap();
+    broker.restart().unwrap();
     // Served again (the request consumer subscribes again by itself), on the config of before.
     assert_eq!(dialog_error(&mut client, "back", LONG_QUESTION).await, None);
 

@@ -176,7 +176,7 @@ async fn services_serve_across(outage: Option<Duration>) {
         Some(outage) => {
             broker.stop();
             tokio::time::sleep(outage).await;
-            broker.start_again().unwrap();
+            broker.restart().unwrap();
         }
     }
     let mut after = client(&broker).await;

@@ -167,7 +167,7 @@ async fn an_owner_whose_broker_is_gone_still_refuses_a_second_owner() {
     tokio::time::sleep(Duration::from_secs(50)).await;
     a_second_owner_on_another_broker_is_refused(&endpoint, " while the first's broker was gone")
         .await;
-    broker.start_again().unwrap();
+    broker.restart().unwrap();
     assert!(first.is_running(), "the first owner stopped");
     serves_one_dialog(&broker, &first, "kept").await;
 }

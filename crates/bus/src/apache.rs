@@ -329,21 +329,15 @@ impl ApacheBroker {
         self.auth.as_ref().map(|a| a.token(ADMIN_ROLE))
     }
 
-    /// SIGKILL and start again on the same data and ports.
+    /// SIGKILL (unless [`ApacheBroker::stop`] did) and start again on the same data and ports.
     pub fn restart(&mut self) -> anyhow::Result<()> {
         self.kill();
         self.launch(false)
     }
 
-    /// SIGKILL, leaving it down until [`ApacheBroker::start_again`] (an outage of a chosen length).
+    /// SIGKILL, leaving it down until [`ApacheBroker::restart`] (an outage of a chosen length).
     pub fn stop(&mut self) {
         self.kill();
-    }
-
-    /// Starts the broker again after [`ApacheBroker::stop`], on the same data and ports.
-    pub fn start_again(&mut self) -> anyhow::Result<()> {
-        self.kill();
-        self.launch(false)
     }
 
     fn kill(&mut self) {

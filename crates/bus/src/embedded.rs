@@ -277,14 +277,9 @@ impl EmbeddedBroker {
             .unwrap_or_default()
     }
 
-    /// SIGKILLs the broker and starts it again on the same port and data (messages survive).
+    /// SIGKILLs the broker (if it runs: after [`EmbeddedBroker::stop`] it does not) and starts it
+    /// again on the same port and data (messages survive).
     pub fn restart(&mut self) -> Result<(), EmbeddedError> {
-        self.stop();
-        self.launch()
-    }
-
-    /// Starts the broker again after [`EmbeddedBroker::stop`], on the same port and data.
-    pub fn start_again(&mut self) -> Result<(), EmbeddedError> {
         self.stop();
         self.launch()
     }

@@ -39,15 +39,19 @@ pub(crate) fn stat_fields(pid: &str) -> Option<Vec<String>> {
     Some(after.split_whitespace().map(str::to_owned).collect())
 }
 
+/// [`stat_fields`] of a process that runs: `None` for a zombie too (killed, not yet reaped).
+fn running_stat_fields(pid: &str) -> Option<Vec<String>> {
+    let fields = stat_fields(pid)?;
+    // Field 3, the state.
+    (!matches!(fields.first().map(String::as_str), Some("Z" | "X"))).then_some(fields)
+}
+
 /// `<pid>:<start time in clock ticks since boot>` of the process `pid` (or `self`) while it runs;
 /// `None` once it is gone, a zombie included (killed, not yet reaped: its children are orphans).
 fn owner_of(pid: &str) -> Option<String> {
-    let fields = stat_fields(pid)?;
-    // Field 3, the state, and field 22, the start time.
-    let (state, started) = (fields.first()?, fields.get(19)?);
-    if state == "Z" || state == "X" {
-        return None;
-    }
+    let fields = running_stat_fields(pid)?;
+    // Field 22, the start time.
+    let started = fields.get(19)?;
     let pid = match pid {
         "self" => std::process::id().to_string(),
         pid => pid.to_owned(),
@@ -198,10 +202,7 @@ const LEFT_FOR_AT_LEAST: Duration = Duration::from_secs(3600);
 
 /// When the process `pid` started, if it runs (a zombie does not).
 fn started_at(pid: &str) -> Option<std::time::SystemTime> {
-    let fields = stat_fields(pid)?;
-    if matches!(fields.first().map(String::as_str), Some("Z" | "X")) {
-        return None;
-    }
+    let fields = running_stat_fields(pid)?;
     // Field 22, in clock ticks after the boot; Linux's ticks are 100 a second wherever it runs.
     let ticks: u64 = fields.get(19)?.parse().ok()?;
     let stat = std::fs::read_to_string("/proc/stat").ok()?;
