@@ -898,6 +898,79 @@ async fn a_second_request_in_a_conversation_waits_and_sees_the_first_answer() {
     assert_eq!(count_reaching(&aggregator.store(), follows, 1).await, 1);
 }
 
+/// Requests queued behind a running dialog of their conversation leave their places among the
+/// consumer's handlers to the messages they wait for: with two places, and two requests waiting
+/// while the first dialog works, its next step is still taken up (it would wait behind them for
+/// its whole wall-time budget). The two then run one after the other, in the order they came.
+#[tokio::test]
+async fn requests_queued_in_a_conversation_leave_room_for_the_dialog_they_wait_for() {
+    let config = conversation_config("queue-places", "queue");
+    let script = r#"{"rules": [
+  {"match": "Observation: beta-result", "reply": "Thought: Done.\nFinal Answer: Paris"},
+  {"match": "Observation: alpha-result", "reply": "Thought: One more.\nAction: llm\nArgs: {\"question\": \"fetch beta\"}", "delay_ms": 3000},
+  {"match": "fetch alpha", "exact": true, "reply": "alpha-result"},
+  {"match": "fetch beta", "exact": true, "reply": "beta-result"},
+  {"match": "Question: What is the capital of France?", "reply": "Thought: Look it up.\nAction: llm\nArgs: {\"question\": \"fetch alpha\"}"},
+  {"match": "Question: And how many people live there?", "reply": "Thought: I know.\nFinal Answer: about two million"},
+  {"match": "Question: And which river runs through it?", "reply": "Thought: I know.\nFinal Answer: the Seine"}
+]}"#;
+    let broker = Broker::start().unwrap();
+    let aggregator = Aggregator::spawn_with(&broker, &["--config-token", TOKEN]);
+    let llm = scripted_llm(script).await;
+    let _orchestrator = Orchestrator::journaled_with(
+        Place::Child,
+        &broker,
+        &llm,
+        &aggregator,
+        TOKEN,
+        &config,
+        &[("AGENT_MAX_IN_FLIGHT", "2")],
+    );
+    let mut client = client(&broker).await;
+    start_first_dialog(&mut client, &aggregator, &llm).await;
+    for (id, question) in [
+        ("conv-b", "And how many people live there?"),
+        ("conv-c", "And which river runs through it?"),
+    ] {
+        client.send(id, &in_conversation(question)).await.unwrap();
+    }
+    let mut dialogs = collect_dialogs(
+        &mut client,
+        &["conv-a", "conv-b", "conv-c"],
+        Duration::from_secs(60),
+    )
+    .await;
+    for (id, answer) in [
+        ("conv-a", "Paris"),
+        ("conv-b", "about two million"),
+        ("conv-c", "the Seine"),
+    ] {
+        let dialog = dialogs.remove(id).unwrap();
+        assert_eq!(closings(&dialog).len(), 1, "{id}: {dialog:#?}");
+        assert_eq!(dialog.last().unwrap().content, answer, "{id}: {dialog:#?}");
+    }
+    // The third ran once the second had ended: it was told the second's answer.
+    let calls = llm.calls();
+    let asked = |question: &str| {
+        calls
+            .iter()
+            .position(|c| c.last_user.contains(&format!("Question: {question}")))
+            .unwrap()
+    };
+    let (second, third) = (
+        asked("And how many people live there?"),
+        asked("And which river runs through it?"),
+    );
+    assert!(second < third, "the third request ran before the second");
+    assert!(
+        calls[third]
+            .last_user
+            .contains("Q: And how many people live there?\nA: about two million"),
+        "{}",
+        calls[third].last_user
+    );
+}
+
 #[tokio::test]
 async fn a_conversation_can_refuse_a_second_request_or_interrupt_the_first() {
     for policy in ["reject", "interrupt"] {

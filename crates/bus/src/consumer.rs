@@ -52,7 +52,88 @@ pub struct Delivery<T> {
     pub message_id: String,
     /// Size of the payload as it came off the wire, for limits on message size.
     pub payload_bytes: usize,
+    /// Lets a handler that only waits give its place among the consumer's handlers to the next
+    /// message (see [`Aside`]).
+    pub aside: Aside,
 }
+
+/// Handlers that stepped aside from a consumer's `max_in_flight`: a handler waiting for
+/// something another message must bring (a conversation's running dialog, whose next step is a
+/// message on the same topic) would otherwise hold a place that message needs, and enough such
+/// waits would stop the consumer for good.
+#[derive(Debug, Clone, Default)]
+pub struct Aside {
+    /// `None` for a delivery no consumer loop counts (a step continued in process).
+    shared: Option<Arc<AsideCount>>,
+}
+
+#[derive(Debug, Default)]
+struct AsideCount {
+    waiting: AtomicU64,
+    /// The most that may stand aside at once: what waits is held in memory, so it is bounded.
+    most: u64,
+    /// Wakes the loop, whose next receive was held back by the bound on handlers.
+    stepped: tokio::sync::Notify,
+}
+
+/// A handler's place aside, given back when dropped.
+#[derive(Debug)]
+pub struct AsideLease {
+    shared: Option<Arc<AsideCount>>,
+}
+
+impl Aside {
+    fn counted(most: u64) -> Aside {
+        Aside {
+            shared: Some(Arc::new(AsideCount {
+                most,
+                ..AsideCount::default()
+            })),
+        }
+    }
+
+    /// Steps aside until the lease is dropped; `None` when as many as the consumer allows stand
+    /// aside already.
+    pub fn step_aside(&self) -> Option<AsideLease> {
+        let Some(shared) = &self.shared else {
+            return Some(AsideLease { shared: None });
+        };
+        let taken = shared
+            .waiting
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| {
+                (n < shared.most).then_some(n + 1)
+            });
+        taken.ok()?;
+        shared.stepped.notify_one();
+        Some(AsideLease {
+            shared: Some(shared.clone()),
+        })
+    }
+
+    fn waiting(&self) -> usize {
+        self.shared
+            .as_ref()
+            .map_or(0, |s| s.waiting.load(Ordering::SeqCst) as usize)
+    }
+
+    async fn stepped(&self) {
+        match &self.shared {
+            Some(shared) => shared.stepped.notified().await,
+            None => std::future::pending().await,
+        }
+    }
+}
+
+impl Drop for AsideLease {
+    fn drop(&mut self) {
+        if let Some(shared) = &self.shared {
+            shared.waiting.fetch_sub(1, Ordering::SeqCst);
+        }
+    }
+}
+
+/// How many handlers may stand aside for each place among those in flight.
+const ASIDE_PER_PLACE: u64 = 32;
 
 /// What to do with a message once its handler finished.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -144,14 +225,20 @@ where
     let handler = Arc::new(handler);
     let mut tasks: JoinSet<Disposition> = JoinSet::new();
     let mut in_flight: HashMap<Id, Message<Vec<u8>>> = HashMap::new();
+    let aside = Aside::counted(max_in_flight as u64 * ASIDE_PER_PLACE);
     loop {
+        // A handler standing aside keeps its message unacked but not its place; one that stepped
+        // aside and then went on working overdraws the bound until it ends.
+        let places = max_in_flight + aside.waiting();
         tokio::select! {
             biased;
             _ = shutdown.cancelled() => break,
             Some(done) = tasks.join_next_with_id(), if !tasks.is_empty() => {
                 settle(&mut consumer, &dead_letters, &stats, &mut in_flight, done).await;
             }
-            next = consumer.next(), if tasks.len() < max_in_flight => match next {
+            // Only to look at the bound again.
+            _ = aside.stepped(), if tasks.len() >= places => {}
+            next = consumer.next(), if tasks.len() < places => match next {
                 Some(Ok(message)) => {
                     stats.received.fetch_add(1, Ordering::Relaxed);
                     let properties = properties_of(&message);
@@ -159,7 +246,7 @@ where
                         Ok(payload) => {
                             let message_id = message_id_of(&message);
                             let payload_bytes = message.payload.data.len();
-                            let work = handler(Delivery { payload, properties, message_id, payload_bytes });
+                            let work = handler(Delivery { payload, properties, message_id, payload_bytes, aside: aside.clone() });
                             let nack_delay = config.nack_delay;
                             let handle = tasks.spawn(async move {
                                 let disposition = work.await;
@@ -412,4 +499,26 @@ fn properties_of(message: &Message<Vec<u8>>) -> Properties {
         .iter()
         .map(|kv| (kv.key.clone(), kv.value.clone()))
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn handlers_stand_aside_up_to_the_bound_and_come_back() {
+        let aside = Aside::counted(2);
+        let first = aside.step_aside().unwrap();
+        let second = aside.clone().step_aside().unwrap();
+        assert_eq!(aside.waiting(), 2);
+        assert!(aside.step_aside().is_none(), "past the bound");
+        drop(first);
+        assert_eq!(aside.waiting(), 1);
+        let third = aside.step_aside().unwrap();
+        drop((second, third));
+        assert_eq!(aside.waiting(), 0);
+        // A delivery no loop counts may always wait.
+        assert!(Aside::default().step_aside().is_some());
+        assert_eq!(Aside::default().waiting(), 0);
+    }
 }

@@ -22,7 +22,8 @@ pub use args::{shutdown_signal, BrokerArgs};
 pub use client::{message_property, AgentClient, Listener, Received, StreamedAnswer};
 pub use config_client::{ConfigClient, ConfigPushes};
 pub use consumer::{
-    run_consumer, ConsumerStats, Delivery, Disposition, SubscriptionConfig, DEAD_LETTER_REASON,
+    run_consumer, Aside, AsideLease, ConsumerStats, Delivery, Disposition, SubscriptionConfig,
+    DEAD_LETTER_REASON,
 };
 pub use control::{send_control, ControlListener};
 pub use error::BusError;

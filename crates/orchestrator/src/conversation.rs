@@ -4,7 +4,9 @@
 //! node links to them (`tg:follows`). A dialog that starts while another of its conversation still
 //! runs follows the configured policy (`conversation_policy`: queue, reject or interrupt).
 
-use std::time::Duration;
+use std::collections::{HashMap, VecDeque};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use agent_core::provenance::SessionUris;
 use agent_graph::model::{NamedNode, Term};
@@ -88,6 +90,169 @@ pub async fn earlier(
     Ok(dialogs)
 }
 
+/// How long a request waiting for its turn may go without asking again before it is taken for
+/// gone (its process stopped, its message went to another replica): asked every half second, it
+/// would otherwise block the line behind it.
+const GONE_AFTER: Duration = Duration::from_secs(10);
+/// How long a dialog let start here counts as running while the graph does not show it yet (its
+/// first step is written to the graph behind the step, by the aggregator); past it, the graph
+/// alone decides.
+const SHOWN_WITHIN: Duration = Duration::from_secs(30);
+
+/// This replica's turns in each of its conversations. The graph alone cannot keep two of a
+/// conversation's dialogs from starting side by side: a dialog shows there only once the
+/// aggregator has written its first step, so two requests that wait for the same dialog would both
+/// see it end and both start. Here, one request at a time checks a conversation and, if it may
+/// start, is remembered as running until the graph shows it; those that wait take their turns in
+/// the order they came. (Two replicas can still each let one start in the same instant.)
+#[derive(Default)]
+pub struct Turns {
+    lines: Mutex<HashMap<String, Arc<tokio::sync::Mutex<Line>>>>,
+}
+
+/// One conversation's line on this replica.
+#[derive(Debug, Default)]
+pub struct Line {
+    /// Dialogs let start here, until the graph shows them.
+    started_here: HashMap<String, Instant>,
+    /// Requests waiting, first come first, each with when it last asked.
+    waiting: VecDeque<(String, Instant)>,
+}
+
+/// A conversation's line, held: nobody else here checks or changes it meanwhile.
+pub struct HeldLine<'t> {
+    turns: &'t Turns,
+    conversation: String,
+    line: tokio::sync::OwnedMutexGuard<Line>,
+}
+
+impl Turns {
+    /// Waits for the conversation's line and holds it.
+    pub async fn hold(&self, conversation: &str) -> HeldLine<'_> {
+        let line = locked(&self.lines)
+            .entry(conversation.to_owned())
+            .or_default()
+            .clone();
+        let mut line = line.lock_owned().await;
+        line.forget_stale(Instant::now());
+        HeldLine {
+            turns: self,
+            conversation: conversation.to_owned(),
+            line,
+        }
+    }
+
+    /// Returns once `session` is first in its conversation's line (or no longer in it: taken for
+    /// gone meanwhile), asking every `pause`: until then it need not check the conversation.
+    pub async fn until_first(&self, conversation: &str, session: &str, pause: Duration) {
+        loop {
+            tokio::time::sleep(pause).await;
+            if self.hold(conversation).await.ask(session) {
+                return;
+            }
+        }
+    }
+
+    /// Conversations with a line here.
+    #[cfg(test)]
+    fn count(&self) -> usize {
+        locked(&self.lines).len()
+    }
+}
+
+fn locked<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    mutex
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+impl HeldLine<'_> {
+    /// The request first in line, if it is not `session`.
+    pub fn ahead_of(&self, session: &str) -> Option<String> {
+        match self.line.waiting.front() {
+            Some((first, _)) if first != session => Some(first.clone()),
+            _ => None,
+        }
+    }
+
+    /// Says `session` asked again; whether it is first in line (or not in it at all).
+    pub fn ask(&mut self, session: &str) -> bool {
+        match self.line.waiting.iter().position(|(s, _)| s == session) {
+            Some(at) => {
+                self.line.waiting[at].1 = Instant::now();
+                at == 0
+            }
+            None => true,
+        }
+    }
+
+    /// Puts `session` at the end of the line, unless it is in it already.
+    pub fn wait(&mut self, session: &str) {
+        if !self.line.waiting.iter().any(|(s, _)| s == session) {
+            self.line
+                .waiting
+                .push_back((session.to_owned(), Instant::now()));
+        }
+    }
+
+    /// Takes `session` out of the line without starting it.
+    pub fn leave(&mut self, session: &str) {
+        self.line.waiting.retain(|(s, _)| s != session);
+    }
+
+    /// `session` starts: out of the line, and running until the graph shows it.
+    pub fn start(&mut self, session: &str) {
+        self.leave(session);
+        self.line
+            .started_here
+            .insert(session.to_owned(), Instant::now());
+    }
+
+    /// The dialogs let start here that the graph does not show yet (`earlier`: what it shows);
+    /// one it shows is the graph's to judge from now on.
+    pub fn unseen(&mut self, earlier: &[Earlier]) -> Vec<String> {
+        self.line
+            .started_here
+            .retain(|session, _| !earlier.iter().any(|d| d.session_id() == session));
+        self.line.started_here.keys().cloned().collect()
+    }
+
+    /// Forgets a dialog let start here (it was interrupted).
+    pub fn forget(&mut self, session: &str) {
+        self.line.started_here.remove(session);
+    }
+}
+
+impl Line {
+    fn forget_stale(&mut self, now: Instant) {
+        self.waiting
+            .retain(|(_, asked)| now.duration_since(*asked) < GONE_AFTER);
+        self.started_here
+            .retain(|_, started| now.duration_since(*started) < SHOWN_WITHIN);
+    }
+
+    fn is_empty(&self) -> bool {
+        self.waiting.is_empty() && self.started_here.is_empty()
+    }
+}
+
+impl Drop for HeldLine<'_> {
+    fn drop(&mut self) {
+        if !self.line.is_empty() {
+            return;
+        }
+        // Held by the map and by this guard only: nobody else waits for it, so it can go (one
+        // who asks for it from now on makes a new one, empty as this one is).
+        let mut lines = locked(&self.turns.lines);
+        if lines
+            .get(&self.conversation)
+            .is_some_and(|line| Arc::strong_count(line) == 2)
+        {
+            lines.remove(&self.conversation);
+        }
+    }
+}
+
 /// The summary a new dialog is given: the earlier dialogs oldest first, each question and answer
 /// cut to a bounded excerpt. Empty when there are none.
 pub fn context(earlier: &[Earlier]) -> String {
@@ -124,6 +289,58 @@ pub fn framed(framing: &str, summary: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn shown(session: &str, answer: Option<&str>) -> Earlier {
+        Earlier {
+            session_uri: SessionUris::new(session).session(),
+            question: "q".into(),
+            started: chrono::Utc::now().to_rfc3339(),
+            answer: answer.map(str::to_owned),
+        }
+    }
+
+    #[tokio::test]
+    async fn waiting_requests_take_their_turns_in_the_order_they_came() {
+        let turns = Turns::default();
+        let mut line = turns.hold("c").await;
+        line.start("a");
+        line.wait("b");
+        line.wait("c2");
+        line.wait("b");
+        assert_eq!(line.ahead_of("c2").as_deref(), Some("b"));
+        assert_eq!(line.ahead_of("b"), None);
+        // A newcomer queues behind those already waiting.
+        assert_eq!(line.ahead_of("d").as_deref(), Some("b"));
+        assert!(line.ask("b"));
+        assert!(!line.ask("c2"));
+        // Let start here, "a" runs until the graph shows it, then the graph judges it.
+        assert_eq!(line.unseen(&[]), vec!["a".to_owned()]);
+        assert!(line.unseen(&[shown("a", None)]).is_empty());
+        line.start("b");
+        assert_eq!(line.ahead_of("d").as_deref(), Some("c2"));
+        assert!(line.ask("c2"));
+        drop(line);
+        assert_eq!(turns.count(), 1);
+    }
+
+    #[tokio::test]
+    async fn a_request_that_stops_asking_leaves_the_line_and_an_empty_line_goes() {
+        let turns = Turns::default();
+        {
+            let mut line = turns.hold("c").await;
+            line.wait("gone");
+            line.wait("next");
+            line.line.forget_stale(Instant::now() + GONE_AFTER);
+            assert_eq!(line.ahead_of("next"), None);
+            line.start("next");
+            line.line.forget_stale(Instant::now() + SHOWN_WITHIN);
+            assert!(line.unseen(&[]).is_empty());
+        }
+        assert_eq!(turns.count(), 0, "an empty line is not kept");
+        // One that is not in line at all goes as far as the line is concerned.
+        assert!(turns.hold("c").await.ask("never-queued"));
+        assert_eq!(turns.count(), 0);
+    }
 
     fn dialog(question: &str, answer: Option<&str>, started: &str) -> Earlier {
         Earlier {

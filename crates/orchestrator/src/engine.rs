@@ -48,6 +48,8 @@ pub struct Engine {
     /// is given up at its next taking, whether or not the broker counts crashes as redeliveries
     /// (`--max-redeliveries`; `None`: never).
     pub max_takings: Option<u32>,
+    /// Whose turn it is in each conversation, as far as this replica knows.
+    pub turns: crate::conversation::Turns,
 }
 
 /// Deliveries in hand, each with where its disposition will be told.
@@ -106,7 +108,7 @@ pub(crate) enum Settled {
     Parked(emit::Park),
     /// Waiting for another dialog of its conversation to end (`conversation_policy: queue`);
     /// nothing was committed.
-    Queued(String),
+    Queued(crate::step::Queued),
 }
 
 /// How long an answer to an approval is tried again while the graph does not show its parked
@@ -181,7 +183,7 @@ pub(crate) enum Next {
     Park(emit::Park),
     /// Wait for the conversation's running dialog, then run the step again (not an outage: it
     /// does not count against the outage window).
-    Queue(String),
+    Queue(crate::step::Queued),
     /// End its dialog with this error; then ack, or nack if even that cannot be published.
     GiveUp(String),
     /// Nack it, for another replica: the step is not this build's to settle.
@@ -199,7 +201,7 @@ pub(crate) fn next_after(
         Ok(Settled::Done) => Next::Ack,
         Ok(Settled::Continued(continuation)) => Next::Continue(continuation),
         Ok(Settled::Parked(park)) => Next::Park(park),
-        Ok(Settled::Queued(why)) => Next::Queue(why),
+        Ok(Settled::Queued(queued)) => Next::Queue(queued),
         Err(StepError::Outage(e)) if may_park => Next::Park(emit::Park {
             cause: format!("{e:#}"),
             retry_after: None,
@@ -307,6 +309,8 @@ impl Engine {
                         .cloned()
                         .unwrap_or_default(),
                     properties: request.properties.clone(),
+                    // A continued step is never a new dialog's, so it never waits aside.
+                    aside: agent_bus::Aside::default(),
                 },
                 // What this build encoded, it decodes; should it not, a replica's consumer
                 // judges the message as it would any other.
@@ -373,6 +377,9 @@ impl Engine {
         let mut outage: Option<std::time::Instant> = None;
         let mut pause = PARK_PAUSE.0;
         let taker = uuid::Uuid::new_v4().simple().to_string();
+        // Held while the step waits for its conversation: its place among the consumer's
+        // handlers goes meanwhile to the messages it may be waiting for.
+        let mut aside = None;
         loop {
             let window = Duration::from_secs(self.config.current().limits.max_outage_secs);
             let may_park = outage.map_or(!window.is_zero(), |since| since.elapsed() < window);
@@ -386,13 +393,20 @@ impl Engine {
             let park = match next_after(result, may_park, window) {
                 Next::Ack => return (Disposition::Ack, None),
                 Next::Continue(continuation) => return (Disposition::Ack, Some(*continuation)),
-                Next::Queue(why) => {
-                    tracing::debug!(%why, "queued behind its conversation");
+                Next::Queue(queued) => {
+                    tracing::debug!(why = %queued.why, "queued behind its conversation");
+                    if aside.is_none() {
+                        aside = delivery.aside.step_aside();
+                        if aside.is_none() {
+                            let why = format!("{}; as many requests as this replica holds wait for their conversations already", queued.why);
+                            return (self.give_up(delivery, &why, answer).await, None);
+                        }
+                    }
                     tokio::select! {
                         _ = self.shutdown.cancelled() => {
                             return (Disposition::Nack("shutting down while queued".to_owned()), None)
                         }
-                        _ = tokio::time::sleep(QUEUE_PAUSE) => {}
+                        _ = self.turns.until_first(&queued.conversation, &queued.session, QUEUE_PAUSE) => {}
                     }
                     continue;
                 }
@@ -545,6 +559,7 @@ impl Engine {
             properties: continuation.properties,
             message_id: delivery.message_id,
             payload_bytes,
+            aside: delivery.aside,
         };
         let answer = approval::Answer {
             control,

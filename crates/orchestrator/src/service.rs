@@ -145,6 +145,7 @@ pub async fn run(settings: Settings, shutdown: CancellationToken) -> anyhow::Res
         max_takings: u32::try_from(settings.max_redeliveries)
             .ok()
             .filter(|&n| n > 0),
+        turns: Default::default(),
     });
     if let (true, Some(journal)) = (settings.continue_in_process, &engine.journal) {
         tokio::spawn(crate::chains::beat(

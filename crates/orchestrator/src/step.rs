@@ -254,7 +254,13 @@ impl Engine {
             match joined {
                 Joined::Go => {}
                 Joined::Refused(problem) => step.verdict = Err(problem),
-                Joined::Queued(why) => return Ok(Settled::Queued(why)),
+                Joined::Queued(why) => {
+                    return Ok(Settled::Queued(Queued {
+                        why,
+                        conversation: step.request.conversation_id.clone(),
+                        session: step.session_id.clone(),
+                    }))
+                }
             }
         }
         let requested = step.take_requested_pattern();
@@ -340,6 +346,7 @@ impl Engine {
             properties,
             message_id,
             payload_bytes,
+            aside: _,
         } = delivery;
         let id = properties.get(ID_PROPERTY).cloned();
         let session_id = session_id_for(&request, id.as_deref());
@@ -449,29 +456,51 @@ impl Engine {
         ) else {
             return Ok(Joined::Go);
         };
-        let earlier = conversation::earlier(store, &request.conversation_id, session_id).await?;
+        let conversation = &request.conversation_id;
+        let policy = config.limits.conversation_policy;
+        let mut line = self.turns.hold(conversation).await;
+        // A cancelled request does not wait for its turn: its step ends it at once.
+        if self.cancellations.of(session_id).is_some() {
+            line.leave(session_id);
+            return Ok(Joined::Go);
+        }
+        if policy == ConversationPolicy::Queue {
+            if let Some(ahead) = line.ahead_of(session_id) {
+                line.wait(session_id);
+                return Ok(Joined::Queued(format!(
+                    "dialog {ahead} of conversation {conversation} waits for its turn before it"
+                )));
+            }
+        }
+        let earlier = conversation::earlier(store, conversation, session_id).await?;
         let max_wall = Duration::from_secs(config.limits.max_wall_secs);
-        let running: Vec<&conversation::Earlier> =
-            earlier.iter().filter(|d| d.running(max_wall)).collect();
-        if let Some(first) = running.first() {
-            let conversation = &request.conversation_id;
-            let other = first.session_id();
-            match config.limits.conversation_policy {
+        let mut running: Vec<String> = earlier
+            .iter()
+            .filter(|d| d.running(max_wall))
+            .map(|d| d.session_id().to_owned())
+            .collect();
+        running.extend(line.unseen(&earlier));
+        if let Some(other) = running.first() {
+            match policy {
                 ConversationPolicy::Queue => {
+                    line.wait(session_id);
                     return Ok(Joined::Queued(format!(
                         "dialog {other} of conversation {conversation} is still running"
-                    )))
+                    )));
                 }
                 ConversationPolicy::Reject => {
                     return Ok(Joined::Refused(format!("dialog {other} of conversation {conversation} is still running; this conversation takes one request at a time (conversation_policy: reject)")));
                 }
                 ConversationPolicy::Interrupt => {
                     for dialog in &running {
-                        self.interrupt(dialog.session_id(), session_id, out).await?;
+                        self.interrupt(dialog, session_id, out).await?;
+                        line.forget(dialog);
                     }
                 }
             }
         }
+        line.start(session_id);
+        drop(line);
         let summary = conversation::context(&earlier);
         request.framing = conversation::framed(&request.framing, &summary);
         let follows: Vec<String> = earlier.iter().map(|d| d.session_uri.clone()).collect();
@@ -622,6 +651,15 @@ enum Joined {
     Refused(String),
     /// Wait for the running dialog (`conversation_policy: queue`).
     Queued(String),
+}
+
+/// A new dialog waiting for its conversation's running dialog, or for its turn after others that
+/// wait (`conversation_policy: queue`).
+#[derive(Debug)]
+pub(crate) struct Queued {
+    pub why: String,
+    pub conversation: String,
+    pub session: String,
 }
 
 /// The model a request asks for ([`agent_schema::MODEL_PROPERTY`], set on an ensemble's agents),
