@@ -91,8 +91,10 @@ pub async fn earlier(
 }
 
 /// How long a request waiting for its turn may go without asking again before it is taken for
-/// gone (its process stopped, its message went to another replica): asked every half second, it
-/// would otherwise block the line behind it.
+/// gone (its process stopped, its message went to another replica), so that it does not block
+/// the line behind it. Those behind the first ask every half second; the first asks as its step
+/// is tried again, and one whose step is parked longer than this (an outage) loses its place:
+/// the order is kept while things run, and two never start together either way.
 const GONE_AFTER: Duration = Duration::from_secs(10);
 /// How long a dialog let start here counts as running while the graph does not show it yet (its
 /// first step is written to the graph behind the step, by the aggregator); past it, the graph
@@ -108,7 +110,13 @@ const SHOWN_WITHIN: Duration = Duration::from_secs(30);
 #[derive(Default)]
 pub struct Turns {
     lines: Mutex<HashMap<String, Arc<tokio::sync::Mutex<Line>>>>,
+    /// Holds since the lines nobody uses were last looked through.
+    holds: std::sync::atomic::AtomicUsize,
 }
+
+/// How many holds pass between looks through every line for those left with only stale entries
+/// (a conversation that sent nothing since its last dialog started here).
+const TIDY_EVERY: usize = 64;
 
 /// One conversation's line on this replica.
 #[derive(Debug, Default)]
@@ -129,10 +137,16 @@ pub struct HeldLine<'t> {
 impl Turns {
     /// Waits for the conversation's line and holds it.
     pub async fn hold(&self, conversation: &str) -> HeldLine<'_> {
-        let line = locked(&self.lines)
-            .entry(conversation.to_owned())
-            .or_default()
-            .clone();
+        let line = {
+            let mut lines = locked(&self.lines);
+            let holds = self
+                .holds
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            if holds.is_multiple_of(TIDY_EVERY) {
+                tidy(&mut lines);
+            }
+            lines.entry(conversation.to_owned()).or_default().clone()
+        };
         let mut line = line.lock_owned().await;
         line.forget_stale(Instant::now());
         HeldLine {
@@ -153,11 +167,33 @@ impl Turns {
         }
     }
 
+    /// Takes `session` out of its conversation's line (it stopped waiting).
+    pub async fn leave(&self, conversation: &str, session: &str) {
+        self.hold(conversation).await.leave(session);
+    }
+
     /// Conversations with a line here.
     #[cfg(test)]
     fn count(&self) -> usize {
         locked(&self.lines).len()
     }
+}
+
+/// Forgets what went stale in the lines nobody holds or waits for, and the lines left empty.
+fn tidy(lines: &mut HashMap<String, Arc<tokio::sync::Mutex<Line>>>) {
+    let now = Instant::now();
+    lines.retain(|_, line| {
+        if Arc::strong_count(line) > 1 {
+            return true;
+        }
+        match line.try_lock() {
+            Ok(mut unused) => {
+                unused.forget_stale(now);
+                !unused.is_empty()
+            }
+            Err(_) => true,
+        }
+    });
 }
 
 fn locked<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -193,6 +229,11 @@ impl HeldLine<'_> {
                 .waiting
                 .push_back((session.to_owned(), Instant::now()));
         }
+    }
+
+    /// Whether `session` was let start here (and the graph may not show it yet).
+    pub fn started(&self, session: &str) -> bool {
+        self.line.started_here.contains_key(session)
     }
 
     /// Takes `session` out of the line without starting it.
@@ -337,6 +378,17 @@ mod tests {
             assert!(line.unseen(&[]).is_empty());
         }
         assert_eq!(turns.count(), 0, "an empty line is not kept");
+        // A line left with only what went stale since (nobody of its conversation came again) is
+        // let go by the next tidying.
+        {
+            let mut line = turns.hold("quiet").await;
+            let long_ago = Instant::now().checked_sub(SHOWN_WITHIN * 2).unwrap();
+            line.line.started_here.insert("a".into(), long_ago);
+            assert!(line.started("a"));
+        }
+        assert_eq!(turns.count(), 1);
+        tidy(&mut locked(&turns.lines));
+        assert_eq!(turns.count(), 0);
         // One that is not in line at all goes as far as the line is concerned.
         assert!(turns.hold("c").await.ask("never-queued"));
         assert_eq!(turns.count(), 0);

@@ -250,6 +250,9 @@ impl Engine {
             Ok(in_hand) => in_hand,
             Err(mut first) => {
                 tracing::info!(message = %delivery.message_id, "this message is being handled here already; waiting for that");
+                // Only waiting: after a reconnect every queued request comes back at once, and
+                // copies holding places would stop the consumer as the requests themselves did.
+                let _aside = delivery.aside.step_aside();
                 let disposition = first
                     .wait_for(Option::is_some)
                     .await
@@ -377,8 +380,8 @@ impl Engine {
         let mut outage: Option<std::time::Instant> = None;
         let mut pause = PARK_PAUSE.0;
         let taker = uuid::Uuid::new_v4().simple().to_string();
-        // Held while the step waits for its conversation: its place among the consumer's
-        // handlers goes meanwhile to the messages it may be waiting for.
+        // Held while the step waits for its conversation (given back as it is let start): its
+        // place among the consumer's handlers goes meanwhile to the messages it may wait for.
         let mut aside = None;
         loop {
             let window = Duration::from_secs(self.config.current().limits.max_outage_secs);
@@ -389,7 +392,8 @@ impl Engine {
                 may_park,
                 taker: &taker,
             };
-            let result = Box::pin(self.handle_inner(delivery.clone(), attempt, answer)).await;
+            let result =
+                Box::pin(self.handle_inner(delivery.clone(), attempt, answer, &mut aside)).await;
             let park = match next_after(result, may_park, window) {
                 Next::Ack => return (Disposition::Ack, None),
                 Next::Continue(continuation) => return (Disposition::Ack, Some(*continuation)),
@@ -398,15 +402,21 @@ impl Engine {
                     if aside.is_none() {
                         aside = delivery.aside.step_aside();
                         if aside.is_none() {
+                            self.turns
+                                .leave(&queued.conversation, &queued.session)
+                                .await;
                             let why = format!("{}; as many requests as this replica holds wait for their conversations already", queued.why);
                             return (self.give_up(delivery, &why, answer).await, None);
                         }
                     }
                     tokio::select! {
                         _ = self.shutdown.cancelled() => {
+                            self.turns.leave(&queued.conversation, &queued.session).await;
                             return (Disposition::Nack("shutting down while queued".to_owned()), None)
                         }
                         _ = self.turns.until_first(&queued.conversation, &queued.session, QUEUE_PAUSE) => {}
+                        // Cancelled while it waits: its step ends it without waiting its turn.
+                        _ = self.cancellations.cancelled(&queued.session) => {}
                     }
                     continue;
                 }
@@ -447,7 +457,7 @@ impl Engine {
         answer: Option<&approval::Answer>,
     ) -> Disposition {
         events::StepGivenUp { why }.emit();
-        match Box::pin(self.handle_inner(delivery, Attempt::GiveUp(why), answer)).await {
+        match Box::pin(self.handle_inner(delivery, Attempt::GiveUp(why), answer, &mut None)).await {
             Ok(_) => Disposition::Ack,
             Err(e) => Disposition::Nack(e.to_string()),
         }

@@ -226,11 +226,14 @@ impl Engine {
     /// Takes up one delivered request: admits it, joins its conversation if it starts a dialog,
     /// then refuses it, gives it up or runs its step, and commits what it caused before the
     /// message is acked.
+    /// `aside`: the delivery's place aside while it waited for its conversation, given back as it
+    /// is let start.
     pub(crate) async fn handle_inner(
         &self,
         delivery: Delivery<AgentRequest>,
         attempt: Attempt<'_>,
         answer: Option<&approval::Answer>,
+        aside: &mut Option<agent_bus::AsideLease>,
     ) -> Result<Settled, StepError> {
         let taken = std::time::Instant::now();
         let mut step = match self.admit(delivery, attempt, answer.is_some()).await? {
@@ -251,6 +254,9 @@ impl Engine {
                     &step.out,
                 )
                 .await?;
+            if !matches!(joined, Joined::Queued(_)) {
+                *aside = None;
+            }
             match joined {
                 Joined::Go => {}
                 Joined::Refused(problem) => step.verdict = Err(problem),
@@ -459,8 +465,9 @@ impl Engine {
         let conversation = &request.conversation_id;
         let policy = config.limits.conversation_policy;
         let mut line = self.turns.hold(conversation).await;
-        // A cancelled request does not wait for its turn: its step ends it at once.
-        if self.cancellations.of(session_id).is_some() {
+        // A cancelled request does not wait for its turn: its step ends it at once. One let start
+        // before goes on (its first step was parked, or handed back here).
+        if self.cancellations.of(session_id).is_some() || line.started(session_id) {
             line.leave(session_id);
             return Ok(Joined::Go);
         }
@@ -489,6 +496,7 @@ impl Engine {
                     )));
                 }
                 ConversationPolicy::Reject => {
+                    line.leave(session_id);
                     return Ok(Joined::Refused(format!("dialog {other} of conversation {conversation} is still running; this conversation takes one request at a time (conversation_policy: reject)")));
                 }
                 ConversationPolicy::Interrupt => {
