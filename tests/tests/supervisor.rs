@@ -490,6 +490,86 @@ async fn completions_before_their_fan_out_and_twice_give_one_synthesis() {
     );
 }
 
+/// A fan-out the aggregator will never synthesise (no valid seal; sealed, but its continuation is
+/// not a request) is marked so in the graph by the timeout sweep, which then stops looking at it:
+/// it came back to both every round, for good, each time with an error in the log.
+#[tokio::test]
+async fn a_fan_out_that_can_never_be_synthesised_is_marked_once_not_swept_for_ever() {
+    use agent_core::provenance::{self, CallStats, SessionUris};
+    let broker = Broker::start().unwrap();
+    let aggregator = Aggregator::logged_child(&broker, &["--fanout-timeout-secs", "1"]);
+    let bus = agent_bus::Bus::connect(&broker.url(), None).await.unwrap();
+    let topics = agent_bus::Topics::trustgraph("default", "default");
+    let explain = Publisher::new(&bus, &topics.explainability).await.unwrap();
+    let key = agent_bus::seal::SealKey::new(SEAL_KEY.as_bytes());
+    let request = String::from_utf8_lossy(&agent_schema::encode(&AgentRequest {
+        question: "Q".into(),
+        session_id: "forged".into(),
+        pattern: "supervisor".into(),
+        ..AgentRequest::default()
+    }))
+    .into_owned();
+    for (session, continuation, sealed) in [
+        ("forged", request.as_str(), false),
+        ("garbled", "{not a request", true),
+    ] {
+        let uris = SessionUris::new(session);
+        let cid = format!("{session}-f1");
+        let node = uris.fanout(&cid);
+        let mut triples = provenance::fanout(
+            &uris,
+            1,
+            &cid,
+            &uris.pattern_decision(),
+            &[("x".to_owned(), format!("{cid}-s0"))],
+            continuation,
+            "client-9",
+            "2026-01-01T00:00:00Z",
+            provenance::DialogSoFar::default(),
+            &CallStats::default(),
+        );
+        if sealed {
+            let parts =
+                agent_core::supervisor::fanout_seal_parts(&node, &cid, continuation, "client-9");
+            triples.extend(provenance::sealed(&node, &key.seal(&parts)));
+        }
+        let message = Triples {
+            metadata: Metadata {
+                id: node,
+                root: String::new(),
+                collection: "default".into(),
+            },
+            triples,
+        };
+        explain
+            .enqueue(agent_schema::encode(&message), &Default::default())
+            .await
+            .unwrap()
+            .wait()
+            .await
+            .unwrap();
+    }
+    let refused = format!(
+        "{}SELECT ?why WHERE {{ GRAPH <urn:graph:retrieval> {{ ?f a tg:FanOut ; tg:fanInRefused ?why }} }}",
+        agent_core::vocab::SPARQL_PREFIXES
+    );
+    assert_eq!(count_reaching(&aggregator.store(), refused, 2).await, 2);
+    // Said as each came in and as the sweep marked it; six more rounds of the sweep (every half
+    // second with this timeout) say nothing more.
+    let said = [
+        "a fan-out without a valid seal",
+        "the fan-out's continuation is not a request",
+    ];
+    let counts = |log: &str| said.map(|s| log.matches(s).count());
+    let before = counts(&aggregator.log());
+    assert!(before.iter().all(|&n| (1..=2).contains(&n)), "{before:?}");
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let log = aggregator.log();
+    assert_eq!(counts(&log), before, "{log}");
+    let metrics = scrape(&aggregator.endpoint).await;
+    assert_eq!(sample(&metrics, "agent_fanouts_open"), 0.0);
+}
+
 /// The synthesis may send subagents out again under a new correlation id; the second round's
 /// synthesis sees both rounds, and the new fan-out hangs off the synthesis that asked for it. An LLM
 /// that always wants one more round is stopped by `max_iterations` with an answer naming what the

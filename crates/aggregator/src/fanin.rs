@@ -145,7 +145,8 @@ pub async fn check(
             correlation_id,
             "a fan-out without a valid seal; it drives no synthesis"
         );
-        return Ok(());
+        let nodes = open.column("f").into_iter().map(text).collect();
+        return refuse_overdue(store, nodes, timed_out, "no valid seal").await;
     };
     let column = |name: &str| cell(name, row);
     let fanout = text(column("f"));
@@ -161,7 +162,8 @@ pub async fn check(
             correlation_id,
             "the fan-out's continuation is not a request; no synthesis"
         );
-        return Ok(());
+        let why = "its continuation is not a request";
+        return refuse_overdue(store, [fanout].into(), timed_out, why).await;
     };
     let goals = last_decompose(&continuation.history)
         .map(decomposed_goals)
@@ -335,6 +337,26 @@ pub async fn check(
         crate::metrics::fan_in(timed_out.is_some(), took);
     }
     tracing::info!(correlation_id, "fan-in complete; synthesis requested");
+    Ok(())
+}
+
+/// Marks the fan-outs `nodes` as never to be synthesised, when the timeout sweep (`timed_out`)
+/// finds them so: it would otherwise find them again every round, for good. A completion's check
+/// marks nothing: a forged node could then stand in the way of the real one, written after it.
+async fn refuse_overdue(
+    store: &GraphStore,
+    nodes: std::collections::BTreeSet<String>,
+    timed_out: Option<u64>,
+    why: &str,
+) -> Result<(), FanInError> {
+    if timed_out.is_none() {
+        return Ok(());
+    }
+    for node in nodes {
+        if let Ok(node) = NamedNode::new(node) {
+            store.update(queries::fan_in_refused(&node, why)).await?;
+        }
+    }
     Ok(())
 }
 

@@ -228,6 +228,9 @@ pub mod tg {
         SUBAGENT_SESSION = "subagentSession";
         SYNTHESIS_CLAIM = "synthesisClaim";
         SYNTHESIS_REQUESTED = "synthesisRequested";
+        /// Why the aggregator will never synthesise a fan-out (no valid seal, a continuation it
+        /// cannot read): its timeout sweep stops looking at it.
+        FAN_IN_REFUSED = "fanInRefused";
         TASK_TYPE = "taskType";
         TASK_TYPE_ANSWER = "taskTypeAnswer";
         TASK_TYPE_CANDIDATE = "taskTypeCandidate";

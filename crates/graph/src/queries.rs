@@ -87,7 +87,8 @@ pub fn open_fanout(correlation_id: &str) -> String {
   OPTIONAL {{ ?f tg:seal ?seal }}
   OPTIONAL {{ ?f tg:dialogInToken ?in ; tg:dialogOutToken ?out ; tg:dialogStartedMs ?started }}
   OPTIONAL {{ ?f prov:startedAtTime ?recorded }}
-  FILTER NOT EXISTS {{ ?f tg:synthesisRequested ?done }} }} }}"
+  FILTER NOT EXISTS {{ ?f tg:synthesisRequested ?done }}
+  FILTER NOT EXISTS {{ ?f tg:fanInRefused ?why }} }} }}"
     )
 }
 
@@ -254,21 +255,32 @@ pub fn open_fanouts() -> String {
     format!(
         "{PREFIXES}SELECT (COUNT(DISTINCT ?f) AS ?n) WHERE {{ GRAPH {g} {{
   ?f a tg:FanOut .
-  FILTER NOT EXISTS {{ ?f tg:synthesisRequested ?done }} }} }}"
+  FILTER NOT EXISTS {{ ?f tg:synthesisRequested ?done }}
+  FILTER NOT EXISTS {{ ?f tg:fanInRefused ?why }} }} }}"
     )
 }
 
-/// Fan-outs still waiting for their synthesis that started before `cutoff` (an xsd:dateTime).
+/// Fan-outs still waiting for their synthesis that started before `cutoff` (an xsd:dateTime):
+/// those [`open_fanout`] reads (a node without its continuation or client is not one).
 pub fn overdue_fanouts(cutoff: &str) -> String {
     let g = graph();
     let cutoff =
         oxigraph::model::Literal::new_typed_literal(cutoff, oxigraph::model::vocab::xsd::DATE_TIME);
     format!(
-        "{PREFIXES}SELECT ?cid WHERE {{ GRAPH {g} {{
-  ?f a tg:FanOut ; tg:correlationId ?cid ; prov:startedAtTime ?t .
+        "{PREFIXES}SELECT DISTINCT ?cid WHERE {{ GRAPH {g} {{
+  ?f a tg:FanOut ; tg:correlationId ?cid ; prov:startedAtTime ?t ; tg:expectedSiblings ?expected ;
+     tg:continuation ?continuation ; tg:clientId ?client .
   FILTER NOT EXISTS {{ ?f tg:synthesisRequested ?done }}
+  FILTER NOT EXISTS {{ ?f tg:fanInRefused ?why }}
   FILTER (?t < {cutoff}) }} }}"
     )
+}
+
+/// Marks a fan-out that will never be synthesised, saying why.
+pub fn fan_in_refused(fanout: &NamedNode, why: &str) -> String {
+    let g = graph();
+    let why = oxigraph::model::Literal::new_simple_literal(why);
+    format!("{PREFIXES}INSERT DATA {{ GRAPH {g} {{ {fanout} tg:fanInRefused {why} }} }}")
 }
 
 /// The sessions (client dialogs and their subagents) of a conversation, oldest first.
