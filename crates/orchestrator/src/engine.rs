@@ -50,6 +50,8 @@ pub struct Engine {
     pub max_takings: Option<u32>,
     /// Whose turn it is in each conversation, as far as this replica knows.
     pub turns: crate::conversation::Turns,
+    /// Answers to parked calls handed back while their calls are not found.
+    pub answers_waiting: AnswersWaiting,
 }
 
 /// Deliveries in hand, each with where its disposition will be told.
@@ -504,6 +506,17 @@ impl Engine {
     /// resumption's journal slot); another changes nothing. An answer the graph has no parked call
     /// for yet is tried again for a while (the aggregator may be behind), then dropped.
     pub async fn answer(&self, delivery: Delivery<agent_schema::AgentControl>) -> Disposition {
+        let message_id = delivery.message_id.clone();
+        let disposition = self.take_up_answer(delivery).await;
+        if !matches!(disposition, Disposition::Nack(_)) {
+            self.answers_waiting.forget(&message_id);
+        }
+        disposition
+    }
+
+    /// [`Engine::answer`], but for remembering how long a handed-back answer has waited.
+    async fn take_up_answer(&self, delivery: Delivery<agent_schema::AgentControl>) -> Disposition {
+        let waited = self.answers_waiting.since(&delivery.message_id);
         let control = delivery.payload;
         if !approval::is_answer(&control) {
             tracing::warn!(operation = %control.operation, session = %control.session_id, "ignoring a control request that answers no parked call");
@@ -530,7 +543,7 @@ impl Engine {
             }
             Ok(approval::ParkedCall::Unreadable(why)) => {
                 // Another build (a rolling upgrade) may read it: handed back while answers wait.
-                if waited_out(&control) {
+                if waited_out(&control, waited) {
                     tracing::warn!(session = %control.session_id, step, error = %why, "the call parked for approval cannot be read by this build; the answer is dropped");
                     return Disposition::Ack;
                 }
@@ -539,7 +552,7 @@ impl Engine {
                 ));
             }
             Ok(approval::ParkedCall::Missing) => {
-                if waited_out(&control) {
+                if waited_out(&control, waited) {
                     tracing::warn!(session = %control.session_id, step, "no call is parked for approval there; the answer is dropped");
                     return Disposition::Ack;
                 }
@@ -580,12 +593,38 @@ impl Engine {
 }
 
 /// Whether the answer `control` was given more than [`ANSWER_WAIT`] ago: long enough for a parked
-/// call that may yet appear (or be read by another build) to have done so.
-fn waited_out(control: &agent_schema::AgentControl) -> bool {
+/// call that may yet appear (or be read by another build) to have done so. Its sender's `at`
+/// says so, or the time it has waited here (`waited`) does: an `at` that does not parse, or lies
+/// in the future, would otherwise have it handed back for ever.
+fn waited_out(control: &agent_schema::AgentControl, waited: Duration) -> bool {
     let age = chrono::DateTime::parse_from_rfc3339(&control.at)
         .map(|at| chrono::Utc::now().signed_duration_since(at))
         .unwrap_or_default();
-    age > chrono::Duration::seconds(ANSWER_WAIT.as_secs() as i64)
+    age > chrono::Duration::seconds(ANSWER_WAIT.as_secs() as i64) || waited > ANSWER_WAIT
+}
+
+/// When this process first took up each answer it handed back, by message id.
+#[derive(Debug, Default)]
+pub struct AnswersWaiting(std::sync::Mutex<std::collections::HashMap<String, std::time::Instant>>);
+
+/// Answers remembered before those long gone (taken up by another replica since) are forgotten.
+const ANSWERS_REMEMBERED: usize = 1024;
+
+impl AnswersWaiting {
+    /// How long ago this process first took up the message `message_id` (zero the first time).
+    fn since(&self, message_id: &str) -> Duration {
+        let mut seen = emit::locked(&self.0);
+        if seen.len() >= ANSWERS_REMEMBERED {
+            seen.retain(|_, first| first.elapsed() < ANSWER_WAIT * 2);
+        }
+        seen.entry(message_id.to_owned())
+            .or_insert_with(std::time::Instant::now)
+            .elapsed()
+    }
+
+    fn forget(&self, message_id: &str) {
+        emit::locked(&self.0).remove(message_id);
+    }
 }
 
 #[cfg(test)]
@@ -619,6 +658,36 @@ mod tests {
             next_after(Ok(Settled::Done), true, window),
             Next::Ack
         ));
+    }
+
+    #[test]
+    fn an_answer_waits_for_its_call_a_bounded_time_whatever_its_at_says() {
+        let answer = |at: &str| agent_schema::AgentControl {
+            at: at.to_owned(),
+            ..Default::default()
+        };
+        let long_ago = (chrono::Utc::now() - chrono::Duration::minutes(5)).to_rfc3339();
+        let just_now = chrono::Utc::now().to_rfc3339();
+        let far_ahead = "9999-01-01T00:00:00Z";
+        assert!(waited_out(&answer(&long_ago), Duration::ZERO));
+        assert!(!waited_out(&answer(&just_now), Duration::ZERO));
+        for at in ["", "yesterday", far_ahead] {
+            assert!(!waited_out(&answer(at), Duration::from_secs(1)), "{at}");
+            assert!(
+                waited_out(&answer(at), ANSWER_WAIT + Duration::from_secs(1)),
+                "{at}"
+            );
+        }
+        // How long an answer waited here is remembered from its first taking, until forgotten.
+        let waiting = AnswersWaiting::default();
+        assert!(waiting.since("m1") < Duration::from_secs(1));
+        let taken_long_ago = std::time::Instant::now()
+            .checked_sub(ANSWER_WAIT * 2)
+            .unwrap();
+        emit::locked(&waiting.0).insert("m1".to_owned(), taken_long_ago);
+        assert!(waiting.since("m1") > ANSWER_WAIT);
+        waiting.forget("m1");
+        assert!(waiting.since("m1") < Duration::from_secs(1));
     }
 
     #[test]

@@ -146,6 +146,7 @@ pub async fn run(settings: Settings, shutdown: CancellationToken) -> anyhow::Res
             .ok()
             .filter(|&n| n > 0),
         turns: Default::default(),
+        answers_waiting: Default::default(),
     });
     if let (true, Some(journal)) = (settings.continue_in_process, &engine.journal) {
         tokio::spawn(crate::chains::beat(
