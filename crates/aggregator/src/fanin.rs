@@ -103,6 +103,10 @@ async fn rows(store: &GraphStore, sparql: String) -> Result<Rows, GraphError> {
     })
 }
 
+/// How long past its timeout a fan-out sealed with a key this aggregator does not have waits for
+/// the key to be set right before it is refused for good.
+const KEY_GRACE: std::time::Duration = std::time::Duration::from_secs(3600);
+
 /// How long a claim protects a synthesis that is being published; a claim older than this whose
 /// holder never marked the synthesis requested (it died) is taken over.
 const CLAIM_LEASE: std::time::Duration = std::time::Duration::from_secs(10);
@@ -127,44 +131,72 @@ pub async fn check(
         return Ok(());
     }
     // A node may hold several continuations or seals (a supervisor step run twice without a
-    // journal, or an injected copy): the row whose seal verifies is the fan-out's.
+    // journal, or an injected copy): a row whose seal verifies, and whose continuation this build
+    // reads, is the fan-out's.
     let cell = |name: &str, row: usize| open.column(name).get(row).copied().flatten();
-    let row = (0..open.rows.len()).find(|&row| {
-        seal.is_none_or(|key| {
-            let (f, continuation, client) = (
-                text(cell("f", row)),
-                text(cell("continuation", row)),
-                text(cell("client", row)),
-            );
-            let parts = fanout_seal_parts(&f, correlation_id, &continuation, &client);
-            key.verify(&parts, &text(cell("seal", row)))
+    let sealed: Vec<usize> = (0..open.rows.len())
+        .filter(|&row| {
+            seal.is_none_or(|key| {
+                let (f, continuation, client) = (
+                    text(cell("f", row)),
+                    text(cell("continuation", row)),
+                    text(cell("client", row)),
+                );
+                let parts = fanout_seal_parts(&f, correlation_id, &continuation, &client);
+                key.verify(&parts, &text(cell("seal", row)))
+            })
         })
-    });
-    let Some(row) = row else {
+        .collect();
+    if sealed.is_empty() {
         tracing::error!(
             correlation_id,
             "a fan-out without a valid seal; it drives no synthesis"
         );
+        // One sealed with another key (a replica configured wrong, a key being changed) would
+        // go ahead once the key is set right, so it is given an hour for that; one with no seal
+        // at all is refused at once.
+        let unsigned = (0..open.rows.len()).all(|row| text(cell("seal", row)).is_empty());
+        let first_recorded = (0..open.rows.len())
+            .filter_map(|row| {
+                chrono::DateTime::parse_from_rfc3339(&text(cell("recorded", row))).ok()
+            })
+            .min();
+        let grace = timed_out.map_or(KEY_GRACE, |secs| {
+            KEY_GRACE + std::time::Duration::from_secs(secs)
+        });
+        let long_overdue = first_recorded.is_none_or(|at| {
+            (chrono::Utc::now() - at.with_timezone(&chrono::Utc))
+                .to_std()
+                .is_ok_and(|age| age > grace)
+        });
+        if !(unsigned || long_overdue) {
+            return Ok(());
+        }
         let nodes = open.column("f").into_iter().map(text).collect();
         return refuse_overdue(store, nodes, timed_out, "no valid seal").await;
-    };
-    let column = |name: &str| cell(name, row);
-    let fanout = text(column("f"));
-    let expected: usize = text(column("expected")).parse().unwrap_or(usize::MAX);
-    let continuation = text(column("continuation"));
-    let client = text(column("client"));
-    let number = |t: Option<&Term>| text(t).parse::<u64>().unwrap_or(0);
-    let mut tokens = (number(column("in")), number(column("out")));
-    let started = number(column("started"));
-    let recorded = chrono::DateTime::parse_from_rfc3339(&text(column("recorded"))).ok();
-    let Ok(continuation) = serde_json::from_str::<AgentRequest>(&continuation) else {
+    }
+    let readable = sealed.iter().find_map(|&row| {
+        serde_json::from_str::<AgentRequest>(&text(cell("continuation", row)))
+            .ok()
+            .map(|continuation| (row, continuation))
+    });
+    let Some((row, continuation)) = readable else {
         tracing::error!(
             correlation_id,
             "the fan-out's continuation is not a request; no synthesis"
         );
         let why = "its continuation is not a request";
-        return refuse_overdue(store, [fanout].into(), timed_out, why).await;
+        let nodes = sealed.iter().map(|&row| text(cell("f", row))).collect();
+        return refuse_overdue(store, nodes, timed_out, why).await;
     };
+    let column = |name: &str| cell(name, row);
+    let fanout = text(column("f"));
+    let expected: usize = text(column("expected")).parse().unwrap_or(usize::MAX);
+    let client = text(column("client"));
+    let number = |t: Option<&Term>| text(t).parse::<u64>().unwrap_or(0);
+    let mut tokens = (number(column("in")), number(column("out")));
+    let started = number(column("started"));
+    let recorded = chrono::DateTime::parse_from_rfc3339(&text(column("recorded"))).ok();
     let goals = last_decompose(&continuation.history)
         .map(decomposed_goals)
         .unwrap_or_default();

@@ -254,7 +254,8 @@ pub fn open_fanouts() -> String {
     let g = graph();
     format!(
         "{PREFIXES}SELECT (COUNT(DISTINCT ?f) AS ?n) WHERE {{ GRAPH {g} {{
-  ?f a tg:FanOut .
+  ?f a tg:FanOut ; tg:expectedSiblings ?expected ; tg:continuation ?continuation ;
+     tg:clientId ?client .
   FILTER NOT EXISTS {{ ?f tg:synthesisRequested ?done }}
   FILTER NOT EXISTS {{ ?f tg:fanInRefused ?why }} }} }}"
     )
@@ -334,13 +335,13 @@ pub fn fanout_sessions(fanout: &NamedNode) -> String {
     format!("{PREFIXES}SELECT ?s WHERE {{ GRAPH {g} {{ {fanout} tg:subagentSession ?s }} }}")
 }
 
-/// Whether any of `fanouts` has had its synthesis requested: a subagent below one of them is no
-/// longer waited for.
+/// Whether any of `fanouts` has had its synthesis requested (or will never have it): a subagent
+/// below one of them is no longer waited for.
 pub fn any_fanout_answered(fanouts: &[NamedNode]) -> String {
     let g = graph();
     let values: Vec<String> = fanouts.iter().map(ToString::to_string).collect();
     format!(
-        "{PREFIXES}ASK {{ GRAPH {g} {{ VALUES ?f {{ {} }} ?f tg:synthesisRequested ?done }} }}",
+        "{PREFIXES}ASK {{ GRAPH {g} {{ VALUES ?f {{ {} }} ?f tg:synthesisRequested|tg:fanInRefused ?done }} }}",
         values.join(" ")
     )
 }

@@ -167,9 +167,15 @@ impl Turns {
         }
     }
 
-    /// Takes `session` out of its conversation's line (it stopped waiting).
-    pub async fn leave(&self, conversation: &str, session: &str) {
-        self.hold(conversation).await.leave(session);
+    /// Takes `session` out of its conversation's line (it stopped waiting) unless someone holds
+    /// the line this instant; then it is taken for gone once it stops asking.
+    pub fn leave(&self, conversation: &str, session: &str) {
+        let Some(line) = locked(&self.lines).get(conversation).cloned() else {
+            return;
+        };
+        if let Ok(mut held) = line.try_lock() {
+            held.waiting.retain(|(s, _)| s != session);
+        };
     }
 
     /// Conversations with a line here.

@@ -54,6 +54,19 @@ pub struct Engine {
     pub answers_waiting: AnswersWaiting,
 }
 
+/// A request's place in its conversation's line, left when dropped (it went, or stopped waiting).
+struct InLine<'t> {
+    turns: &'t crate::conversation::Turns,
+    conversation: String,
+    session: String,
+}
+
+impl Drop for InLine<'_> {
+    fn drop(&mut self) {
+        self.turns.leave(&self.conversation, &self.session);
+    }
+}
+
 /// Deliveries in hand, each with where its disposition will be told.
 pub type Handling = std::sync::Mutex<
     std::collections::HashMap<String, tokio::sync::watch::Receiver<Option<Disposition>>>,
@@ -385,6 +398,8 @@ impl Engine {
         // Held while the step waits for its conversation (given back as it is let start): its
         // place among the consumer's handlers goes meanwhile to the messages it may wait for.
         let mut aside = None;
+        // Its place in its conversation's line, once it queued: left however the step ends.
+        let mut in_line: Option<InLine<'_>> = None;
         loop {
             let window = Duration::from_secs(self.config.current().limits.max_outage_secs);
             let may_park = outage.map_or(!window.is_zero(), |since| since.elapsed() < window);
@@ -401,19 +416,22 @@ impl Engine {
                 Next::Continue(continuation) => return (Disposition::Ack, Some(*continuation)),
                 Next::Queue(queued) => {
                     tracing::debug!(why = %queued.why, "queued behind its conversation");
+                    if in_line.is_none() {
+                        in_line = Some(InLine {
+                            turns: &self.turns,
+                            conversation: queued.conversation.clone(),
+                            session: queued.session.clone(),
+                        });
+                    }
                     if aside.is_none() {
                         aside = delivery.aside.step_aside();
                         if aside.is_none() {
-                            self.turns
-                                .leave(&queued.conversation, &queued.session)
-                                .await;
                             let why = format!("{}; as many requests as this replica holds wait for their conversations already", queued.why);
                             return (self.give_up(delivery, &why, answer).await, None);
                         }
                     }
                     tokio::select! {
                         _ = self.shutdown.cancelled() => {
-                            self.turns.leave(&queued.conversation, &queued.session).await;
                             return (Disposition::Nack("shutting down while queued".to_owned()), None)
                         }
                         _ = self.turns.until_first(&queued.conversation, &queued.session, QUEUE_PAUSE) => {}
@@ -422,7 +440,11 @@ impl Engine {
                     }
                     continue;
                 }
-                Next::Park(park) => park,
+                // Waiting out an outage, it waits as any step does, in its place.
+                Next::Park(park) => {
+                    aside = None;
+                    park
+                }
                 Next::GiveUp(why) => return (self.give_up(delivery, &why, answer).await, None),
                 Next::Release(why) => {
                     events::StepReleased { why: &why }.emit();
@@ -508,7 +530,9 @@ impl Engine {
     pub async fn answer(&self, delivery: Delivery<agent_schema::AgentControl>) -> Disposition {
         let message_id = delivery.message_id.clone();
         let disposition = self.take_up_answer(delivery).await;
-        if !matches!(disposition, Disposition::Nack(_)) {
+        if matches!(disposition, Disposition::Nack(_)) {
+            self.answers_waiting.handed_back(&message_id);
+        } else {
             self.answers_waiting.forget(&message_id);
         }
         disposition
@@ -516,7 +540,7 @@ impl Engine {
 
     /// [`Engine::answer`], but for remembering how long a handed-back answer has waited.
     async fn take_up_answer(&self, delivery: Delivery<agent_schema::AgentControl>) -> Disposition {
-        let waited = self.answers_waiting.since(&delivery.message_id);
+        let waited = self.answers_waiting.waited(&delivery.message_id);
         let control = delivery.payload;
         if !approval::is_answer(&control) {
             tracing::warn!(operation = %control.operation, session = %control.session_id, "ignoring a control request that answers no parked call");
@@ -603,23 +627,38 @@ fn waited_out(control: &agent_schema::AgentControl, waited: Duration) -> bool {
     age > chrono::Duration::seconds(ANSWER_WAIT.as_secs() as i64) || waited > ANSWER_WAIT
 }
 
-/// When this process first took up each answer it handed back, by message id.
+/// When this process first handed back each answer it holds back, by message id.
 #[derive(Debug, Default)]
 pub struct AnswersWaiting(std::sync::Mutex<std::collections::HashMap<String, std::time::Instant>>);
 
-/// Answers remembered before those long gone (taken up by another replica since) are forgotten.
+/// The most answers remembered; past it, the one remembered longest is forgotten (another
+/// replica may have taken it up since), and at worst an answer waits twice as long.
 const ANSWERS_REMEMBERED: usize = 1024;
 
 impl AnswersWaiting {
-    /// How long ago this process first took up the message `message_id` (zero the first time).
-    fn since(&self, message_id: &str) -> Duration {
+    /// How long ago this process first handed back the message `message_id` (zero if never).
+    fn waited(&self, message_id: &str) -> Duration {
+        emit::locked(&self.0)
+            .get(message_id)
+            .map_or(Duration::ZERO, std::time::Instant::elapsed)
+    }
+
+    /// Remembers that `message_id` was handed back, if it is not remembered already.
+    fn handed_back(&self, message_id: &str) {
         let mut seen = emit::locked(&self.0);
-        if seen.len() >= ANSWERS_REMEMBERED {
-            seen.retain(|_, first| first.elapsed() < ANSWER_WAIT * 2);
+        if seen.contains_key(message_id) {
+            return;
         }
-        seen.entry(message_id.to_owned())
-            .or_insert_with(std::time::Instant::now)
-            .elapsed()
+        if seen.len() >= ANSWERS_REMEMBERED {
+            let oldest = seen
+                .iter()
+                .min_by_key(|(_, first)| **first)
+                .map(|(id, _)| id.clone());
+            if let Some(oldest) = oldest {
+                seen.remove(&oldest);
+            }
+        }
+        seen.insert(message_id.to_owned(), std::time::Instant::now());
     }
 
     fn forget(&self, message_id: &str) {
@@ -678,16 +717,24 @@ mod tests {
                 "{at}"
             );
         }
-        // How long an answer waited here is remembered from its first taking, until forgotten.
+        // How long an answer waited here is remembered from its first handing back, until
+        // forgotten, for a bounded number of answers.
         let waiting = AnswersWaiting::default();
-        assert!(waiting.since("m1") < Duration::from_secs(1));
-        let taken_long_ago = std::time::Instant::now()
+        assert_eq!(waiting.waited("m1"), Duration::ZERO);
+        let long_ago = std::time::Instant::now()
             .checked_sub(ANSWER_WAIT * 2)
             .unwrap();
-        emit::locked(&waiting.0).insert("m1".to_owned(), taken_long_ago);
-        assert!(waiting.since("m1") > ANSWER_WAIT);
+        emit::locked(&waiting.0).insert("m1".to_owned(), long_ago);
+        waiting.handed_back("m1");
+        assert!(waiting.waited("m1") > ANSWER_WAIT);
         waiting.forget("m1");
-        assert!(waiting.since("m1") < Duration::from_secs(1));
+        assert_eq!(waiting.waited("m1"), Duration::ZERO);
+        emit::locked(&waiting.0).insert("oldest".to_owned(), long_ago);
+        for i in 0..ANSWERS_REMEMBERED + 10 {
+            waiting.handed_back(&format!("m{i}"));
+        }
+        assert_eq!(emit::locked(&waiting.0).len(), ANSWERS_REMEMBERED);
+        assert_eq!(waiting.waited("oldest"), Duration::ZERO);
     }
 
     #[test]

@@ -466,12 +466,10 @@ impl Engine {
         let policy = config.limits.conversation_policy;
         let mut line = self.turns.hold(conversation).await;
         // A cancelled request does not wait for its turn: its step ends it at once. One let start
-        // before goes on (its first step was parked, or handed back here).
-        if self.cancellations.of(session_id).is_some() || line.started(session_id) {
-            line.leave(session_id);
-            return Ok(Joined::Go);
-        }
-        if policy == ConversationPolicy::Queue {
+        // before goes on (its first step was parked, or handed back here), told the same.
+        let cancelled = self.cancellations.of(session_id).is_some();
+        let goes_on = cancelled || line.started(session_id);
+        if policy == ConversationPolicy::Queue && !goes_on {
             if let Some(ahead) = line.ahead_of(session_id) {
                 line.wait(session_id);
                 return Ok(Joined::Queued(format!(
@@ -487,7 +485,8 @@ impl Engine {
             .map(|d| d.session_id().to_owned())
             .collect();
         running.extend(line.unseen(&earlier));
-        if let Some(other) = running.first() {
+        running.retain(|other| other != session_id);
+        if let (Some(other), false) = (running.first(), goes_on) {
             match policy {
                 ConversationPolicy::Queue => {
                     line.wait(session_id);
@@ -507,7 +506,11 @@ impl Engine {
                 }
             }
         }
-        line.start(session_id);
+        if cancelled {
+            line.leave(session_id);
+        } else {
+            line.start(session_id);
+        }
         drop(line);
         let summary = conversation::context(&earlier);
         request.framing = conversation::framed(&request.framing, &summary);
