@@ -97,6 +97,29 @@ fn bad_message(i: usize, rng: &mut impl Rng) -> (Vec<u8>, Fate) {
             };
             (encode(&grown), Fate::Refused("max_message_bytes"))
         }
+        // A plan in the history whose step lists one dependency over and over: each listing
+        // would put that step's result into the prompt again.
+        8 if i % 24 == 20 => {
+            let step = |goal: &str, depends_on: Vec<i64>| agent_schema::PlanStep {
+                goal: goal.into(),
+                depends_on,
+                status: "completed".into(),
+                result: "r".repeat(1000),
+                ..Default::default()
+            };
+            let planned = AgentStep {
+                step_type: "plan".into(),
+                plan: Some(vec![step("a", vec![]), step("b", vec![0; 5000])]),
+                ..AgentStep::default()
+            };
+            let listed = AgentRequest {
+                history: vec![planned],
+                pattern: "plan-then-execute".into(),
+                session_id: format!("listed-{i}"),
+                ..valid(format!("listed {i}"))
+            };
+            (encode(&listed), Fate::Refused("dependencies"))
+        }
         8 => (
             encode(&valid("   ".into())),
             Fate::Refused("empty question"),
@@ -125,6 +148,13 @@ fn bad_message(i: usize, rng: &mut impl Rng) -> (Vec<u8>, Fate) {
                 ..valid(format!("injected {i}"))
             };
             (encode(&injected), Fate::Refused("session_id"))
+        }
+        10 if i % 24 == 22 => {
+            let unbounded = AgentRequest {
+                conversation_id: format!("chat\n{}", "c".repeat(i)),
+                ..valid(format!("conversation {i}"))
+            };
+            (encode(&unbounded), Fate::Refused("conversation_id"))
         }
         10 => {
             let unknown = AgentRequest {

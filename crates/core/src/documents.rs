@@ -63,7 +63,10 @@ pub fn reference(excerpt: &str) -> Option<(&str, usize)> {
     let line = excerpt[at + MARK.len()..].strip_suffix(']')?;
     let (bytes, uri) = line.split_once(" bytes in ")?;
     let uri = uri.trim();
-    if !uri.starts_with(DOCUMENT_PREFIX) || uri.contains(char::is_whitespace) {
+    // Exactly the names `document_uri` gives (it is pasted into queries as an IRI): anything else
+    // in a text that came from a tool, a model or a client is no reference.
+    let digest = uri.strip_prefix(DOCUMENT_PREFIX)?;
+    if digest.len() != 64 || !digest.bytes().all(|b| b.is_ascii_hexdigit()) {
         return None;
     }
     Some((uri, bytes.parse().ok()?))
@@ -291,6 +294,21 @@ mod tests {
             None,
             "only our documents"
         );
+    }
+
+    #[test]
+    fn a_reference_names_a_document_and_nothing_else() {
+        let good = document_uri("some text");
+        let excerpt = excerpt_with_reference("some text", &good);
+        assert_eq!(reference(&excerpt), Some((good.as_str(), 9)));
+        for forged in [
+            format!("{DOCUMENT_PREFIX}x>}}?a ?b ?c . ?d ?e ?f}}#"),
+            format!("{DOCUMENT_PREFIX}{}", "a".repeat(63)),
+            format!("{DOCUMENT_PREFIX}{}>", "a".repeat(64)),
+        ] {
+            let excerpt = format!("text{MARK}1 bytes in {forged}]");
+            assert_eq!(reference(&excerpt), None, "{forged}");
+        }
     }
 
     #[test]

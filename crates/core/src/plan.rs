@@ -362,10 +362,15 @@ pub fn dependency_results(plan: &[PlanStep], index: usize) -> String {
     let Some(step) = plan.get(index) else {
         return String::new();
     };
-    let lines: Vec<String> = step
+    // Each once, however often it is listed: a plan from a message's history is not the LLM's
+    // checked one, and a result repeated for each listing could make a prompt of any size.
+    let needed: std::collections::BTreeSet<usize> = step
         .depends_on
         .iter()
         .filter_map(|d| usize::try_from(*d).ok())
+        .collect();
+    let lines: Vec<String> = needed
+        .into_iter()
         .filter_map(|d| {
             plan.get(d)
                 .map(|s| format!("- step {d} ({}): {}", s.goal, s.result))

@@ -361,7 +361,7 @@ impl Engine {
         let new_dialog = is_new_dialog(&request, &properties);
         // Checked before anything is named after the request's ids: a hostile id must earn the
         // client an error, not fail to name a journal entry until the message is dead-lettered.
-        let mut verdict = validate(&request, &config, new_dialog, payload_bytes);
+        let mut verdict = validate(&request, &properties, &config, new_dialog, payload_bytes);
         let standing = match self
             .standing(
                 &mut request,

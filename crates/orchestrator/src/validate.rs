@@ -5,10 +5,15 @@ use agent_core::documents::steps_taken;
 use agent_core::pattern::Pattern;
 use agent_schema::AgentRequest;
 
+/// The most properties a request may carry, and their bytes (names and values).
+const MAX_PROPERTIES: usize = 64;
+const MAX_PROPERTY_BYTES: usize = 16 * 1024;
+
 /// Checks a request before any work; the message is the error the client gets. `new_dialog`: the
 /// first message of a dialog, not one the router queued; `payload_bytes`: the message's size.
 pub(crate) fn validate(
     request: &AgentRequest,
+    properties: &agent_bus::Properties,
     config: &AgentConfig,
     new_dialog: bool,
     payload_bytes: usize,
@@ -47,6 +52,32 @@ pub(crate) fn validate(
             ));
         }
     }
+    // A conversation's id keys what this replica keeps of its line and goes into the graph; it
+    // is the client's to choose (any text a TrustGraph client sends), so only bounded.
+    if request.conversation_id.len() > 240 || request.conversation_id.contains(char::is_control) {
+        return Err(
+            "conversation_id may hold at most 240 bytes and no control characters".to_owned(),
+        );
+    }
+    // Properties are copied onto every message the dialog sends (its id onto every streamed
+    // chunk), and max_message_bytes counts only the payload.
+    let property_bytes: usize = properties.iter().map(|(k, v)| k.len() + v.len()).sum();
+    if properties.len() > MAX_PROPERTIES || property_bytes > MAX_PROPERTY_BYTES {
+        return Err(format!(
+            "the message has {} properties of {property_bytes} bytes; at most {MAX_PROPERTIES} of {MAX_PROPERTY_BYTES} bytes are taken",
+            properties.len()
+        ));
+    }
+    // A plan in the history is not one this service checked as it made it: a step may not list
+    // more dependencies than the plan has steps (its prompt holds each one's result).
+    for plan in request.history.iter().filter_map(|step| step.plan.as_ref()) {
+        if plan.iter().any(|step| step.depends_on.len() > plan.len()) {
+            return Err(
+                "a plan in the history lists more dependencies for a step than it has steps"
+                    .to_owned(),
+            );
+        }
+    }
     let pattern = request.pattern.as_str();
     if !pattern.is_empty() && !Pattern::runs(pattern) {
         return Err(format!(
@@ -83,6 +114,68 @@ pub(crate) fn validate(
 mod tests {
     use super::*;
 
+    /// [`validate`] of a request with no properties.
+    fn validate_plain(
+        request: &AgentRequest,
+        config: &AgentConfig,
+        new_dialog: bool,
+        payload_bytes: usize,
+    ) -> Result<(), String> {
+        validate(
+            request,
+            &Default::default(),
+            config,
+            new_dialog,
+            payload_bytes,
+        )
+    }
+
+    #[test]
+    fn what_a_request_carries_beside_its_question_is_bounded() {
+        let config = AgentConfig::default();
+        let ok = AgentRequest {
+            question: "Why?".into(),
+            conversation_id: "chat with: Ann 😀".into(),
+            ..AgentRequest::default()
+        };
+        assert!(validate_plain(&ok, &config, true, 100).is_ok());
+        for conversation_id in ["x".repeat(241), "a\nb".to_owned()] {
+            let bad = AgentRequest {
+                conversation_id,
+                ..ok.clone()
+            };
+            assert!(validate_plain(&bad, &config, true, 100)
+                .unwrap_err()
+                .contains("conversation_id"));
+        }
+        let mut properties = agent_bus::Properties::new();
+        properties.insert("id".into(), "x".repeat(MAX_PROPERTY_BYTES));
+        assert!(validate(&ok, &properties, &config, true, 100)
+            .unwrap_err()
+            .contains("properties"));
+        let many: agent_bus::Properties = (0..=MAX_PROPERTIES)
+            .map(|i| (format!("p{i}"), String::new()))
+            .collect();
+        assert!(validate(&ok, &many, &config, true, 100).is_err());
+        let listed_over_and_over = agent_schema::PlanStep {
+            goal: "b".into(),
+            depends_on: vec![0; 1000],
+            ..Default::default()
+        };
+        let history = vec![agent_schema::AgentStep {
+            step_type: "plan".into(),
+            plan: Some(vec![listed_over_and_over]),
+            ..Default::default()
+        }];
+        let planned = AgentRequest {
+            history,
+            ..ok.clone()
+        };
+        assert!(validate_plain(&planned, &config, false, 100)
+            .unwrap_err()
+            .contains("dependencies"));
+    }
+
     #[test]
     fn invalid_requests_are_refused_with_a_reason() {
         let config = AgentConfig::default();
@@ -90,59 +183,59 @@ mod tests {
             question: "Why?".into(),
             ..AgentRequest::default()
         };
-        assert!(validate(&ok, &config, true, 100).is_ok());
+        assert!(validate_plain(&ok, &config, true, 100).is_ok());
         let empty = AgentRequest::default();
-        assert!(validate(&empty, &config, true, 100)
+        assert!(validate_plain(&empty, &config, true, 100)
             .unwrap_err()
             .contains("empty question"));
         let huge = AgentRequest {
             question: "x".repeat(config.limits.max_question_bytes + 1),
             ..AgentRequest::default()
         };
-        assert!(validate(&huge, &config, true, 100)
+        assert!(validate_plain(&huge, &config, true, 100)
             .unwrap_err()
             .contains("max_question_bytes"));
         let big_message = config.limits.max_message_bytes + 1;
-        assert!(validate(&ok, &config, true, big_message)
+        assert!(validate_plain(&ok, &config, true, big_message)
             .unwrap_err()
             .contains("the request message is"));
         let grown = AgentRequest {
             history: vec![agent_schema::AgentStep::default()],
             ..ok.clone()
         };
-        assert!(validate(&grown, &config, false, big_message)
+        assert!(validate_plain(&grown, &config, false, big_message)
             .unwrap_err()
             .contains("the dialog's history is"));
         let injected = AgentRequest {
             session_id: "x> <y".into(),
             ..ok.clone()
         };
-        assert!(validate(&injected, &config, true, 100).is_err());
+        assert!(validate_plain(&injected, &config, true, 100).is_err());
         let pattern = AgentRequest {
             pattern: "telepathy".into(),
             ..ok.clone()
         };
-        assert!(validate(&pattern, &config, true, 100)
+        assert!(validate_plain(&pattern, &config, true, 100)
             .unwrap_err()
             .contains("telepathy"));
         let task_type = AgentRequest {
             task_type: "astrology".into(),
             ..ok.clone()
         };
-        assert!(validate(&task_type, &config, true, 100)
+        assert!(validate_plain(&task_type, &config, true, 100)
             .unwrap_err()
             .contains("'astrology' is not configured"));
         let general = AgentRequest {
             task_type: "general".into(),
             ..ok
         };
-        assert!(validate(&general, &config, true, 100).is_ok());
+        assert!(validate_plain(&general, &config, true, 100).is_ok());
         // A routed dialog keeps its task type even if config no longer has it.
         let routed = AgentRequest {
             task_type: "astrology".into(),
             pattern: "react".into(),
             ..general
         };
-        assert!(validate(&routed, &config, false, 100).is_ok());
+        assert!(validate_plain(&routed, &config, false, 100).is_ok());
     }
 }
