@@ -356,11 +356,13 @@ pub async fn check(
             context,
         );
     }
-    requests
-        .enqueue(agent_schema::encode(&next), &properties)
-        .await?
-        .wait()
-        .await?;
+    let payload = agent_schema::encode(&next);
+    // The supervisor's later step: taken only sealed when the supervisor is itself a subagent.
+    if let Some(key) = seal {
+        let step_seal = key.seal_step(&payload, &properties);
+        properties.insert(agent_bus::seal::STEP_SEAL_PROPERTY.to_owned(), step_seal);
+    }
+    requests.enqueue(payload, &properties).await?.wait().await?;
     store.update(queries::synthesis_requested(&node)).await?;
     if let Some(recorded) = recorded {
         let took = (chrono::Utc::now() - recorded.with_timezone(&chrono::Utc))

@@ -10,6 +10,38 @@ use ring::hmac;
 pub const SEAL_KEY_ENV: &str = "AGENT_SEAL_KEY";
 /// The message property carrying a subagent request's seal.
 pub const SEAL_PROPERTY: &str = "agent-seal";
+/// The property carrying the seal of a dialog's later step (see [`step_parts`]).
+pub const STEP_SEAL_PROPERTY: &str = "agent-step-seal";
+
+/// The properties of a later step's request that its seal covers besides the payload: who gets
+/// its messages, what its run has spent and since when, its model, and whose recorded answers it
+/// may reuse (a step believes them all).
+const SEALED_STEP_PROPERTIES: [&str; 8] = [
+    agent_schema::ID_PROPERTY,
+    agent_schema::IN_TOKEN_PROPERTY,
+    agent_schema::OUT_TOKEN_PROPERTY,
+    agent_schema::STARTED_PROPERTY,
+    agent_schema::RUN_TOKENS_PROPERTY,
+    agent_schema::MODEL_PROPERTY,
+    agent_schema::REUSE_PROPERTY,
+    agent_schema::REUSE_FROM_PROPERTY,
+];
+
+/// What the seal of a dialog's later step covers: the request as encoded (the orchestrator's
+/// encoding of a request is the same each time, which the journal's keys rely on too) and the
+/// properties a step believes.
+pub fn step_parts(payload: &[u8], properties: &crate::Properties) -> Vec<String> {
+    let mut parts = vec![
+        "step".to_owned(),
+        String::from_utf8_lossy(payload).into_owned(),
+    ];
+    parts.extend(
+        SEALED_STEP_PROPERTIES
+            .iter()
+            .map(|name| properties.get(*name).cloned().unwrap_or_default()),
+    );
+    parts
+}
 
 /// The shared secret, ready to seal and check.
 #[derive(Clone)]
@@ -45,6 +77,21 @@ impl SealKey {
     }
 
     /// Whether `seal` is the seal of `parts` (compared in constant time).
+    /// Seals a dialog's later step: its [`STEP_SEAL_PROPERTY`] for `properties`.
+    pub fn seal_step(&self, payload: &[u8], properties: &crate::Properties) -> String {
+        let parts = step_parts(payload, properties);
+        self.seal(&parts.iter().map(String::as_str).collect::<Vec<_>>())
+    }
+
+    /// Whether `properties` carry the seal of this step.
+    pub fn verify_step(&self, payload: &[u8], properties: &crate::Properties) -> bool {
+        let Some(seal) = properties.get(STEP_SEAL_PROPERTY) else {
+            return false;
+        };
+        let parts = step_parts(payload, properties);
+        self.verify(&parts.iter().map(String::as_str).collect::<Vec<_>>(), seal)
+    }
+
     pub fn verify(&self, parts: &[&str], seal: &str) -> bool {
         let Some(tag) = unhex(seal) else {
             return false;
@@ -75,6 +122,31 @@ fn unhex(text: &str) -> Option<Vec<u8>> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_step_seal_covers_the_payload_and_what_a_step_believes() {
+        let key = SealKey::new(b"k");
+        let mut properties = crate::Properties::new();
+        properties.insert(agent_schema::IN_TOKEN_PROPERTY.into(), "10".into());
+        properties.insert("traceparent".into(), "00-a-b-01".into());
+        let payload = br#"{"question":"q"}"#;
+        let seal = key.seal_step(payload, &properties);
+        properties.insert(STEP_SEAL_PROPERTY.into(), seal);
+        assert!(key.verify_step(payload, &properties));
+        // What it does not cover may change; what it covers may not.
+        properties.insert("traceparent".into(), "00-c-d-01".into());
+        assert!(key.verify_step(payload, &properties));
+        assert!(!key.verify_step(br#"{"question":"Q"}"#, &properties));
+        let mut spent = properties.clone();
+        spent.insert(agent_schema::IN_TOKEN_PROPERTY.into(), "0".into());
+        assert!(!key.verify_step(payload, &spent));
+        let mut reused = properties.clone();
+        reused.insert(agent_schema::REUSE_FROM_PROPERTY.into(), "urn:x".into());
+        assert!(!key.verify_step(payload, &reused));
+        assert!(!SealKey::new(b"other").verify_step(payload, &properties));
+        properties.remove(STEP_SEAL_PROPERTY);
+        assert!(!key.verify_step(payload, &properties));
+    }
 
     #[test]
     fn a_seal_holds_only_for_its_parts_and_key() {

@@ -185,6 +185,8 @@ pub struct DialogOutput<'a> {
     /// This process stopping: a copy of a step waiting for its recorder (see
     /// [`DialogOutput::settle`]) then hands its message back.
     stopping: tokio_util::sync::CancellationToken,
+    /// Seals the dialog's next requests (see [`agent_bus::seal::STEP_SEAL_PROPERTY`]).
+    step_seal: Option<agent_bus::seal::SealKey>,
 }
 
 /// The property naming the chain a request belongs to: the broker message (the chain's root)
@@ -352,6 +354,7 @@ impl<'a> DialogOutput<'a> {
             chain: None,
             continuation: Mutex::new(None),
             stopping: tokio_util::sync::CancellationToken::new(),
+            step_seal: None,
         }
     }
 
@@ -486,6 +489,12 @@ impl<'a> DialogOutput<'a> {
     /// Whether the step is given up ([`DialogOutput::giving_up`]).
     pub fn is_given_up(&self) -> bool {
         self.given_up
+    }
+
+    /// Seals the dialog's next requests with `key`: a subagent's later step is taken only sealed.
+    pub fn sealing_steps_with(mut self, key: Option<&agent_bus::seal::SealKey>) -> Self {
+        self.step_seal = key.cloned();
+        self
     }
 
     /// The model this dialog asks for (see [`agent_schema::MODEL_PROPERTY`]), carried to its next
@@ -1119,6 +1128,16 @@ impl<'a> DialogOutput<'a> {
             properties.insert(RUN_TOKENS_PROPERTY.to_owned(), self.run_base.to_string());
         }
         let payload = agent_schema::encode(request);
+        match &self.step_seal {
+            Some(key) => {
+                let seal = key.seal_step(&payload, &properties);
+                properties.insert(agent_bus::seal::STEP_SEAL_PROPERTY.to_owned(), seal);
+            }
+            // Not carried over from the message being handled, where it sealed another step.
+            None => {
+                properties.remove(agent_bus::seal::STEP_SEAL_PROPERTY);
+            }
+        }
         self.within_limit(&payload, &properties)?;
         // What the next step is given, kept as what it adds to this step's input: a fork or replay
         // of that step starts from it.

@@ -124,6 +124,8 @@ pub(crate) enum Settled {
     /// Waiting for another dialog of its conversation to end (`conversation_policy: queue`);
     /// nothing was committed.
     Queued(crate::step::Queued),
+    /// Not this service's message, though it says so: nothing is made of it.
+    Forged(String),
 }
 
 /// How long an answer to an approval is tried again while the graph does not show its parked
@@ -203,6 +205,8 @@ pub(crate) enum Next {
     GiveUp(String),
     /// Nack it, for another replica: the step is not this build's to settle.
     Release(String),
+    /// Dead-letter it, with why: nothing is made of it.
+    DeadLetter(String),
 }
 
 /// The one place a step's result becomes a decision. `window` is the outage window, for the
@@ -217,6 +221,7 @@ pub(crate) fn next_after(
         Ok(Settled::Continued(continuation)) => Next::Continue(continuation),
         Ok(Settled::Parked(park)) => Next::Park(park),
         Ok(Settled::Queued(queued)) => Next::Queue(queued),
+        Ok(Settled::Forged(why)) => Next::DeadLetter(why),
         Err(StepError::Outage(e)) if may_park => Next::Park(emit::Park {
             cause: format!("{e:#}"),
             retry_after: None,
@@ -449,6 +454,10 @@ impl Engine {
                 Next::Release(why) => {
                     events::StepReleased { why: &why }.emit();
                     return (Disposition::Nack(why), None);
+                }
+                Next::DeadLetter(why) => {
+                    tracing::warn!(%why, "dead-lettering a forged step");
+                    return (Disposition::DeadLetter(why), None);
                 }
             };
             let since = *outage.get_or_insert_with(std::time::Instant::now);

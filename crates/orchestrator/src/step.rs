@@ -359,6 +359,19 @@ impl Engine {
         let uris = SessionUris::new(&session_id);
         let config = self.config.current();
         let new_dialog = is_new_dialog(&request, &properties);
+        // A dialog's later step is this service's (sealed as it was queued) or a client's (a
+        // fork, a TrustGraph client's history). A subagent's never is a client's: unsealed, it
+        // could put a result of its sender's into its supervisor's fan-in, so nothing is made of
+        // it at all. (An answer to a parked call resumes from the graph, sealed there.)
+        if !new_dialog && !answering && agent_core::supervisor::is_subagent(&request) {
+            if let Some(key) = &self.seal {
+                if !key.verify_step(&agent_schema::encode(&request), &properties) {
+                    return Ok(Err(Settled::Forged(format!(
+                        "a later step of subagent session {session_id} without this service's seal; only the orchestrator continues a subagent's dialog"
+                    ))));
+                }
+            }
+        }
         // Checked before anything is named after the request's ids: a hostile id must earn the
         // client an error, not fail to name a journal entry until the message is dead-lettered.
         let mut verdict = validate(&request, &properties, &config, new_dialog, payload_bytes);
@@ -406,6 +419,7 @@ impl Engine {
             config.limits.max_message_bytes,
         )
         .with_model(model.as_deref())
+        .sealing_steps_with(self.seal.as_ref())
         .keeping_documents_in(self.documents.as_ref())
         .journaled(self.journal.is_some())
         .giving_up(matches!(attempt, Attempt::GiveUp(_)))
