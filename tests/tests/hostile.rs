@@ -97,8 +97,7 @@ fn bad_message(i: usize, rng: &mut impl Rng) -> (Vec<u8>, Fate) {
             };
             (encode(&grown), Fate::Refused("max_message_bytes"))
         }
-        // A plan in the history whose step lists one dependency over and over: each listing
-        // would put that step's result into the prompt again.
+        // A plan in the history whose step lists far more dependencies than the plan has steps.
         8 if i % 24 == 20 => {
             let step = |goal: &str, depends_on: Vec<i64>| agent_schema::PlanStep {
                 goal: goal.into(),
@@ -109,7 +108,7 @@ fn bad_message(i: usize, rng: &mut impl Rng) -> (Vec<u8>, Fate) {
             };
             let planned = AgentStep {
                 step_type: "plan".into(),
-                plan: Some(vec![step("a", vec![]), step("b", vec![0; 5000])]),
+                plan: Some(vec![step("a", vec![]), step("b", (0..5000).collect())]),
                 ..AgentStep::default()
             };
             let listed = AgentRequest {

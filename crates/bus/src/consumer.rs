@@ -52,6 +52,9 @@ pub struct Delivery<T> {
     pub message_id: String,
     /// Size of the payload as it came off the wire, for limits on message size.
     pub payload_bytes: usize,
+    /// The payload as it came off the wire (what a seal over it covers: a build that decodes
+    /// fewer fields than its sender's would not encode it back the same).
+    pub raw: Arc<[u8]>,
     /// Lets a handler that only waits give its place among the consumer's handlers to the next
     /// message (see [`Aside`]).
     pub aside: Aside,
@@ -246,7 +249,8 @@ where
                         Ok(payload) => {
                             let message_id = message_id_of(&message);
                             let payload_bytes = message.payload.data.len();
-                            let work = handler(Delivery { payload, properties, message_id, payload_bytes, aside: aside.clone() });
+                            let raw = Arc::from(message.payload.data.as_slice());
+                            let work = handler(Delivery { payload, properties, message_id, payload_bytes, raw, aside: aside.clone() });
                             let nack_delay = config.nack_delay;
                             let handle = tasks.spawn(async move {
                                 let disposition = work.await;

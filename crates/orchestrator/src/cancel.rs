@@ -150,7 +150,7 @@ const MOST_SESSION_ID_BYTES: usize = 240;
 /// The longest `by`, `at` or `reason` a cancel keeps; the rest is cut, at a character boundary.
 const MOST_TEXT_BYTES: usize = 1024;
 
-fn bounded(text: &str) -> String {
+pub(crate) fn bounded(text: &str) -> String {
     if text.len() <= MOST_TEXT_BYTES {
         return text.to_owned();
     }

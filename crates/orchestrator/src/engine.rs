@@ -52,6 +52,8 @@ pub struct Engine {
     pub turns: crate::conversation::Turns,
     /// Answers to parked calls handed back while their calls are not found.
     pub answers_waiting: AnswersWaiting,
+    /// Whether a subagent's later step without the step seal is dead-lettered (or only logged).
+    pub step_seals: crate::settings::StepSeals,
 }
 
 /// A request's place in its conversation's line, left when dropped (it went, or stopped waiting).
@@ -127,6 +129,9 @@ pub(crate) enum Settled {
     /// Not this service's message, though it says so: nothing is made of it.
     Forged(String),
 }
+
+/// The most bytes of edited arguments an approval may carry (names and values).
+const MOST_EDITED_BYTES: usize = 64 * 1024;
 
 /// How long an answer to an approval is tried again while the graph does not show its parked
 /// call (the aggregator may be behind); past it, the answer is dropped.
@@ -332,6 +337,7 @@ impl Engine {
                         .cloned()
                         .unwrap_or_default(),
                     properties: request.properties.clone(),
+                    raw: std::sync::Arc::from(request.payload.as_bytes()),
                     // A continued step is never a new dialog's, so it never waits aside.
                     aside: agent_bus::Aside::default(),
                 },
@@ -550,7 +556,21 @@ impl Engine {
     /// [`Engine::answer`], but for remembering how long a handed-back answer has waited.
     async fn take_up_answer(&self, delivery: Delivery<agent_schema::AgentControl>) -> Disposition {
         let waited = self.answers_waiting.waited(&delivery.message_id);
-        let control = delivery.payload;
+        let mut control = delivery.payload;
+        // Recorded in the graph, and a denial's reason goes into every later prompt.
+        for text in [&mut control.by, &mut control.at, &mut control.reason] {
+            *text = cancel::bounded(text);
+        }
+        let edited_bytes: usize = control
+            .arguments
+            .iter()
+            .flatten()
+            .map(|(k, v)| k.len() + v.len())
+            .sum();
+        if edited_bytes > MOST_EDITED_BYTES {
+            tracing::warn!(session = %control.session_id, edited_bytes, "an approval whose edited arguments are over {MOST_EDITED_BYTES} bytes; the answer is dropped");
+            return Disposition::Ack;
+        }
         if !approval::is_answer(&control) {
             tracing::warn!(operation = %control.operation, session = %control.session_id, "ignoring a control request that answers no parked call");
             return Disposition::Ack;
@@ -609,12 +629,13 @@ impl Engine {
             .answering
             .hold(&format!("{}/{step}", control.session_id))
             .await;
-        let payload_bytes = agent_schema::encode(&continuation.request).len();
+        let raw: std::sync::Arc<[u8]> = agent_schema::encode(&continuation.request).into();
         let resumed = Delivery {
             payload: continuation.request,
             properties: continuation.properties,
             message_id: delivery.message_id,
-            payload_bytes,
+            payload_bytes: raw.len(),
+            raw,
             aside: delivery.aside,
         };
         let answer = approval::Answer {

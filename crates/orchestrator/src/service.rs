@@ -147,6 +147,7 @@ pub async fn run(settings: Settings, shutdown: CancellationToken) -> anyhow::Res
             .filter(|&n| n > 0),
         turns: Default::default(),
         answers_waiting: Default::default(),
+        step_seals: settings.step_seals,
     });
     if let (true, Some(journal)) = (settings.continue_in_process, &engine.journal) {
         tokio::spawn(crate::chains::beat(

@@ -60,6 +60,11 @@ pub struct Settings {
     /// process; a crashed chain's dialog then goes on later.
     #[arg(long, env = "AGENT_CHAIN_LEASE_SECS", default_value_t = 5)]
     pub chain_lease_secs: u64,
+    /// What becomes of a later step of a subagent's dialog without this service's step seal (with
+    /// a seal key): `require` dead-letters it; `warn` logs it and runs it, for a rolling upgrade
+    /// from a build that did not seal steps (its replicas and its journal entries send them).
+    #[arg(long, env = "AGENT_STEP_SEALS", value_enum, default_value_t = StepSeals::Require)]
+    pub step_seals: StepSeals,
     /// Seconds in-flight iterations get to finish on shutdown.
     #[arg(long, default_value_t = 20)]
     pub drain_secs: u64,
@@ -193,4 +198,11 @@ pub fn load_config_dir(dir: &Path) -> anyhow::Result<AgentConfig> {
     }
     check_config_dir(dir)
         .map_err(|problems| anyhow::anyhow!("invalid agent config:\n  {}", problems.join("\n  ")))
+}
+
+/// Whether a subagent's later steps must carry the step seal (see `Settings::step_seals`).
+#[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StepSeals {
+    Require,
+    Warn,
 }

@@ -8,6 +8,9 @@ use agent_schema::AgentRequest;
 /// The most properties a request may carry, and their bytes (names and values).
 const MAX_PROPERTIES: usize = 64;
 const MAX_PROPERTY_BYTES: usize = 16 * 1024;
+/// The longest client id (well under the properties' bound, so a dialog's later steps, which
+/// carry a few properties more, are taken as its first was).
+const MAX_ID_BYTES: usize = 1024;
 
 /// Checks a request before any work; the message is the error the client gets. `new_dialog`: the
 /// first message of a dialog, not one the router queued; `payload_bytes`: the message's size.
@@ -62,6 +65,14 @@ pub(crate) fn validate(
     // Properties are copied onto every message the dialog sends (its id onto every streamed
     // chunk), and max_message_bytes counts only the payload.
     let property_bytes: usize = properties.iter().map(|(k, v)| k.len() + v.len()).sum();
+    let id_bytes = properties
+        .get(agent_schema::ID_PROPERTY)
+        .map_or(0, String::len);
+    if id_bytes > MAX_ID_BYTES {
+        return Err(format!(
+            "the message's id is {id_bytes} bytes; at most {MAX_ID_BYTES} are taken"
+        ));
+    }
     if properties.len() > MAX_PROPERTIES || property_bytes > MAX_PROPERTY_BYTES {
         return Err(format!(
             "the message has {} properties of {property_bytes} bytes; at most {MAX_PROPERTIES} of {MAX_PROPERTY_BYTES} bytes are taken",
@@ -69,9 +80,15 @@ pub(crate) fn validate(
         ));
     }
     // A plan in the history is not one this service checked as it made it: a step may not list
-    // more dependencies than the plan has steps (its prompt holds each one's result).
+    // more distinct dependencies than the plan has steps (an LLM's plan may list one twice).
     for plan in request.history.iter().filter_map(|step| step.plan.as_ref()) {
-        if plan.iter().any(|step| step.depends_on.len() > plan.len()) {
+        let distinct = |step: &agent_schema::PlanStep| {
+            step.depends_on
+                .iter()
+                .collect::<std::collections::BTreeSet<_>>()
+                .len()
+        };
+        if plan.iter().any(|step| distinct(step) > plan.len()) {
             return Err(
                 "a plan in the history lists more dependencies for a step than it has steps"
                     .to_owned(),
@@ -149,7 +166,13 @@ mod tests {
                 .contains("conversation_id"));
         }
         let mut properties = agent_bus::Properties::new();
-        properties.insert("id".into(), "x".repeat(MAX_PROPERTY_BYTES));
+        properties.insert("id".into(), "x".repeat(MAX_ID_BYTES + 1));
+        assert!(validate(&ok, &properties, &config, true, 100)
+            .unwrap_err()
+            .contains("id is"));
+        properties.insert("id".into(), "x".repeat(MAX_ID_BYTES));
+        assert!(validate(&ok, &properties, &config, true, 100).is_ok());
+        properties.insert("note".into(), "x".repeat(MAX_PROPERTY_BYTES));
         assert!(validate(&ok, &properties, &config, true, 100)
             .unwrap_err()
             .contains("properties"));
@@ -159,7 +182,7 @@ mod tests {
         assert!(validate(&ok, &many, &config, true, 100).is_err());
         let listed_over_and_over = agent_schema::PlanStep {
             goal: "b".into(),
-            depends_on: vec![0; 1000],
+            depends_on: (0..1000).collect(),
             ..Default::default()
         };
         let history = vec![agent_schema::AgentStep {
@@ -174,6 +197,12 @@ mod tests {
         assert!(validate_plain(&planned, &config, false, 100)
             .unwrap_err()
             .contains("dependencies"));
+        // One listed over and over is one dependency (an LLM's plan may list one twice).
+        let mut repeated = planned.clone();
+        if let Some(plan) = repeated.history[0].plan.as_mut() {
+            plan[0].depends_on = vec![0; 1000];
+        }
+        assert!(validate_plain(&repeated, &config, false, 100).is_ok());
     }
 
     #[test]
