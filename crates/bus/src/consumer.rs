@@ -184,6 +184,10 @@ impl ConsumerStats {
     }
 }
 
+/// The messages whose handlers run, by task, each with its payload taken out of the message (the
+/// handler shares it).
+type InFlight = HashMap<Id, (Message<Vec<u8>>, Arc<[u8]>)>;
+
 /// How long a consumer's close may wait for the broker's answer.
 const CLOSE_WITHIN: Duration = Duration::from_secs(5);
 
@@ -227,7 +231,7 @@ where
 
     let handler = Arc::new(handler);
     let mut tasks: JoinSet<Disposition> = JoinSet::new();
-    let mut in_flight: HashMap<Id, Message<Vec<u8>>> = HashMap::new();
+    let mut in_flight = InFlight::new();
     let aside = Aside::counted(max_in_flight as u64 * ASIDE_PER_PLACE);
     loop {
         // A handler standing aside keeps its message unacked but not its place; one that stepped
@@ -242,15 +246,15 @@ where
             // Only to look at the bound again.
             _ = aside.stepped(), if tasks.len() >= places => {}
             next = consumer.next(), if tasks.len() < places => match next {
-                Some(Ok(message)) => {
+                Some(Ok(mut message)) => {
                     stats.received.fetch_add(1, Ordering::Relaxed);
                     let properties = properties_of(&message);
                     match serde_json::from_slice::<T>(&message.payload.data) {
                         Ok(payload) => {
                             let message_id = message_id_of(&message);
                             let payload_bytes = message.payload.data.len();
-                            let raw = Arc::from(message.payload.data.as_slice());
-                            let work = handler(Delivery { payload, properties, message_id, payload_bytes, raw, aside: aside.clone() });
+                            let raw: Arc<[u8]> = std::mem::take(&mut message.payload.data).into();
+                            let work = handler(Delivery { payload, properties, message_id, payload_bytes, raw: raw.clone(), aside: aside.clone() });
                             let nack_delay = config.nack_delay;
                             let handle = tasks.spawn(async move {
                                 let disposition = work.await;
@@ -259,11 +263,11 @@ where
                                 }
                                 disposition
                             });
-                            in_flight.insert(handle.id(), message);
+                            in_flight.insert(handle.id(), (message, raw));
                         }
                         Err(e) => {
                             let reason = format!("payload does not decode: {e}");
-                            dead_letter(&mut consumer, &dead_letters, &stats, &message, &reason).await;
+                            dead_letter(&mut consumer, &dead_letters, &stats, &message, &message.payload.data, &reason).await;
                         }
                     }
                 }
@@ -413,7 +417,7 @@ async fn settle(
     consumer: &mut Consumer<Vec<u8>, TokioExecutor>,
     dead_letters: &Option<Publisher>,
     stats: &ConsumerStats,
-    in_flight: &mut HashMap<Id, Message<Vec<u8>>>,
+    in_flight: &mut InFlight,
     done: Result<(Id, Disposition), tokio::task::JoinError>,
 ) {
     let (id, disposition) = match done {
@@ -421,7 +425,7 @@ async fn settle(
         // A handler that died is a transient failure: another attempt may succeed.
         Err(e) => (e.id(), Disposition::Nack(format!("handler failed: {e}"))),
     };
-    let Some(message) = in_flight.remove(&id) else {
+    let Some((message, payload)) = in_flight.remove(&id) else {
         return;
     };
     match disposition {
@@ -441,7 +445,7 @@ async fn settle(
             }
         }
         Disposition::DeadLetter(reason) => {
-            dead_letter(consumer, dead_letters, stats, &message, &reason).await;
+            dead_letter(consumer, dead_letters, stats, &message, &payload, &reason).await;
         }
     }
 }
@@ -451,6 +455,7 @@ async fn dead_letter(
     dead_letters: &Option<Publisher>,
     stats: &ConsumerStats,
     message: &Message<Vec<u8>>,
+    payload: &[u8],
     reason: &str,
 ) {
     let Some(dead_letters) = dead_letters else {
@@ -464,10 +469,7 @@ async fn dead_letter(
     let mut properties = properties_of(message);
     properties.insert(DEAD_LETTER_REASON.to_owned(), reason.to_owned());
     properties.insert(DEAD_LETTER_ORIGIN.to_owned(), message.topic.clone());
-    match dead_letters
-        .send(message.payload.data.clone(), &properties)
-        .await
-    {
+    match dead_letters.send(payload.to_vec(), &properties).await {
         Ok(()) => {
             stats.dead_lettered.fetch_add(1, Ordering::Relaxed);
             if let Err(e) = consumer.ack(message).await {

@@ -126,6 +126,10 @@ pub fn validate(plan: &[PlanStep], max_steps: usize) -> Result<(), String> {
 /// assert_eq!(plan[4].depends_on, vec![0, 1, 2, 3]);
 /// assert_eq!(repairs.len(), 1);
 /// assert!(validate(&plan, 8).is_ok());
+/// // One that lists a dependency twice lists it once.
+/// let mut plan = vec![step(vec![]), step(vec![0, 0])];
+/// assert_eq!(repair(&mut plan, 0).len(), 1);
+/// assert_eq!(plan[1].depends_on, vec![0]);
 /// ```
 pub fn repair(plan: &mut [PlanStep], first: usize) -> Vec<String> {
     let mut repairs = Vec::new();
@@ -151,6 +155,15 @@ pub fn repair(plan: &mut [PlanStep], first: usize) -> Vec<String> {
                 "step {i} ('{}') depended on {missing:?}, which do not exist (steps are numbered 0 to {}); those entries were removed",
                 step.goal,
                 len - 1
+            ));
+        }
+        let before = step.depends_on.len();
+        let mut seen = std::collections::BTreeSet::new();
+        step.depends_on.retain(|d| seen.insert(*d));
+        if step.depends_on.len() != before {
+            repairs.push(format!(
+                "step {i} ('{}') listed a dependency more than once; each is listed once now",
+                step.goal
             ));
         }
     }

@@ -834,12 +834,13 @@ impl<'a> DialogOutput<'a> {
             let ours = recorder == Recorder::Unknown && entry.delivery == slot.delivery;
             if !running && (ours || entry.lease_expired()) {
                 tracing::info!(entry = %node, "re-emitting this step's recorded outcome");
-                let effects = entry
+                let mut effects = entry
                     .effects
                     .iter()
                     .map(|e| e.expanded(&self.input_history))
                     .collect::<Result<Vec<_>, _>>()
                     .map_err(|e| anyhow::anyhow!("the journal entry {node}: {e}"))?;
+                self.seal_again(&mut effects);
                 self.publish(&effects).await?;
                 slot.journal.mark_published(&slot.node).await?;
                 return Ok(());
@@ -1151,6 +1152,22 @@ impl<'a> DialogOutput<'a> {
         self.expect_step(request, &properties, &payload);
         self.hold(Channel::Requests, payload, &properties);
         Ok(())
+    }
+
+    /// Seals again the sealed requests among `effects`, re-encoded from the journal: a build other
+    /// than the recorder's may not encode them as it did.
+    fn seal_again(&self, effects: &mut [journal::Effect]) {
+        let Some(key) = &self.step_seal else {
+            return;
+        };
+        let seal = agent_bus::seal::STEP_SEAL_PROPERTY;
+        for effect in effects
+            .iter_mut()
+            .filter(|e| e.channel == Channel::Requests && e.properties.contains_key(seal))
+        {
+            let sealed = key.seal_step(effect.payload.as_bytes(), &effect.properties);
+            effect.properties.insert(seal.to_owned(), sealed);
+        }
     }
 
     /// Notes the journal entry a held request will be taken up as.

@@ -567,7 +567,9 @@ impl Engine {
             .flatten()
             .map(|(k, v)| k.len() + v.len())
             .sum();
-        if edited_bytes > MOST_EDITED_BYTES {
+        if control.operation == agent_schema::control_operation::APPROVE
+            && edited_bytes > MOST_EDITED_BYTES
+        {
             tracing::warn!(session = %control.session_id, edited_bytes, "an approval whose edited arguments are over {MOST_EDITED_BYTES} bytes; the answer is dropped");
             return Disposition::Ack;
         }

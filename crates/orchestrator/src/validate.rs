@@ -79,8 +79,10 @@ pub(crate) fn validate(
             properties.len()
         ));
     }
-    // A plan in the history is not one this service checked as it made it: a step may not list
-    // more distinct dependencies than the plan has steps (an LLM's plan may list one twice).
+    // A plan in the history is not one this service checked as it made it (it lists each
+    // dependency once, a plan of an earlier build maybe twice): a step may not list more distinct
+    // dependencies than the plan has steps, nor more than four times that in all (each listing
+    // is written to the graph and the prompts that describe the plan).
     for plan in request.history.iter().filter_map(|step| step.plan.as_ref()) {
         let distinct = |step: &agent_schema::PlanStep| {
             step.depends_on
@@ -88,7 +90,10 @@ pub(crate) fn validate(
                 .collect::<std::collections::BTreeSet<_>>()
                 .len()
         };
-        if plan.iter().any(|step| distinct(step) > plan.len()) {
+        let too_many = |step: &agent_schema::PlanStep| {
+            distinct(step) > plan.len() || step.depends_on.len() > 4 * plan.len()
+        };
+        if plan.iter().any(too_many) {
             return Err(
                 "a plan in the history lists more dependencies for a step than it has steps"
                     .to_owned(),
@@ -197,12 +202,17 @@ mod tests {
         assert!(validate_plain(&planned, &config, false, 100)
             .unwrap_err()
             .contains("dependencies"));
-        // One listed over and over is one dependency (an LLM's plan may list one twice).
+        // One listed twice is taken (a plan of an earlier build may), one listed over and over not.
         let mut repeated = planned.clone();
-        if let Some(plan) = repeated.history[0].plan.as_mut() {
-            plan[0].depends_on = vec![0; 1000];
+        for (times, taken) in [(4, true), (1000, false)] {
+            if let Some(plan) = repeated.history[0].plan.as_mut() {
+                plan[0].depends_on = vec![0; times];
+            }
+            assert_eq!(
+                validate_plain(&repeated, &config, false, 100).is_ok(),
+                taken
+            );
         }
-        assert!(validate_plain(&repeated, &config, false, 100).is_ok());
     }
 
     #[test]
