@@ -223,12 +223,14 @@ async fn hostile_text_is_stored_verbatim_and_duplicates_change_nothing() {
     assert_eq!(before, after);
 }
 
-/// A triple that is not valid RDF (an IRI with a space in it) keeps only itself out of the graph:
-/// the other triples of its message are written, and the message goes to the dead-letter topic
-/// saying how many were left out. A fan-out, which drives fan-in, is written whole or not at all.
+/// A triple that is not valid RDF (an IRI with a space in it), or that only the aggregator may
+/// write (in the journal's graph: a planted entry would be re-emitted as the service's own; a
+/// fan-in mark), keeps only itself out of the graph: the other triples of its message are written, and the
+/// message goes to the dead-letter topic saying how many were left out. A fan-out, which drives
+/// fan-in, is written whole or not at all.
 #[tokio::test]
-async fn a_triple_that_is_not_rdf_keeps_only_itself_out_of_the_graph() {
-    use agent_core::vocab::{tg, PROVENANCE_GRAPH, RDF_TYPE};
+async fn a_triple_that_may_not_be_written_keeps_only_itself_out_of_the_graph() {
+    use agent_core::vocab::{tg, JOURNAL_GRAPH, PROVENANCE_GRAPH, RDF_TYPE};
     use agent_schema::{Metadata, Term as WireTerm, Triple};
     let broker = Broker::start().unwrap();
     let aggregator = Aggregator::spawn(&broker);
@@ -294,6 +296,21 @@ async fn a_triple_that_is_not_rdf_keeps_only_itself_out_of_the_graph() {
             ),
         ],
     );
+    let planted = message(
+        "urn:test:journal-message",
+        vec![
+            triple("urn:test:beside", "urn:test:p", WireTerm::literal("kept")),
+            Triple {
+                g: Some(JOURNAL_GRAPH.into()),
+                ..triple("urn:test:planted", "urn:test:p", WireTerm::literal("entry"))
+            },
+            triple(
+                "urn:test:beside",
+                tg::SYNTHESIS_REQUESTED.as_str(),
+                WireTerm::literal("true"),
+            ),
+        ],
+    );
     let marker = message(
         "urn:test:marker-message",
         vec![triple(
@@ -306,7 +323,7 @@ async fn a_triple_that_is_not_rdf_keeps_only_itself_out_of_the_graph() {
     let publisher = agent_bus::Publisher::new(&bus, EXPLAIN_TOPIC)
         .await
         .unwrap();
-    for m in [&step, &fan_out, &marker] {
+    for m in [&step, &fan_out, &planted, &marker] {
         publisher
             .send(agent_schema::encode(m), &Default::default())
             .await
@@ -317,7 +334,7 @@ async fn a_triple_that_is_not_rdf_keeps_only_itself_out_of_the_graph() {
     // aggregator handles messages side by side).
     let mut reasons = BTreeSet::new();
     let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
-    while reasons.len() < 2 {
+    while reasons.len() < 3 {
         let letter = tokio::time::timeout_at(deadline, dead_letters.next())
             .await
             .unwrap_or_else(|_| panic!("dead letters so far: {reasons:#?}"))
@@ -338,6 +355,11 @@ async fn a_triple_that_is_not_rdf_keeps_only_itself_out_of_the_graph() {
     assert_eq!(about("urn:test:thought"), 1, "{stored:#?}");
     assert_eq!(about("urn:test:observation"), 2, "{stored:#?}");
     assert_eq!(about("urn:test:fanout"), 0, "{stored:#?}");
+    // Only its own triple: the synthesis mark, which only the aggregator writes, is left out.
+    assert_eq!(about("urn:test:beside"), 1, "{stored:#?}");
+    let in_journal =
+        format!("SELECT ?o WHERE {{ GRAPH <{JOURNAL_GRAPH}> {{ <urn:test:planted> ?p ?o }} }}");
+    assert_eq!(count(&store, in_journal).await, 0);
     let reason_of = |id: &str| {
         reasons
             .iter()
@@ -351,6 +373,13 @@ async fn a_triple_that_is_not_rdf_keeps_only_itself_out_of_the_graph() {
         "{step_reason}"
     );
     assert!(step_reason.contains("triple 2"), "{step_reason}");
+    let planted_reason = reason_of("urn:test:journal-message");
+    assert!(
+        planted_reason.contains("2 of the 3 triples")
+            && planted_reason.contains("only the aggregator writes")
+            && planted_reason.contains("the other 1 written"),
+        "{planted_reason}"
+    );
     let fan_out_reason = reason_of("urn:test:fanout-message");
     assert!(
         fan_out_reason.contains("none is written"),

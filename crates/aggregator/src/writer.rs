@@ -77,6 +77,19 @@ impl Writer {
             // will never be writable, must not keep the valid ones out of the graph.
             into_valid_quads(triples)
         };
+        // The journal's graphs are written by its owner alone (a planted entry would be
+        // re-emitted, as this service's own, for the step it names), and fan-in's marks by the
+        // aggregator alone: whatever a message puts there is left out, and the message
+        // dead-lettered to be seen.
+        let before = quads.len();
+        let quads: Vec<_> = quads.into_iter().filter(|q| !internal(q)).collect();
+        let refused = before - quads.len();
+        if refused > 0 && drives_fan_in {
+            return Disposition::DeadLetter(format!(
+                "{refused} triples of {} are in the journal's graphs or fan-in's marks, which only the aggregator writes (a fan-out or a completion, so none is written)",
+                metadata.id
+            ));
+        }
         let count = quads.len();
         if count > 0 {
             match self.store.insert(quads).await {
@@ -93,6 +106,12 @@ impl Writer {
                 invalid.len(),
                 metadata.id,
                 place + 1
+            ));
+        }
+        if refused > 0 {
+            return Disposition::DeadLetter(format!(
+                "{refused} of the {total} triples of {} are in the journal's graphs or fan-in's marks, which only the aggregator writes; they were left out, the other {count} written",
+                metadata.id
             ));
         }
         if count == 0 {
@@ -115,4 +134,31 @@ impl Writer {
             Err(e) => Disposition::Nack(format!("fan-in of {cid}: {e}")),
         }
     }
+}
+
+/// Whether `quad` is one only the aggregator writes: anything in the journal's graphs, and the
+/// marks of a fan-out's synthesis and of a waiting subagent's start (a planted claim dated ahead
+/// would hold a fan-in for good, a planted "requested" would hide it and stop its subagents).
+fn internal(quad: &oxigraph::model::Quad) -> bool {
+    use agent_core::vocab::tg;
+    let in_journal = match &quad.graph_name {
+        oxigraph::model::GraphName::NamedNode(g) => matches!(
+            g.as_str(),
+            agent_core::vocab::JOURNAL_GRAPH | agent_core::vocab::JOURNAL_OWNERS_GRAPH
+        ),
+        _ => false,
+    };
+    let marks = [
+        &tg::SYNTHESIS_CLAIM,
+        &tg::CLAIMED_AT,
+        &tg::SYNTHESIS_REQUESTED,
+        &tg::FAN_IN_REFUSED,
+        &tg::START_CLAIM,
+        &tg::START_CLAIMED_AT,
+        &tg::START_REQUESTED,
+    ];
+    in_journal
+        || marks
+            .iter()
+            .any(|mark| quad.predicate.as_str() == mark.as_str())
 }

@@ -115,6 +115,7 @@ pub fn validate(plan: &[PlanStep], max_steps: usize) -> Result<(), String> {
 ///
 /// - A step that names itself: that entry is removed.
 /// - A step that names a step that does not exist (negative, or past the last): that entry is removed.
+/// - A step that names one step more than once: it names it once.
 ///
 /// ```
 /// use agent_core::plan::{repair, validate};

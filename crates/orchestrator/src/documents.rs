@@ -293,8 +293,19 @@ async fn fetch<'u>(
         .into_iter()
         .zip(texts)
         .filter_map(|(d, text)| match (d?, text?) {
-            (Term::NamedNode(d), Term::Literal(text)) => {
+            // A document is named by its text's digest: one whose text is not the named one (the
+            // graph takes what anyone publishes) is not taken for it.
+            (Term::NamedNode(d), Term::Literal(text))
+                if agent_core::documents::document_uri(text.value()) == d.as_str() =>
+            {
                 Some((d.as_str().to_owned(), text.value().to_owned()))
+            }
+            (Term::NamedNode(d), Term::Literal(text)) => {
+                // With the librarian, the graph keeps only the excerpt: no document, no warning.
+                if agent_core::documents::reference(text.value()).is_none() {
+                    tracing::warn!(document = %d, "a document whose text is not the one its name is the digest of; not used");
+                }
+                None
             }
             _ => None,
         })

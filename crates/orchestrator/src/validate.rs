@@ -94,10 +94,11 @@ pub(crate) fn validate(
             distinct(step) > plan.len() || step.depends_on.len() > 4 * plan.len()
         };
         if plan.iter().any(too_many) {
-            return Err(
-                "a plan in the history lists more dependencies for a step than it has steps"
-                    .to_owned(),
-            );
+            return Err(format!(
+                "a plan in the history lists more distinct dependencies for a step than its {} steps, or more than {} listings",
+                plan.len(),
+                4 * plan.len()
+            ));
         }
     }
     let pattern = request.pattern.as_str();
