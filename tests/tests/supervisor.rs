@@ -324,24 +324,8 @@ async fn completions_before_their_fan_out_and_twice_give_one_synthesis() {
     let explain = Publisher::new(&bus, &topics.explainability).await.unwrap();
     let mut requests = read_from_start(&broker, &topics.request, "fan-in-reader").await;
     let publish = |node: String, triples: Vec<agent_schema::Triple>| {
-        let message = Triples {
-            metadata: Metadata {
-                id: node,
-                root: String::new(),
-                collection: "default".into(),
-            },
-            triples,
-        };
         let explain = explain.clone();
-        async move {
-            explain
-                .enqueue(agent_schema::encode(&message), &Default::default())
-                .await
-                .unwrap()
-                .wait()
-                .await
-                .unwrap();
-        }
+        async move { publish_explained(&explain, node, triples).await }
     };
     let key = agent_bus::seal::SealKey::new(SEAL_KEY.as_bytes());
     let supervisor = SessionUris::new("sup");
@@ -533,21 +517,7 @@ async fn a_fan_out_that_can_never_be_synthesised_is_marked_once_not_swept_for_ev
                 agent_core::supervisor::fanout_seal_parts(&node, &cid, continuation, "client-9");
             triples.extend(provenance::sealed(&node, &key.seal(&parts)));
         }
-        let message = Triples {
-            metadata: Metadata {
-                id: node,
-                root: String::new(),
-                collection: "default".into(),
-            },
-            triples,
-        };
-        explain
-            .enqueue(agent_schema::encode(&message), &Default::default())
-            .await
-            .unwrap()
-            .wait()
-            .await
-            .unwrap();
+        publish_explained(&explain, node, triples).await;
     }
     let refused = format!(
         "{}SELECT ?why WHERE {{ GRAPH <urn:graph:retrieval> {{ ?f a tg:FanOut ; tg:fanInRefused ?why }} }}",
@@ -568,6 +538,26 @@ async fn a_fan_out_that_can_never_be_synthesised_is_marked_once_not_swept_for_ev
     assert_eq!(counts(&log), before, "{log}");
     let metrics = scrape(&aggregator.endpoint).await;
     assert_eq!(sample(&metrics, "agent_fanouts_open"), 0.0);
+}
+
+/// Publishes `triples` about `node` on the explainability topic, as the orchestrator does, and
+/// waits for the broker's receipt.
+async fn publish_explained(explain: &Publisher, node: String, triples: Vec<agent_schema::Triple>) {
+    let message = Triples {
+        metadata: Metadata {
+            id: node,
+            root: String::new(),
+            collection: "default".into(),
+        },
+        triples,
+    };
+    explain
+        .enqueue(agent_schema::encode(&message), &Default::default())
+        .await
+        .unwrap()
+        .wait()
+        .await
+        .unwrap();
 }
 
 /// A later step of subagent session `victim-f1-s0` that no orchestrator sent: its history is at
