@@ -157,6 +157,17 @@ pub fn binary(name: &str) -> PathBuf {
 /// The seal key every orchestrator and aggregator the harness starts shares (`AGENT_SEAL_KEY`).
 pub const SEAL_KEY: &str = "e2e-seal-key";
 
+/// The properties of an explainability message `payload` as the services send it: sealed with
+/// [`SEAL_KEY`], so the aggregator writes the agent's records from it.
+pub fn sealed_explain(payload: &[u8]) -> agent_bus::Properties {
+    let key = agent_bus::seal::SealKey::new(SEAL_KEY.as_bytes());
+    [(
+        agent_bus::seal::EXPLAIN_SEAL_PROPERTY.to_owned(),
+        key.seal_explain(payload),
+    )]
+    .into()
+}
+
 /// An orchestrator: inside the test process ([`in_process::InProcess`]) unless the test asked for a
 /// child process (one it SIGKILLs, SIGTERMs, gives environment or scrapes: the metrics registry is
 /// per process); either way it is stopped without draining on drop.

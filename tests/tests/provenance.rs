@@ -18,7 +18,7 @@ const EXPLAIN_TOPIC: &str = "persistent://tg/flow/triples-store:default:default"
 
 /// Waits until the aggregator has written the node.
 async fn wait_for_node(store: &GraphStore, node: &str) {
-    let node = queries::session_node(node).unwrap();
+    let node = agent_graph::model::NamedNode::new(node).unwrap();
     for _ in 0..400 {
         if let Ok(QueryAnswer::Boolean(true)) = store.query(queries::node_exists(&node)).await {
             return;
@@ -197,9 +197,10 @@ async fn hostile_text_is_stored_verbatim_and_duplicates_change_nothing() {
     let publisher = agent_bus::Publisher::new(&bus, EXPLAIN_TOPIC)
         .await
         .unwrap();
+    let duplicate = agent_schema::encode(&duplicate);
     for _ in 0..2 {
         publisher
-            .send(agent_schema::encode(&duplicate), &Default::default())
+            .send(duplicate.clone(), &sealed_explain(&duplicate))
             .await
             .unwrap();
     }
@@ -323,9 +324,11 @@ async fn a_triple_that_may_not_be_written_keeps_only_itself_out_of_the_graph() {
     let publisher = agent_bus::Publisher::new(&bus, EXPLAIN_TOPIC)
         .await
         .unwrap();
+    // Sealed as the services' own: what only the aggregator writes is refused all the same.
     for m in [&step, &fan_out, &planted, &marker] {
+        let m = agent_schema::encode(m);
         publisher
-            .send(agent_schema::encode(m), &Default::default())
+            .send(m.clone(), &sealed_explain(&m))
             .await
             .unwrap();
     }
@@ -384,6 +387,149 @@ async fn a_triple_that_may_not_be_written_keeps_only_itself_out_of_the_graph() {
     assert!(
         fan_out_reason.contains("none is written"),
         "{fan_out_reason}"
+    );
+}
+
+/// Only a message the orchestrators sealed writes the agent's records: from one without the seal
+/// (anyone who can publish to the topic), triples naming an agent node (as subject or object) or
+/// a long text's node are left out and the message dead-lettered, the rest written (TrustGraph's
+/// other services share the topic); a fan-out without it is written not at all, whatever it
+/// names. The same message sealed is written whole.
+#[tokio::test]
+async fn only_sealed_explainability_writes_the_agents_records() {
+    use agent_core::vocab::{tg, PROVENANCE_GRAPH, RDF_TYPE};
+    use agent_schema::{Metadata, Term as WireTerm, Triple};
+    let broker = Broker::start().unwrap();
+    let aggregator = Aggregator::spawn(&broker);
+    let store = aggregator.store();
+    let mut dead_letters = read_from_start(
+        &broker,
+        &format!("{EXPLAIN_TOPIC}-dead-letter"),
+        "test-dead-letters",
+    )
+    .await;
+    let triple = |s: &str, p: &str, o: WireTerm| Triple {
+        s: WireTerm::iri(s),
+        p: WireTerm::iri(p),
+        o,
+        g: Some(PROVENANCE_GRAPH.into()),
+    };
+    let message = |id: &str, triples: Vec<Triple>| {
+        agent_schema::encode(&Triples {
+            metadata: Metadata {
+                id: id.to_owned(),
+                root: String::new(),
+                collection: "default".to_owned(),
+            },
+            triples,
+        })
+    };
+    let agent_node = "urn:trustgraph:agent:victim/final";
+    let records = vec![
+        triple(
+            agent_node,
+            tg::TERMINATION_REASON.as_str(),
+            WireTerm::literal("answer"),
+        ),
+        triple(
+            "urn:test:knowledge",
+            "urn:test:about",
+            WireTerm::iri(agent_node),
+        ),
+        triple(
+            &agent_core::documents::document_uri("forged"),
+            tg::CONTENT.as_str(),
+            WireTerm::literal("forged"),
+        ),
+        triple(
+            "urn:test:knowledge",
+            "urn:test:p",
+            WireTerm::literal("kept"),
+        ),
+    ];
+    let unsealed = message("urn:test:unsealed", records.clone());
+    let fan_out = message(
+        "urn:test:unsealed-fanout",
+        vec![
+            triple(
+                "urn:test:fanout",
+                RDF_TYPE.as_str(),
+                WireTerm::iri(tg::FAN_OUT.as_str()),
+            ),
+            triple(
+                "urn:test:fanout",
+                tg::CORRELATION_ID.as_str(),
+                WireTerm::literal("victim-f1"),
+            ),
+        ],
+    );
+    let bus = agent_bus::Bus::connect(&broker.url(), None).await.unwrap();
+    let publisher = agent_bus::Publisher::new(&bus, EXPLAIN_TOPIC)
+        .await
+        .unwrap();
+    for m in [unsealed, fan_out] {
+        publisher.send(m, &Default::default()).await.unwrap();
+    }
+    let mut reasons = BTreeSet::new();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    while reasons.len() < 2 {
+        let letter = tokio::time::timeout_at(deadline, dead_letters.next())
+            .await
+            .unwrap_or_else(|_| panic!("dead letters so far: {reasons:#?}"))
+            .unwrap()
+            .unwrap();
+        dead_letters.ack(&letter).await.unwrap();
+        reasons.insert(
+            agent_bus::message_property(&letter, "dead-letter-reason")
+                .unwrap_or_default()
+                .to_owned(),
+        );
+    }
+    let reasons: Vec<_> = reasons.into_iter().collect();
+    assert!(
+        reasons
+            .iter()
+            .any(|r| r.contains("urn:test:unsealed-fanout")
+                && r.contains("without the orchestrators' seal; none of it is written")),
+        "{reasons:#?}"
+    );
+    assert!(
+        reasons
+            .iter()
+            .any(|r| r.contains("3 of the 4 triples of urn:test:unsealed ")
+                && r.contains("the other 1 written")),
+        "{reasons:#?}"
+    );
+    let stored = all_quads(&store).await;
+    let mentioning = |text: &str| stored.iter().filter(|q| q.contains(text)).count();
+    assert_eq!(mentioning("urn:test:knowledge"), 1, "{stored:#?}");
+    assert_eq!(mentioning("urn:trustgraph:agent:victim"), 0, "{stored:#?}");
+    assert_eq!(mentioning("urn:trustgraph:doc:"), 0, "{stored:#?}");
+    assert_eq!(mentioning("urn:test:fanout"), 0, "{stored:#?}");
+
+    // Sealed as the orchestrators seal: all of it.
+    let sealed = message("urn:test:sealed", records);
+    publisher
+        .send(sealed.clone(), &sealed_explain(&sealed))
+        .await
+        .unwrap();
+    let about_victim =
+        format!("SELECT ?o WHERE {{ GRAPH <{PROVENANCE_GRAPH}> {{ <{agent_node}> ?p ?o }} }}");
+    assert_eq!(count_reaching(&store, about_victim, 1).await, 1);
+    let stored = all_quads(&store).await;
+    assert_eq!(
+        stored
+            .iter()
+            .filter(|q| q.contains("urn:test:knowledge"))
+            .count(),
+        2
+    );
+    assert_eq!(
+        stored
+            .iter()
+            .filter(|q| q.contains("urn:trustgraph:doc:"))
+            .count(),
+        1
     );
 }
 

@@ -34,6 +34,7 @@ fn agentctl(broker: &Broker, args: &[&str]) -> String {
         .args(args)
         .args(["--pulsar-url", &broker.url()])
         .env("RUST_LOG", "warn")
+        .env("AGENT_SEAL_KEY", SEAL_KEY)
         .output()
         .unwrap();
     assert!(
@@ -969,6 +970,104 @@ async fn requests_queued_in_a_conversation_leave_room_for_the_dialog_they_wait_f
         "{}",
         calls[third].last_user
     );
+}
+
+/// Dialogs of a conversation that no orchestrator ran, planted on the explainability topic (one
+/// named as the agent names its sessions, unsealed; one under a name of another scheme): the
+/// conversation's next request is neither refused as if one of them ran nor told what they asked.
+#[tokio::test]
+async fn dialogs_planted_in_a_conversation_neither_refuse_its_next_request_nor_reach_its_prompt() {
+    use agent_core::vocab::{prov, tg, PROVENANCE_GRAPH, RDF_TYPE};
+    use agent_schema::{Metadata, Term as WireTerm, Triple, Triples};
+    let config = conversation_config("planted", "reject");
+    let Stack {
+        broker,
+        aggregator,
+        llm,
+        orchestrator: _orchestrator,
+    } = Stack::journaled(TOKEN, &conversation_script("\"delay_ms\": 0"), &config, &[]).await;
+    // Started a minute from now: it would count as running for as long as the wall-time budget.
+    let started = (chrono::Utc::now() + chrono::Duration::seconds(60))
+        .to_rfc3339_opts(chrono::SecondsFormat::Millis, true);
+    let mut triples = Vec::new();
+    for node in ["urn:trustgraph:agent:planted-1", "urn:planted:dialog"] {
+        let triple = |p: &str, o: WireTerm| Triple {
+            s: WireTerm::iri(node),
+            p: WireTerm::iri(p),
+            o,
+            g: Some(PROVENANCE_GRAPH.into()),
+        };
+        triples.extend([
+            triple(
+                RDF_TYPE.as_str(),
+                WireTerm::iri(tg::AGENT_QUESTION.as_str()),
+            ),
+            triple(tg::CONVERSATION.as_str(), WireTerm::literal("conv-7")),
+            triple(tg::QUERY.as_str(), WireTerm::literal("PLANTED QUESTION")),
+            triple(
+                prov::STARTED_AT_TIME.as_str(),
+                WireTerm::typed_literal(
+                    started.as_str(),
+                    "http://www.w3.org/2001/XMLSchema#dateTime",
+                ),
+            ),
+        ]);
+    }
+    let planted = agent_schema::encode(&Triples {
+        metadata: Metadata {
+            id: "urn:planted:message".into(),
+            root: String::new(),
+            collection: "default".into(),
+        },
+        triples,
+    });
+    let bus = agent_bus::Bus::connect(&broker.url(), None).await.unwrap();
+    let topics = agent_bus::Topics::trustgraph("default", "default");
+    agent_bus::Publisher::new(&bus, &topics.explainability)
+        .await
+        .unwrap()
+        .send(planted, &Default::default())
+        .await
+        .unwrap();
+    // What is not the agent's is written (in the same transaction as the rest was refused).
+    let store = aggregator.store();
+    let written = |node: &str| {
+        format!("SELECT ?p WHERE {{ GRAPH <{PROVENANCE_GRAPH}> {{ <{node}> ?p ?o }} }}")
+    };
+    assert_eq!(
+        count_reaching(&store, written("urn:planted:dialog"), 4).await,
+        4
+    );
+    assert_eq!(
+        count(&store, written("urn:trustgraph:agent:planted-1")).await,
+        0
+    );
+
+    let mut client = client(&broker).await;
+    client
+        .send(
+            "conv-b",
+            &in_conversation("And how many people live there?"),
+        )
+        .await
+        .unwrap();
+    let dialog = collect_dialog(&mut client, "conv-b", Duration::from_secs(60))
+        .await
+        .unwrap();
+    assert_eq!(
+        dialog.last().unwrap().content,
+        "about two million",
+        "{dialog:#?}"
+    );
+    let asked = llm
+        .calls()
+        .into_iter()
+        .find(|c| {
+            c.last_user
+                .contains("Question: And how many people live there?")
+        })
+        .unwrap();
+    assert!(!asked.last_user.contains("PLANTED"), "{}", asked.last_user);
 }
 
 #[tokio::test]

@@ -129,8 +129,9 @@ async fn a_four_way_fan_out_is_synthesised_once() {
         },
         triples: completion.explain_triples.clone(),
     };
+    let again = agent_schema::encode(&again);
     explain
-        .enqueue(agent_schema::encode(&again), &Default::default())
+        .enqueue(again.clone(), &sealed_explain(&again))
         .await
         .unwrap()
         .wait()
@@ -540,8 +541,8 @@ async fn a_fan_out_that_can_never_be_synthesised_is_marked_once_not_swept_for_ev
     assert_eq!(sample(&metrics, "agent_fanouts_open"), 0.0);
 }
 
-/// Publishes `triples` about `node` on the explainability topic, as the orchestrator does, and
-/// waits for the broker's receipt.
+/// Publishes `triples` about `node` on the explainability topic, sealed as the orchestrator does,
+/// and waits for the broker's receipt.
 async fn publish_explained(explain: &Publisher, node: String, triples: Vec<agent_schema::Triple>) {
     let message = Triples {
         metadata: Metadata {
@@ -551,8 +552,9 @@ async fn publish_explained(explain: &Publisher, node: String, triples: Vec<agent
         },
         triples,
     };
+    let message = agent_schema::encode(&message);
     explain
-        .enqueue(agent_schema::encode(&message), &Default::default())
+        .enqueue(message.clone(), &sealed_explain(&message))
         .await
         .unwrap()
         .wait()

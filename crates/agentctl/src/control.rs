@@ -23,6 +23,10 @@ pub struct CancelArgs {
     /// The collection the dialog's provenance is in.
     #[arg(long, default_value = "default")]
     pub collection: String,
+    /// The secret the services share: the aggregator writes the cancel's record only sealed
+    /// with it (replicas that are running hear the cancel either way).
+    #[arg(long, env = "AGENT_SEAL_KEY", hide_env_values = true)]
+    pub seal_key: Option<String>,
     #[command(flatten)]
     pub broker: BrokerArgs,
 }
@@ -75,9 +79,20 @@ pub async fn cancel(args: CancelArgs) -> anyhow::Result<i32> {
         },
         triples: provenance::cancellation(&uris, &control.by, &control.at, &control.reason),
     };
+    let payload = agent_schema::encode(&record);
+    let mut properties = Properties::new();
+    match args.seal_key.as_deref().map(str::trim).filter(|k| !k.is_empty()) {
+        Some(secret) => {
+            let seal = agent_bus::seal::SealKey::new(secret.as_bytes()).seal_explain(&payload);
+            properties.insert(agent_bus::seal::EXPLAIN_SEAL_PROPERTY.to_owned(), seal);
+        }
+        None => eprintln!(
+            "no AGENT_SEAL_KEY: an aggregator that has one will not record this cancel (running replicas stop the dialog all the same; one started later would not know of it)"
+        ),
+    }
     Publisher::new(&bus, &topics.explainability)
         .await?
-        .send(agent_schema::encode(&record), &Properties::new())
+        .send(payload, &properties)
         .await
         .context("recording the cancel in the graph")?;
     send_control(&bus, &topics, &control)

@@ -49,6 +49,12 @@ pub struct AggregatorSettings {
     /// not drive fan-in (see `agent_bus::seal`).
     #[arg(long, env = "AGENT_SEAL_KEY", hide_env_values = true)]
     pub seal_key: Option<String>,
+    /// What becomes of an explainability message without the orchestrators' seal (with a seal
+    /// key): `require` leaves out whatever it says of the agent's sessions and documents (the
+    /// services read those back and act on them) and dead-letters it, writing the rest; `warn`
+    /// logs it and writes it all, for a rolling upgrade from a build that did not seal them.
+    #[arg(long, env = "AGENT_EXPLAIN_SEALS", value_enum, default_value_t = ExplainSeals::Require)]
+    pub explain_seals: ExplainSeals,
     /// Seconds between looks for calls parked for approval past their deadline.
     #[arg(long, env = "APPROVAL_SWEEP_SECS", default_value_t = 5)]
     pub approval_sweep_secs: u64,
@@ -70,6 +76,14 @@ pub struct AggregatorSettings {
     /// `librarian` (TrustGraph's librarian on the broker, as the orchestrators' `DOCUMENT_STORE`).
     #[arg(long, env = "DOCUMENT_STORE", default_value = "graph", value_parser = ["graph", "librarian"])]
     pub document_store: String,
+}
+
+/// Whether explainability messages must carry the orchestrators' seal to write the agent's own
+/// records (see `AggregatorSettings::explain_seals`).
+#[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ExplainSeals {
+    Require,
+    Warn,
 }
 
 /// How `/query` may be used: it must not be a way to take the service down.
@@ -118,6 +132,7 @@ impl AggregatorSettings {
             fanout_timeout_secs: 300,
             approval_sweep_secs: 5,
             seal_key: None,
+            explain_seals: ExplainSeals::Require,
             reads: ReadSettings::default(),
             journal_retention_secs: 86_400,
             owner_listen_ms: 1_000,
@@ -310,7 +325,13 @@ pub async fn run(settings: AggregatorSettings, shutdown: CancellationToken) -> a
             shutdown.clone(),
         ))
     });
-    let writer = Arc::new(writer::Writer::new(store, Some(requests), seal, librarian));
+    let writer = Arc::new(writer::Writer::new(
+        store,
+        Some(requests),
+        seal,
+        settings.explain_seals,
+        librarian,
+    ));
     let consumed = run_consumer(
         &bus,
         subscription,

@@ -2,6 +2,8 @@
 //! acked only after it committed; RDF set semantics make a redelivered message change nothing. A
 //! triple that is not valid RDF is left out and its message dead-lettered once the rest is written
 //! (a fan-out or a completion, which drive fan-in, is dead-lettered with none of it written).
+//! Only a message the orchestrators sealed may write the agent's own records; none may write what
+//! the aggregator alone writes.
 
 use agent_bus::{Delivery, Disposition, Publisher};
 use agent_graph::convert::{into_quads, into_valid_quads};
@@ -15,6 +17,8 @@ pub struct Writer {
     requests: Option<Publisher>,
     /// Only fan-outs and completions sealed with it drive fan-in, when there is one.
     seal: Option<agent_bus::seal::SealKey>,
+    /// Whether a message without the explain seal may write the agent's records (with a key).
+    explain_seals: crate::ExplainSeals,
     /// Where long subagent results are kept, when the deployment keeps documents in TrustGraph's
     /// librarian.
     librarian: Option<std::sync::Arc<agent_bus::Librarian>>,
@@ -25,12 +29,14 @@ impl Writer {
         store: GraphStore,
         requests: Option<Publisher>,
         seal: Option<agent_bus::seal::SealKey>,
+        explain_seals: crate::ExplainSeals,
         librarian: Option<std::sync::Arc<agent_bus::Librarian>>,
     ) -> Writer {
         Writer {
             store,
             requests,
             seal,
+            explain_seals,
             librarian,
         }
     }
@@ -53,6 +59,11 @@ impl Writer {
     }
 
     async fn write(&self, delivery: Delivery<Triples>) -> Disposition {
+        // Checked over the bytes as they came off the wire; with no key nothing is sealed.
+        let sealed = self
+            .seal
+            .as_ref()
+            .is_none_or(|key| key.verify_explain(&delivery.raw, &delivery.properties));
         let message = delivery.payload;
         // Read before the triples are converted, which moves their text into the quads.
         let correlation = crate::fanin::correlation_of(&message);
@@ -90,6 +101,34 @@ impl Writer {
                 metadata.id
             ));
         }
+        // The agent's records are read back and acted on (a conversation's running dialog, a
+        // cancellation, a fork's input, recorded LLM answers a replay reuses, the node that lets
+        // the journal prune a session, an approval's continuation): only the orchestrators, which
+        // seal what they send, may write them. Other services' triples on the same topic (on
+        // TrustGraph's triples-store, knowledge and retrieval records) are not the agent's.
+        let (quads, unsealed) = if sealed {
+            (quads, 0)
+        } else {
+            let (agents, others): (Vec<_>, Vec<_>) = quads.into_iter().partition(agent_record);
+            match self.explain_seals {
+                // What drives fan-in is the agent's whatever it names.
+                crate::ExplainSeals::Require if drives_fan_in => {
+                    return Disposition::DeadLetter(format!(
+                        "{} is a fan-out or a completion without the orchestrators' seal; none of it is written",
+                        metadata.id
+                    ))
+                }
+                _ if agents.is_empty() => (others, 0),
+                crate::ExplainSeals::Warn => {
+                    tracing::warn!(
+                        id = %metadata.id,
+                        "an explainability message without the orchestrators' seal writes the agent's records (--explain-seals warn)"
+                    );
+                    (agents.into_iter().chain(others).collect(), 0)
+                }
+                crate::ExplainSeals::Require => (others, agents.len()),
+            }
+        };
         let count = quads.len();
         if count > 0 {
             match self.store.insert(quads).await {
@@ -114,6 +153,12 @@ impl Writer {
                 metadata.id
             ));
         }
+        if unsealed > 0 {
+            return Disposition::DeadLetter(format!(
+                "{unsealed} of the {total} triples of {} are the agent's records and the message does not carry the orchestrators' seal; they were left out, the other {count} written",
+                metadata.id
+            ));
+        }
         if count == 0 {
             return Disposition::Ack;
         }
@@ -134,6 +179,29 @@ impl Writer {
             Err(e) => Disposition::Nack(format!("fan-in of {cid}: {e}")),
         }
     }
+}
+
+/// Whether `quad` is one of the agent's records: about one of its sessions (their nodes are
+/// named under [`agent_core::vocab::SESSION_PREFIX`], as TrustGraph's agent names them), one of
+/// the long texts they refer to, or in its documents graph.
+fn agent_record(quad: &oxigraph::model::Quad) -> bool {
+    use oxigraph::model::GraphName;
+    let documents = matches!(&quad.graph_name, GraphName::NamedNode(g) if g.as_str() == agent_core::vocab::DOCUMENTS_GRAPH);
+    documents || names_agents(&quad.subject, &quad.object)
+}
+
+/// Whether a triple's subject or object is one of the agent's nodes.
+fn names_agents(
+    subject: &oxigraph::model::NamedOrBlankNode,
+    object: &oxigraph::model::Term,
+) -> bool {
+    use oxigraph::model::{NamedOrBlankNode, Term};
+    let agents = |iri: &str| {
+        iri.starts_with(agent_core::vocab::SESSION_PREFIX)
+            || iri.starts_with(agent_core::vocab::DOCUMENT_PREFIX)
+    };
+    matches!(subject, NamedOrBlankNode::NamedNode(n) if agents(n.as_str()))
+        || matches!(object, Term::NamedNode(n) if agents(n.as_str()))
 }
 
 /// Whether `quad` is one only the aggregator writes: anything in the journal's graphs, and the

@@ -12,6 +12,10 @@ pub const SEAL_KEY_ENV: &str = "AGENT_SEAL_KEY";
 pub const SEAL_PROPERTY: &str = "agent-seal";
 /// The property carrying the seal of a dialog's later step (see [`step_parts`]).
 pub const STEP_SEAL_PROPERTY: &str = "agent-step-seal";
+/// The property carrying the seal of an explainability message the agent's services sent: only
+/// a sealed message may write the agent's own records (its sessions' nodes and documents), which
+/// the services read back and act on.
+pub const EXPLAIN_SEAL_PROPERTY: &str = "agent-explain-seal";
 
 /// The properties of a later step's request that its seal covers besides the payload: who gets
 /// its messages, what its run has spent and since when, its model, and whose recorded answers it
@@ -72,11 +76,29 @@ impl SealKey {
 
     /// The seal of `parts`, as hex. Each part is length-prefixed, so no two lists share one.
     pub fn seal(&self, parts: &[&str]) -> String {
+        let parts: Vec<&[u8]> = parts.iter().map(|p| p.as_bytes()).collect();
+        self.seal_bytes(&parts)
+    }
+
+    fn seal_bytes(&self, parts: &[&[u8]]) -> String {
         let tag = hmac::sign(&self.0, &framed(parts));
         tag.as_ref().iter().map(|b| format!("{b:02x}")).collect()
     }
 
-    /// Whether `seal` is the seal of `parts` (compared in constant time).
+    /// The [`EXPLAIN_SEAL_PROPERTY`] of an explainability message: its payload as sent.
+    pub fn seal_explain(&self, payload: &[u8]) -> String {
+        self.seal_bytes(&[b"explain", payload])
+    }
+
+    /// Whether `properties` carry the seal of the explainability message `payload` (the bytes as
+    /// they came off the wire).
+    pub fn verify_explain(&self, payload: &[u8], properties: &crate::Properties) -> bool {
+        let Some(tag) = properties.get(EXPLAIN_SEAL_PROPERTY).and_then(|s| unhex(s)) else {
+            return false;
+        };
+        hmac::verify(&self.0, &framed(&[b"explain", payload]), &tag).is_ok()
+    }
+
     /// Seals a dialog's later step: its [`STEP_SEAL_PROPERTY`] for `properties`.
     pub fn seal_step(&self, payload: &[u8], properties: &crate::Properties) -> String {
         let parts = step_parts(payload, properties);
@@ -92,19 +114,21 @@ impl SealKey {
         self.verify(&parts.iter().map(String::as_str).collect::<Vec<_>>(), seal)
     }
 
+    /// Whether `seal` is the seal of `parts` (compared in constant time).
     pub fn verify(&self, parts: &[&str], seal: &str) -> bool {
         let Some(tag) = unhex(seal) else {
             return false;
         };
-        hmac::verify(&self.0, &framed(parts), &tag).is_ok()
+        let parts: Vec<&[u8]> = parts.iter().map(|p| p.as_bytes()).collect();
+        hmac::verify(&self.0, &framed(&parts), &tag).is_ok()
     }
 }
 
-fn framed(parts: &[&str]) -> Vec<u8> {
-    let mut bytes = Vec::new();
+fn framed(parts: &[&[u8]]) -> Vec<u8> {
+    let mut bytes = Vec::with_capacity(parts.iter().map(|p| p.len() + 8).sum());
     for part in parts {
         bytes.extend_from_slice(&(part.len() as u64).to_be_bytes());
-        bytes.extend_from_slice(part.as_bytes());
+        bytes.extend_from_slice(part);
     }
     bytes
 }
@@ -146,6 +170,22 @@ mod tests {
         assert!(!SealKey::new(b"other").verify_step(payload, &properties));
         properties.remove(STEP_SEAL_PROPERTY);
         assert!(!key.verify_step(payload, &properties));
+    }
+
+    #[test]
+    fn an_explain_seal_covers_the_payload_as_sent() {
+        let key = SealKey::new(b"k");
+        let payload = br#"{"metadata":{"id":"urn:x"},"triples":[]}"#;
+        let mut properties = crate::Properties::new();
+        assert!(!key.verify_explain(payload, &properties));
+        properties.insert(EXPLAIN_SEAL_PROPERTY.into(), key.seal_explain(payload));
+        assert!(key.verify_explain(payload, &properties));
+        assert!(!key.verify_explain(br#"{"metadata":{"id":"urn:y"},"triples":[]}"#, &properties));
+        assert!(!SealKey::new(b"other").verify_explain(payload, &properties));
+        // Not a step's seal, nor a step's seal one.
+        let mut step = crate::Properties::new();
+        step.insert(STEP_SEAL_PROPERTY.into(), key.seal_explain(payload));
+        assert!(!key.verify_step(payload, &step));
     }
 
     #[test]

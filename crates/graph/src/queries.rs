@@ -11,13 +11,20 @@ use agent_core::vocab::{
 };
 
 /// The URI of a session's root node.
+/// Always under the agent's prefix, as the orchestrator names it: a node of another name (which
+/// anyone who can publish explainability messages may write) is never read as a session's.
 pub fn session_node(session_id: &str) -> Result<NamedNode, GraphError> {
-    let iri = if session_id.starts_with("urn:") {
-        session_id.to_owned()
-    } else {
-        session_uri(session_id)
-    };
-    NamedNode::new(iri).map_err(|e| GraphError::Syntax(format!("not a session id: {e}")))
+    NamedNode::new(session_uri(session_id))
+        .map_err(|e| GraphError::Syntax(format!("not a session id: {e}")))
+}
+
+/// Keeps `?var` to the agent's own nodes: a query that finds its nodes by a value (a correlation
+/// or conversation id) must not find one someone else named.
+fn agents_only(var: &str) -> String {
+    format!(
+        "FILTER (STRSTARTS(STR(?{var}), \"{}\"))",
+        agent_core::vocab::SESSION_PREFIX
+    )
 }
 
 fn graph() -> NamedNode {
@@ -57,7 +64,8 @@ pub fn session_triples(session: &NamedNode) -> String {
 pub fn last_session() -> String {
     let g = graph();
     format!(
-        "{PREFIXES}SELECT ?s WHERE {{ GRAPH {g} {{ ?s a tg:AgentQuestion ; prov:startedAtTime ?t }} }} ORDER BY DESC(?t) LIMIT 1"
+        "{PREFIXES}SELECT ?s WHERE {{ GRAPH {g} {{ ?s a tg:AgentQuestion ; prov:startedAtTime ?t {only} }} }} ORDER BY DESC(?t) LIMIT 1",
+        only = agents_only("s")
     )
 }
 
@@ -87,8 +95,10 @@ pub fn open_fanout(correlation_id: &str) -> String {
   OPTIONAL {{ ?f tg:seal ?seal }}
   OPTIONAL {{ ?f tg:dialogInToken ?in ; tg:dialogOutToken ?out ; tg:dialogStartedMs ?started }}
   OPTIONAL {{ ?f prov:startedAtTime ?recorded }}
+  {only}
   FILTER NOT EXISTS {{ ?f tg:synthesisRequested ?done }}
-  FILTER NOT EXISTS {{ ?f tg:fanInRefused ?why }} }} }}"
+  FILTER NOT EXISTS {{ ?f tg:fanInRefused ?why }} }} }}",
+        only = agents_only("f")
     )
 }
 
@@ -162,10 +172,13 @@ pub fn completions(correlation_id: &str) -> String {
   ?c a tg:SubagentCompletion ; tg:correlationId {cid} ; tg:goal ?goal ;
      tg:completionStatus ?status ; tg:document ?d .
   FILTER (STR(?c) = CONCAT(STR(?s), \"/completion\"))
+  {only_f} {only_s}
   OPTIONAL {{ ?c tg:seal ?seal }}
   OPTIONAL {{ ?c tg:dialogInToken ?in ; tg:dialogOutToken ?out }} }}
   VALUES ?h {{ {g} {docs} }} GRAPH ?h {{ ?d tg:content ?result }} }}",
-        docs = documents()
+        docs = documents(),
+        only_f = agents_only("f"),
+        only_s = agents_only("s")
     )
 }
 
@@ -256,8 +269,10 @@ pub fn open_fanouts() -> String {
         "{PREFIXES}SELECT (COUNT(DISTINCT ?f) AS ?n) WHERE {{ GRAPH {g} {{
   ?f a tg:FanOut ; tg:expectedSiblings ?expected ; tg:continuation ?continuation ;
      tg:clientId ?client .
+  {only}
   FILTER NOT EXISTS {{ ?f tg:synthesisRequested ?done }}
-  FILTER NOT EXISTS {{ ?f tg:fanInRefused ?why }} }} }}"
+  FILTER NOT EXISTS {{ ?f tg:fanInRefused ?why }} }} }}",
+        only = agents_only("f")
     )
 }
 
@@ -273,7 +288,8 @@ pub fn overdue_fanouts(cutoff: &str) -> String {
      tg:continuation ?continuation ; tg:clientId ?client .
   FILTER NOT EXISTS {{ ?f tg:synthesisRequested ?done }}
   FILTER NOT EXISTS {{ ?f tg:fanInRefused ?why }}
-  FILTER (?t < {cutoff}) }} }}"
+  FILTER (?t < {cutoff}) {only} }} }}",
+        only = agents_only("f")
     )
 }
 
@@ -290,7 +306,8 @@ pub fn conversation_sessions(conversation_id: &str) -> String {
     let id = oxigraph::model::Literal::new_simple_literal(conversation_id);
     format!(
         "{PREFIXES}SELECT DISTINCT ?s WHERE {{ GRAPH {g} {{
-  ?s a tg:AgentQuestion ; tg:conversation {id} ; prov:startedAtTime ?t }} }} ORDER BY ?t ?s"
+  ?s a tg:AgentQuestion ; tg:conversation {id} ; prov:startedAtTime ?t {only} }} }} ORDER BY ?t ?s",
+        only = agents_only("s")
     )
 }
 
@@ -304,15 +321,17 @@ pub fn conversation_dialogs(conversation_id: &str, current: &NamedNode, most: us
         "{PREFIXES}SELECT ?s ?question ?started ?answer ?ended WHERE {{
   GRAPH {g} {{
     ?s a tg:AgentQuestion ; tg:conversation {id} ; tg:query ?question ; prov:startedAtTime ?started .
-    FILTER (?s != {current})
+    FILTER (?s != {current}) {only}
     FILTER NOT EXISTS {{ ?s prov:wasDerivedFrom ?fanout }}
     BIND (IRI(CONCAT(STR(?s), \"/final\")) AS ?final)
   }}
   OPTIONAL {{
     GRAPH {g} {{ ?final tg:terminationReason ?ended ; tg:document ?d . }}
-    OPTIONAL {{ GRAPH ?dg {{ ?d tg:content ?answer }} }}
+    OPTIONAL {{ VALUES ?dg {{ {g} {docs} }} GRAPH ?dg {{ ?d tg:content ?answer }} }}
   }}
-}} ORDER BY DESC(?started) LIMIT {most}"
+}} ORDER BY DESC(?started) LIMIT {most}",
+        only = agents_only("s"),
+        docs = documents()
     )
 }
 

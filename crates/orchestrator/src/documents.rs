@@ -100,8 +100,14 @@ impl DocumentStore {
         let mut reading = Reading::default();
         for (uri, read) in uris.iter().zip(reads) {
             match read {
-                Ok(Some(text)) => {
+                Ok(Some(text)) if agent_core::documents::document_uri(&text) == *uri => {
                     reading.texts.insert(uri.clone(), text);
+                }
+                // Named by its text's digest, as in the graph: another text under the name (the
+                // librarian keeps what anyone asks it to) is not the document.
+                Ok(Some(_)) => {
+                    tracing::warn!(document = %uri, "the librarian's text is not the one its name is the digest of; not used");
+                    reading.absent.push(uri.clone());
                 }
                 Ok(None) => reading.absent.push(uri.clone()),
                 Err(e) => {

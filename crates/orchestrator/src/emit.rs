@@ -37,6 +37,9 @@ pub struct Publishers {
     pub responses: Publisher,
     pub requests: Publisher,
     pub explainability: Publisher,
+    /// Seals every explainability message as it goes out (a journal entry's re-emitted ones
+    /// included): the aggregator writes the agent's records only from sealed ones.
+    pub explain_seal: Option<agent_bus::seal::SealKey>,
 }
 
 /// One message as a [`MemorySink`] received it.
@@ -116,7 +119,19 @@ impl Outputs {
             }
             (Outputs::Broker(p), Channel::Responses) => &p.responses,
             (Outputs::Broker(p), Channel::Requests) => &p.requests,
-            (Outputs::Broker(p), Channel::Explainability) => &p.explainability,
+            (Outputs::Broker(p), Channel::Explainability) => {
+                let seal = agent_bus::seal::EXPLAIN_SEAL_PROPERTY;
+                let mut properties = properties.clone();
+                match &p.explain_seal {
+                    Some(key) => properties.insert(seal.to_owned(), key.seal_explain(&payload)),
+                    None => properties.remove(seal),
+                };
+                return p
+                    .explainability
+                    .enqueue(payload, &properties)
+                    .await
+                    .map(Some);
+            }
         };
         to.enqueue(payload, properties).await.map(Some)
     }

@@ -43,10 +43,13 @@ pub async fn run(settings: Settings, shutdown: CancellationToken) -> anyhow::Res
         ops_server.abort();
         return Ok(());
     };
+    let seal_key =
+        agent_bus::seal::SealKey::configured(settings.seal_key.as_deref(), "agent-orchestrator");
     let publishers = Publishers {
         responses: Publisher::new(&bus, &topics.response).await?,
         requests: Publisher::new(&bus, &topics.request).await?,
         explainability: Publisher::new(&bus, &topics.explainability).await?,
+        explain_seal: seal_key.clone(),
     };
     // The dead letters' forwarder republishes requests as they are.
     let forward_requests = publishers.requests.clone();
@@ -133,10 +136,7 @@ pub async fn run(settings: Settings, shutdown: CancellationToken) -> anyhow::Res
         documents,
         mcp: agent_mcp::McpPool::new(),
         shutdown: shutdown.clone(),
-        seal: agent_bus::seal::SealKey::configured(
-            settings.seal_key.as_deref(),
-            "agent-orchestrator",
-        ),
+        seal: seal_key,
         cancellations,
         answering: approval::OneAtATime::default(),
         control: Some(Publisher::new(&bus, &topics.control).await?),
