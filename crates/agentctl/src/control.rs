@@ -1,5 +1,6 @@
 //! Run control from the command line. `agentctl cancel` stops a running dialog and every subagent
-//! under it: the cancel is recorded in the provenance graph (who, when, why) and heard by every
+//! under it: the cancel is recorded in the provenance graph (who, when, why; only with the
+//! services' seal key) and heard by every
 //! orchestrator replica on the control topic; the dialog then ends with one `cancelled` error for
 //! its client. `agentctl approve` and `deny` answer a tool call parked for approval; one replica
 //! takes the answer up and resumes that step.
@@ -23,8 +24,8 @@ pub struct CancelArgs {
     /// The collection the dialog's provenance is in.
     #[arg(long, default_value = "default")]
     pub collection: String,
-    /// The secret the services share: the aggregator writes the cancel's record only sealed
-    /// with it (replicas that are running hear the cancel either way).
+    /// The secret the services share: the cancel is recorded in the graph only sealed with it
+    /// (replicas that are running hear the cancel either way).
     #[arg(long, env = "AGENT_SEAL_KEY", hide_env_values = true)]
     pub seal_key: Option<String>,
     #[command(flatten)]
@@ -79,22 +80,24 @@ pub async fn cancel(args: CancelArgs) -> anyhow::Result<i32> {
         },
         triples: provenance::cancellation(&uris, &control.by, &control.at, &control.reason),
     };
-    let payload = agent_schema::encode(&record);
-    let mut properties = Properties::new();
+    // Only a sealed record is written (the aggregator leaves the agent's records out of anything
+    // else): without the key there is no record to make, only the control message.
     match args.seal_key.as_deref().map(str::trim).filter(|k| !k.is_empty()) {
         Some(secret) => {
+            let payload = agent_schema::encode(&record);
             let seal = agent_bus::seal::SealKey::new(secret.as_bytes()).seal_explain(&payload);
-            properties.insert(agent_bus::seal::EXPLAIN_SEAL_PROPERTY.to_owned(), seal);
+            let properties: Properties =
+                [(agent_bus::seal::EXPLAIN_SEAL_PROPERTY.to_owned(), seal)].into();
+            Publisher::new(&bus, &topics.explainability)
+                .await?
+                .send(payload, &properties)
+                .await
+                .context("recording the cancel in the graph")?;
         }
         None => eprintln!(
-            "no AGENT_SEAL_KEY: an aggregator that has one will not record this cancel (running replicas stop the dialog all the same; one started later would not know of it)"
+            "no AGENT_SEAL_KEY: the cancel is not recorded in the graph (only the services' sealed records are written); running replicas stop the dialog, one started later would not know of it"
         ),
     }
-    Publisher::new(&bus, &topics.explainability)
-        .await?
-        .send(payload, &properties)
-        .await
-        .context("recording the cancel in the graph")?;
     send_control(&bus, &topics, &control)
         .await
         .context("sending the cancel to the orchestrators")?;

@@ -39,7 +39,7 @@ pub struct Publishers {
     pub explainability: Publisher,
     /// Seals every explainability message as it goes out (a journal entry's re-emitted ones
     /// included): the aggregator writes the agent's records only from sealed ones.
-    pub explain_seal: Option<agent_bus::seal::SealKey>,
+    pub explain_seal: Option<std::sync::Arc<agent_bus::seal::SealKey>>,
 }
 
 /// One message as a [`MemorySink`] received it.

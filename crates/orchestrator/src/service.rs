@@ -49,7 +49,7 @@ pub async fn run(settings: Settings, shutdown: CancellationToken) -> anyhow::Res
         responses: Publisher::new(&bus, &topics.response).await?,
         requests: Publisher::new(&bus, &topics.request).await?,
         explainability: Publisher::new(&bus, &topics.explainability).await?,
-        explain_seal: seal_key.clone(),
+        explain_seal: seal_key.clone().map(Arc::new),
     };
     // The dead letters' forwarder republishes requests as they are.
     let forward_requests = publishers.requests.clone();
