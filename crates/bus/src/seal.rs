@@ -182,7 +182,7 @@ mod tests {
         assert!(key.verify_explain(payload, &properties));
         assert!(!key.verify_explain(br#"{"metadata":{"id":"urn:y"},"triples":[]}"#, &properties));
         assert!(!SealKey::new(b"other").verify_explain(payload, &properties));
-        // Not a step's seal, nor a step's seal one.
+        // An explain seal does not pass for a step's.
         let mut step = crate::Properties::new();
         step.insert(STEP_SEAL_PROPERTY.into(), key.seal_explain(payload));
         assert!(!key.verify_step(payload, &step));

@@ -11,6 +11,7 @@ use agent_core::vocab::{
 };
 
 /// The URI of a session's root node.
+///
 /// Always under the agent's prefix, as the orchestrator names it: a node of another name (which
 /// anyone who can publish explainability messages may write) is never read as a session's.
 pub fn session_node(session_id: &str) -> Result<NamedNode, GraphError> {
