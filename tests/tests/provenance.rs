@@ -231,7 +231,7 @@ async fn hostile_text_is_stored_verbatim_and_duplicates_change_nothing() {
 /// fan-in, is written whole or not at all.
 #[tokio::test]
 async fn a_triple_that_may_not_be_written_keeps_only_itself_out_of_the_graph() {
-    use agent_core::vocab::{tg, JOURNAL_GRAPH, PROVENANCE_GRAPH, RDF_TYPE};
+    use agent_core::vocab::{tg, JOURNAL_GRAPH, RDF_TYPE};
     use agent_schema::{Metadata, Term as WireTerm, Triple};
     let broker = Broker::start().unwrap();
     let aggregator = Aggregator::spawn(&broker);
@@ -242,12 +242,6 @@ async fn a_triple_that_may_not_be_written_keeps_only_itself_out_of_the_graph() {
         "test-dead-letters",
     )
     .await;
-    let triple = |s: &str, p: &str, o: WireTerm| Triple {
-        s: WireTerm::iri(s),
-        p: WireTerm::iri(p),
-        o,
-        g: Some(PROVENANCE_GRAPH.into()),
-    };
     let message = |id: &str, triples: Vec<Triple>| Triples {
         metadata: Metadata {
             id: id.to_owned(),
@@ -335,20 +329,7 @@ async fn a_triple_that_may_not_be_written_keeps_only_itself_out_of_the_graph() {
     // A message is dead-lettered only after what is written of it committed, so the graph is
     // read once both dead letters are in (the marker could be written before them: the
     // aggregator handles messages side by side).
-    let mut reasons = BTreeSet::new();
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
-    while reasons.len() < 3 {
-        let letter = tokio::time::timeout_at(deadline, dead_letters.next())
-            .await
-            .unwrap_or_else(|_| panic!("dead letters so far: {reasons:#?}"))
-            .unwrap()
-            .unwrap();
-        dead_letters.ack(&letter).await.unwrap();
-        let reason = agent_bus::message_property(&letter, "dead-letter-reason")
-            .unwrap_or_default()
-            .to_owned();
-        reasons.insert(reason);
-    }
+    let reasons = dead_letter_reasons(&mut dead_letters, 3).await;
     wait_for_node(&store, "urn:test:marker").await;
     let stored = all_quads(&store).await;
     let about = |node: &str| {
@@ -408,12 +389,6 @@ async fn only_sealed_explainability_writes_the_agents_records() {
         "test-dead-letters",
     )
     .await;
-    let triple = |s: &str, p: &str, o: WireTerm| Triple {
-        s: WireTerm::iri(s),
-        p: WireTerm::iri(p),
-        o,
-        g: Some(PROVENANCE_GRAPH.into()),
-    };
     let message = |id: &str, triples: Vec<Triple>| {
         agent_schema::encode(&Triples {
             metadata: Metadata {
@@ -470,22 +445,7 @@ async fn only_sealed_explainability_writes_the_agents_records() {
     for m in [unsealed, fan_out] {
         publisher.send(m, &Default::default()).await.unwrap();
     }
-    let mut reasons = BTreeSet::new();
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
-    while reasons.len() < 2 {
-        let letter = tokio::time::timeout_at(deadline, dead_letters.next())
-            .await
-            .unwrap_or_else(|_| panic!("dead letters so far: {reasons:#?}"))
-            .unwrap()
-            .unwrap();
-        dead_letters.ack(&letter).await.unwrap();
-        reasons.insert(
-            agent_bus::message_property(&letter, "dead-letter-reason")
-                .unwrap_or_default()
-                .to_owned(),
-        );
-    }
-    let reasons: Vec<_> = reasons.into_iter().collect();
+    let reasons = dead_letter_reasons(&mut dead_letters, 2).await;
     assert!(
         reasons
             .iter()
@@ -531,6 +491,39 @@ async fn only_sealed_explainability_writes_the_agents_records() {
             .count(),
         1
     );
+}
+
+/// A triple of the provenance graph, as a test publishes it.
+fn triple(s: &str, p: &str, o: agent_schema::Term) -> agent_schema::Triple {
+    agent_schema::Triple {
+        s: agent_schema::Term::iri(s),
+        p: agent_schema::Term::iri(p),
+        o,
+        g: Some(agent_core::vocab::PROVENANCE_GRAPH.into()),
+    }
+}
+
+/// The reasons of the next `count` distinct dead letters (each acked), within 30 s.
+async fn dead_letter_reasons(
+    dead_letters: &mut pulsar::Consumer<Vec<u8>, pulsar::TokioExecutor>,
+    count: usize,
+) -> BTreeSet<String> {
+    let mut reasons = BTreeSet::new();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    while reasons.len() < count {
+        let letter = tokio::time::timeout_at(deadline, dead_letters.next())
+            .await
+            .unwrap_or_else(|_| panic!("dead letters so far: {reasons:#?}"))
+            .unwrap()
+            .unwrap();
+        dead_letters.ack(&letter).await.unwrap();
+        reasons.insert(
+            agent_bus::message_property(&letter, agent_bus::DEAD_LETTER_REASON)
+                .unwrap_or_default()
+                .to_owned(),
+        );
+    }
+    reasons
 }
 
 /// Waits until every expected quad is stored (or `patience` passes) and returns what is stored.
