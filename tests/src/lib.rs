@@ -607,7 +607,8 @@ impl Aggregator {
     ) -> Aggregator {
         let mut last = String::new();
         for _ in 0..3 {
-            let port = agent_bus::embedded::free_port().unwrap();
+            // Kept across its restarts: outside the range an outgoing connection is given.
+            let port = agent_bus::embedded::port_to_keep(&[]).unwrap();
             // Not named by the port alone: an aggregator killed and restarted leaves its port
             // free for a moment, and one started meanwhile could be given it and wipe the store.
             let store_dir = std::env::temp_dir().join(format!(
@@ -1135,7 +1136,8 @@ impl ConfigSvc {
 
     /// [`ConfigSvc::spawn`] in `place`.
     pub fn start(place: Place, broker: &Broker, seed: Option<&std::path::Path>) -> ConfigSvc {
-        let port = agent_bus::embedded::free_port().unwrap();
+        // Kept across its restarts (see `Aggregator::start_logged`).
+        let port = agent_bus::embedded::port_to_keep(&[]).unwrap();
         // Not named by the port alone (see `Aggregator::start_logged`).
         let data_dir = std::env::temp_dir().join(format!(
             "agent-e2e-config-{}-{port}-{:08x}",
@@ -1495,6 +1497,22 @@ pub async fn scrape(base: &str) -> std::collections::BTreeMap<String, f64> {
             Some((series.to_owned(), value.parse().ok()?))
         })
         .collect()
+}
+
+/// Waits until the orchestrator whose operator endpoints are at `base` says it is ready
+/// (`/readyz`: subscribed, its store reached), for at most `within`.
+pub async fn until_ready(base: &str, within: Duration) {
+    let deadline = tokio::time::Instant::now() + within;
+    while !reqwest::get(format!("{base}/readyz"))
+        .await
+        .is_ok_and(|r| r.status().is_success())
+    {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "{base} was not ready within {within:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
 }
 
 /// The counter `name` on the metrics page under `base`: 0 until the process listens (a child

@@ -56,7 +56,8 @@ pub struct SparqlServer {
 impl SparqlServer {
     /// A server ready for queries when this returns.
     pub fn start(kind: Kind) -> SparqlServer {
-        let port = agent_bus::embedded::free_port().unwrap();
+        // Kept across its restarts: outside the range an outgoing connection is given.
+        let port = agent_bus::embedded::port_to_keep(&[]).unwrap();
         // Not named by the port alone: a server restarting leaves its port free for a moment,
         // and one started meanwhile could be given it and wipe this folder.
         let dir = std::env::temp_dir().join(format!(

@@ -285,6 +285,106 @@ async fn a_dialog_continued_in_process_survives_a_crash_in_its_chain() {
     }
 }
 
+/// A chain's root, unacked for its whole dialog, delivered as often as `--max-redeliveries`
+/// allows: the process running the chain is killed at its second step, and the replica the root
+/// goes to next is killed while it waits out the dead chain's lease (before it re-emits the
+/// recorded step and lets the root go). No step was taken up more than twice, but the broker
+/// counted two redeliveries of the root, and the `pulsar` crate moved it to the dead-letter topic
+/// (and acked it) as it reached the third process, its dialog still running (seen in a chaos
+/// soak, 2026-11-30, where ghost consumers added to the count). Now the journal's owner, which
+/// counts each step's takings, bounds them alone: the third process takes the root up, re-emits
+/// the recorded step, runs the rest, and nothing is dead-lettered. On Apache Pulsar, which does
+/// not count a consumer that died, the root never neared the bound; the rest holds the same.
+#[tokio::test]
+async fn a_chains_root_outlives_as_many_crashes_as_the_bound_on_its_deliveries() {
+    use futures::StreamExt;
+    const MAX: usize = 2;
+    let mut script: serde_json::Value = serde_json::from_str(THREE_STEPS).unwrap();
+    // The second step stalls the first time it is asked: that is where the chain's process dies,
+    // with nothing of the broker's in flight, so it takes its consumer with it.
+    script["rules"][1]["faults"] = serde_json::json!(["stall"]);
+    script["rules"][1]["stall_ms"] = 120_000.into();
+    let broker = Broker::start().unwrap();
+    let aggregator = Aggregator::spawn_with(&broker, &["--config-token", TOKEN]);
+    let llm = scripted_llm(&script.to_string()).await;
+    let mut dead_letters = read_from_start(&broker, DEAD_LETTER_TOPIC, "chain-root-dlq").await;
+    let bound = MAX.to_string();
+    let start = |http_addr: &str| {
+        Orchestrator::journaled(
+            Place::Child,
+            &broker,
+            &llm,
+            &aggregator,
+            TOKEN,
+            &[
+                ("AGENT_CONTINUE_IN_PROCESS", "true"),
+                ("AGENT_MAX_REDELIVERIES", bound.as_str()),
+                // Long enough to kill the second process while it waits.
+                ("AGENT_CHAIN_LEASE_SECS", "20"),
+                ("AGENT_HTTP_ADDR", http_addr),
+            ],
+        )
+    };
+    let addr = || format!("127.0.0.1:{}", agent_bus::embedded::free_port().unwrap());
+    // Not restarted after the kills (a restart makes the broker forget its counts, which are what
+    // this is about): a consumer pulsar-lite kept as a ghost would hold the message instead.
+    let ghosts = |broker: &Broker| {
+        format!(
+            "(connections pulsar-lite reset and may hold the message with a ghost consumer, \
+             which is not what is tested: {:?})",
+            broker.reset_connections()
+        )
+    };
+    let question = "combine (chained, its root redelivered twice)";
+    let mut client = client(&broker).await;
+    let mut first = start(&addr());
+    client.send("outlives", &react(question)).await.unwrap();
+    wait_for_call(&llm, "Observation: alpha-result", DIALOG_TIMEOUT).await;
+    // Past a beat of the chain's process, which holds its root for the lease: the next process
+    // waits for it, however late it takes the root up.
+    tokio::time::sleep(agent_orchestrator::chains::BEAT_EVERY * 2).await;
+    first.kill();
+    let second_addr = addr();
+    let mut second = start(&second_addr);
+    let second_metrics = format!("http://{second_addr}");
+    let received = "agent_request_messages_total{fate=\"received\"}";
+    let deadline = tokio::time::Instant::now() + DIALOG_TIMEOUT;
+    while counter_once_listening(&second_metrics, received).await < 1.0 {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the root never reached the second process {}",
+            ghosts(&broker)
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // It waits for the dead chain's lease: nothing re-emitted, the step not asked again.
+    assert_eq!(calls_of(&llm, question, 1), 1, "the second step");
+    second.kill();
+    let _third = start(&addr());
+    let mut responses = collect_dialog(&mut client, "outlives", 2 * DIALOG_TIMEOUT)
+        .await
+        .unwrap_or_else(|e| panic!("{e:?} {}", ghosts(&broker)));
+    responses.extend(drain_for(&mut client, "outlives", Duration::from_secs(2)).await);
+    let last = responses.iter().rfind(|r| r.end_of_dialog).unwrap();
+    assert_eq!(last.content, "alpha and beta, combined.", "{responses:#?}");
+    assert_eq!(closings(&responses), 1, "{responses:#?}");
+    // The first step was recorded by the first process and re-emitted by the third; the second
+    // was asked by the first (stalled) and the third.
+    assert_eq!(calls_of(&llm, question, 4), 1, "the first step");
+    assert_eq!(calls_of(&llm, question, 1), 2, "the second step");
+    assert_eq!(calls_of(&llm, question, 0), 1, "the third step");
+    let mut dead = Vec::new();
+    while let Ok(Some(Ok(letter))) =
+        tokio::time::timeout(Duration::from_secs(2), dead_letters.next()).await
+    {
+        dead_letters.ack(&letter).await.unwrap();
+        dead.push(letter.payload.data.len());
+    }
+    assert!(dead.is_empty(), "dead-lettered, by size: {dead:?}");
+    let session = last.message_id.split('/').next().unwrap().to_owned();
+    assert_one_chain(&aggregator, &session).await;
+}
+
 /// `THREE_STEPS` with its second step's LLM call taking `delay_ms`.
 fn slow_second_step(delay_ms: u64) -> String {
     let mut script: serde_json::Value = serde_json::from_str(THREE_STEPS).unwrap();
@@ -339,17 +439,7 @@ async fn a_chains_root_handed_to_another_replica_waits_while_the_chain_runs() {
         TOKEN,
         &[continuing, ("AGENT_HTTP_ADDR", &http_addr)],
     );
-    let started = std::time::Instant::now();
-    while !reqwest::get(format!("{metrics}/readyz"))
-        .await
-        .is_ok_and(|r| r.status().is_success())
-    {
-        assert!(
-            started.elapsed() < Duration::from_secs(30),
-            "the second replica never got ready"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    until_ready(&metrics, Duration::from_secs(30)).await;
     // pulsar-lite is back within a second or two, well inside the first process's last beat.
     // Apache Pulsar may take longer than that, so there the first runs on, and the message goes
     // to whichever replica subscribes again first.

@@ -308,6 +308,7 @@ async fn bench_on(
         // The orchestrator journals when, and only when, it is given the aggregator's store.
         if journal {
             settings.graph_store = Some(format!("http://{addr}"));
+            settings.journal_owner_in_process = true;
             settings.config_token = Some(token);
         } else {
             settings.graph_store = None;

@@ -211,6 +211,7 @@ pub async fn run(args: LongBenchArgs) -> anyhow::Result<i32> {
     settings.seal_key = Some(seal);
     if !args.no_journal {
         settings.graph_store = Some(format!("http://{addr}"));
+        settings.journal_owner_in_process = true;
         settings.config_token = Some(token.clone());
     } else {
         settings.graph_store = None;

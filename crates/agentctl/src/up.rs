@@ -108,6 +108,7 @@ pub async fn run(args: UpArgs) -> anyhow::Result<i32> {
     let mut aggregator = tokio::spawn(agent_aggregator::run(aggregator_settings, shutdown.clone()));
     let endpoint = format!("http://{sparql_addr}");
     settings.graph_store = Some(endpoint.clone());
+    settings.journal_owner_in_process = true;
     settings.config_token = Some(token);
     eprintln!(
         "graph store   {} (oxigraph), SPARQL at {endpoint}/query",

@@ -271,9 +271,11 @@ impl ApacheBroker {
         let mut attempt = 1;
         loop {
             let broker_port = match chosen_port {
-                0 => crate::embedded::free_port()?,
+                0 => crate::embedded::port_to_keep(&[])?,
                 port => port,
             };
+            let web_port = crate::embedded::port_to_keep(&[broker_port])?;
+            let bookie_port = crate::embedded::port_to_keep(&[broker_port, web_port])?;
             // Not named by the port alone: while a broker of this process restarts, its port is
             // free, and another broker started meanwhile could be given it and wipe this folder
             // (seen as a restart that found its bookie's cookie, `current/VERSION`, gone).
@@ -286,14 +288,17 @@ impl ApacheBroker {
             std::fs::create_dir_all(&data)?;
             let mut broker = ApacheBroker {
                 broker_port,
-                web_port: crate::embedded::free_port()?,
-                bookie_port: crate::embedded::free_port()?,
+                web_port,
+                bookie_port,
                 data,
                 auth: auth.clone(),
                 settings: settings.to_vec(),
                 archive_classes_to: archive_classes_to.clone(),
                 child: None,
             };
+            for port in broker.kept_ports() {
+                crate::embedded::hold_port(port);
+            }
             match broker.launch(true) {
                 Ok(()) => return Ok(broker),
                 // A port chosen free can be taken before the JVM binds it (another test's
@@ -306,6 +311,11 @@ impl ApacheBroker {
                 Err(e) => return Err(e),
             }
         }
+    }
+
+    /// The ports it keeps across restarts (see [`crate::embedded::port_to_keep`]).
+    fn kept_ports(&self) -> [u16; 3] {
+        [self.broker_port, self.web_port, self.bookie_port]
     }
 
     /// Whether the broker's JVM has exited.
@@ -625,6 +635,9 @@ brokerClientAuthenticationParameters=file://{}
 impl Drop for ApacheBroker {
     fn drop(&mut self) {
         self.kill();
+        for port in self.kept_ports() {
+            crate::embedded::release_port(port);
+        }
         let _ = std::fs::remove_dir_all(&self.data);
     }
 }

@@ -88,13 +88,69 @@ pub fn free_port() -> Result<u16, std::io::Error> {
     }
 }
 
-/// The ports of this process's embedded brokers, held for them while they live: one restarting
+/// A free port for a broker to keep across its restarts, other than `besides` (the ports already
+/// chosen for it), chosen outside the kernel's range of ephemeral ports: within that range an
+/// outgoing connection made while the broker is down can be given the port as its own end, and
+/// the broker then cannot listen there again (a restarted Apache Pulsar's bookie failed so in a
+/// suite run, 2026-11-30). Outside it only a listener can take it: another broker's kept port
+/// (this process holds its own brokers' ports, see [`hold_port`]; another process's broker
+/// could still pick it while this one is down, one chance in thousands), never a connection.
+pub fn port_to_keep(besides: &[u16]) -> Result<u16, std::io::Error> {
+    const LOWEST: u32 = 15_000;
+    let (ephemeral_from, ephemeral_to) =
+        std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+            .ok()
+            .and_then(|range| {
+                let mut ends = range.split_whitespace().map(str::parse::<u32>);
+                Some((ends.next()?.ok()?, ends.next()?.ok()?))
+            })
+            .unwrap_or((32_768, 60_999));
+    // The room below the range and above it, as `(first, count)`.
+    let below = (LOWEST, ephemeral_from.saturating_sub(LOWEST));
+    let above = (ephemeral_to + 1, 65_536u32.saturating_sub(ephemeral_to + 1));
+    let (first, count) = if below.1 >= above.1 { below } else { above };
+    if count >= 1_000 {
+        for _ in 0..500 {
+            let Ok(port) = u16::try_from(first + rand::random::<u32>() % count) else {
+                continue;
+            };
+            if !besides.contains(&port)
+                && !held_ports().contains(&port)
+                && TcpListener::bind(("127.0.0.1", port)).is_ok()
+            {
+                return Ok(port);
+            }
+        }
+    }
+    loop {
+        let port = free_port()?;
+        if !besides.contains(&port) {
+            return Ok(port);
+        }
+    }
+}
+
+/// The ports of this process's brokers, held for them while they live: one restarting
 /// has its port free for a moment, and a broker started meanwhile must not take it.
 fn held_ports() -> std::sync::MutexGuard<'static, Vec<u16>> {
     static HELD: std::sync::OnceLock<std::sync::Mutex<Vec<u16>>> = std::sync::OnceLock::new();
     HELD.get_or_init(Default::default)
         .lock()
         .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// Holds `port` for a broker of this process until [`release_port`]: no broker started meanwhile
+/// is given it, even while the broker restarts.
+pub(crate) fn hold_port(port: u16) {
+    held_ports().push(port);
+}
+
+/// Gives back one hold of `port` (see [`hold_port`]).
+pub(crate) fn release_port(port: u16) {
+    let mut held = held_ports();
+    if let Some(at) = held.iter().position(|p| *p == port) {
+        held.swap_remove(at);
+    }
 }
 
 /// Whether process `pid` holds a socket listening on TCP `port` (from `/proc`: the kernel's socket
@@ -158,7 +214,7 @@ impl EmbeddedBroker {
         let mut tries = if port == 0 { PORT_TRIES } else { 1 };
         loop {
             tries -= 1;
-            let chosen = if port == 0 { free_port()? } else { port };
+            let chosen = if port == 0 { port_to_keep(&[])? } else { port };
             match EmbeddedBroker::start_on(chosen, data, binary.clone()) {
                 Err(EmbeddedError::Exited { port: taken, .. }) if tries > 0 => {
                     tracing::warn!(
@@ -188,7 +244,7 @@ impl EmbeddedBroker {
             ),
         };
         std::fs::create_dir_all(&data)?;
-        held_ports().push(port);
+        hold_port(port);
         let mut broker = EmbeddedBroker {
             port,
             data,
@@ -301,11 +357,7 @@ impl EmbeddedBroker {
 impl Drop for EmbeddedBroker {
     fn drop(&mut self) {
         self.stop();
-        let mut held = held_ports();
-        if let Some(at) = held.iter().position(|p| *p == self.port) {
-            held.swap_remove(at);
-        }
-        drop(held);
+        release_port(self.port);
         // PULSAR_LITE_KEEP_DATA=1 keeps the folder (and its broker.log) for a post-mortem.
         if self.temporary && std::env::var_os("PULSAR_LITE_KEEP_DATA").is_none() {
             let _ = std::fs::remove_dir_all(&self.data);

@@ -156,11 +156,17 @@ pub async fn run(settings: Settings, shutdown: CancellationToken) -> anyhow::Res
             shutdown.clone(),
         ));
     }
+    if settings.continue_in_process
+        && settings.max_redeliveries > 0
+        && settings.broker_redelivery_bound().is_none()
+    {
+        tracing::info!(max_takings = settings.max_redeliveries, "continuing in process: the journal's owner alone bounds a step's takings; the broker's redelivery count, which a chain's unacked root gathers from every crash, dead-letters nothing here");
+    }
     let subscription = SubscriptionConfig {
         topic: topics.request.clone(),
         subscription: settings.subscription.clone(),
         max_in_flight: settings.max_in_flight,
-        max_redeliveries: Some(settings.max_redeliveries).filter(|&n| n > 0),
+        max_redeliveries: settings.broker_redelivery_bound(),
         dead_letter_topic: topics.dead_letter.clone(),
         drain_deadline: std::time::Duration::from_secs(settings.drain_secs),
         nack_delay: std::time::Duration::from_secs(1),

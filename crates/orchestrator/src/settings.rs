@@ -45,6 +45,8 @@ pub struct Settings {
     /// without a redelivery. What a broker counts differs (Apache Pulsar does not count a crash),
     /// so with a journal its owner counts the deliveries that took a step up too, and a step taken
     /// up this many times without an outcome ends its dialog with an error when taken up again.
+    /// Continuing in process with the journal's owner in another process, only the owner's count
+    /// applies (see [`Settings::broker_redelivery_bound`]).
     #[arg(long, env = "AGENT_MAX_REDELIVERIES", default_value_t = 10)]
     pub max_redeliveries: usize,
     /// With a journal, run a dialog's next step in the process that recorded the step before it,
@@ -60,6 +62,12 @@ pub struct Settings {
     /// process; a crashed chain's dialog then goes on later.
     #[arg(long, env = "AGENT_CHAIN_LEASE_SECS", default_value_t = 5)]
     pub chain_lease_secs: u64,
+    /// Whether the journal's owner (the aggregator at `GRAPH_STORE`) runs in this very process,
+    /// as `agentctl up`, `agentctl bench` and `agentctl bench-long` run it: its count of takings then dies with a crash
+    /// of this process, so the broker's count must still bound a step that crashes it. Not a
+    /// flag: only the code that starts both services in one process knows.
+    #[arg(skip)]
+    pub journal_owner_in_process: bool,
     /// What becomes of a later step of a subagent's dialog without this service's step seal (with
     /// a seal key): `require` dead-letters it; `warn` logs it and runs it, for a rolling upgrade
     /// from a build that did not seal steps (its replicas and its journal entries send them).
@@ -138,6 +146,28 @@ impl Settings {
         }
     }
 
+    /// The bound on a request's deliveries the broker's count enforces (the `pulsar` crate moves a
+    /// message delivered that often to the dead-letter topic as it arrives, before it is handled),
+    /// if any. Continuing in process, a dialog's first request stays unacked for the whole
+    /// dialog, so every crash of a process running its chain, and every dispatch pulsar-lite
+    /// bounces off a ghost consumer, counts against it: at the bound a dialog still running was
+    /// dead-lettered (a soak, 2026-11-30), its message acked while its chain could still have been
+    /// running elsewhere. There,
+    /// with the journal's owner in another process, the owner's count of takings alone bounds a
+    /// step that crashes every process taking it up, as it does on Apache Pulsar, which does not
+    /// count a crash at all. An owner in this process loses its count with a crash of it, so the
+    /// broker's count stays.
+    pub fn broker_redelivery_bound(&self) -> Option<usize> {
+        let journaled = self
+            .graph_store
+            .as_deref()
+            .is_some_and(GraphStore::is_endpoint);
+        if self.continue_in_process && journaled && !self.journal_owner_in_process {
+            return None;
+        }
+        Some(self.max_redeliveries).filter(|&n| n > 0)
+    }
+
     pub fn topics(&self) -> Topics {
         let mut t = self.broker.topics();
         let pick = |slot: &mut String, over: &Option<String>| {
@@ -205,4 +235,63 @@ pub fn load_config_dir(dir: &Path) -> anyhow::Result<AgentConfig> {
 pub enum StepSeals {
     Require,
     Warn,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn settings(args: &[&str]) -> Settings {
+        #[derive(clap::Parser)]
+        struct Cli {
+            #[command(flatten)]
+            settings: Settings,
+        }
+        let line = ["agent-orchestrator"].iter().chain(args);
+        <Cli as clap::Parser>::try_parse_from(line)
+            .unwrap()
+            .settings
+    }
+
+    /// Continuing in process, a dialog's root is unacked for the whole dialog: only a journal's
+    /// owner that outlives this process may take the broker's count's place.
+    #[test]
+    fn the_broker_bounds_deliveries_unless_a_chains_root_would_gather_every_crash_of_its_dialog() {
+        let mut chained = settings(&[
+            "--graph-store",
+            "http://127.0.0.1:7878",
+            "--max-redeliveries",
+            "4",
+        ]);
+        chained.continue_in_process = false;
+        chained.journal_owner_in_process = false;
+        assert_eq!(chained.broker_redelivery_bound(), Some(4), "step by step");
+        chained.continue_in_process = true;
+        assert_eq!(
+            chained.broker_redelivery_bound(),
+            None,
+            "continuing in process"
+        );
+        chained.journal_owner_in_process = true;
+        assert_eq!(
+            chained.broker_redelivery_bound(),
+            Some(4),
+            "continuing in process, the owner's count dying with this process"
+        );
+        chained.journal_owner_in_process = false;
+        chained.graph_store = None;
+        assert_eq!(
+            chained.broker_redelivery_bound(),
+            Some(4),
+            "no journal, so no chain and no count of takings"
+        );
+        chained.graph_store = Some("/var/lib/agent-graph".to_owned());
+        assert_eq!(
+            chained.broker_redelivery_bound(),
+            Some(4),
+            "a directory, which only its aggregator opens: no journal here"
+        );
+        chained.max_redeliveries = 0;
+        assert_eq!(chained.broker_redelivery_bound(), None, "no bound asked");
+    }
 }
