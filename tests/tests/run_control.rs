@@ -1123,6 +1123,90 @@ async fn a_conversation_can_refuse_a_second_request_or_interrupt_the_first() {
     }
 }
 
+/// Two replicas, each handed one of two requests of a conversation sent together: neither finds
+/// the other's dialog in the graph (a dialog shows there once its first step is written, behind
+/// its LLM call, 15 s here, so that both are judged within it), so each replica, keeping its own
+/// record of the dialogs it let start, let its own start, whatever the policy. The journal's owner now gives every replica its turn: under
+/// `conversation_policy: reject` one runs and the other is refused. The broker chooses which
+/// replica takes which request; a try in which one replica took both (it then judges the second
+/// after the first ended) proves nothing, so the conversation is tried again until the two
+/// requests went to the two replicas.
+#[tokio::test]
+async fn two_replicas_let_one_dialog_of_a_conversation_start_at_a_time() {
+    let config = conversation_config("reject-replicas", "reject");
+    let script = r#"{"rules": [{"match": "", "reply": "Thought: I know.\nFinal Answer: done", "delay_ms": 15000}]}"#;
+    let broker = Broker::start().unwrap();
+    let aggregator = Aggregator::spawn_with(&broker, &["--config-token", TOKEN]);
+    let llm = scripted_llm(script).await;
+    let mut replicas = Vec::new();
+    let mut bases = Vec::new();
+    for _ in 0..2 {
+        let http_addr = format!("127.0.0.1:{}", agent_bus::embedded::free_port().unwrap());
+        replicas.push(Orchestrator::journaled_with(
+            Place::Child,
+            &broker,
+            &llm,
+            &aggregator,
+            TOKEN,
+            &config,
+            &[
+                ("AGENT_MAX_IN_FLIGHT", "1"),
+                ("AGENT_HTTP_ADDR", &http_addr),
+            ],
+        ));
+        bases.push(format!("http://{http_addr}"));
+    }
+    for base in &bases {
+        until_ready(base, Duration::from_secs(60)).await;
+    }
+    let received = |base: String| async move {
+        counter_once_listening(&base, "agent_request_messages_total{fate=\"received\"}").await
+    };
+    let mut client = client(&broker).await;
+    for attempt in 0..6 {
+        let before = (
+            received(bases[0].clone()).await,
+            received(bases[1].clone()).await,
+        );
+        let ids = [
+            format!("together-{attempt}-a"),
+            format!("together-{attempt}-b"),
+        ];
+        for id in &ids {
+            let request = AgentRequest {
+                pattern: "react".into(),
+                conversation_id: format!("together-{attempt}"),
+                ..request(&format!("Which one ({id})?"), false)
+            };
+            client.send(id, &request).await.unwrap();
+        }
+        let mut both = collect_dialogs(&mut client, &ids, Duration::from_secs(60)).await;
+        let split = received(bases[0].clone()).await - before.0 == 1.0
+            && received(bases[1].clone()).await - before.1 == 1.0;
+        if !split {
+            continue;
+        }
+        let endings: Vec<AgentResponse> = ids
+            .iter()
+            .map(|id| both.remove(id).unwrap().pop().unwrap())
+            .collect();
+        let answered = endings.iter().filter(|e| e.content == "done").count();
+        let refused: Vec<&str> = endings
+            .iter()
+            .filter_map(|e| e.error.as_ref().map(|e| e.message.as_str()))
+            .collect();
+        assert_eq!(answered, 1, "{endings:#?}");
+        assert_eq!(refused.len(), 1, "{endings:#?}");
+        assert!(
+            refused[0].contains("conversation_policy: reject"),
+            "{}",
+            refused[0]
+        );
+        return;
+    }
+    panic!("in six tries the broker never handed the two requests to the two replicas");
+}
+
 /// A cancel that races a dialog's steps, sent as each of its three LLM calls starts: whatever wins,
 /// the client gets exactly one ending (the answer or the cancel), and the graph one conclusion.
 #[tokio::test]

@@ -2,7 +2,8 @@
 //! bounded in time and result size and stopped when its client goes, anonymous ones a few at a
 //! time), `/update` and the Graph Store Protocol's `POST /store` (bearer token); the orchestrators'
 //! journal (`/journal/entries`, `/journal/takings`, `/journal/records`, `/journal/marks`,
-//! batched, bearer token); and `/healthz`, `/readyz`, `/metrics`.
+//! batched; `/journal/chains/...` and `/journal/turns`; bearer token); and `/healthz`, `/readyz`,
+//! `/metrics`.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -11,6 +12,7 @@ use agent_bus::ConsumerStats;
 
 use agent_graph::journal::{ChainBeat, ChainRefs, EntryRefs, Journal, RecordRequests, TakingRefs};
 use agent_graph::model::NamedNode;
+use agent_graph::turns::{self, TurnAsked};
 use agent_graph::{serialize_answer, GraphError, GraphStore, QueryBounds};
 use axum::body::Bytes;
 use axum::extract::{Query, State};
@@ -71,6 +73,7 @@ pub fn router(
         .route("/journal/marks", post(journal_marks))
         .route("/journal/chains/beat", post(journal_chain_beat))
         .route("/journal/chains/held", post(journal_chains_held))
+        .route("/journal/turns", post(journal_turns))
         .route("/healthz", get(|| async { "ok" }))
         .route("/readyz", get(ready))
         .route("/metrics", get(metrics))
@@ -436,6 +439,40 @@ async fn journal_chains_held(
     }
     match state.journal.held(asked).await {
         Ok(held) => json(&held),
+        Err(e) => error_response(e),
+    }
+}
+
+/// A dialog's turn in its conversation (see `agent_graph::turns`): kept where the journal is
+/// decided, so that two replicas cannot each let a dialog of one conversation start.
+async fn journal_turns(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    axum::Json(asked): axum::Json<TurnAsked>,
+) -> Response {
+    if let Some(denied) = denied(&state, &headers) {
+        return denied;
+    }
+    let too_long = std::iter::once(&asked.conversation)
+        .chain(std::iter::once(&asked.session))
+        .chain(&asked.shown)
+        .any(|id| id.len() > turns::MAX_ID_BYTES);
+    if too_long || asked.shown.len() > turns::MAX_SHOWN {
+        return (
+            StatusCode::PAYLOAD_TOO_LARGE,
+            format!(
+                "ids of at most {} bytes, and at most {} dialogs shown",
+                turns::MAX_ID_BYTES,
+                turns::MAX_SHOWN
+            ),
+        )
+            .into_response();
+    }
+    if let Err(refused) = owner(&state).await {
+        return refused;
+    }
+    match state.journal.take_turn(asked).await {
+        Ok(turn) => json(&turn),
         Err(e) => error_response(e),
     }
 }

@@ -150,6 +150,10 @@ impl InProcessOwner {
         crate::journal::held_now(asked)
     }
 
+    pub(crate) fn turn(&self, asked: &crate::turns::TurnAsked) -> crate::turns::Turn {
+        self.journal.owner_turn(asked)
+    }
+
     pub(crate) async fn marks(&self, entries: Vec<String>) -> Result<Vec<()>, GraphError> {
         let marked = entries.len();
         self.journal.mark_all_published(&nodes(&entries)?).await?;

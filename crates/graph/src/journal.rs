@@ -551,6 +551,27 @@ impl Journal {
         }
     }
 
+    /// A dialog's question to its conversation, whether it may start, and its start when it may
+    /// (see [`crate::turns`]).
+    pub async fn take_turn(
+        &self,
+        asked: crate::turns::TurnAsked,
+    ) -> Result<crate::turns::Turn, GraphError> {
+        match self {
+            Journal::Owner(_) => Ok(self.owner_turn(&asked)),
+            Journal::Remote(remote) => remote.journal_turn(asked).await,
+        }
+    }
+
+    /// [`Journal::take_turn`] answered here, by an owner (a journal that is not one keeps the
+    /// starts for this process alone).
+    pub(crate) fn owner_turn(&self, asked: &crate::turns::TurnAsked) -> crate::turns::Turn {
+        match self {
+            Journal::Owner(store) => crate::turns::take_turn(store.identity, asked),
+            Journal::Remote(remote) => crate::turns::take_turn_here(remote.base(), asked),
+        }
+    }
+
     /// Whether the journal can be reached and answers as a journal: a SPARQL server that is not
     /// an aggregator answers its API with 404, which is an error here, not an outage.
     pub async fn check(&self) -> Result<(), GraphError> {

@@ -11,6 +11,7 @@ pub mod queries;
 pub mod recorded;
 mod remote;
 mod takings;
+pub mod turns;
 
 use std::collections::HashMap;
 use std::path::Path;

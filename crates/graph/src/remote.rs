@@ -13,6 +13,7 @@ use crate::journal::{
     ChainBeat, ChainRefs, EntryRefs, JournalEntry, RecordRequest, RecordRequests, Taking,
     TakingRef, TakingRefs, MAX_BATCH,
 };
+use crate::turns::{Turn, TurnAsked};
 use crate::{collect, GraphError, QueryAnswer};
 
 /// A remote SPARQL endpoint.
@@ -366,6 +367,25 @@ impl RemoteSparql {
             .call("/journal/chains/beat", &beat)
             .await
             .map(|_| ())
+    }
+
+    /// A dialog's turn in its conversation, as the journal's owner gives it (one call per new
+    /// dialog of a conversation: not batched). An owner of an earlier build, which keeps no
+    /// starts, leaves them to this process alone, as before.
+    pub async fn journal_turn(&self, asked: TurnAsked) -> Result<Turn, GraphError> {
+        if let Some(owner) = self.api.in_process() {
+            return Ok(owner.turn(&asked));
+        }
+        match self.api.answers("/journal/turns", &asked).await {
+            Err(GraphError::NoJournal(_)) => {
+                static TOLD: std::sync::Once = std::sync::Once::new();
+                TOLD.call_once(|| {
+                    tracing::warn!(endpoint = %self.api.base, "the journal's owner does not keep conversations' starts (an earlier build): two replicas can each let a dialog of one conversation start in the same instant");
+                });
+                Ok(crate::turns::take_turn_here(&self.api.base, &asked))
+            }
+            answered => answered,
+        }
     }
 
     /// Which of the chains asked for the journal's owner has word of a live process still running.

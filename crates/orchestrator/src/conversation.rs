@@ -96,17 +96,11 @@ pub async fn earlier(
 /// is tried again, and one whose step is parked longer than this (an outage) loses its place:
 /// the order is kept while things run, and two never start together either way.
 const GONE_AFTER: Duration = Duration::from_secs(10);
-/// How long a dialog let start here counts as running while the graph does not show it yet (its
-/// first step is written to the graph behind the step, by the aggregator); past it, the graph
-/// alone decides.
-const SHOWN_WITHIN: Duration = Duration::from_secs(30);
-
-/// This replica's turns in each of its conversations. The graph alone cannot keep two of a
-/// conversation's dialogs from starting side by side: a dialog shows there only once the
-/// aggregator has written its first step, so two requests that wait for the same dialog would both
-/// see it end and both start. Here, one request at a time checks a conversation and, if it may
-/// start, is remembered as running until the graph shows it; those that wait take their turns in
-/// the order they came. (Two replicas can still each let one start in the same instant.)
+/// This replica's lines, one per conversation: its requests check a conversation one at a time,
+/// and those that wait take their turns in the order they came. Whether one may start, and its
+/// start, are the journal's owner's to give (`agent_graph::turns`), for every replica at once:
+/// the graph alone cannot keep two of a conversation's dialogs from starting side by side, as a
+/// dialog shows there only once the aggregator has written its first step.
 #[derive(Default)]
 pub struct Turns {
     lines: Mutex<HashMap<String, Arc<tokio::sync::Mutex<Line>>>>,
@@ -121,8 +115,6 @@ const TIDY_EVERY: usize = 64;
 /// One conversation's line on this replica.
 #[derive(Debug, Default)]
 pub struct Line {
-    /// Dialogs let start here, until the graph shows them.
-    started_here: HashMap<String, Instant>,
     /// Requests waiting, first come first, each with when it last asked.
     waiting: VecDeque<(String, Instant)>,
 }
@@ -237,36 +229,9 @@ impl HeldLine<'_> {
         }
     }
 
-    /// Whether `session` was let start here (and the graph may not show it yet).
-    pub fn started(&self, session: &str) -> bool {
-        self.line.started_here.contains_key(session)
-    }
-
-    /// Takes `session` out of the line without starting it.
+    /// Takes `session` out of the line (it starts, or stops waiting).
     pub fn leave(&mut self, session: &str) {
         self.line.waiting.retain(|(s, _)| s != session);
-    }
-
-    /// `session` starts: out of the line, and running until the graph shows it.
-    pub fn start(&mut self, session: &str) {
-        self.leave(session);
-        self.line
-            .started_here
-            .insert(session.to_owned(), Instant::now());
-    }
-
-    /// The dialogs let start here that the graph does not show yet (`earlier`: what it shows);
-    /// one it shows is the graph's to judge from now on.
-    pub fn unseen(&mut self, earlier: &[Earlier]) -> Vec<String> {
-        self.line
-            .started_here
-            .retain(|session, _| !earlier.iter().any(|d| d.session_id() == session));
-        self.line.started_here.keys().cloned().collect()
-    }
-
-    /// Forgets a dialog let start here (it was interrupted).
-    pub fn forget(&mut self, session: &str) {
-        self.line.started_here.remove(session);
     }
 }
 
@@ -274,12 +239,10 @@ impl Line {
     fn forget_stale(&mut self, now: Instant) {
         self.waiting
             .retain(|(_, asked)| now.duration_since(*asked) < GONE_AFTER);
-        self.started_here
-            .retain(|_, started| now.duration_since(*started) < SHOWN_WITHIN);
     }
 
     fn is_empty(&self) -> bool {
-        self.waiting.is_empty() && self.started_here.is_empty()
+        self.waiting.is_empty()
     }
 }
 
@@ -337,20 +300,10 @@ pub fn framed(framing: &str, summary: &str) -> String {
 mod tests {
     use super::*;
 
-    fn shown(session: &str, answer: Option<&str>) -> Earlier {
-        Earlier {
-            session_uri: SessionUris::new(session).session(),
-            question: "q".into(),
-            started: chrono::Utc::now().to_rfc3339(),
-            answer: answer.map(str::to_owned),
-        }
-    }
-
     #[tokio::test]
     async fn waiting_requests_take_their_turns_in_the_order_they_came() {
         let turns = Turns::default();
         let mut line = turns.hold("c").await;
-        line.start("a");
         line.wait("b");
         line.wait("c2");
         line.wait("b");
@@ -360,10 +313,7 @@ mod tests {
         assert_eq!(line.ahead_of("d").as_deref(), Some("b"));
         assert!(line.ask("b"));
         assert!(!line.ask("c2"));
-        // Let start here, "a" runs until the graph shows it, then the graph judges it.
-        assert_eq!(line.unseen(&[]), vec!["a".to_owned()]);
-        assert!(line.unseen(&[shown("a", None)]).is_empty());
-        line.start("b");
+        line.leave("b");
         assert_eq!(line.ahead_of("d").as_deref(), Some("c2"));
         assert!(line.ask("c2"));
         drop(line);
@@ -379,18 +329,15 @@ mod tests {
             line.wait("next");
             line.line.forget_stale(Instant::now() + GONE_AFTER);
             assert_eq!(line.ahead_of("next"), None);
-            line.start("next");
-            line.line.forget_stale(Instant::now() + SHOWN_WITHIN);
-            assert!(line.unseen(&[]).is_empty());
+            line.leave("next");
         }
         assert_eq!(turns.count(), 0, "an empty line is not kept");
         // A line left with only what went stale since (nobody of its conversation came again) is
         // let go by the next tidying.
         {
             let mut line = turns.hold("quiet").await;
-            let long_ago = Instant::now().checked_sub(SHOWN_WITHIN * 2).unwrap();
-            line.line.started_here.insert("a".into(), long_ago);
-            assert!(line.started("a"));
+            let long_ago = Instant::now().checked_sub(GONE_AFTER * 2).unwrap();
+            line.line.waiting.push_back(("a".into(), long_ago));
         }
         assert_eq!(turns.count(), 1);
         tidy(&mut locked(&turns.lines));

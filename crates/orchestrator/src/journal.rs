@@ -530,6 +530,15 @@ impl Journal {
         self.book.beat(beat).await
     }
 
+    /// A new dialog's turn in its conversation, from the journal's owner (see
+    /// [`agent_graph::turns`]).
+    pub async fn take_turn(
+        &self,
+        asked: agent_graph::turns::TurnAsked,
+    ) -> Result<agent_graph::turns::Turn, GraphError> {
+        self.book.take_turn(asked).await
+    }
+
     /// Whether another live process has said it still runs the chain `root`. This process's
     /// own word does not count: a chain of its own that meets a step recorded by a second line
     /// of the same chain waits for that line's process, never for itself.

@@ -8,6 +8,7 @@ use agent_core::config::{AgentConfig, ConversationPolicy};
 use agent_core::documents::steps_taken;
 use agent_core::pattern::Pattern;
 use agent_core::provenance::{self, CallStats, SessionUris};
+use agent_graph::turns;
 use agent_schema::{AgentRequest, AgentResponse, ID_PROPERTY};
 use tracing::Instrument;
 
@@ -309,6 +310,12 @@ impl Engine {
             if let Some(answer) = answer {
                 approval::record_answer(&turn, answer)?;
             }
+            // A conversation sees its dialogs by their questions: without one, a dialog given up
+            // at its first step would still count as let start (see `agent_graph::turns`), and
+            // hold its conversation up, until its start lapsed.
+            if step.new_dialog && !step.request.conversation_id.is_empty() {
+                record_question(&turn)?;
+            }
             finish::fail(&turn, n, why).await?;
             step.out.commit(step.slot.as_ref()).await?;
             committed(&step.out, "given-up", false, taken);
@@ -484,51 +491,81 @@ impl Engine {
         let policy = config.limits.conversation_policy;
         let mut line = self.turns.hold(conversation).await;
         // A cancelled request does not wait for its turn: its step ends it at once. One let start
-        // before goes on (its first step was parked, or handed back here), told the same.
+        // before goes on (its first step was parked, or handed back), told the same.
         let cancelled = self.cancellations.of(session_id).is_some();
-        let goes_on = cancelled || line.started(session_id);
-        if policy == ConversationPolicy::Queue && !goes_on {
-            if let Some(ahead) = line.ahead_of(session_id) {
-                line.wait(session_id);
-                return Ok(Joined::Queued(format!(
-                    "dialog {ahead} of conversation {conversation} waits for its turn before it"
-                )));
-            }
-        }
+        let ahead = match (policy, cancelled) {
+            (ConversationPolicy::Queue, false) => line.ahead_of(session_id),
+            _ => None,
+        };
         let earlier = conversation::earlier(store, conversation, session_id).await?;
         let max_wall = Duration::from_secs(config.limits.max_wall_secs);
         let mut running: Vec<String> = earlier
             .iter()
             .filter(|d| d.running(max_wall))
             .map(|d| d.session_id().to_owned())
+            .filter(|other| other != session_id)
             .collect();
-        running.extend(line.unseen(&earlier));
-        running.retain(|other| other != session_id);
-        if let (Some(other), false) = (running.first(), goes_on) {
+        // Whether it may start, and its start, in one question to the journal's owner, which
+        // every replica asks: a dialog another replica let start a moment ago is not in the graph
+        // yet.
+        let asked = turns::TurnAsked {
+            conversation: conversation.clone(),
+            session: session_id.to_owned(),
+            shown: earlier
+                .iter()
+                .map(|d| d.session_id().to_owned())
+                .take(turns::MAX_SHOWN)
+                .collect(),
+            shown_running: !running.is_empty(),
+            start: match (policy, cancelled || ahead.is_some()) {
+                (_, true) => turns::StartIf::Never,
+                (ConversationPolicy::Interrupt, false) => turns::StartIf::Anyway,
+                _ => turns::StartIf::Clear,
+            },
+        };
+        let turn = match &self.journal {
+            Some(journal) => journal.take_turn(asked).await?,
+            // A knowledge store always comes with its journal; were it not so, this replica
+            // would judge alone.
+            None => turns::take_turn_here("", &asked),
+        };
+        let goes_on = cancelled || turn.started_before;
+        if let (Some(ahead), false) = (&ahead, goes_on) {
+            line.wait(session_id);
+            return Ok(Joined::Queued(format!(
+                "dialog {ahead} of conversation {conversation} waits for its turn before it"
+            )));
+        }
+        running.extend(turn.unseen);
+        if !goes_on && !turn.started {
+            let other = running
+                .first()
+                .map_or("another dialog", String::as_str)
+                .to_owned();
             match policy {
-                ConversationPolicy::Queue => {
+                ConversationPolicy::Reject => {
+                    line.leave(session_id);
+                    return Ok(Joined::Refused(format!("dialog {other} of conversation {conversation} is still running; this conversation takes one request at a time (conversation_policy: reject)")));
+                }
+                // Not reached under `interrupt`, which starts unless it was let start before (and
+                // then goes on); were it reached, waiting is the safe answer.
+                ConversationPolicy::Queue | ConversationPolicy::Interrupt => {
                     line.wait(session_id);
                     return Ok(Joined::Queued(format!(
                         "dialog {other} of conversation {conversation} is still running"
                     )));
                 }
-                ConversationPolicy::Reject => {
-                    line.leave(session_id);
-                    return Ok(Joined::Refused(format!("dialog {other} of conversation {conversation} is still running; this conversation takes one request at a time (conversation_policy: reject)")));
-                }
-                ConversationPolicy::Interrupt => {
-                    for dialog in &running {
-                        self.interrupt(dialog, session_id, out).await?;
-                        line.forget(dialog);
-                    }
-                }
             }
         }
-        if cancelled {
-            line.leave(session_id);
-        } else {
-            line.start(session_id);
+        // Also when let start before: the step may be tried again because an interrupt failed
+        // (the owner keeps the interrupted dialogs' starts until they show); a second cancel of a
+        // dialog is harmless.
+        if !cancelled && policy == ConversationPolicy::Interrupt {
+            for dialog in &running {
+                self.interrupt(dialog, session_id, out).await?;
+            }
         }
+        line.leave(session_id);
         drop(line);
         let summary = conversation::context(&earlier);
         request.framing = conversation::framed(&request.framing, &summary);

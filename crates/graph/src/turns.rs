@@ -1,0 +1,235 @@
+//! Which dialogs of each conversation were let start and may not show in the graph yet, kept where
+//! the journal is decided so that every replica asks the one place. A dialog shows in the graph
+//! only once the aggregator has written its first step, so two of a conversation's dialogs taken
+//! up by two replicas in one instant each found the other absent there and both started, whatever
+//! the conversation's policy. Here the question "may it start?" and the start are one step under
+//! one lock. Kept in memory, by store (`GraphStore::identity`), each start for [`SHOWN_WITHIN`] or
+//! until an asker's graph shows its dialog: an owner that restarts forgets them, and the graph
+//! alone decides until its starts show.
+
+use std::collections::HashMap;
+use std::sync::{LazyLock, Mutex, MutexGuard, PoisonError};
+use std::time::{Duration, Instant};
+
+use serde::{Deserialize, Serialize};
+
+/// How long a start counts while the graph does not show its dialog; past it, the graph alone
+/// decides (its first step is written behind the step, within moments unless the store is away).
+pub const SHOWN_WITHIN: Duration = Duration::from_secs(30);
+
+/// The most conversations with starts kept at once: past it, a start is answered but not kept.
+const MAX_CONVERSATIONS: usize = 65_536;
+
+/// The most starts kept for one conversation: one at a time under `queue` and `reject`, one more
+/// for each interrupt within [`SHOWN_WITHIN`] under `interrupt`.
+const MAX_STARTS: usize = 64;
+
+/// How many questions pass between sweeps of lapsed starts while the map is full (a sweep reads
+/// every conversation under the lock).
+const SWEEP_EVERY: u64 = 1024;
+
+/// The longest conversation or dialog id one question may name (an orchestrator accepts ids of
+/// 240 bytes).
+pub const MAX_ID_BYTES: usize = 256;
+
+/// The most dialogs one question may say its graph shows (an orchestrator reads five).
+pub const MAX_SHOWN: usize = 64;
+
+/// When the asking dialog may start.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum StartIf {
+    /// Only if no other dialog of the conversation runs: none the asker's graph shows running, and
+    /// none let start that it does not show yet.
+    Clear,
+    /// Whatever runs: the asker interrupts the others (which stay here until their dialogs show,
+    /// so that a retry of the interrupting step, let start before, still learns whom to
+    /// interrupt).
+    Anyway,
+    /// Not at all: the asker only wants to know (a cancelled request, which ends at once, or a
+    /// queued one with another waiting ahead of it on its replica).
+    Never,
+}
+
+/// A dialog's question to its conversation.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct TurnAsked {
+    pub conversation: String,
+    /// The asking dialog's session id.
+    pub session: String,
+    /// The conversation's other dialogs the asker's graph shows, ended or not: from now on the
+    /// graph judges them.
+    pub shown: Vec<String>,
+    /// Whether one of them runs, as the graph shows it.
+    pub shown_running: bool,
+    pub start: StartIf,
+}
+
+/// The answer.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Turn {
+    /// It was let start before (its first step was parked or handed back): it goes on.
+    pub started_before: bool,
+    /// It was let start now.
+    pub started: bool,
+    /// The other dialogs let start that the asker's graph does not show yet: they run.
+    pub unseen: Vec<String>,
+}
+
+/// Starts by store and conversation, each with when it was let start.
+#[derive(Default)]
+pub(crate) struct Starts {
+    by_conversation: HashMap<(u64, String), HashMap<String, Instant>>,
+    /// Questions answered while the map was full, for [`SWEEP_EVERY`].
+    asked_while_full: u64,
+}
+
+impl Starts {
+    /// Answers `asked` over the store `store`, at `now`, starting the dialog when it may.
+    pub(crate) fn take_turn(&mut self, store: u64, asked: &TurnAsked, now: Instant) -> Turn {
+        let key = (store, asked.conversation.clone());
+        let fresh = |at: &Instant| now.saturating_duration_since(*at) < SHOWN_WITHIN;
+        if self.by_conversation.len() >= MAX_CONVERSATIONS
+            && !self.by_conversation.contains_key(&key)
+        {
+            if self.asked_while_full.is_multiple_of(SWEEP_EVERY) {
+                self.by_conversation
+                    .retain(|_, starts| starts.values().any(fresh));
+            }
+            self.asked_while_full = self.asked_while_full.wrapping_add(1);
+        }
+        let room = self.by_conversation.len() < MAX_CONVERSATIONS
+            || self.by_conversation.contains_key(&key);
+        let mut starts = self.by_conversation.remove(&key).unwrap_or_default();
+        starts.retain(|session, at| fresh(at) && !asked.shown.contains(session));
+        let started_before = starts.contains_key(&asked.session);
+        let unseen: Vec<String> = starts
+            .keys()
+            .filter(|session| **session != asked.session)
+            .cloned()
+            .collect();
+        let started = !started_before
+            && match asked.start {
+                StartIf::Clear => unseen.is_empty() && !asked.shown_running,
+                StartIf::Anyway => true,
+                StartIf::Never => false,
+            };
+        if started && starts.len() < MAX_STARTS {
+            starts.insert(asked.session.clone(), now);
+        }
+        if room && !starts.is_empty() {
+            self.by_conversation.insert(key, starts);
+        }
+        Turn {
+            started_before,
+            started,
+            unseen,
+        }
+    }
+}
+
+/// The starts this process keeps as an owner of journals, for all of them (keyed by store).
+static OWNED: LazyLock<Mutex<Starts>> = LazyLock::new(Default::default);
+
+fn owned() -> MutexGuard<'static, Starts> {
+    // Every holder leaves the map whole: a poisoned lock still guards a sound map.
+    OWNED.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// An owner's answer to `asked` over its store `store`.
+pub(crate) fn take_turn(store: u64, asked: &TurnAsked) -> Turn {
+    owned().take_turn(store, asked, Instant::now())
+}
+
+/// The starts kept by this process alone, for an asker whose journal's owner does not keep them
+/// (an earlier build), or that has no journal: as before, two replicas can each let one start in
+/// the same instant.
+static OWN_ONLY: LazyLock<Mutex<Starts>> = LazyLock::new(Default::default);
+
+/// [`take_turn`] kept by this process alone, for the store named `store` (its endpoint), so that
+/// askers of two stores in one process do not share conversations.
+pub fn take_turn_here(store: &str, asked: &TurnAsked) -> Turn {
+    use std::hash::{Hash, Hasher};
+    let mut hasher = std::collections::hash_map::DefaultHasher::new();
+    store.hash(&mut hasher);
+    OWN_ONLY
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner)
+        .take_turn(hasher.finish(), asked, Instant::now())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn asked(session: &str, shown: &[&str], shown_running: bool, start: StartIf) -> TurnAsked {
+        TurnAsked {
+            conversation: "c".into(),
+            session: session.into(),
+            shown: shown.iter().map(|s| (*s).to_owned()).collect(),
+            shown_running,
+            start,
+        }
+    }
+
+    #[test]
+    fn of_two_dialogs_asking_at_once_only_the_first_starts_until_the_graph_shows_it() {
+        let mut starts = Starts::default();
+        let now = Instant::now();
+        let first = starts.take_turn(1, &asked("a", &[], false, StartIf::Clear), now);
+        assert!(first.started && !first.started_before && first.unseen.is_empty());
+        let second = starts.take_turn(1, &asked("b", &[], false, StartIf::Clear), now);
+        assert!(!second.started, "{second:?}");
+        assert_eq!(second.unseen, ["a"]);
+        // The first asking again (its step was handed back) goes on.
+        let again = starts.take_turn(1, &asked("a", &[], false, StartIf::Clear), now);
+        assert!(again.started_before && !again.started);
+        // Another store's conversation of the same name is another conversation.
+        assert!(
+            starts
+                .take_turn(2, &asked("b", &[], false, StartIf::Clear), now)
+                .started
+        );
+        // Once the graph shows the first, the graph judges it: running, the second still waits.
+        let shown = starts.take_turn(1, &asked("b", &["a"], true, StartIf::Clear), now);
+        assert!(!shown.started && shown.unseen.is_empty());
+        // Ended there, the second starts.
+        assert!(
+            starts
+                .take_turn(1, &asked("b", &["a"], false, StartIf::Clear), now)
+                .started
+        );
+    }
+
+    #[test]
+    fn a_start_the_graph_never_shows_lapses_and_an_interrupt_takes_the_conversation_over() {
+        let mut starts = Starts::default();
+        let now = Instant::now();
+        assert!(
+            starts
+                .take_turn(1, &asked("a", &[], false, StartIf::Clear), now)
+                .started
+        );
+        let asking = starts.take_turn(1, &asked("b", &[], false, StartIf::Never), now);
+        assert!(!asking.started && asking.unseen == ["a"]);
+        let later = now + SHOWN_WITHIN;
+        assert!(
+            starts
+                .take_turn(1, &asked("b", &[], false, StartIf::Clear), later)
+                .started
+        );
+        let interrupting = starts.take_turn(1, &asked("c", &[], true, StartIf::Anyway), later);
+        assert!(interrupting.started);
+        assert_eq!(interrupting.unseen, ["b"]);
+        // Its step tried again (the interrupt failed) still learns whom to interrupt.
+        let again = starts.take_turn(1, &asked("c", &[], true, StartIf::Anyway), later);
+        assert!(again.started_before && again.unseen == ["b"]);
+        // Once the graph shows the interrupted one, the next asks only about the interrupter.
+        let next = starts.take_turn(1, &asked("d", &["b"], false, StartIf::Clear), later);
+        assert_eq!(next.unseen, ["c"]);
+        // Nothing kept for a conversation with no starts.
+        let mut empty = Starts::default();
+        empty.take_turn(1, &asked("x", &[], true, StartIf::Clear), now);
+        assert!(empty.by_conversation.is_empty());
+    }
+}
