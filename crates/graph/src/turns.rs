@@ -42,9 +42,8 @@ pub enum StartIf {
     /// Only if no other dialog of the conversation runs: none the asker's graph shows running, and
     /// none let start that it does not show yet.
     Clear,
-    /// Whatever runs: the asker interrupts the others (which stay here until their dialogs show,
-    /// so that a retry of the interrupting step, let start before, still learns whom to
-    /// interrupt).
+    /// Whatever runs: the asker has interrupted the others, which stay here until their dialogs
+    /// show (each runs until it hears its cancel).
     Anyway,
     /// Not at all: the asker only wants to know (a cancelled request, which ends at once, or a
     /// queued one with another waiting ahead of it on its replica).
@@ -221,7 +220,7 @@ mod tests {
         let interrupting = starts.take_turn(1, &asked("c", &[], true, StartIf::Anyway), later);
         assert!(interrupting.started);
         assert_eq!(interrupting.unseen, ["b"]);
-        // Its step tried again (the interrupt failed) still learns whom to interrupt.
+        // Asked again (its step handed back), it goes on; the interrupted one is still kept.
         let again = starts.take_turn(1, &asked("c", &[], true, StartIf::Anyway), later);
         assert!(again.started_before && again.unseen == ["b"]);
         // Once the graph shows the interrupted one, the next asks only about the interrupter.

@@ -63,9 +63,9 @@ pub struct Settings {
     #[arg(long, env = "AGENT_CHAIN_LEASE_SECS", default_value_t = 5)]
     pub chain_lease_secs: u64,
     /// Whether the journal's owner (the aggregator at `GRAPH_STORE`) runs in this very process,
-    /// as `agentctl up`, `agentctl bench` and `agentctl bench-long` run it: its count of takings then dies with a crash
-    /// of this process, so the broker's count must still bound a step that crashes it. Not a
-    /// flag: only the code that starts both services in one process knows.
+    /// as `agentctl up`, `agentctl bench` and `agentctl bench-long` run it: its count of takings
+    /// then dies with a crash of this process, so the broker's count must still bound a step that
+    /// crashes it. Not a flag: only the code that starts both services in one process knows.
     #[arg(skip)]
     pub journal_owner_in_process: bool,
     /// What becomes of a later step of a subagent's dialog without this service's step seal (with
@@ -152,11 +152,12 @@ impl Settings {
     /// dialog, so every crash of a process running its chain, and every dispatch pulsar-lite
     /// bounces off a ghost consumer, counts against it: at the bound a dialog still running was
     /// dead-lettered (a soak, 2026-11-30), its message acked while its chain could still have been
-    /// running elsewhere. There,
-    /// with the journal's owner in another process, the owner's count of takings alone bounds a
-    /// step that crashes every process taking it up, as it does on Apache Pulsar, which does not
-    /// count a crash at all. An owner in this process loses its count with a crash of it, so the
-    /// broker's count stays.
+    /// running elsewhere.
+    ///
+    /// So there, with the journal's owner in another process, the owner's count of takings alone
+    /// bounds a step that crashes every process taking it up, as it does on Apache Pulsar, which
+    /// does not count a crash at all. An owner in this process loses its count with a crash of
+    /// it, so the broker's count stays.
     pub fn broker_redelivery_bound(&self) -> Option<usize> {
         let journaled = self
             .graph_store

@@ -313,7 +313,7 @@ impl Engine {
             // A conversation sees its dialogs by their questions: without one, a dialog given up
             // at its first step would still count as let start (see `agent_graph::turns`), and
             // hold its conversation up, until its start lapsed.
-            if step.new_dialog && !step.request.conversation_id.is_empty() {
+            if step.new_dialog && answer.is_none() && !step.request.conversation_id.is_empty() {
                 record_question(&turn)?;
             }
             finish::fail(&turn, n, why).await?;
@@ -508,7 +508,7 @@ impl Engine {
         // Whether it may start, and its start, in one question to the journal's owner, which
         // every replica asks: a dialog another replica let start a moment ago is not in the graph
         // yet.
-        let asked = turns::TurnAsked {
+        let mut asked = turns::TurnAsked {
             conversation: conversation.clone(),
             session: session_id.to_owned(),
             shown: earlier
@@ -518,17 +518,33 @@ impl Engine {
                 .collect(),
             shown_running: !running.is_empty(),
             start: match (policy, cancelled || ahead.is_some()) {
-                (_, true) => turns::StartIf::Never,
-                (ConversationPolicy::Interrupt, false) => turns::StartIf::Anyway,
-                _ => turns::StartIf::Clear,
+                (ConversationPolicy::Queue | ConversationPolicy::Reject, false) => {
+                    turns::StartIf::Clear
+                }
+                // An interrupt asks first and starts once the others are interrupted (below).
+                _ => turns::StartIf::Never,
             },
         };
-        let turn = match &self.journal {
-            Some(journal) => journal.take_turn(asked).await?,
-            // A knowledge store always comes with its journal; were it not so, this replica
-            // would judge alone.
-            None => turns::take_turn_here("", &asked),
-        };
+        let mut turn = self.take_turn(&asked).await?;
+        // The others are interrupted before this dialog's start is kept, so a step tried again
+        // after an interrupt failed interrupts them again. One let start before (its step handed
+        // back) interrupts nothing: a newer dialog may have interrupted it, and that cancel may
+        // not have reached this replica yet.
+        if policy == ConversationPolicy::Interrupt && !cancelled && !turn.started_before {
+            running.append(&mut turn.unseen);
+            for dialog in &running {
+                self.interrupt(dialog, session_id, out).await?;
+            }
+            asked.start = turns::StartIf::Anyway;
+            turn = self.take_turn(&asked).await?;
+            // Let start by another replica in between: interrupted too.
+            for dialog in std::mem::take(&mut turn.unseen) {
+                if !running.contains(&dialog) {
+                    self.interrupt(&dialog, session_id, out).await?;
+                    running.push(dialog);
+                }
+            }
+        }
         let goes_on = cancelled || turn.started_before;
         if let (Some(ahead), false) = (&ahead, goes_on) {
             line.wait(session_id);
@@ -548,21 +564,13 @@ impl Engine {
                     return Ok(Joined::Refused(format!("dialog {other} of conversation {conversation} is still running; this conversation takes one request at a time (conversation_policy: reject)")));
                 }
                 // Not reached under `interrupt`, which starts unless it was let start before (and
-                // then goes on); were it reached, waiting is the safe answer.
+                // then goes on) or cancelled; were it reached, waiting is the safe answer.
                 ConversationPolicy::Queue | ConversationPolicy::Interrupt => {
                     line.wait(session_id);
                     return Ok(Joined::Queued(format!(
                         "dialog {other} of conversation {conversation} is still running"
                     )));
                 }
-            }
-        }
-        // Also when let start before: the step may be tried again because an interrupt failed
-        // (the owner keeps the interrupted dialogs' starts until they show); a second cancel of a
-        // dialog is harmless.
-        if !cancelled && policy == ConversationPolicy::Interrupt {
-            for dialog in &running {
-                self.interrupt(dialog, session_id, out).await?;
             }
         }
         line.leave(session_id);
@@ -572,6 +580,16 @@ impl Engine {
         let follows: Vec<String> = earlier.iter().map(|d| d.session_uri.clone()).collect();
         out.explain(&uris.session(), provenance::follows(uris, &follows))?;
         Ok(Joined::Go)
+    }
+
+    /// A new dialog's question to its conversation (see [`agent_graph::turns`]).
+    async fn take_turn(&self, asked: &turns::TurnAsked) -> Result<turns::Turn, StepError> {
+        match &self.journal {
+            Some(journal) => Ok(journal.take_turn(asked.clone()).await?),
+            // A knowledge store always comes with its journal; were it not so, this replica
+            // would judge alone.
+            None => Ok(turns::take_turn_here("", asked)),
+        }
     }
 
     /// Runs the step (its pattern's, or the resumption of a parked call with its `answer`),
@@ -610,7 +628,8 @@ impl Engine {
         };
         if let Some(cancel) = overtaken {
             turn.out.discard();
-            if new_dialog {
+            // A parked first step's question was recorded as it parked.
+            if new_dialog && answer.is_none() {
                 record_question(turn)?;
             }
             if let Some(answer) = answer {
