@@ -137,27 +137,19 @@ impl Writer {
                 Err(e) => return Disposition::DeadLetter(e.to_string()),
             }
         }
-        if let Some((place, e)) = invalid.first() {
-            // The whole message goes to the dead-letter topic, to be seen; the triples written
-            // from it are written again, unchanged, if it is ever replayed.
-            return Disposition::DeadLetter(format!(
-                "{} of the {total} triples of {} are not valid RDF and were left out, the other {count} written; the first, triple {} (counting from 1): {e}",
-                invalid.len(),
-                metadata.id,
-                place + 1
-            ));
-        }
-        if refused > 0 {
-            return Disposition::DeadLetter(format!(
-                "{refused} of the {total} triples of {} are in the journal's graphs or fan-in's marks, which only the aggregator writes; they were left out, the other {count} written",
-                metadata.id
-            ));
-        }
-        if unsealed > 0 {
-            return Disposition::DeadLetter(format!(
-                "{unsealed} of the {total} triples of {} are the agent's records and the message does not carry the orchestrators' seal; they were left out, the other {count} written",
-                metadata.id
-            ));
+        // The whole message goes to the dead-letter topic, to be seen, saying every reason a
+        // triple of it was left out; the triples written from it are written again, unchanged,
+        // if it is ever replayed.
+        let first_invalid = invalid
+            .first()
+            .map(|(place, e)| (invalid.len(), place + 1, e.to_string()));
+        let left_out = LeftOut {
+            invalid: first_invalid,
+            refused,
+            unsealed,
+        };
+        if let Some(reason) = left_out.reason(&metadata.id, total, count) {
+            return Disposition::DeadLetter(reason);
         }
         if count == 0 {
             return Disposition::Ack;
@@ -178,6 +170,54 @@ impl Writer {
             Ok(()) => Disposition::Ack,
             Err(e) => Disposition::Nack(format!("fan-in of {cid}: {e}")),
         }
+    }
+}
+
+/// The triples of a message that were left out of the graph, by why.
+struct LeftOut {
+    /// How many are not valid RDF, and the first of them (counting from 1) with its error.
+    invalid: Option<(usize, usize, String)>,
+    /// How many are in graphs only the aggregator writes.
+    refused: usize,
+    /// How many are the agent's records in a message without the orchestrators' seal.
+    unsealed: usize,
+}
+
+impl LeftOut {
+    /// The dead-letter reason of message `id` of `total` triples, `written` of them written; none
+    /// when nothing was left out.
+    fn reason(&self, id: &str, total: usize, written: usize) -> Option<String> {
+        let mut why: Vec<(usize, String)> = Vec::new();
+        if let Some((count, first, error)) = &self.invalid {
+            why.push((
+                *count,
+                format!("are not valid RDF (the first, triple {first} counting from 1: {error})"),
+            ));
+        }
+        if self.refused > 0 {
+            why.push((
+                self.refused,
+                "are in the journal's graphs or fan-in's marks, which only the aggregator writes"
+                    .to_owned(),
+            ));
+        }
+        if self.unsealed > 0 {
+            why.push((
+                self.unsealed,
+                "are the agent's records and the message does not carry the orchestrators' seal"
+                    .to_owned(),
+            ));
+        }
+        let mut parts = why.into_iter();
+        let (count, what) = parts.next()?;
+        let mut reason = format!("{count} of the {total} triples of {id} {what}");
+        for (count, what) in parts {
+            reason.push_str(&format!("; {count} more {what}"));
+        }
+        reason.push_str(&format!(
+            "; they were left out, the other {written} written"
+        ));
+        Some(reason)
     }
 }
 
@@ -229,4 +269,42 @@ fn internal(quad: &oxigraph::model::Quad) -> bool {
         || marks
             .iter()
             .any(|mark| quad.predicate.as_str() == mark.as_str())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_dead_letter_says_every_reason_its_triples_were_left_out() {
+        let nothing = LeftOut {
+            invalid: None,
+            refused: 0,
+            unsealed: 0,
+        };
+        assert_eq!(nothing.reason("urn:m", 3, 3), None);
+        let all = LeftOut {
+            invalid: Some((1, 2, "bad IRI".to_owned())),
+            refused: 2,
+            unsealed: 3,
+        };
+        let reason = all.reason("urn:m", 10, 4).unwrap();
+        assert_eq!(
+            reason,
+            "1 of the 10 triples of urn:m are not valid RDF (the first, triple 2 counting from 1: \
+             bad IRI); 2 more are in the journal's graphs or fan-in's marks, which only the \
+             aggregator writes; 3 more are the agent's records and the message does not carry \
+             the orchestrators' seal; they were left out, the other 4 written"
+        );
+        let refused_only = LeftOut {
+            invalid: None,
+            refused: 2,
+            unsealed: 0,
+        };
+        assert_eq!(
+            refused_only.reason("urn:m", 3, 1).unwrap(),
+            "2 of the 3 triples of urn:m are in the journal's graphs or fan-in's marks, which \
+             only the aggregator writes; they were left out, the other 1 written"
+        );
+    }
 }
