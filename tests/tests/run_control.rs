@@ -1207,6 +1207,83 @@ async fn two_replicas_let_one_dialog_of_a_conversation_start_at_a_time() {
     panic!("in six tries the broker never handed the two requests to the two replicas");
 }
 
+/// A first step slower than its start's lease (a local model can take minutes before its first
+/// step commits and the graph shows the dialog): its replica renews the start with the journal's
+/// owner while the step runs, so a request of the same conversation sent after the first lease
+/// would have lapsed is still refused under `conversation_policy: reject`, and once the first
+/// dialog has ended the conversation takes the next one. Without the renewal the start lapsed and
+/// the second request ran beside the first.
+#[tokio::test]
+async fn a_first_step_slower_than_its_starts_lease_keeps_its_conversation() {
+    let config = conversation_config("reject-slow-first", "reject");
+    let script = r#"{"rules": [
+  {"match": "Question: Slow first?", "reply": "Thought: I know.\nFinal Answer: slow done", "delay_ms": 9000},
+  {"match": "", "reply": "Thought: I know.\nFinal Answer: quick done"}
+]}"#;
+    let broker = Broker::start().unwrap();
+    let aggregator = Aggregator::spawn_with(&broker, &["--config-token", TOKEN]);
+    let llm = scripted_llm(script).await;
+    let http_addr = format!("127.0.0.1:{}", agent_bus::embedded::free_port().unwrap());
+    let _orchestrator = Orchestrator::journaled_with(
+        Place::Child,
+        &broker,
+        &llm,
+        &aggregator,
+        TOKEN,
+        &config,
+        &[
+            ("AGENT_CONVERSATION_START_LEASE_SECS", "3"),
+            ("AGENT_HTTP_ADDR", &http_addr),
+        ],
+    );
+    until_ready(&format!("http://{http_addr}"), Duration::from_secs(60)).await;
+    let mut client = client(&broker).await;
+    let asking = |id: &str, question: &str| AgentRequest {
+        pattern: "react".into(),
+        conversation_id: "slow-first".into(),
+        ..request(&format!("{question} ({id})"), false)
+    };
+    client
+        .send("slow-a", &asking("slow-a", "Slow first?"))
+        .await
+        .unwrap();
+    until("the slow first step's LLM call", || {
+        calls_matching(&llm, "Slow first?") >= 1
+    })
+    .await;
+    // Past the 3 s lease taken as the step started, well before its LLM answers.
+    tokio::time::sleep(Duration::from_millis(4500)).await;
+    client
+        .send("slow-b", &asking("slow-b", "Beside it?"))
+        .await
+        .unwrap();
+    let mut both =
+        collect_dialogs(&mut client, &["slow-a", "slow-b"], Duration::from_secs(60)).await;
+    let (first, second) = (
+        both.remove("slow-a").unwrap(),
+        both.remove("slow-b").unwrap(),
+    );
+    assert_eq!(first.last().unwrap().content, "slow done", "{first:#?}");
+    let refused = second
+        .last()
+        .and_then(|r| r.error.as_ref())
+        .unwrap_or_else(|| panic!("the second request ran beside the first: {second:#?}"));
+    assert!(
+        refused.message.contains("conversation_policy: reject"),
+        "{}",
+        refused.message
+    );
+    assert_eq!(calls_matching(&llm, "Beside it?"), 0);
+    // The first ended: its start, no longer renewed, holds nothing up.
+    client
+        .send("slow-c", &asking("slow-c", "Next?"))
+        .await
+        .unwrap();
+    let mut next = collect_dialogs(&mut client, &["slow-c"], Duration::from_secs(60)).await;
+    let next = next.remove("slow-c").unwrap();
+    assert_eq!(next.last().unwrap().content, "quick done", "{next:#?}");
+}
+
 /// A cancel that races a dialog's steps, sent as each of its three LLM calls starts: whatever wins,
 /// the client gets exactly one ending (the answer or the cancel), and the graph one conclusion.
 #[tokio::test]

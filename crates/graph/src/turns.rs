@@ -3,9 +3,11 @@
 //! only once the aggregator has written its first step, so two of a conversation's dialogs taken
 //! up by two replicas in one instant each found the other absent there and both started, whatever
 //! the conversation's policy. Here the question "may it start?" and the start are one step under
-//! one lock. Kept in memory, by store (`GraphStore::identity`), each start for [`SHOWN_WITHIN`] or
-//! until an asker's graph shows its dialog: an owner that restarts forgets them, and the graph
-//! alone decides until its starts show.
+//! one lock. Kept in memory, by store (`GraphStore::identity`), each start until an asker's graph
+//! shows its dialog or its lease lapses: the replica running a first step renews the lease
+//! ([`StartIf::Running`]) until the step has committed, so a slow first step (a local model can
+//! take minutes) keeps its start, and a crashed replica's start lapses. An owner that restarts
+//! forgets the starts, and has each back at its next renewal.
 
 use std::collections::HashMap;
 use std::sync::{LazyLock, Mutex, MutexGuard, PoisonError};
@@ -13,9 +15,12 @@ use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 
-/// How long a start counts while the graph does not show its dialog; past it, the graph alone
-/// decides (its first step is written behind the step, within moments unless the store is away).
+/// How long a start counts, unless its asker says ([`TurnAsked::for_ms`]), while the graph does
+/// not show its dialog and nobody renews it; past it, the graph alone decides.
 pub const SHOWN_WITHIN: Duration = Duration::from_secs(30);
+
+/// The shortest and longest lease an asker may ask for a start.
+pub const LEASE_BOUNDS: (Duration, Duration) = (Duration::from_secs(1), Duration::from_secs(600));
 
 /// The most conversations with starts kept at once: past it, a start is answered but not kept.
 const MAX_CONVERSATIONS: usize = 65_536;
@@ -48,6 +53,9 @@ pub enum StartIf {
     /// Not at all: the asker only wants to know (a cancelled request, which ends at once, or a
     /// queued one with another waiting ahead of it on its replica).
     Never,
+    /// It runs already (its first step, let start before, is under way on the asker's replica):
+    /// its lease is renewed, and its start kept again if it had lapsed or the owner restarted.
+    Running,
 }
 
 /// A dialog's question to its conversation.
@@ -62,6 +70,18 @@ pub struct TurnAsked {
     /// Whether one of them runs, as the graph shows it.
     pub shown_running: bool,
     pub start: StartIf,
+    /// How long the start is kept unless renewed, in milliseconds (within [`LEASE_BOUNDS`];
+    /// [`SHOWN_WITHIN`] when not given, as an asker of an earlier build sends it).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub for_ms: Option<u64>,
+}
+
+impl TurnAsked {
+    fn lease(&self) -> Duration {
+        self.for_ms.map_or(SHOWN_WITHIN, |ms| {
+            Duration::from_millis(ms).clamp(LEASE_BOUNDS.0, LEASE_BOUNDS.1)
+        })
+    }
 }
 
 /// The answer.
@@ -75,7 +95,7 @@ pub struct Turn {
     pub unseen: Vec<String>,
 }
 
-/// Starts by store and conversation, each with when it was let start.
+/// Starts by store and conversation, each with when its lease lapses.
 #[derive(Default)]
 pub(crate) struct Starts {
     by_conversation: HashMap<(u64, String), HashMap<String, Instant>>,
@@ -87,7 +107,7 @@ impl Starts {
     /// Answers `asked` over the store `store`, at `now`, starting the dialog when it may.
     pub(crate) fn take_turn(&mut self, store: u64, asked: &TurnAsked, now: Instant) -> Turn {
         let key = (store, asked.conversation.clone());
-        let fresh = |at: &Instant| now.saturating_duration_since(*at) < SHOWN_WITHIN;
+        let fresh = |lapses: &Instant| now < *lapses;
         if self.by_conversation.len() >= MAX_CONVERSATIONS
             && !self.by_conversation.contains_key(&key)
         {
@@ -110,11 +130,12 @@ impl Starts {
         let started = !started_before
             && match asked.start {
                 StartIf::Clear => unseen.is_empty() && !asked.shown_running,
-                StartIf::Anyway => true,
+                StartIf::Anyway | StartIf::Running => true,
                 StartIf::Never => false,
             };
-        if started && starts.len() < MAX_STARTS {
-            starts.insert(asked.session.clone(), now);
+        let renewed = started_before && asked.start == StartIf::Running;
+        if renewed || (started && starts.len() < MAX_STARTS) {
+            starts.insert(asked.session.clone(), now + asked.lease());
         }
         if room && !starts.is_empty() {
             self.by_conversation.insert(key, starts);
@@ -168,6 +189,7 @@ mod tests {
             shown: shown.iter().map(|s| (*s).to_owned()).collect(),
             shown_running,
             start,
+            for_ms: None,
         }
     }
 
@@ -230,5 +252,48 @@ mod tests {
         let mut empty = Starts::default();
         empty.take_turn(1, &asked("x", &[], true, StartIf::Clear), now);
         assert!(empty.by_conversation.is_empty());
+    }
+
+    #[test]
+    fn a_renewed_start_outlives_its_first_lease_and_one_forgotten_is_kept_again() {
+        let mut starts = Starts::default();
+        let now = Instant::now();
+        let lease = |session: &str, start: StartIf| TurnAsked {
+            for_ms: Some(2_000),
+            ..asked(session, &[], false, start)
+        };
+        assert!(
+            starts
+                .take_turn(1, &lease("a", StartIf::Clear), now)
+                .started
+        );
+        let second = Duration::from_secs(1);
+        let renewed = starts.take_turn(1, &lease("a", StartIf::Running), now + second);
+        assert!(renewed.started_before && !renewed.started);
+        // Past the first lease, within the renewed one: the conversation is still taken.
+        let waiting = starts.take_turn(1, &lease("b", StartIf::Clear), now + 2 * second);
+        assert!(!waiting.started && waiting.unseen == ["a"], "{waiting:?}");
+        // Not renewed, it lapses.
+        assert!(
+            starts
+                .take_turn(1, &lease("b", StartIf::Clear), now + 4 * second)
+                .started
+        );
+        // An owner that forgot a running dialog (it restarted) keeps it again at its renewal.
+        let mut restarted = Starts::default();
+        let back = restarted.take_turn(1, &lease("a", StartIf::Running), now);
+        assert!(back.started && !back.started_before);
+        assert_eq!(
+            restarted
+                .take_turn(1, &lease("c", StartIf::Clear), now)
+                .unseen,
+            ["a"]
+        );
+        // A lease asked beyond the bounds is held to them.
+        let long = TurnAsked {
+            for_ms: Some(u64::MAX),
+            ..asked("d", &[], false, StartIf::Clear)
+        };
+        assert_eq!(long.lease(), LEASE_BOUNDS.1);
     }
 }

@@ -263,6 +263,68 @@ impl Drop for HeldLine<'_> {
     }
 }
 
+/// A new dialog's start in its conversation, renewed with the journal's owner every third of its
+/// lease while its first step runs: the graph shows the dialog only once that step has committed,
+/// which a slow model can put off for longer than any fixed wait. Dropped when the step settles;
+/// a replica that crashes stops renewing, and the start lapses a lease later.
+pub struct KeptStart(tokio::task::AbortHandle);
+
+impl Drop for KeptStart {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+impl KeptStart {
+    /// Renews the start of `session` in `conversation` until dropped (kept by this process alone
+    /// without a journal, as its start was).
+    pub fn renewing(
+        journal: Option<crate::journal::Journal>,
+        conversation: &str,
+        session: &str,
+        lease: Duration,
+    ) -> KeptStart {
+        let asked = agent_graph::turns::TurnAsked {
+            conversation: conversation.to_owned(),
+            session: session.to_owned(),
+            shown: Vec::new(),
+            shown_running: false,
+            start: agent_graph::turns::StartIf::Running,
+            for_ms: Some(u64::try_from(lease.as_millis()).unwrap_or(u64::MAX)),
+        };
+        let every = lease / 3;
+        let renewing = tokio::spawn(async move {
+            let mut failing = false;
+            loop {
+                tokio::time::sleep(every).await;
+                let renewed = match &journal {
+                    Some(journal) => {
+                        match tokio::time::timeout(every, journal.take_turn(asked.clone())).await {
+                            Ok(renewed) => renewed.map(|_| ()),
+                            Err(_) => {
+                                Err(GraphError::Transport(format!("no answer within {every:?}")))
+                            }
+                        }
+                    }
+                    None => {
+                        agent_graph::turns::take_turn_here("", &asked);
+                        Ok(())
+                    }
+                };
+                match renewed {
+                    Ok(()) => failing = false,
+                    Err(e) if !failing => {
+                        failing = true;
+                        tracing::warn!(conversation = %asked.conversation, session = %asked.session, error = %e, "cannot renew a running first step's start with the journal's owner: once it lapses, another dialog of the conversation may start beside it");
+                    }
+                    Err(_) => {}
+                }
+            }
+        });
+        KeptStart(renewing.abort_handle())
+    }
+}
+
 /// The summary a new dialog is given: the earlier dialogs oldest first, each question and answer
 /// cut to a bounded excerpt. Empty when there are none.
 pub fn context(earlier: &[Earlier]) -> String {

@@ -50,6 +50,9 @@ pub struct Engine {
     pub max_takings: Option<u32>,
     /// Whose turn it is in each conversation, as far as this replica knows.
     pub turns: crate::conversation::Turns,
+    /// How long a new dialog's start in its conversation is kept for it at a time (see
+    /// [`agent_graph::turns`]).
+    pub start_lease: std::time::Duration,
     /// Answers to parked calls handed back while their calls are not found.
     pub answers_waiting: AnswersWaiting,
     /// Whether a subagent's later step without the step seal is dead-lettered (or only logged).

@@ -146,6 +146,7 @@ pub async fn run(settings: Settings, shutdown: CancellationToken) -> anyhow::Res
             .ok()
             .filter(|&n| n > 0),
         turns: Default::default(),
+        start_lease: Duration::from_secs(settings.conversation_start_lease_secs.max(1)),
         answers_waiting: Default::default(),
         step_seals: settings.step_seals,
     });

@@ -62,6 +62,16 @@ pub struct Settings {
     /// process; a crashed chain's dialog then goes on later.
     #[arg(long, env = "AGENT_CHAIN_LEASE_SECS", default_value_t = 5)]
     pub chain_lease_secs: u64,
+    /// How long the journal's owner keeps a new dialog of a conversation counted as started
+    /// while its first step has not shown in the graph, unless renewed: this process renews it
+    /// every third of that while the step runs, so it only bounds how long a replica that crashed
+    /// in a first step holds its conversation up.
+    #[arg(
+        long,
+        env = "AGENT_CONVERSATION_START_LEASE_SECS",
+        default_value_t = 30
+    )]
+    pub conversation_start_lease_secs: u64,
     /// Whether the journal's owner (the aggregator at `GRAPH_STORE`) runs in this very process,
     /// as `agentctl up`, `agentctl bench` and `agentctl bench-long` run it: its count of takings
     /// then dies with a crash of this process, so the broker's count must still bound a step that

@@ -245,6 +245,9 @@ impl Engine {
             && step.verdict.is_ok()
             && answer.is_none()
             && matches!(attempt, Attempt::Run { .. });
+        // Kept until this function returns: the step has committed (the graph will show the
+        // dialog), or settled another way.
+        let mut _kept_start = None;
         if joins_conversation {
             let joined = self
                 .join_conversation(
@@ -259,7 +262,7 @@ impl Engine {
                 *aside = None;
             }
             match joined {
-                Joined::Go => {}
+                Joined::Go(kept) => _kept_start = kept,
                 Joined::Refused(problem) => step.verdict = Err(problem),
                 Joined::Queued(why) => {
                     return Ok(Settled::Queued(Queued {
@@ -485,7 +488,7 @@ impl Engine {
             request.conversation_id.is_empty(),
             agent_core::supervisor::is_subagent(request),
         ) else {
-            return Ok(Joined::Go);
+            return Ok(Joined::Go(None));
         };
         let conversation = &request.conversation_id;
         let policy = config.limits.conversation_policy;
@@ -517,6 +520,7 @@ impl Engine {
                 .take(turns::MAX_SHOWN)
                 .collect(),
             shown_running: !running.is_empty(),
+            for_ms: Some(u64::try_from(self.start_lease.as_millis()).unwrap_or(u64::MAX)),
             start: match (policy, cancelled || ahead.is_some()) {
                 (ConversationPolicy::Queue | ConversationPolicy::Reject, false) => {
                     turns::StartIf::Clear
@@ -579,7 +583,15 @@ impl Engine {
         request.framing = conversation::framed(&request.framing, &summary);
         let follows: Vec<String> = earlier.iter().map(|d| d.session_uri.clone()).collect();
         out.explain(&uris.session(), provenance::follows(uris, &follows))?;
-        Ok(Joined::Go)
+        let kept = (!cancelled).then(|| {
+            conversation::KeptStart::renewing(
+                self.journal.clone(),
+                conversation,
+                session_id,
+                self.start_lease,
+            )
+        });
+        Ok(Joined::Go(kept))
     }
 
     /// A new dialog's question to its conversation (see [`agent_graph::turns`]).
@@ -730,8 +742,9 @@ pub(crate) enum Lookup<'e> {
 
 /// What joining its conversation makes of a new dialog.
 enum Joined {
-    /// Run it (told what the conversation asked and answered before).
-    Go,
+    /// Run it (told what the conversation asked and answered before), its start kept while the
+    /// step runs (a dialog of no conversation has none).
+    Go(Option<crate::conversation::KeptStart>),
     /// Refuse it (`conversation_policy: reject` while another dialog runs).
     Refused(String),
     /// Wait for the running dialog (`conversation_policy: queue`).
