@@ -469,6 +469,8 @@ pub struct Aggregator {
     server: Option<sparql_server::SparqlServer>,
     /// Where a child's standard error goes, when a test reads it ([`Aggregator::log`]).
     stderr_log: Option<PathBuf>,
+    /// Its port, held for it across its restarts.
+    _port: agent_bus::embedded::KeptPort,
 }
 
 impl Aggregator {
@@ -608,7 +610,8 @@ impl Aggregator {
         let mut last = String::new();
         for _ in 0..3 {
             // Kept across its restarts: outside the range an outgoing connection is given.
-            let port = agent_bus::embedded::port_to_keep(&[]).unwrap();
+            let kept = agent_bus::embedded::KeptPort::choose(&[]).unwrap();
+            let port = kept.port();
             // Not named by the port alone: an aggregator killed and restarted leaves its port
             // free for a moment, and one started meanwhile could be given it and wipe the store.
             let store_dir = std::env::temp_dir().join(format!(
@@ -652,6 +655,7 @@ impl Aggregator {
                     extra,
                     server,
                     stderr_log,
+                    _port: kept,
                 };
             }
             drop(running);
@@ -1127,6 +1131,8 @@ pub struct ConfigSvc {
     broker_url: String,
     addr: String,
     seed: Option<PathBuf>,
+    /// Its port, held for it across its restarts.
+    _port: agent_bus::embedded::KeptPort,
 }
 
 impl ConfigSvc {
@@ -1137,7 +1143,8 @@ impl ConfigSvc {
     /// [`ConfigSvc::spawn`] in `place`.
     pub fn start(place: Place, broker: &Broker, seed: Option<&std::path::Path>) -> ConfigSvc {
         // Kept across its restarts (see `Aggregator::start_logged`).
-        let port = agent_bus::embedded::port_to_keep(&[]).unwrap();
+        let kept = agent_bus::embedded::KeptPort::choose(&[]).unwrap();
+        let port = kept.port();
         // Not named by the port alone (see `Aggregator::start_logged`).
         let data_dir = std::env::temp_dir().join(format!(
             "agent-e2e-config-{}-{port}-{:08x}",
@@ -1157,6 +1164,7 @@ impl ConfigSvc {
             broker_url: broker.url(),
             addr,
             seed,
+            _port: kept,
         };
         svc.wait_ready();
         svc
@@ -1522,6 +1530,16 @@ pub async fn counter_once_listening(base: &str, name: &str) -> f64 {
         return 0.0;
     }
     scrape(base).await.get(name).copied().unwrap_or(0.0)
+}
+
+/// How many request messages the orchestrator under `base` counts with the fate `fate`
+/// (`received`, `acked`, ...), 0 until it listens.
+pub async fn requests_with_fate(base: &str, fate: &str) -> f64 {
+    counter_once_listening(
+        base,
+        &format!("agent_request_messages_total{{fate=\"{fate}\"}}"),
+    )
+    .await
 }
 
 /// The default flow's request topic's dead-letter topic.

@@ -49,7 +49,7 @@ impl Kind {
 pub struct SparqlServer {
     kind: Kind,
     child: Option<Child>,
-    port: u16,
+    port: agent_bus::embedded::KeptPort,
     dir: PathBuf,
 }
 
@@ -57,7 +57,8 @@ impl SparqlServer {
     /// A server ready for queries when this returns.
     pub fn start(kind: Kind) -> SparqlServer {
         // Kept across its restarts: outside the range an outgoing connection is given.
-        let port = agent_bus::embedded::port_to_keep(&[]).unwrap();
+        let kept = agent_bus::embedded::KeptPort::choose(&[]).unwrap();
+        let port = kept.port();
         // Not named by the port alone: a server restarting leaves its port free for a moment,
         // and one started meanwhile could be given it and wipe this folder.
         let dir = std::env::temp_dir().join(format!(
@@ -70,7 +71,7 @@ impl SparqlServer {
         let mut server = SparqlServer {
             kind,
             child: None,
-            port,
+            port: kept,
             dir,
         };
         server.launch();
@@ -88,7 +89,11 @@ impl SparqlServer {
 
     /// Its base URL, as `GRAPH_STORE` takes it.
     pub fn endpoint(&self) -> String {
-        format!("http://127.0.0.1:{}{}", self.port, self.kind.base_path())
+        format!(
+            "http://127.0.0.1:{}{}",
+            self.port.port(),
+            self.kind.base_path()
+        )
     }
 
     /// SIGKILL, then start again on the same data.
@@ -113,7 +118,12 @@ impl SparqlServer {
                 .arg("-cp")
                 .arg(format!("{}/*", jars.display()))
                 .arg("org.apache.jena.fuseki.main.cmds.FusekiMainCmd")
-                .args(["--localhost", "--port", &self.port.to_string(), "--update"])
+                .args([
+                    "--localhost",
+                    "--port",
+                    &self.port.port().to_string(),
+                    "--update",
+                ])
                 .arg("--tdb2")
                 .arg("--loc")
                 .arg(&data)
@@ -127,7 +137,7 @@ impl SparqlServer {
                     .arg("serve")
                     .arg("--location")
                     .arg(&data)
-                    .args(["--bind", &format!("127.0.0.1:{}", self.port)]);
+                    .args(["--bind", &format!("127.0.0.1:{}", self.port.port())]);
                 oxigraph
             }
         };
@@ -153,7 +163,7 @@ impl SparqlServer {
             }
             // The server we started answers, not another one on the port it failed to bind.
             let ours = self.child.as_ref().is_some_and(|child| {
-                agent_bus::embedded::process_listens_on(child.id(), self.port)
+                agent_bus::embedded::process_listens_on(child.id(), self.port.port())
             });
             if ours && self.answers() {
                 return;
@@ -165,7 +175,7 @@ impl SparqlServer {
 
     /// Whether `ASK {}` is answered 200.
     fn answers(&self) -> bool {
-        let Ok(mut stream) = std::net::TcpStream::connect(("127.0.0.1", self.port)) else {
+        let Ok(mut stream) = std::net::TcpStream::connect(("127.0.0.1", self.port.port())) else {
             return false;
         };
         let _ = stream.set_read_timeout(Some(Duration::from_secs(5)));

@@ -347,9 +347,8 @@ async fn a_chains_root_outlives_as_many_crashes_as_the_bound_on_its_deliveries()
     let second_addr = addr();
     let mut second = start(&second_addr);
     let second_metrics = format!("http://{second_addr}");
-    let received = "agent_request_messages_total{fate=\"received\"}";
     let deadline = tokio::time::Instant::now() + DIALOG_TIMEOUT;
-    while counter_once_listening(&second_metrics, received).await < 1.0 {
+    while requests_with_fate(&second_metrics, "received").await < 1.0 {
         assert!(
             tokio::time::Instant::now() < deadline,
             "the root never reached the second process {}",
@@ -703,11 +702,6 @@ async fn a_copy_of_a_request_runs_once() {
     assert_one_chain(&aggregator, &session).await;
 }
 
-/// Request messages the orchestrator serving metrics at `base` has acked, once it listens.
-async fn acked_requests(base: &str) -> f64 {
-    counter_once_listening(base, "agent_request_messages_total{fate=\"acked\"}").await
-}
-
 /// A step given up (its message moved to the dead-letter topic, which ends its dialog with an
 /// error) is recorded like any outcome. A copy of its request that comes after (a redelivery the
 /// broker hands out after a restart, a client's retry) settles from that record instead of
@@ -738,10 +732,10 @@ async fn a_step_given_up_is_recorded_and_a_later_copy_answers_nothing_after_its_
     let error = responses.last().unwrap().error.clone().expect("an error");
     assert!(error.message.contains("dead-letter topic"), "{error:?}");
 
-    let acked_before = acked_requests(&metrics).await;
+    let acked_before = requests_with_fate(&metrics, "acked").await;
     client.send(id, &request).await.unwrap();
     let deadline = tokio::time::Instant::now() + DIALOG_TIMEOUT;
-    while acked_requests(&metrics).await < acked_before + 1.0 {
+    while requests_with_fate(&metrics, "acked").await < acked_before + 1.0 {
         assert!(
             tokio::time::Instant::now() < deadline,
             "the copy was never taken up"

@@ -1159,9 +1159,7 @@ async fn two_replicas_let_one_dialog_of_a_conversation_start_at_a_time() {
     for base in &bases {
         until_ready(base, Duration::from_secs(60)).await;
     }
-    let received = |base: String| async move {
-        counter_once_listening(&base, "agent_request_messages_total{fate=\"received\"}").await
-    };
+    let received = |base: String| async move { requests_with_fate(&base, "received").await };
     let mut client = client(&broker).await;
     for attempt in 0..6 {
         let before = (
@@ -1207,24 +1205,25 @@ async fn two_replicas_let_one_dialog_of_a_conversation_start_at_a_time() {
     panic!("in six tries the broker never handed the two requests to the two replicas");
 }
 
-/// A first step slower than its start's lease (a local model can take minutes before its first
-/// step commits and the graph shows the dialog): its replica renews the start with the journal's
-/// owner while the step runs, so a request of the same conversation sent after the first lease
-/// would have lapsed is still refused under `conversation_policy: reject`, and once the first
-/// dialog has ended the conversation takes the next one. Without the renewal the start lapsed and
-/// the second request ran beside the first.
-#[tokio::test]
-async fn a_first_step_slower_than_its_starts_lease_keeps_its_conversation() {
-    let config = conversation_config("reject-slow-first", "reject");
-    let script = r#"{"rules": [
-  {"match": "Question: Slow first?", "reply": "Thought: I know.\nFinal Answer: slow done", "delay_ms": 9000},
-  {"match": "", "reply": "Thought: I know.\nFinal Answer: quick done"}
-]}"#;
+/// A stack for a conversation under `conversation_policy: reject` whose starts are leased for
+/// `lease_secs`, with one orchestrator (a child, its metrics at the base returned).
+async fn conversation_with_lease(
+    name: &str,
+    script: &str,
+    lease_secs: u64,
+) -> (
+    Broker,
+    Aggregator,
+    scripted_llm::ScriptedLlm,
+    Orchestrator,
+    String,
+) {
+    let config = conversation_config(name, "reject");
     let broker = Broker::start().unwrap();
     let aggregator = Aggregator::spawn_with(&broker, &["--config-token", TOKEN]);
     let llm = scripted_llm(script).await;
     let http_addr = format!("127.0.0.1:{}", agent_bus::embedded::free_port().unwrap());
-    let _orchestrator = Orchestrator::journaled_with(
+    let orchestrator = Orchestrator::journaled_with(
         Place::Child,
         &broker,
         &llm,
@@ -1232,29 +1231,53 @@ async fn a_first_step_slower_than_its_starts_lease_keeps_its_conversation() {
         TOKEN,
         &config,
         &[
-            ("AGENT_CONVERSATION_START_LEASE_SECS", "3"),
+            (
+                "AGENT_CONVERSATION_START_LEASE_SECS",
+                &lease_secs.to_string(),
+            ),
             ("AGENT_HTTP_ADDR", &http_addr),
         ],
     );
-    until_ready(&format!("http://{http_addr}"), Duration::from_secs(60)).await;
-    let mut client = client(&broker).await;
-    let asking = |id: &str, question: &str| AgentRequest {
+    let base = format!("http://{http_addr}");
+    until_ready(&base, Duration::from_secs(60)).await;
+    (broker, aggregator, llm, orchestrator, base)
+}
+
+fn in_slow_conversation(id: &str, question: &str) -> AgentRequest {
+    AgentRequest {
         pattern: "react".into(),
         conversation_id: "slow-first".into(),
         ..request(&format!("{question} ({id})"), false)
-    };
+    }
+}
+
+/// A first step slower than its start's lease (a local model can take minutes before its first
+/// step commits and the graph shows the dialog): its replica renews the start with the journal's
+/// owner while the step runs, so a request of the same conversation sent after the first lease
+/// would have lapsed is still refused under `conversation_policy: reject`, and once the first
+/// dialog has ended (and the graph shows it) the conversation takes the next one. Without the
+/// renewals the start lapsed and the second request ran beside the first.
+#[tokio::test]
+async fn a_first_step_slower_than_its_starts_lease_keeps_its_conversation() {
+    let script = r#"{"rules": [
+  {"match": "Question: Slow first?", "reply": "Thought: I know.\nFinal Answer: slow done", "delay_ms": 18000},
+  {"match": "", "reply": "Thought: I know.\nFinal Answer: quick done"}
+]}"#;
+    let (broker, aggregator, llm, _orchestrator, _base) =
+        conversation_with_lease("reject-slow-first", script, 6).await;
+    let mut client = client(&broker).await;
     client
-        .send("slow-a", &asking("slow-a", "Slow first?"))
+        .send("slow-a", &in_slow_conversation("slow-a", "Slow first?"))
         .await
         .unwrap();
     until("the slow first step's LLM call", || {
         calls_matching(&llm, "Slow first?") >= 1
     })
     .await;
-    // Past the 3 s lease taken as the step started, well before its LLM answers.
-    tokio::time::sleep(Duration::from_millis(4500)).await;
+    // Past the 6 s lease taken as the step started, well before its LLM answers.
+    tokio::time::sleep(Duration::from_secs(9)).await;
     client
-        .send("slow-b", &asking("slow-b", "Beside it?"))
+        .send("slow-b", &in_slow_conversation("slow-b", "Beside it?"))
         .await
         .unwrap();
     let mut both =
@@ -1274,14 +1297,78 @@ async fn a_first_step_slower_than_its_starts_lease_keeps_its_conversation() {
         refused.message
     );
     assert_eq!(calls_matching(&llm, "Beside it?"), 0);
-    // The first ended: its start, no longer renewed, holds nothing up.
+    // The first ended, and the graph shows it: its start, no longer renewed, holds nothing up.
+    let ended = format!(
+        "{}SELECT ?s WHERE {{ GRAPH <urn:graph:retrieval> {{ ?s a tg:AgentQuestion ; tg:conversation \"slow-first\" ; tg:query ?q . FILTER (CONTAINS(?q, \"Slow first?\")) BIND (IRI(CONCAT(STR(?s), \"/final\")) AS ?f) ?f tg:terminationReason ?why }} }}",
+        agent_core::vocab::SPARQL_PREFIXES
+    );
+    assert_eq!(count_reaching(&aggregator.store(), ended, 1).await, 1);
     client
-        .send("slow-c", &asking("slow-c", "Next?"))
+        .send("slow-c", &in_slow_conversation("slow-c", "Next?"))
         .await
         .unwrap();
     let mut next = collect_dialogs(&mut client, &["slow-c"], Duration::from_secs(60)).await;
     let next = next.remove("slow-c").unwrap();
     assert_eq!(next.last().unwrap().content, "quick done", "{next:#?}");
+}
+
+/// A first step parked while its LLM provider is down (a 503 asking for 8 s each time) keeps its
+/// start through the park, longer than its lease: a request of its conversation sent meanwhile
+/// is refused under `conversation_policy: reject`. Without renewals through the park the start
+/// lapsed while the step waited, and the second request started beside the first.
+#[tokio::test]
+async fn a_parked_first_step_keeps_its_conversation() {
+    let script = r#"{"rules": [
+  {"match": "Question: Parked first?", "reply": "Thought: I know.\nFinal Answer: parked done"},
+  {"match": "", "reply": "Thought: I know.\nFinal Answer: quick done"}
+]}"#;
+    let (broker, _aggregator, llm, _orchestrator, base) =
+        conversation_with_lease("reject-parked-first", script, 3).await;
+    let mut client = client(&broker).await;
+    llm.start_outage(503, Some(8));
+    client
+        .send(
+            "parked-a",
+            &in_slow_conversation("parked-a", "Parked first?"),
+        )
+        .await
+        .unwrap();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    while counter_once_listening(&base, "agent_steps_parked_total").await < 1.0 {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the first step was never parked"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    // Past the 3 s lease, within the 8 s the park waits.
+    tokio::time::sleep(Duration::from_millis(4500)).await;
+    client
+        .send("parked-b", &in_slow_conversation("parked-b", "Beside it?"))
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    llm.end_outage();
+    let mut both = collect_dialogs(
+        &mut client,
+        &["parked-a", "parked-b"],
+        Duration::from_secs(90),
+    )
+    .await;
+    let (first, second) = (
+        both.remove("parked-a").unwrap(),
+        both.remove("parked-b").unwrap(),
+    );
+    assert_eq!(first.last().unwrap().content, "parked done", "{first:#?}");
+    let refused = second
+        .last()
+        .and_then(|r| r.error.as_ref())
+        .unwrap_or_else(|| panic!("the second request ran beside the first: {second:#?}"));
+    assert!(
+        refused.message.contains("conversation_policy: reject"),
+        "{}",
+        refused.message
+    );
 }
 
 /// A cancel that races a dialog's steps, sent as each of its three LLM calls starts: whatever wins,

@@ -93,7 +93,7 @@ pub fn free_port() -> Result<u16, std::io::Error> {
 /// outgoing connection made while the broker is down can be given the port as its own end, and
 /// the broker then cannot listen there again (a restarted Apache Pulsar's bookie failed so in a
 /// suite run, 2026-11-30). Outside it only a listener can take it: another broker's kept port
-/// (this process holds its own brokers' ports, see [`hold_port`]; another process's broker
+/// (this process holds the ports it keeps, see [`hold_port`] and [`KeptPort`]; another process's
 /// could still pick it while this one is down, one chance in thousands), never a connection.
 pub fn port_to_keep(besides: &[u16]) -> Result<u16, std::io::Error> {
     const LOWEST: u32 = 15_000;
@@ -130,8 +130,9 @@ pub fn port_to_keep(besides: &[u16]) -> Result<u16, std::io::Error> {
     }
 }
 
-/// The ports of this process's brokers, held for them while they live: one restarting
-/// has its port free for a moment, and a broker started meanwhile must not take it.
+/// The ports this process keeps for its brokers and services (see [`KeptPort`]), held while they
+/// live: one restarting has its port free for a moment, and one started meanwhile must not take
+/// it.
 fn held_ports() -> std::sync::MutexGuard<'static, Vec<u16>> {
     static HELD: std::sync::OnceLock<std::sync::Mutex<Vec<u16>>> = std::sync::OnceLock::new();
     HELD.get_or_init(Default::default)
@@ -150,6 +151,36 @@ pub(crate) fn release_port(port: u16) {
     let mut held = held_ports();
     if let Some(at) = held.iter().position(|p| *p == port) {
         held.swap_remove(at);
+    }
+}
+
+/// A port chosen by [`port_to_keep`] and held (see [`hold_port`]) until dropped: for a service
+/// other than a broker that this process restarts on the same port.
+#[derive(Debug)]
+pub struct KeptPort(u16);
+
+impl KeptPort {
+    /// A port outside `besides`, held from now on.
+    pub fn choose(besides: &[u16]) -> Result<KeptPort, std::io::Error> {
+        loop {
+            let port = port_to_keep(besides)?;
+            // Checked again under the lock it is held by: another thread may have kept it since.
+            let mut held = held_ports();
+            if !held.contains(&port) {
+                held.push(port);
+                return Ok(KeptPort(port));
+            }
+        }
+    }
+
+    pub fn port(&self) -> u16 {
+        self.0
+    }
+}
+
+impl Drop for KeptPort {
+    fn drop(&mut self) {
+        release_port(self.0);
     }
 }
 

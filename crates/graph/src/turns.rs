@@ -26,7 +26,7 @@ pub const LEASE_BOUNDS: (Duration, Duration) = (Duration::from_secs(1), Duration
 const MAX_CONVERSATIONS: usize = 65_536;
 
 /// The most starts kept for one conversation: one at a time under `queue` and `reject`, one more
-/// for each interrupt within [`SHOWN_WITHIN`] under `interrupt`.
+/// under `interrupt` for each interrupted dialog whose first step still runs.
 const MAX_STARTS: usize = 64;
 
 /// How many questions pass between sweeps of lapsed starts while the map is full (a sweep reads
@@ -133,7 +133,8 @@ impl Starts {
                 StartIf::Anyway | StartIf::Running => true,
                 StartIf::Never => false,
             };
-        let renewed = started_before && asked.start == StartIf::Running;
+        // Asked again with a will to start (its step parked or handed back), it is still starting.
+        let renewed = started_before && asked.start != StartIf::Never;
         if renewed || (started && starts.len() < MAX_STARTS) {
             starts.insert(asked.session.clone(), now + asked.lease());
         }
@@ -270,8 +271,11 @@ mod tests {
         let second = Duration::from_secs(1);
         let renewed = starts.take_turn(1, &lease("a", StartIf::Running), now + second);
         assert!(renewed.started_before && !renewed.started);
-        // Past the first lease, within the renewed one: the conversation is still taken.
-        let waiting = starts.take_turn(1, &lease("b", StartIf::Clear), now + 2 * second);
+        // Asked again to start (its step parked, then tried again), it is renewed as well.
+        let again = starts.take_turn(1, &lease("a", StartIf::Clear), now + 2 * second);
+        assert!(again.started_before);
+        // Past the first leases, within the renewed one: the conversation is still taken.
+        let waiting = starts.take_turn(1, &lease("b", StartIf::Clear), now + 3 * second);
         assert!(!waiting.started && waiting.unseen == ["a"], "{waiting:?}");
         // Not renewed, it lapses.
         assert!(

@@ -264,9 +264,9 @@ impl Drop for HeldLine<'_> {
 }
 
 /// A new dialog's start in its conversation, renewed with the journal's owner every third of its
-/// lease while its first step runs: the graph shows the dialog only once that step has committed,
-/// which a slow model can put off for longer than any fixed wait. Dropped when the step settles;
-/// a replica that crashes stops renewing, and the start lapses a lease later.
+/// lease while its first step runs or is parked: the graph shows the dialog only once that step
+/// has committed, which a slow model can put off for longer than any fixed wait. Dropped when
+/// the step settles; a replica that crashes stops renewing, and the start lapses a lease later.
 pub struct KeptStart(tokio::task::AbortHandle);
 
 impl Drop for KeptStart {
@@ -277,13 +277,19 @@ impl Drop for KeptStart {
 
 impl KeptStart {
     /// Renews the start of `session` in `conversation` until dropped (kept by this process alone
-    /// without a journal, as its start was).
+    /// without a journal, as its start was), at once too if `at_once` (a start taken before,
+    /// whose lease may be near its end).
     pub fn renewing(
         journal: Option<crate::journal::Journal>,
         conversation: &str,
         session: &str,
         lease: Duration,
+        at_once: bool,
     ) -> KeptStart {
+        let lease = lease.clamp(
+            agent_graph::turns::LEASE_BOUNDS.0,
+            agent_graph::turns::LEASE_BOUNDS.1,
+        );
         let asked = agent_graph::turns::TurnAsked {
             conversation: conversation.to_owned(),
             session: session.to_owned(),
@@ -292,27 +298,37 @@ impl KeptStart {
             start: agent_graph::turns::StartIf::Running,
             for_ms: Some(u64::try_from(lease.as_millis()).unwrap_or(u64::MAX)),
         };
+        // A renewal that gets no answer gives up in half a period, so the next is still in time
+        // (a third of the lease later, on the beat, not after the failure).
         let every = lease / 3;
+        let within = every / 2;
         let renewing = tokio::spawn(async move {
+            let mut ticks = tokio::time::interval(every);
+            ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            if !at_once {
+                ticks.tick().await;
+            }
             let mut failing = false;
             loop {
-                tokio::time::sleep(every).await;
+                ticks.tick().await;
                 let renewed = match &journal {
                     Some(journal) => {
-                        match tokio::time::timeout(every, journal.take_turn(asked.clone())).await {
-                            Ok(renewed) => renewed.map(|_| ()),
-                            Err(_) => {
-                                Err(GraphError::Transport(format!("no answer within {every:?}")))
-                            }
+                        match tokio::time::timeout(within, journal.take_turn(asked.clone())).await {
+                            Ok(renewed) => renewed,
+                            Err(_) => Err(GraphError::Transport(format!(
+                                "no answer within {within:?}"
+                            ))),
                         }
                     }
-                    None => {
-                        agent_graph::turns::take_turn_here("", &asked);
-                        Ok(())
-                    }
+                    None => Ok(agent_graph::turns::take_turn_here("", &asked)),
                 };
                 match renewed {
-                    Ok(()) => failing = false,
+                    Ok(turn) => {
+                        failing = false;
+                        if turn.started && !turn.unseen.is_empty() {
+                            tracing::warn!(conversation = %asked.conversation, session = %asked.session, others = ?turn.unseen, "a running first step's start had lapsed with the journal's owner (a restart, or renewals that failed): another dialog of the conversation may have started beside it");
+                        }
+                    }
                     Err(e) if !failing => {
                         failing = true;
                         tracing::warn!(conversation = %asked.conversation, session = %asked.session, error = %e, "cannot renew a running first step's start with the journal's owner: once it lapses, another dialog of the conversation may start beside it");

@@ -414,6 +414,9 @@ impl Engine {
         let mut aside = None;
         // Its place in its conversation's line, once it queued: left however the step ends.
         let mut in_line: Option<InLine<'_>> = None;
+        // Its start in its conversation, once let start: renewed while it runs and while it is
+        // parked, until the step is settled here.
+        let mut kept_start = None;
         loop {
             let window = Duration::from_secs(self.config.current().limits.max_outage_secs);
             let may_park = outage.map_or(!window.is_zero(), |since| since.elapsed() < window);
@@ -423,8 +426,14 @@ impl Engine {
                 may_park,
                 taker: &taker,
             };
-            let result =
-                Box::pin(self.handle_inner(delivery.clone(), attempt, answer, &mut aside)).await;
+            let result = Box::pin(self.handle_inner(
+                delivery.clone(),
+                attempt,
+                answer,
+                &mut aside,
+                &mut kept_start,
+            ))
+            .await;
             let park = match next_after(result, may_park, window) {
                 Next::Ack => return (Disposition::Ack, None),
                 Next::Continue(continuation) => return (Disposition::Ack, Some(*continuation)),
@@ -499,7 +508,15 @@ impl Engine {
         answer: Option<&approval::Answer>,
     ) -> Disposition {
         events::StepGivenUp { why }.emit();
-        match Box::pin(self.handle_inner(delivery, Attempt::GiveUp(why), answer, &mut None)).await {
+        match Box::pin(self.handle_inner(
+            delivery,
+            Attempt::GiveUp(why),
+            answer,
+            &mut None,
+            &mut None,
+        ))
+        .await
+        {
             Ok(_) => Disposition::Ack,
             Err(e) => Disposition::Nack(e.to_string()),
         }

@@ -146,7 +146,10 @@ pub async fn run(settings: Settings, shutdown: CancellationToken) -> anyhow::Res
             .ok()
             .filter(|&n| n > 0),
         turns: Default::default(),
-        start_lease: Duration::from_secs(settings.conversation_start_lease_secs.max(1)),
+        start_lease: Duration::from_secs(settings.conversation_start_lease_secs).clamp(
+            agent_graph::turns::LEASE_BOUNDS.0,
+            agent_graph::turns::LEASE_BOUNDS.1,
+        ),
         answers_waiting: Default::default(),
         step_seals: settings.step_seals,
     });

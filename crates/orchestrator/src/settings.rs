@@ -65,7 +65,7 @@ pub struct Settings {
     /// How long the journal's owner keeps a new dialog of a conversation counted as started
     /// while its first step has not shown in the graph, unless renewed: this process renews it
     /// every third of that while the step runs, so it only bounds how long a replica that crashed
-    /// in a first step holds its conversation up.
+    /// in a first step holds its conversation up. Held to 1-600 s.
     #[arg(
         long,
         env = "AGENT_CONVERSATION_START_LEASE_SECS",

@@ -228,13 +228,15 @@ impl Engine {
     /// then refuses it, gives it up or runs its step, and commits what it caused before the
     /// message is acked.
     /// `aside`: the delivery's place aside while it waited for its conversation, given back as it
-    /// is let start.
+    /// is let start. `kept_start`: its start in its conversation once let start, kept by the
+    /// caller across parks.
     pub(crate) async fn handle_inner(
         &self,
         delivery: Delivery<AgentRequest>,
         attempt: Attempt<'_>,
         answer: Option<&approval::Answer>,
         aside: &mut Option<agent_bus::AsideLease>,
+        kept_start: &mut Option<crate::conversation::KeptStart>,
     ) -> Result<Settled, StepError> {
         let taken = std::time::Instant::now();
         let mut step = match self.admit(delivery, attempt, answer.is_some()).await? {
@@ -245,9 +247,6 @@ impl Engine {
             && step.verdict.is_ok()
             && answer.is_none()
             && matches!(attempt, Attempt::Run { .. });
-        // Kept until this function returns: the step has committed (the graph will show the
-        // dialog), or settled another way.
-        let mut _kept_start = None;
         if joins_conversation {
             let joined = self
                 .join_conversation(
@@ -262,7 +261,7 @@ impl Engine {
                 *aside = None;
             }
             match joined {
-                Joined::Go(kept) => _kept_start = kept,
+                Joined::Go(kept) => *kept_start = kept,
                 Joined::Refused(problem) => step.verdict = Err(problem),
                 Joined::Queued(why) => {
                     return Ok(Settled::Queued(Queued {
@@ -583,12 +582,14 @@ impl Engine {
         request.framing = conversation::framed(&request.framing, &summary);
         let follows: Vec<String> = earlier.iter().map(|d| d.session_uri.clone()).collect();
         out.explain(&uris.session(), provenance::follows(uris, &follows))?;
+        // Renewed at once if it was let start before: its lease may be near its end.
         let kept = (!cancelled).then(|| {
             conversation::KeptStart::renewing(
                 self.journal.clone(),
                 conversation,
                 session_id,
                 self.start_lease,
+                turn.started_before,
             )
         });
         Ok(Joined::Go(kept))
