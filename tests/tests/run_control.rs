@@ -28,15 +28,23 @@ const STALLED_FAN_OUT: &str = r#"{"rules": [
   {"match": "Request to answer from the subagents: Survey", "reply": "a synthesis that must not happen"}
 ]}"#;
 
-/// Runs `agentctl` against `broker`; what it printed.
+/// Runs `agentctl` against `broker`, with the services' seal key; what it printed.
 fn agentctl(broker: &Broker, args: &[&str]) -> String {
-    let out = Command::new(binary("agentctl"))
+    agentctl_keyed(broker, Some(SEAL_KEY), args)
+}
+
+/// Runs `agentctl` against `broker` with the seal key `key` (or none); what it printed.
+fn agentctl_keyed(broker: &Broker, key: Option<&str>, args: &[&str]) -> String {
+    let mut command = Command::new(binary("agentctl"));
+    command
         .args(args)
         .args(["--pulsar-url", &broker.url()])
         .env("RUST_LOG", "warn")
-        .env("AGENT_SEAL_KEY", SEAL_KEY)
-        .output()
-        .unwrap();
+        .env_remove("AGENT_SEAL_KEY");
+    if let Some(key) = key {
+        command.env("AGENT_SEAL_KEY", key);
+    }
+    let out = command.output().unwrap();
     assert!(
         out.status.success(),
         "agentctl {args:?} failed: {}",
@@ -712,6 +720,75 @@ async fn a_denied_call_is_not_run_and_the_agent_goes_on() {
             "ops-dan did not approve calling 'pay'; it was not run (over budget)"
         ),
         1
+    );
+}
+
+/// Control messages without the services' seal (sent without `AGENT_SEAL_KEY`, or with another
+/// key) are ignored by orchestrators that have one: an approval sealed with the wrong key runs no
+/// tool, a cancel sent unsealed stops nothing, and the sealed denial that follows is the answer
+/// the dialog goes on with. Before control messages were sealed, the forged approval paid.
+#[tokio::test]
+async fn control_messages_without_the_services_seal_are_ignored() {
+    const DENIED: &str = r#"{"rules": [
+      {"match": "did not approve calling 'pay'", "reply": "Thought: Not allowed.\nFinal Answer: I was not allowed to pay."},
+      {"match": "pay invoice epsilon-4", "exact": true, "reply": "payment sent"},
+      {"match": "Question: pay the epsilon invoice", "reply": "Thought: Pay it.\nAction: pay\nArgs: {\"question\": \"pay invoice epsilon-4\"}"}
+    ]}"#;
+    let Stack {
+        broker,
+        aggregator: _aggregator,
+        llm,
+        orchestrator: _orchestrator,
+    } = Stack::journaled(TOKEN, DENIED, &pay_config("forged-control", 300), &[]).await;
+    let mut client = client(&broker).await;
+    client
+        .send(
+            "a-9",
+            &AgentRequest {
+                pattern: "react".into(),
+                ..request("pay the epsilon invoice", false)
+            },
+        )
+        .await
+        .unwrap();
+    let mut responses = until_approval_asked(&mut client, "a-9").await;
+    let (_, session, step) = approval_asked(&responses);
+    let step = step.to_string();
+    agentctl_keyed(
+        &broker,
+        Some("not-the-services-key"),
+        &["approve", &session, &step, "--by", "mallory"],
+    );
+    // Acted on, it would have paid by now.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert_eq!(payments(&llm, "pay invoice epsilon-4"), 0);
+    let said = agentctl_keyed(&broker, None, &["cancel", &session, "--by", "mallory"]);
+    assert!(said.contains("cancelled session"), "{said}");
+    // Acted on, it would end the dialog as cancelled.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    agentctl(
+        &broker,
+        &[
+            "deny",
+            &session,
+            &step,
+            "--by",
+            "ops-dan",
+            "--reason",
+            "not today",
+        ],
+    );
+    responses.extend(
+        collect_dialog(&mut client, "a-9", Duration::from_secs(60))
+            .await
+            .unwrap(),
+    );
+    let last = responses.last().unwrap();
+    assert_eq!(last.content, "I was not allowed to pay.", "{responses:#?}");
+    assert_eq!(payments(&llm, "pay invoice epsilon-4"), 0);
+    assert!(
+        responses.iter().all(|r| r.error.is_none()),
+        "{responses:#?}"
     );
 }
 

@@ -39,6 +39,14 @@ fn session_of(given: &str) -> anyhow::Result<String> {
     Ok(session.to_owned())
 }
 
+/// The services' key from `secret` (`--seal-key`, `AGENT_SEAL_KEY`), if one is given.
+fn seal_key(secret: Option<&str>) -> Option<agent_bus::seal::SealKey> {
+    secret
+        .map(str::trim)
+        .filter(|k| !k.is_empty())
+        .map(|k| agent_bus::seal::SealKey::new(k.as_bytes()))
+}
+
 /// Who is asking: `--by`, else the user running the command.
 fn asker(by: Option<&str>) -> String {
     by.map(str::to_owned).unwrap_or_else(|| {
@@ -82,10 +90,11 @@ pub async fn cancel(args: CancelArgs) -> anyhow::Result<i32> {
     };
     // Only a sealed record is written (the aggregator leaves the agent's records out of anything
     // else): without the key there is no record to make, only the control message.
-    match args.seal_key.as_deref().map(str::trim).filter(|k| !k.is_empty()) {
-        Some(secret) => {
+    let key = seal_key(args.seal_key.as_deref());
+    match &key {
+        Some(key) => {
             let payload = agent_schema::encode(&record);
-            let seal = agent_bus::seal::SealKey::new(secret.as_bytes()).seal_explain(&payload);
+            let seal = key.seal_explain(&payload);
             let properties: Properties =
                 [(agent_bus::seal::EXPLAIN_SEAL_PROPERTY.to_owned(), seal)].into();
             Publisher::new(&bus, &topics.explainability)
@@ -95,10 +104,10 @@ pub async fn cancel(args: CancelArgs) -> anyhow::Result<i32> {
                 .context("recording the cancel in the graph")?;
         }
         None => eprintln!(
-            "no AGENT_SEAL_KEY: the cancel is not recorded in the graph (only the services' sealed records are written); running replicas stop the dialog, one started later would not know of it"
+            "no AGENT_SEAL_KEY: the cancel is not recorded in the graph (only the services' sealed records are written), and orchestrators that have a seal key ignore it (unless run with --control-seals warn)"
         ),
     }
-    send_control(&bus, &topics, &control)
+    send_control(&bus, &topics, &control, key.as_ref())
         .await
         .context("sending the cancel to the orchestrators")?;
     println!(
@@ -123,6 +132,10 @@ pub struct ApproveArgs {
     /// Why, as the graph records it.
     #[arg(long, default_value = "")]
     pub reason: String,
+    /// The secret the services share: an orchestrator with a seal key takes up only an answer
+    /// sealed with it.
+    #[arg(long, env = "AGENT_SEAL_KEY", hide_env_values = true)]
+    pub seal_key: Option<String>,
     #[command(flatten)]
     pub broker: BrokerArgs,
 }
@@ -139,6 +152,10 @@ pub struct DenyArgs {
     /// Why, as the graph records it and the agent is told.
     #[arg(long, default_value = "")]
     pub reason: String,
+    /// The secret the services share: an orchestrator with a seal key takes up only an answer
+    /// sealed with it.
+    #[arg(long, env = "AGENT_SEAL_KEY", hide_env_values = true)]
+    pub seal_key: Option<String>,
     #[command(flatten)]
     pub broker: BrokerArgs,
 }
@@ -160,7 +177,7 @@ pub async fn approve(args: ApproveArgs) -> anyhow::Result<i32> {
         step: Some(args.step),
         arguments,
     };
-    answer(&args.broker, &control).await
+    answer(&args.broker, &control, args.seal_key.as_deref()).await
 }
 
 pub async fn deny(args: DenyArgs) -> anyhow::Result<i32> {
@@ -173,10 +190,14 @@ pub async fn deny(args: DenyArgs) -> anyhow::Result<i32> {
         step: Some(args.step),
         arguments: None,
     };
-    answer(&args.broker, &control).await
+    answer(&args.broker, &control, args.seal_key.as_deref()).await
 }
 
-async fn answer(broker: &BrokerArgs, control: &AgentControl) -> anyhow::Result<i32> {
+async fn answer(
+    broker: &BrokerArgs,
+    control: &AgentControl,
+    seal_key_given: Option<&str>,
+) -> anyhow::Result<i32> {
     anyhow::ensure!(
         control.step.is_some_and(|s| s > 0),
         "steps are numbered from 1"
@@ -185,7 +206,11 @@ async fn answer(broker: &BrokerArgs, control: &AgentControl) -> anyhow::Result<i
         .connect_within(crate::BROKER_PATIENCE)
         .await
         .with_context(|| format!("connecting to {}", broker.pulsar_url))?;
-    send_control(&bus, &broker.topics(), control)
+    let key = seal_key(seal_key_given);
+    if key.is_none() {
+        eprintln!("no AGENT_SEAL_KEY: orchestrators that have a seal key ignore this answer (unless run with --control-seals warn)");
+    }
+    send_control(&bus, &broker.topics(), control, key.as_ref())
         .await
         .context("sending the answer")?;
     println!(

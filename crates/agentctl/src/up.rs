@@ -98,11 +98,18 @@ pub async fn run(args: UpArgs) -> anyhow::Result<i32> {
     let mut aggregator_settings =
         AggregatorSettings::embedded(settings.broker.clone(), graph_dir.clone(), sparql_addr);
     aggregator_settings.config_token = Some(token.clone());
-    // Both services are in this process: a fresh secret seals what they send each other.
-    let seal = settings
-        .seal_key
-        .clone()
-        .unwrap_or_else(|| uuid::Uuid::new_v4().simple().to_string());
+    // Both services are in this process: a fresh secret seals what they send each other. Nobody
+    // else can hold a fresh one, so `agentctl cancel` and `approve` from another shell could not
+    // seal their messages: they are then acted on, with a warning (set AGENT_SEAL_KEY to require
+    // them sealed).
+    let seal = match settings.seal_key.clone().filter(|k| !k.trim().is_empty()) {
+        Some(given) => given,
+        None => {
+            settings.control_seals = agent_orchestrator::settings::SealRule::Warn;
+            eprintln!("seal key      a fresh one (no AGENT_SEAL_KEY): run control from other shells is taken unsealed");
+            uuid::Uuid::new_v4().simple().to_string()
+        }
+    };
     aggregator_settings.seal_key = Some(seal.clone());
     settings.seal_key = Some(seal);
     let mut aggregator = tokio::spawn(agent_aggregator::run(aggregator_settings, shutdown.clone()));

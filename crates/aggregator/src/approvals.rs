@@ -6,7 +6,7 @@
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
-use agent_bus::{Properties, Publisher};
+use agent_bus::Publisher;
 use agent_graph::model::Term;
 use agent_graph::{queries, GraphStore, QueryAnswer};
 use agent_schema::{control_operation, AgentControl};
@@ -44,6 +44,7 @@ struct Sent {
 pub async fn sweep(
     store: GraphStore,
     answers: Publisher,
+    seal: Option<agent_bus::seal::SealKey>,
     every: Duration,
     shutdown: CancellationToken,
 ) {
@@ -97,10 +98,8 @@ pub async fn sweep(
                 step: Some(step),
                 arguments: None,
             };
-            match answers
-                .send(agent_schema::encode(&expiry), &Properties::new())
-                .await
-            {
+            let (payload, properties) = agent_bus::sealed_control(&expiry, seal.as_ref());
+            match answers.send(payload, &properties).await {
                 Ok(()) => {
                     let sent = sent.entry(node.as_str().to_owned()).or_insert(Sent {
                         count: 0,

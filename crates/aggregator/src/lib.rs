@@ -312,6 +312,7 @@ pub async fn run(settings: AggregatorSettings, shutdown: CancellationToken) -> a
     let approvals = tokio::spawn(approvals::sweep(
         store.clone(),
         agent_bus::Publisher::new(&bus, &topics.control_request).await?,
+        seal.clone(),
         Duration::from_secs(settings.approval_sweep_secs.clamp(1, 3600)),
         shutdown.clone(),
     ));

@@ -497,7 +497,7 @@ fn message_id_of(message: &Message<Vec<u8>>) -> String {
     )
 }
 
-fn properties_of(message: &Message<Vec<u8>>) -> Properties {
+pub(crate) fn properties_of(message: &Message<Vec<u8>>) -> Properties {
     message
         .payload
         .metadata

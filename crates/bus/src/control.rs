@@ -5,14 +5,16 @@
 use agent_schema::AgentControl;
 
 use crate::client::Listener;
+use crate::seal::SealKey;
 use crate::{Bus, BusError, Properties, Publisher, Topics};
 
 /// Publishes `control` where its operation goes: a cancel to every replica, an approval's answer
-/// to the durable topic one replica takes it up from.
+/// to the durable topic one replica takes it up from; sealed with `seal` when given.
 pub async fn send_control(
     bus: &Bus,
     topics: &Topics,
     control: &AgentControl,
+    seal: Option<&SealKey>,
 ) -> Result<(), BusError> {
     let topic = if control.operation == agent_schema::control_operation::CANCEL {
         &topics.control
@@ -20,9 +22,31 @@ pub async fn send_control(
         &topics.control_request
     };
     let publisher = Publisher::new(bus, topic).await?;
-    publisher
-        .send(agent_schema::encode(control), &Properties::new())
-        .await
+    let (payload, properties) = sealed_control(control, seal);
+    publisher.send(payload, &properties).await
+}
+
+/// `control` as sent: its payload, and its seal when `seal` is given.
+pub fn sealed_control(control: &AgentControl, seal: Option<&SealKey>) -> (Vec<u8>, Properties) {
+    let payload = agent_schema::encode(control);
+    let properties = seal
+        .map(|key| {
+            [(
+                crate::seal::CONTROL_SEAL_PROPERTY.to_owned(),
+                key.seal_control(&payload),
+            )]
+            .into()
+        })
+        .unwrap_or_default();
+    (payload, properties)
+}
+
+/// A control message heard, with what its seal is checked over.
+pub struct HeardControl {
+    pub control: AgentControl,
+    /// The payload as it came off the wire.
+    pub raw: Vec<u8>,
+    pub properties: Properties,
 }
 
 /// Every control message published after this subscribed.
@@ -38,11 +62,17 @@ impl ControlListener {
     }
 
     /// The next control message; one that does not decode is skipped with a warning.
-    pub async fn next(&mut self) -> Result<AgentControl, BusError> {
+    pub async fn next(&mut self) -> Result<HeardControl, BusError> {
         loop {
             let message = self.messages.next().await?;
             match agent_schema::decode::<AgentControl>(&message.payload.data) {
-                Ok(control) => return Ok(control),
+                Ok(control) => {
+                    return Ok(HeardControl {
+                        control,
+                        properties: crate::consumer::properties_of(&message),
+                        raw: message.payload.data,
+                    })
+                }
                 Err(e) => {
                     tracing::warn!(error = %e, "skipping a control message that does not decode")
                 }

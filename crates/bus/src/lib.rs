@@ -25,7 +25,7 @@ pub use consumer::{
     run_consumer, Aside, AsideLease, ConsumerStats, Delivery, Disposition, SubscriptionConfig,
     DEAD_LETTER_REASON,
 };
-pub use control::{send_control, ControlListener};
+pub use control::{sealed_control, send_control, ControlListener, HeardControl};
 pub use error::BusError;
 pub use librarian::{Librarian, LibrarianError};
 pub use publisher::{Publisher, Receipt};

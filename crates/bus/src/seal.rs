@@ -1,5 +1,6 @@
 //! Seals on what only this service may send: a subagent's first request and the fan-outs and
-//! completions that drive fan-in. A seal is an HMAC-SHA256 over the fields that matter, keyed by a
+//! completions that drive fan-in, a dialog's later steps, the agent's records, and control
+//! messages (cancels and approvals' answers). A seal is an HMAC-SHA256 over the fields that matter, keyed by a
 //! secret the orchestrators and aggregators share (`AGENT_SEAL_KEY`). Anyone who can publish to
 //! the request or explainability topic can still send a message, but not one that starts a
 //! subagent, joins someone's fan-in or resumes a supervisor.
@@ -16,6 +17,9 @@ pub const STEP_SEAL_PROPERTY: &str = "agent-step-seal";
 /// a sealed message may write the agent's own records (its sessions' nodes and documents), which
 /// the services read back and act on.
 pub const EXPLAIN_SEAL_PROPERTY: &str = "agent-explain-seal";
+/// The property carrying the seal of a control message (a cancel, an approval's answer): its
+/// payload as sent, sealed by whoever holds the key (the services, `agentctl` given it).
+pub const CONTROL_SEAL_PROPERTY: &str = "agent-control-seal";
 
 /// The properties of a later step's request that its seal covers besides the payload: who gets
 /// its messages, what its run has spent and since when, its model, and whose recorded answers it
@@ -97,6 +101,20 @@ impl SealKey {
             return false;
         };
         hmac::verify(&self.0, &framed(&[b"explain", payload]), &tag).is_ok()
+    }
+
+    /// The [`CONTROL_SEAL_PROPERTY`] of a control message: its payload as sent.
+    pub fn seal_control(&self, payload: &[u8]) -> String {
+        self.seal_bytes(&[b"control", payload])
+    }
+
+    /// Whether `properties` carry the seal of the control message `payload` (the bytes as they
+    /// came off the wire).
+    pub fn verify_control(&self, payload: &[u8], properties: &crate::Properties) -> bool {
+        let Some(tag) = properties.get(CONTROL_SEAL_PROPERTY).and_then(|s| unhex(s)) else {
+            return false;
+        };
+        hmac::verify(&self.0, &framed(&[b"control", payload]), &tag).is_ok()
     }
 
     /// Seals a dialog's later step: its [`STEP_SEAL_PROPERTY`] for `properties`.
@@ -186,6 +204,25 @@ mod tests {
         let mut step = crate::Properties::new();
         step.insert(STEP_SEAL_PROPERTY.into(), key.seal_explain(payload));
         assert!(!key.verify_step(payload, &step));
+    }
+
+    #[test]
+    fn a_control_seal_covers_the_payload_and_passes_for_no_other_seal() {
+        let key = SealKey::new(b"k");
+        let payload = br#"{"operation":"approve","session_id":"s","step":1}"#;
+        let mut properties = crate::Properties::new();
+        assert!(!key.verify_control(payload, &properties));
+        properties.insert(CONTROL_SEAL_PROPERTY.into(), key.seal_control(payload));
+        assert!(key.verify_control(payload, &properties));
+        assert!(!key.verify_control(
+            br#"{"operation":"approve","session_id":"t","step":1}"#,
+            &properties
+        ));
+        assert!(!SealKey::new(b"other").verify_control(payload, &properties));
+        // An explain seal of the same bytes is not a control seal.
+        let mut explain = crate::Properties::new();
+        explain.insert(CONTROL_SEAL_PROPERTY.into(), key.seal_explain(payload));
+        assert!(!key.verify_control(payload, &explain));
     }
 
     #[test]

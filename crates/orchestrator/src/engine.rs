@@ -56,7 +56,9 @@ pub struct Engine {
     /// Answers to parked calls handed back while their calls are not found.
     pub answers_waiting: AnswersWaiting,
     /// Whether a subagent's later step without the step seal is dead-lettered (or only logged).
-    pub step_seals: crate::settings::StepSeals,
+    pub step_seals: crate::settings::SealRule,
+    /// Whether a control message without this service's seal is ignored (or only logged).
+    pub control_seals: crate::settings::SealRule,
 }
 
 /// A request's place in its conversation's line, left when dropped (it went, or stopped waiting).
@@ -548,12 +550,8 @@ impl Engine {
             self.cancellations.record(cancel);
         }
         if let Some(publisher) = &self.control {
-            publisher
-                .send(
-                    agent_schema::encode(&control),
-                    &agent_bus::Properties::new(),
-                )
-                .await?;
+            let (payload, properties) = agent_bus::sealed_control(&control, self.seal.as_ref());
+            publisher.send(payload, &properties).await?;
         }
         Ok(())
     }
@@ -576,6 +574,15 @@ impl Engine {
     /// [`Engine::answer`], but for remembering how long a handed-back answer has waited.
     async fn take_up_answer(&self, delivery: Delivery<agent_schema::AgentControl>) -> Disposition {
         let waited = self.answers_waiting.waited(&delivery.message_id);
+        if !cancel::sealed_as_required(
+            self.seal.as_ref(),
+            self.control_seals,
+            &delivery.payload,
+            &delivery.raw,
+            &delivery.properties,
+        ) {
+            return Disposition::Ack;
+        }
         let mut control = delivery.payload;
         // Recorded in the graph, and a denial's reason goes into every later prompt.
         for text in [&mut control.by, &mut control.at, &mut control.reason] {

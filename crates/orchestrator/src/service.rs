@@ -104,6 +104,7 @@ pub async fn run(settings: Settings, shutdown: CancellationToken) -> anyhow::Res
         topics.clone(),
         subscribed,
         cancellations.clone(),
+        (seal_key.clone(), settings.control_seals),
         shutdown.clone(),
     ));
     if let Some(store) = &knowledge {
@@ -152,6 +153,7 @@ pub async fn run(settings: Settings, shutdown: CancellationToken) -> anyhow::Res
         ),
         answers_waiting: Default::default(),
         step_seals: settings.step_seals,
+        control_seals: settings.control_seals,
     });
     if let (true, Some(journal)) = (settings.continue_in_process, &engine.journal) {
         tokio::spawn(crate::chains::beat(

@@ -81,8 +81,14 @@ pub struct Settings {
     /// What becomes of a later step of a subagent's dialog without this service's step seal (with
     /// a seal key): `require` dead-letters it; `warn` logs it and runs it, for a rolling upgrade
     /// from a build that did not seal steps (its replicas and its journal entries send them).
-    #[arg(long, env = "AGENT_STEP_SEALS", value_enum, default_value_t = StepSeals::Require)]
-    pub step_seals: StepSeals,
+    #[arg(long, env = "AGENT_STEP_SEALS", value_enum, default_value_t = SealRule::Require)]
+    pub step_seals: SealRule,
+    /// What becomes of a control message (a cancel, an approval's answer) without the seal of
+    /// this service's key (with a seal key): `require` ignores it, said at warning level;
+    /// `warn` logs it and acts on it, for a rolling upgrade from a build that did not seal them
+    /// (its orchestrators' interrupts, its aggregators' expiries, its `agentctl`).
+    #[arg(long, env = "AGENT_CONTROL_SEALS", value_enum, default_value_t = SealRule::Require)]
+    pub control_seals: SealRule,
     /// Seconds in-flight iterations get to finish on shutdown.
     #[arg(long, default_value_t = 20)]
     pub drain_secs: u64,
@@ -241,9 +247,10 @@ pub fn load_config_dir(dir: &Path) -> anyhow::Result<AgentConfig> {
         .map_err(|problems| anyhow::anyhow!("invalid agent config:\n  {}", problems.join("\n  ")))
 }
 
-/// Whether a subagent's later steps must carry the step seal (see `Settings::step_seals`).
+/// Whether what a rule covers must carry this service's seal (see `Settings::step_seals` and
+/// `Settings::control_seals`).
 #[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
-pub enum StepSeals {
+pub enum SealRule {
     Require,
     Warn,
 }

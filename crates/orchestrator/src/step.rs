@@ -378,7 +378,7 @@ impl Engine {
                 if !key.verify_step(&raw, &properties) {
                     let session = agent_core::documents::prefix(&session_id, 240).escape_debug();
                     let why = format!("a later step of subagent session {session} without this service's seal; only the orchestrator continues a subagent's dialog");
-                    if self.step_seals == crate::settings::StepSeals::Require {
+                    if self.step_seals == crate::settings::SealRule::Require {
                         return Ok(Err(Settled::Forged(why)));
                     }
                     tracing::warn!(%why, "running it all the same (--step-seals warn)");
