@@ -762,7 +762,11 @@ async fn control_messages_without_the_services_seal_are_ignored() {
     // Acted on, it would have paid by now.
     tokio::time::sleep(Duration::from_secs(3)).await;
     assert_eq!(payments(&llm, "pay invoice epsilon-4"), 0);
-    let said = agentctl_keyed(&broker, None, &["cancel", &session, "--by", "mallory"]);
+    let said = agentctl_keyed(
+        &broker,
+        None,
+        &["cancel", &session, "--by", "mallory", "--unsealed"],
+    );
     assert!(said.contains("cancelled session"), "{said}");
     // Acted on, it would end the dialog as cancelled.
     tokio::time::sleep(Duration::from_secs(2)).await;

@@ -1,9 +1,9 @@
 //! Run control from the command line. `agentctl cancel` stops a running dialog and every subagent
-//! under it: the cancel is recorded in the provenance graph (who, when, why; only with the
-//! services' seal key) and heard by every
+//! under it: the cancel is recorded in the provenance graph (who, when, why) and heard by every
 //! orchestrator replica on the control topic; the dialog then ends with one `cancelled` error for
 //! its client. `agentctl approve` and `deny` answer a tool call parked for approval; one replica
-//! takes the answer up and resumes that step.
+//! takes the answer up and resumes that step. Each is sealed with the services' key, without
+//! which orchestrators that have one ignore it.
 
 use agent_bus::{send_control, BrokerArgs, Properties, Publisher};
 use agent_core::provenance::{self, SessionUris};
@@ -24,10 +24,14 @@ pub struct CancelArgs {
     /// The collection the dialog's provenance is in.
     #[arg(long, default_value = "default")]
     pub collection: String,
-    /// The secret the services share: the cancel is recorded in the graph only sealed with it
-    /// (replicas that are running hear the cancel either way).
+    /// The secret the services share: orchestrators with a seal key act only on a cancel sealed
+    /// with it, and the cancel is recorded in the graph only sealed with it.
     #[arg(long, env = "AGENT_SEAL_KEY", hide_env_values = true)]
     pub seal_key: Option<String>,
+    /// Send it unsealed, without a key: only for orchestrators that take unsealed control
+    /// messages (`agentctl up` without AGENT_SEAL_KEY, `--control-seals warn`, or no seal key).
+    #[arg(long)]
+    pub unsealed: bool,
     #[command(flatten)]
     pub broker: BrokerArgs,
 }
@@ -39,12 +43,18 @@ fn session_of(given: &str) -> anyhow::Result<String> {
     Ok(session.to_owned())
 }
 
-/// The services' key from `secret` (`--seal-key`, `AGENT_SEAL_KEY`), if one is given.
-fn seal_key(secret: Option<&str>) -> Option<agent_bus::seal::SealKey> {
-    secret
-        .map(str::trim)
-        .filter(|k| !k.is_empty())
-        .map(|k| agent_bus::seal::SealKey::new(k.as_bytes()))
+/// The services' key from `secret` (`--seal-key`, `AGENT_SEAL_KEY`); without one, an error
+/// unless `unsealed` says the control message may go unsealed (it would otherwise be sent, said
+/// done, and ignored by every orchestrator that has a key).
+fn seal_key(
+    secret: Option<&str>,
+    unsealed: bool,
+) -> anyhow::Result<Option<agent_bus::seal::SealKey>> {
+    match secret.map(str::trim).filter(|k| !k.is_empty()) {
+        Some(secret) => Ok(Some(agent_bus::seal::SealKey::new(secret.as_bytes()))),
+        None if unsealed => Ok(None),
+        None => anyhow::bail!("no AGENT_SEAL_KEY: orchestrators that have the services' seal key ignore an unsealed control message. Set AGENT_SEAL_KEY (or --seal-key) to the services' key, or pass --unsealed for a stack that takes unsealed ones (agentctl up without AGENT_SEAL_KEY)"),
+    }
 }
 
 /// Who is asking: `--by`, else the user running the command.
@@ -62,6 +72,7 @@ fn now() -> String {
 
 pub async fn cancel(args: CancelArgs) -> anyhow::Result<i32> {
     let session = session_of(&args.session)?;
+    let key = seal_key(args.seal_key.as_deref(), args.unsealed)?;
     let by = asker(args.by.as_deref());
     let at = now();
     let bus = args
@@ -90,7 +101,6 @@ pub async fn cancel(args: CancelArgs) -> anyhow::Result<i32> {
     };
     // Only a sealed record is written (the aggregator leaves the agent's records out of anything
     // else): without the key there is no record to make, only the control message.
-    let key = seal_key(args.seal_key.as_deref());
     match &key {
         Some(key) => {
             let payload = agent_schema::encode(&record);
@@ -104,7 +114,7 @@ pub async fn cancel(args: CancelArgs) -> anyhow::Result<i32> {
                 .context("recording the cancel in the graph")?;
         }
         None => eprintln!(
-            "no AGENT_SEAL_KEY: the cancel is not recorded in the graph (only the services' sealed records are written), and orchestrators that have a seal key ignore it (unless run with --control-seals warn)"
+            "sent unsealed: the cancel is not recorded in the graph (only the services' sealed records are written), and only orchestrators that take unsealed control messages act on it"
         ),
     }
     send_control(&bus, &topics, &control, key.as_ref())
@@ -136,6 +146,9 @@ pub struct ApproveArgs {
     /// sealed with it.
     #[arg(long, env = "AGENT_SEAL_KEY", hide_env_values = true)]
     pub seal_key: Option<String>,
+    /// Send it unsealed, without a key (see `agentctl cancel --unsealed`).
+    #[arg(long)]
+    pub unsealed: bool,
     #[command(flatten)]
     pub broker: BrokerArgs,
 }
@@ -156,6 +169,9 @@ pub struct DenyArgs {
     /// sealed with it.
     #[arg(long, env = "AGENT_SEAL_KEY", hide_env_values = true)]
     pub seal_key: Option<String>,
+    /// Send it unsealed, without a key (see `agentctl cancel --unsealed`).
+    #[arg(long)]
+    pub unsealed: bool,
     #[command(flatten)]
     pub broker: BrokerArgs,
 }
@@ -177,7 +193,12 @@ pub async fn approve(args: ApproveArgs) -> anyhow::Result<i32> {
         step: Some(args.step),
         arguments,
     };
-    answer(&args.broker, &control, args.seal_key.as_deref()).await
+    answer(
+        &args.broker,
+        &control,
+        seal_key(args.seal_key.as_deref(), args.unsealed)?,
+    )
+    .await
 }
 
 pub async fn deny(args: DenyArgs) -> anyhow::Result<i32> {
@@ -190,13 +211,18 @@ pub async fn deny(args: DenyArgs) -> anyhow::Result<i32> {
         step: Some(args.step),
         arguments: None,
     };
-    answer(&args.broker, &control, args.seal_key.as_deref()).await
+    answer(
+        &args.broker,
+        &control,
+        seal_key(args.seal_key.as_deref(), args.unsealed)?,
+    )
+    .await
 }
 
 async fn answer(
     broker: &BrokerArgs,
     control: &AgentControl,
-    seal_key_given: Option<&str>,
+    key: Option<agent_bus::seal::SealKey>,
 ) -> anyhow::Result<i32> {
     anyhow::ensure!(
         control.step.is_some_and(|s| s > 0),
@@ -206,9 +232,10 @@ async fn answer(
         .connect_within(crate::BROKER_PATIENCE)
         .await
         .with_context(|| format!("connecting to {}", broker.pulsar_url))?;
-    let key = seal_key(seal_key_given);
     if key.is_none() {
-        eprintln!("no AGENT_SEAL_KEY: orchestrators that have a seal key ignore this answer (unless run with --control-seals warn)");
+        eprintln!(
+            "sent unsealed: only orchestrators that take unsealed control messages act on it"
+        );
     }
     send_control(&bus, &broker.topics(), control, key.as_ref())
         .await

@@ -106,7 +106,7 @@ pub async fn run(args: UpArgs) -> anyhow::Result<i32> {
         Some(given) => given,
         None => {
             settings.control_seals = agent_orchestrator::settings::SealRule::Warn;
-            eprintln!("seal key      a fresh one (no AGENT_SEAL_KEY): run control from other shells is taken unsealed");
+            eprintln!("seal key      a fresh one (no AGENT_SEAL_KEY): control messages are taken unsealed (agentctl cancel/approve/deny --unsealed), whatever --control-seals says");
             uuid::Uuid::new_v4().simple().to_string()
         }
     };

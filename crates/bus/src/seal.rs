@@ -1,9 +1,10 @@
 //! Seals on what only this service may send: a subagent's first request and the fan-outs and
 //! completions that drive fan-in, a dialog's later steps, the agent's records, and control
-//! messages (cancels and approvals' answers). A seal is an HMAC-SHA256 over the fields that matter, keyed by a
-//! secret the orchestrators and aggregators share (`AGENT_SEAL_KEY`). Anyone who can publish to
-//! the request or explainability topic can still send a message, but not one that starts a
-//! subagent, joins someone's fan-in or resumes a supervisor.
+//! messages (cancels, answers to approvals). A seal is an HMAC-SHA256 over the fields that
+//! matter, keyed by a secret the orchestrators and aggregators share (`AGENT_SEAL_KEY`). Anyone
+//! who can publish to the request, explainability or control topics can still send a message,
+//! but not one that starts a subagent, joins someone's fan-in, resumes a supervisor, cancels a
+//! run or answers an approval.
 
 use ring::hmac;
 
@@ -72,7 +73,7 @@ impl SealKey {
         match secret.map(str::trim).filter(|s| !s.is_empty()) {
             Some(secret) => Some(SealKey::new(secret.as_bytes())),
             None => {
-                tracing::warn!(service, "no {SEAL_KEY_ENV}: subagent requests, fan-outs and completions are not sealed, so anyone who can publish to the request or explainability topic can forge them");
+                tracing::warn!(service, "no {SEAL_KEY_ENV}: subagent requests, fan-outs, completions and control messages are not sealed, so anyone who can publish to the request, explainability or control topics can forge them");
                 None
             }
         }

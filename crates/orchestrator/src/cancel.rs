@@ -147,33 +147,6 @@ pub fn from_control(control: &AgentControl) -> Option<Cancel> {
 /// The longest session id a request may have.
 const MOST_SESSION_ID_BYTES: usize = 240;
 
-/// Whether a control message may be acted on: with a seal key, only one sealed with it (or any,
-/// logged, under `SealRule::Warn`); without a key, any (the services then say at start that
-/// nothing is sealed). Those refused are said at warning level, the first and then at each power
-/// of two, so a flood of forgeries cannot flood the log.
-pub fn sealed_as_required(
-    key: Option<&agent_bus::seal::SealKey>,
-    rule: crate::settings::SealRule,
-    control: &AgentControl,
-    raw: &[u8],
-    properties: &agent_bus::Properties,
-) -> bool {
-    static UNSEALED: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-    let Some(key) = key else {
-        return true;
-    };
-    if key.verify_control(raw, properties) {
-        return true;
-    }
-    let acted_on = rule == crate::settings::SealRule::Warn;
-    let unsealed = UNSEALED.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1;
-    if unsealed.is_power_of_two() {
-        let session = agent_core::documents::prefix(&control.session_id, 240).escape_debug();
-        tracing::warn!(operation = %control.operation.escape_debug(), %session, unsealed, acted_on, "a control message without this service's seal (sent without AGENT_SEAL_KEY, or forged); acted on only under --control-seals warn");
-    }
-    acted_on
-}
-
 /// The longest `by`, `at` or `reason` a cancel keeps; the rest is cut, at a character boundary.
 const MOST_TEXT_BYTES: usize = 1024;
 
@@ -213,7 +186,7 @@ pub async fn listen(
             loop {
                 let heard = listener.next().await?;
                 let control = heard.control;
-                if !sealed_as_required(
+                if !crate::control_seals::sealed_as_required(
                     seals.0.as_ref(),
                     seals.1,
                     &control,

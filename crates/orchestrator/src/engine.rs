@@ -30,7 +30,8 @@ pub struct Engine {
     /// Cancelled when the process is to stop: a parked step then leaves its message for another
     /// replica instead of waiting on.
     pub shutdown: CancellationToken,
-    /// Seals what only this service may send (subagent requests, fan-outs, completions).
+    /// Seals what only this service may send (subagent requests, fan-outs, completions, control
+    /// messages), and checks control messages.
     pub seal: Option<agent_bus::seal::SealKey>,
     /// The cancelled runs this replica has heard of.
     pub cancellations: Arc<cancel::Cancellations>,
@@ -574,7 +575,7 @@ impl Engine {
     /// [`Engine::answer`], but for remembering how long a handed-back answer has waited.
     async fn take_up_answer(&self, delivery: Delivery<agent_schema::AgentControl>) -> Disposition {
         let waited = self.answers_waiting.waited(&delivery.message_id);
-        if !cancel::sealed_as_required(
+        if !crate::control_seals::sealed_as_required(
             self.seal.as_ref(),
             self.control_seals,
             &delivery.payload,

@@ -8,8 +8,34 @@ use agent_metrics::global;
 
 use crate::metrics::{
     APPROVAL_ANSWERS, CONTINUED, DIALOGS_FINISHED, DIALOGS_STARTED, GIVEN_UP, ITERATIONS,
-    ITERATION_LATENCY, PARKED, RELEASED, TOOL_CALLS, TOOL_LATENCY, WAITED_FOR_CHAIN,
+    ITERATION_LATENCY, PARKED, RELEASED, TOOL_CALLS, TOOL_LATENCY, UNSEALED_CONTROL,
+    WAITED_FOR_CHAIN,
 };
+
+/// A control message without this service's seal, acted on (`--control-seals warn`) or not.
+pub struct UnsealedControl<'a> {
+    pub operation: &'a str,
+    pub session: &'a str,
+    pub acted_on: bool,
+}
+
+impl UnsealedControl<'_> {
+    /// Counted each time; logged the first time and then at each power of two, so a flood of
+    /// forgeries cannot flood the log (the counter says how many, and when they stop).
+    pub fn emit(&self) {
+        static SEEN: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        global().inc(
+            UNSEALED_CONTROL,
+            &[("acted_on", if self.acted_on { "true" } else { "false" })],
+        );
+        let seen = SEEN.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1;
+        if seen.is_power_of_two() {
+            let operation = agent_core::documents::prefix(self.operation, 64).escape_debug();
+            let session = agent_core::documents::prefix(self.session, 240).escape_debug();
+            tracing::warn!(%operation, %session, seen, acted_on = self.acted_on, "a control message without this service's seal (sent without AGENT_SEAL_KEY or with another key, or forged); acted on only under --control-seals warn; logged again at {} of them", seen * 2);
+        }
+    }
+}
 
 /// An outage set a step aside; it runs again after `retry_in`.
 pub struct StepParked<'a> {

@@ -7,6 +7,7 @@ pub mod approval;
 pub mod budget;
 pub mod cancel;
 pub mod chains;
+pub mod control_seals;
 pub mod conversation;
 pub mod documents;
 pub mod emit;

@@ -18,6 +18,7 @@ pub const RELEASED: &str = "agent_steps_released_total";
 pub const APPROVAL_ANSWERS: &str = "agent_approval_answers_total";
 pub const CONTINUED: &str = "agent_steps_continued_total";
 pub const WAITED_FOR_CHAIN: &str = "agent_chain_copies_waited_total";
+pub const UNSEALED_CONTROL: &str = "agent_control_messages_unsealed_total";
 
 /// Declares every family this process reports, so `/metrics` lists them from the start.
 pub fn describe() {
@@ -78,6 +79,11 @@ pub fn describe() {
         WAITED_FOR_CHAIN,
         Kind::Counter,
         "Messages of a step recorded by a chain still running elsewhere (a root handed to another replica), which waited for it instead of running the rest of the dialog a second time.",
+    );
+    registry.describe(
+        UNSEALED_CONTROL,
+        Kind::Counter,
+        "Control messages (cancels, answers to approvals) without this service's seal, by whether they were acted on (true only under --control-seals warn).",
     );
     agent_llm::describe_metrics();
 }
