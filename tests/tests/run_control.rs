@@ -759,7 +759,16 @@ async fn control_messages_without_the_services_seal_are_ignored() {
         Some("not-the-services-key"),
         &["approve", &session, &step, "--by", "mallory"],
     );
-    // Acted on, it would have paid by now.
+    // Without a key, and not told to send it unsealed, agentctl sends nothing and says why.
+    let refused = Command::new(binary("agentctl"))
+        .args(["approve", &session, &step, "--pulsar-url", &broker.url()])
+        .env_remove("AGENT_SEAL_KEY")
+        .output()
+        .unwrap();
+    assert!(!refused.status.success());
+    let why = String::from_utf8_lossy(&refused.stderr);
+    assert!(why.contains("--unsealed"), "{why}");
+    // Acted on, the approval sealed with another key would have paid by now.
     tokio::time::sleep(Duration::from_secs(3)).await;
     assert_eq!(payments(&llm, "pay invoice epsilon-4"), 0);
     let said = agentctl_keyed(

@@ -101,25 +101,25 @@ pub async fn cancel(args: CancelArgs) -> anyhow::Result<i32> {
     };
     // Only a sealed record is written (the aggregator leaves the agent's records out of anything
     // else): without the key there is no record to make, only the control message.
-    match &key {
-        Some(key) => {
-            let payload = agent_schema::encode(&record);
-            let seal = key.seal_explain(&payload);
-            let properties: Properties =
-                [(agent_bus::seal::EXPLAIN_SEAL_PROPERTY.to_owned(), seal)].into();
-            Publisher::new(&bus, &topics.explainability)
-                .await?
-                .send(payload, &properties)
-                .await
-                .context("recording the cancel in the graph")?;
-        }
-        None => eprintln!(
-            "sent unsealed: the cancel is not recorded in the graph (only the services' sealed records are written), and only orchestrators that take unsealed control messages act on it"
-        ),
+    if let Some(key) = &key {
+        let payload = agent_schema::encode(&record);
+        let seal = key.seal_explain(&payload);
+        let properties: Properties =
+            [(agent_bus::seal::EXPLAIN_SEAL_PROPERTY.to_owned(), seal)].into();
+        Publisher::new(&bus, &topics.explainability)
+            .await?
+            .send(payload, &properties)
+            .await
+            .context("recording the cancel in the graph")?;
     }
     send_control(&bus, &topics, &control, key.as_ref())
         .await
         .context("sending the cancel to the orchestrators")?;
+    if key.is_none() {
+        eprintln!(
+            "sent unsealed: the cancel is not recorded in the graph (only the services' sealed records are written), and only orchestrators that take unsealed control messages act on it"
+        );
+    }
     println!(
         "cancelled session {session} (by {}, at {}); its client gets one closing 'cancelled' error",
         control.by, control.at
@@ -232,14 +232,14 @@ async fn answer(
         .connect_within(crate::BROKER_PATIENCE)
         .await
         .with_context(|| format!("connecting to {}", broker.pulsar_url))?;
+    send_control(&bus, &broker.topics(), control, key.as_ref())
+        .await
+        .context("sending the answer")?;
     if key.is_none() {
         eprintln!(
             "sent unsealed: only orchestrators that take unsealed control messages act on it"
         );
     }
-    send_control(&bus, &broker.topics(), control, key.as_ref())
-        .await
-        .context("sending the answer")?;
     println!(
         "{} step {} of session {} (by {}); the first answer to a call is the one that counts",
         if control.operation == control_operation::APPROVE {
@@ -252,4 +252,18 @@ async fn answer(
         control.by
     );
     Ok(0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn without_a_key_a_control_message_goes_only_when_told_unsealed() {
+        let refused = seal_key(None, false).map(|_| ()).unwrap_err().to_string();
+        assert!(refused.contains("--unsealed"), "{refused}");
+        assert!(seal_key(Some("  "), false).is_err());
+        assert!(seal_key(None, true).is_ok_and(|key| key.is_none()));
+        assert!(seal_key(Some("k"), false).is_ok_and(|key| key.is_some()));
+    }
 }

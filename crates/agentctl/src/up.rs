@@ -99,9 +99,9 @@ pub async fn run(args: UpArgs) -> anyhow::Result<i32> {
         AggregatorSettings::embedded(settings.broker.clone(), graph_dir.clone(), sparql_addr);
     aggregator_settings.config_token = Some(token.clone());
     // Both services are in this process: a fresh secret seals what they send each other. Nobody
-    // else can hold a fresh one, so `agentctl cancel` and `approve` from another shell could not
-    // seal their messages: they are then acted on, with a warning (set AGENT_SEAL_KEY to require
-    // them sealed).
+    // else can hold a fresh one, so `agentctl cancel` and `approve` from another shell cannot seal
+    // their messages: sent `--unsealed`, they are acted on, counted and logged (set
+    // AGENT_SEAL_KEY to require them sealed).
     let seal = match settings.seal_key.clone().filter(|k| !k.trim().is_empty()) {
         Some(given) => given,
         None => {

@@ -110,7 +110,7 @@ pub async fn park(turn: &Turn<'_>, n: usize, decision: ToolDecision) -> Result<(
     let mut asking = AgentResponse::new(
         MessageType::Observation,
         format!(
-            "Waiting for approval to call '{}' with {arguments_json} (step {n}); answer before {deadline} with: agentctl approve {session} {n}  (or: agentctl deny {session} {n}), given the services' AGENT_SEAL_KEY",
+            "Waiting for approval to call '{}' with {arguments_json} (step {n}); answer before {deadline} with: agentctl approve {session} {n}  (or: agentctl deny {session} {n}), given the services' AGENT_SEAL_KEY (--unsealed under agentctl up without one)",
             continuation.decision.action
         ),
     );

@@ -276,15 +276,16 @@ impl Drop for KeptStart {
 }
 
 impl KeptStart {
-    /// Renews the start of `session` in `conversation` until dropped (kept by this process alone
-    /// without a journal, as its start was), at once too if `at_once` (a start taken before,
-    /// whose lease may be near its end).
+    /// Renews the start of `session` in `conversation` until dropped or the session is cancelled
+    /// (kept by this process alone without a journal, as its start was), at once too if
+    /// `at_once` (a start taken before, whose lease may be near its end).
     pub fn renewing(
         journal: Option<crate::journal::Journal>,
         conversation: &str,
         session: &str,
         lease: Duration,
         at_once: bool,
+        cancellations: Arc<crate::cancel::Cancellations>,
     ) -> KeptStart {
         let lease = lease.clamp(
             agent_graph::turns::LEASE_BOUNDS.0,
@@ -311,6 +312,11 @@ impl KeptStart {
             let mut failing = false;
             loop {
                 ticks.tick().await;
+                // Cancelled (interrupted, say) while it waits out a park: it ends at its next
+                // try, and holds its conversation no longer than a lease meanwhile.
+                if cancellations.of(&asked.session).is_some() {
+                    return;
+                }
                 let renewed = match &journal {
                     Some(journal) => {
                         match tokio::time::timeout(within, journal.take_turn(asked.clone())).await {

@@ -32,7 +32,7 @@ impl UnsealedControl<'_> {
         if seen.is_power_of_two() {
             let operation = agent_core::documents::prefix(self.operation, 64).escape_debug();
             let session = agent_core::documents::prefix(self.session, 240).escape_debug();
-            tracing::warn!(%operation, %session, seen, acted_on = self.acted_on, "a control message without this service's seal (sent without AGENT_SEAL_KEY or with another key, or forged); acted on only under --control-seals warn; logged again at {} of them", seen * 2);
+            tracing::warn!(%operation, %session, seen, acted_on = self.acted_on, "a control message without this service's seal (sent without AGENT_SEAL_KEY or with another key, or forged); acted on only under --control-seals warn; logged again at {} of them", seen.saturating_mul(2));
         }
     }
 }

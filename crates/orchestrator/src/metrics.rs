@@ -83,7 +83,7 @@ pub fn describe() {
     registry.describe(
         UNSEALED_CONTROL,
         Kind::Counter,
-        "Control messages (cancels, answers to approvals) without this service's seal, by whether they were acted on (true only under --control-seals warn).",
+        "Deliveries of control messages (cancels, answers to approvals) without this service's seal, by whether they were acted on (true only under --control-seals warn); an answer handed back is counted again at each delivery.",
     );
     agent_llm::describe_metrics();
 }

@@ -262,13 +262,19 @@ impl Engine {
             }
             match joined {
                 Joined::Go(kept) => *kept_start = kept,
-                Joined::Refused(problem) => step.verdict = Err(problem),
+                // A start kept from an earlier try (parked, its start lapsed meanwhile) is not
+                // renewed for a dialog now refused or queued.
+                Joined::Refused(problem) => {
+                    *kept_start = None;
+                    step.verdict = Err(problem);
+                }
                 Joined::Queued(why) => {
+                    *kept_start = None;
                     return Ok(Settled::Queued(Queued {
                         why,
                         conversation: step.request.conversation_id.clone(),
                         session: step.session_id.clone(),
-                    }))
+                    }));
                 }
             }
         }
@@ -590,6 +596,7 @@ impl Engine {
                 session_id,
                 self.start_lease,
                 turn.started_before,
+                self.cancellations.clone(),
             )
         });
         Ok(Joined::Go(kept))
