@@ -668,32 +668,59 @@ async fn a_cancelled_run_parked_for_approval_ends_once_and_its_expiry_is_recorde
     );
 }
 
-#[tokio::test]
-async fn a_denied_call_is_not_run_and_the_agent_goes_on() {
-    const DENIED: &str = r#"{"rules": [
-      {"match": "did not approve calling 'pay'", "reply": "Thought: Not allowed.\nFinal Answer: I was not allowed to pay."},
-      {"match": "pay invoice delta-9", "exact": true, "reply": "payment sent"},
-      {"match": "Question: pay the delta invoice", "reply": "Thought: Pay it.\nAction: pay\nArgs: {\"question\": \"pay invoice delta-9\"}"}
-    ]}"#;
-    let Stack {
-        broker,
-        aggregator: _aggregator,
-        llm,
-        orchestrator: _orchestrator,
-    } = Stack::journaled(TOKEN, DENIED, &pay_config("deny", 300), &[]).await;
-    let mut client = client(&broker).await;
+/// A dialog `id` asked to pay the invoice `name`-`number` (its LLM calls `pay`, and answers that
+/// it was not allowed when told the call was not approved), parked for approval: its stack, its
+/// client, what the client got so far, and the session and step whose call waits.
+async fn a_payment_awaiting_approval(
+    config: &str,
+    name: &str,
+    number: u32,
+    id: &str,
+) -> (
+    Stack,
+    agent_bus::AgentClient,
+    Vec<AgentResponse>,
+    String,
+    u64,
+) {
+    let script = format!(
+        r#"{{"rules": [
+      {{"match": "did not approve calling 'pay'", "reply": "Thought: Not allowed.\nFinal Answer: I was not allowed to pay."}},
+      {{"match": "pay invoice {name}-{number}", "exact": true, "reply": "payment sent"}},
+      {{"match": "Question: pay the {name} invoice", "reply": "Thought: Pay it.\nAction: pay\nArgs: {{\"question\": \"pay invoice {name}-{number}\"}}"}}
+    ]}}"#
+    );
+    let stack = Stack::journaled(TOKEN, &script, &pay_config(config, 300), &[]).await;
+    let mut client = client(&stack.broker).await;
     client
         .send(
-            "a-3",
+            id,
             &AgentRequest {
                 pattern: "react".into(),
-                ..request("pay the delta invoice", false)
+                ..request(&format!("pay the {name} invoice"), false)
             },
         )
         .await
         .unwrap();
-    let mut responses = until_approval_asked(&mut client, "a-3").await;
+    let responses = until_approval_asked(&mut client, id).await;
     let (_, session, step) = approval_asked(&responses);
+    (stack, client, responses, session, step)
+}
+
+#[tokio::test]
+async fn a_denied_call_is_not_run_and_the_agent_goes_on() {
+    let (
+        Stack {
+            broker,
+            llm,
+            aggregator: _aggregator,
+            orchestrator: _orchestrator,
+        },
+        mut client,
+        mut responses,
+        session,
+        step,
+    ) = a_payment_awaiting_approval("deny", "delta", 9, "a-3").await;
     agentctl(
         &broker,
         &[
@@ -729,30 +756,18 @@ async fn a_denied_call_is_not_run_and_the_agent_goes_on() {
 /// the dialog goes on with. Before control messages were sealed, the forged approval paid.
 #[tokio::test]
 async fn control_messages_without_the_services_seal_are_ignored() {
-    const DENIED: &str = r#"{"rules": [
-      {"match": "did not approve calling 'pay'", "reply": "Thought: Not allowed.\nFinal Answer: I was not allowed to pay."},
-      {"match": "pay invoice epsilon-4", "exact": true, "reply": "payment sent"},
-      {"match": "Question: pay the epsilon invoice", "reply": "Thought: Pay it.\nAction: pay\nArgs: {\"question\": \"pay invoice epsilon-4\"}"}
-    ]}"#;
-    let Stack {
-        broker,
-        aggregator: _aggregator,
-        llm,
-        orchestrator: _orchestrator,
-    } = Stack::journaled(TOKEN, DENIED, &pay_config("forged-control", 300), &[]).await;
-    let mut client = client(&broker).await;
-    client
-        .send(
-            "a-9",
-            &AgentRequest {
-                pattern: "react".into(),
-                ..request("pay the epsilon invoice", false)
-            },
-        )
-        .await
-        .unwrap();
-    let mut responses = until_approval_asked(&mut client, "a-9").await;
-    let (_, session, step) = approval_asked(&responses);
+    let (
+        Stack {
+            broker,
+            llm,
+            aggregator: _aggregator,
+            orchestrator: _orchestrator,
+        },
+        mut client,
+        mut responses,
+        session,
+        step,
+    ) = a_payment_awaiting_approval("forged-control", "epsilon", 4, "a-9").await;
     let step = step.to_string();
     agentctl_keyed(
         &broker,

@@ -98,10 +98,7 @@ impl SealKey {
     /// Whether `properties` carry the seal of the explainability message `payload` (the bytes as
     /// they came off the wire).
     pub fn verify_explain(&self, payload: &[u8], properties: &crate::Properties) -> bool {
-        let Some(tag) = properties.get(EXPLAIN_SEAL_PROPERTY).and_then(|s| unhex(s)) else {
-            return false;
-        };
-        hmac::verify(&self.0, &framed(&[b"explain", payload]), &tag).is_ok()
+        self.verify_payload(b"explain", EXPLAIN_SEAL_PROPERTY, payload, properties)
     }
 
     /// The [`CONTROL_SEAL_PROPERTY`] of a control message: its payload as sent.
@@ -112,10 +109,21 @@ impl SealKey {
     /// Whether `properties` carry the seal of the control message `payload` (the bytes as they
     /// came off the wire).
     pub fn verify_control(&self, payload: &[u8], properties: &crate::Properties) -> bool {
-        let Some(tag) = properties.get(CONTROL_SEAL_PROPERTY).and_then(|s| unhex(s)) else {
+        self.verify_payload(b"control", CONTROL_SEAL_PROPERTY, payload, properties)
+    }
+
+    /// Whether `properties` carry, under `property`, the seal of `payload` sealed as `kind`.
+    fn verify_payload(
+        &self,
+        kind: &[u8],
+        property: &str,
+        payload: &[u8],
+        properties: &crate::Properties,
+    ) -> bool {
+        let Some(tag) = properties.get(property).and_then(|s| unhex(s)) else {
             return false;
         };
-        hmac::verify(&self.0, &framed(&[b"control", payload]), &tag).is_ok()
+        hmac::verify(&self.0, &framed(&[kind, payload]), &tag).is_ok()
     }
 
     /// Seals a dialog's later step: its [`STEP_SEAL_PROPERTY`] for `properties`.
