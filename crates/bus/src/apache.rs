@@ -233,6 +233,8 @@ pub struct ApacheBroker {
     /// JVM writes the classes it loaded when it stops cleanly.
     archive_classes_to: Option<PathBuf>,
     child: Option<Child>,
+    /// Its three ports, held for its life (see [`crate::embedded::KeptPort`]).
+    _kept: [crate::embedded::KeptPort; 3],
 }
 
 impl ApacheBroker {
@@ -270,12 +272,15 @@ impl ApacheBroker {
         let chosen_port = broker_port;
         let mut attempt = 1;
         loop {
-            let broker_port = match chosen_port {
-                0 => crate::embedded::port_to_keep(&[])?,
-                port => port,
+            let kept_broker = match chosen_port {
+                0 => crate::embedded::KeptPort::choose(&[])?,
+                port => crate::embedded::KeptPort::hold(port),
             };
-            let web_port = crate::embedded::port_to_keep(&[broker_port])?;
-            let bookie_port = crate::embedded::port_to_keep(&[broker_port, web_port])?;
+            let broker_port = kept_broker.port();
+            let kept_web = crate::embedded::KeptPort::choose(&[broker_port])?;
+            let web_port = kept_web.port();
+            let kept_bookie = crate::embedded::KeptPort::choose(&[broker_port, web_port])?;
+            let bookie_port = kept_bookie.port();
             // Not named by the port alone: while a broker of this process restarts, its port is
             // free, and another broker started meanwhile could be given it and wipe this folder
             // (seen as a restart that found its bookie's cookie, `current/VERSION`, gone).
@@ -295,10 +300,8 @@ impl ApacheBroker {
                 settings: settings.to_vec(),
                 archive_classes_to: archive_classes_to.clone(),
                 child: None,
+                _kept: [kept_broker, kept_web, kept_bookie],
             };
-            for port in broker.kept_ports() {
-                crate::embedded::hold_port(port);
-            }
             match broker.launch(true) {
                 Ok(()) => return Ok(broker),
                 // A port chosen free can be taken before the JVM binds it (another test's
@@ -311,11 +314,6 @@ impl ApacheBroker {
                 Err(e) => return Err(e),
             }
         }
-    }
-
-    /// The ports it keeps across restarts (see [`crate::embedded::port_to_keep`]).
-    fn kept_ports(&self) -> [u16; 3] {
-        [self.broker_port, self.web_port, self.bookie_port]
     }
 
     /// Whether the broker's JVM has exited.
@@ -635,9 +633,6 @@ brokerClientAuthenticationParameters=file://{}
 impl Drop for ApacheBroker {
     fn drop(&mut self) {
         self.kill();
-        for port in self.kept_ports() {
-            crate::embedded::release_port(port);
-        }
         let _ = std::fs::remove_dir_all(&self.data);
     }
 }

@@ -49,6 +49,9 @@ const PORT_TRIES: usize = 5;
 /// A running pulsar-lite; stopped on drop. Its data folder is removed on drop only when it was temporary.
 pub struct EmbeddedBroker {
     port: u16,
+    /// Held for the broker's life, so no other broker or service of this process is given its
+    /// port while it restarts.
+    _kept: KeptPort,
     data: PathBuf,
     temporary: bool,
     binary: PathBuf,
@@ -93,9 +96,9 @@ pub fn free_port() -> Result<u16, std::io::Error> {
 /// outgoing connection made while the broker is down can be given the port as its own end, and
 /// the broker then cannot listen there again (a restarted Apache Pulsar's bookie failed so in a
 /// suite run, 2026-11-30). Outside it only a listener can take it: another broker's kept port
-/// (this process holds the ports it keeps, see [`hold_port`] and [`KeptPort`]; another process's
+/// (this process holds the ports it keeps, see [`KeptPort`]; another process's
 /// could still pick it while this one is down, one chance in thousands), never a connection.
-pub fn port_to_keep(besides: &[u16]) -> Result<u16, std::io::Error> {
+fn port_to_keep(besides: &[u16]) -> Result<u16, std::io::Error> {
     const LOWEST: u32 = 15_000;
     let (ephemeral_from, ephemeral_to) =
         std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
@@ -140,22 +143,16 @@ fn held_ports() -> std::sync::MutexGuard<'static, Vec<u16>> {
         .unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
-/// Holds `port` for a broker of this process until [`release_port`]: no broker started meanwhile
-/// is given it, even while the broker restarts.
-pub(crate) fn hold_port(port: u16) {
-    held_ports().push(port);
-}
-
-/// Gives back one hold of `port` (see [`hold_port`]).
-pub(crate) fn release_port(port: u16) {
+/// Gives back one hold of `port` (see [`KeptPort`]).
+fn release_port(port: u16) {
     let mut held = held_ports();
     if let Some(at) = held.iter().position(|p| *p == port) {
         held.swap_remove(at);
     }
 }
 
-/// A port chosen by [`port_to_keep`] and held (see [`hold_port`]) until dropped: for a service
-/// other than a broker that this process restarts on the same port.
+/// A port chosen by [`port_to_keep`] and held until dropped: no broker or service this process
+/// starts meanwhile is given it, even while the one keeping it restarts.
 #[derive(Debug)]
 pub struct KeptPort(u16);
 
@@ -171,6 +168,12 @@ impl KeptPort {
                 return Ok(KeptPort(port));
             }
         }
+    }
+
+    /// Holds `port`, which the caller chose itself (a broker told its port).
+    pub fn hold(port: u16) -> KeptPort {
+        held_ports().push(port);
+        KeptPort(port)
     }
 
     pub fn port(&self) -> u16 {
@@ -245,8 +248,12 @@ impl EmbeddedBroker {
         let mut tries = if port == 0 { PORT_TRIES } else { 1 };
         loop {
             tries -= 1;
-            let chosen = if port == 0 { port_to_keep(&[])? } else { port };
-            match EmbeddedBroker::start_on(chosen, data, binary.clone()) {
+            let kept = if port == 0 {
+                KeptPort::choose(&[])?
+            } else {
+                KeptPort::hold(port)
+            };
+            match EmbeddedBroker::start_on(kept, data, binary.clone()) {
                 Err(EmbeddedError::Exited { port: taken, .. }) if tries > 0 => {
                     tracing::warn!(
                         port = taken,
@@ -259,10 +266,11 @@ impl EmbeddedBroker {
     }
 
     fn start_on(
-        port: u16,
+        kept: KeptPort,
         data: Option<&Path>,
         binary: PathBuf,
     ) -> Result<EmbeddedBroker, EmbeddedError> {
+        let port = kept.port();
         let (data, temporary) = match data {
             Some(d) => (d.to_path_buf(), false),
             None => (
@@ -275,9 +283,9 @@ impl EmbeddedBroker {
             ),
         };
         std::fs::create_dir_all(&data)?;
-        hold_port(port);
         let mut broker = EmbeddedBroker {
             port,
+            _kept: kept,
             data,
             temporary,
             binary,
@@ -388,7 +396,6 @@ impl EmbeddedBroker {
 impl Drop for EmbeddedBroker {
     fn drop(&mut self) {
         self.stop();
-        release_port(self.port);
         // PULSAR_LITE_KEEP_DATA=1 keeps the folder (and its broker.log) for a post-mortem.
         if self.temporary && std::env::var_os("PULSAR_LITE_KEEP_DATA").is_none() {
             let _ = std::fs::remove_dir_all(&self.data);
