@@ -1243,27 +1243,7 @@ async fn two_replicas_let_one_dialog_of_a_conversation_start_at_a_time() {
     let broker = Broker::start().unwrap();
     let aggregator = Aggregator::spawn_with(&broker, &["--config-token", TOKEN]);
     let llm = scripted_llm(script).await;
-    let mut replicas = Vec::new();
-    let mut bases = Vec::new();
-    for _ in 0..2 {
-        let http_addr = format!("127.0.0.1:{}", agent_bus::embedded::free_port().unwrap());
-        replicas.push(Orchestrator::journaled_with(
-            Place::Child,
-            &broker,
-            &llm,
-            &aggregator,
-            TOKEN,
-            &config,
-            &[
-                ("AGENT_MAX_IN_FLIGHT", "1"),
-                ("AGENT_HTTP_ADDR", &http_addr),
-            ],
-        ));
-        bases.push(format!("http://{http_addr}"));
-    }
-    for base in &bases {
-        until_ready(base, Duration::from_secs(60)).await;
-    }
+    let (_replicas, bases) = two_replicas(&broker, &llm, &aggregator, &config, 1).await;
     let received = |base: String| async move { requests_with_fate(&base, "received").await };
     let mut client = client(&broker).await;
     for attempt in 0..6 {
@@ -1308,6 +1288,123 @@ async fn two_replicas_let_one_dialog_of_a_conversation_start_at_a_time() {
         return;
     }
     panic!("in six tries the broker never handed the two requests to the two replicas");
+}
+
+/// Two journaled replicas (children, each taking up to `max_in_flight` messages at once), ready,
+/// and the bases of their metrics.
+async fn two_replicas(
+    broker: &Broker,
+    llm: &scripted_llm::ScriptedLlm,
+    aggregator: &Aggregator,
+    config: &std::path::Path,
+    max_in_flight: usize,
+) -> (Vec<Orchestrator>, Vec<String>) {
+    let mut replicas = Vec::new();
+    let mut bases = Vec::new();
+    for _ in 0..2 {
+        let http_addr = format!("127.0.0.1:{}", agent_bus::embedded::free_port().unwrap());
+        replicas.push(Orchestrator::journaled_with(
+            Place::Child,
+            broker,
+            llm,
+            aggregator,
+            TOKEN,
+            config,
+            &[
+                ("AGENT_MAX_IN_FLIGHT", &max_in_flight.to_string()),
+                ("AGENT_HTTP_ADDR", &http_addr),
+            ],
+        ));
+        bases.push(format!("http://{http_addr}"));
+    }
+    for base in &bases {
+        until_ready(base, Duration::from_secs(60)).await;
+    }
+    (replicas, bases)
+}
+
+/// Under `conversation_policy: interrupt`, the replica that takes a conversation's second request
+/// cancels the first dialog by a control message sealed with the services' key, and the replica
+/// running that dialog (which acts only on sealed control messages) ends it. The broker chooses
+/// which replica takes which request; each try checks the outcome, and the test goes on until one
+/// try had the two requests on the two replicas. Without the interrupt's seal the first dialog's
+/// stalled LLM call would hold it for two minutes, past the wait here.
+#[tokio::test]
+async fn an_interrupt_sealed_on_one_replica_ends_the_dialog_running_on_another() {
+    let config = conversation_config("interrupt-replicas", "interrupt");
+    let script = conversation_script("\"faults\": [\"stall\"], \"stall_ms\": 120000");
+    let broker = Broker::start().unwrap();
+    let aggregator = Aggregator::spawn_with(&broker, &["--config-token", TOKEN]);
+    let llm = scripted_llm(&script).await;
+    let (_replicas, bases) = two_replicas(&broker, &llm, &aggregator, &config, 2).await;
+    let mut client = client(&broker).await;
+    for attempt in 0..8 {
+        let conversation = format!("interrupted-{attempt}");
+        let ask = |question: &str| AgentRequest {
+            pattern: "react".into(),
+            conversation_id: conversation.clone(),
+            ..request(question, false)
+        };
+        let ids = [format!("{conversation}-a"), format!("{conversation}-b")];
+        let before = [finished(&bases[0]).await, finished(&bases[1]).await];
+        client
+            .send(&ids[0], &ask("What is the capital of France?"))
+            .await
+            .unwrap();
+        let running = format!(
+            "{}SELECT ?s WHERE {{ GRAPH <urn:graph:retrieval> {{ ?s a tg:AgentQuestion ; tg:conversation \"{conversation}\" }} }}",
+            agent_core::vocab::SPARQL_PREFIXES
+        );
+        assert_eq!(count_reaching(&aggregator.store(), running, 1).await, 1);
+        until("the first dialog's stalled LLM call", || {
+            calls_matching(&llm, "Observation: alpha-result") > attempt
+        })
+        .await;
+        client
+            .send(&ids[1], &ask("And how many people live there?"))
+            .await
+            .unwrap();
+        let mut both = collect_dialogs(&mut client, &ids, Duration::from_secs(60)).await;
+        let (first, second) = (both.remove(&ids[0]).unwrap(), both.remove(&ids[1]).unwrap());
+        assert_eq!(closings(&first).len(), 1, "{first:#?}");
+        assert_eq!(closings(&second).len(), 1, "{second:#?}");
+        assert_eq!(second.last().unwrap().content, "about two million");
+        let cancelled = first.last().unwrap().error.as_ref().expect("interrupted");
+        assert_eq!(cancelled.kind, "cancelled", "{first:#?}");
+        assert!(
+            cancelled.message.contains("interrupted"),
+            "{}",
+            cancelled.message
+        );
+        // Which replica ended each dialog: the first's stalled step on the replica that ran it,
+        // the second (one step) on the replica that took its request and sent the interrupt.
+        let after = [finished(&bases[0]).await, finished(&bases[1]).await];
+        let ended_on = |outcome: usize| {
+            (0..2).find(|&replica| after[replica][outcome] - before[replica][outcome] == 1.0)
+        };
+        let (first_on, second_on) = (ended_on(1), ended_on(0));
+        assert!(first_on.is_some() && second_on.is_some(), "{after:?}");
+        if first_on != second_on {
+            return;
+        }
+    }
+    panic!("in eight tries the broker never had the two dialogs end on the two replicas");
+}
+
+/// How many dialogs the orchestrator under `base` ended with an answer, and with an error.
+async fn finished(base: &str) -> [f64; 2] {
+    let metrics = scrape(base).await;
+    let ended = |outcome: &str| {
+        metrics
+            .iter()
+            .filter(|(series, _)| {
+                series.starts_with("agent_dialogs_finished_total")
+                    && series.contains(&format!("outcome=\"{outcome}\""))
+            })
+            .map(|(_, n)| n)
+            .sum::<f64>()
+    };
+    [ended("answer"), ended("error")]
 }
 
 /// A stack for a conversation under `conversation_policy: reject` whose starts are leased for
