@@ -7,6 +7,7 @@ pub mod convert;
 pub mod explain;
 pub mod in_process;
 pub mod journal;
+pub mod nesting;
 pub mod queries;
 pub mod recorded;
 mod remote;
@@ -359,6 +360,7 @@ impl GraphStore {
         match self.writable()? {
             Writable::Embedded(store, _) => {
                 blocking(move || {
+                    nesting::check(&sparql).map_err(GraphError::Syntax)?;
                     let _one_at_a_time = SERIAL_UPDATES
                         .lock()
                         .unwrap_or_else(std::sync::PoisonError::into_inner);
@@ -645,6 +647,7 @@ fn query_embedded(
     cancel: Option<oxigraph::sparql::CancellationToken>,
     max_rows: usize,
 ) -> Result<QueryAnswer, GraphError> {
+    nesting::check(sparql).map_err(GraphError::Syntax)?;
     let mut evaluator = SparqlEvaluator::new();
     if let Some(cancel) = cancel {
         evaluator = evaluator.with_cancellation_token(cancel);

@@ -105,3 +105,48 @@ async fn runaway_queries_stop_and_large_results_are_refused() {
         100
     );
 }
+
+/// A query nested a hundred thousand brackets deep (100 KB) is refused before the parser, which
+/// would overflow its thread's stack and abort the process (this test binary aborted so without
+/// the check); one nested as deep as the limit allows is answered, on the same blocking threads.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_query_nested_too_deep_is_refused_and_the_process_lives() {
+    let store = store_with_triples(10).await;
+    let bounds = QueryBounds {
+        timeout: Duration::from_secs(30),
+        max_rows: 100,
+    };
+    let deep = 100_000;
+    for query in [
+        format!(
+            "ASK {{ FILTER({}1{}) }}",
+            "(".repeat(deep),
+            ")".repeat(deep)
+        ),
+        format!("ASK {}{}", "{".repeat(deep), "}".repeat(deep)),
+    ] {
+        let refused = store.query_bounded(query, bounds).await.unwrap_err();
+        assert!(
+            matches!(&refused, GraphError::Syntax(why) if why.contains("at most 64")),
+            "{refused:?}"
+        );
+    }
+    let update = format!("INSERT DATA {}{}", "{".repeat(deep), "}".repeat(deep));
+    assert!(matches!(
+        store.update(update).await,
+        Err(GraphError::Syntax(_))
+    ));
+    let most = agent_graph::nesting::MOST_NESTING;
+    let deepest_allowed = [
+        format!(
+            "ASK {{ FILTER({}1{} = 1) }}",
+            "(".repeat(most - 2),
+            ")".repeat(most - 2)
+        ),
+        format!("ASK {}?s ?p ?o{}", "{".repeat(most), "}".repeat(most)),
+    ];
+    for query in deepest_allowed {
+        assert_eq!(agent_graph::nesting::nesting(&query), most);
+        store.query_bounded(query, bounds).await.unwrap();
+    }
+}

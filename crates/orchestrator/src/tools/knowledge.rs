@@ -30,6 +30,8 @@ pub fn collection_graph(name: &str) -> Result<String, String> {
 /// choose its own graphs. With the collection as its only default graph and no named graphs,
 /// `GRAPH` patterns inside it reach nothing else (provenance, the journal, other collections).
 pub fn confine_query(sparql: &str, graph: &str) -> Result<String, String> {
+    // Before the parser, which an LLM's query nested deep enough would take the process down in.
+    agent_graph::nesting::check(sparql)?;
     let mut query = match spargebra::SparqlParser::new().parse_query(sparql) {
         Ok(query) => query,
         Err(e) => {
