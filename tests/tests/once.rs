@@ -1408,6 +1408,69 @@ async fn a_second_journal_owner_on_the_same_subscription_refuses_to_run() {
     assert_one_chain(&first, &session_of(&responses)).await;
 }
 
+/// Whoever can publish on the broker cannot stand the journal's owner down: an announcement of an
+/// "elder" owner without the services' seal, and a sealed one sent minutes ago (as a copy of an
+/// old owner's would be), are ignored, and the owner goes on serving the journal. Without the
+/// check the first forged announcement stopped it.
+#[tokio::test]
+async fn a_forged_or_replayed_owner_announcement_does_not_stand_the_owner_down() {
+    let broker = Broker::start().unwrap();
+    let mut owner = Aggregator::logged_child(&broker, &["--config-token", TOKEN]);
+    let llm = scripted_llm(THREE_STEPS).await;
+    let _orchestrator = Orchestrator::spawn_journaled(&broker, &llm, &owner, TOKEN, &[]);
+    let mut client = client(&broker).await;
+    ends_once(&mut client, "before").await;
+    let beacon = agent_aggregator::owner_fence::beacon_topic(
+        &agent_bus::Topics::trustgraph("default", "default").explainability,
+        "agent-aggregator",
+    );
+    let bus = agent_bus::Bus::connect(&broker.url(), None).await.unwrap();
+    let forger = agent_bus::Publisher::new(&bus, &beacon).await.unwrap();
+    let key = agent_bus::seal::SealKey::new(SEAL_KEY.as_bytes());
+    let now_ms = chrono::Utc::now().timestamp_millis() as u64;
+    let elder = |sent_ms: u64| {
+        serde_json::to_vec(&serde_json::json!({
+            "id": "0-elder", "started_ms": 1, "store": "forged", "owning": true, "sent_ms": sent_ms
+        }))
+        .unwrap()
+    };
+    let forged = elder(now_ms);
+    let replayed = elder(now_ms - 5 * 60 * 1000);
+    let replayed_seal: agent_bus::Properties = [(
+        agent_bus::seal::OWNER_SEAL_PROPERTY.to_owned(),
+        key.seal_owner(&replayed),
+    )]
+    .into();
+    // For three seconds, more than the owner's own beats.
+    for _ in 0..30 {
+        forger
+            .send(forged.clone(), &agent_bus::Properties::new())
+            .await
+            .unwrap();
+        forger.send(replayed.clone(), &replayed_seal).await.unwrap();
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert!(owner.is_running(), "the owner stood down: {}", owner.log());
+    let log = owner.log();
+    assert!(
+        log.contains("does not carry this deployment's seal"),
+        "{log}"
+    );
+    assert!(log.contains("an old announcement sent again"), "{log}");
+    ends_once(&mut client, "after").await;
+}
+
+/// Sends a journaled dialog `id` and checks that it ends once.
+async fn ends_once(client: &mut agent_bus::AgentClient, id: &str) {
+    client
+        .send(id, &react(&format!("combine {id}")))
+        .await
+        .unwrap();
+    let responses = collect_dialog(client, id, DIALOG_TIMEOUT).await.unwrap();
+    assert_eq!(closings(&responses), 1, "{responses:#?}");
+}
+
 /// Two journal owners started together on one subscription, each still listening when the other
 /// starts: they hear each other, the younger stands down, the elder keeps the journal.
 #[tokio::test]

@@ -195,9 +195,11 @@ pub async fn run(settings: AggregatorSettings, shutdown: CancellationToken) -> a
     metrics::describe();
     let stats = Arc::new(ConsumerStats::default());
     let journal = journal_of(&store).await?;
+    let seal =
+        agent_bus::seal::SealKey::configured(settings.seal_key.as_deref(), "agent-aggregator");
     let (fence, announcer) = match journal {
         agent_graph::journal::Journal::Owner(_) => {
-            let (fence, announcer) = owner_fence::listening();
+            let (fence, announcer) = owner_fence::listening(seal.clone());
             (fence, Some(announcer))
         }
         agent_graph::journal::Journal::Remote(_) => (owner_fence::Fence::open(), None),
@@ -292,8 +294,6 @@ pub async fn run(settings: AggregatorSettings, shutdown: CancellationToken) -> a
     let requests = agent_bus::Publisher::new(&bus, &request_topic).await?;
     // Within a year, so the sweep's date arithmetic cannot overflow.
     let timeout = Duration::from_secs(settings.fanout_timeout_secs.clamp(1, 365 * 24 * 3600));
-    let seal =
-        agent_bus::seal::SealKey::configured(settings.seal_key.as_deref(), "agent-aggregator");
     let librarian = match settings.document_store.as_str() {
         "librarian" => Some(Arc::new(
             agent_bus::Librarian::connect(&bus, &topics, Duration::from_secs(30)).await?,

@@ -6,10 +6,14 @@
 //!
 //! Before it consumes or answers a journal call, a new owner listens for a few beats; the elder
 //! (earlier start, then the smaller id) stays. Replicas that forward to an owner's endpoint are
-//! not owners and do not take part.
+//! not owners and do not take part. With the services' seal key, an announcement counts only
+//! sealed with it and sent within [`FRESH`]: anyone who can publish on the broker could
+//! otherwise stand the running owner down with one forged "elder", or with an old owner's
+//! announcement played again.
 
 use std::time::Duration;
 
+use agent_bus::seal::SealKey;
 use agent_bus::{Bus, Listener, Properties, Publisher};
 use agent_graph::GraphStore;
 use serde::{Deserialize, Serialize};
@@ -18,6 +22,11 @@ use tokio_util::sync::CancellationToken;
 
 /// How often an owner announces itself.
 pub const BEAT: Duration = Duration::from_millis(250);
+
+/// How far from this process's clock an announcement's time may be, either way, to count under
+/// a seal key: beats are sent every [`BEAT`], so a copy older than this was played again (the
+/// owners' clocks are taken to agree within it).
+pub const FRESH: Duration = Duration::from_secs(30);
 
 /// An owner as it announces itself.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -58,6 +67,63 @@ impl Owner {
     pub fn precedes(&self, other: &Owner) -> bool {
         (self.started_ms, &self.id) < (other.started_ms, &other.id)
     }
+}
+
+/// An announcement on the broker: the owner, and when it was sent (an earlier build sent none).
+#[derive(Debug, Serialize, Deserialize)]
+struct Announcement {
+    #[serde(flatten)]
+    owner: Owner,
+    #[serde(default)]
+    sent_ms: u64,
+}
+
+/// Why an announcement heard does not count.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Disbelief {
+    Undecodable,
+    /// Without the seal of this process's key (forged, or from a build or a deployment without
+    /// it).
+    Unsealed,
+    /// Sealed, but sent further than [`FRESH`] from now: a copy played again.
+    Stale,
+}
+
+impl Disbelief {
+    fn says(self) -> &'static str {
+        match self {
+            Disbelief::Undecodable => "does not decode",
+            Disbelief::Unsealed => "does not carry this deployment's seal (AGENT_SEAL_KEY): forged, or from a build or deployment without it",
+            Disbelief::Stale => "was sent more than 30 s from now by this clock: an old announcement sent again, or clocks that disagree",
+        }
+    }
+}
+
+/// The owner an announcement heard on the broker names, if it counts: with `seal`, only one
+/// sealed with it and sent within [`FRESH`] of `now_ms`.
+fn believed(
+    seal: Option<&SealKey>,
+    payload: &[u8],
+    properties: &Properties,
+    now_ms: u64,
+) -> Result<Owner, Disbelief> {
+    let announcement: Announcement =
+        serde_json::from_slice(payload).map_err(|_| Disbelief::Undecodable)?;
+    let Some(key) = seal else {
+        return Ok(announcement.owner);
+    };
+    if !key.verify_owner(payload, properties) {
+        return Err(Disbelief::Unsealed);
+    }
+    if now_ms.abs_diff(announcement.sent_ms) > FRESH.as_millis() as u64 {
+        return Err(Disbelief::Stale);
+    }
+    Ok(announcement.owner)
+}
+
+/// The time now, as announcements carry it.
+fn now_ms() -> u64 {
+    chrono::Utc::now().timestamp_millis().max(0) as u64
 }
 
 /// Where the owners of `subscription` on `explain_topic` announce themselves: a non-persistent
@@ -139,15 +205,17 @@ impl Fence {
     }
 }
 
-/// A fence that admits nothing yet, and what will settle it once the broker is reached.
-pub fn listening() -> (Fence, Announcer) {
+/// A fence that admits nothing yet, and what will settle it once the broker is reached; with
+/// `seal`, announcements are sealed and only sealed ones are heard.
+pub fn listening(seal: Option<SealKey>) -> (Fence, Announcer) {
     let (standing, fence) = watch::channel(Standing::Listening);
-    (Fence { standing: fence }, Announcer { standing })
+    (Fence { standing: fence }, Announcer { standing, seal })
 }
 
 /// Settles a [`Fence`] by announcing this owner and listening for others.
 pub struct Announcer {
     standing: watch::Sender<Standing>,
+    seal: Option<SealKey>,
 }
 
 impl Announcer {
@@ -181,6 +249,7 @@ impl Announcer {
                 Listening {
                     window: listen,
                     shared,
+                    seal: self.seal,
                 },
                 self.standing,
                 stop,
@@ -196,6 +265,8 @@ struct Listening {
     window: Duration,
     /// The SPARQL server whose journal it would own, where the owners also beat.
     shared: Option<GraphStore>,
+    /// The services' key: announcements are sealed with it, and only sealed ones heard.
+    seal: Option<SealKey>,
 }
 
 #[allow(clippy::too_many_arguments)] // One loop over what the announcer was started with.
@@ -230,6 +301,8 @@ async fn watch_owners(
     // The window on the broker, then as many rounds in the store as it takes to hear a live owner
     // there (a store that does not answer keeps this process listening).
     let window = listening.window;
+    let seal = listening.seal;
+    let mut disbelieved = 0u64;
     let listened = async move {
         tokio::time::sleep(window).await;
         if listened_in_store.wait_for(|done| *done).await.is_err() {
@@ -260,15 +333,21 @@ async fn watch_owners(
                 listening_again = None;
                 continue;
             }
-            message = heard.next_payload(), if listening_again.is_none() => match message {
-                Ok(payload) => {
-                    let Ok(other) = serde_json::from_slice::<Owner>(&payload) else {
-                        tracing::warn!("skipping a journal owner's announcement that does not decode");
-                        continue;
-                    };
-                    Heard {
-                        owner: other,
-                        on: format!("the explainability subscription announced on {topic}"),
+            message = heard.next_with_properties(), if listening_again.is_none() => match message {
+                Ok((payload, properties)) => {
+                    match believed(seal.as_ref(), &payload, &properties, now_ms()) {
+                        Ok(other) => Heard {
+                            owner: other,
+                            on: format!("the explainability subscription announced on {topic}"),
+                        },
+                        Err(why) => {
+                            disbelieved += 1;
+                            // The first, then at each power of two: a flood cannot flood the log.
+                            if disbelieved.is_power_of_two() {
+                                tracing::warn!(times = disbelieved, topic = %topic, "ignoring a journal owner's announcement that {}", why.says());
+                            }
+                            continue;
+                        }
                     }
                 }
                 Err(e) => {
@@ -285,9 +364,21 @@ async fn watch_owners(
             _ = beats.tick() => {
                 // A beat that is not out within a beat is only a lost beat: the next one follows,
                 // and nothing here waits on a broker that does not answer.
-                let announcement = agent_schema::encode(&me);
-                let no_properties = Properties::new();
-                let sent = announcements.send(announcement, &no_properties);
+                let announcement = agent_schema::encode(&Announcement {
+                    owner: me.clone(),
+                    sent_ms: now_ms(),
+                });
+                let properties: Properties = seal
+                    .as_ref()
+                    .map(|key| {
+                        [(
+                            agent_bus::seal::OWNER_SEAL_PROPERTY.to_owned(),
+                            key.seal_owner(&announcement),
+                        )]
+                        .into()
+                    })
+                    .unwrap_or_default();
+                let sent = announcements.send(announcement, &properties);
                 match tokio::time::timeout(BEAT, sent).await {
                     Ok(Ok(())) => {}
                     Ok(Err(e)) => tracing::debug!(error = %e, "a journal owner's announcement was not sent"),
@@ -384,6 +475,72 @@ mod tests {
             owning: false,
         };
         assert!(skewed.gives_way_to(&owning) && !owning.gives_way_to(&skewed));
+    }
+
+    #[test]
+    fn with_a_key_only_a_fresh_sealed_announcement_counts() {
+        let key = SealKey::new(b"services");
+        let elder = Owner {
+            id: "elder".into(),
+            started_ms: 0,
+            store: "s".into(),
+            owning: true,
+        };
+        let now = 1_000_000_000;
+        let sent = |at: u64, by: Option<&SealKey>| {
+            let payload = agent_schema::encode(&Announcement {
+                owner: elder.clone(),
+                sent_ms: at,
+            });
+            let properties: Properties = by
+                .map(|k| {
+                    [(
+                        agent_bus::seal::OWNER_SEAL_PROPERTY.to_owned(),
+                        k.seal_owner(&payload),
+                    )]
+                    .into()
+                })
+                .unwrap_or_default();
+            (payload, properties)
+        };
+        let heard = |seal: Option<&SealKey>, (payload, properties): (Vec<u8>, Properties)| {
+            believed(seal, &payload, &properties, now)
+        };
+        assert_eq!(
+            heard(Some(&key), sent(now - 200, Some(&key))),
+            Ok(elder.clone())
+        );
+        assert_eq!(
+            heard(Some(&key), sent(now + 2_000, Some(&key))),
+            Ok(elder.clone())
+        );
+        assert_eq!(heard(Some(&key), sent(now, None)), Err(Disbelief::Unsealed));
+        let mallory = SealKey::new(b"mallory");
+        assert_eq!(
+            heard(Some(&key), sent(now, Some(&mallory))),
+            Err(Disbelief::Unsealed)
+        );
+        let a_minute_ago = now - 60_000;
+        assert_eq!(
+            heard(Some(&key), sent(a_minute_ago, Some(&key))),
+            Err(Disbelief::Stale)
+        );
+        // Edited after sealing (sent again with a new time): the seal no longer holds.
+        let (_, properties) = sent(a_minute_ago, Some(&key));
+        let (edited, _) = sent(now, None);
+        assert_eq!(
+            heard(Some(&key), (edited, properties)),
+            Err(Disbelief::Unsealed)
+        );
+        assert_eq!(
+            heard(Some(&key), (b"{".to_vec(), Properties::new())),
+            Err(Disbelief::Undecodable)
+        );
+        // Without a key (none configured anywhere), as before: an earlier build's announcement,
+        // with no time, counts.
+        assert_eq!(heard(None, sent(now, None)), Ok(elder.clone()));
+        let earlier_build = serde_json::to_vec(&elder).unwrap();
+        assert_eq!(heard(None, (earlier_build, Properties::new())), Ok(elder));
     }
 
     #[test]

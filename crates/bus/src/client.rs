@@ -149,6 +149,13 @@ impl Listener {
         Ok(self.next().await?.payload.data)
     }
 
+    /// The next message's payload and its properties (what a seal is checked over).
+    pub async fn next_with_properties(&mut self) -> Result<(Vec<u8>, crate::Properties), BusError> {
+        let message = self.next().await?;
+        let properties = crate::consumer::properties_of(&message);
+        Ok((message.payload.data, properties))
+    }
+
     /// Whether the subscription has ended, whether or not [`Listener::next`] has reported it yet
     /// (messages taken before may still wait); a reader that only looks now and then subscribes
     /// again when it finds it so.

@@ -64,13 +64,13 @@ impl ControlListener {
     /// The next control message; one that does not decode is skipped with a warning.
     pub async fn next(&mut self) -> Result<HeardControl, BusError> {
         loop {
-            let message = self.messages.next().await?;
-            match agent_schema::decode::<AgentControl>(&message.payload.data) {
+            let (raw, properties) = self.messages.next_with_properties().await?;
+            match agent_schema::decode::<AgentControl>(&raw) {
                 Ok(control) => {
                     return Ok(HeardControl {
                         control,
-                        properties: crate::consumer::properties_of(&message),
-                        raw: message.payload.data,
+                        properties,
+                        raw,
                     })
                 }
                 Err(e) => {

@@ -21,6 +21,9 @@ pub const EXPLAIN_SEAL_PROPERTY: &str = "agent-explain-seal";
 /// The property carrying the seal of a control message (a cancel, an approval's answer): its
 /// payload as sent, sealed by whoever holds the key (the services, `agentctl` given it).
 pub const CONTROL_SEAL_PROPERTY: &str = "agent-control-seal";
+/// The property carrying the seal of a journal owner's announcement (see the aggregator's
+/// `owner_fence`): a forged one would stand the running owner down.
+pub const OWNER_SEAL_PROPERTY: &str = "agent-owner-seal";
 
 /// The properties of a later step's request that its seal covers besides the payload: who gets
 /// its messages, what its run has spent and since when, its model, and whose recorded answers it
@@ -110,6 +113,16 @@ impl SealKey {
     /// came off the wire).
     pub fn verify_control(&self, payload: &[u8], properties: &crate::Properties) -> bool {
         self.verify_payload(b"control", CONTROL_SEAL_PROPERTY, payload, properties)
+    }
+
+    /// The [`OWNER_SEAL_PROPERTY`] of a journal owner's announcement: its payload as sent.
+    pub fn seal_owner(&self, payload: &[u8]) -> String {
+        self.seal_bytes(&[b"owner", payload])
+    }
+
+    /// Whether `properties` carry the seal of the journal owner's announcement `payload`.
+    pub fn verify_owner(&self, payload: &[u8], properties: &crate::Properties) -> bool {
+        self.verify_payload(b"owner", OWNER_SEAL_PROPERTY, payload, properties)
     }
 
     /// Whether `properties` carry, under `property`, the seal of `payload` sealed as `kind`.
