@@ -115,7 +115,13 @@ fn goals_from(value: serde_json::Value, max: usize, nested: bool) -> Result<Vec<
         let mut resolved: Vec<usize> = needs
             .iter()
             .filter_map(|need| match need {
-                serde_json::Value::Number(n) => n.as_u64().map(|n| n as usize),
+                // A goal's id when one has it (goals numbered from 1 are common), else a position.
+                serde_json::Value::Number(n) => {
+                    let as_id = n.to_string();
+                    ids.iter()
+                        .position(|id| id.as_deref() == Some(as_id.as_str()))
+                        .or_else(|| n.as_u64().map(|n| n as usize))
+                }
                 other => {
                     let wanted = id_text(other)?;
                     ids.iter()
@@ -238,13 +244,15 @@ pub fn kept_goals(decompose: &AgentStep) -> Vec<Goal> {
 /// the goal, waiting for them (a verdict naming no other subagent is taken as an execution
 /// error). `JOB_TOO_COMPLICATED_ERROR`: the sub-goals it gives, or else the goal split by a subagent
 /// of its own (`supervisor` while `nested`, else `plan-then-execute`); past `life_cycle` splits of
-/// that goal, the result stands.
+/// that goal, the result stands. At most `max` goals (the first), none waiting in a circle: the
+/// critic's culprits and sub-steps are an LLM's, as unbounded as a decomposition's.
 pub fn recovery_goals(
     round: &[Goal],
     verdicts: &[(usize, crate::critic::Evaluation)],
     splits_behind: impl Fn(&str) -> usize,
     life_cycle: usize,
     nested: bool,
+    max: usize,
 ) -> Vec<Goal> {
     use crate::critic::Status;
     let mut goals: Vec<Goal> = Vec::new();
@@ -336,6 +344,12 @@ pub fn recovery_goals(
             }
         }
     }
+    goals.truncate(max);
+    let kept = goals.len();
+    for goal in &mut goals {
+        goal.needs.retain(|&need| need < kept);
+    }
+    break_cycles(&mut goals);
     goals
 }
 
@@ -970,7 +984,7 @@ mod tests {
             (2, verdict(Status::ExecutionError)),
             (3, verdict(Status::JobTooComplicated)),
         ];
-        let goals = recovery_goals(&round, &verdicts, |_| 0, 3, true);
+        let goals = recovery_goals(&round, &verdicts, |_| 0, 3, true, 5);
         let shape: Vec<(&str, &[usize], Pattern)> = goals
             .iter()
             .map(|g| (g.goal.as_str(), g.needs.as_slice(), g.pattern))
@@ -993,11 +1007,76 @@ mod tests {
             sub_steps: vec![("d1".into(), String::new()), ("d2".into(), String::new())],
             ..verdict(Status::JobTooComplicated)
         };
-        let goals = recovery_goals(&round, &[(3, split.clone())], |_| 0, 3, false);
+        let goals = recovery_goals(&round, &[(3, split.clone())], |_| 0, 3, false, 5);
         let names: Vec<&str> = goals.iter().map(|g| g.goal.as_str()).collect();
         assert_eq!(names, ["d1", "d2"]);
-        assert!(recovery_goals(&round, &[(3, split)], |_| 3, 3, false).is_empty());
+        assert!(recovery_goals(&round, &[(3, split)], |_| 3, 3, false, 5).is_empty());
         assert_eq!(index_of_key("03. goal"), Some(3));
         assert_eq!(index_of_key("goal"), None);
+    }
+
+    #[test]
+    fn a_recovery_round_is_held_to_the_width_and_never_waits_in_a_circle() {
+        use crate::critic::{Evaluation, Status};
+        let round: Vec<Goal> = ["a", "b"]
+            .iter()
+            .map(|g| Goal::independent(*g, Pattern::React))
+            .collect();
+        let blames = |culprit: usize| Evaluation {
+            status: Status::InputDataError,
+            evaluation: String::new(),
+            lesson: String::new(),
+            culprits: vec![culprit],
+            sub_steps: Vec::new(),
+            unreadable: None,
+        };
+        // Each blames the other: without cycle breaking each would wait for the other for ever.
+        let goals = recovery_goals(
+            &round,
+            &[(0, blames(1)), (1, blames(0))],
+            |_| 0,
+            3,
+            false,
+            5,
+        );
+        assert_eq!(goals.len(), 2);
+        assert!(
+            goals.iter().any(|g| g.needs.is_empty()),
+            "{:?}",
+            goals.iter().map(|g| &g.needs).collect::<Vec<_>>()
+        );
+        // Twelve sub-steps for each of two goals: held to the width.
+        let split = Evaluation {
+            status: Status::JobTooComplicated,
+            sub_steps: (0..12)
+                .map(|i| (format!("part {i}"), String::new()))
+                .collect(),
+            ..blames(0)
+        };
+        let goals = recovery_goals(
+            &round,
+            &[(0, split.clone()), (1, split)],
+            |_| 0,
+            3,
+            false,
+            5,
+        );
+        assert_eq!(goals.len(), 5);
+    }
+
+    #[test]
+    fn numbered_needs_name_the_goals_numbered_so() {
+        let goals = parse_goals(
+            r#"[{"id": 1, "goal": "A"}, {"id": 2, "goal": "B", "needs": [1]}, {"id": 3, "goal": "C", "needs": [1, 2]}]"#,
+            5,
+            false,
+        )
+        .unwrap();
+        let needs: Vec<&[usize]> = goals.iter().map(|g| g.needs.as_slice()).collect();
+        assert_eq!(needs, [&[][..], &[0][..], &[0, 1][..]]);
+        // Without ids, a number is a position.
+        let goals =
+            parse_goals(r#"[{"goal": "A"}, {"goal": "B", "needs": [0]}]"#, 5, false).unwrap();
+        assert_eq!(goals[1].needs, [0]);
     }
 }

@@ -162,6 +162,7 @@ async fn recover(turn: &Turn<'_>, n: usize) -> Result<Recovery, BusError> {
         |goal| critic::splits_behind(history, goal),
         config.limits.step_life_cycle,
         nested,
+        config.limits.max_subagents,
     );
     let rejected: Vec<&(usize, critic::Evaluation)> = verdicts
         .iter()
