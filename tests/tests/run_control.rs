@@ -614,6 +614,84 @@ async fn an_approval_that_never_comes_ends_its_branch_and_a_late_one_changes_not
     );
 }
 
+/// An approval that comes after the supervisor's fan-out timed out and was answered without the
+/// branch runs nothing: the client's answer already said the branch gave no result, so a payment
+/// made then would be one no answer accounts for. Without the check the approved call ran after
+/// the supervisor had answered.
+#[tokio::test]
+async fn an_approval_after_the_supervisor_answered_without_its_branch_runs_nothing() {
+    let config = pay_config("abandoned", 300);
+    let Stack {
+        broker,
+        aggregator,
+        llm,
+        orchestrator: _orchestrator,
+    } = Stack::journaled(
+        TOKEN,
+        SUPERVISED_PAYMENT,
+        &config,
+        &["--fanout-timeout-secs", "3"],
+    )
+    .await;
+    let mut client = client(&broker).await;
+    client
+        .send(
+            "a-3",
+            &AgentRequest {
+                pattern: "supervisor".into(),
+                ..request("Handle the three invoices.", false)
+            },
+        )
+        .await
+        .unwrap();
+    let mut responses = collect_dialog(&mut client, "a-3", Duration::from_secs(60))
+        .await
+        .unwrap();
+    let closing = closings(&responses);
+    assert_eq!(closing.len(), 1, "{responses:#?}");
+    assert!(closing[0].error.is_none(), "{responses:#?}");
+    let synthesis = llm
+        .calls()
+        .into_iter()
+        .find(|c| c.last_user.contains("Request to answer from the subagents"))
+        .unwrap();
+    assert!(
+        synthesis.last_user.contains("no result within 3 s"),
+        "{}",
+        synthesis.last_user
+    );
+    let (node, session, step) = approval_asked(&responses);
+    let said = agentctl(
+        &broker,
+        &["approve", &session, &step.to_string(), "--by", "ops-dave"],
+    );
+    assert!(said.contains("approved"), "{said}");
+    // The answer is recorded, and the branch ends without the call.
+    let answered = format!(
+        "{}SELECT ?answer WHERE {{ GRAPH <urn:graph:retrieval> {{
+           ?answer a tg:ApprovalAnswer ; tg:decision \"approve\" ; prov:wasDerivedFrom <{node}> }} }}",
+        agent_core::vocab::SPARQL_PREFIXES
+    );
+    assert_eq!(count_reaching(&aggregator.store(), answered, 1).await, 1);
+    let branch_ended = format!(
+        "{}SELECT ?c WHERE {{ GRAPH <urn:graph:retrieval> {{
+           ?c a tg:Conclusion ; tg:document ?d . ?d tg:content ?why .
+           FILTER(STRSTARTS(STR(?c), \"urn:trustgraph:agent:{session}/\") && CONTAINS(?why, \"stopped waiting\")) }} }}",
+        agent_core::vocab::SPARQL_PREFIXES
+    );
+    assert_eq!(
+        count_reaching(&aggregator.store(), branch_ended, 1).await,
+        1
+    );
+    responses.extend(drain_for(&mut client, "a-3", Duration::from_secs(2)).await);
+    assert_eq!(
+        payments(&llm, "pay invoice gamma-7"),
+        0,
+        "paid after the answer"
+    );
+    assert_eq!(closings(&responses).len(), 1, "{responses:#?}");
+}
+
 /// A run cancelled while its call waits for approval ends once, when the expiry comes, and the
 /// expiry is recorded as the call's answer: the approvals sweep, which sends an expiry for every
 /// call past its deadline with no answer, would otherwise send one every minute for as long as
