@@ -1471,6 +1471,39 @@ async fn ends_once(client: &mut agent_bus::AgentClient, id: &str) {
     assert_eq!(closings(&responses), 1, "{responses:#?}");
 }
 
+/// Records of large steps made at once travel to the journal's owner in one call of several MB
+/// (the orchestrator batches them), and each is recorded: the owner's endpoint used to refuse a
+/// call over 2 MB (axum's default), and every step of the batch failed with it.
+#[tokio::test]
+async fn a_batch_of_large_records_past_two_megabytes_is_recorded() {
+    let broker = Broker::start().unwrap();
+    let aggregator = Aggregator::spawn_with(&broker, &["--config-token", TOKEN]);
+    let journal = agent_graph::GraphStore::open(&aggregator.endpoint, Some(TOKEN.to_owned()))
+        .unwrap()
+        .journal();
+    // Thirty steps of 200 KB: the calls queued behind the first go together, 5 MB and more.
+    let outcome = "x".repeat(200 * 1024);
+    let mut records = tokio::task::JoinSet::new();
+    for i in 0..30 {
+        let (journal, outcome) = (journal.clone(), outcome.clone());
+        records.spawn(async move {
+            journal
+                .record(agent_graph::journal::RecordRequest {
+                    entry: format!("urn:trustgraph:agent:large-{i}/journal/i1-x"),
+                    outcome,
+                    delivery: format!("delivery {i}"),
+                    attempt: format!("attempt {i}"),
+                    next: Vec::new(),
+                })
+                .await
+        });
+    }
+    for (i, standing) in records.join_all().await.into_iter().enumerate() {
+        let standing = standing.unwrap_or_else(|e| panic!("record {i}: {e}"));
+        assert_eq!(standing.outcome.len(), 200 * 1024);
+    }
+}
+
 /// Two journal owners started together on one subscription, each still listening when the other
 /// starts: they hear each other, the younger stands down, the elder keeps the journal.
 #[tokio::test]

@@ -40,6 +40,9 @@ struct Reads {
     token: Option<String>,
 }
 
+/// The largest journal call taken: a batch of [`MAX_JOURNAL_BATCH`] records of a few MB each.
+const MOST_JOURNAL_CALL_BYTES: usize = 256 * 1024 * 1024;
+
 /// How long a query without a token waits for a turn before it is told to come back.
 const TURN_WAIT: std::time::Duration = std::time::Duration::from_secs(1);
 
@@ -62,11 +65,11 @@ pub fn router(
         turns: tokio::sync::Semaphore::new(reads.max_queries.max(1)),
         token: reads.query_token.clone().filter(|t| !t.is_empty()),
     });
-    Router::new()
-        .route("/query", get(query_get).post(query_post))
-        .route("/sparql", get(query_get).post(query_post))
-        .route("/update", post(update))
-        .route("/store", post(store_post))
+    // Records of several steps travel in one call, each with its whole outcome (a step's messages
+    // may be a few MB), so the journal's calls, which need the services' token, are let past
+    // axum's 2 MB default: 32 steps of 64 KB questions in one batch went over it, and each of
+    // those steps failed.
+    let journal_routes = Router::new()
         .route("/journal/entries", post(journal_entries))
         .route("/journal/takings", post(journal_takings))
         .route("/journal/records", post(journal_records))
@@ -74,6 +77,15 @@ pub fn router(
         .route("/journal/chains/beat", post(journal_chain_beat))
         .route("/journal/chains/held", post(journal_chains_held))
         .route("/journal/turns", post(journal_turns))
+        .layer(axum::extract::DefaultBodyLimit::max(
+            MOST_JOURNAL_CALL_BYTES,
+        ));
+    Router::new()
+        .route("/query", get(query_get).post(query_post))
+        .route("/sparql", get(query_get).post(query_post))
+        .route("/update", post(update))
+        .route("/store", post(store_post))
+        .merge(journal_routes)
         .route("/healthz", get(|| async { "ok" }))
         .route("/readyz", get(ready))
         .route("/metrics", get(metrics))
