@@ -150,6 +150,9 @@ impl Bus {
     /// ones themselves.
     pub fn with_max_message_bytes(mut self, max: usize) -> Bus {
         self.max_message_bytes = max;
+        // A message received compressed may decompress to as much (our patch of `pulsar` drops
+        // one that decompresses to more: a compression bomb).
+        pulsar::consumer::set_max_uncompressed_bytes(max);
         self
     }
 

@@ -169,6 +169,58 @@ mod tests {
         (message.payload.data, message.payload.metadata.compression)
     }
 
+    /// A message that decompresses to more than the largest message taken (5 MiB: a compression
+    /// bomb, 6 MiB of zeros in a few hundred bytes) is dropped where it is read, and what follows
+    /// is read; without our patch's bound the reader was handed it whole, whatever its size.
+    #[tokio::test]
+    async fn a_message_decompressing_past_the_bound_is_dropped_and_the_next_read() {
+        let broker = EmbeddedBroker::start(0, None).unwrap();
+        let bus = Bus::connect(&broker.url(), None).await.unwrap();
+        for topic in [
+            "persistent://public/default/bomb-test",
+            "non-persistent://public/default/bomb-test",
+        ] {
+            let mut listener = crate::Listener::subscribe(&bus, topic, "bomb")
+                .await
+                .unwrap();
+            for compression in [Compression::Zstd, Compression::Lz4] {
+                // The crate's own producer: ours refuses a payload over the bound before sending.
+                let mut bomb = bus
+                    .client()
+                    .producer()
+                    .with_topic(topic)
+                    .with_options(pulsar::producer::ProducerOptions {
+                        compression: Some(compression.for_producer()),
+                        ..pulsar::producer::ProducerOptions::default()
+                    })
+                    .build()
+                    .await
+                    .unwrap();
+                bomb.send_non_blocking(vec![0u8; 6 * 1024 * 1024])
+                    .await
+                    .unwrap()
+                    .await
+                    .unwrap();
+                let after = format!("after {compression:?}");
+                Publisher::new(&bus, topic)
+                    .await
+                    .unwrap()
+                    .send(after.clone().into_bytes(), &Properties::new())
+                    .await
+                    .unwrap();
+                let read = tokio::time::timeout(
+                    std::time::Duration::from_secs(10),
+                    listener.next_payload(),
+                )
+                .await
+                .unwrap()
+                .unwrap();
+                assert_eq!(read.len(), after.len(), "{topic} {compression:?}");
+                assert_eq!(read, after.as_bytes());
+            }
+        }
+    }
+
     /// Publishers send payloads as they are unless the bus says otherwise, and what is read is
     /// what was sent.
     #[tokio::test]
