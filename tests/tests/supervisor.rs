@@ -76,6 +76,84 @@ async fn answered(script: &str, id: &str, request: AgentRequest, answer: &str) -
     }
 }
 
+/// Two requests resuming one fan-out with different results (the aggregator's partial answer at
+/// the timeout and a complete one, as a claim that lapsed while the first was published would send)
+/// are one journaled step: the first recorded stands and the second makes no second synthesis and
+/// no second answer. Keyed by their bytes, both ran (checked: two synthesis calls).
+#[tokio::test]
+async fn a_second_resumption_of_a_fan_out_with_other_results_is_the_same_step() {
+    const TOKEN: &str = "resume-token";
+    let broker = Broker::start().unwrap();
+    let aggregator = Aggregator::spawn_with(&broker, &["--config-token", TOKEN]);
+    let llm = scripted_llm(FOUR).await;
+    let _orchestrator = Orchestrator::spawn_journaled(&broker, &llm, &aggregator, TOKEN, &[]);
+    let topics = agent_bus::Topics::trustgraph("default", "default");
+    let mut requests = read_from_start(&broker, &topics.request, "resume-reader").await;
+    let mut client = client(&broker).await;
+    client
+        .send("r-1", &supervised("Compare the four prices."))
+        .await
+        .unwrap();
+    let responses = collect_dialog(&mut client, "r-1", DIALOG_TIMEOUT)
+        .await
+        .unwrap();
+    assert_eq!(closings(&responses), 1, "{responses:#?}");
+    let answer = responses.last().unwrap().content.clone();
+    let synthesis_calls = |llm: &scripted_llm::ScriptedLlm| {
+        llm.calls()
+            .iter()
+            .filter(|c| c.last_user.contains("Request to answer from the subagents"))
+            .count()
+    };
+    assert_eq!(synthesis_calls(&llm), 1);
+    // The resumption the aggregator published, as it was sent.
+    let (resumption, mut properties) = loop {
+        let message = tokio::time::timeout(DIALOG_TIMEOUT, requests.next())
+            .await
+            .expect("no resumption on the request topic")
+            .unwrap()
+            .unwrap();
+        let request: AgentRequest = agent_schema::decode(&message.payload.data).unwrap();
+        if agent_core::supervisor::pending_synthesis(&request.history).is_some() {
+            let properties: agent_bus::Properties = message
+                .payload
+                .metadata
+                .properties
+                .iter()
+                .map(|kv| (kv.key.clone(), kv.value.clone()))
+                .collect();
+            break (request, properties);
+        }
+    };
+    // Another with one result changed, sealed as the aggregator seals one.
+    let mut other = resumption.clone();
+    let results = other
+        .history
+        .last_mut()
+        .and_then(|step| step.subagent_results.as_mut())
+        .unwrap();
+    let first = results.values_mut().next().unwrap();
+    *first = format!("{first} (a later copy)");
+    let payload = agent_schema::encode(&other);
+    properties.remove(agent_bus::seal::STEP_SEAL_PROPERTY);
+    let key = agent_bus::seal::SealKey::new(SEAL_KEY.as_bytes());
+    let seal = key.seal_step(&payload, &properties);
+    properties.insert(agent_bus::seal::STEP_SEAL_PROPERTY.to_owned(), seal);
+    let bus = agent_bus::Bus::connect(&broker.url(), None).await.unwrap();
+    Publisher::new(&bus, &topics.request)
+        .await
+        .unwrap()
+        .send(payload, &properties)
+        .await
+        .unwrap();
+    // Taken up (the orchestrator counts it) and nothing new made of it.
+    let more = drain_for(&mut client, "r-1", Duration::from_secs(5)).await;
+    assert_eq!(synthesis_calls(&llm), 1, "a second synthesis");
+    for closing in more.iter().filter(|r| r.end_of_dialog) {
+        assert_eq!(closing.content, answer, "{more:#?}");
+    }
+}
+
 /// Four subagents, one of which fails: they run at once, the synthesis cites the three results and
 /// the failure, exactly one message ends the dialog, and a completion delivered again changes
 /// nothing.

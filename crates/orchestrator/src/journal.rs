@@ -139,13 +139,26 @@ pub fn key(request: &AgentRequest, new_dialog: bool) -> String {
 }
 
 /// [`key`], given the request's encoding (`agent_schema::encode`), as its sender has it.
+///
+/// A request resuming a supervisor with its subagents' results is keyed without them: it is the
+/// step after its fan-out, whatever results it carries. The aggregator sends one per fan-out, but
+/// two can differ (a partial answer at the timeout and a complete one, should the first's claim
+/// lapse while it was published), and keyed by their bytes both would run: two syntheses, two
+/// answers. Keyed so, the first recorded stands and the other is its copy.
 pub fn key_of_encoded(request: &AgentRequest, new_dialog: bool, encoded: &[u8]) -> String {
     let step = if new_dialog && request.pattern.is_empty() {
         "route".to_owned()
     } else {
         format!("i{}", steps_taken(&request.history) + 1)
     };
-    let digest = uuid::Uuid::new_v5(&uuid::Uuid::NAMESPACE_OID, encoded);
+    let digest = if agent_core::supervisor::pending_synthesis(&request.history).is_some() {
+        let mut fanned_out = request.clone();
+        fanned_out.history.pop();
+        let encoded = agent_schema::encode(&fanned_out);
+        uuid::Uuid::new_v5(&uuid::Uuid::NAMESPACE_OID, &encoded)
+    } else {
+        uuid::Uuid::new_v5(&uuid::Uuid::NAMESPACE_OID, encoded)
+    };
     format!("{step}-{}", digest.simple())
 }
 
@@ -571,6 +584,38 @@ mod tests {
         };
         assert_ne!(key(&first, false), key(&other, false));
         assert!(entry_node("urn:trustgraph:agent:s", &key(&first, false)).is_ok());
+    }
+
+    #[test]
+    fn resumptions_of_one_fan_out_are_one_step_whatever_results_they_carry() {
+        let continuation = AgentRequest {
+            question: "Q".into(),
+            session_id: "sup".into(),
+            pattern: "supervisor".into(),
+            ..AgentRequest::default()
+        };
+        let resumed = |result: &str, missing: &[usize]| {
+            agent_core::supervisor::synthesis_request(
+                &continuation,
+                [("00. a".to_owned(), result.to_owned())].into(),
+                missing,
+            )
+        };
+        let partial = resumed("Error: no result within 3 s", &[0]);
+        let complete = resumed("A", &[]);
+        assert_eq!(key(&partial, false), key(&complete, false));
+        // Another fan-out (another question) is another step.
+        let elsewhere = agent_core::supervisor::synthesis_request(
+            &AgentRequest {
+                question: "R".into(),
+                ..continuation.clone()
+            },
+            [("00. a".to_owned(), "A".to_owned())].into(),
+            &[],
+        );
+        assert_ne!(key(&elsewhere, false), key(&complete, false));
+        // The continuation itself (as it fanned out) is not the step after it.
+        assert_ne!(key(&continuation, false), key(&complete, false));
     }
 
     #[test]
