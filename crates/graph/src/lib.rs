@@ -360,16 +360,18 @@ impl GraphStore {
         match self.writable()? {
             Writable::Embedded(store, _) => {
                 blocking(move || {
-                    nesting::check(&sparql).map_err(GraphError::Syntax)?;
                     let _one_at_a_time = SERIAL_UPDATES
                         .lock()
                         .unwrap_or_else(std::sync::PoisonError::into_inner);
-                    SparqlEvaluator::new()
-                        .parse_update(&sparql)
-                        .map_err(|e| GraphError::Syntax(e.to_string()))?
-                        .on_store(&store)
-                        .execute()
-                        .map_err(|e| GraphError::Evaluation(e.to_string()))
+                    nesting::with_stack_for(&sparql, || {
+                        SparqlEvaluator::new()
+                            .parse_update(&sparql)
+                            .map_err(|e| GraphError::Syntax(e.to_string()))?
+                            .on_store(&store)
+                            .execute()
+                            .map_err(|e| GraphError::Evaluation(e.to_string()))
+                    })
+                    .map_err(GraphError::Syntax)?
                 })
                 .await
             }
@@ -647,7 +649,19 @@ fn query_embedded(
     cancel: Option<oxigraph::sparql::CancellationToken>,
     max_rows: usize,
 ) -> Result<QueryAnswer, GraphError> {
-    nesting::check(sparql).map_err(GraphError::Syntax)?;
+    nesting::with_stack_for(sparql, || {
+        evaluate_embedded(store, sparql, cancel, max_rows)
+    })
+    .map_err(GraphError::Syntax)?
+}
+
+/// [`query_embedded`] on a thread with stack enough for `sparql`.
+fn evaluate_embedded(
+    store: &Store,
+    sparql: &str,
+    cancel: Option<oxigraph::sparql::CancellationToken>,
+    max_rows: usize,
+) -> Result<QueryAnswer, GraphError> {
     let mut evaluator = SparqlEvaluator::new();
     if let Some(cancel) = cancel {
         evaluator = evaluator.with_cancellation_token(cancel);

@@ -1,89 +1,63 @@
-//! How deeply a SPARQL text nests its brackets, read before it is parsed. The parser (spargebra,
-//! inside oxigraph too) descends once per level of `(`, `{` or `[` with no limit of its own, so a
-//! query of a hundred thousand parentheses (100 KB, within any body limit) overflows its thread's
-//! stack, and a stack overflow aborts the whole process: one anonymous `POST /query` would take
-//! the aggregator down, one LLM-written query the orchestrator. A text nested deeper than
-//! [`MOST_NESTING`] is refused instead.
+//! Stack enough for the SPARQL parser, however deeply a text nests. The parser (spargebra, inside
+//! oxigraph too) descends once per `(`, `{`, `[` or `!` with no limit of its own, and so does
+//! evaluating what it parsed; a stack overflow aborts the whole process. So one anonymous
+//! `POST /query` of a hundred thousand parentheses (100 KB, within any body limit) took the
+//! aggregator down, and one LLM-written query the orchestrator.
+//!
+//! How deep a text nests cannot be told from its characters alone: whether `<` opens an IRI or
+//! compares depends on where the parser stands, and a misjudged quote or `#` turns code into a
+//! literal or a comment. So the bound is every opener in the text, wherever it stands: the parser
+//! descends at most once for each. A text with few runs where it is; one with more runs on a
+//! thread of its own with a stack sized for them all; one with more than [`MOST_OPENERS`] is
+//! refused.
 
-/// The deepest nesting of brackets a query or update may have: far beyond what a person or the
-/// agent writes (the service's own queries nest less than ten deep), far below what overflows a
-/// 2 MiB thread stack in a debug build.
-pub const MOST_NESTING: usize = 64;
+/// The most openers (`(`, `{`, `[`, `!`) a query or update may hold: a query of ten thousand
+/// `VALUES` rows still fits, and the deepest descent it allows takes a stack of
+/// `MOST_OPENERS * STACK_PER_OPENER` (a thread's stack is reserved, and only what is used is
+/// touched).
+pub const MOST_OPENERS: usize = 10_000;
 
-/// Refuses `sparql` if its brackets nest deeper than [`MOST_NESTING`], saying so.
-pub fn check(sparql: &str) -> Result<(), String> {
-    let depth = nesting(sparql);
-    if depth > MOST_NESTING {
+/// Openers a text may hold and still run on the calling thread: even nested one in another they
+/// fit in the 2 MiB of a Tokio worker or blocking thread (a debug build's frames are the largest).
+const IN_PLACE_OPENERS: usize = 64;
+
+/// The stack one level of nesting may take, parsing and evaluating, with room to spare (measured
+/// in a debug build; see `tests/bounded.rs`).
+const STACK_PER_OPENER: usize = 24 * 1024;
+
+/// The stack of a thread made for a deep text, besides its levels.
+const BASE_STACK: usize = 2 * 1024 * 1024;
+
+/// Every `(`, `{`, `[` and `!` in `sparql`, wherever it stands.
+pub fn openers(sparql: &str) -> usize {
+    sparql
+        .bytes()
+        .filter(|b| matches!(b, b'(' | b'{' | b'[' | b'!'))
+        .count()
+}
+
+/// Runs `work`, which parses `sparql` (and may evaluate it), where the parser has stack for the
+/// deepest descent `sparql` allows: on this thread when it has few openers, on a thread of its own
+/// sized for them otherwise. A text with more than [`MOST_OPENERS`] is refused, saying so.
+pub fn with_stack_for<T: Send>(sparql: &str, work: impl FnOnce() -> T + Send) -> Result<T, String> {
+    let openers = openers(sparql);
+    if openers <= IN_PLACE_OPENERS {
+        return Ok(work());
+    }
+    if openers > MOST_OPENERS {
         return Err(format!(
-            "the query nests its brackets {depth} deep; at most {MOST_NESTING} are accepted"
+            "the query holds {openers} brackets and '!'; at most {MOST_OPENERS} are taken"
         ));
     }
-    Ok(())
-}
-
-/// The deepest nesting of `(`, `{` and `[` in `sparql`, not counting those inside string
-/// literals, IRIs and comments, which the parser does not descend into either. Linear in the text.
-pub fn nesting(sparql: &str) -> usize {
-    let text = sparql.as_bytes();
-    let (mut depth, mut deepest, mut at) = (0usize, 0usize, 0usize);
-    while let Some(&byte) = text.get(at) {
-        match byte {
-            b'(' | b'{' | b'[' => {
-                depth += 1;
-                deepest = deepest.max(depth);
-                at += 1;
-            }
-            b')' | b'}' | b']' => {
-                depth = depth.saturating_sub(1);
-                at += 1;
-            }
-            b'#' => at = end_of_comment(text, at),
-            b'"' | b'\'' => at = end_of_string(text, at, byte),
-            b'<' => at = end_of_iri(text, at).unwrap_or(at + 1),
-            _ => at += 1,
-        }
-    }
-    deepest
-}
-
-/// Where the comment starting at `at` ends: after its line.
-fn end_of_comment(text: &[u8], at: usize) -> usize {
-    text[at..]
-        .iter()
-        .position(|&b| b == b'\n' || b == b'\r')
-        .map_or(text.len(), |line_end| at + line_end + 1)
-}
-
-/// Where the string literal opened by `quote` at `at` ends: a long one (three quotes) at its
-/// three closing quotes, a short one at its closing quote; a backslash escapes the byte after it.
-/// An unterminated literal runs to the end (the parser refuses it anyway).
-fn end_of_string(text: &[u8], at: usize, quote: u8) -> usize {
-    let long = text.get(at..at + 3) == Some(&[quote, quote, quote][..]);
-    let mut i = if long { at + 3 } else { at + 1 };
-    while let Some(&byte) = text.get(i) {
-        if byte == b'\\' {
-            i += 2;
-        } else if byte == quote && (!long || text.get(i..i + 3) == Some(&[quote, quote, quote][..]))
-        {
-            return i + if long { 3 } else { 1 };
-        } else {
-            i += 1;
-        }
-    }
-    text.len()
-}
-
-/// Where the IRI opened at `at` ends, if a `<` there opens one (an IRI's characters up to `>`, as
-/// SPARQL's IRIREF; otherwise the `<` is a comparison).
-fn end_of_iri(text: &[u8], at: usize) -> Option<usize> {
-    for (offset, &byte) in text[at + 1..].iter().enumerate() {
-        match byte {
-            b'>' => return Some(at + offset + 2),
-            b'<' | b'"' | b'{' | b'}' | b'|' | b'^' | b'`' | b'\\' | 0..=0x20 => return None,
-            _ => {}
-        }
-    }
-    None
+    std::thread::scope(|scope| {
+        let deep = std::thread::Builder::new()
+            .name("sparql-deep".to_owned())
+            .stack_size(BASE_STACK + openers * STACK_PER_OPENER)
+            .spawn_scoped(scope, work)
+            .map_err(|e| format!("no thread to parse a deeply nested query on: {e}"))?;
+        deep.join()
+            .map_err(|_| "parsing or evaluating the query failed".to_owned())
+    })
 }
 
 #[cfg(test)]
@@ -91,42 +65,20 @@ mod tests {
     use super::*;
 
     #[test]
-    fn brackets_are_counted_outside_literals_iris_and_comments() {
-        assert_eq!(nesting("SELECT * WHERE { ?s ?p ?o }"), 1);
-        assert_eq!(
-            nesting("ASK { FILTER((1 + (2)) > 0) OPTIONAL { [ <urn:p> ?o ] } }"),
-            4
-        );
-        assert_eq!(nesting(r#"ASK { FILTER(?x = "((((" ) }"#), 2);
-        assert_eq!(nesting(r#"ASK { FILTER(?x = """ " (( """) }"#), 2);
-        assert_eq!(nesting(r#"ASK { FILTER(?x = 'a\'((') }"#), 2);
-        assert_eq!(nesting("ASK { <urn:a(((> ?p ?o }"), 1);
-        assert_eq!(nesting("ASK { # (((\n ?s ?p ?o }"), 1);
-        // A comparison, not an IRI: the brackets after it count.
-        assert_eq!(nesting("ASK { FILTER(?a < (?b)) }"), 3);
+    fn every_opener_counts_wherever_it_stands() {
+        assert_eq!(openers("SELECT * WHERE { ?s ?p ?o }"), 1);
+        assert_eq!(openers(r#"ASK { FILTER(!(?x = "((")) } # ["#), 7);
+        assert_eq!(openers("ASK { <urn:a(> ?p ?o }"), 2);
     }
 
     #[test]
-    fn closing_brackets_hidden_in_literals_do_not_hide_the_real_depth() {
-        // Each level opened for the parser and "closed" inside a literal: the parser still
-        // descends a level each time.
-        let deep = format!(
-            "ASK {{ FILTER({}1{}) }}",
-            "(\")\" + ".repeat(100),
-            ")".repeat(100)
-        );
-        assert!(nesting(&deep) > 100, "{}", nesting(&deep));
-        assert!(check(&deep).is_err());
-        let fine = format!("ASK {{ FILTER({}1{}) }}", "(".repeat(60), ")".repeat(60));
-        assert!(check(&fine).is_ok());
-    }
-
-    #[test]
-    fn unterminated_literals_and_iris_end_the_count_without_panicking() {
-        assert_eq!(nesting("ASK { \"(((("), 1);
-        assert_eq!(nesting("ASK { '''((("), 1);
-        assert_eq!(nesting("ASK { FILTER(?a <"), 2);
-        assert_eq!(nesting("ASK { \"\\"), 1);
-        assert_eq!(nesting("#"), 0);
+    fn few_openers_run_here_many_on_a_thread_of_their_own_too_many_not_at_all() {
+        let here = std::thread::current().id();
+        let ran_on = |text: &str| with_stack_for(text, || std::thread::current().id());
+        assert_eq!(ran_on("ASK { }"), Ok(here));
+        let many = "(".repeat(IN_PLACE_OPENERS + 1);
+        assert!(matches!(ran_on(&many), Ok(id) if id != here));
+        let too_many = "!".repeat(MOST_OPENERS + 1);
+        assert!(ran_on(&too_many).unwrap_err().contains("at most 10000"));
     }
 }

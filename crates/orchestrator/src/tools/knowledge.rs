@@ -30,8 +30,13 @@ pub fn collection_graph(name: &str) -> Result<String, String> {
 /// choose its own graphs. With the collection as its only default graph and no named graphs,
 /// `GRAPH` patterns inside it reach nothing else (provenance, the journal, other collections).
 pub fn confine_query(sparql: &str, graph: &str) -> Result<String, String> {
-    // Before the parser, which an LLM's query nested deep enough would take the process down in.
-    agent_graph::nesting::check(sparql)?;
+    // With stack enough for the parser, which an LLM's query nested deep enough would otherwise
+    // take the process down in.
+    agent_graph::nesting::with_stack_for(sparql, || confine_parsed(sparql, graph))?
+}
+
+/// [`confine_query`] on a thread with stack enough for `sparql`.
+fn confine_parsed(sparql: &str, graph: &str) -> Result<String, String> {
     let mut query = match spargebra::SparqlParser::new().parse_query(sparql) {
         Ok(query) => query,
         Err(e) => {
