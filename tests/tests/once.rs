@@ -1504,6 +1504,30 @@ async fn a_batch_of_large_records_past_two_megabytes_is_recorded() {
     }
 }
 
+/// A journal call without the services' token is refused before its body is read: the owner
+/// takes calls of up to 256 MB, and anyone who can reach its port would otherwise have it buffer
+/// that much a call. Here the body never comes; the refusal does, at once (the body's reader would
+/// wait for it).
+#[tokio::test]
+async fn a_journal_call_without_the_token_is_refused_before_its_body_is_read() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let broker = Broker::start().unwrap();
+    let aggregator = Aggregator::spawn_with(&broker, &["--config-token", TOKEN]);
+    let address = aggregator.endpoint.trim_start_matches("http://").to_owned();
+    let mut connection = tokio::net::TcpStream::connect(&address).await.unwrap();
+    let head = format!(
+        "POST /journal/records HTTP/1.1\r\nHost: {address}\r\nContent-Type: application/json\r\nContent-Length: 200000000\r\n\r\n"
+    );
+    connection.write_all(head.as_bytes()).await.unwrap();
+    let mut answer = vec![0u8; 256];
+    let read = tokio::time::timeout(Duration::from_secs(10), connection.read(&mut answer))
+        .await
+        .expect("the owner waited for the body of a call without the token")
+        .unwrap();
+    let answer = String::from_utf8_lossy(&answer[..read]);
+    assert!(answer.starts_with("HTTP/1.1 401"), "{answer}");
+}
+
 /// Two journal owners started together on one subscription, each still listening when the other
 /// starts: they hear each other, the younger stands down, the elder keeps the journal.
 #[tokio::test]

@@ -40,7 +40,7 @@ struct Reads {
     token: Option<String>,
 }
 
-/// The largest journal call taken: a batch of [`MAX_JOURNAL_BATCH`] records of a few MB each.
+/// The largest journal call taken: an orchestrator's batch of up to 64 records of a few MB each.
 const MOST_JOURNAL_CALL_BYTES: usize = 256 * 1024 * 1024;
 
 /// How long a query without a token waits for a turn before it is told to come back.
@@ -65,10 +65,19 @@ pub fn router(
         turns: tokio::sync::Semaphore::new(reads.max_queries.max(1)),
         token: reads.query_token.clone().filter(|t| !t.is_empty()),
     });
+    let state = AppState {
+        store,
+        journal,
+        fence,
+        token,
+        stats,
+        reads,
+    };
     // Records of several steps travel in one call, each with its whole outcome (a step's messages
-    // may be a few MB), so the journal's calls, which need the services' token, are let past
-    // axum's 2 MB default: 32 steps of 64 KB questions in one batch went over it, and each of
-    // those steps failed.
+    // may be a few MB), so the journal's calls are let past axum's 2 MB default: 32 steps of 64 KB
+    // questions in one batch went over it, and each of those steps failed. Only with the
+    // services' token, checked before the body is read: anyone who can reach the port could
+    // otherwise have the owner buffer 256 MB a call.
     let journal_routes = Router::new()
         .route("/journal/entries", post(journal_entries))
         .route("/journal/takings", post(journal_takings))
@@ -79,6 +88,10 @@ pub fn router(
         .route("/journal/turns", post(journal_turns))
         .layer(axum::extract::DefaultBodyLimit::max(
             MOST_JOURNAL_CALL_BYTES,
+        ))
+        .route_layer(axum::middleware::from_fn_with_state(
+            state.clone(),
+            token_first,
         ));
     Router::new()
         .route("/query", get(query_get).post(query_post))
@@ -89,14 +102,19 @@ pub fn router(
         .route("/healthz", get(|| async { "ok" }))
         .route("/readyz", get(ready))
         .route("/metrics", get(metrics))
-        .with_state(AppState {
-            store,
-            journal,
-            fence,
-            token,
-            stats,
-            reads,
-        })
+        .with_state(state)
+}
+
+/// Refuses a journal call without the services' token before its body is read.
+async fn token_first(
+    State(state): State<AppState>,
+    request: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    if let Some(denied) = denied(&state, request.headers()) {
+        return denied;
+    }
+    next.run(request).await
 }
 
 fn error_response(e: GraphError) -> Response {
