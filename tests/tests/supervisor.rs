@@ -139,6 +139,7 @@ async fn a_second_resumption_of_a_fan_out_with_other_results_is_the_same_step() 
     let key = agent_bus::seal::SealKey::new(SEAL_KEY.as_bytes());
     let seal = key.seal_step(&payload, &properties);
     properties.insert(agent_bus::seal::STEP_SEAL_PROPERTY.to_owned(), seal);
+    let mut dead_letters = read_from_start(&broker, DEAD_LETTER_TOPIC, "resume-dlq").await;
     let bus = agent_bus::Bus::connect(&broker.url(), None).await.unwrap();
     Publisher::new(&bus, &topics.request)
         .await
@@ -146,8 +147,10 @@ async fn a_second_resumption_of_a_fan_out_with_other_results_is_the_same_step() 
         .send(payload, &properties)
         .await
         .unwrap();
-    // Taken up (the orchestrator counts it) and nothing new made of it.
+    // Taken up as a copy of the step (not refused: its seal holds), and nothing new made of it.
     let more = drain_for(&mut client, "r-1", Duration::from_secs(5)).await;
+    let refused = tokio::time::timeout(Duration::from_secs(1), dead_letters.next()).await;
+    assert!(refused.is_err(), "the copy was dead-lettered: {refused:?}");
     assert_eq!(synthesis_calls(&llm), 1, "a second synthesis");
     for closing in more.iter().filter(|r| r.end_of_dialog) {
         assert_eq!(closing.content, answer, "{more:#?}");

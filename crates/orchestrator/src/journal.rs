@@ -43,7 +43,14 @@ pub struct Effect {
 
 impl Effect {
     /// The form to journal: a request that extends the input's history keeps only its new steps.
+    /// For a resumption of a supervisor, the history before its results: two resumptions of one
+    /// fan-out are one step (see [`key_of_encoded`]) whose results may differ, and a copy must
+    /// re-emit the request the first published, its results included, byte for byte.
     pub fn compacted(&self, input_history: &[AgentStep]) -> Effect {
+        let input_history = match agent_core::supervisor::pending_synthesis(input_history) {
+            Some(_) => &input_history[..input_history.len() - 1],
+            None => input_history,
+        };
         if self.channel != Channel::Requests || input_history.is_empty() {
             return self.clone();
         }
@@ -688,6 +695,46 @@ mod tests {
             ..published.clone()
         };
         assert_eq!(response.compacted(&input), response);
+    }
+
+    #[test]
+    fn a_copy_of_a_resumption_re_emits_the_request_the_first_published() {
+        let continuation = AgentRequest {
+            question: "Q".into(),
+            session_id: "sup".into(),
+            pattern: "supervisor".into(),
+            ..AgentRequest::default()
+        };
+        let resumed = |result: &str| {
+            agent_core::supervisor::synthesis_request(
+                &continuation,
+                [("00. a".to_owned(), result.to_owned())].into(),
+                &[],
+            )
+        };
+        let (first, copy) = (resumed("partial"), resumed("complete"));
+        // The first's step queued one more (a draft for the answer critic, say).
+        let next = AgentRequest {
+            history: first
+                .history
+                .iter()
+                .cloned()
+                .chain([AgentStep {
+                    thought: "draft".into(),
+                    ..AgentStep::default()
+                }])
+                .collect(),
+            ..first.clone()
+        };
+        let published = Effect {
+            channel: Channel::Requests,
+            payload: String::from_utf8(agent_schema::encode(&next)).unwrap(),
+            properties: BTreeMap::new(),
+            history_from_input: None,
+        };
+        let journaled = published.compacted(&first.history);
+        assert_eq!(journaled.expanded(&copy.history).unwrap(), published);
+        assert_eq!(journaled.expanded(&first.history).unwrap(), published);
     }
 
     fn deflated(bytes: &[u8]) -> String {
