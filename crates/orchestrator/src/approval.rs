@@ -214,11 +214,12 @@ pub async fn resume(turn: &Turn<'_>, answer: &Answer) -> Result<(), BusError> {
     record_answer(turn, answer)?;
     match control.operation.as_str() {
         control_operation::APPROVE => {
-            // Approved after its supervisor answered without this branch, or after the run spent
-            // its budget while the call waited: the call is not made. The client was already
-            // told the branch gave no result, and a payment made now would be one no answer
-            // accounts for. The answer stays recorded above.
-            if let Some(ended) = crate::finish::conclude_if_limited(turn).await {
+            // Approved after its supervisor answered without this branch: the call is not made.
+            // The client was already told the branch gave no result, and a payment made now
+            // would be one no answer accounts for. The answer stays recorded above. (A run whose
+            // budget was spent while the call waited makes the call it was approved within the
+            // deadline it showed, and stops at its next step.)
+            if let Some(ended) = crate::finish::end_if_abandoned(turn).await {
                 return ended;
             }
             if let Some(arguments) = &control.arguments {

@@ -81,13 +81,22 @@ async fn complete(
     turn.out.explain(&node, recorded)
 }
 
+/// Ends a subagent's dialog whose supervisor stopped waiting for it (its fan-out timed out and
+/// was answered without it); `None` while it is waited for.
+pub async fn end_if_abandoned(turn: &Turn<'_>) -> Option<Result<(), BusError>> {
+    if !turn.abandoned {
+        return None;
+    }
+    let n = steps_taken(&turn.request.history) + 1;
+    let why = "the supervisor stopped waiting for this subagent: its fan-out timed out and was answered without it";
+    Some(fail(turn, n, why).await)
+}
+
 /// Ends the dialog when it has used all its iterations or a budget, before any LLM call; `None`
 /// when it may go on. Every pattern checks this first.
 pub async fn conclude_if_limited(turn: &Turn<'_>) -> Option<Result<(), BusError>> {
-    if turn.abandoned {
-        let n = steps_taken(&turn.request.history) + 1;
-        let why = "the supervisor stopped waiting for this subagent: its fan-out timed out and was answered without it";
-        return Some(fail(turn, n, why).await);
+    if let Some(ended) = end_if_abandoned(turn).await {
+        return Some(ended);
     }
     let limits = &turn.config.limits;
     if steps_taken(&turn.request.history) >= limits.max_iterations {

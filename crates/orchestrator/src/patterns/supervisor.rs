@@ -172,23 +172,36 @@ async fn recover(turn: &Turn<'_>, n: usize) -> Result<Recovery, BusError> {
         return Ok(Recovery::Synthesise);
     }
     // The verdicts join the history before the new round's decompose step: retries, lessons and
-    // splits are counted from there.
+    // splits are counted from there. Each says whether its goal went out again: the round is held
+    // to `max_subagents`, and what did not fit is not recorded as retried.
+    let going_out: std::collections::BTreeSet<&str> =
+        goals.iter().map(|g| g.goal.as_str()).collect();
     let kept: Vec<AgentStep> = rejected
         .iter()
         .filter_map(|(index, verdict)| {
             let goal = round.get(*index)?;
             let split_into: Vec<String> = if verdict.status == critic::Status::JobTooComplicated {
-                verdict.sub_steps.iter().map(|(g, _)| g.clone()).collect()
+                verdict
+                    .sub_steps
+                    .iter()
+                    .map(|(g, _)| g.clone())
+                    .filter(|g| going_out.contains(g.as_str()))
+                    .collect()
             } else {
                 Vec::new()
             };
             let depth = critic::splits_behind(history, &goal.goal) + 1;
+            let effect = if going_out.contains(goal.goal.as_str()) || !split_into.is_empty() {
+                "sent out again"
+            } else {
+                "not sent out again: the recovery round was full (max_subagents)"
+            };
             Some(critic::subagent_verdict_step(
                 &goal.goal,
                 verdict,
                 &split_into,
                 depth,
-                "sent out again",
+                effect,
             ))
         })
         .collect();
