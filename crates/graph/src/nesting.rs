@@ -1,38 +1,46 @@
-//! Stack enough for the SPARQL parser, however deeply a text nests. The parser (spargebra, inside
-//! oxigraph too) descends once per `(`, `{`, `[` or `!` with no limit of its own, and so does
-//! evaluating what it parsed; a stack overflow aborts the whole process. So one anonymous
-//! `POST /query` of a hundred thousand parentheses (100 KB, within any body limit) took the
-//! aggregator down, and one LLM-written query the orchestrator.
+//! Stack enough for a SPARQL query, however deeply it nests. The parser (spargebra, inside
+//! oxigraph too) descends once per `(`, `{`, `[` or `!` with no limit of its own, and what it
+//! builds is a tree one level deeper per operator of a chain (`1+1+...`, `<p>/<p>/...`, `a||b||...`),
+//! which converting, evaluating, printing and dropping it descend again; a stack overflow aborts
+//! the whole process. So one anonymous `POST /query` of a hundred thousand parentheses (100 KB,
+//! within any body limit) took the aggregator down, and one LLM-written query the orchestrator.
 //!
 //! How deep a text nests cannot be told from its characters alone: whether `<` opens an IRI or
 //! compares depends on where the parser stands, and a misjudged quote or `#` turns code into a
-//! literal or a comment. So the bound is every opener in the text, wherever it stands: the parser
-//! descends at most once for each. A text with few runs where it is; one with more runs on a
-//! thread of its own with a stack sized for them all; one with more than [`MOST_OPENERS`] is
-//! refused.
+//! literal or a comment. So the bound is every character that may make a level, wherever it
+//! stands: the query goes no deeper than their count. A query with few runs where it is; one with
+//! more runs on a thread of its own with a stack sized for them all; one with more than
+//! [`MOST_OPENERS`] is refused. Updates are not bounded so: they need the services' token.
 
-/// The most openers (`(`, `{`, `[`, `!`) a query or update may hold: a query of ten thousand
-/// `VALUES` rows still fits, and the deepest descent it allows takes a stack of
+/// The most characters that may make a level (see [`openers`]) a query may hold: a `VALUES` list
+/// of ten thousand IRIs still fits, and the deepest descent it allows takes a stack of
 /// `MOST_OPENERS * STACK_PER_OPENER` (a thread's stack is reserved, and only what is used is
 /// touched).
-pub const MOST_OPENERS: usize = 10_000;
+pub const MOST_OPENERS: usize = 100_000;
 
-/// Openers a text may hold and still run on the calling thread: even nested one in another they
+/// Openers a query may hold and still run on the calling thread: even nested one in another they
 /// fit in the 2 MiB of a Tokio worker or blocking thread (a debug build's frames are the largest).
-const IN_PLACE_OPENERS: usize = 64;
+const IN_PLACE_OPENERS: usize = 96;
 
-/// The stack one level of nesting may take, parsing and evaluating, with room to spare (measured
-/// in a debug build; see `tests/bounded.rs`).
-const STACK_PER_OPENER: usize = 24 * 1024;
+/// The stack one level of nesting may take, parsing, evaluating and dropping, with room to spare
+/// (in a debug build a level of brackets overflowed at 3 KB and held at 6; see `tests/bounded.rs`).
+const STACK_PER_OPENER: usize = 16 * 1024;
 
 /// The stack of a thread made for a deep text, besides its levels.
 const BASE_STACK: usize = 2 * 1024 * 1024;
 
-/// Every `(`, `{`, `[` and `!` in `sparql`, wherever it stands.
+/// Every character of `sparql` that may make a level, wherever it stands: brackets and `!`, which
+/// the parser descends, and the operators that chain (`+ - * / | & ^`), each a level of the tree
+/// it builds.
 pub fn openers(sparql: &str) -> usize {
     sparql
         .bytes()
-        .filter(|b| matches!(b, b'(' | b'{' | b'[' | b'!'))
+        .filter(|b| {
+            matches!(
+                b,
+                b'(' | b'{' | b'[' | b'!' | b'+' | b'-' | b'*' | b'/' | b'|' | b'&' | b'^'
+            )
+        })
         .count()
 }
 
@@ -46,7 +54,7 @@ pub fn with_stack_for<T: Send>(sparql: &str, work: impl FnOnce() -> T + Send) ->
     }
     if openers > MOST_OPENERS {
         return Err(format!(
-            "the query holds {openers} brackets and '!'; at most {MOST_OPENERS} are taken"
+            "the query holds {openers} brackets and operators; at most {MOST_OPENERS} are taken"
         ));
     }
     std::thread::scope(|scope| {
@@ -66,9 +74,13 @@ mod tests {
 
     #[test]
     fn every_opener_counts_wherever_it_stands() {
-        assert_eq!(openers("SELECT * WHERE { ?s ?p ?o }"), 1);
+        assert_eq!(openers("SELECT * WHERE { ?s ?p ?o }"), 2);
         assert_eq!(openers(r#"ASK { FILTER(!(?x = "((")) } # ["#), 7);
         assert_eq!(openers("ASK { <urn:a(> ?p ?o }"), 2);
+        assert_eq!(
+            openers("ASK { FILTER(1+2-3*4/5 || ?a && ?b) ?s ^<p>|<q> ?o }"),
+            12
+        );
     }
 
     #[test]
@@ -79,6 +91,6 @@ mod tests {
         let many = "(".repeat(IN_PLACE_OPENERS + 1);
         assert!(matches!(ran_on(&many), Ok(id) if id != here));
         let too_many = "!".repeat(MOST_OPENERS + 1);
-        assert!(ran_on(&too_many).unwrap_err().contains("at most 10000"));
+        assert!(ran_on(&too_many).unwrap_err().contains("at most 100000"));
     }
 }
