@@ -94,25 +94,21 @@ impl Disbelief {
         match self {
             Disbelief::Undecodable => "does not decode",
             Disbelief::Unsealed => "does not carry this deployment's seal (AGENT_SEAL_KEY): forged, or from a build or deployment without it",
-            Disbelief::Stale => "was sent before this aggregator started or more than 30 s from now by its clock: an old announcement sent again, or clocks that disagree",
+            Disbelief::Stale => "was sent more than 30 s from now by this clock: an old announcement sent again, or clocks that disagree",
         }
     }
 }
 
-/// How much earlier than this process's start an announcement may have been sent and still
-/// count: the clocks of two owners' hosts may differ by this much.
-pub const START_SKEW: Duration = Duration::from_secs(5);
-
 /// The owner an announcement heard on the broker names, if it counts: with `seal`, only one
-/// sealed with it, sent within [`FRESH`] of `now_ms` and not before `since_ms` (this process's
-/// start, less [`START_SKEW`]): an owner that died before this one started sends nothing after
-/// it, so its announcements can only be copies played again, which would stand this one down.
+/// sealed with it and sent within [`FRESH`] of `now_ms`. (Not also "sent after this process
+/// started": a newcomer whose clock runs ahead of a live owner's would then believe none of its
+/// announcements and own the journal beside it. So a copy of a dead owner's announcement, played
+/// within 30 s of its sending, can stand its successor down once; restarted, it is past.)
 fn believed(
     seal: Option<&SealKey>,
     payload: &[u8],
     properties: &Properties,
     now_ms: u64,
-    since_ms: u64,
 ) -> Result<Owner, Disbelief> {
     let announcement: Announcement =
         serde_json::from_slice(payload).map_err(|_| Disbelief::Undecodable)?;
@@ -122,9 +118,7 @@ fn believed(
     if !key.verify_owner(payload, properties) {
         return Err(Disbelief::Unsealed);
     }
-    if now_ms.abs_diff(announcement.sent_ms) > FRESH.as_millis() as u64
-        || announcement.sent_ms < since_ms
-    {
+    if now_ms.abs_diff(announcement.sent_ms) > FRESH.as_millis() as u64 {
         return Err(Disbelief::Stale);
     }
     Ok(announcement.owner)
@@ -344,8 +338,7 @@ async fn watch_owners(
             }
             message = heard.next_with_properties(), if listening_again.is_none() => match message {
                 Ok((payload, properties)) => {
-                    let since = me.started_ms.saturating_sub(START_SKEW.as_millis() as u64);
-                    match believed(seal.as_ref(), &payload, &properties, now_ms(), since) {
+                    match believed(seal.as_ref(), &payload, &properties, now_ms()) {
                         Ok(other) => Heard {
                             owner: other,
                             on: format!("the explainability subscription announced on {topic}"),
@@ -513,9 +506,8 @@ mod tests {
                 .unwrap_or_default();
             (payload, properties)
         };
-        let started = now - 10_000;
         let heard = |seal: Option<&SealKey>, (payload, properties): (Vec<u8>, Properties)| {
-            believed(seal, &payload, &properties, now, started)
+            believed(seal, &payload, &properties, now)
         };
         assert_eq!(
             heard(Some(&key), sent(now - 200, Some(&key))),
@@ -534,12 +526,6 @@ mod tests {
         let a_minute_ago = now - 60_000;
         assert_eq!(
             heard(Some(&key), sent(a_minute_ago, Some(&key))),
-            Err(Disbelief::Stale)
-        );
-        // Fresh, but sent before this process started: an owner dead before it, played again.
-        let before_start = started - 1;
-        assert_eq!(
-            heard(Some(&key), sent(before_start, Some(&key))),
             Err(Disbelief::Stale)
         );
         // Edited after sealing (sent again with a new time): the seal no longer holds.
