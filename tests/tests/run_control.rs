@@ -761,6 +761,25 @@ async fn a_payment_awaiting_approval(
     String,
     u64,
 ) {
+    a_payment_awaiting_approval_within(config, name, number, id, 300, &[]).await
+}
+
+/// [`a_payment_awaiting_approval`], its call taking an answer for `approval_timeout_secs`, the
+/// aggregator started with `aggregator_flags`.
+async fn a_payment_awaiting_approval_within(
+    config: &str,
+    name: &str,
+    number: u32,
+    id: &str,
+    approval_timeout_secs: u64,
+    aggregator_flags: &[&str],
+) -> (
+    Stack,
+    agent_bus::AgentClient,
+    Vec<AgentResponse>,
+    String,
+    u64,
+) {
     let script = format!(
         r#"{{"rules": [
       {{"match": "did not approve calling 'pay'", "reply": "Thought: Not allowed.\nFinal Answer: I was not allowed to pay."}},
@@ -768,7 +787,13 @@ async fn a_payment_awaiting_approval(
       {{"match": "Question: pay the {name} invoice", "reply": "Thought: Pay it.\nAction: pay\nArgs: {{\"question\": \"pay invoice {name}-{number}\"}}"}}
     ]}}"#
     );
-    let stack = Stack::journaled(TOKEN, &script, &pay_config(config, 300), &[]).await;
+    let stack = Stack::journaled(
+        TOKEN,
+        &script,
+        &pay_config(config, approval_timeout_secs),
+        aggregator_flags,
+    )
+    .await;
     let mut client = client(&stack.broker).await;
     client
         .send(
@@ -783,6 +808,55 @@ async fn a_payment_awaiting_approval(
     let responses = until_approval_asked(&mut client, id).await;
     let (_, session, step) = approval_asked(&responses);
     (stack, client, responses, session, step)
+}
+
+/// An approval sent after the deadline its request showed runs nothing, though no expiry came
+/// first (here the aggregator's sweep would look in an hour): the dialog ends saying it came too
+/// late. Without the check the late approval paid.
+#[tokio::test]
+async fn an_approval_sent_after_its_deadline_runs_nothing() {
+    let (
+        Stack {
+            broker,
+            llm,
+            aggregator: _aggregator,
+            orchestrator: _orchestrator,
+        },
+        mut client,
+        mut responses,
+        session,
+        step,
+    ) = a_payment_awaiting_approval_within(
+        "late",
+        "epsilon",
+        5,
+        "a-6",
+        2,
+        &["--approval-sweep-secs", "3600"],
+    )
+    .await;
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let said = agentctl(
+        &broker,
+        &["approve", &session, &step.to_string(), "--by", "ops-eve"],
+    );
+    assert!(said.contains("approved"), "{said}");
+    responses.extend(
+        collect_dialog(&mut client, "a-6", Duration::from_secs(60))
+            .await
+            .unwrap(),
+    );
+    let ended = responses.last().unwrap().error.as_ref().expect("an error");
+    assert!(
+        ended.message.contains("after its deadline"),
+        "{}",
+        ended.message
+    );
+    assert_eq!(
+        payments(&llm, "pay invoice epsilon-5"),
+        0,
+        "paid after the deadline"
+    );
 }
 
 #[tokio::test]

@@ -52,6 +52,21 @@ pub struct Continuation {
 pub struct Answer {
     pub control: AgentControl,
     pub decision: ToolDecision,
+    /// Until when the parked call took an answer (RFC 3339), as the request showed it.
+    pub deadline: String,
+}
+
+impl Answer {
+    /// Whether it approves, or denies, after the deadline the request showed (by its sealed time
+    /// of sending): the sweep's expiry may not have come first (it runs every few seconds, and not
+    /// while the aggregator is down), and such an answer must not make the call.
+    fn too_late(&self) -> bool {
+        let parsed = |t: &str| chrono::DateTime::parse_from_rfc3339(t).ok();
+        match (parsed(&self.control.at), parsed(&self.deadline)) {
+            (Some(at), Some(deadline)) => at > deadline,
+            _ => false,
+        }
+    }
 }
 
 /// Whether calling `action` (in `scope`) must wait for a person's approval.
@@ -212,6 +227,13 @@ pub async fn resume(turn: &Turn<'_>, answer: &Answer) -> Result<(), BusError> {
     let control = &answer.control;
     let mut decision = answer.decision.clone();
     record_answer(turn, answer)?;
+    if control.operation != control_operation::EXPIRE && answer.too_late() {
+        let why = format!(
+            "{} answered the call of '{}' at {}, after its deadline {} (approval_timeout_secs); it was not run, and the dialog ends here.",
+            control.by, decision.action, control.at, answer.deadline
+        );
+        return crate::finish::fail(turn, n, &why).await;
+    }
     match control.operation.as_str() {
         control_operation::APPROVE => {
             // Approved after its supervisor answered without this branch: the call is not made.

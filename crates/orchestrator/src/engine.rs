@@ -671,6 +671,7 @@ impl Engine {
         let answer = approval::Answer {
             control,
             decision: continuation.decision,
+            deadline: continuation.deadline,
         };
         Box::pin(self.run_step(resumed, Some(&answer))).await.0
     }

@@ -193,6 +193,10 @@ async fn recover(turn: &Turn<'_>, n: usize) -> Result<Recovery, BusError> {
             let depth = critic::splits_behind(history, &goal.goal) + 1;
             let effect = if going_out.contains(goal.goal.as_str()) || !split_into.is_empty() {
                 "sent out again"
+            } else if verdict.status == critic::Status::JobTooComplicated
+                && depth > config.limits.step_life_cycle
+            {
+                "not split again: it was split step_life_cycle times already"
             } else {
                 "not sent out again: the recovery round was full (max_subagents)"
             };
