@@ -36,7 +36,7 @@ struct AppState {
 struct Reads {
     bounds: QueryBounds,
     /// Turns for queries without the services' token.
-    turns: tokio::sync::Semaphore,
+    turns: Arc<tokio::sync::Semaphore>,
     token: Option<String>,
 }
 
@@ -62,7 +62,7 @@ pub fn router(
             timeout: std::time::Duration::from_secs(reads.query_timeout_secs.max(1)),
             max_rows: reads.max_result_rows,
         },
-        turns: tokio::sync::Semaphore::new(reads.max_queries.max(1)),
+        turns: Arc::new(tokio::sync::Semaphore::new(reads.max_queries.max(1))),
         token: reads.query_token.clone().filter(|t| !t.is_empty()),
     });
     let state = AppState {
@@ -148,10 +148,12 @@ async fn run_query(state: &AppState, headers: &HeaderMap, sparql: String) -> Res
             .into_response();
     }
     // The services' own queries (the journal, fan-in) never queue behind anonymous ones.
-    let _turn = if service {
+    // The turn is held by the evaluation, not this request, so it counts a query until its
+    // evaluation has ended, even one whose client went away.
+    let turn = if service {
         None
     } else {
-        match tokio::time::timeout(TURN_WAIT, reads.turns.acquire()).await {
+        match tokio::time::timeout(TURN_WAIT, reads.turns.clone().acquire_owned()).await {
             Ok(Ok(turn)) => Some(turn),
             _ => {
                 crate::metrics::query_refused("busy");
@@ -164,7 +166,11 @@ async fn run_query(state: &AppState, headers: &HeaderMap, sparql: String) -> Res
             }
         }
     };
-    match state.store.query_bounded(sparql, reads.bounds).await {
+    match state
+        .store
+        .query_bounded_holding(sparql, reads.bounds, turn)
+        .await
+    {
         Ok(answer) => match serialize_answer(&answer) {
             Ok((body, content_type)) => {
                 ([(header::CONTENT_TYPE, content_type)], body).into_response()

@@ -8,6 +8,7 @@ pub mod explain;
 pub mod in_process;
 pub mod journal;
 pub mod nesting;
+pub mod planning;
 pub mod queries;
 pub mod recorded;
 mod remote;
@@ -306,6 +307,18 @@ impl GraphStore {
         sparql: String,
         bounds: QueryBounds,
     ) -> Result<QueryAnswer, GraphError> {
+        self.query_bounded_holding(sparql, bounds, ()).await
+    }
+
+    /// [`Self::query_bounded`], keeping `held` (a permit to run a query) until the evaluation
+    /// has really ended: after its time limit it may still be finishing a step the cancellation
+    /// token is not checked in, and a permit released at the limit would let more start beside it.
+    pub async fn query_bounded_holding<H: Send + 'static>(
+        &self,
+        sparql: String,
+        bounds: QueryBounds,
+        held: H,
+    ) -> Result<QueryAnswer, GraphError> {
         match &self.backend {
             Backend::Embedded { store, .. } => {
                 let store = store.clone();
@@ -313,6 +326,7 @@ impl GraphStore {
                 let _stop_when_dropped = CancelOnDrop(cancel.clone());
                 let token = cancel.clone();
                 let evaluation = tokio::task::spawn_blocking(move || {
+                    let _held_until_ended = held;
                     query_embedded(&store, &sparql, Some(token), bounds.max_rows)
                 });
                 match tokio::time::timeout(bounds.timeout, evaluation).await {
@@ -642,7 +656,9 @@ async fn blocking<T: Send + 'static>(
 }
 
 /// Evaluates `sparql` on `store`, stopping when `cancel` is cancelled, and refusing a result of
-/// more than `max_rows` rows or triples.
+/// more than `max_rows` rows or triples. It is parsed on a stack sized for its brackets and
+/// operators, and evaluated on one sized for those and its patterns too (see
+/// [`nesting::with_stack_for_levels`]).
 fn query_embedded(
     store: &Store,
     sparql: &str,
@@ -650,25 +666,33 @@ fn query_embedded(
     max_rows: usize,
 ) -> Result<QueryAnswer, GraphError> {
     nesting::with_stack_for(sparql, || {
-        evaluate_embedded(store, sparql, cancel, max_rows)
+        let query = spargebra::SparqlParser::new()
+            .parse_query(sparql)
+            .map_err(|e| GraphError::Syntax(e.to_string()))?;
+        let levels = nesting::openers(sparql).saturating_add(planning::operands(&query));
+        nesting::with_stack_for_levels(levels, || evaluate_embedded(store, query, cancel, max_rows))
+            .map_err(GraphError::Syntax)?
     })
     .map_err(GraphError::Syntax)?
 }
 
-/// [`query_embedded`] on a thread with stack enough for `sparql`.
+/// [`query_embedded`]'s evaluation, on a thread with stack enough for `query`. One too large
+/// for the optimizer to plan in time runs as written, one larger is refused (see [`planning`]).
 fn evaluate_embedded(
     store: &Store,
-    sparql: &str,
+    query: spargebra::Query,
     cancel: Option<oxigraph::sparql::CancellationToken>,
     max_rows: usize,
 ) -> Result<QueryAnswer, GraphError> {
     let mut evaluator = SparqlEvaluator::new();
+    if planning::plan(&query).map_err(GraphError::Syntax)? == planning::Plan::AsWritten {
+        evaluator = evaluator.without_optimizations();
+    }
     if let Some(cancel) = cancel {
         evaluator = evaluator.with_cancellation_token(cancel);
     }
     let results = evaluator
-        .parse_query(sparql)
-        .map_err(|e| GraphError::Syntax(e.to_string()))?
+        .for_query(query)
         .on_store(store)
         .execute()
         .map_err(|e| GraphError::Evaluation(e.to_string()))?;

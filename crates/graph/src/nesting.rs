@@ -48,19 +48,29 @@ pub fn openers(sparql: &str) -> usize {
 /// deepest descent `sparql` allows: on this thread when it has few openers, on a thread of its own
 /// sized for them otherwise. A text with more than [`MOST_OPENERS`] is refused, saying so.
 pub fn with_stack_for<T: Send>(sparql: &str, work: impl FnOnce() -> T + Send) -> Result<T, String> {
-    let openers = openers(sparql);
-    if openers <= IN_PLACE_OPENERS {
+    with_stack_for_levels(openers(sparql), work)
+}
+
+/// Runs `work` where it has stack for `levels` levels of descent: here when they are few, on a
+/// thread of its own otherwise; more than [`MOST_OPENERS`] are refused. A parsed query's basic
+/// graph patterns are flat, but the store evaluates one of `n` triples as `n` joins, one in
+/// another: its levels are its openers and its patterns (see `planning::operands`).
+pub fn with_stack_for_levels<T: Send>(
+    levels: usize,
+    work: impl FnOnce() -> T + Send,
+) -> Result<T, String> {
+    if levels <= IN_PLACE_OPENERS {
         return Ok(work());
     }
-    if openers > MOST_OPENERS {
+    if levels > MOST_OPENERS {
         return Err(format!(
-            "the query holds {openers} brackets and operators; at most {MOST_OPENERS} are taken"
+            "the query holds {levels} brackets, operators and patterns; at most {MOST_OPENERS} are taken"
         ));
     }
     std::thread::scope(|scope| {
         let deep = std::thread::Builder::new()
             .name("sparql-deep".to_owned())
-            .stack_size(BASE_STACK + openers * STACK_PER_OPENER)
+            .stack_size(BASE_STACK + levels * STACK_PER_OPENER)
             .spawn_scoped(scope, work)
             .map_err(|e| format!("no thread to parse a deeply nested query on: {e}"))?;
         deep.join()

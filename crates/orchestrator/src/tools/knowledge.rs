@@ -14,6 +14,8 @@ use agent_graph::{GraphError, GraphStore, QueryAnswer};
 const MAX_ENTITIES: usize = 8;
 /// Triples read around those entities, before the text is cut to size.
 const MAX_TRIPLES: usize = 400;
+/// Rows (or triples) an LLM's SPARQL query may answer with.
+pub const MAX_QUERY_ROWS: usize = 10_000;
 
 /// The named graph of collection `name`.
 pub fn collection_graph(name: &str) -> Result<String, String> {
@@ -69,20 +71,32 @@ fn confine_parsed(sparql: &str, graph: &str) -> Result<String, String> {
     Ok(query.to_string())
 }
 
-/// Runs `sparql` on collection `collection` and renders the answer as text, built up to about
-/// `max_bytes`.
+/// Runs `sparql` on collection `collection` within `time_limit` and renders the answer as text,
+/// built up to about `max_bytes`. The query is an LLM's: it is stopped at the limit (or when the
+/// step stops waiting for it), and an answer of more than [`MAX_QUERY_ROWS`] is refused rather
+/// than gathered for an observation that shows a few hundred.
 pub async fn sparql_query(
     store: &GraphStore,
     collection: &str,
     sparql: &str,
     max_bytes: usize,
+    time_limit: std::time::Duration,
 ) -> Result<String, String> {
     let graph = collection_graph(collection)?;
     let confined = confine_query(sparql, &graph)?;
+    let bounds = agent_graph::QueryBounds {
+        timeout: time_limit,
+        max_rows: MAX_QUERY_ROWS,
+    };
     let answer = store
-        .query(confined)
+        .query_bounded(confined, bounds)
         .await
-        .map_err(|e| format!("the query failed: {e}"))?;
+        .map_err(|e| match e {
+            GraphError::TooManyRows(most) => format!(
+                "the query's answer has more than {most} rows: count them (COUNT) or ask for fewer (LIMIT)"
+            ),
+            e => format!("the query failed: {e}"),
+        })?;
     Ok(render_answer(&answer, max_bytes))
 }
 
@@ -264,6 +278,8 @@ pub fn render_answer(answer: &QueryAnswer, max_bytes: usize) -> String {
 
 #[cfg(test)]
 mod tests {
+    use std::time::Duration;
+
     use super::*;
 
     #[test]
@@ -348,6 +364,7 @@ mod tests {
             "acme",
             "SELECT ?o WHERE { GRAPH ?g { ?s <http://example.org/secret> ?o } }",
             4096,
+            Duration::from_secs(60),
         )
         .await
         .unwrap();
@@ -360,9 +377,48 @@ mod tests {
             "acme",
             "SELECT ?y WHERE { ?s <http://example.org/foundedIn> ?y }",
             4096,
+            Duration::from_secs(60),
         )
         .await
         .unwrap();
         assert!(founded.contains("1987"), "{founded}");
+    }
+
+    /// An LLM's query is stopped at its time limit (the store's evaluation with it) and one whose
+    /// answer is too large is refused with what to do instead.
+    #[tokio::test]
+    async fn an_llms_runaway_query_is_stopped_and_a_huge_answer_refused() {
+        let store = GraphStore::in_memory().unwrap();
+        let graph = collection_graph("big").unwrap();
+        let data: String = (0..300)
+            .map(|i| format!("<urn:s:{i}> <urn:p:{}> \"{i}\" .\n", i % 7))
+            .collect();
+        store
+            .load(data.into_bytes(), "text/turtle", Some(graph))
+            .await
+            .unwrap();
+        let runaway = sparql_query(
+            &store,
+            "big",
+            "SELECT (COUNT(*) AS ?n) WHERE { ?a ?b ?c . ?d ?e ?f . ?h ?i ?j . ?k ?l ?m }",
+            4096,
+            Duration::from_secs(1),
+        )
+        .await
+        .unwrap_err();
+        assert!(runaway.contains("ran past its limit"), "{runaway}");
+        let huge = sparql_query(
+            &store,
+            "big",
+            "SELECT * WHERE { ?a ?b ?c . ?d ?e ?f }",
+            4096,
+            Duration::from_secs(60),
+        )
+        .await
+        .unwrap_err();
+        assert!(
+            huge.contains("more than 10000 rows") && huge.contains("LIMIT"),
+            "{huge}"
+        );
     }
 }

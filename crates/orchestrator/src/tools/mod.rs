@@ -291,7 +291,9 @@ async fn call(
         "sparql-query" => {
             let (store, name) = collection(context, tool)?;
             let query = argument(tool, arguments, "query")?;
-            let text = knowledge::sparql_query(store, name, query, context.max_bytes).await?;
+            let time_limit = Duration::from_secs(context.config.limits.tool_timeout_secs);
+            let text =
+                knowledge::sparql_query(store, name, query, context.max_bytes, time_limit).await?;
             return Ok((text, 0, 0));
         }
         // TrustGraph's text-completion tool passes its one argument to the LLM as the prompt.
