@@ -546,25 +546,22 @@ async fn one_branch_waits_for_approval_answered_on_another_replica_while_its_sib
     assert_eq!(count_reaching(&aggregator.store(), sparql, 1).await, 1);
 }
 
-#[tokio::test]
-async fn an_approval_that_never_comes_ends_its_branch_and_a_late_one_changes_nothing() {
-    let config = pay_config("expire", 2);
-    let Stack {
-        broker,
-        aggregator,
-        llm,
-        orchestrator: _orchestrator,
-    } = Stack::journaled(
-        TOKEN,
-        SUPERVISED_PAYMENT,
-        &config,
-        &["--approval-sweep-secs", "1"],
-    )
-    .await;
-    let mut client = client(&broker).await;
+/// A supervised payment run on a journaled stack whose approvals time out after
+/// `approval_timeout_secs` and whose aggregator runs with `aggregator_args`: the stack, its
+/// client, dialog `id`'s responses (closed once, without error: the supervisor answers from the
+/// rest) and the prompt of the supervisor's synthesis.
+async fn a_supervised_payment_answered(
+    name: &str,
+    approval_timeout_secs: u64,
+    aggregator_args: &[&str],
+    id: &str,
+) -> (Stack, agent_bus::AgentClient, Vec<AgentResponse>, String) {
+    let config = pay_config(name, approval_timeout_secs);
+    let stack = Stack::journaled(TOKEN, SUPERVISED_PAYMENT, &config, aggregator_args).await;
+    let mut client = client(&stack.broker).await;
     client
         .send(
-            "a-2",
+            id,
             &AgentRequest {
                 pattern: "supervisor".into(),
                 ..request("Handle the three invoices.", false)
@@ -572,27 +569,39 @@ async fn an_approval_that_never_comes_ends_its_branch_and_a_late_one_changes_not
         )
         .await
         .unwrap();
-    let mut responses = collect_dialog(&mut client, "a-2", Duration::from_secs(60))
+    let mut responses = collect_dialog(&mut client, id, Duration::from_secs(60))
         .await
         .unwrap();
-    responses.extend(drain_for(&mut client, "a-2", Duration::from_secs(2)).await);
+    responses.extend(drain_for(&mut client, id, Duration::from_secs(2)).await);
     let closing = closings(&responses);
     assert_eq!(closing.len(), 1, "{responses:#?}");
     assert!(
         closing[0].error.is_none(),
-        "the supervisor answers from the rest"
+        "the supervisor answers from the rest: {responses:#?}"
     );
-    let synthesis = llm
+    let synthesis = stack
+        .llm
         .calls()
         .into_iter()
         .find(|c| c.last_user.contains("Request to answer from the subagents"))
-        .unwrap();
+        .unwrap()
+        .last_user;
+    (stack, client, responses, synthesis)
+}
+
+#[tokio::test]
+async fn an_approval_that_never_comes_ends_its_branch_and_a_late_one_changes_nothing() {
+    let (stack, mut client, responses, synthesis) =
+        a_supervised_payment_answered("expire", 2, &["--approval-sweep-secs", "1"], "a-2").await;
+    let Stack {
+        broker,
+        aggregator,
+        llm,
+        orchestrator: _orchestrator,
+    } = stack;
     assert!(
-        synthesis
-            .last_user
-            .contains("No one approved calling 'pay' within 2 s"),
-        "{}",
-        synthesis.last_user
+        synthesis.contains("No one approved calling 'pay' within 2 s"),
+        "{synthesis}"
     );
     assert_eq!(payments(&llm, "pay invoice gamma-7"), 0);
 
@@ -620,46 +629,16 @@ async fn an_approval_that_never_comes_ends_its_branch_and_a_late_one_changes_not
 /// the supervisor had answered.
 #[tokio::test]
 async fn an_approval_after_the_supervisor_answered_without_its_branch_runs_nothing() {
-    let config = pay_config("abandoned", 300);
+    let (stack, mut client, mut responses, synthesis) =
+        a_supervised_payment_answered("abandoned", 300, &["--fanout-timeout-secs", "3"], "a-3")
+            .await;
     let Stack {
         broker,
         aggregator,
         llm,
         orchestrator: _orchestrator,
-    } = Stack::journaled(
-        TOKEN,
-        SUPERVISED_PAYMENT,
-        &config,
-        &["--fanout-timeout-secs", "3"],
-    )
-    .await;
-    let mut client = client(&broker).await;
-    client
-        .send(
-            "a-3",
-            &AgentRequest {
-                pattern: "supervisor".into(),
-                ..request("Handle the three invoices.", false)
-            },
-        )
-        .await
-        .unwrap();
-    let mut responses = collect_dialog(&mut client, "a-3", Duration::from_secs(60))
-        .await
-        .unwrap();
-    let closing = closings(&responses);
-    assert_eq!(closing.len(), 1, "{responses:#?}");
-    assert!(closing[0].error.is_none(), "{responses:#?}");
-    let synthesis = llm
-        .calls()
-        .into_iter()
-        .find(|c| c.last_user.contains("Request to answer from the subagents"))
-        .unwrap();
-    assert!(
-        synthesis.last_user.contains("no result within 3 s"),
-        "{}",
-        synthesis.last_user
-    );
+    } = stack;
+    assert!(synthesis.contains("no result within 3 s"), "{synthesis}");
     let (node, session, step) = approval_asked(&responses);
     let said = agentctl(
         &broker,

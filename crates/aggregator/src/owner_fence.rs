@@ -371,16 +371,11 @@ async fn watch_owners(
                     owner: me.clone(),
                     sent_ms: now_ms(),
                 });
-                let properties: Properties = seal
-                    .as_ref()
-                    .map(|key| {
-                        [(
-                            agent_bus::seal::OWNER_SEAL_PROPERTY.to_owned(),
-                            key.seal_owner(&announcement),
-                        )]
-                        .into()
-                    })
-                    .unwrap_or_default();
+                let properties = agent_bus::seal::sealed_properties(
+                    seal.as_ref(),
+                    agent_bus::seal::OWNER_SEAL_PROPERTY,
+                    |key| key.seal_owner(&announcement),
+                );
                 let sent = announcements.send(announcement, &properties);
                 match tokio::time::timeout(BEAT, sent).await {
                     Ok(Ok(())) => {}
@@ -495,15 +490,10 @@ mod tests {
                 owner: elder.clone(),
                 sent_ms: at,
             });
-            let properties: Properties = by
-                .map(|k| {
-                    [(
-                        agent_bus::seal::OWNER_SEAL_PROPERTY.to_owned(),
-                        k.seal_owner(&payload),
-                    )]
-                    .into()
-                })
-                .unwrap_or_default();
+            let properties =
+                agent_bus::seal::sealed_properties(by, agent_bus::seal::OWNER_SEAL_PROPERTY, |k| {
+                    k.seal_owner(&payload)
+                });
             (payload, properties)
         };
         let heard = |seal: Option<&SealKey>, (payload, properties): (Vec<u8>, Properties)| {

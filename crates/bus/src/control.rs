@@ -29,15 +29,10 @@ pub async fn send_control(
 /// `control` as sent: its payload, and its seal when `seal` is given.
 pub fn sealed_control(control: &AgentControl, seal: Option<&SealKey>) -> (Vec<u8>, Properties) {
     let payload = agent_schema::encode(control);
-    let properties = seal
-        .map(|key| {
-            [(
-                crate::seal::CONTROL_SEAL_PROPERTY.to_owned(),
-                key.seal_control(&payload),
-            )]
-            .into()
-        })
-        .unwrap_or_default();
+    let properties =
+        crate::seal::sealed_properties(seal, crate::seal::CONTROL_SEAL_PROPERTY, |key| {
+            key.seal_control(&payload)
+        });
     (payload, properties)
 }
 

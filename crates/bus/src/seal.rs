@@ -164,6 +164,17 @@ impl SealKey {
     }
 }
 
+/// The properties to send a message with: `property` carrying the seal `seal` makes with `key`,
+/// or none without a key (an unkeyed deployment sends nothing sealed).
+pub fn sealed_properties(
+    key: Option<&SealKey>,
+    property: &str,
+    seal: impl FnOnce(&SealKey) -> String,
+) -> crate::Properties {
+    key.map(|key| [(property.to_owned(), seal(key))].into())
+        .unwrap_or_default()
+}
+
 fn framed(parts: &[&[u8]]) -> Vec<u8> {
     let mut bytes = Vec::with_capacity(parts.iter().map(|p| p.len() + 8).sum());
     for part in parts {
