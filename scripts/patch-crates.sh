@@ -5,6 +5,8 @@
 # - pulsar: pulsar-lite sends payload frames without the optional magic/CRC prefix, and TCP_NODELAY
 #   (see PULSAR-LITE.md and the patch's header); a broker restart logged as warnings, not errors.
 # - oxigraph: a write transaction's keys go to RocksDB sorted, repeats once (the patch's header).
+# - spareval: a cancellation token also checked between an operator's rows, with a budget of the
+#   bindings a query's operators may produce (the patch's header).
 # Idempotent and quiet when done; fails loudly if a patch stops applying.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -52,3 +54,4 @@ TOML
 
 vendor pulsar 6.9.1 patches/pulsar-6.9.1-pulsar-lite.patch
 vendor oxigraph 0.5.13 patches/oxigraph-0.5.13-rocksdb-writes.patch
+vendor spareval 0.2.9 patches/spareval-0.2.9-binding-budget.patch

@@ -45,6 +45,10 @@ async fn runaway_queries_are_stopped_and_dialogs_go_on() {
             &timeout,
             "--max-queries",
             "1",
+            // The time limit is what is tested here: the runaway would reach the budget of
+            // bindings first (refused, 413; `crates/graph/tests/in_memory.rs`).
+            "--max-query-bindings",
+            "1000000000000000",
         ],
     );
     let llm = scripted_llm(SCRIPT).await;

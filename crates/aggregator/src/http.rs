@@ -61,6 +61,7 @@ pub fn router(
         bounds: QueryBounds {
             timeout: std::time::Duration::from_secs(reads.query_timeout_secs.max(1)),
             max_rows: reads.max_result_rows,
+            max_bindings: reads.max_query_bindings,
         },
         turns: Arc::new(tokio::sync::Semaphore::new(reads.max_queries.max(1))),
         token: reads.query_token.clone().filter(|t| !t.is_empty()),
@@ -123,7 +124,7 @@ fn error_response(e: GraphError) -> Response {
         GraphError::ReadOnly => StatusCode::FORBIDDEN,
         GraphError::Evaluation(_) => StatusCode::BAD_REQUEST,
         GraphError::TimedOut(_) => StatusCode::SERVICE_UNAVAILABLE,
-        GraphError::TooManyRows(_) => StatusCode::PAYLOAD_TOO_LARGE,
+        GraphError::TooManyRows(_) | GraphError::TooMuchWork(_) => StatusCode::PAYLOAD_TOO_LARGE,
         _ => StatusCode::INTERNAL_SERVER_ERROR,
     };
     (status, e.to_string()).into_response()
@@ -180,7 +181,9 @@ async fn run_query(state: &AppState, headers: &HeaderMap, sparql: String) -> Res
         Err(e) => {
             match &e {
                 GraphError::TimedOut(_) => crate::metrics::query_refused("timeout"),
-                GraphError::TooManyRows(_) => crate::metrics::query_refused("too_large"),
+                GraphError::TooManyRows(_) | GraphError::TooMuchWork(_) => {
+                    crate::metrics::query_refused("too_large")
+                }
                 _ => {}
             }
             error_response(e)

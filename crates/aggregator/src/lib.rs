@@ -100,6 +100,11 @@ pub struct ReadSettings {
     /// Rows (or triples) a result may have; a larger one is refused.
     #[arg(long, env = "AGGREGATOR_MAX_RESULT_ROWS", default_value_t = 100_000)]
     pub max_result_rows: usize,
+    /// Bindings (rows times the variables they carry) a query's evaluation may make in all, every
+    /// step counted; past it the query is stopped and refused (413). Its time limit alone bounds
+    /// work, not memory: a cross product held in memory fills it well within 30 s.
+    #[arg(long, env = "AGGREGATOR_MAX_QUERY_BINDINGS", default_value_t = agent_graph::QueryBounds::DEFAULT_MAX_BINDINGS)]
+    pub max_query_bindings: u64,
     /// When set, `/query` needs this bearer token (or the services' token); without it reads
     /// are open.
     #[arg(long, env = "AGGREGATOR_QUERY_TOKEN", hide_env_values = true)]
@@ -112,6 +117,7 @@ impl Default for ReadSettings {
             query_timeout_secs: 30,
             max_queries: 2,
             max_result_rows: 100_000,
+            max_query_bindings: agent_graph::QueryBounds::DEFAULT_MAX_BINDINGS,
             query_token: None,
         }
     }

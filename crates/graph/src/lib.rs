@@ -50,6 +50,10 @@ pub enum GraphError {
     /// A query whose result has more rows (or triples) than allowed.
     #[error("the query's result has more than {0} rows")]
     TooManyRows(usize),
+    /// A query whose evaluation made more than the bindings allowed (rows times the variables
+    /// they carry, every step of it counted) and was stopped.
+    #[error("the query's evaluation made more than {0} bindings (rows times their variables) and was stopped")]
+    TooMuchWork(u64),
     /// The endpoint is a SPARQL server, not a journal's owner: the journal is kept by the
     /// aggregator in front of the store, not by the store itself.
     #[error(
@@ -322,12 +326,13 @@ impl GraphStore {
         match &self.backend {
             Backend::Embedded { store, .. } => {
                 let store = store.clone();
-                let cancel = oxigraph::sparql::CancellationToken::new();
+                let cancel =
+                    oxigraph::sparql::CancellationToken::with_binding_budget(bounds.max_bindings);
                 let _stop_when_dropped = CancelOnDrop(cancel.clone());
                 let token = cancel.clone();
                 let evaluation = tokio::task::spawn_blocking(move || {
                     let _held_until_ended = held;
-                    query_embedded(&store, &sparql, Some(token), bounds.max_rows)
+                    query_embedded(&store, &sparql, Some((token, bounds)))
                 });
                 match tokio::time::timeout(bounds.timeout, evaluation).await {
                     Ok(joined) => joined
@@ -360,7 +365,7 @@ impl GraphStore {
         match &self.backend {
             Backend::Embedded { store, .. } => {
                 let store = store.clone();
-                blocking(move || query_embedded(&store, &sparql, None, usize::MAX)).await
+                blocking(move || query_embedded(&store, &sparql, None)).await
             }
             Backend::Remote(remote) => remote.query(&sparql).await,
         }
@@ -541,6 +546,17 @@ impl GraphStore {
 pub struct QueryBounds {
     pub timeout: std::time::Duration,
     pub max_rows: usize,
+    /// Bindings (rows times the variables they carry) the evaluation's every step may make in
+    /// all: what bounds the memory and the work of a query whose joins multiply rows in memory,
+    /// where its time limit alone would let it fill the memory first.
+    pub max_bindings: u64,
+}
+
+impl QueryBounds {
+    /// The bindings a query may make unless configured otherwise: a few seconds of work, and at
+    /// most a few GB held (a binding takes tens of bytes). Counting ten million triples passes
+    /// as many rows through two or three steps: a store that large needs a larger budget.
+    pub const DEFAULT_MAX_BINDINGS: u64 = 100_000_000;
 }
 
 /// Cancels an evaluation when the future awaiting it is dropped.
@@ -655,22 +671,21 @@ async fn blocking<T: Send + 'static>(
         .map_err(|e| GraphError::Storage(format!("store task failed: {e}")))?
 }
 
-/// Evaluates `sparql` on `store`, stopping when `cancel` is cancelled, and refusing a result of
-/// more than `max_rows` rows or triples. It is parsed on a stack sized for its brackets and
-/// operators, and evaluated on one sized for those and its patterns too (see
-/// [`nesting::with_stack_for_levels`]).
+/// Evaluates `sparql` on `store`; `bounded`: the token that stops it (at its time limit, or
+/// past its budget of bindings) and the bounds its result is held to. It is parsed on a stack
+/// sized for its brackets and operators, and evaluated on one sized for those and its patterns
+/// too (see [`nesting::with_stack_for_levels`]).
 fn query_embedded(
     store: &Store,
     sparql: &str,
-    cancel: Option<oxigraph::sparql::CancellationToken>,
-    max_rows: usize,
+    bounded: Option<(oxigraph::sparql::CancellationToken, QueryBounds)>,
 ) -> Result<QueryAnswer, GraphError> {
     nesting::with_stack_for(sparql, || {
         let query = spargebra::SparqlParser::new()
             .parse_query(sparql)
             .map_err(|e| GraphError::Syntax(e.to_string()))?;
         let levels = nesting::openers(sparql).saturating_add(planning::operands(&query));
-        nesting::with_stack_for_levels(levels, || evaluate_embedded(store, query, cancel, max_rows))
+        nesting::with_stack_for_levels(levels, || evaluate_embedded(store, query, bounded))
             .map_err(GraphError::Syntax)?
     })
     .map_err(GraphError::Syntax)?
@@ -681,22 +696,31 @@ fn query_embedded(
 fn evaluate_embedded(
     store: &Store,
     query: spargebra::Query,
-    cancel: Option<oxigraph::sparql::CancellationToken>,
-    max_rows: usize,
+    bounded: Option<(oxigraph::sparql::CancellationToken, QueryBounds)>,
 ) -> Result<QueryAnswer, GraphError> {
     let mut evaluator = SparqlEvaluator::new();
     if planning::plan(&query).map_err(GraphError::Syntax)? == planning::Plan::AsWritten {
         evaluator = evaluator.without_optimizations();
     }
-    if let Some(cancel) = cancel {
-        evaluator = evaluator.with_cancellation_token(cancel);
-    }
-    let results = evaluator
+    let Some((token, bounds)) = bounded else {
+        let results = evaluator
+            .for_query(query)
+            .on_store(store)
+            .execute()
+            .map_err(|e| GraphError::Evaluation(e.to_string()))?;
+        return collect(results);
+    };
+    let answer = evaluator
+        .with_cancellation_token(token.clone())
         .for_query(query)
         .on_store(store)
         .execute()
-        .map_err(|e| GraphError::Evaluation(e.to_string()))?;
-    collect_at_most(results, max_rows)
+        .map_err(|e| GraphError::Evaluation(e.to_string()))
+        .and_then(|results| collect_at_most(results, bounds.max_rows));
+    match answer {
+        Err(_) if token.budget_exhausted() => Err(GraphError::TooMuchWork(bounds.max_bindings)),
+        answer => answer,
+    }
 }
 
 /// Materialises results so they can cross the blocking-pool boundary.

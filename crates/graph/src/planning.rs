@@ -10,7 +10,7 @@
 //! So a query of up to [`MOST_PLANNED`] operands is optimized, one of up to [`MOST_OPERANDS`]
 //! runs as written, and a larger one is refused.
 
-use spargebra::algebra::GraphPattern;
+use spargebra::algebra::{AggregateExpression, Expression, GraphPattern, OrderExpression};
 use spargebra::Query;
 
 /// The most operands (see [`operands`]) a query may have and still be optimized: enough for the
@@ -41,42 +41,133 @@ pub fn plan(query: &Query) -> Result<Plan, String> {
     }
 }
 
-/// How many operands the optimizer may have to order in `query`: every node of its algebra
-/// outside expressions, and every triple pattern (a basic graph pattern's are joined one by one).
-/// Counted without recursion: the tree may be as deep as the text is long.
+/// How many operands the optimizer may have to order in `query`: every node of its algebra,
+/// those of the patterns its expressions hold (`EXISTS`, which the optimizer normalizes and the
+/// store evaluates, a basic graph pattern there as deep a join as anywhere) included, and every
+/// triple pattern (a basic graph pattern's are joined one by one). Counted without recursion:
+/// the tree may be as deep as the text is long.
 pub fn operands(query: &Query) -> usize {
     let (Query::Select { pattern, .. }
     | Query::Construct { pattern, .. }
     | Query::Describe { pattern, .. }
     | Query::Ask { pattern, .. }) = query;
     let mut count = 0usize;
-    let mut to_visit = vec![pattern];
-    while let Some(pattern) = to_visit.pop() {
-        count = count.saturating_add(1);
-        match pattern {
-            GraphPattern::Bgp { patterns } => count = count.saturating_add(patterns.len()),
-            GraphPattern::Path { .. } | GraphPattern::Values { .. } => {}
-            GraphPattern::Join { left, right }
-            | GraphPattern::LeftJoin { left, right, .. }
-            | GraphPattern::Lateral { left, right }
-            | GraphPattern::Union { left, right }
-            | GraphPattern::Minus { left, right } => {
-                to_visit.push(left);
-                to_visit.push(right);
+    let mut to_visit = vec![Part::Pattern(pattern)];
+    while let Some(part) = to_visit.pop() {
+        match part {
+            Part::Pattern(pattern) => {
+                count = count.saturating_add(1);
+                visit_pattern(pattern, &mut count, &mut to_visit);
             }
-            GraphPattern::Filter { inner, .. }
-            | GraphPattern::Graph { inner, .. }
-            | GraphPattern::Extend { inner, .. }
-            | GraphPattern::OrderBy { inner, .. }
-            | GraphPattern::Project { inner, .. }
-            | GraphPattern::Distinct { inner }
-            | GraphPattern::Reduced { inner }
-            | GraphPattern::Slice { inner, .. }
-            | GraphPattern::Group { inner, .. }
-            | GraphPattern::Service { inner, .. } => to_visit.push(inner),
+            Part::Expression(expression) => visit_expression(expression, &mut to_visit),
         }
     }
     count
+}
+
+/// A part of a query's algebra still to count.
+enum Part<'q> {
+    Pattern(&'q GraphPattern),
+    Expression(&'q Expression),
+}
+
+fn visit_pattern<'q>(pattern: &'q GraphPattern, count: &mut usize, to_visit: &mut Vec<Part<'q>>) {
+    match pattern {
+        GraphPattern::Bgp { patterns } => *count = count.saturating_add(patterns.len()),
+        GraphPattern::Path { .. } | GraphPattern::Values { .. } => {}
+        GraphPattern::Join { left, right }
+        | GraphPattern::Lateral { left, right }
+        | GraphPattern::Union { left, right }
+        | GraphPattern::Minus { left, right } => {
+            to_visit.push(Part::Pattern(left));
+            to_visit.push(Part::Pattern(right));
+        }
+        GraphPattern::LeftJoin {
+            left,
+            right,
+            expression,
+        } => {
+            to_visit.push(Part::Pattern(left));
+            to_visit.push(Part::Pattern(right));
+            to_visit.extend(expression.iter().map(Part::Expression));
+        }
+        GraphPattern::Filter { expr, inner } => {
+            to_visit.push(Part::Pattern(inner));
+            to_visit.push(Part::Expression(expr));
+        }
+        GraphPattern::Extend {
+            inner, expression, ..
+        } => {
+            to_visit.push(Part::Pattern(inner));
+            to_visit.push(Part::Expression(expression));
+        }
+        GraphPattern::OrderBy { inner, expression } => {
+            to_visit.push(Part::Pattern(inner));
+            to_visit.extend(expression.iter().map(|order| match order {
+                OrderExpression::Asc(e) | OrderExpression::Desc(e) => Part::Expression(e),
+            }));
+        }
+        GraphPattern::Group {
+            inner, aggregates, ..
+        } => {
+            to_visit.push(Part::Pattern(inner));
+            to_visit.extend(
+                aggregates
+                    .iter()
+                    .filter_map(|(_, aggregate)| match aggregate {
+                        AggregateExpression::FunctionCall { expr, .. } => {
+                            Some(Part::Expression(expr))
+                        }
+                        AggregateExpression::CountSolutions { .. } => None,
+                    }),
+            );
+        }
+        GraphPattern::Graph { inner, .. }
+        | GraphPattern::Project { inner, .. }
+        | GraphPattern::Distinct { inner }
+        | GraphPattern::Reduced { inner }
+        | GraphPattern::Slice { inner, .. }
+        | GraphPattern::Service { inner, .. } => to_visit.push(Part::Pattern(inner)),
+    }
+}
+
+/// Queues what `expression` holds: its operands, and the pattern of an `EXISTS`.
+fn visit_expression<'q>(expression: &'q Expression, to_visit: &mut Vec<Part<'q>>) {
+    match expression {
+        Expression::NamedNode(_)
+        | Expression::Literal(_)
+        | Expression::Variable(_)
+        | Expression::Bound(_) => {}
+        Expression::Or(a, b)
+        | Expression::And(a, b)
+        | Expression::Equal(a, b)
+        | Expression::SameTerm(a, b)
+        | Expression::Greater(a, b)
+        | Expression::GreaterOrEqual(a, b)
+        | Expression::Less(a, b)
+        | Expression::LessOrEqual(a, b)
+        | Expression::Add(a, b)
+        | Expression::Subtract(a, b)
+        | Expression::Multiply(a, b)
+        | Expression::Divide(a, b) => {
+            to_visit.push(Part::Expression(a));
+            to_visit.push(Part::Expression(b));
+        }
+        Expression::UnaryPlus(a) | Expression::UnaryMinus(a) | Expression::Not(a) => {
+            to_visit.push(Part::Expression(a));
+        }
+        Expression::If(a, b, c) => {
+            to_visit.extend([a, b, c].map(|e| Part::Expression(e)));
+        }
+        Expression::In(a, list) => {
+            to_visit.push(Part::Expression(a));
+            to_visit.extend(list.iter().map(Part::Expression));
+        }
+        Expression::Coalesce(list) | Expression::FunctionCall(_, list) => {
+            to_visit.extend(list.iter().map(Part::Expression));
+        }
+        Expression::Exists(pattern) => to_visit.push(Part::Pattern(pattern)),
+    }
 }
 
 #[cfg(test)]
@@ -101,6 +192,22 @@ mod tests {
         assert_eq!(plan(&parsed(&chained)), Ok(Plan::AsWritten));
         let longer = chained.replace("?o }", "?o } OPTIONAL { ?s ?p ?o }");
         assert!(plan(&parsed(&longer)).unwrap_err().contains("at most 256"));
+        // Patterns inside expressions count as anywhere.
+        let exists = |n: usize| {
+            let triples: String = (0..n).map(|i| format!("?s ?p ?o{i} . ")).collect();
+            format!("ASK {{ ?a ?b ?c FILTER(?c > 0 && NOT EXISTS {{ {triples} }}) }}")
+        };
+        assert_eq!(plan(&parsed(&exists(10))), Ok(Plan::Optimized));
+        assert!(plan(&parsed(&exists(300)))
+            .unwrap_err()
+            .contains("at most 256"));
+        let bound = |n: usize| {
+            let triples: String = (0..n).map(|i| format!("?s ?p ?o{i} . ")).collect();
+            format!("SELECT (MAX(IF(EXISTS {{ {triples} }}, 1, 0)) AS ?m) WHERE {{ ?a ?b ?c }} ORDER BY (EXISTS {{ ?a ?b ?c }})")
+        };
+        assert!(plan(&parsed(&bound(300)))
+            .unwrap_err()
+            .contains("at most 256"));
     }
 
     #[test]

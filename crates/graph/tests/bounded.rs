@@ -20,6 +20,8 @@ async fn runaway_queries_stop_and_large_results_are_refused() {
     let bounds = QueryBounds {
         timeout: Duration::from_millis(800),
         max_rows: 100,
+        // The time limit is what is tested here (the budget is in `in_memory.rs`).
+        max_bindings: u64::MAX,
     };
 
     // Past its time limit: an error at the limit, and the evaluation stops with it.

@@ -21,6 +21,7 @@ async fn a_query_nested_too_deep_is_refused_and_the_process_lives() {
     let bounds = QueryBounds {
         timeout: Duration::from_secs(120),
         max_rows: 100,
+        max_bindings: QueryBounds::DEFAULT_MAX_BINDINGS,
     };
     let too_deep = 100_001;
     for query in [

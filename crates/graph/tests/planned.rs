@@ -42,6 +42,7 @@ async fn a_query_too_large_to_plan_keeps_to_its_time_limit_and_a_larger_one_is_r
     let bounds = QueryBounds {
         timeout: Duration::from_secs(2),
         max_rows: 100,
+        max_bindings: QueryBounds::DEFAULT_MAX_BINDINGS,
     };
     for query in shapes(240) {
         let head: String = query.chars().take(60).collect();
@@ -55,6 +56,17 @@ async fn a_query_too_large_to_plan_keeps_to_its_time_limit_and_a_larger_one_is_r
             idle < 0.3,
             "{head}...: still busy after the time limit: {idle:.2} of a core"
         );
+    }
+    // The largest that run on the calling thread (up to 96 brackets, operators and patterns):
+    // a basic graph pattern of 94 triples, joined as written, and one of 63, optimized.
+    for triples in [94, 63] {
+        let patterns: String = (0..triples).map(|i| format!("?s{i} ?p ?o . ")).collect();
+        for query in [
+            format!("ASK {{ {patterns} }}"),
+            format!("SELECT * {{ {patterns} }} LIMIT 3"),
+        ] {
+            store.query_bounded(query, bounds).await.unwrap();
+        }
     }
     for query in shapes(3_000) {
         let refused = store.query_bounded(query, bounds).await.unwrap_err();

@@ -1,0 +1,90 @@
+//! Queries whose work is in memory: joins of `VALUES` lists and cross products read little from
+//! the store, which is where oxigraph's evaluator otherwise checks its cancellation (before our
+//! patch of spareval a cross product of four lists ran for hours past its time limit). They stop
+//! at their time limit, the core free again at once, and at their budget of bindings, before
+//! they fill the memory. Alone in its test binary, so the process's CPU time is this test's.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use std::time::Duration;
+
+use agent_graph::{GraphError, QueryBounds};
+use common::{cpu_share, store_with_triples};
+
+mod common;
+
+/// `VALUES ?name { 0 1 ... }` of `n` numbers.
+fn values(name: &str, n: usize) -> String {
+    let numbers: Vec<String> = (0..n).map(|i| i.to_string()).collect();
+    format!("VALUES ?{name} {{ {} }}", numbers.join(" "))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn work_in_memory_stops_at_the_time_limit_and_at_the_budget_of_bindings() {
+    let store = store_with_triples(300).await;
+
+    // 10^12 rows counted, none read from the store: stopped at the limit, the core free after.
+    let lists = format!(
+        "SELECT (COUNT(*) AS ?n) WHERE {{ {} {} {} {} }}",
+        values("a", 1000),
+        values("b", 1000),
+        values("c", 1000),
+        values("d", 1000)
+    );
+    let unbudgeted = QueryBounds {
+        timeout: Duration::from_secs(1),
+        max_rows: 100,
+        max_bindings: u64::MAX,
+    };
+    let stopped = store.query_bounded(lists, unbudgeted).await.unwrap_err();
+    assert!(matches!(stopped, GraphError::TimedOut(_)), "{stopped}");
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let idle = cpu_share(Duration::from_secs(1)).await;
+    assert!(
+        idle < 0.3,
+        "still busy after the time limit: {idle:.2} of a core"
+    );
+
+    // Sorting 10^9 rows would hold them all: refused at the budget, long before the time limit.
+    let budgeted = QueryBounds {
+        timeout: Duration::from_secs(600),
+        max_rows: 100,
+        max_bindings: 1_000_000,
+    };
+    let sorted = format!(
+        "SELECT * WHERE {{ {} {} {} }} ORDER BY ?a LIMIT 1",
+        values("a", 1000),
+        values("b", 1000),
+        values("c", 1000)
+    );
+    let refused = store.query_bounded(sorted, budgeted).await.unwrap_err();
+    assert!(
+        matches!(refused, GraphError::TooMuchWork(1_000_000)),
+        "{refused}"
+    );
+    // The same over the store's triples: a cross product of three patterns, sorted.
+    let crossed =
+        "SELECT * WHERE { GRAPH ?g { ?a ?b ?c . ?d ?e ?f . ?h ?i ?j } } ORDER BY ?c LIMIT 1";
+    let refused = store
+        .query_bounded(crossed.to_owned(), budgeted)
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(refused, GraphError::TooMuchWork(1_000_000)),
+        "{refused}"
+    );
+
+    // Within the budget the same shapes are answered.
+    let small = format!(
+        "SELECT (COUNT(*) AS ?n) WHERE {{ {} {} }}",
+        values("a", 100),
+        values("b", 100)
+    );
+    let answer = store.query_bounded(small, budgeted).await.unwrap();
+    let count = answer.rows().rows[0][0].clone().unwrap();
+    assert!(count.to_string().starts_with("\"10000\""), "{count}");
+    let pairs = "SELECT (COUNT(*) AS ?n) WHERE { GRAPH ?g { ?a ?b ?c . ?d ?b ?f } }";
+    store
+        .query_bounded(pairs.to_owned(), budgeted)
+        .await
+        .unwrap();
+}
