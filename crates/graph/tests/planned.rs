@@ -12,9 +12,10 @@ use common::{cpu_share, store_with_triples};
 
 mod common;
 
-/// Three shapes of a query of about `size` operands: a chain of OPTIONALs, one basic graph
-/// pattern of many triples, many groups joined.
-fn shapes(size: usize) -> [String; 3] {
+/// Four shapes of a query of about `size` operands: a chain of OPTIONALs, one basic graph
+/// pattern of many triples, many groups joined, and a basic graph pattern inside `EXISTS` (which
+/// the optimizer normalizes and the store evaluates as deep a join as anywhere).
+fn shapes(size: usize) -> [String; 4] {
     let each = size / 3;
     [
         format!(
@@ -31,6 +32,12 @@ fn shapes(size: usize) -> [String; 3] {
             "SELECT * WHERE {{ GRAPH ?g {{ ?s ?p ?o {} }} }} LIMIT 5",
             (0..each)
                 .map(|i| format!("{{ ?s ?p ?o{i} }} "))
+                .collect::<String>()
+        ),
+        format!(
+            "ASK {{ GRAPH ?g {{ ?s ?p ?o FILTER EXISTS {{ {} }} }} }}",
+            (0..size)
+                .map(|i| format!("?s{i} ?p ?o . "))
                 .collect::<String>()
         ),
     ]
