@@ -87,4 +87,42 @@ async fn work_in_memory_stops_at_the_time_limit_and_at_the_budget_of_bindings() 
         .query_bounded(pairs.to_owned(), budgeted)
         .await
         .unwrap();
+
+    // Strings a query makes: each held to 16 MiB (thirty doublings would be 2 GiB), and many
+    // rows of long ones meet the budget.
+    let doubled = |times: usize| -> String {
+        (1..=times)
+            .map(|i| format!("BIND(CONCAT(?y{0}, ?y{0}) AS ?y{i}) ", i - 1))
+            .collect()
+    };
+    let lengths = format!(
+        "SELECT (STRLEN(?y20) AS ?short) (STRLEN(?y28) AS ?long) (STRLEN(REPLACE(?y20, \"\", \"xxxxxxxxxxxxxxxx\")) AS ?replaced) \
+         WHERE {{ BIND(\"ab\" AS ?y0) {} }}",
+        doubled(28)
+    );
+    let defaults = QueryBounds {
+        max_bindings: QueryBounds::DEFAULT_MAX_BINDINGS,
+        ..budgeted
+    };
+    let rows = store.query_bounded(lengths, defaults).await.unwrap().rows();
+    let [short, long, replaced] = [0, 1, 2].map(|i| rows.rows[0][i].clone());
+    assert!(
+        short.unwrap().to_string().starts_with("\"2097152\""),
+        "two megabytes are made"
+    );
+    assert_eq!(long, None, "half a gigabyte is not");
+    assert_eq!(replaced, None, "nor 34 MB replaced");
+    let many = format!(
+        "SELECT ?y20 WHERE {{ {} BIND(\"ab\" AS ?y0) {} }} ORDER BY ?y20",
+        values("i", 1000),
+        doubled(20).replace(
+            "BIND(CONCAT(?y19, ?y19)",
+            "BIND(CONCAT(?y19, ?y19, STR(?i))"
+        )
+    );
+    let refused = store.query_bounded(many, budgeted).await.unwrap_err();
+    assert!(
+        matches!(refused, GraphError::TooMuchWork(1_000_000)),
+        "{refused}"
+    );
 }
