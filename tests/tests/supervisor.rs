@@ -310,6 +310,77 @@ async fn a_stalled_subagent_gets_a_partial_synthesis_after_the_timeout() {
     assert_eq!(sample(&metrics, "agent_fanouts_open"), 0.0);
 }
 
+/// A nested supervisor whose own supervisor stopped waiting for it makes no synthesis call: each
+/// fan-out's timeout runs from its own start, so the outer one times out first and the root
+/// answers without the branch; when the nested fan-in closes (at its own timeout, a moment
+/// later) its answer would be read by no one, and the nested supervisor ends saying why. Without
+/// the check it asked the LLM to synthesise.
+#[tokio::test]
+async fn a_nested_supervisor_whose_supervisor_stopped_waiting_makes_no_synthesis_call() {
+    let broker = Broker::start().unwrap();
+    let aggregator = Aggregator::start(
+        Place::Child,
+        &broker,
+        &["--fanout-timeout-secs", "3", "--config-token", "nest-token"],
+    );
+    let llm = scripted_llm(
+        r#"{"rules": [
+      {"match": "Request to split: Plan the trip", "reply": "[{\"goal\": \"Organise travel\", \"pattern\": \"supervisor\"}, {\"goal\": \"book the hotel\"}]"},
+      {"match": "Request to split: Organise travel", "reply": "[{\"goal\": \"book the train\"}]"},
+      {"match": "Question: book the hotel", "reply": "Thought: done.\nFinal Answer: hotel booked"},
+      {"match": "Question: book the train", "reply": "unused", "faults": ["stall"], "stall_ms": 120000},
+      {"match": "Request to answer from the subagents: Organise travel", "reply": "Travel sorted."},
+      {"match": "Request to answer from the subagents: Plan the trip", "and": ["hotel booked"], "reply": "Trip planned without travel."}
+    ]}"#,
+    )
+    .await;
+    let _orchestrator = Orchestrator::spawn(
+        &broker,
+        &llm,
+        &seed_dir(),
+        // The orchestrator reads the graph (where it learns no one waits) through the aggregator.
+        &[
+            "--llm-idle-timeout-secs",
+            "300",
+            "--graph-store",
+            &aggregator.endpoint,
+            "--config-token",
+            "nest-token",
+        ],
+    );
+    let mut client = client(&broker).await;
+    client
+        .send("n-2", &supervised("Plan the trip to Rome."))
+        .await
+        .unwrap();
+    let responses = collect_dialog(&mut client, "n-2", DIALOG_TIMEOUT)
+        .await
+        .unwrap();
+    let last = responses.last().unwrap();
+    assert!(last.error.is_none(), "{responses:#?}");
+    assert_eq!(last.content, "Trip planned without travel.");
+    // The nested fan-out times out too; its supervisor ends without a synthesis.
+    let nested = format!("{}-f1-s0", session_of(&responses));
+    let ended = format!(
+        "{}SELECT ?c WHERE {{ GRAPH <urn:graph:retrieval> {{
+           ?c a tg:Conclusion ; tg:document ?d . ?d tg:content ?why .
+           FILTER(STRSTARTS(STR(?c), \"{nested}/\") && CONTAINS(?why, \"stopped waiting\")) }} }}",
+        agent_core::vocab::SPARQL_PREFIXES
+    );
+    assert_eq!(count_reaching(&aggregator.store(), ended, 1).await, 1);
+    let more = drain_for(&mut client, "n-2", Duration::from_secs(2)).await;
+    assert_eq!(closings(&more), 0, "{more:#?}");
+    let nested_syntheses = llm
+        .calls()
+        .iter()
+        .filter(|c| {
+            c.last_user
+                .contains("Request to answer from the subagents: Organise travel")
+        })
+        .count();
+    assert_eq!(nested_syntheses, 0, "a synthesis no one reads");
+}
+
 /// A fan-out that times out is answered honestly: two subagents with the same goal keep two
 /// results, the synthesis derives only from the completions it was given, says it is partial and
 /// names the subagent it went without, and that subagent, told its supervisor stopped waiting,

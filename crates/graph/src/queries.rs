@@ -278,18 +278,20 @@ pub fn open_fanouts() -> String {
 }
 
 /// Fan-outs still waiting for their synthesis that started before `cutoff` (an xsd:dateTime):
-/// those [`open_fanout`] reads (a node without its continuation or client is not one).
+/// those [`open_fanout`] reads (a node without its continuation or client is not one). Oldest
+/// first: a supervisor's fan-out starts before those of its nested supervisors, and answered
+/// first it tells them (resumed in the same sweep) that no one waits for their synthesis.
 pub fn overdue_fanouts(cutoff: &str) -> String {
     let g = graph();
     let cutoff =
         oxigraph::model::Literal::new_typed_literal(cutoff, oxigraph::model::vocab::xsd::DATE_TIME);
     format!(
-        "{PREFIXES}SELECT DISTINCT ?cid WHERE {{ GRAPH {g} {{
+        "{PREFIXES}SELECT DISTINCT ?cid ?t WHERE {{ GRAPH {g} {{
   ?f a tg:FanOut ; tg:correlationId ?cid ; prov:startedAtTime ?t ; tg:expectedSiblings ?expected ;
      tg:continuation ?continuation ; tg:clientId ?client .
   FILTER NOT EXISTS {{ ?f tg:synthesisRequested ?done }}
   FILTER NOT EXISTS {{ ?f tg:fanInRefused ?why }}
-  FILTER (?t < {cutoff}) {only} }} }}",
+  FILTER (?t < {cutoff}) {only} }} }} ORDER BY ?t",
         only = agents_only("f")
     )
 }

@@ -12,7 +12,7 @@ use agent_core::supervisor::{self as supervising, Goal};
 use agent_core::tools::Scope;
 use agent_schema::{AgentStep, MessageType, StepType};
 
-use crate::finish::conclude_if_limited;
+use crate::finish::{conclude_if_limited, end_if_abandoned};
 use crate::turn::Turn;
 use agent_core::prompt::render;
 use agent_llm::{CallOptions, ChatMessage};
@@ -23,6 +23,12 @@ const CORRELATION_KEY: &str = "correlation_id";
 const EXPECTED_KEY: &str = "expected";
 
 pub async fn iterate(turn: &Turn<'_>) -> Result<(), BusError> {
+    // A nested supervisor whose own supervisor stopped waiting for it (an outer fan-out times out
+    // first: each runs its timeout from its own start) ends here, before judging or synthesising
+    // results no one will read.
+    if let Some(ended) = end_if_abandoned(turn).await {
+        return ended;
+    }
     let n = steps_taken(&turn.request.history) + 1;
     let history = &turn.request.history;
     // Subagents' results are answered from whatever the limits say: their work is already done.
