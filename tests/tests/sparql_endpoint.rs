@@ -146,6 +146,36 @@ async fn runaway_queries_are_stopped_and_dialogs_go_on() {
     );
     assert!(idle < 0.3, "still busy after its client went: {idle:.2}");
 
+    // A long text is refused before it is parsed (a sort by thousands of conditions); the
+    // services' own queries may be long.
+    let long = format!(
+        "SELECT ?s WHERE {{ ?s ?p ?o }} ORDER BY {}",
+        "?s ".repeat(12_000)
+    );
+    let refused = http
+        .post(format!("{}/query", aggregator.endpoint))
+        .header("content-type", "application/sparql-query")
+        .body(long.clone())
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(refused.status().as_u16(), 413);
+    let said = refused.text().await.unwrap();
+    assert!(said.contains("AGGREGATOR_MAX_QUERY_BYTES"), "{said}");
+    let long_and_ours = format!(
+        "SELECT ?s WHERE {{ VALUES ?s {{ {} }} }} LIMIT 1",
+        "<urn:x> ".repeat(6_000)
+    );
+    let served = http
+        .post(format!("{}/query", aggregator.endpoint))
+        .header("content-type", "application/sparql-query")
+        .bearer_auth(TOKEN)
+        .body(long_and_ours)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(served.status().as_u16(), 200);
+
     let metrics = scrape(&aggregator.endpoint).await;
     let refused = |reason: &str| {
         sample(
@@ -155,6 +185,7 @@ async fn runaway_queries_are_stopped_and_dialogs_go_on() {
     };
     assert!(refused("timeout") >= 1.0);
     assert!(refused("busy") >= 1.0);
+    assert!(refused("too_long") >= 1.0);
 }
 
 #[tokio::test]

@@ -38,6 +38,8 @@ struct Reads {
     /// Turns for queries without the services' token.
     turns: Arc<tokio::sync::Semaphore>,
     token: Option<String>,
+    /// Longest query text taken from anyone but the services.
+    max_query_bytes: usize,
 }
 
 /// The largest journal call taken: an orchestrator's batch of up to 64 records of a few MB each.
@@ -65,6 +67,7 @@ pub fn router(
         },
         turns: Arc::new(tokio::sync::Semaphore::new(reads.max_queries.max(1))),
         token: reads.query_token.clone().filter(|t| !t.is_empty()),
+        max_query_bytes: reads.max_query_bytes,
     });
     let state = AppState {
         store,
@@ -145,6 +148,20 @@ async fn run_query(state: &AppState, headers: &HeaderMap, sparql: String) -> Res
         return (
             StatusCode::UNAUTHORIZED,
             "queries need a valid bearer token here (AGGREGATOR_QUERY_TOKEN)",
+        )
+            .into_response();
+    }
+    // A long text is how a query asks for unbounded work before any of it can be stopped
+    // (parsing alone is quadratic in some shapes): the services' own may be long, others not.
+    if !service && sparql.len() > reads.max_query_bytes {
+        crate::metrics::query_refused("too_long");
+        return (
+            StatusCode::PAYLOAD_TOO_LARGE,
+            format!(
+                "the query is {} bytes; at most {} are taken here (AGGREGATOR_MAX_QUERY_BYTES)",
+                sparql.len(),
+                reads.max_query_bytes
+            ),
         )
             .into_response();
     }

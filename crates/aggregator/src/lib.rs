@@ -105,6 +105,11 @@ pub struct ReadSettings {
     /// work, not memory: a cross product held in memory fills it well within 30 s.
     #[arg(long, env = "AGGREGATOR_MAX_QUERY_BINDINGS", default_value_t = agent_graph::QueryBounds::DEFAULT_MAX_BINDINGS)]
     pub max_query_bindings: u64,
+    /// Longest query text taken from anyone but the services (their own queries may be long); a
+    /// longer one is refused (413) before it is parsed. Long texts are how a query asks for
+    /// work that cannot be stopped: a sort by 300,000 conditions, a parse quadratic in the text.
+    #[arg(long, env = "AGGREGATOR_MAX_QUERY_BYTES", default_value_t = 32 * 1024)]
+    pub max_query_bytes: usize,
     /// When set, `/query` needs this bearer token (or the services' token); without it reads
     /// are open.
     #[arg(long, env = "AGGREGATOR_QUERY_TOKEN", hide_env_values = true)]
@@ -118,6 +123,7 @@ impl Default for ReadSettings {
             max_queries: 2,
             max_result_rows: 100_000,
             max_query_bindings: agent_graph::QueryBounds::DEFAULT_MAX_BINDINGS,
+            max_query_bytes: 32 * 1024,
             query_token: None,
         }
     }

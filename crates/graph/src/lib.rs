@@ -559,6 +559,17 @@ impl QueryBounds {
     pub const DEFAULT_MAX_BINDINGS: u64 = 100_000_000;
 }
 
+/// The bytes of `term`'s text (an IRI, a literal's value; a quoted triple's parts).
+fn term_bytes(term: &Term) -> usize {
+    match term {
+        Term::NamedNode(node) => node.as_str().len(),
+        Term::BlankNode(node) => node.as_str().len(),
+        Term::Literal(literal) => literal.value().len(),
+        #[allow(unreachable_patterns)]
+        _ => 0,
+    }
+}
+
 /// Cancels an evaluation when the future awaiting it is dropped.
 struct CancelOnDrop(oxigraph::sparql::CancellationToken);
 
@@ -716,20 +727,39 @@ fn evaluate_embedded(
         .on_store(store)
         .execute()
         .map_err(|e| GraphError::Evaluation(e.to_string()))
-        .and_then(|results| collect_at_most(results, bounds.max_rows));
-    match answer {
-        Err(_) if token.budget_exhausted() => Err(GraphError::TooMuchWork(bounds.max_bindings)),
-        answer => answer,
+        .and_then(|results| collect_at_most(results, bounds.max_rows, Some(&token)));
+    // A step that took a cancellation for "no" (an EXISTS, a LIMIT met early) may still give an
+    // answer: after the token ended the evaluation, no answer is one.
+    if token.budget_exhausted() {
+        return Err(GraphError::TooMuchWork(bounds.max_bindings));
     }
+    if token.is_cancelled() {
+        return Err(GraphError::TimedOut(bounds.timeout));
+    }
+    answer
 }
 
 /// Materialises results so they can cross the blocking-pool boundary.
 pub(crate) fn collect(results: QueryResults<'_>) -> Result<QueryAnswer, GraphError> {
-    collect_at_most(results, usize::MAX)
+    collect_at_most(results, usize::MAX, None)
 }
 
-/// As [`collect`], refusing a result of more than `max_rows` rows or triples.
-fn collect_at_most(results: QueryResults<'_>, max_rows: usize) -> Result<QueryAnswer, GraphError> {
+/// As [`collect`], refusing a result of more than `max_rows` rows or triples; `budget`: the
+/// evaluation's token, whose budget the answer's terms are spent from as they are copied out (a
+/// binding a term and one per 16 bytes of it: each row owns its copy of a long literal).
+fn collect_at_most(
+    results: QueryResults<'_>,
+    max_rows: usize,
+    budget: Option<&oxigraph::sparql::CancellationToken>,
+) -> Result<QueryAnswer, GraphError> {
+    let spend = |bindings: usize| -> Result<(), GraphError> {
+        match budget {
+            Some(token) if !token.spend_bindings(bindings) => Err(GraphError::Evaluation(
+                "the binding budget was spent".to_owned(),
+            )),
+            _ => Ok(()),
+        }
+    };
     match results {
         QueryResults::Boolean(b) => Ok(QueryAnswer::Boolean(b)),
         QueryResults::Solutions(solutions) => {
@@ -744,6 +774,12 @@ fn collect_at_most(results: QueryResults<'_>, max_rows: usize) -> Result<QueryAn
                 if rows.len() == max_rows {
                     return Err(GraphError::TooManyRows(max_rows));
                 }
+                spend(
+                    solution
+                        .iter()
+                        .map(|(_, term)| 1 + term_bytes(term) / 16)
+                        .sum(),
+                )?;
                 rows.push(
                     variables
                         .iter()
@@ -759,7 +795,9 @@ fn collect_at_most(results: QueryResults<'_>, max_rows: usize) -> Result<QueryAn
                 if collected.len() == max_rows {
                     return Err(GraphError::TooManyRows(max_rows));
                 }
-                collected.push(triple.map_err(|e| GraphError::Evaluation(e.to_string()))?);
+                let triple = triple.map_err(|e| GraphError::Evaluation(e.to_string()))?;
+                spend(3 + (term_bytes(&triple.object) + triple.predicate.as_str().len()) / 16)?;
+                collected.push(triple);
             }
             Ok(QueryAnswer::Graph(collected))
         }

@@ -102,14 +102,22 @@ fn visit_pattern<'q>(pattern: &'q GraphPattern, count: &mut usize, to_visit: &mu
             to_visit.push(Part::Expression(expression));
         }
         GraphPattern::OrderBy { inner, expression } => {
+            // Each condition is evaluated again in every comparison of the sort.
+            *count = count.saturating_add(expression.len());
             to_visit.push(Part::Pattern(inner));
             to_visit.extend(expression.iter().map(|order| match order {
                 OrderExpression::Asc(e) | OrderExpression::Desc(e) => Part::Expression(e),
             }));
         }
         GraphPattern::Group {
-            inner, aggregates, ..
+            inner,
+            aggregates,
+            variables,
         } => {
+            // Each group holds a key of its variables and an accumulator per aggregate.
+            *count = count
+                .saturating_add(variables.len())
+                .saturating_add(aggregates.len());
             to_visit.push(Part::Pattern(inner));
             to_visit.extend(
                 aggregates
@@ -208,6 +216,18 @@ mod tests {
         assert!(plan(&parsed(&bound(300)))
             .unwrap_err()
             .contains("at most 256"));
+        // So do the conditions of a sort and the keys of a grouping (a sort evaluates every
+        // condition in each comparison; a group holds a key as wide as its variables).
+        let sorted = format!(
+            "SELECT ?a WHERE {{ ?a ?b ?c }} ORDER BY {}",
+            "?a ".repeat(300)
+        );
+        assert!(plan(&parsed(&sorted)).unwrap_err().contains("at most 256"));
+        let grouped = format!(
+            "SELECT (COUNT(*) AS ?n) WHERE {{ ?a ?b ?c }} GROUP BY {}",
+            "?a ".repeat(300)
+        );
+        assert!(plan(&parsed(&grouped)).unwrap_err().contains("at most 256"));
     }
 
     #[test]
