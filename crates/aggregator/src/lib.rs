@@ -101,7 +101,8 @@ pub struct ReadSettings {
     #[arg(long, env = "AGGREGATOR_MAX_RESULT_ROWS", default_value_t = 100_000)]
     pub max_result_rows: usize,
     /// Bindings (rows times the variables they carry) a query's evaluation may make in all, every
-    /// step counted; past it the query is stopped and refused (413). Its time limit alone bounds
+    /// step counted; past it the query is stopped and refused (413). The services' own queries
+    /// (with `CONFIG_TOKEN`) are held to the time limit only. Its time limit alone bounds
     /// work, not memory: a cross product held in memory fills it well within 30 s.
     #[arg(long, env = "AGGREGATOR_MAX_QUERY_BINDINGS", default_value_t = agent_graph::QueryBounds::DEFAULT_MAX_BINDINGS)]
     pub max_query_bindings: u64,

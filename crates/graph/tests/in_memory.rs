@@ -198,3 +198,34 @@ async fn a_path_closure_is_held_to_the_budget() {
     let n = counted.rows[0][0].clone().unwrap();
     assert!(n.to_string().starts_with("\"500500\""), "{n}");
 }
+
+/// The caps refuse strings a query grows, not the store's own long literals: a 2 MiB literal is
+/// lower-cased and cut down by `REPLACE`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn long_literals_of_the_store_are_not_refused() {
+    let store = agent_graph::GraphStore::in_memory().unwrap();
+    let long = "Ab".repeat(1 << 20);
+    store
+        .load(
+            format!("<urn:doc> <urn:text> \"{long}\" <urn:g:1> .\n").into_bytes(),
+            "application/n-quads",
+            None,
+        )
+        .await
+        .unwrap();
+    let bounds = QueryBounds {
+        timeout: Duration::from_secs(600),
+        max_rows: 10,
+        max_bindings: QueryBounds::DEFAULT_MAX_BINDINGS,
+    };
+    let sparql = r#"SELECT (STRLEN(LCASE(?t)) AS ?lower) (REPLACE(?t, "^(.{6}).*$", "$1", "s") AS ?head)
+        WHERE { GRAPH ?g { <urn:doc> <urn:text> ?t } }"#;
+    let rows = store
+        .query_bounded(sparql.to_owned(), bounds)
+        .await
+        .unwrap()
+        .rows();
+    let [lower, head] = [0, 1].map(|i| rows.rows[0][i].clone().unwrap().to_string());
+    assert!(lower.starts_with("\"2097152\""), "{lower}");
+    assert_eq!(head, "\"AbAbAb\"");
+}
