@@ -559,7 +559,8 @@ impl QueryBounds {
     pub const DEFAULT_MAX_BINDINGS: u64 = 100_000_000;
 }
 
-/// The bytes of `term`'s text (an IRI, a literal's value; a quoted triple's parts).
+/// The bytes of `term`'s text (an IRI, a blank node's id, a literal's value); 0 for a quoted
+/// triple, which this build's queries do not make (RDF 1.2 is not enabled).
 fn term_bytes(term: &Term) -> usize {
     match term {
         Term::NamedNode(node) => node.as_str().len(),
