@@ -1,8 +1,9 @@
 //! One budget per root request, end to end on a real broker with the graph shared: subagents at
-//! any depth spend from their root's `max_tokens` and `max_wall_secs` (summed from the graph, where
-//! every LLM call is recorded with its run), every branch stops at its next step once the run has
-//! crossed a budget, the supervisor answers from what exists, and the graph records which budget
-//! ended each branch. A client's first message cannot bring a budget of its own.
+//! any depth spend from their root's `max_tokens`, `max_wall_secs` and `max_run_iterations`
+//! (counted from the graph, where every LLM call is recorded with its run), every branch stops at
+//! its next step once the run has crossed a budget, the supervisor answers from what exists, and
+//! the graph records which budget ended each branch. A client's first message cannot bring a
+//! budget of its own.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use std::time::Duration;
@@ -159,6 +160,48 @@ async fn subagents_share_their_roots_token_budget() {
     for t in t.iter().filter(|t| t.p.iri.ends_with("runTokens")) {
         assert!(t.o.value.parse::<u64>().unwrap() >= MAX_TOKENS, "{t:?}");
     }
+}
+
+/// Three subagents that would loop to their own `max_iterations` (40 each, 120 in all) stop
+/// together at the run's `max_run_iterations`, counted from the graph, where each branch sees
+/// its siblings' LLM calls; each branch's result and the graph say which limit ended it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn subagents_share_their_roots_iteration_budget() {
+    const MAX_RUN_ITERATIONS: usize = 12;
+    let mut run = start(
+        "budget-iterations",
+        &format!(
+            r#"{{"default": {{"max_run_iterations": {MAX_RUN_ITERATIONS}, "max_tokens": 0, "max_iterations": 40}}}}"#
+        ),
+        &script(0, 50),
+        true,
+    )
+    .await;
+    let responses = supervise(&mut run, "b-iterations").await;
+    let last = responses.last().unwrap();
+    assert!(last.error.is_none(), "{responses:#?}");
+    assert_eq!(last.content, "Spent what there was.");
+    let results = subagent_results(&responses);
+    assert_eq!(results.len(), 3, "{responses:#?}");
+    for result in &results {
+        assert!(result.contains("(max_run_iterations)"), "{result}");
+    }
+    let turns = turns(&run.llm);
+    let total: usize = turns.values().sum();
+    println!("iteration budget: turns {turns:?}, {total} in all");
+    // Past the budget every branch stops at its next step: at most the step each had in flight
+    // and one more begun before the others' were recorded. The split is one of the run's.
+    assert!(
+        total < MAX_RUN_ITERATIONS + 2 * 3,
+        "the subagents took {total} turns: {turns:?}"
+    );
+    assert!(total >= MAX_RUN_ITERATIONS / 2, "{turns:?}");
+    let spent: Vec<_> = explained(&responses)
+        .iter()
+        .filter(|t| t.p.iri.ends_with("budgetSpent"))
+        .map(|t| t.o.value.clone())
+        .collect();
+    assert_eq!(spent, ["max_run_iterations"; 3], "{spent:?}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -310,18 +310,25 @@ async fn a_stalled_subagent_gets_a_partial_synthesis_after_the_timeout() {
     assert_eq!(sample(&metrics, "agent_fanouts_open"), 0.0);
 }
 
-/// A nested supervisor whose own supervisor stopped waiting for it makes no synthesis call: each
-/// fan-out's timeout runs from its own start, so the outer one times out first and the root
-/// answers without the branch; when the nested fan-in closes (at its own timeout, a moment
-/// later) its answer would be read by no one, and the nested supervisor ends saying why. Without
-/// the check it asked the LLM to synthesise.
+/// A nested supervisor whose own supervisor stopped waiting for it makes no synthesis call. With
+/// no grace (`--fanout-nested-grace-secs 0`) the nested fan-out is due when the outer one is, the
+/// sweep answers the outer one first and the root answers without the branch; when the nested
+/// fan-in closes its answer would be read by no one, and the nested supervisor ends saying why.
+/// Without the check it asked the LLM to synthesise.
 #[tokio::test]
 async fn a_nested_supervisor_whose_supervisor_stopped_waiting_makes_no_synthesis_call() {
     let broker = Broker::start().unwrap();
     let aggregator = Aggregator::start(
         Place::Child,
         &broker,
-        &["--fanout-timeout-secs", "3", "--config-token", "nest-token"],
+        &[
+            "--fanout-timeout-secs",
+            "3",
+            "--fanout-nested-grace-secs",
+            "0",
+            "--config-token",
+            "nest-token",
+        ],
     );
     let llm = scripted_llm(
         r#"{"rules": [
@@ -379,6 +386,86 @@ async fn a_nested_supervisor_whose_supervisor_stopped_waiting_makes_no_synthesis
         })
         .count();
     assert_eq!(nested_syntheses, 0, "a synthesis no one reads");
+}
+
+/// A nested fan-out stops waiting before the fan-out holding it does, so one stalled leaf costs
+/// its own result, not its whole branch: timed from its own start, the nested fan-out outlived
+/// the outer one (which started first), and the root answered without the nested supervisor's
+/// partial answer. Timeout 12 s, grace 6 s: the nested fan-out is due 6 s after the outer one
+/// started, and its partial synthesis reaches the outer fan-in before the outer's timeout.
+#[tokio::test]
+async fn a_nested_fan_out_stops_waiting_before_the_fan_out_holding_it() {
+    let broker = Broker::start().unwrap();
+    let aggregator = Aggregator::start(
+        Place::Child,
+        &broker,
+        &[
+            "--fanout-timeout-secs",
+            "12",
+            "--fanout-nested-grace-secs",
+            "6",
+            "--config-token",
+            "nest-token",
+        ],
+    );
+    let llm = scripted_llm(
+        r#"{"rules": [
+      {"match": "Request to split: Plan the trip", "reply": "[{\"goal\": \"Organise travel\", \"pattern\": \"supervisor\"}, {\"goal\": \"book the hotel\"}]"},
+      {"match": "Request to split: Organise travel", "reply": "[{\"goal\": \"book the train\"}, {\"goal\": \"book the taxi\"}]"},
+      {"match": "Question: book the hotel", "reply": "Thought: done.\nFinal Answer: hotel booked"},
+      {"match": "Question: book the taxi", "reply": "Thought: done.\nFinal Answer: taxi booked"},
+      {"match": "Question: book the train", "reply": "unused", "faults": ["stall"], "stall_ms": 120000},
+      {"match": "Request to answer from the subagents: Organise travel", "and": ["taxi booked", "book the train: Error: no result within"], "reply": "Taxi booked, the train not."},
+      {"match": "Request to answer from the subagents: Plan the trip", "and": ["hotel booked", "Taxi booked, the train not."], "reply": "Trip planned with a taxi."}
+    ]}"#,
+    )
+    .await;
+    let _orchestrator = Orchestrator::spawn(
+        &broker,
+        &llm,
+        &seed_dir(),
+        &[
+            "--llm-idle-timeout-secs",
+            "300",
+            "--graph-store",
+            &aggregator.endpoint,
+            "--config-token",
+            "nest-token",
+        ],
+    );
+    let mut client = client(&broker).await;
+    client
+        .send("n-3", &supervised("Plan the trip to Rome."))
+        .await
+        .unwrap();
+    let responses = collect_dialog(&mut client, "n-3", DIALOG_TIMEOUT)
+        .await
+        .unwrap();
+    let last = responses.last().unwrap();
+    assert!(last.error.is_none(), "{responses:#?}");
+    assert_eq!(last.content, "Trip planned with a taxi.");
+    // The nested synthesis is partial; the outer one had every result.
+    let session = session_of(&responses);
+    let syntheses = |supervisor: &str, partial: bool| {
+        format!(
+            "{}SELECT ?s WHERE {{ GRAPH <urn:graph:retrieval> {{ ?s a tg:Synthesis .
+               FILTER(STRSTARTS(STR(?s), \"{supervisor}/synthesis/\"))
+               FILTER({} EXISTS {{ ?s tg:partial true }}) }} }}",
+            agent_core::vocab::SPARQL_PREFIXES,
+            if partial { "" } else { "NOT" }
+        )
+    };
+    let store = aggregator.store();
+    let nested = format!("{session}-f1-s0");
+    assert_eq!(count_reaching(&store, syntheses(&nested, true), 1).await, 1);
+    assert_eq!(
+        count_reaching(&store, syntheses(&session, false), 1).await,
+        1
+    );
+    assert_eq!(
+        count_reaching(&store, syntheses(&session, true), 0).await,
+        0
+    );
 }
 
 /// A fan-out that times out is answered honestly: two subagents with the same goal keep two

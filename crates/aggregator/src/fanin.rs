@@ -3,13 +3,13 @@
 //! the graph (first writer wins, so several aggregators and redeliveries give one synthesis), the
 //! supervisor's synthesis request is published, and the fan-out is marked as done.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 
 use agent_bus::seal::SealKey;
 use agent_bus::{BusError, Properties, Publisher};
 use agent_core::supervisor::{
-    completion_seal_parts, decomposed_goals, dependent_request, fanout_seal_parts, kept_goals,
-    last_decompose, result_key, subagent_index, subagent_seal_parts, subagent_session,
+    completion_seal_parts, decomposed_goals, dependent_request, fanout_seal_parts, fanouts_above,
+    kept_goals, last_decompose, result_key, subagent_index, subagent_seal_parts, subagent_session,
     synthesis_request,
 };
 use agent_graph::{queries, GraphError, GraphStore, QueryAnswer, Rows};
@@ -33,14 +33,57 @@ pub enum FanInError {
     ClaimHeld,
 }
 
-/// Runs the timeout sweep until `shutdown`: every `every`, fan-outs older than `timeout` that are
-/// still waiting get a partial synthesis. Its only state is the graph, so it survives restarts.
+/// How long fan-outs wait for their subagents.
+#[derive(Debug, Clone, Copy)]
+pub struct Deadlines {
+    /// From a fan-out's start.
+    pub timeout: std::time::Duration,
+    /// How much sooner than the fan-out holding it a nested fan-out stops waiting.
+    pub grace: std::time::Duration,
+}
+
+impl Deadlines {
+    /// When the fan-out `correlation_id`, started at `started`, stops waiting: `timeout` after its
+    /// start, or sooner, `grace` before the fan-out holding it does (`starts`: when each fan-out
+    /// the graph holds above it started). Timed from its own start alone, a nested fan-out outlived
+    /// the one holding it, which started first: that one answered without the whole nested branch
+    /// because one leaf of it stalled, and the nested supervisor's partial answer came too late.
+    pub fn deadline(
+        &self,
+        correlation_id: &str,
+        started: chrono::DateTime<chrono::Utc>,
+        starts: &HashMap<String, chrono::DateTime<chrono::Utc>>,
+    ) -> chrono::DateTime<chrono::Utc> {
+        let span = |d: std::time::Duration| chrono::Duration::from_std(d).unwrap_or_default();
+        let timeout = span(self.timeout);
+        // Checked: a start read from the graph may lie near the end of time.
+        let after = |start: chrono::DateTime<chrono::Utc>, span: chrono::Duration| {
+            start
+                .checked_add_signed(span)
+                .unwrap_or(chrono::DateTime::<chrono::Utc>::MAX_UTC)
+        };
+        let mut deadline = after(started, timeout);
+        for (level, above) in fanouts_above(correlation_id).into_iter().enumerate() {
+            let Some(start) = starts.get(above) else {
+                continue;
+            };
+            // Each level up waits `grace` longer than the one below it.
+            let earlier = span(self.grace.saturating_mul(level as u32 + 1)).min(timeout);
+            deadline = deadline.min(after(*start, timeout - earlier));
+        }
+        deadline
+    }
+}
+
+/// Runs the timeout sweep until `shutdown`: every `every`, fan-outs past their deadline (see
+/// [`Deadlines::deadline`]) that are still waiting get a partial synthesis. Its only state is the
+/// graph, so it survives restarts.
 pub async fn sweep(
     store: GraphStore,
     requests: Publisher,
     seal: Option<SealKey>,
     librarian: Option<std::sync::Arc<agent_bus::Librarian>>,
-    timeout: std::time::Duration,
+    deadlines: Deadlines,
     every: std::time::Duration,
     shutdown: tokio_util::sync::CancellationToken,
 ) {
@@ -49,24 +92,21 @@ pub async fn sweep(
             _ = shutdown.cancelled() => return,
             _ = tokio::time::sleep(every) => {}
         }
-        let cutoff = chrono::Utc::now() - chrono::Duration::from_std(timeout).unwrap_or_default();
-        let cutoff = cutoff.to_rfc3339_opts(chrono::SecondsFormat::Micros, true);
-        let overdue = match rows(&store, queries::overdue_fanouts(&cutoff)).await {
-            Ok(rows) => rows,
+        let overdue = match overdue(&store, deadlines).await {
+            Ok(overdue) => overdue,
             Err(e) => {
                 tracing::warn!(error = %e, "timeout sweep could not query the graph");
                 continue;
             }
         };
-        for cid in overdue.column("cid") {
-            let cid = text(cid);
+        for (cid, waited) in overdue {
             if let Err(e) = check(
                 &store,
                 &requests,
                 seal.as_ref(),
                 librarian.as_deref(),
                 &cid,
-                Some(timeout.as_secs()),
+                Some(waited),
             )
             .await
             {
@@ -74,6 +114,79 @@ pub async fn sweep(
             }
         }
     }
+}
+
+/// The open fan-outs past their deadline, oldest first, each with the seconds it waited.
+async fn overdue(
+    store: &GraphStore,
+    deadlines: Deadlines,
+) -> Result<Vec<(String, u64)>, GraphError> {
+    let now = chrono::Utc::now();
+    let open = rows(
+        store,
+        queries::overdue_fanouts(&now.to_rfc3339_opts(chrono::SecondsFormat::Micros, true)),
+    )
+    .await?;
+    // One row a fan-out, at its earliest start, in the order the graph gave them (oldest first).
+    // A start the graph holds as a time but chrono cannot read (a year before 1 BCE) is long past.
+    let mut starts: HashMap<String, chrono::DateTime<chrono::Utc>> = HashMap::new();
+    let mut order = Vec::new();
+    for (cid, t) in open.column("cid").into_iter().zip(open.column("t")) {
+        let (cid, started) = (
+            text(cid),
+            instant(&text(t)).unwrap_or(chrono::DateTime::UNIX_EPOCH),
+        );
+        match starts.get_mut(&cid) {
+            Some(earliest) => *earliest = (*earliest).min(started),
+            None => {
+                starts.insert(cid.clone(), started);
+                order.push(cid);
+            }
+        }
+    }
+    let above: std::collections::BTreeSet<&str> = order
+        .iter()
+        .flat_map(|cid| fanouts_above(cid))
+        .filter(|cid| !starts.contains_key(*cid))
+        .collect();
+    if !above.is_empty() {
+        // Without the starts above, each fan-out waits its own timeout, as it did before nesting
+        // was looked at: a failure here must not stop every timeout.
+        match rows(store, queries::fanout_starts(above)).await {
+            Ok(found) => {
+                for (cid, t) in found.column("cid").into_iter().zip(found.column("started")) {
+                    if let Some(started) = instant(&text(t)) {
+                        starts.insert(text(cid), started);
+                    }
+                }
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "timeout sweep could not read the starts of the fan-outs holding nested ones");
+            }
+        }
+    }
+    Ok(order
+        .into_iter()
+        .filter_map(|cid| {
+            let started = *starts.get(&cid)?;
+            let deadline = deadlines.deadline(&cid, started, &starts);
+            (deadline <= now).then(|| {
+                let waited = (deadline - started).num_seconds().max(0) as u64;
+                (cid, waited)
+            })
+        })
+        .collect())
+}
+
+/// An `xsd:dateTime` as the graph gives it back (one without a zone read as UTC), if chrono can
+/// represent it.
+fn instant(text: &str) -> Option<chrono::DateTime<chrono::Utc>> {
+    chrono::DateTime::parse_from_rfc3339(text)
+        .map(|t| t.with_timezone(&chrono::Utc))
+        .or_else(|_| {
+            chrono::NaiveDateTime::parse_from_str(text, "%Y-%m-%dT%H:%M:%S%.f").map(|t| t.and_utc())
+        })
+        .ok()
 }
 
 /// The correlation id of a fan-out or completion in `message`, if it holds one.
@@ -576,4 +689,96 @@ async fn check_in_results(
         carried.insert(key, text);
     }
     carried
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    fn at(secs: i64) -> chrono::DateTime<chrono::Utc> {
+        chrono::DateTime::UNIX_EPOCH + chrono::Duration::seconds(secs)
+    }
+
+    const DEADLINES: Deadlines = Deadlines {
+        timeout: Duration::from_secs(300),
+        grace: Duration::from_secs(75),
+    };
+
+    #[test]
+    fn a_fan_out_of_a_clients_supervisor_waits_its_timeout() {
+        let starts = HashMap::new();
+        assert_eq!(DEADLINES.deadline("abc-f2", at(1000), &starts), at(1300));
+    }
+
+    #[test]
+    fn a_nested_fan_out_stops_waiting_a_grace_before_each_fan_out_above_it() {
+        let starts: HashMap<String, _> = [
+            ("abc-f1".to_owned(), at(1000)),
+            ("abc-f1-s0-f2".to_owned(), at(1010)),
+        ]
+        .into();
+        // One level down: before its supervisor's fan-out, not 300 s from its own start.
+        assert_eq!(
+            DEADLINES.deadline("abc-f1-s0-f2", at(1010), &starts),
+            at(1225)
+        );
+        // Two levels down: 75 s before the level above it, 150 s before the outermost.
+        assert_eq!(
+            DEADLINES.deadline("abc-f1-s0-f2-s3-f1", at(1100), &starts),
+            at(1150)
+        );
+        // A nested fan-out that started late is due at once rather than after its supervisor's.
+        assert_eq!(
+            DEADLINES.deadline("abc-f1-s0-f2", at(1280), &starts),
+            at(1225)
+        );
+        // One started early enough keeps its own timeout.
+        let early = Deadlines {
+            grace: Duration::ZERO,
+            ..DEADLINES
+        };
+        assert_eq!(early.deadline("abc-f1-s0-f2", at(1000), &starts), at(1300));
+    }
+
+    #[test]
+    fn a_fan_out_above_that_the_graph_does_not_hold_changes_nothing() {
+        let starts = HashMap::new();
+        assert_eq!(
+            DEADLINES.deadline("abc-f1-s0-f2", at(1010), &starts),
+            at(1310)
+        );
+        // A grace longer than the timeout cannot put a deadline before the holder's start.
+        let long = Deadlines {
+            grace: Duration::from_secs(1000),
+            ..DEADLINES
+        };
+        let starts: HashMap<String, _> = [("abc-f1".to_owned(), at(1000))].into();
+        assert_eq!(long.deadline("abc-f1-s0-f2", at(1010), &starts), at(1000));
+    }
+
+    #[test]
+    fn times_read_back_from_the_graph() {
+        assert_eq!(instant("1970-01-01T00:16:40Z"), Some(at(1000)));
+        assert_eq!(
+            instant("1970-01-01T00:16:40.000001+00:00").map(|t| t.timestamp()),
+            Some(1000)
+        );
+        assert_eq!(instant("1970-01-01T00:16:40"), Some(at(1000)));
+        assert_eq!(instant("soon"), None);
+    }
+
+    #[test]
+    fn a_start_near_the_end_of_time_does_not_overflow() {
+        // chrono reads a signed year of any length, up to the end of its range.
+        let end = instant("+262142-12-31T23:59:59").unwrap();
+        assert!(instant("+262144-01-01T00:00:00").is_none());
+        let starts: HashMap<String, _> = [("abc-f1".to_owned(), end)].into();
+        assert_eq!(
+            DEADLINES.deadline("abc-f1-s0-f2", at(1000), &starts),
+            at(1300)
+        );
+        let never = DEADLINES.deadline("abc-f1", end, &HashMap::new());
+        assert!(never > at(1300));
+    }
 }

@@ -61,6 +61,10 @@ pub struct AggregatorSettings {
     /// Seconds a fan-out waits for all its subagents before a partial synthesis.
     #[arg(long, env = "FANOUT_TIMEOUT_SECS", default_value_t = 300)]
     pub fanout_timeout_secs: u64,
+    /// Seconds a nested fan-out stops waiting before the fan-out holding it does, so that its
+    /// supervisor's partial answer still counts there (default: a quarter of the timeout).
+    #[arg(long, env = "FANOUT_NESTED_GRACE_SECS")]
+    pub fanout_nested_grace_secs: Option<u64>,
     #[command(flatten)]
     pub reads: ReadSettings,
     /// Seconds a published journal entry is kept once its dialog has concluded (a redelivery of
@@ -143,6 +147,7 @@ impl AggregatorSettings {
             explain_topic: None,
             request_topic: None,
             fanout_timeout_secs: 300,
+            fanout_nested_grace_secs: None,
             approval_sweep_secs: 5,
             seal_key: None,
             explain_seals: ExplainSeals::Require,
@@ -313,13 +318,21 @@ pub async fn run(settings: AggregatorSettings, shutdown: CancellationToken) -> a
         )),
         _ => None,
     };
+    let grace = settings
+        .fanout_nested_grace_secs
+        .map_or(timeout / 4, Duration::from_secs)
+        .min(timeout);
     let sweeper = tokio::spawn(fanin::sweep(
         store.clone(),
         requests.clone(),
         seal.clone(),
         librarian.clone(),
-        timeout,
-        (timeout / 4).clamp(Duration::from_millis(500), Duration::from_secs(30)),
+        fanin::Deadlines { timeout, grace },
+        // Often enough that a nested fan-out is answered within its grace, before the fan-out
+        // holding it is due (found due together, the holder is answered first).
+        (timeout / 4)
+            .min(if grace.is_zero() { timeout } else { grace })
+            .clamp(Duration::from_millis(500), Duration::from_secs(30)),
         shutdown.clone(),
     ));
     let approvals = tokio::spawn(approvals::sweep(

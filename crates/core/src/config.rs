@@ -83,7 +83,7 @@ impl Default for ModelOptions {
 /// A budget a run has used up: which limit, and the sentence that says so.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SpentBudget {
-    /// The limit's name in `agent-limits` (`max_tokens`, `max_wall_secs`).
+    /// The limit's name in `agent-limits` (`max_tokens`, `max_wall_secs`, `max_run_iterations`).
     pub limit: &'static str,
     pub sentence: String,
 }
@@ -123,6 +123,11 @@ pub struct Limits {
     pub max_tokens: u64,
     /// Wall-clock seconds a root request may run; 0 means no bound.
     pub max_wall_secs: u64,
+    /// Iterations a root request and its subagents at every depth may take together, counted
+    /// from the graph as the nodes that record an LLM call's cost for the run (a thought, a
+    /// decision, a plan, a synthesis); 0 (the default) means no bound beyond what
+    /// `max_iterations`, `max_subagents` and `max_fanout_depth` give each dialog.
+    pub max_run_iterations: usize,
     /// Seconds a step waits out an unavailable LLM or store (parked, tried again with growing
     /// backoff) before its dialog ends with an error naming the cause; 0 ends it at once.
     pub max_outage_secs: u64,
@@ -166,6 +171,7 @@ impl Default for Limits {
             step_life_cycle: 3,
             max_tokens: 200_000,
             max_wall_secs: 600,
+            max_run_iterations: 0,
             max_outage_secs: 300,
             approval_timeout_secs: 300,
             approval_groups: Vec::new(),
@@ -176,24 +182,46 @@ impl Default for Limits {
 
 impl Limits {
     /// The budget a run (the root request and its subagents) has used up, having spent `tokens`
-    /// (input plus output) over `elapsed`; `None` while it may go on.
+    /// (input plus output) and `iterations` over `elapsed`; `None` while it may go on.
     ///
     /// ```
     /// use std::time::Duration;
-    /// let limits = agent_core::config::Limits { max_tokens: 100, max_wall_secs: 60, ..Default::default() };
-    /// assert!(limits.spent_budget(99, Duration::from_secs(59)).is_none());
-    /// let spent = limits.spent_budget(100, Duration::ZERO).unwrap();
+    /// let limits = agent_core::config::Limits {
+    ///     max_tokens: 100,
+    ///     max_wall_secs: 60,
+    ///     max_run_iterations: 12,
+    ///     ..Default::default()
+    /// };
+    /// assert!(limits.spent_budget(99, 11, Duration::from_secs(59)).is_none());
+    /// let spent = limits.spent_budget(100, 0, Duration::ZERO).unwrap();
     /// assert_eq!(spent.limit, "max_tokens");
     /// assert!(spent.to_string().contains("100 tokens"));
-    /// assert_eq!(limits.spent_budget(0, Duration::from_secs(60)).unwrap().limit, "max_wall_secs");
+    /// assert_eq!(limits.spent_budget(0, 0, Duration::from_secs(60)).unwrap().limit, "max_wall_secs");
+    /// let spent = limits.spent_budget(0, 12, Duration::ZERO).unwrap();
+    /// assert_eq!(spent.limit, "max_run_iterations");
+    /// assert!(spent.to_string().contains("12 iterations"));
     /// ```
-    pub fn spent_budget(&self, tokens: u64, elapsed: std::time::Duration) -> Option<SpentBudget> {
+    pub fn spent_budget(
+        &self,
+        tokens: u64,
+        iterations: usize,
+        elapsed: std::time::Duration,
+    ) -> Option<SpentBudget> {
         if self.max_tokens > 0 && tokens >= self.max_tokens {
             return Some(SpentBudget {
                 limit: "max_tokens",
                 sentence: format!(
                     "the request and its subagents used {tokens} tokens, its budget is {} (max_tokens)",
                     self.max_tokens
+                ),
+            });
+        }
+        if self.max_run_iterations > 0 && iterations >= self.max_run_iterations {
+            return Some(SpentBudget {
+                limit: "max_run_iterations",
+                sentence: format!(
+                    "the request and its subagents took {iterations} iterations, its budget is {} (max_run_iterations)",
+                    self.max_run_iterations
                 ),
             });
         }

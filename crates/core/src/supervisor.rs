@@ -473,6 +473,31 @@ pub fn subagent_path(session_id: &str) -> Vec<usize> {
     path
 }
 
+/// The fan-outs that hold the fan-out `correlation_id` (`{session}-f{n}`, see [`correlation_id`]),
+/// the one waiting for its supervisor first, out to the client's supervisor's. Empty for a
+/// fan-out of a client's supervisor, or a correlation id named otherwise.
+///
+/// ```
+/// use agent_core::supervisor::fanouts_above;
+/// assert_eq!(fanouts_above("abc-f2-s0-f4-s11-f1"), ["abc-f2-s0-f4", "abc-f2"]);
+/// assert!(fanouts_above("abc-f2").is_empty() && fanouts_above("abc").is_empty());
+/// ```
+pub fn fanouts_above(correlation_id: &str) -> Vec<&str> {
+    let number = |t: &str| !t.is_empty() && t.bytes().all(|b| b.is_ascii_digit());
+    let mut above = Vec::new();
+    let Some((mut session, step)) = correlation_id.rsplit_once("-f") else {
+        return above;
+    };
+    if !number(step) {
+        return above;
+    }
+    while let Some(place) = place_of(session) {
+        above.push(place.correlation_id);
+        session = place.supervisor;
+    }
+    above
+}
+
 /// Where a subagent session sits: its supervisor's session, the fan-out's correlation id and its
 /// index in it, read from the last `-f{n}-s{i}` suffix; `None` for a session named otherwise.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -151,13 +151,14 @@ pub fn cancellations_since(since: &str) -> String {
     )
 }
 
-/// The tokens (input plus output) every recorded LLM call of a run has used: the nodes the
-/// orchestrator tagged `tg:run run`, at every depth of its subagents.
-pub fn run_tokens(run: &NamedNode) -> String {
+/// What a run has spent: the tokens (input plus output) its recorded LLM calls used, and how
+/// many nodes record such a cost (its iterations that called the LLM): the nodes the orchestrator
+/// tagged `tg:run run`, at every depth of its subagents.
+pub fn run_spend(run: &NamedNode) -> String {
     let g = graph();
     format!(
-        "{PREFIXES}SELECT (SUM(?i + ?o) AS ?tokens) WHERE {{ GRAPH {g} {{
-  ?n tg:run {run} ; tg:inToken ?i ; tg:outToken ?o . }} }}"
+        "{PREFIXES}SELECT (SUM(?i + ?o) AS ?tokens) (COUNT(DISTINCT ?n) AS ?iterations) WHERE {{
+  GRAPH {g} {{ ?n tg:run {run} ; tg:inToken ?i ; tg:outToken ?o . }} }}"
     )
 }
 
@@ -280,7 +281,9 @@ pub fn open_fanouts() -> String {
 /// Fan-outs still waiting for their synthesis that started before `cutoff` (an xsd:dateTime):
 /// those [`open_fanout`] reads (a node without its continuation or client is not one). Oldest
 /// first: a supervisor's fan-out starts before those of its nested supervisors, and answered
-/// first it tells them (resumed in the same sweep) that no one waits for their synthesis.
+/// first it tells them (resumed in the same sweep) that no one waits for their synthesis. The
+/// timeout sweep asks for all of them (`cutoff` now), since a nested one may be due before its
+/// own timeout.
 pub fn overdue_fanouts(cutoff: &str) -> String {
     let g = graph();
     let cutoff =
@@ -292,6 +295,23 @@ pub fn overdue_fanouts(cutoff: &str) -> String {
   FILTER NOT EXISTS {{ ?f tg:synthesisRequested ?done }}
   FILTER NOT EXISTS {{ ?f tg:fanInRefused ?why }}
   FILTER (?t < {cutoff}) {only} }} }} ORDER BY ?t",
+        only = agents_only("f")
+    )
+}
+
+/// When each of the agents' fan-outs `correlation_ids` started (`?cid ?started`), answered or not.
+pub fn fanout_starts<'a>(correlation_ids: impl IntoIterator<Item = &'a str>) -> String {
+    let g = graph();
+    let ids: Vec<String> = correlation_ids
+        .into_iter()
+        .map(|id| oxigraph::model::Literal::new_simple_literal(id).to_string())
+        .collect();
+    format!(
+        "{PREFIXES}SELECT ?cid (MIN(?t) AS ?started) WHERE {{ GRAPH {g} {{
+  VALUES ?cid {{ {ids} }}
+  ?f a tg:FanOut ; tg:correlationId ?cid ; prov:startedAtTime ?t .
+  FILTER (DATATYPE(?t) = <http://www.w3.org/2001/XMLSchema#dateTime>) {only} }} }} GROUP BY ?cid",
+        ids = ids.join(" "),
         only = agents_only("f")
     )
 }

@@ -1,7 +1,8 @@
 //! The budget of a run: a root request and every subagent it starts, at every depth, share one
-//! token and wall-time budget. Its start and totals never come from a client: a client's first
-//! message starts the run now and at zero, a subagent takes them from the fan-out the graph holds
-//! for it, and the run's tokens are summed from the graph, where every LLM call is recorded.
+//! token, wall-time and iteration budget. Its start and totals never come from a client: a
+//! client's first message starts the run now and at zero, a subagent takes them from the fan-out
+//! the graph holds for it, and the run's tokens and iterations are counted from the graph, where
+//! every LLM call is recorded.
 
 use std::time::Duration;
 
@@ -126,14 +127,26 @@ pub async fn abandoned(store: &GraphStore, session_id: &str) -> Result<bool, Gra
     ))
 }
 
-/// The tokens every recorded LLM call of `run` (a session URI) has used.
-pub async fn run_tokens(store: &GraphStore, run: &str) -> Result<u64, GraphError> {
+/// What the recorded LLM calls of a run have spent.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct RunSpend {
+    /// Input plus output tokens.
+    pub tokens: u64,
+    /// The nodes that record an LLM call's cost: the run's iterations that called the LLM.
+    pub iterations: usize,
+}
+
+/// What every recorded LLM call of `run` (a session URI) has spent.
+pub async fn run_spend(store: &GraphStore, run: &str) -> Result<RunSpend, GraphError> {
     let Ok(run) = NamedNode::new(run) else {
-        return Ok(0);
+        return Ok(RunSpend::default());
     };
-    Ok(match store.query(queries::run_tokens(&run)).await? {
-        QueryAnswer::Rows(rows) => number(rows.first("tokens")),
-        _ => 0,
+    Ok(match store.query(queries::run_spend(&run)).await? {
+        QueryAnswer::Rows(rows) => RunSpend {
+            tokens: number(rows.first("tokens")),
+            iterations: usize::try_from(number(rows.first("iterations"))).unwrap_or(usize::MAX),
+        },
+        _ => RunSpend::default(),
     })
 }
 

@@ -34,6 +34,9 @@ pub(crate) struct Standing {
     run_uri: String,
     /// The whole run's tokens before this step.
     run_tokens: u64,
+    /// The whole run's iterations before this step: this dialog's, or the LLM calls the graph
+    /// records for the run when the dialog shares it with others.
+    run_iterations: usize,
     /// A subagent whose supervisor stopped waiting for it.
     abandoned: bool,
     elapsed: Duration,
@@ -93,6 +96,7 @@ impl Admitted<'_> {
             mcp: &engine.mcp,
             tokens_before: standing.tokens_before,
             run_tokens: standing.run_tokens,
+            run_iterations: standing.run_iterations,
             abandoned: standing.abandoned,
             seal: engine.seal.as_ref(),
             elapsed: standing.elapsed,
@@ -204,12 +208,21 @@ impl Engine {
         };
         let run_uri = SessionUris::new(&run).session();
         let mut run_tokens = run_base + tokens_before.total();
+        let mut run_iterations = steps_taken(&request.history);
         let mut abandoned = false;
         // A subagent's siblings (and cousins) spend from the same budget: their calls are in the
         // graph, tagged with the run. And a subagent whose supervisor stopped waiting stops too.
-        if run != session_id && verdict.is_ok() {
+        // A root's subagents bring their tokens back with their results, but not their
+        // iterations: a root that has fanned out counts those from the graph too.
+        let counts_run_iterations = self.config.current().limits.max_run_iterations > 0;
+        let shares_run = run != session_id
+            || (counts_run_iterations
+                && agent_core::supervisor::last_decompose(&request.history).is_some());
+        if shares_run && verdict.is_ok() {
             if let Some(store) = store {
-                run_tokens = run_tokens.max(budget::run_tokens(store, &run_uri).await?);
+                let spent = budget::run_spend(store, &run_uri).await?;
+                run_tokens = run_tokens.max(spent.tokens);
+                run_iterations = run_iterations.max(spent.iterations);
                 abandoned = subagent && budget::abandoned(store, session_id).await?;
             }
         }
@@ -219,6 +232,7 @@ impl Engine {
             run_base,
             run_uri,
             run_tokens,
+            run_iterations,
             abandoned,
             elapsed,
         }))

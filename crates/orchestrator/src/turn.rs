@@ -34,6 +34,8 @@ pub struct Turn<'a> {
     pub tokens_before: budget::Tokens,
     /// Tokens the whole run (the root request and every subagent) used before this step.
     pub run_tokens: u64,
+    /// Iterations the whole run took before this step (see `Limits::max_run_iterations`).
+    pub run_iterations: usize,
     /// A subagent whose fan-out (or one above it) was answered without it: it stops.
     pub abandoned: bool,
     /// The key that seals subagent requests, fan-outs and completions, when one is configured.
@@ -101,11 +103,12 @@ impl Turn<'_> {
         }
     }
 
-    /// Which budget (tokens or wall time) the run has used up before this step, if any.
+    /// Which budget (tokens, iterations or wall time) the run has used up before this step, if
+    /// any.
     pub fn spent_budget(&self) -> Option<agent_core::config::SpentBudget> {
         self.config
             .limits
-            .spent_budget(self.run_tokens, self.elapsed)
+            .spent_budget(self.run_tokens, self.run_iterations, self.elapsed)
     }
 
     /// One LLM call on a configured prompt filled with `vars`, and what it cost. `None` when the

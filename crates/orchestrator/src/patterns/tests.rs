@@ -100,6 +100,7 @@ impl Harness {
             mcp: &self.mcp,
             tokens_before: Default::default(),
             run_tokens: 0,
+            run_iterations: 0,
             abandoned: false,
             seal: None,
             elapsed: std::time::Duration::ZERO,
