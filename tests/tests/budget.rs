@@ -195,7 +195,6 @@ async fn subagents_share_their_roots_iteration_budget() {
         total < MAX_RUN_ITERATIONS + 2 * 3,
         "the subagents took {total} turns: {turns:?}"
     );
-    assert!(total >= MAX_RUN_ITERATIONS / 2, "{turns:?}");
     let spent: Vec<_> = explained(&responses)
         .iter()
         .filter(|t| t.p.iri.ends_with("budgetSpent"))

@@ -124,9 +124,10 @@ pub struct Limits {
     /// Wall-clock seconds a root request may run; 0 means no bound.
     pub max_wall_secs: u64,
     /// Iterations a root request and its subagents at every depth may take together, counted
-    /// from the graph as the nodes that record an LLM call's cost for the run (a thought, a
-    /// decision, a plan, a synthesis); 0 (the default) means no bound beyond what
-    /// `max_iterations`, `max_subagents` and `max_fanout_depth` give each dialog.
+    /// from the graph as the run's nodes that record an LLM call's cost (a thought, a routing or
+    /// pattern decision, a plan, a synthesis; a critic's verdict on each result is one each; a
+    /// tool's observation is not). 0 (the default) means no bound beyond what `max_iterations`,
+    /// `max_subagents` and `max_fanout_depth` allow each dialog.
     pub max_run_iterations: usize,
     /// Seconds a step waits out an unavailable LLM or store (parked, tried again with growing
     /// backoff) before its dialog ends with an error naming the cause; 0 ends it at once.

@@ -151,14 +151,27 @@ pub fn cancellations_since(since: &str) -> String {
     )
 }
 
-/// What a run has spent: the tokens (input plus output) its recorded LLM calls used, and how
-/// many nodes record such a cost (its iterations that called the LLM): the nodes the orchestrator
-/// tagged `tg:run run`, at every depth of its subagents.
-pub fn run_spend(run: &NamedNode) -> String {
+/// The tokens (input plus output) every recorded LLM call of a run has used: the nodes the
+/// orchestrator tagged `tg:run run`, at every depth of its subagents.
+pub fn run_tokens(run: &NamedNode) -> String {
     let g = graph();
     format!(
-        "{PREFIXES}SELECT (SUM(?i + ?o) AS ?tokens) (COUNT(DISTINCT ?n) AS ?iterations) WHERE {{
-  GRAPH {g} {{ ?n tg:run {run} ; tg:inToken ?i ; tg:outToken ?o . }} }}"
+        "{PREFIXES}SELECT (SUM(?i + ?o) AS ?tokens) WHERE {{ GRAPH {g} {{
+  ?n tg:run {run} ; tg:inToken ?i ; tg:outToken ?o . }} }}"
+    )
+}
+
+/// The iterations of a run that called the LLM: the nodes tagged `tg:run run` that record a
+/// cost, at every depth of its subagents. A tool's observation records its own cost (0, or an
+/// LLM-backed tool's) beside its iteration's, and a node made without a call (a conclusion at a
+/// limit, a pattern the request named) records none: neither is an iteration of its own.
+pub fn run_iterations(run: &NamedNode) -> String {
+    let g = graph();
+    format!(
+        "{PREFIXES}SELECT (COUNT(DISTINCT ?n) AS ?iterations) WHERE {{ GRAPH {g} {{
+  ?n tg:run {run} ; tg:inToken ?i ; tg:outToken ?o .
+  FILTER (?i + ?o > 0)
+  FILTER NOT EXISTS {{ ?n a tg:Observation }} }} }}"
     )
 }
 

@@ -127,26 +127,27 @@ pub async fn abandoned(store: &GraphStore, session_id: &str) -> Result<bool, Gra
     ))
 }
 
-/// What the recorded LLM calls of a run have spent.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct RunSpend {
-    /// Input plus output tokens.
-    pub tokens: u64,
-    /// The nodes that record an LLM call's cost: the run's iterations that called the LLM.
-    pub iterations: usize,
+/// The tokens every recorded LLM call of `run` (a session URI) has used.
+pub async fn run_tokens(store: &GraphStore, run: &str) -> Result<u64, GraphError> {
+    let Ok(run) = NamedNode::new(run) else {
+        return Ok(0);
+    };
+    Ok(match store.query(queries::run_tokens(&run)).await? {
+        QueryAnswer::Rows(rows) => number(rows.first("tokens")),
+        _ => 0,
+    })
 }
 
-/// What every recorded LLM call of `run` (a session URI) has spent.
-pub async fn run_spend(store: &GraphStore, run: &str) -> Result<RunSpend, GraphError> {
+/// The iterations of `run` (a session URI) that called the LLM, as the graph records them.
+pub async fn run_iterations(store: &GraphStore, run: &str) -> Result<usize, GraphError> {
     let Ok(run) = NamedNode::new(run) else {
-        return Ok(RunSpend::default());
+        return Ok(0);
     };
-    Ok(match store.query(queries::run_spend(&run)).await? {
-        QueryAnswer::Rows(rows) => RunSpend {
-            tokens: number(rows.first("tokens")),
-            iterations: usize::try_from(number(rows.first("iterations"))).unwrap_or(usize::MAX),
-        },
-        _ => RunSpend::default(),
+    Ok(match store.query(queries::run_iterations(&run)).await? {
+        QueryAnswer::Rows(rows) => {
+            usize::try_from(number(rows.first("iterations"))).unwrap_or(usize::MAX)
+        }
+        _ => 0,
     })
 }
 

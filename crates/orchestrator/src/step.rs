@@ -114,6 +114,8 @@ impl Engine {
     /// from a client), a subagent's checked against its seal or the graph's fan-out (a forged one
     /// is refused through `verdict`), and what the run has spent. `Ok(Err(park))` when the graph
     /// may only be behind.
+    // Each what the step was taken up with; the limits are the snapshot its turn runs under.
+    #[allow(clippy::too_many_arguments)]
     pub(crate) async fn standing(
         &self,
         request: &mut AgentRequest,
@@ -122,6 +124,7 @@ impl Engine {
         new_dialog: bool,
         verdict: &mut Result<(), String>,
         attempt: Attempt<'_>,
+        limits: &agent_core::config::Limits,
     ) -> Result<Result<Standing, emit::Park>, StepError> {
         let token = |key: &str| {
             properties
@@ -214,15 +217,17 @@ impl Engine {
         // graph, tagged with the run. And a subagent whose supervisor stopped waiting stops too.
         // A root's subagents bring their tokens back with their results, but not their
         // iterations: a root that has fanned out counts those from the graph too.
-        let counts_run_iterations = self.config.current().limits.max_run_iterations > 0;
+        let counts_run_iterations = limits.max_run_iterations > 0;
         let shares_run = run != session_id
             || (counts_run_iterations
                 && agent_core::supervisor::last_decompose(&request.history).is_some());
         if shares_run && verdict.is_ok() {
             if let Some(store) = store {
-                let spent = budget::run_spend(store, &run_uri).await?;
-                run_tokens = run_tokens.max(spent.tokens);
-                run_iterations = run_iterations.max(spent.iterations);
+                run_tokens = run_tokens.max(budget::run_tokens(store, &run_uri).await?);
+                if counts_run_iterations {
+                    let counted = budget::run_iterations(store, &run_uri).await?;
+                    run_iterations = run_iterations.max(counted);
+                }
                 abandoned = subagent && budget::abandoned(store, session_id).await?;
             }
         }
@@ -416,6 +421,7 @@ impl Engine {
                 new_dialog,
                 &mut verdict,
                 attempt,
+                &config.limits,
             )
             .await?
         {
