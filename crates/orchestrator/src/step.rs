@@ -114,7 +114,7 @@ impl Engine {
     /// from a client), a subagent's checked against its seal or the graph's fan-out (a forged one
     /// is refused through `verdict`), and what the run has spent. `Ok(Err(park))` when the graph
     /// may only be behind.
-    // Each what the step was taken up with; the limits are the snapshot its turn runs under.
+    // What the step was taken up with, each once; `limits` is the snapshot its turn runs under.
     #[allow(clippy::too_many_arguments)]
     pub(crate) async fn standing(
         &self,
