@@ -310,42 +310,33 @@ async fn a_stalled_subagent_gets_a_partial_synthesis_after_the_timeout() {
     assert_eq!(sample(&metrics, "agent_fanouts_open"), 0.0);
 }
 
-/// A nested supervisor whose own supervisor stopped waiting for it makes no synthesis call. With
-/// no grace (`--fanout-nested-grace-secs 0`) the nested fan-out is due when the outer one is, the
-/// sweep answers the outer one first and the root answers without the branch; when the nested
-/// fan-in closes its answer would be read by no one, and the nested supervisor ends saying why.
-/// Without the check it asked the LLM to synthesise.
-#[tokio::test]
-async fn a_nested_supervisor_whose_supervisor_stopped_waiting_makes_no_synthesis_call() {
+/// A supervised "Plan the trip to Rome." under `id`, on an aggregator with the fan-out timeout
+/// and nested grace `(timeout, grace)` (seconds) and an orchestrator that reads the graph (where
+/// it learns whether anyone still waits) through it, checked to end without error with `answer`.
+async fn nested_trip(
+    (timeout, grace): (&str, &str),
+    script: &str,
+    id: &str,
+    answer: &str,
+) -> (Dialog, agent_bus::AgentClient) {
     let broker = Broker::start().unwrap();
     let aggregator = Aggregator::start(
         Place::Child,
         &broker,
         &[
             "--fanout-timeout-secs",
-            "3",
+            timeout,
             "--fanout-nested-grace-secs",
-            "0",
+            grace,
             "--config-token",
             "nest-token",
         ],
     );
-    let llm = scripted_llm(
-        r#"{"rules": [
-      {"match": "Request to split: Plan the trip", "reply": "[{\"goal\": \"Organise travel\", \"pattern\": \"supervisor\"}, {\"goal\": \"book the hotel\"}]"},
-      {"match": "Request to split: Organise travel", "reply": "[{\"goal\": \"book the train\"}]"},
-      {"match": "Question: book the hotel", "reply": "Thought: done.\nFinal Answer: hotel booked"},
-      {"match": "Question: book the train", "reply": "unused", "faults": ["stall"], "stall_ms": 120000},
-      {"match": "Request to answer from the subagents: Organise travel", "reply": "Travel sorted."},
-      {"match": "Request to answer from the subagents: Plan the trip", "and": ["hotel booked"], "reply": "Trip planned without travel."}
-    ]}"#,
-    )
-    .await;
-    let _orchestrator = Orchestrator::spawn(
+    let llm = scripted_llm(script).await;
+    let orchestrator = Orchestrator::spawn(
         &broker,
         &llm,
         &seed_dir(),
-        // The orchestrator reads the graph (where it learns no one waits) through the aggregator.
         &[
             "--llm-idle-timeout-secs",
             "300",
@@ -357,17 +348,49 @@ async fn a_nested_supervisor_whose_supervisor_stopped_waiting_makes_no_synthesis
     );
     let mut client = client(&broker).await;
     client
-        .send("n-2", &supervised("Plan the trip to Rome."))
+        .send(id, &supervised("Plan the trip to Rome."))
         .await
         .unwrap();
-    let responses = collect_dialog(&mut client, "n-2", DIALOG_TIMEOUT)
+    let responses = collect_dialog(&mut client, id, DIALOG_TIMEOUT)
         .await
         .unwrap();
     let last = responses.last().unwrap();
     assert!(last.error.is_none(), "{responses:#?}");
-    assert_eq!(last.content, "Trip planned without travel.");
+    assert_eq!(last.content, answer);
+    let dialog = Dialog {
+        _broker: broker,
+        aggregator,
+        _orchestrator: orchestrator,
+        llm,
+        responses,
+    };
+    (dialog, client)
+}
+
+/// A nested supervisor whose own supervisor stopped waiting for it makes no synthesis call. With
+/// no grace (`--fanout-nested-grace-secs 0`) the nested fan-out is due when the outer one is, the
+/// sweep answers the outer one first and the root answers without the branch; when the nested
+/// fan-in closes its answer would be read by no one, and the nested supervisor ends saying why.
+/// Without the check it asked the LLM to synthesise.
+#[tokio::test]
+async fn a_nested_supervisor_whose_supervisor_stopped_waiting_makes_no_synthesis_call() {
+    let (dialog, mut client) = nested_trip(
+        ("3", "0"),
+        r#"{"rules": [
+      {"match": "Request to split: Plan the trip", "reply": "[{\"goal\": \"Organise travel\", \"pattern\": \"supervisor\"}, {\"goal\": \"book the hotel\"}]"},
+      {"match": "Request to split: Organise travel", "reply": "[{\"goal\": \"book the train\"}]"},
+      {"match": "Question: book the hotel", "reply": "Thought: done.\nFinal Answer: hotel booked"},
+      {"match": "Question: book the train", "reply": "unused", "faults": ["stall"], "stall_ms": 120000},
+      {"match": "Request to answer from the subagents: Organise travel", "reply": "Travel sorted."},
+      {"match": "Request to answer from the subagents: Plan the trip", "and": ["hotel booked"], "reply": "Trip planned without travel."}
+    ]}"#,
+        "n-2",
+        "Trip planned without travel.",
+    )
+    .await;
+    let (aggregator, llm, responses) = (&dialog.aggregator, &dialog.llm, &dialog.responses);
     // The nested fan-out times out too; its supervisor ends without a synthesis.
-    let nested = format!("{}-f1-s0", session_of(&responses));
+    let nested = format!("{}-f1-s0", session_of(responses));
     let ended = format!(
         "{}SELECT ?c WHERE {{ GRAPH <urn:graph:retrieval> {{
            ?c a tg:Conclusion ; tg:document ?d . ?d tg:content ?why .
@@ -395,20 +418,8 @@ async fn a_nested_supervisor_whose_supervisor_stopped_waiting_makes_no_synthesis
 /// started, and its partial synthesis reaches the outer fan-in before the outer's timeout.
 #[tokio::test]
 async fn a_nested_fan_out_stops_waiting_before_the_fan_out_holding_it() {
-    let broker = Broker::start().unwrap();
-    let aggregator = Aggregator::start(
-        Place::Child,
-        &broker,
-        &[
-            "--fanout-timeout-secs",
-            "12",
-            "--fanout-nested-grace-secs",
-            "6",
-            "--config-token",
-            "nest-token",
-        ],
-    );
-    let llm = scripted_llm(
+    let (dialog, _client) = nested_trip(
+        ("12", "6"),
         r#"{"rules": [
       {"match": "Request to split: Plan the trip", "reply": "[{\"goal\": \"Organise travel\", \"pattern\": \"supervisor\"}, {\"goal\": \"book the hotel\"}]"},
       {"match": "Request to split: Organise travel", "reply": "[{\"goal\": \"book the train\"}, {\"goal\": \"book the taxi\"}]"},
@@ -418,34 +429,13 @@ async fn a_nested_fan_out_stops_waiting_before_the_fan_out_holding_it() {
       {"match": "Request to answer from the subagents: Organise travel", "and": ["taxi booked", "book the train: Error: no result within"], "reply": "Taxi booked, the train not."},
       {"match": "Request to answer from the subagents: Plan the trip", "and": ["hotel booked", "Taxi booked, the train not."], "reply": "Trip planned with a taxi."}
     ]}"#,
+        "n-3",
+        "Trip planned with a taxi.",
     )
     .await;
-    let _orchestrator = Orchestrator::spawn(
-        &broker,
-        &llm,
-        &seed_dir(),
-        &[
-            "--llm-idle-timeout-secs",
-            "300",
-            "--graph-store",
-            &aggregator.endpoint,
-            "--config-token",
-            "nest-token",
-        ],
-    );
-    let mut client = client(&broker).await;
-    client
-        .send("n-3", &supervised("Plan the trip to Rome."))
-        .await
-        .unwrap();
-    let responses = collect_dialog(&mut client, "n-3", DIALOG_TIMEOUT)
-        .await
-        .unwrap();
-    let last = responses.last().unwrap();
-    assert!(last.error.is_none(), "{responses:#?}");
-    assert_eq!(last.content, "Trip planned with a taxi.");
+    let (aggregator, responses) = (&dialog.aggregator, &dialog.responses);
     // The nested synthesis is partial; the outer one had every result.
-    let session = session_of(&responses);
+    let session = session_of(responses);
     let syntheses = |supervisor: &str, partial: bool| {
         format!(
             "{}SELECT ?s WHERE {{ GRAPH <urn:graph:retrieval> {{ ?s a tg:Synthesis .
