@@ -1,5 +1,6 @@
 //! What a query holds besides its rows is spent from its budget, and the caps on strings refuse
-//! only what a query grows: a property path's closure, the store's own long literals. Apart from
+//! only what a query grows: a property path's closure, the store's own long literals, the text
+//! one evaluation of a deep expression holds. Apart from
 //! `in_memory.rs`, whose test measures the process's CPU time and must be alone in its binary.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
@@ -75,4 +76,79 @@ async fn long_literals_of_the_store_are_not_refused() {
     let [lower, head] = [0, 1].map(|i| rows.rows[0][i].clone().unwrap().to_string());
     assert!(lower.starts_with("\"2097152\""), "{lower}");
     assert_eq!(head, "\"AbAbAb\"");
+}
+
+/// The peak of the process's resident memory so far (`VmHWM`), in bytes.
+fn peak_resident_bytes() -> u64 {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap();
+    let kib: u64 = status
+        .lines()
+        .find_map(|line| line.strip_prefix("VmHWM:"))
+        .and_then(|rest| rest.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap();
+    kib * 1024
+}
+
+/// A query that binds `?x` to `bytes` of text (doubled from 16 bytes, within the 1 MiB a
+/// function may make) and evaluates `expression` of it.
+fn query_over_x(bytes: usize, expression: &str) -> String {
+    let mut binds = String::from("BIND(\"0123456789abcdef\" AS ?x0) ");
+    let mut width = 16;
+    let mut step = 0;
+    while width < bytes {
+        binds += &format!("BIND(CONCAT(?x{step}, ?x{step}) AS ?x{}) ", step + 1);
+        width *= 2;
+        step += 1;
+    }
+    binds += &format!("BIND(?x{step} AS ?x) ");
+    format!("SELECT (STRLEN(?y) AS ?n) WHERE {{ {binds} BIND(({expression}) AS ?y) }}")
+}
+
+/// Each operand an expression has computed stays held while it computes the next, so a 1 MiB
+/// `?x` nested 1,500 deep (`CONCAT(?x, CONCAT(?x, ...))`, `?x = (?x = ...)`: 15 KB of text)
+/// held 1.5 GB at once, within the caps on rows and on each string (without the bound on what one
+/// evaluation holds, the process's peak memory rose by about that). Such a query is stopped at the
+/// budget, holding at most 64 MiB; the same expressions of a 16-byte `?x` are answered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn what_one_evaluation_holds_is_bounded() {
+    let store = agent_graph::GraphStore::in_memory().unwrap();
+    let bounds = QueryBounds {
+        timeout: Duration::from_secs(600),
+        max_rows: 10,
+        max_bindings: QueryBounds::DEFAULT_MAX_BINDINGS,
+    };
+    let deep = 1_500;
+    let nested_concat = format!("{}\"\"{}", "CONCAT(?x, ".repeat(deep), ")".repeat(deep));
+    let nested_equal = format!("STR({}?x{})", "?x = (".repeat(deep), ")".repeat(deep));
+    let before = peak_resident_bytes();
+    for expression in [&nested_concat, &nested_equal] {
+        let refused = store
+            .query_bounded(query_over_x(1 << 20, expression), bounds)
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(refused, GraphError::TooMuchWork(_)),
+            "{}: {refused}",
+            &expression[..20]
+        );
+    }
+    let grown = peak_resident_bytes().saturating_sub(before);
+    assert!(
+        grown < 512 << 20,
+        "the peak memory grew by {} MiB",
+        grown >> 20
+    );
+    let rows = store
+        .query_bounded(query_over_x(16, &nested_concat), bounds)
+        .await
+        .unwrap()
+        .rows();
+    let n = rows.rows[0][0].clone().unwrap().to_string();
+    assert!(n.starts_with(&format!("\"{}\"", 16 * deep)), "{n}");
+    let rows = store
+        .query_bounded(query_over_x(16, &nested_equal), bounds)
+        .await
+        .unwrap()
+        .rows();
+    assert!(rows.rows[0][0].is_some(), "{:?}", rows.rows);
 }
