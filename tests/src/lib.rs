@@ -411,16 +411,7 @@ impl Orchestrator {
     /// Freezes a child (SIGSTOP) or lets it go on (SIGCONT), as a long pause of the process
     /// would: its connections stay open and its timers run late.
     pub fn freeze(&self, frozen: bool) {
-        let pid = self
-            .running
-            .pid()
-            .expect("only an orchestrator started as a child can be frozen");
-        let signal = if frozen { "-STOP" } else { "-CONT" };
-        let status = std::process::Command::new("kill")
-            .args([signal, &pid.to_string()])
-            .status()
-            .unwrap();
-        assert!(status.success(), "kill {signal} {pid}");
+        self.running.freeze(frozen, "an orchestrator");
     }
 
     /// Stops it at once: SIGKILL for a child (no drain, no goodbye to the broker); in process, its
@@ -761,6 +752,12 @@ impl Aggregator {
         self.running
             .pid()
             .expect("only an aggregator started as a child has a process id")
+    }
+
+    /// Freezes a child (SIGSTOP) or lets it go on (SIGCONT): its timers run late, as after a
+    /// long pause or an outage.
+    pub fn freeze(&self, frozen: bool) {
+        self.running.freeze(frozen, "an aggregator");
     }
 
     /// The SPARQL server that holds its graph, when it is not its own store.

@@ -118,6 +118,20 @@ impl Running {
         }
     }
 
+    /// Freezes a child (SIGSTOP) or lets it go on (SIGCONT), as a long pause of the process
+    /// would: its connections stay open and its timers run late.
+    pub(crate) fn freeze(&self, frozen: bool, what: &str) {
+        let pid = self
+            .pid()
+            .unwrap_or_else(|| panic!("only {what} started as a child can be frozen"));
+        let signal = if frozen { "-STOP" } else { "-CONT" };
+        let status = std::process::Command::new("kill")
+            .args([signal, &pid.to_string()])
+            .status()
+            .unwrap();
+        assert!(status.success(), "kill {signal} {pid}");
+    }
+
     /// Waits up to 30 s for it to accept connections on `addr`, or to stop first, rather than 30 s
     /// of waiting for nothing.
     pub(crate) fn wait_listening(&mut self, addr: &str, what: &str) -> Result<(), NotListening> {

@@ -310,15 +310,19 @@ async fn a_stalled_subagent_gets_a_partial_synthesis_after_the_timeout() {
     assert_eq!(sample(&metrics, "agent_fanouts_open"), 0.0);
 }
 
-/// A supervised "Plan the trip to Rome." under `id`, on an aggregator with the fan-out timeout
+/// A supervised trip under way: its services, and the client that asked.
+struct Trip {
+    broker: Broker,
+    aggregator: Aggregator,
+    orchestrator: Orchestrator,
+    llm: scripted_llm::ScriptedLlm,
+    client: agent_bus::AgentClient,
+}
+
+/// A supervised "Plan the trip to Rome." sent under `id`, on an aggregator with the fan-out timeout
 /// and nested grace `(timeout, grace)` (seconds) and an orchestrator that reads the graph (where
-/// it learns whether anyone still waits) through it, checked to end without error with `answer`.
-async fn nested_trip(
-    (timeout, grace): (&str, &str),
-    script: &str,
-    id: &str,
-    answer: &str,
-) -> (Dialog, agent_bus::AgentClient) {
+/// it learns whether anyone still waits) through it.
+async fn start_nested_trip((timeout, grace): (&str, &str), script: &str, id: &str) -> Trip {
     let broker = Broker::start().unwrap();
     let aggregator = Aggregator::start(
         Place::Child,
@@ -346,25 +350,46 @@ async fn nested_trip(
             "nest-token",
         ],
     );
-    let mut client = client(&broker).await;
+    let client = client(&broker).await;
     client
         .send(id, &supervised("Plan the trip to Rome."))
         .await
         .unwrap();
-    let responses = collect_dialog(&mut client, id, DIALOG_TIMEOUT)
+    Trip {
+        broker,
+        aggregator,
+        orchestrator,
+        llm,
+        client,
+    }
+}
+
+/// `trip`'s dialog `id`, checked to end without error with `answer`.
+async fn trip_answered(mut trip: Trip, id: &str, answer: &str) -> (Dialog, agent_bus::AgentClient) {
+    let responses = collect_dialog(&mut trip.client, id, DIALOG_TIMEOUT)
         .await
         .unwrap();
     let last = responses.last().unwrap();
     assert!(last.error.is_none(), "{responses:#?}");
     assert_eq!(last.content, answer);
     let dialog = Dialog {
-        _broker: broker,
-        aggregator,
-        _orchestrator: orchestrator,
-        llm,
+        _broker: trip.broker,
+        aggregator: trip.aggregator,
+        _orchestrator: trip.orchestrator,
+        llm: trip.llm,
         responses,
     };
-    (dialog, client)
+    (dialog, trip.client)
+}
+
+/// [`start_nested_trip`], then [`trip_answered`].
+async fn nested_trip(
+    deadlines: (&str, &str),
+    script: &str,
+    id: &str,
+    answer: &str,
+) -> (Dialog, agent_bus::AgentClient) {
+    trip_answered(start_nested_trip(deadlines, script, id).await, id, answer).await
 }
 
 /// A nested supervisor whose own supervisor stopped waiting for it makes no synthesis call. With
@@ -411,16 +436,8 @@ async fn a_nested_supervisor_whose_supervisor_stopped_waiting_makes_no_synthesis
     assert_eq!(nested_syntheses, 0, "a synthesis no one reads");
 }
 
-/// A nested fan-out stops waiting before the fan-out holding it does, so one stalled leaf costs
-/// its own result, not its whole branch: timed from its own start, the nested fan-out outlived
-/// the outer one (which started first), and the root answered without the nested supervisor's
-/// partial answer. Timeout 12 s, grace 6 s: the nested fan-out is due 6 s after the outer one
-/// started, and its partial synthesis reaches the outer fan-in before the outer's timeout.
-#[tokio::test]
-async fn a_nested_fan_out_stops_waiting_before_the_fan_out_holding_it() {
-    let (dialog, _client) = nested_trip(
-        ("12", "6"),
-        r#"{"rules": [
+/// The trip of the nested-fan-out tests: the nested train booking stalls, the taxi answers.
+const NESTED_TRIP: &str = r#"{"rules": [
       {"match": "Request to split: Plan the trip", "reply": "[{\"goal\": \"Organise travel\", \"pattern\": \"supervisor\"}, {\"goal\": \"book the hotel\"}]"},
       {"match": "Request to split: Organise travel", "reply": "[{\"goal\": \"book the train\"}, {\"goal\": \"book the taxi\"}]"},
       {"match": "Question: book the hotel", "reply": "Thought: done.\nFinal Answer: hotel booked"},
@@ -428,14 +445,11 @@ async fn a_nested_fan_out_stops_waiting_before_the_fan_out_holding_it() {
       {"match": "Question: book the train", "reply": "unused", "faults": ["stall"], "stall_ms": 120000},
       {"match": "Request to answer from the subagents: Organise travel", "and": ["taxi booked", "book the train: Error: no result within"], "reply": "Taxi booked, the train not."},
       {"match": "Request to answer from the subagents: Plan the trip", "and": ["hotel booked", "Taxi booked, the train not."], "reply": "Trip planned with a taxi."}
-    ]}"#,
-        "n-3",
-        "Trip planned with a taxi.",
-    )
-    .await;
-    let (aggregator, responses) = (&dialog.aggregator, &dialog.responses);
-    // The nested synthesis is partial; the outer one had every result.
-    let session = session_of(responses);
+    ]}"#;
+
+/// Checks that [`NESTED_TRIP`]'s nested synthesis was partial and the outer one had every result.
+async fn nested_partial_outer_complete(dialog: &Dialog) {
+    let session = session_of(&dialog.responses);
     let syntheses = |supervisor: &str, partial: bool| {
         format!(
             "{}SELECT ?s WHERE {{ GRAPH <urn:graph:retrieval> {{ ?s a tg:Synthesis .
@@ -445,7 +459,7 @@ async fn a_nested_fan_out_stops_waiting_before_the_fan_out_holding_it() {
             if partial { "" } else { "NOT" }
         )
     };
-    let store = aggregator.store();
+    let store = dialog.aggregator.store();
     let nested = format!("{session}-f1-s0");
     assert_eq!(count_reaching(&store, syntheses(&nested, true), 1).await, 1);
     assert_eq!(
@@ -456,6 +470,42 @@ async fn a_nested_fan_out_stops_waiting_before_the_fan_out_holding_it() {
         count_reaching(&store, syntheses(&session, true), 0).await,
         0
     );
+}
+
+/// A nested fan-out stops waiting before the fan-out holding it does, so one stalled leaf costs
+/// its own result, not its whole branch: timed from its own start, the nested fan-out outlived
+/// the outer one (which started first), and the root answered without the nested supervisor's
+/// partial answer. Timeout 12 s, grace 6 s: the nested fan-out is due 6 s after the outer one
+/// started, and its partial synthesis reaches the outer fan-in before the outer's timeout.
+#[tokio::test]
+async fn a_nested_fan_out_stops_waiting_before_the_fan_out_holding_it() {
+    let (dialog, _client) =
+        nested_trip(("12", "6"), NESTED_TRIP, "n-3", "Trip planned with a taxi.").await;
+    nested_partial_outer_complete(&dialog).await;
+}
+
+/// An aggregator away past both deadlines finds the nested fan-out and the one holding it due in
+/// the same sweep: the nested one is answered, and the one holding it waits a grace for that
+/// answer. Frozen from when the quick results are in until after the outer fan-out's deadline
+/// (timeout 12 s, grace 6 s). Without holding it back, the sweep answered the outer fan-out first
+/// (it started first) and the root answered without the branch.
+#[tokio::test]
+async fn a_fan_out_found_due_with_a_nested_one_waits_for_its_answer() {
+    let trip = start_nested_trip(("12", "6"), NESTED_TRIP, "n-4").await;
+    let completions = format!(
+        "{}SELECT ?c WHERE {{ GRAPH <urn:graph:retrieval> {{ ?c a tg:SubagentCompletion }} }}",
+        agent_core::vocab::SPARQL_PREFIXES
+    );
+    // The hotel's and the taxi's; the outer fan-out started before either.
+    assert_eq!(
+        count_reaching(&trip.aggregator.store(), completions, 2).await,
+        2
+    );
+    trip.aggregator.freeze(true);
+    tokio::time::sleep(Duration::from_secs(13)).await;
+    trip.aggregator.freeze(false);
+    let (dialog, _client) = trip_answered(trip, "n-4", "Trip planned with a taxi.").await;
+    nested_partial_outer_complete(&dialog).await;
 }
 
 /// A fan-out that times out is answered honestly: two subagents with the same goal keep two

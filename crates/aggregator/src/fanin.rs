@@ -87,19 +87,21 @@ pub async fn sweep(
     every: std::time::Duration,
     shutdown: tokio_util::sync::CancellationToken,
 ) {
+    let mut held_back = HeldBack::default();
     loop {
         tokio::select! {
             _ = shutdown.cancelled() => return,
             _ = tokio::time::sleep(every) => {}
         }
-        let overdue = match overdue(&store, deadlines).await {
+        let now = chrono::Utc::now();
+        let (due, open) = match overdue(&store, deadlines, now).await {
             Ok(overdue) => overdue,
             Err(e) => {
                 tracing::warn!(error = %e, "timeout sweep could not query the graph");
                 continue;
             }
         };
-        for (cid, waited) in overdue {
+        for (cid, waited) in held_back.due_now(due, &open, deadlines.grace, now) {
             if let Err(e) = check(
                 &store,
                 &requests,
@@ -116,12 +118,66 @@ pub async fn sweep(
     }
 }
 
-/// The open fan-outs past their deadline, oldest first, each with the seconds it waited.
+/// Fan-outs due at the same time as a nested one below them, held back a grace so that the nested
+/// supervisor's partial answer can reach them. A nested fan-out is due a grace before the one
+/// holding it, but when both are found due in one sweep (the aggregator was away for longer than
+/// the grace) the holder, which started first, was answered first and lost the whole branch.
+/// In memory: a restarted aggregator holds such a fan-out back one grace more.
+#[derive(Debug, Default)]
+struct HeldBack {
+    /// Each fan-out held back, and until when.
+    until: HashMap<String, chrono::DateTime<chrono::Utc>>,
+}
+
+impl HeldBack {
+    /// Of `due` (fan-outs past their deadline, with the seconds each waited), those to answer now:
+    /// one with a fan-out below it still open (of `open`, every open fan-out) waits `grace` from
+    /// when it was first found so, then goes whether that one answered or not. No grace, no wait.
+    fn due_now(
+        &mut self,
+        due: Vec<(String, u64)>,
+        open: &std::collections::HashSet<String>,
+        grace: std::time::Duration,
+        now: chrono::DateTime<chrono::Utc>,
+    ) -> Vec<(String, u64)> {
+        self.until.retain(|cid, _| open.contains(cid));
+        if grace.is_zero() {
+            return due;
+        }
+        let grace_secs = grace.as_secs();
+        let grace = chrono::Duration::from_std(grace).unwrap_or_default();
+        let mut now_due = Vec::new();
+        for (cid, waited) in due {
+            let until = match self.until.get(&cid) {
+                Some(until) => *until,
+                None if open
+                    .iter()
+                    .any(|below| fanouts_above(below).contains(&cid.as_str())) =>
+                {
+                    let until = now.checked_add_signed(grace).unwrap_or(now);
+                    self.until.insert(cid.clone(), until);
+                    until
+                }
+                None => {
+                    now_due.push((cid, waited));
+                    continue;
+                }
+            };
+            if now >= until {
+                now_due.push((cid, waited.saturating_add(grace_secs)));
+            }
+        }
+        now_due
+    }
+}
+
+/// The open fan-outs past their deadline at `now`, oldest first, each with the seconds it waited,
+/// and every open fan-out.
 async fn overdue(
     store: &GraphStore,
     deadlines: Deadlines,
-) -> Result<Vec<(String, u64)>, GraphError> {
-    let now = chrono::Utc::now();
+    now: chrono::DateTime<chrono::Utc>,
+) -> Result<(Vec<(String, u64)>, std::collections::HashSet<String>), GraphError> {
     let open = rows(
         store,
         queries::overdue_fanouts(&now.to_rfc3339_opts(chrono::SecondsFormat::Micros, true)),
@@ -165,7 +221,8 @@ async fn overdue(
             }
         }
     }
-    Ok(order
+    let open = order.iter().cloned().collect();
+    let due = order
         .into_iter()
         .filter_map(|cid| {
             let started = *starts.get(&cid)?;
@@ -175,7 +232,8 @@ async fn overdue(
                 (cid, waited)
             })
         })
-        .collect())
+        .collect();
+    Ok((due, open))
 }
 
 /// An `xsd:dateTime` as the graph gives it back (one without a zone read as UTC), if chrono can
@@ -704,6 +762,50 @@ mod tests {
         timeout: Duration::from_secs(300),
         grace: Duration::from_secs(75),
     };
+
+    #[test]
+    fn a_fan_out_due_with_a_nested_one_open_waits_a_grace_for_it() {
+        let open = |cids: &[&str]| cids.iter().map(|c| c.to_string()).collect();
+        let due = |cids: &[&str]| cids.iter().map(|c| (c.to_string(), 300)).collect();
+        let grace = Duration::from_secs(75);
+        let mut held = HeldBack::default();
+        // Found together (the sweep was away): the nested one goes, the one holding it waits.
+        let both = open(&["abc-f1", "abc-f1-s0-f2", "xyz-f3"]);
+        assert_eq!(
+            held.due_now(
+                due(&["abc-f1", "abc-f1-s0-f2", "xyz-f3"]),
+                &both,
+                grace,
+                at(2000)
+            ),
+            [("abc-f1-s0-f2".to_owned(), 300), ("xyz-f3".to_owned(), 300)]
+        );
+        // It keeps waiting its grace once the nested one has closed...
+        let outer = open(&["abc-f1"]);
+        assert!(held
+            .due_now(due(&["abc-f1"]), &outer, grace, at(2074))
+            .is_empty());
+        // ...and goes after it, whether the nested answer came or not.
+        assert_eq!(
+            held.due_now(due(&["abc-f1"]), &outer, grace, at(2075)),
+            [("abc-f1".to_owned(), 375)]
+        );
+        // Answered, it is forgotten.
+        held.due_now(Vec::new(), &open(&[]), grace, at(2076));
+        assert!(held.until.is_empty());
+        // No grace: the outer one goes with the nested one.
+        let mut none = HeldBack::default();
+        assert_eq!(
+            none.due_now(
+                due(&["abc-f1", "abc-f1-s0-f2"]),
+                &both,
+                Duration::ZERO,
+                at(2000)
+            )
+            .len(),
+            2
+        );
+    }
 
     #[test]
     fn a_fan_out_of_a_clients_supervisor_waits_its_timeout() {
