@@ -8,7 +8,8 @@
 //! store: two thousand patterns still ran twenty seconds past a limit of two.
 //!
 //! So a query of up to [`MOST_PLANNED`] operands is optimized, one of up to [`MOST_OPERANDS`]
-//! runs as written, and a larger one is refused.
+//! runs as written, and a larger one is refused. So is one whose expressions expand past
+//! [`MOST_EXPRESSION_NODES`] (see there).
 
 use spargebra::algebra::{AggregateExpression, Expression, GraphPattern, OrderExpression};
 use spargebra::Query;
@@ -21,6 +22,13 @@ pub const MOST_PLANNED: usize = 64;
 /// The most operands a query may have at all on an embedded store.
 pub const MOST_OPERANDS: usize = 256;
 
+/// The most nodes a query's expressions may come to once the store has expanded them. It reads
+/// `x IN (a, b, ...)` as `x = a || x = b || ...`, a copy of `x` for each element, before anything
+/// is evaluated and without looking at the time limit: `IN` nested in the left of `IN` doubles
+/// the tree a level, and thirty-four levels of `(... IN (1, 1))`, 400 bytes of text, come to
+/// 2^34 nodes. A query's text alone (32 KiB from strangers) makes far fewer.
+pub const MOST_EXPRESSION_NODES: usize = 100_000;
+
 /// How a query will be evaluated.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Plan {
@@ -32,7 +40,15 @@ pub enum Plan {
 
 /// How `query` is to be evaluated, or why it is refused.
 pub fn plan(query: &Query) -> Result<Plan, String> {
-    match operands(query) {
+    let size = measure(query);
+    if size.expression_nodes > MOST_EXPRESSION_NODES {
+        return Err(format!(
+            "the query's expressions come to {} nodes once IN is expanded; at most \
+             {MOST_EXPRESSION_NODES} are taken here",
+            size.expression_nodes
+        ));
+    }
+    match size.operands {
         n if n <= MOST_PLANNED => Ok(Plan::Optimized),
         n if n <= MOST_OPERANDS => Ok(Plan::AsWritten),
         n => Err(format!(
@@ -44,25 +60,47 @@ pub fn plan(query: &Query) -> Result<Plan, String> {
 /// How many operands the optimizer may have to order in `query`: every node of its algebra,
 /// those of the patterns its expressions hold (`EXISTS`, which the optimizer normalizes and the
 /// store evaluates, a basic graph pattern there as deep a join as anywhere) included, and every
-/// triple pattern (a basic graph pattern's are joined one by one). Counted without recursion:
-/// the tree may be as deep as the text is long.
+/// triple pattern (a basic graph pattern's are joined one by one), each as many times as the
+/// store copies it (see [`MOST_EXPRESSION_NODES`]).
 pub fn operands(query: &Query) -> usize {
+    measure(query).operands
+}
+
+/// What the store makes of a query before it evaluates it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Size {
+    /// See [`operands`].
+    pub operands: usize,
+    /// The nodes of its expressions, `IN` expanded.
+    pub expression_nodes: usize,
+}
+
+/// `query`'s [`Size`]. Counted without recursion: the tree may be as deep as the text is long.
+/// Each part carries how many copies of it the store makes: the left of an `IN` of n elements
+/// is copied n times, and so is everything inside it, an `EXISTS`'s pattern included.
+pub fn measure(query: &Query) -> Size {
     let (Query::Select { pattern, .. }
     | Query::Construct { pattern, .. }
     | Query::Describe { pattern, .. }
     | Query::Ask { pattern, .. }) = query;
-    let mut count = 0usize;
-    let mut to_visit = vec![Part::Pattern(pattern)];
-    while let Some(part) = to_visit.pop() {
+    let mut size = Size {
+        operands: 0,
+        expression_nodes: 0,
+    };
+    let mut to_visit = vec![(Part::Pattern(pattern), 1usize)];
+    while let Some((part, copies)) = to_visit.pop() {
         match part {
             Part::Pattern(pattern) => {
-                count = count.saturating_add(1);
-                visit_pattern(pattern, &mut count, &mut to_visit);
+                size.operands = size.operands.saturating_add(copies);
+                visit_pattern(pattern, copies, &mut size.operands, &mut to_visit);
             }
-            Part::Expression(expression) => visit_expression(expression, &mut to_visit),
+            Part::Expression(expression) => {
+                size.expression_nodes = size.expression_nodes.saturating_add(copies);
+                visit_expression(expression, copies, &mut to_visit);
+            }
         }
     }
-    count
+    size
 }
 
 /// A part of a query's algebra still to count.
@@ -71,42 +109,54 @@ enum Part<'q> {
     Expression(&'q Expression),
 }
 
-fn visit_pattern<'q>(pattern: &'q GraphPattern, count: &mut usize, to_visit: &mut Vec<Part<'q>>) {
+/// The parts still to count, each with how many copies of it the store makes.
+type ToVisit<'q> = Vec<(Part<'q>, usize)>;
+
+fn visit_pattern<'q>(
+    pattern: &'q GraphPattern,
+    copies: usize,
+    count: &mut usize,
+    to_visit: &mut ToVisit<'q>,
+) {
+    let pattern_part = |p: &'q GraphPattern| (Part::Pattern(p), copies);
+    let expression_part = |e: &'q Expression| (Part::Expression(e), copies);
     match pattern {
-        GraphPattern::Bgp { patterns } => *count = count.saturating_add(patterns.len()),
+        GraphPattern::Bgp { patterns } => {
+            *count = count.saturating_add(patterns.len().saturating_mul(copies));
+        }
         GraphPattern::Path { .. } | GraphPattern::Values { .. } => {}
         GraphPattern::Join { left, right }
         | GraphPattern::Lateral { left, right }
         | GraphPattern::Union { left, right }
         | GraphPattern::Minus { left, right } => {
-            to_visit.push(Part::Pattern(left));
-            to_visit.push(Part::Pattern(right));
+            to_visit.push(pattern_part(left));
+            to_visit.push(pattern_part(right));
         }
         GraphPattern::LeftJoin {
             left,
             right,
             expression,
         } => {
-            to_visit.push(Part::Pattern(left));
-            to_visit.push(Part::Pattern(right));
-            to_visit.extend(expression.iter().map(Part::Expression));
+            to_visit.push(pattern_part(left));
+            to_visit.push(pattern_part(right));
+            to_visit.extend(expression.iter().map(expression_part));
         }
         GraphPattern::Filter { expr, inner } => {
-            to_visit.push(Part::Pattern(inner));
-            to_visit.push(Part::Expression(expr));
+            to_visit.push(pattern_part(inner));
+            to_visit.push(expression_part(expr));
         }
         GraphPattern::Extend {
             inner, expression, ..
         } => {
-            to_visit.push(Part::Pattern(inner));
-            to_visit.push(Part::Expression(expression));
+            to_visit.push(pattern_part(inner));
+            to_visit.push(expression_part(expression));
         }
         GraphPattern::OrderBy { inner, expression } => {
             // Each condition is evaluated again in every comparison of the sort.
-            *count = count.saturating_add(expression.len());
-            to_visit.push(Part::Pattern(inner));
+            *count = count.saturating_add(expression.len().saturating_mul(copies));
+            to_visit.push(pattern_part(inner));
             to_visit.extend(expression.iter().map(|order| match order {
-                OrderExpression::Asc(e) | OrderExpression::Desc(e) => Part::Expression(e),
+                OrderExpression::Asc(e) | OrderExpression::Desc(e) => expression_part(e),
             }));
         }
         GraphPattern::Group {
@@ -115,16 +165,19 @@ fn visit_pattern<'q>(pattern: &'q GraphPattern, count: &mut usize, to_visit: &mu
             variables,
         } => {
             // Each group holds a key of its variables and an accumulator per aggregate.
-            *count = count
-                .saturating_add(variables.len())
-                .saturating_add(aggregates.len());
-            to_visit.push(Part::Pattern(inner));
+            *count = count.saturating_add(
+                variables
+                    .len()
+                    .saturating_add(aggregates.len())
+                    .saturating_mul(copies),
+            );
+            to_visit.push(pattern_part(inner));
             to_visit.extend(
                 aggregates
                     .iter()
                     .filter_map(|(_, aggregate)| match aggregate {
                         AggregateExpression::FunctionCall { expr, .. } => {
-                            Some(Part::Expression(expr))
+                            Some(expression_part(expr))
                         }
                         AggregateExpression::CountSolutions { .. } => None,
                     }),
@@ -135,12 +188,13 @@ fn visit_pattern<'q>(pattern: &'q GraphPattern, count: &mut usize, to_visit: &mu
         | GraphPattern::Distinct { inner }
         | GraphPattern::Reduced { inner }
         | GraphPattern::Slice { inner, .. }
-        | GraphPattern::Service { inner, .. } => to_visit.push(Part::Pattern(inner)),
+        | GraphPattern::Service { inner, .. } => to_visit.push(pattern_part(inner)),
     }
 }
 
 /// Queues what `expression` holds: its operands, and the pattern of an `EXISTS`.
-fn visit_expression<'q>(expression: &'q Expression, to_visit: &mut Vec<Part<'q>>) {
+fn visit_expression<'q>(expression: &'q Expression, copies: usize, to_visit: &mut ToVisit<'q>) {
+    let part = |e: &'q Expression| (Part::Expression(e), copies);
     match expression {
         Expression::NamedNode(_)
         | Expression::Literal(_)
@@ -158,23 +212,25 @@ fn visit_expression<'q>(expression: &'q Expression, to_visit: &mut Vec<Part<'q>>
         | Expression::Subtract(a, b)
         | Expression::Multiply(a, b)
         | Expression::Divide(a, b) => {
-            to_visit.push(Part::Expression(a));
-            to_visit.push(Part::Expression(b));
+            to_visit.push(part(a));
+            to_visit.push(part(b));
         }
         Expression::UnaryPlus(a) | Expression::UnaryMinus(a) | Expression::Not(a) => {
-            to_visit.push(Part::Expression(a));
+            to_visit.push(part(a));
         }
         Expression::If(a, b, c) => {
-            to_visit.extend([a, b, c].map(|e| Part::Expression(e)));
+            to_visit.extend([a, b, c].map(|e| part(e)));
         }
         Expression::In(a, list) => {
-            to_visit.push(Part::Expression(a));
-            to_visit.extend(list.iter().map(Part::Expression));
+            // The left is copied into a comparison with each element.
+            let left_copies = copies.saturating_mul(list.len().max(1));
+            to_visit.push((Part::Expression(a), left_copies));
+            to_visit.extend(list.iter().map(part));
         }
         Expression::Coalesce(list) | Expression::FunctionCall(_, list) => {
-            to_visit.extend(list.iter().map(Part::Expression));
+            to_visit.extend(list.iter().map(part));
         }
-        Expression::Exists(pattern) => to_visit.push(Part::Pattern(pattern)),
+        Expression::Exists(pattern) => to_visit.push((Part::Pattern(pattern), copies)),
     }
 }
 
@@ -228,6 +284,39 @@ mod tests {
             "?a ".repeat(300)
         );
         assert!(plan(&parsed(&grouped)).unwrap_err().contains("at most 256"));
+    }
+
+    #[test]
+    fn in_is_counted_as_the_store_expands_it() {
+        // Each IN of two copies what it tests twice: 2^34 nodes from 400 bytes.
+        let doubling = |levels: usize| {
+            format!(
+                "ASK {{ FILTER({}1{}) }}",
+                "(".repeat(levels),
+                " IN (1, 1))".repeat(levels)
+            )
+        };
+        let small = measure(&parsed(&doubling(3)));
+        // 1 copied 8 times, each IN's left 2, 4 and 8 times, each element once a copy of its IN.
+        assert_eq!(
+            small.expression_nodes,
+            8 + (2 + 4 + 8) / 2 + (1 + 2 + 4) * 2
+        );
+        assert_eq!(plan(&parsed(&doubling(10))), Ok(Plan::Optimized));
+        let refused = plan(&parsed(&doubling(34))).unwrap_err();
+        assert!(refused.contains("once IN is expanded"), "{refused}");
+        // A long list is not refused: its elements are not copied.
+        let list: Vec<String> = (0..5_000).map(|i| i.to_string()).collect();
+        let long = format!("ASK {{ ?s ?p ?o FILTER(?o IN ({})) }}", list.join(", "));
+        assert_eq!(plan(&parsed(&long)), Ok(Plan::Optimized));
+        // The patterns of an EXISTS copied by IN count once a copy.
+        let exists_in = |n: usize| {
+            format!(
+                "ASK {{ FILTER((EXISTS {{ ?s ?p ?o . ?o ?q ?r }}) IN ({})) }}",
+                vec!["true"; n].join(", ")
+            )
+        };
+        assert!(operands(&parsed(&exists_in(100))) > MOST_OPERANDS);
     }
 
     #[test]

@@ -90,8 +90,8 @@ fn peak_resident_bytes() -> u64 {
 }
 
 /// A query that binds `?x` to `bytes` of text (doubled from 16 bytes, within the 1 MiB a
-/// function may make) and evaluates `expression` of it.
-fn query_over_x(bytes: usize, expression: &str) -> String {
+/// function may make), then `?y` as `shape` says, and answers the length of `?y`.
+fn query_over_x(bytes: usize, shape: &str) -> String {
     let mut binds = String::from("BIND(\"0123456789abcdef\" AS ?x0) ");
     let mut width = 16;
     let mut step = 0;
@@ -101,14 +101,15 @@ fn query_over_x(bytes: usize, expression: &str) -> String {
         step += 1;
     }
     binds += &format!("BIND(?x{step} AS ?x) ");
-    format!("SELECT (STRLEN(?y) AS ?n) WHERE {{ {binds} BIND(({expression}) AS ?y) }}")
+    format!("SELECT (STRLEN(?y) AS ?n) WHERE {{ {binds} {shape} }}")
 }
 
 /// Each operand an expression has computed stays held while it computes the next, so a 1 MiB
-/// `?x` nested 1,500 deep (`CONCAT(?x, CONCAT(?x, ...))`, `?x = (?x = ...)`: 15 KB of text)
-/// held 1.5 GB at once, within the caps on rows and on each string (without the bound on what one
-/// evaluation holds, the process's peak memory rose by about that). Such a query is stopped at the
-/// budget, holding at most 64 MiB; the same expressions of a 16-byte `?x` are answered.
+/// `?x` nested 1,500 deep (`CONCAT(?x, CONCAT(?x, ...))`, `?x < (?x < ...)`, the same of a blank
+/// node made of `?x` or of a literal whose language tag is: 15 KB of text each) held 1.5 GB at
+/// once, within the caps on rows and on each string (without the bound on what one evaluation
+/// holds, the process's peak memory rose by about that). Such a query is stopped at the budget,
+/// holding at most 64 MiB; the same expressions of a 16-byte `?x` are answered.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn what_one_evaluation_holds_is_bounded() {
     let store = agent_graph::GraphStore::in_memory().unwrap();
@@ -119,17 +120,35 @@ async fn what_one_evaluation_holds_is_bounded() {
     };
     let deep = 1_500;
     let nested_concat = format!("{}\"\"{}", "CONCAT(?x, ".repeat(deep), ")".repeat(deep));
-    let nested_equal = format!("STR({}?x{})", "?x = (".repeat(deep), ")".repeat(deep));
+    // `<` keeps its operands in order (`=` may be turned round), so the left is held each level.
+    let nested_less = |term: &str| {
+        format!(
+            "BIND({term} AS ?t) BIND(STR({}?t{}) AS ?y)",
+            "?t < (".repeat(deep),
+            ")".repeat(deep)
+        )
+    };
+    let shapes = [
+        format!("BIND(({nested_concat}) AS ?y)"),
+        nested_less("?x"),
+        nested_less("BNODE(?x)"),
+        // A private-use tag of subtags of eight.
+        nested_less(
+            r#"STRLANG("a", CONCAT("x-", REPLACE(SUBSTR(?x, 1, 900000), "(.{8})", "$1-"), "a"))"#,
+        ),
+    ];
     let before = peak_resident_bytes();
-    for expression in [&nested_concat, &nested_equal] {
-        let refused = store
-            .query_bounded(query_over_x(1 << 20, expression), bounds)
-            .await
-            .unwrap_err();
+    for shape in &shapes {
+        let answered = store
+            .query_bounded(query_over_x(1 << 20, shape), bounds)
+            .await;
+        let Err(refused) = answered else {
+            panic!("{}: answered", &shape[..60]);
+        };
         assert!(
             matches!(refused, GraphError::TooMuchWork(_)),
             "{}: {refused}",
-            &expression[..20]
+            &shape[..40]
         );
     }
     let grown = peak_resident_bytes().saturating_sub(before);
@@ -139,16 +158,47 @@ async fn what_one_evaluation_holds_is_bounded() {
         grown >> 20
     );
     let rows = store
-        .query_bounded(query_over_x(16, &nested_concat), bounds)
+        .query_bounded(query_over_x(16, &shapes[0]), bounds)
         .await
         .unwrap()
         .rows();
     let n = rows.rows[0][0].clone().unwrap().to_string();
     assert!(n.starts_with(&format!("\"{}\"", 16 * deep)), "{n}");
-    let rows = store
-        .query_bounded(query_over_x(16, &nested_equal), bounds)
-        .await
-        .unwrap()
-        .rows();
-    assert!(rows.rows[0][0].is_some(), "{:?}", rows.rows);
+    // Not refused (a string compared with a boolean leaves `?y` unbound).
+    for shape in &shapes[1..] {
+        store
+            .query_bounded(query_over_x(16, shape), bounds)
+            .await
+            .unwrap_or_else(|e| panic!("{}: {e}", &shape[..40]));
+    }
+}
+
+/// What an evaluation held is given back when it ends, stopped or not: queries shallow enough to
+/// run on the blocking pool's reused threads, each reading a 1 MiB `?x` 70 times (refused) or 40
+/// times (answered), in turn, eight times. A count left behind on a thread would refuse the later ones.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn what_an_evaluation_held_is_given_back() {
+    let store = agent_graph::GraphStore::in_memory().unwrap();
+    let bounds = QueryBounds {
+        timeout: Duration::from_secs(600),
+        max_rows: 10,
+        max_bindings: QueryBounds::DEFAULT_MAX_BINDINGS,
+    };
+    // Without brackets: up to 96 of those, a query runs on the pool rather than a deep stack.
+    let reads = |n: usize| format!("BIND(STR({}) AS ?y)", vec!["?x < ?x"; n / 2].join(" || "));
+    for _ in 0..8 {
+        let refused = store
+            .query_bounded(query_over_x(1 << 20, &reads(70)), bounds)
+            .await
+            .unwrap_err();
+        assert!(matches!(refused, GraphError::TooMuchWork(_)), "{refused}");
+        let rows = store
+            .query_bounded(query_over_x(1 << 20, &reads(40)), bounds)
+            .await
+            .unwrap()
+            .rows();
+        // STRLEN("false").
+        let n = rows.rows[0][0].clone().unwrap().to_string();
+        assert!(n.starts_with("\"5\""), "{n}");
+    }
 }

@@ -73,3 +73,33 @@ async fn a_query_nested_too_deep_is_refused_and_the_process_lives() {
         .await
         .unwrap();
 }
+
+/// `x IN (a, b)` is expanded to `x = a || x = b` before anything is evaluated, a copy of `x` an
+/// element: thirty-four `IN`s of two, each in the left of the next (400 bytes), came to 2^34
+/// nodes, built without a look at the time limit until the process ran out of memory. Refused
+/// (400) before the store sees it; a long list of elements, which are not copied, is answered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_in_that_expands_past_the_bound_is_refused() {
+    let store = store_with_triples(10).await;
+    let bounds = QueryBounds {
+        timeout: Duration::from_secs(120),
+        max_rows: 100,
+        max_bindings: QueryBounds::DEFAULT_MAX_BINDINGS,
+    };
+    let doubling = format!(
+        "ASK {{ FILTER({}1{}) }}",
+        "(".repeat(34),
+        " IN (1, 1))".repeat(34)
+    );
+    let refused = store.query_bounded(doubling, bounds).await.unwrap_err();
+    assert!(
+        matches!(&refused, GraphError::Syntax(why) if why.contains("once IN is expanded")),
+        "{refused:?}"
+    );
+    let list: Vec<String> = (0..5_000).map(|i| format!("\"{i}\"")).collect();
+    let long = format!(
+        "ASK {{ GRAPH ?g {{ ?s ?p ?o }} FILTER(?o IN ({})) }}",
+        list.join(", ")
+    );
+    store.query_bounded(long, bounds).await.unwrap();
+}
