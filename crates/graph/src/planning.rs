@@ -11,7 +11,9 @@
 //! runs as written, and a larger one is refused. So is one whose expressions expand past
 //! [`MOST_EXPRESSION_NODES`] (see there).
 
-use spargebra::algebra::{AggregateExpression, Expression, GraphPattern, OrderExpression};
+use spargebra::algebra::{
+    AggregateExpression, Expression, GraphPattern, OrderExpression, PropertyPathExpression,
+};
 use spargebra::Query;
 
 /// The most operands (see [`operands`]) a query may have and still be optimized: enough for the
@@ -28,6 +30,13 @@ pub const MOST_OPERANDS: usize = 256;
 /// the tree a level, and thirty-four levels of `(... IN (1, 1))`, 400 bytes of text, come to
 /// 2^34 nodes. A query's text alone (32 KiB from strangers) makes far fewer.
 pub const MOST_EXPRESSION_NODES: usize = 100_000;
+
+/// The most steps the optimizer's size estimates of a query's property paths may take, each time
+/// it weighs them, for the query to be optimized; past it the query runs as written. The estimate
+/// of a sequence (`<p>/<q>`) looks at each side twice, so a chain of n links takes 2^n steps, and
+/// never looks at the time limit: sixty links inside `|` (a chain outside one is split into
+/// patterns as it is parsed), 500 bytes, would have kept a core busy for good.
+pub const MOST_PATH_ESTIMATES: usize = 4_096;
 
 /// How a query will be evaluated.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -49,7 +58,7 @@ pub fn plan(query: &Query) -> Result<Plan, String> {
         ));
     }
     match size.operands {
-        n if n <= MOST_PLANNED => Ok(Plan::Optimized),
+        n if n <= MOST_PLANNED && size.path_estimates <= MOST_PATH_ESTIMATES => Ok(Plan::Optimized),
         n if n <= MOST_OPERANDS => Ok(Plan::AsWritten),
         n => Err(format!(
             "the query has {n} patterns and operators; at most {MOST_OPERANDS} are taken here"
@@ -73,6 +82,9 @@ pub struct Size {
     pub operands: usize,
     /// The nodes of its expressions, `IN` expanded.
     pub expression_nodes: usize,
+    /// The steps the optimizer's size estimates of its property paths take (see
+    /// [`MOST_PATH_ESTIMATES`]).
+    pub path_estimates: usize,
 }
 
 /// `query`'s [`Size`]. Counted without recursion: the tree may be as deep as the text is long.
@@ -86,12 +98,18 @@ pub fn measure(query: &Query) -> Size {
     let mut size = Size {
         operands: 0,
         expression_nodes: 0,
+        path_estimates: 0,
     };
     let mut to_visit = vec![(Part::Pattern(pattern), 1usize)];
     while let Some((part, copies)) = to_visit.pop() {
         match part {
             Part::Pattern(pattern) => {
                 size.operands = size.operands.saturating_add(copies);
+                if let GraphPattern::Path { path, .. } = pattern {
+                    size.path_estimates = size
+                        .path_estimates
+                        .saturating_add(path_estimates(path).saturating_mul(copies));
+                }
                 visit_pattern(pattern, copies, &mut size.operands, &mut to_visit);
             }
             Part::Expression(expression) => {
@@ -101,6 +119,35 @@ pub fn measure(query: &Query) -> Size {
         }
     }
     size
+}
+
+/// The steps the optimizer's estimate of `path`'s size takes: one a node, each side of a sequence
+/// weighed twice (bound and unbound in the middle), so each node counts 2^(the sequences above
+/// it). Counted without recursion.
+fn path_estimates(path: &PropertyPathExpression) -> usize {
+    let mut steps = 0usize;
+    let mut to_visit = vec![(path, 1usize)];
+    while let Some((path, weight)) = to_visit.pop() {
+        steps = steps.saturating_add(weight);
+        match path {
+            PropertyPathExpression::NamedNode(_)
+            | PropertyPathExpression::NegatedPropertySet(_) => {}
+            PropertyPathExpression::Sequence(a, b) => {
+                let twice = weight.saturating_mul(2);
+                to_visit.push((a, twice));
+                to_visit.push((b, twice));
+            }
+            PropertyPathExpression::Alternative(a, b) => {
+                to_visit.push((a, weight));
+                to_visit.push((b, weight));
+            }
+            PropertyPathExpression::Reverse(p)
+            | PropertyPathExpression::ZeroOrMore(p)
+            | PropertyPathExpression::OneOrMore(p)
+            | PropertyPathExpression::ZeroOrOne(p) => to_visit.push((p, weight)),
+        }
+    }
+    steps
 }
 
 /// A part of a query's algebra still to count.
@@ -284,6 +331,26 @@ mod tests {
             "?a ".repeat(300)
         );
         assert!(plan(&parsed(&grouped)).unwrap_err().contains("at most 256"));
+    }
+
+    #[test]
+    fn a_long_sequence_in_a_path_runs_as_written() {
+        let chain = |links: usize| {
+            format!(
+                "SELECT * WHERE {{ ?s ?p ?o . ?o {}<urn:p>|<urn:q> ?x }}",
+                "<urn:p>/".repeat(links)
+            )
+        };
+        assert_eq!(plan(&parsed(&chain(5))), Ok(Plan::Optimized));
+        let long = measure(&parsed(&chain(60)));
+        assert!(long.path_estimates > 1 << 60);
+        assert_eq!(plan(&parsed(&chain(60))), Ok(Plan::AsWritten));
+        // Split into patterns as it is parsed, a chain outside a path operator is planned.
+        let split = format!(
+            "SELECT * WHERE {{ ?s {}<urn:p> ?x }}",
+            "<urn:p>/".repeat(30)
+        );
+        assert_eq!(plan(&parsed(&split)), Ok(Plan::Optimized));
     }
 
     #[test]
