@@ -44,6 +44,24 @@ async fn work_in_memory_stops_at_the_time_limit_and_at_the_budget_of_bindings() 
         "still busy after the time limit: {idle:.2} of a core"
     );
 
+    // Finding every match of `.*[^A-Z]|[A-Z]` in 256 KiB of capitals reads to the text's end
+    // for each: work squared in the text, in one function of one row, and it ran on past the limit.
+    let capitals: String = (1..=8)
+        .map(|i| format!("BIND(CONCAT(?c{0}, ?c{0}) AS ?c{i}) ", i - 1))
+        .collect();
+    let replaced = format!(
+        "SELECT (STRLEN(?r) AS ?n) WHERE {{ BIND(\"{}\" AS ?c0) {capitals} \
+         BIND(REPLACE(?c8, \".*[^A-Z]|[A-Z]\", \"\") AS ?r) }}",
+        "A".repeat(1024)
+    );
+    let stopped = store.query_bounded(replaced, unbudgeted).await.unwrap_err();
+    assert!(matches!(stopped, GraphError::TimedOut(_)), "{stopped}");
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let idle = cpu_share(Duration::from_secs(1)).await;
+    assert!(
+        idle < 0.3,
+        "still replacing after the time limit: {idle:.2} of a core"
+    );
     // Sorting 10^9 rows would hold them all: refused at the budget, long before the time limit.
     let budgeted = QueryBounds {
         timeout: Duration::from_secs(600),
