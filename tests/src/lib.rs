@@ -524,7 +524,19 @@ impl Aggregator {
     /// updates to endpoints (`agent_graph`'s process-wide lock), so a replica in the process of
     /// a `store` whose graph is itself an endpoint would hold that lock while `store` waits for it.
     pub fn replica_on(broker: &Broker, store: &Aggregator, token: &str) -> Aggregator {
-        let extra = vec!["--config-token".to_owned(), token.to_owned()];
+        Self::replica_with(broker, store, token, &[])
+    }
+
+    /// [`Aggregator::replica_on`] with extra flags.
+    pub fn replica_with(
+        broker: &Broker,
+        store: &Aggregator,
+        token: &str,
+        extra: &[&str],
+    ) -> Aggregator {
+        let mut flags = vec!["--config-token".to_owned(), token.to_owned()];
+        flags.extend(extra.iter().map(|s| (*s).to_owned()));
+        let extra = flags;
         Self::start_on_a_free_port(
             Place::Child,
             broker,

@@ -212,6 +212,55 @@ async fn a_read_token_closes_the_endpoint_to_strangers() {
     assert_eq!(ask(Some(TOKEN)).await.unwrap().status(), 200);
 }
 
+/// A replica forwards a stranger's query to the store's owner with the services' token (its only
+/// way in), so the owner took it for the services' own and held it to nothing but the time limit.
+/// Now the replica asks the owner to hold it to the stranger's budget, and a stranger's answer is
+/// held to `--max-answer-bytes` when written out; the services' own queries are not.
+#[tokio::test]
+async fn a_strangers_query_through_a_replica_keeps_the_strangers_bounds() {
+    let broker = Broker::start().unwrap();
+    let owner = Aggregator::spawn_with(&broker, &["--config-token", TOKEN]);
+    let replica = Aggregator::replica_with(
+        &broker,
+        &owner,
+        TOKEN,
+        &["--max-query-bindings", "1000", "--max-answer-bytes", "4000"],
+    );
+    let http = reqwest::Client::new();
+    let ask = |sparql: String, token: Option<&str>| {
+        let mut request = http
+            .post(format!("{}/query", replica.endpoint))
+            .header("content-type", "application/sparql-query")
+            .body(sparql);
+        if let Some(token) = token {
+            request = request.bearer_auth(token);
+        }
+        async move {
+            let response = request.send().await.unwrap();
+            (response.status().as_u16(), response.text().await.unwrap())
+        }
+    };
+    let hundred: Vec<String> = (0..100).map(|i| i.to_string()).collect();
+    let crossed = format!(
+        "SELECT * WHERE {{ VALUES ?a {{ {0} }} VALUES ?b {{ {0} }} }}",
+        hundred.join(" ")
+    );
+    let (status, why) = ask(crossed.clone(), None).await;
+    assert_eq!(status, 413, "{why}");
+    assert!(why.contains("1000 bindings"), "{why}");
+    let long = format!("SELECT ?s WHERE {{ BIND(\"{}\" AS ?s) }}", "x".repeat(5000));
+    let (status, why) = ask(long.clone(), None).await;
+    assert_eq!(status, 413, "{why}");
+    assert!(why.contains("4000 bytes"), "{why}");
+    let (status, why) = ask("SELECT ?a WHERE { VALUES ?a { 1 2 3 } }".into(), None).await;
+    assert_eq!(status, 200, "{why}");
+    // The services' own: neither bound.
+    for query in [crossed, long] {
+        let (status, why) = ask(query, Some(TOKEN)).await;
+        assert_eq!(status, 200, "{}", &why[..why.len().min(300)]);
+    }
+}
+
 /// The shipped topology's store (the aggregator's embedded store, `scripts/check-deploy.sh` checks
 /// nothing else is shipped): an update or a load without the services' token, or with another, is
 /// refused and changes nothing; with it, both work.

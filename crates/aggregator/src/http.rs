@@ -13,7 +13,7 @@ use agent_bus::ConsumerStats;
 use agent_graph::journal::{ChainBeat, ChainRefs, EntryRefs, Journal, RecordRequests, TakingRefs};
 use agent_graph::model::NamedNode;
 use agent_graph::turns::{self, TurnAsked};
-use agent_graph::{serialize_answer, GraphError, GraphStore, QueryBounds};
+use agent_graph::{serialize_answer_at_most, GraphError, GraphStore, QueryBounds};
 use axum::body::Bytes;
 use axum::extract::{Query, State};
 use axum::http::{header, HeaderMap, StatusCode};
@@ -40,6 +40,8 @@ struct Reads {
     token: Option<String>,
     /// Longest query text taken from anyone but the services.
     max_query_bytes: usize,
+    /// Longest answer, written out, given to a query held to a budget.
+    max_answer_bytes: usize,
 }
 
 /// The largest journal call taken: an orchestrator's batch of up to 64 records of a few MB each.
@@ -68,6 +70,7 @@ pub fn router(
         turns: Arc::new(tokio::sync::Semaphore::new(reads.max_queries.max(1))),
         token: reads.query_token.clone().filter(|t| !t.is_empty()),
         max_query_bytes: reads.max_query_bytes,
+        max_answer_bytes: reads.max_answer_bytes,
     });
     let state = AppState {
         store,
@@ -127,7 +130,13 @@ fn error_response(e: GraphError) -> Response {
         GraphError::ReadOnly => StatusCode::FORBIDDEN,
         GraphError::Evaluation(_) => StatusCode::BAD_REQUEST,
         GraphError::TimedOut(_) => StatusCode::SERVICE_UNAVAILABLE,
-        GraphError::TooManyRows(_) | GraphError::TooMuchWork(_) => StatusCode::PAYLOAD_TOO_LARGE,
+        GraphError::TooManyRows(_) | GraphError::TooMuchWork(_) | GraphError::AnswerTooLarge(_) => {
+            StatusCode::PAYLOAD_TOO_LARGE
+        }
+        // The store's owner (this one a replica) refused the query, or was busy: its word goes.
+        GraphError::Http { status, .. } if matches!(status, 400..=499 | 503) => {
+            StatusCode::from_u16(*status).unwrap_or(StatusCode::BAD_GATEWAY)
+        }
         _ => StatusCode::INTERNAL_SERVER_ERROR,
     };
     (status, e.to_string()).into_response()
@@ -185,32 +194,58 @@ async fn run_query(state: &AppState, headers: &HeaderMap, sparql: String) -> Res
         }
     };
     // The services' own queries (a knowledge tool's scan of a large collection, a count after a
-    // load) are held to the time limit, not to the budget that bounds a stranger's.
-    let bounds = if service {
-        QueryBounds {
-            max_bindings: u64::MAX,
-            ..reads.bounds
-        }
-    } else {
-        reads.bounds
+    // load) are held to the time limit, not to the budget that bounds a stranger's, unless they
+    // ask for one: a replica forwards a stranger's query with the services' token and the
+    // stranger's budget, and a tool sends the query an LLM wrote with its own.
+    let asked = headers
+        .get(agent_graph::BINDINGS_HEADER)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    let (bounds, max_answer_bytes) = match (service, asked) {
+        (true, None) => (
+            QueryBounds {
+                max_bindings: u64::MAX,
+                ..reads.bounds
+            },
+            usize::MAX,
+        ),
+        (true, Some(budget)) => (
+            QueryBounds {
+                max_bindings: budget,
+                ..reads.bounds
+            },
+            reads.max_answer_bytes,
+        ),
+        (false, _) => (reads.bounds, reads.max_answer_bytes),
     };
-    match state
+    // The turn is held until the answer is written out too: a long answer is as much memory as
+    // a long evaluation.
+    let turn = std::sync::Arc::new(turn);
+    let answered = state
         .store
-        .query_bounded_holding(sparql, bounds, turn)
+        .query_bounded_holding(sparql, bounds, turn.clone())
+        .await;
+    let written = match answered {
+        Ok(answer) => tokio::task::spawn_blocking(move || {
+            let _held_until_written = turn;
+            serialize_answer_at_most(&answer, max_answer_bytes)
+        })
         .await
-    {
-        Ok(answer) => match serialize_answer(&answer) {
-            Ok((body, content_type)) => {
-                ([(header::CONTENT_TYPE, content_type)], body).into_response()
-            }
-            Err(e) => error_response(e),
-        },
+        .unwrap_or_else(|e| {
+            Err(GraphError::Storage(format!(
+                "writing the answer failed: {e}"
+            )))
+        }),
+        Err(e) => Err(e),
+    };
+    match written {
+        Ok((body, content_type)) => ([(header::CONTENT_TYPE, content_type)], body).into_response(),
         Err(e) => {
             match &e {
                 GraphError::TimedOut(_) => crate::metrics::query_refused("timeout"),
-                GraphError::TooManyRows(_) | GraphError::TooMuchWork(_) => {
-                    crate::metrics::query_refused("too_large")
-                }
+                GraphError::TooManyRows(_)
+                | GraphError::TooMuchWork(_)
+                | GraphError::AnswerTooLarge(_) => crate::metrics::query_refused("too_large"),
                 _ => {}
             }
             error_response(e)

@@ -115,6 +115,12 @@ pub struct ReadSettings {
     /// work that cannot be stopped: a sort by 300,000 conditions, a parse quadratic in the text.
     #[arg(long, env = "AGGREGATOR_MAX_QUERY_BYTES", default_value_t = 32 * 1024)]
     pub max_query_bytes: usize,
+    /// Longest answer, written out, given to a query from anyone but the services (or one the
+    /// services ask to bound, see `agent_graph::BINDINGS_HEADER`); a longer one is refused (413).
+    /// An answer within its rows may still be long: each row holds its own copy of a long
+    /// literal, and JSON writes a control character in six bytes.
+    #[arg(long, env = "AGGREGATOR_MAX_ANSWER_BYTES", default_value_t = 64 * 1024 * 1024)]
+    pub max_answer_bytes: usize,
     /// When set, `/query` needs this bearer token (or the services' token); without it reads
     /// are open.
     #[arg(long, env = "AGGREGATOR_QUERY_TOKEN", hide_env_values = true)]
@@ -129,6 +135,7 @@ impl Default for ReadSettings {
             max_result_rows: 100_000,
             max_query_bindings: agent_graph::QueryBounds::DEFAULT_MAX_BINDINGS,
             max_query_bytes: 32 * 1024,
+            max_answer_bytes: 64 * 1024 * 1024,
             query_token: None,
         }
     }

@@ -54,6 +54,9 @@ pub enum GraphError {
     /// they carry, every step of it counted) and was stopped.
     #[error("the query's evaluation made more than {0} bindings (rows times their variables) and was stopped")]
     TooMuchWork(u64),
+    /// A query whose answer, written out, would take more than this many bytes.
+    #[error("the query's answer takes more than {0} bytes")]
+    AnswerTooLarge(usize),
     /// The endpoint is a SPARQL server, not a journal's owner: the journal is kept by the
     /// aggregator in front of the store, not by the store itself.
     #[error(
@@ -344,9 +347,14 @@ impl GraphStore {
                 }
             }
             Backend::Remote(remote) => {
-                let answer = tokio::time::timeout(bounds.timeout, remote.query(&sparql))
-                    .await
-                    .map_err(|_| GraphError::TimedOut(bounds.timeout))??;
+                // The server holds the query to the budget asked of it (a replica forwarding a
+                // stranger's, a tool's query an LLM wrote) where it would otherwise take the
+                // services' own queries at their word.
+                let budget = (bounds.max_bindings != u64::MAX).then_some(bounds.max_bindings);
+                let answer =
+                    tokio::time::timeout(bounds.timeout, remote.query_within(&sparql, budget))
+                        .await
+                        .map_err(|_| GraphError::TimedOut(bounds.timeout))??;
                 let rows = match &answer {
                     QueryAnswer::Rows(r) => r.rows.len(),
                     QueryAnswer::Graph(t) => t.len(),
@@ -807,14 +815,64 @@ fn collect_at_most(
 
 /// Serialises an answer in the SPARQL 1.1 Query Results JSON format (or N-Triples for a graph).
 pub fn serialize_answer(answer: &QueryAnswer) -> Result<(Vec<u8>, &'static str), GraphError> {
+    serialize_answer_at_most(answer, usize::MAX)
+}
+
+/// The header in which a query with the services' token asks to be held to a budget of
+/// bindings (a replica forwarding a stranger's query, a tool's query an LLM wrote): the server
+/// holds it to that budget, and its answer to `AGGREGATOR_MAX_ANSWER_BYTES`, as a stranger's.
+pub const BINDINGS_HEADER: &str = "x-agent-query-bindings";
+
+/// A writer that refuses to hold more than `left` bytes.
+struct AtMost {
+    out: Vec<u8>,
+    left: usize,
+}
+
+impl std::io::Write for AtMost {
+    fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
+        self.left = self
+            .left
+            .checked_sub(bytes.len())
+            .ok_or_else(|| std::io::Error::other(TOO_LARGE))?;
+        self.out.extend_from_slice(bytes);
+        Ok(bytes.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+const TOO_LARGE: &str = "the answer is too large";
+
+/// [`serialize_answer`], refused ([`GraphError::AnswerTooLarge`]) past `max_bytes`: an answer
+/// within its rows may still be large when written (each row its own copy of a long literal,
+/// each control character six bytes in JSON).
+pub fn serialize_answer_at_most(
+    answer: &QueryAnswer,
+    max_bytes: usize,
+) -> Result<(Vec<u8>, &'static str), GraphError> {
     use oxigraph::sparql::results::{QueryResultsFormat, QueryResultsSerializer};
-    let io = |e: std::io::Error| GraphError::Malformed(e.to_string());
+    use std::io::Write;
+    let io = |e: std::io::Error| {
+        if e.to_string() == TOO_LARGE {
+            GraphError::AnswerTooLarge(max_bytes)
+        } else {
+            GraphError::Malformed(e.to_string())
+        }
+    };
+    let out = || AtMost {
+        out: Vec::new(),
+        left: max_bytes,
+    };
     let serializer = QueryResultsSerializer::from_format(QueryResultsFormat::Json);
     match answer {
         QueryAnswer::Boolean(b) => Ok((
             serializer
-                .serialize_boolean_to_writer(Vec::new(), *b)
-                .map_err(io)?,
+                .serialize_boolean_to_writer(out(), *b)
+                .map_err(io)?
+                .out,
             "application/sparql-results+json",
         )),
         QueryAnswer::Rows(rows) => {
@@ -825,7 +883,7 @@ pub fn serialize_answer(answer: &QueryAnswer) -> Result<(Vec<u8>, &'static str),
                 .collect::<Result<Vec<_>, _>>()
                 .map_err(|e| GraphError::Malformed(e.to_string()))?;
             let mut writer = serializer
-                .serialize_solutions_to_writer(Vec::new(), variables.clone())
+                .serialize_solutions_to_writer(out(), variables.clone())
                 .map_err(io)?;
             for row in &rows.rows {
                 let bindings = variables
@@ -835,16 +893,16 @@ pub fn serialize_answer(answer: &QueryAnswer) -> Result<(Vec<u8>, &'static str),
                 writer.serialize(bindings).map_err(io)?;
             }
             Ok((
-                writer.finish().map_err(io)?,
+                writer.finish().map_err(io)?.out,
                 "application/sparql-results+json",
             ))
         }
         QueryAnswer::Graph(triples) => {
-            let mut out = String::new();
+            let mut written = out();
             for t in triples {
-                out.push_str(&format!("{t} .\n"));
+                writeln!(written, "{t} .").map_err(io)?;
             }
-            Ok((out.into_bytes(), "application/n-triples"))
+            Ok((written.out, "application/n-triples"))
         }
     }
 }

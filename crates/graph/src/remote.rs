@@ -39,6 +39,10 @@ struct JournalCalls {
     marks: Batcher<String, ()>,
 }
 
+/// The longest answer taken to a query held to a budget: a server that does not hold it to one
+/// (a SPARQL server) might otherwise send one larger than this process can hold.
+pub const MOST_BOUNDED_ANSWER_BYTES: usize = 256 * 1024 * 1024;
+
 /// The server: its base URL, its token and the HTTP client, owned, as every call needs them (the
 /// batching workers too).
 #[derive(Clone)]
@@ -213,7 +217,15 @@ impl RemoteSparql {
     }
 
     async fn send(request: reqwest::RequestBuilder) -> Result<Body, GraphError> {
-        let response = request
+        Self::send_at_most(request, usize::MAX).await
+    }
+
+    /// [`Self::send`], refusing a body of more than `most` bytes as it arrives.
+    async fn send_at_most(
+        request: reqwest::RequestBuilder,
+        most: usize,
+    ) -> Result<Body, GraphError> {
+        let mut response = request
             .send()
             .await
             .map_err(|e| GraphError::Transport(e.to_string()))?;
@@ -224,10 +236,17 @@ impl RemoteSparql {
             .and_then(|v| v.to_str().ok())
             .unwrap_or_default()
             .to_owned();
-        let body = response
-            .bytes()
+        let mut body = Vec::new();
+        while let Some(chunk) = response
+            .chunk()
             .await
-            .map_err(|e| GraphError::Transport(e.to_string()))?;
+            .map_err(|e| GraphError::Transport(e.to_string()))?
+        {
+            if body.len().saturating_add(chunk.len()) > most {
+                return Err(GraphError::AnswerTooLarge(most));
+            }
+            body.extend_from_slice(&chunk);
+        }
         if !status.is_success() {
             return Err(GraphError::Http {
                 status: status.as_u16(),
@@ -236,12 +255,23 @@ impl RemoteSparql {
         }
         Ok(Body {
             content_type,
-            bytes: body.to_vec(),
+            bytes: body,
         })
     }
 
     pub async fn query(&self, sparql: &str) -> Result<QueryAnswer, GraphError> {
-        let request = self
+        self.query_within(sparql, None).await
+    }
+
+    /// [`Self::query`]; with `budget`, the server (an aggregator) is asked to hold the query to
+    /// that many bindings ([`crate::BINDINGS_HEADER`]; a SPARQL server ignores it), and an answer
+    /// longer than [`MOST_BOUNDED_ANSWER_BYTES`] is refused as it arrives rather than held.
+    pub async fn query_within(
+        &self,
+        sparql: &str,
+        budget: Option<u64>,
+    ) -> Result<QueryAnswer, GraphError> {
+        let mut request = self
             .api
             .post("/query")
             .header(reqwest::header::CONTENT_TYPE, "application/sparql-query")
@@ -250,7 +280,12 @@ impl RemoteSparql {
                 "application/sparql-results+json, application/n-triples;q=0.9",
             )
             .body(sparql.to_owned());
-        let body = Self::send(request).await?;
+        let mut most = usize::MAX;
+        if let Some(budget) = budget {
+            request = request.header(crate::BINDINGS_HEADER, budget.to_string());
+            most = MOST_BOUNDED_ANSWER_BYTES;
+        }
+        let body = Self::send_at_most(request, most).await?;
         if body.content_type.starts_with("application/n-triples") {
             let parser = oxigraph::io::RdfParser::from_format(oxigraph::io::RdfFormat::NTriples);
             let triples = parser
