@@ -30,6 +30,8 @@ struct AppState {
     token: Option<String>,
     stats: Arc<ConsumerStats>,
     reads: Arc<Reads>,
+    /// When `/metrics` last counted the open fan-outs (see [`crate::metrics::refresh`]).
+    fanouts_counted: Arc<tokio::sync::Mutex<Option<std::time::Instant>>>,
 }
 
 /// The read policy in force.
@@ -79,6 +81,7 @@ pub fn router(
         token,
         stats,
         reads,
+        fanouts_counted: Arc::default(),
     };
     // Records of several steps travel in one call, each with its whole outcome (a step's messages
     // may be a few MB), so the journal's calls are let past axum's 2 MB default: 32 steps of 64 KB
@@ -599,7 +602,7 @@ async fn chains_call(state: &AppState, headers: &HeaderMap, named: usize) -> Res
 }
 
 async fn metrics(State(state): State<AppState>) -> Response {
-    crate::metrics::refresh(&state.store, &state.stats).await;
+    crate::metrics::refresh(&state.store, &state.stats, &state.fanouts_counted).await;
     (
         [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
         agent_metrics::global().render(),

@@ -42,14 +42,30 @@ pub fn fan_in(timed_out: bool, took: Duration) {
 
 /// Brings the scrape-time values up to date: the open fan-outs are read from the store (the truth
 /// every aggregator shares), the message counts from the consumer.
-pub async fn refresh(store: &GraphStore, stats: &ConsumerStats) {
+///
+/// The count of open fan-outs reads every fan-out the store holds, and `/metrics` is open to
+/// anyone: it is read at most once a second (`counted`: when it last was), however often scrapes
+/// come, one at a time; a scrape in between reports the last count.
+pub async fn refresh(
+    store: &GraphStore,
+    stats: &ConsumerStats,
+    counted: &tokio::sync::Mutex<Option<std::time::Instant>>,
+) {
     let registry = global();
-    if let Ok(QueryAnswer::Rows(rows)) = store.query(agent_graph::queries::open_fanouts()).await {
-        let open = match rows.first("n") {
-            Some(agent_graph::model::Term::Literal(n)) => n.value().parse::<f64>().unwrap_or(0.0),
-            _ => 0.0,
-        };
-        registry.set(FANOUTS_OPEN, &[], open);
+    if let Ok(mut last) = counted.try_lock() {
+        if last.is_none_or(|at| at.elapsed() >= Duration::from_secs(1)) {
+            *last = Some(std::time::Instant::now());
+            let open_fanouts = store.query(agent_graph::queries::open_fanouts()).await;
+            if let Ok(QueryAnswer::Rows(rows)) = open_fanouts {
+                let open = match rows.first("n") {
+                    Some(agent_graph::model::Term::Literal(n)) => {
+                        n.value().parse::<f64>().unwrap_or(0.0)
+                    }
+                    _ => 0.0,
+                };
+                registry.set(FANOUTS_OPEN, &[], open);
+            }
+        }
     }
     stats.report(MESSAGES);
 }

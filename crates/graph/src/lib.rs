@@ -338,8 +338,16 @@ impl GraphStore {
                     query_embedded(&store, &sparql, Some((token, bounds)))
                 });
                 match tokio::time::timeout(bounds.timeout, evaluation).await {
-                    Ok(joined) => joined
-                        .map_err(|e| GraphError::Storage(format!("store task failed: {e}")))?,
+                    Ok(Ok(answer)) => answer,
+                    // A sort cancelled midway compares no more, which the standard library's
+                    // sort may take for a broken order and panic: the query was stopped.
+                    Ok(Err(_)) if cancel.budget_exhausted() => {
+                        Err(GraphError::TooMuchWork(bounds.max_bindings))
+                    }
+                    Ok(Err(_)) if cancel.is_cancelled() => {
+                        Err(GraphError::TimedOut(bounds.timeout))
+                    }
+                    Ok(Err(e)) => Err(GraphError::Storage(format!("store task failed: {e}"))),
                     Err(_) => {
                         cancel.cancel();
                         Err(GraphError::TimedOut(bounds.timeout))
