@@ -355,6 +355,9 @@ impl GraphStore {
                 }
             }
             Backend::Remote(remote) => {
+                if bounds.max_bindings != u64::MAX {
+                    refuse_services(sparql.clone()).await?;
+                }
                 // The server holds the query to the budget asked of it (a replica forwarding a
                 // stranger's, a tool's query an LLM wrote) where it would otherwise take the
                 // services' own queries at their word.
@@ -697,6 +700,28 @@ async fn blocking<T: Send + 'static>(
     tokio::task::spawn_blocking(work)
         .await
         .map_err(|e| GraphError::Storage(format!("store task failed: {e}")))?
+}
+
+/// Refuses a query that calls other endpoints (`SERVICE`), before a SPARQL server does it for
+/// a stranger: Apache Jena Fuseki calls any URL it can reach by default, so a `SERVICE` clause
+/// asked of our endpoint would make the server fetch from inside the network. (The embedded store
+/// has no HTTP client and refuses them itself.) Parsed on a stack sized for the query.
+async fn refuse_services(sparql: String) -> Result<(), GraphError> {
+    blocking(move || {
+        nesting::with_stack_for(&sparql, || {
+            let query = spargebra::SparqlParser::new()
+                .parse_query(&sparql)
+                .map_err(|e| GraphError::Syntax(e.to_string()))?;
+            if planning::measure(&query).services > 0 {
+                return Err(GraphError::Syntax(
+                    "SERVICE (a call to another endpoint) is not taken here".to_owned(),
+                ));
+            }
+            Ok(())
+        })
+        .map_err(GraphError::Syntax)?
+    })
+    .await
 }
 
 /// Evaluates `sparql` on `store`; `bounded`: the token that stops it (at its time limit, or

@@ -85,6 +85,8 @@ pub struct Size {
     /// The steps the optimizer's size estimates of its property paths take (see
     /// [`MOST_PATH_ESTIMATES`]).
     pub path_estimates: usize,
+    /// Its `SERVICE` clauses: calls the store would make to other endpoints.
+    pub services: usize,
 }
 
 /// `query`'s [`Size`]. Counted without recursion: the tree may be as deep as the text is long.
@@ -99,16 +101,21 @@ pub fn measure(query: &Query) -> Size {
         operands: 0,
         expression_nodes: 0,
         path_estimates: 0,
+        services: 0,
     };
     let mut to_visit = vec![(Part::Pattern(pattern), 1usize)];
     while let Some((part, copies)) = to_visit.pop() {
         match part {
             Part::Pattern(pattern) => {
                 size.operands = size.operands.saturating_add(copies);
-                if let GraphPattern::Path { path, .. } = pattern {
-                    size.path_estimates = size
-                        .path_estimates
-                        .saturating_add(path_estimates(path).saturating_mul(copies));
+                match pattern {
+                    GraphPattern::Path { path, .. } => {
+                        size.path_estimates = size
+                            .path_estimates
+                            .saturating_add(path_estimates(path).saturating_mul(copies));
+                    }
+                    GraphPattern::Service { .. } => size.services = size.services.saturating_add(1),
+                    _ => {}
                 }
                 visit_pattern(pattern, copies, &mut size.operands, &mut to_visit);
             }

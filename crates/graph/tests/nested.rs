@@ -121,3 +121,25 @@ async fn a_long_sequence_in_a_path_is_answered() {
     );
     store.query_bounded(chain, bounds).await.unwrap();
 }
+
+/// A stranger's query that calls another endpoint (`SERVICE`) is refused before it is sent to a
+/// SPARQL server (Apache Jena Fuseki calls any URL it can reach by default): here the server does
+/// not even exist, and the refusal says why.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_strangers_service_call_is_refused_before_a_sparql_server_sees_it() {
+    let store = agent_graph::GraphStore::open("http://127.0.0.1:9/ds", None).unwrap();
+    let bounds = QueryBounds {
+        timeout: Duration::from_secs(20),
+        max_rows: 100,
+        max_bindings: QueryBounds::DEFAULT_MAX_BINDINGS,
+    };
+    let fetch = "SELECT * WHERE { SERVICE <http://169.254.169.254/latest/meta-data> { ?s ?p ?o } }";
+    let refused = store
+        .query_bounded(fetch.to_owned(), bounds)
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(&refused, GraphError::Syntax(why) if why.contains("SERVICE")),
+        "{refused:?}"
+    );
+}
