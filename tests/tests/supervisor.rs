@@ -501,6 +501,13 @@ async fn a_fan_out_found_due_with_a_nested_one_waits_for_its_answer() {
         count_reaching(&trip.aggregator.store(), completions, 2).await,
         2
     );
+    // Frozen before the nested fan-out is due (6 s after the outer one started), or the test
+    // would show nothing.
+    let syntheses = format!(
+        "{}SELECT ?s WHERE {{ GRAPH <urn:graph:retrieval> {{ ?s a tg:Synthesis }} }}",
+        agent_core::vocab::SPARQL_PREFIXES
+    );
+    assert_eq!(count(&trip.aggregator.store(), syntheses).await, 0);
     trip.aggregator.freeze(true);
     tokio::time::sleep(Duration::from_secs(13)).await;
     trip.aggregator.freeze(false);

@@ -125,14 +125,15 @@ pub async fn sweep(
 /// In memory: a restarted aggregator holds such a fan-out back one grace more.
 #[derive(Debug, Default)]
 struct HeldBack {
-    /// Each fan-out held back, and until when.
-    until: HashMap<String, chrono::DateTime<chrono::Utc>>,
+    /// Each fan-out held back: until when, and for how many seconds.
+    until: HashMap<String, (chrono::DateTime<chrono::Utc>, u64)>,
 }
 
 impl HeldBack {
     /// Of `due` (fan-outs past their deadline, with the seconds each waited), those to answer now:
-    /// one with a fan-out below it still open (of `open`, every open fan-out) waits `grace` from
-    /// when it was first found so, then goes whether that one answered or not. No grace, no wait.
+    /// one with fan-outs below it still open (of `open`, every open fan-out) waits from when it
+    /// was first found so a grace for each level of them, the deepest answering first, then goes
+    /// whether they answered or not. No grace, no wait.
     fn due_now(
         &mut self,
         due: Vec<(String, u64)>,
@@ -144,27 +145,37 @@ impl HeldBack {
         if grace.is_zero() {
             return due;
         }
-        let grace_secs = grace.as_secs();
-        let grace = chrono::Duration::from_std(grace).unwrap_or_default();
+        // How many levels of open fan-outs each fan-out has below it, read once a sweep.
+        let mut levels_below: HashMap<&str, u32> = HashMap::new();
+        for below in open {
+            for (level, above) in fanouts_above(below).into_iter().enumerate() {
+                let levels = u32::try_from(level + 1).unwrap_or(u32::MAX);
+                let deepest = levels_below.entry(above).or_default();
+                *deepest = (*deepest).max(levels);
+            }
+        }
         let mut now_due = Vec::new();
         for (cid, waited) in due {
-            let until = match self.until.get(&cid) {
-                Some(until) => *until,
-                None if open
-                    .iter()
-                    .any(|below| fanouts_above(below).contains(&cid.as_str())) =>
-                {
-                    let until = now.checked_add_signed(grace).unwrap_or(now);
-                    self.until.insert(cid.clone(), until);
-                    until
-                }
-                None => {
-                    now_due.push((cid, waited));
-                    continue;
-                }
+            let (until, held_secs) = match self.until.get(&cid) {
+                Some(held) => *held,
+                None => match levels_below.get(cid.as_str()) {
+                    Some(levels) => {
+                        let hold = grace.saturating_mul(*levels);
+                        let until = chrono::Duration::from_std(hold)
+                            .ok()
+                            .and_then(|hold| now.checked_add_signed(hold))
+                            .unwrap_or(now);
+                        self.until.insert(cid.clone(), (until, hold.as_secs()));
+                        (until, hold.as_secs())
+                    }
+                    None => {
+                        now_due.push((cid, waited));
+                        continue;
+                    }
+                },
             };
             if now >= until {
-                now_due.push((cid, waited.saturating_add(grace_secs)));
+                now_due.push((cid, waited.saturating_add(held_secs)));
             }
         }
         now_due
@@ -793,6 +804,26 @@ mod tests {
         // Answered, it is forgotten.
         held.due_now(Vec::new(), &open(&[]), grace, at(2076));
         assert!(held.until.is_empty());
+        // Three levels found together: the middle one waits a grace, the outer one two.
+        let mut deep = HeldBack::default();
+        let three = open(&["abc-f1", "abc-f1-s0-f2", "abc-f1-s0-f2-s1-f3"]);
+        let all_due = || due(&["abc-f1", "abc-f1-s0-f2", "abc-f1-s0-f2-s1-f3"]);
+        assert_eq!(
+            deep.due_now(all_due(), &three, grace, at(3000)),
+            [("abc-f1-s0-f2-s1-f3".to_owned(), 300)]
+        );
+        let two = open(&["abc-f1", "abc-f1-s0-f2"]);
+        assert_eq!(
+            deep.due_now(due(&["abc-f1", "abc-f1-s0-f2"]), &two, grace, at(3075)),
+            [("abc-f1-s0-f2".to_owned(), 375)]
+        );
+        assert!(deep
+            .due_now(due(&["abc-f1"]), &outer, grace, at(3100))
+            .is_empty());
+        assert_eq!(
+            deep.due_now(due(&["abc-f1"]), &outer, grace, at(3150)),
+            [("abc-f1".to_owned(), 450)]
+        );
         // No grace: the outer one goes with the nested one.
         let mut none = HeldBack::default();
         assert_eq!(

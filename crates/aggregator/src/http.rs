@@ -136,10 +136,6 @@ fn error_response(e: GraphError) -> Response {
         GraphError::TooManyRows(_) | GraphError::TooMuchWork(_) | GraphError::AnswerTooLarge(_) => {
             StatusCode::PAYLOAD_TOO_LARGE
         }
-        // The store's owner (this one a replica) refused the query, or was busy: its word goes.
-        GraphError::Http { status, .. } if matches!(status, 400..=499 | 503) => {
-            StatusCode::from_u16(*status).unwrap_or(StatusCode::BAD_GATEWAY)
-        }
         _ => StatusCode::INTERNAL_SERVER_ERROR,
     };
     (status, e.to_string()).into_response()
@@ -177,10 +173,15 @@ async fn run_query(state: &AppState, headers: &HeaderMap, sparql: String) -> Res
         )
             .into_response();
     }
-    // The services' own queries (the journal, fan-in) never queue behind anonymous ones.
-    // The turn is held by the evaluation, not this request, so it counts a query until its
-    // evaluation has ended, even one whose client went away.
-    let turn = if service {
+    // The services' own queries (the journal, fan-in) never queue behind anonymous ones, but
+    // a query they ask to bound (a stranger's forwarded by a replica, a tool's) takes a turn as a
+    // stranger's does. The turn is held by the evaluation, not this request, so it counts a query
+    // until its evaluation has ended, even one whose client went away.
+    let asked = headers
+        .get(agent_graph::BINDINGS_HEADER)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    let turn = if service && asked.is_none() {
         None
     } else {
         match tokio::time::timeout(TURN_WAIT, reads.turns.clone().acquire_owned()).await {
@@ -200,10 +201,6 @@ async fn run_query(state: &AppState, headers: &HeaderMap, sparql: String) -> Res
     // load) are held to the time limit, not to the budget that bounds a stranger's, unless they
     // ask for one: a replica forwards a stranger's query with the services' token and the
     // stranger's budget, and a tool sends the query an LLM wrote with its own.
-    let asked = headers
-        .get(agent_graph::BINDINGS_HEADER)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.parse::<u64>().ok());
     let (bounds, max_answer_bytes) = match (service, asked) {
         (true, None) => (
             QueryBounds {
@@ -214,7 +211,7 @@ async fn run_query(state: &AppState, headers: &HeaderMap, sparql: String) -> Res
         ),
         (true, Some(budget)) => (
             QueryBounds {
-                max_bindings: budget,
+                max_bindings: budget.min(reads.bounds.max_bindings),
                 ..reads.bounds
             },
             reads.max_answer_bytes,
@@ -251,7 +248,16 @@ async fn run_query(state: &AppState, headers: &HeaderMap, sparql: String) -> Res
                 | GraphError::AnswerTooLarge(_) => crate::metrics::query_refused("too_large"),
                 _ => {}
             }
-            error_response(e)
+            match e {
+                // The store's owner (this one a replica) refused the query, or was busy: its word
+                // goes to the client. Only here: elsewhere (the journal) a 4xx from a SPARQL
+                // server would read as this aggregator's own answer.
+                GraphError::Http { status, body } if matches!(status, 400..=499 | 503) => {
+                    let status = StatusCode::from_u16(status).unwrap_or(StatusCode::BAD_GATEWAY);
+                    (status, body).into_response()
+                }
+                e => error_response(e),
+            }
         }
     }
 }

@@ -45,26 +45,31 @@ pub fn fan_in(timed_out: bool, took: Duration) {
 ///
 /// The count of open fan-outs reads every fan-out the store holds, and `/metrics` is open to
 /// anyone: it is read at most once a second (`counted`: when it last was), however often scrapes
-/// come, one at a time; a scrape in between reports the last count.
+/// come, one at a time, the turn kept until the count ends even if the scrape's client has gone;
+/// a scrape in between reports the last count.
 pub async fn refresh(
     store: &GraphStore,
     stats: &ConsumerStats,
-    counted: &tokio::sync::Mutex<Option<std::time::Instant>>,
+    counted: &std::sync::Arc<tokio::sync::Mutex<Option<std::time::Instant>>>,
 ) {
-    let registry = global();
-    if let Ok(mut last) = counted.try_lock() {
+    if let Ok(mut last) = counted.clone().try_lock_owned() {
         if last.is_none_or(|at| at.elapsed() >= Duration::from_secs(1)) {
             *last = Some(std::time::Instant::now());
-            let open_fanouts = store.query(agent_graph::queries::open_fanouts()).await;
-            if let Ok(QueryAnswer::Rows(rows)) = open_fanouts {
-                let open = match rows.first("n") {
-                    Some(agent_graph::model::Term::Literal(n)) => {
-                        n.value().parse::<f64>().unwrap_or(0.0)
-                    }
-                    _ => 0.0,
-                };
-                registry.set(FANOUTS_OPEN, &[], open);
-            }
+            let store = store.clone();
+            let count = tokio::spawn(async move {
+                let _one_at_a_time = last;
+                let open_fanouts = store.query(agent_graph::queries::open_fanouts()).await;
+                if let Ok(QueryAnswer::Rows(rows)) = open_fanouts {
+                    let open = match rows.first("n") {
+                        Some(agent_graph::model::Term::Literal(n)) => {
+                            n.value().parse::<f64>().unwrap_or(0.0)
+                        }
+                        _ => 0.0,
+                    };
+                    global().set(FANOUTS_OPEN, &[], open);
+                }
+            });
+            let _counted = count.await;
         }
     }
     stats.report(MESSAGES);

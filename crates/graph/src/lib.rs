@@ -338,15 +338,15 @@ impl GraphStore {
                     query_embedded(&store, &sparql, Some((token, bounds)))
                 });
                 match tokio::time::timeout(bounds.timeout, evaluation).await {
-                    Ok(Ok(answer)) => answer,
+                    Ok(Ok(Ok(answer))) => Ok(answer),
                     // A sort cancelled midway compares no more, which the standard library's
-                    // sort may take for a broken order and panic: the query was stopped.
-                    Ok(Err(_)) if cancel.budget_exhausted() => {
+                    // sort may take for a broken order and panic (caught on the pool, or on a deep
+                    // query's own thread): the query was stopped, whatever the error says.
+                    Ok(_) if cancel.budget_exhausted() => {
                         Err(GraphError::TooMuchWork(bounds.max_bindings))
                     }
-                    Ok(Err(_)) if cancel.is_cancelled() => {
-                        Err(GraphError::TimedOut(bounds.timeout))
-                    }
+                    Ok(_) if cancel.is_cancelled() => Err(GraphError::TimedOut(bounds.timeout)),
+                    Ok(Ok(Err(e))) => Err(e),
                     Ok(Err(e)) => Err(GraphError::Storage(format!("store task failed: {e}"))),
                     Err(_) => {
                         cancel.cancel();

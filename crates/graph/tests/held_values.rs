@@ -174,7 +174,7 @@ async fn what_one_evaluation_holds_is_bounded() {
 }
 
 /// What an evaluation held is given back when it ends, stopped or not: queries shallow enough to
-/// run on the blocking pool's reused threads, each reading a 1 MiB `?x` 70 times (refused) or 40
+/// run on the blocking pool's reused threads, each reading a 1 MiB `?x` 72 times (refused) or 39
 /// times (answered), in turn, eight times. A count left behind on a thread would refuse the later ones.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn what_an_evaluation_held_is_given_back() {
@@ -184,21 +184,27 @@ async fn what_an_evaluation_held_is_given_back() {
         max_rows: 10,
         max_bindings: QueryBounds::DEFAULT_MAX_BINDINGS,
     };
-    // Without brackets: up to 96 of those, a query runs on the pool rather than a deep stack.
-    let reads = |n: usize| format!("BIND(STR({}) AS ?y)", vec!["?x < ?x"; n / 2].join(" || "));
+    // `(?x < ?x) IN (?x, ...)` reads `?x` three times an element (the left is copied into each
+    // comparison) with few brackets and no `|`: up to 96 of those and its operands, a query runs
+    // on the pool rather than on a deep stack's own thread.
+    let reads = |n: usize| {
+        format!(
+            "BIND(STR((?x < ?x) IN ({})) AS ?y)",
+            vec!["?x"; n / 3].join(", ")
+        )
+    };
     for _ in 0..8 {
         let refused = store
-            .query_bounded(query_over_x(1 << 20, &reads(70)), bounds)
+            .query_bounded(query_over_x(1 << 20, &reads(72)), bounds)
             .await
             .unwrap_err();
         assert!(matches!(refused, GraphError::TooMuchWork(_)), "{refused}");
         let rows = store
-            .query_bounded(query_over_x(1 << 20, &reads(40)), bounds)
+            .query_bounded(query_over_x(1 << 20, &reads(39)), bounds)
             .await
             .unwrap()
             .rows();
-        // STRLEN("false").
-        let n = rows.rows[0][0].clone().unwrap().to_string();
-        assert!(n.starts_with("\"5\""), "{n}");
+        // A boolean compared with a string: unbound, and answered.
+        assert_eq!(rows.rows.len(), 1);
     }
 }

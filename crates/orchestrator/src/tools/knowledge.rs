@@ -96,7 +96,7 @@ pub async fn sparql_query(
             GraphError::TooManyRows(most) => format!(
                 "the query's answer has more than {most} rows: count them (COUNT) or ask for fewer (LIMIT)"
             ),
-            GraphError::TooMuchWork(_) => format!(
+            GraphError::TooMuchWork(_) | GraphError::Http { status: 413, .. } => format!(
                 "the query was stopped: {e}; join fewer patterns that share no variable, or narrow them"
             ),
             e => format!("the query failed: {e}"),
