@@ -386,3 +386,40 @@ async fn a_supervisor_forked_at_its_synthesis_does_not_run_its_subagents_again()
         "the synthesis was asked again"
     );
 }
+
+/// A long dialog's inputs are read a page at a time: asked for all at once, a fork past about 450
+/// steps sent the aggregator a query text over the 32 KiB it takes from anyone without the
+/// services' token, and was refused (413). Records of steps 1, 150 and 600 (each continuing the
+/// one before it, across pages) are written with the token; step 600's input is rebuilt by a
+/// reader without it.
+#[tokio::test]
+async fn a_long_dialogs_input_is_read_a_page_at_a_time() {
+    let broker = Broker::start().unwrap();
+    let aggregator = Aggregator::spawn_with(&broker, &["--config-token", TOKEN]);
+    let writer =
+        agent_graph::GraphStore::open(&aggregator.endpoint, Some(TOKEN.to_owned())).unwrap();
+    let session = "5e1f0c2a-7b3d-4e9f-8a6b-1c2d3e4f5a6b";
+    let node = agent_core::vocab::session_uri(session);
+    let request = AgentRequest {
+        question: "A long one.".to_owned(),
+        ..AgentRequest::default()
+    };
+    // A JSON literal of the request's JSON.
+    let literal = serde_json::to_string(&serde_json::to_string(&request).unwrap()).unwrap();
+    let records = format!(
+        "{SPARQL_PREFIXES}INSERT DATA {{ GRAPH <urn:graph:retrieval> {{
+           <{node}/input/1> tg:step 1 ; tg:request {} .
+           <{node}/input/150> tg:step 150 ; tg:request {} ;
+             tg:continuesInput <{node}/input/1> ; tg:continuedSteps 0 .
+           <{node}/input/600> tg:step 600 ; tg:request {} ;
+             tg:continuesInput <{node}/input/150> ; tg:continuedSteps 0 . }} }}",
+        literal, literal, literal
+    );
+    writer.update(records).await.unwrap();
+    let reader = agent_graph::GraphStore::open(&aggregator.endpoint, None).unwrap();
+    let input = agent_graph::recorded::step_input(&reader, session, 600)
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(input.question, "A long one.");
+}

@@ -425,7 +425,7 @@ mod tests {
             dialog_answer(&session),
             fanout_sessions(&node),
             any_fanout_answered(&many),
-            step_inputs(&session, 100),
+            step_inputs(&session, 1..=STEP_INPUTS_PAGE),
             recorded_llm_calls(&node),
             recorded_tool_results(&node),
             owner_records(),

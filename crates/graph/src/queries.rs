@@ -425,12 +425,13 @@ WHERE {{
     )
 }
 
-/// The recorded inputs of steps 1 to `up_to` of a session (see `agent_core::fork`): each one's
-/// step, request, and the input it continues with how many of its steps. Looked up by node, so its
-/// cost follows `up_to`, not the graph.
-pub fn step_inputs(session: &NamedNode, up_to: usize) -> String {
+/// The recorded inputs of a session's `steps` (see `agent_core::fork`): each one's step, request,
+/// and the input it continues with how many of its steps. Looked up by node, so its cost follows
+/// the steps asked, not the graph; a caller asks for [`STEP_INPUTS_PAGE`] at a time, so that the
+/// text stays within what an endpoint takes from a stranger (32 KiB: about 450 steps' nodes).
+pub fn step_inputs(session: &NamedNode, steps: std::ops::RangeInclusive<usize>) -> String {
     let g = graph();
-    let nodes: String = (1..=up_to)
+    let nodes: String = steps
         .map(|n| format!("<{}/input/{n}>", session.as_str()))
         .collect::<Vec<_>>()
         .join(" ");
@@ -440,6 +441,9 @@ pub fn step_inputs(session: &NamedNode, up_to: usize) -> String {
     OPTIONAL {{ ?i tg:continuesInput ?from ; tg:continuedSteps ?kept }} }} }}"
     )
 }
+
+/// How many steps' inputs [`step_inputs`] is asked for at once.
+pub const STEP_INPUTS_PAGE: usize = 200;
 
 /// The LLM calls recorded in a run (its root session's node): each call's node, the digest of
 /// what it asked and its answer (JSON).
@@ -561,4 +565,20 @@ pub fn owner_records_of(rows: &crate::Rows) -> Vec<OwnerRecord> {
         }
     }
     highest.into_values().collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A page of step inputs stays within what the aggregator takes from a stranger (32 KiB), for
+    /// a subagent's session three levels deep, at steps in the thousands: a fork of a long dialog
+    /// asked for all of them in one query, and past about 450 steps was refused (413).
+    #[test]
+    fn a_page_of_step_inputs_stays_within_a_strangers_query_text() {
+        let session =
+            session_node("0b9e6f2a-51c4-4d38-9a7e-2f1c3d4e5a6b-f12-s3-f4-s10-f2-s7").unwrap();
+        let page = step_inputs(&session, 9_801..=9_800 + STEP_INPUTS_PAGE);
+        assert!(page.len() < 32 * 1024, "{} bytes", page.len());
+    }
 }

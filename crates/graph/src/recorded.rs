@@ -27,9 +27,24 @@ pub async fn step_input(
     n: usize,
 ) -> Result<Result<AgentRequest, String>, GraphError> {
     let node = queries::session_node(session)?;
-    let rows = store.query(queries::step_inputs(&node, n)).await?.rows();
-    let columns = ["step", "request", "from", "kept"].map(|c| rows.column(c));
     let mut records = Vec::new();
+    for first in (1..=n).step_by(queries::STEP_INPUTS_PAGE) {
+        let last = first.saturating_add(queries::STEP_INPUTS_PAGE - 1).min(n);
+        let rows = store
+            .query(queries::step_inputs(&node, first..=last))
+            .await?
+            .rows();
+        if let Err(why) = add_records(&rows, &mut records) {
+            return Ok(Err(why));
+        }
+    }
+    Ok(rebuild(&records, n))
+}
+
+/// The step inputs in `rows` (see [`queries::step_inputs`]) added to `records`; `Err(why)` when
+/// one does not decode.
+fn add_records(rows: &crate::Rows, records: &mut Vec<RecordedInput>) -> Result<(), String> {
+    let columns = ["step", "request", "from", "kept"].map(|c| rows.column(c));
     for i in 0..rows.rows.len() {
         let cell = |c: usize| text(columns[c].get(i).copied().flatten());
         let number = |c: usize| cell(c).and_then(|v| v.parse::<usize>().ok());
@@ -38,11 +53,7 @@ pub async fn step_input(
         };
         let request = match serde_json::from_str::<AgentRequest>(&json) {
             Ok(request) => request,
-            Err(e) => {
-                return Ok(Err(format!(
-                    "the input of step {step} does not decode: {e}"
-                )))
-            }
+            Err(e) => return Err(format!("the input of step {step} does not decode: {e}")),
         };
         let from = cell(2).and_then(|iri| iri.rsplit('/').next()?.parse::<usize>().ok());
         let continues = from.zip(number(3));
@@ -52,7 +63,7 @@ pub async fn step_input(
             request,
         });
     }
-    Ok(rebuild(&records, n))
+    Ok(())
 }
 
 /// The answer `session` concluded with (its conclusion's document), once the graph records it.
