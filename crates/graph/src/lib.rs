@@ -355,13 +355,13 @@ impl GraphStore {
                 }
             }
             Backend::Remote(remote) => {
-                if bounds.max_bindings != u64::MAX {
-                    refuse_services(sparql.clone()).await?;
-                }
                 // The server holds the query to the budget asked of it (a replica forwarding a
                 // stranger's, a tool's query an LLM wrote) where it would otherwise take the
                 // services' own queries at their word.
                 let budget = (bounds.max_bindings != u64::MAX).then_some(bounds.max_bindings);
+                if budget.is_some() {
+                    refuse_services(sparql.clone()).await?;
+                }
                 let answer =
                     tokio::time::timeout(bounds.timeout, remote.query_within(&sparql, budget))
                         .await

@@ -7,6 +7,9 @@
 use std::time::Duration;
 
 use agent_graph::{GraphError, QueryBounds};
+use common::default_bounds;
+
+mod common;
 
 /// A property path's closure holds every pair it finds before it gives one: it is spent from the
 /// budget as it grows.
@@ -61,11 +64,7 @@ async fn long_literals_of_the_store_are_not_refused() {
         )
         .await
         .unwrap();
-    let bounds = QueryBounds {
-        timeout: Duration::from_secs(600),
-        max_rows: 10,
-        max_bindings: QueryBounds::DEFAULT_MAX_BINDINGS,
-    };
+    let bounds = default_bounds(600, 10);
     let sparql = r#"SELECT (STRLEN(LCASE(?t)) AS ?lower) (REPLACE(?t, "^(.{6}).*$", "$1", "s") AS ?head)
         WHERE { GRAPH ?g { <urn:doc> <urn:text> ?t } }"#;
     let rows = store
@@ -113,11 +112,7 @@ fn query_over_x(bytes: usize, shape: &str) -> String {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn what_one_evaluation_holds_is_bounded() {
     let store = agent_graph::GraphStore::in_memory().unwrap();
-    let bounds = QueryBounds {
-        timeout: Duration::from_secs(600),
-        max_rows: 10,
-        max_bindings: QueryBounds::DEFAULT_MAX_BINDINGS,
-    };
+    let bounds = default_bounds(600, 10);
     let deep = 1_500;
     let nested_concat = format!("{}\"\"{}", "CONCAT(?x, ".repeat(deep), ")".repeat(deep));
     // `<` keeps its operands in order (`=` may be turned round), so the left is held each level.
@@ -179,11 +174,7 @@ async fn what_one_evaluation_holds_is_bounded() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn what_an_evaluation_held_is_given_back() {
     let store = agent_graph::GraphStore::in_memory().unwrap();
-    let bounds = QueryBounds {
-        timeout: Duration::from_secs(600),
-        max_rows: 10,
-        max_bindings: QueryBounds::DEFAULT_MAX_BINDINGS,
-    };
+    let bounds = default_bounds(600, 10);
     // `(?x < ?x) IN (?x, ...)` reads `?x` three times an element (the left is copied into each
     // comparison) with few brackets and no `|`: up to 96 of those and its operands, a query runs
     // on the pool rather than on a deep stack's own thread.

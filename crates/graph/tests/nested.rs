@@ -1,11 +1,8 @@
 //! Deep queries on the embedded store: one nested past what any stack holds is refused before the
 //! parser, and deep ones are answered on a stack sized for them, the process alive after both.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
-
-use std::time::Duration;
-
-use agent_graph::{GraphError, QueryBounds};
-use common::store_with_triples;
+use agent_graph::GraphError;
+use common::{default_bounds, store_with_triples};
 
 mod common;
 
@@ -18,11 +15,7 @@ mod common;
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_query_nested_too_deep_is_refused_and_the_process_lives() {
     let store = store_with_triples(10).await;
-    let bounds = QueryBounds {
-        timeout: Duration::from_secs(120),
-        max_rows: 100,
-        max_bindings: QueryBounds::DEFAULT_MAX_BINDINGS,
-    };
+    let bounds = default_bounds(120, 100);
     let too_deep = 100_001;
     for query in [
         format!(
@@ -81,11 +74,7 @@ async fn a_query_nested_too_deep_is_refused_and_the_process_lives() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_in_that_expands_past_the_bound_is_refused() {
     let store = store_with_triples(10).await;
-    let bounds = QueryBounds {
-        timeout: Duration::from_secs(120),
-        max_rows: 100,
-        max_bindings: QueryBounds::DEFAULT_MAX_BINDINGS,
-    };
+    let bounds = default_bounds(120, 100);
     let doubling = format!(
         "ASK {{ FILTER({}1{}) }}",
         "(".repeat(34),
@@ -110,11 +99,7 @@ async fn an_in_that_expands_past_the_bound_is_refused() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_long_sequence_in_a_path_is_answered() {
     let store = store_with_triples(10).await;
-    let bounds = QueryBounds {
-        timeout: Duration::from_secs(20),
-        max_rows: 100,
-        max_bindings: QueryBounds::DEFAULT_MAX_BINDINGS,
-    };
+    let bounds = default_bounds(20, 100);
     let chain = format!(
         "SELECT * WHERE {{ GRAPH ?g {{ ?s ?p ?o . ?o {}<urn:p:1>|<urn:p:2> ?x }} }}",
         "<urn:p:1>/".repeat(60)
@@ -128,11 +113,7 @@ async fn a_long_sequence_in_a_path_is_answered() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_strangers_service_call_is_refused_before_a_sparql_server_sees_it() {
     let store = agent_graph::GraphStore::open("http://127.0.0.1:9/ds", None).unwrap();
-    let bounds = QueryBounds {
-        timeout: Duration::from_secs(20),
-        max_rows: 100,
-        max_bindings: QueryBounds::DEFAULT_MAX_BINDINGS,
-    };
+    let bounds = default_bounds(20, 100);
     let fetch = "SELECT * WHERE { SERVICE <http://169.254.169.254/latest/meta-data> { ?s ?p ?o } }";
     let refused = store
         .query_bounded(fetch.to_owned(), bounds)

@@ -3,7 +3,16 @@
 
 use std::time::Duration;
 
-use agent_graph::GraphStore;
+use agent_graph::{GraphStore, QueryBounds};
+
+/// A stranger's bounds (the default budget of bindings) with `timeout_secs` and `max_rows`.
+pub fn default_bounds(timeout_secs: u64, max_rows: usize) -> QueryBounds {
+    QueryBounds {
+        timeout: Duration::from_secs(timeout_secs),
+        max_rows,
+        max_bindings: QueryBounds::DEFAULT_MAX_BINDINGS,
+    }
+}
 
 /// CPU seconds this process used so far (user and system), from /proc.
 pub fn cpu_seconds() -> f64 {
