@@ -18,6 +18,24 @@ fn values(name: &str, n: usize) -> String {
     format!("VALUES ?{name} {{ {} }}", numbers.join(" "))
 }
 
+/// Checks that `sparql` is stopped at its time limit and that the process's cores are free again
+/// 300 ms later (`doing`: what it would still be doing, for the failure's message).
+async fn stopped_at_the_limit_and_idle(
+    store: &agent_graph::GraphStore,
+    sparql: String,
+    bounds: QueryBounds,
+    doing: &str,
+) {
+    let stopped = store.query_bounded(sparql, bounds).await.unwrap_err();
+    assert!(matches!(stopped, GraphError::TimedOut(_)), "{stopped}");
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let idle = cpu_share(Duration::from_secs(1)).await;
+    assert!(
+        idle < 0.3,
+        "still {doing} after the time limit: {idle:.2} of a core"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn work_in_memory_stops_at_the_time_limit_and_at_the_budget_of_bindings() {
     let store = store_with_triples(300).await;
@@ -35,14 +53,7 @@ async fn work_in_memory_stops_at_the_time_limit_and_at_the_budget_of_bindings() 
         max_rows: 100,
         max_bindings: u64::MAX,
     };
-    let stopped = store.query_bounded(lists, unbudgeted).await.unwrap_err();
-    assert!(matches!(stopped, GraphError::TimedOut(_)), "{stopped}");
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    let idle = cpu_share(Duration::from_secs(1)).await;
-    assert!(
-        idle < 0.3,
-        "still busy after the time limit: {idle:.2} of a core"
-    );
+    stopped_at_the_limit_and_idle(&store, lists, unbudgeted, "busy").await;
 
     // Finding every match of `.*[^A-Z]|[A-Z]` in 256 KiB of capitals reads to the text's end
     // for each: work squared in the text, in one function of one row, and it ran on past the limit.
@@ -54,14 +65,7 @@ async fn work_in_memory_stops_at_the_time_limit_and_at_the_budget_of_bindings() 
          BIND(REPLACE(?c8, \".*[^A-Z]|[A-Z]\", \"\") AS ?r) }}",
         "A".repeat(1024)
     );
-    let stopped = store.query_bounded(replaced, unbudgeted).await.unwrap_err();
-    assert!(matches!(stopped, GraphError::TimedOut(_)), "{stopped}");
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    let idle = cpu_share(Duration::from_secs(1)).await;
-    assert!(
-        idle < 0.3,
-        "still replacing after the time limit: {idle:.2} of a core"
-    );
+    stopped_at_the_limit_and_idle(&store, replaced, unbudgeted, "replacing").await;
     // Sorting 10^9 rows would hold them all: refused at the budget, long before the time limit.
     let budgeted = QueryBounds {
         timeout: Duration::from_secs(600),
