@@ -867,7 +867,7 @@ impl std::io::Write for AtMost {
         self.left = self
             .left
             .checked_sub(bytes.len())
-            .ok_or_else(|| std::io::Error::other(TOO_LARGE))?;
+            .ok_or_else(|| std::io::Error::other(TooLarge))?;
         self.out.extend_from_slice(bytes);
         Ok(bytes.len())
     }
@@ -877,7 +877,10 @@ impl std::io::Write for AtMost {
     }
 }
 
-const TOO_LARGE: &str = "the answer is too large";
+/// What [`AtMost`] fails with, told apart from other write errors by its type.
+#[derive(Debug, thiserror::Error)]
+#[error("the answer is too large")]
+struct TooLarge;
 
 /// [`serialize_answer`], refused ([`GraphError::AnswerTooLarge`]) past `max_bytes`: an answer
 /// within its rows may still be large when written (each row its own copy of a long literal,
@@ -889,7 +892,7 @@ pub fn serialize_answer_at_most(
     use oxigraph::sparql::results::{QueryResultsFormat, QueryResultsSerializer};
     use std::io::Write;
     let io = |e: std::io::Error| {
-        if e.to_string() == TOO_LARGE {
+        if e.get_ref().is_some_and(|inner| inner.is::<TooLarge>()) {
             GraphError::AnswerTooLarge(max_bytes)
         } else {
             GraphError::Malformed(e.to_string())
