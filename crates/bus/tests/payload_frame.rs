@@ -9,7 +9,7 @@ use tokio_util::codec::{Decoder, Encoder};
 
 fn framed_message() -> BytesMut {
     let message = Message {
-        command: BaseCommand {
+        command: Box::new(BaseCommand {
             r#type: base_command::Type::Message as i32,
             message: Some(CommandMessage {
                 consumer_id: 7,
@@ -21,7 +21,7 @@ fn framed_message() -> BytesMut {
                 ..CommandMessage::default()
             }),
             ..BaseCommand::default()
-        },
+        }),
         payload: Some(Payload {
             metadata: Metadata {
                 producer_name: "test".into(),
