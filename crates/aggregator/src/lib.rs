@@ -107,8 +107,16 @@ pub struct ReadSettings {
     /// Bindings (rows times the variables they carry) a query's evaluation may make in all, every
     /// step counted; past it the query is stopped and refused (413). The services' own queries
     /// (with `CONFIG_TOKEN`) are held to the time limit only. Its time limit alone bounds
-    /// work, not memory: a cross product held in memory fills it well within 30 s.
-    #[arg(long, env = "AGGREGATOR_MAX_QUERY_BINDINGS", default_value_t = agent_graph::QueryBounds::DEFAULT_MAX_BINDINGS)]
+    /// work, not memory: a cross product held in memory fills it well within 30 s. At most
+    /// 2^64 - 2: 2^64 - 1 is how the services' own queries go unbudgeted, and a stranger's query
+    /// given it would also go without the bound on the text one expression holds, and a SPARQL
+    /// server would be let run its `SERVICE` calls.
+    #[arg(
+        long,
+        env = "AGGREGATOR_MAX_QUERY_BINDINGS",
+        default_value_t = agent_graph::QueryBounds::DEFAULT_MAX_BINDINGS,
+        value_parser = clap::value_parser!(u64).range(1..u64::MAX)
+    )]
     pub max_query_bindings: u64,
     /// Longest query text taken from anyone but the services (their own queries may be long); a
     /// longer one is refused (413) before it is parsed. Long texts are how a query asks for
@@ -430,6 +438,28 @@ fn without_credentials(store: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::without_credentials;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Reads {
+        #[command(flatten)]
+        reads: super::ReadSettings,
+    }
+
+    #[test]
+    fn a_strangers_budget_cannot_be_the_services_unbudgeted_mark() {
+        let most = (u64::MAX - 1).to_string();
+        let parsed = Reads::try_parse_from(["aggregator", "--max-query-bindings", &most]);
+        assert_eq!(
+            parsed.map(|p| p.reads.max_query_bindings).ok(),
+            Some(u64::MAX - 1)
+        );
+        let unbudgeted = u64::MAX.to_string();
+        assert!(
+            Reads::try_parse_from(["aggregator", "--max-query-bindings", &unbudgeted]).is_err()
+        );
+        assert!(Reads::try_parse_from(["aggregator", "--max-query-bindings", "0"]).is_err());
+    }
 
     #[test]
     fn a_store_is_announced_without_its_credentials() {
