@@ -299,3 +299,91 @@ async fn the_shipped_store_refuses_unauthenticated_writes() {
     assert_eq!(load(Some(TOKEN)).await.unwrap().status(), 204);
     assert_eq!(count(&aggregator.store(), written.into()).await, 2);
 }
+
+/// A stranger who asks for a long answer and does not take it: its query's turn stays held while
+/// the answer waits (another stranger is told to come back), until the connection has taken
+/// nothing for the query's time limit and is closed; then the turn is free again. Before, the
+/// turn was given back once the answer was written into memory, and the answer (up to
+/// `--max-answer-bytes`) stayed held for as long as the client kept its connection open:
+/// a few such clients filled the memory.
+#[tokio::test]
+async fn a_client_that_does_not_take_its_answer_is_cut_off_and_its_turn_freed() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let broker = Broker::start().unwrap();
+    let aggregator = Aggregator::spawn_with(
+        &broker,
+        &[
+            "--config-token",
+            TOKEN,
+            "--query-timeout-secs",
+            "3",
+            "--max-queries",
+            "1",
+        ],
+    );
+    // 300 x 300 rows of 200 bytes each: about 30 MB of JSON, more than loopback buffers hold.
+    let three_hundred: Vec<String> = (0..300).map(|i| i.to_string()).collect();
+    let long = format!(
+        "SELECT * WHERE {{ VALUES ?a {{ {0} }} VALUES ?b {{ {0} }} BIND(CONCAT(STR(?b), \"{1}\") AS ?c) }}",
+        three_hundred.join(" "),
+        "x".repeat(200)
+    );
+    let address = aggregator.endpoint.trim_start_matches("http://").to_owned();
+    let mut idle = tokio::net::TcpStream::connect(&address).await.unwrap();
+    let asked = format!(
+        "POST /query HTTP/1.1\r\nHost: {address}\r\nContent-Type: application/sparql-query\r\nContent-Length: {}\r\n\r\n{long}",
+        long.len()
+    );
+    idle.write_all(asked.as_bytes()).await.unwrap();
+    tokio::time::sleep(Duration::from_secs(1)).await;
+
+    let http = reqwest::Client::new();
+    let ask = || {
+        http.post(format!("{}/query", aggregator.endpoint))
+            .header("content-type", "application/sparql-query")
+            .body("ASK { ?s ?p ?o }")
+            .send()
+    };
+    let meanwhile = ask().await.unwrap().status();
+    assert_eq!(meanwhile, 503, "the untaken answer's turn is held");
+    let started = Instant::now();
+    let freed = loop {
+        let status = ask().await.unwrap().status();
+        if status == 200 || started.elapsed() > Duration::from_secs(30) {
+            break status;
+        }
+    };
+    assert_eq!(
+        freed, 200,
+        "the turn is free once the idle client is cut off"
+    );
+
+    // What the idle client gets, read now: the part of the answer that was on its way, then the
+    // end of the connection, short of the length announced.
+    let mut received = Vec::new();
+    let mut buffer = vec![0; 1 << 16];
+    loop {
+        let read = tokio::time::timeout(Duration::from_secs(10), idle.read(&mut buffer)).await;
+        match read {
+            Ok(Ok(0)) | Ok(Err(_)) => break,
+            Ok(Ok(n)) => received.extend_from_slice(&buffer[..n]),
+            Err(_) => panic!(
+                "the connection is still open after {} bytes",
+                received.len()
+            ),
+        }
+    }
+    let text = String::from_utf8_lossy(&received);
+    let (head, body) = text.split_once("\r\n\r\n").unwrap();
+    assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+    let announced: usize = head
+        .lines()
+        .find_map(|l| {
+            l.to_ascii_lowercase()
+                .strip_prefix("content-length: ")
+                .map(|v| v.trim().parse().unwrap())
+        })
+        .unwrap();
+    assert!(announced > 20_000_000, "{announced}");
+    assert!(body.len() < announced, "{} of {announced}", body.len());
+}

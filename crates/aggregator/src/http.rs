@@ -218,8 +218,8 @@ async fn run_query(state: &AppState, headers: &HeaderMap, sparql: String) -> Res
         ),
         (false, _) => (reads.bounds, reads.max_answer_bytes),
     };
-    // The turn is held until the answer is written out too: a long answer is as much memory as
-    // a long evaluation.
+    // The turn is held until the answer is written out and taken too: a long answer is as much
+    // memory as a long evaluation.
     let turn = std::sync::Arc::new(turn);
     let answered = state
         .store
@@ -227,8 +227,7 @@ async fn run_query(state: &AppState, headers: &HeaderMap, sparql: String) -> Res
         .await;
     let written = match answered {
         Ok(answer) => tokio::task::spawn_blocking(move || {
-            let _held_until_written = turn;
-            serialize_answer_at_most(&answer, max_answer_bytes)
+            serialize_answer_at_most(&answer, max_answer_bytes).map(|written| (written, turn))
         })
         .await
         .unwrap_or_else(|e| {
@@ -239,7 +238,20 @@ async fn run_query(state: &AppState, headers: &HeaderMap, sparql: String) -> Res
         Err(e) => Err(e),
     };
     match written {
-        Ok((body, content_type)) => ([(header::CONTENT_TYPE, content_type)], body).into_response(),
+        // An answer bounded for a stranger holds its turn until its client has taken it, within
+        // the query's time limit: answers written to clients that do not read would otherwise
+        // each hold up to `AGGREGATOR_MAX_ANSWER_BYTES` with nothing to bound how many.
+        Ok(((body, content_type), turn)) if turn.is_some() => {
+            let answer = crate::slow_clients::HeldAnswer::new(body, bounds.timeout, turn);
+            (
+                [(header::CONTENT_TYPE, content_type)],
+                axum::body::Body::new(answer),
+            )
+                .into_response()
+        }
+        Ok(((body, content_type), _)) => {
+            ([(header::CONTENT_TYPE, content_type)], body).into_response()
+        }
         Err(e) => {
             match &e {
                 GraphError::TimedOut(_) => crate::metrics::query_refused("timeout"),

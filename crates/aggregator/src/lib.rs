@@ -9,6 +9,7 @@ pub mod http;
 pub mod journal_prune;
 pub mod metrics;
 pub mod owner_fence;
+pub mod slow_clients;
 mod store_beacon;
 pub mod writer;
 
@@ -93,7 +94,9 @@ pub enum ExplainSeals {
 /// How `/query` may be used: it must not be a way to take the service down.
 #[derive(clap::Args, Debug, Clone)]
 pub struct ReadSettings {
-    /// Seconds a query may run; past it, its evaluation is stopped and the client gets 503.
+    /// Seconds a query may run; past it, its evaluation is stopped and the client gets 503. Also
+    /// how long a stranger has to take its answer (its turn held meanwhile), and how long any
+    /// connection may take nothing of what is written to it before it is closed.
     #[arg(long, env = "AGGREGATOR_QUERY_TIMEOUT_SECS", default_value_t = 30)]
     pub query_timeout_secs: u64,
     /// Queries without a token that run at once; more wait up to a second for a turn, then get
@@ -250,6 +253,11 @@ pub async fn run(settings: AggregatorSettings, shutdown: CancellationToken) -> a
         &settings.reads,
     );
     let stop = shutdown.clone();
+    // A client that takes nothing of what it is sent for a query's time limit is gone.
+    let listener = slow_clients::StallBounded::new(
+        listener,
+        Duration::from_secs(settings.reads.query_timeout_secs.max(1)),
+    );
     let server = tokio::spawn(async move {
         axum::serve(listener, app)
             .with_graceful_shutdown(async move { stop.cancelled().await })
