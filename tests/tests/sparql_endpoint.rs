@@ -321,12 +321,14 @@ async fn a_client_that_does_not_take_its_answer_is_cut_off_and_its_turn_freed() 
             "1",
         ],
     );
-    // 300 x 300 rows of 200 bytes each: about 30 MB of JSON, more than loopback buffers hold.
-    let three_hundred: Vec<String> = (0..300).map(|i| i.to_string()).collect();
+    // 60 x 50 rows of 10 KB each: about 30 MB of JSON, more than loopback buffers hold, and
+    // cheap to evaluate (a debug build, beside other tests).
+    let numbers = |n: usize| (0..n).map(|i| i.to_string()).collect::<Vec<_>>().join(" ");
     let long = format!(
-        "SELECT * WHERE {{ VALUES ?a {{ {0} }} VALUES ?b {{ {0} }} BIND(CONCAT(STR(?b), \"{1}\") AS ?c) }}",
-        three_hundred.join(" "),
-        "x".repeat(200)
+        "SELECT * WHERE {{ VALUES ?a {{ {} }} VALUES ?b {{ {} }} BIND(CONCAT(STR(?a), STR(?b), \"{}\") AS ?c) }}",
+        numbers(60),
+        numbers(50),
+        "x".repeat(10_000)
     );
     let address = aggregator.endpoint.trim_start_matches("http://").to_owned();
     let mut idle = tokio::net::TcpStream::connect(&address).await.unwrap();
@@ -386,4 +388,60 @@ async fn a_client_that_does_not_take_its_answer_is_cut_off_and_its_turn_freed() 
         .unwrap();
     assert!(announced > 20_000_000, "{announced}");
     assert!(body.len() < announced, "{} of {announced}", body.len());
+}
+
+/// The status a request gets after sending only its head and a few bytes of a body it says is
+/// 2 MB long, or `None` if none comes within five seconds (the server waits for the body).
+async fn status_before_the_body(address: &str, path: &str, headers: &str) -> Option<String> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut stream = tokio::net::TcpStream::connect(address).await.unwrap();
+    let head = format!(
+        "POST {path} HTTP/1.1\r\nHost: {address}\r\nContent-Type: application/sparql-query\r\n{headers}Content-Length: 2000000\r\n\r\nSELECT"
+    );
+    stream.write_all(head.as_bytes()).await.unwrap();
+    let mut received = Vec::new();
+    let mut buffer = [0; 1024];
+    let reading = async {
+        while !received.windows(2).any(|w| w == b"\r\n") {
+            match stream.read(&mut buffer).await {
+                Ok(0) | Err(_) => break,
+                Ok(n) => received.extend_from_slice(&buffer[..n]),
+            }
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(5), reading)
+        .await
+        .ok()?;
+    let text = String::from_utf8_lossy(&received);
+    text.lines().next().map(str::to_owned)
+}
+
+/// A write, or a query, that will be refused is refused before its body is read: the endpoint
+/// read up to 2 MB of it first (a connection each, for as long as its sender liked to take).
+#[tokio::test]
+async fn requests_refused_anyway_are_refused_before_their_bodies_are_read() {
+    let broker = Broker::start().unwrap();
+    let aggregator = Aggregator::spawn_with(
+        &broker,
+        &["--config-token", TOKEN, "--query-token", "reader-token"],
+    );
+    let address = aggregator.endpoint.trim_start_matches("http://").to_owned();
+    for path in ["/update", "/store", "/query", "/sparql"] {
+        let status = status_before_the_body(&address, path, "").await;
+        assert_eq!(
+            status.as_deref(),
+            Some("HTTP/1.1 401 Unauthorized"),
+            "{path}"
+        );
+    }
+    // A reader's query: a body longer than a query text can be is refused as it is announced.
+    let reader = "Authorization: Bearer reader-token\r\n";
+    let status = status_before_the_body(&address, "/query", reader).await;
+    assert_eq!(status.as_deref(), Some("HTTP/1.1 413 Payload Too Large"));
+    // The services' own queries may be long: theirs is read (and waits for the rest).
+    let service = format!("Authorization: Bearer {TOKEN}\r\n");
+    assert_eq!(
+        status_before_the_body(&address, "/query", &service).await,
+        None
+    );
 }

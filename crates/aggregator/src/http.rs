@@ -32,7 +32,12 @@ struct AppState {
     reads: Arc<Reads>,
     /// When `/metrics` last counted the open fan-outs (see [`crate::metrics::refresh`]).
     fanouts_counted: Arc<tokio::sync::Mutex<Option<std::time::Instant>>>,
+    /// The store's last answer to `/readyz`, and when (see [`ready`]).
+    readiness: Arc<tokio::sync::Mutex<Option<Probed>>>,
 }
+
+/// When the store was last asked whether it answers, and what it said.
+type Probed = (std::time::Instant, Result<(), String>);
 
 /// The read policy in force.
 struct Reads {
@@ -46,8 +51,12 @@ struct Reads {
     max_answer_bytes: usize,
 }
 
-/// The largest journal call taken: an orchestrator's batch of up to 64 records of a few MB each.
-const MOST_JOURNAL_CALL_BYTES: usize = 256 * 1024 * 1024;
+/// The largest journal record call taken: an orchestrator's batch of up to 64 records of a few
+/// MB each.
+const MOST_JOURNAL_RECORDS_BYTES: usize = 256 * 1024 * 1024;
+
+/// The largest of the journal's other calls: up to 4,096 names of at most 1 KiB each.
+const MOST_JOURNAL_CALL_BYTES: usize = 8 * 1024 * 1024;
 
 /// How long a query without a token waits for a turn before it is told to come back.
 const TURN_WAIT: std::time::Duration = std::time::Duration::from_secs(1);
@@ -82,16 +91,23 @@ pub fn router(
         stats,
         reads,
         fanouts_counted: Arc::default(),
+        readiness: Arc::default(),
     };
     // Records of several steps travel in one call, each with its whole outcome (a step's messages
     // may be a few MB), so the journal's calls are let past axum's 2 MB default: 32 steps of 64 KB
     // questions in one batch went over it, and each of those steps failed. Only with the
     // services' token, checked before the body is read: anyone who can reach the port could
     // otherwise have the owner buffer 256 MB a call.
+    // The other journal calls carry names only: a 256 MB body of names was parsed whole (tens
+    // of millions of strings) before the count of names was looked at.
+    let journal_records = Router::new()
+        .route("/journal/records", post(journal_records))
+        .layer(axum::extract::DefaultBodyLimit::max(
+            MOST_JOURNAL_RECORDS_BYTES,
+        ));
     let journal_routes = Router::new()
         .route("/journal/entries", post(journal_entries))
         .route("/journal/takings", post(journal_takings))
-        .route("/journal/records", post(journal_records))
         .route("/journal/marks", post(journal_marks))
         .route("/journal/chains/beat", post(journal_chain_beat))
         .route("/journal/chains/held", post(journal_chains_held))
@@ -99,15 +115,30 @@ pub fn router(
         .layer(axum::extract::DefaultBodyLimit::max(
             MOST_JOURNAL_CALL_BYTES,
         ))
+        .merge(journal_records)
         .route_layer(axum::middleware::from_fn_with_state(
             state.clone(),
             token_first,
         ));
-    Router::new()
-        .route("/query", get(query_get).post(query_post))
-        .route("/sparql", get(query_get).post(query_post))
+    // Writes need the token, checked before the body is read: up to 2 MB was read first, for a
+    // request refused anyway.
+    let write_routes = Router::new()
         .route("/update", post(update))
         .route("/store", post(store_post))
+        .route_layer(axum::middleware::from_fn_with_state(
+            state.clone(),
+            token_first,
+        ));
+    let read_routes = Router::new()
+        .route("/query", get(query_get).post(query_post))
+        .route("/sparql", get(query_get).post(query_post))
+        .route_layer(axum::middleware::from_fn_with_state(
+            state.clone(),
+            reader_first,
+        ));
+    Router::new()
+        .merge(read_routes)
+        .merge(write_routes)
         .merge(journal_routes)
         .route("/healthz", get(|| async { "ok" }))
         .route("/readyz", get(ready))
@@ -115,7 +146,60 @@ pub fn router(
         .with_state(state)
 }
 
-/// Refuses a journal call without the services' token before its body is read.
+/// A query from anyone but the services: refused before its body is read when the endpoint
+/// needs a read token it does not carry, and its body read only as far as a query text of
+/// `AGGREGATOR_MAX_QUERY_BYTES` can take (form-encoded, a byte of text may take three). Before,
+/// up to 2 MB was read (and copied) first, whatever the bound on the text.
+async fn reader_first(
+    State(state): State<AppState>,
+    request: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    let headers = request.headers();
+    if carries(headers, state.token.as_ref()) {
+        return next.run(request).await;
+    }
+    if let Some(refused) = read_token_refusal(&state.reads, headers) {
+        return refused;
+    }
+    let most = state
+        .reads
+        .max_query_bytes
+        .saturating_mul(3)
+        .saturating_add(1024);
+    let declared = headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    if declared.is_some_and(|length| length > most as u64) {
+        crate::metrics::query_refused("too_long");
+        return (
+            StatusCode::PAYLOAD_TOO_LARGE,
+            format!(
+                "the request's body is longer than the {most} bytes a query of at most {} bytes \
+                 takes here (AGGREGATOR_MAX_QUERY_BYTES)",
+                state.reads.max_query_bytes
+            ),
+        )
+            .into_response();
+    }
+    let request =
+        request.map(|body| axum::body::Body::new(http_body_util::Limited::new(body, most)));
+    next.run(request).await
+}
+
+/// `Some(refusal)` when the endpoint needs a read token that `headers` do not carry.
+fn read_token_refusal(reads: &Reads, headers: &HeaderMap) -> Option<Response> {
+    (reads.token.is_some() && !carries(headers, reads.token.as_ref())).then(|| {
+        (
+            StatusCode::UNAUTHORIZED,
+            "queries need a valid bearer token here (AGGREGATOR_QUERY_TOKEN)",
+        )
+            .into_response()
+    })
+}
+
+/// Refuses a journal call or a write without the services' token before its body is read.
 async fn token_first(
     State(state): State<AppState>,
     request: axum::extract::Request,
@@ -152,12 +236,10 @@ fn carries(headers: &HeaderMap, token: Option<&String>) -> bool {
 async fn run_query(state: &AppState, headers: &HeaderMap, sparql: String) -> Response {
     let reads = &state.reads;
     let service = carries(headers, state.token.as_ref());
-    if !service && reads.token.is_some() && !carries(headers, reads.token.as_ref()) {
-        return (
-            StatusCode::UNAUTHORIZED,
-            "queries need a valid bearer token here (AGGREGATOR_QUERY_TOKEN)",
-        )
-            .into_response();
+    if !service {
+        if let Some(refused) = read_token_refusal(reads, headers) {
+            return refused;
+        }
     }
     // A long text is how a query asks for unbounded work before any of it can be stopped
     // (parsing alone is quadratic in some shapes): the services' own may be long, others not.
@@ -628,6 +710,9 @@ async fn metrics(State(state): State<AppState>) -> Response {
         .into_response()
 }
 
+/// Ready when consuming and the store answers. The store is asked at most once a second, one
+/// probe at a time, whoever asks: each anonymous `/readyz` was a query to the store, and on a
+/// replica a query to the owner with the services' token, which takes no turn there.
 async fn ready(State(state): State<AppState>) -> Response {
     if !state
         .stats
@@ -640,9 +725,24 @@ async fn ready(State(state): State<AppState>) -> Response {
         )
             .into_response();
     }
-    match state.store.query("ASK { }".to_owned()).await {
-        Ok(_) => "ready".into_response(),
-        Err(e) => (StatusCode::SERVICE_UNAVAILABLE, e.to_string()).into_response(),
+    let mut last = state.readiness.lock().await;
+    let answer = match &*last {
+        Some((at, answer)) if at.elapsed() < std::time::Duration::from_secs(1) => answer.clone(),
+        _ => {
+            let answer = state
+                .store
+                .query("ASK { }".to_owned())
+                .await
+                .map(|_| ())
+                .map_err(|e| e.to_string());
+            *last = Some((std::time::Instant::now(), answer.clone()));
+            answer
+        }
+    };
+    drop(last);
+    match answer {
+        Ok(()) => "ready".into_response(),
+        Err(e) => (StatusCode::SERVICE_UNAVAILABLE, e).into_response(),
     }
 }
 

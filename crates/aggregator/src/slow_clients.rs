@@ -138,30 +138,43 @@ impl<T: AsyncWrite + Unpin> AsyncWrite for StallBoundedIo<T> {
     }
 }
 
-/// What one frame of an answer carries: the server asks for the next only once the last is
-/// written, so the deadline is looked at this often.
-const ANSWER_CHUNK: usize = 256 * 1024;
+/// What one frame of an answer carries. The server asks for the next frame once what it has
+/// queued falls under its mark (about 400 KiB), so small frames have the deadline looked at as
+/// the client takes the answer, not only after hundreds of KiB more.
+const ANSWER_CHUNK: usize = 16 * 1024;
 
-/// A written answer handed to the server a chunk at a time, holding `held` (its query's turn)
-/// until the server drops it: written out, or its connection gone. Past `deadline` the next
-/// chunk is an error, which makes the server drop the connection.
-pub struct HeldAnswer<H> {
+/// A written answer handed to the server a chunk at a time. Past `deadline` the next chunk is an
+/// error, which makes the server drop the connection. What is held with it (its query's turn)
+/// lives with the answer's bytes: the server lets go of the body once it has taken the last
+/// chunk, while the chunks it took may still wait to be written, each keeping the whole answer
+/// in memory.
+pub struct HeldAnswer {
     bytes: Bytes,
     deadline: Instant,
+}
+
+/// An answer's bytes and what is held with them.
+struct HeldBytes<H> {
+    bytes: Vec<u8>,
     _held: H,
 }
 
-impl<H> HeldAnswer<H> {
-    pub fn new(bytes: Vec<u8>, within: Duration, held: H) -> Self {
+impl<H> AsRef<[u8]> for HeldBytes<H> {
+    fn as_ref(&self) -> &[u8] {
+        &self.bytes
+    }
+}
+
+impl HeldAnswer {
+    pub fn new<H: Send + 'static>(bytes: Vec<u8>, within: Duration, held: H) -> Self {
         HeldAnswer {
-            bytes: Bytes::from(bytes),
+            bytes: Bytes::from_owner(HeldBytes { bytes, _held: held }),
             deadline: Instant::now() + within,
-            _held: held,
         }
     }
 }
 
-impl<H: Unpin> http_body::Body for HeldAnswer<H> {
+impl http_body::Body for HeldAnswer {
     type Data = Bytes;
     type Error = io::Error;
 
@@ -202,7 +215,7 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn an_answer_is_given_whole_in_chunks_and_holds_its_turn_until_dropped() {
+    async fn an_answer_is_given_whole_in_chunks_and_holds_its_turn_while_any_is_held() {
         let turns = std::sync::Arc::new(tokio::sync::Semaphore::new(1));
         let turn = turns.clone().try_acquire_owned().ok();
         let text: Vec<u8> = (0..(3 * ANSWER_CHUNK + 5))
@@ -210,29 +223,28 @@ mod tests {
             .collect();
         let mut answer = HeldAnswer::new(text.clone(), Duration::from_secs(60), turn);
         assert_eq!(answer.size_hint().exact(), Some(text.len() as u64));
-        let mut got = Vec::new();
-        let mut frames = 0;
+        let mut chunks = Vec::new();
         while let Some(frame) = next_frame(&mut answer).await {
             let data = frame.ok().and_then(|f| f.into_data().ok());
-            got.extend_from_slice(&data.unwrap_or_default());
-            frames += 1;
-            assert_eq!(
-                turns.available_permits(),
-                0,
-                "the turn is held while it is written"
-            );
+            chunks.push(data.unwrap_or_default());
+            assert_eq!(turns.available_permits(), 0, "held while it is written");
         }
-        assert_eq!(got, text);
-        assert_eq!(frames, 4);
+        assert_eq!(chunks.concat(), text);
+        assert_eq!(chunks.len(), 4);
         drop(answer);
+        // The server may still hold the last chunks it took, and with them the whole answer.
+        let last = chunks.pop();
+        drop(chunks);
+        assert_eq!(turns.available_permits(), 0, "held while a chunk is");
+        drop(last);
         assert_eq!(turns.available_permits(), 1);
     }
 
     #[tokio::test]
     async fn an_answer_not_taken_in_time_is_an_error() {
-        let mut answer = HeldAnswer::new(vec![7; 2 * ANSWER_CHUNK], Duration::from_millis(200), ());
+        let mut answer = HeldAnswer::new(vec![7; 2 * ANSWER_CHUNK], Duration::from_secs(1), ());
         assert!(matches!(next_frame(&mut answer).await, Some(Ok(_))));
-        tokio::time::sleep(Duration::from_millis(300)).await;
+        tokio::time::sleep(Duration::from_millis(1500)).await;
         assert!(matches!(next_frame(&mut answer).await, Some(Err(_))));
     }
 
@@ -262,14 +274,14 @@ mod tests {
     async fn a_client_that_keeps_taking_is_not_cut_off() {
         use tokio::io::{AsyncReadExt, AsyncWriteExt};
         let (near, mut far) = tokio::io::duplex(1024);
-        let mut io = bounded(near, Duration::from_secs(1));
+        let mut io = bounded(near, Duration::from_secs(2));
         let writing =
             tokio::spawn(async move { io.write_all(&[1; 6 * 1024]).await.map_err(|e| e.kind()) });
-        // 1 KiB each 300 ms: 1.8 s in all, longer than the bound, each wait shorter.
+        // 1 KiB each 400 ms: 2.4 s in all, longer than the bound, each wait far shorter.
         let mut taken = 0;
         let mut some = [0; 1024];
         while taken < 6 * 1024 {
-            tokio::time::sleep(Duration::from_millis(300)).await;
+            tokio::time::sleep(Duration::from_millis(400)).await;
             match far.read(&mut some).await {
                 Ok(0) | Err(_) => break,
                 Ok(n) => taken += n,

@@ -104,6 +104,10 @@ const EXPECTED_STEPS: usize = 65_536;
 /// The most next steps one record may name (a fan-out's subagents); more are not remembered.
 const MAX_NEXT: usize = 256;
 
+/// The longest step name remembered as expected (an orchestrator's are a few hundred bytes);
+/// longer ones are not, so the set's memory is bounded by more than its count.
+const MAX_EXPECTED_NAME_BYTES: usize = 1024;
+
 /// Steps known to have no entry without reading the store: the next steps of outcomes this
 /// process wrote into a store, not recorded since. Such a step's message can exist only once the
 /// outcome that carries it was recorded (an outcome is published only after its record), and
@@ -144,7 +148,8 @@ fn expected() -> std::sync::MutexGuard<'static, ExpectedSteps> {
 impl ExpectedSteps {
     fn expect<'e>(store: u64, entries: impl Iterator<Item = &'e str>) {
         let mut known = expected();
-        for entry in entries.take(MAX_NEXT).filter(|e| node(e).is_ok()) {
+        let named = entries.filter(|e| e.len() <= MAX_EXPECTED_NAME_BYTES && node(e).is_ok());
+        for entry in named {
             let entry: Arc<str> = Arc::from(entry);
             let stores = known.entries.entry(entry.clone()).or_default();
             let new = stores.is_empty();
@@ -221,8 +226,11 @@ pub struct ChainRefs {
 /// The most chains one beat may name: far more than a process keeps in flight.
 pub const MAX_CHAINS_HELD: usize = 4096;
 
-/// The most processes whose beats are kept at once; a beat from one more is refused.
-const MAX_BEATING: usize = 4096;
+/// The most processes whose beats are kept at once; a beat from one more is refused. Far more
+/// orchestrator processes than a deployment runs, and few enough that the beats' memory (each
+/// names at most `MAX_CHAINS_HELD` roots of at most `MAX_ROOT_BYTES`) and the cost of asking
+/// which chains are held stay bounded.
+const MAX_BEATING: usize = 256;
 
 /// The longest one beat may hold.
 const MAX_BEAT: std::time::Duration = std::time::Duration::from_secs(60);
@@ -257,6 +265,11 @@ fn beats() -> std::sync::MutexGuard<'static, Beats> {
 }
 
 pub(crate) fn take_beat(beat: ChainBeat) -> Result<(), GraphError> {
+    if beat.process.len() > MAX_ROOT_BYTES {
+        return Err(GraphError::Malformed(format!(
+            "a beating process's name is at most {MAX_ROOT_BYTES} bytes"
+        )));
+    }
     std::sync::LazyLock::force(&FIRST_HEARD);
     let now = tokio::time::Instant::now();
     let mut beats = beats();
@@ -303,7 +316,8 @@ fn held_since(asked: &ChainRefs, first_heard: tokio::time::Instant) -> Vec<bool>
     let chains = &asked.chains;
     chains
         .iter()
-        .map(|chain| live.iter().any(|holding| holding.contains(chain)))
+        // A longer root is never kept, so it is not looked up (each look-up hashes it again).
+        .map(|chain| chain.len() <= MAX_ROOT_BYTES && live.iter().any(|h| h.contains(chain)))
         .collect()
 }
 
@@ -654,7 +668,7 @@ impl Deciding {
                 Some(stored) => stored,
                 None => {
                     writes.extend(entry_quads(entry, &request, &now));
-                    next_of_written.extend(request.next);
+                    next_of_written.extend(request.next.into_iter().take(MAX_NEXT));
                     JournalEntry {
                         outcome: request.outcome,
                         delivery: request.delivery,
@@ -847,6 +861,18 @@ mod tests {
         assert_eq!(held(&["beat-test-a", "beat-test-b"]), [true, false]);
         take_beat(beat("beat-test-p1", &[], 60_000)).unwrap();
         assert_eq!(held(&["beat-test-a"]), [false]);
+    }
+
+    #[test]
+    fn a_beating_process_with_an_overlong_name_is_refused() {
+        let named = |process: String| ChainBeat {
+            process,
+            holding: vec!["beat-name-root".into()],
+            for_ms: 60_000,
+        };
+        assert!(take_beat(named("p".repeat(MAX_ROOT_BYTES + 1))).is_err());
+        assert!(take_beat(named("beat-name-p".into())).is_ok());
+        take_beat(beat("beat-name-p", &[], 0)).unwrap();
     }
 
     #[test]
@@ -1083,6 +1109,42 @@ mod tests {
             let standing = journal.record(record_of(entry, "a3")).await.unwrap();
             assert_eq!(standing.attempt, "b");
         }
+    }
+
+    #[tokio::test]
+    async fn each_record_of_a_batch_has_its_next_steps_expected_and_overlong_names_are_not() {
+        let store = GraphStore::in_memory().unwrap();
+        let journal = Journal::Owner(store.clone());
+        let step = |name: &str| format!("urn:trustgraph:agent:many-next/journal/{name}");
+        let fan_out = |record: usize| RecordRequest {
+            entry: step(&format!("i1-{record}")),
+            next: (0..200)
+                .map(|i| step(&format!("i2-{record}-{i}")))
+                .collect(),
+            ..request("with next steps", "a0")
+        };
+        let long = node(&step(&"x".repeat(MAX_EXPECTED_NAME_BYTES))).unwrap();
+        let with_long = RecordRequest {
+            entry: step("i1-long"),
+            next: vec![long.as_str().to_owned()],
+            ..request("with a long next step", "a0")
+        };
+        journal
+            .record_all(vec![fan_out(0), fan_out(1), with_long])
+            .await
+            .unwrap();
+        // The second record's last next step: past 256 for the batch, within 256 for its record.
+        let last = node(&step("i2-1-199")).unwrap();
+        for entry in [&last, &long] {
+            put_beside(&store, entry).await;
+        }
+        assert_eq!(
+            journal.entry(&last).await.unwrap(),
+            None,
+            "expected: not read"
+        );
+        let read = journal.entry(&long).await.unwrap();
+        assert_eq!(read.unwrap().attempt, "b", "not remembered: read");
     }
 
     #[tokio::test]
