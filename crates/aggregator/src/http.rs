@@ -32,12 +32,22 @@ struct AppState {
     reads: Arc<Reads>,
     /// When `/metrics` last counted the open fan-outs (see [`crate::metrics::refresh`]).
     fanouts_counted: Arc<tokio::sync::Mutex<Option<std::time::Instant>>>,
-    /// The store's last answer to `/readyz`, and when (see [`ready`]).
-    readiness: Arc<tokio::sync::Mutex<Option<Probed>>>,
+    /// The store's last answer to `/readyz` (see [`ready`]).
+    readiness: Arc<Readiness>,
 }
 
 /// When the store was last asked whether it answers, and what it said.
 type Probed = (std::time::Instant, Result<(), String>);
+
+/// `/readyz`'s probes of the store: the last answer, and the one probe under way.
+#[derive(Default)]
+struct Readiness {
+    last: std::sync::Mutex<Option<Probed>>,
+    probing: tokio::sync::Mutex<()>,
+}
+
+/// How long `/readyz` waits for the store's answer.
+const PROBE_WITHIN: std::time::Duration = std::time::Duration::from_secs(5);
 
 /// The read policy in force.
 struct Reads {
@@ -628,6 +638,8 @@ async fn journal_chain_beat(
     }
     match state.journal.beat(beat).await {
         Ok(()) => StatusCode::NO_CONTENT.into_response(),
+        // A beat the journal will not keep (a process's name too long).
+        Err(GraphError::Malformed(why)) => (StatusCode::BAD_REQUEST, why).into_response(),
         Err(e) => error_response(e),
     }
 }
@@ -710,9 +722,51 @@ async fn metrics(State(state): State<AppState>) -> Response {
         .into_response()
 }
 
-/// Ready when consuming and the store answers. The store is asked at most once a second, one
-/// probe at a time, whoever asks: each anonymous `/readyz` was a query to the store, and on a
-/// replica a query to the owner with the services' token, which takes no turn there.
+/// The store's answer to a probe: asked at most once a second, one probe at a time, whoever
+/// asks, and for at most `PROBE_WITHIN`; while one is under way, the last answer stands. Each
+/// anonymous `/readyz` was a query to the store, and on a replica a query to the owner with the
+/// services' token, which takes no turn there.
+async fn probed(state: &AppState) -> Result<(), String> {
+    let readiness = &state.readiness;
+    let last = || {
+        readiness
+            .last
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clone()
+    };
+    let fresh = |at: std::time::Instant| at.elapsed() < std::time::Duration::from_secs(1);
+    if let Some((_, answer)) = last().filter(|(at, _)| fresh(*at)) {
+        return answer;
+    }
+    let probing = match readiness.probing.try_lock() {
+        Ok(probing) => probing,
+        Err(_) => match last() {
+            Some((_, answer)) => return answer,
+            // The first probe: wait for it.
+            None => readiness.probing.lock().await,
+        },
+    };
+    // Another may have probed while this one waited.
+    if let Some((_, answer)) = last().filter(|(at, _)| fresh(*at)) {
+        return answer;
+    }
+    let answer = match tokio::time::timeout(PROBE_WITHIN, state.store.query("ASK { }".into())).await
+    {
+        Ok(Ok(_)) => Ok(()),
+        Ok(Err(e)) => Err(e.to_string()),
+        Err(_) => Err(format!("the store did not answer within {PROBE_WITHIN:?}")),
+    };
+    *readiness
+        .last
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner) =
+        Some((std::time::Instant::now(), answer.clone()));
+    drop(probing);
+    answer
+}
+
+/// Ready when consuming and the store answers (see [`probed`]).
 async fn ready(State(state): State<AppState>) -> Response {
     if !state
         .stats
@@ -725,21 +779,7 @@ async fn ready(State(state): State<AppState>) -> Response {
         )
             .into_response();
     }
-    let mut last = state.readiness.lock().await;
-    let answer = match &*last {
-        Some((at, answer)) if at.elapsed() < std::time::Duration::from_secs(1) => answer.clone(),
-        _ => {
-            let answer = state
-                .store
-                .query("ASK { }".to_owned())
-                .await
-                .map(|_| ())
-                .map_err(|e| e.to_string());
-            *last = Some((std::time::Instant::now(), answer.clone()));
-            answer
-        }
-    };
-    drop(last);
+    let answer = probed(&state).await;
     match answer {
         Ok(()) => "ready".into_response(),
         Err(e) => (StatusCode::SERVICE_UNAVAILABLE, e).into_response(),
