@@ -308,7 +308,7 @@ async fn the_shipped_store_refuses_unauthenticated_writes() {
 /// a few such clients filled the memory.
 #[tokio::test]
 async fn a_client_that_does_not_take_its_answer_is_cut_off_and_its_turn_freed() {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::io::AsyncReadExt;
     let broker = Broker::start().unwrap();
     let aggregator = Aggregator::spawn_with(
         &broker,
@@ -331,12 +331,7 @@ async fn a_client_that_does_not_take_its_answer_is_cut_off_and_its_turn_freed() 
         "x".repeat(10_000)
     );
     let address = aggregator.endpoint.trim_start_matches("http://").to_owned();
-    let mut idle = tokio::net::TcpStream::connect(&address).await.unwrap();
-    let asked = format!(
-        "POST /query HTTP/1.1\r\nHost: {address}\r\nContent-Type: application/sparql-query\r\nContent-Length: {}\r\n\r\n{long}",
-        long.len()
-    );
-    idle.write_all(asked.as_bytes()).await.unwrap();
+    let mut idle = posted(&address, "/query", "", long.len(), &long).await;
     tokio::time::sleep(Duration::from_secs(1)).await;
 
     let http = reqwest::Client::new();
@@ -390,15 +385,29 @@ async fn a_client_that_does_not_take_its_answer_is_cut_off_and_its_turn_freed() 
     assert!(body.len() < announced, "{} of {announced}", body.len());
 }
 
+/// A connection on which a SPARQL query was POSTed to `path`, with `headers` (each line ending
+/// in CRLF), a `Content-Length` of `length` and `body`: all of it, or its first bytes.
+async fn posted(
+    address: &str,
+    path: &str,
+    headers: &str,
+    length: usize,
+    body: &str,
+) -> tokio::net::TcpStream {
+    use tokio::io::AsyncWriteExt;
+    let mut stream = tokio::net::TcpStream::connect(address).await.unwrap();
+    let request = format!(
+        "POST {path} HTTP/1.1\r\nHost: {address}\r\nContent-Type: application/sparql-query\r\n{headers}Content-Length: {length}\r\n\r\n{body}"
+    );
+    stream.write_all(request.as_bytes()).await.unwrap();
+    stream
+}
+
 /// The status a request gets after sending only its head and a few bytes of a body it says is
 /// 2 MB long, or `None` if none comes within five seconds (the server waits for the body).
 async fn status_before_the_body(address: &str, path: &str, headers: &str) -> Option<String> {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let mut stream = tokio::net::TcpStream::connect(address).await.unwrap();
-    let head = format!(
-        "POST {path} HTTP/1.1\r\nHost: {address}\r\nContent-Type: application/sparql-query\r\n{headers}Content-Length: 2000000\r\n\r\nSELECT"
-    );
-    stream.write_all(head.as_bytes()).await.unwrap();
+    use tokio::io::AsyncReadExt;
+    let mut stream = posted(address, path, headers, 2_000_000, "SELECT").await;
     let mut received = Vec::new();
     let mut buffer = [0; 1024];
     let reading = async {

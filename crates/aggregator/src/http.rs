@@ -169,14 +169,15 @@ async fn reader_first(
     if carries(headers, state.token.as_ref()) {
         return next.run(request).await;
     }
-    if let Some(refused) = read_token_refusal(&state.reads, headers) {
-        return refused;
+    let reads = &state.reads;
+    if reads.token.is_some() && !carries(headers, reads.token.as_ref()) {
+        return (
+            StatusCode::UNAUTHORIZED,
+            "queries need a valid bearer token here (AGGREGATOR_QUERY_TOKEN)",
+        )
+            .into_response();
     }
-    let most = state
-        .reads
-        .max_query_bytes
-        .saturating_mul(3)
-        .saturating_add(1024);
+    let most = reads.max_query_bytes.saturating_mul(3).saturating_add(1024);
     let declared = headers
         .get(header::CONTENT_LENGTH)
         .and_then(|v| v.to_str().ok())
@@ -188,7 +189,7 @@ async fn reader_first(
             format!(
                 "the request's body is longer than the {most} bytes a query of at most {} bytes \
                  takes here (AGGREGATOR_MAX_QUERY_BYTES)",
-                state.reads.max_query_bytes
+                reads.max_query_bytes
             ),
         )
             .into_response();
@@ -196,17 +197,6 @@ async fn reader_first(
     let request =
         request.map(|body| axum::body::Body::new(http_body_util::Limited::new(body, most)));
     next.run(request).await
-}
-
-/// `Some(refusal)` when the endpoint needs a read token that `headers` do not carry.
-fn read_token_refusal(reads: &Reads, headers: &HeaderMap) -> Option<Response> {
-    (reads.token.is_some() && !carries(headers, reads.token.as_ref())).then(|| {
-        (
-            StatusCode::UNAUTHORIZED,
-            "queries need a valid bearer token here (AGGREGATOR_QUERY_TOKEN)",
-        )
-            .into_response()
-    })
 }
 
 /// Refuses a journal call or a write without the services' token before its body is read.
@@ -245,12 +235,8 @@ fn carries(headers: &HeaderMap, token: Option<&String>) -> bool {
 
 async fn run_query(state: &AppState, headers: &HeaderMap, sparql: String) -> Response {
     let reads = &state.reads;
+    // A stranger without the read token was refused before this (`reader_first`).
     let service = carries(headers, state.token.as_ref());
-    if !service {
-        if let Some(refused) = read_token_refusal(reads, headers) {
-            return refused;
-        }
-    }
     // A long text is how a query asks for unbounded work before any of it can be stopped
     // (parsing alone is quadratic in some shapes): the services' own may be long, others not.
     if !service && sparql.len() > reads.max_query_bytes {
@@ -447,10 +433,8 @@ fn denied(state: &AppState, headers: &HeaderMap) -> Option<Response> {
     }
 }
 
+/// Behind `token_first`, as `/store` is.
 async fn update(State(state): State<AppState>, headers: HeaderMap, body: Bytes) -> Response {
-    if let Some(denied) = denied(&state, &headers) {
-        return denied;
-    }
     let Some(text) = operation_text(&headers, &body, "update") else {
         return (StatusCode::BAD_REQUEST, "no update in the request").into_response();
     };
@@ -460,15 +444,13 @@ async fn update(State(state): State<AppState>, headers: HeaderMap, body: Bytes) 
     }
 }
 
+/// Behind `token_first`, as `/update` is.
 async fn store_post(
     State(state): State<AppState>,
     Query(params): Query<HashMap<String, String>>,
     headers: HeaderMap,
     body: Bytes,
 ) -> Response {
-    if let Some(denied) = denied(&state, &headers) {
-        return denied;
-    }
     let format = headers
         .get(header::CONTENT_TYPE)
         .and_then(|v| v.to_str().ok())

@@ -39,12 +39,7 @@ impl<L: Listener> Listener for StallBounded<L> {
 
     async fn accept(&mut self) -> (Self::Io, Self::Addr) {
         let (inner, addr) = self.inner.accept().await;
-        let io = StallBoundedIo {
-            inner,
-            most_stalled: self.most_stalled,
-            stalled: None,
-        };
-        (io, addr)
+        (StallBoundedIo::new(inner, self.most_stalled), addr)
     }
 
     fn local_addr(&self) -> io::Result<Self::Addr> {
@@ -63,6 +58,14 @@ pub struct StallBoundedIo<T> {
 }
 
 impl<T> StallBoundedIo<T> {
+    fn new(inner: T, most_stalled: Duration) -> Self {
+        StallBoundedIo {
+            inner,
+            most_stalled,
+            stalled: None,
+        }
+    }
+
     fn bounded<R>(
         &mut self,
         cx: &mut Context<'_>,
@@ -248,23 +251,12 @@ mod tests {
         assert!(matches!(next_frame(&mut answer).await, Some(Err(_))));
     }
 
-    fn bounded(
-        inner: tokio::io::DuplexStream,
-        most_stalled: Duration,
-    ) -> StallBoundedIo<tokio::io::DuplexStream> {
-        StallBoundedIo {
-            inner,
-            most_stalled,
-            stalled: None,
-        }
-    }
-
     #[tokio::test]
     async fn a_write_that_cannot_go_on_fails_after_the_bound() {
         use tokio::io::AsyncWriteExt;
         // The pipe takes 1 KiB, and nobody reads the far end.
         let (near, _far) = tokio::io::duplex(1024);
-        let mut io = bounded(near, Duration::from_millis(300));
+        let mut io = StallBoundedIo::new(near, Duration::from_millis(300));
         let written = tokio::time::timeout(Duration::from_secs(10), io.write_all(&[1; 4096])).await;
         let refused = written.map(|w| w.map_err(|e| e.kind()));
         assert!(matches!(refused, Ok(Err(io::ErrorKind::TimedOut))));
@@ -274,7 +266,7 @@ mod tests {
     async fn a_client_that_keeps_taking_is_not_cut_off() {
         use tokio::io::{AsyncReadExt, AsyncWriteExt};
         let (near, mut far) = tokio::io::duplex(1024);
-        let mut io = bounded(near, Duration::from_secs(2));
+        let mut io = StallBoundedIo::new(near, Duration::from_secs(2));
         let writing =
             tokio::spawn(async move { io.write_all(&[1; 6 * 1024]).await.map_err(|e| e.kind()) });
         // 1 KiB each 400 ms: 2.4 s in all, longer than the bound, each wait far shorter.
