@@ -211,7 +211,8 @@ async fn a_consumer_far_behind_its_backlog_stops_in_time_and_loses_nothing() {
 
 /// A client that sent half a request and went quiet does not keep the aggregator from exiting on
 /// SIGTERM: its HTTP server is given a grace, then closed with its connections (it waited for
-/// that request for ever).
+/// that request for ever). The time for a request's head is set longer than the grace here, so
+/// that the grace is what ends the wait.
 #[tokio::test]
 async fn a_half_sent_http_request_does_not_hold_up_a_stop() {
     let broker = Broker::start().unwrap();
@@ -224,7 +225,15 @@ async fn a_half_sent_http_request_does_not_hold_up_a_stop() {
 
 async fn stopped_with_a_half_sent_request(broker: &Broker, serving: bool) {
     use tokio::io::AsyncWriteExt;
-    let mut aggregator = Aggregator::logged_child(broker, &["--owner-listen-ms", "3000"]);
+    let mut aggregator = Aggregator::logged_child(
+        broker,
+        &[
+            "--owner-listen-ms",
+            "3000",
+            "--http-head-timeout-secs",
+            "60",
+        ],
+    );
     if serving {
         let ready = format!("{}/readyz", aggregator.endpoint);
         let http = reqwest::Client::new();

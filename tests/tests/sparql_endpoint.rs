@@ -454,3 +454,83 @@ async fn requests_refused_anyway_are_refused_before_their_bodies_are_read() {
         None
     );
 }
+
+/// A client that sends a request's head a byte at a time keeps its connection no longer than
+/// the head's time limit, and connections past the server's bound are told 503 at once and
+/// closed (served again once others close). Before, axum's server set no timer on a
+/// connection and took every one offered: a few thousand such clients held every file
+/// descriptor the process had, its store's and its broker's included.
+#[tokio::test]
+async fn slow_heads_are_cut_off_and_connections_are_bounded() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let broker = Broker::start().unwrap();
+    let aggregator = Aggregator::spawn_with(
+        &broker,
+        &[
+            "--config-token",
+            TOKEN,
+            "--http-head-timeout-secs",
+            "5",
+            "--http-max-connections",
+            "4",
+        ],
+    );
+    let address = aggregator.endpoint.trim_start_matches("http://").to_owned();
+
+    let started = Instant::now();
+    let slow = tokio::net::TcpStream::connect(&address).await.unwrap();
+    let (mut from_server, mut to_server) = slow.into_split();
+    let dripping = tokio::spawn(async move {
+        let head = format!("GET /readyz HTTP/1.1\r\nHost: {address}\r\nX-Slow: ");
+        to_server.write_all(head.as_bytes()).await.unwrap();
+        for _ in 0..120 {
+            tokio::time::sleep(Duration::from_millis(250)).await;
+            if to_server.write_all(b"x").await.is_err() {
+                break;
+            }
+        }
+    });
+    let mut buffer = [0; 1024];
+    let closed = tokio::time::timeout(Duration::from_secs(25), from_server.read(&mut buffer)).await;
+    let lasted = started.elapsed();
+    println!("waited {lasted:?} for a head sent a byte at a time to be cut off");
+    assert!(
+        matches!(closed, Ok(Ok(0)) | Ok(Err(_))),
+        "the slow head's connection is still open after {lasted:?}: {closed:?}"
+    );
+    assert!(lasted >= Duration::from_secs(4), "{lasted:?}");
+    dripping.abort();
+
+    let address = aggregator.endpoint.trim_start_matches("http://").to_owned();
+    let mut idle = Vec::new();
+    for _ in 0..4 {
+        idle.push(tokio::net::TcpStream::connect(&address).await.unwrap());
+    }
+    let mut over = tokio::net::TcpStream::connect(&address).await.unwrap();
+    let mut refused = Vec::new();
+    let read = tokio::time::timeout(Duration::from_secs(5), over.read_to_end(&mut refused)).await;
+    let refused = String::from_utf8_lossy(&refused);
+    assert!(
+        read.is_ok(),
+        "the fifth connection was neither answered nor closed"
+    );
+    assert!(
+        refused.starts_with("HTTP/1.1 503 Service Unavailable"),
+        "{refused:?}"
+    );
+    drop(idle);
+    let http = reqwest::Client::new();
+    let started = Instant::now();
+    let served = loop {
+        let asked = http
+            .get(format!("{}/readyz", aggregator.endpoint))
+            .send()
+            .await;
+        match asked {
+            Ok(answer) if answer.status() == 200 => break true,
+            _ if started.elapsed() > Duration::from_secs(10) => break false,
+            _ => tokio::time::sleep(Duration::from_millis(100)).await,
+        }
+    };
+    assert!(served, "served again once the idle connections closed");
+}

@@ -98,6 +98,8 @@ pub async fn run(args: UpArgs) -> anyhow::Result<i32> {
     let mut aggregator_settings =
         AggregatorSettings::embedded(settings.broker.clone(), graph_dir.clone(), sparql_addr);
     aggregator_settings.config_token = Some(token.clone());
+    // The same bounds on the SPARQL endpoint's connections as on the orchestrator's.
+    aggregator_settings.http = settings.http.clone();
     // Both services are in this process: a fresh secret seals what they send each other. Nobody
     // else can hold a fresh one, so `agentctl cancel` and `approve` from another shell cannot seal
     // their messages: sent `--unsealed`, they are acted on, counted and logged (set

@@ -33,17 +33,7 @@ struct AppState {
     /// When `/metrics` last counted the open fan-outs (see [`crate::metrics::refresh`]).
     fanouts_counted: Arc<tokio::sync::Mutex<Option<std::time::Instant>>>,
     /// The store's last answer to `/readyz` (see [`ready`]).
-    readiness: Arc<Readiness>,
-}
-
-/// When the store was last asked whether it answers, and what it said.
-type Probed = (std::time::Instant, Result<(), String>);
-
-/// `/readyz`'s probes of the store: the last answer, and the one probe under way.
-#[derive(Default)]
-struct Readiness {
-    last: std::sync::Mutex<Option<Probed>>,
-    probing: tokio::sync::Mutex<()>,
+    readiness: Arc<agent_serve::probe::Probe>,
 }
 
 /// How long `/readyz` waits for the store's answer.
@@ -101,7 +91,10 @@ pub fn router(
         stats,
         reads,
         fanouts_counted: Arc::default(),
-        readiness: Arc::default(),
+        readiness: Arc::new(agent_serve::probe::Probe::new(
+            std::time::Duration::from_secs(1),
+            PROBE_WITHIN,
+        )),
     };
     // Records of several steps travel in one call, each with its whole outcome (a step's messages
     // may be a few MB), so the journal's calls are let past axum's 2 MB default: 32 steps of 64 KB
@@ -704,48 +697,16 @@ async fn metrics(State(state): State<AppState>) -> Response {
         .into_response()
 }
 
-/// The store's answer to a probe: asked at most once a second, one probe at a time, whoever
-/// asks, and for at most `PROBE_WITHIN`; while one is under way, the last answer stands. Each
-/// anonymous `/readyz` was a query to the store, and on a replica a query to the owner with the
-/// services' token, which takes no turn there.
+/// The store's answer to a probe, asked at most once a second, whoever asks (see
+/// `agent_serve::probe`).
 async fn probed(state: &AppState) -> Result<(), String> {
-    let readiness = &state.readiness;
-    let last = || {
-        readiness
-            .last
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .clone()
+    let store = &state.store;
+    let ask = || async move {
+        let answer = store.query("ASK { }".into()).await;
+        answer.map(|_| ()).map_err(|e| e.to_string())
     };
-    let fresh = |at: std::time::Instant| at.elapsed() < std::time::Duration::from_secs(1);
-    if let Some((_, answer)) = last().filter(|(at, _)| fresh(*at)) {
-        return answer;
-    }
-    let probing = match readiness.probing.try_lock() {
-        Ok(probing) => probing,
-        Err(_) => match last() {
-            Some((_, answer)) => return answer,
-            // The first probe: wait for it.
-            None => readiness.probing.lock().await,
-        },
-    };
-    // Another may have probed while this one waited.
-    if let Some((_, answer)) = last().filter(|(at, _)| fresh(*at)) {
-        return answer;
-    }
-    let answer = match tokio::time::timeout(PROBE_WITHIN, state.store.query("ASK { }".into())).await
-    {
-        Ok(Ok(_)) => Ok(()),
-        Ok(Err(e)) => Err(e.to_string()),
-        Err(_) => Err(format!("the store did not answer within {PROBE_WITHIN:?}")),
-    };
-    *readiness
-        .last
-        .lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner) =
-        Some((std::time::Instant::now(), answer.clone()));
-    drop(probing);
-    answer
+    let answer = state.readiness.answer(ask).await;
+    answer.map_err(|e| format!("the store: {e}"))
 }
 
 /// Ready when consuming and the store answers (see [`probed`]).

@@ -68,6 +68,8 @@ pub struct AggregatorSettings {
     pub fanout_nested_grace_secs: Option<u64>,
     #[command(flatten)]
     pub reads: ReadSettings,
+    #[command(flatten)]
+    pub http: agent_serve::HttpBounds,
     /// Seconds a published journal entry is kept once its dialog has concluded (a redelivery of
     /// its message is dropped while the entry is there); entries of dialogs that never concluded
     /// are kept seven times as long. 0 keeps everything.
@@ -170,6 +172,7 @@ impl AggregatorSettings {
             seal_key: None,
             explain_seals: ExplainSeals::Require,
             reads: ReadSettings::default(),
+            http: agent_serve::HttpBounds::default(),
             journal_retention_secs: 86_400,
             owner_listen_ms: 1_000,
             document_store: "graph".to_owned(),
@@ -252,17 +255,14 @@ pub async fn run(settings: AggregatorSettings, shutdown: CancellationToken) -> a
         stats.clone(),
         &settings.reads,
     );
-    let stop = shutdown.clone();
     // A client that takes nothing of what it is sent for a query's time limit is gone.
-    let listener = slow_clients::StallBounded::new(
+    let server = tokio::spawn(agent_serve::serve(
         listener,
+        app,
+        settings.http.clone(),
         Duration::from_secs(settings.reads.query_timeout_secs.max(1)),
-    );
-    let server = tokio::spawn(async move {
-        axum::serve(listener, app)
-            .with_graceful_shutdown(async move { stop.cancelled().await })
-            .await
-    });
+        shutdown.clone(),
+    ));
 
     let bus = settings.broker.connect().await?;
     let topics = settings.broker.topics();

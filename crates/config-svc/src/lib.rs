@@ -41,6 +41,8 @@ pub struct ConfigSvcSettings {
     /// A directory of `<type>.json` files whose missing keys are added at start (never overwriting).
     #[arg(long)]
     pub seed: Option<PathBuf>,
+    #[command(flatten)]
+    pub http: agent_serve::HttpBounds,
 }
 
 /// Publishes a [`ConfigPush`] for a write that changed something. A push that cannot be published
@@ -52,6 +54,10 @@ pub struct Pusher {
 
 /// The workspace of a request that names none.
 pub const DEFAULT_WORKSPACE: &str = "default";
+
+/// How long a client of the REST API may take nothing of what it is sent before it is cut off:
+/// its answers are a workspace's values at most.
+const CLIENT_STALL: Duration = Duration::from_secs(30);
 
 impl Pusher {
     /// Announces `written` (in `workspace`) when it changed something. As in TrustGraph, a
@@ -132,12 +138,13 @@ pub async fn run(settings: ConfigSvcSettings, shutdown: CancellationToken) -> an
     tracing::info!(addr = %listener.local_addr()?, "serving the config REST API");
     protocol::describe_metrics();
     let app = http::router(store.clone(), token, pusher.clone());
-    let stop = shutdown.clone();
-    let server = tokio::spawn(async move {
-        axum::serve(listener, app)
-            .with_graceful_shutdown(async move { stop.cancelled().await })
-            .await
-    });
+    let server = tokio::spawn(agent_serve::serve(
+        listener,
+        app,
+        settings.http.clone(),
+        CLIENT_STALL,
+        shutdown.clone(),
+    ));
 
     let responses = Publisher::new(&bus, &topics.config_response).await?;
     let subscription = SubscriptionConfig {

@@ -197,6 +197,10 @@ impl RemoteSparql {
         let http = reqwest::Client::builder()
             .connect_timeout(Duration::from_secs(10))
             .timeout(Duration::from_secs(120))
+            // Under the aggregator's time for a request's head (`HTTP_HEAD_TIMEOUT_SECS`, at
+            // least 5 s), which is also how long it keeps an idle connection: a request is not
+            // sent on a connection the server is closing.
+            .pool_idle_timeout(Duration::from_secs(4))
             .build()
             .map_err(|e| GraphError::Transport(e.to_string()))?;
         let api = Endpoint {

@@ -20,6 +20,21 @@ use axum::Router;
 pub struct OpsState {
     pub stats: Arc<ConsumerStats>,
     pub store: Option<GraphStore>,
+    /// `/readyz`'s probes of the store: one a second at most, whoever asks.
+    pub store_probe: agent_serve::probe::Probe,
+}
+
+impl OpsState {
+    pub fn new(stats: Arc<ConsumerStats>, store: Option<GraphStore>) -> OpsState {
+        OpsState {
+            stats,
+            store,
+            store_probe: agent_serve::probe::Probe::new(
+                Duration::from_secs(1),
+                Duration::from_secs(2),
+            ),
+        }
+    }
 }
 
 pub fn router(state: Arc<OpsState>) -> Router {
@@ -30,9 +45,23 @@ pub fn router(state: Arc<OpsState>) -> Router {
         .with_state(state)
 }
 
-/// Serves the endpoints on `listener` until the process ends.
-pub async fn serve(listener: tokio::net::TcpListener, state: Arc<OpsState>) {
-    if let Err(e) = axum::serve(listener, router(state)).await {
+/// How long a client of the endpoints may take nothing of what it is sent before it is cut off.
+const CLIENT_STALL: Duration = Duration::from_secs(30);
+
+/// Serves the endpoints on `listener` until the process ends (the task is aborted).
+pub async fn serve(
+    listener: tokio::net::TcpListener,
+    state: Arc<OpsState>,
+    bounds: agent_serve::HttpBounds,
+) {
+    let served = agent_serve::serve(
+        listener,
+        router(state),
+        bounds,
+        CLIENT_STALL,
+        tokio_util::sync::CancellationToken::new(),
+    );
+    if let Err(e) = served.await {
         tracing::error!(error = %e, "the health and metrics endpoint stopped");
     }
 }
@@ -46,23 +75,16 @@ async fn ready(State(state): State<Arc<OpsState>>) -> Response {
             .into_response();
     }
     if let Some(store) = &state.store {
-        let asked = tokio::time::timeout(Duration::from_secs(2), store.query("ASK { }".to_owned()));
-        match asked.await {
-            Ok(Ok(_)) => {}
-            Ok(Err(e)) => {
-                return (
-                    StatusCode::SERVICE_UNAVAILABLE,
-                    format!("the graph store fails: {e}"),
-                )
-                    .into_response()
-            }
-            Err(_) => {
-                return (
-                    StatusCode::SERVICE_UNAVAILABLE,
-                    "the graph store does not answer",
-                )
-                    .into_response()
-            }
+        let ask = || async move {
+            let answer = store.query("ASK { }".to_owned()).await;
+            answer.map(|_| ()).map_err(|e| e.to_string())
+        };
+        if let Err(e) = state.store_probe.answer(ask).await {
+            return (
+                StatusCode::SERVICE_UNAVAILABLE,
+                format!("the graph store fails: {e}"),
+            )
+                .into_response();
         }
     }
     "ready".into_response()

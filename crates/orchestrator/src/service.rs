@@ -28,17 +28,14 @@ pub async fn run(settings: Settings, shutdown: CancellationToken) -> anyhow::Res
     metrics::describe();
     let stats = Arc::new(ConsumerStats::default());
     let knowledge = settings.shared_store()?;
-    let ops = Arc::new(ops::OpsState {
-        stats: stats.clone(),
-        store: knowledge.clone(),
-    });
+    let ops = Arc::new(ops::OpsState::new(stats.clone(), knowledge.clone()));
     let listener = tokio::net::TcpListener::bind(settings.http_addr)
         .await
         .map_err(|e| {
             anyhow::anyhow!("cannot listen on {} (--http-addr): {e}", settings.http_addr)
         })?;
     tracing::info!(addr = %listener.local_addr()?, "health and metrics endpoint listening");
-    let ops_server = tokio::spawn(ops::serve(listener, ops));
+    let ops_server = tokio::spawn(ops::serve(listener, ops, settings.http.clone()));
     let Some(bus) = connect_until_up(&settings, &shutdown).await else {
         ops_server.abort();
         return Ok(());

@@ -136,6 +136,8 @@ pub struct Settings {
     /// Where `/healthz`, `/readyz` and `/metrics` listen.
     #[arg(long, env = "AGENT_HTTP_ADDR", default_value = "0.0.0.0:8090")]
     pub http_addr: std::net::SocketAddr,
+    #[command(flatten)]
+    pub http: agent_serve::HttpBounds,
 }
 
 /// Where long texts are kept (see [`Settings::document_store`]).

@@ -1,0 +1,137 @@
+//! A readiness probe anyone may call that does not pass every call on: an anonymous `/readyz`
+//! was a query to the store each (on an orchestrator or a replica, one with the services' token,
+//! which takes no turn at the store). The store is asked at most once per `every`, one probe at a
+//! time, for at most `within`; while one is under way the last answer stands.
+
+use std::future::Future;
+use std::sync::{Mutex, PoisonError};
+use std::time::{Duration, Instant};
+
+/// When the probed thing was last asked, and what it said.
+type Probed = (Instant, Result<(), String>);
+
+pub struct Probe {
+    every: Duration,
+    within: Duration,
+    last: Mutex<Option<Probed>>,
+    probing: tokio::sync::Mutex<()>,
+}
+
+impl Probe {
+    pub fn new(every: Duration, within: Duration) -> Probe {
+        Probe {
+            every,
+            within,
+            last: Mutex::new(None),
+            probing: tokio::sync::Mutex::new(()),
+        }
+    }
+
+    fn last(&self) -> Option<Probed> {
+        self.last
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
+    }
+
+    fn fresh(&self) -> Option<Result<(), String>> {
+        self.last()
+            .filter(|(at, _)| at.elapsed() < self.every)
+            .map(|(_, answer)| answer)
+    }
+
+    /// The answer of `ask`, or of a recent or concurrent call of it (see the module's note).
+    pub async fn answer<F, Fut>(&self, ask: F) -> Result<(), String>
+    where
+        F: FnOnce() -> Fut,
+        Fut: Future<Output = Result<(), String>>,
+    {
+        if let Some(answer) = self.fresh() {
+            return answer;
+        }
+        let probing = match self.probing.try_lock() {
+            Ok(probing) => probing,
+            Err(_) => match self.last() {
+                Some((_, answer)) => return answer,
+                // The first probe: wait for it.
+                None => self.probing.lock().await,
+            },
+        };
+        // Another may have probed while this one waited.
+        if let Some(answer) = self.fresh() {
+            return answer;
+        }
+        let answer = match tokio::time::timeout(self.within, ask()).await {
+            Ok(answer) => answer,
+            Err(_) => Err(format!("no answer within {:?}", self.within)),
+        };
+        *self.last.lock().unwrap_or_else(PoisonError::into_inner) =
+            Some((Instant::now(), answer.clone()));
+        drop(probing);
+        answer
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Arc;
+
+    #[tokio::test]
+    async fn many_callers_make_one_probe_and_a_slow_one_leaves_the_last_answer_standing() {
+        let probe = Arc::new(Probe::new(
+            Duration::from_millis(200),
+            Duration::from_millis(500),
+        ));
+        let asked = Arc::new(AtomicUsize::new(0));
+        let ask = |answer: Result<(), String>, taking: Duration| {
+            let asked = asked.clone();
+            move || async move {
+                asked.fetch_add(1, Ordering::SeqCst);
+                tokio::time::sleep(taking).await;
+                answer
+            }
+        };
+        // The first callers all wait for the first probe.
+        let first: Vec<_> = (0..20)
+            .map(|_| {
+                let probe = probe.clone();
+                let ask = ask(Ok(()), Duration::from_millis(50));
+                tokio::spawn(async move { probe.answer(ask).await })
+            })
+            .collect();
+        for answer in first {
+            assert!(matches!(answer.await, Ok(Ok(()))));
+        }
+        assert_eq!(asked.load(Ordering::SeqCst), 1);
+        // Within `every`, the answer stands without asking.
+        assert!(probe
+            .answer(ask(Err("down".into()), Duration::ZERO))
+            .await
+            .is_ok());
+        assert_eq!(asked.load(Ordering::SeqCst), 1);
+        // Past it, one slow probe; meanwhile the last answer stands for everyone else.
+        tokio::time::sleep(Duration::from_millis(250)).await;
+        let slow = {
+            let probe = probe.clone();
+            let ask = ask(Err("down".into()), Duration::from_millis(300));
+            tokio::spawn(async move { probe.answer(ask).await })
+        };
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        assert!(probe
+            .answer(ask(Err("other".into()), Duration::ZERO))
+            .await
+            .is_ok());
+        assert_eq!(slow.await.ok(), Some(Err("down".to_owned())));
+        assert_eq!(asked.load(Ordering::SeqCst), 2);
+        assert_eq!(
+            probe.answer(ask(Ok(()), Duration::ZERO)).await,
+            Err("down".to_owned())
+        );
+        // A probe that takes longer than `within` is an answer too.
+        tokio::time::sleep(Duration::from_millis(250)).await;
+        let late = probe.answer(ask(Ok(()), Duration::from_secs(5))).await;
+        assert_eq!(late, Err("no answer within 500ms".to_owned()));
+    }
+}
