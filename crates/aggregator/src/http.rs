@@ -700,7 +700,7 @@ async fn metrics(State(state): State<AppState>) -> Response {
 /// The store's answer to a probe, asked at most once a second, whoever asks (see
 /// `agent_serve::probe`).
 async fn probed(state: &AppState) -> Result<(), String> {
-    let store = &state.store;
+    let store = state.store.clone();
     let ask = || async move {
         let answer = store.query("ASK { }".into()).await;
         answer.map(|_| ()).map_err(|e| e.to_string())

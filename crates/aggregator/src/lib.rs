@@ -257,6 +257,7 @@ pub async fn run(settings: AggregatorSettings, shutdown: CancellationToken) -> a
     );
     // A client that takes nothing of what it is sent for a query's time limit is gone.
     let server = tokio::spawn(agent_serve::serve(
+        "aggregator",
         listener,
         app,
         settings.http.clone(),

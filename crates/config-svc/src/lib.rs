@@ -139,6 +139,7 @@ pub async fn run(settings: ConfigSvcSettings, shutdown: CancellationToken) -> an
     protocol::describe_metrics();
     let app = http::router(store.clone(), token, pusher.clone());
     let server = tokio::spawn(agent_serve::serve(
+        "config",
         listener,
         app,
         settings.http.clone(),

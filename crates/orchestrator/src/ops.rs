@@ -55,6 +55,7 @@ pub async fn serve(
     bounds: agent_serve::HttpBounds,
 ) {
     let served = agent_serve::serve(
+        "orchestrator",
         listener,
         router(state),
         bounds,
@@ -74,7 +75,7 @@ async fn ready(State(state): State<Arc<OpsState>>) -> Response {
         )
             .into_response();
     }
-    if let Some(store) = &state.store {
+    if let Some(store) = state.store.clone() {
         let ask = || async move {
             let answer = store.query("ASK { }".to_owned()).await;
             answer.map(|_| ()).map_err(|e| e.to_string())

@@ -6,6 +6,8 @@ use std::collections::HashMap;
 use std::net::{IpAddr, Ipv6Addr};
 use std::sync::{Arc, Mutex, PoisonError};
 
+use agent_metrics::global;
+
 /// Why a connection was not taken.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Refusal {
@@ -30,24 +32,35 @@ struct Open {
     by_peer: HashMap<IpAddr, usize>,
 }
 
-/// The connections open, and how many may be.
+/// The connections open from other hosts, and how many may be.
 pub struct Admission {
+    /// The server's name, in metrics.
+    server: &'static str,
     most: usize,
     /// 0: no bound per peer.
     most_per_peer: usize,
     open: Mutex<Open>,
 }
 
-/// One open connection, counted until it is dropped.
+/// One open connection, counted until it is dropped (a connection from this machine is not).
 pub struct Admitted {
     admission: Arc<Admission>,
-    /// `None` for a peer not counted (no bound per peer, or a peer on this machine).
-    peer: Option<IpAddr>,
+    counted: Counted,
+}
+
+enum Counted {
+    /// From this machine.
+    Not,
+    /// In all only (no bound per peer).
+    InAll,
+    /// In all and against its peer.
+    Peer(IpAddr),
 }
 
 impl Admission {
-    pub fn new(most: usize, most_per_peer: usize) -> Arc<Admission> {
+    pub fn new(server: &'static str, most: usize, most_per_peer: usize) -> Arc<Admission> {
         Arc::new(Admission {
+            server,
             most,
             most_per_peer,
             open: Mutex::new(Open::default()),
@@ -56,41 +69,61 @@ impl Admission {
 
     /// Counts a connection from `peer` in, or says why not.
     pub fn admit(self: &Arc<Self>, peer: IpAddr) -> Result<Admitted, Refusal> {
-        let counted = (self.most_per_peer > 0).then(|| peer_of(peer)).flatten();
+        let Some(peer) = peer_of(peer) else {
+            return Ok(Admitted {
+                admission: self.clone(),
+                counted: Counted::Not,
+            });
+        };
         // Nothing a connection does is under this lock, so a poisoned one still counts right.
         let mut open = self.open.lock().unwrap_or_else(PoisonError::into_inner);
         if open.all >= self.most {
             return Err(Refusal::Full);
         }
-        if let Some(peer) = counted {
+        let counted = if self.most_per_peer > 0 {
             let from_peer = open.by_peer.entry(peer).or_default();
             if *from_peer >= self.most_per_peer {
                 return Err(Refusal::PeerFull);
             }
             *from_peer += 1;
-        }
+            Counted::Peer(peer)
+        } else {
+            Counted::InAll
+        };
         open.all += 1;
+        self.report(open.all);
         Ok(Admitted {
             admission: self.clone(),
-            peer: counted,
+            counted,
         })
     }
 
-    /// Connections open now.
+    /// Connections open now from other hosts.
     pub fn open(&self) -> usize {
         self.open.lock().unwrap_or_else(PoisonError::into_inner).all
+    }
+
+    fn report(&self, open: usize) {
+        global().set(
+            crate::CONNECTIONS_OPEN,
+            &[("server", self.server)],
+            open as f64,
+        );
     }
 }
 
 impl Drop for Admitted {
     fn drop(&mut self) {
-        let mut open = self
-            .admission
+        if matches!(self.counted, Counted::Not) {
+            return;
+        }
+        let admission = &self.admission;
+        let mut open = admission
             .open
             .lock()
             .unwrap_or_else(PoisonError::into_inner);
         open.all = open.all.saturating_sub(1);
-        if let Some(peer) = self.peer {
+        if let Counted::Peer(peer) = self.counted {
             if let Some(from_peer) = open.by_peer.get_mut(&peer) {
                 *from_peer = from_peer.saturating_sub(1);
                 if *from_peer == 0 {
@@ -98,13 +131,14 @@ impl Drop for Admitted {
                 }
             }
         }
+        admission.report(open.all);
     }
 }
 
 /// Who a connection counts against: its address, an IPv6 one by its /64 (one host is commonly
 /// given a whole /64, and could otherwise open each connection from an address of its own).
 /// `None` for this machine: the services of one host (and `agentctl up`'s, all in one process)
-/// reach each other over loopback, and a bound there would be one on ourselves.
+/// reach each other over loopback, and whoever runs there can stop the process anyway.
 fn peer_of(address: IpAddr) -> Option<IpAddr> {
     let address = address.to_canonical();
     if address.is_loopback() {
@@ -130,8 +164,8 @@ mod tests {
 
     #[test]
     fn connections_are_bounded_in_all_and_counted_back_when_closed() {
-        let admission = Admission::new(3, 0);
-        let held: Vec<_> = ["10.0.0.1", "10.0.0.2", "127.0.0.1"]
+        let admission = Admission::new("test", 3, 0);
+        let held: Vec<_> = ["10.0.0.1", "10.0.0.2", "10.0.0.1"]
             .iter()
             .map(|a| admission.admit(ip(a)))
             .collect();
@@ -140,7 +174,12 @@ mod tests {
             admission.admit(ip("10.0.0.3")),
             Err(Refusal::Full)
         ));
-        assert!(matches!(admission.admit(ip("::1")), Err(Refusal::Full)));
+        // This machine's own connections are neither bounded nor counted.
+        let local: Vec<_> = (0..10).map(|_| admission.admit(ip("::1"))).collect();
+        assert!(local.iter().all(Result::is_ok));
+        assert_eq!(admission.open(), 3);
+        drop(local);
+        assert_eq!(admission.open(), 3);
         drop(held);
         assert_eq!(admission.open(), 0);
         assert!(admission.admit(ip("10.0.0.3")).is_ok());
@@ -148,7 +187,7 @@ mod tests {
 
     #[test]
     fn one_peer_takes_no_more_than_its_share_and_this_machine_is_not_counted() {
-        let admission = Admission::new(100, 2);
+        let admission = Admission::new("test", 100, 2);
         let first = admission.admit(ip("192.0.2.7"));
         let second = admission.admit(ip("::ffff:192.0.2.7"));
         assert!(first.is_ok() && second.is_ok());

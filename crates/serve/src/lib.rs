@@ -8,26 +8,33 @@
 //! progress for a while is closed.
 
 pub mod admission;
+pub mod body;
 pub mod probe;
 pub mod stall;
 
 use std::io;
 use std::net::SocketAddr;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
 use agent_metrics::{global, Kind};
+use axum::body::Body;
+use hyper::body::Incoming;
 use hyper_util::rt::{TokioIo, TokioTimer};
-use hyper_util::service::TowerToHyperService;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
+use tower_service::Service;
 
 pub use admission::{Admission, Refusal};
 pub use stall::StallBoundedIo;
 
-/// Connections refused, by reason.
+/// Connections refused, by server and reason.
 pub const CONNECTIONS_REFUSED: &str = "agent_http_connections_refused_total";
+/// Connections open, by server.
+pub const CONNECTIONS_OPEN: &str = "agent_http_connections_open";
 
 /// How much of a server one client, or all of them, may hold.
 #[derive(clap::Args, Debug, Clone, PartialEq, Eq)]
@@ -39,52 +46,100 @@ pub struct HttpBounds {
     #[arg(
         long,
         env = "HTTP_HEAD_TIMEOUT_SECS",
-        default_value_t = 10,
-        value_parser = clap::value_parser!(u64).range(5..)
+        default_value_t = DEFAULT_HEAD_TIMEOUT_SECS,
+        value_parser = clap::value_parser!(u64).range(5..=3_600)
     )]
     pub http_head_timeout_secs: u64,
-    /// Connections open at once; one more is answered 503 and closed. Keep it well under the
-    /// process's file descriptor limit (`ulimit -n`): the store and the broker need theirs.
+    /// Seconds a request's body has to come whole, from its head; past it the request fails and
+    /// its connection is closed.
     #[arg(
         long,
-        env = "HTTP_MAX_CONNECTIONS",
-        default_value_t = 1024,
-        value_parser = clap::value_parser!(u64).range(1..)
+        env = "HTTP_BODY_TIMEOUT_SECS",
+        default_value_t = DEFAULT_BODY_TIMEOUT_SECS,
+        value_parser = clap::value_parser!(u64).range(1..=86_400)
     )]
-    pub http_max_connections: u64,
-    /// Connections open at once from one address (an IPv6 one by its /64); 0 for no bound.
-    /// Addresses of this machine (loopback) are not bounded: they are the host's own services.
-    #[arg(long, env = "HTTP_MAX_CONNECTIONS_PER_PEER", default_value_t = 256)]
+    pub http_body_timeout_secs: u64,
+    /// Connections open at once from other hosts; one more is answered 503 and closed. By
+    /// default a quarter of the process's limit of open files (`ulimit -n`), between 64 and
+    /// 8,192: the store and the broker need theirs.
+    #[arg(long, env = "HTTP_MAX_CONNECTIONS", value_parser = clap::value_parser!(u64).range(1..))]
+    pub http_max_connections: Option<u64>,
+    /// Connections open at once from one address (an IPv6 one by its /64); 0 for no bound. Behind
+    /// a NAT or a proxy every client shares its address.
+    #[arg(long, env = "HTTP_MAX_CONNECTIONS_PER_PEER", default_value_t = DEFAULT_MAX_PER_PEER)]
     pub http_max_connections_per_peer: u64,
 }
 
+const DEFAULT_HEAD_TIMEOUT_SECS: u64 = 10;
+const DEFAULT_BODY_TIMEOUT_SECS: u64 = 60;
+const DEFAULT_MAX_PER_PEER: u64 = 128;
+
 impl Default for HttpBounds {
-    fn default() -> Self {
+    /// As the command line gives them.
+    fn default() -> HttpBounds {
         HttpBounds {
-            http_head_timeout_secs: 10,
-            http_max_connections: 1024,
-            http_max_connections_per_peer: 256,
+            http_head_timeout_secs: DEFAULT_HEAD_TIMEOUT_SECS,
+            http_body_timeout_secs: DEFAULT_BODY_TIMEOUT_SECS,
+            http_max_connections: None,
+            http_max_connections_per_peer: DEFAULT_MAX_PER_PEER,
         }
+    }
+}
+
+impl HttpBounds {
+    fn max_connections(&self) -> usize {
+        let most = self
+            .http_max_connections
+            .unwrap_or_else(|| (open_files_limit().unwrap_or(1_024) / 4).clamp(64, 8_192));
+        usize::try_from(most).unwrap_or(usize::MAX)
+    }
+}
+
+/// The process's soft limit of open files (Linux: `/proc/self/limits`).
+fn open_files_limit() -> Option<u64> {
+    let limits = std::fs::read_to_string("/proc/self/limits").ok()?;
+    let line = limits.lines().find(|l| l.starts_with("Max open files"))?;
+    let soft = line
+        .trim_start_matches("Max open files")
+        .split_whitespace()
+        .next()?;
+    match soft {
+        "unlimited" => Some(u64::MAX),
+        number => number.parse().ok(),
     }
 }
 
 /// What a connection past a bound is told before it is closed.
 const REFUSED: &[u8] = b"HTTP/1.1 503 Service Unavailable\r\nretry-after: 1\r\nconnection: close\r\ncontent-length: 0\r\n\r\n";
 
+/// Refused connections kept open at once a moment after their 503, so that the client reads it
+/// rather than a reset; past it one is closed at once.
+const MOST_LINGERING: usize = 256;
+
+/// What a request's head (and the buffer a body is read through) may take: heads here are small.
+const MOST_READ_BUFFER: usize = 64 * 1024;
+
 pub fn describe_metrics() {
-    global().describe(
+    let registry = global();
+    registry.describe(
         CONNECTIONS_REFUSED,
         Kind::Counter,
-        "HTTP connections refused as they were opened, by reason: full (as many open as the server takes), peer_full (as many open from one address as a peer may have).",
+        "HTTP connections refused as they were opened, by server and reason: full (as many open as the server takes), peer_full (as many open from one address as a peer may have).",
+    );
+    registry.describe(
+        CONNECTIONS_OPEN,
+        Kind::Gauge,
+        "HTTP connections open from other hosts, by server.",
     );
 }
 
-/// Serves `app` on `listener` until `shutdown`, then lets the requests under way finish (each
-/// connection is told to close once its request is answered) and returns once every connection
-/// has closed. `write_stall` is how long a connection's write may wait before it is closed.
-/// Accepting fails for one connection at a time, never for good, so this returns no error;
-/// the `Result` is for `agent_bus::http_stopped`.
+/// Serves `app` on `listener` until `shutdown` (`server` names it in logs and metrics), then
+/// lets the requests under way finish (each connection is told to close once its request is
+/// answered) and returns once every connection has closed. `write_stall` is how long a
+/// connection's write may wait before it is closed. Accepting fails for one connection at a
+/// time, never for good, so this returns no error; the `Result` is for `agent_bus::http_stopped`.
 pub async fn serve(
+    server: &'static str,
     listener: TcpListener,
     app: axum::Router,
     bounds: HttpBounds,
@@ -92,17 +147,21 @@ pub async fn serve(
     shutdown: CancellationToken,
 ) -> io::Result<()> {
     describe_metrics();
-    let to_usize = |n: u64| usize::try_from(n).unwrap_or(usize::MAX);
     let admission = Admission::new(
-        to_usize(bounds.http_max_connections),
-        to_usize(bounds.http_max_connections_per_peer),
+        server,
+        bounds.max_connections(),
+        usize::try_from(bounds.http_max_connections_per_peer).unwrap_or(usize::MAX),
     );
+    tracing::debug!(server, ?bounds, "serving HTTP");
     let mut builder = hyper::server::conn::http1::Builder::new();
     builder
         .timer(TokioTimer::new())
-        .header_read_timeout(Duration::from_secs(bounds.http_head_timeout_secs));
+        .header_read_timeout(Duration::from_secs(bounds.http_head_timeout_secs))
+        .max_buf_size(MOST_READ_BUFFER);
     let builder = Arc::new(builder);
+    let body_within = Duration::from_secs(bounds.http_body_timeout_secs);
     let connections = TaskTracker::new();
+    let lingering = Arc::new(AtomicUsize::new(0));
     loop {
         let accepted = tokio::select! {
             () = shutdown.cancelled() => break,
@@ -113,10 +172,10 @@ pub async fn serve(
             Err(e) => {
                 if !gone_before_taken(&e) {
                     // Out of file descriptors, most likely: others will close.
-                    tracing::warn!(error = %e, "accepting a connection failed");
+                    tracing::warn!(server, error = %e, "accepting a connection failed");
                     tokio::select! {
                         () = shutdown.cancelled() => break,
-                        () = tokio::time::sleep(Duration::from_millis(100)) => {}
+                        () = tokio::time::sleep(Duration::from_secs(1)) => {}
                     }
                 }
                 continue;
@@ -125,7 +184,7 @@ pub async fn serve(
         let admitted = match admission.admit(peer.ip()) {
             Ok(admitted) => admitted,
             Err(refusal) => {
-                refuse(&stream, peer, refusal);
+                refuse(server, stream, peer, refusal, &lingering);
                 continue;
             }
         };
@@ -133,11 +192,16 @@ pub async fn serve(
         // for Nagle's algorithm.
         let _ = stream.set_nodelay(true);
         let io = TokioIo::new(StallBoundedIo::new(stream, write_stall));
-        let service = TowerToHyperService::new(app.clone());
+        let app = app.clone();
+        let service = hyper::service::service_fn(move |request: hyper::Request<Incoming>| {
+            let deadline = tokio::time::Instant::now() + body_within;
+            let request =
+                request.map(|body| Body::new(body::DeadlineBody::new(Body::new(body), deadline)));
+            app.clone().call(request)
+        });
         let builder = builder.clone();
         let stop = shutdown.clone();
         connections.spawn(async move {
-            let _admitted = admitted;
             let connection = builder.serve_connection(io, service);
             let mut connection = std::pin::pin!(connection);
             let served = tokio::select! {
@@ -148,10 +212,13 @@ pub async fn serve(
                 }
             };
             if let Err(e) = served {
-                tracing::debug!(%peer, error = %e, "connection ended");
+                tracing::debug!(server, %peer, error = %e, "connection ended");
             }
+            drop(admitted);
         });
     }
+    // New connections are refused by the system from now on, not left waiting in its backlog.
+    drop(listener);
     connections.close();
     connections.wait().await;
     Ok(())
@@ -167,10 +234,41 @@ fn gone_before_taken(e: &io::Error) -> bool {
     )
 }
 
-fn refuse(stream: &TcpStream, peer: SocketAddr, refusal: Refusal) {
-    global().inc(CONNECTIONS_REFUSED, &[("reason", refusal.reason())]);
-    // A fresh socket's buffer takes these few bytes at once; a client still sending its request
-    // may see the connection reset instead, as the server closes with it unread.
+/// Tells a connection past a bound 503 and closes it. What the client sent meanwhile is read
+/// and let go of for a moment first: closed with it unread, the connection would be reset, and
+/// the client might see that instead of the 503.
+fn refuse(
+    server: &'static str,
+    mut stream: TcpStream,
+    peer: SocketAddr,
+    refusal: Refusal,
+    lingering: &Arc<AtomicUsize>,
+) {
+    global().inc(
+        CONNECTIONS_REFUSED,
+        &[("server", server), ("reason", refusal.reason())],
+    );
+    tracing::debug!(server, %peer, reason = refusal.reason(), "connection refused");
+    // A fresh socket's buffer takes these few bytes at once.
     let _ = stream.try_write(REFUSED);
-    tracing::debug!(%peer, reason = refusal.reason(), "connection refused");
+    if lingering.fetch_add(1, Ordering::Relaxed) >= MOST_LINGERING {
+        lingering.fetch_sub(1, Ordering::Relaxed);
+        return;
+    }
+    let lingering = lingering.clone();
+    tokio::spawn(async move {
+        let _ = stream.shutdown().await;
+        let mut sink = [0; 4096];
+        let mut taken = 0;
+        let reading = async {
+            while taken < 64 * 1024 {
+                match stream.read(&mut sink).await {
+                    Ok(0) | Err(_) => break,
+                    Ok(n) => taken += n,
+                }
+            }
+        };
+        let _ = tokio::time::timeout(Duration::from_secs(1), reading).await;
+        lingering.fetch_sub(1, Ordering::Relaxed);
+    });
 }

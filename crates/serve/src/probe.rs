@@ -1,10 +1,11 @@
 //! A readiness probe anyone may call that does not pass every call on: an anonymous `/readyz`
 //! was a query to the store each (on an orchestrator or a replica, one with the services' token,
 //! which takes no turn at the store). The store is asked at most once per `every`, one probe at a
-//! time, for at most `within`; while one is under way the last answer stands.
+//! time, for at most `within`; while one is under way the last answer stands. A probe runs on its
+//! own, so a caller that goes away does not take it (and its answer) with it.
 
 use std::future::Future;
-use std::sync::{Mutex, PoisonError};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 /// When the probed thing was last asked, and what it said.
@@ -13,8 +14,8 @@ type Probed = (Instant, Result<(), String>);
 pub struct Probe {
     every: Duration,
     within: Duration,
-    last: Mutex<Option<Probed>>,
-    probing: tokio::sync::Mutex<()>,
+    last: Arc<Mutex<Option<Probed>>>,
+    probing: Arc<tokio::sync::Mutex<()>>,
 }
 
 impl Probe {
@@ -22,8 +23,8 @@ impl Probe {
         Probe {
             every,
             within,
-            last: Mutex::new(None),
-            probing: tokio::sync::Mutex::new(()),
+            last: Arc::default(),
+            probing: Arc::default(),
         }
     }
 
@@ -44,31 +45,37 @@ impl Probe {
     pub async fn answer<F, Fut>(&self, ask: F) -> Result<(), String>
     where
         F: FnOnce() -> Fut,
-        Fut: Future<Output = Result<(), String>>,
+        Fut: Future<Output = Result<(), String>> + Send + 'static,
     {
         if let Some(answer) = self.fresh() {
             return answer;
         }
-        let probing = match self.probing.try_lock() {
+        let probing = match self.probing.clone().try_lock_owned() {
             Ok(probing) => probing,
             Err(_) => match self.last() {
                 Some((_, answer)) => return answer,
                 // The first probe: wait for it.
-                None => self.probing.lock().await,
+                None => self.probing.clone().lock_owned().await,
             },
         };
         // Another may have probed while this one waited.
         if let Some(answer) = self.fresh() {
             return answer;
         }
-        let answer = match tokio::time::timeout(self.within, ask()).await {
-            Ok(answer) => answer,
-            Err(_) => Err(format!("no answer within {:?}", self.within)),
-        };
-        *self.last.lock().unwrap_or_else(PoisonError::into_inner) =
-            Some((Instant::now(), answer.clone()));
-        drop(probing);
-        answer
+        let (asked, within, last) = (ask(), self.within, self.last.clone());
+        let probe = tokio::spawn(async move {
+            let answer = match tokio::time::timeout(within, asked).await {
+                Ok(answer) => answer,
+                Err(_) => Err(format!("no answer within {within:?}")),
+            };
+            *last.lock().unwrap_or_else(PoisonError::into_inner) =
+                Some((Instant::now(), answer.clone()));
+            drop(probing);
+            answer
+        });
+        probe
+            .await
+            .unwrap_or_else(|e| Err(format!("the probe failed: {e}")))
     }
 }
 
@@ -133,5 +140,29 @@ mod tests {
         tokio::time::sleep(Duration::from_millis(250)).await;
         let late = probe.answer(ask(Ok(()), Duration::from_secs(5))).await;
         assert_eq!(late, Err("no answer within 500ms".to_owned()));
+    }
+
+    #[tokio::test]
+    async fn a_caller_that_goes_away_does_not_take_the_probe_with_it() {
+        let probe = Arc::new(Probe::new(Duration::from_secs(60), Duration::from_secs(5)));
+        let caller = {
+            let probe = probe.clone();
+            tokio::spawn(async move {
+                let slow = || async {
+                    tokio::time::sleep(Duration::from_millis(300)).await;
+                    Err("down".to_owned())
+                };
+                probe.answer(slow).await
+            })
+        };
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        caller.abort();
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        let asked_again = probe.answer(|| async { Ok(()) }).await;
+        assert_eq!(
+            asked_again,
+            Err("down".to_owned()),
+            "the probe's answer stands"
+        );
     }
 }

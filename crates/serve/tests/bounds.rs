@@ -1,0 +1,135 @@
+//! The bounds `agent_serve::serve` puts on connections, seen from clients on the network: a server
+//! takes no more connections than its bounds in all and per peer, answers one more 503 (read by
+//! the client, not a reset, though it sent its request first), serves again once others close,
+//! and does not count this machine's own connections. Clients here connect from the machine's
+//! own network address, which is not loopback, as another host's would be counted.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use std::net::{IpAddr, SocketAddr};
+use std::time::Duration;
+
+use agent_serve::HttpBounds;
+use axum::routing::get;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+use tokio_util::sync::CancellationToken;
+
+/// This machine's address on its network: where a datagram to the outside would leave from (none
+/// is sent).
+fn network_address() -> IpAddr {
+    let socket = std::net::UdpSocket::bind("0.0.0.0:0").unwrap();
+    socket.connect("192.0.2.1:9").unwrap();
+    let address = socket.local_addr().unwrap().ip();
+    assert!(
+        !address.is_loopback() && !address.is_unspecified(),
+        "this machine has no network address besides loopback: {address}"
+    );
+    address
+}
+
+async fn serving(bounds: HttpBounds) -> (u16, CancellationToken) {
+    let listener = tokio::net::TcpListener::bind("0.0.0.0:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let app = axum::Router::new().route("/healthz", get(|| async { "ok" }));
+    let stop = CancellationToken::new();
+    tokio::spawn(agent_serve::serve(
+        "test",
+        listener,
+        app,
+        bounds,
+        Duration::from_secs(30),
+        stop.clone(),
+    ));
+    (port, stop)
+}
+
+/// The status line a connection gets for a `GET /healthz` sent on it, or what ended it.
+async fn status_of(stream: &mut TcpStream) -> String {
+    stream
+        .write_all(b"GET /healthz HTTP/1.1\r\nHost: test\r\n\r\n")
+        .await
+        .unwrap();
+    let mut received = Vec::new();
+    let mut buffer = [0; 1024];
+    let reading = async {
+        while !received.windows(2).any(|w| w == b"\r\n") {
+            match stream.read(&mut buffer).await {
+                Ok(0) => return "closed".to_owned(),
+                Err(e) => return format!("failed: {e}"),
+                Ok(n) => received.extend_from_slice(&buffer[..n]),
+            }
+        }
+        let text = String::from_utf8_lossy(&received);
+        text.lines().next().unwrap_or("").to_owned()
+    };
+    tokio::time::timeout(Duration::from_secs(5), reading)
+        .await
+        .unwrap_or_else(|_| "no answer within 5 s".to_owned())
+}
+
+#[tokio::test]
+async fn connections_past_the_bounds_are_told_503_and_served_again_once_others_close() {
+    let address = network_address();
+    let (port, stop) = serving(HttpBounds {
+        http_max_connections: Some(3),
+        http_max_connections_per_peer: 0,
+        ..HttpBounds::default()
+    })
+    .await;
+    let from_network = SocketAddr::new(address, port);
+    let mut open = Vec::new();
+    for _ in 0..3 {
+        let mut stream = TcpStream::connect(from_network).await.unwrap();
+        assert_eq!(status_of(&mut stream).await, "HTTP/1.1 200 OK");
+        open.push(stream);
+    }
+    let mut over = TcpStream::connect(from_network).await.unwrap();
+    assert_eq!(
+        status_of(&mut over).await,
+        "HTTP/1.1 503 Service Unavailable"
+    );
+    // This machine's own connections are neither bounded nor counted.
+    let mut local = TcpStream::connect(("127.0.0.1", port)).await.unwrap();
+    assert_eq!(status_of(&mut local).await, "HTTP/1.1 200 OK");
+    drop(open.pop());
+    let mut served = "not yet".to_owned();
+    for _ in 0..50 {
+        let mut again = TcpStream::connect(from_network).await.unwrap();
+        served = status_of(&mut again).await;
+        if served == "HTTP/1.1 200 OK" {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(served, "HTTP/1.1 200 OK", "served again once one closed");
+    stop.cancel();
+}
+
+#[tokio::test]
+async fn one_peer_gets_no_more_than_its_share() {
+    let address = network_address();
+    let (port, stop) = serving(HttpBounds {
+        http_max_connections: Some(100),
+        http_max_connections_per_peer: 2,
+        ..HttpBounds::default()
+    })
+    .await;
+    let from_network = SocketAddr::new(address, port);
+    let mut open = Vec::new();
+    for _ in 0..2 {
+        let mut stream = TcpStream::connect(from_network).await.unwrap();
+        assert_eq!(status_of(&mut stream).await, "HTTP/1.1 200 OK");
+        open.push(stream);
+    }
+    let mut third = TcpStream::connect(from_network).await.unwrap();
+    assert_eq!(
+        status_of(&mut third).await,
+        "HTTP/1.1 503 Service Unavailable"
+    );
+    for _ in 0..5 {
+        let mut local = TcpStream::connect(("127.0.0.1", port)).await.unwrap();
+        assert_eq!(status_of(&mut local).await, "HTTP/1.1 200 OK");
+        open.push(local);
+    }
+    stop.cancel();
+}
