@@ -158,8 +158,6 @@ pub struct ConsumerStats {
     pub acked: AtomicU64,
     pub nacked: AtomicU64,
     pub dead_lettered: AtomicU64,
-    /// Messages of a non-persistent topic dropped because the consumer's backlog was full.
-    pub dropped: AtomicU64,
 }
 
 impl ConsumerStats {
@@ -168,8 +166,7 @@ impl ConsumerStats {
     }
 
     /// Copies the counts into the process's counter `family` (declared by the service), one series
-    /// per fate: received, acked, nacked (to be redelivered), dead_lettered, dropped (a
-    /// non-persistent topic's, past [`NON_PERSISTENT_BACKLOG_BYTES`]).
+    /// per fate: received, acked, nacked (to be redelivered), dead_lettered.
     pub fn report(&self, family: &str) {
         let registry = agent_metrics::global();
         for (fate, counter) in [
@@ -177,7 +174,6 @@ impl ConsumerStats {
             ("acked", &self.acked),
             ("nacked", &self.nacked),
             ("dead_lettered", &self.dead_lettered),
-            ("dropped", &self.dropped),
         ] {
             registry.set_total(
                 family,
@@ -200,13 +196,6 @@ pub const DEAD_LETTER_REASON: &str = "dead-letter-reason";
 /// The property naming the topic a dead-lettered message came from.
 pub const DEAD_LETTER_ORIGIN: &str = "dead-letter-origin-topic";
 
-/// The most payload bytes a consumer of a non-persistent topic holds ahead of its handlers; a
-/// message past it is dropped (acked unhandled, counted, logged), as the broker drops what a
-/// subscription has no room for: nothing is redelivered on such a topic anyway. Without a bound
-/// in bytes, a burst of large messages (up to the broker's 5 MiB each) waited in the crate's
-/// queue of [`NON_PERSISTENT_WINDOW`] messages, gigabytes of them.
-pub const NON_PERSISTENT_BACKLOG_BYTES: usize = 64 << 20;
-
 /// Consumes `config.topic` until `shutdown`, handing each decoded message to `handler`.
 ///
 /// Payloads that do not decode as `T` go to the dead-letter topic with the reason in a property, are
@@ -217,31 +206,6 @@ pub async fn run_consumer<T, F, Fut>(
     stats: Arc<ConsumerStats>,
     shutdown: CancellationToken,
     handler: F,
-) -> Result<(), BusError>
-where
-    T: DeserializeOwned + Send + 'static,
-    F: Fn(Delivery<T>) -> Fut + Send + Sync + 'static,
-    Fut: Future<Output = Disposition> + Send + 'static,
-{
-    let backlog_bytes = if config.topic.starts_with("non-persistent://") {
-        NON_PERSISTENT_BACKLOG_BYTES
-    } else {
-        // A persistent topic's broker sends no more than the consumer's permits (its window is
-        // `max_in_flight`), and what waits is the broker's to keep.
-        0
-    };
-    consume_holding(bus, config, stats, shutdown, handler, backlog_bytes).await
-}
-
-/// [`run_consumer`], holding up to `backlog_bytes` of messages taken from the broker while every
-/// handler's place is taken.
-async fn consume_holding<T, F, Fut>(
-    bus: &Bus,
-    config: SubscriptionConfig,
-    stats: Arc<ConsumerStats>,
-    shutdown: CancellationToken,
-    handler: F,
-    backlog_bytes: usize,
 ) -> Result<(), BusError>
 where
     T: DeserializeOwned + Send + 'static,
@@ -269,37 +233,10 @@ where
     let mut tasks: JoinSet<Disposition> = JoinSet::new();
     let mut in_flight = InFlight::new();
     let aside = Aside::counted(max_in_flight as u64 * ASIDE_PER_PLACE);
-    let mut backlog = Backlog::holding(backlog_bytes);
-    let begin =
-        |message: Message<Vec<u8>>, tasks: &mut JoinSet<Disposition>, in_flight: &mut InFlight| {
-            begin_handling(
-                &*handler,
-                &aside,
-                config.nack_delay,
-                message,
-                tasks,
-                in_flight,
-            )
-        };
     loop {
         // A handler standing aside keeps its message unacked but not its place; one that stepped
         // aside and then went on working overdraws the bound until it ends.
         let places = max_in_flight + aside.waiting();
-        while tasks.len() < places {
-            let Some(message) = backlog.take() else { break };
-            if let Err(undecoded) = begin(message, &mut tasks, &mut in_flight) {
-                let (message, reason) = *undecoded;
-                dead_letter(
-                    &mut consumer,
-                    &dead_letters,
-                    &stats,
-                    &message,
-                    &message.payload.data,
-                    &reason,
-                )
-                .await;
-            }
-        }
         tokio::select! {
             biased;
             _ = shutdown.cancelled() => break,
@@ -308,25 +245,29 @@ where
             }
             // Only to look at the bound again.
             _ = aside.stepped(), if tasks.len() >= places => {}
-            // A non-persistent topic's messages are taken as they come, so that they wait here,
-            // counted in bytes, and not in the crate's queue.
-            next = consumer.next(), if tasks.len() < places || backlog.has_room() => match next {
-                Some(Ok(message)) => {
+            next = consumer.next(), if tasks.len() < places => match next {
+                Some(Ok(mut message)) => {
                     stats.received.fetch_add(1, Ordering::Relaxed);
-                    if tasks.len() < places {
-                        if let Err(undecoded) = begin(message, &mut tasks, &mut in_flight) {
-                            let (message, reason) = *undecoded;
+                    let properties = properties_of(&message);
+                    match serde_json::from_slice::<T>(&message.payload.data) {
+                        Ok(payload) => {
+                            let message_id = message_id_of(&message);
+                            let payload_bytes = message.payload.data.len();
+                            let raw: Arc<[u8]> = std::mem::take(&mut message.payload.data).into();
+                            let work = handler(Delivery { payload, properties, message_id, payload_bytes, raw: raw.clone(), aside: aside.clone() });
+                            let nack_delay = config.nack_delay;
+                            let handle = tasks.spawn(async move {
+                                let disposition = work.await;
+                                if matches!(disposition, Disposition::Nack(_)) {
+                                    tokio::time::sleep(nack_delay).await;
+                                }
+                                disposition
+                            });
+                            in_flight.insert(handle.id(), (message, raw));
+                        }
+                        Err(e) => {
+                            let reason = format!("payload does not decode: {e}");
                             dead_letter(&mut consumer, &dead_letters, &stats, &message, &message.payload.data, &reason).await;
-                        }
-                    } else if backlog.fits(&message) {
-                        backlog.hold(message);
-                    } else {
-                        let dropped = stats.dropped.fetch_add(1, Ordering::Relaxed) + 1;
-                        if dropped.is_power_of_two() {
-                            tracing::warn!(topic = %config.topic, dropped, held = backlog.bytes, "the handlers are too far behind: messages dropped");
-                        }
-                        if let Err(e) = consumer.ack(&message).await {
-                            tracing::debug!(error = %e, "ack of a dropped message failed");
                         }
                     }
                 }
@@ -472,88 +413,6 @@ async fn resubscribe(
     }
 }
 
-/// Messages taken from the broker while every handler's place is taken, oldest first, and their
-/// payloads' bytes.
-struct Backlog {
-    messages: std::collections::VecDeque<Message<Vec<u8>>>,
-    bytes: usize,
-    most_bytes: usize,
-}
-
-impl Backlog {
-    fn holding(most_bytes: usize) -> Backlog {
-        Backlog {
-            messages: std::collections::VecDeque::new(),
-            bytes: 0,
-            most_bytes,
-        }
-    }
-
-    fn has_room(&self) -> bool {
-        self.bytes < self.most_bytes
-    }
-
-    fn fits(&self, message: &Message<Vec<u8>>) -> bool {
-        self.bytes + message.payload.data.len() <= self.most_bytes
-    }
-
-    fn hold(&mut self, message: Message<Vec<u8>>) {
-        self.bytes += message.payload.data.len();
-        self.messages.push_back(message);
-    }
-
-    fn take(&mut self) -> Option<Message<Vec<u8>>> {
-        let message = self.messages.pop_front()?;
-        self.bytes -= message.payload.data.len();
-        Some(message)
-    }
-}
-
-/// A message whose payload does not decode, and why.
-type Undecoded = (Message<Vec<u8>>, String);
-
-/// Decodes `message` and starts its handler in `tasks`; a payload that does not decode is given
-/// back with the reason, for the dead-letter topic.
-fn begin_handling<T, F, Fut>(
-    handler: &F,
-    aside: &Aside,
-    nack_delay: Duration,
-    mut message: Message<Vec<u8>>,
-    tasks: &mut JoinSet<Disposition>,
-    in_flight: &mut InFlight,
-) -> Result<(), Box<Undecoded>>
-where
-    T: DeserializeOwned + Send + 'static,
-    F: Fn(Delivery<T>) -> Fut,
-    Fut: Future<Output = Disposition> + Send + 'static,
-{
-    let payload = match serde_json::from_slice::<T>(&message.payload.data) {
-        Ok(payload) => payload,
-        Err(e) => return Err(Box::new((message, format!("payload does not decode: {e}")))),
-    };
-    let properties = properties_of(&message);
-    let message_id = message_id_of(&message);
-    let payload_bytes = message.payload.data.len();
-    let raw: Arc<[u8]> = std::mem::take(&mut message.payload.data).into();
-    let work = handler(Delivery {
-        payload,
-        properties,
-        message_id,
-        payload_bytes,
-        raw: raw.clone(),
-        aside: aside.clone(),
-    });
-    let handle = tasks.spawn(async move {
-        let disposition = work.await;
-        if matches!(disposition, Disposition::Nack(_)) {
-            tokio::time::sleep(nack_delay).await;
-        }
-        disposition
-    });
-    in_flight.insert(handle.id(), (message, raw));
-    Ok(())
-}
-
 async fn settle(
     consumer: &mut Consumer<Vec<u8>, TokioExecutor>,
     dead_letters: &Option<Publisher>,
@@ -651,88 +510,6 @@ pub(crate) fn properties_of(message: &Message<Vec<u8>>) -> Properties {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    /// A non-persistent topic's consumer whose handlers are all busy holds what comes up to its
-    /// bound in bytes and drops the rest (counted), then goes on with what comes after. Before,
-    /// every message waited in the crate's queue of 10,000, whatever its size.
-    #[tokio::test]
-    async fn a_non_persistent_backlog_is_bounded_in_bytes_and_the_consumer_goes_on() {
-        use std::sync::Mutex;
-        let broker = crate::embedded::EmbeddedBroker::start(0, None).unwrap();
-        let bus = Bus::connect(&broker.url(), None).await.unwrap();
-        let topic = "non-persistent://public/default/backlog-bound-test";
-        let config = SubscriptionConfig {
-            topic: topic.to_owned(),
-            subscription: "bounded".to_owned(),
-            max_in_flight: 1,
-            max_redeliveries: None,
-            dead_letter_topic: String::new(),
-            drain_deadline: Duration::from_secs(1),
-            nack_delay: Duration::from_millis(100),
-            one_at_a_time: false,
-        };
-        let stats = Arc::new(ConsumerStats::default());
-        let handled: Arc<Mutex<Vec<String>>> = Arc::default();
-        let gate = Arc::new(tokio::sync::Semaphore::new(0));
-        let shutdown = CancellationToken::new();
-        let consuming = {
-            let (bus, stats, handled, gate, shutdown) = (
-                bus.clone(),
-                stats.clone(),
-                handled.clone(),
-                gate.clone(),
-                shutdown.clone(),
-            );
-            tokio::spawn(async move {
-                let handler = move |delivery: Delivery<String>| {
-                    let (handled, gate) = (handled.clone(), gate.clone());
-                    async move {
-                        let _pass = gate.acquire().await;
-                        let name = delivery.payload.split(' ').next().unwrap_or("").to_owned();
-                        handled.lock().unwrap().push(name);
-                        Disposition::Ack
-                    }
-                };
-                consume_holding(&bus, config, stats, shutdown, handler, 1 << 20).await
-            })
-        };
-        while !stats.consuming.load(Ordering::SeqCst) {
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-        tokio::time::sleep(Duration::from_millis(300)).await;
-        let publisher = Publisher::new(&bus, topic).await.unwrap();
-        let padding = "x".repeat(100_000);
-        let no_properties = Properties::new();
-        let send = |name: String| {
-            let body = serde_json::to_vec(&format!("{name} {padding}")).unwrap();
-            publisher.send(body, &no_properties)
-        };
-        for n in 0..40 {
-            send(format!("m{n}")).await.unwrap();
-        }
-        let waited = std::time::Instant::now();
-        while ConsumerStats::get(&stats.received) < 40 && waited.elapsed() < Duration::from_secs(20)
-        {
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-        assert_eq!(ConsumerStats::get(&stats.received), 40);
-        // One in its handler, ten (1 MB) held, the rest dropped.
-        let dropped = ConsumerStats::get(&stats.dropped);
-        assert_eq!(dropped, 29, "dropped");
-        gate.add_permits(1_000);
-        send("after".to_owned()).await.unwrap();
-        let waited = std::time::Instant::now();
-        while handled.lock().unwrap().len() < 12 && waited.elapsed() < Duration::from_secs(20) {
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-        let handled = handled.lock().unwrap().clone();
-        let first: Vec<String> = (0..11).map(|n| format!("m{n}")).collect();
-        assert_eq!(handled[..handled.len().min(11)], first[..]);
-        assert_eq!(handled.last().map(String::as_str), Some("after"));
-        assert_eq!(handled.len(), 12);
-        shutdown.cancel();
-        assert!(matches!(consuming.await, Ok(Ok(()))));
-    }
 
     #[test]
     fn handlers_stand_aside_up_to_the_bound_and_come_back() {
