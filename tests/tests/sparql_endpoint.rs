@@ -530,6 +530,8 @@ async fn slow_heads_and_bodies_are_cut_off() {
         ended.is_ok(),
         "the held-back body's connection is still open after {lasted:?}"
     );
+    // A timeout the services' clients try again, not a bad request.
+    assert_eq!(text.lines().next(), Some("HTTP/1.1 408 Request Timeout"));
     assert!(
         lasted >= Duration::from_millis(2_500) && lasted < Duration::from_secs(9),
         "{lasted:?}"

@@ -70,7 +70,8 @@ impl GraphError {
     pub fn retryable(&self) -> bool {
         match self {
             GraphError::Storage(_) | GraphError::Transport(_) => true,
-            GraphError::Http { status, .. } => *status == 429 || *status >= 500,
+            // 408: the request's body did not reach the server in time (a slow link).
+            GraphError::Http { status, .. } => *status == 408 || *status == 429 || *status >= 500,
             _ => false,
         }
     }

@@ -5,6 +5,8 @@
 use std::future::Future;
 use std::io;
 use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::task::{Context, Poll};
 
 use axum::body::{Body, Bytes};
@@ -14,13 +16,17 @@ use tokio::time::{Instant, Sleep};
 pub struct DeadlineBody {
     inner: Body,
     deadline: Pin<Box<Sleep>>,
+    /// Set once the deadline has passed with the body not whole, for the server to answer 408
+    /// whatever the handler made of the error (axum's extractors answer 400).
+    late: Arc<AtomicBool>,
 }
 
 impl DeadlineBody {
-    pub fn new(inner: Body, deadline: Instant) -> DeadlineBody {
+    pub fn new(inner: Body, deadline: Instant, late: Arc<AtomicBool>) -> DeadlineBody {
         DeadlineBody {
             inner,
             deadline: Box::pin(tokio::time::sleep_until(deadline)),
+            late,
         }
     }
 }
@@ -37,10 +43,13 @@ impl http_body::Body for DeadlineBody {
         match Pin::new(&mut this.inner).poll_frame(cx) {
             Poll::Ready(frame) => Poll::Ready(frame),
             Poll::Pending => match this.deadline.as_mut().poll(cx) {
-                Poll::Ready(()) => Poll::Ready(Some(Err(axum::Error::new(io::Error::new(
-                    io::ErrorKind::TimedOut,
-                    "the request's body did not come whole in time",
-                ))))),
+                Poll::Ready(()) => {
+                    this.late.store(true, Ordering::Relaxed);
+                    Poll::Ready(Some(Err(axum::Error::new(io::Error::new(
+                        io::ErrorKind::TimedOut,
+                        "the request's body did not come whole in time",
+                    )))))
+                }
                 Poll::Pending => Poll::Pending,
             },
         }
@@ -67,7 +76,8 @@ mod tests {
         let stream = futures::stream::poll_fn(move |cx| held_back.poll_recv(cx));
         let streamed = http_body_util::StreamBody::new(stream);
         let deadline = Instant::now() + Duration::from_millis(300);
-        let mut body = DeadlineBody::new(Body::new(streamed), deadline);
+        let late = Arc::new(AtomicBool::new(false));
+        let mut body = DeadlineBody::new(Body::new(streamed), deadline, late.clone());
         let part = Frame::data(Bytes::from_static(b"part"));
         assert!(sender.send(Ok(part)).await.is_ok());
         assert!(matches!(body.frame().await, Some(Ok(_))));
@@ -75,11 +85,14 @@ mod tests {
         let stalled = body.frame().await;
         assert!(matches!(stalled, Some(Err(_))), "{stalled:?}");
         assert!(started.elapsed() >= Duration::from_millis(200));
+        assert!(late.load(Ordering::Relaxed));
         drop(sender);
 
         let within = Instant::now() + Duration::from_secs(5);
-        let whole = DeadlineBody::new(Body::from("all of it"), within);
+        let on_time = Arc::new(AtomicBool::new(false));
+        let whole = DeadlineBody::new(Body::from("all of it"), within, on_time.clone());
         let collected = whole.collect().await.map(|c| c.to_bytes());
         assert_eq!(collected.ok(), Some(Bytes::from_static(b"all of it")));
+        assert!(!on_time.load(Ordering::Relaxed));
     }
 }

@@ -1,11 +1,12 @@
 //! Serves a service's HTTP API (the aggregator's SPARQL endpoint and journal, the config REST API,
 //! the orchestrator's health and metrics) to clients that may not play fair. `axum::serve` sets no
 //! timer on its connections and takes every connection offered, so a client that sends a
-//! request's head a byte at a time kept a connection for as long as it liked, and enough of them
-//! took every file descriptor the process had, the store's and the broker's included. Here a
-//! request's head must come whole within a time limit, connections are bounded in all and per
-//! peer (a connection past a bound is told 503 and closed), and a connection whose writes make no
-//! progress for a while is closed.
+//! request's head or body a byte at a time kept a connection for as long as it liked, and enough
+//! of them took every file descriptor the process had, the store's and the broker's included.
+//! Here a request's head must come whole within a time limit and its body within another (408
+//! past it), connections from other hosts are bounded in all and per peer (a connection past a
+//! bound is told 503 and closed), and a connection whose writes make no progress for a while is
+//! closed.
 
 pub mod admission;
 pub mod body;
@@ -14,7 +15,7 @@ pub mod stall;
 
 use std::io;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -162,6 +163,7 @@ pub async fn serve(
     let body_within = Duration::from_secs(bounds.http_body_timeout_secs);
     let connections = TaskTracker::new();
     let lingering = Arc::new(AtomicUsize::new(0));
+    let mut last_warned: Option<std::time::Instant> = None;
     loop {
         let accepted = tokio::select! {
             () = shutdown.cancelled() => break,
@@ -172,10 +174,13 @@ pub async fn serve(
             Err(e) => {
                 if !gone_before_taken(&e) {
                     // Out of file descriptors, most likely: others will close.
-                    tracing::warn!(server, error = %e, "accepting a connection failed");
+                    if last_warned.is_none_or(|at| at.elapsed() >= Duration::from_secs(1)) {
+                        tracing::warn!(server, error = %e, "accepting a connection failed");
+                        last_warned = Some(std::time::Instant::now());
+                    }
                     tokio::select! {
                         () = shutdown.cancelled() => break,
-                        () = tokio::time::sleep(Duration::from_secs(1)) => {}
+                        () = tokio::time::sleep(Duration::from_millis(100)) => {}
                     }
                 }
                 continue;
@@ -195,9 +200,31 @@ pub async fn serve(
         let app = app.clone();
         let service = hyper::service::service_fn(move |request: hyper::Request<Incoming>| {
             let deadline = tokio::time::Instant::now() + body_within;
-            let request =
-                request.map(|body| Body::new(body::DeadlineBody::new(Body::new(body), deadline)));
-            app.clone().call(request)
+            let late = Arc::new(AtomicBool::new(false));
+            let request = request.map(|body| {
+                Body::new(body::DeadlineBody::new(
+                    Body::new(body),
+                    deadline,
+                    late.clone(),
+                ))
+            });
+            let answered = app.clone().call(request);
+            async move {
+                let response = match answered.await {
+                    Ok(response) => response,
+                    Err(never) => match never {},
+                };
+                if late.load(Ordering::Relaxed) {
+                    // What the client may try again (the services' clients do), not a bad request.
+                    let late_body = (
+                        axum::http::StatusCode::REQUEST_TIMEOUT,
+                        "the request's body did not come whole in time",
+                    );
+                    let late = axum::response::IntoResponse::into_response(late_body);
+                    return Ok::<_, std::convert::Infallible>(late);
+                }
+                Ok(response)
+            }
         });
         let builder = builder.clone();
         let stop = shutdown.clone();
