@@ -435,7 +435,20 @@ async fn requests_refused_anyway_are_refused_before_their_bodies_are_read() {
         &["--config-token", TOKEN, "--query-token", "reader-token"],
     );
     let address = aggregator.endpoint.trim_start_matches("http://").to_owned();
-    for path in ["/update", "/store", "/query", "/sparql"] {
+    // Every journal call is refused there too: the route layer is its only check of the token.
+    let journal = [
+        "/journal/entries",
+        "/journal/takings",
+        "/journal/records",
+        "/journal/marks",
+        "/journal/chains/beat",
+        "/journal/chains/held",
+        "/journal/turns",
+    ];
+    for path in ["/update", "/store", "/query", "/sparql"]
+        .into_iter()
+        .chain(journal)
+    {
         let status = status_before_the_body(&address, path, "").await;
         assert_eq!(
             status.as_deref(),

@@ -477,17 +477,13 @@ async fn owner(state: &AppState) -> Result<(), Response> {
     })
 }
 
-/// A journal call's checks: the services' token, entries that name nodes, and this process's
-/// ownership of the journal (see `owner`).
+/// A journal call's checks: entries that name nodes, and this process's ownership of the journal
+/// (see `owner`). The services' token was checked before the body was read (`token_first`).
 #[allow(clippy::result_large_err)] // Built once per refused call, never carried far.
 async fn journal_call<'e>(
     state: &AppState,
-    headers: &HeaderMap,
     entries: impl IntoIterator<Item = &'e String>,
 ) -> Result<Vec<NamedNode>, Response> {
-    if let Some(denied) = denied(state, headers) {
-        return Err(denied);
-    }
     let named = entries
         .into_iter()
         .map(|entry| NamedNode::new(entry.as_str()))
@@ -521,10 +517,9 @@ fn json<T: serde::Serialize>(value: &T) -> Response {
 /// The orchestrators' journal (services only): each entry asked for, or `null`, in order.
 async fn journal_entries(
     State(state): State<AppState>,
-    headers: HeaderMap,
     axum::Json(asked): axum::Json<EntryRefs>,
 ) -> Response {
-    let nodes = match journal_call(&state, &headers, &asked.entries).await {
+    let nodes = match journal_call(&state, &asked.entries).await {
         Ok(nodes) => nodes,
         Err(refused) => return refused,
     };
@@ -538,12 +533,9 @@ async fn journal_entries(
 /// entry is counted (a bound on a message that crashes every process that takes it).
 async fn journal_takings(
     State(state): State<AppState>,
-    headers: HeaderMap,
     axum::Json(asked): axum::Json<TakingRefs>,
 ) -> Response {
-    if let Err(refused) =
-        journal_call(&state, &headers, asked.takings.iter().map(|t| &t.entry)).await
-    {
+    if let Err(refused) = journal_call(&state, asked.takings.iter().map(|t| &t.entry)).await {
         return refused;
     }
     // The owner keeps these names while a step is unrecorded: an entry, a broker's message id
@@ -568,12 +560,9 @@ async fn journal_takings(
 /// Records steps' outcomes, each unless one stands, and answers the ones that stand, in order.
 async fn journal_records(
     State(state): State<AppState>,
-    headers: HeaderMap,
     axum::Json(asked): axum::Json<RecordRequests>,
 ) -> Response {
-    if let Err(refused) =
-        journal_call(&state, &headers, asked.records.iter().map(|r| &r.entry)).await
-    {
+    if let Err(refused) = journal_call(&state, asked.records.iter().map(|r| &r.entry)).await {
         return refused;
     }
     match state
@@ -589,10 +578,9 @@ async fn journal_records(
 /// Marks steps' outcomes as published.
 async fn journal_marks(
     State(state): State<AppState>,
-    headers: HeaderMap,
     axum::Json(asked): axum::Json<EntryRefs>,
 ) -> Response {
-    let nodes = match journal_call(&state, &headers, &asked.entries).await {
+    let nodes = match journal_call(&state, &asked.entries).await {
         Ok(nodes) => nodes,
         Err(refused) => return refused,
     };
@@ -605,10 +593,9 @@ async fn journal_marks(
 /// An orchestrator's word that it still runs the chains it names (see `ChainBeat`).
 async fn journal_chain_beat(
     State(state): State<AppState>,
-    headers: HeaderMap,
     axum::Json(beat): axum::Json<ChainBeat>,
 ) -> Response {
-    if let Err(refused) = chains_call(&state, &headers, beat.holding.len()).await {
+    if let Err(refused) = chains_call(&state, beat.holding.len()).await {
         return refused;
     }
     match state.journal.beat(beat).await {
@@ -622,10 +609,9 @@ async fn journal_chain_beat(
 /// Which of the chains named a live orchestrator still runs, in order.
 async fn journal_chains_held(
     State(state): State<AppState>,
-    headers: HeaderMap,
     axum::Json(asked): axum::Json<ChainRefs>,
 ) -> Response {
-    if let Err(refused) = chains_call(&state, &headers, asked.chains.len()).await {
+    if let Err(refused) = chains_call(&state, asked.chains.len()).await {
         return refused;
     }
     match state.journal.held(asked).await {
@@ -638,12 +624,8 @@ async fn journal_chains_held(
 /// decided, so that two replicas cannot each let a dialog of one conversation start.
 async fn journal_turns(
     State(state): State<AppState>,
-    headers: HeaderMap,
     axum::Json(asked): axum::Json<TurnAsked>,
 ) -> Response {
-    if let Some(denied) = denied(&state, &headers) {
-        return denied;
-    }
     let too_long = std::iter::once(&asked.conversation)
         .chain(std::iter::once(&asked.session))
         .chain(&asked.shown)
@@ -668,13 +650,10 @@ async fn journal_turns(
     }
 }
 
-/// A chains call's checks: the services' token, a bounded list, and the owner's word (beats
-/// are kept where the journal is decided).
+/// A chains call's checks: a bounded list, and the owner's word (beats are kept where the
+/// journal is decided). The services' token was checked before the body was read.
 #[allow(clippy::result_large_err)] // Built once per refused call, never carried far.
-async fn chains_call(state: &AppState, headers: &HeaderMap, named: usize) -> Result<(), Response> {
-    if let Some(denied) = denied(state, headers) {
-        return Err(denied);
-    }
+async fn chains_call(state: &AppState, named: usize) -> Result<(), Response> {
     if named > agent_graph::journal::MAX_CHAINS_HELD {
         return Err((
             StatusCode::PAYLOAD_TOO_LARGE,
@@ -701,11 +680,10 @@ async fn metrics(State(state): State<AppState>) -> Response {
 /// `agent_serve::probe`).
 async fn probed(state: &AppState) -> Result<(), String> {
     let store = state.store.clone();
-    let ask = || async move {
-        let answer = store.query("ASK { }".into()).await;
-        answer.map(|_| ()).map_err(|e| e.to_string())
-    };
-    let answer = state.readiness.answer(ask).await;
+    let answer = state
+        .readiness
+        .answer(|| async move { store.answers().await })
+        .await;
     answer.map_err(|e| format!("the store: {e}"))
 }
 

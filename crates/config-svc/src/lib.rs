@@ -55,10 +55,6 @@ pub struct Pusher {
 /// The workspace of a request that names none.
 pub const DEFAULT_WORKSPACE: &str = "default";
 
-/// How long a client of the REST API may take nothing of what it is sent before it is cut off:
-/// its answers are a workspace's values at most.
-const CLIENT_STALL: Duration = Duration::from_secs(30);
-
 impl Pusher {
     /// Announces `written` (in `workspace`) when it changed something. As in TrustGraph, a
     /// reserved workspace (`_` first, such as `__template__`) is storage only: never announced.
@@ -143,7 +139,8 @@ pub async fn run(settings: ConfigSvcSettings, shutdown: CancellationToken) -> an
         listener,
         app,
         settings.http.clone(),
-        CLIENT_STALL,
+        // Its answers are a workspace's values at most.
+        agent_serve::SMALL_ANSWERS_STALL,
         shutdown.clone(),
     ));
 

@@ -380,6 +380,12 @@ impl GraphStore {
         }
     }
 
+    /// Whether the store answers a query at all (a readiness probe's question), as a message.
+    pub async fn answers(&self) -> Result<(), String> {
+        let answer = self.query("ASK { }".to_owned()).await;
+        answer.map(|_| ()).map_err(|e| e.to_string())
+    }
+
     /// Runs a SPARQL query.
     pub async fn query(&self, sparql: String) -> Result<QueryAnswer, GraphError> {
         match &self.backend {

@@ -45,9 +45,6 @@ pub fn router(state: Arc<OpsState>) -> Router {
         .with_state(state)
 }
 
-/// How long a client of the endpoints may take nothing of what it is sent before it is cut off.
-const CLIENT_STALL: Duration = Duration::from_secs(30);
-
 /// Serves the endpoints on `listener` until the process ends (the task is aborted).
 pub async fn serve(
     listener: tokio::net::TcpListener,
@@ -59,7 +56,7 @@ pub async fn serve(
         listener,
         router(state),
         bounds,
-        CLIENT_STALL,
+        agent_serve::SMALL_ANSWERS_STALL,
         tokio_util::sync::CancellationToken::new(),
     );
     if let Err(e) = served.await {
@@ -76,10 +73,7 @@ async fn ready(State(state): State<Arc<OpsState>>) -> Response {
             .into_response();
     }
     if let Some(store) = state.store.clone() {
-        let ask = || async move {
-            let answer = store.query("ASK { }".to_owned()).await;
-            answer.map(|_| ()).map_err(|e| e.to_string())
-        };
+        let ask = || async move { store.answers().await };
         if let Err(e) = state.store_probe.answer(ask).await {
             return (
                 StatusCode::SERVICE_UNAVAILABLE,

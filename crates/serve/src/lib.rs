@@ -32,6 +32,10 @@ use tower_service::Service;
 pub use admission::{Admission, Refusal};
 pub use stall::StallBoundedIo;
 
+/// How long a connection may take nothing written to it before it is closed, for a server whose
+/// answers are small (the aggregator's may be 64 MiB, and it gives its query time limit).
+pub const SMALL_ANSWERS_STALL: Duration = Duration::from_secs(30);
+
 /// Connections refused, by server and reason.
 pub const CONNECTIONS_REFUSED: &str = "agent_http_connections_refused_total";
 /// Connections open, by server.

@@ -70,35 +70,43 @@ async fn status_of(stream: &mut TcpStream) -> String {
         .unwrap_or_else(|_| "no answer within 5 s".to_owned())
 }
 
+/// `count` connections to `to`, each answered 200 (so each was taken).
+async fn taken(to: impl tokio::net::ToSocketAddrs + Copy, count: usize) -> Vec<TcpStream> {
+    let mut open = Vec::new();
+    for _ in 0..count {
+        let mut stream = TcpStream::connect(to).await.unwrap();
+        assert_eq!(status_of(&mut stream).await, "HTTP/1.1 200 OK");
+        open.push(stream);
+    }
+    open
+}
+
+/// The status one more connection to `to` gets.
+async fn one_more(to: SocketAddr) -> String {
+    let mut stream = TcpStream::connect(to).await.unwrap();
+    status_of(&mut stream).await
+}
+
 #[tokio::test]
 async fn connections_past_the_bounds_are_told_503_and_served_again_once_others_close() {
-    let address = network_address();
     let (port, stop) = serving(HttpBounds {
         http_max_connections: Some(3),
         http_max_connections_per_peer: 0,
         ..HttpBounds::default()
     })
     .await;
-    let from_network = SocketAddr::new(address, port);
-    let mut open = Vec::new();
-    for _ in 0..3 {
-        let mut stream = TcpStream::connect(from_network).await.unwrap();
-        assert_eq!(status_of(&mut stream).await, "HTTP/1.1 200 OK");
-        open.push(stream);
-    }
-    let mut over = TcpStream::connect(from_network).await.unwrap();
+    let from_network = SocketAddr::new(network_address(), port);
+    let mut open = taken(from_network, 3).await;
     assert_eq!(
-        status_of(&mut over).await,
+        one_more(from_network).await,
         "HTTP/1.1 503 Service Unavailable"
     );
     // This machine's own connections are neither bounded nor counted.
-    let mut local = TcpStream::connect(("127.0.0.1", port)).await.unwrap();
-    assert_eq!(status_of(&mut local).await, "HTTP/1.1 200 OK");
+    let _local = taken(("127.0.0.1", port), 1).await;
     drop(open.pop());
     let mut served = "not yet".to_owned();
     for _ in 0..50 {
-        let mut again = TcpStream::connect(from_network).await.unwrap();
-        served = status_of(&mut again).await;
+        served = one_more(from_network).await;
         if served == "HTTP/1.1 200 OK" {
             break;
         }
@@ -110,29 +118,18 @@ async fn connections_past_the_bounds_are_told_503_and_served_again_once_others_c
 
 #[tokio::test]
 async fn one_peer_gets_no_more_than_its_share() {
-    let address = network_address();
     let (port, stop) = serving(HttpBounds {
         http_max_connections: Some(100),
         http_max_connections_per_peer: 2,
         ..HttpBounds::default()
     })
     .await;
-    let from_network = SocketAddr::new(address, port);
-    let mut open = Vec::new();
-    for _ in 0..2 {
-        let mut stream = TcpStream::connect(from_network).await.unwrap();
-        assert_eq!(status_of(&mut stream).await, "HTTP/1.1 200 OK");
-        open.push(stream);
-    }
-    let mut third = TcpStream::connect(from_network).await.unwrap();
+    let from_network = SocketAddr::new(network_address(), port);
+    let _open = taken(from_network, 2).await;
     assert_eq!(
-        status_of(&mut third).await,
+        one_more(from_network).await,
         "HTTP/1.1 503 Service Unavailable"
     );
-    for _ in 0..5 {
-        let mut local = TcpStream::connect(("127.0.0.1", port)).await.unwrap();
-        assert_eq!(status_of(&mut local).await, "HTTP/1.1 200 OK");
-        open.push(local);
-    }
+    let _local = taken(("127.0.0.1", port), 5).await;
     stop.cancel();
 }
