@@ -91,6 +91,18 @@ async fn a_crash_at_any_point_of_publishing_a_step_gives_one_outcome() {
         let last = responses.iter().rfind(|r| r.end_of_dialog).unwrap();
         assert_eq!(last.content, "alpha and beta, combined.", "{stage}");
         assert_eq!(closings(&responses), 1, "{stage}: {responses:#?}");
+        if stage == "after-record" {
+            // The first iteration's observation is the last thing its step sends, so it is
+            // journaled with the outcome instead of sent before the record: nothing of the step
+            // was out when it crashed, and its re-emission brings the observation to this client,
+            // which subscribed after the crash.
+            assert!(
+                responses
+                    .iter()
+                    .any(|r| r.message_type == "observation" && r.content == "alpha-result"),
+                "{stage}: {responses:#?}"
+            );
+        }
         // The first iteration's LLM call was made once: its redelivery re-emitted the journaled
         // outcome or was dropped. After a crash between publishing and marking, the re-emitted
         // next request is a copy of the one already out; copies that overlap may both ask the LLM

@@ -1,8 +1,9 @@
 //! Everything an iteration publishes: responses to the client, the `next` request, provenance.
-//! Streamed chunks go out at once (they are a view of the work in progress); everything durable
-//! (provenance, next requests, subagents, the closing response) is held until
-//! [`DialogOutput::commit`], which journals it (see `journal`), publishes it in order and waits for
-//! every receipt; only then may the iteration's input be acked.
+//! Streamed chunks go out at once (they are a view of the work in progress), unless nothing but
+//! the step's commit follows them; everything durable (provenance, next requests, subagents, the
+//! closing response) is held until [`DialogOutput::commit`], which journals it (see `journal`),
+//! publishes it in order and waits for every receipt; only then may the iteration's input be
+//! acked.
 
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
@@ -239,9 +240,15 @@ impl std::fmt::Debug for Continuation {
 /// share one message.
 const MERGE_BELOW_BYTES: usize = 256 * 1024;
 
+/// The largest chunk [`DialogOutput::chunk_with_outcome`] holds for the commit.
+const HELD_CHUNK_BYTES: usize = 64 * 1024;
+
 /// A step's durable effects, in the order they will be published.
 #[derive(Default)]
 struct HeldEffects {
+    /// Chunks held for the commit (see [`DialogOutput::chunk_with_outcome`]): published before
+    /// `list`, where they would have been had they gone out at once.
+    chunks: Vec<Effect>,
     list: Vec<Effect>,
     /// The graph message the step's next explained node joins (see
     /// [`DialogOutput::hold_graph`]), by its place in `list`.
@@ -251,14 +258,27 @@ struct HeldEffects {
 impl HeldEffects {
     /// Holds a message at the end of the list.
     fn push(&mut self, channel: Channel, payload: Vec<u8>, properties: Properties) {
+        self.list.push(Effect::held(channel, payload, properties));
+    }
+
+    /// Everything held, in the order it is published.
+    fn into_list(self) -> Vec<Effect> {
+        let mut all = self.chunks;
+        all.extend(self.list);
+        all
+    }
+}
+
+impl Effect {
+    fn held(channel: Channel, payload: Vec<u8>, properties: Properties) -> Effect {
         let payload = String::from_utf8(payload)
             .unwrap_or_else(|e| String::from_utf8_lossy(e.as_bytes()).into_owned());
-        self.list.push(Effect {
+        Effect {
             channel,
             payload,
             properties,
             history_from_input: None,
-        });
+        }
     }
 }
 
@@ -579,8 +599,8 @@ impl<'a> DialogOutput<'a> {
         locked(&self.parked).get_or_insert(park);
     }
 
-    /// Forgets what an abandoned step held (a cancel overtook it): its effects, its park and how it
-    /// ended. Chunks it streamed are out already and stay out.
+    /// Forgets what an abandoned step held (a cancel overtook it): its effects (the chunks held
+    /// with them too), its park and how it ended. Chunks it streamed are out already and stay out.
     pub fn discard(&self) {
         *locked(&self.effects) = HeldEffects::default();
         locked(&self.kept).clear();
@@ -682,7 +702,7 @@ impl<'a> DialogOutput<'a> {
             });
         }
         self.add_kept(&mut staged);
-        let mut effects = staged.list;
+        let mut effects = staged.into_list();
         let mut continuing = None;
         let mut held = None;
         let mut outcome = None;
@@ -953,8 +973,54 @@ impl<'a> DialogOutput<'a> {
         message_id: &str,
         end_of_message: bool,
     ) -> Result<(), BusError> {
+        for (payload, properties) in self.chunk_messages(kind, content, message_id, end_of_message)
+        {
+            self.send(Channel::Responses, payload, &properties).await?;
+        }
+        Ok(())
+    }
+
+    /// A chunk after which the step waits on nothing but its commit (an observation, a final
+    /// thought): held and journaled with the step's outcome, ahead of everything else it holds,
+    /// instead of sent now. Sent now, the commit would wait for its receipt before recording the
+    /// outcome (a chunk that is not journaled must be on the broker first, or a crash after the
+    /// record would leave it out for good), about half a broker round trip on every such step.
+    /// Journaled, a crash after the record re-emits it with the rest (under the same effect id).
+    /// A chunk over [`HELD_CHUNK_BYTES`] (a long observation, whose graph record may be only an
+    /// excerpt) is still sent now, so the journal does not carry its text.
+    pub async fn chunk_with_outcome(
+        &self,
+        kind: MessageType,
+        content: &str,
+        message_id: &str,
+        end_of_message: bool,
+    ) -> Result<(), BusError> {
+        for (payload, properties) in self.chunk_messages(kind, content, message_id, end_of_message)
+        {
+            if payload.len() > HELD_CHUNK_BYTES {
+                self.send(Channel::Responses, payload, &properties).await?;
+            } else {
+                locked(&self.effects).chunks.push(Effect::held(
+                    Channel::Responses,
+                    payload,
+                    properties,
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// The messages a chunk goes as: none (a subagent's answer text, a chunk the test faults
+    /// drop), one, or two (a repeated chunk).
+    fn chunk_messages(
+        &self,
+        kind: MessageType,
+        content: &str,
+        message_id: &str,
+        end_of_message: bool,
+    ) -> Vec<(Vec<u8>, Properties)> {
         if self.subagent && kind == MessageType::Answer {
-            return Ok(());
+            return Vec::new();
         }
         let mut properties = self.attempted();
         let mut chunk_fault = None;
@@ -965,7 +1031,7 @@ impl<'a> DialogOutput<'a> {
             properties.insert(ANSWER_CHUNK_PROPERTY.to_owned(), place.to_string());
             chunk_fault = fault::answer_chunk_fault();
             if chunk_fault == Some(fault::ChunkFault::Dropped) {
-                return Ok(());
+                return Vec::new();
             }
         }
         let mut r = AgentResponse::new(kind, content);
@@ -973,10 +1039,9 @@ impl<'a> DialogOutput<'a> {
         r.end_of_message = end_of_message;
         let payload = agent_schema::encode(&r);
         if chunk_fault == Some(fault::ChunkFault::Repeated) {
-            self.send(Channel::Responses, payload.clone(), &properties)
-                .await?;
+            return vec![(payload.clone(), properties.clone()), (payload, properties)];
         }
-        self.send(Channel::Responses, payload, &properties).await
+        vec![(payload, properties)]
     }
 
     /// The dialog's properties and this delivery's attempt (see [`ATTEMPT_PROPERTY`]).
@@ -1261,6 +1326,64 @@ mod tests {
         assert!(error.is::<StoppedWaiting>(), "{error:#}");
         assert!(sink.sent().is_empty(), "nothing published by the copy");
         assert!(!journal.entry(&node).await.unwrap().unwrap().published);
+    }
+
+    /// A chunk held for the commit is journaled with the step's outcome (a crash after the record
+    /// re-emits it) and goes out after the chunks sent before it, ahead of what the step held; a
+    /// long one is sent at once and is not journaled.
+    #[tokio::test]
+    async fn a_chunk_held_for_the_commit_is_journaled_and_keeps_its_place() {
+        let journal = Journal::new(agent_graph::GraphStore::in_memory().unwrap().journal());
+        let session = "urn:trustgraph:agent:held-chunks";
+        let node = journal::entry_node(session, "i1-x").unwrap();
+        let slot = JournalSlot {
+            journal: &journal,
+            node: node.clone(),
+            delivery: "the-delivery".to_owned(),
+            session: session.to_owned(),
+        };
+        let sink = MemorySink::default();
+        let outputs = Outputs::Memory(sink.clone());
+        let out = DialogOutput::new(&outputs, Some("client-1"), "default", session, 0);
+        let long = "x".repeat(HELD_CHUNK_BYTES);
+        out.chunk(MessageType::Thought, "thinking", "t", true)
+            .await
+            .unwrap();
+        out.chunk_with_outcome(MessageType::Observation, "seen", "o", true)
+            .await
+            .unwrap();
+        out.chunk_with_outcome(MessageType::Observation, &long, "o-long", true)
+            .await
+            .unwrap();
+        let mut closing = AgentResponse::new(MessageType::Answer, "done");
+        closing.end_of_dialog = true;
+        out.respond(&closing).unwrap();
+        let contents = || {
+            sink.decoded::<AgentResponse>(Channel::Responses)
+                .into_iter()
+                .map(|r| r.content)
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(
+            contents(),
+            ["thinking", long.as_str()],
+            "sent before the commit"
+        );
+
+        out.commit(Some(&slot)).await.unwrap();
+        assert_eq!(contents(), ["thinking", long.as_str(), "seen", "done"]);
+        let entry = journal.entry(&node).await.unwrap().unwrap();
+        let journaled: Vec<String> = entry
+            .effects
+            .iter()
+            .filter(|e| e.channel == Channel::Responses)
+            .map(|e| {
+                serde_json::from_str::<AgentResponse>(&e.payload)
+                    .unwrap()
+                    .content
+            })
+            .collect();
+        assert_eq!(journaled, ["seen", "done"]);
     }
 
     /// A journal whose lookups answer and whose records fail: an embedded store opened for

@@ -55,7 +55,7 @@ async fn complete(
 ) -> Result<(), BusError> {
     let request = turn.request;
     turn.out
-        .chunk(
+        .chunk_with_outcome(
             MessageType::Observation,
             result,
             &turn.uris.conclusion(),
@@ -149,7 +149,7 @@ async fn conclude_at_limit(
     triples.extend(record);
     out.explain(&uris.conclusion(), triples)?;
     if request.streaming {
-        out.chunk(MessageType::Answer, &answer, &uris.conclusion(), false)
+        out.chunk_with_outcome(MessageType::Answer, &answer, &uris.conclusion(), false)
             .await?;
     }
     self::answer(turn, &answer, turn.tokens_before, llm.model()).await

@@ -177,7 +177,7 @@ impl Turn<'_> {
     ) -> Result<(), agent_bus::BusError> {
         let observation = self.uris.observation(n);
         self.out
-            .chunk(
+            .chunk_with_outcome(
                 MessageType::Observation,
                 &step.observation,
                 &observation,

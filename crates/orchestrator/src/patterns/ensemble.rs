@@ -179,7 +179,7 @@ async fn reconcile(turn: &Turn<'_>, n: usize) -> Result<(), BusError> {
     let mut recorded = provenance::synthesis(uris, &cid, &completions, &missing, &stats);
     recorded.extend(provenance::reconciliation(uris, &cid, &reconciliation));
     out.explain(&uris.synthesis(&cid), recorded)?;
-    out.chunk(
+    out.chunk_with_outcome(
         MessageType::Observation,
         &ensemble::summary(&reconciliation),
         &uris.synthesis(&cid),

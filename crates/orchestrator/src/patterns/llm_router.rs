@@ -135,7 +135,7 @@ pub async fn iterate(turn: &Turn<'_>) -> Result<(), BusError> {
                 ),
             )?;
             if request.streaming {
-                out.chunk(
+                out.chunk_with_outcome(
                     agent_schema::MessageType::Answer,
                     &run.observation,
                     &uris.conclusion(),

@@ -222,7 +222,7 @@ async fn make_plan(turn: &Turn<'_>, n: usize, problem: Option<String>) -> Result
         repairs: &repairs,
     };
     let shown = planning::describe(&plan);
-    out.chunk(MessageType::Thought, &thought, &uris.thought(n), true)
+    out.chunk_with_outcome(MessageType::Thought, &thought, &uris.thought(n), true)
         .await?;
     out.explain(
         &uris.iteration(n),
@@ -365,7 +365,7 @@ async fn run_step(turn: &Turn<'_>, n: usize, index: usize) -> Result<(), BusErro
         step.result = carried;
     }
     if !thought.is_empty() {
-        out.chunk(MessageType::Thought, &thought, &uris.thought(n), true)
+        out.chunk_with_outcome(MessageType::Thought, &thought, &uris.thought(n), true)
             .await?;
     }
     let arguments_json = serde_json::to_string(&arguments).unwrap_or_default();
@@ -657,7 +657,7 @@ async fn synthesise(
     }
     let answer = format!("{}{note}", completion.text.trim());
     if request.streaming && !note.is_empty() {
-        out.chunk(MessageType::Answer, &note, &answer_id, false)
+        out.chunk_with_outcome(MessageType::Answer, &note, &answer_id, false)
             .await?;
     }
     let termination = unfinished.map_or(Termination::Answer, |u| u.termination);

@@ -114,7 +114,7 @@ pub async fn iterate(turn: &Turn<'_>) -> Result<(), BusError> {
     match parsed {
         Ok(ReactTurn::Final { thought, answer }) if answer_critic => {
             if !thought.is_empty() {
-                out.chunk(MessageType::Thought, &thought, &uris.thought(n), true)
+                out.chunk_with_outcome(MessageType::Thought, &thought, &uris.thought(n), true)
                     .await?;
             }
             out.explain(
@@ -132,11 +132,11 @@ pub async fn iterate(turn: &Turn<'_>) -> Result<(), BusError> {
         }
         Ok(ReactTurn::Final { thought, answer }) => {
             if !streamed && !thought.is_empty() {
-                out.chunk(MessageType::Thought, &thought, &uris.thought(n), true)
+                out.chunk_with_outcome(MessageType::Thought, &thought, &uris.thought(n), true)
                     .await?;
             }
             if request.streaming && !streamed {
-                out.chunk(MessageType::Answer, &answer, &uris.conclusion(), false)
+                out.chunk_with_outcome(MessageType::Answer, &answer, &uris.conclusion(), false)
                     .await?;
             }
             let triples = provenance::conclusion(

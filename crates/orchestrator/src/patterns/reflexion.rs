@@ -56,7 +56,7 @@ pub async fn iterate(turn: &Turn<'_>) -> Result<(), BusError> {
         .chars()
         .take(MAX_LESSON_CHARS)
         .collect();
-    out.chunk(
+    out.chunk_with_outcome(
         MessageType::Thought,
         &format!("Reflection: {lesson}"),
         &uris.thought(n),

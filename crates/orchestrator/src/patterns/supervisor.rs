@@ -356,9 +356,9 @@ pub(crate) async fn fan_out(
         .enumerate()
         .map(|(i, g)| (g.goal.clone(), supervising::subagent_session(&cid, i)))
         .collect();
-    out.chunk(MessageType::Thought, thought, &uris.thought(n), true)
+    out.chunk_with_outcome(MessageType::Thought, thought, &uris.thought(n), true)
         .await?;
-    out.chunk(
+    out.chunk_with_outcome(
         MessageType::Observation,
         &listing.join("\n"),
         &uris.fanout(&cid),
@@ -649,7 +649,7 @@ pub(crate) async fn conclude_from_synthesis(
         streamed,
     } = concluded;
     if request.streaming && !streamed {
-        out.chunk(MessageType::Answer, answer, &uris.conclusion(), false)
+        out.chunk_with_outcome(MessageType::Answer, answer, &uris.conclusion(), false)
             .await?;
     }
     out.explain(
