@@ -93,9 +93,9 @@ async fn a_crash_at_any_point_of_publishing_a_step_gives_one_outcome() {
         assert_eq!(closings(&responses), 1, "{stage}: {responses:#?}");
         if stage == "after-record" {
             // The first iteration's observation is the last thing its step sends, so it is
-            // journaled with the outcome instead of sent before the record: nothing of the step
-            // was out when it crashed, and its re-emission brings the observation to this client,
-            // which subscribed after the crash.
+            // journaled with the outcome instead of sent before the record (its thought went out
+            // at once, before the tool ran): the observation was not out when the step crashed,
+            // and its re-emission brings it to this client, which subscribed after the crash.
             assert!(
                 responses
                     .iter()

@@ -123,6 +123,13 @@ pub struct Folded {
     pub uri: String,
 }
 
+/// Whether `history` with `more` steps after it is long enough for [`fold`] to fold (which also
+/// needs every step after its folded one to be a ReACT step).
+pub fn long_enough_to_fold(history: &[AgentStep], more: usize, keep: usize) -> bool {
+    let start = usize::from(history.first().is_some_and(|s| folded_count(s).is_some()));
+    (history.len() + more).saturating_sub(start) > 2 * keep.max(1)
+}
+
 /// Folds `history` when more than `2 * keep` ReACT steps follow its folded step (if any): all but
 /// the newest `keep` become one step, so a message carries at most `2 * keep + 1` steps. The folded
 /// step is a valid TrustGraph step (empty action, a thought, an observation), whose observation is
@@ -133,7 +140,7 @@ pub struct Folded {
 pub fn fold(history: &[AgentStep], keep: usize) -> Option<Folded> {
     let keep = keep.max(1);
     let start = usize::from(history.first().is_some_and(|s| folded_count(s).is_some()));
-    if history.len() - start <= 2 * keep {
+    if !long_enough_to_fold(history, 0, keep) {
         return None;
     }
     let cut = history.len() - keep;

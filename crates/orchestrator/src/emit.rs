@@ -611,7 +611,8 @@ impl<'a> DialogOutput<'a> {
             .store(false, std::sync::atomic::Ordering::SeqCst);
     }
 
-    /// Whether answer text of this step already went to the client.
+    /// Whether answer text of this step already went to the client, or is held to go with its
+    /// commit (a step that parked would drop it: it errs towards ending the dialog).
     pub fn answer_streamed(&self) -> bool {
         self.answer_chunks.load(std::sync::atomic::Ordering::SeqCst) > 0
     }
@@ -973,6 +974,7 @@ impl<'a> DialogOutput<'a> {
         message_id: &str,
         end_of_message: bool,
     ) -> Result<(), BusError> {
+        self.send_held_chunks().await?;
         for (payload, properties) in self.chunk_messages(kind, content, message_id, end_of_message)
         {
             self.send(Channel::Responses, payload, &properties).await?;
@@ -980,14 +982,17 @@ impl<'a> DialogOutput<'a> {
         Ok(())
     }
 
-    /// A chunk after which the step waits on nothing but its commit (an observation, a final
-    /// thought): held and journaled with the step's outcome, ahead of everything else it holds,
-    /// instead of sent now. Sent now, the commit would wait for its receipt before recording the
-    /// outcome (a chunk that is not journaled must be on the broker first, or a crash after the
-    /// record would leave it out for good), about half a broker round trip on every such step.
-    /// Journaled, a crash after the record re-emits it with the rest (under the same effect id).
-    /// A chunk over [`HELD_CHUNK_BYTES`] (a long observation, whose graph record may be only an
-    /// excerpt) is still sent now, so the journal does not carry its text.
+    /// A chunk after which the step waits on nothing but its commit (an observation, the thought
+    /// before a final answer or a fan-out, an answer sent whole, a subagent's result): held and
+    /// journaled with the step's outcome, ahead of everything else it holds, instead of sent now.
+    /// Sent now, the commit would wait for its receipt before recording the outcome (a chunk that
+    /// is not journaled must be on the broker first, or a crash after the record would leave it
+    /// out for good), about half a broker round trip on every such step. Journaled, a crash after
+    /// the record re-emits it with the rest (under the same effect id). The client gets it once
+    /// the outcome is recorded, and not while the journal's store is out of reach (the step
+    /// parks). A chunk over [`HELD_CHUNK_BYTES`] is sent now (after the chunks held before it),
+    /// so the journal carries at most that much text of a chunk; with a librarian, which keeps
+    /// texts over 4 KiB out of the graph as documents, that is text the journal did not carry.
     pub async fn chunk_with_outcome(
         &self,
         kind: MessageType,
@@ -998,6 +1003,7 @@ impl<'a> DialogOutput<'a> {
         for (payload, properties) in self.chunk_messages(kind, content, message_id, end_of_message)
         {
             if payload.len() > HELD_CHUNK_BYTES {
+                self.send_held_chunks().await?;
                 self.send(Channel::Responses, payload, &properties).await?;
             } else {
                 locked(&self.effects).chunks.push(Effect::held(
@@ -1006,6 +1012,20 @@ impl<'a> DialogOutput<'a> {
                     properties,
                 ));
             }
+        }
+        Ok(())
+    }
+
+    /// Sends the chunks held so far, so that a chunk sent now does not overtake them.
+    async fn send_held_chunks(&self) -> Result<(), BusError> {
+        let held = std::mem::take(&mut locked(&self.effects).chunks);
+        for chunk in held {
+            self.send(
+                Channel::Responses,
+                chunk.payload.into_bytes(),
+                &chunk.properties,
+            )
+            .await?;
         }
         Ok(())
     }
@@ -1330,7 +1350,7 @@ mod tests {
 
     /// A chunk held for the commit is journaled with the step's outcome (a crash after the record
     /// re-emits it) and goes out after the chunks sent before it, ahead of what the step held; a
-    /// long one is sent at once and is not journaled.
+    /// long one is sent at once, after the chunks held before it, and is not journaled.
     #[tokio::test]
     async fn a_chunk_held_for_the_commit_is_journaled_and_keeps_its_place() {
         let journal = Journal::new(agent_graph::GraphStore::in_memory().unwrap().journal());
@@ -1346,44 +1366,61 @@ mod tests {
         let outputs = Outputs::Memory(sink.clone());
         let out = DialogOutput::new(&outputs, Some("client-1"), "default", session, 0);
         let long = "x".repeat(HELD_CHUNK_BYTES);
-        out.chunk(MessageType::Thought, "thinking", "t", true)
-            .await
-            .unwrap();
-        out.chunk_with_outcome(MessageType::Observation, "seen", "o", true)
-            .await
-            .unwrap();
-        out.chunk_with_outcome(MessageType::Observation, &long, "o-long", true)
-            .await
-            .unwrap();
-        let mut closing = AgentResponse::new(MessageType::Answer, "done");
-        closing.end_of_dialog = true;
-        out.respond(&closing).unwrap();
         let contents = || {
             sink.decoded::<AgentResponse>(Channel::Responses)
                 .into_iter()
                 .map(|r| r.content)
                 .collect::<Vec<_>>()
         };
+        out.chunk(MessageType::Thought, "thinking", "t", true)
+            .await
+            .unwrap();
+        out.chunk_with_outcome(MessageType::Thought, "held", "t2", true)
+            .await
+            .unwrap();
+        assert_eq!(contents(), ["thinking"], "held");
+        // A chunk too long to hold goes now, and the one held before it goes first.
+        out.chunk_with_outcome(MessageType::Observation, &long, "o-long", true)
+            .await
+            .unwrap();
+        assert_eq!(contents(), ["thinking", "held", long.as_str()]);
+        out.chunk_with_outcome(MessageType::Observation, "seen", "o", true)
+            .await
+            .unwrap();
+        let mut closing = AgentResponse::new(MessageType::Answer, "done");
+        closing.end_of_dialog = true;
+        out.respond(&closing).unwrap();
         assert_eq!(
             contents(),
-            ["thinking", long.as_str()],
-            "sent before the commit"
+            ["thinking", "held", long.as_str()],
+            "before the commit"
         );
 
         out.commit(Some(&slot)).await.unwrap();
-        assert_eq!(contents(), ["thinking", long.as_str(), "seen", "done"]);
+        assert_eq!(
+            contents(),
+            ["thinking", "held", long.as_str(), "seen", "done"]
+        );
         let entry = journal.entry(&node).await.unwrap().unwrap();
-        let journaled: Vec<String> = entry
+        let journaled: Vec<(String, Option<&String>)> = entry
             .effects
             .iter()
             .filter(|e| e.channel == Channel::Responses)
             .map(|e| {
-                serde_json::from_str::<AgentResponse>(&e.payload)
-                    .unwrap()
-                    .content
+                let response = serde_json::from_str::<AgentResponse>(&e.payload).unwrap();
+                (response.content, e.properties.get(ATTEMPT_PROPERTY))
             })
             .collect();
-        assert_eq!(journaled, ["seen", "done"]);
+        let attempt = Some(&entry.attempt);
+        assert_eq!(
+            journaled,
+            [("seen".to_owned(), attempt), ("done".to_owned(), attempt)],
+            "journaled first, under the attempt that recorded them"
+        );
+        assert_eq!(
+            entry.effects[0].properties.get(EFFECT_ID_PROPERTY),
+            Some(&format!("{}#0", node.as_str()))
+        );
     }
 
     /// A journal whose lookups answer and whose records fail: an embedded store opened for

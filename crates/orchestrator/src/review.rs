@@ -94,7 +94,7 @@ pub async fn conclude(
     )?;
     let answer_id = uris.conclusion();
     if request.streaming {
-        out.chunk(MessageType::Answer, &given.answer, &answer_id, false)
+        out.chunk_with_outcome(MessageType::Answer, &given.answer, &answer_id, false)
             .await?;
     }
     out.explain(

@@ -176,14 +176,34 @@ impl Turn<'_> {
         tokens: budget::Tokens,
     ) -> Result<(), agent_bus::BusError> {
         let observation = self.uris.observation(n);
-        self.out
-            .chunk_with_outcome(
-                MessageType::Observation,
-                &step.observation,
-                &observation,
-                true,
-            )
-            .await?;
+        // Held for the commit unless the document store is written first (a claim-check, a fold):
+        // the client would wait for those writes too, where sent now its receipt overlaps them.
+        let stores_first = self.documents.is_some()
+            && (agent_core::documents::wants_check_in(&step.observation)
+                || agent_core::documents::long_enough_to_fold(
+                    &self.request.history,
+                    1,
+                    agent_core::documents::FOLD_KEEP,
+                ));
+        if stores_first {
+            self.out
+                .chunk(
+                    MessageType::Observation,
+                    &step.observation,
+                    &observation,
+                    true,
+                )
+                .await?;
+        } else {
+            self.out
+                .chunk_with_outcome(
+                    MessageType::Observation,
+                    &step.observation,
+                    &observation,
+                    true,
+                )
+                .await?;
+        }
         let mut triples = provenance::observation(self.uris, n, &step.observation, tool);
         triples.extend(extra);
         self.out.explain(&observation, triples)?;
