@@ -126,8 +126,12 @@ pub struct Folded {
 /// Whether `history` with `more` steps after it is long enough for [`fold`] to fold (which also
 /// needs every step after its folded one to be a ReACT step).
 pub fn long_enough_to_fold(history: &[AgentStep], more: usize, keep: usize) -> bool {
-    let start = usize::from(history.first().is_some_and(|s| folded_count(s).is_some()));
-    (history.len() + more).saturating_sub(start) > 2 * keep.max(1)
+    (history.len() + more).saturating_sub(after_fold(history)) > 2 * keep.max(1)
+}
+
+/// Where the steps after `history`'s folded step (if it starts with one) begin.
+fn after_fold(history: &[AgentStep]) -> usize {
+    usize::from(history.first().is_some_and(|s| folded_count(s).is_some()))
 }
 
 /// Folds `history` when more than `2 * keep` ReACT steps follow its folded step (if any): all but
@@ -139,7 +143,7 @@ pub fn long_enough_to_fold(history: &[AgentStep], more: usize, keep: usize) -> b
 /// history to the same bytes. Plans and supervisors keep their steps (their decisions read them).
 pub fn fold(history: &[AgentStep], keep: usize) -> Option<Folded> {
     let keep = keep.max(1);
-    let start = usize::from(history.first().is_some_and(|s| folded_count(s).is_some()));
+    let start = after_fold(history);
     if !long_enough_to_fold(history, 0, keep) {
         return None;
     }

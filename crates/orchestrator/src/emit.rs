@@ -1292,6 +1292,21 @@ pub(crate) fn locked<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
 mod tests {
     use super::*;
 
+    /// Where a test's step of `session` is journaled, taken up as `delivery`.
+    fn slot_of<'j>(
+        journal: &'j Journal,
+        node: &NamedNode,
+        delivery: &str,
+        session: &str,
+    ) -> JournalSlot<'j> {
+        JournalSlot {
+            journal,
+            node: node.clone(),
+            delivery: delivery.to_owned(),
+            session: session.to_owned(),
+        }
+    }
+
     #[test]
     fn a_poisoned_lock_still_yields_what_was_held() {
         let effects = std::sync::Arc::new(Mutex::new(vec![1, 2]));
@@ -1331,12 +1346,7 @@ mod tests {
         let stopping = tokio_util::sync::CancellationToken::new();
         let out = DialogOutput::new(&outputs, Some("client-1"), "default", session, 0)
             .stopping_on(&stopping);
-        let slot = JournalSlot {
-            journal: &journal,
-            node: node.clone(),
-            delivery: "a-copy".to_owned(),
-            session: session.to_owned(),
-        };
+        let slot = slot_of(&journal, &node, "a-copy", session);
         let stop = async {
             tokio::time::sleep(std::time::Duration::from_millis(300)).await;
             stopping.cancel();
@@ -1356,12 +1366,7 @@ mod tests {
         let journal = Journal::new(agent_graph::GraphStore::in_memory().unwrap().journal());
         let session = "urn:trustgraph:agent:held-chunks";
         let node = journal::entry_node(session, "i1-x").unwrap();
-        let slot = JournalSlot {
-            journal: &journal,
-            node: node.clone(),
-            delivery: "the-delivery".to_owned(),
-            session: session.to_owned(),
-        };
+        let slot = slot_of(&journal, &node, "the-delivery", session);
         let sink = MemorySink::default();
         let outputs = Outputs::Memory(sink.clone());
         let out = DialogOutput::new(&outputs, Some("client-1"), "default", session, 0);
@@ -1445,12 +1450,7 @@ mod tests {
             journal.entry(&node).await.unwrap().is_none(),
             "lookups answer"
         );
-        let slot = JournalSlot {
-            journal: &journal,
-            node: node.clone(),
-            delivery: "the-dead-letter".to_owned(),
-            session: session.to_owned(),
-        };
+        let slot = slot_of(&journal, &node, "the-dead-letter", session);
         let sink = MemorySink::default();
         let outputs = Outputs::Memory(sink.clone());
         let error = AgentResponse {
