@@ -351,3 +351,137 @@ async fn bad_messages_meet_their_fates(journaled: bool) {
         answered.len()
     );
 }
+
+/// A burst of large messages on a non-persistent topic (TrustGraph's request topics are) while
+/// every handler is busy: the consumer holds what waits for its handlers only up to its intake's
+/// bound in bytes, drops and counts the rest (as the broker drops what a consumer has no room
+/// for), and goes on taking messages. Without the bound the `pulsar` crate's queue held whatever
+/// the broker sent ahead: up to 10,000 messages, each as large as the broker takes.
+#[tokio::test]
+async fn a_burst_of_large_messages_on_a_non_persistent_topic_is_held_within_the_intake_bound() {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Arc;
+
+    use agent_bus::{run_consumer, Bus, ConsumerStats, Disposition, Properties, Publisher};
+    use tokio_util::sync::CancellationToken;
+
+    const MESSAGES: usize = 40;
+    const MESSAGE_BYTES: usize = 512 * 1024;
+    const INTAKE_BYTES: usize = 4 * 1024 * 1024;
+    // Held at most: what fits the bound, besides the one message a handler has.
+    const HELD_AT_MOST: usize = INTAKE_BYTES / MESSAGE_BYTES;
+
+    let broker = Broker::start().unwrap();
+    let topic = "non-persistent://tg/request/intake-bound-test";
+    let config = agent_bus::SubscriptionConfig {
+        topic: topic.to_owned(),
+        subscription: "intake".to_owned(),
+        max_in_flight: 1,
+        max_redeliveries: None,
+        dead_letter_topic: String::new(),
+        drain_deadline: Duration::from_secs(2),
+        nack_delay: Duration::from_millis(100),
+        one_at_a_time: false,
+    };
+    let bus = Bus::connect(&broker.url(), None)
+        .await
+        .unwrap()
+        .with_intake_bytes(INTAKE_BYTES);
+    let stats = Arc::new(ConsumerStats::default());
+    let handled = Arc::new(AtomicUsize::new(0));
+    let busy = Arc::new(tokio::sync::Semaphore::new(0));
+    let shutdown = CancellationToken::new();
+    let consumer = {
+        let (stats, handled, busy, shutdown) = (
+            stats.clone(),
+            handled.clone(),
+            busy.clone(),
+            shutdown.clone(),
+        );
+        tokio::spawn(async move {
+            run_consumer(
+                &bus,
+                config,
+                stats,
+                shutdown,
+                move |delivery: agent_bus::Delivery<String>| {
+                    let (handled, busy) = (handled.clone(), busy.clone());
+                    async move {
+                        if let Ok(permit) = busy.acquire().await {
+                            permit.forget();
+                        }
+                        if delivery.payload != "after" {
+                            assert_eq!(delivery.payload.len(), MESSAGE_BYTES);
+                        }
+                        handled.fetch_add(1, Ordering::SeqCst);
+                        Disposition::Ack
+                    }
+                },
+            )
+            .await
+        })
+    };
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    while !stats.consuming.load(Ordering::SeqCst) {
+        assert!(tokio::time::Instant::now() < deadline, "never subscribed");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let publisher = Publisher::new(&Bus::connect(&broker.url(), None).await.unwrap(), topic)
+        .await
+        .unwrap();
+    let large = serde_json::to_vec(&"x".repeat(MESSAGE_BYTES)).unwrap();
+    for _ in 0..MESSAGES {
+        publisher
+            .send(large.clone(), &Properties::new())
+            .await
+            .unwrap();
+    }
+    // Every message that reached the consumer is either held or dropped, while the one handler
+    // waits.
+    let received = || ConsumerStats::get(&stats.received) as usize;
+    let shed = || ConsumerStats::get(&stats.shed) as usize;
+    let settled_at = tokio::time::Instant::now() + Duration::from_secs(3);
+    while tokio::time::Instant::now() < settled_at && received() < MESSAGES {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let (received_while_busy, shed_while_busy) = (received(), shed());
+    println!("received {received_while_busy} of {MESSAGES}, dropped {shed_while_busy}");
+    assert!(
+        received_while_busy > HELD_AT_MOST + 1,
+        "{received_while_busy} of {MESSAGES} taken off the connection while the handler was busy: \
+         the rest wait in the crate's queue, unbounded in bytes, or the broker dropped them"
+    );
+    assert!(
+        received_while_busy - shed_while_busy <= HELD_AT_MOST + 1,
+        "{} messages kept while the handler was busy: more than the bound holds",
+        received_while_busy - shed_while_busy
+    );
+    assert!(handled.load(Ordering::SeqCst) == 0);
+
+    // The handler frees up: what was held is handled, and the consumer takes new messages.
+    busy.add_permits(10_000);
+    publisher
+        .send(serde_json::to_vec("after").unwrap(), &Properties::new())
+        .await
+        .unwrap();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    while handled.load(Ordering::SeqCst) + shed() < received() || received() <= received_while_busy
+    {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "handled {} + dropped {} of {} received",
+            handled.load(Ordering::SeqCst),
+            shed(),
+            received()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(shed(), shed_while_busy, "dropped with a handler free");
+    // Counted where an operator looks.
+    let metrics = agent_metrics::global().render();
+    let series = format!("{}{{topic=\"{topic}\"}} {}", agent_bus::SHED_METRIC, shed());
+    assert!(metrics.contains(&series), "no `{series}` in:\n{metrics}");
+    assert!(handled.load(Ordering::SeqCst) <= HELD_AT_MOST + 2);
+    shutdown.cancel();
+    consumer.await.unwrap().unwrap();
+}

@@ -59,6 +59,7 @@ async fn write_throughput(args: &GraphBenchArgs) -> anyhow::Result<()> {
         pulsar_tls_ca_file: None,
         pulsar_max_message_bytes: agent_bus::DEFAULT_MAX_MESSAGE_BYTES,
         pulsar_compression: agent_bus::Compression::default(),
+        pulsar_intake_max_bytes: agent_bus::DEFAULT_INTAKE_BYTES,
         workspace: "default".into(),
         flow: "default".into(),
     };

@@ -21,6 +21,11 @@ pub struct BrokerArgs {
     /// Consumers need no setting: a message says how it was compressed.
     #[arg(long, env = "PULSAR_COMPRESSION", value_enum, default_value_t = crate::Compression::default())]
     pub pulsar_compression: crate::Compression,
+    /// The most payload bytes each consumer of a non-persistent topic (TrustGraph's request
+    /// topics) holds while its handlers are busy; messages beyond it are dropped and counted, as
+    /// the broker drops what a consumer has no room for. Bounds the memory a burst can take.
+    #[arg(long, env = "PULSAR_INTAKE_MAX_BYTES", default_value_t = crate::DEFAULT_INTAKE_BYTES)]
+    pub pulsar_intake_max_bytes: usize,
     /// Workspace part of the topic names.
     #[arg(long, env = "AGENT_WORKSPACE", default_value = "default")]
     pub workspace: String,
@@ -38,7 +43,8 @@ impl BrokerArgs {
         )
         .await?
         .with_max_message_bytes(self.pulsar_max_message_bytes)
-        .with_compression(self.pulsar_compression))
+        .with_compression(self.pulsar_compression)
+        .with_intake_bytes(self.pulsar_intake_max_bytes))
     }
 
     /// [`BrokerArgs::connect`] for a command someone waits on: a broker that neither answers nor

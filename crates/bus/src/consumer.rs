@@ -158,7 +158,13 @@ pub struct ConsumerStats {
     pub acked: AtomicU64,
     pub nacked: AtomicU64,
     pub dead_lettered: AtomicU64,
+    /// Messages of a non-persistent topic dropped because as much as the intake holds waited for
+    /// a handler already (see `Intake`; also counted in [`SHED_METRIC`]).
+    pub shed: AtomicU64,
 }
+
+/// The counter of messages consumers of non-persistent topics dropped for want of room, by topic.
+pub const SHED_METRIC: &str = "agent_messages_shed_total";
 
 impl ConsumerStats {
     pub fn get(counter: &AtomicU64) -> u64 {
@@ -166,7 +172,8 @@ impl ConsumerStats {
     }
 
     /// Copies the counts into the process's counter `family` (declared by the service), one series
-    /// per fate: received, acked, nacked (to be redelivered), dead_lettered.
+    /// per fate: received, acked, nacked (to be redelivered), dead_lettered. (What a consumer of
+    /// a non-persistent topic drops goes to [`SHED_METRIC`] whatever the consumer.)
     pub fn report(&self, family: &str) {
         let registry = agent_metrics::global();
         for (fate, counter) in [
@@ -233,10 +240,44 @@ where
     let mut tasks: JoinSet<Disposition> = JoinSet::new();
     let mut in_flight = InFlight::new();
     let aside = Aside::counted(max_in_flight as u64 * ASIDE_PER_PLACE);
+    // A non-persistent topic's messages are taken off the connection as they come, whether a
+    // handler is free or not, so that what waits is counted here in bytes (see [`Intake`]).
+    let takes_ahead = is_non_persistent(&config.topic);
+    if takes_ahead {
+        agent_metrics::global().describe(
+            SHED_METRIC,
+            agent_metrics::Kind::Counter,
+            "Messages of non-persistent topics dropped, by topic: every handler of the consumer was busy and as much as PULSAR_INTAKE_MAX_BYTES waited for them.",
+        );
+    }
+    let mut intake = Intake::new(bus.intake_bytes(), NON_PERSISTENT_WINDOW as usize);
     loop {
         // A handler standing aside keeps its message unacked but not its place; one that stepped
         // aside and then went on working overdraws the bound until it ends.
-        let places = max_in_flight + aside.waiting();
+        let places = || max_in_flight + aside.waiting();
+        while tasks.len() < places() {
+            let Some(message) = intake.next() else { break };
+            if let Err(refused) = start(
+                &*handler,
+                &mut tasks,
+                &mut in_flight,
+                &aside,
+                config.nack_delay,
+                message,
+            ) {
+                let (message, reason) = *refused;
+                dead_letter(
+                    &mut consumer,
+                    &dead_letters,
+                    &stats,
+                    &message,
+                    &message.payload.data,
+                    &reason,
+                )
+                .await;
+            }
+        }
+        let free = tasks.len() < places();
         tokio::select! {
             biased;
             _ = shutdown.cancelled() => break,
@@ -244,31 +285,14 @@ where
                 settle(&mut consumer, &dead_letters, &stats, &mut in_flight, done).await;
             }
             // Only to look at the bound again.
-            _ = aside.stepped(), if tasks.len() >= places => {}
-            next = consumer.next(), if tasks.len() < places => match next {
-                Some(Ok(mut message)) => {
+            _ = aside.stepped(), if !free => {}
+            next = consumer.next(), if free || takes_ahead => match next {
+                Some(Ok(message)) => {
                     stats.received.fetch_add(1, Ordering::Relaxed);
-                    let properties = properties_of(&message);
-                    match serde_json::from_slice::<T>(&message.payload.data) {
-                        Ok(payload) => {
-                            let message_id = message_id_of(&message);
-                            let payload_bytes = message.payload.data.len();
-                            let raw: Arc<[u8]> = std::mem::take(&mut message.payload.data).into();
-                            let work = handler(Delivery { payload, properties, message_id, payload_bytes, raw: raw.clone(), aside: aside.clone() });
-                            let nack_delay = config.nack_delay;
-                            let handle = tasks.spawn(async move {
-                                let disposition = work.await;
-                                if matches!(disposition, Disposition::Nack(_)) {
-                                    tokio::time::sleep(nack_delay).await;
-                                }
-                                disposition
-                            });
-                            in_flight.insert(handle.id(), (message, raw));
-                        }
-                        Err(e) => {
-                            let reason = format!("payload does not decode: {e}");
-                            dead_letter(&mut consumer, &dead_letters, &stats, &message, &message.payload.data, &reason).await;
-                        }
+                    // Started at the top of the loop; with a handler free the intake is empty,
+                    // and an empty intake takes any message.
+                    if let Err(message) = intake.hold(message) {
+                        shed(&mut consumer, &stats, &intake, &message).await;
                     }
                 }
                 Some(Err(e)) => {
@@ -286,6 +310,11 @@ where
                 }
             }
         }
+    }
+    if !intake.is_empty() {
+        // Never redelivered (the topic is non-persistent), as the broker's own window of
+        // messages sent ahead is lost with a consumer that stops.
+        tracing::warn!(topic = %config.topic, left = intake.len(), "stopping with messages not taken up; they are lost");
     }
 
     // Drain: finish what is in flight so its effects are published and acked; whatever misses the
@@ -325,6 +354,147 @@ where
 /// Messages a consumer of a non-persistent topic may be sent ahead of its handlers.
 const NON_PERSISTENT_WINDOW: u32 = 10_000;
 
+fn is_non_persistent(topic: &str) -> bool {
+    topic.starts_with("non-persistent://")
+}
+
+/// Messages of a non-persistent topic that came while every handler was busy, bounded in count
+/// and in bytes. The broker may send a consumer of such a topic many messages ahead (it drops
+/// what finds no room, and never sends it again, so the window is wide: [`NON_PERSISTENT_WINDOW`]);
+/// left in the `pulsar` crate's queue, 10,000 messages as large as the broker takes would be tens
+/// of gigabytes. Taken off the connection at once and held here, what does not fit is dropped and
+/// counted ([`ConsumerStats::shed`]), as the broker itself would drop it.
+struct Intake {
+    waiting: std::collections::VecDeque<Message<Vec<u8>>>,
+    bytes: usize,
+    most_bytes: usize,
+    most_messages: usize,
+}
+
+impl Intake {
+    /// What a held message is counted as besides its payload and properties: its id, topic and
+    /// the rest of its metadata.
+    const OVERHEAD: usize = 512;
+
+    fn new(most_bytes: usize, most_messages: usize) -> Intake {
+        Intake {
+            waiting: std::collections::VecDeque::new(),
+            bytes: 0,
+            most_bytes,
+            most_messages,
+        }
+    }
+
+    fn size_of(message: &Message<Vec<u8>>) -> usize {
+        let properties: usize = message
+            .payload
+            .metadata
+            .properties
+            .iter()
+            .map(|kv| kv.key.len() + kv.value.len())
+            .sum();
+        message.payload.data.len() + properties + Intake::OVERHEAD
+    }
+
+    /// Holds `message` for a handler, or gives it back when it does not fit. One message is
+    /// always taken into an empty intake, so a bound below the broker's largest message still
+    /// lets such a message wait.
+    fn hold(&mut self, message: Message<Vec<u8>>) -> Result<(), Box<Message<Vec<u8>>>> {
+        let size = Intake::size_of(&message);
+        let fits = self.waiting.len() < self.most_messages
+            && self.bytes.saturating_add(size) <= self.most_bytes;
+        if !fits && !self.waiting.is_empty() {
+            return Err(Box::new(message));
+        }
+        self.bytes += size;
+        self.waiting.push_back(message);
+        Ok(())
+    }
+
+    fn next(&mut self) -> Option<Message<Vec<u8>>> {
+        let message = self.waiting.pop_front()?;
+        self.bytes -= Intake::size_of(&message);
+        Some(message)
+    }
+
+    fn len(&self) -> usize {
+        self.waiting.len()
+    }
+
+    fn is_empty(&self) -> bool {
+        self.waiting.is_empty()
+    }
+}
+
+/// A message that does not decode, and why.
+type Undecodable = Box<(Message<Vec<u8>>, String)>;
+
+/// Decodes `message` and starts its handler; a message that does not decode is given back with
+/// the reason, for the dead-letter topic.
+fn start<T, F, Fut>(
+    handler: &F,
+    tasks: &mut JoinSet<Disposition>,
+    in_flight: &mut InFlight,
+    aside: &Aside,
+    nack_delay: Duration,
+    mut message: Message<Vec<u8>>,
+) -> Result<(), Undecodable>
+where
+    T: DeserializeOwned + Send + 'static,
+    F: Fn(Delivery<T>) -> Fut + Send + Sync + 'static,
+    Fut: Future<Output = Disposition> + Send + 'static,
+{
+    let payload = match serde_json::from_slice::<T>(&message.payload.data) {
+        Ok(payload) => payload,
+        Err(e) => return Err(Box::new((message, format!("payload does not decode: {e}")))),
+    };
+    let properties = properties_of(&message);
+    let message_id = message_id_of(&message);
+    let payload_bytes = message.payload.data.len();
+    let raw: Arc<[u8]> = std::mem::take(&mut message.payload.data).into();
+    let work = handler(Delivery {
+        payload,
+        properties,
+        message_id,
+        payload_bytes,
+        raw: raw.clone(),
+        aside: aside.clone(),
+    });
+    let handle = tasks.spawn(async move {
+        let disposition = work.await;
+        if matches!(disposition, Disposition::Nack(_)) {
+            tokio::time::sleep(nack_delay).await;
+        }
+        disposition
+    });
+    in_flight.insert(handle.id(), (message, raw));
+    Ok(())
+}
+
+/// Drops a message the intake has no room for. Acked, so that a broker that counts unacked
+/// messages does not hold them against the consumer; the topic never sends it again anyway.
+async fn shed(
+    consumer: &mut Consumer<Vec<u8>, TokioExecutor>,
+    stats: &ConsumerStats,
+    intake: &Intake,
+    message: &Message<Vec<u8>>,
+) {
+    let shed = stats.shed.fetch_add(1, Ordering::Relaxed) + 1;
+    agent_metrics::global().inc(SHED_METRIC, &[("topic", &message.topic)]);
+    if shed.is_power_of_two() {
+        tracing::warn!(
+            topic = %message.topic,
+            shed,
+            waiting = intake.len(),
+            waiting_bytes = intake.bytes,
+            "dropping a message: every handler is busy and as much as PULSAR_INTAKE_MAX_BYTES waits for them"
+        );
+    }
+    if let Err(e) = consumer.ack(message).await {
+        tracing::debug!(error = %e, "ack of a dropped message failed");
+    }
+}
+
 async fn build_consumer(
     bus: &Bus,
     config: &SubscriptionConfig,
@@ -335,7 +505,7 @@ async fn build_consumer(
     // first messages from TrustGraph's clients. Its messages wait in the crate's queue for a
     // handler instead. A persistent topic keeps the small window: a crashed consumer then holds
     // few messages (pulsar-lite hands them to a new consumer slowly).
-    let window = if config.topic.starts_with("non-persistent://") {
+    let window = if is_non_persistent(&config.topic) {
         NON_PERSISTENT_WINDOW
     } else {
         max_in_flight as u32

@@ -23,7 +23,7 @@ pub use client::{message_property, AgentClient, Listener, Received, StreamedAnsw
 pub use config_client::{ConfigClient, ConfigPushes};
 pub use consumer::{
     run_consumer, Aside, AsideLease, ConsumerStats, Delivery, Disposition, SubscriptionConfig,
-    DEAD_LETTER_REASON,
+    DEAD_LETTER_REASON, SHED_METRIC,
 };
 pub use control::{sealed_control, send_control, ControlListener, HeardControl};
 pub use error::BusError;
@@ -48,6 +48,7 @@ pub struct Bus {
     client: Pulsar<TokioExecutor>,
     max_message_bytes: usize,
     compression: Compression,
+    intake_bytes: usize,
 }
 
 /// How publishers compress payloads. Every Pulsar client decompresses what a message's metadata
@@ -81,6 +82,11 @@ impl Compression {
 /// Apache Pulsar's default `maxMessageSize` (5 MiB); a broker with another limit is told with
 /// `PULSAR_MAX_MESSAGE_BYTES`.
 pub const DEFAULT_MAX_MESSAGE_BYTES: usize = 5 * 1024 * 1024;
+
+/// The most payload bytes a consumer of a non-persistent topic holds for its handlers (see
+/// `consumer.rs`): without it, the 10,000 messages the broker may send ahead could each be
+/// as large as the broker takes (50 GB at Apache Pulsar's 5 MiB).
+pub const DEFAULT_INTAKE_BYTES: usize = 64 * 1024 * 1024;
 
 /// The longest wait between two tries to reach a broker that is away (the crate adds up to 90 ms
 /// of jitter). The crate doubles its wait up to 30 s, so a process came back about as long after
@@ -143,6 +149,7 @@ impl Bus {
             client,
             max_message_bytes: DEFAULT_MAX_MESSAGE_BYTES,
             compression: Compression::default(),
+            intake_bytes: DEFAULT_INTAKE_BYTES,
         })
     }
 
@@ -168,6 +175,17 @@ impl Bus {
 
     pub fn compression(&self) -> Compression {
         self.compression
+    }
+
+    /// The most payload bytes each consumer of a non-persistent topic holds waiting for its
+    /// handlers; what comes beyond is dropped, as the broker drops what a consumer has no room for.
+    pub fn with_intake_bytes(mut self, bytes: usize) -> Bus {
+        self.intake_bytes = bytes;
+        self
+    }
+
+    pub fn intake_bytes(&self) -> usize {
+        self.intake_bytes
     }
 
     pub fn client(&self) -> &Pulsar<TokioExecutor> {
