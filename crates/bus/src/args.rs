@@ -21,9 +21,10 @@ pub struct BrokerArgs {
     /// Consumers need no setting: a message says how it was compressed.
     #[arg(long, env = "PULSAR_COMPRESSION", value_enum, default_value_t = crate::Compression::default())]
     pub pulsar_compression: crate::Compression,
-    /// The most payload bytes each consumer of a non-persistent topic (TrustGraph's request
-    /// topics) holds while its handlers are busy; messages beyond it are dropped and counted, as
-    /// the broker drops what a consumer has no room for. Bounds the memory a burst can take.
+    /// The most bytes (payloads, properties, 512 a message) each consumer of a non-persistent
+    /// topic (TrustGraph's agent and config request topics) holds while its handlers are busy;
+    /// messages beyond it are dropped and counted, as the broker drops what a consumer has no room
+    /// for. One message is always held, whatever the bound. Bounds the memory a burst can take.
     #[arg(long, env = "PULSAR_INTAKE_MAX_BYTES", default_value_t = crate::DEFAULT_INTAKE_BYTES)]
     pub pulsar_intake_max_bytes: usize,
     /// Workspace part of the topic names.

@@ -292,7 +292,7 @@ where
                     // Started at the top of the loop; with a handler free the intake is empty,
                     // and an empty intake takes any message.
                     if let Err(message) = intake.hold(message) {
-                        shed(&mut consumer, &stats, &intake, &message).await;
+                        shed(&mut consumer, &stats, &config.topic, &intake, &message).await;
                     }
                 }
                 Some(Err(e)) => {
@@ -312,9 +312,10 @@ where
         }
     }
     if !intake.is_empty() {
-        // Never redelivered (the topic is non-persistent), as the broker's own window of
-        // messages sent ahead is lost with a consumer that stops.
-        tracing::warn!(topic = %config.topic, left = intake.len(), "stopping with messages not taken up; they are lost");
+        // A non-persistent topic's are lost, as the broker's own window of messages sent ahead
+        // is lost with a consumer that stops; a persistent topic's (one at most, taken just
+        // before the stop) are not acked and come back.
+        tracing::warn!(topic = %config.topic, left = intake.len(), "stopping with messages not taken up");
     }
 
     // Drain: finish what is in flight so its effects are published and acked; whatever misses the
@@ -363,7 +364,10 @@ fn is_non_persistent(topic: &str) -> bool {
 /// what finds no room, and never sends it again, so the window is wide: [`NON_PERSISTENT_WINDOW`]);
 /// left in the `pulsar` crate's queue, 10,000 messages as large as the broker takes would be tens
 /// of gigabytes. Taken off the connection at once and held here, what does not fit is dropped and
-/// counted ([`ConsumerStats::shed`]), as the broker itself would drop it.
+/// counted ([`ConsumerStats::shed`]), as the broker itself would drop it. The bound holds while
+/// the loop keeps up: while it waits on the broker itself (an ack, a dead letter's publishing,
+/// subscribing again) the crate takes what the broker sends meanwhile, up to the window. A
+/// message is counted as its payload, its properties and [`Intake::OVERHEAD`].
 struct Intake {
     waiting: std::collections::VecDeque<Message<Vec<u8>>>,
     bytes: usize,
@@ -476,14 +480,16 @@ where
 async fn shed(
     consumer: &mut Consumer<Vec<u8>, TokioExecutor>,
     stats: &ConsumerStats,
+    topic: &str,
     intake: &Intake,
     message: &Message<Vec<u8>>,
 ) {
     let shed = stats.shed.fetch_add(1, Ordering::Relaxed) + 1;
-    agent_metrics::global().inc(SHED_METRIC, &[("topic", &message.topic)]);
+    // The subscription's topic, not the message's (a partition's name, for a partitioned one).
+    agent_metrics::global().inc(SHED_METRIC, &[("topic", topic)]);
     if shed.is_power_of_two() {
         tracing::warn!(
-            topic = %message.topic,
+            %topic,
             shed,
             waiting = intake.len(),
             waiting_bytes = intake.bytes,
@@ -680,6 +686,60 @@ pub(crate) fn properties_of(message: &Message<Vec<u8>>) -> Properties {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn message_of(payload_bytes: usize) -> Message<Vec<u8>> {
+        Message::new(
+            "non-persistent://tg/request/test",
+            pulsar::consumer::data::MessageData {
+                id: pulsar::proto::MessageIdData::default(),
+                batch_size: None,
+            },
+            pulsar::Payload {
+                metadata: pulsar::proto::MessageMetadata::default(),
+                data: vec![b'x'; payload_bytes],
+            },
+        )
+    }
+
+    #[test]
+    fn the_intake_holds_within_its_bytes_and_its_count_and_gives_back_the_rest() {
+        let each = 1000 + Intake::OVERHEAD;
+        let mut intake = Intake::new(3 * each + Intake::OVERHEAD, 10);
+        for _ in 0..3 {
+            assert!(intake.hold(message_of(1000)).is_ok());
+        }
+        assert!(intake.hold(message_of(1000)).is_err(), "past the bytes");
+        assert!(
+            intake.hold(message_of(0)).is_ok(),
+            "a smaller one still fits"
+        );
+        assert!(intake.hold(message_of(0)).is_err(), "full to the byte");
+        assert_eq!(
+            (intake.len(), intake.bytes),
+            (4, 3 * each + Intake::OVERHEAD)
+        );
+        assert_eq!(intake.next().map(|m| m.payload.data.len()), Some(1000));
+        assert!(
+            intake.hold(message_of(1000)).is_ok(),
+            "room made by the one taken"
+        );
+        while intake.next().is_some() {}
+        assert_eq!((intake.len(), intake.bytes), (0, 0));
+
+        let mut by_count = Intake::new(usize::MAX, 2);
+        assert!(by_count.hold(message_of(1)).is_ok());
+        assert!(by_count.hold(message_of(1)).is_ok());
+        assert!(by_count.hold(message_of(1)).is_err(), "past the count");
+    }
+
+    #[test]
+    fn an_empty_intake_takes_one_message_whatever_its_size() {
+        let mut intake = Intake::new(10, 10);
+        assert!(intake.hold(message_of(1 << 20)).is_ok());
+        assert!(intake.hold(message_of(1)).is_err());
+        assert!(intake.next().is_some());
+        assert!(intake.is_empty() && intake.bytes == 0);
+    }
 
     #[test]
     fn handlers_stand_aside_up_to_the_bound_and_come_back() {

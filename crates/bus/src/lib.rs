@@ -83,7 +83,7 @@ impl Compression {
 /// `PULSAR_MAX_MESSAGE_BYTES`.
 pub const DEFAULT_MAX_MESSAGE_BYTES: usize = 5 * 1024 * 1024;
 
-/// The most payload bytes a consumer of a non-persistent topic holds for its handlers (see
+/// The most bytes a consumer of a non-persistent topic holds for its handlers (see
 /// `consumer.rs`): without it, the 10,000 messages the broker may send ahead could each be
 /// as large as the broker takes (50 GB at Apache Pulsar's 5 MiB).
 pub const DEFAULT_INTAKE_BYTES: usize = 64 * 1024 * 1024;
@@ -177,7 +177,7 @@ impl Bus {
         self.compression
     }
 
-    /// The most payload bytes each consumer of a non-persistent topic holds waiting for its
+    /// The most bytes each consumer of a non-persistent topic holds waiting for its
     /// handlers; what comes beyond is dropped, as the broker drops what a consumer has no room for.
     pub fn with_intake_bytes(mut self, bytes: usize) -> Bus {
         self.intake_bytes = bytes;
