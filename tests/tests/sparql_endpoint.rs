@@ -188,6 +188,137 @@ async fn runaway_queries_are_stopped_and_dialogs_go_on() {
     assert!(refused("too_long") >= 1.0);
 }
 
+/// An operator's runaway update (with the services' token: a cleanup that joins the graph with
+/// itself) is stopped at the time limit and writes nothing of itself, and the updates every other
+/// writer of the store waits behind go on: a supervisor's fan-in claims its synthesis with one.
+/// Before, `/update` had no limit, and the runaway held the store's one turn for updates for as
+/// long as it ran (a five-way cross product of 200 triples: hours), the fan-in with it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_runaway_update_is_stopped_writes_nothing_and_fan_in_goes_on() {
+    let broker = Broker::start().unwrap();
+    let timeout = QUERY_TIMEOUT_SECS.to_string();
+    let aggregator = Aggregator::start(
+        Place::Child,
+        &broker,
+        &[
+            "--config-token",
+            TOKEN,
+            "--query-timeout-secs",
+            &timeout,
+            // The time limit is what is tested: the budget would stop it too.
+            "--max-query-bindings",
+            "1000000000000000",
+        ],
+    );
+    let llm = scripted_llm(SCRIPT).await;
+    let _orchestrator = Orchestrator::spawn_journaled(&broker, &llm, &aggregator, TOKEN, &[]);
+    let mut client = client(&broker).await;
+    for before in ["before-1", "before-2"] {
+        client
+            .send(before, &request("fill the store", false))
+            .await
+            .unwrap();
+        let answered = collect_dialog(&mut client, before, DIALOG_TIMEOUT)
+            .await
+            .unwrap();
+        assert_eq!(answered.last().unwrap().content, "still answering");
+    }
+    let quads = "SELECT ?s WHERE { GRAPH ?g { ?s ?p ?o } }";
+    let triples = count_reaching(&aggregator.store(), quads.into(), 200).await;
+    assert!(triples >= 200, "{triples}");
+
+    // One transaction: a marker, then a delete of whatever a five-way cross product finds (its
+    // filter, checked once all five are bound, holds for no row).
+    let runaway = "INSERT DATA { GRAPH <urn:test:runaway> { <urn:test:marker> <urn:test:left> \"by the runaway\" } } ;
+DELETE { GRAPH ?g { ?a ?b ?c } } WHERE {
+  GRAPH ?g { ?a ?b ?c . ?d ?e ?f . ?h ?i ?j . ?k ?l ?m . ?n ?o ?p }
+  FILTER(STRLEN(STR(?c)) + STRLEN(STR(?p)) < 0)
+}";
+    let http = reqwest::Client::new();
+    let update = |text: &str| {
+        http.post(format!("{}/update", aggregator.endpoint))
+            .header("content-type", "application/sparql-update")
+            .bearer_auth(TOKEN)
+            .body(text.to_owned())
+            .timeout(Duration::from_secs(300))
+            .send()
+    };
+    let started = Instant::now();
+    let stopped = tokio::spawn(update(runaway));
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    client
+        .send(
+            "fan-in-during",
+            &agent_schema::AgentRequest {
+                pattern: "supervisor".into(),
+                ..request("Split while attacked", false)
+            },
+        )
+        .await
+        .unwrap();
+    let fanned = collect_dialog(&mut client, "fan-in-during", DIALOG_TIMEOUT)
+        .await
+        .unwrap();
+    assert_eq!(
+        fanned.last().unwrap().content,
+        "both halves answered",
+        "{fanned:#?}"
+    );
+    let answer = stopped.await.unwrap().unwrap();
+    let answered_within = started.elapsed();
+    let status = answer.status().as_u16();
+    let said = answer.text().await.unwrap();
+    println!("the runaway update answered {status} ({said}) within {answered_within:?}");
+    assert_eq!(status, 503, "{said}");
+    assert!(answered_within < Duration::from_secs(QUERY_TIMEOUT_SECS + 15));
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let idle = cpu_share(aggregator.pid(), Duration::from_secs(1)).await;
+    println!(
+        "aggregator CPU after the limit: {:.0}% of a core",
+        idle * 100.0
+    );
+    assert!(idle < 0.3, "still busy after the time limit: {idle:.2}");
+
+    // Nothing of it was written, and the turn is free: a small update goes at once.
+    let ask = |text: &'static str| {
+        let http = http.clone();
+        let endpoint = aggregator.endpoint.clone();
+        async move {
+            http.post(format!("{endpoint}/query"))
+                .header("content-type", "application/sparql-query")
+                .header("accept", "application/sparql-results+json")
+                .bearer_auth(TOKEN)
+                .body(text)
+                .send()
+                .await
+                .unwrap()
+                .json::<serde_json::Value>()
+                .await
+                .unwrap()["boolean"]
+                .as_bool()
+        }
+    };
+    let marked = "ASK { GRAPH <urn:test:runaway> { ?s ?p ?o } }";
+    assert_eq!(
+        ask(marked).await,
+        Some(false),
+        "the stopped update wrote its marker"
+    );
+    let small =
+        "INSERT DATA { GRAPH <urn:test:runaway> { <urn:test:marker> <urn:test:left> \"after\" } }";
+    let quick = Instant::now();
+    assert_eq!(update(small).await.unwrap().status().as_u16(), 204);
+    assert!(quick.elapsed() < Duration::from_secs(5));
+    assert_eq!(ask(marked).await, Some(true));
+    let metrics = scrape(&aggregator.endpoint).await;
+    assert!(
+        sample(
+            &metrics,
+            "agent_sparql_queries_refused_total{reason=\"update_timeout\"}"
+        ) >= 1.0
+    );
+}
+
 #[tokio::test]
 async fn a_read_token_closes_the_endpoint_to_strangers() {
     let broker = Broker::start().unwrap();

@@ -431,9 +431,18 @@ async fn update(State(state): State<AppState>, headers: HeaderMap, body: Bytes) 
     let Some(text) = operation_text(&headers, &body, "update") else {
         return (StatusCode::BAD_REQUEST, "no update in the request").into_response();
     };
-    match state.store.update(text).await {
+    // Held to the queries' time limit and budget: an update holds the store's one turn for
+    // updates, which the fan-ins' claims wait for.
+    match state.store.update_bounded(text, state.reads.bounds).await {
         Ok(()) => StatusCode::NO_CONTENT.into_response(),
-        Err(e) => error_response(e),
+        Err(e) => {
+            match &e {
+                GraphError::TimedOut(_) => crate::metrics::query_refused("update_timeout"),
+                GraphError::TooMuchWork(_) => crate::metrics::query_refused("update_too_large"),
+                _ => {}
+            }
+            error_response(e)
+        }
     }
 }
 

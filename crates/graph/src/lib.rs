@@ -430,6 +430,59 @@ impl GraphStore {
         }
     }
 
+    /// Runs a SPARQL update within `bounds`' time limit and budget of bindings (its rows do not
+    /// apply): what the endpoint's `/update` runs, for the services and operators. An update to
+    /// an embedded store holds the turn every update of this process waits for (the fan-ins'
+    /// claims among them), so one that ran on would stop them all. Stopped at its limit, or when
+    /// the returned future is dropped (its client went), its evaluation ends at its next step and
+    /// it writes nothing. The answer is the truth: past the limit it waits for the evaluation to
+    /// end, and an update that committed meanwhile (an `INSERT DATA`, which has no steps to stop
+    /// at) is answered as done. On a SPARQL server it runs as [`Self::update`] (the server bounds
+    /// its own; the endpoint serves embedded stores only).
+    pub async fn update_bounded(
+        &self,
+        sparql: String,
+        bounds: QueryBounds,
+    ) -> Result<(), GraphError> {
+        let store = match self.writable()? {
+            Writable::Embedded(store, _) => store,
+            Writable::Remote(_) => return self.update(sparql).await,
+        };
+        let cancel = oxigraph::sparql::CancellationToken::with_binding_budget(bounds.max_bindings);
+        let _stop_when_dropped = CancelOnDrop(cancel.clone());
+        let token = cancel.clone();
+        let mut evaluation = tokio::task::spawn_blocking(move || {
+            let _one_at_a_time = SERIAL_UPDATES
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            // Stopped while it waited for its turn: nothing of it has run.
+            if token.is_cancelled() {
+                return Err(GraphError::Evaluation("stopped before its turn".to_owned()));
+            }
+            SparqlEvaluator::new()
+                .with_cancellation_token(token)
+                .parse_update(&sparql)
+                .map_err(|e| GraphError::Syntax(e.to_string()))?
+                .on_store(&store)
+                .execute()
+                .map_err(|e| GraphError::Evaluation(e.to_string()))
+        });
+        let ended = match tokio::time::timeout(bounds.timeout, &mut evaluation).await {
+            Ok(ended) => ended,
+            Err(_) => {
+                cancel.cancel();
+                evaluation.await
+            }
+        };
+        match ended {
+            Ok(Ok(())) => Ok(()),
+            _ if cancel.budget_exhausted() => Err(GraphError::TooMuchWork(bounds.max_bindings)),
+            _ if cancel.is_cancelled() => Err(GraphError::TimedOut(bounds.timeout)),
+            Ok(Err(e)) => Err(e),
+            Err(e) => Err(GraphError::Storage(format!("store task failed: {e}"))),
+        }
+    }
+
     /// Runs a SPARQL update that touches only nodes no other update of this process writes (a
     /// journal owner's own record): it need not wait for this process's other updates, which may
     /// be slow, and an endpoint's update goes at once. An embedded store still runs it in turn.

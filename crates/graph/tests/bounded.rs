@@ -1,4 +1,4 @@
-//! Bounded queries on the embedded store: a query past its time limit, or whose caller went away,
+//! Bounded queries and updates on the embedded store: a query past its time limit, or whose caller went away,
 //! stops evaluating (the core is free again at once), and a result over the row limit is refused.
 //! Alone in its test binary, so the process's CPU time is this test's.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
@@ -76,4 +76,47 @@ async fn runaway_queries_stop_and_large_results_are_refused() {
             .len(),
         100
     );
+
+    // An update is held to the same bounds (it holds the store's one turn for updates), and one
+    // stopped writes nothing of itself: its marker, in the same transaction, is not there after.
+    let marked = "ASK { GRAPH <urn:g:runaway> { ?s ?p ?o } }";
+    let runaway_update =
+        "INSERT DATA { GRAPH <urn:g:runaway> { <urn:s:marker> <urn:p:by> \"the runaway\" } } ;
+DELETE { GRAPH ?g { ?a ?b ?c } } WHERE {
+  GRAPH ?g { ?a ?b ?c . ?d ?e ?f . ?h ?i ?j . ?k ?l ?m }
+  FILTER(STRLEN(?c) + STRLEN(?m) < 0)
+}";
+    let started = Instant::now();
+    let timed_out = store
+        .update_bounded(runaway_update.into(), bounds)
+        .await
+        .unwrap_err();
+    assert!(matches!(timed_out, GraphError::TimedOut(_)), "{timed_out}");
+    assert!(started.elapsed() < Duration::from_secs(5));
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let idle = cpu_share(Duration::from_secs(1)).await;
+    assert!(
+        idle < 0.3,
+        "an update still busy after the time limit: {idle:.2} of a core"
+    );
+    let budgeted = QueryBounds {
+        timeout: Duration::from_secs(600),
+        max_bindings: 1_000_000,
+        ..bounds
+    };
+    let too_much = store
+        .update_bounded(runaway_update.into(), budgeted)
+        .await
+        .unwrap_err();
+    assert!(matches!(too_much, GraphError::TooMuchWork(_)), "{too_much}");
+    let written = |answer: agent_graph::QueryAnswer| match answer {
+        agent_graph::QueryAnswer::Boolean(b) => b,
+        other => panic!("{other:?}"),
+    };
+    assert!(!written(store.query(marked.into()).await.unwrap()));
+    // Within its bounds an update is done, and the turn was given back by those stopped.
+    let small =
+        "INSERT DATA { GRAPH <urn:g:runaway> { <urn:s:marker> <urn:p:by> \"a small one\" } }";
+    store.update_bounded(small.into(), bounds).await.unwrap();
+    assert!(written(store.query(marked.into()).await.unwrap()));
 }
