@@ -1,5 +1,6 @@
-//! Bounded queries and updates on the embedded store: a query past its time limit, or whose caller went away,
-//! stops evaluating (the core is free again at once), and a result over the row limit is refused.
+//! Bounded queries and updates on the embedded store: a query past its time limit, or whose
+//! caller went away, stops evaluating (the core is free again at once), and a result over the row
+//! limit is refused; an update stopped at its bounds writes nothing.
 //! Alone in its test binary, so the process's CPU time is this test's.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
