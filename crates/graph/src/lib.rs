@@ -123,6 +123,10 @@ impl QueryAnswer {
 
 /// Serialises SPARQL updates on embedded stores (see [`GraphStore::update`]).
 static SERIAL_UPDATES: std::sync::Mutex<()> = std::sync::Mutex::new(());
+/// The endpoint's updates wait here for their turn before they take [`SERIAL_UPDATES`] on a
+/// thread: a queue of them holds no thread, and one whose client went leaves it.
+static ENDPOINT_UPDATES: std::sync::LazyLock<Arc<tokio::sync::Mutex<()>>> =
+    std::sync::LazyLock::new(Arc::default);
 /// Serialises this process's SPARQL updates to one endpoint: a turn for each endpoint, not one for
 /// the process. With one for the process, a process that was a client of an aggregator's endpoint
 /// and that aggregator too, its graph in a SPARQL server, waited on itself: the client's update
@@ -433,12 +437,14 @@ impl GraphStore {
     /// Runs a SPARQL update within `bounds`' time limit and budget of bindings (its rows do not
     /// apply): what the endpoint's `/update` runs, for the services and operators. An update to
     /// an embedded store holds the turn every update of this process waits for (the fan-ins'
-    /// claims among them), so one that ran on would stop them all. Stopped at its limit, or when
-    /// the returned future is dropped (its client went), its evaluation ends at its next step and
-    /// it writes nothing. The answer is the truth: past the limit it waits for the evaluation to
-    /// end, and an update that committed meanwhile (an `INSERT DATA`, which has no steps to stop
-    /// at) is answered as done. On a SPARQL server it runs as [`Self::update`] (the server bounds
-    /// its own; the endpoint serves embedded stores only).
+    /// claims among them), so one that ran on would stop them all. The time limit runs from its
+    /// turn (callers queued for one hold no thread, and leave the queue when they go). Stopped at
+    /// its limit, or when the returned future is dropped (its client went), its evaluation ends
+    /// at its next step and it writes nothing. The answer is the truth: past the limit it waits
+    /// for the evaluation to end, and an update that committed meanwhile (an `INSERT DATA`,
+    /// which has no steps to stop at) is answered as done. Its patterns are planned as a query's
+    /// are (one too large to order in time runs as written, a larger one is refused). On a
+    /// SPARQL server it runs as [`Self::update`]: the server bounds its own.
     pub async fn update_bounded(
         &self,
         sparql: String,
@@ -448,24 +454,13 @@ impl GraphStore {
             Writable::Embedded(store, _) => store,
             Writable::Remote(_) => return self.update(sparql).await,
         };
+        let turn = ENDPOINT_UPDATES.clone().lock_owned().await;
         let cancel = oxigraph::sparql::CancellationToken::with_binding_budget(bounds.max_bindings);
         let _stop_when_dropped = CancelOnDrop(cancel.clone());
         let token = cancel.clone();
         let mut evaluation = tokio::task::spawn_blocking(move || {
-            let _one_at_a_time = SERIAL_UPDATES
-                .lock()
-                .unwrap_or_else(std::sync::PoisonError::into_inner);
-            // Stopped while it waited for its turn: nothing of it has run.
-            if token.is_cancelled() {
-                return Err(GraphError::Evaluation("stopped before its turn".to_owned()));
-            }
-            SparqlEvaluator::new()
-                .with_cancellation_token(token)
-                .parse_update(&sparql)
-                .map_err(|e| GraphError::Syntax(e.to_string()))?
-                .on_store(&store)
-                .execute()
-                .map_err(|e| GraphError::Evaluation(e.to_string()))
+            let _turn_until_ended = turn;
+            update_embedded(&store, &sparql, &token)
         });
         let ended = match tokio::time::timeout(bounds.timeout, &mut evaluation).await {
             Ok(ended) => ended,
@@ -476,6 +471,7 @@ impl GraphStore {
         };
         match ended {
             Ok(Ok(())) => Ok(()),
+            Ok(Err(GraphError::Syntax(e))) => Err(GraphError::Syntax(e)),
             _ if cancel.budget_exhausted() => Err(GraphError::TooMuchWork(bounds.max_bindings)),
             _ if cancel.is_cancelled() => Err(GraphError::TimedOut(bounds.timeout)),
             Ok(Err(e)) => Err(e),
@@ -839,6 +835,43 @@ fn evaluate_embedded(
         return Err(GraphError::TimedOut(bounds.timeout));
     }
     answer
+}
+
+/// [`GraphStore::update_bounded`]'s evaluation, in the calling thread: parsed, planned and
+/// evaluated with stack enough for it, as [`query_embedded`] does a query, in this process's turn
+/// for updates. Stopped by `token`, it commits nothing.
+fn update_embedded(
+    store: &Store,
+    sparql: &str,
+    token: &oxigraph::sparql::CancellationToken,
+) -> Result<(), GraphError> {
+    nesting::with_stack_for(sparql, || {
+        let update = spargebra::SparqlParser::new()
+            .parse_update(sparql)
+            .map_err(|e| GraphError::Syntax(e.to_string()))?;
+        let (plan, operands) = planning::plan_update(&update).map_err(GraphError::Syntax)?;
+        let levels = nesting::openers(sparql).saturating_add(operands);
+        nesting::with_stack_for_levels(levels, || {
+            let mut evaluator = SparqlEvaluator::new().with_cancellation_token(token.clone());
+            if plan == planning::Plan::AsWritten {
+                evaluator = evaluator.without_optimizations();
+            }
+            let _one_at_a_time = SERIAL_UPDATES
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            // Stopped while it waited for the turn: nothing of it has run.
+            if token.is_cancelled() {
+                return Err(GraphError::Evaluation("stopped before its turn".to_owned()));
+            }
+            evaluator
+                .for_update(update)
+                .on_store(store)
+                .execute()
+                .map_err(|e| GraphError::Evaluation(e.to_string()))
+        })
+        .map_err(GraphError::Syntax)?
+    })
+    .map_err(GraphError::Syntax)?
 }
 
 /// Materialises results so they can cross the blocking-pool boundary.

@@ -66,6 +66,27 @@ pub fn plan(query: &Query) -> Result<Plan, String> {
     }
 }
 
+/// How an update's patterns are to be evaluated (the plan of its largest, as [`plan`] gives it),
+/// and the operands of them all (for the stack its evaluation needs); or why it is refused.
+pub fn plan_update(update: &spargebra::Update) -> Result<(Plan, usize), String> {
+    let mut planned = (Plan::Optimized, 0usize);
+    for operation in &update.operations {
+        let spargebra::GraphUpdateOperation::DeleteInsert { pattern, .. } = operation else {
+            continue;
+        };
+        let query = Query::Select {
+            dataset: None,
+            pattern: (**pattern).clone(),
+            base_iri: None,
+        };
+        if plan(&query)? == Plan::AsWritten {
+            planned.0 = Plan::AsWritten;
+        }
+        planned.1 = planned.1.saturating_add(operands(&query));
+    }
+    Ok(planned)
+}
+
 /// How many operands the optimizer may have to order in `query`: every node of its algebra,
 /// those of the patterns its expressions hold (`EXISTS`, which the optimizer normalizes and the
 /// store evaluates, a basic graph pattern there as deep a join as anywhere) included, and every

@@ -101,7 +101,7 @@ DELETE { GRAPH ?g { ?a ?b ?c } } WHERE {
         "an update still busy after the time limit: {idle:.2} of a core"
     );
     let budgeted = QueryBounds {
-        timeout: Duration::from_secs(600),
+        timeout: Duration::from_secs(60),
         max_bindings: 1_000_000,
         ..bounds
     };
@@ -120,4 +120,34 @@ DELETE { GRAPH ?g { ?a ?b ?c } } WHERE {
         "INSERT DATA { GRAPH <urn:g:runaway> { <urn:s:marker> <urn:p:by> \"a small one\" } }";
     store.update_bounded(small.into(), bounds).await.unwrap();
     assert!(written(store.query(marked.into()).await.unwrap()));
+
+    // An update's time limit runs from its turn: one queued behind a runaway is done once the
+    // runaway is stopped, though it waited five times its own limit.
+    let longer = QueryBounds {
+        timeout: Duration::from_millis(1500),
+        ..bounds
+    };
+    let first = tokio::spawn({
+        let store = store.clone();
+        async move { store.update_bounded(runaway_update.into(), longer).await }
+    });
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let queued = "INSERT DATA { GRAPH <urn:g:runaway> { <urn:s:queued> <urn:p:by> \"queued\" } }";
+    let shorter = QueryBounds {
+        timeout: Duration::from_millis(300),
+        ..bounds
+    };
+    store.update_bounded(queued.into(), shorter).await.unwrap();
+    let stopped = first.await.unwrap().unwrap_err();
+    assert!(matches!(stopped, GraphError::TimedOut(_)), "{stopped}");
+    // A syntax error is one, and a pattern too large to plan is refused before it runs.
+    let broken = store
+        .update_bounded("DELETE WHERE { ?s ".into(), bounds)
+        .await
+        .unwrap_err();
+    assert!(matches!(broken, GraphError::Syntax(_)), "{broken}");
+    let patterns: String = (0..300).map(|i| format!("?s{i} ?p{i} ?o{i} . ")).collect();
+    let huge = format!("DELETE {{ ?s0 ?p0 ?o0 }} WHERE {{ {patterns} }}");
+    let refused = store.update_bounded(huge, bounds).await.unwrap_err();
+    assert!(matches!(refused, GraphError::Syntax(_)), "{refused}");
 }
