@@ -31,6 +31,26 @@ fn runaway(http: &reqwest::Client, endpoint: &str, patience: Duration) -> reqwes
         .timeout(patience)
 }
 
+/// Two journaled dialogs, and their provenance in the store (at least 200 triples): what a
+/// runaway's cross product multiplies.
+async fn fill_the_store(client: &mut agent_bus::AgentClient, aggregator: &Aggregator) {
+    for before in ["before-1", "before-2"] {
+        client
+            .send(before, &request("fill the store", false))
+            .await
+            .unwrap();
+        let answered = collect_dialog(client, before, DIALOG_TIMEOUT)
+            .await
+            .unwrap();
+        assert_eq!(answered.last().unwrap().content, "still answering");
+    }
+    // The dialog's provenance lands a moment after its answer.
+    let quads = "SELECT ?s WHERE { GRAPH ?g { ?s ?p ?o } }";
+    let triples = count_reaching(&aggregator.store(), quads.into(), 200).await;
+    println!("{triples} triples in the store");
+    assert!(triples >= 200, "{triples}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn runaway_queries_are_stopped_and_dialogs_go_on() {
     let broker = Broker::start().unwrap();
@@ -54,21 +74,7 @@ async fn runaway_queries_are_stopped_and_dialogs_go_on() {
     let llm = scripted_llm(SCRIPT).await;
     let _orchestrator = Orchestrator::spawn_journaled(&broker, &llm, &aggregator, TOKEN, &[]);
     let mut client = client(&broker).await;
-    for before in ["before-1", "before-2"] {
-        client
-            .send(before, &request("fill the store", false))
-            .await
-            .unwrap();
-        let answered = collect_dialog(&mut client, before, DIALOG_TIMEOUT)
-            .await
-            .unwrap();
-        assert_eq!(answered.last().unwrap().content, "still answering");
-    }
-    // The dialog's provenance lands a moment after its answer.
-    let quads = "SELECT ?s WHERE { GRAPH ?g { ?s ?p ?o } }";
-    let triples = count_reaching(&aggregator.store(), quads.into(), 200).await;
-    println!("{triples} triples in the store");
-    assert!(triples >= 200, "{triples}");
+    fill_the_store(&mut client, &aggregator).await;
 
     // Four anonymous runaways at once, their clients willing to wait two minutes.
     let http = reqwest::Client::new();
@@ -213,19 +219,7 @@ async fn a_runaway_update_is_stopped_writes_nothing_and_fan_in_goes_on() {
     let llm = scripted_llm(SCRIPT).await;
     let _orchestrator = Orchestrator::spawn_journaled(&broker, &llm, &aggregator, TOKEN, &[]);
     let mut client = client(&broker).await;
-    for before in ["before-1", "before-2"] {
-        client
-            .send(before, &request("fill the store", false))
-            .await
-            .unwrap();
-        let answered = collect_dialog(&mut client, before, DIALOG_TIMEOUT)
-            .await
-            .unwrap();
-        assert_eq!(answered.last().unwrap().content, "still answering");
-    }
-    let quads = "SELECT ?s WHERE { GRAPH ?g { ?s ?p ?o } }";
-    let triples = count_reaching(&aggregator.store(), quads.into(), 200).await;
-    assert!(triples >= 200, "{triples}");
+    fill_the_store(&mut client, &aggregator).await;
 
     // One transaction: a marker, then a delete of whatever a five-way cross product finds (its
     // filter, checked once all five are bound, holds for no row).
