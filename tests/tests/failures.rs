@@ -191,11 +191,12 @@ async fn services_serve_across(outage: Option<Duration>) {
     assert_eq!(answer.content, "pong", "{second:#?}");
     assert!(orchestrator.is_running() && aggregator.is_running());
     // The aggregator consumes again: the new dialog's question reaches the store.
-    assert!(
-        stored_after_a_restart(&aggregator, &session_of(&second)).await,
-        "the aggregator did not store the dialog after the restart"
-    );
+    let stored = stored_after_a_restart(&aggregator, &session_of(&second)).await;
     let log = aggregator.log();
+    assert!(
+        stored,
+        "the aggregator did not store the dialog after the restart; its log:\n{log}"
+    );
     assert!(
         log.contains("WARN"),
         "the restart is not in the aggregator's log:\n{log}"
