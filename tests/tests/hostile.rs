@@ -488,3 +488,119 @@ async fn a_burst_of_large_messages_on_a_non_persistent_topic_is_held_within_the_
     shutdown.cancel();
     consumer.await.unwrap().unwrap();
 }
+
+/// A burst of large messages that do not decode, on a non-persistent topic: each goes to the
+/// dead-letter topic, and while one is on its way the consumer goes on taking messages off the
+/// connection, holding within its intake's bound and dropping the rest. Until 2026-12-02 the loop
+/// awaited each dead letter's receipt, and meanwhile the `pulsar` crate's queue took whatever the
+/// broker sent, up to 10,000 messages as large as it takes: a flood of garbage grew the process
+/// without bound (the loop then never held more than one, so it dropped none).
+#[tokio::test]
+async fn a_burst_of_large_messages_that_do_not_decode_is_dead_lettered_within_the_intake_bound() {
+    use std::sync::Arc;
+
+    use agent_bus::{run_consumer, Bus, ConsumerStats, Disposition, Properties, Publisher};
+    use tokio_util::sync::CancellationToken;
+
+    const MESSAGES: usize = 60;
+    const MESSAGE_BYTES: usize = 512 * 1024;
+    const INTAKE_BYTES: usize = 2 * 1024 * 1024;
+
+    let broker = Broker::start_as_shipped().unwrap();
+    let topic = "non-persistent://tg/request/dead-letter-intake-test";
+    let config = agent_bus::SubscriptionConfig {
+        topic: topic.to_owned(),
+        subscription: "intake".to_owned(),
+        max_in_flight: 1,
+        max_redeliveries: None,
+        dead_letter_topic: "persistent://tg/request/dead-letter-intake-test-dlq".to_owned(),
+        drain_deadline: Duration::from_secs(2),
+        nack_delay: Duration::from_millis(100),
+        one_at_a_time: false,
+    };
+    let bus = Bus::connect(&broker.url(), None)
+        .await
+        .unwrap()
+        .with_intake_bytes(INTAKE_BYTES);
+    let stats = Arc::new(ConsumerStats::default());
+    let shutdown = CancellationToken::new();
+    let (answered_tx, mut answered) = tokio::sync::mpsc::unbounded_channel::<String>();
+    let consumer = {
+        let (stats, shutdown) = (stats.clone(), shutdown.clone());
+        tokio::spawn(async move {
+            run_consumer(
+                &bus,
+                config,
+                stats,
+                shutdown,
+                move |delivery: agent_bus::Delivery<String>| {
+                    let answered = answered_tx.clone();
+                    async move {
+                        let _ = answered.send(delivery.payload);
+                        Disposition::Ack
+                    }
+                },
+            )
+            .await
+        })
+    };
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    while !stats.consuming.load(std::sync::atomic::Ordering::SeqCst) {
+        assert!(tokio::time::Instant::now() < deadline, "never subscribed");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let publisher = Publisher::new(&Bus::connect(&broker.url(), None).await.unwrap(), topic)
+        .await
+        .unwrap();
+    // Not JSON: every one is for the dead-letter topic. Sent pipelined, as a flood would come.
+    let garbage = vec![b'{'; MESSAGE_BYTES];
+    let mut receipts = Vec::new();
+    for _ in 0..MESSAGES {
+        receipts.push(
+            publisher
+                .enqueue(garbage.clone(), &Properties::new())
+                .await
+                .unwrap(),
+        );
+    }
+    for receipt in receipts {
+        receipt.wait().await.unwrap();
+    }
+    let count = |counter: &std::sync::atomic::AtomicU64| ConsumerStats::get(counter) as usize;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    while count(&stats.received) < MESSAGES
+        || count(&stats.dead_lettered) + count(&stats.shed) < count(&stats.received)
+    {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "received {}, dead-lettered {}, dropped {} of {MESSAGES}",
+            count(&stats.received),
+            count(&stats.dead_lettered),
+            count(&stats.shed)
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let (dead_lettered, shed) = (count(&stats.dead_lettered), count(&stats.shed));
+    println!("dead-lettered {dead_lettered}, dropped {shed} of {MESSAGES}");
+    assert_eq!(dead_lettered + shed, MESSAGES);
+    assert!(dead_lettered > 0, "nothing reached the dead-letter topic");
+    assert!(
+        shed > 0,
+        "all {MESSAGES} were kept: the loop took each message only after the last dead letter's \
+         receipt, leaving the rest in the crate's queue"
+    );
+    assert_eq!(count(&stats.nacked), 0);
+
+    // The consumer goes on: a message that decodes is handled.
+    publisher
+        .send(serde_json::to_vec("after").unwrap(), &Properties::new())
+        .await
+        .unwrap();
+    let after = tokio::time::timeout(Duration::from_secs(30), answered.recv())
+        .await
+        .expect("the consumer stopped taking messages")
+        .unwrap();
+    assert_eq!(after, "after");
+    shutdown.cancel();
+    consumer.await.unwrap().unwrap();
+}

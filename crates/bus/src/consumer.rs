@@ -191,9 +191,19 @@ impl ConsumerStats {
     }
 }
 
-/// The messages whose handlers run, by task, each with its payload taken out of the message (the
-/// handler shares it).
+/// The messages whose handlers run or whose dead letters are on their way, by task, each with its
+/// payload taken out of the message (the task shares it).
 type InFlight = HashMap<Id, (Message<Vec<u8>>, Arc<[u8]>)>;
+
+/// What a task of the loop ends with. A dead letter's publishing is a task like a handler, and
+/// holds a place among `max_in_flight` as one: awaited in the loop, it would stop the loop from
+/// taking messages off the connection for as long as the broker took to answer, and a
+/// non-persistent topic's would pile up in the `pulsar` crate's queue, bounded by count only.
+enum Finished {
+    Handled(Disposition),
+    /// The dead letter was published (the message is then acked) or not (nacked, to come back).
+    DeadLettered(Result<(), BusError>),
+}
 
 /// How long a consumer's close may wait for the broker's answer.
 const CLOSE_WITHIN: Duration = Duration::from_secs(5);
@@ -237,7 +247,7 @@ where
     tracing::info!(topic = %config.topic, subscription = %config.subscription, "consuming");
 
     let handler = Arc::new(handler);
-    let mut tasks: JoinSet<Disposition> = JoinSet::new();
+    let mut tasks: JoinSet<Finished> = JoinSet::new();
     let mut in_flight = InFlight::new();
     let aside = Aside::counted(max_in_flight as u64 * ASIDE_PER_PLACE);
     // A non-persistent topic's messages are taken off the connection as they come, whether a
@@ -265,13 +275,14 @@ where
                 config.nack_delay,
                 message,
             ) {
-                let (message, reason) = *refused;
+                let (mut message, reason) = *refused;
+                let letter = std::mem::take(&mut message.payload.data);
                 dead_letter(
                     &mut consumer,
                     &dead_letters,
-                    &stats,
-                    &message,
-                    &message.payload.data,
+                    &mut tasks,
+                    &mut in_flight,
+                    (message, letter),
                     &reason,
                 )
                 .await;
@@ -282,7 +293,7 @@ where
             biased;
             _ = shutdown.cancelled() => break,
             Some(done) = tasks.join_next_with_id(), if !tasks.is_empty() => {
-                settle(&mut consumer, &dead_letters, &stats, &mut in_flight, done).await;
+                settle(&mut consumer, &dead_letters, &stats, &mut tasks, &mut in_flight, done).await;
             }
             // Only to look at the bound again.
             _ = aside.stepped(), if !free => {}
@@ -331,7 +342,7 @@ where
                 break;
             }
             Some(done) = tasks.join_next_with_id() => {
-                settle(&mut consumer, &dead_letters, &stats, &mut in_flight, done).await;
+                settle(&mut consumer, &dead_letters, &stats, &mut tasks, &mut in_flight, done).await;
             }
         }
     }
@@ -364,10 +375,10 @@ fn is_non_persistent(topic: &str) -> bool {
 /// what finds no room, and never sends it again, so the window is wide: [`NON_PERSISTENT_WINDOW`]);
 /// left in the `pulsar` crate's queue, 10,000 messages as large as the broker takes would be tens
 /// of gigabytes. Taken off the connection at once and held here, what does not fit is dropped and
-/// counted ([`ConsumerStats::shed`]), as the broker itself would drop it. The bound holds while
-/// the loop keeps up: while it waits on the broker itself (an ack, a dead letter's publishing,
-/// subscribing again) the crate takes what the broker sends meanwhile, up to the window. A
-/// message is counted as its payload, its properties and [`Intake::OVERHEAD`].
+/// counted ([`ConsumerStats::shed`]), as the broker itself would drop it. The loop does not wait
+/// on the broker while it consumes (acks go to the crate's engine unanswered, a dead letter is
+/// published by a task in a handler's place), so nothing piles up in the crate's queue behind
+/// it. A message is counted as its payload, its properties and [`Intake::OVERHEAD`].
 struct Intake {
     waiting: std::collections::VecDeque<Message<Vec<u8>>>,
     bytes: usize,
@@ -437,7 +448,7 @@ type Undecodable = Box<(Message<Vec<u8>>, String)>;
 /// the reason, for the dead-letter topic.
 fn start<T, F, Fut>(
     handler: &F,
-    tasks: &mut JoinSet<Disposition>,
+    tasks: &mut JoinSet<Finished>,
     in_flight: &mut InFlight,
     aside: &Aside,
     nack_delay: Duration,
@@ -469,7 +480,7 @@ where
         if matches!(disposition, Disposition::Nack(_)) {
             tokio::time::sleep(nack_delay).await;
         }
-        disposition
+        Finished::Handled(disposition)
     });
     in_flight.insert(handle.id(), (message, raw));
     Ok(())
@@ -593,19 +604,23 @@ async fn settle(
     consumer: &mut Consumer<Vec<u8>, TokioExecutor>,
     dead_letters: &Option<Publisher>,
     stats: &ConsumerStats,
+    tasks: &mut JoinSet<Finished>,
     in_flight: &mut InFlight,
-    done: Result<(Id, Disposition), tokio::task::JoinError>,
+    done: Result<(Id, Finished), tokio::task::JoinError>,
 ) {
-    let (id, disposition) = match done {
+    let (id, finished) = match done {
         Ok(pair) => pair,
-        // A handler that died is a transient failure: another attempt may succeed.
-        Err(e) => (e.id(), Disposition::Nack(format!("handler failed: {e}"))),
+        // A task that died is a transient failure: another attempt may succeed.
+        Err(e) => (
+            e.id(),
+            Finished::Handled(Disposition::Nack(format!("handler failed: {e}"))),
+        ),
     };
     let Some((message, payload)) = in_flight.remove(&id) else {
         return;
     };
-    match disposition {
-        Disposition::Ack => {
+    match finished {
+        Finished::Handled(Disposition::Ack) => {
             tracing::debug!(message_id = ?message.message_id.id, "ack");
             if let Err(e) = consumer.ack(&message).await {
                 tracing::warn!(error = %e, "ack failed; the message will be redelivered");
@@ -613,53 +628,65 @@ async fn settle(
                 stats.acked.fetch_add(1, Ordering::Relaxed);
             }
         }
-        Disposition::Nack(reason) => {
+        Finished::Handled(Disposition::Nack(reason)) => {
             tracing::warn!(%reason, "nack");
             stats.nacked.fetch_add(1, Ordering::Relaxed);
             if let Err(e) = consumer.nack(&message).await {
                 tracing::warn!(error = %e, "nack failed");
             }
         }
-        Disposition::DeadLetter(reason) => {
-            dead_letter(consumer, dead_letters, stats, &message, &payload, &reason).await;
+        Finished::Handled(Disposition::DeadLetter(reason)) => {
+            dead_letter(
+                consumer,
+                dead_letters,
+                tasks,
+                in_flight,
+                (message, payload.to_vec()),
+                &reason,
+            )
+            .await;
+        }
+        Finished::DeadLettered(Ok(())) => {
+            stats.dead_lettered.fetch_add(1, Ordering::Relaxed);
+            if let Err(e) = consumer.ack(&message).await {
+                tracing::warn!(error = %e, "ack after dead-lettering failed");
+            }
+        }
+        // Not acked: it comes back and we try again rather than lose it.
+        Finished::DeadLettered(Err(e)) => {
+            tracing::error!(error = %e, "dead-letter publish failed");
+            if let Err(e) = consumer.nack(&message).await {
+                tracing::warn!(error = %e, "nack failed");
+            }
         }
     }
 }
 
+/// Sends a message and its payload to the dead-letter topic with `reason`, in a task of the
+/// loop's (see [`Finished`]); a consumer with no dead-letter topic acks and drops it at once.
 async fn dead_letter(
     consumer: &mut Consumer<Vec<u8>, TokioExecutor>,
     dead_letters: &Option<Publisher>,
-    stats: &ConsumerStats,
-    message: &Message<Vec<u8>>,
-    payload: &[u8],
+    tasks: &mut JoinSet<Finished>,
+    in_flight: &mut InFlight,
+    (message, letter): (Message<Vec<u8>>, Vec<u8>),
     reason: &str,
 ) {
-    let Some(dead_letters) = dead_letters else {
+    let Some(dead_letters) = dead_letters.clone() else {
         tracing::warn!(topic = %message.topic, %reason, "dropping a message nothing can be done with");
-        if let Err(e) = consumer.ack(message).await {
+        if let Err(e) = consumer.ack(&message).await {
             tracing::warn!(error = %e, "ack failed");
         }
         return;
     };
     tracing::warn!(topic = %message.topic, %reason, "dead-lettering a message");
-    let mut properties = properties_of(message);
+    let mut properties = properties_of(&message);
     properties.insert(DEAD_LETTER_REASON.to_owned(), reason.to_owned());
     properties.insert(DEAD_LETTER_ORIGIN.to_owned(), message.topic.clone());
-    match dead_letters.send(payload.to_vec(), &properties).await {
-        Ok(()) => {
-            stats.dead_lettered.fetch_add(1, Ordering::Relaxed);
-            if let Err(e) = consumer.ack(message).await {
-                tracing::warn!(error = %e, "ack after dead-lettering failed");
-            }
-        }
-        // Not acked: it comes back and we try again rather than lose it.
-        Err(e) => {
-            tracing::error!(error = %e, "dead-letter publish failed");
-            if let Err(e) = consumer.nack(message).await {
-                tracing::warn!(error = %e, "nack failed");
-            }
-        }
-    }
+    let handle = tasks
+        .spawn(async move { Finished::DeadLettered(dead_letters.send(letter, &properties).await) });
+    // The payload travels with the task alone.
+    in_flight.insert(handle.id(), (message, Arc::from(Vec::new())));
 }
 
 fn message_id_of(message: &Message<Vec<u8>>) -> String {
