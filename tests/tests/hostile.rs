@@ -566,11 +566,14 @@ async fn a_burst_of_large_messages_that_do_not_decode_is_dead_lettered_within_th
     for receipt in receipts {
         receipt.wait().await.unwrap();
     }
+    // Every message that reached the consumer is dead-lettered or dropped. (A broker drops a
+    // non-persistent message for a connection with over 16 MiB waiting to be written to it: a
+    // slow reader may see fewer than were sent.)
     let count = |counter: &std::sync::atomic::AtomicU64| ConsumerStats::get(counter) as usize;
+    let settled = || count(&stats.dead_lettered) + count(&stats.shed) == count(&stats.received);
     let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
-    while count(&stats.received) < MESSAGES
-        || count(&stats.dead_lettered) + count(&stats.shed) < count(&stats.received)
-    {
+    let mut last = usize::MAX;
+    while count(&stats.received) != last || !settled() {
         assert!(
             tokio::time::Instant::now() < deadline,
             "received {}, dead-lettered {}, dropped {} of {MESSAGES}",
@@ -578,15 +581,24 @@ async fn a_burst_of_large_messages_that_do_not_decode_is_dead_lettered_within_th
             count(&stats.dead_lettered),
             count(&stats.shed)
         );
-        tokio::time::sleep(Duration::from_millis(20)).await;
+        last = count(&stats.received);
+        tokio::time::sleep(Duration::from_millis(500)).await;
     }
-    let (dead_lettered, shed) = (count(&stats.dead_lettered), count(&stats.shed));
-    println!("dead-lettered {dead_lettered}, dropped {shed} of {MESSAGES}");
-    assert_eq!(dead_lettered + shed, MESSAGES);
+    let (received, dead_lettered, shed) = (
+        count(&stats.received),
+        count(&stats.dead_lettered),
+        count(&stats.shed),
+    );
+    println!("received {received}, dead-lettered {dead_lettered}, dropped {shed} of {MESSAGES}");
+    // More than the bound holds reached the consumer, so some had to be dropped.
+    assert!(
+        received > INTAKE_BYTES / MESSAGE_BYTES + 1,
+        "received {received}"
+    );
     assert!(dead_lettered > 0, "nothing reached the dead-letter topic");
     assert!(
         shed > 0,
-        "all {MESSAGES} were kept: the loop took each message only after the last dead letter's \
+        "all {received} were kept: the loop took each message only after the last dead letter's \
          receipt, leaving the rest in the crate's queue"
     );
     assert_eq!(count(&stats.nacked), 0);

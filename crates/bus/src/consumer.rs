@@ -198,7 +198,9 @@ type InFlight = HashMap<Id, (Message<Vec<u8>>, Arc<[u8]>)>;
 /// What a task of the loop ends with. A dead letter's publishing is a task like a handler, and
 /// holds a place among `max_in_flight` as one: awaited in the loop, it would stop the loop from
 /// taking messages off the connection for as long as the broker took to answer, and a
-/// non-persistent topic's would pile up in the `pulsar` crate's queue, bounded by count only.
+/// non-persistent topic's would pile up in the `pulsar` crate's queue, bounded by count only. At
+/// a stop, one still on its way when the drain's deadline passes is abandoned as a handler is:
+/// its message, not acked, comes back (a persistent topic's), to be dead-lettered again.
 enum Finished {
     Handled(Disposition),
     /// The dead letter was published (the message is then acked) or not (nacked, to come back).
@@ -212,6 +214,9 @@ const CLOSE_WITHIN: Duration = Duration::from_secs(5);
 pub const DEAD_LETTER_REASON: &str = "dead-letter-reason";
 /// The property naming the topic a dead-lettered message came from.
 pub const DEAD_LETTER_ORIGIN: &str = "dead-letter-origin-topic";
+/// The property of a dead letter cut to fit the broker's limit beside the properties that say
+/// why: the payload's size as it came (only then set).
+pub const DEAD_LETTER_PAYLOAD_BYTES: &str = "dead-letter-payload-bytes";
 
 /// Consumes `config.topic` until `shutdown`, handing each decoded message to `handler`.
 ///
@@ -280,10 +285,10 @@ where
                 dead_letter(
                     &mut consumer,
                     &dead_letters,
-                    &mut tasks,
-                    &mut in_flight,
+                    (&mut tasks, &mut in_flight),
                     (message, letter),
                     &reason,
+                    config.nack_delay,
                 )
                 .await;
             }
@@ -293,7 +298,7 @@ where
             biased;
             _ = shutdown.cancelled() => break,
             Some(done) = tasks.join_next_with_id(), if !tasks.is_empty() => {
-                settle(&mut consumer, &dead_letters, &stats, &mut tasks, &mut in_flight, done).await;
+                settle(&mut consumer, &dead_letters, &stats, (&mut tasks, &mut in_flight), config.nack_delay, done).await;
             }
             // Only to look at the bound again.
             _ = aside.stepped(), if !free => {}
@@ -342,7 +347,7 @@ where
                 break;
             }
             Some(done) = tasks.join_next_with_id() => {
-                settle(&mut consumer, &dead_letters, &stats, &mut tasks, &mut in_flight, done).await;
+                settle(&mut consumer, &dead_letters, &stats, (&mut tasks, &mut in_flight), config.nack_delay, done).await;
             }
         }
     }
@@ -604,8 +609,8 @@ async fn settle(
     consumer: &mut Consumer<Vec<u8>, TokioExecutor>,
     dead_letters: &Option<Publisher>,
     stats: &ConsumerStats,
-    tasks: &mut JoinSet<Finished>,
-    in_flight: &mut InFlight,
+    (tasks, in_flight): (&mut JoinSet<Finished>, &mut InFlight),
+    nack_delay: Duration,
     done: Result<(Id, Finished), tokio::task::JoinError>,
 ) {
     let (id, finished) = match done {
@@ -639,10 +644,10 @@ async fn settle(
             dead_letter(
                 consumer,
                 dead_letters,
-                tasks,
-                in_flight,
+                (tasks, in_flight),
                 (message, payload.to_vec()),
                 &reason,
+                nack_delay,
             )
             .await;
         }
@@ -663,14 +668,15 @@ async fn settle(
 }
 
 /// Sends a message and its payload to the dead-letter topic with `reason`, in a task of the
-/// loop's (see [`Finished`]); a consumer with no dead-letter topic acks and drops it at once.
+/// loop's (see [`Finished`]); a consumer with no dead-letter topic acks and drops it at once. A
+/// publish that fails waits `nack_delay` before its message is nacked, as a handler's nack does.
 async fn dead_letter(
     consumer: &mut Consumer<Vec<u8>, TokioExecutor>,
     dead_letters: &Option<Publisher>,
-    tasks: &mut JoinSet<Finished>,
-    in_flight: &mut InFlight,
-    (message, letter): (Message<Vec<u8>>, Vec<u8>),
+    (tasks, in_flight): (&mut JoinSet<Finished>, &mut InFlight),
+    (message, mut letter): (Message<Vec<u8>>, Vec<u8>),
     reason: &str,
+    nack_delay: Duration,
 ) {
     let Some(dead_letters) = dead_letters.clone() else {
         tracing::warn!(topic = %message.topic, %reason, "dropping a message nothing can be done with");
@@ -683,10 +689,44 @@ async fn dead_letter(
     let mut properties = properties_of(&message);
     properties.insert(DEAD_LETTER_REASON.to_owned(), reason.to_owned());
     properties.insert(DEAD_LETTER_ORIGIN.to_owned(), message.topic.clone());
-    let handle = tasks
-        .spawn(async move { Finished::DeadLettered(dead_letters.send(letter, &properties).await) });
+    fit_dead_letter(
+        &mut letter,
+        &mut properties,
+        dead_letters.max_message_bytes(),
+    );
+    let handle = tasks.spawn(async move {
+        let published = dead_letters.send(letter, &properties).await;
+        if published.is_err() {
+            tokio::time::sleep(nack_delay).await;
+        }
+        Finished::DeadLettered(published)
+    });
     // The payload travels with the task alone.
     in_flight.insert(handle.id(), (message, Arc::from(Vec::new())));
+}
+
+/// Cuts a dead letter to the broker's limit `max`: a message the broker took can be too large
+/// once the properties saying why are added, and a dead letter that can never be published would
+/// bring its message back for ever. The payload is cut first (its size as it came is kept in
+/// [`DEAD_LETTER_PAYLOAD_BYTES`]); if the message's own properties still leave no room, only ours
+/// are kept.
+fn fit_dead_letter(letter: &mut Vec<u8>, properties: &mut Properties, max: usize) {
+    if Publisher::message_bytes(letter, properties) <= max {
+        return;
+    }
+    properties.insert(
+        DEAD_LETTER_PAYLOAD_BYTES.to_owned(),
+        letter.len().to_string(),
+    );
+    let ours = [
+        DEAD_LETTER_REASON,
+        DEAD_LETTER_ORIGIN,
+        DEAD_LETTER_PAYLOAD_BYTES,
+    ];
+    if Publisher::message_bytes(&[], properties) > max {
+        properties.retain(|k, _| ours.contains(&k.as_str()));
+    }
+    letter.truncate(max.saturating_sub(Publisher::message_bytes(&[], properties)));
 }
 
 fn message_id_of(message: &Message<Vec<u8>>) -> String {
@@ -757,6 +797,42 @@ mod tests {
         assert!(by_count.hold(message_of(1)).is_ok());
         assert!(by_count.hold(message_of(1)).is_ok());
         assert!(by_count.hold(message_of(1)).is_err(), "past the count");
+    }
+
+    #[test]
+    fn a_dead_letter_is_cut_to_the_brokers_limit() {
+        let why = |extra: &str| {
+            let mut properties = Properties::new();
+            properties.insert("x-origin".to_owned(), extra.to_owned());
+            properties.insert(
+                DEAD_LETTER_REASON.to_owned(),
+                "payload does not decode".to_owned(),
+            );
+            properties.insert(
+                DEAD_LETTER_ORIGIN.to_owned(),
+                "persistent://tg/request/a".to_owned(),
+            );
+            properties
+        };
+        // Within the limit: as it came.
+        let (mut letter, mut properties) = (vec![b'x'; 100], why("v"));
+        fit_dead_letter(&mut letter, &mut properties, 1000);
+        assert_eq!((letter.len(), properties.len()), (100, 3));
+
+        // The payload cut, its size kept.
+        let (mut letter, mut properties) = (vec![b'x'; 1000], why("v"));
+        fit_dead_letter(&mut letter, &mut properties, 1000);
+        assert_eq!(properties[DEAD_LETTER_PAYLOAD_BYTES], "1000");
+        assert_eq!(Publisher::message_bytes(&letter, &properties), 1000);
+        assert!(properties.contains_key("x-origin"));
+
+        // The message's own properties fill the limit: only ours are kept.
+        let (mut letter, mut properties) = (vec![b'x'; 10], why(&"v".repeat(990)));
+        fit_dead_letter(&mut letter, &mut properties, 1000);
+        assert!(!properties.contains_key("x-origin"));
+        assert_eq!(properties[DEAD_LETTER_PAYLOAD_BYTES], "10");
+        assert_eq!(letter.len(), 10);
+        assert!(Publisher::message_bytes(&letter, &properties) <= 1000);
     }
 
     #[test]
