@@ -6,8 +6,11 @@
 
 use std::time::Duration;
 
-use agent_graph::{queries, GraphStore};
+use agent_graph::{journal, GraphStore};
 use tokio_util::sync::CancellationToken;
+
+/// Entries deleted by one update: a few hundred kilobytes of quads, written in milliseconds.
+const PAGE: usize = 500;
 
 /// Prunes every half retention (at least every second, at most every five minutes) until
 /// `shutdown`. A failed prune is logged and tried at the next turn.
@@ -25,9 +28,17 @@ pub async fn prune(store: GraphStore, retention: Duration, shutdown: Cancellatio
                 .unwrap_or(chrono::DateTime::<chrono::Utc>::MIN_UTC)
                 .to_rfc3339_opts(chrono::SecondsFormat::Micros, true)
         };
-        let update = queries::journal_prune(&cut(retention), &cut(retention * 7));
-        if let Err(e) = store.update(update).await {
-            tracing::warn!(error = %e, "pruning the journal failed; trying again later");
+        let (finished_before, any_before) = (cut(retention), cut(retention * 7));
+        let pruning = journal::prune(&store, &finished_before, &any_before, PAGE);
+        // Dropped between two pages at a stop, a prune leaves whole entries.
+        let pruned = tokio::select! {
+            _ = shutdown.cancelled() => return,
+            pruned = pruning => pruned,
+        };
+        match pruned {
+            Ok(0) => {}
+            Ok(pruned) => tracing::debug!(pruned, "journal entries pruned"),
+            Err(e) => tracing::warn!(error = %e, "pruning the journal failed; trying again later"),
         }
     }
 }

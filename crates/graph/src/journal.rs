@@ -756,6 +756,58 @@ fn entry_quads(entry: &NamedNode, request: &RecordRequest, now: &str) -> Vec<Qua
     ]
 }
 
+/// Deletes the journal entries that may go (see [`crate::queries::journal_prunable`]; times are
+/// `xsd:dateTime` texts), `page` entries an update, until none is left: each update is small, so
+/// it holds the store's turn for updates (a fan-in's claim waits on it) for a moment only, keeps
+/// a transaction's memory small, and stays within an endpoint's time limit whatever the journal
+/// holds. Returns how many entries went. Dropped between pages, it leaves whole entries.
+pub async fn prune(
+    store: &GraphStore,
+    finished_before: &str,
+    any_before: &str,
+    page: usize,
+) -> Result<usize, GraphError> {
+    let page = page.max(1);
+    let mut pruned = 0;
+    let mut last: Vec<NamedNode> = Vec::new();
+    loop {
+        let found = store
+            .query(crate::queries::journal_prunable(
+                finished_before,
+                any_before,
+                page,
+            ))
+            .await?
+            .rows();
+        let entries: Vec<NamedNode> = found
+            .column("e")
+            .into_iter()
+            .filter_map(|e| match e {
+                Some(Term::NamedNode(n)) => Some(n.clone()),
+                _ => None,
+            })
+            .collect();
+        if entries.is_empty() {
+            return Ok(pruned);
+        }
+        // A store that takes the delete and keeps the entries would be asked for ever.
+        if entries == last {
+            return Err(GraphError::Evaluation(format!(
+                "the store kept {} journal entries it was asked to delete",
+                entries.len()
+            )));
+        }
+        store
+            .update(crate::queries::journal_delete(&entries))
+            .await?;
+        pruned += entries.len();
+        if entries.len() < page {
+            return Ok(pruned);
+        }
+        last = entries;
+    }
+}
+
 /// The entry of a step as `store` holds it, read without deciding anything: what a client uses
 /// to read back a message it lost.
 pub async fn read_entry(

@@ -405,23 +405,35 @@ fn journal_graph() -> NamedNode {
     NamedNode::new_unchecked(JOURNAL_GRAPH)
 }
 
-/// Deletes published journal entries recorded before `finished_before` whose dialog has concluded
-/// (its `/final` node is in the graph), and published ones recorded before `any_before` whatever
-/// became of their dialog (one that never concluded). Times are `xsd:dateTime` texts.
-pub fn journal_prune(finished_before: &str, any_before: &str) -> String {
+/// Up to `limit` published journal entries that may go: recorded before `finished_before` with
+/// their dialog concluded (its `/final` node is in the graph), or recorded before `any_before`
+/// whatever became of it. Their quads are deleted by [`journal_delete`], a page at a time.
+pub fn journal_prunable(finished_before: &str, any_before: &str, limit: usize) -> String {
     let g = journal_graph();
     let literal = |t: &str| {
         oxigraph::model::Literal::new_typed_literal(t, oxigraph::model::vocab::xsd::DATE_TIME)
     };
     let (finished_before, any_before) = (literal(finished_before), literal(any_before));
     format!(
-        "{PREFIXES}DELETE {{ GRAPH {g} {{ ?e ?p ?o }} }}
-WHERE {{
-  GRAPH {g} {{ ?e tg:published true ; tg:recordedAt ?at . ?e ?p ?o }}
+        "{PREFIXES}SELECT ?e WHERE {{
+  GRAPH {g} {{ ?e tg:published true ; tg:recordedAt ?at }}
   FILTER(?at < {finished_before})
   BIND(IRI(CONCAT(STRBEFORE(STR(?e), \"/journal/\"), \"/final\")) AS ?final)
   FILTER(?at < {any_before} || EXISTS {{ GRAPH ?h {{ ?final ?fp ?fo }} }})
-}}"
+}} LIMIT {limit}"
+    )
+}
+
+/// Deletes every quad of the journal `entries`.
+pub fn journal_delete(entries: &[NamedNode]) -> String {
+    let g = journal_graph();
+    let values: String = entries
+        .iter()
+        .map(|e| e.to_string())
+        .collect::<Vec<_>>()
+        .join(" ");
+    format!(
+        "DELETE {{ GRAPH {g} {{ ?e ?p ?o }} }} WHERE {{ VALUES ?e {{ {values} }} GRAPH {g} {{ ?e ?p ?o }} }}"
     )
 }
 
