@@ -582,7 +582,7 @@ async fn a_burst_of_large_messages_that_do_not_decode_is_dead_lettered_within_th
             count(&stats.shed)
         );
         last = count(&stats.received);
-        tokio::time::sleep(Duration::from_millis(500)).await;
+        tokio::time::sleep(Duration::from_secs(1)).await;
     }
     let (received, dead_lettered, shed) = (
         count(&stats.received),

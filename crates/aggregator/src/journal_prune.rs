@@ -9,7 +9,7 @@ use std::time::Duration;
 use agent_graph::{journal, GraphStore};
 use tokio_util::sync::CancellationToken;
 
-/// Entries deleted by one update: a few hundred kilobytes of quads, written in milliseconds.
+/// Entries deleted by one update (an entry's outcome is a few kilobytes, compressed).
 const PAGE: usize = 500;
 
 /// Prunes every half retention (at least every second, at most every five minutes) until
@@ -30,7 +30,8 @@ pub async fn prune(store: GraphStore, retention: Duration, shutdown: Cancellatio
         };
         let (finished_before, any_before) = (cut(retention), cut(retention * 7));
         let pruning = journal::prune(&store, &finished_before, &any_before, PAGE);
-        // Dropped between two pages at a stop, a prune leaves whole entries.
+        // Dropped at a stop, a prune leaves whole entries: each page's update is one transaction
+        // (one under way may still commit).
         let pruned = tokio::select! {
             _ = shutdown.cancelled() => return,
             pruned = pruning => pruned,

@@ -215,7 +215,8 @@ pub const DEAD_LETTER_REASON: &str = "dead-letter-reason";
 /// The property naming the topic a dead-lettered message came from.
 pub const DEAD_LETTER_ORIGIN: &str = "dead-letter-origin-topic";
 /// The property of a dead letter cut to fit the broker's limit beside the properties that say
-/// why: the payload's size as it came (only then set).
+/// why: the payload's size as it came. Set only on one that was cut: its payload, or (when they
+/// alone left no room) the message's own properties, which it then goes without.
 pub const DEAD_LETTER_PAYLOAD_BYTES: &str = "dead-letter-payload-bytes";
 
 /// Consumes `config.topic` until `shutdown`, handing each decoded message to `handler`.
@@ -678,6 +679,9 @@ async fn dead_letter(
     reason: &str,
     nack_delay: Duration,
 ) {
+    // A decoding error can quote the whole payload (serde's "invalid type: string ..."): kept
+    // to its start, so that it fits a log line and a dead letter's properties.
+    let reason = cut_at_char(reason, MAX_REASON_BYTES);
     let Some(dead_letters) = dead_letters.clone() else {
         tracing::warn!(topic = %message.topic, %reason, "dropping a message nothing can be done with");
         if let Err(e) = consumer.ack(&message).await {
@@ -687,7 +691,7 @@ async fn dead_letter(
     };
     tracing::warn!(topic = %message.topic, %reason, "dead-lettering a message");
     let mut properties = properties_of(&message);
-    properties.insert(DEAD_LETTER_REASON.to_owned(), reason.to_owned());
+    properties.insert(DEAD_LETTER_REASON.to_owned(), reason.into_owned());
     properties.insert(DEAD_LETTER_ORIGIN.to_owned(), message.topic.clone());
     fit_dead_letter(
         &mut letter,
@@ -703,6 +707,21 @@ async fn dead_letter(
     });
     // The payload travels with the task alone.
     in_flight.insert(handle.id(), (message, Arc::from(Vec::new())));
+}
+
+/// The most of a dead letter's reason kept (logged and sent).
+const MAX_REASON_BYTES: usize = 2048;
+
+/// `text` cut to at most `max` bytes, at a character's boundary, marked as cut.
+fn cut_at_char(text: &str, max: usize) -> std::borrow::Cow<'_, str> {
+    if text.len() <= max {
+        return text.into();
+    }
+    let mut end = max;
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{}... ({} bytes in all)", &text[..end], text.len()).into()
 }
 
 /// Cuts a dead letter to the broker's limit `max`: a message the broker took can be too large
@@ -828,11 +847,21 @@ mod tests {
 
         // The message's own properties fill the limit: only ours are kept.
         let (mut letter, mut properties) = (vec![b'x'; 10], why(&"v".repeat(990)));
+        // (The payload's size is said though it was not cut: something was.)
         fit_dead_letter(&mut letter, &mut properties, 1000);
         assert!(!properties.contains_key("x-origin"));
         assert_eq!(properties[DEAD_LETTER_PAYLOAD_BYTES], "10");
         assert_eq!(letter.len(), 10);
         assert!(Publisher::message_bytes(&letter, &properties) <= 1000);
+    }
+
+    #[test]
+    fn a_long_reason_is_cut_at_a_character() {
+        assert_eq!(cut_at_char("short", 10), "short");
+        let long = "é".repeat(10); // two bytes each
+        let cut = cut_at_char(&long, 5);
+        assert!(cut.starts_with("éé..."), "{cut}");
+        assert!(cut.ends_with("(20 bytes in all)"), "{cut}");
     }
 
     #[test]

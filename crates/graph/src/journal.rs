@@ -760,7 +760,7 @@ fn entry_quads(entry: &NamedNode, request: &RecordRequest, now: &str) -> Vec<Qua
 /// `xsd:dateTime` texts), `page` entries an update, until none is left: each update is small, so
 /// it holds the store's turn for updates (a fan-in's claim waits on it) for a moment only, keeps
 /// a transaction's memory small, and stays within an endpoint's time limit whatever the journal
-/// holds. Returns how many entries went. Dropped between pages, it leaves whole entries.
+/// holds. Returns how many entries went. Dropped, it leaves whole entries (an update is atomic).
 pub async fn prune(
     store: &GraphStore,
     finished_before: &str,

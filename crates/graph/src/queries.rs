@@ -415,9 +415,9 @@ pub fn journal_prunable(finished_before: &str, any_before: &str, limit: usize) -
     };
     let (finished_before, any_before) = (literal(finished_before), literal(any_before));
     format!(
-        "{PREFIXES}SELECT ?e WHERE {{
+        "{PREFIXES}SELECT DISTINCT ?e WHERE {{
   GRAPH {g} {{ ?e tg:published true ; tg:recordedAt ?at }}
-  FILTER(?at < {finished_before})
+  FILTER(isIRI(?e) && ?at < {finished_before})
   BIND(IRI(CONCAT(STRBEFORE(STR(?e), \"/journal/\"), \"/final\")) AS ?final)
   FILTER(?at < {any_before} || EXISTS {{ GRAPH ?h {{ ?final ?fp ?fo }} }})
 }} LIMIT {limit}"
