@@ -452,6 +452,8 @@ pub struct AgentClient {
     seen: SeenEffects,
     /// When its responses' subscription last ended (a broker restart) with no message since.
     stopped_since: Option<std::time::Instant>,
+    /// When it last subscribed again.
+    subscribed_again_at: Option<std::time::Instant>,
     listened_again: u64,
 }
 
@@ -496,6 +498,7 @@ impl AgentClient {
             responses,
             seen: SeenEffects::default(),
             stopped_since: None,
+            subscribed_again_at: None,
             listened_again: 0,
         })
     }
@@ -589,6 +592,8 @@ impl AgentClient {
     /// How long a client goes on subscribing again to responses that keep stopping before it
     /// reports it (each subscription also waits out a broker that refuses, as long as this).
     const LISTEN_AGAIN_PATIENCE: std::time::Duration = crate::error::SETTLING_PATIENCE;
+    /// How long a subscription made again must last to end a new outage rather than the last one.
+    const SUBSCRIPTION_LASTED: std::time::Duration = std::time::Duration::from_secs(10);
 
     /// Subscribes to the responses again after their subscription ended: the `pulsar` crate's
     /// consumer reconnects after some broker restarts and ends its stream after others ("not
@@ -596,6 +601,15 @@ impl AgentClient {
     /// for that: the dialog goes on. What the broker published on the non-persistent topic
     /// meanwhile is lost to this client (a journaled closing can be read back).
     async fn listen_again(&mut self, stopped: BusError) -> Result<(), BusError> {
+        // A subscription that lasted ended for a new reason (a second restart, minutes after the
+        // first, with no response meanwhile on a quiet dialog): its patience starts again. Only
+        // one that ends as soon as it is made counts against the first outage's.
+        if self
+            .subscribed_again_at
+            .is_some_and(|at| at.elapsed() > Self::SUBSCRIPTION_LASTED)
+        {
+            self.stopped_since = None;
+        }
         let since = *self
             .stopped_since
             .get_or_insert_with(std::time::Instant::now);
@@ -619,6 +633,7 @@ impl AgentClient {
             self.stopped_since = None;
             return Err(e);
         }
+        self.subscribed_again_at = Some(std::time::Instant::now());
         self.listened_again += 1;
         Ok(())
     }
@@ -695,6 +710,28 @@ mod tests {
         let bus = Bus::connect(&broker.url(), None).await.unwrap();
         let topics = crate::Topics::trustgraph("default", "default");
         let mut client = super::AgentClient::connect(&bus, &topics).await.unwrap();
+        client.responses.pump.abort();
+        let heard = publish_until_heard(&bus, &topics, &mut client).await;
+        assert_eq!(
+            (heard.id.as_str(), heard.response.content.as_str()),
+            ("after", "back")
+        );
+        assert_eq!(client.listened_again(), 1);
+    }
+
+    /// A second outage long after the first (65 s, a quiet dialog with nothing to read between
+    /// them) gets a patience of its own: the client subscribes again. Until 2026-12-02 the
+    /// patience ran from the first outage until a message came, so the client gave up at once.
+    #[tokio::test]
+    async fn a_second_outage_long_after_the_first_has_a_patience_of_its_own() {
+        let broker = EmbeddedBroker::start(0, None).unwrap();
+        let bus = Bus::connect(&broker.url(), None).await.unwrap();
+        let topics = crate::Topics::trustgraph("default", "default");
+        let mut client = super::AgentClient::connect(&bus, &topics).await.unwrap();
+        let ago = |secs| std::time::Instant::now().checked_sub(Duration::from_secs(secs));
+        // The first outage 65 s ago, subscribed again a second later, nothing heard since.
+        client.stopped_since = ago(65);
+        client.subscribed_again_at = ago(64);
         client.responses.pump.abort();
         let heard = publish_until_heard(&bus, &topics, &mut client).await;
         assert_eq!(
