@@ -975,11 +975,15 @@ fn last_answer_shown(shown: &str) -> &str {
 /// `agentctl invoke` given the aggregator's endpoint reads a closing that never reached it back
 /// from the journal after a silence. Here the orchestrator answers on a response topic the client
 /// does not read, so the client hears nothing of the dialog: it still prints the answer and exits
-/// 0, saying where the closing came from, whether the answer was streamed or not.
+/// 0, saying where the closing came from, whether the answer was streamed or not. The endpoint
+/// takes queries with a read token only, which `--graph-token` gives (without it the read-back
+/// was refused, and the client waited out its time limit).
 #[tokio::test]
 async fn invoke_reads_a_closing_it_never_heard_back_from_the_journal() {
+    const READER: &str = "a-read-token";
     let broker = Broker::start().unwrap();
-    let aggregator = Aggregator::spawn_with(&broker, &["--config-token", TOKEN]);
+    let aggregator =
+        Aggregator::spawn_with(&broker, &["--config-token", TOKEN, "--query-token", READER]);
     let llm = scripted_llm(THREE_STEPS).await;
     let _orchestrator = Orchestrator::spawn_journaled(
         &broker,
@@ -997,6 +1001,7 @@ async fn invoke_reads_a_closing_it_never_heard_back_from_the_journal() {
     for mode in [&["--no-streaming"][..], &[], &["--json"]] {
         let output = invoke_react(&broker, &aggregator, "combine (unheard)", 40)
             .args(mode)
+            .args(["--graph-token", READER])
             .env_remove("AGENT_RESPONSE_TOPIC")
             .output()
             .await
@@ -1016,6 +1021,14 @@ async fn invoke_reads_a_closing_it_never_heard_back_from_the_journal() {
         );
         assert!(stderr.contains("read back from the journal"), "{stderr}");
     }
+    // Without the token the endpoint refuses the read, and the dialog's end is never heard.
+    let output = invoke_react(&broker, &aggregator, "combine (unheard)", 15)
+        .env_remove("CONFIG_TOKEN")
+        .output()
+        .await
+        .unwrap();
+    assert!(!output.status.success());
+    assert!(String::from_utf8_lossy(&output.stderr).contains("no end of dialog within 15 s"));
 }
 
 /// The answer [`slowly_streamed`]'s model streams.

@@ -42,6 +42,10 @@ pub struct InvokeArgs {
     /// not read here.
     #[arg(long = "graph-store", env = "GRAPH_STORE")]
     pub graph_store: Option<String>,
+    /// A token the endpoint takes for queries: the services' (`CONFIG_TOKEN`) or its read token
+    /// (`AGGREGATOR_QUERY_TOKEN`). An endpoint that requires one refuses the read-back without.
+    #[arg(long = "graph-token", env = "CONFIG_TOKEN", hide_env_values = true)]
+    pub graph_token: Option<String>,
     #[command(flatten)]
     pub broker: BrokerArgs,
 }
@@ -102,9 +106,9 @@ pub async fn invoke(
     let properties = agent_bus::Properties::new();
     let timeout = Duration::from_secs(args.timeout);
     let journal = match args.graph_store.as_deref() {
-        Some(url) if agent_graph::GraphStore::is_endpoint(url) => {
-            Some(agent_graph::GraphStore::open(url, None)?)
-        }
+        Some(url) if agent_graph::GraphStore::is_endpoint(url) => Some(
+            agent_graph::GraphStore::open(url, args.graph_token.clone())?,
+        ),
         _ => None,
     };
     follow(
@@ -157,7 +161,14 @@ pub async fn follow(
                 heard_at = tokio::time::Instant::now();
                 // A streamed answer's closing read back counts its chunks like one heard: text
                 // that did not come is read from the graph below.
-                let Some(closing) = recovered(journal, &session, &id).await else {
+                // Within the dialog's time limit: a store that does not answer must not hold the
+                // client past it.
+                let Ok(found) =
+                    tokio::time::timeout_at(deadline, recovered(journal, &session, &id)).await
+                else {
+                    anyhow::bail!("no end of dialog within {} s", timeout.as_secs())
+                };
+                let Some(closing) = found else {
                     continue;
                 };
                 closing
@@ -182,6 +193,10 @@ pub async fn follow(
             // A thought or answer streamed again under another attempt: its step was cut short
             // (or a copy of it runs beside it), and what follows starts from the beginning.
             let before = streaming_attempts.insert(response.message_id.clone(), attempt.clone());
+            if before.as_ref().is_some_and(|before| *before != attempt) {
+                // A subagent's text gathered so far is the other attempt's: this one's starts over.
+                renderer.forget_gathered(&response.message_id);
+            }
             // Said once for an attempt, before the first of its messages that came before.
             if before.is_some_and(|before| before != attempt) && noticed.insert(attempt.clone()) {
                 renderer.note(
@@ -309,7 +324,12 @@ async fn show_concluded_answer(
     };
     let deadline = tokio::time::Instant::now() + CONCLUSION_PATIENCE;
     let answer = loop {
-        match agent_graph::recorded::concluded_answer(store, session).await {
+        let asked = agent_graph::recorded::concluded_answer(store, session);
+        let Ok(read) = tokio::time::timeout_at(deadline, asked).await else {
+            tracing::warn!("the graph did not answer in time for the answer");
+            break None;
+        };
+        match read {
             Ok(Some(answer)) => break Some(answer),
             Ok(None) if tokio::time::Instant::now() < deadline => {
                 tokio::time::sleep(Duration::from_millis(200)).await
@@ -492,6 +512,11 @@ impl Renderer {
         }
     }
 
+    /// Drops a subagent's text gathered for `message_id` (another attempt's, cut short).
+    pub fn forget_gathered(&mut self, message_id: &str) {
+        self.gathering.retain(|((_, id), _)| id != message_id);
+    }
+
     /// A subagent's chunk: kept until its message ends, then printed whole on its own line.
     fn gather(&mut self, r: &AgentResponse, key: (String, String), out: &mut impl Write) {
         let at = match self.gathering.iter().position(|(k, _)| *k == key) {
@@ -651,6 +676,29 @@ mod tests {
         assert_eq!(
             String::from_utf8(out).unwrap(),
             "[subagent 1] Thought: the larks sing\n[subagent 0] Thought: the owls roost\nAnswer: Eleven owls."
+        );
+    }
+
+    /// A subagent's thought cut short by a crash and streamed again from the start: the line is
+    /// the second attempt's text alone (`follow` forgets the first's when the attempt changes),
+    /// not the two glued together.
+    #[test]
+    fn a_subagent_thought_streamed_again_prints_the_second_attempt_alone() {
+        let mut renderer = Renderer::new(false, false);
+        renderer.color = false;
+        let mut out = Vec::new();
+        let owls = "urn:trustgraph:agent:abc-f1-s0/i1/thought";
+        renderer.render(&chunk("thought", owls, "I should look", false), &mut out);
+        renderer.forget_gathered(owls);
+        for r in [
+            chunk("thought", owls, "I should look ", false),
+            chunk("thought", owls, "up owls", true),
+        ] {
+            renderer.render(&r, &mut out);
+        }
+        assert_eq!(
+            String::from_utf8(out).unwrap(),
+            "[subagent 0] Thought: I should look up owls\n"
         );
     }
 

@@ -146,6 +146,7 @@ pub async fn run(args: UpArgs) -> anyhow::Result<i32> {
             explain: false,
             timeout: 300,
             graph_store: Some(endpoint.clone()),
+            graph_token: settings.config_token.clone(),
             broker: settings.broker.clone(),
         };
         println!("\nQuestion: {question}\n");
