@@ -1,5 +1,6 @@
 //! Cancelled runs as this replica knows them: heard on the control topic (every replica hears
-//! every cancel), and read from the graph at start, for cancels sent while it was down. A step
+//! every cancel), and read from the graph at start and after each time the control topic was
+//! lost, for cancels sent while this replica could not hear them. A step
 //! checks its session and every supervisor above it before it runs, and watches them while it
 //! runs, so an LLM stream or a tool call in flight is abandoned as soon as the cancel is heard.
 
@@ -163,24 +164,39 @@ pub(crate) fn bounded(text: &str) -> String {
 
 /// Hears the control topic until `shutdown` on `subscribed` (made by the caller, so that what
 /// it reads from the graph afterwards leaves no gap), recording every cancel sealed as `seals`
-/// requires. A lost
-/// subscription is made again after a pause (the durable record is the graph, read at start).
+/// requires. A lost subscription is made again after a pause; the control topic keeps nothing
+/// for a subscription that is not there, so each one this makes is followed by a read of the
+/// graph (`store`, the durable record) for cancels sent meanwhile (see [`catch_up`]).
 pub async fn listen(
     bus: Bus,
     topics: Topics,
-    mut subscribed: Option<ControlListener>,
+    (mut subscribed, store): (Option<ControlListener>, Option<GraphStore>),
     cancellations: Arc<Cancellations>,
     seals: (Option<agent_bus::seal::SealKey>, crate::settings::SealRule),
     shutdown: CancellationToken,
 ) {
     const FIRST_PAUSE: Duration = Duration::from_millis(200);
     let mut pause = FIRST_PAUSE;
+    let mut catching_up: Option<tokio::task::JoinHandle<()>> = None;
     loop {
         let mut listening_since = None;
         let heard = async {
             let mut listener = match subscribed.take() {
                 Some(listener) => listener,
-                None => ControlListener::subscribe(&bus, &topics).await?,
+                None => {
+                    let listener = ControlListener::subscribe(&bus, &topics).await?;
+                    if let Some(store) = &store {
+                        if let Some(earlier) = catching_up.take() {
+                            earlier.abort();
+                        }
+                        catching_up = Some(tokio::spawn(catch_up(
+                            store.clone(),
+                            cancellations.clone(),
+                            shutdown.clone(),
+                        )));
+                    }
+                    listener
+                }
             };
             listening_since = Some(tokio::time::Instant::now());
             loop {
@@ -219,6 +235,51 @@ pub async fn listen(
             _ = tokio::time::sleep(pause) => {}
         }
         pause = (pause * 2).min(Duration::from_secs(10));
+    }
+}
+
+/// How long after a cancel's message its record may reach the graph: the sender publishes the
+/// record to the aggregator just before the message, and the aggregator writes it a moment later.
+const RECORD_LAG: Duration = Duration::from_secs(5);
+
+/// Reads the graph's cancels into `cancellations` until a read succeeds (the store may be down
+/// while the stack restarts: steps of a cancelled run must not go on for that), backing off up
+/// to 30 s, and once more [`RECORD_LAG`] later, for a cancel whose message came before this
+/// replica subscribed and whose record came after the first read.
+pub async fn catch_up(
+    store: GraphStore,
+    cancellations: Arc<Cancellations>,
+    shutdown: CancellationToken,
+) {
+    let reading = async {
+        let mut pause = Duration::from_secs(1);
+        let mut failed = 0u32;
+        loop {
+            match load(&store, &cancellations).await {
+                Ok(loaded) => {
+                    if failed > 0 {
+                        tracing::info!(loaded, "cancelled runs read from the graph at last");
+                    }
+                    break;
+                }
+                Err(e) => {
+                    failed += 1;
+                    if failed.is_power_of_two() {
+                        tracing::warn!(error = %e, failed, "cannot read cancels from the graph; trying again");
+                    }
+                    tokio::time::sleep(pause).await;
+                    pause = (pause * 2).min(Duration::from_secs(30));
+                }
+            }
+        }
+        tokio::time::sleep(RECORD_LAG).await;
+        if let Err(e) = load(&store, &cancellations).await {
+            tracing::debug!(error = %e, "reading cancels from the graph again");
+        }
+    };
+    tokio::select! {
+        _ = shutdown.cancelled() => {}
+        _ = reading => {}
     }
 }
 
@@ -344,6 +405,37 @@ mod tests {
             .unwrap()
             .unwrap();
         assert_eq!(heard.session_id, "run");
+    }
+
+    /// A cancel whose record reaches the graph after the catch-up's first read (the aggregator
+    /// writes it a moment after its message was on the control topic) is read the second time.
+    #[tokio::test]
+    async fn a_cancel_recorded_just_after_the_catch_up_read_is_still_caught() {
+        let store = GraphStore::in_memory().unwrap();
+        let known = Arc::new(Cancellations::default());
+        let catching_up = tokio::spawn(catch_up(
+            store.clone(),
+            known.clone(),
+            CancellationToken::new(),
+        ));
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        assert!(known.of("late-run").is_none());
+        let at = chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Secs, true);
+        let uris = SessionUris::new("late-run");
+        let triples = agent_core::provenance::cancellation(&uris, "ops", &at, "wrong invoice")
+            .into_iter()
+            .map(|t| agent_schema::Triple {
+                g: Some(agent_core::vocab::PROVENANCE_GRAPH.to_owned()),
+                ..t
+            })
+            .collect();
+        let quads = agent_graph::convert::into_quads(triples).unwrap();
+        store.insert(quads).await.unwrap();
+        tokio::time::timeout(RECORD_LAG * 2, catching_up)
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(known.of("late-run").unwrap().by, "ops");
     }
 
     #[test]

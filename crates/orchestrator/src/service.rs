@@ -99,7 +99,7 @@ pub async fn run(settings: Settings, shutdown: CancellationToken) -> anyhow::Res
     let hearing = tokio::spawn(cancel::listen(
         bus.clone(),
         topics.clone(),
-        subscribed,
+        (subscribed, knowledge.clone()),
         cancellations.clone(),
         (seal_key.clone(), settings.control_seals),
         shutdown.clone(),
@@ -109,7 +109,12 @@ pub async fn run(settings: Settings, shutdown: CancellationToken) -> anyhow::Res
             Ok(0) => {}
             Ok(loaded) => tracing::info!(loaded, "cancelled runs read from the graph"),
             Err(e) => {
-                tracing::warn!(error = %e, "cannot read earlier cancels from the graph; only those heard from now on apply")
+                tracing::warn!(error = %e, "cannot read earlier cancels from the graph yet; reading again in the background");
+                tokio::spawn(cancel::catch_up(
+                    store.clone(),
+                    cancellations.clone(),
+                    shutdown.clone(),
+                ));
             }
         }
     }
