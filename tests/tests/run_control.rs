@@ -312,7 +312,12 @@ fn pay_config(name: &str, approval_timeout_secs: u64) -> std::path::PathBuf {
     let limits = format!(
         r#"{{"default": {{"max_iterations": 6, "approval_timeout_secs": {approval_timeout_secs}}}}}"#
     );
-    seed_with(name, &[("tool", PAY_TOOL), ("agent-limits", &limits)])
+    pay_config_with(name, &limits)
+}
+
+/// The `pay` tool (approval required) under the `agent-limits` config `limits`.
+fn pay_config_with(name: &str, limits: &str) -> std::path::PathBuf {
+    seed_with(name, &[("tool", PAY_TOOL), ("agent-limits", limits)])
 }
 
 const SUPERVISED_PAYMENT: &str = r#"{"rules": [
@@ -759,6 +764,24 @@ async fn a_payment_awaiting_approval_within(
     String,
     u64,
 ) {
+    let config = pay_config(config, approval_timeout_secs);
+    a_payment_awaiting_approval_under(&config, name, number, id, aggregator_flags).await
+}
+
+/// [`a_payment_awaiting_approval`] with the configuration in `config_dir`.
+async fn a_payment_awaiting_approval_under(
+    config_dir: &std::path::Path,
+    name: &str,
+    number: u32,
+    id: &str,
+    aggregator_flags: &[&str],
+) -> (
+    Stack,
+    agent_bus::AgentClient,
+    Vec<AgentResponse>,
+    String,
+    u64,
+) {
     let script = format!(
         r#"{{"rules": [
       {{"match": "did not approve calling 'pay'", "reply": "Thought: Not allowed.\nFinal Answer: I was not allowed to pay."}},
@@ -766,13 +789,7 @@ async fn a_payment_awaiting_approval_within(
       {{"match": "Question: pay the {name} invoice", "reply": "Thought: Pay it.\nAction: pay\nArgs: {{\"question\": \"pay invoice {name}-{number}\"}}"}}
     ]}}"#
     );
-    let stack = Stack::journaled(
-        TOKEN,
-        &script,
-        &pay_config(config, approval_timeout_secs),
-        aggregator_flags,
-    )
-    .await;
+    let stack = Stack::journaled(TOKEN, &script, config_dir, aggregator_flags).await;
     let mut client = client(&stack.broker).await;
     client
         .send(
@@ -787,6 +804,41 @@ async fn a_payment_awaiting_approval_within(
     let responses = until_approval_asked(&mut client, id).await;
     let (_, session, step) = approval_asked(&responses);
     (stack, client, responses, session, step)
+}
+
+/// The run's wall-time budget counts the wait for an approval, also for a client's first step:
+/// approved (within its deadline) after the budget is spent, the call is made, as it was
+/// approved, and the dialog ends on the budget at its next step. Until 2026-12-02 a client's
+/// first step resumed with the run's clock started again at the answer (its message carries no
+/// start of its own), so the next step went on and asked to pay again.
+#[tokio::test]
+async fn the_wait_for_an_approval_counts_against_the_runs_wall_time() {
+    let config = pay_config_with(
+        "wall-approval",
+        r#"{"default": {"max_iterations": 6, "max_wall_secs": 4, "approval_timeout_secs": 300}}"#,
+    );
+    let (
+        Stack {
+            broker,
+            llm,
+            aggregator: _aggregator,
+            orchestrator: _orchestrator,
+        },
+        mut client,
+        mut responses,
+        session,
+        step,
+    ) = a_payment_awaiting_approval_under(&config, "omega", 4, "a-wall", &[]).await;
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    agentctl(&broker, &["approve", &session, &step.to_string()]);
+    responses.extend(
+        collect_dialog(&mut client, "a-wall", Duration::from_secs(60))
+            .await
+            .unwrap(),
+    );
+    let last = responses.last().unwrap();
+    assert!(last.content.contains("(max_wall_secs)"), "{responses:#?}");
+    assert_eq!(payments(&llm, "pay invoice omega-4"), 1);
 }
 
 /// An approval sent after the deadline its request showed runs nothing, though no expiry came

@@ -36,6 +36,22 @@ pub struct ToolDecision {
     pub tokens: Tokens,
 }
 
+/// The longest an approval is waited for, whatever the config says.
+const LONGEST_APPROVAL_WAIT_SECS: u64 = 10 * 365 * 24 * 3600;
+
+/// When an approval asked at `now` is no longer taken: `wait_secs` later, at most ten years
+/// ("never" in a config; a date past chrono's range would panic the step).
+fn deadline_after(
+    now: chrono::DateTime<chrono::Utc>,
+    wait_secs: u64,
+) -> chrono::DateTime<chrono::Utc> {
+    let wait = Duration::from_secs(wait_secs.min(LONGEST_APPROVAL_WAIT_SECS));
+    chrono::Duration::from_std(wait)
+        .ok()
+        .and_then(|wait| now.checked_add_signed(wait))
+        .unwrap_or(now)
+}
+
 /// What resuming a parked step needs, kept in the graph while it waits: the step's message as it
 /// was delivered and the decision it reached.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -90,8 +106,7 @@ pub async fn park(turn: &Turn<'_>, n: usize, decision: ToolDecision) -> Result<(
     }
     let Turn { uris, out, .. } = turn;
     let now = chrono::Utc::now();
-    let wait = Duration::from_secs(turn.config.limits.approval_timeout_secs);
-    let deadline = now + chrono::Duration::from_std(wait).unwrap_or(chrono::Duration::MAX);
+    let deadline = deadline_after(now, turn.config.limits.approval_timeout_secs);
     let time =
         |t: chrono::DateTime<chrono::Utc>| t.to_rfc3339_opts(chrono::SecondsFormat::Millis, true);
     let (asked_at, deadline) = (time(now), time(deadline));
@@ -109,9 +124,16 @@ pub async fn park(turn: &Turn<'_>, n: usize, decision: ToolDecision) -> Result<(
             &deadline,
         ),
     )?;
+    // The run's start, for the resumed step (see `Engine::standing`): a client's first step
+    // carries none of its own. A later step's is the one its seal covers, the same.
+    let mut properties = turn.delivered.clone();
+    properties.insert(
+        agent_schema::STARTED_PROPERTY.to_owned(),
+        out.started_ms().to_string(),
+    );
     let continuation = Continuation {
         request: turn.request.clone(),
-        properties: turn.delivered.clone(),
+        properties,
         decision,
         deadline: deadline.clone(),
     };
@@ -304,4 +326,24 @@ pub fn is_answer(control: &AgentControl) -> bool {
         control_operation::APPROVE | control_operation::DENY | control_operation::EXPIRE
     ) && !control.session_id.is_empty()
         && control.step.is_some_and(|s| s > 0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_approval_waited_for_ever_has_a_deadline_in_ten_years() {
+        let now = chrono::Utc::now();
+        assert_eq!(
+            deadline_after(now, 300),
+            now + chrono::Duration::seconds(300)
+        );
+        // It panicked the step (a date past chrono's range) for a wait this long.
+        for never in [u64::MAX, 10_000_000_000_000] {
+            let deadline = deadline_after(now, never);
+            let years = (deadline - now).num_days() / 365;
+            assert_eq!(years, 10, "{deadline}");
+        }
+    }
 }

@@ -121,7 +121,7 @@ impl Engine {
         request: &mut AgentRequest,
         properties: &agent_bus::Properties,
         session_id: &str,
-        new_dialog: bool,
+        (new_dialog, answering): (bool, bool),
         verdict: &mut Result<(), String>,
         attempt: Attempt<'_>,
         limits: &agent_core::config::Limits,
@@ -142,7 +142,15 @@ impl Engine {
             input: carried(IN_TOKEN_PROPERTY),
             output: carried(OUT_TOKEN_PROPERTY),
         };
-        let mut started_ms = match carried(STARTED_PROPERTY) {
+        // An answer to a parked call resumes its step with the properties kept in the graph,
+        // where the run's start was written as it parked (a client's first step has none of its
+        // own): the wait for the answer counts against the run's wall time.
+        let started_from = if answering {
+            token(STARTED_PROPERTY)
+        } else {
+            carried(STARTED_PROPERTY)
+        };
+        let mut started_ms = match started_from {
             0 => now_ms,
             started => started.min(now_ms),
         };
@@ -418,7 +426,7 @@ impl Engine {
                 &mut request,
                 &properties,
                 &session_id,
-                new_dialog,
+                (new_dialog, answering),
                 &mut verdict,
                 attempt,
                 &config.limits,
