@@ -125,12 +125,15 @@ pub async fn park(turn: &Turn<'_>, n: usize, decision: ToolDecision) -> Result<(
         ),
     )?;
     // The run's start, for the resumed step (see `Engine::standing`): a client's first step
-    // carries none of its own. A later step's is the one its seal covers, the same.
+    // carries none of its own (nor may it bring one). A subagent's first step keeps what it was
+    // delivered with, which its seal covers and is checked against again as it resumes.
     let mut properties = turn.delivered.clone();
-    properties.insert(
-        agent_schema::STARTED_PROPERTY.to_owned(),
-        out.started_ms().to_string(),
-    );
+    if !agent_core::supervisor::is_subagent(turn.request) {
+        properties.insert(
+            agent_schema::STARTED_PROPERTY.to_owned(),
+            out.started_ms().to_string(),
+        );
+    }
     let continuation = Continuation {
         request: turn.request.clone(),
         properties,

@@ -109,14 +109,16 @@ pub async fn run(settings: Settings, shutdown: CancellationToken) -> anyhow::Res
             Ok(0) => {}
             Ok(loaded) => tracing::info!(loaded, "cancelled runs read from the graph"),
             Err(e) => {
-                tracing::warn!(error = %e, "cannot read earlier cancels from the graph yet; reading again in the background");
-                tokio::spawn(cancel::catch_up(
-                    store.clone(),
-                    cancellations.clone(),
-                    shutdown.clone(),
-                ));
+                tracing::warn!(error = %e, "cannot read earlier cancels from the graph yet; reading again in the background")
             }
         }
+        // Again until a read succeeds, and once more a moment later for a record that reached
+        // the graph after its message.
+        tokio::spawn(cancel::catch_up(
+            store.clone(),
+            cancellations.clone(),
+            shutdown.clone(),
+        ));
     }
     let documents = match settings.document_store {
         DocumentStoreKind::Graph => knowledge.clone().map(DocumentStore::Graph),
