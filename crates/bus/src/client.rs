@@ -38,7 +38,8 @@ pub struct Listener {
     ended: bool,
 }
 
-/// The most payload bytes a listener holds that its reader has not taken yet.
+/// The most bytes a listener holds that its reader has not taken yet (each message counted as
+/// its payload, properties and 512 bytes).
 pub const LISTENER_BUFFER_BYTES: usize = 256 << 20;
 
 /// Flow permits a listener grants the broker (the crate's default is 1,000): what the broker may
@@ -172,7 +173,7 @@ impl Listener {
             match self.buffered.try_recv() {
                 Ok(Ok(message)) => {
                     self.bytes.fetch_sub(
-                        message.payload.data.len(),
+                        crate::consumer::held_bytes(&message),
                         std::sync::atomic::Ordering::Relaxed,
                     );
                     discarded += 1;
@@ -206,7 +207,7 @@ impl Listener {
             }
         };
         self.bytes.fetch_sub(
-            message.payload.data.len(),
+            crate::consumer::held_bytes(&message),
             std::sync::atomic::Ordering::Relaxed,
         );
         Ok(message)
@@ -243,7 +244,8 @@ async fn pump(
             }
         };
         let _ = consumer.ack(&message).await;
-        let size = message.payload.data.len();
+        // Its properties and bookkeeping too: a flood of empty messages is not free to hold.
+        let size = crate::consumer::held_bytes(&message);
         let waiting = bytes.fetch_add(size, std::sync::atomic::Ordering::Relaxed);
         if waiting + size > limit {
             bytes.fetch_sub(size, std::sync::atomic::Ordering::Relaxed);
@@ -857,20 +859,37 @@ mod tests {
         let broker = EmbeddedBroker::start(0, None).unwrap();
         let bus = Bus::connect(&broker.url(), None).await.unwrap();
         let topic = "non-persistent://public/default/bound-test";
-        // "m0".."m9" are 2 bytes, "m10".."m99" 3, the rest 4: about 280 fit in 1,000 bytes.
-        let mut bounded = Listener::subscribe_holding(&bus, topic, "bounded", 1_000)
+        // A message counts its payload ("m0".."m1999", 2-5 bytes) and 512 bytes more: about 100
+        // fit in 52,000 bytes.
+        let mut bounded = Listener::subscribe_holding(&bus, topic, "bounded", 52_000)
             .await
             .unwrap();
         publish(&bus, topic, 0..2_000).await;
         // Published messages may still be on their way to the pump.
         tokio::time::sleep(Duration::from_millis(500)).await;
         let got = drain(&mut bounded).await;
-        assert!(got.len() < 400, "held {} messages", got.len());
+        assert!(got.len() < 110, "held {} messages", got.len());
         assert_eq!(got.first().map(String::as_str), Some("m0"));
         publish(&bus, topic, 2_000..2_010).await;
         let after = drain(&mut bounded).await;
         let sent: Vec<String> = (2_000..2_010).map(|i| format!("m{i}")).collect();
         assert_eq!(after, sent);
+    }
+
+    /// Empty messages count against the bound too (each as 512 bytes): a flood of them held
+    /// nothing back before, counted as the zero bytes of their payloads.
+    #[tokio::test]
+    async fn a_listener_counts_empty_messages_against_its_bound() {
+        let broker = EmbeddedBroker::start(0, None).unwrap();
+        let bus = Bus::connect(&broker.url(), None).await.unwrap();
+        let topic = "non-persistent://public/default/empty-bound-test";
+        let mut bounded = Listener::subscribe_holding(&bus, topic, "bounded", 10 * 512)
+            .await
+            .unwrap();
+        publish_each(&bus, topic, (0..200).map(|_| String::new())).await;
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        let got = drain(&mut bounded).await;
+        assert_eq!(got.len(), 10, "held {} empty messages", got.len());
     }
 
     #[test]

@@ -407,14 +407,7 @@ impl Intake {
     }
 
     fn size_of(message: &Message<Vec<u8>>) -> usize {
-        let properties: usize = message
-            .payload
-            .metadata
-            .properties
-            .iter()
-            .map(|kv| kv.key.len() + kv.value.len())
-            .sum();
-        message.payload.data.len() + properties + Intake::OVERHEAD
+        held_bytes(message)
     }
 
     /// Holds `message` for a handler, or gives it back when it does not fit. One message is
@@ -445,6 +438,19 @@ impl Intake {
     fn is_empty(&self) -> bool {
         self.waiting.is_empty()
     }
+}
+
+/// What a message held in memory is counted as against a bound in bytes: its payload, its
+/// properties and [`Intake::OVERHEAD`] (so an empty one still counts).
+pub(crate) fn held_bytes(message: &Message<Vec<u8>>) -> usize {
+    let properties: usize = message
+        .payload
+        .metadata
+        .properties
+        .iter()
+        .map(|kv| kv.key.len() + kv.value.len())
+        .sum();
+    message.payload.data.len() + properties + Intake::OVERHEAD
 }
 
 /// A message that does not decode, and why.
