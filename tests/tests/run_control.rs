@@ -1756,17 +1756,25 @@ async fn a_parked_first_step_keeps_its_conversation() {
     );
 }
 
-/// A cancel that races a dialog's steps, sent as each of its three LLM calls starts: whatever wins,
+/// A cancel that races a dialog's steps, sent as each of its LLM calls starts: whatever wins,
 /// the client gets exactly one ending (the answer or the cancel), and the graph one conclusion.
+/// Each call takes 40 ms, so that the cancel lands while the dialog runs: with an instant model
+/// it won none of the four (the dialog had ended before agentctl's cancel came), and the test
+/// passed with cancels doing nothing.
 #[tokio::test]
 async fn a_cancel_racing_a_dialog_gives_exactly_one_ending() {
+    let mut script: serde_json::Value = serde_json::from_str(THREE_STEPS).unwrap();
+    for rule in script["rules"].as_array_mut().unwrap() {
+        rule["delay_ms"] = 40.into();
+    }
     let Stack {
         broker,
         aggregator,
         llm,
         orchestrator: _orchestrator,
-    } = Stack::journaled(TOKEN, THREE_STEPS, &seed_dir(), &[]).await;
+    } = Stack::journaled(TOKEN, &script.to_string(), &seed_dir(), &[]).await;
     let mut client = client(&broker).await;
+    let mut cancelled_rounds = 0;
     for (race, calls) in [1usize, 2, 3, 4].into_iter().enumerate() {
         let id = format!("race-{race}");
         let session = format!("racing-dialog-{race}");
@@ -1798,6 +1806,7 @@ async fn a_cancel_racing_a_dialog_gives_exactly_one_ending() {
         let answered = ended.error.is_none() && ended.content == "alpha and beta, combined.";
         let cancelled = ended.error.as_ref().is_some_and(|e| e.kind == "cancelled");
         assert!(answered || cancelled, "race {race}: {ended:#?}");
+        cancelled_rounds += usize::from(cancelled);
         let conclusions = format!(
             "{}SELECT ?why WHERE {{ GRAPH <urn:graph:retrieval> {{
                <urn:trustgraph:agent:{session}/final> tg:terminationReason ?why }} }}",
@@ -1809,4 +1818,6 @@ async fn a_cancel_racing_a_dialog_gives_exactly_one_ending() {
             "race {race}"
         );
     }
+    println!("the cancel won {cancelled_rounds} of 4 races");
+    assert!(cancelled_rounds > 0, "no race ended by its cancel");
 }
