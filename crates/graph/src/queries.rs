@@ -175,6 +175,19 @@ pub fn run_iterations(run: &NamedNode) -> String {
     )
 }
 
+/// The text `?{document}` holds, as `?{text}`, wherever it was kept (beside its node, or in the
+/// documents graph): a branch for each graph, so that the lookup starts from the bound document.
+/// Written as `VALUES ?h {{ .. }} GRAPH ?h {{ ?d tg:content ?text }}`, the planner started from the
+/// two-row `VALUES` and read every document in the store before the join (a fan-in check, once a
+/// completion, grew with the whole graph; `tests/fan_in_queries.rs`).
+fn content_of(document: &str, text: &str) -> String {
+    format!(
+        "{{ GRAPH {g} {{ ?{document} tg:content ?{text} }} }} UNION {{ GRAPH {docs} {{ ?{document} tg:content ?{text} }} }}",
+        g = graph(),
+        docs = documents()
+    )
+}
+
 /// The completions of a fan-out: goal, status and result of each, and the subagent session it
 /// came from. Only completions of a session the fan-out started count: one that merely names the
 /// correlation id is not its subagent's.
@@ -186,12 +199,13 @@ pub fn completions(correlation_id: &str) -> String {
   ?f a tg:FanOut ; tg:correlationId {cid} ; tg:subagentSession ?s .
   ?c a tg:SubagentCompletion ; tg:correlationId {cid} ; tg:goal ?goal ;
      tg:completionStatus ?status ; tg:document ?d .
+}}
+  {content}
   FILTER (STR(?c) = CONCAT(STR(?s), \"/completion\"))
   {only_f} {only_s}
-  OPTIONAL {{ ?c tg:seal ?seal }}
-  OPTIONAL {{ ?c tg:dialogInToken ?in ; tg:dialogOutToken ?out }} }}
-  VALUES ?h {{ {g} {docs} }} GRAPH ?h {{ ?d tg:content ?result }} }}",
-        docs = documents(),
+  OPTIONAL {{ GRAPH {g} {{ ?c tg:seal ?seal }} }}
+  OPTIONAL {{ GRAPH {g} {{ ?c tg:dialogInToken ?in ; tg:dialogOutToken ?out }} }} }}",
+        content = content_of("d", "result"),
         only_f = agents_only("f"),
         only_s = agents_only("s")
     )
@@ -475,9 +489,9 @@ pub fn recorded_tool_results(run: &NamedNode) -> String {
         "{PREFIXES}SELECT ?action ?arguments ?observation ?text WHERE {{
   GRAPH {g} {{ ?it tg:run {run} ; tg:action ?action ; tg:arguments ?arguments .
     ?observation prov:wasDerivedFrom ?it ; a tg:Observation ; tg:document ?d }}
-  VALUES ?h {{ {g} {docs} }} GRAPH ?h {{ ?d tg:content ?text }}
+  {content}
 }}",
-        docs = documents()
+        content = content_of("d", "text")
     )
 }
 
