@@ -293,6 +293,29 @@ const KEY_GRACE: std::time::Duration = std::time::Duration::from_secs(3600);
 /// holder never marked the synthesis requested (it died) is taken over.
 const CLAIM_LEASE: std::time::Duration = std::time::Duration::from_secs(10);
 
+/// Writes `claimer`'s claim on `node` with `claim` (a synthesis's or a subagent's start), stamped
+/// with the time the update gets its turn: stamped before, behind a long update (a prune, an
+/// operator's `/update`), a claim was stored with its lease partly spent, and another check could
+/// take it over while its holder still published.
+async fn claim_at_turn(
+    store: &GraphStore,
+    claim: fn(&NamedNode, &str, &str, &str) -> String,
+    node: &NamedNode,
+    claimer: &str,
+) -> Result<(), agent_graph::GraphError> {
+    let (node, claimer) = (node.clone(), claimer.to_owned());
+    store
+        .update_built(move || {
+            let now = chrono::Utc::now();
+            let stale = now - chrono::Duration::from_std(CLAIM_LEASE).unwrap_or_default();
+            let stamp = |t: chrono::DateTime<chrono::Utc>| {
+                t.to_rfc3339_opts(chrono::SecondsFormat::Micros, true)
+            };
+            claim(&node, &claimer, &stamp(now), &stamp(stale))
+        })
+        .await
+}
+
 /// Checks the fan-out `correlation_id` after a completion or fan-out was written, and publishes its
 /// synthesis request when it is complete and this check wins the claim (every check claims under
 /// its own name, so two checks never both win). With `timed_out` (the sweep), the synthesis goes
@@ -478,18 +501,7 @@ pub async fn check(
             "fan-out timed out; partial synthesis"
         );
     }
-    let now = chrono::Utc::now();
-    let stale = now - chrono::Duration::from_std(CLAIM_LEASE).unwrap_or_default();
-    let stamp =
-        |t: chrono::DateTime<chrono::Utc>| t.to_rfc3339_opts(chrono::SecondsFormat::Micros, true);
-    store
-        .update(queries::claim_synthesis(
-            &node,
-            &claimer,
-            &stamp(now),
-            &stamp(stale),
-        ))
-        .await?;
+    claim_at_turn(store, queries::claim_synthesis, &node, &claimer).await?;
     let claim = rows(store, queries::synthesis_claim(&node)).await?;
     let holders: Vec<String> = claim.column("who").into_iter().map(text).collect();
     if holders != [claimer.clone()] {
@@ -617,19 +629,7 @@ async fn start_waiting(
             continue;
         };
         let claimer = format!("{:032x}", uuid::Uuid::new_v4().as_u128());
-        let now = chrono::Utc::now();
-        let stale = now - chrono::Duration::from_std(CLAIM_LEASE).unwrap_or_default();
-        let stamp = |t: chrono::DateTime<chrono::Utc>| {
-            t.to_rfc3339_opts(chrono::SecondsFormat::Micros, true)
-        };
-        store
-            .update(queries::claim_start(
-                &node,
-                &claimer,
-                &stamp(now),
-                &stamp(stale),
-            ))
-            .await?;
+        claim_at_turn(store, queries::claim_start, &node, &claimer).await?;
         let claim = rows(store, queries::start_claim(&node)).await?;
         if claim.column("started").iter().any(Option::is_some) {
             continue;
@@ -682,7 +682,8 @@ async fn start_waiting(
             .iter()
             .map(|&need| subagent_session(fanout.correlation_id, need))
             .collect();
-        let started = agent_core::provenance::dependent_start(&session, &after, &stamp(now));
+        let now = chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Micros, true);
+        let started = agent_core::provenance::dependent_start(&session, &after, &now);
         if let Ok(quads) = agent_graph::convert::into_quads(started) {
             store.insert(quads).await?;
         }

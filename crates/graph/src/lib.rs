@@ -406,12 +406,23 @@ impl GraphStore {
     /// NOT EXISTS`) running at once could both see nothing and both write. Serialised, such an
     /// update is a compare-and-set, for this process and for every client of its endpoint.
     pub async fn update(&self, sparql: String) -> Result<(), GraphError> {
+        self.update_built(move || sparql).await
+    }
+
+    /// As [`GraphStore::update`], the update's text written by `build` once it has its turn:
+    /// for an update that stamps the time (a claim and its lease), which must be the time it
+    /// is applied, not the time it began to wait behind others.
+    pub async fn update_built(
+        &self,
+        build: impl FnOnce() -> String + Send + 'static,
+    ) -> Result<(), GraphError> {
         match self.writable()? {
             Writable::Embedded(store, _) => {
                 blocking(move || {
                     let _one_at_a_time = SERIAL_UPDATES
                         .lock()
                         .unwrap_or_else(std::sync::PoisonError::into_inner);
+                    let sparql = build();
                     // Not held to `nesting`'s bound: an update comes from the services or an
                     // operator (the endpoint's `/update` needs the token), and an `INSERT DATA` of
                     // long documents holds many characters that bound would count.
@@ -429,7 +440,7 @@ impl GraphStore {
                 // process's conditional updates (a fan-in's claim) must not interleave.
                 let turn = remote_update_turn(remote.base());
                 let _one_at_a_time = turn.lock().await;
-                remote.update(&sparql).await
+                remote.update(&build()).await
             }
         }
     }
