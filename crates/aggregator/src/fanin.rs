@@ -693,6 +693,8 @@ async fn start_waiting(
                 context,
             );
         }
+        // When it was started: as it is sent, before its own first records.
+        let now = chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Micros, true);
         requests
             .enqueue(agent_schema::encode(&request), &properties)
             .await?
@@ -703,7 +705,6 @@ async fn start_waiting(
             .iter()
             .map(|&need| subagent_session(fanout.correlation_id, need))
             .collect();
-        let now = chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Micros, true);
         let started = agent_core::provenance::dependent_start(&session, &after, &now);
         if let Ok(quads) = agent_graph::convert::into_quads(started) {
             store.insert(quads).await?;
