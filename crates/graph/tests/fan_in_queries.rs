@@ -44,6 +44,14 @@ GRAPH <urn:graph:agent-documents> {{
   <urn:trustgraph:doc:sha256:answer> tg:content \"alpha costs 1\" .
   <urn:trustgraph:doc:sha256:observed> tg:content \"alpha-result\" .
 }}
+GRAPH <urn:graph:retrieval> {{
+  <urn:trustgraph:agent:run/fanout/2> a tg:FanOut ; tg:correlationId \"run-f2\" ;
+    tg:subagentSession <urn:trustgraph:agent:run-f2-s0> .
+  <urn:trustgraph:agent:run-f2-s0/completion> a tg:SubagentCompletion ;
+    tg:correlationId \"run-f2\" ; tg:goal \"short\" ; tg:completionStatus \"answer\" ;
+    tg:document <urn:trustgraph:agent:run-f2-s0/final> .
+  <urn:trustgraph:agent:run-f2-s0/final> tg:content \"beta costs 2\" .
+}}
 }}"
     ));
     store.update(data).await.unwrap();
@@ -61,6 +69,15 @@ async fn a_fan_outs_completions_are_read_without_reading_every_document() {
     assert_eq!(rows.rows.len(), 1);
     let result = rows.first("result").unwrap().to_string();
     assert!(result.contains("alpha costs 1"), "{result}");
+    // A short result kept beside its node, in the provenance graph itself.
+    let beside = store
+        .query_bounded(queries::completions("run-f2"), budget())
+        .await
+        .unwrap()
+        .rows();
+    assert_eq!(beside.rows.len(), 1);
+    let result = beside.first("result").unwrap().to_string();
+    assert!(result.contains("beta costs 2"), "{result}");
 }
 
 #[tokio::test]
