@@ -352,6 +352,21 @@ async fn bad_messages_meet_their_fates(journaled: bool) {
     );
 }
 
+/// A subscription to `topic` with one handler place, sending what does not decode to
+/// `dead_letter_topic` (none when empty), as the intake tests use it.
+fn one_handler_on(topic: &str, dead_letter_topic: &str) -> agent_bus::SubscriptionConfig {
+    agent_bus::SubscriptionConfig {
+        topic: topic.to_owned(),
+        subscription: "intake".to_owned(),
+        max_in_flight: 1,
+        max_redeliveries: None,
+        dead_letter_topic: dead_letter_topic.to_owned(),
+        drain_deadline: Duration::from_secs(2),
+        nack_delay: Duration::from_millis(100),
+        one_at_a_time: false,
+    }
+}
+
 /// A burst of large messages on a non-persistent topic (TrustGraph's request topics are) while
 /// every handler is busy: the consumer holds what waits for its handlers only up to its intake's
 /// bound in bytes, drops and counts the rest (as the broker drops what a consumer has no room
@@ -376,16 +391,7 @@ async fn a_burst_of_large_messages_on_a_non_persistent_topic_is_held_within_the_
     // most of a burst of 512 KiB messages itself, before the consumer sees them.
     let broker = Broker::start_as_shipped().unwrap();
     let topic = "non-persistent://tg/request/intake-bound-test";
-    let config = agent_bus::SubscriptionConfig {
-        topic: topic.to_owned(),
-        subscription: "intake".to_owned(),
-        max_in_flight: 1,
-        max_redeliveries: None,
-        dead_letter_topic: String::new(),
-        drain_deadline: Duration::from_secs(2),
-        nack_delay: Duration::from_millis(100),
-        one_at_a_time: false,
-    };
+    let config = one_handler_on(topic, "");
     let bus = Bus::connect(&broker.url(), None)
         .await
         .unwrap()
@@ -508,16 +514,7 @@ async fn a_burst_of_large_messages_that_do_not_decode_is_dead_lettered_within_th
 
     let broker = Broker::start_as_shipped().unwrap();
     let topic = "non-persistent://tg/request/dead-letter-intake-test";
-    let config = agent_bus::SubscriptionConfig {
-        topic: topic.to_owned(),
-        subscription: "intake".to_owned(),
-        max_in_flight: 1,
-        max_redeliveries: None,
-        dead_letter_topic: "persistent://tg/request/dead-letter-intake-test-dlq".to_owned(),
-        drain_deadline: Duration::from_secs(2),
-        nack_delay: Duration::from_millis(100),
-        one_at_a_time: false,
-    };
+    let config = one_handler_on(topic, "persistent://tg/request/dead-letter-intake-test-dlq");
     let bus = Bus::connect(&broker.url(), None)
         .await
         .unwrap()
