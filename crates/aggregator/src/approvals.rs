@@ -56,6 +56,11 @@ pub async fn sweep(
             _ = shutdown.cancelled() => return,
             _ = tokio::time::sleep(every) => {}
         }
+        if let Err(e) =
+            agent_graph::waiting::tidy(&store, agent_graph::waiting::Waits::ApprovalAnswer).await
+        {
+            tracing::warn!(error = %e, "the approvals sweep could not remove the marks of answered calls");
+        }
         let now = chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Millis, true);
         let rows = match store.query(queries::expired_approvals(&now)).await {
             Ok(QueryAnswer::Rows(rows)) => rows,

@@ -93,6 +93,11 @@ pub async fn sweep(
             _ = shutdown.cancelled() => return,
             _ = tokio::time::sleep(every) => {}
         }
+        if let Err(e) =
+            agent_graph::waiting::tidy(&store, agent_graph::waiting::Waits::Synthesis).await
+        {
+            tracing::warn!(error = %e, "timeout sweep could not remove the marks of answered fan-outs");
+        }
         let now = chrono::Utc::now();
         let (due, open) = match overdue(&store, deadlines, now).await {
             Ok(overdue) => overdue,

@@ -346,6 +346,9 @@ pub async fn run(settings: AggregatorSettings, shutdown: CancellationToken) -> a
         .fanout_nested_grace_secs
         .map_or(timeout / 4, Duration::from_secs)
         .min(timeout);
+    // A store written by an earlier build holds fan-outs and approvals that wait without the
+    // marks the sweeps start from.
+    let marking = tokio::spawn(mark_what_waits(store.clone(), shutdown.clone()));
     let sweeper = tokio::spawn(fanin::sweep(
         store.clone(),
         requests.clone(),
@@ -395,6 +398,7 @@ pub async fn run(settings: AggregatorSettings, shutdown: CancellationToken) -> a
     )
     .await;
     shutdown.cancel();
+    let _ = marking.await;
     let _ = sweeper.await;
     let _ = approvals.await;
     if let Some(pruner) = pruner {
@@ -409,6 +413,30 @@ pub async fn run(settings: AggregatorSettings, shutdown: CancellationToken) -> a
     }
     consumed?;
     Ok(())
+}
+
+/// Marks every fan-out and approval that waits without a mark ([`agent_graph::waiting`]), trying
+/// again (backing off to a minute) until it has, or until `shutdown`: the store may be down at
+/// start. It reads the whole record once, off every message's path.
+async fn mark_what_waits(store: agent_graph::GraphStore, shutdown: CancellationToken) {
+    let mut wait = Duration::from_secs(1);
+    loop {
+        match agent_graph::waiting::mark_unmarked(&store).await {
+            Ok(0) => return,
+            Ok(marked) => {
+                tracing::info!(marked, "marked the fan-outs and approvals that waited without a mark (a store written by an earlier build)");
+                return;
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, retry_in_secs = wait.as_secs(), "could not mark the fan-outs and approvals that wait; trying again")
+            }
+        }
+        tokio::select! {
+            _ = shutdown.cancelled() => return,
+            _ = tokio::time::sleep(wait) => {}
+        }
+        wait = (wait * 2).min(Duration::from_secs(60));
+    }
 }
 
 /// The base URLs that name this process's endpoint at `addr` from inside it: its address, and

@@ -131,6 +131,10 @@ impl Writer {
         };
         let count = quads.len();
         if count > 0 {
+            // Marked in the same transaction, so the sweeps can find every fan-out and approval
+            // that waits from the marks alone.
+            let mut quads = quads;
+            quads.extend(agent_graph::waiting::marks_for(&quads));
             match self.store.insert(quads).await {
                 Ok(()) => tracing::debug!(id = %metadata.id, quads = count, "written"),
                 Err(e) if e.retryable() => return Disposition::Nack(e.to_string()),
@@ -244,7 +248,8 @@ fn names_agents(
         || matches!(object, Term::NamedNode(n) if agents(n.as_str()))
 }
 
-/// Whether `quad` is one only the aggregator writes: anything in the journal's graphs, and the
+/// Whether `quad` is one only the aggregator writes: anything in the journal's graphs or in the
+/// index of what waits (a planted mark would be read at every sweep), and the
 /// marks of a fan-out's synthesis and of a waiting subagent's start (a planted claim dated ahead
 /// would hold a fan-in for good, a planted "requested" would hide it and stop its subagents).
 fn internal(quad: &oxigraph::model::Quad) -> bool {
@@ -252,7 +257,9 @@ fn internal(quad: &oxigraph::model::Quad) -> bool {
     let in_journal = match &quad.graph_name {
         oxigraph::model::GraphName::NamedNode(g) => matches!(
             g.as_str(),
-            agent_core::vocab::JOURNAL_GRAPH | agent_core::vocab::JOURNAL_OWNERS_GRAPH
+            agent_core::vocab::JOURNAL_GRAPH
+                | agent_core::vocab::JOURNAL_OWNERS_GRAPH
+                | agent_core::vocab::WAITING_GRAPH
         ),
         _ => false,
     };

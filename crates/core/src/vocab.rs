@@ -29,6 +29,12 @@ pub const JOURNAL_GRAPH: &str = "urn:graph:agent-journal";
 /// them apart (different subscriptions, or a partition between them).
 pub const JOURNAL_OWNERS_GRAPH: &str = "urn:graph:agent-journal-owners";
 
+/// What the aggregator's sweeps look at instead of every fan-out and approval ever recorded: a
+/// fan-out still waiting for its synthesis, or a call parked for approval still waiting for its
+/// answer, is named here (`<node> tg:awaits tg:Synthesis` or `tg:ApprovalAnswer`) until it is
+/// answered. Written by the aggregator alone; an index, never the record.
+pub const WAITING_GRAPH: &str = "urn:graph:agent-waiting";
+
 /// The named graph of documents: long texts that left the messages (claim-check), each under its
 /// content's digest.
 pub const DOCUMENTS_GRAPH: &str = "urn:graph:agent-documents";
@@ -96,6 +102,8 @@ pub mod tg {
         APPROVAL = "approval";
         ARGUMENTS = "arguments";
         ATTEMPT = "attempt";
+        /// What a node in [`crate::vocab::WAITING_GRAPH`] still waits for (a class).
+        AWAITS = "awaits";
         BUDGET_SPENT = "budgetSpent";
         /// The cancellation that ended a dialog (the class is [`CANCELLATION`]).
         CANCELLATION_LINK = "cancellation";

@@ -14,6 +14,7 @@ pub mod recorded;
 mod remote;
 mod takings;
 pub mod turns;
+pub mod waiting;
 
 use std::collections::HashMap;
 use std::path::Path;

@@ -450,6 +450,9 @@ mod tests {
             recorded_llm_calls(&node),
             recorded_tool_results(&node),
             owner_records(),
+            crate::waiting::answered(crate::waiting::Waits::Synthesis),
+            crate::waiting::answered(crate::waiting::Waits::ApprovalAnswer),
+            crate::waiting::unmarked(),
         ] {
             let operands = operands(&parsed(&query));
             assert_eq!(

@@ -7,7 +7,7 @@ use crate::GraphError;
 
 use agent_core::vocab::{
     session_uri, tg, NamedNodeRef, DOCUMENTS_GRAPH, JOURNAL_GRAPH, JOURNAL_OWNERS_GRAPH,
-    PROVENANCE_GRAPH, SPARQL_PREFIXES as PREFIXES,
+    PROVENANCE_GRAPH, SPARQL_PREFIXES as PREFIXES, WAITING_GRAPH,
 };
 
 /// The URI of a session's root node.
@@ -30,6 +30,11 @@ fn agents_only(var: &str) -> String {
 
 fn graph() -> NamedNode {
     NamedNode::new_unchecked(PROVENANCE_GRAPH)
+}
+
+/// Where the fan-outs and approvals that still wait are marked (see [`crate::waiting`]).
+fn waiting() -> NamedNode {
+    NamedNode::new_unchecked(WAITING_GRAPH)
 }
 
 /// Where long texts are kept (see `agent_core::documents`); short ones stay in [`graph`].
@@ -125,16 +130,19 @@ pub fn continuation_of(approval: &NamedNode) -> String {
 }
 
 /// Calls parked for approval whose deadline passed before `now` (RFC 3339) and that no answer
-/// reached yet: the approval node and its step.
+/// reached yet: the approval node and its step. Only calls marked as waiting (see
+/// [`crate::waiting`]) are looked at, so the sweep's work does not grow with every call ever parked.
 pub fn expired_approvals(now: &str) -> String {
     let g = graph();
     let now =
         oxigraph::model::Literal::new_typed_literal(now, oxigraph::model::vocab::xsd::DATE_TIME);
+    let w = waiting();
     format!(
-        "{PREFIXES}SELECT ?a ?step WHERE {{ GRAPH {g} {{
-  ?a a tg:ApprovalRequest ; tg:deadline ?deadline ; tg:step ?step .
+        "{PREFIXES}SELECT ?a ?step WHERE {{ GRAPH {w} {{ ?a tg:awaits tg:ApprovalAnswer }}
+  GRAPH {g} {{ ?a a tg:ApprovalRequest ; tg:deadline ?deadline ; tg:step ?step . }}
   FILTER (?deadline < {now})
-  FILTER NOT EXISTS {{ ?answer a tg:ApprovalAnswer ; prov:wasDerivedFrom ?a }} }} }}"
+  FILTER NOT EXISTS {{ GRAPH {g} {{ ?answer prov:wasDerivedFrom ?a
+    FILTER EXISTS {{ ?answer a tg:ApprovalAnswer }} }} }} }}"
     )
 }
 
@@ -291,16 +299,20 @@ WHERE {{ GRAPH {g} {{ {anchor}
     )
 }
 
-/// How many fan-outs are still waiting for their synthesis (`?n`).
+/// How many fan-outs are still waiting for their synthesis (`?n`), of those marked as waiting
+/// (see [`crate::waiting`]).
 pub fn open_fanouts() -> String {
     let g = graph();
+    let w = waiting();
     format!(
-        "{PREFIXES}SELECT (COUNT(DISTINCT ?f) AS ?n) WHERE {{ GRAPH {g} {{
-  ?f a tg:FanOut ; tg:expectedSiblings ?expected ; tg:continuation ?continuation ;
-     tg:clientId ?client .
+        "{PREFIXES}SELECT (COUNT(DISTINCT ?f) AS ?n) WHERE {{
+  GRAPH {w} {{ ?f tg:awaits tg:Synthesis }}
+  GRAPH {g} {{
+    ?f a tg:FanOut ; tg:expectedSiblings ?expected ; tg:continuation ?continuation ;
+       tg:clientId ?client . }}
   {only}
-  FILTER NOT EXISTS {{ ?f tg:synthesisRequested ?done }}
-  FILTER NOT EXISTS {{ ?f tg:fanInRefused ?why }} }} }}",
+  FILTER NOT EXISTS {{ GRAPH {g} {{ ?f tg:synthesisRequested ?done }} }}
+  FILTER NOT EXISTS {{ GRAPH {g} {{ ?f tg:fanInRefused ?why }} }} }}",
         only = agents_only("f")
     )
 }
@@ -310,18 +322,21 @@ pub fn open_fanouts() -> String {
 /// first: a supervisor's fan-out starts before those of its nested supervisors, and answered
 /// first it tells them (resumed in the same sweep) that no one waits for their synthesis. The
 /// timeout sweep asks for all of them (`cutoff` now), since a nested one may be due before its
-/// own timeout.
+/// own timeout. Only fan-outs marked as waiting (see [`crate::waiting`]) are looked at, so the
+/// sweep's work does not grow with every fan-out ever answered.
 pub fn overdue_fanouts(cutoff: &str) -> String {
     let g = graph();
     let cutoff =
         oxigraph::model::Literal::new_typed_literal(cutoff, oxigraph::model::vocab::xsd::DATE_TIME);
+    let w = waiting();
     format!(
-        "{PREFIXES}SELECT DISTINCT ?cid ?t WHERE {{ GRAPH {g} {{
-  ?f a tg:FanOut ; tg:correlationId ?cid ; prov:startedAtTime ?t ; tg:expectedSiblings ?expected ;
-     tg:continuation ?continuation ; tg:clientId ?client .
-  FILTER NOT EXISTS {{ ?f tg:synthesisRequested ?done }}
-  FILTER NOT EXISTS {{ ?f tg:fanInRefused ?why }}
-  FILTER (?t < {cutoff}) {only} }} }} ORDER BY ?t",
+        "{PREFIXES}SELECT DISTINCT ?cid ?t WHERE {{ GRAPH {w} {{ ?f tg:awaits tg:Synthesis }}
+  GRAPH {g} {{
+    ?f a tg:FanOut ; tg:correlationId ?cid ; prov:startedAtTime ?t ;
+       tg:expectedSiblings ?expected ; tg:continuation ?continuation ; tg:clientId ?client . }}
+  FILTER NOT EXISTS {{ GRAPH {g} {{ ?f tg:synthesisRequested ?done }} }}
+  FILTER NOT EXISTS {{ GRAPH {g} {{ ?f tg:fanInRefused ?why }} }}
+  FILTER (?t < {cutoff}) {only} }} ORDER BY ?t",
         only = agents_only("f")
     )
 }
