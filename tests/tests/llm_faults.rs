@@ -64,6 +64,59 @@ async fn a_cut_off_answer_costs_an_iteration_not_the_dialog() {
     assert_eq!(truncated, [false, true]);
 }
 
+/// A streamed answer the model ends at its length limit after part of it reached the client ends
+/// the dialog with an error: another iteration would stream a second answer after the first's
+/// start, and a client joining the answer's chunks (as TrustGraph's do) would show both glued
+/// together, an answer nobody wrote. A whole answer cut the same way costs an iteration (above).
+#[tokio::test]
+async fn a_streamed_answer_cut_at_the_length_limit_is_not_followed_by_a_second_one() {
+    let broker = Broker::start().unwrap();
+    let llm = scripted_llm(
+        r#"{"rules": [
+      {"match": "Observation: Error: your response was cut off", "reply": "Thought: shorter\nFinal Answer: Paris."},
+      {"match": "Question: capital", "reply": "Thought: ok\nFinal Answer: The capital of France, a city on the Seine, is Paris.", "chunk_size": 4, "faults": ["length"]}
+    ]}"#,
+    )
+    .await;
+    let _orchestrator = Orchestrator::spawn(&broker, &llm, &seed_dir(), &[]);
+    let mut client = client(&broker).await;
+    client
+        .send("cut-answer", &request("capital", true))
+        .await
+        .unwrap();
+    let responses = collect_dialog(&mut client, "cut-answer", Duration::from_secs(60))
+        .await
+        .unwrap();
+    let outcome = outcome(&responses);
+    assert!(
+        outcome.starts_with("error:") && outcome.contains("length limit"),
+        "{outcome}: {responses:#?}"
+    );
+    let answer = text_of(&responses, "answer");
+    assert!(
+        !answer.is_empty()
+            && "The capital of France, a city on the Seine, is Paris.".starts_with(&answer),
+        "the client holds part of the one answer, nothing after it: {answer:?}"
+    );
+    assert_eq!(
+        responses.iter().filter(|r| r.end_of_dialog).count(),
+        1,
+        "{responses:#?}"
+    );
+    let calls = llm.calls();
+    assert!(
+        !calls.iter().any(|c| c.last_user.contains("cut off")),
+        "no second attempt at the answer: {calls:#?}"
+    );
+    assert_eq!(
+        calls
+            .iter()
+            .filter(|c| c.fault.as_deref() == Some("length"))
+            .count(),
+        1
+    );
+}
+
 /// A quarter of all LLM answers suffer a fault of every kind, across streamed and whole dialogs
 /// that call a tool: each dialog ends exactly once, with the right answer or a clear error, within
 /// its budget.

@@ -15,7 +15,8 @@ use crate::emit::DialogOutput;
 /// The last thought chunk is held back so it can carry `end_of_message`. A stream that breaks off
 /// before any answer text went out becomes a cut-off completion of what arrived (the client saw a
 /// thought end early, and the next iteration says why); once answer text went out, the break is an
-/// error, since the client cannot be told to forget part of an answer.
+/// error, since the client cannot be told to forget part of an answer. So is an answer the model
+/// ended at its length limit once part of it went out.
 pub async fn react_turn(
     llm: &LlmClient,
     messages: &[ChatMessage],
@@ -66,6 +67,12 @@ pub async fn react_turn(
                 ..Completion::default()
             })
         }
+        // The model stopped at its length limit in the middle of its answer, part of which the
+        // client holds: another iteration would stream a second answer after the first's start,
+        // and a client joining the chunks would show both glued together.
+        Ok(completion) if completion.cut_off && answer_started => Err(LlmError::Truncated(
+            "the model reached its length limit in the middle of its final answer, after part of it was streamed".to_owned(),
+        )),
         other => other,
     };
     if matches!(&result, Ok(c) if !c.cut_off) {

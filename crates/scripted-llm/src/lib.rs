@@ -6,8 +6,9 @@
 //! found in the last user message (or equals it, with `"exact": true`), along with every text of its
 //! `and`, answers. The n-th request a
 //! rule answers suffers `faults[n]` when there is one: `"429"`, `"500"` (any status), `"stall"`,
-//! `"malformed"`, `"truncate"` or `"garbage"` (prose that follows no protocol); later requests get
-//! the reply. `"chaos": {"rate": 0.2, "seed": 7}` also injects a fault, drawn from `kinds`, into that
+//! `"malformed"`, `"truncate"` (a stream that breaks off; whole, a length cut), `"length"` (half
+//! the reply, then `finish_reason: "length"`, streamed or whole, as a model at its length limit
+//! ends) or `"garbage"` (prose that follows no protocol); later requests get the reply. `"chaos": {"rate": 0.2, "seed": 7}` also injects a fault, drawn from `kinds`, into that
 //! share of all answers, reproducibly for a seed.
 //!
 //! A rule with `tool_calls` answers with OpenAI-style tool calls (native tool calling), streamed
@@ -492,7 +493,7 @@ async fn chat(State(shared): State<Arc<Shared>>, Json(body): Json<Value>) -> Res
     }
     if !stream {
         // A whole answer cut short: the model hit its length limit.
-        let (reply, finish) = if fault.as_deref() == Some("truncate") {
+        let (reply, finish) = if matches!(fault.as_deref(), Some("truncate" | "length")) {
             let cut = reply
                 .char_indices()
                 .map(|(i, _)| i)
@@ -533,7 +534,8 @@ async fn chat(State(shared): State<Arc<Shared>>, Json(body): Json<Value>) -> Res
     let mut events: Vec<String> = Vec::with_capacity(chunks.len() + 3);
     let truncate = fault.as_deref() == Some("truncate");
     let malformed = fault.as_deref() == Some("malformed");
-    let keep = if truncate {
+    let length = fault.as_deref() == Some("length");
+    let keep = if truncate || length {
         chunks.len() / 2
     } else {
         chunks.len()
@@ -547,7 +549,7 @@ async fn chat(State(shared): State<Arc<Shared>>, Json(body): Json<Value>) -> Res
         events.push("data: {\"choices\": [{\"delta\": \n\n".to_owned());
     }
     // Tool calls stream as OpenAI's do: the id and name first, then the arguments in fragments.
-    if !truncate && !malformed {
+    if !truncate && !malformed && !length {
         for (i, call) in rule.tool_calls.iter().enumerate() {
             let first = json!({"id": "chatcmpl-scripted", "object": "chat.completion.chunk", "model": model,
                 "choices": [{"index": 0, "delta": {"tool_calls": [{"index": i, "id": format!("call_{i}"),
@@ -561,7 +563,9 @@ async fn chat(State(shared): State<Arc<Shared>>, Json(body): Json<Value>) -> Res
         }
     }
     if !truncate && !malformed {
-        let finish = if rule.tool_calls.is_empty() {
+        let finish = if length {
+            "length"
+        } else if rule.tool_calls.is_empty() {
             "stop"
         } else {
             "tool_calls"
