@@ -153,6 +153,11 @@ async fn native_tool_calls_run_the_tool_and_answer_from_its_result() {
         // A model asked for native calls that writes the text protocol instead, running on past
         // its action: read by the text parser, same rule.
         {"match": "Question: Add them in text", "reply": RUNS_ON_PAST_ITS_ACTION.replace("Final Answer: 111110", "Observation: 111110\nFinal Answer: 111110")},
+        // The text protocol naming the tool in another case, or naming a tool there is not:
+        // calls both (the first runs `add`, the second is refused), never the answer.
+        {"match": "Question: Add them in capitals", "reply": RUNS_ON_PAST_ITS_ACTION.replace("Action: add", "Action: Add")},
+        {"match": "Question: Add them elsewhere", "reply": "Thought: I will use the calculator.\nAction: calculator\nArgs: {\"a\": 98765, \"b\": 12345}"},
+        {"match": "there is no tool named 'calculator'", "reply": "Sorry, I have no calculator."},
         // Arguments that are not JSON cost an iteration with an error observation.
         {"match": "Question: Broken arguments", "reply": "",
          "tool_calls": [{"name": "add", "arguments": "{\"a\": 1,"}]}
@@ -221,6 +226,35 @@ async fn native_tool_calls_run_the_tool_and_answer_from_its_result() {
         values(&explained(&text), &iteration, tg::DISCARDED_TEXT),
         ["Observation: 111110\nFinal Answer: 111110"]
     );
+
+    client
+        .send("n-capitals", &react_request("Add them in capitals", false))
+        .await
+        .unwrap();
+    let capitals = collect_dialog(&mut client, "n-capitals", DIALOG_TIMEOUT)
+        .await
+        .unwrap();
+    let (_, observed) = observation(&capitals, 1);
+    assert_eq!(observed, SUM, "{capitals:#?}");
+    let iteration = format!("{}/i1", session_of(&capitals));
+    assert_eq!(
+        values(&explained(&capitals), &iteration, tg::ACTION),
+        ["add"]
+    );
+
+    client
+        .send("n-elsewhere", &react_request("Add them elsewhere", false))
+        .await
+        .unwrap();
+    let elsewhere = collect_dialog(&mut client, "n-elsewhere", DIALOG_TIMEOUT)
+        .await
+        .unwrap();
+    let (_, observed) = observation(&elsewhere, 1);
+    assert_eq!(
+        observed, "Error: there is no tool named 'calculator'; available tools: add",
+        "{elsewhere:#?}"
+    );
+    assert_eq!(outcome(&elsewhere), "Sorry, I have no calculator.");
 
     client
         .send("n-broken", &react_request("Broken arguments", false))

@@ -319,8 +319,8 @@ fn read_text(completion: &Completion, last_observation: &str) -> Result<ReactTur
 
 /// The decision in a native-tool-calling completion. The first tool call wins (others are
 /// discarded, as text after a text-protocol action is); without one, text that follows the text
-/// protocol is read by it when its action names one of `tools` (small models fall back to it),
-/// and plain text is the answer.
+/// protocol is read by it (small models fall back to it) when its action names one of `tools`
+/// (in any case) or comes with arguments, and plain text is the answer.
 fn read_native(completion: &Completion, tools: &[&str]) -> Result<ReactTurn, String> {
     if completion.cut_off {
         return Err(
@@ -350,8 +350,30 @@ fn read_native(completion: &Completion, tools: &[&str]) -> Result<ReactTurn, Str
         });
     }
     match parse(text) {
-        // Prose that happens to hold an `Action:` line naming no tool is an answer, not a call.
-        Ok(ReactTurn::Action { ref action, .. }) if !tools.contains(&action.as_str()) => {}
+        Ok(ReactTurn::Action {
+            thought,
+            action,
+            arguments,
+            discarded,
+        }) => {
+            let named = tools
+                .iter()
+                .find(|tool| tool.eq_ignore_ascii_case(action.trim()));
+            // A call written in the text protocol is a call, whatever it names: one naming a tool
+            // the request does not have is refused as an `Error:` observation, as a native call
+            // would be, never taken for the answer (a small model's misspelt call once became
+            // one). Prose that happens to hold an `Action:` line, with no `Args:` and naming no
+            // tool, is an answer.
+            let written_as_call = !arguments.is_empty() || has_args_line(text);
+            if named.is_some() || written_as_call {
+                return Ok(ReactTurn::Action {
+                    thought,
+                    action: named.map_or(action, |tool| (*tool).to_owned()),
+                    arguments,
+                    discarded,
+                });
+            }
+        }
         Ok(turn) => return Ok(turn),
         Err(ReactParseError::NoDecision) if !text.is_empty() => {}
         Err(ReactParseError::NoDecision) => {
@@ -368,6 +390,17 @@ fn read_native(completion: &Completion, tools: &[&str]) -> Result<ReactTurn, Str
     Ok(ReactTurn::Final {
         thought: String::new(),
         answer: text.to_owned(),
+    })
+}
+
+/// Whether `text` has a line that opens the text protocol's `Args:` section.
+fn has_args_line(text: &str) -> bool {
+    text.lines().any(|line| {
+        line.trim_start()
+            .trim_start_matches(['*', '#', '`'])
+            .trim_start()
+            .get(..5)
+            .is_some_and(|head| head.eq_ignore_ascii_case("args:"))
     })
 }
 
