@@ -358,3 +358,65 @@ async fn a_session_left_unused_is_ended_with_its_stdio_server() {
         "the server in use was stopped"
     );
 }
+
+/// A stdio server is started with what a program needs to run (`PATH`, `HOME`...), its config's
+/// `env` and what `MCP_STDIO_PASS_ENV` names: never the rest of the orchestrator's environment,
+/// which holds its secrets (the everything server's `get-env` tool shows what it was given).
+#[tokio::test]
+async fn a_stdio_server_is_not_given_the_orchestrators_secrets() {
+    let mcp = serde_json::json!({
+        "env-stdio": {"remote-name": "get-env", "command": "node",
+                      "args": [everything_server().to_str().unwrap(), "stdio"],
+                      "env": {"FROM_CONFIG": "configured"}}
+    });
+    let tools = serde_json::json!({
+        "show-env": {"name": "show_env", "description": "Show the server's environment",
+                     "type": "mcp-tool", "mcp-tool": "env-stdio"}
+    });
+    let config = seed_with(
+        "mcp-env",
+        &[("mcp", &mcp.to_string()), ("tool", &tools.to_string())],
+    );
+    let script = serde_json::json!({"rules": [
+        {"match": "Observation:", "reply": "Thought: seen\nFinal Answer: seen"},
+        {"match": "Question: show the environment", "reply": "Thought: look\nAction: show_env\nArgs: {}"}
+    ]});
+    let broker = Broker::start().unwrap();
+    let llm = scripted_llm(&script.to_string()).await;
+    let _orchestrator = Orchestrator::start(
+        Place::Child,
+        &broker.url(),
+        &llm.base_url(),
+        "scripted",
+        &config,
+        &[],
+        &[
+            ("OPENAI_API_KEY", "sk-secret-of-the-orchestrator"),
+            ("MCP_STDIO_PASS_ENV", "WANTED_BY_THE_SERVER"),
+            ("WANTED_BY_THE_SERVER", "passed"),
+        ],
+    );
+    let mut client = client(&broker).await;
+    client
+        .send("m-env", &request("show the environment", false))
+        .await
+        .unwrap();
+    let responses = collect_dialog(&mut client, "m-env", DIALOG_TIMEOUT)
+        .await
+        .unwrap();
+    let (_, environment) = observation(&responses, 1);
+    for wanted in [
+        "\"FROM_CONFIG\"",
+        "configured",
+        "\"WANTED_BY_THE_SERVER\"",
+        "passed",
+        "\"PATH\"",
+    ] {
+        assert!(environment.contains(wanted), "{wanted}: {environment}");
+    }
+    assert!(
+        !environment.contains("sk-secret-of-the-orchestrator")
+            && !environment.contains("OPENAI_API_KEY"),
+        "{environment}"
+    );
+}

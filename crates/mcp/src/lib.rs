@@ -126,28 +126,31 @@ impl McpPool {
     /// tool's input schema) and returns its content as text. A result the server marks as an error
     /// is an `Err` with its text.
     ///
-    /// A call on a reused session that fails in the transport (the server restarted or died since)
-    /// is tried once more on a new session: the request did not reach a live session, so the tool
-    /// did not run. A failure on a fresh session is reported, and the session dropped, so the next
-    /// call connects again.
+    /// A reused session is first asked whether it still answers (an MCP `ping`, which does
+    /// nothing): one that does not (the server restarted, died, or hangs) is dropped and a new one
+    /// opened, before anything is sent. The call itself is never sent twice: a transport failure
+    /// after it was sent cannot tell whether the tool ran (a server that crashed after acting, a
+    /// proxy's 502 after the server answered), and a tool with side effects must not run again
+    /// for it. The failure is reported (the LLM sees it and decides) and the session dropped, so
+    /// the next call connects again.
     pub async fn call(
         &self,
         endpoint: &Endpoint,
         name: &str,
         arguments: &BTreeMap<String, String>,
     ) -> Result<String, String> {
-        let (session, reused) = self.session(endpoint).await?;
-        let first = call_on(&session, endpoint, name, arguments).await;
-        match self.settle(endpoint, &session, first).await {
-            Err(CallError::Transport(e)) if reused => {
+        let (mut session, reused) = self.session(endpoint).await?;
+        if reused {
+            if let Err(e) = ping(&session, endpoint).await {
                 tracing::info!(server = %endpoint.describe(), error = %e, "MCP session lost; connecting again");
-                let (session, _) = self.session(endpoint).await?;
-                let again = call_on(&session, endpoint, name, arguments).await;
-                self.settle(endpoint, &session, again).await
+                self.forget(endpoint, &session).await;
+                session = self.session(endpoint).await?.0;
             }
-            other => other,
         }
-        .map_err(|e| e.to_string())
+        let result = call_on(&session, endpoint, name, arguments).await;
+        self.settle(endpoint, &session, result)
+            .await
+            .map_err(|e| e.to_string())
     }
 
     /// The arguments of the tool `name` as the server describes them, for the prompt.
@@ -223,7 +226,16 @@ impl McpPool {
                 return Ok((session.clone(), true));
             }
         }
-        let session = Arc::new(connect(endpoint).await?);
+        let session = match tokio::time::timeout(CONNECT_TIMEOUT, connect(endpoint)).await {
+            Ok(connected) => Arc::new(connected?),
+            Err(_) => {
+                return Err(format!(
+                    "the MCP server {} did not open a session within {} s",
+                    endpoint.describe(),
+                    CONNECT_TIMEOUT.as_secs()
+                ))
+            }
+        };
         *open = Some(session.clone());
         Ok((session, false))
     }
@@ -293,7 +305,12 @@ async fn connect(endpoint: &Endpoint) -> Result<Session, String> {
         }
         Endpoint::Stdio { command, args, env } => {
             let mut child = tokio::process::Command::new(command);
-            child.args(args).envs(env).kill_on_drop(true);
+            child
+                .env_clear()
+                .envs(passed_environment())
+                .args(args)
+                .envs(env)
+                .kill_on_drop(true);
             let (transport, stderr) = TokioChildProcess::builder(child)
                 .stderr(std::process::Stdio::piped())
                 .spawn()
@@ -311,6 +328,56 @@ async fn connect(endpoint: &Endpoint) -> Result<Session, String> {
         tools: tokio::sync::OnceCell::new(),
         _service: service,
     })
+}
+
+/// The variables of this process's environment a stdio server is started with (besides those its
+/// config sets): what a program needs to run and find its files, and those named in
+/// `MCP_STDIO_PASS_ENV` (comma-separated). Not the rest: the orchestrator's environment holds its
+/// secrets (the LLM's key, the broker's and the services' tokens), and a server is often a
+/// third party's package fetched at start.
+fn passed_environment() -> Vec<(String, String)> {
+    const BASICS: &[&str] = &[
+        "PATH",
+        "HOME",
+        "USER",
+        "LOGNAME",
+        "SHELL",
+        "LANG",
+        "LC_ALL",
+        "LC_CTYPE",
+        "TERM",
+        "TMPDIR",
+        "TZ",
+        "SYSTEMROOT",
+        "NODE_EXTRA_CA_CERTS",
+        "SSL_CERT_FILE",
+        "SSL_CERT_DIR",
+        "HTTP_PROXY",
+        "HTTPS_PROXY",
+        "NO_PROXY",
+        "http_proxy",
+        "https_proxy",
+        "no_proxy",
+    ];
+    let extra = std::env::var("MCP_STDIO_PASS_ENV").unwrap_or_default();
+    let wanted: Vec<&str> = BASICS
+        .iter()
+        .copied()
+        .chain(
+            extra
+                .split(',')
+                .map(str::trim)
+                .filter(|name| !name.is_empty()),
+        )
+        .collect();
+    wanted
+        .into_iter()
+        .filter_map(|name| {
+            std::env::var(name)
+                .ok()
+                .map(|value| (name.to_owned(), value))
+        })
+        .collect()
 }
 
 /// Why an HTTP server refused a session, when it said so with a status (a wrong token is a 401):
@@ -374,6 +441,31 @@ async fn remote_tool(
                 names.join(", ")
             ))
         })
+}
+
+/// How long a reused session has to answer a `ping` before it is taken for lost.
+const PING_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// How long opening a session (starting a child process or reaching a server, and the
+/// `initialize` round trip) may take: a server that accepts and never answers must not hold every
+/// step that lists or calls its tools.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(15);
+
+/// Whether `session` still answers: an MCP `ping`, within [`PING_TIMEOUT`].
+async fn ping(session: &Session, endpoint: &Endpoint) -> Result<(), CallError> {
+    let request = rmcp::model::ClientRequest::PingRequest(rmcp::model::PingRequest {
+        method: Default::default(),
+        extensions: Default::default(),
+    });
+    match tokio::time::timeout(PING_TIMEOUT, session.peer.send_request(request)).await {
+        Ok(Ok(_)) => Ok(()),
+        Ok(Err(e)) => Err(service_error(endpoint, "answer a ping", e)),
+        Err(_) => Err(CallError::Transport(format!(
+            "the MCP server {} did not answer a ping within {} s",
+            endpoint.describe(),
+            PING_TIMEOUT.as_secs()
+        ))),
+    }
 }
 
 async fn call_on(
