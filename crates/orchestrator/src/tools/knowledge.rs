@@ -124,12 +124,22 @@ pub fn keywords(question: &str) -> Vec<String> {
 
 /// Answers `question` from collection `collection`: the entities whose literals match most of its
 /// words, each with its labelled neighbourhood, as text built up to about `max_bytes`.
+///
+/// Both queries are stopped at `time_limit` (the tool's timeout) and within the store's budget of
+/// work: the match reads every literal of the collection, and a query the step has stopped
+/// waiting for must not keep a core busy.
 pub async fn knowledge_query(
     store: &GraphStore,
     collection: &str,
     question: &str,
     max_bytes: usize,
+    time_limit: std::time::Duration,
 ) -> Result<String, String> {
+    let bounds = agent_graph::QueryBounds {
+        timeout: time_limit,
+        max_rows: MAX_QUERY_ROWS,
+        max_bindings: agent_graph::QueryBounds::DEFAULT_MAX_BINDINGS,
+    };
     let graph = collection_graph(collection)?;
     let words = keywords(question);
     if words.is_empty() {
@@ -144,7 +154,11 @@ pub async fn knowledge_query(
            FILTER(CONTAINS(LCASE(STR(?o)), ?k))
          }} GROUP BY ?s ORDER BY DESC(?score) STR(?s) LIMIT {MAX_ENTITIES}"
     );
-    let rows = store.query(matching).await.map_err(failed)?.rows();
+    let rows = store
+        .query_bounded(matching, bounds)
+        .await
+        .map_err(failed)?
+        .rows();
     let entities: Vec<String> = rows
         .column("s")
         .into_iter()
@@ -168,7 +182,11 @@ pub async fn knowledge_query(
            OPTIONAL {{ ?o <http://www.w3.org/2000/01/rdf-schema#label> ?ol }}
          }} }} LIMIT {MAX_TRIPLES}"
     );
-    let rows = store.query(around).await.map_err(failed)?.rows();
+    let rows = store
+        .query_bounded(around, bounds)
+        .await
+        .map_err(failed)?
+        .rows();
     let column = |name: &str| rows.column(name);
     let (s, p, o, sl, ol) = (
         column("s"),
@@ -181,7 +199,12 @@ pub async fn knowledge_query(
     // that is a matched entity.
     let mut facts: BTreeMap<&str, BTreeSet<String>> = BTreeMap::new();
     for i in 0..s.len() {
-        let (Some(subject), Some(predicate), Some(object)) = (s[i], p[i], o[i]) else {
+        // A remote endpoint may leave a variable out of its answer: its column is then empty.
+        let (Some(subject), Some(predicate), Some(object)) = (
+            s.get(i).copied().flatten(),
+            p.get(i).copied().flatten(),
+            o.get(i).copied().flatten(),
+        ) else {
             continue;
         };
         let subject_text = label_or_name(subject, sl.get(i).copied().flatten());
@@ -346,9 +369,15 @@ mod tests {
             )
             .await
             .unwrap();
-        let text = knowledge_query(&store, "acme", "Who founded Zorblax?", 4096)
-            .await
-            .unwrap();
+        let text = knowledge_query(
+            &store,
+            "acme",
+            "Who founded Zorblax?",
+            4096,
+            Duration::from_secs(30),
+        )
+        .await
+        .unwrap();
         assert!(
             text.contains("Zorblax Company foundedBy Quentin Varga"),
             "{text}"
@@ -358,9 +387,15 @@ mod tests {
             !text.contains("Unrelated") && !text.contains("elsewhere"),
             "{text}"
         );
-        let small = knowledge_query(&store, "acme", "Who founded Zorblax?", 20)
-            .await
-            .unwrap();
+        let small = knowledge_query(
+            &store,
+            "acme",
+            "Who founded Zorblax?",
+            20,
+            Duration::from_secs(30),
+        )
+        .await
+        .unwrap();
         assert!(small.ends_with("[more facts not shown]"), "{small}");
 
         let rows = sparql_query(

@@ -285,7 +285,10 @@ async fn call(
         "knowledge-query" => {
             let (store, name) = collection(context, tool)?;
             let question = argument(tool, arguments, "question")?;
-            let text = knowledge::knowledge_query(store, name, question, context.max_bytes).await?;
+            let time_limit = Duration::from_secs(context.config.limits.tool_timeout_secs);
+            let text =
+                knowledge::knowledge_query(store, name, question, context.max_bytes, time_limit)
+                    .await?;
             return Ok((text, 0, 0));
         }
         "sparql-query" => {
