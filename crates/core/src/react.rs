@@ -40,6 +40,8 @@ pub enum ReactParseError {
     ArgsWithoutAction,
     #[error("the response wrote an 'Observation:' before deciding; observations come only from tools, after an 'Action:'")]
     InventedObservation,
+    #[error("the 'Final Answer:' is empty")]
+    EmptyAnswer,
 }
 
 /// A piece of text to stream to the client as soon as it is certain.
@@ -224,6 +226,8 @@ pub fn parse(text: &str) -> Result<ReactTurn, ReactParseError> {
     };
     let body = |i: usize| &text[segments[i].content.clone()];
     match section {
+        // An empty answer would end the dialog with nothing said: it costs an iteration instead.
+        Section::Answer if body(at).trim().is_empty() => Err(ReactParseError::EmptyAnswer),
         Section::Answer => Ok(ReactTurn::Final {
             thought,
             answer: body(at).trim().to_owned(),
@@ -737,5 +741,20 @@ mod tests {
             vec![ReactDelta::Thought("thinking hard".into())]
         );
         assert_eq!(s.push(" still"), vec![ReactDelta::Thought(" still".into())]);
+    }
+
+    #[test]
+    fn an_empty_final_answer_is_no_answer() {
+        for text in [
+            "Thought: done\nFinal Answer:",
+            "Thought: done\nFinal Answer:   \n\n",
+            "**Final Answer:** ",
+        ] {
+            assert_eq!(parse(text), Err(ReactParseError::EmptyAnswer), "{text:?}");
+        }
+        assert!(matches!(
+            parse("Final Answer: 0"),
+            Ok(ReactTurn::Final { answer, .. }) if answer == "0"
+        ));
     }
 }
