@@ -51,16 +51,29 @@ impl Status {
         }
     }
 
+    /// A status as evaluators write it: in any case, with spaces or hyphens for underscores, and
+    /// in the plain words models use instead of the names asked for ("failed", "rejected",
+    /// "passed"). A verdict that cannot be read lets the step stand, so a failure written in
+    /// other words must not read as nothing.
     fn parse(text: &str) -> Option<Status> {
-        let t = text
+        let t: String = text
             .trim()
             .trim_matches(|c: char| !c.is_ascii_alphabetic())
-            .to_ascii_uppercase();
+            .chars()
+            .map(|c| match c {
+                ' ' | '-' => '_',
+                c => c.to_ascii_uppercase(),
+            })
+            .collect();
         Some(match t.as_str() {
-            "SUCCESS" => Status::Success,
-            "EXECUTION_ERROR" => Status::ExecutionError,
-            "INPUT_DATA_ERROR" => Status::InputDataError,
-            "JOB_TOO_COMPLICATED_ERROR" | "JOB_TOO_COMPLICATED" => Status::JobTooComplicated,
+            "SUCCESS" | "SUCCEEDED" | "SUCCESSFUL" | "PASS" | "PASSED" | "OK" | "ACCEPTED"
+            | "APPROVED" | "CORRECT" => Status::Success,
+            "EXECUTION_ERROR" | "ERROR" | "FAIL" | "FAILED" | "FAILURE" | "REJECTED" | "REJECT"
+            | "INCORRECT" | "WRONG" => Status::ExecutionError,
+            "INPUT_DATA_ERROR" | "INPUT_ERROR" | "DATA_ERROR" => Status::InputDataError,
+            "JOB_TOO_COMPLICATED_ERROR" | "JOB_TOO_COMPLICATED" | "TOO_COMPLICATED" => {
+                Status::JobTooComplicated
+            }
             _ => return None,
         })
     }
@@ -91,12 +104,11 @@ pub fn parse(text: &str) -> Evaluation {
         sub_steps: Vec::new(),
         unreadable: Some(why.to_owned()),
     };
-    let Some(start) = text.find('{') else {
+    if !text.contains('{') {
         return unreadable("the evaluation holds no JSON object");
-    };
-    let Some(Ok(serde_json::Value::Object(o))) = crate::react::first_json_value(&text[start..])
-    else {
-        return unreadable("the evaluation is not a JSON object");
+    }
+    let Some(o) = crate::react::first_object_with(text, &["status"]) else {
+        return unreadable("the evaluation holds no JSON object with a status");
     };
     let text_of = |k: &str| {
         o.get(k)
@@ -713,6 +725,31 @@ mod tests {
         assert_eq!(v.status, Status::Success);
         assert!(v.unreadable.is_some());
         assert!(verdict(r#"{"status": "MAYBE"}"#).unreadable.is_some());
+    }
+
+    #[test]
+    fn a_failure_in_other_words_or_after_braces_in_prose_is_still_a_failure() {
+        for (text, status) in [
+            (r#"{"status": "execution error"}"#, Status::ExecutionError),
+            (r#"{"status": "FAILED"}"#, Status::ExecutionError),
+            (r#"{"status": "Rejected"}"#, Status::ExecutionError),
+            (r#"{"status": "input-data-error"}"#, Status::InputDataError),
+            (r#"{"status": "passed"}"#, Status::Success),
+            (
+                r#"Step {0} is wrong. {"status": "EXECUTION_ERROR", "evaluation": "bad"}"#,
+                Status::ExecutionError,
+            ),
+            (
+                r#"{"note": "first"} then {"status": "INPUT_DATA_ERROR"}"#,
+                Status::InputDataError,
+            ),
+        ] {
+            let v = verdict(text);
+            assert_eq!(v.status, status, "{text}");
+            assert!(v.unreadable.is_none(), "{text}");
+        }
+        let v = verdict(r#"{"note": "no status here"}"#);
+        assert!(v.unreadable.is_some());
     }
 
     #[test]

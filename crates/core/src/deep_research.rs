@@ -53,12 +53,12 @@ pub fn parse_round(text: &str, max_calls: usize) -> Round {
         dropped: 0,
         unreadable: Some(why.to_owned()),
     };
-    let Some(start) = text.find('{') else {
+    if !text.contains('{') {
         return unreadable("the reply holds no JSON object");
-    };
-    let Some(Ok(serde_json::Value::Object(o))) = crate::react::first_json_value(&text[start..])
+    }
+    let Some(o) = crate::react::first_object_with(text, &["calls", "complete", "gaps", "thought"])
     else {
-        return unreadable("the reply is not a JSON object");
+        return unreadable("the reply holds no JSON object of a round");
     };
     let gaps: Vec<String> = o
         .get("gaps")
@@ -210,6 +210,13 @@ mod tests {
                 .calls
                 .is_empty()
         );
+        // An object of the round after prose that holds braces is still read.
+        let after_braces = parse_round(
+            r#"Looking at {alpha}: {"complete": false, "calls": [{"tool": "search", "arguments": {}}]}"#,
+            2,
+        );
+        assert!(!after_braces.complete && after_braces.unreadable.is_none());
+        assert_eq!(after_braces.calls.len(), 1);
         let unreadable = parse_round("no idea", 2);
         assert!(unreadable.complete && unreadable.unreadable.is_some());
     }

@@ -382,6 +382,22 @@ pub(crate) fn first_json_value(text: &str) -> Option<Result<serde_json::Value, s
         .next()
 }
 
+/// The first JSON object in `text` that has one of `keys`, wherever it starts: prose before it may
+/// hold braces ("step {0} is wrong") that open no object, or an object that is not the reply. Only
+/// the first few openings are tried, since each is read to its end.
+pub(crate) fn first_object_with(
+    text: &str,
+    keys: &[&str],
+) -> Option<serde_json::Map<String, serde_json::Value>> {
+    text.match_indices('{')
+        .take(16)
+        .filter_map(|(start, _)| match first_json_value(&text[start..]) {
+            Some(Ok(serde_json::Value::Object(o))) => Some(o),
+            _ => None,
+        })
+        .find(|o| keys.iter().any(|key| o.contains_key(*key)))
+}
+
 /// Feeds streamed chunks and yields the thought and answer text as soon as it is certain. Only the
 /// thought before the first decision is streamed, and answer text only when that decision is a
 /// final answer.
