@@ -539,6 +539,56 @@ async fn a_react_answer_is_given_only_once_the_critic_accepts_it() {
     assert_eq!(count_reaching(&aggregator.store(), dag, 1).await, 1);
 }
 
+/// The review is one more LLM call, held to the run's limits as every call is: deep research's
+/// draft written in the dialog's last iteration is given, saying it was not reviewed, and the
+/// judge is not asked (before, the writer and the judge ran past `max_iterations` and the run's
+/// budget, up to twice `max_retries` calls more).
+#[tokio::test]
+async fn a_draft_at_the_iteration_limit_is_given_unreviewed_without_asking_the_judge() {
+    let config = config_dir(
+        "research-judge-limit",
+        &[("agent-limits", r#"{"default": {"max_iterations": 2}}"#)],
+    );
+    let script = r#"{"rules": [
+      {"match": "Request to research: What does alpha cost?", "reply": "{\"thought\": \"Known.\", \"complete\": true, \"gaps\": []}"},
+      {"match": "Request to write up: What does alpha cost?", "reply": "Alpha costs 3."},
+      {"match": "Review a draft answer", "reply": "{\"status\": \"SUCCESS\"}"}
+    ]}"#;
+    let broker = Broker::start().unwrap();
+    let llm = scripted_llm(script).await;
+    let _orchestrator = Orchestrator::spawn(&broker, &llm, &config, &[]);
+    let mut client = client(&broker).await;
+    let request = AgentRequest {
+        pattern: "deep-research".into(),
+        ..request("What does alpha cost?", false)
+    };
+    client.send("limit", &request).await.unwrap();
+    let responses = collect_dialog(&mut client, "limit", DIALOG_TIMEOUT)
+        .await
+        .unwrap();
+    assert_eq!(
+        outcome(&responses),
+        "Alpha costs 3.\n\n(This answer was not reviewed: the dialog used its 2 iterations (max_iterations).)",
+        "{responses:#?}"
+    );
+    let calls = llm.calls();
+    assert!(
+        !calls
+            .iter()
+            .any(|c| c.last_user.contains("Review a draft answer")),
+        "{calls:#?}"
+    );
+    let session = session_of(&responses);
+    assert_eq!(
+        values(
+            &explained(&responses),
+            &format!("{session}/final"),
+            tg::TERMINATION_REASON
+        ),
+        ["max-iterations"]
+    );
+}
+
 /// The answer critic on a supervisor's synthesis: the first synthesis is rejected with a lesson and
 /// written again from the same subagent results (no subagent runs again); only the accepted one
 /// is the answer. The draft derives from the synthesis node, so the DAG stays whole.

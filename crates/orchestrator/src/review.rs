@@ -113,6 +113,48 @@ pub async fn conclude(
     crate::finish::answer(turn, &given.answer, tokens, model).await
 }
 
+/// Which limit the run reached, if any, and why in words: its iterations (`max_iterations`) or
+/// its budget (tokens, wall time, the run's iterations).
+fn out_of_limits(turn: &Turn<'_>) -> Option<(Termination, String)> {
+    let max = turn.config.limits.max_iterations;
+    if agent_core::documents::steps_taken(&turn.request.history) >= max {
+        return Some((
+            Termination::MaxIterations,
+            format!("the dialog used its {max} iterations (max_iterations)"),
+        ));
+    }
+    turn.spent_budget()
+        .map(|spent| (Termination::Budget, spent.sentence))
+}
+
+/// When a rejected draft is to be written again but the run reached a limit (or was abandoned):
+/// the dialog ends with the last draft, saying the reviewer did not accept it, instead of one more
+/// LLM call past the limit. `None`: the draft may be written again.
+pub async fn give_rejected_draft_at_a_limit(
+    turn: &Turn<'_>,
+    n: usize,
+) -> Option<Result<(), BusError>> {
+    if let Some(ended) = crate::finish::end_if_abandoned(turn).await {
+        return Some(ended);
+    }
+    let (termination, why) = out_of_limits(turn)?;
+    let history = crate::documents::resolve_recent(turn.documents, &turn.request.history).await;
+    let draft = history.iter().rev().find(|s| {
+        agent_schema::StepType::parse(&s.step_type) == Some(agent_schema::StepType::Synthesise)
+            && s.subagent_results.is_none()
+    })?;
+    let effect = format!("the rejected draft was not written again: {why}");
+    let given = Given {
+        answer: format!(
+            "{}\n\n(A reviewer did not accept this answer, and it was not written again: {why}.)",
+            draft.observation
+        ),
+        effect: &effect,
+        termination,
+    };
+    Some(conclude(turn, n, given, &CallStats::default(), turn.llm.model()).await)
+}
+
 /// The critic's verdict on a draft answer, what it does to the plan, and what asking cost.
 pub struct Judged {
     pub verdict: critic::Evaluation,
@@ -171,6 +213,23 @@ pub async fn review_draft(turn: &Turn<'_>, n: usize, results: String) -> Result<
     let Some(draft) = critic::awaiting_draft_review(&history) else {
         return Ok(());
     };
+    // The review is one more LLM call: not past the run's limits, which hold for the critic as
+    // for every other call. The draft is given, saying it was not reviewed.
+    if let Some(ended) = crate::finish::end_if_abandoned(turn).await {
+        return ended;
+    }
+    if let Some((termination, why)) = out_of_limits(turn) {
+        let effect = format!("the draft was not reviewed: {why}");
+        let given = Given {
+            answer: format!(
+                "{}\n\n(This answer was not reviewed: {why}.)",
+                draft.observation
+            ),
+            effect: &effect,
+            termination,
+        };
+        return conclude(turn, n, given, &CallStats::default(), turn.llm.model()).await;
+    }
     let Some(judged) = judge_draft(turn, n, &draft.observation, results, &[]).await? else {
         return Ok(());
     };

@@ -24,14 +24,19 @@ pub async fn iterate(turn: &Turn<'_>) -> Result<(), BusError> {
         let notes = research::notes(&request.history);
         return crate::review::review_draft(turn, n, notes).await;
     }
-    if critic::draft_rejected(&request.history) || research::research_complete(&request.history) {
+    if critic::draft_rejected(&request.history) {
+        if let Some(done) = crate::review::give_rejected_draft_at_a_limit(turn, n).await {
+            return done;
+        }
         return write(turn, n).await;
     }
     if let Some(done) = conclude_if_limited(turn).await {
         return done;
     }
-    // Out of rounds: the writer answers from the notes there are.
-    if research::rounds_done(&request.history) >= max_rounds(turn) {
+    // Complete, or out of rounds: the writer answers from the notes there are.
+    if research::research_complete(&request.history)
+        || research::rounds_done(&request.history) >= max_rounds(turn)
+    {
         return write(turn, n).await;
     }
     round(turn, n).await

@@ -47,6 +47,9 @@ pub async fn iterate(turn: &Turn<'_>) -> Result<(), BusError> {
             return crate::review::review_draft(turn, n, results).await;
         }
         if critic::draft_rejected(history) {
+            if let Some(done) = crate::review::give_rejected_draft_at_a_limit(turn, n).await {
+                return done;
+            }
             return synthesise(turn, n).await;
         }
     }
