@@ -19,7 +19,6 @@ use rmcp::service::{Peer, RoleClient, RunningService, ServiceError};
 use rmcp::transport::streamable_http_client::StreamableHttpClientTransportConfig;
 use rmcp::transport::{StreamableHttpClientTransport, TokioChildProcess};
 use rmcp::ServiceExt;
-use tokio::io::AsyncBufReadExt;
 
 pub use arguments::{schema_arguments, typed_arguments};
 
@@ -55,19 +54,65 @@ impl Endpoint {
         })
     }
 
-    /// Names the server in errors and logs, without its token or environment.
+    /// Names the server in errors and logs, without its token or environment, and without what
+    /// may carry a credential (errors reach the LLM, the client and the graph): a URL's user and
+    /// query (hosted servers take keys there), and a stdio argument that names a secret or follows
+    /// a flag that does (`--token x`, `--api-key=x`).
     pub fn describe(&self) -> String {
         match self {
-            Endpoint::Http { url, .. } => url.clone(),
+            Endpoint::Http { url, .. } => without_credentials(url),
             Endpoint::Stdio { command, args, .. } => {
                 let mut line = command.clone();
+                let mut after_secret_flag = false;
                 for arg in args {
+                    let secret = names_secret(arg);
+                    let shown = match arg.split_once('=') {
+                        _ if after_secret_flag => "***".to_owned(),
+                        Some((flag, _)) if names_secret(flag) => format!("{flag}=***"),
+                        _ if secret && !arg.starts_with('-') => "***".to_owned(),
+                        _ => arg.clone(),
+                    };
+                    after_secret_flag =
+                        !after_secret_flag && secret && arg.starts_with('-') && !arg.contains('=');
                     line.push(' ');
-                    line.push_str(arg);
+                    line.push_str(&shown);
                 }
                 line
             }
         }
+    }
+}
+
+/// Whether `text` (an argument, a flag) names a credential.
+fn names_secret(text: &str) -> bool {
+    let lower = text.to_ascii_lowercase();
+    [
+        "token",
+        "key",
+        "secret",
+        "password",
+        "passwd",
+        "auth",
+        "credential",
+    ]
+    .iter()
+    .any(|word| lower.contains(word))
+}
+
+/// `url` without its user information and query (and fragment).
+fn without_credentials(url: &str) -> String {
+    let cut = url.find(['?', '#']).unwrap_or(url.len());
+    let url = &url[..cut];
+    match url.split_once("://") {
+        Some((scheme, rest)) => {
+            let authority_end = rest.find('/').unwrap_or(rest.len());
+            let (authority, path) = rest.split_at(authority_end);
+            let host = authority
+                .rsplit_once('@')
+                .map_or(authority, |(_, host)| host);
+            format!("{scheme}://{host}{path}")
+        }
+        None => url.to_owned(),
     }
 }
 
@@ -407,10 +452,37 @@ async fn http_refusal(client: &reqwest::Client, url: &str, token: Option<&str>) 
 }
 
 /// A stdio server's own log lines go to ours, at debug level.
+/// Logs what a stdio server writes to its standard error, a line at a time, until it closes it.
+/// Read as bytes: a line that is not UTF-8 must not end the reading (the pipe would close, and the
+/// server's next write to it fail or kill it), and a line is kept to 4 KiB, the rest of it read
+/// and dropped, so a server that never writes a newline does not grow this without bound.
 async fn log_stderr(server: String, stderr: tokio::process::ChildStderr) {
-    let mut lines = tokio::io::BufReader::new(stderr).lines();
-    while let Ok(Some(line)) = lines.next_line().await {
-        tracing::debug!(server = %server, "{line}");
+    use tokio::io::AsyncReadExt;
+    const MOST: usize = 4096;
+    let mut stderr = stderr;
+    let mut line: Vec<u8> = Vec::new();
+    let mut cut = false;
+    let mut buffer = [0u8; 4096];
+    loop {
+        let read = match stderr.read(&mut buffer).await {
+            Ok(0) | Err(_) => break,
+            Ok(read) => read,
+        };
+        for &byte in &buffer[..read] {
+            if byte == b'\n' {
+                let suffix = if cut { " [cut]" } else { "" };
+                tracing::debug!(server = %server, "{}{suffix}", String::from_utf8_lossy(&line));
+                line.clear();
+                cut = false;
+            } else if line.len() < MOST {
+                line.push(byte);
+            } else {
+                cut = true;
+            }
+        }
+    }
+    if !line.is_empty() {
+        tracing::debug!(server = %server, "{}", String::from_utf8_lossy(&line));
     }
 }
 
@@ -535,4 +607,37 @@ pub fn result_text(result: &CallToolResult) -> String {
         }
     }
     parts.join("\n")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_server_is_named_without_what_may_carry_a_credential() {
+        let http = Endpoint::Http {
+            url: "https://user:pw@mcp.example:8443/v1/mcp?api_key=abc#frag".to_owned(),
+            auth_token: Some("t".to_owned()),
+        };
+        assert_eq!(http.describe(), "https://mcp.example:8443/v1/mcp");
+        let stdio = Endpoint::Stdio {
+            command: "npx".to_owned(),
+            args: [
+                "@modelcontextprotocol/server-github",
+                "--token",
+                "ghp_abc",
+                "--api-key=sk-1",
+                "--verbose",
+                "SECRET_VALUE_x",
+                "stdio",
+            ]
+            .map(str::to_owned)
+            .to_vec(),
+            env: Default::default(),
+        };
+        assert_eq!(
+            stdio.describe(),
+            "npx @modelcontextprotocol/server-github --token *** --api-key=*** --verbose *** stdio"
+        );
+    }
 }
