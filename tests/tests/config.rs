@@ -96,6 +96,75 @@ async fn rest_writes_need_the_token_survive_a_kill_and_are_pushed() {
     assert_eq!(version(&all), version(&written));
 }
 
+/// The config API answers anyone who reaches it: an MCP server's credentials (`auth-token`, the
+/// values of `env`) are shown only to a reader with the token, over REST and through the gateway
+/// TrustGraph's CLI uses; the orchestrators read them whole over the broker.
+#[tokio::test]
+async fn an_mcp_servers_credentials_are_shown_only_with_the_token() {
+    let broker = Broker::start().unwrap();
+    let svc = ConfigSvc::start(Place::Child, &broker, None);
+    let http = reqwest::Client::new();
+    let url = format!("{}/api/v1/config/mcp/tickets", svc.url);
+    let entry = json!({"url": "https://mcp.example/mcp", "auth-token": "s3cret-mcp-token",
+                       "env": {"API_KEY": "k3y-value"}});
+    let put = http
+        .put(&url)
+        .bearer_auth(&svc.token)
+        .json(&entry)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(put.status(), 200);
+    let secrets = |text: &str| text.contains("s3cret-mcp-token") || text.contains("k3y-value");
+    for read in [
+        url.clone(),
+        format!("{}/api/v1/config/mcp", svc.url),
+        format!("{}/api/v1/config", svc.url),
+    ] {
+        let anonymous = http.get(&read).send().await.unwrap().text().await.unwrap();
+        assert!(!secrets(&anonymous), "{read}: {anonymous}");
+        assert!(anonymous.contains("https://mcp.example/mcp"), "{anonymous}");
+        let trusted = http
+            .get(&read)
+            .bearer_auth(&svc.token)
+            .send()
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
+        assert!(secrets(&trusted), "{read}: {trusted}");
+    }
+    let gateway = format!("{}/api/v1/config", svc.url);
+    for body in [
+        json!({"operation": "getvalues", "type": "mcp"}),
+        json!({"operation": "get", "keys": [{"type": "mcp", "key": "tickets"}]}),
+        json!({"operation": "config"}),
+    ] {
+        let anonymous = http
+            .post(&gateway)
+            .json(&body)
+            .send()
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
+        assert!(!secrets(&anonymous), "{body}: {anonymous}");
+        assert!(anonymous.contains("mcp.example"), "{body}: {anonymous}");
+    }
+    // Over the broker, as the orchestrators read it: whole.
+    let bus = Bus::connect(&broker.url(), None).await.unwrap();
+    let topics = Topics::trustgraph("default", "default");
+    let mut client = ConfigClient::connect(&bus, &topics).await.unwrap();
+    let whole = client
+        .call(&request(operation::CONFIG), ANSWER)
+        .await
+        .unwrap();
+    let text = serde_json::to_string(&whole).unwrap();
+    assert!(secrets(&text), "{text}");
+}
+
 /// The config topics are non-persistent: a request sent before the service subscribed is dropped
 /// by the broker. A read is asked again, so a client that starts first still gets its answer.
 #[tokio::test]

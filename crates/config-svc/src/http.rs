@@ -100,8 +100,12 @@ async fn gateway(State(state): State<AppState>, headers: HeaderMap, body: Bytes)
             return denied;
         }
     }
+    let trusted = trusted(&state, &headers);
     match crate::answer_and_announce(&state.store, &state.pusher, request).await {
-        Ok(response) => {
+        Ok(mut response) => {
+            if !trusted {
+                hide_credentials(&mut response);
+            }
             let mut body = serde_json::to_value(&response).unwrap_or_default();
             if let Value::Object(fields) = &mut body {
                 fields.retain(|_, v| !v.is_null());
@@ -112,7 +116,12 @@ async fn gateway(State(state): State<AppState>, headers: HeaderMap, body: Bytes)
     }
 }
 
-async fn dump(State(state): State<AppState>, Query(scope): Query<Scope>) -> Response {
+async fn dump(
+    State(state): State<AppState>,
+    Query(scope): Query<Scope>,
+    headers: HeaderMap,
+) -> Response {
+    let trusted = trusted(&state, &headers);
     match state.store.dump(&scope.name()) {
         Ok((version, values)) => {
             let config: serde_json::Map<String, Value> = values
@@ -120,7 +129,7 @@ async fn dump(State(state): State<AppState>, Query(scope): Query<Scope>) -> Resp
                 .map(|(kind, entries)| {
                     let entries: serde_json::Map<String, Value> = entries
                         .iter()
-                        .map(|(k, v)| (k.clone(), as_json(v)))
+                        .map(|(k, v)| (k.clone(), as_json(&shown(kind, v, trusted))))
                         .collect();
                     (kind.clone(), Value::Object(entries))
                 })
@@ -135,7 +144,9 @@ async fn of_type(
     State(state): State<AppState>,
     Path(kind): Path<String>,
     Query(scope): Query<Scope>,
+    headers: HeaderMap,
 ) -> Response {
+    let trusted = trusted(&state, &headers);
     match (
         state.store.values_of(&scope.name(), &kind),
         state.store.version(),
@@ -143,7 +154,7 @@ async fn of_type(
         (Ok(values), Ok(version)) => {
             let values: serde_json::Map<String, Value> = values
                 .iter()
-                .map(|(k, v)| (k.clone(), as_json(v)))
+                .map(|(k, v)| (k.clone(), as_json(&shown(&kind, v, trusted))))
                 .collect();
             Json(json!({"version": version, "type": kind, "values": values})).into_response()
         }
@@ -155,16 +166,78 @@ async fn get_one(
     State(state): State<AppState>,
     Path((kind, key)): Path<(String, String)>,
     Query(scope): Query<Scope>,
+    headers: HeaderMap,
 ) -> Response {
+    let trusted = trusted(&state, &headers);
     match state
         .store
         .get(&scope.name(), &[(kind.clone(), key.clone())])
     {
         Ok(found) => match found.first() {
-            Some((_, _, value)) => Json(as_json(value)).into_response(),
+            Some((_, _, value)) => Json(as_json(&shown(&kind, value, trusted))).into_response(),
             None => (StatusCode::NOT_FOUND, format!("no config {kind}/{key}")).into_response(),
         },
         Err(e) => store_error(e),
+    }
+}
+
+/// Whether the request bears the services' token: a reader without it is not shown credentials.
+fn trusted(state: &AppState, headers: &HeaderMap) -> bool {
+    let given = headers
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok());
+    state
+        .token
+        .as_ref()
+        .is_some_and(|expected| agent_bus::bearer_matches(given, expected))
+}
+
+/// What a reader without the token is shown in place of a credential.
+const HIDDEN: &str = "(hidden: read with the config token to see it)";
+
+/// A stored value of type `kind` as a reader is shown it: whole with the token; otherwise an `mcp`
+/// entry's `auth-token` and the values of its `env` hidden (the config API answers anyone who
+/// reaches it, and those are the credentials the orchestrators use; they read the config over
+/// the broker, whole).
+fn shown(kind: &str, text: &str, trusted: bool) -> String {
+    if trusted || kind != "mcp" {
+        return text.to_owned();
+    }
+    let Ok(Value::Object(mut entry)) = serde_json::from_str::<Value>(text) else {
+        return text.to_owned();
+    };
+    let mut hidden = false;
+    if let Some(token) = entry.get_mut("auth-token") {
+        if !token.is_null() {
+            *token = Value::String(HIDDEN.to_owned());
+            hidden = true;
+        }
+    }
+    if let Some(Value::Object(env)) = entry.get_mut("env") {
+        for value in env.values_mut() {
+            *value = Value::String(HIDDEN.to_owned());
+            hidden = true;
+        }
+    }
+    if !hidden {
+        return text.to_owned();
+    }
+    Value::Object(entry).to_string()
+}
+
+/// [`shown`] over every value of a gateway answer.
+fn hide_credentials(response: &mut agent_schema::ConfigResponse) {
+    if let Some(values) = &mut response.values {
+        for value in values.iter_mut() {
+            value.value = shown(&value.kind, &value.value, false);
+        }
+    }
+    if let Some(config) = &mut response.config {
+        for (kind, entries) in config.iter_mut() {
+            for value in entries.values_mut() {
+                *value = shown(kind, value, false);
+            }
+        }
     }
 }
 
@@ -253,4 +326,25 @@ async fn delete_one(
         store.delete(workspace, &[(kind, key)])
     })
     .await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_reader_without_the_token_is_not_shown_an_mcp_servers_credentials() {
+        let entry = r#"{"url": "https://mcp.example/mcp", "auth-token": "s3cret", "env": {"API_KEY": "k"}, "remote-name": "x"}"#;
+        let hidden = shown("mcp", entry, false);
+        assert!(
+            !hidden.contains("s3cret") && !hidden.contains("\"k\""),
+            "{hidden}"
+        );
+        assert!(hidden.contains("https://mcp.example/mcp") && hidden.contains("API_KEY"));
+        assert_eq!(shown("mcp", entry, true), entry);
+        assert_eq!(shown("tool", entry, false), entry);
+        let plain = r#"{"url": "https://mcp.example/mcp"}"#;
+        assert_eq!(shown("mcp", plain, false), plain);
+        assert_eq!(shown("mcp", "not json", false), "not json");
+    }
 }

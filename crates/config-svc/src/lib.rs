@@ -210,6 +210,29 @@ async fn answer(
         .await
     {
         Ok(()) => Disposition::Ack,
+        // An answer over the broker's limit will never go: sent again it fails again, and the
+        // reader only ever sees no answer (an orchestrator takes that for no config service, and
+        // keeps the config it read last without a word). It is told why instead.
+        Err(e @ agent_bus::BusError::TooLarge { .. }) => {
+            tracing::warn!(error = %e, "a config answer is over the broker's message limit; answering with an error");
+            let refusal = agent_schema::ConfigResponse {
+                version: response.version,
+                error: Some(agent_schema::ErrorInfo {
+                    kind: "too-large".to_owned(),
+                    message: format!(
+                        "the answer is over the broker's message limit ({e}): ask for fewer types, or keep large values out of the config"
+                    ),
+                }),
+                ..agent_schema::ConfigResponse::default()
+            };
+            match responses
+                .send(agent_schema::encode(&refusal), &properties)
+                .await
+            {
+                Ok(()) => Disposition::Ack,
+                Err(e) => Disposition::Nack(e.to_string()),
+            }
+        }
         Err(e) => Disposition::Nack(e.to_string()),
     }
 }

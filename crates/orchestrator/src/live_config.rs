@@ -125,6 +125,9 @@ pub async fn follow(
     }
     let mut client: Option<ConfigClient> = None;
     let mut announced_absence = false;
+    // Whether the service answered a read yet, and whether it has been silent since it last did.
+    let mut read_once = false;
+    let mut silent_since_read = false;
     let mut troubled = false;
     let mut read_now = true;
     let mut next_read = tokio::time::Instant::now();
@@ -137,15 +140,24 @@ pub async fn follow(
             let was_troubled = troubled;
             troubled = match read {
                 Ok(()) => {
-                    if was_troubled {
+                    if was_troubled || silent_since_read {
                         tracing::info!("the config service is read again");
                     }
+                    read_once = true;
+                    silent_since_read = false;
                     false
                 }
                 // No answer: most likely no config service runs, which is a deployment, not a
                 // fault.
                 Err(BusError::Timeout { .. }) => {
-                    if !announced_absence {
+                    if read_once {
+                        // It answered before: this is not a deployment without one, and the
+                        // config read last may be stale.
+                        if !silent_since_read {
+                            tracing::warn!("the config service answered before and does not now; keeping the config read last");
+                            silent_since_read = true;
+                        }
+                    } else if !announced_absence {
                         tracing::info!("no config service answered; using the local config");
                         announced_absence = true;
                     }
