@@ -117,6 +117,42 @@ async fn a_streamed_answer_cut_at_the_length_limit_is_not_followed_by_a_second_o
     );
 }
 
+/// A plan's step the model stopped at its length limit is not recorded as completed with half a
+/// result (it failed, and says it was cut off), and a plan's answer cut the same way is given
+/// saying it is incomplete.
+#[tokio::test]
+async fn a_plan_step_or_answer_cut_at_the_length_limit_is_not_taken_whole() {
+    let broker = Broker::start().unwrap();
+    let llm = scripted_llm(
+        r#"{"rules": [
+      {"match": "Request to plan: Count", "reply": "[{\"goal\": \"count the sheep\"}]"},
+      {"match": "ran into a problem", "reply": "[{\"goal\": \"count the sheep\"}]"},
+      {"match": "Step goal: count the sheep", "reply": "Thought: carefully, one by one, twice over.\nFinal Answer: 42 sheep in the field", "faults": ["length"]},
+      {"match": "Request to answer: Count", "reply": "There are 42 sheep in the field, counted twice.", "faults": ["length"]}
+    ]}"#,
+    )
+    .await;
+    let _orchestrator = Orchestrator::spawn(&broker, &llm, &seed_dir(), &[]);
+    let mut client = client(&broker).await;
+    let mut plan = request("Count the sheep.", false);
+    plan.pattern = "plan-then-execute".into();
+    client.send("cut-plan", &plan).await.unwrap();
+    let responses = collect_dialog(&mut client, "cut-plan", Duration::from_secs(60))
+        .await
+        .unwrap();
+    let observations = text_of(&responses, "observation");
+    assert!(
+        observations.contains("Error: the step's response was cut off at the model's length limit"),
+        "{responses:#?}"
+    );
+    let answer = outcome(&responses);
+    assert!(
+        answer
+            .ends_with("(This answer was cut off at the model's length limit: it is incomplete.)"),
+        "{answer}"
+    );
+}
+
 /// A quarter of all LLM answers suffer a fault of every kind, across streamed and whole dialogs
 /// that call a tool: each dialog ends exactly once, with the right answer or a clear error, within
 /// its budget.

@@ -93,6 +93,20 @@ pub struct Evaluation {
     pub unreadable: Option<String>,
 }
 
+/// The statuses an evaluator's object names (`status` a string of them or a list).
+fn statuses_of(o: &serde_json::Map<String, serde_json::Value>) -> Vec<Status> {
+    match o.get("status") {
+        Some(serde_json::Value::String(s)) => {
+            s.split([',', '|']).filter_map(Status::parse).collect()
+        }
+        Some(serde_json::Value::Array(list)) => list
+            .iter()
+            .filter_map(|v| v.as_str().and_then(Status::parse))
+            .collect(),
+        _ => Vec::new(),
+    }
+}
+
 /// Reads the evaluator's JSON (`status` a string or a list, `evaluation`, `lesson`, `culprits`,
 /// `sub_steps`). An answer that cannot be read lets the step stand, and says so.
 pub fn parse(text: &str) -> Evaluation {
@@ -107,8 +121,17 @@ pub fn parse(text: &str) -> Evaluation {
     if !text.contains('{') {
         return unreadable("the evaluation holds no JSON object");
     }
-    let Some(o) = crate::react::first_object_with(text, &["status"]) else {
-        return unreadable("the evaluation holds no JSON object with a status");
+    // The verdict is an object whose status reads as one, and of those the first that also
+    // evaluates or teaches: a tool's result quoted before it (`{"status": "error"}`) is not it.
+    let readable: Vec<serde_json::Map<String, serde_json::Value>> = crate::react::objects_in(text)
+        .filter(|o| !statuses_of(o).is_empty())
+        .collect();
+    let verdict = readable
+        .iter()
+        .position(|o| o.contains_key("evaluation") || o.contains_key("lesson"))
+        .unwrap_or(0);
+    let Some(o) = readable.into_iter().nth(verdict) else {
+        return unreadable("the evaluation holds no JSON object with a known status");
     };
     let text_of = |k: &str| {
         o.get(k)
@@ -116,17 +139,7 @@ pub fn parse(text: &str) -> Evaluation {
             .unwrap_or_default()
             .to_owned()
     };
-    let statuses: Vec<Status> = match o.get("status") {
-        Some(serde_json::Value::String(s)) => {
-            s.split([',', '|']).filter_map(Status::parse).collect()
-        }
-        Some(serde_json::Value::Array(list)) => list
-            .iter()
-            .filter_map(|v| v.as_str().and_then(Status::parse))
-            .collect(),
-        _ => Vec::new(),
-    };
-    let Some(status) = statuses.into_iter().min() else {
+    let Some(status) = statuses_of(&o).into_iter().min() else {
         return unreadable("the evaluation names no known status");
     };
     let culprits = o
@@ -750,6 +763,12 @@ mod tests {
         }
         let v = verdict(r#"{"note": "no status here"}"#);
         assert!(v.unreadable.is_some());
+        // A tool's result quoted before the verdict is not the verdict.
+        let v = verdict(
+            r#"The tool returned {"status": "error", "code": 7} but recovered. {"status": "SUCCESS", "evaluation": "fine"}"#,
+        );
+        assert_eq!(v.status, Status::Success);
+        assert_eq!(v.evaluation, "fine");
     }
 
     #[test]

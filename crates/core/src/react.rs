@@ -382,20 +382,26 @@ pub(crate) fn first_json_value(text: &str) -> Option<Result<serde_json::Value, s
         .next()
 }
 
-/// The first JSON object in `text` that has one of `keys`, wherever it starts: prose before it may
-/// hold braces ("step {0} is wrong") that open no object, or an object that is not the reply. Only
-/// the first few openings are tried, since each is read to its end.
+/// The JSON objects in `text`, wherever they start: prose before the reply may hold braces
+/// ("step {0} is wrong") that open no object, or quote an object that is not the reply. Only the
+/// first few openings are tried, since each is read to its end.
+pub(crate) fn objects_in(
+    text: &str,
+) -> impl Iterator<Item = serde_json::Map<String, serde_json::Value>> + '_ {
+    text.match_indices('{').take(16).filter_map(|(start, _)| {
+        match first_json_value(&text[start..]) {
+            Some(Ok(serde_json::Value::Object(o))) => Some(o),
+            _ => None,
+        }
+    })
+}
+
+/// The first JSON object in `text` that has one of `keys` (see [`objects_in`]).
 pub(crate) fn first_object_with(
     text: &str,
     keys: &[&str],
 ) -> Option<serde_json::Map<String, serde_json::Value>> {
-    text.match_indices('{')
-        .take(16)
-        .filter_map(|(start, _)| match first_json_value(&text[start..]) {
-            Some(Ok(serde_json::Value::Object(o))) => Some(o),
-            _ => None,
-        })
-        .find(|o| keys.iter().any(|key| o.contains_key(*key)))
+    objects_in(text).find(|o| keys.iter().any(|key| o.contains_key(*key)))
 }
 
 /// Feeds streamed chunks and yields the thought and answer text as soon as it is certain. Only the

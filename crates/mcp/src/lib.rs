@@ -70,6 +70,8 @@ impl Endpoint {
                         _ if after_secret_flag => "***".to_owned(),
                         Some((flag, _)) if names_secret(flag) => format!("{flag}=***"),
                         _ if secret && !arg.starts_with('-') => "***".to_owned(),
+                        // A connection string (`postgresql://user:pass@host/db`).
+                        _ if arg.contains("://") => without_credentials(arg),
                         _ => arg.clone(),
                     };
                     after_secret_flag =
@@ -120,8 +122,56 @@ fn without_credentials(url: &str) -> String {
 struct Session {
     peer: Peer<RoleClient>,
     tools: tokio::sync::OnceCell<Vec<Tool>>,
+    /// Calls under way on it, and when it last answered anything: a session busy or heard from
+    /// just now is not pinged (a server that serves one request at a time cannot answer a ping
+    /// while a long call runs, and would be taken for lost).
+    in_flight: std::sync::atomic::AtomicUsize,
+    answered_at: Mutex<std::time::Instant>,
     // Dropping the service ends the session (and kills a stdio server).
     _service: RunningService<RoleClient, ()>,
+}
+
+impl Session {
+    /// Whether to ask the session whether it still answers before a call: not while calls run on
+    /// it, nor when it answered within [`FRESH`].
+    fn worth_a_ping(&self) -> bool {
+        let idle = self.in_flight.load(std::sync::atomic::Ordering::SeqCst) == 0;
+        let heard = *self
+            .answered_at
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        idle && heard.elapsed() >= FRESH
+    }
+
+    fn heard(&self) {
+        *self
+            .answered_at
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = std::time::Instant::now();
+    }
+}
+
+/// How long after a session last answered a call on it goes without a ping first.
+const FRESH: Duration = Duration::from_secs(2);
+
+/// A call counted as under way on a session for as long as this lives.
+struct InFlight<'a>(&'a Session);
+
+impl<'a> InFlight<'a> {
+    fn enter(session: &'a Session) -> InFlight<'a> {
+        session
+            .in_flight
+            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        InFlight(session)
+    }
+}
+
+impl Drop for InFlight<'_> {
+    fn drop(&mut self) {
+        self.0
+            .in_flight
+            .fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
+    }
 }
 
 /// A server's slot: the session, if one is open. Its async lock makes concurrent callers of a dead
@@ -185,14 +235,20 @@ impl McpPool {
         arguments: &BTreeMap<String, String>,
     ) -> Result<String, String> {
         let (mut session, reused) = self.session(endpoint).await?;
-        if reused {
+        if reused && session.worth_a_ping() {
             if let Err(e) = ping(&session, endpoint).await {
                 tracing::info!(server = %endpoint.describe(), error = %e, "MCP session lost; connecting again");
                 self.forget(endpoint, &session).await;
                 session = self.session(endpoint).await?.0;
             }
         }
-        let result = call_on(&session, endpoint, name, arguments).await;
+        let result = {
+            let _in_flight = InFlight::enter(&session);
+            call_on(&session, endpoint, name, arguments).await
+        };
+        if result.is_ok() {
+            session.heard();
+        }
         self.settle(endpoint, &session, result)
             .await
             .map_err(|e| e.to_string())
@@ -271,13 +327,17 @@ impl McpPool {
                 return Ok((session.clone(), true));
             }
         }
-        let session = match tokio::time::timeout(CONNECT_TIMEOUT, connect(endpoint)).await {
+        let limit = match endpoint {
+            Endpoint::Http { .. } => CONNECT_TIMEOUT_HTTP,
+            Endpoint::Stdio { .. } => CONNECT_TIMEOUT_STDIO,
+        };
+        let session = match tokio::time::timeout(limit, connect(endpoint)).await {
             Ok(connected) => Arc::new(connected?),
             Err(_) => {
                 return Err(format!(
                     "the MCP server {} did not open a session within {} s",
                     endpoint.describe(),
-                    CONNECT_TIMEOUT.as_secs()
+                    limit.as_secs()
                 ))
             }
         };
@@ -371,56 +431,87 @@ async fn connect(endpoint: &Endpoint) -> Result<Session, String> {
     Ok(Session {
         peer: service.peer().clone(),
         tools: tokio::sync::OnceCell::new(),
+        in_flight: std::sync::atomic::AtomicUsize::new(0),
+        answered_at: Mutex::new(std::time::Instant::now()),
         _service: service,
     })
 }
 
 /// The variables of this process's environment a stdio server is started with (besides those its
-/// config sets): what a program needs to run and find its files, and those named in
-/// `MCP_STDIO_PASS_ENV` (comma-separated). Not the rest: the orchestrator's environment holds its
-/// secrets (the LLM's key, the broker's and the services' tokens), and a server is often a
-/// third party's package fetched at start.
-fn passed_environment() -> Vec<(String, String)> {
-    const BASICS: &[&str] = &[
+/// config sets): what a program and the usual launchers (`npx`, `uvx`, `docker`) need to run and
+/// find their files, certificates, proxies and registries, and those named in `MCP_STDIO_PASS_ENV`
+/// (comma-separated). Not the rest: the orchestrator's environment holds its secrets (the LLM's
+/// key, the broker's and the services' tokens), and a server is often a third party's package
+/// fetched at start.
+fn passed_environment() -> Vec<(std::ffi::OsString, std::ffi::OsString)> {
+    const NAMES: &[&str] = &[
         "PATH",
         "HOME",
         "USER",
         "LOGNAME",
         "SHELL",
         "LANG",
-        "LC_ALL",
-        "LC_CTYPE",
+        "LANGUAGE",
         "TERM",
         "TMPDIR",
+        "TEMP",
+        "TMP",
         "TZ",
-        "SYSTEMROOT",
-        "NODE_EXTRA_CA_CERTS",
+        "LD_LIBRARY_PATH",
         "SSL_CERT_FILE",
         "SSL_CERT_DIR",
+        "REQUESTS_CA_BUNDLE",
+        "CURL_CA_BUNDLE",
         "HTTP_PROXY",
         "HTTPS_PROXY",
         "NO_PROXY",
+        "ALL_PROXY",
         "http_proxy",
         "https_proxy",
         "no_proxy",
+        "all_proxy",
+        "VIRTUAL_ENV",
+        "PYTHONPATH",
+        "PYTHONHOME",
+        "DOCKER_HOST",
+        "DOCKER_CONFIG",
+        "DOCKER_CERT_PATH",
+        "DOCKER_TLS_VERIFY",
+        "SYSTEMROOT",
+        "SYSTEMDRIVE",
+        "WINDIR",
+        "COMSPEC",
+        "PATHEXT",
+        "APPDATA",
+        "LOCALAPPDATA",
+        "USERPROFILE",
+        "PROGRAMDATA",
+        "PROGRAMFILES",
+    ];
+    const PREFIXES: &[&str] = &[
+        "LC_",
+        "XDG_",
+        "NODE_",
+        "NPM_CONFIG_",
+        "npm_config_",
+        "UV_",
+        "PIP_",
+        "CONDA_",
     ];
     let extra = std::env::var("MCP_STDIO_PASS_ENV").unwrap_or_default();
-    let wanted: Vec<&str> = BASICS
-        .iter()
-        .copied()
-        .chain(
-            extra
-                .split(',')
-                .map(str::trim)
-                .filter(|name| !name.is_empty()),
-        )
+    let named: Vec<&str> = extra
+        .split(',')
+        .map(str::trim)
+        .filter(|name| !name.is_empty())
         .collect();
-    wanted
-        .into_iter()
-        .filter_map(|name| {
-            std::env::var(name)
-                .ok()
-                .map(|value| (name.to_owned(), value))
+    std::env::vars_os()
+        .filter(|(name, _)| {
+            let Some(name) = name.to_str() else {
+                return false;
+            };
+            NAMES.contains(&name)
+                || named.contains(&name)
+                || PREFIXES.iter().any(|prefix| name.starts_with(prefix))
         })
         .collect()
 }
@@ -518,10 +609,12 @@ async fn remote_tool(
 /// How long a reused session has to answer a `ping` before it is taken for lost.
 const PING_TIMEOUT: Duration = Duration::from_secs(5);
 
-/// How long opening a session (starting a child process or reaching a server, and the
+/// How long opening a session (reaching a server, or starting a child process, and the
 /// `initialize` round trip) may take: a server that accepts and never answers must not hold every
-/// step that lists or calls its tools.
-const CONNECT_TIMEOUT: Duration = Duration::from_secs(15);
+/// step that lists or calls its tools. A stdio server's first start may download it (`npx -y`,
+/// `uvx`, `docker run`), so it has longer.
+const CONNECT_TIMEOUT_HTTP: Duration = Duration::from_secs(15);
+const CONNECT_TIMEOUT_STDIO: Duration = Duration::from_secs(120);
 
 /// Whether `session` still answers: an MCP `ping`, within [`PING_TIMEOUT`].
 async fn ping(session: &Session, endpoint: &Endpoint) -> Result<(), CallError> {
@@ -530,7 +623,15 @@ async fn ping(session: &Session, endpoint: &Endpoint) -> Result<(), CallError> {
         extensions: Default::default(),
     });
     match tokio::time::timeout(PING_TIMEOUT, session.peer.send_request(request)).await {
-        Ok(Ok(_)) => Ok(()),
+        Ok(Ok(_)) => {
+            session.heard();
+            Ok(())
+        }
+        // A server that does not know `ping` still answered: the session is alive.
+        Ok(Err(ServiceError::McpError(_))) => {
+            session.heard();
+            Ok(())
+        }
         Ok(Err(e)) => Err(service_error(endpoint, "answer a ping", e)),
         Err(_) => Err(CallError::Transport(format!(
             "the MCP server {} did not answer a ping within {} s",
@@ -629,6 +730,7 @@ mod tests {
                 "--api-key=sk-1",
                 "--verbose",
                 "SECRET_VALUE_x",
+                "postgresql://app:pw@db:5432/app?sslmode=require",
                 "stdio",
             ]
             .map(str::to_owned)
@@ -637,7 +739,7 @@ mod tests {
         };
         assert_eq!(
             stdio.describe(),
-            "npx @modelcontextprotocol/server-github --token *** --api-key=*** --verbose *** stdio"
+            "npx @modelcontextprotocol/server-github --token *** --api-key=*** --verbose *** postgresql://db:5432/app stdio"
         );
     }
 }

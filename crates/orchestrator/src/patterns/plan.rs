@@ -314,7 +314,14 @@ async fn run_step(turn: &Turn<'_>, n: usize, index: usize) -> Result<(), BusErro
     let mut tool = ToolStats::default();
     let mut next_state = scope.state().to_owned();
     let mut discarded = String::new();
-    let (thought, action, arguments, result, status) = match parse(&completion.text) {
+    // Half a result, or half a tool's arguments, must not pass for a whole one: a step the model
+    // stopped at its length limit failed, and says so.
+    let parsed = if completion.cut_off {
+        Err(CUT_OFF.to_owned())
+    } else {
+        parse(&completion.text).map_err(|e| format!("could not be parsed ({e})"))
+    };
+    let (thought, action, arguments, result, status) = match parsed {
         Ok(ReactTurn::Final { thought, answer }) => (
             thought,
             String::new(),
@@ -348,11 +355,11 @@ async fn run_step(turn: &Turn<'_>, n: usize, index: usize) -> Result<(), BusErro
             };
             (thought, action, arguments, run.observation, status)
         }
-        Err(e) => (
+        Err(why) => (
             completion.text.trim().chars().take(4000).collect(),
             String::new(),
             Default::default(),
-            format!("Error: the step's response could not be parsed ({e})"),
+            format!("Error: the step's response {why}"),
             FAILED,
         ),
     };
@@ -491,6 +498,14 @@ async fn review_plan(turn: &Turn<'_>, n: usize) -> Result<(), BusError> {
     .await?;
     queue_verdict(turn, n, applied, &verdict, &stats).await
 }
+
+/// Why a step's response is not read: the model stopped at its length limit.
+const CUT_OFF: &str = "was cut off at the model's length limit before it ended";
+
+/// The note on an answer the model stopped at its length limit: it is given (the results it rests
+/// on are spent), saying it is incomplete.
+pub(crate) const ANSWER_CUT_OFF: &str =
+    "\n\n(This answer was cut off at the model's length limit: it is incomplete.)";
 
 /// Asks the critic about the draft answer the previous iteration wrote. Accepted, it is given to
 /// the client and the dialog ends; rejected, it is written again with the lesson (after the steps
@@ -650,6 +665,9 @@ async fn synthesise(
         .as_ref()
         .map(|c| format!("\n\n(This answer rests on the steps that completed: {c}.)"))
         .unwrap_or_default();
+    if completion.cut_off {
+        note.push_str(ANSWER_CUT_OFF);
+    }
     if critic::any_unreadable(&request.history) {
         note.push_str(
             "\n\n(Some results were not checked: the evaluator's answer could not be read.)",

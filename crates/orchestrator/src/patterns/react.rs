@@ -358,13 +358,18 @@ fn read_native(completion: &Completion, tools: &[&str]) -> Result<ReactTurn, Str
         }) => {
             let named = tools
                 .iter()
-                .find(|tool| tool.eq_ignore_ascii_case(action.trim()));
+                .find(|tool| **tool == action.trim())
+                .or_else(|| {
+                    tools
+                        .iter()
+                        .find(|tool| tool.eq_ignore_ascii_case(action.trim()))
+                });
             // A call written in the text protocol is a call, whatever it names: one naming a tool
             // the request does not have is refused as an `Error:` observation, as a native call
             // would be, never taken for the answer (a small model's misspelt call once became
             // one). Prose that happens to hold an `Action:` line, with no `Args:` and naming no
             // tool, is an answer.
-            let written_as_call = !arguments.is_empty() || has_args_line(text);
+            let written_as_call = !arguments.is_empty() || args_follow_action(text);
             if named.is_some() || written_as_call {
                 return Ok(ReactTurn::Action {
                     thought,
@@ -393,15 +398,21 @@ fn read_native(completion: &Completion, tools: &[&str]) -> Result<ReactTurn, Str
     })
 }
 
-/// Whether `text` has a line that opens the text protocol's `Args:` section.
-fn has_args_line(text: &str) -> bool {
-    text.lines().any(|line| {
+/// Whether the line after `text`'s first `Action:` line (blank lines aside) opens the text
+/// protocol's `Args:` section: a call as the protocol writes it, not prose that shows one.
+fn args_follow_action(text: &str) -> bool {
+    let opens = |line: &str, marker: &str| {
         line.trim_start()
             .trim_start_matches(['*', '#', '`'])
             .trim_start()
-            .get(..5)
-            .is_some_and(|head| head.eq_ignore_ascii_case("args:"))
-    })
+            .get(..marker.len())
+            .is_some_and(|head| head.eq_ignore_ascii_case(marker))
+    };
+    let mut lines = text.lines().skip_while(|line| !opens(line, "action:"));
+    lines.next().is_some()
+        && lines
+            .find(|line| !line.trim().is_empty())
+            .is_some_and(|line| opens(line, "args:"))
 }
 
 /// The conversation of a native-tool-calling dialog: each earlier step as the assistant's tool

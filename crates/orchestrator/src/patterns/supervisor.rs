@@ -578,6 +578,22 @@ async fn synthesise(turn: &Turn<'_>, n: usize) -> Result<(), BusError> {
         ),
         supervising::Synthesis::Answer(answer) => (answer, Termination::Answer),
     };
+    // An answer the model stopped at its length limit is given saying it is incomplete (a
+    // streaming client has its start already: the note follows it).
+    let answer = if completion.cut_off && termination == Termination::Answer {
+        if streamed {
+            out.chunk_with_outcome(
+                MessageType::Answer,
+                crate::patterns::plan::ANSWER_CUT_OFF,
+                &uris.conclusion(),
+                false,
+            )
+            .await?;
+        }
+        format!("{answer}{}", crate::patterns::plan::ANSWER_CUT_OFF)
+    } else {
+        answer
+    };
     if fan_in {
         out.explain(
             &uris.synthesis(&cid),

@@ -114,8 +114,16 @@ pub async fn run_scoped_tool(
                     took: Duration::ZERO,
                 }
                 .emit();
+                // A recorded failure is reused as the failure it was (every failure is
+                // observed as an `Error:`), not as an answer: a plan would mark its step
+                // completed, and the router give the error as the dialog's answer.
+                let outcome = if observation.starts_with("Error:") {
+                    ToolOutcome::Failed
+                } else {
+                    ToolOutcome::Answered
+                };
                 let run = ToolRun {
-                    outcome: ToolOutcome::Answered,
+                    outcome,
                     observation,
                     duration: Duration::ZERO,
                     in_token: 0,
