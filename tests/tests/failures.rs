@@ -202,11 +202,18 @@ async fn services_serve_across(outage: Option<Duration>) {
         "the restart is not in the aggregator's log:\n{log}"
     );
     // A broker gone past the crate's retries is an outage worth an error, said once a connection;
-    // nothing else is.
+    // nothing else of ours is. The `pulsar` crate's own keep-alive logs an error when its ping
+    // falls in the instant the broker dies (seen once in a full run: "could not ping connection
+    // ... Disconnected", "send ping, we have been canceled"): the crate's, not ours, and it
+    // reconnects.
     let errors: Vec<&str> = log
         .lines()
         .filter(|l| l.contains("ERROR"))
         .filter(|l| outage.is_none() || !l.contains("could not connect to"))
+        .filter(|l| {
+            !(l.contains("could not ping connection")
+                || l.contains("send ping, we have been canceled"))
+        })
         .collect();
     assert!(errors.is_empty(), "{}", errors.join("\n"));
 }

@@ -23,14 +23,15 @@ pub struct Tokens {
 impl Tokens {
     /// These tokens and a call's (or a tool run's) `input` and `output`.
     pub fn plus(self, input: u64, output: u64) -> Tokens {
+        // Saturating: the counts come in message properties, which a client can set.
         Tokens {
-            input: self.input + input,
-            output: self.output + output,
+            input: self.input.saturating_add(input),
+            output: self.output.saturating_add(output),
         }
     }
 
     pub fn total(self) -> u64 {
-        self.input + self.output
+        self.input.saturating_add(self.output)
     }
 
     /// As the provenance builders take them.

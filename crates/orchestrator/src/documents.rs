@@ -96,7 +96,13 @@ impl DocumentStore {
             }
             DocumentStore::Librarian { librarian, graph } => (librarian, graph),
         };
-        let reads = futures::future::join_all(uris.iter().map(|uri| librarian.read(uri))).await;
+        // A few at a time: each is a request on the librarian's topic and its whole answer.
+        let mut reads = Vec::with_capacity(uris.len());
+        for some in uris.chunks(8) {
+            reads.extend(
+                futures::future::join_all(some.iter().map(|uri| librarian.read(uri))).await,
+            );
+        }
         let mut reading = Reading::default();
         for (uri, read) in uris.iter().zip(reads) {
             match read {
@@ -259,9 +265,15 @@ async fn resolve_texts(store: Option<&DocumentStore>, mut texts: Vec<&mut String
     let Some(store) = store else {
         return;
     };
+    // Each document once, and no more of them than a prompt can use: a request names what it
+    // likes (a client's history is not this service's), and the same reference thousands of
+    // times over, resolved each time, filled the memory.
     let wanted: Vec<String> = texts
         .iter()
         .filter_map(|text| reference(text).map(|(uri, _)| uri.to_owned()))
+        .collect::<std::collections::BTreeSet<String>>()
+        .into_iter()
+        .take(MOST_DOCUMENTS_RESOLVED)
         .collect();
     if wanted.is_empty() {
         return;
@@ -273,13 +285,34 @@ async fn resolve_texts(store: Option<&DocumentStore>, mut texts: Vec<&mut String
     if let Some(e) = failure {
         tracing::warn!(error = %e, read = whole.len(), wanted = wanted.len(), "some checked-in texts could not be read; the prompt sees their excerpts");
     }
+    let mut resolved = 0usize;
+    let mut kept_short = 0usize;
     for text in &mut texts {
         let found = reference(text).and_then(|(uri, _)| whole.get(uri));
         if let Some(found) = found {
+            if resolved.saturating_add(found.len()) > MOST_BYTES_RESOLVED {
+                kept_short += 1;
+                continue;
+            }
+            resolved += found.len();
             found.clone_into(text);
         }
     }
+    if kept_short > 0 {
+        tracing::warn!(
+            kept_short,
+            resolved,
+            "a prompt's checked-in texts come to more than {MOST_BYTES_RESOLVED} bytes whole; the rest stay excerpts"
+        );
+    }
 }
+
+/// The most distinct documents one prompt's texts are resolved from.
+const MOST_DOCUMENTS_RESOLVED: usize = 256;
+
+/// The most bytes of whole text one prompt's excerpts are replaced with; past it they stay
+/// excerpts. Far above what a model reads in one prompt.
+const MOST_BYTES_RESOLVED: usize = 16 * 1024 * 1024;
 
 /// The whole texts of the documents `uris` in the graph's documents graph, by IRI.
 async fn fetch<'u>(
@@ -321,6 +354,22 @@ async fn fetch<'u>(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[tokio::test]
+    async fn a_prompt_resolves_each_document_once_and_within_a_bound() {
+        let store = GraphStore::in_memory().unwrap();
+        let text = "x".repeat(1024 * 1024);
+        let uri = agent_core::documents::document_uri(&text);
+        store.keep_document(&uri, &text).await.unwrap();
+        let documents = DocumentStore::Graph(store);
+        // The same reference forty times over: a client's history names what it likes.
+        let excerpt = agent_core::documents::excerpt_with_reference(&text, &uri);
+        let mut texts: Vec<String> = vec![excerpt.clone(); 40];
+        resolve_texts(Some(&documents), texts.iter_mut().collect()).await;
+        let whole = texts.iter().filter(|t| **t == text).count();
+        assert_eq!(whole, MOST_BYTES_RESOLVED / text.len());
+        assert!(texts.iter().skip(whole).all(|t| *t == excerpt));
+    }
 
     #[test]
     fn a_fetch_fails_only_for_a_document_that_may_exist_and_keeps_what_it_read() {

@@ -218,7 +218,7 @@ impl Engine {
             session_id.to_owned()
         };
         let run_uri = SessionUris::new(&run).session();
-        let mut run_tokens = run_base + tokens_before.total();
+        let mut run_tokens = run_base.saturating_add(tokens_before.total());
         let mut run_iterations = steps_taken(&request.history);
         let mut abandoned = false;
         // A subagent's siblings (and cousins) spend from the same budget: their calls are in the
@@ -534,7 +534,17 @@ impl Engine {
             _ => None,
         };
         let earlier = conversation::earlier(store, conversation, session_id).await?;
-        let max_wall = Duration::from_secs(config.limits.max_wall_secs);
+        // A dialog past its wall-time budget ends at its next step, but the step under way when
+        // the budget ran out still finishes (a tool call, its LLM calls, a supervisor's fan-in
+        // answered at the fan-out timeout): until then it still runs, and the next dialog of the
+        // conversation must not start beside it and see it unanswered.
+        let max_wall = match config.limits.max_wall_secs {
+            0 => Duration::ZERO,
+            secs => Duration::from_secs(
+                secs.saturating_add(config.limits.tool_timeout_secs)
+                    .saturating_add(STEP_PAST_THE_WALL_SECS),
+            ),
+        };
         let mut running: Vec<String> = earlier
             .iter()
             .filter(|d| d.running(max_wall))
@@ -982,6 +992,10 @@ pub(crate) fn metrics_label<'a>(
         _ => "other",
     }
 }
+
+/// How long past its wall-time budget (and a tool's timeout) a dialog's last step may still run:
+/// LLM calls, and a supervisor's fan-in answered at the fan-out timeout (300 s by default).
+const STEP_PAST_THE_WALL_SECS: u64 = 300;
 
 #[cfg(test)]
 mod tests {

@@ -101,6 +101,37 @@ pub(crate) fn validate(
             ));
         }
     }
+    // What a prompt resolves and describes grows with these: no plan this service makes is
+    // longer than twice its cap (a split may pass it once), and no fan-in step holds more results
+    // than its rounds of subagents can bring.
+    let most_plan = 2 * agent_core::plan::MAX_PLAN_STEPS;
+    if let Some(plan) = request
+        .history
+        .iter()
+        .filter_map(|step| step.plan.as_ref())
+        .find(|plan| plan.len() > most_plan)
+    {
+        return Err(format!(
+            "a plan in the history has {} steps; at most {most_plan} are taken",
+            plan.len()
+        ));
+    }
+    let most_results = config
+        .limits
+        .max_subagents
+        .max(agent_core::plan::MAX_PLAN_STEPS)
+        .saturating_mul(config.limits.max_iterations.saturating_add(1));
+    if let Some(results) = request
+        .history
+        .iter()
+        .filter_map(|step| step.subagent_results.as_ref())
+        .find(|results| results.len() > most_results)
+    {
+        return Err(format!(
+            "a step in the history carries {} subagent results; at most {most_results} are taken",
+            results.len()
+        ));
+    }
     let pattern = request.pattern.as_str();
     if !pattern.is_empty() && !Pattern::runs(pattern) {
         return Err(format!(
@@ -214,6 +245,34 @@ mod tests {
                 taken
             );
         }
+    }
+
+    #[test]
+    fn a_history_with_an_overlong_plan_or_too_many_results_is_refused() {
+        let config = AgentConfig::default();
+        let step = |plan: Option<Vec<agent_schema::PlanStep>>, results: usize| AgentRequest {
+            question: "q".into(),
+            history: vec![agent_schema::AgentStep {
+                plan,
+                subagent_results: (results > 0).then(|| {
+                    (0..results)
+                        .map(|i| (format!("{i:03}"), "r".to_owned()))
+                        .collect()
+                }),
+                ..agent_schema::AgentStep::default()
+            }],
+            ..AgentRequest::default()
+        };
+        let plan = |len: usize| Some(vec![agent_schema::PlanStep::default(); len]);
+        let most_plan = 2 * agent_core::plan::MAX_PLAN_STEPS;
+        assert_eq!(
+            validate_plain(&step(plan(most_plan), 0), &config, false, 100),
+            Ok(())
+        );
+        assert!(validate_plain(&step(plan(most_plan + 1), 0), &config, false, 100).is_err());
+        assert_eq!(validate_plain(&step(None, 20), &config, false, 100), Ok(()));
+        assert!(validate_plain(&step(None, 8_000), &config, false, 100)
+            .is_err_and(|e| e.contains("subagent results")));
     }
 
     #[test]
