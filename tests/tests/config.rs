@@ -153,6 +153,26 @@ async fn an_mcp_servers_credentials_are_shown_only_with_the_token() {
         assert!(!secrets(&anonymous), "{body}: {anonymous}");
         assert!(anonymous.contains("mcp.example"), "{body}: {anonymous}");
     }
+    // A value read without the token and written back would store the placeholder: refused.
+    let read_hidden = http.get(&url).send().await.unwrap().text().await.unwrap();
+    let written_back = http
+        .put(&url)
+        .bearer_auth(&svc.token)
+        .body(read_hidden)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(written_back.status(), 400);
+    let kept = http
+        .get(&url)
+        .bearer_auth(&svc.token)
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(secrets(&kept), "{kept}");
     // Over the broker, as the orchestrators read it: whole.
     let bus = Bus::connect(&broker.url(), None).await.unwrap();
     let topics = Topics::trustgraph("default", "default");

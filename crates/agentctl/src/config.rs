@@ -47,13 +47,17 @@ pub async fn run(args: ConfigArgs) -> anyhow::Result<i32> {
     let http = reqwest::Client::new();
     let base = format!("{}/api/v1/config", args.url.trim_end_matches('/'));
     let token = args.token.clone().filter(|t| !t.is_empty());
-    let write = |request: reqwest::RequestBuilder| match &token {
+    // Reads carry the token too when there is one: without it an MCP server's credentials come
+    // back hidden, and a value read so and written back would be refused.
+    let authorized = |request: reqwest::RequestBuilder| match &token {
         Some(t) => request.bearer_auth(t),
         None => request,
     };
     match args.command {
-        ConfigCommand::List { kind } => print(http.get(format!("{base}/{kind}"))).await,
-        ConfigCommand::Get { kind, key } => print(http.get(format!("{base}/{kind}/{key}"))).await,
+        ConfigCommand::List { kind } => print(authorized(http.get(format!("{base}/{kind}")))).await,
+        ConfigCommand::Get { kind, key } => {
+            print(authorized(http.get(format!("{base}/{kind}/{key}")))).await
+        }
         ConfigCommand::Put { kind, key, value } => {
             let text = match value.strip_prefix('@') {
                 Some(file) => {
@@ -62,10 +66,10 @@ pub async fn run(args: ConfigArgs) -> anyhow::Result<i32> {
                 None => value,
             };
             serde_json::from_str::<Value>(&text).context("the value is not JSON")?;
-            print(write(http.put(format!("{base}/{kind}/{key}"))).body(text)).await
+            print(authorized(http.put(format!("{base}/{kind}/{key}"))).body(text)).await
         }
         ConfigCommand::Delete { kind, key } => {
-            print(write(http.delete(format!("{base}/{kind}/{key}")))).await
+            print(authorized(http.delete(format!("{base}/{kind}/{key}")))).await
         }
         ConfigCommand::Validate { dir } => Ok(if report(&dir) { 0 } else { 1 }),
         ConfigCommand::Seed { dir } => {
@@ -85,7 +89,7 @@ pub async fn run(args: ConfigArgs) -> anyhow::Result<i32> {
                 if current["config"][&kind].get(&key).is_some() {
                     continue;
                 }
-                let response = write(http.put(format!("{base}/{kind}/{key}")))
+                let response = authorized(http.put(format!("{base}/{kind}/{key}")))
                     .body(text)
                     .send()
                     .await?;

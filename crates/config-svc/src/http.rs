@@ -99,6 +99,11 @@ async fn gateway(State(state): State<AppState>, headers: HeaderMap, body: Bytes)
         if let Some(denied) = denied(&state, &headers) {
             return denied;
         }
+        if request.values.iter().any(|v| v.value.contains(HIDDEN)) {
+            return Json(json!({"error": {"type": crate::protocol::BAD_OPERATION,
+                "message": HIDDEN_WRITTEN_BACK}}))
+            .into_response();
+        }
     }
     let trusted = trusted(&state, &headers);
     match crate::answer_and_announce(&state.store, &state.pusher, request).await {
@@ -195,6 +200,10 @@ fn trusted(state: &AppState, headers: &HeaderMap) -> bool {
 /// What a reader without the token is shown in place of a credential.
 const HIDDEN: &str = "(hidden: read with the config token to see it)";
 
+/// Why a write holding [`HIDDEN`] is refused: it was read without the token and would replace the
+/// credential with the placeholder.
+const HIDDEN_WRITTEN_BACK: &str = "the value holds a credential's placeholder (it was read without the config token); read it with the token and write that";
+
 /// A stored value of type `kind` as a reader is shown it: whole with the token; otherwise an `mcp`
 /// entry's `auth-token` and the values of its `env` hidden (the config API answers anyone who
 /// reaches it, and those are the credentials the orchestrators use; they read the config over
@@ -216,6 +225,26 @@ fn shown(kind: &str, text: &str, trusted: bool) -> String {
     if let Some(Value::Object(env)) = entry.get_mut("env") {
         for value in env.values_mut() {
             *value = Value::String(HIDDEN.to_owned());
+            hidden = true;
+        }
+    }
+    // A URL's user and query, and arguments that carry a secret (`--token x`, a connection
+    // string's password), as errors and logs show them.
+    if let Some(Value::String(url)) = entry.get_mut("url") {
+        let shown = agent_core::redact::without_credentials(url);
+        if shown != *url {
+            *url = shown;
+            hidden = true;
+        }
+    }
+    if let Some(Value::Array(args)) = entry.get_mut("args") {
+        let given: Vec<String> = args
+            .iter()
+            .map(|a| a.as_str().map_or_else(|| a.to_string(), str::to_owned))
+            .collect();
+        let shown = agent_core::redact::shown_arguments(&given);
+        if shown != given {
+            *args = shown.into_iter().map(Value::String).collect();
             hidden = true;
         }
     }
@@ -307,6 +336,9 @@ async fn put_one(
     let Ok(text) = String::from_utf8(body.to_vec()) else {
         return (StatusCode::BAD_REQUEST, "the body is not UTF-8").into_response();
     };
+    if text.contains(HIDDEN) {
+        return (StatusCode::BAD_REQUEST, HIDDEN_WRITTEN_BACK).into_response();
+    }
     write(&state, scope.name(), move |store, workspace| {
         store.put(workspace, &[(kind, key, text)])
     })
@@ -343,6 +375,13 @@ mod tests {
         assert!(hidden.contains("https://mcp.example/mcp") && hidden.contains("API_KEY"));
         assert_eq!(shown("mcp", entry, true), entry);
         assert_eq!(shown("tool", entry, false), entry);
+        let args = r#"{"command": "npx", "args": ["server-postgres", "postgresql://app:pw@db/app", "--token", "t0k"]}"#;
+        let hidden = shown("mcp", args, false);
+        assert!(
+            !hidden.contains("pw@") && !hidden.contains("t0k"),
+            "{hidden}"
+        );
+        assert!(hidden.contains("postgresql://db/app"), "{hidden}");
         let plain = r#"{"url": "https://mcp.example/mcp"}"#;
         assert_eq!(shown("mcp", plain, false), plain);
         assert_eq!(shown("mcp", "not json", false), "not json");

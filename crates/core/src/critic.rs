@@ -126,10 +126,11 @@ pub fn parse(text: &str) -> Evaluation {
     let readable: Vec<serde_json::Map<String, serde_json::Value>> = crate::react::objects_in(text)
         .filter(|o| !statuses_of(o).is_empty())
         .collect();
+    // Without one that evaluates, the last: a verdict follows what it quotes.
     let verdict = readable
         .iter()
         .position(|o| o.contains_key("evaluation") || o.contains_key("lesson"))
-        .unwrap_or(0);
+        .unwrap_or(readable.len().saturating_sub(1));
     let Some(o) = readable.into_iter().nth(verdict) else {
         return unreadable("the evaluation holds no JSON object with a known status");
     };
@@ -769,6 +770,8 @@ mod tests {
         );
         assert_eq!(v.status, Status::Success);
         assert_eq!(v.evaluation, "fine");
+        let v = verdict(r#"It said {"status": "error"}. Verdict: {"status": "SUCCESS"}"#);
+        assert_eq!(v.status, Status::Success);
     }
 
     #[test]

@@ -14,6 +14,7 @@ pub mod plan_then_execute;
 pub mod prompt;
 pub mod provenance;
 pub mod react;
+pub mod redact;
 pub mod router;
 pub mod supervisor;
 pub mod tools;

@@ -60,61 +60,16 @@ impl Endpoint {
     /// a flag that does (`--token x`, `--api-key=x`).
     pub fn describe(&self) -> String {
         match self {
-            Endpoint::Http { url, .. } => without_credentials(url),
+            Endpoint::Http { url, .. } => agent_core::redact::without_credentials(url),
             Endpoint::Stdio { command, args, .. } => {
                 let mut line = command.clone();
-                let mut after_secret_flag = false;
-                for arg in args {
-                    let secret = names_secret(arg);
-                    let shown = match arg.split_once('=') {
-                        _ if after_secret_flag => "***".to_owned(),
-                        Some((flag, _)) if names_secret(flag) => format!("{flag}=***"),
-                        _ if secret && !arg.starts_with('-') => "***".to_owned(),
-                        // A connection string (`postgresql://user:pass@host/db`).
-                        _ if arg.contains("://") => without_credentials(arg),
-                        _ => arg.clone(),
-                    };
-                    after_secret_flag =
-                        !after_secret_flag && secret && arg.starts_with('-') && !arg.contains('=');
+                for arg in agent_core::redact::shown_arguments(args) {
                     line.push(' ');
-                    line.push_str(&shown);
+                    line.push_str(&arg);
                 }
                 line
             }
         }
-    }
-}
-
-/// Whether `text` (an argument, a flag) names a credential.
-fn names_secret(text: &str) -> bool {
-    let lower = text.to_ascii_lowercase();
-    [
-        "token",
-        "key",
-        "secret",
-        "password",
-        "passwd",
-        "auth",
-        "credential",
-    ]
-    .iter()
-    .any(|word| lower.contains(word))
-}
-
-/// `url` without its user information and query (and fragment).
-fn without_credentials(url: &str) -> String {
-    let cut = url.find(['?', '#']).unwrap_or(url.len());
-    let url = &url[..cut];
-    match url.split_once("://") {
-        Some((scheme, rest)) => {
-            let authority_end = rest.find('/').unwrap_or(rest.len());
-            let (authority, path) = rest.split_at(authority_end);
-            let host = authority
-                .rsplit_once('@')
-                .map_or(authority, |(_, host)| host);
-            format!("{scheme}://{host}{path}")
-        }
-        None => url.to_owned(),
     }
 }
 
@@ -127,6 +82,8 @@ struct Session {
     /// while a long call runs, and would be taken for lost).
     in_flight: std::sync::atomic::AtomicUsize,
     answered_at: Mutex<std::time::Instant>,
+    /// A call on it was given up on before it answered: the server may hang.
+    suspect: std::sync::atomic::AtomicBool,
     // Dropping the service ends the session (and kills a stdio server).
     _service: RunningService<RoleClient, ()>,
 }
@@ -134,8 +91,14 @@ struct Session {
 impl Session {
     /// Whether to ask the session whether it still answers before a call: not while calls run on
     /// it, nor when it answered within [`FRESH`].
-    fn worth_a_ping(&self) -> bool {
-        let idle = self.in_flight.load(std::sync::atomic::Ordering::SeqCst) == 0;
+    /// Over HTTP, where requests do not queue behind each other, whenever it was not heard from
+    /// within [`FRESH`]; a session a call gave up on, always.
+    fn worth_a_ping(&self, endpoint: &Endpoint) -> bool {
+        if self.suspect.load(std::sync::atomic::Ordering::SeqCst) {
+            return true;
+        }
+        let idle = matches!(endpoint, Endpoint::Http { .. })
+            || self.in_flight.load(std::sync::atomic::Ordering::SeqCst) == 0;
         let heard = *self
             .answered_at
             .lock()
@@ -144,6 +107,8 @@ impl Session {
     }
 
     fn heard(&self) {
+        self.suspect
+            .store(false, std::sync::atomic::Ordering::SeqCst);
         *self
             .answered_at
             .lock()
@@ -155,22 +120,39 @@ impl Session {
 const FRESH: Duration = Duration::from_secs(2);
 
 /// A call counted as under way on a session for as long as this lives.
-struct InFlight<'a>(&'a Session);
+/// One that ends without [`InFlight::finished`] (its step stopped waiting, at the tool's timeout)
+/// leaves the session suspect: it is pinged before the next call, busy or not.
+struct InFlight<'a> {
+    session: &'a Session,
+    finished: bool,
+}
 
 impl<'a> InFlight<'a> {
     fn enter(session: &'a Session) -> InFlight<'a> {
         session
             .in_flight
             .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-        InFlight(session)
+        InFlight {
+            session,
+            finished: false,
+        }
+    }
+
+    fn finished(mut self) {
+        self.finished = true;
     }
 }
 
 impl Drop for InFlight<'_> {
     fn drop(&mut self) {
-        self.0
+        self.session
             .in_flight
             .fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
+        if !self.finished {
+            self.session
+                .suspect
+                .store(true, std::sync::atomic::Ordering::SeqCst);
+        }
     }
 }
 
@@ -235,7 +217,7 @@ impl McpPool {
         arguments: &BTreeMap<String, String>,
     ) -> Result<String, String> {
         let (mut session, reused) = self.session(endpoint).await?;
-        if reused && session.worth_a_ping() {
+        if reused && session.worth_a_ping(endpoint) {
             if let Err(e) = ping(&session, endpoint).await {
                 tracing::info!(server = %endpoint.describe(), error = %e, "MCP session lost; connecting again");
                 self.forget(endpoint, &session).await;
@@ -243,8 +225,10 @@ impl McpPool {
             }
         }
         let result = {
-            let _in_flight = InFlight::enter(&session);
-            call_on(&session, endpoint, name, arguments).await
+            let in_flight = InFlight::enter(&session);
+            let result = call_on(&session, endpoint, name, arguments).await;
+            in_flight.finished();
+            result
         };
         if result.is_ok() {
             session.heard();
@@ -433,6 +417,7 @@ async fn connect(endpoint: &Endpoint) -> Result<Session, String> {
         tools: tokio::sync::OnceCell::new(),
         in_flight: std::sync::atomic::AtomicUsize::new(0),
         answered_at: Mutex::new(std::time::Instant::now()),
+        suspect: std::sync::atomic::AtomicBool::new(false),
         _service: service,
     })
 }
@@ -509,9 +494,12 @@ fn passed_environment() -> Vec<(std::ffi::OsString, std::ffi::OsString)> {
             let Some(name) = name.to_str() else {
                 return false;
             };
+            // A launcher's own credentials (`NODE_AUTH_TOKEN`, `UV_INDEX_..._PASSWORD`) go only
+            // when named.
             NAMES.contains(&name)
                 || named.contains(&name)
-                || PREFIXES.iter().any(|prefix| name.starts_with(prefix))
+                || (PREFIXES.iter().any(|prefix| name.starts_with(prefix))
+                    && !agent_core::redact::names_secret(name))
         })
         .collect()
 }
@@ -612,7 +600,8 @@ const PING_TIMEOUT: Duration = Duration::from_secs(5);
 /// How long opening a session (reaching a server, or starting a child process, and the
 /// `initialize` round trip) may take: a server that accepts and never answers must not hold every
 /// step that lists or calls its tools. A stdio server's first start may download it (`npx -y`,
-/// `uvx`, `docker run`), so it has longer.
+/// `uvx`, `docker run`), so it has longer; the step waits for it no longer than the tool's timeout
+/// (`tool_timeout_secs`), which ends the start too.
 const CONNECT_TIMEOUT_HTTP: Duration = Duration::from_secs(15);
 const CONNECT_TIMEOUT_STDIO: Duration = Duration::from_secs(120);
 

@@ -96,32 +96,36 @@ impl DocumentStore {
             }
             DocumentStore::Librarian { librarian, graph } => (librarian, graph),
         };
-        // A few at a time: each is a request on the librarian's topic and its whole answer.
-        let mut reads = Vec::with_capacity(uris.len());
-        for some in uris.chunks(8) {
-            reads.extend(
-                futures::future::join_all(some.iter().map(|uri| librarian.read(uri))).await,
-            );
-        }
+        // Many at a time, in rounds (each read is a request on the librarian's topic and its
+        // whole answer); once a round meets a failure (the librarian down: each read waits out its
+        // timeout), the rest are not asked, and are looked for in the graph.
         let mut reading = Reading::default();
-        for (uri, read) in uris.iter().zip(reads) {
-            match read {
-                Ok(Some(text)) if agent_core::documents::document_uri(&text) == *uri => {
-                    reading.texts.insert(uri.clone(), text);
-                }
-                // Named by its text's digest, as in the graph: another text under the name (the
-                // librarian keeps what anyone asks it to) is not the document.
-                Ok(Some(_)) => {
-                    tracing::warn!(document = %uri, "the librarian's text is not the one its name is the digest of; not used");
-                    reading.absent.push(uri.clone());
-                }
-                Ok(None) => reading.absent.push(uri.clone()),
-                Err(e) => {
-                    reading.librarian_failure.get_or_insert(e.to_string());
-                    reading.unanswered.push(uri.clone());
+        let mut rounds = uris.chunks(32);
+        for some in rounds.by_ref() {
+            let reads = futures::future::join_all(some.iter().map(|uri| librarian.read(uri))).await;
+            for (uri, read) in some.iter().zip(reads) {
+                match read {
+                    Ok(Some(text)) if agent_core::documents::document_uri(&text) == *uri => {
+                        reading.texts.insert(uri.clone(), text);
+                    }
+                    // Named by its text's digest, as in the graph: another text under the name
+                    // (the librarian keeps what anyone asks it to) is not the document.
+                    Ok(Some(_)) => {
+                        tracing::warn!(document = %uri, "the librarian's text is not the one its name is the digest of; not used");
+                        reading.absent.push(uri.clone());
+                    }
+                    Ok(None) => reading.absent.push(uri.clone()),
+                    Err(e) => {
+                        reading.librarian_failure.get_or_insert(e.to_string());
+                        reading.unanswered.push(uri.clone());
+                    }
                 }
             }
+            if reading.librarian_failure.is_some() {
+                break;
+            }
         }
+        reading.unanswered.extend(rounds.flatten().cloned());
         // A document the librarian did not answer for may be in the graph all the same: a
         // fan-in keeps there what the librarian did not take in time.
         if let (Some(graph), false) = (

@@ -640,8 +640,13 @@ async fn synthesise(
             &uris.iteration(n),
             provenance::draft_answer(uris, n, &stats),
         )?;
+        let cut_off = if completion.cut_off {
+            ANSWER_CUT_OFF
+        } else {
+            ""
+        };
         let step = AgentStep {
-            observation: completion.text.trim().to_owned(),
+            observation: format!("{}{cut_off}", completion.text.trim()),
             step_type: StepType::Synthesise.as_str().to_owned(),
             plan: Some(plan.to_vec()),
             ..AgentStep::default()
