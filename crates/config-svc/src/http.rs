@@ -271,7 +271,7 @@ fn hide_credentials(response: &mut agent_schema::ConfigResponse) {
 }
 
 fn denied(state: &AppState, headers: &HeaderMap) -> Option<Response> {
-    let Some(expected) = &state.token else {
+    if state.token.is_none() {
         return Some(
             (
                 StatusCode::UNAUTHORIZED,
@@ -279,11 +279,8 @@ fn denied(state: &AppState, headers: &HeaderMap) -> Option<Response> {
             )
                 .into_response(),
         );
-    };
-    let given = headers
-        .get(header::AUTHORIZATION)
-        .and_then(|v| v.to_str().ok());
-    (!agent_bus::bearer_matches(given, expected))
+    }
+    (!trusted(state, headers))
         .then(|| (StatusCode::UNAUTHORIZED, "a valid bearer token is required").into_response())
 }
 

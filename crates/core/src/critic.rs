@@ -549,13 +549,16 @@ pub fn draft_fate(history: &[AgentStep], status: Status, max_retries: usize) -> 
     }
 }
 
-/// The draft answer the last history step wrote, when it waits for review: a `synthesise` step
-/// that carries no subagent results (one that does is a supervisor's fan-in, still to be
-/// answered).
+/// Whether `step` is a draft answer: a `synthesise` step that carries no subagent results (one
+/// that does is a supervisor's fan-in, still to be answered).
+pub fn is_draft(step: &AgentStep) -> bool {
+    StepType::parse(&step.step_type) == Some(StepType::Synthesise)
+        && step.subagent_results.is_none()
+}
+
+/// The draft answer the last history step wrote, when it waits for review.
 pub fn awaiting_draft_review(history: &[AgentStep]) -> Option<&AgentStep> {
-    history.last().filter(|s| {
-        StepType::parse(&s.step_type) == Some(StepType::Synthesise) && s.subagent_results.is_none()
-    })
+    history.last().filter(|s| is_draft(s))
 }
 
 /// Whether the last history step is the critic's rejection of a draft answer: the draft is to be

@@ -139,20 +139,38 @@ pub async fn give_rejected_draft_at_a_limit(
     }
     let (termination, why) = out_of_limits(turn)?;
     let history = crate::documents::resolve_recent(turn.documents, &turn.request.history).await;
-    let draft = history.iter().rev().find(|s| {
-        agent_schema::StepType::parse(&s.step_type) == Some(agent_schema::StepType::Synthesise)
-            && s.subagent_results.is_none()
-    })?;
-    let effect = format!("the rejected draft was not written again: {why}");
-    let given = Given {
-        answer: format!(
-            "{}\n\n(A reviewer did not accept this answer, and it was not written again: {why}.)",
-            draft.observation
+    let draft = history.iter().rev().find(|s| critic::is_draft(s))?;
+    let unjudged = Unjudged {
+        effect: format!("the rejected draft was not written again: {why}"),
+        note: format!(
+            "A reviewer did not accept this answer, and it was not written again: {why}."
         ),
-        effect: &effect,
         termination,
     };
-    Some(conclude(turn, n, given, &CallStats::default(), turn.llm.model()).await)
+    Some(give_unjudged(turn, n, &draft.observation, unjudged).await)
+}
+
+/// A draft given at a limit without the reviewer's acceptance: what the review's observation
+/// says, the note the answer ends with, and why the dialog ended.
+struct Unjudged {
+    effect: String,
+    note: String,
+    termination: Termination,
+}
+
+/// Ends the dialog with `draft` and its note, no LLM call made for it.
+async fn give_unjudged(
+    turn: &Turn<'_>,
+    n: usize,
+    draft: &str,
+    unjudged: Unjudged,
+) -> Result<(), BusError> {
+    let given = Given {
+        answer: format!("{draft}\n\n({})", unjudged.note),
+        effect: &unjudged.effect,
+        termination: unjudged.termination,
+    };
+    conclude(turn, n, given, &CallStats::default(), turn.llm.model()).await
 }
 
 /// The critic's verdict on a draft answer, what it does to the plan, and what asking cost.
@@ -219,16 +237,12 @@ pub async fn review_draft(turn: &Turn<'_>, n: usize, results: String) -> Result<
         return ended;
     }
     if let Some((termination, why)) = out_of_limits(turn) {
-        let effect = format!("the draft was not reviewed: {why}");
-        let given = Given {
-            answer: format!(
-                "{}\n\n(This answer was not reviewed: {why}.)",
-                draft.observation
-            ),
-            effect: &effect,
+        let unjudged = Unjudged {
+            effect: format!("the draft was not reviewed: {why}"),
+            note: format!("This answer was not reviewed: {why}."),
             termination,
         };
-        return conclude(turn, n, given, &CallStats::default(), turn.llm.model()).await;
+        return give_unjudged(turn, n, &draft.observation, unjudged).await;
     }
     let Some(judged) = judge_draft(turn, n, &draft.observation, results, &[]).await? else {
         return Ok(());
