@@ -83,10 +83,35 @@ async fn a_crash_at_any_point_of_publishing_a_step_gives_one_outcome() {
         );
         broker.restart().unwrap();
         let mut client = client(&broker).await;
-        let mut replacement = Orchestrator::spawn_journaled(&broker, &llm, &aggregator, TOKEN, &[]);
-        let mut responses = collect_dialog(&mut client, stage, DIALOG_TIMEOUT)
-            .await
-            .unwrap();
+        // The dialog's time counts once the replacement consumes: on a loaded machine, Apache
+        // Pulsar just restarted can take a good part of a minute to let a service start (it
+        // failed once in CI with nothing at all heard within the minute).
+        let http_addr = format!("127.0.0.1:{}", agent_bus::embedded::free_port().unwrap());
+        let mut replacement = Orchestrator::start(
+            Place::InProcess,
+            &broker.url(),
+            &llm.base_url(),
+            "scripted",
+            &seed_dir(),
+            &[
+                "--graph-store",
+                &aggregator.endpoint,
+                "--config-token",
+                TOKEN,
+                "--http-addr",
+                &http_addr,
+            ],
+            &[],
+        );
+        until_ready(&format!("http://{http_addr}"), Duration::from_secs(120)).await;
+        let mut responses = match collect_dialog(&mut client, stage, DIALOG_TIMEOUT).await {
+            Ok(responses) => responses,
+            // What ran tells a dialog that never went on from one whose responses were lost.
+            Err(e) => panic!(
+                "{stage}: {e:#}; LLM calls of its steps (rules 4, 1, 0): {:?}",
+                [4, 1, 0].map(|rule| calls_of(&llm, &question, rule))
+            ),
+        };
         responses.extend(drain_for(&mut client, stage, Duration::from_secs(2)).await);
         let last = responses.iter().rfind(|r| r.end_of_dialog).unwrap();
         assert_eq!(last.content, "alpha and beta, combined.", "{stage}");

@@ -11,6 +11,18 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context;
 
+/// The namespaces of TrustGraph's topics under its tenant `tg`: created at start, and each served
+/// before the broker counts as ready (a service's start-up reaches them all: its dead-letter and
+/// notify topics too).
+const NAMESPACES: [&str; 6] = [
+    "flow",
+    "request",
+    "response",
+    "notify",
+    "dead-letter",
+    "config",
+];
+
 /// The role every service of a test with authentication uses (a super-user).
 pub const ADMIN_ROLE: &str = "admin";
 
@@ -533,7 +545,7 @@ brokerClientAuthenticationParameters=file://{}
                 // After a restart the namespaces exist before their bundles are served again (a
                 // client subscribing then was refused once): wait until topics of each resolve.
                 while started.elapsed() < Duration::from_secs(120) {
-                    let served = ["request", "response", "flow"].iter().all(|namespace| {
+                    let served = NAMESPACES.iter().all(|namespace| {
                         self.admin_get(&format!(
                             "/lookup/v2/topic/non-persistent/tg/{namespace}/ready-check"
                         ))
@@ -571,14 +583,7 @@ brokerClientAuthenticationParameters=file://{}
     fn create_namespaces(&self) -> anyhow::Result<()> {
         let tenant = r#"{"allowedClusters": ["standalone"], "adminRoles": []}"#;
         self.admin_put("/admin/v2/tenants/tg", tenant)?;
-        for namespace in [
-            "flow",
-            "request",
-            "response",
-            "notify",
-            "dead-letter",
-            "config",
-        ] {
+        for namespace in NAMESPACES {
             self.admin_put(&format!("/admin/v2/namespaces/tg/{namespace}"), "{}")?;
         }
         Ok(())
