@@ -346,8 +346,8 @@ pub async fn run(settings: AggregatorSettings, shutdown: CancellationToken) -> a
         .fanout_nested_grace_secs
         .map_or(timeout / 4, Duration::from_secs)
         .min(timeout);
-    // A store written by an earlier build holds fan-outs and approvals that wait without the
-    // marks the sweeps start from.
+    // A store written by an earlier build, or an aggregator of one still running beside this one,
+    // holds fan-outs and approvals that wait without the marks the sweeps start from.
     let marking = tokio::spawn(mark_what_waits(store.clone(), shutdown.clone()));
     let sweeper = tokio::spawn(fanin::sweep(
         store.clone(),
@@ -415,27 +415,59 @@ pub async fn run(settings: AggregatorSettings, shutdown: CancellationToken) -> a
     Ok(())
 }
 
-/// Marks every fan-out and approval that waits without a mark ([`agent_graph::waiting`]), trying
-/// again (backing off to a minute) until it has, or until `shutdown`: the store may be down at
-/// start. It reads the whole record once, off every message's path.
+/// When [`mark_what_waits`] reads the record again after its first pass, counted from the
+/// aggregator's start: an aggregator of the build before that still runs beside this one during a
+/// rolling upgrade writes fan-outs and approvals without marks after this one's first pass, and
+/// once it is gone nothing else would mark them (their timeouts and expiries would never fire).
+/// A rollout is over within the hour in most deployments; after that a pass every six hours
+/// covers one that is not, at the cost of one read of every fan-out and approval recorded.
+const MARKING_AGAIN_AFTER: [Duration; 4] = [
+    Duration::from_secs(60),
+    Duration::from_secs(5 * 60),
+    Duration::from_secs(15 * 60),
+    Duration::from_secs(60 * 60),
+];
+const MARKING_PERIOD: Duration = Duration::from_secs(6 * 60 * 60);
+
+/// Marks every fan-out and approval that waits without a mark ([`agent_graph::waiting`]), at
+/// start and again at [`MARKING_AGAIN_AFTER`] and every [`MARKING_PERIOD`] after that, each pass
+/// trying again (backing off to a minute) until it has; until `shutdown`, which also stops a
+/// pass midway. Off every message's path.
 async fn mark_what_waits(store: agent_graph::GraphStore, shutdown: CancellationToken) {
-    let mut wait = Duration::from_secs(1);
+    let started = tokio::time::Instant::now();
+    let mut pass: usize = 0;
     loop {
-        match agent_graph::waiting::mark_unmarked(&store).await {
-            Ok(0) => return,
-            Ok(marked) => {
-                tracing::info!(marked, "marked the fan-outs and approvals that waited without a mark (a store written by an earlier build)");
-                return;
+        let mut wait = Duration::from_secs(1);
+        loop {
+            let marked = tokio::select! {
+                _ = shutdown.cancelled() => return,
+                marked = agent_graph::waiting::mark_unmarked(&store) => marked,
+            };
+            match marked {
+                Ok(0) => break,
+                Ok(marked) => {
+                    tracing::info!(marked, "marked the fan-outs and approvals that waited without a mark (written by an aggregator of an earlier build)");
+                    break;
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, retry_in_secs = wait.as_secs(), "could not mark the fan-outs and approvals that wait; trying again")
+                }
             }
-            Err(e) => {
-                tracing::warn!(error = %e, retry_in_secs = wait.as_secs(), "could not mark the fan-outs and approvals that wait; trying again")
+            tokio::select! {
+                _ = shutdown.cancelled() => return,
+                _ = tokio::time::sleep(wait) => {}
             }
+            wait = (wait * 2).min(Duration::from_secs(60));
         }
+        let next = match MARKING_AGAIN_AFTER.get(pass) {
+            Some(after) => started + *after,
+            None => tokio::time::Instant::now() + MARKING_PERIOD,
+        };
+        pass += 1;
         tokio::select! {
             _ = shutdown.cancelled() => return,
-            _ = tokio::time::sleep(wait) => {}
+            _ = tokio::time::sleep_until(next) => {}
         }
-        wait = (wait * 2).min(Duration::from_secs(60));
     }
 }
 

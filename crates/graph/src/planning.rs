@@ -449,10 +449,11 @@ mod tests {
             step_inputs(&session, 1..=STEP_INPUTS_PAGE),
             recorded_llm_calls(&node),
             recorded_tool_results(&node),
+            cancellations_at(std::slice::from_ref(&node)),
             owner_records(),
             crate::waiting::answered(crate::waiting::Waits::Synthesis),
             crate::waiting::answered(crate::waiting::Waits::ApprovalAnswer),
-            crate::waiting::unmarked(),
+            crate::waiting::unmarked(1_000),
         ] {
             let operands = operands(&parsed(&query));
             assert_eq!(

@@ -118,9 +118,9 @@ pub fn answered(what: Waits) -> String {
     )
 }
 
-/// The agent's nodes that wait for something and carry no mark (`?n ?what`): a store written
-/// before the index was kept.
-pub fn unmarked() -> String {
+/// The agent's nodes that wait for something and carry no mark (`?n ?what`), at most `limit` of
+/// them: a store written before the index was kept, or by an aggregator of an earlier build.
+pub fn unmarked(limit: usize) -> String {
     let (w, g) = (waiting(), provenance());
     let (synthesis, answer) = (Waits::Synthesis.class(), Waits::ApprovalAnswer.class());
     format!(
@@ -132,7 +132,7 @@ pub fn unmarked() -> String {
     {{ ?n a tg:ApprovalRequest . BIND ({answer} AS ?what)
       FILTER NOT EXISTS {{ {approvals_answered} }} }}
     FILTER (STRSTARTS(STR(?n), \"{SESSION_PREFIX}\")) }}
-  FILTER NOT EXISTS {{ GRAPH {w} {{ ?n tg:awaits ?what }} }} }}",
+  FILTER NOT EXISTS {{ GRAPH {w} {{ ?n tg:awaits ?what }} }} }} LIMIT {limit}",
         fanouts_answered = answered_pattern(Waits::Synthesis),
         approvals_answered = answered_pattern(Waits::ApprovalAnswer),
     )
@@ -167,33 +167,55 @@ pub async fn tidy(store: &GraphStore, what: Waits) -> Result<usize, GraphError> 
     Ok(nodes.len())
 }
 
-/// Marks every node that waits and carries no mark (a store written before the index was kept,
-/// or by an aggregator of an earlier build); how many it marked. It reads the whole record once.
-pub async fn mark_unmarked(store: &GraphStore) -> Result<usize, GraphError> {
-    let QueryAnswer::Rows(rows) = store.query(unmarked()).await? else {
-        return Ok(0);
-    };
-    let marks: Vec<Quad> = rows
-        .column("n")
-        .into_iter()
-        .zip(rows.column("what"))
-        .filter_map(|(n, what)| match (n, what) {
-            (Some(Term::NamedNode(n)), Some(Term::NamedNode(what))) => {
-                let what = if what.as_str() == tg::SYNTHESIS.as_str() {
-                    Waits::Synthesis
-                } else {
-                    Waits::ApprovalAnswer
-                };
-                Some(mark(n.clone(), what))
-            }
-            _ => None,
-        })
-        .collect();
-    let count = marks.len();
-    for page in marks.chunks(PAGE) {
-        store.insert(page.to_vec()).await?;
+/// How long one page of [`mark_unmarked`]'s reading may take, and how much work it may make: it
+/// reads every fan-out and approval ever recorded, which a large store may not allow within the
+/// bounds of a query from a client.
+fn unmarked_bounds() -> crate::QueryBounds {
+    crate::QueryBounds {
+        timeout: std::time::Duration::from_secs(600),
+        max_rows: PAGE,
+        max_bindings: crate::QueryBounds::DEFAULT_MAX_BINDINGS,
     }
-    Ok(count)
+}
+
+/// Marks every node that waits and carries no mark (a store written before the index was kept,
+/// or by an aggregator of an earlier build); how many it marked. It reads the whole record, a
+/// page of marks at a time (what it marked is not read again); dropped, it stops the reading.
+pub async fn mark_unmarked(store: &GraphStore) -> Result<usize, GraphError> {
+    let mut count = 0;
+    loop {
+        let QueryAnswer::Rows(rows) = store
+            .query_bounded(unmarked(PAGE), unmarked_bounds())
+            .await?
+        else {
+            return Ok(count);
+        };
+        let marks: Vec<Quad> = rows
+            .column("n")
+            .into_iter()
+            .zip(rows.column("what"))
+            .filter_map(|(n, what)| match (n, what) {
+                (Some(Term::NamedNode(n)), Some(Term::NamedNode(what))) => {
+                    let what = if what.as_str() == tg::SYNTHESIS.as_str() {
+                        Waits::Synthesis
+                    } else {
+                        Waits::ApprovalAnswer
+                    };
+                    Some(mark(n.clone(), what))
+                }
+                _ => None,
+            })
+            .collect();
+        // A page none of whose rows made a mark would be read again for ever.
+        let last_page = rows.rows.len() < PAGE || marks.is_empty();
+        count += marks.len();
+        if !marks.is_empty() {
+            store.insert(marks).await?;
+        }
+        if last_page {
+            return Ok(count);
+        }
+    }
 }
 
 #[cfg(test)]

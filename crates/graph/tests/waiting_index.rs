@@ -102,6 +102,34 @@ async fn the_sweeps_read_what_waits_not_the_whole_history() {
     assert_eq!(waiting::mark_unmarked(&store).await.unwrap(), 0);
     // Within a budget of bindings far below one per answered node.
     assert_eq!(waiting_now(&store).await, (1, 1, 1));
+    // So is what each sweep reads to tidy the index (the marks of nodes answered since).
+    for what in [Waits::Synthesis, Waits::ApprovalAnswer] {
+        let answered = store
+            .query_bounded(waiting::answered(what), budget())
+            .await
+            .unwrap()
+            .rows();
+        assert!(answered.rows.is_empty(), "{what:?}");
+    }
+}
+
+#[tokio::test]
+async fn more_waiting_than_a_page_of_marks_is_all_marked() {
+    // Written by an earlier build: 2,500 fan-outs open (marks are added a thousand at a time).
+    let store = GraphStore::in_memory().unwrap();
+    let mut data = format!("{PREFIXES}INSERT DATA {{ GRAPH <urn:graph:retrieval> {{\n");
+    for i in 0..2_500 {
+        data.push_str(&fan_out(&format!("open-{i}"), false));
+    }
+    data.push_str("} }");
+    store.update(data).await.unwrap();
+    assert_eq!(waiting::mark_unmarked(&store).await.unwrap(), 2_500);
+    assert_eq!(waiting::mark_unmarked(&store).await.unwrap(), 0);
+    let open = store.query(queries::open_fanouts()).await.unwrap().rows();
+    assert_eq!(
+        open.first("n").unwrap().to_string(),
+        "\"2500\"^^<http://www.w3.org/2001/XMLSchema#integer>"
+    );
 }
 
 #[tokio::test]
