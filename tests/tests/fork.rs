@@ -423,3 +423,79 @@ async fn a_long_dialogs_input_is_read_a_page_at_a_time() {
         .unwrap();
     assert_eq!(input.question, "A long one.");
 }
+
+/// A dialog whose one tool call was refused (its group may not use the tool), then answered
+/// without it; and what the tool answers when it runs.
+const REFUSED_THEN_RUN: &str = r#"{"rules": [
+  {"match": "Observation: 42", "reply": "Thought: That is it.\nFinal Answer: 42"},
+  {"match": "not available to this request", "reply": "Thought: No tool for it.\nFinal Answer: unknown"},
+  {"match": "compute 6*7", "exact": true, "reply": "42"},
+  {"match": "Question: What is six times seven?", "reply": "Thought: Multiply.\nAction: llm\nArgs: {\"question\": \"compute 6*7\"}"}
+]}"#;
+
+#[tokio::test]
+async fn a_replay_runs_a_call_the_source_was_refused_rather_than_reuse_the_refusal() {
+    let Stack {
+        broker,
+        aggregator,
+        llm,
+        orchestrator: _orchestrator,
+    } = Stack::journaled(TOKEN, REFUSED_THEN_RUN, &seed_dir(), &[]).await;
+    let mut client = client(&broker).await;
+    client
+        .send(
+            "refused",
+            &AgentRequest {
+                pattern: "react".into(),
+                group: Some(vec!["no-such-group".into()]),
+                ..request("What is six times seven?", false)
+            },
+        )
+        .await
+        .unwrap();
+    let responses = collect_dialog(&mut client, "refused", Duration::from_secs(60))
+        .await
+        .unwrap();
+    assert_eq!(
+        responses.last().unwrap().content,
+        "unknown",
+        "{responses:#?}"
+    );
+    let source = session_of(&responses);
+    let concluded = format!(
+        "{SPARQL_PREFIXES}SELECT ?c WHERE {{ GRAPH <urn:graph:retrieval> {{ <{source}/final> ?p ?c }} }}"
+    );
+    assert!(count_reaching(&aggregator.store(), concluded, 1).await >= 1);
+    // The tool is an LLM call asking exactly this.
+    let tool_calls = || {
+        llm.calls()
+            .iter()
+            .filter(|c| c.last_user.trim() == "compute 6*7")
+            .count()
+    };
+    assert_eq!(tool_calls(), 0, "the tool never ran");
+    // Replayed with every group, reusing what was recorded: the refusal is not a result of the
+    // tool, so the tool runs this time and the dialog answers from what it said.
+    let said = agentctl(
+        Some(&broker),
+        &aggregator,
+        &[
+            "fork", &source, "--from", "1", "--reuse", "all", "--group", "*",
+        ],
+    )
+    .await;
+    assert!(
+        said.contains("42") && !said.contains("unknown"),
+        "the replay's answer: {said}"
+    );
+    assert_eq!(tool_calls(), 1, "the tool ran once");
+    // The source's observation records the refusal as such.
+    let refused = format!(
+        "{SPARQL_PREFIXES}ASK {{ GRAPH <urn:graph:retrieval> {{
+           <{source}/i1/observation> tg:toolOutcome \"refused\" }} }}"
+    );
+    assert!(matches!(
+        aggregator.store().query(refused).await.unwrap(),
+        agent_graph::QueryAnswer::Boolean(true)
+    ));
+}

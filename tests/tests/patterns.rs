@@ -326,6 +326,46 @@ async fn deep_research_runs_rounds_of_parallel_lookups_then_writes_and_is_judged
     );
 }
 
+/// An ensemble none of whose agents answered (each agent's LLM call fails) ends with an error
+/// that says so, and the reconciliation is never asked: until 2026-12-02 the failures were handed
+/// to it as the agents' positions, and its reply came back as the ensemble's answer.
+#[tokio::test]
+async fn an_ensemble_whose_agents_all_failed_ends_with_an_error_not_a_reconciled_answer() {
+    // No rule answers the agents (each of their calls gets HTTP 400, and each agent fails).
+    let script = r#"{"rules": [
+      {"match": "Request to classify: ", "reply": "{\"choice\": \"risk-assessment\", \"rationale\": \"what could go wrong\"}"},
+      {"match": "Request to work on: ", "reply": "{\"choice\": \"ensemble\", \"rationale\": \"a judgement call\"}"},
+      {"match": "Question to reconcile: ", "reply": "{\"agreed\": [\"everything\"], \"disagreed\": [], \"answer\": \"All agents agree it is safe.\"}"}
+    ]}"#;
+    let broker = Broker::start().unwrap();
+    let _aggregator = Aggregator::spawn(&broker);
+    let llm = scripted_llm(script).await;
+    let _orchestrator = Orchestrator::spawn(&broker, &llm, &seed_dir(), &[]);
+    let mut client = client(&broker).await;
+    client
+        .send(
+            "ensemble-failed",
+            &request("Is it safe to migrate our database this weekend?", false),
+        )
+        .await
+        .unwrap();
+    let responses = collect_dialog(&mut client, "ensemble-failed", Duration::from_secs(60))
+        .await
+        .unwrap();
+    assert_eq!(
+        outcome(&responses),
+        "error: None of the ensemble's 3 agents gave an answer (each failed, timed out or was cancelled), so there is nothing to reconcile.",
+        "{responses:#?}"
+    );
+    assert_eq!(responses.iter().filter(|r| r.end_of_dialog).count(), 1);
+    assert!(
+        llm.calls()
+            .iter()
+            .all(|c| !c.last_user.contains("Question to reconcile")),
+        "the reconciliation was asked"
+    );
+}
+
 /// An ensemble that debates (`debate_rounds: 1`): after the first round every agent is sent out
 /// again, shown all the answers of that round, and may revise its own; only the revised answers
 /// are reconciled. The round that was debated is closed by a synthesis node, and the debate's

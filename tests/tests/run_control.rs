@@ -1082,6 +1082,128 @@ async fn an_approval_with_edited_arguments_runs_the_tool_with_them() {
     );
 }
 
+/// An approval sent again once the journal no longer holds its resumption (pruned a retention
+/// after its dialog ended, 2 s here) finds the call answered in the graph and makes nothing: the
+/// tool is not run a second time, and the client hears nothing more. Until 2026-12-02 the journal
+/// entry was the only guard, and a second `agentctl approve` after the retention paid again.
+#[tokio::test]
+async fn an_approval_sent_again_after_the_journal_was_pruned_runs_nothing() {
+    const PAY_ONCE: &str = r#"{"rules": [
+      {"match": "Observation: payment sent", "reply": "Thought: Done.\nFinal Answer: The zeta invoice is paid."},
+      {"match": "pay invoice zeta-3", "exact": true, "reply": "payment sent"},
+      {"match": "Question: pay the zeta invoice", "reply": "Thought: Pay it.\nAction: pay\nArgs: {\"question\": \"pay invoice zeta-3\"}"}
+    ]}"#;
+    let Stack {
+        broker,
+        aggregator,
+        llm,
+        orchestrator: _orchestrator,
+    } = Stack::journaled(
+        TOKEN,
+        PAY_ONCE,
+        &pay_config("pruned", 300),
+        &["--journal-retention-secs", "2"],
+    )
+    .await;
+    let mut client = client(&broker).await;
+    client
+        .send(
+            "a-9",
+            &AgentRequest {
+                pattern: "react".into(),
+                ..request("pay the zeta invoice", false)
+            },
+        )
+        .await
+        .unwrap();
+    let mut responses = until_approval_asked(&mut client, "a-9").await;
+    let (_, session, step) = approval_asked(&responses);
+    let approve = [
+        "approve",
+        session.as_str(),
+        &step.to_string(),
+        "--by",
+        "ops-zoe",
+    ]
+    .map(str::to_owned);
+    let approve: Vec<&str> = approve.iter().map(String::as_str).collect();
+    agentctl(&broker, &approve);
+    responses.extend(
+        collect_dialog(&mut client, "a-9", Duration::from_secs(60))
+            .await
+            .unwrap(),
+    );
+    assert_eq!(
+        responses.last().unwrap().content,
+        "The zeta invoice is paid.",
+        "{responses:#?}"
+    );
+    assert_eq!(payments(&llm, "pay invoice zeta-3"), 1);
+    // The dialog's journal entries are pruned once past the retention.
+    let uri = agent_core::provenance::SessionUris::new(&session).session();
+    let journaled = format!(
+        "SELECT ?e WHERE {{ GRAPH <urn:graph:agent-journal> {{ ?e ?p ?o
+           FILTER (STRSTARTS(STR(?e), \"{uri}/\")) }} }}"
+    );
+    let store = aggregator.store();
+    let pruned_by = std::time::Instant::now() + Duration::from_secs(60);
+    while count(&store, journaled.clone()).await > 0 {
+        assert!(
+            std::time::Instant::now() < pruned_by,
+            "the journal was not pruned"
+        );
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    agentctl(&broker, &approve);
+    let after = drain_for(&mut client, "a-9", Duration::from_secs(8)).await;
+    assert!(after.is_empty(), "{after:#?}");
+    assert_eq!(payments(&llm, "pay invoice zeta-3"), 1, "paid again");
+}
+
+/// An approval that comes after its run was cancelled longer ago than a replica remembers cancels
+/// (a day, `cancel::MEMORY`; approvals may wait far longer) ends the run as cancelled and pays
+/// nothing: the resumed step reads its run's cancels from the graph whatever their age. Here the
+/// orchestrator never heard the cancel, whose record is a year old. Until 2026-12-02 the
+/// approved call was made.
+#[tokio::test]
+async fn an_approval_after_a_cancel_older_than_a_day_runs_nothing() {
+    let (
+        Stack {
+            broker,
+            llm,
+            aggregator,
+            orchestrator: _orchestrator,
+        },
+        mut client,
+        mut responses,
+        session,
+        step,
+    ) = a_payment_awaiting_approval("old-cancel", "theta", 4, "a-10").await;
+    let uri = agent_core::provenance::SessionUris::new(&session).session();
+    agent_graph::GraphStore::open(&aggregator.endpoint, Some(TOKEN.to_owned()))
+        .unwrap()
+        .update(format!(
+            "{}PREFIX xsd: <http://www.w3.org/2001/XMLSchema#>
+             INSERT DATA {{ GRAPH <urn:graph:retrieval> {{
+               <{uri}/cancellation> a tg:Cancellation ; tg:cancelledBy \"ops-old\" ;
+                 prov:atTime \"2025-12-01T00:00:00Z\"^^xsd:dateTime ; tg:reason \"stale run\" }} }}",
+            agent_core::vocab::SPARQL_PREFIXES
+        ))
+        .await
+        .unwrap();
+    agentctl(
+        &broker,
+        &["approve", &session, &step.to_string(), "--by", "ops-ann"],
+    );
+    responses.extend(
+        collect_dialog(&mut client, "a-10", Duration::from_secs(60))
+            .await
+            .unwrap(),
+    );
+    assert_closed_by_cancel(&responses, "ops-old", "stale run");
+    assert_eq!(payments(&llm, "pay invoice theta-4"), 0);
+}
+
 /// Dialog A looks something up, then answers slowly (or never, when its second call stalls);
 /// dialog B follows it in the same conversation.
 fn conversation_script(second_call: &str) -> String {

@@ -84,18 +84,33 @@ pub fn debate_goals(question: &str, perspectives: &[String], answers: &str) -> V
 }
 
 /// The agents' answers as the reconciliation prompt shows them: `Agent {k} ({perspective}):
-/// {answer}` in the order they were started. `results` are keyed as the fan-in keys them (by
-/// index first); `perspectives` by index.
+/// {answer}` in the order they were started. `results` are keyed as the fan-in keys them (the
+/// agent's index first, `NN. goal`), and each answer is told by the index its key names, so an
+/// agent missing from them shifts no other; `perspectives` by index.
 pub fn describe_answers(results: &BTreeMap<String, String>, perspectives: &[String]) -> String {
     results
-        .values()
+        .iter()
         .enumerate()
+        .map(|(place, (key, answer))| {
+            let index = key
+                .split_once(". ")
+                .and_then(|(index, _)| index.parse::<usize>().ok())
+                .unwrap_or(place);
+            (index, answer)
+        })
         .map(|(i, answer)| match perspectives.get(i) {
             Some(p) => format!("Agent {} ({p}): {answer}", i + 1),
             None => format!("Agent {}: {answer}", i + 1),
         })
         .collect::<Vec<_>>()
         .join("\n\n")
+}
+
+/// Whether an agent's result, as the fan-in hands it on, is an answer: the aggregator puts a
+/// failed agent's (`Error: the subagent failed: ...`), a timed-out one's (`Error: no result
+/// within ...`) and a cancelled one's (`The subagent was cancelled ...`) in its place.
+pub fn gave_an_answer(result: &str) -> bool {
+    !result.starts_with("Error:") && !result.starts_with("The subagent was ")
 }
 
 /// What the reconciliation concluded.
@@ -121,10 +136,8 @@ pub fn parse_reconciliation(text: &str) -> Reconciliation {
         disagreed: Vec::new(),
         read: false,
     };
-    let Some(start) = text.find('{') else {
-        return whole();
-    };
-    let Some(Ok(value)) = crate::react::first_json_value(&text[start..]) else {
+    // The first object that carries an answer: prose before it may hold braces of its own.
+    let Some(value) = crate::react::first_object_with(text, &["answer"]) else {
         return whole();
     };
     let answer = value
@@ -214,6 +227,17 @@ mod tests {
         assert!(!prose.read);
         assert_eq!(prose.answer, "They mostly agree: it is safe.");
         assert!(!parse_reconciliation("{\"agreed\": [\"x\"]}").read);
+        // Braces in the prose before the object do not hide it.
+        let after_prose = parse_reconciliation(
+            "Agents {1, 2} agree.\n{\"agreed\": [], \"disagreed\": [], \"answer\": \"Yes.\"}",
+        );
+        assert!(after_prose.read);
+        assert_eq!(after_prose.answer, "Yes.");
+        assert!(gave_an_answer("yes"));
+        assert!(!gave_an_answer(
+            "Error: no result within 30 s (the subagent timed out)"
+        ));
+        assert!(!gave_an_answer("The subagent was cancelled by ops at ..."));
         let results: BTreeMap<String, String> = [
             ("00. Q".to_owned(), "yes".to_owned()),
             ("01. Q".to_owned(), "no".to_owned()),
@@ -222,6 +246,17 @@ mod tests {
         assert_eq!(
             describe_answers(&results, &["direct".to_owned()]),
             "Agent 1 (direct): yes\n\nAgent 2: no"
+        );
+        // An agent missing from the results shifts no other agent's number or perspective.
+        let gap: BTreeMap<String, String> = [
+            ("00. Q".to_owned(), "yes".to_owned()),
+            ("02. Q".to_owned(), "maybe".to_owned()),
+        ]
+        .into();
+        let perspectives = ["a", "b", "c"].map(str::to_owned);
+        assert_eq!(
+            describe_answers(&gap, &perspectives),
+            "Agent 1 (a): yes\n\nAgent 3 (c): maybe"
         );
     }
 

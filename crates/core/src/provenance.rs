@@ -842,12 +842,16 @@ pub fn evaluation(
     b.build()
 }
 
-/// What a tool run cost: its duration and the tokens of any LLM call it made.
+/// What a tool run cost: its duration and the tokens of any LLM call it made; and how it went.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct ToolStats {
     pub duration_ms: u64,
     pub in_token: u64,
     pub out_token: u64,
+    /// How the call went (`tg:toolOutcome`: `ok`, `error`, `timeout`, `refused`, or `not-run`
+    /// when a person denied it or it could not wait for one), where a tool was asked for. A
+    /// replay gives again only the results of calls that ran.
+    pub outcome: Option<&'static str>,
 }
 
 /// The observation of iteration `n`: what the tool returned (or the error) and what it cost, so the
@@ -863,6 +867,9 @@ pub fn observation(uris: &SessionUris, n: usize, text: &str, tool: ToolStats) ->
         .tg(&s, tg::IN_TOKEN, integer(tool.in_token))
         .tg(&s, tg::OUT_TOKEN, integer(tool.out_token))
         .document(&s, &s, text);
+    if let Some(outcome) = tool.outcome {
+        b.tg(&s, tg::TOOL_OUTCOME, Term::literal(outcome));
+    }
     b.build()
 }
 

@@ -213,10 +213,13 @@ impl Dispatch {
 }
 
 /// The LLM-as-router's candidates: the tools the request may use, then the patterns config
-/// defines that this orchestrator runs (not itself), each with what it does.
+/// defines that this orchestrator runs (not itself), each with what it does. Patterns that fan
+/// out are offered only where the request `may_fan_out` (within `max_fanout_depth`): chosen past
+/// it, they would run as ReACT while the graph recorded them as chosen.
 pub fn dispatch_candidates(
     config: &AgentConfig,
     tools: &[crate::tools::ToolDef],
+    may_fan_out: bool,
 ) -> Vec<Candidate> {
     let tools = tools.iter().map(|t| Candidate {
         name: Dispatch::Tool(t.name.clone()).name(),
@@ -225,6 +228,7 @@ pub fn dispatch_candidates(
     let patterns = Pattern::ALL
         .into_iter()
         .filter(|p| *p != Pattern::LlmRouter)
+        .filter(|p| may_fan_out || !p.fans_out())
         .filter(|p| config.patterns.is_empty() || config.patterns.contains_key(p.name()))
         .map(|p| Candidate {
             name: Dispatch::Pattern(p).name(),
@@ -405,12 +409,14 @@ mod tests {
             {"type": "text-completion", "name": "llm", "description": "ask"}
         ))
         .unwrap_or_else(|e| panic!("{e}"));
-        let offered: Vec<String> = dispatch_candidates(&config, &[tool])
-            .into_iter()
-            .map(|c| c.name)
-            .collect();
+        let offered = |may_fan_out: bool| -> Vec<String> {
+            dispatch_candidates(&config, std::slice::from_ref(&tool), may_fan_out)
+                .into_iter()
+                .map(|c| c.name)
+                .collect()
+        };
         assert_eq!(
-            offered,
+            offered(true),
             [
                 "tool:llm",
                 "pattern:react",
@@ -418,6 +424,17 @@ mod tests {
                 "pattern:supervisor",
                 "pattern:reflexion",
                 "pattern:ensemble",
+                "pattern:deep-research"
+            ]
+        );
+        // Past the fan-out depth, no pattern that fans out is offered.
+        assert_eq!(
+            offered(false),
+            [
+                "tool:llm",
+                "pattern:react",
+                "pattern:plan-then-execute",
+                "pattern:reflexion",
                 "pattern:deep-research"
             ]
         );

@@ -159,6 +159,19 @@ pub fn cancellations_since(since: &str) -> String {
     )
 }
 
+/// The cancels recorded at `nodes` (cancellation nodes: a session's and its supervisors'), at
+/// any age: `?c ?by ?at ?reason`, as [`cancellations_since`] has them.
+pub fn cancellations_at(nodes: &[NamedNode]) -> String {
+    let g = graph();
+    let nodes: Vec<String> = nodes.iter().map(ToString::to_string).collect();
+    format!(
+        "{PREFIXES}SELECT ?c ?by ?at ?reason WHERE {{ VALUES ?c {{ {} }} GRAPH {g} {{
+  ?c a tg:Cancellation ; tg:cancelledBy ?by ; prov:atTime ?at .
+  OPTIONAL {{ ?c tg:reason ?reason }} }} }}",
+        nodes.join(" ")
+    )
+}
+
 /// The tokens (input plus output) every recorded LLM call of a run has used: the nodes the
 /// orchestrator tagged `tg:run run`, at every depth of its subagents.
 pub fn run_tokens(run: &NamedNode) -> String {
@@ -229,6 +242,22 @@ pub fn claim_synthesis(fanout: &NamedNode, claimer: &str, now: &str, stale_befor
         (tg::SYNTHESIS_CLAIM, tg::CLAIMED_AT, tg::SYNTHESIS_REQUESTED),
         claimer,
         (now, stale_before),
+    )
+}
+
+/// Renews `claimer`'s synthesis claim on a fan-out (its time, to `now`) if it still holds it and
+/// no synthesis was requested: a holder whose work outlasted the lease learns, reading the claim
+/// after this, whether another check took it over meanwhile.
+pub fn renew_synthesis_claim(fanout: &NamedNode, claimer: &str, now: &str) -> String {
+    let g = graph();
+    let who = oxigraph::model::Literal::new_simple_literal(claimer);
+    let now =
+        oxigraph::model::Literal::new_typed_literal(now, oxigraph::model::vocab::xsd::DATE_TIME);
+    format!(
+        "{PREFIXES}DELETE {{ GRAPH {g} {{ {fanout} tg:claimedAt ?at }} }}
+INSERT {{ GRAPH {g} {{ {fanout} tg:claimedAt {now} }} }}
+WHERE {{ GRAPH {g} {{ {fanout} tg:synthesisClaim {who} ; tg:claimedAt ?at
+  FILTER NOT EXISTS {{ {fanout} tg:synthesisRequested ?done }} }} }}"
     )
 }
 
@@ -496,15 +525,20 @@ pub fn recorded_llm_calls(run: &NamedNode) -> String {
     )
 }
 
-/// The tool calls recorded in a run: each iteration's action and arguments, and its observation's
-/// node and text (beside it, or in the documents graph).
+/// The tool calls recorded in a run that ran: each iteration's action and arguments, and its
+/// observation's node, text (beside it, or in the documents graph) and outcome (`?outcome`, unbound
+/// in a record older than outcomes). A call that was refused (not available to the request, or
+/// needing an approval the step could not wait for) or not run (a person denied it) is not
+/// among them: a replay must not give its refusal again as if the tool had answered it.
 pub fn recorded_tool_results(run: &NamedNode) -> String {
     let g = graph();
     format!(
-        "{PREFIXES}SELECT ?action ?arguments ?observation ?text WHERE {{
+        "{PREFIXES}SELECT ?action ?arguments ?observation ?text ?outcome WHERE {{
   GRAPH {g} {{ ?it tg:run {run} ; tg:action ?action ; tg:arguments ?arguments .
     ?observation prov:wasDerivedFrom ?it ; a tg:Observation ; tg:document ?d }}
   {content}
+  OPTIONAL {{ GRAPH {g} {{ ?observation tg:toolOutcome ?outcome }} }}
+  FILTER (!BOUND(?outcome) || ?outcome IN (\"ok\", \"error\", \"timeout\"))
 }}",
         content = content_of("d", "text")
     )

@@ -84,8 +84,18 @@ pub async fn concluded_answer(
 pub struct Recordings {
     /// The digest of what an LLM call asked -> (the call's node, its answer as JSON).
     pub llm_calls: HashMap<String, (String, String)>,
-    /// (tool, arguments as JSON) -> (the observation's node, its text).
-    pub tool_results: BTreeMap<(String, String), (String, String)>,
+    /// (tool, arguments as JSON) -> what its call gave.
+    pub tool_results: BTreeMap<(String, String), RecordedToolResult>,
+}
+
+/// What a recorded tool call gave.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RecordedToolResult {
+    /// The observation's node.
+    pub node: String,
+    pub text: String,
+    /// How the call went (`ok`, `error` or `timeout`); `None` in a record older than outcomes.
+    pub outcome: Option<String>,
 }
 
 /// The LLM calls and tool results recorded in `run` (its root session), subagents included.
@@ -112,7 +122,8 @@ pub async fn recordings(
             .query(queries::recorded_tool_results(&run))
             .await?
             .rows();
-        let columns = ["action", "arguments", "observation", "text"].map(|c| rows.column(c));
+        let columns =
+            ["action", "arguments", "observation", "text", "outcome"].map(|c| rows.column(c));
         for i in 0..rows.rows.len() {
             let cell = |c: usize| text(columns[c].get(i).copied().flatten());
             if let (Some(action), Some(arguments), Some(node), Some(text)) =
@@ -121,7 +132,11 @@ pub async fn recordings(
                 found
                     .tool_results
                     .entry((action, arguments))
-                    .or_insert((node, text));
+                    .or_insert(RecordedToolResult {
+                        node,
+                        text,
+                        outcome: cell(4),
+                    });
             }
         }
     }

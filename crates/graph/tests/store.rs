@@ -60,6 +60,7 @@ fn session_triples(session: &str, question: &str) -> Vec<agent_schema::Triple> {
             duration_ms: 5,
             in_token: 7,
             out_token: 3,
+            outcome: Some("ok"),
         },
     ));
     t.extend(provenance::conclusion(

@@ -75,12 +75,13 @@ pub struct Answer {
 impl Answer {
     /// Whether it approves, or denies, after the deadline the request showed (by its sealed time
     /// of sending): the sweep's expiry may not have come first (it runs every few seconds, and not
-    /// while the aggregator is down), and such an answer must not make the call.
+    /// while the aggregator is down), and such an answer must not make the call. An answer whose
+    /// time does not read as one cannot show it came in time, and counts as late.
     fn too_late(&self) -> bool {
         let parsed = |t: &str| chrono::DateTime::parse_from_rfc3339(t).ok();
         match (parsed(&self.control.at), parsed(&self.deadline)) {
             (Some(at), Some(deadline)) => at > deadline,
-            _ => false,
+            _ => true,
         }
     }
 }
@@ -195,19 +196,36 @@ pub async fn continuation(
     let QueryAnswer::Rows(rows) = store.query(queries::continuation_of(&named)).await? else {
         return Ok(ParkedCall::Missing);
     };
-    let text = |name: &str| match rows.first(name) {
+    // Each row a continuation and a seal: a step parked twice holds two of each, and only the
+    // pairs a row makes can verify.
+    let literal = |term: Option<&Term>| match term {
         Some(Term::Literal(l)) => Some(l.value().to_owned()),
         _ => None,
     };
-    let Some(kept) = text("continuation") else {
+    let continuations = rows.column("continuation");
+    let mut seals = rows.column("seal");
+    seals.resize(continuations.len(), None);
+    let pairs: Vec<(String, Option<String>)> = continuations
+        .into_iter()
+        .zip(seals)
+        .filter_map(|(kept, seal)| Some((literal(kept)?, literal(seal))))
+        .collect();
+    let Some(first) = pairs.first() else {
         return Ok(ParkedCall::Missing);
     };
-    if let Some(key) = seal {
-        let sealed = text("seal").is_some_and(|s| key.verify(&[&node, &kept], &s));
-        if !sealed {
-            return Ok(ParkedCall::Unsealed);
+    let kept = match seal {
+        None => first.0.clone(),
+        Some(key) => {
+            let sealed = pairs.iter().find(|(kept, seal)| {
+                seal.as_deref()
+                    .is_some_and(|s| key.verify(&[&node, kept], s))
+            });
+            match sealed {
+                Some((kept, _)) => kept.clone(),
+                None => return Ok(ParkedCall::Unsealed),
+            }
         }
-    }
+    };
     match serde_json::from_str(&kept) {
         Ok(continuation) => Ok(ParkedCall::Found(Box::new(continuation))),
         Err(e) => Ok(ParkedCall::Unreadable(e.to_string())),

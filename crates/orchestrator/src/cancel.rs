@@ -70,7 +70,11 @@ impl Cancellations {
         let Ok(mut known) = self.known.lock() else {
             return;
         };
-        if known.contains_key(&cancel.session_id) {
+        // One forgotten (heard longer ago than [`MEMORY`]) is heard again.
+        if known
+            .get(&cancel.session_id)
+            .is_some_and(|(heard, _)| heard.elapsed() < MEMORY)
+        {
             return;
         }
         if known.len() >= MOST {
@@ -293,6 +297,42 @@ pub async fn load(
     let QueryAnswer::Rows(rows) = store.query(queries::cancellations_since(&since)).await? else {
         return Ok(0);
     };
+    Ok(record_rows(&rows, cancellations))
+}
+
+/// Reads into `cancellations` the cancels of `session_id` and of every supervisor above it that
+/// the graph records, however long ago: for a step resumed long after its run began (an answer to
+/// a call parked for approval may come days later), whose cancel this replica may have forgotten
+/// or never heard.
+pub async fn load_for(
+    store: &GraphStore,
+    cancellations: &Cancellations,
+    session_id: &str,
+) -> Result<usize, agent_graph::GraphError> {
+    let mut nodes = Vec::new();
+    let mut session = session_id;
+    loop {
+        if let Ok(node) =
+            agent_graph::model::NamedNode::new(SessionUris::new(session).cancellation())
+        {
+            nodes.push(node);
+        }
+        match place_of(session) {
+            Some(place) => session = place.supervisor,
+            None => break,
+        }
+    }
+    if nodes.is_empty() {
+        return Ok(0);
+    }
+    let QueryAnswer::Rows(rows) = store.query(queries::cancellations_at(&nodes)).await? else {
+        return Ok(0);
+    };
+    Ok(record_rows(&rows, cancellations))
+}
+
+/// Records the cancels of `rows` (`?c ?by ?at ?reason`); how many.
+fn record_rows(rows: &agent_graph::Rows, cancellations: &Cancellations) -> usize {
     let text = |term: Option<&Option<Term>>| match term {
         Some(Some(Term::Literal(l))) => l.value().to_owned(),
         _ => String::new(),
@@ -300,7 +340,7 @@ pub async fn load(
     let at = |name: &str| rows.variables.iter().position(|v| v == name);
     let (Some(c), Some(by), Some(when), Some(why)) = (at("c"), at("by"), at("at"), at("reason"))
     else {
-        return Ok(0);
+        return 0;
     };
     let mut loaded = 0;
     for row in &rows.rows {
@@ -322,7 +362,7 @@ pub async fn load(
         });
         loaded += 1;
     }
-    Ok(loaded)
+    loaded
 }
 
 #[cfg(test)]

@@ -9,7 +9,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 
 use agent_core::fork::RecordedInput;
 use agent_core::provenance::{self, SessionUris};
-use agent_graph::recorded::{self, Recordings};
+use agent_graph::recorded::{self, RecordedToolResult, Recordings};
 use agent_graph::{GraphError, GraphStore};
 use agent_llm::tape::{Recorded, Tape};
 use agent_schema::{
@@ -38,6 +38,9 @@ impl Reuse {
             _ => return None,
         };
         let from = agent_core::vocab::session_id_of(from).unwrap_or(from);
+        // Recorded calls name the root session of their run, a subagent's too: a fork of a
+        // subagent's session reuses from its run.
+        let from = crate::budget::run_of(from);
         (!from.is_empty()).then(|| Reuse {
             from: from.to_owned(),
             llm,
@@ -97,7 +100,7 @@ impl StepStart {
 /// One step's record of its calls, and what it may give again.
 pub struct StepReplay {
     pub tape: Arc<Tape>,
-    tool_results: BTreeMap<(String, String), (String, String)>,
+    tool_results: BTreeMap<(String, String), RecordedToolResult>,
     /// The recorded observations given again, by the node they came from.
     reused_tools: Mutex<Vec<String>>,
 }
@@ -132,17 +135,17 @@ impl StepReplay {
         })
     }
 
-    /// The recorded observation of `tool` called with `arguments_json`, if the replay reuses it;
+    /// What the recorded call of `tool` with `arguments_json` gave, if the replay reuses it;
     /// noted as reused.
-    pub fn tool_result(&self, tool: &str, arguments_json: &str) -> Option<String> {
-        let (node, text) = self
+    pub fn tool_result(&self, tool: &str, arguments_json: &str) -> Option<RecordedToolResult> {
+        let recorded = self
             .tool_results
             .get(&(tool.to_owned(), arguments_json.to_owned()))?;
         self.reused_tools
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
-            .push(node.clone());
-        Some(text.clone())
+            .push(recorded.node.clone());
+        Some(recorded.clone())
     }
 
     /// Records in the graph (not for the client) the LLM calls step `n` made or reused, and the

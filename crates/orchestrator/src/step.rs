@@ -490,6 +490,18 @@ impl Engine {
         let Lookup::Fresh(slot) = lookup else {
             return Ok(Err(Settled::Done));
         };
+        if answering {
+            if self.answered_before(&request, &uris).await? {
+                return Ok(Err(Settled::Done));
+            }
+            // The answer may come days after the run began, longer than a replica remembers a
+            // cancel (`cancel::MEMORY`): what the graph records of its run is read first.
+            if let Some(store) = &self.knowledge {
+                crate::cancel::load_for(store, &self.cancellations, &session_id)
+                    .await
+                    .map_err(anyhow::Error::from)?;
+            }
+        }
         Ok(Ok(Admitted {
             request,
             properties,
@@ -764,6 +776,33 @@ impl Engine {
             tracing::warn!(entry = %slot.node.as_str(), message = %slot.delivery, takings, "a step taken up again without an outcome (each handling of its message before stopped short)");
         }
         Ok(Lookup::Fresh(Some(slot)))
+    }
+
+    /// Whether the call an answer resumes was answered before, though no journal entry stands
+    /// for its resumption: the entry was pruned (`JOURNAL_RETENTION_SECS` after its dialog ended)
+    /// and this is an answer sent again, or a captured one played again. The answer's record in
+    /// the graph is never pruned; resumed again, the step would make its call a second time.
+    async fn answered_before(
+        &self,
+        request: &AgentRequest,
+        uris: &SessionUris,
+    ) -> Result<bool, StepError> {
+        let Some(store) = &self.knowledge else {
+            return Ok(false);
+        };
+        let n = steps_taken(&request.history) + 1;
+        let Ok(answer) = agent_graph::model::NamedNode::new(uris.approval_answer(n)) else {
+            return Ok(false);
+        };
+        let found = store
+            .query(agent_graph::queries::node_exists(&answer))
+            .await
+            .map_err(anyhow::Error::from)?;
+        let answered = matches!(found, agent_graph::QueryAnswer::Boolean(true));
+        if answered {
+            tracing::warn!(session = %request.session_id, step = n, "an answer to a call answered before, whose resumption is no longer in the journal; dropped (the call is not made again)");
+        }
+        Ok(answered)
     }
 }
 

@@ -148,11 +148,7 @@ async fn run_calls(
     let mut spent = ToolStats::default();
     let mut records = Vec::new();
     for (k, (call, (run, _))) in calls.iter().zip(runs).enumerate() {
-        let tool = ToolStats {
-            duration_ms: run.duration.as_millis() as u64,
-            in_token: run.in_token,
-            out_token: run.out_token,
-        };
+        let tool = run.stats();
         // The round's wall time is its slowest call's; the tokens add up.
         spent.duration_ms = spent.duration_ms.max(tool.duration_ms);
         spent.in_token += tool.in_token;
@@ -227,8 +223,15 @@ async fn write(turn: &Turn<'_>, n: usize) -> Result<(), BusError> {
         &uris.iteration(n),
         provenance::draft_answer(uris, n, &stats),
     )?;
+    // A draft stopped at the model's length limit says so, to the judge and, given, to the
+    // client.
+    let cut_off = if completion.cut_off {
+        crate::patterns::plan::ANSWER_CUT_OFF
+    } else {
+        ""
+    };
     let draft = AgentStep {
-        observation: completion.text.trim().to_owned(),
+        observation: format!("{}{cut_off}", completion.text.trim()),
         step_type: StepType::Synthesise.as_str().to_owned(),
         ..AgentStep::default()
     };

@@ -90,12 +90,16 @@ async fn debate(turn: &Turn<'_>, n: usize) -> Result<(), BusError> {
         },
         answers,
         perspectives,
+        (answered, agents),
     ) = answered_round(turn).await;
     // The round answered is closed by a synthesis node, as a supervisor's another round is.
     out.explain(
         &uris.synthesis(&cid),
         provenance::synthesis(uris, &cid, &completions, &missing, &CallStats::default()),
     )?;
+    if answered == 0 {
+        return nothing_to_reconcile(turn, n, agents).await;
+    }
     // Each agent debates as the model it answered as.
     let goals = ensemble::with_models(
         ensemble::debate_goals(&request.question, &perspectives, &answers),
@@ -131,8 +135,9 @@ fn kept_perspectives(request: &agent_schema::AgentRequest) -> Vec<String> {
 }
 
 /// The round the dialog was resumed with: its fan-in, the agents' answers as the prompts show
-/// them (long ones read whole; they travel as excerpts), and the agents' perspectives.
-async fn answered_round(turn: &Turn<'_>) -> (FanIn, String, Vec<String>) {
+/// them (long ones read whole; they travel as excerpts), the agents' perspectives, and how many
+/// of the agents gave an answer of how many there were.
+async fn answered_round(turn: &Turn<'_>) -> (FanIn, String, Vec<String>, (usize, usize)) {
     let request = turn.request;
     let fan_in = fan_in(request, turn.config.limits.max_subagents);
     let perspectives = kept_perspectives(request);
@@ -141,7 +146,20 @@ async fn answered_round(turn: &Turn<'_>) -> (FanIn, String, Vec<String>) {
         .cloned()
         .unwrap_or_default();
     let answers = ensemble::describe_answers(&results, &perspectives);
-    (fan_in, answers, perspectives)
+    let answered = results
+        .values()
+        .filter(|r| ensemble::gave_an_answer(r))
+        .count();
+    (fan_in, answers, perspectives, (answered, results.len()))
+}
+
+/// Ends the dialog with an error when none of its `agents` answered: asked to reconcile nothing,
+/// the LLM would make an answer up, and it would read as the agents'.
+async fn nothing_to_reconcile(turn: &Turn<'_>, n: usize, agents: usize) -> Result<(), BusError> {
+    let why = format!(
+        "None of the ensemble's {agents} agents gave an answer (each failed, timed out or was cancelled), so there is nothing to reconcile."
+    );
+    crate::finish::fail(turn, n, &why).await
 }
 
 async fn reconcile(turn: &Turn<'_>, n: usize) -> Result<(), BusError> {
@@ -160,7 +178,15 @@ async fn reconcile(turn: &Turn<'_>, n: usize) -> Result<(), BusError> {
         },
         answers,
         _,
+        (answered, agents),
     ) = answered_round(turn).await;
+    if answered == 0 {
+        out.explain(
+            &uris.synthesis(&cid),
+            provenance::synthesis(uris, &cid, &completions, &missing, &CallStats::default()),
+        )?;
+        return nothing_to_reconcile(turn, n, agents).await;
+    }
     let template = &config.prompts.ensemble_reconcile;
     let vars = [
         ("framing", framing_block(&request.framing)),
@@ -175,13 +201,26 @@ async fn reconcile(turn: &Turn<'_>, n: usize) -> Result<(), BusError> {
     else {
         return Ok(());
     };
-    let reconciliation = ensemble::parse_reconciliation(&completion.text);
+    let mut reconciliation = ensemble::parse_reconciliation(&completion.text);
+    // Stopped at the model's length limit: given saying it is incomplete.
+    if completion.cut_off {
+        reconciliation
+            .answer
+            .push_str(crate::patterns::plan::ANSWER_CUT_OFF);
+    }
     let mut recorded = provenance::synthesis(uris, &cid, &completions, &missing, &stats);
     recorded.extend(provenance::reconciliation(uris, &cid, &reconciliation));
     out.explain(&uris.synthesis(&cid), recorded)?;
+    let mut summary = ensemble::summary(&reconciliation);
+    if answered < agents {
+        summary.push_str(&format!(
+            "\n{} of the {agents} agents gave no answer (failed, timed out or cancelled); the answer reconciles the other {answered}.",
+            agents - answered
+        ));
+    }
     out.chunk_with_outcome(
         MessageType::Observation,
-        &ensemble::summary(&reconciliation),
+        &summary,
         &uris.synthesis(&cid),
         true,
     )

@@ -6,7 +6,7 @@
 
 use agent_bus::BusError;
 use agent_core::pattern::{Pattern, Termination};
-use agent_core::provenance::{self, CallStats, ToolStats};
+use agent_core::provenance::{self, CallStats};
 use agent_core::router::{self, Dispatch};
 use agent_core::tools::Scope;
 use agent_schema::AgentRequest;
@@ -34,7 +34,8 @@ pub async fn iterate(turn: &Turn<'_>) -> Result<(), BusError> {
     }
     let scope = Scope::new(request.group.as_deref(), request.state.as_deref());
     let visible = turn.visible_tools(&scope).await;
-    let candidates = router::dispatch_candidates(config, &visible);
+    let may_fan_out = agent_core::supervisor::may_fan_out(request, config.limits.max_fanout_depth);
+    let candidates = router::dispatch_candidates(config, &visible, may_fan_out);
     let (system, user) = router::dispatch_prompt(
         &config.prompts.llm_router,
         &request.question,
@@ -83,11 +84,7 @@ pub async fn iterate(turn: &Turn<'_>) -> Result<(), BusError> {
             if out.parked().is_some() {
                 return Ok(());
             }
-            let stats = ToolStats {
-                duration_ms: run.duration.as_millis() as u64,
-                in_token: run.in_token,
-                out_token: run.out_token,
-            };
+            let stats = run.stats();
             // The tool's call is iteration 1, derived from the choice that made it.
             let mut triples = provenance::tool_iteration(
                 uris,

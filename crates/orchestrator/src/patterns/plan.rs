@@ -343,11 +343,7 @@ async fn run_step(turn: &Turn<'_>, n: usize, index: usize) -> Result<(), BusErro
                 return Ok(());
             }
             next_state = state;
-            tool = ToolStats {
-                duration_ms: run.duration.as_millis() as u64,
-                in_token: run.in_token,
-                out_token: run.out_token,
-            };
+            tool = run.stats();
             let status = if run.outcome.answered() {
                 COMPLETED
             } else {

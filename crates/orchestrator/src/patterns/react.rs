@@ -214,11 +214,7 @@ pub async fn act(
     if turn.out.parked().is_some() {
         return Ok(());
     }
-    let tool = ToolStats {
-        duration_ms: run.duration.as_millis() as u64,
-        in_token: run.in_token,
-        out_token: run.out_token,
-    };
+    let tool = run.stats();
     let tokens = decision.tokens.plus(run.in_token, run.out_token);
     record_decision(turn, n, decision, run.observation, tool, next_state, tokens).await
 }
@@ -236,16 +232,11 @@ pub async fn not_run(
         .state()
         .to_owned();
     let tokens = decision.tokens;
-    record_decision(
-        turn,
-        n,
-        decision,
-        observation,
-        ToolStats::default(),
-        state,
-        tokens,
-    )
-    .await
+    let tool = ToolStats {
+        outcome: Some(crate::tools::NOT_RUN),
+        ..ToolStats::default()
+    };
+    record_decision(turn, n, decision, observation, tool, state, tokens).await
 }
 
 async fn record_decision(

@@ -10,6 +10,7 @@ use std::time::{Duration, Instant};
 
 use agent_core::config::AgentConfig;
 use agent_core::prompt::{render, PromptTemplate};
+use agent_core::provenance::ToolStats;
 use agent_core::tools::{Scope, ToolArgument, ToolDef, MCP_TOOL};
 use agent_graph::GraphStore;
 use agent_llm::{ChatMessage, LlmClient};
@@ -62,6 +63,10 @@ impl ToolOutcome {
     }
 }
 
+/// The outcome recorded for a call the LLM asked for that was not made: a person denied it, or it
+/// needed one and the step could not wait (`tg:toolOutcome`).
+pub const NOT_RUN: &str = "not-run";
+
 /// What a tool run produced.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ToolRun {
@@ -70,6 +75,18 @@ pub struct ToolRun {
     pub duration: Duration,
     pub in_token: u64,
     pub out_token: u64,
+}
+
+impl ToolRun {
+    /// What the run cost and how it went, as its observation records it.
+    pub fn stats(&self) -> ToolStats {
+        ToolStats {
+            duration_ms: self.duration.as_millis() as u64,
+            in_token: self.in_token,
+            out_token: self.out_token,
+            outcome: Some(self.outcome.label()),
+        }
+    }
 }
 
 /// Runs the tool the LLM named, if the request may use it, and returns what it produced and the
@@ -107,24 +124,27 @@ pub async fn run_scoped_tool(
         Some(tool) if scope.allows(tool) => {
             // A replay gives the recorded result of the same call again: the tool is not run.
             let arguments_json = serde_json::to_string(arguments).unwrap_or_default();
-            if let Some(observation) = turn.replay.tool_result(&tool.name, &arguments_json) {
+            if let Some(recorded) = turn.replay.tool_result(&tool.name, &arguments_json) {
                 crate::events::ToolCalled {
                     tool: &tool.name,
                     outcome: "reused",
                     took: Duration::ZERO,
                 }
                 .emit();
-                // A recorded failure is reused as the failure it was (every failure is
-                // observed as an `Error:`), not as an answer: a plan would mark its step
-                // completed, and the router give the error as the dialog's answer.
-                let outcome = if observation.starts_with("Error:") {
-                    ToolOutcome::Failed
-                } else {
-                    ToolOutcome::Answered
+                // A recorded failure is reused as the failure it was, not as an answer: a plan
+                // would mark its step completed, and the router give the error as the dialog's
+                // answer. A record older than outcomes says it only in words (every failure is
+                // observed as an `Error:`).
+                let outcome = match recorded.outcome.as_deref() {
+                    Some("ok") => ToolOutcome::Answered,
+                    Some("timeout") => ToolOutcome::TimedOut,
+                    Some(_) => ToolOutcome::Failed,
+                    None if recorded.text.starts_with("Error:") => ToolOutcome::Failed,
+                    None => ToolOutcome::Answered,
                 };
                 let run = ToolRun {
                     outcome,
-                    observation,
+                    observation: recorded.text,
                     duration: Duration::ZERO,
                     in_token: 0,
                     out_token: 0,
