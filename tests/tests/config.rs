@@ -8,7 +8,7 @@ use agent_bus::{Bus, ConfigClient, ConfigPushes, Topics};
 use agent_config_files as seed;
 use agent_e2e::{
     binary, client, collect_dialog, config_dir, request as agent_request, sample, scrape,
-    scripted_llm, seed_dir, Broker, ConfigSvc, Orchestrator, Place,
+    scripted_llm, seed_dir, seed_with, Broker, ConfigSvc, Orchestrator, Place,
 };
 use agent_schema::{operation, ConfigKey, ConfigRequest};
 use serde_json::{json, Value};
@@ -391,6 +391,73 @@ async fn the_orchestrator_applies_config_changes_without_a_restart() {
         still.is_some_and(|e| e.contains("40")),
         "the invalid config was applied"
     );
+}
+
+/// A stdio MCP server defined only by the config service (anyone who can publish on the broker can
+/// write it) starts no program: the tool's call is refused, saying why, and the program never ran.
+/// The orchestrator's own config directory, or `MCP_STDIO_COMMANDS`, decides what may start. Until
+/// 2026-12-02 the config service's definition was started as it stood.
+#[tokio::test]
+async fn a_stdio_mcp_server_defined_only_by_the_config_service_starts_no_program() {
+    let marker = std::env::temp_dir().join(format!(
+        "agent-e2e-stdio-{}-{:08x}",
+        std::process::id(),
+        rand::random::<u32>()
+    ));
+    let mcp = json!({
+        "planted": {"remote-name": "anything", "command": "sh",
+                    "args": ["-c", format!("touch {}", marker.display())]}
+    });
+    let tools = json!({
+        "planted": {"name": "planted", "description": "A tool the config service planted",
+                    "type": "mcp-tool", "mcp-tool": "planted",
+                    "arguments": [{"name": "x", "type": "string"}]}
+    });
+    let planted = seed_with(
+        "planted-stdio",
+        &[("mcp", &mcp.to_string()), ("tool", &tools.to_string())],
+    );
+    let broker = Broker::start().unwrap();
+    let _svc = ConfigSvc::spawn(&broker, Some(&planted));
+    let llm = scripted_llm(
+        r#"{"rules": [
+      {"match": "starts no program here", "reply": "Thought: refused.\nFinal Answer: refused"},
+      {"match": "no tool named", "reply": "Thought: not yet.\nFinal Answer: no such tool yet"},
+      {"match": "Question: run the planted tool", "reply": "Thought: run it.\nAction: planted\nArgs: {\"x\": \"1\"}"}
+    ]}"#,
+    )
+    .await;
+    // Its own directory is the seed, which defines no stdio server.
+    let _orchestrator = Orchestrator::spawn(&broker, &llm, &seed_dir(), &[]);
+    let mut client = client(&broker).await;
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    let mut answers = Vec::new();
+    for attempt in 0.. {
+        let id = format!("planted-{attempt}");
+        client
+            .send(&id, &agent_request("run the planted tool", false))
+            .await
+            .unwrap();
+        let responses = collect_dialog(&mut client, &id, Duration::from_secs(30))
+            .await
+            .unwrap();
+        let answer = responses.last().unwrap().content.clone();
+        // Until the service's config is applied, the tool is not known yet.
+        if answer == "refused" || std::time::Instant::now() > deadline {
+            answers.push(answer);
+            break;
+        }
+        answers.push(answer);
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+    assert_eq!(
+        answers.last().map(String::as_str),
+        Some("refused"),
+        "after {} dialogs",
+        answers.len()
+    );
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(!marker.exists(), "the planted program ran");
 }
 
 /// How long the broker stays down in the outage test: past the `pulsar` crate's connection

@@ -308,7 +308,8 @@ async fn mcp_tools_on_a_real_server_over_http_and_stdio_survive_its_restarts() {
 /// call, so a config change (a token rotated, arguments edited) leaves the old one unused for good.
 #[tokio::test]
 async fn a_session_left_unused_is_ended_with_its_stdio_server() {
-    let pool = agent_mcp::McpPool::with_idle(Duration::from_millis(300));
+    let pool = agent_mcp::McpPool::with_idle(Duration::from_millis(300))
+        .trusting(agent_mcp::StdioTrust::any());
     let server = |marker: &str| agent_mcp::Endpoint::Stdio {
         command: "node".to_owned(),
         args: vec![

@@ -171,12 +171,72 @@ struct Kept {
 /// endpoint's session unused for good, a stdio server's process among them.
 const IDLE_SESSION: Duration = Duration::from_secs(600);
 
+/// Which stdio servers this process may start. A stdio server is a program run with the
+/// orchestrator's rights, so its definition must come from the operator: one the process's own
+/// config directory defines (command, arguments and environment alike), or one whose program
+/// `MCP_STDIO_COMMANDS` names (comma-separated; `*` for any). A definition that came only from
+/// the config service, which anyone who can publish on the broker can write, starts nothing else.
+#[derive(Clone, Default)]
+pub struct StdioTrust {
+    defined: std::collections::HashSet<Endpoint>,
+    commands: std::collections::HashSet<String>,
+}
+
+impl StdioTrust {
+    /// Trusts the stdio servers `defined` (the local config's) and the programs `commands` names.
+    pub fn new(defined: impl IntoIterator<Item = Endpoint>, commands: &str) -> StdioTrust {
+        StdioTrust {
+            defined: defined
+                .into_iter()
+                .filter(|e| matches!(e, Endpoint::Stdio { .. }))
+                .collect(),
+            commands: commands
+                .split(',')
+                .map(str::trim)
+                .filter(|c| !c.is_empty())
+                .map(str::to_owned)
+                .collect(),
+        }
+    }
+
+    /// [`StdioTrust::new`] with the programs of `MCP_STDIO_COMMANDS`.
+    pub fn from_env(defined: impl IntoIterator<Item = Endpoint>) -> StdioTrust {
+        StdioTrust::new(
+            defined,
+            &std::env::var("MCP_STDIO_COMMANDS").unwrap_or_default(),
+        )
+    }
+
+    /// Trusts every stdio server (tests, and tools that only ever read local config).
+    pub fn any() -> StdioTrust {
+        StdioTrust::new([], "*")
+    }
+
+    /// Why `endpoint` may not be started, if it may not.
+    pub fn refusal(&self, endpoint: &Endpoint) -> Option<String> {
+        let Endpoint::Stdio { command, .. } = endpoint else {
+            return None;
+        };
+        if self.defined.contains(endpoint)
+            || self.commands.contains(command)
+            || self.commands.contains("*")
+        {
+            return None;
+        }
+        Some(format!(
+            "the MCP server '{}' would start the program '{command}', which neither this orchestrator's own config directory defines so nor MCP_STDIO_COMMANDS allows; a server defined only by the config service starts no program here",
+            endpoint.describe()
+        ))
+    }
+}
+
 /// The sessions of this process, by endpoint.
 pub struct McpPool {
     slots: Mutex<HashMap<Endpoint, Kept>>,
     /// Each tool's arguments as its server last listed them.
     known: Mutex<HashMap<(Endpoint, String), Vec<ToolArgument>>>,
     idle: Duration,
+    stdio: StdioTrust,
 }
 
 impl Default for McpPool {
@@ -186,6 +246,7 @@ impl Default for McpPool {
 }
 
 impl McpPool {
+    /// A pool that starts no stdio server (see [`McpPool::trusting`]).
     pub fn new() -> McpPool {
         McpPool::default()
     }
@@ -196,7 +257,14 @@ impl McpPool {
             slots: Mutex::default(),
             known: Mutex::default(),
             idle,
+            stdio: StdioTrust::default(),
         }
+    }
+
+    /// The pool, starting the stdio servers `stdio` trusts.
+    pub fn trusting(mut self, stdio: StdioTrust) -> McpPool {
+        self.stdio = stdio;
+        self
     }
 
     /// Calls the tool `name` on the server with the LLM's `arguments` (strings, typed here from the
@@ -304,6 +372,9 @@ impl McpPool {
 
     /// The open session, or a new one; `true` when it was already open.
     async fn session(&self, endpoint: &Endpoint) -> Result<(Arc<Session>, bool), String> {
+        if let Some(refusal) = self.stdio.refusal(endpoint) {
+            return Err(refusal);
+        }
         let slot = self.slot(endpoint);
         let mut open = slot.lock().await;
         if let Some(session) = open.as_ref() {

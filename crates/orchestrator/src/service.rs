@@ -23,6 +23,14 @@ use crate::{approval, cancel, live_config, metrics, ops};
 /// within the drain deadline.
 pub async fn run(settings: Settings, shutdown: CancellationToken) -> anyhow::Result<()> {
     let config = load_config_dir(&settings.config_dir)?;
+    // Only the stdio servers the operator defined here (or whose programs MCP_STDIO_COMMANDS
+    // names) start: the config service, which anyone on the broker can write, may define others.
+    let stdio_trust = agent_mcp::StdioTrust::from_env(
+        config
+            .mcp
+            .values()
+            .filter_map(|s| agent_mcp::Endpoint::of(s).ok()),
+    );
     let llm = LlmClient::new(settings.llm_config())?;
     let topics = settings.topics();
     metrics::describe();
@@ -139,7 +147,7 @@ pub async fn run(settings: Settings, shutdown: CancellationToken) -> anyhow::Res
         journal,
         knowledge,
         documents,
-        mcp: agent_mcp::McpPool::new(),
+        mcp: agent_mcp::McpPool::new().trusting(stdio_trust),
         shutdown: shutdown.clone(),
         seal: seal_key,
         cancellations,
