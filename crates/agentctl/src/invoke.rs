@@ -150,10 +150,20 @@ pub async fn follow(
     // The attempt each streamed message (a thought, the answer) came from last.
     let mut streaming_attempts: HashMap<String, Option<String>> = HashMap::new();
     let mut noticed: std::collections::HashSet<Option<String>> = Default::default();
+    // One receive at a time, kept across the silences that read the journal: dropped at a
+    // timeout, a receive that was subscribing again after a broker restart left the `pulsar`
+    // crate's connection half made, and every later subscription waited on it for good.
+    let responses = futures::stream::unfold(client, |client| async move {
+        let received = client.receive().await;
+        Some((received, client))
+    });
+    let mut responses = std::pin::pin!(responses);
     loop {
         let look_back_at = (heard_at + RECOVERY_SILENCE).min(deadline);
-        let received = match tokio::time::timeout_at(look_back_at, client.receive()).await {
-            Ok(next) => next?,
+        let next = futures::StreamExt::next(&mut responses);
+        let received = match tokio::time::timeout_at(look_back_at, next).await {
+            Ok(Some(next)) => next?,
+            Ok(None) => anyhow::bail!("the responses ended"),
             Err(_) if look_back_at >= deadline => {
                 anyhow::bail!("no end of dialog within {} s", timeout.as_secs())
             }
@@ -221,7 +231,7 @@ pub async fn follow(
                 .provenance
                 .push((node.clone(), response.explain_triples.clone()));
         }
-        if kind(&response) == MessageType::Error {
+        if kind(&response) == MessageType::Error || response.error.is_some() {
             outcome.failed = true;
         }
         if response.end_of_dialog {

@@ -472,8 +472,17 @@ impl SeenEffects {
     /// Re-emission follows the original within a redelivery, so a window this long is plenty.
     const WINDOW: usize = 65_536;
 
+    /// The longest id remembered: the orchestrators' (a journal entry's node, whose session id is
+    /// at most 240 bytes, and an index) are shorter, and the window must not hold whatever a
+    /// producer on the shared response topic puts there (65,536 ids of 64 KiB each would be
+    /// 8 GiB; of this length, at most 128 MiB).
+    const LONGEST_ID: usize = 1024;
+
     /// Whether `id` is new; remembers it.
     fn first_time(&mut self, id: &str) -> bool {
+        if id.len() > Self::LONGEST_ID {
+            return true;
+        }
         if self.ids.contains(id) {
             self.copies += 1;
             return false;
