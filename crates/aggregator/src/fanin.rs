@@ -556,26 +556,6 @@ pub async fn check(
     } else {
         results
     };
-    // Reading results back and checking them in may have outlasted the claim's lease, and another
-    // check may have taken the claim over and be publishing a synthesis of its own (perhaps of
-    // other results): this one goes on only if it still holds the claim, renewed now for the
-    // little left to do.
-    let (renewing, who) = (node.clone(), claimer.clone());
-    store
-        .update_built(move || {
-            let now = chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Micros, true);
-            queries::renew_synthesis_claim(&renewing, &who, &now)
-        })
-        .await?;
-    let claim = rows(store, queries::synthesis_claim(&node)).await?;
-    let holders: Vec<String> = claim.column("who").into_iter().map(text).collect();
-    if holders != [claimer.clone()] {
-        tracing::warn!(
-            correlation_id,
-            "the synthesis claim lapsed while its results were read and another check holds it now; that check answers"
-        );
-        return Ok(());
-    }
     let next = synthesis_request(&continuation, results, &missing);
     // What the supervisor's next step is given, kept as every step's input is: a fork or replay of
     // that step starts from it.

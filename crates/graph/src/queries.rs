@@ -245,22 +245,6 @@ pub fn claim_synthesis(fanout: &NamedNode, claimer: &str, now: &str, stale_befor
     )
 }
 
-/// Renews `claimer`'s synthesis claim on a fan-out (its time, to `now`) if it still holds it and
-/// no synthesis was requested: a holder whose work outlasted the lease learns, reading the claim
-/// after this, whether another check took it over meanwhile.
-pub fn renew_synthesis_claim(fanout: &NamedNode, claimer: &str, now: &str) -> String {
-    let g = graph();
-    let who = oxigraph::model::Literal::new_simple_literal(claimer);
-    let now =
-        oxigraph::model::Literal::new_typed_literal(now, oxigraph::model::vocab::xsd::DATE_TIME);
-    format!(
-        "{PREFIXES}DELETE {{ GRAPH {g} {{ {fanout} tg:claimedAt ?at }} }}
-INSERT {{ GRAPH {g} {{ {fanout} tg:claimedAt {now} }} }}
-WHERE {{ GRAPH {g} {{ {fanout} tg:synthesisClaim {who} ; tg:claimedAt ?at
-  FILTER NOT EXISTS {{ {fanout} tg:synthesisRequested ?done }} }} }}"
-    )
-}
-
 /// Who holds a fan-out's synthesis claim.
 pub fn synthesis_claim(fanout: &NamedNode) -> String {
     let g = graph();

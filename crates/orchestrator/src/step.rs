@@ -490,7 +490,8 @@ impl Engine {
         let Lookup::Fresh(slot) = lookup else {
             return Ok(Err(Settled::Done));
         };
-        if answering {
+        // Not when giving the answer up: that must end the dialog even with the store out of reach.
+        if answering && matches!(attempt, Attempt::Run { .. }) {
             if self.answered_before(&request, &uris).await? {
                 return Ok(Err(Settled::Done));
             }
