@@ -562,7 +562,6 @@ pub fn research_call(
     n: usize,
     k: usize,
     call: &crate::deep_research::Call,
-    outcome: &str,
     tool: ToolStats,
     note: usize,
 ) -> Vec<Triple> {
@@ -578,7 +577,11 @@ pub fn research_call(
             tg::ARGUMENTS,
             Term::literal(serde_json::to_string(&call.arguments).unwrap_or_default()),
         )
-        .tg(&s, tg::TOOL_OUTCOME, Term::literal(outcome))
+        .tg(
+            &s,
+            tg::TOOL_OUTCOME,
+            Term::literal(tool.outcome.unwrap_or_default()),
+        )
         .tg(&s, tg::TOOL_DURATION_MS, integer(tool.duration_ms))
         .tg(&s, tg::NOTE, integer(note as u64))
         .derived(&s, &round);

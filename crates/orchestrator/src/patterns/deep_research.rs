@@ -164,7 +164,6 @@ async fn run_calls(
             n,
             k + 1,
             call,
-            run.outcome.label(),
             tool,
             number,
         ));
@@ -225,13 +224,12 @@ async fn write(turn: &Turn<'_>, n: usize) -> Result<(), BusError> {
     )?;
     // A draft stopped at the model's length limit says so, to the judge and, given, to the
     // client.
-    let cut_off = if completion.cut_off {
-        crate::patterns::plan::ANSWER_CUT_OFF
-    } else {
-        ""
-    };
     let draft = AgentStep {
-        observation: format!("{}{cut_off}", completion.text.trim()),
+        observation: format!(
+            "{}{}",
+            completion.text.trim(),
+            crate::patterns::plan::cut_off_note(completion.cut_off)
+        ),
         step_type: StepType::Synthesise.as_str().to_owned(),
         ..AgentStep::default()
     };

@@ -203,11 +203,9 @@ async fn reconcile(turn: &Turn<'_>, n: usize) -> Result<(), BusError> {
     };
     let mut reconciliation = ensemble::parse_reconciliation(&completion.text);
     // Stopped at the model's length limit: given saying it is incomplete.
-    if completion.cut_off {
-        reconciliation
-            .answer
-            .push_str(crate::patterns::plan::ANSWER_CUT_OFF);
-    }
+    reconciliation
+        .answer
+        .push_str(crate::patterns::plan::cut_off_note(completion.cut_off));
     let mut recorded = provenance::synthesis(uris, &cid, &completions, &missing, &stats);
     recorded.extend(provenance::reconciliation(uris, &cid, &reconciliation));
     out.explain(&uris.synthesis(&cid), recorded)?;

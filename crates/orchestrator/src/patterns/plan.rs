@@ -503,6 +503,15 @@ const CUT_OFF: &str = "was cut off at the model's length limit before it ended";
 pub(crate) const ANSWER_CUT_OFF: &str =
     "\n\n(This answer was cut off at the model's length limit: it is incomplete.)";
 
+/// [`ANSWER_CUT_OFF`] for a text the model stopped at its length limit (`cut_off`), else nothing.
+pub(crate) fn cut_off_note(cut_off: bool) -> &'static str {
+    if cut_off {
+        ANSWER_CUT_OFF
+    } else {
+        ""
+    }
+}
+
 /// Asks the critic about the draft answer the previous iteration wrote. Accepted, it is given to
 /// the client and the dialog ends; rejected, it is written again with the lesson (after the steps
 /// it blamed ran again, for bad input).
@@ -636,13 +645,12 @@ async fn synthesise(
             &uris.iteration(n),
             provenance::draft_answer(uris, n, &stats),
         )?;
-        let cut_off = if completion.cut_off {
-            ANSWER_CUT_OFF
-        } else {
-            ""
-        };
         let step = AgentStep {
-            observation: format!("{}{cut_off}", completion.text.trim()),
+            observation: format!(
+                "{}{}",
+                completion.text.trim(),
+                cut_off_note(completion.cut_off)
+            ),
             step_type: StepType::Synthesise.as_str().to_owned(),
             plan: Some(plan.to_vec()),
             ..AgentStep::default()
@@ -666,9 +674,7 @@ async fn synthesise(
         .as_ref()
         .map(|c| format!("\n\n(This answer rests on the steps that completed: {c}.)"))
         .unwrap_or_default();
-    if completion.cut_off {
-        note.push_str(ANSWER_CUT_OFF);
-    }
+    note.push_str(cut_off_note(completion.cut_off));
     if critic::any_unreadable(&request.history) {
         note.push_str(
             "\n\n(Some results were not checked: the evaluator's answer could not be read.)",
