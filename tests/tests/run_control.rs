@@ -1943,3 +1943,76 @@ async fn a_cancel_racing_a_dialog_gives_exactly_one_ending() {
     println!("the cancel won {cancelled_rounds} of 4 races");
     assert!(cancelled_rounds > 0, "no race ended by its cancel");
 }
+
+/// The operator's approvals hold whatever the config service says. The orchestrator's own config
+/// directory puts `pay` in the `payments` group, which waits for approval; a config service like
+/// TrustGraph's (tools, but no `agent-limits`) defines `pay` with no group. The call still waits
+/// for a person. Until 2026-12-02 the service's config replaced the directory's wholesale: the
+/// built-in limits (no approval groups) came with it and the payment was made unasked.
+#[tokio::test]
+async fn the_config_services_tools_do_not_lift_the_operators_approvals() {
+    let local = seed_with(
+        "approval-floor-local",
+        &[
+            (
+                "tool",
+                &PAY_TOOL.replace(r#""requires-approval": true"#, r#""group": ["payments"]"#),
+            ),
+            (
+                "agent-limits",
+                r#"{"default": {"max_iterations": 6, "approval_groups": ["payments"]}}"#,
+            ),
+        ],
+    );
+    let service = config_dir(
+        "approval-floor-service",
+        &[(
+            "tool",
+            &PAY_TOOL.replace(
+                r#""description": "Pay an invoice", "type": "text-completion", "requires-approval": true"#,
+                r#""description": "Pay an invoice, as the service defines it", "type": "text-completion""#,
+            ),
+        )],
+    );
+    let broker = Broker::start().unwrap();
+    let _svc = ConfigSvc::spawn(&broker, Some(&service));
+    let aggregator = Aggregator::spawn_with(&broker, &["--config-token", TOKEN]);
+    let llm = scripted_llm(
+        r#"{"rules": [
+      {"match": "pay invoice floor-1", "exact": true, "reply": "payment sent"},
+      {"match": "Observation: payment sent", "reply": "Thought: Paid.\nFinal Answer: paid"},
+      {"match": "Question: pay the floor invoice", "reply": "Thought: Pay it.\nAction: pay\nArgs: {\"question\": \"pay invoice floor-1\"}"}
+    ]}"#,
+    )
+    .await;
+    let _orchestrator = Orchestrator::journaled_with(
+        Place::InProcess,
+        &broker,
+        &llm,
+        &aggregator,
+        TOKEN,
+        &local,
+        &[],
+    );
+    let mut client = client(&broker).await;
+    client
+        .send(
+            "floor",
+            &AgentRequest {
+                pattern: "react".into(),
+                ..request("pay the floor invoice", false)
+            },
+        )
+        .await
+        .unwrap();
+    let responses = until_approval_asked(&mut client, "floor").await;
+    assert!(
+        llm.calls()
+            .iter()
+            .any(|c| c.last_user.contains("as the service defines it")),
+        "the service's config was not in force: {:?}",
+        llm.calls()
+    );
+    assert_eq!(payments(&llm, "pay invoice floor-1"), 0, "paid unapproved");
+    approval_asked(&responses);
+}

@@ -41,6 +41,19 @@ pub const TASK_TYPE_TYPE: &str = "agent-task-type";
 /// Config type of per-model options (key = the model name as `LLM_MODEL` gives it, or `default`).
 pub const MODEL_TYPE: &str = "llm-model";
 
+/// The config types the orchestrator reads. A config service holds many more (TrustGraph keeps
+/// flows, prompts of its own services, ...); their values are none of our business, so one that
+/// is not JSON must not stop our config from being read.
+pub const READ_TYPES: [&str; 7] = [
+    TOOL_TYPE,
+    MCP_TYPE,
+    PROMPT_TYPE,
+    LIMITS_TYPE,
+    PATTERN_TYPE,
+    TASK_TYPE_TYPE,
+    MODEL_TYPE,
+];
+
 /// How the LLM is asked to call tools.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
@@ -571,7 +584,10 @@ impl AgentConfig {
     ) -> Result<AgentConfig, Vec<ConfigError>> {
         let mut values = ConfigValues::new();
         let mut problems = Problems::default();
-        for (kind, entries) in texts {
+        let read = texts
+            .iter()
+            .filter(|(kind, _)| READ_TYPES.contains(&kind.as_str()));
+        for (kind, entries) in read {
             for (key, text) in entries {
                 match serde_json::from_str(text) {
                     Ok(value) => {
@@ -646,6 +662,77 @@ impl AgentConfig {
             .map(|(key, server)| (key.as_str(), server))
     }
 
+    /// The config service's config (`self`) with what the orchestrator's own config directory
+    /// (`local`) sets that the service may not take away. The service is written by anyone who
+    /// may publish on the broker, and TrustGraph's own knows nothing of `agent-limits`:
+    /// - without `agent-limits` of its own (`service_sets_limits` false), the local limits stay
+    ///   in force rather than the built-in defaults;
+    /// - the local `approval_groups` always apply, beside the service's;
+    /// - a tool the local config has wait for approval still waits when the service defines it,
+    ///   found by its key, by its name, or (an `mcp-tool`) by the MCP tool it calls, so a
+    ///   definition under another name does not call it unapproved.
+    pub fn under_local_floor(
+        mut self,
+        local: &AgentConfig,
+        service_sets_limits: bool,
+    ) -> AgentConfig {
+        if service_sets_limits {
+            for group in &local.limits.approval_groups {
+                if !self.limits.approval_groups.contains(group) {
+                    self.limits.approval_groups.push(group.clone());
+                }
+            }
+        } else {
+            self.limits = local.limits.clone();
+        }
+        let gated: Vec<(&String, &ToolDef)> = local
+            .tools
+            .iter()
+            .filter(|(_, tool)| local.needs_approval(tool))
+            .collect();
+        if gated.is_empty() {
+            return self;
+        }
+        let gated_targets: Vec<McpTarget> = gated
+            .iter()
+            .filter_map(|(key, tool)| local.mcp_target(key, tool))
+            .collect();
+        let mut floor = Vec::new();
+        for (key, tool) in &self.tools {
+            let same_tool = gated
+                .iter()
+                .any(|(gated_key, gated_tool)| *gated_key == key || gated_tool.name == tool.name);
+            let same_target = self
+                .mcp_target(key, tool)
+                .is_some_and(|target| gated_targets.contains(&target));
+            if !tool.requires_approval && (same_tool || same_target) {
+                floor.push(key.clone());
+            }
+        }
+        for key in floor {
+            if let Some(tool) = self.tools.get_mut(&key) {
+                tool.requires_approval = true;
+            }
+        }
+        self
+    }
+
+    /// What an `mcp-tool` with id `key` reaches: its server (URL, or program and arguments) and
+    /// the tool's name there.
+    fn mcp_target(&self, key: &str, tool: &ToolDef) -> Option<McpTarget> {
+        if tool.kind != MCP_TOOL {
+            return None;
+        }
+        let id = tool.mcp_id(key);
+        let server = self.mcp.get(id)?;
+        Some(McpTarget {
+            url: server.url.trim_end_matches('/').to_owned(),
+            command: server.command.clone(),
+            args: server.args.clone(),
+            remote_name: server.remote_name.clone().unwrap_or_else(|| id.to_owned()),
+        })
+    }
+
     /// The task types the meta-router chooses from: the configured ones, or the built-in `general`.
     pub fn task_types_or_general(&self) -> Vec<TaskTypeDef> {
         if self.task_types.is_empty() {
@@ -654,6 +741,15 @@ impl AgentConfig {
             self.task_types.values().cloned().collect()
         }
     }
+}
+
+/// The MCP tool an `mcp-tool` definition calls, whatever the definition is named.
+#[derive(Debug, PartialEq, Eq)]
+struct McpTarget {
+    url: String,
+    command: Option<String>,
+    args: Vec<String>,
+    remote_name: String,
 }
 
 fn unknown_stages(stages: &[String]) -> Vec<String> {
@@ -744,6 +840,48 @@ mod tests {
             config.needs_approval(&tool(None, false)),
             "no group is the default group"
         );
+    }
+
+    /// A tool the local config has wait for approval waits under the service's definition too:
+    /// by its key, its name, or the MCP tool it calls under any name; others are left as the
+    /// service defines them.
+    #[test]
+    fn the_local_approvals_are_a_floor_under_the_services_config() {
+        let config = |values: serde_json::Value| {
+            let values: ConfigValues = serde_json::from_value(values).unwrap();
+            AgentConfig::from_values(&values).unwrap()
+        };
+        let mcp = json!({"ledger": {"url": "https://mcp.example/mcp/", "remote-name": "transfer"},
+                         "other": {"url": "https://mcp.example/mcp", "remote-name": "balance"}});
+        let local = config(json!({
+            "mcp": mcp,
+            "tool": {
+                "transfer": {"name": "transfer", "description": "d", "type": "mcp-tool",
+                             "mcp-tool": "ledger", "requires-approval": true},
+                "refund": {"name": "refund", "description": "d", "type": "llm", "group": ["money"]},
+                "search": {"name": "search", "description": "d", "type": "llm"}
+            },
+            "agent-limits": {"default": {"approval_groups": ["money"]}}
+        }));
+        let service = config(json!({
+            "mcp": {"ledger-2": {"url": "https://mcp.example/mcp", "remote-name": "transfer"},
+                    "other": {"url": "https://mcp.example/mcp", "remote-name": "balance"}},
+            "tool": {
+                "move-money": {"name": "move_money", "description": "d", "type": "mcp-tool",
+                               "mcp-tool": "ledger-2"},
+                "balance": {"name": "balance", "description": "d", "type": "mcp-tool",
+                            "mcp-tool": "other"},
+                "refunds": {"name": "refund", "description": "d", "type": "llm"},
+                "search": {"name": "search", "description": "d", "type": "llm"}
+            }
+        }));
+        let merged = service.under_local_floor(&local, false);
+        let waits = |key: &str| merged.needs_approval(&merged.tools[key]);
+        assert!(waits("move-money"), "the same MCP tool under another name");
+        assert!(waits("refunds"), "the same name under another key");
+        assert!(!waits("balance"));
+        assert!(!waits("search"));
+        assert_eq!(merged.limits.approval_groups, ["money"]);
     }
 
     #[test]

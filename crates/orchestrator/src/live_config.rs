@@ -26,6 +26,9 @@ const RESUBSCRIBE_PAUSE_MAX: Duration = Duration::from_secs(30);
 
 pub struct LiveConfig {
     in_force: RwLock<InForce>,
+    /// The config directory's, which sets a floor under the service's (see
+    /// [`AgentConfig::under_local_floor`]).
+    local: Arc<AgentConfig>,
 }
 
 /// The config and the config service's version it came from (None: the local config).
@@ -35,12 +38,14 @@ struct InForce {
 }
 
 impl LiveConfig {
-    pub fn new(initial: AgentConfig) -> LiveConfig {
+    pub fn new(local: AgentConfig) -> LiveConfig {
+        let local = Arc::new(local);
         LiveConfig {
             in_force: RwLock::new(InForce {
                 version: None,
-                config: Arc::new(initial),
+                config: local.clone(),
             }),
+            local,
         }
     }
 
@@ -63,15 +68,20 @@ impl LiveConfig {
     }
 
     /// Validates `values` (type -> key -> JSON text, as the service keeps them) and puts them in
-    /// force, or leaves the current config and returns every problem.
+    /// force over the local config's floor, or leaves the current config and returns every
+    /// problem.
     pub fn apply(
         &self,
         version: u64,
         values: &BTreeMap<String, BTreeMap<String, String>>,
     ) -> Result<(), Vec<ConfigError>> {
+        let sets_limits = values
+            .get(agent_core::config::LIMITS_TYPE)
+            .is_some_and(|limits| limits.contains_key("default"));
+        let config = AgentConfig::from_texts(values)?.under_local_floor(&self.local, sets_limits);
         let in_force = InForce {
             version: Some(version),
-            config: Arc::new(AgentConfig::from_texts(values)?),
+            config: Arc::new(config),
         };
         match self.in_force.write() {
             Ok(mut guard) => *guard = in_force,
@@ -395,6 +405,58 @@ mod tests {
             "default"
         ));
         assert!(!concerns(&push(&[("tool", &["team"])]), "default"));
+    }
+
+    /// TrustGraph's own config service knows nothing of `agent-limits`: its config must not put
+    /// the built-in limits (no approval groups) in place of the operator's, nor a value of a type
+    /// the orchestrator never reads stop its config from being read.
+    #[test]
+    fn the_services_config_keeps_the_local_limits_and_approvals() {
+        let mut local = AgentConfig::from_texts(&values(&[
+            (
+                "agent-limits",
+                "default",
+                r#"{"max_iterations": 4, "approval_groups": ["payments"]}"#,
+            ),
+            (
+                "tool",
+                "pay",
+                r#"{"name": "pay", "description": "d", "type": "llm", "group": ["payments"]}"#,
+            ),
+        ]))
+        .unwrap();
+        local.limits.max_tokens = 77;
+        let live = LiveConfig::new(local);
+        let pay_ungrouped = r#"{"name": "pay", "description": "Pays", "type": "llm"}"#;
+        live.apply(
+            1,
+            &values(&[
+                ("tool", "pay", pay_ungrouped),
+                ("flow", "default", "not json at all"),
+            ]),
+        )
+        .unwrap();
+        let config = live.current();
+        assert_eq!(config.limits.max_iterations, 4);
+        assert_eq!(config.limits.max_tokens, 77);
+        assert!(config.needs_approval(&config.tools["pay"]));
+        // The service sets limits of its own: they apply, and the local approval groups with them.
+        live.apply(
+            2,
+            &values(&[
+                ("tool", "pay", pay_ungrouped),
+                (
+                    "agent-limits",
+                    "default",
+                    r#"{"max_iterations": 6, "approval_groups": ["ops"]}"#,
+                ),
+            ]),
+        )
+        .unwrap();
+        let config = live.current();
+        assert_eq!(config.limits.max_iterations, 6);
+        assert_eq!(config.limits.approval_groups, ["ops", "payments"]);
+        assert!(config.needs_approval(&config.tools["pay"]));
     }
 
     #[test]
