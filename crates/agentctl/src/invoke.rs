@@ -139,7 +139,11 @@ pub async fn follow(
     let id = uuid::Uuid::new_v4().to_string();
     let started = Instant::now();
     client.send_with(&id, request, properties).await?;
-    let deadline = tokio::time::Instant::now() + timeout;
+    // A timeout past what an Instant can hold waits as good as for ever, not panics.
+    let now = tokio::time::Instant::now();
+    let deadline = now
+        .checked_add(timeout)
+        .unwrap_or_else(|| now + Duration::from_secs(100 * 365 * 86_400));
     let mut outcome = Outcome {
         failed: false,
         provenance: Vec::new(),
@@ -382,6 +386,54 @@ fn kind(r: &AgentResponse) -> MessageType {
 }
 
 /// One line on how the dialog was routed, from its pattern decision's triples.
+/// `r` as the terminal may be given it: the text in it is the model's, a tool's or anyone's on the
+/// broker, and a control character in it (an escape sequence) would be the terminal's to obey:
+/// recolour, move the cursor over earlier lines, retitle the window. Each but a newline and a tab
+/// shows as U+FFFD.
+fn terminal_safe(r: &AgentResponse) -> AgentResponse {
+    fn clean(text: &mut String) {
+        if text
+            .chars()
+            .any(|c| c.is_control() && c != '\n' && c != '\t')
+        {
+            *text = text
+                .chars()
+                .map(|c| {
+                    if c.is_control() && c != '\n' && c != '\t' {
+                        '\u{fffd}'
+                    } else {
+                        c
+                    }
+                })
+                .collect();
+        }
+    }
+    fn clean_term(term: &mut agent_schema::Term) {
+        clean(&mut term.iri);
+        clean(&mut term.value);
+        if let Some(inner) = term.triple.as_deref_mut() {
+            clean_term(&mut inner.s);
+            clean_term(&mut inner.p);
+            clean_term(&mut inner.o);
+        }
+    }
+    let mut r = r.clone();
+    // The message id is a key here and never printed (its session is, from the explain id).
+    clean(&mut r.content);
+    if let Some(error) = r.error.as_mut() {
+        clean(&mut error.message);
+    }
+    if let Some(node) = r.explain_id.as_mut() {
+        clean(node);
+    }
+    for triple in &mut r.explain_triples {
+        clean_term(&mut triple.s);
+        clean_term(&mut triple.p);
+        clean_term(&mut triple.o);
+    }
+    r
+}
+
 fn routing_line(triples: &[Triple]) -> String {
     let fact = |predicate: NamedNodeRef<'_>| {
         triples
@@ -564,6 +616,8 @@ impl Renderer {
             let _ = writeln!(out, "{}", String::from_utf8_lossy(&agent_schema::encode(r)));
             return;
         }
+        let cleaned = terminal_safe(r);
+        let r = &cleaned;
         let key = (r.message_type.clone(), r.message_id.clone());
         match kind(r) {
             MessageType::Thought | MessageType::Answer
@@ -661,6 +715,43 @@ mod tests {
         r.message_id = message_id.to_owned();
         r.end_of_message = end;
         r
+    }
+
+    /// An escape sequence in the model's text (or an error's, or provenance's) reaches the
+    /// terminal as text to read, not as a command to obey.
+    #[test]
+    fn control_characters_are_shown_not_sent_to_the_terminal() {
+        let mut renderer = Renderer::new(false, false);
+        renderer.color = false;
+        let mut out = Vec::new();
+        let id = "urn:trustgraph:agent:abc/i1/answer";
+        renderer.render(
+            &chunk(
+                "answer",
+                id,
+                "paid\u{1b}]0;owned\u{7}\u{1b}[2J\nnext\tline",
+                true,
+            ),
+            &mut out,
+        );
+        let mut error = chunk("error", id, "", true);
+        error.error = Some(agent_schema::ErrorInfo {
+            kind: "agent-error".into(),
+            message: "bad\u{9b}31m".into(),
+        });
+        renderer.render(&error, &mut out);
+        let shown = String::from_utf8(out).unwrap();
+        assert!(
+            !shown
+                .chars()
+                .any(|c| c.is_control() && c != '\n' && c != '\t'),
+            "{shown:?}"
+        );
+        assert!(
+            shown.contains("paid\u{fffd}]0;owned\u{fffd}\u{fffd}[2J\nnext\tline"),
+            "{shown:?}"
+        );
+        assert!(shown.contains("bad\u{fffd}31m"), "{shown:?}");
     }
 
     /// Two subagents' thoughts streamed side by side come out one line each, when each ends;
