@@ -421,3 +421,91 @@ async fn a_stdio_server_is_not_given_the_orchestrators_secrets() {
         "{environment}"
     );
 }
+
+/// A server that misbehaves (`tests/mcp-servers/misbehaving.py`) costs a step its tool's time and
+/// no more. A call given up at the tool's timeout is cancelled on the server (MCP's
+/// `notifications/cancelled`), so it may stop the work and the session forgets the call; a
+/// result that never ends ends the session once it passes 16 MiB, rather than grow the
+/// orchestrator's memory until the tool's timeout (or, for a server that keeps writing, until
+/// the process dies). Until 2026-12-02 neither was done.
+#[tokio::test]
+async fn a_misbehaving_stdio_server_is_told_of_a_timeout_and_cut_off_when_it_floods() {
+    let notes = std::env::temp_dir().join(format!(
+        "agent-e2e-misbehaving-{}-{:08x}",
+        std::process::id(),
+        rand::random::<u32>()
+    ));
+    let script = repo_root().join("tests/mcp-servers/misbehaving.py");
+    // One server (the same program and arguments: one session) serving two tools.
+    let server = |tool: &str| {
+        serde_json::json!({"command": "python3", "remote-name": tool,
+                           "args": [script.to_str().unwrap(), notes.to_str().unwrap()]})
+    };
+    let mcp = serde_json::json!({"slow": server("slow"), "flood": server("flood")});
+    let tools = serde_json::json!({
+        "slow": {"name": "slow", "description": "Never answers", "type": "mcp-tool"},
+        "flood": {"name": "flood", "description": "Answers without end", "type": "mcp-tool"}
+    });
+    let config = seed_with(
+        "mcp-misbehaving",
+        &[
+            ("mcp", &mcp.to_string()),
+            ("tool", &tools.to_string()),
+            (
+                "agent-limits",
+                r#"{"default": {"max_iterations": 4, "tool_timeout_secs": 5}}"#,
+            ),
+        ],
+    );
+    let script_rules = serde_json::json!({"rules": [
+        {"match": "Observation:", "reply": "Thought: seen\nFinal Answer: seen"},
+        {"match": "Question: call the slow tool", "reply": "Thought: call\nAction: slow\nArgs: {}"},
+        {"match": "Question: call the flooding tool", "reply": "Thought: call\nAction: flood\nArgs: {}"}
+    ]});
+    let broker = Broker::start().unwrap();
+    let llm = scripted_llm(&script_rules.to_string()).await;
+    let _orchestrator = Orchestrator::spawn(&broker, &llm, &config, &[]);
+    let mut client = client(&broker).await;
+
+    client
+        .send("m-flood", &request("call the flooding tool", false))
+        .await
+        .unwrap();
+    let responses = collect_dialog(&mut client, "m-flood", DIALOG_TIMEOUT)
+        .await
+        .unwrap();
+    let (_, flooded) = observation(&responses, 1);
+    assert!(
+        flooded.starts_with("Error:") && !flooded.contains("timed out"),
+        "the flood was not cut off: {flooded}"
+    );
+
+    client
+        .send("m-slow", &request("call the slow tool", false))
+        .await
+        .unwrap();
+    let responses = collect_dialog(&mut client, "m-slow", DIALOG_TIMEOUT)
+        .await
+        .unwrap();
+    let (_, slow) = observation(&responses, 1);
+    assert!(slow.contains("timed out"), "{slow}");
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    let noted = loop {
+        let noted = std::fs::read_to_string(&notes).unwrap_or_default();
+        if noted.contains("cancelled") || std::time::Instant::now() > deadline {
+            break noted;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    let called: Vec<&str> = noted
+        .lines()
+        .filter_map(|l| l.strip_prefix("called "))
+        .collect();
+    assert_eq!(called.len(), 1, "{noted}");
+    assert!(
+        noted
+            .lines()
+            .any(|l| l == format!("cancelled {}", called[0])),
+        "the server was not told the call was given up: {noted}"
+    );
+}

@@ -14,10 +14,13 @@ use std::time::Duration;
 
 use agent_core::config::McpServer;
 use agent_core::tools::ToolArgument;
-use rmcp::model::{CallToolRequestParams, CallToolResult, RawContent, ResourceContents, Tool};
-use rmcp::service::{Peer, RoleClient, RunningService, ServiceError};
+use rmcp::model::{
+    CallToolRequest, CallToolRequestParams, CallToolResult, CancelledNotificationParam,
+    ClientRequest, RawContent, RequestId, ResourceContents, ServerResult, Tool,
+};
+use rmcp::service::{Peer, PeerRequestOptions, RoleClient, RunningService, ServiceError};
 use rmcp::transport::streamable_http_client::StreamableHttpClientTransportConfig;
-use rmcp::transport::{StreamableHttpClientTransport, TokioChildProcess};
+use rmcp::transport::StreamableHttpClientTransport;
 use rmcp::ServiceExt;
 
 pub use arguments::{schema_arguments, typed_arguments};
@@ -84,8 +87,10 @@ struct Session {
     answered_at: Mutex<std::time::Instant>,
     /// A call on it was given up on before it answered: the server may hang.
     suspect: std::sync::atomic::AtomicBool,
-    // Dropping the service ends the session (and kills a stdio server).
+    // Dropping the service ends the session.
     _service: RunningService<RoleClient, ()>,
+    /// A stdio server's process, killed when the session is dropped.
+    _child: Option<tokio::process::Child>,
 }
 
 impl Session {
@@ -441,6 +446,7 @@ fn service_error(endpoint: &Endpoint, what: &str, error: ServiceError) -> CallEr
 
 async fn connect(endpoint: &Endpoint) -> Result<Session, String> {
     let server = endpoint.describe();
+    let mut child = None;
     let service = match endpoint {
         Endpoint::Http { url, auth_token } => {
             let client = reqwest::Client::builder()
@@ -464,21 +470,30 @@ async fn connect(endpoint: &Endpoint) -> Result<Session, String> {
             }
         }
         Endpoint::Stdio { command, args, env } => {
-            let mut child = tokio::process::Command::new(command);
-            child
+            let mut command = tokio::process::Command::new(command);
+            command
                 .env_clear()
                 .envs(passed_environment())
                 .args(args)
                 .envs(env)
-                .kill_on_drop(true);
-            let (transport, stderr) = TokioChildProcess::builder(child)
+                .stdin(std::process::Stdio::piped())
+                .stdout(std::process::Stdio::piped())
                 .stderr(std::process::Stdio::piped())
+                .kill_on_drop(true);
+            let mut started = command
                 .spawn()
                 .map_err(|e| format!("the MCP server '{server}' could not be started: {e}"))?;
-            if let Some(stderr) = stderr {
+            let (Some(stdin), Some(stdout)) = (started.stdin.take(), started.stdout.take()) else {
+                return Err(format!(
+                    "the MCP server '{server}' has no pipes to talk over"
+                ));
+            };
+            if let Some(stderr) = started.stderr.take() {
                 tokio::spawn(log_stderr(server.clone(), stderr));
             }
-            ().serve(transport).await
+            child = Some(started);
+            ().serve((LineCap::new(stdout, MAX_MESSAGE_BYTES), stdin))
+                .await
         }
     }
     .map_err(|e| format!("the MCP server {server} did not open a session: {e}"))?;
@@ -490,7 +505,103 @@ async fn connect(endpoint: &Endpoint) -> Result<Session, String> {
         answered_at: Mutex::new(std::time::Instant::now()),
         suspect: std::sync::atomic::AtomicBool::new(false),
         _service: service,
+        _child: child,
     })
+}
+
+/// The longest message a stdio server may send (one JSON-RPC line). What the LLM reads of a
+/// result is cut far shorter (`max_observation_bytes`), but only once the whole message is read:
+/// a server that wrote a line without end would otherwise grow this process's memory until it
+/// died. Past it the session ends (the call fails, the next one starts the server again).
+pub const MAX_MESSAGE_BYTES: usize = 16 * 1024 * 1024;
+
+/// A reader that fails once a line runs past its bound before its newline.
+struct LineCap<R> {
+    inner: R,
+    most: usize,
+    /// Bytes read since the last newline.
+    open_line: usize,
+}
+
+impl<R> LineCap<R> {
+    fn new(inner: R, most: usize) -> LineCap<R> {
+        LineCap {
+            inner,
+            most,
+            open_line: 0,
+        }
+    }
+
+    /// Takes note of `fresh` bytes read; an error when they carry a line past the bound.
+    fn saw(&mut self, fresh: &[u8]) -> std::io::Result<()> {
+        let mut line = self.open_line;
+        for piece in fresh.split(|&b| b == b'\n') {
+            line += piece.len();
+            if line > self.most {
+                return Err(std::io::Error::new(
+                    std::io::ErrorKind::InvalidData,
+                    format!("a message longer than {} bytes", self.most),
+                ));
+            }
+            line = 0;
+        }
+        // The last piece is the line still open (empty when `fresh` ended with a newline).
+        self.open_line = match fresh.iter().rposition(|&b| b == b'\n') {
+            Some(at) => fresh.len() - at - 1,
+            None => self.open_line + fresh.len(),
+        };
+        Ok(())
+    }
+}
+
+impl<R: tokio::io::AsyncRead + Unpin> tokio::io::AsyncRead for LineCap<R> {
+    fn poll_read(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &mut tokio::io::ReadBuf<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        let this = self.get_mut();
+        let before = buf.filled().len();
+        match std::pin::Pin::new(&mut this.inner).poll_read(cx, buf) {
+            std::task::Poll::Ready(Ok(())) => {
+                std::task::Poll::Ready(this.saw(&buf.filled()[before..]))
+            }
+            other => other,
+        }
+    }
+}
+
+/// Tells the server a call was given up on (the step's tool timeout, or the step stopped), unless
+/// disarmed by its answer: the server may stop the work, and the session forgets the call rather
+/// than keep its entry until the session ends.
+struct CancelUnanswered {
+    peer: Peer<RoleClient>,
+    id: Option<RequestId>,
+}
+
+impl CancelUnanswered {
+    fn answered(mut self) {
+        self.id = None;
+    }
+}
+
+impl Drop for CancelUnanswered {
+    fn drop(&mut self) {
+        let Some(id) = self.id.take() else {
+            return;
+        };
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let peer = self.peer.clone();
+        runtime.spawn(async move {
+            let cancelled = CancelledNotificationParam {
+                request_id: id,
+                reason: Some("the caller stopped waiting (tool timeout)".to_owned()),
+            };
+            let _ = tokio::time::timeout(PING_TIMEOUT, peer.notify_cancelled(cancelled)).await;
+        });
+    }
 }
 
 /// The variables of this process's environment a stdio server is started with (besides those its
@@ -715,11 +826,27 @@ async fn call_on(
         arguments: Some(typed),
         task: None,
     };
-    let result = session
+    let failed = |e| service_error(endpoint, &format!("run '{name}'"), e);
+    let request = ClientRequest::CallToolRequest(CallToolRequest {
+        method: Default::default(),
+        params,
+        extensions: Default::default(),
+    });
+    let handle = session
         .peer
-        .call_tool(params)
+        .send_cancellable_request(request, PeerRequestOptions::no_options())
         .await
-        .map_err(|e| service_error(endpoint, &format!("run '{name}'"), e))?;
+        .map_err(failed)?;
+    let unanswered = CancelUnanswered {
+        peer: handle.peer.clone(),
+        id: Some(handle.id.clone()),
+    };
+    let answer = handle.await_response().await;
+    unanswered.answered();
+    let result = match answer.map_err(failed)? {
+        ServerResult::CallToolResult(result) => result,
+        _ => return Err(failed(ServiceError::UnexpectedResponse)),
+    };
     let text = result_text(&result);
     if result.is_error == Some(true) {
         return Err(CallError::Other(format!("'{name}' failed: {text}")));
@@ -773,6 +900,26 @@ pub fn result_text(result: &CallToolResult) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A line may come in any number of reads; one longer than the bound fails the read that
+    /// carries it past, wherever its newline falls.
+    #[test]
+    fn a_line_past_the_bound_fails_the_read() {
+        let mut cap = LineCap::new((), 10);
+        assert!(cap.saw(b"0123456789\n01234").is_ok());
+        assert!(cap.saw(b"56789\nabc").is_ok(), "ten bytes, then a newline");
+        assert!(cap.saw(b"defghij").is_ok());
+        assert!(cap.saw(b"k").is_err(), "eleven bytes and no newline");
+        let mut cap = LineCap::new((), 10);
+        assert!(cap.saw(b"01234567").is_ok());
+        assert!(
+            cap.saw(b"890\nshort\n").is_err(),
+            "the newline came too late"
+        );
+        let mut cap = LineCap::new((), 10);
+        assert!(cap.saw(b"a\nb\nc\n").is_ok());
+        assert!(cap.saw(b"0123456789").is_ok(), "a newline resets the count");
+    }
 
     #[test]
     fn a_server_is_named_without_what_may_carry_a_credential() {
