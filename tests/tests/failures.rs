@@ -4,6 +4,8 @@
 //! loses no response on the brokers as shipped.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
 use agent_e2e::*;
@@ -434,4 +436,85 @@ async fn a_reader_that_stands_still_loses_no_response_on_the_broker_as_shipped()
         "{} of {MESSAGES} received",
         received.len()
     );
+}
+
+/// A handler that panics on a message does not have it back at once for ever: the panic waits the
+/// nack delay as a nack does, and the third panic on the same message dead-letters it, saying so,
+/// while other messages go on being handled. Until 2026-12-02 a panic was nacked at once, with no
+/// delay and no end, on every consumer with no bound on redeliveries (the aggregator's among
+/// them).
+#[tokio::test]
+async fn a_message_its_handler_panics_on_is_dead_lettered_after_three_tries() {
+    let broker = Broker::start().unwrap();
+    let bus = agent_bus::Bus::connect(&broker.url(), None).await.unwrap();
+    let topic = "persistent://tg/flow/panics";
+    let letters = "persistent://tg/flow/panics-dlq";
+    let mut dlq = read_from_start(&broker, letters, "test-dlq").await;
+    let tries = Arc::new(AtomicUsize::new(0));
+    let handled = Arc::new(AtomicUsize::new(0));
+    let shutdown = tokio_util::sync::CancellationToken::new();
+    let consumer = {
+        let (bus, tries, handled, shutdown) = (
+            bus.clone(),
+            tries.clone(),
+            handled.clone(),
+            shutdown.clone(),
+        );
+        tokio::spawn(async move {
+            let config = agent_bus::SubscriptionConfig {
+                topic: topic.to_owned(),
+                subscription: "panics".to_owned(),
+                max_in_flight: 4,
+                max_redeliveries: None,
+                dead_letter_topic: letters.to_owned(),
+                drain_deadline: Duration::from_secs(1),
+                nack_delay: Duration::from_millis(200),
+                one_at_a_time: false,
+            };
+            let stats = Arc::new(agent_bus::ConsumerStats::default());
+            agent_bus::run_consumer(
+                &bus,
+                config,
+                stats,
+                shutdown,
+                move |d: agent_bus::Delivery<String>| {
+                    let (tries, handled) = (tries.clone(), handled.clone());
+                    async move {
+                        if d.payload == "boom" {
+                            tries.fetch_add(1, Ordering::SeqCst);
+                            panic!("the handler met a bug");
+                        }
+                        handled.fetch_add(1, Ordering::SeqCst);
+                        agent_bus::Disposition::Ack
+                    }
+                },
+            )
+            .await
+        })
+    };
+    let publisher = agent_bus::Publisher::new(&bus, topic).await.unwrap();
+    for payload in ["\"boom\"", "\"fine\"", "\"also fine\""] {
+        publisher
+            .send(payload.as_bytes().to_vec(), &Default::default())
+            .await
+            .unwrap();
+    }
+    let letter = tokio::time::timeout(Duration::from_secs(30), dlq.next())
+        .await
+        .expect("a dead letter")
+        .unwrap()
+        .unwrap();
+    let reason = agent_bus::message_property(&letter, "dead-letter-reason")
+        .unwrap()
+        .to_owned();
+    assert!(
+        reason.contains("panicked on it 3 times") && reason.contains("the handler met a bug"),
+        "{reason}"
+    );
+    assert_eq!(letter.payload.data, b"\"boom\"");
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert_eq!(tries.load(Ordering::SeqCst), 3);
+    assert_eq!(handled.load(Ordering::SeqCst), 2);
+    shutdown.cancel();
+    consumer.await.unwrap().unwrap();
 }

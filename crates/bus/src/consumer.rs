@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use futures::StreamExt;
+use futures::{FutureExt, StreamExt};
 use pulsar::consumer::{ConsumerOptions, DeadLetterPolicy, InitialPosition, Message};
 use pulsar::{Consumer, SubType, TokioExecutor};
 use serde::de::DeserializeOwned;
@@ -203,8 +203,34 @@ type InFlight = HashMap<Id, (Message<Vec<u8>>, Arc<[u8]>)>;
 /// its message, not acked, comes back (a persistent topic's), to be dead-lettered again.
 enum Finished {
     Handled(Disposition),
+    /// The handler panicked, saying this; it is nacked after the nack delay, and dead-lettered
+    /// once it has panicked on the same message [`PANICS_TO_DEAD_LETTER`] times.
+    Panicked(String),
     /// The dead letter was published (the message is then acked) or not (nacked, to come back).
     DeadLettered(Result<(), BusError>),
+}
+
+/// How often a handler may panic on one message before it is dead-lettered: a panic is a bug
+/// that the same message meets again, and redelivered for ever it would hold a place and fill
+/// the log (a consumer with no bound on redeliveries never stops it otherwise).
+const PANICS_TO_DEAD_LETTER: u32 = 3;
+
+/// The panics seen per message (by its id), forgotten whole past a few thousand messages.
+#[derive(Default)]
+struct Panics(HashMap<String, u32>);
+
+impl Panics {
+    const MOST: usize = 4096;
+
+    /// Counts one more for `message_id`, and says how many it has now.
+    fn one_more(&mut self, message_id: String) -> u32 {
+        if self.0.len() >= Self::MOST && !self.0.contains_key(&message_id) {
+            self.0.clear();
+        }
+        let count = self.0.entry(message_id).or_default();
+        *count += 1;
+        *count
+    }
 }
 
 /// How long a consumer's close may wait for the broker's answer.
@@ -255,6 +281,7 @@ where
     let handler = Arc::new(handler);
     let mut tasks: JoinSet<Finished> = JoinSet::new();
     let mut in_flight = InFlight::new();
+    let mut panics = Panics::default();
     let aside = Aside::counted(max_in_flight as u64 * ASIDE_PER_PLACE);
     // A non-persistent topic's messages are taken off the connection as they come, whether a
     // handler is free or not, so that what waits is counted here in bytes (see [`Intake`]).
@@ -299,7 +326,7 @@ where
             biased;
             _ = shutdown.cancelled() => break,
             Some(done) = tasks.join_next_with_id(), if !tasks.is_empty() => {
-                settle(&mut consumer, &dead_letters, &stats, (&mut tasks, &mut in_flight), config.nack_delay, done).await;
+                settle(&mut consumer, &dead_letters, &stats, (&mut tasks, &mut in_flight, &mut panics), config.nack_delay, done).await;
             }
             // Only to look at the bound again.
             _ = aside.stepped(), if !free => {}
@@ -348,7 +375,7 @@ where
                 break;
             }
             Some(done) = tasks.join_next_with_id() => {
-                settle(&mut consumer, &dead_letters, &stats, (&mut tasks, &mut in_flight), config.nack_delay, done).await;
+                settle(&mut consumer, &dead_letters, &stats, (&mut tasks, &mut in_flight, &mut panics), config.nack_delay, done).await;
             }
         }
     }
@@ -488,7 +515,20 @@ where
         aside: aside.clone(),
     });
     let handle = tasks.spawn(async move {
-        let disposition = work.await;
+        // Caught here so that a panic waits the nack delay as a nack does: it would otherwise
+        // come back at once, and panic again, as fast as the broker can deliver it.
+        let disposition = match std::panic::AssertUnwindSafe(work).catch_unwind().await {
+            Ok(disposition) => disposition,
+            Err(panic) => {
+                let what = panic
+                    .downcast_ref::<&str>()
+                    .map(|s| (*s).to_owned())
+                    .or_else(|| panic.downcast_ref::<String>().cloned())
+                    .unwrap_or_else(|| "a panic".to_owned());
+                tokio::time::sleep(nack_delay).await;
+                return Finished::Panicked(what);
+            }
+        };
         if matches!(disposition, Disposition::Nack(_)) {
             tokio::time::sleep(nack_delay).await;
         }
@@ -616,7 +656,7 @@ async fn settle(
     consumer: &mut Consumer<Vec<u8>, TokioExecutor>,
     dead_letters: &Option<Publisher>,
     stats: &ConsumerStats,
-    (tasks, in_flight): (&mut JoinSet<Finished>, &mut InFlight),
+    (tasks, in_flight, panics): (&mut JoinSet<Finished>, &mut InFlight, &mut Panics),
     nack_delay: Duration,
     done: Result<(Id, Finished), tokio::task::JoinError>,
 ) {
@@ -657,6 +697,27 @@ async fn settle(
                 nack_delay,
             )
             .await;
+        }
+        Finished::Panicked(what) => {
+            let times = panics.one_more(message_id_of(&message));
+            if times >= PANICS_TO_DEAD_LETTER {
+                let reason = format!("its handler panicked on it {times} times: {what}");
+                dead_letter(
+                    consumer,
+                    dead_letters,
+                    (tasks, in_flight),
+                    (message, payload.to_vec()),
+                    &reason,
+                    nack_delay,
+                )
+                .await;
+            } else {
+                tracing::error!(panic = %what, times, "the handler panicked; nack");
+                stats.nacked.fetch_add(1, Ordering::Relaxed);
+                if let Err(e) = consumer.nack(&message).await {
+                    tracing::warn!(error = %e, "nack failed");
+                }
+            }
         }
         Finished::DeadLettered(Ok(())) => {
             stats.dead_lettered.fetch_add(1, Ordering::Relaxed);
