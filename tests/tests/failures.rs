@@ -518,3 +518,86 @@ async fn a_message_its_handler_panics_on_is_dead_lettered_after_three_tries() {
     shutdown.cancel();
     consumer.await.unwrap().unwrap();
 }
+
+/// A message of a non-persistent topic that its handler nacks is not lost: such a topic never
+/// delivers it again, so the consumer runs the handler again itself, and one still refused after
+/// four tries goes to the dead-letter topic saying why (a client's request there ends its dialog
+/// with an error). Until 2026-12-02 the nack was all: a client's first request whose forwarding
+/// to the persistent request topic failed (a broker restart) vanished without a word.
+#[tokio::test]
+async fn a_nacked_message_of_a_non_persistent_topic_is_tried_again_then_dead_lettered() {
+    let broker = Broker::start().unwrap();
+    let bus = agent_bus::Bus::connect(&broker.url(), None).await.unwrap();
+    let topic = "non-persistent://tg/request/nacked";
+    let letters = "persistent://tg/flow/nacked-dlq";
+    let mut dlq = read_from_start(&broker, letters, "test-dlq").await;
+    let tries: Arc<std::sync::Mutex<Vec<String>>> = Arc::default();
+    let shutdown = tokio_util::sync::CancellationToken::new();
+    let stats = Arc::new(agent_bus::ConsumerStats::default());
+    let consumer = {
+        let (bus, tries, shutdown, stats) =
+            (bus.clone(), tries.clone(), shutdown.clone(), stats.clone());
+        tokio::spawn(async move {
+            let config = agent_bus::SubscriptionConfig {
+                topic: topic.to_owned(),
+                subscription: "nacked".to_owned(),
+                max_in_flight: 4,
+                max_redeliveries: None,
+                dead_letter_topic: letters.to_owned(),
+                drain_deadline: Duration::from_secs(1),
+                nack_delay: Duration::from_millis(100),
+                one_at_a_time: false,
+            };
+            agent_bus::run_consumer(
+                &bus,
+                config,
+                stats,
+                shutdown,
+                move |d: agent_bus::Delivery<String>| {
+                    let tries = tries.clone();
+                    async move {
+                        let seen = {
+                            let mut tries = tries.lock().unwrap();
+                            tries.push(d.payload.clone());
+                            tries.iter().filter(|p| **p == d.payload).count()
+                        };
+                        match d.payload.as_str() {
+                            "third time lucky" if seen >= 3 => agent_bus::Disposition::Ack,
+                            _ => agent_bus::Disposition::Nack(format!("not yet ({seen})")),
+                        }
+                    }
+                },
+            )
+            .await
+        })
+    };
+    while !stats.consuming.load(Ordering::SeqCst) {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let publisher = agent_bus::Publisher::new(&bus, topic).await.unwrap();
+    for payload in ["\"third time lucky\"", "\"never\""] {
+        publisher
+            .send(payload.as_bytes().to_vec(), &Default::default())
+            .await
+            .unwrap();
+    }
+    let letter = tokio::time::timeout(Duration::from_secs(30), dlq.next())
+        .await
+        .expect("a dead letter")
+        .unwrap()
+        .unwrap();
+    assert_eq!(letter.payload.data, b"\"never\"");
+    let reason = agent_bus::message_property(&letter, "dead-letter-reason").unwrap();
+    assert!(
+        reason.contains("not yet (4)") && reason.contains("4 tries"),
+        "{reason}"
+    );
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let tries = tries.lock().unwrap().clone();
+    let count = |p: &str| tries.iter().filter(|t| *t == p).count();
+    assert_eq!(count("third time lucky"), 3, "{tries:?}");
+    assert_eq!(count("never"), 4, "{tries:?}");
+    shutdown.cancel();
+    consumer.await.unwrap().unwrap();
+}

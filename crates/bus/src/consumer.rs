@@ -233,6 +233,10 @@ impl Panics {
     }
 }
 
+/// How often a handler is run on a message of a non-persistent topic that it nacks, before the
+/// message goes to the dead-letter topic (see [`start`]).
+const NON_PERSISTENT_TRIES: u32 = 4;
+
 /// How long a consumer's close may wait for the broker's answer.
 const CLOSE_WITHIN: Duration = Duration::from_secs(5);
 
@@ -301,7 +305,7 @@ where
         while tasks.len() < places() {
             let Some(message) = intake.next() else { break };
             if let Err(refused) = start(
-                &*handler,
+                &handler,
                 &mut tasks,
                 &mut in_flight,
                 &aside,
@@ -486,7 +490,7 @@ type Undecodable = Box<(Message<Vec<u8>>, String)>;
 /// Decodes `message` and starts its handler; a message that does not decode is given back with
 /// the reason, for the dead-letter topic.
 fn start<T, F, Fut>(
-    handler: &F,
+    handler: &Arc<F>,
     tasks: &mut JoinSet<Finished>,
     in_flight: &mut InFlight,
     aside: &Aside,
@@ -506,33 +510,57 @@ where
     let message_id = message_id_of(&message);
     let payload_bytes = message.payload.data.len();
     let raw: Arc<[u8]> = std::mem::take(&mut message.payload.data).into();
-    let work = handler(Delivery {
+    let (raw_again, aside) = (raw.clone(), aside.clone());
+    let delivery = move |payload: T| Delivery {
         payload,
-        properties,
-        message_id,
+        properties: properties.clone(),
+        message_id: message_id.clone(),
         payload_bytes,
-        raw: raw.clone(),
+        raw: raw_again.clone(),
         aside: aside.clone(),
-    });
+    };
+    let work = handler(delivery(payload));
+    // A nack on a non-persistent topic would lose the message (it is never redelivered), so its
+    // handler is run again here instead, and a message it still fails goes to the dead-letter
+    // topic, which says so (a client's request there ends its dialog with an error).
+    let again = is_non_persistent(&message.topic).then(|| handler.clone());
+    let again_raw = raw.clone();
     let handle = tasks.spawn(async move {
-        // Caught here so that a panic waits the nack delay as a nack does: it would otherwise
-        // come back at once, and panic again, as fast as the broker can deliver it.
-        let disposition = match std::panic::AssertUnwindSafe(work).catch_unwind().await {
-            Ok(disposition) => disposition,
-            Err(panic) => {
-                let what = panic
-                    .downcast_ref::<&str>()
-                    .map(|s| (*s).to_owned())
-                    .or_else(|| panic.downcast_ref::<String>().cloned())
-                    .unwrap_or_else(|| "a panic".to_owned());
-                tokio::time::sleep(nack_delay).await;
-                return Finished::Panicked(what);
-            }
-        };
-        if matches!(disposition, Disposition::Nack(_)) {
+        let mut work = work;
+        let mut tries = 1;
+        loop {
+            // Caught here so that a panic waits the nack delay as a nack does: it would otherwise
+            // come back at once, and panic again, as fast as the broker can deliver it.
+            let disposition = match std::panic::AssertUnwindSafe(work).catch_unwind().await {
+                Ok(disposition) => disposition,
+                Err(panic) => {
+                    let what = panic
+                        .downcast_ref::<&str>()
+                        .map(|s| (*s).to_owned())
+                        .or_else(|| panic.downcast_ref::<String>().cloned())
+                        .unwrap_or_else(|| "a panic".to_owned());
+                    tokio::time::sleep(nack_delay).await;
+                    return Finished::Panicked(what);
+                }
+            };
+            let Disposition::Nack(reason) = disposition else {
+                return Finished::Handled(disposition);
+            };
             tokio::time::sleep(nack_delay).await;
+            let Some(handler) = again.as_ref() else {
+                return Finished::Handled(Disposition::Nack(reason));
+            };
+            if tries >= NON_PERSISTENT_TRIES {
+                return Finished::Handled(Disposition::DeadLetter(format!(
+                    "{reason} ({tries} tries: a non-persistent topic does not deliver it again)"
+                )));
+            }
+            let Ok(payload) = serde_json::from_slice::<T>(&again_raw) else {
+                return Finished::Handled(Disposition::Nack(reason));
+            };
+            tries += 1;
+            work = handler(delivery(payload));
         }
-        Finished::Handled(disposition)
     });
     in_flight.insert(handle.id(), (message, raw));
     Ok(())
@@ -699,9 +727,18 @@ async fn settle(
             .await;
         }
         Finished::Panicked(what) => {
-            let times = panics.one_more(message_id_of(&message));
+            // A non-persistent topic never delivers it again: no second try to count.
+            let times = if is_non_persistent(&message.topic) {
+                PANICS_TO_DEAD_LETTER
+            } else {
+                panics.one_more(message_id_of(&message))
+            };
             if times >= PANICS_TO_DEAD_LETTER {
-                let reason = format!("its handler panicked on it {times} times: {what}");
+                let reason = if is_non_persistent(&message.topic) {
+                    format!("its handler panicked on it (a non-persistent topic does not deliver it again): {what}")
+                } else {
+                    format!("its handler panicked on it {times} times: {what}")
+                };
                 dead_letter(
                     consumer,
                     dead_letters,
