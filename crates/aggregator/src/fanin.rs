@@ -694,8 +694,17 @@ async fn start_waiting(
         if let Some(model) = &goal.model {
             properties.insert(agent_schema::MODEL_PROPERTY.to_owned(), model.clone());
         }
+        let payload = agent_schema::encode(&request);
         if let Some(key) = seal {
-            let parts = subagent_seal_parts(&request, fanout.started, fanout.tokens);
+            let model = goal.model.as_deref().unwrap_or_default();
+            let parts = subagent_seal_parts(
+                &request,
+                &payload,
+                fanout.started,
+                fanout.tokens,
+                model,
+                fanout.client,
+            );
             properties.insert(
                 agent_bus::seal::SEAL_PROPERTY.to_owned(),
                 key.seal(&parts.each_ref().map(String::as_str)),
@@ -709,11 +718,7 @@ async fn start_waiting(
         }
         // When it was started: as it is sent, before its own first records.
         let now = chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Micros, true);
-        requests
-            .enqueue(agent_schema::encode(&request), &properties)
-            .await?
-            .wait()
-            .await?;
+        requests.enqueue(payload, &properties).await?.wait().await?;
         let after: Vec<String> = goal
             .needs
             .iter()

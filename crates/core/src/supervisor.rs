@@ -647,19 +647,29 @@ pub fn synthesis_request(
     next
 }
 
-/// What a subagent request's seal covers: who it is, whose fan-out it belongs to, and the run's
-/// start and spend it inherits.
+/// What a subagent request's seal covers: who it is, whose fan-out it belongs to, the run's
+/// start and spend it inherits, the model it asks for, the client its messages go to, and the
+/// whole `payload` as sent (its goal, question, tools and all). Until 2026-12-02 only the first
+/// five were covered: a copy of a sealed start with another question or every tool group still
+/// verified, ran under the supervisor's budget, and its completion could join the fan-in. A start
+/// sealed by a build before that is refused by this one.
 pub fn subagent_seal_parts(
     request: &AgentRequest,
+    payload: &[u8],
     started_ms: u64,
     run_tokens: u64,
-) -> [String; 5] {
+    model: &str,
+    client: &str,
+) -> [String; 8] {
     [
         request.session_id.clone(),
         request.parent_session_id.clone(),
         request.correlation_id.clone(),
         started_ms.to_string(),
         run_tokens.to_string(),
+        model.to_owned(),
+        client.to_owned(),
+        String::from_utf8_lossy(payload).into_owned(),
     ]
 }
 

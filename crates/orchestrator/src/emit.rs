@@ -1157,14 +1157,20 @@ impl<'a> DialogOutput<'a> {
         if let Some(model) = model {
             properties.insert(MODEL_PROPERTY.to_owned(), model.to_owned());
         }
-        if let Some(key) = seal {
-            let parts = subagent_seal_parts(request, self.started_ms, run_tokens);
-            properties.insert(
-                agent_bus::seal::SEAL_PROPERTY.to_owned(),
-                key.seal(&parts.each_ref().map(String::as_str)),
-            );
-        }
         let payload = agent_schema::encode(request);
+        if let Some(key) = seal {
+            let text = |name: &str| properties.get(name).map_or("", String::as_str);
+            let parts = subagent_seal_parts(
+                request,
+                &payload,
+                self.started_ms,
+                run_tokens,
+                text(MODEL_PROPERTY),
+                text(ID_PROPERTY),
+            );
+            let sealed = key.seal(&parts.each_ref().map(String::as_str));
+            properties.insert(agent_bus::seal::SEAL_PROPERTY.to_owned(), sealed);
+        }
         self.within_limit(&payload, &properties)?;
         self.spawned
             .store(true, std::sync::atomic::Ordering::SeqCst);

@@ -119,7 +119,7 @@ impl Engine {
     pub(crate) async fn standing(
         &self,
         request: &mut AgentRequest,
-        properties: &agent_bus::Properties,
+        (properties, raw): (&agent_bus::Properties, &[u8]),
         session_id: &str,
         (new_dialog, answering): (bool, bool),
         verdict: &mut Result<(), String>,
@@ -165,10 +165,14 @@ impl Engine {
         if new_dialog && subagent && verdict.is_ok() {
             if let Some(key) = &self.seal {
                 // Sealed by the supervisor that spawned it: its start and budget are ours.
+                let text = |name: &str| properties.get(name).map_or("", String::as_str);
                 let parts = emit::subagent_seal_parts(
                     request,
+                    raw,
                     token(STARTED_PROPERTY),
                     token(RUN_TOKENS_PROPERTY),
+                    text(agent_schema::MODEL_PROPERTY),
+                    text(ID_PROPERTY),
                 );
                 let sealed = properties
                     .get(agent_bus::seal::SEAL_PROPERTY)
@@ -424,7 +428,7 @@ impl Engine {
         let standing = match self
             .standing(
                 &mut request,
-                &properties,
+                (&properties, &raw),
                 &session_id,
                 (new_dialog, answering),
                 &mut verdict,
