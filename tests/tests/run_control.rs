@@ -2016,3 +2016,66 @@ async fn the_config_services_tools_do_not_lift_the_operators_approvals() {
     assert_eq!(payments(&llm, "pay invoice floor-1"), 0, "paid unapproved");
     approval_asked(&responses);
 }
+
+/// A sealed approval given before the call it names was asked (beyond five minutes of clocks
+/// disagreeing) is an earlier call's, copied off the control topic and sent again: a session's id
+/// is its client's to choose, so a new dialog under an old id could park a call where an old
+/// approval answers it. It runs nothing and is dropped unanswered, so the person's own answer
+/// still decides. Until 2026-12-02 an approval's seal held for any call at its session and step.
+#[tokio::test]
+async fn an_approval_given_before_the_call_was_asked_runs_nothing() {
+    let (
+        Stack {
+            broker,
+            llm,
+            aggregator: _aggregator,
+            orchestrator: _orchestrator,
+        },
+        mut client,
+        mut responses,
+        session,
+        step,
+    ) = a_payment_awaiting_approval("replayed-approval", "zeta", 6, "a-replay").await;
+    let an_hour_ago = chrono::Utc::now() - chrono::Duration::hours(1);
+    let replayed = agent_schema::AgentControl {
+        operation: agent_schema::control_operation::APPROVE.to_owned(),
+        session_id: session.clone(),
+        by: "ops-carol".to_owned(),
+        at: an_hour_ago.to_rfc3339_opts(chrono::SecondsFormat::Micros, true),
+        step: Some(step),
+        ..Default::default()
+    };
+    let bus = agent_bus::Bus::connect(&broker.url(), None).await.unwrap();
+    let topics = agent_bus::Topics::trustgraph("default", "default");
+    let key = agent_bus::seal::SealKey::new(SEAL_KEY.as_bytes());
+    agent_bus::send_control(&bus, &topics, &replayed, Some(&key))
+        .await
+        .unwrap();
+    // Acted on, it would have paid by now.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert_eq!(
+        payments(&llm, "pay invoice zeta-6"),
+        0,
+        "the old approval paid"
+    );
+    agentctl(
+        &broker,
+        &[
+            "deny",
+            &session,
+            &step.to_string(),
+            "--by",
+            "ops-dan",
+            "--reason",
+            "not this one",
+        ],
+    );
+    responses.extend(
+        collect_dialog(&mut client, "a-replay", Duration::from_secs(60))
+            .await
+            .unwrap(),
+    );
+    let last = responses.last().unwrap();
+    assert_eq!(last.content, "I was not allowed to pay.", "{responses:#?}");
+    assert_eq!(payments(&llm, "pay invoice zeta-6"), 0);
+}

@@ -61,6 +61,9 @@ pub struct Continuation {
     pub decision: ToolDecision,
     /// Until when an answer is taken (RFC 3339).
     pub deadline: String,
+    /// When the call was parked (RFC 3339); empty in a continuation of an earlier build.
+    #[serde(default)]
+    pub asked: String,
 }
 
 /// An answer to a parked call, with the decision it answers.
@@ -71,6 +74,10 @@ pub struct Answer {
     /// Until when the parked call took an answer (RFC 3339), as the request showed it.
     pub deadline: String,
 }
+
+/// How much earlier than the call was parked an answer may say it was given: the approver's clock
+/// and the orchestrator's need not agree. An answer older than that was given to another call.
+const CLOCKS_DISAGREE_BY: chrono::Duration = chrono::Duration::minutes(5);
 
 impl Answer {
     /// Whether it approves, or denies, after the deadline the request showed (by its sealed time
@@ -83,6 +90,20 @@ impl Answer {
             (Some(at), Some(deadline)) => at > deadline,
             _ => true,
         }
+    }
+}
+
+/// Whether `control` was given before the call it answers was asked (`asked`, beyond what two
+/// clocks may disagree by): a sealed answer to an earlier call of the same session and step, sent
+/// again. A session's id is its client's to choose, so once the earlier dialog's journal is
+/// pruned a new dialog under the same id could park a call there, and a person's old approval,
+/// copied off the control topic, would make it. A continuation of an earlier build says nothing
+/// of when it was asked.
+pub fn given_before_asked(control: &AgentControl, asked: &str) -> bool {
+    let parsed = |t: &str| chrono::DateTime::parse_from_rfc3339(t).ok();
+    match (parsed(&control.at), parsed(asked)) {
+        (Some(at), Some(asked)) => at < asked - CLOCKS_DISAGREE_BY,
+        _ => false,
     }
 }
 
@@ -140,6 +161,7 @@ pub async fn park(turn: &Turn<'_>, n: usize, decision: ToolDecision) -> Result<(
         properties,
         decision,
         deadline: deadline.clone(),
+        asked: now.to_rfc3339_opts(chrono::SecondsFormat::Micros, true),
     };
     let text = serde_json::to_string(&continuation).unwrap_or_default();
     let mut kept = vec![triple(&node, tg::CONTINUATION, &text)];

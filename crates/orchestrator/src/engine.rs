@@ -649,6 +649,11 @@ impl Engine {
             tracing::warn!(session = %control.session_id, "the parked call belongs to another session; the answer is dropped");
             return Disposition::Ack;
         }
+        // Dropped unanswered: the person's answer to this call may still come.
+        if approval::given_before_asked(&control, &continuation.asked) {
+            tracing::warn!(session = %control.session_id, step, at = %control.at, asked = %continuation.asked, "an answer given before the call was asked (an earlier call's, sent again); dropped");
+            return Disposition::Ack;
+        }
         events::ApprovalAnswered {
             session: &control.session_id,
             step,
