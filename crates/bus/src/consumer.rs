@@ -75,6 +75,9 @@ struct AsideCount {
     waiting: AtomicU64,
     /// The most that may stand aside at once: what waits is held in memory, so it is bounded.
     most: u64,
+    /// The payload bytes of those standing aside, bounded by [`ASIDE_BYTES`]: a thousand
+    /// requests of a megabyte each, decoded and held, would be gigabytes.
+    bytes: AtomicU64,
     /// Wakes the loop, whose next receive was held back by the bound on handlers.
     stepped: tokio::sync::Notify,
 }
@@ -83,7 +86,11 @@ struct AsideCount {
 #[derive(Debug)]
 pub struct AsideLease {
     shared: Option<Arc<AsideCount>>,
+    bytes: u64,
 }
+
+/// The most payload bytes that may stand aside at once, whatever their count.
+const ASIDE_BYTES: u64 = 128 << 20;
 
 impl Aside {
     fn counted(most: u64) -> Aside {
@@ -95,21 +102,37 @@ impl Aside {
         }
     }
 
-    /// Steps aside until the lease is dropped; `None` when as many as the consumer allows stand
-    /// aside already.
-    pub fn step_aside(&self) -> Option<AsideLease> {
+    /// Steps aside with a message of `payload_bytes` until the lease is dropped; `None` when as
+    /// many as the consumer allows stand aside already, or as many bytes. One stands aside
+    /// whatever its size when none does, so a message as large as the broker takes still can.
+    pub fn step_aside(&self, payload_bytes: usize) -> Option<AsideLease> {
         let Some(shared) = &self.shared else {
-            return Some(AsideLease { shared: None });
+            return Some(AsideLease {
+                shared: None,
+                bytes: 0,
+            });
         };
+        let bytes = payload_bytes as u64;
+        let held = shared
+            .bytes
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |held| {
+                (held == 0 || held.saturating_add(bytes) <= ASIDE_BYTES)
+                    .then_some(held.saturating_add(bytes))
+            });
+        held.ok()?;
         let taken = shared
             .waiting
             .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| {
                 (n < shared.most).then_some(n + 1)
             });
-        taken.ok()?;
+        if taken.is_err() {
+            shared.bytes.fetch_sub(bytes, Ordering::SeqCst);
+            return None;
+        }
         shared.stepped.notify_one();
         Some(AsideLease {
             shared: Some(shared.clone()),
+            bytes,
         })
     }
 
@@ -131,6 +154,7 @@ impl Drop for AsideLease {
     fn drop(&mut self) {
         if let Some(shared) = &self.shared {
             shared.waiting.fetch_sub(1, Ordering::SeqCst);
+            shared.bytes.fetch_sub(self.bytes, Ordering::SeqCst);
         }
     }
 }
@@ -980,17 +1004,47 @@ mod tests {
     #[test]
     fn handlers_stand_aside_up_to_the_bound_and_come_back() {
         let aside = Aside::counted(2);
-        let first = aside.step_aside().unwrap();
-        let second = aside.clone().step_aside().unwrap();
+        let first = aside.step_aside(10).unwrap();
+        let second = aside.clone().step_aside(10).unwrap();
         assert_eq!(aside.waiting(), 2);
-        assert!(aside.step_aside().is_none(), "past the bound");
+        assert!(aside.step_aside(10).is_none(), "past the bound");
         drop(first);
         assert_eq!(aside.waiting(), 1);
-        let third = aside.step_aside().unwrap();
+        let third = aside.step_aside(10).unwrap();
         drop((second, third));
         assert_eq!(aside.waiting(), 0);
         // A delivery no loop counts may always wait.
-        assert!(Aside::default().step_aside().is_some());
+        assert!(Aside::default().step_aside(10).is_some());
         assert_eq!(Aside::default().waiting(), 0);
+    }
+
+    /// What stands aside is bounded in bytes as well as in count; the first to stand aside may
+    /// be as large as any message, and a refusal takes nothing.
+    #[test]
+    fn handlers_stand_aside_up_to_a_bound_in_bytes() {
+        let aside = Aside::counted(100);
+        let half = (ASIDE_BYTES / 2) as usize;
+        let first = aside.step_aside(half).unwrap();
+        let second = aside.step_aside(half).unwrap();
+        assert!(aside.step_aside(1).is_none(), "past the bytes");
+        assert_eq!(aside.waiting(), 2);
+        drop((first, second));
+        let huge = aside.step_aside(ASIDE_BYTES as usize * 2).unwrap();
+        assert!(aside.step_aside(1).is_none());
+        drop(huge);
+        assert!(aside.step_aside(1).is_some());
+        let counted = Aside::counted(1);
+        let _one = counted.step_aside(1).unwrap();
+        assert!(counted.step_aside(1).is_none());
+        assert_eq!(
+            counted
+                .shared
+                .as_ref()
+                .unwrap()
+                .bytes
+                .load(Ordering::SeqCst),
+            1,
+            "a refusal by count takes no bytes"
+        );
     }
 }

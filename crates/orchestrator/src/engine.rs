@@ -283,7 +283,7 @@ impl Engine {
                 tracing::info!(message = %delivery.message_id, "this message is being handled here already; waiting for that");
                 // Only waiting: after a reconnect every queued request comes back at once, and
                 // copies holding places would stop the consumer as the requests themselves did.
-                let _aside = delivery.aside.step_aside();
+                let _aside = delivery.aside.step_aside(delivery.payload_bytes);
                 let disposition = first
                     .wait_for(Option::is_some)
                     .await
@@ -450,7 +450,7 @@ impl Engine {
                         });
                     }
                     if aside.is_none() {
-                        aside = delivery.aside.step_aside();
+                        aside = delivery.aside.step_aside(delivery.payload_bytes);
                         if aside.is_none() {
                             let why = format!("{}; as many requests as this replica holds wait for their conversations already", queued.why);
                             return (self.give_up(delivery, &why, answer).await, None);
