@@ -2017,7 +2017,7 @@ async fn the_config_services_tools_do_not_lift_the_operators_approvals() {
     approval_asked(&responses);
 }
 
-/// A sealed approval given before the call it names was asked (beyond five minutes of clocks
+/// A sealed approval given before the call it names was asked (beyond an hour of clocks
 /// disagreeing) is an earlier call's, copied off the control topic and sent again: a session's id
 /// is its client's to choose, so a new dialog under an old id could park a call where an old
 /// approval answers it. It runs nothing and is dropped unanswered, so the person's own answer
@@ -2036,12 +2036,12 @@ async fn an_approval_given_before_the_call_was_asked_runs_nothing() {
         session,
         step,
     ) = a_payment_awaiting_approval("replayed-approval", "zeta", 6, "a-replay").await;
-    let an_hour_ago = chrono::Utc::now() - chrono::Duration::hours(1);
+    let two_hours_ago = chrono::Utc::now() - chrono::Duration::hours(2);
     let replayed = agent_schema::AgentControl {
         operation: agent_schema::control_operation::APPROVE.to_owned(),
         session_id: session.clone(),
         by: "ops-carol".to_owned(),
-        at: an_hour_ago.to_rfc3339_opts(chrono::SecondsFormat::Micros, true),
+        at: two_hours_ago.to_rfc3339_opts(chrono::SecondsFormat::Micros, true),
         step: Some(step),
         ..Default::default()
     };

@@ -385,29 +385,12 @@ fn kind(r: &AgentResponse) -> MessageType {
     r.kind().unwrap_or(MessageType::Observation)
 }
 
-/// One line on how the dialog was routed, from its pattern decision's triples.
 /// `r` as the terminal may be given it: the text in it is the model's, a tool's or anyone's on the
 /// broker, and a control character in it (an escape sequence) would be the terminal's to obey:
 /// recolour, move the cursor over earlier lines, retitle the window. Each but a newline and a tab
 /// shows as U+FFFD.
 fn terminal_safe(r: &AgentResponse) -> AgentResponse {
-    fn clean(text: &mut String) {
-        if text
-            .chars()
-            .any(|c| c.is_control() && c != '\n' && c != '\t')
-        {
-            *text = text
-                .chars()
-                .map(|c| {
-                    if c.is_control() && c != '\n' && c != '\t' {
-                        '\u{fffd}'
-                    } else {
-                        c
-                    }
-                })
-                .collect();
-        }
-    }
+    use clean_for_terminal as clean;
     fn clean_term(term: &mut agent_schema::Term) {
         clean(&mut term.iri);
         clean(&mut term.value);
@@ -434,6 +417,19 @@ fn terminal_safe(r: &AgentResponse) -> AgentResponse {
     r
 }
 
+/// `text` with each control character but a newline and a tab shown as U+FFFD (see
+/// [`terminal_safe`]).
+fn clean_for_terminal(text: &mut String) {
+    let unsafe_char = |c: char| c.is_control() && c != '\n' && c != '\t';
+    if text.chars().any(unsafe_char) {
+        *text = text
+            .chars()
+            .map(|c| if unsafe_char(c) { '\u{fffd}' } else { c })
+            .collect();
+    }
+}
+
+/// One line on how the dialog was routed, from its pattern decision's triples.
 fn routing_line(triples: &[Triple]) -> String {
     let fact = |predicate: NamedNodeRef<'_>| {
         triples
@@ -695,11 +691,12 @@ impl Renderer {
             self.print_gathered(&message_id, kind, &text, " (cut off)", &mut out);
         }
         self.close_line(&mut out);
+        let mut model = last.model.clone().unwrap_or_else(|| "-".to_owned());
+        clean_for_terminal(&mut model);
         let summary = format!(
-            "(tokens in/out: {}/{}, model: {}, {:.2} s)",
+            "(tokens in/out: {}/{}, model: {model}, {:.2} s)",
             last.in_token.unwrap_or(0),
             last.out_token.unwrap_or(0),
-            last.model.as_deref().unwrap_or("-"),
             elapsed.as_secs_f64()
         );
         let _ = writeln!(out, "{}", self.paint("2", &summary));

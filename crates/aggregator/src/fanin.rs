@@ -9,8 +9,8 @@ use agent_bus::seal::SealKey;
 use agent_bus::{BusError, Properties, Publisher};
 use agent_core::supervisor::{
     completion_seal_parts, decomposed_goals, dependent_request, fanout_seal_parts, fanouts_above,
-    kept_goals, last_decompose, result_key, subagent_index, subagent_seal_parts, subagent_session,
-    synthesis_request,
+    kept_goals, last_decompose, legacy_subagent_seal_parts, result_key, subagent_index,
+    subagent_seal_parts, subagent_session, synthesis_request,
 };
 use agent_graph::{queries, GraphError, GraphStore, QueryAnswer, Rows};
 use agent_schema::{
@@ -706,8 +706,13 @@ async fn start_waiting(
                 fanout.client,
             );
             properties.insert(
-                agent_bus::seal::SEAL_PROPERTY.to_owned(),
+                agent_bus::seal::SUBAGENT_SEAL_PROPERTY.to_owned(),
                 key.seal(&parts.each_ref().map(String::as_str)),
+            );
+            let legacy = legacy_subagent_seal_parts(&request, fanout.started, fanout.tokens);
+            properties.insert(
+                agent_bus::seal::SEAL_PROPERTY.to_owned(),
+                key.seal(&legacy.each_ref().map(String::as_str)),
             );
         }
         if let Some(context) = agent_telemetry::trace::traceparent(&tracing::Span::current()) {

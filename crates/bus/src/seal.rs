@@ -10,8 +10,13 @@ use ring::hmac;
 
 /// The environment variable holding the shared secret.
 pub const SEAL_KEY_ENV: &str = "AGENT_SEAL_KEY";
-/// The message property carrying a subagent request's seal.
+/// The message property carrying a subagent request's seal as builds before 2026-12-02 made it
+/// (who it is and what it inherits, not what it asks), still sent so that they take up this
+/// build's subagents during a rolling upgrade; believed only under `AGENT_SUBAGENT_SEALS=warn`.
 pub const SEAL_PROPERTY: &str = "agent-seal";
+/// The message property carrying a subagent request's seal over the whole of it (see
+/// `agent_core::supervisor::subagent_seal_parts`).
+pub const SUBAGENT_SEAL_PROPERTY: &str = "agent-subagent-seal";
 /// The property carrying the seal of a dialog's later step (see [`step_parts`]).
 pub const STEP_SEAL_PROPERTY: &str = "agent-step-seal";
 /// The property carrying the seal of an explainability message the agent's services sent: only

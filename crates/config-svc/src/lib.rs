@@ -182,13 +182,25 @@ pub(crate) async fn answer_and_announce(
     pusher: &Pusher,
     request: ConfigRequest,
 ) -> Result<agent_schema::ConfigResponse, tokio::task::JoinError> {
+    answer_and_tell(store, pusher, request)
+        .await
+        .map(|(response, _)| response)
+}
+
+/// [`answer_and_announce`], saying whether it wrote.
+async fn answer_and_tell(
+    store: &Arc<ConfigStore>,
+    pusher: &Pusher,
+    request: ConfigRequest,
+) -> Result<(agent_schema::ConfigResponse, bool), tokio::task::JoinError> {
     let workspace = protocol::workspace_of(&request).to_owned();
     let (response, written) =
         off_thread(store, move |store| protocol::handle(store, &request)).await?;
+    let wrote = written.is_some();
     if let Some(written) = written {
         pusher.push(written, &workspace).await;
     }
-    Ok(response)
+    Ok((response, wrote))
 }
 
 async fn answer(
@@ -197,9 +209,20 @@ async fn answer(
     pusher: Pusher,
     delivery: Delivery<ConfigRequest>,
 ) -> Disposition {
-    let response = match answer_and_announce(&store, &pusher, delivery.payload).await {
-        Ok(response) => response,
+    let (response, wrote) = match answer_and_tell(&store, &pusher, delivery.payload).await {
+        Ok(answered) => answered,
         Err(e) => return Disposition::Nack(format!("config handler failed: {e}")),
+    };
+    // A write is committed whether or not its answer goes: handled again (the consumer does
+    // that for a nack on a non-persistent topic) it would be written again, over anything
+    // written meanwhile. Its sender, unanswered, asks again.
+    let failed = |e: String| {
+        if wrote {
+            tracing::warn!(error = %e, "the answer to a config write was not sent; the write stands");
+            Disposition::Ack
+        } else {
+            Disposition::Nack(e)
+        }
     };
     let mut properties = Properties::new();
     if let Some(id) = delivery.properties.get(ID_PROPERTY) {
@@ -230,9 +253,9 @@ async fn answer(
                 .await
             {
                 Ok(()) => Disposition::Ack,
-                Err(e) => Disposition::Nack(e.to_string()),
+                Err(e) => failed(e.to_string()),
             }
         }
-        Err(e) => Disposition::Nack(e.to_string()),
+        Err(e) => failed(e.to_string()),
     }
 }

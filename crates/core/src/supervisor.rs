@@ -650,9 +650,9 @@ pub fn synthesis_request(
 /// What a subagent request's seal covers: who it is, whose fan-out it belongs to, the run's
 /// start and spend it inherits, the model it asks for, the client its messages go to, and the
 /// whole `payload` as sent (its goal, question, tools and all). Until 2026-12-02 only the first
-/// five were covered: a copy of a sealed start with another question or every tool group still
-/// verified, ran under the supervisor's budget, and its completion could join the fan-in. A start
-/// sealed by a build before that is refused by this one.
+/// five were covered ([`legacy_subagent_seal_parts`]): a copy of a sealed start with another
+/// question or every tool group still verified, ran under the supervisor's budget, and its
+/// completion could join the fan-in.
 pub fn subagent_seal_parts(
     request: &AgentRequest,
     payload: &[u8],
@@ -670,6 +670,23 @@ pub fn subagent_seal_parts(
         model.to_owned(),
         client.to_owned(),
         String::from_utf8_lossy(payload).into_owned(),
+    ]
+}
+
+/// What a subagent request's seal covered in builds before 2026-12-02: who it is, whose fan-out
+/// it belongs to, and the run's start and spend it inherits. Still sent beside the whole seal,
+/// for those builds' replicas during a rolling upgrade.
+pub fn legacy_subagent_seal_parts(
+    request: &AgentRequest,
+    started_ms: u64,
+    run_tokens: u64,
+) -> [String; 5] {
+    [
+        request.session_id.clone(),
+        request.parent_session_id.clone(),
+        request.correlation_id.clone(),
+        started_ms.to_string(),
+        run_tokens.to_string(),
     ]
 }
 

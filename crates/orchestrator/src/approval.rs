@@ -76,8 +76,10 @@ pub struct Answer {
 }
 
 /// How much earlier than the call was parked an answer may say it was given: the approver's clock
-/// and the orchestrator's need not agree. An answer older than that was given to another call.
-const CLOCKS_DISAGREE_BY: chrono::Duration = chrono::Duration::minutes(5);
+/// and the orchestrator's need not agree, and a step parked again (its first park's answer
+/// handed back while the store was away) records a later time. An answer older than that was given
+/// to another call: one of a dialog whose journal was pruned, which takes a day at the least.
+const CLOCKS_DISAGREE_BY: chrono::Duration = chrono::Duration::hours(1);
 
 impl Answer {
     /// Whether it approves, or denies, after the deadline the request showed (by its sealed time

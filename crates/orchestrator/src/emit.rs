@@ -8,7 +8,7 @@
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use agent_bus::{BusError, Properties, Publisher, Receipt};
-pub use agent_core::supervisor::subagent_seal_parts;
+pub use agent_core::supervisor::{legacy_subagent_seal_parts, subagent_seal_parts};
 use agent_core::vocab::{tg, NamedNodeRef, PROVENANCE_GRAPH as GRAPH};
 use agent_graph::model::NamedNode;
 use agent_schema::{
@@ -1169,7 +1169,10 @@ impl<'a> DialogOutput<'a> {
                 text(ID_PROPERTY),
             );
             let sealed = key.seal(&parts.each_ref().map(String::as_str));
-            properties.insert(agent_bus::seal::SEAL_PROPERTY.to_owned(), sealed);
+            let legacy = legacy_subagent_seal_parts(request, self.started_ms, run_tokens);
+            let legacy = key.seal(&legacy.each_ref().map(String::as_str));
+            properties.insert(agent_bus::seal::SUBAGENT_SEAL_PROPERTY.to_owned(), sealed);
+            properties.insert(agent_bus::seal::SEAL_PROPERTY.to_owned(), legacy);
         }
         self.within_limit(&payload, &properties)?;
         self.spawned

@@ -58,6 +58,7 @@ pub struct Engine {
     pub answers_waiting: AnswersWaiting,
     /// Whether a subagent's later step without the step seal is dead-lettered (or only logged).
     pub step_seals: crate::settings::SealRule,
+    pub subagent_seals: crate::settings::SealRule,
     /// Whether a control message without this service's seal is ignored (or only logged).
     pub control_seals: crate::settings::SealRule,
 }

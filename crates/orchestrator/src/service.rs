@@ -165,6 +165,7 @@ pub async fn run(settings: Settings, shutdown: CancellationToken) -> anyhow::Res
         ),
         answers_waiting: Default::default(),
         step_seals: settings.step_seals,
+        subagent_seals: settings.subagent_seals,
         control_seals: settings.control_seals,
     });
     if let (true, Some(journal)) = (settings.continue_in_process, &engine.journal) {

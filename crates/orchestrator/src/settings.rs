@@ -83,6 +83,13 @@ pub struct Settings {
     /// from a build that did not seal steps (its replicas and its journal entries send them).
     #[arg(long, env = "AGENT_STEP_SEALS", value_enum, default_value_t = SealRule::Require)]
     pub step_seals: SealRule,
+    /// What becomes of a subagent's first request whose seal covers only who it is and what it
+    /// inherits, as builds before 2026-12-02 sealed it (with a seal key): `require` refuses it;
+    /// `warn` logs it and runs it, for a rolling upgrade from such a build (its replicas and its
+    /// journal entries send them). Under `warn` a copy of any start with another question runs
+    /// too, so it is for the upgrade's while only.
+    #[arg(long, env = "AGENT_SUBAGENT_SEALS", value_enum, default_value_t = SealRule::Require)]
+    pub subagent_seals: SealRule,
     /// What becomes of a control message (a cancel, an approval's answer) without the seal of
     /// this service's key (with a seal key): `require` ignores it, said at warning level;
     /// `warn` logs it and acts on it, for a rolling upgrade from a build that did not seal them

@@ -162,7 +162,11 @@ impl Engine {
             Attempt::Run { .. } => self.knowledge.as_ref(),
             Attempt::GiveUp(_) => None,
         };
-        if new_dialog && subagent && verdict.is_ok() {
+        // An answer resumes a step from its continuation, which this service sealed as the step
+        // parked, once the step had passed what follows: checked again, its request (changed by
+        // the step before it parked: its framing, a pattern past the depth limit) would not
+        // verify against the seal of the message as sent.
+        if new_dialog && subagent && verdict.is_ok() && !answering {
             if let Some(key) = &self.seal {
                 // Sealed by the supervisor that spawned it: its start and budget are ours.
                 let text = |name: &str| properties.get(name).map_or("", String::as_str);
@@ -174,9 +178,29 @@ impl Engine {
                     text(agent_schema::MODEL_PROPERTY),
                     text(ID_PROPERTY),
                 );
-                let sealed = properties
-                    .get(agent_bus::seal::SEAL_PROPERTY)
-                    .is_some_and(|seal| key.verify(&parts.each_ref().map(String::as_str), seal));
+                let sealed_with = |property: &str, parts: &[&str]| {
+                    properties
+                        .get(property)
+                        .is_some_and(|seal| key.verify(parts, seal))
+                };
+                let whole = agent_bus::seal::SUBAGENT_SEAL_PROPERTY;
+                let mut sealed = sealed_with(whole, &parts.each_ref().map(String::as_str));
+                if !sealed && self.subagent_seals == crate::settings::SealRule::Warn {
+                    // A start of a build before the whole seal, or a copy of any start with its
+                    // whole seal taken off: believed only while a rolling upgrade asks for it.
+                    let legacy = emit::legacy_subagent_seal_parts(
+                        request,
+                        token(STARTED_PROPERTY),
+                        token(RUN_TOKENS_PROPERTY),
+                    );
+                    sealed = sealed_with(
+                        agent_bus::seal::SEAL_PROPERTY,
+                        &legacy.each_ref().map(String::as_str),
+                    );
+                    if sealed {
+                        tracing::warn!(session = %session_id, "running a subagent whose start carries only the older seal (AGENT_SUBAGENT_SEALS=warn)");
+                    }
+                }
                 if !sealed {
                     tracing::warn!(session = %session_id, "refusing an unsealed subagent request");
                     request.parent_session_id.clear();
