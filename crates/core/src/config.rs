@@ -726,7 +726,7 @@ impl AgentConfig {
         let id = tool.mcp_id(key);
         let server = self.mcp.get(id)?;
         Some(McpTarget {
-            url: server.url.trim_end_matches('/').to_owned(),
+            url: server_of_url(&server.url),
             command: server.command.clone(),
             args: server.args.clone(),
             remote_name: server.remote_name.clone().unwrap_or_else(|| id.to_owned()),
@@ -741,6 +741,36 @@ impl AgentConfig {
             self.task_types.values().cloned().collect()
         }
     }
+}
+
+/// The server a URL reaches, as far as its text can tell: its scheme and host in lower case, its
+/// port (the scheme's default when none is given) and its path without empty segments, its user,
+/// query and fragment left out. Two spellings of one server (`HTTPS://Mcp.Example:443//mcp/?x`)
+/// come out the same, so a definition cannot call a gated tool by spelling its URL otherwise;
+/// taking the query away makes more definitions match, which only gates more.
+fn server_of_url(url: &str) -> String {
+    let url = url.trim();
+    let (scheme, rest) = url.split_once("://").unwrap_or(("", url));
+    let scheme = scheme.to_ascii_lowercase();
+    let rest = rest.split(['?', '#']).next().unwrap_or_default();
+    let (authority, path) = rest.split_once('/').unwrap_or((rest, ""));
+    let host_port = authority.rsplit('@').next().unwrap_or_default();
+    let (host, port) = match host_port.rsplit_once(':') {
+        // An IPv6 literal's colons are inside its brackets.
+        Some((host, port)) if !port.contains(']') => (host, port.to_owned()),
+        _ => (host_port, String::new()),
+    };
+    let port = match (port.as_str(), scheme.as_str()) {
+        ("", "https") => "443".to_owned(),
+        ("", "http") => "80".to_owned(),
+        _ => port,
+    };
+    let path: Vec<&str> = path.split('/').filter(|s| !s.is_empty()).collect();
+    format!(
+        "{scheme}://{}:{port}/{}",
+        host.to_ascii_lowercase(),
+        path.join("/")
+    )
 }
 
 /// The MCP tool an `mcp-tool` definition calls, whatever the definition is named.
@@ -851,6 +881,18 @@ mod tests {
             let values: ConfigValues = serde_json::from_value(values).unwrap();
             AgentConfig::from_values(&values).unwrap()
         };
+        assert_eq!(
+            server_of_url("HTTPS://user:pw@Mcp.Example:443//mcp/?x=1#f"),
+            server_of_url("https://mcp.example/mcp")
+        );
+        assert_eq!(
+            server_of_url("http://[::1]/a"),
+            server_of_url("http://[::1]:80/a/")
+        );
+        assert_ne!(
+            server_of_url("https://mcp.example:8443/mcp"),
+            server_of_url("https://mcp.example/mcp")
+        );
         let mcp = json!({"ledger": {"url": "https://mcp.example/mcp/", "remote-name": "transfer"},
                          "other": {"url": "https://mcp.example/mcp", "remote-name": "balance"}});
         let local = config(json!({
@@ -864,7 +906,7 @@ mod tests {
             "agent-limits": {"default": {"approval_groups": ["money"]}}
         }));
         let service = config(json!({
-            "mcp": {"ledger-2": {"url": "https://mcp.example/mcp", "remote-name": "transfer"},
+            "mcp": {"ledger-2": {"url": "https://MCP.example:443//mcp?via=2", "remote-name": "transfer"},
                     "other": {"url": "https://mcp.example/mcp", "remote-name": "balance"}},
             "tool": {
                 "move-money": {"name": "move_money", "description": "d", "type": "mcp-tool",

@@ -89,8 +89,35 @@ struct Session {
     suspect: std::sync::atomic::AtomicBool,
     // Dropping the service ends the session.
     _service: RunningService<RoleClient, ()>,
-    /// A stdio server's process, killed when the session is dropped.
-    _child: Option<tokio::process::Child>,
+    /// A stdio server's process, ended with the session.
+    _child: Option<ServerProcess>,
+}
+
+/// A stdio server's process. When its session is dropped (its input closes with the session's
+/// transport) it has a few seconds to finish on its own, as rmcp's child transport gives it, and
+/// is killed then; without a runtime to wait on, at once.
+struct ServerProcess(Option<tokio::process::Child>);
+
+/// How long a stdio server has to exit by itself once its session is dropped.
+const SERVER_EXIT_GRACE: Duration = Duration::from_secs(3);
+
+impl Drop for ServerProcess {
+    fn drop(&mut self) {
+        let Some(mut child) = self.0.take() else {
+            return;
+        };
+        // `kill_on_drop` ends it if the task never runs.
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            runtime.spawn(async move {
+                if tokio::time::timeout(SERVER_EXIT_GRACE, child.wait())
+                    .await
+                    .is_err()
+                {
+                    let _ = child.kill().await;
+                }
+            });
+        }
+    }
 }
 
 impl Session {
@@ -505,7 +532,7 @@ async fn connect(endpoint: &Endpoint) -> Result<Session, String> {
         answered_at: Mutex::new(std::time::Instant::now()),
         suspect: std::sync::atomic::AtomicBool::new(false),
         _service: service,
-        _child: child,
+        _child: child.map(|child| ServerProcess(Some(child))),
     })
 }
 
