@@ -438,6 +438,70 @@ async fn a_reader_that_stands_still_loses_no_response_on_the_broker_as_shipped()
     );
 }
 
+/// A consumer of `topic` (Shared, `max_in_flight` 4, no bound on redeliveries) running `handler`
+/// on string payloads, with `letters` as its dead-letter topic, in a task of its own: its stop,
+/// its statistics and the task.
+fn consuming<F, Fut>(
+    bus: &agent_bus::Bus,
+    (topic, letters): (&str, &str),
+    nack_delay: Duration,
+    handler: F,
+) -> (
+    tokio_util::sync::CancellationToken,
+    Arc<agent_bus::ConsumerStats>,
+    tokio::task::JoinHandle<Result<(), agent_bus::BusError>>,
+)
+where
+    F: Fn(agent_bus::Delivery<String>) -> Fut + Send + Sync + 'static,
+    Fut: std::future::Future<Output = agent_bus::Disposition> + Send + 'static,
+{
+    let config = agent_bus::SubscriptionConfig {
+        topic: topic.to_owned(),
+        subscription: "under-test".to_owned(),
+        max_in_flight: 4,
+        max_redeliveries: None,
+        dead_letter_topic: letters.to_owned(),
+        drain_deadline: Duration::from_secs(1),
+        nack_delay,
+        one_at_a_time: false,
+    };
+    let shutdown = tokio_util::sync::CancellationToken::new();
+    let stats = Arc::new(agent_bus::ConsumerStats::default());
+    let task = {
+        let (bus, shutdown, stats) = (bus.clone(), shutdown.clone(), stats.clone());
+        tokio::spawn(async move {
+            agent_bus::run_consumer(&bus, config, stats, shutdown, handler).await
+        })
+    };
+    (shutdown, stats, task)
+}
+
+/// Publishes each of `payloads` (JSON) on `topic`, in order.
+async fn publish_all(bus: &agent_bus::Bus, topic: &str, payloads: &[&str]) {
+    let publisher = agent_bus::Publisher::new(bus, topic).await.unwrap();
+    for payload in payloads {
+        publisher
+            .send(payload.as_bytes().to_vec(), &Default::default())
+            .await
+            .unwrap();
+    }
+}
+
+/// The next dead letter: its payload and its reason.
+async fn next_dead_letter(
+    dlq: &mut pulsar::Consumer<Vec<u8>, pulsar::TokioExecutor>,
+) -> (Vec<u8>, String) {
+    let letter = tokio::time::timeout(Duration::from_secs(30), dlq.next())
+        .await
+        .expect("a dead letter")
+        .unwrap()
+        .unwrap();
+    let reason = agent_bus::message_property(&letter, "dead-letter-reason")
+        .unwrap()
+        .to_owned();
+    (letter.payload.data, reason)
+}
+
 /// A handler that panics on a message does not have it back at once for ever: the panic waits the
 /// nack delay as a nack does, and the third panic on the same message dead-letters it, saying so,
 /// while other messages go on being handled. Until 2026-12-02 a panic was nacked at once, with no
@@ -447,71 +511,34 @@ async fn a_reader_that_stands_still_loses_no_response_on_the_broker_as_shipped()
 async fn a_message_its_handler_panics_on_is_dead_lettered_after_three_tries() {
     let broker = Broker::start().unwrap();
     let bus = agent_bus::Bus::connect(&broker.url(), None).await.unwrap();
-    let topic = "persistent://tg/flow/panics";
-    let letters = "persistent://tg/flow/panics-dlq";
-    let mut dlq = read_from_start(&broker, letters, "test-dlq").await;
+    let topics = (
+        "persistent://tg/flow/panics",
+        "persistent://tg/flow/panics-dlq",
+    );
+    let mut dlq = read_from_start(&broker, topics.1, "test-dlq").await;
     let tries = Arc::new(AtomicUsize::new(0));
     let handled = Arc::new(AtomicUsize::new(0));
-    let shutdown = tokio_util::sync::CancellationToken::new();
-    let consumer = {
-        let (bus, tries, handled, shutdown) = (
-            bus.clone(),
-            tries.clone(),
-            handled.clone(),
-            shutdown.clone(),
-        );
-        tokio::spawn(async move {
-            let config = agent_bus::SubscriptionConfig {
-                topic: topic.to_owned(),
-                subscription: "panics".to_owned(),
-                max_in_flight: 4,
-                max_redeliveries: None,
-                dead_letter_topic: letters.to_owned(),
-                drain_deadline: Duration::from_secs(1),
-                nack_delay: Duration::from_millis(200),
-                one_at_a_time: false,
-            };
-            let stats = Arc::new(agent_bus::ConsumerStats::default());
-            agent_bus::run_consumer(
-                &bus,
-                config,
-                stats,
-                shutdown,
-                move |d: agent_bus::Delivery<String>| {
-                    let (tries, handled) = (tries.clone(), handled.clone());
-                    async move {
-                        if d.payload == "boom" {
-                            tries.fetch_add(1, Ordering::SeqCst);
-                            panic!("the handler met a bug");
-                        }
-                        handled.fetch_add(1, Ordering::SeqCst);
-                        agent_bus::Disposition::Ack
-                    }
-                },
-            )
-            .await
+    let (shutdown, _, consumer) = {
+        let (tries, handled) = (tries.clone(), handled.clone());
+        consuming(&bus, topics, Duration::from_millis(200), move |d| {
+            let (tries, handled) = (tries.clone(), handled.clone());
+            async move {
+                if d.payload == "boom" {
+                    tries.fetch_add(1, Ordering::SeqCst);
+                    panic!("the handler met a bug");
+                }
+                handled.fetch_add(1, Ordering::SeqCst);
+                agent_bus::Disposition::Ack
+            }
         })
     };
-    let publisher = agent_bus::Publisher::new(&bus, topic).await.unwrap();
-    for payload in ["\"boom\"", "\"fine\"", "\"also fine\""] {
-        publisher
-            .send(payload.as_bytes().to_vec(), &Default::default())
-            .await
-            .unwrap();
-    }
-    let letter = tokio::time::timeout(Duration::from_secs(30), dlq.next())
-        .await
-        .expect("a dead letter")
-        .unwrap()
-        .unwrap();
-    let reason = agent_bus::message_property(&letter, "dead-letter-reason")
-        .unwrap()
-        .to_owned();
+    publish_all(&bus, topics.0, &["\"boom\"", "\"fine\"", "\"also fine\""]).await;
+    let (letter, reason) = next_dead_letter(&mut dlq).await;
     assert!(
         reason.contains("panicked on it 3 times") && reason.contains("the handler met a bug"),
         "{reason}"
     );
-    assert_eq!(letter.payload.data, b"\"boom\"");
+    assert_eq!(letter, b"\"boom\"");
     tokio::time::sleep(Duration::from_secs(1)).await;
     assert_eq!(tries.load(Ordering::SeqCst), 3);
     assert_eq!(handled.load(Ordering::SeqCst), 2);
@@ -528,67 +555,36 @@ async fn a_message_its_handler_panics_on_is_dead_lettered_after_three_tries() {
 async fn a_nacked_message_of_a_non_persistent_topic_is_tried_again_then_dead_lettered() {
     let broker = Broker::start().unwrap();
     let bus = agent_bus::Bus::connect(&broker.url(), None).await.unwrap();
-    let topic = "non-persistent://tg/request/nacked";
-    let letters = "persistent://tg/flow/nacked-dlq";
-    let mut dlq = read_from_start(&broker, letters, "test-dlq").await;
+    let topics = (
+        "non-persistent://tg/request/nacked",
+        "persistent://tg/flow/nacked-dlq",
+    );
+    let mut dlq = read_from_start(&broker, topics.1, "test-dlq").await;
     let tries: Arc<std::sync::Mutex<Vec<String>>> = Arc::default();
-    let shutdown = tokio_util::sync::CancellationToken::new();
-    let stats = Arc::new(agent_bus::ConsumerStats::default());
-    let consumer = {
-        let (bus, tries, shutdown, stats) =
-            (bus.clone(), tries.clone(), shutdown.clone(), stats.clone());
-        tokio::spawn(async move {
-            let config = agent_bus::SubscriptionConfig {
-                topic: topic.to_owned(),
-                subscription: "nacked".to_owned(),
-                max_in_flight: 4,
-                max_redeliveries: None,
-                dead_letter_topic: letters.to_owned(),
-                drain_deadline: Duration::from_secs(1),
-                nack_delay: Duration::from_millis(100),
-                one_at_a_time: false,
-            };
-            agent_bus::run_consumer(
-                &bus,
-                config,
-                stats,
-                shutdown,
-                move |d: agent_bus::Delivery<String>| {
-                    let tries = tries.clone();
-                    async move {
-                        let seen = {
-                            let mut tries = tries.lock().unwrap();
-                            tries.push(d.payload.clone());
-                            tries.iter().filter(|p| **p == d.payload).count()
-                        };
-                        match d.payload.as_str() {
-                            "third time lucky" if seen >= 3 => agent_bus::Disposition::Ack,
-                            _ => agent_bus::Disposition::Nack(format!("not yet ({seen})")),
-                        }
-                    }
-                },
-            )
-            .await
+    let (shutdown, stats, consumer) = {
+        let tries = tries.clone();
+        consuming(&bus, topics, Duration::from_millis(100), move |d| {
+            let tries = tries.clone();
+            async move {
+                let seen = {
+                    let mut tries = tries.lock().unwrap();
+                    tries.push(d.payload.clone());
+                    tries.iter().filter(|p| **p == d.payload).count()
+                };
+                match d.payload.as_str() {
+                    "third time lucky" if seen >= 3 => agent_bus::Disposition::Ack,
+                    _ => agent_bus::Disposition::Nack(format!("not yet ({seen})")),
+                }
+            }
         })
     };
     while !stats.consuming.load(Ordering::SeqCst) {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     tokio::time::sleep(Duration::from_millis(500)).await;
-    let publisher = agent_bus::Publisher::new(&bus, topic).await.unwrap();
-    for payload in ["\"third time lucky\"", "\"never\""] {
-        publisher
-            .send(payload.as_bytes().to_vec(), &Default::default())
-            .await
-            .unwrap();
-    }
-    let letter = tokio::time::timeout(Duration::from_secs(30), dlq.next())
-        .await
-        .expect("a dead letter")
-        .unwrap()
-        .unwrap();
-    assert_eq!(letter.payload.data, b"\"never\"");
-    let reason = agent_bus::message_property(&letter, "dead-letter-reason").unwrap();
+    publish_all(&bus, topics.0, &["\"third time lucky\"", "\"never\""]).await;
+    let (letter, reason) = next_dead_letter(&mut dlq).await;
+    assert_eq!(letter, b"\"never\"");
     assert!(
         reason.contains("not yet (4)") && reason.contains("4 tries"),
         "{reason}"

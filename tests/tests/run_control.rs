@@ -395,6 +395,37 @@ fn approval_asked(responses: &[AgentResponse]) -> (String, String, u64) {
     (asked.message_id.clone(), session, step)
 }
 
+/// Denies the parked call at `session`'s `step` as ops-dan for `reason`, reads dialog `id` to its
+/// end into `responses`, and checks the agent ended saying it was not allowed to pay.
+async fn denied_to_the_end(
+    broker: &Broker,
+    client: &mut agent_bus::AgentClient,
+    responses: &mut Vec<AgentResponse>,
+    (session, step): (&str, u64),
+    id: &str,
+    reason: &str,
+) {
+    agentctl(
+        broker,
+        &[
+            "deny",
+            session,
+            &step.to_string(),
+            "--by",
+            "ops-dan",
+            "--reason",
+            reason,
+        ],
+    );
+    responses.extend(
+        collect_dialog(client, id, Duration::from_secs(60))
+            .await
+            .unwrap(),
+    );
+    let last = responses.last().unwrap();
+    assert_eq!(last.content, "I was not allowed to pay.", "{responses:#?}");
+}
+
 /// Every completion of the dialog's subagents in the graph, as (status, result).
 async fn completions(aggregator: &Aggregator, root: &str) -> Vec<(String, String)> {
     let sparql = format!(
@@ -904,25 +935,15 @@ async fn a_denied_call_is_not_run_and_the_agent_goes_on() {
         session,
         step,
     ) = a_payment_awaiting_approval("deny", "delta", 9, "a-3").await;
-    agentctl(
+    denied_to_the_end(
         &broker,
-        &[
-            "deny",
-            &session,
-            &step.to_string(),
-            "--by",
-            "ops-dan",
-            "--reason",
-            "over budget",
-        ],
-    );
-    responses.extend(
-        collect_dialog(&mut client, "a-3", Duration::from_secs(60))
-            .await
-            .unwrap(),
-    );
-    let last = responses.last().unwrap();
-    assert_eq!(last.content, "I was not allowed to pay.", "{responses:#?}");
+        &mut client,
+        &mut responses,
+        (&session, step),
+        "a-3",
+        "over budget",
+    )
+    .await;
     assert_eq!(payments(&llm, "pay invoice delta-9"), 0);
     assert_eq!(
         calls_matching(
@@ -951,6 +972,7 @@ async fn control_messages_without_the_services_seal_are_ignored() {
         session,
         step,
     ) = a_payment_awaiting_approval("forged-control", "epsilon", 4, "a-9").await;
+    let step_number = step;
     let step = step.to_string();
     agentctl_keyed(
         &broker,
@@ -977,25 +999,15 @@ async fn control_messages_without_the_services_seal_are_ignored() {
     assert!(said.contains("cancelled session"), "{said}");
     // Acted on, it would end the dialog as cancelled.
     tokio::time::sleep(Duration::from_secs(2)).await;
-    agentctl(
+    denied_to_the_end(
         &broker,
-        &[
-            "deny",
-            &session,
-            &step,
-            "--by",
-            "ops-dan",
-            "--reason",
-            "not today",
-        ],
-    );
-    responses.extend(
-        collect_dialog(&mut client, "a-9", Duration::from_secs(60))
-            .await
-            .unwrap(),
-    );
-    let last = responses.last().unwrap();
-    assert_eq!(last.content, "I was not allowed to pay.", "{responses:#?}");
+        &mut client,
+        &mut responses,
+        (&session, step_number),
+        "a-9",
+        "not today",
+    )
+    .await;
     assert_eq!(payments(&llm, "pay invoice epsilon-4"), 0);
     assert!(
         responses.iter().all(|r| r.error.is_none()),
@@ -2058,24 +2070,14 @@ async fn an_approval_given_before_the_call_was_asked_runs_nothing() {
         0,
         "the old approval paid"
     );
-    agentctl(
+    denied_to_the_end(
         &broker,
-        &[
-            "deny",
-            &session,
-            &step.to_string(),
-            "--by",
-            "ops-dan",
-            "--reason",
-            "not this one",
-        ],
-    );
-    responses.extend(
-        collect_dialog(&mut client, "a-replay", Duration::from_secs(60))
-            .await
-            .unwrap(),
-    );
-    let last = responses.last().unwrap();
-    assert_eq!(last.content, "I was not allowed to pay.", "{responses:#?}");
+        &mut client,
+        &mut responses,
+        (&session, step),
+        "a-replay",
+        "not this one",
+    )
+    .await;
     assert_eq!(payments(&llm, "pay invoice zeta-6"), 0);
 }

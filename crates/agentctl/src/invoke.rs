@@ -390,10 +390,9 @@ fn kind(r: &AgentResponse) -> MessageType {
 /// recolour, move the cursor over earlier lines, retitle the window. Each but a newline and a tab
 /// shows as U+FFFD.
 fn terminal_safe(r: &AgentResponse) -> AgentResponse {
-    use clean_for_terminal as clean;
     fn clean_term(term: &mut agent_schema::Term) {
-        clean(&mut term.iri);
-        clean(&mut term.value);
+        clean_for_terminal(&mut term.iri);
+        clean_for_terminal(&mut term.value);
         if let Some(inner) = term.triple.as_deref_mut() {
             clean_term(&mut inner.s);
             clean_term(&mut inner.p);
@@ -402,12 +401,12 @@ fn terminal_safe(r: &AgentResponse) -> AgentResponse {
     }
     let mut r = r.clone();
     // The message id is a key here and never printed (its session is, from the explain id).
-    clean(&mut r.content);
+    clean_for_terminal(&mut r.content);
     if let Some(error) = r.error.as_mut() {
-        clean(&mut error.message);
+        clean_for_terminal(&mut error.message);
     }
     if let Some(node) = r.explain_id.as_mut() {
-        clean(node);
+        clean_for_terminal(node);
     }
     for triple in &mut r.explain_triples {
         clean_term(&mut triple.s);

@@ -723,8 +723,27 @@ async fn settle(
     let Some((message, payload)) = in_flight.remove(&id) else {
         return;
     };
-    match finished {
-        Finished::Handled(Disposition::Ack) => {
+    let disposition = match finished {
+        Finished::Handled(disposition) => disposition,
+        Finished::Panicked(what) => after_panic(panics, &message, &what),
+        Finished::DeadLettered(Ok(())) => {
+            stats.dead_lettered.fetch_add(1, Ordering::Relaxed);
+            if let Err(e) = consumer.ack(&message).await {
+                tracing::warn!(error = %e, "ack after dead-lettering failed");
+            }
+            return;
+        }
+        // Not acked: it comes back and we try again rather than lose it.
+        Finished::DeadLettered(Err(e)) => {
+            tracing::error!(error = %e, "dead-letter publish failed");
+            if let Err(e) = consumer.nack(&message).await {
+                tracing::warn!(error = %e, "nack failed");
+            }
+            return;
+        }
+    };
+    match disposition {
+        Disposition::Ack => {
             tracing::debug!(message_id = ?message.message_id.id, "ack");
             if let Err(e) = consumer.ack(&message).await {
                 tracing::warn!(error = %e, "ack failed; the message will be redelivered");
@@ -732,14 +751,14 @@ async fn settle(
                 stats.acked.fetch_add(1, Ordering::Relaxed);
             }
         }
-        Finished::Handled(Disposition::Nack(reason)) => {
+        Disposition::Nack(reason) => {
             tracing::warn!(%reason, "nack");
             stats.nacked.fetch_add(1, Ordering::Relaxed);
             if let Err(e) = consumer.nack(&message).await {
                 tracing::warn!(error = %e, "nack failed");
             }
         }
-        Finished::Handled(Disposition::DeadLetter(reason)) => {
+        Disposition::DeadLetter(reason) => {
             dead_letter(
                 consumer,
                 dead_letters,
@@ -750,50 +769,26 @@ async fn settle(
             )
             .await;
         }
-        Finished::Panicked(what) => {
-            // A non-persistent topic never delivers it again: no second try to count.
-            let times = if is_non_persistent(&message.topic) {
-                PANICS_TO_DEAD_LETTER
-            } else {
-                panics.one_more(message_id_of(&message))
-            };
-            if times >= PANICS_TO_DEAD_LETTER {
-                let reason = if is_non_persistent(&message.topic) {
-                    format!("its handler panicked on it (a non-persistent topic does not deliver it again): {what}")
-                } else {
-                    format!("its handler panicked on it {times} times: {what}")
-                };
-                dead_letter(
-                    consumer,
-                    dead_letters,
-                    (tasks, in_flight),
-                    (message, payload.to_vec()),
-                    &reason,
-                    nack_delay,
-                )
-                .await;
-            } else {
-                tracing::error!(panic = %what, times, "the handler panicked; nack");
-                stats.nacked.fetch_add(1, Ordering::Relaxed);
-                if let Err(e) = consumer.nack(&message).await {
-                    tracing::warn!(error = %e, "nack failed");
-                }
-            }
-        }
-        Finished::DeadLettered(Ok(())) => {
-            stats.dead_lettered.fetch_add(1, Ordering::Relaxed);
-            if let Err(e) = consumer.ack(&message).await {
-                tracing::warn!(error = %e, "ack after dead-lettering failed");
-            }
-        }
-        // Not acked: it comes back and we try again rather than lose it.
-        Finished::DeadLettered(Err(e)) => {
-            tracing::error!(error = %e, "dead-letter publish failed");
-            if let Err(e) = consumer.nack(&message).await {
-                tracing::warn!(error = %e, "nack failed");
-            }
-        }
     }
+}
+
+/// What becomes of `message`, whose handler panicked saying `what`: nacked, or dead-lettered once
+/// it has panicked [`PANICS_TO_DEAD_LETTER`] times (at once on a non-persistent topic, which never
+/// delivers it again: no second try to count).
+fn after_panic(panics: &mut Panics, message: &Message<Vec<u8>>, what: &str) -> Disposition {
+    if is_non_persistent(&message.topic) {
+        return Disposition::DeadLetter(format!(
+            "its handler panicked on it (a non-persistent topic does not deliver it again): {what}"
+        ));
+    }
+    let times = panics.one_more(message_id_of(message));
+    if times >= PANICS_TO_DEAD_LETTER {
+        return Disposition::DeadLetter(format!(
+            "its handler panicked on it {times} times: {what}"
+        ));
+    }
+    tracing::error!(panic = %what, times, "the handler panicked");
+    Disposition::Nack(format!("its handler panicked: {what}"))
 }
 
 /// Sends a message and its payload to the dead-letter topic with `reason`, in a task of the
