@@ -25,7 +25,7 @@ echo "== cargo test"
 # closed-consumer tests, one JVM broker each) run beside the others instead of after them. (Six at a
 # time beside those once left a supervisor fan-out unfinished after 60 s on a saturated machine;
 # alone, six passed every time.)
-alone=(small_model pulsar_auth pulsar_tls message_limits broker_closes)
+alone=(small_model pulsar_auth pulsar_tls message_limits broker_closes listener_subscriptions)
 alone_args=()
 for name in "${alone[@]}"; do alone_args+=(--test "$name"); done
 # In a process group of its own, so that stopping this script stops it and whatever it started.
@@ -79,8 +79,9 @@ chain_soak_status=${PIPESTATUS[0]}
 # effectively-once and the chaos soak's short mode (with its broker restart) with the graph in Apache
 # Jena Fuseki and in Oxigraph's server. (tests/tests/pulsar_auth.rs, JWT
 # authentication and authorization, tests/tests/pulsar_tls.rs, TLS with a private CA,
-# tests/tests/message_limits.rs, the broker's message size limit, and tests/tests/broker_closes.rs,
-# a consumer the broker closes and refuses, run on Apache Pulsar in the main run above.) This first tier is docker-compose.yml's topology, so its broker has the compose
+# tests/tests/message_limits.rs, the broker's message size limit, tests/tests/broker_closes.rs,
+# a consumer the broker closes and refuses, and tests/tests/listener_subscriptions.rs, a reader's
+# subscription ending with it, run on Apache Pulsar in the main run above.) This first tier is docker-compose.yml's topology, so its broker has the compose
 # file's settings (new entries dispatched at once, write-buffer marks of 16 MiB); the tiers with the
 # graph in a SPARQL server keep standalone's defaults, as an existing cluster most likely has them.
 echo "== Apache Pulsar tier (as docker-compose.yml sets it up)"

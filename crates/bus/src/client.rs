@@ -71,6 +71,12 @@ impl Listener {
                 .with_batch_size(LISTENER_PERMITS)
                 .with_options(ConsumerOptions {
                     initial_position: InitialPosition::Latest,
+                    // A listener reads from now on and never comes back for what it missed, so
+                    // its subscription must go with its connection: a durable one outlives a
+                    // process that crashed or never closed it, and on a persistent topic would
+                    // hold every message published after it for good (Apache Pulsar expires no
+                    // subscription by default).
+                    durable: Some(false),
                     ..ConsumerOptions::default()
                 })
                 .build()
