@@ -1545,6 +1545,92 @@ async fn a_conversation_can_refuse_a_second_request_or_interrupt_the_first() {
     }
 }
 
+/// A dialog whose later step is refused (here its history outgrew `max_iterations`, lowered
+/// through the config service while it ran) ends in the graph as any error does, so its
+/// conversation goes on: under `conversation_policy: reject` and no wall-time bound, the next
+/// request of the conversation runs. Until 2026-12-02 the refusal only answered the client: the
+/// dialog had no conclusion, counted as running for ever, and every later request of its
+/// conversation was refused.
+#[tokio::test]
+async fn a_dialog_refused_at_a_later_step_does_not_hold_its_conversation_up() {
+    let limits = |max_iterations: usize| {
+        format!(
+            r#"{{"conversation_policy": "reject", "max_wall_secs": 0, "max_iterations": {max_iterations}}}"#
+        )
+    };
+    let seeded = format!(r#"{{"default": {}}}"#, limits(6));
+    let local = seed_with("refused-later-local", &[("agent-limits", &seeded)]);
+    let service = seed_with("refused-later-service", &[("agent-limits", &seeded)]);
+    let broker = Broker::start().unwrap();
+    let svc = ConfigSvc::spawn(&broker, Some(&service));
+    let aggregator = Aggregator::spawn_with(&broker, &["--config-token", TOKEN]);
+    let llm = scripted_llm(
+        r#"{"rules": [
+      {"match": "Observation: beta-result", "reply": "Thought: Done.\nFinal Answer: Paris"},
+      {"match": "Observation: alpha-result", "reply": "Thought: And beta.\nAction: llm\nArgs: {\"question\": \"fetch beta\"}"},
+      {"match": "fetch alpha", "exact": true, "reply": "alpha-result"},
+      {"match": "fetch beta", "exact": true, "reply": "beta-result", "delay_ms": 8000},
+      {"match": "Question: What is the capital of France?", "reply": "Thought: Look it up.\nAction: llm\nArgs: {\"question\": \"fetch alpha\"}"},
+      {"match": "Question: And how many people live there?", "reply": "Thought: I know.\nFinal Answer: about two million"}
+    ]}"#,
+    )
+    .await;
+    let _orchestrator = Orchestrator::journaled_with(
+        Place::InProcess,
+        &broker,
+        &llm,
+        &aggregator,
+        TOKEN,
+        &local,
+        &[],
+    );
+    let mut client = client(&broker).await;
+    client
+        .send("conv-a", &in_conversation("What is the capital of France?"))
+        .await
+        .unwrap();
+    // The dialog's second step is under way (its tool call takes 8 s): its third will find
+    // max_iterations 1 in force, with two steps in its history.
+    until("dialog A's second tool call", || {
+        calls_matching(&llm, "fetch beta") >= 1
+    })
+    .await;
+    let put = reqwest::Client::new()
+        .put(format!("{}/api/v1/config/agent-limits/default", svc.url))
+        .bearer_auth(&svc.token)
+        .body(limits(1))
+        .header("content-type", "application/json")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(put.status(), 200);
+    let first = collect_dialog(&mut client, "conv-a", Duration::from_secs(60))
+        .await
+        .unwrap();
+    let refused = first
+        .last()
+        .unwrap()
+        .error
+        .as_ref()
+        .unwrap_or_else(|| panic!("not refused: {first:#?}"));
+    assert!(refused.message.contains("max_iterations (1)"), "{first:#?}");
+    client
+        .send(
+            "conv-b",
+            &in_conversation("And how many people live there?"),
+        )
+        .await
+        .unwrap();
+    let second = collect_dialog(&mut client, "conv-b", Duration::from_secs(60))
+        .await
+        .unwrap();
+    assert_eq!(
+        second.last().unwrap().content,
+        "about two million",
+        "{second:#?}"
+    );
+}
+
 /// Two replicas, each handed one of two requests of a conversation sent together: neither finds
 /// the other's dialog in the graph (a dialog shows there once its first step is written, behind
 /// its LLM call, 15 s here, so that both are judged within it), so each replica, keeping its own

@@ -364,7 +364,7 @@ impl Engine {
             if let Some(answer) = answer {
                 approval::record_answer(&turn, answer)?;
             }
-            refuse(&turn, problem).await?;
+            refuse(&turn, problem, step.new_dialog).await?;
             step.out.commit(step.slot.as_ref()).await?;
             committed(&step.out, "refused", false, taken);
             return Ok(Settled::Done);
@@ -914,11 +914,21 @@ fn carry_forward(out: &mut DialogOutput<'_>, reuse: Option<&replay::Reuse>, span
 }
 
 /// Answers an invalid request: a refused subagent is a failed completion for its supervisor, not
-/// the end of the client's dialog; anyone else gets an error response.
-pub(crate) async fn refuse(turn: &Turn<'_>, problem: &str) -> Result<(), agent_bus::BusError> {
+/// the end of the client's dialog; anyone else gets an error response. A refused later step of a
+/// dialog (its history outgrew a limit, or a limit was lowered while it ran) ends that dialog
+/// in the graph too, as any error does: a dialog without its conclusion counts as running, and
+/// would hold its conversation's next dialogs up until its wall-time budget lapsed (for ever
+/// with none). Not for a request whose ids may not name nodes.
+pub(crate) async fn refuse(
+    turn: &Turn<'_>,
+    problem: &str,
+    new_dialog: bool,
+) -> Result<(), agent_bus::BusError> {
     tracing::warn!(session = %turn.session_id, %problem, "refusing an invalid request");
     if agent_core::supervisor::is_subagent(turn.request) {
         finish::error(turn, problem).await
+    } else if !new_dialog && crate::validate::ids_name_nodes(turn.request) {
+        finish::fail(turn, steps_taken(&turn.request.history) + 1, problem).await
     } else {
         turn.out.respond(&AgentResponse::error(problem.to_owned()))
     }

@@ -14,6 +14,25 @@ const MAX_ID_BYTES: usize = 1024;
 
 /// Checks a request before any work; the message is the error the client gets. `new_dialog`: the
 /// first message of a dialog, not one the router queued; `payload_bytes`: the message's size.
+/// The first of the request's ids that may not name a provenance node, if any.
+fn id_that_names_no_node(request: &AgentRequest) -> Option<&'static str> {
+    let safe = |c: char| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.' | ':');
+    // A supervisor's ids grow by a short suffix per fan-out.
+    [
+        ("session_id", &request.session_id),
+        ("correlation_id", &request.correlation_id),
+        ("parent_session_id", &request.parent_session_id),
+    ]
+    .into_iter()
+    .find(|(_, value)| !value.chars().all(safe) || value.len() > 240)
+    .map(|(field, _)| field)
+}
+
+/// Whether the request's ids may all name provenance nodes (whatever else is wrong with it).
+pub(crate) fn ids_name_nodes(request: &AgentRequest) -> bool {
+    id_that_names_no_node(request).is_none()
+}
+
 pub(crate) fn validate(
     request: &AgentRequest,
     properties: &agent_bus::Properties,
@@ -42,18 +61,10 @@ pub(crate) fn validate(
             request.question.len()
         ));
     }
-    let safe = |c: char| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.' | ':');
-    // These name provenance nodes; a supervisor's ids grow by a short suffix per fan-out.
-    for (field, value) in [
-        ("session_id", &request.session_id),
-        ("correlation_id", &request.correlation_id),
-        ("parent_session_id", &request.parent_session_id),
-    ] {
-        if !value.chars().all(safe) || value.len() > 240 {
-            return Err(format!(
-                "{field} may only hold letters, digits, '-', '_', '.' and ':' (at most 240)"
-            ));
-        }
+    if let Some(field) = id_that_names_no_node(request) {
+        return Err(format!(
+            "{field} may only hold letters, digits, '-', '_', '.' and ':' (at most 240)"
+        ));
     }
     // A conversation's id keys what this replica keeps of its line and goes into the graph; it
     // is the client's to choose (any text a TrustGraph client sends), so only bounded.
