@@ -54,10 +54,21 @@ struct Dialog {
 /// Runs `request` under `id` with the scripted LLM `script`, and checks that it ended once, with
 /// `answer`.
 async fn answered(script: &str, id: &str, request: AgentRequest, answer: &str) -> Dialog {
+    answered_under(&seed_dir(), script, id, request, answer).await
+}
+
+/// [`answered`], the orchestrator reading its config from `config`.
+async fn answered_under(
+    config: &std::path::Path,
+    script: &str,
+    id: &str,
+    request: AgentRequest,
+    answer: &str,
+) -> Dialog {
     let broker = Broker::start().unwrap();
     let aggregator = Aggregator::spawn(&broker);
     let llm = scripted_llm(script).await;
-    let orchestrator = Orchestrator::spawn(&broker, &llm, &seed_dir(), &[]);
+    let orchestrator = Orchestrator::spawn(&broker, &llm, config, &[]);
     let mut client = client(&broker).await;
     client.send(id, &request).await.unwrap();
     let responses = collect_dialog(&mut client, id, DIALOG_TIMEOUT)
@@ -1522,6 +1533,43 @@ async fn a_rejected_subagent_result_is_sent_out_again_with_the_lesson() {
         unreachable_nodes(&store, &session).await,
         Vec::<String>::new()
     );
+}
+
+/// A recovery round's verdicts are steps of the dialog too: with `max_iterations` 5, a synthesis
+/// at iteration 3 whose critic rejects both results has no room for the two verdicts, the round's
+/// fan-out, its resume and the answering synthesis, so it answers from the results it has. Until
+/// 2026-12-02 only the fan-out, resume and synthesis were counted: the round went out, and its
+/// resume (six steps) was refused, so the client got an error and the subagents' work was lost.
+#[tokio::test]
+async fn a_recovery_round_that_would_outgrow_the_iteration_limit_is_not_started() {
+    const SCRIPT: &str = r#"{"rules": [
+  {"match": "Request to split: Measure", "reply": "[{\"goal\": \"measure alpha\"}, {\"goal\": \"measure beta\"}]"},
+  {"match": "Result to evaluate: alpha is 1", "reply": "{\"status\": \"EXECUTION_ERROR\", \"evaluation\": \"no unit given\", \"lesson\": \"state the unit\"}"},
+  {"match": "Result to evaluate: beta is 2", "reply": "{\"status\": \"EXECUTION_ERROR\", \"evaluation\": \"no unit given\", \"lesson\": \"state the unit\"}"},
+  {"match": "Question: measure alpha", "reply": "Thought: quick.\nFinal Answer: alpha is 1"},
+  {"match": "Question: measure beta", "reply": "Thought: quick.\nFinal Answer: beta is 2"},
+  {"match": "Request to answer from the subagents: Measure", "and": ["alpha is 1", "beta is 2"], "reply": "Alpha is 1 and beta 2, units unknown."}
+]}"#;
+    let config = seed_with(
+        "recovery-room",
+        &[(
+            "agent-limits",
+            r#"{"default": {"max_iterations": 5, "max_retries": 5}}"#,
+        )],
+    );
+    let dialog = answered_under(
+        &config,
+        SCRIPT,
+        "recover-room",
+        critiqued("Measure both."),
+        "Alpha is 1 and beta 2, units unknown.",
+    )
+    .await;
+    let calls = dialog.llm.calls();
+    assert!(calls.iter().all(|c| c.rule.is_some()), "{calls:#?}");
+    // Each subagent ran once: no recovery round went out.
+    let ran = |rule: usize| calls.iter().filter(|c| c.rule == Some(rule)).count();
+    assert_eq!((ran(3), ran(4), ran(5)), (1, 1, 1), "{calls:#?}");
 }
 
 /// A subagent's long answer does not travel in the supervisor's messages: the aggregator keeps it

@@ -23,7 +23,7 @@ pub async fn iterate(turn: &Turn<'_>) -> Result<(), BusError> {
     // The agents' answers are reconciled whatever the limits say: their work is already done. A
     // debate round comes first while config asks for one and the limits leave room.
     if supervising::pending_synthesis(&turn.request.history).is_some() {
-        if debate_rounds_left(turn) && room_for_another_round(turn, n) {
+        if debate_rounds_left(turn) && room_for_another_round(turn, n, 0) {
             return debate(turn, n).await;
         }
         return reconcile(turn, n).await;

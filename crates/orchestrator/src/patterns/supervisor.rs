@@ -89,7 +89,7 @@ async fn recover(turn: &Turn<'_>, n: usize) -> Result<Recovery, BusError> {
     } = turn;
     let history = &request.history;
     if critic::retries_used(history) >= config.limits.max_retries
-        || !room_for_another_round(turn, n)
+        || !room_for_another_round(turn, n, 0)
     {
         return Ok(Recovery::Synthesise);
     }
@@ -218,6 +218,11 @@ async fn recover(turn: &Turn<'_>, n: usize) -> Result<Recovery, BusError> {
             ))
         })
         .collect();
+    // Each verdict is a step of the dialog: a round that would resume past max_iterations is
+    // not started, and the results are synthesised as they are.
+    if !room_for_another_round(turn, n, kept.len()) {
+        return Ok(Recovery::Synthesise);
+    }
     let mut derived = completions;
     derived.extend(judged);
     out.explain(
@@ -473,11 +478,13 @@ pub(crate) fn fan_in(request: &agent_schema::AgentRequest, max_subagents: usize)
     }
 }
 
-/// Whether the synthesis at iteration `n` may start another round: its fan-out (`n`), the
-/// aggregator's resume (`n + 1`) and the answering synthesis (`n + 2`) must fit in
-/// `max_iterations`, and the budget must not be spent.
-pub(crate) fn room_for_another_round(turn: &Turn<'_>, n: usize) -> bool {
-    n + 2 <= turn.config.limits.max_iterations && turn.spent_budget().is_none()
+/// Whether the synthesis at iteration `n` may start another round whose fan-out carries
+/// `verdicts` steps before it (a recovery round's critic verdicts): the verdicts, its fan-out, the
+/// aggregator's resume and the answering synthesis must fit in `max_iterations` (a resume past
+/// them would be refused, and the round's work lost with it), and the budget must not be spent.
+pub(crate) fn room_for_another_round(turn: &Turn<'_>, n: usize, verdicts: usize) -> bool {
+    n.saturating_add(verdicts).saturating_add(2) <= turn.config.limits.max_iterations
+        && turn.spent_budget().is_none()
 }
 
 async fn synthesise(turn: &Turn<'_>, n: usize) -> Result<(), BusError> {
@@ -498,7 +505,7 @@ async fn synthesise(turn: &Turn<'_>, n: usize) -> Result<(), BusError> {
     // Long results travel as excerpts; the synthesis reads them whole.
     let whole = crate::documents::results_whole(turn.documents, &request.history).await;
     let results = supervising::describe_rounds(&whole);
-    let room = room_for_another_round(turn, n);
+    let room = room_for_another_round(turn, n, 0);
     let nested = supervising::may_nest(request, config.limits.max_fanout_depth);
     let again = if room {
         format!(" If the results leave part of the request open and more subagent work would settle it, reply instead with only a JSON object naming at most {max} new goals for another round: {{\"goals\": [{{\"goal\": \"...\", \"pattern\": \"react\"}}]}}. {}", subagent_patterns(nested))
