@@ -589,6 +589,106 @@ async fn a_draft_at_the_iteration_limit_is_given_unreviewed_without_asking_the_j
     );
 }
 
+/// The same for Plan-then-Execute and ReACT. A plan whose last step ends at the limit has no
+/// iteration left for a draft's review, so its answer is given at once, saying so (before
+/// 2026-12-02 the draft was queued past `max_iterations` and refused: the client got an error);
+/// a plan's draft written in the last iteration is given unreviewed (before, it was thrown away and
+/// a new answer written, saying the plan could not be finished); a ReACT draft written in the
+/// last iteration is given unreviewed (before, the dialog said it could not reach an answer,
+/// with the draft as its last observation).
+#[tokio::test]
+async fn a_plans_or_react_draft_at_the_iteration_limit_is_given_unreviewed() {
+    let config = |max_iterations: usize| {
+        config_dir(
+            &format!("answer-critic-limit-{max_iterations}"),
+            &[
+                (
+                    "agent-pattern",
+                    r#"{"plan-then-execute": {"description": "plan first", "critic": ["answer"]},
+                        "react": {"description": "step by step", "critic": ["answer"]}}"#,
+                ),
+                (
+                    "agent-limits",
+                    &format!(r#"{{"default": {{"max_iterations": {max_iterations}}}}}"#),
+                ),
+                (
+                    "tool",
+                    r#"{"llm": {"name": "llm", "description": "ask", "type": "text-completion"}}"#,
+                ),
+            ],
+        )
+    };
+    let plan_script = r#"{"rules": [
+      {"match": "Request to plan: Sum", "reply": "[{\"goal\": \"add them\"}]"},
+      {"match": "Step goal: add them", "reply": "Thought: adding.\nFinal Answer: 12"},
+      {"match": "Request to answer: Sum", "reply": "The sum is 12."},
+      {"match": "Draft answer to review", "reply": "{\"status\": \"SUCCESS\"}"}
+    ]}"#;
+    // Two iterations: plan, step, and no room for a draft. Three: plan, step, draft, and no
+    // room for its review.
+    for max_iterations in [2, 3] {
+        let (responses, prompts) =
+            run(plan_script, &config(max_iterations), "Sum the numbers.").await;
+        assert_eq!(
+            outcome(&responses),
+            format!("The sum is 12.\n\n(This answer was not reviewed: the dialog used its {max_iterations} iterations (max_iterations).)"),
+            "{responses:#?}"
+        );
+        assert_eq!(
+            prompts
+                .iter()
+                .filter(|p| p.contains("Request to answer: Sum"))
+                .count(),
+            1,
+            "{prompts:#?}"
+        );
+        assert!(
+            !prompts.iter().any(|p| p.contains("Draft answer to review")),
+            "{prompts:#?}"
+        );
+        let session = session_of(&responses);
+        assert_eq!(
+            values(
+                &explained(&responses),
+                &format!("{session}/final"),
+                tg::TERMINATION_REASON
+            ),
+            ["max-iterations"]
+        );
+    }
+
+    let broker = Broker::start().unwrap();
+    let llm = scripted_llm(
+        r#"{"rules": [
+      {"match": "Question: What does alpha cost?", "reply": "Thought: I know.\nFinal Answer: Alpha costs 3."},
+      {"match": "Draft answer to review", "reply": "{\"status\": \"SUCCESS\"}"}
+    ]}"#,
+    )
+    .await;
+    let _orchestrator = Orchestrator::spawn(&broker, &llm, &config(1), &[]);
+    let mut client = client(&broker).await;
+    let request = AgentRequest {
+        pattern: "react".into(),
+        ..request("What does alpha cost?", false)
+    };
+    client.send("react-limit", &request).await.unwrap();
+    let responses = collect_dialog(&mut client, "react-limit", DIALOG_TIMEOUT)
+        .await
+        .unwrap();
+    assert_eq!(
+        outcome(&responses),
+        "Alpha costs 3.\n\n(This answer was not reviewed: the dialog used its 1 iterations (max_iterations).)",
+        "{responses:#?}"
+    );
+    assert!(
+        !llm.calls()
+            .iter()
+            .any(|c| c.last_user.contains("Draft answer to review")),
+        "{:#?}",
+        llm.calls()
+    );
+}
+
 /// The answer critic on a supervisor's synthesis: the first synthesis is rejected with a lesson and
 /// written again from the same subagent results (no subagent runs again); only the accepted one
 /// is the answer. The draft derives from the synthesis node, so the DAG stays whole.

@@ -127,6 +127,27 @@ fn out_of_limits(turn: &Turn<'_>) -> Option<(Termination, String)> {
         .map(|spent| (Termination::Budget, spent.sentence))
 }
 
+/// When a draft awaits its review but the run reached a limit (or was abandoned): the review is
+/// one more LLM call, and the run's limits hold for the critic as for every other call, so the
+/// draft is given, saying it was not reviewed. `None`: the review may go ahead.
+pub async fn give_draft_unreviewed_at_a_limit(
+    turn: &Turn<'_>,
+    n: usize,
+) -> Option<Result<(), BusError>> {
+    if let Some(ended) = crate::finish::end_if_abandoned(turn).await {
+        return Some(ended);
+    }
+    let (termination, why) = out_of_limits(turn)?;
+    let history = crate::documents::resolve_recent(turn.documents, &turn.request.history).await;
+    let draft = critic::awaiting_draft_review(&history)?;
+    let unjudged = Unjudged {
+        effect: format!("the draft was not reviewed: {why}"),
+        note: format!("This answer was not reviewed: {why}."),
+        termination,
+    };
+    Some(give_unjudged(turn, n, &draft.observation, unjudged).await)
+}
+
 /// When a rejected draft is to be written again but the run reached a limit (or was abandoned):
 /// the dialog ends with the last draft, saying the reviewer did not accept it, instead of one more
 /// LLM call past the limit. `None`: the draft may be written again.
@@ -231,18 +252,8 @@ pub async fn review_draft(turn: &Turn<'_>, n: usize, results: String) -> Result<
     let Some(draft) = critic::awaiting_draft_review(&history) else {
         return Ok(());
     };
-    // The review is one more LLM call: not past the run's limits, which hold for the critic as
-    // for every other call. The draft is given, saying it was not reviewed.
-    if let Some(ended) = crate::finish::end_if_abandoned(turn).await {
-        return ended;
-    }
-    if let Some((termination, why)) = out_of_limits(turn) {
-        let unjudged = Unjudged {
-            effect: format!("the draft was not reviewed: {why}"),
-            note: format!("This answer was not reviewed: {why}."),
-            termination,
-        };
-        return give_unjudged(turn, n, &draft.observation, unjudged).await;
+    if let Some(given) = give_draft_unreviewed_at_a_limit(turn, n).await {
+        return given;
     }
     let Some(judged) = judge_draft(turn, n, &draft.observation, results, &[]).await? else {
         return Ok(());

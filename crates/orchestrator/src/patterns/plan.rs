@@ -41,6 +41,11 @@ pub async fn iterate(turn: &Turn<'_>) -> Result<(), BusError> {
         ),
     };
     let next = pattern_decisions::next(&turn.request.history, policy);
+    // A draft awaiting its review is given unreviewed if the limits leave no room for the review
+    // (see `review_answer`): at the limit it must not be thrown away and written again.
+    if next == Next::ReviewAnswer {
+        return review_answer(turn, n).await;
+    }
     // A plan that used its iterations still answers from what it found.
     let max_iterations = config.limits.max_iterations;
     if steps_taken(&turn.request.history) >= max_iterations
@@ -516,6 +521,9 @@ pub(crate) fn cut_off_note(cut_off: bool) -> &'static str {
 /// the client and the dialog ends; rejected, it is written again with the lesson (after the steps
 /// it blamed ran again, for bad input).
 async fn review_answer(turn: &Turn<'_>, n: usize) -> Result<(), BusError> {
+    if let Some(given) = review::give_draft_unreviewed_at_a_limit(turn, n).await {
+        return given;
+    }
     let request = turn.request;
     let draft = request
         .history
@@ -631,9 +639,15 @@ async fn synthesise(
         ChatMessage::user(render(&template.template, &vars)),
     ];
     // With the answer critic on, a complete plan's answer is a draft until the critic accepts it;
-    // a plan that could not be finished answers at once (its caveat is the verdict).
-    let review = unfinished.is_none()
+    // a plan that could not be finished answers at once (its caveat is the verdict). A draft
+    // needs the iteration after it for its review: with none left, the answer is given saying
+    // it was not reviewed (a draft queued past max_iterations would be refused).
+    let max_iterations = config.limits.max_iterations;
+    let answer_critic = unfinished.is_none()
         && config.critic_on(&request.pattern, &request.task_type, Stage::Answer);
+    let review = answer_critic && n <= max_iterations;
+    let unreviewed = (answer_critic && !review)
+        .then(|| format!("the dialog used its {max_iterations} iterations (max_iterations)"));
     if review {
         let mut stats = CallStats::default();
         let completion = match llm.complete(&messages).await {
@@ -674,6 +688,9 @@ async fn synthesise(
         .as_ref()
         .map(|c| format!("\n\n(This answer rests on the steps that completed: {c}.)"))
         .unwrap_or_default();
+    if let Some(why) = &unreviewed {
+        note.push_str(&format!("\n\n(This answer was not reviewed: {why}.)"));
+    }
     note.push_str(cut_off_note(completion.cut_off));
     if critic::any_unreadable(&request.history) {
         note.push_str(
@@ -685,7 +702,11 @@ async fn synthesise(
         out.chunk_with_outcome(MessageType::Answer, &note, &answer_id, false)
             .await?;
     }
-    let termination = unfinished.map_or(Termination::Answer, |u| u.termination);
+    let termination = match (unfinished, &unreviewed) {
+        (Some(u), _) => u.termination,
+        (None, Some(_)) => Termination::MaxIterations,
+        (None, None) => Termination::Answer,
+    };
     out.explain(
         &answer_id,
         provenance::conclusion(uris, n, "", &answer, termination, &[], &stats),

@@ -36,10 +36,9 @@ pub async fn iterate(turn: &Turn<'_>) -> Result<(), BusError> {
         ..
     } = turn;
     let n = steps_taken(&request.history) + 1;
-    if let Some(done) = conclude_if_limited(turn).await {
-        return done;
-    }
-    // With the answer critic on, a final answer is a draft the next iteration has reviewed.
+    // With the answer critic on, a final answer is a draft the next iteration has reviewed; one
+    // written in the last iteration the limits allow is given, saying it was not reviewed (the
+    // review keeps to the limits), rather than taken for an answer never reached.
     let answer_critic = config.critic_on(&request.pattern, &request.task_type, Stage::Answer);
     if answer_critic && critic::awaiting_draft_review(&request.history).is_some() {
         // The reviewer sees the steps that led to the draft.
@@ -50,6 +49,9 @@ pub async fn iterate(turn: &Turn<'_>) -> Result<(), BusError> {
             t => t,
         };
         return crate::review::review_draft(turn, n, transcript).await;
+    }
+    if let Some(done) = conclude_if_limited(turn).await {
+        return done;
     }
     let scope = Scope::new(request.group.as_deref(), request.state.as_deref());
     let visible = turn.visible_tools(&scope).await;
