@@ -440,6 +440,25 @@ async fn a_long_history_is_folded_and_every_message_stays_bounded() {
 /// its dependencies' results whole and the answer is written from all of them whole.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_plans_long_results_travel_as_references_and_prompts_see_them_whole() {
+    plans_long_results_travel_as_references(&seed_dir(), false).await;
+}
+
+/// The same with the step critic judging each result (it reads them whole): the plan its verdict
+/// queues keeps the excerpts. Until 2026-12-02 it queued the results whole, and every later
+/// message carried every earlier result whole.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_plans_long_results_travel_as_references_past_the_step_critic() {
+    let config = seed_with(
+        "plan-long-critic",
+        &[(
+            "agent-pattern",
+            r#"{"plan-then-execute": {"description": "plan first", "critic": ["step"]}}"#,
+        )],
+    );
+    plans_long_results_travel_as_references(&config, true).await;
+}
+
+async fn plans_long_results_travel_as_references(config: &std::path::Path, critic: bool) {
     let long = |tag: &str| {
         let words: String = format!("{tag}-word ")
             .chars()
@@ -454,15 +473,16 @@ async fn a_plans_long_results_travel_as_references_and_prompts_see_them_whole() 
         {"match": "a?", "exact": true, "reply": long("A")},
         {"match": "Step goal: find b", "and": ["end-of-A"], "reply": format!("Thought: from a.\nFinal Answer: {}", long("B"))},
         {"match": "Step goal: find c", "and": ["end-of-B"], "reply": format!("Thought: from b.\nFinal Answer: {}", long("C"))},
-        {"match": "Request to answer: Chain", "and": ["end-of-A", "end-of-B", "end-of-C"], "reply": "all three read whole"}
+        {"match": "Request to answer: Chain", "and": ["end-of-A", "end-of-B", "end-of-C"], "reply": "all three read whole"},
+        {"match": "Result to evaluate: ", "and": ["end-of-"], "reply": "{\"status\": \"SUCCESS\", \"evaluation\": \"read whole\"}"}
     ]})
     .to_string();
     let Stack {
         broker,
         aggregator: _aggregator,
-        llm: _llm,
+        llm,
         orchestrator: _orchestrator,
-    } = Stack::journaled(TOKEN, &script, &seed_dir(), &[]).await;
+    } = Stack::journaled(TOKEN, &script, config, &[]).await;
     let mut requests = read_from_start(
         &broker,
         "persistent://tg/request/agent:default:default",
@@ -489,14 +509,33 @@ async fn a_plans_long_results_travel_as_references_and_prompts_see_them_whole() 
         "{responses:#?}"
     );
 
+    let judged = llm
+        .calls()
+        .iter()
+        .filter(|c| c.last_user.contains("Result to evaluate: "))
+        .count();
+    assert_eq!(judged, if critic { 3 } else { 0 }, "{:#?}", llm.calls());
     let (sizes, last) = sent_requests(&mut requests).await;
     println!("request sizes: {sizes:?}");
     let largest = sizes.iter().copied().max().unwrap();
+    // Every message carries the plan with an excerpt of each result so far; the critic's verdicts
+    // are steps that carry it too.
+    let bound = if critic { 32 } else { 16 } * 1024;
     assert!(
-        largest < 16 * 1024,
+        largest < bound,
         "a message carried {largest} bytes; each result is {OBSERVATION_BYTES}"
     );
     let history = last.history;
+    for step in &history {
+        for result in step.plan.iter().flatten().map(|s| &s.result) {
+            assert!(
+                result.is_empty() || agent_core::documents::reference(result).is_some(),
+                "a {} step carries a result whole: {} bytes",
+                step.step_type,
+                result.len()
+            );
+        }
+    }
     let plan = history.last().unwrap().plan.clone().unwrap();
     for (step, tag) in plan.iter().zip(["A", "B", "C"]) {
         assert_eq!(step.status, "completed");

@@ -423,10 +423,12 @@ async fn evaluate(turn: &Turn<'_>, n: usize, index: usize) -> Result<(), BusErro
     let Turn {
         request, config, ..
     } = turn;
-    let Some((_, plan)) = plan_in_force(&request.history) else {
+    let Some((_, queued)) = plan_in_force(&request.history) else {
         return fail(turn, n, "the history has no plan to evaluate").await;
     };
-    let plan = whole(turn, &plan).await;
+    // The critic reads the results whole; the plan the verdict queues keeps their excerpts, or
+    // every later message would carry every result whole.
+    let plan = whole(turn, &queued).await;
     let Some(step) = plan.get(index).cloned() else {
         return fail(turn, n, &format!("the plan has no step {index}")).await;
     };
@@ -450,7 +452,7 @@ async fn evaluate(turn: &Turn<'_>, n: usize, index: usize) -> Result<(), BusErro
     }
     let applied = critic::apply(
         &request.history,
-        &plan,
+        &queued,
         index,
         &verdict,
         config.limits.step_life_cycle,
