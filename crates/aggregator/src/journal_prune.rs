@@ -1,7 +1,9 @@
 //! Keeps the effectively-once journal bounded: published entries of concluded dialogs are deleted
 //! once they are older than the retention (a redelivery of their message is then run again
-//! rather than dropped, which after a day is not a redelivery anyone waits for), and those of
-//! dialogs that never concluded after seven retentions. One aggregator owns the store; several
+//! rather than dropped, which after a day is not a redelivery anyone waits for), and every entry
+//! after seven retentions, whatever became of its dialog and whether or not it was marked
+//! published (a step's mark follows its ack and is lost if its process stops between the two).
+//! One aggregator owns the store; several
 //! pruning at once delete the same entries, which is harmless.
 
 use std::time::Duration;

@@ -447,9 +447,11 @@ fn journal_graph() -> NamedNode {
     NamedNode::new_unchecked(JOURNAL_GRAPH)
 }
 
-/// Up to `limit` published journal entries that may go: recorded before `finished_before` with
-/// their dialog concluded (its `/final` node is in the graph), or recorded before `any_before`
-/// whatever became of it. Their quads are deleted by [`journal_delete`], a page at a time.
+/// Up to `limit` journal entries that may go: published ones recorded before `finished_before`
+/// with their dialog concluded (its `/final` node is in the graph), and any recorded before
+/// `any_before`, whatever became of it, marked published or not (a process stopped or killed
+/// between a step's ack and its mark leaves its entry unmarked for good). Their quads are deleted
+/// by [`journal_delete`], a page at a time.
 pub fn journal_prunable(finished_before: &str, any_before: &str, limit: usize) -> String {
     let g = journal_graph();
     let literal = |t: &str| {
@@ -458,10 +460,10 @@ pub fn journal_prunable(finished_before: &str, any_before: &str, limit: usize) -
     let (finished_before, any_before) = (literal(finished_before), literal(any_before));
     format!(
         "{PREFIXES}SELECT DISTINCT ?e WHERE {{
-  GRAPH {g} {{ ?e tg:published true ; tg:recordedAt ?at }}
+  GRAPH {g} {{ ?e tg:recordedAt ?at }}
   FILTER(isIRI(?e) && ?at < {finished_before})
   BIND(IRI(CONCAT(STRBEFORE(STR(?e), \"/journal/\"), \"/final\")) AS ?final)
-  FILTER(?at < {any_before} || EXISTS {{ GRAPH ?h {{ ?final ?fp ?fo }} }})
+  FILTER(?at < {any_before} || EXISTS {{ GRAPH {g} {{ ?e tg:published true }} GRAPH ?h {{ ?final ?fp ?fo }} }})
 }} LIMIT {limit}"
     )
 }

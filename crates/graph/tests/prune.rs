@@ -22,14 +22,18 @@ enum Kind {
     /// Two days old and concluded, but never marked published: stays (its outcome may still be
     /// on its way).
     Unpublished,
+    /// Eight days old, concluded, never marked published (its process stopped between the ack
+    /// and the mark): goes, as any entry past seven retentions.
+    UnpublishedLongPast,
 }
 
-const KINDS: [Kind; 5] = [
+const KINDS: [Kind; 6] = [
     Kind::ConcludedPast,
     Kind::UnconcludedPast,
     Kind::UnconcludedLongPast,
     Kind::ConcludedRecent,
     Kind::Unpublished,
+    Kind::UnpublishedLongPast,
 ];
 
 fn kind_of(i: usize) -> Kind {
@@ -50,11 +54,12 @@ async fn journal_with(entries: usize) -> GraphStore {
     for i in 0..entries {
         let kind = kind_of(i);
         let at = match kind {
-            Kind::UnconcludedLongPast => "2026-11-24T00:00:00.000000Z",
+            Kind::UnconcludedLongPast | Kind::UnpublishedLongPast => "2026-11-24T00:00:00.000000Z",
             Kind::ConcludedRecent => "2026-12-01T23:00:00.000000Z",
             _ => "2026-11-30T00:00:00.000000Z",
         };
-        let published = if kind == Kind::Unpublished {
+        let unpublished = matches!(kind, Kind::Unpublished | Kind::UnpublishedLongPast);
+        let published = if unpublished {
             ""
         } else {
             "; tg:published true "
@@ -65,7 +70,10 @@ async fn journal_with(entries: usize) -> GraphStore {
         ));
         if matches!(
             kind,
-            Kind::ConcludedPast | Kind::ConcludedRecent | Kind::Unpublished
+            Kind::ConcludedPast
+                | Kind::ConcludedRecent
+                | Kind::Unpublished
+                | Kind::UnpublishedLongPast
         ) {
             data.push_str(&format!(
                 "GRAPH <urn:graph:retrieval> {{ <{}/final> tg:document \"done\" }}\n",
@@ -94,17 +102,22 @@ async fn quads_of(store: &GraphStore, i: usize) -> usize {
 async fn a_journal_larger_than_a_page_is_pruned_to_what_must_stay() {
     const ENTRIES: usize = 1_000;
     let store = journal_with(ENTRIES).await;
-    let goes = |i: usize| matches!(kind_of(i), Kind::ConcludedPast | Kind::UnconcludedLongPast);
+    let goes = |i: usize| {
+        matches!(
+            kind_of(i),
+            Kind::ConcludedPast | Kind::UnconcludedLongPast | Kind::UnpublishedLongPast
+        )
+    };
     let expected = (0..ENTRIES).filter(|i| goes(*i)).count();
 
-    // Pages of 64: the 400 entries that go take seven pages.
+    // Pages of 64: the 500 entries that go take eight pages.
     let pruned = journal::prune(&store, FINISHED_BEFORE, ANY_BEFORE, 64)
         .await
         .unwrap();
     assert_eq!(pruned, expected);
     for i in 0..ENTRIES {
         let quads = quads_of(&store, i).await;
-        let whole = if kind_of(i) == Kind::Unpublished {
+        let whole = if matches!(kind_of(i), Kind::Unpublished | Kind::UnpublishedLongPast) {
             4
         } else {
             5
@@ -132,5 +145,5 @@ async fn a_journal_larger_than_a_page_is_pruned_to_what_must_stay() {
         .await
         .unwrap()
         .rows();
-    assert_eq!(finals.rows.len(), ENTRIES * 3 / 5);
+    assert_eq!(finals.rows.len(), ENTRIES * 4 / 6);
 }
