@@ -756,6 +756,11 @@ fn entry_quads(entry: &NamedNode, request: &RecordRequest, now: &str) -> Vec<Qua
     ]
 }
 
+/// How many pages of entries one search for entries that may go finds: the search reads every
+/// entry the journal holds (no index orders them by time), so searching once a page would read
+/// the entries that stay once for each page deleted.
+const PAGES_A_SEARCH: usize = 64;
+
 /// Deletes the journal entries that may go (see [`crate::queries::journal_prunable`]; times are
 /// `xsd:dateTime` texts), `page` entries an update, until none is left: each update is small, so
 /// it holds the store's turn for updates (a fan-in's claim waits on it) for a moment only, keeps
@@ -768,6 +773,7 @@ pub async fn prune(
     page: usize,
 ) -> Result<usize, GraphError> {
     let page = page.max(1);
+    let most = page.saturating_mul(PAGES_A_SEARCH);
     let mut pruned = 0;
     let mut last: Vec<NamedNode> = Vec::new();
     loop {
@@ -775,7 +781,7 @@ pub async fn prune(
             .query(crate::queries::journal_prunable(
                 finished_before,
                 any_before,
-                page,
+                most,
             ))
             .await?
             .rows();
@@ -797,11 +803,11 @@ pub async fn prune(
                 entries.len()
             )));
         }
-        store
-            .update(crate::queries::journal_delete(&entries))
-            .await?;
-        pruned += entries.len();
-        if entries.len() < page {
+        for chunk in entries.chunks(page) {
+            store.update(crate::queries::journal_delete(chunk)).await?;
+            pruned += chunk.len();
+        }
+        if entries.len() < most {
             return Ok(pruned);
         }
         last = entries;

@@ -139,6 +139,22 @@ async fn a_journal_larger_than_a_page_is_pruned_to_what_must_stay() {
             .unwrap(),
         expected
     );
+    // Pages of one: each search finds 64, so the 500 take eight searches and 500 deletes.
+    let one_at_a_time = journal_with(ENTRIES).await;
+    assert_eq!(
+        journal::prune(&one_at_a_time, FINISHED_BEFORE, ANY_BEFORE, 1)
+            .await
+            .unwrap(),
+        expected
+    );
+    for i in 0..ENTRIES {
+        assert_eq!(
+            quads_of(&one_at_a_time, i).await == 0,
+            goes(i),
+            "entry {i}, {:?}",
+            kind_of(i)
+        );
+    }
     // The provenance graph is the record: never pruned.
     let finals = store
         .query("SELECT ?f WHERE { GRAPH <urn:graph:retrieval> { ?f ?p ?o } }".into())
