@@ -154,6 +154,13 @@ impl HeldBack {
         let mut levels_below: HashMap<&str, u32> = HashMap::new();
         for below in open {
             for (level, above) in fanouts_above(below).into_iter().enumerate() {
+                // Nesting is read from names, and a session's id is its client's to choose: only
+                // a chain of fan-outs all still open counts (a nested one is open only while
+                // each holding it is), so a name made to look nested under another client's
+                // fan-out, with nothing open between, holds that fan-out back not at all.
+                if !open.contains(above) {
+                    break;
+                }
                 let levels = u32::try_from(level + 1).unwrap_or(u32::MAX);
                 let deepest = levels_below.entry(above).or_default();
                 *deepest = (*deepest).max(levels);
@@ -883,6 +890,20 @@ mod tests {
             .len(),
             2
         );
+    }
+
+    #[test]
+    fn a_name_that_only_looks_nested_holds_no_fan_out_back() {
+        let grace = Duration::from_secs(75);
+        let mut held = HeldBack::default();
+        // Another client's supervisor, its session named to sit 34 levels below abc-f1.
+        let planted = format!("abc-f1-s0{}-f9", "-f9-s0".repeat(33));
+        let open: std::collections::HashSet<String> = ["abc-f1".to_owned(), planted.clone()].into();
+        assert_eq!(
+            held.due_now(vec![("abc-f1".to_owned(), 300)], &open, grace, at(2000)),
+            [("abc-f1".to_owned(), 300)]
+        );
+        assert!(held.until.is_empty());
     }
 
     #[test]
