@@ -13,7 +13,7 @@ use agent_core::tools::Scope;
 use agent_schema::{AgentStep, StepType};
 
 use crate::finish::conclude_if_limited;
-use crate::tools::{run_scoped_tool, truncate};
+use crate::tools::{run_scoped_tool_parking, truncate};
 use crate::turn::{tokens_after, Turn};
 
 pub async fn iterate(turn: &Turn<'_>) -> Result<(), BusError> {
@@ -137,11 +137,21 @@ async fn run_calls(
     candidates: &[&str],
     calls: &[Call],
 ) -> (Vec<String>, ToolStats, Vec<agent_schema::Triple>) {
-    let runs =
-        futures::future::join_all(calls.iter().map(|call| {
-            run_scoped_tool(turn, scope, &call.tool, &call.arguments, candidates, false)
-        }))
-        .await;
+    // A round of one call may wait out its tool's LLM (parked, the step runs that call again,
+    // which had not run); beside others it is noted as failed, since the step parked would run
+    // the others again too.
+    let may_park = turn.may_park && calls.len() == 1;
+    let runs = futures::future::join_all(calls.iter().map(|call| {
+        run_scoped_tool_parking(
+            turn,
+            scope,
+            (&call.tool, &call.arguments),
+            candidates,
+            false,
+            may_park,
+        )
+    }))
+    .await;
     let share = turn.config.limits.max_observation_bytes / calls.len().max(1);
     let first = research::notes_taken(&turn.request.history) + 1;
     let mut notes = Vec::new();

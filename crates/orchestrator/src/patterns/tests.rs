@@ -21,6 +21,9 @@ const SCRIPT: &str = r#"{"rules": [
   {"match": "Request to route: route me nowhere", "reply": "{\"choice\": \"tool:shell\", \"rationale\": \"not offered\"}"},
   {"match": "Request to research: Prices", "and": ["(no notes yet)"], "reply": "{\"thought\": \"both unknown\", \"complete\": false, \"gaps\": [\"a\", \"b\"], \"calls\": [{\"tool\": \"llm\", \"arguments\": {\"question\": \"inner?\"}}, {\"tool\": \"llm\", \"arguments\": {\"question\": \"outer?\"}}]}"},
   {"match": "outer?", "exact": true, "reply": "OUTER"},
+  {"match": "Request to research: Outage", "and": ["(no notes yet)"], "reply": "{\"thought\": \"two lookups\", \"complete\": false, \"gaps\": [\"a\"], \"calls\": [{\"tool\": \"llm\", \"arguments\": {\"question\": \"down?\"}}, {\"tool\": \"llm\", \"arguments\": {\"question\": \"outer?\"}}]}"},
+  {"match": "down?", "exact": true, "reply": "DOWN", "faults": ["503", "503", "503", "503"]},
+  {"match": "Question: verify the order", "reply": "Thought: verify it first.\nAction: verify\nArgs: {\"question\": \"order 7\"}"},
   {"match": "Question: what is one", "reply": "Thought: I know it.\nFinal Answer: ONE"},
   {"match": "Question: ask the tool", "reply": "Thought: the tool knows.\nAction: llm\nArgs: {\"question\": \"inner?\"}"},
   {"match": "inner?", "exact": true, "reply": "INNER"},
@@ -76,6 +79,14 @@ impl Harness {
     /// Runs one step of `request` as the engine would (its pattern's iteration, then the commit,
     /// without a journal) and returns what it sent.
     async fn step(&self, request: &AgentRequest) -> Sent {
+        let (sent, parked) = self.step_parking(request, false).await;
+        assert!(!parked, "nothing here is an outage");
+        sent
+    }
+
+    /// [`Harness::step`] in a step that `may_park`: what it sent, and whether it parked (it then
+    /// sends nothing).
+    async fn step_parking(&self, request: &AgentRequest, may_park: bool) -> (Sent, bool) {
         let sink = MemorySink::default();
         let outputs = Outputs::Memory(sink.clone());
         let uris = SessionUris::new(&request.session_id);
@@ -104,21 +115,24 @@ impl Harness {
             abandoned: false,
             seal: None,
             elapsed: std::time::Duration::ZERO,
-            may_park: false,
+            may_park,
             cancelled: None,
             delivered: &delivered,
             replay: &replay,
             kept_documents: Default::default(),
         };
         super::iterate(&turn).await.expect("the step runs");
-        assert!(out.parked().is_none(), "nothing here is an outage");
-        out.commit(None).await.expect("the commit publishes");
-        Sent {
+        let parked = out.parked().is_some();
+        if !parked {
+            out.commit(None).await.expect("the commit publishes");
+        }
+        let sent = Sent {
             responses: sink.decoded(Channel::Responses),
             requests: sink.decoded(Channel::Requests),
             explained: sink.decoded(Channel::Explainability),
             channels: sink.sent().iter().map(|s| s.channel).collect(),
-        }
+        };
+        (sent, parked)
     }
 }
 
@@ -661,6 +675,60 @@ async fn a_deep_research_round_runs_its_calls_and_queues_the_next_round() {
     assert!(next.contains("INNER") && next.contains("OUTER"), "{next}");
     // The round's question, then its two calls.
     assert_eq!(harness.llm.calls().len(), 3);
+}
+
+/// A research round whose one call meets an outage of its tool's LLM, beside another call, does
+/// not park: parked, the step would run every call of the round again, and a tool with effects
+/// would act once more at each try. The failed call is noted as failed; the other's answer
+/// stands. (Until 2026-12-02 the round parked, and its other calls ran again.)
+#[tokio::test]
+async fn a_research_round_with_one_call_meeting_an_outage_notes_it_and_does_not_park() {
+    let harness = Harness::start().await;
+    let (sent, parked) = harness
+        .step_parking(&request("Outage", "deep-research"), true)
+        .await;
+    assert!(!parked, "the round parked");
+    assert_eq!(sent.requests.len(), 1);
+    let next = serde_json::to_string(&sent.requests[0].history).expect("history encodes");
+    assert!(next.contains("OUTER"), "{next}");
+    assert!(next.contains("the tool 'llm' failed"), "{next}");
+    let outer = harness
+        .llm
+        .calls()
+        .iter()
+        .filter(|c| c.last_user.contains("outer?"))
+        .count();
+    assert_eq!(outer, 1);
+}
+
+/// A tool that fails does not move the dialog to its `state`: the tools gated on that state stay
+/// closed (TrustGraph moves the state only when the tool ran well). Until 2026-12-02 a failed or
+/// timed-out call moved it all the same.
+#[tokio::test]
+async fn a_failed_tool_leaves_the_dialog_in_its_state() {
+    let mut harness = Harness::start().await;
+    // A knowledge query with no store to ask: it fails whenever it is called.
+    let verify: agent_core::tools::ToolDef = serde_json::from_str(
+        r#"{"name": "verify", "description": "check an order", "type": "knowledge-query",
+            "state": "verified", "arguments": [{"name": "question", "type": "string"}]}"#,
+    )
+    .expect("a tool");
+    harness.config.tools.insert("verify".to_owned(), verify);
+    let asked = AgentRequest {
+        state: Some("new".to_owned()),
+        ..request("verify the order", "react")
+    };
+    let sent = harness.step(&asked).await;
+    assert_eq!(sent.requests.len(), 1);
+    let next = &sent.requests[0];
+    assert!(
+        next.history
+            .last()
+            .is_some_and(|step| step.observation.starts_with("Error:")),
+        "{:?}",
+        next.history
+    );
+    assert_eq!(next.state.as_deref(), Some("new"));
 }
 
 /// A subagent of a streaming supervisor streams its thought under its own message id, but never

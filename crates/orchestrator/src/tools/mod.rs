@@ -93,7 +93,9 @@ impl ToolRun {
 /// dialog's state after it. Scoping is enforced here, not only in the prompt: a tool the request may
 /// not see is refused even when the LLM names it. `visible` names the tools the request could see.
 /// So is approval: a tool that `requires-approval` runs only when `approved` (a person answered
-/// its parked call), whichever pattern asks for it.
+/// its parked call), whichever pattern asks for it. The dialog moves to the tool's `state` only
+/// when the tool answered, as TrustGraph's does: a failed or timed-out call must not open the
+/// tools gated on the state it would have reached.
 pub async fn run_scoped_tool(
     turn: &Turn<'_>,
     scope: &Scope,
@@ -101,6 +103,52 @@ pub async fn run_scoped_tool(
     arguments: &BTreeMap<String, String>,
     visible: &[&str],
     approved: bool,
+) -> (ToolRun, String) {
+    run_scoped_tool_parking(
+        turn,
+        scope,
+        (action, arguments),
+        visible,
+        approved,
+        turn.may_park,
+    )
+    .await
+}
+
+/// [`run_scoped_tool`], parking the step on an outage of the tool's LLM only when `may_park`: a
+/// call beside others (a research round's) must not, since the step parked runs every call of it
+/// again, and a tool with effects would act once more each time.
+pub async fn run_scoped_tool_parking(
+    turn: &Turn<'_>,
+    scope: &Scope,
+    (action, arguments): (&str, &BTreeMap<String, String>),
+    visible: &[&str],
+    approved: bool,
+    may_park: bool,
+) -> (ToolRun, String) {
+    let (run, next_state) = run_scoped(
+        turn,
+        scope,
+        (action, arguments),
+        visible,
+        approved,
+        may_park,
+    )
+    .await;
+    if run.outcome == ToolOutcome::Answered {
+        (run, next_state)
+    } else {
+        (run, scope.state().to_owned())
+    }
+}
+
+async fn run_scoped(
+    turn: &Turn<'_>,
+    scope: &Scope,
+    (action, arguments): (&str, &BTreeMap<String, String>),
+    visible: &[&str],
+    approved: bool,
+    may_park: bool,
 ) -> (ToolRun, String) {
     let config = turn.config;
     let limits = &config.limits;
@@ -158,7 +206,7 @@ pub async fn run_scoped_tool(
                 knowledge: turn.knowledge,
                 mcp: turn.mcp,
                 max_bytes: limits.max_observation_bytes,
-                parks: turn.may_park.then_some(turn.out),
+                parks: may_park.then_some(turn.out),
             };
             let run = run_tool(
                 &context,
