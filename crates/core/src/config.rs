@@ -406,6 +406,9 @@ pub struct AgentConfig {
     pub prompts: Prompts,
     /// Options by model name; see [`AgentConfig::model_options`].
     pub models: BTreeMap<String, ModelOptions>,
+    /// TrustGraph's prompt templates by id (`prompt` / `template.<id>`, its `prompt` text): what a
+    /// `prompt` tool's `template` names in TrustGraph's config.
+    pub prompt_templates: BTreeMap<String, String>,
 }
 
 /// One problem in a config set, located by type and key.
@@ -567,6 +570,12 @@ impl AgentConfig {
                 match serde_json::from_value(value.clone()) {
                     Ok(p) => *slot = p,
                     Err(e) => problems.push(PROMPT_TYPE, key, e.to_string()),
+                }
+            } else if let Some(id) = key.strip_prefix("template.") {
+                if let Some(text) = value.get("prompt").and_then(serde_json::Value::as_str) {
+                    config
+                        .prompt_templates
+                        .insert(id.to_owned(), text.to_owned());
                 }
             }
         }

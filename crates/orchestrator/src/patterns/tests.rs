@@ -23,6 +23,8 @@ const SCRIPT: &str = r#"{"rules": [
   {"match": "outer?", "exact": true, "reply": "OUTER"},
   {"match": "Request to research: Outage", "and": ["(no notes yet)"], "reply": "{\"thought\": \"two lookups\", \"complete\": false, \"gaps\": [\"a\"], \"calls\": [{\"tool\": \"llm\", \"arguments\": {\"question\": \"down?\"}}, {\"tool\": \"llm\", \"arguments\": {\"question\": \"outer?\"}}]}"},
   {"match": "down?", "exact": true, "reply": "DOWN", "faults": ["503", "503", "503", "503"]},
+  {"match": "Question: greet the reader", "reply": "Thought: the greeting tool.\nAction: greet\nArgs: {\"w\": \"reader\"}"},
+  {"match": "Say hello to reader", "reply": "HELLO READER"},
   {"match": "Question: verify the order", "reply": "Thought: verify it first.\nAction: verify\nArgs: {\"question\": \"order 7\"}"},
   {"match": "Question: what is one", "reply": "Thought: I know it.\nFinal Answer: ONE"},
   {"match": "Question: ask the tool", "reply": "Thought: the tool knows.\nAction: llm\nArgs: {\"question\": \"inner?\"}"},
@@ -729,6 +731,30 @@ async fn a_failed_tool_leaves_the_dialog_in_its_state() {
         next.history
     );
     assert_eq!(next.state.as_deref(), Some("new"));
+}
+
+/// A `prompt` tool's `template` names one of TrustGraph's prompt templates (`prompt` /
+/// `template.<id>`), as in TrustGraph's own config: the template's text, filled with the call's
+/// arguments, goes to the LLM. Until 2026-12-02 the id itself was sent as the prompt.
+#[tokio::test]
+async fn a_prompt_tool_fills_the_trustgraph_template_it_names() {
+    let mut harness = Harness::start().await;
+    let values: agent_core::config::ConfigValues = serde_json::from_value(serde_json::json!({
+        "prompt": {"template.greeting": {"prompt": "Say hello to {{w}}.", "response-type": "text"}},
+        "tool": {"greet": {"name": "greet", "description": "greet someone", "type": "prompt",
+                           "template": "greeting", "arguments": [{"name": "w", "type": "string"}]}}
+    }))
+    .expect("config values");
+    let theirs = AgentConfig::from_values(&values).expect("TrustGraph's config reads");
+    harness.config.prompt_templates = theirs.prompt_templates;
+    harness.config.tools.extend(theirs.tools);
+    let sent = harness.step(&request("greet the reader", "react")).await;
+    assert_eq!(sent.requests.len(), 1);
+    let observed = sent.requests[0]
+        .history
+        .last()
+        .map(|step| step.observation.clone());
+    assert_eq!(observed.as_deref(), Some("HELLO READER"));
 }
 
 /// A subagent of a streaming supervisor streams its thought under its own message id, but never

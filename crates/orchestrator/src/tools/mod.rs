@@ -383,6 +383,13 @@ async fn call(
                 .get("template")
                 .and_then(|t| t.as_str())
                 .ok_or_else(|| format!("the prompt tool '{}' has no template", tool.name))?;
+            // In TrustGraph's config `template` names one of its prompt service's templates; a
+            // text that names none is the template itself.
+            let template = context
+                .config
+                .prompt_templates
+                .get(template)
+                .map_or(template, String::as_str);
             let vars = arguments
                 .iter()
                 .map(|(k, v)| (k.as_str(), v.clone()))
