@@ -393,6 +393,28 @@ async fn the_orchestrator_applies_config_changes_without_a_restart() {
     );
 }
 
+/// A config service whose store was emptied and seeded again counts its versions from the start:
+/// the orchestrator reads its config when it comes back, and puts it in force although its
+/// version is the one already in force. Until 2026-12-02 an equal version was taken for the same
+/// config, and the new one went unheard until some later write.
+#[tokio::test]
+async fn a_config_service_seeded_again_is_followed_at_the_same_version() {
+    let broker = Broker::start().unwrap();
+    let (svc, _llm, _orchestrator, mut client) = following(&broker).await;
+    drop(svc);
+    let limits = seed_with(
+        "seeded-again",
+        &[(
+            "agent-limits",
+            &serde_json::json!({"default": {"max_question_bytes": 40}}).to_string(),
+        )],
+    );
+    let _again = ConfigSvc::spawn(&broker, Some(&limits));
+    refused_within(&mut client, LONG_QUESTION, "40", Duration::from_secs(30))
+        .await
+        .unwrap_or_else(|e| panic!("the service's new config did not apply: {e}"));
+}
+
 /// A stdio MCP server defined only by the config service (anyone who can publish on the broker can
 /// write it) starts no program: the tool's call is refused, saying why, and the program never ran.
 /// The orchestrator's own config directory, or `MCP_STDIO_COMMANDS`, decides what may start. Until

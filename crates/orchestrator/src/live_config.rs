@@ -75,10 +75,24 @@ impl LiveConfig {
         version: u64,
         values: &BTreeMap<String, BTreeMap<String, String>>,
     ) -> Result<(), Vec<ConfigError>> {
+        self.apply_if_changed(version, values).map(|_| ())
+    }
+
+    /// [`LiveConfig::apply`], telling whether anything changed: the version, or the config under
+    /// the same version (a config service whose store was emptied and seeded again counts its
+    /// versions from the start, so an equal version is not the same config).
+    pub fn apply_if_changed(
+        &self,
+        version: u64,
+        values: &BTreeMap<String, BTreeMap<String, String>>,
+    ) -> Result<bool, Vec<ConfigError>> {
         let sets_limits = values
             .get(agent_core::config::LIMITS_TYPE)
             .is_some_and(|limits| limits.contains_key("default"));
         let config = AgentConfig::from_texts(values)?.under_local_floor(&self.local, sets_limits);
+        if self.version() == Some(version) && *self.current() == config {
+            return Ok(false);
+        }
         let in_force = InForce {
             version: Some(version),
             config: Arc::new(config),
@@ -87,7 +101,7 @@ impl LiveConfig {
             Ok(mut guard) => *guard = in_force,
             Err(poisoned) => *poisoned.into_inner() = in_force,
         }
-        Ok(())
+        Ok(true)
     }
 }
 
@@ -353,19 +367,23 @@ async fn read_config(
         return Ok(());
     }
     let version = response.version.unwrap_or(0);
-    if live.version() != Some(version) {
-        let values = response.config.unwrap_or_default();
-        match live.apply(version, &values) {
-            Ok(()) => tracing::info!(version, "config in force"),
-            Err(errors) => {
-                let lines: Vec<String> = errors.iter().map(|e| e.to_string()).collect();
-                tracing::error!(
-                    version,
-                    kept = ?live.version(),
-                    problems = %lines.join("; "),
-                    "refusing an invalid config; the last good one stays in force"
-                );
-            }
+    let values = response.config.unwrap_or_default();
+    let known = live.version() == Some(version);
+    match live.apply_if_changed(version, &values) {
+        Ok(false) => {}
+        Ok(true) if known => tracing::warn!(
+            version,
+            "the config service answered another config under the version in force (its store was emptied and seeded again?); it is in force now"
+        ),
+        Ok(true) => tracing::info!(version, "config in force"),
+        Err(errors) => {
+            let lines: Vec<String> = errors.iter().map(|e| e.to_string()).collect();
+            tracing::error!(
+                version,
+                kept = ?live.version(),
+                problems = %lines.join("; "),
+                "refusing an invalid config; the last good one stays in force"
+            );
         }
     }
     Ok(())
