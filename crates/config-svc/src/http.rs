@@ -229,12 +229,15 @@ fn shown(kind: &str, text: &str, trusted: bool) -> String {
         }
     }
     // A URL's user and query, and arguments that carry a secret (`--token x`, a connection
-    // string's password), as errors and logs show them.
+    // string's password), as errors and logs show them. What they are cut to does not hold the
+    // placeholder, so the entry says so beside them: written back as it was read, it is refused
+    // like any other placeholder, instead of replacing the credentials with their cut form.
+    let mut cut = false;
     if let Some(Value::String(url)) = entry.get_mut("url") {
         let shown = agent_core::redact::without_credentials(url);
         if shown != *url {
             *url = shown;
-            hidden = true;
+            cut = true;
         }
     }
     if let Some(Value::Array(args)) = entry.get_mut("args") {
@@ -245,8 +248,15 @@ fn shown(kind: &str, text: &str, trusted: bool) -> String {
         let shown = agent_core::redact::shown_arguments(&given);
         if shown != given {
             *args = shown.into_iter().map(Value::String).collect();
-            hidden = true;
+            cut = true;
         }
+    }
+    if cut {
+        entry.insert(
+            "credentials".to_owned(),
+            Value::String(format!("cut from the url or args {HIDDEN}")),
+        );
+        hidden = true;
     }
     if !hidden {
         return text.to_owned();
@@ -379,6 +389,14 @@ mod tests {
             "{hidden}"
         );
         assert!(hidden.contains("postgresql://db/app"), "{hidden}");
+        // Cut, not replaced by the placeholder: the entry holds it beside them, so a write of it
+        // back is refused as any other placeholder is.
+        assert!(hidden.contains(HIDDEN), "{hidden}");
+        let query = shown("mcp", r#"{"url": "https://h/mcp?api_key=K"}"#, false);
+        assert!(
+            !query.contains("api_key=K") && query.contains(HIDDEN),
+            "{query}"
+        );
         let plain = r#"{"url": "https://mcp.example/mcp"}"#;
         assert_eq!(shown("mcp", plain, false), plain);
         assert_eq!(shown("mcp", "not json", false), "not json");
