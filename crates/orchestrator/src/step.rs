@@ -52,6 +52,10 @@ pub(crate) struct Admitted<'e> {
     uris: SessionUris,
     config: std::sync::Arc<AgentConfig>,
     new_dialog: bool,
+    /// Whether the request is this service's own later step: sealed by it (or no seal key is
+    /// set), or resumed from the graph by an answer. Only such a step, refused, ends its dialog
+    /// in the graph: a client's unsealed step naming another's session must not.
+    ours: bool,
     /// Why the request is refused, if it is.
     verdict: Result<(), String>,
     standing: Standing,
@@ -364,7 +368,9 @@ impl Engine {
             if let Some(answer) = answer {
                 approval::record_answer(&turn, answer)?;
             }
-            refuse(&turn, problem, step.new_dialog).await?;
+            // A first step resumed by an answer (parked for an approval) has started its dialog.
+            let ends_dialog = !(step.new_dialog && answer.is_none()) && step.ours;
+            refuse(&turn, problem, ends_dialog).await?;
             step.out.commit(step.slot.as_ref()).await?;
             committed(&step.out, "refused", false, taken);
             return Ok(Settled::Done);
@@ -448,6 +454,11 @@ impl Engine {
         }
         // Checked before anything is named after the request's ids: a hostile id must earn the
         // client an error, not fail to name a journal entry until the message is dead-lettered.
+        let ours = answering
+            || self
+                .seal
+                .as_ref()
+                .is_none_or(|key| key.verify_step(&raw, &properties));
         let mut verdict = validate(&request, &properties, &config, new_dialog, payload_bytes);
         let standing = match self
             .standing(
@@ -539,6 +550,7 @@ impl Engine {
             uris,
             config,
             new_dialog,
+            ours,
             verdict,
             standing,
             model,
@@ -914,20 +926,21 @@ fn carry_forward(out: &mut DialogOutput<'_>, reuse: Option<&replay::Reuse>, span
 }
 
 /// Answers an invalid request: a refused subagent is a failed completion for its supervisor, not
-/// the end of the client's dialog; anyone else gets an error response. A refused later step of a
-/// dialog (its history outgrew a limit, or a limit was lowered while it ran) ends that dialog
-/// in the graph too, as any error does: a dialog without its conclusion counts as running, and
-/// would hold its conversation's next dialogs up until its wall-time budget lapsed (for ever
+/// the end of the client's dialog; anyone else gets an error response. A refused step of a
+/// dialog that has started (`ends_dialog`: this service's own later step, its history outgrown a
+/// limit or a limit lowered while it ran, or a first step resumed by an approval) ends that
+/// dialog in the graph too, as any error does: a dialog without its conclusion counts as running,
+/// and would hold its conversation's next dialogs up until its wall-time budget lapsed (for ever
 /// with none). Not for a request whose ids may not name nodes.
 pub(crate) async fn refuse(
     turn: &Turn<'_>,
     problem: &str,
-    new_dialog: bool,
+    ends_dialog: bool,
 ) -> Result<(), agent_bus::BusError> {
     tracing::warn!(session = %turn.session_id, %problem, "refusing an invalid request");
     if agent_core::supervisor::is_subagent(turn.request) {
         finish::error(turn, problem).await
-    } else if !new_dialog && crate::validate::ids_name_nodes(turn.request) {
+    } else if ends_dialog && crate::validate::ids_name_nodes(turn.request) {
         finish::fail(turn, steps_taken(&turn.request.history) + 1, problem).await
     } else {
         turn.out.respond(&AgentResponse::error(problem.to_owned()))

@@ -12,8 +12,6 @@ const MAX_PROPERTY_BYTES: usize = 16 * 1024;
 /// carry a few properties more, are taken as its first was).
 const MAX_ID_BYTES: usize = 1024;
 
-/// Checks a request before any work; the message is the error the client gets. `new_dialog`: the
-/// first message of a dialog, not one the router queued; `payload_bytes`: the message's size.
 /// The first of the request's ids that may not name a provenance node, if any.
 fn id_that_names_no_node(request: &AgentRequest) -> Option<&'static str> {
     let safe = |c: char| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.' | ':');
@@ -33,6 +31,8 @@ pub(crate) fn ids_name_nodes(request: &AgentRequest) -> bool {
     id_that_names_no_node(request).is_none()
 }
 
+/// Checks a request before any work; the message is the error the client gets. `new_dialog`: the
+/// first message of a dialog, not one the router queued; `payload_bytes`: the message's size.
 pub(crate) fn validate(
     request: &AgentRequest,
     properties: &agent_bus::Properties,
