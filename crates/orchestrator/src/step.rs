@@ -52,9 +52,10 @@ pub(crate) struct Admitted<'e> {
     uris: SessionUris,
     config: std::sync::Arc<AgentConfig>,
     new_dialog: bool,
-    /// Whether the request is this service's own later step: sealed by it (or no seal key is
-    /// set), or resumed from the graph by an answer. Only such a step, refused, ends its dialog
-    /// in the graph: a client's unsealed step naming another's session must not.
+    /// Whether a refused request is this service's own step: sealed by it (or no seal key is
+    /// set), or resumed from the graph by an answer (false for one not refused: not checked).
+    /// Only such a step, refused, ends its dialog in the graph: a client's unsealed step naming
+    /// another's session must not.
     ours: bool,
     /// Why the request is refused, if it is.
     verdict: Result<(), String>,
@@ -454,11 +455,6 @@ impl Engine {
         }
         // Checked before anything is named after the request's ids: a hostile id must earn the
         // client an error, not fail to name a journal entry until the message is dead-lettered.
-        let ours = answering
-            || self
-                .seal
-                .as_ref()
-                .is_none_or(|key| key.verify_step(&raw, &properties));
         let mut verdict = validate(&request, &properties, &config, new_dialog, payload_bytes);
         let standing = match self
             .standing(
@@ -475,6 +471,13 @@ impl Engine {
             Ok(standing) => standing,
             Err(park) => return Ok(Err(Settled::Parked(park))),
         };
+        // Checked only for a refused request: a seal's check is an HMAC over the whole message.
+        let ours = verdict.is_err()
+            && (answering
+                || self
+                    .seal
+                    .as_ref()
+                    .is_none_or(|key| key.verify_step(&raw, &properties)));
         let model = asked_model(&properties, &config).map(str::to_owned);
         // A step of a chain is its root delivery's (see `emit::CHAIN_PROPERTY`); a new dialog
         // belongs to no chain, whatever its sender put on it.
