@@ -134,18 +134,13 @@ pub async fn give_draft_unreviewed_at_a_limit(
     turn: &Turn<'_>,
     n: usize,
 ) -> Option<Result<(), BusError>> {
-    if let Some(ended) = crate::finish::end_if_abandoned(turn).await {
-        return Some(ended);
-    }
-    let (termination, why) = out_of_limits(turn)?;
-    let history = crate::documents::resolve_recent(turn.documents, &turn.request.history).await;
-    let draft = critic::awaiting_draft_review(&history)?;
-    let unjudged = Unjudged {
-        effect: format!("the draft was not reviewed: {why}"),
-        note: format!("This answer was not reviewed: {why}."),
-        termination,
-    };
-    Some(give_unjudged(turn, n, &draft.observation, unjudged).await)
+    give_draft_at_a_limit(turn, n, critic::awaiting_draft_review, |why| {
+        (
+            format!("the draft was not reviewed: {why}"),
+            format!("This answer was not reviewed: {why}."),
+        )
+    })
+    .await
 }
 
 /// When a rejected draft is to be written again but the run reached a limit (or was abandoned):
@@ -155,17 +150,37 @@ pub async fn give_rejected_draft_at_a_limit(
     turn: &Turn<'_>,
     n: usize,
 ) -> Option<Result<(), BusError>> {
+    fn last_draft(history: &[agent_schema::AgentStep]) -> Option<&agent_schema::AgentStep> {
+        history.iter().rev().find(|s| critic::is_draft(s))
+    }
+    give_draft_at_a_limit(turn, n, last_draft, |why| {
+        (
+            format!("the rejected draft was not written again: {why}"),
+            format!("A reviewer did not accept this answer, and it was not written again: {why}."),
+        )
+    })
+    .await
+}
+
+/// Ends an abandoned dialog, or one past a limit with the draft `draft_of` finds in its history
+/// and what `said` makes of why (the review's observation, the note the answer ends with).
+/// `None`: within its limits, or no such draft.
+async fn give_draft_at_a_limit(
+    turn: &Turn<'_>,
+    n: usize,
+    draft_of: impl Fn(&[agent_schema::AgentStep]) -> Option<&agent_schema::AgentStep>,
+    said: impl Fn(&str) -> (String, String),
+) -> Option<Result<(), BusError>> {
     if let Some(ended) = crate::finish::end_if_abandoned(turn).await {
         return Some(ended);
     }
     let (termination, why) = out_of_limits(turn)?;
     let history = crate::documents::resolve_recent(turn.documents, &turn.request.history).await;
-    let draft = history.iter().rev().find(|s| critic::is_draft(s))?;
+    let draft = draft_of(&history)?;
+    let (effect, note) = said(&why);
     let unjudged = Unjudged {
-        effect: format!("the rejected draft was not written again: {why}"),
-        note: format!(
-            "A reviewer did not accept this answer, and it was not written again: {why}."
-        ),
+        effect,
+        note,
         termination,
     };
     Some(give_unjudged(turn, n, &draft.observation, unjudged).await)
