@@ -1259,6 +1259,36 @@ async fn start_first_dialog(
     .await;
 }
 
+/// A journaled stack whose orchestrator reads its config directory `local` and follows a config
+/// service seeded from `service`, started first (the orchestrator's first read must find it),
+/// and the service.
+async fn following_a_config_service(
+    local: &std::path::Path,
+    service: &std::path::Path,
+    script: &str,
+) -> (Stack, ConfigSvc) {
+    let broker = Broker::start().unwrap();
+    let svc = ConfigSvc::spawn(&broker, Some(service));
+    let aggregator = Aggregator::spawn_with(&broker, &["--config-token", TOKEN]);
+    let llm = scripted_llm(script).await;
+    let orchestrator = Orchestrator::journaled_with(
+        Place::InProcess,
+        &broker,
+        &llm,
+        &aggregator,
+        TOKEN,
+        local,
+        &[],
+    );
+    let stack = Stack {
+        orchestrator,
+        llm,
+        aggregator,
+        broker,
+    };
+    (stack, svc)
+}
+
 fn conversation_config(name: &str, policy: &str) -> std::path::PathBuf {
     let limits = format!(r#"{{"default": {{"conversation_policy": "{policy}"}}}}"#);
     seed_with(name, &[("agent-limits", &limits)])
@@ -1561,10 +1591,17 @@ async fn a_dialog_refused_at_a_later_step_does_not_hold_its_conversation_up() {
     let seeded = format!(r#"{{"default": {}}}"#, limits(6));
     let local = seed_with("refused-later-local", &[("agent-limits", &seeded)]);
     let service = seed_with("refused-later-service", &[("agent-limits", &seeded)]);
-    let broker = Broker::start().unwrap();
-    let svc = ConfigSvc::spawn(&broker, Some(&service));
-    let aggregator = Aggregator::spawn_with(&broker, &["--config-token", TOKEN]);
-    let llm = scripted_llm(
+    let (
+        Stack {
+            broker,
+            aggregator: _aggregator,
+            llm,
+            orchestrator: _orchestrator,
+        },
+        svc,
+    ) = following_a_config_service(
+        &local,
+        &service,
         r#"{"rules": [
       {"match": "Observation: beta-result", "reply": "Thought: Done.\nFinal Answer: Paris"},
       {"match": "Observation: alpha-result", "reply": "Thought: And beta.\nAction: llm\nArgs: {\"question\": \"fetch beta\"}"},
@@ -1575,15 +1612,6 @@ async fn a_dialog_refused_at_a_later_step_does_not_hold_its_conversation_up() {
     ]}"#,
     )
     .await;
-    let _orchestrator = Orchestrator::journaled_with(
-        Place::InProcess,
-        &broker,
-        &llm,
-        &aggregator,
-        TOKEN,
-        &local,
-        &[],
-    );
     let mut client = client(&broker).await;
     client
         .send("conv-a", &in_conversation("What is the capital of France?"))
@@ -2072,10 +2100,17 @@ async fn the_config_services_tools_do_not_lift_the_operators_approvals() {
             ),
         )],
     );
-    let broker = Broker::start().unwrap();
-    let _svc = ConfigSvc::spawn(&broker, Some(&service));
-    let aggregator = Aggregator::spawn_with(&broker, &["--config-token", TOKEN]);
-    let llm = scripted_llm(
+    let (
+        Stack {
+            broker,
+            aggregator: _aggregator,
+            llm,
+            orchestrator: _orchestrator,
+        },
+        _svc,
+    ) = following_a_config_service(
+        &local,
+        &service,
         r#"{"rules": [
       {"match": "pay invoice floor-1", "exact": true, "reply": "payment sent"},
       {"match": "Observation: payment sent", "reply": "Thought: Paid.\nFinal Answer: paid"},
@@ -2083,15 +2118,6 @@ async fn the_config_services_tools_do_not_lift_the_operators_approvals() {
     ]}"#,
     )
     .await;
-    let _orchestrator = Orchestrator::journaled_with(
-        Place::InProcess,
-        &broker,
-        &llm,
-        &aggregator,
-        TOKEN,
-        &local,
-        &[],
-    );
     let mut client = client(&broker).await;
     client
         .send(
