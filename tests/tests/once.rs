@@ -1545,6 +1545,7 @@ async fn a_batch_of_large_records_past_two_megabytes_is_recorded() {
                     delivery: format!("delivery {i}"),
                     attempt: format!("attempt {i}"),
                     next: Vec::new(),
+                    ends: None,
                 })
                 .await
         });

@@ -1659,6 +1659,89 @@ async fn a_dialog_refused_at_a_later_step_does_not_hold_its_conversation_up() {
     );
 }
 
+/// A client sends its next question on the closing of its last, while the graph does not show
+/// that dialog yet: its provenance travels to the store behind the closing, and here the only
+/// writer of the store (an aggregator of its own) is frozen meanwhile. Under
+/// `conversation_policy: reject` the next dialog is not refused for one that has ended, and it is
+/// told the earlier answer once the graph shows it. Before, the first dialog's start (kept until
+/// the graph showed the dialog) refused the second as running beside it.
+#[tokio::test]
+async fn a_question_sent_on_the_last_answer_is_taken_while_the_graph_lags() {
+    let config = conversation_config("sent-on-the-answer", "reject");
+    let broker = Broker::start().unwrap();
+    let store_host = Aggregator::spawn_with(
+        &broker,
+        &[
+            "--config-token",
+            TOKEN,
+            "--explain-topic",
+            "persistent://tg/flow/lagging-store-only",
+            "--subscription",
+            "lagging-store-only",
+        ],
+    );
+    let writer = Aggregator::replica_on(&broker, &store_host, TOKEN);
+    let llm = scripted_llm(
+        r#"{"rules": [
+      {"match": "Question: What is the capital of France?", "reply": "Thought: I know.\nFinal Answer: Paris"},
+      {"match": "Question: And how many people live there?", "reply": "Thought: I know.\nFinal Answer: about two million"}
+    ]}"#,
+    )
+    .await;
+    let _orchestrator = Orchestrator::journaled_with(
+        Place::InProcess,
+        &broker,
+        &llm,
+        &store_host,
+        TOKEN,
+        &config,
+        &[],
+    );
+    let mut client = client(&broker).await;
+    writer.freeze(true);
+    client
+        .send("conv-a", &in_conversation("What is the capital of France?"))
+        .await
+        .unwrap();
+    let first = collect_dialog(&mut client, "conv-a", Duration::from_secs(60))
+        .await
+        .unwrap();
+    assert_eq!(first.last().unwrap().content, "Paris", "{first:#?}");
+    client
+        .send(
+            "conv-b",
+            &in_conversation("And how many people live there?"),
+        )
+        .await
+        .unwrap();
+    // Taken up, and waiting for the graph to show the first dialog's end.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    writer.freeze(false);
+    let second = collect_dialog(&mut client, "conv-b", Duration::from_secs(60))
+        .await
+        .unwrap();
+    assert_eq!(
+        second.last().unwrap().content,
+        "about two million",
+        "{second:#?}"
+    );
+    let asked = llm
+        .calls()
+        .into_iter()
+        .find(|c| {
+            c.last_user
+                .contains("Question: And how many people live there?")
+        })
+        .unwrap();
+    assert!(
+        asked
+            .last_user
+            .contains("Earlier in this conversation:\nQ: What is the capital of France?\nA: Paris"),
+        "{}",
+        asked.last_user
+    );
+}
+
 /// Two replicas, each handed one of two requests of a conversation sent together: neither finds
 /// the other's dialog in the graph (a dialog shows there once its first step is written, behind
 /// its LLM call, 15 s here, so that both are judged within it), so each replica, keeping its own

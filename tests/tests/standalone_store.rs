@@ -58,6 +58,7 @@ async fn the_aggregator_owns_the_journal_of(kind: Kind) {
                     delivery: format!("delivery {i}"),
                     attempt: format!("attempt {i}"),
                     next: Vec::new(),
+                    ends: None,
                 })
                 .await
                 .unwrap()

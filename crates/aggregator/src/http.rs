@@ -642,8 +642,10 @@ async fn journal_turns(
     let too_long = std::iter::once(&asked.conversation)
         .chain(std::iter::once(&asked.session))
         .chain(&asked.shown)
+        .chain(asked.running.iter().flatten())
         .any(|id| id.len() > turns::MAX_ID_BYTES);
-    if too_long || asked.shown.len() > turns::MAX_SHOWN {
+    let running = asked.running.as_ref().map_or(0, Vec::len);
+    if too_long || asked.shown.len() > turns::MAX_SHOWN || running > turns::MAX_SHOWN {
         return (
             StatusCode::PAYLOAD_TOO_LARGE,
             format!(

@@ -66,6 +66,12 @@ pub struct RecordRequest {
     /// its subagents), when the recorder knows them: see [`ExpectedSteps`].
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub next: Vec<String>,
+    /// The session (its id, not its URI) of the conversation's dialog the outcome ends, if it
+    /// ends one (an id longer than [`crate::turns::MAX_ID_BYTES`] is not kept): the owner
+    /// keeps that it ended for the conversation's next dialog (see [`crate::turns`]), which the
+    /// graph shows only once the conclusion has travelled there.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ends: Option<String>,
 }
 
 /// Names one entry (lookups and the published mark).
@@ -649,15 +655,12 @@ impl Deciding {
     }
 
     /// What stands for each record, given what was read: the first of the store's and the
-    /// batch's own. Returns the quads to write and the steps they make expected once written.
-    fn settle(
-        self,
-        read: Vec<Option<JournalEntry>>,
-    ) -> (Vec<JournalEntry>, Vec<Quad>, Vec<String>) {
+    /// batch's own. Returns the quads to write and what they tell once written.
+    fn settle(self, read: Vec<Option<JournalEntry>>) -> (Vec<JournalEntry>, Vec<Quad>, Written) {
         let now = canonical_instant(chrono::Utc::now());
         let mut decided: std::collections::HashMap<String, JournalEntry> = Default::default();
         let mut writes = Vec::new();
-        let mut next_of_written = Vec::new();
+        let mut written = Written::default();
         let mut standing = Vec::with_capacity(self.requests.len());
         for ((request, entry), stored) in self.requests.into_iter().zip(&self.nodes).zip(read) {
             if let Some(first) = decided.get(entry.as_str()) {
@@ -668,7 +671,12 @@ impl Deciding {
                 Some(stored) => stored,
                 None => {
                     writes.extend(entry_quads(entry, &request, &now));
-                    next_of_written.extend(request.next.into_iter().take(MAX_NEXT));
+                    written.next.extend(request.next.into_iter().take(MAX_NEXT));
+                    written.ends.extend(
+                        request
+                            .ends
+                            .filter(|session| session.len() <= crate::turns::MAX_ID_BYTES),
+                    );
                     JournalEntry {
                         outcome: request.outcome,
                         delivery: request.delivery,
@@ -681,7 +689,25 @@ impl Deciding {
             decided.insert(entry.as_str().to_owned(), stands.clone());
             standing.push(stands);
         }
-        (standing, writes, next_of_written)
+        (standing, writes, written)
+    }
+}
+
+/// What the outcomes a batch writes tell the owner once they are written.
+#[derive(Default)]
+struct Written {
+    /// The steps their requests will be taken up as (see [`ExpectedSteps`]).
+    next: Vec<String>,
+    /// The sessions of the conversations' dialogs they end (see [`crate::turns`]).
+    ends: Vec<String>,
+}
+
+impl Written {
+    /// Only outcomes written here: their requests cannot have been taken up before now, and
+    /// their closings are not published before now.
+    fn tell(&self, identity: u64) {
+        ExpectedSteps::expect(identity, self.next.iter().map(String::as_str));
+        crate::turns::note_ended(identity, self.ends.iter().map(String::as_str));
     }
 }
 
@@ -699,11 +725,10 @@ async fn decide(
         _only_writer_of_these_keys.push(STRIPE_LOCKS[index].lock().await);
     }
     let read = stored_entries(store, deciding.claim(store.identity)).await?;
-    let (standing, writes, next_of_written) = deciding.settle(read);
+    let (standing, writes, written) = deciding.settle(read);
     if !writes.is_empty() {
         store.insert(writes).await?;
-        // Only outcomes written here: their requests cannot have been taken up before now.
-        ExpectedSteps::expect(store.identity, next_of_written.iter().map(String::as_str));
+        written.tell(store.identity);
     }
     Ok(standing)
 }
@@ -721,12 +746,12 @@ fn decide_in(
         .map(|&index| STRIPE_LOCKS[index].blocking_lock())
         .collect();
     let read = stored_entries_in(store, deciding.claim(identity))?;
-    let (standing, writes, next_of_written) = deciding.settle(read);
+    let (standing, writes, written) = deciding.settle(read);
     if !writes.is_empty() {
         store
             .extend(writes)
             .map_err(|e| GraphError::Storage(e.to_string()))?;
-        ExpectedSteps::expect(identity, next_of_written.iter().map(String::as_str));
+        written.tell(identity);
     }
     Ok(standing)
 }
@@ -961,6 +986,7 @@ mod tests {
             delivery: "m".into(),
             attempt: attempt.into(),
             next: Vec::new(),
+            ends: None,
         }
     }
 

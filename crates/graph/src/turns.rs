@@ -8,6 +8,12 @@
 //! ([`StartIf::Running`]) until the step has committed, so a slow first step (a local model can
 //! take minutes) keeps its start, and a crashed replica's start lapses. An owner that restarts
 //! forgets the starts, and has each back at its next renewal.
+//!
+//! The graph also shows a dialog's end late: its conclusion travels to the store behind the
+//! closing the client already holds, so a client that sent its next question on the answer found
+//! the conversation still taken (refused under `reject`). The journal records a closing before it
+//! is published, so its owner notes the dialog ended ([`note_ended`]) and answers askers with it
+//! until their graph shows it too.
 
 use std::collections::HashMap;
 use std::sync::{LazyLock, Mutex, MutexGuard, PoisonError};
@@ -28,6 +34,13 @@ const MAX_CONVERSATIONS: usize = 65_536;
 /// The most starts kept for one conversation: one at a time under `queue` and `reject`, one more
 /// under `interrupt` for each interrupted dialog whose first step still runs.
 const MAX_STARTS: usize = 64;
+
+/// How long the owner keeps a dialog's end while the graph may not show it: far past the
+/// graph's lag, which is a message through the broker and one write.
+pub const ENDED_KEPT: Duration = Duration::from_secs(300);
+
+/// The most ended dialogs kept at once: past it, the oldest go first.
+const MAX_ENDED: usize = 65_536;
 
 /// How many questions pass between sweeps of lapsed starts while the map is full (a sweep reads
 /// every conversation under the lock).
@@ -69,6 +82,10 @@ pub struct TurnAsked {
     pub shown: Vec<String>,
     /// Whether one of them runs, as the graph shows it.
     pub shown_running: bool,
+    /// Which of them run, as the graph shows them: an owner that knows one ended judges without
+    /// it (an asker of an earlier build sends only `shown_running`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub running: Option<Vec<String>>,
     pub start: StartIf,
     /// How long the start is kept unless renewed, in milliseconds (within [`LEASE_BOUNDS`];
     /// [`SHOWN_WITHIN`] when not given, as an asker of an earlier build sends it).
@@ -93,6 +110,10 @@ pub struct Turn {
     pub started: bool,
     /// The other dialogs let start that the asker's graph does not show yet: they run.
     pub unseen: Vec<String>,
+    /// The conversation's other dialogs the journal has recorded a closing of, which the asker's
+    /// graph shows running or does not show yet: they ended, and the graph will show it.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub ended: Vec<String>,
 }
 
 /// Starts by store and conversation, each with when its lease lapses.
@@ -101,6 +122,10 @@ pub(crate) struct Starts {
     by_conversation: HashMap<(u64, String), HashMap<String, Instant>>,
     /// Questions answered while the map was full, for [`SWEEP_EVERY`].
     asked_while_full: u64,
+    /// Dialogs whose closing was recorded, by store and session, each with when it is forgotten.
+    ended: HashMap<(u64, String), Instant>,
+    /// The same, oldest first (all are kept equally long), for forgetting them in order.
+    ended_in_order: std::collections::VecDeque<(Instant, (u64, String))>,
 }
 
 impl Starts {
@@ -119,8 +144,36 @@ impl Starts {
         }
         let room = self.by_conversation.len() < MAX_CONVERSATIONS
             || self.by_conversation.contains_key(&key);
+        self.forget_ended(now);
+        if let Some(running) = &asked.running {
+            // Shown, and not running there: from now on the graph judges it.
+            for shown in asked.shown.iter().filter(|s| !running.contains(s)) {
+                self.ended.remove(&(store, shown.clone()));
+            }
+        }
+        let is_ended = |session: &String| self.ended.contains_key(&(store, session.clone()));
+        let mut ended: Vec<String> = asked
+            .running
+            .iter()
+            .flatten()
+            .filter(|session| is_ended(session))
+            .cloned()
+            .collect();
+        let shown_running = match &asked.running {
+            Some(running) => running.iter().any(|session| !ended.contains(session)),
+            None => asked.shown_running,
+        };
         let mut starts = self.by_conversation.remove(&key).unwrap_or_default();
-        starts.retain(|session, at| fresh(at) && !asked.shown.contains(session));
+        starts.retain(|session, at| {
+            let unshown = fresh(at) && !asked.shown.contains(session);
+            if unshown && is_ended(session) {
+                if *session != asked.session {
+                    ended.push(session.clone());
+                }
+                return false;
+            }
+            unshown
+        });
         let started_before = starts.contains_key(&asked.session);
         let unseen: Vec<String> = starts
             .keys()
@@ -129,7 +182,7 @@ impl Starts {
             .collect();
         let started = !started_before
             && match asked.start {
-                StartIf::Clear => unseen.is_empty() && !asked.shown_running,
+                StartIf::Clear => unseen.is_empty() && !shown_running,
                 StartIf::Anyway | StartIf::Running => true,
                 StartIf::Never => false,
             };
@@ -145,6 +198,38 @@ impl Starts {
             started_before,
             started,
             unseen,
+            ended,
+        }
+    }
+
+    /// Keeps that the dialog `session` over the store `store` ended (its closing is recorded).
+    pub(crate) fn note_ended(&mut self, store: u64, session: &str, now: Instant) {
+        self.forget_ended(now);
+        while self.ended_in_order.len() >= MAX_ENDED {
+            self.forget_oldest();
+        }
+        let until = now + ENDED_KEPT;
+        let key = (store, session.to_owned());
+        self.ended.insert(key.clone(), until);
+        self.ended_in_order.push_back((until, key));
+    }
+
+    fn forget_ended(&mut self, now: Instant) {
+        while self
+            .ended_in_order
+            .front()
+            .is_some_and(|(until, _)| *until <= now)
+        {
+            self.forget_oldest();
+        }
+    }
+
+    fn forget_oldest(&mut self) {
+        if let Some((until, key)) = self.ended_in_order.pop_front() {
+            // Unless noted again since (a copy of the step recorded later keeps it longer).
+            if self.ended.get(&key) == Some(&until) {
+                self.ended.remove(&key);
+            }
         }
     }
 }
@@ -160,6 +245,16 @@ fn owned() -> MutexGuard<'static, Starts> {
 /// An owner's answer to `asked` over its store `store`.
 pub(crate) fn take_turn(store: u64, asked: &TurnAsked) -> Turn {
     owned().take_turn(store, asked, Instant::now())
+}
+
+/// An owner's note that the dialogs `sessions` over its store `store` ended: their closings are
+/// recorded.
+pub(crate) fn note_ended<'s>(store: u64, sessions: impl IntoIterator<Item = &'s str>) {
+    let now = Instant::now();
+    let mut owned = owned();
+    for session in sessions {
+        owned.note_ended(store, session, now);
+    }
 }
 
 /// The starts kept by this process alone, for an asker whose journal's owner does not keep them
@@ -189,6 +284,7 @@ mod tests {
             session: session.into(),
             shown: shown.iter().map(|s| (*s).to_owned()).collect(),
             shown_running,
+            running: None,
             start,
             for_ms: None,
         }
@@ -253,6 +349,53 @@ mod tests {
         let mut empty = Starts::default();
         empty.take_turn(1, &asked("x", &[], true, StartIf::Clear), now);
         assert!(empty.by_conversation.is_empty());
+    }
+
+    #[test]
+    fn a_dialog_whose_closing_is_recorded_holds_its_conversation_no_longer() {
+        let mut starts = Starts::default();
+        let now = Instant::now();
+        let showing = |session: &str, shown: &[&str], running: &[&str]| TurnAsked {
+            running: Some(running.iter().map(|s| (*s).to_owned()).collect()),
+            ..asked(session, shown, !running.is_empty(), StartIf::Clear)
+        };
+        // A one-step dialog: its start is kept, and it ends before the graph shows it.
+        assert!(
+            starts
+                .take_turn(1, &asked("a", &[], false, StartIf::Clear), now)
+                .started
+        );
+        starts.note_ended(1, "a", now);
+        let next = starts.take_turn(1, &showing("b", &[], &[]), now);
+        assert!(next.started && next.unseen.is_empty(), "{next:?}");
+        assert_eq!(next.ended, ["a"]);
+        // A longer one the graph shows running, ended: the next starts, told it ended.
+        starts.note_ended(1, "b", now);
+        let after = starts.take_turn(1, &showing("c", &["b"], &["b"]), now);
+        assert!(after.started, "{after:?}");
+        assert_eq!(after.ended, ["b"]);
+        // Another store's dialog of the same session did not end.
+        let elsewhere = starts.take_turn(2, &showing("c", &["b"], &["b"]), now);
+        assert!(!elsewhere.started && elsewhere.ended.is_empty());
+        // An asker of an earlier build, which sends no list, is judged as before.
+        let earlier_build = TurnAsked {
+            conversation: "another".into(),
+            ..asked("d", &["b"], true, StartIf::Clear)
+        };
+        let judged = starts.take_turn(1, &earlier_build, now);
+        assert!(!judged.started && judged.unseen.is_empty() && judged.ended.is_empty());
+        // Once an asker's graph shows the end, it is forgotten here; one not shown lapses.
+        starts.take_turn(1, &showing("e", &["b"], &[]), now);
+        assert!(!starts.ended.contains_key(&(1, "b".to_owned())));
+        starts.note_ended(1, "f", now);
+        let later = starts.take_turn(1, &showing("g", &["f"], &["f"]), now + ENDED_KEPT);
+        assert!(later.ended.is_empty() && starts.ended.is_empty());
+        // Bounded: past the most kept, the oldest go first.
+        for i in 0..=MAX_ENDED {
+            starts.note_ended(3, &i.to_string(), now);
+        }
+        assert_eq!(starts.ended.len(), MAX_ENDED);
+        assert!(!starts.ended.contains_key(&(3, "0".to_owned())));
     }
 
     #[test]

@@ -20,6 +20,7 @@ fn record(entry: &str, attempt: &str) -> RecordRequest {
         delivery: "1:2:3".to_owned(),
         attempt: attempt.to_owned(),
         next: Vec::new(),
+        ends: None,
     }
 }
 

@@ -90,6 +90,41 @@ pub async fn earlier(
     Ok(dialogs)
 }
 
+/// How long a new dialog waits for the graph to show the end of an earlier one the journal says
+/// ended: its conclusion is on its way there (a message through the broker and one write).
+pub const ENDED_SHOWN_WITHIN: Duration = Duration::from_secs(10);
+
+/// `earlier` read again until it shows each of the dialogs `ended` ended (a dialog of one step
+/// shows there only then), for [`ENDED_SHOWN_WITHIN`] at most: past it, the new dialog goes on
+/// without their answers.
+pub async fn once_shown_ended(
+    store: &GraphStore,
+    conversation_id: &str,
+    session_id: &str,
+    mut earlier: Vec<Earlier>,
+    ended: &[String],
+) -> Result<Vec<Earlier>, GraphError> {
+    let unshown = |earlier: &[Earlier]| {
+        ended.iter().any(|e| {
+            !earlier
+                .iter()
+                .any(|d| d.session_id() == e && d.answer.is_some())
+        })
+    };
+    let deadline = Instant::now() + ENDED_SHOWN_WITHIN;
+    let mut pause = Duration::from_millis(20);
+    while unshown(&earlier) {
+        if Instant::now() + pause > deadline {
+            tracing::warn!(conversation = conversation_id, ?ended, "the graph does not show the end of an earlier dialog of the conversation, which the journal recorded; the new dialog goes on without its answer");
+            break;
+        }
+        tokio::time::sleep(pause).await;
+        pause = (pause * 2).min(Duration::from_millis(500));
+        earlier = self::earlier(store, conversation_id, session_id).await?;
+    }
+    Ok(earlier)
+}
+
 /// How long a request waiting for its turn may go without asking again before it is taken for
 /// gone (its process stopped, its message went to another replica), so that it does not block
 /// the line behind it. Those behind the first ask every half second; the first asks as its step
@@ -296,6 +331,7 @@ impl KeptStart {
             session: session.to_owned(),
             shown: Vec::new(),
             shown_running: false,
+            running: None,
             start: agent_graph::turns::StartIf::Running,
             for_ms: Some(u64::try_from(lease.as_millis()).unwrap_or(u64::MAX)),
         };

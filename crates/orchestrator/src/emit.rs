@@ -164,6 +164,9 @@ pub struct DialogOutput<'a> {
     given_up: bool,
     /// How the dialog ended in this step (`answer` or `error`), if it did: for the metrics.
     ended: Mutex<Option<&'static str>>,
+    /// Set when its closing answers a request refused without ending any dialog (see
+    /// [`DialogOutput::respond_ending_nothing`]).
+    ends_nothing: std::sync::atomic::AtomicBool,
     /// Set when the step met an outage it is to wait out: nothing it held is committed.
     parked: Mutex<Option<Park>>,
     /// How many chunks of answer text went to the client (see [`ANSWER_CHUNK_PROPERTY`]): a step
@@ -374,6 +377,7 @@ impl<'a> DialogOutput<'a> {
             journaled: false,
             given_up: false,
             ended: Mutex::new(None),
+            ends_nothing: std::sync::atomic::AtomicBool::new(false),
             parked: Mutex::new(None),
             answer_chunks: std::sync::atomic::AtomicU64::new(0),
             request_limit: (outputs.max_request_bytes(), agent_bus::BROKER_MESSAGE_LIMIT),
@@ -744,9 +748,18 @@ impl<'a> DialogOutput<'a> {
         if let (Some(slot), Some(outcome)) = (slot, outcome) {
             let attempt = self.attempt.clone();
             let next = std::mem::take(&mut *locked(&self.next_steps));
+            // Its conversation's next dialog may be asked for on the closing, before the graph
+            // shows the conclusion: the journal's owner answers for it meanwhile.
+            let ends = (locked(&self.ended).is_some()
+                && !self.ends_nothing.load(std::sync::atomic::Ordering::SeqCst)
+                && !self.conversation.is_empty()
+                && !self.subagent)
+                .then(|| agent_core::vocab::session_id_of(&slot.session))
+                .flatten()
+                .map(str::to_owned);
             let recorded = slot
                 .journal
-                .record(&slot.node, outcome, &slot.delivery, &attempt, next)
+                .record(&slot.node, outcome, &slot.delivery, &attempt, next, ends)
                 .await;
             let standing = match recorded {
                 Ok(standing) => Some(standing),
@@ -934,6 +947,15 @@ impl<'a> DialogOutput<'a> {
             receipt.wait().await?;
         }
         Ok(())
+    }
+
+    /// A closing error for a request refused without ending the dialog it names, which may run
+    /// (a new dialog refused, or a step of a session that is not this service's to end): the
+    /// journal's owner is not told that dialog ended.
+    pub fn respond_ending_nothing(&self, response: &AgentResponse) -> Result<(), BusError> {
+        self.ends_nothing
+            .store(true, std::sync::atomic::Ordering::SeqCst);
+        self.respond(response)
     }
 
     /// A durable response: the closing answer or an error.
@@ -1347,7 +1369,7 @@ mod tests {
         // Recorded just now by another delivery, which is alive as far as anyone knows: a copy
         // waits for it (up to `PUBLISH_LEASE`) instead of publishing its outcome.
         let entry = journal
-            .record(&node, outcome, "the-first-delivery", "a1", Vec::new())
+            .record(&node, outcome, "the-first-delivery", "a1", Vec::new(), None)
             .await
             .unwrap();
         let sink = MemorySink::default();

@@ -497,7 +497,8 @@ impl Journal {
     }
 
     /// Records `outcome` as the step's outcome unless another is recorded; returns the entry that
-    /// stands (compare its `attempt` with `attempt` to know whose it is).
+    /// stands (compare its `attempt` with `attempt` to know whose it is). `ends` names the
+    /// session of a conversation's dialog the outcome ends (see [`RecordRequest::ends`]).
     pub async fn record(
         &self,
         node: &NamedNode,
@@ -505,6 +506,7 @@ impl Journal {
         delivery: &str,
         attempt: &str,
         next: Vec<String>,
+        ends: Option<String>,
     ) -> anyhow::Result<Entry> {
         let Outcome { effects, encoded } = outcome;
         let standing = self
@@ -515,6 +517,7 @@ impl Journal {
                 delivery: delivery.to_owned(),
                 attempt: attempt.to_owned(),
                 next,
+                ends,
             })
             .await?;
         if standing.attempt == attempt {
@@ -814,12 +817,26 @@ mod tests {
             history_from_input: None,
         };
         let first = journal
-            .record(&node, outcome(effect("{\"a\": 1}")), "m1", "a1", Vec::new())
+            .record(
+                &node,
+                outcome(effect("{\"a\": 1}")),
+                "m1",
+                "a1",
+                Vec::new(),
+                None,
+            )
             .await
             .unwrap();
         assert_eq!((first.attempt.as_str(), first.published), ("a1", false));
         let second = journal
-            .record(&node, outcome(effect("{\"b\": 2}")), "m2", "a2", Vec::new())
+            .record(
+                &node,
+                outcome(effect("{\"b\": 2}")),
+                "m2",
+                "a2",
+                Vec::new(),
+                None,
+            )
             .await
             .unwrap();
         assert_eq!(second.attempt, "a1", "the first writer wins");
@@ -840,6 +857,7 @@ mod tests {
             delivery: "m1".to_owned(),
             attempt: "a1".to_owned(),
             next: Vec::new(),
+            ends: None,
         })
         .await
         .unwrap();
@@ -857,7 +875,7 @@ mod tests {
         };
         assert!(unreadable(
             journal
-                .record(&node, outcome(effect), "m2", "a2", Vec::new())
+                .record(&node, outcome(effect), "m2", "a2", Vec::new(), None)
                 .await
                 .unwrap_err()
         ));

@@ -589,7 +589,7 @@ impl Engine {
             (ConversationPolicy::Queue, false) => line.ahead_of(session_id),
             _ => None,
         };
-        let earlier = conversation::earlier(store, conversation, session_id).await?;
+        let mut earlier = conversation::earlier(store, conversation, session_id).await?;
         // A dialog past its wall-time budget ends at its next step, but the step under way when
         // the budget ran out still finishes (a tool call, its LLM calls, a supervisor's fan-in
         // answered at the fan-out timeout): until then it still runs, and the next dialog of the
@@ -619,6 +619,7 @@ impl Engine {
                 .take(turns::MAX_SHOWN)
                 .collect(),
             shown_running: !running.is_empty(),
+            running: Some(running.clone()),
             for_ms: Some(u64::try_from(self.start_lease.as_millis()).unwrap_or(u64::MAX)),
             start: match (policy, cancelled || ahead.is_some()) {
                 (ConversationPolicy::Queue | ConversationPolicy::Reject, false) => {
@@ -629,6 +630,10 @@ impl Engine {
             },
         };
         let mut turn = self.take_turn(&asked).await?;
+        // Ended, the journal says, though the graph does not show it yet (a client sends its next
+        // question on the closing): it runs no longer.
+        let mut ended = std::mem::take(&mut turn.ended);
+        running.retain(|dialog| !ended.contains(dialog));
         // The others are interrupted before this dialog's start is kept, so a step tried again
         // after an interrupt failed interrupts them again. One let start before (its step handed
         // back) interrupts nothing: a newer dialog may have interrupted it, and that cancel may
@@ -640,6 +645,7 @@ impl Engine {
             }
             asked.start = turns::StartIf::Anyway;
             turn = self.take_turn(&asked).await?;
+            ended.append(&mut turn.ended);
             // Let start by another replica in between: interrupted too.
             for dialog in std::mem::take(&mut turn.unseen) {
                 if !running.contains(&dialog) {
@@ -678,10 +684,6 @@ impl Engine {
         }
         line.leave(session_id);
         drop(line);
-        let summary = conversation::context(&earlier);
-        request.framing = conversation::framed(&request.framing, &summary);
-        let follows: Vec<String> = earlier.iter().map(|d| d.session_uri.clone()).collect();
-        out.explain(&uris.session(), provenance::follows(uris, &follows))?;
         // Renewed at once if it was let start before: its lease may be near its end.
         let kept = (!cancelled).then(|| {
             conversation::KeptStart::renewing(
@@ -693,6 +695,16 @@ impl Engine {
                 self.cancellations.clone(),
             )
         });
+        if !ended.is_empty() {
+            // Told their answers once the graph shows them, its start renewed meanwhile.
+            earlier =
+                conversation::once_shown_ended(store, conversation, session_id, earlier, &ended)
+                    .await?;
+        }
+        let summary = conversation::context(&earlier);
+        request.framing = conversation::framed(&request.framing, &summary);
+        let follows: Vec<String> = earlier.iter().map(|d| d.session_uri.clone()).collect();
+        out.explain(&uris.session(), provenance::follows(uris, &follows))?;
         Ok(Joined::Go(kept))
     }
 
@@ -946,7 +958,8 @@ pub(crate) async fn refuse(
     } else if ends_dialog && crate::validate::ids_name_nodes(turn.request) {
         finish::fail(turn, steps_taken(&turn.request.history) + 1, problem).await
     } else {
-        turn.out.respond(&AgentResponse::error(problem.to_owned()))
+        turn.out
+            .respond_ending_nothing(&AgentResponse::error(problem.to_owned()))
     }
 }
 
