@@ -314,6 +314,120 @@ async fn a_replay_with_reuse_gives_recorded_answers_without_calling_again() {
     panic!("the rerun from step 1 is not recorded as a fork of the source");
 }
 
+/// A fork asked for as soon as the source answered, while the graph does not show the source yet
+/// (the aggregator that writes it is stopped): the fork waits for the source's records to show,
+/// and then reuses all of them. It used to fail at once, the step "not recorded" (or, reusing,
+/// called the LLM again for what the source's last steps had not shown yet).
+#[tokio::test]
+async fn a_fork_asked_for_on_the_answer_waits_for_its_source_to_show() {
+    let broker = Broker::start().unwrap();
+    let store_host = Aggregator::spawn_with(
+        &broker,
+        &[
+            "--config-token",
+            TOKEN,
+            "--explain-topic",
+            "persistent://tg/flow/fork-store-only",
+            "--subscription",
+            "fork-store-only",
+        ],
+    );
+    let writer = Aggregator::replica_on(&broker, &store_host, TOKEN);
+    let llm = scripted_llm(ARITHMETIC).await;
+    let _orchestrator =
+        Orchestrator::journaled(Place::InProcess, &broker, &llm, &store_host, TOKEN, &[]);
+    let mut client = client(&broker).await;
+    writer.freeze(true);
+    client
+        .send(
+            "lagging",
+            &AgentRequest {
+                pattern: "react".into(),
+                ..request("What is six times seven, plus one?", false)
+            },
+        )
+        .await
+        .unwrap();
+    let responses = collect_dialog(&mut client, "lagging", Duration::from_secs(60))
+        .await
+        .unwrap();
+    assert_eq!(responses.last().unwrap().content, "43", "{responses:#?}");
+    let source = session_of(&responses);
+    let calls_before = llm.calls().len();
+    let asked = ["fork", &source, "--from", "3", "--reuse", "llm"];
+    let fork = agentctl(Some(&broker), &store_host, &asked);
+    let (said, ()) = tokio::join!(fork, async {
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        writer.freeze(false);
+    });
+    assert!(said.contains("43"), "the fork's answer: {said}");
+    assert_eq!(
+        llm.calls().len(),
+        calls_before,
+        "the source's last answer was reused, not asked again"
+    );
+}
+
+/// A fork that reuses recordings, asked for while its source still runs (its second step's LLM
+/// call takes 3 s): the fork waits for the source to end, so that the source's later answers are
+/// reused rather than asked again. It used to start at once and ask them again.
+#[tokio::test]
+async fn a_fork_reusing_a_running_source_waits_for_it_to_end() {
+    let slow = ARITHMETIC.replace(
+        r#"{"match": "Observation: 42", "reply""#,
+        r#"{"match": "Observation: 42", "delay_ms": 3000, "reply""#,
+    );
+    assert_ne!(slow, ARITHMETIC);
+    let Stack {
+        broker,
+        aggregator,
+        llm,
+        orchestrator: _orchestrator,
+    } = Stack::journaled(TOKEN, &slow, &seed_dir(), &[]).await;
+    let mut client = client(&broker).await;
+    client
+        .send(
+            "running",
+            &AgentRequest {
+                pattern: "react".into(),
+                ..request("What is six times seven, plus one?", false)
+            },
+        )
+        .await
+        .unwrap();
+    let source = loop {
+        let (id, response) = client.next().await.unwrap();
+        let root = response.explain_id.filter(|e| {
+            e.strip_prefix(agent_core::vocab::SESSION_PREFIX)
+                .is_some_and(|rest| !rest.contains('/'))
+        });
+        if let (true, Some(root)) = (id == "running", root) {
+            break root;
+        }
+    };
+    // Step 2's input shows in the graph; its LLM call has 3 s to go.
+    let store = aggregator.store();
+    let mut shown = false;
+    for _ in 0..100 {
+        if let Ok(Ok(_)) = agent_graph::recorded::step_input(&store, &source, 2).await {
+            shown = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(shown, "step 2's input of {source} never showed");
+    let asked = ["fork", &source, "--from", "2", "--reuse", "llm"];
+    let (said, ended) = tokio::join!(
+        agentctl(Some(&broker), &aggregator, &asked),
+        collect_dialog(&mut client, "running", Duration::from_secs(60))
+    );
+    assert_eq!(ended.unwrap().last().unwrap().content, "43");
+    assert!(said.contains("43"), "the fork's answer: {said}");
+    // The source's five calls (three steps, and the two tool calls, which ask the LLM too), and
+    // none of the fork's.
+    assert_eq!(llm.calls().len(), 5, "{:#?}", llm.calls());
+}
+
 /// A supervisor with two subagents, whose synthesis is asked after the fan-in.
 const TWO_PRICES: &str = r#"{"rules": [
   {"match": "Request to split: Compare", "reply": "[{\"goal\": \"price of alpha\"}, {\"goal\": \"price of beta\"}]"},

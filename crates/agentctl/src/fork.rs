@@ -5,10 +5,11 @@
 //! explain` shows both branches. `--model` runs the fork on another configured model. `--reuse` gives recorded LLM answers to the very same questions
 //! and recorded results of the same tool calls again instead of calling (no second charge).
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use agent_bus::{AgentClient, BrokerArgs, Properties};
 use agent_core::fork::history_entry_mut;
+use agent_graph::{recorded, GraphError, GraphStore};
 use agent_schema::{
     AgentRequest, FORK_OF_PROPERTY, FORK_STEP_PROPERTY, MODEL_PROPERTY, REUSE_FROM_PROPERTY,
     REUSE_PROPERTY,
@@ -124,13 +125,51 @@ pub fn edited(
     Ok(input)
 }
 
+/// How long a fork waits for its source's records to show in the graph. The aggregator writes
+/// them after the source's client was answered, so a fork asked for on the answer would otherwise
+/// find a step "not recorded", or, reusing, call again what the source's last steps recorded.
+const SOURCE_SHOWN_WITHIN: Duration = Duration::from_secs(10);
+
+/// The recorded input of step `from` of `source`, read once the graph shows it and, for a fork
+/// that reuses recordings, once it shows the source ended (all it recorded is then there). A
+/// source still running is forked after [`SOURCE_SHOWN_WITHIN`] with what it recorded so far.
+async fn source_input(
+    store: &GraphStore,
+    source: &str,
+    from: usize,
+    reuses: bool,
+) -> Result<Result<AgentRequest, String>, GraphError> {
+    let deadline = Instant::now() + SOURCE_SHOWN_WITHIN;
+    let mut pause = Duration::from_millis(20);
+    loop {
+        let input = recorded::step_input(store, source, from).await?;
+        let concluded = recorded::concluded(store, source).await?;
+        let waiting = Instant::now() + pause <= deadline;
+        match &input {
+            Ok(_) if concluded || !reuses => return Ok(input),
+            Err(_) if concluded => return Ok(input),
+            Ok(_) if !waiting => {
+                eprintln!(
+                    "note: {source} has not ended in the graph; what it has not recorded yet is \
+                     called again, not reused"
+                );
+                return Ok(input);
+            }
+            Err(_) if !waiting => return Ok(input),
+            _ => {}
+        }
+        tokio::time::sleep(pause).await;
+        pause = (pause * 2).min(Duration::from_millis(500));
+    }
+}
+
 pub async fn run(args: ForkArgs) -> anyhow::Result<i32> {
     anyhow::ensure!(args.from >= 1, "steps are numbered from 1");
     let source = agent_core::vocab::session_id_of(&args.session)
         .unwrap_or(&args.session)
         .to_owned();
     let store = args.store.open()?;
-    let input = agent_graph::recorded::step_input(&store, &source, args.from)
+    let input = source_input(&store, &source, args.from, args.reuse != Reuse::None)
         .await
         .with_context(|| format!("reading session {source} from the graph"))?
         .map_err(|why| anyhow::anyhow!("cannot fork step {} of {source}: {why}", args.from))?;

@@ -10,7 +10,7 @@ use agent_aggregator::AggregatorSettings;
 use agent_bus::embedded::{free_port, EmbeddedBroker};
 use agent_bus::AgentClient;
 use agent_graph::explain::render_tree;
-use agent_graph::{queries, GraphStore, QueryAnswer};
+use agent_graph::GraphStore;
 use agent_orchestrator::Settings;
 use anyhow::Context;
 use scripted_llm::{Script, ScriptedLlm};
@@ -184,10 +184,8 @@ pub async fn run(args: UpArgs) -> anyhow::Result<i32> {
 /// asynchronously, so this first waits for the conclusion to land.
 async fn show_provenance(endpoint: &str, session: &str) -> anyhow::Result<()> {
     let store = GraphStore::open(endpoint, None)?;
-    let conclusion = queries::session_node(&format!("{session}/final"))?;
     for _ in 0..200 {
-        if let Ok(QueryAnswer::Boolean(true)) = store.query(queries::node_exists(&conclusion)).await
-        {
+        if let Ok(true) = agent_graph::recorded::concluded(&store, session).await {
             break;
         }
         tokio::time::sleep(Duration::from_millis(50)).await;

@@ -79,6 +79,16 @@ pub async fn concluded_answer(
     })
 }
 
+/// Whether the graph shows that `session` ended: its conclusion is written with its last step's
+/// records, so once it shows, everything the dialog recorded does.
+pub async fn concluded(store: &GraphStore, session: &str) -> Result<bool, GraphError> {
+    let conclusion = queries::session_node(&format!("{session}/final"))?;
+    Ok(matches!(
+        store.query(queries::node_exists(&conclusion)).await?,
+        crate::QueryAnswer::Boolean(true)
+    ))
+}
+
 /// What a run recorded that a replay may give again instead of calling.
 #[derive(Debug, Default, Clone, PartialEq)]
 pub struct Recordings {
