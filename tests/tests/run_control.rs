@@ -707,17 +707,18 @@ async fn an_approval_after_the_supervisor_answered_without_its_branch_runs_nothi
     assert_eq!(closings(&responses).len(), 1, "{responses:#?}");
 }
 
-/// A run cancelled while its call waits for approval ends once, when the expiry comes, and the
-/// expiry is recorded as the call's answer: the approvals sweep, which sends an expiry for every
-/// call past its deadline with no answer, would otherwise send one every minute for as long as
-/// the cancel is remembered, each ending the dialog again.
+/// A run cancelled while its call waits for approval ends at once, not at the call's deadline
+/// (ten minutes here): the approvals sweep answers the calls of cancelled runs `expire` too. It
+/// ends once, and the expiry is recorded as the call's answer, saying why: the sweep would
+/// otherwise send one every minute, each ending the dialog again. Until 2026-12-03 such a run
+/// ended only when its deadline passed, its client waiting meanwhile.
 #[tokio::test]
-async fn a_cancelled_run_parked_for_approval_ends_once_and_its_expiry_is_recorded() {
+async fn a_cancelled_run_parked_for_approval_ends_at_once_and_its_expiry_is_recorded() {
     const PAY: &str = r#"{"rules": [
       {"match": "Question: pay the gamma invoice", "reply": "Thought: It must be paid.\nAction: pay\nArgs: {\"question\": \"pay invoice gamma-7\"}"},
       {"match": "pay invoice gamma-7", "exact": true, "reply": "payment sent"}
     ]}"#;
-    let config = pay_config("cancel-parked", 2);
+    let config = pay_config("cancel-parked", 600);
     let Stack {
         broker,
         aggregator,
@@ -737,11 +738,14 @@ async fn a_cancelled_run_parked_for_approval_ends_once_and_its_expiry_is_recorde
             .await
             .unwrap(),
     );
+    responses.extend(drain_for(&mut client, "cp-1", Duration::from_secs(3)).await);
     assert_closed_by_cancel(&responses, "ops", "wrong invoice");
+    assert_eq!(closings(&responses).len(), 1, "{responses:#?}");
     assert_eq!(payments(&llm, "pay invoice gamma-7"), 0);
     let answered = format!(
         "{}SELECT ?answer WHERE {{ GRAPH <urn:graph:retrieval> {{
-           ?answer a tg:ApprovalAnswer ; tg:decision \"expire\" ; prov:wasDerivedFrom <{approval}> }} }}",
+           ?answer a tg:ApprovalAnswer ; tg:decision \"expire\" ; prov:wasDerivedFrom <{approval}> ;
+             tg:reason \"its run was cancelled while the call waited\" }} }}",
         agent_core::vocab::SPARQL_PREFIXES
     );
     assert_eq!(
@@ -749,16 +753,66 @@ async fn a_cancelled_run_parked_for_approval_ends_once_and_its_expiry_is_recorde
         1,
         "the expiry of the cancelled run's call is not recorded as its answer"
     );
-    let now = chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Millis, true);
     assert_eq!(
         count(
             &aggregator.store(),
-            agent_graph::queries::expired_approvals(&now)
+            agent_graph::queries::unanswered_approvals()
         )
         .await,
         0,
         "the approvals sweep would go on expiring the call"
     );
+}
+
+/// A supervisor cancelled while one of its branches waits for approval (a ten-minute deadline):
+/// the branch ends at once as cancelled, so the fan-in closes and the client gets its one
+/// closing, the cancel, with nothing paid and nothing synthesised.
+#[tokio::test]
+async fn a_supervisor_cancelled_while_a_branch_waits_for_approval_ends_at_once() {
+    let config = pay_config("cancel-parked-branch", 600);
+    let Stack {
+        broker,
+        aggregator,
+        llm,
+        orchestrator: _orchestrator,
+    } = Stack::journaled(
+        TOKEN,
+        SUPERVISED_PAYMENT,
+        &config,
+        &["--approval-sweep-secs", "1"],
+    )
+    .await;
+    let mut client = client(&broker).await;
+    client
+        .send(
+            "cb-1",
+            &AgentRequest {
+                pattern: "supervisor".into(),
+                ..request("Handle the three invoices.", false)
+            },
+        )
+        .await
+        .unwrap();
+    let mut responses = until_approval_asked(&mut client, "cb-1").await;
+    let (_, branch, _) = approval_asked(&responses);
+    let root = agent_core::supervisor::place_of(&branch)
+        .expect("the call waits in a branch")
+        .supervisor
+        .to_owned();
+    cancel(&broker, &root, "ops", "wrong invoices");
+    responses.extend(
+        collect_dialog(&mut client, "cb-1", Duration::from_secs(60))
+            .await
+            .unwrap(),
+    );
+    responses.extend(drain_for(&mut client, "cb-1", Duration::from_secs(3)).await);
+    assert_closed_by_cancel(&responses, "ops", "wrong invoices");
+    assert_eq!(payments(&llm, "pay invoice gamma-7"), 0);
+    assert_eq!(
+        calls_matching(&llm, "Request to answer from the subagents"),
+        0
+    );
+    assert_recorded(&aggregator, &root, "ops").await;
 }
 
 /// A dialog `id` asked to pay the invoice `name`-`number` (its LLM calls `pay`, and answers that
@@ -2151,6 +2205,69 @@ async fn a_cancel_racing_a_dialog_gives_exactly_one_ending() {
     }
     println!("the cancel won {cancelled_rounds} of 4 races");
     assert!(cancelled_rounds > 0, "no race ended by its cancel");
+}
+
+/// A cancel of a dialog the graph shows ended sends and records nothing, says so and exits 1: a
+/// cancellation recorded after the dialog's end would tell an auditor of a cancel that stopped
+/// nothing. Until 2026-12-03 it was recorded, and agentctl said the client would get a closing.
+#[tokio::test]
+async fn a_cancel_of_a_dialog_that_ended_records_nothing() {
+    let Stack {
+        broker,
+        aggregator,
+        llm: _llm,
+        orchestrator: _orchestrator,
+    } = Stack::journaled(TOKEN, THREE_STEPS, &seed_dir(), &[]).await;
+    let mut client = client(&broker).await;
+    client
+        .send(
+            "ended-1",
+            &AgentRequest {
+                pattern: "react".into(),
+                session_id: "a-dialog-that-ended".into(),
+                ..request("combine", false)
+            },
+        )
+        .await
+        .unwrap();
+    let responses = collect_dialog(&mut client, "ended-1", Duration::from_secs(60))
+        .await
+        .unwrap();
+    assert_eq!(
+        responses.last().unwrap().content,
+        "alpha and beta, combined."
+    );
+    let store = aggregator.store();
+    let concluded = format!(
+        "{}SELECT ?why WHERE {{ GRAPH <urn:graph:retrieval> {{
+           <urn:trustgraph:agent:a-dialog-that-ended/final> tg:terminationReason ?why }} }}",
+        agent_core::vocab::SPARQL_PREFIXES
+    );
+    assert_eq!(count_reaching(&store, concluded, 1).await, 1);
+    let out = Command::new(binary("agentctl"))
+        .args([
+            "cancel",
+            "a-dialog-that-ended",
+            "--by",
+            "ops",
+            "--pulsar-url",
+        ])
+        .arg(broker.url())
+        .args(["--store", &aggregator.endpoint, "--token", TOKEN])
+        .env("AGENT_SEAL_KEY", SEAL_KEY)
+        .env("RUST_LOG", "warn")
+        .output()
+        .unwrap();
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{said}");
+    assert!(said.contains("has already ended"), "{said}");
+    // A cancel sent would be recorded within this.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let cancellations = format!(
+        "{}SELECT ?c WHERE {{ GRAPH <urn:graph:retrieval> {{ ?c a tg:Cancellation }} }}",
+        agent_core::vocab::SPARQL_PREFIXES
+    );
+    assert_eq!(count(&store, cancellations).await, 0);
 }
 
 /// The operator's approvals hold whatever the config service says. The orchestrator's own config

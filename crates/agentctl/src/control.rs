@@ -34,6 +34,20 @@ pub struct CancelArgs {
     pub unsealed: bool,
     #[command(flatten)]
     pub broker: BrokerArgs,
+    /// Where to look first whether the dialog already ended (skipped when it cannot be read).
+    #[command(flatten)]
+    pub store: crate::graph::StoreArgs,
+}
+
+/// Whether the graph at `store` shows that `session` ended; `false` when it cannot be read (the
+/// cancel is then sent, and changes nothing for a dialog that ended).
+async fn shown_ended(store: &crate::graph::StoreArgs, session: &str) -> bool {
+    let Ok(store) = store.open() else {
+        return false;
+    };
+    agent_graph::recorded::concluded(&store, session)
+        .await
+        .unwrap_or(false)
 }
 
 /// The session named by `given` (an id, or any node's IRI under it).
@@ -73,6 +87,10 @@ fn now() -> String {
 pub async fn cancel(args: CancelArgs) -> anyhow::Result<i32> {
     let session = session_of(&args.session)?;
     let key = seal_key(args.seal_key.as_deref(), args.unsealed)?;
+    if shown_ended(&args.store, &session).await {
+        eprintln!("session {session} has already ended (the graph holds its conclusion): nothing to cancel, nothing sent");
+        return Ok(1);
+    }
     let by = asker(args.by.as_deref());
     let at = now();
     let bus = args
@@ -121,7 +139,7 @@ pub async fn cancel(args: CancelArgs) -> anyhow::Result<i32> {
         );
     }
     println!(
-        "cancelled session {session} (by {}, at {}); its client gets one closing 'cancelled' error",
+        "cancelled session {session} (by {}, at {}): if it still runs, it stops and its client gets one closing 'cancelled' error",
         control.by, control.at
     );
     Ok(0)

@@ -1,14 +1,15 @@
 //! The approvals sweep: a tool call parked for a person's approval whose deadline passed without an
 //! answer gets an `expire` answer, so its dialog ends (a subagent's with a completion its
-//! supervisor synthesises around) instead of waiting forever. The orchestrator that takes the
-//! answer up decides; if a person's answer came first, the expiry changes nothing.
+//! supervisor synthesises around) instead of waiting forever; so does the call of a run cancelled
+//! while it waited, which then ends as cancelled. The orchestrator that takes the answer up
+//! decides; if a person's answer came first, the expiry changes nothing.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::time::{Duration, Instant};
 
 use agent_bus::Publisher;
 use agent_graph::model::Term;
-use agent_graph::{queries, GraphStore, QueryAnswer};
+use agent_graph::{queries, GraphStore};
 use agent_schema::{control_operation, AgentControl};
 use tokio_util::sync::CancellationToken;
 
@@ -48,8 +49,8 @@ pub async fn sweep(
     every: Duration,
     shutdown: CancellationToken,
 ) {
-    // Only calls the query still returns are remembered, so this holds no more than the query
-    // gives: the calls past their deadline and unanswered.
+    // Only calls still due are remembered, so this holds no more than the queries give: the
+    // unanswered calls past their deadline or of a cancelled run.
     let mut sent: HashMap<String, Sent> = HashMap::new();
     loop {
         tokio::select! {
@@ -62,34 +63,24 @@ pub async fn sweep(
             tracing::warn!(error = %e, "the approvals sweep could not remove the marks of answered calls");
         }
         let now = chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Millis, true);
-        let rows = match store.query(queries::expired_approvals(&now)).await {
-            Ok(QueryAnswer::Rows(rows)) => rows,
-            Ok(_) => continue,
+        let due = match due_calls(&store, &now).await {
+            Ok(due) => due,
             Err(e) => {
                 tracing::warn!(error = %e, "the approvals sweep could not query the graph");
                 continue;
             }
         };
-        let returned: std::collections::HashSet<&str> = rows
-            .column("a")
-            .into_iter()
-            .filter_map(|node| match node {
-                Some(Term::NamedNode(node)) => Some(node.as_str()),
-                _ => None,
-            })
-            .collect();
-        sent.retain(|node, _| returned.contains(node.as_str()));
-        for (node, step) in rows.column("a").into_iter().zip(rows.column("step")) {
-            let (Some(Term::NamedNode(node)), Some(Term::Literal(step))) = (node, step) else {
-                continue;
-            };
-            let (Some(session), Ok(step)) = (
-                agent_core::vocab::session_id_of(node.as_str()),
-                step.value().parse::<u64>(),
-            ) else {
-                continue;
-            };
-            if let Some(sent) = sent.get(node.as_str()) {
+        let due_now: HashSet<&str> = due.iter().map(|call| call.node.as_str()).collect();
+        sent.retain(|node, _| due_now.contains(node.as_str()));
+        for Due {
+            node,
+            session,
+            step,
+            reason,
+        } in &due
+        {
+            let (session, step) = (session.as_str(), *step);
+            if let Some(sent) = sent.get(node) {
                 if sent.last.elapsed() < gap_after(sent.count) {
                     continue;
                 }
@@ -98,7 +89,7 @@ pub async fn sweep(
                 operation: control_operation::EXPIRE.to_owned(),
                 session_id: session.to_owned(),
                 by: "agent-aggregator".to_owned(),
-                reason: "no answer before the deadline".to_owned(),
+                reason: (*reason).to_owned(),
                 at: now.clone(),
                 step: Some(step),
                 arguments: None,
@@ -106,14 +97,14 @@ pub async fn sweep(
             let (payload, properties) = agent_bus::sealed_control(&expiry, seal.as_ref());
             match answers.send(payload, &properties).await {
                 Ok(()) => {
-                    let sent = sent.entry(node.as_str().to_owned()).or_insert(Sent {
+                    let sent = sent.entry(node.clone()).or_insert(Sent {
                         count: 0,
                         last: Instant::now(),
                     });
                     sent.count += 1;
                     sent.last = Instant::now();
                     if sent.count == 1 {
-                        tracing::info!(session, step, "a call parked for approval expired");
+                        tracing::info!(session, step, reason, "a call parked for approval expired");
                     } else if sent.count == MOST_EXPIRIES {
                         tracing::warn!(session, step, expiries = sent.count, "no orchestrator took up the expiry of a call parked for approval (its continuation may be sealed with another key); sending it again less and less often, at most hourly");
                     } else {
@@ -133,6 +124,105 @@ pub async fn sweep(
     }
 }
 
+/// Why an expiry is sent for a call past its deadline.
+const PAST_DEADLINE: &str = "no answer before the deadline";
+/// Why an expiry is sent for a call whose run was cancelled while it waited.
+const RUN_CANCELLED: &str = "its run was cancelled while the call waited";
+/// The most cancellation nodes asked about in one query.
+const CANCELS_A_QUERY: usize = 200;
+
+/// A parked call the sweep answers `expire`, and why.
+#[derive(Debug, PartialEq, Eq)]
+struct Due {
+    /// The approval node.
+    node: String,
+    session: String,
+    step: u64,
+    reason: &'static str,
+}
+
+/// The unanswered parked calls in `rows` (`?a ?step`, as the approval queries give them).
+fn parked_calls(rows: &agent_graph::Rows, reason: &'static str) -> Vec<Due> {
+    let steps = rows.column("step");
+    rows.column("a")
+        .into_iter()
+        .zip(steps)
+        .filter_map(|(node, step)| {
+            let (Some(Term::NamedNode(node)), Some(Term::Literal(step))) = (node, step) else {
+                return None;
+            };
+            Some(Due {
+                session: agent_core::vocab::session_id_of(node.as_str())?.to_owned(),
+                step: step.value().parse().ok()?,
+                node: node.as_str().to_owned(),
+                reason,
+            })
+        })
+        .collect()
+}
+
+/// `session` and every supervisor above it: a cancel of any of them stops it.
+fn session_and_supervisors(session: &str) -> Vec<&str> {
+    let mut chain = vec![session];
+    let mut at = session;
+    while let Some(place) = agent_core::supervisor::place_of(at) {
+        chain.push(place.supervisor);
+        at = place.supervisor;
+    }
+    chain
+}
+
+/// The parked calls to answer `expire` now: those past their deadline, and those whose run (the
+/// dialog or a supervisor above it) was cancelled while they waited. A cancel stops a run at its
+/// next step, and a parked call has none until it is answered: without this, its client would
+/// wait for its closing until the deadline (minutes, or days as configured).
+async fn due_calls(store: &GraphStore, now: &str) -> Result<Vec<Due>, agent_graph::GraphError> {
+    let waiting = parked_calls(
+        &store.query(queries::unanswered_approvals()).await?.rows(),
+        RUN_CANCELLED,
+    );
+    if waiting.is_empty() {
+        return Ok(Vec::new());
+    }
+    let mut due = parked_calls(
+        &store.query(queries::expired_approvals(now)).await?.rows(),
+        PAST_DEADLINE,
+    );
+    let expired: HashSet<&str> = due.iter().map(|call| call.node.as_str()).collect();
+    let undue: Vec<Due> = waiting
+        .into_iter()
+        .filter(|call| !expired.contains(call.node.as_str()))
+        .collect();
+    let mut asked: Vec<String> = undue
+        .iter()
+        .flat_map(|call| session_and_supervisors(&call.session))
+        .map(|session| agent_core::provenance::SessionUris::new(session).cancellation())
+        .collect();
+    asked.sort_unstable();
+    asked.dedup();
+    let mut cancelled = HashSet::new();
+    for page in asked.chunks(CANCELS_A_QUERY) {
+        let nodes: Vec<_> = page
+            .iter()
+            .filter_map(|node| agent_graph::model::NamedNode::new(node).ok())
+            .collect();
+        let rows = store.query(queries::cancellations_at(&nodes)).await?.rows();
+        cancelled.extend(rows.column("c").into_iter().filter_map(|c| match c {
+            Some(Term::NamedNode(c)) => Some(c.as_str().to_owned()),
+            _ => None,
+        }));
+    }
+    due.extend(undue.into_iter().filter(|call| {
+        session_and_supervisors(&call.session)
+            .into_iter()
+            .any(|session| {
+                cancelled
+                    .contains(&agent_core::provenance::SessionUris::new(session).cancellation())
+            })
+    }));
+    Ok(due)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -145,5 +235,14 @@ mod tests {
             [60, 60, 60, 60, 120, 240, 480, 960, 1920, 3600, 3600, 3600]
         );
         assert_eq!(gap_after(u32::MAX), LONGEST_GAP);
+    }
+
+    #[test]
+    fn a_cancel_of_any_supervisor_above_a_call_reaches_it() {
+        assert_eq!(
+            session_and_supervisors("abc-f2-s0-f4-s11"),
+            ["abc-f2-s0-f4-s11", "abc-f2-s0", "abc"]
+        );
+        assert_eq!(session_and_supervisors("abc"), ["abc"]);
     }
 }

@@ -432,6 +432,7 @@ mod tests {
             fanout_of_subagent(&node, &session),
             continuation_of(&node),
             expired_approvals(now),
+            unanswered_approvals(),
             cancellations_since(now),
             run_tokens(&node),
             run_iterations(&node),

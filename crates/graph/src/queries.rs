@@ -133,14 +133,24 @@ pub fn continuation_of(approval: &NamedNode) -> String {
 /// reached yet: the approval node and its step. Only calls marked as waiting (see
 /// [`crate::waiting`]) are looked at, so the sweep's work does not grow with every call ever parked.
 pub fn expired_approvals(now: &str) -> String {
-    let g = graph();
     let now =
         oxigraph::model::Literal::new_typed_literal(now, oxigraph::model::vocab::xsd::DATE_TIME);
+    unanswered_approvals_where(&format!("FILTER (?deadline < {now})"))
+}
+
+/// Every call parked for approval that no answer reached yet, whatever its deadline: the approval
+/// node and its step (see [`expired_approvals`]).
+pub fn unanswered_approvals() -> String {
+    unanswered_approvals_where("")
+}
+
+fn unanswered_approvals_where(filter: &str) -> String {
+    let g = graph();
     let w = waiting();
     format!(
         "{PREFIXES}SELECT ?a ?step WHERE {{ GRAPH {w} {{ ?a tg:awaits tg:ApprovalAnswer }}
   GRAPH {g} {{ ?a a tg:ApprovalRequest ; tg:deadline ?deadline ; tg:step ?step . }}
-  FILTER (?deadline < {now})
+  {filter}
   FILTER NOT EXISTS {{ GRAPH {g} {{ ?answer prov:wasDerivedFrom ?a
     FILTER EXISTS {{ ?answer a tg:ApprovalAnswer }} }} }} }}"
     )
