@@ -159,6 +159,79 @@ fn invoke_streams_a_dialog_through_a_running_stack() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// `agentctl invoke` with the aggregator's endpoint returns once the graph shows its dialog's
+/// end, so `explain --last` run next shows that dialog, even while the aggregator that writes the
+/// graph is behind (stopped for 2 s here). It returned on the answer, and `--last` showed the
+/// dialog before.
+#[tokio::test]
+async fn explain_last_after_invoke_shows_that_dialog_while_the_graph_lags() {
+    use agent_e2e::{scripted_llm, Aggregator, Broker, Orchestrator, Place};
+    const TOKEN: &str = "last-token";
+    let broker = Broker::start().unwrap();
+    let store_host = Aggregator::spawn_with(
+        &broker,
+        &[
+            "--config-token",
+            TOKEN,
+            "--explain-topic",
+            "persistent://tg/flow/last-store-only",
+            "--subscription",
+            "last-store-only",
+        ],
+    );
+    let writer = Aggregator::replica_on(&broker, &store_host, TOKEN);
+    let llm = scripted_llm(
+        r#"{"rules": [{"match": "", "reply": "Thought: I know.\nFinal Answer: done"}]}"#,
+    )
+    .await;
+    let _orchestrator =
+        Orchestrator::journaled(Place::InProcess, &broker, &llm, &store_host, TOKEN, &[]);
+    let (url, endpoint) = (broker.url(), store_host.endpoint.clone());
+    // Runs agentctl off the test's thread, which serves the scripted LLM meanwhile.
+    let run_off = |args: Vec<String>| {
+        tokio::task::spawn_blocking(move || {
+            let args: Vec<&str> = args.iter().map(String::as_str).collect();
+            run(&args).0
+        })
+    };
+    let invoke = |question: &str| {
+        let args = [
+            "invoke",
+            "--question",
+            question,
+            "--pattern",
+            "react",
+            "--pulsar-url",
+            &url,
+            "--graph-store",
+            &endpoint,
+            "--graph-token",
+            TOKEN,
+            "--timeout",
+            "60",
+        ];
+        run_off(args.map(str::to_owned).to_vec())
+    };
+    let last = || {
+        let args = ["explain", "--last", "--store", &endpoint, "--token", TOKEN];
+        run_off(args.map(str::to_owned).to_vec())
+    };
+    invoke("the first question").await.unwrap();
+    assert!(last().await.unwrap().contains("the first question"));
+    writer.freeze(true);
+    let (shown, ()) = tokio::join!(
+        async {
+            invoke("the second question").await.unwrap();
+            last().await.unwrap()
+        },
+        async {
+            tokio::time::sleep(Duration::from_secs(2)).await;
+            writer.freeze(false);
+        }
+    );
+    assert!(shown.contains("the second question"), "{shown}");
+}
+
 /// `bench` with small counts prints both journal modes side by side.
 #[test]
 fn bench_prints_both_journal_modes() {

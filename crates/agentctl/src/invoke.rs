@@ -240,7 +240,47 @@ pub async fn follow(
         }
         if response.end_of_dialog {
             renderer.finish(&response, started.elapsed());
+            // A closing that names the conclusion has one in the graph; a refusal has none.
+            let conclusion = agent_core::provenance::SessionUris::new(&session).conclusion();
+            if response.message_id == conclusion {
+                until_shown_ended(journal, &session).await;
+            }
             return Ok(outcome);
+        }
+    }
+}
+
+/// How long a client that reads the graph waits, after the closing, for the graph to show the
+/// dialog's end: the aggregator writes the records after the client was answered.
+const RECORDS_PATIENCE: Duration = Duration::from_secs(5);
+
+/// Returns once the graph shows that `session` ended (or after [`RECORDS_PATIENCE`], saying so),
+/// so that what a script runs next (`agentctl explain --last`, a fork, a SPARQL query) finds the
+/// dialog's records: `--last` otherwise showed the session before.
+async fn until_shown_ended(journal: Option<&agent_graph::GraphStore>, session: &str) {
+    let Some(store) = journal else {
+        return;
+    };
+    let deadline = tokio::time::Instant::now() + RECORDS_PATIENCE;
+    let mut pause = Duration::from_millis(10);
+    loop {
+        let shown = agent_graph::recorded::concluded(store, session);
+        match tokio::time::timeout_at(deadline, shown).await {
+            Ok(Ok(true)) => return,
+            Ok(Ok(false)) if tokio::time::Instant::now() + pause < deadline => {
+                tokio::time::sleep(pause).await;
+                pause = (pause * 2).min(Duration::from_millis(250));
+            }
+            Ok(Err(e)) => {
+                tracing::warn!(error = %e, "could not read the graph for the dialog's end");
+                return;
+            }
+            _ => {
+                eprintln!(
+                    "(the graph does not show this dialog's end yet: `agentctl explain` may show it in part)"
+                );
+                return;
+            }
         }
     }
 }
