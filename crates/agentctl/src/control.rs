@@ -1,7 +1,8 @@
 //! Run control from the command line. `agentctl cancel` stops a running dialog and every subagent
 //! under it: the cancel is recorded in the provenance graph (who, when, why) and heard by every
 //! orchestrator replica on the control topic; the dialog then ends with one `cancelled` error for
-//! its client. `agentctl approve` and `deny` answer a tool call parked for approval; one replica
+//! its client (a call of it parked for approval is expired by the aggregator's sweep). A dialog the
+//! graph shows ended, with no subagents that could still run, is not cancelled. `agentctl approve` and `deny` answer a tool call parked for approval; one replica
 //! takes the answer up and resumes that step. Each is sealed with the services' key, without
 //! which orchestrators that have one ignore it.
 
@@ -39,15 +40,41 @@ pub struct CancelArgs {
     pub store: crate::graph::StoreArgs,
 }
 
-/// Whether the graph at `store` shows that `session` ended; `false` when it cannot be read (the
-/// cancel is then sent, and changes nothing for a dialog that ended).
-async fn shown_ended(store: &crate::graph::StoreArgs, session: &str) -> bool {
-    let Ok(store) = store.open() else {
-        return false;
+/// How long `agentctl cancel` gives the graph to say whether the dialog ended: no longer, since a
+/// cancel that matters is urgent, and a graph that cannot say is no reason not to send.
+const GRAPH_PATIENCE: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// What the graph at `store` shows of `session`, read within [`GRAPH_PATIENCE`].
+#[derive(Debug, PartialEq, Eq)]
+enum Shown {
+    /// Running, not shown yet, or the graph could not be read.
+    NotEnded,
+    /// Ended, having started subagents (which may run past their supervisor's answer).
+    EndedWithSubagents,
+    Ended,
+}
+
+async fn shown(store: &crate::graph::StoreArgs, session: &str) -> Shown {
+    let read = async {
+        let store = store.open().ok()?;
+        if !agent_graph::recorded::concluded(&store, session)
+            .await
+            .ok()?
+        {
+            return Some(Shown::NotEnded);
+        }
+        let node = agent_graph::queries::session_node(session).ok()?;
+        Some(
+            match store.query(agent_graph::queries::fanned_out(&node)).await {
+                Ok(agent_graph::QueryAnswer::Boolean(false)) => Shown::Ended,
+                _ => Shown::EndedWithSubagents,
+            },
+        )
     };
-    agent_graph::recorded::concluded(&store, session)
-        .await
-        .unwrap_or(false)
+    match tokio::time::timeout(GRAPH_PATIENCE, read).await {
+        Ok(Some(shown)) => shown,
+        _ => Shown::NotEnded,
+    }
 }
 
 /// The session named by `given` (an id, or any node's IRI under it).
@@ -87,7 +114,8 @@ fn now() -> String {
 pub async fn cancel(args: CancelArgs) -> anyhow::Result<i32> {
     let session = session_of(&args.session)?;
     let key = seal_key(args.seal_key.as_deref(), args.unsealed)?;
-    if shown_ended(&args.store, &session).await {
+    let shown = shown(&args.store, &session).await;
+    if shown == Shown::Ended {
         eprintln!("session {session} has already ended (the graph holds its conclusion): nothing to cancel, nothing sent");
         return Ok(1);
     }
@@ -138,10 +166,17 @@ pub async fn cancel(args: CancelArgs) -> anyhow::Result<i32> {
             "sent unsealed: the cancel is not recorded in the graph (only the services' sealed records are written), and only orchestrators that take unsealed control messages act on it"
         );
     }
-    println!(
-        "cancelled session {session} (by {}, at {}): if it still runs, it stops and its client gets one closing 'cancelled' error",
-        control.by, control.at
-    );
+    if shown == Shown::EndedWithSubagents {
+        println!(
+            "cancelled session {session} (by {}, at {}): it had already answered; its subagents that still run stop",
+            control.by, control.at
+        );
+    } else {
+        println!(
+            "cancelled session {session} (by {}, at {}): if it still runs, it stops and its client gets one closing 'cancelled' error",
+            control.by, control.at
+        );
+    }
     Ok(0)
 }
 

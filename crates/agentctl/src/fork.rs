@@ -132,18 +132,20 @@ const SOURCE_SHOWN_WITHIN: Duration = Duration::from_secs(10);
 
 /// The recorded input of step `from` of `source`, read once the graph shows it and, for a fork
 /// that reuses recordings, once it shows the source ended (all it recorded is then there). A
-/// source still running is forked after [`SOURCE_SHOWN_WITHIN`] with what it recorded so far.
+/// source still running is forked after `patience` with what it recorded so far.
 async fn source_input(
     store: &GraphStore,
     source: &str,
     from: usize,
     reuses: bool,
+    patience: Duration,
 ) -> Result<Result<AgentRequest, String>, GraphError> {
-    let deadline = Instant::now() + SOURCE_SHOWN_WITHIN;
+    let deadline = Instant::now() + patience;
     let mut pause = Duration::from_millis(20);
     loop {
-        let input = recorded::step_input(store, source, from).await?;
+        // The end first: shown, the input read after it is there too.
         let concluded = recorded::concluded(store, source).await?;
+        let input = recorded::step_input(store, source, from).await?;
         let waiting = Instant::now() + pause <= deadline;
         match &input {
             Ok(_) if concluded || !reuses => return Ok(input),
@@ -169,7 +171,15 @@ pub async fn run(args: ForkArgs) -> anyhow::Result<i32> {
         .unwrap_or(&args.session)
         .to_owned();
     let store = args.store.open()?;
-    let input = source_input(&store, &source, args.from, args.reuse != Reuse::None)
+    // A store directory is read as it stands (no running stack writes it): nothing to wait for.
+    let live = GraphStore::is_endpoint(&args.store.store);
+    let patience = if live {
+        SOURCE_SHOWN_WITHIN
+    } else {
+        Duration::ZERO
+    };
+    let reuses = args.reuse != Reuse::None;
+    let input = source_input(&store, &source, args.from, reuses, patience)
         .await
         .with_context(|| format!("reading session {source} from the graph"))?
         .map_err(|why| anyhow::anyhow!("cannot fork step {} of {source}: {why}", args.from))?;
@@ -205,7 +215,7 @@ pub async fn run(args: ForkArgs) -> anyhow::Result<i32> {
         &request,
         &properties,
         Duration::from_secs(args.timeout),
-        Some(&store),
+        live.then_some(&store),
         &mut Renderer::new(args.json, args.explain),
     )
     .await?;

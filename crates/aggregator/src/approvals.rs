@@ -8,9 +8,11 @@ use std::collections::{HashMap, HashSet};
 use std::time::{Duration, Instant};
 
 use agent_bus::Publisher;
+use agent_core::provenance::SessionUris;
 use agent_graph::model::Term;
 use agent_graph::{queries, GraphStore};
 use agent_schema::{control_operation, AgentControl};
+use chrono::{DateTime, Utc};
 use tokio_util::sync::CancellationToken;
 
 /// How long the sweep waits before it sends an expiry again for the same call (its answer may be
@@ -62,8 +64,8 @@ pub async fn sweep(
         {
             tracing::warn!(error = %e, "the approvals sweep could not remove the marks of answered calls");
         }
-        let now = chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Millis, true);
-        let due = match due_calls(&store, &now).await {
+        let now = Utc::now();
+        let due = match due_calls(&store, now).await {
             Ok(due) => due,
             Err(e) => {
                 tracing::warn!(error = %e, "the approvals sweep could not query the graph");
@@ -90,7 +92,7 @@ pub async fn sweep(
                 session_id: session.to_owned(),
                 by: "agent-aggregator".to_owned(),
                 reason: (*reason).to_owned(),
-                at: now.clone(),
+                at: now.to_rfc3339_opts(chrono::SecondsFormat::Millis, true),
                 step: Some(step),
                 arguments: None,
             };
@@ -131,6 +133,12 @@ const RUN_CANCELLED: &str = "its run was cancelled while the call waited";
 /// The most cancellation nodes asked about in one query.
 const CANCELS_A_QUERY: usize = 200;
 
+/// How far before a call was asked a cancel of its run may be recorded and still count: the
+/// step that parked it may have started before the cancel was heard, and the cancel's time is
+/// the clock of whoever sent it. A cancel older than that did not stop the run before it parked
+/// (a session id used again after its cancel was forgotten), so it does not end the call now.
+const CLOCK_SLACK: chrono::Duration = chrono::Duration::minutes(5);
+
 /// A parked call the sweep answers `expire`, and why.
 #[derive(Debug, PartialEq, Eq)]
 struct Due {
@@ -141,24 +149,50 @@ struct Due {
     reason: &'static str,
 }
 
-/// The unanswered parked calls in `rows` (`?a ?step`, as the approval queries give them).
-fn parked_calls(rows: &agent_graph::Rows, reason: &'static str) -> Vec<Due> {
-    let steps = rows.column("step");
-    rows.column("a")
-        .into_iter()
-        .zip(steps)
-        .filter_map(|(node, step)| {
-            let (Some(Term::NamedNode(node)), Some(Term::Literal(step))) = (node, step) else {
-                return None;
-            };
-            Some(Due {
-                session: agent_core::vocab::session_id_of(node.as_str())?.to_owned(),
-                step: step.value().parse().ok()?,
+/// An unanswered parked call, as [`queries::unanswered_approvals`] gives it.
+struct Parked {
+    due: Due,
+    deadline: Option<DateTime<Utc>>,
+    asked: Option<DateTime<Utc>>,
+}
+
+fn time(term: Option<&Term>) -> Option<DateTime<Utc>> {
+    match term {
+        Some(Term::Literal(t)) => DateTime::parse_from_rfc3339(t.value())
+            .ok()
+            .map(|t| t.with_timezone(&Utc)),
+        _ => None,
+    }
+}
+
+/// The unanswered parked calls in `rows`.
+fn parked_calls(rows: &agent_graph::Rows) -> Vec<Parked> {
+    let [nodes, steps, deadlines, asked] =
+        ["a", "step", "deadline", "asked"].map(|c| rows.column(c));
+    let mut parked = Vec::new();
+    for (i, node) in nodes.into_iter().enumerate() {
+        let (Some(Term::NamedNode(node)), Some(Some(Term::Literal(step)))) = (node, steps.get(i))
+        else {
+            continue;
+        };
+        let (Some(session), Ok(step)) = (
+            agent_core::vocab::session_id_of(node.as_str()),
+            step.value().parse::<u64>(),
+        ) else {
+            continue;
+        };
+        parked.push(Parked {
+            due: Due {
                 node: node.as_str().to_owned(),
-                reason,
-            })
-        })
-        .collect()
+                session: session.to_owned(),
+                step,
+                reason: PAST_DEADLINE,
+            },
+            deadline: time(deadlines.get(i).copied().flatten()),
+            asked: time(asked.get(i).copied().flatten()),
+        });
+    }
+    parked
 }
 
 /// `session` and every supervisor above it: a cancel of any of them stops it.
@@ -175,51 +209,59 @@ fn session_and_supervisors(session: &str) -> Vec<&str> {
 /// The parked calls to answer `expire` now: those past their deadline, and those whose run (the
 /// dialog or a supervisor above it) was cancelled while they waited. A cancel stops a run at its
 /// next step, and a parked call has none until it is answered: without this, its client would
-/// wait for its closing until the deadline (minutes, or days as configured).
-async fn due_calls(store: &GraphStore, now: &str) -> Result<Vec<Due>, agent_graph::GraphError> {
-    let waiting = parked_calls(
-        &store.query(queries::unanswered_approvals()).await?.rows(),
-        RUN_CANCELLED,
-    );
-    if waiting.is_empty() {
-        return Ok(Vec::new());
+/// wait for its closing until the deadline (minutes, or days as configured). A call parked by a
+/// build before 2026-12-02 records no time asked, and waits for its deadline.
+async fn due_calls(
+    store: &GraphStore,
+    now: DateTime<Utc>,
+) -> Result<Vec<Due>, agent_graph::GraphError> {
+    let rows = store.query(queries::unanswered_approvals()).await?.rows();
+    let mut due = Vec::new();
+    let mut waiting = Vec::new();
+    for call in parked_calls(&rows) {
+        match call.deadline {
+            Some(deadline) if deadline < now => due.push(call.due),
+            _ => {
+                if let Some(asked) = call.asked {
+                    waiting.push((call.due, asked));
+                }
+            }
+        }
     }
-    let mut due = parked_calls(
-        &store.query(queries::expired_approvals(now)).await?.rows(),
-        PAST_DEADLINE,
-    );
-    let expired: HashSet<&str> = due.iter().map(|call| call.node.as_str()).collect();
-    let undue: Vec<Due> = waiting
-        .into_iter()
-        .filter(|call| !expired.contains(call.node.as_str()))
-        .collect();
-    let mut asked: Vec<String> = undue
+    let mut asked: Vec<String> = waiting
         .iter()
-        .flat_map(|call| session_and_supervisors(&call.session))
-        .map(|session| agent_core::provenance::SessionUris::new(session).cancellation())
+        .flat_map(|(call, _)| session_and_supervisors(&call.session))
+        .map(|session| SessionUris::new(session).cancellation())
         .collect();
     asked.sort_unstable();
     asked.dedup();
-    let mut cancelled = HashSet::new();
+    // Each cancellation node, and when the cancel was recorded.
+    let mut cancelled: HashMap<String, DateTime<Utc>> = HashMap::new();
     for page in asked.chunks(CANCELS_A_QUERY) {
         let nodes: Vec<_> = page
             .iter()
             .filter_map(|node| agent_graph::model::NamedNode::new(node).ok())
             .collect();
         let rows = store.query(queries::cancellations_at(&nodes)).await?.rows();
-        cancelled.extend(rows.column("c").into_iter().filter_map(|c| match c {
-            Some(Term::NamedNode(c)) => Some(c.as_str().to_owned()),
-            _ => None,
-        }));
+        for (node, at) in rows.column("c").into_iter().zip(rows.column("at")) {
+            if let (Some(Term::NamedNode(node)), Some(at)) = (node, time(at)) {
+                cancelled.insert(node.as_str().to_owned(), at);
+            }
+        }
     }
-    due.extend(undue.into_iter().filter(|call| {
-        session_and_supervisors(&call.session)
+    for (mut call, asked) in waiting {
+        let stopped = session_and_supervisors(&call.session)
             .into_iter()
             .any(|session| {
                 cancelled
-                    .contains(&agent_core::provenance::SessionUris::new(session).cancellation())
-            })
-    }));
+                    .get(&SessionUris::new(session).cancellation())
+                    .is_some_and(|at| *at >= asked - CLOCK_SLACK)
+            });
+        if stopped {
+            call.reason = RUN_CANCELLED;
+            due.push(call);
+        }
+    }
     Ok(due)
 }
 
@@ -235,6 +277,75 @@ mod tests {
             [60, 60, 60, 60, 120, 240, 480, 960, 1920, 3600, 3600, 3600]
         );
         assert_eq!(gap_after(u32::MAX), LONGEST_GAP);
+    }
+
+    /// Calls parked at various times, some of them in runs cancelled at various times: which the
+    /// sweep ends, and why.
+    #[tokio::test]
+    async fn a_call_is_due_past_its_deadline_or_once_its_run_is_cancelled_after_it_was_asked() {
+        #![allow(clippy::unwrap_used)]
+        let now = Utc::now();
+        let at = |minutes: i64| {
+            let t = (now + chrono::Duration::minutes(minutes))
+                .to_rfc3339_opts(chrono::SecondsFormat::Millis, true);
+            format!("\"{t}\"^^xsd:dateTime")
+        };
+        let parked = |session: &str, asked: i64, deadline: i64| {
+            format!(
+                "<urn:trustgraph:agent:{session}/i1/approval> a tg:ApprovalRequest ; tg:step 1 ;
+                   prov:startedAtTime {} ; tg:deadline {} .\n",
+                at(asked),
+                at(deadline)
+            )
+        };
+        let cancel = |session: &str, minutes: i64| {
+            format!(
+                "<urn:trustgraph:agent:{session}/cancellation> a tg:Cancellation ;
+                   tg:cancelledBy \"ops\" ; prov:atTime {} .\n",
+                at(minutes)
+            )
+        };
+        let data = [
+            parked("expired", -20, -10),
+            parked("waiting", -1, 60),
+            parked("cancelled", -1, 60),
+            cancel("cancelled", 0),
+            parked("sup-f1-s0", -1, 60),
+            cancel("sup", 0),
+            // The session id used again a day after its cancel.
+            parked("reused", -1, 60),
+            cancel("reused", -24 * 60),
+            // Cancelled just before the step that parked the call heard of it.
+            parked("raced", 0, 60),
+            cancel("raced", -1),
+        ]
+        .concat();
+        let store = GraphStore::in_memory().unwrap();
+        store
+            .update(format!(
+                "{}PREFIX xsd: <http://www.w3.org/2001/XMLSchema#>
+                 INSERT DATA {{ GRAPH <urn:graph:retrieval> {{ {data} }} }}",
+                agent_core::vocab::SPARQL_PREFIXES
+            ))
+            .await
+            .unwrap();
+        agent_graph::waiting::mark_unmarked(&store).await.unwrap();
+        let mut due: Vec<(String, &str)> = due_calls(&store, now)
+            .await
+            .unwrap()
+            .into_iter()
+            .map(|call| (call.session, call.reason))
+            .collect();
+        due.sort();
+        assert_eq!(
+            due,
+            [
+                ("cancelled".to_owned(), RUN_CANCELLED),
+                ("expired".to_owned(), PAST_DEADLINE),
+                ("raced".to_owned(), RUN_CANCELLED),
+                ("sup-f1-s0".to_owned(), RUN_CANCELLED),
+            ]
+        );
     }
 
     #[test]

@@ -129,30 +129,29 @@ pub fn continuation_of(approval: &NamedNode) -> String {
     )
 }
 
-/// Calls parked for approval whose deadline passed before `now` (RFC 3339) and that no answer
-/// reached yet: the approval node and its step. Only calls marked as waiting (see
-/// [`crate::waiting`]) are looked at, so the sweep's work does not grow with every call ever parked.
-pub fn expired_approvals(now: &str) -> String {
-    let now =
-        oxigraph::model::Literal::new_typed_literal(now, oxigraph::model::vocab::xsd::DATE_TIME);
-    unanswered_approvals_where(&format!("FILTER (?deadline < {now})"))
-}
-
-/// Every call parked for approval that no answer reached yet, whatever its deadline: the approval
-/// node and its step (see [`expired_approvals`]).
+/// Calls parked for approval that no answer reached yet: the approval node, its step, its
+/// deadline and (a call parked since 2026-12-02) when it was asked. Only calls marked as waiting
+/// (see [`crate::waiting`]) are looked at, so the sweep's work does not grow with every call ever
+/// parked.
 pub fn unanswered_approvals() -> String {
-    unanswered_approvals_where("")
-}
-
-fn unanswered_approvals_where(filter: &str) -> String {
     let g = graph();
     let w = waiting();
     format!(
-        "{PREFIXES}SELECT ?a ?step WHERE {{ GRAPH {w} {{ ?a tg:awaits tg:ApprovalAnswer }}
+        "{PREFIXES}SELECT ?a ?step ?deadline ?asked WHERE {{ GRAPH {w} {{ ?a tg:awaits tg:ApprovalAnswer }}
   GRAPH {g} {{ ?a a tg:ApprovalRequest ; tg:deadline ?deadline ; tg:step ?step . }}
-  {filter}
   FILTER NOT EXISTS {{ GRAPH {g} {{ ?answer prov:wasDerivedFrom ?a
-    FILTER EXISTS {{ ?answer a tg:ApprovalAnswer }} }} }} }}"
+    FILTER EXISTS {{ ?answer a tg:ApprovalAnswer }} }} }}
+  OPTIONAL {{ GRAPH {g} {{ ?a prov:startedAtTime ?asked }} }} }}"
+    )
+}
+
+/// Whether `session` recorded a fan-out (it started subagents, which may outlive its answer).
+pub fn fanned_out(session: &NamedNode) -> String {
+    let g = graph();
+    let prefix =
+        oxigraph::model::Literal::new_simple_literal(format!("{}/fanout/", session.as_str()));
+    format!(
+        "{PREFIXES}ASK {{ GRAPH {g} {{ ?f a tg:FanOut . FILTER(STRSTARTS(STR(?f), {prefix})) }} }}"
     )
 }
 

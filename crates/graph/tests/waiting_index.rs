@@ -76,7 +76,7 @@ async fn waiting_now(store: &GraphStore) -> (usize, usize, usize) {
         .unwrap()
         .rows();
     let expired = store
-        .query_bounded(queries::expired_approvals(now), budget())
+        .query_bounded(queries::unanswered_approvals(), budget())
         .await
         .unwrap()
         .rows();

@@ -2,7 +2,7 @@
 //! the LLM chooses it: the step records the pending call (tool, arguments, thought, deadline) in
 //! the graph with what resuming it needs, tells the client, and ends. Nothing is held in memory
 //! and no consumer waits. An answer (`agentctl approve` / `deny`, or the aggregator's `expire`
-//! once the deadline passed) is taken up by any replica, which resumes exactly that step from the
+//! once the deadline passed or the run was cancelled) is taken up by any replica, which resumes exactly that step from the
 //! graph; the journal lets the first answer win, so a duplicate or late one changes nothing.
 
 use std::collections::BTreeMap;
