@@ -509,3 +509,85 @@ async fn a_misbehaving_stdio_server_is_told_of_a_timeout_and_cut_off_when_it_flo
         "the server was not told the call was given up: {noted}"
     );
 }
+
+/// A server over HTTP whose answer runs past 16 MiB (`tests/mcp-servers/misbehaving_http.py`: one
+/// JSON message, or one line of an event stream, of 64 MiB) costs its call an error rather than
+/// this process's memory: the read stops at the bound, as a stdio server's line does. The server's
+/// next call is answered. Until 2026-12-03 such an answer was read whole (a server that never
+/// ended it grew the orchestrator until it died), and here the LLM was given its first bytes as
+/// the tool's result.
+#[tokio::test]
+async fn an_http_server_whose_answer_runs_past_the_bound_is_cut_off() {
+    let port = agent_bus::embedded::free_port().unwrap();
+    let script = repo_root().join("tests/mcp-servers/misbehaving_http.py");
+    let mut command = Command::new("python3");
+    agent_bus::orphans::owned(&mut command)
+        .arg(&script)
+        .arg(port.to_string());
+    let mut server = command.spawn().unwrap();
+    wait_listening(
+        &format!("127.0.0.1:{port}"),
+        "the misbehaving MCP server over HTTP",
+    );
+    let url = format!("http://127.0.0.1:{port}/mcp");
+    let names = ["flood-json", "flood-events", "echo"];
+    let mut mcp = serde_json::Map::new();
+    let mut tools = serde_json::Map::new();
+    for name in names {
+        mcp.insert(
+            name.into(),
+            serde_json::json!({"url": url, "remote-name": name}),
+        );
+        tools.insert(
+            name.into(),
+            serde_json::json!({"name": name, "description": name, "type": "mcp-tool"}),
+        );
+    }
+    let config = seed_with(
+        "mcp-misbehaving-http",
+        &[
+            ("mcp", &serde_json::Value::Object(mcp).to_string()),
+            ("tool", &serde_json::Value::Object(tools).to_string()),
+            (
+                "agent-limits",
+                r#"{"default": {"max_iterations": 4, "tool_timeout_secs": 30}}"#,
+            ),
+        ],
+    );
+    let mut rules = vec![serde_json::json!(
+        {"match": "Observation:", "reply": "Thought: seen\nFinal Answer: seen"}
+    )];
+    for name in names {
+        rules.push(
+            serde_json::json!({"match": format!("Question: call {name}"),
+            "reply": format!("Thought: call\nAction: {name}\nArgs: {{}}")}),
+        );
+    }
+    let script_rules = serde_json::json!({ "rules": rules });
+    let broker = Broker::start().unwrap();
+    let llm = scripted_llm(&script_rules.to_string()).await;
+    let _orchestrator = Orchestrator::spawn(&broker, &llm, &config, &[]);
+    let mut client = client(&broker).await;
+    let mut observed = Vec::new();
+    for name in names {
+        let id = format!("m-{name}");
+        client
+            .send(&id, &request(&format!("call {name}"), false))
+            .await
+            .unwrap();
+        let responses = collect_dialog(&mut client, &id, DIALOG_TIMEOUT)
+            .await
+            .unwrap();
+        observed.push(observation(&responses, 1).1);
+    }
+    let _ = server.kill();
+    let _ = server.wait();
+    for flooded in &observed[..2] {
+        assert!(
+            flooded.starts_with("Error:") && !flooded.contains("timed out"),
+            "the flood was not cut off: {}",
+            &flooded[..flooded.len().min(300)]
+        );
+    }
+    assert_eq!(observed[2], "echoed");
+}

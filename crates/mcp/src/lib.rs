@@ -7,6 +7,7 @@
 //! trip) costs far more than a call.
 
 mod arguments;
+mod bounded_http;
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex};
@@ -484,7 +485,10 @@ async fn connect(endpoint: &Endpoint) -> Result<Session, String> {
             if let Some(token) = auth_token {
                 config = config.auth_header(token.clone());
             }
-            let transport = StreamableHttpClientTransport::with_client(client.clone(), config);
+            let transport = StreamableHttpClientTransport::with_client(
+                bounded_http::BoundedHttp::new(client.clone(), MAX_MESSAGE_BYTES),
+                config,
+            );
             match ().serve(transport).await {
                 Ok(service) => Ok(service),
                 Err(e) => {
@@ -536,10 +540,11 @@ async fn connect(endpoint: &Endpoint) -> Result<Session, String> {
     })
 }
 
-/// The longest message a stdio server may send (one JSON-RPC line). What the LLM reads of a
-/// result is cut far shorter (`max_observation_bytes`), but only once the whole message is read:
-/// a server that wrote a line without end would otherwise grow this process's memory until it
-/// died. Past it the session ends (the call fails, the next one starts the server again).
+/// The longest message a server may send: one JSON-RPC line on stdio; over HTTP a JSON answer,
+/// or a line of an event stream. What the LLM reads of a result is cut far shorter
+/// (`max_observation_bytes`), but only once the whole message is read: a server that wrote a
+/// message without end would otherwise grow this process's memory until it died. Past it the
+/// call fails (on stdio the session ends, and the next call starts the server again).
 pub const MAX_MESSAGE_BYTES: usize = 16 * 1024 * 1024;
 
 /// A reader that fails once a line runs past its bound before its newline.

@@ -1,0 +1,353 @@
+//! MCP's streamable HTTP transport with what a server sends bounded, as stdio's lines are: a JSON
+//! answer at [`crate::MAX_MESSAGE_BYTES`], and each line of an event stream the same. `rmcp`'s own
+//! reqwest client reads a JSON body whole and an event's line without end, so a server that
+//! answered without end grew this process's memory until it died (every dialog on it with it, and
+//! again on the replica that took them up).
+
+use std::sync::Arc;
+
+use futures::stream::BoxStream;
+use futures::StreamExt;
+use rmcp::model::{ClientJsonRpcMessage, ServerJsonRpcMessage};
+use rmcp::transport::common::http_header::{
+    EVENT_STREAM_MIME_TYPE, HEADER_LAST_EVENT_ID, HEADER_SESSION_ID, JSON_MIME_TYPE,
+};
+use rmcp::transport::streamable_http_client::{
+    AuthRequiredError, SseError, StreamableHttpClient, StreamableHttpError,
+    StreamableHttpPostResponse,
+};
+use sse_stream::{Sse, SseStream};
+
+/// A reqwest client whose reads of an MCP server's answers stop at `most` bytes a message.
+#[derive(Clone)]
+pub struct BoundedHttp {
+    client: reqwest::Client,
+    most: usize,
+}
+
+impl BoundedHttp {
+    pub fn new(client: reqwest::Client, most: usize) -> BoundedHttp {
+        BoundedHttp { client, most }
+    }
+}
+
+/// What went wrong talking to the server.
+#[derive(Debug)]
+pub enum HttpError {
+    Http(reqwest::Error),
+    /// A message (a JSON body, or a line of an event stream) ran past the bound.
+    TooLong {
+        most: usize,
+    },
+}
+
+impl std::fmt::Display for HttpError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            HttpError::Http(e) => write!(f, "{e}"),
+            HttpError::TooLong { most } => write!(
+                f,
+                "the server's message ran past {most} bytes; the rest was not read"
+            ),
+        }
+    }
+}
+
+impl std::error::Error for HttpError {}
+
+type Failed = StreamableHttpError<HttpError>;
+
+fn http(e: reqwest::Error) -> Failed {
+    StreamableHttpError::Client(HttpError::Http(e))
+}
+
+/// Whether the response's content type starts with `mime`.
+fn is(response: &reqwest::Response, mime: &str) -> bool {
+    response
+        .headers()
+        .get(reqwest::header::CONTENT_TYPE)
+        .is_some_and(|ct| ct.as_bytes().starts_with(mime.as_bytes()))
+}
+
+fn content_type(response: &reqwest::Response) -> Option<String> {
+    response
+        .headers()
+        .get(reqwest::header::CONTENT_TYPE)
+        .map(|ct| String::from_utf8_lossy(ct.as_bytes()).into_owned())
+}
+
+/// The body of `response`, read a chunk at a time and given up past `most` bytes.
+async fn bounded_body(mut response: reqwest::Response, most: usize) -> Result<Vec<u8>, Failed> {
+    let too_long = || StreamableHttpError::Client(HttpError::TooLong { most });
+    if response.content_length().is_some_and(|n| n > most as u64) {
+        return Err(too_long());
+    }
+    let mut body = Vec::new();
+    while let Some(chunk) = response.chunk().await.map_err(http)? {
+        if body.len() + chunk.len() > most {
+            return Err(too_long());
+        }
+        body.extend_from_slice(&chunk);
+    }
+    Ok(body)
+}
+
+/// The events of `response`'s stream, failing once a line runs past `most` bytes before its end
+/// (the event parser keeps a line whole until it ends). On the stream that answers the request
+/// `answering` (its JSON-RPC id), that failure becomes an error answer to it and the stream's
+/// end: `rmcp` only logs a stream's failure, and the call would wait out its timeout.
+fn bounded_events(
+    response: reqwest::Response,
+    most: usize,
+    answering: Option<serde_json::Value>,
+) -> BoxStream<'static, Result<Sse, SseError>> {
+    let mut open_line = 0usize;
+    let bytes = response.bytes_stream().map(move |chunk| {
+        let chunk = chunk.map_err(HttpError::Http)?;
+        open_line = match chunk.iter().rposition(|b| *b == b'\n' || *b == b'\r') {
+            Some(end) => chunk.len() - end - 1,
+            None => open_line.saturating_add(chunk.len()),
+        };
+        if open_line > most {
+            return Err(HttpError::TooLong { most });
+        }
+        Ok(chunk)
+    });
+    let events = SseStream::from_bytes_stream(bytes);
+    let Some(id) = answering else {
+        return events.boxed();
+    };
+    events
+        .scan(false, move |failed, event| {
+            let next = match event {
+                _ if *failed => None,
+                Err(SseError::Body(e)) if e.downcast_ref::<HttpError>().is_some() => {
+                    *failed = true;
+                    let answer = serde_json::json!({"jsonrpc": "2.0", "id": id,
+                        "error": {"code": -32603, "message": e.to_string()}});
+                    Some(Ok(Sse {
+                        event: None,
+                        data: Some(answer.to_string()),
+                        id: None,
+                        retry: None,
+                    }))
+                }
+                event => Some(event),
+            };
+            futures::future::ready(next)
+        })
+        .boxed()
+}
+
+impl StreamableHttpClient for BoundedHttp {
+    type Error = HttpError;
+
+    async fn post_message(
+        &self,
+        uri: Arc<str>,
+        message: ClientJsonRpcMessage,
+        session_id: Option<Arc<str>>,
+        auth_header: Option<String>,
+    ) -> Result<StreamableHttpPostResponse, Failed> {
+        let accept = format!("{EVENT_STREAM_MIME_TYPE}, {JSON_MIME_TYPE}");
+        let id = serde_json::to_value(&message)
+            .ok()
+            .and_then(|m| m.get("id").cloned());
+        let mut request = self
+            .client
+            .post(uri.as_ref())
+            .header(reqwest::header::ACCEPT, accept)
+            .json(&message);
+        if let Some(token) = auth_header {
+            request = request.bearer_auth(token);
+        }
+        if let Some(session) = session_id {
+            request = request.header(HEADER_SESSION_ID, session.as_ref());
+        }
+        let response = request.send().await.map_err(http)?;
+        let status = response.status();
+        if status == reqwest::StatusCode::UNAUTHORIZED {
+            if let Some(challenge) = response.headers().get(reqwest::header::WWW_AUTHENTICATE) {
+                return Err(StreamableHttpError::AuthRequired(AuthRequiredError {
+                    www_authenticate_header: String::from_utf8_lossy(challenge.as_bytes())
+                        .into_owned(),
+                }));
+            }
+        }
+        if matches!(
+            status,
+            reqwest::StatusCode::ACCEPTED | reqwest::StatusCode::NO_CONTENT
+        ) {
+            return Ok(StreamableHttpPostResponse::Accepted);
+        }
+        let response = response.error_for_status().map_err(http)?;
+        let session = response
+            .headers()
+            .get(HEADER_SESSION_ID)
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_owned);
+        if is(&response, EVENT_STREAM_MIME_TYPE) {
+            return Ok(StreamableHttpPostResponse::Sse(
+                bounded_events(response, self.most, id),
+                session,
+            ));
+        }
+        if is(&response, JSON_MIME_TYPE) {
+            let body = bounded_body(response, self.most).await?;
+            let message: ServerJsonRpcMessage = serde_json::from_slice(&body)?;
+            return Ok(StreamableHttpPostResponse::Json(message, session));
+        }
+        Err(StreamableHttpError::UnexpectedContentType(content_type(
+            &response,
+        )))
+    }
+
+    async fn delete_session(
+        &self,
+        uri: Arc<str>,
+        session_id: Arc<str>,
+        auth_header: Option<String>,
+    ) -> Result<(), Failed> {
+        let mut request = self
+            .client
+            .delete(uri.as_ref())
+            .header(HEADER_SESSION_ID, session_id.as_ref());
+        if let Some(token) = auth_header {
+            request = request.bearer_auth(token);
+        }
+        let response = request.send().await.map_err(http)?;
+        // A server that keeps no sessions to end says so; that is no failure.
+        if response.status() == reqwest::StatusCode::METHOD_NOT_ALLOWED {
+            return Ok(());
+        }
+        response.error_for_status().map_err(http)?;
+        Ok(())
+    }
+
+    async fn get_stream(
+        &self,
+        uri: Arc<str>,
+        session_id: Arc<str>,
+        last_event_id: Option<String>,
+        auth_header: Option<String>,
+    ) -> Result<BoxStream<'static, Result<Sse, SseError>>, Failed> {
+        let accept = format!("{EVENT_STREAM_MIME_TYPE}, {JSON_MIME_TYPE}");
+        let mut request = self
+            .client
+            .get(uri.as_ref())
+            .header(reqwest::header::ACCEPT, accept)
+            .header(HEADER_SESSION_ID, session_id.as_ref());
+        if let Some(last) = last_event_id {
+            request = request.header(HEADER_LAST_EVENT_ID, last);
+        }
+        if let Some(token) = auth_header {
+            request = request.bearer_auth(token);
+        }
+        let response = request.send().await.map_err(http)?;
+        if response.status() == reqwest::StatusCode::METHOD_NOT_ALLOWED {
+            return Err(StreamableHttpError::ServerDoesNotSupportSse);
+        }
+        let response = response.error_for_status().map_err(http)?;
+        if !is(&response, EVENT_STREAM_MIME_TYPE) && !is(&response, JSON_MIME_TYPE) {
+            return Err(StreamableHttpError::UnexpectedContentType(content_type(
+                &response,
+            )));
+        }
+        Ok(bounded_events(response, self.most, None))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    /// Serves one HTTP answer with `content_type` and `body` to whoever connects first.
+    async fn answering(content_type: &'static str, body: Vec<u8>) -> String {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}/mcp", listener.local_addr().unwrap());
+        tokio::spawn(async move {
+            use tokio::io::{AsyncReadExt, AsyncWriteExt};
+            let (mut socket, _) = listener.accept().await.unwrap();
+            let mut request = vec![0u8; 64 * 1024];
+            let _ = socket.read(&mut request).await;
+            let head = format!(
+                "HTTP/1.1 200 OK\r\ncontent-type: {content_type}\r\nmcp-session-id: s1\r\nconnection: close\r\n\r\n"
+            );
+            let _ = socket.write_all(head.as_bytes()).await;
+            let _ = socket.write_all(&body).await;
+        });
+        url
+    }
+
+    fn ping() -> ClientJsonRpcMessage {
+        serde_json::from_str(r#"{"jsonrpc": "2.0", "id": 1, "method": "ping"}"#).unwrap()
+    }
+
+    async fn post(url: &str, most: usize) -> Result<StreamableHttpPostResponse, Failed> {
+        BoundedHttp::new(reqwest::Client::new(), most)
+            .post_message(url.into(), ping(), None, None)
+            .await
+    }
+
+    const ANSWER: &str = r#"{"jsonrpc": "2.0", "id": 1, "result": {}}"#;
+
+    #[tokio::test]
+    async fn a_json_answer_within_the_bound_is_read_and_one_past_it_is_not() {
+        let url = answering("application/json", ANSWER.into()).await;
+        assert!(matches!(
+            post(&url, 1024).await,
+            Ok(StreamableHttpPostResponse::Json(_, Some(session))) if session == "s1"
+        ));
+        let long = format!(
+            r#"{{"jsonrpc": "2.0", "id": 1, "result": {{"x": "{}"}}}}"#,
+            "x".repeat(4096)
+        );
+        let url = answering("application/json", long.into()).await;
+        let failed = post(&url, 1024).await;
+        assert!(
+            matches!(
+                failed,
+                Err(StreamableHttpError::Client(HttpError::TooLong {
+                    most: 1024
+                }))
+            ),
+            "{failed:?}"
+        );
+    }
+
+    #[tokio::test]
+    async fn an_event_line_past_the_bound_fails_the_stream_and_short_ones_are_read() {
+        let events = format!("data: {ANSWER}\n\ndata: {ANSWER}\n\n");
+        let url = answering("text/event-stream", events.into()).await;
+        let Ok(StreamableHttpPostResponse::Sse(stream, _)) = post(&url, 1024).await else {
+            panic!("no event stream");
+        };
+        let read: Vec<_> = stream.collect().await;
+        assert_eq!(read.len(), 2, "{read:?}");
+        assert!(read.iter().all(Result::is_ok), "{read:?}");
+
+        let endless = format!("data: {}", "x".repeat(8192));
+        let url = answering("text/event-stream", endless.into()).await;
+        let Ok(StreamableHttpPostResponse::Sse(stream, _)) = post(&url, 1024).await else {
+            panic!("no event stream");
+        };
+        let read: Vec<_> = stream.collect().await;
+        // The request's answer: an error saying why, and nothing after it.
+        let [Ok(Sse {
+            data: Some(answer), ..
+        })] = &read[..]
+        else {
+            panic!("{read:?}");
+        };
+        let answer: serde_json::Value = serde_json::from_str(answer).unwrap();
+        assert_eq!(answer["id"], 1);
+        assert!(
+            answer["error"]["message"]
+                .as_str()
+                .unwrap()
+                .contains("1024 bytes"),
+            "{answer}"
+        );
+    }
+}

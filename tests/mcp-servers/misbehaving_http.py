@@ -1,0 +1,88 @@
+"""An MCP server over streamable HTTP that misbehaves on purpose, for the orchestrator's tests.
+
+It serves on 127.0.0.1 at the port given as its first argument. `flood-json` answers a call with
+one JSON message of over 64 MiB (its text all "x"), and `flood-events` with an event stream whose
+one line is as long: well-formed, only too long to read. `echo` answers "echoed".
+"""
+
+import json
+import sys
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+TOOLS = [
+    {"name": name, "description": description, "inputSchema": {"type": "object", "properties": {}}}
+    for name, description in [
+        ("flood-json", "Answers with one JSON message of 64 MiB"),
+        ("flood-events", "Answers with an event line of 64 MiB"),
+        ("echo", "Answers echoed"),
+    ]
+]
+SESSION = "misbehaving-http"
+
+
+class Handler(BaseHTTPRequestHandler):
+    def log_message(self, *args):
+        pass
+
+    def head(self, status, content_type=None, length=None):
+        self.send_response(status)
+        if content_type:
+            self.send_header("Content-Type", content_type)
+        self.send_header("Mcp-Session-Id", SESSION)
+        if length is not None:
+            self.send_header("Content-Length", str(length))
+        self.end_headers()
+
+    def reply(self, ident, result):
+        body = json.dumps({"jsonrpc": "2.0", "id": ident, "result": result}).encode()
+        self.head(200, "application/json", len(body))
+        self.wfile.write(body)
+
+    def flood(self, ident, content_type, before, after):
+        # No length: the body ends when the connection closes (HTTP/1.0).
+        self.head(200, content_type)
+        opening = '{"jsonrpc": "2.0", "id": %s, "result": {"content": [{"type": "text", "text": "'
+        try:
+            self.wfile.write((before + opening % json.dumps(ident)).encode())
+            chunk = b"x" * (1 << 20)
+            for _ in range(64):
+                self.wfile.write(chunk)
+            self.wfile.write(('"}]}}' + after).encode())
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+
+    def do_POST(self):
+        length = int(self.headers.get("Content-Length", "0"))
+        message = json.loads(self.rfile.read(length))
+        method, ident = message.get("method"), message.get("id")
+        if ident is None:
+            self.head(202, length=0)
+        elif method == "initialize":
+            self.reply(ident, {
+                "protocolVersion": message["params"]["protocolVersion"],
+                "capabilities": {"tools": {}},
+                "serverInfo": {"name": "misbehaving-http", "version": "1"}})
+        elif method == "ping":
+            self.reply(ident, {})
+        elif method == "tools/list":
+            self.reply(ident, {"tools": TOOLS})
+        elif method == "tools/call" and message["params"]["name"] == "flood-json":
+            self.flood(ident, "application/json", "", "")
+        elif method == "tools/call" and message["params"]["name"] == "flood-events":
+            self.flood(ident, "text/event-stream", "data: ", "\n\n")
+        elif method == "tools/call":
+            self.reply(ident, {"content": [{"type": "text", "text": "echoed"}]})
+        else:
+            body = json.dumps({"jsonrpc": "2.0", "id": ident,
+                               "error": {"code": -32601, "message": "no such method"}}).encode()
+            self.head(200, "application/json", len(body))
+            self.wfile.write(body)
+
+    def do_GET(self):
+        self.head(405, length=0)
+
+    def do_DELETE(self):
+        self.head(200, length=0)
+
+
+ThreadingHTTPServer(("127.0.0.1", int(sys.argv[1])), Handler).serve_forever()
