@@ -92,8 +92,56 @@ async fn bounded_body(mut response: reqwest::Response, most: usize) -> Result<Ve
     Ok(body)
 }
 
-/// The events of `response`'s stream, failing once a line runs past `most` bytes before its end
-/// (the event parser keeps a line whole until it ends). On the stream that answers the request
+/// Bytes of an event stream since its last event ended (a blank line): the event parser keeps an
+/// event's lines until it ends, so a line without end, or data lines without a blank one, would
+/// grow without bound.
+struct OpenEvent {
+    most: usize,
+    bytes: usize,
+    /// Nothing but the line's end seen on the current line.
+    line_empty: bool,
+    /// The last byte was a CR (a LF after it ends the same line).
+    after_cr: bool,
+}
+
+impl OpenEvent {
+    fn new(most: usize) -> OpenEvent {
+        OpenEvent {
+            most,
+            bytes: 0,
+            line_empty: true,
+            after_cr: false,
+        }
+    }
+
+    /// Counts `chunk`; whether the event it is part of is still within the bound.
+    fn within(&mut self, chunk: &[u8]) -> bool {
+        for &b in chunk {
+            self.bytes += 1;
+            match b {
+                b'\n' if self.after_cr => self.after_cr = false,
+                b'\r' | b'\n' => {
+                    self.after_cr = b == b'\r';
+                    if self.line_empty {
+                        self.bytes = 0;
+                    }
+                    self.line_empty = true;
+                }
+                _ => {
+                    self.after_cr = false;
+                    self.line_empty = false;
+                }
+            }
+            if self.bytes > self.most {
+                return false;
+            }
+        }
+        true
+    }
+}
+
+/// The events of `response`'s stream, failing once an event runs past `most` bytes before its
+/// end (see [`OpenEvent`]). On the stream that answers the request
 /// `answering` (its JSON-RPC id), that failure becomes an error answer to it and the stream's
 /// end: `rmcp` only logs a stream's failure, and the call would wait out its timeout.
 fn bounded_events(
@@ -101,14 +149,10 @@ fn bounded_events(
     most: usize,
     answering: Option<serde_json::Value>,
 ) -> BoxStream<'static, Result<Sse, SseError>> {
-    let mut open_line = 0usize;
+    let mut open = OpenEvent::new(most);
     let bytes = response.bytes_stream().map(move |chunk| {
         let chunk = chunk.map_err(HttpError::Http)?;
-        open_line = match chunk.iter().rposition(|b| *b == b'\n' || *b == b'\r') {
-            Some(end) => chunk.len() - end - 1,
-            None => open_line.saturating_add(chunk.len()),
-        };
-        if open_line > most {
+        if !open.within(&chunk) {
             return Err(HttpError::TooLong { most });
         }
         Ok(chunk)
@@ -291,6 +335,30 @@ mod tests {
     }
 
     const ANSWER: &str = r#"{"jsonrpc": "2.0", "id": 1, "result": {}}"#;
+
+    #[test]
+    fn an_event_is_bounded_from_its_start_to_the_blank_line_that_ends_it() {
+        let mut open = OpenEvent::new(20);
+        // Lines of an event add up, whatever their ends; a blank line starts the count again.
+        assert!(open.within(b"data: 12345\r\n"));
+        assert!(!open.within(b"data: 12345\n"));
+        let mut open = OpenEvent::new(20);
+        for ending in ["\n\n", "\r\n\r\n", "\r\r"] {
+            for _ in 0..10 {
+                assert!(
+                    open.within(format!("data: 12345{ending}").as_bytes()),
+                    "{ending:?}"
+                );
+            }
+        }
+        // Split anywhere, the same.
+        let mut open = OpenEvent::new(20);
+        for _ in 0..10 {
+            assert!(open.within(b"data: 12345\r"));
+            assert!(open.within(b"\n\r"));
+            assert!(open.within(b"\n"));
+        }
+    }
 
     #[tokio::test]
     async fn a_json_answer_within_the_bound_is_read_and_one_past_it_is_not() {
