@@ -518,6 +518,23 @@ impl Aggregator {
         Self::start_logged(place, broker, remote, extra, server, stderr_log)
     }
 
+    /// An aggregator that only serves its store (started with `--config-token token`): it
+    /// consumes an explainability topic of its own, `name`, on which nobody publishes, so the
+    /// agents' records reach its graph only through replicas on it ([`Aggregator::replica_on`]),
+    /// which a test may kill, or freeze to hold the graph behind the responses.
+    pub fn store_host(place: Place, broker: &Broker, token: &str, name: &str) -> Aggregator {
+        let topic = format!("persistent://tg/flow/{name}");
+        let flags = [
+            "--config-token",
+            token,
+            "--explain-topic",
+            &topic,
+            "--subscription",
+            name,
+        ];
+        Self::start(place, broker, &flags)
+    }
+
     /// One more aggregator replica on the same subscriptions, writing to `store`'s graph over
     /// SPARQL with `token` (which `store` must have been given as `--config-token`). Always a
     /// child: a replica's updates go through `store`'s `/update`, and one process serialises its

@@ -168,17 +168,7 @@ async fn explain_last_after_invoke_shows_that_dialog_while_the_graph_lags() {
     use agent_e2e::{scripted_llm, Aggregator, Broker, Orchestrator, Place};
     const TOKEN: &str = "last-token";
     let broker = Broker::start().unwrap();
-    let store_host = Aggregator::spawn_with(
-        &broker,
-        &[
-            "--config-token",
-            TOKEN,
-            "--explain-topic",
-            "persistent://tg/flow/last-store-only",
-            "--subscription",
-            "last-store-only",
-        ],
-    );
+    let store_host = Aggregator::store_host(Place::InProcess, &broker, TOKEN, "last-store-only");
     let writer = Aggregator::replica_on(&broker, &store_host, TOKEN);
     let llm = scripted_llm(
         r#"{"rules": [{"match": "", "reply": "Thought: I know.\nFinal Answer: done"}]}"#,

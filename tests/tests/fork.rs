@@ -321,17 +321,7 @@ async fn a_replay_with_reuse_gives_recorded_answers_without_calling_again() {
 #[tokio::test]
 async fn a_fork_asked_for_on_the_answer_waits_for_its_source_to_show() {
     let broker = Broker::start().unwrap();
-    let store_host = Aggregator::spawn_with(
-        &broker,
-        &[
-            "--config-token",
-            TOKEN,
-            "--explain-topic",
-            "persistent://tg/flow/fork-store-only",
-            "--subscription",
-            "fork-store-only",
-        ],
-    );
+    let store_host = Aggregator::store_host(Place::InProcess, &broker, TOKEN, "fork-store-only");
     let writer = Aggregator::replica_on(&broker, &store_host, TOKEN);
     let llm = scripted_llm(ARITHMETIC).await;
     let _orchestrator =

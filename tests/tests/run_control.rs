@@ -1723,17 +1723,7 @@ async fn a_dialog_refused_at_a_later_step_does_not_hold_its_conversation_up() {
 async fn a_question_sent_on_the_last_answer_is_taken_while_the_graph_lags() {
     let config = conversation_config("sent-on-the-answer", "reject");
     let broker = Broker::start().unwrap();
-    let store_host = Aggregator::spawn_with(
-        &broker,
-        &[
-            "--config-token",
-            TOKEN,
-            "--explain-topic",
-            "persistent://tg/flow/lagging-store-only",
-            "--subscription",
-            "lagging-store-only",
-        ],
-    );
+    let store_host = Aggregator::store_host(Place::InProcess, &broker, TOKEN, "lagging-store-only");
     let writer = Aggregator::replica_on(&broker, &store_host, TOKEN);
     let llm = scripted_llm(
         r#"{"rules": [

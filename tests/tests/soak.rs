@@ -515,18 +515,7 @@ async fn chaos_soak() {
     let broker = Broker::start().unwrap();
     let token = "soak-token";
     // The graph store: an aggregator that only serves its store (it consumes a topic of its own).
-    let store_host = Aggregator::start(
-        Place::Child,
-        &broker,
-        &[
-            "--config-token",
-            token,
-            "--explain-topic",
-            "persistent://tg/flow/soak-store-only",
-            "--subscription",
-            "soak-store-only",
-        ],
-    );
+    let store_host = Aggregator::store_host(Place::Child, &broker, token, "soak-store-only");
     let config = ConfigSvc::start(Place::Child, &broker, Some(&seed_dir()));
     let aggregators = vec![
         Aggregator::replica_on(&broker, &store_host, token),
