@@ -2,9 +2,10 @@
 //! under it: the cancel is recorded in the provenance graph (who, when, why) and heard by every
 //! orchestrator replica on the control topic; the dialog then ends with one `cancelled` error for
 //! its client (a call of it parked for approval is expired by the aggregator's sweep). A dialog the
-//! graph shows ended, with no subagents that could still run, is not cancelled. `agentctl approve` and `deny` answer a tool call parked for approval; one replica
-//! takes the answer up and resumes that step. Each is sealed with the services' key, without
-//! which orchestrators that have one ignore it.
+//! graph shows ended, with no subagents that could still run, is not cancelled. `agentctl
+//! approve` and `deny` answer a tool call parked for approval; one replica takes the answer up
+//! and resumes that step. Each is sealed with the services' key, without which orchestrators
+//! that have one ignore it.
 
 use agent_bus::{send_control, BrokerArgs, Properties, Publisher};
 use agent_core::provenance::{self, SessionUris};
