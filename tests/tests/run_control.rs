@@ -764,6 +764,78 @@ async fn a_cancelled_run_parked_for_approval_ends_at_once_and_its_expiry_is_reco
     );
 }
 
+/// A cancel sent unsealed to orchestrators that take one (`--control-seals warn`, as `agentctl up`
+/// runs them) while the run waits for an approval: the sender's record is not sealed, so the
+/// aggregator leaves it out; the orchestrator that acts on the cancel records it itself, marked as
+/// taken unsealed, so the approvals sweep sees it and the run ends at once, and an audit shows who
+/// stopped it. Before, the run went on waiting for its call's ten-minute deadline.
+#[tokio::test]
+async fn an_unsealed_cancel_acted_on_is_recorded_and_ends_a_parked_run_at_once() {
+    const PAY: &str = r#"{"rules": [
+      {"match": "Question: pay the delta invoice", "reply": "Thought: It must be paid.\nAction: pay\nArgs: {\"question\": \"pay invoice delta-2\"}"},
+      {"match": "pay invoice delta-2", "exact": true, "reply": "payment sent"}
+    ]}"#;
+    let config = pay_config("cancel-parked-unsealed", 600);
+    let broker = Broker::start().unwrap();
+    let aggregator = Aggregator::spawn_with(
+        &broker,
+        &["--config-token", TOKEN, "--approval-sweep-secs", "1"],
+    );
+    let llm = scripted_llm(PAY).await;
+    let _orchestrator = Orchestrator::journaled_with(
+        Place::InProcess,
+        &broker,
+        &llm,
+        &aggregator,
+        TOKEN,
+        &config,
+        &[("AGENT_CONTROL_SEALS", "warn")],
+    );
+    let mut client = client(&broker).await;
+    client
+        .send("cu-1", &request("pay the delta invoice", false))
+        .await
+        .unwrap();
+    let mut responses = until_approval_asked(&mut client, "cu-1").await;
+    let (_, session, _) = approval_asked(&responses);
+    let said = agentctl_keyed(
+        &broker,
+        None,
+        &[
+            "cancel",
+            &session,
+            "--by",
+            "ops-eve",
+            "--reason",
+            "duplicate",
+            "--unsealed",
+        ],
+    );
+    assert!(
+        said.contains(&format!("cancelled session {session}")),
+        "{said}"
+    );
+    responses.extend(
+        collect_dialog(&mut client, "cu-1", Duration::from_secs(60))
+            .await
+            .unwrap(),
+    );
+    assert_closed_by_cancel(&responses, "ops-eve", "duplicate");
+    assert_eq!(payments(&llm, "pay invoice delta-2"), 0);
+    assert_recorded(&aggregator, &session, "ops-eve").await;
+    let marked = format!(
+        "{}SELECT ?c WHERE {{ GRAPH <urn:graph:retrieval> {{
+           ?c a tg:Cancellation ; tg:controlSealed false ; tg:reason \"duplicate\" ;
+             prov:wasDerivedFrom <urn:trustgraph:agent:{session}> }} }}",
+        agent_core::vocab::SPARQL_PREFIXES
+    );
+    assert_eq!(
+        count_reaching(&aggregator.store(), marked, 1).await,
+        1,
+        "the cancel is not marked as taken unsealed"
+    );
+}
+
 /// A supervisor cancelled while one of its branches waits for approval (a ten-minute deadline):
 /// the branch ends at once as cancelled, so the fan-in closes and the client gets its one
 /// closing, the cancel, with nothing paid and nothing synthesised.

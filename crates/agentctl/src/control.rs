@@ -147,7 +147,8 @@ pub async fn cancel(args: CancelArgs) -> anyhow::Result<i32> {
         triples: provenance::cancellation(&uris, &control.by, &control.at, &control.reason),
     };
     // Only a sealed record is written (the aggregator leaves the agent's records out of anything
-    // else): without the key there is no record to make, only the control message.
+    // else): without the key there is no record to make here, only the control message, and an
+    // orchestrator that acts on it records it instead.
     if let Some(key) = &key {
         let payload = agent_schema::encode(&record);
         let seal = key.seal_explain(&payload);
@@ -164,7 +165,7 @@ pub async fn cancel(args: CancelArgs) -> anyhow::Result<i32> {
         .context("sending the cancel to the orchestrators")?;
     if key.is_none() {
         eprintln!(
-            "sent unsealed: the cancel is not recorded in the graph (only the services' sealed records are written), and only orchestrators that take unsealed control messages act on it"
+            "sent unsealed: only orchestrators that take unsealed control messages act on it, and those record it in the graph (marked tg:controlSealed false); orchestrators with a seal key that require it sealed ignore it, and then nothing is recorded"
         );
     }
     if shown == Shown::EndedWithSubagents {

@@ -214,6 +214,21 @@ pub fn cancellation(uris: &SessionUris, by: &str, at: &str, reason: &str) -> Vec
     b.build()
 }
 
+/// A cancel an orchestrator acted on although it came without the services' seal, recorded by
+/// that orchestrator: [`cancellation`], marked `tg:controlSealed false` so that whoever audits it
+/// knows who and why are what the sender said, unchecked.
+pub fn unsealed_cancellation(uris: &SessionUris, by: &str, at: &str, reason: &str) -> Vec<Triple> {
+    let mut triples = cancellation(uris, by, at, reason);
+    let mut b = NodeBuilder::default();
+    b.tg(
+        &uris.cancellation(),
+        tg::CONTROL_SEALED,
+        Term::typed_literal("false", XSD_BOOLEAN.as_str()),
+    );
+    triples.extend(b.build());
+    triples
+}
+
 /// A tool call parked for a person's approval at iteration `n`: the tool, its arguments, the
 /// thought that chose it, when it was asked and until when an answer is taken.
 #[allow(clippy::too_many_arguments)]

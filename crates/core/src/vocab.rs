@@ -122,6 +122,9 @@ pub mod tg {
         /// What resuming a step parked for approval needs (its message and decision, as JSON).
         CONTINUATION = "continuation";
         CONTINUED_STEPS = "continuedSteps";
+        /// `false` on a cancellation an orchestrator acted on without the services' seal (no seal
+        /// key, or `--control-seals warn`) and recorded itself: who and when are the sender's claim.
+        CONTROL_SEALED = "controlSealed";
         CONTINUES_INPUT = "continuesInput";
         /// The `conversation_id` of the request that created a node.
         CONVERSATION = "conversation";

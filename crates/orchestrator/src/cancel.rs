@@ -65,17 +65,17 @@ impl Default for Cancellations {
 }
 
 impl Cancellations {
-    /// Remembers `cancel`; the first record of a session stands.
-    pub fn record(&self, cancel: Cancel) {
+    /// Remembers `cancel`; the first record of a session stands. Whether it was new here.
+    pub fn record(&self, cancel: Cancel) -> bool {
         let Ok(mut known) = self.known.lock() else {
-            return;
+            return false;
         };
         // One forgotten (heard longer ago than [`MEMORY`]) is heard again.
         if known
             .get(&cancel.session_id)
             .is_some_and(|(heard, _)| heard.elapsed() < MEMORY)
         {
-            return;
+            return false;
         }
         if known.len() >= MOST {
             known.retain(|_, (heard, _)| heard.elapsed() < MEMORY);
@@ -96,6 +96,7 @@ impl Cancellations {
         );
         drop(known);
         self.heard.send_modify(|n| *n += 1);
+        true
     }
 
     /// The cancel that applies to `session_id`: its own, or that of a supervisor above it.
@@ -216,7 +217,28 @@ pub async fn listen(
                     continue;
                 }
                 match from_control(&control) {
-                    Some(cancel) => cancellations.record(cancel),
+                    Some(cancel) => {
+                        let sealed = seals
+                            .0
+                            .as_ref()
+                            .is_some_and(|key| key.verify_control(&heard.raw, &heard.properties));
+                        if sealed {
+                            cancellations.record(cancel);
+                        } else {
+                            let cancel = Cancel {
+                                at: vouched_time(&cancel.at, chrono::Utc::now()),
+                                ..cancel
+                            };
+                            if cancellations.record(cancel.clone()) {
+                                tokio::spawn(record_unsealed(
+                                    bus.clone(),
+                                    topics.clone(),
+                                    seals.0.clone(),
+                                    cancel,
+                                ));
+                            }
+                        }
+                    }
                     None => {
                         tracing::warn!(operation = %control.operation, "ignoring a control message this service does not know")
                     }
@@ -239,6 +261,68 @@ pub async fn listen(
             _ = tokio::time::sleep(pause) => {}
         }
         pause = (pause * 2).min(Duration::from_secs(10));
+    }
+}
+
+/// The most a cancel's time may be off this replica's clock to be recorded as its sender says.
+const CLAIMED_TIME_SLACK: chrono::TimeDelta = chrono::TimeDelta::minutes(5);
+
+/// The time to record for a cancel that came unsealed: the one it claims, if that is an RFC 3339
+/// time within [`CLAIMED_TIME_SLACK`] of `now`, else `now`. The approvals sweep and the replicas
+/// that catch up read cancels by this time, so a claim far off (or not a time) must not place
+/// the cancel where they would not count it.
+fn vouched_time(claimed: &str, now: chrono::DateTime<chrono::Utc>) -> String {
+    match chrono::DateTime::parse_from_rfc3339(claimed) {
+        Ok(at) if (now - at.with_timezone(&chrono::Utc)).abs() <= CLAIMED_TIME_SLACK => {
+            claimed.to_owned()
+        }
+        _ => now.to_rfc3339_opts(chrono::SecondsFormat::Millis, true),
+    }
+}
+
+/// Records in the graph a cancel this replica acted on although it came without the services'
+/// seal (no seal key, or `--control-seals warn`, as under `agentctl up`): its sender's record, if
+/// it made one, was not sealed, so the aggregator left it out (or, with no key anywhere, the
+/// sender had none to make). Without a record the approvals sweep cannot see the cancel (a run
+/// parked for approval would wait for its call's deadline) and no audit shows who stopped the
+/// run. Every replica that hears it records the same triples, which the graph keeps once; the
+/// record is sealed with this replica's key, if it has one, and marked as taken unsealed.
+async fn record_unsealed(
+    bus: Bus,
+    topics: Topics,
+    key: Option<agent_bus::seal::SealKey>,
+    cancel: Cancel,
+) {
+    let uris = SessionUris::new(&cancel.session_id);
+    let record = agent_schema::Triples {
+        metadata: agent_schema::Metadata {
+            id: uris.cancellation(),
+            root: uris.session(),
+            collection: "default".to_owned(),
+        },
+        triples: agent_core::provenance::unsealed_cancellation(
+            &uris,
+            &cancel.by,
+            &cancel.at,
+            &cancel.reason,
+        ),
+    };
+    let payload = agent_schema::encode(&record);
+    let mut properties = agent_bus::Properties::new();
+    if let Some(key) = &key {
+        properties.insert(
+            agent_bus::seal::EXPLAIN_SEAL_PROPERTY.to_owned(),
+            key.seal_explain(&payload),
+        );
+    }
+    let sent = async {
+        agent_bus::Publisher::new(&bus, &topics.explainability)
+            .await?
+            .send(payload, &properties)
+            .await
+    };
+    if let Err(e) = sent.await {
+        tracing::warn!(session = %cancel.session_id, error = %e, "an unsealed cancel was acted on but could not be recorded in the graph");
     }
 }
 
@@ -376,6 +460,27 @@ mod tests {
             at: "2026-11-25T10:00:00Z".into(),
             reason: String::new(),
         }
+    }
+
+    #[test]
+    fn an_unsealed_cancel_keeps_its_time_only_near_this_clock() {
+        let now = chrono::DateTime::parse_from_rfc3339("2026-12-03T12:00:00Z")
+            .unwrap()
+            .with_timezone(&chrono::Utc);
+        let mine = "2026-12-03T12:00:00.000Z";
+        assert_eq!(
+            vouched_time("2026-12-03T11:58:30.250Z", now),
+            "2026-12-03T11:58:30.250Z"
+        );
+        assert_eq!(
+            vouched_time("2026-12-03T12:04:00+00:00", now),
+            "2026-12-03T12:04:00+00:00"
+        );
+        // Far behind (the sweep would not count it), ahead, or not a time: this clock's.
+        assert_eq!(vouched_time("2026-12-02T12:00:00Z", now), mine);
+        assert_eq!(vouched_time("2026-12-03T12:06:00Z", now), mine);
+        assert_eq!(vouched_time("yesterday", now), mine);
+        assert_eq!(vouched_time("", now), mine);
     }
 
     #[test]
