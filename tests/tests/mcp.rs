@@ -510,6 +510,69 @@ async fn a_misbehaving_stdio_server_is_told_of_a_timeout_and_cut_off_when_it_flo
     );
 }
 
+/// A server that adds a tool while its session is open, and says so
+/// (`notifications/tools/list_changed`, `tests/mcp-servers/changing_tools.py`): the next step
+/// lists the tools again, shows the new one's arguments to the LLM and calls it. Until 2026-12-03
+/// a session's tool list was read once, so the new tool had no arguments in the prompt and its
+/// call failed ("has no tool 'later'") for as long as the session was used.
+#[tokio::test]
+async fn a_tool_a_server_adds_while_its_session_is_open_is_listed_and_called() {
+    let script = repo_root().join("tests/mcp-servers/changing_tools.py");
+    let server = |tool: &str| {
+        serde_json::json!({"command": "python3", "remote-name": tool,
+                           "args": [script.to_str().unwrap()]})
+    };
+    let mcp = serde_json::json!({"evolve": server("evolve"), "later": server("later")});
+    let tools = serde_json::json!({
+        "evolve": {"name": "evolve", "description": "Adds a tool", "type": "mcp-tool"},
+        "later": {"name": "later", "description": "Runs once added", "type": "mcp-tool"}
+    });
+    let config = seed_with(
+        "mcp-changing-tools",
+        &[("mcp", &mcp.to_string()), ("tool", &tools.to_string())],
+    );
+    let script_rules = serde_json::json!({"rules": [
+        {"match": "Observation:", "reply": "Thought: seen\nFinal Answer: seen"},
+        {"match": "Question: add the later tool", "reply": "Thought: call\nAction: evolve\nArgs: {}"},
+        {"match": "Question: call the later tool", "reply": "Thought: call\nAction: later\nArgs: {\"city\": \"Paris\"}"}
+    ]});
+    let broker = Broker::start().unwrap();
+    let llm = scripted_llm(&script_rules.to_string()).await;
+    let _orchestrator = Orchestrator::spawn(&broker, &llm, &config, &[]);
+    let mut client = client(&broker).await;
+
+    client
+        .send("m-evolve", &request("add the later tool", false))
+        .await
+        .unwrap();
+    let responses = collect_dialog(&mut client, "m-evolve", DIALOG_TIMEOUT)
+        .await
+        .unwrap();
+    assert_eq!(observation(&responses, 1).1, "evolved", "{responses:#?}");
+
+    client
+        .send("m-later", &request("call the later tool", false))
+        .await
+        .unwrap();
+    let responses = collect_dialog(&mut client, "m-later", DIALOG_TIMEOUT)
+        .await
+        .unwrap();
+    assert_eq!(
+        observation(&responses, 1).1,
+        "later ran for Paris",
+        "{responses:#?}"
+    );
+    let listed = "- later: Runs once added\n  arguments: city (string): The city";
+    assert!(
+        llm.calls()
+            .iter()
+            .any(|c| c.last_user.contains("Question: call the later tool")
+                && c.last_user.contains(listed)),
+        "the prompt did not list the new tool's arguments: {:#?}",
+        llm.calls().last()
+    );
+}
+
 /// A server over HTTP whose answer runs past 16 MiB (`tests/mcp-servers/misbehaving_http.py`: one
 /// JSON message, or one line of an event stream, of 64 MiB) costs its call an error rather than
 /// this process's memory: the read stops at the bound, as a stdio server's line does. The server's

@@ -80,7 +80,10 @@ impl Endpoint {
 /// An open session and, once asked for, the server's tool list.
 struct Session {
     peer: Peer<RoleClient>,
-    tools: tokio::sync::OnceCell<Vec<Tool>>,
+    /// The tools as last listed, when, and at which of the server's changes (see
+    /// [`ToolListWatch`]).
+    tools: tokio::sync::Mutex<Option<ListedTools>>,
+    tools_changed: ToolListWatch,
     /// Calls under way on it, and when it last answered anything: a session busy or heard from
     /// just now is not pinged (a server that serves one request at a time cannot answer a ping
     /// while a long call runs, and would be taken for lost).
@@ -89,10 +92,45 @@ struct Session {
     /// A call on it was given up on before it answered: the server may hang.
     suspect: std::sync::atomic::AtomicBool,
     // Dropping the service ends the session.
-    _service: RunningService<RoleClient, ()>,
+    _service: RunningService<RoleClient, ToolListWatch>,
     /// A stdio server's process, ended with the session.
     _child: Option<ServerProcess>,
 }
+
+/// A server's tools as listed on a session.
+struct ListedTools {
+    tools: Arc<Vec<Tool>>,
+    at: std::time::Instant,
+    /// The count of the server's "tool list changed" notices when they were listed.
+    changes: u64,
+}
+
+/// Counts a server's notices that its tool list changed (`notifications/tools/list_changed`):
+/// a session lives as long as it is used, and a server that adds a tool or changes a tool's
+/// arguments while it runs says so, so the next step lists them again rather than prompt the LLM
+/// with arguments the server no longer takes.
+#[derive(Clone, Default)]
+struct ToolListWatch(Arc<std::sync::atomic::AtomicU64>);
+
+impl ToolListWatch {
+    fn count(&self) -> u64 {
+        self.0.load(std::sync::atomic::Ordering::Acquire)
+    }
+}
+
+impl rmcp::ClientHandler for ToolListWatch {
+    fn on_tool_list_changed(
+        &self,
+        _context: rmcp::service::NotificationContext<RoleClient>,
+    ) -> impl std::future::Future<Output = ()> + Send + '_ {
+        self.0.fetch_add(1, std::sync::atomic::Ordering::AcqRel);
+        std::future::ready(())
+    }
+}
+
+/// How long a session's tool list is used before it is listed again, for a server that changes
+/// its tools without saying so (the notice is optional in MCP).
+const TOOL_LIST_MAX_AGE: Duration = Duration::from_secs(300);
 
 /// A stdio server's process. When its session is dropped (its input closes with the session's
 /// transport) it has a few seconds to finish on its own, as rmcp's child transport gives it, and
@@ -475,6 +513,7 @@ fn service_error(endpoint: &Endpoint, what: &str, error: ServiceError) -> CallEr
 async fn connect(endpoint: &Endpoint) -> Result<Session, String> {
     let server = endpoint.describe();
     let mut child = None;
+    let watch = ToolListWatch::default();
     let service = match endpoint {
         Endpoint::Http { url, auth_token } => {
             let client = reqwest::Client::builder()
@@ -489,7 +528,7 @@ async fn connect(endpoint: &Endpoint) -> Result<Session, String> {
                 bounded_http::BoundedHttp::new(client.clone(), MAX_MESSAGE_BYTES),
                 config,
             );
-            match ().serve(transport).await {
+            match watch.clone().serve(transport).await {
                 Ok(service) => Ok(service),
                 Err(e) => {
                     let status = http_refusal(&client, url, auth_token.as_deref()).await;
@@ -523,7 +562,9 @@ async fn connect(endpoint: &Endpoint) -> Result<Session, String> {
                 tokio::spawn(log_stderr(server.clone(), stderr));
             }
             child = Some(started);
-            ().serve((LineCap::new(stdout, MAX_MESSAGE_BYTES), stdin))
+            watch
+                .clone()
+                .serve((LineCap::new(stdout, MAX_MESSAGE_BYTES), stdin))
                 .await
         }
     }
@@ -531,7 +572,8 @@ async fn connect(endpoint: &Endpoint) -> Result<Session, String> {
     tracing::info!(server = %server, "MCP session open");
     Ok(Session {
         peer: service.peer().clone(),
-        tools: tokio::sync::OnceCell::new(),
+        tools: tokio::sync::Mutex::new(None),
+        tools_changed: watch,
         in_flight: std::sync::atomic::AtomicUsize::new(0),
         answered_at: Mutex::new(std::time::Instant::now()),
         suspect: std::sync::atomic::AtomicBool::new(false),
@@ -784,16 +826,7 @@ async fn remote_tool(
     endpoint: &Endpoint,
     name: &str,
 ) -> Result<Tool, CallError> {
-    let tools = session
-        .tools
-        .get_or_try_init(|| async {
-            session
-                .peer
-                .list_all_tools()
-                .await
-                .map_err(|e| service_error(endpoint, "list its tools", e))
-        })
-        .await?;
+    let tools = listed_tools(session, endpoint).await?;
     tools
         .iter()
         .find(|t| t.name == name)
@@ -806,6 +839,33 @@ async fn remote_tool(
                 names.join(", ")
             ))
         })
+}
+
+/// The tools of `session`'s server: as listed before, unless the server said since that they
+/// changed or the list is older than [`TOOL_LIST_MAX_AGE`].
+async fn listed_tools(session: &Session, endpoint: &Endpoint) -> Result<Arc<Vec<Tool>>, CallError> {
+    let mut listed = session.tools.lock().await;
+    // Read before listing: a notice that comes while the list is read makes the next look list
+    // them again, since the list may have been read before the change.
+    let changes = session.tools_changed.count();
+    if let Some(known) = listed.as_ref() {
+        if known.changes == changes && known.at.elapsed() < TOOL_LIST_MAX_AGE {
+            return Ok(known.tools.clone());
+        }
+    }
+    let tools = Arc::new(
+        session
+            .peer
+            .list_all_tools()
+            .await
+            .map_err(|e| service_error(endpoint, "list its tools", e))?,
+    );
+    *listed = Some(ListedTools {
+        tools: tools.clone(),
+        at: std::time::Instant::now(),
+        changes,
+    });
+    Ok(tools)
 }
 
 /// How long a reused session has to answer a `ping` before it is taken for lost.
