@@ -69,6 +69,9 @@ scripts/fuseki.sh path >/dev/null
 # Oxigraph's own SPARQL server (PyPI, prebuilt), the other server we do not own that the tests keep
 # the graph in.
 scripts/oxigraph-server.sh path >/dev/null
+# OpenTelemetry's OTLP message classes (PyPI), which the traces test's stand-in collector reads our
+# spans with.
+scripts/otlp-collector.sh path >/dev/null
 # TrustGraph's librarian (PyPI) with Apache Cassandra (Maven Central, ~70 MB once) and moto's S3
 # server behind it, for the test that keeps documents in it (DOCUMENT_STORE=librarian).
 scripts/librarian.sh path >/dev/null

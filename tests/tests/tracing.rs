@@ -2,9 +2,14 @@
 //! runs, one dialog's spans from the orchestrator (every iteration, routing included) and from the
 //! aggregator (the writes of its provenance) arrive under one trace id, the aggregator's as children
 //! of the iterations that explained themselves (the context travels in the `traceparent` property).
+//! Sent as the OpenTelemetry SDKs send by default (binary protobuf), read back by OpenTelemetry's own
+//! message classes in a collector that, like a hosted backend, takes only requests with its key;
+//! and as JSON when `OTEL_EXPORTER_OTLP_PROTOCOL` asks for it.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use std::collections::BTreeSet;
+use std::io::BufRead;
+use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -22,7 +27,7 @@ async fn receive(State(received): State<Received>, body: axum::body::Bytes) -> &
 }
 
 /// A stand-in collector: `POST /v1/traces` with OTLP JSON, kept as received.
-async fn collector() -> (String, Received) {
+async fn json_collector() -> (String, Received) {
     let received: Received = Arc::default();
     let app = axum::Router::new()
         .route("/v1/traces", axum::routing::post(receive))
@@ -53,7 +58,7 @@ impl Span {
     }
 }
 
-fn spans(received: &Received) -> Vec<Span> {
+fn json_spans(received: &Received) -> Vec<Span> {
     let text = |v: &Value| v.as_str().unwrap_or_default().to_owned();
     let mut out = Vec::new();
     for body in received.lock().unwrap().iter() {
@@ -88,12 +93,102 @@ fn spans(received: &Received) -> Vec<Span> {
     out
 }
 
-#[tokio::test]
-async fn a_dialogs_spans_from_orchestrator_and_aggregator_share_one_trace() {
-    let (endpoint, received) = collector().await;
-    // The services read the standard variable; this test binary holds only this test, so setting
-    // it for the children it spawns touches no other test.
-    std::env::set_var("OTEL_EXPORTER_OTLP_ENDPOINT", &endpoint);
+/// OpenTelemetry's collector as far as these tests need one (tests/otlp/collector.py): protobuf
+/// read by the protocol's own classes, a key required. SIGKILLed on drop.
+struct ProtobufCollector {
+    child: Child,
+    endpoint: String,
+    /// A JSON line per span received, and per request refused.
+    lines: Received,
+}
+
+impl ProtobufCollector {
+    fn start(header: &str, key: &str) -> ProtobufCollector {
+        let python = installed_path("otlp-collector.sh").join("python");
+        let script = repo_root().join("tests/otlp/collector.py");
+        let mut child = agent_bus::orphans::owned(&mut Command::new(python))
+            .arg(script)
+            .args([header, key])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .unwrap();
+        let mut out = std::io::BufReader::new(child.stdout.take().unwrap()).lines();
+        let first: Value = serde_json::from_str(&out.next().unwrap().unwrap()).unwrap();
+        let endpoint = format!("http://127.0.0.1:{}", first["listening"]);
+        let lines: Received = Arc::default();
+        let kept = lines.clone();
+        std::thread::spawn(move || {
+            for line in out.map_while(Result::ok) {
+                if let Ok(json) = serde_json::from_str::<Value>(&line) {
+                    kept.lock().unwrap().push(json);
+                }
+            }
+        });
+        ProtobufCollector {
+            child,
+            endpoint,
+            lines,
+        }
+    }
+
+    fn spans(&self) -> Vec<Span> {
+        let text = |v: &Value| v.as_str().unwrap_or_default().to_owned();
+        self.lines
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|l| l.get("name").is_some())
+            .map(|l| Span {
+                service: text(&l["service"]),
+                name: text(&l["name"]),
+                trace: text(&l["trace"]),
+                id: text(&l["id"]),
+                parent: text(&l["parent"]),
+                attributes: l["attributes"]
+                    .as_object()
+                    .into_iter()
+                    .flatten()
+                    .map(|(k, v)| (k.clone(), text(v)))
+                    .collect(),
+            })
+            .collect()
+    }
+
+    fn lines(&self) -> Vec<Value> {
+        self.lines.lock().unwrap().clone()
+    }
+}
+
+impl Drop for ProtobufCollector {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// The services read the standard variables, which their children inherit: one test at a time
+/// sets them.
+static EXPORT_VARIABLES: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+const EXPORT_VARIABLE_NAMES: [&str; 5] = [
+    "OTEL_EXPORTER_OTLP_ENDPOINT",
+    "OTEL_EXPORTER_OTLP_PROTOCOL",
+    "OTEL_EXPORTER_OTLP_HEADERS",
+    "OTEL_EXPORTER_OTLP_COMPRESSION",
+    "OTEL_RESOURCE_ATTRIBUTES",
+];
+
+/// Runs a three-step dialog with a child aggregator and orchestrator exporting as the variables
+/// `set` say, and checks the spans `received` gives: one trace, the iterations a chain under the
+/// routing step, the aggregator's writes under the iterations.
+async fn a_dialog_traced(set: &[(&str, &str)], received: impl Fn() -> Vec<Span>) -> Vec<Span> {
+    for name in EXPORT_VARIABLE_NAMES {
+        std::env::remove_var(name);
+    }
+    for (name, value) in set {
+        std::env::set_var(name, value);
+    }
     let broker = Broker::start().unwrap();
     // Children: the binaries install the exporter; the test process has none.
     let _aggregator = Aggregator::start(Place::Child, &broker, &[]);
@@ -111,8 +206,8 @@ async fn a_dialogs_spans_from_orchestrator_and_aggregator_share_one_trace() {
 
     // Routing, then three ReACT iterations; and the aggregator's writes of what they explained.
     let deadline = tokio::time::Instant::now() + Duration::from_secs(15);
-    let (iterations, writes) = loop {
-        let all = spans(&received);
+    let (iterations, writes, all) = loop {
+        let all = received();
         let iterations: Vec<Span> = all
             .iter()
             .filter(|s| s.service == "agent-orchestrator" && s.name == "iteration")
@@ -127,7 +222,7 @@ async fn a_dialogs_spans_from_orchestrator_and_aggregator_share_one_trace() {
             .cloned()
             .collect();
         if iterations.len() >= 4 && writes.len() >= 4 {
-            break (iterations, writes);
+            break (iterations, writes, all);
         }
         assert!(
             tokio::time::Instant::now() < deadline,
@@ -152,4 +247,51 @@ async fn a_dialogs_spans_from_orchestrator_and_aggregator_share_one_trace() {
         writes.iter().all(|w| ids.contains(w.parent.as_str())),
         "{writes:#?}"
     );
+    all
+}
+
+#[tokio::test]
+async fn a_dialogs_spans_reach_a_collector_that_wants_a_key_as_protobuf_and_share_one_trace() {
+    let _one_at_a_time = EXPORT_VARIABLES.lock().await;
+    let collector = ProtobufCollector::start("x-api-key", "k-9f2");
+    // The protocol left to its default (http/protobuf), the key percent-encoded as the variable
+    // takes values, the body gzipped, and a resource attribute of the deployment's.
+    let spans = a_dialog_traced(
+        &[
+            ("OTEL_EXPORTER_OTLP_ENDPOINT", &collector.endpoint),
+            ("OTEL_EXPORTER_OTLP_HEADERS", "x-api-key=k%2D9f2"),
+            ("OTEL_EXPORTER_OTLP_COMPRESSION", "gzip"),
+            ("OTEL_RESOURCE_ATTRIBUTES", "deployment.environment=e2e"),
+        ],
+        || collector.spans(),
+    )
+    .await;
+    let lines = collector.lines();
+    assert!(
+        lines.iter().all(|l| l.get("refused").is_none()),
+        "every export carried the key, as protobuf: {lines:#?}"
+    );
+    assert!(lines
+        .iter()
+        .filter(|l| l.get("name").is_some())
+        .all(|l| l["gzip"] == true
+            && l["resource"]["deployment.environment"] == "e2e"
+            && l["scope"] == "pulsar-agents"
+            && l["kind"] == 1
+            && l["end"].as_u64() >= l["start"].as_u64()));
+    assert!(!spans.is_empty());
+}
+
+#[tokio::test]
+async fn a_dialogs_spans_reach_a_json_collector_when_the_protocol_asks_for_json() {
+    let _one_at_a_time = EXPORT_VARIABLES.lock().await;
+    let (endpoint, received) = json_collector().await;
+    a_dialog_traced(
+        &[
+            ("OTEL_EXPORTER_OTLP_ENDPOINT", &endpoint),
+            ("OTEL_EXPORTER_OTLP_PROTOCOL", "http/json"),
+        ],
+        || json_spans(&received),
+    )
+    .await;
 }

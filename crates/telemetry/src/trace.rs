@@ -1,4 +1,4 @@
-//! Distributed traces: our `tracing` spans exported over OTLP/HTTP (JSON) when
+//! Distributed traces: our `tracing` spans exported over OTLP/HTTP ([`crate::otlp`]) when
 //! `OTEL_EXPORTER_OTLP_ENDPOINT` is set, with the W3C `traceparent` carried in a message property so
 //! that a dialog's spans in every process (orchestrator iterations, the aggregator's writes and
 //! fan-ins) join into one trace.
@@ -6,7 +6,7 @@
 //! A small exporter of our own rather than the OpenTelemetry SDK: spans are all we export, and the
 //! SDK with its OTLP exporter would add a large dependency tree for that.
 
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::SystemTime;
 
 use tokio::sync::mpsc;
 use tracing::field::{Field, Visit};
@@ -66,13 +66,13 @@ struct Open {
 }
 
 /// A finished span, on its way to the collector.
-struct Finished {
-    name: &'static str,
-    ids: SpanIds,
-    parent: Option<u64>,
-    start: SystemTime,
-    end: SystemTime,
-    attributes: Vec<(String, String)>,
+pub(crate) struct Finished {
+    pub(crate) name: &'static str,
+    pub(crate) ids: SpanIds,
+    pub(crate) parent: Option<u64>,
+    pub(crate) start: SystemTime,
+    pub(crate) end: SystemTime,
+    pub(crate) attributes: Vec<(String, String)>,
 }
 
 #[derive(Default)]
@@ -103,6 +103,7 @@ fn nonzero_u64() -> u64 {
 /// Collects our spans and hands finished ones to the exporter.
 pub struct OtlpLayer {
     finished: mpsc::Sender<Finished>,
+    dropped: crate::otlp::Dropped,
 }
 
 impl<S> Layer<S> for OtlpLayer
@@ -160,7 +161,7 @@ where
             return;
         };
         // A full queue (the collector is down) loses spans, never blocks an iteration.
-        let _ = self.finished.try_send(Finished {
+        let queued = self.finished.try_send(Finished {
             name,
             ids: open.ids,
             parent: open.parent,
@@ -168,100 +169,29 @@ where
             end: SystemTime::now(),
             attributes: open.attributes,
         });
-    }
-}
-
-fn nanos(t: SystemTime) -> String {
-    t.duration_since(UNIX_EPOCH)
-        .unwrap_or_default()
-        .as_nanos()
-        .to_string()
-}
-
-/// The OTLP/HTTP JSON body for a batch of spans.
-fn export_body(service: &str, spans: &[Finished]) -> serde_json::Value {
-    let spans: Vec<serde_json::Value> = spans
-        .iter()
-        .map(|s| {
-            let attributes: Vec<serde_json::Value> = s
-                .attributes
-                .iter()
-                .map(|(k, v)| serde_json::json!({"key": k, "value": {"stringValue": v}}))
-                .collect();
-            let mut span = serde_json::json!({
-                "traceId": format!("{:032x}", s.ids.trace_id),
-                "spanId": format!("{:016x}", s.ids.span_id),
-                "name": s.name,
-                "kind": 1,
-                "startTimeUnixNano": nanos(s.start),
-                "endTimeUnixNano": nanos(s.end),
-                "attributes": attributes,
-            });
-            if let Some(parent) = s.parent {
-                span["parentSpanId"] = serde_json::json!(format!("{parent:016x}"));
-            }
-            span
-        })
-        .collect();
-    serde_json::json!({"resourceSpans": [{
-        "resource": {"attributes": [{"key": "service.name", "value": {"stringValue": service}}]},
-        "scopeSpans": [{"scope": {"name": "pulsar-agents"}, "spans": spans}]
-    }]})
-}
-
-/// Posts finished spans to `{endpoint}/v1/traces` in batches, at least twice a second.
-async fn export(endpoint: String, service: String, mut finished: mpsc::Receiver<Finished>) {
-    let url = format!("{}/v1/traces", endpoint.trim_end_matches('/'));
-    let http = reqwest::Client::new();
-    let mut batch = Vec::new();
-    loop {
-        let deadline = tokio::time::sleep(Duration::from_millis(500));
-        tokio::pin!(deadline);
-        let open = loop {
-            tokio::select! {
-                next = finished.recv() => match next {
-                    Some(span) => {
-                        batch.push(span);
-                        if batch.len() >= 512 { break true; }
-                    }
-                    None => break false,
-                },
-                _ = &mut deadline => break true,
-            }
-        };
-        if !batch.is_empty() {
-            let body = export_body(&service, &batch);
-            batch.clear();
-            let sent = http
-                .post(&url)
-                .timeout(Duration::from_secs(5))
-                .json(&body)
-                .send()
-                .await;
-            if let Err(e) = sent {
-                // Logged at debug: a missing collector must not flood the service's own log.
-                tracing::debug!(error = %e, "could not export spans");
-            }
-        }
-        if !open {
-            return;
+        if queued.is_err() {
+            self.dropped
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         }
     }
 }
 
-/// The layer exporting to `endpoint` as `service`, and the exporter task it feeds (to be spawned
-/// on the runtime).
+/// The layer exporting as `settings` say, and the exporter task it feeds (to be spawned on the
+/// runtime).
 pub fn otlp_layer(
-    endpoint: &str,
-    service: &str,
+    settings: crate::otlp::ExportSettings,
 ) -> (
     OtlpLayer,
     impl std::future::Future<Output = ()> + Send + 'static,
 ) {
     let (tx, rx) = mpsc::channel(8192);
+    let dropped = crate::otlp::Dropped::default();
     (
-        OtlpLayer { finished: tx },
-        export(endpoint.to_owned(), service.to_owned(), rx),
+        OtlpLayer {
+            finished: tx,
+            dropped: dropped.clone(),
+        },
+        crate::otlp::export(settings, rx, dropped),
     )
 }
 

@@ -1,0 +1,93 @@
+"""A stand-in OTLP/HTTP trace collector for tests/tests/tracing.rs.
+
+Reads `POST /v1/traces` as an OpenTelemetry collector does: binary protobuf
+(`application/x-protobuf`) decoded by OpenTelemetry's own generated classes
+(opentelemetry-proto), gzip when `Content-Encoding` says so. Every request must carry the header
+named by the first argument with the value of the second (a hosted backend's key); one without it
+is answered 401, as such a backend would. Prints `{"listening": PORT}` once, then one JSON line per span
+received and one per request refused, flushed at once.
+
+    python collector.py HEADER VALUE
+"""
+
+import gzip
+import json
+import sys
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+    ExportTraceServiceRequest,
+    ExportTraceServiceResponse,
+)
+
+HEADER, VALUE = sys.argv[1], sys.argv[2]
+
+
+def say(line):
+    sys.stdout.write(json.dumps(line) + "\n")
+    sys.stdout.flush()
+
+
+class Collector(BaseHTTPRequestHandler):
+    def log_message(self, *args):
+        pass
+
+    def refuse(self, status, why):
+        say({"refused": why, "status": status})
+        self.send_response(status)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def do_POST(self):
+        body = self.rfile.read(int(self.headers.get("Content-Length", "0")))
+        if self.path != "/v1/traces":
+            return self.refuse(404, "path " + self.path)
+        if self.headers.get(HEADER) != VALUE:
+            return self.refuse(401, "no " + HEADER)
+        if self.headers.get("Content-Type") != "application/x-protobuf":
+            return self.refuse(415, "content type " + str(self.headers.get("Content-Type")))
+        encoding = self.headers.get("Content-Encoding", "")
+        if encoding == "gzip":
+            body = gzip.decompress(body)
+        elif encoding:
+            return self.refuse(415, "encoding " + encoding)
+        request = ExportTraceServiceRequest()
+        try:
+            request.ParseFromString(body)
+        except Exception as e:  # a body the protocol's own classes cannot read
+            return self.refuse(400, "not an ExportTraceServiceRequest: %s" % e)
+        for resource_spans in request.resource_spans:
+            resource = {
+                a.key: a.value.string_value for a in resource_spans.resource.attributes
+            }
+            for scope_spans in resource_spans.scope_spans:
+                for span in scope_spans.spans:
+                    say(
+                        {
+                            "service": resource.get("service.name", ""),
+                            "resource": resource,
+                            "scope": scope_spans.scope.name,
+                            "name": span.name,
+                            "trace": span.trace_id.hex(),
+                            "id": span.span_id.hex(),
+                            "parent": span.parent_span_id.hex(),
+                            "kind": span.kind,
+                            "start": span.start_time_unix_nano,
+                            "end": span.end_time_unix_nano,
+                            "attributes": {
+                                a.key: a.value.string_value for a in span.attributes
+                            },
+                            "gzip": encoding == "gzip",
+                        }
+                    )
+        answer = ExportTraceServiceResponse().SerializeToString()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/x-protobuf")
+        self.send_header("Content-Length", str(len(answer)))
+        self.end_headers()
+        self.wfile.write(answer)
+
+
+server = ThreadingHTTPServer(("127.0.0.1", 0), Collector)
+say({"listening": server.server_address[1]})
+server.serve_forever()
