@@ -1,13 +1,15 @@
-"""A stand-in OTLP/HTTP trace collector for tests/tests/tracing.rs.
+"""A stand-in OTLP trace collector for tests/tests/tracing.rs.
 
-Reads `POST /v1/traces` as an OpenTelemetry collector does: binary protobuf
+Over HTTP, reads `POST /v1/traces` as an OpenTelemetry collector does: binary protobuf
 (`application/x-protobuf`) decoded by OpenTelemetry's own generated classes
-(opentelemetry-proto), gzip when `Content-Encoding` says so. Every request must carry the header
-named by the first argument with the value of the second (a hosted backend's key); one without it
-is answered 401, as such a backend would. Prints `{"listening": PORT}` once, then one JSON line per span
-received and one per request refused, flushed at once.
+(opentelemetry-proto), gzip when `Content-Encoding` says so. With `grpc` as the third argument it
+serves OTLP's gRPC trace service instead (grpcio, the generated service). Every request must carry
+the header named by the first argument with the value of the second (a hosted backend's key); one
+without it is answered 401 (gRPC: UNAUTHENTICATED), as such a backend would. Prints
+`{"listening": PORT}` once, then one JSON line per span received and one per request refused,
+flushed at once.
 
-    python collector.py HEADER VALUE
+    python collector.py HEADER VALUE [grpc]
 """
 
 import gzip
@@ -26,6 +28,29 @@ HEADER, VALUE = sys.argv[1], sys.argv[2]
 def say(line):
     sys.stdout.write(json.dumps(line) + "\n")
     sys.stdout.flush()
+
+
+def report(request, gzipped):
+    for resource_spans in request.resource_spans:
+        resource = {a.key: a.value.string_value for a in resource_spans.resource.attributes}
+        for scope_spans in resource_spans.scope_spans:
+            for span in scope_spans.spans:
+                say(
+                    {
+                        "service": resource.get("service.name", ""),
+                        "resource": resource,
+                        "scope": scope_spans.scope.name,
+                        "name": span.name,
+                        "trace": span.trace_id.hex(),
+                        "id": span.span_id.hex(),
+                        "parent": span.parent_span_id.hex(),
+                        "kind": span.kind,
+                        "start": span.start_time_unix_nano,
+                        "end": span.end_time_unix_nano,
+                        "attributes": {a.key: a.value.string_value for a in span.attributes},
+                        "gzip": gzipped,
+                    }
+                )
 
 
 class Collector(BaseHTTPRequestHandler):
@@ -56,30 +81,7 @@ class Collector(BaseHTTPRequestHandler):
             request.ParseFromString(body)
         except Exception as e:  # a body the protocol's own classes cannot read
             return self.refuse(400, "not an ExportTraceServiceRequest: %s" % e)
-        for resource_spans in request.resource_spans:
-            resource = {
-                a.key: a.value.string_value for a in resource_spans.resource.attributes
-            }
-            for scope_spans in resource_spans.scope_spans:
-                for span in scope_spans.spans:
-                    say(
-                        {
-                            "service": resource.get("service.name", ""),
-                            "resource": resource,
-                            "scope": scope_spans.scope.name,
-                            "name": span.name,
-                            "trace": span.trace_id.hex(),
-                            "id": span.span_id.hex(),
-                            "parent": span.parent_span_id.hex(),
-                            "kind": span.kind,
-                            "start": span.start_time_unix_nano,
-                            "end": span.end_time_unix_nano,
-                            "attributes": {
-                                a.key: a.value.string_value for a in span.attributes
-                            },
-                            "gzip": encoding == "gzip",
-                        }
-                    )
+        report(request, encoding == "gzip")
         answer = ExportTraceServiceResponse().SerializeToString()
         self.send_response(200)
         self.send_header("Content-Type", "application/x-protobuf")
@@ -88,6 +90,33 @@ class Collector(BaseHTTPRequestHandler):
         self.wfile.write(answer)
 
 
-server = ThreadingHTTPServer(("127.0.0.1", 0), Collector)
-say({"listening": server.server_address[1]})
-server.serve_forever()
+def serve_grpc():
+    from concurrent import futures
+
+    import grpc
+    from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc
+
+    class TraceService(trace_service_pb2_grpc.TraceServiceServicer):
+        def Export(self, request, context):
+            metadata = dict(context.invocation_metadata())
+            if metadata.get(HEADER.lower()) != VALUE:
+                say({"refused": "no " + HEADER, "status": "UNAUTHENTICATED"})
+                context.abort(grpc.StatusCode.UNAUTHENTICATED, "no " + HEADER)
+            # grpcio decompresses before this; whether the message came gzipped is not told.
+            report(request, None)
+            return ExportTraceServiceResponse()
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(TraceService(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    say({"listening": port})
+    server.wait_for_termination()
+
+
+if sys.argv[3:] == ["grpc"]:
+    serve_grpc()
+else:
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Collector)
+    say({"listening": server.server_address[1]})
+    server.serve_forever()

@@ -104,11 +104,21 @@ struct ProtobufCollector {
 
 impl ProtobufCollector {
     fn start(header: &str, key: &str) -> ProtobufCollector {
+        Self::serving(header, key, &[])
+    }
+
+    /// OTLP's gRPC trace service instead of OTLP/HTTP.
+    fn grpc(header: &str, key: &str) -> ProtobufCollector {
+        Self::serving(header, key, &["grpc"])
+    }
+
+    fn serving(header: &str, key: &str, mode: &[&str]) -> ProtobufCollector {
         let python = installed_path("otlp-collector.sh").join("python");
         let script = repo_root().join("tests/otlp/collector.py");
         let mut child = agent_bus::orphans::owned(&mut Command::new(python))
             .arg(script)
             .args([header, key])
+            .args(mode)
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
             .spawn()
@@ -294,4 +304,32 @@ async fn a_dialogs_spans_reach_a_json_collector_when_the_protocol_asks_for_json(
         || json_spans(&received),
     )
     .await;
+}
+
+#[tokio::test]
+async fn a_dialogs_spans_reach_a_grpc_collector_that_wants_a_key() {
+    let _one_at_a_time = EXPORT_VARIABLES.lock().await;
+    let collector = ProtobufCollector::grpc("x-api-key", "k-9f2");
+    // gRPC's endpoint is the collector alone (no `/v1/traces`); the message gzipped, as
+    // `grpc-encoding` says.
+    a_dialog_traced(
+        &[
+            ("OTEL_EXPORTER_OTLP_ENDPOINT", &collector.endpoint),
+            ("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc"),
+            ("OTEL_EXPORTER_OTLP_HEADERS", "X-Api-Key=k-9f2"),
+            ("OTEL_EXPORTER_OTLP_COMPRESSION", "gzip"),
+            ("OTEL_RESOURCE_ATTRIBUTES", "deployment.environment=e2e"),
+        ],
+        || collector.spans(),
+    )
+    .await;
+    let lines = collector.lines();
+    assert!(
+        lines.iter().all(|l| l.get("refused").is_none()),
+        "every call carried the key: {lines:#?}"
+    );
+    assert!(lines
+        .iter()
+        .filter(|l| l.get("name").is_some())
+        .all(|l| l["resource"]["deployment.environment"] == "e2e" && l["kind"] == 1));
 }

@@ -2,6 +2,7 @@
 //! filtered by `RUST_LOG`, and distributed traces ([`trace`], exported as [`otlp`] says).
 //! Metrics are `agent-metrics`.
 
+mod grpc;
 pub mod otlp;
 pub mod trace;
 
@@ -10,7 +11,7 @@ pub const SERVICE_LOG_FILTER: &str = "info,pulsar::retry_op=error";
 
 /// Logs to stderr (stdout is for a command's output), filtered by `RUST_LOG` or `default_filter`.
 /// Logging as [`init_logging`], and when `OTEL_EXPORTER_OTLP_ENDPOINT` (or
-/// `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`) is set, our spans exported there over OTLP/HTTP as
+/// `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`) is set, our spans exported there over OTLP as
 /// `service` unless `OTEL_SERVICE_NAME` names it (see [`crate::otlp`] for every variable read).
 /// Must run inside the tokio runtime.
 pub fn init_telemetry(default_filter: &str, service: &str) {
@@ -53,7 +54,7 @@ pub fn init_telemetry(default_filter: &str, service: &str) {
         Err(why) => tracing::error!("{why}"),
     }
     if let Some((url, protocol, gzip)) = exporting {
-        tracing::info!(%url, ?protocol, gzip, "exporting spans over OTLP/HTTP");
+        tracing::info!(%url, ?protocol, gzip, "exporting spans over OTLP");
     }
 }
 

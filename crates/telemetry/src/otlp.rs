@@ -1,8 +1,9 @@
 //! How spans leave the process: the OTLP exporter's settings, read from the standard
 //! `OTEL_EXPORTER_OTLP_*` variables as the OpenTelemetry SDKs read them (endpoint, protocol,
 //! headers, compression, timeout, CA certificate, resource attributes), the two bodies OTLP/HTTP
-//! takes (binary protobuf, the default, and JSON), and the sending, with retries where the
-//! collector asks for them and a warning when spans are lost.
+//! takes (binary protobuf, the default, and JSON; gRPC carries the same protobuf, see
+//! [`crate::grpc`]), and the sending, with retries where the collector asks for them and a warning
+//! when spans are lost.
 
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -17,6 +18,8 @@ pub enum Protocol {
     Protobuf,
     /// `http/json`.
     Json,
+    /// `grpc`: the trace service's `Export` call over HTTP/2 ([`crate::grpc`]).
+    Grpc,
 }
 
 /// Where and how spans are exported.
@@ -82,11 +85,25 @@ pub fn settings_from(var: impl Fn(&str) -> Option<String>, service: &str) -> Exp
     {
         return Export::Off;
     }
+    let mut problems = Vec::new();
+    let protocol = match traces_or_all("PROTOCOL").as_deref() {
+        None | Some("http/protobuf") => Protocol::Protobuf,
+        Some("http/json") => Protocol::Json,
+        Some("grpc") => Protocol::Grpc,
+        Some(other) => {
+            return Export::Refused(format!(
+                "unknown OTLP protocol {other:?} (http/protobuf, http/json, grpc); spans are not exported"
+            ))
+        }
+    };
+    // Over HTTP the general endpoint is a base the signal's path goes after; gRPC's names the
+    // collector alone, whose service has one path.
     let url = match (
         var("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"),
         var("OTEL_EXPORTER_OTLP_ENDPOINT"),
     ) {
         (Some(url), _) => url,
+        (None, Some(base)) if protocol == Protocol::Grpc => base,
         (None, Some(base)) => format!("{}/v1/traces", base.trim_end_matches('/')),
         (None, None) => return Export::Off,
     };
@@ -95,21 +112,6 @@ pub fn settings_from(var: impl Fn(&str) -> Option<String>, service: &str) -> Exp
             "the OTLP endpoint {url} is not an http(s) URL; spans are not exported"
         ));
     }
-    let mut problems = Vec::new();
-    let protocol = match traces_or_all("PROTOCOL").as_deref() {
-        None | Some("http/protobuf") => Protocol::Protobuf,
-        Some("http/json") => Protocol::Json,
-        Some("grpc") => {
-            return Export::Refused(format!(
-                "OTLP over gRPC is not built (OTEL_EXPORTER_OTLP_PROTOCOL=grpc); spans are not exported. Point the endpoint at the collector's OTLP/HTTP port (4318 by default) and set the protocol to http/protobuf or http/json (endpoint {url})"
-            ))
-        }
-        Some(other) => {
-            return Export::Refused(format!(
-                "unknown OTLP protocol {other:?} (http/protobuf, http/json); spans are not exported"
-            ))
-        }
-    };
     let mut headers = Vec::new();
     for name in [
         "OTEL_EXPORTER_OTLP_HEADERS",
@@ -359,11 +361,32 @@ pub(crate) fn protobuf_body(resource: &[(String, String)], spans: &[Finished]) -
     out
 }
 
-/// Why an export failed, and whether to try it again.
+/// Why an export failed, and whether to try it again (after at least how long).
 #[derive(Debug)]
-struct Failure {
-    why: String,
-    again: Option<Duration>,
+pub(crate) struct Failure {
+    pub(crate) why: String,
+    pub(crate) again: Option<Duration>,
+}
+
+/// How exports reach the collector.
+pub(crate) enum Transport {
+    Http(reqwest::Client),
+    Grpc(crate::grpc::Channel),
+}
+
+impl Transport {
+    async fn send(&mut self, settings: &ExportSettings, body: &[u8]) -> Result<(), Failure> {
+        match self {
+            Transport::Http(http) => {
+                let content_type = match settings.protocol {
+                    Protocol::Json => "application/json",
+                    _ => "application/x-protobuf",
+                };
+                post(http, settings, content_type, body).await
+            }
+            Transport::Grpc(channel) => channel.export(settings, body).await,
+        }
+    }
 }
 
 /// One export of `body` to the collector: `Ok` once it took it.
@@ -414,16 +437,14 @@ async fn post(
 /// Exports one batch's `body`, trying again (backing off) while the collector asks for it and
 /// the export's timeout lasts.
 async fn export_batch(
-    http: &reqwest::Client,
+    transport: &mut Transport,
     settings: &ExportSettings,
-    content_type: &str,
     body: &[u8],
 ) -> Result<(), String> {
     let deadline = tokio::time::Instant::now() + settings.timeout;
     let mut pause = Duration::from_millis(250);
     loop {
-        let tried =
-            tokio::time::timeout_at(deadline, post(http, settings, content_type, body)).await;
+        let tried = tokio::time::timeout_at(deadline, transport.send(settings, body)).await;
         let failure = match tried {
             Ok(Ok(())) => return Ok(()),
             Ok(Err(failure)) => failure,
@@ -458,32 +479,16 @@ pub(crate) async fn export(
     mut finished: mpsc::Receiver<Finished>,
     dropped: Dropped,
 ) {
-    let mut http = reqwest::Client::builder();
-    if let Some(path) = &settings.certificate {
-        match std::fs::read(path).map(|pem| reqwest::Certificate::from_pem_bundle(&pem)) {
-            Ok(Ok(certificates)) => {
-                for certificate in certificates {
-                    http = http.add_root_certificate(certificate);
-                }
-            }
-            Ok(Err(e)) => {
-                tracing::warn!(path, error = %e, "the OTLP CA certificate file (OTEL_EXPORTER_OTLP_CERTIFICATE) is not PEM; the system's CAs alone are used")
-            }
-            Err(e) => {
-                tracing::warn!(path, error = %e, "cannot read the OTLP CA certificate file (OTEL_EXPORTER_OTLP_CERTIFICATE); the system's CAs alone are used")
-            }
-        }
-    }
-    let http = match http.build() {
-        Ok(http) => http,
-        Err(e) => {
-            tracing::error!(error = %e, "cannot build the OTLP exporter's HTTP client; spans are not exported");
+    let transport = match settings.protocol {
+        Protocol::Grpc => crate::grpc::Channel::new(&settings).map(Transport::Grpc),
+        Protocol::Protobuf | Protocol::Json => http_client(&settings).map(Transport::Http),
+    };
+    let mut transport = match transport {
+        Ok(transport) => transport,
+        Err(why) => {
+            tracing::error!(%why, "cannot export spans; they are not exported");
             return;
         }
-    };
-    let content_type = match settings.protocol {
-        Protocol::Protobuf => "application/x-protobuf",
-        Protocol::Json => "application/json",
     };
     let mut batch = Vec::new();
     let mut failed_in_a_row = 0u64;
@@ -505,7 +510,7 @@ pub(crate) async fn export(
         };
         if !batch.is_empty() {
             let mut body = match settings.protocol {
-                Protocol::Protobuf => protobuf_body(&settings.resource, &batch),
+                Protocol::Protobuf | Protocol::Grpc => protobuf_body(&settings.resource, &batch),
                 Protocol::Json => json_body(&settings.resource, &batch),
             };
             if settings.gzip {
@@ -513,7 +518,7 @@ pub(crate) async fn export(
             }
             let spans = batch.len();
             batch.clear();
-            match export_batch(&http, &settings, content_type, &body).await {
+            match export_batch(&mut transport, &settings, &body).await {
                 Ok(()) => {
                     if failed_in_a_row > 0 {
                         tracing::info!(url = %settings.url, failed_before = failed_in_a_row, "exporting spans again");
@@ -539,6 +544,22 @@ pub(crate) async fn export(
             return;
         }
     }
+}
+
+/// The HTTP client of OTLP/HTTP, trusting `settings.certificate`'s CAs too.
+fn http_client(settings: &ExportSettings) -> Result<reqwest::Client, String> {
+    let mut http = reqwest::Client::builder();
+    if let Some(path) = &settings.certificate {
+        let pem =
+            std::fs::read(path).map_err(|e| format!("the OTLP CA certificate file {path}: {e}"))?;
+        let certificates = reqwest::Certificate::from_pem_bundle(&pem)
+            .map_err(|e| format!("the OTLP CA certificate file {path}: {e}"))?;
+        for certificate in certificates {
+            http = http.add_root_certificate(certificate);
+        }
+    }
+    http.build()
+        .map_err(|e| format!("the OTLP exporter's HTTP client: {e}"))
 }
 
 fn gzipped(body: &[u8]) -> Vec<u8> {
@@ -647,13 +668,24 @@ mod tests {
 
     #[test]
     fn what_cannot_be_exported_is_refused_with_a_reason() {
-        let Export::Refused(why) = settings(&[
+        let Export::To(s, _) = settings(&[
             ("OTEL_EXPORTER_OTLP_ENDPOINT", "http://c:4317"),
             ("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc"),
         ]) else {
-            panic!("grpc taken");
+            panic!("grpc refused");
         };
-        assert!(why.contains("4318"), "{why}");
+        assert_eq!(
+            s.url, "http://c:4317",
+            "gRPC's endpoint is the collector alone"
+        );
+        assert_eq!(s.protocol, Protocol::Grpc);
+        assert!(matches!(
+            settings(&[
+                ("OTEL_EXPORTER_OTLP_ENDPOINT", "http://c:4317"),
+                ("OTEL_EXPORTER_OTLP_PROTOCOL", "thrift")
+            ]),
+            Export::Refused(_)
+        ));
         assert!(matches!(
             settings(&[("OTEL_EXPORTER_OTLP_ENDPOINT", "c:4318")]),
             Export::Refused(_)
@@ -839,11 +871,9 @@ mod tests {
             "HTTP/1.1 200 OK",
         ])
         .await;
-        let http = reqwest::Client::new();
+        let mut http = Transport::Http(reqwest::Client::new());
         let settings = to(&url, Duration::from_secs(20));
-        export_batch(&http, &settings, "application/json", b"{}")
-            .await
-            .unwrap();
+        export_batch(&mut http, &settings, b"{}").await.unwrap();
         let requests = served.await.unwrap();
         assert_eq!(requests.len(), 3);
         assert!(
@@ -852,14 +882,9 @@ mod tests {
         );
 
         let (url, served) = collector(vec!["HTTP/1.1 401 Unauthorized"]).await;
-        let why = export_batch(
-            &http,
-            &to(&url, Duration::from_secs(20)),
-            "application/json",
-            b"{}",
-        )
-        .await
-        .unwrap_err();
+        let why = export_batch(&mut http, &to(&url, Duration::from_secs(20)), b"{}")
+            .await
+            .unwrap_err();
         assert!(why.contains("401"), "{why}");
         assert_eq!(
             served.await.unwrap().len(),
@@ -872,15 +897,10 @@ mod tests {
     async fn a_retry_asked_for_past_the_exports_timeout_is_not_waited_for() {
         let (url, served) =
             collector(vec!["HTTP/1.1 503 Service Unavailable\r\nRetry-After: 30"]).await;
-        let http = reqwest::Client::new();
-        let why = export_batch(
-            &http,
-            &to(&url, Duration::from_secs(2)),
-            "application/json",
-            b"{}",
-        )
-        .await
-        .unwrap_err();
+        let mut http = Transport::Http(reqwest::Client::new());
+        let why = export_batch(&mut http, &to(&url, Duration::from_secs(2)), b"{}")
+            .await
+            .unwrap_err();
         // Waiting the 30 s asked for, it would have found the collector gone (its one answer
         // given) and failed on that instead.
         assert!(why.contains("503"), "{why}");

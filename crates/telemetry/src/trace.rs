@@ -1,4 +1,4 @@
-//! Distributed traces: our `tracing` spans exported over OTLP/HTTP ([`crate::otlp`]) when
+//! Distributed traces: our `tracing` spans exported over OTLP ([`crate::otlp`]) when
 //! `OTEL_EXPORTER_OTLP_ENDPOINT` is set, with the W3C `traceparent` carried in a message property so
 //! that a dialog's spans in every process (orchestrator iterations, the aggregator's writes and
 //! fan-ins) join into one trace.
