@@ -603,3 +603,106 @@ async fn a_replay_runs_a_call_the_source_was_refused_rather_than_reuse_the_refus
         agent_graph::QueryAnswer::Boolean(true)
     ));
 }
+
+/// A die rolled twice: the same tool with the same arguments (an LLM call asking the same) answers
+/// 3, then 5.
+const DICE: &str = r#"{"rules": [
+  {"match": "Observation: 3", "and": ["Observation: 5"], "reply": "Thought: Both rolled.\nFinal Answer: 3 then 5"},
+  {"match": "Observation: 3", "reply": "Thought: Once more.\nAction: llm\nArgs: {\"question\": \"roll a die\"}"},
+  {"match": "roll a die", "exact": true, "replies": ["3", "5"]},
+  {"match": "Question: Roll a die twice", "reply": "Thought: Roll.\nAction: llm\nArgs: {\"question\": \"roll a die\"}"}
+]}"#;
+
+/// A run that asked the same question twice and was answered differently is replayed as it ran:
+/// each call is given the answer recorded at its own place (step 1's roll 3, step 2's roll 5),
+/// whether the tool's result is reused or the LLM call inside it. Before, the record kept one
+/// node for both of the session's calls asking "roll a die" (two answers on it, no telling which
+/// step had which), and a replay gave one recorded answer to both: the replay went another way
+/// and asked the LLM again.
+#[tokio::test]
+async fn a_question_asked_twice_is_replayed_with_each_answer_in_its_place() {
+    let Stack {
+        broker,
+        aggregator,
+        llm,
+        orchestrator: _orchestrator,
+    } = Stack::journaled(TOKEN, DICE, &seed_dir(), &[]).await;
+    let mut client = client(&broker).await;
+    client
+        .send(
+            "dice",
+            &AgentRequest {
+                pattern: "react".into(),
+                ..request("Roll a die twice.", false)
+            },
+        )
+        .await
+        .unwrap();
+    let responses = collect_dialog(&mut client, "dice", Duration::from_secs(60))
+        .await
+        .unwrap();
+    assert_eq!(
+        responses.last().unwrap().content,
+        "3 then 5",
+        "{responses:#?}"
+    );
+    let source = session_of(&responses);
+    let store = aggregator.store();
+    let concluded = format!(
+        "{SPARQL_PREFIXES}SELECT ?c WHERE {{ GRAPH <urn:graph:retrieval> {{ <{source}/final> ?p ?c }} }}"
+    );
+    assert!(count_reaching(&store, concluded, 1).await >= 1);
+    // Each call is a node of its own, with its one answer.
+    let conflated = format!(
+        "{SPARQL_PREFIXES}SELECT ?call WHERE {{ GRAPH <urn:graph:retrieval> {{
+           ?call tg:run <{source}> ; tg:completion ?a , ?b . FILTER(?a != ?b) }} }}"
+    );
+    assert_eq!(
+        count(&store, conflated).await,
+        0,
+        "a call node with two answers"
+    );
+    let calls_before = llm.calls().len();
+
+    let mut replay = String::new();
+    for reuse in ["all", "llm"] {
+        let said = agentctl(
+            Some(&broker),
+            &aggregator,
+            &["fork", &source, "--from", "1", "--reuse", reuse],
+        )
+        .await;
+        assert!(said.contains("3 then 5"), "--reuse {reuse}: {said}");
+        assert_eq!(
+            llm.calls().len(),
+            calls_before,
+            "--reuse {reuse}: nothing asked of the LLM again"
+        );
+        replay = fork_session(&said);
+        let observed = |n: usize, text: &str| {
+            format!(
+                "{SPARQL_PREFIXES}ASK {{ GRAPH <urn:graph:retrieval> {{
+                   <urn:trustgraph:agent:{replay}/i{n}/observation> tg:content \"{text}\" }} }}"
+            )
+        };
+        for (n, text) in [(1, "3"), (2, "5")] {
+            assert!(
+                matches!(
+                    store.query(observed(n, text)).await.unwrap(),
+                    agent_graph::QueryAnswer::Boolean(true)
+                ),
+                "--reuse {reuse}: step {n} of the replay did not observe {text}"
+            );
+        }
+    }
+    // The replay reusing LLM answers ran the tool: its call at step 2 was given the answer of
+    // the source's call at step 2, which said 5.
+    let second_roll = format!(
+        "{SPARQL_PREFIXES}SELECT ?call WHERE {{ GRAPH <urn:graph:retrieval> {{
+           ?call tg:reusedFrom ?source . ?source tg:completion ?said .
+           FILTER(STRSTARTS(STR(?call), \"urn:trustgraph:agent:{replay}/llm/2/\"))
+           FILTER(STRSTARTS(STR(?source), \"{source}/llm/2/\"))
+           FILTER(CONTAINS(?said, '\"text\":\"5\"')) }} }}"
+    );
+    assert_eq!(count_reaching(&store, second_roll, 1).await, 1);
+}

@@ -15,6 +15,7 @@ pub mod prompt;
 pub mod provenance;
 pub mod react;
 pub mod redact;
+pub mod replay;
 pub mod router;
 pub mod supervisor;
 pub mod tools;

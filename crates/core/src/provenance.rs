@@ -58,15 +58,21 @@ impl SessionUris {
     pub fn approval_answer(&self, n: usize) -> String {
         format!("{}/i{n}/approval/answer", self.base)
     }
-    /// Where a cancel of this session is recorded: who asked, when and why.
     /// The record of what step `n` was given (see [`crate::fork`]).
     pub fn input(&self, n: usize) -> String {
         format!("{}/input/{n}", self.base)
     }
-    /// An LLM call of this session, named by the digest of what it asked.
-    pub fn llm_call(&self, digest: &str) -> String {
-        format!("{}/llm/{digest}", self.base)
+    /// An LLM call of this session: step `n`'s call asking what `digest` names, the
+    /// `repeat`-th (0 the first) of that step's calls asking it (see [`crate::replay`]). Until
+    /// 2026-12-03 a call was `{session}/llm/{digest}`, one node for every call of the session
+    /// that asked the same, with as many answers and no telling which step had which.
+    pub fn llm_call(&self, n: usize, repeat: usize, digest: &str) -> String {
+        match repeat {
+            0 => format!("{}/llm/{n}/{digest}", self.base),
+            k => format!("{}/llm/{n}/{digest}/{k}", self.base),
+        }
     }
+    /// Where a cancel of this session is recorded: who asked, when and why.
     pub fn cancellation(&self) -> String {
         format!("{}/cancellation", self.base)
     }
@@ -398,12 +404,13 @@ pub const MAX_RECORDED_COMPLETION_BYTES: usize = 64 * 1024;
 /// `reused_from` names the recorded call it took its answer from, when it was not made.
 pub fn llm_call(
     uris: &SessionUris,
+    (n, repeat): (usize, usize),
     digest: &str,
     completion: &str,
     run: &str,
     reused_from: Option<&str>,
 ) -> Vec<Triple> {
-    let s = uris.llm_call(digest);
+    let s = uris.llm_call(n, repeat, digest);
     let mut b = NodeBuilder::default();
     b.tg(&s, tg::PROMPT_DIGEST, Term::literal(digest))
         .tg(&s, tg::RUN, Term::iri(run));
@@ -1391,10 +1398,17 @@ mod tests {
     fn an_llm_answer_too_long_to_keep_only_has_its_size_recorded() {
         let uris = SessionUris::new("abc");
         let predicates = |completion: &str| -> Vec<String> {
-            llm_call(&uris, "d1", completion, "urn:trustgraph:agent:abc", None)
-                .into_iter()
-                .map(|t| t.p.iri)
-                .collect()
+            llm_call(
+                &uris,
+                (1, 0),
+                "d1",
+                completion,
+                "urn:trustgraph:agent:abc",
+                None,
+            )
+            .into_iter()
+            .map(|t| t.p.iri)
+            .collect()
         };
         assert!(predicates("short").contains(&tg::COMPLETION.as_str().to_owned()));
         let long = "x".repeat(MAX_RECORDED_COMPLETION_BYTES + 1);

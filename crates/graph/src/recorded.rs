@@ -1,11 +1,13 @@
 //! What the graph recorded of a run that a fork or a replay starts from: step `n`'s input, rebuilt
 //! from the records each step leaves (see `agent_core::fork`), the LLM calls' answers by the
-//! digest of what they asked, and the tool calls' observations by tool and arguments; and the
+//! digest of what they asked, and the tool calls' observations by tool and arguments (each with
+//! where it was made, for a question asked more than once); and the
 //! answer a dialog concluded with, for a client whose streamed copy of it is not whole.
 
 use std::collections::{BTreeMap, HashMap};
 
 use agent_core::fork::{rebuild, RecordedInput};
+use agent_core::replay::{CallPlace, Placed};
 use agent_schema::AgentRequest;
 use oxigraph::model::Term;
 
@@ -89,13 +91,16 @@ pub async fn concluded(store: &GraphStore, session: &str) -> Result<bool, GraphE
     ))
 }
 
-/// What a run recorded that a replay may give again instead of calling.
+/// What a run recorded that a replay may give again instead of calling. A question may have been
+/// asked more than once in a run, with different answers: each is kept, with where it was asked
+/// (see [`agent_core::replay`]).
 #[derive(Debug, Default, Clone, PartialEq)]
 pub struct Recordings {
-    /// The digest of what an LLM call asked -> (the call's node, its answer as JSON).
-    pub llm_calls: HashMap<String, (String, String)>,
-    /// (tool, arguments as JSON) -> what its call gave.
-    pub tool_results: BTreeMap<(String, String), RecordedToolResult>,
+    /// The digest of what an LLM call asked -> each call that asked it (its node, its answer as
+    /// JSON), in the order of their nodes.
+    pub llm_calls: HashMap<String, Placed<(String, String)>>,
+    /// (tool, arguments as JSON) -> what each call of it gave, in the order of their nodes.
+    pub tool_results: BTreeMap<(String, String), Placed<RecordedToolResult>>,
 }
 
 /// What a recorded tool call gave.
@@ -123,8 +128,17 @@ pub async fn recordings(
         for i in 0..rows.rows.len() {
             let cell = |c: usize| text(columns[c].get(i).copied().flatten());
             if let (Some(call), Some(digest), Some(completion)) = (cell(0), cell(1), cell(2)) {
-                found.llm_calls.entry(digest).or_insert((call, completion));
+                let place = CallPlace::of_llm_call(&call);
+                found
+                    .llm_calls
+                    .entry(digest)
+                    .or_default()
+                    .push((place, (call, completion)));
             }
+        }
+        // The order of a query's rows is the store's: the nodes' order does not change with it.
+        for calls in found.llm_calls.values_mut() {
+            calls.sort_by(|a, b| a.1 .0.cmp(&b.1 .0));
         }
     }
     if tools {
@@ -139,15 +153,23 @@ pub async fn recordings(
             if let (Some(action), Some(arguments), Some(node), Some(text)) =
                 (cell(0), cell(1), cell(2), cell(3))
             {
+                let place = CallPlace::of_observation(&node);
                 found
                     .tool_results
                     .entry((action, arguments))
-                    .or_insert(RecordedToolResult {
-                        node,
-                        text,
-                        outcome: cell(4),
-                    });
+                    .or_default()
+                    .push((
+                        place,
+                        RecordedToolResult {
+                            node,
+                            text,
+                            outcome: cell(4),
+                        },
+                    ));
             }
+        }
+        for results in found.tool_results.values_mut() {
+            results.sort_by(|a, b| a.1.node.cmp(&b.1.node));
         }
     }
     Ok(found)

@@ -358,7 +358,8 @@ impl LlmClient {
             return result;
         };
         let digest = tape::call_digest(&self.config.model, messages, options);
-        if let Some((source, recorded)) = tape.recorded_answer(&digest) {
+        let (repeat, answer) = tape.ask(&digest);
+        if let Some((source, recorded)) = answer {
             let completion = recorded.completion();
             if let (Some(deltas), false) = (&deltas, completion.text.is_empty()) {
                 // A receiver gone is the caller's business, as for a live stream.
@@ -366,6 +367,7 @@ impl LlmClient {
             }
             tape.push(TapedCall {
                 digest,
+                repeat,
                 recorded: recorded.clone(),
                 reused_from: Some(source.clone()),
             });
@@ -376,6 +378,7 @@ impl LlmClient {
         if let Ok(completion) = &result {
             tape.push(TapedCall {
                 digest,
+                repeat,
                 recorded: tape::Recorded::of(completion),
                 reused_from: None,
             });

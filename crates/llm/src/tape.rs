@@ -49,16 +49,24 @@ impl Recorded {
 pub struct TapedCall {
     /// The digest of what was asked (see [`call_digest`]).
     pub digest: String,
+    /// Which of the step's calls asking the same this was: 0 the first.
+    pub repeat: usize,
     pub recorded: Recorded,
     /// The recorded call whose answer was given instead of calling, if one was.
     pub reused_from: Option<String>,
 }
 
+/// The recorded answers one digest may be given: the first call asking it the first, the second
+/// the second, and any call past the last the last.
+pub type AnswersByRepeat = Vec<(String, Recorded)>;
+
 /// The calls of one step, and the recorded answers it may give again.
 #[derive(Debug, Default)]
 pub struct Tape {
-    /// Digest -> (the recorded call's name, its answer).
-    replay: HashMap<String, (String, Recorded)>,
+    /// Digest -> the recorded calls' names and answers, by repeat.
+    replay: HashMap<String, AnswersByRepeat>,
+    /// Digest -> how many of the step's calls asked it so far.
+    asked: Mutex<HashMap<String, usize>>,
     calls: Mutex<Vec<TapedCall>>,
 }
 
@@ -68,17 +76,28 @@ impl Tape {
         Tape::default()
     }
 
-    /// A tape that gives `recorded` answers (digest -> the call's name and answer) to the same
-    /// questions again.
-    pub fn replaying(recorded: HashMap<String, (String, Recorded)>) -> Tape {
+    /// A tape that gives `recorded` answers to the same questions again.
+    pub fn replaying(recorded: HashMap<String, AnswersByRepeat>) -> Tape {
         Tape {
             replay: recorded,
-            calls: Mutex::new(Vec::new()),
+            ..Tape::default()
         }
     }
 
-    pub(crate) fn recorded_answer(&self, digest: &str) -> Option<&(String, Recorded)> {
-        self.replay.get(digest)
+    /// A call asking what `digest` names: which repeat of it in this step it is, and the
+    /// recorded answer it is given, if any.
+    pub(crate) fn ask(&self, digest: &str) -> (usize, Option<&(String, Recorded)>) {
+        let repeat = {
+            let mut asked = self.asked.lock().unwrap_or_else(PoisonError::into_inner);
+            let count = asked.entry(digest.to_owned()).or_insert(0);
+            *count += 1;
+            *count - 1
+        };
+        let answer = self
+            .replay
+            .get(digest)
+            .and_then(|answers| answers.get(repeat).or(answers.last()));
+        (repeat, answer)
     }
 
     pub(crate) fn push(&self, call: TapedCall) {
@@ -136,5 +155,30 @@ mod tests {
             ..CallOptions::default()
         };
         assert_ne!(d, call_digest("m", &ask("a"), &json));
+    }
+
+    #[test]
+    fn each_repeat_of_a_question_is_given_its_own_recorded_answer() {
+        let answer = |text: &str| {
+            (
+                format!("node-{text}"),
+                Recorded {
+                    text: text.into(),
+                    ..Recorded::default()
+                },
+            )
+        };
+        let tape = Tape::replaying(HashMap::from([(
+            "d".to_owned(),
+            vec![answer("3"), answer("5")],
+        )]));
+        let text = |(repeat, answer): (usize, Option<&(String, Recorded)>)| {
+            (repeat, answer.map(|(_, r)| r.text.clone()))
+        };
+        assert_eq!(text(tape.ask("d")), (0, Some("3".into())));
+        assert_eq!(text(tape.ask("d")), (1, Some("5".into())));
+        assert_eq!(text(tape.ask("d")), (2, Some("5".into())));
+        assert_eq!(text(tape.ask("other")), (0, None));
+        assert_eq!(text(Tape::recording().ask("d")), (0, None));
     }
 }

@@ -9,9 +9,10 @@ use std::sync::{Arc, Mutex, PoisonError};
 
 use agent_core::fork::RecordedInput;
 use agent_core::provenance::{self, SessionUris};
+use agent_core::replay::{CallPlace, Placed};
 use agent_graph::recorded::{self, RecordedToolResult, Recordings};
 use agent_graph::{GraphError, GraphStore};
-use agent_llm::tape::{Recorded, Tape};
+use agent_llm::tape::{AnswersByRepeat, Recorded, Tape};
 use agent_schema::{
     AgentRequest, FORK_OF_PROPERTY, FORK_STEP_PROPERTY, REUSE_FROM_PROPERTY, REUSE_PROPERTY,
 };
@@ -23,6 +24,9 @@ use crate::emit::DialogOutput;
 pub struct Reuse {
     /// The recorded run's root session id.
     pub from: String,
+    /// The session the replay was started from (the run's root, or one of its subagents): the
+    /// replay's root takes its place (see [`agent_core::replay::CallPlace::in_source`]).
+    pub source: String,
     pub llm: bool,
     pub tools: bool,
 }
@@ -37,12 +41,13 @@ impl Reuse {
             "all" => (true, true),
             _ => return None,
         };
-        let from = agent_core::vocab::session_id_of(from).unwrap_or(from);
+        let source = agent_core::vocab::session_id_of(from).unwrap_or(from);
         // Recorded calls name the root session of their run, a subagent's too: a fork of a
         // subagent's session reuses from its run.
-        let from = crate::budget::run_of(from);
+        let from = crate::budget::run_of(source);
         (!from.is_empty()).then(|| Reuse {
             from: from.to_owned(),
+            source: source.to_owned(),
             llm,
             tools,
         })
@@ -69,17 +74,22 @@ pub struct StepStart {
 }
 
 impl StepStart {
-    /// Reads what the message asks for; the graph is read only for a step that will run
-    /// (`running`: not refused, not given up).
+    /// Reads what the message (of `session_id`) asks for; the graph is read only for a step that
+    /// will run (`running`: not refused, not given up).
     pub async fn read(
         properties: &agent_bus::Properties,
         request: &AgentRequest,
+        session_id: &str,
         store: Option<&GraphStore>,
         running: bool,
     ) -> Result<StepStart, GraphError> {
         let reuse = Reuse::asked(properties);
         let replay = match (&reuse, store, running) {
-            (Some(reuse), Some(store), true) => StepReplay::load(store, reuse).await?,
+            (Some(reuse), Some(store), true) => {
+                let step = agent_core::fork::step_of(request);
+                let place = CallPlace::in_source(&reuse.source, session_id, step);
+                StepReplay::load(store, reuse, place).await?
+            }
             _ => StepReplay::recording(),
         };
         let fork = match Fork::started_by(properties, request) {
@@ -100,7 +110,9 @@ impl StepStart {
 /// One step's record of its calls, and what it may give again.
 pub struct StepReplay {
     pub tape: Arc<Tape>,
-    tool_results: BTreeMap<(String, String), RecordedToolResult>,
+    /// Where this step is in the source run.
+    place: Option<CallPlace>,
+    tool_results: BTreeMap<(String, String), Placed<RecordedToolResult>>,
     /// The recorded observations given again, by the node they came from.
     reused_tools: Mutex<Vec<String>>,
 }
@@ -110,37 +122,55 @@ impl StepReplay {
     pub fn recording() -> StepReplay {
         StepReplay {
             tape: Arc::new(Tape::recording()),
+            place: None,
             tool_results: BTreeMap::new(),
             reused_tools: Mutex::new(Vec::new()),
         }
     }
 
-    /// A step of a replay: what `reuse` asks for, read from the graph.
-    pub async fn load(store: &GraphStore, reuse: &Reuse) -> Result<StepReplay, GraphError> {
+    /// A step of a replay, at `place` in the source run: what `reuse` asks for, read from the
+    /// graph.
+    pub async fn load(
+        store: &GraphStore,
+        reuse: &Reuse,
+        place: CallPlace,
+    ) -> Result<StepReplay, GraphError> {
         let Recordings {
             llm_calls,
             tool_results,
         } = recorded::recordings(store, &reuse.from, reuse.llm, reuse.tools).await?;
-        let answers: HashMap<String, (String, Recorded)> = llm_calls
+        let answers: HashMap<String, AnswersByRepeat> = llm_calls
             .into_iter()
-            .filter_map(|(digest, (node, json))| {
-                let answer = serde_json::from_str::<Recorded>(&json).ok()?;
-                Some((digest, (node, answer)))
+            .filter_map(|(digest, calls)| {
+                let calls: Placed<(String, Recorded)> = calls
+                    .into_iter()
+                    .filter_map(|(at, (node, json))| {
+                        let answer = serde_json::from_str::<Recorded>(&json).ok()?;
+                        Some((at, (node, answer)))
+                    })
+                    .collect();
+                let answers = agent_core::replay::by_repeat(&calls, &place);
+                (!answers.is_empty()).then_some((digest, answers))
             })
             .collect();
         Ok(StepReplay {
             tape: Arc::new(Tape::replaying(answers)),
+            place: Some(place),
             tool_results,
             reused_tools: Mutex::new(Vec::new()),
         })
     }
 
-    /// What the recorded call of `tool` with `arguments_json` gave, if the replay reuses it;
-    /// noted as reused.
+    /// What the recorded call of `tool` with `arguments_json` gave (the one made at this step's
+    /// place in the source, else the earliest), if the replay reuses it; noted as reused.
     pub fn tool_result(&self, tool: &str, arguments_json: &str) -> Option<RecordedToolResult> {
         let recorded = self
             .tool_results
             .get(&(tool.to_owned(), arguments_json.to_owned()))?;
+        let recorded = match &self.place {
+            Some(place) => agent_core::replay::choose(recorded, place)?,
+            None => &recorded.first()?.1,
+        };
         self.reused_tools
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
@@ -157,6 +187,7 @@ impl StepReplay {
                 String::from_utf8_lossy(&agent_schema::encode(&call.recorded)).into_owned();
             triples.extend(provenance::llm_call(
                 uris,
+                (n, call.repeat),
                 &call.digest,
                 &answer,
                 run,

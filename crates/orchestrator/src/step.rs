@@ -347,6 +347,7 @@ impl Engine {
         } = replay::StepStart::read(
             &step.properties,
             &step.request,
+            &step.session_id,
             self.knowledge.as_ref(),
             running,
         )
@@ -933,7 +934,9 @@ fn is_new_dialog(request: &AgentRequest, properties: &agent_bus::Properties) -> 
 fn carry_forward(out: &mut DialogOutput<'_>, reuse: Option<&replay::Reuse>, span: &tracing::Span) {
     if let Some(reuse) = reuse {
         out.set_property(agent_schema::REUSE_PROPERTY, reuse.label().to_owned());
-        out.set_property(agent_schema::REUSE_FROM_PROPERTY, reuse.from.clone());
+        // The session the replay started from, not only its run: a later step maps its place
+        // in the replay to the source's from it.
+        out.set_property(agent_schema::REUSE_FROM_PROPERTY, reuse.source.clone());
     }
     if let Some(context) = agent_telemetry::trace::traceparent(span) {
         out.set_property(agent_telemetry::trace::TRACEPARENT_PROPERTY, context);

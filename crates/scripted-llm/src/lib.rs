@@ -4,7 +4,7 @@
 //!
 //! A script is JSON: `{"rules": [Rule...], "default_reply": "..."}`. The first rule whose `match` is
 //! found in the last user message (or equals it, with `"exact": true`), along with every text of its
-//! `and`, answers. The n-th request a
+//! `and`, answers (with `reply`, or the n-th of its `replies` for its n-th request). The n-th request a
 //! rule answers suffers `faults[n]` when there is one: `"429"`, `"500"` (any status), `"stall"`,
 //! `"malformed"`, `"truncate"` (a stream that breaks off; whole, a length cut), `"length"` (half
 //! the reply, then `finish_reason: "length"`, streamed or whole, as a model at its length limit
@@ -116,6 +116,10 @@ pub struct Rule {
     /// The answer's text (the content beside tool calls, which may be empty).
     #[serde(default)]
     pub reply: String,
+    /// Answers for the rule's successive requests, in order, the last for every request after
+    /// it (a die rolled twice answering 3, then 5); `reply` when empty.
+    #[serde(default)]
+    pub replies: Vec<String>,
     /// Tool calls the answer makes (native tool calling).
     #[serde(default)]
     pub tool_calls: Vec<ScriptedToolCall>,
@@ -416,8 +420,9 @@ async fn chat(State(shared): State<Arc<Shared>>, Json(body): Json<Value>) -> Res
         Some(i) => {
             let rule = &shared.script.rules[i];
             let n = shared.hits[i].fetch_add(1, Ordering::SeqCst);
+            let reply = rule.replies.get(n).or(rule.replies.last());
             (
-                rule.reply.clone(),
+                reply.unwrap_or(&rule.reply).clone(),
                 rule.faults.get(n).cloned(),
                 Some(rule.clone()),
             )
