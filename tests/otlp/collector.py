@@ -9,11 +9,17 @@ without it is answered 401 (gRPC: UNAUTHENTICATED), as such a backend would. Pri
 `{"listening": PORT}` once, then one JSON line per span received and one per request refused,
 flushed at once.
 
+With `COLLECTOR_TLS` set to a directory holding `collector.pem`, `collector.key` and `ca.pem`, it
+serves over TLS (HTTPS, or gRPC with TLS) and takes only clients that show a certificate `ca.pem`
+signed, as a collector set up for mutual TLS does; a client without one fails its handshake.
+
     python collector.py HEADER VALUE [grpc]
 """
 
 import gzip
 import json
+import os
+import ssl
 import sys
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -23,6 +29,12 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 )
 
 HEADER, VALUE = sys.argv[1], sys.argv[2]
+TLS = os.environ.get("COLLECTOR_TLS")
+
+
+def tls_file(name):
+    with open(os.path.join(TLS, name), "rb") as f:
+        return f.read()
 
 
 def say(line):
@@ -108,7 +120,15 @@ def serve_grpc():
 
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
     trace_service_pb2_grpc.add_TraceServiceServicer_to_server(TraceService(), server)
-    port = server.add_insecure_port("127.0.0.1:0")
+    if TLS:
+        credentials = grpc.ssl_server_credentials(
+            [(tls_file("collector.key"), tls_file("collector.pem"))],
+            root_certificates=tls_file("ca.pem"),
+            require_client_auth=True,
+        )
+        port = server.add_secure_port("127.0.0.1:0", credentials)
+    else:
+        port = server.add_insecure_port("127.0.0.1:0")
     server.start()
     say({"listening": port})
     server.wait_for_termination()
@@ -118,5 +138,13 @@ if sys.argv[3:] == ["grpc"]:
     serve_grpc()
 else:
     server = ThreadingHTTPServer(("127.0.0.1", 0), Collector)
+    if TLS:
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        context.load_cert_chain(os.path.join(TLS, "collector.pem"), os.path.join(TLS, "collector.key"))
+        context.load_verify_locations(os.path.join(TLS, "ca.pem"))
+        context.verify_mode = ssl.CERT_REQUIRED
+        # A client without a certificate fails its handshake in accept(), which the server
+        # takes as a failed request and goes on.
+        server.socket = context.wrap_socket(server.socket, server_side=True)
     say({"listening": server.server_address[1]})
     server.serve_forever()

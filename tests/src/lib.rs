@@ -1754,3 +1754,92 @@ impl Drop for Conclusions {
         self.reader.abort();
     }
 }
+
+/// A private CA made in a directory with the `openssl` tool (installed by `scripts/setup.sh`), and
+/// the certificates it signs: a broker's or a collector's for `127.0.0.1`, a client's.
+pub struct PrivateCa {
+    dir: PathBuf,
+}
+
+impl PrivateCa {
+    /// A new CA in `dir` (`ca.pem`, `ca.key`), valid for two days.
+    pub fn new(dir: &std::path::Path) -> PrivateCa {
+        std::fs::create_dir_all(dir).unwrap_or_else(|e| panic!("{}: {e}", dir.display()));
+        let ca = PrivateCa {
+            dir: dir.to_owned(),
+        };
+        ca.openssl(&[
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-keyout",
+            "ca.key",
+            "-out",
+            "ca.pem",
+            "-days",
+            "2",
+            "-subj",
+            "/CN=agent tests CA",
+        ]);
+        ca
+    }
+
+    /// The CA's certificate (PEM).
+    pub fn certificate(&self) -> PathBuf {
+        self.dir.join("ca.pem")
+    }
+
+    /// A certificate for `name` the CA signed, with `extensions` (an `openssl x509 -extfile`'s
+    /// lines: `subjectAltName=IP:127.0.0.1`, `extendedKeyUsage=serverAuth`...): its certificate
+    /// and its key, both PEM (the key PKCS#8, as `req -newkey` writes it and Apache Pulsar reads).
+    pub fn issue(&self, name: &str, extensions: &str) -> (PathBuf, PathBuf) {
+        let [key, csr, ext, pem] = ["key", "csr", "ext", "pem"].map(|e| format!("{name}.{e}"));
+        self.openssl(&[
+            "req",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-keyout",
+            &key,
+            "-out",
+            &csr,
+            "-subj",
+            &format!("/CN={name}"),
+        ]);
+        std::fs::write(self.dir.join(&ext), extensions)
+            .unwrap_or_else(|e| panic!("{}: {e}", self.dir.display()));
+        self.openssl(&[
+            "x509",
+            "-req",
+            "-in",
+            &csr,
+            "-CA",
+            "ca.pem",
+            "-CAkey",
+            "ca.key",
+            "-CAcreateserial",
+            "-out",
+            &pem,
+            "-days",
+            "2",
+            "-extfile",
+            &ext,
+        ]);
+        (self.dir.join(pem), self.dir.join(key))
+    }
+
+    fn openssl(&self, args: &[&str]) {
+        let out = Command::new("openssl")
+            .current_dir(&self.dir)
+            .args(args)
+            .output()
+            .unwrap_or_else(|e| panic!("the openssl tool does not run: {e}"));
+        assert!(
+            out.status.success(),
+            "openssl {args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+}

@@ -6,7 +6,6 @@
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use std::path::{Path, PathBuf};
-use std::process::Command;
 use std::time::Duration;
 
 use agent_bus::{AgentClient, Bus, Topics};
@@ -20,84 +19,16 @@ struct Certificates {
     broker_key: PathBuf,
 }
 
-fn openssl(dir: &Path, args: &[&str]) {
-    let out = Command::new("openssl")
-        .current_dir(dir)
-        .args(args)
-        .output()
-        .expect("the openssl tool runs");
-    assert!(
-        out.status.success(),
-        "openssl {args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-}
-
 fn certificates(dir: &Path) -> Certificates {
-    std::fs::create_dir_all(dir).unwrap();
-    openssl(
-        dir,
-        &[
-            "req",
-            "-x509",
-            "-newkey",
-            "rsa:2048",
-            "-nodes",
-            "-keyout",
-            "ca.key",
-            "-out",
-            "ca.pem",
-            "-days",
-            "2",
-            "-subj",
-            "/CN=agent tests CA",
-        ],
-    );
-    // Apache Pulsar reads a PKCS#8 key, which is what `req -newkey` writes.
-    openssl(
-        dir,
-        &[
-            "req",
-            "-newkey",
-            "rsa:2048",
-            "-nodes",
-            "-keyout",
-            "broker.key",
-            "-out",
-            "broker.csr",
-            "-subj",
-            "/CN=broker",
-        ],
-    );
-    std::fs::write(
-        dir.join("broker.ext"),
+    let ca = PrivateCa::new(dir);
+    let (broker_certificate, broker_key) = ca.issue(
+        "broker",
         "subjectAltName=IP:127.0.0.1\nextendedKeyUsage=serverAuth\n",
-    )
-    .unwrap();
-    openssl(
-        dir,
-        &[
-            "x509",
-            "-req",
-            "-in",
-            "broker.csr",
-            "-CA",
-            "ca.pem",
-            "-CAkey",
-            "ca.key",
-            "-CAcreateserial",
-            "-out",
-            "broker.pem",
-            "-days",
-            "2",
-            "-extfile",
-            "broker.ext",
-        ],
     );
     Certificates {
-        ca: dir.join("ca.pem"),
-        broker_certificate: dir.join("broker.pem"),
-        broker_key: dir.join("broker.key"),
+        ca: ca.certificate(),
+        broker_certificate,
+        broker_key,
     }
 }
 

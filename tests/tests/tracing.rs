@@ -4,11 +4,13 @@
 //! of the iterations that explained themselves (the context travels in the `traceparent` property).
 //! Sent as the OpenTelemetry SDKs send by default (binary protobuf), read back by OpenTelemetry's own
 //! message classes in a collector that, like a hosted backend, takes only requests with its key;
-//! and as JSON when `OTEL_EXPORTER_OTLP_PROTOCOL` asks for it.
+//! and as JSON when `OTEL_EXPORTER_OTLP_PROTOCOL` asks for it; over gRPC; and over TLS to a collector
+//! that requires a client certificate (mutual TLS), over HTTPS and gRPC.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use std::collections::BTreeSet;
 use std::io::BufRead;
+use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -104,28 +106,32 @@ struct ProtobufCollector {
 
 impl ProtobufCollector {
     fn start(header: &str, key: &str) -> ProtobufCollector {
-        Self::serving(header, key, &[])
+        Self::serving(header, key, &[], None)
     }
 
     /// OTLP's gRPC trace service instead of OTLP/HTTP.
     fn grpc(header: &str, key: &str) -> ProtobufCollector {
-        Self::serving(header, key, &["grpc"])
+        Self::serving(header, key, &["grpc"], None)
     }
 
-    fn serving(header: &str, key: &str, mode: &[&str]) -> ProtobufCollector {
+    /// Over TLS with the certificates in `tls` (`collector.pem`, `collector.key`), taking only
+    /// clients with a certificate `ca.pem` there signed.
+    fn serving(header: &str, key: &str, mode: &[&str], tls: Option<&Path>) -> ProtobufCollector {
         let python = installed_path("otlp-collector.sh").join("python");
         let script = repo_root().join("tests/otlp/collector.py");
         let mut child = agent_bus::orphans::owned(&mut Command::new(python))
             .arg(script)
             .args([header, key])
             .args(mode)
+            .envs(tls.map(|dir| ("COLLECTOR_TLS", dir)))
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
             .spawn()
             .unwrap();
         let mut out = std::io::BufReader::new(child.stdout.take().unwrap()).lines();
         let first: Value = serde_json::from_str(&out.next().unwrap().unwrap()).unwrap();
-        let endpoint = format!("http://127.0.0.1:{}", first["listening"]);
+        let scheme = if tls.is_some() { "https" } else { "http" };
+        let endpoint = format!("{scheme}://127.0.0.1:{}", first["listening"]);
         let lines: Received = Arc::default();
         let kept = lines.clone();
         std::thread::spawn(move || {
@@ -181,18 +187,28 @@ impl Drop for ProtobufCollector {
 /// sets them.
 static EXPORT_VARIABLES: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
-const EXPORT_VARIABLE_NAMES: [&str; 5] = [
+const EXPORT_VARIABLE_NAMES: [&str; 8] = [
     "OTEL_EXPORTER_OTLP_ENDPOINT",
     "OTEL_EXPORTER_OTLP_PROTOCOL",
     "OTEL_EXPORTER_OTLP_HEADERS",
     "OTEL_EXPORTER_OTLP_COMPRESSION",
+    "OTEL_EXPORTER_OTLP_CERTIFICATE",
+    "OTEL_EXPORTER_OTLP_CLIENT_CERTIFICATE",
+    "OTEL_EXPORTER_OTLP_CLIENT_KEY",
     "OTEL_RESOURCE_ATTRIBUTES",
 ];
 
+/// The processes of a dialog run with an exporter: they go on exporting while this is kept.
+struct Running {
+    _broker: Broker,
+    _aggregator: Aggregator,
+    _llm: scripted_llm::ScriptedLlm,
+    _orchestrator: Orchestrator,
+}
+
 /// Runs a three-step dialog with a child aggregator and orchestrator exporting as the variables
-/// `set` say, and checks the spans `received` gives: one trace, the iterations a chain under the
-/// routing step, the aggregator's writes under the iterations.
-async fn a_dialog_traced(set: &[(&str, &str)], received: impl Fn() -> Vec<Span>) -> Vec<Span> {
+/// `set` say.
+async fn a_dialog_run(set: &[(&str, &str)]) -> Running {
     for name in EXPORT_VARIABLE_NAMES {
         std::env::remove_var(name);
     }
@@ -201,9 +217,9 @@ async fn a_dialog_traced(set: &[(&str, &str)], received: impl Fn() -> Vec<Span>)
     }
     let broker = Broker::start().unwrap();
     // Children: the binaries install the exporter; the test process has none.
-    let _aggregator = Aggregator::start(Place::Child, &broker, &[]);
+    let aggregator = Aggregator::start(Place::Child, &broker, &[]);
     let llm = scripted_llm(THREE_STEPS).await;
-    let _orchestrator = Orchestrator::child(&broker, &llm, &seed_dir(), &[]);
+    let orchestrator = Orchestrator::child(&broker, &llm, &seed_dir(), &[]);
     let mut client = client(&broker).await;
     client
         .send("t-1", &request("combine the parts", false))
@@ -213,6 +229,19 @@ async fn a_dialog_traced(set: &[(&str, &str)], received: impl Fn() -> Vec<Span>)
         .await
         .unwrap();
     assert_eq!(dialog.last().unwrap().content, "alpha and beta, combined.");
+    Running {
+        _broker: broker,
+        _aggregator: aggregator,
+        _llm: llm,
+        _orchestrator: orchestrator,
+    }
+}
+
+/// Runs a three-step dialog with a child aggregator and orchestrator exporting as the variables
+/// `set` say, and checks the spans `received` gives: one trace, the iterations a chain under the
+/// routing step, the aggregator's writes under the iterations.
+async fn a_dialog_traced(set: &[(&str, &str)], received: impl Fn() -> Vec<Span>) -> Vec<Span> {
+    let _running = a_dialog_run(set).await;
 
     // Routing, then three ReACT iterations; and the aggregator's writes of what they explained.
     let deadline = tokio::time::Instant::now() + Duration::from_secs(15);
@@ -332,4 +361,71 @@ async fn a_dialogs_spans_reach_a_grpc_collector_that_wants_a_key() {
         .iter()
         .filter(|l| l.get("name").is_some())
         .all(|l| l["resource"]["deployment.environment"] == "e2e" && l["kind"] == 1));
+}
+
+/// A private CA, the collector's certificate for 127.0.0.1 it signed, and a client certificate
+/// (with its key) it signed for the services, in a directory of their own.
+fn mutual_tls_certificates(name: &str) -> (std::path::PathBuf, PrivateCa, (String, String)) {
+    let dir = std::env::temp_dir().join(format!("otlp-mtls-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let ca = PrivateCa::new(&dir);
+    ca.issue(
+        "collector",
+        "subjectAltName=IP:127.0.0.1\nextendedKeyUsage=serverAuth\n",
+    );
+    let (certificate, key) = ca.issue("exporter", "extendedKeyUsage=clientAuth\n");
+    let path = |p: std::path::PathBuf| p.to_string_lossy().into_owned();
+    (dir, ca, (path(certificate), path(key)))
+}
+
+/// Services given the CA and the client certificate reach a collector that requires one; given
+/// the CA alone (what they had before `OTEL_EXPORTER_OTLP_CLIENT_CERTIFICATE` was read), their
+/// handshake is refused and no span arrives while they run.
+async fn spans_reach_a_mutual_tls_collector(mode: &[&str]) {
+    let name = mode.first().copied().unwrap_or("http");
+    let (dir, ca, (certificate, key)) = mutual_tls_certificates(name);
+    let collector = ProtobufCollector::serving("x-api-key", "k-9f2", mode, Some(&dir));
+    let ca_file = ca.certificate().to_string_lossy().into_owned();
+    let protocol = if mode == ["grpc"] {
+        "grpc"
+    } else {
+        "http/protobuf"
+    };
+    let common = [
+        ("OTEL_EXPORTER_OTLP_ENDPOINT", collector.endpoint.as_str()),
+        ("OTEL_EXPORTER_OTLP_PROTOCOL", protocol),
+        ("OTEL_EXPORTER_OTLP_HEADERS", "x-api-key=k-9f2"),
+        ("OTEL_EXPORTER_OTLP_CERTIFICATE", ca_file.as_str()),
+    ];
+    {
+        let _running = a_dialog_run(&common).await;
+        // The exporter sends twice a second: a few seconds is several tries.
+        tokio::time::sleep(Duration::from_secs(3)).await;
+        assert!(
+            collector.spans().is_empty(),
+            "spans arrived without a client certificate"
+        );
+    }
+    let mut with_client = common.to_vec();
+    with_client.push(("OTEL_EXPORTER_OTLP_CLIENT_CERTIFICATE", &certificate));
+    with_client.push(("OTEL_EXPORTER_OTLP_CLIENT_KEY", &key));
+    a_dialog_traced(&with_client, || collector.spans()).await;
+    let lines = collector.lines();
+    assert!(
+        lines.iter().all(|l| l.get("refused").is_none()),
+        "every export carried the key: {lines:#?}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[tokio::test]
+async fn a_dialogs_spans_reach_a_collector_that_requires_a_client_certificate_over_https() {
+    let _one_at_a_time = EXPORT_VARIABLES.lock().await;
+    spans_reach_a_mutual_tls_collector(&[]).await;
+}
+
+#[tokio::test]
+async fn a_dialogs_spans_reach_a_grpc_collector_that_requires_a_client_certificate() {
+    let _one_at_a_time = EXPORT_VARIABLES.lock().await;
+    spans_reach_a_mutual_tls_collector(&["grpc"]).await;
 }

@@ -40,7 +40,7 @@ impl Channel {
             .trim_end_matches(']')
             .to_owned();
         let tls = match url.scheme() {
-            "https" => Some(tls_connector(settings.certificate.as_deref())?),
+            "https" => Some(tls_connector(settings)?),
             _ => None,
         };
         Ok(Channel {
@@ -241,13 +241,14 @@ fn percent_decoded(text: &str) -> String {
         .unwrap_or_else(|| text.to_owned())
 }
 
-/// TLS to a collector: the public CAs (as `reqwest` trusts them) and those of `certificate`, a
-/// PEM file; HTTP/2 asked for by ALPN.
-fn tls_connector(certificate: Option<&str>) -> Result<tokio_rustls::TlsConnector, String> {
+/// TLS to a collector: the public CAs (as `reqwest` trusts them) and those of the settings'
+/// `certificate`, a PEM file; the client certificate shown when there is one; HTTP/2 asked for
+/// by ALPN.
+fn tls_connector(settings: &ExportSettings) -> Result<tokio_rustls::TlsConnector, String> {
     use rustls::pki_types::pem::PemObject;
     let mut roots = rustls::RootCertStore::empty();
     roots.extend(webpki_roots::TLS_SERVER_ROOTS.iter().cloned());
-    if let Some(path) = certificate {
+    if let Some(path) = &settings.certificate {
         let certificates = rustls::pki_types::CertificateDer::pem_file_iter(path)
             .map_err(|e| format!("the OTLP CA certificate file {path}: {e}"))?;
         for certificate in certificates {
@@ -258,13 +259,26 @@ fn tls_connector(certificate: Option<&str>) -> Result<tokio_rustls::TlsConnector
                 .map_err(|e| format!("a certificate of {path}: {e}"))?;
         }
     }
-    let mut config = rustls::ClientConfig::builder_with_provider(Arc::new(
+    let config = rustls::ClientConfig::builder_with_provider(Arc::new(
         rustls::crypto::ring::default_provider(),
     ))
     .with_safe_default_protocol_versions()
     .map_err(|e| format!("TLS settings: {e}"))?
-    .with_root_certificates(roots)
-    .with_no_client_auth();
+    .with_root_certificates(roots);
+    let mut config = match &settings.client {
+        None => config.with_no_client_auth(),
+        Some(client) => {
+            let (path, key_path) = (&client.certificate, &client.key);
+            let chain = rustls::pki_types::CertificateDer::pem_file_iter(path)
+                .and_then(|certificates| certificates.collect::<Result<Vec<_>, _>>())
+                .map_err(|e| format!("the OTLP client certificate file {path}: {e}"))?;
+            let key = rustls::pki_types::PrivateKeyDer::from_pem_file(key_path)
+                .map_err(|e| format!("the OTLP client key file {key_path}: {e}"))?;
+            config.with_client_auth_cert(chain, key).map_err(|e| {
+                format!("the OTLP client certificate {path} and key {key_path}: {e}")
+            })?
+        }
+    };
     config.alpn_protocols = vec![b"h2".to_vec()];
     Ok(tokio_rustls::TlsConnector::from(Arc::new(config)))
 }

@@ -1,6 +1,7 @@
 //! How spans leave the process: the OTLP exporter's settings, read from the standard
 //! `OTEL_EXPORTER_OTLP_*` variables as the OpenTelemetry SDKs read them (endpoint, protocol,
-//! headers, compression, timeout, CA certificate, resource attributes), the two bodies OTLP/HTTP
+//! headers, compression, timeout, CA certificate, client certificate and key, resource
+//! attributes), the two bodies OTLP/HTTP
 //! takes (binary protobuf, the default, and JSON; gRPC carries the same protobuf, see
 //! [`crate::grpc`]), and the sending, with retries where the collector asks for them and a warning
 //! when spans are lost.
@@ -36,8 +37,18 @@ pub struct ExportSettings {
     /// A PEM file of the CA certificates an `https` collector is checked against, besides the
     /// system's.
     pub certificate: Option<String>,
+    /// The certificate (PEM, its chain after it) and private key (PEM) shown to a collector that
+    /// asks for one (mutual TLS): `OTEL_EXPORTER_OTLP_CLIENT_CERTIFICATE` and `_CLIENT_KEY`.
+    pub client: Option<ClientIdentity>,
     /// The resource the spans come from: `service.name` first, then `OTEL_RESOURCE_ATTRIBUTES`.
     pub resource: Vec<(String, String)>,
+}
+
+/// The files of the certificate an exporter shows a collector, and of its key.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ClientIdentity {
+    pub certificate: String,
+    pub key: String,
 }
 
 /// Without the headers' values, which are secrets (a backend's key).
@@ -51,6 +62,7 @@ impl std::fmt::Debug for ExportSettings {
             .field("gzip", &self.gzip)
             .field("timeout", &self.timeout)
             .field("certificate", &self.certificate)
+            .field("client", &self.client)
             .field("resource", &self.resource)
             .finish()
     }
@@ -167,6 +179,21 @@ pub fn settings_from(var: impl Fn(&str) -> Option<String>, service: &str) -> Exp
             ));
         }
     }
+    let client = match (
+        traces_or_all("CLIENT_CERTIFICATE"),
+        traces_or_all("CLIENT_KEY"),
+    ) {
+        (Some(certificate), Some(key)) => Some(ClientIdentity { certificate, key }),
+        (None, None) => None,
+        (Some(_), None) | (None, Some(_)) => {
+            problems.push(
+                "OTEL_EXPORTER_OTLP_CLIENT_CERTIFICATE and OTEL_EXPORTER_OTLP_CLIENT_KEY go together; \
+                 with one of them only, no client certificate is shown"
+                    .to_owned(),
+            );
+            None
+        }
+    };
     let named = resource
         .iter()
         .position(|(k, _)| k == "service.name")
@@ -183,6 +210,7 @@ pub fn settings_from(var: impl Fn(&str) -> Option<String>, service: &str) -> Exp
             gzip,
             timeout,
             certificate: traces_or_all("CERTIFICATE"),
+            client,
             resource,
         },
         problems,
@@ -546,9 +574,23 @@ pub(crate) async fn export(
     }
 }
 
-/// The HTTP client of OTLP/HTTP, trusting `settings.certificate`'s CAs too.
+/// The HTTP client of OTLP/HTTP, trusting `settings.certificate`'s CAs too, and showing the
+/// client certificate when there is one.
 fn http_client(settings: &ExportSettings) -> Result<reqwest::Client, String> {
     let mut http = reqwest::Client::builder();
+    if let Some(client) = &settings.client {
+        // reqwest takes the key and the certificates as one PEM bundle.
+        let mut pem = read_pem(&client.key, "client key")?;
+        pem.push(b'\n');
+        pem.extend(read_pem(&client.certificate, "client certificate")?);
+        let identity = reqwest::Identity::from_pem(&pem).map_err(|e| {
+            format!(
+                "the OTLP client certificate {} and key {}: {e}",
+                client.certificate, client.key
+            )
+        })?;
+        http = http.identity(identity);
+    }
     if let Some(path) = &settings.certificate {
         let pem =
             std::fs::read(path).map_err(|e| format!("the OTLP CA certificate file {path}: {e}"))?;
@@ -560,6 +602,10 @@ fn http_client(settings: &ExportSettings) -> Result<reqwest::Client, String> {
     }
     http.build()
         .map_err(|e| format!("the OTLP exporter's HTTP client: {e}"))
+}
+
+fn read_pem(path: &str, what: &str) -> Result<Vec<u8>, String> {
+    std::fs::read(path).map_err(|e| format!("the OTLP {what} file {path}: {e}"))
 }
 
 fn gzipped(body: &[u8]) -> Vec<u8> {
@@ -664,6 +710,34 @@ mod tests {
             panic!("not exported");
         };
         assert_eq!(s.resource[0].1, "agents-eu", "OTEL_SERVICE_NAME wins");
+
+        let Export::To(s, problems) = settings(&[
+            ("OTEL_EXPORTER_OTLP_ENDPOINT", "https://c:4318"),
+            ("OTEL_EXPORTER_OTLP_CLIENT_CERTIFICATE", "/all/client.pem"),
+            (
+                "OTEL_EXPORTER_OTLP_TRACES_CLIENT_CERTIFICATE",
+                "/traces/client.pem",
+            ),
+            ("OTEL_EXPORTER_OTLP_CLIENT_KEY", "/all/client.key"),
+        ]) else {
+            panic!("not exported");
+        };
+        assert!(problems.is_empty(), "{problems:?}");
+        assert_eq!(
+            s.client,
+            Some(ClientIdentity {
+                certificate: "/traces/client.pem".into(),
+                key: "/all/client.key".into(),
+            })
+        );
+        let Export::To(s, problems) = settings(&[
+            ("OTEL_EXPORTER_OTLP_ENDPOINT", "https://c:4318"),
+            ("OTEL_EXPORTER_OTLP_CLIENT_KEY", "/all/client.key"),
+        ]) else {
+            panic!("not exported");
+        };
+        assert_eq!(s.client, None);
+        assert!(problems[0].contains("go together"), "{problems:?}");
     }
 
     #[test]
@@ -859,6 +933,7 @@ mod tests {
             gzip: false,
             timeout,
             certificate: None,
+            client: None,
             resource: Vec::new(),
         }
     }
