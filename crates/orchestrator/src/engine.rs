@@ -24,6 +24,8 @@ pub struct Engine {
     pub journal: Option<Journal>,
     /// The shared graph store, for the knowledge tools.
     pub knowledge: Option<agent_graph::GraphStore>,
+    /// Ended runs' records that replays read, kept a while.
+    pub replays: crate::replay::KeptRecords,
     /// Where long texts are kept as documents (claim-check), when anywhere.
     pub documents: Option<crate::documents::DocumentStore>,
     pub mcp: agent_mcp::McpPool,

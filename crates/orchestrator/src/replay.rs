@@ -4,8 +4,9 @@
 //! recorded answers and tool results again instead of calling, where the request asks for it,
 //! and record what they reused.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{Duration, Instant};
 
 use agent_core::fork::RecordedInput;
 use agent_core::provenance::{self, SessionUris};
@@ -81,6 +82,7 @@ impl StepStart {
         request: &AgentRequest,
         session_id: &str,
         store: Option<&GraphStore>,
+        kept: &KeptRecords,
         running: bool,
     ) -> Result<StepStart, GraphError> {
         let reuse = Reuse::asked(properties);
@@ -88,7 +90,7 @@ impl StepStart {
             (Some(reuse), Some(store), true) => {
                 let step = agent_core::fork::step_of(request);
                 let place = CallPlace::in_source(&reuse.source, session_id, step);
-                StepReplay::load(store, reuse, place).await?
+                StepReplay::load(store, reuse, place, kept).await?
             }
             _ => StepReplay::recording(),
         };
@@ -107,12 +109,96 @@ impl StepStart {
     }
 }
 
+/// What a source run recorded that its replay may give again, its LLM answers decoded.
+pub struct SourceRecord {
+    llm_calls: HashMap<String, Placed<(String, Recorded)>>,
+    tool_results: BTreeMap<(String, String), Placed<RecordedToolResult>>,
+}
+
+/// How many ended runs' records are kept, and for how long.
+const KEPT_RUNS: usize = 8;
+const KEPT_FOR: Duration = Duration::from_secs(300);
+
+/// The records of runs that replays read, kept a while once their run has ended: every step of a
+/// replay reads its source's whole record, which does not change once the source has ended (its
+/// conclusion is written with its last step's records), so a long replay of a long run read it
+/// again at every step.
+#[derive(Default)]
+pub struct KeptRecords {
+    kept: Mutex<VecDeque<KeptRecord>>,
+}
+
+struct KeptRecord {
+    reuse: (String, bool, bool),
+    read_at: Instant,
+    record: Arc<SourceRecord>,
+}
+
+impl KeptRecords {
+    /// What `reuse`'s source run recorded: kept, or read from the graph (and kept when the run
+    /// had ended by then).
+    async fn read(
+        &self,
+        store: &GraphStore,
+        reuse: &Reuse,
+    ) -> Result<Arc<SourceRecord>, GraphError> {
+        let key = (reuse.from.clone(), reuse.llm, reuse.tools);
+        if let Some(record) = self.kept(&key) {
+            return Ok(record);
+        }
+        // Whether it ended is read first: then what is read after it is all it recorded.
+        let ended = recorded::concluded(store, &reuse.from).await?;
+        let Recordings {
+            llm_calls,
+            tool_results,
+        } = recorded::recordings(store, &reuse.from, reuse.llm, reuse.tools).await?;
+        let llm_calls = llm_calls
+            .into_iter()
+            .map(|(digest, calls)| {
+                let calls: Placed<(String, Recorded)> = calls
+                    .into_iter()
+                    .filter_map(|(at, (node, json))| {
+                        let answer = serde_json::from_str::<Recorded>(&json).ok()?;
+                        Some((at, (node, answer)))
+                    })
+                    .collect();
+                (digest, calls)
+            })
+            .collect();
+        let record = Arc::new(SourceRecord {
+            llm_calls,
+            tool_results,
+        });
+        if ended {
+            let mut kept = self.kept.lock().unwrap_or_else(PoisonError::into_inner);
+            if kept.len() >= KEPT_RUNS {
+                kept.pop_front();
+            }
+            kept.push_back(KeptRecord {
+                reuse: key,
+                read_at: Instant::now(),
+                record: record.clone(),
+            });
+        }
+        Ok(record)
+    }
+
+    fn kept(&self, key: &(String, bool, bool)) -> Option<Arc<SourceRecord>> {
+        let mut kept = self.kept.lock().unwrap_or_else(PoisonError::into_inner);
+        kept.retain(|k| k.read_at.elapsed() < KEPT_FOR);
+        kept.iter()
+            .find(|k| k.reuse == *key)
+            .map(|k| k.record.clone())
+    }
+}
+
 /// One step's record of its calls, and what it may give again.
 pub struct StepReplay {
     pub tape: Arc<Tape>,
     /// Where this step is in the source run.
     place: Option<CallPlace>,
-    tool_results: BTreeMap<(String, String), Placed<RecordedToolResult>>,
+    /// What the source run recorded, when this step replays one.
+    source: Option<Arc<SourceRecord>>,
     /// The recorded observations given again, by the node they came from.
     reused_tools: Mutex<Vec<String>>,
 }
@@ -123,40 +209,32 @@ impl StepReplay {
         StepReplay {
             tape: Arc::new(Tape::recording()),
             place: None,
-            tool_results: BTreeMap::new(),
+            source: None,
             reused_tools: Mutex::new(Vec::new()),
         }
     }
 
     /// A step of a replay, at `place` in the source run: what `reuse` asks for, read from the
-    /// graph.
+    /// graph (or from `kept`, for a source that had ended when it was read).
     pub async fn load(
         store: &GraphStore,
         reuse: &Reuse,
         place: CallPlace,
+        kept: &KeptRecords,
     ) -> Result<StepReplay, GraphError> {
-        let Recordings {
-            llm_calls,
-            tool_results,
-        } = recorded::recordings(store, &reuse.from, reuse.llm, reuse.tools).await?;
-        let answers: HashMap<String, AnswersByRepeat> = llm_calls
-            .into_iter()
+        let source = kept.read(store, reuse).await?;
+        let answers: HashMap<String, AnswersByRepeat> = source
+            .llm_calls
+            .iter()
             .filter_map(|(digest, calls)| {
-                let calls: Placed<(String, Recorded)> = calls
-                    .into_iter()
-                    .filter_map(|(at, (node, json))| {
-                        let answer = serde_json::from_str::<Recorded>(&json).ok()?;
-                        Some((at, (node, answer)))
-                    })
-                    .collect();
-                let answers = agent_core::replay::by_repeat(&calls, &place);
-                (!answers.is_empty()).then_some((digest, answers))
+                let answers = agent_core::replay::by_repeat(calls, &place);
+                (!answers.is_empty()).then(|| (digest.clone(), answers))
             })
             .collect();
         Ok(StepReplay {
             tape: Arc::new(Tape::replaying(answers)),
             place: Some(place),
-            tool_results,
+            source: Some(source),
             reused_tools: Mutex::new(Vec::new()),
         })
     }
@@ -165,6 +243,8 @@ impl StepReplay {
     /// place in the source, else the earliest), if the replay reuses it; noted as reused.
     pub fn tool_result(&self, tool: &str, arguments_json: &str) -> Option<RecordedToolResult> {
         let recorded = self
+            .source
+            .as_ref()?
             .tool_results
             .get(&(tool.to_owned(), arguments_json.to_owned()))?;
         let recorded = match &self.place {
@@ -281,4 +361,63 @@ pub fn record_own_input(out: &DialogOutput<'_>, uris: &SessionUris, request: &Ag
         request: request.clone(),
     };
     out.keep(provenance::step_input(uris, &input));
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use agent_core::vocab::SPARQL_PREFIXES;
+
+    /// Records in `store` that step `n` of run `r` asked `digest` and was answered `text`.
+    async fn record_call(store: &GraphStore, n: usize, text: &str) {
+        let node = agent_core::provenance::SessionUris::new("r").llm_call(n, 0, "d");
+        store
+            .update(format!(
+                "{SPARQL_PREFIXES}INSERT DATA {{ GRAPH <urn:graph:retrieval> {{
+                   <{node}> tg:run <urn:trustgraph:agent:r> ; tg:promptDigest \"d\" ;
+                     tg:completion \"{{\\\"text\\\":\\\"{text}\\\"}}\" }} }}"
+            ))
+            .await
+            .unwrap();
+    }
+
+    async fn calls(kept: &KeptRecords, store: &GraphStore, reuse: &Reuse) -> usize {
+        let record = kept.read(store, reuse).await.unwrap();
+        record.llm_calls.get("d").map_or(0, Vec::len)
+    }
+
+    #[tokio::test]
+    async fn an_ended_runs_record_is_kept_and_a_running_ones_read_again() {
+        let store = GraphStore::in_memory().unwrap();
+        let kept = KeptRecords::default();
+        let reuse = Reuse {
+            from: "r".into(),
+            source: "r".into(),
+            llm: true,
+            tools: true,
+        };
+        record_call(&store, 1, "3").await;
+        assert_eq!(calls(&kept, &store, &reuse).await, 1);
+        // Still running: what it records next is read.
+        record_call(&store, 2, "5").await;
+        assert_eq!(calls(&kept, &store, &reuse).await, 2);
+        store
+            .update(format!(
+                "{SPARQL_PREFIXES}INSERT DATA {{ GRAPH <urn:graph:retrieval> {{
+                   <urn:trustgraph:agent:r/final> a tg:Conclusion }} }}"
+            ))
+            .await
+            .unwrap();
+        assert_eq!(calls(&kept, &store, &reuse).await, 2);
+        // Ended and kept: the graph is not read again (a call added after the end, which an
+        // ended run cannot make, would not show).
+        record_call(&store, 3, "6").await;
+        assert_eq!(calls(&kept, &store, &reuse).await, 2);
+        // Another reuse of the same run is read on its own.
+        let llm_only = Reuse {
+            tools: false,
+            ..reuse.clone()
+        };
+        assert_eq!(calls(&kept, &store, &llm_only).await, 3);
+    }
 }

@@ -146,6 +146,7 @@ pub async fn run(settings: Settings, shutdown: CancellationToken) -> anyhow::Res
         outputs,
         journal,
         knowledge,
+        replays: crate::replay::KeptRecords::default(),
         documents,
         mcp: agent_mcp::McpPool::new().trusting(stdio_trust),
         shutdown: shutdown.clone(),

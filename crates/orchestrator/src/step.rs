@@ -349,6 +349,7 @@ impl Engine {
             &step.request,
             &step.session_id,
             self.knowledge.as_ref(),
+            &self.replays,
             running,
         )
         .await?;
