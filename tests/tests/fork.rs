@@ -63,23 +63,29 @@ fn fork_session(said: &str) -> String {
 
 /// Runs the three-step dialog; its session's URI.
 async fn original(broker: &Broker, aggregator: &Aggregator) -> String {
+    let question = AgentRequest {
+        pattern: "react".into(),
+        ..request("What is six times seven, plus one?", false)
+    };
+    ran(broker, aggregator, "original", &question, "43").await
+}
+
+/// Runs `question` as dialog `id` to its `answer`, and waits for the graph to show its end (a
+/// fork reads what the graph holds); its session's URI.
+async fn ran(
+    broker: &Broker,
+    aggregator: &Aggregator,
+    id: &str,
+    question: &AgentRequest,
+    answer: &str,
+) -> String {
     let mut client = client(broker).await;
-    client
-        .send(
-            "original",
-            &AgentRequest {
-                pattern: "react".into(),
-                ..request("What is six times seven, plus one?", false)
-            },
-        )
+    client.send(id, question).await.unwrap();
+    let responses = collect_dialog(&mut client, id, Duration::from_secs(60))
         .await
         .unwrap();
-    let responses = collect_dialog(&mut client, "original", Duration::from_secs(60))
-        .await
-        .unwrap();
-    assert_eq!(responses.last().unwrap().content, "43", "{responses:#?}");
+    assert_eq!(responses.last().unwrap().content, answer, "{responses:#?}");
     let session = session_of(&responses);
-    // The fork reads what the graph holds: wait for the last step's records to land.
     let concluded = format!(
         "{SPARQL_PREFIXES}SELECT ?c WHERE {{ GRAPH <urn:graph:retrieval> {{ <{session}/final> ?p ?c }} }}"
     );
@@ -545,31 +551,12 @@ async fn a_replay_runs_a_call_the_source_was_refused_rather_than_reuse_the_refus
         llm,
         orchestrator: _orchestrator,
     } = Stack::journaled(TOKEN, REFUSED_THEN_RUN, &seed_dir(), &[]).await;
-    let mut client = client(&broker).await;
-    client
-        .send(
-            "refused",
-            &AgentRequest {
-                pattern: "react".into(),
-                group: Some(vec!["no-such-group".into()]),
-                ..request("What is six times seven?", false)
-            },
-        )
-        .await
-        .unwrap();
-    let responses = collect_dialog(&mut client, "refused", Duration::from_secs(60))
-        .await
-        .unwrap();
-    assert_eq!(
-        responses.last().unwrap().content,
-        "unknown",
-        "{responses:#?}"
-    );
-    let source = session_of(&responses);
-    let concluded = format!(
-        "{SPARQL_PREFIXES}SELECT ?c WHERE {{ GRAPH <urn:graph:retrieval> {{ <{source}/final> ?p ?c }} }}"
-    );
-    assert!(count_reaching(&aggregator.store(), concluded, 1).await >= 1);
+    let question = AgentRequest {
+        pattern: "react".into(),
+        group: Some(vec!["no-such-group".into()]),
+        ..request("What is six times seven?", false)
+    };
+    let source = ran(&broker, &aggregator, "refused", &question, "unknown").await;
     // The tool is an LLM call asking exactly this.
     let tool_calls = || {
         llm.calls()
@@ -627,31 +614,12 @@ async fn a_question_asked_twice_is_replayed_with_each_answer_in_its_place() {
         llm,
         orchestrator: _orchestrator,
     } = Stack::journaled(TOKEN, DICE, &seed_dir(), &[]).await;
-    let mut client = client(&broker).await;
-    client
-        .send(
-            "dice",
-            &AgentRequest {
-                pattern: "react".into(),
-                ..request("Roll a die twice.", false)
-            },
-        )
-        .await
-        .unwrap();
-    let responses = collect_dialog(&mut client, "dice", Duration::from_secs(60))
-        .await
-        .unwrap();
-    assert_eq!(
-        responses.last().unwrap().content,
-        "3 then 5",
-        "{responses:#?}"
-    );
-    let source = session_of(&responses);
+    let question = AgentRequest {
+        pattern: "react".into(),
+        ..request("Roll a die twice.", false)
+    };
+    let source = ran(&broker, &aggregator, "dice", &question, "3 then 5").await;
     let store = aggregator.store();
-    let concluded = format!(
-        "{SPARQL_PREFIXES}SELECT ?c WHERE {{ GRAPH <urn:graph:retrieval> {{ <{source}/final> ?p ?c }} }}"
-    );
-    assert!(count_reaching(&store, concluded, 1).await >= 1);
     // Each call is a node of its own, with its one answer.
     let conflated = format!(
         "{SPARQL_PREFIXES}SELECT ?call WHERE {{ GRAPH <urn:graph:retrieval> {{

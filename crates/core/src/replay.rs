@@ -26,10 +26,7 @@ impl CallPlace {
     pub fn in_source(source: &str, replay_session: &str, step: usize) -> CallPlace {
         let source = session_id_of(source).unwrap_or(source);
         let replay_session = session_id_of(replay_session).unwrap_or(replay_session);
-        let mut root = replay_session;
-        while let Some(place) = crate::supervisor::place_of(root) {
-            root = place.supervisor;
-        }
+        let root = crate::supervisor::run_of(replay_session);
         let below_root = replay_session.get(root.len()..).unwrap_or_default();
         CallPlace {
             session: format!("{source}{below_root}"),

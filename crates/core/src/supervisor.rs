@@ -529,6 +529,27 @@ pub fn place_of(session: &str) -> Option<Place<'_>> {
     })
 }
 
+/// The run a session belongs to: its root request's session. A subagent's session is its
+/// supervisor's with `-f{iteration}-s{index}` added, so the root is what is left with every such
+/// pair taken off. Only a subagent's session is read this way (a client's own session is its run,
+/// whatever it is called).
+///
+/// ```
+/// use agent_core::supervisor::run_of;
+/// assert_eq!(run_of("abc"), "abc");
+/// assert_eq!(run_of("abc-f2-s0"), "abc");
+/// assert_eq!(run_of("abc-f2-s0-f4-s11"), "abc");
+/// assert_eq!(run_of("abc-s0"), "abc-s0");
+/// assert_eq!(run_of("abc-fx-s0"), "abc-fx-s0");
+/// ```
+pub fn run_of(session_id: &str) -> &str {
+    let mut run = session_id;
+    while let Some(place) = place_of(run) {
+        run = place.supervisor;
+    }
+    run
+}
+
 /// How many fan-outs lie above a request: 0 for a client's, 1 for a subagent of a client's
 /// supervisor, and so on. Read from the session id, which grows by `-f{n}-s{i}` per fan-out (see
 /// `subagent_session`), so it needs no extra wire field and a subagent cannot reset it.

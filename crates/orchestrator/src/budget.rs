@@ -45,26 +45,7 @@ impl Tokens {
 /// step is parked and tried again, up to the outage window.
 const FANOUT_WAIT: Duration = Duration::from_secs(3);
 
-/// The run a session belongs to: its root request's session. A subagent's session is its
-/// supervisor's with `-f{iteration}-s{index}` added, so the root is what is left with every such
-/// pair taken off. Only a subagent's session is read this way (a client's own session is its run,
-/// whatever it is called).
-///
-/// ```
-/// use agent_orchestrator::budget::run_of;
-/// assert_eq!(run_of("abc"), "abc");
-/// assert_eq!(run_of("abc-f2-s0"), "abc");
-/// assert_eq!(run_of("abc-f2-s0-f4-s11"), "abc");
-/// assert_eq!(run_of("abc-s0"), "abc-s0");
-/// assert_eq!(run_of("abc-fx-s0"), "abc-fx-s0");
-/// ```
-pub fn run_of(session_id: &str) -> &str {
-    let mut run = session_id;
-    while let Some(place) = place_of(run) {
-        run = place.supervisor;
-    }
-    run
-}
+pub use agent_core::supervisor::run_of;
 
 /// What the fan-out that started a subagent says about its run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

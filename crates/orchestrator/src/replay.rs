@@ -195,10 +195,8 @@ impl KeptRecords {
 /// One step's record of its calls, and what it may give again.
 pub struct StepReplay {
     pub tape: Arc<Tape>,
-    /// Where this step is in the source run.
-    place: Option<CallPlace>,
-    /// What the source run recorded, when this step replays one.
-    source: Option<Arc<SourceRecord>>,
+    /// When this step replays a run: where it is in that run, and what the run recorded.
+    source: Option<(CallPlace, Arc<SourceRecord>)>,
     /// The recorded observations given again, by the node they came from.
     reused_tools: Mutex<Vec<String>>,
 }
@@ -208,7 +206,6 @@ impl StepReplay {
     pub fn recording() -> StepReplay {
         StepReplay {
             tape: Arc::new(Tape::recording()),
-            place: None,
             source: None,
             reused_tools: Mutex::new(Vec::new()),
         }
@@ -233,8 +230,7 @@ impl StepReplay {
             .collect();
         Ok(StepReplay {
             tape: Arc::new(Tape::replaying(answers)),
-            place: Some(place),
-            source: Some(source),
+            source: Some((place, source)),
             reused_tools: Mutex::new(Vec::new()),
         })
     }
@@ -242,15 +238,11 @@ impl StepReplay {
     /// What the recorded call of `tool` with `arguments_json` gave (the one made at this step's
     /// place in the source, else the earliest), if the replay reuses it; noted as reused.
     pub fn tool_result(&self, tool: &str, arguments_json: &str) -> Option<RecordedToolResult> {
-        let recorded = self
-            .source
-            .as_ref()?
+        let (place, source) = self.source.as_ref()?;
+        let recorded = source
             .tool_results
             .get(&(tool.to_owned(), arguments_json.to_owned()))?;
-        let recorded = match &self.place {
-            Some(place) => agent_core::replay::choose(recorded, place)?,
-            None => &recorded.first()?.1,
-        };
+        let recorded = agent_core::replay::choose(recorded, place)?;
         self.reused_tools
             .lock()
             .unwrap_or_else(PoisonError::into_inner)

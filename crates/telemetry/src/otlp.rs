@@ -592,8 +592,7 @@ fn http_client(settings: &ExportSettings) -> Result<reqwest::Client, String> {
         http = http.identity(identity);
     }
     if let Some(path) = &settings.certificate {
-        let pem =
-            std::fs::read(path).map_err(|e| format!("the OTLP CA certificate file {path}: {e}"))?;
+        let pem = read_pem(path, "CA certificate")?;
         let certificates = reqwest::Certificate::from_pem_bundle(&pem)
             .map_err(|e| format!("the OTLP CA certificate file {path}: {e}"))?;
         for certificate in certificates {
