@@ -113,19 +113,34 @@ impl StepStart {
 pub struct SourceRecord {
     llm_calls: HashMap<String, Placed<(String, Recorded)>>,
     tool_results: BTreeMap<(String, String), Placed<RecordedToolResult>>,
+    /// The text it holds, as read (answers as JSON, results, nodes): what keeping it costs.
+    bytes: usize,
 }
 
-/// How many ended runs' records are kept, and for how long.
+/// How many ended runs' records are kept, how many bytes of text they may hold together, and for
+/// how long. A record counts the text of every answer and result it holds (each up to 64 KiB): a
+/// long run's may be tens of MiB, so the count alone would not bound the memory. A record larger
+/// than the whole bound is not kept (its replay reads it at each step, as a running one's).
 const KEPT_RUNS: usize = 8;
+const KEPT_BYTES: usize = 32 << 20;
 const KEPT_FOR: Duration = Duration::from_secs(300);
 
 /// The records of runs that replays read, kept a while once their run has ended: every step of a
 /// replay reads its source's whole record, which does not change once the source has ended (its
 /// conclusion is written with its last step's records), so a long replay of a long run read it
 /// again at every step.
-#[derive(Default)]
 pub struct KeptRecords {
     kept: Mutex<VecDeque<KeptRecord>>,
+    max_bytes: usize,
+}
+
+impl Default for KeptRecords {
+    fn default() -> Self {
+        KeptRecords {
+            kept: Mutex::default(),
+            max_bytes: KEPT_BYTES,
+        }
+    }
 }
 
 struct KeptRecord {
@@ -152,6 +167,22 @@ impl KeptRecords {
             llm_calls,
             tool_results,
         } = recorded::recordings(store, &reuse.from, reuse.llm, reuse.tools).await?;
+        let answer_bytes: usize = llm_calls
+            .values()
+            .flatten()
+            .map(|(_, (node, json))| node.len() + json.len())
+            .sum();
+        let result_bytes: usize = tool_results
+            .iter()
+            .map(|((tool, arguments), results)| {
+                tool.len()
+                    + arguments.len()
+                    + results
+                        .iter()
+                        .map(|(_, r)| r.node.len() + r.text.len())
+                        .sum::<usize>()
+            })
+            .sum();
         let llm_calls = llm_calls
             .into_iter()
             .map(|(digest, calls)| {
@@ -168,11 +199,17 @@ impl KeptRecords {
         let record = Arc::new(SourceRecord {
             llm_calls,
             tool_results,
+            bytes: answer_bytes + result_bytes,
         });
-        if ended {
+        if ended && record.bytes <= self.max_bytes {
             let mut kept = self.kept.lock().unwrap_or_else(PoisonError::into_inner);
-            if kept.len() >= KEPT_RUNS {
-                kept.pop_front();
+            while kept.len() >= KEPT_RUNS
+                || kept.iter().map(|k| k.record.bytes).sum::<usize>() + record.bytes
+                    > self.max_bytes
+            {
+                if kept.pop_front().is_none() {
+                    break;
+                }
             }
             kept.push_back(KeptRecord {
                 reuse: key,
@@ -411,5 +448,56 @@ mod tests {
             ..reuse.clone()
         };
         assert_eq!(calls(&kept, &store, &llm_only).await, 3);
+    }
+
+    #[tokio::test]
+    async fn the_records_kept_stay_within_their_bytes() {
+        let store = GraphStore::in_memory().unwrap();
+        let reuse = |run: &str| Reuse {
+            from: run.into(),
+            source: run.into(),
+            llm: true,
+            tools: true,
+        };
+        for run in ["a", "b", "c", "e"] {
+            let node = agent_core::provenance::SessionUris::new(run).llm_call(1, 0, "d");
+            let answer = "x".repeat(if run == "c" { 5_000 } else { 400 });
+            store
+                .update(format!(
+                    "{SPARQL_PREFIXES}INSERT DATA {{ GRAPH <urn:graph:retrieval> {{
+                       <{node}> tg:run <urn:trustgraph:agent:{run}> ; tg:promptDigest \"d\" ;
+                         tg:completion \"{{\\\"text\\\":\\\"{answer}\\\"}}\" .
+                       <urn:trustgraph:agent:{run}/final> a tg:Conclusion }} }}"
+                ))
+                .await
+                .unwrap();
+        }
+        let kept = KeptRecords {
+            max_bytes: 1_000,
+            ..KeptRecords::default()
+        };
+        let held = |kept: &KeptRecords| -> Vec<String> {
+            let kept = kept.kept.lock().unwrap();
+            kept.iter().map(|k| k.reuse.0.clone()).collect()
+        };
+        kept.read(&store, &reuse("a")).await.unwrap();
+        kept.read(&store, &reuse("b")).await.unwrap();
+        assert_eq!(held(&kept), ["a", "b"]);
+        // Too large for the bound on its own: read, given, not kept, and nothing put out for it.
+        let c = kept.read(&store, &reuse("c")).await.unwrap();
+        assert!(c.bytes > 1_000);
+        assert_eq!(c.llm_calls.get("d").map_or(0, Vec::len), 1);
+        assert_eq!(held(&kept), ["a", "b"]);
+        // Room is made for one that fits by putting out the oldest: three do not fit together.
+        kept.read(&store, &reuse("e")).await.unwrap();
+        assert_eq!(held(&kept), ["b", "e"]);
+        let total: usize = kept
+            .kept
+            .lock()
+            .unwrap()
+            .iter()
+            .map(|k| k.record.bytes)
+            .sum();
+        assert!(total <= 1_000);
     }
 }
