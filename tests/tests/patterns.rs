@@ -326,6 +326,72 @@ async fn deep_research_runs_rounds_of_parallel_lookups_then_writes_and_is_judged
     );
 }
 
+/// Deep research whose first round brought back a long note (checked in as a document, so the
+/// messages after it carry an excerpt) and three more rounds after it: the writer and the judge
+/// still read that note whole. Until 2026-12-04 the writer saw only the newest three steps' notes
+/// whole and the judge every note as its excerpt, so a claim from past the excerpt's first
+/// kilobyte could not be checked against what the lookup really returned.
+#[tokio::test]
+async fn deep_researchs_writer_and_judge_read_an_old_long_note_whole() {
+    let filler = "more about alpha ".repeat(400);
+    let long_note = format!("alpha costs 3. {filler}The alpha price was set in 2019.");
+    let round = |calls: &str, complete: bool| {
+        format!(
+            r#"{{\"thought\": \"next\", \"complete\": {complete}, \"gaps\": [], \"calls\": [{calls}]}}"#
+        )
+    };
+    let call =
+        |q: &str| format!(r#"{{\"tool\": \"llm\", \"arguments\": {{\"question\": \"{q}\"}}}}"#);
+    let script = format!(
+        r#"{{"rules": [
+      {{"match": "Request to classify: ", "reply": "{{\"choice\": \"research\", \"rationale\": \"facts\"}}"}},
+      {{"match": "Request to work on: ", "reply": "{{\"choice\": \"deep-research\", \"rationale\": \"lookups\"}}"}},
+      {{"match": "Request to research: What do alpha, beta and gamma cost?", "replies": ["{r1}", "{r2}", "{r3}", "{r4}"]}},
+      {{"match": "price of alpha?", "exact": true, "reply": "{long_note}"}},
+      {{"match": "price of beta?", "exact": true, "reply": "beta costs 4"}},
+      {{"match": "price of gamma?", "exact": true, "reply": "gamma costs 5"}},
+      {{"match": "Request to write up: What do alpha, beta and gamma cost?", "and": ["[3] llm(", "The alpha price was set in 2019."], "reply": "Alpha costs 3 since 2019 [1], beta 4 [2], gamma 5 [3]."}},
+      {{"match": "Review a draft answer", "and": ["Alpha costs 3 since 2019 [1]", "The alpha price was set in 2019."], "reply": "{{\"status\": \"SUCCESS\", \"evaluation\": \"every claim is in a note\"}}"}}
+    ]}}"#,
+        r1 = round(&call("price of alpha?"), false),
+        r2 = round(&call("price of beta?"), false),
+        r3 = round(&call("price of gamma?"), false),
+        r4 = round("", true),
+    );
+    // With a graph store, as deployed: long texts are checked in as documents there.
+    let Stack {
+        broker,
+        aggregator: _aggregator,
+        llm,
+        orchestrator: _orchestrator,
+    } = Stack::journaled(TOKEN, &script, &seed_dir(), &[]).await;
+    let mut client = client(&broker).await;
+    client
+        .send(
+            "research-long",
+            &request("What do alpha, beta and gamma cost?", false),
+        )
+        .await
+        .unwrap();
+    let responses = collect_dialog(&mut client, "research-long", Duration::from_secs(60))
+        .await
+        .unwrap();
+    let calls = llm.calls();
+    assert_eq!(
+        responses.last().map(|r| r.content.as_str()),
+        Some("Alpha costs 3 since 2019 [1], beta 4 [2], gamma 5 [3]."),
+        "{responses:#?}\n{calls:#?}"
+    );
+    // The round's note was long enough to travel as an excerpt (else this shows nothing).
+    assert!(long_note.len() > agent_core::documents::CHECK_IN_OVER);
+    // Routing (2), four rounds, three lookups, the writer and the judge; nothing unanswered.
+    assert!(calls.iter().all(|c| c.rule.is_some()), "{calls:#?}");
+    assert_eq!(calls.iter().filter(|c| c.rule == Some(2)).count(), 4);
+    for rule in [6, 7] {
+        assert_eq!(calls.iter().filter(|c| c.rule == Some(rule)).count(), 1);
+    }
+}
+
 /// An ensemble none of whose agents answered (each agent's LLM call fails) ends with an error
 /// that says so, and the reconciliation is never asked: until 2026-12-02 the failures were handed
 /// to it as the agents' positions, and its reply came back as the ensemble's answer.

@@ -231,6 +231,29 @@ pub async fn resolve_recent<'h>(
     Cow::Owned(resolved)
 }
 
+/// `history` with every step's checked-in observation whole again, for a prompt that must read
+/// them all (deep research's notes, at most its rounds' worth); the next message keeps the
+/// excerpts. Bounded as every resolution is ([`MOST_BYTES_RESOLVED`]).
+pub async fn observations_whole<'h>(
+    store: Option<&DocumentStore>,
+    history: &'h [AgentStep],
+) -> Cow<'h, [AgentStep]> {
+    if store.is_none()
+        || !history
+            .iter()
+            .any(|step| reference(&step.observation).is_some())
+    {
+        return Cow::Borrowed(history);
+    }
+    let mut resolved = history.to_vec();
+    let texts = resolved
+        .iter_mut()
+        .map(|step| &mut step.observation)
+        .collect();
+    resolve_texts(store, texts).await;
+    Cow::Owned(resolved)
+}
+
 /// `history` with every subagent result it carries whole again (the aggregator checks long ones
 /// in when it resumes a supervisor), for a prompt; the next message keeps the excerpts.
 pub async fn results_whole<'h>(

@@ -19,9 +19,11 @@ use crate::turn::{tokens_after, Turn};
 pub async fn iterate(turn: &Turn<'_>) -> Result<(), BusError> {
     let request = turn.request;
     let n = steps_taken(&request.history) + 1;
-    // The judge reads the draft against every note.
+    // The judge reads the draft against every note, whole: a long round travels as an excerpt,
+    // and a claim taken from past it must not look unsupported (or an invented one supported).
     if critic::awaiting_draft_review(&request.history).is_some() {
-        let notes = research::notes(&request.history);
+        let history = crate::documents::observations_whole(turn.documents, &request.history).await;
+        let notes = research::notes(&history);
         return crate::review::review_draft(turn, n, notes).await;
     }
     if critic::draft_rejected(&request.history) {
@@ -54,7 +56,9 @@ async fn round(turn: &Turn<'_>, n: usize) -> Result<(), BusError> {
     let scope = Scope::new(request.group.as_deref(), request.state.as_deref());
     let visible = turn.visible_tools(&scope).await;
     let candidates: Vec<&str> = visible.iter().map(|t| t.name.as_str()).collect();
-    let history = crate::documents::resolve_recent(turn.documents, &request.history).await;
+    // Every round's notes whole, not only the newest steps': the notes are what the research
+    // knows, and there are at most its rounds' worth.
+    let history = crate::documents::observations_whole(turn.documents, &request.history).await;
     let max_calls = research::MAX_CALLS_PER_ROUND;
     let vars = [
         ("framing", framing_block(&request.framing)),
@@ -199,7 +203,9 @@ async fn write(turn: &Turn<'_>, n: usize) -> Result<(), BusError> {
         config,
         ..
     } = turn;
-    let history = crate::documents::resolve_recent(turn.documents, &request.history).await;
+    // Every round's notes whole, not only the newest steps': the notes are what the research
+    // knows, and there are at most its rounds' worth.
+    let history = crate::documents::observations_whole(turn.documents, &request.history).await;
     let lessons = critic::answer_lessons(&history);
     let lessons = if lessons.is_empty() {
         String::new()
