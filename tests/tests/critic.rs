@@ -467,6 +467,63 @@ async fn a_rejected_answer_is_written_again_with_the_lesson() {
     assert_thoughts_explained(&responses, &t);
 }
 
+/// A plan's long draft answer (over 4 KiB, so the message after it carries an excerpt and the
+/// whole text is checked in as a document) is reviewed whole and given whole. Until 2026-12-04 the
+/// plan's review read the draft from the message as it came: the judge was shown its first
+/// kilobyte, and an accepted draft reached the client as that excerpt with its claim-check mark.
+#[tokio::test]
+async fn a_plans_long_draft_is_reviewed_whole_and_given_whole() {
+    const TOKEN: &str = "critic-long-token";
+    let config = config_dir(
+        "answer-long",
+        &[
+            (
+                "agent-pattern",
+                r#"{"plan-then-execute": {"description": "plan first", "critic": ["answer"]}}"#,
+            ),
+            ("agent-limits", r#"{"default": {"max_iterations": 20}}"#),
+        ],
+    );
+    let draft = format!(
+        "The sum is 12. {}END-OF-DRAFT.",
+        "Here is how it was added up. ".repeat(200)
+    );
+    assert!(draft.len() > agent_core::documents::CHECK_IN_OVER);
+    let script = format!(
+        r#"{{"rules": [
+      {{"match": "Request to plan: Sum", "reply": "[{{\"goal\": \"add them\"}}]"}},
+      {{"match": "Step goal: add them", "reply": "Thought: adding.\nFinal Answer: 12"}},
+      {{"match": "Request to answer: Sum", "reply": "{draft}"}},
+      {{"match": "Draft answer to review: The sum is 12.", "and": ["END-OF-DRAFT."], "reply": "{{\"status\": \"SUCCESS\"}}"}}
+    ]}}"#
+    );
+    let Stack {
+        broker,
+        aggregator: _aggregator,
+        llm,
+        orchestrator: _orchestrator,
+    } = Stack::journaled(TOKEN, &script, &config, &[]).await;
+    let mut client = client(&broker).await;
+    let request = AgentRequest {
+        pattern: "plan-then-execute".into(),
+        ..request("Sum the numbers.", false)
+    };
+    client.send("long-draft", &request).await.unwrap();
+    let responses = collect_dialog(&mut client, "long-draft", DIALOG_TIMEOUT)
+        .await
+        .unwrap();
+    let calls = llm.calls();
+    let last = responses.last().unwrap();
+    assert!(last.error.is_none(), "{responses:#?}\n{calls:#?}");
+    assert_eq!(
+        last.content, draft,
+        "the answer given is not the whole draft"
+    );
+    // The judge was asked once, and answered (its rule needs the draft's end).
+    assert_eq!(calls.iter().filter(|c| c.rule == Some(3)).count(), 1);
+    assert!(calls.iter().all(|c| c.rule.is_some()), "{calls:#?}");
+}
+
 /// The answer critic on ReACT, switched on by the task type: the first draft is rejected with a
 /// lesson, the agent looks the fact up, and the second draft is accepted. Only the accepted
 /// answer reaches the client as the answer; the graph records both drafts and both verdicts.

@@ -312,6 +312,56 @@ async fn max_iterations_ends_the_dialog_with_a_clear_answer() {
     assert_eq!(llm.calls().len(), 4);
 }
 
+/// A dialog ended at its iteration limit whose last observation was long (over 4 KiB, so the
+/// message after it carried an excerpt, its text checked in as a document) answers with that
+/// observation whole. Until 2026-12-04 the answer held the excerpt and its claim-check mark.
+#[tokio::test]
+async fn an_answer_at_the_limit_gives_a_long_last_observation_whole() {
+    const TOKEN: &str = "limit-long-token";
+    let config = config_dir(
+        "limit-long",
+        &[
+            ("agent-limits", r#"{"default": {"max_iterations": 1}}"#),
+            (
+                "tool",
+                r#"{"llm": {"name": "llm", "description": "ask", "type": "text-completion"}}"#,
+            ),
+        ],
+    );
+    let observation = format!("{}END-OF-OBSERVATION", "a long result line. ".repeat(300));
+    let script = format!(
+        r#"{{"rules": [
+      {{"match": "fetch it", "exact": true, "reply": "{observation}"}},
+      {{"match": "Question: fetch", "reply": "Thought: fetch\nAction: llm\nArgs: {{\"question\": \"fetch it\"}}"}}
+    ]}}"#
+    );
+    let Stack {
+        broker,
+        aggregator: _aggregator,
+        llm: _llm,
+        orchestrator: _orchestrator,
+    } = Stack::journaled(TOKEN, &script, &config, &[]).await;
+    let mut client = client(&broker).await;
+    client
+        .send("q-long", &request("fetch the long thing", false))
+        .await
+        .unwrap();
+    let responses = collect_dialog(&mut client, "q-long", DIALOG_TIMEOUT)
+        .await
+        .unwrap();
+    assert_closed_once(&responses);
+    let closing = responses.last().unwrap();
+    assert!(closing.error.is_none(), "{responses:#?}");
+    assert!(observation.len() > agent_core::documents::CHECK_IN_OVER);
+    assert!(
+        closing
+            .content
+            .ends_with(&format!("The last observation was: {observation}")),
+        "{}",
+        closing.content
+    );
+}
+
 /// A token budget (`max_tokens`) counted across iterations ends the dialog with a clear answer and
 /// a `budget` termination once it is used up, before another LLM call.
 #[tokio::test]

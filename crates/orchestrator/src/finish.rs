@@ -132,7 +132,9 @@ async fn conclude_at_limit(
         llm,
         ..
     } = turn;
-    let answer = match request.history.last() {
+    // A long observation travels as an excerpt: the answer gives it whole, as the client saw it.
+    let history = crate::documents::resolve_recent(turn.documents, &request.history).await;
+    let answer = match history.last() {
         Some(step) => format!("{why} The last observation was: {}", step.observation),
         None => why.to_owned(),
     };

@@ -527,8 +527,9 @@ async fn review_answer(turn: &Turn<'_>, n: usize) -> Result<(), BusError> {
         return given;
     }
     let request = turn.request;
-    let draft = request
-        .history
+    // A long draft travels as an excerpt: the judge reads it whole, and whole is what is given.
+    let history = crate::documents::resolve_recent(turn.documents, &request.history).await;
+    let draft = history
         .last()
         .map(|s| s.observation.clone())
         .unwrap_or_default();
