@@ -157,6 +157,71 @@ async fn a_crash_at_any_point_of_publishing_a_step_gives_one_outcome() {
     }
 }
 
+/// A first request that carries no `id` of its client's (and no session) is named after its
+/// message, which its redeliveries share: after a crash that followed its record, its redelivery
+/// settles from the journal instead of running again. Until 2026-12-04 each delivery of it drew a
+/// fresh random session, so the recorded step ran again under another (its LLM call made twice,
+/// and a tool with effects would have been called twice).
+#[tokio::test]
+async fn a_first_request_without_an_id_redelivered_after_a_crash_runs_once() {
+    let mut broker = Broker::start().unwrap();
+    let aggregator = Aggregator::spawn_with(&broker, &["--config-token", TOKEN]);
+    let llm = scripted_llm(THREE_STEPS).await;
+    let question = "combine (no id)";
+    let mut doomed = Orchestrator::spawn_journaled(
+        &broker,
+        &llm,
+        &aggregator,
+        TOKEN,
+        &[("AGENT_FAULT", "after-record:1")],
+    );
+    let bus = agent_bus::Bus::connect(&broker.url(), None).await.unwrap();
+    let requests = agent_bus::Publisher::new(&bus, "persistent://tg/request/agent:default:default")
+        .await
+        .unwrap();
+    requests
+        .send(
+            agent_schema::encode(&react(question)),
+            &agent_bus::Properties::new(),
+        )
+        .await
+        .unwrap();
+    assert!(
+        doomed.exited_within(Duration::from_secs(30)).await,
+        "the orchestrator did not crash after recording (connections pulsar-lite reset: {:?})",
+        broker.reset_connections()
+    );
+    drop(requests);
+    drop(bus);
+    broker.restart().unwrap();
+    let _replacement = Orchestrator::spawn_journaled(&broker, &llm, &aggregator, TOKEN, &[]);
+    let store = aggregator.store();
+    let prefixes = agent_core::vocab::SPARQL_PREFIXES;
+    let ended = format!(
+        "{prefixes}ASK {{ GRAPH <urn:graph:retrieval> {{ ?f tg:terminationReason \"answer\" }} }}"
+    );
+    assert!(
+        holds_within_for(&store, ended, Duration::from_secs(90)).await,
+        "the dialog did not end; LLM calls of its steps (rules 4, 1, 0): {:?}",
+        [4, 1, 0].map(|rule| calls_of(&llm, question, rule))
+    );
+    // Whatever a second session would have done has had time to show.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let sessions = format!(
+        "{prefixes}SELECT ?s WHERE {{ GRAPH <urn:graph:retrieval> {{ ?s tg:query \"{question}\" }} }}"
+    );
+    assert_eq!(count(&store, sessions).await, 1, "one session asked it");
+    let conclusions = format!(
+        "{prefixes}SELECT ?f WHERE {{ GRAPH <urn:graph:retrieval> {{ ?f tg:terminationReason ?r }} }}"
+    );
+    assert_eq!(count(&store, conclusions).await, 1, "one conclusion");
+    assert_eq!(
+        calls_of(&llm, question, 4),
+        1,
+        "the recorded first step was not run again"
+    );
+}
+
 /// The closing of the dialog `id` in `session` as the journal recorded it, once it is (within
 /// two minutes): read there rather than from the response topic, whose non-persistent messages a
 /// client subscribing again after a broker restart can miss.

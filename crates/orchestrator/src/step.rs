@@ -1,6 +1,7 @@
 //! One delivered request taken up: where it stands in its run, its journal slot, its
 //! conversation, then its pattern's step, committed before the message is acked.
 
+use std::borrow::Cow;
 use std::time::Duration;
 
 use agent_bus::Delivery;
@@ -435,7 +436,13 @@ impl Engine {
             aside: _,
         } = delivery;
         let id = properties.get(ID_PROPERTY).cloned();
-        let session_id = session_id_for(&request, id.as_deref());
+        // A first request with no id of its client's is named after the broker's id of its
+        // message, which its redeliveries share: a fresh session each time would run it again.
+        let seed = match id.as_deref() {
+            Some(id) if !id.is_empty() => Cow::Borrowed(id),
+            _ => Cow::Owned(format!("message:{message_id}")),
+        };
+        let session_id = session_id_for(&request, Some(&seed));
         let uris = SessionUris::new(&session_id);
         let config = self.config.current();
         let new_dialog = is_new_dialog(&request, &properties);
@@ -983,8 +990,9 @@ pub(crate) fn committed(
     .emit();
 }
 
-/// The session of a dialog. A first request gets one derived from its `id` property, so that a
-/// redelivered first message names the same provenance nodes instead of starting a second session.
+/// The session of a dialog. A first request gets one derived from its `id` property (or, without
+/// one, from its message's id: see `admit`), so that a redelivered first message names the same
+/// provenance nodes instead of starting a second session.
 pub fn session_id_for(request: &AgentRequest, id: Option<&str>) -> String {
     if !request.session_id.is_empty() {
         return request.session_id.clone();
