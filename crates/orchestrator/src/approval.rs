@@ -364,18 +364,44 @@ impl OneAtATime {
     }
 }
 
-/// Whether `control` answers a parked call (and names its step).
+/// Whether `control` answers a parked call (and names its step). Its session id must be one a
+/// request may have (validate.rs): no other names a parked call, and one of megabytes made a
+/// query the store refused, so the answer was handed back for ever and held a place among the few
+/// answers taken up at once.
 pub fn is_answer(control: &AgentControl) -> bool {
+    let safe = |c: char| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.' | ':');
     matches!(
         control.operation.as_str(),
         control_operation::APPROVE | control_operation::DENY | control_operation::EXPIRE
     ) && !control.session_id.is_empty()
+        && control.session_id.len() <= MOST_SESSION_ID_BYTES
+        && control.session_id.chars().all(safe)
         && control.step.is_some_and(|s| s > 0)
 }
+
+/// The longest session id a request may have (validate.rs).
+const MOST_SESSION_ID_BYTES: usize = 240;
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn only_an_answer_naming_a_session_a_request_may_have_is_an_answer() {
+        let answer = |session: &str| AgentControl {
+            operation: control_operation::APPROVE.to_owned(),
+            session_id: session.to_owned(),
+            step: Some(2),
+            ..AgentControl::default()
+        };
+        assert!(is_answer(&answer("s-1")));
+        assert!(is_answer(&answer(&"s".repeat(240))));
+        assert!(!is_answer(&answer(&"s".repeat(241))));
+        assert!(!is_answer(&answer(&"a".repeat(3 << 20))));
+        assert!(!is_answer(&answer("s 1")));
+        assert!(!is_answer(&answer("s>1")));
+        assert!(!is_answer(&answer("")));
+    }
 
     #[test]
     fn an_approval_waited_for_ever_has_a_deadline_in_ten_years() {

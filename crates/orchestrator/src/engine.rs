@@ -605,7 +605,8 @@ impl Engine {
             return Disposition::Ack;
         }
         if !approval::is_answer(&control) {
-            tracing::warn!(operation = %control.operation, session = %control.session_id, "ignoring a control request that answers no parked call");
+            let session = agent_core::documents::prefix(&control.session_id, 240).escape_debug();
+            tracing::warn!(operation = %control.operation, %session, "ignoring a control request that answers no parked call");
             return Disposition::Ack;
         }
         let Some(store) = &self.knowledge else {
