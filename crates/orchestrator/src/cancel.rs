@@ -183,6 +183,15 @@ pub async fn listen(
     const FIRST_PAUSE: Duration = Duration::from_millis(200);
     let mut pause = FIRST_PAUSE;
     let mut catching_up: Option<tokio::task::JoinHandle<()>> = None;
+    let (unsealed, to_record) = tokio::sync::mpsc::channel(UNSEALED_RECORDS_WAITING);
+    let recorder = tokio::spawn(record_unsealed(
+        bus.clone(),
+        topics.clone(),
+        seals.0.clone(),
+        to_record,
+    ));
+    let _recorder = AbortOnDrop(recorder);
+    let mut records_dropped = 0u64;
     loop {
         let mut listening_since = None;
         let heard = async {
@@ -229,13 +238,13 @@ pub async fn listen(
                                 at: vouched_time(&cancel.at, chrono::Utc::now()),
                                 ..cancel
                             };
-                            if cancellations.record(cancel.clone()) {
-                                tokio::spawn(record_unsealed(
-                                    bus.clone(),
-                                    topics.clone(),
-                                    seals.0.clone(),
-                                    cancel,
-                                ));
+                            if cancellations.record(cancel.clone())
+                                && unsealed.try_send(cancel).is_err()
+                            {
+                                records_dropped += 1;
+                                if records_dropped.is_power_of_two() {
+                                    tracing::warn!(records_dropped, "unsealed cancels come faster than they can be recorded in the graph; acted on, not recorded");
+                                }
                             }
                         }
                     }
@@ -280,49 +289,73 @@ fn vouched_time(claimed: &str, now: chrono::DateTime<chrono::Utc>) -> String {
     }
 }
 
-/// Records in the graph a cancel this replica acted on although it came without the services'
-/// seal (no seal key, or `--control-seals warn`, as under `agentctl up`): its sender's record, if
-/// it made one, was not sealed, so the aggregator left it out (or, with no key anywhere, the
-/// sender had none to make). Without a record the approvals sweep cannot see the cancel (a run
-/// parked for approval would wait for its call's deadline) and no audit shows who stopped the
-/// run. Every replica that hears it records the same triples, which the graph keeps once; the
-/// record is sealed with this replica's key, if it has one, and marked as taken unsealed.
+/// How many unsealed cancels may wait to be recorded; past it one is acted on and not recorded
+/// (a flood of them, which only a sender without the seal key can make, must not cost a task and
+/// a producer each).
+const UNSEALED_RECORDS_WAITING: usize = 1024;
+
+/// Stops a task when the one that started it ends.
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+/// Records in the graph, one after another on one producer, each cancel this replica acted on
+/// although it came without the services' seal (no seal key, or `--control-seals warn`, as under
+/// `agentctl up`): its sender's record, if it made one, was not sealed, so the aggregator left it
+/// out (or, with no key anywhere, the sender had none to make). Without a record the approvals
+/// sweep cannot see the cancel (a run parked for approval would wait for its call's deadline) and
+/// no audit shows who stopped the run. Every replica that hears it records the same triples,
+/// which the graph keeps once; the record is sealed with this replica's key, if it has one, and
+/// marked as taken unsealed.
 async fn record_unsealed(
     bus: Bus,
     topics: Topics,
     key: Option<agent_bus::seal::SealKey>,
-    cancel: Cancel,
+    mut to_record: tokio::sync::mpsc::Receiver<Cancel>,
 ) {
-    let uris = SessionUris::new(&cancel.session_id);
-    let record = agent_schema::Triples {
-        metadata: agent_schema::Metadata {
-            id: uris.cancellation(),
-            root: uris.session(),
-            collection: "default".to_owned(),
-        },
-        triples: agent_core::provenance::unsealed_cancellation(
-            &uris,
-            &cancel.by,
-            &cancel.at,
-            &cancel.reason,
-        ),
-    };
-    let payload = agent_schema::encode(&record);
-    let mut properties = agent_bus::Properties::new();
-    if let Some(key) = &key {
-        properties.insert(
-            agent_bus::seal::EXPLAIN_SEAL_PROPERTY.to_owned(),
-            key.seal_explain(&payload),
-        );
-    }
-    let sent = async {
-        agent_bus::Publisher::new(&bus, &topics.explainability)
-            .await?
-            .send(payload, &properties)
-            .await
-    };
-    if let Err(e) = sent.await {
-        tracing::warn!(session = %cancel.session_id, error = %e, "an unsealed cancel was acted on but could not be recorded in the graph");
+    let mut producer: Option<agent_bus::Publisher> = None;
+    while let Some(cancel) = to_record.recv().await {
+        let uris = SessionUris::new(&cancel.session_id);
+        let record = agent_schema::Triples {
+            metadata: agent_schema::Metadata {
+                id: uris.cancellation(),
+                root: uris.session(),
+                collection: "default".to_owned(),
+            },
+            triples: agent_core::provenance::unsealed_cancellation(
+                &uris,
+                &cancel.by,
+                &cancel.at,
+                &cancel.reason,
+            ),
+        };
+        let payload = agent_schema::encode(&record);
+        let mut properties = agent_bus::Properties::new();
+        if let Some(key) = &key {
+            properties.insert(
+                agent_bus::seal::EXPLAIN_SEAL_PROPERTY.to_owned(),
+                key.seal_explain(&payload),
+            );
+        }
+        let sent = async {
+            let publisher = match producer.take() {
+                Some(publisher) => publisher,
+                None => agent_bus::Publisher::new(&bus, &topics.explainability).await?,
+            };
+            let sent = publisher.send(payload, &properties).await;
+            // Kept for the next record unless it failed, when the next one makes a new one.
+            if sent.is_ok() {
+                producer = Some(publisher);
+            }
+            sent
+        };
+        if let Err(e) = sent.await {
+            tracing::warn!(session = %cancel.session_id, error = %e, "an unsealed cancel was acted on but could not be recorded in the graph");
+        }
     }
 }
 
