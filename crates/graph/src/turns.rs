@@ -136,11 +136,20 @@ impl Starts {
         if self.by_conversation.len() >= MAX_CONVERSATIONS
             && !self.by_conversation.contains_key(&key)
         {
-            if self.asked_while_full.is_multiple_of(SWEEP_EVERY) {
+            let sweep = self.asked_while_full.is_multiple_of(SWEEP_EVERY);
+            if sweep {
                 self.by_conversation
                     .retain(|_, starts| starts.values().any(fresh));
             }
-            self.asked_while_full = self.asked_while_full.wrapping_add(1);
+            // A sweep that made room starts the count again, so that the first question once the
+            // map is full again sweeps at once: a count left where it was answered up to
+            // `SWEEP_EVERY - 1` starts without keeping them (two replicas could each start a
+            // dialog of one conversation) each time the map filled up with lapsed starts.
+            self.asked_while_full = if sweep && self.by_conversation.len() < MAX_CONVERSATIONS {
+                0
+            } else {
+                self.asked_while_full.wrapping_add(1)
+            };
         }
         let room = self.by_conversation.len() < MAX_CONVERSATIONS
             || self.by_conversation.contains_key(&key);
@@ -287,6 +296,33 @@ mod tests {
             running: None,
             start,
             for_ms: None,
+        }
+    }
+
+    #[test]
+    fn a_start_is_kept_each_time_the_map_fills_up_with_lapsed_starts() {
+        let mut starts = Starts::default();
+        let mut now = Instant::now();
+        let lone = |conversation: String, session: &str| TurnAsked {
+            conversation,
+            ..asked(session, &[], false, StartIf::Clear)
+        };
+        for round in 0..2 {
+            // A long run's conversations of one dialog each, never asked again, their starts
+            // lapsed by the time the map is full.
+            let held = starts.by_conversation.len();
+            for k in held..MAX_CONVERSATIONS {
+                let turn = starts.take_turn(1, &lone(format!("{round}-{k}"), "s"), now);
+                assert!(turn.started);
+            }
+            assert_eq!(starts.by_conversation.len(), MAX_CONVERSATIONS);
+            now += LEASE_BOUNDS.1 + Duration::from_secs(1);
+            let new = format!("new-{round}");
+            assert!(starts.take_turn(1, &lone(new.clone(), "a"), now).started);
+            // Kept: a second dialog of that conversation asking at once waits for it.
+            let second = starts.take_turn(1, &lone(new, "b"), now);
+            assert!(!second.started, "round {round}: {second:?}");
+            assert_eq!(second.unseen, ["a"], "round {round}");
         }
     }
 
