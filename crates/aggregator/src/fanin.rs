@@ -462,8 +462,8 @@ pub async fn check(
                     .parse::<u64>()
                     .unwrap_or(0)
             };
-            tokens.0 += count(&used_in);
-            tokens.1 += count(&used_out);
+            tokens.0 = tokens.0.saturating_add(count(&used_in));
+            tokens.1 = tokens.1.saturating_add(count(&used_out));
         }
         let goal = text(goal.get(i).copied().flatten());
         let status = text(status.get(i).copied().flatten());
@@ -489,7 +489,7 @@ pub async fn check(
                 continuation: &continuation,
                 client: &client,
                 started,
-                tokens: tokens.0 + tokens.1,
+                tokens: tokens.0.saturating_add(tokens.1),
                 expected,
             };
             return start_waiting(store, requests, seal, &fanout, &found).await;

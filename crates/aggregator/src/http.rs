@@ -74,7 +74,7 @@ pub fn router(
 ) -> Router {
     let reads = Arc::new(Reads {
         bounds: QueryBounds {
-            timeout: std::time::Duration::from_secs(reads.query_timeout_secs.max(1)),
+            timeout: reads.query_timeout(),
             max_rows: reads.max_result_rows,
             max_bindings: reads.max_query_bindings,
         },

@@ -103,7 +103,9 @@ pub struct ReadSettings {
     pub query_timeout_secs: u64,
     /// Queries without a token that run at once; more wait up to a second for a turn, then get
     /// 503 with `Retry-After`. Queries with the services' token (`CONFIG_TOKEN`: the
-    /// orchestrators' journal and fan-in) never wait for a turn.
+    /// orchestrators' journal and fan-in) never wait for a turn, unless they ask for a budget (a
+    /// knowledge tool's query, a stranger's forwarded by a replica): those take a turn as a
+    /// stranger's does, so set `AGGREGATOR_QUERY_TOKEN` where strangers could keep the turns busy.
     #[arg(long, env = "AGGREGATOR_MAX_QUERIES", default_value_t = 2)]
     pub max_queries: usize,
     /// Rows (or triples) a result may have; a larger one is refused.
@@ -138,6 +140,14 @@ pub struct ReadSettings {
     /// are open.
     #[arg(long, env = "AGGREGATOR_QUERY_TOKEN", hide_env_values = true)]
     pub query_token: Option<String>,
+}
+
+impl ReadSettings {
+    /// The query time limit, a second to a day: "no limit" written as a huge number must not
+    /// overflow the deadlines it sets.
+    pub fn query_timeout(&self) -> Duration {
+        Duration::from_secs(self.query_timeout_secs.clamp(1, 86_400))
+    }
 }
 
 impl Default for ReadSettings {
@@ -261,7 +271,7 @@ pub async fn run(settings: AggregatorSettings, shutdown: CancellationToken) -> a
         listener,
         app,
         settings.http.clone(),
-        Duration::from_secs(settings.reads.query_timeout_secs.max(1)),
+        settings.reads.query_timeout(),
         shutdown.clone(),
     ));
 
