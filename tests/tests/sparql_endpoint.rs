@@ -102,6 +102,24 @@ async fn runaway_queries_are_stopped_and_dialogs_go_on() {
         )
         .await
         .unwrap();
+    // A knowledge tool's query (the services' token, a budget of bindings) is answered while
+    // the strangers hold the one turn they have. Until 2026-12-04 it waited for that turn and was
+    // refused (503), so an agent's tools failed while anyone ran slow queries.
+    let tools_query = http
+        .post(format!("{}/query", aggregator.endpoint))
+        .header("content-type", "application/sparql-query")
+        .header("authorization", format!("Bearer {TOKEN}"))
+        .header(agent_graph::BINDINGS_HEADER, "100000")
+        .body("ASK { ?s ?p ?o }")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(
+        tools_query.status().as_u16(),
+        200,
+        "{:?}",
+        tools_query.text().await
+    );
     let mut both = collect_dialogs(&mut client, &["during", "during-fan-in"], DIALOG_TIMEOUT).await;
     let during = both.remove("during").unwrap();
     assert_eq!(

@@ -44,6 +44,10 @@ struct Reads {
     bounds: QueryBounds,
     /// Turns for queries without the services' token.
     turns: Arc<tokio::sync::Semaphore>,
+    /// Turns, as many, for the budgeted queries that carry it (a knowledge tool's, a stranger's
+    /// forwarded by a replica, which took a stranger's turn there): strangers here cannot hold
+    /// them all and leave the agents' tools with "too many queries at once".
+    service_turns: Arc<tokio::sync::Semaphore>,
     token: Option<String>,
     /// Longest query text taken from anyone but the services.
     max_query_bytes: usize,
@@ -79,6 +83,7 @@ pub fn router(
             max_bindings: reads.max_query_bindings,
         },
         turns: Arc::new(tokio::sync::Semaphore::new(reads.max_queries.max(1))),
+        service_turns: Arc::new(tokio::sync::Semaphore::new(reads.max_queries.max(1))),
         token: reads.query_token.clone().filter(|t| !t.is_empty()),
         max_query_bytes: reads.max_query_bytes,
         max_answer_bytes: reads.max_answer_bytes,
@@ -245,9 +250,10 @@ async fn run_query(state: &AppState, headers: &HeaderMap, sparql: String) -> Res
             .into_response();
     }
     // The services' own queries (the journal, fan-in) never queue behind anonymous ones, but
-    // a query they ask to bound (a stranger's forwarded by a replica, a tool's) takes a turn as a
-    // stranger's does. The turn is held by the evaluation, not this request, so it counts a query
-    // until its evaluation has ended, even one whose client went away.
+    // a query they ask to bound (a stranger's forwarded by a replica, a tool's) takes a turn, of
+    // a pool of its own: strangers here must not be able to hold every turn the tools need. The
+    // turn is held by the evaluation, not this request, so it counts a query until its
+    // evaluation has ended, even one whose client went away.
     let asked = headers
         .get(agent_graph::BINDINGS_HEADER)
         .and_then(|v| v.to_str().ok())
@@ -255,7 +261,12 @@ async fn run_query(state: &AppState, headers: &HeaderMap, sparql: String) -> Res
     let turn = if service && asked.is_none() {
         None
     } else {
-        match tokio::time::timeout(TURN_WAIT, reads.turns.clone().acquire_owned()).await {
+        let pool = if service {
+            &reads.service_turns
+        } else {
+            &reads.turns
+        };
+        match tokio::time::timeout(TURN_WAIT, pool.clone().acquire_owned()).await {
             Ok(Ok(turn)) => Some(turn),
             _ => {
                 crate::metrics::query_refused("busy");

@@ -104,8 +104,8 @@ pub struct ReadSettings {
     /// Queries without a token that run at once; more wait up to a second for a turn, then get
     /// 503 with `Retry-After`. Queries with the services' token (`CONFIG_TOKEN`: the
     /// orchestrators' journal and fan-in) never wait for a turn, unless they ask for a budget (a
-    /// knowledge tool's query, a stranger's forwarded by a replica): those take a turn as a
-    /// stranger's does, so set `AGGREGATOR_QUERY_TOKEN` where strangers could keep the turns busy.
+    /// knowledge tool's query, a stranger's forwarded by a replica): those take a turn of as many
+    /// more, their own, so that strangers cannot hold every turn the agents' tools need.
     #[arg(long, env = "AGGREGATOR_MAX_QUERIES", default_value_t = 2)]
     pub max_queries: usize,
     /// Rows (or triples) a result may have; a larger one is refused.
