@@ -369,18 +369,13 @@ impl OneAtATime {
 /// query the store refused, so the answer was handed back for ever and held a place among the few
 /// answers taken up at once.
 pub fn is_answer(control: &AgentControl) -> bool {
-    let safe = |c: char| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.' | ':');
     matches!(
         control.operation.as_str(),
         control_operation::APPROVE | control_operation::DENY | control_operation::EXPIRE
     ) && !control.session_id.is_empty()
-        && control.session_id.len() <= MOST_SESSION_ID_BYTES
-        && control.session_id.chars().all(safe)
+        && crate::validate::names_a_node(&control.session_id)
         && control.step.is_some_and(|s| s > 0)
 }
-
-/// The longest session id a request may have (validate.rs).
-const MOST_SESSION_ID_BYTES: usize = 240;
 
 #[cfg(test)]
 mod tests {

@@ -190,7 +190,7 @@ pub async fn listen(
         seals.0.clone(),
         to_record,
     ));
-    let _recorder = AbortOnDrop(recorder);
+    let _recorder = tokio_util::task::AbortOnDropHandle::new(recorder);
     let mut records_dropped = 0u64;
     loop {
         let mut listening_since = None;
@@ -293,15 +293,6 @@ fn vouched_time(claimed: &str, now: chrono::DateTime<chrono::Utc>) -> String {
 /// (a flood of them, which only a sender without the seal key can make, must not cost a task and
 /// a producer each).
 const UNSEALED_RECORDS_WAITING: usize = 1024;
-
-/// Stops a task when the one that started it ends.
-struct AbortOnDrop(tokio::task::JoinHandle<()>);
-
-impl Drop for AbortOnDrop {
-    fn drop(&mut self) {
-        self.0.abort();
-    }
-}
 
 /// Records in the graph, one after another on one producer, each cancel this replica acted on
 /// although it came without the services' seal (no seal key, or `--control-seals warn`, as under

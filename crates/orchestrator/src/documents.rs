@@ -215,20 +215,7 @@ pub async fn resolve_recent<'h>(
     history: &'h [AgentStep],
 ) -> Cow<'h, [AgentStep]> {
     let start = history.len().saturating_sub(WHOLE_RECENT);
-    if store.is_none()
-        || !history[start..]
-            .iter()
-            .any(|step| reference(&step.observation).is_some())
-    {
-        return Cow::Borrowed(history);
-    }
-    let mut resolved = history.to_vec();
-    let texts = resolved[start..]
-        .iter_mut()
-        .map(|step| &mut step.observation)
-        .collect();
-    resolve_texts(store, texts).await;
-    Cow::Owned(resolved)
+    observations_whole_from(store, history, start).await
 }
 
 /// `history` with every step's checked-in observation whole again, for a prompt that must read
@@ -238,15 +225,24 @@ pub async fn observations_whole<'h>(
     store: Option<&DocumentStore>,
     history: &'h [AgentStep],
 ) -> Cow<'h, [AgentStep]> {
+    observations_whole_from(store, history, 0).await
+}
+
+/// `history` with the checked-in observations of its steps from `start` on whole again.
+async fn observations_whole_from<'h>(
+    store: Option<&DocumentStore>,
+    history: &'h [AgentStep],
+    start: usize,
+) -> Cow<'h, [AgentStep]> {
     if store.is_none()
-        || !history
+        || !history[start..]
             .iter()
             .any(|step| reference(&step.observation).is_some())
     {
         return Cow::Borrowed(history);
     }
     let mut resolved = history.to_vec();
-    let texts = resolved
+    let texts = resolved[start..]
         .iter_mut()
         .map(|step| &mut step.observation)
         .collect();

@@ -12,17 +12,23 @@ const MAX_PROPERTY_BYTES: usize = 16 * 1024;
 /// carry a few properties more, are taken as its first was).
 const MAX_ID_BYTES: usize = 1024;
 
+/// Whether `id` may name a provenance node (as a request's session, correlation or parent id):
+/// at most 240 bytes of letters, digits, '-', '_', '.' and ':'. A supervisor's ids grow by a
+/// short suffix per fan-out.
+pub(crate) fn names_a_node(id: &str) -> bool {
+    let safe = |c: char| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.' | ':');
+    id.len() <= 240 && id.chars().all(safe)
+}
+
 /// The first of the request's ids that may not name a provenance node, if any.
 fn id_that_names_no_node(request: &AgentRequest) -> Option<&'static str> {
-    let safe = |c: char| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.' | ':');
-    // A supervisor's ids grow by a short suffix per fan-out.
     [
         ("session_id", &request.session_id),
         ("correlation_id", &request.correlation_id),
         ("parent_session_id", &request.parent_session_id),
     ]
     .into_iter()
-    .find(|(_, value)| !value.chars().all(safe) || value.len() > 240)
+    .find(|(_, value)| !names_a_node(value))
     .map(|(field, _)| field)
 }
 
