@@ -4,7 +4,7 @@
 //! checks its session and every supervisor above it before it runs, and watches them while it
 //! runs, so an LLM stream or a tool call in flight is abandoned as soon as the cancel is heard.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -50,21 +50,73 @@ impl Cancel {
 
 /// The cancels this replica knows, by session.
 pub struct Cancellations {
-    known: Mutex<HashMap<String, (Instant, Arc<Cancel>)>>,
+    known: Mutex<Known>,
+    /// The most remembered at once ([`MOST`]; smaller in tests).
+    most: usize,
     /// Bumped on every new cancel, so a running step re-checks its sessions.
     heard: watch::Sender<u64>,
 }
 
-impl Default for Cancellations {
-    fn default() -> Self {
-        Cancellations {
-            known: Mutex::new(HashMap::new()),
-            heard: watch::channel(0).0,
+/// The cancels by session, and the order they were heard in, so that forgetting the oldest
+/// (a day old, or pushed out at [`MOST`]) takes one step, not a scan of every one under the lock
+/// that each step's check takes: a flood of cancels at the cap made each cost a scan of 100,000.
+#[derive(Default)]
+struct Known {
+    by_session: HashMap<String, (Instant, Arc<Cancel>)>,
+    /// When each was heard, oldest first; an item whose session was heard again since (after
+    /// [`MEMORY`]) no longer matches its time there and is skipped.
+    heard_in_order: VecDeque<(Instant, String)>,
+}
+
+impl Known {
+    /// Forgets the oldest cancel still remembered; whether there was one.
+    fn forget_oldest(&mut self) -> bool {
+        while let Some((heard, session)) = self.heard_in_order.pop_front() {
+            if self.is_current(heard, &session) {
+                self.by_session.remove(&session);
+                return true;
+            }
+        }
+        false
+    }
+
+    fn is_current(&self, heard: Instant, session: &str) -> bool {
+        self.by_session
+            .get(session)
+            .is_some_and(|(at, _)| *at == heard)
+    }
+
+    /// Forgets what was heard longer ago than [`MEMORY`], and the order's stale items before it.
+    fn forget_lapsed(&mut self) {
+        while let Some((heard, session)) = self.heard_in_order.front() {
+            let (heard, current) = (*heard, self.is_current(*heard, session));
+            if current && heard.elapsed() < MEMORY {
+                return;
+            }
+            if current {
+                let session = session.clone();
+                self.by_session.remove(&session);
+            }
+            self.heard_in_order.pop_front();
         }
     }
 }
 
+impl Default for Cancellations {
+    fn default() -> Self {
+        Cancellations::remembering(MOST)
+    }
+}
+
 impl Cancellations {
+    fn remembering(most: usize) -> Self {
+        Cancellations {
+            known: Mutex::new(Known::default()),
+            most: most.max(1),
+            heard: watch::channel(0).0,
+        }
+    }
+
     /// Remembers `cancel`; the first record of a session stands. Whether it was new here.
     pub fn record(&self, cancel: Cancel) -> bool {
         let Ok(mut known) = self.known.lock() else {
@@ -72,28 +124,22 @@ impl Cancellations {
         };
         // One forgotten (heard longer ago than [`MEMORY`]) is heard again.
         if known
+            .by_session
             .get(&cancel.session_id)
             .is_some_and(|(heard, _)| heard.elapsed() < MEMORY)
         {
             return false;
         }
-        if known.len() >= MOST {
-            known.retain(|_, (heard, _)| heard.elapsed() < MEMORY);
-            if known.len() >= MOST {
-                if let Some(oldest) = known
-                    .iter()
-                    .min_by_key(|(_, (heard, _))| *heard)
-                    .map(|(session, _)| session.clone())
-                {
-                    known.remove(&oldest);
-                }
-            }
-        }
+        known.forget_lapsed();
+        while known.by_session.len() >= self.most && known.forget_oldest() {}
         tracing::info!(session = %cancel.session_id, by = %cancel.by, "run cancelled");
-        known.insert(
-            cancel.session_id.clone(),
-            (Instant::now(), Arc::new(cancel)),
-        );
+        let now = Instant::now();
+        known
+            .heard_in_order
+            .push_back((now, cancel.session_id.clone()));
+        known
+            .by_session
+            .insert(cancel.session_id.clone(), (now, Arc::new(cancel)));
         drop(known);
         self.heard.send_modify(|n| *n += 1);
         true
@@ -102,12 +148,12 @@ impl Cancellations {
     /// The cancel that applies to `session_id`: its own, or that of a supervisor above it.
     pub fn of(&self, session_id: &str) -> Option<Arc<Cancel>> {
         let known = self.known.lock().ok()?;
-        if known.is_empty() {
+        if known.by_session.is_empty() {
             return None;
         }
         let mut session = session_id;
         loop {
-            if let Some((heard, cancel)) = known.get(session) {
+            if let Some((heard, cancel)) = known.by_session.get(session) {
                 if heard.elapsed() < MEMORY {
                     return Some(cancel.clone());
                 }
@@ -546,6 +592,40 @@ mod tests {
         );
         assert!(from_control(&control(&"s".repeat(241), "")).is_none());
         assert!(from_control(&control(&"s".repeat(240), "")).is_some());
+    }
+
+    #[test]
+    fn past_the_most_remembered_the_oldest_is_forgotten_first() {
+        let known = Cancellations::remembering(3);
+        for session in ["a", "b", "c"] {
+            assert!(known.record(cancel(session)));
+        }
+        assert!(!known.record(cancel("b")), "b is remembered");
+        assert!(known.record(cancel("d")));
+        assert!(known.of("a").is_none(), "a was the oldest");
+        for session in ["b", "c", "d"] {
+            assert!(known.of(session).is_some(), "{session} is remembered");
+        }
+        // A forgotten cancel heard again is remembered as new, and pushes out the next oldest.
+        assert!(known.record(cancel("a")));
+        assert!(known.of("a").is_some() && known.of("b").is_none());
+        let guard = known.known.lock().unwrap();
+        assert_eq!(guard.by_session.len(), 3);
+        assert_eq!(guard.heard_in_order.len(), 3);
+    }
+
+    #[test]
+    fn a_flood_of_cancels_at_the_cap_keeps_the_newest() {
+        let known = Cancellations::default();
+        // Each past the cap forgets one in a step: a scan of the map each, as before, took this
+        // test 484 s (debug build) instead of a few.
+        for n in 0..MOST + 50_000 {
+            known.record(cancel(&format!("run-{n}")));
+        }
+        assert!(known.of("run-0").is_none() && known.of("run-49999").is_none());
+        assert!(known.of("run-50000").is_some());
+        assert!(known.of(&format!("run-{}", MOST + 49_999)).is_some());
+        assert_eq!(known.known.lock().unwrap().by_session.len(), MOST);
     }
 
     #[test]
