@@ -175,7 +175,15 @@ async fn dialogs_finish_or_fail_clearly_under_llm_chaos() {
         &broker,
         &llm,
         &config,
-        &["--llm-idle-timeout-secs", "1", "--max-in-flight", "12"],
+        &[
+            "--llm-idle-timeout-secs",
+            "1",
+            // A whole answer's stall is found by the call's own limit.
+            "--llm-request-timeout-secs",
+            "2",
+            "--max-in-flight",
+            "12",
+        ],
     );
     let mut client = client(&broker).await;
     let ids: Vec<String> = (0..DIALOGS).map(|i| format!("chaos-{i}")).collect();

@@ -49,9 +49,11 @@ pub struct LlmConfig {
     pub max_retries: u32,
     pub initial_backoff: Duration,
     pub max_backoff: Duration,
-    /// Longest wait for the response headers, and between two streamed chunks.
+    /// Longest wait for a streamed answer's headers, and between two of its chunks.
     pub idle_timeout: Duration,
-    /// Longest a whole call may take.
+    /// Longest a whole call may take. A whole (not streamed) answer has only this: its server
+    /// sends the headers once the model has written the last token, which a local model may take
+    /// minutes to do.
     pub request_timeout: Duration,
 }
 
@@ -219,6 +221,10 @@ pub enum LlmError {
     /// The stream broke after some text had been passed on; retrying would repeat it.
     #[error("the LLM's stream ended early: {0}")]
     Truncated(String),
+    /// An answer (or one line of a stream) longer than this client takes
+    /// ([`MAX_ANSWER_BYTES`], [`MAX_LINE_BYTES`]): asking again would bring as much.
+    #[error("the LLM's answer is too long: {0}")]
+    TooLong(String),
     #[error("giving up after {attempts} attempts: {last}")]
     Exhausted { attempts: u32, last: Box<LlmError> },
 }
@@ -228,7 +234,10 @@ impl LlmError {
         match self {
             LlmError::Status { status, .. } => *status == 429 || *status >= 500,
             LlmError::Timeout(_) | LlmError::Transport(_) | LlmError::Malformed(_) => true,
-            LlmError::Truncated(_) | LlmError::NoContent(_) | LlmError::Exhausted { .. } => false,
+            LlmError::Truncated(_)
+            | LlmError::NoContent(_)
+            | LlmError::TooLong(_)
+            | LlmError::Exhausted { .. } => false,
         }
     }
 
@@ -500,9 +509,16 @@ impl LlmClient {
             request = request.bearer_auth(key.expose());
         }
         let idle = self.config.idle_timeout;
-        let response = tokio::time::timeout(idle, request.send())
+        // A whole answer's headers come after its last token: only the call's own limit
+        // (`request_timeout`, in `retrying`) holds it. Before, a local model that wrote for more
+        // than `idle_timeout` was timed out and asked again, each time, for ever.
+        let headers_within = match deltas {
+            Some(_) => idle,
+            None => self.config.request_timeout,
+        };
+        let response = tokio::time::timeout(headers_within, request.send())
             .await
-            .map_err(|_| LlmError::Timeout(idle))?
+            .map_err(|_| LlmError::Timeout(headers_within))?
             .map_err(|e| LlmError::Transport(e.to_string()))?;
         let status = response.status();
         if !status.is_success() {
@@ -512,10 +528,12 @@ impl LlmClient {
                 .and_then(|v| v.to_str().ok())
                 .and_then(|v| v.trim().parse::<u64>().ok())
                 .map(Duration::from_secs);
-            let text = tokio::time::timeout(idle, response.text())
+            // Only the start of an error's body is kept: the rest is not read.
+            let text = tokio::time::timeout(idle, read_body(response, ERROR_BODY_BYTES))
                 .await
                 .ok()
                 .and_then(Result::ok)
+                .map(|body| String::from_utf8_lossy(&body).into_owned())
                 .unwrap_or_default();
             return Err(LlmError::Status {
                 status: status.as_u16(),
@@ -525,10 +543,13 @@ impl LlmClient {
         }
         match deltas {
             None => {
-                let text = tokio::time::timeout(idle, response.text())
-                    .await
-                    .map_err(|_| LlmError::Timeout(idle))?
-                    .map_err(|e| LlmError::Transport(e.to_string()))?;
+                let body = read_body(response, MAX_ANSWER_BYTES).await?;
+                if body.len() > MAX_ANSWER_BYTES {
+                    return Err(LlmError::TooLong(format!(
+                        "an answer of more than {MAX_ANSWER_BYTES} bytes"
+                    )));
+                }
+                let text = String::from_utf8_lossy(&body);
                 let value: Value = serde_json::from_str(&text)
                     .map_err(|e| LlmError::Malformed(format!("{e}: {}", preview(&text))))?;
                 let message = &value["choices"][0]["message"];
@@ -541,6 +562,19 @@ impl LlmClient {
                 let content = match message["content"].as_str() {
                     Some(content) => content.to_owned(),
                     None if !tool_calls.is_empty() => String::new(),
+                    // A well-formed answer with no text (a refusal, a content filter, a model
+                    // that spent its length on reasoning) is the same when asked again: before,
+                    // it was asked five times and then taken for an outage of the LLM.
+                    None if value["choices"].is_array() => {
+                        return Err(LlmError::NoContent(format!(
+                            "finish_reason {}{}",
+                            value["choices"][0]["finish_reason"],
+                            match message["refusal"].as_str() {
+                                Some(refusal) => format!(", refusal: {}", preview(refusal)),
+                                None => String::new(),
+                            }
+                        )))
+                    }
                     None => {
                         return Err(LlmError::Malformed(format!(
                             "no message content: {}",
@@ -566,6 +600,8 @@ impl LlmClient {
         let mut finish_reason: Option<String> = None;
         let mut bytes = response.bytes_stream();
         let mut pending: Vec<u8> = Vec::new();
+        // How far `pending` is known to hold no newline: each byte is looked at once.
+        let mut scanned = 0;
         let mut text = String::new();
         let mut usage = Value::Null;
         let mut sent_any = false;
@@ -596,9 +632,12 @@ impl LlmClient {
                     true
                 }
             };
-            while let Some(end) = pending.iter().position(|b| *b == b'\n') {
-                let line: Vec<u8> = pending.drain(..=end).collect();
-                let line = String::from_utf8_lossy(&line);
+            let mut line_start = 0;
+            while let Some(end) = pending[scanned..].iter().position(|b| *b == b'\n') {
+                let end = scanned + end;
+                let line = String::from_utf8_lossy(&pending[line_start..end]).into_owned();
+                line_start = end + 1;
+                scanned = line_start;
                 let line = line.trim();
                 let Some(data) = line.strip_prefix("data:") else {
                     continue;
@@ -630,6 +669,14 @@ impl LlmClient {
                     finish_reason = Some(reason.to_owned());
                 }
                 calls.add(&event["choices"][0]["delta"]["tool_calls"]);
+                if text.len() + calls.bytes() > MAX_ANSWER_BYTES {
+                    return Err(fail(
+                        sent_any,
+                        LlmError::TooLong(format!(
+                            "a stream of more than {MAX_ANSWER_BYTES} bytes of text and arguments"
+                        )),
+                    ));
+                }
                 if let Some(delta) = event["choices"][0]["delta"]["content"].as_str() {
                     if !delta.is_empty() {
                         text.push_str(delta);
@@ -640,6 +687,17 @@ impl LlmClient {
                         }
                     }
                 }
+            }
+            // The lines taken go in one move, not one each (which moved the rest every time).
+            pending.drain(..line_start);
+            scanned = pending.len();
+            if pending.len() > MAX_LINE_BYTES {
+                return Err(fail(
+                    sent_any,
+                    LlmError::TooLong(format!(
+                        "a line of more than {MAX_LINE_BYTES} bytes in its stream"
+                    )),
+                ));
             }
             if at_end {
                 // Some servers end a complete answer without `[DONE]`; a finish reason is enough.
@@ -741,9 +799,40 @@ impl ToolCallDeltas {
         }
     }
 
+    /// The bytes of names and arguments gathered so far.
+    fn bytes(&self) -> usize {
+        self.calls
+            .values()
+            .map(|call| call.id.len() + call.function.name.len() + call.function.arguments.len())
+            .sum()
+    }
+
     fn finish(self) -> Vec<ToolCall> {
         self.calls.into_values().collect()
     }
+}
+
+/// The most of an answer taken: its text and its tool calls' arguments together, whole or
+/// streamed (a server that sends on for ever is stopped here, not by the memory).
+pub const MAX_ANSWER_BYTES: usize = 16 * 1024 * 1024;
+/// The longest line of a stream taken (one event, which may carry a whole tool call's arguments).
+pub const MAX_LINE_BYTES: usize = 8 * 1024 * 1024;
+/// The most of an error's body read: its start is all that is reported.
+const ERROR_BODY_BYTES: usize = 4096;
+
+/// A response's body, read until its end or until it is longer than `most` (then `most + 1`
+/// bytes or more: the caller tells too long from whole).
+async fn read_body(response: reqwest::Response, most: usize) -> Result<Vec<u8>, LlmError> {
+    let mut body = Vec::new();
+    let mut chunks = response.bytes_stream();
+    while let Some(chunk) = chunks.next().await {
+        let chunk = chunk.map_err(|e| LlmError::Transport(e.to_string()))?;
+        body.extend_from_slice(&chunk);
+        if body.len() > most {
+            break;
+        }
+    }
+    Ok(body)
 }
 
 fn preview(text: &str) -> String {
@@ -775,15 +864,41 @@ pub fn describe_metrics() {
     );
 }
 
+/// The most distinct model names a server's answers may add to the metrics' labels, and the
+/// longest: each is a series of its own for as long as the process runs, and a server that named
+/// a new model in every answer grew them without end.
+const MOST_REPORTED_MODELS: usize = 32;
+const LONGEST_REPORTED_MODEL: usize = 128;
+
+/// Whether the model a server reported labels the call's metrics (else the one configured does).
+fn reported_model_labels(reported: &str) -> bool {
+    static SEEN: std::sync::OnceLock<std::sync::Mutex<std::collections::HashSet<String>>> =
+        std::sync::OnceLock::new();
+    if reported.is_empty() || reported.len() > LONGEST_REPORTED_MODEL {
+        return false;
+    }
+    let Ok(mut seen) = SEEN.get_or_init(Default::default).lock() else {
+        return false;
+    };
+    if seen.contains(reported) {
+        return true;
+    }
+    if seen.len() >= MOST_REPORTED_MODELS {
+        return false;
+    }
+    seen.insert(reported.to_owned());
+    true
+}
+
 fn record_call(model: &str, result: &Result<Completion, LlmError>) {
     let registry = agent_metrics::global();
     match result {
         Ok(completion) => {
             // The model the server says answered, which may differ from the one asked for.
-            let model = if completion.model.is_empty() {
-                model
-            } else {
+            let model = if reported_model_labels(&completion.model) {
                 completion.model.as_str()
+            } else {
+                model
             };
             registry.observe(LLM_LATENCY, &[("model", model)], completion.duration);
             registry.add(

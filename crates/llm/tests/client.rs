@@ -169,3 +169,190 @@ async fn concurrent_calls_are_bounded() {
         s.max_concurrent()
     );
 }
+
+/// What a raw server does with each request it takes: it writes to the connection itself, so a
+/// test can answer what the scripted server never would (headers late, lines without end).
+type Respond = fn(tokio::net::TcpStream) -> futures::future::BoxFuture<'static, ()>;
+
+/// A server on a free loopback port answering every request with `respond`; the count of the
+/// requests it took.
+async fn raw_server(respond: Respond) -> (String, std::sync::Arc<std::sync::atomic::AtomicUsize>) {
+    use tokio::io::AsyncReadExt;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}/v1", listener.local_addr().unwrap());
+    let requests = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let counted = requests.clone();
+    tokio::spawn(async move {
+        while let Ok((mut connection, _)) = listener.accept().await {
+            counted.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            tokio::spawn(async move {
+                // The request's head and body (its length from the head), then the answer.
+                let mut request = Vec::new();
+                let mut buffer = [0u8; 8192];
+                loop {
+                    let n = connection.read(&mut buffer).await.unwrap_or(0);
+                    if n == 0 {
+                        return;
+                    }
+                    request.extend_from_slice(&buffer[..n]);
+                    let text = String::from_utf8_lossy(&request).to_lowercase();
+                    if let Some(head_end) = text.find("\r\n\r\n") {
+                        let length = text
+                            .lines()
+                            .find_map(|l| l.strip_prefix("content-length:"))
+                            .and_then(|l| l.trim().parse::<usize>().ok())
+                            .unwrap_or(0);
+                        if request.len() >= head_end + 4 + length {
+                            break;
+                        }
+                    }
+                }
+                respond(connection).await;
+            });
+        }
+    });
+    (url, requests)
+}
+
+fn raw_client(url: &str, request_timeout: Duration) -> LlmClient {
+    LlmClient::new(LlmConfig {
+        base_url: url.to_owned(),
+        model: "test-model".into(),
+        max_retries: 3,
+        initial_backoff: Duration::from_millis(10),
+        idle_timeout: Duration::from_millis(500),
+        request_timeout,
+        ..LlmConfig::default()
+    })
+    .unwrap()
+}
+
+async fn write_answer(mut connection: tokio::net::TcpStream, content_type: &str, body: &[u8]) {
+    use tokio::io::AsyncWriteExt;
+    let head = format!(
+        "HTTP/1.1 200 OK\r\ncontent-type: {content_type}\r\ncontent-length: {}\r\nconnection: close\r\n\r\n",
+        body.len()
+    );
+    let _ = connection.write_all(head.as_bytes()).await;
+    let _ = connection.write_all(body).await;
+    let _ = connection.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_refusal_is_asked_once_and_is_not_an_outage() {
+    let (url, requests) = raw_server(|connection| {
+        Box::pin(write_answer(
+            connection,
+            "application/json",
+            br#"{"model":"m","choices":[{"index":0,"message":{"role":"assistant","content":null,"refusal":"I cannot help with that"},"finish_reason":"content_filter"}]}"#,
+        ))
+    })
+    .await;
+    let err = raw_client(&url, Duration::from_secs(30))
+        .complete(&ask("q"))
+        .await
+        .unwrap_err();
+    assert!(matches!(err, LlmError::NoContent(_)), "{err:?}");
+    assert!(err.to_string().contains("content_filter") && err.to_string().contains("cannot help"));
+    assert!(
+        !err.is_outage(),
+        "a refusal is the model's answer, not an outage"
+    );
+    assert_eq!(requests.load(std::sync::atomic::Ordering::SeqCst), 1);
+}
+
+#[tokio::test]
+async fn a_whole_answer_slower_than_the_idle_limit_is_waited_for() {
+    // A local model writing a long answer sends the headers only once it is done.
+    let (url, requests) = raw_server(|connection| {
+        Box::pin(async move {
+            tokio::time::sleep(Duration::from_millis(1500)).await;
+            write_answer(
+                connection,
+                "application/json",
+                br#"{"model":"m","choices":[{"index":0,"message":{"role":"assistant","content":"Final Answer: slow but sure"},"finish_reason":"stop"}]}"#,
+            )
+            .await;
+        })
+    })
+    .await;
+    let client = raw_client(&url, Duration::from_secs(30));
+    let completion = client.complete(&ask("q")).await.unwrap();
+    assert_eq!(completion.text, "Final Answer: slow but sure");
+    assert_eq!(completion.retries, 0);
+    assert_eq!(requests.load(std::sync::atomic::Ordering::SeqCst), 1);
+    // The call's own limit still holds it.
+    let err = raw_client(&url, Duration::from_millis(700))
+        .complete(&ask("q"))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(&err, LlmError::Exhausted { last, .. } if matches!(**last, LlmError::Timeout(_))),
+        "{err:?}"
+    );
+}
+
+#[tokio::test]
+async fn a_stream_line_without_end_is_stopped_not_held() {
+    let (url, requests) = raw_server(|mut connection| {
+        Box::pin(async move {
+            use tokio::io::AsyncWriteExt;
+            let head = "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nconnection: close\r\n\r\ndata: ";
+            if connection.write_all(head.as_bytes()).await.is_err() {
+                return;
+            }
+            let endless = vec![b'x'; 64 * 1024];
+            while connection.write_all(&endless).await.is_ok() {}
+        })
+    })
+    .await;
+    let (result, deltas) = stream(&raw_client(&url, Duration::from_secs(60)), "q").await;
+    assert!(matches!(result, Err(LlmError::TooLong(_))), "{result:?}");
+    assert!(deltas.is_empty());
+    assert_eq!(requests.load(std::sync::atomic::Ordering::SeqCst), 1);
+}
+
+#[tokio::test]
+async fn a_whole_answer_too_long_is_refused_unread() {
+    let (url, requests) = raw_server(|connection| {
+        Box::pin(async move {
+            let mut body = br#"{"choices":[{"message":{"content":""#.to_vec();
+            body.resize(body.len() + agent_llm::MAX_ANSWER_BYTES + 1, b'y');
+            body.extend_from_slice(br#""}}]}"#);
+            write_answer(connection, "application/json", &body).await;
+        })
+    })
+    .await;
+    let err = raw_client(&url, Duration::from_secs(60))
+        .complete(&ask("q"))
+        .await
+        .unwrap_err();
+    assert!(matches!(err, LlmError::TooLong(_)), "{err:?}");
+    assert_eq!(requests.load(std::sync::atomic::Ordering::SeqCst), 1);
+}
+
+#[tokio::test]
+async fn a_stream_of_many_lines_in_few_chunks_is_read_whole() {
+    // Blank lines and comments between events, split anywhere by the network: the text is
+    // gathered in order, each line read once.
+    let (url, _) = raw_server(|connection| {
+        Box::pin(async move {
+            let mut body = Vec::new();
+            // Fewer events than the test's channel holds (it is read after the call).
+            for n in 0..500 {
+                body.extend_from_slice(&b"\n".repeat(40));
+                body.extend_from_slice(b": keep-alive\n");
+                let event = serde_json::json!({"choices": [{"delta": {"content": format!("{n},")}}]});
+                body.extend_from_slice(format!("data: {event}\n").as_bytes());
+            }
+            body.extend_from_slice(b"data: {\"choices\":[{\"delta\":{},\"finish_reason\":\"stop\"}]}\n\ndata: [DONE]\n\n");
+            write_answer(connection, "text/event-stream", &body).await;
+        })
+    })
+    .await;
+    let (result, deltas) = stream(&raw_client(&url, Duration::from_secs(60)), "q").await;
+    let completion = result.unwrap();
+    let expected: String = (0..500).map(|n| format!("{n},")).collect();
+    assert_eq!(completion.text, expected);
+    assert_eq!(deltas.concat(), expected);
+}

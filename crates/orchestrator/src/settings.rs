@@ -27,9 +27,13 @@ pub struct Settings {
     /// LLM calls in flight at once in this process.
     #[arg(long, env = "LLM_MAX_CONCURRENCY", default_value_t = 16)]
     pub llm_max_concurrency: usize,
-    /// Seconds to wait for the LLM's first byte, and between streamed chunks.
+    /// Seconds to wait for a streamed LLM answer's first byte, and between its chunks.
     #[arg(long, env = "LLM_IDLE_TIMEOUT_SECS", default_value_t = 60)]
     pub llm_idle_timeout_secs: u64,
+    /// Seconds an LLM call may take in all (a whole answer, which comes at once when the model
+    /// has written it, has no other limit).
+    #[arg(long, env = "LLM_REQUEST_TIMEOUT_SECS", default_value_t = 300)]
+    pub llm_request_timeout_secs: u64,
     /// Directory of `<config type>.json` files (`tool.json`, `prompt.json`, `agent-limits.json`).
     #[arg(long, env = "AGENT_CONFIG_DIR", default_value = "config-seed")]
     pub config_dir: PathBuf,
@@ -222,6 +226,7 @@ impl Settings {
             model: self.llm_model.clone(),
             max_concurrency: self.llm_max_concurrency,
             idle_timeout: Duration::from_secs(self.llm_idle_timeout_secs),
+            request_timeout: Duration::from_secs(self.llm_request_timeout_secs),
             ..LlmConfig::default()
         }
     }
