@@ -118,12 +118,14 @@ async fn sigterm_past_the_drain_deadline_leaves_the_message_for_another_replica(
 }
 
 /// A consumer asked to stop while far behind its backlog (an aggregator whose store is slower than
-/// the dialogs) stops in time, and what it had not acked is handled by the next consumer. Closing
-/// such a consumer used to wait for ever: its connection's reader was held up by buffered
-/// messages nobody read any more, so the broker's answer to the close never came through.
+/// the dialogs) stops in time, and what it had not acked is handled by the next consumer, and
+/// only that: what it finished while draining was acked. Closing such a consumer used to wait
+/// for ever: its connection's reader was held up by buffered messages nobody read any more, so
+/// the broker's answer to the close never came through; and the acks of the drain waited in the
+/// same queue, never sent, so the next consumer handled those messages again.
 #[tokio::test]
 async fn a_consumer_far_behind_its_backlog_stops_in_time_and_loses_nothing() {
-    use std::collections::HashSet;
+    use std::collections::HashMap;
     use std::sync::{Arc, Mutex};
 
     use agent_bus::{run_consumer, Bus, ConsumerStats, Disposition, Properties, Publisher};
@@ -142,7 +144,8 @@ async fn a_consumer_far_behind_its_backlog_stops_in_time_and_loses_nothing() {
         nack_delay: Duration::from_millis(100),
         one_at_a_time: false,
     };
-    let handled: Arc<Mutex<HashSet<u64>>> = Arc::default();
+    // How often each message was handled.
+    let handled: Arc<Mutex<HashMap<u64, usize>>> = Arc::default();
     let consume = |bus: Bus, shutdown: CancellationToken, pause: Duration| {
         let (config, handled) = (config.clone(), handled.clone());
         tokio::spawn(async move {
@@ -155,7 +158,7 @@ async fn a_consumer_far_behind_its_backlog_stops_in_time_and_loses_nothing() {
                     let handled = handled.clone();
                     async move {
                         tokio::time::sleep(pause).await;
-                        handled.lock().unwrap().insert(delivery.payload);
+                        *handled.lock().unwrap().entry(delivery.payload).or_default() += 1;
                         Disposition::Ack
                     }
                 },
@@ -207,6 +210,84 @@ async fn a_consumer_far_behind_its_backlog_stops_in_time_and_loses_nothing() {
     }
     stop_second.cancel();
     second.await.unwrap().unwrap();
+    let twice: Vec<_> = handled
+        .lock()
+        .unwrap()
+        .iter()
+        .filter(|(_, times)| **times > 1)
+        .map(|(n, times)| (*n, *times))
+        .collect();
+    assert!(
+        twice.is_empty(),
+        "acked by the first consumer and handled again: {twice:?}"
+    );
+}
+
+/// A consumer whose broker went away, asked to stop while it subscribes again, stops then: one try
+/// to subscribe against a broker that is down takes a minute or more, and the stop used to be
+/// heard only between tries, so a pod told to stop during an outage was killed at the end of
+/// its grace instead of draining.
+#[tokio::test]
+async fn a_consumer_stops_while_its_broker_is_away() {
+    use std::sync::Arc;
+
+    use agent_bus::{run_consumer, Bus, ConsumerStats, Disposition};
+    use tokio_util::sync::CancellationToken;
+
+    let mut broker = Broker::start().unwrap();
+    let config = agent_bus::SubscriptionConfig {
+        topic: "persistent://tg/flow/outage-test".to_owned(),
+        subscription: "outage".to_owned(),
+        max_in_flight: 2,
+        max_redeliveries: None,
+        dead_letter_topic: String::new(),
+        drain_deadline: Duration::from_secs(2),
+        nack_delay: Duration::from_millis(100),
+        one_at_a_time: false,
+    };
+    let stats = Arc::new(ConsumerStats::default());
+    let stop = CancellationToken::new();
+    let bus = Bus::connect(&broker.url(), None).await.unwrap();
+    let consuming = {
+        let (stats, stop) = (stats.clone(), stop.clone());
+        tokio::spawn(async move {
+            run_consumer(
+                &bus,
+                config,
+                stats,
+                stop,
+                |_: agent_bus::Delivery<u64>| async { Disposition::Ack },
+            )
+            .await
+        })
+    };
+    while !stats.consuming.load(std::sync::atomic::Ordering::SeqCst) {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let address = broker
+        .url()
+        .trim_start_matches("pulsar://")
+        .trim_end_matches('/')
+        .to_owned();
+    broker.stop();
+    // A broker that is down behind a load balancer: connections are taken and never answered,
+    // so each try to subscribe waits out the client's own time limits.
+    let silent = tokio::net::TcpListener::bind(&address).await.unwrap();
+    let holding = tokio::spawn(async move {
+        let mut held = Vec::new();
+        while let Ok((connection, _)) = silent.accept().await {
+            held.push(connection);
+        }
+    });
+    // The stream ends and the consumer tries again; the stop comes mid-try.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    stop.cancel();
+    let stopped = tokio::time::timeout(Duration::from_secs(15), consuming).await;
+    assert!(
+        matches!(stopped, Ok(Ok(Ok(())))),
+        "the consumer did not stop within 15 s of being asked, its broker away: {stopped:?}"
+    );
+    holding.abort();
 }
 
 /// A client that sent half a request and went quiet does not keep the aggregator from exiting on

@@ -395,6 +395,13 @@ where
     stats.consuming.store(false, Ordering::SeqCst);
     let deadline = tokio::time::sleep(config.drain_deadline);
     tokio::pin!(deadline);
+    // The `pulsar` crate's engine takes our acks in one queue with the broker's messages, and
+    // waits for room in its queue to us before it takes the next: behind a backlog that queue is
+    // full, so unless it is read, the drain's acks (and the close after them) never leave and
+    // everything the drain finished comes back to another consumer. What is read here is let
+    // go unacked: a persistent topic's comes back once this consumer closes.
+    let mut let_go = 0usize;
+    let mut stream_open = true;
     while !tasks.is_empty() {
         tokio::select! {
             _ = &mut deadline => {
@@ -405,7 +412,15 @@ where
             Some(done) = tasks.join_next_with_id() => {
                 settle(&mut consumer, &dead_letters, &stats, (&mut tasks, &mut in_flight, &mut panics), config.nack_delay, done).await;
             }
+            next = consumer.next(), if stream_open => match next {
+                Some(Ok(_)) => let_go += 1,
+                Some(Err(_)) => tokio::time::sleep(Duration::from_millis(50)).await,
+                None => stream_open = false,
+            }
         }
+    }
+    if let_go > 0 {
+        tracing::info!(topic = %config.topic, let_go, "messages received while draining were left unacked");
     }
     // A consumer stopped far behind its backlog (messages delivered to it that nobody reads any
     // more) was seen never to get the broker's answer to its close (pulsar-lite, an aggregator
@@ -681,7 +696,12 @@ async fn resubscribe(
     let mut wait = Duration::from_millis(100);
     let since = std::time::Instant::now();
     loop {
-        match build_consumer(bus, config).await {
+        // Raced against the stop: one try can take a minute against a broker that is down.
+        let built = tokio::select! {
+            _ = shutdown.cancelled() => return None,
+            built = build_consumer(bus, config) => built,
+        };
+        match built {
             Ok(consumer) => {
                 tracing::info!(topic = %config.topic, "subscribed again");
                 return Some(consumer);
