@@ -298,25 +298,31 @@ pub async fn run(settings: Settings, shutdown: CancellationToken) -> anyhow::Res
     // The follower stops with the consumer, so its subscriptions close before the process ends.
     shutdown.cancel();
     let _ = follower.await;
-    let _ = answering.await;
+    let mut side_consumers = vec![answering.await, answering_approvals.await];
     let _ = hearing.await;
-    let _ = answering_approvals.await;
     if let Some(from_clients) = from_clients {
-        let _ = from_clients.await;
+        side_consumers.push(from_clients.await);
     }
     ops_server.abort();
     consumed?;
+    for stopped in side_consumers {
+        // Its failure was logged as it happened, and stopped the service.
+        stopped.map_err(anyhow::Error::from)??;
+    }
     Ok(())
 }
 
-/// Runs a consumer beside the main one until `shutdown`, logging `stopped` if it fails.
+/// Runs a consumer beside the main one until `shutdown`. If it fails (its first subscription
+/// refused, or not served within the bus's patience), `stopped` is logged and the whole service
+/// stops with the error: a service that went on without it looked ready while it took no
+/// clients' requests, or no answers to approvals, or answered no dead-lettered request.
 pub(crate) fn spawn_consumer<T, F, Fut>(
     bus: &agent_bus::Bus,
     config: SubscriptionConfig,
     shutdown: &CancellationToken,
     stopped: &'static str,
     handler: F,
-) -> tokio::task::JoinHandle<()>
+) -> tokio::task::JoinHandle<Result<(), agent_bus::BusError>>
 where
     T: serde::de::DeserializeOwned + Send + 'static,
     F: Fn(Delivery<T>) -> Fut + Send + Sync + 'static,
@@ -329,13 +335,15 @@ where
             &bus,
             config,
             Arc::new(ConsumerStats::default()),
-            shutdown,
+            shutdown.clone(),
             handler,
         )
         .await;
-        if let Err(e) = taken {
-            tracing::error!(error = %e, "{stopped}");
+        if let Err(e) = &taken {
+            tracing::error!(error = %e, "{stopped}; the service stops");
+            shutdown.cancel();
         }
+        taken
     })
 }
 
@@ -352,7 +360,7 @@ pub(crate) async fn answer_dead_letters(
     subscription: String,
     max_redeliveries: usize,
     shutdown: CancellationToken,
-) {
+) -> Result<(), agent_bus::BusError> {
     let config = SubscriptionConfig {
         topic,
         subscription,
@@ -367,7 +375,7 @@ pub(crate) async fn answer_dead_letters(
         &bus,
         config,
         Arc::new(ConsumerStats::default()),
-        shutdown,
+        shutdown.clone(),
         move |delivery: Delivery<AgentRequest>| {
             let engine = engine.clone();
             async move {
@@ -380,9 +388,12 @@ pub(crate) async fn answer_dead_letters(
         },
     )
     .await;
-    if let Err(e) = answered {
-        tracing::error!(error = %e, "answering dead-lettered requests stopped");
+    if let Err(e) = &answered {
+        // As a consumer beside the main one (see `spawn_consumer`): the service stops with it.
+        tracing::error!(error = %e, "answering dead-lettered requests stopped; the service stops");
+        shutdown.cancel();
     }
+    answered
 }
 
 /// The broker connection, tried again with backoff until it is up (a pod may start before its
