@@ -511,16 +511,13 @@ impl Intake {
 }
 
 /// What a message held in memory is counted as against a bound in bytes: its payload, its
-/// properties and [`Intake::OVERHEAD`] (so an empty one still counts).
+/// metadata as encoded (its properties, and what a sender may fill besides them: a key, an
+/// ordering key, a producer name, encryption keys...) and [`Intake::OVERHEAD`] (so an empty one
+/// still counts). Counting the properties alone let a sender put megabytes in a message's key
+/// and have it counted as 512 bytes, 10,000 of them held at once.
 pub(crate) fn held_bytes(message: &Message<Vec<u8>>) -> usize {
-    let properties: usize = message
-        .payload
-        .metadata
-        .properties
-        .iter()
-        .map(|kv| kv.key.len() + kv.value.len())
-        .sum();
-    message.payload.data.len() + properties + Intake::OVERHEAD
+    use prost::Message as _;
+    message.payload.data.len() + message.payload.metadata.encoded_len() + Intake::OVERHEAD
 }
 
 /// A message that does not decode, and why.
@@ -932,8 +929,10 @@ mod tests {
 
     #[test]
     fn the_intake_holds_within_its_bytes_and_its_count_and_gives_back_the_rest() {
-        let each = 1000 + Intake::OVERHEAD;
-        let mut intake = Intake::new(3 * each + Intake::OVERHEAD, 10);
+        let each = held_bytes(&message_of(1000));
+        let empty = held_bytes(&message_of(0));
+        assert_eq!(each, empty + 1000);
+        let mut intake = Intake::new(3 * each + empty, 10);
         for _ in 0..3 {
             assert!(intake.hold(message_of(1000)).is_ok());
         }
@@ -943,10 +942,7 @@ mod tests {
             "a smaller one still fits"
         );
         assert!(intake.hold(message_of(0)).is_err(), "full to the byte");
-        assert_eq!(
-            (intake.len(), intake.bytes),
-            (4, 3 * each + Intake::OVERHEAD)
-        );
+        assert_eq!((intake.len(), intake.bytes), (4, 3 * each + empty));
         assert_eq!(intake.next().map(|m| m.payload.data.len()), Some(1000));
         assert!(
             intake.hold(message_of(1000)).is_ok(),
@@ -959,6 +955,26 @@ mod tests {
         assert!(by_count.hold(message_of(1)).is_ok());
         assert!(by_count.hold(message_of(1)).is_ok());
         assert!(by_count.hold(message_of(1)).is_err(), "past the count");
+    }
+
+    #[test]
+    fn what_a_sender_puts_in_a_messages_metadata_counts_against_the_intake() {
+        let keyed = |key_bytes: usize| {
+            let mut message = message_of(0);
+            message.payload.metadata.partition_key = Some("k".repeat(key_bytes));
+            message.payload.metadata.ordering_key = Some(vec![b'o'; key_bytes]);
+            message.payload.metadata.producer_name = "p".repeat(key_bytes);
+            message
+        };
+        assert!(held_bytes(&keyed(1 << 20)) > 3 << 20);
+        // Before, each counted as 512 bytes: three held in 2 MiB, 10,000 in 5 MiB.
+        let mut intake = Intake::new(2 << 20, 10);
+        assert!(
+            intake.hold(keyed(1 << 20)).is_ok(),
+            "an empty intake takes one"
+        );
+        assert!(intake.hold(keyed(1 << 20)).is_err(), "past the bytes");
+        assert!(intake.hold(message_of(100)).is_err(), "still full");
     }
 
     #[test]
