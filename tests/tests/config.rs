@@ -96,6 +96,50 @@ async fn rest_writes_need_the_token_survive_a_kill_and_are_pushed() {
     assert_eq!(version(&all), version(&written));
 }
 
+/// Writes made at once are pushed in the order of their versions: TrustGraph's receivers take a
+/// push only above the version they hold, so one overtaken by a later push was dropped there and
+/// its change never applied.
+#[tokio::test]
+async fn writes_at_once_are_pushed_in_the_order_of_their_versions() {
+    const WRITES: usize = 40;
+    let broker = Broker::start().unwrap();
+    let svc = ConfigSvc::start(Place::Child, &broker, Some(&seed_dir()));
+    let http = reqwest::Client::new();
+    let bus = Bus::connect(&broker.url(), None).await.unwrap();
+    let topics = Topics::trustgraph("default", "default");
+    let mut pushes = ConfigPushes::subscribe(&bus, &topics).await.unwrap();
+    let writes = (0..WRITES).map(|n| {
+        let (http, svc_url, token) = (http.clone(), svc.url.clone(), svc.token.clone());
+        async move {
+            let url = format!("{svc_url}/api/v1/config/note/n{}", n % 4);
+            let answer = http
+                .put(&url)
+                .bearer_auth(&token)
+                .json(&json!({"n": n}))
+                .send()
+                .await
+                .unwrap();
+            assert_eq!(answer.status(), 200);
+        }
+    });
+    futures::future::join_all(writes).await;
+    let mut versions = Vec::new();
+    while versions.len() < WRITES {
+        let push = tokio::time::timeout(ANSWER, pushes.next())
+            .await
+            .unwrap()
+            .unwrap();
+        // The start's push of everything may come first.
+        if push.changes.contains_key("note") {
+            versions.push(push.version);
+        }
+    }
+    assert!(
+        versions.windows(2).all(|pair| pair[0] < pair[1]),
+        "pushed out of order: {versions:?}"
+    );
+}
+
 /// The config API answers anyone who reaches it: an MCP server's credentials (`auth-token`, the
 /// values of `env`) are shown only to a reader with the token, over REST and through the gateway
 /// TrustGraph's CLI uses; the orchestrators read them whole over the broker.

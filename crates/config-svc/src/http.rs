@@ -301,6 +301,7 @@ async fn write(
     call: impl FnOnce(&ConfigStore, &str) -> Result<Written, StoreError> + Send + 'static,
 ) -> Response {
     let scope = workspace.clone();
+    let _turn = state.pusher.turn().await;
     match crate::off_thread(&state.store, move |store| call(store, &scope)).await {
         Ok(Ok(written)) => {
             let version = written.version;

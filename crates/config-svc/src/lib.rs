@@ -50,12 +50,28 @@ pub struct ConfigSvcSettings {
 #[derive(Clone)]
 pub struct Pusher {
     publisher: Publisher,
+    /// Held from a write until its push is sent, so pushes leave in the order of their versions:
+    /// TrustGraph's receivers take a push only if its version is above the one they hold, so a
+    /// push overtaken by a later one was dropped, and the change it announced never applied.
+    in_order: Arc<tokio::sync::Mutex<()>>,
 }
 
 /// The workspace of a request that names none.
 pub const DEFAULT_WORKSPACE: &str = "default";
 
 impl Pusher {
+    pub fn new(publisher: Publisher) -> Pusher {
+        Pusher {
+            publisher,
+            in_order: Arc::default(),
+        }
+    }
+
+    /// A write's turn: held until its push is sent (see [`Pusher::push`]).
+    pub(crate) async fn turn(&self) -> tokio::sync::MutexGuard<'_, ()> {
+        self.in_order.lock().await
+    }
+
     /// Announces `written` (in `workspace`) when it changed something. As in TrustGraph, a
     /// reserved workspace (`_` first, such as `__template__`) is storage only: never announced.
     pub async fn push(&self, written: Written, workspace: &str) {
@@ -112,9 +128,7 @@ pub async fn run(settings: ConfigSvcSettings, shutdown: CancellationToken) -> an
     })?);
     let bus = settings.broker.connect().await?;
     let topics = settings.broker.topics();
-    let pusher = Pusher {
-        publisher: Publisher::new(&bus, &topics.config_push).await?,
-    };
+    let pusher = Pusher::new(Publisher::new(&bus, &topics.config_push).await?);
     if let Some(dir) = &settings.seed {
         let values = seed::read_dir(dir).map_err(|errors| {
             let lines: Vec<String> = errors.iter().map(|e| format!("  {e}")).collect();
@@ -194,6 +208,10 @@ async fn answer_and_tell(
     request: ConfigRequest,
 ) -> Result<(agent_schema::ConfigResponse, bool), tokio::task::JoinError> {
     let workspace = protocol::workspace_of(&request).to_owned();
+    let _turn = match protocol::writes(&request) {
+        true => Some(pusher.turn().await),
+        false => None,
+    };
     let (response, written) =
         off_thread(store, move |store| protocol::handle(store, &request)).await?;
     let wrote = written.is_some();

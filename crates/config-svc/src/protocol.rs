@@ -42,6 +42,14 @@ pub fn named_or_default(workspace: Option<&str>) -> &str {
         .unwrap_or(crate::DEFAULT_WORKSPACE)
 }
 
+/// Whether `request` may write (and announce what it wrote).
+pub fn writes(request: &ConfigRequest) -> bool {
+    matches!(
+        request.operation.as_str(),
+        operation::PUT | operation::DELETE
+    )
+}
+
 /// Answers `request`; a write that changed something also returns what it wrote.
 pub fn handle(store: &ConfigStore, request: &ConfigRequest) -> (ConfigResponse, Option<Written>) {
     let answered = answer(store, request);
