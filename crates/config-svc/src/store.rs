@@ -61,9 +61,13 @@ pub struct Written {
 }
 
 /// One owning process per file; every call is short (the file is small), so a mutex is enough.
+/// Writes take their turn on a mutex of their own and hold the state's only to copy it and to
+/// put the new one in place: a reader (on an async worker) never waits out a write's fsync,
+/// which on a slow disk held every worker that read and froze the service's other work.
 pub struct ConfigStore {
     path: PathBuf,
     state: Mutex<Snapshot>,
+    writing: Mutex<()>,
 }
 
 impl ConfigStore {
@@ -100,6 +104,7 @@ impl ConfigStore {
         Ok(ConfigStore {
             path,
             state: Mutex::new(state),
+            writing: Mutex::new(()),
         })
     }
 
@@ -263,8 +268,9 @@ impl ConfigStore {
         workspace: &str,
         change: impl FnOnce(&mut Values, &mut BTreeMap<String, Vec<String>>),
     ) -> Result<Written, StoreError> {
-        let mut state = self.lock()?;
-        let mut next = state.clone();
+        let _turn = self.writing.lock().map_err(|_| StoreError::Poisoned)?;
+        // Only writes change the state, and they wait for this turn: the copy stays current.
+        let mut next = self.lock()?.clone();
         let mut changes = BTreeMap::new();
         let values = next.workspaces.entry(workspace.to_owned()).or_default();
         change(values, &mut changes);
@@ -273,17 +279,15 @@ impl ConfigStore {
         }
         if changes.is_empty() {
             return Ok(Written {
-                version: state.version,
+                version: next.version,
                 changes,
             });
         }
         next.version += 1;
         self.persist(&next)?;
-        *state = next;
-        Ok(Written {
-            version: state.version,
-            changes,
-        })
+        let version = next.version;
+        *self.lock()? = next;
+        Ok(Written { version, changes })
     }
 
     fn persist(&self, snapshot: &Snapshot) -> Result<(), StoreError> {
@@ -296,7 +300,18 @@ impl ConfigStore {
             message: e.to_string(),
         })?;
         let temporary = self.path.with_extension("json.tmp");
-        let mut file = std::fs::File::create(&temporary).map_err(io)?;
+        // It holds credentials (an MCP server's `auth-token` and `env`): readable by this user
+        // alone, or as the file it replaces was set (before, each write made it 0644 by the
+        // umask, whatever an operator had set).
+        let _ = std::fs::remove_file(&temporary);
+        let mut options = std::fs::OpenOptions::new();
+        options.write(true).create_new(true);
+        #[cfg(unix)]
+        std::os::unix::fs::OpenOptionsExt::mode(&mut options, 0o600);
+        let mut file = options.open(&temporary).map_err(io)?;
+        if let Ok(existing) = std::fs::metadata(&self.path) {
+            file.set_permissions(existing.permissions()).map_err(io)?;
+        }
         file.write_all(&bytes).map_err(io)?;
         file.sync_all().map_err(io)?;
         drop(file);
@@ -346,6 +361,24 @@ mod tests {
         let store = ConfigStore::open(&dir).unwrap();
         assert_eq!(store.version().unwrap(), 2);
         assert_eq!(store.list(WS, "tool").unwrap(), vec!["a"]);
+        let _ = std::fs::remove_dir_all(dir);
+    }
+
+    #[cfg(unix)]
+    #[test]
+    fn the_file_is_readable_by_its_user_alone_or_as_an_operator_set_it() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = temp_dir();
+        let store = ConfigStore::open(&dir).unwrap();
+        let file = dir.join("config.json");
+        let mode = || std::fs::metadata(&file).unwrap().permissions().mode() & 0o777;
+        store
+            .put(WS, &[entry("mcp", "a", r#"{"auth-token":"s"}"#)])
+            .unwrap();
+        assert_eq!(mode(), 0o600);
+        std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o640)).unwrap();
+        store.put(WS, &[entry("mcp", "a", "{}")]).unwrap();
+        assert_eq!(mode(), 0o640, "a write keeps the mode an operator set");
         let _ = std::fs::remove_dir_all(dir);
     }
 

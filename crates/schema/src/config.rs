@@ -49,10 +49,22 @@ pub struct ConfigValue {
 pub struct ConfigRequest {
     pub operation: String,
     pub workspace: Option<String>,
+    /// TrustGraph 1.x's clients send a list they did not set as `null`.
+    #[serde(deserialize_with = "null_as_empty")]
     pub keys: Vec<ConfigKey>,
     #[serde(rename = "type")]
     pub kind: Option<String>,
+    #[serde(deserialize_with = "null_as_empty")]
     pub values: Vec<ConfigValue>,
+}
+
+/// A list, `null` read as none (missing, `#[serde(default)]` does it).
+fn null_as_empty<'de, D, T>(deserializer: D) -> Result<Vec<T>, D::Error>
+where
+    D: serde::Deserializer<'de>,
+    T: Deserialize<'de>,
+{
+    Ok(Option::<Vec<T>>::deserialize(deserializer)?.unwrap_or_default())
 }
 
 /// The answer to a [`ConfigRequest`], correlated by the `id` property.
@@ -75,4 +87,24 @@ pub struct ConfigPush {
     pub version: u64,
     /// config type -> workspaces whose values of that type changed.
     pub changes: BTreeMap<String, Vec<String>>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_trustgraph_1x_request_with_null_lists_decodes() {
+        let request: ConfigRequest = serde_json::from_str(
+            r#"{"operation": "config", "keys": null, "type": null, "values": null}"#,
+        )
+        .unwrap();
+        assert_eq!(request.operation, "config");
+        assert!(request.keys.is_empty() && request.values.is_empty() && request.kind.is_none());
+        let request: ConfigRequest = serde_json::from_str(
+            r#"{"operation": "get", "keys": [{"type": "prompt", "key": "system"}]}"#,
+        )
+        .unwrap();
+        assert_eq!(request.keys[0].key, "system");
+    }
 }
