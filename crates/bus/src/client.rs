@@ -891,8 +891,8 @@ mod tests {
         assert_eq!(after, sent);
     }
 
-    /// Empty messages count against the bound too (each as 512 bytes): a flood of them held
-    /// nothing back before, counted as the zero bytes of their payloads.
+    /// Empty messages count against the bound too (each as 512 bytes and its metadata): a flood
+    /// of them held nothing back before, counted as the zero bytes of their payloads.
     #[tokio::test]
     async fn a_listener_counts_empty_messages_against_its_bound() {
         let broker = EmbeddedBroker::start(0, None).unwrap();
@@ -904,7 +904,12 @@ mod tests {
         publish_each(&bus, topic, (0..200).map(|_| String::new())).await;
         tokio::time::sleep(Duration::from_millis(500)).await;
         let got = drain(&mut bounded).await;
-        assert_eq!(got.len(), 10, "held {} empty messages", got.len());
+        // Fewer than ten: each counts its metadata (producer name, times...) besides the 512.
+        assert!(
+            (5..10).contains(&got.len()),
+            "held {} empty messages",
+            got.len()
+        );
     }
 
     #[test]

@@ -49,7 +49,7 @@ pub struct ConfigValue {
 pub struct ConfigRequest {
     pub operation: String,
     pub workspace: Option<String>,
-    /// TrustGraph 1.x's clients send a list they did not set as `null`.
+    // TrustGraph 1.x's clients send a list they did not set as `null`.
     #[serde(deserialize_with = "null_as_empty")]
     pub keys: Vec<ConfigKey>,
     #[serde(rename = "type")]
