@@ -6,15 +6,35 @@ use std::collections::BTreeMap;
 use agent_core::tools::ToolArgument;
 use serde_json::{Map, Number, Value};
 
-/// The type a property declares: its `type`, or the first non-null one of a list.
+/// The type a property declares: its `type`, the first non-null one of a list, or that of the
+/// first branch of `anyOf`/`oneOf` that declares one (Python's `Optional[List[str]]`, zod's
+/// unions: without it a list went as a JSON string).
 fn declared_type(property: &Value) -> Option<&str> {
-    match property.get("type")? {
-        Value::String(kind) => Some(kind.as_str()),
-        Value::Array(kinds) => kinds
+    match property.get("type") {
+        Some(Value::String(kind)) => Some(kind.as_str()),
+        Some(Value::Array(kinds)) => kinds
             .iter()
             .filter_map(Value::as_str)
             .find(|kind| *kind != "null"),
-        _ => None,
+        _ => branches(property)
+            .filter_map(declared_type)
+            .find(|kind| *kind != "null"),
+    }
+}
+
+fn branches(property: &Value) -> impl Iterator<Item = &Value> {
+    ["anyOf", "oneOf"]
+        .into_iter()
+        .filter_map(|key| property.get(key).and_then(Value::as_array))
+        .flatten()
+}
+
+/// Whether a property takes `null`: a `null` type, alone, in a list or in a branch.
+fn allows_null(property: &Value) -> bool {
+    match property.get("type") {
+        Some(Value::String(kind)) if kind == "null" => true,
+        Some(Value::Array(kinds)) if kinds.iter().any(|k| k.as_str() == Some("null")) => true,
+        _ => branches(property).any(allows_null),
     }
 }
 
@@ -67,10 +87,13 @@ pub fn typed_arguments(
     arguments
         .iter()
         .map(|(name, text)| {
-            let kind = properties
-                .and_then(|p| p.get(name))
-                .and_then(declared_type)
-                .unwrap_or("string");
+            let property = properties.and_then(|p| p.get(name));
+            // The LLM's `null` reaches here as the text: sent as the string "null" it was a
+            // wrong value (`assignee: "null"`), and refused where a number or null was asked.
+            if text.trim() == "null" && property.is_some_and(allows_null) {
+                return Ok((name.clone(), Value::Null));
+            }
+            let kind = property.and_then(declared_type).unwrap_or("string");
             let value = typed(kind, text).ok_or_else(|| {
                 format!("the argument '{name}' must be of type {kind}, and '{text}' is not")
             })?;
@@ -179,6 +202,51 @@ mod tests {
         );
         assert!(typed_arguments(&schema(), &args(&[("n", "1.5")])).is_err());
         assert!(typed_arguments(&schema(), &args(&[("tags", "{}")])).is_err());
+    }
+
+    #[test]
+    fn null_goes_as_null_where_the_schema_takes_it_and_unions_have_their_type() {
+        let schema = json!({
+            "type": "object",
+            "properties": {
+                "count": {"type": ["integer", "null"]},
+                "assignee": {"type": ["string", "null"]},
+                "name": {"type": "string"},
+                "tags": {"anyOf": [{"type": "array", "items": {"type": "string"}}, {"type": "null"}]},
+                "limit": {"oneOf": [{"type": "null"}, {"type": "integer"}]}
+            }
+        });
+        let Value::Object(schema) = schema else {
+            unreachable!()
+        };
+        let typed = typed_arguments(
+            &schema,
+            &args(&[
+                ("count", "null"),
+                ("assignee", " null "),
+                ("name", "null"),
+                ("tags", "[\"a\"]"),
+                ("limit", "5"),
+            ]),
+        );
+        assert_eq!(
+            typed.map(Value::Object),
+            Ok(json!({"count": null, "assignee": null, "name": "null", "tags": ["a"], "limit": 5}))
+        );
+        let nulls = typed_arguments(&schema, &args(&[("tags", "null"), ("limit", "null")]));
+        assert_eq!(
+            nulls.map(Value::Object),
+            Ok(json!({"tags": null, "limit": null}))
+        );
+        let listed = schema_arguments(&schema);
+        let kind_of = |name: &str| {
+            listed
+                .iter()
+                .find(|a| a.name == name)
+                .map(|a| a.kind.clone())
+        };
+        assert_eq!(kind_of("tags").as_deref(), Some("array"));
+        assert_eq!(kind_of("limit").as_deref(), Some("integer"));
     }
 
     #[test]

@@ -23,22 +23,46 @@ use sse_stream::{Sse, SseStream};
 pub struct BoundedHttp {
     client: reqwest::Client,
     most: usize,
+    answer_within: std::time::Duration,
 }
+
+/// How long a request's answer may take to start (its headers; a JSON answer, whole). `rmcp`'s
+/// worker sends one request at a time and waits for this with no limit of its own, so a server
+/// that took a call and never answered held the worker, its task and its connection for good,
+/// one more each time a step's timeout gave up on it and the session was opened again. A server
+/// that answers as an event stream starts at once and is not held to it, however long its tool
+/// runs; one answering in JSON must answer within it, whatever `tool_timeout_secs` allows.
+pub const ANSWER_WITHIN: std::time::Duration = std::time::Duration::from_secs(15 * 60);
 
 impl BoundedHttp {
     pub fn new(client: reqwest::Client, most: usize) -> BoundedHttp {
-        BoundedHttp { client, most }
+        BoundedHttp {
+            client,
+            most,
+            answer_within: ANSWER_WITHIN,
+        }
+    }
+
+    /// With another bound than [`ANSWER_WITHIN`] on an answer's start.
+    #[cfg(test)]
+    pub fn answering_within(self, answer_within: std::time::Duration) -> BoundedHttp {
+        BoundedHttp {
+            answer_within,
+            ..self
+        }
     }
 }
 
 /// What went wrong talking to the server.
 #[derive(Debug)]
 pub enum HttpError {
+    /// Without its URL, whose query may hold a credential (`?api_key=`): the text reaches the
+    /// LLM, the provenance and the logs.
     Http(reqwest::Error),
     /// A message (a JSON body, or a line of an event stream) ran past the bound.
-    TooLong {
-        most: usize,
-    },
+    TooLong { most: usize },
+    /// No answer began within its bound ([`ANSWER_WITHIN`]).
+    NoAnswer(std::time::Duration),
 }
 
 impl std::fmt::Display for HttpError {
@@ -49,6 +73,9 @@ impl std::fmt::Display for HttpError {
                 f,
                 "the server's message ran past {most} bytes; the rest was not read"
             ),
+            HttpError::NoAnswer(within) => {
+                write!(f, "the server did not answer within {} s", within.as_secs())
+            }
         }
     }
 }
@@ -58,7 +85,7 @@ impl std::error::Error for HttpError {}
 type Failed = StreamableHttpError<HttpError>;
 
 fn http(e: reqwest::Error) -> Failed {
-    StreamableHttpError::Client(HttpError::Http(e))
+    StreamableHttpError::Client(HttpError::Http(e.without_url()))
 }
 
 /// Whether the response's content type starts with `mime`.
@@ -151,7 +178,7 @@ fn bounded_events(
 ) -> BoxStream<'static, Result<Sse, SseError>> {
     let mut open = OpenEvent::new(most);
     let bytes = response.bytes_stream().map(move |chunk| {
-        let chunk = chunk.map_err(HttpError::Http)?;
+        let chunk = chunk.map_err(|e| HttpError::Http(e.without_url()))?;
         if !open.within(&chunk) {
             return Err(HttpError::TooLong { most });
         }
@@ -165,7 +192,13 @@ fn bounded_events(
         .scan(false, move |failed, event| {
             let next = match event {
                 _ if *failed => None,
-                Err(SseError::Body(e)) if e.downcast_ref::<HttpError>().is_some() => {
+                // Only a message over the bound: a connection lost mid-stream goes to `rmcp`,
+                // which resumes the stream (`Last-Event-ID`) and may still get the tool's result.
+                // Answered as an error here, the LLM read "refused" of a call that may have run.
+                Err(SseError::Body(e))
+                    if e.downcast_ref::<HttpError>()
+                        .is_some_and(|e| matches!(e, HttpError::TooLong { .. })) =>
+                {
                     *failed = true;
                     let answer = serde_json::json!({"jsonrpc": "2.0", "id": id,
                         "error": {"code": -32603, "message": e.to_string()}});
@@ -208,7 +241,11 @@ impl StreamableHttpClient for BoundedHttp {
         if let Some(session) = session_id {
             request = request.header(HEADER_SESSION_ID, session.as_ref());
         }
-        let response = request.send().await.map_err(http)?;
+        let no_answer = || StreamableHttpError::Client(HttpError::NoAnswer(self.answer_within));
+        let response = tokio::time::timeout(self.answer_within, request.send())
+            .await
+            .map_err(|_| no_answer())?
+            .map_err(http)?;
         let status = response.status();
         if status == reqwest::StatusCode::UNAUTHORIZED {
             if let Some(challenge) = response.headers().get(reqwest::header::WWW_AUTHENTICATE) {
@@ -237,7 +274,9 @@ impl StreamableHttpClient for BoundedHttp {
             ));
         }
         if is(&response, JSON_MIME_TYPE) {
-            let body = bounded_body(response, self.most).await?;
+            let body = tokio::time::timeout(self.answer_within, bounded_body(response, self.most))
+                .await
+                .map_err(|_| no_answer())??;
             let message: ServerJsonRpcMessage = serde_json::from_slice(&body)?;
             return Ok(StreamableHttpPostResponse::Json(message, session));
         }
@@ -382,6 +421,47 @@ mod tests {
             ),
             "{failed:?}"
         );
+    }
+
+    #[tokio::test]
+    async fn a_server_that_takes_a_request_and_never_answers_is_given_up_on() {
+        // It reads the request and holds the connection, answering nothing.
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}/mcp", listener.local_addr().unwrap());
+        tokio::spawn(async move {
+            use tokio::io::AsyncReadExt;
+            let (mut socket, _) = listener.accept().await.unwrap();
+            let mut request = vec![0u8; 64 * 1024];
+            let _ = socket.read(&mut request).await;
+            tokio::time::sleep(std::time::Duration::from_secs(3600)).await;
+        });
+        let within = std::time::Duration::from_millis(300);
+        let posted = tokio::time::timeout(
+            std::time::Duration::from_secs(30),
+            BoundedHttp::new(reqwest::Client::new(), 1024)
+                .answering_within(within)
+                .post_message(url.into(), ping(), None, None),
+        )
+        .await
+        .expect("post_message returned, as its bound says");
+        assert!(
+            matches!(
+                posted,
+                Err(StreamableHttpError::Client(HttpError::NoAnswer(w))) if w == within
+            ),
+            "{posted:?}"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_failure_does_not_quote_the_urls_query() {
+        // Nothing listens on port 1: the connection is refused.
+        let failed = post("http://127.0.0.1:1/mcp?api_key=SECRET", 1024).await;
+        let Err(failed) = failed else {
+            panic!("a refused connection answered");
+        };
+        let text = format!("{failed} {failed:?}");
+        assert!(!text.contains("SECRET"), "{text}");
     }
 
     #[tokio::test]

@@ -134,8 +134,24 @@ const TOOL_LIST_MAX_AGE: Duration = Duration::from_secs(300);
 
 /// A stdio server's process. When its session is dropped (its input closes with the session's
 /// transport) it has a few seconds to finish on its own, as rmcp's child transport gives it, and
-/// is killed then; without a runtime to wait on, at once.
+/// is killed then; without a runtime to wait on, at once. It leads a process group of its own,
+/// and whatever is left in the group then is killed too: a launcher's server (`npx`'s node,
+/// `uvx`'s python, a shell's command) outlived the launcher before, one more each time the
+/// session was replaced.
 struct ServerProcess(Option<tokio::process::Child>);
+
+/// Kills what is left of the process group `leader` led (nothing, when it is gone).
+fn kill_group(leader: Option<u32>) {
+    #[cfg(unix)]
+    if let Some(group) = leader.and_then(|pid| i32::try_from(pid).ok()) {
+        let _ = nix::sys::signal::killpg(
+            nix::unistd::Pid::from_raw(group),
+            nix::sys::signal::Signal::SIGKILL,
+        );
+    }
+    #[cfg(not(unix))]
+    let _ = leader;
+}
 
 /// How long a stdio server has to exit by itself once its session is dropped.
 const SERVER_EXIT_GRACE: Duration = Duration::from_secs(3);
@@ -145,6 +161,7 @@ impl Drop for ServerProcess {
         let Some(mut child) = self.0.take() else {
             return;
         };
+        let leader = child.id();
         // `kill_on_drop` ends it if the task never runs.
         if let Ok(runtime) = tokio::runtime::Handle::try_current() {
             runtime.spawn(async move {
@@ -154,22 +171,24 @@ impl Drop for ServerProcess {
                 {
                     let _ = child.kill().await;
                 }
+                kill_group(leader);
             });
+        } else {
+            kill_group(leader);
         }
     }
 }
 
 impl Session {
     /// Whether to ask the session whether it still answers before a call: not while calls run on
-    /// it, nor when it answered within [`FRESH`].
-    /// Over HTTP, where requests do not queue behind each other, whenever it was not heard from
-    /// within [`FRESH`]; a session a call gave up on, always.
-    fn worth_a_ping(&self, endpoint: &Endpoint) -> bool {
+    /// it, nor when it answered within [`FRESH`]; a session a call gave up on, always. Over HTTP
+    /// too: `rmcp` sends one request at a time, so a ping queued behind a long call to a server
+    /// that answers in JSON (at the call's end) timed out, and a healthy session was dropped.
+    fn worth_a_ping(&self) -> bool {
         if self.suspect.load(std::sync::atomic::Ordering::SeqCst) {
             return true;
         }
-        let idle = matches!(endpoint, Endpoint::Http { .. })
-            || self.in_flight.load(std::sync::atomic::Ordering::SeqCst) == 0;
+        let idle = self.in_flight.load(std::sync::atomic::Ordering::SeqCst) == 0;
         let heard = *self
             .answered_at
             .lock()
@@ -356,7 +375,7 @@ impl McpPool {
         arguments: &BTreeMap<String, String>,
     ) -> Result<String, String> {
         let (mut session, reused) = self.session(endpoint).await?;
-        if reused && session.worth_a_ping(endpoint) {
+        if reused && session.worth_a_ping() {
             if let Err(e) = ping(&session, endpoint).await {
                 tracing::info!(server = %endpoint.describe(), error = %e, "MCP session lost; connecting again");
                 self.forget(endpoint, &session).await;
@@ -550,6 +569,9 @@ async fn connect(endpoint: &Endpoint) -> Result<Session, String> {
                 .stdout(std::process::Stdio::piped())
                 .stderr(std::process::Stdio::piped())
                 .kill_on_drop(true);
+            // A group of its own, for what it starts to be ended with it (see `ServerProcess`).
+            #[cfg(unix)]
+            command.process_group(0);
             let mut started = command
                 .spawn()
                 .map_err(|e| format!("the MCP server '{server}' could not be started: {e}"))?;
@@ -781,8 +803,16 @@ async fn http_refusal(client: &reqwest::Client, url: &str, token: Option<&str>) 
     if status.is_success() {
         return None;
     }
-    let body = response.text().await.unwrap_or_default();
-    let body: String = body.chars().take(200).collect();
+    // Its start only: a body without end is not read.
+    let mut response = response;
+    let mut body = Vec::new();
+    while body.len() < 1024 {
+        match response.chunk().await {
+            Ok(Some(chunk)) => body.extend_from_slice(&chunk),
+            _ => break,
+        }
+    }
+    let body: String = String::from_utf8_lossy(&body).chars().take(200).collect();
     Some(format!("it answered HTTP {status}: {}", body.trim()))
 }
 
@@ -853,19 +883,68 @@ async fn listed_tools(session: &Session, endpoint: &Endpoint) -> Result<Arc<Vec<
             return Ok(known.tools.clone());
         }
     }
-    let tools = Arc::new(
-        session
-            .peer
-            .list_all_tools()
-            .await
-            .map_err(|e| service_error(endpoint, "list its tools", e))?,
-    );
+    let tools = Arc::new(list_all_tools(session, endpoint).await?);
     *listed = Some(ListedTools {
         tools: tools.clone(),
         at: std::time::Instant::now(),
         changes,
     });
     Ok(tools)
+}
+
+/// The most pages of a server's tool list read, and the most tools taken from it.
+const MOST_TOOL_PAGES: usize = 100;
+const MOST_TOOLS: usize = 10_000;
+/// How long reading a server's whole tool list may take.
+const TOOL_LIST_WITHIN: Duration = Duration::from_secs(30);
+
+/// Every page of the server's tool list. `rmcp`'s own loop reads pages for as long as the server
+/// names a next one: a server that always did (a repeated cursor is a common bug) grew the list
+/// without end, under the session's tool-list lock that every call to it waits on.
+async fn list_all_tools(session: &Session, endpoint: &Endpoint) -> Result<Vec<Tool>, CallError> {
+    let server = endpoint.describe();
+    let listing = async {
+        let mut tools = Vec::new();
+        let mut cursor: Option<String> = None;
+        let mut cursors = std::collections::HashSet::new();
+        for _ in 0..MOST_TOOL_PAGES {
+            let page = session
+                .peer
+                .list_tools(Some(rmcp::model::PaginatedRequestParams {
+                    meta: None,
+                    cursor: cursor.take(),
+                }))
+                .await
+                .map_err(|e| service_error(endpoint, "list its tools", e))?;
+            tools.extend(page.tools);
+            if tools.len() > MOST_TOOLS {
+                return Err(CallError::Other(format!(
+                    "the MCP server {server} lists more than {MOST_TOOLS} tools"
+                )));
+            }
+            match page.next_cursor {
+                None => return Ok(tools),
+                Some(next) if !cursors.insert(next.clone()) => {
+                    return Err(CallError::Other(format!(
+                        "the MCP server {server} names the page of its tools '{}' again",
+                        next.chars().take(64).collect::<String>()
+                    )))
+                }
+                Some(next) => cursor = Some(next),
+            }
+        }
+        Err(CallError::Other(format!(
+            "the MCP server {server} lists its tools in more than {MOST_TOOL_PAGES} pages"
+        )))
+    };
+    tokio::time::timeout(TOOL_LIST_WITHIN, listing)
+        .await
+        .unwrap_or_else(|_| {
+            Err(CallError::Transport(format!(
+                "the MCP server {server} did not list its tools within {} s",
+                TOOL_LIST_WITHIN.as_secs()
+            )))
+        })
 }
 
 /// How long a reused session has to answer a `ping` before it is taken for lost.
@@ -1011,6 +1090,116 @@ mod tests {
         let mut cap = LineCap::new((), 10);
         assert!(cap.saw(b"a\nb\nc\n").is_ok());
         assert!(cap.saw(b"0123456789").is_ok(), "a newline resets the count");
+    }
+
+    /// A stdio MCP server (Python, no SDK) whose tool list always names a next page: the same
+    /// cursor, or a new one each time when `fresh_cursors`.
+    fn endless_pages(fresh_cursors: bool) -> Endpoint {
+        let script = r#"
+import json, sys
+page = 0
+for line in sys.stdin:
+    m = json.loads(line)
+    if "id" not in m:
+        continue
+    if m["method"] == "initialize":
+        r = {"protocolVersion": m["params"]["protocolVersion"], "capabilities": {"tools": {}},
+             "serverInfo": {"name": "endless", "version": "1"}}
+    elif m["method"] == "tools/list":
+        page += 1
+        r = {"tools": [{"name": "t%d" % page, "inputSchema": {"type": "object"}}],
+             "nextCursor": ("c%d" % page) if FRESH else "again"}
+    else:
+        r = {}
+    print(json.dumps({"jsonrpc": "2.0", "id": m["id"], "result": r}), flush=True)
+"#
+        .replace("FRESH", if fresh_cursors { "True" } else { "False" });
+        Endpoint::Stdio {
+            command: "python3".to_owned(),
+            args: vec!["-c".to_owned(), script],
+            env: BTreeMap::new(),
+        }
+    }
+
+    #[tokio::test]
+    async fn a_tool_list_without_end_is_given_up_on() {
+        let pool = McpPool::new().trusting(StdioTrust::any());
+        let repeated = pool.arguments(&endless_pages(false), "t1").await;
+        let Err(repeated) = repeated else {
+            panic!("a list whose next page is always the same was read to its end")
+        };
+        assert!(repeated.contains("'again' again"), "{repeated}");
+        let endless = pool.arguments(&endless_pages(true), "t1").await;
+        let Err(endless) = endless else {
+            panic!("a list without end was read to its end")
+        };
+        assert!(endless.contains("more than 100 pages"), "{endless}");
+    }
+
+    #[cfg(unix)]
+    #[tokio::test]
+    async fn what_a_stdio_server_started_ends_with_its_session() {
+        // A server that starts a process of its own (as a launcher starts the real server) and
+        // says where it is.
+        let pid_file = std::env::temp_dir().join(format!("mcp-child-{:016x}", rand_suffix()));
+        let script = format!(
+            r#"
+import json, subprocess, sys
+child = subprocess.Popen(["sleep", "1000"])
+open({path:?}, "w").write(str(child.pid))
+for line in sys.stdin:
+    m = json.loads(line)
+    if "id" not in m:
+        continue
+    r = {{}}
+    if m["method"] == "initialize":
+        r = {{"protocolVersion": m["params"]["protocolVersion"], "capabilities": {{"tools": {{}}}},
+             "serverInfo": {{"name": "launcher", "version": "1"}}}}
+    elif m["method"] == "tools/list":
+        r = {{"tools": [{{"name": "t", "inputSchema": {{"type": "object"}}}}]}}
+    print(json.dumps({{"jsonrpc": "2.0", "id": m["id"], "result": r}}), flush=True)
+"#,
+            path = pid_file.display().to_string()
+        );
+        let endpoint = Endpoint::Stdio {
+            command: "python3".to_owned(),
+            args: vec!["-c".to_owned(), script],
+            env: BTreeMap::new(),
+        };
+        let pool = McpPool::new().trusting(StdioTrust::any());
+        assert!(pool.arguments(&endpoint, "t").await.is_ok());
+        let pid: u32 = std::fs::read_to_string(&pid_file)
+            .unwrap()
+            .trim()
+            .parse()
+            .unwrap();
+        // Running, not a zombie waiting for whoever adopted it to reap it.
+        let alive = |pid: u32| {
+            std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|stat| {
+                stat.rsplit(')')
+                    .next()
+                    .is_some_and(|s| !s.trim_start().starts_with('Z'))
+            })
+        };
+        assert!(alive(pid));
+        drop(pool);
+        let deadline = std::time::Instant::now() + SERVER_EXIT_GRACE + Duration::from_secs(10);
+        while alive(pid) && std::time::Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        let _ = std::fs::remove_file(&pid_file);
+        assert!(
+            !alive(pid),
+            "the server's own process {pid} outlived its session"
+        );
+    }
+
+    fn rand_suffix() -> u64 {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos() as u64)
+            .unwrap_or(0)
+            ^ u64::from(std::process::id())
     }
 
     #[test]
