@@ -245,7 +245,10 @@ async fn due_calls(
         let rows = store.query(queries::cancellations_at(&nodes)).await?.rows();
         for (node, at) in rows.column("c").into_iter().zip(rows.column("at")) {
             if let (Some(Term::NamedNode(node)), Some(at)) = (node, time(at)) {
-                cancelled.insert(node.as_str().to_owned(), at);
+                // The latest cancel of a node: a session's id is its client's to choose, so a
+                // node can hold an old dialog's cancel beside a new one's, in any row order.
+                let latest = cancelled.entry(node.as_str().to_owned()).or_insert(at);
+                *latest = (*latest).max(at);
             }
         }
     }
@@ -318,6 +321,10 @@ mod tests {
             // Cancelled just before the step that parked the call heard of it.
             parked("raced", 0, 60),
             cancel("raced", -1),
+            // Used again after a cancel a day old, and cancelled again now: the latest counts.
+            cancel("twice", -24 * 60),
+            parked("twice", -1, 60),
+            cancel("twice", 0),
         ]
         .concat();
         let store = GraphStore::in_memory().unwrap();
@@ -344,6 +351,7 @@ mod tests {
                 ("expired".to_owned(), PAST_DEADLINE),
                 ("raced".to_owned(), RUN_CANCELLED),
                 ("sup-f1-s0".to_owned(), RUN_CANCELLED),
+                ("twice".to_owned(), RUN_CANCELLED),
             ]
         );
     }

@@ -135,9 +135,11 @@ impl Writer {
             // that waits from the marks alone.
             let mut quads = quads;
             quads.extend(agent_graph::waiting::marks_for(&quads));
-            match self.store.insert(quads).await {
+            match insert_in_parts(&self.store, quads).await {
                 Ok(()) => tracing::debug!(id = %metadata.id, quads = count, "written"),
-                Err(e) if e.retryable() => return Disposition::Nack(e.to_string()),
+                Err(e) if e.retryable() || refused_by_the_store(&e) => {
+                    return Disposition::Nack(e.to_string())
+                }
                 Err(e) => return Disposition::DeadLetter(e.to_string()),
             }
         }
@@ -228,6 +230,46 @@ impl LeftOut {
 /// Whether `quad` is one of the agent's records: about one of its sessions (their nodes are
 /// named under [`agent_core::vocab::SESSION_PREFIX`], as TrustGraph's agent names them), one of
 /// the long texts they refer to, or in its documents graph.
+/// Whether the store refused a write for a reason of its own, not the message's: no access (401,
+/// 403: a token being rotated) or no such endpoint (404: a store being moved). Waited out, as an
+/// outage is: dead-lettered, a fan-out never reached the graph, no sweep ever timed it out, and
+/// its supervisor waited for ever.
+fn refused_by_the_store(e: &agent_graph::GraphError) -> bool {
+    matches!(
+        e,
+        agent_graph::GraphError::Http {
+            status: 401 | 403 | 404,
+            ..
+        }
+    )
+}
+
+/// Writes `quads`, in halves (and theirs) for as long as the store says a write is too large
+/// (413): a replica writing through the owner's endpoint meets that endpoint's bound on an update,
+/// which a message the broker took can pass. RDF writes are sets, so a part written before a
+/// failure is written again unchanged when the message comes back.
+async fn insert_in_parts(
+    store: &GraphStore,
+    quads: Vec<oxigraph::model::Quad>,
+) -> Result<(), agent_graph::GraphError> {
+    // An embedded store takes a write of any size: not copied to be tried again.
+    if store.is_embedded() {
+        return store.insert(quads).await;
+    }
+    let mut parts = vec![quads];
+    while let Some(mut part) = parts.pop() {
+        match store.insert(part.clone()).await {
+            Err(agent_graph::GraphError::Http { status: 413, .. }) if part.len() > 1 => {
+                let second = part.split_off(part.len() / 2);
+                parts.push(second);
+                parts.push(part);
+            }
+            written => written?,
+        }
+    }
+    Ok(())
+}
+
 fn agent_record(quad: &oxigraph::model::Quad) -> bool {
     use oxigraph::model::GraphName;
     let documents = matches!(&quad.graph_name, GraphName::NamedNode(g) if g.as_str() == agent_core::vocab::DOCUMENTS_GRAPH);
@@ -280,7 +322,69 @@ fn internal(quad: &oxigraph::model::Quad) -> bool {
 
 #[cfg(test)]
 mod tests {
+    use std::sync::Arc;
+
     use super::*;
+
+    /// A SPARQL endpoint that refuses an update over `most` bytes (413) and keeps the rest.
+    async fn refusing_long_updates(most: usize) -> (String, Arc<std::sync::Mutex<Vec<String>>>) {
+        let kept: Arc<std::sync::Mutex<Vec<String>>> = Arc::default();
+        let app = axum::Router::new().route(
+            "/update",
+            axum::routing::post({
+                let kept = kept.clone();
+                move |body: String| {
+                    let kept = kept.clone();
+                    async move {
+                        if body.len() > most {
+                            return axum::http::StatusCode::PAYLOAD_TOO_LARGE;
+                        }
+                        kept.lock().unwrap_or_else(|p| p.into_inner()).push(body);
+                        axum::http::StatusCode::NO_CONTENT
+                    }
+                }
+            }),
+        );
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .unwrap_or_else(|e| panic!("{e}"));
+        let url = format!(
+            "http://{}",
+            listener.local_addr().unwrap_or_else(|e| panic!("{e}"))
+        );
+        tokio::spawn(async move { axum::serve(listener, app).await });
+        (url, kept)
+    }
+
+    #[tokio::test]
+    async fn a_write_too_large_for_the_endpoint_goes_in_parts() {
+        use oxigraph::model::{GraphName, Literal, NamedNode, Quad};
+        let (url, kept) = refusing_long_updates(4_000).await;
+        let store = GraphStore::open(&url, None).unwrap_or_else(|e| panic!("{e}"));
+        let quads: Vec<Quad> = (0..40)
+            .map(|n| {
+                Quad::new(
+                    NamedNode::new_unchecked(format!("urn:test:s{n}")),
+                    NamedNode::new_unchecked("urn:test:p"),
+                    Literal::new_simple_literal("x".repeat(200)),
+                    GraphName::DefaultGraph,
+                )
+            })
+            .collect();
+        insert_in_parts(&store, quads)
+            .await
+            .unwrap_or_else(|e| panic!("{e}"));
+        let kept = kept.lock().unwrap_or_else(|p| p.into_inner());
+        assert!(kept.len() > 1, "written in {} part(s)", kept.len());
+        for n in 0..40 {
+            let subject = format!("<urn:test:s{n}>");
+            assert_eq!(
+                kept.iter().filter(|body| body.contains(&subject)).count(),
+                1,
+                "{subject}"
+            );
+        }
+    }
 
     #[test]
     fn a_dead_letter_says_every_reason_its_triples_were_left_out() {
