@@ -103,6 +103,99 @@ const STRIPES: usize = 64;
 static STRIPE_LOCKS: [tokio::sync::Mutex<()>; STRIPES] =
     [const { tokio::sync::Mutex::const_new(()) }; STRIPES];
 
+/// Steps whose entry's write to a SPARQL server failed without saying whether it was applied (a
+/// timeout, a connection lost, a proxy's 502): the server may still commit it, later, beside the
+/// entry a retry of the step would write, and a step would then hold two outcomes. While one is
+/// in doubt, what stands for it is not told from a read that finds nothing: its lookups and
+/// records fail as an outage (the step waits, its LLM not asked again) until a read finds the
+/// entry or [`IN_DOUBT_FOR`] has passed since the failure.
+struct InDoubt {
+    since: std::collections::HashMap<(u64, String), std::time::Instant>,
+}
+
+/// How long a failed write stays in doubt: a write still queued on the server commits within it,
+/// or not at all. Well within the outage a step waits out (`max_outage_secs`, 300 by default).
+const IN_DOUBT_FOR: std::time::Duration = std::time::Duration::from_secs(60);
+/// The most steps in doubt remembered (a store down for long fails every write).
+const MOST_IN_DOUBT: usize = 65_536;
+
+static IN_DOUBT: std::sync::LazyLock<std::sync::Mutex<InDoubt>> = std::sync::LazyLock::new(|| {
+    std::sync::Mutex::new(InDoubt {
+        since: Default::default(),
+    })
+});
+/// Whether any step is in doubt: read without the lock on every lookup.
+static ANY_IN_DOUBT: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+impl InDoubt {
+    fn lock() -> std::sync::MutexGuard<'static, InDoubt> {
+        IN_DOUBT
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// `nodes`, whose write to the store `identity` failed just now, are in doubt.
+    fn mark<'a>(identity: u64, nodes: impl Iterator<Item = &'a NamedNode>) {
+        let mut doubts = InDoubt::lock();
+        let now = std::time::Instant::now();
+        doubts
+            .since
+            .retain(|_, at| now.duration_since(*at) < IN_DOUBT_FOR);
+        for node in nodes {
+            if doubts.since.len() >= MOST_IN_DOUBT {
+                tracing::warn!("more journal writes in doubt than are remembered; a step's later record may not wait for its first");
+                break;
+            }
+            doubts
+                .since
+                .insert((identity, node.as_str().to_owned()), now);
+        }
+        ANY_IN_DOUBT.store(
+            !doubts.since.is_empty(),
+            std::sync::atomic::Ordering::SeqCst,
+        );
+    }
+
+    /// Of what a read of the store `identity` found for `nodes`: an outage if a step found without
+    /// an entry is in doubt; a step found with one is in doubt no more.
+    fn check(
+        identity: u64,
+        nodes: &[NamedNode],
+        read: &[Option<JournalEntry>],
+    ) -> Result<(), GraphError> {
+        if !ANY_IN_DOUBT.load(std::sync::atomic::Ordering::SeqCst) {
+            return Ok(());
+        }
+        let mut doubts = InDoubt::lock();
+        let mut waiting = None;
+        for (node, found) in nodes.iter().zip(read) {
+            let key = (identity, node.as_str().to_owned());
+            let Some(since) = doubts.since.get(&key) else {
+                continue;
+            };
+            if found.is_some() || since.elapsed() >= IN_DOUBT_FOR {
+                doubts.since.remove(&key);
+            } else {
+                waiting.get_or_insert(node.as_str().to_owned());
+            }
+        }
+        ANY_IN_DOUBT.store(
+            !doubts.since.is_empty(),
+            std::sync::atomic::Ordering::SeqCst,
+        );
+        match waiting {
+            None => Ok(()),
+            Some(node) => Err(GraphError::Http {
+                status: 503,
+                body: format!(
+                    "the journal's write of {node} failed without saying whether the store applied it; it is waited for, up to {} s",
+                    IN_DOUBT_FOR.as_secs()
+                ),
+            }),
+        }
+    }
+}
+
 /// How many expected steps are remembered: far more than the steps in flight, so one is
 /// forgotten before it is taken up (and its lookup then reads the store) only if its dialog stalled.
 const EXPECTED_STEPS: usize = 65_536;
@@ -397,7 +490,9 @@ impl Journal {
                     .map(|(entry, _)| entry.clone())
                     .collect();
                 // `stored_entries` reads nothing for no entries.
-                let mut stored = stored_entries(store, &unknown).await?.into_iter();
+                let stored = stored_entries(store, &unknown).await?;
+                InDoubt::check(store.identity, &unknown, &stored)?;
+                let mut stored = stored.into_iter();
                 Ok(expected
                     .iter()
                     .map(|&expected| {
@@ -725,9 +820,23 @@ async fn decide(
         _only_writer_of_these_keys.push(STRIPE_LOCKS[index].lock().await);
     }
     let read = stored_entries(store, deciding.claim(store.identity)).await?;
+    InDoubt::check(store.identity, &deciding.nodes, &read)?;
+    let unwritten: Vec<NamedNode> = deciding
+        .nodes
+        .iter()
+        .zip(&read)
+        .filter(|(_, stored)| stored.is_none())
+        .map(|(node, _)| node.clone())
+        .collect();
     let (standing, writes, written) = deciding.settle(read);
     if !writes.is_empty() {
-        store.insert(writes).await?;
+        if let Err(e) = store.insert(writes).await {
+            // Refused outright (a 4xx), the write did not happen; anything else may have.
+            if !matches!(&e, GraphError::Http { status, .. } if (400..500).contains(status)) {
+                InDoubt::mark(store.identity, unwritten.iter());
+            }
+            return Err(e);
+        }
         written.tell(store.identity);
     }
     Ok(standing)
