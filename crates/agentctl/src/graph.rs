@@ -10,6 +10,8 @@ use agent_graph::model::Term;
 use agent_graph::{queries, GraphStore, QueryAnswer};
 use anyhow::{bail, Context};
 
+use crate::terminal::terminal_safe;
+
 #[derive(clap::Args, Debug, Clone)]
 pub struct StoreArgs {
     /// The graph store: the aggregator's endpoint (`http://127.0.0.1:7878`) or a store directory.
@@ -128,12 +130,15 @@ pub async fn last_session(store: &GraphStore) -> anyhow::Result<String> {
 }
 
 pub fn render(view: &SessionView, format: Format, full: bool) -> anyhow::Result<String> {
+    // What an LLM or a tool wrote is in the tree whole: shown, never acted on by the terminal
+    // (an escape that erased the line of a payment's call, or wrote a conclusion of its own).
+    // JSON escapes control characters itself.
     Ok(match format {
-        Format::Tree if full => render_tree_full(view),
-        Format::Tree => render_tree(view),
+        Format::Tree if full => terminal_safe(render_tree_full(view)),
+        Format::Tree => terminal_safe(render_tree(view)),
         Format::Json => serde_json::to_string_pretty(view)? + "\n",
-        Format::Dot => render_dot(view),
-        Format::Mermaid => render_mermaid(view),
+        Format::Dot => terminal_safe(render_dot(view)),
+        Format::Mermaid => terminal_safe(render_mermaid(view)),
     })
 }
 
@@ -194,7 +199,7 @@ pub struct SparqlArgs {
 fn cell(term: Option<&Term>) -> String {
     match term {
         None => String::new(),
-        Some(Term::Literal(l)) => l.value().replace('\n', "\\n"),
+        Some(Term::Literal(l)) => terminal_safe(l.value().replace('\n', "\\n")),
         Some(Term::NamedNode(n)) => n.as_str().to_owned(),
         Some(other) => other.to_string(),
     }
@@ -323,4 +328,29 @@ pub async fn load(args: LoadArgs) -> anyhow::Result<i32> {
         args.collection
     );
     Ok(0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_tree_shows_what_an_llm_wrote_without_the_terminal_acting_on_it() {
+        let view = SessionView {
+            session: "s".to_owned(),
+            question: "pay \u{1b}[1A\u{1b}[2Kthe invoice\rdone".to_owned(),
+            ..SessionView::default()
+        };
+        for format in [Format::Tree, Format::Dot, Format::Mermaid] {
+            for full in [false, true] {
+                let shown = render(&view, format, full).unwrap_or_default();
+                assert!(
+                    !shown
+                        .chars()
+                        .any(|c| c.is_control() && c != '\n' && c != '\t'),
+                    "{format:?}: {shown:?}"
+                );
+            }
+        }
+    }
 }

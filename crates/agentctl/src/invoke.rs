@@ -10,6 +10,8 @@ use agent_core::vocab::{tg, NamedNodeRef};
 use agent_schema::{AgentRequest, AgentResponse, MessageType, Triple};
 use anyhow::Context;
 
+use crate::terminal::clean_for_terminal;
+
 #[derive(clap::Args, Debug, Clone)]
 pub struct InvokeArgs {
     /// The question.
@@ -454,18 +456,6 @@ fn terminal_safe(r: &AgentResponse) -> AgentResponse {
         clean_term(&mut triple.o);
     }
     r
-}
-
-/// `text` with each control character but a newline and a tab shown as U+FFFD (see
-/// [`terminal_safe`]).
-fn clean_for_terminal(text: &mut String) {
-    let unsafe_char = |c: char| c.is_control() && c != '\n' && c != '\t';
-    if text.chars().any(unsafe_char) {
-        *text = text
-            .chars()
-            .map(|c| if unsafe_char(c) { '\u{fffd}' } else { c })
-            .collect();
-    }
 }
 
 /// One line on how the dialog was routed, from its pattern decision's triples.

@@ -12,6 +12,7 @@ mod control;
 mod fork;
 mod graph;
 mod invoke;
+mod terminal;
 mod tools;
 mod up;
 

@@ -80,6 +80,11 @@ pub struct FanOutView {
     pub subagents: Vec<SubagentView>,
     /// The synthesis node that answered it (or asked for another round), once there is one.
     pub synthesis: String,
+    /// The subagent sessions whose results the synthesis was made without (it timed out before
+    /// they came): a partial synthesis.
+    pub missing: Vec<String>,
+    /// Why it is never to be synthesised, when the aggregator refused it.
+    pub refused: String,
     /// An ensemble's reconciliation: the points its agents agreed and disagreed on.
     pub agreed: Vec<String>,
     pub disagreed: Vec<String>,
@@ -456,6 +461,8 @@ fn fanout_view(index: &Index, node: &str, sessions: &[String], depth: usize) -> 
         .into_iter()
         .find(|n| index.has_type(n, tg::SYNTHESIS))
         .unwrap_or_default();
+    let mut missing = index.all(&synthesis, tg::MISSING_SUBAGENT);
+    missing.sort();
     let mut agreed = index.all(&synthesis, tg::AGREEMENT);
     let mut disagreed = index.all(&synthesis, tg::DISAGREEMENT);
     agreed.sort();
@@ -473,6 +480,8 @@ fn fanout_view(index: &Index, node: &str, sessions: &[String], depth: usize) -> 
             + index.number(&synthesis, tg::OUT_TOKEN)
             + critic_out,
         synthesis,
+        missing,
+        refused: index.one(node, tg::FAN_IN_REFUSED),
         agreed,
         disagreed,
     }
@@ -622,10 +631,15 @@ fn tree(view: &SessionView, full: bool) -> String {
             f.correlation_id, f.step, f.expected, f.in_token, f.out_token
         ));
         for (i, sub) in f.subagents.iter().enumerate() {
+            let late = if f.missing.contains(&sub.run.session) {
+                " (came after the synthesis: not in it)"
+            } else {
+                ""
+            };
             let status = if sub.status.is_empty() {
                 "not completed".to_owned()
             } else {
-                format!("{}: {}", sub.status, trim(&sub.result, 160))
+                format!("{}: {}{late}", sub.status, trim(&sub.result, 160))
             };
             let after = if sub.needs.is_empty() {
                 String::new()
@@ -644,10 +658,17 @@ fn tree(view: &SessionView, full: bool) -> String {
                 out.push_str(&format!("│  │  {line}\n"));
             }
         }
-        let synthesis = if f.synthesis.is_empty() {
-            "(waiting for the subagents)"
-        } else {
-            "derived from every completion"
+        let synthesis = match () {
+            _ if f.synthesis.is_empty() && !f.refused.is_empty() => {
+                format!("refused: {}", trim(&f.refused, 200))
+            }
+            _ if f.synthesis.is_empty() => "(waiting for the subagents)".to_owned(),
+            _ if f.missing.is_empty() => "derived from every completion".to_owned(),
+            // A fan-out that timed out: the answer was made without these results.
+            _ => format!(
+                "partial, without {} of the subagents' results (they had not come when the fan-out timed out)",
+                f.missing.len()
+            ),
         };
         out.push_str(&format!("│  └─ synthesis: {synthesis}\n"));
         for (label, points) in [("agreed", &f.agreed), ("disagreed", &f.disagreed)] {
@@ -811,4 +832,66 @@ pub fn render_mermaid(view: &SessionView) -> String {
         }
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn subagent(session: &str, status: &str) -> SubagentView {
+        SubagentView {
+            status: status.to_owned(),
+            result: format!("{session}'s result"),
+            needs: Vec::new(),
+            verdict: String::new(),
+            run: SessionView {
+                session: session.to_owned(),
+                question: format!("{session}'s part"),
+                ..SessionView::default()
+            },
+        }
+    }
+
+    #[test]
+    fn a_partial_synthesis_and_a_refused_fan_out_say_so() {
+        let fanout = FanOutView {
+            node: "urn:f".to_owned(),
+            correlation_id: "s-f1".to_owned(),
+            expected: 2,
+            subagents: vec![subagent("urn:a", "answer"), subagent("urn:b", "answer")],
+            synthesis: "urn:synthesis".to_owned(),
+            missing: vec!["urn:b".to_owned()],
+            ..FanOutView::default()
+        };
+        let view = SessionView {
+            session: "urn:s".to_owned(),
+            fanouts: vec![fanout.clone()],
+            ..SessionView::default()
+        };
+        let tree = render_tree(&view);
+        assert!(!tree.contains("every completion"), "{tree}");
+        assert!(
+            tree.contains("partial, without 1 of the subagents' results"),
+            "{tree}"
+        );
+        let late: Vec<&str> = tree.lines().filter(|l| l.contains("not in it")).collect();
+        assert_eq!(late.len(), 1, "{tree}");
+        assert!(late[0].contains("urn:b's part"), "{tree}");
+
+        let refused = SessionView {
+            fanouts: vec![FanOutView {
+                synthesis: String::new(),
+                missing: Vec::new(),
+                refused: "timed out with no completion".to_owned(),
+                ..fanout
+            }],
+            ..view
+        };
+        let tree = render_tree(&refused);
+        assert!(
+            tree.contains("refused: timed out with no completion"),
+            "{tree}"
+        );
+        assert!(!tree.contains("waiting for the subagents"), "{tree}");
+    }
 }

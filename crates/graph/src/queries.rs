@@ -66,11 +66,13 @@ pub fn session_triples(session: &NamedNode) -> String {
     )
 }
 
-/// The most recently started session.
+/// The most recently started dialog of a client's (or a fork's): not a subagent's, whose question
+/// derives from its supervisor's fan-out and starts after the dialog that ran it.
 pub fn last_session() -> String {
     let g = graph();
     format!(
-        "{PREFIXES}SELECT ?s WHERE {{ GRAPH {g} {{ ?s a tg:AgentQuestion ; prov:startedAtTime ?t {only} }} }} ORDER BY DESC(?t) LIMIT 1",
+        "{PREFIXES}SELECT ?s WHERE {{ GRAPH {g} {{ ?s a tg:AgentQuestion ; prov:startedAtTime ?t {only}
+  FILTER NOT EXISTS {{ ?s prov:wasDerivedFrom ?from FILTER NOT EXISTS {{ ?s tg:forkedFrom ?source }} }} }} }} ORDER BY DESC(?t) LIMIT 1",
         only = agents_only("s")
     )
 }
@@ -387,13 +389,15 @@ pub fn fan_in_refused(fanout: &NamedNode, why: &str) -> String {
     format!("{PREFIXES}INSERT DATA {{ GRAPH {g} {{ {fanout} tg:fanInRefused {why} }} }}")
 }
 
-/// The sessions (client dialogs and their subagents) of a conversation, oldest first.
+/// The client dialogs of a conversation, oldest first: not their subagents' nor their forks'
+/// sessions, which each dialog's tree shows (listed too, they were shown twice).
 pub fn conversation_sessions(conversation_id: &str) -> String {
     let g = graph();
     let id = oxigraph::model::Literal::new_simple_literal(conversation_id);
     format!(
         "{PREFIXES}SELECT DISTINCT ?s WHERE {{ GRAPH {g} {{
-  ?s a tg:AgentQuestion ; tg:conversation {id} ; prov:startedAtTime ?t {only} }} }} ORDER BY ?t ?s",
+  ?s a tg:AgentQuestion ; tg:conversation {id} ; prov:startedAtTime ?t {only}
+  FILTER NOT EXISTS {{ ?s prov:wasDerivedFrom ?from }} }} }} ORDER BY ?t ?s",
         only = agents_only("s")
     )
 }

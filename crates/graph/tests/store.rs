@@ -75,6 +75,44 @@ fn session_triples(session: &str, question: &str) -> Vec<agent_schema::Triple> {
     t
 }
 
+/// `explain --last` shows the dialog a client (or a fork) started last, not a subagent of it,
+/// whose question starts after its supervisor's.
+#[tokio::test]
+async fn the_last_session_is_a_dialog_not_its_subagent() {
+    let store = GraphStore::in_memory().unwrap();
+    let mut triples = provenance::session(&SessionUris::new("root"), "q", "2026-01-01T00:00:00Z");
+    let sub = SessionUris::new("root-f1-s0");
+    triples.extend(provenance::session(&sub, "part", "2026-01-01T00:00:05Z"));
+    triples.extend(provenance::derived_from(
+        &sub.session(),
+        &SessionUris::new("root").fanout("root-f1"),
+    ));
+    store.insert(into_quads(triples).unwrap()).await.unwrap();
+    let last = |store: GraphStore| async move {
+        let rows = store.query(queries::last_session()).await.unwrap().rows();
+        match rows.first("s") {
+            Some(agent_graph::model::Term::NamedNode(n)) => n.as_str().to_owned(),
+            other => panic!("{other:?}"),
+        }
+    };
+    assert_eq!(
+        last(store.clone()).await,
+        SessionUris::new("root").session()
+    );
+    // A fork started later is a dialog of its own, though it derives from its source.
+    let fork = SessionUris::new("fork-1");
+    let mut forked = provenance::session(&fork, "q again", "2026-01-01T00:00:09Z");
+    forked.extend(provenance::fork(
+        &fork,
+        &SessionUris::new("root"),
+        1,
+        &[],
+        "",
+    ));
+    store.insert(into_quads(forked).unwrap()).await.unwrap();
+    assert_eq!(last(store).await, fork.session());
+}
+
 async fn scenario(store: GraphStore) {
     let hostile = "a \"quote\" <tag> \n new line \"} ; DROP ALL ; {\"";
     let triples = session_triples("s1", hostile);
