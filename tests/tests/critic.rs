@@ -746,6 +746,51 @@ async fn a_plans_or_react_draft_at_the_iteration_limit_is_given_unreviewed() {
     );
 }
 
+/// A ReACT draft the reviewer rejects in the last iterations the limits allow is given, saying
+/// the reviewer did not accept it. Before, the dialog said it could not reach an answer, with the
+/// review's lesson as its last observation, and the draft was lost.
+#[tokio::test]
+async fn a_react_draft_rejected_at_the_iteration_limit_is_given_saying_so() {
+    let config = config_dir(
+        "react-rejected-at-limit",
+        &[
+            (
+                "agent-pattern",
+                r#"{"react": {"description": "step by step", "critic": ["answer"]}}"#,
+            ),
+            ("agent-limits", r#"{"default": {"max_iterations": 2}}"#),
+            (
+                "tool",
+                r#"{"llm": {"name": "llm", "description": "ask", "type": "text-completion"}}"#,
+            ),
+        ],
+    );
+    let script = r#"{"rules": [
+      {"match": "Draft answer to review", "reply": "{\"status\": \"EXECUTION_ERROR\", \"evaluation\": \"not checked\", \"lesson\": \"look the price up\"}"},
+      {"match": "Question: What does alpha cost?", "reply": "Thought: I know.\nFinal Answer: Alpha costs 3."}
+    ]}"#;
+    let broker = Broker::start().unwrap();
+    let llm = scripted_llm(script).await;
+    let _orchestrator = Orchestrator::spawn(&broker, &llm, &config, &[]);
+    let mut client = client(&broker).await;
+    let request = AgentRequest {
+        pattern: "react".into(),
+        ..request("What does alpha cost?", false)
+    };
+    client.send("react-rejected", &request).await.unwrap();
+    let responses = collect_dialog(&mut client, "react-rejected", DIALOG_TIMEOUT)
+        .await
+        .unwrap();
+    let answer = outcome(&responses);
+    assert!(
+        answer.starts_with("Alpha costs 3.") && answer.contains("did not accept"),
+        "{responses:#?}"
+    );
+    assert!(!answer.contains("look the price up"), "{answer}");
+    // The draft and its review, and no LLM call past them.
+    assert_eq!(llm.calls().len(), 2, "{:#?}", llm.calls());
+}
+
 /// The answer critic on a supervisor's synthesis: the first synthesis is rejected with a lesson and
 /// written again from the same subagent results (no subagent runs again); only the accepted one
 /// is the answer. The draft derives from the synthesis node, so the DAG stays whole.

@@ -50,6 +50,14 @@ pub async fn iterate(turn: &Turn<'_>) -> Result<(), BusError> {
         };
         return crate::review::review_draft(turn, n, transcript).await;
     }
+    // A draft the reviewer rejected, at a limit: given, saying the reviewer did not accept it.
+    // Before, the dialog said it could not reach an answer and gave the review's lesson as its
+    // last observation, the draft lost.
+    if answer_critic && critic::draft_rejected(&request.history) {
+        if let Some(done) = crate::review::give_rejected_draft_at_a_limit(turn, n).await {
+            return done;
+        }
+    }
     if let Some(done) = conclude_if_limited(turn).await {
         return done;
     }
@@ -160,8 +168,13 @@ pub async fn iterate(turn: &Turn<'_>) -> Result<(), BusError> {
             discarded,
         }) => {
             if !streamed && !thought.is_empty() {
-                out.chunk(MessageType::Thought, &thought, &uris.thought(n), true)
-                    .await?;
+                out.chunk(
+                    MessageType::Thought,
+                    &shown_thought(&thought),
+                    &uris.thought(n),
+                    true,
+                )
+                .await?;
             }
             let decision = ToolDecision {
                 thought,
@@ -453,6 +466,28 @@ fn native_messages(
 /// Records an answer the loop cannot act on (unparsable, or cut off) as an iteration whose
 /// observation tells the LLM what was wrong, and queues the next iteration: a bad answer costs an
 /// iteration, not the dialog.
+/// The most of a thought sent to the client as one message: a model caught in a loop writes
+/// megabytes, which as one message were over the broker's limit, and the step failed (the dialog
+/// ended in an error) instead of going on to its next iteration with an `Error:` observation.
+const MOST_THOUGHT_BYTES: usize = 64 * 1024;
+
+/// `thought` as the client is sent it: whole, or its start and how long it was.
+fn shown_thought(thought: &str) -> std::borrow::Cow<'_, str> {
+    if thought.len() <= MOST_THOUGHT_BYTES {
+        return thought.into();
+    }
+    let mut end = MOST_THOUGHT_BYTES;
+    while !thought.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!(
+        "{}... (the thought was {} bytes; the rest is not shown)",
+        &thought[..end],
+        thought.len()
+    )
+    .into()
+}
+
 async fn record_unusable(
     turn: &Turn<'_>,
     n: usize,
@@ -468,7 +503,7 @@ async fn record_unusable(
     if !streams_text(turn) && !completion.text.trim().is_empty() {
         out.chunk(
             MessageType::Thought,
-            completion.text.trim(),
+            &shown_thought(completion.text.trim()),
             &uris.thought(n),
             true,
         )
