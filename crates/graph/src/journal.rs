@@ -831,8 +831,14 @@ async fn decide(
     let (standing, writes, written) = deciding.settle(read);
     if !writes.is_empty() {
         if let Err(e) = store.insert(writes).await {
-            // Refused outright (a 4xx), the write did not happen; anything else may have.
-            if !matches!(&e, GraphError::Http { status, .. } if (400..500).contains(status)) {
+            // Only a failure on the way may have been applied: a refusal (a 4xx, a store opened
+            // for reading) was not.
+            let may_have_been_applied = match &e {
+                GraphError::Transport(_) | GraphError::Storage(_) | GraphError::TimedOut(_) => true,
+                GraphError::Http { status, .. } => *status >= 500,
+                _ => false,
+            };
+            if may_have_been_applied {
                 InDoubt::mark(store.identity, unwritten.iter());
             }
             return Err(e);
