@@ -8,57 +8,22 @@ use std::time::Duration;
 
 use agent_graph::GraphStore;
 use futures::future::BoxFuture;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+mod common;
 
 /// What an endpoint does with the body of each request before it answers 204.
 type Handler = Arc<dyn Fn(String) -> BoxFuture<'static, ()> + Send + Sync>;
 
-/// A SPARQL endpoint in a few lines of HTTP/1.1 (enough for `reqwest`, keep-alive included): its
-/// base address.
+/// An endpoint that hands each request's body to `handler`, then answers 204: its base address.
 async fn endpoint(handler: Handler) -> String {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let base = format!("http://{}", listener.local_addr().unwrap());
-    tokio::spawn(async move {
-        while let Ok((mut connection, _)) = listener.accept().await {
-            let handler = handler.clone();
-            tokio::spawn(async move {
-                let mut received = Vec::new();
-                loop {
-                    let Some(head_end) = received.windows(4).position(|w| w == b"\r\n\r\n") else {
-                        let mut chunk = [0u8; 4096];
-                        match connection.read(&mut chunk).await {
-                            Ok(0) | Err(_) => return,
-                            Ok(n) => received.extend_from_slice(&chunk[..n]),
-                        }
-                        continue;
-                    };
-                    let head = String::from_utf8_lossy(&received[..head_end]).to_lowercase();
-                    let length: usize = head
-                        .lines()
-                        .find_map(|line| line.strip_prefix("content-length:"))
-                        .map(|n| n.trim().parse().unwrap())
-                        .unwrap_or(0);
-                    let body_start = head_end + 4;
-                    while received.len() < body_start + length {
-                        let mut chunk = [0u8; 4096];
-                        match connection.read(&mut chunk).await {
-                            Ok(0) | Err(_) => return,
-                            Ok(n) => received.extend_from_slice(&chunk[..n]),
-                        }
-                    }
-                    let body = String::from_utf8_lossy(&received[body_start..body_start + length])
-                        .into_owned();
-                    received.drain(..body_start + length);
-                    handler(body).await;
-                    let answer = b"HTTP/1.1 204 No Content\r\ncontent-length: 0\r\n\r\n";
-                    if connection.write_all(answer).await.is_err() {
-                        return;
-                    }
-                }
-            });
-        }
-    });
-    base
+    common::raw_endpoint(Arc::new(move |_head, body| {
+        let handled = handler(body);
+        Box::pin(async move {
+            handled.await;
+            ("204 No Content", "text/plain", Vec::new())
+        })
+    }))
+    .await
 }
 
 #[tokio::test]

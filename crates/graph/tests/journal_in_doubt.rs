@@ -9,76 +9,35 @@ use std::time::Duration;
 
 use agent_graph::journal::RecordRequest;
 use agent_graph::{GraphStore, QueryAnswer};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+mod common;
 
 /// A SPARQL server over `backing` (queries at `/query`, updates at `/update`) that answers its
 /// first journal write with 502 at once and applies it a second later.
 async fn server_losing_an_answer(backing: GraphStore) -> String {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let base = format!("http://{}", listener.local_addr().unwrap());
     let lost_one = Arc::new(AtomicBool::new(false));
-    tokio::spawn(async move {
-        while let Ok((mut connection, _)) = listener.accept().await {
-            let (backing, lost_one) = (backing.clone(), lost_one.clone());
-            tokio::spawn(async move {
-                let mut received = Vec::new();
-                loop {
-                    let Some(head_end) = received.windows(4).position(|w| w == b"\r\n\r\n") else {
-                        let mut chunk = [0u8; 4096];
-                        match connection.read(&mut chunk).await {
-                            Ok(0) | Err(_) => return,
-                            Ok(n) => received.extend_from_slice(&chunk[..n]),
-                        }
-                        continue;
-                    };
-                    let head = String::from_utf8_lossy(&received[..head_end]).to_lowercase();
-                    let length: usize = head
-                        .lines()
-                        .find_map(|line| line.strip_prefix("content-length:"))
-                        .map(|n| n.trim().parse().unwrap())
-                        .unwrap_or(0);
-                    let body_start = head_end + 4;
-                    while received.len() < body_start + length {
-                        let mut chunk = [0u8; 4096];
-                        match connection.read(&mut chunk).await {
-                            Ok(0) | Err(_) => return,
-                            Ok(n) => received.extend_from_slice(&chunk[..n]),
-                        }
-                    }
-                    let body = String::from_utf8_lossy(&received[body_start..body_start + length])
-                        .into_owned();
-                    received.drain(..body_start + length);
-                    let (status, content_type, answer) = if head.starts_with("post /query") {
-                        let answer = backing.query(body).await.unwrap();
-                        let (bytes, content_type) = agent_graph::serialize_answer(&answer).unwrap();
-                        ("200 OK", content_type, bytes)
-                    } else if body.contains(agent_core::vocab::JOURNAL_GRAPH)
-                        && !lost_one.swap(true, Ordering::SeqCst)
-                    {
-                        let backing = backing.clone();
-                        tokio::spawn(async move {
-                            tokio::time::sleep(Duration::from_secs(1)).await;
-                            backing.update(body).await.unwrap();
-                        });
-                        ("502 Bad Gateway", "text/plain", b"lost".to_vec())
-                    } else {
-                        backing.update(body).await.unwrap();
-                        ("204 No Content", "text/plain", Vec::new())
-                    };
-                    let head = format!(
-                        "HTTP/1.1 {status}\r\ncontent-type: {content_type}\r\ncontent-length: {}\r\n\r\n",
-                        answer.len()
-                    );
-                    if connection.write_all(head.as_bytes()).await.is_err()
-                        || connection.write_all(&answer).await.is_err()
-                    {
-                        return;
-                    }
-                }
-            });
-        }
-    });
-    base
+    common::raw_endpoint(Arc::new(move |head, body| {
+        let (backing, lost_one) = (backing.clone(), lost_one.clone());
+        Box::pin(async move {
+            if head.starts_with("post /query") {
+                let answer = backing.query(body).await.unwrap();
+                let (bytes, content_type) = agent_graph::serialize_answer(&answer).unwrap();
+                return ("200 OK", content_type, bytes);
+            }
+            if body.contains(agent_core::vocab::JOURNAL_GRAPH)
+                && !lost_one.swap(true, Ordering::SeqCst)
+            {
+                tokio::spawn(async move {
+                    tokio::time::sleep(Duration::from_secs(1)).await;
+                    backing.update(body).await.unwrap();
+                });
+                return ("502 Bad Gateway", "text/plain", b"lost".to_vec());
+            }
+            backing.update(body).await.unwrap();
+            ("204 No Content", "text/plain", Vec::new())
+        })
+    }))
+    .await
 }
 
 fn record(attempt: &str) -> RecordRequest {

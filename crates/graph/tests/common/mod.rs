@@ -1,4 +1,5 @@
-//! What the bounded-query tests share: a small store, and how busy this process's cores are.
+//! What the store's tests share: a small store, how busy this process's cores are, and a SPARQL
+//! endpoint in a few lines of HTTP/1.1 whose answers a test decides.
 #![allow(clippy::unwrap_used, dead_code)]
 
 use std::time::Duration;
@@ -46,4 +47,67 @@ pub async fn store_with_triples(n: usize) -> GraphStore {
         .await
         .unwrap();
     store
+}
+
+/// What a raw endpoint answers a request: its status line (`"204 No Content"`), content type and
+/// body.
+pub type Answer = (&'static str, &'static str, Vec<u8>);
+
+/// How a raw endpoint answers a request, given its head (lower-cased) and its body.
+pub type Respond = std::sync::Arc<
+    dyn Fn(String, String) -> futures::future::BoxFuture<'static, Answer> + Send + Sync,
+>;
+
+/// A SPARQL endpoint in a few lines of HTTP/1.1 (enough for `reqwest`, keep-alive included), each
+/// request answered by `respond`: its base address.
+pub async fn raw_endpoint(respond: Respond) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let base = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(async move {
+        while let Ok((mut connection, _)) = listener.accept().await {
+            let respond = respond.clone();
+            tokio::spawn(async move {
+                let mut received = Vec::new();
+                loop {
+                    let Some(head_end) = received.windows(4).position(|w| w == b"\r\n\r\n") else {
+                        let mut chunk = [0u8; 4096];
+                        match connection.read(&mut chunk).await {
+                            Ok(0) | Err(_) => return,
+                            Ok(n) => received.extend_from_slice(&chunk[..n]),
+                        }
+                        continue;
+                    };
+                    let head = String::from_utf8_lossy(&received[..head_end]).to_lowercase();
+                    let length: usize = head
+                        .lines()
+                        .find_map(|line| line.strip_prefix("content-length:"))
+                        .map(|n| n.trim().parse().unwrap())
+                        .unwrap_or(0);
+                    let body_start = head_end + 4;
+                    while received.len() < body_start + length {
+                        let mut chunk = [0u8; 4096];
+                        match connection.read(&mut chunk).await {
+                            Ok(0) | Err(_) => return,
+                            Ok(n) => received.extend_from_slice(&chunk[..n]),
+                        }
+                    }
+                    let body = String::from_utf8_lossy(&received[body_start..body_start + length])
+                        .into_owned();
+                    received.drain(..body_start + length);
+                    let (status, content_type, answer) = respond(head, body).await;
+                    let head = format!(
+                        "HTTP/1.1 {status}\r\ncontent-type: {content_type}\r\ncontent-length: {}\r\n\r\n",
+                        answer.len()
+                    );
+                    if connection.write_all(head.as_bytes()).await.is_err()
+                        || connection.write_all(&answer).await.is_err()
+                    {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    base
 }
