@@ -87,6 +87,73 @@ async fn answered_under(
     }
 }
 
+/// A client that names its own session id and uses it again for another dialog is refused: every
+/// node of a session is named after its id, so the second dialog's fan-out landed on the first's,
+/// already synthesised, which resumed nobody, and the client waited for ever (checked: without
+/// the refusal this test timed out waiting for the second dialog's end). The earlier dialog's
+/// record is left as it was.
+#[tokio::test]
+async fn a_session_id_used_again_for_another_dialog_is_refused() {
+    const TOKEN: &str = "reuse-token";
+    let broker = Broker::start().unwrap();
+    let aggregator = Aggregator::spawn_with(&broker, &["--config-token", TOKEN]);
+    let llm = scripted_llm(FOUR).await;
+    let _orchestrator = Orchestrator::spawn_journaled(&broker, &llm, &aggregator, TOKEN, &[]);
+    let in_session = |question: &str| AgentRequest {
+        session_id: "chat-7".into(),
+        ..supervised(question)
+    };
+    let mut client = client(&broker).await;
+    client
+        .send("chat-7-first", &in_session("Compare the four prices."))
+        .await
+        .unwrap();
+    let first = collect_dialog(&mut client, "chat-7-first", DIALOG_TIMEOUT)
+        .await
+        .unwrap();
+    assert_eq!(
+        first.last().unwrap().content,
+        "Alpha 1, beta 2, gamma 3; delta unknown.",
+        "{first:#?}"
+    );
+    // The same question, asked again by another request: another dialog.
+    client
+        .send("chat-7-second", &in_session("Compare the four prices."))
+        .await
+        .unwrap();
+    let refused = collect_dialog(&mut client, "chat-7-second", DIALOG_TIMEOUT)
+        .await
+        .unwrap();
+    let last = refused.last().unwrap();
+    let error = last.error.as_ref().map(|e| e.message.clone());
+    assert!(
+        error
+            .as_deref()
+            .is_some_and(|e| e.contains("already names another dialog")),
+        "{refused:#?}"
+    );
+    assert_eq!(closings(&refused), 1, "{refused:#?}");
+    let store = aggregator.store();
+    let prefixes = agent_core::vocab::SPARQL_PREFIXES;
+    let session = "urn:trustgraph:agent:chat-7";
+    let recorded = format!(
+        "{prefixes}SELECT ?q ?client WHERE {{ GRAPH <urn:graph:retrieval> {{
+           <{session}> tg:query ?q ; tg:clientId ?client }} }}"
+    );
+    assert_eq!(count(&store, recorded).await, 1);
+    let fan_outs = format!(
+        "{prefixes}SELECT ?f WHERE {{ GRAPH <urn:graph:retrieval> {{ ?f a tg:FanOut .
+           FILTER(STRSTARTS(STR(?f), \"{session}/\")) }} }}"
+    );
+    assert_eq!(count(&store, fan_outs).await, 1);
+    let splits = llm
+        .calls()
+        .iter()
+        .filter(|c| c.last_user.contains("Request to split"))
+        .count();
+    assert_eq!(splits, 1, "the second dialog ran");
+}
+
 /// Two requests resuming one fan-out with different results (the aggregator's partial answer at
 /// the timeout and a complete one, as a claim that lapsed while the first was published would send)
 /// are one journaled step: the first recorded stands and the second makes no second synthesis and

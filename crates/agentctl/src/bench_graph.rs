@@ -179,6 +179,7 @@ fn session_quads(session_id: &str) -> anyhow::Result<Vec<Quad>> {
         &uris,
         "How many hours are in a leap year?",
         "2026-01-01T00:00:00Z",
+        "",
     );
     // The first iteration derives from the pattern decision, as in every dialog the orchestrator
     // runs: without it the session's DAG ends at the question.

@@ -183,8 +183,14 @@ pub fn drives_fan_in(triples: &[Triple]) -> bool {
     })
 }
 
-/// The session node: the question as asked.
-pub fn session(uris: &SessionUris, question: &str, started_at: &str) -> Vec<Triple> {
+/// The session node: the question as asked, and the client's `id` of the request that asked it
+/// (empty: none), which tells that dialog from another a client starts under the same session id.
+pub fn session(
+    uris: &SessionUris,
+    question: &str,
+    started_at: &str,
+    client_id: &str,
+) -> Vec<Triple> {
     let s = uris.session();
     let mut b = NodeBuilder::default();
     b.types(&s, &[tg::QUESTION, tg::AGENT_QUESTION])
@@ -195,6 +201,9 @@ pub fn session(uris: &SessionUris, question: &str, started_at: &str) -> Vec<Trip
             Term::typed_literal(started_at, XSD_DATETIME.as_str()),
         )
         .tg(&s, tg::QUERY, Term::literal(question));
+    if !client_id.is_empty() {
+        b.tg(&s, tg::CLIENT_ID, Term::literal(client_id));
+    }
     b.build()
 }
 
@@ -1480,6 +1489,7 @@ mod tests {
             &SessionUris::new("s"),
             "Q",
             "2026-01-01T00:00:00Z",
+            "",
         ));
         assert!(lines.contains(&"<urn:trustgraph:agent:s> a tg:Question".to_owned()));
         assert!(lines.contains(&"<urn:trustgraph:agent:s> tg:query \"Q\"".to_owned()));

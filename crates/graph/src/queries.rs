@@ -170,6 +170,17 @@ pub fn cancellations_since(since: &str) -> String {
     )
 }
 
+/// What the graph records of the dialog a session node started: `?query` (its question) and, where
+/// its first request carried one, `?client` (the client's `id` of that request). A client that
+/// names a session of its own is told when another dialog already ran under it.
+pub fn session_asked(session: &NamedNode) -> String {
+    let g = graph();
+    format!(
+        "{PREFIXES}SELECT ?query ?client WHERE {{ GRAPH {g} {{ {session} tg:query ?query .
+  OPTIONAL {{ {session} tg:clientId ?client }} }} }} LIMIT 16"
+    )
+}
+
 /// The cancels recorded at `nodes` (cancellation nodes: a session's and its supervisors'), at
 /// any age: `?c ?by ?at ?reason`, as [`cancellations_since`] has them.
 pub fn cancellations_at(nodes: &[NamedNode]) -> String {

@@ -17,7 +17,7 @@ fn session_triples(session: &str, question: &str) -> Vec<agent_schema::Triple> {
         out_token: 20,
         model: "m".into(),
     };
-    let mut t = provenance::session(&uris, question, "2026-01-01T00:00:00Z");
+    let mut t = provenance::session(&uris, question, "2026-01-01T00:00:00Z", "");
     let decision = Decision {
         task_type: Choice {
             candidates: vec!["general".into(), "research".into()],
@@ -80,9 +80,15 @@ fn session_triples(session: &str, question: &str) -> Vec<agent_schema::Triple> {
 #[tokio::test]
 async fn the_last_session_is_a_dialog_not_its_subagent() {
     let store = GraphStore::in_memory().unwrap();
-    let mut triples = provenance::session(&SessionUris::new("root"), "q", "2026-01-01T00:00:00Z");
+    let mut triples =
+        provenance::session(&SessionUris::new("root"), "q", "2026-01-01T00:00:00Z", "");
     let sub = SessionUris::new("root-f1-s0");
-    triples.extend(provenance::session(&sub, "part", "2026-01-01T00:00:05Z"));
+    triples.extend(provenance::session(
+        &sub,
+        "part",
+        "2026-01-01T00:00:05Z",
+        "",
+    ));
     triples.extend(provenance::derived_from(
         &sub.session(),
         &SessionUris::new("root").fanout("root-f1"),
@@ -101,7 +107,7 @@ async fn the_last_session_is_a_dialog_not_its_subagent() {
     );
     // A fork started later is a dialog of its own, though it derives from its source.
     let fork = SessionUris::new("fork-1");
-    let mut forked = provenance::session(&fork, "q again", "2026-01-01T00:00:09Z");
+    let mut forked = provenance::session(&fork, "q again", "2026-01-01T00:00:09Z", "");
     forked.extend(provenance::fork(
         &fork,
         &SessionUris::new("root"),
@@ -287,7 +293,7 @@ async fn long_texts_are_read_whole_through_their_documents() {
     let (observation, result) = (long("observed"), long("found"));
     let parent = SessionUris::new("boss");
     let sub = SessionUris::new("boss-sub1");
-    let mut triples = provenance::session(&parent, "q", "2026-01-01T00:00:00Z");
+    let mut triples = provenance::session(&parent, "q", "2026-01-01T00:00:00Z", "");
     triples.extend(provenance::observation(
         &parent,
         1,

@@ -141,8 +141,12 @@ impl Entry {
 /// The key of the step a message asks for: the step (`route` for a new dialog that names no
 /// pattern, or `i{n}`) and a digest of the message, so a redelivery or a copy of it shares the
 /// key while a different request that happens to name the same session (a reused `id`) does not.
-pub fn key(request: &AgentRequest, new_dialog: bool) -> String {
-    key_of_encoded(request, new_dialog, &agent_schema::encode(request))
+/// A new dialog's digest takes in its client's `id` (`client`, empty: none) too: two clients
+/// that send the same question under one session id of their choosing are two requests, and the
+/// second, taken for a copy of the first, got nothing (what the first's entry re-emitted went
+/// to the first's `id`). A redelivery carries the `id` it was sent with.
+pub fn key(request: &AgentRequest, new_dialog: bool, client: &str) -> String {
+    key_of_encoded(request, new_dialog, client, &agent_schema::encode(request))
 }
 
 /// [`key`], given the request's encoding (`agent_schema::encode`), as its sender has it.
@@ -152,7 +156,12 @@ pub fn key(request: &AgentRequest, new_dialog: bool) -> String {
 /// two can differ (a partial answer at the timeout and a complete one, should the first's claim
 /// lapse while it was published), and keyed by their bytes both would run: two syntheses, two
 /// answers. Keyed so, the first recorded stands and the other is its copy.
-pub fn key_of_encoded(request: &AgentRequest, new_dialog: bool, encoded: &[u8]) -> String {
+pub fn key_of_encoded(
+    request: &AgentRequest,
+    new_dialog: bool,
+    client: &str,
+    encoded: &[u8],
+) -> String {
     let step = if new_dialog && request.pattern.is_empty() {
         "route".to_owned()
     } else {
@@ -163,6 +172,12 @@ pub fn key_of_encoded(request: &AgentRequest, new_dialog: bool, encoded: &[u8]) 
         fanned_out.history.pop();
         let encoded = agent_schema::encode(&fanned_out);
         uuid::Uuid::new_v5(&uuid::Uuid::NAMESPACE_OID, &encoded)
+    } else if new_dialog && !client.is_empty() {
+        let mut named = Vec::with_capacity(client.len() + 1 + encoded.len());
+        named.extend_from_slice(client.as_bytes());
+        named.push(0);
+        named.extend_from_slice(encoded);
+        uuid::Uuid::new_v5(&uuid::Uuid::NAMESPACE_OID, &named)
     } else {
         uuid::Uuid::new_v5(&uuid::Uuid::NAMESPACE_OID, encoded)
     };
@@ -585,15 +600,21 @@ mod tests {
             question: "Q".into(),
             ..AgentRequest::default()
         };
-        assert!(key(&first, true).starts_with("route-"));
-        assert!(key(&first, false).starts_with("i1-"));
-        assert_eq!(key(&first, false), key(&first.clone(), false));
+        assert!(key(&first, true, "").starts_with("route-"));
+        assert!(key(&first, false, "").starts_with("i1-"));
+        assert_eq!(key(&first, false, ""), key(&first.clone(), false, ""));
+        // A new dialog is its client's: the same question sent under another id is another
+        // request; a later step is told by its history, whoever's it is.
+        assert_eq!(key(&first, true, "a"), key(&first, true, "a"));
+        assert_ne!(key(&first, true, "a"), key(&first, true, "b"));
+        assert_ne!(key(&first, true, "a"), key(&first, true, ""));
+        assert_eq!(key(&first, false, "a"), key(&first, false, "b"));
         let other = AgentRequest {
             question: "R".into(),
             ..AgentRequest::default()
         };
-        assert_ne!(key(&first, false), key(&other, false));
-        assert!(entry_node("urn:trustgraph:agent:s", &key(&first, false)).is_ok());
+        assert_ne!(key(&first, false, ""), key(&other, false, ""));
+        assert!(entry_node("urn:trustgraph:agent:s", &key(&first, false, "")).is_ok());
     }
 
     #[test]
@@ -613,7 +634,7 @@ mod tests {
         };
         let partial = resumed("Error: no result within 3 s", &[0]);
         let complete = resumed("A", &[]);
-        assert_eq!(key(&partial, false), key(&complete, false));
+        assert_eq!(key(&partial, false, ""), key(&complete, false, ""));
         // Another fan-out (another question) is another step.
         let elsewhere = agent_core::supervisor::synthesis_request(
             &AgentRequest {
@@ -623,9 +644,9 @@ mod tests {
             [("00. a".to_owned(), "A".to_owned())].into(),
             &[],
         );
-        assert_ne!(key(&elsewhere, false), key(&complete, false));
+        assert_ne!(key(&elsewhere, false, ""), key(&complete, false, ""));
         // The continuation itself (as it fanned out) is not the step after it.
-        assert_ne!(key(&continuation, false), key(&complete, false));
+        assert_ne!(key(&continuation, false, ""), key(&complete, false, ""));
     }
 
     #[test]
@@ -648,11 +669,26 @@ mod tests {
         let decoded: AgentRequest = serde_json::from_slice(&encoded).unwrap();
         let looked_up = entry_node(
             &agent_core::provenance::SessionUris::new("s-1").session(),
-            &key(&decoded, false),
+            &key(&decoded, false, "c"),
         )
         .unwrap();
         assert_eq!(named, looked_up.as_str());
         assert!(named.contains("/journal/i2-"), "{named}");
+        // A dialog's first request (a subagent's start, queued by its supervisor) too, whose
+        // key takes in its client's id.
+        let first = AgentRequest {
+            history: Vec::new(),
+            ..request
+        };
+        let encoded = agent_schema::encode(&first);
+        let named = crate::step::entry_of_request(&first, &properties, &encoded).unwrap();
+        let decoded: AgentRequest = serde_json::from_slice(&encoded).unwrap();
+        let looked_up = entry_node(
+            &agent_core::provenance::SessionUris::new("s-1").session(),
+            &key(&decoded, true, "c"),
+        )
+        .unwrap();
+        assert_eq!(named, looked_up.as_str());
     }
 
     #[test]

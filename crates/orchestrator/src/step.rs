@@ -304,6 +304,18 @@ impl Engine {
             Ok(step) => step,
             Err(settled) => return Ok(settled),
         };
+        if step.new_dialog
+            && step.verdict.is_ok()
+            && answer.is_none()
+            && matches!(attempt, Attempt::Run { .. })
+        {
+            if let Some(problem) = self
+                .session_of_another_dialog(&step.request, &step.uris, step.id.as_deref())
+                .await?
+            {
+                step.verdict = Err(problem);
+            }
+        }
         let joins_conversation = step.new_dialog
             && step.verdict.is_ok()
             && answer.is_none()
@@ -571,6 +583,64 @@ impl Engine {
         }))
     }
 
+    /// Why a new dialog is refused that names, as its client's `session_id`, a session where the
+    /// graph holds another dialog's question; `None` to go on. Every node of a session is named
+    /// after its id, so the new dialog's would be the earlier one's: a second thought on the same
+    /// iteration, and a fan-out on a node already synthesised, which resumes nobody, so that a
+    /// supervisor's dialog never ended. The same dialog asked again (a redelivery, a client's
+    /// retry under the same `id`) goes on. Two dialogs started under one session id in the same
+    /// instant both find it free: the graph shows a dialog only once its first step is written.
+    async fn session_of_another_dialog(
+        &self,
+        request: &AgentRequest,
+        uris: &SessionUris,
+        id: Option<&str>,
+    ) -> Result<Option<String>, StepError> {
+        let Some(store) = &self.knowledge else {
+            return Ok(None);
+        };
+        if request.session_id.is_empty() || agent_core::supervisor::is_subagent(request) {
+            return Ok(None);
+        }
+        let Ok(session) = agent_graph::model::NamedNode::new(uris.session()) else {
+            return Ok(None);
+        };
+        let agent_graph::QueryAnswer::Rows(rows) = store
+            .query(agent_graph::queries::session_asked(&session))
+            .await?
+        else {
+            return Ok(None);
+        };
+        let text = |term: Option<&agent_graph::model::Term>| match term {
+            Some(agent_graph::model::Term::Literal(l)) => Some(l.value().to_owned()),
+            _ => None,
+        };
+        let queries = rows.column("query");
+        let clients = rows.column("client");
+        if queries.is_empty() {
+            return Ok(None);
+        }
+        let id = id.unwrap_or("");
+        let same_client = clients
+            .iter()
+            .any(|client| !id.is_empty() && text(*client).as_deref() == Some(id));
+        // A question recorded without a client's id (a request that carried none, or one an
+        // earlier build recorded) is told apart by its text alone.
+        let same_question = clients.iter().all(Option::is_none)
+            && queries
+                .iter()
+                .all(|query| text(*query).as_deref() == Some(request.question.as_str()));
+        if same_client || same_question {
+            return Ok(None);
+        }
+        let session = agent_core::documents::prefix(&request.session_id, 240).escape_debug();
+        Ok(Some(format!(
+            "session id {session} already names another dialog; a new dialog needs a session id \
+             of its own (or none: one is made from its id), and a conversation_id joins it to \
+             the dialogs before it"
+        )))
+    }
+
     /// A new dialog of a conversation is told what was asked and answered before, and is not run
     /// beside another dialog of the same conversation unless the policy says so.
     async fn join_conversation(
@@ -797,7 +867,8 @@ impl Engine {
             return Ok(Lookup::Fresh(None));
         };
         let giving_up = out.is_given_up();
-        let mut key = journal::key(request, new_dialog);
+        let client = out.client_id();
+        let mut key = journal::key(request, new_dialog, client);
         // A parked step's resumption has a slot of its own, which the first answer takes.
         if answering {
             key.push_str("-answer");
@@ -1013,7 +1084,8 @@ pub(crate) fn entry_of_request(
     encoded: &[u8],
 ) -> Option<String> {
     let session_id = session_id_for(request, properties.get(ID_PROPERTY).map(String::as_str));
-    let key = journal::key_of_encoded(request, is_new_dialog(request, properties), encoded);
+    let client = properties.get(ID_PROPERTY).map_or("", String::as_str);
+    let key = journal::key_of_encoded(request, is_new_dialog(request, properties), client, encoded);
     journal::entry_node(&SessionUris::new(&session_id).session(), &key)
         .ok()
         .map(|node| node.as_str().to_owned())
@@ -1044,10 +1116,19 @@ pub(crate) fn iteration_span(
 /// fan-out, so the run is one DAG from the root).
 pub(crate) fn record_question(turn: &Turn<'_>) -> Result<(), agent_bus::BusError> {
     let Turn {
-        request, uris, out, ..
+        request,
+        uris,
+        out,
+        delivered,
+        ..
     } = turn;
     let started = chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Micros, true);
-    let mut question = provenance::session(uris, &request.question, &started);
+    // A root's client id tells its dialog from another started under the same session id.
+    let client = match agent_core::supervisor::is_subagent(request) {
+        true => "",
+        false => delivered.get(ID_PROPERTY).map_or("", String::as_str),
+    };
+    let mut question = provenance::session(uris, &request.question, &started, client);
     if agent_core::supervisor::is_subagent(request) {
         question.extend(provenance::derived_from(
             &uris.session(),
