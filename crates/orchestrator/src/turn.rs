@@ -139,6 +139,31 @@ impl Turn<'_> {
 }
 
 impl Turn<'_> {
+    /// [`Turn::ask`] for what the dialog gives as an answer (or a draft of one): a reply with no
+    /// text is a failed call (see [`answer_text`]).
+    pub async fn ask_for_answer(
+        &self,
+        n: usize,
+        template: &PromptTemplate,
+        vars: &BTreeMap<&str, String>,
+        options: &CallOptions,
+    ) -> Result<Option<(Completion, CallStats)>, agent_bus::BusError> {
+        let messages = [
+            ChatMessage::system(template.system.clone()),
+            ChatMessage::user(render(&template.template, vars)),
+        ];
+        match answer_text(self.llm.complete_with(&messages, options).await) {
+            Ok(completion) => {
+                let stats = call_stats(&completion);
+                Ok(Some((completion, stats)))
+            }
+            Err(e) => {
+                crate::finish::llm_failed(self, n, &e).await?;
+                Ok(None)
+            }
+        }
+    }
+
     /// Claim-check (see `GraphStore::check_in`) through the step's document store; without one
     /// the text stays whole. A text this step has already kept is not written again (a plan step's
     /// result is also its observation): one store write per document and step.
@@ -225,6 +250,28 @@ impl Turn<'_> {
 }
 
 /// What an LLM call cost, for provenance.
+/// A reply the dialog is to give as its answer (a synthesis, a reconciliation, a plan's or a
+/// writer's answer or draft), refused when it has no text: a server that answers `content: ""`
+/// (a content filter, a model that spent its length on reasoning, a stream that ended at once)
+/// gave the client an empty answer, recorded as the dialog's conclusion. Asking again would most
+/// likely give the same, so it ends the dialog as any call that failed does, saying why.
+pub fn answer_text(
+    completion: Result<Completion, agent_llm::LlmError>,
+) -> Result<Completion, agent_llm::LlmError> {
+    let completion = completion?;
+    if completion.text.trim().is_empty() {
+        return Err(agent_llm::LlmError::NoContent(format!(
+            "an empty answer{}",
+            if completion.cut_off {
+                " (stopped at its length limit)"
+            } else {
+                ""
+            }
+        )));
+    }
+    Ok(completion)
+}
+
 pub fn call_stats(completion: &Completion) -> CallStats {
     let mut stats = CallStats::default();
     add_call(&mut stats, completion);

@@ -224,7 +224,7 @@ async fn write(turn: &Turn<'_>, n: usize) -> Result<(), BusError> {
     .into_iter()
     .collect();
     let Some((completion, stats)) = turn
-        .ask(
+        .ask_for_answer(
             n,
             &config.prompts.deep_research_write,
             &vars,

@@ -196,7 +196,7 @@ async fn reconcile(turn: &Turn<'_>, n: usize) -> Result<(), BusError> {
     .into_iter()
     .collect();
     let Some((completion, stats)) = turn
-        .ask(n, template, &vars, &CallOptions::default())
+        .ask_for_answer(n, template, &vars, &CallOptions::default())
         .await?
     else {
         return Ok(());

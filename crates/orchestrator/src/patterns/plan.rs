@@ -653,7 +653,7 @@ async fn synthesise(
         .then(|| format!("the dialog used its {max_iterations} iterations (max_iterations)"));
     if review {
         let mut stats = CallStats::default();
-        let completion = match llm.complete(&messages).await {
+        let completion = match crate::turn::answer_text(llm.complete(&messages).await) {
             Ok(c) => c,
             Err(e) => return llm_failed(turn, n, &e).await,
         };
@@ -680,7 +680,7 @@ async fn synthesise(
     } else {
         llm.complete(&messages).await
     };
-    let completion = match completion {
+    let completion = match crate::turn::answer_text(completion) {
         Ok(c) => c,
         Err(e) => return llm_failed(turn, n, &e).await,
     };

@@ -541,9 +541,10 @@ async fn synthesise(turn: &Turn<'_>, n: usize) -> Result<(), BusError> {
             ChatMessage::user(render(&template.template, &vars)),
         ];
         let held = ['{', '`'];
-        match crate::stream::answer_unless(turn.llm, out, &messages, &uris.conclusion(), &held)
-            .await?
-        {
+        let asked =
+            crate::stream::answer_unless(turn.llm, out, &messages, &uris.conclusion(), &held)
+                .await?;
+        match (crate::turn::answer_text(asked.0), asked.1) {
             (Ok(completion), streamed) => {
                 let stats = crate::turn::call_stats(&completion);
                 (completion, stats, streamed)
@@ -552,7 +553,7 @@ async fn synthesise(turn: &Turn<'_>, n: usize) -> Result<(), BusError> {
         }
     } else {
         let Some((completion, stats)) = turn
-            .ask(n, template, &vars, &CallOptions::default())
+            .ask_for_answer(n, template, &vars, &CallOptions::default())
             .await?
         else {
             return Ok(());

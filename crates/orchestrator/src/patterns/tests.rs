@@ -36,6 +36,8 @@ const SCRIPT: &str = r#"{"rules": [
   {"match": "Draft answer to review: TWO", "reply": "{\"status\": \"EXECUTION_ERROR\", \"evaluation\": \"wrong number\", \"lesson\": \"count again\"}"},
   {"match": "Draft answer to review: THREE", "reply": "I would rather not say."},
   {"match": "Question to reconcile: Is it safe?", "reply": "{\"agreed\": [\"it depends\"], \"disagreed\": [], \"answer\": \"Mostly safe.\"}"},
+  {"match": "Request to answer from the subagents: Empty", "reply": ""},
+  {"match": "Question to reconcile: Empty?", "reply": "   "},
   {"match": "Request to split: Chain", "reply": "[{\"id\": \"a\", \"goal\": \"find a\"}, {\"id\": \"b\", \"goal\": \"use a\", \"needs\": [\"a\"]}]"}
 ]}"#;
 
@@ -602,6 +604,49 @@ async fn an_ensemble_debates_for_its_rounds_then_reconciles() {
     assert_eq!(closing.len(), 1);
     assert_eq!(closing[0].content, "Mostly safe.");
     assert!(reconciled.requests.is_empty());
+}
+
+/// A synthesis or a reconciliation the model wrote without text (`content: ""`, as a content
+/// filter or a model that spent its length on reasoning leaves it) ends the dialog with an error
+/// saying so: before, the client was given an empty answer, recorded as the dialog's conclusion.
+#[tokio::test]
+async fn an_empty_synthesis_or_reconciliation_is_an_error_not_an_empty_answer() {
+    use agent_core::{ensemble, supervisor};
+    let harness = Harness::start().await;
+    let resumed = |question: &str, pattern: &str, goals: &[supervisor::Goal]| {
+        let mut first = request(question, pattern);
+        let cid = format!("{}-f1", first.session_id);
+        first.history.push(decompose_step(&cid, goals));
+        let results = goals
+            .iter()
+            .enumerate()
+            .map(|(i, goal)| (supervisor::result_key(i, &goal.goal), "found".to_owned()))
+            .collect();
+        supervisor::synthesis_request(&first, results, &[])
+    };
+    let goal =
+        |text: &str| supervisor::Goal::independent(text, agent_core::pattern::Pattern::React);
+    let question = "Empty?";
+    let cases = [
+        resumed("Empty sums", "supervisor", &[goal("price of alpha")]),
+        resumed(
+            question,
+            "ensemble",
+            &ensemble::goals(question, &ensemble::perspectives(&[], 2)),
+        ),
+    ];
+    for case in cases {
+        let sent = harness.step(&case).await;
+        let closing = closing(&sent);
+        assert_eq!(closing.len(), 1, "{:?}", sent.responses);
+        let error = closing[0].error.as_ref().map(|e| e.message.as_str());
+        assert!(
+            error.is_some_and(|e| e.contains("no text: an empty answer")),
+            "{:?}",
+            sent.responses
+        );
+        assert!(sent.requests.is_empty());
+    }
 }
 
 /// Reflexion: after an action, the step is a reflection whose lesson joins the history (and is
