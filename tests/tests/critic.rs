@@ -867,3 +867,57 @@ async fn a_supervisors_synthesis_is_written_again_until_the_critic_accepts_it() 
     );
     assert_eq!(count_reaching(&aggregator.store(), dag, 1).await, 1);
 }
+
+/// A supervisor's synthesis written in the dialog's last iteration has no iteration left for its
+/// review: it is given at once, saying it was not reviewed, and the judge is not asked, as a
+/// plan's is.
+#[tokio::test]
+async fn a_supervisors_synthesis_at_the_iteration_limit_is_given_unreviewed() {
+    let config = config_dir(
+        "supervisor-answer-critic-limit",
+        &[
+            (
+                "agent-pattern",
+                r#"{"react": {"description": "reason and act"},
+                    "supervisor": {"description": "fan out", "critic": ["answer"]}}"#,
+            ),
+            ("agent-limits", r#"{"default": {"max_iterations": 2}}"#),
+            (
+                "tool",
+                r#"{"llm": {"name": "llm", "description": "ask", "type": "text-completion"}}"#,
+            ),
+        ],
+    );
+    let script = r#"{"rules": [
+      {"match": "Draft answer to review", "reply": "{\"status\": \"SUCCESS\"}"},
+      {"match": "Request to split: Compare", "reply": "[{\"goal\": \"price of alpha\"}, {\"goal\": \"price of beta\"}]"},
+      {"match": "Question: price of alpha", "reply": "Thought: known.\nFinal Answer: alpha costs 1"},
+      {"match": "Question: price of beta", "reply": "Thought: known.\nFinal Answer: beta costs 2"},
+      {"match": "Request to answer from the subagents: Compare", "reply": "Alpha 1, beta 2."}
+    ]}"#;
+    let broker = Broker::start().unwrap();
+    let _aggregator = Aggregator::spawn(&broker);
+    let llm = scripted_llm(script).await;
+    let _orchestrator = Orchestrator::spawn(&broker, &llm, &config, &[]);
+    let mut client = client(&broker).await;
+    let request = AgentRequest {
+        pattern: "supervisor".into(),
+        ..request("Compare the prices of alpha and beta", false)
+    };
+    client.send("prices-at-limit", &request).await.unwrap();
+    let responses = collect_dialog(&mut client, "prices-at-limit", DIALOG_TIMEOUT)
+        .await
+        .unwrap();
+    assert_eq!(
+        outcome(&responses),
+        "Alpha 1, beta 2.\n\n(This answer was not reviewed: the dialog used its 2 iterations (max_iterations).)",
+        "{responses:#?}"
+    );
+    assert!(
+        !llm.calls()
+            .iter()
+            .any(|c| c.last_user.contains("Draft answer to review")),
+        "{:#?}",
+        llm.calls()
+    );
+}

@@ -524,6 +524,13 @@ async fn synthesise(turn: &Turn<'_>, n: usize) -> Result<(), BusError> {
     };
     // The first synthesis of a fan-in records its node; one written again only its draft.
     let fan_in = supervising::pending_synthesis(&request.history).is_some();
+    // A draft needs the iteration after it for its review: with none left, the answer is given
+    // saying it was not reviewed (a draft queued past max_iterations was refused, and the client
+    // got that error instead of the answer).
+    let max_iterations = config.limits.max_iterations;
+    let review = answer_critic(turn) && n <= max_iterations;
+    let unreviewed = (answer_critic(turn) && !review)
+        .then(|| format!("the dialog used its {max_iterations} iterations (max_iterations)"));
     let template = &config.prompts.supervisor_synthesise;
     let vars = [
         ("framing", framing_block(&request.framing)),
@@ -608,7 +615,14 @@ async fn synthesise(turn: &Turn<'_>, n: usize) -> Result<(), BusError> {
             provenance::synthesis(uris, &cid, &completions, &missing, &stats),
         )?;
     }
-    if termination == Termination::Answer && answer_critic(turn) {
+    let (answer, termination) = match (&unreviewed, termination) {
+        (Some(why), Termination::Answer) => (
+            format!("{answer}\n\n(This answer was not reviewed: {why}.)"),
+            Termination::MaxIterations,
+        ),
+        _ => (answer, termination),
+    };
+    if termination == Termination::Answer && review {
         // A draft: recorded, derived from the synthesis, and queued for review. Its LLM call is
         // counted once: on the synthesis node the first time, on the draft after that.
         let cost = if fan_in {
