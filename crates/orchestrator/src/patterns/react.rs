@@ -71,7 +71,12 @@ pub async fn iterate(turn: &Turn<'_>) -> Result<(), BusError> {
     let history = crate::documents::resolve_recent(turn.documents, &request.history).await;
     let last_observation = history.last().map_or("", |step| step.observation.as_str());
     let completion = if native {
-        let messages = native_messages(turn, &visible, &history);
+        let messages = native_messages(
+            &turn.config.prompts.react_native,
+            turn.request,
+            &visible,
+            &history,
+        );
         let options = CallOptions {
             tools: visible
                 .iter()
@@ -425,12 +430,11 @@ fn args_follow_action(text: &str) -> bool {
 /// call and the tool's result (or, for a step that called nothing, what the assistant wrote and
 /// the observation that answered it).
 fn native_messages(
-    turn: &Turn<'_>,
+    template: &agent_core::prompt::PromptTemplate,
+    request: &agent_schema::AgentRequest,
     visible: &[ToolDef],
     history: &[agent_schema::AgentStep],
 ) -> Vec<ChatMessage> {
-    let request = turn.request;
-    let template = &turn.config.prompts.react_native;
     let vars: std::collections::BTreeMap<&str, String> = [
         ("question", request.question.clone()),
         (
@@ -446,6 +450,38 @@ fn native_messages(
         ChatMessage::user(agent_core::prompt::render(&template.template, &vars)),
     ];
     for (i, step) in history.iter().enumerate() {
+        // A draft answer (the answer critic's) is what the assistant wrote; the reviewer's
+        // verdict on it and a reflection are told to it. Before, the draft went as the user's
+        // words and the verdict as a call to a tool named after its status, which no tool list
+        // offers (and strict chat templates refuse).
+        match StepType::parse(&step.step_type) {
+            Some(StepType::Synthesise) => {
+                messages.push(ChatMessage::assistant(match step.thought.trim() {
+                    "" => step.observation.clone(),
+                    thought => format!("{thought}\n\n{}", step.observation),
+                }));
+                continue;
+            }
+            Some(StepType::Evaluate) => {
+                let judged = match step.thought.trim() {
+                    "" => step.action.clone(),
+                    thought => format!("{} ({thought})", step.action),
+                };
+                messages.push(ChatMessage::user(format!(
+                    "Review of your draft answer: {judged}; {}",
+                    step.observation
+                )));
+                continue;
+            }
+            Some(StepType::Reflect) => {
+                messages.push(ChatMessage::user(format!(
+                    "Reflection: {}",
+                    step.observation
+                )));
+                continue;
+            }
+            _ => {}
+        }
         if step.action.is_empty() {
             messages.push(ChatMessage::assistant(step.thought.clone()));
             messages.push(ChatMessage::user(step.observation.clone()));
@@ -561,4 +597,63 @@ async fn record_step(
     out.explain(&uris.iteration(n), triples)?;
     turn.observe_and_continue(n, step, tool, Vec::new(), Some(next_state), tokens)
         .await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use agent_schema::{AgentRequest, AgentStep};
+
+    /// Under native tool calling, a rejected draft goes back as the assistant's answer and the
+    /// verdict as a note to it: no tool call names a verdict, and every call has its result.
+    #[test]
+    fn a_reviewed_draft_reads_as_the_assistant_s_answer_and_its_verdict_as_a_note() {
+        let template = agent_core::prompt::PromptTemplate {
+            system: "system".to_owned(),
+            template: "{{question}}".to_owned(),
+        };
+        let request = AgentRequest {
+            question: "What does alpha cost?".to_owned(),
+            ..AgentRequest::default()
+        };
+        let history = [
+            AgentStep {
+                thought: "look it up".to_owned(),
+                action: "lookup".to_owned(),
+                arguments: [("item".to_owned(), "alpha".to_owned())].into(),
+                observation: "alpha: 3".to_owned(),
+                step_type: StepType::React.as_str().to_owned(),
+                ..AgentStep::default()
+            },
+            AgentStep {
+                observation: "Alpha costs 2.".to_owned(),
+                step_type: StepType::Synthesise.as_str().to_owned(),
+                ..AgentStep::default()
+            },
+            AgentStep {
+                thought: "the number is wrong".to_owned(),
+                action: "EXECUTION_ERROR".to_owned(),
+                observation: "Lesson: read the lookup again".to_owned(),
+                step_type: StepType::Evaluate.as_str().to_owned(),
+                ..AgentStep::default()
+            },
+        ];
+        let messages = native_messages(&template, &request, &[], &history);
+        let roles: Vec<&str> = messages.iter().map(|m| m.role.as_str()).collect();
+        assert_eq!(
+            roles,
+            ["system", "user", "assistant", "tool", "assistant", "user"]
+        );
+        let called: Vec<&str> = messages
+            .iter()
+            .flat_map(|m| &m.tool_calls)
+            .map(|c| c.function.name.as_str())
+            .collect();
+        assert_eq!(called, ["lookup"]);
+        assert_eq!(messages[4].content, "Alpha costs 2.");
+        assert_eq!(
+            messages[5].content,
+            "Review of your draft answer: EXECUTION_ERROR (the number is wrong); Lesson: read the lookup again"
+        );
+    }
 }
