@@ -718,13 +718,58 @@ async fn agentctl_config_seeds_missing_keys_and_edits_values() {
         .await
         .unwrap();
     assert_ne!(code, 0, "a delete without the token must fail");
-    let (code, _, _) = run(args(&["delete", "agent-task-type", "extra"]), Some(token))
-        .await
-        .unwrap();
+    let (code, _, _) = run(
+        args(&["delete", "agent-task-type", "extra"]),
+        Some(token.clone()),
+    )
+    .await
+    .unwrap();
     assert_eq!(code, 0);
     let (code, _, _) = run(args(&["get", "agent-task-type", "extra"]), None)
         .await
         .unwrap();
     assert_ne!(code, 0, "the deleted key is still there");
     let _ = std::fs::remove_file(file);
+
+    // A key is one path segment whatever it holds, and --workspace names the workspace: before,
+    // `/`, `#` and `?` in a key sent another path (404, or the key cut short), and every call
+    // went to the default workspace.
+    let odd = "ops review/v2 #1?x=%";
+    let value = r#"{"description": "odd", "valid_patterns": ["react"]}"#;
+    let in_team = |list: &[&str]| {
+        let mut all = args(list);
+        all.extend(["--workspace".to_owned(), "team-b".to_owned()]);
+        all
+    };
+    let (code, _, stderr) = run(
+        in_team(&["put", "agent-task-type", odd, value]),
+        Some(token.clone()),
+    )
+    .await
+    .unwrap();
+    assert_eq!(code, 0, "{stderr}");
+    let (code, stdout, stderr) = run(in_team(&["get", "agent-task-type", odd]), None)
+        .await
+        .unwrap();
+    assert_eq!(code, 0, "{stderr}");
+    assert!(stdout.contains("odd"), "{stdout}");
+    let (_, stdout, _) = run(in_team(&["list", "agent-task-type"]), None)
+        .await
+        .unwrap();
+    assert!(stdout.contains(odd), "{stdout}");
+    let (code, _, _) = run(args(&["get", "agent-task-type", odd]), None)
+        .await
+        .unwrap();
+    assert_ne!(code, 0, "written in team-b, found in default");
+    let (code, _, _) = run(
+        in_team(&["delete", "agent-task-type", odd]),
+        Some(token.clone()),
+    )
+    .await
+    .unwrap();
+    assert_eq!(code, 0);
+    let (code, _, _) = run(in_team(&["get", "agent-task-type", odd]), None)
+        .await
+        .unwrap();
+    assert_ne!(code, 0, "the deleted key is still there");
 }

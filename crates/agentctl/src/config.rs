@@ -19,6 +19,9 @@ pub struct ConfigArgs {
     /// Bearer token for writes.
     #[arg(long, env = "CONFIG_TOKEN", hide_env_values = true)]
     token: Option<String>,
+    /// The workspace to read and write, as the services' `AGENT_WORKSPACE` names theirs.
+    #[arg(long, env = "AGENT_WORKSPACE", default_value = "default", global = true)]
+    workspace: String,
     #[command(subcommand)]
     command: ConfigCommand,
 }
@@ -43,9 +46,35 @@ enum ConfigCommand {
     Validate { dir: PathBuf },
 }
 
+/// How long a call may take to connect, and in all: a service that accepts the connection and
+/// never answers must not hold the command (and a script that runs it) for ever.
+const CONNECT_WITHIN: std::time::Duration = std::time::Duration::from_secs(10);
+const ANSWER_WITHIN: std::time::Duration = std::time::Duration::from_secs(60);
+
+/// The URL of `parts` under config-svc's `/api/v1/config` at `base`, in `workspace`. Each part is
+/// one path segment, percent-encoded: a key with a `/`, `?`, `#`, `%` or a space names that key,
+/// not another path or a query.
+fn endpoint(base: &reqwest::Url, workspace: &str, parts: &[&str]) -> anyhow::Result<reqwest::Url> {
+    let mut url = base.clone();
+    url.path_segments_mut()
+        .map_err(|()| anyhow::anyhow!("{base} is not a URL a path can follow"))?
+        .pop_if_empty()
+        .extend(["api", "v1", "config"])
+        .extend(parts);
+    url.set_query(None);
+    url.query_pairs_mut().append_pair("workspace", workspace);
+    Ok(url)
+}
+
 pub async fn run(args: ConfigArgs) -> anyhow::Result<i32> {
-    let http = reqwest::Client::new();
-    let base = format!("{}/api/v1/config", args.url.trim_end_matches('/'));
+    let http = reqwest::Client::builder()
+        .connect_timeout(CONNECT_WITHIN)
+        .timeout(ANSWER_WITHIN)
+        .build()?;
+    let service = reqwest::Url::parse(&args.url)
+        .with_context(|| format!("--url {} is not a URL", args.url))?;
+    let workspace = args.workspace.clone();
+    let at = |parts: &[&str]| endpoint(&service, &workspace, parts);
     let token = args.token.clone().filter(|t| !t.is_empty());
     // Reads carry the token too when there is one: without it an MCP server's credentials come
     // back hidden, and a value read so and written back would be refused.
@@ -54,10 +83,8 @@ pub async fn run(args: ConfigArgs) -> anyhow::Result<i32> {
         None => request,
     };
     match args.command {
-        ConfigCommand::List { kind } => print(authorized(http.get(format!("{base}/{kind}")))).await,
-        ConfigCommand::Get { kind, key } => {
-            print(authorized(http.get(format!("{base}/{kind}/{key}")))).await
-        }
+        ConfigCommand::List { kind } => print(authorized(http.get(at(&[&kind])?))).await,
+        ConfigCommand::Get { kind, key } => print(authorized(http.get(at(&[&kind, &key])?))).await,
         ConfigCommand::Put { kind, key, value } => {
             let text = match value.strip_prefix('@') {
                 Some(file) => {
@@ -66,10 +93,10 @@ pub async fn run(args: ConfigArgs) -> anyhow::Result<i32> {
                 None => value,
             };
             serde_json::from_str::<Value>(&text).context("the value is not JSON")?;
-            print(authorized(http.put(format!("{base}/{kind}/{key}"))).body(text)).await
+            print(authorized(http.put(at(&[&kind, &key])?)).body(text)).await
         }
         ConfigCommand::Delete { kind, key } => {
-            print(authorized(http.delete(format!("{base}/{kind}/{key}")))).await
+            print(authorized(http.delete(at(&[&kind, &key])?))).await
         }
         ConfigCommand::Validate { dir } => Ok(if report(&dir) { 0 } else { 1 }),
         ConfigCommand::Seed { dir } => {
@@ -77,8 +104,7 @@ pub async fn run(args: ConfigArgs) -> anyhow::Result<i32> {
                 return Ok(1);
             }
             let values = seed::read_dir(&dir).map_err(|e| anyhow::anyhow!("{e:?}"))?;
-            let current: Value = http
-                .get(&base)
+            let current: Value = authorized(http.get(at(&[])?))
                 .send()
                 .await?
                 .error_for_status()?
@@ -89,7 +115,7 @@ pub async fn run(args: ConfigArgs) -> anyhow::Result<i32> {
                 if current["config"][&kind].get(&key).is_some() {
                     continue;
                 }
-                let response = authorized(http.put(format!("{base}/{kind}/{key}")))
+                let response = authorized(http.put(at(&[&kind, &key])?))
                     .body(text)
                     .send()
                     .await?;
@@ -144,6 +170,29 @@ fn report(dir: &Path) -> bool {
                 eprintln!("{p}");
             }
             false
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_key_is_one_path_segment_whatever_it_holds() {
+        let base = reqwest::Url::parse("http://svc:8088/").unwrap();
+        let url = endpoint(&base, "team b", &["tool", "ops review/v2 #1?x=%"]).unwrap();
+        assert_eq!(
+            url.as_str(),
+            "http://svc:8088/api/v1/config/tool/ops%20review%2Fv2%20%231%3Fx=%25?workspace=team+b"
+        );
+        // Behind a proxy's prefix, with or without its last slash.
+        for base in ["http://gw/config-svc", "http://gw/config-svc/"] {
+            let base = reqwest::Url::parse(base).unwrap();
+            assert_eq!(
+                endpoint(&base, "default", &[]).unwrap().as_str(),
+                "http://gw/config-svc/api/v1/config?workspace=default"
+            );
         }
     }
 }
