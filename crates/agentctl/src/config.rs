@@ -20,7 +20,12 @@ pub struct ConfigArgs {
     #[arg(long, env = "CONFIG_TOKEN", hide_env_values = true)]
     token: Option<String>,
     /// The workspace to read and write, as the services' `AGENT_WORKSPACE` names theirs.
-    #[arg(long, env = "AGENT_WORKSPACE", default_value = "default", global = true)]
+    #[arg(
+        long,
+        env = "AGENT_WORKSPACE",
+        default_value = "default",
+        global = true
+    )]
     workspace: String,
     #[command(subcommand)]
     command: ConfigCommand,

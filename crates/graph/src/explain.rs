@@ -150,8 +150,13 @@ pub struct ConclusionView {
     pub out_token: u64,
 }
 
-/// Subject -> predicate -> objects.
-struct Index(BTreeMap<String, BTreeMap<String, Vec<Term>>>);
+/// Subject -> predicate -> objects, and, for `prov:wasDerivedFrom`, source -> what derives from
+/// it (each view asks that of every node: read off the whole index each time, a run of a few
+/// thousand nodes took seconds).
+struct Index(
+    BTreeMap<String, BTreeMap<String, Vec<Term>>>,
+    BTreeMap<String, Vec<String>>,
+);
 
 fn text(t: &Term) -> String {
     match t {
@@ -176,7 +181,17 @@ impl Index {
                     .push((*o).clone());
             }
         }
-        Index(map)
+        let derived = prov::WAS_DERIVED_FROM.as_str();
+        let mut sources: BTreeMap<String, Vec<String>> = BTreeMap::new();
+        for (subject, predicates) in &map {
+            for source in predicates.get(derived).into_iter().flatten() {
+                let derivations = sources.entry(text(source)).or_default();
+                if derivations.last() != Some(subject) {
+                    derivations.push(subject.clone());
+                }
+            }
+        }
+        Index(map, sources)
     }
 
     fn all(&self, node: &str, predicate: NamedNodeRef<'_>) -> Vec<String> {
@@ -208,17 +223,9 @@ impl Index {
         self.one(&doc, tg::CONTENT)
     }
 
-    fn derived_from(&self, predicate_target: &str) -> Vec<String> {
-        let derived = prov::WAS_DERIVED_FROM.as_str();
-        self.0
-            .iter()
-            .filter(|(_, preds)| {
-                preds
-                    .get(derived)
-                    .is_some_and(|v| v.iter().any(|o| text(o) == predicate_target))
-            })
-            .map(|(s, _)| s.clone())
-            .collect()
+    /// The nodes derived from `source`, in the order of their names.
+    fn derived_from(&self, source: &str) -> Vec<String> {
+        self.1.get(source).cloned().unwrap_or_default()
     }
 }
 
@@ -781,21 +788,19 @@ fn labels(view: &SessionView) -> Vec<(String, String)> {
     all
 }
 
-fn keep_edge(view: &SessionView, from: &str, to: &str) -> bool {
-    let known: BTreeSet<String> = labels(view).into_iter().map(|(n, _)| n).collect();
-    known.contains(from) && known.contains(to)
-}
-
 /// Graphviz DOT of the derivation DAG.
 pub fn render_dot(view: &SessionView) -> String {
     let mut out = String::from(
         "digraph provenance {\n  rankdir=BT;\n  node [shape=box, fontname=\"Helvetica\"];\n",
     );
-    for (node, label) in labels(view) {
+    let all = labels(view);
+    // Labelled once: built again for every edge, a run of a few thousand nodes took minutes.
+    let known: BTreeSet<&str> = all.iter().map(|(n, _)| n.as_str()).collect();
+    for (node, label) in &all {
         out.push_str(&format!("  {:?} [label={:?}];\n", node, label));
     }
     for (from, to) in &view.edges {
-        if keep_edge(view, from, to) {
+        if known.contains(from.as_str()) && known.contains(to.as_str()) {
             out.push_str(&format!(
                 "  {:?} -> {:?} [label=\"wasDerivedFrom\"];\n",
                 from, to
@@ -809,11 +814,11 @@ pub fn render_dot(view: &SessionView) -> String {
 /// Mermaid flowchart of the derivation DAG.
 pub fn render_mermaid(view: &SessionView) -> String {
     let all = labels(view);
-    let id = |node: &str| {
-        all.iter()
-            .position(|(n, _)| n == node)
-            .map(|i| format!("n{i}"))
-    };
+    let mut ids: BTreeMap<&str, usize> = BTreeMap::new();
+    for (i, (node, _)) in all.iter().enumerate() {
+        ids.entry(node.as_str()).or_insert(i);
+    }
+    let id = |node: &str| ids.get(node).map(|i| format!("n{i}"));
     let mut out = String::from("flowchart BT\n");
     for (i, (_, label)) in all.iter().enumerate() {
         let safe: String = label
