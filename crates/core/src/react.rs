@@ -423,6 +423,19 @@ pub struct ReactStream {
     echo: String,
     thought_sent: usize,
     answer_sent: usize,
+    /// Once the first decision can no longer change, what is left to stream, so that the text is
+    /// not read again from its start at each chunk: a model that ran on for megabytes, a few
+    /// bytes a chunk, cost minutes of CPU.
+    settled: Option<Settled>,
+}
+
+/// What a stream whose first decision is settled has left to stream.
+#[derive(Debug, Clone, Copy)]
+enum Settled {
+    /// A decision other than a final answer: the thought before it is all there is.
+    Nothing,
+    /// A final answer, whose text runs from this byte of the stream's text to its end.
+    AnswerFrom(usize),
 }
 
 impl ReactStream {
@@ -455,6 +468,13 @@ impl ReactStream {
     }
 
     fn deltas(&mut self, complete: bool) -> Vec<ReactDelta> {
+        match self.settled {
+            Some(Settled::Nothing) => return Vec::new(),
+            Some(Settled::AnswerFrom(start)) => {
+                return self.answer_delta(start).into_iter().collect()
+            }
+            None => {}
+        }
         let text = strip_echoed_observation(&self.text, &self.echo);
         let segments = segments(text, complete);
         let reading = read(text, &segments);
@@ -467,17 +487,31 @@ impl ReactStream {
                 self.thought_sent = certain.len();
             }
         }
-        if let Some((at, Section::Answer)) = reading.decision {
-            let answer = text[segments[at].content.clone()].trim_start();
-            let certain = answer.trim_end();
-            if let Some(delta) = certain.get(self.answer_sent..) {
-                if !delta.is_empty() {
-                    out.push(ReactDelta::Answer(delta.to_owned()));
-                    self.answer_sent = certain.len();
-                }
+        // The echo, if one was cut, is the text's start.
+        let skipped = self.text.len() - text.len();
+        // A final answer is settled as soon as it is read: every line after its marker is its
+        // text. Any other decision once a later section has begun: its own line is then whole
+        // (`Action: None` can still turn out to decide nothing while that line is written).
+        match reading.decision {
+            Some((at, Section::Answer)) => {
+                let start = skipped + segments[at].content.start;
+                self.settled = Some(Settled::AnswerFrom(start));
+                out.extend(self.answer_delta(start));
             }
+            Some((at, _)) if segments.len() > at + 1 => self.settled = Some(Settled::Nothing),
+            _ => {}
         }
         out
+    }
+
+    /// The final answer's text not yet streamed (its trailing whitespace held back).
+    fn answer_delta(&mut self, start: usize) -> Option<ReactDelta> {
+        let answer = self.text.get(start..)?.trim_start();
+        let certain = answer.trim_end();
+        let delta = certain.get(self.answer_sent..).filter(|d| !d.is_empty())?;
+        let delta = ReactDelta::Answer(delta.to_owned());
+        self.answer_sent = certain.len();
+        Some(delta)
     }
 }
 #[cfg(test)]
@@ -503,6 +537,58 @@ mod tests {
                 _ => None,
             })
             .collect()
+    }
+
+    /// Settled once its first decision cannot change, a stream gives what a stream read whole
+    /// gives, chunked any way.
+    #[test]
+    fn a_settled_stream_gives_what_the_whole_text_gives() {
+        let texts = [
+            "Thought: known.\nFinal Answer: Result:\nAction: none, it is 42.\n  \nmore  ",
+            "Thought: look\nAction: calc\nArgs: {\"n\": 1}\nObservation: made up\nFinal Answer: 9",
+            "Thought: nothing to call\nAction: None\nFinal Answer: 7",
+            "Observation: 42\nThought: echoed\nFinal Answer: 42 it is",
+            "Thought: first\nsecond line\nAction: No\nArgs: {}",
+            "Final Answer: é😀 at once",
+        ];
+        for text in texts {
+            let whole = {
+                let mut stream = ReactStream::after_observation("42");
+                let mut out = stream.push(text);
+                out.extend(stream.finish());
+                (joined(&out, false), joined(&out, true))
+            };
+            for size in 1..=7 {
+                let mut stream = ReactStream::after_observation("42");
+                let mut out = Vec::new();
+                let chars: Vec<char> = text.chars().collect();
+                for chunk in chars.chunks(size) {
+                    out.extend(stream.push(&chunk.iter().collect::<String>()));
+                }
+                out.extend(stream.finish());
+                assert_eq!(
+                    (joined(&out, false), joined(&out, true)),
+                    whole,
+                    "{text:?} in chunks of {size}"
+                );
+            }
+        }
+    }
+
+    /// A model that runs on for megabytes, a few bytes a chunk, is read once: read from its start
+    /// at each chunk, this stream took hours.
+    #[test]
+    fn a_runaway_answer_is_streamed_without_reading_it_again() {
+        let mut stream = ReactStream::default();
+        let mut out = stream.push("Thought: long.\nFinal Answer: ");
+        let line = "all work and no play makes a dull model\n";
+        for _ in 0..50_000 {
+            for chunk in line.as_bytes().chunks(4) {
+                out.extend(stream.push(std::str::from_utf8(chunk).unwrap_or_default()));
+            }
+        }
+        out.extend(stream.finish());
+        assert_eq!(joined(&out, true), line.repeat(50_000).trim_end());
     }
 
     #[test]
