@@ -731,16 +731,21 @@ async fn start_waiting(
         // When it was started: as it is sent, before its own first records.
         let now = chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Micros, true);
         requests.enqueue(payload, &properties).await?.wait().await?;
-        let after: Vec<String> = goal
+        let after: Vec<NamedNode> = goal
             .needs
             .iter()
-            .map(|&need| subagent_session(fanout.correlation_id, need))
+            .filter_map(|&need| {
+                let completion = agent_core::provenance::SessionUris::new(&subagent_session(
+                    fanout.correlation_id,
+                    need,
+                ))
+                .completion();
+                NamedNode::new(completion).ok()
+            })
             .collect();
-        let started = agent_core::provenance::dependent_start(&session, &after, &now);
-        if let Ok(quads) = agent_graph::convert::into_quads(started) {
-            store.insert(quads).await?;
-        }
-        store.update(queries::start_requested(&node)).await?;
+        store
+            .update(queries::record_dependent_start(&node, &after, &now))
+            .await?;
         tracing::info!(
             correlation_id = fanout.correlation_id,
             subagent = index,

@@ -1184,26 +1184,6 @@ pub fn subagent_needs(needs: &[(String, Vec<String>)]) -> Vec<Triple> {
     b.build()
 }
 
-/// A waiting subagent's start, as the aggregator records it once every subagent it needs has
-/// completed: `tg:startedAfter` each of their completions, and when (`tg:startedAt`).
-pub fn dependent_start(session: &str, prerequisites: &[String], at: &str) -> Vec<Triple> {
-    let s = SessionUris::new(session).session();
-    let mut b = NodeBuilder::default();
-    for prerequisite in prerequisites {
-        b.tg(
-            &s,
-            tg::STARTED_AFTER,
-            Term::iri(SessionUris::new(prerequisite).completion()),
-        );
-    }
-    b.tg(
-        &s,
-        tg::STARTED_AT,
-        Term::typed_literal(at, XSD_DATETIME.as_str()),
-    );
-    b.build()
-}
-
 /// Where a dialog stands when it fans out: its tokens so far (this iteration's included) and when
 /// it started, which the synthesis request carries on with the subagents' tokens added.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]

@@ -302,10 +302,23 @@ pub fn start_claim(session: &NamedNode) -> String {
     )
 }
 
-/// Marks a waiting subagent's start as published.
-pub fn start_requested(session: &NamedNode) -> String {
+/// Records a waiting subagent's start once it is published: `tg:startedAfter` each completion it
+/// waited for (`after`), when (`tg:startedAt`, an RFC 3339 time) and `tg:startRequested`, in one
+/// update, and only if no start is recorded yet. Written in two updates, unconditionally, a
+/// crash between the publish and the mark (or between the two writes) had the next claimer
+/// publish again (a copy the orchestrator's journal drops) and record a second `tg:startedAt`.
+pub fn record_dependent_start(session: &NamedNode, after: &[NamedNode], at: &str) -> String {
     let g = graph();
-    format!("{PREFIXES}INSERT DATA {{ GRAPH {g} {{ {session} tg:startRequested true }} }}")
+    let at =
+        oxigraph::model::Literal::new_typed_literal(at, oxigraph::model::vocab::xsd::DATE_TIME);
+    let after: String = after
+        .iter()
+        .map(|completion| format!(" tg:startedAfter {completion} ;"))
+        .collect();
+    format!(
+        "{PREFIXES}INSERT {{ GRAPH {g} {{ {session}{after} tg:startedAt {at} ; tg:startRequested true }} }}
+WHERE {{ FILTER NOT EXISTS {{ GRAPH {g} {{ {session} tg:startRequested ?started }} }} }}"
+    )
 }
 
 /// A first-writer-wins claim on `node`, which `anchor` (a triple pattern) must find in the graph:

@@ -710,3 +710,35 @@ fn patterns_without_a_graph_find_every_named_graphs_quads() {
     drop(reopened);
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A waiting subagent's start is recorded once, however many claimers publish it (one that
+/// crashed before marking it, and the next): one `tg:startedAt`, one `tg:startRequested`.
+#[tokio::test]
+async fn a_dependent_start_is_recorded_once() {
+    let store = GraphStore::in_memory().unwrap();
+    let session = agent_graph::queries::session_node("sup-f1-s1").unwrap();
+    let after =
+        [agent_graph::model::NamedNode::new(SessionUris::new("sup-f1-s0").completion()).unwrap()];
+    for at in ["2026-12-04T10:00:00Z", "2026-12-04T10:00:07Z"] {
+        store
+            .update(agent_graph::queries::record_dependent_start(
+                &session, &after, at,
+            ))
+            .await
+            .unwrap();
+    }
+    let recorded = format!(
+        "{}SELECT ?at ?after ?requested WHERE {{ GRAPH ?g {{ {session} tg:startedAt ?at ;
+           tg:startedAfter ?after ; tg:startRequested ?requested }} }}",
+        agent_core::vocab::SPARQL_PREFIXES
+    );
+    let agent_graph::QueryAnswer::Rows(rows) = store.query(recorded).await.unwrap() else {
+        panic!("not rows");
+    };
+    assert_eq!(rows.rows.len(), 1, "{rows:?}");
+    let at = rows
+        .first("at")
+        .map(ToString::to_string)
+        .unwrap_or_default();
+    assert!(at.contains("10:00:00"), "{at}");
+}
