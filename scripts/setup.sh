@@ -15,6 +15,11 @@ command -v protoc >/dev/null 2>&1 || need_apt+=(protobuf-compiler)
 for pkg in libclang-dev clang; do
   dpkg -s "$pkg" >/dev/null 2>&1 || need_apt+=("$pkg")
 done
+# pip installs pulsar-lite (and, for the tests, TrustGraph's client into venvs); a distribution's
+# Python comes without pip or venv. patch: scripts/patch-crates.sh applies our crate patches.
+python3 -c 'import pip' >/dev/null 2>&1 || need_apt+=(python3-pip)
+python3 -c 'import ensurepip, venv' >/dev/null 2>&1 || need_apt+=(python3-venv)
+command -v patch >/dev/null 2>&1 || need_apt+=(patch)
 # docker-compose (Debian's): validates docker-compose.yml in scripts/check-deploy.sh.
 # openssl: makes the private CA and broker certificate of tests/tests/pulsar_tls.rs.
 if $tests; then
@@ -23,7 +28,11 @@ if $tests; then
 fi
 if [ ${#need_apt[@]} -gt 0 ]; then
   echo "setup: installing ${need_apt[*]}" >&2
-  SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
+  SUDO=""
+  if [ "$(id -u)" -ne 0 ]; then
+    command -v sudo >/dev/null 2>&1 || { echo "setup: ${need_apt[*]} must be installed (as root: apt-get install ${need_apt[*]})" >&2; exit 1; }
+    SUDO="sudo"
+  fi
   $SUDO apt-get update -qq >/dev/null
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${need_apt[@]}" >/dev/null
 fi
