@@ -582,9 +582,11 @@ impl<'a> DialogOutput<'a> {
         }
     }
 
-    /// Refuses a request over the limit before it is held.
+    /// Refuses a request over the limit before it is held, keeping room for the properties its
+    /// commit adds after this check ([`COMMIT_PROPERTY_BYTES`]).
     fn within_limit(&self, payload: &[u8], properties: &Properties) -> Result<(), BusError> {
-        let bytes = agent_bus::Publisher::message_bytes(payload, properties);
+        let bytes = agent_bus::Publisher::message_bytes(payload, properties)
+            .saturating_add(COMMIT_PROPERTY_BYTES);
         let (max, limit) = self.request_limit;
         if bytes > max {
             return Err(BusError::TooLarge {
@@ -1319,9 +1321,51 @@ pub(crate) fn locked<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
     mutex.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
+/// Room each request keeps for what its commit adds once its size was checked: its effect id
+/// (`agent-effect-id`, the journal entry's name and its place: a few hundred bytes, the session
+/// id being at most 240) and the chain it continues (`agent-chain`, a message id). A request that
+/// fit only without them was recorded, then refused by the publisher at every try: the step was
+/// given up, found its own entry, re-emitted it, was refused again, for ever, its client told
+/// nothing.
+const COMMIT_PROPERTY_BYTES: usize = 2048;
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A request that fits only without the properties its commit adds is refused when it is
+    /// queued (the dialog ends with an error naming the limit), not once it is recorded.
+    #[test]
+    fn a_request_keeps_room_for_what_its_commit_adds() {
+        let outputs = Outputs::Memory(MemorySink::default());
+        let session = "urn:trustgraph:agent:near-the-limit";
+        let request = |bytes: usize| agent_schema::AgentRequest {
+            question: "q".repeat(bytes),
+            session_id: "near-the-limit".to_owned(),
+            ..Default::default()
+        };
+        let max = 64 * 1024;
+        let out = DialogOutput::new(&outputs, Some("client-1"), "default", session, 0).for_step(
+            &request(1),
+            session,
+            0,
+            max,
+        );
+        let near = request(max - 600);
+        let queued = out.next(&near, Default::default(), &[]);
+        assert!(
+            matches!(queued, Err(BusError::TooLarge { .. })),
+            "{queued:?}"
+        );
+        let out = DialogOutput::new(&outputs, Some("client-1"), "default", session, 0).for_step(
+            &request(1),
+            session,
+            0,
+            max,
+        );
+        let within = request(max - 4 * COMMIT_PROPERTY_BYTES);
+        assert!(out.next(&within, Default::default(), &[]).is_ok());
+    }
 
     /// Where a test's step of `session` is journaled, taken up as `delivery`.
     fn slot_of<'j>(
