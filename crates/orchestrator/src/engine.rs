@@ -467,6 +467,11 @@ impl Engine {
                         // Cancelled while it waits: its step ends it without waiting its turn.
                         _ = self.cancellations.cancelled(&queued.session) => {}
                     }
+                    // Waiting its turn is not an outage: a park before it (a blip of the
+                    // journal) must not leave its window running while the dialog ahead runs,
+                    // or the step's first outage after it ended the dialog at once.
+                    outage = None;
+                    pause = PARK_PAUSE.0;
                     continue;
                 }
                 // Waiting out an outage, it waits as any step does, in its place.
