@@ -1701,6 +1701,58 @@ async fn a_conversation_can_refuse_a_second_request_or_interrupt_the_first() {
     }
 }
 
+/// An interrupt is recorded in the graph even when the interrupting step then parks (here its
+/// LLM answers 503 past the client's retries): the cancellation the interrupted dialog's end
+/// links to is there. Before, the record was held with the step's effects and lost as it parked,
+/// and its retry, let start before, interrupted nothing again (checked: no cancellation node).
+#[tokio::test]
+async fn an_interrupt_is_recorded_even_when_the_interrupting_step_parks() {
+    let config = conversation_config("interrupt-then-park", "interrupt");
+    let script = conversation_script("\"faults\": [\"stall\"], \"stall_ms\": 120000").replace(
+        r#""reply": "Thought: I know.\nFinal Answer: about two million""#,
+        r#""reply": "Thought: I know.\nFinal Answer: about two million", "faults": ["503", "503", "503", "503", "503", "503"]"#,
+    );
+    assert!(script.contains("\"503\""), "{script}");
+    let Stack {
+        broker,
+        aggregator,
+        llm,
+        orchestrator: _orchestrator,
+    } = Stack::journaled(TOKEN, &script, &config, &[]).await;
+    let mut client = client(&broker).await;
+    start_first_dialog(&mut client, &aggregator, &llm).await;
+    client
+        .send(
+            "conv-b",
+            &in_conversation("And how many people live there?"),
+        )
+        .await
+        .unwrap();
+    let mut both =
+        collect_dialogs(&mut client, &["conv-a", "conv-b"], Duration::from_secs(90)).await;
+    let (first, second) = (
+        both.remove("conv-a").unwrap(),
+        both.remove("conv-b").unwrap(),
+    );
+    assert_eq!(
+        second.last().unwrap().content,
+        "about two million",
+        "{second:#?}"
+    );
+    let cancelled = first.last().unwrap().error.as_ref().expect("interrupted");
+    assert_eq!(cancelled.kind, "cancelled", "{first:#?}");
+    let session = session_of(&first);
+    let recorded = format!(
+        "{}ASK {{ GRAPH <urn:graph:retrieval> {{ <{session}/cancellation> a tg:Cancellation ;
+           tg:cancelledBy ?by . FILTER(STRSTARTS(?by, \"dialog \")) }} }}",
+        agent_core::vocab::SPARQL_PREFIXES
+    );
+    assert!(
+        holds_within(&aggregator.store(), recorded).await,
+        "no cancellation recorded for the interrupted dialog {session}"
+    );
+}
+
 /// A dialog whose later step is refused (here its history outgrew `max_iterations`, lowered
 /// through the config service while it ran) ends in the graph as any error does, so its
 /// conversation goes on: under `conversation_policy: reject` and no wall-time bound, the next

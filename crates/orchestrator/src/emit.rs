@@ -1119,6 +1119,20 @@ impl<'a> DialogOutput<'a> {
         Ok(())
     }
 
+    /// [`DialogOutput::record`], sent now and awaited rather than held for the commit: for what
+    /// has already happened whatever becomes of the step (an interrupt, whose cancel went out at
+    /// once), and which a step that parks must not take back with its held effects.
+    pub async fn record_now(&self, node: &str, triples: Vec<Triple>) -> Result<(), BusError> {
+        let message = self.triples_about(node, triples);
+        self.send(
+            Channel::Explainability,
+            agent_schema::encode(&message),
+            &Properties::new(),
+        )
+        .await?;
+        self.flush().await
+    }
+
     /// Records provenance about `node`: inline to the client as an `explain` response, and on the
     /// explainability topic for the graph store, as TrustGraph does.
     pub fn explain(&self, node: &str, mut triples: Vec<Triple>) -> Result<(), BusError> {

@@ -551,10 +551,15 @@ impl Engine {
             ..agent_schema::AgentControl::default()
         };
         let uris = SessionUris::new(session_id);
-        out.record(
+        // Recorded now, before the cancel goes out: held with this step's effects, it was lost
+        // when the step parked (its retry, let start before, interrupts nothing again), and the
+        // interrupted dialog's end linked to a cancellation the graph never had (nor did the
+        // approvals sweep, which expires a cancelled run's parked calls, know of it).
+        out.record_now(
             &uris.cancellation(),
             provenance::cancellation(&uris, &control.by, &control.at, &control.reason),
-        )?;
+        )
+        .await?;
         if let Some(cancel) = cancel::from_control(&control) {
             self.cancellations.record(cancel);
         }
