@@ -427,7 +427,14 @@ pub struct ReactStream {
     /// not read again from its start at each chunk: a model that ran on for megabytes, a few
     /// bytes a chunk, cost minutes of CPU.
     settled: Option<Settled>,
+    /// How long the text was when it was last read whole (see [`READ_WHOLE_BYTES`]).
+    read_at: usize,
 }
+
+/// Up to this length a stream with no settled decision is read whole at every chunk; past it,
+/// only once it has grown by a sixteenth since it was last read, so that a thought running on
+/// for megabytes costs a few dozen reads, not one per chunk (its deltas come in bursts then).
+const READ_WHOLE_BYTES: usize = 8 * 1024;
 
 /// What a stream whose first decision is settled has left to stream.
 #[derive(Debug, Clone, Copy)]
@@ -475,6 +482,11 @@ impl ReactStream {
             }
             None => {}
         }
+        let grown = self.text.len().saturating_sub(self.read_at);
+        if !complete && self.text.len() > READ_WHOLE_BYTES && grown < self.text.len() / 16 {
+            return Vec::new();
+        }
+        self.read_at = self.text.len();
         let text = strip_echoed_observation(&self.text, &self.echo);
         let segments = segments(text, complete);
         let reading = read(text, &segments);
@@ -589,6 +601,24 @@ mod tests {
         }
         out.extend(stream.finish());
         assert_eq!(joined(&out, true), line.repeat(50_000).trim_end());
+    }
+
+    /// The same for a thought that runs on with no decision: read a few dozen times, and all of
+    /// it streamed.
+    #[test]
+    fn a_runaway_thought_is_streamed_without_reading_it_at_every_chunk() {
+        let mut stream = ReactStream::default();
+        let mut out = stream.push("Thought: ");
+        let line = "all work and no play makes a dull model\n";
+        for _ in 0..50_000 {
+            for chunk in line.as_bytes().chunks(4) {
+                out.extend(stream.push(std::str::from_utf8(chunk).unwrap_or_default()));
+            }
+        }
+        out.extend(stream.push("Final Answer: done"));
+        out.extend(stream.finish());
+        assert_eq!(joined(&out, false), line.repeat(50_000).trim_end());
+        assert_eq!(joined(&out, true), "done");
     }
 
     #[test]
