@@ -56,6 +56,15 @@ impl Status {
     /// "passed"). A verdict that cannot be read lets the step stand, so a failure written in
     /// other words must not read as nothing.
     fn parse(text: &str) -> Option<Status> {
+        Status::parse_words(text).or_else(|| {
+            // A status followed by why: `EXECUTION_ERROR: the sum is wrong`, `FAILED (wrong)`,
+            // `REJECTED - no source`.
+            let head = text.split([':', '(', ';', '\n', '—']).next()?;
+            Status::parse_words(head).or_else(|| Status::parse_words(head.split(" - ").next()?))
+        })
+    }
+
+    fn parse_words(text: &str) -> Option<Status> {
         let t: String = text
             .trim()
             .trim_matches(|c: char| !c.is_ascii_alphabetic())
@@ -123,7 +132,14 @@ pub fn parse(text: &str) -> Evaluation {
     }
     // The verdict is an object whose status reads as one, and of those the first that also
     // evaluates or teaches: a tool's result quoted before it (`{"status": "error"}`) is not it.
+    // Keys in any case (`"Status"`, `"LESSON"`): models write them so, and a rejection whose
+    // status could not be read let the step stand.
     let readable: Vec<serde_json::Map<String, serde_json::Value>> = crate::react::objects_in(text)
+        .map(|o| {
+            o.into_iter()
+                .map(|(key, value)| (key.to_ascii_lowercase(), value))
+                .collect()
+        })
         .filter(|o| !statuses_of(o).is_empty())
         .collect();
     // Without one that evaluates, the last: a verdict follows what it quotes.
@@ -742,6 +758,30 @@ mod tests {
         assert_eq!(v.status, Status::Success);
         assert!(v.unreadable.is_some());
         assert!(verdict(r#"{"status": "MAYBE"}"#).unreadable.is_some());
+    }
+
+    /// Rejections as models write them: a key in capitals, a status followed by why, a verdict
+    /// after a quoted result with more braces than are tried from the start. Each read as
+    /// unreadable before, which let the step stand as a success.
+    #[test]
+    fn a_rejection_with_its_reason_or_a_capital_key_or_after_many_braces_is_read() {
+        let quoted = r#"{"a": {}}"#.repeat(9);
+        for text in [
+            r#"{"Status": "FAILED", "Evaluation": "the sum is wrong"}"#.to_owned(),
+            r#"{"status": "EXECUTION_ERROR: the sum is wrong"}"#.to_owned(),
+            r#"{"status": "FAILED (no source given)"}"#.to_owned(),
+            r#"{"status": "REJECTED - no source"}"#.to_owned(),
+            format!(r#"The tool said {quoted}. {{"status": "FAILED", "evaluation": "x"}}"#),
+        ] {
+            let v = verdict(&text);
+            assert_eq!(v.status, Status::ExecutionError, "{text}: {v:?}");
+            assert!(v.unreadable.is_none(), "{text}");
+        }
+        let v = verdict(r#"{"Status": "FAILED", "Evaluation": "wrong", "Lesson": "add again"}"#);
+        assert_eq!(
+            (v.evaluation.as_str(), v.lesson.as_str()),
+            ("wrong", "add again")
+        );
     }
 
     #[test]

@@ -388,13 +388,28 @@ pub(crate) fn first_json_value(text: &str) -> Option<Result<serde_json::Value, s
 pub(crate) fn objects_in(
     text: &str,
 ) -> impl Iterator<Item = serde_json::Map<String, serde_json::Value>> + '_ {
-    text.match_indices('{').take(16).filter_map(|(start, _)| {
-        match first_json_value(&text[start..]) {
+    // The first and the last openings: an answer comes after whatever it quotes (a tool's JSON,
+    // code), which can hold more braces than are tried from the start.
+    let starts: Vec<usize> = text.match_indices('{').map(|(start, _)| start).collect();
+    let tried: Vec<usize> = match starts.len() {
+        n if n <= 2 * OPENINGS_TRIED => starts,
+        n => starts[..OPENINGS_TRIED]
+            .iter()
+            .chain(&starts[n - OPENINGS_TRIED..])
+            .copied()
+            .collect(),
+    };
+    tried
+        .into_iter()
+        .filter_map(|start| match first_json_value(&text[start..]) {
             Some(Ok(serde_json::Value::Object(o))) => Some(o),
             _ => None,
-        }
-    })
+        })
 }
+
+/// How many openings of a JSON object [`objects_in`] tries from a text's start, and again from
+/// its end: each is read as far as its value goes, so they are bounded.
+const OPENINGS_TRIED: usize = 16;
 
 /// The first JSON object in `text` that has one of `keys` (see [`objects_in`]).
 pub(crate) fn first_object_with(
