@@ -758,6 +758,20 @@ impl AgentConfig {
 /// come out the same, so a definition cannot call a gated tool by spelling its URL otherwise;
 /// taking the query away makes more definitions match, which only gates more.
 fn server_of_url(url: &str) -> String {
+    // Read as the HTTP client reads it (WHATWG URL), so that every spelling it connects alike
+    // comes out alike: a port written `0443`, a host with a trailing dot, an IPv4 address in
+    // hex or as one number. Compared as text, those called a gated tool without approval.
+    if let Ok(parsed) = url::Url::parse(url.trim()) {
+        if let Some(host) = parsed.host_str() {
+            let host = host.trim_end_matches('.').to_ascii_lowercase();
+            let port = parsed
+                .port_or_known_default()
+                .map(|port| port.to_string())
+                .unwrap_or_default();
+            let path: Vec<&str> = parsed.path().split('/').filter(|s| !s.is_empty()).collect();
+            return format!("{}://{host}:{port}/{}", parsed.scheme(), path.join("/"));
+        }
+    }
     let url = url.trim();
     let (scheme, rest) = url.split_once("://").unwrap_or(("", url));
     let scheme = scheme.to_ascii_lowercase();
@@ -901,6 +915,22 @@ mod tests {
         assert_ne!(
             server_of_url("https://mcp.example:8443/mcp"),
             server_of_url("https://mcp.example/mcp")
+        );
+        // Spellings the HTTP client connects alike (before, each read as another server).
+        for spelling in [
+            "https://mcp.example:0443/mcp",
+            "https://mcp.example./mcp",
+            "https://MCP.example:443/./mcp",
+        ] {
+            assert_eq!(
+                server_of_url(spelling),
+                server_of_url("https://mcp.example/mcp"),
+                "{spelling}"
+            );
+        }
+        assert_eq!(
+            server_of_url("http://0x7f.1:8080/mcp"),
+            server_of_url("http://127.0.0.1:8080/mcp")
         );
         let mcp = json!({"ledger": {"url": "https://mcp.example/mcp/", "remote-name": "transfer"},
                          "other": {"url": "https://mcp.example/mcp", "remote-name": "balance"}});
