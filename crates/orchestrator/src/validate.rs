@@ -72,6 +72,14 @@ pub(crate) fn validate(
             "{field} may only hold letters, digits, '-', '_', '.' and ':' (at most 240)"
         ));
     }
+    // A session named as a subagent's is read as one wherever a session's place is read from its
+    // name (its run's budget, a cancel of the supervisor above it, the fan-out depth): a client's
+    // `x-f1-s0` would spend from, and be cancelled with, run `x`.
+    if !agent_core::supervisor::is_subagent(request)
+        && agent_core::supervisor::place_of(&request.session_id).is_some()
+    {
+        return Err("session_id ends as a subagent's does (-f{n}-s{i}), which is kept for the subagents the orchestrator starts; choose another (or none: one is made from the request's id)".to_owned());
+    }
     // A conversation's id keys what this replica keeps of its line and goes into the graph; it
     // is the client's to choose (any text a TrustGraph client sends), so only bounded.
     if request.conversation_id.len() > 240 || request.conversation_id.contains(char::is_control) {
@@ -327,6 +335,27 @@ mod tests {
             ..ok.clone()
         };
         assert!(validate_plain(&injected, &config, true, 100).is_err());
+        // A client's session named as a subagent's; the subagent itself is taken.
+        let posing = AgentRequest {
+            session_id: "x-f1-s0".into(),
+            ..ok.clone()
+        };
+        assert!(validate_plain(&posing, &config, true, 100)
+            .unwrap_err()
+            .contains("subagent"));
+        let subagent = AgentRequest {
+            parent_session_id: "x".into(),
+            correlation_id: "x-f1".into(),
+            subagent_goal: "part".into(),
+            expected_siblings: 1,
+            ..posing.clone()
+        };
+        assert!(validate_plain(&subagent, &config, true, 100).is_ok());
+        let named_like_one = AgentRequest {
+            session_id: "report-f2".into(),
+            ..ok.clone()
+        };
+        assert!(validate_plain(&named_like_one, &config, true, 100).is_ok());
         let pattern = AgentRequest {
             pattern: "telepathy".into(),
             ..ok.clone()
