@@ -225,51 +225,106 @@ fn find_cycle(plan: &[PlanStep]) -> Option<Vec<usize>> {
 
 /// Reads a plan from the LLM: a JSON array of steps, or an object with a `steps` array (and
 /// perhaps a `rationale`), possibly in a code fence or with prose around it. Statuses and results
-/// are reset: a new plan starts pending.
+/// are reset: a new plan starts pending. Read as small models write plans: a step may be just its
+/// goal (a string), `null` for a field it leaves out, a dependency as a number in a string; and
+/// the plan is the first JSON value in the answer that reads as one, so a bracket in the prose
+/// or a `<think>` block before it (`steps [0] and [1]`) does not stand for it.
 pub fn parse(text: &str) -> Result<(Vec<PlanStep>, String), String> {
-    #[derive(serde::Deserialize)]
-    struct Draft {
-        #[serde(default)]
-        goal: String,
-        #[serde(default)]
-        tool_hint: String,
-        #[serde(default)]
-        depends_on: Vec<i64>,
+    let mut problem: Option<String> = None;
+    let mut empty = None;
+    for (start, _) in text.match_indices(['[', '{']).take(PLAN_OPENINGS_TRIED) {
+        let value = match crate::react::first_json_value(&text[start..]) {
+            Some(Ok(value)) => value,
+            Some(Err(e)) => {
+                problem.get_or_insert(format!("the plan is not valid JSON: {e}"));
+                continue;
+            }
+            None => continue,
+        };
+        match plan_of(value) {
+            // An empty list in the prose may come before the plan.
+            Ok((plan, rationale)) if plan.is_empty() => {
+                empty.get_or_insert((plan, rationale));
+            }
+            Ok(plan) => return Ok(plan),
+            Err(why) => {
+                problem.get_or_insert(why);
+            }
+        }
     }
-    let start = text
-        .find(['[', '{'])
-        .ok_or("the answer holds no JSON plan")?;
-    let value = crate::react::first_json_value(&text[start..])
-        .ok_or("the answer holds no JSON plan")?
-        .map_err(|e| format!("the plan is not valid JSON: {e}"))?;
+    match (empty, problem) {
+        (Some(empty), _) => Ok(empty),
+        (None, Some(problem)) => Err(problem),
+        (None, None) => Err("the answer holds no JSON plan".to_owned()),
+    }
+}
+
+/// How many openings of a JSON value [`parse`] tries, each read as far as its value goes.
+const PLAN_OPENINGS_TRIED: usize = 32;
+
+/// A plan from a JSON value: a list of steps, or an object with `steps` and a `rationale`.
+fn plan_of(value: serde_json::Value) -> Result<(Vec<PlanStep>, String), String> {
     let (steps, rationale) = match value {
-        serde_json::Value::Array(_) => (value, String::new()),
+        serde_json::Value::Array(steps) => (steps, String::new()),
         serde_json::Value::Object(mut o) => {
             let rationale = o
                 .get("rationale")
                 .and_then(|r| r.as_str())
                 .unwrap_or_default()
                 .to_owned();
-            (
-                o.remove("steps").ok_or("the plan object has no 'steps'")?,
-                rationale,
-            )
+            match o.remove("steps") {
+                Some(serde_json::Value::Array(steps)) => (steps, rationale),
+                Some(_) => return Err("the plan's 'steps' is not a list".into()),
+                None => return Err("the plan object has no 'steps'".into()),
+            }
         }
         _ => return Err("the plan is neither a list of steps nor an object with 'steps'".into()),
     };
-    let drafts: Vec<Draft> = serde_json::from_value(steps)
-        .map_err(|e| format!("a step is not {{goal, tool_hint, depends_on}}: {e}"))?;
-    let plan = drafts
+    let plan = steps
         .into_iter()
-        .map(|d| PlanStep {
-            goal: d.goal,
-            tool_hint: d.tool_hint,
-            depends_on: d.depends_on,
-            status: PENDING.to_owned(),
-            result: String::new(),
-        })
-        .collect();
+        .map(step_of)
+        .collect::<Result<Vec<_>, _>>()?;
     Ok((plan, rationale))
+}
+
+/// One step of a plan as the LLM wrote it: `{goal, tool_hint, depends_on}` or only its goal.
+fn step_of(value: serde_json::Value) -> Result<PlanStep, String> {
+    use serde_json::Value;
+    let pending = |goal: String, tool_hint: String, depends_on: Vec<i64>| PlanStep {
+        goal,
+        tool_hint,
+        depends_on,
+        status: PENDING.to_owned(),
+        result: String::new(),
+    };
+    let o = match value {
+        Value::String(goal) => return Ok(pending(goal, String::new(), Vec::new())),
+        Value::Object(o) => o,
+        other => {
+            return Err(format!(
+                "a step is not {{goal, tool_hint, depends_on}}: {other}"
+            ))
+        }
+    };
+    let text = |key: &str| match o.get(key) {
+        None | Some(Value::Null) => Ok(String::new()),
+        Some(Value::String(s)) => Ok(s.clone()),
+        Some(other) => Err(format!("a step's {key} is not text: {other}")),
+    };
+    let number = |v: &Value| {
+        match v {
+            Value::Number(n) => n.as_i64(),
+            Value::String(s) => s.trim().parse().ok(),
+            _ => None,
+        }
+        .ok_or_else(|| format!("a step's depends_on holds {v}, not a step number"))
+    };
+    let depends_on = match o.get("depends_on") {
+        None | Some(Value::Null) => Vec::new(),
+        Some(Value::Array(list)) => list.iter().map(number).collect::<Result<_, _>>()?,
+        Some(one) => vec![number(one)?],
+    };
+    Ok(pending(text("goal")?, text("tool_hint")?, depends_on))
 }
 
 /// The plan after a revision: the completed steps, renumbered from 0 in their order, then the new
@@ -412,6 +467,43 @@ pub fn single_step(question: &str, kept: usize) -> Vec<PlanStep> {
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
+
+    /// Plans as small models write them: a step as its goal alone, `null` for a field left out,
+    /// a dependency in a string, brackets in the prose (or a `<think>` block) before the plan.
+    /// Each was refused before, which cost a re-ask and could end in the one-step fallback.
+    #[test]
+    fn a_plan_is_read_as_small_models_write_it() {
+        let (plan, _) = parse(
+            r#"{"steps": [{"goal": "a", "tool_hint": null, "depends_on": null}, "b", {"goal": "c", "depends_on": ["1", 0]}]}"#,
+        )
+        .unwrap();
+        let read: Vec<(&str, &str, &[i64])> = plan
+            .iter()
+            .map(|s| {
+                (
+                    s.goal.as_str(),
+                    s.tool_hint.as_str(),
+                    s.depends_on.as_slice(),
+                )
+            })
+            .collect();
+        assert_eq!(
+            read,
+            [
+                ("a", "", &[][..]),
+                ("b", "", &[][..]),
+                ("c", "", &[1, 0][..])
+            ]
+        );
+        let (plan, rationale) = parse(
+            "<think>steps [0] and [1], or {none}</think>\n{\"rationale\": \"r\", \"steps\": [{\"goal\": \"a\"}]}",
+        )
+        .unwrap();
+        assert_eq!((plan.len(), rationale.as_str()), (1, "r"));
+        assert!(parse("no plan at all").is_err());
+        assert!(parse(r#"{"steps": [{"goal": 3}]}"#).is_err());
+        assert!(parse("[]").unwrap().0.is_empty());
+    }
 
     pub(crate) fn step(goal: &str, deps: &[i64], status: &str) -> PlanStep {
         PlanStep {
