@@ -255,13 +255,9 @@ pub fn dispatch_prompt(
 /// The tool arguments an answer gives (`arguments`, a JSON object of strings; other values are
 /// kept as their JSON text), if any.
 pub fn dispatch_arguments(text: &str) -> BTreeMap<String, String> {
-    let (Some(start), Some(end)) = (text.find('{'), text.rfind('}')) else {
-        return BTreeMap::new();
-    };
-    let Some(object) = text
-        .get(start..=end)
-        .and_then(|json| serde_json::from_str::<serde_json::Value>(json).ok())
-    else {
+    // The answer's object, wherever it stands: read from the first `{` to the last `}`, a brace
+    // in the prose after it (`computes {2+2}`) left the tool to run with no arguments at all.
+    let Some(object) = crate::react::first_object_with(text, &["arguments"]) else {
         return BTreeMap::new();
     };
     let Some(arguments) = object.get("arguments").and_then(|a| a.as_object()) else {
@@ -371,13 +367,11 @@ fn read_answer(text: &str) -> (Option<String>, String) {
 }
 
 fn json_answer(text: &str) -> Option<(Option<String>, String)> {
-    let start = text.find('{')?;
-    let end = text.rfind('}')?;
-    if end <= start {
-        return None;
-    }
-    let value: serde_json::Value = serde_json::from_str(&text[start..=end]).ok()?;
-    let object = value.as_object()?;
+    // The first object that names a choice: prose (or a `<think>` block) with braces before or
+    // after it made the text from the first `{` to the last `}` unreadable, and the router fell
+    // back to its default.
+    let object = crate::react::first_object_with(text, &["choice", "task_type", "pattern"])?;
+    let object = &object;
     let field = |keys: &[&str]| {
         keys.iter()
             .find_map(|k| object.get(*k).and_then(|v| v.as_str()))
@@ -391,6 +385,26 @@ fn json_answer(text: &str) -> Option<(Option<String>, String)> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A choice with braces in the prose around it: before, the text from the first `{` to the
+    /// last `}` did not parse, the router fell back to its default and a dispatched tool ran
+    /// with no arguments.
+    #[test]
+    fn a_choice_with_braces_in_the_prose_around_it_is_read() {
+        let (choice, rationale) = read_answer(
+            "{\"choice\":\"research\",\"rationale\":\"facts\"}\nI did not pick {general}.",
+        );
+        assert_eq!(
+            (choice.as_deref(), rationale.as_str()),
+            (Some("research"), "facts")
+        );
+        let (choice, _) = read_answer("<think>{maybe}</think> {\"choice\": \"general\"}");
+        assert_eq!(choice.as_deref(), Some("general"));
+        let arguments = dispatch_arguments(
+            "{\"choice\":\"tool:calc\",\"arguments\":{\"expr\":\"2+2\"}} computes {2+2}",
+        );
+        assert_eq!(arguments.get("expr").map(String::as_str), Some("2+2"));
+    }
 
     fn candidates(names: &[&str]) -> Vec<Candidate> {
         names
