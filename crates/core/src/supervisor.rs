@@ -47,14 +47,28 @@ impl Goal {
 /// need on no kept goal, on the goal itself, or closing a cycle is dropped, so the goals always
 /// form a graph that can run to its end.
 pub fn parse_goals(text: &str, max: usize, nested: bool) -> Result<Vec<Goal>, String> {
-    let start = text
-        .find(['[', '{'])
-        .ok_or("the answer holds no JSON list of goals")?;
-    let value = crate::react::first_json_value(&text[start..])
-        .ok_or("the answer holds no JSON list of goals")?
-        .map_err(|e| format!("the goals are not valid JSON: {e}"))?;
-    goals_from(value, max, nested)
+    // The first JSON value that reads as goals: a bracket in the prose before them (`Split in
+    // [two]:`) stood for them before, and the answer was refused.
+    let mut problem = None;
+    for (start, _) in text.match_indices(['[', '{']).take(GOAL_OPENINGS_TRIED) {
+        match crate::react::first_json_value(&text[start..]) {
+            Some(Ok(value)) => match goals_from(value, max, nested) {
+                Ok(goals) => return Ok(goals),
+                Err(why) => {
+                    problem.get_or_insert(why);
+                }
+            },
+            Some(Err(e)) => {
+                problem.get_or_insert(format!("the goals are not valid JSON: {e}"));
+            }
+            None => {}
+        }
+    }
+    Err(problem.unwrap_or_else(|| "the answer holds no JSON list of goals".to_owned()))
 }
+
+/// How many openings of a JSON value [`parse_goals`] tries, each read as far as its value goes.
+const GOAL_OPENINGS_TRIED: usize = 32;
 
 fn goals_from(value: serde_json::Value, max: usize, nested: bool) -> Result<Vec<Goal>, String> {
     let list = match value {
@@ -66,9 +80,11 @@ fn goals_from(value: serde_json::Value, max: usize, nested: bool) -> Result<Vec<
         _ => return Err("the goals are neither a list nor an object with 'goals'".to_owned()),
     };
     // Each kept goal with its id and the needs as written, resolved once all are known.
-    let mut written: Vec<(Goal, Option<String>, Vec<serde_json::Value>)> = list
+    // With its place in the list as written, which a need by position names.
+    let mut written: Vec<(Goal, Option<String>, Vec<serde_json::Value>, usize)> = list
         .iter()
-        .filter_map(|item| {
+        .enumerate()
+        .filter_map(|(place, item)| {
             let (goal, pattern, group, id, needs) = match item {
                 serde_json::Value::String(g) => (g.clone(), String::new(), None, None, Vec::new()),
                 serde_json::Value::Object(o) => (
@@ -103,24 +119,30 @@ fn goals_from(value: serde_json::Value, max: usize, nested: bool) -> Result<Vec<
                 group,
                 ..Goal::independent(goal, pattern)
             };
-            Some((goal, id, needs))
+            Some((goal, id, needs, place))
         })
         .take(max)
         .collect();
     if written.is_empty() {
         return Err("no goals".to_owned());
     }
-    let ids: Vec<Option<String>> = written.iter().map(|(_, id, _)| id.clone()).collect();
-    for (index, (goal, _, needs)) in written.iter_mut().enumerate() {
+    let ids: Vec<Option<String>> = written.iter().map(|(_, id, _, _)| id.clone()).collect();
+    let places: Vec<usize> = written.iter().map(|(_, _, _, place)| *place).collect();
+    for (index, (goal, _, needs, _)) in written.iter_mut().enumerate() {
         let mut resolved: Vec<usize> = needs
             .iter()
             .filter_map(|need| match need {
                 // A goal's id when one has it (goals numbered from 1 are common), else a position.
                 serde_json::Value::Number(n) => {
                     let as_id = n.to_string();
+                    // A position is the list's as written: a goal dropped before (an empty
+                    // one) does not shift it onto the next.
                     ids.iter()
                         .position(|id| id.as_deref() == Some(as_id.as_str()))
-                        .or_else(|| n.as_u64().map(|n| n as usize))
+                        .or_else(|| {
+                            let written = usize::try_from(n.as_u64()?).ok()?;
+                            places.iter().position(|&place| place == written)
+                        })
                 }
                 other => {
                     let wanted = id_text(other)?;
@@ -134,7 +156,7 @@ fn goals_from(value: serde_json::Value, max: usize, nested: bool) -> Result<Vec<
         resolved.dedup();
         goal.needs = resolved;
     }
-    let mut goals: Vec<Goal> = written.into_iter().map(|(goal, _, _)| goal).collect();
+    let mut goals: Vec<Goal> = written.into_iter().map(|(goal, _, _, _)| goal).collect();
     break_cycles(&mut goals);
     Ok(goals)
 }
@@ -824,6 +846,28 @@ pub fn pending_synthesis(history: &[AgentStep]) -> Option<&BTreeMap<String, Stri
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A need by position names the goal at that place in the list as written, and goals are
+    /// read after a bracket in the prose: before, a goal dropped for being empty shifted every
+    /// position onto the next goal, and `[two]` in the prose stood for the goals.
+    #[test]
+    fn needs_by_position_count_the_list_as_written() {
+        let goals = parse_goals(
+            r#"[{"goal": " "}, {"goal": "A"}, {"goal": "B"}, {"goal": "C", "needs": [1]}]"#,
+            5,
+            false,
+        )
+        .unwrap();
+        assert_eq!(goals[2].goal, "C");
+        assert_eq!(goals[2].needs, [0], "C waits for A");
+        let goals = parse_goals(
+            "Split in [two]:\n[{\"goal\": \"a\"}, {\"goal\": \"b\"}]",
+            5,
+            false,
+        )
+        .unwrap();
+        assert_eq!(goals.len(), 2);
+    }
 
     #[test]
     fn goals_are_read_bounded_and_given_worker_patterns() {
