@@ -5,6 +5,17 @@ use std::collections::BTreeMap;
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
+/// A field sent as `null`, read as its default (a missing one, `#[serde(default)]` does it): a
+/// TrustGraph 1.x client sends a field it did not set as `null`, and a request that did not
+/// decode was dead-lettered, its client told nothing.
+fn null_as_default<'de, D, T>(deserializer: D) -> Result<T, D::Error>
+where
+    D: serde::Deserializer<'de>,
+    T: Default + Deserialize<'de>,
+{
+    Ok(Option::<T>::deserialize(deserializer)?.unwrap_or_default())
+}
+
 /// One iteration's work request. The client publishes the first one; the orchestrator publishes each
 /// `next` one with the grown `history`, so all dialog state travels in this message.
 ///
@@ -16,22 +27,35 @@ use serde::{Deserialize, Serialize};
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(default)]
 pub struct AgentRequest {
+    #[serde(deserialize_with = "null_as_default")]
     pub question: String,
     /// The tool state; `null` or empty means `"undefined"`.
     pub state: Option<String>,
     /// The tool groups the request may use; `null` means `["default"]`, `"*"` means all.
     pub group: Option<Vec<String>>,
+    #[serde(deserialize_with = "null_as_default")]
     pub history: Vec<AgentStep>,
+    #[serde(deserialize_with = "null_as_default")]
     pub collection: String,
+    #[serde(deserialize_with = "null_as_default")]
     pub streaming: bool,
+    #[serde(deserialize_with = "null_as_default")]
     pub session_id: String,
+    #[serde(deserialize_with = "null_as_default")]
     pub conversation_id: String,
+    #[serde(deserialize_with = "null_as_default")]
     pub pattern: String,
+    #[serde(deserialize_with = "null_as_default")]
     pub task_type: String,
+    #[serde(deserialize_with = "null_as_default")]
     pub framing: String,
+    #[serde(deserialize_with = "null_as_default")]
     pub correlation_id: String,
+    #[serde(deserialize_with = "null_as_default")]
     pub parent_session_id: String,
+    #[serde(deserialize_with = "null_as_default")]
     pub subagent_goal: String,
+    #[serde(deserialize_with = "null_as_default")]
     pub expected_siblings: i64,
 }
 
@@ -39,11 +63,16 @@ pub struct AgentRequest {
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(default)]
 pub struct AgentStep {
+    #[serde(deserialize_with = "null_as_default")]
     pub thought: String,
+    #[serde(deserialize_with = "null_as_default")]
     pub action: String,
+    #[serde(deserialize_with = "null_as_default")]
     pub arguments: BTreeMap<String, String>,
+    #[serde(deserialize_with = "null_as_default")]
     pub observation: String,
     /// One of [`StepType`] as text; TrustGraph sends `""` for a ReACT step.
+    #[serde(deserialize_with = "null_as_default")]
     pub step_type: String,
     pub plan: Option<Vec<PlanStep>>,
     pub subagent_results: Option<BTreeMap<String, String>>,
@@ -104,10 +133,42 @@ impl StepType {
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(default)]
 pub struct PlanStep {
+    #[serde(deserialize_with = "null_as_default")]
     pub goal: String,
+    #[serde(deserialize_with = "null_as_default")]
     pub tool_hint: String,
+    #[serde(deserialize_with = "null_as_default")]
     pub depends_on: Vec<i64>,
     /// pending | running | completed | failed
+    #[serde(deserialize_with = "null_as_default")]
     pub status: String,
+    #[serde(deserialize_with = "null_as_default")]
     pub result: String,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Fields a client left unset, sent as `null` (TrustGraph 1.x's records do), are read as
+    /// their defaults: the request did not decode before, and was dead-lettered unanswered.
+    #[test]
+    fn fields_sent_as_null_read_as_their_defaults() {
+        let request: AgentRequest = serde_json::from_str(
+            r#"{"question": "Why?", "history": null, "streaming": null, "collection": null,
+                "session_id": null, "expected_siblings": null}"#,
+        )
+        .unwrap_or_default();
+        assert_eq!(request.question, "Why?");
+        assert!(request.history.is_empty() && !request.streaming);
+        let step: AgentStep = serde_json::from_str(
+            r#"{"thought": null, "arguments": null, "observation": "o", "step_type": null}"#,
+        )
+        .unwrap_or_default();
+        assert_eq!(step.observation, "o");
+        let plan: PlanStep =
+            serde_json::from_str(r#"{"goal": "g", "depends_on": null, "tool_hint": null}"#)
+                .unwrap_or_default();
+        assert_eq!(plan.goal, "g");
+    }
 }
