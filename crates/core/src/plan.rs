@@ -232,8 +232,19 @@ fn find_cycle(plan: &[PlanStep]) -> Option<Vec<usize>> {
 pub fn parse(text: &str) -> Result<(Vec<PlanStep>, String), String> {
     let mut problem: Option<String> = None;
     let mut empty = None;
-    for (start, _) in text.match_indices(['[', '{']).take(PLAN_OPENINGS_TRIED) {
+    for (tried, (start, _)) in text
+        .match_indices(['[', '{'])
+        .take(PLAN_OPENINGS_TRIED)
+        .enumerate()
+    {
         let value = match crate::react::first_json_value(&text[start..]) {
+            // Past the first bracket, only steps written as objects count: a list of strings
+            // there is more often code or prose than a plan.
+            Some(Ok(value))
+                if tried > 0 && !crate::react::lists_objects_with(&value, "steps", "goal") =>
+            {
+                continue
+            }
             Some(Ok(value)) => value,
             Some(Err(e)) => {
                 problem.get_or_insert(format!("the plan is not valid JSON: {e}"));
@@ -503,6 +514,8 @@ pub(crate) mod tests {
         assert!(parse("no plan at all").is_err());
         assert!(parse(r#"{"steps": [{"goal": 3}]}"#).is_err());
         assert!(parse("[]").unwrap().0.is_empty());
+        // Code with a list of strings in it is no plan.
+        assert!(parse("body = {\"h\": {\"x\",},}\nbody[\"response_type\"] = 1").is_err());
     }
 
     pub(crate) fn step(goal: &str, deps: &[i64], status: &str) -> PlanStep {

@@ -407,6 +407,29 @@ pub(crate) fn objects_in(
         })
 }
 
+/// Whether `value` is a list of objects that each have `item_key` (`goal`), or an object with
+/// such a list under `list_key` (`goals`, `steps`): how a list found past the first bracket of an
+/// answer must look to be taken for one. A list of strings there is more often code or prose
+/// (`request_body["response_type"]`) than what was asked for.
+pub(crate) fn lists_objects_with(
+    value: &serde_json::Value,
+    list_key: &str,
+    item_key: &str,
+) -> bool {
+    let list = match value {
+        serde_json::Value::Array(list) => list,
+        serde_json::Value::Object(o) => match o.get(list_key) {
+            Some(serde_json::Value::Array(list)) => list,
+            _ => return false,
+        },
+        _ => return false,
+    };
+    !list.is_empty()
+        && list
+            .iter()
+            .all(|item| item.as_object().is_some_and(|o| o.contains_key(item_key)))
+}
+
 /// How many openings of a JSON object [`objects_in`] tries from a text's start, and again from
 /// its end: each is read as far as its value goes, so they are bounded.
 const OPENINGS_TRIED: usize = 16;

@@ -50,8 +50,15 @@ pub fn parse_goals(text: &str, max: usize, nested: bool) -> Result<Vec<Goal>, St
     // The first JSON value that reads as goals: a bracket in the prose before them (`Split in
     // [two]:`) stood for them before, and the answer was refused.
     let mut problem = None;
-    for (start, _) in text.match_indices(['[', '{']).take(GOAL_OPENINGS_TRIED) {
+    for (tried, (start, _)) in text
+        .match_indices(['[', '{'])
+        .take(GOAL_OPENINGS_TRIED)
+        .enumerate()
+    {
         match crate::react::first_json_value(&text[start..]) {
+            // Past the first bracket, only goals written as objects count.
+            Some(Ok(value))
+                if tried > 0 && !crate::react::lists_objects_with(&value, "goals", "goal") => {}
             Some(Ok(value)) => match goals_from(value, max, nested) {
                 Ok(goals) => return Ok(goals),
                 Err(why) => {
@@ -867,6 +874,13 @@ mod tests {
         )
         .unwrap();
         assert_eq!(goals.len(), 2);
+        // Code with a list of strings in it is no list of goals (a small model's recorded reply).
+        assert!(parse_goals(
+            "```python\nbody = {\"h\": {\"x\",},}\nbody[\"response_type\"] = 1\n```",
+            5,
+            false
+        )
+        .is_err());
     }
 
     #[test]
