@@ -539,13 +539,17 @@ impl ReactStream {
         }
         // The echo, if one was cut, is the text's start.
         let skipped = self.text.len() - text.len();
-        // A final answer is settled as soon as it is read: every line after its marker is its
-        // text. Any other decision once a later section has begun: its own line is then whole
-        // (`Action: None` can still turn out to decide nothing while that line is written).
+        // A final answer is settled once its marker's line is whole: every line after it is its
+        // text (where the text starts can still move while that line is written: `Final
+        // answer:` then `**` that closes the marker's emphasis). Any other decision once a later
+        // section has begun: its own line is then whole (`Action: None` can still turn out to
+        // decide nothing while that line is written).
         match reading.decision {
             Some((at, Section::Answer)) => {
                 let start = skipped + segments[at].content.start;
-                self.settled = Some(Settled::AnswerFrom(start));
+                if self.text[start..].contains('\n') {
+                    self.settled = Some(Settled::AnswerFrom(start));
+                }
                 out.extend(self.answer_delta(start));
             }
             Some((at, _)) if segments.len() > at + 1 => self.settled = Some(Settled::Nothing),

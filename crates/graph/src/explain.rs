@@ -243,7 +243,7 @@ pub fn session_view(session: &str, rows: &Rows) -> SessionView {
     if !sessions.iter().any(|s| s == session) {
         sessions.push(session.to_owned());
     }
-    let mut view = view_of(&index, session, &sessions, 0);
+    let mut view = view_of(&index, session, &sessions, 0, &BTreeSet::new());
     let derived = prov::WAS_DERIVED_FROM.as_str();
     for (node, preds) in &index.0 {
         for source in preds.get(derived).into_iter().flatten() {
@@ -269,7 +269,20 @@ fn owner<'a>(node: &str, sessions: &'a [String]) -> Option<&'a str> {
 /// Fan-outs nest at most this deep in a view, whatever the graph says (it could hold a cycle).
 const MAX_VIEW_DEPTH: usize = 8;
 
-fn view_of(index: &Index, session: &str, sessions: &[String], depth: usize) -> SessionView {
+/// The view of `session`, `depth` fan-outs (or forks) below the root, whose sessions above it are
+/// `above`: a session the graph names again below itself (a cycle, which only a forged record
+/// makes) is shown without what is under it. Bounded by depth alone, a few sessions whose
+/// fan-outs each named all of them made billions of views.
+fn view_of(
+    index: &Index,
+    session: &str,
+    sessions: &[String],
+    depth: usize,
+    above: &BTreeSet<String>,
+) -> SessionView {
+    let mut path = above.clone();
+    path.insert(session.to_owned());
+    let above = &path;
     let mut view = SessionView {
         session: session.to_owned(),
         question: index.one(session, tg::QUERY),
@@ -282,7 +295,7 @@ fn view_of(index: &Index, session: &str, sessions: &[String], depth: usize) -> S
         .filter(|n| owner(n, sessions) == Some(session));
     for node in nodes {
         if index.has_type(node, tg::FAN_OUT) && depth < MAX_VIEW_DEPTH {
-            let fanout = fanout_view(index, node, sessions, depth);
+            let fanout = fanout_view(index, node, sessions, depth, above);
             view.in_token += fanout.in_token;
             view.out_token += fanout.out_token;
             view.fanouts.push(fanout);
@@ -396,10 +409,10 @@ fn view_of(index: &Index, session: &str, sessions: &[String], depth: usize) -> S
     }
     if depth < MAX_VIEW_DEPTH {
         for fork in sessions {
-            if fork != session && index.one(fork, tg::FORKED_FROM) == session {
+            if !above.contains(fork) && index.one(fork, tg::FORKED_FROM) == session {
                 view.forks.push(ForkView {
                     step: index.number(fork, tg::FORKED_AT_STEP),
-                    run: view_of(index, fork, sessions, depth + 1),
+                    run: view_of(index, fork, sessions, depth + 1, above),
                 });
             }
         }
@@ -415,7 +428,13 @@ fn view_of(index: &Index, session: &str, sessions: &[String], depth: usize) -> S
     view
 }
 
-fn fanout_view(index: &Index, node: &str, sessions: &[String], depth: usize) -> FanOutView {
+fn fanout_view(
+    index: &Index,
+    node: &str,
+    sessions: &[String],
+    depth: usize,
+    above: &BTreeSet<String>,
+) -> FanOutView {
     let mut subagent_sessions = index.all(node, tg::SUBAGENT_SESSION);
     // In the order the supervisor listed them: `...-s{i}`.
     subagent_sessions.sort_by_key(|s| {
@@ -433,7 +452,15 @@ fn fanout_view(index: &Index, node: &str, sessions: &[String], depth: usize) -> 
         .iter()
         .map(|sub| {
             let completion = format!("{sub}/completion");
-            let mut run = view_of(index, sub, sessions, depth + 1);
+            let mut run = if above.contains(sub) {
+                SessionView {
+                    session: sub.clone(),
+                    question: index.one(sub, tg::QUERY),
+                    ..SessionView::default()
+                }
+            } else {
+                view_of(index, sub, sessions, depth + 1, above)
+            };
             if run.question.is_empty() {
                 run.question = index.one(&completion, tg::GOAL);
             }
@@ -842,6 +869,59 @@ pub fn render_mermaid(view: &SessionView) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Sessions whose fan-outs name each other (only a forged record makes such a graph) are
+    /// shown once per path: bounded by depth alone, two sessions with four fan-outs naming both
+    /// made (4 * 2)^8 views, and `explain` did not return.
+    #[test]
+    fn sessions_whose_fan_outs_name_each_other_are_shown_once_per_path() {
+        let iri = |s: &str| {
+            Some(Term::NamedNode(oxigraph::model::NamedNode::new_unchecked(
+                s,
+            )))
+        };
+        let (a, b) = ("urn:trustgraph:agent:a", "urn:trustgraph:agent:b");
+        let mut rows = Vec::new();
+        for session in [a, b] {
+            rows.push(vec![
+                iri(session),
+                iri(RDF_TYPE.as_str()),
+                iri(tg::AGENT_QUESTION.as_str()),
+            ]);
+            for f in 0..4 {
+                let fanout = format!("{session}/fanout/{session}-f{f}");
+                rows.push(vec![
+                    iri(&fanout),
+                    iri(RDF_TYPE.as_str()),
+                    iri(tg::FAN_OUT.as_str()),
+                ]);
+                for sub in [a, b] {
+                    rows.push(vec![
+                        iri(&fanout),
+                        iri(tg::SUBAGENT_SESSION.as_str()),
+                        iri(sub),
+                    ]);
+                }
+            }
+        }
+        let rows = Rows {
+            variables: ["s", "p", "o"].map(str::to_owned).to_vec(),
+            rows,
+        };
+        fn views(view: &SessionView) -> usize {
+            1 + view
+                .fanouts
+                .iter()
+                .flat_map(|f| &f.subagents)
+                .map(|s| views(&s.run))
+                .sum::<usize>()
+        }
+        let view = session_view(a, &rows);
+        assert_eq!(view.fanouts.len(), 4);
+        // a: 4 fan-outs of a (shown, not opened) and b (opened: 4 fan-outs of a and b, neither
+        // opened again).
+        assert_eq!(views(&view), 1 + 4 * (1 + (1 + 4 * 2)));
+    }
 
     fn subagent(session: &str, status: &str) -> SubagentView {
         SubagentView {
