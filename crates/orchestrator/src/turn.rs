@@ -121,11 +121,28 @@ impl Turn<'_> {
         vars: &BTreeMap<&str, String>,
         options: &CallOptions,
     ) -> Result<Option<(Completion, CallStats)>, agent_bus::BusError> {
+        self.ask_checked(n, template, vars, options, Ok).await
+    }
+
+    /// [`Turn::ask`], its answer passed through `check` first (a refusal is a failed call).
+    async fn ask_checked(
+        &self,
+        n: usize,
+        template: &PromptTemplate,
+        vars: &BTreeMap<&str, String>,
+        options: &CallOptions,
+        check: fn(Completion) -> Result<Completion, agent_llm::LlmError>,
+    ) -> Result<Option<(Completion, CallStats)>, agent_bus::BusError> {
         let messages = [
             ChatMessage::system(template.system.clone()),
             ChatMessage::user(render(&template.template, vars)),
         ];
-        match self.llm.complete_with(&messages, options).await {
+        match self
+            .llm
+            .complete_with(&messages, options)
+            .await
+            .and_then(check)
+        {
             Ok(completion) => {
                 let stats = call_stats(&completion);
                 Ok(Some((completion, stats)))
@@ -148,20 +165,10 @@ impl Turn<'_> {
         vars: &BTreeMap<&str, String>,
         options: &CallOptions,
     ) -> Result<Option<(Completion, CallStats)>, agent_bus::BusError> {
-        let messages = [
-            ChatMessage::system(template.system.clone()),
-            ChatMessage::user(render(&template.template, vars)),
-        ];
-        match answer_text(self.llm.complete_with(&messages, options).await) {
-            Ok(completion) => {
-                let stats = call_stats(&completion);
-                Ok(Some((completion, stats)))
-            }
-            Err(e) => {
-                crate::finish::llm_failed(self, n, &e).await?;
-                Ok(None)
-            }
-        }
+        self.ask_checked(n, template, vars, options, |completion| {
+            answer_text(Ok(completion))
+        })
+        .await
     }
 
     /// Claim-check (see `GraphStore::check_in`) through the step's document store; without one
