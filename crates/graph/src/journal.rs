@@ -108,7 +108,10 @@ static STRIPE_LOCKS: [tokio::sync::Mutex<()>; STRIPES] =
 /// entry a retry of the step would write, and a step would then hold two outcomes. While one is
 /// in doubt, what stands for it is not told from a read that finds nothing: its lookups and
 /// records fail as an outage (the step waits, its LLM not asked again) until a read finds the
-/// entry or [`IN_DOUBT_FOR`] has passed since the failure.
+/// entry, [`IN_DOUBT_FOR`] has passed since the failure, or the read began after the server
+/// refused a connection that came after the failure: the process that may have held the write
+/// had stopped (a crash, a restart), so the read is the truth. Without that, every step whose
+/// write a store's crash cut waited the whole minute after the store was back.
 struct InDoubt {
     since: std::collections::HashMap<(u64, String), std::time::Instant>,
 }
@@ -157,11 +160,13 @@ impl InDoubt {
     }
 
     /// Of what a read of the store `identity` found for `nodes`: an outage if a step found without
-    /// an entry is in doubt; a step found with one is in doubt no more.
+    /// an entry is in doubt; a step found with one is in doubt no more, nor one whose doubt began
+    /// before the server last `refused` a connection ahead of the read.
     fn check(
         identity: u64,
         nodes: &[NamedNode],
         read: &[Option<JournalEntry>],
+        refused: Option<std::time::Instant>,
     ) -> Result<(), GraphError> {
         if !ANY_IN_DOUBT.load(std::sync::atomic::Ordering::SeqCst) {
             return Ok(());
@@ -173,7 +178,8 @@ impl InDoubt {
             let Some(since) = doubts.since.get(&key) else {
                 continue;
             };
-            if found.is_some() || since.elapsed() >= IN_DOUBT_FOR {
+            let server_restarted = refused.is_some_and(|refused| refused > *since);
+            if found.is_some() || server_restarted || since.elapsed() >= IN_DOUBT_FOR {
                 doubts.since.remove(&key);
             } else {
                 waiting.get_or_insert(node.as_str().to_owned());
@@ -490,8 +496,10 @@ impl Journal {
                     .map(|(entry, _)| entry.clone())
                     .collect();
                 // `stored_entries` reads nothing for no entries.
+                let read_from = std::time::Instant::now();
                 let stored = stored_entries(store, &unknown).await?;
-                InDoubt::check(store.identity, &unknown, &stored)?;
+                let refused = store.refused_before(read_from);
+                InDoubt::check(store.identity, &unknown, &stored, refused)?;
                 let mut stored = stored.into_iter();
                 Ok(expected
                     .iter()
@@ -819,8 +827,10 @@ async fn decide(
     for &index in &deciding.stripes {
         _only_writer_of_these_keys.push(STRIPE_LOCKS[index].lock().await);
     }
+    let read_from = std::time::Instant::now();
     let read = stored_entries(store, deciding.claim(store.identity)).await?;
-    InDoubt::check(store.identity, &deciding.nodes, &read)?;
+    let refused = store.refused_before(read_from);
+    InDoubt::check(store.identity, &deciding.nodes, &read, refused)?;
     let unwritten: Vec<NamedNode> = deciding
         .nodes
         .iter()

@@ -266,6 +266,15 @@ impl GraphStore {
         matches!(self.backend, Backend::Embedded { .. })
     }
 
+    /// When a connection to this store's server was last refused, if before `at` (see
+    /// [`remote::RemoteSparql::refused_before`]); never for an embedded store.
+    pub(crate) fn refused_before(&self, at: std::time::Instant) -> Option<std::time::Instant> {
+        match &self.backend {
+            Backend::Remote(remote) => remote.refused_before(at),
+            Backend::Embedded { .. } => None,
+        }
+    }
+
     /// Claim-check: keeps `text` as a document and answers the excerpt (with its reference) to carry
     /// instead, when it is long; a short text, or one that is already an excerpt, comes back as it
     /// is. Should the store refuse, the text stays whole (bounded by the message size limit): a

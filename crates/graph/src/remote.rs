@@ -3,7 +3,7 @@
 //! and a Jena Fuseki dataset's), and `/store` or `/data`; an aggregator also serves the journal API.
 
 use std::collections::BTreeMap;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use oxigraph::model::{GraphName, Quad};
 use oxigraph::sparql::results::{QueryResultsFormat, QueryResultsParser};
@@ -24,6 +24,42 @@ pub struct RemoteSparql {
     /// commit): a server that runs one write transaction at a time and commits each to disk
     /// (Jena TDB2) then commits many messages' quads at once instead of one each.
     inserts: Batcher<Vec<Quad>, Result<(), GraphError>>,
+    /// The server's `scheme://host:port`, under which its refused connections are noted.
+    origin: String,
+}
+
+/// When a connection to each server (by origin, `scheme://host:port`) was last refused: nothing
+/// listened there then, so the process that served it before had stopped (see
+/// [`RemoteSparql::refused_before`]).
+static REFUSALS: std::sync::LazyLock<std::sync::Mutex<std::collections::HashMap<String, Instant>>> =
+    std::sync::LazyLock::new(Default::default);
+
+/// The most servers whose refusals are remembered (a process talks to one or two).
+const MOST_REFUSING_SERVERS: usize = 64;
+
+/// Notes `e` if it is a refused connection, under its server's origin.
+fn note_refusal(e: &reqwest::Error) {
+    let mut cause: Option<&(dyn std::error::Error + 'static)> = std::error::Error::source(e);
+    let mut refused = false;
+    while let Some(c) = cause {
+        if c.downcast_ref::<std::io::Error>()
+            .is_some_and(|io| io.kind() == std::io::ErrorKind::ConnectionRefused)
+        {
+            refused = true;
+            break;
+        }
+        cause = c.source();
+    }
+    let Some(url) = e.url().filter(|_| refused) else {
+        return;
+    };
+    let mut refusals = REFUSALS
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    if refusals.len() >= MOST_REFUSING_SERVERS {
+        refusals.clear();
+    }
+    refusals.insert(url.origin().ascii_serialization(), Instant::now());
 }
 
 /// The most inserts sent together: explainability messages are bounded by the broker's message
@@ -208,11 +244,28 @@ impl RemoteSparql {
             base: base.trim_end_matches('/').to_owned(),
             token: token.filter(|t| !t.is_empty()),
         };
+        let origin = reqwest::Url::parse(&api.base)
+            .map(|url| url.origin().ascii_serialization())
+            .unwrap_or_default();
         Ok(RemoteSparql {
             journal: api.batched(),
             inserts: api.batched_inserts(),
             api,
+            origin,
         })
+    }
+
+    /// When a connection to this server was last refused, if that was before `at`: the server
+    /// process listening then had stopped, and one answering since is another (a SPARQL server
+    /// holds its store's lock, so two never serve one store). What the stopped one committed is
+    /// in the store; what it had not, it never will.
+    pub fn refused_before(&self, at: Instant) -> Option<Instant> {
+        REFUSALS
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .get(&self.origin)
+            .copied()
+            .filter(|refused| *refused < at)
     }
 
     /// The endpoint's base address, without a trailing slash.
@@ -229,10 +282,10 @@ impl RemoteSparql {
         request: reqwest::RequestBuilder,
         most: usize,
     ) -> Result<Body, GraphError> {
-        let mut response = request
-            .send()
-            .await
-            .map_err(|e| GraphError::Transport(e.to_string()))?;
+        let mut response = request.send().await.map_err(|e| {
+            note_refusal(&e);
+            GraphError::Transport(e.to_string())
+        })?;
         let status = response.status();
         let content_type = response
             .headers()

@@ -1,6 +1,7 @@
 //! The journal's owner over a SPARQL server whose answer to a write is lost while the write
 //! itself still commits, later (a timeout, a proxy's 502): a retry of the step must not write a
-//! second outcome beside it.
+//! second outcome beside it. And over one killed with the write on its way and started again:
+//! the step goes on as soon as the server is back, not a minute later.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -91,4 +92,75 @@ async fn a_write_whose_answer_was_lost_is_waited_for_not_written_again() {
         n.starts_with("\"1\""),
         "outcomes of the step in the store: {n}"
     );
+}
+
+#[tokio::test]
+async fn a_write_cut_by_the_servers_crash_is_in_doubt_only_until_the_server_is_back() {
+    let backing = GraphStore::in_memory().unwrap();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let address = listener.local_addr().unwrap();
+    let (kill, down) = tokio::sync::watch::channel(false);
+    let first_life = {
+        let backing = backing.clone();
+        Arc::new(move |head: String, body: String| {
+            let (backing, kill) = (backing.clone(), kill.clone());
+            Box::pin(async move {
+                if head.starts_with("post /query") {
+                    let answer = backing.query(body).await.unwrap();
+                    let (bytes, content_type) = agent_graph::serialize_answer(&answer).unwrap();
+                    return ("200 OK", content_type, bytes);
+                }
+                if body.contains(agent_core::vocab::JOURNAL_GRAPH) {
+                    // SIGKILLed with the write received and not committed.
+                    kill.send_replace(true);
+                    return (common::KILLED, "text/plain", Vec::new());
+                }
+                backing.update(body).await.unwrap();
+                ("204 No Content", "text/plain", Vec::new())
+            }) as futures::future::BoxFuture<'static, common::Answer>
+        })
+    };
+    tokio::spawn(common::serve_raw(listener, first_life, down));
+    let journal = GraphStore::open(&format!("http://{address}"), None)
+        .unwrap()
+        .owned_journal();
+
+    let first = journal.record(record("a")).await;
+    assert!(first.is_err(), "{first:?}");
+    // Down: its port refuses connections.
+    let while_down = journal.record(record("b")).await;
+    assert!(
+        matches!(&while_down, Err(e) if e.retryable()),
+        "{while_down:?}"
+    );
+
+    // Started again on the same store: what the killed server had not committed never will be.
+    let listener = tokio::net::TcpListener::bind(address).await.unwrap();
+    let (_, never_down) = tokio::sync::watch::channel(false);
+    tokio::spawn(common::serve_raw(
+        listener,
+        plain_server(backing.clone()),
+        never_down,
+    ));
+    let decided = journal.record(record("b")).await;
+    assert!(
+        matches!(&decided, Ok(entry) if entry.attempt == "b"),
+        "the step waits for a write its crashed server can no longer commit: {decided:?}"
+    );
+}
+
+/// A SPARQL server over `backing` that answers every request.
+fn plain_server(backing: GraphStore) -> common::Respond {
+    Arc::new(move |head: String, body: String| {
+        let backing = backing.clone();
+        Box::pin(async move {
+            if head.starts_with("post /query") {
+                let answer = backing.query(body).await.unwrap();
+                let (bytes, content_type) = agent_graph::serialize_answer(&answer).unwrap();
+                return ("200 OK", content_type, bytes);
+            }
+            backing.update(body).await.unwrap();
+            ("204 No Content", "text/plain", Vec::new())
+        })
+    })
 }

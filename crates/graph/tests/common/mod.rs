@@ -61,13 +61,38 @@ pub type Respond = std::sync::Arc<
 /// A SPARQL endpoint in a few lines of HTTP/1.1 (enough for `reqwest`, keep-alive included), each
 /// request answered by `respond`: its base address.
 pub async fn raw_endpoint(respond: Respond) -> String {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let base = format!("http://{}", listener.local_addr().unwrap());
-    tokio::spawn(async move {
-        while let Ok((mut connection, _)) = listener.accept().await {
-            let respond = respond.clone();
-            tokio::spawn(async move {
+    let (_, never_down) = tokio::sync::watch::channel(false);
+    tokio::spawn(serve_raw(listener, respond, never_down));
+    base
+}
+
+/// The status a raw endpoint's answer gives to go down as a killed server does: the request is
+/// not answered, and once `down` says so, the port is closed and every connection dropped.
+pub const KILLED: &str = "killed";
+
+/// Serves [`raw_endpoint`]'s requests on `listener` until `down` turns true.
+pub async fn serve_raw(
+    listener: tokio::net::TcpListener,
+    respond: Respond,
+    down: tokio::sync::watch::Receiver<bool>,
+) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    loop {
+        let mut stopping = down.clone();
+        let accepted = tokio::select! {
+            accepted = listener.accept() => accepted,
+            // A sender dropped (a server never killed) stops nothing.
+            Ok(_) = stopping.wait_for(|down| *down) => return,
+        };
+        let Ok((mut connection, _)) = accepted else {
+            return;
+        };
+        let respond = respond.clone();
+        let mut stopping = down.clone();
+        tokio::spawn(async move {
+            let serving = async move {
                 let mut received = Vec::new();
                 loop {
                     let Some(head_end) = received.windows(4).position(|w| w == b"\r\n\r\n") else {
@@ -96,6 +121,9 @@ pub async fn raw_endpoint(respond: Respond) -> String {
                         .into_owned();
                     received.drain(..body_start + length);
                     let (status, content_type, answer) = respond(head, body).await;
+                    if status == KILLED {
+                        return;
+                    }
                     let head = format!(
                         "HTTP/1.1 {status}\r\ncontent-type: {content_type}\r\ncontent-length: {}\r\n\r\n",
                         answer.len()
@@ -106,8 +134,11 @@ pub async fn raw_endpoint(respond: Respond) -> String {
                         return;
                     }
                 }
-            });
-        }
-    });
-    base
+            };
+            tokio::select! {
+                () = serving => {}
+                Ok(_) = stopping.wait_for(|down| *down) => {}
+            }
+        });
+    }
 }
