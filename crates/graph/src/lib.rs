@@ -335,6 +335,7 @@ impl GraphStore {
     /// [`Self::query_bounded`], keeping `held` (a permit to run a query) until the evaluation
     /// has really ended: after its time limit it may still be finishing a step the cancellation
     /// token is not checked in, and a permit released at the limit would let more start beside it.
+    /// On a SPARQL server, which cannot be told to stop, that is when the server answers.
     pub async fn query_bounded_holding<H: Send + 'static>(
         &self,
         sparql: String,
@@ -377,10 +378,21 @@ impl GraphStore {
                 if budget.is_some() {
                     refuse_services(sparql.clone()).await?;
                 }
-                let answer =
-                    tokio::time::timeout(bounds.timeout, remote.query_within(&sparql, budget))
-                        .await
-                        .map_err(|_| GraphError::TimedOut(bounds.timeout))??;
+                // The server evaluates on after this side stops waiting (past the limit, or its
+                // caller gone): the query, and `held` with it, goes on until the server answers
+                // or the connection's own time limit ends it, so no more queries run on the
+                // server at once than there are permits.
+                let remote = remote.clone();
+                let asked = tokio::spawn(async move {
+                    let _held_until_the_server_answers = held;
+                    remote.query_within(&sparql, budget).await
+                });
+                let answer = tokio::time::timeout(bounds.timeout, asked)
+                    .await
+                    .map_err(|_| GraphError::TimedOut(bounds.timeout))?
+                    .map_err(|e| {
+                        GraphError::Transport(format!("the query's task failed: {e}"))
+                    })??;
                 let rows = match &answer {
                     QueryAnswer::Rows(r) => r.rows.len(),
                     QueryAnswer::Graph(t) => t.len(),
