@@ -134,6 +134,8 @@ async fn an_action_followed_by_an_invented_answer_runs_the_tool_and_answers_from
         "{calls:#?}"
     );
     assert!(calls.iter().all(|c| c.tools.is_empty()));
+    // No bound on an answer was configured: the server's own applies.
+    assert!(calls.iter().all(|c| c.max_tokens.is_none()), "{calls:#?}");
 }
 
 #[tokio::test]
@@ -166,7 +168,7 @@ async fn native_tool_calls_run_the_tool_and_answer_from_its_result() {
     let broker = Broker::start().unwrap();
     let config = config(
         "grounded-native",
-        r#"{"default": {"tool-calling": "native", "json-mode": true}}"#,
+        r#"{"default": {"tool-calling": "native", "json-mode": true, "max-output-tokens": 700}}"#,
     );
     let _orchestrator = Orchestrator::spawn(&broker, &llm, &config, &[]);
     let mut client = client(&broker).await;
@@ -200,6 +202,11 @@ async fn native_tool_calls_run_the_tool_and_answer_from_its_result() {
         .collect();
     assert_eq!(routing.len(), 4, "{calls:#?}");
     assert!(routing.iter().all(|c| c.json_mode && c.tools.is_empty()));
+    // The model's bound on an answer goes with every call, the router's too.
+    assert!(
+        calls.iter().all(|c| c.max_tokens == Some(700)),
+        "{calls:#?}"
+    );
     let agent: Vec<_> = calls
         .iter()
         .filter(|c| !c.last_user.contains("Request to"))

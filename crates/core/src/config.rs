@@ -81,6 +81,11 @@ pub struct ModelOptions {
     /// stops there. The parser never relies on it; turn it off for servers that refuse `stop`.
     #[serde(rename = "stop-sequences")]
     pub stop_sequences: bool,
+    /// The most tokens one call may write (`max_tokens`); 0 sends none, and the server's own
+    /// default applies (for some local servers, the whole context: a model that runs on writes
+    /// until it is full).
+    #[serde(rename = "max-output-tokens")]
+    pub max_output_tokens: u64,
 }
 
 impl Default for ModelOptions {
@@ -89,6 +94,7 @@ impl Default for ModelOptions {
             tool_calling: ToolCalling::Text,
             json_mode: false,
             stop_sequences: true,
+            max_output_tokens: 0,
         }
     }
 }

@@ -43,6 +43,8 @@ pub struct LlmConfig {
     pub api_key: Option<Secret>,
     pub model: String,
     pub temperature: Option<f32>,
+    /// The most tokens one answer may have (`max_tokens`); none sends none.
+    pub max_output_tokens: Option<u64>,
     /// Calls in flight at once across the process.
     pub max_concurrency: usize,
     /// Attempts after the first one.
@@ -64,6 +66,7 @@ impl Default for LlmConfig {
             api_key: None,
             model: "default".to_owned(),
             temperature: None,
+            max_output_tokens: None,
             max_concurrency: 16,
             max_retries: 4,
             initial_backoff: Duration::from_millis(250),
@@ -308,6 +311,21 @@ impl LlmClient {
         }
     }
 
+    /// A handle on the same connections and bound whose answers are held to `most` tokens each
+    /// (`max_tokens`), or to none (0, or none: the server's own default).
+    pub fn with_max_output_tokens(&self, most: Option<u64>) -> LlmClient {
+        let most = most.filter(|&n| n > 0);
+        if most == self.config.max_output_tokens {
+            return self.clone();
+        }
+        let mut config = (*self.config).clone();
+        config.max_output_tokens = most;
+        LlmClient {
+            config: Arc::new(config),
+            ..self.clone()
+        }
+    }
+
     /// A handle on the same connections and bound whose calls go on `tape`: each one recorded,
     /// and one asking what the tape has an answer for given that answer without a call.
     pub fn taped(&self, tape: Arc<Tape>) -> LlmClient {
@@ -484,6 +502,9 @@ impl LlmClient {
         }
         if let Some(t) = self.config.temperature {
             body["temperature"] = json!(t);
+        }
+        if let Some(most) = self.config.max_output_tokens {
+            body["max_tokens"] = json!(most);
         }
         if !options.stop.is_empty() {
             body["stop"] = json!(options.stop);

@@ -369,8 +369,11 @@ impl Engine {
         let llm = match &step.model {
             Some(model) => self.llm.for_model(model),
             None => self.llm.clone(),
-        }
-        .taped(step_replay.tape.clone());
+        };
+        let most = step.config.model_options(llm.model()).max_output_tokens;
+        let llm = llm
+            .with_max_output_tokens(Some(most))
+            .taped(step_replay.tape.clone());
         let span = iteration_span(
             &step.request,
             &step.session_id,

@@ -186,6 +186,8 @@ pub struct Call {
     pub json_mode: bool,
     /// The model it asked for.
     pub model: String,
+    /// The most tokens it asked the answer to have (`max_tokens`), if it said.
+    pub max_tokens: Option<u64>,
 }
 
 struct Shared {
@@ -391,6 +393,7 @@ async fn chat(State(shared): State<Arc<Shared>>, Json(body): Json<Value>) -> Res
                 stop: strings(&body["stop"]),
                 json_mode: body["response_format"]["type"] == "json_object",
                 model: model.clone(),
+                max_tokens: body["max_tokens"].as_u64(),
             });
             Some(calls.len() - 1)
         }
