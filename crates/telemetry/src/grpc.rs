@@ -46,7 +46,7 @@ impl Channel {
         Ok(Channel {
             scheme: url.scheme().to_owned(),
             host,
-            port: url.port().unwrap_or(4317),
+            port: port_of(&settings.url, &url),
             tls,
             open: None,
         })
@@ -244,6 +244,27 @@ fn percent_decoded(text: &str) -> String {
 /// TLS to a collector: the public CAs (as `reqwest` trusts them) and those of the settings'
 /// `certificate`, a PEM file; the client certificate shown when there is one; HTTP/2 asked for
 /// by ALPN.
+/// The port `written` names, or OTLP's gRPC port (4317) where it names none. The parsed `url`
+/// drops a port that is its scheme's default: `https://collector:443` would otherwise be dialled
+/// at 4317, and every span lost.
+fn port_of(written: &str, url: &reqwest::Url) -> u16 {
+    let authority = written
+        .split_once("://")
+        .map_or(written, |(_, rest)| rest)
+        .split(['/', '?', '#'])
+        .next()
+        .unwrap_or_default();
+    let host_and_port = authority.rsplit_once('@').map_or(authority, |(_, h)| h);
+    // After an IPv6 address's closing bracket, or anywhere in a name.
+    let after_host = host_and_port
+        .rsplit_once(']')
+        .map_or(host_and_port, |(_, p)| p);
+    match after_host.contains(':') {
+        true => url.port_or_known_default().unwrap_or(4317),
+        false => 4317,
+    }
+}
+
 fn tls_connector(settings: &ExportSettings) -> Result<tokio_rustls::TlsConnector, String> {
     use rustls::pki_types::pem::PemObject;
     let mut roots = rustls::RootCertStore::empty();
@@ -281,4 +302,26 @@ fn tls_connector(settings: &ExportSettings) -> Result<tokio_rustls::TlsConnector
     };
     config.alpn_protocols = vec![b"h2".to_vec()];
     Ok(tokio_rustls::TlsConnector::from(Arc::new(config)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn port(written: &str) -> u16 {
+        port_of(written, &reqwest::Url::parse(written).unwrap())
+    }
+
+    #[test]
+    fn a_port_written_is_the_port_dialled_even_the_schemes_own() {
+        assert_eq!(port("https://collector.example:443"), 443);
+        assert_eq!(port("http://collector.example:80/v1/traces"), 80);
+        assert_eq!(port("https://collector.example:4318"), 4318);
+        assert_eq!(port("https://user:secret@collector.example:443"), 443);
+        assert_eq!(port("http://[::1]:443"), 443);
+        // None written: OTLP's gRPC port.
+        assert_eq!(port("https://collector.example"), 4317);
+        assert_eq!(port("http://[::1]/v1/traces"), 4317);
+        assert_eq!(port("https://user:secret@collector.example"), 4317);
+    }
 }

@@ -81,13 +81,32 @@ struct Fields {
     values: Vec<(String, String)>,
 }
 
+/// The longest value a span attribute keeps (then cut on a character, `…` added): span fields
+/// carry what a client sent (a session id, a pattern's name), refused requests' too, and one of
+/// megabytes took the whole export batch with it when the collector refused its size.
+const MOST_ATTRIBUTE_BYTES: usize = 1024;
+
+/// The most attributes a span keeps.
+const MOST_ATTRIBUTES: usize = 64;
+
+/// `value`, cut to [`MOST_ATTRIBUTE_BYTES`].
+fn bounded(value: &str) -> String {
+    if value.len() <= MOST_ATTRIBUTE_BYTES {
+        return value.to_owned();
+    }
+    let mut end = MOST_ATTRIBUTE_BYTES;
+    while !value.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{}…", &value[..end])
+}
+
 impl Visit for Fields {
     fn record_str(&mut self, field: &Field, value: &str) {
         if field.name() == TRACEPARENT_FIELD {
-            self.traceparent = Some(value.to_owned());
-        } else {
-            self.values
-                .push((field.name().to_owned(), value.to_owned()));
+            self.traceparent = Some(bounded(value));
+        } else if self.values.len() < MOST_ATTRIBUTES {
+            self.values.push((field.name().to_owned(), bounded(value)));
         }
     }
 
@@ -198,6 +217,20 @@ pub fn otlp_layer(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_long_attribute_is_cut_on_a_character() {
+        assert_eq!(bounded("short"), "short");
+        let long = "é".repeat(MOST_ATTRIBUTE_BYTES);
+        let cut = bounded(&long);
+        assert!(
+            cut.len() <= MOST_ATTRIBUTE_BYTES + '…'.len_utf8(),
+            "{}",
+            cut.len()
+        );
+        assert!(cut.ends_with('…'));
+        assert!(cut.trim_end_matches('…').chars().all(|c| c == 'é'));
+    }
 
     #[test]
     fn traceparent_round_trips_and_rejects_what_is_not_one() {
