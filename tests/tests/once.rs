@@ -1746,3 +1746,38 @@ async fn the_journal_stays_flat_over_a_long_run() {
     // Provenance is the record: it is never pruned.
     assert!(sizes.windows(2).all(|w| w[1].2 > w[0].2), "{sizes:?}");
 }
+
+/// Only the journal's owner prunes it: a replica writing to the owner's store, with a retention
+/// of its own (1 s), leaves alone what the owner keeps for good (retention 0).
+#[tokio::test]
+async fn a_replica_does_not_prune_its_owners_journal() {
+    let broker = Broker::start().unwrap();
+    let owner = Aggregator::start(
+        Place::Child,
+        &broker,
+        &["--config-token", TOKEN, "--journal-retention-secs", "0"],
+    );
+    let _replica =
+        Aggregator::replica_with(&broker, &owner, TOKEN, &["--journal-retention-secs", "1"]);
+    let store = agent_graph::GraphStore::open(&owner.endpoint, Some(TOKEN.to_owned())).unwrap();
+    // An entry long past any retention: pruned by whoever prunes at all.
+    store
+        .update(
+            "PREFIX tg: <https://trustgraph.ai/ns/>
+             INSERT DATA { GRAPH <urn:graph:agent-journal> {
+               <urn:trustgraph:agent:kept-for-good/journal/i1>
+                 tg:recordedAt \"2020-01-01T00:00:00Z\"^^<http://www.w3.org/2001/XMLSchema#dateTime> ;
+                 tg:published true } }"
+                .to_owned(),
+        )
+        .await
+        .unwrap();
+    // Past several of the replica's pruning turns (every second).
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    let kept = count(
+        &store,
+        "SELECT ?o WHERE { GRAPH <urn:graph:agent-journal> { <urn:trustgraph:agent:kept-for-good/journal/i1> ?p ?o } }".into(),
+    )
+    .await;
+    assert_eq!(kept, 2, "the replica pruned the owner's journal");
+}

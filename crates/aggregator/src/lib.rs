@@ -256,6 +256,9 @@ pub async fn run(settings: AggregatorSettings, shutdown: CancellationToken) -> a
     // A SPARQL server may be reached by owners the broker cannot tell apart; an embedded store
     // is one process's alone (RocksDB locks its directory).
     let shared_store = (announcer.is_some() && !store.is_embedded()).then(|| store.clone());
+    // Only the journal's owner prunes it: a replica pointed at the owner's endpoint would prune
+    // the owner's journal with its own retention (the default day where the owner keeps all).
+    let owns_journal = matches!(journal, agent_graph::journal::Journal::Owner(_));
     let (in_process_journal, in_process_token) = (journal.clone(), token.clone());
     let app = http::router(
         store.clone(),
@@ -379,7 +382,7 @@ pub async fn run(settings: AggregatorSettings, shutdown: CancellationToken) -> a
         Duration::from_secs(settings.approval_sweep_secs.clamp(1, 3600)),
         shutdown.clone(),
     ));
-    let pruner = (settings.journal_retention_secs > 0).then(|| {
+    let pruner = (owns_journal && settings.journal_retention_secs > 0).then(|| {
         // Within ten years, so the cut-off arithmetic cannot overflow.
         let retention =
             Duration::from_secs(settings.journal_retention_secs.min(10 * 365 * 24 * 3600));
