@@ -287,7 +287,7 @@ async fn watch_owners(
     let mut beats = tokio::time::interval(BEAT);
     let (owning, owning_seen) = watch::channel(false);
     let (in_store, mut heard_in_store) = mpsc::channel::<Owner>(16);
-    let (store_listened, mut listened_in_store) = watch::channel(listening.shared.is_none());
+    let (store_listened, listened_in_store) = watch::channel(listening.shared.is_none());
     let store_beacon = listening.shared.map(|store| {
         let reports = crate::store_beacon::Reports {
             heard: in_store,
@@ -306,14 +306,20 @@ async fn watch_owners(
     let window = listening.window;
     let seal = listening.seal;
     let mut disbelieved = 0u64;
-    let listened = async move {
-        tokio::time::sleep(window).await;
-        if listened_in_store.wait_for(|done| *done).await.is_err() {
-            // The beacon stopped before it had listened: never admitted on its word.
-            std::future::pending::<()>().await;
-        }
+    // Made again whenever the broker's announcements are listened to anew: a window that ran out
+    // while this process was deaf to them (a broker restart in it) would admit it the moment it
+    // heard again, before an elder's next announcement came.
+    let window_from_now = || {
+        let mut store_done = listened_in_store.clone();
+        Box::pin(async move {
+            tokio::time::sleep(window).await;
+            if store_done.wait_for(|done| *done).await.is_err() {
+                // The beacon stopped before it had listened: never admitted on its word.
+                std::future::pending::<()>().await;
+            }
+        }) as std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>>
     };
-    tokio::pin!(listened);
+    let mut listened = window_from_now();
     let mut listening_again: Option<
         std::pin::Pin<Box<dyn std::future::Future<Output = Listener> + Send>>,
     > = None;
@@ -334,6 +340,9 @@ async fn watch_owners(
             }, if listening_again.is_some() => {
                 heard = again;
                 listening_again = None;
+                if !me.owning {
+                    listened = window_from_now();
+                }
                 continue;
             }
             message = heard.next_with_properties(), if listening_again.is_none() => match message {
@@ -398,6 +407,9 @@ async fn watch_owners(
             continue;
         }
         if me.gives_way_to(&other.owner) {
+            if me.owning {
+                tracing::error!(other = %other.owner.store, "this aggregator owned the journal until an elder owner was heard; what it consumed and decided meanwhile is in its own store");
+            }
             break Some(other.refusal());
         }
         tracing::warn!(other = %other.owner.store, on = %other.on, "another aggregator claims this deployment's journal; it will stand down");
