@@ -234,16 +234,10 @@ fn code_name(code: u32) -> &'static str {
 
 /// `grpc-message` is percent-encoded; what does not decode is shown as it came.
 fn percent_decoded(text: &str) -> String {
-    crate::otlp::key_values(&format!("m={text}"))
-        .0
-        .pop()
-        .map(|(_, v)| v)
-        .unwrap_or_else(|| text.to_owned())
+    // Whole: read as a list, a message with a comma lost what came before it.
+    crate::otlp::percent_decoded(text).unwrap_or_else(|| text.to_owned())
 }
 
-/// TLS to a collector: the public CAs (as `reqwest` trusts them) and those of the settings'
-/// `certificate`, a PEM file; the client certificate shown when there is one; HTTP/2 asked for
-/// by ALPN.
 /// The port `written` names, or OTLP's gRPC port (4317) where it names none. The parsed `url`
 /// drops a port that is its scheme's default: `https://collector:443` would otherwise be dialled
 /// at 4317, and every span lost.
@@ -265,6 +259,9 @@ fn port_of(written: &str, url: &reqwest::Url) -> u16 {
     }
 }
 
+/// TLS to a collector: the public CAs (as `reqwest` trusts them) and those of the settings'
+/// `certificate`, a PEM file; the client certificate shown when there is one; HTTP/2 asked for
+/// by ALPN.
 fn tls_connector(settings: &ExportSettings) -> Result<tokio_rustls::TlsConnector, String> {
     use rustls::pki_types::pem::PemObject;
     let mut roots = rustls::RootCertStore::empty();
@@ -310,6 +307,15 @@ mod tests {
 
     fn port(written: &str) -> u16 {
         port_of(written, &reqwest::Url::parse(written).unwrap())
+    }
+
+    #[test]
+    fn a_collectors_message_is_decoded_whole() {
+        assert_eq!(
+            percent_decoded("invalid key, see docs"),
+            "invalid key, see docs"
+        );
+        assert_eq!(percent_decoded("bad, x=y%20z"), "bad, x=y z");
     }
 
     #[test]

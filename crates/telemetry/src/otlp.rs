@@ -131,6 +131,20 @@ pub fn settings_from(var: impl Fn(&str) -> Option<String>, service: &str) -> Exp
     ] {
         if let Some(list) = var(name) {
             let (parsed, bad) = key_values(&list);
+            // One that is no HTTP header would fail every export, each retried for seconds.
+            let (parsed, not_headers): (Vec<_>, Vec<_>) =
+                parsed.into_iter().partition(|(key, value)| {
+                    reqwest::header::HeaderName::from_bytes(key.as_bytes()).is_ok()
+                        && reqwest::header::HeaderValue::from_str(value).is_ok()
+                });
+            if !not_headers.is_empty() {
+                let names: Vec<&str> = not_headers.iter().map(|(k, _)| k.as_str()).collect();
+                problems.push(format!(
+                    "{} entries of {name} are not HTTP headers and were left out: {}",
+                    not_headers.len(),
+                    names.join(", ").escape_debug()
+                ));
+            }
             // The signal's own headers are read second and replace the general ones of a name.
             for (key, value) in parsed {
                 headers.retain(|(k, _): &(String, String)| !k.eq_ignore_ascii_case(&key));
@@ -242,7 +256,7 @@ pub fn key_values(list: &str) -> (Vec<(String, String)>, usize) {
     (pairs, bad)
 }
 
-fn percent_decoded(text: &str) -> Option<String> {
+pub(crate) fn percent_decoded(text: &str) -> Option<String> {
     let bytes = text.as_bytes();
     let mut out = Vec::with_capacity(bytes.len());
     let mut i = 0;
@@ -626,6 +640,26 @@ mod tests {
             .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
             .collect();
         settings_from(|name| vars.get(name).cloned(), "agent-orchestrator")
+    }
+
+    #[test]
+    fn a_header_that_is_no_http_header_is_left_out_and_said() {
+        let Export::To(s, problems) = settings(&[
+            ("OTEL_EXPORTER_OTLP_ENDPOINT", "http://c:4318"),
+            (
+                "OTEL_EXPORTER_OTLP_HEADERS",
+                "bad key=v,x-line=a%0Ab,x-good=ok",
+            ),
+        ]) else {
+            panic!("not exported");
+        };
+        assert_eq!(s.headers, vec![("x-good".to_owned(), "ok".to_owned())]);
+        assert!(
+            problems
+                .iter()
+                .any(|p| p.contains("2 entries") && p.contains("not HTTP headers")),
+            "{problems:?}"
+        );
     }
 
     #[test]
