@@ -97,10 +97,11 @@ pub fn open_fanout(correlation_id: &str) -> String {
     let g = graph();
     let cid = oxigraph::model::Literal::new_simple_literal(correlation_id);
     format!(
-        "{PREFIXES}SELECT ?f ?expected ?continuation ?client ?in ?out ?started ?recorded ?seal WHERE {{ GRAPH {g} {{
+        "{PREFIXES}SELECT ?f ?expected ?continuation ?client ?in ?out ?started ?recorded ?seal ?carries WHERE {{ GRAPH {g} {{
   ?f a tg:FanOut ; tg:correlationId {cid} ; tg:expectedSiblings ?expected ;
      tg:continuation ?continuation ; tg:clientId ?client .
   OPTIONAL {{ ?f tg:seal ?seal }}
+  OPTIONAL {{ ?f tg:carries ?carries }}
   OPTIONAL {{ ?f tg:dialogInToken ?in ; tg:dialogOutToken ?out ; tg:dialogStartedMs ?started }}
   OPTIONAL {{ ?f prov:startedAtTime ?recorded }}
   {only}
@@ -447,6 +448,26 @@ pub fn conversation_dialogs(conversation_id: &str, current: &NamedNode, most: us
 }} ORDER BY DESC(?started) LIMIT {most}",
         only = agents_only("s"),
         docs = documents()
+    )
+}
+
+/// The client dialogs of a conversation other than `current` that have not ended, newest first,
+/// at most `most`: the session, its question and when it started. Whether one still runs is told
+/// from these, not from the newest few dialogs, which five that ended after it would fill.
+pub fn conversation_unended(conversation_id: &str, current: &NamedNode, most: usize) -> String {
+    let g = graph();
+    let id = oxigraph::model::Literal::new_simple_literal(conversation_id);
+    format!(
+        "{PREFIXES}SELECT ?s ?question ?started WHERE {{
+  GRAPH {g} {{
+    ?s a tg:AgentQuestion ; tg:conversation {id} ; tg:query ?question ; prov:startedAtTime ?started .
+    FILTER (?s != {current}) {only}
+    FILTER NOT EXISTS {{ ?s prov:wasDerivedFrom ?fanout }}
+    BIND (IRI(CONCAT(STR(?s), \"/final\")) AS ?final)
+    FILTER NOT EXISTS {{ ?final tg:terminationReason ?ended }}
+  }}
+}} ORDER BY DESC(?started) LIMIT {most}",
+        only = agents_only("s")
     )
 }
 

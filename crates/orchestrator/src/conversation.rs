@@ -14,6 +14,10 @@ use agent_graph::{queries, GraphError, GraphStore, QueryAnswer};
 
 /// How many earlier dialogs a new one is told about (the newest).
 pub const EARLIER_DIALOGS: usize = 5;
+
+/// The most dialogs of a conversation not ended that a new dialog reads besides the newest
+/// [`EARLIER_DIALOGS`] (each runs, or ran until a crash, and is waited for).
+const UNENDED_DIALOGS: usize = 16;
 /// How much of each earlier question and answer the summary keeps.
 const EXCERPT_CHARS: usize = 600;
 
@@ -87,6 +91,30 @@ pub async fn earlier(
             answer,
         });
     }
+    // A dialog still running may be older than the newest few, which then all ended (requests
+    // cancelled or given up at their first step, another replica's clock ahead): read apart, or
+    // a new dialog would start beside it.
+    let unended = queries::conversation_unended(conversation_id, &current, UNENDED_DIALOGS);
+    if let QueryAnswer::Rows(rows) = store.query(unended).await? {
+        let columns = ["s", "question", "started"].map(|c| rows.column(c));
+        for i in 0..rows.rows.len() {
+            let cell = |c: usize| text(columns[c].get(i).copied().flatten());
+            let Some(session_uri) = cell(0) else {
+                continue;
+            };
+            if dialogs.iter().any(|d| d.session_uri == session_uri) {
+                continue;
+            }
+            dialogs.push(Earlier {
+                session_uri,
+                question: cell(1).unwrap_or_default(),
+                started: cell(2).unwrap_or_default(),
+                answer: None,
+            });
+        }
+    }
+    dialogs
+        .sort_by_key(|d| std::cmp::Reverse(chrono::DateTime::parse_from_rfc3339(&d.started).ok()));
     Ok(dialogs)
 }
 
@@ -419,6 +447,67 @@ pub fn framed(framing: &str, summary: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `dialogs` of conversation `c`: (session, started at, answer once ended).
+    async fn conversation_of(dialogs: &[(&str, &str, Option<&str>)]) -> GraphStore {
+        let store = GraphStore::in_memory().unwrap();
+        let mut data = String::new();
+        for (session, started, answer) in dialogs {
+            let s = format!("{}{session}", agent_core::vocab::SESSION_PREFIX);
+            data.push_str(&format!(
+                "<{s}> a tg:AgentQuestion ; tg:conversation \"c\" ; tg:query \"question {session}\" ;
+                   prov:startedAtTime \"{started}\"^^<http://www.w3.org/2001/XMLSchema#dateTime> .\n"
+            ));
+            if let Some(answer) = answer {
+                data.push_str(&format!(
+                    "<{s}/final> tg:terminationReason \"final-answer\" ; tg:document <{s}/answer> .
+                     <{s}/answer> tg:content \"{answer}\" .\n"
+                ));
+            }
+        }
+        store
+            .update(format!(
+                "{}INSERT DATA {{ GRAPH <{}> {{ {data} }} }}",
+                agent_core::vocab::SPARQL_PREFIXES,
+                agent_core::vocab::PROVENANCE_GRAPH
+            ))
+            .await
+            .unwrap();
+        store
+    }
+
+    #[tokio::test]
+    async fn a_running_dialog_is_seen_past_the_newest_that_ended() {
+        let now = chrono::Utc::now();
+        let at = |secs_ago: i64| {
+            (now - chrono::Duration::seconds(secs_ago))
+                .to_rfc3339_opts(chrono::SecondsFormat::Micros, true)
+        };
+        // The first still runs; five more started after it and ended at once.
+        let mut dialogs = vec![("first", at(60), None)];
+        for i in 0..EARLIER_DIALOGS {
+            dialogs.push((
+                ["a", "b", "c", "d", "e"][i],
+                at(50 - i as i64),
+                Some("cancelled"),
+            ));
+        }
+        let dialogs: Vec<(&str, &str, Option<&str>)> = dialogs
+            .iter()
+            .map(|(s, t, a)| (*s, t.as_str(), *a))
+            .collect();
+        let store = conversation_of(&dialogs).await;
+        let earlier = earlier(&store, "c", "new").await.unwrap();
+        let running: Vec<&str> = earlier
+            .iter()
+            .filter(|d| d.running(Duration::ZERO))
+            .map(Earlier::session_id)
+            .collect();
+        assert_eq!(running, ["first"], "{earlier:?}");
+        // Newest first, the running one last.
+        assert_eq!(earlier.len(), EARLIER_DIALOGS + 1);
+        assert_eq!(earlier.last().map(Earlier::session_id), Some("first"));
+    }
 
     #[tokio::test]
     async fn waiting_requests_take_their_turns_in_the_order_they_came() {
