@@ -495,6 +495,22 @@ async fn a_supervisor_forked_at_its_synthesis_does_not_run_its_subagents_again()
         syntheses + 1,
         "the synthesis was asked again"
     );
+    // Replayed from its first step reusing everything, the supervisor's split, its subagents
+    // and its synthesis (which the aggregator asks for) are all given again without a call.
+    let calls = llm.calls().len();
+    let said = agentctl(
+        Some(&broker),
+        &aggregator,
+        &["fork", &source, "--from", "1", "--reuse", "all"],
+    )
+    .await;
+    assert!(said.contains("Alpha 1, beta 2."), "{said}");
+    assert_eq!(
+        llm.calls().len(),
+        calls,
+        "a replay reusing all asked the LLM again: {:#?}",
+        &llm.calls()[calls..]
+    );
 }
 
 /// A long dialog's inputs are read a page at a time: asked for all at once, a fork past about 450

@@ -14,8 +14,8 @@ use agent_core::supervisor::{
 };
 use agent_graph::{queries, GraphError, GraphStore, QueryAnswer, Rows};
 use agent_schema::{
-    AgentRequest, Triples, ID_PROPERTY, IN_TOKEN_PROPERTY, OUT_TOKEN_PROPERTY, RUN_TOKENS_PROPERTY,
-    STARTED_PROPERTY,
+    AgentRequest, Triples, ID_PROPERTY, IN_TOKEN_PROPERTY, MODEL_PROPERTY, OUT_TOKEN_PROPERTY,
+    REUSE_FROM_PROPERTY, REUSE_PROPERTY, RUN_TOKENS_PROPERTY, STARTED_PROPERTY,
 };
 use oxigraph::model::{NamedNode, Term};
 
@@ -419,6 +419,7 @@ pub async fn check(
     let fanout = text(column("f"));
     let expected: usize = text(column("expected")).parse().unwrap_or(usize::MAX);
     let client = text(column("client"));
+    let carried = carried_properties(&text(column("carries")));
     let number = |t: Option<&Term>| text(t).parse::<u64>().unwrap_or(0);
     let mut tokens = (number(column("in")), number(column("out")));
     let started = number(column("started"));
@@ -491,6 +492,7 @@ pub async fn check(
                 started,
                 tokens: tokens.0.saturating_add(tokens.1),
                 expected,
+                carried: &carried,
             };
             return start_waiting(store, requests, seal, &fanout, &found).await;
         };
@@ -577,8 +579,9 @@ pub async fn check(
     {
         store.insert(quads).await?;
     }
-    // The supervisor goes on with its subagents' tokens counted and its own start time.
-    let mut properties = Properties::new();
+    // The supervisor goes on with its subagents' tokens counted and its own start time, and with
+    // what the step that fanned out carries on (a replay's reuse, the dialog's model).
+    let mut properties = carried.clone();
     properties.insert(ID_PROPERTY.to_owned(), client);
     properties.insert(IN_TOKEN_PROPERTY.to_owned(), tokens.0.to_string());
     properties.insert(OUT_TOKEN_PROPERTY.to_owned(), tokens.1.to_string());
@@ -640,6 +643,19 @@ struct Fanout<'a> {
     started: u64,
     tokens: u64,
     expected: usize,
+    /// What the fan-out carries on to the requests sent for it (see [`carried_properties`]).
+    carried: &'a Properties,
+}
+
+/// The message properties a fan-out's record carries on (`tg:carries`, a JSON object) that the
+/// aggregator passes on: a replay's reuse and the dialog's model, nothing else it may name.
+fn carried_properties(json: &str) -> Properties {
+    const CARRIED: [&str; 3] = [REUSE_PROPERTY, REUSE_FROM_PROPERTY, MODEL_PROPERTY];
+    serde_json::from_str::<Properties>(json)
+        .unwrap_or_default()
+        .into_iter()
+        .filter(|(key, _)| CARRIED.contains(&key.as_str()))
+        .collect()
 }
 
 /// Starts each subagent of `fanout` that waited for others and whose prerequisites have all
@@ -694,16 +710,21 @@ async fn start_waiting(
             fanout.expected,
             &prerequisites,
         );
-        let mut properties = Properties::new();
+        // A goal's own model goes before the dialog's.
+        let mut properties = fanout.carried.clone();
         properties.insert(ID_PROPERTY.to_owned(), fanout.client.to_owned());
         properties.insert(STARTED_PROPERTY.to_owned(), fanout.started.to_string());
         properties.insert(RUN_TOKENS_PROPERTY.to_owned(), fanout.tokens.to_string());
         if let Some(model) = &goal.model {
-            properties.insert(agent_schema::MODEL_PROPERTY.to_owned(), model.clone());
+            properties.insert(MODEL_PROPERTY.to_owned(), model.clone());
         }
         let payload = agent_schema::encode(&request);
         if let Some(key) = seal {
-            let model = goal.model.as_deref().unwrap_or_default();
+            let model = properties
+                .get(MODEL_PROPERTY)
+                .map_or("", String::as_str)
+                .to_owned();
+            let model = model.as_str();
             let parts = subagent_seal_parts(
                 &request,
                 &payload,

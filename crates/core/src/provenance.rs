@@ -907,6 +907,14 @@ pub fn observation(uris: &SessionUris, n: usize, text: &str, tool: ToolStats) ->
     b.build()
 }
 
+/// What the fan-out `node` carries on to the requests the aggregator sends for it (see
+/// [`tg::CARRIES`]): message properties, as a JSON object.
+pub fn carried(node: &str, properties_json: &str) -> Vec<Triple> {
+    let mut b = NodeBuilder::default();
+    b.tg(node, tg::CARRIES, Term::literal(properties_json));
+    b.build()
+}
+
 /// A seal on `node` (see `agent_bus::seal`): the aggregator lets only sealed fan-outs and
 /// completions drive fan-in.
 pub fn sealed(node: &str, seal: &str) -> Vec<Triple> {

@@ -96,9 +96,12 @@ pub fn by_repeat<T: Clone>(recorded: &[(Option<CallPlace>, T)], step_place: &Cal
         .iter()
         .filter_map(|(p, _)| p.as_ref())
         .filter(|p| p.session == step_place.session && p.step == step_place.step)
-        .map(|p| p.repeat + 1)
+        .map(|p| p.repeat.saturating_add(1))
         .max()
-        .unwrap_or(0);
+        .unwrap_or(0)
+        // A step's calls are numbered from 0 without gaps: a number past the calls recorded is
+        // not one the source made (a planted node), and must not size this.
+        .min(recorded.len());
     (0..=repeats_here)
         .filter_map(|repeat| {
             let wanted = CallPlace {
@@ -120,6 +123,15 @@ mod tests {
             step,
             repeat,
         }
+    }
+
+    #[test]
+    fn a_repeat_number_past_the_calls_recorded_sizes_nothing() {
+        let recorded = [(Some(place("r", 1, 1 << 40)), "x")];
+        let answers = by_repeat(&recorded, &place("r", 1, 0));
+        assert!(answers.len() <= 2, "{answers:?}");
+        let recorded = [(Some(place("r", 1, usize::MAX)), "x")];
+        assert!(by_repeat(&recorded, &place("r", 1, 0)).len() <= 2);
     }
 
     #[test]

@@ -108,6 +108,10 @@ pub mod tg {
         /// The cancellation that ended a dialog (the class is [`CANCELLATION`]).
         CANCELLATION_LINK = "cancellation";
         CANCELLED_BY = "cancelledBy";
+        /// What a fan-out's later requests carry on from the step that fanned out (a replay's
+        /// reuse, the model the dialog asks for), as a JSON object of message properties: the
+        /// aggregator sends its synthesis request and the subagents it starts with them.
+        CARRIES = "carries";
         CLAIMED_AT = "claimedAt";
         CLIENT_ID = "clientId";
         /// The journal entry of the step that ended a dialog (on the dialog's session node): where

@@ -384,7 +384,12 @@ impl LlmClient {
             record_call(&self.config.model, &result);
             return result;
         };
-        let digest = tape::call_digest(&self.config.model, messages, options);
+        let digest = tape::call_digest(
+            &self.config.model,
+            messages,
+            options,
+            self.config.max_output_tokens,
+        );
         let (repeat, answer) = tape.ask(&digest);
         if let Some((source, recorded)) = answer {
             let completion = recorded.completion();

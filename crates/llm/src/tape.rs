@@ -114,8 +114,15 @@ impl Tape {
 }
 
 /// The SHA-256 (hex) of what a call asks: the model, every message and the options that change
-/// the answer. The same question to the same model digests the same in any process.
-pub fn call_digest(model: &str, messages: &[ChatMessage], options: &CallOptions) -> String {
+/// the answer, its bound on the answer's tokens among them (where one is set: a call without one
+/// digests as it did before there was one). The same question to the same model digests the same
+/// in any process.
+pub fn call_digest(
+    model: &str,
+    messages: &[ChatMessage],
+    options: &CallOptions,
+    max_output_tokens: Option<u64>,
+) -> String {
     let mut hash = Sha256::new();
     let mut part = |bytes: &[u8]| {
         hash.update((bytes.len() as u64).to_le_bytes());
@@ -134,6 +141,10 @@ pub fn call_digest(model: &str, messages: &[ChatMessage], options: &CallOptions)
         part(tool.parameters.to_string().as_bytes());
     }
     part(&[u8::from(options.json_object)]);
+    if let Some(most) = max_output_tokens {
+        part(b"max_tokens");
+        part(&most.to_le_bytes());
+    }
     hash.finalize().iter().map(|b| format!("{b:02x}")).collect()
 }
 
@@ -145,16 +156,23 @@ mod tests {
     fn the_digest_follows_what_is_asked() {
         let ask = |text: &str| vec![ChatMessage::system("s"), ChatMessage::user(text)];
         let plain = CallOptions::default();
-        let d = call_digest("m", &ask("a"), &plain);
-        assert_eq!(d, call_digest("m", &ask("a"), &plain));
+        let d = call_digest("m", &ask("a"), &plain, None);
+        assert_eq!(d, call_digest("m", &ask("a"), &plain, None));
         assert_eq!(d.len(), 64);
-        assert_ne!(d, call_digest("m", &ask("b"), &plain));
-        assert_ne!(d, call_digest("other", &ask("a"), &plain));
+        assert_ne!(d, call_digest("m", &ask("b"), &plain, None));
+        assert_ne!(d, call_digest("other", &ask("a"), &plain, None));
         let json = CallOptions {
             json_object: true,
             ..CallOptions::default()
         };
-        assert_ne!(d, call_digest("m", &ask("a"), &json));
+        assert_ne!(d, call_digest("m", &ask("a"), &json, None));
+        // A bound on the answer's tokens changes what is asked: an answer cut at 200 tokens is
+        // not the answer to a call that allows 4,000.
+        assert_ne!(d, call_digest("m", &ask("a"), &plain, Some(200)));
+        assert_ne!(
+            call_digest("m", &ask("a"), &plain, Some(200)),
+            call_digest("m", &ask("a"), &plain, Some(4000))
+        );
     }
 
     #[test]

@@ -536,6 +536,22 @@ impl<'a> DialogOutput<'a> {
         self
     }
 
+    /// What the requests the aggregator sends for this step's fan-out (its synthesis, the
+    /// subagents it starts) carry on from it: a replay's reuse and the model this dialog asks for.
+    pub fn carried_on(&self) -> Properties {
+        let mut carried: Properties = [
+            agent_schema::REUSE_PROPERTY,
+            agent_schema::REUSE_FROM_PROPERTY,
+        ]
+        .into_iter()
+        .filter_map(|key| Some((key.to_owned(), self.properties.get(key)?.clone())))
+        .collect();
+        if let Some(model) = &self.model {
+            carried.insert(MODEL_PROPERTY.to_owned(), model.clone());
+        }
+        carried
+    }
+
     /// The model this dialog asks for (see [`agent_schema::MODEL_PROPERTY`]), carried to its next
     /// requests.
     pub fn with_model(mut self, model: Option<&str>) -> Self {
@@ -1192,7 +1208,9 @@ impl<'a> DialogOutput<'a> {
         let mut properties = self.properties.clone();
         properties.insert(STARTED_PROPERTY.to_owned(), self.started_ms.to_string());
         properties.insert(RUN_TOKENS_PROPERTY.to_owned(), run_tokens.to_string());
-        if let Some(model) = model {
+        // A goal's own model, else the one this dialog asked for: a fork or replay on another
+        // model runs its subagents on it too.
+        if let Some(model) = model.or(self.model.as_deref()) {
             properties.insert(MODEL_PROPERTY.to_owned(), model.to_owned());
         }
         let payload = agent_schema::encode(request);

@@ -391,6 +391,12 @@ pub(crate) async fn fan_out(
         },
         stats,
     );
+    // A replay's reuse and the dialog's model reach the requests the aggregator sends for it.
+    let carried = out.carried_on();
+    if !carried.is_empty() {
+        let json = serde_json::to_string(&carried).unwrap_or_default();
+        recorded.extend(provenance::carried(&uris.fanout(&cid), &json));
+    }
     if let Some(key) = turn.seal {
         let node = uris.fanout(&cid);
         let seal = key.seal(&supervising::fanout_seal_parts(
