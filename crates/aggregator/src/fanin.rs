@@ -720,11 +720,7 @@ async fn start_waiting(
         }
         let payload = agent_schema::encode(&request);
         if let Some(key) = seal {
-            let model = properties
-                .get(MODEL_PROPERTY)
-                .map_or("", String::as_str)
-                .to_owned();
-            let model = model.as_str();
+            let model = properties.get(MODEL_PROPERTY).map_or("", String::as_str);
             let parts = subagent_seal_parts(
                 &request,
                 &payload,

@@ -496,10 +496,7 @@ impl Journal {
                     .map(|(entry, _)| entry.clone())
                     .collect();
                 // `stored_entries` reads nothing for no entries.
-                let read_from = std::time::Instant::now();
-                let stored = stored_entries(store, &unknown).await?;
-                let refused = store.refused_before(read_from);
-                InDoubt::check(store.identity, &unknown, &stored, refused)?;
+                let stored = stored_unless_in_doubt(store, &unknown).await?;
                 let mut stored = stored.into_iter();
                 Ok(expected
                     .iter()
@@ -827,10 +824,7 @@ async fn decide(
     for &index in &deciding.stripes {
         _only_writer_of_these_keys.push(STRIPE_LOCKS[index].lock().await);
     }
-    let read_from = std::time::Instant::now();
-    let read = stored_entries(store, deciding.claim(store.identity)).await?;
-    let refused = store.refused_before(read_from);
-    InDoubt::check(store.identity, &deciding.nodes, &read, refused)?;
+    let read = stored_unless_in_doubt(store, deciding.claim(store.identity)).await?;
     let unwritten: Vec<NamedNode> = deciding
         .nodes
         .iter()
@@ -856,6 +850,19 @@ async fn decide(
         written.tell(store.identity);
     }
     Ok(standing)
+}
+
+/// What `store` holds for `nodes`, read as [`InDoubt`] allows: an outage while a step read
+/// without its entry is in doubt.
+async fn stored_unless_in_doubt(
+    store: &GraphStore,
+    nodes: &[NamedNode],
+) -> Result<Vec<Option<JournalEntry>>, GraphError> {
+    let read_from = std::time::Instant::now();
+    let read = stored_entries(store, nodes).await?;
+    let refused = store.refused_before(read_from);
+    InDoubt::check(store.identity, nodes, &read, refused)?;
+    Ok(read)
 }
 
 /// [`decide`] for an embedded store, in a thread that may block.

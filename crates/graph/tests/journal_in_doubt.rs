@@ -101,23 +101,15 @@ async fn a_write_cut_by_the_servers_crash_is_in_doubt_only_until_the_server_is_b
     let address = listener.local_addr().unwrap();
     let (kill, down) = tokio::sync::watch::channel(false);
     let first_life = {
-        let backing = backing.clone();
+        let plain = plain_server(backing.clone());
         Arc::new(move |head: String, body: String| {
-            let (backing, kill) = (backing.clone(), kill.clone());
-            Box::pin(async move {
-                if head.starts_with("post /query") {
-                    let answer = backing.query(body).await.unwrap();
-                    let (bytes, content_type) = agent_graph::serialize_answer(&answer).unwrap();
-                    return ("200 OK", content_type, bytes);
-                }
-                if body.contains(agent_core::vocab::JOURNAL_GRAPH) {
-                    // SIGKILLed with the write received and not committed.
-                    kill.send_replace(true);
-                    return (common::KILLED, "text/plain", Vec::new());
-                }
-                backing.update(body).await.unwrap();
-                ("204 No Content", "text/plain", Vec::new())
-            }) as futures::future::BoxFuture<'static, common::Answer>
+            if !head.starts_with("post /query") && body.contains(agent_core::vocab::JOURNAL_GRAPH) {
+                // SIGKILLed with the write received and not committed.
+                kill.send_replace(true);
+                return Box::pin(async { (common::KILLED, "text/plain", Vec::new()) })
+                    as futures::future::BoxFuture<'static, common::Answer>;
+            }
+            plain(head, body)
         })
     };
     tokio::spawn(common::serve_raw(listener, first_life, down));

@@ -312,9 +312,9 @@ impl LlmClient {
     }
 
     /// A handle on the same connections and bound whose answers are held to `most` tokens each
-    /// (`max_tokens`), or to none (0, or none: the server's own default).
-    pub fn with_max_output_tokens(&self, most: Option<u64>) -> LlmClient {
-        let most = most.filter(|&n| n > 0);
+    /// (`max_tokens`), or to none (0: the server's own default).
+    pub fn with_max_output_tokens(&self, most: u64) -> LlmClient {
+        let most = (most > 0).then_some(most);
         if most == self.config.max_output_tokens {
             return self.clone();
         }

@@ -60,17 +60,31 @@ pub async fn earlier(
     let Ok(current) = NamedNode::new(SessionUris::new(session_id).session()) else {
         return Ok(Vec::new());
     };
-    let query = queries::conversation_dialogs(conversation_id, &current, EARLIER_DIALOGS);
-    let QueryAnswer::Rows(rows) = store.query(query).await? else {
-        return Ok(Vec::new());
-    };
+    let newest = queries::conversation_dialogs(conversation_id, &current, EARLIER_DIALOGS);
+    // A dialog still running may be older than the newest few, which then all ended (requests
+    // cancelled or given up at their first step, another replica's clock ahead): read apart, or
+    // a new dialog would start beside it. Its rows have no answer.
+    let unended = queries::conversation_unended(conversation_id, &current, UNENDED_DIALOGS);
+    let mut dialogs: Vec<Earlier> = Vec::new();
+    for query in [newest, unended] {
+        if let QueryAnswer::Rows(rows) = store.query(query).await? {
+            add_dialogs(&rows, &mut dialogs);
+        }
+    }
+    dialogs
+        .sort_by_key(|d| std::cmp::Reverse(chrono::DateTime::parse_from_rfc3339(&d.started).ok()));
+    Ok(dialogs)
+}
+
+/// Adds the dialogs `rows` name (`?s ?question ?started`, and `?answer` or `?ended` once ended)
+/// to `dialogs`, each once.
+fn add_dialogs(rows: &agent_graph::Rows, dialogs: &mut Vec<Earlier>) {
     let text = |t: Option<&Term>| match t {
         Some(Term::Literal(l)) => Some(l.value().to_owned()),
         Some(Term::NamedNode(n)) => Some(n.as_str().to_owned()),
         _ => None,
     };
     let columns = ["s", "question", "started", "answer", "ended"].map(|c| rows.column(c));
-    let mut dialogs: Vec<Earlier> = Vec::new();
     for i in 0..rows.rows.len() {
         let cell = |c: usize| text(columns[c].get(i).copied().flatten());
         let Some(session_uri) = cell(0) else {
@@ -91,31 +105,6 @@ pub async fn earlier(
             answer,
         });
     }
-    // A dialog still running may be older than the newest few, which then all ended (requests
-    // cancelled or given up at their first step, another replica's clock ahead): read apart, or
-    // a new dialog would start beside it.
-    let unended = queries::conversation_unended(conversation_id, &current, UNENDED_DIALOGS);
-    if let QueryAnswer::Rows(rows) = store.query(unended).await? {
-        let columns = ["s", "question", "started"].map(|c| rows.column(c));
-        for i in 0..rows.rows.len() {
-            let cell = |c: usize| text(columns[c].get(i).copied().flatten());
-            let Some(session_uri) = cell(0) else {
-                continue;
-            };
-            if dialogs.iter().any(|d| d.session_uri == session_uri) {
-                continue;
-            }
-            dialogs.push(Earlier {
-                session_uri,
-                question: cell(1).unwrap_or_default(),
-                started: cell(2).unwrap_or_default(),
-                answer: None,
-            });
-        }
-    }
-    dialogs
-        .sort_by_key(|d| std::cmp::Reverse(chrono::DateTime::parse_from_rfc3339(&d.started).ok()));
-    Ok(dialogs)
 }
 
 /// How long a new dialog waits for the graph to show the end of an earlier one the journal says

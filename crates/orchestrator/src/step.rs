@@ -372,7 +372,7 @@ impl Engine {
         };
         let most = step.config.model_options(llm.model()).max_output_tokens;
         let llm = llm
-            .with_max_output_tokens(Some(most))
+            .with_max_output_tokens(most)
             .taped(step_replay.tape.clone());
         let span = iteration_span(
             &step.request,
