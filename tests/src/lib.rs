@@ -709,6 +709,11 @@ impl Aggregator {
                 command.env("AGENT_SEAL_KEY", SEAL_KEY).args(&args);
                 if let Some(path) = stderr_log {
                     command.stderr(std::fs::File::create(path).unwrap());
+                    // What a test reads of its journal owner's fence: when it listens, and when
+                    // it owns the journal.
+                    if std::env::var_os("RUST_LOG").is_none() {
+                        command.env("RUST_LOG", "warn,agent_aggregator::owner_fence=info");
+                    }
                 }
                 Running::Child(command.spawn().unwrap())
             }

@@ -4,8 +4,9 @@
 //! a second `agent-aggregator` started by hand, would otherwise split the journal's decisions and
 //! the provenance between two stores, and effectively-once would silently stop holding.
 //!
-//! Before it consumes or answers a journal call, a new owner listens for a few beats; the elder
-//! (earlier start, then the smaller id) stays. Replicas that forward to an owner's endpoint are
+//! Before it consumes or answers a journal call, a new owner listens for a few beats, counted
+//! only while it hears its own (so that a broker down meanwhile does not count as silence); the
+//! elder (earlier start, then the smaller id) stays. Replicas that forward to an owner's endpoint are
 //! not owners and do not take part. With the services' seal key, an announcement counts only
 //! sealed with it and sent within [`FRESH`]: anyone who can publish on the broker could
 //! otherwise stand the running owner down with one forged "elder", or with an old owner's
@@ -27,6 +28,11 @@ pub const BEAT: Duration = Duration::from_millis(250);
 /// a seal key: beats are sent every [`BEAT`], so a copy older than this was played again (the
 /// owners' clocks are taken to agree within it).
 pub const FRESH: Duration = Duration::from_secs(30);
+
+/// The longest break between two of its own announcements heard (by when they were sent) over
+/// which a newcomer still counts itself as listening: a longer one means it was deaf meanwhile
+/// (the broker down, or its beats lost), and an elder's announcements would have gone unheard too.
+const HEARD_OWN_GAP: Duration = Duration::from_millis(1_000);
 
 /// An owner as it announces itself.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -70,7 +76,7 @@ impl Owner {
 }
 
 /// An announcement on the broker: the owner, and when it was sent (an earlier build sent none).
-#[derive(Debug, Serialize, Deserialize)]
+#[derive(Debug, PartialEq, Serialize, Deserialize)]
 struct Announcement {
     #[serde(flatten)]
     owner: Owner,
@@ -109,11 +115,11 @@ fn believed(
     payload: &[u8],
     properties: &Properties,
     now_ms: u64,
-) -> Result<Owner, Disbelief> {
+) -> Result<Announcement, Disbelief> {
     let announcement: Announcement =
         serde_json::from_slice(payload).map_err(|_| Disbelief::Undecodable)?;
     let Some(key) = seal else {
-        return Ok(announcement.owner);
+        return Ok(announcement);
     };
     if !key.verify_owner(payload, properties) {
         return Err(Disbelief::Unsealed);
@@ -121,7 +127,38 @@ fn believed(
     if now_ms.abs_diff(announcement.sent_ms) > FRESH.as_millis() as u64 {
         return Err(Disbelief::Stale);
     }
-    Ok(announcement.owner)
+    Ok(announcement)
+}
+
+/// For how long a newcomer has heard its own announcements without a break: the time its
+/// listening window counts. A clock alone would count time in which it heard nothing (a broker
+/// restart, through which the client may keep the subscription by itself and report no error),
+/// and admit it deaf to an elder that announced all along.
+#[derive(Debug, Default)]
+struct HeardOwn {
+    /// When the first of the unbroken run was sent.
+    since_ms: Option<u64>,
+    last_ms: Option<u64>,
+}
+
+impl HeardOwn {
+    /// Notes one of its own announcements, sent at `sent_ms`; how long the run now lasts.
+    fn heard(&mut self, sent_ms: u64) -> Duration {
+        let unbroken = self.last_ms.is_some_and(|last| {
+            sent_ms >= last && sent_ms - last <= HEARD_OWN_GAP.as_millis() as u64
+        });
+        if !unbroken {
+            self.since_ms = Some(sent_ms);
+        }
+        self.last_ms = Some(sent_ms);
+        let since = *self.since_ms.get_or_insert(sent_ms);
+        Duration::from_millis(sent_ms.saturating_sub(since))
+    }
+
+    /// Starts over: nothing heard before counts (its subscription was made again).
+    fn forget(&mut self) {
+        *self = HeardOwn::default();
+    }
 }
 
 /// The time now, as announcements carry it.
@@ -222,8 +259,8 @@ pub struct Announcer {
 }
 
 impl Announcer {
-    /// Starts announcing `me` on `topic` and listening for other owners, until `stop`: for
-    /// `listen` nothing is admitted; then this process owns the journal unless an elder was heard.
+    /// Starts announcing `me` on `topic` and listening for other owners, until `stop`: until it
+    /// has heard its own announcements for `listen` without a break nothing is admitted; then this process owns the journal unless an elder was heard.
     /// An elder heard later (both started at once, or its beats were lost) refuses this process
     /// too, and `service` is cancelled so the service stops rather than go on deciding beside it.
     /// With `shared`, the SPARQL server whose journal this process owns, it also beats there
@@ -241,6 +278,7 @@ impl Announcer {
     ) -> anyhow::Result<tokio::task::JoinHandle<()>> {
         let announcements = Publisher::new(bus, topic).await?;
         let heard = Listener::subscribe(bus, topic, "journal-owner").await?;
+        tracing::info!(topic = %topic, listen_ms = listen.as_millis() as u64, "listening for another owner of the journal before owning it");
         let (bus, topic) = (bus.clone(), topic.to_owned());
         Ok(tokio::spawn(async move {
             watch_owners(
@@ -301,25 +339,14 @@ async fn watch_owners(
             stop.clone(),
         ))
     });
-    // The window on the broker, then as many rounds in the store as it takes to hear a live owner
-    // there (a store that does not answer keeps this process listening).
+    // The window on the broker, counted while this process hears its own announcements there,
+    // then as many rounds in the store as it takes to hear a live owner there (a store that does
+    // not answer keeps this process listening, and a beacon stopped before it had listened never
+    // admits it).
     let window = listening.window;
     let seal = listening.seal;
     let mut disbelieved = 0u64;
-    // Made again whenever the broker's announcements are listened to anew: a window that ran out
-    // while this process was deaf to them (a broker restart in it) would admit it the moment it
-    // heard again, before an elder's next announcement came.
-    let window_from_now = || {
-        let mut store_done = listened_in_store.clone();
-        Box::pin(async move {
-            tokio::time::sleep(window).await;
-            if store_done.wait_for(|done| *done).await.is_err() {
-                // The beacon stopped before it had listened: never admitted on its word.
-                std::future::pending::<()>().await;
-            }
-        }) as std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>>
-    };
-    let mut listened = window_from_now();
+    let mut heard_own = HeardOwn::default();
     let mut listening_again: Option<
         std::pin::Pin<Box<dyn std::future::Future<Output = Listener> + Send>>,
     > = None;
@@ -340,16 +367,26 @@ async fn watch_owners(
             }, if listening_again.is_some() => {
                 heard = again;
                 listening_again = None;
-                if !me.owning {
-                    listened = window_from_now();
-                }
+                // A window that ran out while this process was deaf to them would admit it the
+                // moment it heard again, before an elder's next announcement came.
+                heard_own.forget();
                 continue;
             }
             message = heard.next_with_properties(), if listening_again.is_none() => match message {
                 Ok((payload, properties)) => {
                     match believed(seal.as_ref(), &payload, &properties, now_ms()) {
+                        Ok(own) if own.owner.id == me.id => {
+                            let listened = heard_own.heard(own.sent_ms) >= window;
+                            if !me.owning && listened && *listened_in_store.borrow() {
+                                me.owning = true;
+                                owning.send_replace(true);
+                                standing.send_replace(Standing::Owner);
+                                tracing::info!(topic = %topic, "no other journal owner heard: this aggregator owns the journal");
+                            }
+                            continue;
+                        }
                         Ok(other) => Heard {
-                            owner: other,
+                            owner: other.owner,
                             on: format!("the explainability subscription announced on {topic}"),
                         },
                         Err(why) => {
@@ -391,15 +428,6 @@ async fn watch_owners(
                     Ok(Err(e)) => tracing::debug!(error = %e, "a journal owner's announcement was not sent"),
                     Err(_) => tracing::debug!("a journal owner's announcement was not sent in time"),
                 }
-                continue;
-            }
-            // Not while deaf to the broker's announcements: an owner announced meanwhile would
-            // go unheard.
-            _ = &mut listened, if !me.owning && listening_again.is_none() => {
-                me.owning = true;
-                owning.send_replace(true);
-                standing.send_replace(Standing::Owner);
-                tracing::info!(topic = %topic, "no other journal owner heard: this aggregator owns the journal");
                 continue;
             }
         };
@@ -509,7 +537,7 @@ mod tests {
             (payload, properties)
         };
         let heard = |seal: Option<&SealKey>, (payload, properties): (Vec<u8>, Properties)| {
-            believed(seal, &payload, &properties, now)
+            believed(seal, &payload, &properties, now).map(|heard| heard.owner)
         };
         assert_eq!(
             heard(Some(&key), sent(now - 200, Some(&key))),
@@ -546,6 +574,22 @@ mod tests {
         assert_eq!(heard(None, sent(now, None)), Ok(elder.clone()));
         let earlier_build = serde_json::to_vec(&elder).unwrap();
         assert_eq!(heard(None, (earlier_build, Properties::new())), Ok(elder));
+    }
+
+    #[test]
+    fn a_newcomer_listens_only_while_it_hears_itself() {
+        let mut heard = HeardOwn::default();
+        assert_eq!(heard.heard(10_000), Duration::ZERO);
+        assert_eq!(heard.heard(10_250), Duration::from_millis(250));
+        // A beat lost or two is not deafness.
+        assert_eq!(heard.heard(11_000), Duration::from_millis(1_000));
+        // Five seconds with none heard (a broker restart): the run starts over.
+        assert_eq!(heard.heard(16_000), Duration::ZERO);
+        assert_eq!(heard.heard(16_900), Duration::from_millis(900));
+        // A beat sent before the last heard (clocks set back) starts over too.
+        assert_eq!(heard.heard(16_500), Duration::ZERO);
+        heard.forget();
+        assert_eq!(heard.heard(17_000), Duration::ZERO);
     }
 
     #[test]
