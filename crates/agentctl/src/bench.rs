@@ -190,7 +190,9 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<i32> {
         "the bench's dialogs call the `llm` tool, and the config in {} has none (run from the repository root, or pass --config-dir with the seed config)",
         dir.display()
     );
-    let llm = ScriptedLlm::start(Script::from_json(SCRIPT)?, "127.0.0.1:0".parse()?).await?;
+    // It keeps no requests: their copies would count in the run's memory.
+    let llm =
+        ScriptedLlm::start_keeping(Script::from_json(SCRIPT)?, "127.0.0.1:0".parse()?, 0).await?;
     let mut all = Vec::new();
     for kind in args.brokers.clone() {
         let broker = Running::start(
@@ -393,7 +395,7 @@ async fn bench_on(
             "closings that never reached the client (the response topic is non-persistent), read back from the journal or the provenance graph: {recovered}"
         );
     }
-    println!("LLM calls served so far: {}", llm.calls().len());
+    println!("LLM calls served so far: {}", llm.served());
     let dialogs = (5 + args.one_iteration + args.three_iteration + args.dialogs) as f64;
     let mut journal_bytes_per_dialog = None;
     if let Some(store) = &store {

@@ -168,9 +168,11 @@ async fn watch(bus: &Bus, topic: &str, stop: CancellationToken) -> anyhow::Resul
 
 pub async fn run(args: LongBenchArgs) -> anyhow::Result<i32> {
     let observation_bytes = args.observation_kib * 1024;
-    let llm = ScriptedLlm::start(
+    // It keeps no requests: their prompts would count in the run's memory.
+    let llm = ScriptedLlm::start_keeping(
         Script::from_json(&script(args.iterations, observation_bytes))?,
         "127.0.0.1:0".parse()?,
+        0,
     )
     .await?;
     let (_lite, _apache, url) = if args.apache {

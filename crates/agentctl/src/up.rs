@@ -75,7 +75,10 @@ pub async fn run(args: UpArgs) -> anyhow::Result<i32> {
     } else {
         let text = std::fs::read_to_string(&script)
             .with_context(|| format!("reading the LLM script {}", script.display()))?;
-        let server = ScriptedLlm::start(Script::from_json(&text)?, "127.0.0.1:0".parse()?).await?;
+        // Nothing reads its requests back here: it keeps none, however long it runs.
+        let server =
+            ScriptedLlm::start_keeping(Script::from_json(&text)?, "127.0.0.1:0".parse()?, 0)
+                .await?;
         settings.llm_base_url = server.base_url();
         settings.llm_model = "scripted".to_owned();
         eprintln!(

@@ -195,7 +195,7 @@ struct Shared {
     hits: Vec<AtomicUsize>,
     /// Requests seen, numbering the chaos draws.
     requests: AtomicUsize,
-    calls: Mutex<Vec<Call>>,
+    calls: Mutex<CallLog>,
     in_flight: AtomicUsize,
     max_in_flight: AtomicUsize,
     /// Streamed answers whose body is still being sent (until done, or the client hangs up).
@@ -203,6 +203,45 @@ struct Shared {
     /// While set, every request is answered with this status and `Retry-After` (a provider
     /// outage, switched on and off by a test).
     outage: Mutex<Option<(u16, Option<u64>)>>,
+}
+
+/// The requests served, the newest of them kept for a test to read.
+struct CallLog {
+    served: usize,
+    kept: std::collections::VecDeque<Call>,
+    /// The most kept: a server that runs for days (`agentctl up`, a bench) must not keep them all.
+    most: usize,
+}
+
+impl CallLog {
+    fn new(most: usize) -> CallLog {
+        CallLog {
+            served: 0,
+            kept: std::collections::VecDeque::new(),
+            most,
+        }
+    }
+
+    /// Notes a request served; its number, for [`CallLog::get_mut`].
+    fn push(&mut self, call: Call) -> usize {
+        let number = self.served;
+        self.served += 1;
+        if self.most > 0 {
+            if self.kept.len() == self.most {
+                self.kept.pop_front();
+            }
+            self.kept.push_back(call);
+        }
+        number
+    }
+
+    /// Request `number`, if it is still kept.
+    fn get_mut(&mut self, number: usize) -> Option<&mut Call> {
+        let first_kept = self.served - self.kept.len();
+        number
+            .checked_sub(first_kept)
+            .and_then(|i| self.kept.get_mut(i))
+    }
 }
 
 /// Counts a request as in flight until dropped.
@@ -247,14 +286,25 @@ pub struct ScriptedLlm {
 }
 
 impl ScriptedLlm {
-    /// Serves `script` on `addr` (port 0 picks a free port).
+    /// Serves `script` on `addr` (port 0 picks a free port), keeping every request for
+    /// [`ScriptedLlm::calls`]: for a test, which reads them.
     pub async fn start(script: Script, addr: SocketAddr) -> std::io::Result<ScriptedLlm> {
+        Self::start_keeping(script, addr, usize::MAX).await
+    }
+
+    /// [`ScriptedLlm::start`], keeping only the newest `most` requests (none with 0): for a
+    /// server that runs for long, whose memory would otherwise grow with every request.
+    pub async fn start_keeping(
+        script: Script,
+        addr: SocketAddr,
+        most: usize,
+    ) -> std::io::Result<ScriptedLlm> {
         let hits = script.rules.iter().map(|_| AtomicUsize::new(0)).collect();
         let shared = Arc::new(Shared {
             script,
             hits,
             requests: AtomicUsize::new(0),
-            calls: Mutex::new(Vec::new()),
+            calls: Mutex::new(CallLog::new(most)),
             in_flight: AtomicUsize::new(0),
             max_in_flight: AtomicUsize::new(0),
             streams_open: AtomicUsize::new(0),
@@ -291,13 +341,19 @@ impl ScriptedLlm {
         self.addr
     }
 
-    /// Every request served so far.
+    /// The requests served so far, as many of the newest as it keeps (all, started with
+    /// [`ScriptedLlm::start`]).
     pub fn calls(&self) -> Vec<Call> {
         self.shared
             .calls
             .lock()
-            .map(|c| c.clone())
+            .map(|c| c.kept.iter().cloned().collect())
             .unwrap_or_default()
+    }
+
+    /// How many requests it has served, kept or not.
+    pub fn served(&self) -> usize {
+        self.shared.calls.lock().map(|c| c.served).unwrap_or(0)
     }
 
     /// The most requests that were being answered at the same moment (whole answers and the
@@ -379,23 +435,24 @@ async fn chat(State(shared): State<Arc<Shared>>, Json(body): Json<Value>) -> Res
                     _ => Vec::new(),
                 }
             };
-            calls.push(Call {
-                last_user: last_user.clone(),
-                stream,
-                rule: rule_index,
-                fault: None,
-                tools: body["tools"]
-                    .as_array()
-                    .into_iter()
-                    .flatten()
-                    .filter_map(|t| t["function"]["name"].as_str().map(str::to_owned))
-                    .collect(),
-                stop: strings(&body["stop"]),
-                json_mode: body["response_format"]["type"] == "json_object",
-                model: model.clone(),
-                max_tokens: body["max_tokens"].as_u64(),
-            });
-            Some(calls.len() - 1)
+            Some(
+                calls.push(Call {
+                    last_user: last_user.clone(),
+                    stream,
+                    rule: rule_index,
+                    fault: None,
+                    tools: body["tools"]
+                        .as_array()
+                        .into_iter()
+                        .flatten()
+                        .filter_map(|t| t["function"]["name"].as_str().map(str::to_owned))
+                        .collect(),
+                    stop: strings(&body["stop"]),
+                    json_mode: body["response_format"]["type"] == "json_object",
+                    model: model.clone(),
+                    max_tokens: body["max_tokens"].as_u64(),
+                }),
+            )
         }
         Err(_) => None,
     };
@@ -624,6 +681,37 @@ fn split_chunks(text: &str, size: usize) -> Vec<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_call_log_keeps_only_its_newest() {
+        let call = |text: &str| Call {
+            last_user: text.to_owned(),
+            stream: false,
+            rule: None,
+            fault: None,
+            tools: Vec::new(),
+            stop: Vec::new(),
+            json_mode: false,
+            model: "m".to_owned(),
+            max_tokens: None,
+        };
+        let mut log = CallLog::new(2);
+        let first = log.push(call("a"));
+        log.push(call("b"));
+        let third = log.push(call("c"));
+        assert_eq!(log.served, 3);
+        let kept: Vec<_> = log.kept.iter().map(|c| c.last_user.as_str()).collect();
+        assert_eq!(kept, ["b", "c"]);
+        assert!(log.get_mut(first).is_none());
+        assert_eq!(
+            log.get_mut(third).map(|c| c.last_user.clone()),
+            Some("c".into())
+        );
+        let mut none = CallLog::new(0);
+        let only = none.push(call("a"));
+        assert!(none.kept.is_empty() && none.get_mut(only).is_none());
+        assert_eq!(none.served, 1);
+    }
 
     #[test]
     fn chunks_respect_char_boundaries() {

@@ -28,7 +28,8 @@ async fn main() -> anyhow::Result<()> {
         .with_context(|| format!("reading {}", args.script.display()))?;
     let script =
         Script::from_json(&text).with_context(|| format!("parsing {}", args.script.display()))?;
-    let server = ScriptedLlm::start(script, args.addr).await?;
+    // Nothing can read its requests back from outside: it keeps none, however long it runs.
+    let server = ScriptedLlm::start_keeping(script, args.addr, 0).await?;
     println!("{}", server.base_url());
     tokio::signal::ctrl_c().await?;
     server.stop();
