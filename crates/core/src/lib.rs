@@ -8,6 +8,7 @@ pub mod deep_research;
 pub mod documents;
 pub mod ensemble;
 pub mod fork;
+pub mod logged;
 pub mod pattern;
 pub mod plan;
 pub mod plan_then_execute;

@@ -611,12 +611,13 @@ impl Engine {
         if control.operation == agent_schema::control_operation::APPROVE
             && edited_bytes > MOST_EDITED_BYTES
         {
-            tracing::warn!(session = %control.session_id, edited_bytes, "an approval whose edited arguments are over {MOST_EDITED_BYTES} bytes; the answer is dropped");
+            tracing::warn!(session = %agent_core::logged::client_text(&control.session_id), edited_bytes, "an approval whose edited arguments are over {MOST_EDITED_BYTES} bytes; the answer is dropped");
             return Disposition::Ack;
         }
         if !approval::is_answer(&control) {
-            let session = agent_core::documents::prefix(&control.session_id, 240).escape_debug();
-            tracing::warn!(operation = %control.operation, %session, "ignoring a control request that answers no parked call");
+            let session = agent_core::logged::client_text(&control.session_id);
+            let operation = agent_core::logged::client_text(&control.operation);
+            tracing::warn!(%operation, %session, "ignoring a control request that answers no parked call");
             return Disposition::Ack;
         }
         let Some(store) = &self.knowledge else {

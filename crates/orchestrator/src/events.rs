@@ -31,7 +31,7 @@ impl UnsealedControl<'_> {
         let seen = SEEN.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1;
         if seen.is_power_of_two() {
             let operation = agent_core::documents::prefix(self.operation, 64).escape_debug();
-            let session = agent_core::documents::prefix(self.session, 240).escape_debug();
+            let session = agent_core::logged::client_text(self.session);
             tracing::warn!(%operation, %session, seen, acted_on = self.acted_on, "a control message without this service's seal (sent without AGENT_SEAL_KEY or with another key, or forged); acted on only under --control-seals warn; logged again at {} of them", seen.saturating_mul(2));
         }
     }

@@ -204,11 +204,11 @@ impl Engine {
                         &legacy.each_ref().map(String::as_str),
                     );
                     if sealed {
-                        tracing::warn!(session = %agent_core::documents::prefix(session_id, 240), "running a subagent whose start carries only the older seal (AGENT_SUBAGENT_SEALS=warn)");
+                        tracing::warn!(session = %agent_core::logged::client_text(session_id), "running a subagent whose start carries only the older seal (AGENT_SUBAGENT_SEALS=warn)");
                     }
                 }
                 if !sealed {
-                    tracing::warn!(session = %agent_core::documents::prefix(session_id, 240), "refusing an unsealed subagent request");
+                    tracing::warn!(session = %agent_core::logged::client_text(session_id), "refusing an unsealed subagent request");
                     request.parent_session_id.clear();
                     request.correlation_id.clear();
                     *verdict = Err("the request names a fan-out (parent_session_id and correlation_id) without this service's seal; only the orchestrator starts subagents".to_owned());
@@ -232,7 +232,7 @@ impl Engine {
                         }));
                     }
                     None => {
-                        tracing::warn!(session = %agent_core::documents::prefix(session_id, 240), "refusing a subagent request that no recorded fan-out started");
+                        tracing::warn!(session = %agent_core::logged::client_text(session_id), "refusing a subagent request that no recorded fan-out started");
                         // Not a subagent: its refusal goes to whoever sent it, not into a fan-out.
                         request.parent_session_id.clear();
                         request.correlation_id.clear();
@@ -468,7 +468,7 @@ impl Engine {
         if !new_dialog && !answering && agent_core::supervisor::is_subagent(&request) {
             if let Some(key) = &self.seal {
                 if !key.verify_step(&raw, &properties) {
-                    let session = agent_core::documents::prefix(&session_id, 240).escape_debug();
+                    let session = agent_core::logged::client_text(&session_id);
                     let why = format!("a later step of subagent session {session} without this service's seal; only the orchestrator continues a subagent's dialog");
                     if self.step_seals == crate::settings::SealRule::Require {
                         return Ok(Err(Settled::Forged(why)));
@@ -636,7 +636,7 @@ impl Engine {
         if same_client || same_question {
             return Ok(None);
         }
-        let session = agent_core::documents::prefix(&request.session_id, 240).escape_debug();
+        let session = agent_core::logged::client_text(&request.session_id);
         Ok(Some(format!(
             "session id {session} already names another dialog; a new dialog needs a session id \
              of its own (or none: one is made from its id), and a conversation_id joins it to \
@@ -1037,7 +1037,7 @@ pub(crate) async fn refuse(
     problem: &str,
     ends_dialog: bool,
 ) -> Result<(), agent_bus::BusError> {
-    tracing::warn!(session = %agent_core::documents::prefix(turn.session_id, 240), %problem, "refusing an invalid request");
+    tracing::warn!(session = %agent_core::logged::client_text(turn.session_id), %problem, "refusing an invalid request");
     if agent_core::supervisor::is_subagent(turn.request) {
         finish::error(turn, problem).await
     } else if ends_dialog && crate::validate::ids_name_nodes(turn.request) {
@@ -1107,11 +1107,11 @@ pub(crate) fn iteration_span(
     tracing::info_span!(
         "iteration",
         // Cut: the fields are what a client sent, and are printed with every event of the step.
-        session = %agent_core::documents::prefix(session_id, 240),
+        session = %agent_core::logged::client_text(session_id),
         iteration = steps_taken(&request.history) + 1,
-        id = agent_core::documents::prefix(id.unwrap_or(""), 240),
-        pattern = %agent_core::documents::prefix(&request.pattern, 240),
-        correlation = %agent_core::documents::prefix(&request.correlation_id, 240),
+        id = %agent_core::logged::client_text(id.unwrap_or("")),
+        pattern = %agent_core::logged::client_text(&request.pattern),
+        correlation = %agent_core::logged::client_text(&request.correlation_id),
         traceparent = traceparent,
     )
 }
