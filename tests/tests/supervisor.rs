@@ -235,6 +235,120 @@ async fn a_second_resumption_of_a_fan_out_with_other_results_is_the_same_step() 
     }
 }
 
+/// The first synthesis waiting for `session` on the request topic, as the aggregator sent it.
+async fn synthesis_sent(
+    requests: &mut pulsar::Consumer<Vec<u8>, pulsar::TokioExecutor>,
+    session: &str,
+) -> AgentRequest {
+    loop {
+        let message = tokio::time::timeout(DIALOG_TIMEOUT, requests.next())
+            .await
+            .expect("no synthesis on the request topic")
+            .unwrap()
+            .unwrap();
+        let request: AgentRequest = agent_schema::decode(&message.payload.data).unwrap();
+        if request.session_id == session
+            && agent_core::supervisor::pending_synthesis(&request.history).is_some()
+        {
+            return request;
+        }
+    }
+}
+
+/// The synthesis the aggregator sends is the input recorded first for its step: an attempt that
+/// built other input (after one that recorded and then stopped, or whose claim lapsed) sends the
+/// recorded one, and the graph names one input for the step, so a fork from it starts from what
+/// ran. The earlier attempt's record is planted here before the fan-in completes; without the
+/// check the aggregator sent its own and recorded a second input beside the first.
+#[tokio::test]
+async fn the_synthesis_sent_is_the_input_recorded_first() {
+    const TOKEN: &str = "recorded-token";
+    let broker = Broker::start().unwrap();
+    let aggregator = Aggregator::spawn_with(&broker, &["--config-token", TOKEN]);
+    let llm = scripted_llm(FOUR).await;
+    let _orchestrator = Orchestrator::spawn_journaled(&broker, &llm, &aggregator, TOKEN, &[]);
+    let topics = agent_bus::Topics::trustgraph("default", "default");
+    let mut requests = read_from_start(&broker, &topics.request, "recorded-reader").await;
+    let mut client = client(&broker).await;
+    let question = "Compare the four prices.";
+    let first_session = "recorded-first";
+    client
+        .send(
+            "rec-1",
+            &AgentRequest {
+                session_id: first_session.into(),
+                ..supervised(question)
+            },
+        )
+        .await
+        .unwrap();
+    let first = collect_dialog(&mut client, "rec-1", DIALOG_TIMEOUT)
+        .await
+        .unwrap();
+    assert_eq!(closings(&first), 1, "{first:#?}");
+    let earlier = synthesis_sent(&mut requests, first_session).await;
+    // The second dialog's synthesis step, recorded by "an earlier attempt" with the first
+    // dialog's results (the same question, so the synthesis answers it alike).
+    let second_session = "recorded-second";
+    let planted = AgentRequest {
+        session_id: second_session.into(),
+        ..earlier
+    };
+    let step = agent_core::fork::step_of(&planted);
+    let input = agent_core::fork::RecordedInput {
+        step,
+        continues: None,
+        request: planted.clone(),
+    };
+    let uris = agent_core::provenance::SessionUris::new(second_session);
+    let store =
+        agent_graph::GraphStore::open(&aggregator.endpoint, Some(TOKEN.to_owned())).unwrap();
+    client
+        .send(
+            "rec-2",
+            &AgentRequest {
+                session_id: second_session.into(),
+                ..supervised(question)
+            },
+        )
+        .await
+        .unwrap();
+    // Before its subagents answer (each takes 400 ms).
+    store
+        .insert(
+            agent_graph::convert::into_quads(agent_core::provenance::step_input(&uris, &input))
+                .unwrap(),
+        )
+        .await
+        .unwrap();
+    let second = collect_dialog(&mut client, "rec-2", DIALOG_TIMEOUT)
+        .await
+        .unwrap();
+    assert_eq!(closings(&second), 1, "{second:#?}");
+    let sent = synthesis_sent(&mut requests, second_session).await;
+    assert_eq!(
+        agent_schema::encode(&sent),
+        agent_schema::encode(&planted),
+        "the aggregator sent another input than the one recorded"
+    );
+    let recorded = store
+        .query(format!(
+            "SELECT (COUNT(?r) AS ?n) WHERE {{ GRAPH ?g {{ <{}> <https://trustgraph.ai/ns/request> ?r }} }}",
+            uris.input(step)
+        ))
+        .await
+        .unwrap()
+        .rows();
+    let count = recorded
+        .first("n")
+        .map(|n| n.to_string())
+        .unwrap_or_default();
+    assert!(
+        count.starts_with("\"1\""),
+        "inputs recorded for the step: {count}"
+    );
+}
+
 /// Four subagents, one of which fails: they run at once, the synthesis cites the three results and
 /// the failure, exactly one message ends the dialog, and a completion delivered again changes
 /// nothing.

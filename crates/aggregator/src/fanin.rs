@@ -565,20 +565,34 @@ pub async fn check(
     } else {
         results
     };
-    let next = synthesis_request(&continuation, results, &missing);
+    let built = synthesis_request(&continuation, results, &missing);
     // What the supervisor's next step is given, kept as every step's input is: a fork or replay of
-    // that step starts from it.
+    // that step starts from it. Recorded before it is sent, and only if no attempt recorded one:
+    // the request sent is the one recorded first. An attempt that stopped after recording (a
+    // crash, a lapsed claim) may have sent it, and the orchestrator's journal drops a later copy
+    // whatever it holds; sent with other results, the graph would name an input that never ran,
+    // and a fork from that step would start from it.
+    let step = agent_core::fork::step_of(&built);
     let input = agent_core::fork::RecordedInput {
-        step: agent_core::fork::step_of(&next),
+        step,
         continues: None,
-        request: next.clone(),
+        request: built.clone(),
     };
-    let uris = agent_core::provenance::SessionUris::new(&next.session_id);
-    if let Ok(quads) =
-        agent_graph::convert::into_quads(agent_core::provenance::step_input(&uris, &input))
-    {
-        store.insert(quads).await?;
-    }
+    let uris = agent_core::provenance::SessionUris::new(&built.session_id);
+    let next = match (
+        agent_graph::convert::into_quads(agent_core::provenance::step_input(&uris, &input)),
+        NamedNode::new(uris.input(step)),
+    ) {
+        (Ok(quads), Ok(node)) => {
+            store
+                .update(queries::record_step_input_once(&node, &quads))
+                .await?;
+            agent_graph::recorded::recorded_request(store, &built.session_id, step)
+                .await?
+                .unwrap_or(built)
+        }
+        _ => built,
+    };
     // The supervisor goes on with its subagents' tokens counted and its own start time, and with
     // what the step that fanned out carries on (a replay's reuse, the dialog's model).
     let mut properties = carried.clone();

@@ -556,6 +556,43 @@ pub fn step_inputs(session: &NamedNode, steps: std::ops::RangeInclusive<usize>) 
     )
 }
 
+/// Records a step's input (`quads`, describing `node`) unless one is recorded there already: the
+/// first writer's stands. A second attempt at the same step (its first stopped between recording
+/// and publishing, or its claim lapsed) may have built another input (more results in, another
+/// excerpt), and reads the first back instead of adding a second beside it.
+pub fn record_step_input_once(node: &NamedNode, quads: &[oxigraph::model::Quad]) -> String {
+    let g = graph();
+    format!(
+        "{PREFIXES}INSERT {{\n{}}}\nWHERE {{ FILTER NOT EXISTS {{ GRAPH {g} {{ {node} tg:step ?recorded }} }} }}",
+        quads_by_graph(quads.iter())
+    )
+}
+
+/// `quads` as the triples of a SPARQL update's data or template, grouped by graph.
+pub(crate) fn quads_by_graph<'q>(quads: impl Iterator<Item = &'q oxigraph::model::Quad>) -> String {
+    let mut by_graph: std::collections::BTreeMap<Option<String>, String> =
+        std::collections::BTreeMap::new();
+    for quad in quads {
+        let graph = match &quad.graph_name {
+            oxigraph::model::GraphName::NamedNode(n) => Some(n.to_string()),
+            _ => None,
+        };
+        let body = by_graph.entry(graph).or_default();
+        body.push_str(&format!(
+            "{} {} {} .\n",
+            quad.subject, quad.predicate, quad.object
+        ));
+    }
+    let mut text = String::new();
+    for (graph, triples) in by_graph {
+        match graph {
+            Some(g) => text.push_str(&format!("GRAPH {g} {{\n{triples}}}\n")),
+            None => text.push_str(&triples),
+        }
+    }
+    text
+}
+
 /// How many steps' inputs [`step_inputs`] is asked for at once.
 pub const STEP_INPUTS_PAGE: usize = 200;
 

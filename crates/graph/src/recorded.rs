@@ -43,6 +43,29 @@ pub async fn step_input(
     Ok(rebuild(&records, n))
 }
 
+/// The request recorded whole as step `n`'s input in `session` (not as a continuation of an
+/// earlier step's), if one is: `None` when none is, or only its size (over the recorded bound),
+/// or it does not decode.
+pub async fn recorded_request(
+    store: &GraphStore,
+    session: &str,
+    n: usize,
+) -> Result<Option<AgentRequest>, GraphError> {
+    let node = queries::session_node(session)?;
+    let rows = store
+        .query(queries::step_inputs(&node, n..=n))
+        .await?
+        .rows();
+    let mut records = Vec::new();
+    if add_records(&rows, &mut records).is_err() {
+        return Ok(None);
+    }
+    Ok(records
+        .into_iter()
+        .find(|r| r.step == n && r.continues.is_none())
+        .map(|r| r.request))
+}
+
 /// The step inputs in `rows` (see [`queries::step_inputs`]) added to `records`; `Err(why)` when
 /// one does not decode.
 fn add_records(rows: &crate::Rows, records: &mut Vec<RecordedInput>) -> Result<(), String> {

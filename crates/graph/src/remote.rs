@@ -2,7 +2,6 @@
 //! for loads. The base URL serves `/query` and `/update` (Oxigraph server's layout, the aggregator's,
 //! and a Jena Fuseki dataset's), and `/store` or `/data`; an aggregator also serves the journal API.
 
-use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 use oxigraph::model::{GraphName, Quad};
@@ -501,25 +500,8 @@ struct Body {
 
 /// One `INSERT DATA` update adding `quads`, grouped by graph.
 fn insert_data<'q>(quads: impl Iterator<Item = &'q Quad>) -> String {
-    let mut by_graph: BTreeMap<Option<String>, String> = BTreeMap::new();
-    for quad in quads {
-        let graph = match &quad.graph_name {
-            GraphName::NamedNode(n) => Some(n.to_string()),
-            _ => None,
-        };
-        let body = by_graph.entry(graph).or_default();
-        body.push_str(&format!(
-            "{} {} {} .\n",
-            quad.subject, quad.predicate, quad.object
-        ));
-    }
-    let mut update = String::from("INSERT DATA {\n");
-    for (graph, triples) in by_graph {
-        match graph {
-            Some(g) => update.push_str(&format!("GRAPH {g} {{\n{triples}}}\n")),
-            None => update.push_str(&triples),
-        }
-    }
-    update.push('}');
-    update
+    format!(
+        "INSERT DATA {{\n{}}}",
+        crate::queries::quads_by_graph(quads)
+    )
 }
