@@ -158,6 +158,9 @@ pub struct Turns {
     lines: Mutex<HashMap<String, Arc<tokio::sync::Mutex<Line>>>>,
     /// Holds since the lines nobody uses were last looked through.
     holds: std::sync::atomic::AtomicUsize,
+    /// Requests that stopped waiting while their conversation's line was held, by conversation:
+    /// taken out of it as that hold ends, or by the next.
+    left: Mutex<HashMap<String, Vec<String>>>,
 }
 
 /// How many holds pass between looks through every line for those left with only stale entries
@@ -188,10 +191,13 @@ impl Turns {
                 .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             if holds.is_multiple_of(TIDY_EVERY) {
                 tidy(&mut lines);
+                // One that left a line gone since (it left as the line's last hold ended).
+                locked(&self.left).retain(|conversation, _| lines.contains_key(conversation));
             }
             lines.entry(conversation.to_owned()).or_default().clone()
         };
         let mut line = line.lock_owned().await;
+        self.apply_left(conversation, &mut line);
         line.forget_stale(Instant::now());
         HeldLine {
             turns: self,
@@ -211,15 +217,33 @@ impl Turns {
         }
     }
 
-    /// Takes `session` out of its conversation's line (it stopped waiting) unless someone holds
-    /// the line this instant; then it is taken for gone once it stops asking.
+    /// Takes `session` out of its conversation's line (it stopped waiting): at once, or as soon
+    /// as whoever holds the line this instant lets it go. (Left in it, it stayed first until it
+    /// was taken for gone, [`GONE_AFTER`] later, and the requests behind it waited that long.)
     pub fn leave(&self, conversation: &str, session: &str) {
         let Some(line) = locked(&self.lines).get(conversation).cloned() else {
             return;
         };
-        if let Ok(mut held) = line.try_lock() {
-            held.waiting.retain(|(s, _)| s != session);
+        let left_now = match line.try_lock() {
+            Ok(mut held) => {
+                held.waiting.retain(|(s, _)| s != session);
+                true
+            }
+            Err(_) => false,
         };
+        if !left_now {
+            locked(&self.left)
+                .entry(conversation.to_owned())
+                .or_default()
+                .push(session.to_owned());
+        }
+    }
+
+    /// Takes out of `line` the requests that left it while it was held.
+    fn apply_left(&self, conversation: &str, line: &mut Line) {
+        if let Some(sessions) = locked(&self.left).remove(conversation) {
+            line.waiting.retain(|(s, _)| !sessions.contains(s));
+        }
     }
 
     /// Conversations with a line here.
@@ -300,6 +324,7 @@ impl Line {
 
 impl Drop for HeldLine<'_> {
     fn drop(&mut self) {
+        self.turns.apply_left(&self.conversation, &mut self.line);
         if !self.line.is_empty() {
             return;
         }
@@ -516,6 +541,19 @@ mod tests {
         assert!(line.ask("c2"));
         drop(line);
         assert_eq!(turns.count(), 1);
+    }
+
+    #[tokio::test]
+    async fn a_request_that_stops_waiting_while_the_line_is_held_leaves_it_once_let_go() {
+        let turns = Turns::default();
+        let mut line = turns.hold("c").await;
+        line.wait("first");
+        line.wait("second");
+        turns.leave("c", "first");
+        drop(line);
+        let mut line = turns.hold("c").await;
+        assert_eq!(line.ahead_of("second"), None, "it stayed first in line");
+        assert!(line.ask("second"));
     }
 
     #[tokio::test]
