@@ -400,8 +400,8 @@ impl LlmClient {
             tape.push(TapedCall {
                 digest,
                 repeat,
-                recorded: recorded.clone(),
-                reused_from: Some(source.clone()),
+                recorded,
+                reused_from: Some(source),
             });
             return Ok(completion);
         }

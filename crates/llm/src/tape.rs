@@ -60,14 +60,38 @@ pub struct TapedCall {
 /// the second, and any call past the last the last.
 pub type AnswersByRepeat = Vec<(String, Recorded)>;
 
+/// Where a replaying step's recorded answers come from, looked up as each call asks: a source
+/// run's record is shared by the steps that replay it, and a step takes a copy of only the answers
+/// to the questions it asks (copied up front, every step held one of every answer in the run).
+pub trait RecordedAnswers: Send + Sync {
+    /// The recorded calls' names and answers for `digest`, by repeat (empty: none recorded).
+    fn answers(&self, digest: &str) -> AnswersByRepeat;
+}
+
+impl RecordedAnswers for HashMap<String, AnswersByRepeat> {
+    fn answers(&self, digest: &str) -> AnswersByRepeat {
+        self.get(digest).cloned().unwrap_or_default()
+    }
+}
+
 /// The calls of one step, and the recorded answers it may give again.
-#[derive(Debug, Default)]
+#[derive(Default)]
 pub struct Tape {
-    /// Digest -> the recorded calls' names and answers, by repeat.
-    replay: HashMap<String, AnswersByRepeat>,
+    /// The recorded answers it may give, by digest.
+    replay: Option<Box<dyn RecordedAnswers>>,
     /// Digest -> how many of the step's calls asked it so far.
     asked: Mutex<HashMap<String, usize>>,
     calls: Mutex<Vec<TapedCall>>,
+}
+
+impl std::fmt::Debug for Tape {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Tape")
+            .field("replaying", &self.replay.is_some())
+            .field("asked", &self.asked)
+            .field("calls", &self.calls)
+            .finish()
+    }
 }
 
 impl Tape {
@@ -77,26 +101,30 @@ impl Tape {
     }
 
     /// A tape that gives `recorded` answers to the same questions again.
-    pub fn replaying(recorded: HashMap<String, AnswersByRepeat>) -> Tape {
+    pub fn replaying(recorded: impl RecordedAnswers + 'static) -> Tape {
         Tape {
-            replay: recorded,
+            replay: Some(Box::new(recorded)),
             ..Tape::default()
         }
     }
 
     /// A call asking what `digest` names: which repeat of it in this step it is, and the
     /// recorded answer it is given, if any.
-    pub(crate) fn ask(&self, digest: &str) -> (usize, Option<&(String, Recorded)>) {
+    pub(crate) fn ask(&self, digest: &str) -> (usize, Option<(String, Recorded)>) {
         let repeat = {
             let mut asked = self.asked.lock().unwrap_or_else(PoisonError::into_inner);
             let count = asked.entry(digest.to_owned()).or_insert(0);
             *count += 1;
             *count - 1
         };
-        let answer = self
-            .replay
-            .get(digest)
-            .and_then(|answers| answers.get(repeat).or(answers.last()));
+        let answer = self.replay.as_ref().and_then(|replay| {
+            let mut answers = replay.answers(digest);
+            if repeat < answers.len() {
+                Some(answers.swap_remove(repeat))
+            } else {
+                answers.pop()
+            }
+        });
         (repeat, answer)
     }
 
@@ -190,7 +218,7 @@ mod tests {
             "d".to_owned(),
             vec![answer("3"), answer("5")],
         )]));
-        let text = |(repeat, answer): (usize, Option<&(String, Recorded)>)| {
+        let text = |(repeat, answer): (usize, Option<(String, Recorded)>)| {
             (repeat, answer.map(|(_, r)| r.text.clone()))
         };
         assert_eq!(text(tape.ask("d")), (0, Some("3".into())));
@@ -198,5 +226,34 @@ mod tests {
         assert_eq!(text(tape.ask("d")), (2, Some("5".into())));
         assert_eq!(text(tape.ask("other")), (0, None));
         assert_eq!(text(Tape::recording().ask("d")), (0, None));
+    }
+
+    /// What asks a replaying tape for the answers to `digest`, and which digests it asked.
+    struct Counted(Mutex<Vec<String>>);
+
+    impl RecordedAnswers for std::sync::Arc<Counted> {
+        fn answers(&self, digest: &str) -> AnswersByRepeat {
+            self.0.lock().unwrap().push(digest.to_owned());
+            vec![(
+                format!("node-{digest}"),
+                Recorded {
+                    text: digest.to_owned(),
+                    ..Recorded::default()
+                },
+            )]
+        }
+    }
+
+    #[test]
+    fn a_replaying_tape_looks_up_only_what_its_calls_ask() {
+        let source = std::sync::Arc::new(Counted(Mutex::new(Vec::new())));
+        let tape = Tape::replaying(source.clone());
+        assert!(
+            source.0.lock().unwrap().is_empty(),
+            "looked up before any call"
+        );
+        let (_, answer) = tape.ask("d2");
+        assert_eq!(answer.map(|(_, r)| r.text), Some("d2".into()));
+        assert_eq!(*source.0.lock().unwrap(), ["d2"]);
     }
 }

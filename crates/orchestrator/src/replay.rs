@@ -13,7 +13,7 @@ use agent_core::provenance::{self, SessionUris};
 use agent_core::replay::{CallPlace, Placed};
 use agent_graph::recorded::{self, RecordedToolResult, Recordings};
 use agent_graph::{GraphError, GraphStore};
-use agent_llm::tape::{AnswersByRepeat, Recorded, Tape};
+use agent_llm::tape::{AnswersByRepeat, Recorded, RecordedAnswers, Tape};
 use agent_schema::{
     AgentRequest, FORK_OF_PROPERTY, FORK_STEP_PROPERTY, REUSE_FROM_PROPERTY, REUSE_PROPERTY,
 };
@@ -106,6 +106,23 @@ impl StepStart {
             replay,
             fork,
         })
+    }
+}
+
+/// The answers a step at `place` may give again from `source`, looked up as its calls ask (see
+/// [`RecordedAnswers`]): the record is shared, not copied into each step.
+struct StepAnswers {
+    place: CallPlace,
+    source: Arc<SourceRecord>,
+}
+
+impl RecordedAnswers for StepAnswers {
+    fn answers(&self, digest: &str) -> AnswersByRepeat {
+        self.source
+            .llm_calls
+            .get(digest)
+            .map(|calls| agent_core::replay::by_repeat(calls, &self.place))
+            .unwrap_or_default()
     }
 }
 
@@ -257,14 +274,10 @@ impl StepReplay {
         kept: &KeptRecords,
     ) -> Result<StepReplay, GraphError> {
         let source = kept.read(store, reuse).await?;
-        let answers: HashMap<String, AnswersByRepeat> = source
-            .llm_calls
-            .iter()
-            .filter_map(|(digest, calls)| {
-                let answers = agent_core::replay::by_repeat(calls, &place);
-                (!answers.is_empty()).then(|| (digest.clone(), answers))
-            })
-            .collect();
+        let answers = StepAnswers {
+            place: place.clone(),
+            source: source.clone(),
+        };
         Ok(StepReplay {
             tape: Arc::new(Tape::replaying(answers)),
             source: Some((place, source)),
