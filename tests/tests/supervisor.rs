@@ -185,24 +185,7 @@ async fn a_second_resumption_of_a_fan_out_with_other_results_is_the_same_step() 
     };
     assert_eq!(synthesis_calls(&llm), 1);
     // The resumption the aggregator published, as it was sent.
-    let (resumption, mut properties) = loop {
-        let message = tokio::time::timeout(DIALOG_TIMEOUT, requests.next())
-            .await
-            .expect("no resumption on the request topic")
-            .unwrap()
-            .unwrap();
-        let request: AgentRequest = agent_schema::decode(&message.payload.data).unwrap();
-        if agent_core::supervisor::pending_synthesis(&request.history).is_some() {
-            let properties: agent_bus::Properties = message
-                .payload
-                .metadata
-                .properties
-                .iter()
-                .map(|kv| (kv.key.clone(), kv.value.clone()))
-                .collect();
-            break (request, properties);
-        }
-    };
+    let (resumption, mut properties) = synthesis_sent(&mut requests, None).await;
     // Another with one result changed, sealed as the aggregator seals one.
     let mut other = resumption.clone();
     let results = other
@@ -235,11 +218,12 @@ async fn a_second_resumption_of_a_fan_out_with_other_results_is_the_same_step() 
     }
 }
 
-/// The first synthesis waiting for `session` on the request topic, as the aggregator sent it.
+/// The next synthesis on the request topic (of `session`, if one is named), as the aggregator
+/// sent it, with its properties.
 async fn synthesis_sent(
     requests: &mut pulsar::Consumer<Vec<u8>, pulsar::TokioExecutor>,
-    session: &str,
-) -> AgentRequest {
+    session: Option<&str>,
+) -> (AgentRequest, agent_bus::Properties) {
     loop {
         let message = tokio::time::timeout(DIALOG_TIMEOUT, requests.next())
             .await
@@ -247,10 +231,17 @@ async fn synthesis_sent(
             .unwrap()
             .unwrap();
         let request: AgentRequest = agent_schema::decode(&message.payload.data).unwrap();
-        if request.session_id == session
+        if session.is_none_or(|session| request.session_id == session)
             && agent_core::supervisor::pending_synthesis(&request.history).is_some()
         {
-            return request;
+            let properties = message
+                .payload
+                .metadata
+                .properties
+                .iter()
+                .map(|kv| (kv.key.clone(), kv.value.clone()))
+                .collect();
+            return (request, properties);
         }
     }
 }
@@ -286,7 +277,7 @@ async fn the_synthesis_sent_is_the_input_recorded_first() {
         .await
         .unwrap();
     assert_eq!(closings(&first), 1, "{first:#?}");
-    let earlier = synthesis_sent(&mut requests, first_session).await;
+    let (earlier, _) = synthesis_sent(&mut requests, Some(first_session)).await;
     // The second dialog's synthesis step, recorded by "an earlier attempt" with the first
     // dialog's results (the same question, so the synthesis answers it alike).
     let second_session = "recorded-second";
@@ -325,7 +316,7 @@ async fn the_synthesis_sent_is_the_input_recorded_first() {
         .await
         .unwrap();
     assert_eq!(closings(&second), 1, "{second:#?}");
-    let sent = synthesis_sent(&mut requests, second_session).await;
+    let (sent, _) = synthesis_sent(&mut requests, Some(second_session)).await;
     assert_eq!(
         agent_schema::encode(&sent),
         agent_schema::encode(&planted),

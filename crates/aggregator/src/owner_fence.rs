@@ -6,8 +6,8 @@
 //!
 //! Before it consumes or answers a journal call, a new owner listens for a few beats, counted
 //! only while it hears its own (so that a broker down meanwhile does not count as silence); the
-//! elder (earlier start, then the smaller id) stays. Replicas that forward to an owner's endpoint are
-//! not owners and do not take part. With the services' seal key, an announcement counts only
+//! elder (earlier start, then the smaller id) stays. Replicas that forward to an owner's endpoint
+//! are not owners and do not take part. With the services' seal key, an announcement counts only
 //! sealed with it and sent within [`FRESH`]: anyone who can publish on the broker could
 //! otherwise stand the running owner down with one forged "elder", or with an old owner's
 //! announcement played again.
@@ -76,7 +76,7 @@ impl Owner {
 }
 
 /// An announcement on the broker: the owner, and when it was sent (an earlier build sent none).
-#[derive(Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Serialize, Deserialize)]
 struct Announcement {
     #[serde(flatten)]
     owner: Owner,
@@ -260,7 +260,8 @@ pub struct Announcer {
 
 impl Announcer {
     /// Starts announcing `me` on `topic` and listening for other owners, until `stop`: until it
-    /// has heard its own announcements for `listen` without a break nothing is admitted; then this process owns the journal unless an elder was heard.
+    /// has heard its own announcements for `listen` without a break nothing is admitted; then
+    /// this process owns the journal unless an elder was heard.
     /// An elder heard later (both started at once, or its beats were lost) refuses this process
     /// too, and `service` is cancelled so the service stops rather than go on deciding beside it.
     /// With `shared`, the SPARQL server whose journal this process owns, it also beats there

@@ -68,12 +68,6 @@ pub trait RecordedAnswers: Send + Sync {
     fn answers(&self, digest: &str) -> AnswersByRepeat;
 }
 
-impl RecordedAnswers for HashMap<String, AnswersByRepeat> {
-    fn answers(&self, digest: &str) -> AnswersByRepeat {
-        self.get(digest).cloned().unwrap_or_default()
-    }
-}
-
 /// The calls of one step, and the recorded answers it may give again.
 #[derive(Default)]
 pub struct Tape {
@@ -226,6 +220,12 @@ mod tests {
         assert_eq!(text(tape.ask("d")), (2, Some("5".into())));
         assert_eq!(text(tape.ask("other")), (0, None));
         assert_eq!(text(Tape::recording().ask("d")), (0, None));
+    }
+
+    impl RecordedAnswers for HashMap<String, AnswersByRepeat> {
+        fn answers(&self, digest: &str) -> AnswersByRepeat {
+            self.get(digest).cloned().unwrap_or_default()
+        }
     }
 
     /// What asks a replaying tape for the answers to `digest`, and which digests it asked.
