@@ -14,9 +14,8 @@ cache="${PULSAR_AGENTS_CACHE:-$HOME/.cache/pulsar-agents}/apache-pulsar-$version
 lib="$cache/lib"
 
 fetch() {
-  [ -f "$cache/.complete" ] && return 0
+  # Quick once fetched; it checks the jars again when their pinned list changes.
   "$here/maven-jars.sh" "$here/apache-pulsar/pom.xml" "$lib" "pulsar-broker $version and its jars (~240 MB)"
-  touch "$cache/.complete"
 }
 
 case "${1:-}" in

@@ -13,9 +13,8 @@ cache="${PULSAR_AGENTS_CACHE:-$HOME/.cache/pulsar-agents}/jena-fuseki-$version-$
 lib="$cache/lib"
 
 fetch() {
-  [ -f "$cache/.complete" ] && return 0
+  # Quick once fetched; it checks the jars again when their pinned list changes.
   "$here/maven-jars.sh" "$here/fuseki/pom.xml" "$lib" "jena-fuseki-main $version and its jars"
-  touch "$cache/.complete"
 }
 
 case "${1:-}" in

@@ -15,7 +15,11 @@ cassandra=$(grep -A1 '<artifactId>cassandra-all</artifactId>' "$here/librarian/p
 cache="${PULSAR_AGENTS_CACHE:-$HOME/.cache/pulsar-agents}/librarian-$version-cassandra-$cassandra"
 
 install() {
-  [ -f "$cache/.complete" ] && return 0
+  if [ -f "$cache/.complete" ]; then
+    # Quick once fetched; it checks the jars again when their pinned list changes.
+    "$here/maven-jars.sh" "$here/librarian/pom.xml" "$cache/cassandra" "cassandra-all $cassandra and its jars"
+    return 0
+  fi
   echo "librarian: installing TrustGraph's librarian $version (PyPI) and Cassandra $cassandra (Maven Central), once" >&2
   rm -rf "$cache"
   mkdir -p "$cache"

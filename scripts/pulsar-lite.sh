@@ -11,12 +11,26 @@ print(os.path.join(os.path.dirname(pulsar_lite.__file__), "bin", "pulsar-lite"))
 PY
 }
 
+# The version we run, and the sha256 of its broker binary: what runs is what was tested, not
+# whatever 0.2.x PyPI serves next, nor a binary changed in transit or on disk.
+VERSION=0.2.0
+BINARY_SHA256=fe0efa852084a257aa4fe8212e9ff46e617309520e6e7d438731d5a3d2c9e7be
+
+pinned() {
+  [ -x "$1" ] && [ "$(sha256sum "$1" | cut -d' ' -f1)" = "$BINARY_SHA256" ]
+}
+
 ensure_installed() {
-  if ! bin=$(binary) || [ ! -x "$bin" ]; then
-    echo "pulsar-lite: installing from PyPI" >&2
-    python3 -m pip install -q --disable-pip-version-check 'pulsar-lite==0.2.*' >/dev/null 2>&1 \
-      || python3 -m pip install -q --disable-pip-version-check --break-system-packages 'pulsar-lite==0.2.*' >/dev/null
+  if ! bin=$(binary) || ! pinned "$bin"; then
+    echo "pulsar-lite: installing $VERSION from PyPI" >&2
+    python3 -m pip install -q --disable-pip-version-check "pulsar-lite==$VERSION" >/dev/null 2>&1 \
+      || python3 -m pip install -q --disable-pip-version-check --break-system-packages \
+        "pulsar-lite==$VERSION" >/dev/null
     bin=$(binary)
+    pinned "$bin" || {
+      echo "pulsar-lite: $bin is not the pinned $VERSION binary (sha256 $BINARY_SHA256)" >&2
+      exit 1
+    }
   fi
   echo "$bin"
 }
