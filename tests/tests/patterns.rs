@@ -113,6 +113,58 @@ async fn the_meta_router_chooses_the_llm_router_which_hands_requests_to_a_tool_o
     }
 }
 
+/// A tool's model that stops at its length limit gave half a reply: the router does not give it as
+/// the dialog's answer. The tool failed, saying what it wrote, and ReACT goes on from there.
+#[tokio::test]
+async fn the_llm_router_does_not_answer_with_a_tool_reply_cut_at_the_length_limit() {
+    let script = r#"{"rules": [
+      {"match": "Request to classify: ", "reply": "{\"choice\": \"general\", \"rationale\": \"plain\"}"},
+      {"match": "Request to work on: ", "reply": "{\"choice\": \"llm-router\", \"rationale\": \"one step will do\"}"},
+      {"match": "Request to route: Name the planets.", "reply": "{\"choice\": \"tool:llm\", \"rationale\": \"a single lookup\", \"arguments\": {\"question\": \"planets?\"}}"},
+      {"match": "planets?", "exact": true, "reply": "Mercury, Venus, Earth, Mars, Jupiter, Saturn, Uranus and Neptune.", "faults": ["length"]},
+      {"match": "was cut off at the model's length limit before it ended; what it wrote: Mercury", "reply": "Thought: The list was cut short; I know the rest.\nFinal Answer: The eight planets, Mercury to Neptune."}
+    ]}"#;
+    let Stack {
+        broker,
+        aggregator,
+        llm,
+        orchestrator: _orchestrator,
+    } = Stack::journaled(TOKEN, script, &config(), &[]).await;
+    let mut client = client(&broker).await;
+    client
+        .send("planets", &request("Name the planets.", false))
+        .await
+        .unwrap();
+    let responses = collect_dialog(&mut client, "planets", Duration::from_secs(60))
+        .await
+        .unwrap();
+    assert_eq!(
+        responses.last().unwrap().content,
+        "The eight planets, Mercury to Neptune.",
+        "{responses:#?}"
+    );
+    assert_eq!(
+        llm.calls()
+            .iter()
+            .filter(|c| c.fault.as_deref() == Some("length"))
+            .count(),
+        1
+    );
+    // Recorded as the failed call it was, and the answer came after it.
+    let session = session_of(&responses);
+    let failed = format!(
+        "{}SELECT ?o WHERE {{ GRAPH <urn:graph:retrieval> {{
+           <{session}/i1> tg:action \"llm\" .
+           <{session}/i1/observation> tg:content ?o .
+           FILTER(STRSTARTS(?o, \"Error: the reply of the tool 'llm' was cut off\"))
+           <{session}/final> tg:terminationReason \"answer\" ;
+             prov:wasDerivedFrom+ <{session}/i1/observation> .
+        }} }}",
+        agent_core::vocab::SPARQL_PREFIXES
+    );
+    assert_eq!(count_reaching(&aggregator.store(), failed, 1).await, 1);
+}
+
 #[tokio::test]
 async fn reflexion_reflects_after_each_action_and_the_next_step_is_given_the_lesson() {
     let script = r#"{"rules": [

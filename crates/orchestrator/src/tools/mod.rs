@@ -261,8 +261,8 @@ pub async fn run_tool(
     let started = Instant::now();
     let outcome = tokio::time::timeout(timeout, call(context, tool, arguments)).await;
     let fate = match &outcome {
-        Ok(Ok(_)) => ToolOutcome::Answered,
-        Ok(Err(_)) => ToolOutcome::Failed,
+        Ok(Ok(reply)) if reply.whole => ToolOutcome::Answered,
+        Ok(_) => ToolOutcome::Failed,
         Err(_) => ToolOutcome::TimedOut,
     };
     crate::events::ToolCalled {
@@ -272,7 +272,19 @@ pub async fn run_tool(
     }
     .emit();
     let (observation, in_token, out_token) = match outcome {
-        Ok(Ok((text, i, o))) => (text, i, o),
+        Ok(Ok(Reply {
+            text,
+            in_token,
+            out_token,
+            whole,
+        })) => {
+            let text = if whole {
+                text
+            } else {
+                format!("Error: {text}")
+            };
+            (text, in_token, out_token)
+        }
         Ok(Err(message)) => (format!("Error: {message}"), 0, 0),
         Err(_) => (
             format!(
@@ -347,16 +359,36 @@ pub async fn mcp_arguments(turn: &Turn<'_>, tool: &ToolDef) -> Result<Vec<ToolAr
     turn.mcp.arguments(&endpoint, remote).await
 }
 
+/// What a tool gave: its text, the tokens its LLM spent, and whether the text is its whole answer
+/// (an LLM-backed tool's model can stop at its length limit, or say nothing).
+struct Reply {
+    text: String,
+    in_token: u64,
+    out_token: u64,
+    whole: bool,
+}
+
+impl Reply {
+    fn whole(text: String) -> Reply {
+        Reply {
+            text,
+            in_token: 0,
+            out_token: 0,
+            whole: true,
+        }
+    }
+}
+
 async fn call(
     context: &ToolContext<'_>,
     tool: &ToolDef,
     arguments: &BTreeMap<String, String>,
-) -> Result<(String, u64, u64), String> {
+) -> Result<Reply, String> {
     let prompt = match tool.kind.as_str() {
         MCP_TOOL => {
             let (endpoint, remote) = mcp_target(context.config, tool)?;
             let text = context.mcp.call(&endpoint, remote, arguments).await?;
-            return Ok((text, 0, 0));
+            return Ok(Reply::whole(text));
         }
         "knowledge-query" => {
             let (store, name) = collection(context, tool)?;
@@ -365,7 +397,7 @@ async fn call(
             let text =
                 knowledge::knowledge_query(store, name, question, context.max_bytes, time_limit)
                     .await?;
-            return Ok((text, 0, 0));
+            return Ok(Reply::whole(text));
         }
         "sparql-query" => {
             let (store, name) = collection(context, tool)?;
@@ -373,7 +405,7 @@ async fn call(
             let time_limit = Duration::from_secs(context.config.limits.tool_timeout_secs);
             let text =
                 knowledge::sparql_query(store, name, query, context.max_bytes, time_limit).await?;
-            return Ok((text, 0, 0));
+            return Ok(Reply::whole(text));
         }
         // TrustGraph's text-completion tool passes its one argument to the LLM as the prompt.
         "text-completion" => argument(tool, arguments, "question")?.clone(),
@@ -420,7 +452,39 @@ async fn call(
         }
         format!("the tool '{}' failed: {e}", tool.name)
     })?;
-    Ok((completion.text, completion.in_token, completion.out_token))
+    // Half a reply, or none, is no answer: a router would give it as the dialog's answer and a
+    // plan would mark its step done. It is a failure that shows what the model wrote, so a
+    // reasoning loop can still use it or ask again, and the tokens it cost are counted.
+    let (text, whole) = if completion.text.trim().is_empty() {
+        let stopped = if completion.cut_off {
+            " (it stopped at its length limit)"
+        } else {
+            ""
+        };
+        (
+            format!(
+                "the tool '{}' got an empty reply from its model{stopped}",
+                tool.name
+            ),
+            false,
+        )
+    } else if completion.cut_off {
+        (
+            format!(
+                "the reply of the tool '{}' was cut off at the model's length limit before it ended; what it wrote: {}",
+                tool.name, completion.text
+            ),
+            false,
+        )
+    } else {
+        (completion.text, true)
+    };
+    Ok(Reply {
+        text,
+        in_token: completion.in_token,
+        out_token: completion.out_token,
+        whole,
+    })
 }
 
 /// Cuts `text` to at most `max_bytes` on a character boundary and says so.
