@@ -222,6 +222,127 @@ async fn a_first_request_without_an_id_redelivered_after_a_crash_runs_once() {
     );
 }
 
+/// The aggregator's endpoint seen through a proxy that refuses every journal mark (503, as a
+/// store refusing updates would) and passes everything else: the count of marks it refused.
+async fn refusing_marks(
+    endpoint: &str,
+) -> (String, std::sync::Arc<std::sync::atomic::AtomicUsize>) {
+    use axum::http::StatusCode;
+    use axum::response::IntoResponse as _;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let refused = std::sync::Arc::new(AtomicUsize::new(0));
+    let (upstream, counted) = (endpoint.to_owned(), refused.clone());
+    let http = reqwest::Client::new();
+    let app = axum::Router::new().fallback(move |request: axum::extract::Request| {
+        let (upstream, counted, http) = (upstream.clone(), counted.clone(), http.clone());
+        async move {
+            let (parts, body) = request.into_parts();
+            if parts.uri.path() == "/journal/marks" {
+                counted.fetch_add(1, Ordering::SeqCst);
+                return (StatusCode::SERVICE_UNAVAILABLE, Vec::new()).into_response();
+            }
+            let Ok(body) = axum::body::to_bytes(body, usize::MAX).await else {
+                return StatusCode::BAD_REQUEST.into_response();
+            };
+            let path = parts.uri.path_and_query().map_or("/", |p| p.as_str());
+            let mut forwarded = http.request(parts.method, format!("{upstream}{path}"));
+            for (name, value) in &parts.headers {
+                if name != axum::http::header::HOST {
+                    forwarded = forwarded.header(name, value);
+                }
+            }
+            match forwarded.body(body).send().await {
+                Ok(answer) => {
+                    let status = answer.status();
+                    let headers = answer.headers().clone();
+                    let body = answer.bytes().await.unwrap_or_default();
+                    let mut response = (status, body).into_response();
+                    for (name, value) in &headers {
+                        if name != axum::http::header::CONTENT_LENGTH
+                            && name != axum::http::header::TRANSFER_ENCODING
+                        {
+                            response.headers_mut().insert(name, value.clone());
+                        }
+                    }
+                    response
+                }
+                Err(_) => StatusCode::BAD_GATEWAY.into_response(),
+            }
+        }
+    });
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    (url, refused)
+}
+
+/// A step redelivered after a crash that followed its record re-emits its outcome from the
+/// journal; when the journal then refuses the mark that it was published, the step is still done.
+/// Until 2026-12-04 the refused mark failed the step: it was parked as for an outage and each
+/// retry found the entry unpublished and sent the whole outcome again (at 1, 2, 4 ... s), its next
+/// request included, so the rest of the dialog ran as copies too.
+#[tokio::test]
+async fn a_re_emitted_outcome_whose_mark_is_refused_goes_out_once() {
+    let mut broker = Broker::start().unwrap();
+    let aggregator = Aggregator::spawn_with(&broker, &["--config-token", TOKEN]);
+    let llm = scripted_llm(THREE_STEPS).await;
+    let question = "combine (marks refused)";
+    let id = "marks-refused";
+    let mut doomed = doomed_by("after-record:1", &broker, &llm, &aggregator, id, question).await;
+    assert!(
+        doomed.exited_within(Duration::from_secs(30)).await,
+        "the orchestrator did not crash after recording (connections pulsar-lite reset: {:?})",
+        broker.reset_connections()
+    );
+    broker.restart().unwrap();
+    let (journal_through_proxy, refused) = refusing_marks(&aggregator.endpoint).await;
+    let mut witness = read_from_start(
+        &broker,
+        "non-persistent://tg/response/agent:default:default",
+        "marks-refused-witness",
+    )
+    .await;
+    let mut client = client(&broker).await;
+    let _replacement = Orchestrator::start(
+        Place::InProcess,
+        &broker.url(),
+        &llm.base_url(),
+        "scripted",
+        &seed_dir(),
+        &[
+            "--graph-store",
+            &journal_through_proxy,
+            "--config-token",
+            TOKEN,
+        ],
+        &[],
+    );
+    let responses = collect_dialog(&mut client, id, DIALOG_TIMEOUT)
+        .await
+        .unwrap();
+    let last = responses.iter().rfind(|r| r.end_of_dialog).unwrap();
+    assert_eq!(last.content, "alpha and beta, combined.");
+    // Long enough for the retries a failed step would make (after 1, 2 and 4 s).
+    let mut observations = 0;
+    {
+        use futures::StreamExt as _;
+        let until = tokio::time::Instant::now() + Duration::from_secs(8);
+        while let Ok(Some(Ok(message))) = tokio::time::timeout_at(until, witness.next()).await {
+            witness.ack(&message).await.unwrap();
+            let response: AgentResponse = agent_schema::decode(&message.payload.data).unwrap();
+            if response.message_type == "observation" && response.content == "alpha-result" {
+                observations += 1;
+            }
+        }
+    }
+    assert!(
+        refused.load(std::sync::atomic::Ordering::SeqCst) > 0,
+        "no mark was refused"
+    );
+    assert_eq!(observations, 1, "the re-emitted observation went out once");
+    assert_eq!(calls_of(&llm, question, 4), 1, "the first step ran once");
+}
+
 /// The closing of the dialog `id` in `session` as the journal recorded it, once it is (within
 /// two minutes): read there rather than from the response topic, whose non-persistent messages a
 /// client subscribing again after a broker restart can miss.

@@ -839,16 +839,7 @@ impl<'a> DialogOutput<'a> {
         self.publish_in(&effects, order).await?;
         fault::crash_if(fault::Stage::Published, commit);
         if let Some(slot) = slot {
-            // Published is done: the mark goes off the step's path (the message is acked without
-            // waiting for it), and failing must not park or fail the step, which would send a
-            // second outcome. Unmarked, a later copy re-emits the same effects (same effect ids,
-            // which consumers drop).
-            let (journal, node) = (slot.journal.clone(), slot.node.clone());
-            tokio::spawn(async move {
-                if let Err(e) = journal.mark_published(&node).await {
-                    tracing::warn!(entry = %node.as_str(), error = %e, "published, but not marked in the journal");
-                }
-            });
+            mark_published_aside(slot.journal.clone(), slot.node.clone());
         }
         fault::crash_if(fault::Stage::Marked, commit);
         Ok(())
@@ -909,7 +900,7 @@ impl<'a> DialogOutput<'a> {
                     .map_err(|e| anyhow::anyhow!("the journal entry {node}: {e}"))?;
                 self.seal_again(&mut effects);
                 self.publish(&effects).await?;
-                slot.journal.mark_published(&slot.node).await?;
+                mark_published_aside(slot.journal.clone(), slot.node.clone());
                 return Ok(());
             }
             tokio::select! {
@@ -1587,6 +1578,18 @@ mod tests {
         drop(journal);
         let _ = std::fs::remove_dir_all(dir);
     }
+}
+
+/// Marks a published step's entry off the step's path (its message is acked without waiting).
+/// Published is done: a mark that fails must not park or fail the step, whose every retry would
+/// send its whole outcome again. Unmarked, a later copy re-emits the same effects (same effect
+/// ids, which consumers drop).
+fn mark_published_aside(journal: Journal, node: NamedNode) {
+    tokio::spawn(async move {
+        if let Err(e) = journal.mark_published(&node).await {
+            tracing::warn!(entry = %node.as_str(), error = %e, "published, but not marked in the journal");
+        }
+    });
 }
 
 /// A chaos hook for crash tests and soaks: `AGENT_FAULT=<stage>:<n>` aborts the process (as a
