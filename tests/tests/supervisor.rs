@@ -1705,6 +1705,22 @@ async fn a_rejected_subagent_result_is_sent_out_again_with_the_lesson() {
         unreachable_nodes(&store, &session).await,
         Vec::<String>::new()
     );
+    // Every LLM call is counted once: the graph's tokens (each call on its own node, the critic's
+    // on its verdicts) add up to the closing's. Until 2026-12-04 the critic's calls before the
+    // synthesis were left out of the closing, and those before the recovery round were recorded
+    // twice (on the verdicts and on the round's fan-out).
+    let closing = responses.last().unwrap();
+    let total = closing.in_token.unwrap_or(0) + closing.out_token.unwrap_or(0);
+    let summed = format!(
+        "SELECT (SUM(?v) AS ?total) WHERE {{ GRAPH <urn:graph:retrieval> {{
+           ?n ?p ?v . FILTER(?p IN (tg:inToken, tg:outToken) && STRSTARTS(STR(?n), \"{session}\"))
+         }} }}"
+    );
+    let adds_up = format!("{prefixes}ASK {{ {{ {summed} }} FILTER(?total = {total}) }}");
+    if !holds_within(&store, adds_up).await {
+        let rows = store.query(format!("{prefixes}{summed}")).await.unwrap();
+        panic!("the closing counts {total} tokens; the graph: {rows:?}");
+    }
 }
 
 /// A recovery round's verdicts are steps of the dialog too: with `max_iterations` 5, a synthesis

@@ -52,6 +52,7 @@ pub async fn iterate(turn: &Turn<'_>) -> Result<(), BusError> {
         &thought,
         &after,
         &CallStats::default(),
+        &CallStats::default(),
         Vec::new(),
     )
     .await
@@ -116,6 +117,7 @@ async fn debate(turn: &Turn<'_>, n: usize) -> Result<(), BusError> {
         &goals,
         &thought,
         &after,
+        &CallStats::default(),
         &CallStats::default(),
         Vec::new(),
     )

@@ -34,10 +34,15 @@ pub async fn iterate(turn: &Turn<'_>) -> Result<(), BusError> {
     // Subagents' results are answered from whatever the limits say: their work is already done.
     if supervising::pending_synthesis(history).is_some() {
         // With the step critic on, each result is judged first; what it rejects goes out again.
-        if step_critic(turn) && recover(turn, n).await? == Recovery::Handled {
-            return Ok(());
-        }
-        return synthesise(turn, n).await;
+        let judged = if step_critic(turn) {
+            match recover(turn, n).await? {
+                Recovery::Handled => return Ok(()),
+                Recovery::Synthesise(judged) => judged,
+            }
+        } else {
+            CallStats::default()
+        };
+        return synthesise(turn, n, &judged).await;
     }
     // With the answer critic on, a synthesis is a draft until the critic accepts it.
     if answer_critic(turn) {
@@ -50,7 +55,7 @@ pub async fn iterate(turn: &Turn<'_>) -> Result<(), BusError> {
             if let Some(done) = crate::review::give_rejected_draft_at_a_limit(turn, n).await {
                 return done;
             }
-            return synthesise(turn, n).await;
+            return synthesise(turn, n, &CallStats::default()).await;
         }
     }
     if let Some(done) = conclude_if_limited(turn).await {
@@ -68,8 +73,9 @@ fn step_critic(turn: &Turn<'_>) -> bool {
 /// What judging a round's results came to.
 #[derive(Debug, PartialEq, Eq)]
 enum Recovery {
-    /// Every result stands (or no retry is left): synthesise.
-    Synthesise,
+    /// Every result stands (or no retry is left): synthesise. What the critic's calls cost,
+    /// which the dialog's tokens count (each verdict's node records its own call).
+    Synthesise(CallStats),
     /// A recovery round went out, or the dialog ended (the critic's LLM call failed).
     Handled,
 }
@@ -91,7 +97,7 @@ async fn recover(turn: &Turn<'_>, n: usize) -> Result<Recovery, BusError> {
     if critic::retries_used(history) >= config.limits.max_retries
         || !room_for_another_round(turn, n, 0)
     {
-        return Ok(Recovery::Synthesise);
+        return Ok(Recovery::Synthesise(CallStats::default()));
     }
     // Long results travel as excerpts; the critic reads them whole.
     let whole = crate::documents::results_whole(turn.documents, history).await;
@@ -99,7 +105,7 @@ async fn recover(turn: &Turn<'_>, n: usize) -> Result<Recovery, BusError> {
         supervising::pending_synthesis(&whole),
         supervising::last_decompose(history),
     ) else {
-        return Ok(Recovery::Synthesise);
+        return Ok(Recovery::Synthesise(CallStats::default()));
     };
     let round = supervising::kept_goals(decompose);
     let FanIn {
@@ -178,7 +184,7 @@ async fn recover(turn: &Turn<'_>, n: usize) -> Result<Recovery, BusError> {
         .filter(|(_, v)| v.status != critic::Status::Success)
         .collect();
     if goals.is_empty() {
-        return Ok(Recovery::Synthesise);
+        return Ok(Recovery::Synthesise(spent));
     }
     // The verdicts join the history before the new round's decompose step: retries, lessons and
     // splits are counted from there. Each says whether its goal went out again: the round is held
@@ -221,7 +227,7 @@ async fn recover(turn: &Turn<'_>, n: usize) -> Result<Recovery, BusError> {
     // Each verdict is a step of the dialog: a round that would resume past max_iterations is
     // not started, and the results are synthesised as they are.
     if !room_for_another_round(turn, n, kept.len()) {
-        return Ok(Recovery::Synthesise);
+        return Ok(Recovery::Synthesise(spent));
     }
     let mut derived = completions;
     derived.extend(judged);
@@ -249,7 +255,18 @@ async fn recover(turn: &Turn<'_>, n: usize) -> Result<Recovery, BusError> {
         }
     }
     let after = uris.synthesis(&cid);
-    fan_out(turn, n, &goals, &thought, &after, &spent, kept).await?;
+    // No call of its own decided the round: the verdicts' nodes record what the critic cost.
+    fan_out(
+        turn,
+        n,
+        &goals,
+        &thought,
+        &after,
+        &CallStats::default(),
+        &spent,
+        kept,
+    )
+    .await?;
     Ok(Recovery::Handled)
 }
 
@@ -302,11 +319,24 @@ async fn decompose(turn: &Turn<'_>, n: usize) -> Result<(), BusError> {
     });
     let thought = format!("Splitting the request into {} goals.", goals.len());
     let after = uris.previous(n - 1);
-    fan_out(turn, n, &goals, &thought, &after, &stats, Vec::new()).await
+    fan_out(
+        turn,
+        n,
+        &goals,
+        &thought,
+        &after,
+        &stats,
+        &CallStats::default(),
+        Vec::new(),
+    )
+    .await
 }
 
 /// Records the fan-out of iteration `n` (derived from `after`), then starts one subagent per goal
-/// and stops: the aggregator resumes the supervisor. `stats`: the LLM call that decided it.
+/// and stops: the aggregator resumes the supervisor. `stats`: the LLM call that decided it,
+/// recorded on the fan-out's node; `judged`: the step critic's calls before it, which the
+/// dialog's tokens count and the verdicts' nodes record.
+#[allow(clippy::too_many_arguments)]
 pub(crate) async fn fan_out(
     turn: &Turn<'_>,
     n: usize,
@@ -314,6 +344,7 @@ pub(crate) async fn fan_out(
     thought: &str,
     after: &str,
     stats: &CallStats,
+    judged: &CallStats,
     verdicts: Vec<AgentStep>,
 ) -> Result<(), BusError> {
     let Turn {
@@ -385,8 +416,8 @@ pub(crate) async fn fan_out(
         out.client_id(),
         &chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Micros, true),
         provenance::DialogSoFar {
-            in_token: turn.tokens_before.input + stats.in_token,
-            out_token: turn.tokens_before.output + stats.out_token,
+            in_token: turn.tokens_before.input + stats.in_token + judged.in_token,
+            out_token: turn.tokens_before.output + stats.out_token + judged.out_token,
             started_ms: out.started_ms(),
         },
         stats,
@@ -420,7 +451,8 @@ pub(crate) async fn fan_out(
     out.explain(&uris.fanout(&cid), recorded)?;
     // Published after the fan-out node: the commit puts what a request acts on first. A subagent
     // that needs others' results is started by the aggregator once they have all completed.
-    let run_tokens = turn.run_tokens + stats.in_token + stats.out_token;
+    let run_tokens =
+        turn.run_tokens + stats.in_token + stats.out_token + judged.in_token + judged.out_token;
     for (i, goal) in goals.iter().enumerate() {
         if !goal.needs.is_empty() {
             continue;
@@ -493,7 +525,9 @@ pub(crate) fn room_for_another_round(turn: &Turn<'_>, n: usize, verdicts: usize)
         && turn.spent_budget().is_none()
 }
 
-async fn synthesise(turn: &Turn<'_>, n: usize) -> Result<(), BusError> {
+/// Synthesises the answer (or another round) from the subagents' results. `judged`: what the
+/// step critic's calls on them cost, counted in the dialog's tokens.
+async fn synthesise(turn: &Turn<'_>, n: usize, judged: &CallStats) -> Result<(), BusError> {
     let Turn {
         request,
         uris,
@@ -591,7 +625,7 @@ async fn synthesise(turn: &Turn<'_>, n: usize) -> Result<(), BusError> {
                 goals.len()
             );
             let after = uris.synthesis(&cid);
-            return fan_out(turn, n, &goals, &thought, &after, &stats, Vec::new()).await;
+            return fan_out(turn, n, &goals, &thought, &after, &stats, judged, Vec::new()).await;
         }
         supervising::Synthesis::Again(_) => (
             format!("I could not run another round of subagents within the limits (max_iterations, or the token and time budget). What the subagents found:\n{results}"),
@@ -653,7 +687,8 @@ async fn synthesise(turn: &Turn<'_>, n: usize) -> Result<(), BusError> {
             step_type: StepType::Synthesise.as_str().to_owned(),
             ..AgentStep::default()
         };
-        let tokens = crate::turn::tokens_after(turn, &stats, &ToolStats::default());
+        let tokens = crate::turn::tokens_after(turn, &stats, &ToolStats::default())
+            .plus(judged.in_token, judged.out_token);
         return turn
             .observe_and_continue(n, draft, ToolStats::default(), Vec::new(), None, tokens)
             .await;
@@ -664,7 +699,12 @@ async fn synthesise(turn: &Turn<'_>, n: usize) -> Result<(), BusError> {
         termination,
         streamed,
     };
-    conclude_from_synthesis(turn, n, concluded, &stats, &completion.model).await
+    let charged = CallStats {
+        in_token: stats.in_token + judged.in_token,
+        out_token: stats.out_token + judged.out_token,
+        ..stats
+    };
+    conclude_from_synthesis(turn, n, concluded, &charged, &completion.model).await
 }
 
 /// A dialog's end drawn from the synthesis of its fan-out `correlation_id`.
