@@ -338,11 +338,12 @@ pub struct StoppedWaiting {
 async fn chain_running(
     slot: &JournalSlot<'_>,
     entry: &journal::Entry,
+    seen: std::time::Instant,
 ) -> Result<bool, agent_graph::GraphError> {
     let Some(root) = entry.chain() else {
         return Ok(false);
     };
-    if !entry.older_than(crate::chains::FIRST_BEAT_GRACE) {
+    if !entry.older_than(crate::chains::FIRST_BEAT_GRACE, seen) {
         return Ok(true);
     }
     slot.journal
@@ -877,6 +878,7 @@ impl<'a> DialogOutput<'a> {
     ) -> anyhow::Result<()> {
         let node = slot.node.as_str();
         let mut told_waiting = false;
+        let seen = std::time::Instant::now();
         loop {
             if entry.published {
                 tracing::info!(entry = %node, "this step's outcome is already published; dropping the message");
@@ -884,13 +886,13 @@ impl<'a> DialogOutput<'a> {
             }
             // A chain publishes its steps only when it ends: while it runs (beats), a copy of
             // one of its steps waits, whoever's it is, or the rest of the dialog would run twice.
-            let running = chain_running(slot, &entry).await?;
+            let running = chain_running(slot, &entry, seen).await?;
             if running && !told_waiting {
                 told_waiting = true;
                 crate::events::CopyWaitsForChain { entry: node }.emit();
             }
             let ours = recorder == Recorder::Unknown && entry.delivery == slot.delivery;
-            if !running && (ours || entry.lease_expired()) {
+            if !running && (ours || entry.lease_expired(seen)) {
                 tracing::info!(entry = %node, "re-emitting this step's recorded outcome");
                 let mut effects = entry
                     .effects

@@ -110,20 +110,25 @@ pub struct Entry {
 pub const PUBLISH_LEASE: std::time::Duration = std::time::Duration::from_secs(5);
 
 impl Entry {
-    /// Whether the recorder has had time enough to publish.
-    pub fn lease_expired(&self) -> bool {
-        self.older_than(PUBLISH_LEASE)
+    /// Whether the recorder has had time enough to publish, for a copy that first saw the entry
+    /// at `seen`.
+    pub fn lease_expired(&self, seen: std::time::Instant) -> bool {
+        self.older_than(PUBLISH_LEASE, seen)
     }
 
-    /// Whether it was recorded at least `age` ago (an entry with no time of its own is old).
-    pub fn older_than(&self, age: std::time::Duration) -> bool {
+    /// Whether it was recorded at least `age` ago (an entry with no time of its own is old), for a
+    /// copy that first saw it at `seen`. Its time is the journal owner's clock, and this process's
+    /// may run behind it (by hours, with a broken NTP): it was recorded before it was first seen,
+    /// so `age` since then is enough, whatever the clocks say.
+    pub fn older_than(&self, age: std::time::Duration, seen: std::time::Instant) -> bool {
         let Some(at) = self.recorded_at else {
             return true;
         };
-        chrono::Utc::now()
-            .signed_duration_since(at)
-            .to_std()
-            .is_ok_and(|elapsed| elapsed >= age)
+        seen.elapsed() >= age
+            || chrono::Utc::now()
+                .signed_duration_since(at)
+                .to_std()
+                .is_ok_and(|elapsed| elapsed >= age)
     }
 
     /// The chain that recorded it, if a step continued in process did (see
@@ -593,6 +598,39 @@ impl Journal {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// An entry stamped by an owner whose clock runs an hour ahead of this process's is old once
+    /// it has been seen for the age asked: before, a copy of a step whose recorder died waited
+    /// the hour out.
+    #[test]
+    fn an_entry_from_a_clock_ahead_ages_from_when_it_was_seen() {
+        let ahead = Entry {
+            effects: Vec::new(),
+            delivery: "d".into(),
+            attempt: "a".into(),
+            recorded_at: Some(chrono::Utc::now() + chrono::Duration::hours(1)),
+            published: false,
+        };
+        let now = std::time::Instant::now();
+        assert!(!ahead.lease_expired(now));
+        let Some(six_seconds_ago) = now.checked_sub(std::time::Duration::from_secs(6)) else {
+            return;
+        };
+        assert!(ahead.lease_expired(six_seconds_ago));
+        let behind = Entry {
+            recorded_at: Some(chrono::Utc::now() - chrono::Duration::seconds(6)),
+            ..ahead
+        };
+        assert!(
+            behind.lease_expired(now),
+            "an old entry is old at first sight"
+        );
+        assert!(!Entry {
+            recorded_at: Some(chrono::Utc::now()),
+            ..behind
+        }
+        .lease_expired(now));
+    }
 
     #[test]
     fn keys_follow_the_step_and_the_message() {
