@@ -572,6 +572,78 @@ async fn an_ensemble_debates_a_round_then_reconciles_the_revised_answers() {
 /// LLM call asks for its own model, the reconciliation for the orchestrator's, and the graph
 /// records which model answered each agent's step. A request cannot pick a model config does not
 /// list.
+/// A debate tells each agent every agent's answer of the round before, in that agent's own
+/// request: the supervisor's record of the round keeps the perspectives, not the answers once per
+/// agent. Until 2026-12-04 it kept them in every goal, twice over, so each debate round added
+/// agents x answers x 2 to every later message, and a debate of long answers ended with the
+/// dialog's history over `max_message_bytes` after every agent had run.
+#[tokio::test]
+async fn an_ensembles_debate_of_long_answers_stays_within_the_message_limit() {
+    let long = |who: &str| format!("{who}: {}", "a long considered argument ".repeat(400));
+    let script = serde_json::json!({"rules": [
+      {"match": "Request to classify: ", "reply": "{\"choice\": \"risk-assessment\", \"rationale\": \"weigh it\"}"},
+      {"match": "Request to work on: ", "reply": "{\"choice\": \"ensemble\", \"rationale\": \"opinions differ\"}"},
+      {"match": "Question to reconcile: Should we ship on Friday?", "reply": "{\"agreed\": [\"it can wait\"], \"disagreed\": [], \"answer\": \"Ship on Monday.\"}"},
+      {"match": "You are agent 1.", "reply": format!("Thought: still.\nFinal Answer: {}", long("optimist revised"))},
+      {"match": "You are agent 2.", "reply": format!("Thought: still.\nFinal Answer: {}", long("pessimist revised"))},
+      {"match": "You are agent 3.", "reply": format!("Thought: still.\nFinal Answer: {}", long("realist revised"))},
+      {"match": "Be an optimist.", "reply": format!("Thought: fine.\nFinal Answer: {}", long("optimist"))},
+      {"match": "Be a pessimist.", "reply": format!("Thought: no.\nFinal Answer: {}", long("pessimist"))},
+      {"match": "Be a realist.", "reply": format!("Thought: hm.\nFinal Answer: {}", long("realist"))}
+    ]})
+    .to_string();
+    let mut patterns: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(seed_dir().join("agent-pattern.json")).unwrap(),
+    )
+    .unwrap();
+    patterns["ensemble"]["perspectives"] =
+        serde_json::json!(["Be an optimist.", "Be a pessimist.", "Be a realist."]);
+    patterns["ensemble"]["debate_rounds"] = 2.into();
+    // Answers of about 10 KB: a round's record of them told to all three agents, twice over,
+    // is about 180 KB.
+    let config = seed_with(
+        "long-debate",
+        &[
+            ("agent-pattern", &patterns.to_string()),
+            (
+                "agent-limits",
+                r#"{"default": {"max_message_bytes": 204800, "max_iterations": 20}}"#,
+            ),
+        ],
+    );
+    let broker = Broker::start().unwrap();
+    let _aggregator = Aggregator::spawn(&broker);
+    let llm = scripted_llm(&script).await;
+    let _orchestrator = Orchestrator::spawn(&broker, &llm, &config, &[]);
+    let mut client = client(&broker).await;
+    client
+        .send("long-debate", &request("Should we ship on Friday?", false))
+        .await
+        .unwrap();
+    let responses = collect_dialog(&mut client, "long-debate", Duration::from_secs(90))
+        .await
+        .unwrap();
+    assert_eq!(
+        outcome(&responses),
+        "Ship on Monday.",
+        "{:?}",
+        responses.last()
+    );
+    // Both debate rounds ran, each agent told the others' answers.
+    let calls = llm.calls();
+    for rule in 3..6 {
+        assert_eq!(
+            calls.iter().filter(|c| c.rule == Some(rule)).count(),
+            2,
+            "rule {rule}"
+        );
+    }
+    assert!(calls
+        .iter()
+        .filter(|c| c.rule == Some(3))
+        .all(|c| c.last_user.contains("pessimist") && c.last_user.contains("realist")));
+}
+
 #[tokio::test]
 async fn an_ensembles_agents_can_be_different_models() {
     let script = r#"{"rules": [

@@ -74,8 +74,9 @@ pub fn debate_goals(question: &str, perspectives: &[String], answers: &str) -> V
         .iter()
         .enumerate()
         .map(|(i, p)| Goal {
-            perspective: Some(format!(
-                "{p}\n\nYou are agent {}. In the previous round the agents answered:\n{answers}\n\nWeigh the other agents' arguments: keep your answer if you still think it right, or revise it, and say why.",
+            perspective: Some(p.clone()),
+            briefing: Some(format!(
+                "You are agent {}. In the previous round the agents answered:\n{answers}\n\nWeigh the other agents' arguments: keep your answer if you still think it right, or revise it, and say why.",
                 i + 1
             )),
             ..Goal::independent(question, Pattern::React)
@@ -283,12 +284,26 @@ mod tests {
             "Agent 1 (direct): yes\n\nAgent 2 (skeptic): no",
         );
         assert_eq!(goals.len(), 2);
-        let second = goals[1].perspective.as_deref().unwrap_or_default();
+        let supervisor = agent_schema::AgentRequest {
+            question: "Q?".into(),
+            framing: "Be brief.".into(),
+            ..agent_schema::AgentRequest::default()
+        };
+        let second = crate::supervisor::subagent_request(&supervisor, "s", "s-f1", 1, &goals[1], 2);
         assert!(
-            second.starts_with("skeptic\n\nYou are agent 2."),
-            "{second}"
+            second
+                .framing
+                .starts_with("Be brief.\n\nskeptic\n\nYou are agent 2."),
+            "{}",
+            second.framing
         );
-        assert!(second.contains("Agent 1 (direct): yes"), "{second}");
+        assert!(second.framing.contains("Agent 1 (direct): yes"));
         assert!(goals.iter().all(|g| g.goal == "Q?"));
+        // The fan-out keeps each agent's perspective, not the answers told to every agent.
+        let kept = crate::supervisor::goals_json(&goals);
+        assert!(
+            kept.contains("skeptic") && !kept.contains("Agent 1 (direct)"),
+            "{kept}"
+        );
     }
 }

@@ -24,6 +24,12 @@ pub struct Goal {
     pub perspective: Option<String>,
     /// The model the subagent's LLM calls ask for (an ensemble's); `None`: the orchestrator's.
     pub model: Option<String>,
+    /// What the subagent is told after its perspective that the fan-out's record does not keep:
+    /// an ensemble's debate, every agent's answer of the round before. Each subagent's request
+    /// carries it once; kept in the goals, it went into the continuation the supervisor carries
+    /// on with once per agent and twice over (its listing and [`goals_json`]), so a debate of five
+    /// agents answering 10 KB each added half a megabyte a round to every later message.
+    pub briefing: Option<String>,
 }
 
 impl Goal {
@@ -36,6 +42,7 @@ impl Goal {
             needs: Vec::new(),
             perspective: None,
             model: None,
+            briefing: None,
         }
     }
 }
@@ -262,6 +269,7 @@ pub fn kept_goals(decompose: &AgentStep) -> Vec<Goal> {
                     .get("model")
                     .and_then(|m| m.as_str())
                     .map(str::to_owned),
+                briefing: None,
             }
         })
         .collect()
@@ -632,11 +640,16 @@ pub fn subagent_request(
         conversation_id: supervisor.conversation_id.clone(),
         pattern: goal.pattern.name().to_owned(),
         task_type: supervisor.task_type.clone(),
-        framing: match &goal.perspective {
-            Some(perspective) if supervisor.framing.trim().is_empty() => perspective.clone(),
-            Some(perspective) => format!("{}\n\n{perspective}", supervisor.framing),
-            None => supervisor.framing.clone(),
-        },
+        framing: [
+            Some(supervisor.framing.as_str()),
+            goal.perspective.as_deref(),
+            goal.briefing.as_deref(),
+        ]
+        .into_iter()
+        .flatten()
+        .filter(|part| !part.trim().is_empty())
+        .collect::<Vec<_>>()
+        .join("\n\n"),
         correlation_id: correlation_id.to_owned(),
         parent_session_id: supervisor_session.to_owned(),
         subagent_goal: goal.goal.clone(),

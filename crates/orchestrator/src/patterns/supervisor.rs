@@ -470,6 +470,9 @@ fn listed((i, goal): (usize, &Goal)) -> String {
     if let Some(perspective) = &goal.perspective {
         line.push_str(&format!(", perspective: {perspective}"));
     }
+    if goal.briefing.is_some() {
+        line.push_str(", told the agents' answers of the round before");
+    }
     if !goal.needs.is_empty() {
         let after: Vec<String> = goal.needs.iter().map(usize::to_string).collect();
         line.push_str(&format!(", after {}", after.join(", ")));
