@@ -852,6 +852,9 @@ async fn dead_letter(
 /// The most of a dead letter's reason kept (logged and sent).
 const MAX_REASON_BYTES: usize = 2048;
 
+/// The most of it kept when the whole would not leave its payload room.
+const SHORT_REASON_BYTES: usize = 160;
+
 /// `text` cut to at most `max` bytes, at a character's boundary, marked as cut.
 fn cut_at_char(text: &str, max: usize) -> std::borrow::Cow<'_, str> {
     if text.len() <= max {
@@ -866,10 +869,21 @@ fn cut_at_char(text: &str, max: usize) -> std::borrow::Cow<'_, str> {
 
 /// Cuts a dead letter to the broker's limit `max`: a message the broker took can be too large
 /// once the properties saying why are added, and a dead letter that can never be published would
-/// bring its message back for ever. The payload is cut first (its size as it came is kept in
+/// bring its message back for ever. The reason is cut to its start first: a payload cut is one
+/// the dead letter's reader cannot decode (the service that answers a client's dead-lettered
+/// request with an error dropped it, and the client never heard), while the reason's start says
+/// what went wrong. Then the payload is cut (its size as it came is kept in
 /// [`DEAD_LETTER_PAYLOAD_BYTES`]); if the message's own properties still leave no room, only ours
 /// are kept.
 fn fit_dead_letter(letter: &mut Vec<u8>, properties: &mut Properties, max: usize) {
+    if Publisher::message_bytes(letter, properties) <= max {
+        return;
+    }
+    if let Some(reason) = properties.get_mut(DEAD_LETTER_REASON) {
+        if reason.len() > SHORT_REASON_BYTES {
+            *reason = cut_at_char(reason, SHORT_REASON_BYTES).into_owned();
+        }
+    }
     if Publisher::message_bytes(letter, properties) <= max {
         return;
     }
@@ -1003,6 +1017,17 @@ mod tests {
         assert_eq!(properties[DEAD_LETTER_PAYLOAD_BYTES], "1000");
         assert_eq!(Publisher::message_bytes(&letter, &properties), 1000);
         assert!(properties.contains_key("x-origin"));
+
+        // A long reason that leaves the payload no room is cut to its start; the payload stays
+        // whole, so the dead letter's reader can still decode it.
+        let (mut letter, mut properties) = (vec![b'x'; 700], why("v"));
+        properties.insert(DEAD_LETTER_REASON.to_owned(), "why ".repeat(100));
+        fit_dead_letter(&mut letter, &mut properties, 1000);
+        assert_eq!(letter.len(), 700);
+        assert!(!properties.contains_key(DEAD_LETTER_PAYLOAD_BYTES));
+        assert!(properties[DEAD_LETTER_REASON].starts_with("why why"));
+        assert!(properties[DEAD_LETTER_REASON].ends_with("(400 bytes in all)"));
+        assert!(Publisher::message_bytes(&letter, &properties) <= 1000);
 
         // The message's own properties fill the limit: only ours are kept.
         let (mut letter, mut properties) = (vec![b'x'; 10], why(&"v".repeat(990)));
