@@ -1080,6 +1080,71 @@ async fn a_denied_call_is_not_run_and_the_agent_goes_on() {
     );
 }
 
+/// A first request that carries neither an `id` nor a session is named after its message; its
+/// call parked for approval resumes in that same session when approved, and an approval sent
+/// again runs nothing. Until 2026-12-04 the parked request kept its empty session and the answer
+/// resumed it named after the approval's own message: the dialog went on in another session, the
+/// call stayed unanswered in the first (to expire later with an error closing), and a second
+/// approval ran the call again.
+#[tokio::test]
+async fn a_first_request_without_an_id_resumes_its_approved_call_in_its_own_session() {
+    let script = r#"{"rules": [
+      {"match": "Observation: payment sent", "reply": "Thought: Paid.\nFinal Answer: The omega invoice is paid."},
+      {"match": "pay invoice omega-1", "exact": true, "reply": "payment sent"},
+      {"match": "Question: pay the omega invoice", "reply": "Thought: Pay it.\nAction: pay\nArgs: {\"question\": \"pay invoice omega-1\"}"}
+    ]}"#;
+    let config = pay_config("no-id", 300);
+    let stack = Stack::journaled(TOKEN, script, &config, &[]).await;
+    let mut client = client(&stack.broker).await;
+    let bus = agent_bus::Bus::connect(&stack.broker.url(), None)
+        .await
+        .unwrap();
+    let requests = agent_bus::Publisher::new(&bus, "persistent://tg/request/agent:default:default")
+        .await
+        .unwrap();
+    let request = AgentRequest {
+        pattern: "react".into(),
+        ..request("pay the omega invoice", false)
+    };
+    requests
+        .send(
+            agent_schema::encode(&request),
+            &agent_bus::Properties::new(),
+        )
+        .await
+        .unwrap();
+    // Responses to a request without an id carry none.
+    let mut responses = until_approval_asked(&mut client, "").await;
+    let (_, session, step) = approval_asked(&responses);
+    let step = step.to_string();
+    let said = agentctl(
+        &stack.broker,
+        &["approve", &session, &step, "--by", "ops-ola"],
+    );
+    assert!(said.contains("approved"), "{said}");
+    responses.extend(
+        collect_dialog(&mut client, "", Duration::from_secs(60))
+            .await
+            .unwrap(),
+    );
+    let closing = closings(&responses);
+    assert_eq!(closing.len(), 1, "{responses:#?}");
+    assert_eq!(closing[0].content, "The omega invoice is paid.");
+    assert_eq!(
+        agent_core::vocab::session_id_of(&closing[0].message_id),
+        Some(session.as_str()),
+        "the dialog ended in the session whose call was approved"
+    );
+    // The same answer again changes nothing.
+    agentctl(
+        &stack.broker,
+        &["approve", &session, &step, "--by", "ops-ola"],
+    );
+    let again = drain_for(&mut client, "", Duration::from_secs(3)).await;
+    assert!(again.is_empty(), "{again:#?}");
+    assert_eq!(payments(&stack.llm, "pay invoice omega-1"), 1);
+}
+
 /// Control messages without the services' seal (sent without `AGENT_SEAL_KEY`, or with another
 /// key) are ignored by orchestrators that have one: an approval sealed with the wrong key runs no
 /// tool, a cancel sent unsealed stops nothing, and the sealed denial that follows is the answer

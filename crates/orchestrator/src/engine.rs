@@ -633,7 +633,19 @@ impl Engine {
         )
         .await
         {
-            Ok(approval::ParkedCall::Found(continuation)) => *continuation,
+            Ok(approval::ParkedCall::Found(continuation)) => {
+                let mut continuation = *continuation;
+                // A first request with neither an id nor a session was named after its own
+                // message; resumed by this one, it would be named after the answer's. It was
+                // found under the session the answer names, which is its own.
+                if continuation.request.session_id.is_empty() {
+                    continuation
+                        .request
+                        .session_id
+                        .clone_from(&control.session_id);
+                }
+                continuation
+            }
             Ok(approval::ParkedCall::Unsealed) => {
                 // No replica will resume it: asking again would only hold a slot.
                 tracing::warn!(session = %control.session_id, step, "the call parked for approval does not carry this service's seal; the answer is dropped");
