@@ -87,6 +87,42 @@ async fn answered_under(
     }
 }
 
+/// Subagents' results carried whole (no shared store to check them in) that together are over
+/// the broker's message limit are cut to fit the synthesis request, each saying so, and the
+/// supervisor answers. Until 2026-12-04 the aggregator's request was refused by its publisher
+/// (too large) on every try: the completion came back for ever and the client never heard.
+#[tokio::test]
+async fn results_over_the_message_limit_together_are_cut_to_fit_the_synthesis() {
+    let long = |what: &str| format!("{what} ").repeat(3_000);
+    let script = serde_json::json!({"rules": [
+      {"match": "Request to split: Summarise", "reply": "[{\"goal\": \"read the north report\"}, {\"goal\": \"read the south report\"}]"},
+      {"match": "Question: read the north report", "reply": format!("Thought: read.\nFinal Answer: {}", long("north"))},
+      {"match": "Question: read the south report", "reply": format!("Thought: read.\nFinal Answer: {}", long("south"))},
+      {"match": "Request to answer from the subagents: Summarise", "and": ["north north", "south south", "[cut to fit the broker's message limit: "], "reply": "Both reports, in part."}
+    ]})
+    .to_string();
+    let broker = Broker::start().unwrap();
+    // Each result is about 18 KB; together they are over this aggregator's 32 KB.
+    let _aggregator = Aggregator::spawn_with(&broker, &["--pulsar-max-message-bytes", "32768"]);
+    let llm = scripted_llm(&script).await;
+    let _orchestrator = Orchestrator::spawn(&broker, &llm, &seed_dir(), &[]);
+    let mut client = client(&broker).await;
+    client
+        .send("cut-results", &supervised("Summarise both reports."))
+        .await
+        .unwrap();
+    let responses = collect_dialog(&mut client, "cut-results", DIALOG_TIMEOUT)
+        .await
+        .unwrap();
+    assert_eq!(
+        outcome(&responses),
+        "Both reports, in part.",
+        "{:?}",
+        responses.last()
+    );
+    assert_eq!(closings(&responses), 1);
+}
+
 /// A client that names its own session id and uses it again for another dialog is refused: every
 /// node of a session is named after its id, so the second dialog's fan-out landed on the first's,
 /// already synthesised, which resumed nobody, and the client waited for ever (checked: without

@@ -10,7 +10,7 @@ use agent_bus::{BusError, Properties, Publisher};
 use agent_core::supervisor::{
     completion_seal_parts, decomposed_goals, dependent_request, fanout_seal_parts, fanouts_above,
     kept_goals, last_decompose, legacy_subagent_seal_parts, result_key, subagent_index,
-    subagent_seal_parts, subagent_session, synthesis_request,
+    subagent_seal_parts, subagent_session, synthesis_request, synthesis_request_within,
 };
 use agent_graph::{queries, GraphError, GraphStore, QueryAnswer, Rows};
 use agent_schema::{
@@ -565,7 +565,22 @@ pub async fn check(
     } else {
         results
     };
-    let built = synthesis_request(&continuation, results, &missing);
+    // Results carried whole can outgrow the broker's limit together; a request it refuses
+    // would be refused on every try and the supervisor never resumed, so they are cut to fit
+    // (each saying so). Room is left for the properties (tokens, trace, seal).
+    let limit = requests.max_message_bytes().saturating_sub(PROPERTIES_ROOM);
+    let whole = synthesis_request(&continuation, results.clone(), &missing);
+    let built = if agent_schema::encode(&whole).len() <= limit {
+        whole
+    } else {
+        match synthesis_request_within(&continuation, results, &missing, limit) {
+            Some(cut) => {
+                tracing::warn!(correlation_id, limit, "the subagents' results together are over the broker's message limit; each is cut to fit");
+                cut
+            }
+            None => whole,
+        }
+    };
     // What the supervisor's next step is given, kept as every step's input is: a fork or replay of
     // that step starts from it. Recorded before it is sent, and only if no attempt recorded one:
     // the request sent is the one recorded first. An attempt that stopped after recording (a
@@ -626,6 +641,10 @@ pub async fn check(
     tracing::info!(correlation_id, "fan-in complete; synthesis requested");
     Ok(())
 }
+
+/// What a synthesis request leaves for its properties under the broker's limit: the client's id,
+/// tokens, start, trace context, what the fan-out carries on, and a seal.
+const PROPERTIES_ROOM: usize = 8 * 1024;
 
 /// Marks the fan-outs `nodes` as never to be synthesised, when the timeout sweep (`timed_out`)
 /// finds them so: it would otherwise find them again every round, for good. A completion's check

@@ -710,6 +710,55 @@ pub fn synthesis_request(
     next
 }
 
+/// [`synthesis_request`] held to `max_bytes` encoded: a request the broker refuses is refused on
+/// every try, and the supervisor would never resume. Results carried whole (no shared store to
+/// check them in) can outgrow the limit together; each is then cut to an equal share, its start
+/// kept and the cut said, halving the shares until the request fits. `None` when it cannot fit
+/// even so (the continuation alone is too large).
+pub fn synthesis_request_within(
+    continuation: &AgentRequest,
+    results: BTreeMap<String, String>,
+    missing: &[usize],
+    max_bytes: usize,
+) -> Option<AgentRequest> {
+    let fits = |request: &AgentRequest| agent_schema::encode(request).len() <= max_bytes;
+    let whole = synthesis_request(continuation, results.clone(), missing);
+    if fits(&whole) {
+        return Some(whole);
+    }
+    let base =
+        agent_schema::encode(&synthesis_request(continuation, BTreeMap::new(), missing)).len();
+    let mut share = max_bytes.saturating_sub(base) / results.len().max(1);
+    while share >= 64 {
+        let cut = results
+            .iter()
+            .map(|(key, result)| (key.clone(), cut_to_share(result, share)))
+            .collect();
+        let request = synthesis_request(continuation, cut, missing);
+        if fits(&request) {
+            return Some(request);
+        }
+        share /= 2;
+    }
+    None
+}
+
+/// `result` in at most about `share` bytes: its start and a note of the cut.
+fn cut_to_share(result: &str, share: usize) -> String {
+    if result.len() <= share {
+        return result.to_owned();
+    }
+    let mut end = share.saturating_sub(96);
+    while !result.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!(
+        "{} [cut to fit the broker's message limit: {end} of {} bytes]",
+        &result[..end],
+        result.len()
+    )
+}
+
 /// What a subagent request's seal covers: who it is, whose fan-out it belongs to, the run's
 /// start and spend it inherits, the model it asks for, the client its messages go to, and the
 /// whole `payload` as sent (its goal, question, tools and all). Until 2026-12-02 only the first
@@ -1222,5 +1271,39 @@ mod tests {
         let goals =
             parse_goals(r#"[{"goal": "A"}, {"goal": "B", "needs": [0]}]"#, 5, false).unwrap();
         assert_eq!(goals[1].needs, [0]);
+    }
+
+    #[test]
+    fn a_synthesis_request_of_long_results_is_cut_to_the_message_limit() {
+        let continuation = AgentRequest {
+            question: "Q".into(),
+            session_id: "sup".into(),
+            pattern: "supervisor".into(),
+            ..AgentRequest::default()
+        };
+        let results: BTreeMap<String, String> = [
+            ("00. a".to_owned(), "alpha \"quoted\" ".repeat(2_000)),
+            ("01. b".to_owned(), "beta".to_owned()),
+        ]
+        .into();
+        // Within the limit: whole.
+        let whole = synthesis_request_within(&continuation, results.clone(), &[], 1 << 20).unwrap();
+        assert_eq!(
+            whole,
+            synthesis_request(&continuation, results.clone(), &[])
+        );
+        // Over it: the long one cut, its start kept and the cut said; the short one whole.
+        let cut = synthesis_request_within(&continuation, results.clone(), &[], 8_000).unwrap();
+        assert!(agent_schema::encode(&cut).len() <= 8_000);
+        let carried = cut.history[0].subagent_results.clone().unwrap_or_default();
+        assert_eq!(carried["01. b"], "beta");
+        assert!(carried["00. a"].starts_with("alpha \"quoted\" alpha"));
+        assert!(
+            carried["00. a"].ends_with(" of 30000 bytes]"),
+            "{}",
+            carried["00. a"]
+        );
+        // No room even for the continuation: none.
+        assert!(synthesis_request_within(&continuation, results, &[], 100).is_none());
     }
 }
