@@ -396,14 +396,26 @@ impl McpPool {
             .map_err(|e| e.to_string())
     }
 
-    /// The arguments of the tool `name` as the server describes them, for the prompt.
+    /// The arguments of the tool `name` as the server describes them, for the prompt, asked for
+    /// `within` at most: past it, or when the server fails, what it listed last. The bound is
+    /// the pool's own so that the fallback still comes (a stdio server that hangs as it starts
+    /// may take longer to give up on than a step can wait).
     pub async fn arguments(
         &self,
         endpoint: &Endpoint,
         name: &str,
+        within: Duration,
     ) -> Result<Vec<ToolArgument>, String> {
         let key = (endpoint.clone(), name.to_owned());
-        match self.fresh_arguments(endpoint, name).await {
+        let fresh = tokio::time::timeout(within, self.fresh_arguments(endpoint, name))
+            .await
+            .unwrap_or_else(|_| {
+                Err(format!(
+                    "{} did not list its tools within {within:?}",
+                    endpoint.describe()
+                ))
+            });
+        match fresh {
             Ok(listed) => {
                 let mut known = self.known.lock().unwrap_or_else(|p| p.into_inner());
                 known.insert(key, listed.clone());
@@ -1121,15 +1133,55 @@ for line in sys.stdin:
         }
     }
 
+    /// A server that hangs as it starts is given up on within the time asked, and the prompt
+    /// keeps the arguments the server listed last. Before, the step's own timeout dropped the
+    /// lookup before its fallback, and the tool was shown with no arguments.
+    #[tokio::test]
+    async fn a_server_that_hangs_as_it_starts_gives_the_arguments_it_listed_last() {
+        let hanging = Endpoint::Stdio {
+            command: "sleep".to_owned(),
+            args: vec!["30".to_owned()],
+            env: BTreeMap::new(),
+        };
+        let pool = McpPool::new().trusting(StdioTrust::any());
+        let listed = vec![ToolArgument {
+            name: "city".to_owned(),
+            kind: "string".to_owned(),
+            description: "where".to_owned(),
+        }];
+        pool.known
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert((hanging.clone(), "weather".to_owned()), listed.clone());
+        let asked = std::time::Instant::now();
+        let arguments = pool
+            .arguments(&hanging, "weather", Duration::from_millis(500))
+            .await;
+        assert_eq!(arguments, Ok(listed));
+        assert!(
+            asked.elapsed() < Duration::from_secs(20),
+            "{:?}",
+            asked.elapsed()
+        );
+        let unknown = pool
+            .arguments(&hanging, "forecast", Duration::from_millis(500))
+            .await;
+        assert!(unknown.is_err_and(|e| e.contains("did not list its tools within")));
+    }
+
     #[tokio::test]
     async fn a_tool_list_without_end_is_given_up_on() {
         let pool = McpPool::new().trusting(StdioTrust::any());
-        let repeated = pool.arguments(&endless_pages(false), "t1").await;
+        let repeated = pool
+            .arguments(&endless_pages(false), "t1", Duration::from_secs(60))
+            .await;
         let Err(repeated) = repeated else {
             panic!("a list whose next page is always the same was read to its end")
         };
         assert!(repeated.contains("'again' again"), "{repeated}");
-        let endless = pool.arguments(&endless_pages(true), "t1").await;
+        let endless = pool
+            .arguments(&endless_pages(true), "t1", Duration::from_secs(60))
+            .await;
         let Err(endless) = endless else {
             panic!("a list without end was read to its end")
         };
@@ -1167,7 +1219,10 @@ for line in sys.stdin:
             env: BTreeMap::new(),
         };
         let pool = McpPool::new().trusting(StdioTrust::any());
-        assert!(pool.arguments(&endpoint, "t").await.is_ok());
+        assert!(pool
+            .arguments(&endpoint, "t", Duration::from_secs(60))
+            .await
+            .is_ok());
         let pid: u32 = std::fs::read_to_string(&pid_file)
             .unwrap()
             .trim()

@@ -61,23 +61,20 @@ impl Turn<'_> {
     /// without arguments is shown with those its server lists.
     pub async fn visible_tools(&self, scope: &Scope) -> Vec<ToolDef> {
         let limit = Duration::from_secs(self.config.limits.tool_timeout_secs);
-        let mut tools = Vec::new();
-        for tool in scope.visible(&self.config.tools) {
+        // Asked all at once: servers that do not answer cost the step one wait, not one each.
+        let described = scope.visible(&self.config.tools).into_iter().map(|tool| async move {
             let mut tool = tool.clone();
             if tool.kind == agent_core::tools::MCP_TOOL && tool.arguments.is_empty() {
-                match tokio::time::timeout(limit, tools::mcp_arguments(self, &tool)).await {
-                    Ok(Ok(arguments)) => tool.arguments = arguments,
-                    Ok(Err(e)) => {
+                match tools::mcp_arguments(self, &tool, limit).await {
+                    Ok(arguments) => tool.arguments = arguments,
+                    Err(e) => {
                         tracing::warn!(tool = %tool.name, error = %e, "the MCP tool's arguments are not known")
-                    }
-                    Err(_) => {
-                        tracing::warn!(tool = %tool.name, "the MCP server did not list its tools in time")
                     }
                 }
             }
-            tools.push(tool);
-        }
-        tools
+            tool
+        });
+        futures::future::join_all(described).await
     }
 
     /// Options of a call whose answer must be a JSON object: the server's JSON mode where the

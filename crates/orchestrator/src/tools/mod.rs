@@ -354,9 +354,13 @@ fn mcp_target<'a>(config: &'a AgentConfig, tool: &ToolDef) -> Result<(Endpoint, 
 }
 
 /// The arguments an MCP tool takes, as its server describes them.
-pub async fn mcp_arguments(turn: &Turn<'_>, tool: &ToolDef) -> Result<Vec<ToolArgument>, String> {
+pub async fn mcp_arguments(
+    turn: &Turn<'_>,
+    tool: &ToolDef,
+    within: Duration,
+) -> Result<Vec<ToolArgument>, String> {
     let (endpoint, remote) = mcp_target(turn.config, tool)?;
-    turn.mcp.arguments(&endpoint, remote).await
+    turn.mcp.arguments(&endpoint, remote, within).await
 }
 
 /// What a tool gave: its text, the tokens its LLM spent, and whether the text is its whole answer
