@@ -1080,6 +1080,50 @@ async fn a_denied_call_is_not_run_and_the_agent_goes_on() {
     );
 }
 
+/// A call parked for approval that no one answers in time ends the dialog counting the LLM call
+/// that chose it: the closing's tokens are the graph's, and not nothing. Until 2026-12-04 the
+/// expiry (as a late answer and a cancel) ended with the tokens from before that call, which no
+/// node recorded either: the closing, a subagent's completion and the run's budget left it out.
+#[tokio::test]
+async fn an_expired_approval_counts_the_call_that_asked_for_it() {
+    let (stack, mut client, mut responses, session, _) = a_payment_awaiting_approval_within(
+        "expire-tokens",
+        "theta",
+        3,
+        "a-9",
+        2,
+        &["--approval-sweep-secs", "1"],
+    )
+    .await;
+    responses.extend(
+        collect_dialog(&mut client, "a-9", Duration::from_secs(60))
+            .await
+            .unwrap(),
+    );
+    let closing = closings(&responses);
+    assert_eq!(closing.len(), 1, "{responses:#?}");
+    assert!(
+        closing[0].content.contains("No one approved calling 'pay'"),
+        "{:?}",
+        closing[0]
+    );
+    let total = closing[0].in_token.unwrap_or(0) + closing[0].out_token.unwrap_or(0);
+    assert!(total > 0, "the deciding call is counted: {:?}", closing[0]);
+    let summed = format!(
+        "SELECT (SUM(?v) AS ?total) WHERE {{ GRAPH <urn:graph:retrieval> {{
+           ?n ?p ?v . FILTER(?p IN (tg:inToken, tg:outToken) && STRSTARTS(STR(?n), \"urn:trustgraph:agent:{session}\"))
+         }} }}"
+    );
+    let prefixes = agent_core::vocab::SPARQL_PREFIXES;
+    let adds_up = format!("{prefixes}ASK {{ {{ {summed} }} FILTER(?total = {total}) }}");
+    let store = stack.aggregator.store();
+    if !holds_within(&store, adds_up).await {
+        let rows = store.query(format!("{prefixes}{summed}")).await.unwrap();
+        panic!("the closing counts {total} tokens; the graph: {rows:?}");
+    }
+    assert_eq!(payments(&stack.llm, "pay invoice theta-3"), 0);
+}
+
 /// A first request that carries neither an `id` nor a session is named after its message; its
 /// call parked for approval resumes in that same session when approved, and an approval sent
 /// again runs nothing. Until 2026-12-04 the parked request kept its empty session and the answer

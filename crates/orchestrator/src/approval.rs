@@ -299,7 +299,7 @@ pub async fn resume(turn: &Turn<'_>, answer: &Answer) -> Result<(), BusError> {
             "{} answered the call of '{}' at {}, after its deadline {} (approval_timeout_secs); it was not run, and the dialog ends here.",
             control.by, decision.action, control.at, answer.deadline
         );
-        return crate::finish::fail(turn, n, &why).await;
+        return crate::finish::fail_parked(turn, n, &why, Some(&decision)).await;
     }
     match control.operation.as_str() {
         control_operation::APPROVE => {
@@ -333,7 +333,7 @@ pub async fn resume(turn: &Turn<'_>, answer: &Answer) -> Result<(), BusError> {
                 "No one approved calling '{}' within {} s (approval_timeout_secs); the dialog ends here.",
                 decision.action, turn.config.limits.approval_timeout_secs
             );
-            crate::finish::fail(turn, n, &why).await
+            crate::finish::fail_parked(turn, n, &why, Some(&decision)).await
         }
     }
 }

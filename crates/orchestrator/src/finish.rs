@@ -36,13 +36,22 @@ pub async fn answer(
 
 /// Ends the dialog with an error.
 pub async fn error(turn: &Turn<'_>, message: &str) -> Result<(), BusError> {
+    error_with(turn, message, turn.tokens_before).await
+}
+
+/// [`error`], the dialog having used `tokens` in all.
+async fn error_with(
+    turn: &Turn<'_>,
+    message: &str,
+    tokens: crate::budget::Tokens,
+) -> Result<(), BusError> {
     if is_subagent(turn.request) {
-        return complete(turn, "error", message, turn.tokens_before).await;
+        return complete(turn, "error", message, tokens).await;
     }
     let mut r = AgentResponse::error(message);
     r.message_id = turn.uris.conclusion();
-    r.in_token = Some(turn.tokens_before.input);
-    r.out_token = Some(turn.tokens_before.output);
+    r.in_token = Some(tokens.input);
+    r.out_token = Some(tokens.output);
     turn.out.respond(&r)
 }
 
@@ -183,52 +192,61 @@ pub async fn llm_failed(turn: &Turn<'_>, n: usize, e: &LlmError) -> Result<(), B
 /// Ends a cancelled dialog: the client's with one error response of type `cancelled` (a
 /// subagent's with a `cancelled` completion, so its supervisor, cancelled too, closes at once),
 /// its conclusion linked to the cancellation that ended it. Nothing else of the step is kept.
-pub async fn cancelled(turn: &Turn<'_>, cancel: &crate::cancel::Cancel) -> Result<(), BusError> {
+pub async fn cancelled(
+    turn: &Turn<'_>,
+    cancel: &crate::cancel::Cancel,
+    parked: Option<&crate::approval::ToolDecision>,
+) -> Result<(), BusError> {
     let Turn { uris, out, .. } = turn;
     let message = cancel.message();
     let n = steps_taken(&turn.request.history) + 1;
-    let mut triples = provenance::conclusion(
-        uris,
-        n,
-        "",
-        &message,
-        Termination::Cancelled,
-        &[],
-        &CallStats::default(),
-    );
+    let (cost, tokens) = cost_of(turn, parked);
+    let mut triples =
+        provenance::conclusion(uris, n, "", &message, Termination::Cancelled, &[], &cost);
     triples.extend(provenance::cancelled_by(uris, &cancel.node()));
     out.explain(&uris.conclusion(), triples)?;
     if is_subagent(turn.request) {
-        return complete(
-            turn,
-            Termination::Cancelled.as_str(),
-            &message,
-            turn.tokens_before,
-        )
-        .await;
+        return complete(turn, Termination::Cancelled.as_str(), &message, tokens).await;
     }
     let mut r = AgentResponse::error(message);
     if let Some(error) = &mut r.error {
         error.kind = Termination::Cancelled.as_str().to_owned();
     }
     r.message_id = turn.uris.conclusion();
-    r.in_token = Some(turn.tokens_before.input);
-    r.out_token = Some(turn.tokens_before.output);
+    r.in_token = Some(tokens.input);
+    r.out_token = Some(tokens.output);
     turn.out.respond(&r)
+}
+
+/// What a dialog ending at a call parked for approval (`parked`) costs beyond its tokens before:
+/// the LLM call that chose the tool, which no node records until the call is answered (approved
+/// or denied). Without it the closing, a subagent's completion and the run's budget left it out.
+fn cost_of(
+    turn: &Turn<'_>,
+    parked: Option<&crate::approval::ToolDecision>,
+) -> (CallStats, crate::budget::Tokens) {
+    match parked {
+        Some(decision) => (decision.stats.clone(), decision.tokens),
+        None => (CallStats::default(), turn.tokens_before),
+    }
 }
 
 /// Ends the dialog with an error response and records why.
 pub async fn fail(turn: &Turn<'_>, n: usize, message: &str) -> Result<(), BusError> {
+    fail_parked(turn, n, message, None).await
+}
+
+/// [`fail`] at a call parked for approval (`parked`) that is not made (no answer in time, one
+/// too late): the call that chose it is counted (see [`cost_of`]).
+pub async fn fail_parked(
+    turn: &Turn<'_>,
+    n: usize,
+    message: &str,
+    parked: Option<&crate::approval::ToolDecision>,
+) -> Result<(), BusError> {
     let Turn { uris, out, .. } = turn;
-    let triples = provenance::conclusion(
-        uris,
-        n,
-        "",
-        message,
-        Termination::Error,
-        &[],
-        &CallStats::default(),
-    );
+    let (cost, tokens) = cost_of(turn, parked);
+    let triples = provenance::conclusion(uris, n, "", message, Termination::Error, &[], &cost);
     out.explain(&uris.conclusion(), triples)?;
-    error(turn, message).await
+    error_with(turn, message, tokens).await
 }

@@ -843,7 +843,7 @@ impl Engine {
             if let Some(answer) = answer {
                 approval::record_answer(turn, answer)?;
             }
-            finish::cancelled(turn, &cancel).await?;
+            finish::cancelled(turn, &cancel, answer.map(|a| &a.decision)).await?;
         }
         Ok(())
     }
