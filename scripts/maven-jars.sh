@@ -53,6 +53,10 @@ fi
 if ! matches; then
   echo "maven-jars: the jars fetched into $dir are not the ones pinned in $manifest:" >&2
   (cd "$dir" && sha256sum --check --quiet "$manifest" 2>&1 | head -20) >&2 || true
+  # Jars on one side only (a pom that pulls in another dependency): named too.
+  comm -3 <(cd "$dir" && find . -maxdepth 1 -name '*.jar' | sed 's:^\./::' | sort) \
+    <(awk '{print $2}' "$manifest" | sed 's:^\*::' | sort) \
+    | sed 's:^\t:  pinned, not fetched\: :; t; s:^:  fetched, not pinned\: :' >&2 || true
   exit 1
 fi
 echo "$pinned" >"$dir/.complete"

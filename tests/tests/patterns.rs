@@ -568,10 +568,6 @@ async fn an_ensemble_debates_a_round_then_reconciles_the_revised_answers() {
     );
 }
 
-/// An ensemble whose agents are different models (`models` in its config): each agent's every
-/// LLM call asks for its own model, the reconciliation for the orchestrator's, and the graph
-/// records which model answered each agent's step. A request cannot pick a model config does not
-/// list.
 /// A debate tells each agent every agent's answer of the round before, in that agent's own
 /// request: the supervisor's record of the round keeps the perspectives, not the answers once per
 /// agent. Until 2026-12-04 it kept them in every goal, twice over, so each debate round added
@@ -644,6 +640,10 @@ async fn an_ensembles_debate_of_long_answers_stays_within_the_message_limit() {
         .all(|c| c.last_user.contains("pessimist") && c.last_user.contains("realist")));
 }
 
+/// An ensemble whose agents are different models (`models` in its config): each agent's every
+/// LLM call asks for its own model, the reconciliation for the orchestrator's, and the graph
+/// records which model answered each agent's step. A request cannot pick a model config does not
+/// list.
 #[tokio::test]
 async fn an_ensembles_agents_can_be_different_models() {
     let script = r#"{"rules": [

@@ -124,8 +124,8 @@ async fn debate(turn: &Turn<'_>, n: usize) -> Result<(), BusError> {
     .await
 }
 
-/// The perspectives of the ensemble's first fan-out (a debate round's goals carry the debate
-/// text after them).
+/// The perspectives of the ensemble's first fan-out (a debate round's goals keep the same ones;
+/// the answers each agent is shown travel in its request only, as its briefing).
 fn kept_perspectives(request: &agent_schema::AgentRequest) -> Vec<String> {
     supervising::decompose_steps(&request.history)
         .next()

@@ -369,8 +369,9 @@ pub(crate) async fn fan_out(
         ),
     ]
     .into();
-    // Every goal whole: what the aggregator starts a waiting one from, what an ensemble
-    // reconciles by, and what a recovery round sends out again.
+    // Every goal whole but its briefing (a debate's answers, which its own request carries):
+    // what the aggregator starts a waiting one from, what an ensemble reconciles by, and what a
+    // recovery round sends out again.
     arguments.insert(
         supervising::SUBAGENTS_KEY.to_owned(),
         supervising::goals_json(goals),
