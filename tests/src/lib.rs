@@ -1604,6 +1604,23 @@ pub const THREE_STEPS: &str = r#"{"rules": [
   {"match": "", "reply": "Thought: Start with the first part.\nAction: llm\nArgs: {\"question\": \"fetch alpha\"}"}
 ]}"#;
 
+/// Checks, within [`holds_within`]'s wait, that the tokens the graph records on the nodes of the
+/// run rooted at the session `root` (its URI; a subagent's nodes are named after it) add up to
+/// `total`, the closing's.
+pub async fn assert_graph_tokens(store: &agent_graph::GraphStore, root: &str, total: u64) {
+    let prefixes = agent_core::vocab::SPARQL_PREFIXES;
+    let summed = format!(
+        "SELECT (SUM(?v) AS ?total) WHERE {{ GRAPH <urn:graph:retrieval> {{
+           ?n ?p ?v . FILTER(?p IN (tg:inToken, tg:outToken) && STRSTARTS(STR(?n), \"{root}\"))
+         }} }}"
+    );
+    let adds_up = format!("{prefixes}ASK {{ {{ {summed} }} FILTER(?total = {total}) }}");
+    if !holds_within(store, adds_up).await {
+        let rows = store.query(format!("{prefixes}{summed}")).await.unwrap();
+        panic!("the closing counts {total} tokens; the graph: {rows:?}");
+    }
+}
+
 /// Rows a SPARQL query over the aggregator's store returns.
 pub async fn count(store: &agent_graph::GraphStore, sparql: String) -> usize {
     match store.query(sparql).await.unwrap() {

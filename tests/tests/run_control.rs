@@ -1109,18 +1109,8 @@ async fn an_expired_approval_counts_the_call_that_asked_for_it() {
     );
     let total = closing[0].in_token.unwrap_or(0) + closing[0].out_token.unwrap_or(0);
     assert!(total > 0, "the deciding call is counted: {:?}", closing[0]);
-    let summed = format!(
-        "SELECT (SUM(?v) AS ?total) WHERE {{ GRAPH <urn:graph:retrieval> {{
-           ?n ?p ?v . FILTER(?p IN (tg:inToken, tg:outToken) && STRSTARTS(STR(?n), \"urn:trustgraph:agent:{session}\"))
-         }} }}"
-    );
-    let prefixes = agent_core::vocab::SPARQL_PREFIXES;
-    let adds_up = format!("{prefixes}ASK {{ {{ {summed} }} FILTER(?total = {total}) }}");
-    let store = stack.aggregator.store();
-    if !holds_within(&store, adds_up).await {
-        let rows = store.query(format!("{prefixes}{summed}")).await.unwrap();
-        panic!("the closing counts {total} tokens; the graph: {rows:?}");
-    }
+    let root = agent_core::provenance::SessionUris::new(&session).session();
+    assert_graph_tokens(&stack.aggregator.store(), &root, total).await;
     assert_eq!(payments(&stack.llm, "pay invoice theta-3"), 0);
 }
 

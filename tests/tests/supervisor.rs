@@ -1747,16 +1747,7 @@ async fn a_rejected_subagent_result_is_sent_out_again_with_the_lesson() {
     // twice (on the verdicts and on the round's fan-out).
     let closing = responses.last().unwrap();
     let total = closing.in_token.unwrap_or(0) + closing.out_token.unwrap_or(0);
-    let summed = format!(
-        "SELECT (SUM(?v) AS ?total) WHERE {{ GRAPH <urn:graph:retrieval> {{
-           ?n ?p ?v . FILTER(?p IN (tg:inToken, tg:outToken) && STRSTARTS(STR(?n), \"{session}\"))
-         }} }}"
-    );
-    let adds_up = format!("{prefixes}ASK {{ {{ {summed} }} FILTER(?total = {total}) }}");
-    if !holds_within(&store, adds_up).await {
-        let rows = store.query(format!("{prefixes}{summed}")).await.unwrap();
-        panic!("the closing counts {total} tokens; the graph: {rows:?}");
-    }
+    assert_graph_tokens(&store, &session, total).await;
 }
 
 /// A recovery round's verdicts are steps of the dialog too: with `max_iterations` 5, a synthesis
