@@ -11,21 +11,34 @@ print(os.path.join(os.path.dirname(pulsar_lite.__file__), "bin", "pulsar-lite"))
 PY
 }
 
-# The version we run, and the sha256 of its broker binary: what runs is what was tested, not
-# whatever 0.2.x PyPI serves next, nor a binary changed in transit or on disk.
+# The version we run, and the sha256 of its broker binary for each platform PyPI has a wheel for:
+# what runs is what was tested, not whatever 0.2.x PyPI serves next, nor a binary changed in
+# transit or on disk.
 VERSION=0.2.0
-BINARY_SHA256=fe0efa852084a257aa4fe8212e9ff46e617309520e6e7d438731d5a3d2c9e7be
+case "$(uname -s)/$(uname -m)" in
+  Linux/x86_64) BINARY_SHA256=fe0efa852084a257aa4fe8212e9ff46e617309520e6e7d438731d5a3d2c9e7be ;;
+  Darwin/arm64) BINARY_SHA256=320bb644b6d442a0b448d2f685abf7a28af5119b6545540dce50b9d245b66e6c ;;
+  *)
+    echo "pulsar-lite: $VERSION has wheels for Linux x86_64 and macOS arm64 only, not $(uname -s) $(uname -m); run the tests on Apache Pulsar instead (AGENT_E2E_BROKER=apache)" >&2
+    exit 1
+    ;;
+esac
+
+sha256() {
+  if command -v sha256sum >/dev/null; then sha256sum "$1"; else shasum -a 256 "$1"; fi | cut -d' ' -f1
+}
 
 pinned() {
-  [ -x "$1" ] && [ "$(sha256sum "$1" | cut -d' ' -f1)" = "$BINARY_SHA256" ]
+  [ -x "$1" ] && [ "$(sha256 "$1")" = "$BINARY_SHA256" ]
 }
 
 ensure_installed() {
   if ! bin=$(binary) || ! pinned "$bin"; then
     echo "pulsar-lite: installing $VERSION from PyPI" >&2
-    python3 -m pip install -q --disable-pip-version-check "pulsar-lite==$VERSION" >/dev/null 2>&1 \
-      || python3 -m pip install -q --disable-pip-version-check --break-system-packages \
-        "pulsar-lite==$VERSION" >/dev/null
+    local pip=(python3 -m pip install -q --disable-pip-version-check "pulsar-lite==$VERSION")
+    # A 0.2.0 whose binary was changed on disk is "already satisfied" to pip: reinstalled whole.
+    if [ -n "${bin:-}" ] && [ -e "$bin" ]; then pip+=(--force-reinstall --no-deps); fi
+    "${pip[@]}" >/dev/null 2>&1 || "${pip[@]}" --break-system-packages >/dev/null
     bin=$(binary)
     pinned "$bin" || {
       echo "pulsar-lite: $bin is not the pinned $VERSION binary (sha256 $BINARY_SHA256)" >&2
