@@ -819,23 +819,23 @@ async fn dead_letter(
     reason: &str,
     nack_delay: Duration,
 ) {
-    // A decoding error can quote the whole payload (serde's "invalid type: string ..."): kept
-    // to its start, so that it fits a log line and a dead letter's properties.
-    let reason = cut_at_char(reason, MAX_REASON_BYTES);
+    // A decoding error can quote the whole payload (serde's "invalid type: string ..."): logged
+    // to its start, so that it fits a log line (the dead letter's is cut in `fit_dead_letter`).
+    let logged = cut_at_char(reason, MAX_REASON_BYTES);
     let Some(dead_letters) = dead_letters.clone() else {
-        tracing::warn!(topic = %message.topic, %reason, "dropping a message nothing can be done with");
+        tracing::warn!(topic = %message.topic, reason = %logged, "dropping a message nothing can be done with");
         if let Err(e) = consumer.ack(&message).await {
             tracing::warn!(error = %e, "ack failed");
         }
         return;
     };
-    tracing::warn!(topic = %message.topic, %reason, "dead-lettering a message");
+    tracing::warn!(topic = %message.topic, reason = %logged, "dead-lettering a message");
     let mut properties = properties_of(&message);
-    properties.insert(DEAD_LETTER_REASON.to_owned(), reason.into_owned());
     properties.insert(DEAD_LETTER_ORIGIN.to_owned(), message.topic.clone());
     fit_dead_letter(
         &mut letter,
         &mut properties,
+        reason,
         dead_letters.max_message_bytes(),
     );
     let handle = tasks.spawn(async move {
@@ -867,23 +867,28 @@ fn cut_at_char(text: &str, max: usize) -> std::borrow::Cow<'_, str> {
     format!("{}... ({} bytes in all)", &text[..end], text.len()).into()
 }
 
-/// Cuts a dead letter to the broker's limit `max`: a message the broker took can be too large
-/// once the properties saying why are added, and a dead letter that can never be published would
-/// bring its message back for ever. The reason is cut to its start first: a payload cut is one
+/// Adds `reason` to a dead letter's properties, at most [`MAX_REASON_BYTES`] of it, and cuts the
+/// letter to the broker's limit `max`: a message the broker took can be too large once the
+/// properties saying why are added, and a dead letter that can never be published would bring its
+/// message back for ever. The reason is cut to its start first (each cut from the whole, so it
+/// says the whole's size): a payload cut is one
 /// the dead letter's reader cannot decode (the service that answers a client's dead-lettered
 /// request with an error dropped it, and the client never heard), while the reason's start says
 /// what went wrong. Then the payload is cut (its size as it came is kept in
 /// [`DEAD_LETTER_PAYLOAD_BYTES`]); if the message's own properties still leave no room, only ours
 /// are kept.
-fn fit_dead_letter(letter: &mut Vec<u8>, properties: &mut Properties, max: usize) {
+fn fit_dead_letter(letter: &mut Vec<u8>, properties: &mut Properties, reason: &str, max: usize) {
+    properties.insert(
+        DEAD_LETTER_REASON.to_owned(),
+        cut_at_char(reason, MAX_REASON_BYTES).into_owned(),
+    );
     if Publisher::message_bytes(letter, properties) <= max {
         return;
     }
-    if let Some(reason) = properties.get_mut(DEAD_LETTER_REASON) {
-        if reason.len() > SHORT_REASON_BYTES {
-            *reason = cut_at_char(reason, SHORT_REASON_BYTES).into_owned();
-        }
-    }
+    properties.insert(
+        DEAD_LETTER_REASON.to_owned(),
+        cut_at_char(reason, SHORT_REASON_BYTES).into_owned(),
+    );
     if Publisher::message_bytes(letter, properties) <= max {
         return;
     }
@@ -997,10 +1002,6 @@ mod tests {
             let mut properties = Properties::new();
             properties.insert("x-origin".to_owned(), extra.to_owned());
             properties.insert(
-                DEAD_LETTER_REASON.to_owned(),
-                "payload does not decode".to_owned(),
-            );
-            properties.insert(
                 DEAD_LETTER_ORIGIN.to_owned(),
                 "persistent://tg/request/a".to_owned(),
             );
@@ -1008,12 +1009,22 @@ mod tests {
         };
         // Within the limit: as it came.
         let (mut letter, mut properties) = (vec![b'x'; 100], why("v"));
-        fit_dead_letter(&mut letter, &mut properties, 1000);
+        fit_dead_letter(
+            &mut letter,
+            &mut properties,
+            "payload does not decode",
+            1000,
+        );
         assert_eq!((letter.len(), properties.len()), (100, 3));
 
         // The payload cut, its size kept.
         let (mut letter, mut properties) = (vec![b'x'; 1000], why("v"));
-        fit_dead_letter(&mut letter, &mut properties, 1000);
+        fit_dead_letter(
+            &mut letter,
+            &mut properties,
+            "payload does not decode",
+            1000,
+        );
         assert_eq!(properties[DEAD_LETTER_PAYLOAD_BYTES], "1000");
         assert_eq!(Publisher::message_bytes(&letter, &properties), 1000);
         assert!(properties.contains_key("x-origin"));
@@ -1021,18 +1032,33 @@ mod tests {
         // A long reason that leaves the payload no room is cut to its start; the payload stays
         // whole, so the dead letter's reader can still decode it.
         let (mut letter, mut properties) = (vec![b'x'; 700], why("v"));
-        properties.insert(DEAD_LETTER_REASON.to_owned(), "why ".repeat(100));
-        fit_dead_letter(&mut letter, &mut properties, 1000);
+        fit_dead_letter(&mut letter, &mut properties, &"why ".repeat(100), 1000);
         assert_eq!(letter.len(), 700);
         assert!(!properties.contains_key(DEAD_LETTER_PAYLOAD_BYTES));
         assert!(properties[DEAD_LETTER_REASON].starts_with("why why"));
         assert!(properties[DEAD_LETTER_REASON].ends_with("(400 bytes in all)"));
         assert!(Publisher::message_bytes(&letter, &properties) <= 1000);
 
+        // A reason over the most kept is cut once, from the whole, whose size it says.
+        let (mut letter, mut properties) = (vec![b'x'; 700], why("v"));
+        fit_dead_letter(&mut letter, &mut properties, &"why ".repeat(1_000), 1000);
+        assert_eq!(
+            properties[DEAD_LETTER_REASON]
+                .matches("bytes in all")
+                .count(),
+            1
+        );
+        assert!(properties[DEAD_LETTER_REASON].ends_with("(4000 bytes in all)"));
+
         // The message's own properties fill the limit: only ours are kept.
         let (mut letter, mut properties) = (vec![b'x'; 10], why(&"v".repeat(990)));
         // (The payload's size is said though it was not cut: something was.)
-        fit_dead_letter(&mut letter, &mut properties, 1000);
+        fit_dead_letter(
+            &mut letter,
+            &mut properties,
+            "payload does not decode",
+            1000,
+        );
         assert!(!properties.contains_key("x-origin"));
         assert_eq!(properties[DEAD_LETTER_PAYLOAD_BYTES], "10");
         assert_eq!(letter.len(), 10);
