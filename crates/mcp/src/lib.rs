@@ -321,10 +321,16 @@ impl StdioTrust {
 }
 
 /// The sessions of this process, by endpoint.
+/// How long a server whose listing failed is not asked for its tools' arguments again.
+const LIST_AGAIN_AFTER: Duration = Duration::from_secs(30);
+
 pub struct McpPool {
     slots: Mutex<HashMap<Endpoint, Kept>>,
     /// Each tool's arguments as its server last listed them.
     known: Mutex<HashMap<(Endpoint, String), Vec<ToolArgument>>>,
+    /// Servers whose last listing ran out of time: when, and why. Not asked again for
+    /// [`LIST_AGAIN_AFTER`], so that a server that hangs costs one wait, not one each step.
+    unlisted: Mutex<HashMap<Endpoint, (std::time::Instant, String)>>,
     idle: Duration,
     stdio: StdioTrust,
 }
@@ -346,6 +352,7 @@ impl McpPool {
         McpPool {
             slots: Mutex::default(),
             known: Mutex::default(),
+            unlisted: Mutex::default(),
             idle,
             stdio: StdioTrust::default(),
         }
@@ -399,7 +406,8 @@ impl McpPool {
     /// The arguments of the tool `name` as the server describes them, for the prompt, asked for
     /// `within` at most: past it, or when the server fails, what it listed last. The bound is
     /// the pool's own so that the fallback still comes (a stdio server that hangs as it starts
-    /// may take longer to give up on than a step can wait).
+    /// may take longer to give up on than a step can wait). A server that did not answer in time
+    /// is not asked again for [`LIST_AGAIN_AFTER`].
     pub async fn arguments(
         &self,
         endpoint: &Endpoint,
@@ -407,14 +415,37 @@ impl McpPool {
         within: Duration,
     ) -> Result<Vec<ToolArgument>, String> {
         let key = (endpoint.clone(), name.to_owned());
-        let fresh = tokio::time::timeout(within, self.fresh_arguments(endpoint, name))
-            .await
-            .unwrap_or_else(|_| {
-                Err(format!(
-                    "{} did not list its tools within {within:?}",
-                    endpoint.describe()
-                ))
-            });
+        let failed_lately = {
+            let unlisted = self.unlisted.lock().unwrap_or_else(|p| p.into_inner());
+            unlisted
+                .get(endpoint)
+                .filter(|(when, _)| when.elapsed() < LIST_AGAIN_AFTER)
+                .map(|(_, why)| why.clone())
+        };
+        let fresh = match failed_lately {
+            Some(why) => Err(why),
+            None => {
+                let asked =
+                    tokio::time::timeout(within, self.fresh_arguments(endpoint, name)).await;
+                let mut unlisted = self.unlisted.lock().unwrap_or_else(|p| p.into_inner());
+                match asked {
+                    Ok(answered) => {
+                        unlisted.remove(endpoint);
+                        answered
+                    }
+                    // Only a wait is remembered: a server that answers, even with an error,
+                    // costs no time to ask again.
+                    Err(_) => {
+                        let why = format!(
+                            "{} did not list its tools within {within:?}",
+                            endpoint.describe()
+                        );
+                        unlisted.insert(endpoint.clone(), (std::time::Instant::now(), why.clone()));
+                        Err(why)
+                    }
+                }
+            }
+        };
         match fresh {
             Ok(listed) => {
                 let mut known = self.known.lock().unwrap_or_else(|p| p.into_inner());
@@ -1157,11 +1188,22 @@ for line in sys.stdin:
         let arguments = pool
             .arguments(&hanging, "weather", Duration::from_millis(500))
             .await;
-        assert_eq!(arguments, Ok(listed));
+        assert_eq!(arguments, Ok(listed.clone()));
         assert!(
             asked.elapsed() < Duration::from_secs(20),
             "{:?}",
             asked.elapsed()
+        );
+        // Asked again soon after, it is not waited for: each step would otherwise wait out
+        // its tool timeout (60 s by default) for a server known to hang.
+        let again = tokio::time::timeout(
+            Duration::from_secs(20),
+            pool.arguments(&hanging, "weather", Duration::from_secs(60)),
+        )
+        .await;
+        assert!(
+            matches!(&again, Ok(Ok(a)) if a[..] == listed[..]),
+            "{again:?}"
         );
         let unknown = pool
             .arguments(&hanging, "forecast", Duration::from_millis(500))
