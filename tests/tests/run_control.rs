@@ -688,10 +688,12 @@ async fn an_approval_after_the_supervisor_answered_without_its_branch_runs_nothi
         agent_core::vocab::SPARQL_PREFIXES
     );
     assert_eq!(count_reaching(&aggregator.store(), answered, 1).await, 1);
+    // Its conclusion counts the LLM call that chose the parked call: until 2026-12-05 this path
+    // ended with the tokens from before it, recorded nowhere.
     let branch_ended = format!(
         "{}SELECT ?c WHERE {{ GRAPH <urn:graph:retrieval> {{
-           ?c a tg:Conclusion ; tg:document ?d . ?d tg:content ?why .
-           FILTER(STRSTARTS(STR(?c), \"urn:trustgraph:agent:{session}/\") && CONTAINS(?why, \"stopped waiting\")) }} }}",
+           ?c a tg:Conclusion ; tg:document ?d ; tg:inToken ?in . ?d tg:content ?why .
+           FILTER(STRSTARTS(STR(?c), \"urn:trustgraph:agent:{session}/\") && CONTAINS(?why, \"stopped waiting\") && ?in > 0) }} }}",
         agent_core::vocab::SPARQL_PREFIXES
     );
     assert_eq!(

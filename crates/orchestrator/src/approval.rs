@@ -308,7 +308,7 @@ pub async fn resume(turn: &Turn<'_>, answer: &Answer) -> Result<(), BusError> {
             // would be one no answer accounts for. The answer stays recorded above. (A run whose
             // budget was spent while the call waited makes the call it was approved within the
             // deadline it showed, and stops at its next step.)
-            if let Some(ended) = crate::finish::end_if_abandoned(turn).await {
+            if let Some(ended) = crate::finish::end_if_abandoned(turn, Some(&decision)).await {
                 return ended;
             }
             if let Some(arguments) = &control.arguments {

@@ -91,20 +91,24 @@ async fn complete(
 }
 
 /// Ends a subagent's dialog whose supervisor stopped waiting for it (its fan-out timed out and
-/// was answered without it); `None` while it is waited for.
-pub async fn end_if_abandoned(turn: &Turn<'_>) -> Option<Result<(), BusError>> {
+/// was answered without it); `None` while it is waited for. `parked`: the call parked for
+/// approval it ends at, whose choosing is counted (see [`fail_parked`]).
+pub async fn end_if_abandoned(
+    turn: &Turn<'_>,
+    parked: Option<&crate::approval::ToolDecision>,
+) -> Option<Result<(), BusError>> {
     if !turn.abandoned {
         return None;
     }
     let n = steps_taken(&turn.request.history) + 1;
     let why = "the supervisor stopped waiting for this subagent: its fan-out timed out and was answered without it";
-    Some(fail(turn, n, why).await)
+    Some(fail_parked(turn, n, why, parked).await)
 }
 
 /// Ends the dialog when it has used all its iterations or a budget, before any LLM call; `None`
 /// when it may go on. Every pattern checks this first.
 pub async fn conclude_if_limited(turn: &Turn<'_>) -> Option<Result<(), BusError>> {
-    if let Some(ended) = end_if_abandoned(turn).await {
+    if let Some(ended) = end_if_abandoned(turn, None).await {
         return Some(ended);
     }
     let limits = &turn.config.limits;
@@ -225,10 +229,13 @@ fn cost_of(
     turn: &Turn<'_>,
     parked: Option<&crate::approval::ToolDecision>,
 ) -> (CallStats, crate::budget::Tokens) {
-    match parked {
+    // The step's calls whose nodes record their cost are counted in the tokens only.
+    let recorded = crate::emit::locked(&turn.recorded_calls).clone();
+    let (cost, tokens) = match parked {
         Some(decision) => (decision.stats.clone(), decision.tokens),
         None => (CallStats::default(), turn.tokens_before),
-    }
+    };
+    (cost, tokens.plus(recorded.in_token, recorded.out_token))
 }
 
 /// Ends the dialog with an error response and records why.

@@ -171,7 +171,7 @@ async fn give_draft_at_a_limit(
     draft_of: impl Fn(&[agent_schema::AgentStep]) -> Option<&agent_schema::AgentStep>,
     said: impl Fn(&str) -> (String, String),
 ) -> Option<Result<(), BusError>> {
-    if let Some(ended) = crate::finish::end_if_abandoned(turn).await {
+    if let Some(ended) = crate::finish::end_if_abandoned(turn, None).await {
         return Some(ended);
     }
     let (termination, why) = out_of_limits(turn)?;

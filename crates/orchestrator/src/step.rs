@@ -111,6 +111,7 @@ impl Admitted<'_> {
             delivered: &self.properties,
             replay,
             kept_documents: Default::default(),
+            recorded_calls: Default::default(),
         }
     }
 }

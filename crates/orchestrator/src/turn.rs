@@ -54,6 +54,10 @@ pub struct Turn<'a> {
     pub replay: &'a crate::replay::StepReplay,
     /// The documents this step has kept (see [`Turn::check_in`]).
     pub kept_documents: std::sync::Mutex<std::collections::BTreeSet<String>>,
+    /// LLM calls this step made whose own nodes record their cost (the step critic's verdicts)
+    /// and that the dialog's tokens count only where the step goes on: a step that fails after
+    /// them counts them in its closing (see `finish::fail`).
+    pub recorded_calls: std::sync::Mutex<CallStats>,
 }
 
 impl Turn<'_> {

@@ -26,7 +26,7 @@ pub async fn iterate(turn: &Turn<'_>) -> Result<(), BusError> {
     // A nested supervisor whose own supervisor stopped waiting for it (an outer fan-out times out
     // first: each runs its timeout from its own start) ends here, before judging or synthesising
     // results no one will read.
-    if let Some(ended) = end_if_abandoned(turn).await {
+    if let Some(ended) = end_if_abandoned(turn, None).await {
         return ended;
     }
     let n = steps_taken(&turn.request.history) + 1;
@@ -167,6 +167,7 @@ async fn recover(turn: &Turn<'_>, n: usize) -> Result<Recovery, BusError> {
             ),
         )?;
         crate::turn::add_call(&mut spent, &completion);
+        crate::turn::add_call(&mut crate::emit::locked(&turn.recorded_calls), &completion);
         judged.push(node);
         verdicts.push((index, verdict));
     }

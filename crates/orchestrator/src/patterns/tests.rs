@@ -124,6 +124,7 @@ impl Harness {
             delivered: &delivered,
             replay: &replay,
             kept_documents: Default::default(),
+            recorded_calls: Default::default(),
         };
         super::iterate(&turn).await.expect("the step runs");
         let parked = out.parked().is_some();
