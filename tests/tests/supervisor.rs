@@ -1488,6 +1488,37 @@ async fn a_nested_fan_out_stops_at_the_depth_limit() {
         mermaid.contains("Completion (answer): tickets printed"),
         "{mermaid}"
     );
+
+    // The nested supervisor's resume, which the aggregator sends, carries what the run spent
+    // outside its dialog (the root's split): with no shared store to count the run from, its
+    // budget counts from that. Until 2026-12-05 it carried none, and from its fan-in on the
+    // nested supervisor counted only its own tokens against the run's max_tokens.
+    let mut requests = read_from_start(
+        &broker,
+        "persistent://tg/request/agent:default:default",
+        "nested-run-tokens",
+    )
+    .await;
+    let mut resumes = Vec::new();
+    while let Ok(Some(Ok(message))) =
+        tokio::time::timeout(Duration::from_secs(2), requests.next()).await
+    {
+        let request: AgentRequest = serde_json::from_slice(&message.payload.data).unwrap();
+        let resumed = request.history.last().is_some_and(|step| {
+            step.step_type == agent_schema::StepType::Synthesise.as_str()
+                && step.subagent_results.is_some()
+        });
+        if resumed && !request.parent_session_id.is_empty() {
+            let properties = &message.payload.metadata.properties;
+            let run_tokens = properties
+                .iter()
+                .find(|kv| kv.key == agent_schema::RUN_TOKENS_PROPERTY)
+                .map(|kv| kv.value.parse::<u64>().unwrap());
+            resumes.push(run_tokens);
+        }
+    }
+    assert_eq!(resumes.len(), 1, "{resumes:?}");
+    assert!(resumes[0].is_some_and(|t| t > 0), "{resumes:?}");
 }
 
 /// Two orchestrators and two aggregators share the subscriptions (the aggregators one graph store,
@@ -1748,6 +1779,45 @@ async fn a_rejected_subagent_result_is_sent_out_again_with_the_lesson() {
     let closing = responses.last().unwrap();
     let total = closing.in_token.unwrap_or(0) + closing.out_token.unwrap_or(0);
     assert_graph_tokens(&store, &session, total).await;
+}
+
+/// A synthesis whose LLM call fails after the step critic judged the results ends the dialog with
+/// an error that counts the critic's calls, as their verdict nodes do. Until 2026-12-05 the
+/// closing (and a nested supervisor's completion, and the run's budget) had only the tokens from
+/// before the step: the graph counted more than the closing.
+#[tokio::test]
+async fn a_synthesis_that_fails_after_the_critic_judged_counts_the_critics_calls() {
+    // No rule for the synthesis: its call is refused (400), which is no outage to wait out.
+    const SCRIPT: &str = r#"{"rules": [
+  {"match": "Request to split: Measure", "reply": "[{\"goal\": \"measure alpha\"}, {\"goal\": \"measure beta\"}]"},
+  {"match": "Result to evaluate: alpha is 1 metre", "reply": "{\"status\": \"SUCCESS\", \"evaluation\": \"it has its unit\"}"},
+  {"match": "Result to evaluate: beta is 2 metres", "reply": "{\"status\": \"SUCCESS\", \"evaluation\": \"fine\"}"},
+  {"match": "Question: measure alpha", "reply": "Thought: known.\nFinal Answer: alpha is 1 metre"},
+  {"match": "Question: measure beta", "reply": "Thought: known.\nFinal Answer: beta is 2 metres"}
+]}"#;
+    let broker = Broker::start().unwrap();
+    let aggregator = Aggregator::spawn(&broker);
+    let llm = scripted_llm(SCRIPT).await;
+    let _orchestrator = Orchestrator::spawn(&broker, &llm, &seed_dir(), &[]);
+    let mut client = client(&broker).await;
+    client
+        .send("critic-then-fail", &critiqued("Measure both."))
+        .await
+        .unwrap();
+    let responses = collect_dialog(&mut client, "critic-then-fail", DIALOG_TIMEOUT)
+        .await
+        .unwrap();
+    assert_eq!(closings(&responses), 1, "{responses:#?}");
+    let closing = responses.last().unwrap();
+    assert!(closing.error.is_some(), "{responses:#?}");
+    let verdicts = llm
+        .calls()
+        .iter()
+        .filter(|c| c.last_user.contains("Result to evaluate"))
+        .count();
+    assert_eq!(verdicts, 2);
+    let total = closing.in_token.unwrap_or(0) + closing.out_token.unwrap_or(0);
+    assert_graph_tokens(&aggregator.store(), &session_of(&responses), total).await;
 }
 
 /// A recovery round's verdicts are steps of the dialog too: with `max_iterations` 5, a synthesis

@@ -10,7 +10,7 @@ use agent_bus::{BusError, Properties, Publisher};
 use agent_core::supervisor::{
     completion_seal_parts, decomposed_goals, dependent_request, fanout_seal_parts, fanouts_above,
     kept_goals, last_decompose, legacy_subagent_seal_parts, result_key, subagent_index,
-    subagent_seal_parts, subagent_session, synthesis_request, synthesis_request_within,
+    subagent_seal_parts, subagent_session, synthesis_request_within, Fit,
 };
 use agent_graph::{queries, GraphError, GraphStore, QueryAnswer, Rows};
 use agent_schema::{
@@ -569,18 +569,16 @@ pub async fn check(
     // would be refused on every try and the supervisor never resumed, so they are cut to fit
     // (each saying so). Room is left for the properties (tokens, trace, seal).
     let limit = requests.max_message_bytes().saturating_sub(PROPERTIES_ROOM);
-    let whole = synthesis_request(&continuation, results.clone(), &missing);
-    let built = if agent_schema::encode(&whole).len() <= limit {
-        whole
-    } else {
-        match synthesis_request_within(&continuation, results, &missing, limit) {
-            Some(cut) => {
-                tracing::warn!(correlation_id, limit, "the subagents' results together are over the broker's message limit; each is cut to fit");
-                cut
-            }
-            None => whole,
+    let (built, fit) = synthesis_request_within(&continuation, results, &missing, limit);
+    match fit {
+        Fit::Whole => {}
+        Fit::Cut => {
+            tracing::warn!(correlation_id, limit, "the subagents' results together are over the broker's message limit; each is cut to fit")
         }
-    };
+        Fit::Over => {
+            tracing::error!(correlation_id, limit, "the supervisor's request is over the broker's message limit even with every subagent result cut; sent with the results cut to their notes")
+        }
+    }
     // What the supervisor's next step is given, kept as every step's input is: a fork or replay of
     // that step starts from it. Recorded before it is sent, and only if no attempt recorded one:
     // the request sent is the one recorded first. An attempt that stopped after recording (a
@@ -681,9 +679,15 @@ struct Fanout<'a> {
 }
 
 /// The message properties a fan-out's record carries on (`tg:carries`, a JSON object) that the
-/// aggregator passes on: a replay's reuse and the dialog's model, nothing else it may name.
+/// aggregator passes on: a replay's reuse, the dialog's model and, for a nested supervisor, what
+/// its run spent outside its dialog; nothing else it may name.
 fn carried_properties(json: &str) -> Properties {
-    const CARRIED: [&str; 3] = [REUSE_PROPERTY, REUSE_FROM_PROPERTY, MODEL_PROPERTY];
+    const CARRIED: [&str; 4] = [
+        REUSE_PROPERTY,
+        REUSE_FROM_PROPERTY,
+        MODEL_PROPERTY,
+        RUN_TOKENS_PROPERTY,
+    ];
     serde_json::from_str::<Properties>(json)
         .unwrap_or_default()
         .into_iter()
@@ -706,6 +710,14 @@ async fn start_waiting(
     let Some(decompose) = last_decompose(&fanout.continuation.history) else {
         return Ok(());
     };
+    // The run's spend as the waiting subagent starts: outside the supervisor's dialog (a nested
+    // supervisor's run), the supervisor's own, and its completed subagents'.
+    let run_tokens = fanout
+        .carried
+        .get(RUN_TOKENS_PROPERTY)
+        .and_then(|t| t.parse::<u64>().ok())
+        .unwrap_or(0)
+        .saturating_add(fanout.tokens);
     let mut held = false;
     for (index, goal) in kept_goals(decompose).iter().enumerate() {
         let ready = !goal.needs.is_empty()
@@ -747,7 +759,7 @@ async fn start_waiting(
         let mut properties = fanout.carried.clone();
         properties.insert(ID_PROPERTY.to_owned(), fanout.client.to_owned());
         properties.insert(STARTED_PROPERTY.to_owned(), fanout.started.to_string());
-        properties.insert(RUN_TOKENS_PROPERTY.to_owned(), fanout.tokens.to_string());
+        properties.insert(RUN_TOKENS_PROPERTY.to_owned(), run_tokens.to_string());
         if let Some(model) = &goal.model {
             properties.insert(MODEL_PROPERTY.to_owned(), model.clone());
         }
@@ -758,7 +770,7 @@ async fn start_waiting(
                 &request,
                 &payload,
                 fanout.started,
-                fanout.tokens,
+                run_tokens,
                 model,
                 fanout.client,
             );
@@ -766,7 +778,7 @@ async fn start_waiting(
                 agent_bus::seal::SUBAGENT_SEAL_PROPERTY.to_owned(),
                 key.seal(&parts.each_ref().map(String::as_str)),
             );
-            let legacy = legacy_subagent_seal_parts(&request, fanout.started, fanout.tokens);
+            let legacy = legacy_subagent_seal_parts(&request, fanout.started, run_tokens);
             properties.insert(
                 agent_bus::seal::SEAL_PROPERTY.to_owned(),
                 key.seal(&legacy.each_ref().map(String::as_str)),

@@ -710,37 +710,58 @@ pub fn synthesis_request(
     next
 }
 
+/// How a synthesis request came out against the broker's limit.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Fit {
+    /// Every result whole.
+    Whole,
+    /// Results cut to fit.
+    Cut,
+    /// Over the limit even with every result cut to its note (the continuation alone is too
+    /// large): the request is the smallest that could be built.
+    Over,
+}
+
 /// [`synthesis_request`] held to `max_bytes` encoded: a request the broker refuses is refused on
 /// every try, and the supervisor would never resume. Results carried whole (no shared store to
 /// check them in) can outgrow the limit together; each is then cut to an equal share, its start
-/// kept and the cut said, halving the shares until the request fits. `None` when it cannot fit
-/// even so (the continuation alone is too large).
+/// kept and the cut said, halving the shares until the request fits. Encodes the whole request
+/// once when it fits, which is the common case.
 pub fn synthesis_request_within(
     continuation: &AgentRequest,
     results: BTreeMap<String, String>,
     missing: &[usize],
     max_bytes: usize,
-) -> Option<AgentRequest> {
+) -> (AgentRequest, Fit) {
     let fits = |request: &AgentRequest| agent_schema::encode(request).len() <= max_bytes;
     let whole = synthesis_request(continuation, results.clone(), missing);
     if fits(&whole) {
-        return Some(whole);
+        return (whole, Fit::Whole);
     }
     let base =
         agent_schema::encode(&synthesis_request(continuation, BTreeMap::new(), missing)).len();
     let mut share = max_bytes.saturating_sub(base) / results.len().max(1);
     while share >= 64 {
-        let cut = results
-            .iter()
-            .map(|(key, result)| (key.clone(), cut_to_share(result, share)))
-            .collect();
-        let request = synthesis_request(continuation, cut, missing);
+        let request = synthesis_request(continuation, cut_to(&results, share), missing);
         if fits(&request) {
-            return Some(request);
+            return (request, Fit::Cut);
         }
         share /= 2;
     }
-    None
+    // The smallest request there is: sent rather than the whole, as the room left for the
+    // properties may be more than they need.
+    (
+        synthesis_request(continuation, cut_to(&results, 0), missing),
+        Fit::Over,
+    )
+}
+
+/// Each of `results` in at most about `share` bytes.
+fn cut_to(results: &BTreeMap<String, String>, share: usize) -> BTreeMap<String, String> {
+    results
+        .iter()
+        .map(|(key, result)| (key.clone(), cut_to_share(result, share)))
+        .collect()
 }
 
 /// `result` in at most about `share` bytes: its start and a note of the cut.
@@ -752,11 +773,17 @@ fn cut_to_share(result: &str, share: usize) -> String {
     while !result.is_char_boundary(end) {
         end -= 1;
     }
-    format!(
+    let cut = format!(
         "{} [cut to fit the broker's message limit: {end} of {} bytes]",
         &result[..end],
         result.len()
-    )
+    );
+    // A short result is kept whole: its note would be longer.
+    if cut.len() < result.len() {
+        cut
+    } else {
+        result.to_owned()
+    }
 }
 
 /// What a subagent request's seal covers: who it is, whose fan-out it belongs to, the run's
@@ -1287,13 +1314,15 @@ mod tests {
         ]
         .into();
         // Within the limit: whole.
-        let whole = synthesis_request_within(&continuation, results.clone(), &[], 1 << 20).unwrap();
+        let (whole, fit) = synthesis_request_within(&continuation, results.clone(), &[], 1 << 20);
+        assert_eq!(fit, Fit::Whole);
         assert_eq!(
             whole,
             synthesis_request(&continuation, results.clone(), &[])
         );
         // Over it: the long one cut, its start kept and the cut said; the short one whole.
-        let cut = synthesis_request_within(&continuation, results.clone(), &[], 8_000).unwrap();
+        let (cut, fit) = synthesis_request_within(&continuation, results.clone(), &[], 8_000);
+        assert_eq!(fit, Fit::Cut);
         assert!(agent_schema::encode(&cut).len() <= 8_000);
         let carried = cut.history[0].subagent_results.clone().unwrap_or_default();
         assert_eq!(carried["01. b"], "beta");
@@ -1303,7 +1332,14 @@ mod tests {
             "{}",
             carried["00. a"]
         );
-        // No room even for the continuation: none.
-        assert!(synthesis_request_within(&continuation, results, &[], 100).is_none());
+        // No room even for the continuation: the smallest request, each result only its note.
+        let (over, fit) = synthesis_request_within(&continuation, results, &[], 100);
+        assert_eq!(fit, Fit::Over);
+        let carried = over.history[0].subagent_results.clone().unwrap_or_default();
+        assert_eq!(carried["01. b"], "beta");
+        assert_eq!(
+            carried["00. a"],
+            " [cut to fit the broker's message limit: 0 of 30000 bytes]"
+        );
     }
 }

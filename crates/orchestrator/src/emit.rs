@@ -550,6 +550,12 @@ impl<'a> DialogOutput<'a> {
         if let Some(model) = &self.model {
             carried.insert(MODEL_PROPERTY.to_owned(), model.clone());
         }
+        // A subagent's run spent this much outside its dialog: its next steps carry it (see
+        // `emit`), the one the aggregator sends included, or a nested supervisor without a
+        // shared store to count its run from would count only its own tokens after its fan-in.
+        if self.run_base > 0 {
+            carried.insert(RUN_TOKENS_PROPERTY.to_owned(), self.run_base.to_string());
+        }
         carried
     }
 
