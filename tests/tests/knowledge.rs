@@ -197,3 +197,34 @@ fn tools_list_shows_what_a_group_and_state_would_see() {
     let later = list(&["--group", "ops", "--state", "sorted"]);
     assert!(later.contains("no tool"), "{later}");
 }
+
+/// A collection's file larger than axum's 2 MB default loads through the running aggregator's
+/// endpoint (it was refused with 413, and a store an aggregator owns can be loaded no other way).
+#[tokio::test]
+async fn a_file_of_several_megabytes_loads_through_the_aggregator() {
+    let broker = Broker::start().unwrap();
+    let aggregator = Aggregator::spawn_with(&broker, &["--config-token", TOKEN]);
+    let file = std::env::temp_dir().join(format!("large-{}.nt", std::process::id()));
+    let lines: String = (0..40_000)
+        .map(|i| {
+            format!(
+                "<http://example.org/large/item{i}> <http://www.w3.org/2000/01/rdf-schema#label> \"item number {i} of the large collection\" .\n"
+            )
+        })
+        .collect();
+    assert!(lines.len() > 4 * 1024 * 1024, "{}", lines.len());
+    std::fs::write(&file, lines).unwrap();
+    let loaded = Command::new(binary("agentctl"))
+        .args(["load", file.to_str().unwrap(), "--collection", "large"])
+        .args(["--store", &aggregator.endpoint, "--token", TOKEN])
+        .output()
+        .unwrap();
+    let _ = std::fs::remove_file(&file);
+    assert!(
+        loaded.status.success(),
+        "{}",
+        String::from_utf8_lossy(&loaded.stderr)
+    );
+    let said = String::from_utf8_lossy(&loaded.stdout);
+    assert!(said.contains("now 40000 triples"), "{said}");
+}

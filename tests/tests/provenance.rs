@@ -371,6 +371,62 @@ async fn a_triple_that_may_not_be_written_keeps_only_itself_out_of_the_graph() {
     );
 }
 
+/// A replica writes each explainability message through the owner's endpoint as one update: one
+/// of several MB (the broker takes 5 MB by default) reaches the owner's store whole. The owner's
+/// `/update` took at most 2 MB, and the replica could never write such a message.
+#[tokio::test]
+async fn a_replica_writes_a_message_of_several_megabytes_through_its_owner() {
+    use agent_schema::{Metadata, Term as WireTerm};
+    const TOKEN: &str = "replica-token";
+    let broker = Broker::start().unwrap();
+    // The owner reads another topic, so the message is the replica's to write.
+    let owner = Aggregator::spawn_with(
+        &broker,
+        &[
+            "--config-token",
+            TOKEN,
+            "--explain-topic",
+            "persistent://tg/flow/owner-only-explain",
+        ],
+    );
+    let _replica = Aggregator::replica_with(&broker, &owner, TOKEN, &[]);
+    // Quotes and line breaks: each escaped in the update, so its text is larger still.
+    let text = "a \"quoted\" line\n".repeat(200_000);
+    assert!(text.len() > 3 * 1024 * 1024, "{}", text.len());
+    let message = Triples {
+        metadata: Metadata {
+            id: "urn:test:large-message".to_owned(),
+            root: "urn:test:root".to_owned(),
+            collection: "default".to_owned(),
+        },
+        triples: vec![triple(
+            "urn:test:large",
+            "urn:test:text",
+            WireTerm::literal(&text),
+        )],
+    };
+    let bus = agent_bus::Bus::connect(&broker.url(), None).await.unwrap();
+    let publisher = agent_bus::Publisher::new(&bus, EXPLAIN_TOPIC)
+        .await
+        .unwrap();
+    let payload = agent_schema::encode(&message);
+    publisher
+        .send(payload.clone(), &sealed_explain(&payload))
+        .await
+        .unwrap();
+    let store = GraphStore::open(&owner.endpoint, Some(TOKEN.to_owned())).unwrap();
+    wait_for_node(&store, "urn:test:large").await;
+    let stored = store
+        .query("SELECT ?o WHERE { GRAPH ?g { <urn:test:large> <urn:test:text> ?o } }".to_owned())
+        .await
+        .unwrap()
+        .rows();
+    match stored.first("o") {
+        Some(Term::Literal(l)) => assert_eq!(l.value(), text),
+        other => panic!("{other:?}"),
+    }
+}
+
 /// Only a message the orchestrators sealed writes the agent's records: from one without the seal
 /// (anyone who can publish to the topic), triples naming an agent node (as subject or object) or
 /// a long text's node are left out and the message dead-lettered, the rest written (TrustGraph's

@@ -308,10 +308,14 @@ pub async fn load(args: LoadArgs) -> anyhow::Result<i32> {
         std::fs::read(&args.file).with_context(|| format!("reading {}", args.file.display()))?;
     let store = GraphStore::open(&args.store.store, args.store.token.clone())
         .with_context(|| format!("opening the graph store {}", args.store.store))?;
-    store
-        .load(data, format, Some(graph.clone()))
-        .await
-        .with_context(|| format!("loading {}", args.file.display()))?;
+    match store.load(data, format, Some(graph.clone())).await {
+        Err(agent_graph::GraphError::Http { status: 413, .. }) => bail!(
+            "loading {}: the endpoint refused a file this large in one request (the aggregator \
+             takes up to 256 MB): split it and load each part",
+            args.file.display()
+        ),
+        loaded => loaded.with_context(|| format!("loading {}", args.file.display()))?,
+    }
     let counted = store
         .query(format!(
             "SELECT (COUNT(*) AS ?n) WHERE {{ GRAPH <{graph}> {{ ?s ?p ?o }} }}"

@@ -62,6 +62,13 @@ const MOST_JOURNAL_RECORDS_BYTES: usize = 256 * 1024 * 1024;
 /// The largest of the journal's other calls: up to 4,096 names of at most 1 KiB each.
 const MOST_JOURNAL_CALL_BYTES: usize = 8 * 1024 * 1024;
 
+/// The largest update or load taken (only with the services' token, checked before the body is
+/// read). axum's 2 MB default refused what the services themselves send: a replica writes each
+/// explainability message through the owner's `/update` as one `INSERT DATA`, and a message may be
+/// as large as the broker takes (5 MB by default), more once its literals are escaped; and
+/// `agentctl load` sends a collection's file whole to `/store`.
+const MOST_WRITE_BYTES: usize = 256 * 1024 * 1024;
+
 /// How long a query without a token waits for a turn before it is told to come back.
 const TURN_WAIT: std::time::Duration = std::time::Duration::from_secs(1);
 
@@ -133,6 +140,7 @@ pub fn router(
     let write_routes = Router::new()
         .route("/update", post(update))
         .route("/store", post(store_post))
+        .layer(axum::extract::DefaultBodyLimit::max(MOST_WRITE_BYTES))
         .route_layer(axum::middleware::from_fn_with_state(
             state.clone(),
             token_first,
