@@ -56,26 +56,37 @@ pub struct SparqlServer {
 impl SparqlServer {
     /// A server ready for queries when this returns.
     pub fn start(kind: Kind) -> SparqlServer {
-        // Kept across its restarts: outside the range an outgoing connection is given.
-        let kept = agent_bus::embedded::KeptPort::choose(&[]).unwrap();
-        let port = kept.port();
-        // Not named by the port alone: a server restarting leaves its port free for a moment,
-        // and one started meanwhile could be given it and wipe this folder.
-        let dir = std::env::temp_dir().join(format!(
-            "agent-e2e-sparql-{}-{port}-{:08x}",
-            std::process::id(),
-            rand::random::<u32>()
-        ));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(dir.join("data")).unwrap();
-        let mut server = SparqlServer {
-            kind,
-            child: None,
-            port: kept,
-            dir,
-        };
-        server.launch();
-        server
+        let mut attempt = 1;
+        loop {
+            // Kept across its restarts: outside the range an outgoing connection is given.
+            let kept = agent_bus::embedded::KeptPort::choose(&[]).unwrap();
+            let port = kept.port();
+            // Not named by the port alone: a server restarting leaves its port free for a moment,
+            // and one started meanwhile could be given it and wipe this folder.
+            let dir = std::env::temp_dir().join(format!(
+                "agent-e2e-sparql-{}-{port}-{:08x}",
+                std::process::id(),
+                rand::random::<u32>()
+            ));
+            let _ = std::fs::remove_dir_all(&dir);
+            std::fs::create_dir_all(dir.join("data")).unwrap();
+            let mut server = SparqlServer {
+                kind,
+                child: None,
+                port: kept,
+                dir,
+            };
+            match server.launch() {
+                Ok(()) => return server,
+                // The port was free when chosen, but another process may take it before the JVM
+                // binds it (Fuseki then exits 2: a CI run failed so, 2026-12-05): another port.
+                Err(exited) if attempt < 3 => {
+                    eprintln!("{exited}; trying another port");
+                    attempt += 1;
+                }
+                Err(exited) => panic!("{exited}"),
+            }
+        }
     }
 
     /// The one this test run asks for (`AGENT_E2E_STORE`), if any.
@@ -96,13 +107,22 @@ impl SparqlServer {
         )
     }
 
-    /// SIGKILL, then start again on the same data.
+    /// SIGKILL, then start again on the same data and port (the aggregator was told it). A port
+    /// taken meanwhile is asked for again for a while: what holds it may be gone soon.
     pub fn restart(&mut self) {
         self.kill();
-        self.launch();
+        let started = Instant::now();
+        while let Err(exited) = self.launch() {
+            if started.elapsed() > Duration::from_secs(60) {
+                panic!("{exited}");
+            }
+            eprintln!("{exited}; trying the same port again");
+            std::thread::sleep(Duration::from_secs(1));
+        }
     }
 
-    fn launch(&mut self) {
+    /// Starts the server; `Err` says why it exited before it was ready.
+    fn launch(&mut self) -> Result<(), String> {
         let log = std::fs::File::create(self.dir.join("server.log")).unwrap();
         let data = self.dir.join("data");
         let mut command = match self.kind {
@@ -148,29 +168,46 @@ impl SparqlServer {
             .spawn()
             .unwrap_or_else(|e| panic!("starting {}: {e}", self.kind.name()));
         self.child = Some(child);
-        self.wait_ready();
+        self.wait_ready()
     }
 
-    fn wait_ready(&mut self) {
+    fn wait_ready(&mut self) -> Result<(), String> {
         let started = Instant::now();
         while started.elapsed() < Duration::from_secs(120) {
             if let Some(Ok(Some(status))) = self.child.as_mut().map(Child::try_wait) {
-                panic!(
-                    "{} exited ({status}); see {}",
-                    self.kind.name(),
-                    self.dir.join("server.log").display()
-                );
+                self.child = None;
+                return Err(self.exit_report(status));
             }
             // The server we started answers, not another one on the port it failed to bind.
             let ours = self.child.as_ref().is_some_and(|child| {
                 agent_bus::embedded::process_listens_on(child.id(), self.port.port())
             });
             if ours && self.answers() {
-                return;
+                return Ok(());
             }
             std::thread::sleep(Duration::from_millis(100));
         }
         panic!("{} was not ready within 120 s", self.kind.name());
+    }
+
+    /// Why the server exited before it was ready: the end of its log (CI keeps only the test's
+    /// output) and who listens on its port, if anyone does.
+    fn exit_report(&self, status: std::process::ExitStatus) -> String {
+        let log_path = self.dir.join("server.log");
+        let log = std::fs::read_to_string(&log_path).unwrap_or_default();
+        // A Java stack's frames say less than its exceptions' messages.
+        let lines: Vec<&str> = log
+            .lines()
+            .filter(|line| !line.trim_start().starts_with("at ") && !line.contains("... "))
+            .collect();
+        let tail = lines[lines.len().saturating_sub(12)..].join("\n  ");
+        let holders = agent_bus::embedded::processes_listening_on(self.port.port());
+        format!(
+            "{} exited ({status}) on port {}; listening there: {holders:?}; the end of {}:\n  {tail}",
+            self.kind.name(),
+            self.port.port(),
+            log_path.display()
+        )
     }
 
     /// Whether `ASK {}` is answered 200.

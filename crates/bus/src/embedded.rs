@@ -193,7 +193,44 @@ impl Drop for KeptPort {
 /// waits for its other children with this too.
 #[cfg(target_os = "linux")]
 pub fn process_listens_on(pid: u32, port: u16) -> bool {
-    let listeners: Vec<String> = ["/proc/net/tcp", "/proc/net/tcp6"]
+    let listeners = listener_inodes(port);
+    !listeners.is_empty() && holds_any_socket(pid, &listeners)
+}
+
+/// The processes that listen on TCP `port`, as far as this process may read their descriptors:
+/// said when a child could not take a port it was given, so the log names who has it.
+#[cfg(target_os = "linux")]
+pub fn processes_listening_on(port: u16) -> Vec<(u32, String)> {
+    let listeners = listener_inodes(port);
+    if listeners.is_empty() {
+        return Vec::new();
+    }
+    let Ok(processes) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    processes
+        .flatten()
+        .filter_map(|entry| entry.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|pid| holds_any_socket(*pid, &listeners))
+        .map(|pid| {
+            let command = std::fs::read(format!("/proc/{pid}/cmdline"))
+                .map(|line| String::from_utf8_lossy(&line).replace('\0', " "))
+                .unwrap_or_default();
+            (pid, command.trim().chars().take(200).collect())
+        })
+        .collect()
+}
+
+/// Elsewhere nobody is named.
+#[cfg(not(target_os = "linux"))]
+pub fn processes_listening_on(_port: u16) -> Vec<(u32, String)> {
+    Vec::new()
+}
+
+/// The inodes of the sockets listening on TCP `port`, over IPv4 and IPv6.
+#[cfg(target_os = "linux")]
+fn listener_inodes(port: u16) -> Vec<String> {
+    ["/proc/net/tcp", "/proc/net/tcp6"]
         .iter()
         .filter_map(|table| std::fs::read_to_string(table).ok())
         .flat_map(|table| {
@@ -203,17 +240,19 @@ pub fn process_listens_on(pid: u32, port: u16) -> bool {
                 .filter_map(|line| listener_inode(line, port))
                 .collect::<Vec<_>>()
         })
-        .collect();
-    if listeners.is_empty() {
-        return false;
-    }
+        .collect()
+}
+
+/// Whether one of `pid`'s descriptors is one of the sockets `inodes`.
+#[cfg(target_os = "linux")]
+fn holds_any_socket(pid: u32, inodes: &[String]) -> bool {
     let Ok(descriptors) = std::fs::read_dir(format!("/proc/{pid}/fd")) else {
         return false;
     };
     descriptors.flatten().any(|fd| {
         std::fs::read_link(fd.path()).is_ok_and(|target| {
             let target = target.to_string_lossy();
-            listeners
+            inodes
                 .iter()
                 .any(|inode| *target == format!("socket:[{inode}]"))
         })
