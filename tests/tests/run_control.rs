@@ -243,6 +243,72 @@ async fn a_cancel_abandons_a_streaming_step_and_its_tool_is_never_called() {
     assert_recorded(&aggregator, &session, "ops-carol").await;
 }
 
+/// A cancel heard while a supervisor's synthesis call is in flight, after the step critic judged
+/// the results in the same step: the step is abandoned with the verdict nodes that recorded the
+/// critic's calls, so the closing's tokens leave those calls out too and add up to the graph's.
+/// Until 2026-12-05 the closing counted the critic's tokens the graph never showed.
+#[tokio::test]
+async fn a_cancel_during_a_judged_synthesis_counts_only_what_the_graph_records() {
+    const SCRIPT: &str = r#"{"rules": [
+      {"match": "Request to split: Measure", "reply": "[{\"goal\": \"measure alpha\"}, {\"goal\": \"measure beta\"}]"},
+      {"match": "Result to evaluate: alpha is 1 metre", "reply": "{\"status\": \"SUCCESS\", \"evaluation\": \"it has its unit\"}"},
+      {"match": "Result to evaluate: beta is 2 metres", "reply": "{\"status\": \"SUCCESS\", \"evaluation\": \"fine\"}"},
+      {"match": "Question: measure alpha", "reply": "Thought: known.\nFinal Answer: alpha is 1 metre"},
+      {"match": "Question: measure beta", "reply": "Thought: known.\nFinal Answer: beta is 2 metres"},
+      {"match": "Request to answer from the subagents: Measure", "reply": "a synthesis that is never read", "delay_ms": 60000}
+    ]}"#;
+    let broker = Broker::start().unwrap();
+    let aggregator = Aggregator::spawn(&broker);
+    let llm = scripted_llm(SCRIPT).await;
+    let _orchestrator = Orchestrator::spawn(&broker, &llm, &seed_dir(), &[]);
+    let mut client = client(&broker).await;
+    client
+        .send(
+            "c-judged",
+            &AgentRequest {
+                pattern: "supervisor".into(),
+                task_type: "risk-assessment".into(),
+                ..request("Measure both.", false)
+            },
+        )
+        .await
+        .unwrap();
+    let asked = |llm: &scripted_llm::ScriptedLlm, what: &str| {
+        llm.calls()
+            .iter()
+            .filter(|c| c.last_user.contains(what))
+            .count()
+    };
+    let mut responses = Vec::new();
+    for _ in 0..300 {
+        responses.extend(drain_for(&mut client, "c-judged", Duration::from_millis(100)).await);
+        if asked(&llm, "Request to answer from the subagents") > 0 {
+            break;
+        }
+    }
+    assert_eq!(asked(&llm, "Result to evaluate"), 2, "{:#?}", llm.calls());
+    assert_eq!(
+        asked(&llm, "Request to answer from the subagents"),
+        1,
+        "the synthesis was not asked for"
+    );
+    let session = session_of(&responses);
+    let session_id = agent_core::vocab::session_id_of(&session)
+        .expect("a session node")
+        .to_owned();
+    cancel(&broker, &session_id, "ops-dave", "enough");
+    responses.extend(
+        collect_dialog(&mut client, "c-judged", Duration::from_secs(30))
+            .await
+            .unwrap(),
+    );
+    assert_closed_by_cancel(&responses, "ops-dave", "enough");
+    let closing = closings(&responses)[0];
+    let total = closing.in_token.unwrap_or(0) + closing.out_token.unwrap_or(0);
+    assert!(total > 0, "{closing:#?}");
+    assert_graph_tokens(&aggregator.store(), &session, total).await;
+}
+
 /// A cancel sent while no orchestrator runs is recorded in the graph; the next orchestrator to
 /// start reads it there, and the dialog's waiting step ends it without calling the LLM.
 #[tokio::test]

@@ -837,6 +837,9 @@ impl Engine {
         };
         if let Some(cancel) = overtaken {
             turn.out.discard();
+            // The nodes that recorded these calls (a step critic's verdicts) went with the rest:
+            // the closing must not count what the graph will never show.
+            *crate::emit::locked(&turn.recorded_calls) = Default::default();
             // A parked first step's question was recorded as it parked.
             if new_dialog && answer.is_none() {
                 record_question(turn)?;
