@@ -36,8 +36,9 @@ ensure_installed() {
   if ! bin=$(binary) || ! pinned "$bin"; then
     echo "pulsar-lite: installing $VERSION from PyPI" >&2
     local pip=(python3 -m pip install -q --disable-pip-version-check "pulsar-lite==$VERSION")
-    # A 0.2.0 whose binary was changed on disk is "already satisfied" to pip: reinstalled whole.
-    if [ -n "${bin:-}" ] && [ -e "$bin" ]; then pip+=(--force-reinstall --no-deps); fi
+    # An installed package whose binary was changed or deleted on disk is "already satisfied" to
+    # pip: reinstalled whole.
+    if [ -n "${bin:-}" ]; then pip+=(--force-reinstall --no-deps); fi
     "${pip[@]}" >/dev/null 2>&1 || "${pip[@]}" --break-system-packages >/dev/null
     bin=$(binary)
     pinned "$bin" || {
