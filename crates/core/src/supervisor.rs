@@ -748,12 +748,12 @@ pub fn synthesis_request_within(
         }
         share /= 2;
     }
-    // The smallest request there is: sent rather than the whole, as the room left for the
-    // properties may be more than they need.
-    (
-        synthesis_request(continuation, cut_to(&results, 0), missing),
-        Fit::Over,
-    )
+    // The smallest request there is (each result only its note). It may fit where no share of
+    // 64 bytes or more did, when the first share was already under 64; otherwise it is sent
+    // rather than the whole, as the room left for the properties may be more than they need.
+    let smallest = synthesis_request(continuation, cut_to(&results, 0), missing);
+    let fit = if fits(&smallest) { Fit::Cut } else { Fit::Over };
+    (smallest, fit)
 }
 
 /// Each of `results` in at most about `share` bytes.
@@ -1341,5 +1341,27 @@ mod tests {
             carried["00. a"],
             " [cut to fit the broker's message limit: 0 of 30000 bytes]"
         );
+    }
+
+    #[test]
+    fn notes_that_fit_where_no_share_of_64_bytes_did_are_cut_not_over() {
+        let continuation = AgentRequest {
+            question: "Q".into(),
+            session_id: "sup".into(),
+            pattern: "supervisor".into(),
+            ..AgentRequest::default()
+        };
+        // Short keys and results a little longer than their notes: each note takes under 64
+        // bytes encoded, so the notes-only request fits a limit whose first share is under 64.
+        let results: BTreeMap<String, String> =
+            (0..10).map(|i| (i.to_string(), "x".repeat(70))).collect();
+        let notes = synthesis_request(&continuation, cut_to(&results, 0), &[]);
+        let limit = agent_schema::encode(&notes).len();
+        let base =
+            agent_schema::encode(&synthesis_request(&continuation, BTreeMap::new(), &[])).len();
+        assert!((limit - base) / results.len() < 64, "{limit} {base}");
+        let (request, fit) = synthesis_request_within(&continuation, results, &[], limit);
+        assert_eq!(fit, Fit::Cut);
+        assert_eq!(request, notes);
     }
 }
