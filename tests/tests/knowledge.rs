@@ -41,7 +41,7 @@ const TOOLS: &str = r#"{
 fn script() -> String {
     let huge = "x".repeat(10 * 1024 * 1024);
     serde_json::json!({"rules": [
-        {"match": "be slow", "exact": true, "reply": "too late", "delay_ms": 3000},
+        {"match": "be slow", "exact": true, "reply": "too late", "delay_ms": 8000},
         {"match": "make it huge", "exact": true, "reply": huge},
         {"match": "Zorblax Company foundedBy Quentin Varga", "reply": "Thought: the collection says who\nFinal Answer: Quentin Varga founded Zorblax in 1987"},
         {"match": "Question: Who founded Zorblax", "reply": "Thought: look it up\nAction: facts\nArgs: {\"question\": \"Who founded Zorblax?\"}"},
@@ -80,9 +80,11 @@ async fn knowledge_tools_answer_from_a_loaded_collection_and_every_tool_is_bound
 
     let llm = scripted_llm(&script()).await;
     // No token budget: the huge tool's 10 MB are 2.6M tokens of LLM output, which would end the
-    // dialog on its budget (correctly) before the loop could show the observation was cut.
+    // dialog on its budget (correctly) before the loop could show the observation was cut. The
+    // tools' timeout is 4 s: the huge tool's answer must come within it, and at 1 s a loaded
+    // machine (the suite's tests four at a time) once took longer (2026-12-05).
     let limits = format!(
-        r#"{{"default": {{"tool_timeout_secs": 1, "max_observation_bytes": {MAX_OBSERVATION_BYTES}, "max_tokens": 0}}}}"#
+        r#"{{"default": {{"tool_timeout_secs": 4, "max_observation_bytes": {MAX_OBSERVATION_BYTES}, "max_tokens": 0}}}}"#
     );
     let config = seed_with("knowledge", &[("tool", TOOLS), ("agent-limits", &limits)]);
     let _orchestrator = Orchestrator::spawn(
@@ -134,10 +136,10 @@ async fn knowledge_tools_answer_from_a_loaded_collection_and_every_tool_is_bound
     let bounded = ask(&mut client, "k-3", "try the bounded tools").await;
     assert_eq!(bounded.last().unwrap().content, "bounded", "{bounded:#?}");
     let (triples, slow) = observation(&bounded, 1);
-    assert!(slow.contains("timed out after 1s"), "{slow}");
+    assert!(slow.contains("timed out after 4s"), "{slow}");
     let slow_ms = duration_ms(&triples, &bounded, 1);
     assert!(
-        (1000..3000).contains(&slow_ms),
+        (4000..7000).contains(&slow_ms),
         "the slow tool ran {slow_ms} ms"
     );
     let (triples, huge) = observation(&bounded, 2);
