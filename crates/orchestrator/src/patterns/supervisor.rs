@@ -418,8 +418,17 @@ pub(crate) async fn fan_out(
         out.client_id(),
         &chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Micros, true),
         provenance::DialogSoFar {
-            in_token: turn.tokens_before.input + stats.in_token + judged.in_token,
-            out_token: turn.tokens_before.output + stats.out_token + judged.out_token,
+            // Saturating: a later step's tokens come from its message, which a client can set.
+            in_token: turn
+                .tokens_before
+                .input
+                .saturating_add(stats.in_token)
+                .saturating_add(judged.in_token),
+            out_token: turn
+                .tokens_before
+                .output
+                .saturating_add(stats.out_token)
+                .saturating_add(judged.out_token),
             started_ms: out.started_ms(),
         },
         stats,
@@ -453,8 +462,14 @@ pub(crate) async fn fan_out(
     out.explain(&uris.fanout(&cid), recorded)?;
     // Published after the fan-out node: the commit puts what a request acts on first. A subagent
     // that needs others' results is started by the aggregator once they have all completed.
-    let run_tokens =
-        turn.run_tokens + stats.in_token + stats.out_token + judged.in_token + judged.out_token;
+    let run_tokens = [
+        stats.in_token,
+        stats.out_token,
+        judged.in_token,
+        judged.out_token,
+    ]
+    .into_iter()
+    .fold(turn.run_tokens, u64::saturating_add);
     for (i, goal) in goals.iter().enumerate() {
         if !goal.needs.is_empty() {
             continue;
