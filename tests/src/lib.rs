@@ -1619,6 +1619,18 @@ pub async fn assert_graph_tokens(store: &agent_graph::GraphStore, root: &str, to
         let rows = store.query(format!("{prefixes}{summed}")).await.unwrap();
         panic!("the closing counts {total} tokens; the graph: {rows:?}");
     }
+    // A node holds one cost: one written twice with two makes a join over a node's in and out
+    // tokens (the run's spend against max_tokens) count each of them twice.
+    let twice = format!(
+        "{prefixes}SELECT ?n ?p (COUNT(?v) AS ?values) WHERE {{ GRAPH <urn:graph:retrieval> {{
+           ?n ?p ?v . FILTER(?p IN (tg:inToken, tg:outToken) && STRSTARTS(STR(?n), \"{root}\"))
+         }} }} GROUP BY ?n ?p HAVING (COUNT(?v) > 1)"
+    );
+    let rows = store.query(twice).await.unwrap();
+    assert!(
+        matches!(&rows, agent_graph::QueryAnswer::Rows(r) if r.rows.is_empty()),
+        "nodes with more than one cost: {rows:?}"
+    );
 }
 
 /// Rows a SPARQL query over the aggregator's store returns.

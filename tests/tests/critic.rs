@@ -868,6 +868,92 @@ async fn a_supervisors_synthesis_is_written_again_until_the_critic_accepts_it() 
     assert_eq!(count_reaching(&aggregator.store(), dag, 1).await, 1);
 }
 
+/// A synthesis written again after the critic rejected a draft may ask for another round, or
+/// ask for one past the limits: either way each LLM call is counted once, on one node, and the
+/// closing counts what the graph records. Until 2026-12-05 the synthesis node was written again
+/// with a second (zero) cost when the rewrite asked for a round, and with no room for one the
+/// closing counted the rewrite's call while no node recorded it.
+async fn rewritten_synthesis_asks_for_another_round(max_iterations: u64) -> Vec<AgentResponse> {
+    let config = config_dir(
+        &format!("supervisor-answer-critic-round-{max_iterations}"),
+        &[
+            (
+                "agent-pattern",
+                r#"{"react": {"description": "reason and act"},
+                    "supervisor": {"description": "fan out", "critic": ["answer"]}}"#,
+            ),
+            (
+                "agent-limits",
+                &format!(r#"{{"default": {{"max_iterations": {max_iterations}}}}}"#),
+            ),
+            (
+                "tool",
+                r#"{"llm": {"name": "llm", "description": "ask", "type": "text-completion"}}"#,
+            ),
+        ],
+    );
+    let script = r#"{"rules": [
+      {"match": "Draft answer to review: Alpha 1, beta 2, gamma 3.", "reply": "{\"status\": \"SUCCESS\"}"},
+      {"match": "Draft answer to review: Alpha 1.", "reply": "{\"status\": \"EXECUTION_ERROR\", \"evaluation\": \"gamma is missing\", \"lesson\": \"price gamma too\"}"},
+      {"match": "Request to split: Compare", "reply": "[{\"goal\": \"price of alpha\"}, {\"goal\": \"price of beta\"}]"},
+      {"match": "Question: price of alpha", "reply": "Thought: known.\nFinal Answer: alpha costs 1"},
+      {"match": "Question: price of beta", "reply": "Thought: known.\nFinal Answer: beta costs 2"},
+      {"match": "Question: price of gamma", "reply": "Thought: known.\nFinal Answer: gamma costs 3"},
+      {"match": "gamma costs 3", "reply": "Alpha 1, beta 2, gamma 3."},
+      {"match": "lessons: price gamma too", "reply": "{\"goals\": [{\"goal\": \"price of gamma\", \"pattern\": \"react\"}]}"},
+      {"match": "Request to answer from the subagents: Compare", "reply": "Alpha 1."}
+    ]}"#;
+    let broker = Broker::start().unwrap();
+    let aggregator = Aggregator::spawn(&broker);
+    let llm = scripted_llm(script).await;
+    let _orchestrator = Orchestrator::spawn(&broker, &llm, &config, &[]);
+    let mut client = client(&broker).await;
+    let request = AgentRequest {
+        pattern: "supervisor".into(),
+        ..request("Compare the prices of alpha, beta and gamma", false)
+    };
+    client.send("prices-again", &request).await.unwrap();
+    let responses = collect_dialog(&mut client, "prices-again", DIALOG_TIMEOUT)
+        .await
+        .unwrap();
+    let closings = responses.iter().filter(|r| r.end_of_dialog).count();
+    assert_eq!(closings, 1, "{responses:#?}");
+    let rewrites = llm
+        .calls()
+        .iter()
+        .filter(|c| {
+            c.last_user.contains("lessons: price gamma too")
+                && !c.last_user.contains("gamma costs 3")
+        })
+        .count();
+    assert_eq!(rewrites, 1, "the rejected draft was written again once");
+    assert_no_dangling_links(&explained(&responses));
+    let closing = responses.last().unwrap();
+    let total = closing.in_token.unwrap_or(0) + closing.out_token.unwrap_or(0);
+    assert_graph_tokens(&aggregator.store(), &session_of(&responses), total).await;
+    responses
+}
+
+#[tokio::test]
+async fn a_rewritten_synthesis_that_asks_for_another_round_records_its_cost_once() {
+    let responses = rewritten_synthesis_asks_for_another_round(12).await;
+    assert_eq!(
+        outcome(&responses),
+        "Alpha 1, beta 2, gamma 3.",
+        "{responses:#?}"
+    );
+}
+
+#[tokio::test]
+async fn a_rewritten_synthesis_that_asks_for_a_round_past_the_limit_is_counted_on_the_conclusion() {
+    let responses = rewritten_synthesis_asks_for_another_round(5).await;
+    let answer = outcome(&responses);
+    assert!(
+        answer.starts_with("I could not run another round of subagents"),
+        "{responses:#?}"
+    );
+}
+
 /// A supervisor's synthesis written in the dialog's last iteration has no iteration left for its
 /// review: it is given at once, saying it was not reviewed, and the judge is not asked, as a
 /// plan's is.

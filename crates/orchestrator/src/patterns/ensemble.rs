@@ -230,6 +230,7 @@ async fn reconcile(turn: &Turn<'_>, n: usize) -> Result<(), BusError> {
         answer: &reconciliation.answer,
         termination: Termination::Answer,
         streamed: false,
+        unrecorded: &CallStats::default(),
     };
     conclude_from_synthesis(turn, n, concluded, &stats, &completion.model).await
 }

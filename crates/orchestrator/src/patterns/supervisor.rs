@@ -630,16 +630,21 @@ async fn synthesise(turn: &Turn<'_>, n: usize, judged: &CallStats) -> Result<(),
     let (answer, termination) = match supervising::parse_synthesis(&completion.text, max, nested)
     {
         supervising::Synthesis::Again(goals) if room => {
-            out.explain(
-                &uris.synthesis(&cid),
-                provenance::synthesis(
-                    uris,
-                    &cid,
-                    &completions,
-                    &missing,
-                    &CallStats::default(),
-                ),
-            )?;
+            // The fan-out records the call that asked for the round. A synthesis written again
+            // after a rejected draft has its node already: writing it again gave it a second
+            // cost, which a join over a node's tokens counts twice.
+            if fan_in {
+                out.explain(
+                    &uris.synthesis(&cid),
+                    provenance::synthesis(
+                        uris,
+                        &cid,
+                        &completions,
+                        &missing,
+                        &CallStats::default(),
+                    ),
+                )?;
+            }
             let thought = format!(
                 "The results leave the request open; another round of {} goals.",
                 goals.len()
@@ -713,11 +718,19 @@ async fn synthesise(turn: &Turn<'_>, n: usize, judged: &CallStats) -> Result<(),
             .observe_and_continue(n, draft, ToolStats::default(), Vec::new(), None, tokens)
             .await;
     }
+    // The synthesis node records the first synthesis's call; one written again after a rejected
+    // draft is recorded on the conclusion, or no node would hold what the closing counts.
+    let unrecorded = if fan_in {
+        CallStats::default()
+    } else {
+        stats.clone()
+    };
     let concluded = Concluded {
         correlation_id: &cid,
         answer: &answer,
         termination,
         streamed,
+        unrecorded: &unrecorded,
     };
     let charged = CallStats {
         in_token: stats.in_token + judged.in_token,
@@ -734,6 +747,8 @@ pub(crate) struct Concluded<'a> {
     pub termination: Termination,
     /// The answer already reached a streaming client as it was written.
     pub streamed: bool,
+    /// An LLM call the closing counts that no other node records: the conclusion does.
+    pub unrecorded: &'a CallStats,
 }
 
 /// Ends the dialog with `concluded`: streamed to a streaming client unless it already was, the
@@ -754,6 +769,7 @@ pub(crate) async fn conclude_from_synthesis(
         answer,
         termination,
         streamed,
+        unrecorded,
     } = concluded;
     if request.streaming && !streamed {
         out.chunk_with_outcome(MessageType::Answer, answer, &uris.conclusion(), false)
@@ -769,7 +785,7 @@ pub(crate) async fn conclude_from_synthesis(
             answer,
             termination,
             &[],
-            &CallStats::default(),
+            unrecorded,
         ),
     )?;
     let tokens = crate::turn::tokens_after(turn, stats, &ToolStats::default());
