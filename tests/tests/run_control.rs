@@ -1182,6 +1182,118 @@ async fn an_expired_approval_counts_the_call_that_asked_for_it() {
     assert_eq!(payments(&stack.llm, "pay invoice theta-3"), 0);
 }
 
+/// An approved call whose resumed step is refused (its history outgrew `max_iterations`, lowered
+/// through the config service while the call waited) ends counting the LLM call that chose the
+/// tool: the conclusion records it and the closing's tokens are the graph's. Until 2026-12-05 the
+/// refusal (as a step given up after its redeliveries) ended with the tokens from before that
+/// call, which no node recorded either.
+#[tokio::test]
+async fn an_approved_call_refused_as_it_resumes_counts_the_call_that_asked_for_it() {
+    let limits = |max_iterations: usize| {
+        format!(r#"{{"max_iterations": {max_iterations}, "approval_timeout_secs": 300}}"#)
+    };
+    let seeded = format!(r#"{{"default": {}}}"#, limits(6));
+    let local = pay_config_with("refused-resume-local", &seeded);
+    let service = pay_config_with("refused-resume-service", &seeded);
+    let (stack, svc) = following_a_config_service(
+        &local,
+        &service,
+        r#"{"rules": [
+      {"match": "Observation: beta-result", "reply": "Thought: Now pay it.\nAction: pay\nArgs: {\"question\": \"pay invoice kappa-4\"}"},
+      {"match": "Observation: alpha-result", "reply": "Thought: And beta.\nAction: llm\nArgs: {\"question\": \"fetch beta\"}"},
+      {"match": "Observation: second-probe-result", "reply": "Thought: Done.\nFinal Answer: probed"},
+      {"match": "Observation: probe-result", "reply": "Thought: Again.\nAction: llm\nArgs: {\"question\": \"fetch second probe\"}"},
+      {"match": "fetch alpha", "exact": true, "reply": "alpha-result"},
+      {"match": "fetch beta", "exact": true, "reply": "beta-result"},
+      {"match": "fetch probe", "exact": true, "reply": "probe-result"},
+      {"match": "fetch second probe", "exact": true, "reply": "second-probe-result"},
+      {"match": "pay invoice kappa-4", "exact": true, "reply": "payment sent"},
+      {"match": "Question: probe the limits", "reply": "Thought: Look.\nAction: llm\nArgs: {\"question\": \"fetch probe\"}"},
+      {"match": "Question: pay the kappa invoice", "reply": "Thought: Look first.\nAction: llm\nArgs: {\"question\": \"fetch alpha\"}"}
+    ]}"#,
+    )
+    .await;
+    let mut client = client(&stack.broker).await;
+    client
+        .send(
+            "k-1",
+            &AgentRequest {
+                pattern: "react".into(),
+                ..request("pay the kappa invoice", false)
+            },
+        )
+        .await
+        .unwrap();
+    let mut responses = until_approval_asked(&mut client, "k-1").await;
+    let (_, session, step) = approval_asked(&responses);
+    assert_eq!(step, 3, "the call is parked at the third step");
+    let put = reqwest::Client::new()
+        .put(format!("{}/api/v1/config/agent-limits/default", svc.url))
+        .bearer_auth(&svc.token)
+        .body(limits(1))
+        .header("content-type", "application/json")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(put.status(), 200);
+    // The lowered limit is in force once a new dialog stops at it.
+    let (mut in_force, mut last_probe) = (false, String::new());
+    for probe in 0..40 {
+        let id = format!("probe-{probe}");
+        let asked = AgentRequest {
+            pattern: "react".into(),
+            ..request("probe the limits", false)
+        };
+        client.send(&id, &asked).await.unwrap();
+        let probed = collect_dialog(&mut client, &id, Duration::from_secs(30))
+            .await
+            .unwrap();
+        last_probe = outcome(&probed);
+        if last_probe.contains("limit of 1 iterations") {
+            in_force = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    assert!(
+        in_force,
+        "max_iterations 1 never came into force: {last_probe}"
+    );
+    let said = agentctl(
+        &stack.broker,
+        &["approve", &session, &step.to_string(), "--by", "ops-ola"],
+    );
+    assert!(said.contains("approved"), "{said}");
+    responses.extend(
+        collect_dialog(&mut client, "k-1", Duration::from_secs(60))
+            .await
+            .unwrap(),
+    );
+    let closing = closings(&responses);
+    assert_eq!(closing.len(), 1, "{responses:#?}");
+    assert!(
+        closing[0]
+            .error
+            .as_ref()
+            .is_some_and(|e| e.message.contains("max_iterations (1)")),
+        "{:?}",
+        closing[0]
+    );
+    assert_eq!(payments(&stack.llm, "pay invoice kappa-4"), 0);
+    let uris = agent_core::provenance::SessionUris::new(&session);
+    let counted = format!(
+        "{}ASK {{ GRAPH <urn:graph:retrieval> {{ <{}> tg:inToken ?i . FILTER(?i > 0) }} }}",
+        agent_core::vocab::SPARQL_PREFIXES,
+        uris.conclusion()
+    );
+    assert!(
+        holds_within(&stack.aggregator.store(), counted).await,
+        "the conclusion does not record the call that chose the tool"
+    );
+    let total = closing[0].in_token.unwrap_or(0) + closing[0].out_token.unwrap_or(0);
+    assert_graph_tokens(&stack.aggregator.store(), &uris.session(), total).await;
+}
+
 /// A first request that carries neither an `id` nor a session is named after its message; its
 /// call parked for approval resumes in that same session when approved, and an approval sent
 /// again runs nothing. Until 2026-12-04 the parked request kept its empty session and the answer

@@ -390,7 +390,7 @@ impl Engine {
             }
             // A first step resumed by an answer (parked for an approval) has started its dialog.
             let ends_dialog = !(step.new_dialog && answer.is_none()) && step.ours;
-            refuse(&turn, problem, ends_dialog).await?;
+            refuse(&turn, problem, ends_dialog, answer.map(|a| &a.decision)).await?;
             step.out.commit(step.slot.as_ref()).await?;
             committed(&step.out, "refused", false, taken);
             return Ok(Settled::Done);
@@ -405,7 +405,8 @@ impl Engine {
             if step.new_dialog && answer.is_none() && !step.request.conversation_id.is_empty() {
                 record_question(&turn)?;
             }
-            finish::fail(&turn, n, why).await?;
+            // A step resumed by an answer counts the call that chose the parked tool.
+            finish::fail_parked(&turn, n, why, answer.map(|a| &a.decision)).await?;
             step.out.commit(step.slot.as_ref()).await?;
             committed(&step.out, "given-up", false, taken);
             return Ok(Settled::Done);
@@ -1035,17 +1036,24 @@ fn carry_forward(out: &mut DialogOutput<'_>, reuse: Option<&replay::Reuse>, span
 /// limit or a limit lowered while it ran, or a first step resumed by an approval) ends that
 /// dialog in the graph too, as any error does: a dialog without its conclusion counts as running,
 /// and would hold its conversation's next dialogs up until its wall-time budget lapsed (for ever
-/// with none). Not for a request whose ids may not name nodes.
+/// with none). Not for a request whose ids may not name nodes. `parked`: the decision of a call
+/// parked for approval that the refused step was resumed to answer; the closing (a subagent's
+/// completion) and the conclusion count the LLM call that reached it, which no other node records.
 pub(crate) async fn refuse(
     turn: &Turn<'_>,
     problem: &str,
     ends_dialog: bool,
+    parked: Option<&crate::approval::ToolDecision>,
 ) -> Result<(), agent_bus::BusError> {
     tracing::warn!(session = %agent_core::logged::client_text(turn.session_id), %problem, "refusing an invalid request");
-    if agent_core::supervisor::is_subagent(turn.request) {
+    let n = steps_taken(&turn.request.history) + 1;
+    let names_nodes = crate::validate::ids_name_nodes(turn.request);
+    if parked.is_some() && ends_dialog && names_nodes {
+        finish::fail_parked(turn, n, problem, parked).await
+    } else if agent_core::supervisor::is_subagent(turn.request) {
         finish::error(turn, problem).await
-    } else if ends_dialog && crate::validate::ids_name_nodes(turn.request) {
-        finish::fail(turn, steps_taken(&turn.request.history) + 1, problem).await
+    } else if ends_dialog && names_nodes {
+        finish::fail(turn, n, problem).await
     } else {
         turn.out
             .respond_ending_nothing(&AgentResponse::error(problem.to_owned()))
