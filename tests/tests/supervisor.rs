@@ -2109,3 +2109,59 @@ async fn a_job_too_big_is_split_into_the_sub_goals_the_critic_gives() {
         Vec::<String>::new()
     );
 }
+
+/// A later supervisor step whose message says the dialog has used nearly `u64::MAX` tokens (a
+/// later step's tokens come from its message, which a client can set where no seal key is
+/// configured) fans out and ends with one clean closing, its counts held at the maximum. Until
+/// 2026-12-05 the fan-out added them overflowing: a panic in a debug build (the step caught,
+/// retried and dead-lettered after three tries, the client never answered), a wrapped count in
+/// a release build.
+#[tokio::test]
+async fn a_later_step_that_carries_tokens_near_the_maximum_fans_out_and_ends_once() {
+    let config = seed_with(
+        "tokens-near-the-maximum",
+        &[("agent-limits", r#"{"default": {"max_tokens": 0}}"#)],
+    );
+    let broker = Broker::start().unwrap();
+    let _aggregator = Aggregator::spawn(&broker);
+    let llm = scripted_llm(
+        r#"{"rules": [
+      {"match": "Request to split: Compare", "reply": "[{\"goal\": \"price of alpha\"}, {\"goal\": \"price of beta\"}]"},
+      {"match": "Question: price of alpha", "reply": "Thought: known.\nFinal Answer: alpha costs 1"},
+      {"match": "Question: price of beta", "reply": "Thought: known.\nFinal Answer: beta costs 2"},
+      {"match": "Request to answer from the subagents: Compare", "reply": "Alpha 1, beta 2."}
+    ]}"#,
+    )
+    .await;
+    let _orchestrator = Orchestrator::spawn(&broker, &llm, &config, &[]);
+    let mut client = client(&broker).await;
+    let later = AgentRequest {
+        session_id: "8d0f6c2e-4b1a-4c3e-9f5d-2a7b6c1d0e93".into(),
+        history: vec![agent_schema::AgentStep {
+            thought: "Look at the question first.".into(),
+            action: "llm".into(),
+            observation: "two prices are asked for".into(),
+            ..Default::default()
+        }],
+        ..supervised("Compare the prices of alpha and beta")
+    };
+    let near = (u64::MAX - 7).to_string();
+    let carried: agent_bus::Properties = [
+        (agent_schema::IN_TOKEN_PROPERTY.to_owned(), near.clone()),
+        (agent_schema::OUT_TOKEN_PROPERTY.to_owned(), near),
+    ]
+    .into();
+    client
+        .send_with("near-max", &later, &carried)
+        .await
+        .unwrap();
+    let responses = collect_dialog(&mut client, "near-max", DIALOG_TIMEOUT)
+        .await
+        .unwrap();
+    assert_eq!(closings(&responses), 1, "{responses:#?}");
+    let closing = responses.last().unwrap();
+    assert!(closing.error.is_none(), "{responses:#?}");
+    assert_eq!(closing.content, "Alpha 1, beta 2.");
+    assert_eq!(closing.in_token, Some(u64::MAX), "{closing:?}");
+    assert_eq!(closing.out_token, Some(u64::MAX), "{closing:?}");
+}
