@@ -815,6 +815,46 @@ async fn a_timed_out_fan_out_is_answered_partially_and_its_laggard_stops() {
     let ended = values(&t, &format!("{laggard}/final"), tg::TERMINATION_REASON);
     assert_eq!(ended, ["error"], "{turns} turns");
     assert_eq!(closings(&responses), 1);
+    // The closing counts what the laggard had spent by the time-out (its first call took 1 s of
+    // the 3), not what it spent after: more than the rest of the run records, and no more than
+    // the whole. Until 2026-12-05 the laggard's calls were in the graph and left out of the
+    // closing.
+    let closing = responses.iter().find(|r| r.end_of_dialog).unwrap();
+    let total = closing.in_token.unwrap_or(0) + closing.out_token.unwrap_or(0);
+    let store = aggregator.store();
+    let laggards = format!("STRSTARTS(STR(?n), \"{laggard}/\")");
+    let others = tokens_recorded(
+        &store,
+        &format!("STRSTARTS(STR(?n), \"{session}\") && !{laggards}"),
+    )
+    .await;
+    let lagging = tokens_recorded(&store, &laggards).await;
+    assert!(lagging > 0, "the laggard recorded no call");
+    assert!(
+        total > others && total <= others + lagging,
+        "the closing counts {total} tokens; the graph: {others} outside the laggard, {lagging} in it"
+    );
+}
+
+/// The tokens recorded on the nodes `filter` (on `?n`) keeps.
+async fn tokens_recorded(store: &agent_graph::GraphStore, filter: &str) -> u64 {
+    let sparql = format!(
+        "{}SELECT (SUM(?v) AS ?total) WHERE {{ GRAPH <urn:graph:retrieval> {{
+           ?n ?p ?v . FILTER(?p IN (tg:inToken, tg:outToken) && {filter})
+         }} }}",
+        agent_core::vocab::SPARQL_PREFIXES
+    );
+    match store.query(sparql).await.unwrap() {
+        agent_graph::QueryAnswer::Rows(rows) => rows
+            .rows
+            .first()
+            .and_then(|row| row.first().cloned().flatten())
+            .map_or(0, |term| match term {
+                agent_graph::model::Term::Literal(l) => l.value().parse().unwrap(),
+                other => panic!("not a number: {other}"),
+            }),
+        other => panic!("not rows: {other:?}"),
+    }
 }
 
 /// Fan-in straight from the explainability topic: completions that arrive before their fan-out,

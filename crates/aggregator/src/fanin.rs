@@ -482,6 +482,7 @@ pub async fn check(
         return Ok(());
     };
     let mut missing = Vec::new();
+    let mut missing_sessions = Vec::new();
     if seen.len() < expected {
         let Some(secs) = timed_out else {
             tracing::debug!(correlation_id, have = seen.len(), expected, "fan-in waits");
@@ -505,6 +506,7 @@ pub async fn check(
                 continue;
             }
             missing.push(index);
+            missing_sessions.push(text(session));
             let goal = goals
                 .get(index)
                 .cloned()
@@ -554,6 +556,23 @@ pub async fn check(
             );
             return Ok(());
         }
+    }
+    // A subagent that did not complete in time has spent what its nodes record so far: counted,
+    // or the closing would leave out calls the graph holds. What it spends before it stops comes
+    // after this and is the graph's alone.
+    if !missing_sessions.is_empty() {
+        missing_sessions.sort_unstable();
+        missing_sessions.dedup();
+        let spent = rows(store, queries::spent_under(&node, &missing_sessions)).await?;
+        let sum = |name: &str| {
+            spent
+                .column(name)
+                .first()
+                .and_then(|t| text(*t).parse::<u64>().ok())
+                .unwrap_or(0)
+        };
+        tokens.0 = tokens.0.saturating_add(sum("in"));
+        tokens.1 = tokens.1.saturating_add(sum("out"));
     }
     // Long results go by reference only to a supervisor that can read them back.
     let by_reference = last_decompose(&continuation.history).is_some_and(|d| {

@@ -490,6 +490,26 @@ pub fn fanout_sessions(fanout: &NamedNode) -> String {
     format!("{PREFIXES}SELECT ?s WHERE {{ GRAPH {g} {{ {fanout} tg:subagentSession ?s }} }}")
 }
 
+/// What the LLM calls recorded so far under each of `sessions` (subagent sessions of `fanout`, at
+/// every depth below them) have used, as `?in` and `?out`: the nodes tagged with the fan-out's
+/// run whose name is the session's or a nested subagent's (`{session}/..`, `{session}-..`).
+pub fn spent_under(fanout: &NamedNode, sessions: &[String]) -> String {
+    let g = graph();
+    let values: Vec<String> = sessions
+        .iter()
+        .map(|s| oxigraph::model::Literal::new_simple_literal(s).to_string())
+        .collect();
+    format!(
+        "{PREFIXES}SELECT (SUM(?i) AS ?in) (SUM(?o) AS ?out) WHERE {{ GRAPH {g} {{
+  {fanout} tg:run ?run .
+  VALUES ?s {{ {} }}
+  ?n tg:run ?run ; tg:inToken ?i ; tg:outToken ?o .
+  FILTER(STRSTARTS(STR(?n), CONCAT(?s, \"/\")) || STRSTARTS(STR(?n), CONCAT(?s, \"-\")))
+}} }}",
+        values.join(" ")
+    )
+}
+
 /// Whether any of `fanouts` has had its synthesis requested (or will never have it): a subagent
 /// below one of them is no longer waited for.
 pub fn any_fanout_answered(fanouts: &[NamedNode]) -> String {
