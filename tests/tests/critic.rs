@@ -866,6 +866,10 @@ async fn a_supervisors_synthesis_is_written_again_until_the_critic_accepts_it() 
         }} }}"
     );
     assert_eq!(count_reaching(&aggregator.store(), dag, 1).await, 1);
+    // The second synthesis's call is recorded on its draft, the judge's on their verdicts.
+    let closing = responses.last().unwrap();
+    let total = closing.in_token.unwrap_or(0) + closing.out_token.unwrap_or(0);
+    assert_graph_tokens(&aggregator.store(), &session, total).await;
 }
 
 /// A synthesis written again after the critic rejected a draft may ask for another round, or

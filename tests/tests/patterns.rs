@@ -288,6 +288,9 @@ async fn an_ensemble_asks_independent_agents_and_reconciles_where_they_agree_and
            <{session}/final> prov:wasDerivedFrom ?r ; tg:terminationReason \"answer\" }} }}"
     );
     assert_eq!(count_reaching(&store, reconciled, 3).await, 3);
+    // Each LLM call (routing, the agents', the reconciliation) is counted once, on one node.
+    let total = last.in_token.unwrap_or(0) + last.out_token.unwrap_or(0);
+    assert_graph_tokens(&store, &session, total).await;
     // Every node of the dialog reaches its session.
     assert_eq!(
         unreachable_nodes(&store, &session).await,
@@ -562,6 +565,8 @@ async fn an_ensemble_debates_a_round_then_reconciles_the_revised_answers() {
         holds_within(&store, debated).await,
         "the debate is not in the graph as expected: {responses:#?}"
     );
+    let total = last.in_token.unwrap_or(0) + last.out_token.unwrap_or(0);
+    assert_graph_tokens(&store, &session, total).await;
     assert_eq!(
         unreachable_nodes(&store, &session).await,
         Vec::<String>::new()

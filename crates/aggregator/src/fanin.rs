@@ -557,9 +557,10 @@ pub async fn check(
             return Ok(());
         }
     }
-    // A subagent that did not complete in time has spent what its nodes record so far: counted,
-    // or the closing would leave out calls the graph holds. What it spends before it stops comes
-    // after this and is the graph's alone.
+    // A subagent that did not complete in time has spent what its nodes record so far, and the
+    // calls it parked for approval that no answer reached (recorded once answered, on a node
+    // no closing counts): counted, or the closing would leave out calls the graph holds or
+    // will. What it spends before it stops comes after this and is the graph's alone.
     if !missing_sessions.is_empty() {
         missing_sessions.sort_unstable();
         missing_sessions.dedup();
@@ -573,6 +574,12 @@ pub async fn check(
         };
         tokens.0 = tokens.0.saturating_add(sum("in"));
         tokens.1 = tokens.1.saturating_add(sum("out"));
+        let parked = rows(store, queries::parked_under(&missing_sessions)).await?;
+        for continuation in parked.column("continuation") {
+            let (input, output) = deciding_call_of(&text(continuation));
+            tokens.0 = tokens.0.saturating_add(input);
+            tokens.1 = tokens.1.saturating_add(output);
+        }
     }
     // Long results go by reference only to a supervisor that can read them back.
     let by_reference = last_decompose(&continuation.history).is_some_and(|d| {
@@ -657,6 +664,18 @@ pub async fn check(
     }
     tracing::info!(correlation_id, "fan-in complete; synthesis requested");
     Ok(())
+}
+
+/// The tokens (input, output) of the LLM call that chose a call parked for approval, from its
+/// continuation (the orchestrator's `approval::Continuation`: `decision.stats`); none from one
+/// that does not read.
+fn deciding_call_of(continuation: &str) -> (u64, u64) {
+    let Ok(parked) = serde_json::from_str::<serde_json::Value>(continuation) else {
+        return (0, 0);
+    };
+    let stats = &parked["decision"]["stats"];
+    let count = |key: &str| stats[key].as_u64().unwrap_or(0);
+    (count("in_token"), count("out_token"))
 }
 
 /// What a synthesis request leaves for its properties under the broker's limit: the client's id,
@@ -913,6 +932,17 @@ mod tests {
         timeout: Duration::from_secs(300),
         grace: Duration::from_secs(75),
     };
+
+    #[test]
+    fn a_parked_calls_cost_is_read_from_its_continuation() {
+        let continuation = r#"{"request": {}, "properties": {}, "deadline": "",
+            "decision": {"thought": "", "action": "pay", "arguments": {}, "discarded": "",
+              "candidates": [], "tokens": {"input": 900, "output": 90},
+              "stats": {"duration_ms": 5, "in_token": 120, "out_token": 12, "model": "m"}}}"#;
+        assert_eq!(deciding_call_of(continuation), (120, 12));
+        assert_eq!(deciding_call_of("not a continuation"), (0, 0));
+        assert_eq!(deciding_call_of(r#"{"decision": {}}"#), (0, 0));
+    }
 
     #[test]
     fn a_fan_out_due_with_a_nested_one_open_waits_a_grace_for_it() {

@@ -510,6 +510,27 @@ pub fn spent_under(fanout: &NamedNode, sessions: &[String]) -> String {
     )
 }
 
+/// The continuations of the calls parked for approval, and not answered yet, under each of
+/// `sessions` (as [`spent_under`] reads them): the LLM call that chose each is recorded on no
+/// node until the call is answered, and its continuation holds its cost.
+pub fn parked_under(sessions: &[String]) -> String {
+    let (g, w, docs) = (graph(), waiting(), documents());
+    let values: Vec<String> = sessions
+        .iter()
+        .map(|s| oxigraph::model::Literal::new_simple_literal(s).to_string())
+        .collect();
+    format!(
+        "{PREFIXES}SELECT ?continuation WHERE {{
+  GRAPH {w} {{ ?a tg:awaits tg:ApprovalAnswer }}
+  VALUES ?s {{ {} }}
+  FILTER(STRSTARTS(STR(?a), CONCAT(?s, \"/\")) || STRSTARTS(STR(?a), CONCAT(?s, \"-\")))
+  FILTER NOT EXISTS {{ GRAPH {g} {{ ?answer prov:wasDerivedFrom ?a
+    FILTER EXISTS {{ ?answer a tg:ApprovalAnswer }} }} }}
+  GRAPH {docs} {{ ?a tg:continuation ?continuation }} }}",
+        values.join(" ")
+    )
+}
+
 /// Whether any of `fanouts` has had its synthesis requested (or will never have it): a subagent
 /// below one of them is no longer waited for.
 pub fn any_fanout_answered(fanouts: &[NamedNode]) -> String {
