@@ -1234,15 +1234,7 @@ async fn an_approved_call_refused_as_it_resumes_counts_the_call_that_asked_for_i
     let mut responses = until_approval_asked(&mut client, "k-1").await;
     let (_, session, step) = approval_asked(&responses);
     assert_eq!(step, 3, "the call is parked at the third step");
-    let put = reqwest::Client::new()
-        .put(format!("{}/api/v1/config/agent-limits/default", svc.url))
-        .bearer_auth(&svc.token)
-        .body(limits(1))
-        .header("content-type", "application/json")
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(put.status(), 200);
+    put_default_limits(&svc, &limits(1)).await;
     // The lowered limit is in force once a new dialog stops at it.
     let (mut in_force, mut last_probe) = (false, String::new());
     for probe in 0..40 {
@@ -1671,6 +1663,19 @@ async fn start_first_dialog(
     .await;
 }
 
+/// Sets `agent-limits/default` to `limits` through the config service's REST API.
+async fn put_default_limits(svc: &ConfigSvc, limits: &str) {
+    let put = reqwest::Client::new()
+        .put(format!("{}/api/v1/config/agent-limits/default", svc.url))
+        .bearer_auth(&svc.token)
+        .body(limits.to_owned())
+        .header("content-type", "application/json")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(put.status(), 200);
+}
+
 /// A journaled stack whose orchestrator reads its config directory `local` and follows a config
 /// service seeded from `service`, started first (the orchestrator's first read must find it),
 /// and the service.
@@ -2087,15 +2092,7 @@ async fn a_dialog_refused_at_a_later_step_does_not_hold_its_conversation_up() {
         calls_matching(&llm, "fetch beta") >= 1
     })
     .await;
-    let put = reqwest::Client::new()
-        .put(format!("{}/api/v1/config/agent-limits/default", svc.url))
-        .bearer_auth(&svc.token)
-        .body(limits(1))
-        .header("content-type", "application/json")
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(put.status(), 200);
+    put_default_limits(&svc, &limits(1)).await;
     let first = collect_dialog(&mut client, "conv-a", Duration::from_secs(60))
         .await
         .unwrap();

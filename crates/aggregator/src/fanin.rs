@@ -565,13 +565,7 @@ pub async fn check(
         missing_sessions.sort_unstable();
         missing_sessions.dedup();
         let spent = rows(store, queries::spent_under(&node, &missing_sessions)).await?;
-        let sum = |name: &str| {
-            spent
-                .column(name)
-                .first()
-                .and_then(|t| text(*t).parse::<u64>().ok())
-                .unwrap_or(0)
-        };
+        let sum = |name: &str| number(spent.column(name).first().copied().flatten());
         tokens.0 = tokens.0.saturating_add(sum("in"));
         tokens.1 = tokens.1.saturating_add(sum("out"));
         let parked = rows(store, queries::parked_under(&missing_sessions)).await?;

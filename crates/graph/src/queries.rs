@@ -495,18 +495,13 @@ pub fn fanout_sessions(fanout: &NamedNode) -> String {
 /// run whose name is the session's or a nested subagent's (`{session}/..`, `{session}-..`).
 pub fn spent_under(fanout: &NamedNode, sessions: &[String]) -> String {
     let g = graph();
-    let values: Vec<String> = sessions
-        .iter()
-        .map(|s| oxigraph::model::Literal::new_simple_literal(s).to_string())
-        .collect();
+    let below = below_sessions("n", sessions);
     format!(
         "{PREFIXES}SELECT (SUM(?i) AS ?in) (SUM(?o) AS ?out) WHERE {{ GRAPH {g} {{
   {fanout} tg:run ?run .
-  VALUES ?s {{ {} }}
   ?n tg:run ?run ; tg:inToken ?i ; tg:outToken ?o .
-  FILTER(STRSTARTS(STR(?n), CONCAT(?s, \"/\")) || STRSTARTS(STR(?n), CONCAT(?s, \"-\")))
-}} }}",
-        values.join(" ")
+  {below}
+}} }}"
     )
 }
 
@@ -515,18 +510,27 @@ pub fn spent_under(fanout: &NamedNode, sessions: &[String]) -> String {
 /// node until the call is answered, and its continuation holds its cost.
 pub fn parked_under(sessions: &[String]) -> String {
     let (g, w, docs) = (graph(), waiting(), documents());
+    let below = below_sessions("a", sessions);
+    format!(
+        "{PREFIXES}SELECT ?continuation WHERE {{
+  GRAPH {w} {{ ?a tg:awaits tg:ApprovalAnswer }}
+  {below}
+  FILTER NOT EXISTS {{ GRAPH {g} {{ ?answer prov:wasDerivedFrom ?a
+    FILTER EXISTS {{ ?answer a tg:ApprovalAnswer }} }} }}
+  GRAPH {docs} {{ ?a tg:continuation ?continuation }} }}"
+    )
+}
+
+/// Keeps the `?{node}` named under one of `sessions` or under a subagent nested below one
+/// (`{session}/..`, `{session}-..`; `-s1-` is not a prefix of `-s10`).
+fn below_sessions(node: &str, sessions: &[String]) -> String {
     let values: Vec<String> = sessions
         .iter()
         .map(|s| oxigraph::model::Literal::new_simple_literal(s).to_string())
         .collect();
     format!(
-        "{PREFIXES}SELECT ?continuation WHERE {{
-  GRAPH {w} {{ ?a tg:awaits tg:ApprovalAnswer }}
-  VALUES ?s {{ {} }}
-  FILTER(STRSTARTS(STR(?a), CONCAT(?s, \"/\")) || STRSTARTS(STR(?a), CONCAT(?s, \"-\")))
-  FILTER NOT EXISTS {{ GRAPH {g} {{ ?answer prov:wasDerivedFrom ?a
-    FILTER EXISTS {{ ?answer a tg:ApprovalAnswer }} }} }}
-  GRAPH {docs} {{ ?a tg:continuation ?continuation }} }}",
+        "VALUES ?s {{ {} }}
+  FILTER(STRSTARTS(STR(?{node}), CONCAT(?s, \"/\")) || STRSTARTS(STR(?{node}), CONCAT(?s, \"-\")))",
         values.join(" ")
     )
 }

@@ -1046,14 +1046,16 @@ pub(crate) async fn refuse(
     parked: Option<&crate::approval::ToolDecision>,
 ) -> Result<(), agent_bus::BusError> {
     tracing::warn!(session = %agent_core::logged::client_text(turn.session_id), %problem, "refusing an invalid request");
-    let n = steps_taken(&turn.request.history) + 1;
-    let names_nodes = crate::validate::ids_name_nodes(turn.request);
-    if parked.is_some() && ends_dialog && names_nodes {
+    let subagent = agent_core::supervisor::is_subagent(turn.request);
+    // A subagent resumed by an answer has a conclusion to write; any other only completes.
+    if ends_dialog
+        && crate::validate::ids_name_nodes(turn.request)
+        && (parked.is_some() || !subagent)
+    {
+        let n = steps_taken(&turn.request.history) + 1;
         finish::fail_parked(turn, n, problem, parked).await
-    } else if agent_core::supervisor::is_subagent(turn.request) {
+    } else if subagent {
         finish::error(turn, problem).await
-    } else if ends_dialog && names_nodes {
-        finish::fail(turn, n, problem).await
     } else {
         turn.out
             .respond_ending_nothing(&AgentResponse::error(problem.to_owned()))

@@ -687,15 +687,17 @@ async fn synthesise(turn: &Turn<'_>, n: usize, judged: &CallStats) -> Result<(),
         ),
         _ => (answer, termination),
     };
+    // The synthesis node records the first synthesis's call; one written again after a rejected
+    // draft is recorded on its draft, or on the conclusion, or no node would hold what the
+    // closing counts.
+    let unrecorded = if fan_in {
+        CallStats::default()
+    } else {
+        stats.clone()
+    };
     if termination == Termination::Answer && review {
-        // A draft: recorded, derived from the synthesis, and queued for review. Its LLM call is
-        // counted once: on the synthesis node the first time, on the draft after that.
-        let cost = if fan_in {
-            CallStats::default()
-        } else {
-            stats.clone()
-        };
-        let mut triples = provenance::draft_answer(uris, n, &cost);
+        // A draft: recorded, derived from the synthesis, and queued for review.
+        let mut triples = provenance::draft_answer(uris, n, &unrecorded);
         if fan_in {
             // The step before is the fan-in, which has no node of its own: the synthesis stands
             // for it.
@@ -718,13 +720,6 @@ async fn synthesise(turn: &Turn<'_>, n: usize, judged: &CallStats) -> Result<(),
             .observe_and_continue(n, draft, ToolStats::default(), Vec::new(), None, tokens)
             .await;
     }
-    // The synthesis node records the first synthesis's call; one written again after a rejected
-    // draft is recorded on the conclusion, or no node would hold what the closing counts.
-    let unrecorded = if fan_in {
-        CallStats::default()
-    } else {
-        stats.clone()
-    };
     let concluded = Concluded {
         correlation_id: &cid,
         answer: &answer,
