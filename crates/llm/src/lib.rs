@@ -184,6 +184,45 @@ pub struct CallOptions {
     pub json_object: bool,
 }
 
+/// A failure a server reported in what it sent with status 200: an error event in a stream
+/// (vLLM, llama.cpp), or a whole answer that is `{"error": ...}`. One that names a client
+/// error (its `code` or `status` a 4xx other than 408 and 429, or the `invalid_request_error`
+/// type: a prompt over the context, a parameter the model refuses) is that status: asking again
+/// gives the same, so it is neither retried nor an outage. Before 2026-12-05 every such report
+/// was taken as a malformed answer, asked five times, then parked as an outage of the LLM and
+/// asked again until `max_outage_secs` ran out. Anything else stays malformed and retried.
+fn reported_error(error: &Value) -> LlmError {
+    let number = |v: &Value| {
+        v.as_u64()
+            .or_else(|| v.as_str().and_then(|s| s.trim().parse::<u64>().ok()))
+    };
+    let kind = error["type"].as_str().unwrap_or_default();
+    let status = number(&error["code"])
+        .or_else(|| number(&error["status"]))
+        .or_else(|| matches!(kind, "invalid_request_error" | "BadRequestError").then_some(400));
+    match status.and_then(|s| u16::try_from(s).ok()) {
+        Some(status @ 400..=499) if status != 408 && status != 429 => LlmError::Status {
+            status,
+            retry_after: None,
+            body: preview(&error.to_string()),
+        },
+        _ => LlmError::Malformed(format!("error event: {}", preview(&error.to_string()))),
+    }
+}
+
+/// About how many tokens a prompt takes (its messages and the tools offered), for a call whose
+/// server reported none: four bytes a token, as for an answer's text. Counted from the JSON the
+/// server is sent, so it errs high, which is the safe side for a budget.
+pub fn estimated_prompt_tokens(messages: &[ChatMessage], options: &CallOptions) -> u64 {
+    let messages = serde_json::to_vec(messages).map_or(0, |m| m.len());
+    let tools: usize = options
+        .tools
+        .iter()
+        .map(|t| t.name.len() + t.description.len() + t.parameters.to_string().len())
+        .sum();
+    (messages.saturating_add(tools) as u64).div_ceil(4)
+}
+
 /// A finished completion.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Completion {
@@ -578,11 +617,17 @@ impl LlmClient {
                 let text = String::from_utf8_lossy(&body);
                 let value: Value = serde_json::from_str(&text)
                     .map_err(|e| LlmError::Malformed(format!("{e}: {}", preview(&text))))?;
+                if !value["error"].is_null() && value["choices"].is_null() {
+                    return Err(reported_error(&value["error"]));
+                }
                 let message = &value["choices"][0]["message"];
                 // Read as leniently as a stream's deltas: servers differ (arguments as an object,
                 // `null` ids).
                 let mut calls = ToolCallDeltas::default();
                 calls.add(&message["tool_calls"]);
+                if let Some(refused) = calls.refused() {
+                    return Err(refused);
+                }
                 let tool_calls = calls.finish();
                 // With tool calls, servers send `content: null`.
                 let content = match message["content"].as_str() {
@@ -608,11 +653,11 @@ impl LlmClient {
                         )))
                     }
                 };
-                let mut completion = self.completion(content, &value);
+                let mut completion = self.completion(content, &value, messages, options);
                 completion.tool_calls = tool_calls;
                 Ok(completion)
             }
-            Some(deltas) => self.read_stream(response, deltas).await,
+            Some(deltas) => self.read_stream(response, deltas, messages, options).await,
         }
     }
 
@@ -620,6 +665,8 @@ impl LlmClient {
         &self,
         response: reqwest::Response,
         deltas: &mpsc::Sender<String>,
+        messages: &[ChatMessage],
+        options: &CallOptions,
     ) -> Result<Completion, LlmError> {
         let idle = self.config.idle_timeout;
         let deadline = tokio::time::Instant::now() + self.config.request_timeout;
@@ -670,7 +717,14 @@ impl LlmClient {
                 };
                 let data = data.trim();
                 if data == "[DONE]" {
-                    return Ok(self.streamed(text, &usage, &finish_reason, calls));
+                    return Ok(self.streamed(
+                        text,
+                        &usage,
+                        &finish_reason,
+                        calls,
+                        messages,
+                        options,
+                    ));
                 }
                 let event: Value = serde_json::from_str(data).map_err(|e| {
                     fail(
@@ -680,13 +734,7 @@ impl LlmClient {
                 })?;
                 // Servers report a failure inside the stream as an error event.
                 if !event["error"].is_null() {
-                    return Err(fail(
-                        sent_any,
-                        LlmError::Malformed(format!(
-                            "error event: {}",
-                            preview(&event["error"].to_string())
-                        )),
-                    ));
+                    return Err(fail(sent_any, reported_error(&event["error"])));
                 }
                 if !event["usage"].is_null() {
                     usage = event["usage"].clone();
@@ -695,6 +743,9 @@ impl LlmClient {
                     finish_reason = Some(reason.to_owned());
                 }
                 calls.add(&event["choices"][0]["delta"]["tool_calls"]);
+                if let Some(refused) = calls.refused() {
+                    return Err(fail(sent_any, refused));
+                }
                 if text.len() + calls.bytes() > MAX_ANSWER_BYTES {
                     return Err(fail(
                         sent_any,
@@ -728,7 +779,14 @@ impl LlmClient {
             if at_end {
                 // Some servers end a complete answer without `[DONE]`; a finish reason is enough.
                 if finish_reason.is_some() {
-                    return Ok(self.streamed(text, &usage, &finish_reason, calls));
+                    return Ok(self.streamed(
+                        text,
+                        &usage,
+                        &finish_reason,
+                        calls,
+                        messages,
+                        options,
+                    ));
                 }
                 return Err(fail(
                     sent_any,
@@ -746,18 +804,30 @@ impl LlmClient {
         usage: &Value,
         finish_reason: &Option<String>,
         calls: ToolCallDeltas,
+        messages: &[ChatMessage],
+        options: &CallOptions,
     ) -> Completion {
         let summary = json!({"usage": usage, "model": self.config.model, "choices": [{"finish_reason": finish_reason}]});
-        let mut completion = self.completion(text, &summary);
+        let mut completion = self.completion(text, &summary, messages, options);
         completion.tool_calls = calls.finish();
         completion
     }
 
     /// A completion from an answer's text and its whole body (`usage`, `model`, `finish_reason`).
-    fn completion(&self, text: String, value: &Value) -> Completion {
+    fn completion(
+        &self,
+        text: String,
+        value: &Value,
+        messages: &[ChatMessage],
+        options: &CallOptions,
+    ) -> Completion {
         let usage = &value["usage"];
-        // Servers that report no usage get an estimate (about four bytes a token) so budgets still count.
-        let in_token = usage["prompt_tokens"].as_u64().unwrap_or(0);
+        // Servers that report no usage (or a stream that ended before its usage event) get an
+        // estimate, so budgets still count: the prompt is most of a call's tokens, and before
+        // 2026-12-05 it counted as none, so `max_tokens` hardly held against such a server.
+        let in_token = usage["prompt_tokens"]
+            .as_u64()
+            .unwrap_or_else(|| estimated_prompt_tokens(messages, options));
         let out_token = usage["completion_tokens"]
             .as_u64()
             .unwrap_or((text.len() as u64).div_ceil(4));
@@ -779,12 +849,26 @@ impl LlmClient {
 
 /// Tool calls arriving in pieces over a stream: each delta names the call's `index`; the id and
 /// name come once, the arguments' JSON text in fragments to be joined.
+///
+/// What they hold is counted as it comes: a call's id, name and arguments, and
+/// [`ToolCallDeltas::CALL_BYTES`] for the call itself. Before 2026-12-05 only the text was
+/// counted, and each time over all the calls, so a server sending deltas of nothing but a new
+/// index (`{"index": 7}`, a few bytes each) gathered calls without bound, and its reading slowed
+/// with every one. Past [`MAX_TOOL_CALLS`] calls the answer is too long.
 #[derive(Debug, Default)]
 struct ToolCallDeltas {
     calls: BTreeMap<u64, ToolCall>,
+    bytes: usize,
+    too_many: bool,
 }
 
+/// The most tool calls taken from one answer; a model's parallel calls are a handful.
+pub const MAX_TOOL_CALLS: usize = 256;
+
 impl ToolCallDeltas {
+    /// What a call counts for besides its text.
+    const CALL_BYTES: usize = 64;
+
     fn add(&mut self, deltas: &Value) {
         let Value::Array(deltas) = deltas else {
             return;
@@ -801,6 +885,13 @@ impl ToolCallDeltas {
                     _ => position as u64,
                 },
             };
+            if !self.calls.contains_key(&index) {
+                if self.calls.len() >= MAX_TOOL_CALLS {
+                    self.too_many = true;
+                    return;
+                }
+                self.bytes += Self::CALL_BYTES;
+            }
             let call = self.calls.entry(index).or_insert_with(|| ToolCall {
                 kind: function_type(),
                 ..ToolCall::default()
@@ -809,28 +900,43 @@ impl ToolCallDeltas {
             if let Some(id) = id {
                 if call.id.is_empty() {
                     id.clone_into(&mut call.id);
+                    self.bytes += id.len();
                 }
             }
             if let Some(name) = delta["function"]["name"].as_str() {
                 if call.function.name != name {
                     call.function.name.push_str(name);
+                    self.bytes += name.len();
                 }
             }
             match &delta["function"]["arguments"] {
-                Value::String(fragment) => call.function.arguments.push_str(fragment),
+                Value::String(fragment) => {
+                    call.function.arguments.push_str(fragment);
+                    self.bytes += fragment.len();
+                }
                 Value::Null => {}
                 // Some servers send the arguments as an object rather than JSON text.
-                whole => call.function.arguments = whole.to_string(),
+                whole => {
+                    self.bytes -= call.function.arguments.len();
+                    call.function.arguments = whole.to_string();
+                    self.bytes += call.function.arguments.len();
+                }
             }
         }
     }
 
-    /// The bytes of names and arguments gathered so far.
+    /// What the calls gathered so far count for (see [`ToolCallDeltas`]).
     fn bytes(&self) -> usize {
-        self.calls
-            .values()
-            .map(|call| call.id.len() + call.function.name.len() + call.function.arguments.len())
-            .sum()
+        self.bytes
+    }
+
+    /// Why the calls cannot be taken, if they cannot: more of them than [`MAX_TOOL_CALLS`].
+    fn refused(&self) -> Option<LlmError> {
+        self.too_many.then(|| {
+            LlmError::TooLong(format!(
+                "more than {MAX_TOOL_CALLS} tool calls in one answer"
+            ))
+        })
     }
 
     fn finish(self) -> Vec<ToolCall> {
@@ -993,5 +1099,27 @@ mod tests {
         assert_eq!(calls[0].function.arguments, "{\"a\":1}");
         assert_eq!(calls[0].kind, "function");
         assert_eq!(calls[1].function.arguments, "");
+    }
+
+    #[test]
+    fn calls_of_nothing_count_and_too_many_are_refused() {
+        let mut calls = ToolCallDeltas::default();
+        for index in 0..MAX_TOOL_CALLS {
+            calls.add(&json!([{ "index": index }]));
+        }
+        assert!(calls.refused().is_none());
+        assert_eq!(calls.bytes(), MAX_TOOL_CALLS * ToolCallDeltas::CALL_BYTES);
+        calls.add(&json!([{"index": 0, "function": {"arguments": "{}"}}]));
+        assert!(calls.refused().is_none(), "a call already open goes on");
+        calls.add(&json!([{ "index": MAX_TOOL_CALLS }]));
+        assert!(matches!(calls.refused(), Some(LlmError::TooLong(_))));
+        // Arguments given whole replace what they count for.
+        let mut calls = ToolCallDeltas::default();
+        calls.add(&json!([{"index": 0, "function": {"name": "f", "arguments": "{\"a\""}}]));
+        calls.add(&json!([{"index": 0, "function": {"arguments": {"a": 1}}}]));
+        assert_eq!(
+            calls.bytes(),
+            ToolCallDeltas::CALL_BYTES + "f".len() + "{\"a\":1}".len()
+        );
     }
 }

@@ -356,3 +356,158 @@ async fn a_stream_of_many_lines_in_few_chunks_is_read_whole() {
     assert_eq!(completion.text, expected);
     assert_eq!(deltas.concat(), expected);
 }
+
+/// A question long enough that its estimate cannot be mistaken for a count of nothing.
+fn long_question() -> String {
+    "how much is the invoice in the attached statement? ".repeat(80)
+}
+
+#[tokio::test]
+async fn a_whole_answer_without_usage_counts_an_estimate_of_its_prompt() {
+    let (url, _) = raw_server(|connection| {
+        Box::pin(write_answer(
+            connection,
+            "application/json",
+            br#"{"model":"m","choices":[{"index":0,"message":{"role":"assistant","content":"Final Answer: 12"},"finish_reason":"stop"}]}"#,
+        ))
+    })
+    .await;
+    let question = long_question();
+    let c = raw_client(&url, Duration::from_secs(30))
+        .complete(&ask(&question))
+        .await
+        .unwrap();
+    // About four bytes a token, from the JSON sent: at least the question's own share.
+    let least = (question.len() as u64) / 4;
+    assert!(
+        c.in_token >= least && c.in_token < least + 50,
+        "{} tokens for a prompt of {} bytes",
+        c.in_token,
+        question.len()
+    );
+    assert_eq!(c.out_token, ("Final Answer: 12".len() as u64).div_ceil(4));
+}
+
+#[tokio::test]
+async fn a_stream_without_usage_counts_an_estimate_of_its_prompt() {
+    let (url, _) = raw_server(|connection| {
+        Box::pin(async move {
+            let body = b"data: {\"choices\":[{\"delta\":{\"content\":\"Final Answer: 12\"}}]}\n\ndata: {\"choices\":[{\"delta\":{},\"finish_reason\":\"stop\"}]}\n\ndata: [DONE]\n\n";
+            write_answer(connection, "text/event-stream", body).await;
+        })
+    })
+    .await;
+    let question = long_question();
+    let (result, _) = stream(&raw_client(&url, Duration::from_secs(30)), &question).await;
+    let c = result.unwrap();
+    let least = (question.len() as u64) / 4;
+    assert!(
+        c.in_token >= least && c.in_token < least + 50,
+        "{} tokens for a prompt of {} bytes",
+        c.in_token,
+        question.len()
+    );
+    assert_eq!(c.text, "Final Answer: 12");
+}
+
+#[tokio::test]
+async fn usage_the_server_reports_is_taken_as_it_is() {
+    let (url, _) = raw_server(|connection| {
+        Box::pin(write_answer(
+            connection,
+            "application/json",
+            br#"{"model":"m","usage":{"prompt_tokens":7,"completion_tokens":3},"choices":[{"index":0,"message":{"role":"assistant","content":"Final Answer: 12"},"finish_reason":"stop"}]}"#,
+        ))
+    })
+    .await;
+    let c = raw_client(&url, Duration::from_secs(30))
+        .complete(&ask(&long_question()))
+        .await
+        .unwrap();
+    assert_eq!((c.in_token, c.out_token), (7, 3));
+}
+
+#[tokio::test]
+async fn a_client_error_reported_in_a_stream_is_asked_once_and_is_not_an_outage() {
+    // vLLM's way: the headers said 200, then the stream's one event is the error.
+    let (url, requests) = raw_server(|connection| {
+        Box::pin(async move {
+            let body = b"data: {\"error\":{\"object\":\"error\",\"message\":\"This model's maximum context length is 2048 tokens\",\"type\":\"BadRequestError\",\"param\":null,\"code\":400}}\n\n";
+            write_answer(connection, "text/event-stream", body).await;
+        })
+    })
+    .await;
+    let (result, deltas) = stream(&raw_client(&url, Duration::from_secs(30)), "q").await;
+    let err = result.unwrap_err();
+    assert!(
+        matches!(err, LlmError::Status { status: 400, .. }),
+        "{err:?}"
+    );
+    assert!(err.to_string().contains("maximum context length"), "{err}");
+    assert!(!err.is_outage());
+    assert!(deltas.is_empty());
+    assert_eq!(requests.load(std::sync::atomic::Ordering::SeqCst), 1);
+}
+
+#[tokio::test]
+async fn a_whole_answer_that_is_a_client_error_is_asked_once() {
+    // llama.cpp's way, a type and a code given as text.
+    let (url, requests) = raw_server(|connection| {
+        Box::pin(write_answer(
+            connection,
+            "application/json",
+            br#"{"error":{"code":"400","message":"the request exceeds the available context size","type":"invalid_request_error"}}"#,
+        ))
+    })
+    .await;
+    let err = raw_client(&url, Duration::from_secs(30))
+        .complete(&ask("q"))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(err, LlmError::Status { status: 400, .. }),
+        "{err:?}"
+    );
+    assert!(!err.is_outage());
+    assert_eq!(requests.load(std::sync::atomic::Ordering::SeqCst), 1);
+}
+
+#[tokio::test]
+async fn a_server_error_reported_in_a_stream_is_still_retried() {
+    let (url, requests) = raw_server(|connection| {
+        Box::pin(async move {
+            let body =
+                b"data: {\"error\":{\"message\":\"the engine is overloaded\",\"code\":503}}\n\n";
+            write_answer(connection, "text/event-stream", body).await;
+        })
+    })
+    .await;
+    let (result, _) = stream(&raw_client(&url, Duration::from_secs(30)), "q").await;
+    let err = result.unwrap_err();
+    assert!(err.is_outage(), "{err:?}");
+    assert_eq!(requests.load(std::sync::atomic::Ordering::SeqCst), 4);
+}
+
+#[tokio::test]
+async fn a_stream_of_empty_tool_calls_without_end_is_refused() {
+    let (url, requests) = raw_server(|connection| {
+        Box::pin(async move {
+            // One line of many deltas, each only a new call's index.
+            let deltas: Vec<_> = (0..100_000)
+                .map(|index| serde_json::json!({ "index": index }))
+                .collect();
+            let event = serde_json::json!({"choices": [{"delta": {"tool_calls": deltas}}]});
+            let body = format!("data: {event}\n\ndata: [DONE]\n\n");
+            write_answer(connection, "text/event-stream", body.as_bytes()).await;
+        })
+    })
+    .await;
+    let (result, _) = stream(&raw_client(&url, Duration::from_secs(30)), "q").await;
+    let err = match result {
+        Ok(taken) => panic!("{} tool calls were taken", taken.tool_calls.len()),
+        Err(err) => err,
+    };
+    assert!(matches!(err, LlmError::TooLong(_)), "{err:?}");
+    assert!(err.to_string().contains("tool calls"), "{err}");
+    assert_eq!(requests.load(std::sync::atomic::Ordering::SeqCst), 1);
+}

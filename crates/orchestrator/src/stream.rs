@@ -60,6 +60,8 @@ pub async fn react_turn(
         Err(LlmError::Truncated(why)) if !answer_started => {
             tracing::warn!(%why, "the LLM's stream broke off in the thought; keeping it as a cut-off answer");
             Ok(Completion {
+                // The stream broke before its usage: both sides are estimated.
+                in_token: agent_llm::estimated_prompt_tokens(messages, options),
                 out_token: (received.len() as u64).div_ceil(4),
                 text: received,
                 model: llm.model().to_owned(),
