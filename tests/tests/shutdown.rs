@@ -223,6 +223,121 @@ async fn a_consumer_far_behind_its_backlog_stops_in_time_and_loses_nothing() {
     );
 }
 
+/// Several requests a client sent as one batch (one broker entry: Java's and Go's clients batch by
+/// default) are each handled even if the consumer stops while one of them is still in flight: the
+/// members done wait to be acked until all are. The `pulsar` crate acks a member by its entry
+/// without the batch's ack set, which the broker takes as the whole entry's ack, so before
+/// 2026-12-05 the first member done acked the one still in flight, and it was never handled.
+#[tokio::test]
+async fn a_batch_member_in_flight_at_a_stop_is_handled_after_it() {
+    use std::collections::HashMap;
+    use std::sync::{Arc, Mutex};
+
+    use agent_bus::{run_consumer, Bus, ConsumerStats, Disposition};
+    use tokio_util::sync::CancellationToken;
+
+    let broker = Broker::start().unwrap();
+    let topic = "persistent://tg/flow/batch-test";
+    let config = agent_bus::SubscriptionConfig {
+        topic: topic.to_owned(),
+        subscription: "batch-taker".to_owned(),
+        max_in_flight: 4,
+        max_redeliveries: None,
+        dead_letter_topic: String::new(),
+        drain_deadline: Duration::from_millis(300),
+        nack_delay: Duration::from_millis(100),
+        one_at_a_time: false,
+    };
+    // How often each message was handled to its end.
+    let handled: Arc<Mutex<HashMap<u64, usize>>> = Arc::default();
+    // The first consumer never finishes message 2 (a process stopped in its middle).
+    let consume = |bus: Bus, shutdown: CancellationToken, stuck: Option<u64>| {
+        let (config, handled) = (config.clone(), handled.clone());
+        tokio::spawn(async move {
+            run_consumer(
+                &bus,
+                config,
+                Arc::new(ConsumerStats::default()),
+                shutdown,
+                move |delivery: agent_bus::Delivery<u64>| {
+                    let handled = handled.clone();
+                    async move {
+                        if Some(delivery.payload) == stuck {
+                            std::future::pending::<()>().await;
+                        }
+                        *handled.lock().unwrap().entry(delivery.payload).or_default() += 1;
+                        Disposition::Ack
+                    }
+                },
+            )
+            .await
+        })
+    };
+    let stop_first = CancellationToken::new();
+    let first = consume(
+        Bus::connect(&broker.url(), None).await.unwrap(),
+        stop_first.clone(),
+        Some(2),
+    );
+    let bus = Bus::connect(&broker.url(), None).await.unwrap();
+    let mut batcher = bus
+        .client()
+        .producer()
+        .with_topic(topic)
+        .with_options(pulsar::producer::ProducerOptions {
+            batch_size: Some(4),
+            ..pulsar::producer::ProducerOptions::default()
+        })
+        .build()
+        .await
+        .unwrap();
+    let mut receipts = Vec::new();
+    for n in 0..4u64 {
+        receipts.push(
+            batcher
+                .send_non_blocking(n.to_string().into_bytes())
+                .await
+                .unwrap(),
+        );
+    }
+    let mut entries = std::collections::HashSet::new();
+    for receipt in receipts {
+        let id = receipt.await.unwrap().message_id.unwrap();
+        entries.insert((id.ledger_id, id.entry_id));
+    }
+    assert_eq!(entries.len(), 1, "the four were not sent as one batch");
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    while handled.lock().unwrap().len() < 3 {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the batch's members were not handled: {:?}",
+            handled.lock().unwrap()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    stop_first.cancel();
+    first.await.unwrap().unwrap();
+    assert!(!handled.lock().unwrap().contains_key(&2));
+
+    let stop_second = CancellationToken::new();
+    let second = consume(
+        Bus::connect(&broker.url(), None).await.unwrap(),
+        stop_second.clone(),
+        None,
+    );
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    while !handled.lock().unwrap().contains_key(&2) {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the member in flight at the stop was lost: {:?}",
+            handled.lock().unwrap()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    stop_second.cancel();
+    second.await.unwrap().unwrap();
+}
+
 /// A consumer whose broker went away, asked to stop while it subscribes again, stops then: one try
 /// to subscribe against a broker that is down takes a minute or more, and the stop used to be
 /// heard only between tries, so a pod told to stop during an outage was killed at the end of

@@ -234,6 +234,98 @@ enum Finished {
     DeadLettered(Result<(), BusError>),
 }
 
+/// The members of broker entries that hold several messages (a batch: Java's and Go's clients
+/// batch by default), acked as each is done. The `pulsar` crate acks a member by its entry
+/// without the batch's ack set, which the broker takes as the whole entry's ack: the first
+/// member done acked every member, and those still in flight were lost if the process stopped
+/// before they were done (nothing brought them back). So a member's ack waits here until every
+/// member of its entry is done, and only then goes to the broker. A member nacked brings the
+/// whole entry back: the members done before are not handled again (see
+/// [`BatchAcks::was_done`]), unless this process forgot them (it restarted, or its entries
+/// passed [`BatchAcks::MOST`]). A non-persistent topic's acks mean nothing to its broker, so its
+/// members are acked as they are done.
+#[derive(Default)]
+struct BatchAcks {
+    /// Each entry with members done: when it was first seen (a count), and the members' indexes.
+    entries: HashMap<(String, u64, u64), (u64, std::collections::HashSet<i32>)>,
+    seen: u64,
+}
+
+impl BatchAcks {
+    /// Entries with members done kept at most; past it the oldest is forgotten, and its members
+    /// come back after a reconnect instead of being lost.
+    const MOST: usize = 4096;
+
+    /// The entry of `message` and its index in it, if it is a member of a batch of several.
+    fn member(message: &Message<Vec<u8>>) -> Option<((String, u64, u64), i32, usize)> {
+        if is_non_persistent(&message.topic) {
+            return None;
+        }
+        let size = usize::try_from(message.message_id.batch_size?).ok()?;
+        let index = message.message_id.id.batch_index?;
+        (size > 1).then(|| {
+            let id = &message.message_id.id;
+            (
+                (message.topic.clone(), id.ledger_id, id.entry_id),
+                index,
+                size,
+            )
+        })
+    }
+
+    /// Whether `message`, done, may be acked now: it is no member of a batch, or the last
+    /// member of its entry to be done.
+    fn done(&mut self, message: &Message<Vec<u8>>) -> bool {
+        let Some((entry, index, size)) = Self::member(message) else {
+            return true;
+        };
+        if self.entries.len() >= Self::MOST && !self.entries.contains_key(&entry) {
+            let oldest = self
+                .entries
+                .iter()
+                .min_by_key(|(_, (first, _))| *first)
+                .map(|(key, _)| key.clone());
+            if let Some(oldest) = oldest {
+                self.entries.remove(&oldest);
+            }
+        }
+        self.seen += 1;
+        let seen = self.seen;
+        let (_, done) = self
+            .entries
+            .entry(entry.clone())
+            .or_insert_with(|| (seen, Default::default()));
+        done.insert(index);
+        if done.len() < size {
+            return false;
+        }
+        self.entries.remove(&entry);
+        true
+    }
+
+    /// Whether `message` is a member of a batch done before, its entry sent again because
+    /// another member was nacked: it is acked again without its handler.
+    fn was_done(&self, message: &Message<Vec<u8>>) -> bool {
+        Self::member(message).is_some_and(|(entry, index, _)| {
+            self.entries
+                .get(&entry)
+                .is_some_and(|(_, done)| done.contains(&index))
+        })
+    }
+}
+
+/// Acks `message` once it may be (see [`BatchAcks`]).
+async fn ack(
+    consumer: &mut Consumer<Vec<u8>, TokioExecutor>,
+    batches: &mut BatchAcks,
+    message: &Message<Vec<u8>>,
+) -> Result<(), pulsar::error::ConsumerError> {
+    if !batches.done(message) {
+        return Ok(());
+    }
+    consumer.ack(message).await
+}
+
 /// How often a handler may panic on one message before it is dead-lettered: a panic is a bug
 /// that the same message meets again, and redelivered for ever it would hold a place and fill
 /// the log (a consumer with no bound on redeliveries never stops it otherwise).
@@ -310,6 +402,7 @@ where
     let mut tasks: JoinSet<Finished> = JoinSet::new();
     let mut in_flight = InFlight::new();
     let mut panics = Panics::default();
+    let mut batches = BatchAcks::default();
     let aside = Aside::counted(max_in_flight as u64 * ASIDE_PER_PLACE);
     // A non-persistent topic's messages are taken off the connection as they come, whether a
     // handler is free or not, so that what waits is counted here in bytes (see [`Intake`]).
@@ -328,6 +421,12 @@ where
         let places = || max_in_flight + aside.waiting();
         while tasks.len() < places() {
             let Some(message) = intake.next() else { break };
+            if batches.was_done(&message) {
+                if let Err(e) = ack(&mut consumer, &mut batches, &message).await {
+                    tracing::warn!(error = %e, "ack failed; the message will be redelivered");
+                }
+                continue;
+            }
             if let Err(refused) = start(
                 &handler,
                 &mut tasks,
@@ -339,7 +438,7 @@ where
                 let (mut message, reason) = *refused;
                 let letter = std::mem::take(&mut message.payload.data);
                 dead_letter(
-                    &mut consumer,
+                    (&mut consumer, &mut batches),
                     &dead_letters,
                     (&mut tasks, &mut in_flight),
                     (message, letter),
@@ -354,7 +453,7 @@ where
             biased;
             _ = shutdown.cancelled() => break,
             Some(done) = tasks.join_next_with_id(), if !tasks.is_empty() => {
-                settle(&mut consumer, &dead_letters, &stats, (&mut tasks, &mut in_flight, &mut panics), config.nack_delay, done).await;
+                settle((&mut consumer, &mut batches), &dead_letters, &stats, (&mut tasks, &mut in_flight, &mut panics), config.nack_delay, done).await;
             }
             // Only to look at the bound again.
             _ = aside.stepped(), if !free => {}
@@ -376,7 +475,11 @@ where
                     // stay un-acked and come back to the new subscription or another replica.
                     tracing::warn!(topic = %config.topic, "the message stream ended; subscribing again");
                     match resubscribe(bus, &config, &shutdown).await {
-                        Some(fresh) => consumer = fresh,
+                        Some(fresh) => {
+                            // Entries not acked come back whole to the new subscription.
+                            batches = BatchAcks::default();
+                            consumer = fresh;
+                        }
                         None => break,
                     }
                 }
@@ -410,7 +513,7 @@ where
                 break;
             }
             Some(done) = tasks.join_next_with_id() => {
-                settle(&mut consumer, &dead_letters, &stats, (&mut tasks, &mut in_flight, &mut panics), config.nack_delay, done).await;
+                settle((&mut consumer, &mut batches), &dead_letters, &stats, (&mut tasks, &mut in_flight, &mut panics), config.nack_delay, done).await;
             }
             next = consumer.next(), if stream_open => match next {
                 Some(Ok(_)) => let_go += 1,
@@ -722,7 +825,7 @@ async fn resubscribe(
 }
 
 async fn settle(
-    consumer: &mut Consumer<Vec<u8>, TokioExecutor>,
+    (consumer, batches): (&mut Consumer<Vec<u8>, TokioExecutor>, &mut BatchAcks),
     dead_letters: &Option<Publisher>,
     stats: &ConsumerStats,
     (tasks, in_flight, panics): (&mut JoinSet<Finished>, &mut InFlight, &mut Panics),
@@ -745,7 +848,7 @@ async fn settle(
         Finished::Panicked(what) => after_panic(panics, &message, &what),
         Finished::DeadLettered(Ok(())) => {
             stats.dead_lettered.fetch_add(1, Ordering::Relaxed);
-            if let Err(e) = consumer.ack(&message).await {
+            if let Err(e) = ack(consumer, batches, &message).await {
                 tracing::warn!(error = %e, "ack after dead-lettering failed");
             }
             return;
@@ -762,7 +865,7 @@ async fn settle(
     match disposition {
         Disposition::Ack => {
             tracing::debug!(message_id = ?message.message_id.id, "ack");
-            if let Err(e) = consumer.ack(&message).await {
+            if let Err(e) = ack(consumer, batches, &message).await {
                 tracing::warn!(error = %e, "ack failed; the message will be redelivered");
             } else {
                 stats.acked.fetch_add(1, Ordering::Relaxed);
@@ -777,7 +880,7 @@ async fn settle(
         }
         Disposition::DeadLetter(reason) => {
             dead_letter(
-                consumer,
+                (consumer, batches),
                 dead_letters,
                 (tasks, in_flight),
                 (message, payload.to_vec()),
@@ -812,7 +915,7 @@ fn after_panic(panics: &mut Panics, message: &Message<Vec<u8>>, what: &str) -> D
 /// loop's (see [`Finished`]); a consumer with no dead-letter topic acks and drops it at once. A
 /// publish that fails waits `nack_delay` before its message is nacked, as a handler's nack does.
 async fn dead_letter(
-    consumer: &mut Consumer<Vec<u8>, TokioExecutor>,
+    (consumer, batches): (&mut Consumer<Vec<u8>, TokioExecutor>, &mut BatchAcks),
     dead_letters: &Option<Publisher>,
     (tasks, in_flight): (&mut JoinSet<Finished>, &mut InFlight),
     (message, mut letter): (Message<Vec<u8>>, Vec<u8>),
@@ -824,7 +927,7 @@ async fn dead_letter(
     let logged = cut_at_char(reason, MAX_REASON_BYTES);
     let Some(dead_letters) = dead_letters.clone() else {
         tracing::warn!(topic = %message.topic, reason = %logged, "dropping a message nothing can be done with");
-        if let Err(e) = consumer.ack(&message).await {
+        if let Err(e) = ack(consumer, batches, &message).await {
             tracing::warn!(error = %e, "ack failed");
         }
         return;
@@ -944,6 +1047,57 @@ mod tests {
                 data: vec![b'x'; payload_bytes],
             },
         )
+    }
+
+    /// A member of a batch of `size` at `index` of entry `entry`, on `topic`.
+    fn member_of(topic: &str, entry: u64, index: i32, size: i32) -> Message<Vec<u8>> {
+        Message::new(
+            topic,
+            pulsar::consumer::data::MessageData {
+                id: pulsar::proto::MessageIdData {
+                    ledger_id: 7,
+                    entry_id: entry,
+                    batch_index: Some(index),
+                    ..Default::default()
+                },
+                batch_size: Some(size),
+            },
+            pulsar::Payload {
+                metadata: pulsar::proto::MessageMetadata::default(),
+                data: Vec::new(),
+            },
+        )
+    }
+
+    #[test]
+    fn a_batchs_members_are_acked_once_all_are_done() {
+        let topic = "persistent://tg/flow/batch";
+        let mut batches = BatchAcks::default();
+        // Messages of no batch, and a non-persistent topic's, are acked as they are done.
+        assert!(batches.done(&message_of(0)));
+        assert!(batches.done(&member_of("non-persistent://tg/x", 1, 0, 3)));
+        assert!(batches.done(&member_of(topic, 1, 0, 1)));
+        // Each member once, in any order; a member done twice counts once.
+        assert!(!batches.done(&member_of(topic, 2, 2, 3)));
+        assert!(!batches.done(&member_of(topic, 2, 0, 3)));
+        assert!(!batches.done(&member_of(topic, 2, 0, 3)));
+        assert!(batches.done(&member_of(topic, 2, 1, 3)));
+        assert!(batches.entries.is_empty());
+        // A member nacked brings the entry back: the member done before is known as done.
+        assert!(!batches.done(&member_of(topic, 3, 0, 2)));
+        assert!(batches.was_done(&member_of(topic, 3, 0, 2)));
+        assert!(!batches.was_done(&member_of(topic, 3, 1, 2)));
+        assert!(!batches.was_done(&message_of(0)));
+        assert!(batches.done(&member_of(topic, 3, 1, 2)));
+        assert!(!batches.was_done(&member_of(topic, 3, 0, 2)));
+        // Past the bound, the oldest entry is forgotten, not the others.
+        for entry in 0..BatchAcks::MOST as u64 {
+            assert!(!batches.done(&member_of(topic, 100 + entry, 0, 2)));
+        }
+        assert!(!batches.done(&member_of(topic, 99, 0, 2)));
+        assert_eq!(batches.entries.len(), BatchAcks::MOST);
+        assert!(!batches.entries.contains_key(&(topic.to_owned(), 7, 100)));
+        assert!(batches.done(&member_of(topic, 101, 1, 2)));
     }
 
     #[test]
