@@ -152,18 +152,15 @@ async fn of_type(
     headers: HeaderMap,
 ) -> Response {
     let trusted = trusted(&state, &headers);
-    match (
-        state.store.values_of(&scope.name(), &kind),
-        state.store.version(),
-    ) {
-        (Ok(values), Ok(version)) => {
+    match state.store.values_of(&scope.name(), &kind) {
+        Ok((version, values)) => {
             let values: serde_json::Map<String, Value> = values
                 .iter()
                 .map(|(k, v)| (k.clone(), as_json(&shown(&kind, v, trusted))))
                 .collect();
             Json(json!({"version": version, "type": kind, "values": values})).into_response()
         }
-        (Err(e), _) | (_, Err(e)) => store_error(e),
+        Err(e) => store_error(e),
     }
 }
 
@@ -178,7 +175,7 @@ async fn get_one(
         .store
         .get(&scope.name(), &[(kind.clone(), key.clone())])
     {
-        Ok(found) => match found.first() {
+        Ok((_, found)) => match found.first() {
             Some((_, _, value)) => Json(as_json(&shown(&kind, value, trusted))).into_response(),
             None => (StatusCode::NOT_FOUND, format!("no config {kind}/{key}")).into_response(),
         },

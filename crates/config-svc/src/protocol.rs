@@ -93,7 +93,6 @@ fn answer(
 ) -> Result<(ConfigResponse, Option<Written>), Failure> {
     let failed = |e: StoreError| (CONFIG_ERROR, e.to_string());
     let workspace = workspace_of(request);
-    let version = || store.version().map_err(failed);
     let kind = || {
         request
             .kind
@@ -123,23 +122,26 @@ fn answer(
         // As TrustGraph's service: a key that is not there is simply not among the values (its
         // CLI reads keys that may not exist before it writes).
         operation::GET => {
-            let found = store.get(workspace, &keys()).map_err(failed)?;
+            let (version, found) = store.get(workspace, &keys()).map_err(failed)?;
             ConfigResponse {
-                version: Some(version()?),
+                version: Some(version),
                 values: Some(found.into_iter().map(value).collect()),
                 ..ConfigResponse::default()
             }
         }
-        operation::LIST => ConfigResponse {
-            version: Some(version()?),
-            directory: Some(store.list(workspace, &kind()?).map_err(failed)?),
-            ..ConfigResponse::default()
-        },
+        operation::LIST => {
+            let (version, values) = store.values_of(workspace, &kind()?).map_err(failed)?;
+            ConfigResponse {
+                version: Some(version),
+                directory: Some(values.into_keys().collect()),
+                ..ConfigResponse::default()
+            }
+        }
         operation::GET_VALUES => {
             let kind = kind()?;
-            let values = store.values_of(workspace, &kind).map_err(failed)?;
+            let (version, values) = store.values_of(workspace, &kind).map_err(failed)?;
             ConfigResponse {
-                version: Some(version()?),
+                version: Some(version),
                 values: Some(
                     values
                         .into_iter()
@@ -152,9 +154,9 @@ fn answer(
         operation::GET_VALUES_ALL_WS | operation::GET_KEYS_ALL_WS => {
             let kind = kind()?;
             let with_values = request.operation == operation::GET_VALUES_ALL_WS;
-            let values = store.values_everywhere(&kind).map_err(failed)?;
+            let (version, values) = store.values_everywhere(&kind).map_err(failed)?;
             ConfigResponse {
-                version: Some(version()?),
+                version: Some(version),
                 values: Some(
                     values
                         .into_iter()
@@ -219,6 +221,53 @@ mod tests {
             operation: op.into(),
             ..ConfigRequest::default()
         }
+    }
+
+    /// Each read's version is the version of the values it gives: a read while a write lands
+    /// never pairs the old values with the new version (a client that skips pushes of versions it
+    /// has seen would then never apply the write).
+    #[test]
+    fn a_read_during_writes_gives_the_version_of_its_values() {
+        let (store, dir) = store();
+        let store = std::sync::Arc::new(store);
+        let writer = {
+            let store = store.clone();
+            std::thread::spawn(move || {
+                for n in 1..=300u64 {
+                    let entries = [("tool".to_owned(), "n".to_owned(), n.to_string())];
+                    assert_eq!(
+                        store
+                            .put(crate::DEFAULT_WORKSPACE, &entries)
+                            .unwrap()
+                            .version,
+                        n
+                    );
+                }
+            })
+        };
+        let mut reads = 0;
+        let mut values = request(operation::GET_VALUES);
+        values.kind = Some("tool".into());
+        let mut get = request(operation::GET);
+        get.keys = vec![ConfigKey {
+            kind: "tool".into(),
+            key: "n".into(),
+        }];
+        while !writer.is_finished() {
+            for asked in [&values, &get] {
+                let (r, _) = handle(&store, asked);
+                let value = r
+                    .values
+                    .unwrap_or_default()
+                    .first()
+                    .map_or(0, |v| v.value.parse::<u64>().unwrap());
+                assert_eq!(r.version, Some(value), "read {reads}");
+                reads += 1;
+            }
+        }
+        writer.join().unwrap();
+        assert!(reads > 0);
+        std::fs::remove_dir_all(dir).ok();
     }
 
     #[test]

@@ -60,6 +60,9 @@ pub struct Written {
     pub changes: BTreeMap<String, Vec<String>>,
 }
 
+/// A `(type, key, value)`, or a `(workspace, key, value)` of one type.
+pub type Entry = (String, String, String);
+
 /// One owning process per file; every call is short (the file is small), so a mutex is enough.
 /// Writes take their turn on a mutex of their own and hold the state's only to copy it and to
 /// put the new one in place: a reader (on an async worker) never waits out a write's fsync,
@@ -116,48 +119,53 @@ impl ConfigStore {
         Ok(self.lock()?.version)
     }
 
-    /// The value of each `(type, key)` of `workspace` that exists, in the order asked.
+    // The reads below give the store's version read under the same lock as their values: read
+    // apart, a write between them paired old values with the new version, and a client that
+    // skips pushes of a version it has seen (TrustGraph's do) never applied that write.
+
+    /// The value of each `(type, key)` of `workspace` that exists, in the order asked, with the
+    /// store's version.
     pub fn get(
         &self,
         workspace: &str,
         keys: &[(String, String)],
-    ) -> Result<Vec<(String, String, String)>, StoreError> {
+    ) -> Result<(u64, Vec<Entry>), StoreError> {
         let state = self.lock()?;
-        Ok(keys
+        let found = keys
             .iter()
             .filter_map(|(kind, key)| {
                 let value = state.of(workspace)?.get(kind)?.get(key)?;
                 Some((kind.clone(), key.clone(), value.clone()))
             })
-            .collect())
+            .collect();
+        Ok((state.version, found))
     }
 
     /// The keys of one type in `workspace`.
     pub fn list(&self, workspace: &str, kind: &str) -> Result<Vec<String>, StoreError> {
-        Ok(self.values_of(workspace, kind)?.into_keys().collect())
+        Ok(self.values_of(workspace, kind)?.1.into_keys().collect())
     }
 
-    /// Every key and value of one type in `workspace`.
+    /// Every key and value of one type in `workspace`, with the store's version.
     pub fn values_of(
         &self,
         workspace: &str,
         kind: &str,
-    ) -> Result<BTreeMap<String, String>, StoreError> {
-        Ok(self
-            .lock()?
+    ) -> Result<(u64, BTreeMap<String, String>), StoreError> {
+        let state = self.lock()?;
+        let values = state
             .of(workspace)
             .and_then(|values| values.get(kind))
             .cloned()
-            .unwrap_or_default())
+            .unwrap_or_default();
+        Ok((state.version, values))
     }
 
-    /// `(workspace, key, value)` of every entry of one type in every workspace.
-    pub fn values_everywhere(
-        &self,
-        kind: &str,
-    ) -> Result<Vec<(String, String, String)>, StoreError> {
+    /// `(workspace, key, value)` of every entry of one type in every workspace, with the store's
+    /// version.
+    pub fn values_everywhere(&self, kind: &str) -> Result<(u64, Vec<Entry>), StoreError> {
         let state = self.lock()?;
-        Ok(state
+        let everywhere = state
             .workspaces
             .iter()
             .flat_map(|(workspace, values)| {
@@ -167,7 +175,8 @@ impl ConfigStore {
                         .map(move |(key, value)| (workspace.clone(), key.clone(), value.clone()))
                 })
             })
-            .collect())
+            .collect();
+        Ok((state.version, everywhere))
     }
 
     /// Everything in `workspace`, with the store's version.
@@ -415,7 +424,7 @@ mod tests {
             )
             .unwrap();
         assert_eq!(w.changes["prompt"], vec!["plan"]);
-        let got = store.get(WS, &[("prompt".into(), "react".into())]).unwrap();
+        let (_, got) = store.get(WS, &[("prompt".into(), "react".into())]).unwrap();
         assert_eq!(got[0].2, r#""mine""#);
         // Nothing missing: no version bump.
         let again = store
@@ -451,7 +460,7 @@ mod tests {
         assert_eq!(store.list("default", "tool").unwrap(), vec!["old"]);
         assert_eq!(store.list("team", "tool").unwrap(), vec!["theirs"]);
         assert!(store.dump("nobody").unwrap().1.is_empty());
-        let everywhere = store.values_everywhere("tool").unwrap();
+        let (_, everywhere) = store.values_everywhere("tool").unwrap();
         assert_eq!(
             everywhere,
             vec![
@@ -465,7 +474,7 @@ mod tests {
             .unwrap();
         drop(store);
         let store = ConfigStore::open(&dir).unwrap();
-        assert_eq!(store.values_everywhere("tool").unwrap().len(), 1);
+        assert_eq!(store.values_everywhere("tool").unwrap().1.len(), 1);
         assert_eq!(store.version().unwrap(), 6);
         let _ = std::fs::remove_dir_all(dir);
     }
