@@ -2,7 +2,9 @@
 
 It serves on 127.0.0.1 at the port given as its first argument. `flood-json` answers a call with
 one JSON message of over 64 MiB (its text all "x"), and `flood-events` with an event stream whose
-one line is as long: well-formed, only too long to read. `echo` answers "echoed".
+one line is as long: well-formed, only too long to read. `junk-events` answers with an event
+stream of 400,000 events that are no message (data that is not JSON-RPC, pings), then its answer,
+"after the junk". `echo` answers "echoed".
 """
 
 import json
@@ -14,6 +16,7 @@ TOOLS = [
     for name, description in [
         ("flood-json", "Answers with one JSON message of 64 MiB"),
         ("flood-events", "Answers with an event line of 64 MiB"),
+        ("junk-events", "Answers after 400,000 events that are no message"),
         ("echo", "Answers echoed"),
     ]
 ]
@@ -51,6 +54,19 @@ class Handler(BaseHTTPRequestHandler):
         except (BrokenPipeError, ConnectionResetError):
             pass
 
+    def junk(self, ident):
+        self.head(200, "text/event-stream")
+        answer = {"jsonrpc": "2.0", "id": ident,
+                  "result": {"content": [{"type": "text", "text": "after the junk"}]}}
+        try:
+            # In few large writes, so that a reader finds many events ready at once.
+            run = b"data: x\n\n" * 1000 + b"event: ping\ndata: {}\n\n" * 1000
+            for _ in range(200):
+                self.wfile.write(run)
+            self.wfile.write(("data: " + json.dumps(answer) + "\n\n").encode())
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+
     def do_POST(self):
         length = int(self.headers.get("Content-Length", "0"))
         message = json.loads(self.rfile.read(length))
@@ -70,6 +86,8 @@ class Handler(BaseHTTPRequestHandler):
             self.flood(ident, "application/json", "", "")
         elif method == "tools/call" and message["params"]["name"] == "flood-events":
             self.flood(ident, "text/event-stream", "data: ", "\n\n")
+        elif method == "tools/call" and message["params"]["name"] == "junk-events":
+            self.junk(ident)
         elif method == "tools/call":
             self.reply(ident, {"content": [{"type": "text", "text": "echoed"}]})
         else:

@@ -578,7 +578,9 @@ async fn a_tool_a_server_adds_while_its_session_is_open_is_listed_and_called() {
 /// this process's memory: the read stops at the bound, as a stdio server's line does. The server's
 /// next call is answered. Until 2026-12-03 such an answer was read whole (a server that never
 /// ended it grew the orchestrator until it died), and here the LLM was given its first bytes as
-/// the tool's result.
+/// the tool's result. A call answered after 400,000 events that are no message is answered:
+/// until 2026-12-05 `rmcp` passed over each such event by calling itself once more, and the run
+/// overflowed the stack of the process, which aborted.
 #[tokio::test]
 async fn an_http_server_whose_answer_runs_past_the_bound_is_cut_off() {
     let port = agent_bus::embedded::free_port().unwrap();
@@ -593,7 +595,7 @@ async fn an_http_server_whose_answer_runs_past_the_bound_is_cut_off() {
         "the misbehaving MCP server over HTTP",
     );
     let url = format!("http://127.0.0.1:{port}/mcp");
-    let names = ["flood-json", "flood-events", "echo"];
+    let names = ["flood-json", "flood-events", "junk-events", "echo"];
     let mut mcp = serde_json::Map::new();
     let mut tools = serde_json::Map::new();
     for name in names {
@@ -652,5 +654,6 @@ async fn an_http_server_whose_answer_runs_past_the_bound_is_cut_off() {
             &flooded[..flooded.len().min(300)]
         );
     }
-    assert_eq!(observed[2], "echoed");
+    assert_eq!(observed[2], "after the junk");
+    assert_eq!(observed[3], "echoed");
 }

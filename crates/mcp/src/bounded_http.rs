@@ -167,6 +167,47 @@ impl OpenEvent {
     }
 }
 
+/// Events passed on one after another, all ready, before the stream gives way once (pending, and
+/// woken at once).
+const EVENTS_A_POLL: usize = 64;
+
+/// An event stream that gives way every [`EVENTS_A_POLL`] events. `rmcp` passes over an event
+/// that is no message (a control event, data that is not JSON-RPC) by calling its own
+/// `poll_next` again from inside itself, so a server that sent a run of such events, all ready at
+/// once (a few hundred kilobytes of `data: x`), deepened the stack a call an event until the
+/// process overflowed its stack and aborted, with every dialog it ran. Giving way unwinds it.
+struct GiveWay<S> {
+    events: S,
+    run: usize,
+}
+
+impl<S> GiveWay<S> {
+    fn new(events: S) -> GiveWay<S> {
+        GiveWay { events, run: 0 }
+    }
+}
+
+impl<S: futures::Stream + Unpin> futures::Stream for GiveWay<S> {
+    type Item = S::Item;
+
+    fn poll_next(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<S::Item>> {
+        if self.run >= EVENTS_A_POLL {
+            self.run = 0;
+            cx.waker().wake_by_ref();
+            return std::task::Poll::Pending;
+        }
+        let next = self.events.poll_next_unpin(cx);
+        match next {
+            std::task::Poll::Ready(Some(_)) => self.run += 1,
+            _ => self.run = 0,
+        }
+        next
+    }
+}
+
 /// The events of `response`'s stream, failing once an event runs past `most` bytes before its
 /// end (see [`OpenEvent`]). On the stream that answers the request
 /// `answering` (its JSON-RPC id), that failure becomes an error answer to it and the stream's
@@ -184,7 +225,7 @@ fn bounded_events(
         }
         Ok(chunk)
     });
-    let events = SseStream::from_bytes_stream(bytes);
+    let events = GiveWay::new(SseStream::from_bytes_stream(bytes).boxed());
     let Some(id) = answering else {
         return events.boxed();
     };
@@ -462,6 +503,33 @@ mod tests {
         };
         let text = format!("{failed} {failed:?}");
         assert!(!text.contains("SECRET"), "{text}");
+    }
+
+    /// A long run of events all ready at once is passed on with the stream giving way between
+    /// them, every event still read in order.
+    #[test]
+    fn a_run_of_ready_events_gives_way_now_and_then() {
+        let mut events = GiveWay::new(futures::stream::iter(0..1000));
+        let waker = futures::task::noop_waker();
+        let mut cx = std::task::Context::from_waker(&waker);
+        let (mut read, mut gave_way, mut run, mut longest) = (Vec::new(), 0, 0, 0);
+        loop {
+            match events.poll_next_unpin(&mut cx) {
+                std::task::Poll::Ready(Some(n)) => {
+                    read.push(n);
+                    run += 1;
+                    longest = longest.max(run);
+                }
+                std::task::Poll::Ready(None) => break,
+                std::task::Poll::Pending => {
+                    gave_way += 1;
+                    run = 0;
+                }
+            }
+        }
+        assert_eq!(read, (0..1000).collect::<Vec<_>>());
+        assert_eq!(longest, EVENTS_A_POLL);
+        assert_eq!(gave_way, 1000 / EVENTS_A_POLL);
     }
 
     #[tokio::test]
