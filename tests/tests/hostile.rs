@@ -352,6 +352,71 @@ async fn bad_messages_meet_their_fates(journaled: bool) {
     );
 }
 
+/// Requests refused for a session id long enough that their journal entry is longer than the
+/// journal's owner takes (1,024 bytes), sent among valid dialogs to an orchestrator that reaches
+/// the owner over HTTP (a process of its own, as in compose and Kubernetes), are each refused,
+/// and every valid dialog is answered. Until 2026-12-05 such a request's taking went to the owner
+/// in a batch with other steps' takings, the owner refused the whole batch, and the valid
+/// dialogs' steps in it ended with "the step failed: ... longer than 1024 bytes".
+#[tokio::test]
+async fn requests_refused_for_long_session_ids_fail_no_other_dialog() {
+    let broker = Broker::start().unwrap();
+    let llm = scripted_llm(
+        r#"{"rules": [{"match": "Question: ping", "reply": "Thought: easy\nFinal Answer: pong"}]}"#,
+    )
+    .await;
+    let token = "long-ids-token";
+    let aggregator = Aggregator::spawn_with(&broker, &["--config-token", token]);
+    let mut orchestrator =
+        Orchestrator::journaled(Place::Child, &broker, &llm, &aggregator, token, &[]);
+    let mut client = client(&broker).await;
+    client
+        .send("warm-up", &request("ping warm-up", false))
+        .await
+        .unwrap();
+    let warm = collect_dialog(&mut client, "warm-up", Duration::from_secs(60))
+        .await
+        .unwrap();
+    assert_eq!(warm.last().unwrap().content, "pong");
+    let (mut valid, mut refused) = (Vec::new(), Vec::new());
+    for i in 0..60 {
+        let id = format!("fine-{i}");
+        client
+            .send(&id, &request(&format!("ping {i}"), false))
+            .await
+            .unwrap();
+        valid.push(id);
+        let id = format!("long-{i}");
+        let long = AgentRequest {
+            session_id: format!("{i}{}", "a".repeat(2000)),
+            ..request("ping long", false)
+        };
+        client.send(&id, &long).await.unwrap();
+        refused.push(id);
+    }
+    let ids: Vec<&str> = valid.iter().chain(&refused).map(String::as_str).collect();
+    let ended = collect_dialogs(&mut client, &ids, Duration::from_secs(120)).await;
+    for id in &valid {
+        let responses = &ended[id];
+        let last = responses.last().unwrap();
+        assert!(
+            last.end_of_dialog && last.error.is_none(),
+            "{id}: {responses:#?}"
+        );
+        assert_eq!(text_of(responses, "answer"), "pong", "{id}");
+    }
+    for id in &refused {
+        let last = ended[id].last().unwrap();
+        let error = last.error.as_ref().map(|e| e.message.as_str());
+        assert!(
+            last.end_of_dialog && error.is_some_and(|e| e.contains("session_id")),
+            "{id}: {:?}",
+            ended[id]
+        );
+    }
+    assert!(orchestrator.is_running(), "the orchestrator exited");
+}
+
 /// A subscription to `topic` with one handler place, sending what does not decode to
 /// `dead_letter_topic` (none when empty), as the intake tests use it.
 fn one_handler_on(topic: &str, dead_letter_topic: &str) -> agent_bus::SubscriptionConfig {

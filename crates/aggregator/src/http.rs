@@ -533,8 +533,7 @@ async fn journal_call<'e>(
     Ok(named)
 }
 
-/// The longest entry, delivery id or taker a taking may name.
-const MAX_TAKING_NAME: usize = 1024;
+use agent_graph::journal::MAX_TAKING_NAME;
 
 /// The most entries one journal call may name: a batch holds every lock of its keys at once.
 const MAX_JOURNAL_BATCH: usize = 4 * agent_graph::journal::MAX_BATCH;

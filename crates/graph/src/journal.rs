@@ -95,6 +95,10 @@ pub struct RecordRequests {
 /// The most calls of one kind a remote journal sends together.
 pub const MAX_BATCH: usize = 64;
 
+/// The longest entry, delivery id or taker a taking may name: the owner keeps these names while
+/// a step is unrecorded, and refuses a call that names a longer one (every taking in its batch).
+pub const MAX_TAKING_NAME: usize = 1024;
+
 /// How many locks the keys are spread over: records of different steps rarely wait for each
 /// other, records of one step always do.
 const STRIPES: usize = 64;

@@ -76,7 +76,7 @@ pub async fn fanout_of(
                 let number = |name: &str| number(rows.first(name));
                 return Ok(Some(Inherited {
                     started_ms: number("started"),
-                    tokens: number("in") + number("out"),
+                    tokens: number("in").saturating_add(number("out")),
                 }));
             }
         }

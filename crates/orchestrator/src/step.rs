@@ -507,9 +507,11 @@ impl Engine {
         let model = asked_model(&properties, &config).map(str::to_owned);
         // A step of a chain is its root delivery's (see `emit::CHAIN_PROPERTY`); a new dialog
         // belongs to no chain, whatever its sender put on it.
+        // A chain's id is a message id, short: a longer one is no chain of ours, and the
+        // journal's owner would refuse it (with the other steps of its batch).
         let delivery_id = properties
             .get(emit::CHAIN_PROPERTY)
-            .filter(|_| !new_dialog)
+            .filter(|chain| !new_dialog && chain.len() <= agent_graph::journal::MAX_TAKING_NAME)
             .cloned()
             .unwrap_or(message_id);
         // Only a step that runs its pattern may hold its next request back: every other path
@@ -882,6 +884,18 @@ impl Engine {
             key.push_str("-answer");
         }
         let node = match journal::entry_node(&uris.session(), &key) {
+            // The owner refuses a taking whose entry is longer than it takes, and with it every
+            // other taking of its batch: those steps (other dialogs' too) failed. A session id
+            // long enough for that is refused (at most 240 bytes run).
+            Ok(node) if node.as_str().len() > agent_graph::journal::MAX_TAKING_NAME => {
+                if refused || giving_up {
+                    return Ok(Lookup::Fresh(None));
+                }
+                return Err(StepError::Fault(anyhow::anyhow!(
+                    "the step's journal entry is longer than the journal takes ({} bytes)",
+                    node.as_str().len()
+                )));
+            }
             Ok(node) => node,
             // Only a refused request has ids that name no node; its refusal is a pure function
             // of the message, so a repeat of it is harmless.
