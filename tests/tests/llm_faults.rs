@@ -13,6 +13,63 @@ use agent_schema::AgentResponse;
 /// Every dialog's budget; a dialog still open past it (plus slack) hangs.
 const MAX_WALL_SECS: u64 = 60;
 
+/// An answer longer than the broker takes (here its limit is lowered to 64 KiB: an answer of
+/// 100 KB; at the default 5 MiB a model would have to write that much) ends its dialog once, with
+/// an error naming the limit, journal or not, streamed or not, and the next dialog is served.
+/// Before 2026-12-05 a journaled step recorded the messages carrying it before the broker refused
+/// them: each re-emission was refused again, the step was given up, found its own entry and
+/// re-emitted it, and the client never got a closing.
+#[tokio::test]
+async fn an_answer_over_the_brokers_limit_ends_its_dialog_once_with_an_error() {
+    let token = "long-answer-token";
+    let script = serde_json::json!({"rules": [
+        {"match": "Question: ping", "reply": "Thought: easy.\nFinal Answer: pong"},
+        {"match": "Question: write", "reply": format!("Thought: at length.\nFinal Answer: {}", "word ".repeat(20_000))}
+    ]});
+    for journaled in [true, false] {
+        let broker = Broker::start().unwrap();
+        let llm = scripted_llm(&script.to_string()).await;
+        let aggregator = Aggregator::spawn_with(&broker, &["--config-token", token]);
+        let mut extra = vec!["--pulsar-max-message-bytes", "65536"];
+        if journaled {
+            extra.extend([
+                "--graph-store",
+                &aggregator.endpoint,
+                "--config-token",
+                token,
+            ]);
+        }
+        let _orchestrator = Orchestrator::spawn(&broker, &llm, &seed_dir(), &extra);
+        let mut client = client(&broker).await;
+        for streaming in [false, true] {
+            let id = format!("long-{journaled}-{streaming}");
+            client
+                .send(&id, &request("write at length", streaming))
+                .await
+                .unwrap();
+            let mut responses = collect_dialog(&mut client, &id, Duration::from_secs(60))
+                .await
+                .unwrap();
+            // Nothing follows the closing (a step re-emitted again and again would).
+            responses.extend(drain_for(&mut client, &id, Duration::from_secs(3)).await);
+            let closings: Vec<_> = responses.iter().filter(|r| r.end_of_dialog).collect();
+            assert_eq!(closings.len(), 1, "{id}: {} responses", responses.len());
+            let error = closings[0].error.as_ref().map(|e| e.message.as_str());
+            assert!(
+                error.is_some_and(|e| e.contains("over the limit of") && e.contains("65536")),
+                "{id}: {:?}",
+                closings[0]
+            );
+            let id = format!("ping-{journaled}-{streaming}");
+            client.send(&id, &request("ping", false)).await.unwrap();
+            let pinged = collect_dialog(&mut client, &id, Duration::from_secs(60))
+                .await
+                .unwrap();
+            assert_eq!(outcome(&pinged), "pong", "{id}");
+        }
+    }
+}
+
 /// An answer cut off at the length limit (whole) or by a stream that broke off in the thought
 /// (streamed) is never taken for the answer: the next iteration says it was cut off, and the
 /// dialog finishes with the whole answer.

@@ -82,6 +82,28 @@ impl Outputs {
         }
     }
 
+    /// Why the broker would refuse `effect`, if it would: over its topic's limit, with room kept
+    /// for the seal an explainability message is given as it is sent ([`SEAL_PROPERTY_BYTES`]).
+    fn refusal(&self, effect: &Effect) -> Option<BusError> {
+        let Outputs::Broker(p) = self else {
+            return None;
+        };
+        let (to, room) = match effect.channel {
+            Channel::Responses => (&p.responses, 0),
+            Channel::Requests => (&p.requests, 0),
+            Channel::Explainability => (&p.explainability, SEAL_PROPERTY_BYTES),
+        };
+        let bytes =
+            agent_bus::Publisher::message_bytes(effect.payload.as_bytes(), &effect.properties);
+        let max = to.max_message_bytes();
+        (bytes.saturating_add(room) > max).then(|| BusError::TooLarge {
+            topic: to.topic().to_owned(),
+            bytes,
+            max,
+            limit: agent_bus::BROKER_MESSAGE_LIMIT.to_owned(),
+        })
+    }
+
     fn requests_topic(&self) -> &str {
         match self {
             Outputs::Broker(p) => p.requests.topic(),
@@ -766,6 +788,14 @@ impl<'a> DialogOutput<'a> {
                 .collect();
             outcome = Some(journal::Outcome::encode(journaled)?);
         }
+        // A message the broker would refuse fails the step here, before its outcome is recorded:
+        // recorded, it was refused at every re-emission, the step's give-up found the entry and
+        // re-emitted it again, and the client never got a closing (an answer of the LLM's longer
+        // than the broker's limit). Refused now, nothing is sent and the give-up ends the dialog
+        // with the error.
+        if let Some(refused) = effects.iter().find_map(|e| self.outputs.refusal(e)) {
+            return Err(refused.into());
+        }
         // The streamed chunks are not journaled: they must be on the broker before the outcome is
         // recorded, or a crash after recording would re-emit a closing message without its text.
         self.flush().await?;
@@ -1359,6 +1389,10 @@ pub(crate) fn locked<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
 /// given up, found its own entry, re-emitted it, was refused again, for ever, its client told
 /// nothing.
 const COMMIT_PROPERTY_BYTES: usize = 2048;
+
+/// Room an explainability message keeps, once its commit stamped it, for the seal it is given as
+/// it is sent (`agent-explain-seal`, an HMAC in base64).
+const SEAL_PROPERTY_BYTES: usize = 256;
 
 #[cfg(test)]
 mod tests {
