@@ -511,3 +511,36 @@ async fn a_plan_whose_last_step_lists_itself_is_repaired_and_recorded() {
         .count();
     assert_eq!(planning_calls, 1);
 }
+
+/// A plan that used its iterations answers from what it found, with one more LLM call, but not
+/// when its token budget is spent as well: it then ends at the limit without the call. Before
+/// 2026-12-05 the answer was written whatever the budget said, past `max_tokens`.
+#[tokio::test]
+async fn a_plan_at_its_iteration_limit_with_its_budget_spent_makes_no_more_calls() {
+    let broker = Broker::start().unwrap();
+    let llm = scripted_llm(DIAMOND).await;
+    let config = seed_with(
+        "plan-spent",
+        &[(
+            "agent-limits",
+            r#"{"default": {"max_iterations": 1, "max_tokens": 1}}"#,
+        )],
+    );
+    let _orchestrator = Orchestrator::spawn(&broker, &llm, &config, &[]);
+    let mut client = client(&broker).await;
+    client
+        .send("s-1", &planned("Combine alpha, beta and gamma.", false))
+        .await
+        .unwrap();
+    let responses = collect_dialog(&mut client, "s-1", DIALOG_TIMEOUT)
+        .await
+        .unwrap();
+    let answered = llm
+        .calls()
+        .iter()
+        .filter(|c| c.last_user.contains("Request to answer:"))
+        .count();
+    assert_eq!(answered, 0, "the answer was asked for past the budget");
+    let last = closing(&responses);
+    assert!(last.content.contains("max_iterations"), "{responses:#?}");
+}

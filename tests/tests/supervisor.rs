@@ -1191,6 +1191,46 @@ async fn a_subagent_step_the_orchestrator_did_not_seal_is_dead_lettered_and_make
     assert_eq!(count(&aggregator.store(), anything.to_owned()).await, 0);
 }
 
+/// Under `max_iterations: 1` a supervisor has no room for its subagents' results (they come back
+/// as a second step), so it ends at once, saying so, and makes no call: before 2026-12-05 it
+/// split the request, every subagent ran, and the request bringing their results was refused
+/// ("more than max_iterations"), so the client got an error after all the spending.
+#[tokio::test]
+async fn a_supervisor_without_room_for_its_results_ends_before_any_subagent_runs() {
+    let broker = Broker::start().unwrap();
+    let _aggregator = Aggregator::spawn(&broker);
+    let config = config_dir(
+        "no-room",
+        &[("agent-limits", r#"{"default": {"max_iterations": 1}}"#)],
+    );
+    let llm = scripted_llm(
+        r#"{"rules": [
+      {"match": "Request to split: Compare", "reply": "[{\"goal\": \"price of alpha\"}, {\"goal\": \"price of beta\"}]"},
+      {"match": "Question: price of", "reply": "Thought: known.\nFinal Answer: 1"},
+      {"match": "Request to answer from the subagents: Compare", "reply": "Both cost 1."}
+    ]}"#,
+    )
+    .await;
+    let _orchestrator = Orchestrator::spawn(&broker, &llm, &config, &[]);
+    let mut client = client(&broker).await;
+    client
+        .send("n-1", &supervised("Compare the prices of alpha and beta."))
+        .await
+        .unwrap();
+    let responses = collect_dialog(&mut client, "n-1", DIALOG_TIMEOUT)
+        .await
+        .unwrap();
+    assert_eq!(closings(&responses), 1, "{responses:#?}");
+    let last = responses.last().unwrap();
+    assert!(
+        last.error.is_none()
+            && last.content.contains("could not start subagents")
+            && last.content.contains("max_iterations"),
+        "{responses:#?}"
+    );
+    assert!(llm.calls().is_empty(), "{:#?}", llm.calls());
+}
+
 /// The synthesis may send subagents out again under a new correlation id; the second round's
 /// synthesis sees both rounds, and the new fan-out hangs off the synthesis that asked for it. An LLM
 /// that always wants one more round is stopped by `max_iterations` with an answer naming what the

@@ -130,6 +130,26 @@ pub async fn conclude_if_limited(turn: &Turn<'_>) -> Option<Result<(), BusError>
     Some(conclude_at_limit(turn, Termination::Budget, &why, record).await)
 }
 
+/// [`conclude_if_limited`] for a step that would fan out. Its subagents' results come back as
+/// the step after it (the fan-out and the results are two steps of the history), which
+/// `max_iterations` must leave room for: before 2026-12-05 a supervisor or an ensemble under
+/// `max_iterations: 1` ran every subagent, and the request that brought their results was then
+/// refused ("more than max_iterations"), so the client got an error after all the spending.
+pub async fn conclude_if_no_room_to_fan_out(turn: &Turn<'_>) -> Option<Result<(), BusError>> {
+    if let Some(done) = conclude_if_limited(turn).await {
+        return Some(done);
+    }
+    let max = turn.config.limits.max_iterations;
+    let back = steps_taken(&turn.request.history).saturating_add(2);
+    if back <= max {
+        return None;
+    }
+    let why = format!(
+        "I could not start subagents within the limit of {max} iterations (max_iterations): their results would come back as iteration {back}."
+    );
+    Some(conclude_at_limit(turn, Termination::MaxIterations, &why, Vec::new()).await)
+}
+
 /// Ends a dialog that reached a limit (`why`) with a clear answer, what it knew last, and a
 /// provenance record of the reason.
 async fn conclude_at_limit(

@@ -12,7 +12,7 @@ use agent_core::supervisor as supervising;
 use agent_llm::CallOptions;
 use agent_schema::MessageType;
 
-use crate::finish::conclude_if_limited;
+use crate::finish::conclude_if_no_room_to_fan_out;
 use crate::patterns::supervisor::{
     conclude_from_synthesis, fan_in, fan_out, room_for_another_round, Concluded, FanIn,
 };
@@ -28,7 +28,7 @@ pub async fn iterate(turn: &Turn<'_>) -> Result<(), BusError> {
         }
         return reconcile(turn, n).await;
     }
-    if let Some(done) = conclude_if_limited(turn).await {
+    if let Some(done) = conclude_if_no_room_to_fan_out(turn).await {
         return done;
     }
     let configured = ensemble_config(turn)

@@ -46,10 +46,14 @@ pub async fn iterate(turn: &Turn<'_>) -> Result<(), BusError> {
     if next == Next::ReviewAnswer {
         return review_answer(turn, n).await;
     }
-    // A plan that used its iterations still answers from what it found.
+    // A plan that used its iterations still answers from what it found, unless its budget is
+    // spent too (that answer is one more LLM call) or its supervisor stopped waiting for it:
+    // then it ends as any step at a limit does, without a call.
     let max_iterations = config.limits.max_iterations;
     if steps_taken(&turn.request.history) >= max_iterations
         && planning::current_plan(&turn.request.history).is_some()
+        && turn.spent_budget().is_none()
+        && !turn.abandoned
     {
         let unfinished = match next {
             Next::Synthesise(unfinished) => unfinished,

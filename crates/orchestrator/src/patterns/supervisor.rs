@@ -12,7 +12,7 @@ use agent_core::supervisor::{self as supervising, Goal};
 use agent_core::tools::Scope;
 use agent_schema::{AgentStep, MessageType, StepType};
 
-use crate::finish::{conclude_if_limited, end_if_abandoned};
+use crate::finish::{conclude_if_no_room_to_fan_out, end_if_abandoned};
 use crate::turn::Turn;
 use agent_core::prompt::render;
 use agent_llm::{CallOptions, ChatMessage};
@@ -58,7 +58,7 @@ pub async fn iterate(turn: &Turn<'_>) -> Result<(), BusError> {
             return synthesise(turn, n, &CallStats::default()).await;
         }
     }
-    if let Some(done) = conclude_if_limited(turn).await {
+    if let Some(done) = conclude_if_no_room_to_fan_out(turn).await {
         return done;
     }
     decompose(turn, n).await
