@@ -215,14 +215,7 @@ async fn bad_messages_meet_their_fates(journaled: bool) {
     let mut dlq = read_from_start(&broker, DEAD_LETTER_TOPIC, "test-dlq").await;
     let mut client = client(&broker).await;
     // The orchestrator too: a dialog answered shows its subscription exists before the flood.
-    client
-        .send("warm-up", &request("ping warm-up", false))
-        .await
-        .unwrap();
-    let warm = collect_dialog(&mut client, "warm-up", Duration::from_secs(60))
-        .await
-        .unwrap();
-    assert_eq!(warm.last().unwrap().content, "pong");
+    warm_up(&mut client).await;
     let mut rng = rand::rngs::StdRng::seed_from_u64(11);
 
     let mut fates: BTreeMap<String, Fate> = BTreeMap::new();
@@ -370,14 +363,7 @@ async fn requests_refused_for_long_session_ids_fail_no_other_dialog() {
     let mut orchestrator =
         Orchestrator::journaled(Place::Child, &broker, &llm, &aggregator, token, &[]);
     let mut client = client(&broker).await;
-    client
-        .send("warm-up", &request("ping warm-up", false))
-        .await
-        .unwrap();
-    let warm = collect_dialog(&mut client, "warm-up", Duration::from_secs(60))
-        .await
-        .unwrap();
-    assert_eq!(warm.last().unwrap().content, "pong");
+    warm_up(&mut client).await;
     let (mut valid, mut refused) = (Vec::new(), Vec::new());
     for i in 0..60 {
         let id = format!("fine-{i}");
@@ -415,6 +401,18 @@ async fn requests_refused_for_long_session_ids_fail_no_other_dialog() {
         );
     }
     assert!(orchestrator.is_running(), "the orchestrator exited");
+}
+
+/// Sends a ping and waits for its "pong": the orchestrator consumes before what the test sends.
+async fn warm_up(client: &mut agent_bus::AgentClient) {
+    client
+        .send("warm-up", &request("ping warm-up", false))
+        .await
+        .unwrap();
+    let warm = collect_dialog(client, "warm-up", Duration::from_secs(60))
+        .await
+        .unwrap();
+    assert_eq!(warm.last().unwrap().content, "pong");
 }
 
 /// A subscription to `topic` with one handler place, sending what does not decode to

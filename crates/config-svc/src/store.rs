@@ -141,11 +141,6 @@ impl ConfigStore {
         Ok((state.version, found))
     }
 
-    /// The keys of one type in `workspace`.
-    pub fn list(&self, workspace: &str, kind: &str) -> Result<Vec<String>, StoreError> {
-        Ok(self.values_of(workspace, kind)?.1.into_keys().collect())
-    }
-
     /// Every key and value of one type in `workspace`, with the store's version.
     pub fn values_of(
         &self,
@@ -339,6 +334,16 @@ impl ConfigStore {
 mod tests {
     use super::*;
 
+    /// The keys of one type in `workspace` (the protocol's `list` reads them with the version).
+    fn keys(store: &ConfigStore, workspace: &str, kind: &str) -> Vec<String> {
+        store
+            .values_of(workspace, kind)
+            .unwrap()
+            .1
+            .into_keys()
+            .collect()
+    }
+
     const WS: &str = "default";
 
     fn temp_dir() -> PathBuf {
@@ -369,7 +374,7 @@ mod tests {
         drop(store);
         let store = ConfigStore::open(&dir).unwrap();
         assert_eq!(store.version().unwrap(), 2);
-        assert_eq!(store.list(WS, "tool").unwrap(), vec!["a"]);
+        assert_eq!(keys(&store, WS, "tool"), vec!["a"]);
         let _ = std::fs::remove_dir_all(dir);
     }
 
@@ -403,7 +408,7 @@ mod tests {
             .unwrap_err();
         assert!(e.to_string().contains("tool/b"));
         assert_eq!(store.version().unwrap(), 0);
-        assert!(store.list(WS, "tool").unwrap().is_empty());
+        assert!(keys(&store, WS, "tool").is_empty());
         let _ = std::fs::remove_dir_all(dir);
     }
 
@@ -455,10 +460,10 @@ mod tests {
         .unwrap();
         let store = ConfigStore::open(&dir).unwrap();
         assert_eq!(store.version().unwrap(), 4);
-        assert_eq!(store.list("default", "tool").unwrap(), vec!["old"]);
+        assert_eq!(keys(&store, "default", "tool"), vec!["old"]);
         store.put("team", &[entry("tool", "theirs", "{}")]).unwrap();
-        assert_eq!(store.list("default", "tool").unwrap(), vec!["old"]);
-        assert_eq!(store.list("team", "tool").unwrap(), vec!["theirs"]);
+        assert_eq!(keys(&store, "default", "tool"), vec!["old"]);
+        assert_eq!(keys(&store, "team", "tool"), vec!["theirs"]);
         assert!(store.dump("nobody").unwrap().1.is_empty());
         let (_, everywhere) = store.values_everywhere("tool").unwrap();
         assert_eq!(

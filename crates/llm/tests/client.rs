@@ -362,6 +362,18 @@ fn long_question() -> String {
     "how much is the invoice in the attached statement? ".repeat(80)
 }
 
+/// `c`'s input tokens are the estimate of a prompt asking `question`: about four bytes a token,
+/// from the JSON sent, so at least the question's own share.
+fn assert_prompt_estimated(c: &agent_llm::Completion, question: &str) {
+    let least = (question.len() as u64) / 4;
+    assert!(
+        c.in_token >= least && c.in_token < least + 50,
+        "{} tokens for a prompt of {} bytes",
+        c.in_token,
+        question.len()
+    );
+}
+
 #[tokio::test]
 async fn a_whole_answer_without_usage_counts_an_estimate_of_its_prompt() {
     let (url, _) = raw_server(|connection| {
@@ -377,14 +389,7 @@ async fn a_whole_answer_without_usage_counts_an_estimate_of_its_prompt() {
         .complete(&ask(&question))
         .await
         .unwrap();
-    // About four bytes a token, from the JSON sent: at least the question's own share.
-    let least = (question.len() as u64) / 4;
-    assert!(
-        c.in_token >= least && c.in_token < least + 50,
-        "{} tokens for a prompt of {} bytes",
-        c.in_token,
-        question.len()
-    );
+    assert_prompt_estimated(&c, &question);
     assert_eq!(c.out_token, ("Final Answer: 12".len() as u64).div_ceil(4));
 }
 
@@ -400,13 +405,7 @@ async fn a_stream_without_usage_counts_an_estimate_of_its_prompt() {
     let question = long_question();
     let (result, _) = stream(&raw_client(&url, Duration::from_secs(30)), &question).await;
     let c = result.unwrap();
-    let least = (question.len() as u64) / 4;
-    assert!(
-        c.in_token >= least && c.in_token < least + 50,
-        "{} tokens for a prompt of {} bytes",
-        c.in_token,
-        question.len()
-    );
+    assert_prompt_estimated(&c, &question);
     assert_eq!(c.text, "Final Answer: 12");
 }
 
