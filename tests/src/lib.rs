@@ -8,6 +8,7 @@ pub use agent_bus::apache;
 
 pub mod in_process;
 pub mod librarian;
+pub mod raw_pulsar;
 mod running;
 pub mod sparql_server;
 

@@ -403,6 +403,51 @@ async fn requests_refused_for_long_session_ids_fail_no_other_dialog() {
     assert!(orchestrator.is_running(), "the orchestrator exited");
 }
 
+/// A message whose metadata no client of ours can decode (a property that is not UTF-8, as a Go or
+/// C++ producer may send; the broker stores and delivers it as it is) is dropped by the consumer
+/// that reads it, and the orchestrator goes on answering: its connection to the broker, shared by
+/// every consumer and producer of the process, is kept. Such a frame failed the whole connection,
+/// and again at every redelivery of the message, so no request after it was ever answered.
+#[tokio::test]
+async fn a_message_whose_metadata_does_not_decode_takes_no_connection_down() {
+    let broker = Broker::start().unwrap();
+    let llm = scripted_llm(
+        r#"{"rules": [{"match": "Question: ping", "reply": "Thought: easy\nFinal Answer: pong"}]}"#,
+    )
+    .await;
+    let mut orchestrator = Orchestrator::child(&broker, &llm, &seed_dir(), &[]);
+    let mut client = client(&broker).await;
+    warm_up(&mut client).await;
+    let topics = agent_bus::Topics::trustgraph("default", "default");
+    let unreadable = agent_schema::encode(&request("ping unreadable", false));
+    agent_e2e::raw_pulsar::send_with_unreadable_metadata(
+        &broker.url(),
+        &topics.request,
+        "unreadable",
+        &unreadable,
+    )
+    .await
+    .unwrap();
+    let ids: Vec<String> = (0..5).map(|i| format!("after-{i}")).collect();
+    for id in &ids {
+        client
+            .send(id, &request(&format!("ping {id}"), false))
+            .await
+            .unwrap();
+    }
+    let ids: Vec<&str> = ids.iter().map(String::as_str).collect();
+    let ended = collect_dialogs(&mut client, &ids, Duration::from_secs(60)).await;
+    for id in &ids {
+        assert_eq!(
+            text_of(&ended[*id], "answer"),
+            "pong",
+            "{id}: {:?}",
+            ended[*id]
+        );
+    }
+    assert!(orchestrator.is_running(), "the orchestrator exited");
+}
+
 /// Sends a ping and waits for its "pong": the orchestrator consumes before what the test sends.
 async fn warm_up(client: &mut agent_bus::AgentClient) {
     client

@@ -1,5 +1,6 @@
 //! Guards our patch of the `pulsar` crate (patches/): payload frames decode with and without the
-//! optional `[MAGIC 0x0e01][CRC32C]` prefix, and a wrong checksum is still rejected when one is sent.
+//! optional `[MAGIC 0x0e01][CRC32C]` prefix; a payload whose checksum (when one is sent) does not hold
+//! or whose metadata does not decode is not handed over, and the frames after it are read.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use bytes::{Buf, BufMut, BytesMut};
@@ -73,10 +74,47 @@ fn decodes_frames_without_the_checksum_prefix() {
     );
 }
 
+/// What the codec reads from `frame` followed by a good frame: the first message's payload (or
+/// why it has none), and the second's data, which shows the stream went on past the first.
+fn read_before_a_good_frame(frame: BytesMut) -> (Result<Vec<u8>, String>, Vec<u8>) {
+    let mut buf = frame;
+    buf.extend_from_slice(&framed_message());
+    let first = Codec
+        .decode(&mut buf)
+        .expect("a payload that cannot be read must not fail the connection")
+        .expect("a whole frame");
+    let second = Codec.decode(&mut buf).unwrap().expect("a whole frame");
+    assert!(buf.is_empty());
+    (
+        first
+            .payload
+            .map(|p| p.data)
+            .ok_or_else(|| "no payload".to_string()),
+        second.payload.unwrap().data,
+    )
+}
+
+/// A wrong checksum (when one is sent) is not handed over: the message comes without its payload,
+/// for the consumer to ack and drop, and the frames after it are read.
 #[test]
-fn rejects_a_wrong_checksum_when_one_is_sent() {
+fn a_wrong_checksum_leaves_the_message_without_its_payload() {
     let mut frame = framed_message();
     let last = frame.len() - 1;
     frame[last] ^= 0xff;
-    assert!(decoded_data(frame).unwrap_err().contains("Checksum"));
+    let (first, second) = read_before_a_good_frame(frame);
+    assert_eq!(first.unwrap_err(), "no payload");
+    assert_eq!(second, b"{\"question\": \"hi\"}");
+}
+
+/// Metadata that does not decode (here a producer name that is not UTF-8, which a Go or C++
+/// producer can send) leaves the message without its payload, as a wrong checksum does; it failed
+/// the codec, which drops the connection with every consumer and producer on it.
+#[test]
+fn metadata_that_does_not_decode_leaves_the_message_without_its_payload() {
+    let mut frame = without_prefix(&framed_message());
+    let at = frame.windows(4).position(|w| w == b"test").unwrap();
+    frame[at] = 0xff;
+    let (first, second) = read_before_a_good_frame(frame);
+    assert_eq!(first.unwrap_err(), "no payload");
+    assert_eq!(second, b"{\"question\": \"hi\"}");
 }
