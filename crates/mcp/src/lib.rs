@@ -938,8 +938,30 @@ async fn listed_tools(session: &Session, endpoint: &Endpoint) -> Result<Arc<Vec<
 /// The most pages of a server's tool list read, and the most tools taken from it.
 const MOST_TOOL_PAGES: usize = 100;
 const MOST_TOOLS: usize = 10_000;
+/// The most bytes of tool definitions (as JSON) taken from a server's whole list: what one message
+/// may be. The list is held for the session, and each page may be [`MAX_MESSAGE_BYTES`], so pages
+/// and tools alone let one server's list hold 1.6 GB; no model's prompt takes a list that long.
+const MOST_TOOL_LIST_BYTES: usize = MAX_MESSAGE_BYTES;
 /// How long reading a server's whole tool list may take.
 const TOOL_LIST_WITHIN: Duration = Duration::from_secs(30);
+
+/// How long `tools` are as JSON, counted without writing them anywhere.
+fn json_len(tools: &[Tool]) -> usize {
+    struct Counter(usize);
+    impl std::io::Write for Counter {
+        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+            self.0 = self.0.saturating_add(buf.len());
+            Ok(buf.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+    let mut counter = Counter(0);
+    // What cannot be written is not held either: counted as far as it got.
+    let _ = serde_json::to_writer(&mut counter, tools);
+    counter.0
+}
 
 /// Every page of the server's tool list. `rmcp`'s own loop reads pages for as long as the server
 /// names a next one: a server that always did (a repeated cursor is a common bug) grew the list
@@ -950,6 +972,7 @@ async fn list_all_tools(session: &Session, endpoint: &Endpoint) -> Result<Vec<To
         let mut tools = Vec::new();
         let mut cursor: Option<String> = None;
         let mut cursors = std::collections::HashSet::new();
+        let mut bytes = 0usize;
         for _ in 0..MOST_TOOL_PAGES {
             let page = session
                 .peer
@@ -959,6 +982,12 @@ async fn list_all_tools(session: &Session, endpoint: &Endpoint) -> Result<Vec<To
                 }))
                 .await
                 .map_err(|e| service_error(endpoint, "list its tools", e))?;
+            bytes = bytes.saturating_add(json_len(&page.tools));
+            if bytes > MOST_TOOL_LIST_BYTES {
+                return Err(CallError::Other(format!(
+                    "the MCP server {server} lists tools of more than {MOST_TOOL_LIST_BYTES} bytes"
+                )));
+            }
             tools.extend(page.tools);
             if tools.len() > MOST_TOOLS {
                 return Err(CallError::Other(format!(
@@ -1138,6 +1167,11 @@ mod tests {
     /// A stdio MCP server (Python, no SDK) whose tool list always names a next page: the same
     /// cursor, or a new one each time when `fresh_cursors`.
     fn endless_pages(fresh_cursors: bool) -> Endpoint {
+        pages_of(fresh_cursors, 0)
+    }
+
+    /// As [`endless_pages`], each tool's description `description_bytes` long.
+    fn pages_of(fresh_cursors: bool, description_bytes: usize) -> Endpoint {
         let script = r#"
 import json, sys
 page = 0
@@ -1150,13 +1184,15 @@ for line in sys.stdin:
              "serverInfo": {"name": "endless", "version": "1"}}
     elif m["method"] == "tools/list":
         page += 1
-        r = {"tools": [{"name": "t%d" % page, "inputSchema": {"type": "object"}}],
+        r = {"tools": [{"name": "t%d" % page, "description": "x" * FILLER,
+                        "inputSchema": {"type": "object"}}],
              "nextCursor": ("c%d" % page) if FRESH else "again"}
     else:
         r = {}
     print(json.dumps({"jsonrpc": "2.0", "id": m["id"], "result": r}), flush=True)
 "#
-        .replace("FRESH", if fresh_cursors { "True" } else { "False" });
+        .replace("FRESH", if fresh_cursors { "True" } else { "False" })
+        .replace("FILLER", &description_bytes.to_string());
         Endpoint::Stdio {
             command: "python3".to_owned(),
             args: vec!["-c".to_owned(), script],
@@ -1228,6 +1264,24 @@ for line in sys.stdin:
             panic!("a list without end was read to its end")
         };
         assert!(endless.contains("more than 100 pages"), "{endless}");
+    }
+
+    /// A list whose pages each are within a message's bound but whose whole is not (here a
+    /// tool of 1 MiB a page) is given up on past [`MOST_TOOL_LIST_BYTES`]: pages and tools alone
+    /// let it reach 100 pages of 16 MiB, held for the session.
+    #[tokio::test]
+    async fn a_tool_list_past_its_bytes_is_given_up_on() {
+        let pool = McpPool::new().trusting(StdioTrust::any());
+        let long = pool
+            .arguments(&pages_of(true, 1024 * 1024), "t1", Duration::from_secs(60))
+            .await;
+        let Err(long) = long else {
+            panic!("a list of 100 MiB was read to its end")
+        };
+        assert!(
+            long.contains(&format!("tools of more than {MOST_TOOL_LIST_BYTES} bytes")),
+            "{long}"
+        );
     }
 
     #[cfg(unix)]
