@@ -515,7 +515,7 @@ impl LlmClient {
             ..
         } = error
         {
-            return (*after).min(self.config.max_backoff);
+            return when_asked(*after, self.config.max_backoff);
         }
         let ceiling = self
             .config
@@ -1051,6 +1051,15 @@ fn record_call(model: &str, result: &Result<Completion, LlmError>) {
 /// Metric of LLM calls that failed after their retries, by model.
 pub const LLM_LATENCY_ERRORS: &str = "agent_llm_call_errors_total";
 
+/// The wait before trying again that a server's `Retry-After` of `after` asks for (at most
+/// `most`), with up to a quarter more at random: every caller a busy server answered in the same
+/// second otherwise came back to it in the same instant, the burst it shed.
+fn when_asked(after: Duration, most: Duration) -> Duration {
+    let after = after.min(most);
+    let spread = after.mul_f64(rand::thread_rng().gen_range(0.0..=0.25));
+    (after + spread).min(most.max(after))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1099,6 +1108,23 @@ mod tests {
         assert_eq!(calls[0].function.arguments, "{\"a\":1}");
         assert_eq!(calls[0].kind, "function");
         assert_eq!(calls[1].function.arguments, "");
+    }
+
+    /// A server's `Retry-After` is waited for in full, never past the most allowed, and spread:
+    /// callers told the same do not come back together.
+    #[test]
+    fn a_retry_after_is_waited_for_and_spread() {
+        let (after, most) = (Duration::from_secs(2), Duration::from_secs(10));
+        let waits: std::collections::BTreeSet<Duration> =
+            (0..50).map(|_| when_asked(after, most)).collect();
+        assert!(waits.len() > 10, "{waits:?}");
+        assert!(
+            waits
+                .iter()
+                .all(|w| *w >= after && *w <= after.mul_f64(1.25)),
+            "{waits:?}"
+        );
+        assert!((0..50).all(|_| when_asked(Duration::from_secs(60), most) == most));
     }
 
     #[test]

@@ -152,6 +152,17 @@ const QUEUE_PAUSE: Duration = Duration::from_millis(500);
 /// The shortest and longest pause between tries of a parked step.
 const PARK_PAUSE: (Duration, Duration) = (Duration::from_secs(1), Duration::from_secs(30));
 
+/// How long a parked step waits before it is tried again: the provider's `Retry-After` or the
+/// growing pause, within [`PARK_PAUSE`], and up to a quarter more at random. Every step one outage
+/// parked (on every replica) otherwise asked the provider again in the same instant it came back,
+/// and again together at each pause after, as one burst.
+fn park_wait(retry_after: Option<Duration>, pause: Duration) -> Duration {
+    let wait = retry_after
+        .unwrap_or(pause)
+        .clamp(PARK_PAUSE.0, PARK_PAUSE.1);
+    wait + wait.mul_f64(rand::random::<f64>() * 0.25)
+}
+
 /// Why a step could not complete. Its kind decides what becomes of the message, in one place
 /// ([`Engine::handle`]): an outage is waited out, a fault ends the dialog with an error.
 #[derive(Debug, thiserror::Error)]
@@ -490,10 +501,7 @@ impl Engine {
                 }
             };
             let since = *outage.get_or_insert_with(std::time::Instant::now);
-            let wait = park
-                .retry_after
-                .unwrap_or(pause)
-                .clamp(PARK_PAUSE.0, PARK_PAUSE.1);
+            let wait = park_wait(park.retry_after, pause);
             pause = (pause * 2).min(PARK_PAUSE.1);
             events::StepParked {
                 cause: &park.cause,
@@ -762,6 +770,24 @@ impl AnswersWaiting {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A parked step waits at least what the provider asked (within the bounds), and steps
+    /// parked together are spread over the next quarter of it rather than woken as one.
+    #[test]
+    fn parked_steps_wait_what_was_asked_and_are_spread() {
+        let asked = Duration::from_secs(4);
+        let waits: std::collections::BTreeSet<Duration> = (0..50)
+            .map(|_| park_wait(Some(asked), PARK_PAUSE.0))
+            .collect();
+        assert!(waits.len() > 10, "{waits:?}");
+        assert!(waits
+            .iter()
+            .all(|w| *w >= asked && *w <= asked.mul_f64(1.25)));
+        let first = park_wait(None, Duration::ZERO);
+        assert!(first >= PARK_PAUSE.0 && first <= PARK_PAUSE.0.mul_f64(1.25));
+        let longest = park_wait(Some(Duration::from_secs(3600)), PARK_PAUSE.0);
+        assert!(longest >= PARK_PAUSE.1 && longest <= PARK_PAUSE.1.mul_f64(1.25));
+    }
 
     #[test]
     fn an_outage_is_waited_out_while_its_window_is_open_and_a_fault_ends_the_dialog() {
