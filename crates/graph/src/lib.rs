@@ -385,7 +385,7 @@ impl GraphStore {
                 let remote = remote.clone();
                 let asked = tokio::spawn(async move {
                     let _held_until_the_server_answers = held;
-                    remote.query_within(&sparql, budget).await
+                    remote.query_within(&sparql, budget, bounds.max_rows).await
                 });
                 let answer = tokio::time::timeout(bounds.timeout, asked)
                     .await
@@ -393,14 +393,6 @@ impl GraphStore {
                     .map_err(|e| {
                         GraphError::Transport(format!("the query's task failed: {e}"))
                     })??;
-                let rows = match &answer {
-                    QueryAnswer::Rows(r) => r.rows.len(),
-                    QueryAnswer::Graph(t) => t.len(),
-                    QueryAnswer::Boolean(_) => 0,
-                };
-                if rows > bounds.max_rows {
-                    return Err(GraphError::TooManyRows(bounds.max_rows));
-                }
                 Ok(answer)
             }
         }
@@ -915,7 +907,7 @@ pub(crate) fn collect(results: QueryResults<'_>) -> Result<QueryAnswer, GraphErr
 /// As [`collect`], refusing a result of more than `max_rows` rows or triples; `budget`: the
 /// evaluation's token, whose budget the answer's terms are spent from as they are copied out (a
 /// binding a term and one per 16 bytes of it: each row owns its copy of a long literal).
-fn collect_at_most(
+pub(crate) fn collect_at_most(
     results: QueryResults<'_>,
     max_rows: usize,
     budget: Option<&oxigraph::sparql::CancellationToken>,

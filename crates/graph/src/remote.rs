@@ -13,7 +13,7 @@ use crate::journal::{
     TakingRef, TakingRefs, MAX_BATCH,
 };
 use crate::turns::{Turn, TurnAsked};
-use crate::{collect, GraphError, QueryAnswer};
+use crate::{collect_at_most, GraphError, QueryAnswer};
 
 /// A remote SPARQL endpoint.
 pub struct RemoteSparql {
@@ -96,7 +96,7 @@ impl Endpoint {
         }
     }
 
-    async fn call<T: serde::Serialize>(&self, path: &str, body: &T) -> Result<Body, GraphError> {
+    async fn call<T: serde::Serialize>(&self, path: &str, body: &T) -> Result<Vec<u8>, GraphError> {
         let payload = serde_json::to_vec(body).map_err(|e| GraphError::Malformed(e.to_string()))?;
         let request = self
             .post(path)
@@ -116,7 +116,7 @@ impl Endpoint {
         body: &T,
     ) -> Result<A, GraphError> {
         let body = self.call(path, body).await?;
-        serde_json::from_slice(&body.bytes).map_err(|e| GraphError::Malformed(e.to_string()))
+        serde_json::from_slice(&body).map_err(|e| GraphError::Malformed(e.to_string()))
     }
 
     async fn update(&self, sparql: String) -> Result<(), GraphError> {
@@ -272,7 +272,7 @@ impl RemoteSparql {
         &self.api.base
     }
 
-    async fn send(request: reqwest::RequestBuilder) -> Result<Body, GraphError> {
+    async fn send(request: reqwest::RequestBuilder) -> Result<Vec<u8>, GraphError> {
         Self::send_at_most(request, usize::MAX).await
     }
 
@@ -280,18 +280,8 @@ impl RemoteSparql {
     async fn send_at_most(
         request: reqwest::RequestBuilder,
         most: usize,
-    ) -> Result<Body, GraphError> {
-        let mut response = request.send().await.map_err(|e| {
-            note_refusal(&e);
-            GraphError::Transport(e.to_string())
-        })?;
-        let status = response.status();
-        let content_type = response
-            .headers()
-            .get(reqwest::header::CONTENT_TYPE)
-            .and_then(|v| v.to_str().ok())
-            .unwrap_or_default()
-            .to_owned();
+    ) -> Result<Vec<u8>, GraphError> {
+        let mut response = Self::open(request).await?;
         let mut body = Vec::new();
         while let Some(chunk) = response
             .chunk()
@@ -303,29 +293,47 @@ impl RemoteSparql {
             }
             body.extend_from_slice(&chunk);
         }
-        if !status.is_success() {
-            return Err(GraphError::Http {
-                status: status.as_u16(),
-                body: String::from_utf8_lossy(&body).chars().take(500).collect(),
-            });
+        Ok(body)
+    }
+
+    /// Sends `request`: its response once its status says it succeeded, or the failure with the
+    /// start of what the server said (read no further than [`MOST_ERROR_BYTES`]).
+    async fn open(request: reqwest::RequestBuilder) -> Result<reqwest::Response, GraphError> {
+        let mut response = request.send().await.map_err(|e| {
+            note_refusal(&e);
+            GraphError::Transport(e.to_string())
+        })?;
+        let status = response.status();
+        if status.is_success() {
+            return Ok(response);
         }
-        Ok(Body {
-            content_type,
-            bytes: body,
+        let mut said = Vec::new();
+        while said.len() < MOST_ERROR_BYTES {
+            match response.chunk().await {
+                Ok(Some(chunk)) => said.extend_from_slice(&chunk),
+                Ok(None) | Err(_) => break,
+            }
+        }
+        Err(GraphError::Http {
+            status: status.as_u16(),
+            body: String::from_utf8_lossy(&said).chars().take(500).collect(),
         })
     }
 
     pub async fn query(&self, sparql: &str) -> Result<QueryAnswer, GraphError> {
-        self.query_within(sparql, None).await
+        self.query_within(sparql, None, usize::MAX).await
     }
 
     /// [`Self::query`]; with `budget`, the server (an aggregator) is asked to hold the query to
     /// that many bindings ([`crate::BINDINGS_HEADER`]; a SPARQL server ignores it), and an answer
-    /// longer than [`MOST_BOUNDED_ANSWER_BYTES`] is refused as it arrives rather than held.
+    /// longer than [`MOST_BOUNDED_ANSWER_BYTES`] is refused as it arrives rather than held. The
+    /// answer is parsed as it arrives, and refused at its row past `max_rows`: a SPARQL server,
+    /// which no budget holds, may send millions of rows to a short query.
     pub async fn query_within(
         &self,
         sparql: &str,
         budget: Option<u64>,
+        max_rows: usize,
     ) -> Result<QueryAnswer, GraphError> {
         let mut request = self
             .api
@@ -341,20 +349,7 @@ impl RemoteSparql {
             request = request.header(crate::BINDINGS_HEADER, budget.to_string());
             most = MOST_BOUNDED_ANSWER_BYTES;
         }
-        let body = Self::send_at_most(request, most).await?;
-        if body.content_type.starts_with("application/n-triples") {
-            let parser = oxigraph::io::RdfParser::from_format(oxigraph::io::RdfFormat::NTriples);
-            let triples = parser
-                .for_slice(&body.bytes)
-                .map(|q| q.map(oxigraph::model::Triple::from))
-                .collect::<Result<Vec<_>, _>>()
-                .map_err(|e| GraphError::Malformed(e.to_string()))?;
-            return Ok(QueryAnswer::Graph(triples));
-        }
-        let parsed = QueryResultsParser::from_format(QueryResultsFormat::Json)
-            .for_slice(&body.bytes)
-            .map_err(|e| GraphError::Malformed(e.to_string()))?;
-        collect(parsed.into())
+        parsed_as_it_arrives(Self::open(request).await?, most, max_rows).await
     }
 
     pub async fn update(&self, sparql: &str) -> Result<(), GraphError> {
@@ -492,10 +487,110 @@ impl RemoteSparql {
     }
 }
 
-/// A successful response.
-struct Body {
-    content_type: String,
-    bytes: Vec<u8>,
+/// The most of a failed request's answer read for its error's text.
+const MOST_ERROR_BYTES: usize = 64 * 1024;
+
+fn content_type(response: &reqwest::Response) -> String {
+    response
+        .headers()
+        .get(reqwest::header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or_default()
+        .to_owned()
+}
+
+/// A query's answer parsed as it arrives (on the blocking pool: parsing a long answer held a
+/// runtime worker for seconds), refused past `most` bytes or `max_rows` rows. Past them the
+/// response is dropped, and with it the connection, so the server stops sending. The whole body
+/// was read (up to 256 MiB) and every row of it parsed before either bound was looked at.
+async fn parsed_as_it_arrives(
+    mut response: reqwest::Response,
+    most: usize,
+    max_rows: usize,
+) -> Result<QueryAnswer, GraphError> {
+    let triples = content_type(&response).starts_with("application/n-triples");
+    // A few chunks ahead of the parser at most.
+    let (chunks, arriving) = tokio::sync::mpsc::channel::<bytes::Bytes>(4);
+    let parsing = tokio::task::spawn_blocking(move || {
+        parse_answer(
+            ArrivingChunks {
+                arriving,
+                current: bytes::Bytes::new(),
+            },
+            triples,
+            max_rows,
+        )
+    });
+    let feeding = async move {
+        let mut taken = 0usize;
+        while let Some(chunk) = response
+            .chunk()
+            .await
+            .map_err(|e| GraphError::Transport(e.to_string()))?
+        {
+            taken = taken.saturating_add(chunk.len());
+            if taken > most {
+                return Err(GraphError::AnswerTooLarge(most));
+            }
+            if chunks.send(chunk).await.is_err() {
+                // The parser has stopped: it has its answer, or its refusal.
+                break;
+            }
+        }
+        Ok(())
+    };
+    let (fed, parsed) = tokio::join!(feeding, parsing);
+    // A parser whose input was cut off fails for that: the cut is the cause.
+    let parsed =
+        parsed.map_err(|e| GraphError::Transport(format!("the answer's parser failed: {e}")))?;
+    match (fed, parsed) {
+        (Err(e), _) => Err(e),
+        (Ok(()), parsed) => parsed,
+    }
+}
+
+/// The chunks of an answer as they arrive, read where blocking is allowed.
+struct ArrivingChunks {
+    arriving: tokio::sync::mpsc::Receiver<bytes::Bytes>,
+    current: bytes::Bytes,
+}
+
+impl std::io::Read for ArrivingChunks {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        while self.current.is_empty() {
+            match self.arriving.blocking_recv() {
+                Some(chunk) => self.current = chunk,
+                None => return Ok(0),
+            }
+        }
+        let n = buf.len().min(self.current.len());
+        buf[..n].copy_from_slice(&self.current.split_to(n));
+        Ok(n)
+    }
+}
+
+/// A query's answer, SPARQL JSON results or N-Triples (`triples`), refused past `max_rows`.
+fn parse_answer(
+    reader: impl std::io::Read + 'static,
+    triples: bool,
+    max_rows: usize,
+) -> Result<QueryAnswer, GraphError> {
+    if triples {
+        let mut graph = Vec::new();
+        let parser = oxigraph::io::RdfParser::from_format(oxigraph::io::RdfFormat::NTriples);
+        for quad in parser.for_reader(reader) {
+            let quad = quad.map_err(|e| GraphError::Malformed(e.to_string()))?;
+            if graph.len() == max_rows {
+                return Err(GraphError::TooManyRows(max_rows));
+            }
+            graph.push(oxigraph::model::Triple::from(quad));
+        }
+        return Ok(QueryAnswer::Graph(graph));
+    }
+    let parsed = QueryResultsParser::from_format(QueryResultsFormat::Json)
+        .for_reader(reader)
+        .map_err(|e| GraphError::Malformed(e.to_string()))?;
+    collect_at_most(parsed.into(), max_rows, None)
 }
 
 /// One `INSERT DATA` update adding `quads`, grouped by graph.
