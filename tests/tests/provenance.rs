@@ -373,7 +373,10 @@ async fn a_triple_that_may_not_be_written_keeps_only_itself_out_of_the_graph() {
 
 /// A replica writes each explainability message through the owner's endpoint as one update: one
 /// of several MB (the broker takes 5 MB by default) reaches the owner's store whole. The owner's
-/// `/update` took at most 2 MB, and the replica could never write such a message.
+/// `/update` took at most 2 MB, and the replica could never write such a message. Its text is
+/// code-like, with brackets and operators in every line (700,000 in all): the owner counted them
+/// inside the literal as levels of nesting and refused the update past 100,000, and the replica
+/// dead-lettered the message (a tool's result, a fan-out, a completion lost).
 #[tokio::test]
 async fn a_replica_writes_a_message_of_several_megabytes_through_its_owner() {
     use agent_schema::{Metadata, Term as WireTerm};
@@ -391,7 +394,7 @@ async fn a_replica_writes_a_message_of_several_megabytes_through_its_owner() {
     );
     let _replica = Aggregator::replica_with(&broker, &owner, TOKEN, &[]);
     // Quotes and line breaks: each escaped in the update, so its text is larger still.
-    let text = "a \"quoted\" line\n".repeat(200_000);
+    let text = "a \"quoted\" line: f(x) - {y} / [z]\n".repeat(100_000);
     assert!(text.len() > 3 * 1024 * 1024, "{}", text.len());
     let message = Triples {
         metadata: Metadata {

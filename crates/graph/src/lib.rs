@@ -870,12 +870,13 @@ fn update_embedded(
     sparql: &str,
     token: &oxigraph::sparql::CancellationToken,
 ) -> Result<(), GraphError> {
-    nesting::with_stack_for(sparql, || {
+    let levels = nesting::update_levels(sparql);
+    nesting::with_stack_for_levels(levels, || {
         let update = spargebra::SparqlParser::new()
             .parse_update(sparql)
             .map_err(|e| GraphError::Syntax(e.to_string()))?;
         let (plan, operands) = planning::plan_update(&update).map_err(GraphError::Syntax)?;
-        let levels = nesting::openers(sparql).saturating_add(operands);
+        let levels = levels.saturating_add(operands);
         nesting::with_stack_for_levels(levels, || {
             let mut evaluator = SparqlEvaluator::new().with_cancellation_token(token.clone());
             if plan == planning::Plan::AsWritten {
