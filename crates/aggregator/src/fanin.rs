@@ -63,12 +63,19 @@ impl Deadlines {
                 .unwrap_or(chrono::DateTime::<chrono::Utc>::MAX_UTC)
         };
         let mut deadline = after(started, timeout);
-        for (level, above) in fanouts_above(correlation_id).into_iter().enumerate() {
+        let above = fanouts_above(correlation_id);
+        // Each level up waits `grace` longer than the one below it, but no more than a share of
+        // the timeout per level: with the default grace (a quarter), a fan-out four levels down
+        // (`max_fanout_depth` 5) was due at the outermost's start, and its subagents were reported
+        // as never answering the moment it began. A share of `1 / (levels + 1)` leaves the
+        // deepest a share of its own, and deeper levels still stop sooner than those above them.
+        let levels = u32::try_from(above.len()).unwrap_or(u32::MAX);
+        let grace = self.grace.min(self.timeout / levels.saturating_add(1));
+        for (level, above) in above.into_iter().enumerate() {
             let Some(start) = starts.get(above) else {
                 continue;
             };
-            // Each level up waits `grace` longer than the one below it.
-            let earlier = span(self.grace.saturating_mul(level as u32 + 1)).min(timeout);
+            let earlier = span(grace.saturating_mul(level as u32 + 1)).min(timeout);
             deadline = deadline.min(after(*start, timeout - earlier));
         }
         deadline
@@ -1059,13 +1066,40 @@ mod tests {
             DEADLINES.deadline("abc-f1-s0-f2", at(1010), &starts),
             at(1310)
         );
-        // A grace longer than the timeout cannot put a deadline before the holder's start.
+        // A grace longer than the timeout cannot put a deadline before the holder's start: one
+        // level down, it takes at most half the timeout.
         let long = Deadlines {
             grace: Duration::from_secs(1000),
             ..DEADLINES
         };
         let starts: HashMap<String, _> = [("abc-f1".to_owned(), at(1000))].into();
-        assert_eq!(long.deadline("abc-f1-s0-f2", at(1010), &starts), at(1000));
+        assert_eq!(long.deadline("abc-f1-s0-f2", at(1010), &starts), at(1150));
+    }
+
+    /// Fan-outs nested as deep as `max_fanout_depth` allows each keep a share of the timeout,
+    /// the deeper due sooner: with the default grace, one four levels down was due at the
+    /// outermost's start (and three down at 75 s of its 300).
+    #[test]
+    fn deeply_nested_fan_outs_each_keep_a_share_of_the_timeout() {
+        let chain = [
+            "abc-f1",
+            "abc-f1-s0-f1",
+            "abc-f1-s0-f1-s0-f1",
+            "abc-f1-s0-f1-s0-f1-s0-f1",
+            "abc-f1-s0-f1-s0-f1-s0-f1-s0-f1",
+        ];
+        let starts: HashMap<String, _> = chain
+            .iter()
+            .enumerate()
+            .map(|(i, cid)| ((*cid).to_owned(), at(1000 + i as i64)))
+            .collect();
+        let due: Vec<i64> = chain
+            .iter()
+            .map(|cid| DEADLINES.deadline(cid, starts[*cid], &starts).timestamp())
+            .collect();
+        // 300 s; then 75 s sooner a level while a quarter is a share of at most 1 / (levels + 1).
+        assert_eq!(due, [1300, 1225, 1150, 1075, 1060]);
+        assert!(due.windows(2).all(|w| w[1] < w[0]), "{due:?}");
     }
 
     #[test]
