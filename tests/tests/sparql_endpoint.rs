@@ -404,6 +404,51 @@ async fn a_strangers_query_through_a_replica_keeps_the_strangers_bounds() {
     }
 }
 
+/// A replica passes its owner's refusal of a write on as the owner said it: an update that does
+/// not parse is the client's 400, not a 500 to try again for ever, and a load the owner cannot
+/// read the same. Both were answered 500.
+#[tokio::test]
+async fn a_replica_passes_its_owners_refusal_of_a_write_on() {
+    let broker = Broker::start().unwrap();
+    let owner = Aggregator::spawn_with(&broker, &["--config-token", TOKEN]);
+    let replica = Aggregator::replica_with(&broker, &owner, TOKEN, &[]);
+    let http = reqwest::Client::new();
+    let write = |path: &str, content_type: &str, body: &str| {
+        http.post(format!("{}{path}", replica.endpoint))
+            .bearer_auth(TOKEN)
+            .header("content-type", content_type)
+            .body(body.to_owned())
+            .send()
+    };
+    let refused = write(
+        "/update",
+        "application/sparql-update",
+        "INSERT DATA { <urn:s> <urn:p> }",
+    )
+    .await
+    .unwrap();
+    assert_eq!(refused.status(), 400, "{:?}", refused.text().await);
+    let refused = write(
+        "/store?graph=urn:g:x",
+        "application/n-triples",
+        "<urn:s> <urn:p> .\n",
+    )
+    .await
+    .unwrap();
+    assert_eq!(refused.status(), 400, "{:?}", refused.text().await);
+    // What the owner takes, the replica writes.
+    let taken = write(
+        "/update",
+        "application/sparql-update",
+        "INSERT DATA { GRAPH <urn:g:x> { <urn:s> <urn:p> \"ok\" } }",
+    )
+    .await
+    .unwrap();
+    assert_eq!(taken.status(), 204);
+    let written = "SELECT ?o WHERE { GRAPH ?g { <urn:s> <urn:p> ?o } }";
+    assert_eq!(count(&owner.store(), written.into()).await, 1);
+}
+
 /// The shipped topology's store (the aggregator's embedded store, `scripts/check-deploy.sh` checks
 /// nothing else is shipped): an update or a load without the services' token, or with another, is
 /// refused and changes nothing; with it, both work.

@@ -217,6 +217,22 @@ async fn token_first(
     next.run(request).await
 }
 
+/// [`error_response`] for a query or write this aggregator forwards to the store it stands in
+/// front of (its owner when a replica, or a SPARQL server): the store's refusal (a 4xx: an update
+/// that does not parse, a load over its limit) or its being busy (503) goes to the client as the
+/// store said it. Only for these: elsewhere (the journal) a 4xx from a SPARQL server would read
+/// as this aggregator's own answer. An update or load was answered 500 for them, and its client
+/// tried a malformed update again for ever, or never split a load the owner found too large.
+fn forwarded_error_response(e: GraphError) -> Response {
+    match e {
+        GraphError::Http { status, body } if matches!(status, 400..=499 | 503) => {
+            let status = StatusCode::from_u16(status).unwrap_or(StatusCode::BAD_GATEWAY);
+            (status, body).into_response()
+        }
+        e => error_response(e),
+    }
+}
+
 fn error_response(e: GraphError) -> Response {
     let status = match &e {
         GraphError::Syntax(_) => StatusCode::BAD_REQUEST,
@@ -350,16 +366,7 @@ async fn run_query(state: &AppState, headers: &HeaderMap, sparql: String) -> Res
                 | GraphError::AnswerTooLarge(_) => crate::metrics::query_refused("too_large"),
                 _ => {}
             }
-            match e {
-                // The store's owner (this one a replica) refused the query, or was busy: its word
-                // goes to the client. Only here: elsewhere (the journal) a 4xx from a SPARQL
-                // server would read as this aggregator's own answer.
-                GraphError::Http { status, body } if matches!(status, 400..=499 | 503) => {
-                    let status = StatusCode::from_u16(status).unwrap_or(StatusCode::BAD_GATEWAY);
-                    (status, body).into_response()
-                }
-                e => error_response(e),
-            }
+            forwarded_error_response(e)
         }
     }
 }
@@ -464,7 +471,7 @@ async fn update(State(state): State<AppState>, headers: HeaderMap, body: Bytes) 
             if let GraphError::TimedOut(_) = &e {
                 crate::metrics::query_refused("update_timeout");
             }
-            error_response(e)
+            forwarded_error_response(e)
         }
     }
 }
@@ -491,7 +498,7 @@ async fn store_post(
         .await
     {
         Ok(()) => StatusCode::NO_CONTENT.into_response(),
-        Err(e) => error_response(e),
+        Err(e) => forwarded_error_response(e),
     }
 }
 
