@@ -18,5 +18,8 @@ async fn main() -> anyhow::Result<()> {
     agent_telemetry::init_telemetry(agent_telemetry::SERVICE_LOG_FILTER, "config-svc");
     let cli = Cli::parse();
     let shutdown = agent_bus::stop_on_signal();
-    config_svc::run(cli.settings, shutdown).await
+    let ran = config_svc::run(cli.settings, shutdown).await;
+    // Its last spans (its drain's) are exported before the process ends.
+    agent_telemetry::flush_spans(std::time::Duration::from_secs(2)).await;
+    ran
 }

@@ -21,6 +21,9 @@ fn main() -> anyhow::Result<()> {
         agent_telemetry::init_telemetry(agent_telemetry::SERVICE_LOG_FILTER, "agent-orchestrator");
         let args = Args::parse();
         let shutdown = agent_bus::stop_on_signal();
-        agent_orchestrator::run(args.settings, shutdown).await
+        let ran = agent_orchestrator::run(args.settings, shutdown).await;
+        // Its last spans (its drain's) are exported before the process ends.
+        agent_telemetry::flush_spans(std::time::Duration::from_secs(2)).await;
+        ran
     })
 }

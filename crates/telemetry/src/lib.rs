@@ -6,6 +6,8 @@ mod grpc;
 pub mod otlp;
 pub mod trace;
 
+pub use trace::flush_spans;
+
 /// The filter when `RUST_LOG` is unset: our info, without the crate's retry chatter.
 pub const SERVICE_LOG_FILTER: &str = "info,pulsar::retry_op=error";
 

@@ -516,10 +516,14 @@ pub(crate) type Dropped = std::sync::Arc<std::sync::atomic::AtomicU64>;
 /// logged at warning level the first time and then at each power of two of the batches lost in a
 /// row, so a collector that refuses us (a wrong key, a gRPC port) is seen in the service's log
 /// without flooding it; spans dropped because the queue was full are said the same way.
+/// A request to export every span queued so far at once; answered once that export is done.
+pub(crate) type Flush = tokio::sync::oneshot::Sender<()>;
+
 pub(crate) async fn export(
     settings: ExportSettings,
     mut finished: mpsc::Receiver<Finished>,
     dropped: Dropped,
+    mut flushes: mpsc::Receiver<Flush>,
 ) {
     let transport = match settings.protocol {
         Protocol::Grpc => crate::grpc::Channel::new(&settings).map(Transport::Grpc),
@@ -535,6 +539,7 @@ pub(crate) async fn export(
     let mut batch = Vec::new();
     let mut failed_in_a_row = 0u64;
     let mut dropped_said = 0u64;
+    let mut flushed: Vec<Flush> = Vec::new();
     loop {
         let deadline = tokio::time::sleep(Duration::from_millis(500));
         tokio::pin!(deadline);
@@ -547,6 +552,13 @@ pub(crate) async fn export(
                     }
                     None => break false,
                 },
+                Some(flush) = flushes.recv() => {
+                    while let Ok(span) = finished.try_recv() {
+                        batch.push(span);
+                    }
+                    flushed.push(flush);
+                    break true;
+                }
                 _ = &mut deadline => break true,
             }
         };
@@ -574,6 +586,10 @@ pub(crate) async fn export(
                     }
                 }
             }
+        }
+        for flush in flushed.drain(..) {
+            // One who stopped waiting no longer wants the word.
+            let _ = flush.send(());
         }
         let dropped_now = dropped.load(std::sync::atomic::Ordering::Relaxed);
         if dropped_now > dropped_said
@@ -999,6 +1015,51 @@ mod tests {
             1,
             "a refusal is not sent again"
         );
+    }
+
+    /// A flush exports what is queued at once, and says so when the collector has it: a service
+    /// stopping flushes its last spans, which waited for the next half-second tick and were lost
+    /// with the process.
+    #[tokio::test]
+    async fn a_flush_exports_the_queued_spans_at_once() {
+        let (url, served) = collector(vec!["HTTP/1.1 200 OK"]).await;
+        let (spans, finished) = mpsc::channel(16);
+        let (flush, flushes) = mpsc::channel(1);
+        let exporter = tokio::spawn(export(
+            to(&url, Duration::from_secs(20)),
+            finished,
+            Dropped::default(),
+            flushes,
+        ));
+        let start = SystemTime::now();
+        // Past the first tick, so that only the flush sends it before the next.
+        tokio::time::sleep(Duration::from_millis(600)).await;
+        spans
+            .send(Finished {
+                name: "the-last-span",
+                ids: crate::trace::SpanIds {
+                    trace_id: 1,
+                    span_id: 2,
+                },
+                parent: None,
+                start,
+                end: start,
+                attributes: Vec::new(),
+            })
+            .await
+            .unwrap();
+        let (done, exported) = tokio::sync::oneshot::channel();
+        flush.send(done).await.unwrap();
+        tokio::time::timeout(Duration::from_millis(400), exported)
+            .await
+            .expect("the flush waited for the tick")
+            .unwrap();
+        let requests = tokio::time::timeout(Duration::from_millis(100), served)
+            .await
+            .expect("the collector did not have it when the flush said so")
+            .unwrap();
+        assert!(requests[0].contains("the-last-span"), "{requests:?}");
+        exporter.abort();
     }
 
     #[tokio::test]

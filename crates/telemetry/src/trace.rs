@@ -205,13 +205,35 @@ pub fn otlp_layer(
 ) {
     let (tx, rx) = mpsc::channel(8192);
     let dropped = crate::otlp::Dropped::default();
+    let (flush, flushes) = mpsc::channel(4);
+    // The first exporter only: a process sets its subscriber once.
+    let _ = FLUSH.set(flush);
     (
         OtlpLayer {
             finished: tx,
             dropped: dropped.clone(),
         },
-        crate::otlp::export(settings, rx, dropped),
+        crate::otlp::export(settings, rx, dropped, flushes),
     )
+}
+
+/// Where [`flush_spans`] asks the exporter to export at once.
+static FLUSH: std::sync::OnceLock<mpsc::Sender<crate::otlp::Flush>> = std::sync::OnceLock::new();
+
+/// Exports the spans finished so far at once and waits (at most `within`) until the collector has
+/// them; nothing when spans are not exported. A service calls it as it stops: its last spans
+/// (those of its drain, say) waited for the exporter's next tick and were lost with the process.
+pub async fn flush_spans(within: std::time::Duration) {
+    let Some(flush) = FLUSH.get() else {
+        return;
+    };
+    let (done, exported) = tokio::sync::oneshot::channel();
+    let asked = async {
+        if flush.send(done).await.is_ok() {
+            let _ = exported.await;
+        }
+    };
+    let _ = tokio::time::timeout(within, asked).await;
 }
 
 #[cfg(test)]
