@@ -123,16 +123,20 @@ impl ConfigStore {
     // apart, a write between them paired old values with the new version, and a client that
     // skips pushes of a version it has seen (TrustGraph's do) never applied that write.
 
-    /// The value of each `(type, key)` of `workspace` that exists, in the order asked, with the
-    /// store's version.
+    /// The value of each `(type, key)` of `workspace` that exists, in the order asked (once
+    /// however often asked), with the store's version. Each key asked again was copied again: one
+    /// anonymous request naming a 20 KB value 130,000 times made the service copy 2.6 GB, under
+    /// the lock every other read waits on. Once each, an answer is at most the store.
     pub fn get(
         &self,
         workspace: &str,
         keys: &[(String, String)],
     ) -> Result<(u64, Vec<Entry>), StoreError> {
+        let mut asked = std::collections::HashSet::new();
+        let keys: Vec<&(String, String)> = keys.iter().filter(|k| asked.insert(*k)).collect();
         let state = self.lock()?;
         let found = keys
-            .iter()
+            .into_iter()
             .filter_map(|(kind, key)| {
                 let value = state.of(workspace)?.get(kind)?.get(key)?;
                 Some((kind.clone(), key.clone(), value.clone()))
@@ -352,6 +356,34 @@ mod tests {
 
     fn entry(kind: &str, key: &str, value: &str) -> (String, String, String) {
         (kind.into(), key.into(), value.into())
+    }
+
+    #[test]
+    fn a_key_asked_many_times_is_answered_once() {
+        let dir = temp_dir();
+        let store = ConfigStore::open(&dir).unwrap();
+        store
+            .put(
+                WS,
+                &[entry(
+                    "flow-class",
+                    "big",
+                    &format!("\"{}\"", "v".repeat(20_000)),
+                )],
+            )
+            .unwrap();
+        let big = ("flow-class".to_owned(), "big".to_owned());
+        let missing = ("flow-class".to_owned(), "none".to_owned());
+        let mut asked = vec![big.clone(); 100_000];
+        asked.insert(1, missing);
+        asked.push(("tool".to_owned(), "absent".to_owned()));
+        let (_, found) = store.get(WS, &asked).unwrap();
+        assert_eq!(found.len(), 1);
+        assert_eq!(
+            (found[0].0.as_str(), found[0].1.as_str()),
+            ("flow-class", "big")
+        );
+        let _ = std::fs::remove_dir_all(dir);
     }
 
     #[test]
