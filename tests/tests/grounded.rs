@@ -276,3 +276,83 @@ async fn native_tool_calls_run_the_tool_and_answer_from_its_result() {
         "{observed}"
     );
 }
+
+/// A reasoning model (DeepSeek-R1's distillations, Qwen3) writes its reasoning in a `<think>`
+/// block and often rehearses the protocol there: a `Final Answer:` or an `Observation:` in it is
+/// thinking, and the action after the block runs. Read as decisions, the rehearsed answer ended
+/// the dialog and the tool never ran. Served with the opening in the prompt (R1's template), only
+/// the close is written. The block is never part of the answer.
+#[tokio::test]
+async fn a_reasoning_models_rehearsal_in_its_think_block_decides_nothing() {
+    let rehearsing = format!(
+        "<think>\nI could answer directly.\nFinal Answer: 111110\nObservation: 111110\nBetter to use the tool.\n</think>\n\n{RUNS_ON_PAST_ITS_ACTION}"
+    );
+    let opening_in_prompt =
+        format!("Let me think.\nFinal Answer: 111110\n</think>\n\n{RUNS_ON_PAST_ITS_ACTION}");
+    let script = serde_json::json!({"rules": [
+        {"match": format!("Observation: {SUM}"),
+         "reply": format!("<think>\nThe tool said so.\nFinal Answer: 7\n</think>\n\nThought: The tool gave the sum.\nFinal Answer: {GROUNDED_ANSWER}"), "chunk_size": 5},
+        {"match": format!("Question: {QUESTION} (prompted)"), "reply": opening_in_prompt, "chunk_size": 5},
+        {"match": format!("Question: {QUESTION}"), "reply": rehearsing, "chunk_size": 5}
+    ]});
+    let llm = scripted_llm(&script.to_string()).await;
+    let broker = Broker::start().unwrap();
+    let config = config("grounded-think", "{}");
+    let _orchestrator = Orchestrator::spawn(&broker, &llm, &config, &[]);
+    let mut client = client(&broker).await;
+    for (id, question, streaming) in [
+        ("t-whole", QUESTION.to_owned(), false),
+        ("t-streamed", QUESTION.to_owned(), true),
+        ("t-prompted", format!("{QUESTION} (prompted)"), false),
+    ] {
+        let responses = ask_grounded(&mut client, id, &react_request(&question, streaming)).await;
+        let triples = explained(&responses);
+        let iteration = format!("{}/i1", session_of(&responses));
+        assert_eq!(values(&triples, &iteration, tg::ACTION), ["add"], "{id}");
+        assert!(
+            !responses.iter().any(|r| r.content.contains("think>")),
+            "{id}: {responses:#?}"
+        );
+    }
+}
+
+/// A native model's plain answer that holds lines the text protocol would read as markers (a
+/// manifest's `args:`, a report's `Observation:`), after a `<think>` block, is its answer, without
+/// the block, in one iteration. Refused as a malformed protocol reply, it was asked again to the
+/// end of its iterations and the dialog ended with an error.
+#[tokio::test]
+async fn a_native_models_plain_answer_with_marker_like_lines_is_its_answer() {
+    let manifest = "containers:\n  - name: web\n    image: nginx\n    args: [\"--port\", \"80\"]\nObservation: the port is 80.";
+    let script = serde_json::json!({"rules": [
+        {"match": "Question: Write the manifest",
+         "reply": format!("<think>\nA short manifest will do.\n</think>\n\n{manifest}"), "chunk_size": 7}
+    ]});
+    let llm = scripted_llm(&script.to_string()).await;
+    let broker = Broker::start().unwrap();
+    let config = config(
+        "grounded-native-prose",
+        r#"{"default": {"tool-calling": "native", "json-mode": true}}"#,
+    );
+    let _orchestrator = Orchestrator::spawn(&broker, &llm, &config, &[]);
+    let mut client = client(&broker).await;
+    for (id, streaming) in [("m-whole", false), ("m-streamed", true)] {
+        client
+            .send(id, &react_request("Write the manifest", streaming))
+            .await
+            .unwrap();
+        let responses = collect_dialog(&mut client, id, DIALOG_TIMEOUT)
+            .await
+            .unwrap();
+        let last = responses.last().unwrap();
+        assert!(
+            last.end_of_dialog && last.error.is_none(),
+            "{id}: {responses:#?}"
+        );
+        assert_eq!(
+            text_of(&responses, "answer"),
+            manifest,
+            "{id}: {responses:#?}"
+        );
+    }
+    assert_eq!(llm.calls().len(), 2, "one call a dialog");
+}

@@ -130,7 +130,18 @@ struct Segment {
 fn segments(text: &str, complete: bool) -> Vec<Segment> {
     let mut out: Vec<Segment> = Vec::new();
     let mut at = 0;
-    for line in text.split_inclusive('\n') {
+    if let Some(block) = think_block(text, complete) {
+        if !block.inner.is_empty() {
+            out.push(Segment {
+                section: Section::Thought,
+                content: block.inner,
+            });
+        }
+        at = block.end;
+    }
+    // The think block's segment ends at its close: what follows is a segment of its own.
+    let after_think = out.len();
+    for line in text[at..].split_inclusive('\n') {
         let start = at;
         at += line.len();
         let in_answer = out.last().is_some_and(|s| s.section == Section::Answer);
@@ -147,15 +158,113 @@ fn segments(text: &str, complete: bool) -> Vec<Segment> {
                 break;
             }
         }
+        let extends = out.len() > after_think;
         match out.last_mut() {
-            Some(segment) => segment.content.end = at,
-            None => out.push(Segment {
+            Some(segment) if extends => segment.content.end = at,
+            _ => out.push(Segment {
                 section: Section::Thought,
                 content: start..at,
             }),
         }
     }
     out
+}
+
+/// A reasoning model's `<think>` block at the start of a response: its text, and where what
+/// follows it begins.
+struct ThinkBlock {
+    inner: Range<usize>,
+    end: usize,
+}
+
+const THINK_OPEN: &str = "<think>";
+const THINK_CLOSE: &str = "</think>";
+
+/// The `<think>` block a response starts with, if it does. Reasoning models (DeepSeek-R1 and its
+/// small distillations, Qwen3) served with the block in the message's content rehearse the
+/// protocol in it: a `Final Answer:` or `Observation:` line there is thinking, not a decision, and
+/// read as one it ended the turn before the tool the model then called ran. Served with the
+/// opening in the prompt (R1's chat template), only the close is written, at the start of a line
+/// (and taken as one only when a decision follows it).
+/// While streaming, a block not closed yet runs to the text's end, less what may be its close.
+fn think_block(text: &str, complete: bool) -> Option<ThinkBlock> {
+    think_block_before(text, complete, true)
+}
+
+/// `text` without the `<think>` block it starts with (see [`think_block`]), for a reply given
+/// whole as an answer (a synthesis, a plan's answer, a native model's text): the client was given
+/// the model's reasoning, tags and all, as the answer. Here a close at a line's start ends the
+/// block whatever follows it, as an answer has no decision to follow it.
+///
+/// ```
+/// use agent_core::react::without_think;
+/// assert_eq!(without_think("<think>\nhm\n</think>\n\n42"), "42");
+/// assert_eq!(without_think("hm, so\n</think>\n42"), "42");
+/// assert_eq!(without_think("42, as <think> says"), "42, as <think> says");
+/// ```
+pub fn without_think(text: &str) -> &str {
+    match think_block_before(text, true, false) {
+        Some(block) => text[block.end..].trim_start(),
+        None => text,
+    }
+}
+
+/// [`think_block`]; with `decision_after`, a close written without its opening counts only when
+/// a decision follows it.
+fn think_block_before(text: &str, complete: bool, decision_after: bool) -> Option<ThinkBlock> {
+    let lead = text.len() - text.trim_start().len();
+    let start = &text[lead..];
+    if !complete && !start.is_empty() && THINK_OPEN.starts_with(start) {
+        // Perhaps an opening still being written: nothing is read yet.
+        return Some(ThinkBlock {
+            inner: lead..lead,
+            end: text.len(),
+        });
+    }
+    if start.starts_with(THINK_OPEN) {
+        let from = lead + THINK_OPEN.len();
+        return Some(match text[from..].find(THINK_CLOSE) {
+            Some(close) => ThinkBlock {
+                inner: from..from + close,
+                end: from + close + THINK_CLOSE.len(),
+            },
+            None => {
+                let mut until = text.len();
+                if !complete {
+                    // What may yet become the close is not thought.
+                    let tail = (1..THINK_CLOSE.len())
+                        .rev()
+                        .find(|n| text[from..].ends_with(&THINK_CLOSE[..*n]))
+                        .unwrap_or(0);
+                    until -= tail;
+                }
+                ThinkBlock {
+                    inner: from..until.max(from),
+                    end: text.len(),
+                }
+            }
+        });
+    }
+    let mut at = 0;
+    for line in text.split_inclusive('\n') {
+        let body = line.trim_start();
+        if body.starts_with(THINK_CLOSE) {
+            let close = at + (line.len() - body.len());
+            let end = close + THINK_CLOSE.len();
+            // Only with a decision after it: a line of an answer that starts with the tag does
+            // not make the answer thinking.
+            let decided_after = !decision_after
+                || text[end..]
+                    .split_inclusive('\n')
+                    .any(|line| marker(line).is_some_and(|(s, _)| s != Section::Thought));
+            return decided_after.then_some(ThinkBlock {
+                inner: 0..close,
+                end,
+            });
+        }
+        at += line.len();
+    }
+    None
 }
 
 /// How a response reads under the first-decision rule.
@@ -604,6 +713,8 @@ mod tests {
             "Observation: 42\nThought: echoed\nFinal Answer: 42 it is",
             "Thought: first\nsecond line\nAction: No\nArgs: {}",
             "Final Answer: é😀 at once",
+            "<think>\nI could answer.\nFinal Answer: 111110\nBetter check.\n</think>\nThought: check\nAction: add\nArgs: {\"a\": 1}",
+            "  <think>plan it</think>\n\nFinal Answer: done",
         ];
         for text in texts {
             let whole = {
@@ -627,6 +738,46 @@ mod tests {
                 );
             }
         }
+    }
+
+    /// What a reasoning model writes in its `<think>` block is thinking: a rehearsed `Final
+    /// Answer:` or `Observation:` there decides nothing, and the decision after the block stands.
+    /// Read as one, the rehearsed answer ended the dialog and the tool the model called never ran.
+    #[test]
+    fn a_think_block_is_thought_whatever_it_rehearses() {
+        let rehearsed = "<think>\nI could answer directly.\nFinal Answer: 111110\nObservation: 111110\nBetter verify.\n</think>\nThought: verify\nAction: add\nArgs: {\"a\": 98765, \"b\": 12345}";
+        let Ok(ReactTurn::Action {
+            thought,
+            action,
+            arguments,
+            ..
+        }) = parse(rehearsed)
+        else {
+            panic!("{:?}", parse(rehearsed))
+        };
+        assert_eq!((action.as_str(), arguments["a"].as_str()), ("add", "98765"));
+        assert!(
+            thought.contains("Better verify.") && thought.ends_with("verify"),
+            "{thought}"
+        );
+        assert!(!thought.contains("think>"), "{thought}");
+        // Served with the opening in the prompt, only the close is written.
+        let closed_only = "I could answer.\nFinal Answer: 1\n</think>\n\nAction: add\nArgs: {}";
+        assert!(matches!(parse(closed_only), Ok(ReactTurn::Action { .. })));
+        assert!(matches!(
+            parse("<think>\nFinal Answer: 2\n</think>\nFinal Answer: 3"),
+            Ok(ReactTurn::Final { answer, .. }) if answer == "3"
+        ));
+        // A block never closed (cut off while thinking) decides nothing.
+        assert_eq!(
+            parse("<think>\nFinal Answer: 2"),
+            Err(ReactParseError::NoDecision)
+        );
+        // The tag elsewhere is text like any other.
+        assert!(matches!(
+            parse("Final Answer: close it with </think> as HTML does\n</think> ends it"),
+            Ok(ReactTurn::Final { answer, .. }) if answer.starts_with("close it")
+        ));
     }
 
     /// A model that runs on for megabytes, a few bytes a chunk, is read once: read from its start

@@ -259,14 +259,20 @@ impl Turn<'_> {
 
 /// What an LLM call cost, for provenance.
 /// A reply the dialog is to give as its answer (a synthesis, a reconciliation, a plan's or a
-/// writer's answer or draft), refused when it has no text: a server that answers `content: ""`
+/// writer's answer or draft), without a reasoning model's `<think>` block, and refused when it
+/// has no text: a server that answers `content: ""`
 /// (a content filter, a model that spent its length on reasoning, a stream that ended at once)
 /// gave the client an empty answer, recorded as the dialog's conclusion. Asking again would most
 /// likely give the same, so it ends the dialog as any call that failed does, saying why.
 pub fn answer_text(
     completion: Result<Completion, agent_llm::LlmError>,
 ) -> Result<Completion, agent_llm::LlmError> {
-    let completion = completion?;
+    let mut completion = completion?;
+    // A reasoning model's `<think>` block is not the answer (nor, alone, is it one).
+    let answer = agent_core::react::without_think(&completion.text);
+    if answer.len() != completion.text.len() {
+        completion.text = answer.to_owned();
+    }
     if completion.text.trim().is_empty() {
         return Err(agent_llm::LlmError::NoContent(format!(
             "an empty answer{}",

@@ -391,7 +391,15 @@ fn read_native(completion: &Completion, tools: &[&str]) -> Result<ReactTurn, Str
             }
         }
         Ok(turn) => return Ok(turn),
-        Err(ReactParseError::NoDecision) if !text.is_empty() => {}
+        // No call was made, and nothing before these lines was an action: a native model's plain
+        // answer that holds an `args:` line (a manifest, a docstring) or a report's
+        // `Observation:` line is its answer; refused, the model was asked again and again for a
+        // protocol it was never taught, to the end of its iterations.
+        Err(
+            ReactParseError::NoDecision
+            | ReactParseError::ArgsWithoutAction
+            | ReactParseError::InventedObservation,
+        ) if !agent_core::react::without_think(text).is_empty() => {}
         Err(ReactParseError::NoDecision) => {
             return Err(
                 "Error: your response was empty. Call a tool, or reply with the answer.".to_owned(),
@@ -405,7 +413,7 @@ fn read_native(completion: &Completion, tools: &[&str]) -> Result<ReactTurn, Str
     }
     Ok(ReactTurn::Final {
         thought: String::new(),
-        answer: text.to_owned(),
+        answer: agent_core::react::without_think(text).to_owned(),
     })
 }
 
