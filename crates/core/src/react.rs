@@ -358,12 +358,19 @@ pub fn parse(text: &str) -> Result<ReactTurn, ReactParseError> {
             if action.is_empty() {
                 return Err(ReactParseError::EmptyAction);
             }
+            let under_start = line_start + name_len;
             let (arguments, decided_to) = match segments.get(at + 1) {
                 Some(args) if args.section == Section::Args => {
                     let (arguments, used) = parse_args(&text[args.content.clone()])?;
                     (arguments, args.content.start + used)
                 }
-                _ => (BTreeMap::new(), line_start + name_len),
+                _ => match unlabelled_args(&text[under_start..content.end]) {
+                    Some(from) => {
+                        let (arguments, used) = parse_args(&text[under_start + from..content.end])?;
+                        (arguments, under_start + from + used)
+                    }
+                    None => (BTreeMap::new(), under_start),
+                },
             };
             Ok(ReactTurn::Action {
                 thought,
@@ -373,6 +380,30 @@ pub fn parse(text: &str) -> Result<ReactTurn, ReactParseError> {
             })
         }
     }
+}
+
+/// Where arguments written under an action without the `Args:` label start in `under` (the text
+/// after the action's line, up to the next marker): a JSON object (fenced or not) on the next line,
+/// or one under a label of its own (`Arguments:`, `Input:`, `Parameters:`), as small models write
+/// them. Dropped, the tool ran with none (`{}`), a call other than the one asked for.
+fn unlabelled_args(under: &str) -> Option<usize> {
+    let body = under.trim_start();
+    let from = under.len() - body.len();
+    if body.starts_with('{') || body.starts_with("```") {
+        return Some(from);
+    }
+    let labelled = body.trim_start_matches(is_decoration);
+    ["arguments", "input", "parameters", "params"]
+        .iter()
+        .find_map(|label| {
+            let head = labelled.get(..label.len())?;
+            if !head.eq_ignore_ascii_case(label) {
+                return None;
+            }
+            let rest = labelled[label.len()..].trim_start_matches(is_decoration);
+            rest.strip_prefix(':')
+                .map(|after| under.len() - after.len())
+        })
 }
 
 /// `text` without a leading `Observation:` that only repeats `last_observation` (the real one the
@@ -866,6 +897,46 @@ mod tests {
         };
         assert_eq!(arguments["question"], "x");
         assert_eq!(discarded, "and then I will see\nObservation: made up");
+    }
+
+    /// Arguments written under an action without `Args:` (a JSON object on the next line, fenced
+    /// or not, or under a label of its own) are the call's: dropped, the tool ran with `{}`.
+    /// Arguments that do not read are refused, as under `Args:`.
+    #[test]
+    fn arguments_under_an_action_without_their_label_are_the_calls() {
+        for text in [
+            "Action: list_files\n{\"path\": \"/etc\"}\nObservation: made up",
+            "Action: list_files\nArguments: {\"path\": \"/etc\"}",
+            "Action: list_files\n**Input:** {\"path\": \"/etc\"}",
+            "Action: list_files\n```json\n{\"path\": \"/etc\"}\n```\nFinal Answer: x",
+        ] {
+            let Ok(ReactTurn::Action {
+                action, arguments, ..
+            }) = parse(text)
+            else {
+                panic!("{text:?}: {:?}", parse(text))
+            };
+            assert_eq!(
+                (action.as_str(), arguments.get("path").map(String::as_str)),
+                ("list_files", Some("/etc")),
+                "{text:?}"
+            );
+        }
+        let Ok(ReactTurn::Action { discarded, .. }) =
+            parse("Action: list_files\n{\"path\": \"/etc\"}\nObservation: made up")
+        else {
+            panic!()
+        };
+        assert_eq!(discarded, "Observation: made up");
+        assert!(matches!(
+            parse("Action: list_files\nArguments: the root folder"),
+            Err(ReactParseError::BadArgs(_))
+        ));
+        // Prose under an action is no argument.
+        assert!(matches!(
+            parse("Action: now\nbecause the time matters"),
+            Ok(ReactTurn::Action { arguments, .. }) if arguments.is_empty()
+        ));
     }
 
     /// The completion a real 1.5B model wrote: the action must run, the invented answer must not
