@@ -1051,13 +1051,18 @@ fn record_call(model: &str, result: &Result<Completion, LlmError>) {
 /// Metric of LLM calls that failed after their retries, by model.
 pub const LLM_LATENCY_ERRORS: &str = "agent_llm_call_errors_total";
 
+/// `wait` and up to a quarter more at random: callers told to wait the same (by one busy
+/// server, or parked by one outage) otherwise came back in the same instant, as one burst.
+pub fn spread(wait: Duration) -> Duration {
+    wait + wait.mul_f64(rand::thread_rng().gen_range(0.0..=0.25))
+}
+
 /// The wait before trying again that a server's `Retry-After` of `after` asks for (at most
-/// `most`), with up to a quarter more at random: every caller a busy server answered in the same
-/// second otherwise came back to it in the same instant, the burst it shed.
+/// `most`), [`spread`]: every caller a busy server answered in the same second otherwise came
+/// back to it in the same instant, the burst it shed.
 fn when_asked(after: Duration, most: Duration) -> Duration {
     let after = after.min(most);
-    let spread = after.mul_f64(rand::thread_rng().gen_range(0.0..=0.25));
-    (after + spread).min(most.max(after))
+    spread(after).min(most.max(after))
 }
 
 #[cfg(test)]

@@ -160,7 +160,7 @@ fn park_wait(retry_after: Option<Duration>, pause: Duration) -> Duration {
     let wait = retry_after
         .unwrap_or(pause)
         .clamp(PARK_PAUSE.0, PARK_PAUSE.1);
-    wait + wait.mul_f64(rand::random::<f64>() * 0.25)
+    agent_llm::spread(wait)
 }
 
 /// Why a step could not complete. Its kind decides what becomes of the message, in one place

@@ -360,6 +360,8 @@ fn read_native(completion: &Completion, tools: &[&str]) -> Result<ReactTurn, Str
             discarded,
         });
     }
+    // What the text says besides a reasoning model's `<think>` block: its answer, if it is one.
+    let answer = agent_core::react::without_think(text);
     match parse(text) {
         Ok(ReactTurn::Action {
             thought,
@@ -399,7 +401,7 @@ fn read_native(completion: &Completion, tools: &[&str]) -> Result<ReactTurn, Str
             ReactParseError::NoDecision
             | ReactParseError::ArgsWithoutAction
             | ReactParseError::InventedObservation,
-        ) if !agent_core::react::without_think(text).is_empty() => {}
+        ) if !answer.is_empty() => {}
         Err(ReactParseError::NoDecision) => {
             return Err(
                 "Error: your response was empty. Call a tool, or reply with the answer.".to_owned(),
@@ -413,7 +415,7 @@ fn read_native(completion: &Completion, tools: &[&str]) -> Result<ReactTurn, Str
     }
     Ok(ReactTurn::Final {
         thought: String::new(),
-        answer: agent_core::react::without_think(text).to_owned(),
+        answer: answer.to_owned(),
     })
 }
 
