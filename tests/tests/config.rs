@@ -140,6 +140,66 @@ async fn writes_at_once_are_pushed_in_the_order_of_their_versions() {
     );
 }
 
+/// A write whose client goes away before the answer is still announced: the store keeps it
+/// either way, and TrustGraph's services re-read a type only when a push names it, so a write
+/// saved without its push was never applied there. Both write paths: REST and the gateway's.
+#[tokio::test]
+async fn a_write_whose_client_goes_away_is_still_pushed() {
+    use tokio::io::AsyncWriteExt;
+    const WRITES: usize = 6;
+    let broker = Broker::start().unwrap();
+    let svc = ConfigSvc::start(Place::Child, &broker, Some(&seed_dir()));
+    let http = reqwest::Client::new();
+    let bus = Bus::connect(&broker.url(), None).await.unwrap();
+    let topics = Topics::trustgraph("default", "default");
+    let mut pushes = ConfigPushes::subscribe(&bus, &topics).await.unwrap();
+    let dump = format!("{}/api/v1/config", svc.url);
+    let version = |v: &Value| v["version"].as_u64().unwrap();
+    let before = version(&get_json(&http, &dump).await);
+    let addr = svc.url.trim_start_matches("http://").to_owned();
+    for n in 0..WRITES {
+        let (path, body) = match n % 2 {
+            0 => (format!("/api/v1/config/note/n{n}"), json!({"n": n})),
+            _ => (
+                "/api/v1/config".to_owned(),
+                json!({"operation": "put", "values": [
+                    {"type": "note", "key": format!("n{n}"), "value": format!("{{\"n\":{n}}}")}
+                ]}),
+            ),
+        };
+        let method = if n % 2 == 0 { "PUT" } else { "POST" };
+        let body = body.to_string();
+        let raw = format!(
+            "{method} {path} HTTP/1.1\r\nhost: {addr}\r\nauthorization: Bearer {}\r\n\
+             content-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+            svc.token,
+            body.len()
+        );
+        let mut stream = tokio::net::TcpStream::connect(&addr).await.unwrap();
+        stream.write_all(raw.as_bytes()).await.unwrap();
+        // Gone before any answer.
+        drop(stream);
+    }
+    // The abandoned writes land (or not) in their own time.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let after = version(&get_json(&http, &dump).await);
+    assert!(after > before, "no abandoned write landed: nothing tested");
+    let mut pushed = Vec::new();
+    let deadline = tokio::time::Instant::now() + ANSWER;
+    while pushed.len() < (after - before) as usize {
+        let Ok(push) = tokio::time::timeout_at(deadline, pushes.next()).await else {
+            panic!(
+                "the store went from version {before} to {after}, and only these were pushed: {pushed:?}"
+            );
+        };
+        let push = push.unwrap();
+        if push.changes.contains_key("note") {
+            pushed.push(push.version);
+        }
+    }
+    assert_eq!(pushed, ((before + 1)..=after).collect::<Vec<_>>());
+}
+
 /// The config API answers anyone who reaches it: an MCP server's credentials (`auth-token`, the
 /// values of `env`) are shown only to a reader with the token, over REST and through the gateway
 /// TrustGraph's CLI uses; the orchestrators read them whole over the broker.

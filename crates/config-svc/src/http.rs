@@ -297,12 +297,24 @@ async fn write(
     workspace: String,
     call: impl FnOnce(&ConfigStore, &str) -> Result<Written, StoreError> + Send + 'static,
 ) -> Response {
-    let scope = workspace.clone();
-    let _turn = state.pusher.turn().await;
-    match crate::off_thread(&state.store, move |store| call(store, &scope)).await {
-        Ok(Ok(written)) => {
-            let version = written.version;
-            state.pusher.push(written, &workspace).await;
+    let (store, pusher) = (state.store.clone(), state.pusher.clone());
+    // One task, as in `answer_and_announce`: a client gone before its answer must not leave the
+    // write saved and unannounced.
+    let written = tokio::spawn(async move {
+        let _turn = pusher.turn().await;
+        let scope = workspace.clone();
+        let written = crate::off_thread(&store, move |store| call(store, &scope)).await?;
+        Ok::<_, tokio::task::JoinError>(match written {
+            Ok(written) => {
+                let version = written.version;
+                pusher.push(written, &workspace).await;
+                Ok((version, workspace))
+            }
+            Err(e) => Err(e),
+        })
+    });
+    match written.await.and_then(|written| written) {
+        Ok(Ok((version, workspace))) => {
             // The store takes any JSON (it is TrustGraph's general config store), but whoever
             // changes the agent config should learn at once that orchestrators will refuse it.
             let problems = agent_config_problems(&state.store, &workspace);

@@ -207,18 +207,25 @@ async fn answer_and_tell(
     pusher: &Pusher,
     request: ConfigRequest,
 ) -> Result<(agent_schema::ConfigResponse, bool), tokio::task::JoinError> {
-    let workspace = protocol::workspace_of(&request).to_owned();
-    let _turn = match protocol::writes(&request) {
-        true => Some(pusher.turn().await),
-        false => None,
-    };
-    let (response, written) =
-        off_thread(store, move |store| protocol::handle(store, &request)).await?;
-    let wrote = written.is_some();
-    if let Some(written) = written {
-        pusher.push(written, &workspace).await;
-    }
-    Ok((response, wrote))
+    let (store, pusher) = (store.clone(), pusher.clone());
+    // The write and its push are one task: a caller dropped between them (an HTTP client gone
+    // before its answer) left the write saved and never announced, and TrustGraph's services
+    // re-read a type only when a push names it.
+    tokio::spawn(async move {
+        let workspace = protocol::workspace_of(&request).to_owned();
+        let _turn = match protocol::writes(&request) {
+            true => Some(pusher.turn().await),
+            false => None,
+        };
+        let (response, written) =
+            off_thread(&store, move |store| protocol::handle(store, &request)).await?;
+        let wrote = written.is_some();
+        if let Some(written) = written {
+            pusher.push(written, &workspace).await;
+        }
+        Ok((response, wrote))
+    })
+    .await?
 }
 
 async fn answer(
