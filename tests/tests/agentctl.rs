@@ -356,3 +356,51 @@ fn a_broker_that_never_answers_is_reported_not_waited_on() {
     );
     drop(silent);
 }
+
+/// `up` whose SPARQL port another process holds: the aggregator cannot start, and `up` says why
+/// and exits at once. It asked its question all the same and waited out the dialog's timeout (300
+/// s), then reported only that timeout: the start-up error was never shown.
+#[test]
+fn up_reports_a_service_that_cannot_start_instead_of_waiting() {
+    let dir = scratch("up-taken");
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let sparql_port = taken.local_addr().unwrap().port().to_string();
+    let mut up = agentctl(&[
+        "up",
+        "--port",
+        "0",
+        "--sparql-port",
+        &sparql_port,
+        "--data-dir",
+        &dir.join("broker").display().to_string(),
+        "--graph-dir",
+        &dir.join("graph").display().to_string(),
+        "--question",
+        "How many hours are in a leap year?",
+    ])
+    .stdout(Stdio::piped())
+    .stderr(Stdio::piped())
+    .spawn()
+    .unwrap();
+    // Well inside the dialog's timeout, so that waiting it out fails here.
+    let patience = std::time::Instant::now() + Duration::from_secs(90);
+    while up.try_wait().unwrap().is_none() {
+        if std::time::Instant::now() > patience {
+            up.kill().unwrap();
+            let output = up.wait_with_output().unwrap();
+            panic!(
+                "agentctl up still running after 90 s with its SPARQL port taken; stderr:\n{}",
+                String::from_utf8_lossy(&output.stderr)
+            );
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let output = up.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(!output.status.success(), "{stderr}");
+    assert!(
+        stderr.contains(&format!("binding 127.0.0.1:{sparql_port}")),
+        "the start-up error is not shown:\n{stderr}"
+    );
+    drop(taken);
+}

@@ -153,7 +153,20 @@ pub async fn run(args: UpArgs) -> anyhow::Result<i32> {
             broker: settings.broker.clone(),
         };
         println!("\nQuestion: {question}\n");
-        let outcome = invoke(&mut client, &invoke_args, &mut Renderer::new(false, false)).await?;
+        // A service that stopped (its port taken, its store unreadable) is reported at once:
+        // the question alone would wait out its timeout, then name only that.
+        let mut renderer = Renderer::new(false, false);
+        let outcome = tokio::select! {
+            outcome = invoke(&mut client, &invoke_args, &mut renderer) => outcome?,
+            finished = &mut orchestrator => {
+                finished?.context("the orchestrator stopped")?;
+                anyhow::bail!("the orchestrator stopped before the dialog ended")
+            }
+            finished = &mut aggregator => {
+                finished?.context("the aggregator stopped")?;
+                anyhow::bail!("the aggregator stopped before the dialog ended")
+            }
+        };
         if let Some((session, _)) = outcome.provenance.first() {
             show_provenance(&endpoint, session).await?;
         }
