@@ -1242,6 +1242,56 @@ async fn invoke_reads_a_closing_it_never_heard_back_from_the_journal() {
     assert!(String::from_utf8_lossy(&output.stderr).contains("no end of dialog within 15 s"));
 }
 
+/// A client reading the journal back after a silence still takes the closing as soon as it comes:
+/// with a store that does not answer, the read held the closing that arrived meanwhile until the
+/// read gave up or the dialog's time ran out.
+#[tokio::test]
+async fn invoke_takes_a_closing_that_comes_while_the_journal_is_read() {
+    let broker = Broker::start().unwrap();
+    let aggregator = Aggregator::spawn_with(&broker, &["--config-token", TOKEN]);
+    // Past the client's silence before the journal is read (10 s).
+    let script = serde_json::json!({"rules": [{
+        "match": "",
+        "reply": "Thought: I know this.\nFinal Answer: Paris.",
+        "delay_ms": 13_000,
+    }]});
+    let llm = scripted_llm(&script.to_string()).await;
+    let _orchestrator = Orchestrator::spawn_journaled(&broker, &llm, &aggregator, TOKEN, &[]);
+    // Takes connections, never answers.
+    let silent_store = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let started = std::time::Instant::now();
+    let output = tokio::process::Command::new(binary("agentctl"))
+        .args([
+            "invoke",
+            "--pattern",
+            "react",
+            "--question",
+            "capital of France?",
+        ])
+        .args(["--timeout", "100", "--pulsar-url", &broker.url()])
+        .args([
+            "--graph-store",
+            &format!("http://{}", silent_store.local_addr().unwrap()),
+        ])
+        .env_remove("GRAPH_STORE")
+        .output()
+        .await
+        .unwrap();
+    let took = started.elapsed();
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr),
+    );
+    assert!(output.status.success(), "{stdout}\n{stderr}");
+    assert_eq!(last_answer_shown(&stdout), "Paris.", "{stdout}");
+    // The answer came at 13 s; the dialog's time is 100 s.
+    assert!(
+        took < Duration::from_secs(60),
+        "the closing waited on the journal's read: {took:?}\n{stderr}"
+    );
+    drop(silent_store);
+}
+
 /// The answer [`slowly_streamed`]'s model streams.
 const ANSWER: &str = "The capital of France is Paris, on the Seine.";
 

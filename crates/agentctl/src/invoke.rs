@@ -178,16 +178,19 @@ pub async fn follow(
                 // A streamed answer's closing read back counts its chunks like one heard: text
                 // that did not come is read from the graph below.
                 // Within the dialog's time limit: a store that does not answer must not hold the
-                // client past it. (The loop then looks once more at what came meanwhile.)
-                let Ok(found) =
-                    tokio::time::timeout_at(deadline, recovered(journal, &session, &id)).await
-                else {
-                    continue;
-                };
-                let Some(closing) = found else {
-                    continue;
-                };
-                closing
+                // client past it. What the broker brings meanwhile is taken as it comes: a slow
+                // store held a closing that had arrived until the read gave up.
+                let reading = tokio::time::timeout_at(deadline, recovered(journal, &session, &id));
+                tokio::select! {
+                    next = futures::StreamExt::next(&mut responses) => match next {
+                        Some(next) => next?,
+                        None => anyhow::bail!("the responses ended"),
+                    },
+                    found = reading => match found {
+                        Ok(Some(closing)) => closing,
+                        _ => continue,
+                    },
+                }
             }
         };
         let agent_bus::Received {
