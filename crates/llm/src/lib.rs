@@ -653,6 +653,7 @@ impl LlmClient {
                         )))
                     }
                 };
+                filtered(value["choices"][0]["finish_reason"].as_str(), &content)?;
                 let mut completion = self.completion(content, &value, messages, options);
                 completion.tool_calls = tool_calls;
                 Ok(completion)
@@ -717,6 +718,7 @@ impl LlmClient {
                 };
                 let data = data.trim();
                 if data == "[DONE]" {
+                    filtered(finish_reason.as_deref(), &text).map_err(|e| fail(sent_any, e))?;
                     return Ok(self.streamed(
                         text,
                         &usage,
@@ -779,6 +781,7 @@ impl LlmClient {
             if at_end {
                 // Some servers end a complete answer without `[DONE]`; a finish reason is enough.
                 if finish_reason.is_some() {
+                    filtered(finish_reason.as_deref(), &text).map_err(|e| fail(sent_any, e))?;
                     return Ok(self.streamed(
                         text,
                         &usage,
@@ -844,6 +847,19 @@ impl LlmClient {
             cut_off: value["choices"][0]["finish_reason"].as_str() == Some("length"),
             tool_calls: Vec::new(),
         }
+    }
+}
+
+/// An answer the provider's content filter stopped (`finish_reason: content_filter`) is refused
+/// with what came of it: a part, never the answer, which half a final answer would pass for.
+/// Asked again, the filter decides the same.
+fn filtered(finish_reason: Option<&str>, text: &str) -> Result<(), LlmError> {
+    match finish_reason {
+        Some(reason @ "content_filter") => Err(LlmError::NoContent(format!(
+            "finish_reason {reason}: the provider's filter stopped the answer after {} bytes of text",
+            text.len()
+        ))),
+        _ => Ok(()),
     }
 }
 

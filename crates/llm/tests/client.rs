@@ -510,3 +510,38 @@ async fn a_stream_of_empty_tool_calls_without_end_is_refused() {
     assert!(err.to_string().contains("tool calls"), "{err}");
     assert_eq!(requests.load(std::sync::atomic::Ordering::SeqCst), 1);
 }
+
+/// An answer the provider's content filter stopped part way (`finish_reason: content_filter`,
+/// as Azure OpenAI sends) is no answer: its part was taken as whole, so half a final answer
+/// could be given as the answer. Whole and streamed, it is an error that says why, asked once.
+#[tokio::test]
+async fn an_answer_a_content_filter_stopped_is_not_taken_as_whole() {
+    let (url, requests) = raw_server(|connection| {
+        Box::pin(write_answer(
+            connection,
+            "application/json",
+            br#"{"model":"m","choices":[{"index":0,"message":{"role":"assistant","content":"Final Answer: The sec"},"finish_reason":"content_filter"}]}"#,
+        ))
+    })
+    .await;
+    let err = raw_client(&url, Duration::from_secs(30))
+        .complete(&ask("q"))
+        .await
+        .unwrap_err();
+    assert!(err.to_string().contains("content_filter"), "{err:?}");
+    assert!(!err.is_outage(), "{err:?}");
+    assert_eq!(requests.load(std::sync::atomic::Ordering::SeqCst), 1);
+
+    let (url, requests) = raw_server(|connection| {
+        Box::pin(async move {
+            let body = b"data: {\"choices\":[{\"delta\":{\"content\":\"Final Answer: The sec\"}}]}\n\ndata: {\"choices\":[{\"delta\":{},\"finish_reason\":\"content_filter\"}]}\n\ndata: [DONE]\n\n";
+            write_answer(connection, "text/event-stream", body).await;
+        })
+    })
+    .await;
+    let (result, _) = stream(&raw_client(&url, Duration::from_secs(30)), "q").await;
+    let err = result.unwrap_err();
+    assert!(err.to_string().contains("content_filter"), "{err:?}");
+    assert!(!err.is_outage(), "{err:?}");
+    assert_eq!(requests.load(std::sync::atomic::Ordering::SeqCst), 1);
+}
