@@ -296,8 +296,8 @@ fn view_of(
     for node in nodes {
         if index.has_type(node, tg::FAN_OUT) && depth < MAX_VIEW_DEPTH {
             let fanout = fanout_view(index, node, sessions, depth, above);
-            view.in_token += fanout.in_token;
-            view.out_token += fanout.out_token;
+            view.in_token = view.in_token.saturating_add(fanout.in_token);
+            view.out_token = view.out_token.saturating_add(fanout.out_token);
             view.fanouts.push(fanout);
         } else if index.has_type(node, tg::ANALYSIS) {
             let thought_node = index.one(node, tg::THOUGHT_LINK);
@@ -322,8 +322,8 @@ fn view_of(
                 out_token: index.number(node, tg::OUT_TOKEN)
                     + index.number(&observation, tg::OUT_TOKEN),
             };
-            view.in_token += iteration.in_token;
-            view.out_token += iteration.out_token;
+            view.in_token = view.in_token.saturating_add(iteration.in_token);
+            view.out_token = view.out_token.saturating_add(iteration.out_token);
             view.iterations.push(iteration);
         } else if index.has_type(node, tg::PATTERN_DECISION) {
             let sorted = |p: NamedNodeRef<'_>| {
@@ -350,8 +350,8 @@ fn view_of(
                 in_token: index.number(node, tg::IN_TOKEN),
                 out_token: index.number(node, tg::OUT_TOKEN),
             };
-            view.in_token += decision.in_token;
-            view.out_token += decision.out_token;
+            view.in_token = view.in_token.saturating_add(decision.in_token);
+            view.out_token = view.out_token.saturating_add(decision.out_token);
             view.decision = Some(decision);
         } else if index.has_type(node, tg::DISPATCH_DECISION) {
             let mut candidates = index.all(node, tg::DISPATCH_CANDIDATE);
@@ -367,8 +367,8 @@ fn view_of(
                 in_token: index.number(node, tg::IN_TOKEN),
                 out_token: index.number(node, tg::OUT_TOKEN),
             };
-            view.in_token += dispatch.in_token;
-            view.out_token += dispatch.out_token;
+            view.in_token = view.in_token.saturating_add(dispatch.in_token);
+            view.out_token = view.out_token.saturating_add(dispatch.out_token);
             view.dispatch = Some(dispatch);
         } else if index.has_type(node, tg::CONCLUSION) {
             let conclusion = ConclusionView {
@@ -381,8 +381,8 @@ fn view_of(
                 in_token: index.number(node, tg::IN_TOKEN),
                 out_token: index.number(node, tg::OUT_TOKEN),
             };
-            view.in_token += conclusion.in_token;
-            view.out_token += conclusion.out_token;
+            view.in_token = view.in_token.saturating_add(conclusion.in_token);
+            view.out_token = view.out_token.saturating_add(conclusion.out_token);
             view.conclusion = Some(conclusion);
         }
     }

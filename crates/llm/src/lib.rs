@@ -876,6 +876,9 @@ struct ToolCallDeltas {
     calls: BTreeMap<u64, ToolCall>,
     bytes: usize,
     too_many: bool,
+    /// A call without an index came after one at `u64::MAX`: there is no place after it, and
+    /// taking it into that call would change a call the model made.
+    unplaced: bool,
 }
 
 /// The most tool calls taken from one answer; a model's parallel calls are a handful.
@@ -896,7 +899,13 @@ impl ToolCallDeltas {
                 // Without an index: a whole list's position, or, in a stream, a new call when the
                 // id changes (else the same call goes on).
                 None => match (self.calls.last_key_value(), id) {
-                    (Some((last, call)), Some(id)) if call.id != id => last + 1,
+                    (Some((last, call)), Some(id)) if call.id != id => match last.checked_add(1) {
+                        Some(next) => next,
+                        None => {
+                            self.unplaced = true;
+                            return;
+                        }
+                    },
                     (Some((last, _)), _) if deltas.len() == 1 => *last,
                     _ => position as u64,
                 },
@@ -946,8 +955,14 @@ impl ToolCallDeltas {
         self.bytes
     }
 
-    /// Why the calls cannot be taken, if they cannot: more of them than [`MAX_TOOL_CALLS`].
+    /// Why the calls cannot be taken, if they cannot: more of them than [`MAX_TOOL_CALLS`], or one
+    /// that has no place.
     fn refused(&self) -> Option<LlmError> {
+        if self.unplaced {
+            return Some(LlmError::Malformed(
+                "a tool call without an index after one at the largest index".to_owned(),
+            ));
+        }
         self.too_many.then(|| {
             LlmError::TooLong(format!(
                 "more than {MAX_TOOL_CALLS} tool calls in one answer"

@@ -545,3 +545,22 @@ async fn an_answer_a_content_filter_stopped_is_not_taken_as_whole() {
     assert!(!err.is_outage(), "{err:?}");
     assert_eq!(requests.load(std::sync::atomic::Ordering::SeqCst), 1);
 }
+
+/// A call without an index after one at the largest index has no place: its index overflowed
+/// (a panic in debug builds; in release it took the place of the first call). It is refused.
+#[tokio::test]
+async fn a_tool_call_with_no_place_after_the_largest_index_is_refused() {
+    let (url, _) = raw_server(|connection| {
+        Box::pin(write_answer(
+            connection,
+            "application/json",
+            br#"{"model":"m","choices":[{"index":0,"message":{"role":"assistant","content":null,"tool_calls":[{"index":18446744073709551615,"id":"a","type":"function","function":{"name":"one","arguments":"{}"}},{"id":"b","type":"function","function":{"name":"two","arguments":"{}"}}]},"finish_reason":"tool_calls"}]}"#,
+        ))
+    })
+    .await;
+    let err = raw_client(&url, Duration::from_secs(30))
+        .complete(&ask("q"))
+        .await
+        .unwrap_err();
+    assert!(err.to_string().contains("largest index"), "{err:?}");
+}

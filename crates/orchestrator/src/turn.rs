@@ -302,7 +302,28 @@ pub fn tokens_after(turn: &Turn<'_>, stats: &CallStats, tool: &ToolStats) -> bud
 /// Adds an LLM call's cost to `stats` (an iteration that asks more than once).
 pub fn add_call(stats: &mut CallStats, completion: &Completion) {
     stats.duration_ms += completion.duration.as_millis() as u64;
-    stats.in_token += completion.in_token;
-    stats.out_token += completion.out_token;
+    // Saturating: the counts are the LLM server's to say.
+    stats.in_token = stats.in_token.saturating_add(completion.in_token);
+    stats.out_token = stats.out_token.saturating_add(completion.out_token);
     stats.model.clone_from(&completion.model);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A server's usage of `u64::MAX` for each of an iteration's two calls (the meta-router asks
+    /// twice) overflowed the sum: a panic in debug builds, wrapped counts in release.
+    #[test]
+    fn an_iterations_calls_add_up_without_overflow() {
+        let huge = Completion {
+            in_token: u64::MAX,
+            out_token: u64::MAX,
+            ..Completion::default()
+        };
+        let mut stats = CallStats::default();
+        add_call(&mut stats, &huge);
+        add_call(&mut stats, &huge);
+        assert_eq!((stats.in_token, stats.out_token), (u64::MAX, u64::MAX));
+    }
 }

@@ -165,8 +165,8 @@ async fn run_calls(
         let tool = run.stats();
         // The round's wall time is its slowest call's; the tokens add up.
         spent.duration_ms = spent.duration_ms.max(tool.duration_ms);
-        spent.in_token += tool.in_token;
-        spent.out_token += tool.out_token;
+        spent.in_token = spent.in_token.saturating_add(tool.in_token);
+        spent.out_token = spent.out_token.saturating_add(tool.out_token);
         let number = first + k;
         notes.push(research::note(
             number,

@@ -728,8 +728,8 @@ async fn synthesise(turn: &Turn<'_>, n: usize, judged: &CallStats) -> Result<(),
         unrecorded: &unrecorded,
     };
     let charged = CallStats {
-        in_token: stats.in_token + judged.in_token,
-        out_token: stats.out_token + judged.out_token,
+        in_token: stats.in_token.saturating_add(judged.in_token),
+        out_token: stats.out_token.saturating_add(judged.out_token),
         ..stats
     };
     conclude_from_synthesis(turn, n, concluded, &charged, &completion.model).await
