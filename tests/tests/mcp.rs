@@ -30,6 +30,17 @@ struct Gate {
     http: reqwest::Client,
     let_in: Arc<AtomicUsize>,
     turned_away: Arc<AtomicUsize>,
+    /// Answers whose body is still being passed on.
+    open_bodies: Arc<AtomicUsize>,
+}
+
+/// Counts an answer's body as open until it is dropped (ended, or its client gone).
+struct OpenBody(Arc<AtomicUsize>);
+
+impl Drop for OpenBody {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
+    }
 }
 
 async fn gate(State(gate): State<Gate>, request: Request) -> Response {
@@ -65,9 +76,13 @@ async fn gate(State(gate): State<Gate>, request: Request) -> Response {
             response = response.header(name, value);
         }
     }
-    response
-        .body(Body::from_stream(upstream.bytes_stream()))
-        .unwrap()
+    gate.open_bodies.fetch_add(1, Ordering::SeqCst);
+    let open = OpenBody(gate.open_bodies.clone());
+    let body = futures::StreamExt::map(upstream.bytes_stream(), move |chunk| {
+        let _open = &open;
+        chunk
+    });
+    response.body(Body::from_stream(body)).unwrap()
 }
 
 async fn start_gate(upstream_port: u16) -> (String, Gate) {
@@ -76,6 +91,7 @@ async fn start_gate(upstream_port: u16) -> (String, Gate) {
         http: reqwest::Client::new(),
         let_in: Arc::default(),
         turned_away: Arc::default(),
+        open_bodies: Arc::default(),
     };
     let app = axum::Router::new().fallback(gate).with_state(state.clone());
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -301,6 +317,57 @@ async fn mcp_tools_on_a_real_server_over_http_and_stdio_survive_its_restarts() {
     let _ = Command::new("pkill")
         .args(["-KILL", "-f", &marker])
         .status();
+}
+
+/// Over HTTP, a call given up on (at the tool's timeout) leaves no connection behind: the
+/// server streams its answer, never answers a cancelled call (the TypeScript SDK's does not), and
+/// the client's transport ends such a stream only with its session, which a ping kept. Each
+/// timed-out call held a connection, and a task, for as long as the session lived.
+#[tokio::test]
+async fn an_http_call_given_up_on_leaves_no_stream_open() {
+    let server_port = agent_bus::embedded::free_port().unwrap();
+    let _server = EverythingHttp::start(server_port);
+    let (gate_url, gate) = start_gate(server_port).await;
+    let pool = agent_mcp::McpPool::new();
+    let endpoint = agent_mcp::Endpoint::Http {
+        url: gate_url,
+        auth_token: Some(TOKEN.to_owned()),
+    };
+    let arguments = |pairs: &[(&str, &str)]| {
+        pairs
+            .iter()
+            .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+            .collect::<std::collections::BTreeMap<_, _>>()
+    };
+    let sum = arguments(&[("a", "1"), ("b", "2")]);
+    let said = pool.call(&endpoint, "get-sum", &sum).await.unwrap();
+    assert!(said.contains('3'), "{said}");
+    const GIVEN_UP: usize = 4;
+    let long = arguments(&[("duration", "60"), ("steps", "2")]);
+    for _ in 0..GIVEN_UP {
+        let call = pool.call(&endpoint, "trigger-long-running-operation", &long);
+        assert!(
+            tokio::time::timeout(Duration::from_secs(1), call)
+                .await
+                .is_err(),
+            "the long operation answered within a second"
+        );
+    }
+    let said = pool.call(&endpoint, "get-sum", &sum).await.unwrap();
+    assert!(said.contains('3'), "{said}");
+    // The session's own event stream may stay open; the given-up calls' must not.
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let open = gate.open_bodies.load(Ordering::SeqCst);
+        if open <= 1 {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{open} answers still streaming after {GIVEN_UP} calls were given up on"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
 }
 
 /// A session no call has used for the pool's idle time is ended when the pool is next asked for

@@ -91,6 +91,9 @@ struct Session {
     answered_at: Mutex<std::time::Instant>,
     /// A call on it was given up on before it answered: the server may hang.
     suspect: std::sync::atomic::AtomicBool,
+    /// A call on it was given up on, ever (an answer since does not clear it): over HTTP, its
+    /// answer's stream stays open until the session ends (see [`McpPool::call`]).
+    gave_up_on: std::sync::atomic::AtomicBool,
     // Dropping the service ends the session.
     _service: RunningService<RoleClient, ToolListWatch>,
     /// A stdio server's process, ended with the session.
@@ -242,6 +245,9 @@ impl Drop for InFlight<'_> {
             self.session
                 .suspect
                 .store(true, std::sync::atomic::Ordering::SeqCst);
+            self.session
+                .gave_up_on
+                .store(true, std::sync::atomic::Ordering::SeqCst);
         }
     }
 }
@@ -382,7 +388,17 @@ impl McpPool {
         arguments: &BTreeMap<String, String>,
     ) -> Result<String, String> {
         let (mut session, reused) = self.session(endpoint).await?;
-        if reused && session.worth_a_ping() {
+        // Over HTTP, a call given up on (at the tool's timeout) keeps its answer's stream open:
+        // the server need not answer a cancelled call (the TypeScript SDK's never does), and the
+        // transport ends the streams it reads only with the session. A ping kept the session, so
+        // each timed-out call held a connection and a task for as long as it lived. The session
+        // is ended instead (calls still under way on it finish first) and a new one opened.
+        let over_http = matches!(endpoint, Endpoint::Http { .. });
+        if reused && over_http && session.gave_up_on.load(std::sync::atomic::Ordering::SeqCst) {
+            tracing::info!(server = %endpoint.describe(), "a call on the MCP session was given up on; opening a new one");
+            self.forget(endpoint, &session).await;
+            session = self.session(endpoint).await?.0;
+        } else if reused && session.worth_a_ping() {
             if let Err(e) = ping(&session, endpoint).await {
                 tracing::info!(server = %endpoint.describe(), error = %e, "MCP session lost; connecting again");
                 self.forget(endpoint, &session).await;
@@ -642,6 +658,7 @@ async fn connect(endpoint: &Endpoint) -> Result<Session, String> {
         in_flight: std::sync::atomic::AtomicUsize::new(0),
         answered_at: Mutex::new(std::time::Instant::now()),
         suspect: std::sync::atomic::AtomicBool::new(false),
+        gave_up_on: std::sync::atomic::AtomicBool::new(false),
         _service: service,
         _child: child.map(|child| ServerProcess(Some(child))),
     })
