@@ -4,7 +4,9 @@ It serves on 127.0.0.1 at the port given as its first argument. `flood-json` ans
 one JSON message of over 64 MiB (its text all "x"), and `flood-events` with an event stream whose
 one line is as long: well-formed, only too long to read. `junk-events` answers with an event
 stream of 400,000 events that are no message (data that is not JSON-RPC, pings), then its answer,
-"after the junk". `echo` answers "echoed".
+"after the junk". `echo` answers "echoed". Given `broken-get` as its second argument, its event stream (`GET`)
+breaks each time just after it opens (fewer bytes than its length says); `gets` answers how many
+were asked for.
 """
 
 import json
@@ -18,8 +20,11 @@ TOOLS = [
         ("flood-events", "Answers with an event line of 64 MiB"),
         ("junk-events", "Answers after 400,000 events that are no message"),
         ("echo", "Answers echoed"),
+        ("gets", "Answers how many event streams were asked for"),
     ]
 ]
+BROKEN_GET = sys.argv[2:3] == ["broken-get"]
+GETS = 0
 SESSION = "misbehaving-http"
 
 
@@ -88,6 +93,8 @@ class Handler(BaseHTTPRequestHandler):
             self.flood(ident, "text/event-stream", "data: ", "\n\n")
         elif method == "tools/call" and message["params"]["name"] == "junk-events":
             self.junk(ident)
+        elif method == "tools/call" and message["params"]["name"] == "gets":
+            self.reply(ident, {"content": [{"type": "text", "text": str(GETS)}]})
         elif method == "tools/call":
             self.reply(ident, {"content": [{"type": "text", "text": "echoed"}]})
         else:
@@ -97,7 +104,17 @@ class Handler(BaseHTTPRequestHandler):
             self.wfile.write(body)
 
     def do_GET(self):
-        self.head(405, length=0)
+        global GETS
+        if not BROKEN_GET:
+            self.head(405, length=0)
+            return
+        GETS += 1
+        # Closed (HTTP/1.0) after 9 of the 1000 bytes its length promises.
+        self.head(200, "text/event-stream", 1000)
+        try:
+            self.wfile.write(b": hello\n\n")
+        except (BrokenPipeError, ConnectionResetError):
+            pass
 
     def do_DELETE(self):
         self.head(200, length=0)

@@ -370,6 +370,46 @@ async fn an_http_call_given_up_on_leaves_no_stream_open() {
     }
 }
 
+/// A server whose event stream (`GET`) breaks each time just after it opens is asked for it
+/// again at a pace, not at once for ever: `rmcp` reconnects without a wait, and kept a core
+/// busy opening streams for the session's life, while its calls still worked.
+#[tokio::test]
+async fn an_event_stream_that_keeps_breaking_is_opened_again_at_a_pace() {
+    let port = agent_bus::embedded::free_port().unwrap();
+    let script = repo_root().join("tests/mcp-servers/misbehaving_http.py");
+    let mut command = Command::new("python3");
+    agent_bus::orphans::owned(&mut command)
+        .arg(&script)
+        .arg(port.to_string())
+        .arg("broken-get");
+    let mut server = command.spawn().unwrap();
+    wait_listening(
+        &format!("127.0.0.1:{port}"),
+        "the misbehaving MCP server over HTTP",
+    );
+    let pool = agent_mcp::McpPool::new();
+    let endpoint = agent_mcp::Endpoint::Http {
+        url: format!("http://127.0.0.1:{port}/mcp"),
+        auth_token: None,
+    };
+    let none = std::collections::BTreeMap::new();
+    assert_eq!(pool.call(&endpoint, "echo", &none).await.unwrap(), "echoed");
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let gets: u64 = pool
+        .call(&endpoint, "gets", &none)
+        .await
+        .unwrap()
+        .parse()
+        .unwrap();
+    let _ = server.kill();
+    let _ = server.wait();
+    // Paced: at once, then 0.2, 0.4, 0.8 and 1.6 s later.
+    assert!(
+        (1..=8).contains(&gets),
+        "{gets} event streams asked for in 3 s"
+    );
+}
+
 /// A session no call has used for the pool's idle time is ended when the pool is next asked for
 /// another, a stdio server's process with it: an endpoint is read from the live config at each
 /// call, so a config change (a token rotated, arguments edited) leaves the old one unused for good.

@@ -24,6 +24,44 @@ pub struct BoundedHttp {
     client: reqwest::Client,
     most: usize,
     answer_within: std::time::Duration,
+    /// The session's event streams opened lately (shared by its clones: `rmcp` clones the client
+    /// for each stream it reads).
+    reopened: Arc<std::sync::Mutex<Reopened>>,
+}
+
+/// Paces the opening of event streams (`GET`): `rmcp` opens one again at once whenever one fails
+/// part way, with no wait, however often it fails. A server whose stream broke each time just
+/// after it opened (a cut connection, a line it cannot read) kept a core busy reconnecting for
+/// the session's life. The first opening in a while goes at once; each one soon after the last
+/// waits twice as long as the one before, up to [`Reopened::MOST_WAIT`].
+#[derive(Debug, Default)]
+struct Reopened {
+    last: Option<std::time::Instant>,
+    soon: u32,
+}
+
+impl Reopened {
+    /// An opening this long after the one before is not soon: it goes at once.
+    const CALM: std::time::Duration = std::time::Duration::from_secs(10);
+    const FIRST_WAIT: std::time::Duration = std::time::Duration::from_millis(200);
+    const MOST_WAIT: std::time::Duration = std::time::Duration::from_secs(30);
+
+    /// How long to wait before opening a stream now.
+    fn wait(&mut self, now: std::time::Instant) -> std::time::Duration {
+        let soon = self
+            .last
+            .is_some_and(|last| now.saturating_duration_since(last) < Self::CALM);
+        self.soon = if soon { self.soon.saturating_add(1) } else { 0 };
+        let wait = match self.soon {
+            0 => std::time::Duration::ZERO,
+            n => Self::FIRST_WAIT
+                .saturating_mul(1u32 << (n - 1).min(16))
+                .min(Self::MOST_WAIT),
+        };
+        // Counted from when it opens, so a wait is not taken for calm.
+        self.last = Some(now + wait);
+        wait
+    }
 }
 
 /// How long a request's answer may take to start (its headers; a JSON answer, whole). `rmcp`'s
@@ -40,6 +78,7 @@ impl BoundedHttp {
             client,
             most,
             answer_within: ANSWER_WITHIN,
+            reopened: Arc::default(),
         }
     }
 
@@ -355,6 +394,18 @@ impl StreamableHttpClient for BoundedHttp {
         last_event_id: Option<String>,
         auth_header: Option<String>,
     ) -> Result<BoxStream<'static, Result<Sse, SseError>>, Failed> {
+        let wait = self
+            .reopened
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .wait(std::time::Instant::now());
+        if !wait.is_zero() {
+            tracing::debug!(
+                ?wait,
+                "an MCP server's event stream opened again soon after the last; waiting"
+            );
+            tokio::time::sleep(wait).await;
+        }
         let accept = format!("{EVENT_STREAM_MIME_TYPE}, {JSON_MIME_TYPE}");
         let mut request = self
             .client
@@ -385,6 +436,27 @@ impl StreamableHttpClient for BoundedHttp {
 mod tests {
     #![allow(clippy::unwrap_used)]
     use super::*;
+
+    /// Streams opened again soon wait longer each time, up to the most; one after a calm goes at
+    /// once.
+    #[test]
+    fn event_streams_opened_again_soon_are_paced() {
+        let start = std::time::Instant::now();
+        let mut reopened = Reopened::default();
+        let mut now = start;
+        let mut waits = Vec::new();
+        for _ in 0..12 {
+            let wait = reopened.wait(now);
+            waits.push(wait.as_millis());
+            now += wait;
+        }
+        assert_eq!(
+            waits,
+            [0, 200, 400, 800, 1600, 3200, 6400, 12800, 25600, 30000, 30000, 30000]
+        );
+        let later = now + Reopened::CALM + std::time::Duration::from_secs(1);
+        assert_eq!(reopened.wait(later), std::time::Duration::ZERO);
+    }
 
     /// Serves one HTTP answer with `content_type` and `body` to whoever connects first.
     async fn answering(content_type: &'static str, body: Vec<u8>) -> String {
