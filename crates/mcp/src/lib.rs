@@ -642,7 +642,10 @@ async fn connect(endpoint: &Endpoint) -> Result<Session, String> {
             if let Some(stderr) = started.stderr.take() {
                 tokio::spawn(log_stderr(server.clone(), stderr));
             }
-            child = Some(started);
+            // Held as a server process from here: a start given up on (a timeout dropped this
+            // future, or the session failed to open) ends what the server started too, not only
+            // its launcher, which is all `kill_on_drop` ends.
+            child = Some(ServerProcess(Some(started)));
             watch
                 .clone()
                 .serve((LineCap::new(stdout, MAX_MESSAGE_BYTES), stdin))
@@ -660,7 +663,7 @@ async fn connect(endpoint: &Endpoint) -> Result<Session, String> {
         suspect: std::sync::atomic::AtomicBool::new(false),
         gave_up_on: std::sync::atomic::AtomicBool::new(false),
         _service: service,
-        _child: child.map(|child| ServerProcess(Some(child))),
+        _child: child,
     })
 }
 
@@ -1341,25 +1344,70 @@ for line in sys.stdin:
             .trim()
             .parse()
             .unwrap();
-        // Running, not a zombie waiting for whoever adopted it to reap it.
-        let alive = |pid: u32| {
-            std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|stat| {
-                stat.rsplit(')')
-                    .next()
-                    .is_some_and(|s| !s.trim_start().starts_with('Z'))
-            })
-        };
-        assert!(alive(pid));
+        assert!(running(pid));
         drop(pool);
         let deadline = std::time::Instant::now() + SERVER_EXIT_GRACE + Duration::from_secs(10);
-        while alive(pid) && std::time::Instant::now() < deadline {
+        while running(pid) && std::time::Instant::now() < deadline {
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
         let _ = std::fs::remove_file(&pid_file);
         assert!(
-            !alive(pid),
+            !running(pid),
             "the server's own process {pid} outlived its session"
         );
+    }
+
+    /// A server given up on as it starts (it waits on something before it reads a line, and the
+    /// caller stops waiting) is ended with what it started: only the session's end killed the
+    /// process group, so a launcher's server outlived every start given up on, one more each time.
+    #[cfg(unix)]
+    #[tokio::test]
+    async fn a_stdio_server_given_up_on_as_it_starts_leaves_nothing_running() {
+        let pid_file = std::env::temp_dir().join(format!("mcp-hung-{:016x}", rand_suffix()));
+        let script = format!(
+            r#"
+import subprocess, time
+child = subprocess.Popen(["sleep", "1000"])
+open({path:?}, "w").write(str(child.pid))
+time.sleep(1000)
+"#,
+            path = pid_file.display().to_string()
+        );
+        let endpoint = Endpoint::Stdio {
+            command: "python3".to_owned(),
+            args: vec!["-c".to_owned(), script],
+            env: BTreeMap::new(),
+        };
+        let pool = McpPool::new().trusting(StdioTrust::any());
+        let started = tokio::time::timeout(
+            Duration::from_secs(2),
+            pool.call(&endpoint, "t", &BTreeMap::new()),
+        )
+        .await;
+        assert!(started.is_err(), "{started:?}");
+        let pid: u32 = std::fs::read_to_string(&pid_file)
+            .unwrap()
+            .trim()
+            .parse()
+            .unwrap();
+        let deadline = std::time::Instant::now() + SERVER_EXIT_GRACE + Duration::from_secs(10);
+        while running(pid) && std::time::Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        let _ = std::fs::remove_file(&pid_file);
+        assert!(
+            !running(pid),
+            "the process {pid} the server started outlived the start given up on"
+        );
+    }
+
+    /// Running, not a zombie waiting for whoever adopted it to reap it.
+    fn running(pid: u32) -> bool {
+        std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|stat| {
+            stat.rsplit(')')
+                .next()
+                .is_some_and(|s| !s.trim_start().starts_with('Z'))
+        })
     }
 
     fn rand_suffix() -> u64 {
