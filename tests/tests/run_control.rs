@@ -243,6 +243,126 @@ async fn a_cancel_abandons_a_streaming_step_and_its_tool_is_never_called() {
     assert_recorded(&aggregator, &session, "ops-carol").await;
 }
 
+/// A cancel the broker dropped on its way to a replica (the control topic is non-persistent: a
+/// broker drops such a message for a consumer whose connection is backed up) is read from the
+/// graph, where `agentctl cancel` recorded it, within seconds: the replica read the graph only at
+/// its start and after losing the topic, so the run went on to its answer there, tool called.
+#[tokio::test]
+async fn a_cancel_the_broker_dropped_is_read_from_the_graph_and_acted_on() {
+    const SLOW: &str = r#"{"rules": [
+      {"match": "transfer the funds", "exact": true, "reply": "funds transferred"},
+      {"match": "Question: move the money", "reply": "Thought: I will move the money now, once I have checked both accounts.\nAction: llm\nArgs: {\"question\": \"transfer the funds\"}", "chunk_delay_ms": 2000}
+    ]}"#;
+    let broker = Broker::start().unwrap();
+    let aggregator = Aggregator::spawn_with(&broker, &["--config-token", TOKEN]);
+    let llm = scripted_llm(SLOW).await;
+    let _orchestrator = Orchestrator::journaled(
+        Place::Child,
+        &broker,
+        &llm,
+        &aggregator,
+        TOKEN,
+        &[("AGENT_FAULT", "drop-control:1")],
+    );
+    let mut client = client(&broker).await;
+    client
+        .send(
+            "c-dropped",
+            &AgentRequest {
+                pattern: "react".into(),
+                ..request("move the money", true)
+            },
+        )
+        .await
+        .unwrap();
+    let mut responses = Vec::new();
+    for _ in 0..150 {
+        responses.extend(drain_for(&mut client, "c-dropped", Duration::from_millis(200)).await);
+        if responses.iter().any(|r| r.message_type == "thought") {
+            break;
+        }
+    }
+    let session = responses
+        .iter()
+        .find_map(|r| agent_core::vocab::session_id_of(&r.message_id))
+        .expect("a thought was streamed")
+        .to_owned();
+    let cancelled_at = std::time::Instant::now();
+    cancel(&broker, &session, "ops-dave", "dropped on its way");
+    responses.extend(
+        collect_dialog(&mut client, "c-dropped", Duration::from_secs(60))
+            .await
+            .unwrap(),
+    );
+    println!(
+        "closed {:?} after the cancel was sent",
+        cancelled_at.elapsed()
+    );
+    assert_closed_by_cancel(&responses, "ops-dave", "dropped on its way");
+    responses.extend(drain_for(&mut client, "c-dropped", Duration::from_secs(2)).await);
+    assert_eq!(
+        payments(&llm, "transfer the funds"),
+        0,
+        "the tool was called"
+    );
+    assert_eq!(closings(&responses).len(), 1);
+}
+
+/// A cancel sent while the replica running the step drains (a rolling deploy's SIGTERM) stops
+/// the step as at any other time: the replica stopped hearing cancels as the drain began, so the
+/// step ran on, its tool called, while the cancel waited for a next step.
+#[tokio::test]
+async fn a_cancel_sent_during_a_drain_stops_the_draining_step() {
+    const SLOW: &str = r#"{"rules": [
+      {"match": "transfer the funds", "exact": true, "reply": "funds transferred"},
+      {"match": "Question: move the money", "reply": "Thought: I will move the money now, once I have checked both accounts.\nAction: llm\nArgs: {\"question\": \"transfer the funds\"}", "chunk_delay_ms": 2000}
+    ]}"#;
+    let broker = Broker::start().unwrap();
+    let llm = scripted_llm(SLOW).await;
+    let mut draining = Orchestrator::child(&broker, &llm, &seed_dir(), &["--drain-secs", "60"]);
+    let mut client = client(&broker).await;
+    client
+        .send(
+            "c-drain",
+            &AgentRequest {
+                pattern: "react".into(),
+                ..request("move the money", true)
+            },
+        )
+        .await
+        .unwrap();
+    let mut responses = Vec::new();
+    for _ in 0..150 {
+        responses.extend(drain_for(&mut client, "c-drain", Duration::from_millis(200)).await);
+        if responses.iter().any(|r| r.message_type == "thought") {
+            break;
+        }
+    }
+    let session = responses
+        .iter()
+        .find_map(|r| agent_core::vocab::session_id_of(&r.message_id))
+        .expect("a thought was streamed")
+        .to_owned();
+    draining.terminate();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    cancel(&broker, &session, "ops-erin", "mid-deploy");
+    responses.extend(
+        collect_dialog(&mut client, "c-drain", Duration::from_secs(20))
+            .await
+            .unwrap(),
+    );
+    assert_closed_by_cancel(&responses, "ops-erin", "mid-deploy");
+    assert!(
+        draining.exited_within(Duration::from_secs(15)).await,
+        "the orchestrator did not exit after its drain"
+    );
+    assert_eq!(
+        payments(&llm, "transfer the funds"),
+        0,
+        "the tool was called"
+    );
+}
+
 /// A cancel heard while a supervisor's synthesis call is in flight, after the step critic judged
 /// the results in the same step: the step is abandoned with the verdict nodes that recorded the
 /// critic's calls, so the closing's tokens leave those calls out too and add up to the graph's.

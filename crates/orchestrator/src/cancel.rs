@@ -237,6 +237,13 @@ pub async fn listen(
         to_record,
     ));
     let _recorder = tokio_util::task::AbortOnDropHandle::new(recorder);
+    let _reading_again = store.clone().map(|store| {
+        tokio_util::task::AbortOnDropHandle::new(tokio::spawn(keep_reading_recent(
+            store,
+            cancellations.clone(),
+            shutdown.clone(),
+        )))
+    });
     let mut records_dropped = 0u64;
     loop {
         let mut listening_since = None;
@@ -261,6 +268,9 @@ pub async fn listen(
             listening_since = Some(tokio::time::Instant::now());
             loop {
                 let heard = listener.next().await?;
+                if crate::emit::fault::control_dropped() {
+                    continue;
+                }
                 let control = heard.control;
                 if !crate::control_seals::sealed_as_required(
                     seals.0.as_ref(),
@@ -441,12 +451,56 @@ pub async fn catch_up(
     }
 }
 
-/// Reads the cancels of the last [`MEMORY`] from the graph into `cancellations`; how many.
+/// How often the graph's recent cancels are read again while the control topic is heard. A
+/// broker drops a message on a non-persistent topic for a consumer whose connection has too much
+/// waiting to be written to it, and a cancel dropped so was never acted on by this replica: the
+/// steps of that run it took went on to their answer, tools called.
+const READ_AGAIN_EVERY: Duration = Duration::from_secs(5);
+
+/// How far back each of those reads looks: past the time a cancel's record takes to reach the
+/// graph, not so far that each read grows with every cancel of the day.
+const READ_AGAIN_WITHIN: Duration = Duration::from_secs(600);
+
+/// Reads the cancels of the last [`READ_AGAIN_WITHIN`] into `cancellations` every
+/// [`READ_AGAIN_EVERY`] until `stop`.
+async fn keep_reading_recent(
+    store: GraphStore,
+    cancellations: Arc<Cancellations>,
+    stop: CancellationToken,
+) {
+    loop {
+        tokio::select! {
+            _ = stop.cancelled() => return,
+            _ = tokio::time::sleep(READ_AGAIN_EVERY) => {}
+        }
+        match load_within(&store, &cancellations, READ_AGAIN_WITHIN).await {
+            Ok(0) => {}
+            Ok(learnt) => tracing::warn!(
+                learnt,
+                "cancels read from the graph that the control topic did not bring"
+            ),
+            Err(e) => tracing::debug!(error = %e, "reading recent cancels from the graph again"),
+        }
+    }
+}
+
+/// Reads the cancels of the last [`MEMORY`] from the graph into `cancellations`; how many this
+/// replica did not know.
 pub async fn load(
     store: &GraphStore,
     cancellations: &Cancellations,
 ) -> Result<usize, agent_graph::GraphError> {
-    let since = chrono::Utc::now() - chrono::Duration::seconds(MEMORY.as_secs() as i64);
+    load_within(store, cancellations, MEMORY).await
+}
+
+/// Reads the cancels of the last `within` from the graph into `cancellations`; how many this
+/// replica did not know.
+async fn load_within(
+    store: &GraphStore,
+    cancellations: &Cancellations,
+    within: Duration,
+) -> Result<usize, agent_graph::GraphError> {
+    let since = chrono::Utc::now() - chrono::Duration::seconds(within.as_secs() as i64);
     let since = since.to_rfc3339_opts(chrono::SecondsFormat::Secs, true);
     let QueryAnswer::Rows(rows) = store.query(queries::cancellations_since(&since)).await? else {
         return Ok(0);
@@ -508,13 +562,13 @@ fn record_rows(rows: &agent_graph::Rows, cancellations: &Cancellations) -> usize
         else {
             continue;
         };
-        cancellations.record(Cancel {
+        let learnt = cancellations.record(Cancel {
             session_id: session.to_owned(),
             by: text(row.get(by)),
             at: text(row.get(when)),
             reason: text(row.get(why)),
         });
-        loaded += 1;
+        loaded += usize::from(learnt);
     }
     loaded
 }

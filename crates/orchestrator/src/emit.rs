@@ -1640,8 +1640,9 @@ fn mark_published_aside(journal: Journal, node: NamedNode) {
 /// (published, not marked), `before-ack` (marked, the message not yet acked). Unset, it costs one
 /// atomic add. `drop-answer-chunk:<n>` instead leaves out the process's `n`-th streamed chunk of
 /// answer text, as a broker drops a message on a non-persistent topic, and `repeat-answer-chunk:<n>`
-/// sends it twice, as a producer sending it again after a reconnection would.
-mod fault {
+/// sends it twice, as a producer sending it again after a reconnection would. `drop-control:<n>`
+/// leaves out the `n`-th control message heard, as a broker drops one on its non-persistent topic.
+pub(crate) mod fault {
     use std::sync::atomic::{AtomicUsize, Ordering};
     use std::sync::OnceLock;
 
@@ -1652,6 +1653,8 @@ mod fault {
         Marked,
         /// Not a crash: an answer chunk left out or sent twice.
         AnswerChunk(ChunkFault),
+        /// Not a crash: a control message left out.
+        ControlDropped,
     }
 
     /// What happens to an answer chunk on its way, by the plan.
@@ -1663,6 +1666,7 @@ mod fault {
 
     static COMMITS: AtomicUsize = AtomicUsize::new(0);
     static ANSWER_CHUNKS: AtomicUsize = AtomicUsize::new(0);
+    static CONTROLS: AtomicUsize = AtomicUsize::new(0);
 
     fn planned() -> Option<(Stage, usize)> {
         static PLAN: OnceLock<Option<(Stage, usize)>> = OnceLock::new();
@@ -1675,6 +1679,7 @@ mod fault {
                 "before-ack" => Stage::Marked,
                 "drop-answer-chunk" => Stage::AnswerChunk(ChunkFault::Dropped),
                 "repeat-answer-chunk" => Stage::AnswerChunk(ChunkFault::Repeated),
+                "drop-control" => Stage::ControlDropped,
                 _ => return None,
             };
             Some((stage, n.parse().ok()?))
@@ -1694,6 +1699,16 @@ mod fault {
         };
         tracing::error!(chunk = n, ?fault, "AGENT_FAULT: an answer chunk");
         Some(fault)
+    }
+
+    /// Whether the control message just heard is the one to leave out.
+    pub fn control_dropped() -> bool {
+        let n = CONTROLS.fetch_add(1, Ordering::Relaxed) + 1;
+        let dropped = planned() == Some((Stage::ControlDropped, n));
+        if dropped {
+            tracing::error!(control = n, "AGENT_FAULT: a control message left out");
+        }
+        dropped
     }
 
     pub fn crash_if(stage: Stage, commit: usize) {

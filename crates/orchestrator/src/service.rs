@@ -104,13 +104,17 @@ pub async fn run(settings: Settings, shutdown: CancellationToken) -> anyhow::Res
             None
         }
     };
+    // Cancels are heard until the consumers have drained, not only until the shutdown begins:
+    // a step still running in the drain must stop at a cancel as any other does.
+    let stop_hearing = CancellationToken::new();
+    let _stop_hearing_on_return = stop_hearing.clone().drop_guard();
     let hearing = tokio::spawn(cancel::listen(
         bus.clone(),
         topics.clone(),
         (subscribed, knowledge.clone()),
         cancellations.clone(),
         (seal_key.clone(), settings.control_seals),
-        shutdown.clone(),
+        stop_hearing.clone(),
     ));
     if let Some(store) = &knowledge {
         match cancel::load(store, &cancellations).await {
@@ -299,10 +303,11 @@ pub async fn run(settings: Settings, shutdown: CancellationToken) -> anyhow::Res
     shutdown.cancel();
     let _ = follower.await;
     let mut side_consumers = vec![answering.await, answering_approvals.await];
-    let _ = hearing.await;
     if let Some(from_clients) = from_clients {
         side_consumers.push(from_clients.await);
     }
+    stop_hearing.cancel();
+    let _ = hearing.await;
     ops_server.abort();
     consumed?;
     for stopped in side_consumers {
