@@ -1269,6 +1269,12 @@ impl ConfigSvc {
     pub fn kill(&mut self) {
         self.running.kill();
     }
+
+    /// Freezes a child (SIGSTOP) or lets it go on (SIGCONT): what is sent to it meanwhile is
+    /// answered late.
+    pub fn freeze(&self, frozen: bool) {
+        self.running.freeze(frozen, "a config service");
+    }
 }
 
 impl Drop for ConfigSvc {

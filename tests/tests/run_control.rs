@@ -2858,6 +2858,74 @@ async fn the_config_services_tools_do_not_lift_the_operators_approvals() {
     approval_asked(&responses);
 }
 
+/// An answer to an approval taken up by a replica that has just started waits for its first read
+/// of the config service, as a request does: the call it resumes is the deployment's, which the
+/// files that replica started with do not define. Before, the answer was taken up at once, the
+/// call was refused there ("no tool"), and the approval, used up, paid nothing.
+#[tokio::test]
+async fn an_approval_taken_up_at_a_start_waits_for_the_config_service() {
+    let service = config_dir("approval-at-start-service", &[("tool", PAY_TOOL)]);
+    let broker = Broker::start().unwrap();
+    let svc = ConfigSvc::start(Place::Child, &broker, Some(&service));
+    let aggregator = Aggregator::spawn_with(&broker, &["--config-token", TOKEN]);
+    let llm = scripted_llm(
+        r#"{"rules": [
+      {"match": "pay invoice start-1", "exact": true, "reply": "payment sent"},
+      {"match": "Observation: payment sent", "reply": "Thought: Paid.\nFinal Answer: paid"},
+      {"match": "Question: pay the start invoice", "reply": "Thought: Pay it.\nAction: pay\nArgs: {\"question\": \"pay invoice start-1\"}"}
+    ]}"#,
+    )
+    .await;
+    // Its own files define no `pay`: only the config service does.
+    let local = seed_dir();
+    let mut parking = Orchestrator::journaled_with(
+        Place::InProcess,
+        &broker,
+        &llm,
+        &aggregator,
+        TOKEN,
+        &local,
+        &[],
+    );
+    let mut client = client(&broker).await;
+    client
+        .send(
+            "at-start",
+            &AgentRequest {
+                pattern: "react".into(),
+                ..request("pay the start invoice", false)
+            },
+        )
+        .await
+        .unwrap();
+    let responses = until_approval_asked(&mut client, "at-start").await;
+    let (_, session, step) = approval_asked(&responses);
+    parking.kill();
+    // Answered while no orchestrator runs: the next one finds it waiting as it subscribes.
+    agentctl(&broker, &["approve", &session, &step.to_string()]);
+    svc.freeze(true);
+    let _resuming = Orchestrator::journaled_with(
+        Place::InProcess,
+        &broker,
+        &llm,
+        &aggregator,
+        TOKEN,
+        &local,
+        &[],
+    );
+    tokio::time::sleep(Duration::from_millis(1000)).await;
+    svc.freeze(false);
+    let responses = collect_dialog(&mut client, "at-start", Duration::from_secs(60))
+        .await
+        .unwrap();
+    assert_eq!(
+        responses.last().map(|r| r.content.as_str()),
+        Some("paid"),
+        "{responses:#?}"
+    );
+    assert_eq!(payments(&llm, "pay invoice start-1"), 1);
+}
+
 /// A sealed approval given before the call it names was asked (beyond an hour of clocks
 /// disagreeing) is an earlier call's, copied off the control topic and sent again: a session's id
 /// is its client's to choose, so a new dialog under an old id could park a call where an old

@@ -271,6 +271,7 @@ pub async fn run(settings: Settings, shutdown: CancellationToken) -> anyhow::Res
             one_at_a_time: true,
         };
         let engine = engine.clone();
+        let config_ready = config_ready.clone();
         spawn_consumer(
             &bus,
             config,
@@ -278,7 +279,13 @@ pub async fn run(settings: Settings, shutdown: CancellationToken) -> anyhow::Res
             "taking answers to approvals stopped",
             move |delivery: Delivery<agent_schema::AgentControl>| {
                 let engine = engine.clone();
-                async move { engine.answer(delivery).await }
+                let mut ready = config_ready.clone();
+                async move {
+                    // As for requests: a call resumed on its answer is checked against the
+                    // deployment's tools and limits, not the files this replica started with.
+                    let _ = ready.wait_for(|read| *read).await;
+                    engine.answer(delivery).await
+                }
             },
         )
     };
