@@ -630,8 +630,8 @@ impl LlmClient {
                 }
                 let tool_calls = calls.finish();
                 // With tool calls, servers send `content: null`.
-                let content = match message["content"].as_str() {
-                    Some(content) => content.to_owned(),
+                let content = match content_text(&message["content"]) {
+                    Some(content) => content,
                     None if !tool_calls.is_empty() => String::new(),
                     // A well-formed answer with no text (a refusal, a content filter, a model
                     // that spent its length on reasoning) is the same when asked again: before,
@@ -756,12 +756,12 @@ impl LlmClient {
                         )),
                     ));
                 }
-                if let Some(delta) = event["choices"][0]["delta"]["content"].as_str() {
+                if let Some(delta) = content_text(&event["choices"][0]["delta"]["content"]) {
                     if !delta.is_empty() {
-                        text.push_str(delta);
+                        text.push_str(&delta);
                         // Only text someone received makes a later failure unretryable; a receiver
                         // that went away (or never listened) saw nothing, so the call may be redone.
-                        if deltas.send(delta.to_owned()).await.is_ok() {
+                        if deltas.send(delta).await.is_ok() {
                             sent_any = true;
                         }
                     }
@@ -847,6 +847,26 @@ impl LlmClient {
             cut_off: value["choices"][0]["finish_reason"].as_str() == Some("length"),
             tool_calls: Vec::new(),
         }
+    }
+}
+
+/// A message's text: a string, or a list of content parts (`[{"type": "text", "text": ...}]`, as
+/// Mistral's reasoning models and some proxies send), whose text parts are joined. Parts of other
+/// types (a reasoning trace, an image) are not the answer. Before, a list was taken for no text:
+/// streamed, the answer came back empty without a word.
+fn content_text(content: &Value) -> Option<String> {
+    match content {
+        Value::String(text) => Some(text.clone()),
+        // A list without text (only a reasoning trace) is no text, as `null` is.
+        Value::Array(parts) => Some(
+            parts
+                .iter()
+                .filter(|part| matches!(part["type"].as_str(), None | Some("text")))
+                .filter_map(|part| part["text"].as_str())
+                .collect::<String>(),
+        )
+        .filter(|text| !text.is_empty()),
+        _ => None,
     }
 }
 

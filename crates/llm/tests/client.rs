@@ -564,3 +564,34 @@ async fn a_tool_call_with_no_place_after_the_largest_index_is_refused() {
         .unwrap_err();
     assert!(err.to_string().contains("largest index"), "{err:?}");
 }
+
+/// Text sent as a list of content parts (`[{"type": "text", "text": ...}]`) is the answer, its
+/// text parts joined and its other parts (a reasoning trace) left out, whole and streamed.
+/// Streamed, it was taken for no text: the answer came back empty without a word.
+#[tokio::test]
+async fn text_sent_as_content_parts_is_the_answer() {
+    let (url, _) = raw_server(|connection| {
+        Box::pin(write_answer(
+            connection,
+            "application/json",
+            br#"{"model":"m","choices":[{"index":0,"message":{"role":"assistant","content":[{"type":"thinking","thinking":"hmm"},{"type":"text","text":"Final Answer: "},{"type":"text","text":"42"}]},"finish_reason":"stop"}]}"#,
+        ))
+    })
+    .await;
+    let c = raw_client(&url, Duration::from_secs(30))
+        .complete(&ask("q"))
+        .await
+        .unwrap();
+    assert_eq!(c.text, "Final Answer: 42");
+
+    let (url, _) = raw_server(|connection| {
+        Box::pin(async move {
+            let body = b"data: {\"choices\":[{\"delta\":{\"content\":[{\"type\":\"thinking\",\"thinking\":\"hmm\"}]}}]}\n\ndata: {\"choices\":[{\"delta\":{\"content\":[{\"type\":\"text\",\"text\":\"Final Answer: \"}]}}]}\n\ndata: {\"choices\":[{\"delta\":{\"content\":[{\"type\":\"text\",\"text\":\"42\"}]}}]}\n\ndata: {\"choices\":[{\"delta\":{},\"finish_reason\":\"stop\"}]}\n\ndata: [DONE]\n\n";
+            write_answer(connection, "text/event-stream", body).await;
+        })
+    })
+    .await;
+    let (result, deltas) = stream(&raw_client(&url, Duration::from_secs(30)), "q").await;
+    assert_eq!(result.unwrap().text, "Final Answer: 42");
+    assert_eq!(deltas.concat(), "Final Answer: 42");
+}
