@@ -22,6 +22,20 @@ fn declared_type(property: &Value) -> Option<&str> {
     }
 }
 
+/// Every type a property declares, in order, without `null`: a union's (`["integer",
+/// "string"]`, pydantic's `int | str` as `anyOf`) each. An argument is typed as the first that
+/// reads it: typed by the first alone, a string such a union takes was refused.
+fn declared_types(property: &Value) -> Vec<&str> {
+    let mut kinds: Vec<&str> = match property.get("type") {
+        Some(Value::String(kind)) => vec![kind.as_str()],
+        Some(Value::Array(kinds)) => kinds.iter().filter_map(Value::as_str).collect(),
+        _ => branches(property).flat_map(declared_types).collect(),
+    };
+    kinds.retain(|kind| *kind != "null");
+    kinds.dedup();
+    kinds
+}
+
 fn branches(property: &Value) -> impl Iterator<Item = &Value> {
     ["anyOf", "oneOf"]
         .into_iter()
@@ -93,10 +107,19 @@ pub fn typed_arguments(
             if text.trim() == "null" && property.is_some_and(allows_null) {
                 return Ok((name.clone(), Value::Null));
             }
-            let kind = property.and_then(declared_type).unwrap_or("string");
-            let value = typed(kind, text).ok_or_else(|| {
-                format!("the argument '{name}' must be of type {kind}, and '{text}' is not")
-            })?;
+            let mut kinds = property.map(declared_types).unwrap_or_default();
+            if kinds.is_empty() {
+                kinds.push("string");
+            }
+            let value = kinds
+                .iter()
+                .find_map(|kind| typed(kind, text))
+                .ok_or_else(|| {
+                    format!(
+                        "the argument '{name}' must be of type {}, and '{text}' is not",
+                        kinds.join(" or ")
+                    )
+                })?;
             Ok((name.clone(), value))
         })
         .collect()
@@ -105,12 +128,18 @@ pub fn typed_arguments(
 fn typed(kind: &str, text: &str) -> Option<Value> {
     let trimmed = text.trim();
     match kind {
-        "integer" => trimmed
-            .parse::<i64>()
-            .ok()
-            .map(Value::from)
-            .or_else(|| whole_number(trimmed)),
-        "number" => trimmed.parse::<i64>().ok().map(Value::from).or_else(|| {
+        "integer" => exact_integer(trimmed).or_else(|| whole_number(trimmed)),
+        // An integer is sent exactly or not at all: through a float, one past 2^53 went as
+        // another number than the LLM wrote.
+        "number" => exact_integer(trimmed).or_else(|| {
+            let integer = trimmed
+                .strip_prefix('-')
+                .unwrap_or(trimmed)
+                .bytes()
+                .all(|b| b.is_ascii_digit());
+            if integer {
+                return None;
+            }
             trimmed
                 .parse::<f64>()
                 .ok()
@@ -131,6 +160,14 @@ fn typed(kind: &str, text: &str) -> Option<Value> {
         "null" => Some(Value::Null),
         _ => Some(Value::String(text.to_owned())),
     }
+}
+
+/// An integer JSON can carry exactly: within `i64`, or above it within `u64`.
+fn exact_integer(text: &str) -> Option<Value> {
+    text.parse::<i64>()
+        .ok()
+        .map(Value::from)
+        .or_else(|| text.parse::<u64>().ok().map(Value::from))
 }
 
 /// `"3.0"` for an integer argument: LLMs write whole numbers that way.
@@ -247,6 +284,57 @@ mod tests {
         };
         assert_eq!(kind_of("tags").as_deref(), Some("array"));
         assert_eq!(kind_of("limit").as_deref(), Some("integer"));
+    }
+
+    #[test]
+    fn a_union_takes_what_any_of_its_types_reads_and_numbers_go_exactly() {
+        let schema = json!({
+            "type": "object",
+            "properties": {
+                "id": {"type": ["integer", "string"]},
+                "key": {"anyOf": [{"type": "integer"}, {"type": "string"}, {"type": "null"}]},
+                "big": {"type": "number"},
+                "count": {"type": "integer"}
+            }
+        });
+        let Value::Object(schema) = schema else {
+            unreachable!()
+        };
+        let typed = typed_arguments(
+            &schema,
+            &args(&[
+                ("id", "abc"),
+                ("key", "12"),
+                ("big", "12345678901234567890"),
+                ("count", "18446744073709551615"),
+            ]),
+        );
+        assert_eq!(
+            typed.map(Value::Object),
+            Ok(json!({"id": "abc", "key": 12, "big": 12345678901234567890u64, "count": u64::MAX}))
+        );
+        // Past what JSON carries exactly: refused, not rounded.
+        let huge = typed_arguments(&schema, &args(&[("big", "123456789012345678901234")]));
+        assert_eq!(
+            huge,
+            Err(
+                "the argument 'big' must be of type number, and '123456789012345678901234' is not"
+                    .to_owned()
+            )
+        );
+        let neither = typed_arguments(
+            &json!({"properties": {"id": {"type": ["integer", "boolean"]}}})
+                .as_object()
+                .cloned()
+                .unwrap_or_default(),
+            &args(&[("id", "abc")]),
+        );
+        assert_eq!(
+            neither,
+            Err(
+                "the argument 'id' must be of type integer or boolean, and 'abc' is not".to_owned()
+            )
+        );
     }
 
     #[test]
