@@ -189,8 +189,9 @@ fn framed(parts: &[&[u8]]) -> Vec<u8> {
     bytes
 }
 
+/// Hex digits only: `from_str_radix` also takes a sign, so a seal had more than one spelling.
 fn unhex(text: &str) -> Option<Vec<u8>> {
-    if !text.len().is_multiple_of(2) {
+    if !text.len().is_multiple_of(2) || !text.bytes().all(|b| b.is_ascii_hexdigit()) {
         return None;
     }
     (0..text.len())
@@ -273,6 +274,17 @@ mod tests {
         assert!(!SealKey::new(b"other").verify(&["a", "bc"], &seal));
         assert!(!key.verify(&["a", "bc"], "zz"));
         assert!(!key.verify(&["a", "bc"], ""));
+        // One spelling: a byte under 0x10 written with a sign instead of its 0 is no seal.
+        let mut signed = None;
+        for n in 0..64u8 {
+            let seal = key.seal(&["a", &n.to_string()]);
+            if let Some(at) = (0..seal.len()).step_by(2).find(|&i| &seal[i..i + 1] == "0") {
+                signed = Some((n, format!("{}+{}", &seal[..at], &seal[at + 1..])));
+                break;
+            }
+        }
+        let (n, signed) = signed.unwrap_or_default();
+        assert!(!key.verify(&["a", &n.to_string()], &signed), "{signed}");
         assert!(SealKey::configured(Some("  "), "test").is_none());
         assert!(SealKey::configured(Some("k"), "test").is_some());
     }
