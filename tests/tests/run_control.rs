@@ -2900,7 +2900,10 @@ async fn an_approval_taken_up_at_a_start_waits_for_the_config_service() {
         .unwrap();
     let responses = until_approval_asked(&mut client, "at-start").await;
     let (_, session, step) = approval_asked(&responses);
-    parking.kill();
+    // Stopped, not killed: killed, its connection may be reset, and pulsar-lite then keeps its
+    // consumer of the answers' failover subscription (a ghost), to which the answer goes.
+    parking.terminate();
+    assert!(parking.exited_within(Duration::from_secs(30)).await);
     // Answered while no orchestrator runs: the next one finds it waiting as it subscribes.
     agentctl(&broker, &["approve", &session, &step.to_string()]);
     svc.freeze(true);
