@@ -487,18 +487,30 @@ async fn a_server_error_reported_in_a_stream_is_still_retried() {
     assert_eq!(requests.load(std::sync::atomic::Ordering::SeqCst), 4);
 }
 
+/// One line of many deltas, each only a new call's index; made once.
+fn empty_tool_calls() -> &'static [u8] {
+    static BODY: std::sync::OnceLock<Vec<u8>> = std::sync::OnceLock::new();
+    BODY.get_or_init(|| {
+        let deltas: Vec<_> = (0..100_000)
+            .map(|index| serde_json::json!({ "index": index }))
+            .collect();
+        let event = serde_json::json!({"choices": [{"delta": {"tool_calls": deltas}}]});
+        format!("data: {event}\n\ndata: [DONE]\n\n").into_bytes()
+    })
+}
+
 #[tokio::test]
 async fn a_stream_of_empty_tool_calls_without_end_is_refused() {
+    // Made before any request: made for each, in a debug build under the suite's load, it took
+    // longer than the client's idle timeout (500 ms) to start the answer, and the client asked
+    // again.
+    empty_tool_calls();
     let (url, requests) = raw_server(|connection| {
-        Box::pin(async move {
-            // One line of many deltas, each only a new call's index.
-            let deltas: Vec<_> = (0..100_000)
-                .map(|index| serde_json::json!({ "index": index }))
-                .collect();
-            let event = serde_json::json!({"choices": [{"delta": {"tool_calls": deltas}}]});
-            let body = format!("data: {event}\n\ndata: [DONE]\n\n");
-            write_answer(connection, "text/event-stream", body.as_bytes()).await;
-        })
+        Box::pin(write_answer(
+            connection,
+            "text/event-stream",
+            empty_tool_calls(),
+        ))
     })
     .await;
     let (result, _) = stream(&raw_client(&url, Duration::from_secs(30)), "q").await;
