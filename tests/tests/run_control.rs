@@ -2929,6 +2929,89 @@ async fn an_approval_taken_up_at_a_start_waits_for_the_config_service() {
     assert_eq!(payments(&llm, "pay invoice start-1"), 1);
 }
 
+/// A call approved after the config stopped defining its tool is refused, and the refusal names
+/// the tools the config defines now. Before, it named those the LLM was shown when the call was
+/// parked ("available tools: llm, pay"), so the agent was told to use the tool that had gone.
+#[tokio::test]
+async fn a_call_approved_after_its_tool_was_removed_is_refused_with_the_tools_there_are_now() {
+    let broker = Broker::start().unwrap();
+    let aggregator = Aggregator::spawn_with(&broker, &["--config-token", TOKEN]);
+    let llm = scripted_llm(
+        r#"{"rules": [
+      {"match": "pay invoice gone-1", "exact": true, "reply": "payment sent"},
+      {"match": "no tool named 'pay'", "reply": "Thought: It cannot be paid.\nFinal Answer: not paid"},
+      {"match": "Question: pay the gone invoice", "reply": "Thought: Pay it.\nAction: pay\nArgs: {\"question\": \"pay invoice gone-1\"}"}
+    ]}"#,
+    )
+    .await;
+    let mut parking = Orchestrator::journaled_with(
+        Place::InProcess,
+        &broker,
+        &llm,
+        &aggregator,
+        TOKEN,
+        &pay_config("gone-before", 300),
+        &[],
+    );
+    let mut client = client(&broker).await;
+    client
+        .send(
+            "gone",
+            &AgentRequest {
+                pattern: "react".into(),
+                ..request("pay the gone invoice", false)
+            },
+        )
+        .await
+        .unwrap();
+    let responses = until_approval_asked(&mut client, "gone").await;
+    let (_, session, step) = approval_asked(&responses);
+    parking.terminate();
+    assert!(parking.exited_within(Duration::from_secs(30)).await);
+    // The deployment's config now defines `refund` beside `llm`, and no `pay`.
+    let without_pay = seed_with(
+        "gone-after",
+        &[(
+            "tool",
+            r#"{
+  "llm": {"name": "llm", "description": "Ask the LLM a question", "type": "text-completion",
+          "arguments": [{"name": "question", "type": "string", "description": "The question"}]},
+  "refund": {"name": "refund", "description": "Refund an invoice", "type": "text-completion",
+          "arguments": [{"name": "question", "type": "string", "description": "What to refund"}]}
+}"#,
+        )],
+    );
+    let _resuming = Orchestrator::journaled_with(
+        Place::InProcess,
+        &broker,
+        &llm,
+        &aggregator,
+        TOKEN,
+        &without_pay,
+        &[],
+    );
+    agentctl(&broker, &["approve", &session, &step.to_string()]);
+    let responses = collect_dialog(&mut client, "gone", Duration::from_secs(60))
+        .await
+        .unwrap();
+    assert_eq!(
+        responses.last().map(|r| r.content.as_str()),
+        Some("not paid"),
+        "{responses:#?}"
+    );
+    assert_eq!(payments(&llm, "pay invoice gone-1"), 0, "paid with no tool");
+    let told = llm
+        .calls()
+        .into_iter()
+        .find(|c| c.last_user.contains("no tool named 'pay'"))
+        .map(|c| c.last_user)
+        .unwrap_or_default();
+    assert!(
+        told.contains("no tool named 'pay'; available tools: llm, refund"),
+        "{told}"
+    );
+}
+
 /// A sealed approval given before the call it names was asked (beyond an hour of clocks
 /// disagreeing) is an earlier call's, copied off the control topic and sent again: a session's id
 /// is its client's to choose, so a new dialog under an old id could park a call where an old

@@ -220,13 +220,19 @@ pub async fn act(
 ) -> Result<(), BusError> {
     let request = turn.request;
     let scope = Scope::new(request.group.as_deref(), request.state.as_deref());
-    let candidates: Vec<&str> = decision.candidates.iter().map(String::as_str).collect();
+    // A refusal names the tools the config defines now, not those the LLM was shown: resumed after
+    // an approval, the config may have changed while the call waited.
+    let available: Vec<&str> = scope
+        .visible(&turn.config.tools)
+        .into_iter()
+        .map(|tool| tool.name.as_str())
+        .collect();
     let (run, next_state) = run_scoped_tool(
         turn,
         &scope,
         &decision.action,
         &decision.arguments,
-        &candidates,
+        &available,
         approved,
     )
     .await;
