@@ -695,6 +695,25 @@ mod tests {
         parse(text)
     }
 
+    /// A verdict a reasoning model drafts in its `<think>` block is not its verdict: the one after
+    /// the block is, whether the block opens in the reply or (R1's template) in the prompt.
+    /// Before, the first object read, the draft's SUCCESS, let a step the critic rejected stand.
+    #[test]
+    fn a_verdict_drafted_while_thinking_is_not_the_verdict() {
+        let thought =
+            r#"Maybe {"status": "SUCCESS", "evaluation": "looks fine"} but the sum is wrong."#;
+        let given =
+            r#"{"status": "EXECUTION_ERROR", "evaluation": "sum wrong", "lesson": "recompute"}"#;
+        for text in [
+            format!("<think>\n{thought}\n</think>\n{given}"),
+            format!("{thought}\n</think>\n\n{given}"),
+        ] {
+            let read = verdict(&text);
+            assert_eq!(read.status, Status::ExecutionError, "{text}");
+            assert_eq!(read.lesson, "recompute");
+        }
+    }
+
     #[test]
     fn a_rejected_draft_is_written_again_until_the_retries_are_used() {
         let verdict = |status: Status| AgentStep {

@@ -230,6 +230,8 @@ fn find_cycle(plan: &[PlanStep]) -> Option<Vec<usize>> {
 /// the plan is the first JSON value in the answer that reads as one, so a bracket in the prose
 /// or a `<think>` block before it (`steps [0] and [1]`) does not stand for it.
 pub fn parse(text: &str) -> Result<(Vec<PlanStep>, String), String> {
+    // A plan drafted in a reasoning model's `<think>` block is not the plan.
+    let text = crate::react::without_think(text);
     let mut problem: Option<String> = None;
     let mut empty = None;
     for (tried, (start, _)) in text
@@ -511,6 +513,12 @@ pub(crate) mod tests {
         )
         .unwrap();
         assert_eq!((plan.len(), rationale.as_str()), (1, "r"));
+        // A plan drafted while thinking is not the plan (before, it was read first).
+        let (plan, _) = parse(
+            "<think>\nMaybe {\"steps\": [{\"goal\": \"guess\"}]}\n</think>\n{\"steps\": [{\"goal\": \"real\"}]}",
+        )
+        .unwrap();
+        assert_eq!(plan[0].goal, "real");
         assert!(parse("no plan at all").is_err());
         assert!(parse(r#"{"steps": [{"goal": 3}]}"#).is_err());
         assert!(parse("[]").unwrap().0.is_empty());

@@ -209,6 +209,88 @@ pub fn without_think(text: &str) -> &str {
     }
 }
 
+/// Streamed text as [`without_think`] reads it whole, given as it comes: a `<think>` block the
+/// reply opens with is held back, and what follows its close goes on from its first visible
+/// character. A reply given whole as the answer (a synthesis, a plan's answer) was streamed raw,
+/// so the client was sent the model's reasoning, tags and all, where the graph recorded the
+/// answer without it. (A close written without its opening, the opening being in the prompt, is
+/// told only once the text has gone: that form is not held back.)
+///
+/// ```
+/// use agent_core::react::ThinkSkipping;
+/// let mut skipping = ThinkSkipping::default();
+/// let shown: String = ["<thi", "nk>\nhm, 41?", "\n</think>", "\n\nThe answer", " is 42"]
+///     .iter()
+///     .map(|delta| skipping.push(delta))
+///     .collect();
+/// assert_eq!(shown + &skipping.finish(), "The answer is 42");
+/// ```
+#[derive(Debug, Default)]
+pub struct ThinkSkipping {
+    held: String,
+    state: Skipping,
+}
+
+#[derive(Debug, Default, PartialEq, Eq)]
+enum Skipping {
+    /// Nothing but whitespace, or what may yet be the opening, has come.
+    #[default]
+    Undecided,
+    /// In the block: held until its close.
+    Thinking,
+    /// After the close, until the first visible character.
+    AfterThinking,
+    /// Everything goes on as it comes.
+    Passing,
+}
+
+impl ThinkSkipping {
+    /// What of `delta` may be shown now.
+    pub fn push(&mut self, delta: &str) -> String {
+        match self.state {
+            Skipping::Passing => return delta.to_owned(),
+            Skipping::AfterThinking => {
+                let shown = delta.trim_start();
+                if !shown.is_empty() {
+                    self.state = Skipping::Passing;
+                }
+                return shown.to_owned();
+            }
+            Skipping::Undecided | Skipping::Thinking => self.held.push_str(delta),
+        }
+        if self.state == Skipping::Undecided {
+            let start = self.held.trim_start();
+            if start.is_empty() || (start.len() < THINK_OPEN.len() && THINK_OPEN.starts_with(start))
+            {
+                return String::new();
+            }
+            if !start.starts_with(THINK_OPEN) {
+                self.state = Skipping::Passing;
+                return std::mem::take(&mut self.held);
+            }
+            self.state = Skipping::Thinking;
+        }
+        match self.held.find(THINK_CLOSE) {
+            Some(close) => {
+                let after = self.held[close + THINK_CLOSE.len()..].to_owned();
+                self.held.clear();
+                self.state = Skipping::AfterThinking;
+                self.push(&after)
+            }
+            None => String::new(),
+        }
+    }
+
+    /// What is still held when the text ends: a start that only looked like an opening (`<th`).
+    /// A block never closed shows nothing, as [`without_think`] reads it.
+    pub fn finish(&mut self) -> String {
+        match self.state {
+            Skipping::Undecided => std::mem::take(&mut self.held),
+            _ => String::new(),
+        }
+    }
+}
+
 /// [`think_block`]; with `decision_after`, a close written without its opening counts only when
 /// a decision follows it.
 fn think_block_before(text: &str, complete: bool, decision_after: bool) -> Option<ThinkBlock> {
@@ -525,9 +607,14 @@ pub(crate) fn first_json_value(text: &str) -> Option<Result<serde_json::Value, s
 /// The JSON objects in `text`, wherever they start: prose before the reply may hold braces
 /// ("step {0} is wrong") that open no object, or quote an object that is not the reply. Only the
 /// first few openings are tried, since each is read to its end.
+///
+/// A reasoning model's `<think>` block is left out (see [`without_think`]): an object drafted
+/// while thinking ("maybe `{"status": "SUCCESS"}`... but the sum is wrong") is not the reply, and
+/// read first it was taken for it.
 pub(crate) fn objects_in(
     text: &str,
 ) -> impl Iterator<Item = serde_json::Map<String, serde_json::Value>> + '_ {
+    let text = without_think(text);
     // The first and the last openings: an answer comes after whatever it quotes (a tool's JSON,
     // code), which can hold more braces than are tried from the start.
     let starts: Vec<usize> = text.match_indices('{').map(|(start, _)| start).collect();
@@ -731,6 +818,40 @@ mod tests {
                 _ => None,
             })
             .collect()
+    }
+
+    /// Streamed through [`ThinkSkipping`] in chunks of any size, a reply that opens a `<think>`
+    /// block (or none) shows what [`without_think`] reads from it whole: the answer without the
+    /// reasoning. Before, a synthesis streamed the block to the client as answer text.
+    #[test]
+    fn a_think_block_is_left_out_of_a_streamed_answer_as_of_a_whole_one() {
+        let texts = [
+            "<think>\nhm, maybe 41\n</think>\n\nThe answer is 42",
+            "  <think>plan it</think>The answer, é😀",
+            "The answer is 42, as <think> says",
+            "<thinking aloud> is not a block",
+            "<think>never closed",
+            "<th",
+            "",
+            "   \n  ",
+        ];
+        for text in texts {
+            for size in 1..=9 {
+                let mut skipping = ThinkSkipping::default();
+                let chars: Vec<char> = text.chars().collect();
+                let mut shown: String = chars
+                    .chunks(size)
+                    .map(|chunk| skipping.push(&chunk.iter().collect::<String>()))
+                    .collect();
+                shown.push_str(&skipping.finish());
+                let expected = if text.trim_start().starts_with("<think>") {
+                    without_think(text)
+                } else {
+                    text
+                };
+                assert_eq!(shown, expected, "{text:?} in chunks of {size}");
+            }
+        }
     }
 
     /// Settled once its first decision cannot change, a stream gives what a stream read whole

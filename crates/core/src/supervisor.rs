@@ -54,6 +54,8 @@ impl Goal {
 /// need on no kept goal, on the goal itself, or closing a cycle is dropped, so the goals always
 /// form a graph that can run to its end.
 pub fn parse_goals(text: &str, max: usize, nested: bool) -> Result<Vec<Goal>, String> {
+    // Goals drafted in a reasoning model's `<think>` block are not the split.
+    let text = crate::react::without_think(text);
     // The first JSON value that reads as goals: a bracket in the prose before them (`Split in
     // [two]:`) stood for them before, and the answer was refused.
     let mut problem = None;
@@ -963,6 +965,15 @@ mod tests {
         )
         .unwrap();
         assert_eq!(goals.len(), 2);
+        // Goals drafted while thinking are not the split (before, they were read first).
+        let goals = parse_goals(
+            "<think>\n[{\"goal\": \"draft\"}]\n</think>\n[{\"goal\": \"a\"}, {\"goal\": \"b\"}]",
+            5,
+            false,
+        )
+        .unwrap();
+        let read: Vec<&str> = goals.iter().map(|g| g.goal.as_str()).collect();
+        assert_eq!(read, ["a", "b"]);
         // Code with a list of strings in it is no list of goals (a small model's recorded reply).
         assert!(parse_goals(
             "```python\nbody = {\"h\": {\"x\",},}\nbody[\"response_type\"] = 1\n```",

@@ -126,19 +126,65 @@ pub async fn answer(
     let call = llm.stream(messages, tx);
     tokio::pin!(call);
     let mut result = None;
+    // The answer is recorded without a reasoning model's `<think>` block: it is sent so too.
+    let mut skipping = agent_core::react::ThinkSkipping::default();
     loop {
         tokio::select! {
             r = &mut call, if result.is_none() => result = Some(r),
             delta = rx.recv() => match delta {
-                Some(text) => out.chunk(MessageType::Answer, &text, answer_id, false).await?,
+                Some(text) => {
+                    let shown = skipping.push(&text);
+                    if !shown.is_empty() {
+                        out.chunk(MessageType::Answer, &shown, answer_id, false).await?;
+                    }
+                }
                 None => break,
             },
         }
+    }
+    let rest = skipping.finish();
+    if !rest.is_empty() {
+        out.chunk(MessageType::Answer, &rest, answer_id, false)
+            .await?;
     }
     Ok(match result {
         Some(r) => r,
         None => call.await,
     })
+}
+
+/// [`answer_unless`]'s handling of `text`: sent once the first visible character is not one of
+/// `held`, kept back (`waiting`) until that character comes.
+async fn pass_or_hold(
+    out: &DialogOutput<'_>,
+    answer_id: &str,
+    held: &[char],
+    (passing, waiting): (&mut Option<bool>, &mut String),
+    text: &str,
+) -> Result<(), BusError> {
+    if text.is_empty() {
+        return Ok(());
+    }
+    match passing {
+        Some(true) => {
+            out.chunk(MessageType::Answer, text, answer_id, false)
+                .await?
+        }
+        Some(false) => {}
+        None => {
+            waiting.push_str(text);
+            if let Some(first) = waiting.trim_start().chars().next() {
+                let pass = !held.contains(&first);
+                *passing = Some(pass);
+                if pass {
+                    let text = std::mem::take(waiting);
+                    out.chunk(MessageType::Answer, &text, answer_id, false)
+                        .await?;
+                }
+            }
+        }
+    }
+    Ok(())
 }
 
 /// Streams an answer that may turn out not to be one: text whose first visible character is one
@@ -159,29 +205,23 @@ pub async fn answer_unless(
     // None while only whitespace has come: the decision waits for the first visible character.
     let mut passing: Option<bool> = None;
     let mut waiting = String::new();
+    // Decided on, and sent, without a reasoning model's `<think>` block, as the text is read:
+    // a block opening the reply was streamed as the answer, JSON after it included.
+    let mut skipping = agent_core::react::ThinkSkipping::default();
     loop {
         tokio::select! {
             r = &mut call, if result.is_none() => result = Some(r),
             delta = rx.recv() => match delta {
-                Some(text) => match passing {
-                    Some(true) => out.chunk(MessageType::Answer, &text, answer_id, false).await?,
-                    Some(false) => {}
-                    None => {
-                        waiting.push_str(&text);
-                        if let Some(first) = waiting.trim_start().chars().next() {
-                            let pass = !held.contains(&first);
-                            passing = Some(pass);
-                            if pass {
-                                let text = std::mem::take(&mut waiting);
-                                out.chunk(MessageType::Answer, &text, answer_id, false).await?;
-                            }
-                        }
-                    }
-                },
+                Some(text) => {
+                    let text = skipping.push(&text);
+                    pass_or_hold(out, answer_id, held, (&mut passing, &mut waiting), &text).await?;
+                }
                 None => break,
             },
         }
     }
+    let rest = skipping.finish();
+    pass_or_hold(out, answer_id, held, (&mut passing, &mut waiting), &rest).await?;
     let result = match result {
         Some(r) => r,
         None => call.await,

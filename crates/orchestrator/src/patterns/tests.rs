@@ -38,6 +38,8 @@ const SCRIPT: &str = r#"{"rules": [
   {"match": "Question to reconcile: Is it safe?", "reply": "{\"agreed\": [\"it depends\"], \"disagreed\": [], \"answer\": \"Mostly safe.\"}"},
   {"match": "Request to answer from the subagents: Empty", "reply": ""},
   {"match": "Question to reconcile: Empty?", "reply": "   "},
+  {"match": "Think, then answer", "reply": "<think>\nhm, maybe 41\n</think>\n\nThe answer is 42", "chunk_size": 3},
+  {"match": "Think, then split", "reply": "<think>\nsplit it?\n</think>\n{\"goals\": [{\"goal\": \"a\"}]}", "chunk_size": 3},
   {"match": "Request to split: Chain", "reply": "[{\"id\": \"a\", \"goal\": \"find a\"}, {\"id\": \"b\", \"goal\": \"use a\", \"needs\": [\"a\"]}]"}
 ]}"#;
 
@@ -843,4 +845,56 @@ async fn a_streaming_subagent_streams_its_thought_but_sends_no_answer() {
         closing(&sent).is_empty(),
         "a subagent never ends the client's dialog"
     );
+}
+
+/// A reply a reasoning model opens with its `<think>` block is streamed as the answer without it,
+/// as the answer is recorded; one whose text after the block is JSON (a supervisor's request for
+/// another round) is held back whole. Before, the block went to the client as answer text, and a
+/// reply of a block and JSON was streamed as the answer before it was read as JSON.
+#[tokio::test]
+async fn a_streamed_answer_leaves_out_the_models_think_block() {
+    let harness = Harness::start().await;
+    let sink = MemorySink::default();
+    let outputs = Outputs::Memory(sink.clone());
+    let streaming = AgentRequest {
+        streaming: true,
+        ..request("think", "plan-then-execute")
+    };
+    let uris = SessionUris::new(&streaming.session_id);
+    let out = DialogOutput::new(&outputs, Some("client-1"), "default", &uris.session(), 0)
+        .for_step(
+            &streaming,
+            &uris.session(),
+            0,
+            harness.config.limits.max_message_bytes,
+        );
+    let answered = crate::stream::answer(
+        &harness.client,
+        &out,
+        &[agent_llm::ChatMessage::user("Think, then answer")],
+        &uris.conclusion(),
+    )
+    .await
+    .expect("the chunks are sent")
+    .expect("the LLM answers");
+    assert!(answered.text.starts_with("<think>"), "{}", answered.text);
+    let (split, streamed) = crate::stream::answer_unless(
+        &harness.client,
+        &out,
+        &[agent_llm::ChatMessage::user("Think, then split")],
+        &uris.conclusion(),
+        &['{', '`'],
+    )
+    .await
+    .expect("the chunks are sent");
+    assert!(split.is_ok(), "{split:?}");
+    assert!(!streamed, "JSON after the block was streamed as the answer");
+    let answer: String = sink
+        .decoded::<AgentResponse>(Channel::Responses)
+        .iter()
+        .filter(|r| r.message_type == "answer")
+        .map(|r| r.content.clone())
+        .collect();
+    assert_eq!(answer, "The answer is 42");
+    assert_eq!(agent_core::react::without_think(&answered.text), answer);
 }
