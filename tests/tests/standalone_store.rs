@@ -365,3 +365,50 @@ async fn inserts_made_together_are_kept_but_for_the_one_the_server_refuses() {
         counted(6)
     );
 }
+
+/// A stranger's query whose `SERVICE` call hides in a `\u` escape makes Apache Jena Fuseki call
+/// nothing, and the query as the aggregator now sends it (written out again from what it checked,
+/// see `nested.rs::a_service_call_hidden_in_an_escape_is_not_sent_to_a_sparql_server`) is one
+/// Fuseki answers. Fuseki 5.6 reads the escape inside the string, as our check does, so this
+/// passed before that change too: it guards the rewritten query's answer, and a Fuseki that reads
+/// escapes before the grammar (as SPARQL 1.1 says). The URL would be a listener of this test's.
+#[tokio::test]
+async fn a_service_call_hidden_in_an_escape_does_not_reach_out_from_fuseki() {
+    let broker = Broker::start().unwrap();
+    let aggregator = Aggregator::spawn_over(
+        &broker,
+        Some(SparqlServer::start(Kind::Fuseki)),
+        &["--config-token", TOKEN],
+    );
+    let inside = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    inside.set_nonblocking(true).unwrap();
+    let target = format!("http://{}/sparql", inside.local_addr().unwrap());
+    let hidden =
+        format!(r#"SELECT * WHERE {{ ?s ?p "a\u0022 . SERVICE <{target}> {{ ?x ?y ?z }} }} #" }}"#);
+    let plain = format!("SELECT * WHERE {{ SERVICE <{target}> {{ ?x ?y ?z }} }}");
+    let stranger = reqwest::Client::builder()
+        .timeout(Duration::from_secs(30))
+        .build()
+        .unwrap();
+    let ask = |query: String| {
+        stranger
+            .post(format!("{}/query", aggregator.endpoint))
+            .header("content-type", "application/sparql-query")
+            .header("accept", "application/sparql-results+json")
+            .body(query)
+            .send()
+    };
+    // Written plainly, the call is refused before the server sees it.
+    let refused = ask(plain).await.unwrap();
+    assert_eq!(refused.status(), 400, "{:?}", refused.text().await);
+    let answered = ask(hidden).await;
+    let status = answered.as_ref().map(reqwest::Response::status);
+    // Long enough for a call the server made to have reached the listener.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert!(
+        matches!(inside.accept(), Err(e) if e.kind() == std::io::ErrorKind::WouldBlock),
+        "Fuseki called the URL hidden in the escape (the query was answered {status:?})"
+    );
+    // For our parser and as sent, a pattern with one long literal: answered, with no rows.
+    assert_eq!(status.ok(), Some(reqwest::StatusCode::OK));
+}

@@ -761,4 +761,19 @@ mod tests {
         assert_eq!(percent_decode("100%"), "100%");
         assert_eq!(percent_decode("%zz"), "%zz");
     }
+
+    /// A store that failed is answered as the server's fault (500), which a replica writing
+    /// through this endpoint tries again; a bad update as the client's (400), which it does not.
+    #[test]
+    fn a_failing_store_is_answered_as_the_servers_fault() {
+        let status = |e| error_response(e).status();
+        assert_eq!(
+            status(GraphError::Storage("No space left on device".into())),
+            StatusCode::INTERNAL_SERVER_ERROR
+        );
+        assert_eq!(
+            status(GraphError::Evaluation("unbound service".into())),
+            StatusCode::BAD_REQUEST
+        );
+    }
 }

@@ -317,10 +317,12 @@ fn view_of(
                 model: index.one(node, tg::MODEL),
                 llm_ms: index.number(node, tg::LLM_DURATION_MS),
                 tool_ms: index.number(&observation, tg::TOOL_DURATION_MS),
-                in_token: index.number(node, tg::IN_TOKEN)
-                    + index.number(&observation, tg::IN_TOKEN),
-                out_token: index.number(node, tg::OUT_TOKEN)
-                    + index.number(&observation, tg::OUT_TOKEN),
+                in_token: index
+                    .number(node, tg::IN_TOKEN)
+                    .saturating_add(index.number(&observation, tg::IN_TOKEN)),
+                out_token: index
+                    .number(node, tg::OUT_TOKEN)
+                    .saturating_add(index.number(&observation, tg::OUT_TOKEN)),
             };
             view.in_token = view.in_token.saturating_add(iteration.in_token);
             view.out_token = view.out_token.saturating_add(iteration.out_token);
@@ -447,7 +449,7 @@ fn fanout_view(
             .rsplit_once("-s")
             .and_then(|(_, i)| i.parse::<usize>().ok())
     };
-    let (mut critic_in, mut critic_out) = (0, 0);
+    let (mut critic_in, mut critic_out) = (0u64, 0u64);
     let subagents = subagent_sessions
         .iter()
         .map(|sub| {
@@ -475,8 +477,8 @@ fn fanout_view(
                 .unwrap_or_default();
             let status = index.one(&evaluation, tg::EVALUATION_STATUS);
             let lesson = index.one(&evaluation, tg::LESSON);
-            critic_in += index.number(&evaluation, tg::IN_TOKEN);
-            critic_out += index.number(&evaluation, tg::OUT_TOKEN);
+            critic_in = critic_in.saturating_add(index.number(&evaluation, tg::IN_TOKEN));
+            critic_out = critic_out.saturating_add(index.number(&evaluation, tg::OUT_TOKEN));
             SubagentView {
                 status: index.one(&completion, tg::COMPLETION_STATUS),
                 result: index.document_text(&completion),
@@ -507,12 +509,14 @@ fn fanout_view(
         correlation_id: index.one(node, tg::CORRELATION_ID),
         expected: index.number(node, tg::EXPECTED_SIBLINGS),
         subagents,
-        in_token: index.number(node, tg::IN_TOKEN)
-            + index.number(&synthesis, tg::IN_TOKEN)
-            + critic_in,
-        out_token: index.number(node, tg::OUT_TOKEN)
-            + index.number(&synthesis, tg::OUT_TOKEN)
-            + critic_out,
+        in_token: index
+            .number(node, tg::IN_TOKEN)
+            .saturating_add(index.number(&synthesis, tg::IN_TOKEN))
+            .saturating_add(critic_in),
+        out_token: index
+            .number(node, tg::OUT_TOKEN)
+            .saturating_add(index.number(&synthesis, tg::OUT_TOKEN))
+            .saturating_add(critic_out),
         synthesis,
         missing,
         refused: index.one(node, tg::FAN_IN_REFUSED),
@@ -921,6 +925,100 @@ mod tests {
         // a: 4 fan-outs of a (shown, not opened) and b (opened: 4 fan-outs of a and b, neither
         // opened again).
         assert_eq!(views(&view), 1 + 4 * (1 + (1 + 4 * 2)));
+    }
+
+    /// Token counts the graph gives as large as a number can be (a forged record, a broken LLM
+    /// proxy's) add up to that number, not past it: an iteration's with its observation's, a
+    /// fan-out's with its judge's. Before, `explain` panicked in a debug build ("attempt to add
+    /// with overflow") and wrapped to a small total in a release one.
+    #[test]
+    fn token_counts_from_the_graph_add_up_without_overflow() {
+        let iri = |s: &str| {
+            Some(Term::NamedNode(oxigraph::model::NamedNode::new_unchecked(
+                s,
+            )))
+        };
+        let most = Some(Term::Literal(oxigraph::model::Literal::new_simple_literal(
+            u64::MAX.to_string(),
+        )));
+        let session = "urn:trustgraph:agent:s";
+        let (iteration, observation) =
+            (format!("{session}/i1"), format!("{session}/i1/observation"));
+        let fanout = format!("{session}/fanout/s-f1");
+        let synthesis = format!("{fanout}/synthesis");
+        let subagents = [
+            "urn:trustgraph:agent:s-f1-s0",
+            "urn:trustgraph:agent:s-f1-s1",
+        ];
+        let mut rows = vec![
+            vec![
+                iri(session),
+                iri(RDF_TYPE.as_str()),
+                iri(tg::AGENT_QUESTION.as_str()),
+            ],
+            vec![
+                iri(&iteration),
+                iri(RDF_TYPE.as_str()),
+                iri(tg::ANALYSIS.as_str()),
+            ],
+            vec![
+                iri(&observation),
+                iri(RDF_TYPE.as_str()),
+                iri(tg::OBSERVATION.as_str()),
+            ],
+            vec![
+                iri(&observation),
+                iri(prov::WAS_DERIVED_FROM.as_str()),
+                iri(&iteration),
+            ],
+            vec![
+                iri(&fanout),
+                iri(RDF_TYPE.as_str()),
+                iri(tg::FAN_OUT.as_str()),
+            ],
+            vec![
+                iri(&synthesis),
+                iri(RDF_TYPE.as_str()),
+                iri(tg::SYNTHESIS.as_str()),
+            ],
+            vec![
+                iri(&synthesis),
+                iri(prov::WAS_DERIVED_FROM.as_str()),
+                iri(&fanout),
+            ],
+        ];
+        let mut counted = vec![
+            iteration.clone(),
+            observation.clone(),
+            fanout.clone(),
+            synthesis,
+        ];
+        for (i, sub) in subagents.iter().enumerate() {
+            rows.push(vec![
+                iri(&fanout),
+                iri(tg::SUBAGENT_SESSION.as_str()),
+                iri(sub),
+            ]);
+            counted.push(format!("{fanout}/evaluation/{i}"));
+        }
+        for node in &counted {
+            for predicate in [tg::IN_TOKEN, tg::OUT_TOKEN] {
+                rows.push(vec![iri(node), iri(predicate.as_str()), most.clone()]);
+            }
+        }
+        let rows = Rows {
+            variables: ["s", "p", "o"].map(str::to_owned).to_vec(),
+            rows,
+        };
+        let view = session_view(session, &rows);
+        assert_eq!(view.iterations.len(), 1);
+        assert_eq!(view.iterations[0].in_token, u64::MAX);
+        assert_eq!(view.iterations[0].out_token, u64::MAX);
+        assert_eq!(view.fanouts.len(), 1);
+        assert_eq!(view.fanouts[0].subagents.len(), 2);
+        assert_eq!(view.fanouts[0].in_token, u64::MAX);
+        assert_eq!(view.fanouts[0].out_token, u64::MAX);
+        assert_eq!(view.in_token, u64::MAX);
     }
 
     fn subagent(session: &str, status: &str) -> SubagentView {

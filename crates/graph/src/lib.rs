@@ -375,9 +375,11 @@ impl GraphStore {
                 // stranger's, a tool's query an LLM wrote) where it would otherwise take the
                 // services' own queries at their word.
                 let budget = (bounds.max_bindings != u64::MAX).then_some(bounds.max_bindings);
-                if budget.is_some() {
-                    refuse_services(sparql.clone()).await?;
-                }
+                let sparql = if budget.is_some() {
+                    refuse_services(sparql).await?
+                } else {
+                    sparql
+                };
                 // The server evaluates on after this side stops waiting (past the limit, or its
                 // caller gone): the query, and `held` with it, goes on until the server answers
                 // or the connection's own time limit ends it, so no more queries run on the
@@ -534,9 +536,7 @@ impl GraphStore {
                             .map_err(|e| GraphError::Syntax(e.to_string()))?;
                         parser = parser.with_default_graph(g);
                     }
-                    store
-                        .load_from_slice(parser, &data)
-                        .map_err(|e| GraphError::Syntax(e.to_string()))
+                    store.load_from_slice(parser, &data).map_err(load_failure)
                 })
                 .await
             }
@@ -787,7 +787,13 @@ async fn blocking<T: Send + 'static>(
 /// a stranger: Apache Jena Fuseki calls any URL it can reach by default, so a `SERVICE` clause
 /// asked of our endpoint would make the server fetch from inside the network. (The embedded store
 /// has no HTTP client and refuses them itself.) Parsed on a stack sized for the query.
-async fn refuse_services(sparql: String) -> Result<(), GraphError> {
+///
+/// What the server is sent is the query as checked, written out again: the server must not read
+/// the text otherwise. SPARQL 1.1 (19.2) has `\u` escapes read before the grammar; our parser
+/// reads them only inside a string or IRI, so to a server that does as the spec says,
+/// `"a\u0022 . SERVICE <..> {..} } #"` is a call the check did not see. (Fuseki 5.6 reads them
+/// as our parser does; other servers may not.)
+async fn refuse_services(sparql: String) -> Result<String, GraphError> {
     blocking(move || {
         nesting::with_stack_for(&sparql, || {
             let query = spargebra::SparqlParser::new()
@@ -798,7 +804,7 @@ async fn refuse_services(sparql: String) -> Result<(), GraphError> {
                     "SERVICE (a call to another endpoint) is not taken here".to_owned(),
                 ));
             }
-            Ok(())
+            Ok(query.to_string())
         })
         .map_err(GraphError::Syntax)?
     })
@@ -893,11 +899,30 @@ fn update_embedded(
                 .for_update(update)
                 .on_store(store)
                 .execute()
-                .map_err(|e| GraphError::Evaluation(e.to_string()))
+                .map_err(update_failure)
         })
         .map_err(GraphError::Syntax)?
     })
     .map_err(GraphError::Syntax)?
+}
+
+/// Why an update failed: the store (a full disk, RocksDB read-only after an error) or the
+/// update. Told apart so the aggregator answers the first 500, which a replica writing through it
+/// tries again, and only the second 400, which it dead-letters as a bad update (a fan-out lost
+/// so, the supervisor it stands for was never resumed).
+fn update_failure(e: oxigraph::sparql::UpdateEvaluationError) -> GraphError {
+    match e {
+        oxigraph::sparql::UpdateEvaluationError::Storage(e) => GraphError::Storage(e.to_string()),
+        e => GraphError::Evaluation(e.to_string()),
+    }
+}
+
+/// Why a load failed: as [`update_failure`], the store, or what was sent.
+fn load_failure(e: oxigraph::store::LoaderError) -> GraphError {
+    match e {
+        oxigraph::store::LoaderError::Storage(e) => GraphError::Storage(e.to_string()),
+        e => GraphError::Syntax(e.to_string()),
+    }
 }
 
 /// Materialises results so they can cross the blocking-pool boundary.
@@ -1059,5 +1084,34 @@ pub fn serialize_answer_at_most(
             }
             Ok((written.out, "application/n-triples"))
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A store that failed is told from an update or a load that is wrong: the first is tried
+    /// again, the second is not. Before, both were the update's (`Evaluation`) or the load's
+    /// (`Syntax`) fault, and a replica dead-lettered what the owner's full disk refused.
+    #[test]
+    fn a_failing_store_is_not_the_writes_fault() {
+        let full = || {
+            oxigraph::store::StorageError::Io(std::io::Error::new(
+                std::io::ErrorKind::StorageFull,
+                "No space left on device",
+            ))
+        };
+        let failed = update_failure(oxigraph::sparql::UpdateEvaluationError::Storage(full()));
+        assert!(
+            matches!(&failed, GraphError::Storage(why) if why.contains("No space")),
+            "{failed:?}"
+        );
+        assert!(failed.retryable());
+        let wrong = update_failure(oxigraph::sparql::UpdateEvaluationError::UnboundService);
+        assert!(matches!(wrong, GraphError::Evaluation(_)), "{wrong:?}");
+        assert!(!wrong.retryable());
+        let failed = load_failure(oxigraph::store::LoaderError::Storage(full()));
+        assert!(matches!(failed, GraphError::Storage(_)), "{failed:?}");
     }
 }

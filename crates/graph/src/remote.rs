@@ -85,6 +85,9 @@ struct Endpoint {
     http: reqwest::Client,
     base: String,
     token: Option<String>,
+    /// The journal's paths this server has answered: one of them refused later (404, 405) is an
+    /// outage, not an owner without a journal (see [`Endpoint::call`]).
+    answered: std::sync::Arc<std::sync::Mutex<std::collections::BTreeSet<String>>>,
 }
 
 impl Endpoint {
@@ -102,7 +105,29 @@ impl Endpoint {
             .post(path)
             .header(reqwest::header::CONTENT_TYPE, "application/json")
             .body(payload);
+        let answered = || {
+            self.answered
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+        };
         match RemoteSparql::send(request).await {
+            Ok(body) => {
+                answered().insert(path.to_owned());
+                Ok(body)
+            }
+            // Refused by a server that answered it before: a proxy in front of an owner that is
+            // restarting (some answer 404 when a route has no backend), not an owner of an
+            // earlier build. Taken for that, every chain would count as not held (a live
+            // dialog's root run again) and turns be decided here: an outage, tried again.
+            Err(GraphError::Http {
+                status: status @ (404 | 405),
+                body,
+            }) if answered().contains(path) => Err(GraphError::Http {
+                status: 503,
+                body: format!(
+                    "{path} answered {status} where it answered before (taken for an outage): {body}"
+                ),
+            }),
             Err(GraphError::Http {
                 status: 404 | 405, ..
             }) => Err(GraphError::NoJournal(self.base.clone())),
@@ -242,6 +267,7 @@ impl RemoteSparql {
             http,
             base: base.trim_end_matches('/').to_owned(),
             token: token.filter(|t| !t.is_empty()),
+            answered: Default::default(),
         };
         let origin = reqwest::Url::parse(&api.base)
             .map(|url| url.origin().ascii_serialization())

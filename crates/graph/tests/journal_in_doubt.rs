@@ -156,3 +156,37 @@ fn plain_server(backing: GraphStore) -> common::Respond {
         })
     })
 }
+
+/// An owner whose journal answered, refused later (404) by something in front of it (a proxy or
+/// an ingress with no backend while the owner restarts), is out, not an owner of an earlier
+/// build: the chains are not taken as held by nobody (which would run a live dialog's root
+/// again), and the call is an outage, tried again. Before, the 404 read as "no journal", and the
+/// answer was that no chain was held.
+#[tokio::test]
+async fn a_journal_refused_after_it_answered_is_an_outage_not_an_old_owner() {
+    let asked = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let counted = asked.clone();
+    let server = common::raw_endpoint(std::sync::Arc::new(move |head: String, _body: String| {
+        let n = counted.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        Box::pin(async move {
+            assert!(head.contains("/journal/chains/held"), "{head}");
+            if n == 0 {
+                ("200 OK", "application/json", b"[true]".to_vec())
+            } else {
+                ("404 Not Found", "text/plain", b"no backend".to_vec())
+            }
+        })
+    }))
+    .await;
+    let journal = GraphStore::open(&server, None).unwrap().journal();
+    let chains = || agent_graph::journal::ChainRefs {
+        chains: vec!["urn:trustgraph:agent:live".to_owned()],
+        except: None,
+    };
+    assert_eq!(journal.held(chains()).await.unwrap(), vec![true]);
+    let then = journal.held(chains()).await;
+    assert!(
+        matches!(&then, Err(e) if e.retryable()),
+        "a chain read as not held while its owner was out: {then:?}"
+    );
+}
