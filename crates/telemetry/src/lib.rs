@@ -34,7 +34,7 @@ pub fn init_telemetry(default_filter: &str, service: &str) {
     };
     let exporting = settings
         .as_ref()
-        .map(|s| (s.url.clone(), s.protocol, s.gzip));
+        .map(|s| (s.shown_url(), s.protocol, s.gzip));
     let spans = settings.map(|settings| {
         let (layer, exporter) = crate::trace::otlp_layer(settings);
         tokio::spawn(exporter);

@@ -51,12 +51,29 @@ pub struct ClientIdentity {
     pub key: String,
 }
 
-/// Without the headers' values, which are secrets (a backend's key).
+impl ExportSettings {
+    /// The URL as logs show it: without a user and password (reqwest sends them as Basic
+    /// authentication, so they are a backend's key) and without a query, which may hold one.
+    pub fn shown_url(&self) -> String {
+        match reqwest::Url::parse(&self.url) {
+            Ok(mut url) => {
+                let _ = url.set_username("");
+                let _ = url.set_password(None);
+                url.set_query(None);
+                url.set_fragment(None);
+                url.to_string()
+            }
+            Err(_) => "(not a URL)".to_owned(),
+        }
+    }
+}
+
+/// Without the headers' values, which are secrets (a backend's key), nor the URL's credentials.
 impl std::fmt::Debug for ExportSettings {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let headers: Vec<&str> = self.headers.iter().map(|(k, _)| k.as_str()).collect();
         f.debug_struct("ExportSettings")
-            .field("url", &self.url)
+            .field("url", &self.shown_url())
             .field("protocol", &self.protocol)
             .field("headers", &headers)
             .field("gzip", &self.gzip)
@@ -452,7 +469,8 @@ async fn post(
         .send()
         .await
         .map_err(|e| Failure {
-            why: format!("{e:#}"),
+            // Its URL is the log line's, shown without credentials.
+            why: format!("{:#}", e.without_url()),
             // Unreachable, refused, cut off: the collector may be restarting.
             again: Some(Duration::ZERO),
         })?;
@@ -575,14 +593,14 @@ pub(crate) async fn export(
             match export_batch(&mut transport, &settings, &body).await {
                 Ok(()) => {
                     if failed_in_a_row > 0 {
-                        tracing::info!(url = %settings.url, failed_before = failed_in_a_row, "exporting spans again");
+                        tracing::info!(url = %settings.shown_url(), failed_before = failed_in_a_row, "exporting spans again");
                     }
                     failed_in_a_row = 0;
                 }
                 Err(why) => {
                     failed_in_a_row += 1;
                     if failed_in_a_row.is_power_of_two() {
-                        tracing::warn!(url = %settings.url, spans, failed_in_a_row, %why, "could not export spans; they are lost");
+                        tracing::warn!(url = %settings.shown_url(), spans, failed_in_a_row, %why, "could not export spans; they are lost");
                     }
                 }
             }
@@ -656,6 +674,26 @@ mod tests {
             .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
             .collect();
         settings_from(|name| vars.get(name).cloned(), "agent-orchestrator")
+    }
+
+    /// A collector's credentials in its URL (sent as Basic authentication) are not in what the
+    /// logs show of the URL, nor in the settings' debug form. Before, every service logged the
+    /// URL whole at start ("exporting spans over OTLP").
+    #[test]
+    fn the_urls_credentials_are_not_shown() {
+        let Export::To(s, _) = settings(&[(
+            "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
+            "https://team:s3cret@collector.example:4318/v1/traces?key=k3y",
+        )]) else {
+            panic!("not exported");
+        };
+        assert!(s.url.contains("s3cret"), "sent as given: {}", s.url);
+        assert_eq!(s.shown_url(), "https://collector.example:4318/v1/traces");
+        let debug = format!("{s:?}");
+        assert!(
+            !debug.contains("s3cret") && !debug.contains("k3y"),
+            "{debug}"
+        );
     }
 
     #[test]
