@@ -93,6 +93,80 @@ fn up_answers_and_its_store_is_explained_and_queried() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// What a model wrote reaches the terminal shown, never acted on, in the provenance tree `up`
+/// prints after the dialog as in the dialog itself: an escape that erases a line or retitles the
+/// window is written out as text. Before, the tree went out raw (`explain` cleaned it; `up` did not).
+#[test]
+fn up_shows_a_models_control_characters_as_text_in_its_provenance() {
+    let dir = scratch("up-escapes");
+    let script = dir.join("script.json");
+    // JSON escapes, which the script reads into the characters.
+    let reply =
+        r"Thought: Checking \u001b]0;owned\u0007 the ledger.\nFinal Answer: 42 \u001b[2K\r(forged)";
+    std::fs::write(
+        &script,
+        format!(r#"{{"rules": [{{"match": "", "reply": "{reply}"}}]}}"#),
+    )
+    .unwrap();
+    let (stdout, _) = run(&[
+        "up",
+        "--port",
+        "0",
+        "--sparql-port",
+        "0",
+        "--data-dir",
+        &dir.join("broker").display().to_string(),
+        "--graph-dir",
+        &dir.join("graph").display().to_string(),
+        "--script",
+        &script.display().to_string(),
+        "--question",
+        "What does the ledger say?",
+    ]);
+    let tree = stdout
+        .split("Provenance, read back from the graph store:")
+        .nth(1)
+        .unwrap_or_else(|| panic!("no provenance shown:\n{stdout}"));
+    assert!(tree.contains("the ledger"), "{tree}");
+    let raw: Vec<char> = stdout
+        .chars()
+        .filter(|c| c.is_control() && !matches!(c, '\n' | '\t'))
+        .collect();
+    assert!(
+        raw.is_empty(),
+        "control characters reached the terminal: {raw:?}\n{stdout:?}"
+    );
+}
+
+/// `agentctl sparql ... | head` ends quietly when its reader goes, as other tools do. Before, the
+/// write to the closed pipe panicked ("failed printing to stdout: Broken pipe") and the command
+/// exited 101, which fails a script run with `pipefail`.
+#[test]
+fn sparql_into_a_reader_that_goes_ends_quietly() {
+    let dir = scratch("sparql-pipe");
+    let values: Vec<String> = (0..300).map(|i| i.to_string()).collect();
+    let values = values.join(" ");
+    // 90,000 rows: more than a pipe holds, so the command writes to it after the reader went.
+    let query =
+        format!("SELECT ?a ?b WHERE {{ VALUES ?a {{ {values} }} VALUES ?b {{ {values} }} }}");
+    let store = dir.join("graph").display().to_string();
+    // An empty store, made and let go.
+    drop(agent_graph::GraphStore::open(&store, None).unwrap());
+    let mut child = agentctl(&["sparql", "--store", &store, &query])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    drop(child.stdout.take());
+    let output = child.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        output.status.success() && !stderr.contains("panicked"),
+        "exited with {}: {stderr}",
+        output.status
+    );
+}
+
 /// `up --stay` serves until stopped; `invoke` streams a dialog through it.
 #[test]
 fn invoke_streams_a_dialog_through_a_running_stack() {

@@ -1242,6 +1242,115 @@ async fn invoke_reads_a_closing_it_never_heard_back_from_the_journal() {
     assert!(String::from_utf8_lossy(&output.stderr).contains("no end of dialog within 15 s"));
 }
 
+/// A client reading a closing it never heard back from the journal finishes the read while other
+/// dialogs' responses keep coming (the response topic is every client's). Before, each of them
+/// dropped the read, which began again only after the next silence: on a busy topic with a store
+/// slower than the gaps between messages, the client waited out its time limit for a dialog that
+/// had ended. Here the store answers through a proxy that holds each of its answers 300 ms, and
+/// another dialog's response comes every 50 ms.
+#[tokio::test]
+async fn invoke_reads_a_closing_back_while_other_dialogs_responses_come() {
+    let broker = Broker::start().unwrap();
+    let aggregator = Aggregator::spawn_with(&broker, &["--config-token", TOKEN]);
+    let llm = scripted_llm(THREE_STEPS).await;
+    let _orchestrator = Orchestrator::spawn_journaled(
+        &broker,
+        &llm,
+        &aggregator,
+        TOKEN,
+        &[(
+            "AGENT_RESPONSE_TOPIC",
+            "non-persistent://tg/response/agent:elsewhere:default",
+        )],
+    );
+    let store_address = aggregator
+        .endpoint
+        .strip_prefix("http://")
+        .and_then(|rest| rest.split('/').next())
+        .unwrap()
+        .to_owned();
+    let slow_store = slow_proxy(&store_address, Duration::from_millis(300)).await;
+    let slow_endpoint = aggregator
+        .endpoint
+        .replacen(&store_address, &slow_store.to_string(), 1);
+    let bus = agent_bus::Bus::connect(&broker.url(), None).await.unwrap();
+    let topic = agent_bus::Topics::trustgraph("default", "default").response;
+    let others = agent_bus::Publisher::new(&bus, &topic).await.unwrap();
+    let chatter = tokio::spawn(async move {
+        let response = AgentResponse {
+            message_type: "thought".into(),
+            content: "someone else's thought".into(),
+            ..AgentResponse::default()
+        };
+        let properties = agent_bus::Properties::from([(
+            agent_schema::ID_PROPERTY.to_owned(),
+            "someone-else".to_owned(),
+        )]);
+        loop {
+            let _ = others
+                .send(agent_schema::encode(&response), &properties)
+                .await;
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    });
+    let output = tokio::process::Command::new(binary("agentctl"))
+        .args([
+            "invoke",
+            "--pattern",
+            "react",
+            "--question",
+            "combine (busy)",
+        ])
+        .args(["--timeout", "45", "--pulsar-url", &broker.url()])
+        .args(["--graph-store", &slow_endpoint])
+        .env_remove("GRAPH_STORE")
+        .env_remove("AGENT_RESPONSE_TOPIC")
+        .output()
+        .await
+        .unwrap();
+    chatter.abort();
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr),
+    );
+    assert!(output.status.success(), "{stdout}\n{stderr}");
+    assert!(stdout.contains("alpha and beta, combined."), "{stdout}");
+    assert!(stderr.contains("read back from the journal"), "{stderr}");
+}
+
+/// A TCP proxy to `upstream` that holds everything `upstream` sends for `delay` before passing it
+/// on: a store that answers slowly.
+async fn slow_proxy(upstream: &str, delay: Duration) -> std::net::SocketAddr {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let address = listener.local_addr().unwrap();
+    let upstream = upstream.to_owned();
+    tokio::spawn(async move {
+        while let Ok((client, _)) = listener.accept().await {
+            let Ok(server) = tokio::net::TcpStream::connect(&upstream).await else {
+                continue;
+            };
+            let (mut from_client, mut to_client) = client.into_split();
+            let (mut from_server, mut to_server) = server.into_split();
+            tokio::spawn(async move {
+                let _ = tokio::io::copy(&mut from_client, &mut to_server).await;
+                let _ = to_server.shutdown().await;
+            });
+            tokio::spawn(async move {
+                let mut buffer = vec![0; 64 * 1024];
+                while let Ok(n @ 1..) = from_server.read(&mut buffer).await {
+                    tokio::time::sleep(delay).await;
+                    if to_client.write_all(&buffer[..n]).await.is_err() {
+                        break;
+                    }
+                }
+                let _ = to_client.shutdown().await;
+            });
+        }
+    });
+    address
+}
+
 /// A client reading the journal back after a silence still takes the closing as soon as it comes:
 /// with a store that does not answer, the read held the closing that arrived meanwhile until the
 /// read gave up or the dialog's time ran out.
@@ -1613,6 +1722,58 @@ async fn an_answer_chunk_the_broker_dropped_is_seen_and_read_from_the_graph() {
         "{stdout}"
     );
     assert_eq!(last_answer_shown(&stdout), ANSWER, "{stdout}");
+}
+
+/// An answer with a chunk the broker dropped, read by `agentctl invoke` without the graph to give
+/// it whole: what came is shown, and the client says it lacks a part, in its exit status (3) and
+/// on stderr, with `--json` too. Before, it exited 0, and with `--json` said nothing: a script
+/// took the holed text for the answer.
+#[tokio::test]
+async fn an_answer_lacking_a_chunk_the_graph_cannot_give_is_not_a_success() {
+    let mut faulted = ChunkFaulted::answer("drop-answer-chunk:2", "holed-alone").await;
+    for mode in [&["--json"][..], &[]] {
+        // Each dialog the first of a process, whose second chunk is left out.
+        faulted.first.terminate();
+        assert!(faulted.first.exited_within(Duration::from_secs(30)).await);
+        faulted.first = Orchestrator::spawn_journaled(
+            &faulted.broker,
+            &faulted.llm,
+            &faulted.aggregator,
+            TOKEN,
+            &[("AGENT_FAULT", &faulted.fault)],
+        );
+        let output = tokio::process::Command::new(binary("agentctl"))
+            .args(["invoke", "--pattern", "react"])
+            .args(["--question", "what is the capital of France?"])
+            .args(["--timeout", "60", "--pulsar-url", &faulted.broker.url()])
+            .args(mode)
+            .env_remove("GRAPH_STORE")
+            .output()
+            .await
+            .unwrap();
+        let (stdout, stderr) = (
+            String::from_utf8_lossy(&output.stdout),
+            String::from_utf8_lossy(&output.stderr),
+        );
+        assert_eq!(
+            output.status.code(),
+            Some(3),
+            "{mode:?}\nstdout:\n{stdout}\nstderr:\n{stderr}"
+        );
+        assert!(stderr.contains("lacks a part"), "{mode:?}: {stderr}");
+        // The answer shown (a JSON line's provenance holds it whole, as the graph does).
+        let shown: String = if mode.is_empty() {
+            stdout.to_string()
+        } else {
+            stdout
+                .lines()
+                .filter_map(|line| serde_json::from_str::<AgentResponse>(line).ok())
+                .filter(|r| r.message_type == "answer")
+                .map(|r| r.content)
+                .collect()
+        };
+        assert!(!shown.contains(ANSWER), "{mode:?}: {shown}");
+    }
 }
 
 /// A streamed chunk of the answer delivered twice (a producer sending it again after a

@@ -132,11 +132,11 @@ pub async fn last_session(store: &GraphStore) -> anyhow::Result<String> {
 pub fn render(view: &SessionView, format: Format, full: bool) -> anyhow::Result<String> {
     // What an LLM or a tool wrote is in the tree whole: shown, never acted on by the terminal
     // (an escape that erased the line of a payment's call, or wrote a conclusion of its own).
-    // JSON escapes control characters itself.
+    // JSON escapes most control characters itself; [`json_for_terminal`] the rest.
     Ok(match format {
         Format::Tree if full => terminal_safe(render_tree_full(view)),
         Format::Tree => terminal_safe(render_tree(view)),
-        Format::Json => serde_json::to_string_pretty(view)? + "\n",
+        Format::Json => json_for_terminal(&serde_json::to_string_pretty(view)?) + "\n",
         Format::Dot => terminal_safe(render_dot(view)),
         Format::Mermaid => terminal_safe(render_mermaid(view)),
     })
@@ -169,11 +169,12 @@ pub async fn explain(args: ExplainArgs) -> anyhow::Result<i32> {
         if sessions.is_empty() {
             bail!("the graph holds no session of conversation {conversation}");
         }
+        let mut out = String::new();
         for session in sessions {
             let view = load_session_with(&store, &session, librarian).await?;
-            print!("{}", render(&view, args.format, args.full)?);
+            out.push_str(&render(&view, args.format, args.full)?);
         }
-        return Ok(0);
+        return write_out(&out);
     }
     let session = match (&args.session, args.last) {
         (Some(s), _) => s.clone(),
@@ -181,8 +182,7 @@ pub async fn explain(args: ExplainArgs) -> anyhow::Result<i32> {
         (None, false) => bail!("name a session id, or use --last"),
     };
     let view = load_session_with(&store, &session, librarian).await?;
-    print!("{}", render(&view, args.format, args.full)?);
-    Ok(0)
+    write_out(&render(&view, args.format, args.full)?)
 }
 
 #[derive(clap::Args, Debug)]
@@ -208,16 +208,17 @@ fn cell(term: Option<&Term>) -> String {
 pub async fn sparql(args: SparqlArgs) -> anyhow::Result<i32> {
     let store = args.store.open()?;
     let answer = store.query(args.query.clone()).await?;
+    let mut out = String::new();
     if args.json {
         let (body, _) = agent_graph::serialize_answer(&answer)?;
-        println!("{}", String::from_utf8_lossy(&body));
-        return Ok(0);
+        out = json_for_terminal(&String::from_utf8_lossy(&body)) + "\n";
+        return write_out(&out);
     }
     match answer {
-        QueryAnswer::Boolean(b) => println!("{b}"),
+        QueryAnswer::Boolean(b) => out = format!("{b}\n"),
         QueryAnswer::Graph(triples) => {
             for t in triples {
-                println!("{t} .");
+                out.push_str(&terminal_safe(format!("{t} .\n")));
             }
         }
         QueryAnswer::Rows(rows) => {
@@ -243,25 +244,53 @@ pub async fn sparql(args: SparqlArgs) -> anyhow::Result<i32> {
                     .collect::<Vec<_>>()
                     .join(" | ")
             };
-            println!(
-                "{}",
-                line(rows.variables.iter().map(|v| format!("?{v}")).collect())
-            );
-            println!(
-                "{}",
-                widths
+            out.push_str(&line(
+                rows.variables.iter().map(|v| format!("?{v}")).collect(),
+            ));
+            out.push('\n');
+            out.push_str(
+                &widths
                     .iter()
                     .map(|w| "-".repeat(*w))
                     .collect::<Vec<_>>()
-                    .join("-+-")
+                    .join("-+-"),
             );
+            out.push('\n');
             for row in cells {
-                println!("{}", line(row));
+                out.push_str(&line(row));
+                out.push('\n');
             }
-            println!("({} rows)", rows.rows.len());
+            out.push_str(&format!("({} rows)\n", rows.rows.len()));
         }
     }
-    Ok(0)
+    write_out(&out)
+}
+
+/// Writes `text` to stdout. A reader that has gone (`| head`) ends the command quietly, as it
+/// ends other tools: `println!` panicked at the closed pipe, and the command exited 101.
+fn write_out(text: &str) -> anyhow::Result<i32> {
+    use std::io::Write;
+    let mut out = std::io::stdout().lock();
+    match out.write_all(text.as_bytes()).and_then(|()| out.flush()) {
+        Ok(()) => Ok(0),
+        Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => Ok(0),
+        Err(e) => Err(anyhow::anyhow!("writing to stdout: {e}")),
+    }
+}
+
+/// JSON text with the control characters JSON leaves unescaped (DEL, and U+0080 to U+009F, among
+/// them an 8-bit CSI) written as `\u` escapes: the same JSON, which a terminal does not act on.
+/// They are only ever inside strings, where the escape means the same character.
+fn json_for_terminal(json: &str) -> String {
+    let mut shown = String::with_capacity(json.len());
+    for c in json.chars() {
+        if c.is_control() && c != '\n' && c != '\t' && c != '\r' {
+            shown.push_str(&format!("\\u{:04x}", u32::from(c)));
+        } else {
+            shown.push(c);
+        }
+    }
+    shown
 }
 
 #[derive(clap::Args, Debug)]
@@ -356,5 +385,25 @@ mod tests {
                 );
             }
         }
+    }
+
+    /// JSON leaves DEL and the C1 controls (an 8-bit CSI among them) unescaped; shown, they are
+    /// written as `\u` escapes, and the JSON still reads back as the same text.
+    #[test]
+    fn json_shows_the_controls_json_leaves_raw_as_escapes() {
+        let view = SessionView {
+            session: "s".to_owned(),
+            question: "pay \u{9b}2J\u{7f} now \u{1b}[1A".to_owned(),
+            ..SessionView::default()
+        };
+        let shown = render(&view, Format::Json, false).unwrap_or_default();
+        assert!(
+            !shown
+                .chars()
+                .any(|c| c.is_control() && c != '\n' && c != '\t'),
+            "{shown:?}"
+        );
+        let read: serde_json::Value = serde_json::from_str(&shown).unwrap_or_default();
+        assert_eq!(read["question"], view.question, "{shown}");
     }
 }

@@ -86,13 +86,19 @@ pub async fn run(args: InvokeArgs) -> anyhow::Result<i32> {
 /// How a dialog ended, for the exit status and the provenance summary.
 pub struct Outcome {
     pub failed: bool,
+    /// The answer's text is known to lack a part (a chunk the broker dropped) and the graph could
+    /// not give it whole.
+    pub incomplete: bool,
     pub provenance: Vec<(String, Vec<Triple>)>,
 }
 
 impl Outcome {
+    /// 2: the dialog ended in an error; 3: it answered, but the answer shown lacks a part.
     pub fn exit_code(&self) -> i32 {
         if self.failed {
             2
+        } else if self.incomplete {
+            3
         } else {
             0
         }
@@ -124,6 +130,16 @@ pub async fn invoke(
     .await
 }
 
+/// A read of a dialog's closing from the journal, bounded by the dialog's deadline.
+type ClosingRead<'a> = std::pin::Pin<
+    Box<
+        dyn std::future::Future<
+                Output = Result<Option<agent_bus::Received>, tokio::time::error::Elapsed>,
+            > + Send
+            + 'a,
+    >,
+>;
+
 /// How long a dialog is silent before its closing is looked for in the journal.
 const RECOVERY_SILENCE: Duration = Duration::from_secs(10);
 
@@ -148,6 +164,7 @@ pub async fn follow(
         .unwrap_or_else(|| now + Duration::from_secs(100 * 365 * 86_400));
     let mut outcome = Outcome {
         failed: false,
+        incomplete: false,
         provenance: Vec::new(),
     };
     let session = agent_orchestrator::session_id_for(request, Some(&id));
@@ -164,32 +181,46 @@ pub async fn follow(
         Some((received, client))
     });
     let mut responses = std::pin::pin!(responses);
+    // The journal's read of the closing, once a silence began one. Kept while other dialogs'
+    // responses come (the topic is every client's): dropped at each, a read never finished while
+    // they came faster than it, and a closing the broker dropped was waited for to the deadline.
+    let mut reading: Option<ClosingRead<'_>> = None;
     loop {
         let look_back_at = (heard_at + RECOVERY_SILENCE).min(deadline);
         let next = futures::StreamExt::next(&mut responses);
-        let received = match tokio::time::timeout_at(look_back_at, next).await {
-            Ok(Some(next)) => next?,
-            Ok(None) => anyhow::bail!("the responses ended"),
-            Err(_) if look_back_at >= deadline => {
-                anyhow::bail!("no end of dialog within {} s", timeout.as_secs())
-            }
-            Err(_) => {
-                heard_at = tokio::time::Instant::now();
-                // A streamed answer's closing read back counts its chunks like one heard: text
-                // that did not come is read from the graph below.
-                // Within the dialog's time limit: a store that does not answer must not hold the
-                // client past it. What the broker brings meanwhile is taken as it comes: a slow
-                // store held a closing that had arrived until the read gave up.
-                let reading = tokio::time::timeout_at(deadline, recovered(journal, &session, &id));
-                tokio::select! {
-                    next = futures::StreamExt::next(&mut responses) => match next {
-                        Some(next) => next?,
-                        None => anyhow::bail!("the responses ended"),
-                    },
-                    found = reading => match found {
-                        Ok(Some(closing)) => closing,
-                        _ => continue,
-                    },
+        let received = tokio::select! {
+            heard = tokio::time::timeout_at(look_back_at, next) => match heard {
+                Ok(Some(next)) => next?,
+                Ok(None) => anyhow::bail!("the responses ended"),
+                Err(_) if look_back_at >= deadline => {
+                    anyhow::bail!("no end of dialog within {} s", timeout.as_secs())
+                }
+                Err(_) => {
+                    heard_at = tokio::time::Instant::now();
+                    // A streamed answer's closing read back counts its chunks like one heard:
+                    // text that did not come is read from the graph below. Within the dialog's
+                    // time limit: a store that does not answer must not hold the client past it.
+                    // What the broker brings meanwhile is taken as it comes: a slow store held a
+                    // closing that had arrived until the read gave up.
+                    if reading.is_none() {
+                        reading = Some(Box::pin(tokio::time::timeout_at(
+                            deadline,
+                            recovered(journal, &session, &id),
+                        )));
+                    }
+                    continue;
+                }
+            },
+            found = async {
+                match reading.as_mut() {
+                    Some(read) => read.await,
+                    None => std::future::pending().await,
+                }
+            } => {
+                reading = None;
+                match found {
+                    Ok(Some(closing)) => closing,
+                    _ => continue,
                 }
             }
         };
@@ -203,6 +234,8 @@ pub async fn follow(
         if rid != id {
             continue;
         }
+        // The dialog is heard from: what the journal would give is on its way here.
+        reading = None;
         heard_at = tokio::time::Instant::now();
         let answer_text = kind(&response) == MessageType::Answer && !response.content.is_empty();
         let streaming = !response.end_of_dialog
@@ -232,7 +265,13 @@ pub async fn follow(
             && kind(&response) == MessageType::Answer
         {
             let closing = (attempt.as_deref(), chunks, !response.content.is_empty());
-            settle_streamed_answer(&streamed, closing, journal, &session, renderer).await;
+            let at_hand =
+                settle_streamed_answer(&streamed, closing, journal, &session, renderer).await;
+            if !at_hand {
+                // Said where a JSON reader sees it too, and in the exit status.
+                eprintln!("agentctl: the answer shown lacks a part that never reached this client, and the graph did not give it (--graph-store)");
+                outcome.incomplete = true;
+            }
         }
         renderer.show(&response);
         if let (Some(node), MessageType::Explain) = (&response.explain_id, kind(&response)) {
@@ -322,47 +361,51 @@ async fn recovered(
 /// count (journaled by an earlier build) whose answer text never came is answered from the graph
 /// too. JSON lines stay the responses as they came, but for an answer none of which came (and a
 /// chunk that came twice, which neither form shows twice).
+///
+/// False when the answer is known to lack text (a chunk never came, or none of it did) and the
+/// graph did not give it: the client shows what it has and says so, in its exit status too.
 async fn settle_streamed_answer(
     streamed: &agent_bus::StreamedAnswer,
     (closing, chunks, with_text): (Option<&str>, Option<u64>, bool),
     journal: Option<&agent_graph::GraphStore>,
     session: &str,
     renderer: &mut Renderer,
-) {
+) -> bool {
     let Some(closing) = closing else {
-        return;
+        return true;
     };
     let whole = streamed.whole(Some(closing), chunks);
     let heard = streamed.answer(Some(closing));
     let none_came = heard.is_empty() && !with_text && chunks != Some(0);
     if renderer.json {
-        if none_came {
-            show_concluded_answer(journal, session, renderer).await;
+        // The lines stay the responses as they came; the answer the graph records follows them
+        // where what came is known to lack text.
+        if none_came || whole == Some(false) {
+            return show_concluded_answer(journal, session, renderer).await;
         }
-        return;
+        return true;
     }
     if whole == Some(false) {
         renderer.note(
             "(text of the answer did not reach this client: a chunk of it was lost on the way)",
         );
-        show_concluded_answer(journal, session, renderer).await;
-        return;
+        return show_concluded_answer(journal, session, renderer).await;
     }
     if none_came && streamed.latest().is_none() {
-        show_concluded_answer(journal, session, renderer).await;
-        return;
+        return show_concluded_answer(journal, session, renderer).await;
     }
     let Some(latest) = streamed.latest() else {
-        return;
+        return true;
     };
     if latest == Some(closing) && !streamed.interleaved() {
-        return;
+        return true;
     }
     renderer.note("(the text above was not the standing answer alone; the answer:)");
     if heard.is_empty() {
-        show_concluded_answer(journal, session, renderer).await;
+        show_concluded_answer(journal, session, renderer).await
     } else {
         renderer.show_answer(&heard);
+        true
     }
 }
 
@@ -370,16 +413,17 @@ async fn settle_streamed_answer(
 /// the graph's writer may still be behind the response.
 const CONCLUSION_PATIENCE: Duration = Duration::from_secs(10);
 
-/// Shows the answer the graph records for the dialog, in place of streamed text that is not it.
+/// Shows the answer the graph records for the dialog, in place of streamed text that is not it;
+/// false when the graph did not give it.
 async fn show_concluded_answer(
     journal: Option<&agent_graph::GraphStore>,
     session: &str,
     renderer: &mut Renderer,
-) {
+) -> bool {
     let not_at_hand = "(the answer is not at hand: `agentctl explain` shows it from the graph)";
     let Some(store) = journal else {
         renderer.note(not_at_hand);
-        return;
+        return false;
     };
     let deadline = tokio::time::Instant::now() + CONCLUSION_PATIENCE;
     let answer = loop {
@@ -402,7 +446,7 @@ async fn show_concluded_answer(
     };
     let Some(answer) = answer else {
         renderer.note(not_at_hand);
-        return;
+        return false;
     };
     renderer.note("(the answer, as the graph records it:)");
     renderer.show_answer(&answer);
@@ -412,6 +456,7 @@ async fn show_concluded_answer(
              `agentctl explain --librarian` reads)"
         ));
     }
+    true
 }
 
 /// The answer the dialog concluded with, as the graph records it.

@@ -76,9 +76,19 @@ fn main() {
 
 async fn run() {
     agent_telemetry::init_logging("warn,pulsar=error");
-    let result = match Cli::parse().command {
+    let matches = <Cli as clap::CommandFactory>::command().get_matches();
+    let cli = match <Cli as clap::FromArgMatches>::from_arg_matches(&matches) {
+        Ok(cli) => cli,
+        Err(e) => e.exit(),
+    };
+    let result = match cli.command {
         Command::Invoke(args) => invoke::run(args).await,
-        Command::Up(args) => up::run(args).await,
+        Command::Up(args) => {
+            let llm = matches
+                .subcommand_matches("up")
+                .is_some_and(up::names_an_llm);
+            up::run(args, llm).await
+        }
         Command::Bench(args) => bench::run(args).await,
         Command::BenchGraph(args) => bench_graph::run(args).await,
         Command::BenchLong(args) => bench_long::run(args).await,
@@ -97,6 +107,30 @@ async fn run() {
         Err(e) => {
             eprintln!("agentctl: {e:#}");
             std::process::exit(1);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::CommandFactory;
+
+    /// `up --llm-base-url` names the LLM as `OPENAI_BASE_URL` does. Before, only the variable
+    /// did: the flag, offered by `up --help`, was overwritten with the scripted server's URL.
+    #[test]
+    fn up_takes_the_llm_its_flag_names() {
+        let up = |args: &[&str]| {
+            let matches = Cli::command()
+                .try_get_matches_from([&["agentctl", "up"][..], args].concat())
+                .unwrap_or_else(|e| panic!("{e}"));
+            matches
+                .subcommand_matches("up")
+                .is_some_and(up::names_an_llm)
+        };
+        assert!(up(&["--llm-base-url", "http://127.0.0.1:9/v1"]));
+        if std::env::var_os("OPENAI_BASE_URL").is_none() {
+            assert!(!up(&[]), "the scripted LLM by default");
         }
     }
 }

@@ -9,7 +9,6 @@ use std::time::Duration;
 use agent_aggregator::AggregatorSettings;
 use agent_bus::embedded::{free_port, EmbeddedBroker};
 use agent_bus::AgentClient;
-use agent_graph::explain::render_tree;
 use agent_graph::GraphStore;
 use agent_orchestrator::Settings;
 use anyhow::Context;
@@ -32,7 +31,7 @@ pub struct UpArgs {
     /// Port of the aggregator's SPARQL endpoint on 127.0.0.1 (0 picks a free one).
     #[arg(long, default_value_t = 7878)]
     sparql_port: u16,
-    /// The scripted LLM's script, used when OPENAI_BASE_URL is not set.
+    /// The scripted LLM's script, used when no LLM is named (--llm-base-url, OPENAI_BASE_URL).
     #[arg(long, default_value = "examples/demo-script.json")]
     script: PathBuf,
     /// Ask this question once the stack is up, print the dialog and its provenance, then stop.
@@ -45,7 +44,17 @@ pub struct UpArgs {
     settings: Settings,
 }
 
-pub async fn run(args: UpArgs) -> anyhow::Result<i32> {
+/// Whether `up` was given an LLM to use (`--llm-base-url` or `OPENAI_BASE_URL`), rather than
+/// left to the scripted one.
+pub fn names_an_llm(matches: &clap::ArgMatches) -> bool {
+    matches
+        .value_source("llm_base_url")
+        .is_some_and(|source| source != clap::parser::ValueSource::DefaultValue)
+}
+
+/// Runs the stack; `llm_named`: an LLM endpoint was given ([`names_an_llm`]), so the scripted
+/// one is not started.
+pub async fn run(args: UpArgs, llm_named: bool) -> anyhow::Result<i32> {
     let UpArgs {
         port,
         data_dir,
@@ -66,7 +75,7 @@ pub async fn run(args: UpArgs) -> anyhow::Result<i32> {
     );
 
     // A real endpoint when one is configured, the scripted one otherwise, so the demo runs offline.
-    let _scripted = if std::env::var_os("OPENAI_BASE_URL").is_some() {
+    let _scripted = if llm_named {
         eprintln!(
             "llm           {} (model {})",
             settings.llm_base_url, settings.llm_model
@@ -208,7 +217,12 @@ async fn show_provenance(endpoint: &str, session: &str) -> anyhow::Result<()> {
     }
     let view = crate::graph::load_session(&store, session).await?;
     println!("\nProvenance, read back from the graph store:\n");
-    print!("{}", render_tree(&view));
+    // Rendered as `explain` renders it: what a model or a tool wrote is shown, never acted on by
+    // the terminal.
+    print!(
+        "{}",
+        crate::graph::render(&view, crate::graph::Format::Tree, false)?
+    );
     println!(
         "\nMore: agentctl explain --last [--format json|dot|mermaid], agentctl sparql 'SELECT ...'"
     );
