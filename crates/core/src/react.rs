@@ -270,7 +270,15 @@ impl ThinkSkipping {
             }
             self.state = Skipping::Thinking;
         }
-        match self.held.find(THINK_CLOSE) {
+        // Only where the close could have begun: the held block was searched before this delta.
+        let mut from = self
+            .held
+            .len()
+            .saturating_sub(delta.len() + THINK_CLOSE.len());
+        while !self.held.is_char_boundary(from) {
+            from -= 1;
+        }
+        match self.held[from..].find(THINK_CLOSE).map(|at| from + at) {
             Some(close) => {
                 let after = self.held[close + THINK_CLOSE.len()..].to_owned();
                 self.held.clear();

@@ -375,11 +375,9 @@ impl GraphStore {
                 // stranger's, a tool's query an LLM wrote) where it would otherwise take the
                 // services' own queries at their word.
                 let budget = (bounds.max_bindings != u64::MAX).then_some(bounds.max_bindings);
-                let sparql = if budget.is_some() {
-                    refuse_services(sparql).await?
-                } else {
-                    sparql
-                };
+                if budget.is_some() {
+                    refuse_services(sparql.clone()).await?;
+                }
                 // The server evaluates on after this side stops waiting (past the limit, or its
                 // caller gone): the query, and `held` with it, goes on until the server answers
                 // or the connection's own time limit ends it, so no more queries run on the
@@ -788,27 +786,68 @@ async fn blocking<T: Send + 'static>(
 /// asked of our endpoint would make the server fetch from inside the network. (The embedded store
 /// has no HTTP client and refuses them itself.) Parsed on a stack sized for the query.
 ///
-/// What the server is sent is the query as checked, written out again: the server must not read
-/// the text otherwise. SPARQL 1.1 (19.2) has `\u` escapes read before the grammar; our parser
-/// reads them only inside a string or IRI, so to a server that does as the spec says,
-/// `"a\u0022 . SERVICE <..> {..} } #"` is a call the check did not see. (Fuseki 5.6 reads them
-/// as our parser does; other servers may not.)
-async fn refuse_services(sparql: String) -> Result<String, GraphError> {
+/// Read twice: as our parser reads it, and with its `\u` escapes decoded first, as SPARQL 1.1
+/// (19.2) has a server do. Our parser decodes them only inside a string or IRI, so to a server
+/// that does as the spec says `"a\u0022 . SERVICE <..> {..} } #"` is a call the first reading
+/// does not see. (Fuseki 5.6 reads the escape as our parser does; other servers may not.) The
+/// query goes to the server as written: written out again from the parse, it could mean another
+/// thing (a group's FILTER printed so that it covers the whole pattern).
+async fn refuse_services(sparql: String) -> Result<(), GraphError> {
     blocking(move || {
-        nesting::with_stack_for(&sparql, || {
-            let query = spargebra::SparqlParser::new()
-                .parse_query(&sparql)
-                .map_err(|e| GraphError::Syntax(e.to_string()))?;
-            if planning::measure(&query).services > 0 {
-                return Err(GraphError::Syntax(
-                    "SERVICE (a call to another endpoint) is not taken here".to_owned(),
-                ));
-            }
-            Ok(query.to_string())
-        })
-        .map_err(GraphError::Syntax)?
+        let calls_out = |text: &str| {
+            nesting::with_stack_for(text, || {
+                spargebra::SparqlParser::new()
+                    .parse_query(text)
+                    .map(|query| planning::measure(&query).services > 0)
+                    .map_err(|e| GraphError::Syntax(e.to_string()))
+            })
+            .map_err(GraphError::Syntax)?
+        };
+        let as_written = calls_out(&sparql)?;
+        // A text whose decoded form does not parse would not parse at such a server either.
+        let decoded = with_codepoint_escapes_decoded(&sparql);
+        let as_decoded = decoded != sparql && calls_out(&decoded).unwrap_or(false);
+        if as_written || as_decoded {
+            return Err(GraphError::Syntax(
+                "SERVICE (a call to another endpoint) is not taken here".to_owned(),
+            ));
+        }
+        Ok(())
     })
     .await
+}
+
+/// `text` with each `\uXXXX` and `\UXXXXXXXX` escape replaced by its character, once, as SPARQL
+/// 1.1 (19.2) has a query read before its grammar. An escape that names no character is kept.
+fn with_codepoint_escapes_decoded(text: &str) -> String {
+    let mut decoded = String::with_capacity(text.len());
+    let mut rest = text;
+    while let Some(at) = rest.find('\\') {
+        decoded.push_str(&rest[..at]);
+        let after = &rest[at + 1..];
+        let digits = match after.as_bytes().first() {
+            Some(b'u') => 4,
+            Some(b'U') => 8,
+            _ => 0,
+        };
+        let named = after
+            .get(1..1 + digits)
+            .filter(|hex| digits > 0 && hex.bytes().all(|b| b.is_ascii_hexdigit()))
+            .and_then(|hex| u32::from_str_radix(hex, 16).ok())
+            .and_then(char::from_u32);
+        match named {
+            Some(c) => {
+                decoded.push(c);
+                rest = &after[1 + digits..];
+            }
+            None => {
+                decoded.push('\\');
+                rest = after;
+            }
+        }
+    }
+    decoded.push_str(rest);
+    decoded
 }
 
 /// Evaluates `sparql` on `store`; `bounded`: the token that stops it (at its time limit, or

@@ -61,6 +61,10 @@ fn note_refusal(e: &reqwest::Error) {
     refusals.insert(url.origin().ascii_serialization(), Instant::now());
 }
 
+/// How long after a journal path last answered a refusal of it (404, 405) is taken for an
+/// outage: longer than an owner takes to restart behind a proxy.
+const OUTAGE_WINDOW: Duration = Duration::from_secs(300);
+
 /// The most inserts sent together: explainability messages are bounded by the broker's message
 /// limit, so a batch stays a bounded request.
 const MAX_INSERTS: usize = 16;
@@ -85,9 +89,9 @@ struct Endpoint {
     http: reqwest::Client,
     base: String,
     token: Option<String>,
-    /// The journal's paths this server has answered: one of them refused later (404, 405) is an
-    /// outage, not an owner without a journal (see [`Endpoint::call`]).
-    answered: std::sync::Arc<std::sync::Mutex<std::collections::BTreeSet<String>>>,
+    /// The journal's paths this server has answered, and when last: one of them refused soon
+    /// after (404, 405) is an outage, not an owner without a journal (see [`Endpoint::call`]).
+    answered: std::sync::Arc<std::sync::Mutex<std::collections::BTreeMap<String, Instant>>>,
 }
 
 impl Endpoint {
@@ -112,22 +116,29 @@ impl Endpoint {
         };
         match RemoteSparql::send(request).await {
             Ok(body) => {
-                answered().insert(path.to_owned());
+                answered().insert(path.to_owned(), Instant::now());
                 Ok(body)
             }
-            // Refused by a server that answered it before: a proxy in front of an owner that is
+            // Refused by a server that answered it lately: a proxy in front of an owner that is
             // restarting (some answer 404 when a route has no backend), not an owner of an
             // earlier build. Taken for that, every chain would count as not held (a live
-            // dialog's root run again) and turns be decided here: an outage, tried again.
+            // dialog's root run again) and turns be decided here: an outage, tried again. Past
+            // [`OUTAGE_WINDOW`] of refusals it is taken for an owner rolled back to a build
+            // without the path, whose fallback the README describes.
             Err(GraphError::Http {
                 status: status @ (404 | 405),
                 body,
-            }) if answered().contains(path) => Err(GraphError::Http {
+            }) if answered()
+                .get(path)
+                .is_some_and(|last| last.elapsed() < OUTAGE_WINDOW) =>
+            {
+                Err(GraphError::Http {
                 status: 503,
-                body: format!(
-                    "{path} answered {status} where it answered before (taken for an outage): {body}"
-                ),
-            }),
+                    body: format!(
+                        "{path} answered {status} where it answered before (taken for an outage): {body}"
+                    ),
+                })
+            }
             Err(GraphError::Http {
                 status: 404 | 405, ..
             }) => Err(GraphError::NoJournal(self.base.clone())),

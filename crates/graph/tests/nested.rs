@@ -125,12 +125,12 @@ async fn a_strangers_service_call_is_refused_before_a_sparql_server_sees_it() {
     );
 }
 
-/// A `SERVICE` hidden from the check in a `\u` escape is not sent: SPARQL 1.1 (19.2) has a server
-/// read such escapes before the grammar, so for one that does `"a\u0022` ends the string and the
-/// `SERVICE` after it is a clause; our parser reads the escape as a quote inside the string. The
-/// server is sent the query as it was checked, so read that way too it holds no call. Before,
-/// the text went as written (Fuseki 5.6, which reads the escape as we do, made no call; a server
-/// following the spec's letter would have).
+/// A `SERVICE` hidden from the check in a `\u` escape is refused before a SPARQL server sees it:
+/// SPARQL 1.1 (19.2) has a server read such escapes before the grammar, so for one that does,
+/// `"a\u0022` ends the string and the `SERVICE` after it is a clause; our parser reads the
+/// escape as a quote inside the string. Before, the query went as written (Fuseki 5.6, which
+/// reads the escape as we do, made no call; a server following the spec's letter would have). A
+/// query whose escapes hide nothing goes to the server as written, byte for byte.
 #[tokio::test]
 async fn a_service_call_hidden_in_an_escape_is_not_sent_to_a_sparql_server() {
     let received = std::sync::Arc::new(std::sync::Mutex::new(Vec::<String>::new()));
@@ -148,21 +148,28 @@ async fn a_service_call_hidden_in_an_escape_is_not_sent_to_a_sparql_server() {
     let endpoint = common::raw_endpoint(respond).await;
     let store = agent_graph::GraphStore::open(&format!("{endpoint}/ds"), None).unwrap();
     let hidden = r#"SELECT * WHERE { ?s ?p "a\u0022 . SERVICE <http://169.254.169.254/latest/> { ?x ?y ?z } } #" }"#;
-    let answered = store
-        .query_bounded(hidden.to_owned(), default_bounds(20, 100))
-        .await;
-    // A query with no call in it, as our parser reads it: answered.
-    assert!(answered.is_ok(), "{answered:?}");
-    let sent = received.lock().unwrap().clone();
-    assert_eq!(sent.len(), 1, "{sent:?}");
-    let as_jena_reads_it = with_escapes_read(&sent[0]);
+    // As a server following the spec reads it, the query calls out.
+    let as_the_spec_reads_it = with_escapes_read(hidden);
     let parsed = spargebra::SparqlParser::new()
-        .parse_query(&as_jena_reads_it)
-        .unwrap_or_else(|e| panic!("{e}: {as_jena_reads_it}"));
+        .parse_query(&as_the_spec_reads_it)
+        .unwrap();
+    assert!(format!("{parsed:?}").contains("Service"), "{parsed:?}");
+    let refused = store
+        .query_bounded(hidden.to_owned(), default_bounds(20, 100))
+        .await
+        .unwrap_err();
     assert!(
-        !format!("{parsed:?}").contains("Service"),
-        "the server was sent a query that calls out, as Jena reads it: {as_jena_reads_it}"
+        matches!(&refused, GraphError::Syntax(why) if why.contains("SERVICE")),
+        "{refused:?}"
     );
+    assert!(received.lock().unwrap().is_empty(), "the server saw it");
+    // Escapes that hide nothing: sent as written.
+    let harmless = r#"SELECT ?s WHERE { ?s ?p "caf\u00e9" FILTER(?p != <urn:\u0061>) }"#;
+    store
+        .query_bounded(harmless.to_owned(), default_bounds(20, 100))
+        .await
+        .unwrap();
+    assert_eq!(*received.lock().unwrap(), vec![harmless.to_owned()]);
 }
 
 /// `text` with every `\uXXXX` and `\UXXXXXXXX` escape replaced by its character, as Apache Jena's
