@@ -208,12 +208,11 @@ fn cell(term: Option<&Term>) -> String {
 pub async fn sparql(args: SparqlArgs) -> anyhow::Result<i32> {
     let store = args.store.open()?;
     let answer = store.query(args.query.clone()).await?;
-    let mut out = String::new();
     if args.json {
         let (body, _) = agent_graph::serialize_answer(&answer)?;
-        out = json_for_terminal(&String::from_utf8_lossy(&body)) + "\n";
-        return write_out(&out);
+        return write_out(&(json_for_terminal(&String::from_utf8_lossy(&body)) + "\n"));
     }
+    let mut out = String::new();
     match answer {
         QueryAnswer::Boolean(b) => out = format!("{b}\n"),
         QueryAnswer::Graph(triples) => {
