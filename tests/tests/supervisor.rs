@@ -734,6 +734,57 @@ async fn a_fan_out_found_due_with_a_nested_one_waits_for_its_answer() {
     nested_partial_outer_complete(&dialog).await;
 }
 
+/// The hold of [`a_fan_out_found_due_with_a_nested_one_waits_for_its_answer`] outlives the
+/// aggregator that made it. Killed (SIGKILL) while the nested supervisor writes its partial
+/// answer (9 s), the aggregator comes back to a nested fan-out answered and nothing open below the
+/// outer one, and still holds that one until the time the graph records (a grace, 12 s, from the
+/// sweep that found them due). Held in memory alone, the restarted aggregator's first sweep
+/// (6 s after it started) answered the outer fan-out before the nested answer came, and the root
+/// answered without the branch.
+#[tokio::test]
+async fn a_fan_out_held_for_a_nested_answer_stays_held_after_the_aggregator_restarts() {
+    let slow_nested_answer = NESTED_TRIP.replace(
+        r#""reply": "Taxi booked, the train not.""#,
+        r#""reply": "Taxi booked, the train not.", "delay_ms": 9000"#,
+    );
+    assert_ne!(slow_nested_answer, NESTED_TRIP);
+    let mut trip = start_nested_trip(("24", "12"), &slow_nested_answer, "n-5").await;
+    let completions = format!(
+        "{}SELECT ?c WHERE {{ GRAPH <urn:graph:retrieval> {{ ?c a tg:SubagentCompletion }} }}",
+        agent_core::vocab::SPARQL_PREFIXES
+    );
+    assert_eq!(
+        count_reaching(&trip.aggregator.store(), completions, 2).await,
+        2
+    );
+    let syntheses = format!(
+        "{}SELECT ?s WHERE {{ GRAPH <urn:graph:retrieval> {{ ?s a tg:Synthesis }} }}",
+        agent_core::vocab::SPARQL_PREFIXES
+    );
+    assert_eq!(count(&trip.aggregator.store(), syntheses).await, 0);
+    // Away past both deadlines (the nested one's at 12 s, the outer one's at 24 s).
+    trip.aggregator.freeze(true);
+    tokio::time::sleep(Duration::from_secs(25)).await;
+    trip.aggregator.freeze(false);
+    let nested_synthesis = "Request to answer from the subagents: Organise travel";
+    let asked = tokio::time::Instant::now() + Duration::from_secs(30);
+    while !trip
+        .llm
+        .calls()
+        .iter()
+        .any(|c| c.last_user.contains(nested_synthesis))
+    {
+        assert!(
+            tokio::time::Instant::now() < asked,
+            "the nested synthesis was never asked for"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    trip.aggregator.kill_and_restart();
+    let (dialog, _client) = trip_answered(trip, "n-5", "Trip planned with a taxi.").await;
+    nested_partial_outer_complete(&dialog).await;
+}
+
 /// A fan-out that times out is answered honestly: two subagents with the same goal keep two
 /// results, the synthesis derives only from the completions it was given, says it is partial and
 /// names the subagent it went without, and that subagent, told its supervisor stopped waiting,

@@ -106,14 +106,17 @@ pub async fn sweep(
             tracing::warn!(error = %e, "timeout sweep could not remove the marks of answered fan-outs");
         }
         let now = chrono::Utc::now();
-        let (due, open) = match overdue(&store, deadlines, now).await {
+        let Overdue { due, open, held } = match overdue(&store, deadlines, now).await {
             Ok(overdue) => overdue,
             Err(e) => {
                 tracing::warn!(error = %e, "timeout sweep could not query the graph");
                 continue;
             }
         };
-        for (cid, waited) in held_back.due_now(due, &open, deadlines.grace, now) {
+        held_back.recorded(held);
+        let now_due = held_back.due_now(due, &open, deadlines.grace, now);
+        held_back.record(&store).await;
+        for (cid, waited) in now_due {
             if let Err(e) = check(
                 &store,
                 &requests,
@@ -134,14 +137,41 @@ pub async fn sweep(
 /// supervisor's partial answer can reach them. A nested fan-out is due a grace before the one
 /// holding it, but when both are found due in one sweep (the aggregator was away for longer than
 /// the grace) the holder, which started first, was answered first and lost the whole branch.
-/// In memory: a restarted aggregator holds such a fan-out back one grace more.
+/// Each hold is recorded in the graph (`tg:heldUntil`) and read back by every sweep: held in one
+/// process's memory alone, it was lost to another aggregator's sweep and to a restart, which
+/// found the nested fan-out answered (no longer open), so nothing to wait for, and answered the
+/// holder before the nested supervisor's answer came.
 #[derive(Debug, Default)]
 struct HeldBack {
     /// Each fan-out held back: until when, and for how many seconds.
     until: HashMap<String, (chrono::DateTime<chrono::Utc>, u64)>,
+    /// Holds the graph records, read at the start of each sweep.
+    in_graph: HashMap<String, (chrono::DateTime<chrono::Utc>, u64)>,
+    /// Holds this sweep made and the graph does not record yet.
+    unrecorded: Vec<(String, chrono::DateTime<chrono::Utc>)>,
 }
 
 impl HeldBack {
+    /// Takes in the holds the graph records (see [`Overdue::held`]).
+    fn recorded(&mut self, held: HashMap<String, (chrono::DateTime<chrono::Utc>, u64)>) {
+        self.in_graph = held;
+    }
+
+    /// Records in the graph the holds made since the last call. One that cannot be recorded still
+    /// holds here, and is tried again at the next sweep while it holds.
+    async fn record(&mut self, store: &GraphStore) {
+        for (cid, until) in std::mem::take(&mut self.unrecorded) {
+            if !self.until.contains_key(&cid) {
+                continue;
+            }
+            let at = until.to_rfc3339_opts(chrono::SecondsFormat::Micros, true);
+            if let Err(e) = store.update(queries::fanout_held(&cid, &at)).await {
+                tracing::warn!(correlation_id = %cid, error = %e, "timeout sweep could not record a fan-out's hold; only this aggregator keeps it for now");
+                self.unrecorded.push((cid, until));
+            }
+        }
+    }
+
     /// Of `due` (fan-outs past their deadline, with the seconds each waited), those to answer now:
     /// one with fan-outs below it still open (of `open`, every open fan-out) waits from when it
     /// was first found so a grace for each level of them, the deepest answering first, then goes
@@ -175,7 +205,8 @@ impl HeldBack {
         }
         let mut now_due = Vec::new();
         for (cid, waited) in due {
-            let (until, held_secs) = match self.until.get(&cid) {
+            let held = self.until.get(&cid).or_else(|| self.in_graph.get(&cid));
+            let (until, held_secs) = match held {
                 Some(held) => *held,
                 None => match levels_below.get(cid.as_str()) {
                     Some(levels) => {
@@ -185,6 +216,7 @@ impl HeldBack {
                             .and_then(|hold| now.checked_add_signed(hold))
                             .unwrap_or(now);
                         self.until.insert(cid.clone(), (until, hold.as_secs()));
+                        self.unrecorded.push((cid.clone(), until));
                         (until, hold.as_secs())
                     }
                     None => {
@@ -201,13 +233,23 @@ impl HeldBack {
     }
 }
 
-/// The open fan-outs past their deadline at `now`, oldest first, each with the seconds it waited,
-/// and every open fan-out.
+/// What a sweep reads of the fan-outs still waiting.
+struct Overdue {
+    /// Those past their deadline, oldest first, each with the seconds it waited.
+    due: Vec<(String, u64)>,
+    /// Every one.
+    open: std::collections::HashSet<String>,
+    /// Those a sweep holds back (see [`HeldBack`]): until when, and how many seconds past their
+    /// deadline that is.
+    held: HashMap<String, (chrono::DateTime<chrono::Utc>, u64)>,
+}
+
+/// The open fan-outs at `now` (see [`Overdue`]).
 async fn overdue(
     store: &GraphStore,
     deadlines: Deadlines,
     now: chrono::DateTime<chrono::Utc>,
-) -> Result<(Vec<(String, u64)>, std::collections::HashSet<String>), GraphError> {
+) -> Result<Overdue, GraphError> {
     let open = rows(
         store,
         queries::overdue_fanouts(&now.to_rfc3339_opts(chrono::SecondsFormat::Micros, true)),
@@ -217,11 +259,24 @@ async fn overdue(
     // A start the graph holds as a time but chrono cannot read (a year before 1 BCE) is long past.
     let mut starts: HashMap<String, chrono::DateTime<chrono::Utc>> = HashMap::new();
     let mut order = Vec::new();
-    for (cid, t) in open.column("cid").into_iter().zip(open.column("t")) {
+    // Two aggregators may each record a hold: the sooner one stands.
+    let mut held_until: HashMap<String, chrono::DateTime<chrono::Utc>> = HashMap::new();
+    for ((cid, t), held) in open
+        .column("cid")
+        .into_iter()
+        .zip(open.column("t"))
+        .zip(open.column("held"))
+    {
         let (cid, started) = (
             text(cid),
             instant(&text(t)).unwrap_or(chrono::DateTime::UNIX_EPOCH),
         );
+        if let Some(held) = held.and_then(|held| instant(&text(Some(held)))) {
+            held_until
+                .entry(cid.clone())
+                .and_modify(|until| *until = (*until).min(held))
+                .or_insert(held);
+        }
         match starts.get_mut(&cid) {
             Some(earliest) => *earliest = (*earliest).min(started),
             None => {
@@ -252,18 +307,23 @@ async fn overdue(
         }
     }
     let open = order.iter().cloned().collect();
+    let mut held = HashMap::new();
     let due = order
         .into_iter()
         .filter_map(|cid| {
             let started = *starts.get(&cid)?;
             let deadline = deadlines.deadline(&cid, started, &starts);
+            if let Some(until) = held_until.get(&cid) {
+                let past = (*until - deadline).num_seconds().max(0) as u64;
+                held.insert(cid.clone(), (*until, past));
+            }
             (deadline <= now).then(|| {
                 let waited = (deadline - started).num_seconds().max(0) as u64;
                 (cid, waited)
             })
         })
         .collect();
-    Ok((due, open))
+    Ok(Overdue { due, open, held })
 }
 
 /// An `xsd:dateTime` as the graph gives it back (one without a zone read as UTC), if chrono can
@@ -1006,6 +1066,89 @@ mod tests {
             )
             .len(),
             2
+        );
+    }
+
+    /// Records, in `store`, a fan-out `cid` waiting for its synthesis since `started`.
+    async fn waiting_fanout(store: &GraphStore, cid: &str, started: chrono::DateTime<chrono::Utc>) {
+        let (g, w) = (
+            agent_core::vocab::PROVENANCE_GRAPH,
+            agent_core::vocab::WAITING_GRAPH,
+        );
+        let node = format!("<{}{cid}/fanout>", agent_core::vocab::SESSION_PREFIX);
+        let started = started.to_rfc3339_opts(chrono::SecondsFormat::Micros, true);
+        store
+            .update(format!(
+                "{}INSERT DATA {{ GRAPH <{g}> {{ {node} a tg:FanOut ; tg:correlationId \"{cid}\" ;
+                   prov:startedAtTime \"{started}\"^^<http://www.w3.org/2001/XMLSchema#dateTime> ;
+                   tg:expectedSiblings 1 ; tg:continuation \"{{}}\" ; tg:clientId \"c\" }}
+                 GRAPH <{w}> {{ {node} tg:awaits tg:Synthesis }} }}",
+                agent_core::vocab::SPARQL_PREFIXES
+            ))
+            .await
+            .unwrap();
+    }
+
+    /// What a sweep at `now` would answer, as read from `store` by `held`.
+    async fn sweep_at(
+        store: &GraphStore,
+        held: &mut HeldBack,
+        now: chrono::DateTime<chrono::Utc>,
+    ) -> Vec<(String, u64)> {
+        let Overdue {
+            due,
+            open,
+            held: in_graph,
+        } = overdue(store, DEADLINES, now).await.unwrap();
+        held.recorded(in_graph);
+        let now_due = held.due_now(due, &open, DEADLINES.grace, now);
+        held.record(store).await;
+        now_due
+    }
+
+    /// A hold lives in the graph: another aggregator, or this one restarted, finds the nested
+    /// fan-out answered (no longer open) and still holds the outer one until the first sweep's
+    /// time. Held in memory alone, the second sweep answered it at once.
+    #[tokio::test]
+    async fn a_hold_is_kept_by_another_aggregators_sweep_and_after_a_restart() {
+        let store = GraphStore::in_memory().unwrap();
+        waiting_fanout(&store, "abc-f1", at(1000)).await;
+        waiting_fanout(&store, "abc-f1-s0-f2", at(1010)).await;
+        // Away past both deadlines (1225 and 1300): the nested one goes, the outer one is held.
+        let mut first = HeldBack::default();
+        assert_eq!(
+            sweep_at(&store, &mut first, at(2000)).await,
+            [("abc-f1-s0-f2".to_owned(), 215)]
+        );
+        // Its synthesis requested, the nested fan-out is no longer open.
+        store
+            .update(queries::synthesis_requested(&NamedNode::new_unchecked(
+                format!("{}abc-f1-s0-f2/fanout", agent_core::vocab::SESSION_PREFIX),
+            )))
+            .await
+            .unwrap();
+        let mut second = HeldBack::default();
+        assert!(sweep_at(&store, &mut second, at(2010)).await.is_empty());
+        assert!(sweep_at(&store, &mut second, at(2074)).await.is_empty());
+        // The hold ends at the first sweep's time, on every aggregator, which tells the wait from
+        // the fan-out's start to then (this one was not there when it was held).
+        assert_eq!(
+            sweep_at(&store, &mut second, at(2075)).await,
+            [("abc-f1".to_owned(), 1075)]
+        );
+        assert_eq!(
+            sweep_at(&store, &mut first, at(2075)).await,
+            [("abc-f1".to_owned(), 375)]
+        );
+        // A later hold (another aggregator's, recorded after) does not move it.
+        store
+            .update(queries::fanout_held("abc-f1", "1970-01-01T01:00:00Z"))
+            .await
+            .unwrap();
+        let mut third = HeldBack::default();
+        assert_eq!(
+            sweep_at(&store, &mut third, at(2075)).await,
+            [("abc-f1".to_owned(), 1075)]
         );
     }
 

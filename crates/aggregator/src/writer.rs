@@ -293,7 +293,8 @@ fn names_agents(
 /// Whether `quad` is one only the aggregator writes: anything in the journal's graphs or in the
 /// index of what waits (a planted mark would be read at every sweep), and the
 /// marks of a fan-out's synthesis and of a waiting subagent's start (a planted claim dated ahead
-/// would hold a fan-in for good, a planted "requested" would hide it and stop its subagents).
+/// would hold a fan-in for good, a planted "requested" would hide it and stop its subagents), and
+/// the sweep's hold of a fan-out (one dated ahead would keep it from timing out).
 fn internal(quad: &oxigraph::model::Quad) -> bool {
     use agent_core::vocab::tg;
     let in_journal = match &quad.graph_name {
@@ -313,6 +314,7 @@ fn internal(quad: &oxigraph::model::Quad) -> bool {
         &tg::START_CLAIM,
         &tg::START_CLAIMED_AT,
         &tg::START_REQUESTED,
+        &tg::HELD_UNTIL,
     ];
     in_journal
         || marks
@@ -384,6 +386,24 @@ mod tests {
                 "{subject}"
             );
         }
+    }
+
+    /// A hold planted dated ahead would keep a fan-out from ever timing out.
+    #[test]
+    fn a_sweeps_hold_of_a_fan_out_is_written_by_the_aggregator_alone() {
+        use agent_core::vocab::tg;
+        let quad = |predicate: oxigraph::model::NamedNodeRef<'_>| {
+            oxigraph::model::Quad::new(
+                oxigraph::model::NamedNode::new_unchecked("urn:trustgraph:agent:s/fanout"),
+                predicate,
+                oxigraph::model::Literal::new_simple_literal("9999-01-01T00:00:00Z"),
+                oxigraph::model::GraphName::NamedNode(oxigraph::model::NamedNode::new_unchecked(
+                    agent_core::vocab::PROVENANCE_GRAPH,
+                )),
+            )
+        };
+        assert!(internal(&quad(tg::HELD_UNTIL)));
+        assert!(!internal(&quad(tg::STARTED_AT)));
     }
 
     #[test]

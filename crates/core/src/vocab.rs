@@ -170,6 +170,10 @@ pub mod tg {
         GAP = "gap";
         GOAL = "goal";
         HAS_STEP = "hasStep";
+        /// Until when the timeout sweep holds a fan-out back, past its deadline, for the answers
+        /// of nested fan-outs found due with it: kept in the graph so that every aggregator, and
+        /// one restarted, keeps the same hold.
+        HELD_UNTIL = "heldUntil";
         /// What an LLM call read, in tokens (also marks a node that records a cost).
         IN_TOKEN = "inToken";
         LESSON = "lesson";

@@ -372,20 +372,38 @@ pub fn open_fanouts() -> String {
 /// first it tells them (resumed in the same sweep) that no one waits for their synthesis. The
 /// timeout sweep asks for all of them (`cutoff` now), since a nested one may be due before its
 /// own timeout. Only fan-outs marked as waiting (see [`crate::waiting`]) are looked at, so the
-/// sweep's work does not grow with every fan-out ever answered.
+/// sweep's work does not grow with every fan-out ever answered. `?held`: until when a sweep holds
+/// it back (see [`fanout_held`]), if one does.
 pub fn overdue_fanouts(cutoff: &str) -> String {
     let g = graph();
     let cutoff =
         oxigraph::model::Literal::new_typed_literal(cutoff, oxigraph::model::vocab::xsd::DATE_TIME);
     let w = waiting();
     format!(
-        "{PREFIXES}SELECT DISTINCT ?cid ?t WHERE {{ GRAPH {w} {{ ?f tg:awaits tg:Synthesis }}
+        "{PREFIXES}SELECT DISTINCT ?cid ?t ?held WHERE {{ GRAPH {w} {{ ?f tg:awaits tg:Synthesis }}
   GRAPH {g} {{
     ?f a tg:FanOut ; tg:correlationId ?cid ; prov:startedAtTime ?t ;
        tg:expectedSiblings ?expected ; tg:continuation ?continuation ; tg:clientId ?client . }}
+  OPTIONAL {{ GRAPH {g} {{ ?f tg:heldUntil ?held }} }}
   FILTER NOT EXISTS {{ GRAPH {g} {{ ?f tg:synthesisRequested ?done }} }}
   FILTER NOT EXISTS {{ GRAPH {g} {{ ?f tg:fanInRefused ?why }} }}
   FILTER (?t < {cutoff}) {only} }} ORDER BY ?t",
+        only = agents_only("f")
+    )
+}
+
+/// Records that the timeout sweep holds the fan-out `correlation_id` back until `until` (an
+/// xsd:dateTime), unless a hold is recorded already: the first sweep to hold it sets the time,
+/// which every later sweep, on any aggregator, reads back with [`overdue_fanouts`].
+pub fn fanout_held(correlation_id: &str, until: &str) -> String {
+    let g = graph();
+    let id = oxigraph::model::Literal::new_simple_literal(correlation_id);
+    let until =
+        oxigraph::model::Literal::new_typed_literal(until, oxigraph::model::vocab::xsd::DATE_TIME);
+    format!(
+        "{PREFIXES}INSERT {{ GRAPH {g} {{ ?f tg:heldUntil {until} }} }}
+WHERE {{ GRAPH {g} {{ ?f a tg:FanOut ; tg:correlationId {id} .
+  FILTER NOT EXISTS {{ ?f tg:heldUntil ?held }} }} {only} }}",
         only = agents_only("f")
     )
 }
