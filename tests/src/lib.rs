@@ -123,6 +123,22 @@ impl Broker {
         }
     }
 
+    /// Freezes it (SIGSTOP) or lets it go on (SIGCONT): its connections stay open and it reads
+    /// nothing from them, as a broker whose host hangs.
+    pub fn freeze(&self, frozen: bool) {
+        let pid = match self {
+            Broker::Lite(b) => b.pid(),
+            Broker::Apache(b) => b.pid(),
+        }
+        .expect("a running broker");
+        let signal = if frozen { "-STOP" } else { "-CONT" };
+        let status = std::process::Command::new("kill")
+            .args([signal, &pid.to_string()])
+            .status()
+            .unwrap();
+        assert!(status.success(), "kill {signal} {pid}");
+    }
+
     /// SIGKILL, leaving it down until [`Broker::restart`]: an outage of the test's length.
     pub fn stop(&mut self) {
         match self {

@@ -597,3 +597,55 @@ async fn a_nacked_message_of_a_non_persistent_topic_is_tried_again_then_dead_let
     shutdown.cancel();
     consumer.await.unwrap().unwrap();
 }
+
+/// A broker that stops reading (SIGSTOP: its host hangs, its connections stay open) holds no
+/// publisher for ever. With the producer's queue and the socket's buffers full, the `pulsar`
+/// crate waited for room without a deadline, holding the publisher's lock, so every task
+/// publishing to the topic (every handler of a service) hung until the broker came back. Now each
+/// send fails within the time to queue it (30 s) and then to get its receipt (30 s), and the same
+/// publisher sends again once the broker is back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sends_to_a_broker_that_stops_reading_fail_in_time_and_the_publisher_recovers() {
+    let broker = Broker::start().unwrap();
+    let bus = agent_bus::Bus::connect(&broker.url(), None).await.unwrap();
+    let publisher = agent_bus::Publisher::new(&bus, "persistent://tg/flow/stops-reading")
+        .await
+        .unwrap();
+    let none = agent_bus::Properties::new();
+    publisher.send(b"before".to_vec(), &none).await.unwrap();
+    broker.freeze(true);
+    // 300 x 128 KiB: more than the crate's queue (100 messages) and loopback's socket buffers.
+    let sends: Vec<_> = (0..300u32)
+        .map(|i| {
+            let (publisher, none) = (publisher.clone(), none.clone());
+            tokio::spawn(async move {
+                let payload = vec![u8::try_from(i % 251).unwrap(); 128 * 1024];
+                publisher.send(payload, &none).await
+            })
+        })
+        .collect();
+    let ended =
+        tokio::time::timeout(Duration::from_secs(80), futures::future::join_all(sends)).await;
+    broker.freeze(false);
+    let results = ended.expect("sends still waiting 80 s after the broker stopped reading");
+    let failed = results
+        .into_iter()
+        .map(|joined| joined.unwrap())
+        .filter(Result::is_err)
+        .count();
+    assert!(failed > 0, "a broker that reads nothing took every message");
+    // Back: the same publisher sends again (once its connection is made again).
+    let back = tokio::time::Instant::now() + Duration::from_secs(60);
+    loop {
+        match publisher.send(b"after".to_vec(), &none).await {
+            Ok(()) => break,
+            Err(e) => {
+                assert!(
+                    tokio::time::Instant::now() < back,
+                    "no send within 60 s of the broker's return: {e}"
+                );
+                tokio::time::sleep(Duration::from_millis(500)).await;
+            }
+        }
+    }
+}

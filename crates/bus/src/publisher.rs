@@ -9,6 +9,10 @@ use tokio::sync::Mutex;
 
 use crate::{Bus, BusError, Properties};
 
+/// How long a send may wait to be queued (for the producer, then for room in its queue): the
+/// crate's operation timeout, which then bounds the wait for the receipt.
+const ENQUEUE_WITHIN: std::time::Duration = std::time::Duration::from_secs(30);
+
 /// Publishes to one topic. Cloning shares the producer.
 #[derive(Clone)]
 pub struct Publisher {
@@ -92,13 +96,26 @@ impl Publisher {
         };
         // The lock is held only to enqueue, so sends from many tasks pipeline; enqueue order under
         // the lock is the order the broker sees.
-        let future = {
+        let enqueued = async {
             let mut producer = self.producer.lock().await;
             producer
                 .send_non_blocking(message)
                 .await
-                .map_err(|e| publish_error(&self.topic, e))?
+                .map_err(|e| publish_error(&self.topic, e))
         };
+        // With the producer's queue full (a broker that stopped reading: frozen, or its host gone
+        // without a reset), the crate waits for room without a deadline, holding our lock, and
+        // every task publishing here queued behind it for as long as the connection stayed open.
+        // Given up, the message was not queued (the crate's queue takes it whole or not at all).
+        let future = tokio::time::timeout(ENQUEUE_WITHIN, enqueued)
+            .await
+            .map_err(|_| BusError::Publish {
+                topic: self.topic.clone(),
+                message: format!(
+                    "the broker took no message for {} s (its queue stayed full)",
+                    ENQUEUE_WITHIN.as_secs()
+                ),
+            })??;
         Ok(Receipt {
             topic: self.topic.clone(),
             future,
