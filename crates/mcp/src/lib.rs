@@ -252,9 +252,20 @@ impl Drop for InFlight<'_> {
     }
 }
 
-/// A server's slot: the session, if one is open. Its async lock makes concurrent callers of a dead
-/// server wait for one reconnection instead of each starting their own.
-type Slot = Arc<tokio::sync::Mutex<Option<Arc<Session>>>>;
+/// A server's slot. Its async lock makes concurrent callers of a dead server wait for one
+/// reconnection instead of each starting their own.
+type Slot = Arc<tokio::sync::Mutex<SlotState>>;
+
+#[derive(Default)]
+struct SlotState {
+    /// The session, if one is open.
+    session: Option<Arc<Session>>,
+    /// The last attempt to open one that failed: when it ended, and why. Callers that waited for
+    /// the slot while it was made are given its failure rather than each trying again in turn: a
+    /// server that accepts connections and never answers cost every one of them the whole
+    /// connect timeout, one after another (four tools of one server, listed at once, took 60 s).
+    failed: Option<(std::time::Instant, String)>,
+}
 
 /// A slot and when a caller last asked for it.
 struct Kept {
@@ -330,12 +341,16 @@ impl StdioTrust {
 /// How long a server whose listing failed is not asked for its tools' arguments again.
 const LIST_AGAIN_AFTER: Duration = Duration::from_secs(30);
 
+/// A listing that failed after this long cost a step a wait, and is remembered as one.
+const SLOW_FAILURE: Duration = Duration::from_secs(1);
+
 pub struct McpPool {
     slots: Mutex<HashMap<Endpoint, Kept>>,
     /// Each tool's arguments as its server last listed them.
     known: Mutex<HashMap<(Endpoint, String), Vec<ToolArgument>>>,
-    /// Servers whose last listing ran out of time: when, and why. Not asked again for
-    /// [`LIST_AGAIN_AFTER`], so that a server that hangs costs one wait, not one each step.
+    /// Servers whose last listing ran out of time or failed slowly: when, and why. Not asked
+    /// again for [`LIST_AGAIN_AFTER`], so that a server that hangs costs one wait, not one each
+    /// step.
     unlisted: Mutex<HashMap<Endpoint, (std::time::Instant, String)>>,
     idle: Duration,
     stdio: StdioTrust,
@@ -441,21 +456,30 @@ impl McpPool {
         let fresh = match failed_lately {
             Some(why) => Err(why),
             None => {
+                let started = std::time::Instant::now();
                 let asked =
                     tokio::time::timeout(within, self.fresh_arguments(endpoint, name)).await;
                 let mut unlisted = self.unlisted.lock().unwrap_or_else(|p| p.into_inner());
-                match asked {
+                // Only a wait is remembered: a server that answers, even with an error, costs
+                // no time to ask again. One that failed slowly (a session that did not open in
+                // its own time limit, a connection dropped unanswered) cost a wait all the same.
+                let answered = match asked {
+                    Ok(Err(why)) if started.elapsed() >= SLOW_FAILURE => Err(Some(why)),
+                    Ok(answered) => Ok(answered),
+                    Err(_) => Err(None),
+                };
+                match answered {
                     Ok(answered) => {
                         unlisted.remove(endpoint);
                         answered
                     }
-                    // Only a wait is remembered: a server that answers, even with an error,
-                    // costs no time to ask again.
-                    Err(_) => {
-                        let why = format!(
-                            "{} did not list its tools within {within:?}",
-                            endpoint.describe()
-                        );
+                    Err(why) => {
+                        let why = why.unwrap_or_else(|| {
+                            format!(
+                                "{} did not list its tools within {within:?}",
+                                endpoint.describe()
+                            )
+                        });
                         unlisted.insert(endpoint.clone(), (std::time::Instant::now(), why.clone()));
                         Err(why)
                     }
@@ -525,36 +549,54 @@ impl McpPool {
             return Err(refusal);
         }
         let slot = self.slot(endpoint);
+        let asked = std::time::Instant::now();
         let mut open = slot.lock().await;
-        if let Some(session) = open.as_ref() {
+        if let Some(session) = open.session.as_ref() {
             if !session.peer.is_transport_closed() {
                 return Ok((session.clone(), true));
             }
+        }
+        if let Some((_, why)) = open.failed.as_ref().filter(|(at, _)| *at >= asked) {
+            return Err(why.clone());
         }
         let limit = match endpoint {
             Endpoint::Http { .. } => CONNECT_TIMEOUT_HTTP,
             Endpoint::Stdio { .. } => CONNECT_TIMEOUT_STDIO,
         };
-        let session = match tokio::time::timeout(limit, connect(endpoint)).await {
-            Ok(connected) => Arc::new(connected?),
-            Err(_) => {
-                return Err(format!(
-                    "the MCP server {} did not open a session within {} s",
-                    endpoint.describe(),
-                    limit.as_secs()
-                ))
-            }
+        let connected = match tokio::time::timeout(limit, connect(endpoint)).await {
+            Ok(connected) => connected,
+            Err(_) => Err(format!(
+                "the MCP server {} did not open a session within {} s",
+                endpoint.describe(),
+                limit.as_secs()
+            )),
         };
-        *open = Some(session.clone());
-        Ok((session, false))
+        match connected {
+            Ok(session) => {
+                let session = Arc::new(session);
+                *open = SlotState {
+                    session: Some(session.clone()),
+                    failed: None,
+                };
+                Ok((session, false))
+            }
+            Err(why) => {
+                open.failed = Some((std::time::Instant::now(), why.clone()));
+                Err(why)
+            }
+        }
     }
 
     /// Drops `session` from its slot, unless another caller has already replaced it.
     async fn forget(&self, endpoint: &Endpoint, session: &Arc<Session>) {
         let slot = self.slot(endpoint);
         let mut open = slot.lock().await;
-        if open.as_ref().is_some_and(|s| Arc::ptr_eq(s, session)) {
-            *open = None;
+        if open
+            .session
+            .as_ref()
+            .is_some_and(|s| Arc::ptr_eq(s, session))
+        {
+            open.session = None;
         }
     }
 }
@@ -1218,6 +1260,62 @@ for line in sys.stdin:
             args: vec!["-c".to_owned(), script],
             env: BTreeMap::new(),
         }
+    }
+
+    /// An HTTP server that takes connections and never answers (a load balancer with no healthy
+    /// backend): how many connections it has taken, and its endpoint.
+    async fn never_answering() -> (Arc<std::sync::atomic::AtomicUsize>, Endpoint) {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}/mcp", listener.local_addr().unwrap());
+        let taken = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let counted = taken.clone();
+        tokio::spawn(async move {
+            let mut held = Vec::new();
+            while let Ok((connection, _)) = listener.accept().await {
+                counted.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                held.push(connection);
+            }
+        });
+        let endpoint = Endpoint::Http {
+            url,
+            auth_token: None,
+        };
+        (taken, endpoint)
+    }
+
+    /// A server that never answers costs one attempt to open a session, however many ask at
+    /// once and whoever asks soon after. Callers that waited for the slot each tried again in
+    /// turn (four tools of one server listed at once waited 15 s each, 60 s in all, a step's whole
+    /// tool timeout), and the failure, which came before the caller's own time limit, was not
+    /// remembered, so the next step paid again.
+    #[tokio::test]
+    async fn a_server_that_never_answers_is_tried_once_by_those_who_wait_for_it() {
+        let (taken, endpoint) = never_answering().await;
+        let connections = || taken.load(std::sync::atomic::Ordering::SeqCst);
+        let within = Duration::from_secs(60);
+        let pool = McpPool::new();
+        let first = pool.arguments(&endpoint, "a", within).await;
+        assert!(first.is_err(), "{first:?}");
+        let one_attempt = connections();
+        assert!(one_attempt > 0);
+        // The next steps, soon after, do not ask it again.
+        for _ in 0..2 {
+            let again = pool.arguments(&endpoint, "a", within).await;
+            assert!(again.is_err(), "{again:?}");
+        }
+        assert_eq!(connections(), one_attempt, "connections after asking again");
+        // Four tools listed at once, by a process that has not met the server yet.
+        let fresh = McpPool::new();
+        let at_once = futures::future::join_all(
+            ["a", "b", "c", "d"].map(|tool| fresh.arguments(&endpoint, tool, within)),
+        )
+        .await;
+        assert!(at_once.iter().all(Result::is_err), "{at_once:?}");
+        assert_eq!(
+            connections(),
+            2 * one_attempt,
+            "connections after asking four at once"
+        );
     }
 
     /// A server that hangs as it starts is given up on within the time asked, and the prompt
