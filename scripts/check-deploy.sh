@@ -58,6 +58,12 @@ def check(value, where, file):
         problems.append(f"{file}: {where}: GRAPH_STORE {value} is not the aggregator's authenticated endpoint")
 for file, doc in docs:
     walk(doc, "", file)
+# Published ports reach this machine's own clients only: the broker shipped in compose
+# authenticates no one.
+for name, service in (docs[0][1].get("services") or {}).items():
+    for port in service.get("ports") or []:
+        if not str(port).startswith("127.0.0.1:"):
+            problems.append(f"docker-compose.yml: services/{name}: port {port} is published on every interface, not 127.0.0.1")
 if problems:
     print("\n".join(problems), file=sys.stderr)
     sys.exit(1)

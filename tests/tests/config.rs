@@ -833,3 +833,55 @@ async fn agentctl_config_seeds_missing_keys_and_edits_values() {
         .unwrap();
     assert_ne!(code, 0, "the deleted key is still there");
 }
+
+/// A service given a secret at the value `.env.example` publishes does not start: copied as the
+/// compose file's header says and never changed, `CONFIG_TOKEN` let anyone write tools and
+/// provenance, and `AGENT_SEAL_KEY` anyone forge fan-outs, completions and approvals.
+#[test]
+fn the_services_refuse_the_secrets_env_example_publishes() {
+    // Refused before anything is opened, so nothing is made here (removed all the same).
+    let data = std::env::temp_dir().join(format!("agent-e2e-refused-{}", std::process::id()));
+    let cases = [
+        ("config-svc", "CONFIG_TOKEN", "change-me"),
+        ("agent-aggregator", "CONFIG_TOKEN", "change-me"),
+        ("agent-aggregator", "AGENT_SEAL_KEY", "change-me-too"),
+        ("agent-orchestrator", "AGENT_SEAL_KEY", "change-me-too"),
+        ("agent-orchestrator", "CONFIG_TOKEN", "change-me"),
+    ];
+    for (service, setting, example) in cases {
+        let mut out = std::process::Command::new(binary(service))
+            .env_remove("CONFIG_TOKEN")
+            .env_remove("AGENT_SEAL_KEY")
+            .env(setting, example)
+            // Nothing listens there: a service that started would not end by itself soon.
+            .env("PULSAR_URL", "pulsar://127.0.0.1:9")
+            .env("CONFIG_DATA", data.join("config"))
+            .env("GRAPH_STORE", data.join("graph"))
+            .env("CONFIG_HTTP_ADDR", "127.0.0.1:0")
+            .env("AGGREGATOR_HTTP_ADDR", "127.0.0.1:0")
+            .env("AGENT_HTTP_ADDR", "127.0.0.1:0")
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let deadline = std::time::Instant::now() + Duration::from_secs(20);
+        while out.try_wait().unwrap().is_none() {
+            if std::time::Instant::now() > deadline {
+                out.kill().unwrap();
+                panic!("{service} started with {setting}={example}");
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let out = out.wait_with_output().unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            !out.status.success(),
+            "{service} exited 0 with {setting}={example}"
+        );
+        assert!(
+            stderr.contains(setting) && stderr.contains(".env.example"),
+            "{service}: {stderr}"
+        );
+    }
+    let _ = std::fs::remove_dir_all(&data);
+}

@@ -229,6 +229,11 @@ async fn journal_of(store: &GraphStore) -> anyhow::Result<agent_graph::journal::
 
 /// Runs until `shutdown`: the consumer and the SPARQL, health and readiness endpoint.
 pub async fn run(settings: AggregatorSettings, shutdown: CancellationToken) -> anyhow::Result<()> {
+    agent_bus::seal::refuse_published_secrets(&[
+        ("CONFIG_TOKEN", settings.config_token.as_deref()),
+        ("AGENT_SEAL_KEY", settings.seal_key.as_deref()),
+    ])
+    .map_err(anyhow::Error::msg)?;
     // Its start, first: of two owners started on one subscription, the first started keeps it.
     let owner = owner_fence::Owner::this_process(&without_credentials(&settings.graph_store));
     let token = settings.config_token.clone().filter(|t| !t.is_empty());

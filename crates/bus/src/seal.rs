@@ -60,6 +60,31 @@ pub fn step_parts(payload: &[u8], properties: &crate::Properties) -> Vec<String>
     parts
 }
 
+/// The example settings the project publishes (`.env.example`): their secrets are known to all.
+const PUBLISHED_EXAMPLE: &str = include_str!("../../../.env.example");
+
+/// Refuses a secret setting left at the value `.env.example` gives it: copied as the compose
+/// file's header says and never changed, the config token would let anyone write tools and
+/// provenance, and the seal key anyone forge fan-outs, completions and approvals. `settings`:
+/// each setting's name and value.
+pub fn refuse_published_secrets(settings: &[(&str, Option<&str>)]) -> Result<(), String> {
+    for (name, value) in settings {
+        let Some(value) = value.map(str::trim).filter(|v| !v.is_empty()) else {
+            continue;
+        };
+        let published = PUBLISHED_EXAMPLE.lines().any(|line| {
+            line.split_once('=')
+                .is_some_and(|(key, example)| key.trim() == *name && example.trim() == value)
+        });
+        if published {
+            return Err(format!(
+                "{name} is the example value .env.example publishes; set it to a long random string of your own (openssl rand -hex 32)"
+            ));
+        }
+    }
+    Ok(())
+}
+
 /// The shared secret, ready to seal and check.
 #[derive(Clone)]
 pub struct SealKey(hmac::Key);
@@ -286,6 +311,17 @@ mod tests {
         let (n, signed) = signed.unwrap_or_default();
         assert!(!key.verify(&["a", &n.to_string()], &signed), "{signed}");
         assert!(SealKey::configured(Some("  "), "test").is_none());
+        assert!(
+            refuse_published_secrets(&[("CONFIG_TOKEN", Some("change-me"))])
+                .is_err_and(|why| why.contains("CONFIG_TOKEN") && why.contains(".env.example"))
+        );
+        assert!(refuse_published_secrets(&[("AGENT_SEAL_KEY", Some(" change-me-too "))]).is_err());
+        assert!(refuse_published_secrets(&[
+            ("CONFIG_TOKEN", Some("a0c1e9f5d2b8")),
+            ("AGENT_SEAL_KEY", None),
+            ("PULSAR_TOKEN", Some("")),
+        ])
+        .is_ok());
         assert!(SealKey::configured(Some("k"), "test").is_some());
     }
 }

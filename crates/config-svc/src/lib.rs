@@ -120,6 +120,11 @@ pub(crate) async fn off_thread<T: Send + 'static>(
 
 /// Runs until `shutdown`: seeding, the REST API and the Pulsar protocol.
 pub async fn run(settings: ConfigSvcSettings, shutdown: CancellationToken) -> anyhow::Result<()> {
+    agent_bus::seal::refuse_published_secrets(&[(
+        "CONFIG_TOKEN",
+        settings.config_token.as_deref(),
+    )])
+    .map_err(anyhow::Error::msg)?;
     let store = Arc::new(ConfigStore::open(&settings.data_dir).with_context(|| {
         format!(
             "opening the config store in {}",

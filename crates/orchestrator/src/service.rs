@@ -22,6 +22,11 @@ use crate::{approval, cancel, live_config, metrics, ops};
 /// Runs the orchestrator until `shutdown`; in-flight iterations finish (or are left for redelivery)
 /// within the drain deadline.
 pub async fn run(settings: Settings, shutdown: CancellationToken) -> anyhow::Result<()> {
+    agent_bus::seal::refuse_published_secrets(&[
+        ("CONFIG_TOKEN", settings.config_token.as_deref()),
+        ("AGENT_SEAL_KEY", settings.seal_key.as_deref()),
+    ])
+    .map_err(anyhow::Error::msg)?;
     let config = load_config_dir(&settings.config_dir)?;
     // Only the stdio servers the operator defined here (or whose programs MCP_STDIO_COMMANDS
     // names) start: the config service, which anyone on the broker can write, may define others.
