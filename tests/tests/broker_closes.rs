@@ -103,3 +103,100 @@ async fn a_consumer_the_broker_closes_and_refuses_is_subscribed_again() {
         .unwrap_or_else(|e| panic!("the dialog after the unload was not served: {e}"));
     assert_eq!(outcome(&after), "pong");
 }
+
+/// The backlog of the `kept` subscription of `topic` (in `tg/flow`), by the broker's topic
+/// stats; `None` while the topic or the subscription is not there.
+fn kept_backlog(broker: &ApacheBroker, topic: &str) -> Option<u64> {
+    let (status, stats) = broker
+        .admin(
+            "GET",
+            &format!("/admin/v2/persistent/tg/flow/{topic}/stats"),
+            "",
+        )
+        .ok()?;
+    if status != 200 {
+        return None;
+    }
+    let stats: serde_json::Value = serde_json::from_str(&stats).ok()?;
+    stats["subscriptions"][agent_bus::DEAD_LETTERS_KEPT]["msgBacklog"].as_u64()
+}
+
+/// What a service dead-letters is kept until someone reads it. Apache Pulsar keeps a topic's
+/// messages only for its subscriptions (no retention policy, as it ships), and no service
+/// subscribed to the aggregator's or config-svc's dead-letter topics: a dead letter, which the
+/// services send "to be seen", was trimmed at the topic's next ledger roll-over. Each service now
+/// subscribes `kept` to its dead-letter topic as it starts; the letter waits there through an
+/// unload (which rolls the ledger over) and is read with its reason.
+#[tokio::test]
+async fn what_a_service_dead_letters_waits_in_the_kept_subscription() {
+    let broker = ApacheBroker::start(0, None).unwrap();
+    let bus = Bus::connect(&broker.url(), None).await.unwrap();
+    let (topic, letters) = ("kept-test", "kept-test-dead-letter");
+    let config = agent_bus::SubscriptionConfig {
+        topic: format!("persistent://tg/flow/{topic}"),
+        subscription: "under-test".to_owned(),
+        max_in_flight: 1,
+        max_redeliveries: None,
+        dead_letter_topic: format!("persistent://tg/flow/{letters}"),
+        drain_deadline: Duration::from_secs(1),
+        nack_delay: Duration::from_millis(100),
+        one_at_a_time: false,
+    };
+    let shutdown = tokio_util::sync::CancellationToken::new();
+    let stats = std::sync::Arc::new(agent_bus::ConsumerStats::default());
+    let consumer = tokio::spawn({
+        let (bus, stats, shutdown) = (bus.clone(), stats.clone(), shutdown.clone());
+        async move {
+            agent_bus::run_consumer(
+                &bus,
+                config,
+                stats,
+                shutdown,
+                |_: agent_bus::Delivery<serde_json::Value>| async { agent_bus::Disposition::Ack },
+            )
+            .await
+        }
+    });
+    // Not JSON: dead-lettered by the consumer itself.
+    let publisher = agent_bus::Publisher::new(&bus, &format!("persistent://tg/flow/{topic}"))
+        .await
+        .unwrap();
+    publisher
+        .send(b"not json".to_vec(), &Default::default())
+        .await
+        .unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while kept_backlog(&broker, letters) != Some(1) {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no dead letter waits in a subscription {} of {letters}",
+            agent_bus::DEAD_LETTERS_KEPT
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    shutdown.cancel();
+    consumer.await.unwrap().unwrap();
+    admin(
+        &broker,
+        "PUT",
+        &format!("/admin/v2/persistent/tg/flow/{letters}/unload"),
+        "",
+    );
+    let mut kept: pulsar::Consumer<Vec<u8>, pulsar::TokioExecutor> = bus
+        .client()
+        .consumer()
+        .with_topic(format!("persistent://tg/flow/{letters}"))
+        .with_subscription(agent_bus::DEAD_LETTERS_KEPT)
+        .with_subscription_type(pulsar::SubType::Shared)
+        .build()
+        .await
+        .unwrap();
+    let letter = tokio::time::timeout(Duration::from_secs(30), futures::StreamExt::next(&mut kept))
+        .await
+        .expect("the dead letter, after the unload")
+        .unwrap()
+        .unwrap();
+    assert_eq!(letter.payload.data, b"not json");
+    let reason = agent_bus::message_property(&letter, "dead-letter-reason").unwrap_or_default();
+    assert!(!reason.is_empty(), "a dead letter without its reason");
+}

@@ -397,6 +397,10 @@ where
     };
     stats.consuming.store(true, Ordering::SeqCst);
     tracing::info!(topic = %config.topic, subscription = %config.subscription, "consuming");
+    // Once the broker serves the topic (it may have been starting), so that one try is enough.
+    if dead_letters.is_some() {
+        keep_dead_letters(bus, &config.dead_letter_topic).await;
+    }
 
     let handler = Arc::new(handler);
     let mut tasks: JoinSet<Finished> = JoinSet::new();
@@ -544,6 +548,49 @@ where
 
 /// Messages a consumer of a non-persistent topic may be sent ahead of its handlers.
 const NON_PERSISTENT_WINDOW: u32 = 10_000;
+
+/// The subscription that keeps a dead-letter topic's messages until an operator reads them.
+pub const DEAD_LETTERS_KEPT: &str = "kept";
+
+/// Makes sure `topic` (a dead-letter topic) has the [`DEAD_LETTERS_KEPT`] subscription. A broker
+/// keeps a topic's messages only for its subscriptions (Apache Pulsar with no retention set, as
+/// it ships: a topic no one subscribes to is trimmed at its next ledger roll-over, and deleted
+/// once inactive), so what a service dead-lettered "to be seen" was gone before anyone looked,
+/// its trace a log line. As the Java client's `DeadLetterPolicy.initialSubscriptionName` does.
+/// A failure is logged: the service still runs, as it did without the subscription.
+async fn keep_dead_letters(bus: &Bus, topic: &str) {
+    if is_non_persistent(topic) {
+        tracing::warn!(%topic, "a non-persistent dead-letter topic keeps nothing: what is dead-lettered there is lost unless someone reads it as it comes");
+        return;
+    }
+    let subscribed = bus
+        .client()
+        .consumer()
+        .with_topic(topic)
+        .with_subscription(DEAD_LETTERS_KEPT)
+        .with_subscription_type(SubType::Shared)
+        .with_consumer_id(rand::random::<u64>() >> 1)
+        .with_options(ConsumerOptions {
+            receiver_queue_size: Some(1),
+            initial_position: InitialPosition::Earliest,
+            ..ConsumerOptions::default()
+        })
+        .build::<Vec<u8>>();
+    match tokio::time::timeout(CLOSE_WITHIN, subscribed).await {
+        Ok(Ok(mut consumer)) => {
+            // Closed, not unsubscribed: the subscription stays, and with it what it has not read.
+            if let Err(e) = consumer.close().await {
+                tracing::debug!(%topic, error = %e, "closing the consumer that made the kept dead-letter subscription");
+            }
+        }
+        Ok(Err(e)) => {
+            tracing::warn!(%topic, error = %e, "could not subscribe {DEAD_LETTERS_KEPT} to the dead-letter topic: the broker may not keep what is dead-lettered");
+        }
+        Err(_) => {
+            tracing::warn!(%topic, "subscribing {DEAD_LETTERS_KEPT} to the dead-letter topic took too long: the broker may not keep what is dead-lettered");
+        }
+    }
+}
 
 fn is_non_persistent(topic: &str) -> bool {
     topic.starts_with("non-persistent://")

@@ -23,7 +23,7 @@ pub use client::{message_property, AgentClient, Listener, Received, StreamedAnsw
 pub use config_client::{ConfigClient, ConfigPushes};
 pub use consumer::{
     run_consumer, Aside, AsideLease, ConsumerStats, Delivery, Disposition, SubscriptionConfig,
-    DEAD_LETTER_PAYLOAD_BYTES, DEAD_LETTER_REASON, SHED_METRIC,
+    DEAD_LETTERS_KEPT, DEAD_LETTER_PAYLOAD_BYTES, DEAD_LETTER_REASON, SHED_METRIC,
 };
 pub use control::{sealed_control, send_control, ControlListener, HeardControl};
 pub use error::BusError;
