@@ -22,9 +22,11 @@ python3 -c 'import ensurepip, venv' >/dev/null 2>&1 || need_apt+=(python3-venv)
 command -v patch >/dev/null 2>&1 || need_apt+=(patch)
 # docker-compose (Debian's): validates docker-compose.yml in scripts/check-deploy.sh.
 # openssl: makes the private CA and broker certificate of tests/tests/pulsar_tls.rs.
+# strace: shows tests/tests/provenance.rs when the aggregator's store syncs its writes to disk.
 if $tests; then
   dpkg -s docker-compose >/dev/null 2>&1 || need_apt+=(docker-compose)
   command -v openssl >/dev/null 2>&1 || need_apt+=(openssl)
+  command -v strace >/dev/null 2>&1 || need_apt+=(strace)
 fi
 if [ ${#need_apt[@]} -gt 0 ]; then
   echo "setup: installing ${need_apt[*]}" >&2
