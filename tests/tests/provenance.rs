@@ -238,7 +238,7 @@ async fn a_triple_that_may_not_be_written_keeps_only_itself_out_of_the_graph() {
     let store = aggregator.store();
     let mut dead_letters = read_from_start(
         &broker,
-        &format!("{EXPLAIN_TOPIC}-dead-letter"),
+        &agent_bus::dead_letter_of(EXPLAIN_TOPIC),
         "test-dead-letters",
     )
     .await;
@@ -444,7 +444,7 @@ async fn only_sealed_explainability_writes_the_agents_records() {
     let store = aggregator.store();
     let mut dead_letters = read_from_start(
         &broker,
-        &format!("{EXPLAIN_TOPIC}-dead-letter"),
+        &agent_bus::dead_letter_of(EXPLAIN_TOPIC),
         "test-dead-letters",
     )
     .await;
@@ -825,6 +825,10 @@ async fn an_embedded_stores_writes_reach_the_disk_before_they_are_acknowledged()
         .expect("strace (scripts/setup.sh --tests installs it)");
     // strace writes nothing until a call is traced: give it time to attach to every thread.
     tokio::time::sleep(Duration::from_secs(2)).await;
+    // One that could not attach (ptrace not allowed here) has ended: the test would show nothing.
+    if let Some(status) = strace.try_wait().unwrap() {
+        panic!("strace could not attach to the aggregator ({status}): ptrace must be allowed");
+    }
     let bus = agent_bus::Bus::connect(&broker.url(), None).await.unwrap();
     let publisher = agent_bus::Publisher::new(&bus, EXPLAIN_TOPIC)
         .await

@@ -205,7 +205,14 @@ impl HeldBack {
         }
         let mut now_due = Vec::new();
         for (cid, waited) in due {
-            let held = self.until.get(&cid).or_else(|| self.in_graph.get(&cid));
+            // The sooner of this process's own hold and the graph's, so that every aggregator
+            // ends it at the same time.
+            let held = match (self.until.get(&cid), self.in_graph.get(&cid)) {
+                (Some(own), Some(recorded)) => {
+                    Some(if recorded.0 < own.0 { recorded } else { own })
+                }
+                (own, recorded) => own.or(recorded),
+            };
             let (until, held_secs) = match held {
                 Some(held) => *held,
                 None => match levels_below.get(cid.as_str()) {

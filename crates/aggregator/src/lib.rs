@@ -298,7 +298,7 @@ pub async fn run(settings: AggregatorSettings, shutdown: CancellationToken) -> a
         .clone()
         .unwrap_or(topics.explainability.clone());
     let subscription = SubscriptionConfig {
-        dead_letter_topic: format!("{topic}-dead-letter"),
+        dead_letter_topic: agent_bus::dead_letter_of(&topic),
         topic,
         subscription: settings.subscription.clone(),
         max_in_flight: settings.max_in_flight,

@@ -133,7 +133,11 @@ impl Writer {
         if count > 0 {
             // Marked in the same transaction, so the sweeps can find every fan-out and approval
             // that waits from the marks alone.
-            let mut quads = quads;
+            let mut quads = if drives_fan_in {
+                typed_last(quads)
+            } else {
+                quads
+            };
             quads.extend(agent_graph::waiting::marks_for(&quads));
             match insert_in_parts(&self.store, quads).await {
                 Ok(()) => tracing::debug!(id = %metadata.id, quads = count, "written"),
@@ -270,6 +274,20 @@ async fn insert_in_parts(
     Ok(())
 }
 
+/// `quads` with their types last, in the order they came otherwise. Written in parts (see
+/// [`insert_in_parts`]) and failing before the last, a fan-out or a completion must not be read:
+/// fan-in knows one by its type (and a fan-out's mark of waiting, which follows its type), so
+/// whatever of it was written stays inert, and it is written whole when the message comes back.
+/// Typed first, a fan-out written without its continuation stayed marked as waiting and was never
+/// answered, its supervisor never resumed.
+fn typed_last(quads: Vec<oxigraph::model::Quad>) -> Vec<oxigraph::model::Quad> {
+    let (types, mut rest): (Vec<_>, Vec<_>) = quads
+        .into_iter()
+        .partition(|q| q.predicate.as_str() == agent_core::vocab::RDF_TYPE.as_str());
+    rest.extend(types);
+    rest
+}
+
 fn agent_record(quad: &oxigraph::model::Quad) -> bool {
     use oxigraph::model::GraphName;
     let documents = matches!(&quad.graph_name, GraphName::NamedNode(g) if g.as_str() == agent_core::vocab::DOCUMENTS_GRAPH);
@@ -386,6 +404,75 @@ mod tests {
                 "{subject}"
             );
         }
+    }
+
+    /// A fan-out whose write fails part-way (one literal over the endpoint's bound on an update,
+    /// which no halving brings under it) leaves nothing fan-in reads: its type and its mark of
+    /// waiting were to be written last. Typed first, it stayed marked as waiting without its
+    /// continuation, never answered by the sweep.
+    #[tokio::test]
+    async fn a_fan_out_written_part_way_is_not_typed() {
+        use agent_core::vocab::tg;
+        let (url, kept) = refusing_long_updates(4_000).await;
+        let store = GraphStore::open(&url, None).unwrap_or_else(|e| panic!("{e}"));
+        let fanout = "urn:trustgraph:agent:s/fanout/1";
+        let triple = |p: &str, o: agent_schema::Term| agent_schema::Triple {
+            s: agent_schema::Term::iri(fanout),
+            p: agent_schema::Term::iri(p),
+            o,
+            g: Some(agent_core::vocab::PROVENANCE_GRAPH.into()),
+        };
+        let message = Triples {
+            metadata: agent_schema::Metadata {
+                id: "urn:test:fanout-message".into(),
+                root: String::new(),
+                collection: "default".into(),
+            },
+            triples: vec![
+                triple(
+                    agent_core::vocab::RDF_TYPE.as_str(),
+                    agent_schema::Term::iri(tg::FAN_OUT.as_str()),
+                ),
+                triple(
+                    tg::CORRELATION_ID.as_str(),
+                    agent_schema::Term::literal("s-f1"),
+                ),
+                triple(
+                    tg::EXPECTED_SIBLINGS.as_str(),
+                    agent_schema::Term::literal("2"),
+                ),
+                triple(
+                    tg::CONTINUATION.as_str(),
+                    agent_schema::Term::literal("x".repeat(5_000)),
+                ),
+            ],
+        };
+        let writer = Writer::new(store, None, None, crate::ExplainSeals::Warn, None);
+        let raw: Arc<[u8]> = Arc::from(agent_schema::encode(&message).as_slice());
+        let delivery = Delivery {
+            payload: message,
+            properties: Default::default(),
+            message_id: "urn:test:fanout-message".to_owned(),
+            payload_bytes: raw.len(),
+            raw,
+            aside: Default::default(),
+        };
+        let disposition = writer.write(delivery).await;
+        assert!(
+            matches!(disposition, Disposition::DeadLetter(_)),
+            "{disposition:?}"
+        );
+        let kept = kept.lock().unwrap_or_else(|p| p.into_inner());
+        assert!(
+            !kept.is_empty(),
+            "nothing was written: the test shows nothing"
+        );
+        assert!(
+            kept.iter()
+                .all(|update| !update.contains(tg::FAN_OUT.as_str())
+                    && !update.contains(tg::AWAITS.as_str())),
+            "{kept:#?}"
+        );
     }
 
     /// A hold planted dated ahead would keep a fan-out from ever timing out.

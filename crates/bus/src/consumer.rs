@@ -398,8 +398,13 @@ where
     stats.consuming.store(true, Ordering::SeqCst);
     tracing::info!(topic = %config.topic, subscription = %config.subscription, "consuming");
     // Once the broker serves the topic (it may have been starting), so that one try is enough.
+    // In a task of its own, never dropped midway: a subscribe given up on while it makes a
+    // connection leaves the crate's connection manager waiting on it for good.
     if dead_letters.is_some() {
-        keep_dead_letters(bus, &config.dead_letter_topic).await;
+        tokio::spawn(keep_dead_letters(
+            bus.clone(),
+            config.dead_letter_topic.clone(),
+        ));
     }
 
     let handler = Arc::new(handler);
@@ -558,7 +563,8 @@ pub const DEAD_LETTERS_KEPT: &str = "kept";
 /// once inactive), so what a service dead-lettered "to be seen" was gone before anyone looked,
 /// its trace a log line. As the Java client's `DeadLetterPolicy.initialSubscriptionName` does.
 /// A failure is logged: the service still runs, as it did without the subscription.
-async fn keep_dead_letters(bus: &Bus, topic: &str) {
+async fn keep_dead_letters(bus: Bus, topic: String) {
+    let topic = topic.as_str();
     if is_non_persistent(topic) {
         tracing::warn!(%topic, "a non-persistent dead-letter topic keeps nothing: what is dead-lettered there is lost unless someone reads it as it comes");
         return;
@@ -570,24 +576,31 @@ async fn keep_dead_letters(bus: &Bus, topic: &str) {
         .with_subscription(DEAD_LETTERS_KEPT)
         .with_subscription_type(SubType::Shared)
         .with_consumer_id(rand::random::<u64>() >> 1)
+        // The broker sends as many as the batch size asks for: one, to a consumer that only
+        // makes the subscription.
+        .with_batch_size(1)
         .with_options(ConsumerOptions {
             receiver_queue_size: Some(1),
             initial_position: InitialPosition::Earliest,
             ..ConsumerOptions::default()
         })
-        .build::<Vec<u8>>();
-    match tokio::time::timeout(CLOSE_WITHIN, subscribed).await {
-        Ok(Ok(mut consumer)) => {
+        .build::<Vec<u8>>()
+        .await;
+    match subscribed {
+        Ok(mut consumer) => {
             // Closed, not unsubscribed: the subscription stays, and with it what it has not read.
-            if let Err(e) = consumer.close().await {
-                tracing::debug!(%topic, error = %e, "closing the consumer that made the kept dead-letter subscription");
+            match tokio::time::timeout(CLOSE_WITHIN, consumer.close()).await {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => {
+                    tracing::debug!(%topic, error = %e, "closing the consumer that made the kept dead-letter subscription")
+                }
+                Err(_) => {
+                    tracing::debug!(%topic, "the consumer that made the kept dead-letter subscription did not close in time")
+                }
             }
         }
-        Ok(Err(e)) => {
+        Err(e) => {
             tracing::warn!(%topic, error = %e, "could not subscribe {DEAD_LETTERS_KEPT} to the dead-letter topic: the broker may not keep what is dead-lettered");
-        }
-        Err(_) => {
-            tracing::warn!(%topic, "subscribing {DEAD_LETTERS_KEPT} to the dead-letter topic took too long: the broker may not keep what is dead-lettered");
         }
     }
 }

@@ -30,7 +30,7 @@ pub use error::BusError;
 pub use librarian::{Librarian, LibrarianError};
 pub use publisher::{Publisher, Receipt};
 pub use service::{bearer_matches, http_stopped, stop_on_signal, HTTP_DRAIN};
-pub use topics::Topics;
+pub use topics::{dead_letter_of, Topics};
 
 use std::collections::BTreeMap;
 use std::time::Duration;

@@ -55,3 +55,25 @@ impl Topics {
         }
     }
 }
+
+/// Where a service dead-letters what it takes from `topic`: a persistent topic (a broker keeps
+/// nothing of a non-persistent one) of the same name in its tenant's `dead-letter` namespace,
+/// whose dead letters the deployments keep a week (pulsar-init's message TTL there); a name of
+/// another shape gets `-dead-letter` after it.
+///
+/// ```
+/// use agent_bus::dead_letter_of;
+/// assert_eq!(
+///     dead_letter_of("persistent://tg/flow/triples-store:default:default"),
+///     "persistent://tg/dead-letter/triples-store:default:default"
+/// );
+/// assert_eq!(dead_letter_of("non-persistent://tg/request/config"), "persistent://tg/dead-letter/config");
+/// assert_eq!(dead_letter_of("my-topic"), "persistent://my-topic-dead-letter");
+/// ```
+pub fn dead_letter_of(topic: &str) -> String {
+    let name = topic.split_once("://").map_or(topic, |(_, name)| name);
+    match name.split('/').collect::<Vec<_>>()[..] {
+        [tenant, _namespace, local] => format!("persistent://{tenant}/dead-letter/{local}"),
+        _ => format!("persistent://{name}-dead-letter"),
+    }
+}

@@ -171,13 +171,7 @@ pub async fn run(settings: ConfigSvcSettings, shutdown: CancellationToken) -> an
         max_redeliveries: Some(5),
         // Persistent, so that the broker keeps what is dead-lettered (TrustGraph's request topic
         // is not): on a non-persistent topic it was gone unless someone read it as it came.
-        dead_letter_topic: format!(
-            "persistent://{}-dead-letter",
-            topics
-                .config_request
-                .split_once("://")
-                .map_or(topics.config_request.as_str(), |(_, rest)| rest)
-        ),
+        dead_letter_topic: agent_bus::dead_letter_of(&topics.config_request),
         drain_deadline: Duration::from_secs(5),
         nack_delay: Duration::from_millis(200),
         one_at_a_time: false,

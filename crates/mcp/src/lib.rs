@@ -341,16 +341,13 @@ impl StdioTrust {
 /// How long a server whose listing failed is not asked for its tools' arguments again.
 const LIST_AGAIN_AFTER: Duration = Duration::from_secs(30);
 
-/// A listing that failed after this long cost a step a wait, and is remembered as one.
-const SLOW_FAILURE: Duration = Duration::from_secs(1);
-
 pub struct McpPool {
     slots: Mutex<HashMap<Endpoint, Kept>>,
     /// Each tool's arguments as its server last listed them.
     known: Mutex<HashMap<(Endpoint, String), Vec<ToolArgument>>>,
-    /// Servers whose last listing ran out of time or failed slowly: when, and why. Not asked
-    /// again for [`LIST_AGAIN_AFTER`], so that a server that hangs costs one wait, not one each
-    /// step.
+    /// Servers whose last listing ran out of time or did not reach them: when, and why. Not
+    /// asked again for [`LIST_AGAIN_AFTER`], so that a server that hangs costs one wait, not one
+    /// each step.
     unlisted: Mutex<HashMap<Endpoint, (std::time::Instant, String)>>,
     idle: Duration,
     stdio: StdioTrust,
@@ -456,16 +453,17 @@ impl McpPool {
         let fresh = match failed_lately {
             Some(why) => Err(why),
             None => {
-                let started = std::time::Instant::now();
                 let asked =
                     tokio::time::timeout(within, self.fresh_arguments(endpoint, name)).await;
                 let mut unlisted = self.unlisted.lock().unwrap_or_else(|p| p.into_inner());
-                // Only a wait is remembered: a server that answers, even with an error, costs
-                // no time to ask again. One that failed slowly (a session that did not open in
-                // its own time limit, a connection dropped unanswered) cost a wait all the same.
+                // A server that answers, even with an error (a tool it does not have), costs no
+                // time to ask again. One not reached is remembered: out of time, or without a
+                // session or a transport (a session that did not open in its own time limit,
+                // a connection dropped unanswered), it cost a wait.
                 let answered = match asked {
-                    Ok(Err(why)) if started.elapsed() >= SLOW_FAILURE => Err(Some(why)),
-                    Ok(answered) => Ok(answered),
+                    Ok(Ok(listed)) => Ok(Ok(listed)),
+                    Ok(Err(CallError::Other(why))) => Ok(Err(why)),
+                    Ok(Err(CallError::Transport(why))) => Err(Some(why)),
                     Err(_) => Err(None),
                 };
                 match answered {
@@ -504,13 +502,12 @@ impl McpPool {
         &self,
         endpoint: &Endpoint,
         name: &str,
-    ) -> Result<Vec<ToolArgument>, String> {
-        let (session, _) = self.session(endpoint).await?;
+    ) -> Result<Vec<ToolArgument>, CallError> {
+        let (session, _) = self.session(endpoint).await.map_err(CallError::Transport)?;
         let listed = remote_tool(&session, endpoint, name).await;
         self.settle(endpoint, &session, listed)
             .await
             .map(|tool| schema_arguments(&tool.input_schema))
-            .map_err(|e| e.to_string())
     }
 
     /// Passes `result` on, first dropping `session` when the transport failed, so the next call
