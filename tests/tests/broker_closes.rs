@@ -52,7 +52,15 @@ fn consumers_of_requests(broker: &ApacheBroker) -> Option<usize> {
 async fn a_consumer_the_broker_closes_and_refuses_is_subscribed_again() {
     let broker = ApacheBroker::start(0, None).unwrap();
     let llm = scripted_llm(SCRIPT).await;
-    let _orchestrator = Orchestrator::spawn_on_url(&broker.url(), &llm, &seed_dir(), &[], &[]);
+    let ops = format!("127.0.0.1:{}", agent_bus::embedded::free_port().unwrap());
+    let _orchestrator = Orchestrator::spawn_on_url(
+        &broker.url(),
+        &llm,
+        &seed_dir(),
+        &["--http-addr", &ops],
+        &[],
+    );
+    let ops = format!("http://{ops}");
     let bus = Bus::connect(&broker.url(), None).await.unwrap();
     let mut client = AgentClient::connect(&bus, &Topics::trustgraph("default", "default"))
         .await
@@ -89,6 +97,21 @@ async fn a_consumer_the_broker_closes_and_refuses_is_subscribed_again() {
         );
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
+    // Meanwhile, once the crate gives up its own tries and ours begin, the orchestrator says it
+    // is not ready: it takes nothing (its readiness said "consuming" all along).
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    loop {
+        let readiness = reqwest::get(format!("{ops}/readyz")).await.unwrap();
+        if readiness.status() == reqwest::StatusCode::SERVICE_UNAVAILABLE {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "ready for 60 s while subscribed to nothing: {}",
+            readiness.text().await.unwrap_or_default()
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
     tokio::time::sleep(Duration::from_secs(1)).await;
     admin(
         &broker,
@@ -102,6 +125,7 @@ async fn a_consumer_the_broker_closes_and_refuses_is_subscribed_again() {
         .await
         .unwrap_or_else(|e| panic!("the dialog after the unload was not served: {e}"));
     assert_eq!(outcome(&after), "pong");
+    until_ready(&ops, Duration::from_secs(10)).await;
 }
 
 /// The backlog of the `kept` subscription of `topic` (in `tg/flow`), by the broker's topic

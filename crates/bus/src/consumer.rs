@@ -483,11 +483,16 @@ where
                     // The broker dropped us (a restart, a reset connection). Messages in flight
                     // stay un-acked and come back to the new subscription or another replica.
                     tracing::warn!(topic = %config.topic, "the message stream ended; subscribing again");
+                    // Not ready meanwhile: a subscribing again that the broker refuses (a
+                    // permission taken away, a subscription type no longer allowed) is waited
+                    // out, and readiness said "consuming" all along while nothing was taken.
+                    stats.consuming.store(false, Ordering::SeqCst);
                     match resubscribe(bus, &config, &shutdown).await {
                         Some(fresh) => {
                             // Entries not acked come back whole to the new subscription.
                             batches = BatchAcks::default();
                             consumer = fresh;
+                            stats.consuming.store(true, Ordering::SeqCst);
                         }
                         None => break,
                     }
