@@ -45,8 +45,10 @@ pub struct ConfigSvcSettings {
     pub http: agent_serve::HttpBounds,
 }
 
-/// Publishes a [`ConfigPush`] for a write that changed something. A push that cannot be published
-/// is logged: the write stands, and readers see it on their next full read.
+/// Publishes a [`ConfigPush`] for a write that changed something. A push the broker does not
+/// take is owed: what it announced goes with the next push, or is sent again on its own (see
+/// [`Pusher::resend_owed`]). TrustGraph's services re-read a type only when a push names it, so a
+/// push lost to a broker outage left them on the old values until the next write, however long.
 #[derive(Clone)]
 pub struct Pusher {
     publisher: Publisher,
@@ -54,7 +56,19 @@ pub struct Pusher {
     /// TrustGraph's receivers take a push only if its version is above the one they hold, so a
     /// push overtaken by a later one was dropped, and the change it announced never applied.
     in_order: Arc<tokio::sync::Mutex<()>>,
+    /// The changes announced by pushes that were not published (empty: everything), touched only
+    /// by the holder of a turn.
+    owed: Arc<std::sync::Mutex<Option<Changes>>>,
+    /// Wakes [`Pusher::resend_owed`] when a push fails.
+    failed: Arc<tokio::sync::Notify>,
 }
+
+/// A push's changes: config type -> workspaces. Empty: everything may have changed.
+type Changes = std::collections::BTreeMap<String, Vec<String>>;
+
+/// The first pause before owed changes are sent again, and the longest.
+const RESEND_FIRST: Duration = Duration::from_secs(1);
+const RESEND_MOST: Duration = Duration::from_secs(10);
 
 /// The workspace of a request that names none.
 pub const DEFAULT_WORKSPACE: &str = "default";
@@ -64,6 +78,8 @@ impl Pusher {
         Pusher {
             publisher,
             in_order: Arc::default(),
+            owed: Arc::default(),
+            failed: Arc::default(),
         }
     }
 
@@ -98,15 +114,117 @@ impl Pusher {
         .await;
     }
 
-    async fn send(&self, push: ConfigPush) {
-        if let Err(e) = self
+    /// Publishes `push` with whatever earlier pushes owe (the caller holds a turn); a push the
+    /// broker does not take is owed in turn.
+    async fn send(&self, mut push: ConfigPush) {
+        let owed = self.take_owed();
+        let was_owed = owed.is_some();
+        if let Some(owed) = owed {
+            push.changes = together(owed, push.changes);
+        }
+        match self
             .publisher
             .send(agent_schema::encode(&push), &Properties::new())
             .await
         {
-            tracing::error!(error = %e, version = push.version, "config push not published");
+            Ok(()) if was_owed => {
+                tracing::info!(
+                    version = push.version,
+                    "the config changes owed since a push failed are announced"
+                );
+            }
+            Ok(()) => {}
+            Err(e) => {
+                tracing::error!(error = %e, version = push.version, "config push not published; it goes with the next push or on its own once the broker takes it");
+                self.put_owed(push.changes);
+                self.failed.notify_one();
+            }
         }
     }
+
+    fn take_owed(&self) -> Option<Changes> {
+        match self.owed.lock() {
+            Ok(mut owed) => owed.take(),
+            Err(poisoned) => poisoned.into_inner().take(),
+        }
+    }
+
+    fn put_owed(&self, changes: Changes) {
+        match self.owed.lock() {
+            Ok(mut owed) => *owed = Some(changes),
+            Err(poisoned) => *poisoned.into_inner() = Some(changes),
+        }
+    }
+
+    /// Sends what failed pushes owe, at `store`'s version, until `shutdown`: after a pause of a
+    /// second, doubling up to ten while the broker still does not take it. A write's push meanwhile
+    /// carries it instead. Owed changes are never sent under an older version than a push that
+    /// went: every push takes them, and a push goes only above the versions before it.
+    pub async fn resend_owed(self, store: Arc<ConfigStore>, shutdown: CancellationToken) {
+        let mut pause = RESEND_FIRST;
+        loop {
+            tokio::select! {
+                _ = shutdown.cancelled() => break,
+                _ = self.failed.notified() => {}
+            }
+            loop {
+                tokio::select! {
+                    _ = shutdown.cancelled() => break,
+                    _ = tokio::time::sleep(pause) => {}
+                }
+                let _turn = self.turn().await;
+                let version = match store.version() {
+                    Ok(version) => version,
+                    Err(e) => {
+                        tracing::error!(error = %e, "cannot read the config store's version to send the changes owed");
+                        continue;
+                    }
+                };
+                // Taken here, so that the push names what is owed and no more (empty changes
+                // would say everything); put back by `send` if it fails again.
+                let Some(changes) = self.take_owed() else {
+                    pause = RESEND_FIRST;
+                    break;
+                };
+                self.send(ConfigPush { version, changes }).await;
+                if self.owed_nothing() {
+                    pause = RESEND_FIRST;
+                    break;
+                }
+                pause = (pause * 2).min(RESEND_MOST);
+            }
+            if shutdown.is_cancelled() {
+                break;
+            }
+        }
+        if !self.owed_nothing() {
+            tracing::warn!("stopping with config changes never announced: readers see them at their next full read");
+        }
+    }
+
+    fn owed_nothing(&self) -> bool {
+        match self.owed.lock() {
+            Ok(owed) => owed.is_none(),
+            Err(poisoned) => poisoned.into_inner().is_none(),
+        }
+    }
+}
+
+/// The changes of two pushes as one: every type with every workspace named for it, or everything
+/// when either says everything.
+fn together(mut owed: Changes, changes: Changes) -> Changes {
+    if owed.is_empty() || changes.is_empty() {
+        return Changes::new();
+    }
+    for (kind, workspaces) in changes {
+        let into = owed.entry(kind).or_default();
+        for workspace in workspaces {
+            if !into.contains(&workspace) {
+                into.push(workspace);
+            }
+        }
+    }
+    owed
 }
 
 /// Runs a store call on the blocking pool: writes fsync, which must not hold up async workers.
@@ -134,6 +252,7 @@ pub async fn run(settings: ConfigSvcSettings, shutdown: CancellationToken) -> an
     let bus = settings.broker.connect().await?;
     let topics = settings.broker.topics();
     let pusher = Pusher::new(Publisher::new(&bus, &topics.config_push).await?);
+    tokio::spawn(pusher.clone().resend_owed(store.clone(), shutdown.clone()));
     if let Some(dir) = &settings.seed {
         let values = seed::read_dir(dir).map_err(|errors| {
             let lines: Vec<String> = errors.iter().map(|e| format!("  {e}")).collect();
@@ -289,5 +408,35 @@ async fn answer(
             }
         }
         Err(e) => failed(e.to_string()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn changes(entries: &[(&str, &[&str])]) -> Changes {
+        entries
+            .iter()
+            .map(|(kind, spaces)| {
+                (
+                    (*kind).to_owned(),
+                    spaces.iter().map(|s| (*s).to_owned()).collect(),
+                )
+            })
+            .collect()
+    }
+
+    #[test]
+    fn owed_changes_go_with_the_next_push_and_everything_stays_everything() {
+        assert_eq!(
+            together(
+                changes(&[("tool", &["a"]), ("prompt", &["a"])]),
+                changes(&[("tool", &["b", "a"])])
+            ),
+            changes(&[("tool", &["a", "b"]), ("prompt", &["a"])])
+        );
+        assert!(together(Changes::new(), changes(&[("tool", &["a"])])).is_empty());
+        assert!(together(changes(&[("tool", &["a"])]), Changes::new()).is_empty());
     }
 }
