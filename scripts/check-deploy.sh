@@ -64,10 +64,24 @@ for name, service in (docs[0][1].get("services") or {}).items():
     for port in service.get("ports") or []:
         if not str(port).startswith("127.0.0.1:"):
             problems.append(f"docker-compose.yml: services/{name}: port {port} is published on every interface, not 127.0.0.1")
+# Every pod talks to the broker, so every pod (the pulsar-init Job too) mounts its CA where
+# PULSAR_TLS_CA_FILE points: a pod without it cannot reach a broker signed by a private CA.
+for file, doc in docs[1:]:
+    pod = ((doc.get("spec") or {}).get("template") or {}).get("spec")
+    if not pod:
+        continue
+    volumes = {v.get("name"): v for v in pod.get("volumes") or []}
+    ca = volumes.get("pulsar-ca", {}).get("secret", {})
+    if ca.get("secretName") != "agent-pulsar-ca":
+        problems.append(f"{file}: {doc['metadata']['name']}: no volume pulsar-ca of the Secret agent-pulsar-ca")
+    for container in pod.get("containers") or []:
+        mounts = {m.get("name"): m.get("mountPath") for m in container.get("volumeMounts") or []}
+        if mounts.get("pulsar-ca") != "/etc/agent/pulsar-ca":
+            problems.append(f"{file}: {container['name']}: the broker's CA is not mounted at /etc/agent/pulsar-ca")
 if problems:
     print("\n".join(problems), file=sys.stderr)
     sys.exit(1)
-print("graph store: only the aggregator's token-checked endpoint is shipped")
+print("graph store: only the aggregator's token-checked endpoint is shipped; every pod mounts the broker's CA")
 PY
 manifests=$(ls deploy/k8s/*.yaml | grep -v kustomization.yaml)
 # shellcheck disable=SC2086
