@@ -200,29 +200,33 @@ async fn a_write_whose_client_goes_away_is_still_pushed() {
     assert_eq!(pushed, ((before + 1)..=after).collect::<Vec<_>>());
 }
 
-/// A push the broker did not take (it was down when the write landed) is sent once the broker is
-/// back: TrustGraph's services re-read a type only when a push names it, so a lost push left them
-/// on the old values until the next write, however long that took.
+/// Pushes the broker did not take (it was down when the writes landed) are sent once the broker
+/// is back: TrustGraph's services re-read a type only when a push names it, so a lost push left
+/// them on the old values until the next write, however long that took. A second write in the
+/// outage goes with the first's push.
 #[tokio::test]
 async fn a_push_the_broker_did_not_take_is_sent_once_it_is_back() {
     let mut broker = Broker::start().unwrap();
     let svc = ConfigSvc::start(Place::Child, &broker, Some(&seed_dir()));
     let http = reqwest::Client::new();
     broker.stop();
-    let asked = std::time::Instant::now();
-    let answer = http
-        .put(format!("{}/api/v1/config/note/away", svc.url))
-        .bearer_auth(&svc.token)
-        .json(&json!({"n": 1}))
-        .timeout(Duration::from_secs(150))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(answer.status(), 200);
-    let written = answer.json::<Value>().await.unwrap()["version"]
-        .as_u64()
-        .unwrap();
-    eprintln!("the write was answered in {:?}", asked.elapsed());
+    let mut written = 0;
+    for (kind, key) in [("note", "away"), ("memo", "later")] {
+        let asked = std::time::Instant::now();
+        let answer = http
+            .put(format!("{}/api/v1/config/{kind}/{key}", svc.url))
+            .bearer_auth(&svc.token)
+            .json(&json!({"n": 1}))
+            .timeout(Duration::from_secs(150))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(answer.status(), 200);
+        written = answer.json::<Value>().await.unwrap()["version"]
+            .as_u64()
+            .unwrap();
+        eprintln!("{kind}/{key} was answered in {:?}", asked.elapsed());
+    }
     // Held still until this test listens: the topic is not persistent, so a push sent before
     // would pass unheard.
     svc.freeze(true);
@@ -234,15 +238,23 @@ async fn a_push_the_broker_did_not_take_is_sent_once_it_is_back() {
     let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
     loop {
         let Ok(push) = tokio::time::timeout_at(deadline, pushes.next()).await else {
-            panic!("version {written} was written while the broker was down and never pushed");
+            panic!(
+                "versions up to {written} were written while the broker was down and never pushed"
+            );
         };
         let push = push.unwrap();
-        let names_it = push.changes.is_empty()
-            || push
-                .changes
-                .get("note")
-                .is_some_and(|spaces| spaces.iter().any(|s| s == "default"));
-        if push.version >= written && names_it {
+        let names = |kind: &str| {
+            push.changes.is_empty()
+                || push
+                    .changes
+                    .get(kind)
+                    .is_some_and(|spaces| spaces.iter().any(|s| s == "default"))
+        };
+        if push.version >= written {
+            assert!(
+                names("note") && names("memo"),
+                "a push after the outage left out a write of it: {push:?}"
+            );
             break;
         }
     }

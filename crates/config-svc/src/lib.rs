@@ -46,7 +46,7 @@ pub struct ConfigSvcSettings {
 }
 
 /// Publishes a [`ConfigPush`] for a write that changed something. A push the broker does not
-/// take is owed: what it announced goes with the next push, or is sent again on its own (see
+/// take is owed: what it announced is sent again, with what later writes announce meanwhile (see
 /// [`Pusher::resend_owed`]). TrustGraph's services re-read a type only when a push names it, so a
 /// push lost to a broker outage left them on the old values until the next write, however long.
 #[derive(Clone)]
@@ -94,7 +94,7 @@ impl Pusher {
         if written.changes.is_empty() || workspace.starts_with('_') {
             return;
         }
-        self.send(ConfigPush {
+        self.announce(ConfigPush {
             version: written.version,
             changes: written
                 .changes
@@ -107,39 +107,60 @@ impl Pusher {
 
     /// "Everything may have changed": sent at start, as TrustGraph does.
     pub async fn push_all(&self, version: u64) {
-        self.send(ConfigPush {
+        self.announce(ConfigPush {
             version,
             changes: Default::default(),
         })
         .await;
     }
 
-    /// Publishes `push` with whatever earlier pushes owe (the caller holds a turn); a push the
-    /// broker does not take is owed in turn.
-    async fn send(&self, mut push: ConfigPush) {
-        let owed = self.take_owed();
-        let was_owed = owed.is_some();
-        if let Some(owed) = owed {
-            push.changes = together(owed, push.changes);
+    /// Sends `push` (the caller holds a turn), or, while an earlier push is owed, adds its changes
+    /// to what is owed for [`Pusher::resend_owed`] to send: during a broker outage each write
+    /// waited out a send of its own (30 s), and with the resend's before it went past its
+    /// client's time (`agentctl config` gives up after 60 s) though the write was saved.
+    async fn announce(&self, push: ConfigPush) {
+        if self.owed_nothing() {
+            self.send(push).await;
+        } else {
+            self.owe(push.changes);
         }
+    }
+
+    /// Publishes `push` (the caller holds a turn); if the broker does not take it, its changes are
+    /// owed. Refused as too large (it never will be taken), "everything" is owed instead: a few
+    /// bytes, and it covers them.
+    async fn send(&self, push: ConfigPush) -> bool {
         match self
             .publisher
             .send(agent_schema::encode(&push), &Properties::new())
             .await
         {
-            Ok(()) if was_owed => {
-                tracing::info!(
-                    version = push.version,
-                    "the config changes owed since a push failed are announced"
-                );
-            }
-            Ok(()) => {}
+            Ok(()) => true,
             Err(e) => {
-                tracing::error!(error = %e, version = push.version, "config push not published; it goes with the next push or on its own once the broker takes it");
-                self.put_owed(push.changes);
-                self.failed.notify_one();
+                tracing::error!(error = %e, version = push.version, "config push not published; it is sent again once the broker takes it");
+                let changes = match e {
+                    agent_bus::BusError::TooLarge { .. } => Changes::new(),
+                    _ => push.changes,
+                };
+                self.owe(changes);
+                false
             }
         }
+    }
+
+    /// Adds `changes` to what is owed, and wakes the resend.
+    fn owe(&self, changes: Changes) {
+        let add = |owed: &mut Option<Changes>| {
+            *owed = Some(match owed.take() {
+                Some(earlier) => together(earlier, changes),
+                None => changes,
+            });
+        };
+        match self.owed.lock() {
+            Ok(mut owed) => add(&mut owed),
+            Err(poisoned) => add(&mut poisoned.into_inner()),
+        }
+        self.failed.notify_one();
     }
 
     fn take_owed(&self) -> Option<Changes> {
@@ -149,17 +170,10 @@ impl Pusher {
         }
     }
 
-    fn put_owed(&self, changes: Changes) {
-        match self.owed.lock() {
-            Ok(mut owed) => *owed = Some(changes),
-            Err(poisoned) => *poisoned.into_inner() = Some(changes),
-        }
-    }
-
     /// Sends what failed pushes owe, at `store`'s version, until `shutdown`: after a pause of a
-    /// second, doubling up to ten while the broker still does not take it. A write's push meanwhile
-    /// carries it instead. Owed changes are never sent under an older version than a push that
-    /// went: every push takes them, and a push goes only above the versions before it.
+    /// second, doubling up to ten while the broker still does not take it. Under a turn, so the
+    /// version read is the latest and nothing is pushed meanwhile: owed changes never go under a
+    /// version older than a push that went.
     pub async fn resend_owed(self, store: Arc<ConfigStore>, shutdown: CancellationToken) {
         let mut pause = RESEND_FIRST;
         loop {
@@ -180,14 +194,15 @@ impl Pusher {
                         continue;
                     }
                 };
-                // Taken here, so that the push names what is owed and no more (empty changes
-                // would say everything); put back by `send` if it fails again.
                 let Some(changes) = self.take_owed() else {
                     pause = RESEND_FIRST;
                     break;
                 };
-                self.send(ConfigPush { version, changes }).await;
-                if self.owed_nothing() {
+                if self.send(ConfigPush { version, changes }).await {
+                    tracing::info!(
+                        version,
+                        "the config changes owed since a push failed are announced"
+                    );
                     pause = RESEND_FIRST;
                     break;
                 }
@@ -253,6 +268,8 @@ pub async fn run(settings: ConfigSvcSettings, shutdown: CancellationToken) -> an
     let topics = settings.broker.topics();
     let pusher = Pusher::new(Publisher::new(&bus, &topics.config_push).await?);
     tokio::spawn(pusher.clone().resend_owed(store.clone(), shutdown.clone()));
+    // The start's pushes take a turn as writes do: what is owed is touched only under one.
+    let start_turn = pusher.turn().await;
     if let Some(dir) = &settings.seed {
         let values = seed::read_dir(dir).map_err(|errors| {
             let lines: Vec<String> = errors.iter().map(|e| format!("  {e}")).collect();
@@ -264,6 +281,7 @@ pub async fn run(settings: ConfigSvcSettings, shutdown: CancellationToken) -> an
         pusher.push(written, DEFAULT_WORKSPACE).await;
     }
     pusher.push_all(store.version()?).await;
+    drop(start_turn);
 
     let token = settings.config_token.clone().filter(|t| !t.is_empty());
     let listener = tokio::net::TcpListener::bind(settings.http_addr)
