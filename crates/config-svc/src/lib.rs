@@ -150,24 +150,20 @@ impl Pusher {
 
     /// Adds `changes` to what is owed, and wakes the resend.
     fn owe(&self, changes: Changes) {
-        let add = |owed: &mut Option<Changes>| {
-            *owed = Some(match owed.take() {
-                Some(earlier) => together(earlier, changes),
-                None => changes,
-            });
-        };
-        match self.owed.lock() {
-            Ok(mut owed) => add(&mut owed),
-            Err(poisoned) => add(&mut poisoned.into_inner()),
-        }
+        let mut owed = self.owed();
+        *owed = Some(match owed.take() {
+            Some(earlier) => together(earlier, changes),
+            None => changes,
+        });
+        drop(owed);
         self.failed.notify_one();
     }
 
-    fn take_owed(&self) -> Option<Changes> {
-        match self.owed.lock() {
-            Ok(mut owed) => owed.take(),
-            Err(poisoned) => poisoned.into_inner().take(),
-        }
+    /// What is owed; every holder leaves it whole, so a poisoned lock's value stands.
+    fn owed(&self) -> std::sync::MutexGuard<'_, Option<Changes>> {
+        self.owed
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
     /// Sends what failed pushes owe, at `store`'s version, until `shutdown`: after a pause of a
@@ -194,7 +190,7 @@ impl Pusher {
                         continue;
                     }
                 };
-                let Some(changes) = self.take_owed() else {
+                let Some(changes) = self.owed().take() else {
                     pause = RESEND_FIRST;
                     break;
                 };
@@ -218,10 +214,7 @@ impl Pusher {
     }
 
     fn owed_nothing(&self) -> bool {
-        match self.owed.lock() {
-            Ok(owed) => owed.is_none(),
-            Err(poisoned) => poisoned.into_inner().is_none(),
-        }
+        self.owed().is_none()
     }
 }
 
