@@ -446,7 +446,7 @@ async fn bench_on(
 struct CpuUse {
     process: f64,
     broker: Option<f64>,
-    /// The machine's busy and total time, all cores.
+    /// The machine's busy and idle time, all cores.
     machine: Option<(f64, f64)>,
 }
 
@@ -480,8 +480,14 @@ impl CpuUse {
                 .zip(before.broker)
                 .map(|(now, then)| per_step(now, then)),
             machine_busy: self.machine.zip(before.machine).and_then(
-                |((busy, total), (busy_then, total_then))| {
-                    (total > total_then).then(|| (busy - busy_then) / (total - total_then))
+                |((busy, idle), (busy_then, idle_then))| {
+                    // The kernel's idle count can step back (its iowait share is an estimate
+                    // that may fall), so over a short run the total could come out below the
+                    // busy time: a share over 100% (seen once in CI). Idle time never counts
+                    // below none.
+                    let busy = (busy - busy_then).max(0.0);
+                    let total = busy + (idle - idle_then).max(0.0);
+                    (total > 0.0).then(|| busy / total)
                 },
             ),
         })
@@ -514,7 +520,7 @@ impl CpuPerStep {
     }
 }
 
-/// The machine's busy and total CPU seconds, all cores, from `/proc/stat`.
+/// The machine's busy and idle CPU seconds, all cores, from `/proc/stat`.
 fn machine_cpu_seconds() -> Option<(f64, f64)> {
     let stat = std::fs::read_to_string("/proc/stat").ok()?;
     let times: Vec<f64> = stat
@@ -527,7 +533,7 @@ fn machine_cpu_seconds() -> Option<(f64, f64)> {
     // user nice system idle iowait irq softirq steal; idle and iowait are the time not busy.
     let total: f64 = times.iter().take(8).sum();
     let idle = times.get(3)? + times.get(4).unwrap_or(&0.0);
-    Some(((total - idle) / 100.0, total / 100.0))
+    Some(((total - idle) / 100.0, idle / 100.0))
 }
 
 /// The store's quads once the aggregator has written what the run explained (provenance is
@@ -1007,5 +1013,19 @@ mod tests {
             .machine_busy
             .is_some_and(|busy| busy > 0.0 && busy <= 1.0));
         assert!(after.since(&before, 0.0).is_none(), "{spin}");
+    }
+
+    #[test]
+    fn the_machines_busy_share_stays_within_its_cores_when_idle_time_steps_back() {
+        let reading = |busy: f64, idle: f64| CpuUse {
+            process: 0.0,
+            broker: None,
+            machine: Some((busy, idle)),
+        };
+        let share = |before: CpuUse, after: CpuUse| after.since(&before, 1.0).unwrap().machine_busy;
+        // /proc/stat's idle and iowait, summed, fell by 0.25 s while 0.5 s were busy.
+        assert_eq!(share(reading(8.0, 16.0), reading(8.5, 15.75)), Some(1.0));
+        assert_eq!(share(reading(8.0, 16.0), reading(8.5, 16.5)), Some(0.5));
+        assert_eq!(share(reading(8.0, 16.0), reading(8.0, 16.0)), None);
     }
 }

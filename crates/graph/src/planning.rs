@@ -434,7 +434,7 @@ mod tests {
             unanswered_approvals(),
             fanned_out(&session),
             cancellations_since(now),
-            run_tokens(&node),
+            run_tokens(&node, &session),
             run_iterations(&node),
             completions("c-1"),
             synthesis_claim(&node),

@@ -195,13 +195,20 @@ pub fn cancellations_at(nodes: &[NamedNode]) -> String {
     )
 }
 
-/// The tokens (input plus output) every recorded LLM call of a run has used: the nodes the
-/// orchestrator tagged `tg:run run`, at every depth of its subagents.
-pub fn run_tokens(run: &NamedNode) -> String {
+/// The tokens (input plus output) every recorded LLM call of a run has used, as `?tokens`: the
+/// nodes the orchestrator tagged `tg:run run`, at every depth of its subagents. And, as
+/// `?under`, the part of them recorded under `session` or a subagent nested below it
+/// (`{session}/..`, `{session}-..`), which the step asking knows without the graph.
+pub fn run_tokens(run: &NamedNode, session: &NamedNode) -> String {
     let g = graph();
+    let under = |separator: &str| {
+        oxigraph::model::Literal::new_simple_literal(format!("{}{separator}", session.as_str()))
+    };
+    let (own, nested) = (under("/"), under("-"));
     format!(
-        "{PREFIXES}SELECT (SUM(?i + ?o) AS ?tokens) WHERE {{ GRAPH {g} {{
-  ?n tg:run {run} ; tg:inToken ?i ; tg:outToken ?o . }} }}"
+        "{PREFIXES}SELECT (SUM(?i + ?o) AS ?tokens)
+  (SUM(IF(STRSTARTS(STR(?n), {own}) || STRSTARTS(STR(?n), {nested}), ?i + ?o, 0)) AS ?under)
+WHERE {{ GRAPH {g} {{ ?n tg:run {run} ; tg:inToken ?i ; tg:outToken ?o . }} }}"
     )
 }
 

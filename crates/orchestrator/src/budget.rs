@@ -109,15 +109,46 @@ pub async fn abandoned(store: &GraphStore, session_id: &str) -> Result<bool, Gra
     ))
 }
 
-/// The tokens every recorded LLM call of `run` (a session URI) has used.
-pub async fn run_tokens(store: &GraphStore, run: &str) -> Result<u64, GraphError> {
-    let Ok(run) = NamedNode::new(run) else {
-        return Ok(0);
+/// What the graph holds of a run's spend, read by one of its sessions.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct RecordedSpend {
+    /// The tokens of every recorded LLM call (and LLM-backed tool run) of the run.
+    pub tokens: u64,
+    /// Of those, the ones recorded under the reading session or a subagent nested below it.
+    pub under_session: u64,
+}
+
+impl RecordedSpend {
+    /// The run's tokens as a step of the session counts them, `own` being what the session knows
+    /// it has spent (its calls, and its subagents' that came back with their results). The graph
+    /// is written behind the steps: a session's own last call is often not in it yet when its
+    /// next step asks, and siblings stepping together would each miss theirs, running a round
+    /// past the budget. What lies outside the session is still read from the graph.
+    pub fn with_own(self, own: u64) -> u64 {
+        let outside = self.tokens.saturating_sub(self.under_session);
+        self.tokens.max(outside.saturating_add(own))
+    }
+}
+
+/// What every recorded LLM call of `run` (a session URI) has used, and how much of it was
+/// recorded under `session` (a session URI) and its subagents.
+pub async fn run_tokens(
+    store: &GraphStore,
+    run: &str,
+    session: &str,
+) -> Result<RecordedSpend, GraphError> {
+    let (Ok(run), Ok(session)) = (NamedNode::new(run), NamedNode::new(session)) else {
+        return Ok(RecordedSpend::default());
     };
-    Ok(match store.query(queries::run_tokens(&run)).await? {
-        QueryAnswer::Rows(rows) => number(rows.first("tokens")),
-        _ => 0,
-    })
+    Ok(
+        match store.query(queries::run_tokens(&run, &session)).await? {
+            QueryAnswer::Rows(rows) => RecordedSpend {
+                tokens: number(rows.first("tokens")),
+                under_session: number(rows.first("under")),
+            },
+            _ => RecordedSpend::default(),
+        },
+    )
 }
 
 /// The iterations of `run` (a session URI) that called the LLM, as the graph records them.
@@ -141,5 +172,60 @@ fn number(term: Option<&Term>) -> u64 {
             .map(|v| v.max(0.0) as u64)
             .unwrap_or(0),
         _ => 0,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Three sibling subagents of a supervisor that spent 300 on its split; `s0` asks.
+    async fn siblings(recorded: &[(&str, u64)]) -> RecordedSpend {
+        let store = GraphStore::in_memory().unwrap();
+        let run = SessionUris::new("r").session();
+        let mut quads = String::new();
+        for (node, tokens) in recorded {
+            quads.push_str(&format!(
+                "<{run}{node}> <{tg}run> <{run}> ; <{tg}inToken> {tokens} ; <{tg}outToken> 0 .\n",
+                tg = agent_core::vocab::TG,
+            ));
+        }
+        store
+            .update(format!(
+                "INSERT DATA {{ GRAPH <{}> {{ {quads} }} }}",
+                agent_core::vocab::PROVENANCE_GRAPH
+            ))
+            .await
+            .unwrap();
+        let session = SessionUris::new("r-f1-s0").session();
+        run_tokens(&store, &run, &session).await.unwrap()
+    }
+
+    #[tokio::test]
+    async fn a_sessions_own_spend_is_counted_whether_or_not_the_graph_has_it_yet() {
+        let split = ("/fanout/r-f1", 300);
+        // Each branch's first call recorded, s0's second (its last) not yet.
+        let recorded = siblings(&[
+            split,
+            ("-f1-s0/i1", 100),
+            ("-f1-s1/i1", 100),
+            ("-f1-s10/i1", 100),
+            ("-f1-s0-f2-s0/i1", 40),
+        ])
+        .await;
+        assert_eq!(
+            recorded,
+            RecordedSpend {
+                tokens: 640,
+                under_session: 140
+            },
+            "-s10 is not below -s0; -s0-f2-s0 is"
+        );
+        // s0 knows its two calls and its subagent's: 100 + 150 + 40.
+        assert_eq!(recorded.with_own(290), 300 + 100 + 100 + 290);
+        // What it knows is never less than the graph says, which may be ahead of it (a
+        // subagent of its own still spending after its supervisor stopped waiting).
+        assert_eq!(recorded.with_own(0), 640);
+        assert_eq!(siblings(&[]).await.with_own(0), 0);
     }
 }

@@ -266,7 +266,9 @@ impl Engine {
                 && agent_core::supervisor::last_decompose(&request.history).is_some());
         if shares_run && verdict.is_ok() {
             if let Some(store) = store {
-                run_tokens = run_tokens.max(budget::run_tokens(store, &run_uri).await?);
+                let session_uri = SessionUris::new(session_id).session();
+                let recorded = budget::run_tokens(store, &run_uri, &session_uri).await?;
+                run_tokens = run_tokens.max(recorded.with_own(tokens_before.total()));
                 if counts_run_iterations {
                     let counted = budget::run_iterations(store, &run_uri).await?;
                     run_iterations = run_iterations.max(counted);
