@@ -1291,6 +1291,18 @@ impl ConfigSvc {
     pub fn freeze(&self, frozen: bool) {
         self.running.freeze(frozen, "a config service");
     }
+
+    /// Where its store lives.
+    pub fn data_dir(&self) -> &std::path::Path {
+        &self.data_dir
+    }
+
+    /// Its process id (a child's: see [`Place::Child`]).
+    pub fn pid(&self) -> u32 {
+        self.running
+            .pid()
+            .expect("only a config service started as a child has a process id")
+    }
 }
 
 impl Drop for ConfigSvc {

@@ -96,6 +96,101 @@ async fn rest_writes_need_the_token_survive_a_kill_and_are_pushed() {
     assert_eq!(version(&all), version(&written));
 }
 
+/// One store, one config service: a second started on the store of one that runs waits a while
+/// for it to let go, then exits saying who holds it, having changed nothing; one that starts as
+/// the holder dies (a restart's predecessor) takes the store over with what was written. Before,
+/// both served it, each from its own copy: each write replaced the other's, and both went out
+/// under the same version numbers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_config_service_on_one_store_waits_for_the_first_or_refuses() {
+    let broker = Broker::start().unwrap();
+    let mut first = ConfigSvc::start(Place::Child, &broker, Some(&seed_dir()));
+    let http = reqwest::Client::new();
+    let url = format!("{}/api/v1/config/agent-limits/default", first.url);
+    let changed = json!({"max_iterations": 4});
+    let written: Value = http
+        .put(&url)
+        .bearer_auth(&first.token)
+        .json(&changed)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let version = written["version"].as_u64().unwrap();
+    let second = |port: u16| {
+        std::process::Command::new(binary("config-svc"))
+            .env(
+                "CONFIG_TOKEN",
+                format!("{:032x}", uuid::Uuid::new_v4().as_u128()),
+            )
+            .env("PULSAR_URL", broker.url())
+            .env("CONFIG_DATA", first.data_dir())
+            .env("CONFIG_HTTP_ADDR", format!("127.0.0.1:{port}"))
+            .env("RUST_LOG", "warn")
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap()
+    };
+    let mut refused = second(0);
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    while refused.try_wait().unwrap().is_none() {
+        if tokio::time::Instant::now() > deadline {
+            refused.kill().unwrap();
+            panic!("a second config service ran on one store for 30 s");
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let out = refused.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success(),
+        "a second config service ran: {stderr}"
+    );
+    assert!(
+        stderr.contains("in use by another process")
+            && stderr.contains(&format!("pid {}", first.pid())),
+        "{stderr}"
+    );
+    let kept: Value = get_json(&http, &url).await;
+    assert_eq!(kept, changed);
+
+    // A successor started while the first still holds the store, which then dies.
+    let port = agent_bus::embedded::KeptPort::choose(&[]).unwrap();
+    let mut successor = second(port.port());
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(
+        successor.try_wait().unwrap().is_none(),
+        "the successor did not wait"
+    );
+    first.kill();
+    let successor_url = format!("http://127.0.0.1:{}", port.port());
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    let all = loop {
+        if let Ok(answer) = http
+            .get(format!("{successor_url}/api/v1/config"))
+            .send()
+            .await
+        {
+            break answer.json::<Value>().await.unwrap();
+        }
+        assert!(
+            successor.try_wait().unwrap().is_none(),
+            "the successor exited instead of taking the store over"
+        );
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the successor never served"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    assert_eq!(all["version"].as_u64().unwrap(), version);
+    let _ = successor.kill();
+    let _ = successor.wait();
+}
+
 /// Writes made at once are pushed in the order of their versions: TrustGraph's receivers take a
 /// push only above the version they hold, so one overtaken by a later push was dropped there and
 /// its change never applied.

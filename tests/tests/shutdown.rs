@@ -223,6 +223,144 @@ async fn a_consumer_far_behind_its_backlog_stops_in_time_and_loses_nothing() {
     );
 }
 
+/// A consumer of a non-persistent topic (TrustGraph's client requests come on one) that stops
+/// with messages waiting for its handlers: it closes at once, so that what is published during
+/// its drain goes to the consumer that stays, and handles everything it had been sent before
+/// the close. Nothing is delivered twice on such a topic, so until 2026-12-06 what waited in its
+/// intake was dropped at the stop and what came during the drain was let go: a rolling restart
+/// lost the requests queued at the replica that stopped, and those sent while it drained.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_non_persistent_consumer_that_stops_handles_what_it_was_sent_and_lets_the_rest_go_elsewhere(
+) {
+    use std::collections::HashMap;
+    use std::sync::atomic::Ordering;
+    use std::sync::{Arc, Mutex};
+
+    use agent_bus::{run_consumer, Bus, ConsumerStats, Disposition, Properties, Publisher};
+    use tokio_util::sync::CancellationToken;
+
+    const BEFORE_THE_STOP: u64 = 60;
+    const DURING_THE_DRAIN: u64 = 40;
+    let broker = Broker::start().unwrap();
+    let topic = "non-persistent://tg/request/stop-test";
+    let config = agent_bus::SubscriptionConfig {
+        topic: topic.to_owned(),
+        subscription: "replicas".to_owned(),
+        max_in_flight: 1,
+        max_redeliveries: None,
+        dead_letter_topic: String::new(),
+        drain_deadline: Duration::from_secs(30),
+        nack_delay: Duration::from_millis(100),
+        one_at_a_time: false,
+    };
+    // Who handled each message, and how often.
+    let handled: Arc<Mutex<HashMap<u64, Vec<&'static str>>>> = Arc::default();
+    let consume = |name: &'static str, shutdown: CancellationToken, pause: Duration| {
+        let (config, handled) = (config.clone(), handled.clone());
+        let stats = Arc::new(ConsumerStats::default());
+        let url = broker.url();
+        let running = {
+            let stats = stats.clone();
+            tokio::spawn(async move {
+                let bus = Bus::connect(&url, None).await.unwrap();
+                run_consumer(
+                    &bus,
+                    config,
+                    stats,
+                    shutdown,
+                    move |delivery: agent_bus::Delivery<u64>| {
+                        let handled = handled.clone();
+                        async move {
+                            tokio::time::sleep(pause).await;
+                            handled
+                                .lock()
+                                .unwrap()
+                                .entry(delivery.payload)
+                                .or_default()
+                                .push(name);
+                            Disposition::Ack
+                        }
+                    },
+                )
+                .await
+            })
+        };
+        (running, stats)
+    };
+    async fn until(what: &str, done: impl Fn() -> bool) {
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+        while !done() {
+            assert!(tokio::time::Instant::now() < deadline, "{what}");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+    let stop_first = CancellationToken::new();
+    let (first, first_stats) = consume("first", stop_first.clone(), Duration::from_millis(100));
+    until("the first never subscribed", || {
+        first_stats.consuming.load(Ordering::SeqCst)
+    })
+    .await;
+    let publisher = Publisher::new(&Bus::connect(&broker.url(), None).await.unwrap(), topic)
+        .await
+        .unwrap();
+    for n in 0..BEFORE_THE_STOP {
+        publisher
+            .send(n.to_string().into_bytes(), &Properties::new())
+            .await
+            .unwrap();
+    }
+    // All of them sent to the first, most waiting for its one handler.
+    until("the first was not sent them all", || {
+        ConsumerStats::get(&first_stats.received) >= BEFORE_THE_STOP
+    })
+    .await;
+    let stop_second = CancellationToken::new();
+    let (second, second_stats) = consume("second", stop_second.clone(), Duration::ZERO);
+    until("the second never subscribed", || {
+        second_stats.consuming.load(Ordering::SeqCst)
+    })
+    .await;
+    let waiting = BEFORE_THE_STOP as usize - handled.lock().unwrap().len();
+    stop_first.cancel();
+    for n in BEFORE_THE_STOP..BEFORE_THE_STOP + DURING_THE_DRAIN {
+        publisher
+            .send(n.to_string().into_bytes(), &Properties::new())
+            .await
+            .unwrap();
+    }
+    let stopped = tokio::time::timeout(Duration::from_secs(60), first).await;
+    assert!(matches!(stopped, Ok(Ok(Ok(())))), "{stopped:?}");
+    let all = (BEFORE_THE_STOP + DURING_THE_DRAIN) as usize;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    while handled.lock().unwrap().len() < all && tokio::time::Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    stop_second.cancel();
+    second.await.unwrap().unwrap();
+    let handled = handled.lock().unwrap().clone();
+    let lost: Vec<u64> = (0..all as u64)
+        .filter(|n| !handled.contains_key(n))
+        .collect();
+    println!(
+        "{waiting} waiting at the stop; lost {} of {all}; the first handled {}",
+        lost.len(),
+        handled.values().filter(|by| by.contains(&"first")).count()
+    );
+    assert!(waiting > 10, "the first was not behind ({waiting} waiting)");
+    assert!(lost.is_empty(), "never handled: {lost:?}");
+    let twice: Vec<_> = handled.iter().filter(|(_, by)| by.len() > 1).collect();
+    assert!(twice.is_empty(), "handled twice: {twice:?}");
+    // What was published once the first had closed went to the second.
+    let late_at_first: Vec<_> = handled
+        .iter()
+        .filter(|(n, by)| **n >= BEFORE_THE_STOP && by.contains(&"first"))
+        .collect();
+    assert!(
+        late_at_first.len() < DURING_THE_DRAIN as usize / 2,
+        "the first kept taking messages while it drained: {late_at_first:?}"
+    );
+}
+
 /// Several requests a client sent as one batch (one broker entry: Java's and Go's clients batch by
 /// default) are each handled even if the consumer stops while one of them is still in flight: the
 /// members done wait to be acked until all are. The `pulsar` crate acks a member by its entry

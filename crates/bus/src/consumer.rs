@@ -249,6 +249,10 @@ struct BatchAcks {
     /// Each entry with members done: when it was first seen (a count), and the members' indexes.
     entries: HashMap<(String, u64, u64), (u64, std::collections::HashSet<i32>)>,
     seen: u64,
+    /// The consumer of a non-persistent topic was closed as the service stopped, and handles
+    /// what it had received: nothing is acked any more (the broker has forgotten the consumer,
+    /// and would never redeliver anyway).
+    closed: bool,
 }
 
 impl BatchAcks {
@@ -320,7 +324,7 @@ async fn ack(
     batches: &mut BatchAcks,
     message: &Message<Vec<u8>>,
 ) -> Result<(), pulsar::error::ConsumerError> {
-    if !batches.done(message) {
+    if batches.closed || !batches.done(message) {
         return Ok(());
     }
     consumer.ack(message).await
@@ -424,39 +428,18 @@ where
         );
     }
     let mut intake = Intake::new(bus.intake_bytes(), NON_PERSISTENT_WINDOW as usize);
+    // A handler standing aside keeps its message unacked but not its place; one that stepped
+    // aside and then went on working overdraws the bound until it ends.
+    let places = || max_in_flight + aside.waiting();
     loop {
-        // A handler standing aside keeps its message unacked but not its place; one that stepped
-        // aside and then went on working overdraws the bound until it ends.
-        let places = || max_in_flight + aside.waiting();
-        while tasks.len() < places() {
-            let Some(message) = intake.next() else { break };
-            if batches.was_done(&message) {
-                if let Err(e) = ack(&mut consumer, &mut batches, &message).await {
-                    tracing::warn!(error = %e, "ack failed; the message will be redelivered");
-                }
-                continue;
-            }
-            if let Err(refused) = start(
-                &handler,
-                &mut tasks,
-                &mut in_flight,
-                &aside,
-                config.nack_delay,
-                message,
-            ) {
-                let (mut message, reason) = *refused;
-                let letter = std::mem::take(&mut message.payload.data);
-                dead_letter(
-                    (&mut consumer, &mut batches),
-                    &dead_letters,
-                    (&mut tasks, &mut in_flight),
-                    (message, letter),
-                    &reason,
-                    config.nack_delay,
-                )
-                .await;
-            }
-        }
+        start_waiting(
+            (&mut consumer, &mut batches),
+            &mut intake,
+            (&handler, &aside, &dead_letters, places()),
+            (&mut tasks, &mut in_flight),
+            config.nack_delay,
+        )
+        .await;
         let free = tasks.len() < places();
         tokio::select! {
             biased;
@@ -500,18 +483,54 @@ where
             }
         }
     }
-    if !intake.is_empty() {
-        // A non-persistent topic's are lost, as the broker's own window of messages sent ahead
-        // is lost with a consumer that stops; a persistent topic's (one at most, taken just
-        // before the stop) are not acked and come back.
-        tracing::warn!(topic = %config.topic, left = intake.len(), "stopping with messages not taken up");
-    }
 
     // Drain: finish what is in flight so its effects are published and acked; whatever misses the
     // deadline stays un-acked and is redelivered to another replica.
     stats.consuming.store(false, Ordering::SeqCst);
     let deadline = tokio::time::sleep(config.drain_deadline);
     tokio::pin!(deadline);
+    if takes_ahead {
+        // A non-persistent topic's messages are never delivered again: what this consumer was
+        // sent is handled here or lost. It is closed first, so that the broker sends what comes
+        // next to another consumer, and then everything it was sent before the close (read off
+        // the connection, in the intake, in flight) is handled within the deadline. Until
+        // 2026-12-06 the intake was dropped at the stop, and what came during the drain was let
+        // go: a rolling restart lost the client requests waiting for a handler.
+        let received = close_and_take_the_rest(&mut consumer, &mut intake, &stats, &config).await;
+        batches.closed = true;
+        loop {
+            start_waiting(
+                (&mut consumer, &mut batches),
+                &mut intake,
+                (&handler, &aside, &dead_letters, places()),
+                (&mut tasks, &mut in_flight),
+                config.nack_delay,
+            )
+            .await;
+            if tasks.is_empty() {
+                break;
+            }
+            let free = tasks.len() < places();
+            tokio::select! {
+                _ = &mut deadline => {
+                    tracing::warn!(topic = %config.topic, left = tasks.len() + intake.len(), "drain deadline passed; messages of a non-persistent topic not handled are lost");
+                    tasks.abort_all();
+                    break;
+                }
+                Some(done) = tasks.join_next_with_id() => {
+                    settle((&mut consumer, &mut batches), &dead_letters, &stats, (&mut tasks, &mut in_flight, &mut panics), config.nack_delay, done).await;
+                }
+                // Only to look at the bound again.
+                _ = aside.stepped(), if !free => {}
+            }
+        }
+        tracing::debug!(topic = %config.topic, received, "closed; what it had been sent was handled");
+        return Ok(());
+    }
+    if !intake.is_empty() {
+        // Not acked: a persistent topic's (one at most, taken just before the stop) come back.
+        tracing::warn!(topic = %config.topic, left = intake.len(), "stopping with messages not taken up");
+    }
     // The `pulsar` crate's engine takes our acks in one queue with the broker's messages, and
     // waits for room in its queue to us before it takes the next: behind a backlog that queue is
     // full, so unless it is read, the drain's acks (and the close after them) never leave and
@@ -554,6 +573,84 @@ where
         ),
     }
     Ok(())
+}
+
+/// Starts a handler on each message of the intake while fewer than `places` run; one that does
+/// not decode goes to the dead-letter topic.
+async fn start_waiting<T, F, Fut>(
+    (consumer, batches): (&mut Consumer<Vec<u8>, TokioExecutor>, &mut BatchAcks),
+    intake: &mut Intake,
+    (handler, aside, dead_letters, places): (&Arc<F>, &Aside, &Option<Publisher>, usize),
+    (tasks, in_flight): (&mut JoinSet<Finished>, &mut InFlight),
+    nack_delay: Duration,
+) where
+    T: DeserializeOwned + Send + 'static,
+    F: Fn(Delivery<T>) -> Fut + Send + Sync + 'static,
+    Fut: Future<Output = Disposition> + Send + 'static,
+{
+    while tasks.len() < places {
+        let Some(message) = intake.next() else { break };
+        if batches.was_done(&message) {
+            if let Err(e) = ack(consumer, batches, &message).await {
+                tracing::warn!(error = %e, "ack failed; the message will be redelivered");
+            }
+            continue;
+        }
+        if let Err(refused) = start(handler, tasks, in_flight, aside, nack_delay, message) {
+            let (mut message, reason) = *refused;
+            let letter = std::mem::take(&mut message.payload.data);
+            dead_letter(
+                (consumer, batches),
+                dead_letters,
+                (tasks, in_flight),
+                (message, letter),
+                &reason,
+                nack_delay,
+            )
+            .await;
+        }
+    }
+}
+
+/// How long a closed consumer's stream is read for what the broker sent before it took the
+/// close, once nothing more comes. The broker answers the close on the connection the messages
+/// came on, after them: by then they are on their way to the stream, or in it.
+const AFTER_CLOSE_QUIET: Duration = Duration::from_millis(200);
+
+/// Closes a non-persistent topic's consumer and holds in the intake what it was sent before the
+/// close (dropped, as at any time, past the intake's bound); the number of those.
+async fn close_and_take_the_rest(
+    consumer: &mut Consumer<Vec<u8>, TokioExecutor>,
+    intake: &mut Intake,
+    stats: &ConsumerStats,
+    config: &SubscriptionConfig,
+) -> usize {
+    match tokio::time::timeout(CLOSE_WITHIN, consumer.close()).await {
+        Ok(Ok(())) => {}
+        Ok(Err(e)) => tracing::debug!(error = %e, "closing the consumer"),
+        Err(_) => tracing::warn!(
+            topic = %config.topic,
+            "the consumer did not close within {} s; handling what it was sent",
+            CLOSE_WITHIN.as_secs()
+        ),
+    }
+    let mut received = 0;
+    // Bounded too for a close the broker did not answer: the messages then keep coming.
+    let until = tokio::time::Instant::now() + config.drain_deadline;
+    while let Ok(Some(next)) = tokio::time::timeout(
+        AFTER_CLOSE_QUIET.min(until.saturating_duration_since(tokio::time::Instant::now())),
+        consumer.next(),
+    )
+    .await
+    {
+        let Ok(message) = next else { break };
+        received += 1;
+        stats.received.fetch_add(1, Ordering::Relaxed);
+        if let Err(message) = intake.hold(message) {
+            shed(consumer, stats, &config.topic, intake, &message).await;
+        }
+    }
+    received
 }
 
 /// Messages a consumer of a non-persistent topic may be sent ahead of its handlers.

@@ -244,6 +244,37 @@ pub(crate) async fn off_thread<T: Send + 'static>(
     tokio::task::spawn_blocking(move || call(&store)).await
 }
 
+/// How long a start waits for another process to let go of the store before it gives up: a
+/// restart's predecessor may still be closing it (a container replaced, a service restarted by
+/// its supervisor while the old process exits).
+const STORE_IN_USE_WAIT: Duration = Duration::from_secs(10);
+
+/// The store in `dir`, waiting [`STORE_IN_USE_WAIT`] for another process that holds it.
+async fn open_store(
+    dir: &std::path::Path,
+    shutdown: &CancellationToken,
+) -> anyhow::Result<ConfigStore> {
+    let deadline = tokio::time::Instant::now() + STORE_IN_USE_WAIT;
+    let mut said = false;
+    loop {
+        match ConfigStore::open(dir) {
+            Err(store::StoreError::InUse { holder, .. })
+                if tokio::time::Instant::now() < deadline && !shutdown.is_cancelled() =>
+            {
+                if !said {
+                    tracing::warn!(dir = %dir.display(), %holder, "the config store is in use by another process; waiting for it to let go");
+                    said = true;
+                }
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+            opened => {
+                return opened
+                    .with_context(|| format!("opening the config store in {}", dir.display()))
+            }
+        }
+    }
+}
+
 /// Runs until `shutdown`: seeding, the REST API and the Pulsar protocol.
 pub async fn run(settings: ConfigSvcSettings, shutdown: CancellationToken) -> anyhow::Result<()> {
     agent_bus::seal::refuse_published_secrets(&[(
@@ -251,12 +282,7 @@ pub async fn run(settings: ConfigSvcSettings, shutdown: CancellationToken) -> an
         settings.config_token.as_deref(),
     )])
     .map_err(anyhow::Error::msg)?;
-    let store = Arc::new(ConfigStore::open(&settings.data_dir).with_context(|| {
-        format!(
-            "opening the config store in {}",
-            settings.data_dir.display()
-        )
-    })?);
+    let store = Arc::new(open_store(&settings.data_dir, &shutdown).await?);
     let bus = settings.broker.connect().await?;
     let topics = settings.broker.topics();
     let pusher = Pusher::new(Publisher::new(&bus, &topics.config_push).await?);

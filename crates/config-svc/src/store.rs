@@ -31,6 +31,10 @@ pub enum StoreError {
     EmptyName,
     #[error("the config store lock was poisoned")]
     Poisoned,
+    #[error(
+        "config store {path} is in use by another process ({holder}); one config service a store"
+    )]
+    InUse { path: String, holder: String },
 }
 
 #[derive(Debug, Default, Clone, Serialize, Deserialize)]
@@ -63,7 +67,8 @@ pub struct Written {
 /// A `(type, key, value)`, or a `(workspace, key, value)` of one type.
 pub type Entry = (String, String, String);
 
-/// One owning process per file; every call is short (the file is small), so a mutex is enough.
+/// One owning process per file (held to it by a lock on `config.lock` beside it); every call is
+/// short (the file is small), so a mutex is enough.
 /// Writes take their turn on a mutex of their own and hold the state's only to copy it and to
 /// put the new one in place: a reader (on an async worker) never waits out a write's fsync,
 /// which on a slow disk held every worker that read and froze the service's other work.
@@ -71,16 +76,63 @@ pub struct ConfigStore {
     path: PathBuf,
     state: Mutex<Snapshot>,
     writing: Mutex<()>,
+    /// Held while the store is open: the lock goes with the file's closing, a crash's too.
+    _owner: std::fs::File,
+}
+
+/// The file beside the store that its owning process holds a lock on, and writes its pid into.
+const OWNER_FILE: &str = "config.lock";
+
+/// Takes the lock that makes this process the store's only owner. Two processes on one store
+/// each kept their own copy in memory and replaced the file with it: each lost the other's
+/// writes, and both counted versions from the same number, so two different changes went out
+/// under one version, which TrustGraph's clients take as one already seen.
+fn own(dir: &Path) -> Result<std::fs::File, StoreError> {
+    let path = dir.join(OWNER_FILE);
+    let io = |source| StoreError::Io {
+        path: path.display().to_string(),
+        source,
+    };
+    let mut file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .open(&path)
+        .map_err(io)?;
+    match file.try_lock() {
+        Ok(()) => {}
+        Err(std::fs::TryLockError::WouldBlock) => {
+            let mut holder = String::new();
+            let _ = std::io::Read::read_to_string(&mut file, &mut holder);
+            let holder = match holder.trim() {
+                "" => "its pid not written yet".to_owned(),
+                pid => format!("pid {}", pid.chars().take(20).collect::<String>()),
+            };
+            return Err(StoreError::InUse {
+                path: dir.display().to_string(),
+                holder,
+            });
+        }
+        Err(std::fs::TryLockError::Error(e)) => return Err(io(e)),
+    }
+    // Only said, never relied on: the lock is what keeps a second process out.
+    file.set_len(0).map_err(io)?;
+    file.write_all(std::process::id().to_string().as_bytes())
+        .map_err(io)?;
+    Ok(file)
 }
 
 impl ConfigStore {
-    /// Opens (or creates) the store kept in `dir/config.json`.
+    /// Opens (or creates) the store kept in `dir/config.json`, or says that another process
+    /// has it open ([`StoreError::InUse`]).
     pub fn open(dir: &Path) -> Result<ConfigStore, StoreError> {
         let io = |source| StoreError::Io {
             path: dir.display().to_string(),
             source,
         };
         std::fs::create_dir_all(dir).map_err(io)?;
+        let owner = own(dir)?;
         let path = dir.join("config.json");
         let state = match std::fs::read(&path) {
             Ok(bytes) => serde_json::from_slice(&bytes).map_err(|e| StoreError::Corrupt {
@@ -108,6 +160,7 @@ impl ConfigStore {
             path,
             state: Mutex::new(state),
             writing: Mutex::new(()),
+            _owner: owner,
         })
     }
 
@@ -383,6 +436,25 @@ mod tests {
             (found[0].0.as_str(), found[0].1.as_str()),
             ("flow-class", "big")
         );
+        let _ = std::fs::remove_dir_all(dir);
+    }
+
+    #[test]
+    fn a_store_open_in_one_place_is_not_opened_in_another_until_let_go() {
+        let dir = temp_dir();
+        let first = ConfigStore::open(&dir).unwrap();
+        // The lock is the open file's, so a second open in this process meets it as another
+        // process's would.
+        match ConfigStore::open(&dir) {
+            Err(StoreError::InUse { holder, .. }) => {
+                assert_eq!(holder, format!("pid {}", std::process::id()))
+            }
+            Err(e) => panic!("{e}"),
+            Ok(_) => panic!("a second owner of one store"),
+        }
+        drop(first);
+        let again = ConfigStore::open(&dir).unwrap();
+        assert_eq!(again.version().unwrap(), 0);
         let _ = std::fs::remove_dir_all(dir);
     }
 
