@@ -322,6 +322,13 @@ async fn a_non_persistent_consumer_that_stops_handles_what_it_was_sent_and_lets_
     .await;
     let waiting = BEFORE_THE_STOP as usize - handled.lock().unwrap().len();
     stop_first.cancel();
+    until("the first never began to stop", || {
+        !first_stats.consuming.load(Ordering::SeqCst)
+    })
+    .await;
+    // Its close (one round trip) has been answered well before this, its drain (a handler's 100
+    // ms for each message waiting) goes on for seconds after.
+    tokio::time::sleep(Duration::from_secs(1)).await;
     for n in BEFORE_THE_STOP..BEFORE_THE_STOP + DURING_THE_DRAIN {
         publisher
             .send(n.to_string().into_bytes(), &Properties::new())

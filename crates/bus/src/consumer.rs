@@ -496,8 +496,16 @@ where
         // the connection, in the intake, in flight) is handled within the deadline. Until
         // 2026-12-06 the intake was dropped at the stop, and what came during the drain was let
         // go: a rolling restart lost the client requests waiting for a handler.
-        let received = close_and_take_the_rest(&mut consumer, &mut intake, &stats, &config).await;
+        close_within(&mut consumer, &config.topic, "handling what it was sent").await;
         batches.closed = true;
+        // The broker answers the close on the connection its messages came on, after them: what
+        // it sent before is on its way to the stream, or in it, and is read until the stream
+        // has been quiet a while (or ends, or the deadline passes: a close the broker did not
+        // answer leaves the messages coming).
+        let mut reading = true;
+        let quiet = tokio::time::sleep(AFTER_CLOSE_QUIET);
+        tokio::pin!(quiet);
+        let mut received = 0usize;
         loop {
             start_waiting(
                 (&mut consumer, &mut batches),
@@ -507,7 +515,7 @@ where
                 config.nack_delay,
             )
             .await;
-            if tasks.is_empty() {
+            if tasks.is_empty() && !reading {
                 break;
             }
             let free = tasks.len() < places();
@@ -517,11 +525,25 @@ where
                     tasks.abort_all();
                     break;
                 }
-                Some(done) = tasks.join_next_with_id() => {
+                Some(done) = tasks.join_next_with_id(), if !tasks.is_empty() => {
                     settle((&mut consumer, &mut batches), &dead_letters, &stats, (&mut tasks, &mut in_flight, &mut panics), config.nack_delay, done).await;
                 }
                 // Only to look at the bound again.
                 _ = aside.stepped(), if !free => {}
+                _ = &mut quiet, if reading => reading = false,
+                next = consumer.next(), if reading => match next {
+                    Some(Ok(message)) => {
+                        received += 1;
+                        stats.received.fetch_add(1, Ordering::Relaxed);
+                        if let Err(message) = intake.hold(message) {
+                            shed(&mut consumer, &stats, &config.topic, &intake, &message).await;
+                        }
+                        quiet.as_mut().reset(tokio::time::Instant::now() + AFTER_CLOSE_QUIET);
+                    }
+                    // One that cannot be read; those after it still can.
+                    Some(Err(e)) => tracing::debug!(error = %e, "receive failed after the close"),
+                    None => reading = false,
+                }
             }
         }
         tracing::debug!(topic = %config.topic, received, "closed; what it had been sent was handled");
@@ -563,15 +585,12 @@ where
     // behind a slow store): bounded, so a service behind its backlog still stops. What it did not
     // ack goes to another consumer once its connection closes, as the process exits; a process
     // that lives on keeps those messages (and a Failover subscription's turn) until then.
-    match tokio::time::timeout(CLOSE_WITHIN, consumer.close()).await {
-        Ok(Ok(())) => {}
-        Ok(Err(e)) => tracing::debug!(error = %e, "closing the consumer"),
-        Err(_) => tracing::warn!(
-            topic = %config.topic,
-            "the consumer did not close within {} s; stopping without the broker's answer",
-            CLOSE_WITHIN.as_secs()
-        ),
-    }
+    close_within(
+        &mut consumer,
+        &config.topic,
+        "stopping without the broker's answer",
+    )
+    .await;
     Ok(())
 }
 
@@ -613,44 +632,25 @@ async fn start_waiting<T, F, Fut>(
 }
 
 /// How long a closed consumer's stream is read for what the broker sent before it took the
-/// close, once nothing more comes. The broker answers the close on the connection the messages
-/// came on, after them: by then they are on their way to the stream, or in it.
+/// close, once nothing more comes.
 const AFTER_CLOSE_QUIET: Duration = Duration::from_millis(200);
 
-/// Closes a non-persistent topic's consumer and holds in the intake what it was sent before the
-/// close (dropped, as at any time, past the intake's bound); the number of those.
-async fn close_and_take_the_rest(
+/// Closes `consumer`, waiting at most [`CLOSE_WITHIN`] for the broker's answer; `otherwise`: what
+/// the stop does without it.
+async fn close_within(
     consumer: &mut Consumer<Vec<u8>, TokioExecutor>,
-    intake: &mut Intake,
-    stats: &ConsumerStats,
-    config: &SubscriptionConfig,
-) -> usize {
+    topic: &str,
+    otherwise: &str,
+) {
     match tokio::time::timeout(CLOSE_WITHIN, consumer.close()).await {
         Ok(Ok(())) => {}
         Ok(Err(e)) => tracing::debug!(error = %e, "closing the consumer"),
         Err(_) => tracing::warn!(
-            topic = %config.topic,
-            "the consumer did not close within {} s; handling what it was sent",
+            %topic,
+            "the consumer did not close within {} s; {otherwise}",
             CLOSE_WITHIN.as_secs()
         ),
     }
-    let mut received = 0;
-    // Bounded too for a close the broker did not answer: the messages then keep coming.
-    let until = tokio::time::Instant::now() + config.drain_deadline;
-    while let Ok(Some(next)) = tokio::time::timeout(
-        AFTER_CLOSE_QUIET.min(until.saturating_duration_since(tokio::time::Instant::now())),
-        consumer.next(),
-    )
-    .await
-    {
-        let Ok(message) = next else { break };
-        received += 1;
-        stats.received.fetch_add(1, Ordering::Relaxed);
-        if let Err(message) = intake.hold(message) {
-            shed(consumer, stats, &config.topic, intake, &message).await;
-        }
-    }
-    received
 }
 
 /// Messages a consumer of a non-persistent topic may be sent ahead of its handlers.

@@ -123,7 +123,10 @@ impl RecordedSpend {
     /// it has spent (its calls, and its subagents' that came back with their results). The graph
     /// is written behind the steps: a session's own last call is often not in it yet when its
     /// next step asks, and siblings stepping together would each miss theirs, running a round
-    /// past the budget. What lies outside the session is still read from the graph.
+    /// past the budget. What lies outside the session is still read from the graph. Where the
+    /// graph holds spend under the session that `own` does not count (a subagent still running
+    /// after its fan-out timed out), the larger of the two sums stands, which may miss the smaller
+    /// of that spend and the session's own unrecorded last call: never less than the graph says.
     pub fn with_own(self, own: u64) -> u64 {
         let outside = self.tokens.saturating_sub(self.under_session);
         self.tokens.max(outside.saturating_add(own))
