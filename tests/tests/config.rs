@@ -134,16 +134,16 @@ async fn a_second_config_service_on_one_store_waits_for_the_first_or_refuses() {
             .spawn()
             .unwrap()
     };
-    let mut refused = second(0);
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
-    while refused.try_wait().unwrap().is_none() {
-        if tokio::time::Instant::now() > deadline {
-            refused.kill().unwrap();
-            panic!("a second config service ran on one store for 30 s");
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    let out = refused.wait_with_output().unwrap();
+    let refused = second(0);
+    let out = tokio::task::spawn_blocking(|| {
+        exited_within(
+            refused,
+            Duration::from_secs(30),
+            "a second config service ran on one store for 30 s",
+        )
+    })
+    .await
+    .unwrap();
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(
         !out.status.success(),
@@ -1004,7 +1004,7 @@ fn the_services_refuse_the_secrets_env_example_publishes() {
         ("agent-orchestrator", "CONFIG_TOKEN", "change-me"),
     ];
     for (service, setting, example) in cases {
-        let mut out = std::process::Command::new(binary(service))
+        let out = std::process::Command::new(binary(service))
             .env_remove("CONFIG_TOKEN")
             .env_remove("AGENT_SEAL_KEY")
             .env(setting, example)
@@ -1019,15 +1019,11 @@ fn the_services_refuse_the_secrets_env_example_publishes() {
             .stderr(std::process::Stdio::piped())
             .spawn()
             .unwrap();
-        let deadline = std::time::Instant::now() + Duration::from_secs(20);
-        while out.try_wait().unwrap().is_none() {
-            if std::time::Instant::now() > deadline {
-                out.kill().unwrap();
-                panic!("{service} started with {setting}={example}");
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        let out = out.wait_with_output().unwrap();
+        let out = exited_within(
+            out,
+            Duration::from_secs(20),
+            &format!("{service} started with {setting}={example}"),
+        );
         let stderr = String::from_utf8_lossy(&out.stderr);
         assert!(
             !out.status.success(),
@@ -1039,4 +1035,22 @@ fn the_services_refuse_the_secrets_env_example_publishes() {
         );
     }
     let _ = std::fs::remove_dir_all(&data);
+}
+
+/// The output of `child` once it has exited; past `within` it is killed and the test fails
+/// saying `still_running`.
+fn exited_within(
+    mut child: std::process::Child,
+    within: Duration,
+    still_running: &str,
+) -> std::process::Output {
+    let deadline = std::time::Instant::now() + within;
+    while child.try_wait().unwrap().is_none() {
+        if std::time::Instant::now() > deadline {
+            child.kill().unwrap();
+            panic!("{still_running}");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    child.wait_with_output().unwrap()
 }

@@ -450,14 +450,9 @@ where
             // Only to look at the bound again.
             _ = aside.stepped(), if !free => {}
             next = consumer.next(), if free || takes_ahead => match next {
-                Some(Ok(message)) => {
-                    stats.received.fetch_add(1, Ordering::Relaxed);
-                    // Started at the top of the loop; with a handler free the intake is empty,
-                    // and an empty intake takes any message.
-                    if let Err(message) = intake.hold(message) {
-                        shed(&mut consumer, &stats, &config.topic, &intake, &message).await;
-                    }
-                }
+                // Started at the top of the loop; with a handler free the intake is empty, and an
+                // empty intake takes any message.
+                Some(Ok(message)) => take_in(&mut consumer, &stats, &config.topic, &mut intake, message).await,
                 Some(Err(e)) => {
                     tracing::warn!(topic = %config.topic, error = %e, "receive failed");
                     tokio::time::sleep(Duration::from_millis(100)).await;
@@ -505,7 +500,6 @@ where
         let mut reading = true;
         let quiet = tokio::time::sleep(AFTER_CLOSE_QUIET);
         tokio::pin!(quiet);
-        let mut received = 0usize;
         loop {
             start_waiting(
                 (&mut consumer, &mut batches),
@@ -533,11 +527,7 @@ where
                 _ = &mut quiet, if reading => reading = false,
                 next = consumer.next(), if reading => match next {
                     Some(Ok(message)) => {
-                        received += 1;
-                        stats.received.fetch_add(1, Ordering::Relaxed);
-                        if let Err(message) = intake.hold(message) {
-                            shed(&mut consumer, &stats, &config.topic, &intake, &message).await;
-                        }
+                        take_in(&mut consumer, &stats, &config.topic, &mut intake, message).await;
                         quiet.as_mut().reset(tokio::time::Instant::now() + AFTER_CLOSE_QUIET);
                     }
                     // One that cannot be read; those after it still can.
@@ -546,7 +536,6 @@ where
                 }
             }
         }
-        tracing::debug!(topic = %config.topic, received, "closed; what it had been sent was handled");
         return Ok(());
     }
     if !intake.is_empty() {
@@ -592,6 +581,20 @@ where
     )
     .await;
     Ok(())
+}
+
+/// Counts a message received and holds it in the intake, or drops it past the intake's bound.
+async fn take_in(
+    consumer: &mut Consumer<Vec<u8>, TokioExecutor>,
+    stats: &ConsumerStats,
+    topic: &str,
+    intake: &mut Intake,
+    message: Message<Vec<u8>>,
+) {
+    stats.received.fetch_add(1, Ordering::Relaxed);
+    if let Err(message) = intake.hold(message) {
+        shed(consumer, stats, topic, intake, &message).await;
+    }
 }
 
 /// Starts a handler on each message of the intake while fewer than `places` run; one that does
