@@ -338,12 +338,11 @@ async fn a_push_the_broker_did_not_take_is_sent_once_it_is_back() {
             );
         };
         let push = push.unwrap();
+        // A push naming nothing would not do: TrustGraph's services skip it.
         let names = |kind: &str| {
-            push.changes.is_empty()
-                || push
-                    .changes
-                    .get(kind)
-                    .is_some_and(|spaces| spaces.iter().any(|s| s == "default"))
+            push.changes
+                .get(kind)
+                .is_some_and(|spaces| spaces.iter().any(|s| s == "default"))
         };
         if push.version >= written {
             assert!(
@@ -352,6 +351,63 @@ async fn a_push_the_broker_did_not_take_is_sent_once_it_is_back() {
             );
             break;
         }
+    }
+}
+
+/// A write whose push was still owed when the service was killed (the broker was away) reaches
+/// TrustGraph's services through the start's push of the next run: it names every type the store
+/// holds, so a service behind re-reads each. TrustGraph's start push names none, and its services
+/// skip a push naming no type of theirs (trustgraph-base 2.11.1, `AsyncProcessor.on_config_notify`),
+/// so they kept the old value until they restarted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_write_owed_when_the_service_died_is_named_by_its_next_start() {
+    let mut broker = Broker::start().unwrap();
+    let mut svc = ConfigSvc::start(Place::Child, &broker, Some(&seed_dir()));
+    broker.stop();
+    // Its push waits for the broker; the write is on disk first, which is all this needs.
+    let _ = reqwest::Client::new()
+        .put(format!("{}/api/v1/config/note/away", svc.url))
+        .bearer_auth(&svc.token)
+        .json(&json!({"n": 1}))
+        .timeout(Duration::from_secs(2))
+        .send()
+        .await;
+    let stored = svc.data_dir().join("config.json");
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    let written = loop {
+        let store: Value = std::fs::read(&stored)
+            .ok()
+            .and_then(|bytes| serde_json::from_slice(&bytes).ok())
+            .unwrap_or_default();
+        if !store["workspaces"]["default"]["note"]["away"].is_null() {
+            break store["version"].as_u64().unwrap();
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the write never reached the store: {store}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    svc.kill();
+    broker.restart().unwrap();
+    let bus = Bus::connect(&broker.url(), None).await.unwrap();
+    let topics = Topics::trustgraph("default", "default");
+    let mut pushes = ConfigPushes::subscribe(&bus, &topics).await.unwrap();
+    // Off the runtime's threads: the listener's permits go to the broker from a task of its own,
+    // and a non-persistent topic drops what finds none.
+    tokio::task::block_in_place(|| svc.kill_and_restart());
+    let push = tokio::time::timeout(Duration::from_secs(30), pushes.next())
+        .await
+        .expect("the restarted service pushed nothing")
+        .unwrap();
+    assert_eq!(push.version, written, "{push:?}");
+    for kind in ["note", "agent-limits"] {
+        assert!(
+            push.changes
+                .get(kind)
+                .is_some_and(|spaces| spaces == &["default"]),
+            "the start's push does not name {kind} in the default workspace: {push:?}"
+        );
     }
 }
 

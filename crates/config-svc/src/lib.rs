@@ -105,13 +105,25 @@ impl Pusher {
         .await;
     }
 
-    /// "Everything may have changed": sent at start, as TrustGraph does.
-    pub async fn push_all(&self, version: u64) {
-        self.announce(ConfigPush {
-            version,
-            changes: Default::default(),
-        })
-        .await;
+    /// "Everything may have changed", sent at start as TrustGraph does, but naming every type in
+    /// every workspace the store holds. TrustGraph's services skip a push that names no type of
+    /// theirs, so TrustGraph's own start push (which names none) is for its readers no news: a
+    /// change whose push was still owed when the service stopped (the broker was away) reached
+    /// them only when they restarted. Named, a service behind re-reads each type; one that has
+    /// seen this version skips it as before. A store that cannot be read sends the push naming
+    /// nothing (our orchestrators take it as everything).
+    pub async fn push_all(&self, store: &ConfigStore) {
+        let (version, changes) = match store.every_type() {
+            Ok(every) => every,
+            Err(e) => {
+                tracing::error!(error = %e, "cannot read the config store's types for the start's push");
+                match store.version() {
+                    Ok(version) => (version, Changes::new()),
+                    Err(_) => return,
+                }
+            }
+        };
+        self.announce(ConfigPush { version, changes }).await;
     }
 
     /// Sends `push` (the caller holds a turn), or, while an earlier push is owed, adds its changes
@@ -127,23 +139,33 @@ impl Pusher {
     }
 
     /// Publishes `push` (the caller holds a turn); if the broker does not take it, its changes are
-    /// owed. Refused as too large (it never will be taken), "everything" is owed instead: a few
-    /// bytes, and it covers them.
-    async fn send(&self, push: ConfigPush) -> bool {
-        match self
-            .publisher
-            .send(agent_schema::encode(&push), &Properties::new())
-            .await
-        {
-            Ok(()) => true,
-            Err(e) => {
-                tracing::error!(error = %e, version = push.version, "config push not published; it is sent again once the broker takes it");
-                let changes = match e {
-                    agent_bus::BusError::TooLarge { .. } => Changes::new(),
-                    _ => push.changes,
-                };
-                self.owe(changes);
-                false
+    /// owed. Refused as too large (it never will be taken), the push naming nothing goes instead:
+    /// a few bytes, which our orchestrators take as everything (TrustGraph's services skip it, and
+    /// re-read at their next start), rather than owing what can never be sent.
+    async fn send(&self, mut push: ConfigPush) -> bool {
+        loop {
+            match self
+                .publisher
+                .send(agent_schema::encode(&push), &Properties::new())
+                .await
+            {
+                Ok(()) => return true,
+                Err(agent_bus::BusError::TooLarge { bytes, max, .. })
+                    if !push.changes.is_empty() =>
+                {
+                    tracing::warn!(
+                        version = push.version,
+                        bytes,
+                        max,
+                        "a config push naming its changes is larger than the broker takes; sending one that names none"
+                    );
+                    push.changes = Changes::new();
+                }
+                Err(e) => {
+                    tracing::error!(error = %e, version = push.version, "config push not published; it is sent again once the broker takes it");
+                    self.owe(push.changes);
+                    return false;
+                }
             }
         }
     }
@@ -169,7 +191,8 @@ impl Pusher {
     /// Sends what failed pushes owe, at `store`'s version, until `shutdown`: after a pause of a
     /// second, doubling up to ten while the broker still does not take it. Under a turn, so the
     /// version read is the latest and nothing is pushed meanwhile: owed changes never go under a
-    /// version older than a push that went.
+    /// version older than a push that went. "Everything" owed is sent naming every type the
+    /// store holds (see [`Pusher::push_all`]).
     pub async fn resend_owed(self, store: Arc<ConfigStore>, shutdown: CancellationToken) {
         let mut pause = RESEND_FIRST;
         loop {
@@ -183,17 +206,20 @@ impl Pusher {
                     _ = tokio::time::sleep(pause) => {}
                 }
                 let _turn = self.turn().await;
-                let version = match store.version() {
-                    Ok(version) => version,
+                let (version, every) = match store.every_type() {
+                    Ok(every) => every,
                     Err(e) => {
-                        tracing::error!(error = %e, "cannot read the config store's version to send the changes owed");
+                        tracing::error!(error = %e, "cannot read the config store to send the changes owed");
                         continue;
                     }
                 };
-                let Some(changes) = self.owed().take() else {
+                let Some(mut changes) = self.owed().take() else {
                     pause = RESEND_FIRST;
                     break;
                 };
+                if changes.is_empty() {
+                    changes = every;
+                }
                 if self.send(ConfigPush { version, changes }).await {
                     tracing::info!(
                         version,
@@ -297,9 +323,10 @@ pub async fn run(settings: ConfigSvcSettings, shutdown: CancellationToken) -> an
         let written = store.put_missing(DEFAULT_WORKSPACE, &seed::entries(&values))?;
         let added: usize = written.changes.values().map(Vec::len).sum();
         tracing::info!(dir = %dir.display(), added, version = written.version, "seeded");
-        pusher.push(written, DEFAULT_WORKSPACE).await;
     }
-    pusher.push_all(store.version()?).await;
+    // One push for the seed and whatever the last run still owed: a push of the seed's types
+    // alone at this version would have TrustGraph's services skip this one, of the same version.
+    pusher.push_all(&store).await;
     drop(start_turn);
 
     let token = settings.config_token.clone().filter(|t| !t.is_empty());

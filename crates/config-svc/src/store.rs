@@ -231,6 +231,27 @@ impl ConfigStore {
         Ok((state.version, everywhere))
     }
 
+    /// Every type the store holds, with the workspaces that hold it (reserved ones, `_` first,
+    /// left out: they are never announced), and the store's version: what a push that means
+    /// "everything" names. TrustGraph's services ignore a push that names nothing (none of
+    /// their handlers' types is in it), so "everything" has to be spelled out to reach them.
+    pub fn every_type(&self) -> Result<(u64, BTreeMap<String, Vec<String>>), StoreError> {
+        let state = self.lock()?;
+        let mut types: BTreeMap<String, Vec<String>> = BTreeMap::new();
+        for (workspace, values) in &state.workspaces {
+            if workspace.starts_with('_') {
+                continue;
+            }
+            for kind in values.keys() {
+                types
+                    .entry(kind.clone())
+                    .or_default()
+                    .push(workspace.clone());
+            }
+        }
+        Ok((state.version, types))
+    }
+
     /// Everything in `workspace`, with the store's version.
     pub fn dump(&self, workspace: &str) -> Result<(u64, Values), StoreError> {
         let state = self.lock()?;
@@ -541,6 +562,35 @@ mod tests {
             .unwrap();
         assert_eq!(again.version, w.version);
         assert!(again.changes.is_empty());
+        let _ = std::fs::remove_dir_all(dir);
+    }
+
+    #[test]
+    fn every_type_names_each_workspace_that_holds_it_but_the_reserved() {
+        let dir = temp_dir();
+        let store = ConfigStore::open(&dir).unwrap();
+        assert!(store.every_type().unwrap().1.is_empty());
+        store.put(WS, &[entry("prompt", "react", "1")]).unwrap();
+        store
+            .put(
+                "team",
+                &[entry("prompt", "plan", "1"), entry("tool", "calc", "1")],
+            )
+            .unwrap();
+        store
+            .put("__template__", &[entry("flow", "f", "1")])
+            .unwrap();
+        store.put(WS, &[entry("gone", "k", "1")]).unwrap();
+        let w = store.delete(WS, &[("gone".into(), "k".into())]).unwrap();
+        let (version, types) = store.every_type().unwrap();
+        assert_eq!(version, w.version);
+        assert_eq!(
+            types,
+            BTreeMap::from([
+                ("prompt".to_owned(), vec![WS.to_owned(), "team".to_owned()]),
+                ("tool".to_owned(), vec!["team".to_owned()]),
+            ])
+        );
         let _ = std::fs::remove_dir_all(dir);
     }
 
