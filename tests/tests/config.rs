@@ -356,19 +356,30 @@ async fn a_push_the_broker_did_not_take_is_sent_once_it_is_back() {
 
 /// A write whose push was still owed when the service was killed (the broker was away) reaches
 /// TrustGraph's services through the start's push of the next run: it names every type the store
-/// holds, so a service behind re-reads each. TrustGraph's start push names none, and its services
-/// skip a push naming no type of theirs (trustgraph-base 2.11.1, `AsyncProcessor.on_config_notify`),
-/// so they kept the old value until they restarted.
+/// holds or has held, so a service behind re-reads each, a type whose last key was deleted too.
+/// TrustGraph's start push names none, and its services skip a push naming no type of theirs
+/// (trustgraph-base 2.11.1, `AsyncProcessor.on_config_notify`), so they kept the old value until
+/// they restarted.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_write_owed_when_the_service_died_is_named_by_its_next_start() {
     let mut broker = Broker::start().unwrap();
     let mut svc = ConfigSvc::start(Place::Child, &broker, Some(&seed_dir()));
-    broker.stop();
-    // Its push waits for the broker; the write is on disk first, which is all this needs.
-    let _ = reqwest::Client::new()
-        .put(format!("{}/api/v1/config/note/away", svc.url))
+    let http = reqwest::Client::new();
+    let memo = format!("{}/api/v1/config/memo/only", svc.url);
+    let put = http
+        .put(&memo)
         .bearer_auth(&svc.token)
         .json(&json!({"n": 1}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(put.status(), 200);
+    broker.stop();
+    // The type's last key goes; its push waits for the broker, the write is on disk first,
+    // which is all this needs.
+    let _ = http
+        .delete(&memo)
+        .bearer_auth(&svc.token)
         .timeout(Duration::from_secs(2))
         .send()
         .await;
@@ -379,7 +390,9 @@ async fn a_write_owed_when_the_service_died_is_named_by_its_next_start() {
             .ok()
             .and_then(|bytes| serde_json::from_slice(&bytes).ok())
             .unwrap_or_default();
-        if !store["workspaces"]["default"]["note"]["away"].is_null() {
+        if store["workspaces"]["default"]["memo"].is_null()
+            && store["workspaces"]["default"]["agent-limits"].is_object()
+        {
             break store["version"].as_u64().unwrap();
         }
         assert!(
@@ -401,7 +414,7 @@ async fn a_write_owed_when_the_service_died_is_named_by_its_next_start() {
         .expect("the restarted service pushed nothing")
         .unwrap();
     assert_eq!(push.version, written, "{push:?}");
-    for kind in ["note", "agent-limits"] {
+    for kind in ["memo", "agent-limits"] {
         assert!(
             push.changes
                 .get(kind)

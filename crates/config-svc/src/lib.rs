@@ -110,20 +110,17 @@ impl Pusher {
     /// theirs, so TrustGraph's own start push (which names none) is for its readers no news: a
     /// change whose push was still owed when the service stopped (the broker was away) reached
     /// them only when they restarted. Named, a service behind re-reads each type; one that has
-    /// seen this version skips it as before. A store that cannot be read sends the push naming
-    /// nothing (our orchestrators take it as everything).
+    /// seen this version skips it as before.
     pub async fn push_all(&self, store: &ConfigStore) {
-        let (version, changes) = match store.every_type() {
-            Ok(every) => every,
+        match store.every_type() {
+            Ok((version, changes)) => self.announce(ConfigPush { version, changes }).await,
+            // The store was read a moment ago (seeded, or opened): a lock poisoned since by a
+            // panic, which no write leaves half done. Owed, it goes with the next resend.
             Err(e) => {
-                tracing::error!(error = %e, "cannot read the config store's types for the start's push");
-                match store.version() {
-                    Ok(version) => (version, Changes::new()),
-                    Err(_) => return,
-                }
+                tracing::error!(error = %e, "cannot read the config store for the start's push; it is sent again");
+                self.owe(Changes::new());
             }
-        };
-        self.announce(ConfigPush { version, changes }).await;
+        }
     }
 
     /// Sends `push` (the caller holds a turn), or, while an earlier push is owed, adds its changes
@@ -206,20 +203,24 @@ impl Pusher {
                     _ = tokio::time::sleep(pause) => {}
                 }
                 let _turn = self.turn().await;
-                let (version, every) = match store.every_type() {
-                    Ok(every) => every,
-                    Err(e) => {
-                        tracing::error!(error = %e, "cannot read the config store to send the changes owed");
-                        continue;
-                    }
-                };
-                let Some(mut changes) = self.owed().take() else {
+                let Some(owed) = self.owed().take() else {
                     pause = RESEND_FIRST;
                     break;
                 };
-                if changes.is_empty() {
-                    changes = every;
-                }
+                let read = if owed.is_empty() {
+                    store.every_type()
+                } else {
+                    store.version().map(|version| (version, owed.clone()))
+                };
+                let (version, changes) = match read {
+                    Ok(read) => read,
+                    Err(e) => {
+                        tracing::error!(error = %e, "cannot read the config store to send the changes owed");
+                        self.owe(owed);
+                        pause = (pause * 2).min(RESEND_MOST);
+                        continue;
+                    }
+                };
                 if self.send(ConfigPush { version, changes }).await {
                     tracing::info!(
                         version,

@@ -45,6 +45,10 @@ struct Snapshot {
     values: Values,
     #[serde(default)]
     workspaces: BTreeMap<String, Values>,
+    /// workspace -> every type it has held a key of, kept after the last key goes, so that a
+    /// push meaning "everything" names a deletion too (see [`ConfigStore::every_type`]).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    held: BTreeMap<String, std::collections::BTreeSet<String>>,
 }
 
 /// Where a store written before workspaces keeps its values.
@@ -156,6 +160,11 @@ impl ConfigStore {
                 }
             }
         }
+        // A store written before `held` was kept: what it holds now is what is known.
+        for (workspace, values) in &state.workspaces {
+            let held = state.held.entry(workspace.clone()).or_default();
+            held.extend(values.keys().cloned());
+        }
         Ok(ConfigStore {
             path,
             state: Mutex::new(state),
@@ -231,18 +240,19 @@ impl ConfigStore {
         Ok((state.version, everywhere))
     }
 
-    /// Every type the store holds, with the workspaces that hold it (reserved ones, `_` first,
-    /// left out: they are never announced), and the store's version: what a push that means
-    /// "everything" names. TrustGraph's services ignore a push that names nothing (none of
-    /// their handlers' types is in it), so "everything" has to be spelled out to reach them.
+    /// Every type the store holds or has held, with the workspaces it was in (reserved ones, `_`
+    /// first, left out: they are never announced), and the store's version: what a push that
+    /// means "everything" names. TrustGraph's services ignore a push that names nothing (none of
+    /// their handlers' types is in it), so "everything" has to be spelled out to reach them; a
+    /// type whose last key was deleted is named too, so that they drop what they hold of it.
     pub fn every_type(&self) -> Result<(u64, BTreeMap<String, Vec<String>>), StoreError> {
         let state = self.lock()?;
         let mut types: BTreeMap<String, Vec<String>> = BTreeMap::new();
-        for (workspace, values) in &state.workspaces {
+        for (workspace, kinds) in &state.held {
             if workspace.starts_with('_') {
                 continue;
             }
-            for kind in values.keys() {
+            for kind in kinds {
                 types
                     .entry(kind.clone())
                     .or_default()
@@ -358,6 +368,10 @@ impl ConfigStore {
         change(values, &mut changes);
         if values.is_empty() {
             next.workspaces.remove(workspace);
+        }
+        if !changes.is_empty() {
+            let held = next.held.entry(workspace.to_owned()).or_default();
+            held.extend(changes.keys().cloned());
         }
         if changes.is_empty() {
             return Ok(Written {
@@ -566,7 +580,7 @@ mod tests {
     }
 
     #[test]
-    fn every_type_names_each_workspace_that_holds_it_but_the_reserved() {
+    fn every_type_names_each_workspace_that_holds_or_held_it_but_the_reserved() {
         let dir = temp_dir();
         let store = ConfigStore::open(&dir).unwrap();
         assert!(store.every_type().unwrap().1.is_empty());
@@ -582,15 +596,16 @@ mod tests {
             .unwrap();
         store.put(WS, &[entry("gone", "k", "1")]).unwrap();
         let w = store.delete(WS, &[("gone".into(), "k".into())]).unwrap();
-        let (version, types) = store.every_type().unwrap();
-        assert_eq!(version, w.version);
-        assert_eq!(
-            types,
-            BTreeMap::from([
-                ("prompt".to_owned(), vec![WS.to_owned(), "team".to_owned()]),
-                ("tool".to_owned(), vec!["team".to_owned()]),
-            ])
-        );
+        let expected = BTreeMap::from([
+            ("gone".to_owned(), vec![WS.to_owned()]),
+            ("prompt".to_owned(), vec![WS.to_owned(), "team".to_owned()]),
+            ("tool".to_owned(), vec!["team".to_owned()]),
+        ]);
+        assert_eq!(store.every_type().unwrap(), (w.version, expected.clone()));
+        // A deleted type is still named after a restart.
+        drop(store);
+        let store = ConfigStore::open(&dir).unwrap();
+        assert_eq!(store.every_type().unwrap(), (w.version, expected));
         let _ = std::fs::remove_dir_all(dir);
     }
 
