@@ -369,16 +369,14 @@ impl ConfigStore {
         if values.is_empty() {
             next.workspaces.remove(workspace);
         }
-        if !changes.is_empty() {
-            let held = next.held.entry(workspace.to_owned()).or_default();
-            held.extend(changes.keys().cloned());
-        }
         if changes.is_empty() {
             return Ok(Written {
                 version: next.version,
                 changes,
             });
         }
+        let held = next.held.entry(workspace.to_owned()).or_default();
+        held.extend(changes.keys().cloned());
         next.version += 1;
         self.persist(&next)?;
         let version = next.version;
