@@ -729,7 +729,7 @@ impl Aggregator {
                     // What a test reads of its journal owner's fence: when it listens, and when
                     // it owns the journal.
                     if std::env::var_os("RUST_LOG").is_none() {
-                        command.env("RUST_LOG", "warn,agent_aggregator::owner_fence=info");
+                        command.env("RUST_LOG", "warn,agent_bus::owner_fence=info");
                     }
                 }
                 Running::Child(command.spawn().unwrap())
@@ -1238,17 +1238,24 @@ impl ConfigSvc {
             args.extend(["--seed".into(), seed.into()]);
         }
         match place {
+            // Sealed as in production: its announcements to other config services.
             Place::Child => Running::Child(
                 running::command("config-svc")
                     .args(&args)
                     .env("CONFIG_TOKEN", token)
+                    .env("AGENT_SEAL_KEY", SEAL_KEY)
                     .spawn()
                     .unwrap(),
             ),
             Place::InProcess => {
-                let full = ["--config-token".into(), token.into()]
-                    .into_iter()
-                    .chain(args);
+                let full = [
+                    "--config-token".into(),
+                    token.into(),
+                    "--seal-key".into(),
+                    SEAL_KEY.into(),
+                ]
+                .into_iter()
+                .chain(args);
                 let settings: config_svc::ConfigSvcSettings = running::settings("config-svc", full);
                 Running::InProcess(in_process::InProcess::start(
                     "config-svc",

@@ -191,6 +191,83 @@ async fn a_second_config_service_on_one_store_waits_for_the_first_or_refuses() {
     let _ = successor.wait();
 }
 
+/// One config service on a deployment's subscription: a second with a store of its own (the
+/// StatefulSet scaled to two replicas, each with its volume) hears the first announce itself on
+/// the broker and exits before it answers, seeds, pushes or serves anything; the first goes on
+/// answering and pushing. Before, both took the config requests (one Shared subscription spreads
+/// them), each answered and wrote from its own store, and each pushed versions of its own.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_config_service_with_a_store_of_its_own_refuses_to_serve() {
+    let broker = Broker::start().unwrap();
+    let first = ConfigSvc::start(Place::Child, &broker, Some(&seed_dir()));
+    let bus = Bus::connect(&broker.url(), None).await.unwrap();
+    let topics = Topics::trustgraph("default", "default");
+    let mut pushes = ConfigPushes::subscribe(&bus, &topics).await.unwrap();
+    let own_store = std::env::temp_dir().join(format!(
+        "agent-e2e-config-second-{}-{:08x}",
+        std::process::id(),
+        rand::random::<u32>()
+    ));
+    let port = agent_bus::embedded::KeptPort::choose(&[]).unwrap();
+    let second = std::process::Command::new(binary("config-svc"))
+        .arg("--seed")
+        .arg(seed_dir())
+        .env("CONFIG_TOKEN", &first.token)
+        .env("AGENT_SEAL_KEY", agent_e2e::SEAL_KEY)
+        .env("PULSAR_URL", broker.url())
+        .env("CONFIG_DATA", &own_store)
+        .env("CONFIG_HTTP_ADDR", format!("127.0.0.1:{}", port.port()))
+        .env("RUST_LOG", "warn")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let out = tokio::task::spawn_blocking(|| {
+        exited_within(
+            second,
+            Duration::from_secs(30),
+            "a second config service with a store of its own ran for 30 s",
+        )
+    })
+    .await
+    .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success(),
+        "a second config service exited 0: {stderr}"
+    );
+    assert!(
+        stderr.contains("already owns the config")
+            && stderr.contains(&first.data_dir().display().to_string()),
+        "{stderr}"
+    );
+    // Seeded and started, it would have pushed its store's version naming the seed's types.
+    let heard = tokio::time::timeout(Duration::from_millis(500), pushes.next()).await;
+    assert!(heard.is_err(), "a push while the second ran: {heard:?}");
+    let _ = std::fs::remove_dir_all(&own_store);
+
+    // The first answers over Pulsar and over HTTP, and pushes its writes.
+    let mut client = ConfigClient::connect(&bus, &topics).await.unwrap();
+    let mut put = request(operation::PUT);
+    put.values = vec![agent_schema::ConfigValue {
+        kind: "agent-limits".into(),
+        key: "default".into(),
+        value: r#"{"max_iterations":4}"#.into(),
+        workspace: None,
+    }];
+    let written = client.call(&put, ANSWER).await.unwrap();
+    assert_eq!(written.error, None);
+    let push = tokio::time::timeout(ANSWER, pushes.next())
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(Some(push.version), written.version);
+    let http = reqwest::Client::new();
+    let url = format!("{}/api/v1/config/agent-limits/default", first.url);
+    let kept: Value = get_json(&http, &url).await;
+    assert_eq!(kept, json!({"max_iterations": 4}));
+}
+
 /// Writes made at once are pushed in the order of their versions: TrustGraph's receivers take a
 /// push only above the version they hold, so one overtaken by a later push was dropped there and
 /// its change never applied.
@@ -1067,6 +1144,7 @@ fn the_services_refuse_the_secrets_env_example_publishes() {
     let data = std::env::temp_dir().join(format!("agent-e2e-refused-{}", std::process::id()));
     let cases = [
         ("config-svc", "CONFIG_TOKEN", "change-me"),
+        ("config-svc", "AGENT_SEAL_KEY", "change-me-too"),
         ("agent-aggregator", "CONFIG_TOKEN", "change-me"),
         ("agent-aggregator", "AGENT_SEAL_KEY", "change-me-too"),
         ("agent-orchestrator", "AGENT_SEAL_KEY", "change-me-too"),

@@ -1868,7 +1868,8 @@ async fn a_forged_or_replayed_owner_announcement_does_not_stand_the_owner_down()
     let _orchestrator = Orchestrator::spawn_journaled(&broker, &llm, &owner, TOKEN, &[]);
     let mut client = client(&broker).await;
     ends_once(&mut client, "before").await;
-    let beacon = agent_aggregator::owner_fence::beacon_topic(
+    let beacon = agent_bus::owner_fence::beacon_topic(
+        &agent_aggregator::JOURNAL_OWNERS,
         &agent_bus::Topics::trustgraph("default", "default").explainability,
         "agent-aggregator",
     );
@@ -1886,7 +1887,7 @@ async fn a_forged_or_replayed_owner_announcement_does_not_stand_the_owner_down()
     let replayed = elder(now_ms - 5 * 60 * 1000);
     let replayed_seal: agent_bus::Properties = [(
         agent_bus::seal::OWNER_SEAL_PROPERTY.to_owned(),
-        key.seal_owner(&replayed),
+        key.seal_announcement(agent_aggregator::JOURNAL_OWNERS.sealed_as, &replayed),
     )]
     .into();
     // For three seconds, more than the owner's own beats.
@@ -2019,7 +2020,7 @@ async fn a_broker_down_through_a_newcomers_window_does_not_make_it_the_owner() {
         &["--config-token", TOKEN, "--owner-listen-ms", "3000"],
     );
     let listening = "listening for another owner of the journal";
-    let owning = "no other journal owner heard";
+    let owning = "no other owner of the journal heard";
     let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
     while !newcomer.log().contains(listening) {
         assert!(tokio::time::Instant::now() < deadline, "{}", newcomer.log());

@@ -26,7 +26,7 @@ struct AppState {
     store: GraphStore,
     journal: Journal,
     /// Whether this process may decide the journal (see `owner_fence`).
-    fence: crate::owner_fence::Fence,
+    fence: agent_bus::owner_fence::Fence,
     token: Option<String>,
     stats: Arc<ConsumerStats>,
     reads: Arc<Reads>,
@@ -78,7 +78,7 @@ const TURN_WAIT: std::time::Duration = std::time::Duration::from_secs(1);
 pub fn router(
     store: GraphStore,
     journal: Journal,
-    fence: crate::owner_fence::Fence,
+    fence: agent_bus::owner_fence::Fence,
     token: Option<String>,
     stats: Arc<ConsumerStats>,
     reads: &crate::ReadSettings,

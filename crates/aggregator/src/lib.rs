@@ -8,7 +8,6 @@ pub mod fanin;
 pub mod http;
 pub mod journal_prune;
 pub mod metrics;
-pub mod owner_fence;
 pub mod slow_clients;
 mod store_beacon;
 pub mod writer;
@@ -18,10 +17,22 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
+use agent_bus::owner_fence::{self, Fence, Owner};
 use agent_bus::{run_consumer, BrokerArgs, ConsumerStats, SubscriptionConfig};
 use agent_graph::GraphStore;
 use anyhow::Context;
 use tokio_util::sync::CancellationToken;
+
+/// The journal, kept to one owner on an explainability subscription (`agent_bus::owner_fence`):
+/// its beacon and seal are those of the builds before the fence served the config service too.
+pub const JOURNAL_OWNERS: owner_fence::Role = owner_fence::Role {
+    owned: "the journal",
+    service: "aggregator",
+    beacon: "journal-owner",
+    sealed_as: "owner",
+    advice:
+        "run one owner and point further replicas at its endpoint (GRAPH_STORE=http://<owner>:7878)",
+};
 
 #[derive(clap::Args, Debug, Clone)]
 pub struct AggregatorSettings {
@@ -242,7 +253,7 @@ pub async fn run(settings: AggregatorSettings, shutdown: CancellationToken) -> a
     ])
     .map_err(anyhow::Error::msg)?;
     // Its start, first: of two owners started on one subscription, the first started keeps it.
-    let owner = owner_fence::Owner::this_process(&without_credentials(&settings.graph_store));
+    let owner = Owner::this_process(&without_credentials(&settings.graph_store));
     let token = settings.config_token.clone().filter(|t| !t.is_empty());
     oxigraph::store::set_sync_writes(settings.sync_writes);
     let store = GraphStore::open(&settings.graph_store, token.clone())
@@ -261,14 +272,15 @@ pub async fn run(settings: AggregatorSettings, shutdown: CancellationToken) -> a
         agent_bus::seal::SealKey::configured(settings.seal_key.as_deref(), "agent-aggregator");
     let (fence, announcer) = match journal {
         agent_graph::journal::Journal::Owner(_) => {
-            let (fence, announcer) = owner_fence::listening(seal.clone());
+            let (fence, announcer) = owner_fence::listening(JOURNAL_OWNERS, seal.clone());
             (fence, Some(announcer))
         }
-        agent_graph::journal::Journal::Remote(_) => (owner_fence::Fence::open(), None),
+        agent_graph::journal::Journal::Remote(_) => (Fence::open(JOURNAL_OWNERS), None),
     };
     // A SPARQL server may be reached by owners the broker cannot tell apart; an embedded store
     // is one process's alone (RocksDB locks its directory).
-    let shared_store = (announcer.is_some() && !store.is_embedded()).then(|| store.clone());
+    let shared_store =
+        (announcer.is_some() && !store.is_embedded()).then(|| store_beacon::shared(store.clone()));
     // Only the journal's owner prunes it: a replica pointed at the owner's endpoint would prune
     // the owner's journal with its own retention (the default day where the owner keeps all).
     let owns_journal = matches!(journal, agent_graph::journal::Journal::Owner(_));
@@ -321,7 +333,11 @@ pub async fn run(settings: AggregatorSettings, shutdown: CancellationToken) -> a
             announcer
                 .start(
                     &bus,
-                    &owner_fence::beacon_topic(&subscription.topic, &subscription.subscription),
+                    &owner_fence::beacon_topic(
+                        &JOURNAL_OWNERS,
+                        &subscription.topic,
+                        &subscription.subscription,
+                    ),
                     owner,
                     Duration::from_millis(settings.owner_listen_ms),
                     shared_store,

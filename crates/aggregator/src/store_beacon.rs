@@ -16,11 +16,11 @@ use std::time::Duration;
 
 use agent_graph::queries::{self, OwnerRecord};
 use agent_graph::GraphStore;
-use tokio::sync::{mpsc, watch};
+use tokio::sync::watch;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
-use crate::owner_fence::{Owner, BEAT};
+use agent_bus::owner_fence::{Owner, Reports, SharedBeacon, BEAT};
 
 /// Rounds (a write and a read, one a [`BEAT`]) before a newcomer has listened long enough: an
 /// owner that only reads sees the newcomer's counter move within two rounds and beats from the
@@ -36,13 +36,17 @@ const SILENT_AFTER: Duration = Duration::from_secs(3);
 /// A record silent for this long is removed (its owner died without removing it).
 const FORGET_AFTER: Duration = Duration::from_secs(120);
 
-/// Where the beacon reports.
-pub struct Reports {
-    /// Owners heard alive in the store, each round they are.
-    pub heard: mpsc::Sender<Owner>,
-    /// Set once this process has listened for [`ROUNDS_TO_LISTEN`] rounds and no record it has
-    /// seen is still undecided (not moved, watched for less than [`SILENT_AFTER`]).
-    pub listened: watch::Sender<bool>,
+/// The SPARQL server `store` as a place where its journal owners meet: the beacon reports owners
+/// it hears alive there, and that it has listened once it has for [`ROUNDS_TO_LISTEN`] rounds
+/// and no record it has seen is still undecided (not moved, watched for less than
+/// [`SILENT_AFTER`]).
+pub fn shared(store: GraphStore) -> SharedBeacon {
+    SharedBeacon {
+        place: "the SPARQL server they share (its journal owners' records)".to_owned(),
+        start: Box::new(move |me, owning, reports, stop| {
+            tokio::spawn(beat(store, me, owning, reports, stop))
+        }),
+    }
 }
 
 /// What one owner's counter has done while this process watched it.
@@ -55,7 +59,7 @@ struct Watched {
 /// Beats `me` into `store` while it listens or hears another owner beating, reads the others'
 /// records every beat and reports those heard alive, until `stop`; then removes this process's
 /// record. `owning` follows this process's standing.
-pub async fn beat(
+async fn beat(
     store: GraphStore,
     me: Owner,
     owning: watch::Receiver<bool>,

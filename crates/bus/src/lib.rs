@@ -12,6 +12,7 @@ pub mod embedded;
 mod error;
 mod librarian;
 pub mod orphans;
+pub mod owner_fence;
 mod publisher;
 mod resend;
 pub mod seal;

@@ -26,7 +26,7 @@ pub const EXPLAIN_SEAL_PROPERTY: &str = "agent-explain-seal";
 /// The property carrying the seal of a control message (a cancel, an approval's answer): its
 /// payload as sent, sealed by whoever holds the key (the services, `agentctl` given it).
 pub const CONTROL_SEAL_PROPERTY: &str = "agent-control-seal";
-/// The property carrying the seal of a journal owner's announcement (see the aggregator's
+/// The property carrying the seal of an owner's announcement (a journal's, a config store's; see
 /// `owner_fence`): a forged one would stand the running owner down.
 pub const OWNER_SEAL_PROPERTY: &str = "agent-owner-seal";
 
@@ -145,14 +145,22 @@ impl SealKey {
         self.verify_payload(b"control", CONTROL_SEAL_PROPERTY, payload, properties)
     }
 
-    /// The [`OWNER_SEAL_PROPERTY`] of a journal owner's announcement: its payload as sent.
-    pub fn seal_owner(&self, payload: &[u8]) -> String {
-        self.seal_bytes(&[b"owner", payload])
+    /// The [`OWNER_SEAL_PROPERTY`] of an owner's announcement (see `owner_fence`): its payload
+    /// as sent, sealed as `kind` (its role's: "owner" for a journal's, as builds before the
+    /// config service's fence sealed it).
+    pub fn seal_announcement(&self, kind: &str, payload: &[u8]) -> String {
+        self.seal_bytes(&[kind.as_bytes(), payload])
     }
 
-    /// Whether `properties` carry the seal of the journal owner's announcement `payload`.
-    pub fn verify_owner(&self, payload: &[u8], properties: &crate::Properties) -> bool {
-        self.verify_payload(b"owner", OWNER_SEAL_PROPERTY, payload, properties)
+    /// Whether `properties` carry the seal of the owner's announcement `payload`, sealed as
+    /// `kind`.
+    pub fn verify_announcement(
+        &self,
+        kind: &str,
+        payload: &[u8],
+        properties: &crate::Properties,
+    ) -> bool {
+        self.verify_payload(kind.as_bytes(), OWNER_SEAL_PROPERTY, payload, properties)
     }
 
     /// Whether `properties` carry, under `property`, the seal of `payload` sealed as `kind`.

@@ -3,7 +3,8 @@
 //! `getkeys-all-ws`), the same operations over HTTP where TrustGraph's API gateway serves them (so
 //! its CLI works), a REST API for people with bearer-token writes, a `ConfigPush` after every write
 //! that changed something, and an embedded durable store.
-//! One process owns a store directory.
+//! One process owns a store directory, and one config service serves a deployment's config
+//! subscription (a second, with a store of its own, hears the first on the broker and exits).
 
 pub mod http;
 pub mod protocol;
@@ -15,6 +16,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
+use agent_bus::owner_fence::{self, Owner, Role};
 use agent_bus::{
     run_consumer, BrokerArgs, ConsumerStats, Delivery, Disposition, Properties, Publisher,
     SubscriptionConfig,
@@ -43,7 +45,31 @@ pub struct ConfigSvcSettings {
     pub seed: Option<PathBuf>,
     #[command(flatten)]
     pub http: agent_serve::HttpBounds,
+    /// Secret shared with the other services: this service's announcements to other config
+    /// services are sealed with it, and only sealed ones are heard (a forged one would stand it
+    /// down).
+    #[arg(long, env = "AGENT_SEAL_KEY", hide_env_values = true)]
+    pub seal_key: Option<String>,
+    /// How long a config service listens on the broker for another one serving the same
+    /// subscription before it serves (counted while it hears its own announcements).
+    #[arg(long, env = "CONFIG_OWNER_LISTEN_MS", default_value_t = 1_000)]
+    pub owner_listen_ms: u64,
 }
+
+/// The subscription config-svc answers the config request topic on.
+pub const SUBSCRIPTION: &str = "config-svc";
+
+/// The config, kept to one config service on [`SUBSCRIPTION`] (`agent_bus::owner_fence`): two,
+/// each with a store of its own (a StatefulSet scaled past one replica, each with its volume),
+/// would each answer some of the requests and writes from their own values, and push versions
+/// of their own, which TrustGraph's services take in whatever order they come.
+pub const CONFIG_OWNERS: Role = Role {
+    owned: "the config",
+    service: "config service",
+    beacon: "config-owner",
+    sealed_as: "config-owner",
+    advice: "run one config service (one replica: the orchestrators keep their last good config while it restarts)",
+};
 
 /// Publishes a [`ConfigPush`] for a write that changed something. A push the broker does not
 /// take is owed: what it announced is sent again, with what later writes announce meanwhile (see
@@ -304,14 +330,46 @@ async fn open_store(
 
 /// Runs until `shutdown`: seeding, the REST API and the Pulsar protocol.
 pub async fn run(settings: ConfigSvcSettings, shutdown: CancellationToken) -> anyhow::Result<()> {
-    agent_bus::seal::refuse_published_secrets(&[(
-        "CONFIG_TOKEN",
-        settings.config_token.as_deref(),
-    )])
+    agent_bus::seal::refuse_published_secrets(&[
+        ("CONFIG_TOKEN", settings.config_token.as_deref()),
+        ("AGENT_SEAL_KEY", settings.seal_key.as_deref()),
+    ])
     .map_err(anyhow::Error::msg)?;
+    // Its start, first: of two started on one subscription, the first started keeps it.
+    let owner = Owner::this_process(&store_name(&settings.data_dir));
     let store = Arc::new(open_store(&settings.data_dir, &shutdown).await?);
     let bus = settings.broker.connect().await?;
     let topics = settings.broker.topics();
+    // Nothing is written, pushed or served before this process knows it is the only one.
+    let seal = settings
+        .seal_key
+        .as_deref()
+        .map(str::trim)
+        .filter(|key| !key.is_empty())
+        .map(|key| agent_bus::seal::SealKey::new(key.as_bytes()));
+    let (fence, announcer) = owner_fence::listening(CONFIG_OWNERS, seal);
+    // The announcements stop whenever this returns, on any path: a process that failed must not
+    // go on claiming the config.
+    let announcing_stops = shutdown.child_token();
+    let _stop_announcing = announcing_stops.clone().drop_guard();
+    let announcing = announcer
+        .start(
+            &bus,
+            &owner_fence::beacon_topic(&CONFIG_OWNERS, &topics.config_request, SUBSCRIPTION),
+            owner,
+            Duration::from_millis(settings.owner_listen_ms),
+            None,
+            announcing_stops.clone(),
+            shutdown.clone(),
+        )
+        .await?;
+    if let Err(why) = fence.admitted().await {
+        if fence.refusal().is_none() {
+            // Asked to stop while it listened.
+            return Ok(());
+        }
+        anyhow::bail!(why);
+    }
     let pusher = Pusher::new(Publisher::new(&bus, &topics.config_push).await?);
     tokio::spawn(pusher.clone().resend_owed(store.clone(), shutdown.clone()));
     // The start's pushes take a turn as writes do: what is owed is touched only under one.
@@ -350,7 +408,7 @@ pub async fn run(settings: ConfigSvcSettings, shutdown: CancellationToken) -> an
     let responses = Publisher::new(&bus, &topics.config_response).await?;
     let subscription = SubscriptionConfig {
         topic: topics.config_request.clone(),
-        subscription: "config-svc".to_owned(),
+        subscription: SUBSCRIPTION.to_owned(),
         max_in_flight: 1,
         max_redeliveries: Some(5),
         // Persistent, so that the broker keeps what is dead-lettered (TrustGraph's request topic
@@ -376,8 +434,26 @@ pub async fn run(settings: ConfigSvcSettings, shutdown: CancellationToken) -> an
     .await;
     shutdown.cancel();
     agent_bus::http_stopped(server, agent_bus::HTTP_DRAIN).await?;
+    let _ = announcing.await;
+    if let Some(why) = fence.refusal() {
+        anyhow::bail!(why);
+    }
     consumed?;
     Ok(())
+}
+
+/// The store in `dir` as another config service's refusal names it: with the host, since the
+/// replicas of one deployment all keep it at the same path.
+fn store_name(dir: &std::path::Path) -> String {
+    let host = std::env::var("HOSTNAME")
+        .ok()
+        .or_else(|| std::fs::read_to_string("/proc/sys/kernel/hostname").ok())
+        .map(|host| host.trim().to_owned())
+        .filter(|host| !host.is_empty());
+    match host {
+        Some(host) => format!("{} on {host}", dir.display()),
+        None => dir.display().to_string(),
+    }
 }
 
 /// Answers `request` off the async workers and announces what it wrote: the same for a request

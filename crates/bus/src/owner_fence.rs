@@ -1,25 +1,40 @@
-//! One journal owner per explainability subscription. An aggregator that owns a journal (its
-//! embedded store's, or a SPARQL server's) announces itself on the broker, and one that hears an
-//! elder owner on the same subscription refuses to run: a StatefulSet scaled past one replica, or
-//! a second `agent-aggregator` started by hand, would otherwise split the journal's decisions and
-//! the provenance between two stores, and effectively-once would silently stop holding.
+//! One owner of what must not be split between two processes: an aggregator's journal, a
+//! config service's store. An owner announces itself on the broker, and one that hears an elder
+//! owner of the same thing refuses to run: a StatefulSet scaled past one replica, or a second
+//! process started by hand, each with a store of its own on the same subscription, would
+//! otherwise split the decisions (the journal's; the config's writes and their versions) between
+//! two stores, and what they promise would silently stop holding.
 //!
-//! Before it consumes or answers a journal call, a new owner listens for a few beats, counted
-//! only while it hears its own (so that a broker down meanwhile does not count as silence); the
-//! elder (earlier start, then the smaller id) stays. Replicas that forward to an owner's endpoint
-//! are not owners and do not take part. With the services' seal key, an announcement counts only
-//! sealed with it and sent within [`FRESH`]: anyone who can publish on the broker could
-//! otherwise stand the running owner down with one forged "elder", or with an old owner's
-//! announcement played again.
+//! Before it acts, a new owner listens for a few beats, counted only while it hears its own (so
+//! that a broker down meanwhile does not count as silence); the elder (earlier start, then the
+//! smaller id) stays. With the services' seal key, an announcement counts only sealed with it and
+//! sent within [`FRESH`]: anyone who can publish on the broker could otherwise stand the running
+//! owner down with one forged "elder", or with an old owner's announcement played again.
 
 use std::time::Duration;
 
-use agent_bus::seal::SealKey;
-use agent_bus::{Bus, Listener, Properties, Publisher};
-use agent_graph::GraphStore;
+use crate::seal::SealKey;
+use crate::{Bus, Listener, Properties, Publisher};
 use serde::{Deserialize, Serialize};
 use tokio::sync::{mpsc, watch};
 use tokio_util::sync::CancellationToken;
+
+/// What a fence keeps to one process, as its logs, its refusal and the broker name it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Role {
+    /// What is owned, as a sentence names it: "the journal".
+    pub owned: &'static str,
+    /// Who owns it: "aggregator".
+    pub service: &'static str,
+    /// The beacon topic's suffix before the subscription, and the listeners' subscription:
+    /// "journal-owner".
+    pub beacon: &'static str,
+    /// What the seal of an announcement is made as (see [`SealKey::seal_announcement`]), so
+    /// that one role's announcement cannot be played on another's beacon.
+    pub sealed_as: &'static str,
+    /// What to run instead, ending a refusal.
+    pub advice: &'static str,
+}
 
 /// How often an owner announces itself.
 pub const BEAT: Duration = Duration::from_millis(250);
@@ -42,7 +57,7 @@ pub struct Owner {
     pub started_ms: u64,
     /// The store it owns (a directory or an endpoint), for the operator reading a refusal.
     pub store: String,
-    /// Whether it has passed its listening window and owns the journal: a newcomer always gives
+    /// Whether it has passed its listening window and owns what it announces: a newcomer always gives
     /// way to one that does, whatever the two clocks say.
     #[serde(default)]
     pub owning: bool,
@@ -52,8 +67,8 @@ impl Owner {
     /// This process, started now, owning `store`.
     pub fn this_process(store: &str) -> Owner {
         Owner {
-            id: uuid::Uuid::new_v4().simple().to_string(),
-            started_ms: chrono::Utc::now().timestamp_millis().max(0) as u64,
+            id: format!("{:032x}", rand::random::<u128>()),
+            started_ms: now_ms(),
             store: store.to_owned(),
             owning: false,
         }
@@ -69,7 +84,7 @@ impl Owner {
         }
     }
 
-    /// Whether `self` came first, and so keeps the journal: the earlier start, ties broken by id.
+    /// Whether `self` came first, and so keeps what both own: the earlier start, ties broken by id.
     pub fn precedes(&self, other: &Owner) -> bool {
         (self.started_ms, &self.id) < (other.started_ms, &other.id)
     }
@@ -108,9 +123,10 @@ impl Disbelief {
 /// The owner an announcement heard on the broker names, if it counts: with `seal`, only one
 /// sealed with it and sent within [`FRESH`] of `now_ms`. (Not also "sent after this process
 /// started": a newcomer whose clock runs ahead of a live owner's would then believe none of its
-/// announcements and own the journal beside it. So a copy of a dead owner's announcement, played
+/// announcements and own beside it. So a copy of a dead owner's announcement, played
 /// within 30 s of its sending, can stand its successor down once; restarted, it is past.)
 fn believed(
+    role: &Role,
     seal: Option<&SealKey>,
     payload: &[u8],
     properties: &Properties,
@@ -121,7 +137,7 @@ fn believed(
     let Some(key) = seal else {
         return Ok(announcement);
     };
-    if !key.verify_owner(payload, properties) {
+    if !key.verify_announcement(role.sealed_as, payload, properties) {
         return Err(Disbelief::Unsealed);
     }
     if now_ms.abs_diff(announcement.sent_ms) > FRESH.as_millis() as u64 {
@@ -163,16 +179,18 @@ impl HeardOwn {
 
 /// The time now, as announcements carry it.
 fn now_ms() -> u64 {
-    chrono::Utc::now().timestamp_millis().max(0) as u64
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |since| since.as_millis() as u64)
 }
 
-/// Where the owners of `subscription` on `explain_topic` announce themselves: a non-persistent
+/// Where the owners in `role` of `subscription` on `topic` announce themselves: a non-persistent
 /// topic beside it (announcements are only worth anything while they are fresh).
-pub fn beacon_topic(explain_topic: &str, subscription: &str) -> String {
+pub fn beacon_topic(role: &Role, topic: &str, subscription: &str) -> String {
     // A short name is Pulsar's `public/default` namespace's.
-    let path = match explain_topic.split_once("://") {
+    let path = match topic.split_once("://") {
         Some((_, path)) => path.to_owned(),
-        None => format!("public/default/{explain_topic}"),
+        None => format!("public/default/{topic}"),
     };
     // Letters, digits and '-' stay; every other byte becomes '_' and its two hex digits, so two
     // subscriptions never share a beacon ("a.b" and "a_b" would have under a plain '_').
@@ -186,7 +204,7 @@ pub fn beacon_topic(explain_topic: &str, subscription: &str) -> String {
             }
         })
         .collect();
-    format!("non-persistent://{path}.journal-owner.{subscription}")
+    format!("non-persistent://{path}.{}.{subscription}", role.beacon)
 }
 
 /// Where this process stands.
@@ -198,17 +216,18 @@ enum Standing {
     Refused(String),
 }
 
-/// Whether this process may act as the journal's owner. Cloned into every journal call.
+/// Whether this process may act as the owner. Cloned into everything that must wait for it.
 #[derive(Clone)]
 pub struct Fence {
+    role: Role,
     standing: watch::Receiver<Standing>,
 }
 
 impl Fence {
     /// A fence that is always open (an aggregator that owns no journal).
-    pub fn open() -> Fence {
+    pub fn open(role: Role) -> Fence {
         let (_, standing) = watch::channel(Standing::Owner);
-        Fence { standing }
+        Fence { role, standing }
     }
 
     /// Waits out the listening beats; `Err` says why this process must not act as the owner.
@@ -222,7 +241,7 @@ impl Fence {
             Ok(Standing::Refused(why)) => Err(why),
             Ok(_) => Ok(()),
             // The watcher is gone: it stopped with the service.
-            Err(_) => Err("the aggregator is stopping".to_owned()),
+            Err(_) => Err(format!("the {} is stopping", self.role.service)),
         }
     }
 
@@ -232,7 +251,10 @@ impl Fence {
         tokio::time::timeout(limit, self.admitted())
             .await
             .unwrap_or_else(|_| {
-                Err("still listening for another owner of the journal (is the broker up?)".into())
+                Err(format!(
+                    "still listening for another owner of {} (is the broker up?)",
+                    self.role.owned
+                ))
             })
     }
 
@@ -245,27 +267,64 @@ impl Fence {
     }
 }
 
-/// A fence that admits nothing yet, and what will settle it once the broker is reached; with
-/// `seal`, announcements are sealed and only sealed ones are heard.
-pub fn listening(seal: Option<SealKey>) -> (Fence, Announcer) {
+/// A fence in `role` that admits nothing yet, and what will settle it once the broker is
+/// reached; with `seal`, announcements are sealed and only sealed ones are heard.
+pub fn listening(role: Role, seal: Option<SealKey>) -> (Fence, Announcer) {
     let (standing, fence) = watch::channel(Standing::Listening);
-    (Fence { standing: fence }, Announcer { standing, seal })
+    (
+        Fence {
+            role,
+            standing: fence,
+        },
+        Announcer {
+            role,
+            standing,
+            seal,
+        },
+    )
 }
 
 /// Settles a [`Fence`] by announcing this owner and listening for others.
 pub struct Announcer {
+    role: Role,
     standing: watch::Sender<Standing>,
     seal: Option<SealKey>,
+}
+
+/// A second place where owners meet besides the broker (the SPARQL server aggregators share):
+/// a newcomer is admitted only once it has listened there too.
+pub struct SharedBeacon {
+    /// Where, as a refusal names it.
+    pub place: String,
+    /// Starts beating there as `Owner` (whether it owns follows the receiver), reporting to
+    /// [`Reports`], until the token is cancelled.
+    #[allow(clippy::type_complexity)] // One call, made once.
+    pub start: Box<
+        dyn FnOnce(
+                Owner,
+                watch::Receiver<bool>,
+                Reports,
+                CancellationToken,
+            ) -> tokio::task::JoinHandle<()>
+            + Send,
+    >,
+}
+
+/// Where a [`SharedBeacon`] reports.
+pub struct Reports {
+    /// Owners heard alive there, each round they are.
+    pub heard: mpsc::Sender<Owner>,
+    /// Set once this process has listened there long enough.
+    pub listened: watch::Sender<bool>,
 }
 
 impl Announcer {
     /// Starts announcing `me` on `topic` and listening for other owners, until `stop`: until it
     /// has heard its own announcements for `listen` without a break nothing is admitted; then
-    /// this process owns the journal unless an elder was heard.
+    /// this process owns unless an elder was heard.
     /// An elder heard later (both started at once, or its beats were lost) refuses this process
     /// too, and `service` is cancelled so the service stops rather than go on deciding beside it.
-    /// With `shared`, the SPARQL server whose journal this process owns, it also beats there
-    /// (`store_beacon`) and is not admitted before it has listened there too.
+    /// With `shared`, it also beats there and is not admitted before it has listened there too.
     #[allow(clippy::too_many_arguments)] // What the fence is started with, each once.
     pub async fn start(
         self,
@@ -273,13 +332,14 @@ impl Announcer {
         topic: &str,
         me: Owner,
         listen: Duration,
-        shared: Option<GraphStore>,
+        shared: Option<SharedBeacon>,
         stop: CancellationToken,
         service: CancellationToken,
     ) -> anyhow::Result<tokio::task::JoinHandle<()>> {
+        let role = self.role;
         let announcements = Publisher::new(bus, topic).await?;
-        let heard = Listener::subscribe(bus, topic, "journal-owner").await?;
-        tracing::info!(topic = %topic, listen_ms = listen.as_millis() as u64, "listening for another owner of the journal before owning it");
+        let heard = Listener::subscribe(bus, topic, role.beacon).await?;
+        tracing::info!(topic = %topic, listen_ms = listen.as_millis() as u64, "listening for another owner of {} before owning it", role.owned);
         let (bus, topic) = (bus.clone(), topic.to_owned());
         Ok(tokio::spawn(async move {
             watch_owners(
@@ -289,6 +349,7 @@ impl Announcer {
                 heard,
                 me,
                 Listening {
+                    role,
                     window: listen,
                     shared,
                     seal: self.seal,
@@ -302,11 +363,12 @@ impl Announcer {
     }
 }
 
-/// How a newcomer listens before it owns the journal.
+/// How a newcomer listens before it owns.
 struct Listening {
+    role: Role,
     window: Duration,
-    /// The SPARQL server whose journal it would own, where the owners also beat.
-    shared: Option<GraphStore>,
+    /// Where the owners also beat.
+    shared: Option<SharedBeacon>,
     /// The services' key: announcements are sealed with it, and only sealed ones heard.
     seal: Option<SealKey>,
 }
@@ -327,18 +389,14 @@ async fn watch_owners(
     let (owning, owning_seen) = watch::channel(false);
     let (in_store, mut heard_in_store) = mpsc::channel::<Owner>(16);
     let (store_listened, listened_in_store) = watch::channel(listening.shared.is_none());
-    let store_beacon = listening.shared.map(|store| {
-        let reports = crate::store_beacon::Reports {
+    let role = listening.role;
+    let shared_place = listening.shared.as_ref().map(|shared| shared.place.clone());
+    let store_beacon = listening.shared.map(|shared| {
+        let reports = Reports {
             heard: in_store,
             listened: store_listened,
         };
-        tokio::spawn(crate::store_beacon::beat(
-            store,
-            me.clone(),
-            owning_seen,
-            reports,
-            stop.clone(),
-        ))
+        (shared.start)(me.clone(), owning_seen, reports, stop.clone())
     });
     // The window on the broker, counted while this process hears its own announcements there,
     // then as many rounds in the store as it takes to hear a live owner there (a store that does
@@ -358,7 +416,7 @@ async fn watch_owners(
             _ = stop.cancelled() => break None,
             Some(other) = heard_in_store.recv() => Heard {
                 owner: other,
-                on: "the SPARQL server they share (its journal owners' records)".to_owned(),
+                on: shared_place.clone().unwrap_or_default(),
             },
             again = async {
                 match listening_again.as_mut() {
@@ -375,38 +433,38 @@ async fn watch_owners(
             }
             message = heard.next_with_properties(), if listening_again.is_none() => match message {
                 Ok((payload, properties)) => {
-                    match believed(seal.as_ref(), &payload, &properties, now_ms()) {
+                    match believed(&role, seal.as_ref(), &payload, &properties, now_ms()) {
                         Ok(own) if own.owner.id == me.id => {
                             let listened = heard_own.heard(own.sent_ms) >= window;
                             if !me.owning && listened && *listened_in_store.borrow() {
                                 me.owning = true;
                                 owning.send_replace(true);
                                 standing.send_replace(Standing::Owner);
-                                tracing::info!(topic = %topic, "no other journal owner heard: this aggregator owns the journal");
+                                tracing::info!(topic = %topic, "no other owner of {} heard: this {} owns it", role.owned, role.service);
                             }
                             continue;
                         }
                         Ok(other) => Heard {
                             owner: other.owner,
-                            on: format!("the explainability subscription announced on {topic}"),
+                            on: format!("the subscription's owners' announcements on {topic}"),
                         },
                         Err(why) => {
                             disbelieved += 1;
                             // The first, then at each power of two: a flood cannot flood the log.
                             if disbelieved.is_power_of_two() {
-                                tracing::warn!(times = disbelieved, topic = %topic, "ignoring a journal owner's announcement that {}", why.says());
+                                tracing::warn!(times = disbelieved, topic = %topic, "ignoring an announcement of an owner of {} that {}", role.owned, why.says());
                             }
                             continue;
                         }
                     }
                 }
                 Err(e) => {
-                    tracing::warn!(error = %e, "lost the journal owners' announcements; listening again");
+                    tracing::warn!(error = %e, "lost the announcements of the owners of {}; listening again", role.owned);
                     // Made beside the loop, which goes on beating and hearing owners in the store
                     // while the broker refuses (held up here, it would fill the store beacon's
                     // queue and stop its beats too).
                     listening_again = Some(Box::pin(
-                        heard.subscription_again(&bus, "the journal owners' announcements"),
+                        heard.subscription_again(&bus, "the owners' announcements"),
                     ));
                     continue;
                 }
@@ -418,16 +476,16 @@ async fn watch_owners(
                     owner: me.clone(),
                     sent_ms: now_ms(),
                 });
-                let properties = agent_bus::seal::sealed_properties(
+                let properties = crate::seal::sealed_properties(
                     seal.as_ref(),
-                    agent_bus::seal::OWNER_SEAL_PROPERTY,
-                    |key| key.seal_owner(&announcement),
+                    crate::seal::OWNER_SEAL_PROPERTY,
+                    |key| key.seal_announcement(role.sealed_as, &announcement),
                 );
                 let sent = announcements.send(announcement, &properties);
                 match tokio::time::timeout(BEAT, sent).await {
                     Ok(Ok(())) => {}
-                    Ok(Err(e)) => tracing::debug!(error = %e, "a journal owner's announcement was not sent"),
-                    Err(_) => tracing::debug!("a journal owner's announcement was not sent in time"),
+                    Ok(Err(e)) => tracing::debug!(error = %e, "an owner's announcement was not sent"),
+                    Err(_) => tracing::debug!("an owner's announcement was not sent in time"),
                 }
                 continue;
             }
@@ -437,11 +495,11 @@ async fn watch_owners(
         }
         if me.gives_way_to(&other.owner) {
             if me.owning {
-                tracing::error!(other = %other.owner.store, "this aggregator owned the journal until an elder owner was heard; what it consumed and decided meanwhile is in its own store");
+                tracing::error!(other = %other.owner.store, "this {} owned {} until an elder owner was heard; what it consumed and decided meanwhile is in its own store", role.service, role.owned);
             }
-            break Some(other.refusal());
+            break Some(other.refusal(&role));
         }
-        tracing::warn!(other = %other.owner.store, on = %other.on, "another aggregator claims this deployment's journal; it will stand down");
+        tracing::warn!(other = %other.owner.store, on = %other.on, "another {} claims {} of this deployment; it will stand down", role.service, role.owned);
     };
     drop(listening_again);
     if let Some(why) = refusal {
@@ -464,15 +522,15 @@ struct Heard {
 
 impl Heard {
     /// Why this process, which must give way to it, refuses to run.
-    fn refusal(&self) -> String {
+    fn refusal(&self, role: &Role) -> String {
         let other = &self.owner;
         let since = i64::try_from(other.started_ms)
             .ok()
             .and_then(chrono::DateTime::from_timestamp_millis)
             .map_or_else(|| other.started_ms.to_string(), |t| t.to_rfc3339());
         format!(
-            "another aggregator (running since {since}, store {}) already owns the journal of this deployment (heard on {}); run one owner and point further replicas at its endpoint (GRAPH_STORE=http://<owner>:7878)",
-            other.store, self.on
+            "another {} (running since {since}, store {}) already owns {} of this deployment (heard on {}); {}",
+            role.service, other.store, role.owned, self.on, role.advice
         )
     }
 }
@@ -480,6 +538,22 @@ impl Heard {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The aggregator's, as it names it (its beacon and seal as before this module served two).
+    const JOURNAL: Role = Role {
+        owned: "the journal",
+        service: "aggregator",
+        beacon: "journal-owner",
+        sealed_as: "owner",
+        advice: "run one",
+    };
+    const CONFIG: Role = Role {
+        owned: "the config",
+        service: "config service",
+        beacon: "config-owner",
+        sealed_as: "config-owner",
+        advice: "run one",
+    };
 
     #[test]
     fn the_elder_owner_keeps_the_journal() {
@@ -526,20 +600,31 @@ mod tests {
             owning: true,
         };
         let now = 1_000_000_000;
-        let sent = |at: u64, by: Option<&SealKey>| {
+        let sent_as = |role: &Role, at: u64, by: Option<&SealKey>| {
             let payload = agent_schema::encode(&Announcement {
                 owner: elder.clone(),
                 sent_ms: at,
             });
             let properties =
-                agent_bus::seal::sealed_properties(by, agent_bus::seal::OWNER_SEAL_PROPERTY, |k| {
-                    k.seal_owner(&payload)
+                crate::seal::sealed_properties(by, crate::seal::OWNER_SEAL_PROPERTY, |k| {
+                    k.seal_announcement(role.sealed_as, &payload)
                 });
             (payload, properties)
         };
+        let sent = |at: u64, by: Option<&SealKey>| sent_as(&JOURNAL, at, by);
         let heard = |seal: Option<&SealKey>, (payload, properties): (Vec<u8>, Properties)| {
-            believed(seal, &payload, &properties, now).map(|heard| heard.owner)
+            believed(&JOURNAL, seal, &payload, &properties, now).map(|heard| heard.owner)
         };
+        // One role's announcement, sealed, played on another's beacon: not believed there.
+        assert_eq!(
+            heard(Some(&key), sent_as(&CONFIG, now, Some(&key))),
+            Err(Disbelief::Unsealed)
+        );
+        let (payload, properties) = sent_as(&CONFIG, now, Some(&key));
+        assert_eq!(
+            believed(&CONFIG, Some(&key), &payload, &properties, now).map(|heard| heard.owner),
+            Ok(elder.clone())
+        );
         assert_eq!(
             heard(Some(&key), sent(now - 200, Some(&key))),
             Ok(elder.clone())
@@ -597,22 +682,27 @@ mod tests {
     fn the_beacon_sits_beside_the_subscription() {
         assert_eq!(
             beacon_topic(
+                &JOURNAL,
                 "persistent://tg/flow/triples-store:default:default",
                 "agent-aggregator"
             ),
             "non-persistent://tg/flow/triples-store:default:default.journal-owner.agent-aggregator"
         );
         assert_eq!(
-            beacon_topic("persistent://tg/flow/x", "odd name/1"),
+            beacon_topic(&JOURNAL, "persistent://tg/flow/x", "odd name/1"),
             "non-persistent://tg/flow/x.journal-owner.odd_20name_2f1"
         );
         assert_eq!(
-            beacon_topic("short", "s"),
+            beacon_topic(&JOURNAL, "short", "s"),
             "non-persistent://public/default/short.journal-owner.s"
         );
         assert_ne!(
-            beacon_topic("persistent://tg/flow/x", "a.b"),
-            beacon_topic("persistent://tg/flow/x", "a_b")
+            beacon_topic(&JOURNAL, "persistent://tg/flow/x", "a.b"),
+            beacon_topic(&JOURNAL, "persistent://tg/flow/x", "a_b")
+        );
+        assert_eq!(
+            beacon_topic(&CONFIG, "non-persistent://tg/request/config", "config-svc"),
+            "non-persistent://tg/request/config.config-owner.config-svc"
         );
     }
 }
