@@ -501,6 +501,50 @@ async fn a_write_owed_when_the_service_died_is_named_by_its_next_start() {
     }
 }
 
+/// What "everything" names stays what the store holds: workspaces made and emptied again, their
+/// deletions announced, are not named by the next start's push. Before, each type a workspace
+/// had ever held was named at every start for ever, however many workspaces came and went.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn workspaces_made_and_emptied_are_not_named_at_every_start() {
+    let broker = Broker::start().unwrap();
+    let mut svc = ConfigSvc::start(Place::Child, &broker, Some(&seed_dir()));
+    let http = reqwest::Client::new();
+    for tenant in ["t1", "t2", "t3"] {
+        let url = format!("{}/api/v1/config/note/n?workspace={tenant}", svc.url);
+        let put = http
+            .put(&url)
+            .bearer_auth(&svc.token)
+            .json(&json!({"n": 1}));
+        assert_eq!(put.send().await.unwrap().status(), 200);
+        let deleted = http.delete(&url).bearer_auth(&svc.token).send().await;
+        assert_eq!(deleted.unwrap().status(), 200);
+    }
+    // A write after those deletions were announced: the store forgets them.
+    let limits = format!("{}/api/v1/config/agent-limits/default", svc.url);
+    let put = http
+        .put(&limits)
+        .bearer_auth(&svc.token)
+        .json(&json!({"max_iterations": 4}));
+    assert_eq!(put.send().await.unwrap().status(), 200);
+    let bus = Bus::connect(&broker.url(), None).await.unwrap();
+    let topics = Topics::trustgraph("default", "default");
+    let mut pushes = ConfigPushes::subscribe(&bus, &topics).await.unwrap();
+    // Off the runtime's threads (see `a_write_owed_when_the_service_died_is_named_by_its_next_start`).
+    tokio::task::block_in_place(|| svc.kill_and_restart());
+    let push = tokio::time::timeout(Duration::from_secs(30), pushes.next())
+        .await
+        .expect("the restarted service pushed nothing")
+        .unwrap();
+    assert!(
+        push.changes["agent-limits"] == ["default"],
+        "the start's push does not name what the store holds: {push:?}"
+    );
+    assert!(
+        !push.changes.contains_key("note"),
+        "the start's push names the emptied workspaces' type: {push:?}"
+    );
+}
+
 /// The config API answers anyone who reaches it: an MCP server's credentials (`auth-token`, the
 /// values of `env`) are shown only to a reader with the token, over REST and through the gateway
 /// TrustGraph's CLI uses; the orchestrators read them whole over the broker.

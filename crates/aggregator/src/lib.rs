@@ -351,9 +351,12 @@ pub async fn run(settings: AggregatorSettings, shutdown: CancellationToken) -> a
     // Nothing is consumed, swept or answered to a journal call before this process knows it is
     // the only owner: a refused one stops here, before it has written anything.
     if let Err(why) = fence.admitted().await {
+        // Not refused: asked to stop, or the fence's task ended by itself (which must not pass
+        // for a clean stop).
+        let asked_to_stop = shutdown.is_cancelled();
         shutdown.cancel();
         let _ = agent_bus::http_stopped(server, agent_bus::HTTP_DRAIN).await;
-        if fence.refusal().is_none() {
+        if fence.refusal().is_none() && asked_to_stop {
             // Asked to stop while it listened.
             return Ok(());
         }

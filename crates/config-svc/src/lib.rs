@@ -87,6 +87,8 @@ pub struct Pusher {
     owed: Arc<std::sync::Mutex<Option<Changes>>>,
     /// Wakes [`Pusher::resend_owed`] when a push fails.
     failed: Arc<tokio::sync::Notify>,
+    /// What is announced: told what went (see [`ConfigStore::announced_through`]).
+    store: Arc<ConfigStore>,
 }
 
 /// A push's changes: config type -> workspaces. Empty: everything may have changed.
@@ -100,12 +102,13 @@ const RESEND_MOST: Duration = Duration::from_secs(10);
 pub const DEFAULT_WORKSPACE: &str = "default";
 
 impl Pusher {
-    pub fn new(publisher: Publisher) -> Pusher {
+    pub fn new(publisher: Publisher, store: Arc<ConfigStore>) -> Pusher {
         Pusher {
             publisher,
             in_order: Arc::default(),
             owed: Arc::default(),
             failed: Arc::default(),
+            store,
         }
     }
 
@@ -137,8 +140,8 @@ impl Pusher {
     /// change whose push was still owed when the service stopped (the broker was away) reached
     /// them only when they restarted. Named, a service behind re-reads each type; one that has
     /// seen this version skips it as before.
-    pub async fn push_all(&self, store: &ConfigStore) {
-        match store.every_type() {
+    pub async fn push_all(&self) {
+        match self.store.every_type() {
             Ok((version, changes)) => self.announce(ConfigPush { version, changes }).await,
             // The store was read a moment ago (seeded, or opened): a lock poisoned since by a
             // panic, which no write leaves half done. Owed, it goes with the next resend.
@@ -166,16 +169,26 @@ impl Pusher {
     /// a few bytes, which our orchestrators take as everything (TrustGraph's services skip it, and
     /// re-read at their next start), rather than owing what can never be sent.
     async fn send(&self, mut push: ConfigPush) -> bool {
+        let mut named = true;
         loop {
             match self
                 .publisher
                 .send(agent_schema::encode(&push), &Properties::new())
                 .await
             {
-                Ok(()) => return true,
+                Ok(()) => {
+                    // Every change up to this version was in it or in a push before it (a push
+                    // goes only when nothing is owed, and what is owed goes at the latest
+                    // version); sent naming nothing, TrustGraph's services heard none of it.
+                    if named {
+                        self.store.announced_through(push.version);
+                    }
+                    return true;
+                }
                 Err(agent_bus::BusError::TooLarge { bytes, max, .. })
                     if !push.changes.is_empty() =>
                 {
+                    named = false;
                     tracing::warn!(
                         version = push.version,
                         bytes,
@@ -216,7 +229,8 @@ impl Pusher {
     /// version read is the latest and nothing is pushed meanwhile: owed changes never go under a
     /// version older than a push that went. "Everything" owed is sent naming every type the
     /// store holds (see [`Pusher::push_all`]).
-    pub async fn resend_owed(self, store: Arc<ConfigStore>, shutdown: CancellationToken) {
+    pub async fn resend_owed(self, shutdown: CancellationToken) {
+        let store = self.store.clone();
         let mut pause = RESEND_FIRST;
         loop {
             tokio::select! {
@@ -347,6 +361,9 @@ pub async fn run(settings: ConfigSvcSettings, shutdown: CancellationToken) -> an
         .map(str::trim)
         .filter(|key| !key.is_empty())
         .map(|key| agent_bus::seal::SealKey::new(key.as_bytes()));
+    if seal.is_none() {
+        tracing::warn!("no AGENT_SEAL_KEY: this config service's announcements to other config services are not sealed, and one that has the key does not hear them (so neither stands down); anyone who can publish on the broker can stand it down with a forged one");
+    }
     let (fence, announcer) = owner_fence::listening(CONFIG_OWNERS, seal);
     // The announcements stop whenever this returns, on any path: a process that failed must not
     // go on claiming the config.
@@ -364,14 +381,19 @@ pub async fn run(settings: ConfigSvcSettings, shutdown: CancellationToken) -> an
         )
         .await?;
     if let Err(why) = fence.admitted().await {
-        if fence.refusal().is_none() {
+        // Not refused: asked to stop, or the fence's task ended by itself (which must not pass
+        // for a clean stop).
+        if fence.refusal().is_none() && shutdown.is_cancelled() {
             // Asked to stop while it listened.
             return Ok(());
         }
         anyhow::bail!(why);
     }
-    let pusher = Pusher::new(Publisher::new(&bus, &topics.config_push).await?);
-    tokio::spawn(pusher.clone().resend_owed(store.clone(), shutdown.clone()));
+    let pusher = Pusher::new(
+        Publisher::new(&bus, &topics.config_push).await?,
+        store.clone(),
+    );
+    tokio::spawn(pusher.clone().resend_owed(shutdown.clone()));
     // The start's pushes take a turn as writes do: what is owed is touched only under one.
     let start_turn = pusher.turn().await;
     if let Some(dir) = &settings.seed {
@@ -385,7 +407,7 @@ pub async fn run(settings: ConfigSvcSettings, shutdown: CancellationToken) -> an
     }
     // One push for the seed and whatever the last run still owed: a push of the seed's types
     // alone at this version would have TrustGraph's services skip this one, of the same version.
-    pusher.push_all(&store).await;
+    pusher.push_all().await;
     drop(start_turn);
 
     let token = settings.config_token.clone().filter(|t| !t.is_empty());
@@ -433,11 +455,12 @@ pub async fn run(settings: ConfigSvcSettings, shutdown: CancellationToken) -> an
     )
     .await;
     shutdown.cancel();
-    agent_bus::http_stopped(server, agent_bus::HTTP_DRAIN).await?;
+    let http = agent_bus::http_stopped(server, agent_bus::HTTP_DRAIN).await;
     let _ = announcing.await;
     if let Some(why) = fence.refusal() {
         anyhow::bail!(why);
     }
+    http?;
     consumed?;
     Ok(())
 }

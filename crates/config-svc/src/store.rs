@@ -46,7 +46,9 @@ struct Snapshot {
     #[serde(default)]
     workspaces: BTreeMap<String, Values>,
     /// workspace -> every type it has held a key of, kept after the last key goes, so that a
-    /// push meaning "everything" names a deletion too (see [`ConfigStore::every_type`]).
+    /// push meaning "everything" names a deletion too (see [`ConfigStore::every_type`]); what
+    /// the workspaces no longer hold is forgotten at a write once every change before it was
+    /// announced (see [`ConfigStore::announced_through`]).
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     held: BTreeMap<String, std::collections::BTreeSet<String>>,
 }
@@ -80,6 +82,9 @@ pub struct ConfigStore {
     path: PathBuf,
     state: Mutex<Snapshot>,
     writing: Mutex<()>,
+    /// Up to which version every change was announced by a push naming it, as this process's
+    /// pusher said (nothing at its start).
+    announced: std::sync::atomic::AtomicU64,
     /// Held while the store is open: the lock goes with the file's closing, a crash's too.
     _owner: std::fs::File,
 }
@@ -169,6 +174,7 @@ impl ConfigStore {
             path,
             state: Mutex::new(state),
             writing: Mutex::new(()),
+            announced: std::sync::atomic::AtomicU64::new(0),
             _owner: owner,
         })
     }
@@ -260,6 +266,15 @@ impl ConfigStore {
             }
         }
         Ok((state.version, types))
+    }
+
+    /// Every change up to `version` was announced by a push naming it: at the next write, what
+    /// "everything" names shrinks to what the workspaces hold (and that write's types). Kept
+    /// for ever, the deleted types of workspaces made and emptied again were named in every
+    /// start's push, however many came and went, until it was too large to send.
+    pub fn announced_through(&self, version: u64) {
+        self.announced
+            .fetch_max(version, std::sync::atomic::Ordering::Relaxed);
     }
 
     /// Everything in `workspace`, with the store's version.
@@ -374,6 +389,15 @@ impl ConfigStore {
                 version: next.version,
                 changes,
             });
+        }
+        // Every change before this one announced, deletions too: a crash from here owes at most
+        // this write's push, so "everything" need only name what is held now, and its types.
+        if self.announced.load(std::sync::atomic::Ordering::Relaxed) >= next.version {
+            next.held = next
+                .workspaces
+                .iter()
+                .map(|(workspace, values)| (workspace.clone(), values.keys().cloned().collect()))
+                .collect();
         }
         let held = next.held.entry(workspace.to_owned()).or_default();
         held.extend(changes.keys().cloned());
@@ -604,6 +628,65 @@ mod tests {
         drop(store);
         let store = ConfigStore::open(&dir).unwrap();
         assert_eq!(store.every_type().unwrap(), (w.version, expected));
+        let _ = std::fs::remove_dir_all(dir);
+    }
+
+    /// Workspaces made and emptied again are named until every change up to their emptying was
+    /// announced, then forgotten at the next write: not named in every start's push for ever.
+    #[test]
+    fn what_is_no_longer_held_is_forgotten_once_every_change_was_announced() {
+        let dir = temp_dir();
+        let store = ConfigStore::open(&dir).unwrap();
+        store.put(WS, &[entry("prompt", "react", "1")]).unwrap();
+        for tenant in ["t1", "t2", "t3"] {
+            store.put(tenant, &[entry("tool", "calc", "1")]).unwrap();
+            store
+                .delete(tenant, &[("tool".into(), "calc".into())])
+                .unwrap();
+        }
+        let named = |store: &ConfigStore| {
+            let (_, types) = store.every_type().unwrap();
+            types
+        };
+        let tenants = vec!["t1".to_owned(), "t2".to_owned(), "t3".to_owned()];
+        assert_eq!(named(&store)["tool"], tenants);
+        // Announced up to a version before the last deletion: still owed to someone, kept.
+        let last = store.version().unwrap();
+        store.announced_through(last - 1);
+        store.put(WS, &[entry("prompt", "plan", "1")]).unwrap();
+        assert_eq!(named(&store)["tool"], tenants);
+        // Everything before the next write announced: only what is held, and its own types.
+        store.announced_through(store.version().unwrap());
+        store
+            .delete(WS, &[("prompt".into(), "plan".into())])
+            .unwrap();
+        assert_eq!(
+            named(&store),
+            BTreeMap::from([("prompt".to_owned(), vec![WS.to_owned()])])
+        );
+        // The write's own deletion stays named until a later write after its announcement.
+        let w = store
+            .delete(WS, &[("prompt".into(), "react".into())])
+            .unwrap();
+        assert_eq!(
+            named(&store),
+            BTreeMap::from([("prompt".to_owned(), vec![WS.to_owned()])])
+        );
+        drop(store);
+        let store = ConfigStore::open(&dir).unwrap();
+        assert_eq!(
+            store.every_type().unwrap(),
+            (
+                w.version,
+                BTreeMap::from([("prompt".to_owned(), vec![WS.to_owned()])])
+            )
+        );
+        store.announced_through(w.version);
+        store.put("t4", &[entry("tool", "calc", "1")]).unwrap();
+        assert_eq!(
+            named(&store),
+            BTreeMap::from([("tool".to_owned(), vec!["t4".to_owned()])])
+        );
         let _ = std::fs::remove_dir_all(dir);
     }
 
