@@ -7,8 +7,9 @@ use std::time::Duration;
 use agent_bus::{Bus, ConfigClient, ConfigPushes, Topics};
 use agent_config_files as seed;
 use agent_e2e::{
-    binary, client, collect_dialog, config_dir, request as agent_request, sample, scrape,
-    scripted_llm, seed_dir, seed_with, Broker, ConfigSvc, Orchestrator, Place,
+    binary, client, collect_dialog, config_dir, installed_path, repo_root,
+    request as agent_request, sample, scrape, scripted_llm, seed_dir, seed_with, Broker, ConfigSvc,
+    Orchestrator, Place,
 };
 use agent_schema::{operation, ConfigKey, ConfigRequest};
 use serde_json::{json, Value};
@@ -543,6 +544,77 @@ async fn workspaces_made_and_emptied_are_not_named_at_every_start() {
         !push.changes.contains_key("note"),
         "the start's push names the emptied workspaces' type: {push:?}"
     );
+}
+
+/// A workspace made or removed through config-svc (a key of type `workspace` in `__workspaces__`,
+/// where TrustGraph 2.11 lists them) reaches TrustGraph's own services: the push says so
+/// (`workspace_changes`), and a TrustGraph workspace service (trustgraph-base 2.11.1's push
+/// handling: tests/trustgraph/workspace_events.py) takes the workspace up, then drops it. Before,
+/// a write to that reserved workspace was never announced: TrustGraph's services took a workspace
+/// made while they ran up only when they restarted, and kept serving a removed one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn trustgraphs_services_hear_of_a_workspace_made_and_removed() {
+    use tokio::io::AsyncBufReadExt;
+    let broker = Broker::start().unwrap();
+    let _svc = ConfigSvc::start(Place::Child, &broker, None);
+    let python = installed_path("trustgraph-client.sh").join("python");
+    let mut service = tokio::process::Command::new(python)
+        .arg(repo_root().join("tests/trustgraph/workspace_events.py"))
+        .args(["--pulsar-host", &broker.url(), "--seconds", "90"])
+        .stdout(std::process::Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let mut heard = tokio::io::BufReader::new(service.stdout.take().unwrap()).lines();
+    let mut said = Vec::new();
+    said_until(&mut heard, &mut said, json!({"ready": true})).await;
+    let bus = Bus::connect(&broker.url(), None).await.unwrap();
+    let topics = Topics::trustgraph("default", "default");
+    let mut client = ConfigClient::connect(&bus, &topics).await.unwrap();
+    let mut made = request(operation::PUT);
+    made.workspace = Some("__workspaces__".into());
+    made.values = vec![agent_schema::ConfigValue {
+        kind: "workspace".into(),
+        key: "acme".into(),
+        value: r#"{"id":"acme","name":"Acme"}"#.into(),
+        workspace: None,
+    }];
+    assert_eq!(client.call(&made, ANSWER).await.unwrap().error, None);
+    said_until(&mut heard, &mut said, json!({"created": "acme"})).await;
+    let mut removed = request(operation::DELETE);
+    removed.workspace = Some("__workspaces__".into());
+    removed.keys = vec![ConfigKey {
+        kind: "workspace".into(),
+        key: "acme".into(),
+    }];
+    assert_eq!(client.call(&removed, ANSWER).await.unwrap().error, None);
+    said_until(&mut heard, &mut said, json!({"deleted": "acme"})).await;
+}
+
+/// Reads what `workspace_events.py` says into `said` until it says `wanted`; anything but a push
+/// heard before it fails the test.
+async fn said_until(
+    heard: &mut tokio::io::Lines<tokio::io::BufReader<tokio::process::ChildStdout>>,
+    said: &mut Vec<Value>,
+    wanted: Value,
+) {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let line = tokio::time::timeout_at(deadline, heard.next_line())
+            .await
+            .unwrap_or_else(|_| panic!("TrustGraph's service never said {wanted}: {said:?}"))
+            .unwrap()
+            .unwrap_or_else(|| panic!("TrustGraph's service ended: {said:?}"));
+        let line: Value = serde_json::from_str(&line).unwrap();
+        said.push(line.clone());
+        if line == wanted {
+            return;
+        }
+        assert!(
+            line.get("push").is_some(),
+            "TrustGraph's service said {line} before {wanted}: {said:?}"
+        );
+    }
 }
 
 /// The config API answers anyone who reaches it: an MCP server's credentials (`auth-token`, the

@@ -21,7 +21,9 @@ use agent_bus::{
     run_consumer, BrokerArgs, ConsumerStats, Delivery, Disposition, Properties, Publisher,
     SubscriptionConfig,
 };
-use agent_schema::{ConfigPush, ConfigRequest, ID_PROPERTY};
+use agent_schema::{
+    ConfigPush, ConfigRequest, WorkspaceChanges, ID_PROPERTY, WORKSPACES_NAMESPACE, WORKSPACE_TYPE,
+};
 use anyhow::Context;
 use tokio_util::sync::CancellationToken;
 
@@ -82,9 +84,8 @@ pub struct Pusher {
     /// TrustGraph's receivers take a push only if its version is above the one they hold, so a
     /// push overtaken by a later one was dropped, and the change it announced never applied.
     in_order: Arc<tokio::sync::Mutex<()>>,
-    /// The changes announced by pushes that were not published (empty: everything), touched only
-    /// by the holder of a turn.
-    owed: Arc<std::sync::Mutex<Option<Changes>>>,
+    /// What pushes that were not published announced, touched only by the holder of a turn.
+    owed: Arc<std::sync::Mutex<Option<News>>>,
     /// Wakes [`Pusher::resend_owed`] when a push fails.
     failed: Arc<tokio::sync::Notify>,
     /// What is announced: told what went (see [`ConfigStore::announced_through`]).
@@ -93,6 +94,51 @@ pub struct Pusher {
 
 /// A push's changes: config type -> workspaces. Empty: everything may have changed.
 type Changes = std::collections::BTreeMap<String, Vec<String>>;
+
+/// What one push announces, or what several owed do together.
+#[derive(Debug, Clone, Default, PartialEq)]
+struct News {
+    /// The types changed (empty: everything); none when it only says that workspaces were made
+    /// or removed.
+    changes: Option<Changes>,
+    /// Workspaces made or removed (TrustGraph 2.11's services take up a workspace's queues, and
+    /// drop them, on hearing this; they never re-read the list while they run).
+    workspaces: WorkspaceChanges,
+}
+
+impl News {
+    fn everything() -> News {
+        News {
+            changes: Some(Changes::new()),
+            workspaces: WorkspaceChanges::default(),
+        }
+    }
+
+    fn is_nothing(&self) -> bool {
+        self.changes.is_none() && self.workspaces.is_empty()
+    }
+
+    /// `self`, then `later`, as one.
+    fn then(self, later: News) -> News {
+        News {
+            changes: match (self.changes, later.changes) {
+                (Some(earlier), Some(later)) => Some(together(earlier, later)),
+                (earlier, later) => earlier.or(later),
+            },
+            workspaces: self.workspaces.then(later.workspaces),
+        }
+    }
+
+    /// As TrustGraph's services read it, at `version`: no types named when it only says that
+    /// workspaces were made or removed, as TrustGraph's config service sends that.
+    fn at(&self, version: u64) -> ConfigPush {
+        ConfigPush {
+            version,
+            changes: self.changes.clone().unwrap_or_default(),
+            workspace_changes: (!self.workspaces.is_empty()).then(|| self.workspaces.clone()),
+        }
+    }
+}
 
 /// The first pause before owed changes are sent again, and the longest.
 const RESEND_FIRST: Duration = Duration::from_secs(1);
@@ -118,20 +164,58 @@ impl Pusher {
     }
 
     /// Announces `written` (in `workspace`) when it changed something. As in TrustGraph, a
-    /// reserved workspace (`_` first, such as `__template__`) is storage only: never announced.
+    /// reserved workspace (`_` first, such as `__template__`) is storage only: its values are
+    /// never announced; but a workspace listed in `__workspaces__` or taken off it is, as
+    /// TrustGraph 2.11's config service announces it (without, its services took up a workspace
+    /// made while they ran only once they restarted).
     pub async fn push(&self, written: Written, workspace: &str) {
-        if written.changes.is_empty() || workspace.starts_with('_') {
+        if written.changes.is_empty() {
             return;
         }
-        self.announce(ConfigPush {
-            version: written.version,
-            changes: written
-                .changes
-                .into_keys()
-                .map(|kind| (kind, vec![workspace.to_owned()]))
-                .collect(),
-        })
-        .await;
+        let news = News {
+            changes: (!workspace.starts_with('_')).then(|| {
+                written
+                    .changes
+                    .keys()
+                    .map(|kind| (kind.clone(), vec![workspace.to_owned()]))
+                    .collect()
+            }),
+            workspaces: self.workspaces_changed(&written, workspace),
+        };
+        if !news.is_nothing() {
+            self.announce(written.version, news).await;
+        }
+    }
+
+    /// The workspaces `written` in `workspace` made or removed: read under the write's turn, so
+    /// the list is as the write left it. A key listed now was made (TrustGraph calls every put of
+    /// one a creation), one gone was removed.
+    fn workspaces_changed(&self, written: &Written, workspace: &str) -> WorkspaceChanges {
+        let mut changed = WorkspaceChanges::default();
+        let Some(keys) = written
+            .changes
+            .get(WORKSPACE_TYPE)
+            .filter(|_| workspace == WORKSPACES_NAMESPACE)
+        else {
+            return changed;
+        };
+        let listed = match self.store.values_of(WORKSPACES_NAMESPACE, WORKSPACE_TYPE) {
+            Ok((_, listed)) => listed,
+            Err(e) => {
+                // Only a lock poisoned by a panic; the write is made: said as made.
+                tracing::error!(error = %e, "cannot read the workspaces a write changed; announcing them as made");
+                changed.created.clone_from(keys);
+                return changed;
+            }
+        };
+        for key in keys {
+            if listed.contains_key(key) {
+                changed.created.push(key.clone());
+            } else {
+                changed.deleted.push(key.clone());
+            }
+        }
+        changed
     }
 
     /// "Everything may have changed", sent at start as TrustGraph does, but naming every type in
@@ -139,37 +223,53 @@ impl Pusher {
     /// theirs, so TrustGraph's own start push (which names none) is for its readers no news: a
     /// change whose push was still owed when the service stopped (the broker was away) reached
     /// them only when they restarted. Named, a service behind re-reads each type; one that has
-    /// seen this version skips it as before.
+    /// seen this version skips it as before. Every workspace listed is said made too: a service
+    /// takes up only one it does not serve yet, so one made while the last run still owed its
+    /// push is taken up now.
     pub async fn push_all(&self) {
-        match self.store.every_type() {
-            Ok((version, changes)) => self.announce(ConfigPush { version, changes }).await,
+        let read = self.store.every_type().and_then(|(version, changes)| {
+            let (_, listed) = self.store.values_of(WORKSPACES_NAMESPACE, WORKSPACE_TYPE)?;
+            Ok((version, changes, listed))
+        });
+        match read {
+            Ok((version, changes, listed)) => {
+                let news = News {
+                    changes: Some(changes),
+                    workspaces: WorkspaceChanges {
+                        created: listed.into_keys().collect(),
+                        deleted: Vec::new(),
+                    },
+                };
+                self.announce(version, news).await;
+            }
             // The store was read a moment ago (seeded, or opened): a lock poisoned since by a
             // panic, which no write leaves half done. Owed, it goes with the next resend.
             Err(e) => {
                 tracing::error!(error = %e, "cannot read the config store for the start's push; it is sent again");
-                self.owe(Changes::new());
+                self.owe(News::everything());
             }
         }
     }
 
-    /// Sends `push` (the caller holds a turn), or, while an earlier push is owed, adds its changes
-    /// to what is owed for [`Pusher::resend_owed`] to send: during a broker outage each write
-    /// waited out a send of its own (30 s), and with the resend's before it went past its
+    /// Sends `news` at `version` (the caller holds a turn), or, while an earlier push is owed,
+    /// adds it to what is owed for [`Pusher::resend_owed`] to send: during a broker outage each
+    /// write waited out a send of its own (30 s), and with the resend's before it went past its
     /// client's time (`agentctl config` gives up after 60 s) though the write was saved.
-    async fn announce(&self, push: ConfigPush) {
+    async fn announce(&self, version: u64, news: News) {
         if self.owed_nothing() {
-            self.send(push).await;
+            self.send(version, news).await;
         } else {
-            self.owe(push.changes);
+            self.owe(news);
         }
     }
 
-    /// Publishes `push` (the caller holds a turn); if the broker does not take it, its changes are
-    /// owed. Refused as too large (it never will be taken), the push naming nothing goes instead:
-    /// a few bytes, which our orchestrators take as everything (TrustGraph's services skip it, and
-    /// re-read at their next start), rather than owing what can never be sent.
-    async fn send(&self, mut push: ConfigPush) -> bool {
-        let mut named = true;
+    /// Publishes `news` at `version` (the caller holds a turn); if the broker does not take it,
+    /// it is owed. Refused as too large (it never will be taken), the push naming nothing goes
+    /// instead: a few bytes, which our orchestrators take as everything (TrustGraph's services
+    /// skip it, and re-read at their next start), rather than owing what can never be sent.
+    async fn send(&self, version: u64, news: News) -> bool {
+        let mut push = news.at(version);
+        let mut whole = true;
         loop {
             match self
                 .publisher
@@ -180,15 +280,15 @@ impl Pusher {
                     // Every change up to this version was in it or in a push before it (a push
                     // goes only when nothing is owed, and what is owed goes at the latest
                     // version); sent naming nothing, TrustGraph's services heard none of it.
-                    if named {
+                    if whole {
                         self.store.announced_through(push.version);
                     }
                     return true;
                 }
                 Err(agent_bus::BusError::TooLarge { bytes, max, .. })
-                    if !push.changes.is_empty() =>
+                    if !push.changes.is_empty() || push.workspace_changes.is_some() =>
                 {
-                    named = false;
+                    whole = false;
                     tracing::warn!(
                         version = push.version,
                         bytes,
@@ -196,29 +296,30 @@ impl Pusher {
                         "a config push naming its changes is larger than the broker takes; sending one that names none"
                     );
                     push.changes = Changes::new();
+                    push.workspace_changes = None;
                 }
                 Err(e) => {
                     tracing::error!(error = %e, version = push.version, "config push not published; it is sent again once the broker takes it");
-                    self.owe(push.changes);
+                    self.owe(news);
                     return false;
                 }
             }
         }
     }
 
-    /// Adds `changes` to what is owed, and wakes the resend.
-    fn owe(&self, changes: Changes) {
+    /// Adds `news` to what is owed, and wakes the resend.
+    fn owe(&self, news: News) {
         let mut owed = self.owed();
         *owed = Some(match owed.take() {
-            Some(earlier) => together(earlier, changes),
-            None => changes,
+            Some(earlier) => earlier.then(news),
+            None => news,
         });
         drop(owed);
         self.failed.notify_one();
     }
 
     /// What is owed; every holder leaves it whole, so a poisoned lock's value stands.
-    fn owed(&self) -> std::sync::MutexGuard<'_, Option<Changes>> {
+    fn owed(&self) -> std::sync::MutexGuard<'_, Option<News>> {
         self.owed
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
@@ -247,12 +348,19 @@ impl Pusher {
                     pause = RESEND_FIRST;
                     break;
                 };
-                let read = if owed.is_empty() {
-                    store.every_type()
-                } else {
-                    store.version().map(|version| (version, owed.clone()))
+                let read = match &owed.changes {
+                    Some(changes) if changes.is_empty() => {
+                        store.every_type().map(|(version, changes)| {
+                            let named = News {
+                                changes: Some(changes),
+                                workspaces: owed.workspaces.clone(),
+                            };
+                            (version, named)
+                        })
+                    }
+                    _ => store.version().map(|version| (version, owed.clone())),
                 };
-                let (version, changes) = match read {
+                let (version, news) = match read {
                     Ok(read) => read,
                     Err(e) => {
                         tracing::error!(error = %e, "cannot read the config store to send the changes owed");
@@ -261,7 +369,7 @@ impl Pusher {
                         continue;
                     }
                 };
-                if self.send(ConfigPush { version, changes }).await {
+                if self.send(version, news).await {
                     tracing::info!(
                         version,
                         "the config changes owed since a push failed are announced"
@@ -602,5 +710,44 @@ mod tests {
         );
         assert!(together(Changes::new(), changes(&[("tool", &["a"])])).is_empty());
         assert!(together(changes(&[("tool", &["a"])]), Changes::new()).is_empty());
+    }
+
+    #[test]
+    fn a_workspace_made_alone_names_no_type_and_is_not_everything_when_owed() {
+        let named = News {
+            changes: Some(changes(&[("tool", &["a"])])),
+            workspaces: WorkspaceChanges::default(),
+        };
+        let made = News {
+            changes: None,
+            workspaces: WorkspaceChanges {
+                created: vec!["acme".into()],
+                deleted: vec![],
+            },
+        };
+        // As TrustGraph's config service sends it: no types, the workspace made.
+        assert_eq!(
+            made.at(7),
+            ConfigPush {
+                version: 7,
+                changes: Changes::new(),
+                workspace_changes: Some(made.workspaces.clone()),
+            }
+        );
+        assert_eq!(named.at(7).workspace_changes, None);
+        // Owed together, either way round: the named types, and the workspace.
+        for both in [
+            made.clone().then(named.clone()),
+            named.clone().then(made.clone()),
+        ] {
+            assert_eq!(both.changes, named.changes);
+            assert_eq!(both.workspaces, made.workspaces);
+        }
+        assert_eq!(
+            made.clone().then(made.clone()).at(8).changes,
+            Changes::new()
+        );
+        assert_eq!(made.then(News::everything()).changes, Some(Changes::new()));
+        assert!(News::default().is_nothing());
     }
 }

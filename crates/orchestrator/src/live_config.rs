@@ -416,6 +416,7 @@ mod tests {
                     )
                 })
                 .collect(),
+            workspace_changes: None,
         };
         assert!(concerns(&push(&[]), "default"));
         assert!(concerns(

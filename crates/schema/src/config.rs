@@ -87,11 +87,100 @@ pub struct ConfigPush {
     pub version: u64,
     /// config type -> workspaces whose values of that type changed.
     pub changes: BTreeMap<String, Vec<String>>,
+    /// Workspaces made or removed (TrustGraph 2.11): TrustGraph's services take up a workspace's
+    /// queues when it is created and drop them when it is deleted. Absent (or `null`): none.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub workspace_changes: Option<WorkspaceChanges>,
+}
+
+/// The workspace that lists the workspaces (TrustGraph 2.11): each key of type
+/// [`WORKSPACE_TYPE`] in it is one workspace.
+pub const WORKSPACES_NAMESPACE: &str = "__workspaces__";
+/// The type of a workspace's key in [`WORKSPACES_NAMESPACE`].
+pub const WORKSPACE_TYPE: &str = "workspace";
+
+/// Workspaces made and removed by the write a [`ConfigPush`] announces.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(default)]
+pub struct WorkspaceChanges {
+    #[serde(deserialize_with = "null_as_empty")]
+    pub created: Vec<String>,
+    #[serde(deserialize_with = "null_as_empty")]
+    pub deleted: Vec<String>,
+}
+
+impl WorkspaceChanges {
+    pub fn is_empty(&self) -> bool {
+        self.created.is_empty() && self.deleted.is_empty()
+    }
+
+    /// `later` after `self`, as one: what a workspace ends as wins (created then deleted is
+    /// deleted; deleted then created is created), since TrustGraph's services take a push's
+    /// creations before its deletions.
+    pub fn then(mut self, later: WorkspaceChanges) -> WorkspaceChanges {
+        for workspace in later.created {
+            self.deleted.retain(|w| w != &workspace);
+            if !self.created.contains(&workspace) {
+                self.created.push(workspace);
+            }
+        }
+        for workspace in later.deleted {
+            self.created.retain(|w| w != &workspace);
+            if !self.deleted.contains(&workspace) {
+                self.deleted.push(workspace);
+            }
+        }
+        self
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_push_carries_workspace_changes_as_trustgraph_2_11_does() {
+        // As TrustGraph's config service sends them (dataclass_to_dict: None is null).
+        let push: ConfigPush = serde_json::from_str(
+            r#"{"version": 3, "changes": {}, "workspace_changes": {"created": ["acme"], "deleted": []}}"#,
+        )
+        .unwrap();
+        assert_eq!(
+            push.workspace_changes,
+            Some(WorkspaceChanges {
+                created: vec!["acme".into()],
+                deleted: vec![],
+            })
+        );
+        let none: ConfigPush =
+            serde_json::from_str(r#"{"version": 3, "changes": {}, "workspace_changes": null}"#)
+                .unwrap();
+        assert_eq!(none.workspace_changes, None);
+        // Ours names it only when there is one: a reader of an earlier build sees what it knew.
+        let encoded = serde_json::to_string(&ConfigPush {
+            version: 1,
+            ..ConfigPush::default()
+        })
+        .unwrap();
+        assert_eq!(encoded, r#"{"version":1,"changes":{}}"#);
+    }
+
+    #[test]
+    fn workspace_changes_together_end_as_the_later_says() {
+        let made = |w: &str| WorkspaceChanges {
+            created: vec![w.into()],
+            deleted: vec![],
+        };
+        let gone = |w: &str| WorkspaceChanges {
+            created: vec![],
+            deleted: vec![w.into()],
+        };
+        assert_eq!(made("a").then(gone("a")), gone("a"));
+        assert_eq!(gone("a").then(made("a")), made("a"));
+        let both = made("a").then(made("b")).then(gone("c"));
+        assert_eq!(both.created, vec!["a".to_owned(), "b".to_owned()]);
+        assert_eq!(both.deleted, vec!["c".to_owned()]);
+    }
 
     #[test]
     fn a_trustgraph_1x_request_with_null_lists_decodes() {

@@ -11,7 +11,10 @@ mod request;
 mod response;
 mod triples;
 
-pub use config::{operation, ConfigKey, ConfigPush, ConfigRequest, ConfigResponse, ConfigValue};
+pub use config::{
+    operation, ConfigKey, ConfigPush, ConfigRequest, ConfigResponse, ConfigValue, WorkspaceChanges,
+    WORKSPACES_NAMESPACE, WORKSPACE_TYPE,
+};
 pub use control::{control_operation, AgentControl};
 pub use librarian::{librarian_operation, DocumentMetadata, LibrarianRequest, LibrarianResponse};
 pub use request::{AgentRequest, AgentStep, PlanStep, StepType};
