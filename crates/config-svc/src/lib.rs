@@ -202,9 +202,10 @@ impl Pusher {
         let listed = match self.store.values_of(WORKSPACES_NAMESPACE, WORKSPACE_TYPE) {
             Ok((_, listed)) => listed,
             Err(e) => {
-                // Only a lock poisoned by a panic; the write is made: said as made.
-                tracing::error!(error = %e, "cannot read the workspaces a write changed; announcing them as made");
-                changed.created.clone_from(keys);
+                // Only a lock poisoned by a panic. Whether they were made or removed cannot be
+                // told: saying the wrong one would have TrustGraph's services serve a removed
+                // workspace, or drop a live one.
+                tracing::error!(error = %e, keys = ?keys, "cannot read the workspaces a write changed; not announcing them");
                 return changed;
             }
         };
@@ -264,9 +265,10 @@ impl Pusher {
     }
 
     /// Publishes `news` at `version` (the caller holds a turn); if the broker does not take it,
-    /// it is owed. Refused as too large (it never will be taken), the push naming nothing goes
-    /// instead: a few bytes, which our orchestrators take as everything (TrustGraph's services
-    /// skip it, and re-read at their next start), rather than owing what can never be sent.
+    /// it is owed. Refused as too large (it never will be taken), the push naming no type goes
+    /// instead, with the workspaces made or removed if that is small enough, else naming
+    /// nothing: our orchestrators take it as everything (TrustGraph's services skip the types,
+    /// and re-read at their next start), rather than owing what can never be sent.
     async fn send(&self, version: u64, news: News) -> bool {
         let mut push = news.at(version);
         let mut whole = true;
@@ -289,14 +291,13 @@ impl Pusher {
                     if !push.changes.is_empty() || push.workspace_changes.is_some() =>
                 {
                     whole = false;
+                    let dropped = smaller(&mut push);
                     tracing::warn!(
                         version = push.version,
                         bytes,
                         max,
-                        "a config push naming its changes is larger than the broker takes; sending one that names none"
+                        "a config push is larger than the broker takes; sending it without {dropped}"
                     );
-                    push.changes = Changes::new();
-                    push.workspace_changes = None;
                 }
                 Err(e) => {
                     tracing::error!(error = %e, version = push.version, "config push not published; it is sent again once the broker takes it");
@@ -390,6 +391,19 @@ impl Pusher {
 
     fn owed_nothing(&self) -> bool {
         self.owed().is_none()
+    }
+}
+
+/// Makes `push`, refused as larger than the broker takes, smaller; what it left out. The types
+/// first: the start's push names every type of every workspace, while the workspaces made or
+/// removed are few, and only a push says them.
+fn smaller(push: &mut ConfigPush) -> &'static str {
+    if !push.changes.is_empty() {
+        push.changes = Changes::new();
+        "the types it names"
+    } else {
+        push.workspace_changes = None;
+        "the workspaces made or removed it names"
     }
 }
 
@@ -749,5 +763,26 @@ mod tests {
         );
         assert_eq!(made.then(News::everything()).changes, Some(Changes::new()));
         assert!(News::default().is_nothing());
+    }
+
+    #[test]
+    fn a_push_too_large_leaves_out_its_types_before_its_workspaces() {
+        let made = WorkspaceChanges {
+            created: vec!["acme".into()],
+            deleted: vec![],
+        };
+        let mut push = ConfigPush {
+            version: 3,
+            changes: changes(&[("tool", &["a"])]),
+            workspace_changes: Some(made.clone()),
+        };
+        assert_eq!(smaller(&mut push), "the types it names");
+        assert_eq!(push.changes, Changes::new());
+        assert_eq!(push.workspace_changes, Some(made));
+        assert_eq!(
+            smaller(&mut push),
+            "the workspaces made or removed it names"
+        );
+        assert_eq!(push.workspace_changes, None);
     }
 }
