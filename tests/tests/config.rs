@@ -120,36 +120,12 @@ async fn a_second_config_service_on_one_store_waits_for_the_first_or_refuses() {
         .await
         .unwrap();
     let version = written["version"].as_u64().unwrap();
-    let second = |port: u16| {
-        std::process::Command::new(binary("config-svc"))
-            .env(
-                "CONFIG_TOKEN",
-                format!("{:032x}", uuid::Uuid::new_v4().as_u128()),
-            )
-            .env("PULSAR_URL", broker.url())
-            .env("CONFIG_DATA", first.data_dir())
-            .env("CONFIG_HTTP_ADDR", format!("127.0.0.1:{port}"))
-            .env("RUST_LOG", "warn")
-            .stdout(std::process::Stdio::null())
-            .stderr(std::process::Stdio::piped())
-            .spawn()
-            .unwrap()
-    };
-    let refused = second(0);
-    let out = tokio::task::spawn_blocking(|| {
-        exited_within(
-            refused,
-            Duration::from_secs(30),
-            "a second config service ran on one store for 30 s",
-        )
-    })
-    .await
-    .unwrap();
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(
-        !out.status.success(),
-        "a second config service ran: {stderr}"
-    );
+    let second = |port: u16| another_config_service(&broker, first.data_dir(), port, None);
+    let stderr = refusal_of(
+        second(0),
+        "a second config service ran on one store for 30 s",
+    )
+    .await;
     assert!(
         stderr.contains("in use by another process")
             && stderr.contains(&format!("pid {}", first.pid())),
@@ -210,33 +186,12 @@ async fn a_second_config_service_with_a_store_of_its_own_refuses_to_serve() {
         rand::random::<u32>()
     ));
     let port = agent_bus::embedded::KeptPort::choose(&[]).unwrap();
-    let second = std::process::Command::new(binary("config-svc"))
-        .arg("--seed")
-        .arg(seed_dir())
-        .env("CONFIG_TOKEN", &first.token)
-        .env("AGENT_SEAL_KEY", agent_e2e::SEAL_KEY)
-        .env("PULSAR_URL", broker.url())
-        .env("CONFIG_DATA", &own_store)
-        .env("CONFIG_HTTP_ADDR", format!("127.0.0.1:{}", port.port()))
-        .env("RUST_LOG", "warn")
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    let out = tokio::task::spawn_blocking(|| {
-        exited_within(
-            second,
-            Duration::from_secs(30),
-            "a second config service with a store of its own ran for 30 s",
-        )
-    })
-    .await
-    .unwrap();
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(
-        !out.status.success(),
-        "a second config service exited 0: {stderr}"
-    );
+    let second = another_config_service(&broker, &own_store, port.port(), Some(&seed_dir()));
+    let stderr = refusal_of(
+        second,
+        "a second config service with a store of its own ran for 30 s",
+    )
+    .await;
     assert!(
         stderr.contains("already owns the config")
             && stderr.contains(&first.data_dir().display().to_string()),
@@ -1298,6 +1253,47 @@ fn the_services_refuse_the_secrets_env_example_publishes() {
         );
     }
     let _ = std::fs::remove_dir_all(&data);
+}
+
+/// A config service started as a child beside the test's own, on `broker`, keeping its store in
+/// `data` and serving on `port` (0: any), sealed as the harness seals, seeded from `seed`; what it
+/// writes to its standard error is piped.
+fn another_config_service(
+    broker: &Broker,
+    data: &std::path::Path,
+    port: u16,
+    seed: Option<&std::path::Path>,
+) -> std::process::Child {
+    let mut command = std::process::Command::new(binary("config-svc"));
+    if let Some(seed) = seed {
+        command.arg("--seed").arg(seed);
+    }
+    command
+        .env(
+            "CONFIG_TOKEN",
+            format!("{:032x}", uuid::Uuid::new_v4().as_u128()),
+        )
+        .env("AGENT_SEAL_KEY", agent_e2e::SEAL_KEY)
+        .env("PULSAR_URL", broker.url())
+        .env("CONFIG_DATA", data)
+        .env("CONFIG_HTTP_ADDR", format!("127.0.0.1:{port}"))
+        .env("RUST_LOG", "warn")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap()
+}
+
+/// What `child` wrote to its standard error, having exited refusing to run (not 0) within 30 s;
+/// the test fails saying `ran` if it still runs then.
+async fn refusal_of(child: std::process::Child, ran: &'static str) -> String {
+    let out =
+        tokio::task::spawn_blocking(move || exited_within(child, Duration::from_secs(30), ran))
+            .await
+            .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(!out.status.success(), "{ran}; it exited 0: {stderr}");
+    stderr
 }
 
 /// The output of `child` once it has exited; past `within` it is killed and the test fails
