@@ -586,6 +586,231 @@ async fn said_until(
     }
 }
 
+/// TrustGraph 2.11's API gateway sends a workspace's config calls to that workspace's own request
+/// topic (`request/config:<workspace>`) and reads the answers on `response/config:<workspace>`
+/// (tests/trustgraph/gateway_config.py makes them with trustgraph-base's client and translators,
+/// as the gateway does). config-svc answers there for the default workspace and for each one
+/// listed in `__workspaces__`: taken up when listed and at start, dropped when taken off. The
+/// workspace is the topic's whatever the body names, and calls across workspaces are refused
+/// there. Before, every config call through TrustGraph's gateway went unanswered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn trustgraphs_gateway_reaches_each_workspace_on_its_own_topic() {
+    let broker = Broker::start().unwrap();
+    let mut svc = ConfigSvc::start(Place::Child, &broker, Some(&seed_dir()));
+    let mut gateway = GatewayCalls::start(&broker).await;
+    // The default workspace, listed or not: its seeded values. (Its topic is taken up a moment
+    // after the REST API answers, and a call on a non-persistent topic before is lost.)
+    gateway
+        .answered_within("default", Duration::from_secs(30))
+        .await;
+    let seeded = gateway
+        .answered(
+            "default",
+            json!({"operation": "getvalues", "type": "agent-limits"}),
+        )
+        .await;
+    assert!(
+        seeded["answer"]["values"]
+            .as_array()
+            .is_some_and(|values| values.iter().any(|v| v["key"] == "default")),
+        "the default workspace's seeded agent-limits: {seeded}"
+    );
+    // Listed as TrustGraph's IAM lists a workspace it makes: on the shared topic.
+    let bus = Bus::connect(&broker.url(), None).await.unwrap();
+    let topics = Topics::trustgraph("default", "default");
+    let mut client = ConfigClient::connect(&bus, &topics).await.unwrap();
+    let listing = |op: &str, workspace: &str| {
+        let mut listing = request(op);
+        listing.workspace = Some("__workspaces__".into());
+        match op {
+            operation::PUT => {
+                listing.values = vec![agent_schema::ConfigValue {
+                    kind: "workspace".into(),
+                    key: workspace.into(),
+                    value: json!({"id": workspace}).to_string(),
+                    workspace: None,
+                }]
+            }
+            _ => {
+                listing.keys = vec![ConfigKey {
+                    kind: "workspace".into(),
+                    key: workspace.into(),
+                }]
+            }
+        }
+        listing
+    };
+    let answer = client.call(&listing(operation::PUT, "acme"), ANSWER).await;
+    assert_eq!(answer.unwrap().error, None);
+    // Taken up a moment after the write (as TrustGraph's own service does, on hearing its push).
+    gateway
+        .answered_within("acme", Duration::from_secs(30))
+        .await;
+    // The body names another workspace: the topic's is the one written.
+    gateway
+        .answered(
+            "acme",
+            json!({"operation": "put", "workspace": "default",
+                   "values": [{"type": "prompt", "key": "greeting", "value": "\"hello\""}]}),
+        )
+        .await;
+    let read = |workspace: &str| {
+        let mut get = request(operation::GET);
+        get.workspace = Some(workspace.into());
+        get.keys = vec![ConfigKey {
+            kind: "prompt".into(),
+            key: "greeting".into(),
+        }];
+        get
+    };
+    let in_acme = client.call(&read("acme"), ANSWER).await.unwrap();
+    assert_eq!(
+        in_acme.values.unwrap_or_default().len(),
+        1,
+        "the put on acme's topic is in acme"
+    );
+    let in_default = client.call(&read("default"), ANSWER).await.unwrap();
+    assert_eq!(
+        in_default.values.unwrap_or_default(),
+        vec![],
+        "a put on acme's topic naming default in its body wrote in default"
+    );
+    let got = gateway
+        .answered("acme", json!({"operation": "config"}))
+        .await;
+    assert_eq!(
+        got["answer"]["config"]["prompt"]["greeting"], "\"hello\"",
+        "{got}"
+    );
+    // Every workspace's values are not read through one workspace's topic.
+    let across = gateway
+        .call(
+            "acme",
+            json!({"operation": "getvalues-all-ws", "type": "agent-limits"}),
+            20,
+        )
+        .await;
+    assert_eq!(across["error"]["type"], "bad-operation", "{across}");
+    assert_eq!(across["answer"].get("values"), None, "{across}");
+    // A listed workspace is answered from the start.
+    tokio::task::block_in_place(|| svc.kill_and_restart());
+    gateway
+        .answered_within("acme", Duration::from_secs(30))
+        .await;
+    // Taken off the list (over REST: the restarted service's shared topic may not be consumed
+    // yet, and a write on it is sent once): no longer answered, twice running.
+    let removed = reqwest::Client::new()
+        .delete(format!(
+            "{}/api/v1/config/workspace/acme?workspace=__workspaces__",
+            svc.url
+        ))
+        .bearer_auth(&svc.token)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(removed.status(), 200);
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    let mut unanswered = 0;
+    while unanswered < 2 {
+        let probe = gateway.call("acme", probe(), 3).await;
+        unanswered = if probe["timeout"] == true {
+            unanswered + 1
+        } else {
+            0
+        };
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "workspace acme was still answered 30 s after it was taken off the list: {probe}"
+        );
+    }
+    // The default workspace still is.
+    gateway.answered("default", probe()).await;
+}
+
+/// A call that reads nothing much.
+fn probe() -> Value {
+    json!({"operation": "list", "type": "prompt"})
+}
+
+/// Config calls made as TrustGraph's API gateway makes them (tests/trustgraph/gateway_config.py).
+struct GatewayCalls {
+    _child: tokio::process::Child,
+    calls: tokio::process::ChildStdin,
+    answers: tokio::io::Lines<tokio::io::BufReader<tokio::process::ChildStdout>>,
+}
+
+impl GatewayCalls {
+    async fn start(broker: &Broker) -> GatewayCalls {
+        use tokio::io::AsyncBufReadExt;
+        let python = installed_path("trustgraph-client.sh").join("python");
+        let mut child = tokio::process::Command::new(python)
+            .arg(repo_root().join("tests/trustgraph/gateway_config.py"))
+            .args(["--pulsar-host", &broker.url()])
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .kill_on_drop(true)
+            .spawn()
+            .unwrap();
+        let calls = child.stdin.take().unwrap();
+        let mut answers = tokio::io::BufReader::new(child.stdout.take().unwrap()).lines();
+        let ready = tokio::time::timeout(Duration::from_secs(60), answers.next_line())
+            .await
+            .expect("the gateway's client did not start")
+            .unwrap();
+        assert_eq!(ready.as_deref(), Some(r#"{"ready": true}"#));
+        GatewayCalls {
+            _child: child,
+            calls,
+            answers,
+        }
+    }
+
+    /// What the call in `workspace` was answered (`answer`, `error`), or `{"timeout": true}`.
+    async fn call(&mut self, workspace: &str, request: Value, timeout_secs: u64) -> Value {
+        use tokio::io::AsyncWriteExt;
+        let line = json!({"workspace": workspace, "request": request, "timeout": timeout_secs});
+        self.calls
+            .write_all(format!("{line}\n").as_bytes())
+            .await
+            .unwrap();
+        let answered = tokio::time::timeout(
+            Duration::from_secs(timeout_secs + 30),
+            self.answers.next_line(),
+        )
+        .await
+        .expect("the gateway's client did not say how its call went")
+        .unwrap()
+        .expect("the gateway's client ended");
+        serde_json::from_str(&answered).unwrap()
+    }
+
+    /// What the call in `workspace` was answered, which must be without error.
+    async fn answered(&mut self, workspace: &str, request: Value) -> Value {
+        let answered = self.call(workspace, request.clone(), 20).await;
+        assert!(
+            answered["timeout"] != true && answered["error"] == Value::Null,
+            "{request} in {workspace}: {answered}"
+        );
+        answered
+    }
+
+    /// Waits until calls in `workspace` are answered.
+    async fn answered_within(&mut self, workspace: &str, patience: Duration) {
+        let deadline = tokio::time::Instant::now() + patience;
+        loop {
+            let probe = self.call(workspace, probe(), 2).await;
+            if probe["timeout"] != true {
+                assert_eq!(probe["error"], Value::Null, "{probe}");
+                return;
+            }
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "workspace {workspace}'s config topic was not answered within {patience:?}"
+            );
+        }
+    }
+}
+
 /// The config API answers anyone who reaches it: an MCP server's credentials (`auth-token`, the
 /// values of `env`) are shown only to a reader with the token, over REST and through the gateway
 /// TrustGraph's CLI uses; the orchestrators read them whole over the broker.

@@ -1,8 +1,10 @@
 //! config-svc: the config API. TrustGraph 2.x's config protocol over Pulsar (`get`, `list`,
 //! `getvalues`, `put`, `delete`, `config` within a workspace; `getvalues-all-ws`,
-//! `getkeys-all-ws`), the same operations over HTTP where TrustGraph's API gateway serves them (so
-//! its CLI works), a REST API for people with bearer-token writes, a `ConfigPush` after every write
-//! that changed something, and an embedded durable store.
+//! `getkeys-all-ws`) on the shared request topic, and within one workspace on each listed
+//! workspace's own (where TrustGraph's API gateway sends them); the same operations over HTTP
+//! where TrustGraph's API gateway serves them (so its CLI works), a REST API for people with
+//! bearer-token writes, a `ConfigPush` after every write that changed something, and an
+//! embedded durable store.
 //! One process owns a store directory, and one config service serves a deployment's config
 //! subscription (a second, with a store of its own, hears the first on the broker and exits).
 
@@ -10,6 +12,7 @@ pub mod http;
 pub mod protocol;
 use agent_config_files as seed;
 pub mod store;
+pub mod workspace_topics;
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -90,6 +93,9 @@ pub struct Pusher {
     failed: Arc<tokio::sync::Notify>,
     /// What is announced: told what went (see [`ConfigStore::announced_through`]).
     store: Arc<ConfigStore>,
+    /// Told of every write to the list of workspaces, whose config topics are answered
+    /// ([`workspace_topics::serve`]).
+    listed: Arc<tokio::sync::Notify>,
 }
 
 /// A push's changes: config type -> workspaces. Empty: everything may have changed.
@@ -155,7 +161,13 @@ impl Pusher {
             owed: Arc::default(),
             failed: Arc::default(),
             store,
+            listed: Arc::default(),
         }
+    }
+
+    /// Woken by every write to the list of workspaces.
+    pub(crate) fn listed(&self) -> Arc<tokio::sync::Notify> {
+        self.listed.clone()
     }
 
     /// A write's turn: held until its push is sent (see [`Pusher::push`]).
@@ -182,6 +194,9 @@ impl Pusher {
             }),
             workspaces: self.workspaces_changed(&written, workspace),
         };
+        if workspace == WORKSPACES_NAMESPACE {
+            self.listed.notify_one();
+        }
         if !news.is_nothing() {
             self.announce(written.version, news).await;
         }
@@ -549,19 +564,27 @@ pub async fn run(settings: ConfigSvcSettings, shutdown: CancellationToken) -> an
         shutdown.clone(),
     ));
 
+    // Stopped on any path out, as the announcements are.
+    let workspaces_stop = shutdown.child_token();
+    let _stop_workspaces = workspaces_stop.clone().drop_guard();
+    let workspaces = tokio::spawn(workspace_topics::serve(
+        bus.clone(),
+        workspace_topics::Topics {
+            config_request: topics.config_request.clone(),
+            config_response: topics.config_response.clone(),
+        },
+        store.clone(),
+        pusher.clone(),
+        pusher.listed(),
+        workspaces_stop,
+    ));
     let responses = Publisher::new(&bus, &topics.config_response).await?;
-    let subscription = SubscriptionConfig {
-        topic: topics.config_request.clone(),
-        subscription: SUBSCRIPTION.to_owned(),
-        max_in_flight: 1,
-        max_redeliveries: Some(5),
-        // Persistent, so that the broker keeps what is dead-lettered (TrustGraph's request topic
-        // is not): on a non-persistent topic it was gone unless someone read it as it came.
-        dead_letter_topic: agent_bus::dead_letter_of(&topics.config_request),
-        drain_deadline: Duration::from_secs(5),
-        nack_delay: Duration::from_millis(200),
-        one_at_a_time: false,
-    };
+    let subscription = request_subscription(
+        topics.config_request.clone(),
+        // Persistent, so that the broker keeps what is dead-lettered (TrustGraph's request topics
+        // are not): on a non-persistent topic it was gone unless someone read it as it came.
+        agent_bus::dead_letter_of(&topics.config_request),
+    );
     let handler_store = store.clone();
     let consumed = run_consumer(
         &bus,
@@ -577,6 +600,7 @@ pub async fn run(settings: ConfigSvcSettings, shutdown: CancellationToken) -> an
     )
     .await;
     shutdown.cancel();
+    let _ = workspaces.await;
     let http = agent_bus::http_stopped(server, agent_bus::HTTP_DRAIN).await;
     let _ = announcing.await;
     if let Some(why) = fence.refusal() {
@@ -585,6 +609,20 @@ pub async fn run(settings: ConfigSvcSettings, shutdown: CancellationToken) -> an
     http?;
     consumed?;
     Ok(())
+}
+
+/// How config-svc consumes a config request topic (the shared one, or a workspace's).
+fn request_subscription(topic: String, dead_letter_topic: String) -> SubscriptionConfig {
+    SubscriptionConfig {
+        topic,
+        dead_letter_topic,
+        subscription: SUBSCRIPTION.to_owned(),
+        max_in_flight: 1,
+        max_redeliveries: Some(5),
+        drain_deadline: Duration::from_secs(5),
+        nack_delay: Duration::from_millis(200),
+        one_at_a_time: false,
+    }
 }
 
 /// The store in `dir` as another config service's refusal names it: with the host, since the
@@ -650,6 +688,16 @@ async fn answer(
         Ok(answered) => answered,
         Err(e) => return Disposition::Nack(format!("config handler failed: {e}")),
     };
+    reply(&responses, &delivery.properties, &response, wrote).await
+}
+
+/// Sends `response` to the call whose properties are `asked` (`wrote`: whether the call wrote).
+async fn reply(
+    responses: &Publisher,
+    asked: &Properties,
+    response: &agent_schema::ConfigResponse,
+    wrote: bool,
+) -> Disposition {
     // A write is committed whether or not its answer goes: handled again (the consumer does
     // that for a nack on a non-persistent topic) it would be written again, over anything
     // written meanwhile. Its sender, unanswered, asks again.
@@ -662,11 +710,11 @@ async fn answer(
         }
     };
     let mut properties = Properties::new();
-    if let Some(id) = delivery.properties.get(ID_PROPERTY) {
+    if let Some(id) = asked.get(ID_PROPERTY) {
         properties.insert(ID_PROPERTY.to_owned(), id.clone());
     }
     match responses
-        .send(agent_schema::encode(&response), &properties)
+        .send(agent_schema::encode(response), &properties)
         .await
     {
         Ok(()) => Disposition::Ack,
