@@ -268,6 +268,68 @@ async fn writes_at_once_are_pushed_in_the_order_of_their_versions() {
     );
 }
 
+/// A workspace taken off the list while the broker was down, the service then stopped before
+/// the push was sent: its next start says it removed. TrustGraph's services drop a workspace's
+/// queues only on hearing that, and the start's push said only the listed ones made (deleting
+/// the key again writes nothing, so nothing would ever say it), so they served a removed
+/// workspace until they restarted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_workspace_removal_owed_when_the_service_died_is_said_by_its_next_start() {
+    let mut broker = Broker::start().unwrap();
+    let mut svc = ConfigSvc::start(Place::Child, &broker, None);
+    let http = reqwest::Client::new();
+    let acme = format!(
+        "{}/api/v1/config/workspace/acme?workspace=__workspaces__",
+        svc.url
+    );
+    let listed = http
+        .put(&acme)
+        .bearer_auth(&svc.token)
+        .json(&json!({"id": "acme"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(listed.status(), 200);
+    broker.stop();
+    // Its push waits for the broker; the write is on disk first, which is all this needs.
+    let _ = http
+        .delete(&acme)
+        .bearer_auth(&svc.token)
+        .timeout(Duration::from_secs(2))
+        .send()
+        .await;
+    let stored = svc.data_dir().join("config.json");
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        let store: Value = std::fs::read(&stored)
+            .ok()
+            .and_then(|bytes| serde_json::from_slice(&bytes).ok())
+            .unwrap_or_default();
+        if store["version"].as_u64() > Some(1) && store["workspaces"]["__workspaces__"].is_null() {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the removal never reached the store: {store}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    svc.kill();
+    broker.restart().unwrap();
+    let bus = Bus::connect(&broker.url(), None).await.unwrap();
+    let topics = Topics::trustgraph("default", "default");
+    let mut pushes = ConfigPushes::subscribe(&bus, &topics).await.unwrap();
+    // Off the runtime's threads (see `a_write_owed_when_the_service_died_is_named_by_its_next_start`).
+    tokio::task::block_in_place(|| svc.kill_and_restart());
+    let push = tokio::time::timeout(Duration::from_secs(30), pushes.next())
+        .await
+        .expect("the restarted service pushed nothing")
+        .unwrap();
+    let said = push.workspace_changes.clone().unwrap_or_default();
+    assert_eq!(said.deleted, ["acme"], "{push:?}");
+    assert!(said.created.is_empty(), "{push:?}");
+}
+
 /// A write whose client goes away before the answer is still announced: the store keeps it
 /// either way, and TrustGraph's services re-read a type only when a push names it, so a write
 /// saved without its push was never applied there. Both write paths: REST and the gateway's.
@@ -558,6 +620,82 @@ async fn trustgraphs_services_hear_of_a_workspace_made_and_removed() {
     }];
     assert_eq!(client.call(&removed, ANSWER).await.unwrap().error, None);
     said_until(&mut heard, &mut said, json!({"deleted": "acme"})).await;
+}
+
+/// A workspace made through config-svc is filled from `__template__` (where TrustGraph's
+/// bootstrapper keeps the default flows and prompts), as TrustGraph's config service fills it:
+/// the template's keys it lacks, never over its own, in the listing's write, whose push names
+/// every type it then holds. A TrustGraph service (trustgraph-base 2.11.1's push handling and config
+/// fetch: tests/trustgraph/workspace_events.py) takes it up and reads them. Before, a workspace
+/// made through config-svc stayed empty but for what was written to it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_workspace_made_is_filled_from_the_template() {
+    use tokio::io::AsyncBufReadExt;
+    let broker = Broker::start().unwrap();
+    let _svc = ConfigSvc::start(Place::Child, &broker, None);
+    let bus = Bus::connect(&broker.url(), None).await.unwrap();
+    let topics = Topics::trustgraph("default", "default");
+    let mut client = ConfigClient::connect(&bus, &topics).await.unwrap();
+    let put = |workspace: &str, entries: &[(&str, &str, &str)]| {
+        let mut put = request(operation::PUT);
+        put.workspace = Some(workspace.into());
+        put.values = entries
+            .iter()
+            .map(|(kind, key, value)| agent_schema::ConfigValue {
+                kind: (*kind).into(),
+                key: (*key).into(),
+                value: (*value).into(),
+                workspace: None,
+            })
+            .collect();
+        put
+    };
+    let template = put(
+        "__template__",
+        &[
+            ("prompt", "greeting", r#""hi""#),
+            ("prompt", "farewell", r#""bye""#),
+            ("flow-blueprint", "basic", r#"{"class":"basic"}"#),
+        ],
+    );
+    let own = put(
+        "acme",
+        &[
+            ("prompt", "greeting", r#""mine""#),
+            ("tool", "search", "{}"),
+        ],
+    );
+    for call in [&template, &own] {
+        assert_eq!(client.call(call, ANSWER).await.unwrap().error, None);
+    }
+    let python = installed_path("trustgraph-client.sh").join("python");
+    let mut service = tokio::process::Command::new(python)
+        .arg(repo_root().join("tests/trustgraph/workspace_events.py"))
+        .args(["--pulsar-host", &broker.url(), "--seconds", "90"])
+        .args(["--types", "prompt", "flow-blueprint", "tool"])
+        .stdout(std::process::Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let mut heard = tokio::io::BufReader::new(service.stdout.take().unwrap()).lines();
+    let mut said = Vec::new();
+    said_until(&mut heard, &mut said, json!({"ready": true})).await;
+    let listed = put(
+        "__workspaces__",
+        &[("workspace", "acme", r#"{"id":"acme"}"#)],
+    );
+    assert_eq!(client.call(&listed, ANSWER).await.unwrap().error, None);
+    said_until(&mut heard, &mut said, json!({"created": "acme"})).await;
+    said_until(
+        &mut heard,
+        &mut said,
+        json!({"config": {"workspace": "acme", "values": {
+            "prompt": {"greeting": r#""mine""#, "farewell": r#""bye""#},
+            "flow-blueprint": {"basic": r#"{"class":"basic"}"#},
+            "tool": {"search": "{}"},
+        }}}),
+    )
+    .await;
 }
 
 /// Reads what `workspace_events.py` says into `said` until it says `wanted`; anything but a push

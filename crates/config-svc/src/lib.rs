@@ -179,19 +179,29 @@ impl Pusher {
     /// reserved workspace (`_` first, such as `__template__`) is storage only: its values are
     /// never announced; but a workspace listed in `__workspaces__` or taken off it is, as
     /// TrustGraph 2.11's config service announces it (without, its services took up a workspace
-    /// made while they ran only once they restarted).
+    /// made while they ran only once they restarted), with the types the template filled in it.
     pub async fn push(&self, written: Written, workspace: &str) {
         if written.changes.is_empty() {
             return;
         }
+        let mut named = Changes::new();
+        if !workspace.starts_with('_') {
+            for kind in written.changes.keys() {
+                named.insert(kind.clone(), vec![workspace.to_owned()]);
+            }
+        }
+        // A workspace the listing made and filled from the template, with every type it holds:
+        // TrustGraph's services take a workspace up first, then read the types a push names.
+        for (made, kinds) in &written.provisioned {
+            if made.starts_with('_') {
+                continue;
+            }
+            for kind in kinds {
+                named.entry(kind.clone()).or_default().push(made.clone());
+            }
+        }
         let news = News {
-            changes: (!workspace.starts_with('_')).then(|| {
-                written
-                    .changes
-                    .keys()
-                    .map(|kind| (kind.clone(), vec![workspace.to_owned()]))
-                    .collect()
-            }),
+            changes: (!named.is_empty()).then_some(named),
             workspaces: self.workspaces_changed(&written, workspace),
         };
         if workspace == WORKSPACES_NAMESPACE {
@@ -241,19 +251,20 @@ impl Pusher {
     /// them only when they restarted. Named, a service behind re-reads each type; one that has
     /// seen this version skips it as before. Every workspace listed is said made too: a service
     /// takes up only one it does not serve yet, so one made while the last run still owed its
-    /// push is taken up now.
+    /// push is taken up now; and every one taken off the list whose removal may not have been
+    /// announced is said removed (a service drops only one it serves).
     pub async fn push_all(&self) {
         let read = self.store.every_type().and_then(|(version, changes)| {
             let (_, listed) = self.store.values_of(WORKSPACES_NAMESPACE, WORKSPACE_TYPE)?;
-            Ok((version, changes, listed))
+            Ok((version, changes, listed, self.store.unlisted()?))
         });
         match read {
-            Ok((version, changes, listed)) => {
+            Ok((version, changes, listed, unlisted)) => {
                 let news = News {
                     changes: Some(changes),
                     workspaces: WorkspaceChanges {
                         created: listed.into_keys().collect(),
-                        deleted: Vec::new(),
+                        deleted: unlisted,
                     },
                 };
                 self.announce(version, news).await;

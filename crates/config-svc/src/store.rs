@@ -2,11 +2,12 @@
 //! scopes config by workspace), kept in one file that is replaced atomically and fsynced before a write is acknowledged, so a SIGKILL after an acknowledged write
 //! loses nothing and a SIGKILL during one leaves the previous state.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 
+use agent_schema::{TEMPLATE_WORKSPACE, WORKSPACES_NAMESPACE, WORKSPACE_TYPE};
 use serde::{Deserialize, Serialize};
 
 /// type -> key -> value (JSON text, as TrustGraph keeps it).
@@ -51,12 +52,64 @@ struct Snapshot {
     /// announced (see [`ConfigStore::announced_through`]).
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     held: BTreeMap<String, std::collections::BTreeSet<String>>,
+    /// Workspaces taken off the list whose removal may not have been announced: the start's push
+    /// says them removed, as it says every listed one made (deleting a key already gone writes
+    /// nothing, so a removal whose push was owed at a stop was never said again). Forgotten as
+    /// `held` is.
+    #[serde(default, skip_serializing_if = "BTreeSet::is_empty")]
+    unlisted: BTreeSet<String>,
 }
 
 /// Where a store written before workspaces keeps its values.
 const LEGACY_WORKSPACE: &str = "default";
 
 impl Snapshot {
+    /// The workspaces listed in [`WORKSPACES_NAMESPACE`].
+    fn listed(&self) -> BTreeSet<String> {
+        self.of(WORKSPACES_NAMESPACE)
+            .and_then(|values| values.get(WORKSPACE_TYPE))
+            .map(|listed| listed.keys().cloned().collect())
+            .unwrap_or_default()
+    }
+
+    /// Fills each workspace listed now and not in `before` with the template's keys it lacks,
+    /// as TrustGraph's config service does (a value already there is the workspace's own).
+    /// Returns, for each workspace it added keys to, every type that workspace now holds: what
+    /// TrustGraph's config service then announces, so that a service taking the workspace up
+    /// reads all it holds, the template's and its own.
+    fn provision(&mut self, before: &BTreeSet<String>) -> BTreeMap<String, Vec<String>> {
+        let mut provisioned = BTreeMap::new();
+        let made: Vec<String> = self.listed().difference(before).cloned().collect();
+        if made.is_empty() {
+            return provisioned;
+        }
+        let Some(template) = self.of(TEMPLATE_WORKSPACE).cloned() else {
+            return provisioned;
+        };
+        for workspace in made {
+            let values = self.workspaces.entry(workspace.clone()).or_default();
+            let mut added = false;
+            for (kind, entries) in &template {
+                let into = values.entry(kind.clone()).or_default();
+                for (key, value) in entries {
+                    if !into.contains_key(key) {
+                        into.insert(key.clone(), value.clone());
+                        added = true;
+                    }
+                }
+            }
+            values.retain(|_, entries| !entries.is_empty());
+            let held: Vec<String> = values.keys().cloned().collect();
+            if values.is_empty() {
+                self.workspaces.remove(&workspace);
+            }
+            if added {
+                provisioned.insert(workspace, held);
+            }
+        }
+        provisioned
+    }
+
     fn of(&self, workspace: &str) -> Option<&Values> {
         self.workspaces.get(workspace)
     }
@@ -68,6 +121,9 @@ pub struct Written {
     pub version: u64,
     /// type -> keys changed, in order.
     pub changes: BTreeMap<String, Vec<String>>,
+    /// workspace -> the types the template filled in it: workspaces this write listed (see
+    /// [`TEMPLATE_WORKSPACE`]).
+    pub provisioned: BTreeMap<String, Vec<String>>,
 }
 
 /// A `(type, key, value)`, or a `(workspace, key, value)` of one type.
@@ -268,6 +324,11 @@ impl ConfigStore {
         Ok((state.version, types))
     }
 
+    /// The workspaces taken off the list whose removal may not have been announced yet.
+    pub fn unlisted(&self) -> Result<Vec<String>, StoreError> {
+        Ok(self.lock()?.unlisted.iter().cloned().collect())
+    }
+
     /// Every change up to `version` was announced by a push naming it: at the next write, what
     /// "everything" names shrinks to what the workspaces hold (and that write's types). Kept
     /// for ever, the deleted types of workspaces made and emptied again were named in every
@@ -342,6 +403,7 @@ impl ConfigStore {
             return Ok(Written {
                 version: self.version()?,
                 changes: BTreeMap::new(),
+                provisioned: BTreeMap::new(),
             });
         }
         self.put(workspace, &missing)
@@ -378,6 +440,11 @@ impl ConfigStore {
         let _turn = self.writing.lock().map_err(|_| StoreError::Poisoned)?;
         // Only writes change the state, and they wait for this turn: the copy stays current.
         let mut next = self.lock()?.clone();
+        let listing = workspace == WORKSPACES_NAMESPACE;
+        let listed_before = match listing {
+            true => next.listed(),
+            false => BTreeSet::new(),
+        };
         let mut changes = BTreeMap::new();
         let values = next.workspaces.entry(workspace.to_owned()).or_default();
         change(values, &mut changes);
@@ -388,8 +455,15 @@ impl ConfigStore {
             return Ok(Written {
                 version: next.version,
                 changes,
+                provisioned: BTreeMap::new(),
             });
         }
+        // In the same write as the listing: a crash between the two left a workspace listed and
+        // never filled (TrustGraph's config service fills it on hearing its own push).
+        let provisioned = match listing {
+            true => next.provision(&listed_before),
+            false => BTreeMap::new(),
+        };
         // Every change before this one announced, deletions too: a crash from here owes at most
         // this write's push, so "everything" need only name what is held now, and its types.
         if self.announced.load(std::sync::atomic::Ordering::Relaxed) >= next.version {
@@ -398,14 +472,30 @@ impl ConfigStore {
                 .iter()
                 .map(|(workspace, values)| (workspace.clone(), values.keys().cloned().collect()))
                 .collect();
+            next.unlisted.clear();
+        }
+        if listing {
+            let listed = next.listed();
+            next.unlisted
+                .extend(listed_before.difference(&listed).cloned());
+            next.unlisted
+                .retain(|workspace| !listed.contains(workspace));
         }
         let held = next.held.entry(workspace.to_owned()).or_default();
         held.extend(changes.keys().cloned());
+        for (made, kinds) in &provisioned {
+            let held = next.held.entry(made.clone()).or_default();
+            held.extend(kinds.iter().cloned());
+        }
         next.version += 1;
         self.persist(&next)?;
         let version = next.version;
         *self.lock()? = next;
-        Ok(Written { version, changes })
+        Ok(Written {
+            version,
+            changes,
+            provisioned,
+        })
     }
 
     fn persist(&self, snapshot: &Snapshot) -> Result<(), StoreError> {
@@ -466,6 +556,105 @@ mod tests {
 
     fn entry(kind: &str, key: &str, value: &str) -> (String, String, String) {
         (kind.into(), key.into(), value.into())
+    }
+
+    /// A workspace listed for the first time gets the template's keys it lacks, in the listing's
+    /// own write, and every type it then holds is named; its own values stay, and one listed
+    /// again is not filled again (a key its owner removed stays removed).
+    #[test]
+    fn a_workspace_listed_is_filled_from_the_template_once() {
+        let dir = temp_dir();
+        let store = ConfigStore::open(&dir).unwrap();
+        store
+            .put(
+                TEMPLATE_WORKSPACE,
+                &[
+                    entry("prompt", "greeting", "\"hi\""),
+                    entry("prompt", "farewell", "\"bye\""),
+                    entry("flow-blueprint", "basic", "{}"),
+                ],
+            )
+            .unwrap();
+        store
+            .put(
+                "acme",
+                &[
+                    entry("prompt", "greeting", "\"mine\""),
+                    entry("tool", "search", "{}"),
+                ],
+            )
+            .unwrap();
+        let list = |name: &str| [entry(WORKSPACE_TYPE, name, "{}")];
+        let before = store.version().unwrap();
+        let written = store.put(WORKSPACES_NAMESPACE, &list("acme")).unwrap();
+        assert_eq!(written.version, before + 1, "one write");
+        assert_eq!(
+            written.provisioned,
+            BTreeMap::from([(
+                "acme".to_owned(),
+                vec![
+                    "flow-blueprint".to_owned(),
+                    "prompt".to_owned(),
+                    "tool".to_owned()
+                ]
+            )])
+        );
+        let (_, acme) = store.dump("acme").unwrap();
+        assert_eq!(acme["prompt"]["greeting"], "\"mine\"");
+        assert_eq!(acme["prompt"]["farewell"], "\"bye\"");
+        assert_eq!(acme["flow-blueprint"]["basic"], "{}");
+        store
+            .delete("acme", &[("prompt".into(), "farewell".into())])
+            .unwrap();
+        let again = store.put(WORKSPACES_NAMESPACE, &list("acme")).unwrap();
+        assert!(again.provisioned.is_empty(), "{again:?}");
+        assert_eq!(keys(&store, "acme", "prompt"), ["greeting"]);
+        // A workspace listed when there is no template: nothing to fill.
+        store
+            .delete(
+                TEMPLATE_WORKSPACE,
+                &[("flow-blueprint".into(), "basic".into())],
+            )
+            .unwrap();
+        store
+            .delete(
+                TEMPLATE_WORKSPACE,
+                &[
+                    ("prompt".into(), "greeting".into()),
+                    ("prompt".into(), "farewell".into()),
+                ],
+            )
+            .unwrap();
+        let bare = store.put(WORKSPACES_NAMESPACE, &list("beta")).unwrap();
+        assert!(bare.provisioned.is_empty(), "{bare:?}");
+        // Survives a reopen, as any write.
+        drop(store);
+        let store = ConfigStore::open(&dir).unwrap();
+        assert_eq!(keys(&store, "acme", "flow-blueprint"), ["basic"]);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// A workspace taken off the list is kept as maybe unannounced, across a reopen, until a
+    /// write after every change was announced; listed again, it is not.
+    #[test]
+    fn a_workspace_taken_off_the_list_is_remembered_until_announced() {
+        let dir = temp_dir();
+        let store = ConfigStore::open(&dir).unwrap();
+        let list = |name: &str| [entry(WORKSPACE_TYPE, name, "{}")];
+        let unlist = |name: &str| [(WORKSPACE_TYPE.to_owned(), name.to_owned())];
+        for name in ["acme", "beta"] {
+            store.put(WORKSPACES_NAMESPACE, &list(name)).unwrap();
+            store.delete(WORKSPACES_NAMESPACE, &unlist(name)).unwrap();
+        }
+        store.put(WORKSPACES_NAMESPACE, &list("beta")).unwrap();
+        assert_eq!(store.unlisted().unwrap(), ["acme"]);
+        drop(store);
+        let store = ConfigStore::open(&dir).unwrap();
+        assert_eq!(store.unlisted().unwrap(), ["acme"]);
+        store.announced_through(store.version().unwrap());
+        store.put(WS, &[entry("memo", "a", "1")]).unwrap();
+        assert!(store.unlisted().unwrap().is_empty());
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[test]

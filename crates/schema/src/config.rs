@@ -98,6 +98,9 @@ pub struct ConfigPush {
 pub const WORKSPACES_NAMESPACE: &str = "__workspaces__";
 /// The type of a workspace's key in [`WORKSPACES_NAMESPACE`].
 pub const WORKSPACE_TYPE: &str = "workspace";
+/// The workspace a workspace is filled from when it is listed (TrustGraph 2.11): its keys that
+/// the new workspace lacks are copied in.
+pub const TEMPLATE_WORKSPACE: &str = "__template__";
 
 /// Workspaces made and removed by the write a [`ConfigPush`] announces.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]

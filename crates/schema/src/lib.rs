@@ -13,7 +13,7 @@ mod triples;
 
 pub use config::{
     operation, ConfigKey, ConfigPush, ConfigRequest, ConfigResponse, ConfigValue, WorkspaceChanges,
-    WORKSPACES_NAMESPACE, WORKSPACE_TYPE,
+    TEMPLATE_WORKSPACE, WORKSPACES_NAMESPACE, WORKSPACE_TYPE,
 };
 pub use control::{control_operation, AgentControl};
 pub use librarian::{librarian_operation, DocumentMetadata, LibrarianRequest, LibrarianResponse};
