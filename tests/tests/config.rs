@@ -291,11 +291,12 @@ async fn a_workspace_removal_owed_when_the_service_died_is_said_by_its_next_star
         .unwrap();
     assert_eq!(listed.status(), 200);
     broker.stop();
-    // Its push waits for the broker; the write is on disk first, which is all this needs.
+    // Its push waits for the broker; the write is on disk first, which is all this needs. (Given
+    // up on sooner, a loaded server can see the client gone before it writes.)
     let _ = http
         .delete(&acme)
         .bearer_auth(&svc.token)
-        .timeout(Duration::from_secs(2))
+        .timeout(Duration::from_secs(10))
         .send()
         .await;
     let stored = svc.data_dir().join("config.json");
@@ -485,11 +486,12 @@ async fn a_write_owed_when_the_service_died_is_named_by_its_next_start() {
     assert_eq!(put.status(), 200);
     broker.stop();
     // The type's last key goes; its push waits for the broker, the write is on disk first,
-    // which is all this needs.
+    // which is all this needs. (Given up on sooner, a loaded server can see the client gone
+    // before it writes.)
     let _ = http
         .delete(&memo)
         .bearer_auth(&svc.token)
-        .timeout(Duration::from_secs(2))
+        .timeout(Duration::from_secs(10))
         .send()
         .await;
     let stored = svc.data_dir().join("config.json");

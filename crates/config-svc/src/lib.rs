@@ -254,21 +254,8 @@ impl Pusher {
     /// push is taken up now; and every one taken off the list whose removal may not have been
     /// announced is said removed (a service drops only one it serves).
     pub async fn push_all(&self) {
-        let read = self.store.every_type().and_then(|(version, changes)| {
-            let (_, listed) = self.store.values_of(WORKSPACES_NAMESPACE, WORKSPACE_TYPE)?;
-            Ok((version, changes, listed, self.store.unlisted()?))
-        });
-        match read {
-            Ok((version, changes, listed, unlisted)) => {
-                let news = News {
-                    changes: Some(changes),
-                    workspaces: WorkspaceChanges {
-                        created: listed.into_keys().collect(),
-                        deleted: unlisted,
-                    },
-                };
-                self.announce(version, news).await;
-            }
+        match self.everything() {
+            Ok((version, news)) => self.announce(version, news).await,
             // The store was read a moment ago (seeded, or opened): a lock poisoned since by a
             // panic, which no write leaves half done. Owed, it goes with the next resend.
             Err(e) => {
@@ -288,6 +275,21 @@ impl Pusher {
         } else {
             self.owe(news);
         }
+    }
+
+    /// "Everything" as a push says it, read at once: every type (see [`ConfigStore::every_type`]),
+    /// every listed workspace made, and every one taken off the list whose removal may not have
+    /// been announced removed.
+    fn everything(&self) -> Result<(u64, News), store::StoreError> {
+        let all = self.store.everything()?;
+        let news = News {
+            changes: Some(all.types),
+            workspaces: WorkspaceChanges {
+                created: all.listed,
+                deleted: all.unlisted,
+            },
+        };
+        Ok((all.version, news))
     }
 
     /// Publishes `news` at `version` (the caller holds a turn); if the broker does not take it,
@@ -310,6 +312,8 @@ impl Pusher {
                     // version); sent naming nothing, TrustGraph's services heard none of it.
                     if whole {
                         self.store.announced_through(push.version);
+                    } else {
+                        self.store.announced_in_part();
                     }
                     return true;
                 }
@@ -376,11 +380,12 @@ impl Pusher {
                     break;
                 };
                 let read = match &owed.changes {
+                    // The store's lists are the latest word on which workspaces came and went.
                     Some(changes) if changes.is_empty() => {
-                        store.every_type().map(|(version, changes)| {
+                        self.everything().map(|(version, all)| {
                             let named = News {
-                                changes: Some(changes),
-                                workspaces: owed.workspaces.clone(),
+                                changes: all.changes,
+                                workspaces: owed.workspaces.clone().then(all.workspaces),
                             };
                             (version, named)
                         })

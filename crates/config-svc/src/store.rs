@@ -79,7 +79,14 @@ impl Snapshot {
     /// reads all it holds, the template's and its own.
     fn provision(&mut self, before: &BTreeSet<String>) -> BTreeMap<String, Vec<String>> {
         let mut provisioned = BTreeMap::new();
-        let made: Vec<String> = self.listed().difference(before).cloned().collect();
+        // Reserved workspaces are storage only: the list itself, listed by mistake, would be
+        // filled with the template's keys.
+        let made: Vec<String> = self
+            .listed()
+            .difference(before)
+            .filter(|workspace| !workspace.starts_with('_'))
+            .cloned()
+            .collect();
         if made.is_empty() {
             return provisioned;
         }
@@ -110,6 +117,23 @@ impl Snapshot {
         provisioned
     }
 
+    /// See [`ConfigStore::every_type`].
+    fn every_type(&self) -> BTreeMap<String, Vec<String>> {
+        let mut types: BTreeMap<String, Vec<String>> = BTreeMap::new();
+        for (workspace, kinds) in &self.held {
+            if workspace.starts_with('_') {
+                continue;
+            }
+            for kind in kinds {
+                types
+                    .entry(kind.clone())
+                    .or_default()
+                    .push(workspace.clone());
+            }
+        }
+        types
+    }
+
     fn of(&self, workspace: &str) -> Option<&Values> {
         self.workspaces.get(workspace)
     }
@@ -124,6 +148,16 @@ pub struct Written {
     /// workspace -> the types the template filled in it: workspaces this write listed (see
     /// [`TEMPLATE_WORKSPACE`]).
     pub provisioned: BTreeMap<String, Vec<String>>,
+}
+
+/// What a push meaning "everything" says (see [`ConfigStore::everything`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Everything {
+    pub version: u64,
+    /// type -> every workspace holding it or having held it.
+    pub types: BTreeMap<String, Vec<String>>,
+    pub listed: Vec<String>,
+    pub unlisted: Vec<String>,
 }
 
 /// A `(type, key, value)`, or a `(workspace, key, value)` of one type.
@@ -141,6 +175,10 @@ pub struct ConfigStore {
     /// Up to which version every change was announced by a push naming it, as this process's
     /// pusher said (nothing at its start).
     announced: std::sync::atomic::AtomicU64,
+    /// A push went out cut down (over the broker's limit): what it left out was never said, and
+    /// a later push naming its own changes does not say it either, so from then on nothing is
+    /// taken as announced (until a restart, whose push says everything again).
+    cut: std::sync::atomic::AtomicBool,
     /// Held while the store is open: the lock goes with the file's closing, a crash's too.
     _owner: std::fs::File,
 }
@@ -231,6 +269,7 @@ impl ConfigStore {
             state: Mutex::new(state),
             writing: Mutex::new(()),
             announced: std::sync::atomic::AtomicU64::new(0),
+            cut: std::sync::atomic::AtomicBool::new(false),
             _owner: owner,
         })
     }
@@ -309,24 +348,26 @@ impl ConfigStore {
     /// type whose last key was deleted is named too, so that they drop what they hold of it.
     pub fn every_type(&self) -> Result<(u64, BTreeMap<String, Vec<String>>), StoreError> {
         let state = self.lock()?;
-        let mut types: BTreeMap<String, Vec<String>> = BTreeMap::new();
-        for (workspace, kinds) in &state.held {
-            if workspace.starts_with('_') {
-                continue;
-            }
-            for kind in kinds {
-                types
-                    .entry(kind.clone())
-                    .or_default()
-                    .push(workspace.clone());
-            }
-        }
-        Ok((state.version, types))
+        Ok((state.version, state.every_type()))
     }
 
-    /// The workspaces taken off the list whose removal may not have been announced yet.
-    pub fn unlisted(&self) -> Result<Vec<String>, StoreError> {
-        Ok(self.lock()?.unlisted.iter().cloned().collect())
+    /// What a push meaning "everything" says, read at once: the version, every type (see
+    /// [`ConfigStore::every_type`]), the workspaces listed, and those taken off the list whose
+    /// removal may not have been announced yet.
+    pub fn everything(&self) -> Result<Everything, StoreError> {
+        let state = self.lock()?;
+        let listed = state.listed();
+        Ok(Everything {
+            version: state.version,
+            types: state.every_type(),
+            unlisted: state
+                .unlisted
+                .iter()
+                .filter(|workspace| !listed.contains(*workspace))
+                .cloned()
+                .collect(),
+            listed: listed.into_iter().collect(),
+        })
     }
 
     /// Every change up to `version` was announced by a push naming it: at the next write, what
@@ -334,8 +375,16 @@ impl ConfigStore {
     /// for ever, the deleted types of workspaces made and emptied again were named in every
     /// start's push, however many came and went, until it was too large to send.
     pub fn announced_through(&self, version: u64) {
+        if self.cut.load(std::sync::atomic::Ordering::Relaxed) {
+            return;
+        }
         self.announced
             .fetch_max(version, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// A push went out without some of what it was to say (see [`ConfigStore::announced_through`]).
+    pub fn announced_in_part(&self) {
+        self.cut.store(true, std::sync::atomic::Ordering::Relaxed);
     }
 
     /// Everything in `workspace`, with the store's version.
@@ -609,6 +658,15 @@ mod tests {
         let again = store.put(WORKSPACES_NAMESPACE, &list("acme")).unwrap();
         assert!(again.provisioned.is_empty(), "{again:?}");
         assert_eq!(keys(&store, "acme", "prompt"), ["greeting"]);
+        // Reserved workspaces are storage only: the list itself is never filled.
+        let reserved = store
+            .put(WORKSPACES_NAMESPACE, &list(WORKSPACES_NAMESPACE))
+            .unwrap();
+        assert!(reserved.provisioned.is_empty(), "{reserved:?}");
+        assert_eq!(
+            keys(&store, WORKSPACES_NAMESPACE, "prompt"),
+            Vec::<String>::new()
+        );
         // A workspace listed when there is no template: nothing to fill.
         store
             .delete(
@@ -635,11 +693,13 @@ mod tests {
     }
 
     /// A workspace taken off the list is kept as maybe unannounced, across a reopen, until a
-    /// write after every change was announced; listed again, it is not.
+    /// write after every change was announced (not the write that takes it off); listed again,
+    /// it is not. After a push that went out cut down, nothing is taken as announced.
     #[test]
     fn a_workspace_taken_off_the_list_is_remembered_until_announced() {
         let dir = temp_dir();
         let store = ConfigStore::open(&dir).unwrap();
+        let unlisted = |store: &ConfigStore| store.everything().unwrap().unlisted;
         let list = |name: &str| [entry(WORKSPACE_TYPE, name, "{}")];
         let unlist = |name: &str| [(WORKSPACE_TYPE.to_owned(), name.to_owned())];
         for name in ["acme", "beta"] {
@@ -647,13 +707,27 @@ mod tests {
             store.delete(WORKSPACES_NAMESPACE, &unlist(name)).unwrap();
         }
         store.put(WORKSPACES_NAMESPACE, &list("beta")).unwrap();
-        assert_eq!(store.unlisted().unwrap(), ["acme"]);
+        assert_eq!(unlisted(&store), ["acme"]);
+        let all = store.everything().unwrap();
+        assert_eq!(all.listed, ["beta"]);
         drop(store);
         let store = ConfigStore::open(&dir).unwrap();
-        assert_eq!(store.unlisted().unwrap(), ["acme"]);
+        assert_eq!(unlisted(&store), ["acme"]);
+        // Everything announced, then beta taken off: beta's removal is not yet.
+        store.announced_through(store.version().unwrap());
+        store.delete(WORKSPACES_NAMESPACE, &unlist("beta")).unwrap();
+        assert_eq!(unlisted(&store), ["beta"]);
+        // A push cut down: announcing later versions forgets nothing.
+        store.announced_in_part();
         store.announced_through(store.version().unwrap());
         store.put(WS, &[entry("memo", "a", "1")]).unwrap();
-        assert!(store.unlisted().unwrap().is_empty());
+        assert_eq!(unlisted(&store), ["beta"]);
+        drop(store);
+        // A new process: its start's push said everything.
+        let store = ConfigStore::open(&dir).unwrap();
+        store.announced_through(store.version().unwrap());
+        store.put(WS, &[entry("memo", "b", "1")]).unwrap();
+        assert!(unlisted(&store).is_empty());
         let _ = std::fs::remove_dir_all(&dir);
     }
 
