@@ -299,6 +299,19 @@ async fn a_workspace_removal_owed_when_the_service_died_is_said_by_its_next_star
         .timeout(Duration::from_secs(10))
         .send()
         .await;
+    stored_once(&svc, "the removal", |store| {
+        store["version"].as_u64() > Some(1) && store["workspaces"]["__workspaces__"].is_null()
+    })
+    .await;
+    let push = start_push_after_a_kill(&mut svc, &mut broker).await;
+    let said = push.workspace_changes.clone().unwrap_or_default();
+    assert_eq!(said.deleted, ["acme"], "{push:?}");
+    assert!(said.created.is_empty(), "{push:?}");
+}
+
+/// The store's file once `reached` holds of it (within 20 s), for a write made while the broker
+/// was down, whose answer waits for its push.
+async fn stored_once(svc: &ConfigSvc, what: &str, reached: impl Fn(&Value) -> bool) -> Value {
     let stored = svc.data_dir().join("config.json");
     let deadline = std::time::Instant::now() + Duration::from_secs(20);
     loop {
@@ -306,29 +319,35 @@ async fn a_workspace_removal_owed_when_the_service_died_is_said_by_its_next_star
             .ok()
             .and_then(|bytes| serde_json::from_slice(&bytes).ok())
             .unwrap_or_default();
-        if store["version"].as_u64() > Some(1) && store["workspaces"]["__workspaces__"].is_null() {
-            break;
+        if reached(&store) {
+            return store;
         }
         assert!(
             std::time::Instant::now() < deadline,
-            "the removal never reached the store: {store}"
+            "{what} never reached the store: {store}"
         );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
+}
+
+/// Kills `svc` (its push still owed to the stopped broker), brings the broker back and restarts
+/// it: its start's push.
+async fn start_push_after_a_kill(
+    svc: &mut ConfigSvc,
+    broker: &mut Broker,
+) -> agent_schema::ConfigPush {
     svc.kill();
     broker.restart().unwrap();
     let bus = Bus::connect(&broker.url(), None).await.unwrap();
     let topics = Topics::trustgraph("default", "default");
     let mut pushes = ConfigPushes::subscribe(&bus, &topics).await.unwrap();
-    // Off the runtime's threads (see `a_write_owed_when_the_service_died_is_named_by_its_next_start`).
+    // Off the runtime's threads: the listener's permits go to the broker from a task of its own,
+    // and a non-persistent topic drops what finds none.
     tokio::task::block_in_place(|| svc.kill_and_restart());
-    let push = tokio::time::timeout(Duration::from_secs(30), pushes.next())
+    tokio::time::timeout(Duration::from_secs(30), pushes.next())
         .await
         .expect("the restarted service pushed nothing")
-        .unwrap();
-    let said = push.workspace_changes.clone().unwrap_or_default();
-    assert_eq!(said.deleted, ["acme"], "{push:?}");
-    assert!(said.created.is_empty(), "{push:?}");
+        .unwrap()
 }
 
 /// A write whose client goes away before the answer is still announced: the store keeps it
@@ -494,36 +513,13 @@ async fn a_write_owed_when_the_service_died_is_named_by_its_next_start() {
         .timeout(Duration::from_secs(10))
         .send()
         .await;
-    let stored = svc.data_dir().join("config.json");
-    let deadline = std::time::Instant::now() + Duration::from_secs(20);
-    let written = loop {
-        let store: Value = std::fs::read(&stored)
-            .ok()
-            .and_then(|bytes| serde_json::from_slice(&bytes).ok())
-            .unwrap_or_default();
-        if store["workspaces"]["default"]["memo"].is_null()
+    let store = stored_once(&svc, "the write", |store| {
+        store["workspaces"]["default"]["memo"].is_null()
             && store["workspaces"]["default"]["agent-limits"].is_object()
-        {
-            break store["version"].as_u64().unwrap();
-        }
-        assert!(
-            std::time::Instant::now() < deadline,
-            "the write never reached the store: {store}"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    };
-    svc.kill();
-    broker.restart().unwrap();
-    let bus = Bus::connect(&broker.url(), None).await.unwrap();
-    let topics = Topics::trustgraph("default", "default");
-    let mut pushes = ConfigPushes::subscribe(&bus, &topics).await.unwrap();
-    // Off the runtime's threads: the listener's permits go to the broker from a task of its own,
-    // and a non-persistent topic drops what finds none.
-    tokio::task::block_in_place(|| svc.kill_and_restart());
-    let push = tokio::time::timeout(Duration::from_secs(30), pushes.next())
-        .await
-        .expect("the restarted service pushed nothing")
-        .unwrap();
+    })
+    .await;
+    let written = store["version"].as_u64().unwrap();
+    let push = start_push_after_a_kill(&mut svc, &mut broker).await;
     assert_eq!(push.version, written, "{push:?}");
     for kind in ["memo", "agent-limits"] {
         assert!(
