@@ -546,6 +546,130 @@ async fn a_message_its_handler_panics_on_is_dead_lettered_after_three_tries() {
     consumer.await.unwrap().unwrap();
 }
 
+/// Polls `done` every 100 ms for up to `within`; whether it came true.
+async fn came_true(within: Duration, done: impl Fn() -> bool) -> bool {
+    let until = tokio::time::Instant::now() + within;
+    while tokio::time::Instant::now() < until {
+        if done() {
+            return true;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    done()
+}
+
+/// A message the broker delivers again to the consumer handling it is not handled a second time:
+/// not while its handler still runs (the broker restarted under it), and not after its ack was lost
+/// with the connection (sent to a frozen broker, then killed). The ack that ends the first
+/// handling settles both copies, and a new consumer of the subscription finds nothing left.
+/// Until 2026-12-07 each copy was handled again at once: with no shared journal behind a handler
+/// (the orchestrator's dead letters), a request ended its dialog twice.
+#[tokio::test]
+async fn a_message_delivered_again_to_its_consumer_is_not_handled_again() {
+    let mut broker = Broker::start().unwrap();
+    let bus = agent_bus::Bus::connect(&broker.url(), None).await.unwrap();
+    let topics = (
+        "persistent://tg/flow/again",
+        "persistent://tg/flow/again-dlq",
+    );
+    let handled = Arc::new(AtomicUsize::new(0));
+    let release = Arc::new(tokio::sync::Semaphore::new(0));
+    let (shutdown, stats, consumer) = {
+        let (handled, release) = (handled.clone(), release.clone());
+        consuming(&bus, topics, Duration::from_millis(200), move |_| {
+            let (handled, release) = (handled.clone(), release.clone());
+            async move {
+                handled.fetch_add(1, Ordering::SeqCst);
+                match release.acquire().await {
+                    Ok(permit) => permit.forget(),
+                    Err(_) => return agent_bus::Disposition::Nack("closed".to_owned()),
+                }
+                agent_bus::Disposition::Ack
+            }
+        })
+    };
+    publish_all(&bus, topics.0, &["\"once\""]).await;
+    let again = || agent_bus::ConsumerStats::get(&stats.again);
+    assert!(
+        came_true(Duration::from_secs(30), || handled.load(Ordering::SeqCst)
+            == 1)
+        .await,
+        "the message was never handled"
+    );
+
+    // The broker restarts while the handler runs; the consumer subscribes again and is sent the
+    // message it has not acked.
+    broker.restart().unwrap();
+    let sent_again = came_true(Duration::from_secs(120), || {
+        again() >= 1 || handled.load(Ordering::SeqCst) > 1
+    })
+    .await;
+    assert!(
+        sent_again,
+        "the broker never sent the message again: nothing tested"
+    );
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(
+        handled.load(Ordering::SeqCst),
+        1,
+        "handled again while its first handling ran"
+    );
+
+    // The handler ends and its ack goes to a broker that reads nothing, and is killed.
+    broker.freeze(true);
+    release.add_permits(1);
+    assert!(
+        came_true(Duration::from_secs(30), || {
+            agent_bus::ConsumerStats::get(&stats.acked) == 1
+        })
+        .await,
+        "the handler's end was never settled"
+    );
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    broker.restart().unwrap();
+    let sent_again = came_true(Duration::from_secs(120), || {
+        again() >= 2 || handled.load(Ordering::SeqCst) > 1
+    })
+    .await;
+    assert!(
+        sent_again,
+        "the broker never sent the message whose ack it lost again: nothing tested"
+    );
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(
+        handled.load(Ordering::SeqCst),
+        1,
+        "handled again after its ack was lost"
+    );
+    shutdown.cancel();
+    consumer.await.unwrap().unwrap();
+
+    // Acked for good: a new consumer of the subscription is sent what was published after it,
+    // and not it (it would come first: it is the older).
+    let after = Arc::new(AtomicUsize::new(0));
+    let (shutdown, _, consumer) = {
+        let (handled, after) = (handled.clone(), after.clone());
+        consuming(&bus, topics, Duration::from_millis(200), move |d| {
+            let (handled, after) = (handled.clone(), after.clone());
+            async move {
+                let counter = if d.payload == "after" { after } else { handled };
+                counter.fetch_add(1, Ordering::SeqCst);
+                agent_bus::Disposition::Ack
+            }
+        })
+    };
+    publish_all(&bus, topics.0, &["\"after\""]).await;
+    assert!(
+        came_true(Duration::from_secs(60), || after.load(Ordering::SeqCst)
+            == 1)
+        .await,
+        "the message published after it never came"
+    );
+    assert_eq!(handled.load(Ordering::SeqCst), 1, "the message came back");
+    shutdown.cancel();
+    consumer.await.unwrap().unwrap();
+}
+
 /// A message of a non-persistent topic that its handler nacks is not lost: such a topic never
 /// delivers it again, so the consumer runs the handler again itself, and one still refused after
 /// four tries goes to the dead-letter topic saying why (a client's request there ends its dialog

@@ -18,7 +18,7 @@ pub fn describe() {
     let registry = global();
     registry.describe(FANOUTS_OPEN, Kind::Gauge, "Supervisor fan-outs recorded in the graph store and not yet synthesised (all aggregators).");
     registry.describe(FANIN_LATENCY, Kind::Histogram, "From a fan-out being recorded to its synthesis being requested, by outcome (complete, timed_out).");
-    registry.describe(MESSAGES, Kind::Counter, "Explainability messages by fate: received, acked, nacked (to be redelivered), dead-lettered (with the triples that are valid RDF written, but for a fan-out or a completion).");
+    registry.describe(MESSAGES, Kind::Counter, "Explainability messages by fate: received, acked, nacked (to be redelivered), again (delivered again while in hand or just handled: not handled again), dead-lettered (with the triples that are valid RDF written, but for a fan-out or a completion).");
     registry.describe(JOURNAL_RECORDS, Kind::Counter, "Records of step outcomes this aggregator decided, by result: recorded (the first for its step), stood (another record of the step stood, and was answered).");
     registry.describe(QUERIES_REFUSED, Kind::Counter, "SPARQL queries and updates refused or stopped, by reason: busy (no turn free), timeout (stopped at the time limit), too_large (result over the row limit, or work over the budget of bindings), update_timeout (an update stopped at the time limit; it wrote nothing).");
 }

@@ -15,6 +15,7 @@ use serde::de::DeserializeOwned;
 use tokio::task::{Id, JoinSet};
 use tokio_util::sync::CancellationToken;
 
+use crate::redelivered::{InFlight, Seen};
 use crate::{Bus, BusError, Properties, Publisher};
 
 /// Where and how to consume.
@@ -182,6 +183,9 @@ pub struct ConsumerStats {
     pub acked: AtomicU64,
     pub nacked: AtomicU64,
     pub dead_lettered: AtomicU64,
+    /// Messages the broker delivered again while this consumer had them in hand, or after it had
+    /// handled them (the ack lost with a connection): not handled again (see `redelivered`).
+    pub again: AtomicU64,
     /// Messages of a non-persistent topic dropped because as much as the intake holds waited for
     /// a handler already (see `Intake`; also counted in [`SHED_METRIC`]).
     pub shed: AtomicU64,
@@ -196,7 +200,8 @@ impl ConsumerStats {
     }
 
     /// Copies the counts into the process's counter `family` (declared by the service), one series
-    /// per fate: received, acked, nacked (to be redelivered), dead_lettered. (What a consumer of
+    /// per fate: received, acked, nacked (to be redelivered), dead_lettered, again (delivered
+    /// again and not handled again). (What a consumer of
     /// a non-persistent topic drops goes to [`SHED_METRIC`] whatever the consumer.)
     pub fn report(&self, family: &str) {
         let registry = agent_metrics::global();
@@ -205,6 +210,7 @@ impl ConsumerStats {
             ("acked", &self.acked),
             ("nacked", &self.nacked),
             ("dead_lettered", &self.dead_lettered),
+            ("again", &self.again),
         ] {
             registry.set_total(
                 family,
@@ -214,10 +220,6 @@ impl ConsumerStats {
         }
     }
 }
-
-/// The messages whose handlers run or whose dead letters are on their way, by task, each with its
-/// payload taken out of the message (the task shares it).
-type InFlight = HashMap<Id, (Message<Vec<u8>>, Arc<[u8]>)>;
 
 /// What a task of the loop ends with. A dead letter's publishing is a task like a handler, and
 /// holds a place among `max_in_flight` as one: awaited in the loop, it would stop the loop from
@@ -413,7 +415,7 @@ where
 
     let handler = Arc::new(handler);
     let mut tasks: JoinSet<Finished> = JoinSet::new();
-    let mut in_flight = InFlight::new();
+    let mut in_flight = InFlight::default();
     let mut panics = Panics::default();
     let mut batches = BatchAcks::default();
     let aside = Aside::counted(max_in_flight as u64 * ASIDE_PER_PLACE);
@@ -436,7 +438,7 @@ where
             (&mut consumer, &mut batches),
             &mut intake,
             (&handler, &aside, &dead_letters, places()),
-            (&mut tasks, &mut in_flight),
+            (&mut tasks, &mut in_flight, &stats),
             config.nack_delay,
         )
         .await;
@@ -505,7 +507,7 @@ where
                 (&mut consumer, &mut batches),
                 &mut intake,
                 (&handler, &aside, &dead_letters, places()),
-                (&mut tasks, &mut in_flight),
+                (&mut tasks, &mut in_flight, &stats),
                 config.nack_delay,
             )
             .await;
@@ -603,7 +605,7 @@ async fn start_waiting<T, F, Fut>(
     (consumer, batches): (&mut Consumer<Vec<u8>, TokioExecutor>, &mut BatchAcks),
     intake: &mut Intake,
     (handler, aside, dead_letters, places): (&Arc<F>, &Aside, &Option<Publisher>, usize),
-    (tasks, in_flight): (&mut JoinSet<Finished>, &mut InFlight),
+    (tasks, in_flight, stats): (&mut JoinSet<Finished>, &mut InFlight, &ConsumerStats),
     nack_delay: Duration,
 ) where
     T: DeserializeOwned + Send + 'static,
@@ -612,11 +614,21 @@ async fn start_waiting<T, F, Fut>(
 {
     while tasks.len() < places {
         let Some(message) = intake.next() else { break };
-        if batches.was_done(&message) {
-            if let Err(e) = ack(consumer, batches, &message).await {
-                tracing::warn!(error = %e, "ack failed; the message will be redelivered");
+        match in_flight.seen(&message) {
+            Seen::New if !batches.was_done(&message) => {}
+            Seen::InHand => {
+                stats.again.fetch_add(1, Ordering::Relaxed);
+                tracing::info!(topic = %message.topic, message_id = ?message.message_id.id, "delivered again while its handler runs: settled with it");
+                continue;
             }
-            continue;
+            Seen::New | Seen::Handled => {
+                stats.again.fetch_add(1, Ordering::Relaxed);
+                tracing::info!(topic = %message.topic, message_id = ?message.message_id.id, "delivered again after it was handled: acked again");
+                if let Err(e) = ack(consumer, batches, &message).await {
+                    tracing::warn!(error = %e, "ack failed; the message will be redelivered");
+                }
+                continue;
+            }
         }
         if let Err(refused) = start(handler, tasks, in_flight, aside, nack_delay, message) {
             let (mut message, reason) = *refused;
@@ -710,7 +722,7 @@ async fn keep_dead_letters(bus: Bus, topic: String) {
     }
 }
 
-fn is_non_persistent(topic: &str) -> bool {
+pub(crate) fn is_non_persistent(topic: &str) -> bool {
     topic.starts_with("non-persistent://")
 }
 
@@ -866,7 +878,7 @@ where
             work = handler(delivery(payload));
         }
     });
-    in_flight.insert(handle.id(), (message, raw));
+    in_flight.insert(handle.id(), message, raw);
     Ok(())
 }
 
@@ -1013,6 +1025,7 @@ async fn settle(
         Finished::Panicked(what) => after_panic(panics, &message, &what),
         Finished::DeadLettered(Ok(())) => {
             stats.dead_lettered.fetch_add(1, Ordering::Relaxed);
+            in_flight.handled(&message);
             if let Err(e) = ack(consumer, batches, &message).await {
                 tracing::warn!(error = %e, "ack after dead-lettering failed");
             }
@@ -1030,6 +1043,8 @@ async fn settle(
     match disposition {
         Disposition::Ack => {
             tracing::debug!(message_id = ?message.message_id.id, "ack");
+            // Whether the ack reaches the broker or not: a copy sent again is not handled again.
+            in_flight.handled(&message);
             if let Err(e) = ack(consumer, batches, &message).await {
                 tracing::warn!(error = %e, "ack failed; the message will be redelivered");
             } else {
@@ -1092,6 +1107,7 @@ async fn dead_letter(
     let logged = cut_at_char(reason, MAX_REASON_BYTES);
     let Some(dead_letters) = dead_letters.clone() else {
         tracing::warn!(topic = %message.topic, reason = %logged, "dropping a message nothing can be done with");
+        in_flight.handled(&message);
         if let Err(e) = ack(consumer, batches, &message).await {
             tracing::warn!(error = %e, "ack failed");
         }
@@ -1114,7 +1130,7 @@ async fn dead_letter(
         Finished::DeadLettered(published)
     });
     // The payload travels with the task alone.
-    in_flight.insert(handle.id(), (message, Arc::from(Vec::new())));
+    in_flight.insert(handle.id(), message, Arc::from(Vec::new()));
 }
 
 /// The most of a dead letter's reason kept (logged and sent).

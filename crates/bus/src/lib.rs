@@ -14,6 +14,7 @@ mod librarian;
 pub mod orphans;
 pub mod owner_fence;
 mod publisher;
+mod redelivered;
 mod resend;
 pub mod seal;
 mod service;

@@ -48,7 +48,7 @@ pub fn describe() {
     registry.describe(
         MESSAGES,
         Kind::Counter,
-        "Request messages by fate: received, acked, nacked (to be redelivered), dead-lettered.",
+        "Request messages by fate: received, acked, nacked (to be redelivered), dead-lettered, again (delivered again while in hand or just handled: not handled again).",
     );
     registry.describe(
         PARKED,
