@@ -559,113 +559,125 @@ async fn came_true(within: Duration, done: impl Fn() -> bool) -> bool {
 }
 
 /// A message the broker delivers again to the consumer handling it is not handled a second time:
-/// not while its handler still runs (the broker restarted under it), and not after its ack was lost
-/// with the connection (sent to a frozen broker, then killed). The ack that ends the first
-/// handling settles both copies, and a new consumer of the subscription finds nothing left.
-/// Until 2026-12-07 each copy was handled again at once: with no shared journal behind a handler
-/// (the orchestrator's dead letters), a request ended its dialog twice.
+/// not while its handler still runs (the broker restarted under it), and not after its ack was
+/// lost with the connection (sent to a frozen broker, then killed). The nack or ack that ends the
+/// first handling settles the copy too: a nack brings the message back once, an ack for good, and
+/// a new consumer of the subscription finds nothing left. Until 2026-12-07 each copy was handled
+/// again at once: with no shared journal behind a handler (the orchestrator's dead letters), a
+/// request ended its dialog twice.
 #[tokio::test]
 async fn a_message_delivered_again_to_its_consumer_is_not_handled_again() {
+    use agent_bus::Disposition;
+    use std::collections::HashMap;
+    use std::sync::Mutex;
     let mut broker = Broker::start().unwrap();
     let bus = agent_bus::Bus::connect(&broker.url(), None).await.unwrap();
     let topics = (
         "persistent://tg/flow/again",
         "persistent://tg/flow/again-dlq",
     );
-    let handled = Arc::new(AtomicUsize::new(0));
-    let release = Arc::new(tokio::sync::Semaphore::new(0));
+    // Each handling of a payload is counted, and ends as the test says when it says so.
+    let handled: Arc<Mutex<HashMap<String, usize>>> = Arc::default();
+    let (end, ends) = tokio::sync::mpsc::unbounded_channel::<Disposition>();
+    let ends = Arc::new(tokio::sync::Mutex::new(ends));
     let (shutdown, stats, consumer) = {
-        let (handled, release) = (handled.clone(), release.clone());
-        consuming(&bus, topics, Duration::from_millis(200), move |_| {
-            let (handled, release) = (handled.clone(), release.clone());
+        let (handled, ends) = (handled.clone(), ends.clone());
+        consuming(&bus, topics, Duration::from_millis(200), move |d| {
+            let (handled, ends) = (handled.clone(), ends.clone());
             async move {
-                handled.fetch_add(1, Ordering::SeqCst);
-                match release.acquire().await {
-                    Ok(permit) => permit.forget(),
-                    Err(_) => return agent_bus::Disposition::Nack("closed".to_owned()),
-                }
-                agent_bus::Disposition::Ack
+                *handled.lock().unwrap().entry(d.payload).or_default() += 1;
+                let told = ends.lock().await.recv().await;
+                told.unwrap_or(Disposition::Nack("the test ended".to_owned()))
             }
         })
     };
-    publish_all(&bus, topics.0, &["\"once\""]).await;
+    let times = |payload: &str| handled.lock().unwrap().get(payload).copied().unwrap_or(0);
     let again = || agent_bus::ConsumerStats::get(&stats.again);
+    let acked = || agent_bus::ConsumerStats::get(&stats.acked);
+
+    // 1. The broker restarts while the handler runs; the consumer subscribes again and is sent
+    // the message it has not acked. The first handling nacks: the message comes back once.
+    publish_all(&bus, topics.0, &["\"restarted\""]).await;
     assert!(
-        came_true(Duration::from_secs(30), || handled.load(Ordering::SeqCst)
-            == 1)
-        .await,
+        came_true(Duration::from_secs(30), || times("restarted") == 1).await,
         "the message was never handled"
     );
-
-    // The broker restarts while the handler runs; the consumer subscribes again and is sent the
-    // message it has not acked.
     broker.restart().unwrap();
-    let sent_again = came_true(Duration::from_secs(120), || {
-        again() >= 1 || handled.load(Ordering::SeqCst) > 1
-    })
-    .await;
     assert!(
-        sent_again,
+        came_true(Duration::from_secs(120), || {
+            again() >= 1 || times("restarted") > 1
+        })
+        .await,
         "the broker never sent the message again: nothing tested"
     );
     tokio::time::sleep(Duration::from_millis(500)).await;
     assert_eq!(
-        handled.load(Ordering::SeqCst),
+        times("restarted"),
         1,
         "handled again while its first handling ran"
     );
-
-    // The handler ends and its ack goes to a broker that reads nothing, and is killed.
-    broker.freeze(true);
-    release.add_permits(1);
+    end.send(Disposition::Nack("once more".to_owned())).unwrap();
     assert!(
-        came_true(Duration::from_secs(30), || {
-            agent_bus::ConsumerStats::get(&stats.acked) == 1
-        })
-        .await,
+        came_true(Duration::from_secs(60), || times("restarted") == 2).await,
+        "the nack of the first handling did not bring the message back"
+    );
+    end.send(Disposition::Ack).unwrap();
+    assert!(
+        came_true(Duration::from_secs(30), || acked() == 1).await,
+        "the second handling's ack was never settled"
+    );
+
+    // 2. A handler's ack goes to a broker that reads nothing, and is killed: the message comes
+    // back, and is acked again without its handler.
+    publish_all(&bus, topics.0, &["\"ack lost\""]).await;
+    assert!(
+        came_true(Duration::from_secs(30), || times("ack lost") == 1).await,
+        "the second message was never handled"
+    );
+    broker.freeze(true);
+    end.send(Disposition::Ack).unwrap();
+    assert!(
+        came_true(Duration::from_secs(30), || acked() == 2).await,
         "the handler's end was never settled"
     );
+    let before = again();
     tokio::time::sleep(Duration::from_millis(500)).await;
     broker.restart().unwrap();
-    let sent_again = came_true(Duration::from_secs(120), || {
-        again() >= 2 || handled.load(Ordering::SeqCst) > 1
-    })
-    .await;
     assert!(
-        sent_again,
+        came_true(Duration::from_secs(120), || {
+            again() > before || times("ack lost") > 1
+        })
+        .await,
         "the broker never sent the message whose ack it lost again: nothing tested"
     );
     tokio::time::sleep(Duration::from_millis(500)).await;
-    assert_eq!(
-        handled.load(Ordering::SeqCst),
-        1,
-        "handled again after its ack was lost"
-    );
+    assert_eq!(times("ack lost"), 1, "handled again after its ack was lost");
     shutdown.cancel();
     consumer.await.unwrap().unwrap();
 
-    // Acked for good: a new consumer of the subscription is sent what was published after it,
-    // and not it (it would come first: it is the older).
-    let after = Arc::new(AtomicUsize::new(0));
+    // 3. Acked for good: a new consumer of the subscription is sent what was published after
+    // them, and neither of them (they would come first: they are the older).
     let (shutdown, _, consumer) = {
-        let (handled, after) = (handled.clone(), after.clone());
+        let handled = handled.clone();
         consuming(&bus, topics, Duration::from_millis(200), move |d| {
-            let (handled, after) = (handled.clone(), after.clone());
+            let handled = handled.clone();
             async move {
-                let counter = if d.payload == "after" { after } else { handled };
-                counter.fetch_add(1, Ordering::SeqCst);
-                agent_bus::Disposition::Ack
+                *handled.lock().unwrap().entry(d.payload).or_default() += 1;
+                Disposition::Ack
             }
         })
     };
     publish_all(&bus, topics.0, &["\"after\""]).await;
     assert!(
-        came_true(Duration::from_secs(60), || after.load(Ordering::SeqCst)
-            == 1)
-        .await,
-        "the message published after it never came"
+        came_true(Duration::from_secs(60), || times("after") == 1).await,
+        "the message published after them never came"
     );
-    assert_eq!(handled.load(Ordering::SeqCst), 1, "the message came back");
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(
+        (times("restarted"), times("ack lost")),
+        (2, 1),
+        "a message came back"
+    );
     shutdown.cancel();
     consumer.await.unwrap().unwrap();
 }
@@ -718,6 +730,68 @@ async fn a_nacked_message_of_a_non_persistent_topic_is_tried_again_then_dead_let
     let count = |p: &str| tries.iter().filter(|t| *t == p).count();
     assert_eq!(count("third time lucky"), 3, "{tries:?}");
     assert_eq!(count("never"), 4, "{tries:?}");
+    shutdown.cancel();
+    consumer.await.unwrap().unwrap();
+}
+
+/// The dead letter of a non-persistent topic's message is not given up at the first failed send:
+/// such a message, nacked, would be lost (its broker never sends it again). A client's request
+/// whose forwarding failed in a broker's restart has its dead letter failing in the same restart;
+/// the client then waited for ever. Now it is sent again until the broker takes it (two minutes
+/// at most).
+#[tokio::test]
+async fn a_non_persistent_messages_dead_letter_is_sent_again_until_the_broker_takes_it() {
+    let mut broker = Broker::start().unwrap();
+    let bus = agent_bus::Bus::connect(&broker.url(), None).await.unwrap();
+    let topics = (
+        "non-persistent://tg/request/letter-outage",
+        "persistent://tg/flow/letter-outage-dlq",
+    );
+    // Subscribed before, so that the broker keeps the letter for it.
+    let dlq = read_from_start(&broker, topics.1, "test-dlq").await;
+    let tries = Arc::new(AtomicUsize::new(0));
+    let (shutdown, stats, consumer) = {
+        let tries = tries.clone();
+        consuming(&bus, topics, Duration::from_secs(3), move |_| {
+            tries.fetch_add(1, Ordering::SeqCst);
+            async { agent_bus::Disposition::Nack("refused".to_owned()) }
+        })
+    };
+    let subscribed = tokio::time::Instant::now() + Duration::from_secs(30);
+    while !stats.consuming.load(Ordering::SeqCst) {
+        assert!(tokio::time::Instant::now() < subscribed, "never subscribed");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    publish_all(&bus, topics.0, &["\"stranded\""]).await;
+    // The last try comes 3 s after the third, and its dead letter 3 s after that: the broker is
+    // stopped in between.
+    assert!(
+        came_true(Duration::from_secs(30), || tries.load(Ordering::SeqCst)
+            == 3)
+        .await,
+        "the message was not tried three times"
+    );
+    broker.stop();
+    let failed = || agent_bus::ConsumerStats::get(&stats.dead_letter_sends_failed);
+    assert!(
+        came_true(Duration::from_secs(100), || failed() >= 1).await,
+        "the dead letter's send never failed: nothing tested"
+    );
+    assert_eq!(tries.load(Ordering::SeqCst), 4);
+    broker.restart().unwrap();
+    // The reader's subscription kept the letter's place; read again on a new connection.
+    drop(dlq);
+    let mut dlq = read_from_start(&broker, topics.1, "test-dlq").await;
+    let letter = tokio::time::timeout(Duration::from_secs(90), dlq.next())
+        .await
+        .expect("no dead letter within 90 s of the broker's return")
+        .unwrap()
+        .unwrap();
+    assert_eq!(letter.payload.data, b"\"stranded\"");
+    let reason = agent_bus::message_property(&letter, "dead-letter-reason").unwrap();
+    assert!(reason.contains("4 tries"), "{reason}");
+    assert_eq!(agent_bus::ConsumerStats::get(&stats.dead_lettered), 1);
     shutdown.cancel();
     consumer.await.unwrap().unwrap();
 }

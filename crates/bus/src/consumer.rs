@@ -186,6 +186,9 @@ pub struct ConsumerStats {
     /// Messages the broker delivered again while this consumer had them in hand, or after it had
     /// handled them (the ack lost with a connection): not handled again (see `redelivered`).
     pub again: AtomicU64,
+    /// Sends of dead letters that failed (the message is then nacked to come back, or, of a
+    /// non-persistent topic, its dead letter sent again for a while).
+    pub dead_letter_sends_failed: AtomicU64,
     /// Messages of a non-persistent topic dropped because as much as the intake holds waited for
     /// a handler already (see `Intake`; also counted in [`SHED_METRIC`]).
     pub shed: AtomicU64,
@@ -358,6 +361,10 @@ impl Panics {
 /// How often a handler is run on a message of a non-persistent topic that it nacks, before the
 /// message goes to the dead-letter topic (see [`start`]).
 const NON_PERSISTENT_TRIES: u32 = 4;
+
+/// How long the dead letter of a non-persistent topic's message is sent again after it failed
+/// (its message would be lost): longer than a broker's restart.
+const NON_PERSISTENT_DEAD_LETTER_PATIENCE: Duration = Duration::from_secs(120);
 
 /// How long a consumer's close may wait for the broker's answer.
 const CLOSE_WITHIN: Duration = Duration::from_secs(5);
@@ -562,6 +569,14 @@ where
                 settle((&mut consumer, &mut batches), &dead_letters, &stats, (&mut tasks, &mut in_flight, &mut panics), config.nack_delay, done).await;
             }
             next = consumer.next(), if stream_open => match next {
+                // One handled here lately (its ack lost with a connection) is acked again rather
+                // than let go to another consumer, which would handle it again.
+                Some(Ok(message)) if in_flight.seen(&message) == Seen::Handled => {
+                    stats.again.fetch_add(1, Ordering::Relaxed);
+                    if let Err(e) = ack(&mut consumer, &mut batches, &message).await {
+                        tracing::debug!(error = %e, "ack while draining failed");
+                    }
+                }
                 Some(Ok(_)) => let_go += 1,
                 Some(Err(_)) => tokio::time::sleep(Duration::from_millis(50)).await,
                 None => stream_open = false,
@@ -605,7 +620,7 @@ async fn start_waiting<T, F, Fut>(
     (consumer, batches): (&mut Consumer<Vec<u8>, TokioExecutor>, &mut BatchAcks),
     intake: &mut Intake,
     (handler, aside, dead_letters, places): (&Arc<F>, &Aside, &Option<Publisher>, usize),
-    (tasks, in_flight, stats): (&mut JoinSet<Finished>, &mut InFlight, &ConsumerStats),
+    (tasks, in_flight, stats): (&mut JoinSet<Finished>, &mut InFlight, &Arc<ConsumerStats>),
     nack_delay: Duration,
 ) where
     T: DeserializeOwned + Send + 'static,
@@ -621,9 +636,15 @@ async fn start_waiting<T, F, Fut>(
                 tracing::info!(topic = %message.topic, message_id = ?message.message_id.id, "delivered again while its handler runs: settled with it");
                 continue;
             }
-            Seen::New | Seen::Handled => {
+            seen => {
                 stats.again.fetch_add(1, Ordering::Relaxed);
-                tracing::info!(topic = %message.topic, message_id = ?message.message_id.id, "delivered again after it was handled: acked again");
+                // A batch's member done before whose entry came back for another member's nack
+                // is expected, a line for each member: not worth the log's attention.
+                if seen == Seen::New {
+                    tracing::debug!(topic = %message.topic, message_id = ?message.message_id.id, "a batch member done before came back with its entry: acked again");
+                } else {
+                    tracing::info!(topic = %message.topic, message_id = ?message.message_id.id, "delivered again after it was handled: acked again");
+                }
                 if let Err(e) = ack(consumer, batches, &message).await {
                     tracing::warn!(error = %e, "ack failed; the message will be redelivered");
                 }
@@ -636,7 +657,7 @@ async fn start_waiting<T, F, Fut>(
             dead_letter(
                 (consumer, batches),
                 dead_letters,
-                (tasks, in_flight),
+                (tasks, in_flight, stats),
                 (message, letter),
                 &reason,
                 nack_delay,
@@ -1004,7 +1025,7 @@ async fn resubscribe(
 async fn settle(
     (consumer, batches): (&mut Consumer<Vec<u8>, TokioExecutor>, &mut BatchAcks),
     dead_letters: &Option<Publisher>,
-    stats: &ConsumerStats,
+    stats: &Arc<ConsumerStats>,
     (tasks, in_flight, panics): (&mut JoinSet<Finished>, &mut InFlight, &mut Panics),
     nack_delay: Duration,
     done: Result<(Id, Finished), tokio::task::JoinError>,
@@ -1031,7 +1052,11 @@ async fn settle(
             }
             return;
         }
-        // Not acked: it comes back and we try again rather than lose it.
+        // Not acked: a persistent topic's comes back and we try again rather than lose it.
+        Finished::DeadLettered(Err(e)) if is_non_persistent(&message.topic) => {
+            tracing::error!(error = %e, topic = %message.topic, "dead-letter publish failed for {} s: the message is lost", NON_PERSISTENT_DEAD_LETTER_PATIENCE.as_secs());
+            return;
+        }
         Finished::DeadLettered(Err(e)) => {
             tracing::error!(error = %e, "dead-letter publish failed");
             if let Err(e) = consumer.nack(&message).await {
@@ -1062,7 +1087,7 @@ async fn settle(
             dead_letter(
                 (consumer, batches),
                 dead_letters,
-                (tasks, in_flight),
+                (tasks, in_flight, stats),
                 (message, payload.to_vec()),
                 &reason,
                 nack_delay,
@@ -1093,11 +1118,13 @@ fn after_panic(panics: &mut Panics, message: &Message<Vec<u8>>, what: &str) -> D
 
 /// Sends a message and its payload to the dead-letter topic with `reason`, in a task of the
 /// loop's (see [`Finished`]); a consumer with no dead-letter topic acks and drops it at once. A
-/// publish that fails waits `nack_delay` before its message is nacked, as a handler's nack does.
+/// publish that fails waits `nack_delay` before its message is nacked, as a handler's nack does;
+/// a non-persistent topic's is sent again instead, for up to
+/// [`NON_PERSISTENT_DEAD_LETTER_PATIENCE`].
 async fn dead_letter(
     (consumer, batches): (&mut Consumer<Vec<u8>, TokioExecutor>, &mut BatchAcks),
     dead_letters: &Option<Publisher>,
-    (tasks, in_flight): (&mut JoinSet<Finished>, &mut InFlight),
+    (tasks, in_flight, stats): (&mut JoinSet<Finished>, &mut InFlight, &Arc<ConsumerStats>),
     (message, mut letter): (Message<Vec<u8>>, Vec<u8>),
     reason: &str,
     nack_delay: Duration,
@@ -1122,12 +1149,28 @@ async fn dead_letter(
         reason,
         dead_letters.max_message_bytes(),
     );
+    // A persistent topic's message, not acked, comes back to be dead-lettered again; a
+    // non-persistent topic's would be lost (a client's request whose forwarding failed in a broker
+    // restart, its dead letter failing in the same restart, and the client waiting for ever), so
+    // its dead letter is sent again here for a while, holding its place.
+    let patience = is_non_persistent(&message.topic).then_some(NON_PERSISTENT_DEAD_LETTER_PATIENCE);
+    let stats = stats.clone();
     let handle = tasks.spawn(async move {
-        let published = dead_letters.send(letter, &properties).await;
-        if published.is_err() {
-            tokio::time::sleep(nack_delay).await;
+        let since = tokio::time::Instant::now();
+        let mut wait = nack_delay;
+        loop {
+            let published = dead_letters.send(letter.clone(), &properties).await;
+            let Err(e) = published else {
+                return Finished::DeadLettered(Ok(()));
+            };
+            stats.dead_letter_sends_failed.fetch_add(1, Ordering::Relaxed);
+            tokio::time::sleep(wait).await;
+            if patience.is_none_or(|patience| since.elapsed() >= patience) {
+                return Finished::DeadLettered(Err(e));
+            }
+            tracing::warn!(error = %e, "dead-letter publish failed; a non-persistent topic's message is lost without it, so it is sent again");
+            wait = (wait * 2).clamp(Duration::from_millis(100), Duration::from_secs(5));
         }
-        Finished::DeadLettered(published)
     });
     // The payload travels with the task alone.
     in_flight.insert(handle.id(), message, Arc::from(Vec::new()));

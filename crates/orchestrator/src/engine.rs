@@ -274,7 +274,8 @@ impl Engine {
     /// process. Run beside the first, it would ask the LLM again for a step whose outcome is not
     /// recorded yet (and a dialog continued in process holds its first message for the whole
     /// dialog); so it waits for the first and takes its disposition (a nack of either comes
-    /// back later).
+    /// back later). The bus's consumer keeps such a copy from its handler already (`agent_bus`'s
+    /// `redelivered`); this stays as a second guard, should the copy come by another way.
     pub async fn handle(&self, delivery: Delivery<AgentRequest>) -> Disposition {
         let waiting = {
             let mut handling = emit::locked(&self.handling);
