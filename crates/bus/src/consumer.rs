@@ -1052,11 +1052,12 @@ async fn settle(
             }
             return;
         }
-        // Not acked: a persistent topic's comes back and we try again rather than lose it.
+        // Its dead letter was sent again until the patience ran out: nothing more to be done.
         Finished::DeadLettered(Err(e)) if is_non_persistent(&message.topic) => {
-            tracing::error!(error = %e, topic = %message.topic, "dead-letter publish failed for {} s: the message is lost", NON_PERSISTENT_DEAD_LETTER_PATIENCE.as_secs());
+            tracing::error!(error = %e, topic = %message.topic, "dead-letter publish failed (sent again for up to {} s): the message is lost", NON_PERSISTENT_DEAD_LETTER_PATIENCE.as_secs());
             return;
         }
+        // Not acked: a persistent topic's comes back and we try again rather than lose it.
         Finished::DeadLettered(Err(e)) => {
             tracing::error!(error = %e, "dead-letter publish failed");
             if let Err(e) = consumer.nack(&message).await {
@@ -1152,24 +1153,35 @@ async fn dead_letter(
     // A persistent topic's message, not acked, comes back to be dead-lettered again; a
     // non-persistent topic's would be lost (a client's request whose forwarding failed in a broker
     // restart, its dead letter failing in the same restart, and the client waiting for ever), so
-    // its dead letter is sent again here for a while, holding its place.
+    // its dead letter is sent again here for a while, holding its place (in a long outage every
+    // place may be so held, and the consumer takes nothing more until the broker is back).
     let patience = is_non_persistent(&message.topic).then_some(NON_PERSISTENT_DEAD_LETTER_PATIENCE);
     let stats = stats.clone();
+    let topic = message.topic.clone();
     let handle = tasks.spawn(async move {
+        let Some(patience) = patience else {
+            let published = dead_letters.send(letter, &properties).await;
+            if published.is_err() {
+                stats.dead_letter_sends_failed.fetch_add(1, Ordering::Relaxed);
+                tokio::time::sleep(nack_delay).await;
+            }
+            return Finished::DeadLettered(published);
+        };
         let since = tokio::time::Instant::now();
-        let mut wait = nack_delay;
+        let mut wait = nack_delay.clamp(Duration::from_millis(100), Duration::from_secs(5));
         loop {
             let published = dead_letters.send(letter.clone(), &properties).await;
             let Err(e) = published else {
                 return Finished::DeadLettered(Ok(()));
             };
             stats.dead_letter_sends_failed.fetch_add(1, Ordering::Relaxed);
-            tokio::time::sleep(wait).await;
-            if patience.is_none_or(|patience| since.elapsed() >= patience) {
+            // Too large is refused the same way every time: nothing to wait for.
+            if !e.passes() || since.elapsed() >= patience {
                 return Finished::DeadLettered(Err(e));
             }
-            tracing::warn!(error = %e, "dead-letter publish failed; a non-persistent topic's message is lost without it, so it is sent again");
-            wait = (wait * 2).clamp(Duration::from_millis(100), Duration::from_secs(5));
+            tracing::warn!(%topic, error = %e, "dead-letter publish failed; a non-persistent topic's message is lost without it, so it is sent again");
+            tokio::time::sleep(wait).await;
+            wait = wait.saturating_mul(2).min(Duration::from_secs(5));
         }
     });
     // The payload travels with the task alone.
