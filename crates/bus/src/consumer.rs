@@ -204,8 +204,8 @@ impl ConsumerStats {
 
     /// Copies the counts into the process's counter `family` (declared by the service), one series
     /// per fate: received, acked, nacked (to be redelivered), dead_lettered, again (delivered
-    /// again and not handled again). (What a consumer of
-    /// a non-persistent topic drops goes to [`SHED_METRIC`] whatever the consumer.)
+    /// again and not handled again). (What a consumer of a non-persistent topic drops goes to
+    /// [`SHED_METRIC`] whatever the consumer.)
     pub fn report(&self, family: &str) {
         let registry = agent_metrics::global();
         for (fate, counter) in [
