@@ -15,7 +15,7 @@ use serde::de::DeserializeOwned;
 use tokio::task::{Id, JoinSet};
 use tokio_util::sync::CancellationToken;
 
-use crate::redelivered::{InFlight, Seen};
+use crate::redelivered::{Held, InFlight, MessageKey, Seen};
 use crate::{Bus, BusError, Properties, Publisher};
 
 /// Where and how to consume.
@@ -1038,7 +1038,12 @@ async fn settle(
             Finished::Handled(Disposition::Nack(format!("handler failed: {e}"))),
         ),
     };
-    let Some((message, payload)) = in_flight.remove(&id) else {
+    let Some(Held {
+        message,
+        payload,
+        key,
+    }) = in_flight.remove(&id)
+    else {
         return;
     };
     let disposition = match finished {
@@ -1046,7 +1051,7 @@ async fn settle(
         Finished::Panicked(what) => after_panic(panics, &message, &what),
         Finished::DeadLettered(Ok(())) => {
             stats.dead_lettered.fetch_add(1, Ordering::Relaxed);
-            in_flight.handled(&message);
+            in_flight.handled(key);
             if let Err(e) = ack(consumer, batches, &message).await {
                 tracing::warn!(error = %e, "ack after dead-lettering failed");
             }
@@ -1070,7 +1075,7 @@ async fn settle(
         Disposition::Ack => {
             tracing::debug!(message_id = ?message.message_id.id, "ack");
             // Whether the ack reaches the broker or not: a copy sent again is not handled again.
-            in_flight.handled(&message);
+            in_flight.handled(key);
             if let Err(e) = ack(consumer, batches, &message).await {
                 tracing::warn!(error = %e, "ack failed; the message will be redelivered");
             } else {
@@ -1135,7 +1140,7 @@ async fn dead_letter(
     let logged = cut_at_char(reason, MAX_REASON_BYTES);
     let Some(dead_letters) = dead_letters.clone() else {
         tracing::warn!(topic = %message.topic, reason = %logged, "dropping a message nothing can be done with");
-        in_flight.handled(&message);
+        in_flight.handled(MessageKey::of(&message));
         if let Err(e) = ack(consumer, batches, &message).await {
             tracing::warn!(error = %e, "ack failed");
         }

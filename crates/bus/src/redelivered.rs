@@ -52,8 +52,13 @@ impl MessageKey {
     }
 }
 
-/// A message whose handler runs, its payload taken out of it (its task shares it).
-pub(crate) type Running = (Message<Vec<u8>>, Arc<[u8]>);
+/// A message whose handler runs, its payload taken out of it (its task shares it), and its key,
+/// made once for its insert, its removal and its being remembered as handled.
+pub(crate) struct Held {
+    pub(crate) message: Message<Vec<u8>>,
+    pub(crate) payload: Arc<[u8]>,
+    pub(crate) key: Option<MessageKey>,
+}
 
 /// What this consumer knows of a message it receives.
 #[derive(Debug, PartialEq, Eq)]
@@ -73,7 +78,7 @@ pub(crate) enum Seen {
 /// when the broker sends them again.
 #[derive(Default)]
 pub(crate) struct InFlight {
-    by_task: HashMap<Id, Running>,
+    by_task: HashMap<Id, Held>,
     in_hand: HashSet<MessageKey>,
     handled: HashMap<MessageKey, Instant>,
     handled_order: VecDeque<MessageKey>,
@@ -94,24 +99,31 @@ impl InFlight {
 
     /// `message` is in hand: its handler (or its dead letter's publishing) runs as `task`.
     pub(crate) fn insert(&mut self, task: Id, message: Message<Vec<u8>>, payload: Arc<[u8]>) {
-        if let Some(key) = MessageKey::of(&message) {
-            self.in_hand.insert(key);
+        let key = MessageKey::of(&message);
+        if let Some(key) = &key {
+            self.in_hand.insert(key.clone());
         }
-        self.by_task.insert(task, (message, payload));
+        let held = Held {
+            message,
+            payload,
+            key,
+        };
+        self.by_task.insert(task, held);
     }
 
     /// The message of `task`, no longer in hand.
-    pub(crate) fn remove(&mut self, task: &Id) -> Option<Running> {
-        let (message, payload) = self.by_task.remove(task)?;
-        if let Some(key) = MessageKey::of(&message) {
-            self.in_hand.remove(&key);
+    pub(crate) fn remove(&mut self, task: &Id) -> Option<Held> {
+        let held = self.by_task.remove(task)?;
+        if let Some(key) = &held.key {
+            self.in_hand.remove(key);
         }
-        Some((message, payload))
+        Some(held)
     }
 
-    /// Remembers `message` as handled: a copy that comes again is acked, not handled.
-    pub(crate) fn handled(&mut self, message: &Message<Vec<u8>>) {
-        let Some(key) = MessageKey::of(message) else {
+    /// Remembers the message of `key` ([`MessageKey::of`]) as handled: a copy that comes again is
+    /// acked, not handled.
+    pub(crate) fn handled(&mut self, key: Option<MessageKey>) {
+        let Some(key) = key else {
             return;
         };
         if self.handled.insert(key.clone(), Instant::now()).is_some() {
@@ -195,10 +207,10 @@ mod tests {
     #[test]
     fn a_message_handled_is_known_as_such_while_among_the_last_remembered() {
         let mut in_flight = InFlight::default();
-        in_flight.handled(&message(TOPIC, 0, 0));
+        in_flight.handled(MessageKey::of(&message(TOPIC, 0, 0)));
         assert_eq!(in_flight.seen(&message(TOPIC, 0, 0)), Seen::Handled);
         for entry in 1..=InFlight::REMEMBERED as u64 {
-            in_flight.handled(&message(TOPIC, entry, entry));
+            in_flight.handled(MessageKey::of(&message(TOPIC, entry, entry)));
         }
         assert_eq!(in_flight.seen(&message(TOPIC, 0, 0)), Seen::New);
         assert_eq!(
@@ -221,7 +233,7 @@ mod tests {
     fn a_message_handled_longer_ago_than_remembered_is_handled_again() {
         let mut in_flight = InFlight::default();
         let once = message(TOPIC, 5, 5);
-        in_flight.handled(&once);
+        in_flight.handled(MessageKey::of(&once));
         let later = Instant::now() + InFlight::REMEMBERED_FOR;
         assert_eq!(in_flight.seen(&once), Seen::Handled);
         assert_eq!(in_flight.seen_at(&once, later), Seen::New);
@@ -232,7 +244,7 @@ mod tests {
         let topic = "non-persistent://tg/request/config";
         let mut in_flight = InFlight::default();
         in_flight.insert(task_id().await, message(topic, 0, 0), Arc::from(Vec::new()));
-        in_flight.handled(&message(topic, 0, 0));
+        in_flight.handled(MessageKey::of(&message(topic, 0, 0)));
         assert_eq!(in_flight.seen(&message(topic, 0, 0)), Seen::New);
     }
 }
