@@ -491,9 +491,18 @@ async fn publish_all(bus: &agent_bus::Bus, topic: &str, payloads: &[&str]) {
 async fn next_dead_letter(
     dlq: &mut pulsar::Consumer<Vec<u8>, pulsar::TokioExecutor>,
 ) -> (Vec<u8>, String) {
-    let letter = tokio::time::timeout(Duration::from_secs(30), dlq.next())
+    next_dead_letter_within(dlq, Duration::from_secs(30), "a dead letter").await
+}
+
+/// [`next_dead_letter`], waiting up to `within`, and saying `missing` when none comes.
+async fn next_dead_letter_within(
+    dlq: &mut pulsar::Consumer<Vec<u8>, pulsar::TokioExecutor>,
+    within: Duration,
+    missing: &str,
+) -> (Vec<u8>, String) {
+    let letter = tokio::time::timeout(within, dlq.next())
         .await
-        .expect("a dead letter")
+        .expect(missing)
         .unwrap()
         .unwrap();
     let reason = agent_bus::message_property(&letter, "dead-letter-reason")
@@ -759,11 +768,11 @@ async fn a_non_persistent_messages_dead_letter_is_sent_again_until_the_broker_ta
             async { agent_bus::Disposition::Nack("refused".to_owned()) }
         })
     };
-    let subscribed = tokio::time::Instant::now() + Duration::from_secs(30);
-    while !stats.consuming.load(Ordering::SeqCst) {
-        assert!(tokio::time::Instant::now() < subscribed, "never subscribed");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    let consuming = || stats.consuming.load(Ordering::SeqCst);
+    assert!(
+        came_true(Duration::from_secs(30), consuming).await,
+        "never subscribed"
+    );
     tokio::time::sleep(Duration::from_millis(500)).await;
     publish_all(&bus, topics.0, &["\"stranded\""]).await;
     // The last try comes 3 s after the third, and its dead letter 3 s after that: the broker is
@@ -787,13 +796,13 @@ async fn a_non_persistent_messages_dead_letter_is_sent_again_until_the_broker_ta
     // The reader's subscription kept the letter's place; read again on a new connection.
     drop(dlq);
     let mut dlq = read_from_start(&broker, topics.1, "test-dlq").await;
-    let letter = tokio::time::timeout(Duration::from_secs(90), dlq.next())
-        .await
-        .expect("no dead letter within 90 s of the broker's return")
-        .unwrap()
-        .unwrap();
-    assert_eq!(letter.payload.data, b"\"stranded\"");
-    let reason = agent_bus::message_property(&letter, "dead-letter-reason").unwrap();
+    let (letter, reason) = next_dead_letter_within(
+        &mut dlq,
+        Duration::from_secs(90),
+        "no dead letter within 90 s of the broker's return",
+    )
+    .await;
+    assert_eq!(letter, b"\"stranded\"");
     assert!(reason.contains("4 tries"), "{reason}");
     // Counted as the loop settles it, which may be subscribing again still.
     assert!(

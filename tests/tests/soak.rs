@@ -309,6 +309,19 @@ impl Cluster {
             .push((killed, epoch_seconds(std::time::SystemTime::now())));
     }
 
+    /// Restarts the broker to free what pulsar-lite's ghost consumers hold, saying `why` and its
+    /// `evidence` (the connection resets since its last restart), and counts it.
+    fn restart_for_ghosts(&mut self, why: &str, evidence: &[String]) {
+        eprintln!(
+            "soak: {} {why}, pulsar-lite has reset connections ({}, last: {:?}); restarting the broker",
+            clock(),
+            evidence.len(),
+            evidence.last()
+        );
+        self.restart_broker();
+        self.ghost_restarts += 1;
+    }
+
     /// The broker's connection resets logged since its last restart: evidence of pulsar-lite's
     /// ghost consumers.
     fn resets_since_last_restart(&self) -> Vec<String> {
@@ -376,14 +389,10 @@ impl Cluster {
                     Vec::new()
                 };
                 if !evidence.is_empty() {
-                    eprintln!(
-                        "soak: {} {held} dialogs sent since the broker's last start are open after {HELD:?}, at {ended} dialogs, pulsar-lite has reset connections ({}, last: {:?}); restarting the broker",
-                        clock(),
-                        evidence.len(),
-                        evidence.last()
+                    self.restart_for_ghosts(
+                        &format!("{held} dialogs sent since the broker's last start are open after {HELD:?}, at {ended} dialogs"),
+                        &evidence,
                     );
-                    self.restart_broker();
-                    self.ghost_restarts += 1;
                     restarted_at = Some(ended);
                     last = (ended, Instant::now());
                     continue;
@@ -403,14 +412,7 @@ impl Cluster {
                     self.stalls += 1;
                     reported = true;
                 } else {
-                    eprintln!(
-                        "soak: {} stuck at {ended} dialogs, pulsar-lite has reset connections ({}, last: {:?}); restarting the broker",
-                        clock(),
-                        evidence.len(),
-                        evidence.last()
-                    );
-                    self.restart_broker();
-                    self.ghost_restarts += 1;
+                    self.restart_for_ghosts(&format!("stuck at {ended} dialogs"), &evidence);
                     restarted_at = Some(ended);
                     last = (ended, Instant::now());
                 }
