@@ -6,11 +6,13 @@ one line is as long: well-formed, only too long to read. `junk-events` answers w
 stream of 400,000 events that are no message (data that is not JSON-RPC, pings), then its answer,
 "after the junk". `echo` answers "echoed". Given `broken-get` as its second argument, its event stream (`GET`)
 breaks each time just after it opens (fewer bytes than its length says); `gets` answers how many
-were asked for.
+were asked for. `meet` waits up to 5 s for four calls of `meet` to be under way at once and answers
+how many it saw at most ("met 4"): calls sent one at a time each see only themselves.
 """
 
 import json
 import sys
+import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 TOOLS = [
@@ -21,11 +23,16 @@ TOOLS = [
         ("junk-events", "Answers after 400,000 events that are no message"),
         ("echo", "Answers echoed"),
         ("gets", "Answers how many event streams were asked for"),
+        ("meet", "Waits for four calls of meet under way at once"),
     ]
 ]
 BROKEN_GET = sys.argv[2:3] == ["broken-get"]
 GETS = 0
 SESSION = "misbehaving-http"
+MEETING = threading.Condition()
+MEET_COUNT = 4
+UNDER_WAY = 0
+MOST_UNDER_WAY = 0
 
 
 class Handler(BaseHTTPRequestHandler):
@@ -72,6 +79,17 @@ class Handler(BaseHTTPRequestHandler):
         except (BrokenPipeError, ConnectionResetError):
             pass
 
+    def meet(self, ident):
+        global UNDER_WAY, MOST_UNDER_WAY
+        with MEETING:
+            UNDER_WAY += 1
+            MOST_UNDER_WAY = max(MOST_UNDER_WAY, UNDER_WAY)
+            MEETING.notify_all()
+            MEETING.wait_for(lambda: MOST_UNDER_WAY >= MEET_COUNT, timeout=5)
+            seen = MOST_UNDER_WAY
+            UNDER_WAY -= 1
+        self.reply(ident, {"content": [{"type": "text", "text": "met %d" % seen}]})
+
     def do_POST(self):
         length = int(self.headers.get("Content-Length", "0"))
         message = json.loads(self.rfile.read(length))
@@ -93,6 +111,8 @@ class Handler(BaseHTTPRequestHandler):
             self.flood(ident, "text/event-stream", "data: ", "\n\n")
         elif method == "tools/call" and message["params"]["name"] == "junk-events":
             self.junk(ident)
+        elif method == "tools/call" and message["params"]["name"] == "meet":
+            self.meet(ident)
         elif method == "tools/call" and message["params"]["name"] == "gets":
             self.reply(ident, {"content": [{"type": "text", "text": str(GETS)}]})
         elif method == "tools/call":

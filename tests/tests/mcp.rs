@@ -410,6 +410,54 @@ async fn an_event_stream_that_keeps_breaking_is_opened_again_at_a_pace() {
     );
 }
 
+/// Calls to a server that answers in JSON run side by side on its one session, as they do on a
+/// server that answers with an event stream. `rmcp`'s HTTP worker sends a message and waits for
+/// its answer before it takes the next, so until 2026-12-07 every dialog of an orchestrator
+/// process queued behind every other's call to such a server: four 5 s searches took 20 s, and
+/// the last of a busy process's calls ran out of `tool_timeout_secs` waiting for its turn. Here
+/// each call waits for four to be under way at once (`meet`); one at a time, each saw only
+/// itself. Two servers: one on the TypeScript SDK with its JSON answers on
+/// (`tests/mcp-servers/json_answers.mjs`), and a bare one (`misbehaving_http.py`).
+#[tokio::test]
+async fn calls_to_a_server_answering_in_json_run_side_by_side() {
+    let sdk_server = repo_root().join("tests/mcp-servers/json_answers.mjs");
+    let bare_server = repo_root().join("tests/mcp-servers/misbehaving_http.py");
+    for (program, script) in [("node", sdk_server), ("python3", bare_server)] {
+        let port = agent_bus::embedded::free_port().unwrap();
+        let mut command = Command::new(program);
+        agent_bus::orphans::owned(&mut command)
+            .arg(&script)
+            .arg(port.to_string());
+        let mut server = command.spawn().unwrap();
+        wait_listening(
+            &format!("127.0.0.1:{port}"),
+            "the MCP server answering in JSON",
+        );
+        let pool = agent_mcp::McpPool::new();
+        let endpoint = agent_mcp::Endpoint::Http {
+            url: format!("http://127.0.0.1:{port}/mcp"),
+            auth_token: None,
+        };
+        let none = std::collections::BTreeMap::new();
+        // The session is opened first, so that the four share it.
+        assert_eq!(pool.call(&endpoint, "echo", &none).await.unwrap(), "echoed");
+        let answers =
+            futures::future::join_all((0..4).map(|_| pool.call(&endpoint, "meet", &none))).await;
+        // The session still answers.
+        let echoed = pool.call(&endpoint, "echo", &none).await;
+        let _ = server.kill();
+        let _ = server.wait();
+        assert_eq!(echoed.unwrap(), "echoed", "{program}");
+        for answer in answers {
+            assert_eq!(
+                answer.unwrap(),
+                "met 4",
+                "the calls to the {program} server were not under way at once"
+            );
+        }
+    }
+}
+
 /// A session no call has used for the pool's idle time is ended when the pool is next asked for
 /// another, a stdio server's process with it: an endpoint is read from the live config at each
 /// call, so a config change (a token rotated, arguments edited) leaves the old one unused for good.

@@ -2,7 +2,8 @@
 //! answer at [`crate::MAX_MESSAGE_BYTES`], and each line of an event stream the same. `rmcp`'s own
 //! reqwest client reads a JSON body whole and an event's line without end, so a server that
 //! answered without end grew this process's memory until it died (every dialog on it with it, and
-//! again on the replica that took them up).
+//! again on the replica that took them up). Each request is answered on a stream of its own, so
+//! calls on one session run side by side whether the server answers in JSON or with events.
 
 use std::sync::Arc;
 
@@ -64,10 +65,10 @@ impl Reopened {
     }
 }
 
-/// How long a request's answer may take to start (its headers; a JSON answer, whole). `rmcp`'s
-/// worker sends one request at a time and waits for this with no limit of its own, so a server
-/// that took a call and never answered held the worker, its task and its connection for good,
-/// one more each time a step's timeout gave up on it and the session was opened again. A server
+/// How long a request's answer may take to start (its headers; a JSON answer, whole). `rmcp`
+/// waits for it with no limit of its own, so a server that took a call and never answered held
+/// a task and its connection for good (and, before each call was answered apart, the session's
+/// worker), one more each time a step's timeout gave up on it and the session was opened again. A server
 /// that answers as an event stream starts at once and is not held to it, however long its tool
 /// runs; one answering in JSON must answer within it, whatever `tool_timeout_secs` allows.
 pub const ANSWER_WITHIN: std::time::Duration = std::time::Duration::from_secs(15 * 60);
@@ -80,6 +81,123 @@ impl BoundedHttp {
             answer_within: ANSWER_WITHIN,
             reopened: Arc::default(),
         }
+    }
+
+    /// The `POST` of `message`.
+    fn post(
+        &self,
+        uri: &str,
+        message: &ClientJsonRpcMessage,
+        session_id: Option<Arc<str>>,
+        auth_header: Option<String>,
+    ) -> reqwest::RequestBuilder {
+        let accept = format!("{EVENT_STREAM_MIME_TYPE}, {JSON_MIME_TYPE}");
+        let mut request = self
+            .client
+            .post(uri)
+            .header(reqwest::header::ACCEPT, accept)
+            .json(message);
+        if let Some(token) = auth_header {
+            request = request.bearer_auth(token);
+        }
+        if let Some(session) = session_id {
+            request = request.header(HEADER_SESSION_ID, session.as_ref());
+        }
+        request
+    }
+
+    /// Sends `request` and reads how the server answers it, its body bounded.
+    async fn answer(
+        &self,
+        request: reqwest::RequestBuilder,
+        id: Option<serde_json::Value>,
+    ) -> Result<Answer, Failed> {
+        let no_answer = || StreamableHttpError::Client(HttpError::NoAnswer(self.answer_within));
+        let response = tokio::time::timeout(self.answer_within, request.send())
+            .await
+            .map_err(|_| no_answer())?
+            .map_err(http)?;
+        let status = response.status();
+        if status == reqwest::StatusCode::UNAUTHORIZED {
+            if let Some(challenge) = response.headers().get(reqwest::header::WWW_AUTHENTICATE) {
+                return Err(StreamableHttpError::AuthRequired(AuthRequiredError {
+                    www_authenticate_header: String::from_utf8_lossy(challenge.as_bytes())
+                        .into_owned(),
+                }));
+            }
+        }
+        if matches!(
+            status,
+            reqwest::StatusCode::ACCEPTED | reqwest::StatusCode::NO_CONTENT
+        ) {
+            return Ok(Answer::Accepted);
+        }
+        let response = response.error_for_status().map_err(http)?;
+        let session = response
+            .headers()
+            .get(HEADER_SESSION_ID)
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_owned);
+        if is(&response, EVENT_STREAM_MIME_TYPE) {
+            return Ok(Answer::Events(
+                bounded_events(response, self.most, id),
+                session,
+            ));
+        }
+        if is(&response, JSON_MIME_TYPE) {
+            let body = tokio::time::timeout(self.answer_within, bounded_body(response, self.most))
+                .await
+                .map_err(|_| no_answer())??;
+            return Ok(Answer::Json(body, session));
+        }
+        Err(StreamableHttpError::UnexpectedContentType(content_type(
+            &response,
+        )))
+    }
+
+    /// The answer to the request `request` (JSON-RPC id `id`) as an event stream, sent when the
+    /// stream is first read: a JSON answer is its one event, an event stream passes as it is.
+    /// Whatever keeps the server's answer from being read (no connection, a status, a body past
+    /// the bound, no answer in time, a body that is no message) is an error answer to `id`
+    /// marked as not the server's ([`unanswered`]): `rmcp` would only log a stream's failure,
+    /// and the call would wait out its timeout.
+    fn answer_apart(
+        self,
+        request: reqwest::RequestBuilder,
+        id: serde_json::Value,
+    ) -> BoxStream<'static, Result<Sse, SseError>> {
+        let event = |data: String| Sse {
+            event: None,
+            data: Some(data),
+            id: None,
+            retry: None,
+        };
+        let failed = move |id: serde_json::Value, why: String| {
+            let answer = serde_json::json!({"jsonrpc": "2.0", "id": id,
+                "error": {"code": -32603, "message": why, "data": {UNANSWERED: true}}});
+            futures::stream::iter([Ok(event(answer.to_string()))]).boxed()
+        };
+        futures::stream::once(async move {
+            match self.answer(request, Some(id.clone())).await {
+                Ok(Answer::Events(events, _)) => events,
+                Ok(Answer::Json(body, _)) => {
+                    let read = serde_json::from_slice::<ServerJsonRpcMessage>(&body)
+                        .map_err(|e| e.to_string())
+                        .and_then(|_| String::from_utf8(body).map_err(|e| e.to_string()));
+                    match read {
+                        Ok(text) => futures::stream::iter([Ok(event(text))]).boxed(),
+                        Err(e) => failed(id, format!("the server's answer is no message: {e}")),
+                    }
+                }
+                Ok(Answer::Accepted) => failed(
+                    id,
+                    "the server took the request without answering it".to_owned(),
+                ),
+                Err(e) => failed(id, e.to_string()),
+            }
+        })
+        .flatten()
+        .boxed()
     }
 
     /// With another bound than [`ANSWER_WITHIN`] on an answer's start.
@@ -122,6 +240,44 @@ impl std::fmt::Display for HttpError {
 impl std::error::Error for HttpError {}
 
 type Failed = StreamableHttpError<HttpError>;
+
+/// How a server answered a message, its body read: the body, or its events, and the session id
+/// it gave.
+enum Answer {
+    Accepted,
+    Json(Vec<u8>, Option<String>),
+    Events(BoxStream<'static, Result<Sse, SseError>>, Option<String>),
+}
+
+impl std::fmt::Debug for Answer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Answer::Accepted => f.write_str("Accepted"),
+            Answer::Json(body, session) => f
+                .debug_tuple("Json")
+                .field(&String::from_utf8_lossy(body))
+                .field(session)
+                .finish(),
+            Answer::Events(_, session) => f.debug_tuple("Events").field(session).finish(),
+        }
+    }
+}
+
+/// The key in an error answer's `data` that says the answer is this client's, made because the
+/// server's could not be read (see [`unanswered`]).
+const UNANSWERED: &str = "pulsar-agents-unanswered";
+
+/// Whether `error` is an answer this client made for a request whose own answer could not be
+/// read ([`BoundedHttp::answer_apart`]): a transport's failure, as it was when the worker
+/// waited for the answer itself, so the session is dropped and the next call connects again.
+/// A server could send the same mark; that costs it its session, nothing more.
+pub fn unanswered(error: &rmcp::model::ErrorData) -> bool {
+    error
+        .data
+        .as_ref()
+        .and_then(|data| data.get(UNANSWERED))
+        .is_some_and(|mark| mark == &serde_json::Value::Bool(true))
+}
 
 fn http(e: reqwest::Error) -> Failed {
     StreamableHttpError::Client(HttpError::Http(e.without_url()))
@@ -306,63 +462,34 @@ impl StreamableHttpClient for BoundedHttp {
         session_id: Option<Arc<str>>,
         auth_header: Option<String>,
     ) -> Result<StreamableHttpPostResponse, Failed> {
-        let accept = format!("{EVENT_STREAM_MIME_TYPE}, {JSON_MIME_TYPE}");
-        let id = serde_json::to_value(&message)
-            .ok()
-            .and_then(|m| m.get("id").cloned());
-        let mut request = self
-            .client
-            .post(uri.as_ref())
-            .header(reqwest::header::ACCEPT, accept)
-            .json(&message);
-        if let Some(token) = auth_header {
-            request = request.bearer_auth(token);
+        let sent = serde_json::to_value(&message).ok();
+        let id = sent.as_ref().and_then(|m| m.get("id").cloned());
+        let method = sent
+            .as_ref()
+            .and_then(|m| m.get("method"))
+            .and_then(|m| m.as_str().map(str::to_owned));
+        let request = self.post(&uri, &message, session_id, auth_header);
+        match (id, method) {
+            // `rmcp`'s worker waits for this call's return before it sends anything else, so a
+            // request answered here would hold every other call of the session until the server
+            // answered it (a JSON answer comes whole, after the tool has run). A request is
+            // answered on a stream of its own instead, as one answered with an event stream is:
+            // the worker goes on at once. `initialize` is not: the worker reads the session's id
+            // from its answer before the loop that sends the rest.
+            (Some(id), Some(method)) if method != "initialize" => Ok(
+                StreamableHttpPostResponse::Sse(self.clone().answer_apart(request, id), None),
+            ),
+            (id, _) => match self.answer(request, id).await? {
+                Answer::Accepted => Ok(StreamableHttpPostResponse::Accepted),
+                Answer::Json(body, session) => Ok(StreamableHttpPostResponse::Json(
+                    serde_json::from_slice(&body)?,
+                    session,
+                )),
+                Answer::Events(events, session) => {
+                    Ok(StreamableHttpPostResponse::Sse(events, session))
+                }
+            },
         }
-        if let Some(session) = session_id {
-            request = request.header(HEADER_SESSION_ID, session.as_ref());
-        }
-        let no_answer = || StreamableHttpError::Client(HttpError::NoAnswer(self.answer_within));
-        let response = tokio::time::timeout(self.answer_within, request.send())
-            .await
-            .map_err(|_| no_answer())?
-            .map_err(http)?;
-        let status = response.status();
-        if status == reqwest::StatusCode::UNAUTHORIZED {
-            if let Some(challenge) = response.headers().get(reqwest::header::WWW_AUTHENTICATE) {
-                return Err(StreamableHttpError::AuthRequired(AuthRequiredError {
-                    www_authenticate_header: String::from_utf8_lossy(challenge.as_bytes())
-                        .into_owned(),
-                }));
-            }
-        }
-        if matches!(
-            status,
-            reqwest::StatusCode::ACCEPTED | reqwest::StatusCode::NO_CONTENT
-        ) {
-            return Ok(StreamableHttpPostResponse::Accepted);
-        }
-        let response = response.error_for_status().map_err(http)?;
-        let session = response
-            .headers()
-            .get(HEADER_SESSION_ID)
-            .and_then(|v| v.to_str().ok())
-            .map(str::to_owned);
-        if is(&response, EVENT_STREAM_MIME_TYPE) {
-            return Ok(StreamableHttpPostResponse::Sse(
-                bounded_events(response, self.most, id),
-                session,
-            ));
-        }
-        if is(&response, JSON_MIME_TYPE) {
-            let body = tokio::time::timeout(self.answer_within, bounded_body(response, self.most))
-                .await
-                .map_err(|_| no_answer())??;
-            let message: ServerJsonRpcMessage = serde_json::from_slice(&body)?;
-            return Ok(StreamableHttpPostResponse::Json(message, session));
-        }
-        Err(StreamableHttpError::UnexpectedContentType(content_type(
-            &response,
-        )))
     }
 
     async fn delete_session(
@@ -480,9 +607,19 @@ mod tests {
         serde_json::from_str(r#"{"jsonrpc": "2.0", "id": 1, "method": "ping"}"#).unwrap()
     }
 
-    async fn post(url: &str, most: usize) -> Result<StreamableHttpPostResponse, Failed> {
-        BoundedHttp::new(reqwest::Client::new(), most)
-            .post_message(url.into(), ping(), None, None)
+    async fn post(url: &str, most: usize) -> Result<Answer, Failed> {
+        let client = BoundedHttp::new(reqwest::Client::new(), most);
+        let request = client.post(url, &ping(), None, None);
+        client.answer(request, Some(1.into())).await
+    }
+
+    /// The messages of an event stream, as `rmcp` reads them.
+    async fn messages(
+        events: BoxStream<'static, Result<Sse, SseError>>,
+    ) -> Vec<ServerJsonRpcMessage> {
+        events
+            .map(|event| serde_json::from_str(&event.unwrap().data.unwrap()).unwrap())
+            .collect()
             .await
     }
 
@@ -515,10 +652,12 @@ mod tests {
     #[tokio::test]
     async fn a_json_answer_within_the_bound_is_read_and_one_past_it_is_not() {
         let url = answering("application/json", ANSWER.into()).await;
-        assert!(matches!(
-            post(&url, 1024).await,
-            Ok(StreamableHttpPostResponse::Json(_, Some(session))) if session == "s1"
-        ));
+        let answered = post(&url, 1024).await;
+        assert!(
+            matches!(&answered, Ok(Answer::Json(body, Some(session)))
+                if session == "s1" && body == ANSWER.as_bytes()),
+            "{answered:?}"
+        );
         let long = format!(
             r#"{{"jsonrpc": "2.0", "id": 1, "result": {{"x": "{}"}}}}"#,
             "x".repeat(4096)
@@ -549,14 +688,14 @@ mod tests {
             tokio::time::sleep(std::time::Duration::from_secs(3600)).await;
         });
         let within = std::time::Duration::from_millis(300);
+        let client = BoundedHttp::new(reqwest::Client::new(), 1024).answering_within(within);
+        let request = client.post(&url, &ping(), None, None);
         let posted = tokio::time::timeout(
             std::time::Duration::from_secs(30),
-            BoundedHttp::new(reqwest::Client::new(), 1024)
-                .answering_within(within)
-                .post_message(url.into(), ping(), None, None),
+            client.answer(request, Some(1.into())),
         )
         .await
-        .expect("post_message returned, as its bound says");
+        .expect("the answer was given up on, as its bound says");
         assert!(
             matches!(
                 posted,
@@ -575,6 +714,70 @@ mod tests {
         };
         let text = format!("{failed} {failed:?}");
         assert!(!text.contains("SECRET"), "{text}");
+    }
+
+    /// A request is answered on a stream of its own, which `post_message` returns at once: `rmcp`
+    /// waits for `post_message` before it sends anything else on the session. The stream holds
+    /// the server's JSON answer as its one event, or, when the answer could not be read, an error
+    /// answer to the request marked as the client's ([`unanswered`]), without the URL's query.
+    #[tokio::test]
+    async fn a_request_is_answered_on_a_stream_of_its_own() {
+        let posted = |url: String| async move {
+            tokio::time::timeout(
+                std::time::Duration::from_secs(5),
+                BoundedHttp::new(reqwest::Client::new(), 1024).post_message(
+                    url.into(),
+                    ping(),
+                    None,
+                    None,
+                ),
+            )
+            .await
+            .expect("post_message waited for the answer")
+        };
+        // A server that takes the request and never answers: post_message still returns.
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let silent = format!("http://{}/mcp", listener.local_addr().unwrap());
+        tokio::spawn(async move {
+            let _held = listener.accept().await;
+            tokio::time::sleep(std::time::Duration::from_secs(3600)).await;
+        });
+        assert!(matches!(
+            posted(silent).await,
+            Ok(StreamableHttpPostResponse::Sse(..))
+        ));
+        let url = answering("application/json", ANSWER.into()).await;
+        let Ok(StreamableHttpPostResponse::Sse(events, _)) = posted(url).await else {
+            panic!("a request was answered in the call");
+        };
+        let answer: ServerJsonRpcMessage = serde_json::from_str(ANSWER).unwrap();
+        assert_eq!(
+            serde_json::to_value(messages(events).await).unwrap(),
+            serde_json::to_value([answer]).unwrap()
+        );
+        let Ok(StreamableHttpPostResponse::Sse(events, _)) =
+            posted("http://127.0.0.1:1/mcp?api_key=SECRET".to_owned()).await
+        else {
+            panic!("a request was answered in the call");
+        };
+        let read = messages(events).await;
+        let [ServerJsonRpcMessage::Error(error)] = read.as_slice() else {
+            panic!("{read:?}");
+        };
+        assert_eq!(error.id, rmcp::model::RequestId::Number(1));
+        assert!(unanswered(&error.error), "{error:?}");
+        assert!(!error.error.message.contains("SECRET"), "{error:?}");
+        // A server's own error answer is the server's.
+        let refused = r#"{"jsonrpc": "2.0", "id": 1, "error": {"code": -32601, "message": "no"}}"#;
+        let url = answering("application/json", refused.into()).await;
+        let Ok(StreamableHttpPostResponse::Sse(events, _)) = posted(url).await else {
+            panic!("a request was answered in the call");
+        };
+        let read = messages(events).await;
+        let [ServerJsonRpcMessage::Error(error)] = read.as_slice() else {
+            panic!("{read:?}");
+        };
+        assert!(!unanswered(&error.error), "{error:?}");
     }
 
     /// A long run of events all ready at once is passed on with the stream giving way between
@@ -608,7 +811,7 @@ mod tests {
     async fn an_event_line_past_the_bound_fails_the_stream_and_short_ones_are_read() {
         let events = format!("data: {ANSWER}\n\ndata: {ANSWER}\n\n");
         let url = answering("text/event-stream", events.into()).await;
-        let Ok(StreamableHttpPostResponse::Sse(stream, _)) = post(&url, 1024).await else {
+        let Ok(Answer::Events(stream, _)) = post(&url, 1024).await else {
             panic!("no event stream");
         };
         let read: Vec<_> = stream.collect().await;
@@ -617,7 +820,7 @@ mod tests {
 
         let endless = format!("data: {}", "x".repeat(8192));
         let url = answering("text/event-stream", endless.into()).await;
-        let Ok(StreamableHttpPostResponse::Sse(stream, _)) = post(&url, 1024).await else {
+        let Ok(Answer::Events(stream, _)) = post(&url, 1024).await else {
             panic!("no event stream");
         };
         let read: Vec<_> = stream.collect().await;

@@ -185,8 +185,9 @@ impl Drop for ServerProcess {
 impl Session {
     /// Whether to ask the session whether it still answers before a call: not while calls run on
     /// it, nor when it answered within [`FRESH`]; a session a call gave up on, always. Over HTTP
-    /// too: `rmcp` sends one request at a time, so a ping queued behind a long call to a server
-    /// that answers in JSON (at the call's end) timed out, and a healthy session was dropped.
+    /// too: a server may serve one request at a time (and `rmcp` sent one at a time until our
+    /// client answered each apart, see [`bounded_http`]), so a ping queued behind a long call
+    /// timed out, and a healthy session was dropped.
     fn worth_a_ping(&self) -> bool {
         if self.suspect.load(std::sync::atomic::Ordering::SeqCst) {
             return true;
@@ -619,6 +620,10 @@ fn service_error(endpoint: &Endpoint, what: &str, error: ServiceError) -> CallEr
         ServiceError::TransportSend(_) | ServiceError::TransportClosed => CallError::Transport(
             format!("the MCP server {server} could not be reached to {what} ({error})"),
         ),
+        ServiceError::McpError(e) if bounded_http::unanswered(&e) => CallError::Transport(format!(
+            "the MCP server {server} could not be reached to {what} ({})",
+            e.message
+        )),
         ServiceError::McpError(e) => CallError::Other(format!(
             "the MCP server {server} refused to {what}: {}",
             e.message
@@ -1101,7 +1106,7 @@ async fn ping(session: &Session, endpoint: &Endpoint) -> Result<(), CallError> {
             Ok(())
         }
         // A server that does not know `ping` still answered: the session is alive.
-        Ok(Err(ServiceError::McpError(_))) => {
+        Ok(Err(ServiceError::McpError(e))) if !bounded_http::unanswered(&e) => {
             session.heard();
             Ok(())
         }
