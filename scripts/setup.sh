@@ -43,8 +43,8 @@ scripts/pulsar-lite.sh path >/dev/null
 scripts/patch-crates.sh
 $tests || exit 0
 
-# Node.js runs the MCP servers the end-to-end tests call (written by others, pinned in
-# tests/mcp-servers/package-lock.json).
+# Node.js runs the MCP servers the end-to-end tests call (written by others, and one of ours on
+# the TypeScript SDK; pinned in tests/mcp-servers/package-lock.json).
 if ! command -v npm >/dev/null 2>&1; then
   echo "setup: installing nodejs npm" >&2
   SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"

@@ -3,6 +3,7 @@
 // many servers choose to, for the orchestrator's tests. It serves on 127.0.0.1 at the port given as
 // its first argument. `meet` waits up to 5 s for four calls of `meet` to be under way at once and
 // answers how many it saw at most ("met 4"): calls sent one at a time each see only themselves.
+// `sessions` answers how many sessions were opened.
 import http from "node:http";
 import { randomUUID } from "node:crypto";
 import { McpServer } from "@modelcontextprotocol/sdk/server/mcp.js";
@@ -24,8 +25,10 @@ async function meet() {
       setTimeout(wake, 100);
     });
   }
+  const seen = mostUnderWay;
   underWay -= 1;
-  return { content: [{ type: "text", text: `met ${mostUnderWay}` }] };
+  if (underWay === 0) mostUnderWay = 0;
+  return { content: [{ type: "text", text: `met ${seen}` }] };
 }
 
 const sessions = new Map();
@@ -39,6 +42,9 @@ function session() {
   const server = new McpServer({ name: "json-answers", version: "1" });
   server.tool("meet", "Waits for four calls of meet under way at once", meet);
   server.tool("echo", "Answers echoed", async () => ({ content: [{ type: "text", text: "echoed" }] }));
+  server.tool("sessions", "Answers how many sessions were opened", async () => ({
+    content: [{ type: "text", text: String(sessions.size) }],
+  }));
   return server.connect(transport).then(() => transport);
 }
 

@@ -7,7 +7,8 @@ stream of 400,000 events that are no message (data that is not JSON-RPC, pings),
 "after the junk". `echo` answers "echoed". Given `broken-get` as its second argument, its event stream (`GET`)
 breaks each time just after it opens (fewer bytes than its length says); `gets` answers how many
 were asked for. `meet` waits up to 5 s for four calls of `meet` to be under way at once and answers
-how many it saw at most ("met 4"): calls sent one at a time each see only themselves.
+how many it saw at most ("met 4"): calls sent one at a time each see only themselves. `sessions`
+answers how many sessions were opened (`initialize` requests).
 """
 
 import json
@@ -24,6 +25,7 @@ TOOLS = [
         ("echo", "Answers echoed"),
         ("gets", "Answers how many event streams were asked for"),
         ("meet", "Waits for four calls of meet under way at once"),
+        ("sessions", "Answers how many sessions were opened"),
     ]
 ]
 BROKEN_GET = sys.argv[2:3] == ["broken-get"]
@@ -33,6 +35,7 @@ MEETING = threading.Condition()
 MEET_COUNT = 4
 UNDER_WAY = 0
 MOST_UNDER_WAY = 0
+SESSIONS = 0
 
 
 class Handler(BaseHTTPRequestHandler):
@@ -88,6 +91,8 @@ class Handler(BaseHTTPRequestHandler):
             MEETING.wait_for(lambda: MOST_UNDER_WAY >= MEET_COUNT, timeout=5)
             seen = MOST_UNDER_WAY
             UNDER_WAY -= 1
+            if UNDER_WAY == 0:
+                MOST_UNDER_WAY = 0
         self.reply(ident, {"content": [{"type": "text", "text": "met %d" % seen}]})
 
     def do_POST(self):
@@ -97,6 +102,8 @@ class Handler(BaseHTTPRequestHandler):
         if ident is None:
             self.head(202, length=0)
         elif method == "initialize":
+            global SESSIONS
+            SESSIONS += 1
             self.reply(ident, {
                 "protocolVersion": message["params"]["protocolVersion"],
                 "capabilities": {"tools": {}},
@@ -113,6 +120,8 @@ class Handler(BaseHTTPRequestHandler):
             self.junk(ident)
         elif method == "tools/call" and message["params"]["name"] == "meet":
             self.meet(ident)
+        elif method == "tools/call" and message["params"]["name"] == "sessions":
+            self.reply(ident, {"content": [{"type": "text", "text": str(SESSIONS)}]})
         elif method == "tools/call" and message["params"]["name"] == "gets":
             self.reply(ident, {"content": [{"type": "text", "text": str(GETS)}]})
         elif method == "tools/call":

@@ -157,10 +157,14 @@ impl BoundedHttp {
 
     /// The answer to the request `request` (JSON-RPC id `id`) as an event stream, sent when the
     /// stream is first read: a JSON answer is its one event, an event stream passes as it is.
-    /// Whatever keeps the server's answer from being read (no connection, a status, a body past
-    /// the bound, no answer in time, a body that is no message) is an error answer to `id`
+    /// Whatever keeps the server's answer from being read (no connection, a status, a JSON body
+    /// past the bound, no answer in time, a body that is no message) is an error answer to `id`
     /// marked as not the server's ([`unanswered`]): `rmcp` would only log a stream's failure,
-    /// and the call would wait out its timeout.
+    /// and the call would wait out its timeout. An event stream's own failures are
+    /// [`bounded_events`]'s, as before. The `POST` now starts when `rmcp` first reads the stream,
+    /// in a task of its own, so a `notifications/cancelled` for a call dropped at once (sent by
+    /// the worker itself) can reach the server before the call; the server then ignores it and
+    /// the tool runs to its end, as a call cancelled after its answer would.
     fn answer_apart(
         self,
         request: reqwest::RequestBuilder,
@@ -174,7 +178,7 @@ impl BoundedHttp {
         };
         let failed = move |id: serde_json::Value, why: String| {
             let answer = serde_json::json!({"jsonrpc": "2.0", "id": id,
-                "error": {"code": -32603, "message": why, "data": {UNANSWERED: true}}});
+                "error": {"code": -32603, "message": why, "data": {UNANSWERED: unanswered_mark()}}});
             futures::stream::iter([Ok(event(answer.to_string()))]).boxed()
         };
         futures::stream::once(async move {
@@ -189,10 +193,9 @@ impl BoundedHttp {
                         Err(e) => failed(id, format!("the server's answer is no message: {e}")),
                     }
                 }
-                Ok(Answer::Accepted) => failed(
-                    id,
-                    "the server took the request without answering it".to_owned(),
-                ),
+                // Against the protocol, but the answer may still come on the session's own
+                // event stream, as it could when the worker waited for this itself.
+                Ok(Answer::Accepted) => futures::stream::empty().boxed(),
                 Err(e) => failed(id, e.to_string()),
             }
         })
@@ -267,16 +270,32 @@ impl std::fmt::Debug for Answer {
 /// server's could not be read (see [`unanswered`]).
 const UNANSWERED: &str = "pulsar-agents-unanswered";
 
+/// The value under [`UNANSWERED`]: drawn once a process, so that a server cannot make its own
+/// error answers pass for this client's (it would only have cost the server its session).
+pub(crate) fn unanswered_mark() -> &'static str {
+    static MARK: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    MARK.get_or_init(|| {
+        use std::hash::{BuildHasher, Hasher};
+        let mut drawn = std::collections::hash_map::RandomState::new().build_hasher();
+        drawn.write_u128(
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |since| since.as_nanos()),
+        );
+        format!("{:016x}", drawn.finish())
+    })
+}
+
 /// Whether `error` is an answer this client made for a request whose own answer could not be
 /// read ([`BoundedHttp::answer_apart`]): a transport's failure, as it was when the worker
 /// waited for the answer itself, so the session is dropped and the next call connects again.
-/// A server could send the same mark; that costs it its session, nothing more.
 pub fn unanswered(error: &rmcp::model::ErrorData) -> bool {
     error
         .data
         .as_ref()
         .and_then(|data| data.get(UNANSWERED))
-        .is_some_and(|mark| mark == &serde_json::Value::Bool(true))
+        .and_then(serde_json::Value::as_str)
+        .is_some_and(|mark| mark == unanswered_mark())
 }
 
 fn http(e: reqwest::Error) -> Failed {
@@ -479,7 +498,12 @@ impl StreamableHttpClient for BoundedHttp {
             (Some(id), Some(method)) if method != "initialize" => Ok(
                 StreamableHttpPostResponse::Sse(self.clone().answer_apart(request, id), None),
             ),
-            (id, _) => match self.answer(request, id).await? {
+            // Only a request of ours is answered: a message we send with an id and no method is
+            // our answer to the server's own request, whose id is not ours to answer.
+            (id, method) => match self
+                .answer(request, id.filter(|_| method.is_some()))
+                .await?
+            {
                 Answer::Accepted => Ok(StreamableHttpPostResponse::Accepted),
                 Answer::Json(body, session) => Ok(StreamableHttpPostResponse::Json(
                     serde_json::from_slice(&body)?,
@@ -587,6 +611,15 @@ mod tests {
 
     /// Serves one HTTP answer with `content_type` and `body` to whoever connects first.
     async fn answering(content_type: &'static str, body: Vec<u8>) -> String {
+        answering_with("200 OK", content_type, body).await
+    }
+
+    /// Serves one HTTP answer with `status` to whoever connects first.
+    async fn answering_with(
+        status: &'static str,
+        content_type: &'static str,
+        body: Vec<u8>,
+    ) -> String {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let url = format!("http://{}/mcp", listener.local_addr().unwrap());
         tokio::spawn(async move {
@@ -595,7 +628,7 @@ mod tests {
             let mut request = vec![0u8; 64 * 1024];
             let _ = socket.read(&mut request).await;
             let head = format!(
-                "HTTP/1.1 200 OK\r\ncontent-type: {content_type}\r\nmcp-session-id: s1\r\nconnection: close\r\n\r\n"
+                "HTTP/1.1 {status}\r\ncontent-type: {content_type}\r\nmcp-session-id: s1\r\nconnection: close\r\n\r\n"
             );
             let _ = socket.write_all(head.as_bytes()).await;
             let _ = socket.write_all(&body).await;
@@ -767,6 +800,13 @@ mod tests {
         assert_eq!(error.id, rmcp::model::RequestId::Number(1));
         assert!(unanswered(&error.error), "{error:?}");
         assert!(!error.error.message.contains("SECRET"), "{error:?}");
+        // A request taken and not answered (against the protocol) may still be answered on the
+        // session's own event stream, as before: nothing is made up for it.
+        let url = answering_with("202 Accepted", "application/json", Vec::new()).await;
+        let Ok(StreamableHttpPostResponse::Sse(events, _)) = posted(url).await else {
+            panic!("a request was answered in the call");
+        };
+        assert!(messages(events).await.is_empty());
         // A server's own error answer is the server's.
         let refused = r#"{"jsonrpc": "2.0", "id": 1, "error": {"code": -32601, "message": "no"}}"#;
         let url = answering("application/json", refused.into()).await;

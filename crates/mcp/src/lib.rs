@@ -614,13 +614,19 @@ impl std::fmt::Display for CallError {
     }
 }
 
+/// Whether `error` is no answer of the server's but our HTTP client's, made when the server's
+/// answer could not be read: a transport's failure. Only that client makes one.
+fn made_here(endpoint: &Endpoint, error: &rmcp::model::ErrorData) -> bool {
+    matches!(endpoint, Endpoint::Http { .. }) && bounded_http::unanswered(error)
+}
+
 fn service_error(endpoint: &Endpoint, what: &str, error: ServiceError) -> CallError {
     let server = endpoint.describe();
     match error {
         ServiceError::TransportSend(_) | ServiceError::TransportClosed => CallError::Transport(
             format!("the MCP server {server} could not be reached to {what} ({error})"),
         ),
-        ServiceError::McpError(e) if bounded_http::unanswered(&e) => CallError::Transport(format!(
+        ServiceError::McpError(e) if made_here(endpoint, &e) => CallError::Transport(format!(
             "the MCP server {server} could not be reached to {what} ({})",
             e.message
         )),
@@ -1106,7 +1112,7 @@ async fn ping(session: &Session, endpoint: &Endpoint) -> Result<(), CallError> {
             Ok(())
         }
         // A server that does not know `ping` still answered: the session is alive.
-        Ok(Err(ServiceError::McpError(e))) if !bounded_http::unanswered(&e) => {
+        Ok(Err(ServiceError::McpError(e))) if !made_here(endpoint, &e) => {
             session.heard();
             Ok(())
         }
@@ -1207,6 +1213,45 @@ pub fn result_text(result: &CallToolResult) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// An error answer our HTTP client made for a call whose own answer could not be read is a
+    /// transport's failure (the session is dropped); a server's own error answer, a mark it
+    /// makes up, or the mark on a stdio session is the server's refusal.
+    #[test]
+    fn only_our_http_clients_error_answers_are_transport_failures() {
+        let http = Endpoint::Http {
+            url: "http://127.0.0.1:1/mcp".to_owned(),
+            auth_token: None,
+        };
+        let stdio = Endpoint::Stdio {
+            command: "server".to_owned(),
+            args: Vec::new(),
+            env: BTreeMap::new(),
+        };
+        let answer = |data: Option<serde_json::Value>| {
+            ServiceError::McpError(rmcp::model::ErrorData::new(
+                rmcp::model::ErrorCode::INTERNAL_ERROR,
+                "connection refused",
+                data,
+            ))
+        };
+        let ours = || {
+            answer(Some(serde_json::json!({
+                "pulsar-agents-unanswered": bounded_http::unanswered_mark()
+            })))
+        };
+        let made_up = answer(Some(serde_json::json!({"pulsar-agents-unanswered": true})));
+        assert!(matches!(
+            service_error(&http, "run 'x'", ours()),
+            CallError::Transport(_)
+        ));
+        for (endpoint, error) in [(&stdio, ours()), (&http, made_up), (&http, answer(None))] {
+            assert!(matches!(
+                service_error(endpoint, "run 'x'", error),
+                CallError::Other(_)
+            ));
+        }
+    }
 
     /// A line may come in any number of reads; one longer than the bound fails the read that
     /// carries it past, wherever its newline falls.
