@@ -212,6 +212,66 @@ async fn runaway_queries_are_stopped_and_dialogs_go_on() {
     assert!(refused("too_long") >= 1.0);
 }
 
+/// A knowledge tool's query (the services' token, a budget of bindings, through the same client
+/// as the tools') waits for its turn while another tool's query holds every one, and is answered
+/// once that one ends. Until 2026-12-07 it waited a second and was refused (503, "too many queries
+/// at once"): with the default two turns, a third dialog's knowledge query failed whenever two
+/// others' ran for a second or more, and its LLM read an error instead of the knowledge.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tools_query_waits_for_its_turn_behind_another_tools() {
+    const LIMIT_SECS: u64 = 4;
+    let broker = Broker::start().unwrap();
+    let aggregator = Aggregator::start(
+        Place::Child,
+        &broker,
+        &[
+            "--config-token",
+            TOKEN,
+            "--query-timeout-secs",
+            &LIMIT_SECS.to_string(),
+            "--max-queries",
+            "1",
+            "--max-query-bindings",
+            "1000000000000000",
+        ],
+    );
+    let tools =
+        agent_graph::GraphStore::open(&aggregator.endpoint, Some(TOKEN.to_owned())).unwrap();
+    // What the long query's cross product multiplies.
+    use agent_graph::model::{Literal, NamedNode, Quad};
+    let quads = (0..300)
+        .map(|n| {
+            Quad::new(
+                NamedNode::new_unchecked(format!("urn:tools:s{n}")),
+                NamedNode::new_unchecked("urn:tools:p"),
+                Literal::new_simple_literal(format!("o{n}")),
+                NamedNode::new_unchecked("urn:tools:graph"),
+            )
+        })
+        .collect();
+    tools.insert(quads).await.unwrap();
+    let bounds = agent_graph::QueryBounds {
+        timeout: Duration::from_secs(60),
+        max_rows: 10_000,
+        max_bindings: 1_000_000_000_000,
+    };
+    let long = tokio::spawn({
+        let tools = tools.clone();
+        async move { tools.query_bounded(RUNAWAY.to_owned(), bounds).await }
+    });
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let asked = Instant::now();
+    let answered = tools
+        .query_bounded("ASK { ?s ?p ?o }".to_owned(), bounds)
+        .await;
+    let waited = asked.elapsed();
+    let long = long.await.unwrap();
+    println!("the tool's query answered after {waited:?}; the long one: {long:?}");
+    assert!(answered.is_ok(), "after {waited:?}: {answered:?}");
+    // It did wait for the long one, stopped at the time limit.
+    assert!(long.is_err(), "the long query answered: {long:?}");
+}
+
 /// An operator's runaway update (with the services' token: a cleanup that joins the graph with
 /// itself) is stopped at the time limit and writes nothing of itself, and the updates every other
 /// writer of the store waits behind go on: a supervisor's fan-in claims its synthesis with one.

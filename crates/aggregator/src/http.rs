@@ -69,7 +69,8 @@ const MOST_JOURNAL_CALL_BYTES: usize = 8 * 1024 * 1024;
 /// `agentctl load` sends a collection's file whole to `/store`.
 const MOST_WRITE_BYTES: usize = 256 * 1024 * 1024;
 
-/// How long a query without a token waits for a turn before it is told to come back.
+/// How long a query without a token waits for a turn before it is told to come back. A budgeted
+/// query with the services' token (a tool's) waits up to the query time limit instead.
 const TURN_WAIT: std::time::Duration = std::time::Duration::from_secs(1);
 
 /// The routes; `token` guards writes (no token configured: writes are refused) and lets the
@@ -285,12 +286,18 @@ async fn run_query(state: &AppState, headers: &HeaderMap, sparql: String) -> Res
     let turn = if service && asked.is_none() {
         None
     } else {
-        let pool = if service {
-            &reads.service_turns
+        // A tool's query waits for its turn, up to the time limit a query has to run: a
+        // dialog's step cannot come back later as a stranger can, and with a second's wait a
+        // third dialog's knowledge query failed ("too many queries at once") whenever two
+        // others' ran for a second or more. Whoever waits holds one request of a service
+        // (bounded by the orchestrators' dialogs in flight, and a replica's forwarded strangers
+        // by its own turns), and its caller's time limit still stops the wait.
+        let (pool, wait) = if service {
+            (&reads.service_turns, reads.bounds.timeout)
         } else {
-            &reads.turns
+            (&reads.turns, TURN_WAIT)
         };
-        match tokio::time::timeout(TURN_WAIT, pool.clone().acquire_owned()).await {
+        match tokio::time::timeout(wait, pool.clone().acquire_owned()).await {
             Ok(Ok(turn)) => Some(turn),
             _ => {
                 crate::metrics::query_refused("busy");

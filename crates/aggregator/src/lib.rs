@@ -122,7 +122,8 @@ pub struct ReadSettings {
     /// 503 with `Retry-After`. Queries with the services' token (`CONFIG_TOKEN`: the
     /// orchestrators' journal and fan-in) never wait for a turn, unless they ask for a budget (a
     /// knowledge tool's query, a stranger's forwarded by a replica): those take a turn of as many
-    /// more, their own, so that strangers cannot hold every turn the agents' tools need.
+    /// more, their own, so that strangers cannot hold every turn the agents' tools need, and
+    /// wait for it up to the query time limit rather than a second.
     #[arg(long, env = "AGGREGATOR_MAX_QUERIES", default_value_t = 2)]
     pub max_queries: usize,
     /// Rows (or triples) a result may have; a larger one is refused.
