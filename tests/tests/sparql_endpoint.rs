@@ -216,7 +216,9 @@ async fn runaway_queries_are_stopped_and_dialogs_go_on() {
 /// as the tools') waits for its turn while another tool's query holds every one, and is answered
 /// once that one ends. Until 2026-12-07 it waited a second and was refused (503, "too many queries
 /// at once"): with the default two turns, a third dialog's knowledge query failed whenever two
-/// others' ran for a second or more, and its LLM read an error instead of the knowledge.
+/// others' ran for a second or more, and its LLM read an error instead of the knowledge. It waits
+/// no longer than its caller does (`agent_graph::WITHIN_HEADER`): a query whose step gave up is
+/// let go then, rather than keep its place and run for nobody ahead of the queries still wanted.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_tools_query_waits_for_its_turn_behind_another_tools() {
     const LIMIT_SECS: u64 = 4;
@@ -237,7 +239,7 @@ async fn a_tools_query_waits_for_its_turn_behind_another_tools() {
     );
     let tools =
         agent_graph::GraphStore::open(&aggregator.endpoint, Some(TOKEN.to_owned())).unwrap();
-    // What the long query's cross product multiplies.
+    // What the long queries' cross product multiplies.
     use agent_graph::model::{Literal, NamedNode, Quad};
     let quads = (0..300)
         .map(|n| {
@@ -250,26 +252,52 @@ async fn a_tools_query_waits_for_its_turn_behind_another_tools() {
         })
         .collect();
     tools.insert(quads).await.unwrap();
-    let bounds = agent_graph::QueryBounds {
+    let patient = agent_graph::QueryBounds {
         timeout: Duration::from_secs(60),
         max_rows: 10_000,
         max_bindings: 1_000_000_000_000,
     };
+    let started = Instant::now();
     let long = tokio::spawn({
         let tools = tools.clone();
-        async move { tools.query_bounded(RUNAWAY.to_owned(), bounds).await }
+        async move { tools.query_bounded(RUNAWAY.to_owned(), patient).await }
+    });
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    // A step that waits a second for its query, first in line for the turn.
+    let hasty = agent_graph::QueryBounds {
+        timeout: Duration::from_secs(1),
+        ..patient
+    };
+    let gone = tokio::spawn({
+        let tools = tools.clone();
+        async move { tools.query_bounded(RUNAWAY.to_owned(), hasty).await }
     });
     tokio::time::sleep(Duration::from_millis(500)).await;
-    let asked = Instant::now();
+    let asked = started.elapsed();
     let answered = tools
-        .query_bounded("ASK { ?s ?p ?o }".to_owned(), bounds)
+        .query_bounded("ASK { ?s ?p ?o }".to_owned(), patient)
         .await;
-    let waited = asked.elapsed();
+    let answered_at = started.elapsed();
     let long = long.await.unwrap();
-    println!("the tool's query answered after {waited:?}; the long one: {long:?}");
-    assert!(answered.is_ok(), "after {waited:?}: {answered:?}");
+    let gone = gone.await.unwrap();
+    println!(
+        "the tool's query, asked at {asked:?}, answered at {answered_at:?}; the long one: {long:?}; the one given up on: {gone:?}"
+    );
+    assert!(answered.is_ok(), "at {answered_at:?}: {answered:?}");
     // It did wait for the long one, stopped at the time limit.
-    assert!(long.is_err(), "the long query answered: {long:?}");
+    assert!(
+        matches!(long, Err(agent_graph::GraphError::Http { status: 503, .. })),
+        "{long:?}"
+    );
+    assert!(answered_at >= Duration::from_secs(3), "{answered_at:?}");
+    assert!(gone.is_err(), "the query given up on answered: {gone:?}");
+    // The one given up on was let go at its caller's limit, not run after the long one.
+    let metrics = scrape(&aggregator.endpoint).await;
+    let busy = sample(
+        &metrics,
+        "agent_sparql_queries_refused_total{reason=\"busy\"}",
+    );
+    assert!(busy >= 1.0, "no query was let go while it waited: {busy}");
 }
 
 /// An operator's runaway update (with the services' token: a cleanup that joins the graph with

@@ -69,9 +69,13 @@ const MOST_JOURNAL_CALL_BYTES: usize = 8 * 1024 * 1024;
 /// `agentctl load` sends a collection's file whole to `/store`.
 const MOST_WRITE_BYTES: usize = 256 * 1024 * 1024;
 
-/// How long a query without a token waits for a turn before it is told to come back. A budgeted
-/// query with the services' token (a tool's) waits up to the query time limit instead.
+/// How long a query waits for a turn before it is told to come back, unless it is a budgeted
+/// query with the services' token that says how long its caller waits (a tool's,
+/// [`agent_graph::WITHIN_HEADER`]).
 const TURN_WAIT: std::time::Duration = std::time::Duration::from_secs(1);
+
+/// The least time a caller that said how long it waits must have left once it has its turn.
+const LEAST_LEFT: std::time::Duration = std::time::Duration::from_millis(20);
 
 /// The routes; `token` guards writes (no token configured: writes are refused) and lets the
 /// services' own queries through without waiting; `stats` are the explainability consumer's, for
@@ -283,19 +287,26 @@ async fn run_query(state: &AppState, headers: &HeaderMap, sparql: String) -> Res
         .get(agent_graph::BINDINGS_HEADER)
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.parse::<u64>().ok());
+    let caller_waits = headers
+        .get(agent_graph::WITHIN_HEADER)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok())
+        .map(std::time::Duration::from_millis);
+    let arrived = tokio::time::Instant::now();
     let turn = if service && asked.is_none() {
         None
     } else {
-        // A tool's query waits for its turn, up to the time limit a query has to run: a
-        // dialog's step cannot come back later as a stranger can, and with a second's wait a
-        // third dialog's knowledge query failed ("too many queries at once") whenever two
-        // others' ran for a second or more. Whoever waits holds one request of a service
-        // (bounded by the orchestrators' dialogs in flight, and a replica's forwarded strangers
-        // by its own turns), and its caller's time limit still stops the wait.
-        let (pool, wait) = if service {
-            (&reads.service_turns, reads.bounds.timeout)
-        } else {
-            (&reads.turns, TURN_WAIT)
+        // A tool's query waits for its turn for as long as its caller waits (at most the time
+        // limit a query has to run): a dialog's step cannot come back later as a stranger can,
+        // and with a second's wait a third dialog's knowledge query failed ("too many queries
+        // at once") whenever two others' ran for a second or more. Not longer: a request whose
+        // caller has gone would otherwise keep its place, then spend a turn on an answer nobody
+        // reads. Whoever waits holds one request of a service, bounded by the orchestrators'
+        // dialogs in flight. A replica's forwarded stranger says nothing and waits a second.
+        let (pool, wait) = match (service, caller_waits) {
+            (true, Some(within)) => (&reads.service_turns, within.min(reads.bounds.timeout)),
+            (true, None) => (&reads.service_turns, TURN_WAIT),
+            (false, _) => (&reads.turns, TURN_WAIT),
         };
         match tokio::time::timeout(wait, pool.clone().acquire_owned()).await {
             Ok(Ok(turn)) => Some(turn),
@@ -310,6 +321,18 @@ async fn run_query(state: &AppState, headers: &HeaderMap, sparql: String) -> Res
             }
         }
     };
+    // A caller that said how long it waits and has next to nothing of it left is not served:
+    // over a SPARQL server the query would run on after its caller has gone, holding the turn.
+    let left = caller_waits.map(|within| within.saturating_sub(arrived.elapsed()));
+    if service && left.is_some_and(|left| left < LEAST_LEFT) {
+        crate::metrics::query_refused("busy");
+        return (
+            StatusCode::SERVICE_UNAVAILABLE,
+            [(header::RETRY_AFTER, "1")],
+            "too many queries at once: no time left to run this one; try again",
+        )
+            .into_response();
+    }
     // The services' own queries (a knowledge tool's scan of a large collection, a count after a
     // load) are held to the time limit, not to the budget that bounds a stranger's, unless they
     // ask for one: a replica forwards a stranger's query with the services' token and the
@@ -322,9 +345,11 @@ async fn run_query(state: &AppState, headers: &HeaderMap, sparql: String) -> Res
             },
             usize::MAX,
         ),
+        // Within what its caller has left after the wait for a turn.
         (true, Some(budget)) => (
             QueryBounds {
                 max_bindings: budget.min(reads.bounds.max_bindings),
+                timeout: left.map_or(reads.bounds.timeout, |left| left.min(reads.bounds.timeout)),
                 ..reads.bounds
             },
             reads.max_answer_bytes,
@@ -336,7 +361,12 @@ async fn run_query(state: &AppState, headers: &HeaderMap, sparql: String) -> Res
     let turn = std::sync::Arc::new(turn);
     let answered = state
         .store
-        .query_bounded_holding(sparql, bounds, turn.clone())
+        .query_bounded_holding(
+            sparql,
+            bounds,
+            turn.clone(),
+            service && caller_waits.is_some(),
+        )
         .await;
     let written = match answered {
         Ok(answer) => tokio::task::spawn_blocking(move || {
@@ -355,7 +385,9 @@ async fn run_query(state: &AppState, headers: &HeaderMap, sparql: String) -> Res
         // the query's time limit: answers written to clients that do not read would otherwise
         // each hold up to `AGGREGATOR_MAX_ANSWER_BYTES` with nothing to bound how many.
         Ok(((body, content_type), turn)) if turn.is_some() => {
-            let answer = crate::slow_clients::HeldAnswer::new(body, bounds.timeout, turn);
+            // The whole time limit, not what a waiting caller had left of it: an answer is taken
+            // at once by a client that reads, and a few milliseconds' stall must not cut it.
+            let answer = crate::slow_clients::HeldAnswer::new(body, reads.bounds.timeout, turn);
             (
                 [(header::CONTENT_TYPE, content_type)],
                 axum::body::Body::new(answer),

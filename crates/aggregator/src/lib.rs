@@ -113,7 +113,8 @@ pub enum ExplainSeals {
 /// How `/query` may be used: it must not be a way to take the service down.
 #[derive(clap::Args, Debug, Clone)]
 pub struct ReadSettings {
-    /// Seconds a query may run; past it, its evaluation is stopped and the client gets 503. Also
+    /// Seconds a query may run; past it, its evaluation is stopped and the client gets 503 (a
+    /// tool's query that said how long its caller waits, at what its caller has left). Also
     /// how long a stranger has to take its answer (its turn held meanwhile), and how long any
     /// connection may take nothing of what is written to it before it is closed.
     #[arg(long, env = "AGGREGATOR_QUERY_TIMEOUT_SECS", default_value_t = 30)]
@@ -123,7 +124,8 @@ pub struct ReadSettings {
     /// orchestrators' journal and fan-in) never wait for a turn, unless they ask for a budget (a
     /// knowledge tool's query, a stranger's forwarded by a replica): those take a turn of as many
     /// more, their own, so that strangers cannot hold every turn the agents' tools need, and
-    /// wait for it up to the query time limit rather than a second.
+    /// wait for it as long as their caller says it waits (at most the query time limit; a
+    /// second when it says nothing).
     #[arg(long, env = "AGGREGATOR_MAX_QUERIES", default_value_t = 2)]
     pub max_queries: usize,
     /// Rows (or triples) a result may have; a larger one is refused.

@@ -324,23 +324,32 @@ impl GraphStore {
     /// Runs a SPARQL query within `bounds`: on an embedded store its evaluation is cancelled at
     /// the time limit, or as soon as the returned future is dropped (an HTTP client that went
     /// away), so no abandoned query keeps a core busy.
+    ///
+    /// On a SPARQL server, a query held to a budget says how long its caller waits
+    /// ([`WITHIN_HEADER`]: the time limit), so that the aggregator may keep it waiting for a turn
+    /// that long, and no longer.
     pub async fn query_bounded(
         &self,
         sparql: String,
         bounds: QueryBounds,
     ) -> Result<QueryAnswer, GraphError> {
-        self.query_bounded_holding(sparql, bounds, ()).await
+        self.query_bounded_holding(sparql, bounds, (), true).await
     }
 
     /// [`Self::query_bounded`], keeping `held` (a permit to run a query) until the evaluation
     /// has really ended: after its time limit it may still be finishing a step the cancellation
     /// token is not checked in, and a permit released at the limit would let more start beside it.
     /// On a SPARQL server, which cannot be told to stop, that is when the server answers.
+    /// `caller_waits`: the query's caller waits its whole time limit (a tool's, or one a replica
+    /// passes on for a tool), so a server that takes budgeted queries in turns may keep it
+    /// waiting for one that long ([`WITHIN_HEADER`]); a stranger's query a replica forwards does
+    /// not, and waits a second there as a stranger's does.
     pub async fn query_bounded_holding<H: Send + 'static>(
         &self,
         sparql: String,
         bounds: QueryBounds,
         held: H,
+        caller_waits: bool,
     ) -> Result<QueryAnswer, GraphError> {
         match &self.backend {
             Backend::Embedded { store, .. } => {
@@ -382,10 +391,13 @@ impl GraphStore {
                 // caller gone): the query, and `held` with it, goes on until the server answers
                 // or the connection's own time limit ends it, so no more queries run on the
                 // server at once than there are permits.
+                let within = (budget.is_some() && caller_waits).then_some(bounds.timeout);
                 let remote = remote.clone();
                 let asked = tokio::spawn(async move {
                     let _held_until_the_server_answers = held;
-                    remote.query_within(&sparql, budget, bounds.max_rows).await
+                    remote
+                        .query_within(&sparql, budget, within, bounds.max_rows)
+                        .await
                 });
                 let answer = tokio::time::timeout(bounds.timeout, asked)
                     .await
@@ -1038,6 +1050,13 @@ pub fn serialize_answer(answer: &QueryAnswer) -> Result<(Vec<u8>, &'static str),
 /// bindings (a replica forwarding a stranger's query, a tool's query an LLM wrote): the server
 /// holds it to that budget, and its answer to `AGGREGATOR_MAX_ANSWER_BYTES`, as a stranger's.
 pub const BINDINGS_HEADER: &str = "x-agent-query-bindings";
+
+/// The header in which a budgeted query with the services' token says how long its caller waits
+/// for the answer, in milliseconds: the server may hold it that long for a turn (a tool's query
+/// behind other tools'), and no longer, then evaluates it within what is left. One without it
+/// (a replica forwarding a stranger's query, holding a turn of its own) waits a second, as a
+/// stranger's does.
+pub const WITHIN_HEADER: &str = "x-agent-query-within-ms";
 
 /// A writer that refuses to hold more than `left` bytes.
 struct AtMost {

@@ -358,7 +358,7 @@ impl RemoteSparql {
     }
 
     pub async fn query(&self, sparql: &str) -> Result<QueryAnswer, GraphError> {
-        self.query_within(sparql, None, usize::MAX).await
+        self.query_within(sparql, None, None, usize::MAX).await
     }
 
     /// [`Self::query`]; with `budget`, the server (an aggregator) is asked to hold the query to
@@ -366,10 +366,13 @@ impl RemoteSparql {
     /// longer than [`MOST_BOUNDED_ANSWER_BYTES`] is refused as it arrives rather than held. The
     /// answer is parsed as it arrives, and refused at its row past `max_rows`: a SPARQL server,
     /// which no budget holds, may send millions of rows to a short query.
+    /// A query held to `budget` bindings and `max_rows` rows, whose caller waits `within` for
+    /// its answer (see [`crate::WITHIN_HEADER`]).
     pub async fn query_within(
         &self,
         sparql: &str,
         budget: Option<u64>,
+        within: Option<Duration>,
         max_rows: usize,
     ) -> Result<QueryAnswer, GraphError> {
         let mut request = self
@@ -385,6 +388,10 @@ impl RemoteSparql {
         if let Some(budget) = budget {
             request = request.header(crate::BINDINGS_HEADER, budget.to_string());
             most = MOST_BOUNDED_ANSWER_BYTES;
+        }
+        if let Some(within) = within {
+            let millis = u64::try_from(within.as_millis()).unwrap_or(u64::MAX);
+            request = request.header(crate::WITHIN_HEADER, millis.to_string());
         }
         parsed_as_it_arrives(Self::open(request).await?, most, max_rows).await
     }

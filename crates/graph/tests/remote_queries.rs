@@ -38,6 +38,7 @@ async fn a_query_past_its_limit_holds_its_permit_until_the_server_answers() {
             "SELECT * WHERE { ?s ?p ?o }".to_owned(),
             common::default_bounds(0, 10),
             permit,
+            false,
         )
         .await;
     assert!(matches!(answer, Err(GraphError::TimedOut(_))), "{answer:?}");

@@ -125,9 +125,10 @@ pub fn keywords(question: &str) -> Vec<String> {
 /// Answers `question` from collection `collection`: the entities whose literals match most of its
 /// words, each with its labelled neighbourhood, as text built up to about `max_bytes`.
 ///
-/// Both queries are stopped at `time_limit` (the tool's timeout) and within the store's budget of
-/// work: the match reads every literal of the collection, and a query the step has stopped
-/// waiting for must not keep a core busy.
+/// Both queries together are stopped at `time_limit` (the tool's timeout) and each within the
+/// store's budget of work: the match reads every literal of the collection, and a query the step
+/// has stopped waiting for must not keep a core busy. The second is given what the first left, so
+/// that the store does not keep it waiting for a turn after the step has stopped waiting.
 pub async fn knowledge_query(
     store: &GraphStore,
     collection: &str,
@@ -135,6 +136,7 @@ pub async fn knowledge_query(
     max_bytes: usize,
     time_limit: std::time::Duration,
 ) -> Result<String, String> {
+    let deadline = tokio::time::Instant::now().checked_add(time_limit);
     let bounds = agent_graph::QueryBounds {
         timeout: time_limit,
         max_rows: MAX_QUERY_ROWS,
@@ -182,8 +184,17 @@ pub async fn knowledge_query(
            OPTIONAL {{ ?o <http://www.w3.org/2000/01/rdf-schema#label> ?ol }}
          }} }} LIMIT {MAX_TRIPLES}"
     );
+    let left = agent_graph::QueryBounds {
+        timeout: deadline.map_or(time_limit, |deadline| {
+            deadline.saturating_duration_since(tokio::time::Instant::now())
+        }),
+        ..bounds
+    };
+    if left.timeout.is_zero() {
+        return Err(failed(GraphError::TimedOut(time_limit)));
+    }
     let rows = store
-        .query_bounded(around, bounds)
+        .query_bounded(around, left)
         .await
         .map_err(failed)?
         .rows();
