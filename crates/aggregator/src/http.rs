@@ -260,6 +260,17 @@ fn carries(headers: &HeaderMap, token: Option<&String>) -> bool {
     token.is_some_and(|t| agent_bus::bearer_matches(given, t))
 }
 
+/// A query refused for want of a turn (counted as `busy`), to be asked again.
+fn too_busy(why: &'static str) -> Response {
+    crate::metrics::query_refused("busy");
+    (
+        StatusCode::SERVICE_UNAVAILABLE,
+        [(header::RETRY_AFTER, "1")],
+        why,
+    )
+        .into_response()
+}
+
 async fn run_query(state: &AppState, headers: &HeaderMap, sparql: String) -> Response {
     let reads = &state.reads;
     // A stranger without the read token was refused before this (`reader_first`).
@@ -310,28 +321,14 @@ async fn run_query(state: &AppState, headers: &HeaderMap, sparql: String) -> Res
         };
         match tokio::time::timeout(wait, pool.clone().acquire_owned()).await {
             Ok(Ok(turn)) => Some(turn),
-            _ => {
-                crate::metrics::query_refused("busy");
-                return (
-                    StatusCode::SERVICE_UNAVAILABLE,
-                    [(header::RETRY_AFTER, "1")],
-                    "too many queries at once; try again",
-                )
-                    .into_response();
-            }
+            _ => return too_busy("too many queries at once; try again"),
         }
     };
     // A caller that said how long it waits and has next to nothing of it left is not served:
     // over a SPARQL server the query would run on after its caller has gone, holding the turn.
     let left = caller_waits.map(|within| within.saturating_sub(arrived.elapsed()));
     if service && left.is_some_and(|left| left < LEAST_LEFT) {
-        crate::metrics::query_refused("busy");
-        return (
-            StatusCode::SERVICE_UNAVAILABLE,
-            [(header::RETRY_AFTER, "1")],
-            "too many queries at once: no time left to run this one; try again",
-        )
-            .into_response();
+        return too_busy("too many queries at once: no time left to run this one; try again");
     }
     // The services' own queries (a knowledge tool's scan of a large collection, a count after a
     // load) are held to the time limit, not to the budget that bounds a stranger's, unless they
