@@ -370,28 +370,36 @@ async fn an_http_call_given_up_on_leaves_no_stream_open() {
     }
 }
 
+/// One of `tests/mcp-servers`' HTTP servers, `script` run by `program` on a free port with
+/// `extra` arguments after it, once it listens; and its endpoint, without a token.
+fn http_test_server(
+    program: &str,
+    script: &str,
+    extra: &[&str],
+) -> (std::process::Child, agent_mcp::Endpoint) {
+    let port = agent_bus::embedded::free_port().unwrap();
+    let mut command = Command::new(program);
+    agent_bus::orphans::owned(&mut command)
+        .arg(repo_root().join("tests/mcp-servers").join(script))
+        .arg(port.to_string())
+        .args(extra);
+    let server = command.spawn().unwrap();
+    wait_listening(&format!("127.0.0.1:{port}"), script);
+    let endpoint = agent_mcp::Endpoint::Http {
+        url: format!("http://127.0.0.1:{port}/mcp"),
+        auth_token: None,
+    };
+    (server, endpoint)
+}
+
 /// A server whose event stream (`GET`) breaks each time just after it opens is asked for it
 /// again at a pace, not at once for ever: `rmcp` reconnects without a wait, and kept a core
 /// busy opening streams for the session's life, while its calls still worked.
 #[tokio::test]
 async fn an_event_stream_that_keeps_breaking_is_opened_again_at_a_pace() {
-    let port = agent_bus::embedded::free_port().unwrap();
-    let script = repo_root().join("tests/mcp-servers/misbehaving_http.py");
-    let mut command = Command::new("python3");
-    agent_bus::orphans::owned(&mut command)
-        .arg(&script)
-        .arg(port.to_string())
-        .arg("broken-get");
-    let mut server = command.spawn().unwrap();
-    wait_listening(
-        &format!("127.0.0.1:{port}"),
-        "the misbehaving MCP server over HTTP",
-    );
+    let (mut server, endpoint) =
+        http_test_server("python3", "misbehaving_http.py", &["broken-get"]);
     let pool = agent_mcp::McpPool::new();
-    let endpoint = agent_mcp::Endpoint::Http {
-        url: format!("http://127.0.0.1:{port}/mcp"),
-        auth_token: None,
-    };
     let none = std::collections::BTreeMap::new();
     assert_eq!(pool.call(&endpoint, "echo", &none).await.unwrap(), "echoed");
     tokio::time::sleep(Duration::from_secs(3)).await;
@@ -420,24 +428,12 @@ async fn an_event_stream_that_keeps_breaking_is_opened_again_at_a_pace() {
 /// (`tests/mcp-servers/json_answers.mjs`), and a bare one (`misbehaving_http.py`).
 #[tokio::test]
 async fn calls_to_a_server_answering_in_json_run_side_by_side() {
-    let sdk_server = repo_root().join("tests/mcp-servers/json_answers.mjs");
-    let bare_server = repo_root().join("tests/mcp-servers/misbehaving_http.py");
-    for (program, script) in [("node", sdk_server), ("python3", bare_server)] {
-        let port = agent_bus::embedded::free_port().unwrap();
-        let mut command = Command::new(program);
-        agent_bus::orphans::owned(&mut command)
-            .arg(&script)
-            .arg(port.to_string());
-        let mut server = command.spawn().unwrap();
-        wait_listening(
-            &format!("127.0.0.1:{port}"),
-            "the MCP server answering in JSON",
-        );
+    for (program, script) in [
+        ("node", "json_answers.mjs"),
+        ("python3", "misbehaving_http.py"),
+    ] {
+        let (mut server, endpoint) = http_test_server(program, script, &[]);
         let pool = agent_mcp::McpPool::new();
-        let endpoint = agent_mcp::Endpoint::Http {
-            url: format!("http://127.0.0.1:{port}/mcp"),
-            auth_token: None,
-        };
         let none = std::collections::BTreeMap::new();
         // The session is opened first, so that the four share it.
         assert_eq!(pool.call(&endpoint, "echo", &none).await.unwrap(), "echoed");
