@@ -366,8 +366,7 @@ impl RemoteSparql {
     /// longer than [`MOST_BOUNDED_ANSWER_BYTES`] is refused as it arrives rather than held. The
     /// answer is parsed as it arrives, and refused at its row past `max_rows`: a SPARQL server,
     /// which no budget holds, may send millions of rows to a short query.
-    /// A query held to `budget` bindings and `max_rows` rows, whose caller waits `within` for
-    /// its answer (see [`crate::WITHIN_HEADER`]).
+    /// With `within`, the server is told how long the caller waits ([`crate::WITHIN_HEADER`]).
     pub async fn query_within(
         &self,
         sparql: &str,
